@@ -1,0 +1,149 @@
+//! Matrix products through the `gemm` crate (pure-Rust, runtime-dispatched SIMD, rayon threads).
+//! Strides make every transpose free: no transposed copy is ever made.
+
+use rayon::prelude::*;
+
+/// A strided matrix view: element (i, j) lives at `data[off + i·rs + j·cs]`.
+#[derive(Clone, Copy)]
+pub struct View<'a> {
+    pub data: &'a [f32],
+    pub off: usize,
+    pub rows: usize,
+    pub cols: usize,
+    pub rs: usize,
+    pub cs: usize,
+}
+
+impl<'a> View<'a> {
+    /// A dense row-major `rows × cols` matrix.
+    pub fn rows(data: &'a [f32], rows: usize, cols: usize) -> View<'a> {
+        View { data, off: 0, rows, cols, rs: cols, cs: 1 }
+    }
+    /// The transpose of this view (no copy).
+    pub fn t(self) -> View<'a> {
+        View { rows: self.cols, cols: self.rows, rs: self.cs, cs: self.rs, ..self }
+    }
+    fn check(&self) {
+        if self.rows > 0 && self.cols > 0 {
+            let last = self.off + (self.rows - 1) * self.rs + (self.cols - 1) * self.cs;
+            assert!(last < self.data.len(), "matrix view out of bounds");
+        }
+    }
+}
+
+/// How many threads one product may use: all of rayon's pool, or one when already inside a
+/// parallel task (attention heads), so matmul and elementwise threads never oversubscribe.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Threads {
+    All,
+    One,
+}
+
+/// `dst = (accumulate ? dst : 0) + alpha · lhs · rhs`, with `dst` a strided `m × n` region at
+/// `dst_ptr` (row stride `dst_rs`, column stride 1) that the caller guarantees is valid and not
+/// aliased by `lhs` or `rhs`.
+///
+/// # Safety
+/// `dst_ptr` must point to a region covering `(m-1)·dst_rs + n` floats that no one else reads or
+/// writes during the call.
+pub unsafe fn gemm_raw(dst_ptr: *mut f32, dst_rs: usize, accumulate: bool, lhs: View, rhs: View, alpha: f32, threads: Threads) {
+    assert_eq!(lhs.cols, rhs.rows, "inner dimensions differ");
+    lhs.check();
+    rhs.check();
+    let (m, n, k) = (lhs.rows, rhs.cols, lhs.cols);
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            for i in 0..m {
+                std::ptr::write_bytes(dst_ptr.add(i * dst_rs), 0, n);
+            }
+        }
+        return;
+    }
+    let par = match threads {
+        Threads::One => gemm::Parallelism::None,
+        Threads::All => {
+            let t = rayon::current_num_threads();
+            // Small products do not pay for thread start-up.
+            if t <= 1 || (m * n * k) < (1 << 15) { gemm::Parallelism::None } else { gemm::Parallelism::Rayon(t) }
+        }
+    };
+    gemm::gemm(
+        m, n, k,
+        dst_ptr, 1, dst_rs as isize, accumulate,
+        lhs.data.as_ptr().add(lhs.off), lhs.cs as isize, lhs.rs as isize,
+        rhs.data.as_ptr().add(rhs.off), rhs.cs as isize, rhs.rs as isize,
+        1.0, alpha, false, false, false, par,
+    );
+}
+
+/// Safe form of [`gemm_raw`] for a dense row-major destination `dst[m × n]`.
+pub fn gemm(dst: &mut [f32], accumulate: bool, lhs: View, rhs: View, alpha: f32, threads: Threads) {
+    assert_eq!(dst.len(), lhs.rows * rhs.cols, "destination size");
+    unsafe { gemm_raw(dst.as_mut_ptr(), rhs.cols, accumulate, lhs, rhs, alpha, threads) }
+}
+
+/// Linear layer, PyTorch layout (weights `[OC, C]`):
+/// `out[BT, OC] = inp[BT, C] · weight[OC, C]ᵀ + bias[OC]`. Overwrites `out`.
+pub fn matmul_forward(
+    out: &mut [f32],         // [BT, OC]
+    inp: &[f32],             // [BT, C]
+    weight: &[f32],          // [OC, C]
+    bias: Option<&[f32]>,    // [OC]
+    bt: usize,
+    c: usize,
+    oc: usize,
+) {
+    assert_eq!(out.len(), bt * oc);
+    assert_eq!(inp.len(), bt * c);
+    assert_eq!(weight.len(), oc * c);
+    let accumulate = match bias {
+        Some(b) => {
+            assert_eq!(b.len(), oc);
+            out.par_chunks_mut(oc).for_each(|row| row.copy_from_slice(b));
+            true
+        }
+        None => false,
+    };
+    gemm(out, accumulate, View::rows(inp, bt, c), View::rows(weight, oc, c).t(), 1.0, Threads::All);
+}
+
+/// Backward of [`matmul_forward`]. Accumulates into `dinp`, `dweight` and `dbias`.
+pub fn matmul_backward(
+    dinp: &mut [f32],             // [BT, C]
+    dweight: &mut [f32],          // [OC, C]
+    dbias: Option<&mut [f32]>,    // [OC]
+    dout: &[f32],                 // [BT, OC]
+    inp: &[f32],                  // [BT, C]
+    weight: &[f32],               // [OC, C]
+    bt: usize,
+    c: usize,
+    oc: usize,
+) {
+    assert_eq!(dout.len(), bt * oc);
+    // dinp += dout · weight
+    gemm(dinp, true, View::rows(dout, bt, oc), View::rows(weight, oc, c), 1.0, Threads::All);
+    // dweight += doutᵀ · inp
+    gemm(dweight, true, View::rows(dout, bt, oc).t(), View::rows(inp, bt, c), 1.0, Threads::All);
+    if let Some(db) = dbias {
+        bias_backward(db, dout, bt, oc);
+    }
+}
+
+/// `dbias[OC] += Σ_rows dout[BT, OC]`. Parallel over blocks of columns; each column is summed
+/// over rows in order, so the result is independent of the thread count.
+pub fn bias_backward(dbias: &mut [f32], dout: &[f32], bt: usize, oc: usize) {
+    assert_eq!(dbias.len(), oc);
+    const COLS: usize = 256;
+    dbias.par_chunks_mut(COLS).enumerate().for_each(|(bi, db)| {
+        let j0 = bi * COLS;
+        for r in 0..bt {
+            let row = &dout[r * oc + j0..r * oc + j0 + db.len()];
+            for (a, x) in db.iter_mut().zip(row) {
+                *a += *x;
+            }
+        }
+    });
+}

@@ -1,0 +1,321 @@
+//! Elementwise and row-wise kernels: embedding, LayerNorm, GELU, residual, dropout, softmax
+//! cross-entropy. Forward overwrites, backward accumulates (see the crate docs).
+
+use crate::par::{column_reduce, ELEMS};
+use crate::rng::hash_uniform;
+use rayon::prelude::*;
+
+// ---------------------------------------------------------------------------------------------
+// Token + position embedding
+
+/// `out[b,t,:] = wte[tokens[b,t],:] + wpe[t,:]` (wpe optional: rotary models have none).
+pub fn embedding_forward(
+    out: &mut [f32],        // [B, T, C]
+    tokens: &[u32],         // [B, T]
+    wte: &[f32],            // [Vp, C]
+    wpe: Option<&[f32]>,    // [maxT, C]
+    t: usize,
+    c: usize,
+) {
+    assert_eq!(out.len(), tokens.len() * c);
+    out.par_chunks_mut(c).enumerate().for_each(|(i, o)| {
+        let tok = tokens[i] as usize;
+        let e = &wte[tok * c..(tok + 1) * c];
+        match wpe {
+            Some(p) => {
+                let pos = i % t;
+                let p = &p[pos * c..(pos + 1) * c];
+                for ((o, e), p) in o.iter_mut().zip(e).zip(p) {
+                    *o = e + p;
+                }
+            }
+            None => o.copy_from_slice(e),
+        }
+    });
+}
+
+/// Backward of [`embedding_forward`]. Accumulates into `dwte` and `dwpe`.
+/// `dwte` rows are scattered in token order (one sequential pass, deterministic); `dwpe` is
+/// parallel over positions.
+pub fn embedding_backward(
+    dwte: &mut [f32],            // [Vp, C]
+    dwpe: Option<&mut [f32]>,    // [maxT, C]
+    dout: &[f32],                // [B, T, C]
+    tokens: &[u32],              // [B, T]
+    t: usize,
+    c: usize,
+) {
+    for (i, &tok) in tokens.iter().enumerate() {
+        let d = &dout[i * c..(i + 1) * c];
+        let w = &mut dwte[tok as usize * c..(tok as usize + 1) * c];
+        for (w, d) in w.iter_mut().zip(d) {
+            *w += d;
+        }
+    }
+    if let Some(dwpe) = dwpe {
+        let b = tokens.len() / t;
+        dwpe[..t * c].par_chunks_mut(c).enumerate().for_each(|(pos, w)| {
+            for bi in 0..b {
+                let d = &dout[(bi * t + pos) * c..(bi * t + pos + 1) * c];
+                for (w, d) in w.iter_mut().zip(d) {
+                    *w += d;
+                }
+            }
+        });
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// LayerNorm
+
+pub const LN_EPS: f32 = 1e-5;
+
+/// `out = (inp - mean) · rstd · weight + bias` per row; saves `mean` and `rstd` for backward.
+pub fn layernorm_forward(
+    out: &mut [f32],       // [N, C]
+    mean: &mut [f32],      // [N]
+    rstd: &mut [f32],      // [N]
+    inp: &[f32],           // [N, C]
+    weight: &[f32],        // [C]
+    bias: Option<&[f32]>,  // [C]
+    c: usize,
+) {
+    out.par_chunks_mut(c)
+        .zip(mean.par_iter_mut().zip(rstd.par_iter_mut()))
+        .enumerate()
+        .for_each(|(r, (o, (m, s)))| {
+            let x = &inp[r * c..(r + 1) * c];
+            let mu = x.iter().sum::<f32>() / c as f32;
+            let var = x.iter().map(|v| (v - mu) * (v - mu)).sum::<f32>() / c as f32;
+            let rs = 1.0 / (var + LN_EPS).sqrt();
+            match bias {
+                Some(b) => {
+                    for j in 0..c {
+                        o[j] = (x[j] - mu) * rs * weight[j] + b[j];
+                    }
+                }
+                None => {
+                    for j in 0..c {
+                        o[j] = (x[j] - mu) * rs * weight[j];
+                    }
+                }
+            }
+            *m = mu;
+            *s = rs;
+        });
+}
+
+/// Backward of [`layernorm_forward`]. Accumulates into `dinp`, `dweight`, `dbias`.
+#[allow(clippy::too_many_arguments)]
+pub fn layernorm_backward(
+    dinp: &mut [f32],            // [N, C]
+    dweight: &mut [f32],         // [C]
+    dbias: Option<&mut [f32]>,   // [C]
+    dout: &[f32],                // [N, C]
+    inp: &[f32],                 // [N, C]
+    weight: &[f32],              // [C]
+    mean: &[f32],                // [N]
+    rstd: &[f32],                // [N]
+    c: usize,
+) {
+    let n = mean.len();
+    dinp.par_chunks_mut(c).enumerate().for_each(|(r, di)| {
+        let x = &inp[r * c..(r + 1) * c];
+        let d = &dout[r * c..(r + 1) * c];
+        let (mu, rs) = (mean[r], rstd[r]);
+        let mut dnorm_mean = 0.0f32;
+        let mut dnorm_norm_mean = 0.0f32;
+        for j in 0..c {
+            let norm = (x[j] - mu) * rs;
+            let dn = weight[j] * d[j];
+            dnorm_mean += dn;
+            dnorm_norm_mean += dn * norm;
+        }
+        dnorm_mean /= c as f32;
+        dnorm_norm_mean /= c as f32;
+        for j in 0..c {
+            let norm = (x[j] - mu) * rs;
+            let dn = weight[j] * d[j];
+            di[j] += (dn - dnorm_mean - norm * dnorm_norm_mean) * rs;
+        }
+    });
+    column_reduce(dweight, n, c, |r, acc| {
+        let x = &inp[r * c..(r + 1) * c];
+        let d = &dout[r * c..(r + 1) * c];
+        for j in 0..c {
+            acc[j] += (x[j] - mean[r]) * rstd[r] * d[j];
+        }
+    });
+    if let Some(db) = dbias {
+        column_reduce(db, n, c, |r, acc| {
+            for (a, d) in acc.iter_mut().zip(&dout[r * c..(r + 1) * c]) {
+                *a += d;
+            }
+        });
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// GELU, tanh approximation (GPT-2): 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))
+
+const GELU_K: f32 = 0.797_884_6; // √(2/π)
+
+pub fn gelu_forward(out: &mut [f32], inp: &[f32]) {
+    assert_eq!(out.len(), inp.len());
+    out.par_chunks_mut(ELEMS).zip(inp.par_chunks(ELEMS)).for_each(|(o, x)| {
+        for (o, &x) in o.iter_mut().zip(x) {
+            let u = GELU_K * (x + 0.044715 * x * x * x);
+            *o = 0.5 * x * (1.0 + u.tanh());
+        }
+    });
+}
+
+/// Accumulates into `dinp`.
+pub fn gelu_backward(dinp: &mut [f32], inp: &[f32], dout: &[f32]) {
+    dinp.par_chunks_mut(ELEMS)
+        .zip(inp.par_chunks(ELEMS).zip(dout.par_chunks(ELEMS)))
+        .for_each(|(di, (x, d))| {
+            for ((di, &x), &d) in di.iter_mut().zip(x).zip(d) {
+                let u = GELU_K * (x + 0.044715 * x * x * x);
+                let th = u.tanh();
+                let sech2 = 1.0 - th * th;
+                let local = 0.5 * (1.0 + th) + 0.5 * x * sech2 * GELU_K * (1.0 + 3.0 * 0.044715 * x * x);
+                *di += local * d;
+            }
+        });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Residual
+
+/// `out = a + b`.
+pub fn residual_forward(out: &mut [f32], a: &[f32], b: &[f32]) {
+    out.par_chunks_mut(ELEMS)
+        .zip(a.par_chunks(ELEMS).zip(b.par_chunks(ELEMS)))
+        .for_each(|(o, (a, b))| {
+            for ((o, a), b) in o.iter_mut().zip(a).zip(b) {
+                *o = a + b;
+            }
+        });
+}
+
+/// Accumulates `dout` into both `da` and `db`.
+pub fn residual_backward(da: &mut [f32], db: &mut [f32], dout: &[f32]) {
+    add_into(da, dout);
+    add_into(db, dout);
+}
+
+/// `acc += x`.
+pub fn add_into(acc: &mut [f32], x: &[f32]) {
+    assert_eq!(acc.len(), x.len());
+    acc.par_chunks_mut(ELEMS).zip(x.par_chunks(ELEMS)).for_each(|(a, x)| {
+        for (a, x) in a.iter_mut().zip(x) {
+            *a += x;
+        }
+    });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dropout (inverted, counter-based mask: element i is kept iff hash(seed, i) ≥ p)
+
+#[inline]
+pub fn dropout_keep(seed: u64, index: u64, p: f32) -> bool {
+    hash_uniform(seed, index) >= p
+}
+
+/// `out[i] = keep(i) ? inp[i] / (1 - p) : 0`. With `p == 0` this is a copy.
+pub fn dropout_forward(out: &mut [f32], inp: &[f32], p: f32, seed: u64) {
+    assert!((0.0..1.0).contains(&p), "dropout p must be in [0, 1)");
+    let scale = 1.0 / (1.0 - p);
+    out.par_chunks_mut(ELEMS).zip(inp.par_chunks(ELEMS)).enumerate().for_each(|(ci, (o, x))| {
+        let base = (ci * ELEMS) as u64;
+        for (j, (o, x)) in o.iter_mut().zip(x).enumerate() {
+            *o = if p == 0.0 || dropout_keep(seed, base + j as u64, p) { x * scale } else { 0.0 };
+        }
+    });
+}
+
+/// Accumulates into `dinp`, regenerating the mask from `seed`.
+pub fn dropout_backward(dinp: &mut [f32], dout: &[f32], p: f32, seed: u64) {
+    let scale = 1.0 / (1.0 - p);
+    dinp.par_chunks_mut(ELEMS).zip(dout.par_chunks(ELEMS)).enumerate().for_each(|(ci, (di, d))| {
+        let base = (ci * ELEMS) as u64;
+        for (j, (di, d)) in di.iter_mut().zip(d).enumerate() {
+            if p == 0.0 || dropout_keep(seed, base + j as u64, p) {
+                *di += d * scale;
+            }
+        }
+    });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Softmax cross-entropy with ignore-index, over the first `V` of `Vp` padded logits.
+
+/// Writes `probs = softmax(logits[:, :V])` (padded columns get 0) and `losses[i] = -ln p[target]`
+/// (0 where `targets[i] == ignore_index`). Returns the number of counted (not ignored) rows.
+pub fn crossentropy_forward(
+    losses: &mut [f32],   // [N]
+    probs: &mut [f32],    // [N, Vp]
+    logits: &[f32],       // [N, Vp]
+    targets: &[i32],      // [N]
+    v: usize,
+    vp: usize,
+    ignore_index: i32,
+) -> usize {
+    softmax_forward(probs, logits, v, vp);
+    losses.par_iter_mut().enumerate().for_each(|(i, l)| {
+        let tgt = targets[i];
+        *l = if tgt == ignore_index {
+            0.0
+        } else {
+            assert!((tgt as usize) < v, "target {tgt} out of vocabulary {v}");
+            -(probs[i * vp + tgt as usize].max(f32::MIN_POSITIVE)).ln()
+        };
+    });
+    targets.iter().filter(|&&t| t != ignore_index).count()
+}
+
+/// Row softmax over the first `V` columns of `Vp`; padded columns get 0. Overwrites `probs`.
+pub fn softmax_forward(probs: &mut [f32], logits: &[f32], v: usize, vp: usize) {
+    probs.par_chunks_mut(vp).enumerate().for_each(|(i, p)| {
+        let x = &logits[i * vp..i * vp + v];
+        let max = x.iter().fold(f32::NEG_INFINITY, |m, &a| m.max(a));
+        let mut sum = 0.0f32;
+        for j in 0..v {
+            let e = (x[j] - max).exp();
+            p[j] = e;
+            sum += e;
+        }
+        let inv = 1.0 / sum;
+        for pj in p[..v].iter_mut() {
+            *pj *= inv;
+        }
+        for pj in p[v..].iter_mut() {
+            *pj = 0.0;
+        }
+    });
+}
+
+/// `dlogits[i] += dlosses[i] · (probs[i] - onehot(target))`, rows with `ignore_index` untouched.
+/// `dloss` is the same for every row (1/count for a mean loss).
+pub fn crossentropy_backward(
+    dlogits: &mut [f32],  // [N, Vp]
+    probs: &[f32],        // [N, Vp]
+    targets: &[i32],      // [N]
+    dloss: f32,
+    v: usize,
+    vp: usize,
+    ignore_index: i32,
+) {
+    dlogits.par_chunks_mut(vp).enumerate().for_each(|(i, dl)| {
+        let tgt = targets[i];
+        if tgt == ignore_index {
+            return;
+        }
+        let p = &probs[i * vp..(i + 1) * vp];
+        for j in 0..v {
+            dl[j] += dloss * p[j];
+        }
+        dl[tgt as usize] -= dloss;
+    });
+}

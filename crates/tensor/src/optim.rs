@@ -1,0 +1,53 @@
+//! The optimizer update and the reductions used for gradient clipping.
+
+use crate::par::ELEMS;
+use rayon::prelude::*;
+
+/// AdamW hyper-parameters for one update (Loshchilov & Hutter; PyTorch's `torch.optim.AdamW`).
+#[derive(Clone, Copy, Debug)]
+pub struct AdamW {
+    pub lr: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    pub weight_decay: f32,
+    /// 1-based step count, for bias correction.
+    pub t: u64,
+}
+
+/// One AdamW step over a slice of parameters with their gradients and moments:
+/// `p -= lr·wd·p` (decoupled decay), `m = β1·m + (1-β1)·g`, `v = β2·v + (1-β2)·g²`,
+/// `p -= lr · m̂ / (√v̂ + ε)`.
+pub fn adamw_update(params: &mut [f32], grads: &[f32], m: &mut [f32], v: &mut [f32], h: &AdamW) {
+    let bc1 = 1.0 - (h.beta1 as f64).powi(h.t as i32);
+    let bc2 = 1.0 - (h.beta2 as f64).powi(h.t as i32);
+    let step = (h.lr as f64 / bc1) as f32;
+    let rbc2 = (1.0 / bc2.sqrt()) as f32;
+    let decay = 1.0 - h.lr * h.weight_decay;
+    params
+        .par_chunks_mut(ELEMS)
+        .zip(grads.par_chunks(ELEMS))
+        .zip(m.par_chunks_mut(ELEMS).zip(v.par_chunks_mut(ELEMS)))
+        .for_each(|((p, g), (m, v))| {
+            for i in 0..p.len() {
+                let gi = g[i];
+                m[i] = h.beta1 * m[i] + (1.0 - h.beta1) * gi;
+                v[i] = h.beta2 * v[i] + (1.0 - h.beta2) * gi * gi;
+                let denom = v[i].sqrt() * rbc2 + h.eps;
+                p[i] = p[i] * decay - step * m[i] / denom;
+            }
+        });
+}
+
+/// `Σ x²` in f64, over fixed chunks combined in order (deterministic).
+pub fn sum_squares(x: &[f32]) -> f64 {
+    let parts: Vec<f64> = x
+        .par_chunks(ELEMS)
+        .map(|c| c.iter().map(|&a| (a as f64) * (a as f64)).sum::<f64>())
+        .collect();
+    parts.iter().sum()
+}
+
+pub fn scale_in_place(x: &mut [f32], s: f32) {
+    x.par_chunks_mut(ELEMS).for_each(|c| c.iter_mut().for_each(|a| *a *= s));
+}

@@ -1,0 +1,255 @@
+//! Finite-difference gradient checks for every backward kernel. Each kernel's output is reduced
+//! to a scalar `L = Σ out·w` with random `w`; the analytic gradient (backward with `dout = w`)
+//! is compared with central differences on every (or a sample of) input element.
+
+use tensor::*;
+use tensor::attention::AttnDims;
+
+fn randn(rng: &mut Rng, n: usize, std: f32) -> Vec<f32> {
+    let mut v = vec![0.0; n];
+    rng.fill_normal(&mut v, std);
+    v
+}
+
+fn dot(a: &[f32], b: &[f32]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum()
+}
+
+/// Compares `analytic` with central differences of `loss` w.r.t. `x`.
+fn check(name: &str, x: &[f32], analytic: &[f32], loss: impl Fn(&[f32]) -> f64) {
+    assert_eq!(x.len(), analytic.len());
+    let eps = 1e-2f32;
+    let stride = (x.len() / 97).max(1);
+    let mut xp = x.to_vec();
+    let mut max_err = 0.0f64;
+    for i in (0..x.len()).step_by(stride) {
+        let orig = xp[i];
+        xp[i] = orig + eps;
+        let lp = loss(&xp);
+        xp[i] = orig - eps;
+        let lm = loss(&xp);
+        xp[i] = orig;
+        let num = (lp - lm) / (2.0 * eps as f64);
+        let a = analytic[i] as f64;
+        let err = (num - a).abs() / (num.abs().max(a.abs()).max(1e-1));
+        max_err = max_err.max(err);
+        assert!(err < 2e-2, "{name}[{i}]: numeric {num} vs analytic {a} (rel err {err})");
+    }
+    assert!(max_err.is_finite(), "{name}");
+}
+
+#[test]
+fn matmul_gradients() {
+    let (bt, c, oc) = (6, 5, 7);
+    let mut rng = Rng::new(1);
+    let inp = randn(&mut rng, bt * c, 1.0);
+    let w = randn(&mut rng, oc * c, 1.0);
+    let b = randn(&mut rng, oc, 1.0);
+    let dout = randn(&mut rng, bt * oc, 1.0);
+    let fwd = |inp: &[f32], w: &[f32], b: &[f32]| {
+        let mut out = vec![0.0; bt * oc];
+        matmul_forward(&mut out, inp, w, Some(b), bt, c, oc);
+        dot(&out, &dout)
+    };
+    let (mut di, mut dw, mut db) = (vec![0.0; bt * c], vec![0.0; oc * c], vec![0.0; oc]);
+    matmul_backward(&mut di, &mut dw, Some(&mut db), &dout, &inp, &w, bt, c, oc);
+    check("matmul.dinp", &inp, &di, |x| fwd(x, &w, &b));
+    check("matmul.dweight", &w, &dw, |x| fwd(&inp, x, &b));
+    check("matmul.dbias", &b, &db, |x| fwd(&inp, &w, x));
+}
+
+#[test]
+fn matmul_large_matches_naive() {
+    // Large enough that gemm runs multi-threaded; checked against a plain reference product.
+    let (bt, c, oc) = (64, 96, 80);
+    let mut rng = Rng::new(2);
+    let inp = randn(&mut rng, bt * c, 1.0);
+    let w = randn(&mut rng, oc * c, 1.0);
+    let mut out = vec![0.0; bt * oc];
+    matmul_forward(&mut out, &inp, &w, None, bt, c, oc);
+    for i in 0..bt {
+        for j in 0..oc {
+            let r: f32 = (0..c).map(|k| inp[i * c + k] * w[j * c + k]).sum();
+            assert!((r - out[i * oc + j]).abs() < 1e-3);
+        }
+    }
+}
+
+#[test]
+fn layernorm_gradients() {
+    let (n, c) = (5, 8);
+    let mut rng = Rng::new(3);
+    let inp = randn(&mut rng, n * c, 1.0);
+    let w = randn(&mut rng, c, 1.0);
+    let b = randn(&mut rng, c, 1.0);
+    let dout = randn(&mut rng, n * c, 1.0);
+    let fwd = |inp: &[f32], w: &[f32], b: &[f32]| {
+        let (mut out, mut m, mut r) = (vec![0.0; n * c], vec![0.0; n], vec![0.0; n]);
+        layernorm_forward(&mut out, &mut m, &mut r, inp, w, Some(b), c);
+        dot(&out, &dout)
+    };
+    let (mut out, mut m, mut r) = (vec![0.0; n * c], vec![0.0; n], vec![0.0; n]);
+    layernorm_forward(&mut out, &mut m, &mut r, &inp, &w, Some(&b), c);
+    let (mut di, mut dw, mut db) = (vec![0.0; n * c], vec![0.0; c], vec![0.0; c]);
+    layernorm_backward(&mut di, &mut dw, Some(&mut db), &dout, &inp, &w, &m, &r, c);
+    check("layernorm.dinp", &inp, &di, |x| fwd(x, &w, &b));
+    check("layernorm.dweight", &w, &dw, |x| fwd(&inp, x, &b));
+    check("layernorm.dbias", &b, &db, |x| fwd(&inp, &w, x));
+}
+
+#[test]
+fn gelu_gradients() {
+    let mut rng = Rng::new(4);
+    let inp = randn(&mut rng, 50, 2.0);
+    let dout = randn(&mut rng, 50, 1.0);
+    let mut di = vec![0.0; 50];
+    gelu_backward(&mut di, &inp, &dout);
+    check("gelu.dinp", &inp, &di, |x| {
+        let mut o = vec![0.0; x.len()];
+        gelu_forward(&mut o, x);
+        dot(&o, &dout)
+    });
+}
+
+#[test]
+fn gelu_matches_reference_values() {
+    // torch.nn.functional.gelu(x, approximate="tanh") at x = -1, 0, 1, 2.
+    let x = [-1.0f32, 0.0, 1.0, 2.0];
+    let want = [-0.158_808, 0.0, 0.841_192, 1.954_598];
+    let mut o = [0.0; 4];
+    gelu_forward(&mut o, &x);
+    for (a, b) in o.iter().zip(want) {
+        assert!((a - b).abs() < 1e-5, "{a} vs {b}");
+    }
+}
+
+#[test]
+fn residual_gradients() {
+    let mut rng = Rng::new(5);
+    let a = randn(&mut rng, 20, 1.0);
+    let b = randn(&mut rng, 20, 1.0);
+    let dout = randn(&mut rng, 20, 1.0);
+    let (mut da, mut db) = (vec![0.0; 20], vec![0.0; 20]);
+    residual_backward(&mut da, &mut db, &dout);
+    let f = |a: &[f32], b: &[f32]| {
+        let mut o = vec![0.0; 20];
+        residual_forward(&mut o, a, b);
+        dot(&o, &dout)
+    };
+    check("residual.da", &a, &da, |x| f(x, &b));
+    check("residual.db", &b, &db, |x| f(&a, x));
+}
+
+#[test]
+fn embedding_gradients() {
+    let (b, t, c, v) = (2, 3, 4, 5);
+    let tokens = [1u32, 3, 1, 0, 4, 1];
+    let mut rng = Rng::new(6);
+    let wte = randn(&mut rng, v * c, 1.0);
+    let wpe = randn(&mut rng, t * c, 1.0);
+    let dout = randn(&mut rng, b * t * c, 1.0);
+    let (mut dwte, mut dwpe) = (vec![0.0; v * c], vec![0.0; t * c]);
+    embedding_backward(&mut dwte, Some(&mut dwpe), &dout, &tokens, t, c);
+    let f = |wte: &[f32], wpe: &[f32]| {
+        let mut o = vec![0.0; b * t * c];
+        embedding_forward(&mut o, &tokens, wte, Some(wpe), t, c);
+        dot(&o, &dout)
+    };
+    check("embedding.dwte", &wte, &dwte, |x| f(x, &wpe));
+    check("embedding.dwpe", &wpe, &dwpe, |x| f(&wte, x));
+}
+
+#[test]
+fn dropout_gradients_and_statistics() {
+    let n = 4000;
+    let mut rng = Rng::new(7);
+    let inp = randn(&mut rng, n, 1.0);
+    let dout = randn(&mut rng, n, 1.0);
+    let (p, seed) = (0.3, 99);
+    let mut di = vec![0.0; n];
+    dropout_backward(&mut di, &dout, p, seed);
+    check("dropout.dinp", &inp, &di, |x| {
+        let mut o = vec![0.0; n];
+        dropout_forward(&mut o, x, p, seed);
+        dot(&o, &dout)
+    });
+    let mut o = vec![0.0; n];
+    dropout_forward(&mut o, &inp, p, seed);
+    let dropped = o.iter().filter(|&&x| x == 0.0).count() as f32 / n as f32;
+    assert!((dropped - p).abs() < 0.03, "dropped fraction {dropped}");
+    // Same seed, same mask; another seed, another mask.
+    let mut o2 = vec![0.0; n];
+    dropout_forward(&mut o2, &inp, p, seed);
+    assert_eq!(o, o2);
+    dropout_forward(&mut o2, &inp, p, seed + 1);
+    assert_ne!(o, o2);
+}
+
+#[test]
+fn crossentropy_gradients_with_ignore_index() {
+    let (n, v, vp) = (4, 6, 8);
+    let mut rng = Rng::new(8);
+    let logits = randn(&mut rng, n * vp, 1.0);
+    let targets = [2i32, -100, 5, 0];
+    let loss = |lg: &[f32]| {
+        let (mut l, mut p) = (vec![0.0; n], vec![0.0; n * vp]);
+        let cnt = crossentropy_forward(&mut l, &mut p, lg, &targets, v, vp, -100);
+        l.iter().map(|&x| x as f64).sum::<f64>() / cnt as f64
+    };
+    let (mut l, mut p) = (vec![0.0; n], vec![0.0; n * vp]);
+    let cnt = crossentropy_forward(&mut l, &mut p, &logits, &targets, v, vp, -100);
+    assert_eq!(cnt, 3);
+    assert_eq!(l[1], 0.0);
+    let mut dl = vec![0.0; n * vp];
+    crossentropy_backward(&mut dl, &p, &targets, 1.0 / cnt as f32, v, vp, -100);
+    check("crossentropy.dlogits", &logits, &dl, loss);
+    // Padded columns and ignored rows get no gradient.
+    assert!(dl[vp..2 * vp].iter().all(|&x| x == 0.0));
+    assert!(dl[v..vp].iter().all(|&x| x == 0.0));
+}
+
+fn attention_check(dropout: f32) {
+    let dims = AttnDims { b: 2, t: 5, c: 8, nh: 2 };
+    let (b, t, c, nh) = (dims.b, dims.t, dims.c, dims.nh);
+    let mut rng = Rng::new(9);
+    let qkv = randn(&mut rng, b * t * 3 * c, 1.0);
+    let dout = randn(&mut rng, b * t * c, 1.0);
+    let seed = 5;
+    let fwd = |x: &[f32]| {
+        let (mut o, mut a) = (vec![0.0; b * t * c], vec![0.0; b * nh * t * t]);
+        attention_forward(&mut o, &mut a, x, &dims, dropout, seed);
+        dot(&o, &dout)
+    };
+    let (mut o, mut a) = (vec![0.0; b * t * c], vec![0.0; b * nh * t * t]);
+    attention_forward(&mut o, &mut a, &qkv, &dims, dropout, seed);
+    let mut dqkv = vec![0.0; qkv.len()];
+    attention_backward(&mut dqkv, &dout, &qkv, &a, &dims, dropout, seed);
+    check(&format!("attention(dropout={dropout}).dqkv"), &qkv, &dqkv, fwd);
+}
+
+#[test]
+fn attention_gradients() {
+    attention_check(0.0);
+}
+
+#[test]
+fn attention_gradients_with_dropout() {
+    attention_check(0.25);
+}
+
+#[test]
+fn attention_is_causal() {
+    // Changing a future token's k/v must not change earlier outputs.
+    let dims = AttnDims { b: 1, t: 6, c: 4, nh: 2 };
+    let mut rng = Rng::new(10);
+    let mut qkv = randn(&mut rng, 6 * 12, 1.0);
+    let (mut o1, mut a) = (vec![0.0; 24], vec![0.0; 2 * 36]);
+    attention_forward(&mut o1, &mut a, &qkv, &dims, 0.0, 0);
+    for j in 4..12 {
+        qkv[5 * 12 + j] += 1.0;
+    }
+    let mut o2 = vec![0.0; 24];
+    attention_forward(&mut o2, &mut a, &qkv, &dims, 0.0, 0);
+    assert_eq!(o1[..20], o2[..20]);
+    assert_ne!(o1[20..], o2[20..]);
+}

@@ -1,0 +1,83 @@
+//! Behavioural tests of kernels beyond gradients: the decode path, the optimizer, the RNG.
+
+use tensor::*;
+use tensor::attention::AttnDims;
+
+#[test]
+fn decode_attention_matches_full_attention_last_row() {
+    let dims = AttnDims { b: 1, t: 7, c: 8, nh: 2 };
+    let mut rng = Rng::new(11);
+    let mut qkv = vec![0.0; 7 * 24];
+    rng.fill_normal(&mut qkv, 1.0);
+    let (mut o, mut a) = (vec![0.0; 7 * 8], vec![0.0; 2 * 49]);
+    attention_forward(&mut o, &mut a, &qkv, &dims, 0.0, 0);
+    let (mut k, mut v) = (vec![], vec![]);
+    for t in 0..7 {
+        k.extend_from_slice(&qkv[t * 24 + 8..t * 24 + 16]);
+        v.extend_from_slice(&qkv[t * 24 + 16..t * 24 + 24]);
+    }
+    let mut out = vec![0.0; 8];
+    attention_decode(&mut out, &qkv[6 * 24..6 * 24 + 8], &k, &v, 7, 8, 2);
+    for (x, y) in out.iter().zip(&o[48..56]) {
+        assert!((x - y).abs() < 1e-5);
+    }
+}
+
+#[test]
+fn adamw_matches_hand_computed_step() {
+    // One step from m = v = 0: update = lr·g/(|g| + eps) ≈ lr·sign(g), plus decay lr·wd·p.
+    let mut p = vec![1.0f32, -2.0];
+    let g = vec![0.5f32, -0.25];
+    let (mut m, mut v) = (vec![0.0; 2], vec![0.0; 2]);
+    let h = AdamW { lr: 0.1, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, t: 1 };
+    adamw_update(&mut p, &g, &mut m, &mut v, &h);
+    assert!((p[0] - (1.0 * (1.0 - 0.01) - 0.1)).abs() < 1e-6, "{}", p[0]);
+    assert!((p[1] - (-2.0 * (1.0 - 0.01) + 0.1)).abs() < 1e-6, "{}", p[1]);
+    assert!((m[0] - 0.05).abs() < 1e-7 && (v[0] - 0.05 * 0.25).abs() < 1e-7);
+}
+
+#[test]
+fn rng_is_reproducible_and_restorable() {
+    let mut a = Rng::new(42);
+    let xs: Vec<u64> = (0..5).map(|_| a.next_u64()).collect();
+    let state = a.state();
+    let next = a.next_u64();
+    let mut b = Rng::new(42);
+    let ys: Vec<u64> = (0..5).map(|_| b.next_u64()).collect();
+    assert_eq!(xs, ys);
+    assert_eq!(Rng::from_state(state).next_u64(), next);
+    // below() is in range and roughly uniform.
+    let mut counts = [0usize; 4];
+    for _ in 0..4000 {
+        counts[a.below(4) as usize] += 1;
+    }
+    assert!(counts.iter().all(|&c| (900..1100).contains(&c)), "{counts:?}");
+    // normal() has mean ≈ 0 and variance ≈ 1.
+    let n: Vec<f64> = (0..20000).map(|_| a.normal()).collect();
+    let mean = n.iter().sum::<f64>() / n.len() as f64;
+    let var = n.iter().map(|x| (x - mean) * (x - mean)).sum::<f64>() / n.len() as f64;
+    assert!(mean.abs() < 0.03 && (var - 1.0).abs() < 0.05, "{mean} {var}");
+}
+
+#[test]
+fn reductions_are_thread_count_independent() {
+    let mut rng = Rng::new(12);
+    let mut x = vec![0.0f32; 100_000];
+    rng.fill_normal(&mut x, 1.0);
+    let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+    let three = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
+    let s1 = one.install(|| sum_squares(&x));
+    let s3 = three.install(|| sum_squares(&x));
+    assert_eq!(s1.to_bits(), s3.to_bits());
+    let (n, c) = (300, 16);
+    let dout: Vec<f32> = x[..n * c].to_vec();
+    let run = |pool: &rayon::ThreadPool| {
+        let mut db = vec![0.0; c];
+        pool.install(|| tensor::matmul::bias_backward(&mut db, &dout, n, c));
+        let mut dw = vec![0.0; c];
+        let (mut di, m, r) = (vec![0.0; n * c], vec![0.1; n], vec![1.0; n]);
+        pool.install(|| layernorm_backward(&mut di, &mut dw, None, &dout, &dout, &vec![1.0; c], &m, &r, c));
+        (db, dw)
+    };
+    assert_eq!(run(&one), run(&three));
+}

@@ -1,0 +1,3 @@
+//! Integration tests for the kernels: one binary, modules per concern.
+mod gradcheck;
+mod kernels;
