@@ -1,0 +1,149 @@
+//! Autoregressive sampling with a KV cache. One token at a time through the same kernels as
+//! training (with `B·T = 1`), attending over cached keys and values. When the context fills
+//! `block_size`, the cache is rebuilt from the most recent half-context (as nanoGPT crops).
+
+use crate::gpt::Gpt;
+use tensor::*;
+
+/// Sampling settings: `temperature == 0` is greedy; `top_k == 0` means the full vocabulary.
+#[derive(Clone, Debug)]
+pub struct Sampler {
+    pub temperature: f32,
+    pub top_k: usize,
+    pub seed: u64,
+}
+
+/// Keys and values for every layer: `[L, block_size, C]` each.
+pub struct KvCache {
+    k: Vec<f32>,
+    v: Vec<f32>,
+    pub len: usize,
+}
+
+struct Scratch {
+    x: Vec<f32>, ln: Vec<f32>, qkv: Vec<f32>, atty: Vec<f32>, proj: Vec<f32>, res: Vec<f32>,
+    fch: Vec<f32>, fch_gelu: Vec<f32>, logits: Vec<f32>, mean: [f32; 1], rstd: [f32; 1],
+}
+
+impl Gpt {
+    pub fn new_cache(&self) -> KvCache {
+        let n = self.cfg.n_layer * self.cfg.block_size * self.cfg.n_embd;
+        KvCache { k: vec![0.0; n], v: vec![0.0; n], len: 0 }
+    }
+
+    /// Feeds one token at position `cache.len`, appends its keys/values, and returns the
+    /// logits `[Vp]` for the next token.
+    pub fn decode_step(&self, cache: &mut KvCache, token: u32) -> Vec<f32> {
+        let mut s = self.scratch_1();
+        self.decode_into(cache, token, &mut s);
+        s.logits
+    }
+
+    fn scratch_1(&self) -> Scratch {
+        let c = self.cfg.n_embd;
+        Scratch {
+            x: vec![0.0; c], ln: vec![0.0; c], qkv: vec![0.0; 3 * c], atty: vec![0.0; c], proj: vec![0.0; c], res: vec![0.0; c],
+            fch: vec![0.0; 4 * c], fch_gelu: vec![0.0; 4 * c], logits: vec![0.0; self.cfg.vocab_size], mean: [0.0], rstd: [0.0],
+        }
+    }
+
+    fn decode_into(&self, cache: &mut KvCache, token: u32, s: &mut Scratch) {
+        let (c, nh, bs, vp) = (self.cfg.n_embd, self.cfg.n_head, self.cfg.block_size, self.cfg.vocab_size);
+        assert!(cache.len < bs, "KV cache full");
+        let pos = cache.len;
+        let w = &self.params;
+        let pv = &self.views;
+        let opt = |r: &Option<std::ops::Range<usize>>| r.as_ref().map(|r| &w[r.clone()]);
+        let wpe = &w[pv.wpe.clone()][pos * c..(pos + 1) * c];
+        let wte = &w[pv.wte.clone()][token as usize * c..(token as usize + 1) * c];
+        for j in 0..c {
+            s.x[j] = wte[j] + wpe[j];
+        }
+        for (l, bp) in pv.blocks.iter().enumerate() {
+            layernorm_forward(&mut s.ln, &mut s.mean, &mut s.rstd, &s.x, &w[bp.ln_1_w.clone()], opt(&bp.ln_1_b), c);
+            matmul_forward(&mut s.qkv, &s.ln, &w[bp.c_attn_w.clone()], opt(&bp.c_attn_b), 1, c, 3 * c);
+            let base = l * bs * c;
+            cache.k[base + pos * c..base + (pos + 1) * c].copy_from_slice(&s.qkv[c..2 * c]);
+            cache.v[base + pos * c..base + (pos + 1) * c].copy_from_slice(&s.qkv[2 * c..]);
+            let kc = &cache.k[base..base + (pos + 1) * c];
+            let vc = &cache.v[base..base + (pos + 1) * c];
+            attention_decode(&mut s.atty, &s.qkv[..c], kc, vc, pos + 1, c, nh);
+            matmul_forward(&mut s.proj, &s.atty, &w[bp.attn_proj_w.clone()], opt(&bp.attn_proj_b), 1, c, c);
+            residual_forward(&mut s.res, &s.x, &s.proj);
+            layernorm_forward(&mut s.ln, &mut s.mean, &mut s.rstd, &s.res, &w[bp.ln_2_w.clone()], opt(&bp.ln_2_b), c);
+            matmul_forward(&mut s.fch, &s.ln, &w[bp.c_fc_w.clone()], opt(&bp.c_fc_b), 1, c, 4 * c);
+            gelu_forward(&mut s.fch_gelu, &s.fch);
+            matmul_forward(&mut s.proj, &s.fch_gelu, &w[bp.mlp_proj_w.clone()], opt(&bp.mlp_proj_b), 1, 4 * c, c);
+            residual_forward(&mut s.x, &s.res, &s.proj);
+        }
+        layernorm_forward(&mut s.ln, &mut s.mean, &mut s.rstd, &s.x, &w[pv.ln_f_w.clone()], opt(&pv.ln_f_b), c);
+        matmul_forward(&mut s.logits, &s.ln, &w[pv.lm_head.clone()], None, 1, c, vp);
+        cache.len += 1;
+    }
+
+    /// Continues `prompt` by `max_new` tokens. Returns only the new tokens. Deterministic in
+    /// `sampler.seed`.
+    pub fn generate(&self, prompt: &[u32], max_new: usize, sampler: &Sampler) -> Vec<u32> {
+        let bs = self.cfg.block_size;
+        let mut rng = Rng::new(sampler.seed);
+        let mut cache = self.new_cache();
+        let mut s = self.scratch_1();
+        let mut ctx: Vec<u32> = if prompt.is_empty() { vec![0] } else { prompt.to_vec() };
+        if ctx.len() > bs {
+            ctx.drain(..ctx.len() - bs);
+        }
+        for &tok in &ctx {
+            self.decode_into(&mut cache, tok, &mut s);
+        }
+        let mut out = Vec::with_capacity(max_new);
+        for i in 0..max_new {
+            let next = sample(&s.logits[..self.real_vocab], sampler, &mut rng);
+            out.push(next);
+            ctx.push(next);
+            if i + 1 == max_new {
+                break;
+            }
+            if cache.len == bs {
+                // Rebuild the cache from the last half-context.
+                let keep = bs / 2;
+                let start = ctx.len() - keep;
+                cache.len = 0;
+                for j in start..ctx.len() - 1 {
+                    self.decode_into(&mut cache, ctx[j], &mut s);
+                }
+            }
+            self.decode_into(&mut cache, next, &mut s);
+        }
+        out
+    }
+}
+
+/// Draws a token id from `logits` (temperature, then top-k, then softmax).
+pub fn sample(logits: &[f32], sampler: &Sampler, rng: &mut Rng) -> u32 {
+    if sampler.temperature <= 0.0 {
+        let mut best = 0;
+        for (i, &x) in logits.iter().enumerate() {
+            if x > logits[best] {
+                best = i;
+            }
+        }
+        return best as u32;
+    }
+    let mut idx: Vec<usize> = (0..logits.len()).collect();
+    if sampler.top_k > 0 && sampler.top_k < logits.len() {
+        // Stable order: by logit descending, then by id.
+        idx.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+        idx.truncate(sampler.top_k);
+    }
+    let max = idx.iter().map(|&i| logits[i]).fold(f32::NEG_INFINITY, f32::max);
+    let weights: Vec<f64> = idx.iter().map(|&i| (((logits[i] - max) / sampler.temperature) as f64).exp()).collect();
+    let total: f64 = weights.iter().sum();
+    let mut r = rng.uniform() * total;
+    for (k, &wt) in weights.iter().enumerate() {
+        r -= wt;
+        if r <= 0.0 {
+            return idx[k] as u32;
+        }
+    }
+    *idx.last().unwrap() as u32
+}

@@ -1,0 +1,321 @@
+//! The GPT-2 decoder (Radford et al. 2019; nanoGPT's `model.py`), pre-LayerNorm:
+//!
+//! ```text
+//! x = drop(wte[tokens] + wpe[0..T])
+//! for each block:  x = x + drop(attn(ln_1(x)));  x = x + drop(mlp(ln_2(x)))
+//! logits = ln_f(x) · headᵀ;   loss = mean cross-entropy(logits, targets)
+//! ```
+//!
+//! Forward keeps every activation backward needs, in buffers sized once per `(B, T)`.
+//! Backward walks the same steps in reverse, accumulating parameter gradients into `grads`
+//! (one flat buffer with the parameter layout), so gradient accumulation over micro-batches
+//! is a matter of not zeroing `grads` between them.
+
+use crate::config::GptConfig;
+use crate::layout::{gpt_layout, GptParams, Init, ParamLayout};
+use tensor::attention::AttnDims;
+use tensor::rng::mix64;
+use tensor::*;
+
+/// Targets equal to this are ignored by the loss (PyTorch's default `ignore_index`).
+pub const IGNORE_INDEX: i32 = -100;
+
+/// Activations of one block for one `(B, T)`.
+struct BlockActs {
+    ln_1: Vec<f32>,      // [B, T, C]
+    ln_1_mean: Vec<f32>, // [B, T]
+    ln_1_rstd: Vec<f32>, // [B, T]
+    qkv: Vec<f32>,       // [B, T, 3C]
+    atty: Vec<f32>,      // [B, T, C]
+    att: Vec<f32>,       // [B, NH, T, T]
+    attproj: Vec<f32>,   // [B, T, C]  after residual dropout
+    res_2: Vec<f32>,     // [B, T, C]  x + attn branch
+    ln_2: Vec<f32>,
+    ln_2_mean: Vec<f32>,
+    ln_2_rstd: Vec<f32>,
+    fch: Vec<f32>,       // [B, T, 4C]
+    fch_gelu: Vec<f32>,  // [B, T, 4C]
+    fcproj: Vec<f32>,    // [B, T, C]  after residual dropout
+    res_3: Vec<f32>,     // [B, T, C]  block output
+}
+
+struct Acts {
+    b: usize,
+    t: usize,
+    encoded: Vec<f32>, // [B, T, C]
+    blocks: Vec<BlockActs>,
+    ln_f: Vec<f32>,
+    ln_f_mean: Vec<f32>,
+    ln_f_rstd: Vec<f32>,
+    logits: Vec<f32>, // [B, T, Vp]
+    probs: Vec<f32>,  // [B, T, Vp]
+    losses: Vec<f32>, // [B, T]
+    tokens: Vec<u32>,
+    targets: Vec<i32>,
+    count: usize,
+    dropout_seed: u64,
+}
+
+/// Gradient scratch for activations, reused across blocks during backward.
+struct GradScratch {
+    dres: Vec<f32>,     // [B, T, C]  gradient of the residual stream
+    dln: Vec<f32>,      // [B, T, C]
+    dbranch: Vec<f32>,  // [B, T, C]  branch output before dropout
+    datty: Vec<f32>,    // [B, T, C]
+    dqkv: Vec<f32>,     // [B, T, 3C]
+    dfch: Vec<f32>,     // [B, T, 4C]
+    dfch_gelu: Vec<f32>,
+    dlogits: Vec<f32>,  // [B, T, Vp]
+}
+
+pub struct Gpt {
+    pub cfg: GptConfig,
+    pub layout: ParamLayout,
+    pub views: GptParams,
+    /// Tokens the loss may predict (the tokenizer's vocabulary, ≤ `cfg.vocab_size`).
+    pub real_vocab: usize,
+    pub params: Vec<f32>,
+    pub grads: Vec<f32>,
+    acts: Option<Acts>,
+    scratch: Option<GradScratch>,
+}
+
+fn zeros(n: usize) -> Vec<f32> {
+    vec![0.0; n]
+}
+
+/// Dropout sites: 0 the embedding, then three per block (attention probabilities, attention
+/// residual, MLP residual). Each site gets its own stream from the step's seed.
+fn site_seed(seed: u64, site: u64) -> u64 {
+    mix64(seed ^ mix64(site.wrapping_add(0xD1B5_4A32_D192_ED03)))
+}
+
+impl Gpt {
+    /// A freshly initialised model (GPT-2 initialisation, see `layout`), deterministic in `seed`.
+    pub fn new(cfg: GptConfig, real_vocab: usize, seed: u64) -> Gpt {
+        let mut m = Gpt::zeroed(cfg, real_vocab);
+        let mut rng = Rng::new(seed);
+        for p in &m.layout.params {
+            let dst = &mut m.params[p.range()];
+            match p.init {
+                Init::Normal(std) => rng.fill_normal(dst, std),
+                Init::Zeros => dst.fill(0.0),
+                Init::Ones => dst.fill(1.0),
+            }
+        }
+        m
+    }
+
+    /// A model with all-zero parameters, to be filled from a checkpoint.
+    pub fn zeroed(cfg: GptConfig, real_vocab: usize) -> Gpt {
+        assert!(real_vocab <= cfg.vocab_size);
+        let (layout, views) = gpt_layout(&cfg);
+        let n = layout.total;
+        Gpt { cfg, layout, views, real_vocab, params: zeros(n), grads: zeros(n), acts: None, scratch: None }
+    }
+
+    pub fn num_params(&self) -> usize {
+        self.layout.total
+    }
+
+    pub fn zero_grad(&mut self) {
+        self.grads.fill(0.0);
+    }
+
+    fn ensure_acts(&mut self, b: usize, t: usize) {
+        if self.acts.as_ref().is_some_and(|a| a.b == b && a.t == t) {
+            return;
+        }
+        let (c, nh, vp) = (self.cfg.n_embd, self.cfg.n_head, self.cfg.vocab_size);
+        let n = b * t;
+        let block = || BlockActs {
+            ln_1: zeros(n * c), ln_1_mean: zeros(n), ln_1_rstd: zeros(n),
+            qkv: zeros(n * 3 * c), atty: zeros(n * c), att: zeros(b * nh * t * t),
+            attproj: zeros(n * c), res_2: zeros(n * c),
+            ln_2: zeros(n * c), ln_2_mean: zeros(n), ln_2_rstd: zeros(n),
+            fch: zeros(n * 4 * c), fch_gelu: zeros(n * 4 * c), fcproj: zeros(n * c), res_3: zeros(n * c),
+        };
+        self.acts = Some(Acts {
+            b, t,
+            encoded: zeros(n * c),
+            blocks: (0..self.cfg.n_layer).map(|_| block()).collect(),
+            ln_f: zeros(n * c), ln_f_mean: zeros(n), ln_f_rstd: zeros(n),
+            logits: zeros(n * vp), probs: zeros(n * vp), losses: zeros(n),
+            tokens: vec![0; n], targets: vec![0; n], count: 0, dropout_seed: 0,
+        });
+        self.scratch = None;
+    }
+
+    /// Forward pass over `tokens[B, T]` with `targets[B, T]` (`IGNORE_INDEX` to skip a
+    /// position). Returns the mean loss over counted targets. `dropout_seed` picks this
+    /// micro-batch's dropout masks; `train == false` disables dropout (evaluation).
+    pub fn forward(&mut self, tokens: &[u32], targets: &[i32], b: usize, t: usize, train: bool, dropout_seed: u64) -> f32 {
+        assert!(t <= self.cfg.block_size, "sequence length {t} exceeds block_size");
+        assert_eq!(tokens.len(), b * t);
+        assert_eq!(targets.len(), b * t);
+        self.ensure_acts(b, t);
+        let (c, nh, vp, v) = (self.cfg.n_embd, self.cfg.n_head, self.cfg.vocab_size, self.real_vocab);
+        let p_drop = if train { self.cfg.dropout } else { 0.0 };
+        let n = b * t;
+        let w = &self.params;
+        let pv = &self.views;
+        let a = self.acts.as_mut().unwrap();
+        a.tokens.copy_from_slice(tokens);
+        a.targets.copy_from_slice(targets);
+        a.dropout_seed = dropout_seed;
+        let dims = AttnDims { b, t, c, nh };
+        let opt = |r: &Option<std::ops::Range<usize>>| r.as_ref().map(|r| &w[r.clone()]);
+
+        embedding_forward(&mut a.encoded, tokens, &w[pv.wte.clone()], Some(&w[pv.wpe.clone()]), t, c);
+        if p_drop > 0.0 {
+            dropout_inplace(&mut a.encoded, p_drop, site_seed(dropout_seed, 0));
+        }
+        for (l, bp) in pv.blocks.iter().enumerate() {
+            let (prev, rest) = a.blocks.split_at_mut(l);
+            let x: &[f32] = if l == 0 { &a.encoded } else { &prev[l - 1].res_3 };
+            let s = &mut rest[0];
+            let site = 1 + 3 * l as u64;
+            // x = x + drop(attn(ln_1(x)))
+            layernorm_forward(&mut s.ln_1, &mut s.ln_1_mean, &mut s.ln_1_rstd, x, &w[bp.ln_1_w.clone()], opt(&bp.ln_1_b), c);
+            matmul_forward(&mut s.qkv, &s.ln_1, &w[bp.c_attn_w.clone()], opt(&bp.c_attn_b), n, c, 3 * c);
+            attention_forward(&mut s.atty, &mut s.att, &s.qkv, &dims, p_drop, site_seed(dropout_seed, site));
+            matmul_forward(&mut s.attproj, &s.atty, &w[bp.attn_proj_w.clone()], opt(&bp.attn_proj_b), n, c, c);
+            if p_drop > 0.0 {
+                dropout_inplace(&mut s.attproj, p_drop, site_seed(dropout_seed, site + 1));
+            }
+            residual_forward(&mut s.res_2, x, &s.attproj);
+            // x = x + drop(mlp(ln_2(x)))
+            layernorm_forward(&mut s.ln_2, &mut s.ln_2_mean, &mut s.ln_2_rstd, &s.res_2, &w[bp.ln_2_w.clone()], opt(&bp.ln_2_b), c);
+            matmul_forward(&mut s.fch, &s.ln_2, &w[bp.c_fc_w.clone()], opt(&bp.c_fc_b), n, c, 4 * c);
+            gelu_forward(&mut s.fch_gelu, &s.fch);
+            matmul_forward(&mut s.fcproj, &s.fch_gelu, &w[bp.mlp_proj_w.clone()], opt(&bp.mlp_proj_b), n, 4 * c, c);
+            if p_drop > 0.0 {
+                dropout_inplace(&mut s.fcproj, p_drop, site_seed(dropout_seed, site + 2));
+            }
+            residual_forward(&mut s.res_3, &s.res_2, &s.fcproj);
+        }
+        let x: &[f32] = a.blocks.last().map_or(&a.encoded, |s| &s.res_3);
+        layernorm_forward(&mut a.ln_f, &mut a.ln_f_mean, &mut a.ln_f_rstd, x, &w[pv.ln_f_w.clone()], opt(&pv.ln_f_b), c);
+        matmul_forward(&mut a.logits, &a.ln_f, &w[pv.lm_head.clone()], None, n, c, vp);
+        a.count = crossentropy_forward(&mut a.losses, &mut a.probs, &a.logits, targets, v, vp, IGNORE_INDEX);
+        if a.count == 0 {
+            return 0.0;
+        }
+        (a.losses.iter().map(|&x| x as f64).sum::<f64>() / a.count as f64) as f32
+    }
+
+    /// Backward pass of the last `forward`. The mean loss's gradient is multiplied by
+    /// `loss_scale` (1/grad_accum for gradient accumulation). Accumulates into `grads`.
+    pub fn backward(&mut self, loss_scale: f32) {
+        let a = self.acts.as_ref().expect("backward before forward");
+        let (b, t) = (a.b, a.t);
+        let (c, nh, vp, v) = (self.cfg.n_embd, self.cfg.n_head, self.cfg.vocab_size, self.real_vocab);
+        let n = b * t;
+        if self.scratch.is_none() {
+            self.scratch = Some(GradScratch {
+                dres: zeros(n * c), dln: zeros(n * c), dbranch: zeros(n * c), datty: zeros(n * c),
+                dqkv: zeros(n * 3 * c), dfch: zeros(n * 4 * c), dfch_gelu: zeros(n * 4 * c), dlogits: zeros(n * vp),
+            });
+        }
+        let g = self.scratch.as_mut().unwrap();
+        let w = &self.params;
+        let dw = &mut self.grads;
+        let pv = &self.views;
+        let p_drop = self.cfg.dropout;
+        let seed = a.dropout_seed;
+        let dims = AttnDims { b, t, c, nh };
+        if a.count == 0 {
+            return;
+        }
+        let dloss = loss_scale / a.count as f32;
+
+        // logits = ln_f(x) · headᵀ ; loss
+        g.dlogits.fill(0.0);
+        crossentropy_backward(&mut g.dlogits, &a.probs, &a.targets, dloss, v, vp, IGNORE_INDEX);
+        g.dln.fill(0.0);
+        matmul_backward(&mut g.dln, &mut dw[pv.lm_head.clone()], None, &g.dlogits, &a.ln_f, &w[pv.lm_head.clone()], n, c, vp);
+        g.dres.fill(0.0);
+        let x_last: &[f32] = a.blocks.last().map_or(&a.encoded, |s| &s.res_3);
+        let (dlnf_w, dlnf_b) = split_two(dw, &pv.ln_f_w, &pv.ln_f_b);
+        layernorm_backward(&mut g.dres, dlnf_w, dlnf_b, &g.dln, x_last, &w[pv.ln_f_w.clone()], &a.ln_f_mean, &a.ln_f_rstd, c);
+
+        for (l, bp) in pv.blocks.iter().enumerate().rev() {
+            let s = &a.blocks[l];
+            let x: &[f32] = if l == 0 { &a.encoded } else { &a.blocks[l - 1].res_3 };
+            let site = 1 + 3 * l as u64;
+            // MLP branch: res_3 = res_2 + drop(fcproj)
+            let dfcproj = branch_grad(&mut g.dbranch, &g.dres, p_drop, site_seed(seed, site + 2));
+            g.dfch_gelu.fill(0.0);
+            let (dwp, dbp) = split_two(dw, &bp.mlp_proj_w, &bp.mlp_proj_b);
+            matmul_backward(&mut g.dfch_gelu, dwp, dbp, dfcproj, &s.fch_gelu, &w[bp.mlp_proj_w.clone()], n, 4 * c, c);
+            g.dfch.fill(0.0);
+            gelu_backward(&mut g.dfch, &s.fch, &g.dfch_gelu);
+            g.dln.fill(0.0);
+            let (dwf, dbf) = split_two(dw, &bp.c_fc_w, &bp.c_fc_b);
+            matmul_backward(&mut g.dln, dwf, dbf, &g.dfch, &s.ln_2, &w[bp.c_fc_w.clone()], n, c, 4 * c);
+            // dres (currently d res_3, flowing straight through to d res_2) += ln_2 backward
+            let (dw2, db2) = split_two(dw, &bp.ln_2_w, &bp.ln_2_b);
+            layernorm_backward(&mut g.dres, dw2, db2, &g.dln, &s.res_2, &w[bp.ln_2_w.clone()], &s.ln_2_mean, &s.ln_2_rstd, c);
+            // Attention branch: res_2 = x + drop(attproj)
+            let dattproj = branch_grad(&mut g.dbranch, &g.dres, p_drop, site_seed(seed, site + 1));
+            g.datty.fill(0.0);
+            let (dwa, dba) = split_two(dw, &bp.attn_proj_w, &bp.attn_proj_b);
+            matmul_backward(&mut g.datty, dwa, dba, dattproj, &s.atty, &w[bp.attn_proj_w.clone()], n, c, c);
+            g.dqkv.fill(0.0);
+            attention_backward(&mut g.dqkv, &g.datty, &s.qkv, &s.att, &dims, p_drop, site_seed(seed, site));
+            g.dln.fill(0.0);
+            let (dwq, dbq) = split_two(dw, &bp.c_attn_w, &bp.c_attn_b);
+            matmul_backward(&mut g.dln, dwq, dbq, &g.dqkv, &s.ln_1, &w[bp.c_attn_w.clone()], n, c, 3 * c);
+            let (dw1, db1) = split_two(dw, &bp.ln_1_w, &bp.ln_1_b);
+            layernorm_backward(&mut g.dres, dw1, db1, &g.dln, x, &w[bp.ln_1_w.clone()], &s.ln_1_mean, &s.ln_1_rstd, c);
+        }
+        // x = drop(wte[tokens] + wpe)
+        let demb = branch_grad(&mut g.dbranch, &g.dres, p_drop, site_seed(seed, 0));
+        let (dwte, dwpe) = split_pair(dw, &pv.wte, &pv.wpe);
+        embedding_backward(dwte, Some(dwpe), demb, &a.tokens, t, c);
+    }
+
+    /// Per-position losses of the last forward (0 at ignored positions).
+    pub fn losses(&self) -> &[f32] {
+        &self.acts.as_ref().expect("forward first").losses
+    }
+
+    /// Logits `[B, T, Vp]` of the last forward.
+    pub fn logits(&self) -> &[f32] {
+        &self.acts.as_ref().expect("forward first").logits
+    }
+}
+
+/// The gradient of a dropout-wrapped branch output: `dout` itself without dropout, else the
+/// masked copy written into `buf`.
+fn branch_grad<'a>(buf: &'a mut [f32], dout: &'a [f32], p: f32, seed: u64) -> &'a [f32] {
+    if p == 0.0 {
+        return dout;
+    }
+    buf.fill(0.0);
+    dropout_backward(buf, dout, p, seed);
+    buf
+}
+
+/// Disjoint mutable views of a weight and its optional bias in the gradient buffer.
+fn split_two<'a>(g: &'a mut [f32], w: &std::ops::Range<usize>, b: &Option<std::ops::Range<usize>>) -> (&'a mut [f32], Option<&'a mut [f32]>) {
+    match b {
+        None => (&mut g[w.clone()], None),
+        Some(b) => {
+            let (x, y) = split_pair(g, w, b);
+            (x, Some(y))
+        }
+    }
+}
+
+/// Two disjoint ranges of one buffer, mutably.
+fn split_pair<'a>(g: &'a mut [f32], r1: &std::ops::Range<usize>, r2: &std::ops::Range<usize>) -> (&'a mut [f32], &'a mut [f32]) {
+    assert!(r1.end <= r2.start || r2.end <= r1.start, "overlapping parameter views");
+    if r1.end <= r2.start {
+        let (lo, hi) = g.split_at_mut(r2.start);
+        (&mut lo[r1.clone()], &mut hi[..r2.len()])
+    } else {
+        let (lo, hi) = g.split_at_mut(r1.start);
+        (&mut hi[..r1.len()], &mut lo[r2.clone()])
+    }
+}

@@ -1,0 +1,137 @@
+//! One flat buffer holds every parameter; a [`ParamLayout`] names the views into it, using the
+//! Hugging Face GPT-2 parameter names. Gradients and optimizer moments use the same layout, so
+//! data-parallel reduction, ZeRO sharding and checkpoints all work on slices by name.
+//!
+//! Order: embeddings, then each block's parameters contiguously (layer 0 first), then the final
+//! norm and the untied head. Contiguous blocks make pipeline splits and backward-ordered
+//! gradient buckets plain ranges.
+//!
+//! Linear weights are stored `[out, in]` (PyTorch `nn.Linear`); HF GPT-2's `Conv1D` stores
+//! `[in, out]`, which import/export transposes.
+
+use crate::config::GptConfig;
+use std::ops::Range;
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Init {
+    /// N(0, std²).
+    Normal(f32),
+    Zeros,
+    Ones,
+}
+
+#[derive(Clone, Debug)]
+pub struct ParamSpec {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub offset: usize,
+    pub init: Init,
+    /// Whether AdamW's weight decay applies (matrices yes; biases, norms, embeddings no).
+    pub decay: bool,
+}
+
+impl ParamSpec {
+    pub fn len(&self) -> usize {
+        self.shape.iter().product()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    pub fn range(&self) -> Range<usize> {
+        self.offset..self.offset + self.len()
+    }
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct ParamLayout {
+    pub params: Vec<ParamSpec>,
+    pub total: usize,
+}
+
+impl ParamLayout {
+    fn push(&mut self, name: String, shape: Vec<usize>, init: Init, decay: bool) -> Range<usize> {
+        let spec = ParamSpec { name, shape, offset: self.total, init, decay };
+        self.total += spec.len();
+        let r = spec.range();
+        self.params.push(spec);
+        r
+    }
+
+    pub fn get(&self, name: &str) -> Option<&ParamSpec> {
+        self.params.iter().find(|p| p.name == name)
+    }
+
+    /// Number of parameters, without the position embedding (the N of PaLM's FLOPs formula).
+    pub fn count_without(&self, excluded: &str) -> usize {
+        self.params.iter().filter(|p| p.name != excluded).map(|p| p.len()).sum()
+    }
+}
+
+/// The views of one transformer block.
+#[derive(Clone, Debug)]
+pub struct BlockParams {
+    pub ln_1_w: Range<usize>,
+    pub ln_1_b: Option<Range<usize>>,
+    pub c_attn_w: Range<usize>,
+    pub c_attn_b: Option<Range<usize>>,
+    pub attn_proj_w: Range<usize>,
+    pub attn_proj_b: Option<Range<usize>>,
+    pub ln_2_w: Range<usize>,
+    pub ln_2_b: Option<Range<usize>>,
+    pub c_fc_w: Range<usize>,
+    pub c_fc_b: Option<Range<usize>>,
+    pub mlp_proj_w: Range<usize>,
+    pub mlp_proj_b: Option<Range<usize>>,
+}
+
+/// The views of the whole GPT, resolved once from the layout.
+#[derive(Clone, Debug)]
+pub struct GptParams {
+    pub wte: Range<usize>,
+    pub wpe: Range<usize>,
+    pub blocks: Vec<BlockParams>,
+    pub ln_f_w: Range<usize>,
+    pub ln_f_b: Option<Range<usize>>,
+    /// The output head: `wte` when tied.
+    pub lm_head: Range<usize>,
+}
+
+/// Builds the layout of a GPT-2 model and the resolved views.
+/// Initialisation follows GPT-2 / nanoGPT: N(0, 0.02) everywhere, residual projections
+/// (`attn.c_proj`, `mlp.c_proj`) N(0, 0.02/√(2·n_layer)), biases 0, norm weights 1.
+pub fn gpt_layout(cfg: &GptConfig) -> (ParamLayout, GptParams) {
+    let c = cfg.n_embd;
+    let std = 0.02f32;
+    let proj_std = std / ((2 * cfg.n_layer) as f32).sqrt();
+    let mut l = ParamLayout::default();
+    let wte = l.push("transformer.wte.weight".into(), vec![cfg.vocab_size, c], Init::Normal(std), false);
+    let wpe = l.push("transformer.wpe.weight".into(), vec![cfg.block_size, c], Init::Normal(std), false);
+    let mut blocks = Vec::new();
+    for i in 0..cfg.n_layer {
+        let p = format!("transformer.h.{i}.");
+        let bias = |l: &mut ParamLayout, name: &str, n: usize| {
+            cfg.bias.then(|| l.push(format!("{p}{name}.bias"), vec![n], Init::Zeros, false))
+        };
+        let ln_1_w = l.push(format!("{p}ln_1.weight"), vec![c], Init::Ones, false);
+        let ln_1_b = bias(&mut l, "ln_1", c);
+        let c_attn_w = l.push(format!("{p}attn.c_attn.weight"), vec![3 * c, c], Init::Normal(std), true);
+        let c_attn_b = bias(&mut l, "attn.c_attn", 3 * c);
+        let attn_proj_w = l.push(format!("{p}attn.c_proj.weight"), vec![c, c], Init::Normal(proj_std), true);
+        let attn_proj_b = bias(&mut l, "attn.c_proj", c);
+        let ln_2_w = l.push(format!("{p}ln_2.weight"), vec![c], Init::Ones, false);
+        let ln_2_b = bias(&mut l, "ln_2", c);
+        let c_fc_w = l.push(format!("{p}mlp.c_fc.weight"), vec![4 * c, c], Init::Normal(std), true);
+        let c_fc_b = bias(&mut l, "mlp.c_fc", 4 * c);
+        let mlp_proj_w = l.push(format!("{p}mlp.c_proj.weight"), vec![c, 4 * c], Init::Normal(proj_std), true);
+        let mlp_proj_b = bias(&mut l, "mlp.c_proj", c);
+        blocks.push(BlockParams { ln_1_w, ln_1_b, c_attn_w, c_attn_b, attn_proj_w, attn_proj_b, ln_2_w, ln_2_b, c_fc_w, c_fc_b, mlp_proj_w, mlp_proj_b });
+    }
+    let ln_f_w = l.push("transformer.ln_f.weight".into(), vec![c], Init::Ones, false);
+    let ln_f_b = cfg.bias.then(|| l.push("transformer.ln_f.bias".into(), vec![c], Init::Zeros, false));
+    let lm_head = if cfg.tied_embeddings {
+        wte.clone()
+    } else {
+        l.push("lm_head.weight".into(), vec![cfg.vocab_size, c], Init::Normal(std), true)
+    };
+    (l, GptParams { wte, wpe, blocks, ln_f_w, ln_f_b, lm_head })
+}

@@ -1,0 +1,13 @@
+//! kiln's models: configs, the named flat parameter layout, and the GPT-2 decoder with its
+//! forward, backward and KV-cached generation. Nothing here knows about ranks: parallel
+//! strategies act on the layout by parameter name, from the `parallel` crate.
+
+pub mod config;
+pub mod generate;
+pub mod gpt;
+pub mod layout;
+
+pub use config::GptConfig;
+pub use generate::{Sampler, KvCache};
+pub use gpt::Gpt;
+pub use layout::{ParamLayout, ParamSpec, Init};

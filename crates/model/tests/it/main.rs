@@ -1,0 +1,2 @@
+//! Integration tests for the model crate.
+mod gpt;
