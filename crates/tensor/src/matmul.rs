@@ -147,3 +147,19 @@ pub fn bias_backward(dbias: &mut [f32], dout: &[f32], bt: usize, oc: usize) {
         }
     });
 }
+
+/// Measures this machine's fp32 matmul peak in FLOP/s with the same gemm path training uses
+/// (all threads): the best of `reps` square `n × n × n` products, `2n³` FLOPs each.
+pub fn measure_peak_flops(n: usize, reps: usize) -> f64 {
+    let a: Vec<f32> = (0..n * n).map(|i| ((i % 7) as f32 - 3.0) * 0.1).collect();
+    let b: Vec<f32> = (0..n * n).map(|i| ((i % 5) as f32 - 2.0) * 0.1).collect();
+    let mut c = vec![0.0f32; n * n];
+    let mut best = f64::INFINITY;
+    for _ in 0..reps.max(1) {
+        let t0 = std::time::Instant::now();
+        gemm(&mut c, false, View::rows(&a, n, n), View::rows(&b, n, n), 1.0, Threads::All);
+        best = best.min(t0.elapsed().as_secs_f64());
+    }
+    std::hint::black_box(&c);
+    2.0 * (n as f64).powi(3) / best
+}

@@ -235,6 +235,22 @@ pub fn dropout_forward(out: &mut [f32], inp: &[f32], p: f32, seed: u64) {
     });
 }
 
+/// In-place [`dropout_forward`]: `x[i] = keep(i) ? x[i] / (1 - p) : 0`. The same mask as the
+/// out-of-place form, so [`dropout_backward`] applies to both.
+pub fn dropout_inplace(x: &mut [f32], p: f32, seed: u64) {
+    assert!((0.0..1.0).contains(&p), "dropout p must be in [0, 1)");
+    if p == 0.0 {
+        return;
+    }
+    let scale = 1.0 / (1.0 - p);
+    x.par_chunks_mut(ELEMS).enumerate().for_each(|(ci, x)| {
+        let base = (ci * ELEMS) as u64;
+        for (j, x) in x.iter_mut().enumerate() {
+            *x = if dropout_keep(seed, base + j as u64, p) { *x * scale } else { 0.0 };
+        }
+    });
+}
+
 /// Accumulates into `dinp`, regenerating the mask from `seed`.
 pub fn dropout_backward(dinp: &mut [f32], dout: &[f32], p: f32, seed: u64) {
     let scale = 1.0 / (1.0 - p);

@@ -1,0 +1,313 @@
+//! The tokenizer enum: `byte`, `char`, `gpt2` (tiktoken's r50k_base) and trained byte-level `bpe`.
+//!
+//! A tokenizer serialises to a self-describing JSON object (`{"kind":"char","chars":"..."}`),
+//! so a run directory or a prepared dataset can store the exact tokenizer it was built with.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::bpe::Bpe;
+use crate::error::DataError;
+
+/// GPT-2's vocabulary size: 50000 merges + 256 bytes + `<|endoftext|>`.
+pub const GPT2_VOCAB: usize = 50257;
+
+/// Character-level vocabulary: the sorted unique characters of a corpus (nanoGPT's
+/// `shakespeare_char/prepare.py`: `chars = sorted(list(set(data)))`).
+#[derive(Clone, PartialEq, Eq)]
+pub struct CharVocab {
+    chars: Vec<char>,
+    index: HashMap<char, u32>,
+}
+
+impl CharVocab {
+    /// Sorted unique characters of `text` (by code point, as Python sorts strings).
+    pub fn from_text(text: &str) -> CharVocab {
+        let mut seen = std::collections::BTreeSet::new();
+        for c in text.chars() {
+            seen.insert(c);
+        }
+        CharVocab::from_chars(seen.into_iter().collect())
+    }
+
+    fn from_chars(chars: Vec<char>) -> CharVocab {
+        let index = chars.iter().enumerate().map(|(i, &c)| (c, i as u32)).collect();
+        CharVocab { chars, index }
+    }
+
+    pub fn chars(&self) -> &[char] {
+        &self.chars
+    }
+
+    pub fn id(&self, c: char) -> Option<u32> {
+        self.index.get(&c).copied()
+    }
+
+    /// The first character of `text` that is not in the vocabulary, with its byte offset.
+    pub fn first_unknown(&self, text: &str) -> Option<(usize, char)> {
+        text.char_indices().find(|(_, c)| !self.index.contains_key(c))
+    }
+}
+
+impl fmt::Debug for CharVocab {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "CharVocab({} chars)", self.chars.len())
+    }
+}
+
+/// GPT-2's BPE (tiktoken's `r50k_base`, embedded in tiktoken-rs), built once per process.
+#[derive(Clone)]
+pub struct Gpt2 {
+    bpe: &'static tiktoken_rs::CoreBPE,
+}
+
+impl Gpt2 {
+    pub fn new() -> Gpt2 {
+        Gpt2 { bpe: tiktoken_rs::r50k_base_singleton() }
+    }
+
+    pub fn core(&self) -> &'static tiktoken_rs::CoreBPE {
+        self.bpe
+    }
+}
+
+impl Default for Gpt2 {
+    fn default() -> Self {
+        Gpt2::new()
+    }
+}
+
+impl fmt::Debug for Gpt2 {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Gpt2(r50k_base)")
+    }
+}
+
+#[derive(Clone, Debug)]
+pub enum Tokenizer {
+    /// UTF-8 bytes, vocab 256.
+    Byte,
+    /// One id per character of a fixed vocabulary.
+    Char(CharVocab),
+    /// GPT-2's BPE, vocab 50257; `<|endoftext|>` in the text encodes to 50256.
+    Gpt2(Gpt2),
+    /// Byte-level BPE trained by [`crate::train_bpe`].
+    Bpe(Bpe),
+}
+
+impl PartialEq for Tokenizer {
+    fn eq(&self, other: &Tokenizer) -> bool {
+        match (self, other) {
+            (Tokenizer::Byte, Tokenizer::Byte) | (Tokenizer::Gpt2(_), Tokenizer::Gpt2(_)) => true,
+            (Tokenizer::Char(a), Tokenizer::Char(b)) => a == b,
+            (Tokenizer::Bpe(a), Tokenizer::Bpe(b)) => a == b,
+            _ => false,
+        }
+    }
+}
+
+/// The JSON form, tagged by `kind`.
+#[derive(Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase", deny_unknown_fields)]
+enum TokenizerJson {
+    Byte,
+    Char { chars: String },
+    Gpt2,
+    Bpe { pattern: String, merges: Vec<[u32; 2]>, specials: Vec<String> },
+}
+
+impl Tokenizer {
+    /// `spec`: `"byte"` | `"char"` | `"gpt2"` | `"bpe:N"` | a path to a tokenizer JSON file
+    /// written by [`Tokenizer::save`] (or a directory holding `tokenizer.json`, such as a
+    /// prepared dataset or a run directory). `char` builds its vocabulary from `corpus`, and
+    /// `bpe:N` trains a BPE of vocab `N` on it ([`crate::train_bpe`]); both fail without one.
+    pub fn from_spec(spec: &str, corpus: Option<&str>) -> Result<Tokenizer, DataError> {
+        match spec {
+            "byte" => Ok(Tokenizer::Byte),
+            "gpt2" => Ok(Tokenizer::Gpt2(Gpt2::new())),
+            "char" => match corpus {
+                Some(text) if !text.is_empty() => Ok(Tokenizer::Char(CharVocab::from_text(text))),
+                Some(_) => Err(DataError::new("tokenizer \"char\": the corpus text is empty, so there is no vocabulary to build")),
+                None => Err(DataError::new("tokenizer \"char\" needs the corpus text to build its vocabulary (token files cannot provide it)")),
+            },
+            _ if spec.starts_with("bpe:") => {
+                let n = Tokenizer::bpe_spec_vocab(spec)?;
+                match corpus {
+                    Some(text) if !text.is_empty() => crate::bpe::train_bpe(text, n),
+                    _ => Err(DataError::new(format!("tokenizer \"{spec}\" trains on the corpus text, and there is none"))),
+                }
+            }
+            path => {
+                let p = Path::new(path);
+                if p.is_dir() && p.join("tokenizer.json").is_file() {
+                    Tokenizer::load(&p.join("tokenizer.json"))
+                } else if p.is_file() {
+                    Tokenizer::load(p)
+                } else {
+                    Err(DataError::new(format!(
+                        "unknown tokenizer \"{path}\": expected byte, char, gpt2, bpe:N or the path of a tokenizer JSON file (no such file)"
+                    )))
+                }
+            }
+        }
+    }
+
+    /// Whether `spec` builds its vocabulary from the corpus text (`char`, `bpe:N`).
+    pub fn spec_needs_corpus(spec: &str) -> bool {
+        spec == "char" || spec.starts_with("bpe:")
+    }
+
+    /// `N` of a `bpe:N` spec.
+    fn bpe_spec_vocab(spec: &str) -> Result<usize, DataError> {
+        let n = spec.strip_prefix("bpe:").unwrap_or(spec);
+        n.parse::<usize>().map_err(|_| {
+            DataError::new(format!("tokenizer \"{spec}\": {n:?} is not a vocab size (write e.g. bpe:4096)"))
+        })
+    }
+
+    /// Whether this tokenizer is what the corpus-built `spec` (`char`, `bpe:N`) would describe.
+    pub(crate) fn matches_corpus_spec(&self, spec: &str) -> bool {
+        match self {
+            Tokenizer::Char(_) => spec == "char",
+            Tokenizer::Bpe(_) => Tokenizer::bpe_spec_vocab(spec).is_ok_and(|n| n == self.vocab_size()),
+            _ => false,
+        }
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        match self {
+            Tokenizer::Byte => 256,
+            Tokenizer::Char(v) => v.chars.len(),
+            Tokenizer::Gpt2(_) => GPT2_VOCAB,
+            Tokenizer::Bpe(b) => b.vocab_size(),
+        }
+    }
+
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Tokenizer::Byte => "byte",
+            Tokenizer::Char(_) => "char",
+            Tokenizer::Gpt2(_) => "gpt2",
+            Tokenizer::Bpe(_) => "bpe",
+        }
+    }
+
+    /// Encodes `text`. For `char`, characters outside the vocabulary are dropped (use
+    /// [`CharVocab::first_unknown`] to check first); every other kind encodes any text.
+    pub fn encode(&self, text: &str) -> Vec<u32> {
+        match self {
+            Tokenizer::Byte => text.bytes().map(u32::from).collect(),
+            Tokenizer::Char(v) => text.chars().filter_map(|c| v.id(c)).collect(),
+            Tokenizer::Gpt2(g) => g.bpe.encode_with_special_tokens(text),
+            Tokenizer::Bpe(b) => b.encode(text),
+        }
+    }
+
+    /// Decodes `ids`; invalid UTF-8 and unknown ids become U+FFFD. Never panics.
+    pub fn decode(&self, ids: &[u32]) -> String {
+        match self {
+            Tokenizer::Byte => {
+                let mut bytes = Vec::with_capacity(ids.len());
+                let mut out = String::new();
+                for &id in ids {
+                    if id < 256 {
+                        bytes.push(id as u8);
+                    } else {
+                        out.push_str(&String::from_utf8_lossy(&bytes));
+                        bytes.clear();
+                        out.push(char::REPLACEMENT_CHARACTER);
+                    }
+                }
+                out.push_str(&String::from_utf8_lossy(&bytes));
+                out
+            }
+            Tokenizer::Char(v) => ids
+                .iter()
+                .map(|&id| v.chars.get(id as usize).copied().unwrap_or(char::REPLACEMENT_CHARACTER))
+                .collect(),
+            Tokenizer::Gpt2(g) => {
+                let mut bytes = Vec::with_capacity(ids.len() * 4);
+                let mut out = String::new();
+                for &id in ids {
+                    match g.bpe.decode_bytes(&[id]) {
+                        Ok(b) => bytes.extend_from_slice(&b),
+                        Err(_) => {
+                            out.push_str(&String::from_utf8_lossy(&bytes));
+                            bytes.clear();
+                            out.push(char::REPLACEMENT_CHARACTER);
+                        }
+                    }
+                }
+                out.push_str(&String::from_utf8_lossy(&bytes));
+                out
+            }
+            Tokenizer::Bpe(b) => b.decode(ids),
+        }
+    }
+
+    /// Self-describing JSON: `{"kind":"byte"}`, `{"kind":"gpt2"}`, `{"kind":"char","chars":"..."}`,
+    /// `{"kind":"bpe","pattern":"gpt2","merges":[[a,b],...],"specials":[...]}`.
+    pub fn to_json(&self) -> String {
+        let j = match self {
+            Tokenizer::Byte => TokenizerJson::Byte,
+            Tokenizer::Gpt2(_) => TokenizerJson::Gpt2,
+            Tokenizer::Char(v) => TokenizerJson::Char { chars: v.chars.iter().collect() },
+            Tokenizer::Bpe(b) => TokenizerJson::Bpe {
+                pattern: crate::bpe::PATTERN_NAME.to_string(),
+                merges: b.merges().iter().map(|&(a, b)| [a, b]).collect(),
+                specials: b.specials().to_vec(),
+            },
+        };
+        serde_json::to_string(&j).expect("tokenizer JSON serialisation cannot fail")
+    }
+
+    /// Parses [`Tokenizer::to_json`]'s output; `origin` names the source in errors.
+    pub fn from_json(s: &str, origin: &Path) -> Result<Tokenizer, DataError> {
+        let j: TokenizerJson = serde_json::from_str(s)
+            .map_err(|e| DataError::at(origin, format!("not a kiln tokenizer JSON: {e}")))?;
+        match j {
+            TokenizerJson::Byte => Ok(Tokenizer::Byte),
+            TokenizerJson::Gpt2 => Ok(Tokenizer::Gpt2(Gpt2::new())),
+            TokenizerJson::Char { chars } => {
+                let list: Vec<char> = chars.chars().collect();
+                if list.is_empty() {
+                    return Err(DataError::at(origin, "char tokenizer has an empty \"chars\""));
+                }
+                let mut seen = std::collections::HashSet::new();
+                for &c in &list {
+                    if !seen.insert(c) {
+                        return Err(DataError::at(origin, format!("char tokenizer lists {c:?} twice in \"chars\"")));
+                    }
+                }
+                Ok(Tokenizer::Char(CharVocab::from_chars(list)))
+            }
+            TokenizerJson::Bpe { pattern, merges, specials } => {
+                if pattern != crate::bpe::PATTERN_NAME {
+                    return Err(DataError::at(
+                        origin,
+                        format!("bpe tokenizer has \"pattern\": {pattern:?}, only {:?} is known", crate::bpe::PATTERN_NAME),
+                    ));
+                }
+                let merges: Vec<(u32, u32)> = merges.into_iter().map(|[a, b]| (a, b)).collect();
+                Bpe::from_parts(merges, specials).map(Tokenizer::Bpe).map_err(|m| DataError::at(origin, m))
+            }
+        }
+    }
+
+    pub fn save(&self, path: &Path) -> Result<(), DataError> {
+        std::fs::write(path, self.to_json() + "\n").map_err(|e| DataError::io(path, "cannot write tokenizer", e))
+    }
+
+    pub fn load(path: &Path) -> Result<Tokenizer, DataError> {
+        let s = std::fs::read_to_string(path).map_err(|e| DataError::io(path, "cannot read tokenizer", e))?;
+        Tokenizer::from_json(&s, path)
+    }
+
+    /// `"char, vocab 65"`: for descriptions and error messages.
+    pub fn describe(&self) -> String {
+        format!("{}, vocab {}", self.kind(), self.vocab_size())
+    }
+}

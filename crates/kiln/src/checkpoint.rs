@@ -1,0 +1,231 @@
+//! Checkpoints: `checkpoints/step-NNNNNNNN/` holding
+//! - `model.safetensors`: parameters by their HF names,
+//! - `optimizer.safetensors`: AdamW moments as `exp_avg.NAME` / `exp_avg_sq.NAME`,
+//! - `state.json`: step, RNG and data-cursor state, elapsed time, the resolved config,
+//! - `tokenizer.json`,
+//! - `manifest.json`: size and CRC-32 of every other file, and a CRC-32 of itself.
+//!
+//! Writing goes to a hidden temporary directory; every file and the directory are fsynced,
+//! then the directory is renamed into place and the parent fsynced. A crash mid-write leaves
+//! only a `.tmp-*` directory, which is never mistaken for a checkpoint. Loading verifies every
+//! checksum; a checkpoint that fails is reported and skipped, never deleted or overwritten.
+
+use crate::error::{io_err, user, KilnError, Result};
+use safetensors::tensor::{Dtype, TensorView};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+/// Trainer state beyond the tensors: everything needed for a bit-exact resume.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct TrainState {
+    /// Optimizer steps completed.
+    pub step: u64,
+    /// The batch sampler's RNG (the data cursor).
+    pub sampler_rng: [u64; 4],
+    pub tokens_seen: u64,
+    pub elapsed_s: f64,
+    /// The resolved config the run was made with (TOML).
+    pub config: String,
+}
+
+#[derive(Serialize, Deserialize)]
+struct FileSum {
+    bytes: u64,
+    crc32: u32,
+}
+
+#[derive(Serialize, Deserialize)]
+struct Manifest {
+    format: u32,
+    files: BTreeMap<String, FileSum>,
+    /// CRC-32 of this manifest serialized with `self_crc32 = 0`.
+    self_crc32: u32,
+}
+
+pub struct Tensors<'a> {
+    /// (name, shape, data) in layout order.
+    pub items: Vec<(String, Vec<usize>, &'a [f32])>,
+}
+
+fn f32_bytes(x: &[f32]) -> &[u8] {
+    // Safety: f32 has no padding or invalid bit patterns; the machine is little endian as
+    // safetensors requires (checked at compile time below).
+    unsafe { std::slice::from_raw_parts(x.as_ptr() as *const u8, std::mem::size_of_val(x)) }
+}
+#[cfg(not(target_endian = "little"))]
+compile_error!("kiln's checkpoint format assumes a little-endian machine");
+
+fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
+    let mut f = fs::File::create(path).map_err(|e| io_err(path, e))?;
+    f.write_all(bytes).map_err(|e| io_err(path, e))?;
+    f.sync_all().map_err(|e| io_err(path, e))?;
+    Ok(())
+}
+
+fn sync_dir(path: &Path) -> Result<()> {
+    fs::File::open(path).and_then(|f| f.sync_all()).map_err(|e| io_err(path, e))
+}
+
+pub fn safetensors_bytes(t: &Tensors) -> Result<Vec<u8>> {
+    let views: Vec<(String, TensorView)> = t
+        .items
+        .iter()
+        .map(|(n, s, d)| (n.clone(), TensorView::new(Dtype::F32, s.clone(), f32_bytes(d)).expect("shape matches data")))
+        .collect();
+    safetensors::tensor::serialize(views, None).map_err(|e| KilnError::Internal(format!("safetensors: {e}")))
+}
+
+/// Name of the checkpoint directory for `step` under `dir`, avoiding any existing entry (a
+/// corrupt checkpoint of the same step is kept as it is: the new one gets a suffix).
+fn fresh_name(dir: &Path, step: u64) -> PathBuf {
+    let base = format!("step-{step:08}");
+    let mut p = dir.join(&base);
+    let mut k = 1;
+    while p.exists() {
+        p = dir.join(format!("{base}.{k}"));
+        k += 1;
+    }
+    p
+}
+
+/// Writes a checkpoint atomically; returns its directory.
+pub fn save(ckpt_dir: &Path, state: &TrainState, model: &Tensors, optim: &Tensors, tokenizer_json: &str) -> Result<PathBuf> {
+    fs::create_dir_all(ckpt_dir).map_err(|e| io_err(ckpt_dir, e))?;
+    let tmp = ckpt_dir.join(format!(".tmp-step-{:08}-{}", state.step, std::process::id()));
+    if tmp.exists() {
+        fs::remove_dir_all(&tmp).map_err(|e| io_err(&tmp, e))?;
+    }
+    fs::create_dir(&tmp).map_err(|e| io_err(&tmp, e))?;
+    let files: Vec<(&str, Vec<u8>)> = vec![
+        ("model.safetensors", safetensors_bytes(model)?),
+        ("optimizer.safetensors", safetensors_bytes(optim)?),
+        ("state.json", serde_json::to_vec_pretty(state).expect("state serializes")),
+        ("tokenizer.json", tokenizer_json.as_bytes().to_vec()),
+    ];
+    let mut manifest = Manifest { format: 1, files: BTreeMap::new(), self_crc32: 0 };
+    for (name, bytes) in &files {
+        write_synced(&tmp.join(name), bytes)?;
+        manifest.files.insert(name.to_string(), FileSum { bytes: bytes.len() as u64, crc32: crc32fast::hash(bytes) });
+    }
+    manifest.self_crc32 = crc32fast::hash(&serde_json::to_vec(&manifest).unwrap());
+    write_synced(&tmp.join("manifest.json"), &serde_json::to_vec_pretty(&manifest).unwrap())?;
+    sync_dir(&tmp)?;
+    let dst = fresh_name(ckpt_dir, state.step);
+    fs::rename(&tmp, &dst).map_err(|e| io_err(&dst, e))?;
+    sync_dir(ckpt_dir)?;
+    Ok(dst)
+}
+
+/// A verified checkpoint, loaded into memory.
+pub struct Loaded {
+    pub dir: PathBuf,
+    pub state: TrainState,
+    pub model: Vec<u8>,
+    pub optim: Vec<u8>,
+    pub tokenizer_json: String,
+}
+
+/// Reads and verifies one checkpoint directory.
+pub fn verify_and_load(dir: &Path) -> Result<Loaded> {
+    let bad = |what: String| KilnError::User(format!("{}: {what}", dir.display()));
+    let mpath = dir.join("manifest.json");
+    let mbytes = fs::read(&mpath).map_err(|e| bad(format!("cannot read manifest.json: {e}")))?;
+    let mut manifest: Manifest = serde_json::from_slice(&mbytes).map_err(|e| bad(format!("manifest.json is corrupt: {e}")))?;
+    let claimed = manifest.self_crc32;
+    manifest.self_crc32 = 0;
+    if crc32fast::hash(&serde_json::to_vec(&manifest).unwrap()) != claimed {
+        return Err(bad("manifest.json fails its checksum".into()));
+    }
+    let mut contents = BTreeMap::new();
+    for name in ["model.safetensors", "optimizer.safetensors", "state.json", "tokenizer.json"] {
+        let sum = manifest.files.get(name).ok_or_else(|| bad(format!("manifest.json does not list {name}")))?;
+        let bytes = fs::read(dir.join(name)).map_err(|e| bad(format!("cannot read {name}: {e}")))?;
+        if bytes.len() as u64 != sum.bytes {
+            return Err(bad(format!("{name} is truncated or extended: {} bytes, expected {}", bytes.len(), sum.bytes)));
+        }
+        if crc32fast::hash(&bytes) != sum.crc32 {
+            return Err(bad(format!("{name} fails its checksum (corrupted)")));
+        }
+        contents.insert(name, bytes);
+    }
+    let state: TrainState = serde_json::from_slice(&contents["state.json"]).map_err(|e| bad(format!("state.json: {e}")))?;
+    Ok(Loaded {
+        dir: dir.to_path_buf(),
+        state,
+        model: contents.remove("model.safetensors").unwrap(),
+        optim: contents.remove("optimizer.safetensors").unwrap(),
+        tokenizer_json: String::from_utf8_lossy(&contents["tokenizer.json"]).into_owned(),
+    })
+}
+
+/// Checkpoint directories under `ckpt_dir`, newest (highest step, then latest suffix) first.
+pub fn list(ckpt_dir: &Path) -> Vec<(u64, PathBuf)> {
+    let mut out = Vec::new();
+    if let Ok(rd) = fs::read_dir(ckpt_dir) {
+        for e in rd.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let Some(rest) = name.strip_prefix("step-") else { continue };
+            let (num, suffix) = rest.split_once('.').map_or((rest, 0), |(n, s)| (n, s.parse().unwrap_or(0)));
+            if let Ok(step) = num.parse::<u64>() {
+                out.push((step, suffix, e.path()));
+            }
+        }
+    }
+    out.sort_by(|a, b| (b.0, b.1).cmp(&(a.0, a.1)));
+    out.into_iter().map(|(s, _, p)| (s, p)).collect()
+}
+
+/// The newest checkpoint that verifies. Failing ones are reported on stderr and left alone;
+/// with none valid, the error names every checkpoint tried and why it failed.
+pub fn latest_valid(ckpt_dir: &Path) -> Result<Loaded> {
+    let all = list(ckpt_dir);
+    if all.is_empty() {
+        return user(format!("{}: no checkpoint to resume from", ckpt_dir.display()));
+    }
+    let mut failures = Vec::new();
+    for (_, dir) in &all {
+        match verify_and_load(dir) {
+            Ok(l) => {
+                for f in &failures {
+                    eprintln!("warning: skipped invalid checkpoint: {f}");
+                }
+                return Ok(l);
+            }
+            Err(e) => failures.push(e.to_string()),
+        }
+    }
+    user(format!("no valid checkpoint in {}: {}", ckpt_dir.display(), failures.join("; ")))
+}
+
+/// Removes the oldest *valid* checkpoints beyond `keep`. Invalid ones are never touched.
+pub fn prune(ckpt_dir: &Path, keep: usize) {
+    let mut valid = 0;
+    for (_, dir) in list(ckpt_dir) {
+        if verify_and_load(&dir).is_ok() {
+            valid += 1;
+            if valid > keep {
+                let _ = fs::remove_dir_all(&dir);
+            }
+        }
+    }
+}
+
+/// Copies tensors stored under `prefix + name` in safetensors `bytes` into the views of
+/// `layout` over `dst`. Every layout entry must be present with its exact shape.
+pub fn read_into(bytes: &[u8], prefix: &str, layout: &model::ParamLayout, dst: &mut [f32], origin: &Path) -> Result<()> {
+    let st = safetensors::SafeTensors::deserialize(bytes).map_err(|e| KilnError::User(format!("{}: {e}", origin.display())))?;
+    for p in &layout.params {
+        let name = format!("{prefix}{}", p.name);
+        let t = st.tensor(&name).map_err(|_| KilnError::User(format!("{}: missing tensor `{name}`", origin.display())))?;
+        if t.shape() != p.shape.as_slice() || t.dtype() != Dtype::F32 {
+            return user(format!("{}: tensor `{name}` has shape {:?} {:?}, expected {:?} F32", origin.display(), t.shape(), t.dtype(), p.shape));
+        }
+        for (d, chunk) in dst[p.range()].iter_mut().zip(t.data().chunks_exact(4)) {
+            *d = f32::from_le_bytes([chunk[0], chunk[1], chunk[2], chunk[3]]);
+        }
+    }
+    Ok(())
+}

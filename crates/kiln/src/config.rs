@@ -1,0 +1,313 @@
+//! Run configuration in two stages: a raw table of dotted keys (preset defaults, then a TOML
+//! file, then `--set KEY=VALUE` overrides, each checked against the known keys and their
+//! types), then a resolved, validated [`RunConfig`] (`RunConfig::resolve`). Errors name the key
+//! and, for files, the path.
+
+use crate::error::{user, Result};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::Path;
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSection {
+    pub n_layer: usize,
+    pub n_head: usize,
+    pub n_embd: usize,
+    pub block_size: usize,
+    /// 0 = from the tokenizer (rounded up to a multiple of 64 above 256 tokens: 50257 → 50304).
+    pub vocab_size: usize,
+    pub bias: bool,
+    pub dropout: f64,
+    pub tied_embeddings: bool,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainSection {
+    /// Sequences per optimizer step (the global batch), split into `grad_accum` micro-batches.
+    pub batch_size: usize,
+    pub grad_accum: usize,
+    pub lr: f64,
+    pub min_lr: f64,
+    pub warmup_steps: u64,
+    /// Length of the cosine decay from `lr` to `min_lr`; 0 = `max_steps`. Changing
+    /// `max_steps` (e.g. `--max-steps`) does not change the schedule when this is set.
+    pub lr_decay_steps: u64,
+    pub max_steps: u64,
+    pub weight_decay: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    /// Global gradient-norm clip; 0 disables.
+    pub grad_clip: f64,
+    pub seed: u64,
+    /// Worker threads; 0 = all cores.
+    pub threads: usize,
+    /// Progress/metrics line every this many steps.
+    pub log_interval: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EvalSection {
+    /// Evaluate on the held-out split every this many steps (0 = only at the end).
+    pub interval: u64,
+    /// Batches of non-overlapping windows per evaluation (0 = the whole split).
+    pub iters: usize,
+    /// Sequences per evaluation batch (0 = the training micro-batch).
+    pub batch_size: usize,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CheckpointSection {
+    /// Save every this many steps (0 = only at the end).
+    pub interval: u64,
+    /// Valid checkpoints kept (older ones are removed after a newer one is safely written).
+    pub keep: usize,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DataSection {
+    /// `byte`, `char`, `gpt2`, or a tokenizer JSON file.
+    pub tokenizer: String,
+    /// Files or directories; empty = the Rust books of the local Rust install.
+    pub paths: Vec<String>,
+    pub val_fraction: f64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SampleSection {
+    /// Tokens generated at the end of training (0 = none).
+    pub tokens: usize,
+    pub prompt: String,
+    pub temperature: f64,
+    pub top_k: usize,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunConfig {
+    pub preset: String,
+    pub model: ModelSection,
+    pub train: TrainSection,
+    pub eval: EvalSection,
+    pub checkpoint: CheckpointSection,
+    pub data: DataSection,
+    pub sample: SampleSection,
+}
+
+/// A flat map of dotted keys to TOML values.
+pub type Raw = BTreeMap<String, toml::Value>;
+
+pub fn flatten(prefix: &str, table: &toml::Table, out: &mut Raw) {
+    for (k, v) in table {
+        let key = if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") };
+        match v {
+            toml::Value::Table(t) => flatten(&key, t, out),
+            _ => {
+                out.insert(key, v.clone());
+            }
+        }
+    }
+}
+
+fn unflatten(raw: &Raw) -> toml::Table {
+    let mut root = toml::Table::new();
+    for (key, v) in raw {
+        let mut t = &mut root;
+        let parts: Vec<&str> = key.split('.').collect();
+        for p in &parts[..parts.len() - 1] {
+            t = t.entry(p.to_string()).or_insert_with(|| toml::Value::Table(toml::Table::new())).as_table_mut().unwrap();
+        }
+        t.insert(parts[parts.len() - 1].to_string(), v.clone());
+    }
+    root
+}
+
+fn type_name(v: &toml::Value) -> &'static str {
+    match v {
+        toml::Value::String(_) => "a string",
+        toml::Value::Integer(_) => "an integer",
+        toml::Value::Float(_) => "a number",
+        toml::Value::Boolean(_) => "true or false",
+        toml::Value::Array(_) => "a list",
+        toml::Value::Table(_) => "a table",
+        toml::Value::Datetime(_) => "a date",
+    }
+}
+
+/// Sets `key` to `value` in `raw`, which must already hold the key (from the defaults);
+/// integers are accepted where numbers are expected. `origin` says where the value came from.
+pub fn set_key(raw: &mut Raw, key: &str, value: toml::Value, origin: &str) -> Result<()> {
+    let Some(old) = raw.get(key) else {
+        let mut near: Vec<&String> = raw.keys().filter(|k| k.split('.').next_back() == key.split('.').next_back()).collect();
+        near.truncate(3);
+        let hint = if near.is_empty() { String::new() } else { format!(" (did you mean {}?)", near.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(", ")) };
+        return user(format!("{origin}: unknown config key `{key}`{hint}"));
+    };
+    let value = match (old, value) {
+        (toml::Value::Float(_), toml::Value::Integer(i)) => toml::Value::Float(i as f64),
+        (o, v) if std::mem::discriminant(o) == std::mem::discriminant(&v) => v,
+        (o, v) => return user(format!("{origin}: config key `{key}` must be {}, got {} ({v})", type_name(o), type_name(&v))),
+    };
+    if let toml::Value::Integer(i) = value {
+        if i < 0 {
+            return user(format!("{origin}: config key `{key}` must not be negative, got {i}"));
+        }
+    }
+    raw.insert(key.to_string(), value);
+    Ok(())
+}
+
+/// Applies a TOML file's keys over `raw`.
+pub fn apply_file(raw: &mut Raw, path: &Path) -> Result<()> {
+    let text = std::fs::read_to_string(path).or_else(|e| user(format!("{}: cannot read config: {e}", path.display())))?;
+    let table: toml::Table = toml::from_str(&text).or_else(|e| user(format!("{}: invalid TOML: {}", path.display(), one_line(&e.to_string()))))?;
+    let mut flat = Raw::new();
+    flatten("", &table, &mut flat);
+    for (k, v) in flat {
+        set_key(raw, &k, v, &path.display().to_string())?;
+    }
+    Ok(())
+}
+
+/// Applies one `--set KEY=VALUE`. VALUE is read as TOML (`3`, `1e-3`, `true`, `"x"`), and as
+/// a plain string when it is not valid TOML.
+pub fn apply_set(raw: &mut Raw, kv: &str) -> Result<()> {
+    let Some((k, v)) = kv.split_once('=') else {
+        return user(format!("--set `{kv}`: expected KEY=VALUE"));
+    };
+    let (k, v) = (k.trim(), v.trim());
+    let value = match toml::from_str::<toml::Table>(&format!("v = {v}")) {
+        Ok(mut t) => t.remove("v").unwrap(),
+        Err(_) => toml::Value::String(v.to_string()),
+    };
+    set_key(raw, k, value, "--set")
+}
+
+fn one_line(s: &str) -> String {
+    s.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+impl RunConfig {
+    /// Builds and validates the config from the raw table.
+    pub fn resolve(raw: &Raw) -> Result<RunConfig> {
+        let cfg: RunConfig = toml::Value::Table(unflatten(raw))
+            .try_into()
+            .or_else(|e: toml::de::Error| user(format!("config: {}", one_line(&e.to_string()))))?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    pub fn to_raw(&self) -> Raw {
+        let table = toml::Table::try_from(self).expect("config serializes");
+        let mut raw = Raw::new();
+        flatten("", &table, &mut raw);
+        raw
+    }
+
+    pub fn to_toml(&self) -> String {
+        toml::to_string(self).expect("config serializes")
+    }
+
+    /// Reads a resolved `config.toml` (as written into a run directory).
+    pub fn load(path: &Path) -> Result<RunConfig> {
+        let text = std::fs::read_to_string(path).or_else(|e| user(format!("{}: cannot read: {e}", path.display())))?;
+        let cfg: RunConfig = toml::from_str(&text).or_else(|e| user(format!("{}: {}", path.display(), one_line(&e.to_string()))))?;
+        cfg.validate().map_err(|e| crate::error::KilnError::User(format!("{}: {e}", path.display())))?;
+        Ok(cfg)
+    }
+
+    fn validate(&self) -> Result<()> {
+        let m = &self.model;
+        self.gpt_config(m.vocab_size.max(1)).validate().or_else(user)?;
+        let t = &self.train;
+        let positive = [("train.batch_size", t.batch_size as f64), ("train.grad_accum", t.grad_accum as f64), ("train.max_steps", t.max_steps as f64), ("train.lr", t.lr)];
+        for (k, v) in positive {
+            if !(v > 0.0) {
+                return user(format!("{k} must be positive, got {v}"));
+            }
+        }
+        if t.batch_size % t.grad_accum != 0 {
+            return user(format!("train.batch_size ({}) must be divisible by train.grad_accum ({})", t.batch_size, t.grad_accum));
+        }
+        let nonneg = [("train.min_lr", t.min_lr), ("train.weight_decay", t.weight_decay), ("train.grad_clip", t.grad_clip), ("train.eps", t.eps), ("sample.temperature", self.sample.temperature)];
+        for (k, v) in nonneg {
+            if !(v >= 0.0) || !v.is_finite() {
+                return user(format!("{k} must be a non-negative number, got {v}"));
+            }
+        }
+        for (k, v) in [("train.beta1", t.beta1), ("train.beta2", t.beta2)] {
+            if !(0.0..1.0).contains(&v) {
+                return user(format!("{k} must be in [0, 1), got {v}"));
+            }
+        }
+        if t.min_lr > t.lr {
+            return user(format!("train.min_lr ({}) must not exceed train.lr ({})", t.min_lr, t.lr));
+        }
+        if !(self.data.val_fraction > 0.0 && self.data.val_fraction < 1.0) {
+            return user(format!("data.val_fraction must be in (0, 1), got {}", self.data.val_fraction));
+        }
+        if self.checkpoint.keep == 0 {
+            return user("checkpoint.keep must be positive, got 0");
+        }
+        Ok(())
+    }
+
+    /// The model config for a tokenizer vocabulary of `vocab` tokens.
+    pub fn gpt_config(&self, vocab: usize) -> model::GptConfig {
+        let m = &self.model;
+        model::GptConfig {
+            n_layer: m.n_layer,
+            n_head: m.n_head,
+            n_embd: m.n_embd,
+            block_size: m.block_size,
+            vocab_size: if m.vocab_size == 0 { padded_vocab(vocab) } else { m.vocab_size },
+            bias: m.bias,
+            dropout: m.dropout as f32,
+            tied_embeddings: m.tied_embeddings,
+        }
+    }
+
+    pub fn micro_batch(&self) -> usize {
+        self.train.batch_size / self.train.grad_accum
+    }
+
+    pub fn lr_decay_steps(&self) -> u64 {
+        if self.train.lr_decay_steps == 0 { self.train.max_steps } else { self.train.lr_decay_steps }
+    }
+
+    /// Learning rate at 0-based step `it`: linear warmup, then cosine decay to `min_lr` over
+    /// `lr_decay_steps`, then `min_lr` (nanoGPT's `get_lr`).
+    pub fn lr_at(&self, it: u64) -> f64 {
+        let t = &self.train;
+        if it < t.warmup_steps {
+            return t.lr * (it + 1) as f64 / (t.warmup_steps + 1) as f64;
+        }
+        let decay = self.lr_decay_steps();
+        if it > decay {
+            return t.min_lr;
+        }
+        let span = (decay - t.warmup_steps).max(1) as f64;
+        let ratio = (it - t.warmup_steps) as f64 / span;
+        let coeff = 0.5 * (1.0 + (std::f64::consts::PI * ratio).cos());
+        t.min_lr + coeff * (t.lr - t.min_lr)
+    }
+}
+
+/// Model vocabulary for a tokenizer of `vocab` tokens: exact up to 256, else rounded up to a
+/// multiple of 64 (Karpathy's 50257 → 50304, which speeds the LM-head matmul).
+pub fn padded_vocab(vocab: usize) -> usize {
+    if vocab <= 256 { vocab } else { vocab.div_ceil(64) * 64 }
+}
+
+/// Keys that fix the shape of the model or the meaning of its tokens: a run resumed with a
+/// different value for any of them cannot continue from its checkpoint.
+pub const STRUCTURAL_KEYS: &[&str] = &[
+    "model.n_layer", "model.n_head", "model.n_embd", "model.block_size", "model.vocab_size", "model.bias",
+    "model.tied_embeddings", "data.tokenizer", "data.paths", "data.val_fraction",
+];

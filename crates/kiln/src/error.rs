@@ -1,0 +1,48 @@
+//! The one error type a user can meet. `User` errors (bad config, data, checkpoint, flags)
+//! exit with code 2; `Internal` ones (an I/O failure mid-run) with code 1. Messages are one
+//! line and name the file, key or value at fault.
+
+use std::fmt;
+
+#[derive(Debug)]
+pub enum KilnError {
+    User(String),
+    Internal(String),
+}
+
+impl KilnError {
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            KilnError::User(_) => 2,
+            KilnError::Internal(_) => 1,
+        }
+    }
+}
+
+impl fmt::Display for KilnError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            KilnError::User(m) | KilnError::Internal(m) => f.write_str(m),
+        }
+    }
+}
+
+impl std::error::Error for KilnError {}
+
+impl From<data::DataError> for KilnError {
+    fn from(e: data::DataError) -> Self {
+        KilnError::User(e.to_string())
+    }
+}
+
+/// Shorthand for a user error.
+pub fn user<T>(msg: impl Into<String>) -> Result<T, KilnError> {
+    Err(KilnError::User(msg.into()))
+}
+
+/// Wraps an I/O error with the path it concerns.
+pub fn io_err(path: &std::path::Path, e: std::io::Error) -> KilnError {
+    KilnError::Internal(format!("{}: {e}", path.display()))
+}
+
+pub type Result<T, E = KilnError> = std::result::Result<T, E>;

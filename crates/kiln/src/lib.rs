@@ -1,0 +1,11 @@
+//! kiln: the trainer, data plumbing, checkpoints, metrics and the CLI. No kernel code lives
+//! here: everything numeric is a call into `tensor` through `model`.
+
+pub mod checkpoint;
+pub mod cli;
+pub mod config;
+pub mod error;
+pub mod presets;
+pub mod progress;
+pub mod run;
+pub mod trainer;

@@ -1,0 +1,393 @@
+//! The training loop: config → data → model → steps (micro-batches, clipping, AdamW, schedule)
+//! with periodic evaluation, metrics, checkpoints, Ctrl-C handling, and a sample at the end.
+//!
+//! Determinism: the batch sampler is one seeded RNG drawn in a fixed order for the *global*
+//! batch; dropout masks are keyed by `(seed, step, micro-step)`; every kernel reduces in a fixed
+//! order. A run is a pure function of its config, so a resumed run (which restores the sampler
+//! state, parameters and moments) continues bit for bit.
+
+use crate::checkpoint::{self, Tensors, TrainState};
+use crate::config::{self, Raw, RunConfig, STRUCTURAL_KEYS};
+use crate::error::{io_err, user, KilnError, Result};
+use crate::presets;
+use crate::progress::{fmt_duration, Progress, StepInfo};
+use crate::run::{self, ckpt_dir, write_atomic};
+use data::{Dataset, Tokenizer, Tokens};
+use model::gpt::IGNORE_INDEX;
+use model::{Gpt, Sampler};
+use std::fs;
+use std::io::{BufRead, Write};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+use tensor::rng::mix64;
+use tensor::{adamw_update, scale_in_place, sum_squares, AdamW, Rng};
+
+#[derive(Clone, Debug, Default)]
+pub struct TrainArgs {
+    pub preset: Option<String>,
+    pub config: Option<PathBuf>,
+    pub data: Vec<PathBuf>,
+    pub out: Option<PathBuf>,
+    pub set: Vec<String>,
+    pub max_steps: Option<u64>,
+    pub resume: bool,
+    pub seed: Option<u64>,
+    pub quiet: bool,
+}
+
+pub struct Summary {
+    pub run_dir: PathBuf,
+    pub step: u64,
+    pub val_loss: Option<f64>,
+    pub interrupted: bool,
+}
+
+/// Builds the raw config from a base and the user's overrides, in order: file, `--set`,
+/// then the dedicated flags (`--data`, `--max-steps`, `--seed`).
+fn layered(base: &RunConfig, args: &TrainArgs) -> Result<RunConfig> {
+    let mut raw: Raw = base.to_raw();
+    if let Some(p) = &args.config {
+        config::apply_file(&mut raw, p)?;
+    }
+    for kv in &args.set {
+        config::apply_set(&mut raw, kv)?;
+    }
+    if !args.data.is_empty() {
+        let paths = args.data.iter().map(|p| toml::Value::String(p.display().to_string())).collect();
+        raw.insert("data.paths".into(), toml::Value::Array(paths));
+    }
+    if let Some(n) = args.max_steps {
+        raw.insert("train.max_steps".into(), toml::Value::Integer(n as i64));
+    }
+    if let Some(s) = args.seed {
+        raw.insert("train.seed".into(), toml::Value::Integer(s as i64));
+    }
+    RunConfig::resolve(&raw)
+}
+
+/// Loads the training data for `cfg` (its paths, or the Rust books) with `tokenizer` when the
+/// run already has one (resume), else the configured tokenizer spec.
+pub fn load_data(cfg: &RunConfig, tokenizer: Option<Tokenizer>) -> Result<Dataset> {
+    let frac = cfg.data.val_fraction;
+    if cfg.data.paths.is_empty() {
+        let (text, files) = data::default_corpus()?;
+        let tok = match tokenizer {
+            Some(t) => t,
+            None => Tokenizer::from_spec(&cfg.data.tokenizer, Some(&text))?,
+        };
+        let ids = tok.encode(&text);
+        let n_train = ((ids.len() as f64) * (1.0 - frac)) as usize;
+        let description = format!("the Rust books ({} files, {} tokens, {} tokenizer, vocab {})", files.len(), ids.len(), tok.kind(), tok.vocab_size());
+        return Ok(Dataset { val: Tokens::from_vec(ids[n_train..].to_vec()), train: Tokens::from_vec(ids[..n_train].to_vec()), tokenizer: tok, description, files, skipped: 0 });
+    }
+    let paths: Vec<PathBuf> = cfg.data.paths.iter().map(PathBuf::from).collect();
+    Ok(match tokenizer {
+        Some(t) => data::load_with(&paths, t, frac)?,
+        None => data::load(&paths, &cfg.data.tokenizer, frac)?,
+    })
+}
+
+fn data_name(cfg: &RunConfig) -> String {
+    if cfg.data.paths.is_empty() { "the default corpus".into() } else { cfg.data.paths.join(", ") }
+}
+
+/// Checks the data against the model: enough tokens for one window in each split, and a
+/// model vocabulary that covers the tokenizer's.
+fn check_data_fits(cfg: &RunConfig, ds: &Dataset) -> Result<()> {
+    let bs = cfg.model.block_size;
+    for (split, toks) in [("training", &ds.train), ("validation", &ds.val)] {
+        if toks.len() <= bs + 1 {
+            return user(format!(
+                "model.block_size ({bs}) is larger than the {split} split of {} ({} tokens): use a smaller block_size or more data",
+                data_name(cfg), toks.len()
+            ));
+        }
+    }
+    if cfg.model.vocab_size != 0 && cfg.model.vocab_size < ds.tokenizer.vocab_size() {
+        return user(format!("model.vocab_size ({}) is smaller than the {} tokenizer's vocabulary ({})", cfg.model.vocab_size, ds.tokenizer.kind(), ds.tokenizer.vocab_size()));
+    }
+    Ok(())
+}
+
+/// The structural keys on which two configs differ.
+fn incompatible(a: &RunConfig, b: &RunConfig) -> Vec<String> {
+    let (ra, rb) = (a.to_raw(), b.to_raw());
+    STRUCTURAL_KEYS
+        .iter()
+        .filter(|k| ra.get(**k) != rb.get(**k))
+        .map(|k| format!("{k} = {} in the run, {} now", ra.get(*k).map_or("-".into(), |v| v.to_string()), rb.get(*k).map_or("-".into(), |v| v.to_string())))
+        .collect()
+}
+
+/// Contiguous parameter ranges with the same weight-decay flag (one AdamW call each).
+fn decay_segments(layout: &model::ParamLayout) -> Vec<(std::ops::Range<usize>, bool)> {
+    let mut segs: Vec<(std::ops::Range<usize>, bool)> = Vec::new();
+    for p in &layout.params {
+        match segs.last_mut() {
+            Some((r, d)) if *d == p.decay && r.end == p.offset => r.end = p.offset + p.len(),
+            _ => segs.push((p.range(), p.decay)),
+        }
+    }
+    segs
+}
+
+/// Draws the sequence start offsets of one global batch.
+fn sample_offsets(rng: &mut Rng, n_tokens: usize, t: usize, count: usize) -> Vec<usize> {
+    (0..count).map(|_| rng.below((n_tokens - t) as u64) as usize).collect()
+}
+
+fn fill_windows(toks: &Tokens, offsets: &[usize], t: usize, x: &mut [u32], y: &mut [i32]) {
+    let mut buf = vec![0u32; t + 1];
+    for (i, &o) in offsets.iter().enumerate() {
+        toks.copy_to(o, &mut buf);
+        x[i * t..(i + 1) * t].copy_from_slice(&buf[..t]);
+        for j in 0..t {
+            y[i * t + j] = buf[j + 1] as i32;
+        }
+    }
+}
+
+/// Mean loss over non-overlapping windows of the split, `batch` windows at a time, at most
+/// `max_batches` batches (0 = all). Returns (loss, tokens counted).
+pub fn evaluate(m: &mut Gpt, toks: &Tokens, t: usize, batch: usize, max_batches: usize) -> (f64, usize) {
+    let n_windows = (toks.len() - 1) / t;
+    let mut offsets: Vec<usize> = (0..n_windows).map(|k| k * t).collect();
+    if max_batches > 0 {
+        offsets.truncate(max_batches * batch);
+    }
+    let (mut x, mut y) = (vec![0u32; batch * t], vec![0i32; batch * t]);
+    let (mut sum, mut count) = (0.0f64, 0usize);
+    for chunk in offsets.chunks(batch) {
+        x.fill(0);
+        y.fill(IGNORE_INDEX);
+        fill_windows(toks, chunk, t, &mut x, &mut y);
+        m.forward(&x, &y, batch, t, false, 0);
+        sum += m.losses().iter().map(|&l| l as f64).sum::<f64>();
+        count += chunk.len() * t;
+    }
+    (sum / count.max(1) as f64, count)
+}
+
+/// Runs `kiln train`.
+pub fn train(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
+    // 1. Config and run directory: everything is checked before anything is written.
+    let preset_name = args.preset.clone().unwrap_or_else(|| "tiny".into());
+    let run_dir = match (&args.out, args.resume) {
+        (Some(d), _) => d.clone(),
+        (None, true) => run::latest_run(args.preset.as_deref())?,
+        (None, false) => run::default_run_dir(&preset_name),
+    };
+    let saved_cfg_path = run_dir.join("config.toml");
+    let mut resume_from = None;
+    let cfg = if args.resume {
+        if !saved_cfg_path.exists() {
+            return user(format!("--resume: {} is not a kiln run directory (no config.toml)", run_dir.display()));
+        }
+        let saved = RunConfig::load(&saved_cfg_path)?;
+        let cfg = layered(&saved, &TrainArgs { preset: None, ..args.clone() })?;
+        if let Some(p) = &args.preset {
+            if p != &saved.preset {
+                return user(format!("--resume: {} was made with preset `{}`, not `{p}`", run_dir.display(), saved.preset));
+            }
+        }
+        let diff = incompatible(&saved, &cfg);
+        if !diff.is_empty() {
+            return user(format!("--resume: {} has an incompatible config: {}", run_dir.display(), diff.join("; ")));
+        }
+        resume_from = Some(checkpoint::latest_valid(&ckpt_dir(&run_dir))?);
+        cfg
+    } else {
+        let cfg = layered(&presets::preset(&preset_name)?, args)?;
+        if saved_cfg_path.exists() || !checkpoint::list(&ckpt_dir(&run_dir)).is_empty() {
+            return user(format!("{} already holds a run: pass --resume to continue it, or choose another --out", run_dir.display()));
+        }
+        cfg
+    };
+
+    // 2. Data.
+    let tokenizer = match &resume_from {
+        Some(l) => Some(Tokenizer::from_json(&l.tokenizer_json, &l.dir.join("tokenizer.json"))?),
+        None => None,
+    };
+    let ds = load_data(&cfg, tokenizer)?;
+    check_data_fits(&cfg, &ds)?;
+    let mut cfg = cfg;
+    let gcfg = cfg.gpt_config(ds.tokenizer.vocab_size());
+    cfg.model.vocab_size = gcfg.vocab_size;
+    let t = cfg.model.block_size;
+    let mb = cfg.micro_batch();
+
+    // 3. Model, optimizer state, sampler.
+    let mut model = Gpt::new(gcfg, ds.tokenizer.vocab_size(), cfg.train.seed);
+    let n = model.num_params();
+    let (mut m_buf, mut v_buf) = (vec![0.0f32; n], vec![0.0f32; n]);
+    let mut sampler = Rng::new(mix64(cfg.train.seed ^ 0x5EED_DA7A));
+    let (mut step, mut tokens_seen, mut elapsed_prev) = (0u64, 0u64, 0.0f64);
+    if let Some(l) = &resume_from {
+        let layout = model.layout.clone();
+        checkpoint::read_into(&l.model, "", &layout, &mut model.params, &l.dir.join("model.safetensors"))?;
+        checkpoint::read_into(&l.optim, "exp_avg.", &layout, &mut m_buf, &l.dir.join("optimizer.safetensors"))?;
+        checkpoint::read_into(&l.optim, "exp_avg_sq.", &layout, &mut v_buf, &l.dir.join("optimizer.safetensors"))?;
+        sampler = Rng::from_state(l.state.sampler_rng);
+        step = l.state.step;
+        tokens_seen = l.state.tokens_seen;
+        elapsed_prev = l.state.elapsed_s;
+    }
+
+    // 4. The run directory.
+    fs::create_dir_all(ckpt_dir(&run_dir)).map_err(|e| io_err(&run_dir, e))?;
+    write_atomic(&saved_cfg_path, cfg.to_toml().as_bytes())?;
+    let tok_json = ds.tokenizer.to_json();
+    write_atomic(&run_dir.join("tokenizer.json"), tok_json.as_bytes())?;
+    let metrics_path = run_dir.join("metrics.jsonl");
+    if resume_from.is_some() {
+        truncate_metrics(&metrics_path, step)?;
+    }
+    let mut metrics = fs::OpenOptions::new().create(true).append(true).open(&metrics_path).map_err(|e| io_err(&metrics_path, e))?;
+
+    let peak = tensor::matmul::measure_peak_flops(1024, 3);
+    let n_no_pos = model.layout.count_without("transformer.wpe.weight") as f64;
+    // PaLM (Chowdhery et al. 2022), appendix B: 6N + 12·L·C·T FLOPs per token (fwd + bwd).
+    let flops_per_token = 6.0 * n_no_pos + 12.0 * (cfg.model.n_layer * cfg.model.n_embd * t) as f64;
+
+    let max_steps = cfg.train.max_steps;
+    let progress = Progress::new(step, max_steps, args.quiet);
+    let say = |s: &str| if !args.quiet { progress.println(s) };
+    say(&format!(
+        "kiln: {} | {:.2}M parameters | {} | run dir {}",
+        cfg.preset, n as f64 / 1e6, ds.description, run_dir.display()
+    ));
+    if let Some(l) = &resume_from {
+        say(&format!("resuming from {} (step {step})", l.dir.display()));
+    }
+
+    let segs = decay_segments(&model.layout);
+    let (mut x, mut y) = (vec![0u32; mb * t], vec![0i32; mb * t]);
+    let started = Instant::now();
+    let mut last_val = None;
+    let mut interrupted = false;
+    let write_line = |f: &mut fs::File, v: serde_json::Value| -> Result<()> {
+        writeln!(f, "{v}").map_err(|e| io_err(&metrics_path, e))
+    };
+    let save = |model: &Gpt, m: &[f32], v: &[f32], step: u64, sampler: &Rng, tokens_seen: u64, elapsed: f64| -> Result<PathBuf> {
+        let mt = Tensors { items: named(&model.layout, "", &model.params) };
+        let mut opt = named(&model.layout, "exp_avg.", m);
+        opt.extend(named(&model.layout, "exp_avg_sq.", v));
+        let ot = Tensors { items: opt };
+        let state = TrainState { step, sampler_rng: sampler.state(), tokens_seen, elapsed_s: elapsed, config: cfg.to_toml() };
+        let dir = checkpoint::save(&ckpt_dir(&run_dir), &state, &mt, &ot, &tok_json)?;
+        checkpoint::prune(&ckpt_dir(&run_dir), cfg.checkpoint.keep);
+        Ok(dir)
+    };
+
+    while step < max_steps {
+        let t0 = Instant::now();
+        let lr = cfg.lr_at(step);
+        model.zero_grad();
+        let offsets = sample_offsets(&mut sampler, ds.train.len(), t, cfg.train.batch_size);
+        let accum = cfg.train.grad_accum;
+        let mut loss_sum = 0.0f64;
+        for (micro, chunk) in offsets.chunks(mb).enumerate() {
+            fill_windows(&ds.train, chunk, t, &mut x, &mut y);
+            let seed = mix64(cfg.train.seed ^ mix64(step.wrapping_mul(1 << 16) + micro as u64));
+            loss_sum += model.forward(&x, &y, mb, t, true, seed) as f64;
+            model.backward(1.0 / accum as f32);
+        }
+        let loss = (loss_sum / accum as f64) as f32;
+        if !loss.is_finite() {
+            return Err(KilnError::Internal(format!("loss is {loss} at step {}: stopping (the last checkpoint is intact)", step + 1)));
+        }
+        let grad_norm = sum_squares(&model.grads).sqrt();
+        if cfg.train.grad_clip > 0.0 && grad_norm > cfg.train.grad_clip {
+            scale_in_place(&mut model.grads, (cfg.train.grad_clip / (grad_norm + 1e-6)) as f32);
+        }
+        for (r, decay) in &segs {
+            let h = AdamW {
+                lr: lr as f32, beta1: cfg.train.beta1 as f32, beta2: cfg.train.beta2 as f32, eps: cfg.train.eps as f32,
+                weight_decay: if *decay { cfg.train.weight_decay as f32 } else { 0.0 }, t: step + 1,
+            };
+            adamw_update(&mut model.params[r.clone()], &model.grads[r.clone()], &mut m_buf[r.clone()], &mut v_buf[r.clone()], &h);
+        }
+        step += 1;
+        let step_tokens = (cfg.train.batch_size * t) as u64;
+        tokens_seen += step_tokens;
+        let dt = t0.elapsed().as_secs_f64();
+        let tps = step_tokens as f64 / dt;
+        let mfu = flops_per_token * tps / peak;
+        let elapsed = elapsed_prev + started.elapsed().as_secs_f64();
+        write_line(&mut metrics, serde_json::json!({
+            "kind": "train", "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+            "tokens_per_sec": tps, "mfu": mfu, "elapsed_s": elapsed,
+        }))?;
+        let log_now = step % cfg.train.log_interval.max(1) == 0 || step == max_steps;
+        progress.step(&StepInfo { step, loss, lr, tokens_per_sec: tps, mfu }, log_now);
+
+        let last = step == max_steps;
+        interrupted = stop.load(Ordering::SeqCst);
+        let every = |k: u64| k > 0 && step % k == 0;
+        if every(cfg.eval.interval) || last {
+            let eb = if cfg.eval.batch_size == 0 { mb } else { cfg.eval.batch_size };
+            let (vl, _) = evaluate(&mut model, &ds.val, t, eb, cfg.eval.iters);
+            last_val = Some(vl);
+            write_line(&mut metrics, serde_json::json!({"kind": "eval", "step": step, "val_loss": vl}))?;
+            say(&format!("step {step}: train loss {loss:.4}, val loss {vl:.4}"));
+        }
+        if every(cfg.checkpoint.interval) || last || interrupted {
+            let dir = save(&model, &m_buf, &v_buf, step, &sampler, tokens_seen, elapsed)?;
+            if interrupted || last {
+                say(&format!("checkpoint saved: {}", dir.display()));
+            }
+        }
+        if interrupted {
+            break;
+        }
+    }
+    progress.finish();
+    metrics.flush().map_err(|e| io_err(&metrics_path, e))?;
+    let total = started.elapsed().as_secs_f64();
+    if interrupted {
+        eprintln!("interrupted: stopped cleanly at step {step}; continue with: kiln train --resume --out {}", run_dir.display());
+    } else if !args.quiet {
+        eprintln!("trained to step {step} in {}", fmt_duration(total));
+    }
+
+    // 5. A sample of what the model learned.
+    if !interrupted && cfg.sample.tokens > 0 {
+        let text = sample_text(&model, &ds.tokenizer, &cfg.sample.prompt, cfg.sample.tokens, cfg.sample.temperature as f32, cfg.sample.top_k, cfg.train.seed);
+        write_atomic(&run_dir.join("sample.txt"), text.as_bytes())?;
+        if !args.quiet {
+            println!("--- sample (step {step}) ---\n{text}\n---");
+        }
+    }
+    Ok(Summary { run_dir, step, val_loss: last_val, interrupted })
+}
+
+/// The views of `buf` under the layout's names, with `prefix`.
+fn named<'a>(layout: &model::ParamLayout, prefix: &str, buf: &'a [f32]) -> Vec<(String, Vec<usize>, &'a [f32])> {
+    layout.params.iter().map(|p| (format!("{prefix}{}", p.name), p.shape.clone(), &buf[p.range()])).collect()
+}
+
+/// Prompt plus generated continuation, decoded.
+pub fn sample_text(model: &Gpt, tok: &Tokenizer, prompt: &str, n: usize, temperature: f32, top_k: usize, seed: u64) -> String {
+    let ids = tok.encode(prompt);
+    let out = model.generate(&ids, n, &Sampler { temperature, top_k, seed });
+    let mut all = ids;
+    all.extend(out);
+    tok.decode(&all)
+}
+
+/// Keeps only the metrics lines of steps ≤ `step` (a resumed run re-emits the rest).
+fn truncate_metrics(path: &Path, step: u64) -> Result<()> {
+    let Ok(f) = fs::File::open(path) else { return Ok(()) };
+    let mut kept = String::new();
+    for line in std::io::BufReader::new(f).lines() {
+        let line = line.map_err(|e| io_err(path, e))?;
+        let s = serde_json::from_str::<serde_json::Value>(&line).ok().and_then(|v| v.get("step").and_then(|s| s.as_u64()));
+        if s.is_some_and(|s| s <= step) {
+            kept.push_str(&line);
+            kept.push('\n');
+        }
+    }
+    write_atomic(path, kept.as_bytes())
+}
