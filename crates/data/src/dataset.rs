@@ -165,6 +165,14 @@ fn load_impl(paths: &[PathBuf], choice: Choice, val_fraction: f64) -> Result<Dat
                         }
                     }
                     if !pending.is_empty() {
+                        if let Tokenizer::Char(v) = &tokenizer {
+                            if v.id('\n').is_none() {
+                                return Err(DataError::at(
+                                    path,
+                                    "the char tokenizer has no '\\n', which joins this file to the previous one",
+                                ));
+                            }
+                        }
                         pending.push_str("\n\n");
                     }
                     pending.push_str(text);
@@ -294,7 +302,7 @@ fn gather(p: &Path, items: &mut Vec<Item>, skipped: &mut usize) -> Result<(), Da
             });
         } else {
             let mut files = Vec::new();
-            walk(p, &mut files)?;
+            walk(p, &mut files, 0)?;
             for f in files {
                 if let Some(item) = read_file(&f, false)? {
                     items.push(item);
@@ -310,7 +318,10 @@ fn gather(p: &Path, items: &mut Vec<Item>, skipped: &mut usize) -> Result<(), Da
 }
 
 /// All non-hidden files under `dir`, sorted by path; a prepared directory inside is an error.
-fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> Result<(), DataError> {
+fn walk(dir: &Path, out: &mut Vec<PathBuf>, depth: usize) -> Result<(), DataError> {
+    if depth > 64 {
+        return Err(DataError::at(dir, "directories nested more than 64 deep (a symlink loop?)"));
+    }
     let rd = fs::read_dir(dir).map_err(|e| DataError::io(dir, "cannot list directory", e))?;
     let mut entries = Vec::new();
     for e in rd {
@@ -330,7 +341,7 @@ fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> Result<(), DataError> {
                     format!("is a prepared dataset directory inside {}; pass it on its own", dir.display()),
                 ));
             }
-            walk(&path, out)?;
+            walk(&path, out, depth + 1)?;
         } else if md.is_file() {
             out.push(path);
         }

@@ -229,6 +229,10 @@ impl Tokenizer {
                 .map(|&id| v.chars.get(id as usize).copied().unwrap_or(char::REPLACEMENT_CHARACTER))
                 .collect(),
             Tokenizer::Gpt2(g) => {
+                if let Ok(b) = g.bpe.decode_bytes(ids) {
+                    return String::from_utf8_lossy(&b).into_owned();
+                }
+                // Some id is unknown: go token by token.
                 let mut bytes = Vec::with_capacity(ids.len() * 4);
                 let mut out = String::new();
                 for &id in ids {

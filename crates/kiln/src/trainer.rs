@@ -356,9 +356,8 @@ pub fn train(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
     if !interrupted && cfg.sample.tokens > 0 {
         let text = sample_text(&model, &ds.tokenizer, &cfg.sample.prompt, cfg.sample.tokens, cfg.sample.temperature as f32, cfg.sample.top_k, cfg.train.seed);
         write_atomic(&run_dir.join("sample.txt"), text.as_bytes())?;
-        if !args.quiet {
-            println!("--- sample (step {step}) ---\n{text}\n---");
-        }
+        // The sample is the run's product, so it goes to stdout even with --quiet.
+        println!("--- sample (step {step}) ---\n{text}\n---");
     }
     Ok(Summary { run_dir, step, val_loss: last_val, interrupted })
 }

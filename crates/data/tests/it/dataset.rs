@@ -229,7 +229,7 @@ fn bpe_spec_trains_on_the_text_and_round_trips_through_prepare() {
     std::fs::write(&src, crate::sample_text(50_000)).unwrap();
     let ds = load(&[src.clone()], "bpe:400", 0.1).unwrap();
     assert_eq!((ds.tokenizer.kind(), ds.tokenizer.vocab_size()), ("bpe", 400));
-    assert!(ds.train.len() + ds.val.len() < 50_000 / 2);
+    assert!(ds.train.len() + ds.val.len() < 50_000 * 2 / 3);
     let out = dir.join("prep");
     prepare(&[src.clone()], "bpe:400", &out, 0.1).unwrap();
     for spec in ["bpe:400", "auto", s(&out)] {
@@ -243,4 +243,15 @@ fn bpe_spec_trains_on_the_text_and_round_trips_through_prepare() {
     let bin = dir.join("t.bin");
     write_bin(&bin, &[1, 2, 3]).unwrap();
     assert_names(load(&[bin.clone()], "bpe:300", 0.1).unwrap_err(), s(&bin));
+}
+
+#[test]
+fn load_with_char_without_newline_cannot_join_files() {
+    let dir = temp_dir("charnl");
+    let (a, b) = (dir.join("a.txt"), dir.join("b.txt"));
+    std::fs::write(&a, "ab").unwrap();
+    std::fs::write(&b, "ba").unwrap();
+    let tok = Tokenizer::from_spec("char", Some("ab")).unwrap();
+    assert_eq!(load_with(&[a.clone()], tok.clone(), 0.0).unwrap().train.len(), 2);
+    assert_names(load_with(&[a, b.clone()], tok, 0.0).unwrap_err(), s(&b));
 }

@@ -1,0 +1,73 @@
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+pub fn kiln(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kiln")).args(args).env("RAYON_NUM_THREADS", "2").output().expect("run kiln")
+}
+
+pub fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+pub fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// A fresh, empty scratch directory for one test.
+pub fn scratch(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("kiln-it-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// About 40 KB of varied English-like text.
+pub fn corpus(dir: &Path) -> PathBuf {
+    let words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "and", "then", "runs", "far", "away", "from", "home", "while", "birds", "sing"];
+    let mut s = String::new();
+    let mut x: u64 = 12345;
+    for i in 0..8000 {
+        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        s.push_str(words[(x >> 33) as usize % words.len()]);
+        s.push(if i % 11 == 10 { '\n' } else { ' ' });
+    }
+    let p = dir.join("corpus.txt");
+    std::fs::write(&p, s).unwrap();
+    p
+}
+
+/// Flags for a small, fast model.
+pub const SMALL: &[&str] = &[
+    "--set", "model.n_layer=1", "--set", "model.n_head=2", "--set", "model.n_embd=16", "--set", "model.block_size=16",
+    "--set", "train.batch_size=4", "--set", "train.warmup_steps=2", "--set", "train.lr_decay_steps=40",
+    "--set", "eval.interval=5", "--set", "eval.iters=2", "--set", "checkpoint.interval=5", "--set", "sample.tokens=20", "--quiet",
+];
+
+/// `kiln train` on the small model with extra args; returns the output.
+pub fn train(data: &Path, out: &Path, extra: &[&str]) -> Output {
+    let mut args = vec!["train", "--data", data.to_str().unwrap(), "--out", out.to_str().unwrap()];
+    args.extend_from_slice(SMALL);
+    args.extend_from_slice(extra);
+    kiln(&args)
+}
+
+/// The train losses from a run's metrics.jsonl, by step.
+pub fn losses(run: &Path) -> Vec<(u64, f64)> {
+    std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|v| v["kind"] == "train")
+        .map(|v| (v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap()))
+        .collect()
+}
+
+/// Asserts a user error: exit code 2 and every `needle` in stderr.
+pub fn assert_user_error(o: &Output, needles: &[&str]) {
+    let err = stderr(o);
+    assert_eq!(o.status.code(), Some(2), "expected exit 2, stderr: {err}");
+    for n in needles {
+        assert!(err.contains(n), "stderr should mention `{n}`: {err}");
+    }
+    assert!(!err.contains("panicked"), "a user error must not panic: {err}");
+}

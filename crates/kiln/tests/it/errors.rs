@@ -1,0 +1,151 @@
+//! Every bad input named by the foundation issue (#2): a one-line error naming the key, value
+//! or path, exit code 2, and nothing written or broken.
+
+use crate::common::*;
+use std::fs;
+
+#[test]
+fn unknown_config_key_from_set_and_from_file() {
+    let d = scratch("unknown-key");
+    let data = corpus(&d);
+    let out = d.join("run");
+    let o = train(&data, &out, &["--set", "model.n_layers=2"]);
+    assert_user_error(&o, &["model.n_layers", "unknown config key"]);
+    let cfg = d.join("bad.toml");
+    fs::write(&cfg, "[train]\nlearning_rate = 0.1\n").unwrap();
+    let o = train(&data, &out, &["--config", cfg.to_str().unwrap()]);
+    assert_user_error(&o, &["train.learning_rate", "bad.toml"]);
+    assert!(!out.exists(), "a bad config must not create the run directory");
+}
+
+#[test]
+fn wrong_value_types_and_invalid_toml() {
+    let d = scratch("types");
+    let data = corpus(&d);
+    let out = d.join("run");
+    assert_user_error(&train(&data, &out, &["--set", "train.lr=fast"]), &["train.lr", "a number"]);
+    let cfg = d.join("broken.toml");
+    fs::write(&cfg, "[model\nn_layer = 2\n").unwrap();
+    assert_user_error(&train(&data, &out, &["--config", cfg.to_str().unwrap()]), &["broken.toml", "invalid TOML"]);
+    assert_user_error(&kiln(&["train", "--preset", "huge", "--out", out.to_str().unwrap()]), &["unknown preset `huge`"]);
+    assert!(!out.exists());
+}
+
+#[test]
+fn n_embd_not_divisible_by_n_head() {
+    let d = scratch("divisible");
+    let data = corpus(&d);
+    let o = train(&data, &d.join("run"), &["--set", "model.n_embd=18", "--set", "model.n_head=4"]);
+    assert_user_error(&o, &["model.n_embd (18)", "model.n_head (4)"]);
+}
+
+#[test]
+fn zero_and_negative_sizes() {
+    let d = scratch("sizes");
+    let data = corpus(&d);
+    let out = d.join("run");
+    assert_user_error(&train(&data, &out, &["--set", "model.n_layer=0"]), &["model.n_layer must be positive"]);
+    assert_user_error(&train(&data, &out, &["--set", "train.batch_size=-4"]), &["train.batch_size", "negative"]);
+    assert_user_error(&train(&data, &out, &["--set", "model.block_size=0"]), &["model.block_size must be positive"]);
+    assert_user_error(&train(&data, &out, &["--set", "train.batch_size=6", "--set", "train.grad_accum=4"]), &["train.batch_size (6)", "train.grad_accum (4)"]);
+    assert!(!out.exists());
+}
+
+#[test]
+fn block_size_larger_than_the_data() {
+    let d = scratch("block");
+    let data = d.join("small.txt");
+    fs::write(&data, "a very short text, only a few dozen bytes long at most.").unwrap();
+    let out = d.join("run");
+    let o = train(&data, &out, &[]);
+    assert_user_error(&o, &["model.block_size (16)", "small.txt"]);
+    assert!(!out.exists());
+}
+
+#[test]
+fn missing_and_empty_data_files() {
+    let d = scratch("missing");
+    let out = d.join("run");
+    let missing = d.join("nope.txt");
+    assert_user_error(&train(&missing, &out, &[]), &["nope.txt"]);
+    let empty = d.join("empty.txt");
+    fs::write(&empty, "").unwrap();
+    assert_user_error(&train(&empty, &out, &[]), &["empty.txt"]);
+    assert!(!out.exists());
+}
+
+#[test]
+fn token_id_beyond_vocabulary_in_a_token_file() {
+    let d = scratch("vocab");
+    let bin = d.join("tokens.bin");
+    let mut bytes = Vec::new();
+    for i in 0..5000u16 {
+        bytes.extend_from_slice(&(if i == 1234 { 300u16 } else { i % 200 }).to_le_bytes());
+    }
+    fs::write(&bin, bytes).unwrap();
+    let o = train(&bin, &d.join("run"), &["--set", "data.tokenizer=byte"]);
+    assert_user_error(&o, &["tokens.bin", "300"]);
+}
+
+#[test]
+fn corrupted_checkpoints_are_detected_skipped_and_never_touched() {
+    let d = scratch("corrupt");
+    let data = corpus(&d);
+    let out = d.join("run");
+    let o = train(&data, &out, &["--max-steps", "10"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let ck = out.join("checkpoints");
+    let newest = ck.join("step-00000010");
+    let older = ck.join("step-00000005");
+    assert!(newest.exists() && older.exists());
+    // Corrupt one byte of the newest model file: resume must fall back to step 5.
+    let mf = newest.join("model.safetensors");
+    let mut bytes = fs::read(&mf).unwrap();
+    let n = bytes.len();
+    bytes[n - 3] ^= 0x55;
+    fs::write(&mf, &bytes).unwrap();
+    let o = train(&data, &out, &["--resume", "--max-steps", "12"]);
+    let err = stderr(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("step-00000010") && err.contains("checksum"), "warning names the bad checkpoint: {err}");
+    assert_eq!(fs::read(&mf).unwrap(), bytes, "the corrupt checkpoint is left as it was");
+    // Resumed from step 5: steps 6..12 were re-run and step 10's new checkpoint did not overwrite the bad one.
+    assert!(ck.join("step-00000010.1").exists());
+    // Truncate every checkpoint: resume stops with exit 2 naming them.
+    for (_, dir) in kiln_list(&ck) {
+        let f = dir.join("optimizer.safetensors");
+        let b = fs::read(&f).unwrap();
+        fs::write(&f, &b[..b.len() / 2]).unwrap();
+    }
+    let o = train(&data, &out, &["--resume", "--max-steps", "20"]);
+    assert_user_error(&o, &["no valid checkpoint", "step-00000012", "truncated"]);
+    assert!(ck.join("step-00000010").exists(), "nothing deleted");
+}
+
+fn kiln_list(ck: &std::path::Path) -> Vec<(String, std::path::PathBuf)> {
+    fs::read_dir(ck).unwrap().flatten().filter(|e| e.file_name().to_string_lossy().starts_with("step-")).map(|e| (e.file_name().to_string_lossy().into_owned(), e.path())).collect()
+}
+
+#[test]
+fn resume_with_incompatible_config_and_into_existing_run() {
+    let d = scratch("incompat");
+    let data = corpus(&d);
+    let out = d.join("run");
+    assert!(train(&data, &out, &["--max-steps", "5"]).status.success());
+    let o = train(&data, &out, &["--resume", "--set", "model.n_embd=32"]);
+    assert_user_error(&o, &["incompatible config", "model.n_embd = 16 in the run, 32 now"]);
+    // A new run into an existing run directory is refused rather than overwriting it.
+    let o = train(&data, &out, &[]);
+    assert_user_error(&o, &["already holds a run", "--resume"]);
+    let o = kiln(&["train", "--resume", "--out", d.join("nothing").to_str().unwrap()]);
+    assert_user_error(&o, &["not a kiln run directory"]);
+}
+
+#[test]
+fn eval_and_generate_on_a_missing_run() {
+    let d = scratch("norun");
+    let o = kiln(&["eval", "--run", d.join("x").to_str().unwrap()]);
+    assert_user_error(&o, &["not a kiln run directory"]);
+    let o = kiln(&["generate", "--run", d.join("x").to_str().unwrap()]);
+    assert_user_error(&o, &["not a kiln run directory"]);
+}

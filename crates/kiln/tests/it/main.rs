@@ -1,0 +1,4 @@
+//! Integration tests for the kiln binary: one test binary, modules per concern.
+mod common;
+mod errors;
+mod training;

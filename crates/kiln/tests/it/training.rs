@@ -1,0 +1,140 @@
+//! End-to-end training behaviour: the run directory, determinism, bit-exact resume, Ctrl-C,
+//! eval, generate, prepared data and trained tokenizers.
+
+use crate::common::*;
+use std::fs;
+
+#[test]
+fn a_run_writes_its_directory_and_learns() {
+    let d = scratch("rundir");
+    let data = corpus(&d);
+    let out = d.join("run");
+    let o = train(&data, &out, &["--max-steps", "30", "--set", "train.lr=3e-3"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    for f in ["config.toml", "tokenizer.json", "metrics.jsonl", "sample.txt", "checkpoints/step-00000030/manifest.json"] {
+        assert!(out.join(f).exists(), "{f}");
+    }
+    let cfg = fs::read_to_string(out.join("config.toml")).unwrap();
+    assert!(cfg.contains("n_embd = 16") && cfg.contains("vocab_size = 256"), "resolved config: {cfg}");
+    let l = losses(&out);
+    assert_eq!(l.len(), 30);
+    assert!(l[29].1 < l[0].1 - 1.0, "loss falls: {} -> {}", l[0].1, l[29].1);
+    let text = fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let first: serde_json::Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
+    for k in ["kind", "step", "loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "elapsed_s"] {
+        assert!(first.get(k).is_some(), "train line has {k}");
+    }
+    assert!(text.lines().any(|l| l.contains("\"kind\":\"eval\"") && l.contains("val_loss")));
+    // Three most recent valid checkpoints are kept.
+    let n = fs::read_dir(out.join("checkpoints")).unwrap().count();
+    assert_eq!(n, 3);
+    assert!(stdout(&o).contains("--- sample"));
+}
+
+#[test]
+fn same_seed_same_losses_and_text() {
+    let d = scratch("determinism");
+    let data = corpus(&d);
+    let (a, b, c) = (d.join("a"), d.join("b"), d.join("c"));
+    let extra = ["--max-steps", "12", "--set", "model.dropout=0.1"];
+    assert!(train(&data, &a, &extra).status.success());
+    assert!(train(&data, &b, &extra).status.success());
+    let la: Vec<u64> = losses(&a).iter().map(|x| x.1.to_bits()).collect();
+    let lb: Vec<u64> = losses(&b).iter().map(|x| x.1.to_bits()).collect();
+    assert_eq!(la, lb, "same seed, same losses bit for bit");
+    assert_eq!(fs::read(a.join("sample.txt")).unwrap(), fs::read(b.join("sample.txt")).unwrap());
+    let mut e2 = extra.to_vec();
+    e2.extend(["--seed", "7"]);
+    assert!(train(&data, &c, &e2).status.success());
+    assert_ne!(losses(&a), losses(&c), "another seed, another run");
+}
+
+#[test]
+fn resume_continues_bit_exactly() {
+    // Regression guard for issue #2's resume criterion: N straight vs N/2 + --resume to N.
+    let d = scratch("resume");
+    let data = corpus(&d);
+    let (full, split) = (d.join("full"), d.join("split"));
+    let extra = ["--set", "model.dropout=0.1", "--set", "train.grad_accum=2"];
+    let mut a = extra.to_vec();
+    a.extend(["--max-steps", "20"]);
+    assert!(train(&data, &full, &a).status.success());
+    let mut b = extra.to_vec();
+    b.extend(["--max-steps", "10"]);
+    assert!(train(&data, &split, &b).status.success());
+    let o = train(&data, &split, &["--resume", "--max-steps", "20"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let (lf, ls) = (losses(&full), losses(&split));
+    assert_eq!(ls.len(), 20, "metrics lines are not duplicated on resume");
+    for (x, y) in lf.iter().zip(&ls) {
+        assert_eq!(x.0, y.0);
+        assert_eq!(x.1.to_bits(), y.1.to_bits(), "step {}: {} vs {}", x.0, x.1, y.1);
+    }
+}
+
+#[test]
+fn ctrl_c_saves_and_exits_cleanly() {
+    let d = scratch("sigint");
+    let data = corpus(&d);
+    let out = d.join("run");
+    let mut args = vec!["train", "--data", data.to_str().unwrap(), "--out", out.to_str().unwrap()];
+    args.extend_from_slice(SMALL);
+    args.extend(["--max-steps", "1000000", "--set", "checkpoint.interval=0", "--set", "eval.interval=0"]);
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_kiln")).args(&args).stderr(std::process::Stdio::piped()).spawn().unwrap();
+    // Wait until training is under way.
+    let t0 = std::time::Instant::now();
+    while losses_if_any(&out) < 3 {
+        assert!(t0.elapsed().as_secs() < 60, "training did not start");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let st = std::process::Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap();
+    assert!(st.success());
+    let o = child.wait_with_output().unwrap();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    assert!(err.contains("interrupt"), "{err}");
+    let n = losses(&out).last().unwrap().0;
+    assert!(out.join(format!("checkpoints/step-{n:08}")).exists(), "checkpoint at the last finished step {n}");
+}
+
+fn losses_if_any(run: &std::path::Path) -> usize {
+    fs::read_to_string(run.join("metrics.jsonl")).map(|s| s.lines().count()).unwrap_or(0)
+}
+
+#[test]
+fn eval_and_generate_from_a_run() {
+    let d = scratch("evalgen");
+    let data = corpus(&d);
+    let out = d.join("run");
+    assert!(train(&data, &out, &["--max-steps", "10"]).status.success());
+    let o = kiln(&["eval", "--run", out.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert!(v["val_loss"].as_f64().unwrap() > 0.0 && v["tokens"].as_u64().unwrap() > 0 && v["step"] == 10);
+    // The final eval in metrics.jsonl used the same windows (eval.iters=2 there, all here), so
+    // compare against a direct evaluation on the whole given file instead: finite and positive.
+    let o = kiln(&["eval", "--run", out.to_str().unwrap(), "--data", data.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let g = |seed: &str| stdout(&kiln(&["generate", "--run", out.to_str().unwrap(), "--prompt", "the ", "--max-new-tokens", "30", "--seed", seed]));
+    let (a, b, c) = (g("1"), g("1"), g("2"));
+    assert!(a.starts_with("the "), "{a}");
+    assert_eq!(a, b);
+    assert_ne!(a, c);
+}
+
+#[test]
+fn prepared_data_and_trained_tokenizer() {
+    let d = scratch("prepare");
+    let data = corpus(&d);
+    let tokf = d.join("bpe.json");
+    let o = kiln(&["tokenizer", "train", "--input", data.to_str().unwrap(), "--vocab-size", "300", "--out", tokf.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let prep = d.join("prep");
+    let o = kiln(&["data", "prepare", "--input", data.to_str().unwrap(), "--tokenizer", tokf.to_str().unwrap(), "--out", prep.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = d.join("run");
+    let o = train(&prep, &out, &["--max-steps", "6", "--set", &format!("data.tokenizer={}", tokf.display())]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let cfg = fs::read_to_string(out.join("config.toml")).unwrap();
+    assert!(cfg.contains("vocab_size = 320"), "300 BPE tokens padded to 320: {cfg}");
+}

@@ -1,0 +1,354 @@
+//! The `kiln plan` commands as plain structs (raw flags) and functions that return the text to print.
+//! `crates/kiln/src/cmd_plan.rs` only maps clap's parsed flags onto these and prints the result.
+
+use std::fmt::Write as _;
+
+use crate::cost::{Attention, Estimate, Recompute, Schedule};
+use crate::hardware::{Cluster, HardwareCatalog, Precision};
+use crate::models::{find_model, parse_models, Mlp, ModelShape, RawModel};
+use crate::search::{explain, mesh_name, search, Constraints, SearchResult};
+use crate::validate::{parse_table, validate, Report};
+use crate::PlanError;
+
+/// Model flags: `--model NAME|FILE` or an inline shape.
+#[derive(Clone, Debug, Default)]
+pub struct ModelArgs {
+    pub model: Option<String>,
+    /// Extra model catalogue entries (JSON).
+    pub models_file: Option<String>,
+    pub layers: Option<u64>,
+    pub hidden: Option<u64>,
+    pub heads: Option<u64>,
+    pub kv_heads: Option<u64>,
+    pub ffn_hidden: Option<u64>,
+    pub vocab: Option<u64>,
+    pub mlp: Option<String>,
+    pub experts: Option<u64>,
+    pub top_k: Option<u64>,
+}
+
+/// Cluster flags.
+#[derive(Clone, Debug, Default)]
+pub struct ClusterArgs {
+    /// Catalogue name, or a JSON file (a `cpu-local` bench file or a hardware catalogue with one accelerator).
+    pub gpu: String,
+    pub gpus: u64,
+    pub gpus_per_node: Option<u64>,
+    /// Extra hardware catalogue entries (JSON).
+    pub hardware_file: Option<String>,
+}
+
+/// Layout flags; `None` = choose the best feasible value.
+#[derive(Clone, Debug, Default)]
+pub struct LayoutArgs {
+    pub tp: Option<u64>,
+    pub pp: Option<u64>,
+    pub dp: Option<u64>,
+    pub cp: Option<u64>,
+    pub ep: Option<u64>,
+    pub global_batch: u64,
+    pub seq: Option<u64>,
+    pub micro_batch: Option<u64>,
+    pub schedule: Option<String>,
+    pub virtual_stages: Option<u64>,
+    pub recompute: Option<String>,
+    pub sequence_parallel: Option<bool>,
+    pub zero: Option<u8>,
+    pub precision: Option<String>,
+    pub attention: Option<String>,
+    pub overlap_dp: Option<bool>,
+    pub fp32_grads: Option<bool>,
+}
+
+fn read_file(path: &str, what: &str) -> Result<String, PlanError> {
+    std::fs::read_to_string(path).map_err(|e| PlanError(format!("{what} {path}: cannot read: {e}")))
+}
+
+fn looks_like_file(s: &str) -> bool {
+    s.ends_with(".json") || s.contains('/') || std::path::Path::new(s).is_file()
+}
+
+/// Resolve the model flags.
+pub fn resolve_model(a: &ModelArgs) -> Result<ModelShape, PlanError> {
+    let extra = match &a.models_file {
+        Some(p) => parse_models(&read_file(p, "--models-file")?, p)?,
+        None => vec![],
+    };
+    let inline = a.layers.is_some() || a.hidden.is_some() || a.heads.is_some();
+    match (&a.model, inline) {
+        (Some(_), true) => Err(PlanError("--model and --layers/--hidden/--heads are exclusive".into())),
+        (Some(name), false) if looks_like_file(name) => {
+            let models = parse_models(&read_file(name, "--model")?, name)?;
+            match models.len() {
+                1 => Ok(models.into_iter().next().unwrap()),
+                n => Err(PlanError(format!("--model {name}: file holds {n} models; pass one, or use --models-file and --model NAME"))),
+            }
+        }
+        (Some(name), false) => find_model(name, &extra),
+        (None, true) => {
+            let need = |v: Option<u64>, f: &str| v.ok_or_else(|| PlanError(format!("{f} is required without --model")));
+            RawModel {
+                name: "custom".into(),
+                layers: need(a.layers, "--layers")?,
+                hidden: need(a.hidden, "--hidden")?,
+                heads: need(a.heads, "--heads")?,
+                kv_heads: a.kv_heads,
+                ffn_hidden: a.ffn_hidden,
+                vocab: need(a.vocab, "--vocab")?,
+                mlp: a.mlp.as_deref().map(Mlp::parse).transpose()?,
+                experts: a.experts,
+                top_k: a.top_k,
+                ..Default::default()
+            }
+            .resolve()
+        }
+        (None, false) => Err(PlanError("give --model NAME|FILE or --layers --hidden --heads --vocab".into())),
+    }
+}
+
+/// Resolve the cluster flags.
+pub fn resolve_cluster(a: &ClusterArgs) -> Result<Cluster, PlanError> {
+    let mut cat = HardwareCatalog::builtin();
+    if let Some(p) = &a.hardware_file {
+        cat.extend(HardwareCatalog::parse_extra(&read_file(p, "--hardware-file")?, p)?);
+    }
+    let mut name = a.gpu.clone();
+    if looks_like_file(&a.gpu) && !cat.accelerators.iter().any(|x| x.name == a.gpu) {
+        let extra = HardwareCatalog::parse_extra(&read_file(&a.gpu, "--gpu")?, &a.gpu)?;
+        if extra.accelerators.len() != 1 {
+            return Err(PlanError(format!("--gpu {}: file must hold exactly one accelerator", a.gpu)));
+        }
+        name = extra.accelerators[0].name.clone();
+        cat.extend(extra);
+    }
+    Cluster::new(&cat, &name, a.gpus, a.gpus_per_node)
+}
+
+/// Resolve the layout flags into constraints, the global batch and the sequence length.
+pub fn resolve_layout(a: &LayoutArgs, model: &ModelShape) -> Result<(Constraints, u64, u64), PlanError> {
+    let c = Constraints {
+        tp: a.tp,
+        pp: a.pp,
+        dp: a.dp,
+        cp: a.cp,
+        ep: a.ep,
+        micro_batch: a.micro_batch,
+        schedule: match (&a.schedule, a.virtual_stages) {
+            (Some(s), _) => Some(Schedule::parse(s)?),
+            (None, Some(v)) if v > 1 => Some(Schedule::Interleaved),
+            _ => None,
+        },
+        virtual_stages: a.virtual_stages,
+        recompute: a.recompute.as_deref().map(Recompute::parse).transpose()?,
+        sequence_parallel: a.sequence_parallel,
+        zero: a.zero,
+        precision: a.precision.as_deref().map(Precision::parse).transpose()?,
+        attention: a.attention.as_deref().map(Attention::parse).transpose()?,
+        overlap_dp: a.overlap_dp,
+        fp32_grads: a.fp32_grads,
+    };
+    if let Some(z) = a.zero {
+        if z > 3 {
+            return Err(PlanError(format!("--zero {z}: expected 0|1|2|3")));
+        }
+    }
+    Ok((c, a.global_batch, a.seq.unwrap_or(model.seq)))
+}
+
+fn gib(b: f64) -> f64 {
+    b / (1u64 << 30) as f64
+}
+
+fn run_search(m: &ModelArgs, c: &ClusterArgs, l: &LayoutArgs) -> Result<(ModelShape, Cluster, SearchResult), PlanError> {
+    let model = resolve_model(m)?;
+    let cluster = resolve_cluster(c)?;
+    let (cons, b, s) = resolve_layout(l, &model)?;
+    let r = search(&model, &cluster, b, s, &cons)?;
+    Ok((model, cluster, r))
+}
+
+fn layout_line(e: &Estimate) -> String {
+    let l = &e.chosen;
+    let mut s = format!("{} b{}", mesh_name(l), l.micro_batch);
+    if l.pp > 1 {
+        s += &format!(" {}", l.schedule.name());
+        if l.virtual_stages > 1 {
+            s += &format!(" v{}", l.virtual_stages);
+        }
+    }
+    s += &format!(" rc:{}", l.recompute.name());
+    if l.sequence_parallel {
+        s += " sp";
+    }
+    if l.zero > 0 {
+        s += &format!(" zero{}", l.zero);
+    }
+    s
+}
+
+fn estimate_text(model: &ModelShape, cl: &Cluster, e: &Estimate) -> String {
+    let b = &e.breakdown;
+    let mut o = String::new();
+    let _ = writeln!(o, "model {} ({:.2}B params), {} x {}", model.name, model.params(e.chosen.seq) as f64 / 1e9, cl.gpus, cl.acc.name);
+    let _ = writeln!(o, "layout      {}  ({} micro-batches)", layout_line(e), b.micro_batches);
+    let _ = writeln!(o, "step time   {:.3} s", e.step_time_s);
+    let _ = writeln!(o, "throughput  {:.1} model TFLOP/s per GPU, MFU {:.1}%  ({:.1} hardware TFLOP/s incl. recompute)", e.model_tflops_per_gpu, e.mfu * 100.0, b.hardware_tflops_per_gpu);
+    let _ = writeln!(
+        o,
+        "memory      {:.1} GiB of {:.1} GiB per GPU: {}",
+        gib(e.memory_bytes_per_gpu),
+        gib(cl.acc.mem_bytes),
+        if e.fits { "fits" } else { "DOES NOT FIT" }
+    );
+    let m = &b.memory;
+    let _ = writeln!(
+        o,
+        "            weights {:.1}, grads {:.1}, optimizer {:.1}, activations {:.1}, logits {:.1}, reserved {:.1} GiB",
+        gib(m.weights),
+        gib(m.gradients),
+        gib(m.optimizer),
+        gib(m.activations),
+        gib(m.logits),
+        gib(m.reserved)
+    );
+    let _ = writeln!(o, "time        GEMM {:.3}, attention {:.3}, memory-bound {:.3}, recompute {:.3}", b.compute_gemm_s, b.compute_attention_s, b.compute_elementwise_s, b.recompute_s);
+    let _ = writeln!(
+        o,
+        "            TP {:.3}, CP {:.3}, EP {:.3}, PP p2p {:.3}, bubble {:.3}, DP exposed {:.3} (of {:.3}), optimizer {:.3} s",
+        b.tp_comm_s, b.cp_comm_s, b.ep_comm_s, b.pp_p2p_s, b.pp_bubble_s, b.dp_comm_exposed_s, b.dp_comm_total_s, b.optimizer_s
+    );
+    o
+}
+
+/// `kiln plan estimate`.
+pub fn estimate_cmd(m: &ModelArgs, c: &ClusterArgs, l: &LayoutArgs, json: bool) -> Result<String, PlanError> {
+    let (model, cluster, r) = run_search(m, c, l)?;
+    let e = match r.plans.first() {
+        Some(e) => e.clone(),
+        None => r.smallest_unfit.clone().ok_or_else(|| PlanError("no valid layout".into()))?,
+    };
+    if json {
+        return serde_json::to_string_pretty(&e).map_err(|x| PlanError(x.to_string()));
+    }
+    Ok(estimate_text(&model, &cluster, &e))
+}
+
+/// `kiln plan search`: the top `top` plans as a table and why the best wins.
+pub fn search_cmd(m: &ModelArgs, c: &ClusterArgs, l: &LayoutArgs, top: usize, json: bool) -> Result<String, PlanError> {
+    let t0 = std::time::Instant::now();
+    let (model, cluster, r) = run_search(m, c, l)?;
+    if r.plans.is_empty() {
+        let need = r.smallest_unfit.as_ref().map(|e| gib(e.memory_bytes_per_gpu)).unwrap_or(f64::NAN);
+        return Err(PlanError(format!(
+            "no layout fits: the smallest of {} needs {need:.1} GiB per GPU, {} has {:.1} GiB",
+            r.evaluated,
+            cluster.acc.name,
+            gib(cluster.acc.mem_bytes)
+        )));
+    }
+    if json {
+        let v = serde_json::json!({
+            "plans": r.plans.iter().take(top).collect::<Vec<_>>(),
+            "evaluated": r.evaluated,
+            "pruned_unfit": r.pruned_unfit,
+        });
+        return serde_json::to_string_pretty(&v).map_err(|x| PlanError(x.to_string()));
+    }
+    let mut o = String::new();
+    let _ = writeln!(
+        o,
+        "model {} ({:.2}B params) on {} x {} ({} per node), global batch {}, seq {}",
+        model.name,
+        model.params(r.plans[0].chosen.seq) as f64 / 1e9,
+        cluster.gpus,
+        cluster.acc.name,
+        cluster.gpus_per_node,
+        l.global_batch,
+        r.plans[0].chosen.seq
+    );
+    let _ = writeln!(
+        o,
+        "{} layouts evaluated, {} pruned (do not fit), {} meshes fit; searched in {:.2} s",
+        r.evaluated,
+        r.pruned_unfit,
+        r.plans.len(),
+        t0.elapsed().as_secs_f64()
+    );
+    let _ = writeln!(
+        o,
+        "{:>3} {:<48} {:>8} {:>7} {:>5} {:>7} {:>6} {:>6} {:>6} {:>6} {:>6} {:>6} {:>6} {:>6}",
+        "#", "layout", "step s", "TFLOP/s", "MFU%", "compute", "TP", "CP", "EP", "PP p2p", "bubble", "DP", "optim", "GiB"
+    );
+    for (i, e) in r.plans.iter().take(top).enumerate() {
+        let b = &e.breakdown;
+        let compute = b.compute_gemm_s + b.compute_attention_s + b.compute_elementwise_s + b.recompute_s;
+        let _ = writeln!(
+            o,
+            "{:>3} {:<48} {:>8.3} {:>7.1} {:>5.1} {:>7.3} {:>6.3} {:>6.3} {:>6.3} {:>6.3} {:>6.3} {:>6.3} {:>6.3} {:>6.1}",
+            i + 1,
+            layout_line(e),
+            e.step_time_s,
+            e.model_tflops_per_gpu,
+            e.mfu * 100.0,
+            compute,
+            b.tp_comm_s,
+            b.cp_comm_s,
+            b.ep_comm_s,
+            b.pp_p2p_s,
+            b.pp_bubble_s,
+            b.dp_comm_exposed_s,
+            b.optimizer_s,
+            gib(e.memory_bytes_per_gpu)
+        );
+    }
+    let _ = writeln!(o, "(seconds per iteration on the slowest pipeline stage; compute includes recomputation; DP = exposed part)");
+    if r.plans.len() > 1 {
+        let _ = writeln!(o, "why: {}", explain(&r.plans[0], &r.plans[1]));
+    } else {
+        let _ = writeln!(o, "why: the only mesh that fits");
+    }
+    Ok(o)
+}
+
+/// `kiln plan validate --table FILE` (or the built-in Table 1 when `table` is "table1").
+pub fn validate_cmd(table: &str, hardware_file: Option<&str>, json: bool) -> Result<String, PlanError> {
+    let text = if table == "narayanan2021" || table == "table1" {
+        crate::validate::NARAYANAN_TABLE1.to_string()
+    } else {
+        read_file(table, "--table")?
+    };
+    let rows = parse_table(&text, table)?;
+    let mut cat = HardwareCatalog::builtin();
+    if let Some(p) = hardware_file {
+        cat.extend(HardwareCatalog::parse_extra(&read_file(p, "--hardware-file")?, p)?);
+    }
+    let rep = validate(&rows, &cat, table)?;
+    if json {
+        return serde_json::to_string_pretty(&rep).map_err(|x| PlanError(x.to_string()));
+    }
+    Ok(report_text(&rep))
+}
+
+pub fn report_text(rep: &Report) -> String {
+    let mut o = String::new();
+    let _ = writeln!(o, "{:<10} {:>3} {:>3} {:>5} {:>10} {:>10} {:>8}  chosen", "run", "TP", "PP", "GPUs", "published", "predicted", "error");
+    for r in &rep.rows {
+        let l = &r.chosen;
+        let _ = writeln!(
+            o,
+            "{:<10} {:>3} {:>3} {:>5} {:>10.1} {:>10.1} {:>+7.1}%  b{} v{}{}",
+            r.name,
+            r.tp,
+            r.pp,
+            r.gpus,
+            r.published_tflops,
+            r.predicted_tflops,
+            r.error_pct,
+            l.micro_batch,
+            l.virtual_stages,
+            if r.fits { "" } else { " (does not fit)" }
+        );
+    }
+    let _ = writeln!(o, "mean absolute percentage error {:.2}%, worst {:.2}% ({})", rep.mape_pct, rep.worst_pct, rep.worst_row);
+    o
+}

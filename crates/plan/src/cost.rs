@@ -1,0 +1,994 @@
+//! The cost model: FLOPs, memory, communication and time of one training iteration. Pure functions of
+//! (model, cluster, layout). Every formula names its source; where none exists, the comment says it is an
+//! assumption of this planner.
+//!
+//! Shape letters: B global batch (sequences), b micro-batch, s sequence, h hidden, a heads, d head width,
+//! f MLP width, V vocabulary, L layers, t tensor-parallel, p pipeline, v virtual stages (interleaving),
+//! m micro-batches per pipeline per iteration, N data-parallel degree, Ψ parameters.
+
+use serde::Serialize;
+
+use crate::hardware::{Cluster, Precision};
+use crate::models::{Mlp, ModelShape};
+use crate::PlanError;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, PartialOrd, Ord)]
+#[serde(rename_all = "lowercase")]
+pub enum Schedule {
+    Gpipe,
+    #[serde(rename = "1f1b")]
+    OneFOneB,
+    Interleaved,
+}
+
+impl Schedule {
+    pub fn parse(s: &str) -> Result<Schedule, PlanError> {
+        match s.to_ascii_lowercase().as_str() {
+            "gpipe" => Ok(Schedule::Gpipe),
+            "1f1b" => Ok(Schedule::OneFOneB),
+            "interleaved" | "interleaved-1f1b" => Ok(Schedule::Interleaved),
+            o => Err(PlanError(format!("--schedule: unknown schedule '{o}' (expected gpipe|1f1b|interleaved)"))),
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Schedule::Gpipe => "gpipe",
+            Schedule::OneFOneB => "1f1b",
+            Schedule::Interleaved => "interleaved",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, PartialOrd, Ord)]
+#[serde(rename_all = "lowercase")]
+pub enum Recompute {
+    None,
+    Selective,
+    Full,
+}
+
+impl Recompute {
+    pub fn parse(s: &str) -> Result<Recompute, PlanError> {
+        match s.to_ascii_lowercase().as_str() {
+            "none" => Ok(Recompute::None),
+            "selective" => Ok(Recompute::Selective),
+            "full" => Ok(Recompute::Full),
+            o => Err(PlanError(format!("--recompute: unknown policy '{o}' (expected none|selective|full)"))),
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Recompute::None => "none",
+            Recompute::Selective => "selective",
+            Recompute::Full => "full",
+        }
+    }
+}
+
+/// Attention kernel: Megatron's unfused QKᵀ / softmax / dropout / AV (stores the s² tensors, streams them through
+/// HBM), or a flash-style fused kernel (Dao et al. 2022: no s² tensor in HBM, recomputes it in backward, skips the
+/// masked half under a causal mask).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, PartialOrd, Ord)]
+#[serde(rename_all = "lowercase")]
+pub enum Attention {
+    Unfused,
+    Flash,
+}
+
+impl Attention {
+    pub fn parse(s: &str) -> Result<Attention, PlanError> {
+        match s.to_ascii_lowercase().as_str() {
+            "unfused" | "megatron" => Ok(Attention::Unfused),
+            "flash" => Ok(Attention::Flash),
+            o => Err(PlanError(format!("--attention: unknown kernel '{o}' (expected unfused|flash)"))),
+        }
+    }
+}
+
+/// A complete parallel layout.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Layout {
+    pub tp: u64,
+    pub pp: u64,
+    pub dp: u64,
+    pub cp: u64,
+    pub ep: u64,
+    pub micro_batch: u64,
+    pub global_batch: u64,
+    pub seq: u64,
+    pub schedule: Schedule,
+    pub virtual_stages: u64,
+    pub recompute: Recompute,
+    pub sequence_parallel: bool,
+    pub zero: u8,
+    pub precision: Precision,
+    pub attention: Attention,
+    /// Overlap the data-parallel gradient reduction with the last micro-batch's backward (PyTorch DDP buckets,
+    /// Megatron `--overlap-grad-reduce`). Megatron-LM of 2021–2022 reduced after the backward pass (false).
+    pub overlap_dp: bool,
+    /// Keep (and reduce) gradients in fp32, as Megatron's `main_grad` buffer and FSDP's fp32 `reduce_dtype` do:
+    /// 4 bytes per gradient instead of the ZeRO paper's 2 (18 bytes of model state per parameter, not 16).
+    pub fp32_grads: bool,
+}
+
+impl Layout {
+    /// m: micro-batches per pipeline per iteration.
+    pub fn micro_batches(&self) -> u64 {
+        self.global_batch / (self.dp * self.micro_batch)
+    }
+    pub fn gpus(&self) -> u64 {
+        self.tp * self.pp * self.dp * self.cp
+    }
+}
+
+/// Check a layout against the model and cluster; every message names the flag and value at fault.
+pub fn check_layout(model: &ModelShape, cluster: &Cluster, l: &Layout) -> Result<(), PlanError> {
+    let e = |s: String| Err(PlanError(s));
+    if l.tp == 0 || l.pp == 0 || l.dp == 0 || l.cp == 0 || l.ep == 0 || l.micro_batch == 0 {
+        return e("--tp/--pp/--dp/--cp/--ep/--micro-batch must all be at least 1".into());
+    }
+    if l.gpus() != cluster.gpus {
+        return e(format!(
+            "--tp {} x --pp {} x --dp {} x --cp {} = {} but --gpus is {}",
+            l.tp, l.pp, l.dp, l.cp, l.gpus(), cluster.gpus
+        ));
+    }
+    if !model.heads.is_multiple_of(l.tp) {
+        return e(format!("--tp {} does not divide heads {}", l.tp, model.heads));
+    }
+    if !model.kv_heads.is_multiple_of(l.tp) {
+        return e(format!("--tp {} does not divide kv_heads {}", l.tp, model.kv_heads));
+    }
+    if !model.layers.is_multiple_of(l.pp * l.virtual_stages) {
+        return e(format!(
+            "--pp {} x --virtual-stages {} does not divide layers {}",
+            l.pp, l.virtual_stages, model.layers
+        ));
+    }
+    if !l.global_batch.is_multiple_of(l.dp * l.micro_batch) {
+        return e(format!(
+            "--global-batch {} is not a multiple of --dp {} x --micro-batch {}",
+            l.global_batch, l.dp, l.micro_batch
+        ));
+    }
+    if !l.seq.is_multiple_of(l.cp) || (l.sequence_parallel && !l.seq.is_multiple_of(l.cp * l.tp)) {
+        return e(format!("--seq {} is not divisible by --cp {} (x --tp with --sequence-parallel)", l.seq, l.cp));
+    }
+    if l.ep > 1 {
+        if !model.is_moe() {
+            return e(format!("--ep {} given but model '{}' has no experts", l.ep, model.name));
+        }
+        if !model.experts.is_multiple_of(l.ep) || !(l.dp * l.cp).is_multiple_of(l.ep) {
+            return e(format!("--ep {} must divide experts {} and --dp x --cp {}", l.ep, model.experts, l.dp * l.cp));
+        }
+    }
+    if l.zero > 3 {
+        return e(format!("--zero {} (expected 0|1|2|3)", l.zero));
+    }
+    if l.zero >= 2 && l.pp > 1 {
+        // DeepSpeed and Megatron both refuse ZeRO-2/3 with pipeline parallelism (gradients of all micro-batches
+        // would be reduce-scattered per micro-batch).
+        return e(format!("--zero {} is not supported with --pp {} (use --zero 0 or 1)", l.zero, l.pp));
+    }
+    if l.schedule == Schedule::Interleaved {
+        if l.pp == 1 {
+            return e("--schedule interleaved needs --pp > 1".into());
+        }
+        if l.virtual_stages < 2 {
+            return e(format!("--schedule interleaved needs --virtual-stages >= 2 (got {})", l.virtual_stages));
+        }
+        // Megatron's interleaved schedule requires m to be a multiple of p.
+        if !l.micro_batches().is_multiple_of(l.pp) {
+            return e(format!(
+                "--schedule interleaved needs micro-batches ({}) to be a multiple of --pp {}",
+                l.micro_batches(),
+                l.pp
+            ));
+        }
+    } else if l.virtual_stages != 1 {
+        return e(format!("--virtual-stages {} needs --schedule interleaved", l.virtual_stages));
+    }
+    if l.sequence_parallel && l.tp == 1 {
+        return e("--sequence-parallel needs --tp > 1".into());
+    }
+    cluster.acc.peak(l.precision)?;
+    if l.attention == Attention::Flash && !cluster.acc.flash_attention {
+        return e(format!("--attention flash: not available on '{}'", cluster.acc.name));
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// FLOPs
+// ---------------------------------------------------------------------------------------------------------------
+
+/// PaLM (Chowdhery et al. 2022), appendix B: training FLOPs per token `6N + 12·L·C·T`, N the parameters without the
+/// position embedding, L layers, C = h, T the sequence length (attention counted without the causal halving).
+pub fn palm_flops_per_token(n_params_no_pos_emb: f64, n_layer: f64, n_embd: f64, seq: f64) -> f64 {
+    6.0 * n_params_no_pos_emb + 12.0 * n_layer * n_embd * seq
+}
+
+/// Weight-matmul parameters one token multiplies by in layer `i` (no biases, norms): W_qkv, W_o, MLP (MoE: the
+/// top-k routed plus the shared experts, plus the router).
+pub fn layer_matmul_params_active(m: &ModelShape, i: u64) -> f64 {
+    let h = m.hidden as f64;
+    let attn = h * (m.q_dim() + 2 * m.kv_dim()) as f64 + m.q_dim() as f64 * h;
+    let mats = m.mlp.matrices() as f64;
+    let mlp = if m.layer_is_moe(i) {
+        (m.top_k + m.shared_experts) as f64 * mats * h * m.expert_ffn_hidden as f64 + h * m.experts as f64
+    } else {
+        mats * h * m.ffn_hidden as f64
+    };
+    attn + mlp
+}
+
+/// Forward FLOPs of the transformer layers for one sequence of length s. Per layer and token:
+/// `2·(matmul params)` + attention `4·s·a·d` (QKᵀ and AV, no causal halving; Narayanan et al. §5.1 convention).
+pub fn layers_forward_flops_per_seq(m: &ModelShape, s: u64) -> f64 {
+    let s = s as f64;
+    (0..m.layers)
+        .map(|i| s * (2.0 * layer_matmul_params_active(m, i) + 4.0 * s * m.q_dim() as f64))
+        .sum()
+}
+
+/// Forward FLOPs of the output layer (logits) for one sequence: `2·s·h·V`.
+pub fn logits_forward_flops_per_seq(m: &ModelShape, s: u64) -> f64 {
+    2.0 * s as f64 * m.hidden as f64 * m.vocab as f64
+}
+
+/// Model FLOPs per iteration: forward + backward (= 3 × forward), never counting recomputation.
+/// For dense GPT this is exactly `72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h))` (Narayanan et al. 2021, eq. (3) with 72
+/// for 96; Korthikanti et al. 2023 §6). Generalised by counting matmul parameters: GQA (narrower K/V), SwiGLU (3
+/// matrices), MoE (top-k + shared experts + router).
+pub fn model_flops(m: &ModelShape, global_batch: u64, s: u64) -> f64 {
+    3.0 * global_batch as f64 * (layers_forward_flops_per_seq(m, s) + logits_forward_flops_per_seq(m, s))
+}
+
+/// FLOPs the hardware executes, the convention of Narayanan et al. Table 1: full recomputation adds one forward of
+/// the transformer layers (`96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h))`); selective recomputation adds the attention
+/// core `4·B·s²·a·d` per layer (Korthikanti et al. §6, "hardware FLOPs").
+pub fn hardware_flops(m: &ModelShape, global_batch: u64, s: u64, r: Recompute) -> f64 {
+    let b = global_batch as f64;
+    let extra = match r {
+        Recompute::None => 0.0,
+        Recompute::Full => b * layers_forward_flops_per_seq(m, s),
+        Recompute::Selective => b * m.layers as f64 * 4.0 * (s as f64).powi(2) * m.q_dim() as f64,
+    };
+    model_flops(m, global_batch, s) + extra
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Memory
+// ---------------------------------------------------------------------------------------------------------------
+
+/// Bytes per parameter of (weights, gradients, optimizer states) for mixed-precision Adam.
+/// bf16/fp16 and fp8: 2 + 2 + 12 (fp32 master copy, momentum, variance), ZeRO paper §3.1 (K = 12).
+/// fp32: 4 + 4 + 8 (no master copy).
+/// With `fp32_grads` the gradient takes 4 bytes (Megatron-LM's `main_grad`; its distributed-optimizer notes count
+/// 18 bytes per parameter for bf16 parameters with fp32 gradients).
+pub fn state_bytes_per_param(p: Precision, fp32_grads: bool) -> (f64, f64, f64) {
+    match p {
+        Precision::Fp32 => (4.0, 4.0, 8.0),
+        // Megatron's fp16 optimizer: fp32 master, fp32 gradient copy, m, v (its distributed-optimizer notes: 20 B).
+        Precision::Fp16 => (2.0, 2.0, 16.0),
+        _ => (2.0, if fp32_grads { 4.0 } else { 2.0 }, 12.0),
+    }
+}
+
+/// Model-state bytes per GPU, Rajbhandari et al. (ZeRO, SC20) §5: with Ψ parameters on the GPU (after TP/PP
+/// sharding), data-parallel degree N and (w, g, k) bytes per parameter:
+/// stage 0: (w+g+k)Ψ = 16Ψ; stage 1: (w+g)Ψ + kΨ/N = 4Ψ + 12Ψ/N; stage 2: wΨ + (g+k)Ψ/N = 2Ψ + 14Ψ/N;
+/// stage 3: (w+g+k)Ψ/N = 16Ψ/N. Returns (weights, gradients, optimizer) bytes.
+pub fn zero_model_state_bytes(psi: f64, n: f64, stage: u8, p: Precision, fp32_grads: bool) -> (f64, f64, f64) {
+    let (w, g, k) = state_bytes_per_param(p, fp32_grads);
+    match stage {
+        0 => (w * psi, g * psi, k * psi),
+        1 => (w * psi, g * psi, k * psi / n),
+        2 => (w * psi, g * psi / n, k * psi / n),
+        _ => (w * psi / n, g * psi / n, k * psi / n),
+    }
+}
+
+/// Activation-memory configuration of one layer.
+#[derive(Clone, Copy, Debug)]
+pub struct ActConfig {
+    /// Tokens per sequence on this GPU (s / cp).
+    pub s_local: f64,
+    /// Keys each query attends to (s).
+    pub s_kv: f64,
+    pub b: f64,
+    pub t: f64,
+    pub sp: bool,
+    pub recompute: Recompute,
+    pub attention: Attention,
+    /// Bytes per stored activation element (2 for 16-bit).
+    pub e: f64,
+}
+
+/// Activation bytes one layer keeps for backward, per micro-batch. Korthikanti et al. 2023 §4.1–4.2, term by term
+/// (16-bit activations, 1-byte dropout masks), generalised to GQA, SwiGLU, MoE and flash attention:
+/// - attention: QKV input 2sbh, Q and K 2sb(a·d + kv·d)/t, softmax output 2as²b/t, its dropout mask as²b/t,
+///   dropout output 2as²b/t, V 2sb·kv·d/t, projection input 2sb·a·d/t, output dropout mask sbh — 11sbh + 5as²b;
+/// - MLP: fc1 input 2sbh, GeLU input 2sbf/t, fc2 input 2sbf/t, dropout mask sbh — 19sbh at f = 4h
+///   (SwiGLU: 3 stored sbf tensors, 6sbf/t; MoE: top_k copies of the expert MLP plus the shared experts);
+/// - two LayerNorm inputs 4sbh.
+///
+/// Terms marked "sbh" are replicated over the TP group unless sequence parallelism shards them (÷t).
+/// Selective recompute drops the s² terms (as does flash attention, which never stores them).
+/// Full recompute stores only the layer input, 2sbh (÷t with SP).
+/// Dense GPT results: `sbh(34 + 5as/h)`, `sbh(10 + 24/t + 5as/(ht))`, `sbh(34/t + 5as/(ht))`, `sbh(10 + 24/t)`,
+/// `sbh(34/t)`, `2sbh` (Korthikanti Table 2).
+pub fn activation_bytes_per_layer(m: &ModelShape, moe_layer: bool, c: &ActConfig) -> f64 {
+    let (s, b, t, e) = (c.s_local, c.b, c.t, c.e);
+    let h = m.hidden as f64;
+    let sbh = s * b * h;
+    let rep = if c.sp { 1.0 / t } else { 1.0 };
+    if c.recompute == Recompute::Full {
+        return e * sbh * rep;
+    }
+    let mask = if m.dropout { 1.0 } else { 0.0 };
+    let qd = m.q_dim() as f64;
+    let kvd = m.kv_dim() as f64;
+    let a = m.heads as f64;
+    // Attention block.
+    let mut attn = e * sbh * rep // QKV input
+        + e * s * b * (qd + kvd) / t // Q, K
+        + e * s * b * kvd / t // V
+        + e * s * b * qd / t // projection input
+        + mask * sbh * rep; // output dropout mask
+    let keep_s2 = c.recompute == Recompute::None && c.attention == Attention::Unfused;
+    if keep_s2 {
+        let as2b = a * s * c.s_kv * b / t;
+        attn += e * as2b // softmax output
+            + mask * as2b // attention dropout mask
+            + if m.dropout { e * as2b } else { 0.0 }; // dropout output
+    }
+    // MLP block.
+    let mlp_inner = |f: f64| match m.mlp {
+        Mlp::Gelu => 2.0 * e * s * b * f / t,   // GeLU input, fc2 input
+        Mlp::Swiglu => 3.0 * e * s * b * f / t, // w1·x, w3·x, their product
+    };
+    let mlp = if moe_layer {
+        let k = m.top_k as f64 * m.capacity_factor;
+        let fe = m.expert_ffn_hidden as f64;
+        e * sbh * rep // router/fc1 input
+            + k * (e * sbh / t + mlp_inner(fe)) // dispatched token copies and their expert activations
+            + m.shared_experts as f64 * mlp_inner(fe)
+            + mask * sbh * rep
+    } else {
+        e * sbh * rep + mlp_inner(m.ffn_hidden as f64) + mask * sbh * rep
+    };
+    let norms = 2.0 * e * sbh * rep;
+    attn + mlp + norms
+}
+
+/// Micro-batches whose activations the first pipeline stage holds at its peak, as a multiple of one micro-batch
+/// of all L/p of its layers. Narayanan et al. §2.2: GPipe holds m micro-batches, 1F1B at most p; Korthikanti et al.
+/// §4.2.3: interleaving with v chunks multiplies the 1F1B figure by `1 + (p−1)/(p·v)`.
+pub fn inflight_microbatches(schedule: Schedule, p: u64, m: u64, v: u64) -> f64 {
+    let (p, m, v) = (p as f64, m as f64, v as f64);
+    match schedule {
+        Schedule::Gpipe => m,
+        Schedule::OneFOneB => p.min(m),
+        Schedule::Interleaved => p.min(m) * (1.0 + (p - 1.0) / (p * v)),
+    }
+}
+
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct MemoryBreakdown {
+    pub weights: f64,
+    pub gradients: f64,
+    pub optimizer: f64,
+    pub activations: f64,
+    /// Last stage: output-layer input, fp32 logits and their gradient.
+    pub logits: f64,
+    /// CUDA context, communication buffers, fragmentation (catalogue constant).
+    pub reserved: f64,
+    pub total: f64,
+    /// Local parameters Ψ on the fullest GPU (after TP/PP/EP sharding).
+    pub params_on_gpu: f64,
+}
+
+/// Parameters on pipeline stage `stage`, per GPU: (dense, expert). Layers are split evenly (contiguous for 1F1B;
+/// interleaving only changes which layers, not how many). Word embeddings live on the first stage and, for tied
+/// embeddings with p > 1, a copy on the last (Megatron); position embeddings on the first. All ÷t (norms and
+/// row-parallel biases are in fact replicated; they are <0.1% of a layer). Experts ÷(t·ep).
+pub fn stage_params(m: &ModelShape, l: &Layout, stage: u64) -> (f64, f64) {
+    let per = m.layers / l.pp;
+    let (mut dense, mut expert) = (0.0, 0.0);
+    for j in 0..per {
+        // Stage `stage` of a contiguous split owns layers stage·per .. (stage+1)·per.
+        let i = stage * per + j;
+        let e = m.layer_expert_params(i) as f64;
+        dense += (m.layer_params(i) as f64 - e) / l.tp as f64;
+        expert += e / (l.tp * l.ep) as f64;
+    }
+    let h = m.hidden as f64;
+    let vh = m.vocab as f64 * h / l.tp as f64;
+    if stage == 0 {
+        dense += vh + if m.learned_pos_emb { l.seq as f64 * h } else { 0.0 };
+    }
+    if stage == l.pp - 1 && (l.pp > 1 || !m.tied_embeddings) {
+        dense += vh;
+    }
+    (dense, expert)
+}
+
+/// Per-GPU memory of the fullest stage (first or last).
+pub fn memory(m: &ModelShape, cl: &Cluster, l: &Layout) -> MemoryBreakdown {
+    let mut worst = MemoryBreakdown::default();
+    let stages: Vec<u64> = if l.pp == 1 { vec![0] } else { vec![0, l.pp - 1] };
+    for &st in &stages {
+        let (dense, expert) = stage_params(m, l, st);
+        let n_dense = (l.dp * l.cp) as f64; // Megatron shards optimizer state over DP×CP
+        let n_expert = (l.dp * l.cp / l.ep) as f64;
+        let (w1, g1, o1) = zero_model_state_bytes(dense, n_dense, l.zero, l.precision, l.fp32_grads);
+        let (w2, g2, o2) = zero_model_state_bytes(expert, n_expert, l.zero, l.precision, l.fp32_grads);
+        let c = ActConfig {
+            s_local: (l.seq / l.cp) as f64,
+            s_kv: l.seq as f64,
+            b: l.micro_batch as f64,
+            t: l.tp as f64,
+            sp: l.sequence_parallel,
+            recompute: l.recompute,
+            attention: l.attention,
+            e: l.precision.act_bytes(),
+        };
+        let per = m.layers / l.pp;
+        let layer_sum: f64 =
+            (0..per).map(|j| activation_bytes_per_layer(m, m.layer_is_moe(st * per + j), &c)).sum();
+        let mb = l.micro_batches();
+        let inflight = if st == 0 {
+            inflight_microbatches(l.schedule, l.pp, mb, l.virtual_stages)
+        } else {
+            1.0 // the last stage runs each micro-batch's backward right after its forward
+        };
+        let mut act = layer_sum * inflight;
+        if l.recompute == Recompute::Full {
+            // Working set while one layer is recomputed and back-propagated: its full activations.
+            let full = ActConfig { recompute: Recompute::None, ..c };
+            act += activation_bytes_per_layer(m, m.layer_is_moe(st * per), &full);
+        }
+        let (sb, h, v, t) = (c.s_local * c.b, m.hidden as f64, m.vocab as f64, c.t);
+        // Embedding dropout mask (Korthikanti §4.3) on the first stage.
+        if st == 0 && m.dropout {
+            act += inflight * sb * h / if l.sequence_parallel { t } else { 1.0 };
+        }
+        // Output layer and loss (Korthikanti §4.3: 4sbh/t·(1 + V/h)) plus the fp32 logits gradient 4sbV/t.
+        let logits = if st == l.pp - 1 { 4.0 * sb * (h + v) / t + 4.0 * sb * v / t } else { 0.0 };
+        // ZeRO-3 gathers each layer's full (TP/EP-local) weights before use and prefetches the next one
+        // (DeepSpeed's prefetch bucket; FSDP's default of one unit ahead): two layers of 16-bit weights.
+        let mut w_gathered = 0.0;
+        if l.zero == 3 {
+            let (wb, _, _) = state_bytes_per_param(l.precision, l.fp32_grads);
+            let per_layer = (dense + expert) / per as f64;
+            w_gathered = 2.0 * wb * per_layer;
+        }
+        let reserved = cl.acc.reserved_bytes;
+        let total = w1 + w2 + w_gathered + g1 + g2 + o1 + o2 + act + logits + reserved;
+        if total > worst.total {
+            worst = MemoryBreakdown {
+                weights: w1 + w2 + w_gathered,
+                gradients: g1 + g2,
+                optimizer: o1 + o2,
+                activations: act,
+                logits,
+                reserved,
+                total,
+                params_on_gpu: dense + expert,
+            };
+        }
+    }
+    worst
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Kernel and communication times
+// ---------------------------------------------------------------------------------------------------------------
+
+/// Time of a (batched) GEMM C[M×N] = A[M×K]·B[K×N] in 16-bit (or the layout's precision).
+/// Efficiency curve (assumption of this planner, from how GPU GEMM libraries work):
+/// `eff = plateau · wave · K/(K + k_half)`, where `wave = tiles / (⌈tiles/units⌉·units)` is the wave-quantisation
+/// loss (each SM/CU takes one output tile; the library picks the best of three tile shapes, smaller ones at
+/// 0.92 and 0.80 of the large tile's rate) and `k_half` models the main-loop prologue/epilogue. Roofline: never
+/// faster than moving A, B and C once through HBM. Plus one launch overhead.
+pub fn gemm_time(cl: &Cluster, prec: Precision, m: f64, n: f64, k: f64, batch: f64) -> f64 {
+    let acc = &cl.acc;
+    let peak = acc.peak(prec).unwrap_or(f64::MIN_POSITIVE);
+    let flops = 2.0 * m * n * k * batch;
+    let units = acc.compute_units as f64;
+    let (tm, tn) = (acc.tile_m as f64, acc.tile_n as f64);
+    let mut wave = 0.0f64;
+    for (fm, fn_, rate) in [(1.0, 1.0, 1.0), (0.5, 1.0, 0.92), (0.5, 0.5, 0.80)] {
+        let tiles = batch * (m / (tm * fm)).ceil().max(1.0) * (n / (tn * fn_)).ceil().max(1.0);
+        let waves = (tiles / units).ceil();
+        wave = wave.max(rate * tiles / (waves * units));
+    }
+    let eff = acc.gemm_efficiency * wave * k / (k + acc.k_half);
+    let t_compute = flops / (peak * eff);
+    let e = prec.act_bytes().min(2.0) * if prec == Precision::Fp8 { 0.5 } else { 1.0 };
+    let bytes = e * (m * k + k * n + m * n) * batch;
+    t_compute.max(bytes / acc.stream_bw()) + acc.kernel_overhead
+}
+
+/// Time of `bytes` of memory-bound traffic in `kernels` kernels.
+pub fn stream_time(cl: &Cluster, bytes: f64, kernels: f64) -> f64 {
+    bytes / cl.acc.stream_bw() + kernels * cl.acc.kernel_overhead
+}
+
+/// Which link a communicator group runs on, and how fast. Mesh order (Megatron's default, innermost first):
+/// tp, cp, dp, pp; EP is carved out of the innermost DP ranks. A group of `n` ranks at `stride` has
+/// `g = clamp(G/stride, 1, n)` ranks per node. Within a node it runs at the intra-node link's achievable bandwidth.
+/// Across nodes a ring crosses the network once per node; with `g` ranks per node there are `g` rings in parallel,
+/// each on its own GPU's share of the NICs, so the bus bandwidth is `min(intra, g · nic_share)` (the NCCL
+/// multi-ring picture: 8-GPU DGX nodes with 8 NICs reach ~8 × NIC speed).
+#[derive(Clone, Copy, Debug)]
+pub struct GroupLink {
+    pub n: f64,
+    pub bw: f64,
+    pub latency: f64,
+    pub inter_node: bool,
+}
+
+pub fn group_link(cl: &Cluster, n: u64, stride: u64) -> GroupLink {
+    let g_node = cl.gpus_per_node;
+    let intra = cl.intra.eff_bw();
+    if n <= 1 {
+        return GroupLink { n: 1.0, bw: intra, latency: 0.0, inter_node: false };
+    }
+    let span = n * stride;
+    if span <= g_node {
+        return GroupLink { n: n as f64, bw: intra, latency: cl.intra.latency, inter_node: false };
+    }
+    let g = if stride >= g_node { 1 } else { (g_node / stride).clamp(1, n) };
+    GroupLink {
+        n: n as f64,
+        bw: intra.min(g as f64 * cl.inter_bw_per_gpu),
+        latency: cl.inter.latency.max(cl.intra.latency),
+        inter_node: true,
+    }
+}
+
+/// All-reduce of `bytes` per rank. Ring (Patarasuk & Yuan 2009; NCCL): `2(n−1)·α + 2(n−1)/n · S/β`;
+/// double binary tree (NCCL ≥ 2.4, Sanders et al. 2009): `2·⌈log₂n⌉·α + 2·S/β`. The faster is used.
+pub fn all_reduce_time(gl: GroupLink, bytes: f64) -> f64 {
+    let n = gl.n;
+    if n <= 1.0 || bytes <= 0.0 {
+        return 0.0;
+    }
+    let ring = 2.0 * (n - 1.0) * gl.latency + 2.0 * (n - 1.0) / n * bytes / gl.bw;
+    let tree = 2.0 * n.log2().ceil() * gl.latency + 2.0 * bytes / gl.bw;
+    ring.min(tree)
+}
+
+/// Reduce-scatter (or all-gather) of a `bytes` buffer (each rank ends with/starts from bytes/n):
+/// ring `(n−1)·α + (n−1)/n · S/β` (Thakur et al. 2005).
+pub fn reduce_scatter_time(gl: GroupLink, bytes: f64) -> f64 {
+    let n = gl.n;
+    if n <= 1.0 || bytes <= 0.0 {
+        return 0.0;
+    }
+    (n - 1.0) * gl.latency + (n - 1.0) / n * bytes / gl.bw
+}
+
+/// All-gather: same cost as reduce-scatter (Thakur et al. 2005).
+pub fn all_gather_time(gl: GroupLink, bytes: f64) -> f64 {
+    reduce_scatter_time(gl, bytes)
+}
+
+/// All-to-all where each rank holds `bytes` and keeps 1/n: pairwise exchange `(n−1)·α + (n−1)/n · S/β`.
+pub fn all_to_all_time(gl: GroupLink, bytes: f64) -> f64 {
+    reduce_scatter_time(gl, bytes)
+}
+
+/// Point-to-point send of `bytes`: `α + S/β`.
+pub fn p2p_time(gl: GroupLink, bytes: f64) -> f64 {
+    if bytes <= 0.0 {
+        return 0.0;
+    }
+    gl.latency + bytes / gl.bw
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Iteration time
+// ---------------------------------------------------------------------------------------------------------------
+
+/// Times of one micro-batch's forward+backward on one device, by kind (seconds).
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct DeviceTime {
+    pub gemm: f64,
+    pub attention: f64,
+    pub elementwise: f64,
+    pub recompute: f64,
+    pub tp_comm: f64,
+    pub cp_comm: f64,
+    pub ep_comm: f64,
+    pub pp_p2p: f64,
+    /// Backward part (for the DP overlap window).
+    pub backward: f64,
+}
+
+impl DeviceTime {
+    pub fn total(&self) -> f64 {
+        self.gemm + self.attention + self.elementwise + self.recompute + self.tp_comm + self.cp_comm + self.ep_comm + self.pp_p2p
+    }
+}
+
+/// Forward pieces of one layer for one micro-batch on one GPU.
+#[derive(Clone, Copy, Debug, Default)]
+struct LayerFwd {
+    gemm: f64,
+    attn: f64,
+    attn_elem: f64,
+    elem: f64,
+    tp: f64,
+    cp: f64,
+    ep: f64,
+    // Backward pieces.
+    gemm_b: f64,
+    attn_b: f64,
+    attn_elem_b: f64,
+    elem_b: f64,
+    tp_b: f64,
+    cp_b: f64,
+    ep_b: f64,
+}
+
+/// Forward and backward of one layer, one micro-batch, one GPU.
+fn layer_time(m: &ModelShape, cl: &Cluster, l: &Layout, moe: bool) -> LayerFwd {
+    let pr = l.precision;
+    let e = pr.act_bytes();
+    let t = l.tp as f64;
+    let s_loc = (l.seq / l.cp) as f64;
+    let s_kv = l.seq as f64;
+    let b = l.micro_batch as f64;
+    let tok = b * s_loc; // M of every weight GEMM
+    let h = m.hidden as f64;
+    let (qd, kvd) = (m.q_dim() as f64, m.kv_dim() as f64);
+    let d = m.head_dim as f64;
+    let heads_local = m.heads as f64 / t;
+    let mut r = LayerFwd::default();
+
+    // Weight GEMMs. Forward [M,N,K]; backward: data gradient [M,K,N] and weight gradient [K,N,M]
+    // (Narayanan et al. §5.1: backward = 2 × forward FLOPs).
+    let mut gemm = |mm: f64, nn: f64, kk: f64, batch: f64, r: &mut LayerFwd| {
+        r.gemm += gemm_time(cl, pr, mm, nn, kk, batch);
+        r.gemm_b += gemm_time(cl, pr, mm, kk, nn, batch) + gemm_time(cl, pr, kk, nn, mm, batch);
+    };
+    gemm(tok, (qd + 2.0 * kvd) / t, h, 1.0, &mut r); // QKV (column parallel)
+    gemm(tok, h, qd / t, 1.0, &mut r); // output projection (row parallel)
+    let mats = m.mlp.matrices() as f64;
+    let mlp_gemms = |f: f64, rows: f64, batch: f64, r: &mut LayerFwd, g: &mut dyn FnMut(f64, f64, f64, f64, &mut LayerFwd)| {
+        g(rows, (mats - 1.0) * f / t, h, batch, r); // fc1 (and gate)
+        g(rows, h, f / t, batch, r); // fc2
+    };
+    // Memory-bound bytes, forward and backward, counted kernel by kernel (read + write of 16-bit tensors).
+    let mut elem_bytes = 0.0;
+    let mut elem_bytes_b = 0.0;
+    let rep = if l.sequence_parallel { 1.0 / t } else { 1.0 };
+    let x = tok * h; // elements of one sbh tensor
+    let act_elems = |f: f64, rows: f64| rows * f / t;
+    // (forward, backward) bytes of the MLP activation.
+    let mlp_elem = |f: f64, rows: f64| match m.mlp {
+        // Fused bias-GeLU: read and write the sbf/t tensor; backward reads input and gradient, writes gradient.
+        Mlp::Gelu => (2.0 * e * act_elems(f, rows), 3.0 * e * act_elems(f, rows)),
+        // SwiGLU: read gate and up, write product; backward reads gate, up, gradient, writes two gradients.
+        Mlp::Swiglu => (3.0 * e * act_elems(f, rows), 5.0 * e * act_elems(f, rows)),
+    };
+    if moe {
+        // Router GEMM [tok, E, h] (replicated over TP), then routed experts: each GPU holds E/ep experts and receives
+        // on average tok·k·cf token copies in total (GShard/Switch capacity factor pads compute to capacity).
+        let fe = m.expert_ffn_hidden as f64;
+        gemm(tok, m.experts as f64, h, 1.0, &mut r);
+        let local_experts = (m.experts / l.ep) as f64;
+        let rows = tok * m.top_k as f64 * m.capacity_factor / local_experts;
+        mlp_gemms(fe, rows, local_experts, &mut r, &mut gemm);
+        if m.shared_experts > 0 {
+            mlp_gemms(fe * m.shared_experts as f64, tok, 1.0, &mut r, &mut gemm);
+        }
+        let copies = tok * m.top_k as f64 * m.capacity_factor;
+        let (f1, b1) = mlp_elem(fe, copies);
+        let (f2, b2) = mlp_elem(fe * m.shared_experts as f64, tok);
+        // Permute and unpermute token copies (read + write each), the same again in backward.
+        let perm = 4.0 * e * copies * h * rep;
+        elem_bytes += f1 + f2 + perm;
+        elem_bytes_b += b1 + b2 + perm;
+        // Expert-parallel all-to-all: dispatch and combine, each tok·k·h elements per GPU (Lepikhin et al. 2020).
+        if l.ep > 1 {
+            let gl = group_link(cl, l.ep, l.tp);
+            let bytes = e * copies * h * rep;
+            r.ep = 2.0 * all_to_all_time(gl, bytes);
+            r.ep_b = r.ep;
+        }
+    } else {
+        mlp_gemms(m.ffn_hidden as f64, tok, 1.0, &mut r, &mut gemm);
+        let (f1, b1) = mlp_elem(m.ffn_hidden as f64, tok);
+        elem_bytes += f1;
+        elem_bytes_b += b1;
+    }
+
+    // Attention core.
+    let batch = b * heads_local;
+    let s2 = batch * s_loc * s_kv; // elements of one score tensor
+    match l.attention {
+        Attention::Unfused => {
+            // Megatron: baddbmm QKᵀ [s, s, d] and bmm AV [s, d, s]; backward: 2 of each shape.
+            let qk = gemm_time(cl, pr, s_loc, s_kv, d, batch);
+            let av = gemm_time(cl, pr, s_loc, d, s_kv, batch);
+            r.attn = qk + av;
+            r.attn_b = gemm_time(cl, pr, s_loc, d, s_kv, batch) * 2.0 + gemm_time(cl, pr, s_kv, d, s_loc, batch) + qk;
+            // Fused scale-mask-softmax (read + write the scores) and attention dropout (read, write, 1-byte mask).
+            let mask = if m.dropout { 1.0 } else { 0.0 };
+            let drop = if m.dropout { 2.0 * e } else { 0.0 };
+            r.attn_elem = stream_time(cl, (2.0 * e + drop + mask) * s2, 2.0);
+            // Backward: softmax backward reads probs and grad, writes grad; dropout backward reads grad and mask.
+            r.attn_elem_b = stream_time(cl, (3.0 * e + drop + mask) * s2, 2.0);
+        }
+        Attention::Flash => {
+            // FlashAttention-2 (Dao 2023): forward 2 matmuls, backward 5 (recomputes S); causal masking skips half.
+            let causal = 0.5;
+            let mm = gemm_time(cl, pr, s_loc, s_kv, d, batch) - cl.acc.kernel_overhead;
+            r.attn = 2.0 * mm * causal + cl.acc.kernel_overhead;
+            r.attn_b = 5.0 * mm * causal + cl.acc.kernel_overhead;
+        }
+    }
+    // Rotary embeddings on Q and K (RoPE models): read + write.
+    if !m.learned_pos_emb {
+        elem_bytes += 2.0 * e * tok * (qd + kvd) / t;
+        elem_bytes_b += 2.0 * e * tok * (qd + kvd) / t;
+    }
+    // Per layer, replicated over TP unless SP: two norms (read + write), two residual adds with bias and dropout
+    // (read branch and residual, write sum, write 1-byte mask).
+    // Backward: each norm reads input and gradient and writes a gradient (3e); each dropout-add reads the gradient
+    // and mask and writes one (2e + 1); the residual stream adds the norm's input gradient (read 2, write 1: 3e).
+    let mask = if m.dropout { 1.0 } else { 0.0 };
+    elem_bytes += (2.0 * 2.0 * e + 2.0 * (3.0 * e + mask)) * x * rep;
+    elem_bytes_b += (2.0 * 3.0 * e + 2.0 * (2.0 * e + mask) + 2.0 * 3.0 * e) * x * rep;
+    r.elem = stream_time(cl, elem_bytes, 8.0);
+    r.elem_b = stream_time(cl, elem_bytes_b, 12.0);
+
+    // Tensor parallelism (Shoeybi et al. 2019): 2 all-reduces of the sbh activation in forward, 2 in backward;
+    // with SP each becomes a reduce-scatter + all-gather pair of the same volume (Korthikanti §4.2.2).
+    // Megatron (2021) does not overlap them with compute: exposed.
+    if l.tp > 1 {
+        let gl = group_link(cl, l.tp, 1);
+        let bytes = e * x;
+        let one = if l.sequence_parallel {
+            reduce_scatter_time(gl, bytes) + all_gather_time(gl, bytes)
+        } else {
+            all_reduce_time(gl, bytes)
+        };
+        r.tp = 2.0 * one;
+        r.tp_b = 2.0 * one;
+    }
+    // Context parallelism (ring attention, Liu et al. 2023; Megatron CP): K and V blocks travel the ring,
+    // (cp−1) steps of 2·e·b·(s/cp)·kv·d/t bytes, overlapped with the attention blocks; backward also sends dK, dV.
+    if l.cp > 1 {
+        let gl = group_link(cl, l.cp, l.tp);
+        let step = 2.0 * e * tok * kvd / t;
+        let comm = (l.cp as f64 - 1.0) * p2p_time(gl, step);
+        r.cp = (comm - r.attn).max(0.0);
+        r.cp_b = (2.0 * comm - r.attn_b).max(0.0);
+    }
+    r
+}
+
+/// Output layer and loss, one micro-batch: logits GEMM [tok, V/t, h], vocab-parallel cross entropy in fp32
+/// (Megatron: ≈ 5 passes over the fp32 logits forward, 5 backward), and TP's all-reduces of the loss statistics.
+fn logits_time(m: &ModelShape, cl: &Cluster, l: &Layout) -> (f64, f64, f64) {
+    let pr = l.precision;
+    let t = l.tp as f64;
+    let tok = (l.micro_batch * l.seq / l.cp) as f64;
+    let h = m.hidden as f64;
+    let v = m.vocab as f64 / t;
+    let g = gemm_time(cl, pr, tok, v, h, 1.0);
+    let gb = gemm_time(cl, pr, tok, h, v, 1.0) + gemm_time(cl, pr, h, v, tok, 1.0);
+    let ce = stream_time(cl, 20.0 * tok * v, 6.0);
+    let mut tp = 0.0;
+    if l.tp > 1 {
+        // Input of the output layer: one all-reduce (backward) of the sbh gradient; CE statistics: 3 tiny ones.
+        let gl = group_link(cl, l.tp, 1);
+        tp = all_reduce_time(gl, pr.act_bytes() * tok * h) + 3.0 * all_reduce_time(gl, 4.0 * tok);
+    }
+    (g + gb, ce, tp)
+}
+
+/// Everything one micro-batch costs on pipeline stage `stage` (all of its v chunks).
+pub fn device_time(m: &ModelShape, cl: &Cluster, l: &Layout, stage: u64) -> DeviceTime {
+    let per_stage = m.layers / l.pp;
+    let per_chunk = per_stage / l.virtual_stages;
+    let mut d = DeviceTime::default();
+    // Layer indices on this device: chunk c holds layers (c·p + stage)·per_chunk .. +per_chunk.
+    let mut n_dense = 0u64;
+    let mut n_moe = 0u64;
+    for c in 0..l.virtual_stages {
+        for j in 0..per_chunk {
+            let i = (c * l.pp + stage) * per_chunk + j;
+            if m.layer_is_moe(i) {
+                n_moe += 1;
+            } else {
+                n_dense += 1;
+            }
+        }
+    }
+    for (count, moe) in [(n_dense, false), (n_moe, true)] {
+        if count == 0 {
+            continue;
+        }
+        let lt = layer_time(m, cl, l, moe);
+        let k = count as f64;
+        d.gemm += k * (lt.gemm + lt.gemm_b);
+        d.attention += k * (lt.attn + lt.attn_b);
+        d.elementwise += k * (lt.elem + lt.elem_b + lt.attn_elem + lt.attn_elem_b);
+        d.tp_comm += k * (lt.tp + lt.tp_b);
+        d.cp_comm += k * (lt.cp + lt.cp_b);
+        d.ep_comm += k * (lt.ep + lt.ep_b);
+        d.backward += k * (lt.gemm_b + lt.attn_b + lt.elem_b + lt.attn_elem_b + lt.tp_b + lt.cp_b + lt.ep_b);
+        // Recomputation (Chen et al. 2016; Korthikanti §5): full = the layer's forward again, with its TP
+        // communication; selective = the attention core (QKᵀ, softmax, dropout, AV) again.
+        d.recompute += k * match (l.recompute, l.attention) {
+            (Recompute::Full, _) => lt.gemm + lt.attn + lt.attn_elem + lt.elem + lt.tp + lt.cp + lt.ep,
+            (Recompute::Selective, Attention::Unfused) => lt.attn + lt.attn_elem,
+            _ => 0.0,
+        };
+    }
+    d.backward += d.recompute;
+    if stage == l.pp - 1 {
+        let (g, ce, tp) = logits_time(m, cl, l);
+        d.gemm += g;
+        d.elementwise += ce;
+        d.tp_comm += tp;
+        d.backward += g * 2.0 / 3.0 + ce / 2.0;
+    }
+    if stage == 0 {
+        // Embedding lookup (+ position embedding add and dropout) and its gradient: memory-bound.
+        let x = (l.micro_batch * l.seq / l.cp) as f64 * m.hidden as f64;
+        d.elementwise += stream_time(cl, 6.0 * l.precision.act_bytes() * x, 4.0);
+        if l.tp > 1 {
+            d.tp_comm += all_reduce_time(group_link(cl, l.tp, 1), l.precision.act_bytes() * x);
+        }
+    }
+    // Pipeline point-to-point (Narayanan et al. §4.1): each chunk sends its output activation forward and receives
+    // the gradient back, b·s·h elements, ÷t with the scatter/gather optimisation (always on with TP here).
+    // Megatron's batched send/recv blocks, so it is exposed: 2 transfers per chunk per micro-batch.
+    if l.pp > 1 {
+        let gl = group_link(cl, l.pp, l.tp * l.cp * l.dp);
+        let bytes = l.precision.act_bytes() * (l.micro_batch * l.seq / l.cp) as f64 * m.hidden as f64 / l.tp as f64;
+        d.pp_p2p = 2.0 * l.virtual_stages as f64 * p2p_time(gl, bytes);
+    }
+    d
+}
+
+/// Everything about one iteration.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Breakdown {
+    /// Per-iteration seconds on the critical (slowest) pipeline stage; these add up to `step_time_s`.
+    pub compute_gemm_s: f64,
+    pub compute_attention_s: f64,
+    pub compute_elementwise_s: f64,
+    pub recompute_s: f64,
+    pub tp_comm_s: f64,
+    pub cp_comm_s: f64,
+    pub ep_comm_s: f64,
+    pub pp_p2p_s: f64,
+    pub pp_bubble_s: f64,
+    pub dp_comm_exposed_s: f64,
+    pub optimizer_s: f64,
+    /// Not in the sum: data-parallel gradient traffic before overlap.
+    pub dp_comm_total_s: f64,
+    /// Micro-batches per pipeline per iteration.
+    pub micro_batches: u64,
+    /// FLOPs the hardware executes per GPU per second (Narayanan Table 1 convention: counts recomputation).
+    pub hardware_tflops_per_gpu: f64,
+    pub memory: MemoryBreakdown,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Estimate {
+    pub step_time_s: f64,
+    pub model_tflops_per_gpu: f64,
+    pub mfu: f64,
+    pub memory_bytes_per_gpu: f64,
+    pub fits: bool,
+    pub breakdown: Breakdown,
+    pub chosen: Layout,
+}
+
+/// Data-parallel gradient synchronisation of one stage (seconds, before overlap). ZeRO paper §7: stages 0–2 move
+/// 2Ψ per step (all-reduce, or reduce-scatter + all-gather), stage 3 3Ψ (an extra parameter all-gather).
+/// Gradients are reduced in their storage type (16-bit, or fp32 with `fp32_grads`). Dense parameters over DP×CP, experts over DP×CP/EP.
+pub fn dp_comm_time(m: &ModelShape, cl: &Cluster, l: &Layout, stage: u64) -> f64 {
+    let (dense, expert) = stage_params(m, l, stage);
+    let gbytes = state_bytes_per_param(l.precision, l.fp32_grads).1;
+    let stride = l.tp;
+    let one = |psi: f64, n: u64| -> f64 {
+        let gl = group_link(cl, n, stride);
+        let bytes = gbytes * psi;
+        match l.zero {
+            0 => all_reduce_time(gl, bytes),
+            1 | 2 => reduce_scatter_time(gl, bytes) + all_gather_time(gl, bytes),
+            _ => reduce_scatter_time(gl, bytes) + 2.0 * all_gather_time(gl, bytes),
+        }
+    };
+    one(dense, l.dp * l.cp) + one(expert, l.dp * l.cp / l.ep)
+}
+
+/// Predict one iteration of `l`. The layout must pass `check_layout`.
+///
+/// Pipeline: `T = (m + (p−1)/v) · T_dev` where `T_dev` is one micro-batch's forward+backward on the slowest
+/// device (Narayanan et al. §2.2: bubble fraction (p−1)/m, ÷v when interleaved; the slowest stage paces the
+/// pipeline, e.g. the last one, which also runs the output layer). Data-parallel gradient sync overlaps with the
+/// backward of the last micro-batch (bucketed DDP, Li et al. 2020) and the rest is exposed; ZeRO-3 parameter
+/// gathers of later micro-batches are prefetched behind compute. Then the optimizer step, memory-bound:
+/// 28 bytes of traffic per local parameter for mixed-precision Adam (read master, m, v, 16-bit grad; write master,
+/// m, v, 16-bit copy), 2 more with fp32 gradients.
+pub fn estimate(m: &ModelShape, cl: &Cluster, l: &Layout) -> Estimate {
+    let p = l.pp;
+    let stages: Vec<u64> = if p == 1 { vec![0] } else { vec![0, p / 2, p - 1] };
+    let mut crit = DeviceTime::default();
+    let mut crit_stage = 0;
+    for &st in &stages {
+        let d = device_time(m, cl, l, st);
+        if d.total() > crit.total() {
+            crit = d;
+            crit_stage = st;
+        }
+    }
+    let mb = l.micro_batches() as f64;
+    let bubble_chunks = (p as f64 - 1.0) / l.virtual_stages as f64;
+    let t_dev = crit.total();
+    let pipe = (mb + bubble_chunks) * t_dev;
+    let bubble = bubble_chunks * t_dev;
+
+    // Data parallel on the first stage (finishes last) and on the critical one.
+    let dp_total = stages.iter().map(|&st| dp_comm_time(m, cl, l, st)).fold(0.0, f64::max);
+    let d0 = device_time(m, cl, l, 0);
+    let window = if l.overlap_dp { d0.backward } else { 0.0 };
+    let mut dp_exposed = (dp_total - window).max(0.0);
+    if l.zero == 3 && mb > 1.0 {
+        // Per-micro-batch parameter all-gathers (fwd + bwd) and gradient reduce-scatter, prefetched under compute.
+        let per_mb = dp_total * (mb - 1.0);
+        dp_exposed += (per_mb - (mb - 1.0) * t_dev).max(0.0);
+    }
+    let mem = memory(m, cl, l);
+    let (dense0, expert0) = stage_params(m, l, crit_stage.min(p - 1));
+    let opt_params = if l.zero >= 1 {
+        dense0 / (l.dp * l.cp) as f64 + expert0 / (l.dp * l.cp / l.ep) as f64
+    } else {
+        dense0 + expert0
+    };
+    let opt_bytes = 26.0 + state_bytes_per_param(l.precision, l.fp32_grads).1;
+    let optimizer = stream_time(cl, opt_bytes * opt_params, 4.0);
+    let step = pipe + dp_exposed + optimizer;
+
+    let n = cl.gpus as f64;
+    let mf = model_flops(m, l.global_batch, l.seq);
+    let hf = hardware_flops(m, l.global_batch, l.seq, l.recompute);
+    let peak = cl.acc.peak(l.precision).unwrap_or(f64::NAN);
+    let usable = cl.acc.mem_bytes;
+    Estimate {
+        step_time_s: step,
+        model_tflops_per_gpu: mf / step / n / 1e12,
+        mfu: mf / step / n / peak,
+        memory_bytes_per_gpu: mem.total,
+        fits: mem.total <= usable,
+        breakdown: Breakdown {
+            compute_gemm_s: mb * crit.gemm,
+            compute_attention_s: mb * crit.attention,
+            compute_elementwise_s: mb * crit.elementwise,
+            recompute_s: mb * crit.recompute,
+            tp_comm_s: mb * crit.tp_comm,
+            cp_comm_s: mb * crit.cp_comm,
+            ep_comm_s: mb * crit.ep_comm,
+            pp_p2p_s: mb * crit.pp_p2p,
+            pp_bubble_s: bubble,
+            dp_comm_exposed_s: dp_exposed,
+            optimizer_s: optimizer,
+            dp_comm_total_s: dp_total,
+            micro_batches: l.micro_batches(),
+            hardware_tflops_per_gpu: hf / step / n / 1e12,
+            memory: mem,
+        },
+        chosen: l.clone(),
+    }
+}

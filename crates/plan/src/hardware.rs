@@ -1,0 +1,267 @@
+//! Accelerator and interconnect catalogues, node shapes, and the `cpu-local` calibration file.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::PlanError;
+
+/// Arithmetic precision of the matmuls (and of stored weights/activations where it matters).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, PartialOrd, Ord)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    Bf16,
+    /// fp16 with loss scaling, Megatron-LM's `Float16Optimizer` (2021): its optimizer also keeps an fp32 copy of the
+    /// gradients. Same tensor-core peak as bf16.
+    Fp16,
+    Fp8,
+    Fp32,
+}
+
+impl Precision {
+    pub fn parse(s: &str) -> Result<Precision, PlanError> {
+        match s.to_ascii_lowercase().as_str() {
+            "bf16" => Ok(Precision::Bf16),
+            "fp16" => Ok(Precision::Fp16),
+            "fp8" => Ok(Precision::Fp8),
+            "fp32" => Ok(Precision::Fp32),
+            other => Err(PlanError(format!("--precision: unknown precision '{other}' (expected bf16|fp16|fp8|fp32)"))),
+        }
+    }
+    pub fn key(self) -> &'static str {
+        match self {
+            Precision::Bf16 => "bf16",
+            Precision::Fp16 => "fp16",
+            Precision::Fp8 => "fp8",
+            Precision::Fp32 => "fp32",
+        }
+    }
+    /// Bytes of one activation element as stored between kernels (fp8 training keeps activations in bf16).
+    pub fn act_bytes(self) -> f64 {
+        match self {
+            Precision::Fp32 => 4.0,
+            _ => 2.0,
+        }
+    }
+}
+
+/// One interconnect level: per-GPU, per-direction bandwidth and a per-message latency (the α–β model).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Link {
+    pub name: String,
+    /// β⁻¹: peak bytes/s per GPU per direction.
+    pub bw: f64,
+    /// Fraction of `bw` a large NCCL-style collective achieves (bus bandwidth / link bandwidth).
+    pub efficiency: f64,
+    /// α: seconds per message hop (NCCL ring step).
+    pub latency: f64,
+    #[serde(default)]
+    pub note: Option<String>,
+}
+
+impl Link {
+    /// Achievable bytes/s per GPU per direction.
+    pub fn eff_bw(&self) -> f64 {
+        self.bw * self.efficiency
+    }
+}
+
+/// How GPUs are packaged: the fast domain (node) and its way out.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct NodeShape {
+    pub gpus_per_node: u64,
+    /// Link name inside a node (NVLink, xGMI, ICI, PCIe).
+    pub intra: String,
+    /// Link name between nodes (one NIC).
+    pub inter: String,
+    /// NICs per node; each GPU's share of the node's injection bandwidth is `nics · bw / gpus_per_node`.
+    pub nics_per_node: u64,
+}
+
+/// Raw accelerator entry.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Accelerator {
+    pub name: String,
+    /// Peak dense FLOP/s per precision key ("bf16", "fp8", "fp32"). Missing precision = unsupported.
+    pub peak_flops: BTreeMap<String, f64>,
+    /// HBM (or DRAM) capacity in bytes.
+    pub mem_bytes: f64,
+    /// Peak memory bandwidth in bytes/s.
+    pub mem_bw: f64,
+    /// Fraction of `mem_bw` a streaming kernel reaches (STREAM-like copy).
+    pub mem_bw_efficiency: f64,
+    /// Fraction of peak a large, well-shaped GEMM reaches (the plateau of the efficiency curve).
+    pub gemm_efficiency: f64,
+    /// Parallel matmul units that each take one output tile at a time (SMs, CUs, MXUs, cores).
+    pub compute_units: u64,
+    /// Output tile of one unit, rows × cols (wave quantisation).
+    pub tile_m: u64,
+    pub tile_n: u64,
+    /// K-depth at which a GEMM reaches half its plateau (main-loop prologue/epilogue cost).
+    pub k_half: f64,
+    /// Fixed cost of one kernel launch, seconds.
+    pub kernel_overhead: f64,
+    /// Memory the framework cannot use (CUDA context, NCCL buffers, allocator fragmentation), bytes.
+    pub reserved_bytes: f64,
+    /// Flash attention available (fused attention, no s² activations).
+    pub flash_attention: bool,
+    pub node: NodeShape,
+    #[serde(default)]
+    pub note: Option<String>,
+}
+
+impl Accelerator {
+    pub fn peak(&self, p: Precision) -> Result<f64, PlanError> {
+        // fp16 runs on the same tensor cores as bf16 on every catalogued part.
+        let alt = if p == Precision::Fp16 { self.peak_flops.get("bf16") } else { None };
+        self.peak_flops
+            .get(p.key())
+            .or(alt)
+            .copied()
+            .ok_or_else(|| PlanError(format!("--precision: accelerator '{}' has no {} peak in the catalogue", self.name, p.key())))
+    }
+    pub fn stream_bw(&self) -> f64 {
+        self.mem_bw * self.mem_bw_efficiency
+    }
+}
+
+/// The file `kiln bench --peak` writes for this machine.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct CpuLocal {
+    pub name: String,
+    pub peak_flops_fp32: f64,
+    pub mem_bytes: f64,
+    pub mem_bw: f64,
+}
+
+impl CpuLocal {
+    /// A measured CPU: the measured matmul peak is the plateau (efficiency 1), measured bandwidth is the stream
+    /// bandwidth (efficiency 1). Each planner "GPU" is one rank; with N ranks on one host, give the per-rank figures
+    /// (machine peak / N). Ranks talk through shared memory at about half the stream bandwidth (a copy reads and
+    /// writes).
+    pub fn to_accelerator(&self) -> Accelerator {
+        let mut peak = BTreeMap::new();
+        peak.insert("fp32".to_string(), self.peak_flops_fp32);
+        Accelerator {
+            name: self.name.clone(),
+            peak_flops: peak,
+            mem_bytes: self.mem_bytes,
+            mem_bw: self.mem_bw,
+            mem_bw_efficiency: 1.0,
+            gemm_efficiency: 1.0,
+            compute_units: 1,
+            tile_m: 1,
+            tile_n: 1,
+            k_half: 16.0,
+            kernel_overhead: 2e-6,
+            reserved_bytes: 0.0,
+            flash_attention: false,
+            // All ranks on one host, talking through shared memory.
+            node: NodeShape { gpus_per_node: 1024, intra: "shm".into(), inter: "shm".into(), nics_per_node: 1 },
+            note: Some("from kiln bench --peak".into()),
+        }
+    }
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HardwareCatalog {
+    #[serde(default)]
+    pub accelerators: Vec<Accelerator>,
+    #[serde(default)]
+    pub links: Vec<Link>,
+}
+
+const BUILTIN_HARDWARE: &str = include_str!("../catalog/hardware.json");
+
+impl HardwareCatalog {
+    pub fn builtin() -> HardwareCatalog {
+        serde_json::from_str(BUILTIN_HARDWARE).expect("built-in hardware catalogue is valid")
+    }
+
+    /// Parse a user file: a hardware catalogue (`{"accelerators":[..],"links":[..]}`) or a `cpu-local` bench file.
+    pub fn parse_extra(text: &str, origin: &str) -> Result<HardwareCatalog, PlanError> {
+        if let Ok(c) = serde_json::from_str::<CpuLocal>(text) {
+            return Ok(HardwareCatalog { accelerators: vec![c.to_accelerator()], links: vec![] });
+        }
+        serde_json::from_str::<HardwareCatalog>(text).map_err(|e| {
+            PlanError(format!(
+                "{origin}: neither a hardware catalogue nor a cpu-local bench file \
+                 ({{\"name\",\"peak_flops_fp32\",\"mem_bytes\",\"mem_bw\"}}): {e}"
+            ))
+        })
+    }
+
+    /// Add entries; later entries with the same name replace earlier ones.
+    pub fn extend(&mut self, other: HardwareCatalog) {
+        for a in other.accelerators {
+            self.accelerators.retain(|x| x.name != a.name);
+            self.accelerators.push(a);
+        }
+        for l in other.links {
+            self.links.retain(|x| x.name != l.name);
+            self.links.push(l);
+        }
+    }
+
+    pub fn accelerator(&self, name: &str) -> Result<Accelerator, PlanError> {
+        let key = name.to_ascii_lowercase();
+        self.accelerators.iter().find(|a| a.name.to_ascii_lowercase() == key).cloned().ok_or_else(|| {
+            let names: Vec<&str> = self.accelerators.iter().map(|a| a.name.as_str()).collect();
+            PlanError(format!("--gpu: unknown accelerator '{name}' (known: {})", names.join(", ")))
+        })
+    }
+
+    pub fn link(&self, name: &str) -> Result<Link, PlanError> {
+        if name == "shm" {
+            // Shared memory between processes on one host; bandwidth filled in by `Cluster::new` from the CPU.
+            return Ok(Link { name: "shm".into(), bw: 0.0, efficiency: 1.0, latency: 5e-6, note: None });
+        }
+        self.links.iter().find(|l| l.name == name).cloned().ok_or_else(|| {
+            let names: Vec<&str> = self.links.iter().map(|l| l.name.as_str()).collect();
+            PlanError(format!("unknown link '{name}' (known: {})", names.join(", ")))
+        })
+    }
+}
+
+/// A resolved cluster: N accelerators of one kind in nodes of G.
+#[derive(Clone, Debug, Serialize)]
+pub struct Cluster {
+    pub acc: Accelerator,
+    pub gpus: u64,
+    pub gpus_per_node: u64,
+    pub intra: Link,
+    pub inter: Link,
+    /// Achievable inter-node bytes/s per GPU per direction (its share of the node's NICs).
+    pub inter_bw_per_gpu: f64,
+}
+
+impl Cluster {
+    pub fn new(cat: &HardwareCatalog, gpu: &str, gpus: u64, gpus_per_node: Option<u64>) -> Result<Cluster, PlanError> {
+        let acc = cat.accelerator(gpu)?;
+        if gpus == 0 {
+            return Err(PlanError("--gpus: must be at least 1".into()));
+        }
+        let g = gpus_per_node.unwrap_or(acc.node.gpus_per_node.min(gpus).max(1));
+        if g == 0 || (gpus > g && !gpus.is_multiple_of(g)) {
+            return Err(PlanError(format!("--gpus-per-node: {g} does not divide --gpus {gpus}")));
+        }
+        let mut intra = cat.link(&acc.node.intra)?;
+        let mut inter = cat.link(&acc.node.inter)?;
+        for l in [&mut intra, &mut inter] {
+            if l.name == "shm" {
+                l.bw = acc.mem_bw / 2.0;
+            }
+        }
+        let nics = acc.node.nics_per_node as f64;
+        let inter_bw_per_gpu = inter.eff_bw() * nics / acc.node.gpus_per_node as f64;
+        Ok(Cluster { acc, gpus, gpus_per_node: g.min(gpus), intra, inter, inter_bw_per_gpu })
+    }
+
+    pub fn nodes(&self) -> u64 {
+        self.gpus.div_ceil(self.gpus_per_node)
+    }
+}

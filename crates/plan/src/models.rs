@@ -1,0 +1,327 @@
+//! Model shapes and the built-in model catalogue.
+//!
+//! A `ModelShape` is a plain description of a decoder-only transformer: enough to count parameters, FLOPs and
+//! activation bytes. It deliberately does not depend on the engine's `model` crate (the planner must describe
+//! models kiln cannot run yet, e.g. a 1T-parameter GPT).
+
+use serde::{Deserialize, Serialize};
+
+use crate::PlanError;
+
+/// Feed-forward block kind.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mlp {
+    /// `fc2(gelu(fc1 x))`, two matrices h×f (GPT-2/3, Megatron).
+    Gelu,
+    /// `w2(silu(w1 x) * w3 x)`, three matrices h×f (LLaMA, Mixtral).
+    Swiglu,
+}
+
+impl Mlp {
+    pub fn parse(s: &str) -> Result<Mlp, PlanError> {
+        match s.to_ascii_lowercase().as_str() {
+            "gelu" => Ok(Mlp::Gelu),
+            "swiglu" => Ok(Mlp::Swiglu),
+            other => Err(PlanError(format!("--mlp: unknown MLP kind '{other}' (expected gelu|swiglu)"))),
+        }
+    }
+    /// Number of h×f matrices in one MLP (expert).
+    pub fn matrices(self) -> u64 {
+        match self {
+            Mlp::Gelu => 2,
+            Mlp::Swiglu => 3,
+        }
+    }
+}
+
+/// Raw, parsed form of a model entry (catalogue JSON or user file): optional fields get defaults in `resolve`.
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawModel {
+    pub name: String,
+    pub layers: u64,
+    pub hidden: u64,
+    pub heads: u64,
+    #[serde(default)]
+    pub kv_heads: Option<u64>,
+    #[serde(default)]
+    pub head_dim: Option<u64>,
+    #[serde(default)]
+    pub ffn_hidden: Option<u64>,
+    pub vocab: u64,
+    #[serde(default)]
+    pub seq: Option<u64>,
+    #[serde(default)]
+    pub mlp: Option<Mlp>,
+    #[serde(default)]
+    pub experts: Option<u64>,
+    #[serde(default)]
+    pub top_k: Option<u64>,
+    #[serde(default)]
+    pub shared_experts: Option<u64>,
+    #[serde(default)]
+    pub expert_ffn_hidden: Option<u64>,
+    #[serde(default)]
+    pub moe_layer_freq: Option<u64>,
+    #[serde(default)]
+    pub first_dense_layers: Option<u64>,
+    #[serde(default)]
+    pub capacity_factor: Option<f64>,
+    #[serde(default)]
+    pub tied_embeddings: Option<bool>,
+    #[serde(default)]
+    pub learned_pos_emb: Option<bool>,
+    #[serde(default)]
+    pub biases: Option<bool>,
+    #[serde(default)]
+    pub dropout: Option<bool>,
+    #[serde(default)]
+    pub note: Option<String>,
+}
+
+/// Resolved and validated model description.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ModelShape {
+    pub name: String,
+    /// L: transformer layers.
+    pub layers: u64,
+    /// h: residual width.
+    pub hidden: u64,
+    /// a: query heads.
+    pub heads: u64,
+    /// Key/value heads (GQA; = heads for MHA).
+    pub kv_heads: u64,
+    /// Per-head width (h / a unless given, e.g. DeepSeek-V3's 128 with h = 7168).
+    pub head_dim: u64,
+    /// f: dense MLP inner width.
+    pub ffn_hidden: u64,
+    /// V: vocabulary (padded as trained).
+    pub vocab: u64,
+    /// Default training sequence length.
+    pub seq: u64,
+    pub mlp: Mlp,
+    /// Routed experts per MoE layer (1 = dense model).
+    pub experts: u64,
+    /// Routed experts each token visits.
+    pub top_k: u64,
+    /// Always-on shared experts per MoE layer (DeepSeek).
+    pub shared_experts: u64,
+    /// Inner width of one expert.
+    pub expert_ffn_hidden: u64,
+    /// Every `moe_layer_freq`-th layer (after the dense ones) is MoE.
+    pub moe_layer_freq: u64,
+    /// The first layers that stay dense (DeepSeek-V3: 3).
+    pub first_dense_layers: u64,
+    /// Expert capacity factor: tokens an expert is sized for, relative to a perfect balance (compute is padded to it).
+    pub capacity_factor: f64,
+    pub tied_embeddings: bool,
+    /// GPT-style learned position embedding (s×h parameters); false for RoPE models.
+    pub learned_pos_emb: bool,
+    /// Linear/LayerNorm biases (GPT: yes; LLaMA: no).
+    pub biases: bool,
+    /// Dropout after attention probs and residual branches (stores 1-byte masks; Korthikanti's accounting).
+    pub dropout: bool,
+}
+
+impl RawModel {
+    pub fn resolve(self) -> Result<ModelShape, PlanError> {
+        let n = &self.name;
+        let bad = |what: &str| PlanError(format!("model '{n}': {what}"));
+        if self.layers == 0 || self.hidden == 0 || self.heads == 0 || self.vocab == 0 {
+            return Err(bad("layers, hidden, heads and vocab must be positive"));
+        }
+        let kv_heads = self.kv_heads.unwrap_or(self.heads);
+        if kv_heads == 0 || !self.heads.is_multiple_of(kv_heads) {
+            return Err(bad(&format!("kv_heads {kv_heads} must divide heads {}", self.heads)));
+        }
+        let head_dim = match self.head_dim {
+            Some(d) => d,
+            None => {
+                if !self.hidden.is_multiple_of(self.heads) {
+                    return Err(bad(&format!("heads {} must divide hidden {}", self.heads, self.hidden)));
+                }
+                self.hidden / self.heads
+            }
+        };
+        let mlp = self.mlp.unwrap_or(Mlp::Gelu);
+        // GPT: f = 4h. SwiGLU without an explicit width: LLaMA's 2/3·4h rounded up to a multiple of 256.
+        let ffn_hidden = self.ffn_hidden.unwrap_or(match mlp {
+            Mlp::Gelu => 4 * self.hidden,
+            Mlp::Swiglu => (8 * self.hidden / 3).div_ceil(256) * 256,
+        });
+        let experts = self.experts.unwrap_or(1).max(1);
+        let top_k = self.top_k.unwrap_or(if experts > 1 { 2 } else { 1 });
+        if top_k == 0 || top_k > experts {
+            return Err(bad(&format!("top_k {top_k} must be in 1..=experts ({experts})")));
+        }
+        let gpt_like = mlp == Mlp::Gelu;
+        Ok(ModelShape {
+            name: self.name.clone(),
+            layers: self.layers,
+            hidden: self.hidden,
+            heads: self.heads,
+            kv_heads,
+            head_dim,
+            ffn_hidden,
+            vocab: self.vocab,
+            seq: self.seq.unwrap_or(2048),
+            mlp,
+            experts,
+            top_k,
+            shared_experts: self.shared_experts.unwrap_or(0),
+            expert_ffn_hidden: self.expert_ffn_hidden.unwrap_or(ffn_hidden),
+            moe_layer_freq: self.moe_layer_freq.unwrap_or(1).max(1),
+            first_dense_layers: self.first_dense_layers.unwrap_or(0),
+            capacity_factor: self.capacity_factor.unwrap_or(1.0),
+            tied_embeddings: self.tied_embeddings.unwrap_or(gpt_like),
+            learned_pos_emb: self.learned_pos_emb.unwrap_or(gpt_like),
+            biases: self.biases.unwrap_or(gpt_like),
+            dropout: self.dropout.unwrap_or(gpt_like),
+        })
+    }
+}
+
+impl ModelShape {
+    /// A GPT (Megatron) model as in Narayanan et al. Table 1: GELU MLP with f = 4h, MHA, biases, dropout,
+    /// tied embeddings and learned position embeddings.
+    pub fn gpt(name: &str, layers: u64, hidden: u64, heads: u64, vocab: u64, seq: u64) -> Result<ModelShape, PlanError> {
+        RawModel { name: name.into(), layers, hidden, heads, vocab, seq: Some(seq), ..Default::default() }.resolve()
+    }
+
+    pub fn is_moe(&self) -> bool {
+        self.experts > 1
+    }
+
+    /// Whether layer `i` (0-based) is an MoE layer.
+    pub fn layer_is_moe(&self, i: u64) -> bool {
+        self.is_moe() && i >= self.first_dense_layers && (i - self.first_dense_layers).is_multiple_of(self.moe_layer_freq)
+    }
+
+    pub fn moe_layers(&self) -> u64 {
+        (0..self.layers).filter(|&i| self.layer_is_moe(i)).count() as u64
+    }
+
+    /// Query width a·d (= h for standard models).
+    pub fn q_dim(&self) -> u64 {
+        self.heads * self.head_dim
+    }
+
+    /// Key (= value) width kv·d.
+    pub fn kv_dim(&self) -> u64 {
+        self.kv_heads * self.head_dim
+    }
+
+    /// Attention parameters of one layer: W_q h×a·d, W_k,W_v h×kv·d, W_o a·d×h (+ biases).
+    pub fn attn_params(&self) -> u64 {
+        let h = self.hidden;
+        let w = h * (self.q_dim() + 2 * self.kv_dim()) + self.q_dim() * h;
+        let b = if self.biases { self.q_dim() + 2 * self.kv_dim() + h } else { 0 };
+        w + b
+    }
+
+    /// Parameters of one MLP (or one expert) of inner width f.
+    pub fn mlp_params(&self, f: u64) -> u64 {
+        let h = self.hidden;
+        let w = self.mlp.matrices() * h * f;
+        let b = if self.biases { (self.mlp.matrices() - 1) * f + h } else { 0 };
+        w + b
+    }
+
+    /// Norm parameters of one layer: two LayerNorms with weight+bias (4h), or two RMSNorms (2h).
+    pub fn norm_params(&self) -> u64 {
+        if self.biases {
+            4 * self.hidden
+        } else {
+            2 * self.hidden
+        }
+    }
+
+    /// Parameters of layer `i`. Dense GPT: 12h² + 13h, the per-layer term of Narayanan et al. eq. (1).
+    pub fn layer_params(&self, i: u64) -> u64 {
+        let mlp = if self.layer_is_moe(i) {
+            let router = self.hidden * self.experts;
+            (self.experts + self.shared_experts) * self.mlp_params(self.expert_ffn_hidden) + router
+        } else {
+            self.mlp_params(self.ffn_hidden)
+        };
+        self.attn_params() + mlp + self.norm_params()
+    }
+
+    /// Expert (EP-shardable) parameters of layer `i`.
+    pub fn layer_expert_params(&self, i: u64) -> u64 {
+        if self.layer_is_moe(i) {
+            self.experts * self.mlp_params(self.expert_ffn_hidden)
+        } else {
+            0
+        }
+    }
+
+    /// Embedding parameters: token embedding V×h (+ position s×h), + an untied output head V×h.
+    pub fn embedding_params(&self, seq: u64) -> u64 {
+        let tok = self.vocab * self.hidden;
+        let pos = if self.learned_pos_emb { seq * self.hidden } else { 0 };
+        let head = if self.tied_embeddings { 0 } else { self.vocab * self.hidden };
+        tok + pos + head
+    }
+
+    /// Total parameters. For dense GPT this is exactly Narayanan et al. eq. (1):
+    /// `P = 12 l h² (1 + 13/(12h) + (V + s)/(12 l h))` (the final LayerNorm, 2h, is left out as in the paper).
+    pub fn params(&self, seq: u64) -> u64 {
+        (0..self.layers).map(|i| self.layer_params(i)).sum::<u64>() + self.embedding_params(seq)
+    }
+
+    /// Parameters touched by one token (MoE: top_k + shared experts instead of all).
+    pub fn active_params(&self, seq: u64) -> u64 {
+        let mut p = self.params(seq);
+        for i in 0..self.layers {
+            if self.layer_is_moe(i) {
+                p -= (self.experts - self.top_k) * self.mlp_params(self.expert_ffn_hidden);
+            }
+        }
+        p
+    }
+}
+
+const BUILTIN_MODELS: &str = include_str!("../catalog/models.json");
+
+#[derive(Deserialize)]
+struct ModelFile {
+    models: Vec<RawModel>,
+}
+
+/// Parse a model catalogue (`{"models":[...]}`), a JSON array of models, or a single model object.
+pub fn parse_models(text: &str, origin: &str) -> Result<Vec<ModelShape>, PlanError> {
+    let raws: Vec<RawModel> = if let Ok(f) = serde_json::from_str::<ModelFile>(text) {
+        f.models
+    } else if let Ok(v) = serde_json::from_str::<Vec<RawModel>>(text) {
+        v
+    } else {
+        match serde_json::from_str::<RawModel>(text) {
+            Ok(m) => vec![m],
+            Err(e) => return Err(PlanError(format!("{origin}: not a model catalogue or model config: {e}"))),
+        }
+    };
+    raws.into_iter()
+        .map(|r| r.resolve().map_err(|e| PlanError(format!("{origin}: {}", e.0))))
+        .collect()
+}
+
+/// The built-in model catalogue.
+pub fn builtin_models() -> Vec<ModelShape> {
+    parse_models(BUILTIN_MODELS, "catalog/models.json").expect("built-in model catalogue is valid")
+}
+
+/// Find a model by name in the built-in catalogue plus `extra` entries (extra entries win).
+pub fn find_model(name: &str, extra: &[ModelShape]) -> Result<ModelShape, PlanError> {
+    let key = name.to_ascii_lowercase();
+    if let Some(m) = extra.iter().find(|m| m.name.to_ascii_lowercase() == key) {
+        return Ok(m.clone());
+    }
+    let all = builtin_models();
+    if let Some(m) = all.iter().find(|m| m.name.to_ascii_lowercase() == key) {
+        return Ok(m.clone());
+    }
+    let names: Vec<&str> = all.iter().map(|m| m.name.as_str()).collect();
+    Err(PlanError(format!("--model: unknown model '{name}' (known: {})", names.join(", "))))
+}

@@ -1,0 +1,292 @@
+//! Predicted vs published throughput on a table of runs (CSV or JSON).
+//!
+//! Columns (case-insensitive; CSV header or JSON keys): `params,heads,hidden,layers,TP,PP,GPUs,global_batch,
+//! tflops_per_gpu` are required. Optional, with the defaults of Narayanan et al. 2021 Table 1:
+//! `name`, `gpu` (a100-80gb), `gpus_per_node`, `seq` (2048), `vocab` (51200), `kv_heads`, `ffn_hidden`, `mlp`
+//! (gelu), `experts`, `top_k`, `micro_batch` (chosen), `recompute` (full), `schedule` (interleaved when PP > 1),
+//! `virtual_stages` (chosen), `sequence_parallel` (false), `attention` (unfused), `precision` (fp16: Megatron-LM 2021's fp16 optimizer),
+//! `zero` (0), `cp` (1), `fp32_grads` (true: Megatron's fp32 `main_grad`), `overlap_dp` (false: Megatron-LM 2021 reduced gradients after the backward pass), `convention`: `hardware` (counts recomputation, Table 1's convention; the default) or
+//! `model` (72·… model FLOPs, i.e. MFU × peak).
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+use crate::cost::{estimate, hardware_flops, model_flops, Attention, Layout, Recompute, Schedule};
+use crate::hardware::{Cluster, HardwareCatalog, Precision};
+use crate::models::{Mlp, RawModel};
+use crate::search::{search, Constraints};
+use crate::PlanError;
+
+/// One published run, resolved.
+#[derive(Clone, Debug, Serialize)]
+pub struct Row {
+    pub name: String,
+    pub params_b: f64,
+    pub heads: u64,
+    pub hidden: u64,
+    pub layers: u64,
+    pub tp: u64,
+    pub pp: u64,
+    pub gpus: u64,
+    pub global_batch: u64,
+    pub published_tflops: f64,
+    fields: BTreeMap<String, String>,
+}
+
+impl Row {
+    fn get(&self, k: &str) -> Option<&str> {
+        self.fields.get(k).map(|s| s.as_str()).filter(|s| !s.is_empty())
+    }
+    fn num(&self, k: &str, origin: &str) -> Result<Option<f64>, PlanError> {
+        match self.get(k) {
+            None => Ok(None),
+            Some(v) => v
+                .trim_end_matches('%')
+                .parse::<f64>()
+                .map(Some)
+                .map_err(|_| PlanError(format!("{origin}: row '{}': column '{k}' = '{v}' is not a number", self.name))),
+        }
+    }
+    fn int(&self, k: &str, origin: &str) -> Result<Option<u64>, PlanError> {
+        Ok(self.num(k, origin)?.map(|x| x.round() as u64))
+    }
+}
+
+fn norm_key(k: &str) -> String {
+    let k = k.trim().trim_matches('"').to_ascii_lowercase().replace([' ', '-'], "_");
+    match k.as_str() {
+        "params_b" | "params(b)" | "parameters" => "params".into(),
+        "batch" | "global_batch_size" | "batch_size" => "global_batch".into(),
+        "tflops" | "achieved_tflops_per_gpu" | "tflop/s_per_gpu" | "tflops/gpu" => "tflops_per_gpu".into(),
+        "gpu_count" | "n_gpus" => "gpus".into(),
+        "tensor_parallel" | "t" => "tp".into(),
+        "pipeline_parallel" | "p" => "pp".into(),
+        _ => k,
+    }
+}
+
+const REQUIRED: [&str; 9] = ["params", "heads", "hidden", "layers", "tp", "pp", "gpus", "global_batch", "tflops_per_gpu"];
+
+fn rows_from_maps(maps: Vec<BTreeMap<String, String>>, origin: &str) -> Result<Vec<Row>, PlanError> {
+    let mut rows = Vec::new();
+    for (i, f) in maps.into_iter().enumerate() {
+        for k in REQUIRED {
+            if f.get(k).is_none_or(|v| v.is_empty()) {
+                return Err(PlanError(format!("{origin}: row {}: missing column '{k}'", i + 1)));
+            }
+        }
+        let name = f.get("name").cloned().unwrap_or_else(|| format!("{}B", f["params"]));
+        let mut row = Row {
+            name,
+            params_b: 0.0,
+            heads: 0,
+            hidden: 0,
+            layers: 0,
+            tp: 0,
+            pp: 0,
+            gpus: 0,
+            global_batch: 0,
+            published_tflops: 0.0,
+            fields: f,
+        };
+        let need = |r: &Row, k: &str| -> Result<f64, PlanError> { Ok(r.num(k, origin)?.unwrap_or(0.0)) };
+        row.params_b = need(&row, "params")?;
+        row.heads = need(&row, "heads")? as u64;
+        row.hidden = need(&row, "hidden")? as u64;
+        row.layers = need(&row, "layers")? as u64;
+        row.tp = need(&row, "tp")? as u64;
+        row.pp = need(&row, "pp")? as u64;
+        row.gpus = need(&row, "gpus")? as u64;
+        row.global_batch = need(&row, "global_batch")? as u64;
+        row.published_tflops = need(&row, "tflops_per_gpu")?;
+        rows.push(row);
+    }
+    if rows.is_empty() {
+        return Err(PlanError(format!("{origin}: no rows")));
+    }
+    Ok(rows)
+}
+
+/// Parse a CSV table: a header line, then rows; `#` comments and blank lines are skipped.
+pub fn parse_csv(text: &str, origin: &str) -> Result<Vec<Row>, PlanError> {
+    let mut lines = text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#'));
+    let header: Vec<String> = match lines.next() {
+        Some(h) => h.split(',').map(norm_key).collect(),
+        None => return Err(PlanError(format!("{origin}: empty table"))),
+    };
+    let mut maps = Vec::new();
+    for (i, line) in lines.enumerate() {
+        let cells: Vec<&str> = line.split(',').map(|c| c.trim().trim_matches('"')).collect();
+        if cells.len() != header.len() {
+            return Err(PlanError(format!(
+                "{origin}: line {}: {} cells but the header has {}",
+                i + 2,
+                cells.len(),
+                header.len()
+            )));
+        }
+        maps.push(header.iter().cloned().zip(cells.iter().map(|c| c.to_string())).collect());
+    }
+    rows_from_maps(maps, origin)
+}
+
+/// Parse a JSON array of objects with the same keys as the CSV header.
+pub fn parse_json(text: &str, origin: &str) -> Result<Vec<Row>, PlanError> {
+    let v: serde_json::Value =
+        serde_json::from_str(text).map_err(|e| PlanError(format!("{origin}: invalid JSON: {e}")))?;
+    let arr = v.as_array().ok_or_else(|| PlanError(format!("{origin}: expected a JSON array of rows")))?;
+    let mut maps = Vec::new();
+    for (i, item) in arr.iter().enumerate() {
+        let obj = item.as_object().ok_or_else(|| PlanError(format!("{origin}: row {} is not an object", i + 1)))?;
+        let mut m = BTreeMap::new();
+        for (k, v) in obj {
+            let s = match v {
+                serde_json::Value::String(s) => s.clone(),
+                serde_json::Value::Null => String::new(),
+                other => other.to_string(),
+            };
+            m.insert(norm_key(k), s);
+        }
+        maps.push(m);
+    }
+    rows_from_maps(maps, origin)
+}
+
+/// Parse by content: JSON if it starts with `[`, else CSV.
+pub fn parse_table(text: &str, origin: &str) -> Result<Vec<Row>, PlanError> {
+    if text.trim_start().starts_with('[') {
+        parse_json(text, origin)
+    } else {
+        parse_csv(text, origin)
+    }
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct RowResult {
+    pub name: String,
+    pub tp: u64,
+    pub pp: u64,
+    pub gpus: u64,
+    pub published_tflops: f64,
+    pub predicted_tflops: f64,
+    pub error_pct: f64,
+    pub fits: bool,
+    /// Parameters the planner counts for this shape, billions (vs the table's `params`).
+    pub params_b: f64,
+    pub chosen: Layout,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Report {
+    pub rows: Vec<RowResult>,
+    pub mape_pct: f64,
+    pub worst_pct: f64,
+    pub worst_row: String,
+}
+
+fn parse_bool(s: &str, col: &str, origin: &str) -> Result<bool, PlanError> {
+    match s.to_ascii_lowercase().as_str() {
+        "true" | "yes" | "1" | "on" => Ok(true),
+        "false" | "no" | "0" | "off" => Ok(false),
+        _ => Err(PlanError(format!("{origin}: column '{col}' = '{s}' is not a boolean"))),
+    }
+}
+
+/// Resolve one row into model, cluster and constraints, and predict it.
+pub fn predict_row(row: &Row, cat: &HardwareCatalog, origin: &str) -> Result<RowResult, PlanError> {
+    let ctx = |e: PlanError| PlanError(format!("{origin}: row '{}': {}", row.name, e.0));
+    let seq = row.int("seq", origin)?.unwrap_or(2048);
+    let raw = RawModel {
+        name: row.name.clone(),
+        layers: row.layers,
+        hidden: row.hidden,
+        heads: row.heads,
+        kv_heads: row.int("kv_heads", origin)?,
+        ffn_hidden: row.int("ffn_hidden", origin)?,
+        vocab: row.int("vocab", origin)?.unwrap_or(51200),
+        seq: Some(seq),
+        mlp: row.get("mlp").map(Mlp::parse).transpose().map_err(ctx)?,
+        experts: row.int("experts", origin)?,
+        top_k: row.int("top_k", origin)?,
+        ..Default::default()
+    };
+    let model = raw.resolve().map_err(ctx)?;
+    let gpu = row.get("gpu").unwrap_or("a100-80gb");
+    let cluster = Cluster::new(cat, gpu, row.gpus, row.int("gpus_per_node", origin)?).map_err(ctx)?;
+    let recompute = row.get("recompute").map(Recompute::parse).transpose().map_err(ctx)?.unwrap_or(Recompute::Full);
+    let schedule = match row.get("schedule") {
+        Some(s) => Schedule::parse(s).map_err(ctx)?,
+        None => Schedule::Interleaved,
+    };
+    let schedule = if row.pp == 1 { Schedule::OneFOneB } else { schedule };
+    let c = Constraints {
+        tp: Some(row.tp),
+        pp: Some(row.pp),
+        dp: None,
+        cp: Some(row.int("cp", origin)?.unwrap_or(1)),
+        ep: row.int("ep", origin)?,
+        micro_batch: row.int("micro_batch", origin)?,
+        schedule: Some(schedule),
+        virtual_stages: if row.pp == 1 { Some(1) } else { row.int("virtual_stages", origin)? },
+        recompute: Some(recompute),
+        sequence_parallel: Some(match row.get("sequence_parallel") {
+            Some(s) => parse_bool(s, "sequence_parallel", origin)?,
+            None => false,
+        }),
+        zero: Some(row.int("zero", origin)?.unwrap_or(0) as u8),
+        precision: Some(row.get("precision").map(Precision::parse).transpose().map_err(ctx)?.unwrap_or(Precision::Fp16)),
+        attention: Some(row.get("attention").map(Attention::parse).transpose().map_err(ctx)?.unwrap_or(Attention::Unfused)),
+        overlap_dp: Some(match row.get("overlap_dp") {
+            Some(s) => parse_bool(s, "overlap_dp", origin)?,
+            None => false,
+        }),
+        fp32_grads: Some(match row.get("fp32_grads") {
+            Some(s) => parse_bool(s, "fp32_grads", origin)?,
+            None => false,
+        }),
+    };
+    let res = search(&model, &cluster, row.global_batch, seq, &c).map_err(ctx)?;
+    let (est, fits) = match res.plans.first() {
+        Some(e) => (e.clone(), true),
+        None => match res.smallest_unfit {
+            Some(e) => (e, false),
+            None => return Err(ctx(PlanError("no valid layout".into()))),
+        },
+    };
+    let hardware_conv = match row.get("convention") {
+        None | Some("hardware") => true,
+        Some("model") => false,
+        Some(o) => return Err(ctx(PlanError(format!("column 'convention' = '{o}' (expected hardware|model)")))),
+    };
+    let flops = if hardware_conv {
+        hardware_flops(&model, row.global_batch, seq, est.chosen.recompute)
+    } else {
+        model_flops(&model, row.global_batch, seq)
+    };
+    let predicted = flops / est.step_time_s / row.gpus as f64 / 1e12;
+    let _ = estimate; // the search already ran the estimate
+    Ok(RowResult {
+        name: row.name.clone(),
+        tp: row.tp,
+        pp: row.pp,
+        gpus: row.gpus,
+        published_tflops: row.published_tflops,
+        predicted_tflops: predicted,
+        error_pct: (predicted - row.published_tflops) / row.published_tflops * 100.0,
+        fits,
+        params_b: model.params(seq) as f64 / 1e9,
+        chosen: est.chosen,
+    })
+}
+
+/// Validate every row of a table.
+pub fn validate(rows: &[Row], cat: &HardwareCatalog, origin: &str) -> Result<Report, PlanError> {
+    let results: Vec<RowResult> = rows.iter().map(|r| predict_row(r, cat, origin)).collect::<Result<_, _>>()?;
+    let mape = results.iter().map(|r| r.error_pct.abs()).sum::<f64>() / results.len() as f64;
+    let worst = results.iter().max_by(|a, b| a.error_pct.abs().total_cmp(&b.error_pct.abs())).unwrap();
+    Ok(Report { mape_pct: mape, worst_pct: worst.error_pct.abs(), worst_row: worst.name.clone(), rows: results })
+}
+
+/// The built-in copy of Narayanan et al. 2021 Table 1.
+pub const NARAYANAN_TABLE1: &str = include_str!("../catalog/narayanan2021_table1.csv");

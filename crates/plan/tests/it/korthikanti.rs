@@ -1,0 +1,52 @@
+//! Issue 9, done-when (2b): activation bytes per layer equal Korthikanti et al.'s closed forms for each
+//! configuration of their Table 2, at every Table 1 shape (s, h, a, t), and the pipeline totals follow §4.2.3.
+
+use plan::cost::{activation_bytes_per_layer, inflight_microbatches, ActConfig, Attention, Recompute, Schedule};
+
+fn cfg(s: f64, b: f64, t: f64, sp: bool, recompute: Recompute) -> ActConfig {
+    ActConfig { s_local: s, s_kv: s, b, t, sp, recompute, attention: Attention::Unfused, e: 2.0 }
+}
+
+fn close(a: f64, b: f64) -> bool {
+    (a - b).abs() <= 1e-12 * b.abs()
+}
+
+#[test]
+fn per_layer_activations_match_korthikanti_for_every_table1_configuration() {
+    for r in super::table1_rows() {
+        let m = super::gpt_of(&r);
+        let (s, h, a) = (2048.0, r.hidden as f64, r.heads as f64);
+        for b in [1.0, 2.0, 4.0] {
+            for t in [1.0, r.tp as f64] {
+                let sbh = s * b * h;
+                let cases = [
+                    (false, Recompute::None, if t == 1.0 { sbh * (34.0 + 5.0 * a * s / h) } else { sbh * (10.0 + 24.0 / t + 5.0 * a * s / (h * t)) }),
+                    (true, Recompute::None, sbh * (34.0 / t + 5.0 * a * s / (h * t))),
+                    (false, Recompute::Selective, sbh * (10.0 + 24.0 / t)),
+                    (true, Recompute::Selective, sbh * (34.0 / t)),
+                    (false, Recompute::Full, 2.0 * sbh),
+                ];
+                for (sp, rc, want) in cases {
+                    if sp && t == 1.0 {
+                        continue;
+                    }
+                    let got = activation_bytes_per_layer(&m, false, &cfg(s, b, t, sp, rc));
+                    assert!(close(got, want), "{} b={b} t={t} sp={sp} {rc:?}: {got} vs {want}", r.name);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn pipeline_totals_follow_korthikanti() {
+    // 1F1B: the first stage holds p micro-batches of L/p layers = L layers' worth.
+    for (p, m) in [(2u64, 8u64), (8, 64), (35, 280), (64, 512)] {
+        assert_eq!(inflight_microbatches(Schedule::OneFOneB, p, m, 1), p as f64);
+        assert_eq!(inflight_microbatches(Schedule::Gpipe, p, m, 1), m as f64);
+        for v in [2u64, 4] {
+            let want = p as f64 * (1.0 + (p as f64 - 1.0) / (p as f64 * v as f64));
+            assert_eq!(inflight_microbatches(Schedule::Interleaved, p, m, v), want);
+        }
+    }
+}
