@@ -133,9 +133,14 @@ pub fn main() -> i32 {
     }
 }
 
-fn threads_from_env_or(n: usize) {
-    let n = if n == 0 { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) } else { n };
-    let _ = rayon::ThreadPoolBuilder::new().num_threads(n).build_global();
+/// Sizes the one rayon pool: `n` threads, or with 0 `RAYON_NUM_THREADS` / all cores. Only the
+/// first call in a process has an effect.
+pub fn init_threads(n: usize) {
+    let mut b = rayon::ThreadPoolBuilder::new();
+    if n > 0 {
+        b = b.num_threads(n);
+    }
+    let _ = b.build_global();
 }
 
 fn dispatch(cmd: Cmd) -> Result<()> {
@@ -151,11 +156,10 @@ fn dispatch(cmd: Cmd) -> Result<()> {
                 }
                 eprintln!("\ninterrupt: finishing this step, then saving a checkpoint (Ctrl-C again to abort)");
             });
-            threads_from_env_or(threads_setting(&args));
             trainer::train(&args, &stop).map(|_| ())
         }
         Cmd::Generate(g) => {
-            threads_from_env_or(0);
+            init_threads(0);
             let r = run::load_run(&g.run)?;
             let m = run::load_model(&r)?;
             let text = trainer::sample_text(&m, &r.tokenizer, &g.prompt, g.max_new_tokens, g.temperature, g.top_k, g.seed);
@@ -163,7 +167,7 @@ fn dispatch(cmd: Cmd) -> Result<()> {
             Ok(())
         }
         Cmd::Eval(e) => {
-            threads_from_env_or(0);
+            init_threads(0);
             let r = run::load_run(&e.run)?;
             let mut m = run::load_model(&r)?;
             let t = r.config.model.block_size;
@@ -204,10 +208,4 @@ fn dispatch(cmd: Cmd) -> Result<()> {
             Ok(())
         }
     }
-}
-
-/// `train.threads` as the run will resolve it (only `--set` can change it before the pool is
-/// built; 0 = all cores).
-fn threads_setting(args: &TrainArgs) -> usize {
-    args.set.iter().rev().find_map(|kv| kv.strip_prefix("train.threads=").and_then(|v| v.trim().parse().ok())).unwrap_or(0)
 }

@@ -101,6 +101,9 @@ pub struct LayoutFlags {
     /// Overlap DP gradient reduction with backward (default true).
     #[arg(long)]
     pub dp_overlap: Option<bool>,
+    /// Overlap TP backward collectives and interleaved-pipeline p2p with compute (default true).
+    #[arg(long)]
+    pub comm_overlap: Option<bool>,
     /// Keep and reduce gradients in fp32 (default true).
     #[arg(long)]
     pub fp32_grads: Option<bool>,
@@ -188,6 +191,7 @@ fn layout_args(f: &LayoutFlags) -> plan::cli::LayoutArgs {
         precision: f.precision.clone(),
         attention: f.attention.clone(),
         overlap_dp: f.dp_overlap,
+        overlap_comm: f.comm_overlap,
         fp32_grads: f.fp32_grads,
     }
 }

@@ -205,6 +205,8 @@ pub fn train(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
         cfg
     };
 
+    crate::cli::init_threads(cfg.train.threads);
+
     // 2. Data.
     let tokenizer = match &resume_from {
         Some(l) => Some(Tokenizer::from_json(&l.tokenizer_json, &l.dir.join("tokenizer.json"))?),

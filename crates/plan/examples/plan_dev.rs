@@ -50,7 +50,7 @@ pub fn ranks() {
         let cl = plan::hardware::Cluster::new(&cat, "a100-80gb", r.gpus, None).unwrap();
         let c = Constraints {
             schedule: Some(Schedule::Interleaved), recompute: Some(Recompute::Full), sequence_parallel: Some(false),
-            zero: Some(0), attention: Some(Attention::Unfused), overlap_dp: Some(false), fp32_grads: Some(false), precision: Some(plan::hardware::Precision::Fp16), ..Default::default()
+            zero: Some(0), attention: Some(Attention::Unfused), overlap_dp: Some(false), overlap_comm: Some(false), fp32_grads: Some(false), precision: Some(plan::hardware::Precision::Fp16), ..Default::default()
         };
         let t0 = std::time::Instant::now();
         let res = search(&m, &cl, r.global_batch, 2048, &c).unwrap();

@@ -57,6 +57,7 @@ pub struct LayoutArgs {
     pub precision: Option<String>,
     pub attention: Option<String>,
     pub overlap_dp: Option<bool>,
+    pub overlap_comm: Option<bool>,
     pub fp32_grads: Option<bool>,
 }
 
@@ -145,6 +146,7 @@ pub fn resolve_layout(a: &LayoutArgs, model: &ModelShape) -> Result<(Constraints
         precision: a.precision.as_deref().map(Precision::parse).transpose()?,
         attention: a.attention.as_deref().map(Attention::parse).transpose()?,
         overlap_dp: a.overlap_dp,
+        overlap_comm: a.overlap_comm,
         fp32_grads: a.fp32_grads,
     };
     if let Some(z) = a.zero {

@@ -106,6 +106,9 @@ pub struct Layout {
     /// Overlap the data-parallel gradient reduction with the last micro-batch's backward (PyTorch DDP buckets,
     /// Megatron `--overlap-grad-reduce`). Megatron-LM of 2021–2022 reduced after the backward pass (false).
     pub overlap_dp: bool,
+    /// Overlap TP backward collectives with weight-gradient GEMMs and interleaved-PP p2p with compute (modern
+    /// Megatron). Megatron-LM of 2021 did neither (false).
+    pub overlap_comm: bool,
     /// Keep (and reduce) gradients in fp32, as Megatron's `main_grad` buffer and FSDP's fp32 `reduce_dtype` do:
     /// 4 bytes per gradient instead of the ZeRO paper's 2 (18 bytes of model state per parameter, not 16).
     pub fp32_grads: bool,
@@ -518,7 +521,7 @@ pub fn stream_time(cl: &Cluster, bytes: f64, kernels: f64) -> f64 {
 
 /// Which link a communicator group runs on, and how fast. Mesh order (Megatron's default, innermost first):
 /// tp, cp, dp, pp; EP is carved out of the innermost DP ranks. A group of `n` ranks at `stride` has
-/// `g = clamp(G/stride, 1, n)` ranks per node. Within a node it runs at the intra-node link's achievable bandwidth.
+/// `g = clamp(G/stride, 1, n)` ranks per node (groups that do not tile a node count as crossing nodes). Within a node it runs at the intra-node link's achievable bandwidth.
 /// Across nodes a ring crosses the network once per node; with `g` ranks per node there are `g` rings in parallel,
 /// each on its own GPU's share of the NICs, so the bus bandwidth is `min(intra, g · nic_share)` (the NCCL
 /// multi-ring picture: 8-GPU DGX nodes with 8 NICs reach ~8 × NIC speed).
@@ -537,7 +540,8 @@ pub fn group_link(cl: &Cluster, n: u64, stride: u64) -> GroupLink {
         return GroupLink { n: 1.0, bw: intra, latency: 0.0, inter_node: false };
     }
     let span = n * stride;
-    if span <= g_node {
+    // A group stays inside a node only if groups tile the node (a 6-way group on 8-GPU nodes straddles two).
+    if span <= g_node && g_node % span == 0 {
         return GroupLink { n: n as f64, bw: intra, latency: cl.intra.latency, inter_node: false };
     }
     let g = if stride >= g_node { 1 } else { (g_node / stride).clamp(1, n) };
@@ -546,6 +550,16 @@ pub fn group_link(cl: &Cluster, n: u64, stride: u64) -> GroupLink {
         bw: intra.min(g as f64 * cl.inter_bw_per_gpu),
         latency: cl.inter.latency.max(cl.intra.latency),
         inter_node: true,
+    }
+}
+
+/// The link a point-to-point transfer inside a group uses: across nodes one GPU's share of the NICs (a pair of ranks
+/// does not get the multi-ring aggregate a collective gets), inside a node the intra-node link.
+pub fn p2p_link(cl: &Cluster, gl: GroupLink) -> GroupLink {
+    if gl.inter_node {
+        GroupLink { bw: cl.inter_bw_per_gpu.min(cl.intra.eff_bw()), ..gl }
+    } else {
+        gl
     }
 }
 
@@ -749,7 +763,9 @@ fn layer_time(m: &ModelShape, cl: &Cluster, l: &Layout, moe: bool) -> LayerFwd {
 
     // Tensor parallelism (Shoeybi et al. 2019): 2 all-reduces of the sbh activation in forward, 2 in backward;
     // with SP each becomes a reduce-scatter + all-gather pair of the same volume (Korthikanti §4.2.2).
-    // Megatron (2021) does not overlap them with compute: exposed.
+    // Megatron-LM 2021 does not overlap them with compute: exposed. With `overlap_comm` (Megatron's asynchronous
+    // TP all-reduce / SP reduce-scatter, since late 2021) the backward collective of each column-parallel layer's
+    // input gradient (QKV, fc1) runs under that layer's weight-gradient GEMM; only the excess is exposed.
     if l.tp > 1 {
         let gl = group_link(cl, l.tp, 1);
         let bytes = e * x;
@@ -760,11 +776,16 @@ fn layer_time(m: &ModelShape, cl: &Cluster, l: &Layout, moe: bool) -> LayerFwd {
         };
         r.tp = 2.0 * one;
         r.tp_b = 2.0 * one;
+        if l.overlap_comm {
+            let wgrad_qkv = gemm_time(cl, pr, h, (qd + 2.0 * kvd) / t, tok, 1.0);
+            let wgrad_fc1 = if moe { 0.0 } else { gemm_time(cl, pr, h, (mats - 1.0) * m.ffn_hidden as f64 / t, tok, 1.0) };
+            r.tp_b = (one - wgrad_qkv).max(0.0) + (one - wgrad_fc1).max(0.0);
+        }
     }
     // Context parallelism (ring attention, Liu et al. 2023; Megatron CP): K and V blocks travel the ring,
     // (cp−1) steps of 2·e·b·(s/cp)·kv·d/t bytes, overlapped with the attention blocks; backward also sends dK, dV.
     if l.cp > 1 {
-        let gl = group_link(cl, l.cp, l.tp);
+        let gl = p2p_link(cl, group_link(cl, l.cp, l.tp));
         let step = 2.0 * e * tok * kvd / t;
         let comm = (l.cp as f64 - 1.0) * p2p_time(gl, step);
         r.cp = (comm - r.attn).max(0.0);
@@ -850,11 +871,14 @@ pub fn device_time(m: &ModelShape, cl: &Cluster, l: &Layout, stage: u64) -> Devi
     }
     // Pipeline point-to-point (Narayanan et al. §4.1): each chunk sends its output activation forward and receives
     // the gradient back, b·s·h elements, ÷t with the scatter/gather optimisation (always on with TP here).
-    // Megatron's batched send/recv blocks, so it is exposed: 2 transfers per chunk per micro-batch.
+    // Megatron's batched send/recv blocks, so it is exposed: 2 transfers per chunk per micro-batch. With
+    // `overlap_comm` the interleaved schedule posts them asynchronously under the next chunk's compute
+    // (Megatron `--overlap-p2p-communication`): only the latency α remains.
     if l.pp > 1 {
-        let gl = group_link(cl, l.pp, l.tp * l.cp * l.dp);
+        let gl = p2p_link(cl, group_link(cl, l.pp, l.tp * l.cp * l.dp));
         let bytes = l.precision.act_bytes() * (l.micro_batch * l.seq / l.cp) as f64 * m.hidden as f64 / l.tp as f64;
-        d.pp_p2p = 2.0 * l.virtual_stages as f64 * p2p_time(gl, bytes);
+        let one = if l.overlap_comm && l.schedule == Schedule::Interleaved { gl.latency } else { p2p_time(gl, bytes) };
+        d.pp_p2p = 2.0 * l.virtual_stages as f64 * one;
     }
     d
 }

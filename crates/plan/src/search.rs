@@ -29,6 +29,8 @@ pub struct Constraints {
     pub attention: Option<Attention>,
     /// Overlap DP gradient reduction with backward (default true).
     pub overlap_dp: Option<bool>,
+    /// Overlap TP backward / interleaved p2p communication (default true).
+    pub overlap_comm: Option<bool>,
     /// fp32 gradients (default true).
     pub fp32_grads: Option<bool>,
 }
@@ -192,6 +194,7 @@ pub fn candidates(m: &ModelShape, cl: &Cluster, global_batch: u64, seq: u64, c: 
                                             precision: prec,
                                             attention,
                                             overlap_dp: c.overlap_dp.unwrap_or(true),
+                                            overlap_comm: c.overlap_comm.unwrap_or(true),
                                             fp32_grads: c.fp32_grads.unwrap_or(true),
                                         });
                                     }

@@ -1,12 +1,14 @@
 //! Predicted vs published throughput on a table of runs (CSV or JSON).
 //!
 //! Columns (case-insensitive; CSV header or JSON keys): `params,heads,hidden,layers,TP,PP,GPUs,global_batch,
-//! tflops_per_gpu` are required. Optional, with the defaults of Narayanan et al. 2021 Table 1:
-//! `name`, `gpu` (a100-80gb), `gpus_per_node`, `seq` (2048), `vocab` (51200), `kv_heads`, `ffn_hidden`, `mlp`
-//! (gelu), `experts`, `top_k`, `micro_batch` (chosen), `recompute` (full), `schedule` (interleaved when PP > 1),
-//! `virtual_stages` (chosen), `sequence_parallel` (false), `attention` (unfused), `precision` (fp16: Megatron-LM 2021's fp16 optimizer),
-//! `zero` (0), `cp` (1), `fp32_grads` (true: Megatron's fp32 `main_grad`), `overlap_dp` (false: Megatron-LM 2021 reduced gradients after the backward pass), `convention`: `hardware` (counts recomputation, Table 1's convention; the default) or
-//! `model` (72·… model FLOPs, i.e. MFU × peak).
+//! tflops_per_gpu` are required. Optional, defaulting to the setup of Narayanan et al. 2021 Table 1 (Megatron-LM,
+//! 2021): `name`; `gpu` (a100-80gb); `gpus_per_node`; `seq` (2048); `vocab` (51200); `kv_heads`, `ffn_hidden`,
+//! `mlp` (gelu), `experts`, `top_k`; `micro_batch` and `virtual_stages` (chosen, as Megatron would: best feasible);
+//! `recompute` (full); `schedule` (chosen; Table 1 used interleaved, which wins where it fits); `sequence_parallel` (false); `attention` (unfused);
+//! `precision` (fp16, Megatron's fp16 optimizer); `fp32_grads` (false); `zero` (0); `cp` (1); `ep`;
+//! `overlap_comm` (false: no TP/p2p overlap); `overlap_dp` (false: gradients reduced after the backward pass);
+//! `convention`: `hardware` (the default: counts recomputation, Table 1's convention) or `model` (72·… model FLOPs,
+//! i.e. MFU × peak).
 
 use std::collections::BTreeMap;
 
@@ -215,11 +217,13 @@ pub fn predict_row(row: &Row, cat: &HardwareCatalog, origin: &str) -> Result<Row
     let gpu = row.get("gpu").unwrap_or("a100-80gb");
     let cluster = Cluster::new(cat, gpu, row.gpus, row.int("gpus_per_node", origin)?).map_err(ctx)?;
     let recompute = row.get("recompute").map(Recompute::parse).transpose().map_err(ctx)?.unwrap_or(Recompute::Full);
+    // Without a `schedule` column the planner picks the best feasible one (Table 1's interleaved 1F1B wins
+    // wherever it fits).
     let schedule = match row.get("schedule") {
-        Some(s) => Schedule::parse(s).map_err(ctx)?,
-        None => Schedule::Interleaved,
+        Some(s) => Some(Schedule::parse(s).map_err(ctx)?),
+        None => None,
     };
-    let schedule = if row.pp == 1 { Schedule::OneFOneB } else { schedule };
+    let schedule = if row.pp == 1 { Some(Schedule::OneFOneB) } else { schedule };
     let c = Constraints {
         tp: Some(row.tp),
         pp: Some(row.pp),
@@ -227,7 +231,7 @@ pub fn predict_row(row: &Row, cat: &HardwareCatalog, origin: &str) -> Result<Row
         cp: Some(row.int("cp", origin)?.unwrap_or(1)),
         ep: row.int("ep", origin)?,
         micro_batch: row.int("micro_batch", origin)?,
-        schedule: Some(schedule),
+        schedule,
         virtual_stages: if row.pp == 1 { Some(1) } else { row.int("virtual_stages", origin)? },
         recompute: Some(recompute),
         sequence_parallel: Some(match row.get("sequence_parallel") {
@@ -239,6 +243,10 @@ pub fn predict_row(row: &Row, cat: &HardwareCatalog, origin: &str) -> Result<Row
         attention: Some(row.get("attention").map(Attention::parse).transpose().map_err(ctx)?.unwrap_or(Attention::Unfused)),
         overlap_dp: Some(match row.get("overlap_dp") {
             Some(s) => parse_bool(s, "overlap_dp", origin)?,
+            None => false,
+        }),
+        overlap_comm: Some(match row.get("overlap_comm") {
+            Some(s) => parse_bool(s, "overlap_comm", origin)?,
             None => false,
         }),
         fp32_grads: Some(match row.get("fp32_grads") {

@@ -1,5 +1,5 @@
 //! Issue 9, done-when (3): for each Table 1 row, search (same model, cluster, batch and the published software
-//! setup: fp16, full recomputation, interleaved schedule, no SP, unfused attention, no DP overlap) ranks the
+//! setup: fp16, full recomputation, interleaved schedule, no SP, unfused attention, no communication overlap) ranks the
 //! published (TP, PP) in its top 3, or the planner's explanation names the assumption that makes another better.
 
 use plan::cost::{Attention, Recompute, Schedule};
@@ -20,6 +20,7 @@ fn published_tp_pp_in_top3_or_explained() {
             precision: Some(Precision::Fp16),
             attention: Some(Attention::Unfused),
             overlap_dp: Some(false),
+            overlap_comm: Some(false),
             ..Default::default()
         };
         let res = search(&m, &cl, r.global_batch, 2048, &c).unwrap();
