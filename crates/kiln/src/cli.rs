@@ -23,6 +23,11 @@ enum Cmd {
     Generate(GenerateCli),
     /// Evaluate a run's newest valid checkpoint; prints one JSON object.
     Eval(EvalCli),
+    /// Time training steps on synthetic tokens (JSON), or measure the matmul peak with --peak.
+    Bench(BenchCli),
+    /// Plan a training run: memory, step time, MFU; search parallel layouts; validate.
+    #[command(subcommand)]
+    Plan(crate::cmd_plan::PlanCmd),
     /// Data preparation.
     #[command(subcommand)]
     Data(DataCmd),
@@ -58,6 +63,33 @@ struct TrainCli {
     /// No progress output.
     #[arg(long)]
     quiet: bool,
+}
+
+#[derive(Args)]
+struct BenchCli {
+    #[arg(long)]
+    preset: Option<String>,
+    #[arg(long)]
+    config: Option<PathBuf>,
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    set: Vec<String>,
+    /// Timed steps (after the warm-up).
+    #[arg(long, default_value_t = 5)]
+    steps: usize,
+    #[arg(long, default_value_t = 2)]
+    warmup: usize,
+    /// Threads (default: RAYON_NUM_THREADS or all cores).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Print the JSON on one line (default: pretty-printed).
+    #[arg(long)]
+    json: bool,
+    /// Measure the fp32 matmul peak instead.
+    #[arg(long)]
+    peak: bool,
+    /// Add per-kernel time per step.
+    #[arg(long)]
+    breakdown: bool,
 }
 
 #[derive(Args)]
@@ -157,6 +189,17 @@ fn dispatch(cmd: Cmd) -> Result<()> {
                 eprintln!("\ninterrupt: finishing this step, then saving a checkpoint (Ctrl-C again to abort)");
             });
             trainer::train(&args, &stop).map(|_| ())
+        }
+        Cmd::Plan(p) => crate::cmd_plan::run(p).map_err(KilnError::User),
+        Cmd::Bench(b) => {
+            init_threads(b.threads.unwrap_or(0));
+            let v = if b.peak {
+                crate::bench::peak()
+            } else {
+                crate::bench::bench(&crate::bench::BenchArgs { preset: b.preset, config: b.config, set: b.set, steps: b.steps, warmup: b.warmup, breakdown: b.breakdown })?
+            };
+            println!("{}", if b.json { v.to_string() } else { serde_json::to_string_pretty(&v).unwrap() });
+            Ok(())
         }
         Cmd::Generate(g) => {
             init_threads(0);

@@ -199,9 +199,12 @@ fn layout_args(f: &LayoutFlags) -> plan::cli::LayoutArgs {
 /// Run a `kiln plan` subcommand; an error is one line naming the flag, file or value at fault.
 pub fn run(cmd: PlanCmd) -> Result<(), String> {
     let out = match &cmd {
-        PlanCmd::Estimate(a) => {
-            plan::cli::estimate_cmd(&model_args(&a.model), &cluster_args(&a.cluster), &layout_args(&a.layout), a.json)
-        }
+        PlanCmd::Estimate(a) => plan::cli::estimate_cmd(
+            &model_args(&a.model),
+            &cluster_args(&a.cluster),
+            &layout_args(&a.layout),
+            a.json,
+        ),
         PlanCmd::Search(a) => plan::cli::search_cmd(
             &model_args(&a.model),
             &cluster_args(&a.cluster),

@@ -1,11 +1,14 @@
 //! kiln: the trainer, data plumbing, checkpoints, metrics and the CLI. No kernel code lives
 //! here: everything numeric is a call into `tensor` through `model`.
 
+pub mod bench;
 pub mod checkpoint;
+pub mod cmd_plan;
 pub mod cli;
 pub mod config;
 pub mod error;
 pub mod presets;
 pub mod progress;
 pub mod run;
+pub mod step;
 pub mod trainer;

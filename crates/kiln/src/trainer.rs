@@ -14,14 +14,15 @@ use crate::progress::{fmt_duration, Progress, StepInfo};
 use crate::run::{self, ckpt_dir, write_atomic};
 use data::{Dataset, Tokenizer, Tokens};
 use model::gpt::IGNORE_INDEX;
-use model::{Gpt, Sampler};
+use model::{Gpt, Pass, Sampler};
 use std::fs;
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 use tensor::rng::mix64;
-use tensor::{adamw_update, scale_in_place, sum_squares, AdamW, Rng};
+use crate::step::{train_step, Optimizer};
+use tensor::Rng;
 
 #[derive(Clone, Debug, Default)]
 pub struct TrainArgs {
@@ -120,18 +121,6 @@ fn incompatible(a: &RunConfig, b: &RunConfig) -> Vec<String> {
         .collect()
 }
 
-/// Contiguous parameter ranges with the same weight-decay flag (one AdamW call each).
-fn decay_segments(layout: &model::ParamLayout) -> Vec<(std::ops::Range<usize>, bool)> {
-    let mut segs: Vec<(std::ops::Range<usize>, bool)> = Vec::new();
-    for p in &layout.params {
-        match segs.last_mut() {
-            Some((r, d)) if *d == p.decay && r.end == p.offset => r.end = p.offset + p.len(),
-            _ => segs.push((p.range(), p.decay)),
-        }
-    }
-    segs
-}
-
 /// Draws the sequence start offsets of one global batch.
 fn sample_offsets(rng: &mut Rng, n_tokens: usize, t: usize, count: usize) -> Vec<usize> {
     (0..count).map(|_| rng.below((n_tokens - t) as u64) as usize).collect()
@@ -162,7 +151,7 @@ pub fn evaluate(m: &mut Gpt, toks: &Tokens, t: usize, batch: usize, max_batches:
         x.fill(0);
         y.fill(IGNORE_INDEX);
         fill_windows(toks, chunk, t, &mut x, &mut y);
-        m.forward(&x, &y, batch, t, false, 0);
+        m.forward(&x, &y, batch, t, Pass::Eval);
         sum += m.losses().iter().map(|&l| l as f64).sum::<f64>();
         count += chunk.len() * t;
     }
@@ -223,14 +212,14 @@ pub fn train(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
     // 3. Model, optimizer state, sampler.
     let mut model = Gpt::new(gcfg, ds.tokenizer.vocab_size(), cfg.train.seed);
     let n = model.num_params();
-    let (mut m_buf, mut v_buf) = (vec![0.0f32; n], vec![0.0f32; n]);
+    let mut opt = Optimizer::new(&model.layout);
     let mut sampler = Rng::new(mix64(cfg.train.seed ^ 0x5EED_DA7A));
     let (mut step, mut tokens_seen, mut elapsed_prev) = (0u64, 0u64, 0.0f64);
     if let Some(l) = &resume_from {
         let layout = model.layout.clone();
         checkpoint::read_into(&l.model, "", &layout, &mut model.params, &l.dir.join("model.safetensors"))?;
-        checkpoint::read_into(&l.optim, "exp_avg.", &layout, &mut m_buf, &l.dir.join("optimizer.safetensors"))?;
-        checkpoint::read_into(&l.optim, "exp_avg_sq.", &layout, &mut v_buf, &l.dir.join("optimizer.safetensors"))?;
+        checkpoint::read_into(&l.optim, "exp_avg.", &layout, &mut opt.m, &l.dir.join("optimizer.safetensors"))?;
+        checkpoint::read_into(&l.optim, "exp_avg_sq.", &layout, &mut opt.v, &l.dir.join("optimizer.safetensors"))?;
         sampler = Rng::from_state(l.state.sampler_rng);
         step = l.state.step;
         tokens_seen = l.state.tokens_seen;
@@ -264,7 +253,6 @@ pub fn train(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
         say(&format!("resuming from {} (step {step})", l.dir.display()));
     }
 
-    let segs = decay_segments(&model.layout);
     let (mut x, mut y) = (vec![0u32; mb * t], vec![0i32; mb * t]);
     let started = Instant::now();
     let mut last_val = None;
@@ -286,30 +274,12 @@ pub fn train(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
     while step < max_steps {
         let t0 = Instant::now();
         let lr = cfg.lr_at(step);
-        model.zero_grad();
         let offsets = sample_offsets(&mut sampler, ds.train.len(), t, cfg.train.batch_size);
-        let accum = cfg.train.grad_accum;
-        let mut loss_sum = 0.0f64;
-        for (micro, chunk) in offsets.chunks(mb).enumerate() {
-            fill_windows(&ds.train, chunk, t, &mut x, &mut y);
-            let seed = mix64(cfg.train.seed ^ mix64(step.wrapping_mul(1 << 16) + micro as u64));
-            loss_sum += model.forward(&x, &y, mb, t, true, seed) as f64;
-            model.backward(1.0 / accum as f32);
-        }
-        let loss = (loss_sum / accum as f64) as f32;
+        let (loss, grad_norm) = train_step(&mut model, &mut opt, &cfg, step, &mut x, &mut y, |micro, x, y| {
+            fill_windows(&ds.train, &offsets[micro * mb..(micro + 1) * mb], t, x, y);
+        });
         if !loss.is_finite() {
             return Err(KilnError::Internal(format!("loss is {loss} at step {}: stopping (the last checkpoint is intact)", step + 1)));
-        }
-        let grad_norm = sum_squares(&model.grads).sqrt();
-        if cfg.train.grad_clip > 0.0 && grad_norm > cfg.train.grad_clip {
-            scale_in_place(&mut model.grads, (cfg.train.grad_clip / (grad_norm + 1e-6)) as f32);
-        }
-        for (r, decay) in &segs {
-            let h = AdamW {
-                lr: lr as f32, beta1: cfg.train.beta1 as f32, beta2: cfg.train.beta2 as f32, eps: cfg.train.eps as f32,
-                weight_decay: if *decay { cfg.train.weight_decay as f32 } else { 0.0 }, t: step + 1,
-            };
-            adamw_update(&mut model.params[r.clone()], &model.grads[r.clone()], &mut m_buf[r.clone()], &mut v_buf[r.clone()], &h);
         }
         step += 1;
         let step_tokens = (cfg.train.batch_size * t) as u64;
@@ -336,7 +306,7 @@ pub fn train(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
             say(&format!("step {step}: train loss {loss:.4}, val loss {vl:.4}"));
         }
         if every(cfg.checkpoint.interval) || last || interrupted {
-            let dir = save(&model, &m_buf, &v_buf, step, &sampler, tokens_seen, elapsed)?;
+            let dir = save(&model, &opt.m, &opt.v, step, &sampler, tokens_seen, elapsed)?;
             if interrupted || last {
                 say(&format!("checkpoint saved: {}", dir.display()));
             }

@@ -14,11 +14,23 @@
 use crate::config::GptConfig;
 use crate::layout::{gpt_layout, GptParams, Init, ParamLayout};
 use tensor::attention::AttnDims;
+use tensor::classifier::{chunk_rows, lm_head_crossentropy};
 use tensor::rng::mix64;
 use tensor::*;
 
 /// Targets equal to this are ignored by the loss (PyTorch's default `ignore_index`).
 pub const IGNORE_INDEX: i32 = -100;
+
+/// What a forward pass is for.
+#[derive(Clone, Copy, Debug)]
+pub enum Pass {
+    /// Loss only: no dropout, no gradients touched.
+    Eval,
+    /// Training: dropout masks from `dropout_seed`; the mean loss's gradient is scaled by
+    /// `loss_scale` (1/grad_accum). The fused LM head accumulates its weight gradient here, in
+    /// forward; `backward` does the rest.
+    Train { dropout_seed: u64, loss_scale: f32 },
+}
 
 /// Activations of one block for one `(B, T)`.
 struct BlockActs {
@@ -47,9 +59,9 @@ struct Acts {
     ln_f: Vec<f32>,
     ln_f_mean: Vec<f32>,
     ln_f_rstd: Vec<f32>,
-    logits: Vec<f32>, // [B, T, Vp]
-    probs: Vec<f32>,  // [B, T, Vp]
-    losses: Vec<f32>, // [B, T]
+    dln_f: Vec<f32>,        // [B, T, C]  loss gradient w.r.t. ln_f's output (from the fused head)
+    head_scratch: Vec<f32>, // [R, Vp]    one chunk of logits
+    losses: Vec<f32>,       // [B, T]
     tokens: Vec<u32>,
     targets: Vec<i32>,
     count: usize,
@@ -65,7 +77,6 @@ struct GradScratch {
     dqkv: Vec<f32>,     // [B, T, 3C]
     dfch: Vec<f32>,     // [B, T, 4C]
     dfch_gelu: Vec<f32>,
-    dlogits: Vec<f32>,  // [B, T, Vp]
 }
 
 pub struct Gpt {
@@ -140,28 +151,61 @@ impl Gpt {
             encoded: zeros(n * c),
             blocks: (0..self.cfg.n_layer).map(|_| block()).collect(),
             ln_f: zeros(n * c), ln_f_mean: zeros(n), ln_f_rstd: zeros(n),
-            logits: zeros(n * vp), probs: zeros(n * vp), losses: zeros(n),
+            dln_f: zeros(n * c), head_scratch: zeros(chunk_rows(n, vp) * vp), losses: zeros(n),
             tokens: vec![0; n], targets: vec![0; n], count: 0, dropout_seed: 0,
         });
         self.scratch = None;
     }
 
     /// Forward pass over `tokens[B, T]` with `targets[B, T]` (`IGNORE_INDEX` to skip a
-    /// position). Returns the mean loss over counted targets. `dropout_seed` picks this
-    /// micro-batch's dropout masks; `train == false` disables dropout (evaluation).
-    pub fn forward(&mut self, tokens: &[u32], targets: &[i32], b: usize, t: usize, train: bool, dropout_seed: u64) -> f32 {
+    /// position). Returns the mean loss over counted targets.
+    pub fn forward(&mut self, tokens: &[u32], targets: &[i32], b: usize, t: usize, pass: Pass) -> f32 {
+        assert_eq!(targets.len(), b * t);
+        let (p_drop, seed, loss_scale) = match pass {
+            Pass::Eval => (0.0, 0, None),
+            Pass::Train { dropout_seed, loss_scale } => (self.cfg.dropout, dropout_seed, Some(loss_scale)),
+        };
+        self.trunk_forward(tokens, b, t, p_drop, seed);
+        let (c, vp, v) = (self.cfg.n_embd, self.cfg.vocab_size, self.real_vocab);
+        let a = self.acts.as_mut().unwrap();
+        a.targets.copy_from_slice(targets);
+        let count = targets.iter().filter(|&&x| x != IGNORE_INDEX).count();
+        a.count = count;
+        // logits = ln_f(x) · headᵀ ; loss — fused, in row chunks (and its gradient, when training)
+        let head = &self.params[self.views.lm_head.clone()];
+        let grads = match loss_scale {
+            Some(s) if count > 0 => Some((&mut a.dln_f[..], &mut self.grads[self.views.lm_head.clone()], s / count as f32)),
+            _ => None,
+        };
+        lm_head_crossentropy(&mut a.losses, grads, &a.ln_f, head, targets, &mut a.head_scratch, c, v, vp, IGNORE_INDEX);
+        if count == 0 {
+            return 0.0;
+        }
+        (a.losses.iter().map(|&x| x as f64).sum::<f64>() / count as f64) as f32
+    }
+
+    /// Full logits `[B, T, Vp]` for `tokens` (evaluation mode). Materialises every logit: for
+    /// inference and tests, not for training.
+    pub fn forward_logits(&mut self, tokens: &[u32], b: usize, t: usize) -> Vec<f32> {
+        self.trunk_forward(tokens, b, t, 0.0, 0);
+        let (c, vp) = (self.cfg.n_embd, self.cfg.vocab_size);
+        let mut logits = vec![0.0; b * t * vp];
+        let a = self.acts.as_ref().unwrap();
+        matmul_forward(&mut logits, &a.ln_f, &self.params[self.views.lm_head.clone()], None, b * t, c, vp);
+        logits
+    }
+
+    /// Embedding, blocks and the final norm; leaves `ln_f` in the activations.
+    fn trunk_forward(&mut self, tokens: &[u32], b: usize, t: usize, p_drop: f32, dropout_seed: u64) {
         assert!(t <= self.cfg.block_size, "sequence length {t} exceeds block_size");
         assert_eq!(tokens.len(), b * t);
-        assert_eq!(targets.len(), b * t);
         self.ensure_acts(b, t);
-        let (c, nh, vp, v) = (self.cfg.n_embd, self.cfg.n_head, self.cfg.vocab_size, self.real_vocab);
-        let p_drop = if train { self.cfg.dropout } else { 0.0 };
+        let (c, nh) = (self.cfg.n_embd, self.cfg.n_head);
         let n = b * t;
         let w = &self.params;
         let pv = &self.views;
         let a = self.acts.as_mut().unwrap();
         a.tokens.copy_from_slice(tokens);
-        a.targets.copy_from_slice(targets);
         a.dropout_seed = dropout_seed;
         let dims = AttnDims { b, t, c, nh };
         let opt = |r: &Option<std::ops::Range<usize>>| r.as_ref().map(|r| &w[r.clone()]);
@@ -196,25 +240,19 @@ impl Gpt {
         }
         let x: &[f32] = a.blocks.last().map_or(&a.encoded, |s| &s.res_3);
         layernorm_forward(&mut a.ln_f, &mut a.ln_f_mean, &mut a.ln_f_rstd, x, &w[pv.ln_f_w.clone()], opt(&pv.ln_f_b), c);
-        matmul_forward(&mut a.logits, &a.ln_f, &w[pv.lm_head.clone()], None, n, c, vp);
-        a.count = crossentropy_forward(&mut a.losses, &mut a.probs, &a.logits, targets, v, vp, IGNORE_INDEX);
-        if a.count == 0 {
-            return 0.0;
-        }
-        (a.losses.iter().map(|&x| x as f64).sum::<f64>() / a.count as f64) as f32
     }
 
-    /// Backward pass of the last `forward`. The mean loss's gradient is multiplied by
-    /// `loss_scale` (1/grad_accum for gradient accumulation). Accumulates into `grads`.
-    pub fn backward(&mut self, loss_scale: f32) {
+    /// Backward pass of the last `forward` (which must have been a `Pass::Train`: the head's
+    /// gradient and `dln_f` come from it). Accumulates into `grads`.
+    pub fn backward(&mut self) {
         let a = self.acts.as_ref().expect("backward before forward");
         let (b, t) = (a.b, a.t);
-        let (c, nh, vp, v) = (self.cfg.n_embd, self.cfg.n_head, self.cfg.vocab_size, self.real_vocab);
+        let (c, nh) = (self.cfg.n_embd, self.cfg.n_head);
         let n = b * t;
         if self.scratch.is_none() {
             self.scratch = Some(GradScratch {
                 dres: zeros(n * c), dln: zeros(n * c), dbranch: zeros(n * c), datty: zeros(n * c),
-                dqkv: zeros(n * 3 * c), dfch: zeros(n * 4 * c), dfch_gelu: zeros(n * 4 * c), dlogits: zeros(n * vp),
+                dqkv: zeros(n * 3 * c), dfch: zeros(n * 4 * c), dfch_gelu: zeros(n * 4 * c),
             });
         }
         let g = self.scratch.as_mut().unwrap();
@@ -227,17 +265,11 @@ impl Gpt {
         if a.count == 0 {
             return;
         }
-        let dloss = loss_scale / a.count as f32;
-
-        // logits = ln_f(x) · headᵀ ; loss
-        g.dlogits.fill(0.0);
-        crossentropy_backward(&mut g.dlogits, &a.probs, &a.targets, dloss, v, vp, IGNORE_INDEX);
-        g.dln.fill(0.0);
-        matmul_backward(&mut g.dln, &mut dw[pv.lm_head.clone()], None, &g.dlogits, &a.ln_f, &w[pv.lm_head.clone()], n, c, vp);
+        // The head and the loss were differentiated in forward (fused): start from d ln_f.
         g.dres.fill(0.0);
         let x_last: &[f32] = a.blocks.last().map_or(&a.encoded, |s| &s.res_3);
         let (dlnf_w, dlnf_b) = split_two(dw, &pv.ln_f_w, &pv.ln_f_b);
-        layernorm_backward(&mut g.dres, dlnf_w, dlnf_b, &g.dln, x_last, &w[pv.ln_f_w.clone()], &a.ln_f_mean, &a.ln_f_rstd, c);
+        layernorm_backward(&mut g.dres, dlnf_w, dlnf_b, &a.dln_f, x_last, &w[pv.ln_f_w.clone()], &a.ln_f_mean, &a.ln_f_rstd, c);
 
         for (l, bp) in pv.blocks.iter().enumerate().rev() {
             let s = &a.blocks[l];
@@ -280,10 +312,6 @@ impl Gpt {
         &self.acts.as_ref().expect("forward first").losses
     }
 
-    /// Logits `[B, T, Vp]` of the last forward.
-    pub fn logits(&self) -> &[f32] {
-        &self.acts.as_ref().expect("forward first").logits
-    }
 }
 
 /// The gradient of a dropout-wrapped branch output: `dout` itself without dropout, else the

@@ -9,5 +9,5 @@ pub mod layout;
 
 pub use config::GptConfig;
 pub use generate::{Sampler, KvCache};
-pub use gpt::Gpt;
+pub use gpt::{Gpt, Pass};
 pub use layout::{ParamLayout, ParamSpec, Init};

@@ -82,7 +82,9 @@ pub fn resolve_model(a: &ModelArgs) -> Result<ModelShape, PlanError> {
             let models = parse_models(&read_file(name, "--model")?, name)?;
             match models.len() {
                 1 => Ok(models.into_iter().next().unwrap()),
-                n => Err(PlanError(format!("--model {name}: file holds {n} models; pass one, or use --models-file and --model NAME"))),
+                n => Err(PlanError(format!(
+                    "--model {name}: file holds {n} models; pass one, or use --models-file and --model NAME"
+                ))),
             }
         }
         (Some(name), false) => find_model(name, &extra),
@@ -103,7 +105,9 @@ pub fn resolve_model(a: &ModelArgs) -> Result<ModelShape, PlanError> {
             }
             .resolve()
         }
-        (None, false) => Err(PlanError("give --model NAME|FILE or --layers --hidden --heads --vocab".into())),
+        (None, false) => Err(PlanError(
+            "give --model NAME|FILE or --layers --hidden --heads --vocab".into(),
+        )),
     }
 }
 
@@ -117,7 +121,10 @@ pub fn resolve_cluster(a: &ClusterArgs) -> Result<Cluster, PlanError> {
     if looks_like_file(&a.gpu) && !cat.accelerators.iter().any(|x| x.name == a.gpu) {
         let extra = HardwareCatalog::parse_extra(&read_file(&a.gpu, "--gpu")?, &a.gpu)?;
         if extra.accelerators.len() != 1 {
-            return Err(PlanError(format!("--gpu {}: file must hold exactly one accelerator", a.gpu)));
+            return Err(PlanError(format!(
+                "--gpu {}: file must hold exactly one accelerator",
+                a.gpu
+            )));
         }
         name = extra.accelerators[0].name.clone();
         cat.extend(extra);
@@ -157,11 +164,24 @@ pub fn resolve_layout(a: &LayoutArgs, model: &ModelShape) -> Result<(Constraints
     Ok((c, a.global_batch, a.seq.unwrap_or(model.seq)))
 }
 
+fn params_text(p: u64) -> String {
+    let p = p as f64;
+    if p >= 1e9 {
+        format!("{:.2}B", p / 1e9)
+    } else {
+        format!("{:.1}M", p / 1e6)
+    }
+}
+
 fn gib(b: f64) -> f64 {
     b / (1u64 << 30) as f64
 }
 
-fn run_search(m: &ModelArgs, c: &ClusterArgs, l: &LayoutArgs) -> Result<(ModelShape, Cluster, SearchResult), PlanError> {
+fn run_search(
+    m: &ModelArgs,
+    c: &ClusterArgs,
+    l: &LayoutArgs,
+) -> Result<(ModelShape, Cluster, SearchResult), PlanError> {
     let model = resolve_model(m)?;
     let cluster = resolve_cluster(c)?;
     let (cons, b, s) = resolve_layout(l, &model)?;
@@ -191,10 +211,23 @@ fn layout_line(e: &Estimate) -> String {
 fn estimate_text(model: &ModelShape, cl: &Cluster, e: &Estimate) -> String {
     let b = &e.breakdown;
     let mut o = String::new();
-    let _ = writeln!(o, "model {} ({:.2}B params), {} x {}", model.name, model.params(e.chosen.seq) as f64 / 1e9, cl.gpus, cl.acc.name);
+    let _ = writeln!(
+        o,
+        "model {} ({} params), {} x {}",
+        model.name,
+        params_text(model.params(e.chosen.seq)),
+        cl.gpus,
+        cl.acc.name
+    );
     let _ = writeln!(o, "layout      {}  ({} micro-batches)", layout_line(e), b.micro_batches);
     let _ = writeln!(o, "step time   {:.3} s", e.step_time_s);
-    let _ = writeln!(o, "throughput  {:.1} model TFLOP/s per GPU, MFU {:.1}%  ({:.1} hardware TFLOP/s incl. recompute)", e.model_tflops_per_gpu, e.mfu * 100.0, b.hardware_tflops_per_gpu);
+    let _ = writeln!(
+        o,
+        "throughput  {:.1} model TFLOP/s per GPU, MFU {:.1}%  ({:.1} hardware TFLOP/s incl. recompute)",
+        e.model_tflops_per_gpu,
+        e.mfu * 100.0,
+        b.hardware_tflops_per_gpu
+    );
     let _ = writeln!(
         o,
         "memory      {:.1} GiB of {:.1} GiB per GPU: {}",
@@ -213,7 +246,11 @@ fn estimate_text(model: &ModelShape, cl: &Cluster, e: &Estimate) -> String {
         gib(m.logits),
         gib(m.reserved)
     );
-    let _ = writeln!(o, "time        GEMM {:.3}, attention {:.3}, memory-bound {:.3}, recompute {:.3}", b.compute_gemm_s, b.compute_attention_s, b.compute_elementwise_s, b.recompute_s);
+    let _ = writeln!(
+        o,
+        "time        GEMM {:.3}, attention {:.3}, memory-bound {:.3}, recompute {:.3}",
+        b.compute_gemm_s, b.compute_attention_s, b.compute_elementwise_s, b.recompute_s
+    );
     let _ = writeln!(
         o,
         "            TP {:.3}, CP {:.3}, EP {:.3}, PP p2p {:.3}, bubble {:.3}, DP exposed {:.3} (of {:.3}), optimizer {:.3} s",
@@ -227,7 +264,10 @@ pub fn estimate_cmd(m: &ModelArgs, c: &ClusterArgs, l: &LayoutArgs, json: bool) 
     let (model, cluster, r) = run_search(m, c, l)?;
     let e = match r.plans.first() {
         Some(e) => e.clone(),
-        None => r.smallest_unfit.clone().ok_or_else(|| PlanError("no valid layout".into()))?,
+        None => r
+            .smallest_unfit
+            .clone()
+            .ok_or_else(|| PlanError("no valid layout".into()))?,
     };
     if json {
         return serde_json::to_string_pretty(&e).map_err(|x| PlanError(x.to_string()));
@@ -240,7 +280,11 @@ pub fn search_cmd(m: &ModelArgs, c: &ClusterArgs, l: &LayoutArgs, top: usize, js
     let t0 = std::time::Instant::now();
     let (model, cluster, r) = run_search(m, c, l)?;
     if r.plans.is_empty() {
-        let need = r.smallest_unfit.as_ref().map(|e| gib(e.memory_bytes_per_gpu)).unwrap_or(f64::NAN);
+        let need = r
+            .smallest_unfit
+            .as_ref()
+            .map(|e| gib(e.memory_bytes_per_gpu))
+            .unwrap_or(f64::NAN);
         return Err(PlanError(format!(
             "no layout fits: the smallest of {} needs {need:.1} GiB per GPU, {} has {:.1} GiB",
             r.evaluated,
@@ -259,9 +303,9 @@ pub fn search_cmd(m: &ModelArgs, c: &ClusterArgs, l: &LayoutArgs, top: usize, js
     let mut o = String::new();
     let _ = writeln!(
         o,
-        "model {} ({:.2}B params) on {} x {} ({} per node), global batch {}, seq {}",
+        "model {} ({} params) on {} x {} ({} per node), global batch {}, seq {}",
         model.name,
-        model.params(r.plans[0].chosen.seq) as f64 / 1e9,
+        params_text(model.params(r.plans[0].chosen.seq)),
         cluster.gpus,
         cluster.acc.name,
         cluster.gpus_per_node,
@@ -279,7 +323,20 @@ pub fn search_cmd(m: &ModelArgs, c: &ClusterArgs, l: &LayoutArgs, top: usize, js
     let _ = writeln!(
         o,
         "{:>3} {:<48} {:>8} {:>7} {:>5} {:>7} {:>6} {:>6} {:>6} {:>6} {:>6} {:>6} {:>6} {:>6}",
-        "#", "layout", "step s", "TFLOP/s", "MFU%", "compute", "TP", "CP", "EP", "PP p2p", "bubble", "DP", "optim", "GiB"
+        "#",
+        "layout",
+        "step s",
+        "TFLOP/s",
+        "MFU%",
+        "compute",
+        "TP",
+        "CP",
+        "EP",
+        "PP p2p",
+        "bubble",
+        "DP",
+        "optim",
+        "GiB"
     );
     for (i, e) in r.plans.iter().take(top).enumerate() {
         let b = &e.breakdown;
@@ -303,7 +360,10 @@ pub fn search_cmd(m: &ModelArgs, c: &ClusterArgs, l: &LayoutArgs, top: usize, js
             gib(e.memory_bytes_per_gpu)
         );
     }
-    let _ = writeln!(o, "(seconds per iteration on the slowest pipeline stage; compute includes recomputation; DP = exposed part)");
+    let _ = writeln!(
+        o,
+        "(seconds per iteration on the slowest pipeline stage; compute includes recomputation; DP = exposed part)"
+    );
     if r.plans.len() > 1 {
         let _ = writeln!(o, "why: {}", explain(&r.plans[0], &r.plans[1]));
     } else {
@@ -333,7 +393,11 @@ pub fn validate_cmd(table: &str, hardware_file: Option<&str>, json: bool) -> Res
 
 pub fn report_text(rep: &Report) -> String {
     let mut o = String::new();
-    let _ = writeln!(o, "{:<10} {:>3} {:>3} {:>5} {:>10} {:>10} {:>8}  chosen", "run", "TP", "PP", "GPUs", "published", "predicted", "error");
+    let _ = writeln!(
+        o,
+        "{:<10} {:>3} {:>3} {:>5} {:>10} {:>10} {:>8}  chosen",
+        "run", "TP", "PP", "GPUs", "published", "predicted", "error"
+    );
     for r in &rep.rows {
         let l = &r.chosen;
         let _ = writeln!(
@@ -351,6 +415,10 @@ pub fn report_text(rep: &Report) -> String {
             if r.fits { "" } else { " (does not fit)" }
         );
     }
-    let _ = writeln!(o, "mean absolute percentage error {:.2}%, worst {:.2}% ({})", rep.mape_pct, rep.worst_pct, rep.worst_row);
+    let _ = writeln!(
+        o,
+        "mean absolute percentage error {:.2}%, worst {:.2}% ({})",
+        rep.mape_pct, rep.worst_pct, rep.worst_row
+    );
     o
 }

@@ -27,7 +27,9 @@ impl Schedule {
             "gpipe" => Ok(Schedule::Gpipe),
             "1f1b" => Ok(Schedule::OneFOneB),
             "interleaved" | "interleaved-1f1b" => Ok(Schedule::Interleaved),
-            o => Err(PlanError(format!("--schedule: unknown schedule '{o}' (expected gpipe|1f1b|interleaved)"))),
+            o => Err(PlanError(format!(
+                "--schedule: unknown schedule '{o}' (expected gpipe|1f1b|interleaved)"
+            ))),
         }
     }
     pub fn name(self) -> &'static str {
@@ -53,7 +55,9 @@ impl Recompute {
             "none" => Ok(Recompute::None),
             "selective" => Ok(Recompute::Selective),
             "full" => Ok(Recompute::Full),
-            o => Err(PlanError(format!("--recompute: unknown policy '{o}' (expected none|selective|full)"))),
+            o => Err(PlanError(format!(
+                "--recompute: unknown policy '{o}' (expected none|selective|full)"
+            ))),
         }
     }
     pub fn name(self) -> &'static str {
@@ -80,7 +84,9 @@ impl Attention {
         match s.to_ascii_lowercase().as_str() {
             "unfused" | "megatron" => Ok(Attention::Unfused),
             "flash" => Ok(Attention::Flash),
-            o => Err(PlanError(format!("--attention: unknown kernel '{o}' (expected unfused|flash)"))),
+            o => Err(PlanError(format!(
+                "--attention: unknown kernel '{o}' (expected unfused|flash)"
+            ))),
         }
     }
 }
@@ -133,7 +139,12 @@ pub fn check_layout(model: &ModelShape, cluster: &Cluster, l: &Layout) -> Result
     if l.gpus() != cluster.gpus {
         return e(format!(
             "--tp {} x --pp {} x --dp {} x --cp {} = {} but --gpus is {}",
-            l.tp, l.pp, l.dp, l.cp, l.gpus(), cluster.gpus
+            l.tp,
+            l.pp,
+            l.dp,
+            l.cp,
+            l.gpus(),
+            cluster.gpus
         ));
     }
     if !model.heads.is_multiple_of(l.tp) {
@@ -142,7 +153,7 @@ pub fn check_layout(model: &ModelShape, cluster: &Cluster, l: &Layout) -> Result
     if !model.kv_heads.is_multiple_of(l.tp) {
         return e(format!("--tp {} does not divide kv_heads {}", l.tp, model.kv_heads));
     }
-    if !model.layers.is_multiple_of(l.pp * l.virtual_stages) {
+    if l.pp > model.layers || (l.virtual_stages > 1 && !model.layers.is_multiple_of(l.pp * l.virtual_stages)) {
         return e(format!(
             "--pp {} x --virtual-stages {} does not divide layers {}",
             l.pp, l.virtual_stages, model.layers
@@ -155,14 +166,22 @@ pub fn check_layout(model: &ModelShape, cluster: &Cluster, l: &Layout) -> Result
         ));
     }
     if !l.seq.is_multiple_of(l.cp) || (l.sequence_parallel && !l.seq.is_multiple_of(l.cp * l.tp)) {
-        return e(format!("--seq {} is not divisible by --cp {} (x --tp with --sequence-parallel)", l.seq, l.cp));
+        return e(format!(
+            "--seq {} is not divisible by --cp {} (x --tp with --sequence-parallel)",
+            l.seq, l.cp
+        ));
     }
     if l.ep > 1 {
         if !model.is_moe() {
             return e(format!("--ep {} given but model '{}' has no experts", l.ep, model.name));
         }
         if !model.experts.is_multiple_of(l.ep) || !(l.dp * l.cp).is_multiple_of(l.ep) {
-            return e(format!("--ep {} must divide experts {} and --dp x --cp {}", l.ep, model.experts, l.dp * l.cp));
+            return e(format!(
+                "--ep {} must divide experts {} and --dp x --cp {}",
+                l.ep,
+                model.experts,
+                l.dp * l.cp
+            ));
         }
     }
     if l.zero > 3 {
@@ -171,14 +190,20 @@ pub fn check_layout(model: &ModelShape, cluster: &Cluster, l: &Layout) -> Result
     if l.zero >= 2 && l.pp > 1 {
         // DeepSpeed and Megatron both refuse ZeRO-2/3 with pipeline parallelism (gradients of all micro-batches
         // would be reduce-scattered per micro-batch).
-        return e(format!("--zero {} is not supported with --pp {} (use --zero 0 or 1)", l.zero, l.pp));
+        return e(format!(
+            "--zero {} is not supported with --pp {} (use --zero 0 or 1)",
+            l.zero, l.pp
+        ));
     }
     if l.schedule == Schedule::Interleaved {
         if l.pp == 1 {
             return e("--schedule interleaved needs --pp > 1".into());
         }
         if l.virtual_stages < 2 {
-            return e(format!("--schedule interleaved needs --virtual-stages >= 2 (got {})", l.virtual_stages));
+            return e(format!(
+                "--schedule interleaved needs --virtual-stages >= 2 (got {})",
+                l.virtual_stages
+            ));
         }
         // Megatron's interleaved schedule requires m to be a multiple of p.
         if !l.micro_batches().is_multiple_of(l.pp) {
@@ -189,7 +214,10 @@ pub fn check_layout(model: &ModelShape, cluster: &Cluster, l: &Layout) -> Result
             ));
         }
     } else if l.virtual_stages != 1 {
-        return e(format!("--virtual-stages {} needs --schedule interleaved", l.virtual_stages));
+        return e(format!(
+            "--virtual-stages {} needs --schedule interleaved",
+            l.virtual_stages
+        ));
     }
     if l.sequence_parallel && l.tp == 1 {
         return e("--sequence-parallel needs --tp > 1".into());
@@ -392,16 +420,40 @@ pub struct MemoryBreakdown {
     pub params_on_gpu: f64,
 }
 
-/// Parameters on pipeline stage `stage`, per GPU: (dense, expert). Layers are split evenly (contiguous for 1F1B;
-/// interleaving only changes which layers, not how many). Word embeddings live on the first stage and, for tied
-/// embeddings with p > 1, a copy on the last (Megatron); position embeddings on the first. All ÷t (norms and
-/// row-parallel biases are in fact replicated; they are <0.1% of a layer). Experts ÷(t·ep).
+/// Layer indices on pipeline stage `stage`. Interleaved (v > 1): chunk c holds layers (c·p + stage)·L/(pv) ..
+/// +L/(pv) (Megatron; needs pv | L). Otherwise a contiguous split; when p does not divide L the L mod p extra layers
+/// go to stages 1, 2, … (the first stage already holds the embeddings and the most in-flight activations), as
+/// Megatron-DeepSpeed's uneven partitioning does (BLOOM: 70 layers on 12 stages).
+pub fn stage_layers(m: &ModelShape, l: &Layout, stage: u64) -> Vec<u64> {
+    let (nl, p, v) = (m.layers, l.pp, l.virtual_stages);
+    if v > 1 {
+        let per_chunk = nl / (p * v);
+        return (0..v)
+            .flat_map(|c| (0..per_chunk).map(move |j| (c * p + stage) * per_chunk + j))
+            .collect();
+    }
+    let (base, extra) = (nl / p, nl % p);
+    // Stage order that receives an extra layer: 1, 2, …, p−1, then 0.
+    let gets_extra = |s: u64| {
+        if extra == 0 {
+            false
+        } else if s == 0 {
+            extra == p
+        } else {
+            s <= extra.min(p - 1)
+        }
+    };
+    let count = |s: u64| base + u64::from(gets_extra(s));
+    let start: u64 = (0..stage).map(count).sum();
+    (start..start + count(stage)).collect()
+}
+
+/// Parameters on pipeline stage `stage`, per GPU: (dense, expert), over `stage_layers`. Word embeddings live on the
+/// first stage and, for tied embeddings with p > 1, a copy on the last (Megatron); position embeddings on the
+/// first. All ÷t (norms and row-parallel biases are in fact replicated; they are <0.1% of a layer). Experts ÷(t·ep).
 pub fn stage_params(m: &ModelShape, l: &Layout, stage: u64) -> (f64, f64) {
-    let per = m.layers / l.pp;
     let (mut dense, mut expert) = (0.0, 0.0);
-    for j in 0..per {
-        // Stage `stage` of a contiguous split owns layers stage·per .. (stage+1)·per.
-        let i = stage * per + j;
+    for i in stage_layers(m, l, stage) {
         let e = m.layer_expert_params(i) as f64;
         dense += (m.layer_params(i) as f64 - e) / l.tp as f64;
         expert += e / (l.tp * l.ep) as f64;
@@ -420,9 +472,15 @@ pub fn stage_params(m: &ModelShape, l: &Layout, stage: u64) -> (f64, f64) {
 /// Per-GPU memory of the fullest stage (first or last).
 pub fn memory(m: &ModelShape, cl: &Cluster, l: &Layout) -> MemoryBreakdown {
     let mut worst = MemoryBreakdown::default();
-    let stages: Vec<u64> = if l.pp == 1 { vec![0] } else { vec![0, l.pp - 1] };
+    let stages: Vec<u64> = match l.pp {
+        1 => vec![0],
+        2 => vec![0, 1],
+        p => vec![0, 1, p - 1],
+    };
     for &st in &stages {
         let (dense, expert) = stage_params(m, l, st);
+        let layers = stage_layers(m, l, st);
+        let per = layers.len().max(1);
         let n_dense = (l.dp * l.cp) as f64; // Megatron shards optimizer state over DP×CP
         let n_expert = (l.dp * l.cp / l.ep) as f64;
         let (w1, g1, o1) = zero_model_state_bytes(dense, n_dense, l.zero, l.precision, l.fp32_grads);
@@ -437,20 +495,25 @@ pub fn memory(m: &ModelShape, cl: &Cluster, l: &Layout) -> MemoryBreakdown {
             attention: l.attention,
             e: l.precision.act_bytes(),
         };
-        let per = m.layers / l.pp;
-        let layer_sum: f64 =
-            (0..per).map(|j| activation_bytes_per_layer(m, m.layer_is_moe(st * per + j), &c)).sum();
+        let layer_sum: f64 = layers
+            .iter()
+            .map(|&i| activation_bytes_per_layer(m, m.layer_is_moe(i), &c))
+            .sum();
         let mb = l.micro_batches();
-        let inflight = if st == 0 {
-            inflight_microbatches(l.schedule, l.pp, mb, l.virtual_stages)
-        } else {
-            1.0 // the last stage runs each micro-batch's backward right after its forward
+        // Stage s of 1F1B holds p − s micro-batches (Narayanan §2.2); the last runs each backward right after its
+        // forward. Stage 0 gets the closed forms of `inflight_microbatches`.
+        let inflight = match (st, l.schedule) {
+            (0, _) | (_, Schedule::Gpipe) => inflight_microbatches(l.schedule, l.pp, mb, l.virtual_stages),
+            _ => inflight_microbatches(l.schedule, l.pp - st, mb, l.virtual_stages),
         };
         let mut act = layer_sum * inflight;
         if l.recompute == Recompute::Full {
             // Working set while one layer is recomputed and back-propagated: its full activations.
-            let full = ActConfig { recompute: Recompute::None, ..c };
-            act += activation_bytes_per_layer(m, m.layer_is_moe(st * per), &full);
+            let full = ActConfig {
+                recompute: Recompute::None,
+                ..c
+            };
+            act += activation_bytes_per_layer(m, m.layer_is_moe(layers[0]), &full);
         }
         let (sb, h, v, t) = (c.s_local * c.b, m.hidden as f64, m.vocab as f64, c.t);
         // Embedding dropout mask (Korthikanti §4.3) on the first stage.
@@ -458,7 +521,11 @@ pub fn memory(m: &ModelShape, cl: &Cluster, l: &Layout) -> MemoryBreakdown {
             act += inflight * sb * h / if l.sequence_parallel { t } else { 1.0 };
         }
         // Output layer and loss (Korthikanti §4.3: 4sbh/t·(1 + V/h)) plus the fp32 logits gradient 4sbV/t.
-        let logits = if st == l.pp - 1 { 4.0 * sb * (h + v) / t + 4.0 * sb * v / t } else { 0.0 };
+        let logits = if st == l.pp - 1 {
+            4.0 * sb * (h + v) / t + 4.0 * sb * v / t
+        } else {
+            0.0
+        };
         // ZeRO-3 gathers each layer's full (TP/EP-local) weights before use and prefetches the next one
         // (DeepSpeed's prefetch bucket; FSDP's default of one unit ahead): two layers of 16-bit weights.
         let mut w_gathered = 0.0;
@@ -521,43 +588,75 @@ pub fn stream_time(cl: &Cluster, bytes: f64, kernels: f64) -> f64 {
 
 /// Which link a communicator group runs on, and how fast. Mesh order (Megatron's default, innermost first):
 /// tp, cp, dp, pp; EP is carved out of the innermost DP ranks. A group of `n` ranks at `stride` has
-/// `g = clamp(G/stride, 1, n)` ranks per node (groups that do not tile a node count as crossing nodes). Within a node it runs at the intra-node link's achievable bandwidth.
-/// Across nodes a ring crosses the network once per node; with `g` ranks per node there are `g` rings in parallel,
-/// each on its own GPU's share of the NICs, so the bus bandwidth is `min(intra, g · nic_share)` (the NCCL
-/// multi-ring picture: 8-GPU DGX nodes with 8 NICs reach ~8 × NIC speed).
+/// `g = clamp(G/stride, 1, n)` ranks per node (groups that do not tile a node count as crossing nodes).
+/// Within a node it runs at the intra-node link's achievable bandwidth. Across nodes a ring crosses the network
+/// once per node; with `g` ranks per node there are `g` rings in parallel, each on its own GPU's share of the NICs,
+/// so the bus bandwidth is `min(intra, g · nic_share)` (the NCCL multi-ring picture: 8-GPU DGX nodes with 8 NICs
+/// reach ~8 × NIC speed).
 #[derive(Clone, Copy, Debug)]
 pub struct GroupLink {
     pub n: f64,
+    /// Bus bandwidth of a ring collective, bytes/s.
     pub bw: f64,
     pub latency: f64,
     pub inter_node: bool,
+    /// Ranks of the group in one node, and one GPU's NIC share and intra-node bandwidth (for all-to-all and p2p).
+    pub ranks_per_node: f64,
+    pub nic_bw: f64,
+    pub intra_bw: f64,
 }
 
 pub fn group_link(cl: &Cluster, n: u64, stride: u64) -> GroupLink {
     let g_node = cl.gpus_per_node;
     let intra = cl.intra.eff_bw();
     if n <= 1 {
-        return GroupLink { n: 1.0, bw: intra, latency: 0.0, inter_node: false };
+        return GroupLink {
+            n: 1.0,
+            bw: intra,
+            latency: 0.0,
+            inter_node: false,
+            ranks_per_node: 1.0,
+            nic_bw: cl.inter_bw_per_gpu,
+            intra_bw: intra,
+        };
     }
     let span = n * stride;
     // A group stays inside a node only if groups tile the node (a 6-way group on 8-GPU nodes straddles two).
-    if span <= g_node && g_node % span == 0 {
-        return GroupLink { n: n as f64, bw: intra, latency: cl.intra.latency, inter_node: false };
+    if span <= g_node && g_node.is_multiple_of(span) {
+        return GroupLink {
+            n: n as f64,
+            bw: intra,
+            latency: cl.intra.latency,
+            inter_node: false,
+            ranks_per_node: n as f64,
+            nic_bw: cl.inter_bw_per_gpu,
+            intra_bw: intra,
+        };
     }
-    let g = if stride >= g_node { 1 } else { (g_node / stride).clamp(1, n) };
+    let g = if stride >= g_node {
+        1
+    } else {
+        (g_node / stride).clamp(1, n)
+    };
     GroupLink {
         n: n as f64,
         bw: intra.min(g as f64 * cl.inter_bw_per_gpu),
         latency: cl.inter.latency.max(cl.intra.latency),
         inter_node: true,
+        ranks_per_node: g as f64,
+        nic_bw: cl.inter_bw_per_gpu,
+        intra_bw: intra,
     }
 }
 
 /// The link a point-to-point transfer inside a group uses: across nodes one GPU's share of the NICs (a pair of ranks
 /// does not get the multi-ring aggregate a collective gets), inside a node the intra-node link.
-pub fn p2p_link(cl: &Cluster, gl: GroupLink) -> GroupLink {
+pub fn p2p_link(gl: GroupLink) -> GroupLink {
     if gl.inter_node {
-        GroupLink { bw: cl.inter_bw_per_gpu.min(cl.intra.eff_bw()), ..gl }
+        GroupLink {
+            bw: gl.nic_bw.min(gl.intra_bw),
+            ..gl
+        }
     } else {
         gl
     }
@@ -590,9 +689,18 @@ pub fn all_gather_time(gl: GroupLink, bytes: f64) -> f64 {
     reduce_scatter_time(gl, bytes)
 }
 
-/// All-to-all where each rank holds `bytes` and keeps 1/n: pairwise exchange `(n−1)·α + (n−1)/n · S/β`.
+/// All-to-all where each rank holds `bytes` and keeps 1/n: pairwise exchange `(n−1)·α + (n−1)/n · S/β` inside a
+/// node. Across nodes the (n−g)/n of the data bound for other nodes leaves through this GPU's NIC share while the
+/// (g−1)/n for node-mates takes the intra-node link: `(n−1)·α + max((n−g)/n·S/β_nic, (g−1)/n·S/β_intra)`.
 pub fn all_to_all_time(gl: GroupLink, bytes: f64) -> f64 {
-    reduce_scatter_time(gl, bytes)
+    if !gl.inter_node {
+        return reduce_scatter_time(gl, bytes);
+    }
+    let (n, g) = (gl.n, gl.ranks_per_node);
+    if n <= 1.0 || bytes <= 0.0 {
+        return 0.0;
+    }
+    (n - 1.0) * gl.latency + ((n - g) / n * bytes / gl.nic_bw).max((g - 1.0) / n * bytes / gl.intra_bw)
 }
 
 /// Point-to-point send of `bytes`: `α + S/β`.
@@ -624,7 +732,14 @@ pub struct DeviceTime {
 
 impl DeviceTime {
     pub fn total(&self) -> f64 {
-        self.gemm + self.attention + self.elementwise + self.recompute + self.tp_comm + self.cp_comm + self.ep_comm + self.pp_p2p
+        self.gemm
+            + self.attention
+            + self.elementwise
+            + self.recompute
+            + self.tp_comm
+            + self.cp_comm
+            + self.ep_comm
+            + self.pp_p2p
     }
 }
 
@@ -672,10 +787,11 @@ fn layer_time(m: &ModelShape, cl: &Cluster, l: &Layout, moe: bool) -> LayerFwd {
     gemm(tok, (qd + 2.0 * kvd) / t, h, 1.0, &mut r); // QKV (column parallel)
     gemm(tok, h, qd / t, 1.0, &mut r); // output projection (row parallel)
     let mats = m.mlp.matrices() as f64;
-    let mlp_gemms = |f: f64, rows: f64, batch: f64, r: &mut LayerFwd, g: &mut dyn FnMut(f64, f64, f64, f64, &mut LayerFwd)| {
-        g(rows, (mats - 1.0) * f / t, h, batch, r); // fc1 (and gate)
-        g(rows, h, f / t, batch, r); // fc2
-    };
+    let mlp_gemms =
+        |f: f64, rows: f64, batch: f64, r: &mut LayerFwd, g: &mut dyn FnMut(f64, f64, f64, f64, &mut LayerFwd)| {
+            g(rows, (mats - 1.0) * f / t, h, batch, r); // fc1 (and gate)
+            g(rows, h, f / t, batch, r); // fc2
+        };
     // Memory-bound bytes, forward and backward, counted kernel by kernel (read + write of 16-bit tensors).
     let mut elem_bytes = 0.0;
     let mut elem_bytes_b = 0.0;
@@ -778,14 +894,18 @@ fn layer_time(m: &ModelShape, cl: &Cluster, l: &Layout, moe: bool) -> LayerFwd {
         r.tp_b = 2.0 * one;
         if l.overlap_comm {
             let wgrad_qkv = gemm_time(cl, pr, h, (qd + 2.0 * kvd) / t, tok, 1.0);
-            let wgrad_fc1 = if moe { 0.0 } else { gemm_time(cl, pr, h, (mats - 1.0) * m.ffn_hidden as f64 / t, tok, 1.0) };
+            let wgrad_fc1 = if moe {
+                0.0
+            } else {
+                gemm_time(cl, pr, h, (mats - 1.0) * m.ffn_hidden as f64 / t, tok, 1.0)
+            };
             r.tp_b = (one - wgrad_qkv).max(0.0) + (one - wgrad_fc1).max(0.0);
         }
     }
     // Context parallelism (ring attention, Liu et al. 2023; Megatron CP): K and V blocks travel the ring,
     // (cp−1) steps of 2·e·b·(s/cp)·kv·d/t bytes, overlapped with the attention blocks; backward also sends dK, dV.
     if l.cp > 1 {
-        let gl = p2p_link(cl, group_link(cl, l.cp, l.tp));
+        let gl = p2p_link(group_link(cl, l.cp, l.tp));
         let step = 2.0 * e * tok * kvd / t;
         let comm = (l.cp as f64 - 1.0) * p2p_time(gl, step);
         r.cp = (comm - r.attn).max(0.0);
@@ -816,20 +936,14 @@ fn logits_time(m: &ModelShape, cl: &Cluster, l: &Layout) -> (f64, f64, f64) {
 
 /// Everything one micro-batch costs on pipeline stage `stage` (all of its v chunks).
 pub fn device_time(m: &ModelShape, cl: &Cluster, l: &Layout, stage: u64) -> DeviceTime {
-    let per_stage = m.layers / l.pp;
-    let per_chunk = per_stage / l.virtual_stages;
     let mut d = DeviceTime::default();
-    // Layer indices on this device: chunk c holds layers (c·p + stage)·per_chunk .. +per_chunk.
     let mut n_dense = 0u64;
     let mut n_moe = 0u64;
-    for c in 0..l.virtual_stages {
-        for j in 0..per_chunk {
-            let i = (c * l.pp + stage) * per_chunk + j;
-            if m.layer_is_moe(i) {
-                n_moe += 1;
-            } else {
-                n_dense += 1;
-            }
+    for i in stage_layers(m, l, stage) {
+        if m.layer_is_moe(i) {
+            n_moe += 1;
+        } else {
+            n_dense += 1;
         }
     }
     for (count, moe) in [(n_dense, false), (n_moe, true)] {
@@ -875,9 +989,13 @@ pub fn device_time(m: &ModelShape, cl: &Cluster, l: &Layout, stage: u64) -> Devi
     // `overlap_comm` the interleaved schedule posts them asynchronously under the next chunk's compute
     // (Megatron `--overlap-p2p-communication`): only the latency α remains.
     if l.pp > 1 {
-        let gl = p2p_link(cl, group_link(cl, l.pp, l.tp * l.cp * l.dp));
+        let gl = p2p_link(group_link(cl, l.pp, l.tp * l.cp * l.dp));
         let bytes = l.precision.act_bytes() * (l.micro_batch * l.seq / l.cp) as f64 * m.hidden as f64 / l.tp as f64;
-        let one = if l.overlap_comm && l.schedule == Schedule::Interleaved { gl.latency } else { p2p_time(gl, bytes) };
+        let one = if l.overlap_comm && l.schedule == Schedule::Interleaved {
+            gl.latency
+        } else {
+            p2p_time(gl, bytes)
+        };
         d.pp_p2p = 2.0 * l.virtual_stages as f64 * one;
     }
     d
@@ -948,7 +1066,9 @@ pub fn dp_comm_time(m: &ModelShape, cl: &Cluster, l: &Layout, stage: u64) -> f64
 /// m, v, 16-bit copy), 2 more with fp32 gradients.
 pub fn estimate(m: &ModelShape, cl: &Cluster, l: &Layout) -> Estimate {
     let p = l.pp;
-    let stages: Vec<u64> = if p == 1 { vec![0] } else { vec![0, p / 2, p - 1] };
+    // First (embeddings), second (first to get an extra layer when p ∤ L), middle, last (logits).
+    let mut stages: Vec<u64> = vec![0, 1.min(p - 1), p / 2, p - 1];
+    stages.dedup();
     let mut crit = DeviceTime::default();
     let mut crit_stage = 0;
     for &st in &stages {

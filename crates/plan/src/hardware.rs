@@ -25,7 +25,9 @@ impl Precision {
             "fp16" => Ok(Precision::Fp16),
             "fp8" => Ok(Precision::Fp8),
             "fp32" => Ok(Precision::Fp32),
-            other => Err(PlanError(format!("--precision: unknown precision '{other}' (expected bf16|fp16|fp8|fp32)"))),
+            other => Err(PlanError(format!(
+                "--precision: unknown precision '{other}' (expected bf16|fp16|fp8|fp32)"
+            ))),
         }
     }
     pub fn key(self) -> &'static str {
@@ -116,12 +118,18 @@ pub struct Accelerator {
 impl Accelerator {
     pub fn peak(&self, p: Precision) -> Result<f64, PlanError> {
         // fp16 runs on the same tensor cores as bf16 on every catalogued part.
-        let alt = if p == Precision::Fp16 { self.peak_flops.get("bf16") } else { None };
-        self.peak_flops
-            .get(p.key())
-            .or(alt)
-            .copied()
-            .ok_or_else(|| PlanError(format!("--precision: accelerator '{}' has no {} peak in the catalogue", self.name, p.key())))
+        let alt = if p == Precision::Fp16 {
+            self.peak_flops.get("bf16")
+        } else {
+            None
+        };
+        self.peak_flops.get(p.key()).or(alt).copied().ok_or_else(|| {
+            PlanError(format!(
+                "--precision: accelerator '{}' has no {} peak in the catalogue",
+                self.name,
+                p.key()
+            ))
+        })
     }
     pub fn stream_bw(&self) -> f64 {
         self.mem_bw * self.mem_bw_efficiency
@@ -160,7 +168,12 @@ impl CpuLocal {
             reserved_bytes: 0.0,
             flash_attention: false,
             // All ranks on one host, talking through shared memory.
-            node: NodeShape { gpus_per_node: 1024, intra: "shm".into(), inter: "shm".into(), nics_per_node: 1 },
+            node: NodeShape {
+                gpus_per_node: 1024,
+                intra: "shm".into(),
+                inter: "shm".into(),
+                nics_per_node: 1,
+            },
             note: Some("from kiln bench --peak".into()),
         }
     }
@@ -185,7 +198,10 @@ impl HardwareCatalog {
     /// Parse a user file: a hardware catalogue (`{"accelerators":[..],"links":[..]}`) or a `cpu-local` bench file.
     pub fn parse_extra(text: &str, origin: &str) -> Result<HardwareCatalog, PlanError> {
         if let Ok(c) = serde_json::from_str::<CpuLocal>(text) {
-            return Ok(HardwareCatalog { accelerators: vec![c.to_accelerator()], links: vec![] });
+            return Ok(HardwareCatalog {
+                accelerators: vec![c.to_accelerator()],
+                links: vec![],
+            });
         }
         serde_json::from_str::<HardwareCatalog>(text).map_err(|e| {
             PlanError(format!(
@@ -209,16 +225,29 @@ impl HardwareCatalog {
 
     pub fn accelerator(&self, name: &str) -> Result<Accelerator, PlanError> {
         let key = name.to_ascii_lowercase();
-        self.accelerators.iter().find(|a| a.name.to_ascii_lowercase() == key).cloned().ok_or_else(|| {
-            let names: Vec<&str> = self.accelerators.iter().map(|a| a.name.as_str()).collect();
-            PlanError(format!("--gpu: unknown accelerator '{name}' (known: {})", names.join(", ")))
-        })
+        self.accelerators
+            .iter()
+            .find(|a| a.name.to_ascii_lowercase() == key)
+            .cloned()
+            .ok_or_else(|| {
+                let names: Vec<&str> = self.accelerators.iter().map(|a| a.name.as_str()).collect();
+                PlanError(format!(
+                    "--gpu: unknown accelerator '{name}' (known: {})",
+                    names.join(", ")
+                ))
+            })
     }
 
     pub fn link(&self, name: &str) -> Result<Link, PlanError> {
         if name == "shm" {
             // Shared memory between processes on one host; bandwidth filled in by `Cluster::new` from the CPU.
-            return Ok(Link { name: "shm".into(), bw: 0.0, efficiency: 1.0, latency: 5e-6, note: None });
+            return Ok(Link {
+                name: "shm".into(),
+                bw: 0.0,
+                efficiency: 1.0,
+                latency: 5e-6,
+                note: None,
+            });
         }
         self.links.iter().find(|l| l.name == name).cloned().ok_or_else(|| {
             let names: Vec<&str> = self.links.iter().map(|l| l.name.as_str()).collect();
@@ -258,7 +287,14 @@ impl Cluster {
         }
         let nics = acc.node.nics_per_node as f64;
         let inter_bw_per_gpu = inter.eff_bw() * nics / acc.node.gpus_per_node as f64;
-        Ok(Cluster { acc, gpus, gpus_per_node: g.min(gpus), intra, inter, inter_bw_per_gpu })
+        Ok(Cluster {
+            acc,
+            gpus,
+            gpus_per_node: g.min(gpus),
+            intra,
+            inter,
+            inter_bw_per_gpu,
+        })
     }
 
     pub fn nodes(&self) -> u64 {

@@ -23,7 +23,9 @@ impl Mlp {
         match s.to_ascii_lowercase().as_str() {
             "gelu" => Ok(Mlp::Gelu),
             "swiglu" => Ok(Mlp::Swiglu),
-            other => Err(PlanError(format!("--mlp: unknown MLP kind '{other}' (expected gelu|swiglu)"))),
+            other => Err(PlanError(format!(
+                "--mlp: unknown MLP kind '{other}' (expected gelu|swiglu)"
+            ))),
         }
     }
     /// Number of h×f matrices in one MLP (expert).
@@ -185,8 +187,24 @@ impl RawModel {
 impl ModelShape {
     /// A GPT (Megatron) model as in Narayanan et al. Table 1: GELU MLP with f = 4h, MHA, biases, dropout,
     /// tied embeddings and learned position embeddings.
-    pub fn gpt(name: &str, layers: u64, hidden: u64, heads: u64, vocab: u64, seq: u64) -> Result<ModelShape, PlanError> {
-        RawModel { name: name.into(), layers, hidden, heads, vocab, seq: Some(seq), ..Default::default() }.resolve()
+    pub fn gpt(
+        name: &str,
+        layers: u64,
+        hidden: u64,
+        heads: u64,
+        vocab: u64,
+        seq: u64,
+    ) -> Result<ModelShape, PlanError> {
+        RawModel {
+            name: name.into(),
+            layers,
+            hidden,
+            heads,
+            vocab,
+            seq: Some(seq),
+            ..Default::default()
+        }
+        .resolve()
     }
 
     pub fn is_moe(&self) -> bool {
@@ -195,7 +213,9 @@ impl ModelShape {
 
     /// Whether layer `i` (0-based) is an MoE layer.
     pub fn layer_is_moe(&self, i: u64) -> bool {
-        self.is_moe() && i >= self.first_dense_layers && (i - self.first_dense_layers).is_multiple_of(self.moe_layer_freq)
+        self.is_moe()
+            && i >= self.first_dense_layers
+            && (i - self.first_dense_layers).is_multiple_of(self.moe_layer_freq)
     }
 
     pub fn moe_layers(&self) -> u64 {
@@ -216,7 +236,11 @@ impl ModelShape {
     pub fn attn_params(&self) -> u64 {
         let h = self.hidden;
         let w = h * (self.q_dim() + 2 * self.kv_dim()) + self.q_dim() * h;
-        let b = if self.biases { self.q_dim() + 2 * self.kv_dim() + h } else { 0 };
+        let b = if self.biases {
+            self.q_dim() + 2 * self.kv_dim() + h
+        } else {
+            0
+        };
         w + b
     }
 
@@ -224,7 +248,11 @@ impl ModelShape {
     pub fn mlp_params(&self, f: u64) -> u64 {
         let h = self.hidden;
         let w = self.mlp.matrices() * h * f;
-        let b = if self.biases { (self.mlp.matrices() - 1) * f + h } else { 0 };
+        let b = if self.biases {
+            (self.mlp.matrices() - 1) * f + h
+        } else {
+            0
+        };
         w + b
     }
 
@@ -261,7 +289,11 @@ impl ModelShape {
     pub fn embedding_params(&self, seq: u64) -> u64 {
         let tok = self.vocab * self.hidden;
         let pos = if self.learned_pos_emb { seq * self.hidden } else { 0 };
-        let head = if self.tied_embeddings { 0 } else { self.vocab * self.hidden };
+        let head = if self.tied_embeddings {
+            0
+        } else {
+            self.vocab * self.hidden
+        };
         tok + pos + head
     }
 
@@ -299,7 +331,11 @@ pub fn parse_models(text: &str, origin: &str) -> Result<Vec<ModelShape>, PlanErr
     } else {
         match serde_json::from_str::<RawModel>(text) {
             Ok(m) => vec![m],
-            Err(e) => return Err(PlanError(format!("{origin}: not a model catalogue or model config: {e}"))),
+            Err(e) => {
+                return Err(PlanError(format!(
+                    "{origin}: not a model catalogue or model config: {e}"
+                )))
+            }
         }
     };
     raws.into_iter()
@@ -323,5 +359,8 @@ pub fn find_model(name: &str, extra: &[ModelShape]) -> Result<ModelShape, PlanEr
         return Ok(m.clone());
     }
     let names: Vec<&str> = all.iter().map(|m| m.name.as_str()).collect();
-    Err(PlanError(format!("--model: unknown model '{name}' (known: {})", names.join(", "))))
+    Err(PlanError(format!(
+        "--model: unknown model '{name}' (known: {})",
+        names.join(", ")
+    )))
 }

@@ -60,7 +60,14 @@ fn pick(fixed: Option<u64>, all: Vec<u64>) -> Vec<u64> {
 /// Check fixed values one by one so the error names the flag.
 fn check_fixed(m: &ModelShape, cl: &Cluster, c: &Constraints) -> Result<(), PlanError> {
     let n = cl.gpus;
-    for (flag, v) in [("--tp", c.tp), ("--pp", c.pp), ("--dp", c.dp), ("--cp", c.cp), ("--ep", c.ep), ("--micro-batch", c.micro_batch)] {
+    for (flag, v) in [
+        ("--tp", c.tp),
+        ("--pp", c.pp),
+        ("--dp", c.dp),
+        ("--cp", c.cp),
+        ("--ep", c.ep),
+        ("--micro-batch", c.micro_batch),
+    ] {
         if v == Some(0) {
             return Err(PlanError(format!("{flag}: must be at least 1")));
         }
@@ -74,25 +81,35 @@ fn check_fixed(m: &ModelShape, cl: &Cluster, c: &Constraints) -> Result<(), Plan
         }
     }
     if let Some(pp) = c.pp {
-        if !m.layers.is_multiple_of(pp) {
-            return Err(PlanError(format!("--pp {pp} does not divide layers {}", m.layers)));
+        // Uneven splits are allowed when asked for (Megatron-DeepSpeed); the search itself only proposes even ones.
+        if pp > m.layers {
+            return Err(PlanError(format!("--pp {pp} exceeds layers {}", m.layers)));
         }
     }
-    let given: Vec<(&str, u64)> =
-        [("--tp", c.tp), ("--pp", c.pp), ("--dp", c.dp), ("--cp", c.cp)].iter().filter_map(|(f, v)| v.map(|v| (*f, v))).collect();
+    let given: Vec<(&str, u64)> = [("--tp", c.tp), ("--pp", c.pp), ("--dp", c.dp), ("--cp", c.cp)]
+        .iter()
+        .filter_map(|(f, v)| v.map(|v| (*f, v)))
+        .collect();
     let prod: u64 = given.iter().map(|(_, v)| v).product();
     let all_given = given.len() == 4;
     if (all_given && prod != n) || !n.is_multiple_of(prod) {
         let desc: Vec<String> = given.iter().map(|(f, v)| format!("{f} {v}")).collect();
+        let lhs = if given.len() == 1 {
+            desc[0].clone()
+        } else {
+            format!("{} = {prod}", desc.join(" x "))
+        };
         return Err(PlanError(format!(
-            "{} = {prod} {} --gpus {n}",
-            desc.join(" x "),
+            "{lhs} {} --gpus {n}",
             if all_given { "but" } else { "does not divide" }
         )));
     }
     if let (Some(e), false) = (c.ep, m.is_moe()) {
         if e > 1 {
-            return Err(PlanError(format!("--ep {e} given but model '{}' has no experts", m.name)));
+            return Err(PlanError(format!(
+                "--ep {e} given but model '{}' has no experts",
+                m.name
+            )));
         }
     }
     if let Some(p) = c.precision {
@@ -105,20 +122,46 @@ fn check_fixed(m: &ModelShape, cl: &Cluster, c: &Constraints) -> Result<(), Plan
 pub fn candidates(m: &ModelShape, cl: &Cluster, global_batch: u64, seq: u64, c: &Constraints) -> Vec<Layout> {
     let n = cl.gpus;
     let mut out = Vec::new();
-    let prec = c.precision.unwrap_or(if cl.acc.peak(Precision::Bf16).is_ok() { Precision::Bf16 } else { Precision::Fp32 });
-    let attention = c.attention.unwrap_or(if cl.acc.flash_attention { Attention::Flash } else { Attention::Unfused });
-    let tps = pick(c.tp, divisors(n).into_iter().filter(|&t| t <= 64 && m.heads.is_multiple_of(t) && m.kv_heads.is_multiple_of(t)).collect());
+    let prec = c.precision.unwrap_or(if cl.acc.peak(Precision::Bf16).is_ok() {
+        Precision::Bf16
+    } else {
+        Precision::Fp32
+    });
+    let attention = c.attention.unwrap_or(if cl.acc.flash_attention {
+        Attention::Flash
+    } else {
+        Attention::Unfused
+    });
+    let tps = pick(
+        c.tp,
+        divisors(n)
+            .into_iter()
+            .filter(|&t| t <= 64 && m.heads.is_multiple_of(t) && m.kv_heads.is_multiple_of(t))
+            .collect(),
+    );
     for &tp in &tps {
         if !n.is_multiple_of(tp) {
             continue;
         }
         // Context parallelism only for long sequences: at least 2048 tokens per rank.
-        let cps = pick(c.cp, divisors(n / tp).into_iter().filter(|&k| seq.is_multiple_of(k) && (k == 1 || seq / k >= 2048)).collect());
+        let cps = pick(
+            c.cp,
+            divisors(n / tp)
+                .into_iter()
+                .filter(|&k| seq.is_multiple_of(k) && (k == 1 || seq / k >= 2048))
+                .collect(),
+        );
         for &cp in &cps {
             if !n.is_multiple_of(tp * cp) {
                 continue;
             }
-            let pps = pick(c.pp, divisors(n / (tp * cp)).into_iter().filter(|&p| m.layers.is_multiple_of(p)).collect());
+            let pps = pick(
+                c.pp,
+                divisors(n / (tp * cp))
+                    .into_iter()
+                    .filter(|&p| m.layers.is_multiple_of(p))
+                    .collect(),
+            );
             for &pp in &pps {
                 if !n.is_multiple_of(tp * cp * pp) {
                     continue;
@@ -128,12 +171,21 @@ pub fn candidates(m: &ModelShape, cl: &Cluster, global_batch: u64, seq: u64, c: 
                     continue;
                 }
                 let eps = if m.is_moe() {
-                    pick(c.ep, divisors(m.experts).into_iter().filter(|&e| (dp * cp).is_multiple_of(e)).collect())
+                    pick(
+                        c.ep,
+                        divisors(m.experts)
+                            .into_iter()
+                            .filter(|&e| (dp * cp).is_multiple_of(e))
+                            .collect(),
+                    )
                 } else {
                     vec![c.ep.unwrap_or(1)]
                 };
                 let per_rank = global_batch / dp;
-                let bs = pick(c.micro_batch, divisors(per_rank).into_iter().filter(|&b| b <= 16).collect());
+                let bs = pick(
+                    c.micro_batch,
+                    divisors(per_rank).into_iter().filter(|&b| b <= 16).collect(),
+                );
                 let mut scheds: Vec<(Schedule, u64)> = Vec::new();
                 if pp == 1 {
                     scheds.push((Schedule::OneFOneB, 1));
@@ -210,7 +262,13 @@ pub fn candidates(m: &ModelShape, cl: &Cluster, global_batch: u64, seq: u64, c: 
 }
 
 /// Search the best plans. Errors name the flag at fault when the fixed values admit no valid layout.
-pub fn search(m: &ModelShape, cl: &Cluster, global_batch: u64, seq: u64, c: &Constraints) -> Result<SearchResult, PlanError> {
+pub fn search(
+    m: &ModelShape,
+    cl: &Cluster,
+    global_batch: u64,
+    seq: u64,
+    c: &Constraints,
+) -> Result<SearchResult, PlanError> {
     if global_batch == 0 {
         return Err(PlanError("--global-batch: must be at least 1".into()));
     }
@@ -257,7 +315,12 @@ pub fn search(m: &ModelShape, cl: &Cluster, global_batch: u64, seq: u64, c: &Con
     }
     let mut plans: Vec<Estimate> = best.into_values().collect();
     plans.sort_by(|a, b| a.step_time_s.total_cmp(&b.step_time_s));
-    Ok(SearchResult { plans, evaluated, pruned_unfit: pruned, smallest_unfit: smallest })
+    Ok(SearchResult {
+        plans,
+        evaluated,
+        pruned_unfit: pruned,
+        smallest_unfit: smallest,
+    })
 }
 
 /// Why the best plan beats the runner-up: the breakdown terms that differ most.
@@ -277,7 +340,11 @@ pub fn explain(best: &Estimate, other: &Estimate) -> String {
         ("exposed DP communication", a.dp_comm_exposed_s, b.dp_comm_exposed_s),
         ("optimizer step", a.optimizer_s, b.optimizer_s),
     ];
-    let mut diffs: Vec<(&str, f64)> = terms.iter().map(|(n, x, y)| (*n, y - x)).filter(|(_, d)| d.abs() > 1e-9).collect();
+    let mut diffs: Vec<(&str, f64)> = terms
+        .iter()
+        .map(|(n, x, y)| (*n, y - x))
+        .filter(|(_, d)| d.abs() > 1e-9)
+        .collect();
     diffs.sort_by(|x, y| y.1.abs().total_cmp(&x.1.abs()));
     let gain = (other.step_time_s - best.step_time_s) / other.step_time_s * 100.0;
     let parts: Vec<String> = diffs

@@ -14,7 +14,7 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
-use crate::cost::{estimate, hardware_flops, model_flops, Attention, Layout, Recompute, Schedule};
+use crate::cost::{hardware_flops, model_flops, Attention, Layout, Recompute, Schedule};
 use crate::hardware::{Cluster, HardwareCatalog, Precision};
 use crate::models::{Mlp, RawModel};
 use crate::search::{search, Constraints};
@@ -43,11 +43,12 @@ impl Row {
     fn num(&self, k: &str, origin: &str) -> Result<Option<f64>, PlanError> {
         match self.get(k) {
             None => Ok(None),
-            Some(v) => v
-                .trim_end_matches('%')
-                .parse::<f64>()
-                .map(Some)
-                .map_err(|_| PlanError(format!("{origin}: row '{}': column '{k}' = '{v}' is not a number", self.name))),
+            Some(v) => v.trim_end_matches('%').parse::<f64>().map(Some).map_err(|_| {
+                PlanError(format!(
+                    "{origin}: row '{}': column '{k}' = '{v}' is not a number",
+                    self.name
+                ))
+            }),
         }
     }
     fn int(&self, k: &str, origin: &str) -> Result<Option<u64>, PlanError> {
@@ -68,7 +69,17 @@ fn norm_key(k: &str) -> String {
     }
 }
 
-const REQUIRED: [&str; 9] = ["params", "heads", "hidden", "layers", "tp", "pp", "gpus", "global_batch", "tflops_per_gpu"];
+const REQUIRED: [&str; 9] = [
+    "params",
+    "heads",
+    "hidden",
+    "layers",
+    "tp",
+    "pp",
+    "gpus",
+    "global_batch",
+    "tflops_per_gpu",
+];
 
 fn rows_from_maps(maps: Vec<BTreeMap<String, String>>, origin: &str) -> Result<Vec<Row>, PlanError> {
     let mut rows = Vec::new();
@@ -112,7 +123,10 @@ fn rows_from_maps(maps: Vec<BTreeMap<String, String>>, origin: &str) -> Result<V
 
 /// Parse a CSV table: a header line, then rows; `#` comments and blank lines are skipped.
 pub fn parse_csv(text: &str, origin: &str) -> Result<Vec<Row>, PlanError> {
-    let mut lines = text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#'));
+    let mut lines = text
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'));
     let header: Vec<String> = match lines.next() {
         Some(h) => h.split(',').map(norm_key).collect(),
         None => return Err(PlanError(format!("{origin}: empty table"))),
@@ -128,7 +142,13 @@ pub fn parse_csv(text: &str, origin: &str) -> Result<Vec<Row>, PlanError> {
                 header.len()
             )));
         }
-        maps.push(header.iter().cloned().zip(cells.iter().map(|c| c.to_string())).collect());
+        maps.push(
+            header
+                .iter()
+                .cloned()
+                .zip(cells.iter().map(|c| c.to_string()))
+                .collect(),
+        );
     }
     rows_from_maps(maps, origin)
 }
@@ -137,10 +157,14 @@ pub fn parse_csv(text: &str, origin: &str) -> Result<Vec<Row>, PlanError> {
 pub fn parse_json(text: &str, origin: &str) -> Result<Vec<Row>, PlanError> {
     let v: serde_json::Value =
         serde_json::from_str(text).map_err(|e| PlanError(format!("{origin}: invalid JSON: {e}")))?;
-    let arr = v.as_array().ok_or_else(|| PlanError(format!("{origin}: expected a JSON array of rows")))?;
+    let arr = v
+        .as_array()
+        .ok_or_else(|| PlanError(format!("{origin}: expected a JSON array of rows")))?;
     let mut maps = Vec::new();
     for (i, item) in arr.iter().enumerate() {
-        let obj = item.as_object().ok_or_else(|| PlanError(format!("{origin}: row {} is not an object", i + 1)))?;
+        let obj = item
+            .as_object()
+            .ok_or_else(|| PlanError(format!("{origin}: row {} is not an object", i + 1)))?;
         let mut m = BTreeMap::new();
         for (k, v) in obj {
             let s = match v {
@@ -216,14 +240,23 @@ pub fn predict_row(row: &Row, cat: &HardwareCatalog, origin: &str) -> Result<Row
     let model = raw.resolve().map_err(ctx)?;
     let gpu = row.get("gpu").unwrap_or("a100-80gb");
     let cluster = Cluster::new(cat, gpu, row.gpus, row.int("gpus_per_node", origin)?).map_err(ctx)?;
-    let recompute = row.get("recompute").map(Recompute::parse).transpose().map_err(ctx)?.unwrap_or(Recompute::Full);
+    let recompute = row
+        .get("recompute")
+        .map(Recompute::parse)
+        .transpose()
+        .map_err(ctx)?
+        .unwrap_or(Recompute::Full);
     // Without a `schedule` column the planner picks the best feasible one (Table 1's interleaved 1F1B wins
     // wherever it fits).
     let schedule = match row.get("schedule") {
         Some(s) => Some(Schedule::parse(s).map_err(ctx)?),
         None => None,
     };
-    let schedule = if row.pp == 1 { Some(Schedule::OneFOneB) } else { schedule };
+    let schedule = if row.pp == 1 {
+        Some(Schedule::OneFOneB)
+    } else {
+        schedule
+    };
     let c = Constraints {
         tp: Some(row.tp),
         pp: Some(row.pp),
@@ -232,15 +265,31 @@ pub fn predict_row(row: &Row, cat: &HardwareCatalog, origin: &str) -> Result<Row
         ep: row.int("ep", origin)?,
         micro_batch: row.int("micro_batch", origin)?,
         schedule,
-        virtual_stages: if row.pp == 1 { Some(1) } else { row.int("virtual_stages", origin)? },
+        virtual_stages: if row.pp == 1 {
+            Some(1)
+        } else {
+            row.int("virtual_stages", origin)?
+        },
         recompute: Some(recompute),
         sequence_parallel: Some(match row.get("sequence_parallel") {
             Some(s) => parse_bool(s, "sequence_parallel", origin)?,
             None => false,
         }),
         zero: Some(row.int("zero", origin)?.unwrap_or(0) as u8),
-        precision: Some(row.get("precision").map(Precision::parse).transpose().map_err(ctx)?.unwrap_or(Precision::Fp16)),
-        attention: Some(row.get("attention").map(Attention::parse).transpose().map_err(ctx)?.unwrap_or(Attention::Unfused)),
+        precision: Some(
+            row.get("precision")
+                .map(Precision::parse)
+                .transpose()
+                .map_err(ctx)?
+                .unwrap_or(Precision::Fp16),
+        ),
+        attention: Some(
+            row.get("attention")
+                .map(Attention::parse)
+                .transpose()
+                .map_err(ctx)?
+                .unwrap_or(Attention::Unfused),
+        ),
         overlap_dp: Some(match row.get("overlap_dp") {
             Some(s) => parse_bool(s, "overlap_dp", origin)?,
             None => false,
@@ -265,7 +314,11 @@ pub fn predict_row(row: &Row, cat: &HardwareCatalog, origin: &str) -> Result<Row
     let hardware_conv = match row.get("convention") {
         None | Some("hardware") => true,
         Some("model") => false,
-        Some(o) => return Err(ctx(PlanError(format!("column 'convention' = '{o}' (expected hardware|model)")))),
+        Some(o) => {
+            return Err(ctx(PlanError(format!(
+                "column 'convention' = '{o}' (expected hardware|model)"
+            ))))
+        }
     };
     let flops = if hardware_conv {
         hardware_flops(&model, row.global_batch, seq, est.chosen.recompute)
@@ -273,7 +326,6 @@ pub fn predict_row(row: &Row, cat: &HardwareCatalog, origin: &str) -> Result<Row
         model_flops(&model, row.global_batch, seq)
     };
     let predicted = flops / est.step_time_s / row.gpus as f64 / 1e12;
-    let _ = estimate; // the search already ran the estimate
     Ok(RowResult {
         name: row.name.clone(),
         tp: row.tp,
@@ -290,10 +342,21 @@ pub fn predict_row(row: &Row, cat: &HardwareCatalog, origin: &str) -> Result<Row
 
 /// Validate every row of a table.
 pub fn validate(rows: &[Row], cat: &HardwareCatalog, origin: &str) -> Result<Report, PlanError> {
-    let results: Vec<RowResult> = rows.iter().map(|r| predict_row(r, cat, origin)).collect::<Result<_, _>>()?;
+    let results: Vec<RowResult> = rows
+        .iter()
+        .map(|r| predict_row(r, cat, origin))
+        .collect::<Result<_, _>>()?;
     let mape = results.iter().map(|r| r.error_pct.abs()).sum::<f64>() / results.len() as f64;
-    let worst = results.iter().max_by(|a, b| a.error_pct.abs().total_cmp(&b.error_pct.abs())).unwrap();
-    Ok(Report { mape_pct: mape, worst_pct: worst.error_pct.abs(), worst_row: worst.name.clone(), rows: results })
+    let worst = results
+        .iter()
+        .max_by(|a, b| a.error_pct.abs().total_cmp(&b.error_pct.abs()))
+        .unwrap();
+    Ok(Report {
+        mape_pct: mape,
+        worst_pct: worst.error_pct.abs(),
+        worst_row: worst.name.clone(),
+        rows: results,
+    })
 }
 
 /// The built-in copy of Narayanan et al. 2021 Table 1.

@@ -34,6 +34,7 @@ pub fn attention_forward(
     dropout: f32,
     seed: u64,
 ) {
+    let _p = crate::profile::scope("attention_forward");
     let AttnDims { b, t, c, nh } = *dims;
     let hs = dims.hs();
     assert_eq!(out.len(), b * t * c);
@@ -55,7 +56,7 @@ pub fn attention_forward(
             let max = row[..=i].iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
             let mut sum = 0.0f32;
             for x in row[..=i].iter_mut() {
-                *x = (*x - max).exp();
+                *x = crate::simd::exp(*x - max);
                 sum += *x;
             }
             let inv = 1.0 / sum;
@@ -99,6 +100,7 @@ pub fn attention_backward(
     dropout: f32,
     seed: u64,
 ) {
+    let _p = crate::profile::scope("attention_backward");
     let AttnDims { b, t, c, nh } = *dims;
     let hs = dims.hs();
     assert_eq!(dqkv.len(), b * t * 3 * c);

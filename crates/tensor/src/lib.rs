@@ -11,11 +11,15 @@
 //! in a fixed order over fixed-size chunks, so results do not depend on thread timing.
 
 pub mod attention;
+pub mod classifier;
+pub mod flash;
 pub mod matmul;
 pub mod ops;
 pub mod optim;
 pub mod par;
+pub mod profile;
 pub mod rng;
+pub mod simd;
 
 pub use attention::{attention_backward, attention_decode, attention_forward, AttnDims};
 pub use matmul::{matmul_backward, matmul_forward};

@@ -96,6 +96,7 @@ pub fn matmul_forward(
     c: usize,
     oc: usize,
 ) {
+    let _p = crate::profile::scope("matmul_forward");
     assert_eq!(out.len(), bt * oc);
     assert_eq!(inp.len(), bt * c);
     assert_eq!(weight.len(), oc * c);
@@ -122,6 +123,7 @@ pub fn matmul_backward(
     c: usize,
     oc: usize,
 ) {
+    let _p = crate::profile::scope("matmul_backward");
     assert_eq!(dout.len(), bt * oc);
     // dinp += dout · weight
     gemm(dinp, true, View::rows(dout, bt, oc), View::rows(weight, oc, c), 1.0, Threads::All);

@@ -3,6 +3,7 @@
 
 use crate::par::{column_reduce, ELEMS};
 use crate::rng::hash_uniform;
+use crate::simd;
 use rayon::prelude::*;
 
 // ---------------------------------------------------------------------------------------------
@@ -17,6 +18,7 @@ pub fn embedding_forward(
     t: usize,
     c: usize,
 ) {
+    let _p = crate::profile::scope("embedding_forward");
     assert_eq!(out.len(), tokens.len() * c);
     out.par_chunks_mut(c).enumerate().for_each(|(i, o)| {
         let tok = tokens[i] as usize;
@@ -45,6 +47,7 @@ pub fn embedding_backward(
     t: usize,
     c: usize,
 ) {
+    let _p = crate::profile::scope("embedding_backward");
     for (i, &tok) in tokens.iter().enumerate() {
         let d = &dout[i * c..(i + 1) * c];
         let w = &mut dwte[tok as usize * c..(tok as usize + 1) * c];
@@ -80,6 +83,7 @@ pub fn layernorm_forward(
     bias: Option<&[f32]>,  // [C]
     c: usize,
 ) {
+    let _p = crate::profile::scope("layernorm_forward");
     out.par_chunks_mut(c)
         .zip(mean.par_iter_mut().zip(rstd.par_iter_mut()))
         .enumerate()
@@ -118,6 +122,7 @@ pub fn layernorm_backward(
     rstd: &[f32],                // [N]
     c: usize,
 ) {
+    let _p = crate::profile::scope("layernorm_backward");
     let n = mean.len();
     dinp.par_chunks_mut(c).enumerate().for_each(|(r, di)| {
         let x = &inp[r * c..(r + 1) * c];
@@ -161,28 +166,38 @@ pub fn layernorm_backward(
 const GELU_K: f32 = 0.797_884_6; // √(2/π)
 
 pub fn gelu_forward(out: &mut [f32], inp: &[f32]) {
+    let _p = crate::profile::scope("gelu_forward");
     assert_eq!(out.len(), inp.len());
-    out.par_chunks_mut(ELEMS).zip(inp.par_chunks(ELEMS)).for_each(|(o, x)| {
+    out.par_chunks_mut(ELEMS).zip(inp.par_chunks(ELEMS)).for_each(|(o, x)| gelu_forward_chunk(o, x));
+}
+
+crate::multiversion! {
+    fn gelu_forward_chunk(o: &mut [f32], x: &[f32]) {
         for (o, &x) in o.iter_mut().zip(x) {
             let u = GELU_K * (x + 0.044715 * x * x * x);
-            *o = 0.5 * x * (1.0 + u.tanh());
+            *o = 0.5 * x * (1.0 + simd::tanh(u));
         }
-    });
+    }
 }
 
 /// Accumulates into `dinp`.
 pub fn gelu_backward(dinp: &mut [f32], inp: &[f32], dout: &[f32]) {
+    let _p = crate::profile::scope("gelu_backward");
     dinp.par_chunks_mut(ELEMS)
         .zip(inp.par_chunks(ELEMS).zip(dout.par_chunks(ELEMS)))
-        .for_each(|(di, (x, d))| {
-            for ((di, &x), &d) in di.iter_mut().zip(x).zip(d) {
-                let u = GELU_K * (x + 0.044715 * x * x * x);
-                let th = u.tanh();
-                let sech2 = 1.0 - th * th;
-                let local = 0.5 * (1.0 + th) + 0.5 * x * sech2 * GELU_K * (1.0 + 3.0 * 0.044715 * x * x);
-                *di += local * d;
-            }
-        });
+        .for_each(|(di, (x, d))| gelu_backward_chunk(di, x, d));
+}
+
+crate::multiversion! {
+    fn gelu_backward_chunk(di: &mut [f32], x: &[f32], d: &[f32]) {
+        for ((di, &x), &d) in di.iter_mut().zip(x).zip(d) {
+            let u = GELU_K * (x + 0.044715 * x * x * x);
+            let th = simd::tanh(u);
+            let sech2 = 1.0 - th * th;
+            let local = 0.5 * (1.0 + th) + 0.5 * x * sech2 * GELU_K * (1.0 + 3.0 * 0.044715 * x * x);
+            *di += local * d;
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -190,6 +205,7 @@ pub fn gelu_backward(dinp: &mut [f32], inp: &[f32], dout: &[f32]) {
 
 /// `out = a + b`.
 pub fn residual_forward(out: &mut [f32], a: &[f32], b: &[f32]) {
+    let _p = crate::profile::scope("residual_forward");
     out.par_chunks_mut(ELEMS)
         .zip(a.par_chunks(ELEMS).zip(b.par_chunks(ELEMS)))
         .for_each(|(o, (a, b))| {
@@ -225,6 +241,7 @@ pub fn dropout_keep(seed: u64, index: u64, p: f32) -> bool {
 
 /// `out[i] = keep(i) ? inp[i] / (1 - p) : 0`. With `p == 0` this is a copy.
 pub fn dropout_forward(out: &mut [f32], inp: &[f32], p: f32, seed: u64) {
+    let _p = crate::profile::scope("dropout_forward");
     assert!((0.0..1.0).contains(&p), "dropout p must be in [0, 1)");
     let scale = 1.0 / (1.0 - p);
     out.par_chunks_mut(ELEMS).zip(inp.par_chunks(ELEMS)).enumerate().for_each(|(ci, (o, x))| {
@@ -238,6 +255,7 @@ pub fn dropout_forward(out: &mut [f32], inp: &[f32], p: f32, seed: u64) {
 /// In-place [`dropout_forward`]: `x[i] = keep(i) ? x[i] / (1 - p) : 0`. The same mask as the
 /// out-of-place form, so [`dropout_backward`] applies to both.
 pub fn dropout_inplace(x: &mut [f32], p: f32, seed: u64) {
+    let _p = crate::profile::scope("dropout_inplace");
     assert!((0.0..1.0).contains(&p), "dropout p must be in [0, 1)");
     if p == 0.0 {
         return;
@@ -253,6 +271,7 @@ pub fn dropout_inplace(x: &mut [f32], p: f32, seed: u64) {
 
 /// Accumulates into `dinp`, regenerating the mask from `seed`.
 pub fn dropout_backward(dinp: &mut [f32], dout: &[f32], p: f32, seed: u64) {
+    let _p = crate::profile::scope("dropout_backward");
     let scale = 1.0 / (1.0 - p);
     dinp.par_chunks_mut(ELEMS).zip(dout.par_chunks(ELEMS)).enumerate().for_each(|(ci, (di, d))| {
         let base = (ci * ELEMS) as u64;
@@ -278,6 +297,7 @@ pub fn crossentropy_forward(
     vp: usize,
     ignore_index: i32,
 ) -> usize {
+    let _p = crate::profile::scope("crossentropy_forward");
     softmax_forward(probs, logits, v, vp);
     losses.par_iter_mut().enumerate().for_each(|(i, l)| {
         let tgt = targets[i];
@@ -298,7 +318,7 @@ pub fn softmax_forward(probs: &mut [f32], logits: &[f32], v: usize, vp: usize) {
         let max = x.iter().fold(f32::NEG_INFINITY, |m, &a| m.max(a));
         let mut sum = 0.0f32;
         for j in 0..v {
-            let e = (x[j] - max).exp();
+            let e = simd::exp(x[j] - max);
             p[j] = e;
             sum += e;
         }
@@ -323,6 +343,7 @@ pub fn crossentropy_backward(
     vp: usize,
     ignore_index: i32,
 ) {
+    let _p = crate::profile::scope("crossentropy_backward");
     dlogits.par_chunks_mut(vp).enumerate().for_each(|(i, dl)| {
         let tgt = targets[i];
         if tgt == ignore_index {

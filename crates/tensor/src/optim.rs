@@ -19,6 +19,7 @@ pub struct AdamW {
 /// `p -= lr·wd·p` (decoupled decay), `m = β1·m + (1-β1)·g`, `v = β2·v + (1-β2)·g²`,
 /// `p -= lr · m̂ / (√v̂ + ε)`.
 pub fn adamw_update(params: &mut [f32], grads: &[f32], m: &mut [f32], v: &mut [f32], h: &AdamW) {
+    let _p = crate::profile::scope("adamw_update");
     let bc1 = 1.0 - (h.beta1 as f64).powi(h.t as i32);
     let bc2 = 1.0 - (h.beta2 as f64).powi(h.t as i32);
     let step = (h.lr as f64 / bc1) as f32;

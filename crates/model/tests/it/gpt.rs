@@ -1,5 +1,9 @@
 use model::gpt::IGNORE_INDEX;
-use model::{Gpt, GptConfig, Sampler};
+use model::{Gpt, GptConfig, Pass, Sampler};
+
+fn train(seed: u64) -> Pass {
+    Pass::Train { dropout_seed: seed, loss_scale: 1.0 }
+}
 
 fn tiny(bias: bool, dropout: f32, tied: bool) -> GptConfig {
     GptConfig { n_layer: 2, n_head: 2, n_embd: 8, block_size: 6, vocab_size: 12, bias, dropout, tied_embeddings: tied }
@@ -26,8 +30,8 @@ fn model_gradcheck(cfg: GptConfig) {
     }
     let seed = 77;
     m.zero_grad();
-    m.forward(&tokens, &targets, 2, 6, true, seed);
-    m.backward(1.0);
+    m.forward(&tokens, &targets, 2, 6, train(seed));
+    m.backward();
     let grads = m.grads.clone();
     let eps = 3e-3f32;
     let specs = m.layout.params.clone();
@@ -37,9 +41,9 @@ fn model_gradcheck(cfg: GptConfig) {
             let i = r.start + (probe * 7919) % r.len();
             let orig = m.params[i];
             m.params[i] = orig + eps;
-            let lp = m.forward(&tokens, &targets, 2, 6, true, seed) as f64;
+            let lp = m.forward(&tokens, &targets, 2, 6, train(seed)) as f64;
             m.params[i] = orig - eps;
-            let lm = m.forward(&tokens, &targets, 2, 6, true, seed) as f64;
+            let lm = m.forward(&tokens, &targets, 2, 6, train(seed)) as f64;
             m.params[i] = orig;
             let num = (lp - lm) / (2.0 * eps as f64);
             let a = grads[i] as f64;
@@ -64,7 +68,7 @@ fn initial_loss_is_near_uniform() {
     let cfg = GptConfig { n_layer: 2, n_head: 2, n_embd: 32, block_size: 6, vocab_size: 64, bias: true, dropout: 0.0, tied_embeddings: true };
     let mut m = Gpt::new(cfg, 50, 1);
     let (tokens, targets) = batch();
-    let loss = m.forward(&tokens, &targets, 2, 6, false, 0);
+    let loss = m.forward(&tokens, &targets, 2, 6, Pass::Eval);
     assert!((loss - (50f32).ln()).abs() < 0.1, "loss {loss}");
 }
 
@@ -94,9 +98,8 @@ fn layout_uses_hf_names_and_gpt2_init() {
 fn decode_logits_match_full_forward() {
     let cfg = tiny(true, 0.0, false);
     let mut m = Gpt::new(cfg, 12, 5);
-    let (tokens, targets) = batch();
-    m.forward(&tokens, &targets, 2, 6, false, 0);
-    let full = m.logits()[..6 * 12].to_vec();
+    let (tokens, _) = batch();
+    let full = m.forward_logits(&tokens, 2, 6)[..6 * 12].to_vec();
     let mut cache = m.new_cache();
     for (t, &tok) in tokens[..6].iter().enumerate() {
         let lg = m.decode_step(&mut cache, tok);

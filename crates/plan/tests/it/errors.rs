@@ -3,37 +3,76 @@
 use plan::cli::{estimate_cmd, validate_cmd, ClusterArgs, LayoutArgs, ModelArgs};
 
 fn gpt() -> ModelArgs {
-    ModelArgs { model: Some("megatron-7.5b".into()), ..Default::default() }
+    ModelArgs {
+        model: Some("megatron-7.5b".into()),
+        ..Default::default()
+    }
 }
 
 fn cluster(gpu: &str, n: u64) -> ClusterArgs {
-    ClusterArgs { gpu: gpu.into(), gpus: n, ..Default::default() }
+    ClusterArgs {
+        gpu: gpu.into(),
+        gpus: n,
+        ..Default::default()
+    }
 }
 
 #[test]
 fn unknown_gpu_is_named() {
-    let e = estimate_cmd(&gpt(), &cluster("v100-nope", 8), &LayoutArgs { global_batch: 64, ..Default::default() }, false).unwrap_err();
+    let e = estimate_cmd(
+        &gpt(),
+        &cluster("v100-nope", 8),
+        &LayoutArgs {
+            global_batch: 64,
+            ..Default::default()
+        },
+        false,
+    )
+    .unwrap_err();
     assert!(e.0.contains("--gpu") && e.0.contains("v100-nope"), "{e}");
 }
 
 #[test]
 fn tp_not_dividing_heads_is_named() {
-    let l = LayoutArgs { tp: Some(3), global_batch: 64, ..Default::default() };
+    let l = LayoutArgs {
+        tp: Some(3),
+        global_batch: 64,
+        ..Default::default()
+    };
     let e = estimate_cmd(&gpt(), &cluster("a100-80gb", 24), &l, false).unwrap_err();
     assert!(e.0.contains("--tp 3") && e.0.contains("heads 32"), "{e}");
 }
 
 #[test]
 fn degrees_not_multiplying_to_gpus_are_named() {
-    let l = LayoutArgs { tp: Some(4), pp: Some(2), dp: Some(2), cp: Some(1), global_batch: 64, ..Default::default() };
+    let l = LayoutArgs {
+        tp: Some(4),
+        pp: Some(2),
+        dp: Some(2),
+        cp: Some(1),
+        global_batch: 64,
+        ..Default::default()
+    };
     let e = estimate_cmd(&gpt(), &cluster("a100-80gb", 32), &l, false).unwrap_err();
     assert!(e.0.contains("= 16") && e.0.contains("--gpus 32"), "{e}");
 }
 
 #[test]
 fn unknown_model_is_named() {
-    let m = ModelArgs { model: Some("gpt-17".into()), ..Default::default() };
-    let e = estimate_cmd(&m, &cluster("a100-80gb", 8), &LayoutArgs { global_batch: 8, ..Default::default() }, false).unwrap_err();
+    let m = ModelArgs {
+        model: Some("gpt-17".into()),
+        ..Default::default()
+    };
+    let e = estimate_cmd(
+        &m,
+        &cluster("a100-80gb", 8),
+        &LayoutArgs {
+            global_batch: 8,
+            ..Default::default()
+        },
+        false,
+    )
+    .unwrap_err();
     assert!(e.0.contains("gpt-17"), "{e}");
 }
 
@@ -44,10 +83,18 @@ fn bad_table_files_are_named() {
     let dir = std::env::temp_dir().join(format!("plan-err-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let f = dir.join("bad.csv");
-    std::fs::write(&f, "params,heads,hidden,layers,TP,PP,GPUs,global_batch\n1.7,24,2304,24,1,1,32,512\n").unwrap();
+    std::fs::write(
+        &f,
+        "params,heads,hidden,layers,TP,PP,GPUs,global_batch\n1.7,24,2304,24,1,1,32,512\n",
+    )
+    .unwrap();
     let e = validate_cmd(f.to_str().unwrap(), None, false).unwrap_err();
     assert!(e.0.contains("bad.csv") && e.0.contains("tflops_per_gpu"), "{e}");
-    std::fs::write(&f, "params,heads,hidden,layers,TP,PP,GPUs,global_batch,tflops_per_gpu\n1.7,24,2304,x24,1,1,32,512,137\n").unwrap();
+    std::fs::write(
+        &f,
+        "params,heads,hidden,layers,TP,PP,GPUs,global_batch,tflops_per_gpu\n1.7,24,2304,x24,1,1,32,512,137\n",
+    )
+    .unwrap();
     let e = validate_cmd(f.to_str().unwrap(), None, false).unwrap_err();
     assert!(e.0.contains("layers") && e.0.contains("x24"), "{e}");
     std::fs::write(&f, "[{\"params\": 1.7}").unwrap();
@@ -59,7 +106,14 @@ fn bad_table_files_are_named() {
 #[test]
 fn layout_that_does_not_fit_is_reported_not_hidden() {
     // 7.5B on one GPU with no sharding: 120 GB of model state on an 80 GB part.
-    let l = LayoutArgs { tp: Some(1), pp: Some(1), dp: Some(1), zero: Some(0), global_batch: 8, ..Default::default() };
+    let l = LayoutArgs {
+        tp: Some(1),
+        pp: Some(1),
+        dp: Some(1),
+        zero: Some(0),
+        global_batch: 8,
+        ..Default::default()
+    };
     let j = estimate_cmd(&gpt(), &cluster("a100-80gb", 1), &l, true).unwrap();
     let v: serde_json::Value = serde_json::from_str(&j).unwrap();
     assert_eq!(v["fits"], false);

@@ -22,7 +22,10 @@ fn gpt_flops_follow_narayanan() {
 
 #[test]
 fn palm_formula() {
-    assert_eq!(palm_flops_per_token(124e6, 12.0, 768.0, 1024.0), 6.0 * 124e6 + 12.0 * 12.0 * 768.0 * 1024.0);
+    assert_eq!(
+        palm_flops_per_token(124e6, 12.0, 768.0, 1024.0),
+        6.0 * 124e6 + 12.0 * 12.0 * 768.0 * 1024.0
+    );
 }
 
 #[test]
@@ -36,6 +39,7 @@ fn gqa_swiglu_moe_count_only_active_matmuls() {
     assert!((12.5..13.5).contains(&active), "{active}");
     let f = model_flops(&m, 1, s) / s as f64;
     // ~6 N_active per token plus attention.
-    let approx = 6.0 * (active * 1e9 - 2.0 * 32000.0 * 4096.0) + 6.0 * 2.0 * 4096.0 * 32000.0 + 12.0 * 32.0 * 4096.0 * s as f64;
+    let approx =
+        6.0 * (active * 1e9 - 2.0 * 32000.0 * 4096.0) + 6.0 * 2.0 * 4096.0 * 32000.0 + 12.0 * 32.0 * 4096.0 * s as f64;
     assert!((f - approx).abs() / approx < 0.01, "{f} vs {approx}");
 }

@@ -4,7 +4,16 @@
 use plan::cost::{activation_bytes_per_layer, inflight_microbatches, ActConfig, Attention, Recompute, Schedule};
 
 fn cfg(s: f64, b: f64, t: f64, sp: bool, recompute: Recompute) -> ActConfig {
-    ActConfig { s_local: s, s_kv: s, b, t, sp, recompute, attention: Attention::Unfused, e: 2.0 }
+    ActConfig {
+        s_local: s,
+        s_kv: s,
+        b,
+        t,
+        sp,
+        recompute,
+        attention: Attention::Unfused,
+        e: 2.0,
+    }
 }
 
 fn close(a: f64, b: f64) -> bool {
@@ -20,7 +29,15 @@ fn per_layer_activations_match_korthikanti_for_every_table1_configuration() {
             for t in [1.0, r.tp as f64] {
                 let sbh = s * b * h;
                 let cases = [
-                    (false, Recompute::None, if t == 1.0 { sbh * (34.0 + 5.0 * a * s / h) } else { sbh * (10.0 + 24.0 / t + 5.0 * a * s / (h * t)) }),
+                    (
+                        false,
+                        Recompute::None,
+                        if t == 1.0 {
+                            sbh * (34.0 + 5.0 * a * s / h)
+                        } else {
+                            sbh * (10.0 + 24.0 / t + 5.0 * a * s / (h * t))
+                        },
+                    ),
                     (true, Recompute::None, sbh * (34.0 / t + 5.0 * a * s / (h * t))),
                     (false, Recompute::Selective, sbh * (10.0 + 24.0 / t)),
                     (true, Recompute::Selective, sbh * (34.0 / t)),
@@ -31,7 +48,11 @@ fn per_layer_activations_match_korthikanti_for_every_table1_configuration() {
                         continue;
                     }
                     let got = activation_bytes_per_layer(&m, false, &cfg(s, b, t, sp, rc));
-                    assert!(close(got, want), "{} b={b} t={t} sp={sp} {rc:?}: {got} vs {want}", r.name);
+                    assert!(
+                        close(got, want),
+                        "{} b={b} t={t} sp={sp} {rc:?}: {got} vs {want}",
+                        r.name
+                    );
                 }
             }
         }

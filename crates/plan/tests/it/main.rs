@@ -1,5 +1,7 @@
 //! Integration tests of the planner (issue 9). One binary, one module per concern.
 
+mod catalog;
+mod comm;
 mod errors;
 mod flops;
 mod korthikanti;

@@ -24,8 +24,32 @@ fn published_tp_pp_in_top3_or_explained() {
             ..Default::default()
         };
         let res = search(&m, &cl, r.global_batch, 2048, &c).unwrap();
-        let rank = res.plans.iter().position(|e| e.chosen.tp == r.tp && e.chosen.pp == r.pp).expect("published layout fits");
-        println!("{}: published tp{} pp{} ranks {} of {}", r.name, r.tp, r.pp, rank + 1, res.plans.len());
+        let rank = res
+            .plans
+            .iter()
+            .position(|e| e.chosen.tp == r.tp && e.chosen.pp == r.pp)
+            .expect("published layout fits");
+        let top: Vec<String> = res
+            .plans
+            .iter()
+            .take(3)
+            .map(|e| {
+                format!(
+                    "{} {:.1}",
+                    plan::search::mesh_name(&e.chosen),
+                    e.breakdown.hardware_tflops_per_gpu
+                )
+            })
+            .collect();
+        println!(
+            "{}: published tp{} pp{} ranks {} of {} (top 3: {})",
+            r.name,
+            r.tp,
+            r.pp,
+            rank + 1,
+            res.plans.len(),
+            top.join(" | ")
+        );
         if rank < 3 {
             in_top3 += 1;
             continue;
@@ -37,5 +61,8 @@ fn published_tp_pp_in_top3_or_explained() {
         assert!(why.contains("TP communication saves"), "{}: {why}", r.name);
         assert!(res.plans[0].chosen.tp < r.tp, "{}", r.name);
     }
-    assert!(in_top3 >= 7, "only {in_top3} of 10 rows rank the published layout in the top 3");
+    assert!(
+        in_top3 >= 7,
+        "only {in_top3} of 10 rows rank the published layout in the top 3"
+    );
 }

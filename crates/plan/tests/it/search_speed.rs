@@ -3,9 +3,20 @@
 
 #[test]
 fn llama_70b_on_64_h100_searches_fast() {
-    let m = plan::cli::ModelArgs { model: Some("llama3-70b".into()), ..Default::default() };
-    let c = plan::cli::ClusterArgs { gpu: "h100-sxm".into(), gpus: 64, ..Default::default() };
-    let l = plan::cli::LayoutArgs { global_batch: 512, seq: Some(8192), ..Default::default() };
+    let m = plan::cli::ModelArgs {
+        model: Some("llama3-70b".into()),
+        ..Default::default()
+    };
+    let c = plan::cli::ClusterArgs {
+        gpu: "h100-sxm".into(),
+        gpus: 64,
+        ..Default::default()
+    };
+    let l = plan::cli::LayoutArgs {
+        global_batch: 512,
+        seq: Some(8192),
+        ..Default::default()
+    };
     let t0 = std::time::Instant::now();
     let out = plan::cli::search_cmd(&m, &c, &l, 5, false).unwrap();
     let dt = t0.elapsed().as_secs_f64();
@@ -15,7 +26,15 @@ fn llama_70b_on_64_h100_searches_fast() {
     // The JSON estimate has the documented keys.
     let j = plan::cli::estimate_cmd(&m, &c, &l, true).unwrap();
     let v: serde_json::Value = serde_json::from_str(&j).unwrap();
-    for k in ["step_time_s", "model_tflops_per_gpu", "mfu", "memory_bytes_per_gpu", "fits", "breakdown", "chosen"] {
+    for k in [
+        "step_time_s",
+        "model_tflops_per_gpu",
+        "mfu",
+        "memory_bytes_per_gpu",
+        "fits",
+        "breakdown",
+        "chosen",
+    ] {
         assert!(v.get(k).is_some(), "missing {k}");
     }
     assert_eq!(v["fits"], true);
@@ -26,10 +45,25 @@ fn cpu_local_bench_file_is_an_accelerator() {
     let dir = std::env::temp_dir().join(format!("plan-cpu-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let f = dir.join("cpu-local.json");
-    std::fs::write(&f, r#"{"name":"cpu-local","peak_flops_fp32":1.5e11,"mem_bytes":8.0e9,"mem_bw":2.0e10}"#).unwrap();
-    let m = plan::cli::ModelArgs { model: Some("gpt3-125m".into()), ..Default::default() };
-    let c = plan::cli::ClusterArgs { gpu: f.to_string_lossy().into(), gpus: 1, ..Default::default() };
-    let l = plan::cli::LayoutArgs { global_batch: 8, seq: Some(1024), ..Default::default() };
+    std::fs::write(
+        &f,
+        r#"{"name":"cpu-local","peak_flops_fp32":1.5e11,"mem_bytes":8.0e9,"mem_bw":2.0e10}"#,
+    )
+    .unwrap();
+    let m = plan::cli::ModelArgs {
+        model: Some("gpt3-125m".into()),
+        ..Default::default()
+    };
+    let c = plan::cli::ClusterArgs {
+        gpu: f.to_string_lossy().into(),
+        gpus: 1,
+        ..Default::default()
+    };
+    let l = plan::cli::LayoutArgs {
+        global_batch: 8,
+        seq: Some(1024),
+        ..Default::default()
+    };
     let j = plan::cli::estimate_cmd(&m, &c, &l, true).unwrap();
     let v: serde_json::Value = serde_json::from_str(&j).unwrap();
     assert_eq!(v["chosen"]["precision"], "fp32");

@@ -12,7 +12,14 @@ fn table1_mape_within_8_percent_and_every_row_within_15() {
     print!("{}", plan::cli::report_text(&rep));
     for r in &rep.rows {
         assert!(r.fits, "{}: published layout predicted not to fit", r.name);
-        assert!(r.error_pct.abs() <= 15.0, "{}: {:.1}% off (predicted {:.1}, published {:.1})", r.name, r.error_pct, r.predicted_tflops, r.published_tflops);
+        assert!(
+            r.error_pct.abs() <= 15.0,
+            "{}: {:.1}% off (predicted {:.1}, published {:.1})",
+            r.name,
+            r.error_pct,
+            r.predicted_tflops,
+            r.published_tflops
+        );
     }
     assert!(rep.mape_pct <= 8.0, "MAPE {:.2}%", rep.mape_pct);
 }
@@ -31,6 +38,10 @@ fn planner_parameter_count_matches_the_table() {
     // Table 1's "params" column (rounded, e.g. 1.65B printed as 1.7) vs eq. (1) as the planner counts it.
     for r in super::table1_rows() {
         let p = super::gpt_of(&r).params(2048) as f64 / 1e9;
-        assert!((p - r.params_b).abs() / r.params_b < 0.04, "{}: planner counts {p:.2}B", r.name);
+        assert!(
+            (p - r.params_b).abs() / r.params_b < 0.04,
+            "{}: planner counts {p:.2}B",
+            r.name
+        );
     }
 }

@@ -253,3 +253,74 @@ fn attention_is_causal() {
     assert_eq!(o1[..20], o2[..20]);
     assert_ne!(o1[20..], o2[20..]);
 }
+
+#[test]
+fn fused_lm_head_matches_unfused_and_finite_differences() {
+    use tensor::classifier::lm_head_crossentropy;
+    // Vp = 5000 > the 8M-float chunk budget / n? No: force several chunks with many rows.
+    let (n, c, v, vp) = (2100, 6, 3990, 4000);
+    let mut rng = Rng::new(13);
+    let inp = randn(&mut rng, n * c, 1.0);
+    let w = randn(&mut rng, vp * c, 0.5);
+    let targets: Vec<i32> = (0..n).map(|i| if i % 17 == 3 { -100 } else { (i * 7919 % v) as i32 }).collect();
+    let rows = tensor::classifier::chunk_rows(n, vp);
+    assert!(rows < n, "the test must cross chunk boundaries");
+    let mut scratch = vec![0.0; rows * vp];
+    let (mut losses, mut dinp, mut dw) = (vec![0.0; n], vec![0.0; n * c], vec![0.0; vp * c]);
+    let cnt = lm_head_crossentropy(&mut losses, Some((&mut dinp, &mut dw, 0.5)), &inp, &w, &targets, &mut scratch, c, v, vp, -100);
+    // Unfused reference: matmul, cross-entropy forward and backward, matmul backward.
+    let mut logits = vec![0.0; n * vp];
+    matmul_forward(&mut logits, &inp, &w, None, n, c, vp);
+    let (mut l2, mut probs) = (vec![0.0; n], vec![0.0; n * vp]);
+    let cnt2 = crossentropy_forward(&mut l2, &mut probs, &logits, &targets, v, vp, -100);
+    assert_eq!(cnt, cnt2);
+    let mut dlogits = vec![0.0; n * vp];
+    crossentropy_backward(&mut dlogits, &probs, &targets, 0.5, v, vp, -100);
+    let (mut di2, mut dw2) = (vec![0.0; n * c], vec![0.0; vp * c]);
+    matmul_backward(&mut di2, &mut dw2, None, &dlogits, &inp, &w, n, c, vp);
+    let close = |a: &[f32], b: &[f32], what: &str| {
+        for (i, (x, y)) in a.iter().zip(b).enumerate() {
+            assert!((x - y).abs() <= 1e-4 * (1.0 + y.abs()), "{what}[{i}]: {x} vs {y}");
+        }
+    };
+    close(&losses, &l2, "losses");
+    close(&dinp, &di2, "dinp");
+    close(&dw, &dw2, "dweight");
+    // Without gradients: same losses, nothing else touched.
+    let mut l3 = vec![0.0; n];
+    lm_head_crossentropy(&mut l3, None, &inp, &w, &targets, &mut scratch, c, v, vp, -100);
+    assert_eq!(l3, losses);
+}
+
+#[test]
+fn fused_lm_head_gradients() {
+    use tensor::classifier::lm_head_crossentropy;
+    let (n, c, v, vp) = (5, 4, 6, 8);
+    let mut rng = Rng::new(14);
+    let inp = randn(&mut rng, n * c, 1.0);
+    let w = randn(&mut rng, vp * c, 1.0);
+    let targets = [1i32, 5, -100, 0, 3];
+    let mut scratch = vec![0.0; n * vp];
+    let loss = |x: &[f32], w: &[f32]| {
+        let mut l = vec![0.0; n];
+        let mut s = vec![0.0; n * vp];
+        lm_head_crossentropy(&mut l, None, x, w, &targets, &mut s, c, v, vp, -100);
+        l.iter().map(|&a| a as f64).sum::<f64>()
+    };
+    let (mut losses, mut dinp, mut dw) = (vec![0.0; n], vec![0.0; n * c], vec![0.0; vp * c]);
+    lm_head_crossentropy(&mut losses, Some((&mut dinp, &mut dw, 1.0)), &inp, &w, &targets, &mut scratch, c, v, vp, -100);
+    check("lm_head.dinp", &inp, &dinp, |x| loss(x, &w));
+    check("lm_head.dweight", &w, &dw, |x| loss(&inp, x));
+    assert!(dw[v * c..].iter().all(|&g| g == 0.0), "padded rows get no gradient");
+}
+
+#[test]
+fn fast_exp_and_tanh_are_accurate() {
+    for i in -2000..2000 {
+        let x = i as f32 * 0.04;
+        let (e, te) = (tensor::simd::exp(x), x.exp());
+        assert!((e - te).abs() <= 3e-7 * te.max(f32::MIN_POSITIVE), "exp({x}) = {e} vs {te}");
+        let (t, tt) = (tensor::simd::tanh(x), x.tanh());
+        assert!((t - tt).abs() <= 2e-7, "tanh({x}) = {t} vs {tt}");
+    }
+}

@@ -1,3 +1,4 @@
 //! Integration tests for the kernels: one binary, modules per concern.
 mod gradcheck;
 mod kernels;
+mod flash;

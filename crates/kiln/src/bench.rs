@@ -1,0 +1,154 @@
+//! `kiln bench`: timed training steps of a preset or config on synthetic tokens, and
+//! `kiln bench --peak`, this machine's fp32 matmul peak through the same gemm kernels.
+//! Prints JSON so scripts (bench/compare.py) can compare runs.
+
+use crate::config::{self, padded_vocab, Raw, RunConfig};
+use crate::error::{user, Result};
+use crate::presets;
+use crate::step::{train_step, Optimizer};
+use model::Gpt;
+use serde_json::json;
+use std::path::PathBuf;
+use std::time::Instant;
+use tensor::matmul::{gemm, Threads, View};
+use tensor::Rng;
+
+pub struct BenchArgs {
+    pub preset: Option<String>,
+    pub config: Option<PathBuf>,
+    pub set: Vec<String>,
+    pub steps: usize,
+    pub warmup: usize,
+    pub breakdown: bool,
+}
+
+/// Peak resident set size of this process (Linux `VmHWM`), in bytes.
+pub fn peak_rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok()))
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// Best-of-`reps` FLOP/s of an `m × k · k × n` product (B·T × C · C × OC, as in a Linear).
+fn product_flops(m: usize, n: usize, k: usize, reps: usize) -> f64 {
+    let a: Vec<f32> = (0..m * k).map(|i| ((i % 7) as f32 - 3.0) * 0.01).collect();
+    let b: Vec<f32> = (0..n * k).map(|i| ((i % 5) as f32 - 2.0) * 0.01).collect();
+    let mut c = vec![0.0f32; m * n];
+    let mut best = f64::INFINITY;
+    for _ in 0..reps {
+        let t0 = Instant::now();
+        // The Linear layout: weights [OC, C] read transposed through strides.
+        gemm(&mut c, false, View::rows(&a, m, k), View::rows(&b, n, k).t(), 1.0, Threads::All);
+        best = best.min(t0.elapsed().as_secs_f64());
+    }
+    std::hint::black_box(&c);
+    2.0 * (m * n * k) as f64 / best
+}
+
+/// `kiln bench --peak`: large square and transformer-shaped products on all threads.
+pub fn peak() -> serde_json::Value {
+    let shapes: &[(&str, usize, usize, usize)] = &[
+        ("square 2048", 2048, 2048, 2048),
+        ("square 1024", 1024, 1024, 1024),
+        ("gpt2 qkv B4T256", 1024, 2304, 768),
+        ("gpt2 mlp up B4T256", 1024, 3072, 768),
+        ("gpt2 mlp down B4T256", 1024, 768, 3072),
+        ("gpt2 lm head B4T256", 1024, 50304, 768),
+    ];
+    let mut rows = Vec::new();
+    let mut best = 0.0f64;
+    for &(name, m, n, k) in shapes {
+        let f = product_flops(m, n, k, if m * n * k > 1 << 31 { 3 } else { 6 });
+        best = best.max(f);
+        rows.push(json!({"shape": name, "m": m, "n": n, "k": k, "gflops": f / 1e9}));
+    }
+    json!({"peak_gflops": best / 1e9, "threads": rayon::current_num_threads(), "products": rows})
+}
+
+/// The tokenizer vocabulary a bench config implies without reading data.
+fn bench_vocab(cfg: &RunConfig) -> Result<usize> {
+    if cfg.model.vocab_size > 0 {
+        return Ok(cfg.model.vocab_size);
+    }
+    match cfg.data.tokenizer.as_str() {
+        "byte" => Ok(256),
+        "gpt2" => Ok(50257),
+        other => user(format!("bench: data.tokenizer `{other}` needs data to size its vocabulary: set model.vocab_size")),
+    }
+}
+
+pub fn bench(args: &BenchArgs) -> Result<serde_json::Value> {
+    let name = args.preset.clone().unwrap_or_else(|| "tiny".into());
+    let mut raw: Raw = presets::preset(&name)?.to_raw();
+    if let Some(p) = &args.config {
+        config::apply_file(&mut raw, p)?;
+    }
+    for kv in &args.set {
+        config::apply_set(&mut raw, kv)?;
+    }
+    let cfg = RunConfig::resolve(&raw)?;
+    if args.steps == 0 {
+        return user("bench: --steps must be positive");
+    }
+    let real_vocab = bench_vocab(&cfg)?;
+    let gcfg = cfg.gpt_config(real_vocab);
+    let vp = if cfg.model.vocab_size > 0 { gcfg.vocab_size } else { padded_vocab(real_vocab) };
+    let gcfg = model::GptConfig { vocab_size: vp, ..gcfg };
+    let (t, mb) = (cfg.model.block_size, cfg.micro_batch());
+    let peak = tensor::matmul::measure_peak_flops(1024, 3);
+
+    let mut model = Gpt::new(gcfg, real_vocab.min(vp), cfg.train.seed);
+    let mut opt = Optimizer::new(&model.layout);
+    let mut rng = Rng::new(cfg.train.seed);
+    let (mut x, mut y) = (vec![0u32; mb * t], vec![0i32; mb * t]);
+    let mut times = Vec::new();
+    for s in 0..args.warmup + args.steps {
+        if s == args.warmup {
+            tensor::profile::enable(args.breakdown);
+            let _ = tensor::profile::take();
+        }
+        let t0 = Instant::now();
+        train_step(&mut model, &mut opt, &cfg, s as u64, &mut x, &mut y, |_, x, y| {
+            for (xi, yi) in x.iter_mut().zip(y.iter_mut()) {
+                *xi = rng.below(real_vocab as u64) as u32;
+                *yi = rng.below(real_vocab as u64) as i32;
+            }
+        });
+        if s >= args.warmup {
+            times.push(t0.elapsed().as_secs_f64());
+        }
+    }
+    tensor::profile::enable(false);
+    let mut sorted = times.clone();
+    sorted.sort_by(f64::total_cmp);
+    let median = sorted[sorted.len() / 2];
+    let tokens = (cfg.train.batch_size * t) as f64;
+    let n_no_pos = model.layout.count_without("transformer.wpe.weight") as f64;
+    // PaLM (Chowdhery et al. 2022), appendix B.
+    let flops = (6.0 * n_no_pos + 12.0 * (cfg.model.n_layer * cfg.model.n_embd * t) as f64) * tokens;
+    let mut out = json!({
+        "preset": name,
+        "threads": rayon::current_num_threads(),
+        "steps": args.steps,
+        "tokens_per_step": tokens,
+        "step_ms": {"min": sorted[0] * 1e3, "median": median * 1e3, "max": sorted[sorted.len() - 1] * 1e3},
+        "tokens_per_sec": tokens / median,
+        "model_flops_per_step": flops,
+        "achieved_gflops": flops / median / 1e9,
+        "peak_gflops": peak / 1e9,
+        "mfu": flops / median / peak,
+        "peak_rss_bytes": peak_rss_bytes(),
+        "parameters": model.num_params(),
+        "config": {"model": serde_json::to_value(&cfg.model).unwrap(), "train": {"batch_size": cfg.train.batch_size, "grad_accum": cfg.train.grad_accum}, "vocab_size": vp},
+    });
+    if args.breakdown {
+        let steps = args.steps as f64;
+        let rows: Vec<serde_json::Value> = tensor::profile::take()
+            .into_iter()
+            .map(|(n, s, c)| json!({"op": n, "ms_per_step": s / steps * 1e3, "share": s / steps / median, "calls_per_step": c as f64 / steps}))
+            .collect();
+        out["breakdown"] = serde_json::Value::Array(rows);
+    }
+    Ok(out)
+}

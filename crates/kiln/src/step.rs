@@ -1,0 +1,79 @@
+//! One optimizer step, shared by `kiln train` and `kiln bench`: micro-batch forward/backward
+//! with gradient accumulation, global-norm clipping, and AdamW over the flat buffers.
+
+use crate::config::RunConfig;
+use model::{Gpt, Pass};
+use std::ops::Range;
+use tensor::rng::mix64;
+use tensor::{adamw_update, scale_in_place, sum_squares, AdamW};
+
+/// AdamW state: the two moments in the parameter layout, and the layout's contiguous ranges
+/// grouped by whether weight decay applies (one update call per range).
+pub struct Optimizer {
+    pub m: Vec<f32>,
+    pub v: Vec<f32>,
+    segs: Vec<(Range<usize>, bool)>,
+}
+
+impl Optimizer {
+    pub fn new(layout: &model::ParamLayout) -> Optimizer {
+        let mut segs: Vec<(Range<usize>, bool)> = Vec::new();
+        for p in &layout.params {
+            match segs.last_mut() {
+                Some((r, d)) if *d == p.decay && r.end == p.offset => r.end = p.offset + p.len(),
+                _ => segs.push((p.range(), p.decay)),
+            }
+        }
+        Optimizer { m: vec![0.0; layout.total], v: vec![0.0; layout.total], segs }
+    }
+
+    /// Applies one AdamW update with learning rate `lr` as step number `t` (1-based).
+    pub fn update(&mut self, model: &mut Gpt, cfg: &RunConfig, lr: f64, t: u64) {
+        let tc = &cfg.train;
+        for (r, decay) in &self.segs {
+            let h = AdamW {
+                lr: lr as f32,
+                beta1: tc.beta1 as f32,
+                beta2: tc.beta2 as f32,
+                eps: tc.eps as f32,
+                weight_decay: if *decay { tc.weight_decay as f32 } else { 0.0 },
+                t,
+            };
+            adamw_update(&mut model.params[r.clone()], &model.grads[r.clone()], &mut self.m[r.clone()], &mut self.v[r.clone()], &h);
+        }
+    }
+}
+
+/// The dropout seed of micro-batch `micro` of step `step`.
+pub fn dropout_seed(seed: u64, step: u64, micro: usize) -> u64 {
+    mix64(seed ^ mix64(step.wrapping_mul(1 << 16) + micro as u64))
+}
+
+/// Runs optimizer step `step` (0-based): for each micro-batch, `fill(micro, x, y)` writes its
+/// tokens and targets, then forward and backward accumulate gradients scaled by 1/grad_accum;
+/// then clipping and the AdamW update. Returns (mean loss, gradient norm before clipping).
+pub fn train_step(
+    model: &mut Gpt,
+    opt: &mut Optimizer,
+    cfg: &RunConfig,
+    step: u64,
+    x: &mut [u32],
+    y: &mut [i32],
+    mut fill: impl FnMut(usize, &mut [u32], &mut [i32]),
+) -> (f32, f64) {
+    let (mb, t, accum) = (cfg.micro_batch(), cfg.model.block_size, cfg.train.grad_accum);
+    model.zero_grad();
+    let mut loss_sum = 0.0f64;
+    for micro in 0..accum {
+        fill(micro, x, y);
+        let pass = Pass::Train { dropout_seed: dropout_seed(cfg.train.seed, step, micro), loss_scale: 1.0 / accum as f32 };
+        loss_sum += model.forward(x, y, mb, t, pass) as f64;
+        model.backward();
+    }
+    let grad_norm = sum_squares(&model.grads).sqrt();
+    if cfg.train.grad_clip > 0.0 && grad_norm > cfg.train.grad_clip {
+        scale_in_place(&mut model.grads, (cfg.train.grad_clip / (grad_norm + 1e-6)) as f32);
+    }
+    opt.update(model, cfg, cfg.lr_at(step), step + 1);
+    ((loss_sum / accum as f64) as f32, grad_norm)
+}

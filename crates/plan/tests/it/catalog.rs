@@ -1,0 +1,78 @@
+//! Every catalogue entry resolves, and every accelerator can plan a model (smoke test of the data files).
+
+use plan::cli::{estimate_cmd, ClusterArgs, LayoutArgs, ModelArgs};
+use plan::hardware::HardwareCatalog;
+use plan::models::builtin_models;
+
+#[test]
+fn every_model_and_accelerator_plans() {
+    let models = builtin_models();
+    assert!(models.len() >= 25);
+    for m in &models {
+        assert!(m.params(m.seq) > 0, "{}", m.name);
+    }
+    for a in HardwareCatalog::builtin().accelerators {
+        let m = ModelArgs {
+            model: Some("llama2-7b".into()),
+            ..Default::default()
+        };
+        let c = ClusterArgs {
+            gpu: a.name.clone(),
+            gpus: 16,
+            ..Default::default()
+        };
+        let l = LayoutArgs {
+            global_batch: 64,
+            ..Default::default()
+        };
+        let j = estimate_cmd(&m, &c, &l, true).unwrap_or_else(|e| panic!("{}: {e}", a.name));
+        let v: serde_json::Value = serde_json::from_str(&j).unwrap();
+        let mfu = v["mfu"].as_f64().unwrap();
+        assert!(mfu > 0.2 && mfu < 0.75, "{}: MFU {mfu}", a.name);
+        assert_eq!(v["fits"], true, "{}", a.name);
+    }
+}
+
+#[test]
+fn user_hardware_file_extends_the_catalogue() {
+    let dir = std::env::temp_dir().join(format!("plan-hw-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let f = dir.join("hw.json");
+    let mut a = HardwareCatalog::builtin().accelerator("h100-sxm").unwrap();
+    a.name = "h100-pcie-ish".into();
+    a.node.intra = "pcie5".into();
+    let cat = HardwareCatalog {
+        accelerators: vec![a],
+        links: vec![],
+    };
+    std::fs::write(&f, serde_json::to_string(&cat).unwrap()).unwrap();
+    let m = ModelArgs {
+        model: Some("llama2-13b".into()),
+        ..Default::default()
+    };
+    let l = LayoutArgs {
+        global_batch: 64,
+        tp: Some(8),
+        ..Default::default()
+    };
+    let fast = ClusterArgs {
+        gpu: "h100-sxm".into(),
+        gpus: 8,
+        ..Default::default()
+    };
+    let slow = ClusterArgs {
+        gpu: "h100-pcie-ish".into(),
+        gpus: 8,
+        hardware_file: Some(f.to_string_lossy().into()),
+        ..Default::default()
+    };
+    let t = |c: &ClusterArgs| {
+        let v: serde_json::Value = serde_json::from_str(&estimate_cmd(&m, c, &l, true).unwrap()).unwrap();
+        v["step_time_s"].as_f64().unwrap()
+    };
+    assert!(
+        t(&slow) > 1.2 * t(&fast),
+        "8-way TP over PCIe must be slower than over NVLink"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -1,0 +1,113 @@
+//! The language-model head fused with softmax cross-entropy, over chunks of rows, so the full
+//! `[N, Vp]` logits (and their gradient) are never held at once: only one `[R, Vp]` chunk.
+//!
+//! For each chunk of `R` rows: `logits = inp · weightᵀ` (gemm), a row softmax over the first
+//! `V` columns, the loss at the target, and — when gradients are wanted — the logit gradient
+//! `dloss·(p − onehot)` in place, then `dinp = dlogits · weight` and
+//! `dweight += dlogitsᵀ · inp`. Forward and backward are one kernel here because the logits'
+//! gradient needs nothing but the logits themselves: keeping them until a separate backward
+//! would mean holding all of them, which is what this kernel exists to avoid.
+
+use crate::matmul::{gemm, Threads, View};
+use crate::simd;
+use rayon::prelude::*;
+
+/// Rows per chunk: as many as fit in about 8M floats (32 MB) of logits, at least one.
+pub fn chunk_rows(n: usize, vp: usize) -> usize {
+    ((8 << 20) / vp.max(1)).clamp(1, n.max(1))
+}
+
+/// Writes `losses[N]` (0 at ignored rows) and returns the number of counted rows. With
+/// `grads = Some((dinp, dweight, dloss))`, also overwrites `dinp[N, C]` with the input gradient
+/// and accumulates `dweight[Vp, C]`, where `dloss` is the weight of each counted row's loss
+/// (`loss_scale / count` for a mean). `scratch` holds one chunk of logits: at least
+/// `chunk_rows(N, Vp) · Vp` floats.
+#[allow(clippy::too_many_arguments)]
+pub fn lm_head_crossentropy(
+    losses: &mut [f32],                                  // [N]
+    grads: Option<(&mut [f32], &mut [f32], f32)>,        // dinp [N, C], dweight [Vp, C], dloss
+    inp: &[f32],                                         // [N, C]
+    weight: &[f32],                                      // [Vp, C]
+    targets: &[i32],                                     // [N]
+    scratch: &mut [f32],                                 // [R, Vp]
+    c: usize,
+    v: usize,
+    vp: usize,
+    ignore_index: i32,
+) -> usize {
+    let _p = crate::profile::scope("lm_head_crossentropy");
+    let n = targets.len();
+    assert_eq!(inp.len(), n * c);
+    assert_eq!(weight.len(), vp * c);
+    let r = chunk_rows(n, vp);
+    assert!(scratch.len() >= r * vp, "scratch too small");
+    let mut grads = grads;
+    for r0 in (0..n).step_by(r) {
+        let rows = r.min(n - r0);
+        let lg = &mut scratch[..rows * vp];
+        let x = &inp[r0 * c..(r0 + rows) * c];
+        gemm(lg, false, View::rows(x, rows, c), View::rows(weight, vp, c).t(), 1.0, Threads::All);
+        let dloss = grads.as_ref().map(|g| g.2);
+        let tg = &targets[r0..r0 + rows];
+        lg.par_chunks_mut(vp).zip(losses[r0..r0 + rows].par_iter_mut()).zip(tg.par_iter()).for_each(|((row, loss), &tgt)| {
+            softmax_row(row, v);
+            if tgt == ignore_index {
+                *loss = 0.0;
+                row.fill(0.0);
+                return;
+            }
+            assert!((tgt as usize) < v, "target {tgt} out of vocabulary {v}");
+            *loss = -(row[tgt as usize].max(f32::MIN_POSITIVE)).ln();
+            if let Some(d) = dloss {
+                for p in row[..v].iter_mut() {
+                    *p *= d;
+                }
+                row[tgt as usize] -= d;
+            }
+        });
+        if let Some((dinp, dweight, _)) = grads.as_mut() {
+            let dl = View::rows(lg, rows, vp);
+            gemm(&mut dinp[r0 * c..(r0 + rows) * c], false, dl, View::rows(weight, vp, c), 1.0, Threads::All);
+            gemm(dweight, true, dl.t(), View::rows(x, rows, c), 1.0, Threads::All);
+        }
+    }
+    targets.iter().filter(|&&t| t != ignore_index).count()
+}
+
+/// In-place softmax over the first `v` entries of `row`; the rest (padding) become 0.
+fn softmax_row(row: &mut [f32], v: usize) {
+    let max = row[..v].iter().fold(f32::NEG_INFINITY, |m, &a| m.max(a));
+    let sum = exp_sub_sum(&mut row[..v], max);
+    let inv = 1.0 / sum;
+    for p in row[..v].iter_mut() {
+        *p *= inv;
+    }
+    row[v..].fill(0.0);
+}
+
+crate::multiversion! {
+    /// `x = exp(x - max)` in place; returns the sum.
+    fn exp_sub_sum_into(x: &mut [f32], max: f32, out: &mut f32) {
+        // Eight running sums (a fixed order, so still deterministic) let the loop vectorise.
+        let mut acc = [0.0f32; 8];
+        let mut chunks = x.chunks_exact_mut(8);
+        for ch in &mut chunks {
+            for (a, s) in ch.iter_mut().zip(acc.iter_mut()) {
+                *a = simd::exp(*a - max);
+                *s += *a;
+            }
+        }
+        let mut tail = 0.0f32;
+        for a in chunks.into_remainder() {
+            *a = simd::exp(*a - max);
+            tail += *a;
+        }
+        *out = acc.iter().sum::<f32>() + tail;
+    }
+}
+
+fn exp_sub_sum(x: &mut [f32], max: f32) -> f32 {
+    let mut s = 0.0;
+    exp_sub_sum_into(x, max, &mut s);
+    s
+}

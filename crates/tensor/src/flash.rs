@@ -1,0 +1,610 @@
+//! FlashAttention-2-style causal multi-head self-attention (Dao 2023, "FlashAttention-2:
+//! Faster Attention with Better Parallelism and Work Partitioning", Algorithms 1 and 2), fp32
+//! on the CPU, over the same fused `qkv[B, T, 3C]` layout as [`crate::attention`].
+//!
+//! No `T×T` matrix exists anywhere: forward walks key tiles with an online softmax and saves
+//! only the per-row log-sum-exp `lse[B, NH, T]`; backward recomputes each score tile from
+//! `q`, `k` and `lse`. Tiles entirely above the causal diagonal are skipped, only tiles that
+//! cross it are masked. Every tile product runs through gemm single-threaded inside a rayon
+//! task, so the pool never oversubscribes. Scratch is a few `TILE_Q × TILE_K` blocks per task;
+//! the only buffer that grows with `T` is backward's `D[B, NH, T]`.
+//!
+//! Attention-probability dropout uses exactly the reference kernel's counter-based mask:
+//! element `(b·NH + h, i, j)` is kept iff `dropout_keep(seed, ((b·NH + h)·T + i)·T + j, p)`,
+//! scaled by `1/(1-p)`, so this kernel and [`crate::attention`] agree with dropout on.
+//!
+//! Determinism: every output element is produced in one task, with contributions added in a
+//! fixed order (ascending key tile for `out` and `dq`, ascending query tile for `dk`, `dv`)
+//! that depends on neither the thread count nor the backward schedule.
+
+use crate::attention::AttnDims;
+use crate::matmul::{gemm_raw, Threads, View};
+use crate::ops::dropout_keep;
+use crate::par::SyncPtr;
+use rayon::prelude::*;
+
+/// Query rows per tile (chosen by measurement, see `benches/flash.rs`).
+pub const TILE_Q: usize = 64;
+/// Key columns per tile.
+pub const TILE_K: usize = 64;
+
+/// Tile sizes, for benchmarks and tests; the public kernels use [`TILE_Q`] × [`TILE_K`].
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tiles {
+    pub br: usize,
+    pub bc: usize,
+}
+
+impl Default for Tiles {
+    fn default() -> Tiles {
+        Tiles { br: TILE_Q, bc: TILE_K }
+    }
+}
+
+/// How backward is split into tasks. Both schedules give bit-identical results.
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Schedule {
+    /// `PerHead` when the (batch, head) tasks fill the pool evenly, else `TwoPass`.
+    Auto,
+    /// One task per (batch, head): key tiles outer, query tiles inner; `dq`, `dk` and `dv` all
+    /// accumulated in that task. Least work (every score tile is computed once).
+    PerHead,
+    /// FA-2's split: one task per (batch, head, key tile) for `dk`, `dv`, then one per
+    /// (batch, head, query tile) for `dq`, recomputing the tiles. More tasks, more work.
+    TwoPass,
+}
+
+/// Causal attention, FlashAttention-2 forward: `out[b,t,h·HS..] = Σ_j dropout(softmax_j(q·kᵀ/√HS))·v_j`
+/// and `lse[b,h,t] = ln Σ_{j≤t} exp(q_t·k_j/√HS)`. Overwrites `out` and `lse`.
+pub fn flash_attention_forward(
+    out: &mut [f32],   // [B, T, C]
+    lse: &mut [f32],   // [B, NH, T]  log-sum-exp of each row's scaled scores
+    qkv: &[f32],       // [B, T, 3C]  q, k, v; head h at columns h·HS..
+    dims: &AttnDims,
+    dropout: f32,
+    seed: u64,
+) {
+    flash_attention_forward_tiled(out, lse, qkv, dims, dropout, seed, Tiles::default());
+}
+
+/// Backward of [`flash_attention_forward`], FlashAttention-2 style. Accumulates into `dqkv`.
+/// `out` and `lse` are the forward's outputs.
+pub fn flash_attention_backward(
+    dqkv: &mut [f32],  // [B, T, 3C]
+    dout: &[f32],      // [B, T, C]
+    qkv: &[f32],       // [B, T, 3C]
+    out: &[f32],       // [B, T, C]
+    lse: &[f32],       // [B, NH, T]
+    dims: &AttnDims,
+    dropout: f32,
+    seed: u64,
+) {
+    flash_attention_backward_with(dqkv, dout, qkv, out, lse, dims, dropout, seed, Tiles::default(), Schedule::Auto);
+}
+
+fn check_dims(dims: &AttnDims, tiles: Tiles, dropout: f32) -> usize {
+    assert!(dims.nh > 0 && dims.c % dims.nh == 0, "C must be a multiple of NH");
+    assert!(tiles.br > 0 && tiles.bc > 0, "tile sizes must be positive");
+    assert!((0.0..1.0).contains(&dropout), "dropout p must be in [0, 1)");
+    dims.c / dims.nh
+}
+
+/// Number of valid (causal) key columns of query row `gi` in a key tile starting at `j0`.
+#[inline]
+fn valid_cols(gi: usize, j0: usize, ncols: usize) -> usize {
+    if gi >= j0 { (gi - j0 + 1).min(ncols) } else { 0 }
+}
+
+/// Writes `mk[jj] = keep ? 1/(1-p) : 0` for the first `n` columns of row `gi`, starting at `j0`.
+#[inline]
+fn dropout_row(mk: &mut [f32], bh: usize, t: usize, gi: usize, j0: usize, n: usize, p: f32, seed: u64) {
+    let sc = 1.0 / (1.0 - p);
+    let base = ((bh * t + gi) * t + j0) as u64;
+    for (jj, m) in mk[..n].iter_mut().enumerate() {
+        *m = if dropout_keep(seed, base + jj as u64, p) { sc } else { 0.0 };
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forward
+
+struct FwdScratch {
+    s: Vec<f32>,     // [br, bc]  scores, then (dropped) unnormalised probabilities
+    o: Vec<f32>,     // [br, HS]  unnormalised output accumulator
+    m: Vec<f32>,     // [br]      running row max
+    l: Vec<f32>,     // [br]      running row sum
+    alpha: Vec<f32>, // [br]      per-tile rescale factor
+    mk: Vec<f32>,    // [bc]      dropout keep-scale of one row
+}
+
+#[doc(hidden)]
+pub fn flash_attention_forward_tiled(
+    out: &mut [f32],   // [B, T, C]
+    lse: &mut [f32],   // [B, NH, T]
+    qkv: &[f32],       // [B, T, 3C]
+    dims: &AttnDims,
+    dropout: f32,
+    seed: u64,
+    tiles: Tiles,
+) {
+    let AttnDims { b, t, c, nh } = *dims;
+    let hs = check_dims(dims, tiles, dropout);
+    assert_eq!(out.len(), b * t * c);
+    assert_eq!(lse.len(), b * nh * t);
+    assert_eq!(qkv.len(), b * t * 3 * c);
+    let Tiles { br, bc } = tiles;
+    let ntq = t.div_ceil(br);
+    let scale = 1.0 / (hs as f32).sqrt();
+    let outp = SyncPtr(out.as_mut_ptr());
+    let lsep = SyncPtr(lse.as_mut_ptr());
+    let init = || FwdScratch {
+        s: vec![0.0; br * bc],
+        o: vec![0.0; br * hs],
+        m: vec![0.0; br],
+        l: vec![0.0; br],
+        alpha: vec![0.0; br],
+        mk: vec![0.0; bc],
+    };
+    (0..b * nh * ntq).into_par_iter().for_each_init(init, |sc, task| {
+        let (outp, lsep) = (outp, lsep);
+        // Within each head, the longest query tiles (most key tiles) first.
+        let (bh, it) = (task / ntq, ntq - 1 - task % ntq);
+        let (bi, h) = (bh / nh, bh % nh);
+        let base = bi * t * 3 * c;
+        let i0 = it * br;
+        let rows = br.min(t - i0);
+        let q = View { data: qkv, off: base + i0 * 3 * c + h * hs, rows, cols: hs, rs: 3 * c, cs: 1 };
+        let FwdScratch { s, o, m, l, alpha, mk } = sc;
+        o[..rows * hs].fill(0.0);
+        m[..rows].fill(f32::NEG_INFINITY);
+        l[..rows].fill(0.0);
+        let mut j0 = 0;
+        while j0 < i0 + rows {
+            // Key columns past the tile's last query row are all masked: trim them.
+            let ncols = bc.min(i0 + rows - j0);
+            let k = View { data: qkv, off: base + j0 * 3 * c + c + h * hs, rows: ncols, cols: hs, rs: 3 * c, cs: 1 };
+            let v = View { off: base + j0 * 3 * c + 2 * c + h * hs, ..k };
+            // S = q·kᵀ·scale   [rows, ncols], row stride bc
+            unsafe { gemm_raw(s.as_mut_ptr(), bc, false, q, k.t(), scale, Threads::One) };
+            online_softmax_tile(s, bc, rows, ncols, i0, j0, m, l, alpha);
+            for r in 0..rows {
+                if alpha[r] != 1.0 {
+                    let a = alpha[r];
+                    o[r * hs..(r + 1) * hs].iter_mut().for_each(|x| *x *= a);
+                }
+            }
+            if dropout > 0.0 {
+                for r in 0..rows {
+                    let vr = valid_cols(i0 + r, j0, ncols);
+                    dropout_row(mk, bh, t, i0 + r, j0, vr, dropout, seed);
+                    mul_into(&mut s[r * bc..r * bc + vr], &mk[..vr]);
+                }
+            }
+            let p = View { data: s, off: 0, rows, cols: ncols, rs: bc, cs: 1 };
+            // o += P·v   [rows, HS]
+            unsafe { gemm_raw(o.as_mut_ptr(), hs, true, p, v, 1.0, Threads::One) };
+            j0 += bc;
+        }
+        for r in 0..rows {
+            let gi = i0 + r;
+            let inv = 1.0 / l[r];
+            // Safety: task (bh, it) alone writes rows i0..i0+rows of batch bi, columns of head h
+            // of `out`, and lse[bh, i0..i0+rows].
+            unsafe {
+                let dst = std::slice::from_raw_parts_mut(outp.0.add(bi * t * c + gi * c + h * hs), hs);
+                for (d, x) in dst.iter_mut().zip(&o[r * hs..(r + 1) * hs]) {
+                    *d = x * inv;
+                }
+                *lsep.0.add(bh * t + gi) = m[r] + l[r].ln();
+            }
+        }
+    });
+}
+
+/// One online-softmax step over a score tile: for each row, new max, `s ← exp(s − m_new)` on the
+/// causal part (0 elsewhere), `l ← l·α + Σ s` with `α = exp(m_old − m_new)`.
+#[allow(clippy::too_many_arguments)]
+fn online_softmax_tile(
+    s: &mut [f32], bc: usize, rows: usize, ncols: usize, i0: usize, j0: usize,
+    m: &mut [f32], l: &mut [f32], alpha: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx2") {
+            // Safety: the CPU supports AVX2.
+            return unsafe { online_softmax_tile_avx2(s, bc, rows, ncols, i0, j0, m, l, alpha) };
+        }
+    }
+    online_softmax_tile_body(s, bc, rows, ncols, i0, j0, m, l, alpha)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn online_softmax_tile_avx2(
+    s: &mut [f32], bc: usize, rows: usize, ncols: usize, i0: usize, j0: usize,
+    m: &mut [f32], l: &mut [f32], alpha: &mut [f32],
+) {
+    online_softmax_tile_body(s, bc, rows, ncols, i0, j0, m, l, alpha)
+}
+
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn online_softmax_tile_body(
+    s: &mut [f32], bc: usize, rows: usize, ncols: usize, i0: usize, j0: usize,
+    m: &mut [f32], l: &mut [f32], alpha: &mut [f32],
+) {
+    for r in 0..rows {
+        let vr = valid_cols(i0 + r, j0, ncols);
+        let row = &mut s[r * bc..r * bc + ncols];
+        if vr == 0 {
+            row.fill(0.0);
+            alpha[r] = 1.0;
+            continue;
+        }
+        let m_new = m[r].max(row_max(&row[..vr]));
+        let a = if m[r] == f32::NEG_INFINITY { 0.0 } else { (m[r] - m_new).exp() };
+        let sum = exp_sub_sum(&mut row[..vr], m_new);
+        row[vr..].fill(0.0);
+        l[r] = l[r] * a + sum;
+        m[r] = m_new;
+        alpha[r] = a;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward
+
+struct BwdScratch {
+    p: Vec<f32>,  // [br, bc]  P = exp(S − lse), causal part
+    pd: Vec<f32>, // [br, bc]  dropped, rescaled P (only with dropout)
+    ds: Vec<f32>, // [br, bc]  dO·vᵀ, then dS = P ∘ (dP − D)
+    mk: Vec<f32>, // [bc]      dropout keep-scale of one row
+}
+
+struct Ctx<'a> {
+    qkv: &'a [f32],
+    dout: &'a [f32],
+    lse: &'a [f32],
+    d: &'a [f32],
+    dqkv: SyncPtr,
+    t: usize,
+    c: usize,
+    nh: usize,
+    hs: usize,
+    br: usize,
+    bc: usize,
+    scale: f32,
+    dropout: f32,
+    seed: u64,
+}
+
+#[doc(hidden)]
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attention_backward_with(
+    dqkv: &mut [f32],  // [B, T, 3C]
+    dout: &[f32],      // [B, T, C]
+    qkv: &[f32],       // [B, T, 3C]
+    out: &[f32],       // [B, T, C]
+    lse: &[f32],       // [B, NH, T]
+    dims: &AttnDims,
+    dropout: f32,
+    seed: u64,
+    tiles: Tiles,
+    schedule: Schedule,
+) {
+    let AttnDims { b, t, c, nh } = *dims;
+    let hs = check_dims(dims, tiles, dropout);
+    assert_eq!(dqkv.len(), b * t * 3 * c);
+    assert_eq!(dout.len(), b * t * c);
+    assert_eq!(qkv.len(), b * t * 3 * c);
+    assert_eq!(out.len(), b * t * c);
+    assert_eq!(lse.len(), b * nh * t);
+    if b * nh * t == 0 {
+        return;
+    }
+    let Tiles { br, bc } = tiles;
+    // D[bh, i] = dO_i · O_i  (FA-2: equals Σ_j P_ij·dP_ij, with dropout too)
+    let mut d = vec![0.0f32; b * nh * t];
+    d.par_chunks_mut(t).enumerate().for_each(|(bh, d)| {
+        let (bi, h) = (bh / nh, bh % nh);
+        for (i, di) in d.iter_mut().enumerate() {
+            let o = bi * t * c + i * c + h * hs;
+            *di = dot(&dout[o..o + hs], &out[o..o + hs]);
+        }
+    });
+    let ctx = Ctx {
+        qkv, dout, lse, d: &d, dqkv: SyncPtr(dqkv.as_mut_ptr()),
+        t, c, nh, hs, br, bc, scale: 1.0 / (hs as f32).sqrt(), dropout, seed,
+    };
+    let (ntq, ntk) = (t.div_ceil(br), t.div_ceil(bc));
+    let per_head = match schedule {
+        Schedule::PerHead => true,
+        Schedule::TwoPass => false,
+        Schedule::Auto => {
+            let (n, th) = (b * nh, rayon::current_num_threads());
+            n % th == 0 || n >= 4 * th
+        }
+    };
+    let init = || BwdScratch {
+        p: vec![0.0; br * bc],
+        pd: vec![0.0; if dropout > 0.0 { br * bc } else { 0 }],
+        ds: vec![0.0; br * bc],
+        mk: vec![0.0; bc],
+    };
+    if per_head {
+        (0..b * nh).into_par_iter().for_each_init(init, |sc, bh| {
+            for jt in 0..ntk {
+                key_tile(&ctx, sc, bh, jt, true);
+            }
+        });
+    } else {
+        // Longest key tiles (most query tiles) first: natural order.
+        (0..b * nh * ntk).into_par_iter().for_each_init(init, |sc, task| {
+            key_tile(&ctx, sc, task / ntk, task % ntk, false);
+        });
+        (0..b * nh * ntq).into_par_iter().for_each_init(init, |sc, task| {
+            query_tile(&ctx, sc, task / ntq, ntq - 1 - task % ntq);
+        });
+    }
+}
+
+/// `dk_j += Σ_i dSᵀ·q_i·scale`, `dv_j += Σ_i Pdᵀ·dO_i` over query tiles `i` in ascending order
+/// (and `dq_i += dS·k_j·scale` when `with_dq`).
+fn key_tile(x: &Ctx, sc: &mut BwdScratch, bh: usize, jt: usize, with_dq: bool) {
+    let (t, c, hs) = (x.t, x.c, x.hs);
+    let (bi, h) = (bh / x.nh, bh % x.nh);
+    let base = bi * t * 3 * c;
+    let j0 = jt * x.bc;
+    let ncols = x.bc.min(t - j0);
+    let k = View { data: x.qkv, off: base + j0 * 3 * c + c + h * hs, rows: ncols, cols: hs, rs: 3 * c, cs: 1 };
+    // Safety: key tile (bh, jt) is handled by exactly one task, the only writer of rows
+    // j0..j0+ncols of the k and v columns of head h of batch bi; with `with_dq` the task owns
+    // all of (bi, h), so also its q columns.
+    let (dk, dv) = unsafe {
+        let r = x.dqkv.0.add(base + j0 * 3 * c + h * hs);
+        (r.add(c), r.add(2 * c))
+    };
+    let mut it = j0 / x.br;
+    while it * x.br < t {
+        let i0 = it * x.br;
+        let rows = x.br.min(t - i0);
+        tile_grads(x, sc, bh, i0, rows, j0, ncols);
+        let q = View { data: x.qkv, off: base + i0 * 3 * c + h * hs, rows, cols: hs, rs: 3 * c, cs: 1 };
+        let d_o = View { data: x.dout, off: bi * t * c + i0 * c + h * hs, rows, cols: hs, rs: c, cs: 1 };
+        let pd = if x.dropout > 0.0 { &sc.pd } else { &sc.p };
+        let pd = View { data: pd, off: 0, rows, cols: ncols, rs: x.bc, cs: 1 };
+        let ds = View { data: &sc.ds, off: 0, rows, cols: ncols, rs: x.bc, cs: 1 };
+        unsafe {
+            // dv += Pdᵀ·dO ; dk += dSᵀ·q·scale
+            gemm_raw(dv, 3 * c, true, pd.t(), d_o, 1.0, Threads::One);
+            gemm_raw(dk, 3 * c, true, ds.t(), q, x.scale, Threads::One);
+            if with_dq {
+                // dq += dS·k·scale
+                let dq = x.dqkv.0.add(base + i0 * 3 * c + h * hs);
+                gemm_raw(dq, 3 * c, true, ds, k, x.scale, Threads::One);
+            }
+        }
+        it += 1;
+    }
+}
+
+/// `dq_i += Σ_j dS·k_j·scale` over key tiles `j` in ascending order (the same order, tiles and
+/// products as [`key_tile`] with `with_dq`, so both schedules agree bit for bit).
+fn query_tile(x: &Ctx, sc: &mut BwdScratch, bh: usize, it: usize) {
+    let (t, c, hs) = (x.t, x.c, x.hs);
+    let (bi, h) = (bh / x.nh, bh % x.nh);
+    let base = bi * t * 3 * c;
+    let i0 = it * x.br;
+    let rows = x.br.min(t - i0);
+    // Safety: query tile (bh, it) is handled by exactly one task, the only writer of rows
+    // i0..i0+rows of the q columns of head h of batch bi.
+    let dq = unsafe { x.dqkv.0.add(base + i0 * 3 * c + h * hs) };
+    let mut j0 = 0;
+    while j0 < i0 + rows {
+        let ncols = x.bc.min(t - j0);
+        tile_grads(x, sc, bh, i0, rows, j0, ncols);
+        let k = View { data: x.qkv, off: base + j0 * 3 * c + c + h * hs, rows: ncols, cols: hs, rs: 3 * c, cs: 1 };
+        let ds = View { data: &sc.ds, off: 0, rows, cols: ncols, rs: x.bc, cs: 1 };
+        unsafe { gemm_raw(dq, 3 * c, true, ds, k, x.scale, Threads::One) };
+        j0 += x.bc;
+    }
+}
+
+/// Recomputes one tile: `P = exp(q·kᵀ·scale − lse)` (causal part, 0 elsewhere), the dropped
+/// `Pd` (with dropout), and `dS = P ∘ (dP − D)` where `dP = mask ∘ (dO·vᵀ)`.
+fn tile_grads(x: &Ctx, sc: &mut BwdScratch, bh: usize, i0: usize, rows: usize, j0: usize, ncols: usize) {
+    let (t, c, hs) = (x.t, x.c, x.hs);
+    let (bi, h) = (bh / x.nh, bh % x.nh);
+    let base = bi * t * 3 * c;
+    let q = View { data: x.qkv, off: base + i0 * 3 * c + h * hs, rows, cols: hs, rs: 3 * c, cs: 1 };
+    let k = View { data: x.qkv, off: base + j0 * 3 * c + c + h * hs, rows: ncols, cols: hs, rs: 3 * c, cs: 1 };
+    let v = View { off: base + j0 * 3 * c + 2 * c + h * hs, ..k };
+    let d_o = View { data: x.dout, off: bi * t * c + i0 * c + h * hs, rows, cols: hs, rs: c, cs: 1 };
+    let BwdScratch { p, pd, ds, mk } = sc;
+    unsafe {
+        // S = q·kᵀ·scale ; dPd = dO·vᵀ   [rows, ncols], row stride bc
+        gemm_raw(p.as_mut_ptr(), x.bc, false, q, k.t(), x.scale, Threads::One);
+        gemm_raw(ds.as_mut_ptr(), x.bc, false, d_o, v.t(), 1.0, Threads::One);
+    }
+    let lse = &x.lse[bh * t + i0..bh * t + i0 + rows];
+    let d = &x.d[bh * t + i0..bh * t + i0 + rows];
+    for r in 0..rows {
+        let gi = i0 + r;
+        let vr = valid_cols(gi, j0, ncols);
+        let pr = &mut p[r * x.bc..r * x.bc + ncols];
+        let dr = &mut ds[r * x.bc..r * x.bc + ncols];
+        if x.dropout > 0.0 {
+            dropout_row(mk, bh, t, gi, j0, vr, x.dropout, x.seed);
+            let pdr = &mut pd[r * x.bc..r * x.bc + ncols];
+            bwd_row_dropout(pr, pdr, dr, &mk[..vr], vr, lse[r], d[r]);
+        } else {
+            bwd_row(pr, dr, vr, lse[r], d[r]);
+        }
+    }
+}
+
+fn bwd_row(p: &mut [f32], ds: &mut [f32], vr: usize, lse: f32, d: f32) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx2") {
+            // Safety: the CPU supports AVX2.
+            return unsafe { bwd_row_avx2(p, ds, vr, lse, d) };
+        }
+    }
+    bwd_row_body(p, ds, vr, lse, d)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn bwd_row_avx2(p: &mut [f32], ds: &mut [f32], vr: usize, lse: f32, d: f32) {
+    bwd_row_body(p, ds, vr, lse, d)
+}
+
+#[inline(always)]
+fn bwd_row_body(p: &mut [f32], ds: &mut [f32], vr: usize, lse: f32, d: f32) {
+    for (pj, dj) in p[..vr].iter_mut().zip(ds[..vr].iter_mut()) {
+        let e = fexp(*pj - lse);
+        *pj = e;
+        *dj = e * (*dj - d);
+    }
+    p[vr..].fill(0.0);
+    ds[vr..].fill(0.0);
+}
+
+fn bwd_row_dropout(p: &mut [f32], pd: &mut [f32], ds: &mut [f32], mk: &[f32], vr: usize, lse: f32, d: f32) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx2") {
+            // Safety: the CPU supports AVX2.
+            return unsafe { bwd_row_dropout_avx2(p, pd, ds, mk, vr, lse, d) };
+        }
+    }
+    bwd_row_dropout_body(p, pd, ds, mk, vr, lse, d)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn bwd_row_dropout_avx2(p: &mut [f32], pd: &mut [f32], ds: &mut [f32], mk: &[f32], vr: usize, lse: f32, d: f32) {
+    bwd_row_dropout_body(p, pd, ds, mk, vr, lse, d)
+}
+
+#[inline(always)]
+fn bwd_row_dropout_body(p: &mut [f32], pd: &mut [f32], ds: &mut [f32], mk: &[f32], vr: usize, lse: f32, d: f32) {
+    let it = p[..vr].iter_mut().zip(pd[..vr].iter_mut()).zip(ds[..vr].iter_mut()).zip(mk);
+    for (((pj, pdj), dj), &m) in it {
+        let e = fexp(*pj - lse);
+        *pj = e;
+        *pdj = e * m;
+        *dj = e * (*dj * m - d);
+    }
+    p[vr..].fill(0.0);
+    pd[vr..].fill(0.0);
+    ds[vr..].fill(0.0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Small vector helpers: fixed 8-lane order, so they vectorise and stay deterministic.
+
+#[inline(always)]
+fn row_max(x: &[f32]) -> f32 {
+    let mut acc = [f32::NEG_INFINITY; 8];
+    let mut ch = x.chunks_exact(8);
+    for c in &mut ch {
+        for k in 0..8 {
+            acc[k] = if c[k] > acc[k] { c[k] } else { acc[k] };
+        }
+    }
+    let mut m = f32::NEG_INFINITY;
+    for &v in acc.iter().chain(ch.remainder()) {
+        m = if v > m { v } else { m };
+    }
+    m
+}
+
+/// `x ← exp(x − m)`, returns `Σ x`.
+#[inline(always)]
+fn exp_sub_sum(x: &mut [f32], m: f32) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let mut ch = x.chunks_exact_mut(8);
+    for c in &mut ch {
+        for k in 0..8 {
+            let e = fexp(c[k] - m);
+            c[k] = e;
+            acc[k] += e;
+        }
+    }
+    let mut s = 0.0;
+    for v in ch.into_remainder() {
+        *v = fexp(*v - m);
+        s += *v;
+    }
+    acc.iter().sum::<f32>() + s
+}
+
+#[inline(always)]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let rest: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
+    for (x, y) in ca.zip(cb) {
+        for k in 0..8 {
+            acc[k] += x[k] * y[k];
+        }
+    }
+    acc.iter().sum::<f32>() + rest
+}
+
+#[inline(always)]
+fn mul_into(x: &mut [f32], m: &[f32]) {
+    for (a, b) in x.iter_mut().zip(m) {
+        *a *= b;
+    }
+}
+
+/// `exp(x)` for `x ≤ 88`, vectorisable: Cephes `expf` (range reduction by `ln 2` in two
+/// parts, degree-6 polynomial), relative error about 2 ulp; `exp(x) = 0` for `x < −87`.
+/// No fused multiply-add (Rust never contracts), so every CPU gives the same bits.
+#[inline(always)]
+fn fexp(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const C1: f32 = 0.693_359_4;
+    const C2: f32 = -2.121_944_4e-4;
+    const MAGIC: f32 = 12_582_912.0; // 1.5·2²³: adding it rounds to an integer
+    let xc = if x < -87.0 { -87.0 } else if x > 88.0 { 88.0 } else { x };
+    let t = xc * LOG2E + MAGIC;
+    let n = t - MAGIC;
+    let ni = t.to_bits().wrapping_sub(MAGIC.to_bits()) as i32;
+    let r = xc - n * C1 - n * C2;
+    let mut y = 1.987_569_1e-4f32;
+    y = y * r + 1.398_2e-3;
+    y = y * r + 8.333_452e-3;
+    y = y * r + 4.166_579_6e-2;
+    y = y * r + 1.666_666_5e-1;
+    y = y * r + 5.000_000_1e-1;
+    y = y * (r * r) + r + 1.0;
+    let res = y * f32::from_bits((ni.wrapping_add(127) as u32) << 23);
+    if x < -87.0 { 0.0 } else { res }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fexp_matches_std_exp() {
+        let mut worst = 0.0f64;
+        let mut x = -87.0f32;
+        while x <= 88.0 {
+            let (a, b) = (fexp(x) as f64, (x as f64).exp());
+            worst = worst.max((a - b).abs() / b);
+            x += 0.001_37;
+        }
+        assert!(worst < 4e-7, "worst relative error {worst}");
+        assert_eq!(fexp(-88.0), 0.0);
+        assert_eq!(fexp(f32::NEG_INFINITY), 0.0);
+        assert_eq!(fexp(0.0), 1.0);
+    }
+}

@@ -1,0 +1,246 @@
+//! FlashAttention-2 kernels (`tensor::flash`) against the materialised reference
+//! (`tensor::attention`): outputs, log-sum-exp, gradients (with and without dropout), finite
+//! differences, determinism across thread counts and schedules, accumulation.
+
+use tensor::attention::AttnDims;
+use tensor::flash::*;
+use tensor::*;
+
+fn randn(rng: &mut Rng, n: usize, std: f32) -> Vec<f32> {
+    let mut v = vec![0.0; n];
+    rng.fill_normal(&mut v, std);
+    v
+}
+
+fn dot(a: &[f32], b: &[f32]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum()
+}
+
+/// Largest `|a − b| / (1 + |b|)`.
+fn max_err(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| ((*x - *y).abs() / (1.0 + y.abs())) as f64).fold(0.0, f64::max)
+}
+
+fn dims(b: usize, t: usize, nh: usize, hs: usize) -> AttnDims {
+    AttnDims { b, t, c: nh * hs, nh }
+}
+
+fn flash_fwd(qkv: &[f32], d: &AttnDims, p: f32, seed: u64, tiles: Tiles) -> (Vec<f32>, Vec<f32>) {
+    let (mut o, mut l) = (vec![f32::NAN; d.b * d.t * d.c], vec![f32::NAN; d.b * d.nh * d.t]);
+    flash_attention_forward_tiled(&mut o, &mut l, qkv, d, p, seed, tiles);
+    (o, l)
+}
+
+fn flash_bwd(dout: &[f32], qkv: &[f32], d: &AttnDims, p: f32, seed: u64, tiles: Tiles, sched: Schedule) -> Vec<f32> {
+    let (o, l) = flash_fwd(qkv, d, p, seed, tiles);
+    let mut dqkv = vec![0.0; qkv.len()];
+    flash_attention_backward_with(&mut dqkv, dout, qkv, &o, &l, d, p, seed, tiles, sched);
+    dqkv
+}
+
+fn reference(qkv: &[f32], dout: &[f32], d: &AttnDims, p: f32, seed: u64) -> (Vec<f32>, Vec<f32>) {
+    let (mut o, mut a) = (vec![0.0; d.b * d.t * d.c], vec![0.0; d.b * d.nh * d.t * d.t]);
+    attention_forward(&mut o, &mut a, qkv, d, p, seed);
+    let mut dqkv = vec![0.0; qkv.len()];
+    attention_backward(&mut dqkv, dout, qkv, &a, d, p, seed);
+    (o, dqkv)
+}
+
+/// `lse[b,h,i] = ln Σ_{j≤i} exp(q_i·k_j/√HS)` in f64, from the scores the reference forms.
+fn reference_lse(qkv: &[f32], d: &AttnDims) -> Vec<f32> {
+    let (t, c, nh) = (d.t, d.c, d.nh);
+    let hs = c / nh;
+    let scale = 1.0 / (hs as f64).sqrt();
+    let mut out = vec![0.0; d.b * nh * t];
+    for b in 0..d.b {
+        for h in 0..nh {
+            for i in 0..t {
+                let q = &qkv[(b * t + i) * 3 * c + h * hs..][..hs];
+                let s: Vec<f64> = (0..=i)
+                    .map(|j| {
+                        let k = &qkv[(b * t + j) * 3 * c + c + h * hs..][..hs];
+                        dot(q, k) * scale
+                    })
+                    .collect();
+                let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let sum: f64 = s.iter().map(|x| (x - m).exp()).sum();
+                out[(b * nh + h) * t + i] = (m + sum.ln()) as f32;
+            }
+        }
+    }
+    out
+}
+
+const TS: [usize; 5] = [1, 7, 64, 65, 130];
+const HSS: [usize; 3] = [8, 16, 64];
+
+#[test]
+fn forward_matches_reference() {
+    for &t in &TS {
+        for &hs in &HSS {
+            for &p in &[0.0f32, 0.2] {
+                let d = dims(2, t, 3, hs);
+                let mut rng = Rng::new(t as u64 * 1000 + hs as u64);
+                let qkv = randn(&mut rng, d.b * t * 3 * d.c, 1.0);
+                let (o, l) = flash_fwd(&qkv, &d, p, 77, Tiles::default());
+                let mut ro = vec![0.0; o.len()];
+                let mut att = vec![0.0; d.b * d.nh * t * t];
+                attention_forward(&mut ro, &mut att, &qkv, &d, p, 77);
+                let (eo, el) = (max_err(&o, &ro), max_err(&l, &reference_lse(&qkv, &d)));
+                assert!(eo < 1e-5, "out T={t} HS={hs} p={p}: err {eo}");
+                assert!(el < 1e-5, "lse T={t} HS={hs} p={p}: err {el}");
+            }
+        }
+    }
+}
+
+#[test]
+fn backward_matches_reference() {
+    for &t in &TS {
+        for &hs in &HSS {
+            for &p in &[0.0f32, 0.2] {
+                let d = dims(2, t, 3, hs);
+                let mut rng = Rng::new(t as u64 * 1000 + hs as u64 + 1);
+                let qkv = randn(&mut rng, d.b * t * 3 * d.c, 1.0);
+                let dout = randn(&mut rng, d.b * t * d.c, 1.0);
+                let g = flash_bwd(&dout, &qkv, &d, p, 91, Tiles::default(), Schedule::Auto);
+                let (_, rg) = reference(&qkv, &dout, &d, p, 91);
+                let e = max_err(&g, &rg);
+                assert!(e < 2e-5, "dqkv T={t} HS={hs} p={p}: err {e}");
+            }
+        }
+    }
+}
+
+#[test]
+fn small_and_unequal_tiles_match_reference() {
+    // Many tiles per head, rectangular tiles, tiles wider than T: exercises the diagonal
+    // masking, empty rows within a crossing tile and the trimmed last tiles.
+    let tiles = [(4, 3), (3, 5), (8, 8), (16, 4), (1, 1), (200, 200)];
+    for &(br, bc) in &tiles {
+        for &p in &[0.0f32, 0.3] {
+            let d = dims(2, 23, 2, 8);
+            let mut rng = Rng::new(br as u64 * 31 + bc as u64);
+            let qkv = randn(&mut rng, d.b * d.t * 3 * d.c, 1.5);
+            let dout = randn(&mut rng, d.b * d.t * d.c, 1.0);
+            let tl = Tiles { br, bc };
+            let (o, l) = flash_fwd(&qkv, &d, p, 5, tl);
+            let (ro, rg) = reference(&qkv, &dout, &d, p, 5);
+            assert!(max_err(&o, &ro) < 1e-5, "out tiles {br}x{bc} p={p}");
+            assert!(max_err(&l, &reference_lse(&qkv, &d)) < 1e-5, "lse tiles {br}x{bc}");
+            for sched in [Schedule::PerHead, Schedule::TwoPass] {
+                let g = flash_bwd(&dout, &qkv, &d, p, 5, tl, sched);
+                let e = max_err(&g, &rg);
+                assert!(e < 2e-5, "dqkv tiles {br}x{bc} p={p} {sched:?}: err {e}");
+            }
+        }
+    }
+}
+
+/// Compares `analytic` with central differences of `loss` w.r.t. `x` (as in gradcheck.rs).
+fn check(name: &str, x: &[f32], analytic: &[f32], loss: impl Fn(&[f32]) -> f64) {
+    assert_eq!(x.len(), analytic.len());
+    let eps = 1e-2f32;
+    let stride = (x.len() / 97).max(1);
+    let mut xp = x.to_vec();
+    let mut max_err = 0.0f64;
+    for i in (0..x.len()).step_by(stride) {
+        let orig = xp[i];
+        xp[i] = orig + eps;
+        let lp = loss(&xp);
+        xp[i] = orig - eps;
+        let lm = loss(&xp);
+        xp[i] = orig;
+        let num = (lp - lm) / (2.0 * eps as f64);
+        let a = analytic[i] as f64;
+        let err = (num - a).abs() / (num.abs().max(a.abs()).max(1e-1));
+        max_err = max_err.max(err);
+        assert!(err < 2e-2, "{name}[{i}]: numeric {num} vs analytic {a} (rel err {err})");
+    }
+    assert!(max_err.is_finite(), "{name}");
+}
+
+fn flash_gradcheck(dropout: f32, tiles: Tiles) {
+    let d = AttnDims { b: 2, t: 5, c: 8, nh: 2 };
+    let mut rng = Rng::new(9);
+    let qkv = randn(&mut rng, d.b * d.t * 3 * d.c, 1.0);
+    let dout = randn(&mut rng, d.b * d.t * d.c, 1.0);
+    let seed = 5;
+    let fwd = |x: &[f32]| dot(&flash_fwd(x, &d, dropout, seed, tiles).0, &dout);
+    let g = flash_bwd(&dout, &qkv, &d, dropout, seed, tiles, Schedule::Auto);
+    check(&format!("flash(dropout={dropout}, {tiles:?}).dqkv"), &qkv, &g, fwd);
+}
+
+#[test]
+fn flash_gradients() {
+    flash_gradcheck(0.0, Tiles::default());
+    flash_gradcheck(0.0, Tiles { br: 2, bc: 3 });
+}
+
+#[test]
+fn flash_gradients_with_dropout() {
+    flash_gradcheck(0.25, Tiles::default());
+    flash_gradcheck(0.25, Tiles { br: 2, bc: 3 });
+}
+
+fn in_pool<R: Send>(threads: usize, f: impl FnOnce() -> R + Send) -> R {
+    rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap().install(f)
+}
+
+#[test]
+fn deterministic_across_thread_counts_and_schedules() {
+    // (B, NH) = (2, 3): 6 heads, `Auto` runs per head on 1 and 3 threads; (1, 2) on 3 threads
+    // runs the two-pass schedule, on 1 thread per head: results must still agree bit for bit.
+    for &(b, nh, p) in &[(2usize, 3usize, 0.0f32), (2, 3, 0.2), (1, 2, 0.0), (1, 2, 0.2)] {
+        let d = dims(b, 130, nh, 16);
+        let mut rng = Rng::new(3);
+        let qkv = randn(&mut rng, b * d.t * 3 * d.c, 1.0);
+        let dout = randn(&mut rng, b * d.t * d.c, 1.0);
+        let run = || {
+            let (mut o, mut l) = (vec![0.0; b * d.t * d.c], vec![0.0; b * nh * d.t]);
+            flash_attention_forward(&mut o, &mut l, &qkv, &d, p, 8);
+            let mut g = vec![0.0; qkv.len()];
+            flash_attention_backward(&mut g, &dout, &qkv, &o, &l, &d, p, 8);
+            (o, l, g)
+        };
+        let one = in_pool(1, run);
+        let three = in_pool(3, run);
+        assert!(one == three, "B={b} NH={nh} p={p}: 1 vs 3 threads differ");
+        for sched in [Schedule::PerHead, Schedule::TwoPass] {
+            let g = in_pool(3, || flash_bwd(&dout, &qkv, &d, p, 8, Tiles::default(), sched));
+            assert!(g == one.2, "B={b} NH={nh} p={p}: {sched:?} differs");
+        }
+    }
+}
+
+#[test]
+fn backward_accumulates() {
+    let d = dims(2, 65, 3, 16);
+    let mut rng = Rng::new(4);
+    let qkv = randn(&mut rng, d.b * d.t * 3 * d.c, 1.0);
+    let dout = randn(&mut rng, d.b * d.t * d.c, 1.0);
+    for p in [0.0f32, 0.2] {
+        let (o, l) = flash_fwd(&qkv, &d, p, 2, Tiles::default());
+        let mut g = vec![0.0; qkv.len()];
+        flash_attention_backward(&mut g, &dout, &qkv, &o, &l, &d, p, 2);
+        let once = g.clone();
+        flash_attention_backward(&mut g, &dout, &qkv, &o, &l, &d, p, 2);
+        let twice: Vec<f32> = once.iter().map(|x| 2.0 * x).collect();
+        assert!(max_err(&g, &twice) < 1e-6, "p={p}: second call did not add");
+        assert!(once.iter().any(|&x| x != 0.0));
+    }
+}
+
+#[test]
+fn dropout_changes_output_and_seed_matters() {
+    let d = dims(1, 40, 2, 8);
+    let mut rng = Rng::new(6);
+    let qkv = randn(&mut rng, d.t * 3 * d.c, 1.0);
+    let (a, la) = flash_fwd(&qkv, &d, 0.0, 1, Tiles::default());
+    let (b, lb) = flash_fwd(&qkv, &d, 0.5, 1, Tiles::default());
+    let (c, _) = flash_fwd(&qkv, &d, 0.5, 2, Tiles::default());
+    assert!(a != b && b != c);
+    // lse is that of the undropped scores.
+    assert_eq!(la, lb);
+}
