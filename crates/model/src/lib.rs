@@ -4,6 +4,7 @@
 
 pub mod config;
 pub mod generate;
+pub mod hf;
 pub mod gpt;
 pub mod layout;
 

@@ -1,2 +1,3 @@
 //! Integration tests for the model crate.
 mod gpt;
+mod hf;

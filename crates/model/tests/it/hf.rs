@@ -1,0 +1,93 @@
+//! HF GPT-2 import/export against the `transformers` fixtures in ../shared/fixtures (issue 4).
+
+use model::gpt::IGNORE_INDEX;
+use model::hf::{export_gpt2, import_gpt2};
+use model::Pass;
+use std::path::{Path, PathBuf};
+
+fn fixture(name: &str) -> Option<PathBuf> {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/fixtures").join(name);
+    if p.exists() { Some(p) } else { eprintln!("skipped: fixture {} not found", p.display()); None }
+}
+
+fn tokens(dir: &Path) -> Vec<Vec<u32>> {
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("tokens.json")).unwrap()).unwrap();
+    v["input_ids"].as_array().unwrap().iter().map(|r| r.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()).collect()
+}
+
+fn expected_logits(dir: &Path) -> (Vec<usize>, Vec<f32>) {
+    let bytes = std::fs::read(dir.join("expected.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let t = st.tensor("logits").unwrap();
+    (t.shape().to_vec(), t.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect())
+}
+
+#[test]
+fn gpt2_fixture_logits_and_loss_match_transformers() {
+    let Some(dir) = fixture("gpt2-tiny") else { return };
+    let mut m = import_gpt2(&dir).unwrap();
+    let rows = tokens(&dir);
+    let (b, t) = (rows.len(), rows[0].len());
+    let flat: Vec<u32> = rows.concat();
+    let logits = m.forward_logits(&flat, b, t);
+    let (shape, want) = expected_logits(&dir);
+    assert_eq!(shape, vec![b, t, m.cfg.vocab_size]);
+    let max_err = logits.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    assert!(max_err <= 1e-4, "max |logit error| {max_err}");
+    // Loss: logits at position t predict token t+1, over all 2 × 23 positions.
+    let mut targets = vec![IGNORE_INDEX; b * t];
+    for (bi, r) in rows.iter().enumerate() {
+        for j in 0..t - 1 {
+            targets[bi * t + j] = r[j + 1] as i32;
+        }
+    }
+    let loss = m.forward(&flat, &targets, b, t, Pass::Eval);
+    let ej: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
+    let want_loss = ej["loss"].as_f64().unwrap() as f32;
+    assert!(((loss - want_loss) / want_loss).abs() <= 1e-5, "loss {loss} vs {want_loss}");
+    eprintln!("gpt2-tiny: max |logit error| {max_err:.2e}, loss {loss} vs {want_loss}");
+}
+
+#[test]
+fn gpt2_export_reimport_is_bit_identical() {
+    let Some(dir) = fixture("gpt2-tiny") else { return };
+    let m = import_gpt2(&dir).unwrap();
+    let out = std::env::temp_dir().join(format!("kiln-hf-export-{}", std::process::id()));
+    export_gpt2(&m, &out).unwrap();
+    let back = import_gpt2(&out).unwrap();
+    assert_eq!(m.cfg, back.cfg);
+    assert!(m.params.iter().zip(&back.params).all(|(a, b)| a.to_bits() == b.to_bits()));
+    // The exported weights file holds exactly the tensors of the original (same names, shapes, bytes).
+    let a = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let b = std::fs::read(out.join("model.safetensors")).unwrap();
+    let (sa, sb) = (safetensors::SafeTensors::deserialize(&a).unwrap(), safetensors::SafeTensors::deserialize(&b).unwrap());
+    let mut na = sa.names();
+    let mut nb = sb.names();
+    na.sort();
+    nb.sort();
+    assert_eq!(na, nb);
+    for n in na {
+        assert_eq!(sa.tensor(n).unwrap().data(), sb.tensor(n).unwrap().data(), "{n}");
+    }
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+#[test]
+fn import_errors_name_the_problem() {
+    let Some(dir) = fixture("llama-tiny") else { return };
+    let e = import_gpt2(&dir).err().unwrap();
+    assert!(e.contains("LlamaForCausalLM") && e.contains("config.json"), "{e}");
+    let tmp = std::env::temp_dir().join(format!("kiln-hf-bad-{}", std::process::id()));
+    std::fs::create_dir_all(&tmp).unwrap();
+    let gdir = fixture("gpt2-tiny").unwrap();
+    std::fs::copy(gdir.join("config.json"), tmp.join("config.json")).unwrap();
+    let e = import_gpt2(&tmp).err().unwrap();
+    assert!(e.contains("no model.safetensors"), "{e}");
+    // A config whose shapes disagree with the weights: the tensor is named.
+    let cfg = std::fs::read_to_string(gdir.join("config.json")).unwrap().replace("\"n_embd\": 64", "\"n_embd\": 32");
+    std::fs::write(tmp.join("config.json"), cfg).unwrap();
+    std::fs::copy(gdir.join("model.safetensors"), tmp.join("model.safetensors")).unwrap();
+    let e = import_gpt2(&tmp).err().unwrap();
+    assert!(e.contains("transformer.") && e.contains("expected F32"), "{e}");
+    let _ = std::fs::remove_dir_all(&tmp);
+}
