@@ -17,6 +17,7 @@ and why); --python uses an interpreter that already has them instead.
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -30,14 +31,15 @@ DEFAULT_VENV = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expandus
 # The GPT-2 124M shape (tied, bias, vocab 50257 padded to 50304), block_size set to T.
 GPT2 = dict(n_layer=12, n_head=12, n_embd=768, vocab=50304, bias=True, beta2=0.95)
 # name -> model shape, batch, optimizer beta2 (the presets' values), kiln preset, steps.
-# `warmup` untimed steps precede `steps` timed ones in torch_gpt.py.
+# `warmup` untimed steps precede `steps` timed ones. The step counts are odd so that the median
+# is one measured step on both sides (kiln bench takes the upper median of an even count).
 CONFIGS = {
     "a": dict(label="shakespeare-char B12 T64", preset="shakespeare-char",
               n_layer=4, n_head=4, n_embd=128, vocab=65, bias=False, beta2=0.99,
-              batch=12, seq=64, steps=10, warmup=2),
+              batch=12, seq=64, steps=11, warmup=2),
     "b": dict(label="gpt2-124m B4 T64", preset="gpt2-124m", **GPT2, batch=4, seq=64, steps=5, warmup=2),
     "c": dict(label="gpt2-124m B4 T256", preset="gpt2-124m", **GPT2, batch=4, seq=256, steps=3, warmup=1),
-    "d": dict(label="gpt2-124m B1 T2048", preset="gpt2-124m", **GPT2, batch=1, seq=2048, steps=2, warmup=1),
+    "d": dict(label="gpt2-124m B1 T2048", preset="gpt2-124m", **GPT2, batch=1, seq=2048, steps=3, warmup=1),
 }
 
 # What `pip install torch` brings from PyPI on Linux x86-64 that a CPU-only run never loads:
@@ -99,14 +101,64 @@ def last_json(text):
         raise RuntimeError("no JSON object in output:\n" + text[-2000:])
 
 
-def run_json(cmd, env, timeout, cwd=ROOT):
+def cpu_times():
+    """(busy, total) CPU jiffies of the whole machine from /proc/stat, or None."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = v[3] + (v[4] if len(v) > 4 else 0)  # idle + iowait
+    total = sum(v[:8])  # guest time is already inside user/nice
+    return total - idle, total
+
+
+def cpu_busy(interval=1.0):
+    """Fraction of all CPUs busy over `interval` seconds (0..1), or None."""
+    a = cpu_times()
+    time.sleep(interval)
+    b = cpu_times()
+    if not a or not b or b[1] == a[1]:
+        return None
+    return (b[0] - a[0]) / (b[1] - a[1])
+
+
+def wait_idle(max_busy, max_wait):
+    """Waits until the machine is at most `max_busy` busy; returns (busy, seconds waited)."""
     t0 = time.time()
+    busy = cpu_busy()
+    warned = False
+    while busy is not None and busy > max_busy and time.time() - t0 < max_wait:
+        if not warned:
+            log(f"    machine {busy:.0%} busy; waiting up to {max_wait:.0f} s for <= {max_busy:.0%}")
+            warned = True
+        time.sleep(4)
+        busy = cpu_busy()
+    if busy is not None and busy > max_busy:
+        log(f"    still {busy:.0%} busy after {max_wait:.0f} s; running anyway")
+    return busy, time.time() - t0
+
+
+def run_json(cmd, env, timeout, cwd=ROOT):
+    """Runs `cmd`, returns the last JSON object it printed, plus how contended the run was."""
+    t0 = time.time()
+    c0 = cpu_times()
+    r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     p = subprocess.run(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                        text=True, timeout=timeout)
+    r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    c1 = cpu_times()
+    wall = time.time() - t0
     if p.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {p.returncode}:\n{p.stderr[-3000:]}")
     out = last_json(p.stdout)
-    out["_wall_s"] = time.time() - t0
+    out["_wall_s"] = wall
+    if c0 and c1 and c1[1] > c0[1]:
+        hz = os.sysconf("SC_CLK_TCK")
+        own = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+        machine = (c1[0] - c0[0]) / hz
+        # CPU time other processes took during the run, as a share of the machine.
+        out["_others_cpu_share"] = max(0.0, machine - own) / (wall * (os.cpu_count() or 1))
     return out
 
 
@@ -129,7 +181,7 @@ def torch_ok(py):
 def pip(py, *args):
     cmd = [py, "-m", "pip", "install", "--disable-pip-version-check", *args]
     log("+ " + " ".join(cmd))
-    subprocess.run(cmd, check=True)
+    subprocess.run(cmd, check=True, stdout=sys.stderr)  # stdout is kept for the table and JSON
 
 
 def install_lean(py, torch_spec):
@@ -283,6 +335,9 @@ def main():
     ap.add_argument("--peak-n", type=int, default=2048)
     ap.add_argument("--peak-reps", type=int, default=10)
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per run")
+    ap.add_argument("--wait-idle", type=float, default=0.25, metavar="FRACTION",
+                    help="before each run wait until at most this share of the CPUs is busy (1 = never wait)")
+    ap.add_argument("--max-wait", type=float, default=600, help="seconds to wait for --wait-idle per run")
     ap.add_argument("--out", help="also write the JSON summary here")
     args = ap.parse_args()
 
@@ -295,7 +350,7 @@ def main():
     py = ensure_python(args)
     if not args.no_kiln and not args.no_build:
         log("+ cargo build --release")
-        subprocess.run(["cargo", "build", "--release"], cwd=ROOT, check=True)
+        subprocess.run(["cargo", "build", "--release"], cwd=ROOT, check=True, stdout=sys.stderr)
     if not args.no_kiln and not os.path.exists(args.kiln):
         sys.exit(f"{args.kiln} not found (build kiln or pass --kiln)")
     env = thread_env(args.threads)
@@ -305,12 +360,16 @@ def main():
 
     # Peaks first, alternating the two probes like the runs.
     kiln_peaks, np_peaks = [], []
+    idle = (lambda: wait_idle(args.wait_idle, args.max_wait)) if args.wait_idle < 1 else (lambda: None)
     for r in range(max(1, min(args.repeats, 3))):
         if not args.no_kiln:
+            idle()
             kp = run_json([args.kiln, "bench", "--peak", "--threads", str(args.threads), "--json"], env, args.timeout)
             kiln_peaks.append(kp.get("peak_gflops"))
+        idle()
         npk = numpy_peak(py, args.threads, args.peak_n, args.peak_reps)
         np_peaks.append(npk["gflops"])
+    idle()
     npk_env = numpy_peak(py, args.threads, args.peak_n, max(3, args.peak_reps // 2), keep_openblas_env=True)
     summary["peak"] = {
         "kiln_peak_gflops": med(kiln_peaks), "kiln_peak_gflops_all": kiln_peaks,
@@ -332,12 +391,14 @@ def main():
                 if (impl == "kiln" and args.no_kiln) or (impl == "torch" and args.no_torch):
                     continue
                 cmd = kiln_cmd(args, cfg) if impl == "kiln" else torch_cmd(py, args, cfg)
+                busy, waited = wait_idle(args.wait_idle, args.max_wait) if args.wait_idle < 1 else (None, 0)
                 la = loadavg()
                 log(f"[{name} {r + 1}/{args.repeats}] {impl}: {' '.join(cmd)}  (load {la})")
                 res = run_json(cmd, env, args.timeout)
-                res["_load_before"] = la
+                res.update(_load_before=la, _busy_before=busy, _waited_s=waited)
                 runs[impl].append(res)
-                log(f"    median {res['step_ms']['median']:.1f} ms/step, {res['tokens_per_sec']:.0f} tok/s")
+                log(f"    median {res['step_ms']['median']:.1f} ms/step, {res['tokens_per_sec']:.0f} tok/s, "
+                    f"other processes used {res.get('_others_cpu_share', 0):.0%} of the CPUs meanwhile")
         k, t = runs["kiln"], runs["torch"]
         pairs = [a["tokens_per_sec"] / b["tokens_per_sec"] for a, b in zip(k, t)]
         entry = {
@@ -358,6 +419,7 @@ def main():
             "torch_peak_rss_bytes": max([x.get("peak_rss_bytes") or 0 for x in t], default=None),
             "torch_version": t[0].get("torch_version") if t else None,
             "warnings": check_same(name, cfg, k[0], t[0]) if k and t else [],
+            "max_others_cpu_share": max([x.get("_others_cpu_share") or 0 for x in k + t], default=None),
             "runs": runs,
         }
         if entry["torch_achieved_gflops"] and summary["peak"]["numpy_sgemm_gflops"]:
@@ -378,21 +440,25 @@ def main():
 
 
 def fmt(x, spec):
-    return format(x, spec) if isinstance(x, (int, float)) else "-"
+    """`x` formatted with `spec`, or a dash as wide as the spec's width when there is no value."""
+    if isinstance(x, (int, float)):
+        return format(x, spec)
+    width = "".join(ch for ch in spec.split(".")[0] if ch.isdigit())
+    return "-".rjust(int(width) if width else 1)
 
 
 def print_table(s):
     p = s["peak"]
     print(f"threads {s['threads']}, {s['repeats']} repeats, medians; fp32 peak: kiln {fmt(p['kiln_peak_gflops'], '.1f')} "
           f"GFLOP/s, numpy sgemm {fmt(p['numpy_sgemm_gflops'], '.1f')} GFLOP/s")
-    hdr = f"{'config':<4} {'shape':<26} {'kiln ms':>10} {'torch ms':>10} {'kiln tok/s':>11} {'torch tok/s':>11} {'kiln/torch':>10} {'pairs':<20}"
+    hdr = f"{'config':<4} {'shape':<26} {'kiln ms':>10} {'torch ms':>10} {'kiln tok/s':>11} {'torch tok/s':>11} {'kiln/torch':>10} {'others':>6}  {'pairs'}"
     print(hdr)
     print("-" * len(hdr))
     for name, e in s["configs"].items():
         pairs = " ".join(f"{x:.2f}" for x in e["ratio_pairs"])
         print(f"{name:<4} {e['label']:<26} {fmt(e['kiln_step_ms'], '10.1f')} {fmt(e['torch_step_ms'], '10.1f')} "
               f"{fmt(e['kiln_tokens_per_sec'], '11.0f')} {fmt(e['torch_tokens_per_sec'], '11.0f')} "
-              f"{fmt(e['ratio_kiln_over_torch'], '10.2f')} {pairs:<20}")
+              f"{fmt(e['ratio_kiln_over_torch'], '10.2f')} {fmt(e['max_others_cpu_share'], '6.0%')}  {pairs}")
         for w in e["warnings"]:
             print(f"     WARNING: {w}")
 

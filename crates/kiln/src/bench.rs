@@ -5,7 +5,7 @@
 use crate::config::{self, padded_vocab, Raw, RunConfig};
 use crate::error::{user, Result};
 use crate::presets;
-use crate::step::{train_step, Optimizer};
+use crate::step::{model_flops_per_token, train_step, Optimizer};
 use model::Gpt;
 use serde_json::json;
 use std::path::PathBuf;
@@ -124,9 +124,7 @@ pub fn bench(args: &BenchArgs) -> Result<serde_json::Value> {
     sorted.sort_by(f64::total_cmp);
     let median = sorted[sorted.len() / 2];
     let tokens = (cfg.train.batch_size * t) as f64;
-    let n_no_pos = model.layout.count_without("transformer.wpe.weight") as f64;
-    // PaLM (Chowdhery et al. 2022), appendix B.
-    let flops = (6.0 * n_no_pos + 12.0 * (cfg.model.n_layer * cfg.model.n_embd * t) as f64) * tokens;
+    let flops = model_flops_per_token(&model) * tokens;
     let mut out = json!({
         "preset": name,
         "threads": rayon::current_num_threads(),

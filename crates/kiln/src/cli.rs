@@ -28,6 +28,8 @@ enum Cmd {
     /// Plan a training run: memory, step time, MFU; search parallel layouts; validate.
     #[command(subcommand)]
     Plan(crate::cmd_plan::PlanCmd),
+    /// Export a run's newest valid checkpoint (Hugging Face format).
+    Export(ExportCli),
     /// Data preparation.
     #[command(subcommand)]
     Data(DataCmd),
@@ -60,6 +62,9 @@ struct TrainCli {
     resume: bool,
     #[arg(long)]
     seed: Option<u64>,
+    /// Start from a Hugging Face GPT-2 directory (config.json + model.safetensors).
+    #[arg(long)]
+    init_from: Option<PathBuf>,
     /// No progress output.
     #[arg(long)]
     quiet: bool,
@@ -92,10 +97,25 @@ struct BenchCli {
     breakdown: bool,
 }
 
+/// Which model to load: a kiln run directory or a Hugging Face directory.
+#[derive(Args)]
+#[group(required = true, multiple = false)]
+struct Source {
+    /// A kiln run directory (its newest valid checkpoint).
+    #[arg(long)]
+    run: Option<PathBuf>,
+    /// A Hugging Face GPT-2 directory (config.json + model.safetensors).
+    #[arg(long)]
+    checkpoint: Option<PathBuf>,
+}
+
 #[derive(Args)]
 struct GenerateCli {
+    #[command(flatten)]
+    source: Source,
+    /// Tokenizer for --checkpoint (byte, char, gpt2, or a JSON file); default gpt2.
     #[arg(long)]
-    run: PathBuf,
+    tokenizer: Option<String>,
     #[arg(long, default_value = "")]
     prompt: String,
     #[arg(long, default_value_t = 200)]
@@ -110,11 +130,29 @@ struct GenerateCli {
 
 #[derive(Args)]
 struct EvalCli {
-    #[arg(long)]
-    run: PathBuf,
-    /// Evaluate on all of these files instead of the run's validation split.
+    #[command(flatten)]
+    source: Source,
+    /// Evaluate on all of these files (required with --checkpoint; with --run the default is
+    /// the run's validation split).
     #[arg(long)]
     data: Vec<PathBuf>,
+    /// Window length: non-overlapping windows of N+1 tokens (default the model's context).
+    #[arg(long)]
+    seq_len: Option<usize>,
+    /// Tokenizer for --checkpoint (byte, char, gpt2, or a JSON file); default gpt2.
+    #[arg(long)]
+    tokenizer: Option<String>,
+}
+
+#[derive(Args)]
+struct ExportCli {
+    #[arg(long)]
+    run: PathBuf,
+    /// Output format; `hf` (Hugging Face GPT2LMHeadModel) is the one supported.
+    #[arg(long, default_value = "hf")]
+    format: String,
+    #[arg(long)]
+    out: PathBuf,
 }
 
 #[derive(Subcommand)]
@@ -178,7 +216,7 @@ pub fn init_threads(n: usize) {
 fn dispatch(cmd: Cmd) -> Result<()> {
     match cmd {
         Cmd::Train(a) => {
-            let args = TrainArgs { preset: a.preset, config: a.config, data: a.data, out: a.out, set: a.set, max_steps: a.max_steps, resume: a.resume, seed: a.seed, quiet: a.quiet };
+            let args = TrainArgs { preset: a.preset, config: a.config, data: a.data, out: a.out, set: a.set, max_steps: a.max_steps, resume: a.resume, seed: a.seed, init_from: a.init_from, quiet: a.quiet };
             let stop = Arc::new(AtomicBool::new(false));
             let s2 = stop.clone();
             let _ = ctrlc::set_handler(move || {
@@ -203,34 +241,51 @@ fn dispatch(cmd: Cmd) -> Result<()> {
         }
         Cmd::Generate(g) => {
             init_threads(0);
-            let r = run::load_run(&g.run)?;
-            let m = run::load_model(&r)?;
-            let text = trainer::sample_text(&m, &r.tokenizer, &g.prompt, g.max_new_tokens, g.temperature, g.top_k, g.seed);
+            let (m, tok, _) = load_source(&g.source, g.tokenizer.as_deref())?;
+            let text = trainer::sample_text(&m, &tok, &g.prompt, g.max_new_tokens, g.temperature, g.top_k, g.seed);
             println!("{text}");
             Ok(())
         }
         Cmd::Eval(e) => {
             init_threads(0);
-            let r = run::load_run(&e.run)?;
-            let mut m = run::load_model(&r)?;
-            let t = r.config.model.block_size;
-            let (toks, what) = if e.data.is_empty() {
-                let ds = trainer::load_data(&r.config, Some(r.tokenizer.clone()))?;
-                (ds.val, "validation split".to_string())
-            } else {
-                let ds = data::load_with(&e.data, r.tokenizer.clone(), 0.5)?;
-                // Evaluate on everything given: the two halves, train then val, back to back.
-                let mut all = vec![0u32; ds.train.len() + ds.val.len()];
-                ds.train.copy_to(0, &mut all[..ds.train.len()]);
-                ds.val.copy_to(0, &mut all[ds.train.len()..]);
-                (data::Tokens::from_vec(all), e.data.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", "))
+            let (mut m, tok, run) = load_source(&e.source, e.tokenizer.as_deref())?;
+            let t = e.seq_len.unwrap_or(m.cfg.block_size);
+            if t == 0 || t > m.cfg.block_size {
+                return user(format!("--seq-len {t}: must be between 1 and the model's context ({})", m.cfg.block_size));
+            }
+            let (toks, what) = match (&run, e.data.is_empty()) {
+                (Some(r), true) => (trainer::load_data(&r.config, Some(tok.clone()))?.val, "validation split".to_string()),
+                (None, true) => return user("eval --checkpoint needs --data FILE"),
+                (_, false) => {
+                    let ds = data::load_with(&e.data, tok.clone(), 0.5)?;
+                    // Evaluate on everything given: the two halves, back to back.
+                    let mut all = vec![0u32; ds.train.len() + ds.val.len()];
+                    ds.train.copy_to(0, &mut all[..ds.train.len()]);
+                    ds.val.copy_to(0, &mut all[ds.train.len()..]);
+                    (data::Tokens::from_vec(all), e.data.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", "))
+                }
             };
             if toks.len() <= t + 1 {
-                return user(format!("{what}: {} tokens, fewer than one window of model.block_size ({t}) + 1", toks.len()));
+                return user(format!("{what}: {} tokens, fewer than one window of {t} + 1", toks.len()));
             }
-            let (vl, n) = trainer::evaluate(&mut m, &toks, t, r.config.micro_batch(), 0);
-            let out = serde_json::json!({"val_loss": vl, "tokens": n, "step": r.ckpt.state.step, "checkpoint": r.ckpt.dir.display().to_string(), "data": what});
+            let batch = run.as_ref().map_or(4, |r| r.config.micro_batch());
+            let (vl, n) = trainer::evaluate(&mut m, &toks, t, batch, 0);
+            let mut out = serde_json::json!({"val_loss": vl, "tokens": n, "seq_len": t, "data": what});
+            if let Some(r) = &run {
+                out["step"] = r.ckpt.state.step.into();
+                out["checkpoint"] = r.ckpt.dir.display().to_string().into();
+            }
             println!("{out}");
+            Ok(())
+        }
+        Cmd::Export(x) => {
+            if x.format != "hf" {
+                return user(format!("--format `{}`: supported formats: hf", x.format));
+            }
+            let r = run::load_run(&x.run)?;
+            let m = run::load_model(&r)?;
+            model::hf::export_gpt2(&m, &x.out).map_err(KilnError::User)?;
+            println!("exported {} (step {}) to {}", r.ckpt.dir.display(), r.ckpt.state.step, x.out.display());
             Ok(())
         }
         Cmd::Data(DataCmd::Prepare { input, tokenizer, out, val_fraction }) => {
@@ -251,4 +306,21 @@ fn dispatch(cmd: Cmd) -> Result<()> {
             Ok(())
         }
     }
+}
+
+/// Loads the model (and tokenizer) for `generate` / `eval` from a run or an HF directory.
+fn load_source(src: &Source, tokenizer: Option<&str>) -> Result<(model::Gpt, data::Tokenizer, Option<run::SavedRun>)> {
+    if let Some(dir) = &src.run {
+        let r = run::load_run(dir)?;
+        let m = run::load_model(&r)?;
+        return Ok((m, r.tokenizer.clone(), Some(r)));
+    }
+    let dir = src.checkpoint.as_ref().expect("clap requires --run or --checkpoint");
+    let mut m = model::hf::import_gpt2(dir).map_err(KilnError::User)?;
+    let tok = data::Tokenizer::from_spec(tokenizer.unwrap_or("gpt2"), None)?;
+    if tok.vocab_size() > m.cfg.vocab_size {
+        return user(format!("{}: the {} tokenizer has {} tokens but the model only {}; pass --tokenizer", dir.display(), tok.kind(), tok.vocab_size(), m.cfg.vocab_size));
+    }
+    m.real_vocab = tok.vocab_size();
+    Ok((m, tok, None))
 }

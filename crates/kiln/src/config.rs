@@ -20,6 +20,9 @@ pub struct ModelSection {
     pub bias: bool,
     pub dropout: f64,
     pub tied_embeddings: bool,
+    /// A Hugging Face GPT-2 directory to start from ("" = fresh initialisation). Its
+    /// `config.json` fixes the shape keys above; its weights replace the initialisation.
+    pub init_from: String,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

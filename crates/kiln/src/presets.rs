@@ -8,7 +8,7 @@ pub const PRESETS: &[&str] = &["tiny", "shakespeare-char", "gpt2-124m"];
 fn base() -> RunConfig {
     RunConfig {
         preset: String::new(),
-        model: ModelSection { n_layer: 4, n_head: 4, n_embd: 128, block_size: 128, vocab_size: 0, bias: false, dropout: 0.0, tied_embeddings: true },
+        model: ModelSection { n_layer: 4, n_head: 4, n_embd: 128, block_size: 128, vocab_size: 0, bias: false, dropout: 0.0, tied_embeddings: true, init_from: String::new() },
         train: TrainSection {
             batch_size: 16, grad_accum: 1, lr: 1e-3, min_lr: 1e-4, warmup_steps: 100, lr_decay_steps: 0, max_steps: 1000,
             weight_decay: 0.1, beta1: 0.9, beta2: 0.99, eps: 1e-8, grad_clip: 1.0, seed: 1337, threads: 0, log_interval: 10,
@@ -39,7 +39,7 @@ pub fn preset(name: &str) -> Result<RunConfig> {
         // nanoGPT's config/train_shakespeare_char.py with its README's CPU settings
         // (block 64, batch 12, 4 layers, 4 heads, 128 channels, no dropout, 2000 iterations).
         "shakespeare-char" => {
-            c.model = ModelSection { n_layer: 4, n_head: 4, n_embd: 128, block_size: 64, vocab_size: 0, bias: false, dropout: 0.0, tied_embeddings: true };
+            c.model = ModelSection { n_layer: 4, n_head: 4, n_embd: 128, block_size: 64, vocab_size: 0, bias: false, dropout: 0.0, tied_embeddings: true, ..c.model };
             c.train.batch_size = 12;
             c.train.lr = 1e-3;
             c.train.min_lr = 1e-4;
@@ -55,7 +55,7 @@ pub fn preset(name: &str) -> Result<RunConfig> {
         // GPT-2 small (124M) with the real GPT-2 BPE (nanoGPT's train_gpt2.py hyper-parameters,
         // with a CPU-sized batch and schedule).
         "gpt2-124m" => {
-            c.model = ModelSection { n_layer: 12, n_head: 12, n_embd: 768, block_size: 1024, vocab_size: 0, bias: true, dropout: 0.0, tied_embeddings: true };
+            c.model = ModelSection { n_layer: 12, n_head: 12, n_embd: 768, block_size: 1024, vocab_size: 0, bias: true, dropout: 0.0, tied_embeddings: true, ..c.model };
             c.train.batch_size = 4;
             c.train.lr = 6e-4;
             c.train.min_lr = 6e-5;

@@ -77,3 +77,11 @@ pub fn train_step(
     opt.update(model, cfg, cfg.lr_at(step), step + 1);
     ((loss_sum / accum as f64) as f32, grad_norm)
 }
+
+/// Model FLOPs per trained token (forward and backward, no recomputation), by PaLM's formula
+/// (Chowdhery et al. 2022, appendix B) as the planner states it.
+pub fn model_flops_per_token(model: &Gpt) -> f64 {
+    let n = model.layout.count_without("transformer.wpe.weight") as f64;
+    let c = &model.cfg;
+    plan::palm_flops_per_token(n, c.n_layer as f64, c.n_embd as f64, c.block_size as f64)
+}

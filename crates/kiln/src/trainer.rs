@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 use tensor::rng::mix64;
-use crate::step::{train_step, Optimizer};
+use crate::step::{model_flops_per_token, train_step, Optimizer};
 use tensor::Rng;
 
 #[derive(Clone, Debug, Default)]
@@ -34,6 +34,7 @@ pub struct TrainArgs {
     pub max_steps: Option<u64>,
     pub resume: bool,
     pub seed: Option<u64>,
+    pub init_from: Option<PathBuf>,
     pub quiet: bool,
 }
 
@@ -63,6 +64,9 @@ fn layered(base: &RunConfig, args: &TrainArgs) -> Result<RunConfig> {
     }
     if let Some(s) = args.seed {
         raw.insert("train.seed".into(), toml::Value::Integer(s as i64));
+    }
+    if let Some(p) = &args.init_from {
+        raw.insert("model.init_from".into(), toml::Value::String(p.display().to_string()));
     }
     RunConfig::resolve(&raw)
 }
@@ -169,7 +173,7 @@ pub fn train(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
     };
     let saved_cfg_path = run_dir.join("config.toml");
     let mut resume_from = None;
-    let cfg = if args.resume {
+    let mut cfg = if args.resume {
         if !saved_cfg_path.exists() {
             return user(format!("--resume: {} is not a kiln run directory (no config.toml)", run_dir.display()));
         }
@@ -193,6 +197,16 @@ pub fn train(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
         }
         cfg
     };
+    // Starting from a Hugging Face checkpoint: its config fixes the model's shape.
+    let init = if resume_from.is_none() && !cfg.model.init_from.is_empty() {
+        let m = model::hf::import_gpt2(Path::new(&cfg.model.init_from)).map_err(KilnError::User)?;
+        let (mc, hc) = (&mut cfg.model, &m.cfg);
+        (mc.n_layer, mc.n_head, mc.n_embd, mc.block_size, mc.vocab_size, mc.bias, mc.tied_embeddings) =
+            (hc.n_layer, hc.n_head, hc.n_embd, hc.block_size, hc.vocab_size, hc.bias, hc.tied_embeddings);
+        Some(m)
+    } else {
+        None
+    };
 
     crate::cli::init_threads(cfg.train.threads);
 
@@ -203,14 +217,20 @@ pub fn train(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
     };
     let ds = load_data(&cfg, tokenizer)?;
     check_data_fits(&cfg, &ds)?;
-    let mut cfg = cfg;
     let gcfg = cfg.gpt_config(ds.tokenizer.vocab_size());
     cfg.model.vocab_size = gcfg.vocab_size;
     let t = cfg.model.block_size;
     let mb = cfg.micro_batch();
 
     // 3. Model, optimizer state, sampler.
-    let mut model = Gpt::new(gcfg, ds.tokenizer.vocab_size(), cfg.train.seed);
+    let mut model = match init {
+        Some(mut m) => {
+            m.cfg.dropout = gcfg.dropout;
+            m.real_vocab = ds.tokenizer.vocab_size();
+            m
+        }
+        None => Gpt::new(gcfg, ds.tokenizer.vocab_size(), cfg.train.seed),
+    };
     let n = model.num_params();
     let mut opt = Optimizer::new(&model.layout);
     let mut sampler = Rng::new(mix64(cfg.train.seed ^ 0x5EED_DA7A));
@@ -238,9 +258,7 @@ pub fn train(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
     let mut metrics = fs::OpenOptions::new().create(true).append(true).open(&metrics_path).map_err(|e| io_err(&metrics_path, e))?;
 
     let peak = tensor::matmul::measure_peak_flops(1024, 3);
-    let n_no_pos = model.layout.count_without("transformer.wpe.weight") as f64;
-    // PaLM (Chowdhery et al. 2022), appendix B: 6N + 12·L·C·T FLOPs per token (fwd + bwd).
-    let flops_per_token = 6.0 * n_no_pos + 12.0 * (cfg.model.n_layer * cfg.model.n_embd * t) as f64;
+    let flops_per_token = model_flops_per_token(&model);
 
     let max_steps = cfg.train.max_steps;
     let progress = Progress::new(step, max_steps, args.quiet);

@@ -3,22 +3,12 @@
 //!
 //! `cargo bench -p tensor --bench flash` (threads: `RAYON_NUM_THREADS`, default 2; tile sweep:
 //! `FLASH_TILES=32x32,64x64,128x64`; shapes: `FLASH_SHAPES=4x256,1x1024,1x2048`; dropout:
-//! `FLASH_DROPOUT=0.1`).
+//! `FLASH_DROPOUT=0.1`; repetitions, best taken: `FLASH_REPS`).
 
 use std::time::Instant;
 use tensor::attention::AttnDims;
 use tensor::flash::*;
 use tensor::*;
-
-fn best_of(reps: usize, mut f: impl FnMut()) -> f64 {
-    let mut best = f64::INFINITY;
-    for _ in 0..reps {
-        let t0 = Instant::now();
-        f();
-        best = best.min(t0.elapsed().as_secs_f64());
-    }
-    best
-}
 
 fn parse_pairs(s: &str) -> Vec<(usize, usize)> {
     s.split(',')
@@ -37,6 +27,22 @@ fn main() {
     let p: f32 = std::env::var("FLASH_DROPOUT").ok().and_then(|s| s.parse().ok()).unwrap_or(0.0);
     let skip_ref = std::env::var("FLASH_NO_REF").is_ok();
     let (nh, hs) = (12, 64);
+    {
+        // Context: single-thread gemm rate on one 64×64×64 tile product (the kernel's unit).
+        let a = vec![0.5f32; 64 * 64];
+        let mut dst = vec![0.0f32; 64 * 64];
+        let v = tensor::matmul::View::rows(&a, 64, 64);
+        let n = 4000;
+        let mut best = f64::INFINITY;
+        for _ in 0..5 {
+            let t0 = Instant::now();
+            for _ in 0..n {
+                tensor::matmul::gemm(&mut dst, true, v, v.t(), 1.0, tensor::matmul::Threads::One);
+            }
+            best = best.min(t0.elapsed().as_secs_f64());
+        }
+        println!("{{\"gemm_64x64x64_single_thread_gflops\":{:.1}}}", 2.0 * 64f64.powi(3) * n as f64 / best / 1e9);
+    }
     let c = nh * hs;
     for &(b, t) in &shapes {
         let d = AttnDims { b, t, c, nh };
@@ -45,33 +51,37 @@ fn main() {
         rng.fill_normal(&mut qkv, 1.0);
         let mut dout = vec![0.0; b * t * c];
         rng.fill_normal(&mut dout, 1.0);
-        let reps = if t >= 2048 { 3 } else { 5 };
+        let reps = std::env::var("FLASH_REPS").ok().and_then(|s| s.parse().ok()).unwrap_or(if t >= 2048 { 3 } else { 5 });
         let mut out = vec![0.0; b * t * c];
         let mut dqkv = vec![0.0; qkv.len()];
-        let (ref_f, ref_b) = if skip_ref {
-            (f64::NAN, f64::NAN)
-        } else {
-            let mut att = vec![0.0; b * nh * t * t];
-            let f = best_of(reps, || attention_forward(&mut out, &mut att, &qkv, &d, p, 3));
-            let bw = best_of(reps, || attention_backward(&mut dqkv, &dout, &qkv, &att, &d, p, 3));
-            (f, bw)
-        };
+        let mut att = vec![0.0; if skip_ref { 0 } else { b * nh * t * t }];
+        let mut lse = vec![0.0; b * nh * t];
         for &(br, bc) in &tiles {
             let tl = Tiles { br, bc };
-            let mut lse = vec![0.0; b * nh * t];
-            let f = best_of(reps, || flash_attention_forward_tiled(&mut out, &mut lse, &qkv, &d, p, 3, tl));
-            let mut bws = Vec::new();
-            for sched in [Schedule::Auto, Schedule::TwoPass] {
-                bws.push(best_of(reps, || {
-                    flash_attention_backward_with(&mut dqkv, &dout, &qkv, &out, &lse, &d, p, 3, tl, sched)
-                }));
+            // Interleaved repetitions, best of each: other load on the machine hits all alike.
+            let mut best = [f64::INFINITY; 5];
+            for _ in 0..reps {
+                let mut time = |i: usize, f: &mut dyn FnMut()| {
+                    let t0 = Instant::now();
+                    f();
+                    best[i] = best[i].min(t0.elapsed().as_secs_f64());
+                };
+                if !skip_ref {
+                    time(0, &mut || attention_forward(&mut out, &mut att, &qkv, &d, p, 3));
+                    time(1, &mut || attention_backward(&mut dqkv, &dout, &qkv, &att, &d, p, 3));
+                }
+                time(2, &mut || flash_attention_forward_tiled(&mut out, &mut lse, &qkv, &d, p, 3, tl));
+                time(3, &mut || flash_attention_backward_with(&mut dqkv, &dout, &qkv, &out, &lse, &d, p, 3, tl, Schedule::Auto));
+                time(4, &mut || flash_attention_backward_with(&mut dqkv, &dout, &qkv, &out, &lse, &d, p, 3, tl, Schedule::TwoPass));
             }
+            let [ref_f, ref_b, f, bw, bw2] = if skip_ref { [f64::NAN, f64::NAN, best[2], best[3], best[4]] } else { best };
+            let bws = [bw, bw2];
             let (fl, rf) = (f + bws[0], ref_f + ref_b);
             // Peak extra memory: reference keeps att [B,NH,T,T] and, per task in backward, a
             // [T,T] dS (plus a [T,T] dropped copy with dropout); flash keeps lse, D [B,NH,T]
             // and a few [br,bc] tiles per task.
             let ref_bytes = 4 * (b * nh * t * t + threads * t * t * if p > 0.0 { 2 } else { 1 });
-            let fl_task = 4 * (3 * br * bc + br * hs + 3 * br + bc);
+            let fl_task = 4 * (br * bc + br * hs + 3 * br + bc).max(3 * br * bc + bc);
             let fl_bytes = 4 * 2 * b * nh * t + threads * fl_task;
             println!(
                 "{{\"B\":{b},\"T\":{t},\"NH\":{nh},\"HS\":{hs},\"threads\":{threads},\"dropout\":{p},\"tiles\":\"{br}x{bc}\",\

@@ -21,6 +21,7 @@ use crate::attention::AttnDims;
 use crate::matmul::{gemm_raw, Threads, View};
 use crate::ops::dropout_keep;
 use crate::par::SyncPtr;
+use crate::simd::exp;
 use rayon::prelude::*;
 
 /// Query rows per tile (chosen by measurement, see `benches/flash.rs`).
@@ -71,6 +72,7 @@ pub fn flash_attention_forward(
 
 /// Backward of [`flash_attention_forward`], FlashAttention-2 style. Accumulates into `dqkv`.
 /// `out` and `lse` are the forward's outputs.
+#[allow(clippy::too_many_arguments)]
 pub fn flash_attention_backward(
     dqkv: &mut [f32],  // [B, T, 3C]
     dout: &[f32],      // [B, T, C]
@@ -85,7 +87,7 @@ pub fn flash_attention_backward(
 }
 
 fn check_dims(dims: &AttnDims, tiles: Tiles, dropout: f32) -> usize {
-    assert!(dims.nh > 0 && dims.c % dims.nh == 0, "C must be a multiple of NH");
+    assert!(dims.nh > 0 && dims.c.is_multiple_of(dims.nh), "C must be a multiple of NH");
     assert!(tiles.br > 0 && tiles.bc > 0, "tile sizes must be positive");
     assert!((0.0..1.0).contains(&dropout), "dropout p must be in [0, 1)");
     dims.c / dims.nh
@@ -98,8 +100,41 @@ fn valid_cols(gi: usize, j0: usize, ncols: usize) -> usize {
 }
 
 /// Writes `mk[jj] = keep ? 1/(1-p) : 0` for the first `n` columns of row `gi`, starting at `j0`.
-#[inline]
+/// Pure integer hashing, so the vector versions give the same mask bit for bit. (Dispatched by
+/// hand, not `multiversion!`: the hash's 64-bit lane multiplies need AVX-512 DQ.)
+#[allow(clippy::too_many_arguments)]
 fn dropout_row(mk: &mut [f32], bh: usize, t: usize, gi: usize, j0: usize, n: usize, p: f32, seed: u64) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx512dq") {
+            // Safety: the CPU supports AVX-512 F and DQ (64-bit lane multiplies).
+            return unsafe { dropout_row_avx512(mk, bh, t, gi, j0, n, p, seed) };
+        }
+        if std::is_x86_feature_detected!("avx2") {
+            // Safety: the CPU supports AVX2.
+            return unsafe { dropout_row_avx2(mk, bh, t, gi, j0, n, p, seed) };
+        }
+    }
+    dropout_row_body(mk, bh, t, gi, j0, n, p, seed)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512dq")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn dropout_row_avx512(mk: &mut [f32], bh: usize, t: usize, gi: usize, j0: usize, n: usize, p: f32, seed: u64) {
+    dropout_row_body(mk, bh, t, gi, j0, n, p, seed)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn dropout_row_avx2(mk: &mut [f32], bh: usize, t: usize, gi: usize, j0: usize, n: usize, p: f32, seed: u64) {
+    dropout_row_body(mk, bh, t, gi, j0, n, p, seed)
+}
+
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn dropout_row_body(mk: &mut [f32], bh: usize, t: usize, gi: usize, j0: usize, n: usize, p: f32, seed: u64) {
     let sc = 1.0 / (1.0 - p);
     let base = ((bh * t + gi) * t + j0) as u64;
     for (jj, m) in mk[..n].iter_mut().enumerate() {
@@ -203,54 +238,30 @@ pub fn flash_attention_forward_tiled(
     });
 }
 
-/// One online-softmax step over a score tile: for each row, new max, `s ← exp(s − m_new)` on the
-/// causal part (0 elsewhere), `l ← l·α + Σ s` with `α = exp(m_old − m_new)`.
-#[allow(clippy::too_many_arguments)]
-fn online_softmax_tile(
-    s: &mut [f32], bc: usize, rows: usize, ncols: usize, i0: usize, j0: usize,
-    m: &mut [f32], l: &mut [f32], alpha: &mut [f32],
-) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::is_x86_feature_detected!("avx2") {
-            // Safety: the CPU supports AVX2.
-            return unsafe { online_softmax_tile_avx2(s, bc, rows, ncols, i0, j0, m, l, alpha) };
+crate::multiversion! {
+    /// One online-softmax step over a score tile: for each row, new max, `s ← exp(s − m_new)`
+    /// on the causal part (0 elsewhere), `l ← l·α + Σ s` with `α = exp(m_old − m_new)`.
+    #[allow(clippy::too_many_arguments)]
+    fn online_softmax_tile(
+        s: &mut [f32], bc: usize, rows: usize, ncols: usize, i0: usize, j0: usize,
+        m: &mut [f32], l: &mut [f32], alpha: &mut [f32],
+    ) {
+        for r in 0..rows {
+            let vr = valid_cols(i0 + r, j0, ncols);
+            let row = &mut s[r * bc..r * bc + ncols];
+            if vr == 0 {
+                row.fill(0.0);
+                alpha[r] = 1.0;
+                continue;
+            }
+            let m_new = m[r].max(row_max(&row[..vr]));
+            let a = if m[r] == f32::NEG_INFINITY { 0.0 } else { (m[r] - m_new).exp() };
+            let sum = exp_sub_sum(&mut row[..vr], m_new);
+            row[vr..].fill(0.0);
+            l[r] = l[r] * a + sum;
+            m[r] = m_new;
+            alpha[r] = a;
         }
-    }
-    online_softmax_tile_body(s, bc, rows, ncols, i0, j0, m, l, alpha)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn online_softmax_tile_avx2(
-    s: &mut [f32], bc: usize, rows: usize, ncols: usize, i0: usize, j0: usize,
-    m: &mut [f32], l: &mut [f32], alpha: &mut [f32],
-) {
-    online_softmax_tile_body(s, bc, rows, ncols, i0, j0, m, l, alpha)
-}
-
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn online_softmax_tile_body(
-    s: &mut [f32], bc: usize, rows: usize, ncols: usize, i0: usize, j0: usize,
-    m: &mut [f32], l: &mut [f32], alpha: &mut [f32],
-) {
-    for r in 0..rows {
-        let vr = valid_cols(i0 + r, j0, ncols);
-        let row = &mut s[r * bc..r * bc + ncols];
-        if vr == 0 {
-            row.fill(0.0);
-            alpha[r] = 1.0;
-            continue;
-        }
-        let m_new = m[r].max(row_max(&row[..vr]));
-        let a = if m[r] == f32::NEG_INFINITY { 0.0 } else { (m[r] - m_new).exp() };
-        let sum = exp_sub_sum(&mut row[..vr], m_new);
-        row[vr..].fill(0.0);
-        l[r] = l[r] * a + sum;
-        m[r] = m_new;
-        alpha[r] = a;
     }
 }
 
@@ -325,7 +336,7 @@ pub fn flash_attention_backward_with(
         Schedule::TwoPass => false,
         Schedule::Auto => {
             let (n, th) = (b * nh, rayon::current_num_threads());
-            n % th == 0 || n >= 4 * th
+            n.is_multiple_of(th) || n >= 4 * th
         }
     };
     let init = || BwdScratch {
@@ -446,63 +457,33 @@ fn tile_grads(x: &Ctx, sc: &mut BwdScratch, bh: usize, i0: usize, rows: usize, j
     }
 }
 
-fn bwd_row(p: &mut [f32], ds: &mut [f32], vr: usize, lse: f32, d: f32) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::is_x86_feature_detected!("avx2") {
-            // Safety: the CPU supports AVX2.
-            return unsafe { bwd_row_avx2(p, ds, vr, lse, d) };
+crate::multiversion! {
+    /// `p ← exp(s − lse)`, `ds ← p ∘ (dP − D)` on the first `vr` columns, 0 after.
+    fn bwd_row(p: &mut [f32], ds: &mut [f32], vr: usize, lse: f32, d: f32) {
+        for (pj, dj) in p[..vr].iter_mut().zip(ds[..vr].iter_mut()) {
+            let e = exp(*pj - lse);
+            *pj = e;
+            *dj = e * (*dj - d);
         }
+        p[vr..].fill(0.0);
+        ds[vr..].fill(0.0);
     }
-    bwd_row_body(p, ds, vr, lse, d)
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn bwd_row_avx2(p: &mut [f32], ds: &mut [f32], vr: usize, lse: f32, d: f32) {
-    bwd_row_body(p, ds, vr, lse, d)
-}
-
-#[inline(always)]
-fn bwd_row_body(p: &mut [f32], ds: &mut [f32], vr: usize, lse: f32, d: f32) {
-    for (pj, dj) in p[..vr].iter_mut().zip(ds[..vr].iter_mut()) {
-        let e = fexp(*pj - lse);
-        *pj = e;
-        *dj = e * (*dj - d);
-    }
-    p[vr..].fill(0.0);
-    ds[vr..].fill(0.0);
-}
-
-fn bwd_row_dropout(p: &mut [f32], pd: &mut [f32], ds: &mut [f32], mk: &[f32], vr: usize, lse: f32, d: f32) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::is_x86_feature_detected!("avx2") {
-            // Safety: the CPU supports AVX2.
-            return unsafe { bwd_row_dropout_avx2(p, pd, ds, mk, vr, lse, d) };
+crate::multiversion! {
+    /// As [`bwd_row`] with dropout: also `pd ← p ∘ mk`, and `dP = mk ∘ (dO·vᵀ)`.
+    fn bwd_row_dropout(p: &mut [f32], pd: &mut [f32], ds: &mut [f32], mk: &[f32], vr: usize, lse: f32, d: f32) {
+        let it = p[..vr].iter_mut().zip(pd[..vr].iter_mut()).zip(ds[..vr].iter_mut()).zip(mk);
+        for (((pj, pdj), dj), &m) in it {
+            let e = exp(*pj - lse);
+            *pj = e;
+            *pdj = e * m;
+            *dj = e * (*dj * m - d);
         }
+        p[vr..].fill(0.0);
+        pd[vr..].fill(0.0);
+        ds[vr..].fill(0.0);
     }
-    bwd_row_dropout_body(p, pd, ds, mk, vr, lse, d)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn bwd_row_dropout_avx2(p: &mut [f32], pd: &mut [f32], ds: &mut [f32], mk: &[f32], vr: usize, lse: f32, d: f32) {
-    bwd_row_dropout_body(p, pd, ds, mk, vr, lse, d)
-}
-
-#[inline(always)]
-fn bwd_row_dropout_body(p: &mut [f32], pd: &mut [f32], ds: &mut [f32], mk: &[f32], vr: usize, lse: f32, d: f32) {
-    let it = p[..vr].iter_mut().zip(pd[..vr].iter_mut()).zip(ds[..vr].iter_mut()).zip(mk);
-    for (((pj, pdj), dj), &m) in it {
-        let e = fexp(*pj - lse);
-        *pj = e;
-        *pdj = e * m;
-        *dj = e * (*dj * m - d);
-    }
-    p[vr..].fill(0.0);
-    pd[vr..].fill(0.0);
-    ds[vr..].fill(0.0);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -531,14 +512,14 @@ fn exp_sub_sum(x: &mut [f32], m: f32) -> f32 {
     let mut ch = x.chunks_exact_mut(8);
     for c in &mut ch {
         for k in 0..8 {
-            let e = fexp(c[k] - m);
+            let e = exp(c[k] - m);
             c[k] = e;
             acc[k] += e;
         }
     }
     let mut s = 0.0;
     for v in ch.into_remainder() {
-        *v = fexp(*v - m);
+        *v = exp(*v - m);
         s += *v;
     }
     acc.iter().sum::<f32>() + s
@@ -561,50 +542,5 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 fn mul_into(x: &mut [f32], m: &[f32]) {
     for (a, b) in x.iter_mut().zip(m) {
         *a *= b;
-    }
-}
-
-/// `exp(x)` for `x ≤ 88`, vectorisable: Cephes `expf` (range reduction by `ln 2` in two
-/// parts, degree-6 polynomial), relative error about 2 ulp; `exp(x) = 0` for `x < −87`.
-/// No fused multiply-add (Rust never contracts), so every CPU gives the same bits.
-#[inline(always)]
-fn fexp(x: f32) -> f32 {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const C1: f32 = 0.693_359_4;
-    const C2: f32 = -2.121_944_4e-4;
-    const MAGIC: f32 = 12_582_912.0; // 1.5·2²³: adding it rounds to an integer
-    let xc = if x < -87.0 { -87.0 } else if x > 88.0 { 88.0 } else { x };
-    let t = xc * LOG2E + MAGIC;
-    let n = t - MAGIC;
-    let ni = t.to_bits().wrapping_sub(MAGIC.to_bits()) as i32;
-    let r = xc - n * C1 - n * C2;
-    let mut y = 1.987_569_1e-4f32;
-    y = y * r + 1.398_2e-3;
-    y = y * r + 8.333_452e-3;
-    y = y * r + 4.166_579_6e-2;
-    y = y * r + 1.666_666_5e-1;
-    y = y * r + 5.000_000_1e-1;
-    y = y * (r * r) + r + 1.0;
-    let res = y * f32::from_bits((ni.wrapping_add(127) as u32) << 23);
-    if x < -87.0 { 0.0 } else { res }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn fexp_matches_std_exp() {
-        let mut worst = 0.0f64;
-        let mut x = -87.0f32;
-        while x <= 88.0 {
-            let (a, b) = (fexp(x) as f64, (x as f64).exp());
-            worst = worst.max((a - b).abs() / b);
-            x += 0.001_37;
-        }
-        assert!(worst < 4e-7, "worst relative error {worst}");
-        assert_eq!(fexp(-88.0), 0.0);
-        assert_eq!(fexp(f32::NEG_INFINITY), 0.0);
-        assert_eq!(fexp(0.0), 1.0);
     }
 }

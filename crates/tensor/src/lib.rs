@@ -13,6 +13,7 @@
 pub mod attention;
 pub mod classifier;
 pub mod flash;
+pub mod llama;
 pub mod matmul;
 pub mod ops;
 pub mod optim;

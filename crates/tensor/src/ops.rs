@@ -87,26 +87,30 @@ pub fn layernorm_forward(
     out.par_chunks_mut(c)
         .zip(mean.par_iter_mut().zip(rstd.par_iter_mut()))
         .enumerate()
-        .for_each(|(r, (o, (m, s)))| {
-            let x = &inp[r * c..(r + 1) * c];
-            let mu = x.iter().sum::<f32>() / c as f32;
-            let var = x.iter().map(|v| (v - mu) * (v - mu)).sum::<f32>() / c as f32;
-            let rs = 1.0 / (var + LN_EPS).sqrt();
-            match bias {
-                Some(b) => {
-                    for j in 0..c {
-                        o[j] = (x[j] - mu) * rs * weight[j] + b[j];
-                    }
-                }
-                None => {
-                    for j in 0..c {
-                        o[j] = (x[j] - mu) * rs * weight[j];
-                    }
+        .for_each(|(r, (o, (m, s)))| layernorm_row(o, m, s, &inp[r * c..(r + 1) * c], weight, bias));
+}
+
+crate::multiversion! {
+    fn layernorm_row(o: &mut [f32], m: &mut f32, s: &mut f32, x: &[f32], weight: &[f32], bias: Option<&[f32]>) {
+        let c = x.len();
+        let mu = simd::sum_by(c, |j| x[j]) / c as f32;
+        let var = simd::sum_by(c, |j| (x[j] - mu) * (x[j] - mu)) / c as f32;
+        let rs = 1.0 / (var + LN_EPS).sqrt();
+        match bias {
+            Some(b) => {
+                for j in 0..c {
+                    o[j] = (x[j] - mu) * rs * weight[j] + b[j];
                 }
             }
-            *m = mu;
-            *s = rs;
-        });
+            None => {
+                for j in 0..c {
+                    o[j] = (x[j] - mu) * rs * weight[j];
+                }
+            }
+        }
+        *m = mu;
+        *s = rs;
+    }
 }
 
 /// Backward of [`layernorm_forward`]. Accumulates into `dinp`, `dweight`, `dbias`.
@@ -125,30 +129,14 @@ pub fn layernorm_backward(
     let _p = crate::profile::scope("layernorm_backward");
     let n = mean.len();
     dinp.par_chunks_mut(c).enumerate().for_each(|(r, di)| {
-        let x = &inp[r * c..(r + 1) * c];
-        let d = &dout[r * c..(r + 1) * c];
-        let (mu, rs) = (mean[r], rstd[r]);
-        let mut dnorm_mean = 0.0f32;
-        let mut dnorm_norm_mean = 0.0f32;
-        for j in 0..c {
-            let norm = (x[j] - mu) * rs;
-            let dn = weight[j] * d[j];
-            dnorm_mean += dn;
-            dnorm_norm_mean += dn * norm;
-        }
-        dnorm_mean /= c as f32;
-        dnorm_norm_mean /= c as f32;
-        for j in 0..c {
-            let norm = (x[j] - mu) * rs;
-            let dn = weight[j] * d[j];
-            di[j] += (dn - dnorm_mean - norm * dnorm_norm_mean) * rs;
-        }
+        layernorm_backward_row(di, &dout[r * c..(r + 1) * c], &inp[r * c..(r + 1) * c], weight, mean[r], rstd[r])
     });
     column_reduce(dweight, n, c, |r, acc| {
         let x = &inp[r * c..(r + 1) * c];
         let d = &dout[r * c..(r + 1) * c];
+        let (mu, rs) = (mean[r], rstd[r]);
         for j in 0..c {
-            acc[j] += (x[j] - mean[r]) * rstd[r] * d[j];
+            acc[j] += (x[j] - mu) * rs * d[j];
         }
     });
     if let Some(db) = dbias {
@@ -157,6 +145,18 @@ pub fn layernorm_backward(
                 *a += d;
             }
         });
+    }
+}
+
+crate::multiversion! {
+    fn layernorm_backward_row(di: &mut [f32], d: &[f32], x: &[f32], weight: &[f32], mu: f32, rs: f32) {
+        let c = x.len();
+        let dnorm_mean = simd::sum_by(c, |j| weight[j] * d[j]) / c as f32;
+        let dnorm_norm_mean = simd::sum_by(c, |j| weight[j] * d[j] * (x[j] - mu) * rs) / c as f32;
+        for j in 0..c {
+            let norm = (x[j] - mu) * rs;
+            di[j] += (weight[j] * d[j] - dnorm_mean - norm * dnorm_norm_mean) * rs;
+        }
     }
 }
 

@@ -24,18 +24,28 @@ where
     if n_chunks == 0 {
         return;
     }
-    let mut partial = vec![0.0f32; n_chunks * width];
-    partial.par_chunks_mut(width).enumerate().for_each(|(ci, part)| {
-        let end = ((ci + 1) * REDUCE_ROWS).min(rows);
-        for r in ci * REDUCE_ROWS..end {
-            f(r, part);
+    // The partial sums live in a buffer kept per calling thread: after the first step of a
+    // run nothing is allocated here. (Callers are top-level kernels, never rayon tasks, so the
+    // buffer is never borrowed twice.)
+    thread_local! {
+        static PARTIAL: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    PARTIAL.with(|cell| {
+        let mut partial = cell.borrow_mut();
+        partial.clear();
+        partial.resize(n_chunks * width, 0.0);
+        partial.par_chunks_mut(width).enumerate().for_each(|(ci, part)| {
+            let end = ((ci + 1) * REDUCE_ROWS).min(rows);
+            for r in ci * REDUCE_ROWS..end {
+                f(r, part);
+            }
+        });
+        for part in partial.chunks(width) {
+            for (a, p) in acc.iter_mut().zip(part) {
+                *a += *p;
+            }
         }
     });
-    for part in partial.chunks(width) {
-        for (a, p) in acc.iter_mut().zip(part) {
-            *a += *p;
-        }
-    }
 }
 
 /// Elements per chunk for elementwise parallel loops.

@@ -31,9 +31,8 @@ pub fn tanh(u: f32) -> f32 {
     ((1.0 - e) / (1.0 + e)).copysign(u)
 }
 
-/// Runs `$body` (a closure-free block over slices) through an AVX2+FMA-compiled copy when the
-/// CPU supports it, else the baseline build. Usage inside a function:
-/// `dispatch!(fn_name(args...) { body })` defines and calls both variants.
+/// Defines `fn name(args) { body }` compiled three times — AVX-512, AVX2+FMA and the baseline —
+/// and calls the best one the CPU supports (checked at run time; the checks are cached).
 #[macro_export]
 macro_rules! multiversion {
     ($(#[$m:meta])* $vis:vis fn $name:ident($($arg:ident : $ty:ty),* $(,)?) $body:block) => {
@@ -42,8 +41,14 @@ macro_rules! multiversion {
             fn inner($($arg: $ty),*) $body
             #[cfg(target_arch = "x86_64")]
             {
+                #[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
+                unsafe fn avx512($($arg: $ty),*) { inner($($arg),*) }
                 #[target_feature(enable = "avx2,fma")]
                 unsafe fn avx2($($arg: $ty),*) { inner($($arg),*) }
+                if std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bw") {
+                    // Safety: the features were detected at run time.
+                    return unsafe { avx512($($arg),*) };
+                }
                 if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
                     // Safety: the features were detected at run time.
                     return unsafe { avx2($($arg),*) };
@@ -52,4 +57,24 @@ macro_rules! multiversion {
             inner($($arg),*)
         }
     };
+}
+
+/// `Σ f(i)` over `0..n` with eight interleaved partial sums combined in a fixed order, so the
+/// loop vectorises and the result does not depend on anything but the input.
+#[inline(always)]
+pub fn sum_by(n: usize, f: impl Fn(usize) -> f32) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let full = n / 8 * 8;
+    let mut i = 0;
+    while i < full {
+        for (l, a) in acc.iter_mut().enumerate() {
+            *a += f(i + l);
+        }
+        i += 8;
+    }
+    let mut tail = 0.0f32;
+    for j in full..n {
+        tail += f(j);
+    }
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
 }

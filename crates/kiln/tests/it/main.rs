@@ -1,4 +1,5 @@
 //! Integration tests for the kiln binary: one test binary, modules per concern.
+mod bench;
 mod common;
 mod errors;
 mod training;

@@ -138,3 +138,40 @@ fn prepared_data_and_trained_tokenizer() {
     let cfg = fs::read_to_string(out.join("config.toml")).unwrap();
     assert!(cfg.contains("vocab_size = 320"), "300 BPE tokens padded to 320: {cfg}");
 }
+
+#[test]
+fn hf_init_export_and_checkpoint_commands() {
+    let fx = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/fixtures/gpt2-tiny");
+    if !fx.exists() {
+        eprintln!("skipped: no fixture at {}", fx.display());
+        return;
+    }
+    let d = scratch("hf");
+    let data = corpus(&d);
+    let out = d.join("run");
+    // The fixture's vocabulary has 101 ids, so a char tokenizer over the small corpus fits.
+    let o = kiln(&["train", "--init-from", fx.to_str().unwrap(), "--data", data.to_str().unwrap(), "--out", out.to_str().unwrap(),
+        "--set", "data.tokenizer=char", "--set", "train.batch_size=4", "--max-steps", "4", "--set", "eval.iters=2", "--set", "sample.tokens=5", "--quiet"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let cfg = fs::read_to_string(out.join("config.toml")).unwrap();
+    assert!(cfg.contains("n_embd = 64") && cfg.contains("vocab_size = 101") && cfg.contains("block_size = 64"), "{cfg}");
+    let exp = d.join("export");
+    let o = kiln(&["export", "--run", out.to_str().unwrap(), "--format", "hf", "--out", exp.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(exp.join("config.json").exists() && exp.join("model.safetensors").exists());
+    // The export evaluates like the run itself on the same data.
+    let tok = out.join("tokenizer.json");
+    let a = kiln(&["eval", "--run", out.to_str().unwrap(), "--data", data.to_str().unwrap(), "--seq-len", "32"]);
+    let b = kiln(&["eval", "--checkpoint", exp.to_str().unwrap(), "--tokenizer", tok.to_str().unwrap(), "--data", data.to_str().unwrap(), "--seq-len", "32"]);
+    assert!(a.status.success() && b.status.success(), "{} {}", stderr(&a), stderr(&b));
+    let va: serde_json::Value = serde_json::from_str(stdout(&a).trim()).unwrap();
+    let vb: serde_json::Value = serde_json::from_str(stdout(&b).trim()).unwrap();
+    assert_eq!(va["val_loss"], vb["val_loss"]);
+    assert_eq!(va["tokens"], vb["tokens"]);
+    let g = kiln(&["generate", "--checkpoint", exp.to_str().unwrap(), "--tokenizer", tok.to_str().unwrap(), "--prompt", "the", "--max-new-tokens", "8"]);
+    assert!(g.status.success(), "{}", stderr(&g));
+    // Errors: --checkpoint without --data, a tokenizer larger than the model, a bad format.
+    assert_user_error(&kiln(&["eval", "--checkpoint", exp.to_str().unwrap(), "--tokenizer", tok.to_str().unwrap()]), &["--data"]);
+    assert_user_error(&kiln(&["eval", "--checkpoint", exp.to_str().unwrap(), "--data", data.to_str().unwrap()]), &["gpt2 tokenizer has 50257 tokens", "--tokenizer"]);
+    assert_user_error(&kiln(&["export", "--run", out.to_str().unwrap(), "--format", "onnx", "--out", exp.to_str().unwrap()]), &["onnx"]);
+}

@@ -1,0 +1,429 @@
+//! LLaMA-family kernels, matching Hugging Face `transformers`' `LlamaForCausalLM` math:
+//! RMSNorm, rotary position embeddings (the `rotate_half` convention, not interleaved), the
+//! SwiGLU activation and materialised grouped-query attention (GQA).
+//!
+//! Extra shape letters: `N` rows (`B·T`), `NKV` key/value heads (`NH` a multiple of it), `F` the
+//! MLP's intermediate size, `W = (NH + 2·NKV)·HS` the width of one token's fused qkv row,
+//! laid out `[q: NH·HS | k: NKV·HS | v: NKV·HS]` (HF's `q_proj`, `k_proj`, `v_proj` weights
+//! concatenated by rows give this layout from one matmul). With `NKV == NH` it is exactly the
+//! `[B, T, 3C]` layout of `crate::attention`.
+//!
+//! Forward functions overwrite their outputs; backward functions accumulate (`+=`) into their
+//! gradients — except the rotary pair, which rotates its buffer *in place* (see [`rope_forward`]).
+
+use crate::matmul::{gemm_raw, Threads, View};
+use crate::par::{column_reduce, SyncPtr, ELEMS};
+use crate::simd;
+use rayon::prelude::*;
+
+// ---------------------------------------------------------------------------------------------
+// RMSNorm (HF `LlamaRMSNorm`, in fp32): out = weight · (x · rsqrt(mean(x²) + eps))
+
+/// `out = weight · (inp · rstd)` per row with `rstd = 1/√(mean(inp²) + eps)`; saves `rstd`.
+pub fn rmsnorm_forward(
+    out: &mut [f32],     // [N, C]
+    rstd: &mut [f32],    // [N]
+    inp: &[f32],         // [N, C]
+    weight: &[f32],      // [C]
+    eps: f32,
+    c: usize,
+) {
+    let _p = crate::profile::scope("rmsnorm_forward");
+    assert_eq!(weight.len(), c);
+    assert_eq!(inp.len(), rstd.len() * c);
+    assert_eq!(out.len(), inp.len());
+    out.par_chunks_mut(c)
+        .zip(rstd.par_iter_mut())
+        .enumerate()
+        .for_each(|(r, (o, s))| rmsnorm_row(o, s, &inp[r * c..(r + 1) * c], weight, eps));
+}
+
+crate::multiversion! {
+    fn rmsnorm_row(o: &mut [f32], s: &mut f32, x: &[f32], weight: &[f32], eps: f32) {
+        let c = x.len();
+        let ms = simd::sum_by(c, |j| x[j] * x[j]) / c as f32;
+        let rs = 1.0 / (ms + eps).sqrt();
+        // HF order: `hidden * rsqrt(var + eps)`, then `weight * hidden`.
+        for j in 0..c {
+            o[j] = weight[j] * (x[j] * rs);
+        }
+        *s = rs;
+    }
+}
+
+/// Backward of [`rmsnorm_forward`]. Accumulates into `dinp` and `dweight`.
+/// With `n = x·rstd`: `dx = rstd·(w·d − n·mean(w·d·n))`, `dw = Σ_rows d·n`.
+pub fn rmsnorm_backward(
+    dinp: &mut [f32],      // [N, C]
+    dweight: &mut [f32],   // [C]
+    dout: &[f32],          // [N, C]
+    inp: &[f32],           // [N, C]
+    weight: &[f32],        // [C]
+    rstd: &[f32],          // [N]
+    c: usize,
+) {
+    let _p = crate::profile::scope("rmsnorm_backward");
+    let n = rstd.len();
+    assert_eq!(inp.len(), n * c);
+    assert_eq!(dout.len(), n * c);
+    assert_eq!(dinp.len(), n * c);
+    dinp.par_chunks_mut(c).enumerate().for_each(|(r, di)| {
+        rmsnorm_backward_row(di, &dout[r * c..(r + 1) * c], &inp[r * c..(r + 1) * c], weight, rstd[r])
+    });
+    column_reduce(dweight, n, c, |r, acc| {
+        add_scaled_product(acc, &dout[r * c..(r + 1) * c], &inp[r * c..(r + 1) * c], rstd[r])
+    });
+}
+
+crate::multiversion! {
+    fn rmsnorm_backward_row(di: &mut [f32], d: &[f32], x: &[f32], weight: &[f32], rs: f32) {
+        let c = x.len();
+        // mean(w·d·n) with n = x·rs
+        let m = simd::sum_by(c, |j| weight[j] * d[j] * x[j]) * rs / c as f32;
+        for j in 0..c {
+            di[j] += rs * (weight[j] * d[j] - x[j] * rs * m);
+        }
+    }
+}
+
+crate::multiversion! {
+    /// `acc += a · b · s`.
+    fn add_scaled_product(acc: &mut [f32], a: &[f32], b: &[f32], s: f32) {
+        for ((acc, a), b) in acc.iter_mut().zip(a).zip(b) {
+            *acc += a * b * s;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rotary position embeddings, HF convention: for pair i < HS/2 of a head,
+// (x_i, x_{i+HS/2}) ↦ (x_i·cos − x_{i+HS/2}·sin, x_{i+HS/2}·cos + x_i·sin), angle = pos·inv_freq_i.
+
+/// Tables `(cos, sin)`, each `[max_t, HS/2]`: entry `(p, i)` is the cos / sin of
+/// `p · θ^(−2i/HS)`. Computed as HF's `LlamaRotaryEmbedding` (default rope type) does, in fp32:
+/// `inv_freq = 1.0 / (θ ** (arange(0, HS, 2).float() / HS))`, `freqs = pos.float() · inv_freq`,
+/// then cos / sin of that fp32 angle (here evaluated in f64 and rounded, so each entry is
+/// within an ulp of torch's). An f64 angle would be more "exact" but would drift from HF by up to
+/// `pos · 2⁻²⁴` radians at long context.
+pub fn rope_table(theta: f32, hs: usize, max_t: usize) -> (Vec<f32>, Vec<f32>) {
+    assert!(hs % 2 == 0, "rotary head size must be even");
+    let half = hs / 2;
+    let inv_freq: Vec<f32> = (0..half)
+        .map(|i| {
+            let e = (2 * i) as f32 / hs as f32;
+            1.0f32 / ((theta as f64).powf(e as f64) as f32)
+        })
+        .collect();
+    let (mut cos, mut sin) = (vec![0.0f32; max_t * half], vec![0.0f32; max_t * half]);
+    for p in 0..max_t {
+        for (i, &f) in inv_freq.iter().enumerate() {
+            let angle = (p as f32 * f) as f64;
+            cos[p * half + i] = angle.cos() as f32;
+            sin[p * half + i] = angle.sin() as f32;
+        }
+    }
+    (cos, sin)
+}
+
+/// Rotates the q and k heads of every token of `qkv` in place, token `(b, t)` by position
+/// `pos_offset + t` (`pos_offset > 0` when decoding with a KV cache). v is untouched.
+/// "Forward overwrites": the rotated values replace the inputs.
+#[allow(clippy::too_many_arguments)]
+pub fn rope_forward(
+    qkv: &mut [f32],   // [B, T, W]
+    cos: &[f32],       // [maxT, HS/2]
+    sin: &[f32],       // [maxT, HS/2]
+    b: usize,
+    t: usize,
+    nh: usize,
+    nkv: usize,
+    hs: usize,
+    pos_offset: usize,
+) {
+    let _p = crate::profile::scope("rope_forward");
+    rope_apply(qkv, cos, sin, b, t, nh, nkv, hs, pos_offset, false);
+}
+
+/// Backward of [`rope_forward`], in place: `dqkv` holds the gradient with respect to the
+/// *rotated* q and k (and v) and is replaced by the gradient with respect to the unrotated
+/// ones — the inverse (transposed) rotation, since the map is linear and orthogonal. Not an
+/// accumulation: call it on the finished `dqkv` of attention's backward, before the qkv matmul's.
+#[allow(clippy::too_many_arguments)]
+pub fn rope_backward(
+    dqkv: &mut [f32],  // [B, T, W]
+    cos: &[f32],       // [maxT, HS/2]
+    sin: &[f32],       // [maxT, HS/2]
+    b: usize,
+    t: usize,
+    nh: usize,
+    nkv: usize,
+    hs: usize,
+    pos_offset: usize,
+) {
+    let _p = crate::profile::scope("rope_backward");
+    rope_apply(dqkv, cos, sin, b, t, nh, nkv, hs, pos_offset, true);
+}
+
+#[allow(clippy::too_many_arguments)]
+fn rope_apply(
+    x: &mut [f32],     // [B, T, W]
+    cos: &[f32],       // [maxT, HS/2]
+    sin: &[f32],       // [maxT, HS/2]
+    b: usize,
+    t: usize,
+    nh: usize,
+    nkv: usize,
+    hs: usize,
+    pos_offset: usize,
+    inverse: bool,
+) {
+    assert!(hs % 2 == 0, "rotary head size must be even");
+    let half = hs / 2;
+    let w = (nh + 2 * nkv) * hs;
+    assert_eq!(x.len(), b * t * w);
+    assert_eq!(cos.len(), sin.len());
+    assert!((pos_offset + t) * half <= cos.len(), "rope table shorter than pos_offset + T");
+    // Rows of about ELEMS/4 floats per task: a row alone is too little work to schedule.
+    let rows_per_task = (ELEMS / 4 / w.max(1)).max(1);
+    x.par_chunks_mut(w * rows_per_task).enumerate().for_each(|(ci, rows)| {
+        for (k, row) in rows.chunks_mut(w).enumerate() {
+            let pos = pos_offset + (ci * rows_per_task + k) % t;
+            let (c, s) = (&cos[pos * half..(pos + 1) * half], &sin[pos * half..(pos + 1) * half]);
+            // q and k heads are contiguous: the first NH + NKV heads of the row.
+            rope_row(&mut row[..(nh + nkv) * hs], c, s, hs, inverse);
+        }
+    });
+}
+
+crate::multiversion! {
+    fn rope_row(x: &mut [f32], c: &[f32], s: &[f32], hs: usize, inverse: bool) {
+        let half = hs / 2;
+        for head in x.chunks_exact_mut(hs) {
+            let (x1, x2) = head.split_at_mut(half);
+            if inverse {
+                for i in 0..half {
+                    let (a, b) = (x1[i], x2[i]);
+                    x1[i] = a * c[i] + b * s[i];
+                    x2[i] = b * c[i] - a * s[i];
+                }
+            } else {
+                // HF: x·cos + rotate_half(x)·sin, rotate_half(x) = (−x2, x1).
+                for i in 0..half {
+                    let (a, b) = (x1[i], x2[i]);
+                    x1[i] = a * c[i] - b * s[i];
+                    x2[i] = b * c[i] + a * s[i];
+                }
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// SwiGLU: h = silu(gate) ⊙ up, silu(x) = x·sigmoid(x), over a fused [gate | up] buffer.
+
+/// `out[n, j] = silu(gu[n, j]) · gu[n, F + j]`. Overwrites `out`.
+pub fn swiglu_forward(
+    out: &mut [f32],   // [N, F]
+    gu: &[f32],        // [N, 2F]  gate in columns 0..F, up in F..2F
+    f: usize,
+) {
+    let _p = crate::profile::scope("swiglu_forward");
+    assert_eq!(gu.len(), 2 * out.len());
+    let rows = (ELEMS / f.max(1)).max(1);
+    out.par_chunks_mut(f * rows).zip(gu.par_chunks(2 * f * rows)).for_each(|(o, g)| {
+        for (o, g) in o.chunks_mut(f).zip(g.chunks(2 * f)) {
+            swiglu_row(o, &g[..f], &g[f..]);
+        }
+    });
+}
+
+crate::multiversion! {
+    fn swiglu_row(o: &mut [f32], g: &[f32], u: &[f32]) {
+        for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
+            *o = g / (1.0 + simd::exp(-g)) * u;
+        }
+    }
+}
+
+/// Backward of [`swiglu_forward`]. Accumulates into `dgu`:
+/// `dgate += dout·up·σ(g)·(1 + g·(1 − σ(g)))`, `dup += dout·silu(g)`.
+pub fn swiglu_backward(
+    dgu: &mut [f32],   // [N, 2F]
+    dout: &[f32],      // [N, F]
+    gu: &[f32],        // [N, 2F]
+    f: usize,
+) {
+    let _p = crate::profile::scope("swiglu_backward");
+    assert_eq!(gu.len(), 2 * dout.len());
+    assert_eq!(dgu.len(), gu.len());
+    let rows = (ELEMS / f.max(1)).max(1);
+    dgu.par_chunks_mut(2 * f * rows)
+        .zip(dout.par_chunks(f * rows).zip(gu.par_chunks(2 * f * rows)))
+        .for_each(|(dg, (d, g))| {
+            for (dg, (d, g)) in dg.chunks_mut(2 * f).zip(d.chunks(f).zip(g.chunks(2 * f))) {
+                let (dgate, dup) = dg.split_at_mut(f);
+                swiglu_backward_row(dgate, dup, d, &g[..f], &g[f..]);
+            }
+        });
+}
+
+crate::multiversion! {
+    fn swiglu_backward_row(dgate: &mut [f32], dup: &mut [f32], d: &[f32], g: &[f32], u: &[f32]) {
+        for j in 0..d.len() {
+            let x = g[j];
+            let sig = 1.0 / (1.0 + simd::exp(-x));
+            dgate[j] += d[j] * u[j] * sig * (1.0 + x * (1.0 - sig));
+            dup[j] += d[j] * x * sig;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Grouped-query attention (materialised reference): query head h reads kv head h / (NH/NKV).
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GqaDims {
+    pub b: usize,
+    pub t: usize,
+    pub nh: usize,
+    pub nkv: usize,
+    pub hs: usize,
+}
+
+impl GqaDims {
+    /// Query heads per kv head, `NH / NKV`.
+    pub fn group(&self) -> usize {
+        assert!(self.nkv > 0 && self.nh % self.nkv == 0, "NH must be a multiple of NKV");
+        self.nh / self.nkv
+    }
+    /// `C = NH·HS`, the width of the attention output.
+    pub fn c(&self) -> usize {
+        self.nh * self.hs
+    }
+    /// `W = (NH + 2·NKV)·HS`, the width of one token's qkv row.
+    pub fn qkv_width(&self) -> usize {
+        (self.nh + 2 * self.nkv) * self.hs
+    }
+    /// Column offsets within a qkv row of query head `h`, and of kv head `g`'s k and v.
+    fn q_off(&self, h: usize) -> usize {
+        h * self.hs
+    }
+    fn k_off(&self, g: usize) -> usize {
+        (self.nh + g) * self.hs
+    }
+    fn v_off(&self, g: usize) -> usize {
+        (self.nh + self.nkv + g) * self.hs
+    }
+}
+
+/// `out[b,t,h·HS..] = Σ_j softmax_j(q_h·k_gᵀ/√HS, causal)·v_g` with `g = h / (NH/NKV)`.
+/// Overwrites `out` and `att`. One rayon task per (batch, head), gemm single-threaded inside.
+pub fn gqa_attention_forward(
+    out: &mut [f32],   // [B, T, C]        C = NH·HS
+    att: &mut [f32],   // [B, NH, T, T]    softmax probabilities
+    qkv: &[f32],       // [B, T, W]
+    dims: &GqaDims,
+) {
+    let _p = crate::profile::scope("gqa_attention_forward");
+    let GqaDims { b, t, nh, hs, .. } = *dims;
+    let (c, w, group) = (dims.c(), dims.qkv_width(), dims.group());
+    assert_eq!(out.len(), b * t * c);
+    assert_eq!(att.len(), b * nh * t * t);
+    assert_eq!(qkv.len(), b * t * w);
+    let scale = 1.0 / (hs as f32).sqrt();
+    let outp = SyncPtr(out.as_mut_ptr());
+    att.par_chunks_mut(t * t).enumerate().for_each(|(bh, a)| {
+        let outp = outp;
+        let (bi, h) = (bh / nh, bh % nh);
+        let g = h / group;
+        let base = bi * t * w;
+        let q = View { data: qkv, off: base + dims.q_off(h), rows: t, cols: hs, rs: w, cs: 1 };
+        let k = View { off: base + dims.k_off(g), ..q };
+        let v = View { off: base + dims.v_off(g), ..q };
+        // S = q·kᵀ·scale   [T, T]
+        unsafe { gemm_raw(a.as_mut_ptr(), t, false, q, k.t(), scale, Threads::One) };
+        for i in 0..t {
+            causal_softmax_row(&mut a[i * t..(i + 1) * t], i);
+        }
+        // Safety: task (bi, h) writes only rows of batch bi, columns h·HS..(h+1)·HS of `out`.
+        let dst = unsafe { outp.0.add(bi * t * c + h * hs) };
+        unsafe { gemm_raw(dst, c, false, View::rows(a, t, t), v, 1.0, Threads::One) };
+    });
+}
+
+crate::multiversion! {
+    /// Softmax over `row[..=i]`; `row[i+1..]` (the future) is set to 0.
+    fn causal_softmax_row(row: &mut [f32], i: usize) {
+        let (live, future) = row.split_at_mut(i + 1);
+        let max = live.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+        for x in live.iter_mut() {
+            *x = simd::exp(*x - max);
+        }
+        let inv = 1.0 / simd::sum_by(live.len(), |j| live[j]);
+        for x in live.iter_mut() {
+            *x *= inv;
+        }
+        future.fill(0.0);
+    }
+}
+
+crate::multiversion! {
+    /// Softmax backward on one causal row: `ds = p ∘ (dp − Σ_j p·dp)` in place of `dp`.
+    fn causal_softmax_backward_row(ds: &mut [f32], p: &[f32], i: usize) {
+        let (live, future) = ds.split_at_mut(i + 1);
+        let dot = simd::sum_by(live.len(), |j| p[j] * live[j]);
+        for (d, &p) in live.iter_mut().zip(p) {
+            *d = p * (*d - dot);
+        }
+        future.fill(0.0);
+    }
+}
+
+/// Backward of [`gqa_attention_forward`]. Accumulates into `dqkv`. One rayon task per
+/// (batch, kv head): it walks the group's query heads in ascending order, so each kv head's
+/// `dk`, `dv` sum over its heads in a fixed order and no two tasks write the same element.
+pub fn gqa_attention_backward(
+    dqkv: &mut [f32],  // [B, T, W]
+    dout: &[f32],      // [B, T, C]
+    qkv: &[f32],       // [B, T, W]
+    att: &[f32],       // [B, NH, T, T]
+    dims: &GqaDims,
+) {
+    let _p = crate::profile::scope("gqa_attention_backward");
+    let GqaDims { b, t, nh, nkv, hs } = *dims;
+    let (c, w, group) = (dims.c(), dims.qkv_width(), dims.group());
+    assert_eq!(dqkv.len(), b * t * w);
+    assert_eq!(qkv.len(), b * t * w);
+    assert_eq!(dout.len(), b * t * c);
+    assert_eq!(att.len(), b * nh * t * t);
+    let scale = 1.0 / (hs as f32).sqrt();
+    let dp = SyncPtr(dqkv.as_mut_ptr());
+    (0..b * nkv).into_par_iter().for_each(|bg| {
+        let dp = dp;
+        let (bi, g) = (bg / nkv, bg % nkv);
+        let base = bi * t * w;
+        let kv = View { data: qkv, off: base + dims.k_off(g), rows: t, cols: hs, rs: w, cs: 1 };
+        let (k, v) = (kv, View { off: base + dims.v_off(g), ..kv });
+        // Safety: task (bi, g) writes only rows of batch bi, in the k and v columns of kv
+        // head g and the q columns of heads g·group..(g+1)·group.
+        let (dk, dv) = unsafe { (dp.0.add(base + dims.k_off(g)), dp.0.add(base + dims.v_off(g))) };
+        let mut ds = vec![0.0f32; t * t];
+        for h in g * group..(g + 1) * group {
+            let p = &att[(bi * nh + h) * t * t..(bi * nh + h + 1) * t * t];
+            let q = View { off: base + dims.q_off(h), ..kv };
+            let d_o = View { data: dout, off: bi * t * c + h * hs, rows: t, cols: hs, rs: c, cs: 1 };
+            let dq = unsafe { dp.0.add(base + dims.q_off(h)) };
+            // dv += pᵀ · dout
+            unsafe { gemm_raw(dv, w, true, View::rows(p, t, t).t(), d_o, 1.0, Threads::One) };
+            // dp = dout · vᵀ   [T, T], then the softmax backward in place
+            unsafe { gemm_raw(ds.as_mut_ptr(), t, false, d_o, v.t(), 1.0, Threads::One) };
+            for i in 0..t {
+                causal_softmax_backward_row(&mut ds[i * t..(i + 1) * t], &p[i * t..(i + 1) * t], i);
+            }
+            let dsv = View::rows(&ds, t, t);
+            // dq += ds · k · scale ; dk += dsᵀ · q · scale
+            unsafe { gemm_raw(dq, w, true, dsv, k, scale, Threads::One) };
+            unsafe { gemm_raw(dk, w, true, dsv.t(), q, scale, Threads::One) };
+        }
+    });
+}

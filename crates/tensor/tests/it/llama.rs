@@ -1,0 +1,1 @@
+//! Gradient checks and reference values for the LLaMA-family kernels (being written).
