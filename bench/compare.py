@@ -338,6 +338,9 @@ def main():
     ap.add_argument("--wait-idle", type=float, default=0.25, metavar="FRACTION",
                     help="before each run wait until at most this share of the CPUs is busy (1 = never wait)")
     ap.add_argument("--max-wait", type=float, default=600, help="seconds to wait for --wait-idle per run")
+    ap.add_argument("--max-others", type=float, default=0.10, metavar="FRACTION",
+                    help="rerun a run during which other processes used more than this share of the CPUs")
+    ap.add_argument("--retries", type=int, default=2, help="reruns allowed per run for --max-others (the least contended is kept)")
     ap.add_argument("--out", help="also write the JSON summary here")
     args = ap.parse_args()
 
@@ -391,14 +394,23 @@ def main():
                 if (impl == "kiln" and args.no_kiln) or (impl == "torch" and args.no_torch):
                     continue
                 cmd = kiln_cmd(args, cfg) if impl == "kiln" else torch_cmd(py, args, cfg)
-                busy, waited = wait_idle(args.wait_idle, args.max_wait) if args.wait_idle < 1 else (None, 0)
-                la = loadavg()
-                log(f"[{name} {r + 1}/{args.repeats}] {impl}: {' '.join(cmd)}  (load {la})")
-                res = run_json(cmd, env, args.timeout)
-                res.update(_load_before=la, _busy_before=busy, _waited_s=waited)
-                runs[impl].append(res)
-                log(f"    median {res['step_ms']['median']:.1f} ms/step, {res['tokens_per_sec']:.0f} tok/s, "
-                    f"other processes used {res.get('_others_cpu_share', 0):.0%} of the CPUs meanwhile")
+                best = None
+                for attempt in range(1 + args.retries):
+                    busy, waited = wait_idle(args.wait_idle, args.max_wait) if args.wait_idle < 1 else (None, 0)
+                    la = loadavg()
+                    log(f"[{name} {r + 1}/{args.repeats}] {impl}: {' '.join(cmd)}  (load {la})")
+                    res = run_json(cmd, env, args.timeout)
+                    others = res.get("_others_cpu_share") or 0.0
+                    res.update(_load_before=la, _busy_before=busy, _waited_s=waited, _attempt=attempt + 1)
+                    log(f"    median {res['step_ms']['median']:.1f} ms/step, {res['tokens_per_sec']:.0f} tok/s, "
+                        f"other processes used {others:.0%} of the CPUs meanwhile")
+                    if best is None or others < (best.get("_others_cpu_share") or 0.0):
+                        best = res
+                    if others <= args.max_others:
+                        break
+                    if attempt < args.retries:
+                        log(f"    above --max-others {args.max_others:.0%}: running it again")
+                runs[impl].append(best)
         k, t = runs["kiln"], runs["torch"]
         pairs = [a["tokens_per_sec"] / b["tokens_per_sec"] for a, b in zip(k, t)]
         entry = {

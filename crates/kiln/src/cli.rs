@@ -284,7 +284,7 @@ fn dispatch(cmd: Cmd) -> Result<()> {
             }
             let r = run::load_run(&x.run)?;
             let m = run::load_model(&r)?;
-            model::hf::export_gpt2(&m, &x.out).map_err(KilnError::User)?;
+            model::hf::export_hf(&m, &x.out).map_err(KilnError::User)?;
             println!("exported {} (step {}) to {}", r.ckpt.dir.display(), r.ckpt.state.step, x.out.display());
             Ok(())
         }
@@ -316,7 +316,7 @@ fn load_source(src: &Source, tokenizer: Option<&str>) -> Result<(model::Gpt, dat
         return Ok((m, r.tokenizer.clone(), Some(r)));
     }
     let dir = src.checkpoint.as_ref().expect("clap requires --run or --checkpoint");
-    let mut m = model::hf::import_gpt2(dir).map_err(KilnError::User)?;
+    let mut m = model::hf::import_hf(dir).map_err(KilnError::User)?;
     let tok = data::Tokenizer::from_spec(tokenizer.unwrap_or("gpt2"), None)?;
     if tok.vocab_size() > m.cfg.vocab_size {
         return user(format!("{}: the {} tokenizer has {} tokens but the model only {}; pass --tokenizer", dir.display(), tok.kind(), tok.vocab_size(), m.cfg.vocab_size));

@@ -11,9 +11,17 @@ use std::path::Path;
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelSection {
+    /// `gpt2` (LayerNorm, learned positions, GELU) or `llama` (RMSNorm, RoPE, SwiGLU, GQA).
+    pub arch: String,
     pub n_layer: usize,
     pub n_head: usize,
+    /// Key/value heads for grouped-query attention (llama); 0 = n_head.
+    pub n_kv_head: usize,
     pub n_embd: usize,
+    /// MLP width; 0 = 4·n_embd (gpt2) or 8/3·n_embd rounded up to a multiple of 64 (llama).
+    pub ffn_hidden: usize,
+    pub rope_theta: f64,
+    pub norm_eps: f64,
     pub block_size: usize,
     /// 0 = from the tokenizer (rounded up to a multiple of 64 above 256 tokens: 50257 → 50304).
     pub vocab_size: usize,
@@ -227,6 +235,12 @@ impl RunConfig {
 
     fn validate(&self) -> Result<()> {
         let m = &self.model;
+        if m.arch != "gpt2" && m.arch != "llama" {
+            return user(format!("model.arch must be `gpt2` or `llama`, got `{}`", m.arch));
+        }
+        if m.arch == "llama" && m.bias {
+            return user("model.bias must be false for model.arch = llama (LLaMA has no biases)");
+        }
         self.gpt_config(m.vocab_size.max(1)).validate().or_else(user)?;
         let t = &self.train;
         let positive = [("train.batch_size", t.batch_size as f64), ("train.grad_accum", t.grad_accum as f64), ("train.max_steps", t.max_steps as f64), ("train.lr", t.lr)];
@@ -264,15 +278,25 @@ impl RunConfig {
     /// The model config for a tokenizer vocabulary of `vocab` tokens.
     pub fn gpt_config(&self, vocab: usize) -> model::GptConfig {
         let m = &self.model;
+        let arch = if m.arch == "llama" { model::config::Arch::Llama } else { model::config::Arch::Gpt2 };
         model::GptConfig {
+            arch,
             n_layer: m.n_layer,
             n_head: m.n_head,
+            n_kv_head: if m.n_kv_head == 0 { m.n_head } else { m.n_kv_head },
             n_embd: m.n_embd,
+            ffn_hidden: match (m.ffn_hidden, arch) {
+                (0, model::config::Arch::Gpt2) => 4 * m.n_embd,
+                (0, model::config::Arch::Llama) => model::GptConfig::llama_ffn(m.n_embd),
+                (f, _) => f,
+            },
             block_size: m.block_size,
             vocab_size: if m.vocab_size == 0 { padded_vocab(vocab) } else { m.vocab_size },
             bias: m.bias,
             dropout: m.dropout as f32,
             tied_embeddings: m.tied_embeddings,
+            rope_theta: m.rope_theta as f32,
+            norm_eps: m.norm_eps as f32,
         }
     }
 
@@ -311,6 +335,6 @@ pub fn padded_vocab(vocab: usize) -> usize {
 /// Keys that fix the shape of the model or the meaning of its tokens: a run resumed with a
 /// different value for any of them cannot continue from its checkpoint.
 pub const STRUCTURAL_KEYS: &[&str] = &[
-    "model.n_layer", "model.n_head", "model.n_embd", "model.block_size", "model.vocab_size", "model.bias",
-    "model.tied_embeddings", "data.tokenizer", "data.paths", "data.val_fraction",
+    "model.arch", "model.n_layer", "model.n_head", "model.n_kv_head", "model.n_embd", "model.ffn_hidden", "model.block_size",
+    "model.vocab_size", "model.bias", "model.tied_embeddings", "model.rope_theta", "model.norm_eps", "data.tokenizer", "data.paths", "data.val_fraction",
 ];

@@ -7,6 +7,7 @@ pub mod cmd_plan;
 pub mod cli;
 pub mod config;
 pub mod error;
+pub mod obs;
 pub mod presets;
 pub mod progress;
 pub mod run;

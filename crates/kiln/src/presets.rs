@@ -3,12 +3,15 @@
 use crate::config::*;
 use crate::error::{user, Result};
 
-pub const PRESETS: &[&str] = &["tiny", "shakespeare-char", "gpt2-124m"];
+pub const PRESETS: &[&str] = &["tiny", "shakespeare-char", "llama-tiny", "gpt2-124m"];
 
 fn base() -> RunConfig {
     RunConfig {
         preset: String::new(),
-        model: ModelSection { n_layer: 4, n_head: 4, n_embd: 128, block_size: 128, vocab_size: 0, bias: false, dropout: 0.0, tied_embeddings: true, init_from: String::new() },
+        model: ModelSection {
+            arch: "gpt2".into(), n_layer: 4, n_head: 4, n_kv_head: 0, n_embd: 128, ffn_hidden: 0, rope_theta: 10000.0, norm_eps: 1e-5,
+            block_size: 128, vocab_size: 0, bias: false, dropout: 0.0, tied_embeddings: true, init_from: String::new(),
+        },
         train: TrainSection {
             batch_size: 16, grad_accum: 1, lr: 1e-3, min_lr: 1e-4, warmup_steps: 100, lr_decay_steps: 0, max_steps: 1000,
             weight_decay: 0.1, beta1: 0.9, beta2: 0.99, eps: 1e-8, grad_clip: 1.0, seed: 1337, threads: 0, log_interval: 10,
@@ -51,6 +54,18 @@ pub fn preset(name: &str) -> Result<RunConfig> {
             c.eval.iters = 0;
             c.data.tokenizer = "char".into();
             c.sample.tokens = 500;
+        }
+        // A LLaMA-style twin of shakespeare-char with the same training settings and about the
+        // same parameter count: RMSNorm, RoPE, SwiGLU (hidden 341 ≈ 8/3·128, so the MLP has the
+        // GELU MLP's 8·C² weights), GQA with 2 kv heads, untied head.
+        "llama-tiny" => {
+            c = preset("shakespeare-char")?;
+            c.preset = name.to_string();
+            c.model.arch = "llama".into();
+            c.model.n_kv_head = 2;
+            c.model.ffn_hidden = 341;
+            c.model.tied_embeddings = false;
+            c.model.norm_eps = 1e-6;
         }
         // GPT-2 small (124M) with the real GPT-2 BPE (nanoGPT's train_gpt2.py hyper-parameters,
         // with a CPU-sized batch and schedule).

@@ -199,10 +199,12 @@ pub fn train(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
     };
     // Starting from a Hugging Face checkpoint: its config fixes the model's shape.
     let init = if resume_from.is_none() && !cfg.model.init_from.is_empty() {
-        let m = model::hf::import_gpt2(Path::new(&cfg.model.init_from)).map_err(KilnError::User)?;
+        let m = model::hf::import_hf(Path::new(&cfg.model.init_from)).map_err(KilnError::User)?;
         let (mc, hc) = (&mut cfg.model, &m.cfg);
-        (mc.n_layer, mc.n_head, mc.n_embd, mc.block_size, mc.vocab_size, mc.bias, mc.tied_embeddings) =
-            (hc.n_layer, hc.n_head, hc.n_embd, hc.block_size, hc.vocab_size, hc.bias, hc.tied_embeddings);
+        mc.arch = if hc.arch == model::config::Arch::Llama { "llama".into() } else { "gpt2".into() };
+        (mc.n_layer, mc.n_head, mc.n_kv_head, mc.n_embd, mc.ffn_hidden, mc.block_size, mc.vocab_size, mc.bias, mc.tied_embeddings) =
+            (hc.n_layer, hc.n_head, hc.n_kv_head, hc.n_embd, hc.ffn_hidden, hc.block_size, hc.vocab_size, hc.bias, hc.tied_embeddings);
+        (mc.rope_theta, mc.norm_eps) = (hc.rope_theta as f64, hc.norm_eps as f64);
         Some(m)
     } else {
         None

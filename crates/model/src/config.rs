@@ -1,13 +1,28 @@
-//! The GPT-2 model config. Field names are the `model.*` config keys.
+//! The decoder config. Field names are the `model.*` config keys.
 
 use serde::{Deserialize, Serialize};
 
+/// The block family. GPT-2: LayerNorm, learned positions, GELU MLP, multi-head attention,
+/// biases optional. LLaMA: RMSNorm, rotary positions, SwiGLU MLP, grouped-query attention,
+/// no biases.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Arch {
+    Gpt2,
+    Llama,
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct GptConfig {
+    pub arch: Arch,
     pub n_layer: usize,
     pub n_head: usize,
+    /// Key/value heads (grouped-query attention; 1 is multi-query). Equals `n_head` for GPT-2.
+    pub n_kv_head: usize,
     pub n_embd: usize,
-    /// Maximum context length (rows of the position embedding).
+    /// MLP width: 4·n_embd for GPT-2, the SwiGLU hidden size for LLaMA.
+    pub ffn_hidden: usize,
+    /// Maximum context length (rows of the position embedding, or of the rotary table).
     pub block_size: usize,
     /// Rows of the token embedding. May exceed the tokenizer's vocabulary (GPT-2: 50304 = 50257
     /// padded up to a multiple of 64 for matmul-friendly shapes); the padded rows are never
@@ -17,19 +32,38 @@ pub struct GptConfig {
     pub bias: bool,
     /// Dropout probability on embeddings, attention probabilities and residual branches.
     pub dropout: f32,
-    /// Output head shares the token embedding matrix (GPT-2: true).
+    /// Output head shares the token embedding matrix (GPT-2: true, LLaMA: false).
     pub tied_embeddings: bool,
+    /// Rotary embedding base (LLaMA-2: 10000, LLaMA-3: 500000).
+    pub rope_theta: f32,
+    /// Epsilon of LayerNorm / RMSNorm.
+    pub norm_eps: f32,
 }
 
 impl GptConfig {
+    /// A GPT-2-family config with the usual derived sizes.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gpt2(n_layer: usize, n_head: usize, n_embd: usize, block_size: usize, vocab_size: usize, bias: bool, dropout: f32, tied: bool) -> GptConfig {
+        GptConfig {
+            arch: Arch::Gpt2, n_layer, n_head, n_kv_head: n_head, n_embd, ffn_hidden: 4 * n_embd, block_size, vocab_size,
+            bias, dropout, tied_embeddings: tied, rope_theta: 10000.0, norm_eps: 1e-5,
+        }
+    }
+
     /// GPT-2 small (124M), Radford et al. 2019, with the vocabulary padded to 50304.
     pub fn gpt2_124m() -> GptConfig {
-        GptConfig { n_layer: 12, n_head: 12, n_embd: 768, block_size: 1024, vocab_size: 50304, bias: true, dropout: 0.0, tied_embeddings: true }
+        GptConfig::gpt2(12, 12, 768, 1024, 50304, true, 0.0, true)
+    }
+
+    /// LLaMA's SwiGLU width for `n_embd` channels: 2/3 of 4·n_embd, rounded up to a multiple
+    /// of 64 (Touvron et al. 2023, as in Meta's reference code with `multiple_of = 64`).
+    pub fn llama_ffn(n_embd: usize) -> usize {
+        (8 * n_embd / 3).div_ceil(64) * 64
     }
 
     /// Checks every size; the error names the `model.*` key at fault.
     pub fn validate(&self) -> Result<(), String> {
-        for (key, v) in [("n_layer", self.n_layer), ("n_head", self.n_head), ("n_embd", self.n_embd), ("block_size", self.block_size), ("vocab_size", self.vocab_size)] {
+        for (key, v) in [("n_layer", self.n_layer), ("n_head", self.n_head), ("n_kv_head", self.n_kv_head), ("n_embd", self.n_embd), ("ffn_hidden", self.ffn_hidden), ("block_size", self.block_size), ("vocab_size", self.vocab_size)] {
             if v == 0 {
                 return Err(format!("model.{key} must be positive, got 0"));
             }
@@ -37,13 +71,38 @@ impl GptConfig {
         if self.n_embd % self.n_head != 0 {
             return Err(format!("model.n_embd ({}) must be divisible by model.n_head ({})", self.n_embd, self.n_head));
         }
+        if self.n_head % self.n_kv_head != 0 {
+            return Err(format!("model.n_head ({}) must be divisible by model.n_kv_head ({})", self.n_head, self.n_kv_head));
+        }
+        if self.arch == Arch::Gpt2 && self.n_kv_head != self.n_head {
+            return Err(format!("model.n_kv_head ({}) must equal model.n_head ({}) for arch gpt2 (grouped-query attention is a llama feature)", self.n_kv_head, self.n_head));
+        }
+        if self.arch == Arch::Llama && self.head_size() % 2 != 0 {
+            return Err(format!("model.n_embd / model.n_head = {} must be even for rotary embeddings", self.head_size()));
+        }
         if !(0.0..1.0).contains(&self.dropout) || self.dropout.is_nan() {
             return Err(format!("model.dropout must be in [0, 1), got {}", self.dropout));
+        }
+        if !(self.rope_theta > 0.0) {
+            return Err(format!("model.rope_theta must be positive, got {}", self.rope_theta));
         }
         Ok(())
     }
 
     pub fn head_size(&self) -> usize {
         self.n_embd / self.n_head
+    }
+
+    /// Width of the fused q|k|v projection output: `(NH + 2·NKV)·HS`.
+    pub fn qkv_width(&self) -> usize {
+        (self.n_head + 2 * self.n_kv_head) * self.head_size()
+    }
+
+    /// Width of the MLP's first projection: `F` (GELU) or `2F` (SwiGLU's gate and up).
+    pub fn fc_width(&self) -> usize {
+        match self.arch {
+            Arch::Gpt2 => self.ffn_hidden,
+            Arch::Llama => 2 * self.ffn_hidden,
+        }
     }
 }

@@ -2,7 +2,8 @@
 //! training (with `B·T = 1`), attending over cached keys and values. When the context fills
 //! `block_size`, the cache is rebuilt from the most recent half-context (as nanoGPT crops).
 
-use crate::gpt::Gpt;
+use crate::gpt::{Gpt, Ops};
+use tensor::llama::rope_forward;
 use tensor::*;
 
 /// Sampling settings: `temperature == 0` is greedy; `top_k == 0` means the full vocabulary.
@@ -13,7 +14,7 @@ pub struct Sampler {
     pub seed: u64,
 }
 
-/// Keys and values for every layer: `[L, block_size, C]` each.
+/// Keys and values for every layer: `[L, block_size, NKV·HS]` each.
 pub struct KvCache {
     k: Vec<f32>,
     v: Vec<f32>,
@@ -27,7 +28,7 @@ struct Scratch {
 
 impl Gpt {
     pub fn new_cache(&self) -> KvCache {
-        let n = self.cfg.n_layer * self.cfg.block_size * self.cfg.n_embd;
+        let n = self.cfg.n_layer * self.cfg.block_size * self.cfg.n_kv_head * self.cfg.head_size();
         KvCache { k: vec![0.0; n], v: vec![0.0; n], len: 0 }
     }
 
@@ -41,42 +42,51 @@ impl Gpt {
 
     fn scratch_1(&self) -> Scratch {
         let c = self.cfg.n_embd;
+        let f = self.cfg.ffn_hidden;
         Scratch {
-            x: vec![0.0; c], ln: vec![0.0; c], qkv: vec![0.0; 3 * c], atty: vec![0.0; c], proj: vec![0.0; c], res: vec![0.0; c],
-            fch: vec![0.0; 4 * c], fch_gelu: vec![0.0; 4 * c], logits: vec![0.0; self.cfg.vocab_size], mean: [0.0], rstd: [0.0],
+            x: vec![0.0; c], ln: vec![0.0; c], qkv: vec![0.0; self.cfg.qkv_width()], atty: vec![0.0; c], proj: vec![0.0; c], res: vec![0.0; c],
+            fch: vec![0.0; self.cfg.fc_width()], fch_gelu: vec![0.0; f], logits: vec![0.0; self.cfg.vocab_size], mean: [0.0], rstd: [0.0],
         }
     }
 
     fn decode_into(&self, cache: &mut KvCache, token: u32, s: &mut Scratch) {
-        let (c, nh, bs, vp) = (self.cfg.n_embd, self.cfg.n_head, self.cfg.block_size, self.cfg.vocab_size);
+        let cfg = &self.cfg;
+        let (c, nh, nkv, hs, bs, vp) = (cfg.n_embd, cfg.n_head, cfg.n_kv_head, cfg.head_size(), cfg.block_size, cfg.vocab_size);
+        let (qw, fw, f, kw) = (cfg.qkv_width(), cfg.fc_width(), cfg.ffn_hidden, cfg.n_kv_head * cfg.head_size());
         assert!(cache.len < bs, "KV cache full");
         let pos = cache.len;
         let w = &self.params;
         let pv = &self.views;
+        let ops = Ops { cfg, rope: self.rope.as_ref(), b: 1, t: 1 };
         let opt = |r: &Option<std::ops::Range<usize>>| r.as_ref().map(|r| &w[r.clone()]);
-        let wpe = &w[pv.wpe.clone()][pos * c..(pos + 1) * c];
-        let wte = &w[pv.wte.clone()][token as usize * c..(token as usize + 1) * c];
-        for j in 0..c {
-            s.x[j] = wte[j] + wpe[j];
+        s.x.copy_from_slice(&w[pv.wte.clone()][token as usize * c..(token as usize + 1) * c]);
+        if let Some(wpe) = &pv.wpe {
+            for (x, p) in s.x.iter_mut().zip(&w[wpe.clone()][pos * c..(pos + 1) * c]) {
+                *x += p;
+            }
         }
         for (l, bp) in pv.blocks.iter().enumerate() {
-            layernorm_forward(&mut s.ln, &mut s.mean, &mut s.rstd, &s.x, &w[bp.ln_1_w.clone()], opt(&bp.ln_1_b), c);
-            matmul_forward(&mut s.qkv, &s.ln, &w[bp.c_attn_w.clone()], opt(&bp.c_attn_b), 1, c, 3 * c);
-            let base = l * bs * c;
-            cache.k[base + pos * c..base + (pos + 1) * c].copy_from_slice(&s.qkv[c..2 * c]);
-            cache.v[base + pos * c..base + (pos + 1) * c].copy_from_slice(&s.qkv[2 * c..]);
-            let kc = &cache.k[base..base + (pos + 1) * c];
-            let vc = &cache.v[base..base + (pos + 1) * c];
-            attention_decode(&mut s.atty, &s.qkv[..c], kc, vc, pos + 1, c, nh);
+            ops.norm_forward(&mut s.ln, &mut s.mean, &mut s.rstd, &s.x, &w[bp.ln_1_w.clone()], opt(&bp.ln_1_b));
+            matmul_forward(&mut s.qkv, &s.ln, &w[bp.c_attn_w.clone()], opt(&bp.c_attn_b), 1, c, qw);
+            if let Some((cos, sin)) = &self.rope {
+                rope_forward(&mut s.qkv, cos, sin, 1, 1, nh, nkv, hs, pos);
+            }
+            let base = l * bs * kw;
+            let qc = nh * hs;
+            cache.k[base + pos * kw..base + (pos + 1) * kw].copy_from_slice(&s.qkv[qc..qc + kw]);
+            cache.v[base + pos * kw..base + (pos + 1) * kw].copy_from_slice(&s.qkv[qc + kw..]);
+            let kc = &cache.k[base..base + (pos + 1) * kw];
+            let vc = &cache.v[base..base + (pos + 1) * kw];
+            attention_decode(&mut s.atty, &s.qkv[..qc], kc, vc, pos + 1, nh, nkv, hs);
             matmul_forward(&mut s.proj, &s.atty, &w[bp.attn_proj_w.clone()], opt(&bp.attn_proj_b), 1, c, c);
             residual_forward(&mut s.res, &s.x, &s.proj);
-            layernorm_forward(&mut s.ln, &mut s.mean, &mut s.rstd, &s.res, &w[bp.ln_2_w.clone()], opt(&bp.ln_2_b), c);
-            matmul_forward(&mut s.fch, &s.ln, &w[bp.c_fc_w.clone()], opt(&bp.c_fc_b), 1, c, 4 * c);
-            gelu_forward(&mut s.fch_gelu, &s.fch);
-            matmul_forward(&mut s.proj, &s.fch_gelu, &w[bp.mlp_proj_w.clone()], opt(&bp.mlp_proj_b), 1, 4 * c, c);
+            ops.norm_forward(&mut s.ln, &mut s.mean, &mut s.rstd, &s.res, &w[bp.ln_2_w.clone()], opt(&bp.ln_2_b));
+            matmul_forward(&mut s.fch, &s.ln, &w[bp.c_fc_w.clone()], opt(&bp.c_fc_b), 1, c, fw);
+            ops.act_forward(&mut s.fch_gelu, &s.fch);
+            matmul_forward(&mut s.proj, &s.fch_gelu, &w[bp.mlp_proj_w.clone()], opt(&bp.mlp_proj_b), 1, f, c);
             residual_forward(&mut s.x, &s.res, &s.proj);
         }
-        layernorm_forward(&mut s.ln, &mut s.mean, &mut s.rstd, &s.x, &w[pv.ln_f_w.clone()], opt(&pv.ln_f_b), c);
+        ops.norm_forward(&mut s.ln, &mut s.mean, &mut s.rstd, &s.x, &w[pv.ln_f_w.clone()], opt(&pv.ln_f_b));
         matmul_forward(&mut s.logits, &s.ln, &w[pv.lm_head.clone()], None, 1, c, vp);
         cache.len += 1;
     }

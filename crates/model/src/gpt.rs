@@ -11,10 +11,12 @@
 //! (one flat buffer with the parameter layout), so gradient accumulation over micro-batches
 //! is a matter of not zeroing `grads` between them.
 
-use crate::config::GptConfig;
+use crate::config::{Arch, GptConfig};
 use crate::layout::{gpt_layout, GptParams, Init, ParamLayout};
 use tensor::attention::AttnDims;
 use tensor::classifier::{chunk_rows, lm_head_crossentropy};
+use tensor::flash::{flash_attention_backward, flash_attention_forward};
+use tensor::llama::{gqa_attention_backward, gqa_attention_forward, rmsnorm_backward, rmsnorm_forward, rope_backward, rope_forward, rope_table, swiglu_backward, swiglu_forward, GqaDims};
 use tensor::rng::mix64;
 use tensor::*;
 
@@ -37,16 +39,17 @@ struct BlockActs {
     ln_1: Vec<f32>,      // [B, T, C]
     ln_1_mean: Vec<f32>, // [B, T]
     ln_1_rstd: Vec<f32>, // [B, T]
-    qkv: Vec<f32>,       // [B, T, 3C]
+    qkv: Vec<f32>,       // [B, T, (NH + 2·NKV)·HS]  (LLaMA: q and k after the rotary embedding)
     atty: Vec<f32>,      // [B, T, C]
-    att: Vec<f32>,       // [B, NH, T, T]
+    attn_state: Vec<f32>, // GPT-2: lse [B, NH, T] (FlashAttention keeps no T×T matrix);
+                          // LLaMA: probabilities [B, NH, T, T] (materialised GQA kernel)
     attproj: Vec<f32>,   // [B, T, C]  after residual dropout
     res_2: Vec<f32>,     // [B, T, C]  x + attn branch
     ln_2: Vec<f32>,
     ln_2_mean: Vec<f32>,
     ln_2_rstd: Vec<f32>,
-    fch: Vec<f32>,       // [B, T, 4C]
-    fch_gelu: Vec<f32>,  // [B, T, 4C]
+    fch: Vec<f32>,       // [B, T, F] (GPT-2) or [B, T, 2F] (LLaMA: gate | up)
+    fch_gelu: Vec<f32>,  // [B, T, F]  after GELU or SwiGLU
     fcproj: Vec<f32>,    // [B, T, C]  after residual dropout
     res_3: Vec<f32>,     // [B, T, C]  block output
 }
@@ -74,8 +77,8 @@ struct GradScratch {
     dln: Vec<f32>,      // [B, T, C]
     dbranch: Vec<f32>,  // [B, T, C]  branch output before dropout
     datty: Vec<f32>,    // [B, T, C]
-    dqkv: Vec<f32>,     // [B, T, 3C]
-    dfch: Vec<f32>,     // [B, T, 4C]
+    dqkv: Vec<f32>,     // [B, T, (NH + 2·NKV)·HS]
+    dfch: Vec<f32>,     // [B, T, F or 2F]
     dfch_gelu: Vec<f32>,
 }
 
@@ -87,6 +90,8 @@ pub struct Gpt {
     pub real_vocab: usize,
     pub params: Vec<f32>,
     pub grads: Vec<f32>,
+    /// Rotary tables `(cos, sin)`, `[block_size, HS/2]` each (LLaMA only).
+    pub(crate) rope: Option<(Vec<f32>, Vec<f32>)>,
     acts: Option<Acts>,
     scratch: Option<GradScratch>,
 }
@@ -122,7 +127,8 @@ impl Gpt {
         assert!(real_vocab <= cfg.vocab_size);
         let (layout, views) = gpt_layout(&cfg);
         let n = layout.total;
-        Gpt { cfg, layout, views, real_vocab, params: zeros(n), grads: zeros(n), acts: None, scratch: None }
+        let rope = (cfg.arch == Arch::Llama).then(|| rope_table(cfg.rope_theta, cfg.head_size(), cfg.block_size));
+        Gpt { cfg, layout, views, real_vocab, params: zeros(n), grads: zeros(n), rope, acts: None, scratch: None }
     }
 
     pub fn num_params(&self) -> usize {
@@ -138,13 +144,18 @@ impl Gpt {
             return;
         }
         let (c, nh, vp) = (self.cfg.n_embd, self.cfg.n_head, self.cfg.vocab_size);
+        let (qw, fw, f) = (self.cfg.qkv_width(), self.cfg.fc_width(), self.cfg.ffn_hidden);
+        let state = match self.cfg.arch {
+            Arch::Gpt2 => b * nh * t,
+            Arch::Llama => b * nh * t * t,
+        };
         let n = b * t;
         let block = || BlockActs {
             ln_1: zeros(n * c), ln_1_mean: zeros(n), ln_1_rstd: zeros(n),
-            qkv: zeros(n * 3 * c), atty: zeros(n * c), att: zeros(b * nh * t * t),
+            qkv: zeros(n * qw), atty: zeros(n * c), attn_state: zeros(state),
             attproj: zeros(n * c), res_2: zeros(n * c),
             ln_2: zeros(n * c), ln_2_mean: zeros(n), ln_2_rstd: zeros(n),
-            fch: zeros(n * 4 * c), fch_gelu: zeros(n * 4 * c), fcproj: zeros(n * c), res_3: zeros(n * c),
+            fch: zeros(n * fw), fch_gelu: zeros(n * f), fcproj: zeros(n * c), res_3: zeros(n * c),
         };
         self.acts = Some(Acts {
             b, t,
@@ -200,17 +211,18 @@ impl Gpt {
         assert!(t <= self.cfg.block_size, "sequence length {t} exceeds block_size");
         assert_eq!(tokens.len(), b * t);
         self.ensure_acts(b, t);
-        let (c, nh) = (self.cfg.n_embd, self.cfg.n_head);
+        let c = self.cfg.n_embd;
         let n = b * t;
         let w = &self.params;
         let pv = &self.views;
         let a = self.acts.as_mut().unwrap();
         a.tokens.copy_from_slice(tokens);
         a.dropout_seed = dropout_seed;
-        let dims = AttnDims { b, t, c, nh };
+        let ops = Ops { cfg: &self.cfg, rope: self.rope.as_ref(), b, t };
         let opt = |r: &Option<std::ops::Range<usize>>| r.as_ref().map(|r| &w[r.clone()]);
+        let (qw, fw, f) = (self.cfg.qkv_width(), self.cfg.fc_width(), self.cfg.ffn_hidden);
 
-        embedding_forward(&mut a.encoded, tokens, &w[pv.wte.clone()], Some(&w[pv.wpe.clone()]), t, c);
+        embedding_forward(&mut a.encoded, tokens, &w[pv.wte.clone()], pv.wpe.as_ref().map(|r| &w[r.clone()]), t, c);
         if p_drop > 0.0 {
             dropout_inplace(&mut a.encoded, p_drop, site_seed(dropout_seed, 0));
         }
@@ -219,27 +231,27 @@ impl Gpt {
             let x: &[f32] = if l == 0 { &a.encoded } else { &prev[l - 1].res_3 };
             let s = &mut rest[0];
             let site = 1 + 3 * l as u64;
-            // x = x + drop(attn(ln_1(x)))
-            layernorm_forward(&mut s.ln_1, &mut s.ln_1_mean, &mut s.ln_1_rstd, x, &w[bp.ln_1_w.clone()], opt(&bp.ln_1_b), c);
-            matmul_forward(&mut s.qkv, &s.ln_1, &w[bp.c_attn_w.clone()], opt(&bp.c_attn_b), n, c, 3 * c);
-            attention_forward(&mut s.atty, &mut s.att, &s.qkv, &dims, p_drop, site_seed(dropout_seed, site));
+            // x = x + drop(attn(norm_1(x)))
+            ops.norm_forward(&mut s.ln_1, &mut s.ln_1_mean, &mut s.ln_1_rstd, x, &w[bp.ln_1_w.clone()], opt(&bp.ln_1_b));
+            matmul_forward(&mut s.qkv, &s.ln_1, &w[bp.c_attn_w.clone()], opt(&bp.c_attn_b), n, c, qw);
+            ops.attn_forward(&mut s.atty, &mut s.attn_state, &mut s.qkv, p_drop, site_seed(dropout_seed, site));
             matmul_forward(&mut s.attproj, &s.atty, &w[bp.attn_proj_w.clone()], opt(&bp.attn_proj_b), n, c, c);
             if p_drop > 0.0 {
                 dropout_inplace(&mut s.attproj, p_drop, site_seed(dropout_seed, site + 1));
             }
             residual_forward(&mut s.res_2, x, &s.attproj);
-            // x = x + drop(mlp(ln_2(x)))
-            layernorm_forward(&mut s.ln_2, &mut s.ln_2_mean, &mut s.ln_2_rstd, &s.res_2, &w[bp.ln_2_w.clone()], opt(&bp.ln_2_b), c);
-            matmul_forward(&mut s.fch, &s.ln_2, &w[bp.c_fc_w.clone()], opt(&bp.c_fc_b), n, c, 4 * c);
-            gelu_forward(&mut s.fch_gelu, &s.fch);
-            matmul_forward(&mut s.fcproj, &s.fch_gelu, &w[bp.mlp_proj_w.clone()], opt(&bp.mlp_proj_b), n, 4 * c, c);
+            // x = x + drop(mlp(norm_2(x)))
+            ops.norm_forward(&mut s.ln_2, &mut s.ln_2_mean, &mut s.ln_2_rstd, &s.res_2, &w[bp.ln_2_w.clone()], opt(&bp.ln_2_b));
+            matmul_forward(&mut s.fch, &s.ln_2, &w[bp.c_fc_w.clone()], opt(&bp.c_fc_b), n, c, fw);
+            ops.act_forward(&mut s.fch_gelu, &s.fch);
+            matmul_forward(&mut s.fcproj, &s.fch_gelu, &w[bp.mlp_proj_w.clone()], opt(&bp.mlp_proj_b), n, f, c);
             if p_drop > 0.0 {
                 dropout_inplace(&mut s.fcproj, p_drop, site_seed(dropout_seed, site + 2));
             }
             residual_forward(&mut s.res_3, &s.res_2, &s.fcproj);
         }
         let x: &[f32] = a.blocks.last().map_or(&a.encoded, |s| &s.res_3);
-        layernorm_forward(&mut a.ln_f, &mut a.ln_f_mean, &mut a.ln_f_rstd, x, &w[pv.ln_f_w.clone()], opt(&pv.ln_f_b), c);
+        ops.norm_forward(&mut a.ln_f, &mut a.ln_f_mean, &mut a.ln_f_rstd, x, &w[pv.ln_f_w.clone()], opt(&pv.ln_f_b));
     }
 
     /// Backward pass of the last `forward` (which must have been a `Pass::Train`: the head's
@@ -247,12 +259,13 @@ impl Gpt {
     pub fn backward(&mut self) {
         let a = self.acts.as_ref().expect("backward before forward");
         let (b, t) = (a.b, a.t);
-        let (c, nh) = (self.cfg.n_embd, self.cfg.n_head);
+        let c = self.cfg.n_embd;
+        let (qw, fw, f) = (self.cfg.qkv_width(), self.cfg.fc_width(), self.cfg.ffn_hidden);
         let n = b * t;
         if self.scratch.is_none() {
             self.scratch = Some(GradScratch {
                 dres: zeros(n * c), dln: zeros(n * c), dbranch: zeros(n * c), datty: zeros(n * c),
-                dqkv: zeros(n * 3 * c), dfch: zeros(n * 4 * c), dfch_gelu: zeros(n * 4 * c),
+                dqkv: zeros(n * qw), dfch: zeros(n * fw), dfch_gelu: zeros(n * f),
             });
         }
         let g = self.scratch.as_mut().unwrap();
@@ -261,7 +274,7 @@ impl Gpt {
         let pv = &self.views;
         let p_drop = self.cfg.dropout;
         let seed = a.dropout_seed;
-        let dims = AttnDims { b, t, c, nh };
+        let ops = Ops { cfg: &self.cfg, rope: self.rope.as_ref(), b, t };
         if a.count == 0 {
             return;
         }
@@ -269,7 +282,7 @@ impl Gpt {
         g.dres.fill(0.0);
         let x_last: &[f32] = a.blocks.last().map_or(&a.encoded, |s| &s.res_3);
         let (dlnf_w, dlnf_b) = split_two(dw, &pv.ln_f_w, &pv.ln_f_b);
-        layernorm_backward(&mut g.dres, dlnf_w, dlnf_b, &a.dln_f, x_last, &w[pv.ln_f_w.clone()], &a.ln_f_mean, &a.ln_f_rstd, c);
+        ops.norm_backward(&mut g.dres, dlnf_w, dlnf_b, &a.dln_f, x_last, &w[pv.ln_f_w.clone()], &a.ln_f_mean, &a.ln_f_rstd);
 
         for (l, bp) in pv.blocks.iter().enumerate().rev() {
             let s = &a.blocks[l];
@@ -279,32 +292,37 @@ impl Gpt {
             let dfcproj = branch_grad(&mut g.dbranch, &g.dres, p_drop, site_seed(seed, site + 2));
             g.dfch_gelu.fill(0.0);
             let (dwp, dbp) = split_two(dw, &bp.mlp_proj_w, &bp.mlp_proj_b);
-            matmul_backward(&mut g.dfch_gelu, dwp, dbp, dfcproj, &s.fch_gelu, &w[bp.mlp_proj_w.clone()], n, 4 * c, c);
+            matmul_backward(&mut g.dfch_gelu, dwp, dbp, dfcproj, &s.fch_gelu, &w[bp.mlp_proj_w.clone()], n, f, c);
             g.dfch.fill(0.0);
-            gelu_backward(&mut g.dfch, &s.fch, &g.dfch_gelu);
+            ops.act_backward(&mut g.dfch, &g.dfch_gelu, &s.fch);
             g.dln.fill(0.0);
             let (dwf, dbf) = split_two(dw, &bp.c_fc_w, &bp.c_fc_b);
-            matmul_backward(&mut g.dln, dwf, dbf, &g.dfch, &s.ln_2, &w[bp.c_fc_w.clone()], n, c, 4 * c);
+            matmul_backward(&mut g.dln, dwf, dbf, &g.dfch, &s.ln_2, &w[bp.c_fc_w.clone()], n, c, fw);
             // dres (currently d res_3, flowing straight through to d res_2) += ln_2 backward
             let (dw2, db2) = split_two(dw, &bp.ln_2_w, &bp.ln_2_b);
-            layernorm_backward(&mut g.dres, dw2, db2, &g.dln, &s.res_2, &w[bp.ln_2_w.clone()], &s.ln_2_mean, &s.ln_2_rstd, c);
+            ops.norm_backward(&mut g.dres, dw2, db2, &g.dln, &s.res_2, &w[bp.ln_2_w.clone()], &s.ln_2_mean, &s.ln_2_rstd);
             // Attention branch: res_2 = x + drop(attproj)
             let dattproj = branch_grad(&mut g.dbranch, &g.dres, p_drop, site_seed(seed, site + 1));
             g.datty.fill(0.0);
             let (dwa, dba) = split_two(dw, &bp.attn_proj_w, &bp.attn_proj_b);
             matmul_backward(&mut g.datty, dwa, dba, dattproj, &s.atty, &w[bp.attn_proj_w.clone()], n, c, c);
             g.dqkv.fill(0.0);
-            attention_backward(&mut g.dqkv, &g.datty, &s.qkv, &s.att, &dims, p_drop, site_seed(seed, site));
+            ops.attn_backward(&mut g.dqkv, &g.datty, &s.qkv, &s.atty, &s.attn_state, p_drop, site_seed(seed, site));
             g.dln.fill(0.0);
             let (dwq, dbq) = split_two(dw, &bp.c_attn_w, &bp.c_attn_b);
-            matmul_backward(&mut g.dln, dwq, dbq, &g.dqkv, &s.ln_1, &w[bp.c_attn_w.clone()], n, c, 3 * c);
+            matmul_backward(&mut g.dln, dwq, dbq, &g.dqkv, &s.ln_1, &w[bp.c_attn_w.clone()], n, c, qw);
             let (dw1, db1) = split_two(dw, &bp.ln_1_w, &bp.ln_1_b);
-            layernorm_backward(&mut g.dres, dw1, db1, &g.dln, x, &w[bp.ln_1_w.clone()], &s.ln_1_mean, &s.ln_1_rstd, c);
+            ops.norm_backward(&mut g.dres, dw1, db1, &g.dln, x, &w[bp.ln_1_w.clone()], &s.ln_1_mean, &s.ln_1_rstd);
         }
         // x = drop(wte[tokens] + wpe)
         let demb = branch_grad(&mut g.dbranch, &g.dres, p_drop, site_seed(seed, 0));
-        let (dwte, dwpe) = split_pair(dw, &pv.wte, &pv.wpe);
-        embedding_backward(dwte, Some(dwpe), demb, &a.tokens, t, c);
+        match &pv.wpe {
+            Some(wpe) => {
+                let (dwte, dwpe) = split_pair(dw, &pv.wte, wpe);
+                embedding_backward(dwte, Some(dwpe), demb, &a.tokens, t, c);
+            }
+            None => embedding_backward(&mut dw[pv.wte.clone()], None, demb, &a.tokens, t, c),
+        }
     }
 
     /// Per-position losses of the last forward (0 at ignored positions).
@@ -345,5 +363,88 @@ fn split_pair<'a>(g: &'a mut [f32], r1: &std::ops::Range<usize>, r2: &std::ops::
     } else {
         let (lo, hi) = g.split_at_mut(r1.start);
         (&mut hi[..r1.len()], &mut lo[r2.clone()])
+    }
+}
+
+/// The operators whose kernels depend on the architecture: normalisation, attention (with the
+/// rotary embedding for LLaMA) and the MLP activation. Thin dispatch, so the block above reads
+/// the same for every family.
+pub(crate) struct Ops<'a> {
+    pub cfg: &'a GptConfig,
+    pub rope: Option<&'a (Vec<f32>, Vec<f32>)>,
+    pub b: usize,
+    pub t: usize,
+}
+
+impl Ops<'_> {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn norm_forward(&self, out: &mut [f32], mean: &mut [f32], rstd: &mut [f32], x: &[f32], w: &[f32], bias: Option<&[f32]>) {
+        let c = self.cfg.n_embd;
+        match self.cfg.arch {
+            Arch::Gpt2 => layernorm_forward(out, mean, rstd, x, w, bias, c),
+            Arch::Llama => rmsnorm_forward(out, rstd, x, w, self.cfg.norm_eps, c),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn norm_backward(&self, dinp: &mut [f32], dw: &mut [f32], db: Option<&mut [f32]>, dout: &[f32], x: &[f32], w: &[f32], mean: &[f32], rstd: &[f32]) {
+        let c = self.cfg.n_embd;
+        match self.cfg.arch {
+            Arch::Gpt2 => layernorm_backward(dinp, dw, db, dout, x, w, mean, rstd, c),
+            Arch::Llama => rmsnorm_backward(dinp, dw, dout, x, w, rstd, c),
+        }
+    }
+
+    fn gqa(&self) -> GqaDims {
+        GqaDims { b: self.b, t: self.t, nh: self.cfg.n_head, nkv: self.cfg.n_kv_head, hs: self.cfg.head_size() }
+    }
+
+    /// Attention over `qkv`; for LLaMA the rotary embedding is applied to `qkv` in place first.
+    fn attn_forward(&self, out: &mut [f32], state: &mut [f32], qkv: &mut [f32], p_drop: f32, seed: u64) {
+        let cfg = self.cfg;
+        match cfg.arch {
+            Arch::Gpt2 => {
+                let dims = AttnDims { b: self.b, t: self.t, c: cfg.n_embd, nh: cfg.n_head };
+                flash_attention_forward(out, state, qkv, &dims, p_drop, seed);
+            }
+            Arch::Llama => {
+                let (cos, sin) = self.rope.expect("llama has rotary tables");
+                rope_forward(qkv, cos, sin, self.b, self.t, cfg.n_head, cfg.n_kv_head, cfg.head_size(), 0);
+                gqa_attention_forward(out, state, qkv, &self.gqa());
+            }
+        }
+    }
+
+    /// Accumulates into `dqkv` (with respect to the un-rotated q and k for LLaMA).
+    #[allow(clippy::too_many_arguments)]
+    fn attn_backward(&self, dqkv: &mut [f32], dout: &[f32], qkv: &[f32], out: &[f32], state: &[f32], p_drop: f32, seed: u64) {
+        let cfg = self.cfg;
+        match cfg.arch {
+            Arch::Gpt2 => {
+                let dims = AttnDims { b: self.b, t: self.t, c: cfg.n_embd, nh: cfg.n_head };
+                flash_attention_backward(dqkv, dout, qkv, out, state, &dims, p_drop, seed);
+            }
+            Arch::Llama => {
+                // dqkv is zero on entry (the caller clears it), so the in-place inverse rotation
+                // after the accumulation is still an accumulation into zero.
+                gqa_attention_backward(dqkv, dout, qkv, state, &self.gqa());
+                let (cos, sin) = self.rope.expect("llama has rotary tables");
+                rope_backward(dqkv, cos, sin, self.b, self.t, cfg.n_head, cfg.n_kv_head, cfg.head_size(), 0);
+            }
+        }
+    }
+
+    pub(crate) fn act_forward(&self, out: &mut [f32], fch: &[f32]) {
+        match self.cfg.arch {
+            Arch::Gpt2 => gelu_forward(out, fch),
+            Arch::Llama => swiglu_forward(out, fch, self.cfg.ffn_hidden),
+        }
+    }
+
+    fn act_backward(&self, dfch: &mut [f32], dout: &[f32], fch: &[f32]) {
+        match self.cfg.arch {
+            Arch::Gpt2 => gelu_backward(dfch, fch, dout),
+            Arch::Llama => swiglu_backward(dfch, dout, fch, self.cfg.ffn_hidden),
+        }
     }
 }

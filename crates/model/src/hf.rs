@@ -1,12 +1,13 @@
-//! Hugging Face interoperability for GPT-2: `config.json` + `model.safetensors` (one file, or
-//! shards listed in `model.safetensors.index.json`) for `GPT2LMHeadModel`, in and out.
+//! Hugging Face interoperability: `config.json` + `model.safetensors` (one file, or shards
+//! listed in `model.safetensors.index.json`) for `GPT2LMHeadModel` and `LlamaForCausalLM`, in
+//! and out. kiln's layout uses HF's parameter names, so import and export are by name.
 //!
 //! HF GPT-2 stores its four projection matrices as `Conv1D`, `[in, out]`; kiln stores every
-//! Linear as `[out, in]`, so those four are transposed on the way in and out. Names are
-//! otherwise identical (`transformer.h.0.attn.c_attn.weight`, …); the tied head has no tensor
-//! of its own, an untied one is `lm_head.weight`.
+//! Linear as `[out, in]`, so those four are transposed on the way in and out. LLaMA's Linears
+//! are `[out, in]` already. A tied head has no tensor of its own; an untied one is
+//! `lm_head.weight`.
 
-use crate::config::GptConfig;
+use crate::config::{Arch, GptConfig};
 use crate::gpt::Gpt;
 use safetensors::tensor::{Dtype, TensorView};
 use serde_json::{json, Value};
@@ -22,12 +23,63 @@ fn get_usize(cfg: &Value, key: &str, origin: &Path) -> Result<usize, String> {
     cfg.get(key).and_then(Value::as_u64).map(|v| v as usize).ok_or_else(|| format!("{}: missing or invalid `{key}`", origin.display()))
 }
 
-/// The kiln config of an HF `GPT2LMHeadModel` `config.json`.
-pub fn gpt2_config(cfg: &Value, origin: &Path) -> Result<GptConfig, String> {
+/// The kiln config of an HF `config.json`.
+pub fn hf_config(cfg: &Value, origin: &Path) -> Result<GptConfig, String> {
     let arch = cfg.get("architectures").and_then(|a| a.get(0)).and_then(Value::as_str).unwrap_or("");
-    if arch != "GPT2LMHeadModel" {
-        return Err(format!("{}: architecture `{arch}` is not supported for import (supported: GPT2LMHeadModel)", origin.display()));
+    match arch {
+        "GPT2LMHeadModel" => gpt2_config(cfg, origin),
+        "LlamaForCausalLM" => llama_config(cfg, origin),
+        _ => Err(format!("{}: architecture `{arch}` is not supported for import (supported: GPT2LMHeadModel, LlamaForCausalLM)", origin.display())),
     }
+}
+
+fn get_f32(cfg: &Value, key: &str, default: f32) -> f32 {
+    cfg.get(key).and_then(Value::as_f64).map_or(default, |v| v as f32)
+}
+
+fn llama_config(cfg: &Value, origin: &Path) -> Result<GptConfig, String> {
+    let act = cfg.get("hidden_act").and_then(Value::as_str).unwrap_or("silu");
+    if act != "silu" {
+        return Err(format!("{}: hidden_act `{act}` is not supported (LLaMA's SwiGLU uses silu)", origin.display()));
+    }
+    for key in ["attention_bias", "mlp_bias"] {
+        if cfg.get(key).and_then(Value::as_bool).unwrap_or(false) {
+            return Err(format!("{}: `{key}` = true is not supported (kiln's LLaMA has no biases)", origin.display()));
+        }
+    }
+    let n_embd = get_usize(cfg, "hidden_size", origin)?;
+    let n_head = get_usize(cfg, "num_attention_heads", origin)?;
+    if let Some(hd) = cfg.get("head_dim").and_then(Value::as_u64) {
+        if hd as usize * n_head != n_embd {
+            return Err(format!("{}: head_dim {hd} × num_attention_heads {n_head} ≠ hidden_size {n_embd}; kiln needs them equal", origin.display()));
+        }
+    }
+    // transformers ≥ 4.5x nests the base in `rope_parameters`; older files have `rope_theta`.
+    let theta = cfg.get("rope_parameters").and_then(|r| r.get("rope_theta")).and_then(Value::as_f64).map_or(get_f32(cfg, "rope_theta", 10000.0), |v| v as f32);
+    let rope_type = cfg.get("rope_parameters").and_then(|r| r.get("rope_type")).and_then(Value::as_str).unwrap_or("default");
+    if rope_type != "default" || cfg.get("rope_scaling").is_some_and(|v| !v.is_null()) {
+        return Err(format!("{}: rope scaling `{rope_type}` is not supported (plain RoPE only)", origin.display()));
+    }
+    let c = GptConfig {
+        arch: Arch::Llama,
+        n_layer: get_usize(cfg, "num_hidden_layers", origin)?,
+        n_head,
+        n_kv_head: cfg.get("num_key_value_heads").and_then(Value::as_u64).map_or(n_head, |v| v as usize),
+        n_embd,
+        ffn_hidden: get_usize(cfg, "intermediate_size", origin)?,
+        block_size: get_usize(cfg, "max_position_embeddings", origin)?,
+        vocab_size: get_usize(cfg, "vocab_size", origin)?,
+        bias: false,
+        dropout: 0.0,
+        tied_embeddings: cfg.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(false),
+        rope_theta: theta,
+        norm_eps: get_f32(cfg, "rms_norm_eps", 1e-6),
+    };
+    c.validate().map_err(|e| format!("{}: {e}", origin.display()))?;
+    Ok(c)
+}
+
+fn gpt2_config(cfg: &Value, origin: &Path) -> Result<GptConfig, String> {
     let act = cfg.get("activation_function").and_then(Value::as_str).unwrap_or("gelu_new");
     if act != "gelu_new" && act != "gelu_pytorch_tanh" {
         return Err(format!("{}: activation_function `{act}` is not supported (kiln's GPT-2 uses the tanh GELU, `gelu_new`)", origin.display()));
@@ -38,16 +90,17 @@ pub fn gpt2_config(cfg: &Value, origin: &Path) -> Result<GptConfig, String> {
             return Err(format!("{}: n_inner {inner} is not 4·n_embd; kiln's GPT-2 MLP is 4·n_embd wide", origin.display()));
         }
     }
-    let c = GptConfig {
-        n_layer: get_usize(cfg, "n_layer", origin)?,
-        n_head: get_usize(cfg, "n_head", origin)?,
+    let mut c = GptConfig::gpt2(
+        get_usize(cfg, "n_layer", origin)?,
+        get_usize(cfg, "n_head", origin)?,
         n_embd,
-        block_size: get_usize(cfg, "n_positions", origin)?,
-        vocab_size: get_usize(cfg, "vocab_size", origin)?,
-        bias: true,
-        dropout: 0.0,
-        tied_embeddings: cfg.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(true),
-    };
+        get_usize(cfg, "n_positions", origin)?,
+        get_usize(cfg, "vocab_size", origin)?,
+        true,
+        0.0,
+        cfg.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(true),
+    );
+    c.norm_eps = get_f32(cfg, "layer_norm_epsilon", 1e-5);
     c.validate().map_err(|e| format!("{}: {e}", origin.display()))?;
     Ok(c)
 }
@@ -72,13 +125,13 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, String> {
     }
 }
 
-/// Loads an HF GPT-2 directory into a kiln model. Every kiln parameter must be present with
-/// the right shape; tensors kiln does not use (e.g. `attn.bias` masks) are ignored.
-pub fn import_gpt2(dir: &Path) -> Result<Gpt, String> {
+/// Loads an HF directory into a kiln model. Every kiln parameter must be present with the
+/// right shape; tensors kiln does not use (e.g. `attn.bias` masks, rotary caches) are ignored.
+pub fn import_hf(dir: &Path) -> Result<Gpt, String> {
     let cfg_path = dir.join("config.json");
     let text = std::fs::read_to_string(&cfg_path).map_err(|e| format!("{}: {e}", cfg_path.display()))?;
     let v: Value = serde_json::from_str(&text).map_err(|e| format!("{}: invalid JSON: {e}", cfg_path.display()))?;
-    let cfg = gpt2_config(&v, &cfg_path)?;
+    let cfg = hf_config(&v, &cfg_path)?;
     let vocab = cfg.vocab_size;
     let mut m = Gpt::zeroed(cfg, vocab);
     let mut found = vec![false; m.layout.params.len()];
@@ -116,18 +169,31 @@ fn transpose(dst: &mut [f32], src: &[f32], rows: usize, cols: usize) {
     }
 }
 
-/// Writes `config.json` and `model.safetensors` in HF's GPT-2 format into `dir`.
-pub fn export_gpt2(m: &Gpt, dir: &Path) -> Result<(), String> {
+/// Writes `config.json` and `model.safetensors` in HF's format (`GPT2LMHeadModel` or
+/// `LlamaForCausalLM`) into `dir`.
+pub fn export_hf(m: &Gpt, dir: &Path) -> Result<(), String> {
     std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let c = &m.cfg;
-    let config = json!({
+    let config = if c.arch == Arch::Llama {
+        json!({
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+            "hidden_size": c.n_embd, "intermediate_size": c.ffn_hidden, "num_hidden_layers": c.n_layer,
+            "num_attention_heads": c.n_head, "num_key_value_heads": c.n_kv_head, "head_dim": c.head_size(),
+            "max_position_embeddings": c.block_size, "vocab_size": c.vocab_size, "rms_norm_eps": c.norm_eps,
+            "rope_theta": c.rope_theta, "rope_parameters": {"rope_theta": c.rope_theta, "rope_type": "default"},
+            "tie_word_embeddings": c.tied_embeddings, "attention_bias": false, "mlp_bias": false,
+            "attention_dropout": 0.0, "dtype": "float32",
+        })
+    } else {
+        json!({
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "activation_function": "gelu_new",
         "n_layer": c.n_layer, "n_head": c.n_head, "n_embd": c.n_embd, "n_positions": c.block_size, "n_ctx": c.block_size,
-        "n_inner": null, "vocab_size": c.vocab_size, "layer_norm_epsilon": 1e-5, "tie_word_embeddings": c.tied_embeddings,
+        "n_inner": null, "vocab_size": c.vocab_size, "layer_norm_epsilon": c.norm_eps, "tie_word_embeddings": c.tied_embeddings,
         "attn_pdrop": 0.0, "embd_pdrop": 0.0, "resid_pdrop": 0.0, "scale_attn_weights": true,
         "bos_token_id": 50256, "eos_token_id": 50256, "dtype": "float32",
-    });
-    if !c.bias {
+        })
+    };
+    if c.arch == Arch::Gpt2 && !c.bias {
         return Err("export: HF GPT-2 always has biases; this model has model.bias = false".into());
     }
     let mut data: BTreeMap<String, (Vec<usize>, Vec<u8>)> = BTreeMap::new();

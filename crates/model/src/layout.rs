@@ -9,7 +9,7 @@
 //! Linear weights are stored `[out, in]` (PyTorch `nn.Linear`); HF GPT-2's `Conv1D` stores
 //! `[in, out]`, which import/export transposes.
 
-use crate::config::GptConfig;
+use crate::config::{Arch, GptConfig};
 use std::ops::Range;
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -67,7 +67,10 @@ impl ParamLayout {
     }
 }
 
-/// The views of one transformer block.
+/// The views of one transformer block. For LLaMA, `c_attn_w` spans the adjacent `q_proj`,
+/// `k_proj`, `v_proj` matrices (one `[(NH+2·NKV)·HS, C]` product) and `c_fc_w` the adjacent
+/// `gate_proj`, `up_proj` (one `[2F, C]` product): stacking `[out, in]` matrices row-wise is
+/// exactly their concatenation.
 #[derive(Clone, Debug)]
 pub struct BlockParams {
     pub ln_1_w: Range<usize>,
@@ -84,11 +87,12 @@ pub struct BlockParams {
     pub mlp_proj_b: Option<Range<usize>>,
 }
 
-/// The views of the whole GPT, resolved once from the layout.
+/// The views of the whole model, resolved once from the layout.
 #[derive(Clone, Debug)]
 pub struct GptParams {
     pub wte: Range<usize>,
-    pub wpe: Range<usize>,
+    /// Learned positions (GPT-2); `None` with rotary embeddings.
+    pub wpe: Option<Range<usize>>,
     pub blocks: Vec<BlockParams>,
     pub ln_f_w: Range<usize>,
     pub ln_f_b: Option<Range<usize>>,
@@ -96,10 +100,18 @@ pub struct GptParams {
     pub lm_head: Range<usize>,
 }
 
-/// Builds the layout of a GPT-2 model and the resolved views.
+/// Builds the layout of a model and the resolved views.
 /// Initialisation follows GPT-2 / nanoGPT: N(0, 0.02) everywhere, residual projections
-/// (`attn.c_proj`, `mlp.c_proj`) N(0, 0.02/√(2·n_layer)), biases 0, norm weights 1.
+/// (`attn.c_proj`/`o_proj`, `mlp.c_proj`/`down_proj`) N(0, 0.02/√(2·n_layer)), biases 0, norm
+/// weights 1.
 pub fn gpt_layout(cfg: &GptConfig) -> (ParamLayout, GptParams) {
+    match cfg.arch {
+        Arch::Gpt2 => gpt2_layout(cfg),
+        Arch::Llama => llama_layout(cfg),
+    }
+}
+
+fn gpt2_layout(cfg: &GptConfig) -> (ParamLayout, GptParams) {
     let c = cfg.n_embd;
     let std = 0.02f32;
     let proj_std = std / ((2 * cfg.n_layer) as f32).sqrt();
@@ -120,9 +132,10 @@ pub fn gpt_layout(cfg: &GptConfig) -> (ParamLayout, GptParams) {
         let attn_proj_b = bias(&mut l, "attn.c_proj", c);
         let ln_2_w = l.push(format!("{p}ln_2.weight"), vec![c], Init::Ones, false);
         let ln_2_b = bias(&mut l, "ln_2", c);
-        let c_fc_w = l.push(format!("{p}mlp.c_fc.weight"), vec![4 * c, c], Init::Normal(std), true);
-        let c_fc_b = bias(&mut l, "mlp.c_fc", 4 * c);
-        let mlp_proj_w = l.push(format!("{p}mlp.c_proj.weight"), vec![c, 4 * c], Init::Normal(proj_std), true);
+        let f = cfg.ffn_hidden;
+        let c_fc_w = l.push(format!("{p}mlp.c_fc.weight"), vec![f, c], Init::Normal(std), true);
+        let c_fc_b = bias(&mut l, "mlp.c_fc", f);
+        let mlp_proj_w = l.push(format!("{p}mlp.c_proj.weight"), vec![c, f], Init::Normal(proj_std), true);
         let mlp_proj_b = bias(&mut l, "mlp.c_proj", c);
         blocks.push(BlockParams { ln_1_w, ln_1_b, c_attn_w, c_attn_b, attn_proj_w, attn_proj_b, ln_2_w, ln_2_b, c_fc_w, c_fc_b, mlp_proj_w, mlp_proj_b });
     }
@@ -133,5 +146,38 @@ pub fn gpt_layout(cfg: &GptConfig) -> (ParamLayout, GptParams) {
     } else {
         l.push("lm_head.weight".into(), vec![cfg.vocab_size, c], Init::Normal(std), true)
     };
-    (l, GptParams { wte, wpe, blocks, ln_f_w, ln_f_b, lm_head })
+    (l, GptParams { wte, wpe: Some(wpe), blocks, ln_f_w, ln_f_b, lm_head })
+}
+
+/// LLaMA (Touvron et al. 2023) with Hugging Face `LlamaForCausalLM` names. No biases.
+fn llama_layout(cfg: &GptConfig) -> (ParamLayout, GptParams) {
+    let (c, hs, f) = (cfg.n_embd, cfg.head_size(), cfg.ffn_hidden);
+    let std = 0.02f32;
+    let proj_std = std / ((2 * cfg.n_layer) as f32).sqrt();
+    let mut l = ParamLayout::default();
+    let wte = l.push("model.embed_tokens.weight".into(), vec![cfg.vocab_size, c], Init::Normal(std), false);
+    let mut blocks = Vec::new();
+    for i in 0..cfg.n_layer {
+        let p = format!("model.layers.{i}.");
+        let ln_1_w = l.push(format!("{p}input_layernorm.weight"), vec![c], Init::Ones, false);
+        let q = l.push(format!("{p}self_attn.q_proj.weight"), vec![cfg.n_head * hs, c], Init::Normal(std), true);
+        l.push(format!("{p}self_attn.k_proj.weight"), vec![cfg.n_kv_head * hs, c], Init::Normal(std), true);
+        let v = l.push(format!("{p}self_attn.v_proj.weight"), vec![cfg.n_kv_head * hs, c], Init::Normal(std), true);
+        let attn_proj_w = l.push(format!("{p}self_attn.o_proj.weight"), vec![c, cfg.n_head * hs], Init::Normal(proj_std), true);
+        let ln_2_w = l.push(format!("{p}post_attention_layernorm.weight"), vec![c], Init::Ones, false);
+        let gate = l.push(format!("{p}mlp.gate_proj.weight"), vec![f, c], Init::Normal(std), true);
+        let up = l.push(format!("{p}mlp.up_proj.weight"), vec![f, c], Init::Normal(std), true);
+        let mlp_proj_w = l.push(format!("{p}mlp.down_proj.weight"), vec![c, f], Init::Normal(proj_std), true);
+        blocks.push(BlockParams {
+            ln_1_w, ln_1_b: None, c_attn_w: q.start..v.end, c_attn_b: None, attn_proj_w, attn_proj_b: None,
+            ln_2_w, ln_2_b: None, c_fc_w: gate.start..up.end, c_fc_b: None, mlp_proj_w, mlp_proj_b: None,
+        });
+    }
+    let ln_f_w = l.push("model.norm.weight".into(), vec![c], Init::Ones, false);
+    let lm_head = if cfg.tied_embeddings {
+        wte.clone()
+    } else {
+        l.push("lm_head.weight".into(), vec![cfg.vocab_size, c], Init::Normal(std), true)
+    };
+    (l, GptParams { wte, wpe: None, blocks, ln_f_w, ln_f_b: None, lm_head })
 }

@@ -25,6 +25,10 @@ pub struct ModelArgs {
     pub mlp: Option<String>,
     pub experts: Option<u64>,
     pub top_k: Option<u64>,
+    /// Linear/LayerNorm biases (override; nanoGPT's shakespeare-char has none).
+    pub biases: Option<bool>,
+    /// Dropout masks (override; kiln's presets train without dropout).
+    pub dropout: Option<bool>,
 }
 
 /// Cluster flags.
@@ -71,6 +75,21 @@ fn looks_like_file(s: &str) -> bool {
 
 /// Resolve the model flags.
 pub fn resolve_model(a: &ModelArgs) -> Result<ModelShape, PlanError> {
+    let mut m = resolve_model_shape(a)?;
+    // Overrides that also apply to a catalogue model (`--model gpt2-124m --vocab 50304 --dropout false`).
+    if let Some(v) = a.vocab {
+        m.vocab = v;
+    }
+    if let Some(b) = a.biases {
+        m.biases = b;
+    }
+    if let Some(d) = a.dropout {
+        m.dropout = d;
+    }
+    Ok(m)
+}
+
+fn resolve_model_shape(a: &ModelArgs) -> Result<ModelShape, PlanError> {
     let extra = match &a.models_file {
         Some(p) => parse_models(&read_file(p, "--models-file")?, p)?,
         None => vec![],
@@ -101,6 +120,8 @@ pub fn resolve_model(a: &ModelArgs) -> Result<ModelShape, PlanError> {
                 mlp: a.mlp.as_deref().map(Mlp::parse).transpose()?,
                 experts: a.experts,
                 top_k: a.top_k,
+                biases: a.biases,
+                dropout: a.dropout,
                 ..Default::default()
             }
             .resolve()

@@ -8,7 +8,7 @@
 
 use serde::Serialize;
 
-use crate::hardware::{Cluster, Precision};
+use crate::hardware::{Cluster, GemmCurve, Precision};
 use crate::models::{Mlp, ModelShape};
 use crate::PlanError;
 
@@ -563,6 +563,9 @@ pub fn memory(m: &ModelShape, cl: &Cluster, l: &Layout) -> MemoryBreakdown {
 /// 0.92 and 0.80 of the large tile's rate) and `k_half` models the main-loop prologue/epilogue. Roofline: never
 /// faster than moving A, B and C once through HBM. Plus one launch overhead.
 pub fn gemm_time(cl: &Cluster, prec: Precision, m: f64, n: f64, k: f64, batch: f64) -> f64 {
+    if let Some(curve) = &cl.acc.gemm_curve {
+        return cpu_gemm_time(cl, curve, prec, m, n, k, batch);
+    }
     let acc = &cl.acc;
     let peak = acc.peak(prec).unwrap_or(f64::MIN_POSITIVE);
     let flops = 2.0 * m * n * k * batch;
@@ -579,6 +582,21 @@ pub fn gemm_time(cl: &Cluster, prec: Precision, m: f64, n: f64, k: f64, batch: f
     let e = prec.act_bytes().min(2.0) * if prec == Precision::Fp8 { 0.5 } else { 1.0 };
     let bytes = e * (m * k + k * n + m * n) * batch;
     t_compute.max(bytes / acc.stream_bw()) + acc.kernel_overhead
+}
+
+/// GEMM time on a calibrated CPU: the measured rate curve (`GemmCurve`, fitted to products run through the same
+/// kernels as training, so cache and packing effects are inside the measurement; no separate roofline) plus one
+/// kernel call. A batched product (attention heads) runs `batch` independent products spread over the threads,
+/// each at the rate of one m×n×k product.
+fn cpu_gemm_time(cl: &Cluster, curve: &GemmCurve, prec: Precision, m: f64, n: f64, k: f64, batch: f64) -> f64 {
+    let peak = cl.acc.peak(prec).unwrap_or(f64::MIN_POSITIVE);
+    2.0 * m * n * k * batch / (peak * curve.efficiency(m, n, k)) + cl.acc.kernel_overhead
+}
+
+/// Time of `bytes` of the per-layer memory-bound kernels (norms, activations, residual adds, softmax, cross
+/// entropy) in `kernels` kernels, at the accelerator's `elem_bw` (= `stream_bw` unless measured).
+pub fn elem_time(cl: &Cluster, bytes: f64, kernels: f64) -> f64 {
+    bytes / cl.acc.elem_bw() + kernels * cl.acc.kernel_overhead
 }
 
 /// Time of `bytes` of memory-bound traffic in `kernels` kernels.
@@ -782,7 +800,14 @@ fn layer_time(m: &ModelShape, cl: &Cluster, l: &Layout, moe: bool) -> LayerFwd {
     // (Narayanan et al. §5.1: backward = 2 × forward FLOPs).
     let mut gemm = |mm: f64, nn: f64, kk: f64, batch: f64, r: &mut LayerFwd| {
         r.gemm += gemm_time(cl, pr, mm, nn, kk, batch);
-        r.gemm_b += gemm_time(cl, pr, mm, kk, nn, batch) + gemm_time(cl, pr, kk, nn, mm, batch);
+        // kiln's CPU Linear stores W as [N, K] and forms dW = doutᵀ·inp as an N×K×M product; the GPU model
+        // counts the transposed K×N×M product (the same under its symmetric tile model up to tile shape).
+        let wgrad = if cl.acc.gemm_curve.is_some() {
+            gemm_time(cl, pr, nn, kk, mm, batch)
+        } else {
+            gemm_time(cl, pr, kk, nn, mm, batch)
+        };
+        r.gemm_b += gemm_time(cl, pr, mm, kk, nn, batch) + wgrad;
     };
     gemm(tok, (qd + 2.0 * kvd) / t, h, 1.0, &mut r); // QKV (column parallel)
     gemm(tok, h, qd / t, 1.0, &mut r); // output projection (row parallel)
@@ -850,9 +875,9 @@ fn layer_time(m: &ModelShape, cl: &Cluster, l: &Layout, moe: bool) -> LayerFwd {
             // Fused scale-mask-softmax (read + write the scores) and attention dropout (read, write, 1-byte mask).
             let mask = if m.dropout { 1.0 } else { 0.0 };
             let drop = if m.dropout { 2.0 * e } else { 0.0 };
-            r.attn_elem = stream_time(cl, (2.0 * e + drop + mask) * s2, 2.0);
+            r.attn_elem = elem_time(cl, (2.0 * e + drop + mask) * s2, 2.0);
             // Backward: softmax backward reads probs and grad, writes grad; dropout backward reads grad and mask.
-            r.attn_elem_b = stream_time(cl, (3.0 * e + drop + mask) * s2, 2.0);
+            r.attn_elem_b = elem_time(cl, (3.0 * e + drop + mask) * s2, 2.0);
         }
         Attention::Flash => {
             // FlashAttention-2 (Dao 2023): forward 2 matmuls, backward 5 (recomputes S); causal masking skips half.
@@ -874,8 +899,8 @@ fn layer_time(m: &ModelShape, cl: &Cluster, l: &Layout, moe: bool) -> LayerFwd {
     let mask = if m.dropout { 1.0 } else { 0.0 };
     elem_bytes += (2.0 * 2.0 * e + 2.0 * (3.0 * e + mask)) * x * rep;
     elem_bytes_b += (2.0 * 3.0 * e + 2.0 * (2.0 * e + mask) + 2.0 * 3.0 * e) * x * rep;
-    r.elem = stream_time(cl, elem_bytes, 8.0);
-    r.elem_b = stream_time(cl, elem_bytes_b, 12.0);
+    r.elem = elem_time(cl, elem_bytes, 8.0);
+    r.elem_b = elem_time(cl, elem_bytes_b, 12.0);
 
     // Tensor parallelism (Shoeybi et al. 2019): 2 all-reduces of the sbh activation in forward, 2 in backward;
     // with SP each becomes a reduce-scatter + all-gather pair of the same volume (Korthikanti §4.2.2).
@@ -922,9 +947,30 @@ fn logits_time(m: &ModelShape, cl: &Cluster, l: &Layout) -> (f64, f64, f64) {
     let tok = (l.micro_batch * l.seq / l.cp) as f64;
     let h = m.hidden as f64;
     let v = m.vocab as f64 / t;
-    let g = gemm_time(cl, pr, tok, v, h, 1.0);
-    let gb = gemm_time(cl, pr, tok, h, v, 1.0) + gemm_time(cl, pr, h, v, tok, 1.0);
-    let ce = stream_time(cl, 20.0 * tok * v, 6.0);
+    let (g, gb) = if cl.acc.gemm_curve.is_some() {
+        // kiln's fused LM head + cross entropy on CPU (`tensor::classifier`) runs the three products over chunks
+        // of R = clamp(2^23 / V, 1, tokens) rows so that one [R, V] block of fp32 logits (32 MB) is live at a time:
+        // logits [R, V, h], input gradient [R, h, V], weight gradient [V, h, R]. Same FLOPs, smaller M and K.
+        // The last chunk holds the remaining rows.
+        let rows = ((8u64 << 20) as f64 / v).floor().clamp(1.0, tok);
+        let full = (tok / rows).floor();
+        let rest = tok - full * rows;
+        let fwd = |r: f64| if r > 0.0 { gemm_time(cl, pr, r, v, h, 1.0) } else { 0.0 };
+        let bwd = |r: f64| {
+            if r > 0.0 {
+                gemm_time(cl, pr, r, h, v, 1.0) + gemm_time(cl, pr, v, h, r, 1.0)
+            } else {
+                0.0
+            }
+        };
+        (full * fwd(rows) + fwd(rest), full * bwd(rows) + bwd(rest))
+    } else {
+        (
+            gemm_time(cl, pr, tok, v, h, 1.0),
+            gemm_time(cl, pr, tok, h, v, 1.0) + gemm_time(cl, pr, h, v, tok, 1.0),
+        )
+    };
+    let ce = elem_time(cl, 20.0 * tok * v, 6.0);
     let mut tp = 0.0;
     if l.tp > 1 {
         // Input of the output layer: one all-reduce (backward) of the sbh gradient; CE statistics: 3 tiny ones.
@@ -978,7 +1024,7 @@ pub fn device_time(m: &ModelShape, cl: &Cluster, l: &Layout, stage: u64) -> Devi
     if stage == 0 {
         // Embedding lookup (+ position embedding add and dropout) and its gradient: memory-bound.
         let x = (l.micro_batch * l.seq / l.cp) as f64 * m.hidden as f64;
-        d.elementwise += stream_time(cl, 6.0 * l.precision.act_bytes() * x, 4.0);
+        d.elementwise += elem_time(cl, 6.0 * l.precision.act_bytes() * x, 4.0);
         if l.tp > 1 {
             d.tp_comm += all_reduce_time(group_link(cl, l.tp, 1), l.precision.act_bytes() * x);
         }
@@ -999,6 +1045,32 @@ pub fn device_time(m: &ModelShape, cl: &Cluster, l: &Layout, stage: u64) -> Devi
         d.pp_p2p = 2.0 * l.virtual_stages as f64 * one;
     }
     d
+}
+
+/// The layout of one of kiln's own CPU runs: one device, no parallelism, the whole batch in one micro-batch
+/// (`grad_accum` 1), fp32, no recomputation, kiln's attention kernel (`Unfused`: it keeps the [B, NH, T, T]
+/// probabilities; `Flash` for the FlashAttention-style kernel).
+pub fn single_device_layout(batch: u64, seq: u64, attention: Attention) -> Layout {
+    Layout {
+        tp: 1,
+        pp: 1,
+        dp: 1,
+        cp: 1,
+        ep: 1,
+        micro_batch: batch,
+        global_batch: batch,
+        seq,
+        schedule: Schedule::OneFOneB,
+        virtual_stages: 1,
+        recompute: Recompute::None,
+        sequence_parallel: false,
+        zero: 0,
+        precision: Precision::Fp32,
+        attention,
+        overlap_dp: false,
+        overlap_comm: false,
+        fp32_grads: true,
+    }
 }
 
 /// Everything about one iteration.
@@ -1101,7 +1173,13 @@ pub fn estimate(m: &ModelShape, cl: &Cluster, l: &Layout) -> Estimate {
     } else {
         dense0 + expert0
     };
-    let opt_bytes = 26.0 + state_bytes_per_param(l.precision, l.fp32_grads).1;
+    let opt_bytes = match l.precision {
+        // fp32 AdamW (kiln on CPU, PyTorch's fused AdamW): read w, g, m, v (16 B), write w, m, v (12 B); plus the
+        // global-norm pass for clipping (read g, 4 B) and zeroing the gradient buffer for the next step (write g,
+        // 4 B), both over the same flat buffer.
+        Precision::Fp32 => 28.0 + 8.0,
+        _ => 26.0 + state_bytes_per_param(l.precision, l.fp32_grads).1,
+    };
     let optimizer = stream_time(cl, opt_bytes * opt_params, 4.0);
     let step = pipe + dp_exposed + optimizer;
 

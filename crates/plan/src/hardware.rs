@@ -111,6 +111,16 @@ pub struct Accelerator {
     /// Flash attention available (fused attention, no s² activations).
     pub flash_attention: bool,
     pub node: NodeShape,
+    /// Measured matmul rate curve (CPUs calibrated by `kiln plan calibrate`). When present it replaces the
+    /// GPU model of `gemm_efficiency` × wave quantisation × `K/(K+k_half)` in `cost::gemm_time`.
+    #[serde(default)]
+    pub gemm_curve: Option<GemmCurve>,
+    /// Achieved bytes/s of the framework's own memory-bound kernels (norms, GELU, residual adds, softmax, cross
+    /// entropy), as the cost model counts their bytes. On a GPU these kernels stream at `stream_bw`; on a CPU they
+    /// are partly compute-bound (tanh, exp, row reductions), so `kiln plan calibrate` measures them. `None`:
+    /// `stream_bw`.
+    #[serde(default)]
+    pub elementwise_bw: Option<f64>,
     #[serde(default)]
     pub note: Option<String>,
 }
@@ -134,15 +144,113 @@ impl Accelerator {
     pub fn stream_bw(&self) -> f64 {
         self.mem_bw * self.mem_bw_efficiency
     }
+    /// Bytes/s of the per-layer memory-bound kernels (see `elementwise_bw`).
+    pub fn elem_bw(&self) -> f64 {
+        self.elementwise_bw.unwrap_or_else(|| self.stream_bw())
+    }
 }
 
-/// The file `kiln bench --peak` writes for this machine.
+/// One measured matmul `C[m×n] = A[m×k]·B[k×n]` (all threads), as `kiln plan calibrate` records it.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct MeasuredGemm {
+    pub m: u64,
+    pub n: u64,
+    pub k: u64,
+    /// Achieved GFLOP/s (2mnk / seconds / 1e9), the best of a few repetitions.
+    pub gflops: f64,
+    /// Operand layout as in kiln's Linear: "nt" (forward, `inp·Wᵀ`), "nn" (data gradient, `dout·W`),
+    /// "tn" (weight gradient, `doutᵀ·inp`).
+    #[serde(default)]
+    pub layout: Option<String>,
+}
+
+/// Matmul rate vs shape on a CPU (an assumption of this planner, fitted to measurements): one multiplicative
+/// saturation per dimension, the same form as the GPU model's `K/(K+k_half)` applied to all three,
+/// `rate(m,n,k) = peak · plateau · m/(m+m_half) · n/(n+n_half) · k/(k+k_half)`.
+/// Small M or N starve the register-blocked micro-kernel and the threads (fewer output panels than cores); small
+/// K cannot amortise packing and the C-tile load/store. `plateau` may exceed 1 when `peak` came from a noisy
+/// square product.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct GemmCurve {
+    pub plateau: f64,
+    pub m_half: f64,
+    pub n_half: f64,
+    pub k_half: f64,
+}
+
+impl GemmCurve {
+    /// Fraction of `peak` reached by an m×n×k product.
+    pub fn efficiency(&self, m: f64, n: f64, k: f64) -> f64 {
+        self.plateau * m / (m + self.m_half) * n / (n + self.n_half) * k / (k + self.k_half)
+    }
+
+    /// Least squares in log space over a grid of half-points (0 and 2^(i/4), i = 0..=44, i.e. 1..2048);
+    /// for each (m_half, n_half, k_half) the best plateau is the geometric mean of the residual ratios.
+    /// Deterministic: the same products always give the same curve. Needs at least one product.
+    pub fn fit(products: &[MeasuredGemm], peak_flops: f64) -> Result<GemmCurve, PlanError> {
+        let pts: Vec<(f64, f64, f64, f64)> = products
+            .iter()
+            .filter(|p| p.gflops > 0.0 && p.m > 0 && p.n > 0 && p.k > 0)
+            .map(|p| (p.m as f64, p.n as f64, p.k as f64, (p.gflops * 1e9 / peak_flops).ln()))
+            .collect();
+        if pts.is_empty() || peak_flops <= 0.0 {
+            return Err(PlanError("gemm curve: no measured products with a positive rate".into()));
+        }
+        let mut grid = vec![0.0];
+        grid.extend((0..=44).map(|i| 2f64.powf(i as f64 / 4.0)));
+        let ln_sat = |x: f64, h: f64| (x / (x + h)).ln();
+        // Per-dimension log-saturation tables: [point][grid index].
+        let table = |dim: usize| -> Vec<Vec<f64>> {
+            pts.iter()
+                .map(|p| {
+                    let x = [p.0, p.1, p.2][dim];
+                    grid.iter().map(|&h| ln_sat(x, h)).collect()
+                })
+                .collect()
+        };
+        let (tm, tn, tk) = (table(0), table(1), table(2));
+        let n = pts.len() as f64;
+        let mut best = (f64::INFINITY, GemmCurve { plateau: 1.0, m_half: 0.0, n_half: 0.0, k_half: 0.0 });
+        for (im, &mh) in grid.iter().enumerate() {
+            for (inn, &nh) in grid.iter().enumerate() {
+                for (ik, &kh) in grid.iter().enumerate() {
+                    let r: Vec<f64> = (0..pts.len()).map(|j| pts[j].3 - tm[j][im] - tn[j][inn] - tk[j][ik]).collect();
+                    let mean = r.iter().sum::<f64>() / n;
+                    let sse: f64 = r.iter().map(|x| (x - mean).powi(2)).sum();
+                    if sse < best.0 - 1e-12 {
+                        best = (sse, GemmCurve { plateau: mean.exp(), m_half: mh, n_half: nh, k_half: kh });
+                    }
+                }
+            }
+        }
+        Ok(best.1)
+    }
+}
+
+/// The `cpu-local` file `kiln plan calibrate` writes for this machine (the first four fields are the minimal form;
+/// the rest are optional and come from measurements).
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct CpuLocal {
     pub name: String,
+    /// Best measured fp32 matmul FLOP/s (all threads), the curve's reference.
     pub peak_flops_fp32: f64,
     pub mem_bytes: f64,
+    /// Measured STREAM-triad bytes/s on arrays well beyond the last-level cache (counts 2 reads + 1 write).
     pub mem_bw: f64,
+    #[serde(default)]
+    pub threads: Option<u64>,
+    /// Measured products; `gemm_curve` is fitted to them when not given.
+    #[serde(default)]
+    pub products: Vec<MeasuredGemm>,
+    #[serde(default)]
+    pub gemm_curve: Option<GemmCurve>,
+    /// Measured bytes/s of kiln's memory-bound kernels (LayerNorm, GELU, residual; bytes as the cost model counts
+    /// them) and the fixed cost of one such kernel call (thread-pool dispatch), seconds.
+    #[serde(default)]
+    pub elementwise_bw: Option<f64>,
+    #[serde(default)]
+    pub kernel_overhead: Option<f64>,
 }
 
 impl CpuLocal {
@@ -151,6 +259,9 @@ impl CpuLocal {
     /// (machine peak / N). Ranks talk through shared memory at about half the stream bandwidth (a copy reads and
     /// writes).
     pub fn to_accelerator(&self) -> Accelerator {
+        let curve = self
+            .gemm_curve
+            .or_else(|| GemmCurve::fit(&self.products, self.peak_flops_fp32).ok());
         let mut peak = BTreeMap::new();
         peak.insert("fp32".to_string(), self.peak_flops_fp32);
         Accelerator {
@@ -164,9 +275,9 @@ impl CpuLocal {
             tile_m: 1,
             tile_n: 1,
             k_half: 16.0,
-            kernel_overhead: 2e-6,
+            kernel_overhead: self.kernel_overhead.unwrap_or(2e-6),
             reserved_bytes: 0.0,
-            flash_attention: false,
+            flash_attention: true, // tensor::flash (pass --attention to match the kernel the run uses)
             // All ranks on one host, talking through shared memory.
             node: NodeShape {
                 gpus_per_node: 1024,
@@ -174,7 +285,9 @@ impl CpuLocal {
                 inter: "shm".into(),
                 nics_per_node: 1,
             },
-            note: Some("from kiln bench --peak".into()),
+            gemm_curve: curve,
+            elementwise_bw: self.elementwise_bw,
+            note: Some("measured on this machine (kiln plan calibrate)".into()),
         }
     }
 }

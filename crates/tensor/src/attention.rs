@@ -159,25 +159,30 @@ pub fn attention_backward(
     });
 }
 
-/// One decoding step with a KV cache: query `q[C]` for position `T_cur - 1` attends over the
-/// cached keys and values of positions `0..T_cur`. Overwrites `out[C]`.
+/// One decoding step with a KV cache: query `q[NH·HS]` for position `T_cur - 1` attends over
+/// the cached keys and values of positions `0..T_cur`; query head `h` reads kv head
+/// `h / (NH/NKV)` (grouped-query attention; `NKV == NH` is plain multi-head). Overwrites `out`.
+#[allow(clippy::too_many_arguments)]
 pub fn attention_decode(
-    out: &mut [f32],      // [C]
-    q: &[f32],            // [C]
-    k_cache: &[f32],      // [T_cur, C]
-    v_cache: &[f32],      // [T_cur, C]
+    out: &mut [f32],      // [NH·HS]
+    q: &[f32],            // [NH·HS]
+    k_cache: &[f32],      // [T_cur, NKV·HS]
+    v_cache: &[f32],      // [T_cur, NKV·HS]
     t_cur: usize,
-    c: usize,
     nh: usize,
+    nkv: usize,
+    hs: usize,
 ) {
-    let hs = c / nh;
+    let kw = nkv * hs;
+    let group = nh / nkv;
     let scale = 1.0 / (hs as f32).sqrt();
     let mut w = vec![0.0f32; t_cur];
     for h in 0..nh {
+        let kh = h / group;
         let qh = &q[h * hs..(h + 1) * hs];
         let mut max = f32::NEG_INFINITY;
         for (j, wj) in w.iter_mut().enumerate() {
-            let kj = &k_cache[j * c + h * hs..j * c + (h + 1) * hs];
+            let kj = &k_cache[j * kw + kh * hs..j * kw + (kh + 1) * hs];
             *wj = qh.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>() * scale;
             max = max.max(*wj);
         }
@@ -189,7 +194,7 @@ pub fn attention_decode(
         let oh = &mut out[h * hs..(h + 1) * hs];
         oh.fill(0.0);
         for (j, wj) in w.iter().enumerate() {
-            let vj = &v_cache[j * c + h * hs..j * c + (h + 1) * hs];
+            let vj = &v_cache[j * kw + kh * hs..j * kw + (kh + 1) * hs];
             let a = wj / sum;
             for (o, v) in oh.iter_mut().zip(vj) {
                 *o += a * v;

@@ -106,7 +106,7 @@ crate::multiversion! {
 /// within an ulp of torch's). An f64 angle would be more "exact" but would drift from HF by up to
 /// `pos · 2⁻²⁴` radians at long context.
 pub fn rope_table(theta: f32, hs: usize, max_t: usize) -> (Vec<f32>, Vec<f32>) {
-    assert!(hs % 2 == 0, "rotary head size must be even");
+    assert!(hs.is_multiple_of(2), "rotary head size must be even");
     let half = hs / 2;
     let inv_freq: Vec<f32> = (0..half)
         .map(|i| {
@@ -177,7 +177,7 @@ fn rope_apply(
     pos_offset: usize,
     inverse: bool,
 ) {
-    assert!(hs % 2 == 0, "rotary head size must be even");
+    assert!(hs.is_multiple_of(2), "rotary head size must be even");
     let half = hs / 2;
     let w = (nh + 2 * nkv) * hs;
     assert_eq!(x.len(), b * t * w);
@@ -228,6 +228,7 @@ pub fn swiglu_forward(
     f: usize,
 ) {
     let _p = crate::profile::scope("swiglu_forward");
+    assert!(f > 0);
     assert_eq!(gu.len(), 2 * out.len());
     let rows = (ELEMS / f.max(1)).max(1);
     out.par_chunks_mut(f * rows).zip(gu.par_chunks(2 * f * rows)).for_each(|(o, g)| {
@@ -239,8 +240,9 @@ pub fn swiglu_forward(
 
 crate::multiversion! {
     fn swiglu_row(o: &mut [f32], g: &[f32], u: &[f32]) {
-        for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
-            *o = g / (1.0 + simd::exp(-g)) * u;
+        for j in 0..o.len() {
+            let x = g[j];
+            o[j] = x / (1.0 + simd::exp(-x)) * u[j];
         }
     }
 }
@@ -254,6 +256,7 @@ pub fn swiglu_backward(
     f: usize,
 ) {
     let _p = crate::profile::scope("swiglu_backward");
+    assert!(f > 0);
     assert_eq!(gu.len(), 2 * dout.len());
     assert_eq!(dgu.len(), gu.len());
     let rows = (ELEMS / f.max(1)).max(1);
@@ -293,7 +296,7 @@ pub struct GqaDims {
 impl GqaDims {
     /// Query heads per kv head, `NH / NKV`.
     pub fn group(&self) -> usize {
-        assert!(self.nkv > 0 && self.nh % self.nkv == 0, "NH must be a multiple of NKV");
+        assert!(self.nkv > 0 && self.nh.is_multiple_of(self.nkv), "NH must be a multiple of NKV");
         self.nh / self.nkv
     }
     /// `C = NH·HS`, the width of the attention output.
@@ -333,6 +336,7 @@ pub fn gqa_attention_forward(
     let scale = 1.0 / (hs as f32).sqrt();
     let outp = SyncPtr(out.as_mut_ptr());
     att.par_chunks_mut(t * t).enumerate().for_each(|(bh, a)| {
+        #[allow(clippy::redundant_locals)] // capture the whole (Send) SyncPtr, not its field
         let outp = outp;
         let (bi, h) = (bh / nh, bh % nh);
         let g = h / group;
@@ -399,6 +403,7 @@ pub fn gqa_attention_backward(
     let scale = 1.0 / (hs as f32).sqrt();
     let dp = SyncPtr(dqkv.as_mut_ptr());
     (0..b * nkv).into_par_iter().for_each(|bg| {
+        #[allow(clippy::redundant_locals)] // capture the whole (Send) SyncPtr, not its field
         let dp = dp;
         let (bi, g) = (bg / nkv, bg % nkv);
         let base = bi * t * w;

@@ -2,4 +2,5 @@
 mod bench;
 mod common;
 mod errors;
+mod obs;
 mod training;

@@ -1,4 +1,5 @@
 use model::gpt::IGNORE_INDEX;
+use model::config::Arch;
 use model::{Gpt, GptConfig, Pass, Sampler};
 
 fn train(seed: u64) -> Pass {
@@ -6,7 +7,11 @@ fn train(seed: u64) -> Pass {
 }
 
 fn tiny(bias: bool, dropout: f32, tied: bool) -> GptConfig {
-    GptConfig { n_layer: 2, n_head: 2, n_embd: 8, block_size: 6, vocab_size: 12, bias, dropout, tied_embeddings: tied }
+    GptConfig::gpt2(2, 2, 8, 6, 12, bias, dropout, tied)
+}
+
+fn tiny_llama(n_kv_head: usize, dropout: f32) -> GptConfig {
+    GptConfig { arch: Arch::Llama, n_head: 4, n_kv_head, ffn_hidden: 12, tied_embeddings: false, bias: false, ..GptConfig::gpt2(2, 4, 8, 6, 12, false, dropout, false) }
 }
 
 fn batch() -> (Vec<u32>, Vec<i32>) {
@@ -64,8 +69,32 @@ fn gradients_match_finite_differences_no_bias_untied_with_dropout() {
 }
 
 #[test]
+fn gradients_match_finite_differences_llama_gqa() {
+    model_gradcheck(tiny_llama(2, 0.0));
+}
+
+#[test]
+fn gradients_match_finite_differences_llama_mqa_with_dropout() {
+    model_gradcheck(tiny_llama(1, 0.2));
+}
+
+#[test]
+fn llama_decode_logits_match_full_forward() {
+    let mut m = Gpt::new(tiny_llama(2, 0.0), 12, 5);
+    let (tokens, _) = batch();
+    let full = m.forward_logits(&tokens, 2, 6)[6 * 12..].to_vec();
+    let mut cache = m.new_cache();
+    for (t, &tok) in tokens[6..].iter().enumerate() {
+        let lg = m.decode_step(&mut cache, tok);
+        for j in 0..12 {
+            assert!((lg[j] - full[t * 12 + j]).abs() < 1e-4, "t={t} j={j}");
+        }
+    }
+}
+
+#[test]
 fn initial_loss_is_near_uniform() {
-    let cfg = GptConfig { n_layer: 2, n_head: 2, n_embd: 32, block_size: 6, vocab_size: 64, bias: true, dropout: 0.0, tied_embeddings: true };
+    let cfg = GptConfig::gpt2(2, 2, 32, 6, 64, true, 0.0, true);
     let mut m = Gpt::new(cfg, 50, 1);
     let (tokens, targets) = batch();
     let loss = m.forward(&tokens, &targets, 2, 6, Pass::Eval);
@@ -130,4 +159,10 @@ fn config_validation_names_the_key() {
     cfg.n_embd = 8;
     cfg.n_layer = 0;
     assert!(cfg.validate().unwrap_err().contains("model.n_layer"));
+    let mut l = tiny_llama(2, 0.0);
+    l.n_kv_head = 3;
+    assert!(l.validate().unwrap_err().contains("model.n_kv_head (3)"));
+    let mut g = tiny(true, 0.0, true);
+    g.n_kv_head = 1;
+    assert!(g.validate().unwrap_err().contains("arch gpt2"));
 }

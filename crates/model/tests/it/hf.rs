@@ -1,7 +1,7 @@
 //! HF GPT-2 import/export against the `transformers` fixtures in ../shared/fixtures (issue 4).
 
 use model::gpt::IGNORE_INDEX;
-use model::hf::{export_gpt2, import_gpt2};
+use model::hf::{export_hf, import_hf};
 use model::Pass;
 use std::path::{Path, PathBuf};
 
@@ -24,8 +24,22 @@ fn expected_logits(dir: &Path) -> (Vec<usize>, Vec<f32>) {
 
 #[test]
 fn gpt2_fixture_logits_and_loss_match_transformers() {
-    let Some(dir) = fixture("gpt2-tiny") else { return };
-    let mut m = import_gpt2(&dir).unwrap();
+    fixture_matches("gpt2-tiny");
+}
+
+#[test]
+fn llama_fixture_logits_and_loss_match_transformers() {
+    fixture_matches("llama-tiny");
+}
+
+#[test]
+fn llama_export_reimport_is_bit_identical() {
+    export_reimport("llama-tiny");
+}
+
+fn fixture_matches(name: &str) {
+    let Some(dir) = fixture(name) else { return };
+    let mut m = import_hf(&dir).unwrap();
     let rows = tokens(&dir);
     let (b, t) = (rows.len(), rows[0].len());
     let flat: Vec<u32> = rows.concat();
@@ -45,16 +59,20 @@ fn gpt2_fixture_logits_and_loss_match_transformers() {
     let ej: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
     let want_loss = ej["loss"].as_f64().unwrap() as f32;
     assert!(((loss - want_loss) / want_loss).abs() <= 1e-5, "loss {loss} vs {want_loss}");
-    eprintln!("gpt2-tiny: max |logit error| {max_err:.2e}, loss {loss} vs {want_loss}");
+    eprintln!("{name}: max |logit error| {max_err:.2e}, loss {loss} vs {want_loss}");
 }
 
 #[test]
 fn gpt2_export_reimport_is_bit_identical() {
-    let Some(dir) = fixture("gpt2-tiny") else { return };
-    let m = import_gpt2(&dir).unwrap();
-    let out = std::env::temp_dir().join(format!("kiln-hf-export-{}", std::process::id()));
-    export_gpt2(&m, &out).unwrap();
-    let back = import_gpt2(&out).unwrap();
+    export_reimport("gpt2-tiny");
+}
+
+fn export_reimport(name: &str) {
+    let Some(dir) = fixture(name) else { return };
+    let m = import_hf(&dir).unwrap();
+    let out = std::env::temp_dir().join(format!("kiln-hf-export-{name}-{}", std::process::id()));
+    export_hf(&m, &out).unwrap();
+    let back = import_hf(&out).unwrap();
     assert_eq!(m.cfg, back.cfg);
     assert!(m.params.iter().zip(&back.params).all(|(a, b)| a.to_bits() == b.to_bits()));
     // The exported weights file holds exactly the tensors of the original (same names, shapes, bytes).
@@ -74,20 +92,20 @@ fn gpt2_export_reimport_is_bit_identical() {
 
 #[test]
 fn import_errors_name_the_problem() {
-    let Some(dir) = fixture("llama-tiny") else { return };
-    let e = import_gpt2(&dir).err().unwrap();
-    assert!(e.contains("LlamaForCausalLM") && e.contains("config.json"), "{e}");
+    let Some(dir) = fixture("mixtral-tiny") else { return };
+    let e = import_hf(&dir).err().unwrap();
+    assert!(e.contains("MixtralForCausalLM") && e.contains("config.json"), "{e}");
     let tmp = std::env::temp_dir().join(format!("kiln-hf-bad-{}", std::process::id()));
     std::fs::create_dir_all(&tmp).unwrap();
     let gdir = fixture("gpt2-tiny").unwrap();
     std::fs::copy(gdir.join("config.json"), tmp.join("config.json")).unwrap();
-    let e = import_gpt2(&tmp).err().unwrap();
+    let e = import_hf(&tmp).err().unwrap();
     assert!(e.contains("no model.safetensors"), "{e}");
     // A config whose shapes disagree with the weights: the tensor is named.
     let cfg = std::fs::read_to_string(gdir.join("config.json")).unwrap().replace("\"n_embd\": 64", "\"n_embd\": 32");
     std::fs::write(tmp.join("config.json"), cfg).unwrap();
     std::fs::copy(gdir.join("model.safetensors"), tmp.join("model.safetensors")).unwrap();
-    let e = import_gpt2(&tmp).err().unwrap();
+    let e = import_hf(&tmp).err().unwrap();
     assert!(e.contains("transformer.") && e.contains("expected F32"), "{e}");
     let _ = std::fs::remove_dir_all(&tmp);
 }

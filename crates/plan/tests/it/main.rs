@@ -2,6 +2,7 @@
 
 mod catalog;
 mod comm;
+mod cpu;
 mod errors;
 mod flops;
 mod korthikanti;

@@ -17,7 +17,7 @@ fn decode_attention_matches_full_attention_last_row() {
         v.extend_from_slice(&qkv[t * 24 + 16..t * 24 + 24]);
     }
     let mut out = vec![0.0; 8];
-    attention_decode(&mut out, &qkv[6 * 24..6 * 24 + 8], &k, &v, 7, 8, 2);
+    attention_decode(&mut out, &qkv[6 * 24..6 * 24 + 8], &k, &v, 7, 2, 2, 4);
     for (x, y) in out.iter().zip(&o[48..56]) {
         assert!((x - y).abs() < 1e-5);
     }

@@ -1,1 +1,592 @@
-//! Gradient checks and reference values for the LLaMA-family kernels (being written).
+//! LLaMA-family kernels (`tensor::llama`): finite-difference gradient checks, reference values,
+//! rotary-embedding identities, GQA against the multi-head kernel, accumulation, and the
+//! `llama-tiny` transformers fixture's logits reproduced from these kernels (issue 4).
+
+use std::path::{Path, PathBuf};
+use tensor::attention::AttnDims;
+use tensor::llama::*;
+use tensor::*;
+
+fn randn(rng: &mut Rng, n: usize, std: f32) -> Vec<f32> {
+    let mut v = vec![0.0; n];
+    rng.fill_normal(&mut v, std);
+    v
+}
+
+fn dot(a: &[f32], b: &[f32]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum()
+}
+
+/// Compares `analytic` with central differences of `loss` w.r.t. `x` (as in gradcheck.rs).
+fn check(name: &str, x: &[f32], analytic: &[f32], loss: impl Fn(&[f32]) -> f64) {
+    assert_eq!(x.len(), analytic.len());
+    let eps = 1e-2f32;
+    let stride = (x.len() / 97).max(1);
+    let mut xp = x.to_vec();
+    let mut max_err = 0.0f64;
+    for i in (0..x.len()).step_by(stride) {
+        let orig = xp[i];
+        xp[i] = orig + eps;
+        let lp = loss(&xp);
+        xp[i] = orig - eps;
+        let lm = loss(&xp);
+        xp[i] = orig;
+        let num = (lp - lm) / (2.0 * eps as f64);
+        let a = analytic[i] as f64;
+        let err = (num - a).abs() / (num.abs().max(a.abs()).max(1e-1));
+        max_err = max_err.max(err);
+        assert!(err < 2e-2, "{name}[{i}]: numeric {num} vs analytic {a} (rel err {err})");
+    }
+    assert!(max_err.is_finite(), "{name}");
+}
+
+/// Largest `|a − b| / (1 + |b|)`.
+fn max_err(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs() / (1.0 + y.abs())).fold(0.0, f32::max)
+}
+
+// ---------------------------------------------------------------------------------------------
+// RMSNorm
+
+#[test]
+fn rmsnorm_gradients() {
+    let (n, c) = (5, 12);
+    let mut rng = Rng::new(21);
+    let inp = randn(&mut rng, n * c, 1.0);
+    let w = randn(&mut rng, c, 1.0);
+    let dout = randn(&mut rng, n * c, 1.0);
+    let fwd = |inp: &[f32], w: &[f32]| {
+        let (mut out, mut r) = (vec![0.0; n * c], vec![0.0; n]);
+        rmsnorm_forward(&mut out, &mut r, inp, w, 1e-5, c);
+        dot(&out, &dout)
+    };
+    let (mut out, mut r) = (vec![0.0; n * c], vec![0.0; n]);
+    rmsnorm_forward(&mut out, &mut r, &inp, &w, 1e-5, c);
+    let (mut di, mut dw) = (vec![0.0; n * c], vec![0.0; c]);
+    rmsnorm_backward(&mut di, &mut dw, &dout, &inp, &w, &r, c);
+    check("rmsnorm.dinp", &inp, &di, |x| fwd(x, &w));
+    check("rmsnorm.dweight", &w, &dw, |x| fwd(&inp, x));
+}
+
+#[test]
+fn rmsnorm_matches_f64_reference() {
+    // Enough rows (> par::REDUCE_ROWS) that the weight gradient crosses reduction chunks.
+    let (n, c, eps) = (130, 37, 1e-6f32);
+    let mut rng = Rng::new(22);
+    let inp = randn(&mut rng, n * c, 3.0);
+    let w = randn(&mut rng, c, 1.0);
+    let (mut out, mut rstd) = (vec![f32::NAN; n * c], vec![f32::NAN; n]);
+    rmsnorm_forward(&mut out, &mut rstd, &inp, &w, eps, c);
+    for r in 0..n {
+        let x = &inp[r * c..(r + 1) * c];
+        let ms = x.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / c as f64;
+        let rs = 1.0 / (ms + eps as f64).sqrt();
+        assert!(((rstd[r] as f64 - rs) / rs).abs() < 1e-6, "rstd[{r}] {} vs {rs}", rstd[r]);
+        for j in 0..c {
+            let want = x[j] as f64 * rs * w[j] as f64;
+            let got = out[r * c + j] as f64;
+            assert!((got - want).abs() <= 1e-6 * (1.0 + want.abs()), "out[{r},{j}] {got} vs {want}");
+        }
+    }
+    // Hand values: x = [1, 2, 3, 4], w = 1, eps = 0 → rms = √7.5.
+    let (mut o, mut s) = ([0.0f32; 4], [0.0f32; 1]);
+    rmsnorm_forward(&mut o, &mut s, &[1.0, 2.0, 3.0, 4.0], &[1.0; 4], 0.0, 4);
+    let want = [0.365_148_4, 0.730_296_7, 1.095_445_1, 1.460_593_5];
+    for (a, b) in o.iter().zip(want) {
+        assert!((a - b).abs() < 1e-6, "{a} vs {b}");
+    }
+    // Weight gradient against a direct f64 sum over all rows.
+    let dout = randn(&mut rng, n * c, 1.0);
+    let (mut di, mut dw) = (vec![0.0; n * c], vec![0.0; c]);
+    rmsnorm_backward(&mut di, &mut dw, &dout, &inp, &w, &rstd, c);
+    for j in 0..c {
+        let want: f64 = (0..n).map(|r| dout[r * c + j] as f64 * inp[r * c + j] as f64 * rstd[r] as f64).sum();
+        assert!((dw[j] as f64 - want).abs() <= 1e-4 * (1.0 + want.abs()), "dweight[{j}] {} vs {want}", dw[j]);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rotary embeddings
+
+struct Rope {
+    b: usize,
+    t: usize,
+    nh: usize,
+    nkv: usize,
+    hs: usize,
+}
+
+impl Rope {
+    fn w(&self) -> usize {
+        (self.nh + 2 * self.nkv) * self.hs
+    }
+    fn fwd(&self, x: &mut [f32], cs: &(Vec<f32>, Vec<f32>), off: usize) {
+        rope_forward(x, &cs.0, &cs.1, self.b, self.t, self.nh, self.nkv, self.hs, off);
+    }
+    fn bwd(&self, x: &mut [f32], cs: &(Vec<f32>, Vec<f32>), off: usize) {
+        rope_backward(x, &cs.0, &cs.1, self.b, self.t, self.nh, self.nkv, self.hs, off);
+    }
+}
+
+#[test]
+fn rope_gradients() {
+    let r = Rope { b: 2, t: 5, nh: 4, nkv: 2, hs: 6 };
+    let cs = rope_table(10_000.0, r.hs, 16);
+    let mut rng = Rng::new(23);
+    let qkv = randn(&mut rng, r.b * r.t * r.w(), 1.0);
+    let dout = randn(&mut rng, qkv.len(), 1.0);
+    for off in [0, 3] {
+        let mut g = dout.clone();
+        r.bwd(&mut g, &cs, off);
+        check(&format!("rope(offset={off}).dqkv"), &qkv, &g, |x| {
+            let mut y = x.to_vec();
+            r.fwd(&mut y, &cs, off);
+            dot(&y, &dout)
+        });
+    }
+}
+
+#[test]
+fn rope_inverse_is_identity_and_v_is_untouched() {
+    let r = Rope { b: 2, t: 9, nh: 4, nkv: 1, hs: 8 };
+    let cs = rope_table(10_000.0, r.hs, 32);
+    let mut rng = Rng::new(24);
+    let x0 = randn(&mut rng, r.b * r.t * r.w(), 1.0);
+    let mut x = x0.clone();
+    r.fwd(&mut x, &cs, 7);
+    assert!(max_err(&x, &x0) > 1e-2, "rotation must change q and k");
+    for row in 0..r.b * r.t {
+        let v = (r.nh + r.nkv) * r.hs;
+        assert_eq!(x[row * r.w() + v..(row + 1) * r.w()], x0[row * r.w() + v..(row + 1) * r.w()], "v changed");
+    }
+    // The norm of every head is preserved (a rotation).
+    for (a, b) in x.chunks(r.hs).zip(x0.chunks(r.hs)) {
+        let (na, nb) = (dot(a, a), dot(b, b));
+        assert!((na - nb).abs() < 1e-5 * (1.0 + nb), "{na} vs {nb}");
+    }
+    r.bwd(&mut x, &cs, 7);
+    assert!(max_err(&x, &x0) < 1e-6, "inverse rotation: {}", max_err(&x, &x0));
+}
+
+#[test]
+fn rope_at_position_zero_is_identity() {
+    let r = Rope { b: 1, t: 1, nh: 2, nkv: 2, hs: 16 };
+    let cs = rope_table(500_000.0, r.hs, 4);
+    let mut rng = Rng::new(25);
+    let x0 = randn(&mut rng, r.w(), 1.0);
+    let mut x = x0.clone();
+    r.fwd(&mut x, &cs, 0);
+    assert_eq!(x, x0);
+    // ...and the table row 0 is exactly (1, 0).
+    assert!(cs.0[..8].iter().all(|&c| c == 1.0) && cs.1[..8].iter().all(|&s| s == 0.0));
+}
+
+#[test]
+fn rope_dot_products_depend_only_on_relative_position() {
+    // q at position m, k at position n: q·k after rotation depends on m − n only.
+    let (t, hs) = (48, 16);
+    let r = Rope { b: 1, t, nh: 2, nkv: 1, hs };
+    let cs = rope_table(10_000.0, hs, t);
+    let mut rng = Rng::new(26);
+    let unit = |rng: &mut Rng| {
+        let v = randn(rng, hs, 1.0);
+        let n = dot(&v, &v).sqrt() as f32;
+        v.into_iter().map(|x| x / n).collect::<Vec<_>>()
+    };
+    let (q, k) = (unit(&mut rng), unit(&mut rng));
+    let mut x = vec![0.0; t * r.w()];
+    for row in 0..t {
+        // query head 1 and the kv head's k carry the same vectors at every position.
+        x[row * r.w() + hs..row * r.w() + 2 * hs].copy_from_slice(&q);
+        x[row * r.w() + 2 * hs..row * r.w() + 3 * hs].copy_from_slice(&k);
+    }
+    r.fwd(&mut x, &cs, 0);
+    let qk = |m: usize, n: usize| {
+        dot(&x[m * r.w() + hs..m * r.w() + 2 * hs], &x[n * r.w() + 2 * hs..n * r.w() + 3 * hs])
+    };
+    let mut spread = 0.0f64;
+    for (m, n) in [(5usize, 2usize), (9, 9), (3, 11), (20, 1)] {
+        let base = qk(m, n);
+        for s in [1, 7, 25] {
+            let d = (qk(m + s, n + s) - base).abs();
+            assert!(d < 1e-5, "q·k at ({m},{n}) shifted by {s}: {} vs {base}", qk(m + s, n + s));
+            spread = spread.max((qk(m, n) - qk(m + s, n)).abs());
+        }
+    }
+    assert!(spread > 1e-2, "dot products must depend on the relative position");
+}
+
+#[test]
+fn rope_pos_offset_matches_full_sequence_rows() {
+    let full = Rope { b: 1, t: 12, nh: 4, nkv: 2, hs: 8 };
+    let cs = rope_table(10_000.0, full.hs, 12);
+    let w = full.w();
+    let mut rng = Rng::new(27);
+    let x0 = randn(&mut rng, full.t * w, 1.0);
+    let mut xf = x0.clone();
+    full.fwd(&mut xf, &cs, 0);
+    // One decoding step per row, and a chunk of three rows at once.
+    let one = Rope { t: 1, ..full };
+    for p in 0..full.t {
+        let mut row = x0[p * w..(p + 1) * w].to_vec();
+        one.fwd(&mut row, &cs, p);
+        assert_eq!(row, xf[p * w..(p + 1) * w], "row {p}");
+    }
+    let three = Rope { t: 3, ..full };
+    let mut rows = x0[5 * w..8 * w].to_vec();
+    three.fwd(&mut rows, &cs, 5);
+    assert_eq!(rows, xf[5 * w..8 * w]);
+}
+
+#[test]
+fn rope_table_matches_hf_formula() {
+    let (theta, hs, max_t) = (10_000.0f32, 16, 64);
+    let (cos, sin) = rope_table(theta, hs, max_t);
+    assert_eq!(cos.len(), max_t * hs / 2);
+    // Pair 1 at position 1: angle 10000^(-2/16) = 10^(-1/2).
+    assert!((cos[8 + 1] - 0.316_227_77f32.cos()).abs() < 1e-6);
+    assert!((sin[8 + 1] - 0.316_227_77f32.sin()).abs() < 1e-6);
+    assert!((cos[8] - 1f32.cos()).abs() < 1e-7 && (sin[8] - 1f32.sin()).abs() < 1e-7);
+    // Against exact (f64) math: within the fp32 angle rounding HF also has.
+    for p in 0..max_t {
+        for i in 0..hs / 2 {
+            let a = p as f64 * (theta as f64).powf(-((2 * i) as f64) / hs as f64);
+            let tol = 1e-6 + p as f64 * 3e-7;
+            assert!((cos[p * 8 + i] as f64 - a.cos()).abs() < tol, "cos[{p},{i}]");
+            assert!((sin[p * 8 + i] as f64 - a.sin()).abs() < tol, "sin[{p},{i}]");
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// SwiGLU
+
+#[test]
+fn swiglu_gradients() {
+    let (n, f) = (4, 7);
+    let mut rng = Rng::new(28);
+    let gu = randn(&mut rng, n * 2 * f, 2.0);
+    let dout = randn(&mut rng, n * f, 1.0);
+    let mut dgu = vec![0.0; gu.len()];
+    swiglu_backward(&mut dgu, &dout, &gu, f);
+    check("swiglu.dgu", &gu, &dgu, |x| {
+        let mut o = vec![0.0; n * f];
+        swiglu_forward(&mut o, x, f);
+        dot(&o, &dout)
+    });
+}
+
+#[test]
+fn swiglu_matches_reference_values() {
+    // torch: F.silu(g) * u for g = [-2, 0, 1, 3], u = [1.5, 2, -1, 0.5]; one row, F = 4.
+    let gu = [-2.0f32, 0.0, 1.0, 3.0, 1.5, 2.0, -1.0, 0.5];
+    let want = [-0.238_405_84 * 1.5, 0.0, -0.731_058_6, 2.857_722_5 * 0.5];
+    let mut o = [0.0; 4];
+    swiglu_forward(&mut o, &gu, 4);
+    for (a, b) in o.iter().zip(want) {
+        assert!((a - b).abs() < 1e-6, "{a} vs {b}");
+    }
+    // Large |g| stays finite: silu(−100) ≈ 0, silu(100) = 100.
+    let mut o = [0.0; 2];
+    swiglu_forward(&mut o, &[-100.0, 100.0, 1.0, 1.0], 2);
+    assert!(o[0].abs() < 1e-30 && (o[1] - 100.0).abs() < 1e-4, "{o:?}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Grouped-query attention
+
+fn gqa_fwd(qkv: &[f32], d: &GqaDims) -> (Vec<f32>, Vec<f32>) {
+    let (mut o, mut a) = (vec![f32::NAN; d.b * d.t * d.c()], vec![f32::NAN; d.b * d.nh * d.t * d.t]);
+    gqa_attention_forward(&mut o, &mut a, qkv, d);
+    (o, a)
+}
+
+fn gqa_check(d: GqaDims, seed: u64) {
+    let mut rng = Rng::new(seed);
+    let qkv = randn(&mut rng, d.b * d.t * d.qkv_width(), 1.0);
+    let dout = randn(&mut rng, d.b * d.t * d.c(), 1.0);
+    let (_, a) = gqa_fwd(&qkv, &d);
+    let mut dqkv = vec![0.0; qkv.len()];
+    gqa_attention_backward(&mut dqkv, &dout, &qkv, &a, &d);
+    check(&format!("gqa_attention({d:?}).dqkv"), &qkv, &dqkv, |x| dot(&gqa_fwd(x, &d).0, &dout));
+}
+
+#[test]
+fn gqa_attention_gradients() {
+    gqa_check(GqaDims { b: 2, t: 5, nh: 4, nkv: 2, hs: 3 }, 29); // groups of two
+    gqa_check(GqaDims { b: 1, t: 6, nh: 3, nkv: 1, hs: 4 }, 30); // multi-query
+    gqa_check(GqaDims { b: 2, t: 4, nh: 2, nkv: 2, hs: 4 }, 31); // multi-head
+}
+
+#[test]
+fn gqa_with_nkv_equal_nh_matches_attention_kernel() {
+    let d = GqaDims { b: 2, t: 7, nh: 3, nkv: 3, hs: 4 };
+    let ad = AttnDims { b: d.b, t: d.t, c: d.c(), nh: d.nh };
+    let mut rng = Rng::new(32);
+    let qkv = randn(&mut rng, d.b * d.t * 3 * d.c(), 1.0);
+    let dout = randn(&mut rng, d.b * d.t * d.c(), 1.0);
+    let (o, a) = gqa_fwd(&qkv, &d);
+    let (mut o2, mut a2) = (vec![0.0; o.len()], vec![0.0; a.len()]);
+    attention_forward(&mut o2, &mut a2, &qkv, &ad, 0.0, 0);
+    assert!(max_err(&o, &o2) < 1e-6 && max_err(&a, &a2) < 1e-6, "out {} att {}", max_err(&o, &o2), max_err(&a, &a2));
+    let (mut dq, mut dq2) = (vec![0.0; qkv.len()], vec![0.0; qkv.len()]);
+    gqa_attention_backward(&mut dq, &dout, &qkv, &a, &d);
+    attention_backward(&mut dq2, &dout, &qkv, &a2, &ad, 0.0, 0);
+    assert!(max_err(&dq, &dq2) < 1e-5, "dqkv {}", max_err(&dq, &dq2));
+}
+
+#[test]
+fn gqa_matches_multi_head_attention_with_repeated_kv() {
+    // HF's `repeat_kv`: expand each kv head to its group, run plain MHA; the kv gradients of
+    // GQA are the sums of the expanded ones over each group.
+    let d = GqaDims { b: 2, t: 6, nh: 6, nkv: 2, hs: 4 };
+    let (c, w, hs, group) = (d.c(), d.qkv_width(), d.hs, d.group());
+    let ad = AttnDims { b: d.b, t: d.t, c, nh: d.nh };
+    let mut rng = Rng::new(33);
+    let qkv = randn(&mut rng, d.b * d.t * w, 1.0);
+    let dout = randn(&mut rng, d.b * d.t * c, 1.0);
+    let rows = d.b * d.t;
+    let mut big = vec![0.0; rows * 3 * c];
+    for r in 0..rows {
+        let (src, dst) = (&qkv[r * w..(r + 1) * w], &mut big[r * 3 * c..(r + 1) * 3 * c]);
+        dst[..c].copy_from_slice(&src[..c]);
+        for h in 0..d.nh {
+            let g = h / group;
+            dst[c + h * hs..c + (h + 1) * hs].copy_from_slice(&src[c + g * hs..c + (g + 1) * hs]);
+            let v = c + d.nkv * hs;
+            dst[2 * c + h * hs..2 * c + (h + 1) * hs].copy_from_slice(&src[v + g * hs..v + (g + 1) * hs]);
+        }
+    }
+    let (o, a) = gqa_fwd(&qkv, &d);
+    let (mut o2, mut a2) = (vec![0.0; o.len()], vec![0.0; a.len()]);
+    attention_forward(&mut o2, &mut a2, &big, &ad, 0.0, 0);
+    assert!(max_err(&o, &o2) < 1e-6, "out {}", max_err(&o, &o2));
+    let (mut dq, mut dbig) = (vec![0.0; qkv.len()], vec![0.0; big.len()]);
+    gqa_attention_backward(&mut dq, &dout, &qkv, &a, &d);
+    attention_backward(&mut dbig, &dout, &big, &a2, &ad, 0.0, 0);
+    let mut want = vec![0.0; qkv.len()];
+    for r in 0..rows {
+        let (src, dst) = (&dbig[r * 3 * c..(r + 1) * 3 * c], &mut want[r * w..(r + 1) * w]);
+        dst[..c].copy_from_slice(&src[..c]);
+        for h in 0..d.nh {
+            let g = h / group;
+            for j in 0..hs {
+                dst[c + g * hs + j] += src[c + h * hs + j];
+                dst[c + d.nkv * hs + g * hs + j] += src[2 * c + h * hs + j];
+            }
+        }
+    }
+    assert!(max_err(&dq, &want) < 1e-5, "dqkv {}", max_err(&dq, &want));
+}
+
+#[test]
+fn gqa_attention_is_causal() {
+    let d = GqaDims { b: 1, t: 6, nh: 4, nkv: 2, hs: 2 };
+    let w = d.qkv_width();
+    let mut rng = Rng::new(34);
+    let mut qkv = randn(&mut rng, d.t * w, 1.0);
+    let (o1, _) = gqa_fwd(&qkv, &d);
+    for j in d.c()..w {
+        qkv[5 * w + j] += 1.0; // the last token's k and v
+    }
+    let (o2, _) = gqa_fwd(&qkv, &d);
+    let c = d.c();
+    assert_eq!(o1[..5 * c], o2[..5 * c]);
+    assert_ne!(o1[5 * c..], o2[5 * c..]);
+}
+
+#[test]
+fn gqa_backward_is_deterministic_across_thread_counts() {
+    let d = GqaDims { b: 3, t: 33, nh: 8, nkv: 2, hs: 8 };
+    let mut rng = Rng::new(35);
+    let qkv = randn(&mut rng, d.b * d.t * d.qkv_width(), 1.0);
+    let dout = randn(&mut rng, d.b * d.t * d.c(), 1.0);
+    let run = |threads: usize| {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+        pool.install(|| {
+            let (o, a) = gqa_fwd(&qkv, &d);
+            let mut dq = vec![0.0; qkv.len()];
+            gqa_attention_backward(&mut dq, &dout, &qkv, &a, &d);
+            (o, dq)
+        })
+    };
+    assert_eq!(run(1), run(3));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward accumulates (never overwrites)
+
+#[test]
+fn backward_kernels_accumulate() {
+    let mut rng = Rng::new(36);
+    let twice = |f: &dyn Fn(&mut [f32]), n: usize, what: &str| {
+        let mut once = vec![0.0; n];
+        f(&mut once);
+        let mut pre = vec![0.5; n];
+        f(&mut pre);
+        for (p, o) in pre.iter().zip(&once) {
+            assert!((p - (o + 0.5)).abs() < 1e-5, "{what}: {p} vs {o} + 0.5");
+        }
+    };
+    // RMSNorm
+    let (n, c) = (70, 8);
+    let inp = randn(&mut rng, n * c, 1.0);
+    let w = randn(&mut rng, c, 1.0);
+    let dout = randn(&mut rng, n * c, 1.0);
+    let (mut out, mut rs) = (vec![0.0; n * c], vec![0.0; n]);
+    rmsnorm_forward(&mut out, &mut rs, &inp, &w, 1e-5, c);
+    twice(&|g| rmsnorm_backward(g, &mut vec![0.0; c], &dout, &inp, &w, &rs, c), n * c, "rmsnorm.dinp");
+    twice(&|g| rmsnorm_backward(&mut vec![0.0; n * c], g, &dout, &inp, &w, &rs, c), c, "rmsnorm.dweight");
+    // SwiGLU
+    let (n, f) = (3, 5);
+    let gu = randn(&mut rng, n * 2 * f, 1.0);
+    let dout = randn(&mut rng, n * f, 1.0);
+    twice(&|g| swiglu_backward(g, &dout, &gu, f), gu.len(), "swiglu.dgu");
+    // GQA
+    let d = GqaDims { b: 1, t: 4, nh: 4, nkv: 2, hs: 2 };
+    let qkv = randn(&mut rng, d.t * d.qkv_width(), 1.0);
+    let dout = randn(&mut rng, d.t * d.c(), 1.0);
+    let (_, a) = gqa_fwd(&qkv, &d);
+    twice(&|g| gqa_attention_backward(g, &dout, &qkv, &a, &d), qkv.len(), "gqa.dqkv");
+}
+
+// ---------------------------------------------------------------------------------------------
+// The transformers `llama-tiny` fixture: logits from these kernels (plus embedding and matmul)
+
+fn fixture(name: &str) -> Option<PathBuf> {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/fixtures").join(name);
+    if p.exists() { Some(p) } else { eprintln!("skipped: fixture {} not found", p.display()); None }
+}
+
+/// A minimal safetensors reader (F32 only): 8-byte little-endian header length, a JSON header
+/// of `"name": {"dtype", "shape", "data_offsets": [begin, end]}`, then the raw data.
+struct SafeTensors {
+    header: String,
+    data: Vec<u8>,
+}
+
+impl SafeTensors {
+    fn open(path: &Path) -> SafeTensors {
+        let bytes = std::fs::read(path).unwrap();
+        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        SafeTensors { header: String::from_utf8(bytes[8..8 + n].to_vec()).unwrap(), data: bytes[8 + n..].to_vec() }
+    }
+    /// The integers in the first `[...]` after `"key":` that follows the tensor's name.
+    fn ints(&self, name: &str, key: &str) -> Vec<usize> {
+        let at = self.header.find(&format!("\"{name}\"")).unwrap_or_else(|| panic!("no tensor {name}"));
+        let rest = &self.header[at..];
+        let k = rest.find(&format!("\"{key}\"")).unwrap();
+        let open = k + rest[k..].find('[').unwrap();
+        let close = open + rest[open..].find(']').unwrap();
+        rest[open + 1..close].split(',').filter(|s| !s.trim().is_empty()).map(|s| s.trim().parse().unwrap()).collect()
+    }
+    fn get(&self, name: &str, shape: &[usize]) -> Vec<f32> {
+        assert_eq!(self.ints(name, "shape"), shape, "{name} shape");
+        let off = self.ints(name, "data_offsets");
+        let v: Vec<f32> = self.data[off[0]..off[1]].chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
+        assert_eq!(v.len(), shape.iter().product::<usize>());
+        v
+    }
+}
+
+#[test]
+fn llama_tiny_fixture_logits_match_transformers() {
+    let Some(dir) = fixture("llama-tiny") else { return };
+    // config.json: hidden 64, 4 heads of 16, 2 kv heads, intermediate 172, 2 layers,
+    // rms_norm_eps 1e-5, rope_theta 10000, vocab 103, untied lm_head.
+    let (c, nh, nkv, hs, f, layers, v) = (64, 4, 2, 16, 172, 2, 103);
+    let st = SafeTensors::open(&dir.join("model.safetensors"));
+    let toks = std::fs::read_to_string(dir.join("tokens.json")).unwrap();
+    let body = &toks[toks.find("[[").unwrap() + 1..toks.rfind("]]").unwrap() + 1];
+    let rows: Vec<Vec<u32>> = body
+        .split(']')
+        .filter(|r| r.contains('['))
+        .map(|r| r[r.find('[').unwrap() + 1..].split(',').map(|x| x.trim().parse().unwrap()).collect())
+        .collect();
+    let (b, t) = (rows.len(), rows[0].len());
+    let tokens: Vec<u32> = rows.concat();
+    let n = b * t;
+    let d = GqaDims { b, t, nh, nkv, hs };
+    let w = d.qkv_width();
+    let (cos, sin) = rope_table(10_000.0, hs, t);
+
+    let mut x = vec![0.0; n * c];
+    embedding_forward(&mut x, &tokens, &st.get("model.embed_tokens.weight", &[v, c]), None, t, c);
+    let (mut h, mut rstd) = (vec![0.0; n * c], vec![0.0; n]);
+    let (mut qkv, mut att, mut y) = (vec![0.0; n * w], vec![0.0; b * nh * t * t], vec![0.0; n * c]);
+    let (mut gu, mut m) = (vec![0.0; n * 2 * f], vec![0.0; n * f]);
+    for l in 0..layers {
+        let p = |s: &str, shape: &[usize]| st.get(&format!("model.layers.{l}.{s}"), shape);
+        // x = x + o_proj(attn(rope(qkv_proj(norm(x)))))
+        rmsnorm_forward(&mut h, &mut rstd, &x, &p("input_layernorm.weight", &[c]), 1e-5, c);
+        let wqkv = [p("self_attn.q_proj.weight", &[nh * hs, c]), p("self_attn.k_proj.weight", &[nkv * hs, c]), p("self_attn.v_proj.weight", &[nkv * hs, c])].concat();
+        matmul_forward(&mut qkv, &h, &wqkv, None, n, c, w);
+        rope_forward(&mut qkv, &cos, &sin, b, t, nh, nkv, hs, 0);
+        gqa_attention_forward(&mut y, &mut att, &qkv, &d);
+        matmul_forward(&mut h, &y, &p("self_attn.o_proj.weight", &[c, c]), None, n, c, c);
+        add_into(&mut x, &h);
+        // x = x + down_proj(silu(gate_proj(norm(x))) · up_proj(norm(x)))
+        rmsnorm_forward(&mut h, &mut rstd, &x, &p("post_attention_layernorm.weight", &[c]), 1e-5, c);
+        let wgu = [p("mlp.gate_proj.weight", &[f, c]), p("mlp.up_proj.weight", &[f, c])].concat();
+        matmul_forward(&mut gu, &h, &wgu, None, n, c, 2 * f);
+        swiglu_forward(&mut m, &gu, f);
+        matmul_forward(&mut h, &m, &p("mlp.down_proj.weight", &[c, f]), None, n, f, c);
+        add_into(&mut x, &h);
+    }
+    rmsnorm_forward(&mut h, &mut rstd, &x, &st.get("model.norm.weight", &[c]), 1e-5, c);
+    let mut logits = vec![0.0; n * v];
+    matmul_forward(&mut logits, &h, &st.get("lm_head.weight", &[v, c]), None, n, c, v);
+
+    let want = SafeTensors::open(&dir.join("expected.safetensors")).get("logits", &[b, t, v]);
+    let err = logits.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    eprintln!("llama-tiny: max |logit error| {err} over {} logits", want.len());
+    assert!(err <= 1e-4, "max |logit error| {err}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Timing (opt-in): KILN_LLAMA_TIMING=1 cargo test -p tensor --release llama_kernel_timing -- --nocapture
+
+#[test]
+fn llama_kernel_timing() {
+    if std::env::var_os("KILN_LLAMA_TIMING").is_none() {
+        return;
+    }
+    fn time(name: &str, bytes: usize, mut f: impl FnMut()) {
+        f();
+        let mut best = f64::INFINITY;
+        for _ in 0..5 {
+            let s = std::time::Instant::now();
+            f();
+            best = best.min(s.elapsed().as_secs_f64());
+        }
+        println!("{{\"kernel\": \"{name}\", \"ms\": {:.3}, \"GB/s\": {:.1}}}", best * 1e3, bytes as f64 / best / 1e9);
+    }
+    let (n, c, f) = (1024, 768, 2048);
+    let mut rng = Rng::new(40);
+    let x = randn(&mut rng, n * c, 1.0);
+    let wt = randn(&mut rng, c, 1.0);
+    let (mut out, mut rs) = (vec![0.0; n * c], vec![0.0; n]);
+    time("rmsnorm_forward", 8 * n * c, || rmsnorm_forward(&mut out, &mut rs, &x, &wt, 1e-5, c));
+    let (mut di, mut dw) = (vec![0.0; n * c], vec![0.0; c]);
+    time("rmsnorm_backward", 16 * n * c, || rmsnorm_backward(&mut di, &mut dw, &x, &x, &wt, &rs, c));
+    let gu = randn(&mut rng, n * 2 * f, 1.0);
+    let mut h = vec![0.0; n * f];
+    time("swiglu_forward", 12 * n * f, || swiglu_forward(&mut h, &gu, f));
+    let mut dgu = vec![0.0; n * 2 * f];
+    time("swiglu_backward", 28 * n * f, || swiglu_backward(&mut dgu, &h, &gu, f));
+    // T = 1024, 12 heads of 64, 4 kv heads (GQA groups of 3).
+    let d = GqaDims { b: 1, t: n, nh: 12, nkv: 4, hs: 64 };
+    let (cos, sin) = rope_table(10_000.0, d.hs, d.t);
+    let mut qkv = randn(&mut rng, n * d.qkv_width(), 1.0);
+    let rot = 8 * n * (d.nh + d.nkv) * d.hs;
+    time("rope_forward", rot, || rope_forward(&mut qkv, &cos, &sin, d.b, d.t, d.nh, d.nkv, d.hs, 0));
+    time("rope_backward", rot, || rope_backward(&mut qkv, &cos, &sin, d.b, d.t, d.nh, d.nkv, d.hs, 0));
+    let (mut o, mut a) = (vec![0.0; n * d.c()], vec![0.0; d.nh * n * n]);
+    time("gqa_attention_forward", 0, || gqa_attention_forward(&mut o, &mut a, &qkv, &d));
+    let mut dq = vec![0.0; qkv.len()];
+    time("gqa_attention_backward", 0, || gqa_attention_backward(&mut dq, &o, &qkv, &a, &d));
+    let ad = AttnDims { b: 1, t: n, c: 768, nh: 12 };
+    let qkv3 = randn(&mut rng, n * 3 * 768, 1.0);
+    time("attention_forward (MHA, for comparison)", 0, || attention_forward(&mut o, &mut a, &qkv3, &ad, 0.0, 0));
+}
