@@ -197,7 +197,8 @@ fn draw_panel(area: &Area<'_>, p: &Panel<'_>) -> Result<(), String> {
             .map_err(|e| err(&e))?
             .label(s.label.clone())
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], color.stroke_width(width)));
-        if s.markers {
+        // Val points get markers; so does a series too short to draw a line.
+        if s.markers || s.pts.len() < 2 {
             chart.draw_series(s.pts.iter().map(|&q| Circle::new(q, 4, color.filled()))).map_err(|e| err(&e))?;
         }
     }
@@ -274,7 +275,7 @@ pub fn plot_curves(runs: &[RunCurves], names: &[String], out: &Path) -> Result<(
     };
     let panels = [
         Panel { title: "Loss vs step", x_desc: "step", y_desc: "loss (nats/token)", series: loss_vs(false), y_fmt: fmt_loss, y_zero: false, headroom: 0.0 },
-        Panel { title: "Loss vs tokens", x_desc: "tokens (batch_size × block_size per step)", y_desc: "loss (nats/token)", series: loss_vs(true), y_fmt: fmt_loss, y_zero: false, headroom: 0.0 },
+        Panel { title: "Loss vs tokens", x_desc: "tokens seen", y_desc: "loss (nats/token)", series: loss_vs(true), y_fmt: fmt_loss, y_zero: false, headroom: 0.0 },
         Panel {
             title: "Learning rate",
             x_desc: "step",

@@ -272,6 +272,25 @@ fn plots_several_runs_and_one_runs_loss_png() {
 }
 
 #[test]
+fn plot_tokens_come_from_metrics_when_there_is_no_config() {
+    let dir = scratch("obs-plot-tokens").join("bare");
+    let mut w = MetricsWriter::open(&dir, None).unwrap();
+    for s in 1..=6u64 {
+        let mut l = train_line(s);
+        l["tokens"] = json!(1000 * s * s);
+        w.log(&l).unwrap();
+    }
+    let c = kiln::obs::plot::RunCurves::load(&dir).unwrap();
+    assert_eq!(c.tokens_per_step, None);
+    assert_eq!((c.tokens(3.0), c.tokens(7.0)), (Some(9000.0), None));
+    kiln::obs::write_loss_png(&dir).unwrap();
+    assert_eq!(png_size(&dir.join("loss.png")).0, 1600);
+    // Neither config.toml nor tokens in the lines: the tokens panel is empty, the plot still draws.
+    fs::write(dir.join("metrics.jsonl"), format!("{}\n", train_line(1))).unwrap();
+    kiln::obs::write_loss_png(&dir).unwrap();
+}
+
+#[test]
 fn plot_errors_name_the_missing_run() {
     let root = scratch("obs-plot-err");
     let e = kiln::obs::plot_runs(&[root.join("nope")], &root.join("x.png")).unwrap_err();
