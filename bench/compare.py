@@ -4,7 +4,7 @@
 For each config it runs kiln and PyTorch alternately (kiln, torch, kiln, torch, ... --repeats
 pairs) on the same thread count, takes the median step time of each run, and reports per
 config the median over repeats of kiln tokens/s, torch tokens/s and the pair-by-pair ratio
-kiln/torch. It also measures the machine's fp32 matmul peak twice: `kiln bench --peak` and a
+kiln/torch. It also measures the machine's fp32 matmul peak two ways, alternately: `kiln bench --peak` and a
 numpy (OpenBLAS) 2048^3 sgemm on the same thread count.
 
 Runs with the standard library only. PyTorch, numpy and threadpoolctl are installed from PyPI
@@ -362,7 +362,7 @@ def main():
                "cpus": os.cpu_count(), "configs": {}, "peak": {}}
 
     # Peaks first, alternating the two probes like the runs.
-    kiln_peaks, np_peaks = [], []
+    kiln_peaks, np_peaks, kp = [], [], {}
     idle = (lambda: wait_idle(args.wait_idle, args.max_wait)) if args.wait_idle < 1 else (lambda: None)
     for r in range(max(1, min(args.repeats, 3))):
         if not args.no_kiln:
@@ -376,19 +376,20 @@ def main():
     npk_env = numpy_peak(py, args.threads, args.peak_n, max(3, args.peak_reps // 2), keep_openblas_env=True)
     summary["peak"] = {
         "kiln_peak_gflops": med(kiln_peaks), "kiln_peak_gflops_all": kiln_peaks,
+        "kiln_peak_products": kp.get("products"),
         "numpy_sgemm_gflops": med(np_peaks), "numpy_sgemm_gflops_all": np_peaks,
         "numpy_sgemm_n": args.peak_n, "numpy_blas": npk["blas"], "numpy_version": npk["numpy_version"],
         "numpy_unset_env": npk["unset_env"],
         "numpy_sgemm_gflops_with_env_as_is": npk_env["gflops"], "numpy_blas_with_env_as_is": npk_env["blas"],
     }
     blas = npk["blas"][0] if npk["blas"] else {}
-    log(f"peak: kiln {summary['peak']['kiln_peak_gflops']} GFLOP/s, numpy sgemm {med(np_peaks):.1f} GFLOP/s "
+    log(f"peak: kiln {fmt(summary['peak']['kiln_peak_gflops'], '.1f')} GFLOP/s, numpy sgemm {med(np_peaks):.1f} GFLOP/s "
         f"({blas.get('internal_api')} {blas.get('version')} {blas.get('architecture')}, {blas.get('num_threads')} threads; "
         f"with {npk['unset_env'] or 'nothing'} unset), as-is env: {npk_env['gflops']:.1f} GFLOP/s "
         f"({(npk_env['blas'] or [{}])[0].get('architecture')})")
 
     for name, cfg in configs.items():
-        runs = {"kiln": [], "torch": [], "load": []}
+        runs = {"kiln": [], "torch": []}
         for r in range(args.repeats):
             for impl in ("kiln", "torch"):
                 if (impl == "kiln" and args.no_kiln) or (impl == "torch" and args.no_torch):

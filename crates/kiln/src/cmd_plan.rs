@@ -302,6 +302,28 @@ mod calibrate {
         }
     }
 
+    /// The attention core's per-head products as `tensor::attention` runs them: `batch` independent m×n×k
+    /// products, one single-threaded gemm per rayon task. "nt" is `Q·Kᵀ` ([T,T,HS]), "nn" is `P·V` ([T,HS,T]).
+    fn batched(m: usize, n: usize, k: usize, layout: &str, batch: usize, reps: usize, min_s: f64) -> MeasuredGemm {
+        let a: Vec<Vec<f32>> = (0..batch).map(|j| (0..m * k).map(|i| (((i + j) % 7) as f32 - 3.0) * 0.01).collect()).collect();
+        let b: Vec<Vec<f32>> = (0..batch).map(|j| (0..n * k).map(|i| (((i + j) % 5) as f32 - 2.0) * 0.01).collect()).collect();
+        let mut c: Vec<Vec<f32>> = (0..batch).map(|_| vec![0.0f32; m * n]).collect();
+        let t = mean_time(reps, min_s, || {
+            c.par_iter_mut().enumerate().for_each(|(i, ci)| {
+                let rhs = if layout == "nt" { View::rows(&b[i], n, k).t() } else { View::rows(&b[i], k, n) };
+                gemm(ci, false, View::rows(&a[i], m, k), rhs, 1.0, Threads::One);
+            });
+        });
+        std::hint::black_box(&c);
+        MeasuredGemm {
+            m: m as u64,
+            n: n as u64,
+            k: k as u64,
+            gflops: 2.0 * (m * n * k * batch) as f64 / t / 1e9,
+            layout: Some(format!("{layout} x{batch} single-threaded")),
+        }
+    }
+
     /// STREAM triad `a = b + s·c` on 3 × 64 MiB (twice a 32 MiB last-level cache), all threads; 12 bytes per element.
     fn triad(reps: usize, min_s: f64) -> f64 {
         let n = 16 << 20;
@@ -376,6 +398,13 @@ mod calibrate {
         }
         let peak = products.iter().map(|p| p.gflops).fold(0.0, f64::max) * 1e9;
         let curve = GemmCurve::fit(&products, peak)?;
+        // Attention: B·NH = 48 heads in both of kiln's CPU configs (12 × 4 and 4 × 12), T and HS around theirs.
+        let mut attention_products = Vec::new();
+        for (t, hs) in [(64, 32), (128, 32), (64, 64), (128, 64), (256, 64), (512, 64)] {
+            attention_products.push(batched(t, t, hs, "nt", 48, reps, min_s)); // S = Q·Kᵀ (and dP = dO·Vᵀ)
+            attention_products.push(batched(t, hs, t, "nn", 48, reps, min_s)); // O = P·V (and dQ, dK, dV)
+        }
+        let attention_curve = GemmCurve::fit(&attention_products, peak)?;
         let mem_bw = match a.mem_bw {
             Some(b) if b > 0.0 => b,
             Some(b) => return Err(PlanError(format!("--mem-bw {b}: must be positive bytes/s"))),
@@ -403,6 +432,8 @@ mod calibrate {
             threads: Some(rayon::current_num_threads() as u64),
             products,
             gemm_curve: Some(curve),
+            attention_products,
+            attention_curve: Some(attention_curve),
             elementwise_bw: Some(bw),
             kernel_overhead: Some(ovh),
         };
@@ -416,17 +447,23 @@ mod calibrate {
             "gemm curve   plateau {:.3}, m_half {:.0}, n_half {:.0}, k_half {:.0}",
             curve.plateau, curve.m_half, curve.n_half, curve.k_half
         );
+        let _ = writeln!(
+            o,
+            "attention    plateau {:.3}, m_half {:.0}, n_half {:.0}, k_half {:.0} (per-head products, 48 tasks)",
+            attention_curve.plateau, attention_curve.m_half, attention_curve.n_half, attention_curve.k_half
+        );
         let _ = writeln!(o, "memory       triad {:.1} GB/s; kiln elementwise {:.1} GB/s + {:.1} us per call", mem_bw / 1e9, bw / 1e9, ovh * 1e6);
         let _ = writeln!(o, "{:>6} {:>6} {:>6} {:>3} {:>9} {:>9} {:>7}", "m", "n", "k", "lay", "measured", "curve", "error");
-        for p in &cpu.products {
-            let fit = peak * curve.efficiency(p.m as f64, p.n as f64, p.k as f64) / 1e9;
+        let rows = cpu.products.iter().map(|p| (p, &curve)).chain(cpu.attention_products.iter().map(|p| (p, &attention_curve)));
+        for (p, c) in rows {
+            let fit = peak * c.efficiency(p.m as f64, p.n as f64, p.k as f64) / 1e9;
             let _ = writeln!(
                 o,
                 "{:>6} {:>6} {:>6} {:>3} {:>9.1} {:>9.1} {:>+6.1}%",
                 p.m,
                 p.n,
                 p.k,
-                p.layout.as_deref().unwrap_or(""),
+                p.layout.as_deref().map_or("", |l| &l[..2]),
                 p.gflops,
                 fit,
                 (fit / p.gflops - 1.0) * 100.0

@@ -12,6 +12,7 @@
 //! is a matter of not zeroing `grads` between them.
 
 use crate::config::{Arch, GptConfig};
+use crate::lora::{Lora, Site};
 use crate::layout::{gpt_layout, GptParams, Init, ParamLayout};
 use tensor::attention::AttnDims;
 use tensor::classifier::{chunk_rows, lm_head_crossentropy};
@@ -92,6 +93,9 @@ pub struct Gpt {
     pub grads: Vec<f32>,
     /// Rotary tables `(cos, sin)`, `[block_size, HS/2]` each (LLaMA only).
     pub(crate) rope: Option<(Vec<f32>, Vec<f32>)>,
+    /// LoRA adapters; when present the base parameters are frozen (no gradients computed for
+    /// its matrices) and only the adapters train.
+    pub lora: Option<Lora>,
     acts: Option<Acts>,
     scratch: Option<GradScratch>,
 }
@@ -128,7 +132,7 @@ impl Gpt {
         let (layout, views) = gpt_layout(&cfg);
         let n = layout.total;
         let rope = (cfg.arch == Arch::Llama).then(|| rope_table(cfg.rope_theta, cfg.head_size(), cfg.block_size));
-        Gpt { cfg, layout, views, real_vocab, params: zeros(n), grads: zeros(n), rope, acts: None, scratch: None }
+        Gpt { cfg, layout, views, real_vocab, params: zeros(n), grads: zeros(n), rope, lora: None, acts: None, scratch: None }
     }
 
     pub fn num_params(&self) -> usize {
@@ -137,6 +141,9 @@ impl Gpt {
 
     pub fn zero_grad(&mut self) {
         self.grads.fill(0.0);
+        if let Some(lo) = self.lora.as_mut() {
+            lo.grads.fill(0.0);
+        }
     }
 
     fn ensure_acts(&mut self, b: usize, t: usize) {
@@ -216,6 +223,7 @@ impl Gpt {
         let w = &self.params;
         let pv = &self.views;
         let a = self.acts.as_mut().unwrap();
+        let lora = &mut self.lora;
         a.tokens.copy_from_slice(tokens);
         a.dropout_seed = dropout_seed;
         let ops = Ops { cfg: &self.cfg, rope: self.rope.as_ref(), b, t };
@@ -234,8 +242,14 @@ impl Gpt {
             // x = x + drop(attn(norm_1(x)))
             ops.norm_forward(&mut s.ln_1, &mut s.ln_1_mean, &mut s.ln_1_rstd, x, &w[bp.ln_1_w.clone()], opt(&bp.ln_1_b));
             matmul_forward(&mut s.qkv, &s.ln_1, &w[bp.c_attn_w.clone()], opt(&bp.c_attn_b), n, c, qw);
+            if let Some(lo) = lora.as_mut() {
+                lo.forward(l, Site::Qkv, &mut s.qkv, &s.ln_1, n, qw);
+            }
             ops.attn_forward(&mut s.atty, &mut s.attn_state, &mut s.qkv, p_drop, site_seed(dropout_seed, site));
             matmul_forward(&mut s.attproj, &s.atty, &w[bp.attn_proj_w.clone()], opt(&bp.attn_proj_b), n, c, c);
+            if let Some(lo) = lora.as_mut() {
+                lo.forward(l, Site::AttnProj, &mut s.attproj, &s.atty, n, c);
+            }
             if p_drop > 0.0 {
                 dropout_inplace(&mut s.attproj, p_drop, site_seed(dropout_seed, site + 1));
             }
@@ -243,8 +257,14 @@ impl Gpt {
             // x = x + drop(mlp(norm_2(x)))
             ops.norm_forward(&mut s.ln_2, &mut s.ln_2_mean, &mut s.ln_2_rstd, &s.res_2, &w[bp.ln_2_w.clone()], opt(&bp.ln_2_b));
             matmul_forward(&mut s.fch, &s.ln_2, &w[bp.c_fc_w.clone()], opt(&bp.c_fc_b), n, c, fw);
+            if let Some(lo) = lora.as_mut() {
+                lo.forward(l, Site::Fc, &mut s.fch, &s.ln_2, n, fw);
+            }
             ops.act_forward(&mut s.fch_gelu, &s.fch);
             matmul_forward(&mut s.fcproj, &s.fch_gelu, &w[bp.mlp_proj_w.clone()], opt(&bp.mlp_proj_b), n, f, c);
+            if let Some(lo) = lora.as_mut() {
+                lo.forward(l, Site::MlpProj, &mut s.fcproj, &s.fch_gelu, n, c);
+            }
             if p_drop > 0.0 {
                 dropout_inplace(&mut s.fcproj, p_drop, site_seed(dropout_seed, site + 2));
             }
@@ -269,6 +289,8 @@ impl Gpt {
             });
         }
         let g = self.scratch.as_mut().unwrap();
+        let frozen = self.lora.is_some();
+        let lora = &mut self.lora;
         let w = &self.params;
         let dw = &mut self.grads;
         let pv = &self.views;
@@ -292,12 +314,18 @@ impl Gpt {
             let dfcproj = branch_grad(&mut g.dbranch, &g.dres, p_drop, site_seed(seed, site + 2));
             g.dfch_gelu.fill(0.0);
             let (dwp, dbp) = split_two(dw, &bp.mlp_proj_w, &bp.mlp_proj_b);
-            matmul_backward(&mut g.dfch_gelu, dwp, dbp, dfcproj, &s.fch_gelu, &w[bp.mlp_proj_w.clone()], n, f, c);
+            linear_backward(frozen, &mut g.dfch_gelu, dwp, dbp, dfcproj, &s.fch_gelu, &w[bp.mlp_proj_w.clone()], n, f, c);
+            if let Some(lo) = lora.as_mut() {
+                lo.backward(l, Site::MlpProj, &mut g.dfch_gelu, dfcproj, &s.fch_gelu, n, c);
+            }
             g.dfch.fill(0.0);
             ops.act_backward(&mut g.dfch, &g.dfch_gelu, &s.fch);
             g.dln.fill(0.0);
             let (dwf, dbf) = split_two(dw, &bp.c_fc_w, &bp.c_fc_b);
-            matmul_backward(&mut g.dln, dwf, dbf, &g.dfch, &s.ln_2, &w[bp.c_fc_w.clone()], n, c, fw);
+            linear_backward(frozen, &mut g.dln, dwf, dbf, &g.dfch, &s.ln_2, &w[bp.c_fc_w.clone()], n, c, fw);
+            if let Some(lo) = lora.as_mut() {
+                lo.backward(l, Site::Fc, &mut g.dln, &g.dfch, &s.ln_2, n, fw);
+            }
             // dres (currently d res_3, flowing straight through to d res_2) += ln_2 backward
             let (dw2, db2) = split_two(dw, &bp.ln_2_w, &bp.ln_2_b);
             ops.norm_backward(&mut g.dres, dw2, db2, &g.dln, &s.res_2, &w[bp.ln_2_w.clone()], &s.ln_2_mean, &s.ln_2_rstd);
@@ -305,12 +333,18 @@ impl Gpt {
             let dattproj = branch_grad(&mut g.dbranch, &g.dres, p_drop, site_seed(seed, site + 1));
             g.datty.fill(0.0);
             let (dwa, dba) = split_two(dw, &bp.attn_proj_w, &bp.attn_proj_b);
-            matmul_backward(&mut g.datty, dwa, dba, dattproj, &s.atty, &w[bp.attn_proj_w.clone()], n, c, c);
+            linear_backward(frozen, &mut g.datty, dwa, dba, dattproj, &s.atty, &w[bp.attn_proj_w.clone()], n, c, c);
+            if let Some(lo) = lora.as_mut() {
+                lo.backward(l, Site::AttnProj, &mut g.datty, dattproj, &s.atty, n, c);
+            }
             g.dqkv.fill(0.0);
             ops.attn_backward(&mut g.dqkv, &g.datty, &s.qkv, &s.atty, &s.attn_state, p_drop, site_seed(seed, site));
             g.dln.fill(0.0);
             let (dwq, dbq) = split_two(dw, &bp.c_attn_w, &bp.c_attn_b);
-            matmul_backward(&mut g.dln, dwq, dbq, &g.dqkv, &s.ln_1, &w[bp.c_attn_w.clone()], n, c, qw);
+            linear_backward(frozen, &mut g.dln, dwq, dbq, &g.dqkv, &s.ln_1, &w[bp.c_attn_w.clone()], n, c, qw);
+            if let Some(lo) = lora.as_mut() {
+                lo.backward(l, Site::Qkv, &mut g.dln, &g.dqkv, &s.ln_1, n, qw);
+            }
             let (dw1, db1) = split_two(dw, &bp.ln_1_w, &bp.ln_1_b);
             ops.norm_backward(&mut g.dres, dw1, db1, &g.dln, x, &w[bp.ln_1_w.clone()], &s.ln_1_mean, &s.ln_1_rstd);
         }
@@ -330,6 +364,16 @@ impl Gpt {
         &self.acts.as_ref().expect("forward first").losses
     }
 
+}
+
+/// A Linear's backward; with a frozen weight only the input gradient is computed.
+#[allow(clippy::too_many_arguments)]
+fn linear_backward(frozen: bool, dinp: &mut [f32], dw: &mut [f32], db: Option<&mut [f32]>, dout: &[f32], inp: &[f32], w: &[f32], n: usize, c: usize, oc: usize) {
+    if frozen {
+        tensor::matmul::matmul_backward_input(dinp, dout, w, n, c, oc);
+    } else {
+        matmul_backward(dinp, dw, db, dout, inp, w, n, c, oc);
+    }
 }
 
 /// The gradient of a dropout-wrapped branch output: `dout` itself without dropout, else the

@@ -57,6 +57,11 @@ impl ParamLayout {
         r
     }
 
+    /// Appends a parameter (for layouts built outside this module, e.g. LoRA adapters).
+    pub fn push_named(&mut self, name: String, shape: Vec<usize>, init: Init, decay: bool) -> Range<usize> {
+        self.push(name, shape, init, decay)
+    }
+
     pub fn get(&self, name: &str) -> Option<&ParamSpec> {
         self.params.iter().find(|p| p.name == name)
     }

@@ -7,6 +7,7 @@ pub mod generate;
 pub mod hf;
 pub mod gpt;
 pub mod layout;
+pub mod lora;
 
 pub use config::GptConfig;
 pub use generate::{Sampler, KvCache};

@@ -593,6 +593,15 @@ fn cpu_gemm_time(cl: &Cluster, curve: &GemmCurve, prec: Precision, m: f64, n: f6
     2.0 * m * n * k * batch / (peak * curve.efficiency(m, n, k)) + cl.acc.kernel_overhead
 }
 
+/// One (batched) product of the attention core: the measured attention curve where there is one (CPU), else
+/// `gemm_time`.
+fn attn_gemm_time(cl: &Cluster, prec: Precision, m: f64, n: f64, k: f64, batch: f64) -> f64 {
+    match &cl.acc.attention_curve {
+        Some(c) => cpu_gemm_time(cl, c, prec, m, n, k, batch),
+        None => gemm_time(cl, prec, m, n, k, batch),
+    }
+}
+
 /// Time of `bytes` of the per-layer memory-bound kernels (norms, activations, residual adds, softmax, cross
 /// entropy) in `kernels` kernels, at the accelerator's `elem_bw` (= `stream_bw` unless measured).
 pub fn elem_time(cl: &Cluster, bytes: f64, kernels: f64) -> f64 {
@@ -868,10 +877,10 @@ fn layer_time(m: &ModelShape, cl: &Cluster, l: &Layout, moe: bool) -> LayerFwd {
     match l.attention {
         Attention::Unfused => {
             // Megatron: baddbmm QKᵀ [s, s, d] and bmm AV [s, d, s]; backward: 2 of each shape.
-            let qk = gemm_time(cl, pr, s_loc, s_kv, d, batch);
-            let av = gemm_time(cl, pr, s_loc, d, s_kv, batch);
+            let qk = attn_gemm_time(cl, pr, s_loc, s_kv, d, batch);
+            let av = attn_gemm_time(cl, pr, s_loc, d, s_kv, batch);
             r.attn = qk + av;
-            r.attn_b = gemm_time(cl, pr, s_loc, d, s_kv, batch) * 2.0 + gemm_time(cl, pr, s_kv, d, s_loc, batch) + qk;
+            r.attn_b = attn_gemm_time(cl, pr, s_loc, d, s_kv, batch) * 2.0 + attn_gemm_time(cl, pr, s_kv, d, s_loc, batch) + qk;
             // Fused scale-mask-softmax (read + write the scores) and attention dropout (read, write, 1-byte mask).
             let mask = if m.dropout { 1.0 } else { 0.0 };
             let drop = if m.dropout { 2.0 * e } else { 0.0 };
@@ -882,7 +891,7 @@ fn layer_time(m: &ModelShape, cl: &Cluster, l: &Layout, moe: bool) -> LayerFwd {
         Attention::Flash => {
             // FlashAttention-2 (Dao 2023): forward 2 matmuls, backward 5 (recomputes S); causal masking skips half.
             let causal = 0.5;
-            let mm = gemm_time(cl, pr, s_loc, s_kv, d, batch) - cl.acc.kernel_overhead;
+            let mm = attn_gemm_time(cl, pr, s_loc, s_kv, d, batch) - cl.acc.kernel_overhead;
             r.attn = 2.0 * mm * causal + cl.acc.kernel_overhead;
             r.attn_b = 5.0 * mm * causal + cl.acc.kernel_overhead;
         }

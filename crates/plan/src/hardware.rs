@@ -115,6 +115,10 @@ pub struct Accelerator {
     /// GPU model of `gemm_efficiency` × wave quantisation × `K/(K+k_half)` in `cost::gemm_time`.
     #[serde(default)]
     pub gemm_curve: Option<GemmCurve>,
+    /// Measured rate curve of the attention core's per-head products (CPU: one single-threaded product per
+    /// (batch, head) task, tasks spread over the threads, as `tensor::attention` runs them). `None`: `gemm_time`.
+    #[serde(default)]
+    pub attention_curve: Option<GemmCurve>,
     /// Achieved bytes/s of the framework's own memory-bound kernels (norms, GELU, residual adds, softmax, cross
     /// entropy), as the cost model counts their bytes. On a GPU these kernels stream at `stream_bw`; on a CPU they
     /// are partly compute-bound (tanh, exp, row reductions), so `kiln plan calibrate` measures them. `None`:
@@ -245,6 +249,12 @@ pub struct CpuLocal {
     pub products: Vec<MeasuredGemm>,
     #[serde(default)]
     pub gemm_curve: Option<GemmCurve>,
+    /// Measured attention-core products `[T,T,HS]` and `[T,HS,T]`, batched over B·NH single-threaded tasks;
+    /// `attention_curve` is fitted to them when not given.
+    #[serde(default)]
+    pub attention_products: Vec<MeasuredGemm>,
+    #[serde(default)]
+    pub attention_curve: Option<GemmCurve>,
     /// Measured bytes/s of kiln's memory-bound kernels (LayerNorm, GELU, residual; bytes as the cost model counts
     /// them) and the fixed cost of one such kernel call (thread-pool dispatch), seconds.
     #[serde(default)]
@@ -262,6 +272,9 @@ impl CpuLocal {
         let curve = self
             .gemm_curve
             .or_else(|| GemmCurve::fit(&self.products, self.peak_flops_fp32).ok());
+        let attention_curve = self
+            .attention_curve
+            .or_else(|| GemmCurve::fit(&self.attention_products, self.peak_flops_fp32).ok());
         let mut peak = BTreeMap::new();
         peak.insert("fp32".to_string(), self.peak_flops_fp32);
         Accelerator {
@@ -286,6 +299,7 @@ impl CpuLocal {
                 nics_per_node: 1,
             },
             gemm_curve: curve,
+            attention_curve,
             elementwise_bw: self.elementwise_bw,
             note: Some("measured on this machine (kiln plan calibrate)".into()),
         }

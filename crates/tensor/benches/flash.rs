@@ -4,10 +4,15 @@
 //! `cargo bench -p tensor --bench flash` (threads: `RAYON_NUM_THREADS`, default 2; tile sweep:
 //! `FLASH_TILES=32x32,64x64,128x64`; shapes: `FLASH_SHAPES=4x256,1x1024,1x2048`; dropout:
 //! `FLASH_DROPOUT=0.1`; repetitions, best taken: `FLASH_REPS`).
+//!
+//! Grouped-query attention: `FLASH_NKV=4` (a list: `1,2,4`) times the GQA flash kernels against
+//! the materialised `tensor::llama::gqa_attention_*` (no dropout there, so `FLASH_DROPOUT` is
+//! applied to the flash side only) instead of the MHA comparison.
 
 use std::time::Instant;
 use tensor::attention::AttnDims;
 use tensor::flash::*;
+use tensor::llama::{gqa_attention_backward, gqa_attention_forward, GqaDims};
 use tensor::*;
 
 fn parse_pairs(s: &str) -> Vec<(usize, usize)> {
@@ -42,6 +47,15 @@ fn main() {
             best = best.min(t0.elapsed().as_secs_f64());
         }
         println!("{{\"gemm_64x64x64_single_thread_gflops\":{:.1}}}", 2.0 * 64f64.powi(3) * n as f64 / best / 1e9);
+    }
+    if let Ok(list) = std::env::var("FLASH_NKV") {
+        let nkvs: Vec<usize> = list.split(',').map(|x| x.trim().parse().expect("FLASH_NKV: list of integers")).collect();
+        for &(b, t) in &shapes {
+            for &nkv in &nkvs {
+                bench_gqa(GqaDims { b, t, nh, nkv, hs }, p, threads, skip_ref);
+            }
+        }
+        return;
     }
     let c = nh * hs;
     for &(b, t) in &shapes {
@@ -91,4 +105,46 @@ fn main() {
             );
         }
     }
+}
+
+/// Materialised GQA (`[B, NH, T, T]` probabilities) against GQA flash, both backward schedules.
+fn bench_gqa(d: GqaDims, p: f32, threads: usize, skip_ref: bool) {
+    let GqaDims { b, t, nh, nkv, hs } = d;
+    let (c, w) = (d.c(), d.qkv_width());
+    let mut rng = Rng::new(1);
+    let mut qkv = vec![0.0; b * t * w];
+    rng.fill_normal(&mut qkv, 1.0);
+    let mut dout = vec![0.0; b * t * c];
+    rng.fill_normal(&mut dout, 1.0);
+    let reps = std::env::var("FLASH_REPS").ok().and_then(|s| s.parse().ok()).unwrap_or(if t >= 2048 { 3 } else { 5 });
+    let mut out = vec![0.0; b * t * c];
+    let mut dqkv = vec![0.0; qkv.len()];
+    let mut att = vec![0.0; if skip_ref { 0 } else { b * nh * t * t }];
+    let mut lse = vec![0.0; b * nh * t];
+    let tl = Tiles::default();
+    let mut best = [f64::INFINITY; 5];
+    for _ in 0..reps {
+        let mut time = |i: usize, f: &mut dyn FnMut()| {
+            let t0 = Instant::now();
+            f();
+            best[i] = best[i].min(t0.elapsed().as_secs_f64());
+        };
+        if !skip_ref {
+            time(0, &mut || gqa_attention_forward(&mut out, &mut att, &qkv, &d));
+            time(1, &mut || gqa_attention_backward(&mut dqkv, &dout, &qkv, &att, &d));
+        }
+        time(2, &mut || flash_gqa_forward_tiled(&mut out, &mut lse, &qkv, &d, p, 3, tl));
+        time(3, &mut || flash_gqa_backward_with(&mut dqkv, &dout, &qkv, &out, &lse, &d, p, 3, tl, Schedule::PerHead));
+        time(4, &mut || flash_gqa_backward_with(&mut dqkv, &dout, &qkv, &out, &lse, &d, p, 3, tl, Schedule::TwoPass));
+    }
+    let [ref_f, ref_b, f, bw, bw2] = if skip_ref { [f64::NAN, f64::NAN, best[2], best[3], best[4]] } else { best };
+    let auto = if (b * nkv).is_multiple_of(threads) || b * nkv >= 4 * threads { bw } else { bw2 };
+    let (fl, rf) = (f + auto, ref_f + ref_b);
+    println!(
+        "{{\"gqa\":true,\"B\":{b},\"T\":{t},\"NH\":{nh},\"NKV\":{nkv},\"HS\":{hs},\"threads\":{threads},\"dropout\":{p},\
+        \"ref_fwd_ms\":{:.2},\"ref_bwd_ms\":{:.2},\"flash_fwd_ms\":{:.2},\"flash_bwd_perhead_ms\":{:.2},\"flash_bwd_twopass_ms\":{:.2},\
+        \"ref_total_ms\":{:.2},\"flash_total_ms\":{:.2},\"speedup\":{:.2},\"ref_att_bytes\":{},\"flash_lse_bytes\":{}}}",
+        ref_f * 1e3, ref_b * 1e3, f * 1e3, bw * 1e3, bw2 * 1e3, rf * 1e3, fl * 1e3, rf / fl,
+        4 * b * nh * t * t, 4 * b * nh * t
+    );
 }

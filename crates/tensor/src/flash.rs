@@ -1,6 +1,11 @@
-//! FlashAttention-2-style causal multi-head self-attention (Dao 2023, "FlashAttention-2:
-//! Faster Attention with Better Parallelism and Work Partitioning", Algorithms 1 and 2), fp32
-//! on the CPU, over the same fused `qkv[B, T, 3C]` layout as [`crate::attention`].
+//! FlashAttention-2-style causal self-attention (Dao 2023, "FlashAttention-2: Faster Attention
+//! with Better Parallelism and Work Partitioning", Algorithms 1 and 2), fp32 on the CPU, with
+//! grouped-query attention (GQA, Ainslie et al. 2023): over the fused LLaMA layout
+//! `qkv[B, T, W]`, `W = (NH + 2·NKV)·HS`, each token's row `[q: NH·HS | k: NKV·HS | v: NKV·HS]`
+//! (see [`crate::llama`]), query head `h` reading kv head `h / (NH/NKV)`. Multi-head attention
+//! over `[B, T, 3C]` (the layout of [`crate::attention`]) is the case `NKV == NH`: the same
+//! layout, the same code path, so [`flash_attention_forward`] / [`flash_attention_backward`]
+//! are thin wrappers.
 //!
 //! No `T×T` matrix exists anywhere: forward walks key tiles with an online softmax and saves
 //! only the per-row log-sum-exp `lse[B, NH, T]`; backward recomputes each score tile from
@@ -9,15 +14,18 @@
 //! task, so the pool never oversubscribes. Scratch is a few `TILE_Q × TILE_K` blocks per task;
 //! the only buffer that grows with `T` is backward's `D[B, NH, T]`.
 //!
-//! Attention-probability dropout uses exactly the reference kernel's counter-based mask:
-//! element `(b·NH + h, i, j)` is kept iff `dropout_keep(seed, ((b·NH + h)·T + i)·T + j, p)`,
-//! scaled by `1/(1-p)`, so this kernel and [`crate::attention`] agree with dropout on.
+//! Attention-probability dropout uses exactly the reference kernel's counter-based mask, indexed
+//! by the *query* head: element `(b·NH + h, i, j)` is kept iff
+//! `dropout_keep(seed, ((b·NH + h)·T + i)·T + j, p)`, scaled by `1/(1-p)`, so this kernel and
+//! [`crate::attention`] agree with dropout on.
 //!
 //! Determinism: every output element is produced in one task, with contributions added in a
-//! fixed order (ascending key tile for `out` and `dq`, ascending query tile for `dk`, `dv`)
-//! that depends on neither the thread count nor the backward schedule.
+//! fixed order that depends on neither the thread count nor the backward schedule: ascending
+//! key tile for `out` and `dq`; for the `dk`, `dv` of a kv head, the group's query heads in
+//! ascending order and, within each, ascending query tile.
 
 use crate::attention::AttnDims;
+use crate::llama::GqaDims;
 use crate::matmul::{gemm_raw, Threads, View};
 use crate::ops::dropout_keep;
 use crate::par::SyncPtr;
@@ -47,18 +55,21 @@ impl Default for Tiles {
 #[doc(hidden)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Schedule {
-    /// `PerHead` when the (batch, head) tasks fill the pool evenly, else `TwoPass`.
+    /// `PerHead` when the (batch, kv head) tasks fill the pool evenly, else `TwoPass`.
     Auto,
-    /// One task per (batch, head): key tiles outer, query tiles inner; `dq`, `dk` and `dv` all
-    /// accumulated in that task. Least work (every score tile is computed once).
+    /// One task per (batch, kv head): key tiles outer, then the group's query heads, then query
+    /// tiles; `dq`, `dk` and `dv` all accumulated in that task. Least work (every score tile is
+    /// computed once), and a k/v tile is reused by all heads of its group.
     PerHead,
-    /// FA-2's split: one task per (batch, head, key tile) for `dk`, `dv`, then one per
-    /// (batch, head, query tile) for `dq`, recomputing the tiles. More tasks, more work.
+    /// FA-2's split: one task per (batch, kv head, key tile) for `dk`, `dv`, then one per
+    /// (batch, query head, query tile) for `dq`, recomputing the tiles. More tasks, more work.
     TwoPass,
 }
 
-/// Causal attention, FlashAttention-2 forward: `out[b,t,h·HS..] = Σ_j dropout(softmax_j(q·kᵀ/√HS))·v_j`
-/// and `lse[b,h,t] = ln Σ_{j≤t} exp(q_t·k_j/√HS)`. Overwrites `out` and `lse`.
+/// Causal multi-head attention, FlashAttention-2 forward:
+/// `out[b,t,h·HS..] = Σ_j dropout(softmax_j(q·kᵀ/√HS))·v_j` and
+/// `lse[b,h,t] = ln Σ_{j≤t} exp(q_t·k_j/√HS)`. Overwrites `out` and `lse`.
+/// [`flash_gqa_forward`] with `NKV == NH` (bit for bit the same).
 pub fn flash_attention_forward(
     out: &mut [f32],   // [B, T, C]
     lse: &mut [f32],   // [B, NH, T]  log-sum-exp of each row's scaled scores
@@ -71,7 +82,7 @@ pub fn flash_attention_forward(
 }
 
 /// Backward of [`flash_attention_forward`], FlashAttention-2 style. Accumulates into `dqkv`.
-/// `out` and `lse` are the forward's outputs.
+/// `out` and `lse` are the forward's outputs. [`flash_gqa_backward`] with `NKV == NH`.
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attention_backward(
     dqkv: &mut [f32],  // [B, T, 3C]
@@ -86,11 +97,70 @@ pub fn flash_attention_backward(
     flash_attention_backward_with(dqkv, dout, qkv, out, lse, dims, dropout, seed, Tiles::default(), Schedule::Auto);
 }
 
-fn check_dims(dims: &AttnDims, tiles: Tiles, dropout: f32) -> usize {
+/// Causal grouped-query attention, FlashAttention-2 forward: for query head `h` and its kv head
+/// `g = h / (NH/NKV)`, `out[b,t,h·HS..] = Σ_j dropout(softmax_j(q_h·k_gᵀ/√HS))·v_g,j` and
+/// `lse[b,h,t] = ln Σ_{j≤t} exp(q_h,t·k_g,j/√HS)`. Overwrites `out` and `lse`.
+pub fn flash_gqa_forward(
+    out: &mut [f32],   // [B, T, C]   C = NH·HS
+    lse: &mut [f32],   // [B, NH, T]  log-sum-exp of each row's scaled scores
+    qkv: &[f32],       // [B, T, W]   W = (NH + 2·NKV)·HS: [q heads | k heads | v heads]
+    dims: &GqaDims,
+    dropout: f32,
+    seed: u64,
+) {
+    flash_gqa_forward_tiled(out, lse, qkv, dims, dropout, seed, Tiles::default());
+}
+
+/// Backward of [`flash_gqa_forward`]. Accumulates into `dqkv`; `out` and `lse` are the
+/// forward's outputs. A kv head's `dk`, `dv` sum over its group's query heads in ascending
+/// order, whatever the thread count.
+#[allow(clippy::too_many_arguments)]
+pub fn flash_gqa_backward(
+    dqkv: &mut [f32],  // [B, T, W]
+    dout: &[f32],      // [B, T, C]
+    qkv: &[f32],       // [B, T, W]
+    out: &[f32],       // [B, T, C]
+    lse: &[f32],       // [B, NH, T]
+    dims: &GqaDims,
+    dropout: f32,
+    seed: u64,
+) {
+    flash_gqa_backward_with(dqkv, dout, qkv, out, lse, dims, dropout, seed, Tiles::default(), Schedule::Auto);
+}
+
+/// The MHA shape as the GQA shape with one query head per kv head: the layouts coincide.
+fn mha_dims(dims: &AttnDims) -> GqaDims {
     assert!(dims.nh > 0 && dims.c.is_multiple_of(dims.nh), "C must be a multiple of NH");
+    GqaDims { b: dims.b, t: dims.t, nh: dims.nh, nkv: dims.nh, hs: dims.c / dims.nh }
+}
+
+fn check_dims(dims: &GqaDims, tiles: Tiles, dropout: f32) {
+    assert!(dims.nh > 0 && dims.nkv > 0 && dims.nh.is_multiple_of(dims.nkv), "NH must be a multiple of NKV");
     assert!(tiles.br > 0 && tiles.bc > 0, "tile sizes must be positive");
     assert!((0.0..1.0).contains(&dropout), "dropout p must be in [0, 1)");
-    dims.c / dims.nh
+}
+
+/// Column offsets within one token's qkv row: query head `h`, and kv head `g`'s k and v.
+#[derive(Clone, Copy)]
+struct Cols {
+    nh: usize,
+    nkv: usize,
+    hs: usize,
+}
+
+impl Cols {
+    #[inline]
+    fn q(self, h: usize) -> usize {
+        h * self.hs
+    }
+    #[inline]
+    fn k(self, g: usize) -> usize {
+        (self.nh + g) * self.hs
+    }
+    #[inline]
+    fn v(self, g: usize) -> usize {
+        (self.nh + self.nkv + g) * self.hs
+    }
 }
 
 /// Number of valid (causal) key columns of query row `gi` in a key tile starting at `j0`.
@@ -164,11 +234,27 @@ pub fn flash_attention_forward_tiled(
     seed: u64,
     tiles: Tiles,
 ) {
-    let AttnDims { b, t, c, nh } = *dims;
-    let hs = check_dims(dims, tiles, dropout);
+    flash_gqa_forward_tiled(out, lse, qkv, &mha_dims(dims), dropout, seed, tiles);
+}
+
+#[doc(hidden)]
+pub fn flash_gqa_forward_tiled(
+    out: &mut [f32],   // [B, T, C]
+    lse: &mut [f32],   // [B, NH, T]
+    qkv: &[f32],       // [B, T, W]
+    dims: &GqaDims,
+    dropout: f32,
+    seed: u64,
+    tiles: Tiles,
+) {
+    let _p = crate::profile::scope("flash_attention_forward");
+    check_dims(dims, tiles, dropout);
+    let GqaDims { b, t, nh, nkv, hs } = *dims;
+    let (c, w, group) = (nh * hs, (nh + 2 * nkv) * hs, nh / nkv);
+    let cols = Cols { nh, nkv, hs };
     assert_eq!(out.len(), b * t * c);
     assert_eq!(lse.len(), b * nh * t);
-    assert_eq!(qkv.len(), b * t * 3 * c);
+    assert_eq!(qkv.len(), b * t * w);
     let Tiles { br, bc } = tiles;
     let ntq = t.div_ceil(br);
     let scale = 1.0 / (hs as f32).sqrt();
@@ -187,10 +273,11 @@ pub fn flash_attention_forward_tiled(
         // Within each head, the longest query tiles (most key tiles) first.
         let (bh, it) = (task / ntq, ntq - 1 - task % ntq);
         let (bi, h) = (bh / nh, bh % nh);
-        let base = bi * t * 3 * c;
+        let g = h / group;
+        let base = bi * t * w;
         let i0 = it * br;
         let rows = br.min(t - i0);
-        let q = View { data: qkv, off: base + i0 * 3 * c + h * hs, rows, cols: hs, rs: 3 * c, cs: 1 };
+        let q = View { data: qkv, off: base + i0 * w + cols.q(h), rows, cols: hs, rs: w, cs: 1 };
         let FwdScratch { s, o, m, l, alpha, mk } = sc;
         o[..rows * hs].fill(0.0);
         m[..rows].fill(f32::NEG_INFINITY);
@@ -199,8 +286,8 @@ pub fn flash_attention_forward_tiled(
         while j0 < i0 + rows {
             // Key columns past the tile's last query row are all masked: trim them.
             let ncols = bc.min(i0 + rows - j0);
-            let k = View { data: qkv, off: base + j0 * 3 * c + c + h * hs, rows: ncols, cols: hs, rs: 3 * c, cs: 1 };
-            let v = View { off: base + j0 * 3 * c + 2 * c + h * hs, ..k };
+            let k = View { data: qkv, off: base + j0 * w + cols.k(g), rows: ncols, cols: hs, rs: w, cs: 1 };
+            let v = View { off: base + j0 * w + cols.v(g), ..k };
             // S = q·kᵀ·scale   [rows, ncols], row stride bc
             unsafe { gemm_raw(s.as_mut_ptr(), bc, false, q, k.t(), scale, Threads::One) };
             online_softmax_tile(s, bc, rows, ncols, i0, j0, m, l, alpha);
@@ -282,9 +369,13 @@ struct Ctx<'a> {
     d: &'a [f32],
     dqkv: SyncPtr,
     t: usize,
-    c: usize,
+    c: usize,     // NH·HS, the row width of `out` / `dout`
+    w: usize,     // (NH + 2·NKV)·HS, the row width of `qkv` / `dqkv`
     nh: usize,
+    nkv: usize,
+    group: usize, // NH / NKV
     hs: usize,
+    cols: Cols,
     br: usize,
     bc: usize,
     scale: f32,
@@ -306,11 +397,30 @@ pub fn flash_attention_backward_with(
     tiles: Tiles,
     schedule: Schedule,
 ) {
-    let AttnDims { b, t, c, nh } = *dims;
-    let hs = check_dims(dims, tiles, dropout);
-    assert_eq!(dqkv.len(), b * t * 3 * c);
+    flash_gqa_backward_with(dqkv, dout, qkv, out, lse, &mha_dims(dims), dropout, seed, tiles, schedule);
+}
+
+#[doc(hidden)]
+#[allow(clippy::too_many_arguments)]
+pub fn flash_gqa_backward_with(
+    dqkv: &mut [f32],  // [B, T, W]
+    dout: &[f32],      // [B, T, C]
+    qkv: &[f32],       // [B, T, W]
+    out: &[f32],       // [B, T, C]
+    lse: &[f32],       // [B, NH, T]
+    dims: &GqaDims,
+    dropout: f32,
+    seed: u64,
+    tiles: Tiles,
+    schedule: Schedule,
+) {
+    let _p = crate::profile::scope("flash_attention_backward");
+    check_dims(dims, tiles, dropout);
+    let GqaDims { b, t, nh, nkv, hs } = *dims;
+    let (c, w, group) = (nh * hs, (nh + 2 * nkv) * hs, nh / nkv);
+    assert_eq!(dqkv.len(), b * t * w);
     assert_eq!(dout.len(), b * t * c);
-    assert_eq!(qkv.len(), b * t * 3 * c);
+    assert_eq!(qkv.len(), b * t * w);
     assert_eq!(out.len(), b * t * c);
     assert_eq!(lse.len(), b * nh * t);
     if b * nh * t == 0 {
@@ -328,14 +438,15 @@ pub fn flash_attention_backward_with(
     });
     let ctx = Ctx {
         qkv, dout, lse, d: &d, dqkv: SyncPtr(dqkv.as_mut_ptr()),
-        t, c, nh, hs, br, bc, scale: 1.0 / (hs as f32).sqrt(), dropout, seed,
+        t, c, w, nh, nkv, group, hs, cols: Cols { nh, nkv, hs },
+        br, bc, scale: 1.0 / (hs as f32).sqrt(), dropout, seed,
     };
     let (ntq, ntk) = (t.div_ceil(br), t.div_ceil(bc));
     let per_head = match schedule {
         Schedule::PerHead => true,
         Schedule::TwoPass => false,
         Schedule::Auto => {
-            let (n, th) = (b * nh, rayon::current_num_threads());
+            let (n, th) = (b * nkv, rayon::current_num_threads());
             n.is_multiple_of(th) || n >= 4 * th
         }
     };
@@ -346,14 +457,14 @@ pub fn flash_attention_backward_with(
         mk: vec![0.0; bc],
     };
     if per_head {
-        (0..b * nh).into_par_iter().for_each_init(init, |sc, bh| {
+        (0..b * nkv).into_par_iter().for_each_init(init, |sc, bg| {
             for jt in 0..ntk {
-                key_tile(&ctx, sc, bh, jt, true);
+                key_tile(&ctx, sc, bg, jt, true);
             }
         });
     } else {
         // Longest key tiles (most query tiles) first: natural order.
-        (0..b * nh * ntk).into_par_iter().for_each_init(init, |sc, task| {
+        (0..b * nkv * ntk).into_par_iter().for_each_init(init, |sc, task| {
             key_tile(&ctx, sc, task / ntk, task % ntk, false);
         });
         (0..b * nh * ntq).into_par_iter().for_each_init(init, |sc, task| {
@@ -362,77 +473,84 @@ pub fn flash_attention_backward_with(
     }
 }
 
-/// `dk_j += Σ_i dSᵀ·q_i·scale`, `dv_j += Σ_i Pdᵀ·dO_i` over query tiles `i` in ascending order
-/// (and `dq_i += dS·k_j·scale` when `with_dq`).
-fn key_tile(x: &Ctx, sc: &mut BwdScratch, bh: usize, jt: usize, with_dq: bool) {
-    let (t, c, hs) = (x.t, x.c, x.hs);
-    let (bi, h) = (bh / x.nh, bh % x.nh);
-    let base = bi * t * 3 * c;
+/// `dk_j += Σ_h Σ_i dSᵀ·q_h,i·scale`, `dv_j += Σ_h Σ_i Pdᵀ·dO_h,i` over the query heads `h`
+/// of kv head `g` in ascending order and, within each, query tiles `i` in ascending order (and
+/// `dq_h,i += dS·k_j·scale` when `with_dq`). `bg = b·NKV + g`.
+fn key_tile(x: &Ctx, sc: &mut BwdScratch, bg: usize, jt: usize, with_dq: bool) {
+    let (t, c, w, hs, cols) = (x.t, x.c, x.w, x.hs, x.cols);
+    let (bi, g) = (bg / x.nkv, bg % x.nkv);
+    let base = bi * t * w;
     let j0 = jt * x.bc;
     let ncols = x.bc.min(t - j0);
-    let k = View { data: x.qkv, off: base + j0 * 3 * c + c + h * hs, rows: ncols, cols: hs, rs: 3 * c, cs: 1 };
-    // Safety: key tile (bh, jt) is handled by exactly one task, the only writer of rows
-    // j0..j0+ncols of the k and v columns of head h of batch bi; with `with_dq` the task owns
-    // all of (bi, h), so also its q columns.
+    let k = View { data: x.qkv, off: base + j0 * w + cols.k(g), rows: ncols, cols: hs, rs: w, cs: 1 };
+    // Safety: key tile (bg, jt) is handled by exactly one task, the only writer of rows
+    // j0..j0+ncols of the k and v columns of kv head g of batch bi; with `with_dq` the task
+    // owns all of (bi, g), so also the q columns of the group's query heads.
     let (dk, dv) = unsafe {
-        let r = x.dqkv.0.add(base + j0 * 3 * c + h * hs);
-        (r.add(c), r.add(2 * c))
+        let r = x.dqkv.0.add(base + j0 * w);
+        (r.add(cols.k(g)), r.add(cols.v(g)))
     };
-    let mut it = j0 / x.br;
-    while it * x.br < t {
-        let i0 = it * x.br;
-        let rows = x.br.min(t - i0);
-        tile_grads(x, sc, bh, i0, rows, j0, ncols);
-        let q = View { data: x.qkv, off: base + i0 * 3 * c + h * hs, rows, cols: hs, rs: 3 * c, cs: 1 };
-        let d_o = View { data: x.dout, off: bi * t * c + i0 * c + h * hs, rows, cols: hs, rs: c, cs: 1 };
-        let pd = if x.dropout > 0.0 { &sc.pd } else { &sc.p };
-        let pd = View { data: pd, off: 0, rows, cols: ncols, rs: x.bc, cs: 1 };
-        let ds = View { data: &sc.ds, off: 0, rows, cols: ncols, rs: x.bc, cs: 1 };
-        unsafe {
-            // dv += Pdᵀ·dO ; dk += dSᵀ·q·scale
-            gemm_raw(dv, 3 * c, true, pd.t(), d_o, 1.0, Threads::One);
-            gemm_raw(dk, 3 * c, true, ds.t(), q, x.scale, Threads::One);
-            if with_dq {
-                // dq += dS·k·scale
-                let dq = x.dqkv.0.add(base + i0 * 3 * c + h * hs);
-                gemm_raw(dq, 3 * c, true, ds, k, x.scale, Threads::One);
+    for h in g * x.group..(g + 1) * x.group {
+        let bh = bi * x.nh + h;
+        let mut it = j0 / x.br;
+        while it * x.br < t {
+            let i0 = it * x.br;
+            let rows = x.br.min(t - i0);
+            tile_grads(x, sc, bh, i0, rows, j0, ncols);
+            let q = View { data: x.qkv, off: base + i0 * w + cols.q(h), rows, cols: hs, rs: w, cs: 1 };
+            let d_o = View { data: x.dout, off: bi * t * c + i0 * c + h * hs, rows, cols: hs, rs: c, cs: 1 };
+            let pd = if x.dropout > 0.0 { &sc.pd } else { &sc.p };
+            let pd = View { data: pd, off: 0, rows, cols: ncols, rs: x.bc, cs: 1 };
+            let ds = View { data: &sc.ds, off: 0, rows, cols: ncols, rs: x.bc, cs: 1 };
+            unsafe {
+                // dv += Pdᵀ·dO ; dk += dSᵀ·q·scale
+                gemm_raw(dv, w, true, pd.t(), d_o, 1.0, Threads::One);
+                gemm_raw(dk, w, true, ds.t(), q, x.scale, Threads::One);
+                if with_dq {
+                    // dq += dS·k·scale
+                    let dq = x.dqkv.0.add(base + i0 * w + cols.q(h));
+                    gemm_raw(dq, w, true, ds, k, x.scale, Threads::One);
+                }
             }
+            it += 1;
         }
-        it += 1;
     }
 }
 
 /// `dq_i += Σ_j dS·k_j·scale` over key tiles `j` in ascending order (the same order, tiles and
 /// products as [`key_tile`] with `with_dq`, so both schedules agree bit for bit).
 fn query_tile(x: &Ctx, sc: &mut BwdScratch, bh: usize, it: usize) {
-    let (t, c, hs) = (x.t, x.c, x.hs);
+    let (t, w, hs, cols) = (x.t, x.w, x.hs, x.cols);
     let (bi, h) = (bh / x.nh, bh % x.nh);
-    let base = bi * t * 3 * c;
+    let g = h / x.group;
+    let base = bi * t * w;
     let i0 = it * x.br;
     let rows = x.br.min(t - i0);
     // Safety: query tile (bh, it) is handled by exactly one task, the only writer of rows
     // i0..i0+rows of the q columns of head h of batch bi.
-    let dq = unsafe { x.dqkv.0.add(base + i0 * 3 * c + h * hs) };
+    let dq = unsafe { x.dqkv.0.add(base + i0 * w + cols.q(h)) };
     let mut j0 = 0;
     while j0 < i0 + rows {
         let ncols = x.bc.min(t - j0);
         tile_grads(x, sc, bh, i0, rows, j0, ncols);
-        let k = View { data: x.qkv, off: base + j0 * 3 * c + c + h * hs, rows: ncols, cols: hs, rs: 3 * c, cs: 1 };
+        let k = View { data: x.qkv, off: base + j0 * w + cols.k(g), rows: ncols, cols: hs, rs: w, cs: 1 };
         let ds = View { data: &sc.ds, off: 0, rows, cols: ncols, rs: x.bc, cs: 1 };
-        unsafe { gemm_raw(dq, 3 * c, true, ds, k, x.scale, Threads::One) };
+        unsafe { gemm_raw(dq, w, true, ds, k, x.scale, Threads::One) };
         j0 += x.bc;
     }
 }
 
-/// Recomputes one tile: `P = exp(q·kᵀ·scale − lse)` (causal part, 0 elsewhere), the dropped
-/// `Pd` (with dropout), and `dS = P ∘ (dP − D)` where `dP = mask ∘ (dO·vᵀ)`.
+/// Recomputes one tile of query head `bh = b·NH + h` against its kv head: `P = exp(q·kᵀ·scale −
+/// lse)` (causal part, 0 elsewhere), the dropped `Pd` (with dropout), and `dS = P ∘ (dP − D)`
+/// where `dP = mask ∘ (dO·vᵀ)`.
 fn tile_grads(x: &Ctx, sc: &mut BwdScratch, bh: usize, i0: usize, rows: usize, j0: usize, ncols: usize) {
-    let (t, c, hs) = (x.t, x.c, x.hs);
+    let (t, c, w, hs, cols) = (x.t, x.c, x.w, x.hs, x.cols);
     let (bi, h) = (bh / x.nh, bh % x.nh);
-    let base = bi * t * 3 * c;
-    let q = View { data: x.qkv, off: base + i0 * 3 * c + h * hs, rows, cols: hs, rs: 3 * c, cs: 1 };
-    let k = View { data: x.qkv, off: base + j0 * 3 * c + c + h * hs, rows: ncols, cols: hs, rs: 3 * c, cs: 1 };
-    let v = View { off: base + j0 * 3 * c + 2 * c + h * hs, ..k };
+    let g = h / x.group;
+    let base = bi * t * w;
+    let q = View { data: x.qkv, off: base + i0 * w + cols.q(h), rows, cols: hs, rs: w, cs: 1 };
+    let k = View { data: x.qkv, off: base + j0 * w + cols.k(g), rows: ncols, cols: hs, rs: w, cs: 1 };
+    let v = View { off: base + j0 * w + cols.v(g), ..k };
     let d_o = View { data: x.dout, off: bi * t * c + i0 * c + h * hs, rows, cols: hs, rs: c, cs: 1 };
     let BwdScratch { p, pd, ds, mk } = sc;
     unsafe {

@@ -15,6 +15,7 @@ pub mod classifier;
 pub mod flash;
 pub mod llama;
 pub mod matmul;
+pub mod moe;
 pub mod ops;
 pub mod optim;
 pub mod par;

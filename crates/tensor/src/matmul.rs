@@ -134,6 +134,19 @@ pub fn matmul_backward(
     }
 }
 
+/// The input gradient alone, `dinp += dout · weight` (for frozen weights: LoRA's base).
+pub fn matmul_backward_input(
+    dinp: &mut [f32],   // [BT, C]
+    dout: &[f32],       // [BT, OC]
+    weight: &[f32],     // [OC, C]
+    bt: usize,
+    c: usize,
+    oc: usize,
+) {
+    let _p = crate::profile::scope("matmul_backward");
+    gemm(dinp, true, View::rows(dout, bt, oc), View::rows(weight, oc, c), 1.0, Threads::All);
+}
+
 /// `dbias[OC] += Σ_rows dout[BT, OC]`. Parallel over blocks of columns; each column is summed
 /// over rows in order, so the result is independent of the thread count.
 pub fn bias_backward(dbias: &mut [f32], dout: &[f32], bt: usize, oc: usize) {

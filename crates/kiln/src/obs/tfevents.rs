@@ -55,7 +55,8 @@ pub fn crc32c(bytes: &[u8]) -> u32 {
 /// The TFRecord masking of a CRC.
 pub fn masked_crc32c(bytes: &[u8]) -> u32 {
     let c = crc32c(bytes);
-    ((c >> 15) | (c << 17)).wrapping_add(0xa282_ead8)
+    // ((c >> 15) | (c << 17)) + 0xa282ead8
+    c.rotate_right(15).wrapping_add(0xa282_ead8)
 }
 
 /// One framed record.

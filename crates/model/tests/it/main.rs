@@ -1,3 +1,4 @@
 //! Integration tests for the model crate.
 mod gpt;
 mod hf;
+mod lora;

@@ -11,6 +11,7 @@ const MEM_BW: f64 = 20e9;
 const ELEM_BW: f64 = 5e9;
 const OVH: f64 = 10e-6;
 const CURVE: GemmCurve = GemmCurve { plateau: 0.9, m_half: 64.0, n_half: 32.0, k_half: 16.0 };
+const ATTN_CURVE: GemmCurve = GemmCurve { plateau: 0.5, m_half: 16.0, n_half: 16.0, k_half: 32.0 };
 
 fn synthetic_cpu() -> Cluster {
     let cpu = CpuLocal {
@@ -21,6 +22,8 @@ fn synthetic_cpu() -> Cluster {
         threads: Some(2),
         products: vec![],
         gemm_curve: Some(CURVE),
+        attention_products: vec![],
+        attention_curve: Some(ATTN_CURVE),
         elementwise_bw: Some(ELEM_BW),
         kernel_overhead: Some(OVH),
     };
@@ -32,6 +35,11 @@ fn synthetic_cpu() -> Cluster {
 /// An m×n×k product at the synthetic curve, plus one kernel call.
 fn t(m: f64, n: f64, k: f64, batch: f64) -> f64 {
     2.0 * m * n * k * batch / (PEAK * CURVE.efficiency(m, n, k)) + OVH
+}
+
+/// A batched attention-core product at the synthetic attention curve.
+fn ta(m: f64, n: f64, k: f64, batch: f64) -> f64 {
+    2.0 * m * n * k * batch / (PEAK * ATTN_CURVE.efficiency(m, n, k)) + OVH
 }
 
 /// A Linear on `tok` rows, C → OC: forward, data gradient, weight gradient.
@@ -74,7 +82,8 @@ fn check_terms(m: &ModelShape, b: u64, s: u64) -> f64 {
     let head = |r: f64| if r > 0.0 { linear(r, h, v) } else { 0.0 };
     let gemm = l * per_layer + full * head(rows) + head(rest);
     let bt = b as f64 * a;
-    let attn = l * (t(sf, sf, d, bt) + t(sf, d, sf, bt) + 2.0 * t(sf, d, sf, bt) + t(sf, d, sf, bt) + t(sf, sf, d, bt));
+    // Forward S = QKᵀ, O = PV; backward dP = dO·Vᵀ, dV = Pᵀ·dO, dQ = dS·K, dK = dSᵀ·Q.
+    let attn = l * (2.0 * ta(sf, sf, d, bt) + 4.0 * ta(sf, d, sf, bt));
     let params = m.params(s) as f64;
     let opt = 36.0 * params / MEM_BW + 4.0 * OVH;
     let br = &e.breakdown;

@@ -1,9 +1,11 @@
-//! FlashAttention-2 kernels (`tensor::flash`) against the materialised reference
-//! (`tensor::attention`): outputs, log-sum-exp, gradients (with and without dropout), finite
-//! differences, determinism across thread counts and schedules, accumulation.
+//! FlashAttention-2 kernels (`tensor::flash`) against the materialised references
+//! (`tensor::attention`, and `tensor::llama`'s GQA): outputs, log-sum-exp, gradients (with and
+//! without dropout), finite differences, determinism across thread counts and schedules,
+//! accumulation; GQA with `NKV == NH` against the MHA kernel bit for bit.
 
 use tensor::attention::AttnDims;
 use tensor::flash::*;
+use tensor::llama::{gqa_attention_backward, gqa_attention_forward, GqaDims};
 use tensor::*;
 
 fn randn(rng: &mut Rng, n: usize, std: f32) -> Vec<f32> {
@@ -271,4 +273,241 @@ fn long_sequence_matches_direct_rows() {
     let mut g = vec![0.0; qkv.len()];
     flash_attention_backward(&mut g, &dout, &qkv, &o, &l, &d, 0.1, 0);
     assert!(g.iter().all(|x| x.is_finite()));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Grouped-query attention
+
+fn gqa_flash_fwd(qkv: &[f32], d: &GqaDims, p: f32, seed: u64, tiles: Tiles) -> (Vec<f32>, Vec<f32>) {
+    let (mut o, mut l) = (vec![f32::NAN; d.b * d.t * d.c()], vec![f32::NAN; d.b * d.nh * d.t]);
+    flash_gqa_forward_tiled(&mut o, &mut l, qkv, d, p, seed, tiles);
+    (o, l)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn gqa_flash_bwd(dout: &[f32], qkv: &[f32], d: &GqaDims, p: f32, seed: u64, tiles: Tiles, sched: Schedule) -> Vec<f32> {
+    let (o, l) = gqa_flash_fwd(qkv, d, p, seed, tiles);
+    let mut dqkv = vec![0.0; qkv.len()];
+    flash_gqa_backward_with(&mut dqkv, dout, qkv, &o, &l, d, p, seed, tiles, sched);
+    dqkv
+}
+
+fn gqa_reference(qkv: &[f32], dout: &[f32], d: &GqaDims) -> (Vec<f32>, Vec<f32>) {
+    let (mut o, mut a) = (vec![0.0; d.b * d.t * d.c()], vec![0.0; d.b * d.nh * d.t * d.t]);
+    gqa_attention_forward(&mut o, &mut a, qkv, d);
+    let mut dqkv = vec![0.0; qkv.len()];
+    gqa_attention_backward(&mut dqkv, dout, qkv, &a, d);
+    (o, dqkv)
+}
+
+/// The MHA `[B, T, 3C]` qkv with each query head's kv head copied into its slot.
+fn expand_kv(qkv: &[f32], d: &GqaDims) -> Vec<f32> {
+    let (w, c, hs, group) = (d.qkv_width(), d.c(), d.hs, d.group());
+    let mut e = vec![0.0; d.b * d.t * 3 * c];
+    for r in 0..d.b * d.t {
+        let (src, dst) = (&qkv[r * w..(r + 1) * w], &mut e[r * 3 * c..(r + 1) * 3 * c]);
+        dst[..c].copy_from_slice(&src[..c]);
+        for h in 0..d.nh {
+            let g = h / group;
+            dst[c + h * hs..c + (h + 1) * hs].copy_from_slice(&src[(d.nh + g) * hs..(d.nh + g + 1) * hs]);
+            dst[2 * c + h * hs..2 * c + (h + 1) * hs]
+                .copy_from_slice(&src[(d.nh + d.nkv + g) * hs..(d.nh + d.nkv + g + 1) * hs]);
+        }
+    }
+    e
+}
+
+/// Gradient w.r.t. the expanded qkv folded back: a kv head's dk, dv sum over its group.
+fn fold_kv(de: &[f32], d: &GqaDims) -> Vec<f32> {
+    let (w, c, hs, group) = (d.qkv_width(), d.c(), d.hs, d.group());
+    let mut g = vec![0.0; d.b * d.t * w];
+    for r in 0..d.b * d.t {
+        let (src, dst) = (&de[r * 3 * c..(r + 1) * 3 * c], &mut g[r * w..(r + 1) * w]);
+        dst[..c].copy_from_slice(&src[..c]);
+        for h in 0..d.nh {
+            let kv = h / group;
+            for e in 0..hs {
+                dst[(d.nh + kv) * hs + e] += src[c + h * hs + e];
+                dst[(d.nh + d.nkv + kv) * hs + e] += src[2 * c + h * hs + e];
+            }
+        }
+    }
+    g
+}
+
+/// `lse` in f64 via the expanded MHA layout.
+fn gqa_reference_lse(qkv: &[f32], d: &GqaDims) -> Vec<f32> {
+    reference_lse(&expand_kv(qkv, d), &AttnDims { b: d.b, t: d.t, c: d.c(), nh: d.nh })
+}
+
+fn gqa(b: usize, t: usize, nh: usize, nkv: usize, hs: usize) -> GqaDims {
+    GqaDims { b, t, nh, nkv, hs }
+}
+
+#[test]
+fn gqa_matches_materialised_reference() {
+    for &t in &[1usize, 7, 65, 130] {
+        for &hs in &[8usize, 16] {
+            for &nkv in &[1usize, 2, 4] {
+                let d = gqa(2, t, 4, nkv, hs);
+                let mut rng = Rng::new(t as u64 * 100 + hs as u64 * 10 + nkv as u64);
+                let qkv = randn(&mut rng, d.b * t * d.qkv_width(), 1.0);
+                let dout = randn(&mut rng, d.b * t * d.c(), 1.0);
+                let (o, l) = gqa_flash_fwd(&qkv, &d, 0.0, 0, Tiles::default());
+                let (ro, rg) = gqa_reference(&qkv, &dout, &d);
+                let (eo, el) = (max_err(&o, &ro), max_err(&l, &gqa_reference_lse(&qkv, &d)));
+                assert!(eo < 1e-5, "out {d:?}: err {eo}");
+                assert!(el < 1e-5, "lse {d:?}: err {el}");
+                for sched in [Schedule::Auto, Schedule::PerHead, Schedule::TwoPass] {
+                    let g = gqa_flash_bwd(&dout, &qkv, &d, 0.0, 0, Tiles::default(), sched);
+                    let e = max_err(&g, &rg);
+                    assert!(e < 1e-5, "dqkv {d:?} {sched:?}: err {e}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn gqa_small_tiles_match_materialised_reference() {
+    for &(br, bc) in &[(4usize, 3usize), (3, 5), (1, 1), (200, 200)] {
+        for &nkv in &[1usize, 3, 6] {
+            let d = gqa(2, 23, 6, nkv, 8);
+            let mut rng = Rng::new(br as u64 * 31 + bc as u64 + nkv as u64);
+            let qkv = randn(&mut rng, d.b * d.t * d.qkv_width(), 1.5);
+            let dout = randn(&mut rng, d.b * d.t * d.c(), 1.0);
+            let tl = Tiles { br, bc };
+            let (o, _) = gqa_flash_fwd(&qkv, &d, 0.0, 0, tl);
+            let (ro, rg) = gqa_reference(&qkv, &dout, &d);
+            assert!(max_err(&o, &ro) < 1e-5, "out tiles {br}x{bc} NKV={nkv}");
+            for sched in [Schedule::PerHead, Schedule::TwoPass] {
+                let e = max_err(&gqa_flash_bwd(&dout, &qkv, &d, 0.0, 0, tl, sched), &rg);
+                assert!(e < 1e-5, "dqkv tiles {br}x{bc} NKV={nkv} {sched:?}: err {e}");
+            }
+        }
+    }
+}
+
+#[test]
+fn gqa_with_dropout_matches_expanded_mha_reference() {
+    // GQA is MHA on a qkv whose kv heads are copied to every query head of their group, with
+    // the kv gradients summed back over the group; the dropout mask is indexed by query head,
+    // so this holds with dropout on too.
+    for &(t, nkv, p) in &[(7usize, 1usize, 0.2f32), (65, 2, 0.2), (130, 2, 0.3), (33, 4, 0.1)] {
+        let d = gqa(2, t, 4, nkv, 16);
+        let md = AttnDims { b: d.b, t, c: d.c(), nh: d.nh };
+        let mut rng = Rng::new(t as u64 + nkv as u64 * 7);
+        let qkv = randn(&mut rng, d.b * t * d.qkv_width(), 1.0);
+        let dout = randn(&mut rng, d.b * t * d.c(), 1.0);
+        let (o, _) = gqa_flash_fwd(&qkv, &d, p, 13, Tiles::default());
+        let (ro, rge) = reference(&expand_kv(&qkv, &d), &dout, &md, p, 13);
+        assert!(max_err(&o, &ro) < 1e-5, "out T={t} NKV={nkv} p={p}");
+        let rg = fold_kv(&rge, &d);
+        for sched in [Schedule::PerHead, Schedule::TwoPass] {
+            let e = max_err(&gqa_flash_bwd(&dout, &qkv, &d, p, 13, Tiles::default(), sched), &rg);
+            assert!(e < 1e-5, "dqkv T={t} NKV={nkv} p={p} {sched:?}: err {e}");
+        }
+    }
+}
+
+#[test]
+fn gqa_with_nkv_equal_nh_is_the_mha_kernel_bit_for_bit() {
+    // Same layout, same code: outputs, lse and gradients identical, dropout included, and the
+    // backward accumulates onto a nonzero dqkv the same way.
+    for &(t, p, tiles) in &[
+        (65usize, 0.0f32, Tiles::default()),
+        (130, 0.2, Tiles::default()),
+        (23, 0.3, Tiles { br: 4, bc: 3 }),
+        (1, 0.0, Tiles::default()),
+    ] {
+        let d = gqa(2, t, 3, 3, 16);
+        let md = AttnDims { b: 2, t, c: 48, nh: 3 };
+        let mut rng = Rng::new(t as u64);
+        let qkv = randn(&mut rng, d.b * t * d.qkv_width(), 1.0);
+        let dout = randn(&mut rng, d.b * t * d.c(), 1.0);
+        let init = randn(&mut rng, qkv.len(), 1.0);
+        let (o, l) = gqa_flash_fwd(&qkv, &d, p, 21, tiles);
+        let (mo, ml) = flash_fwd(&qkv, &md, p, 21, tiles);
+        assert!(o == mo && l == ml, "forward T={t} p={p}");
+        for sched in [Schedule::Auto, Schedule::PerHead, Schedule::TwoPass] {
+            let (mut g, mut mg) = (init.clone(), init.clone());
+            flash_gqa_backward_with(&mut g, &dout, &qkv, &o, &l, &d, p, 21, tiles, sched);
+            flash_attention_backward_with(&mut mg, &dout, &qkv, &mo, &ml, &md, p, 21, tiles, sched);
+            assert!(g == mg, "backward T={t} p={p} {sched:?}");
+        }
+        // The public entry points too.
+        let (mut o2, mut l2) = (vec![0.0; o.len()], vec![0.0; l.len()]);
+        flash_gqa_forward(&mut o2, &mut l2, &qkv, &d, p, 21);
+        let (mut mo2, mut ml2) = (vec![0.0; o.len()], vec![0.0; l.len()]);
+        flash_attention_forward(&mut mo2, &mut ml2, &qkv, &md, p, 21);
+        assert!(o2 == mo2 && l2 == ml2);
+        let (mut g, mut mg) = (init.clone(), init.clone());
+        flash_gqa_backward(&mut g, &dout, &qkv, &o2, &l2, &d, p, 21);
+        flash_attention_backward(&mut mg, &dout, &qkv, &mo2, &ml2, &md, p, 21);
+        assert!(g == mg);
+    }
+}
+
+fn gqa_gradcheck(dropout: f32, tiles: Tiles, nkv: usize) {
+    let d = gqa(2, 5, 4, nkv, 4);
+    let mut rng = Rng::new(19 + nkv as u64);
+    let qkv = randn(&mut rng, d.b * d.t * d.qkv_width(), 1.0);
+    let dout = randn(&mut rng, d.b * d.t * d.c(), 1.0);
+    let fwd = |x: &[f32]| dot(&gqa_flash_fwd(x, &d, dropout, 5, tiles).0, &dout);
+    let g = gqa_flash_bwd(&dout, &qkv, &d, dropout, 5, tiles, Schedule::Auto);
+    check(&format!("flash_gqa(NKV={nkv}, dropout={dropout}, {tiles:?}).dqkv"), &qkv, &g, fwd);
+}
+
+#[test]
+fn gqa_gradients() {
+    for nkv in [1, 2] {
+        gqa_gradcheck(0.0, Tiles::default(), nkv);
+        gqa_gradcheck(0.0, Tiles { br: 2, bc: 3 }, nkv);
+        gqa_gradcheck(0.25, Tiles::default(), nkv);
+        gqa_gradcheck(0.25, Tiles { br: 2, bc: 3 }, nkv);
+    }
+}
+
+#[test]
+fn gqa_deterministic_across_thread_counts_and_schedules() {
+    // B·NKV = 2: on 3 threads `Auto` takes the two-pass schedule (key tiles split within a kv
+    // head), on 1 thread one task per kv head; (2, 6, 3): 6 kv tasks, per head on both.
+    for &(b, nh, nkv, p) in &[(1usize, 4usize, 2usize, 0.0f32), (1, 4, 2, 0.2), (2, 6, 3, 0.0), (1, 4, 1, 0.2)] {
+        let d = gqa(b, 130, nh, nkv, 16);
+        let mut rng = Rng::new(3 + nkv as u64);
+        let qkv = randn(&mut rng, b * d.t * d.qkv_width(), 1.0);
+        let dout = randn(&mut rng, b * d.t * d.c(), 1.0);
+        let run = || {
+            let (mut o, mut l) = (vec![0.0; b * d.t * d.c()], vec![0.0; b * nh * d.t]);
+            flash_gqa_forward(&mut o, &mut l, &qkv, &d, p, 8);
+            let mut g = vec![0.0; qkv.len()];
+            flash_gqa_backward(&mut g, &dout, &qkv, &o, &l, &d, p, 8);
+            (o, l, g)
+        };
+        let one = in_pool(1, run);
+        let three = in_pool(3, run);
+        assert!(one == three, "{d:?} p={p}: 1 vs 3 threads differ");
+        for sched in [Schedule::PerHead, Schedule::TwoPass] {
+            let g = in_pool(3, || gqa_flash_bwd(&dout, &qkv, &d, p, 8, Tiles::default(), sched));
+            assert!(g == one.2, "{d:?} p={p}: {sched:?} differs");
+        }
+    }
+}
+
+#[test]
+fn gqa_backward_accumulates() {
+    let d = gqa(2, 65, 4, 2, 16);
+    let mut rng = Rng::new(40);
+    let qkv = randn(&mut rng, d.b * d.t * d.qkv_width(), 1.0);
+    let dout = randn(&mut rng, d.b * d.t * d.c(), 1.0);
+    for p in [0.0f32, 0.2] {
+        let (o, l) = gqa_flash_fwd(&qkv, &d, p, 2, Tiles::default());
+        let mut g = vec![0.0; qkv.len()];
+        flash_gqa_backward(&mut g, &dout, &qkv, &o, &l, &d, p, 2);
+        let once = g.clone();
+        flash_gqa_backward(&mut g, &dout, &qkv, &o, &l, &d, p, 2);
+        let twice: Vec<f32> = once.iter().map(|x| 2.0 * x).collect();
+        assert!(max_err(&g, &twice) < 1e-6, "p={p}: second call did not add");
+        assert!(once.iter().any(|&x| x != 0.0));
+    }
 }

@@ -2,4 +2,5 @@
 mod gradcheck;
 mod kernels;
 mod llama;
+mod moe;
 mod flash;

@@ -1,0 +1,597 @@
+//! Mixture-of-experts FFN layer (GShard / Switch / ST-MoE / Mixtral / DeepSeekMoE) as one
+//! paired kernel, [`moe_forward`] / [`moe_backward`], built from explicit steps:
+//!
+//! ```text
+//! router   logits[N, E] = x · Wrᵀ ; probs = softmax(logits) ; top-k (ties → lower expert id)
+//!          gate[t, j] = probs[t, idx[t, j]]  (÷ Σ_j of them when `renormalize`: Mixtral's
+//!          "softmax over the top-k logits" is the same number)
+//! assign   token-assignments (t, j) in token order, then rank order, take the next slot of
+//!          their expert; those past `capacity` are dropped (contribute zero)
+//! dispatch xe[R, C]: kept assignments gathered into one packed buffer, expert e's rows at
+//!          offsets[e]..offsets[e+1] (this is what expert parallelism will all-to-all)
+//! experts  per expert: gu = xe·w_guᵀ [·, 2F] ; h = silu(gate)·up [·, F] ; eo = h·w2ᵀ [·, C]
+//! combine  y[t] = Σ_shared s(x_t) + Σ_{j kept} gate[t, j] · eo[slot[t, j]]
+//! losses   aux = E · Σ_e f_e · P_e (Switch), z = mean_t logsumexp(logits_t)² (ST-MoE)
+//! ```
+//!
+//! Extra shape letters: `N` tokens (`B·T`), `E` routed experts, `K` experts per token, `F` the
+//! expert's intermediate size, `S` shared (always-on, DeepSeekMoE) experts, `R ≤ N·K` kept
+//! token-assignments. Fine-grained experts are simply more, smaller experts.
+//!
+//! **Weight layout.** One expert is `3·F·C` floats: `[w_gu: 2F×C | w2: C×F]`, where `w_gu`'s rows
+//! `0..F` are Mixtral's `w1` (gate) and rows `F..2F` its `w3` (up) — so one gemm produces the
+//! fused `[gate | up]` row that [`crate::llama::swiglu_forward`] reads — and `w2` is the down
+//! projection. Experts are concatenated, expert `e` at `e·3FC`: `experts_w[E, 3FC]`. HF Mixtral:
+//! `block_sparse_moe.experts.{e}.{w1, w3, w2}.weight` concatenated in that order; the router
+//! `router_w[E, C]` is `block_sparse_moe.gate.weight`. Shared experts use the same per-expert
+//! layout: `shared_w[S, 3FC]`.
+//!
+//! **Capacity.** `capacity = ceil(capacity_factor · N · K / E)` (computed in f64);
+//! `capacity_factor <= 0` means dropless (an expert takes every token routed to it).
+//! Dropping happens after the gates are computed, so a dropped assignment does not change the
+//! other gates of its token (GShard / Switch; the residual outside the layer carries it).
+//!
+//! **Losses.** `f_e = count_e / (N·K)` — the fraction of token-assignments (before dropping)
+//! routed to `e` — and `P_e = mean_t probs[t, e]`, so uniform routing gives `aux = 1`. (HF's
+//! `load_balancing_loss_func` divides the counts by `N` only: its value is `K ×` this one.)
+//! Top-k selection and `f_e` are constants for the gradient (standard); the gradient flows
+//! through the gates (including their renormalisation), `P_e` and `logsumexp` into the router.
+//!
+//! Forward overwrites `y` and the cache; backward accumulates into every gradient. Every
+//! reduction has a fixed order: tokens and packed rows are independent, experts are
+//! independent rayon tasks (their gemms single-threaded inside), per-token sums over the `K`
+//! selected experts run in rank order and the loss sums run sequentially, so results do not
+//! depend on the thread count.
+
+use crate::llama::{swiglu_backward, swiglu_forward};
+use crate::matmul::{gemm, Threads, View};
+use rayon::prelude::*;
+
+/// Marks a dropped token-assignment in [`MoeCache::slot`].
+pub const DROPPED: u32 = u32::MAX;
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MoeDims {
+    /// tokens `N`
+    pub n: usize,
+    /// channels `C`
+    pub c: usize,
+    /// expert intermediate size `F` (shared experts use the same)
+    pub f: usize,
+    /// routed experts `E`
+    pub e: usize,
+    /// experts per token `K` (`1 ≤ K ≤ E`)
+    pub k: usize,
+    /// shared always-on experts `S` (DeepSeekMoE); 0 for Switch / Mixtral
+    pub n_shared: usize,
+    /// `capacity = ceil(capacity_factor·N·K/E)`; `<= 0` is dropless
+    pub capacity_factor: f32,
+    /// divide the K selected probabilities by their sum (Mixtral); Switch (K = 1) uses the raw one
+    pub renormalize: bool,
+}
+
+impl MoeDims {
+    /// Floats in one expert's weights: `[w_gu: 2F×C | w2: C×F]`.
+    pub fn expert_size(&self) -> usize {
+        3 * self.f * self.c
+    }
+    /// Floats in `experts_w`, `E · 3FC`.
+    pub fn experts_size(&self) -> usize {
+        self.e * self.expert_size()
+    }
+    /// Floats in `shared_w`, `S · 3FC`.
+    pub fn shared_size(&self) -> usize {
+        self.n_shared * self.expert_size()
+    }
+    /// Floats in `router_w`, `E · C`.
+    pub fn router_size(&self) -> usize {
+        self.e * self.c
+    }
+    /// Token slots per expert: `ceil(capacity_factor·N·K/E)`, or `N` (every token could pick
+    /// the expert, at most once) when dropless.
+    pub fn capacity(&self) -> usize {
+        if self.capacity_factor > 0.0 {
+            let cap = (self.capacity_factor as f64 * (self.n * self.k) as f64 / self.e as f64).ceil();
+            (cap as usize).min(self.n)
+        } else {
+            self.n
+        }
+    }
+    fn check(&self) {
+        assert!(self.n > 0 && self.c > 0 && self.f > 0 && self.e > 0, "empty MoE dims {self:?}");
+        assert!(self.k >= 1 && self.k <= self.e, "need 1 <= K <= E, got {self:?}");
+        assert!((self.n * self.k) < DROPPED as usize, "too many token-assignments");
+    }
+}
+
+/// Routing statistics of one forward call.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MoeStats {
+    /// `E · Σ_e f_e · P_e` (1.0 when perfectly uniform), unweighted
+    pub aux_loss: f32,
+    /// `mean_t logsumexp(logits_t)²`, unweighted
+    pub z_loss: f32,
+    /// `aux_weight·aux_loss + z_weight·z_loss`: the term to add to the training loss
+    pub loss: f32,
+    /// token-assignments routed to each expert, before dropping   [E]
+    pub counts: Vec<usize>,
+    /// dropped token-assignments / `N·K`
+    pub dropped_fraction: f32,
+    /// largest `counts[e]`
+    pub max_load: usize,
+    /// mean of `counts`, `N·K/E`
+    pub mean_load: f32,
+}
+
+/// Everything forward saves for backward plus backward's scratch, allocated once for one
+/// [`MoeDims`] and reused every step.
+pub struct MoeCache {
+    pub dims: MoeDims,
+    /// router logits                                  [N, E]
+    pub logits: Vec<f32>,
+    /// softmax of the logits                          [N, E]
+    pub probs: Vec<f32>,
+    /// logsumexp of each logits row                   [N]
+    pub lse: Vec<f32>,
+    /// selected experts in rank order                 [N, K]
+    pub idx: Vec<u32>,
+    /// gate weights of the selected experts           [N, K]
+    pub gates: Vec<f32>,
+    /// index map token-assignment → packed row, or [`DROPPED`]   [N, K]
+    pub slot: Vec<u32>,
+    /// index map packed row → token                   [R] (of N·K allocated)
+    pub row_token: Vec<u32>,
+    /// expert e's packed rows are `offsets[e]..offsets[e+1]`; `offsets[E] = R`   [E + 1]
+    pub offsets: Vec<usize>,
+    /// token-assignments per expert, before dropping  [E]
+    pub counts: Vec<usize>,
+    /// dispatched tokens                              [R, C]
+    pub xe: Vec<f32>,
+    /// expert pre-activations `[gate | up]`           [R, 2F]
+    pub gu: Vec<f32>,
+    /// expert activations                             [R, F]
+    pub h: Vec<f32>,
+    /// expert outputs (before gating)                 [R, C]
+    pub eo: Vec<f32>,
+    /// shared experts' pre-activations                [S, N, 2F]
+    pub sgu: Vec<f32>,
+    /// shared experts' activations                    [S, N, F]
+    pub sh: Vec<f32>,
+    // backward scratch
+    deo: Vec<f32>,    // [R, C]   d(expert output), then d(dispatched tokens)
+    dh: Vec<f32>,     // [R, F]   (also [N, F] for the shared experts)
+    dgu: Vec<f32>,    // [R, 2F]  (also [N, 2F])
+    dgate: Vec<f32>,  // [N, K]
+    dlogits: Vec<f32>, // [N, E]
+}
+
+impl MoeCache {
+    pub fn new(dims: MoeDims) -> MoeCache {
+        dims.check();
+        let MoeDims { n, c, f, e, k, n_shared: s, .. } = dims;
+        let r = n * k;
+        let big = r.max(n);
+        MoeCache {
+            dims,
+            logits: vec![0.0; n * e],
+            probs: vec![0.0; n * e],
+            lse: vec![0.0; n],
+            idx: vec![0; n * k],
+            gates: vec![0.0; n * k],
+            slot: vec![DROPPED; n * k],
+            row_token: vec![0; r],
+            offsets: vec![0; e + 1],
+            counts: vec![0; e],
+            xe: vec![0.0; r * c],
+            gu: vec![0.0; r * 2 * f],
+            h: vec![0.0; r * f],
+            eo: vec![0.0; r * c],
+            sgu: vec![0.0; s * n * 2 * f],
+            sh: vec![0.0; s * n * f],
+            deo: vec![0.0; r * c],
+            dh: vec![0.0; big * f],
+            dgu: vec![0.0; big * 2 * f],
+            dgate: vec![0.0; n * k],
+            dlogits: vec![0.0; n * e],
+        }
+    }
+    /// Kept token-assignments `R` of the last forward.
+    pub fn rows(&self) -> usize {
+        self.offsets[self.dims.e]
+    }
+}
+
+/// Splits `buf` into consecutive per-expert pieces of `(offsets[e+1] − offsets[e])·width`.
+fn split_rows<'a>(mut buf: &'a mut [f32], offsets: &[usize], width: usize) -> Vec<&'a mut [f32]> {
+    let mut out = Vec::with_capacity(offsets.len() - 1);
+    for w in offsets.windows(2) {
+        let (a, b) = std::mem::take(&mut buf).split_at_mut((w[1] - w[0]) * width);
+        out.push(a);
+        buf = b;
+    }
+    out
+}
+
+/// One expert's weights `(w_gu [2F, C], w2 [C, F])` from its `3FC` block.
+fn expert_views(w: &[f32], c: usize, f: usize) -> (&[f32], &[f32]) {
+    w.split_at(2 * f * c)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forward
+
+/// The MoE layer: `y = Σ_shared s(x) + Σ_selected gate·expert(x)`. Overwrites `y` and `cache`;
+/// returns the routing losses (see the module docs) and statistics.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_forward(
+    y: &mut [f32],           // [N, C]
+    cache: &mut MoeCache,
+    x: &[f32],               // [N, C]
+    router_w: &[f32],        // [E, C]
+    experts_w: &[f32],       // [E, 3FC]  per expert [w1 (gate) F×C | w3 (up) F×C | w2 (down) C×F]
+    shared_w: &[f32],        // [S, 3FC]  same layout
+    dims: &MoeDims,
+    aux_weight: f32,
+    z_weight: f32,
+) -> MoeStats {
+    let _p = crate::profile::scope("moe_forward");
+    assert_eq!(*dims, cache.dims, "MoeCache built for other dims");
+    let MoeDims { n, c, f, e, k, n_shared: s, renormalize, .. } = *dims;
+    assert_eq!(y.len(), n * c);
+    assert_eq!(x.len(), n * c);
+    assert_eq!(router_w.len(), dims.router_size());
+    assert_eq!(experts_w.len(), dims.experts_size());
+    assert_eq!(shared_w.len(), dims.shared_size());
+    let es = dims.expert_size();
+
+    // Router: logits = x · Wrᵀ, then per token softmax, logsumexp, top-k and gates.
+    gemm(&mut cache.logits, false, View::rows(x, n, c), View::rows(router_w, e, c).t(), 1.0, Threads::All);
+    cache
+        .probs
+        .par_chunks_mut(e)
+        .zip(cache.lse.par_iter_mut())
+        .zip(cache.idx.par_chunks_mut(k).zip(cache.gates.par_chunks_mut(k)))
+        .zip(cache.logits.par_chunks(e))
+        .with_min_len(64)
+        .for_each(|(((p, lse), (idx, g)), l)| route_row(p, lse, idx, g, l, renormalize));
+
+    // Assign slots in token order (then rank order), dropping past capacity; sequential and
+    // O(N·K), so the index maps never depend on threads.
+    let cap = dims.capacity();
+    cache.counts.fill(0);
+    for (i, &ex) in cache.idx.iter().enumerate() {
+        let ex = ex as usize;
+        // Provisionally the position within the expert; made a packed row below.
+        cache.slot[i] = if cache.counts[ex] < cap { cache.counts[ex] as u32 } else { DROPPED };
+        cache.counts[ex] += 1;
+    }
+    cache.offsets[0] = 0;
+    for ex in 0..e {
+        cache.offsets[ex + 1] = cache.offsets[ex] + cache.counts[ex].min(cap);
+    }
+    for (i, sl) in cache.slot.iter_mut().enumerate() {
+        if *sl != DROPPED {
+            let row = cache.offsets[cache.idx[i] as usize] + *sl as usize;
+            *sl = row as u32;
+            cache.row_token[row] = (i / k) as u32;
+        }
+    }
+    let rows = cache.rows();
+
+    // Dispatch: gather the kept tokens into the packed per-expert buffer.
+    moe_dispatch(&mut cache.xe[..rows * c], x, &cache.row_token[..rows], c);
+
+    // Routed experts, one rayon task each (gemm single-threaded inside).
+    {
+        let offs = &cache.offsets;
+        let xe = split_rows(&mut cache.xe[..rows * c], offs, c);
+        let gu = split_rows(&mut cache.gu[..rows * 2 * f], offs, 2 * f);
+        let h = split_rows(&mut cache.h[..rows * f], offs, f);
+        let eo = split_rows(&mut cache.eo[..rows * c], offs, c);
+        let tasks: Vec<_> = xe.into_iter().zip(gu).zip(h).zip(eo).enumerate().collect();
+        tasks.into_par_iter().for_each(|(ex, (((xe, gu), h), eo))| {
+            let w = &experts_w[ex * es..(ex + 1) * es];
+            expert_forward(eo, gu, h, xe, w, c, f, Threads::One);
+        });
+    }
+
+    // Shared experts over all tokens, summed into y in order; then the routed combine.
+    for si in 0..s {
+        let (wgu, w2) = expert_views(&shared_w[si * es..(si + 1) * es], c, f);
+        let sgu = &mut cache.sgu[si * n * 2 * f..(si + 1) * n * 2 * f];
+        let sh = &mut cache.sh[si * n * f..(si + 1) * n * f];
+        gemm(sgu, false, View::rows(x, n, c), View::rows(wgu, 2 * f, c).t(), 1.0, Threads::All);
+        swiglu_forward(sh, sgu, f);
+        gemm(y, si > 0, View::rows(sh, n, f), View::rows(w2, c, f).t(), 1.0, Threads::All);
+    }
+    moe_combine(y, &cache.eo[..rows * c], &cache.gates, &cache.slot, s > 0, c, k);
+
+    // Losses, summed sequentially in f64.
+    let mut aux = 0.0f64;
+    for ex in 0..e {
+        let pe: f64 = (0..n).map(|t| cache.probs[t * e + ex] as f64).sum::<f64>() / n as f64;
+        aux += cache.counts[ex] as f64 / (n * k) as f64 * pe;
+    }
+    let aux = (aux * e as f64) as f32;
+    let z = (cache.lse.iter().map(|&l| l as f64 * l as f64).sum::<f64>() / n as f64) as f32;
+    let max_load = cache.counts.iter().copied().max().unwrap_or(0);
+    MoeStats {
+        aux_loss: aux,
+        z_loss: z,
+        loss: aux_weight * aux + z_weight * z,
+        counts: cache.counts.clone(),
+        dropped_fraction: (n * k - rows) as f32 / (n * k) as f32,
+        max_load,
+        mean_load: (n * k) as f32 / e as f32,
+    }
+}
+
+/// Softmax, logsumexp, top-k (ties → lower id, by logit) and gates of one token.
+fn route_row(p: &mut [f32], lse: &mut f32, idx: &mut [u32], g: &mut [f32], l: &[f32], renormalize: bool) {
+    let max = l.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    let mut sum = 0.0f32;
+    for (p, &v) in p.iter_mut().zip(l) {
+        *p = (v - max).exp();
+        sum += *p;
+    }
+    let inv = 1.0 / sum;
+    for p in p.iter_mut() {
+        *p *= inv;
+    }
+    *lse = max + sum.ln();
+    for j in 0..idx.len() {
+        let mut best = usize::MAX;
+        for (ex, &v) in l.iter().enumerate() {
+            if idx[..j].contains(&(ex as u32)) {
+                continue;
+            }
+            if best == usize::MAX || v > l[best] {
+                best = ex;
+            }
+        }
+        idx[j] = best as u32;
+        g[j] = p[best];
+    }
+    if renormalize {
+        let s: f32 = g.iter().sum();
+        for g in g.iter_mut() {
+            *g /= s;
+        }
+    }
+}
+
+/// Dispatch: `xe[r] = x[row_token[r]]`. Overwrites `xe`.
+pub fn moe_dispatch(
+    xe: &mut [f32],        // [R, C]
+    x: &[f32],             // [N, C]
+    row_token: &[u32],     // [R]
+    c: usize,
+) {
+    assert_eq!(xe.len(), row_token.len() * c);
+    xe.par_chunks_mut(c).zip(row_token.par_iter()).with_min_len(16).for_each(|(o, &t)| {
+        let t = t as usize;
+        o.copy_from_slice(&x[t * c..(t + 1) * c]);
+    });
+}
+
+/// Combine: `y[t] (=|+=) Σ_{j kept} gate[t, j] · eo[slot[t, j]]`, over j in rank order
+/// (overwrites `y` unless `accumulate`).
+pub fn moe_combine(
+    y: &mut [f32],     // [N, C]
+    eo: &[f32],        // [R, C]
+    gates: &[f32],     // [N, K]
+    slot: &[u32],      // [N, K]
+    accumulate: bool,
+    c: usize,
+    k: usize,
+) {
+    y.par_chunks_mut(c).enumerate().with_min_len(16).for_each(|(t, yr)| {
+        if !accumulate {
+            yr.fill(0.0);
+        }
+        for j in 0..k {
+            let r = slot[t * k + j];
+            if r != DROPPED {
+                let r = r as usize;
+                axpy(yr, gates[t * k + j], &eo[r * c..(r + 1) * c]);
+            }
+        }
+    });
+}
+
+crate::multiversion! {
+    /// `y += a · x`.
+    fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
+        for (y, x) in y.iter_mut().zip(x) {
+            *y += a * x;
+        }
+    }
+}
+
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    crate::simd::sum_by(a.len(), |i| a[i] * b[i])
+}
+
+/// One SwiGLU expert over its `M` tokens: `gu = xe·w_guᵀ`, `h = silu(gate)·up`, `eo = h·w2ᵀ`.
+#[allow(clippy::too_many_arguments)]
+fn expert_forward(
+    eo: &mut [f32],   // [M, C]
+    gu: &mut [f32],   // [M, 2F]
+    h: &mut [f32],    // [M, F]
+    xe: &[f32],       // [M, C]
+    w: &[f32],        // [3FC]
+    c: usize,
+    f: usize,
+    threads: Threads,
+) {
+    let m = xe.len() / c;
+    if m == 0 {
+        return;
+    }
+    let (wgu, w2) = expert_views(w, c, f);
+    gemm(gu, false, View::rows(xe, m, c), View::rows(wgu, 2 * f, c).t(), 1.0, threads);
+    swiglu_forward(h, gu, f);
+    gemm(eo, false, View::rows(h, m, f), View::rows(w2, c, f).t(), 1.0, threads);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward
+
+/// Backward of [`moe_forward`] for the total `L = ⟨dy, y⟩ + aux_weight·aux + z_weight·z`.
+/// Accumulates into `dx`, `drouter_w`, `dexperts_w` and `dshared_w`; `cache` must hold the
+/// forward of the same inputs (its scratch is overwritten).
+#[allow(clippy::too_many_arguments)]
+pub fn moe_backward(
+    dx: &mut [f32],          // [N, C]
+    drouter_w: &mut [f32],   // [E, C]
+    dexperts_w: &mut [f32],  // [E, 3FC]
+    dshared_w: &mut [f32],   // [S, 3FC]
+    dy: &[f32],              // [N, C]
+    cache: &mut MoeCache,
+    x: &[f32],               // [N, C]
+    router_w: &[f32],        // [E, C]
+    experts_w: &[f32],       // [E, 3FC]
+    shared_w: &[f32],        // [S, 3FC]
+    dims: &MoeDims,
+    aux_weight: f32,
+    z_weight: f32,
+) {
+    let _p = crate::profile::scope("moe_backward");
+    assert_eq!(*dims, cache.dims, "MoeCache built for other dims");
+    let MoeDims { n, c, f, e, k, n_shared: s, renormalize, .. } = *dims;
+    assert_eq!(dx.len(), n * c);
+    assert_eq!(dy.len(), n * c);
+    assert_eq!(x.len(), n * c);
+    assert_eq!(drouter_w.len(), dims.router_size());
+    assert_eq!(router_w.len(), dims.router_size());
+    assert_eq!(dexperts_w.len(), dims.experts_size());
+    assert_eq!(experts_w.len(), dims.experts_size());
+    assert_eq!(dshared_w.len(), dims.shared_size());
+    assert_eq!(shared_w.len(), dims.shared_size());
+    let es = dims.expert_size();
+    let rows = cache.rows();
+    let MoeCache { probs, lse, idx, gates, slot, row_token, offsets, counts, xe, gu, h, eo, sgu, sh, deo, dh, dgu, dgate, dlogits, .. } = cache;
+
+    // Combine backward: d(gate) = ⟨dy[t], eo[r]⟩ per assignment, d(eo[r]) = gate · dy[t].
+    dgate.par_chunks_mut(k).enumerate().with_min_len(16).for_each(|(t, dg)| {
+        for j in 0..k {
+            let r = slot[t * k + j];
+            dg[j] = if r == DROPPED { 0.0 } else { dot(&dy[t * c..(t + 1) * c], &eo[r as usize * c..(r as usize + 1) * c]) };
+        }
+    });
+    deo[..rows * c].par_chunks_mut(c).enumerate().with_min_len(16).for_each(|(r, d)| {
+        let t = row_token[r] as usize;
+        // the rank j of row r within its token
+        let j = (0..k).find(|&j| slot[t * k + j] == r as u32).unwrap();
+        let g = gates[t * k + j];
+        for (d, &v) in d.iter_mut().zip(&dy[t * c..(t + 1) * c]) {
+            *d = g * v;
+        }
+    });
+
+    // Routed experts' backward, one task each; `deo` is replaced by d(dispatched tokens).
+    {
+        let offs = &*offsets;
+        let deo_e = split_rows(&mut deo[..rows * c], offs, c);
+        let dh_e = split_rows(&mut dh[..rows * f], offs, f);
+        let dgu_e = split_rows(&mut dgu[..rows * 2 * f], offs, 2 * f);
+        let tasks: Vec<_> = deo_e.into_iter().zip(dh_e).zip(dgu_e).zip(dexperts_w.chunks_mut(es)).enumerate().collect();
+        tasks.into_par_iter().for_each(|(ex, (((deo, dh), dgu), dw))| {
+            let (r0, r1) = (offs[ex] * c, offs[ex + 1] * c);
+            let (g0, g1) = (offs[ex] * 2 * f, offs[ex + 1] * 2 * f);
+            let (h0, h1) = (offs[ex] * f, offs[ex + 1] * f);
+            let w = &experts_w[ex * es..(ex + 1) * es];
+            expert_backward(deo, dh, dgu, dw, &xe[r0..r1], &gu[g0..g1], &h[h0..h1], w, c, f, Threads::One);
+        });
+    }
+    // Dispatch backward: dx[t] += Σ_j dxe[slot[t, j]] in rank order.
+    let dxe = &deo[..rows * c];
+    dx.par_chunks_mut(c).enumerate().with_min_len(16).for_each(|(t, d)| {
+        for j in 0..k {
+            let r = slot[t * k + j];
+            if r != DROPPED {
+                axpy(d, 1.0, &dxe[r as usize * c..(r as usize + 1) * c]);
+            }
+        }
+    });
+
+    // Shared experts, in order.
+    for si in 0..s {
+        let w = &shared_w[si * es..(si + 1) * es];
+        let dw = &mut dshared_w[si * es..(si + 1) * es];
+        let sgu = &sgu[si * n * 2 * f..(si + 1) * n * 2 * f];
+        let sh = &sh[si * n * f..(si + 1) * n * f];
+        let (dh, dgu) = (&mut dh[..n * f], &mut dgu[..n * 2 * f]);
+        let (wgu, w2) = expert_views(w, c, f);
+        let (dwgu, dw2) = dw.split_at_mut(2 * f * c);
+        gemm(dh, false, View::rows(dy, n, c), View::rows(w2, c, f), 1.0, Threads::All);
+        gemm(dw2, true, View::rows(dy, n, c).t(), View::rows(sh, n, f), 1.0, Threads::All);
+        dgu.fill(0.0);
+        swiglu_backward(dgu, dh, sgu, f);
+        gemm(dwgu, true, View::rows(dgu, n, 2 * f).t(), View::rows(x, n, c), 1.0, Threads::All);
+        gemm(dx, true, View::rows(dgu, n, 2 * f), View::rows(wgu, 2 * f, c), 1.0, Threads::All);
+    }
+
+    // Router: gates (with renormalisation), aux and z losses → d(logits) → dx, dWr.
+    let aux_coef: Vec<f32> =
+        counts.iter().map(|&cnt| (aux_weight as f64 * e as f64 * cnt as f64 / ((n * k) as f64 * n as f64)) as f32).collect();
+    let z_coef = 2.0 * z_weight / n as f32;
+    dlogits.par_chunks_mut(e).enumerate().with_min_len(64).for_each(|(t, dl)| {
+        let p = &probs[t * e..(t + 1) * e];
+        let (ix, g, dg) = (&idx[t * k..(t + 1) * k], &gates[t * k..(t + 1) * k], &dgate[t * k..(t + 1) * k]);
+        // dl holds d(probs) first.
+        dl.copy_from_slice(&aux_coef);
+        if renormalize {
+            // g_j = p_j / S  ⇒  dp_i = (dg_i − Σ_j dg_j·g_j) / S for the selected i
+            let ssum: f32 = ix.iter().map(|&i| p[i as usize]).sum();
+            let gd: f32 = dg.iter().zip(g).map(|(a, b)| a * b).sum();
+            for j in 0..k {
+                dl[ix[j] as usize] += (dg[j] - gd) / ssum;
+            }
+        } else {
+            for j in 0..k {
+                dl[ix[j] as usize] += dg[j];
+            }
+        }
+        // softmax backward, plus z: d(lse²)/d(logit) = 2·lse·p
+        let pd: f32 = p.iter().zip(dl.iter()).map(|(a, b)| a * b).sum();
+        let zc = z_coef * lse[t];
+        for (d, &p) in dl.iter_mut().zip(p) {
+            *d = p * (*d - pd) + zc * p;
+        }
+    });
+    gemm(dx, true, View::rows(dlogits, n, e), View::rows(router_w, e, c), 1.0, Threads::All);
+    gemm(drouter_w, true, View::rows(dlogits, n, e).t(), View::rows(x, n, c), 1.0, Threads::All);
+}
+
+/// Backward of [`expert_forward`]: accumulates into `dw`; replaces `deo` (d(output) in) with
+/// d(xe) (out). `dh`, `dgu` are scratch.
+#[allow(clippy::too_many_arguments)]
+fn expert_backward(
+    deo: &mut [f32],  // [M, C]  in: d(eo); out: d(xe)
+    dh: &mut [f32],   // [M, F]
+    dgu: &mut [f32],  // [M, 2F]
+    dw: &mut [f32],   // [3FC]
+    xe: &[f32],       // [M, C]
+    gu: &[f32],       // [M, 2F]
+    h: &[f32],        // [M, F]
+    w: &[f32],        // [3FC]
+    c: usize,
+    f: usize,
+    threads: Threads,
+) {
+    let m = xe.len() / c;
+    if m == 0 {
+        return;
+    }
+    let (wgu, w2) = expert_views(w, c, f);
+    let (dwgu, dw2) = dw.split_at_mut(2 * f * c);
+    // dh = deo · w2 ; dw2 += deoᵀ · h
+    gemm(dh, false, View::rows(deo, m, c), View::rows(w2, c, f), 1.0, threads);
+    gemm(dw2, true, View::rows(deo, m, c).t(), View::rows(h, m, f), 1.0, threads);
+    dgu.fill(0.0);
+    swiglu_backward(dgu, dh, gu, f);
+    // dw_gu += dguᵀ · xe ; dxe = dgu · w_gu (into deo, no longer needed)
+    gemm(dwgu, true, View::rows(dgu, m, 2 * f).t(), View::rows(xe, m, c), 1.0, threads);
+    gemm(deo, false, View::rows(dgu, m, 2 * f), View::rows(wgu, 2 * f, c), 1.0, threads);
+}

@@ -1,0 +1,564 @@
+//! Mixture-of-experts layer (`tensor::moe`): finite-difference gradients of
+//! `L = ⟨y, w⟩ + aux_weight·aux + z_weight·z` (dropless and dropping, with and without
+//! renormalisation and shared experts), a naive per-token f64 reference, E = 1 against a dense
+//! SwiGLU MLP, capacity/drop bookkeeping on a crafted routing, the aux and z losses by hand,
+//! determinism across thread counts, accumulation, and the `mixtral-tiny` transformers fixture.
+
+use std::path::{Path, PathBuf};
+use tensor::llama::*;
+use tensor::moe::*;
+use tensor::*;
+
+fn randn(rng: &mut Rng, n: usize, std: f32) -> Vec<f32> {
+    let mut v = vec![0.0; n];
+    rng.fill_normal(&mut v, std);
+    v
+}
+
+fn dot(a: &[f32], b: &[f32]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum()
+}
+
+/// Compares `analytic` with central differences of `loss` w.r.t. `x` (as in gradcheck.rs).
+fn check(name: &str, x: &[f32], analytic: &[f32], loss: impl Fn(&[f32]) -> f64) {
+    assert_eq!(x.len(), analytic.len());
+    let eps = 1e-2f32;
+    let stride = (x.len() / 97).max(1);
+    let mut xp = x.to_vec();
+    let mut nonzero = 0;
+    for i in (0..x.len()).step_by(stride) {
+        let orig = xp[i];
+        xp[i] = orig + eps;
+        let lp = loss(&xp);
+        xp[i] = orig - eps;
+        let lm = loss(&xp);
+        xp[i] = orig;
+        let num = (lp - lm) / (2.0 * eps as f64);
+        let a = analytic[i] as f64;
+        let err = (num - a).abs() / (num.abs().max(a.abs()).max(1e-1));
+        assert!(err < 2e-2, "{name}[{i}]: numeric {num} vs analytic {a} (rel err {err})");
+        nonzero += (a.abs() > 1e-6) as usize;
+    }
+    assert!(nonzero > 0, "{name}: every checked gradient is zero");
+}
+
+/// Largest `|a − b| / (1 + |b|)`.
+fn max_err(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs() / (1.0 + y.abs())).fold(0.0, f32::max)
+}
+
+fn dims(n: usize, c: usize, f: usize, e: usize, k: usize, n_shared: usize, capacity_factor: f32, renormalize: bool) -> MoeDims {
+    MoeDims { n, c, f, e, k, n_shared, capacity_factor, renormalize }
+}
+
+struct Weights {
+    x: Vec<f32>,
+    router: Vec<f32>,
+    experts: Vec<f32>,
+    shared: Vec<f32>,
+}
+
+impl Weights {
+    fn random(d: &MoeDims, rng: &mut Rng) -> Weights {
+        Weights {
+            x: randn(rng, d.n * d.c, 1.0),
+            router: randn(rng, d.router_size(), 0.7),
+            experts: randn(rng, d.experts_size(), 0.4),
+            shared: randn(rng, d.shared_size(), 0.4),
+        }
+    }
+}
+
+/// Smallest gap, over tokens, between the K-th and (K+1)-th largest router logit.
+fn routing_margin(d: &MoeDims, x: &[f32], router: &[f32]) -> f32 {
+    let mut m = f32::INFINITY;
+    if d.k == d.e {
+        return m;
+    }
+    for t in 0..d.n {
+        let mut l: Vec<f32> = (0..d.e).map(|e| dot(&x[t * d.c..(t + 1) * d.c], &router[e * d.c..(e + 1) * d.c]) as f32).collect();
+        l.sort_by(|a, b| b.total_cmp(a));
+        m = m.min(l[d.k - 1] - l[d.k]);
+    }
+    m
+}
+
+/// Random weights whose routing has no near-tie (finite differences never flip a selection).
+fn untied(d: &MoeDims, seed: u64) -> Weights {
+    for s in 0..1000 {
+        let w = Weights::random(d, &mut Rng::new(seed + 7919 * s));
+        if routing_margin(d, &w.x, &w.router) > 0.15 {
+            return w;
+        }
+    }
+    panic!("no untied routing found");
+}
+
+fn forward(d: &MoeDims, w: &Weights, aux_w: f32, z_w: f32) -> (Vec<f32>, MoeStats, MoeCache) {
+    let mut cache = MoeCache::new(*d);
+    let mut y = vec![f32::NAN; d.n * d.c];
+    let st = moe_forward(&mut y, &mut cache, &w.x, &w.router, &w.experts, &w.shared, d, aux_w, z_w);
+    (y, st, cache)
+}
+
+struct Grads {
+    x: Vec<f32>,
+    router: Vec<f32>,
+    experts: Vec<f32>,
+    shared: Vec<f32>,
+}
+
+fn backward(d: &MoeDims, w: &Weights, dy: &[f32], cache: &mut MoeCache, aux_w: f32, z_w: f32) -> Grads {
+    let mut g = Grads {
+        x: vec![0.0; w.x.len()],
+        router: vec![0.0; w.router.len()],
+        experts: vec![0.0; w.experts.len()],
+        shared: vec![0.0; w.shared.len()],
+    };
+    moe_backward(&mut g.x, &mut g.router, &mut g.experts, &mut g.shared, dy, cache, &w.x, &w.router, &w.experts, &w.shared, d, aux_w, z_w);
+    g
+}
+
+fn gradcheck(d: MoeDims, seed: u64, aux_w: f32, z_w: f32) -> MoeStats {
+    let w = untied(&d, seed);
+    let dy = randn(&mut Rng::new(seed ^ 0xabc), d.n * d.c, 1.0);
+    let loss = |w: &Weights| {
+        let (y, st, _) = forward(&d, w, aux_w, z_w);
+        dot(&y, &dy) + aux_w as f64 * st.aux_loss as f64 + z_w as f64 * st.z_loss as f64
+    };
+    let (_, st, mut cache) = forward(&d, &w, aux_w, z_w);
+    let g = backward(&d, &w, &dy, &mut cache, aux_w, z_w);
+    let tag = format!("moe(k={}, cf={}, renorm={}, S={})", d.k, d.capacity_factor, d.renormalize, d.n_shared);
+    check(&format!("{tag}.dx"), &w.x, &g.x, |v| loss(&Weights { x: v.to_vec(), ..clone(&w) }));
+    check(&format!("{tag}.drouter"), &w.router, &g.router, |v| loss(&Weights { router: v.to_vec(), ..clone(&w) }));
+    check(&format!("{tag}.dexperts"), &w.experts, &g.experts, |v| loss(&Weights { experts: v.to_vec(), ..clone(&w) }));
+    if d.n_shared > 0 {
+        check(&format!("{tag}.dshared"), &w.shared, &g.shared, |v| loss(&Weights { shared: v.to_vec(), ..clone(&w) }));
+    }
+    st
+}
+
+fn clone(w: &Weights) -> Weights {
+    Weights { x: w.x.clone(), router: w.router.clone(), experts: w.experts.clone(), shared: w.shared.clone() }
+}
+
+#[test]
+fn gradients_dropless_topk_renormalized_with_shared_expert() {
+    let st = gradcheck(dims(7, 8, 5, 4, 2, 1, 0.0, true), 1, 0.3, 0.2);
+    assert_eq!(st.dropped_fraction, 0.0);
+}
+
+#[test]
+fn gradients_switch_top1_raw_gate() {
+    gradcheck(dims(9, 6, 4, 3, 1, 0, 0.0, false), 2, 0.5, 0.1);
+}
+
+#[test]
+fn gradients_topk_without_renormalization() {
+    gradcheck(dims(6, 6, 4, 5, 3, 0, 0.0, false), 3, 0.2, 0.3);
+}
+
+#[test]
+fn gradients_with_dropped_tokens() {
+    // capacity = ceil(0.5·12·2/4) = 3 slots per expert for 24 assignments: some must drop.
+    let d = dims(12, 6, 4, 4, 2, 1, 0.5, true);
+    assert_eq!(d.capacity(), 3);
+    let st = gradcheck(d, 4, 0.4, 0.2);
+    assert!(st.dropped_fraction > 0.0, "no token dropped: {st:?}");
+    // and the dropless loss through the aux term alone (y unused).
+    gradcheck(dims(12, 6, 4, 4, 2, 0, 0.75, false), 5, 1.0, 0.0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Naive f64 reference: every selected expert computed for every token, one at a time.
+
+fn silu(v: f64) -> f64 {
+    v / (1.0 + (-v).exp())
+}
+
+/// One SwiGLU expert `w2 · (silu(w1·x) ⊙ w3·x)` in f64 from its `[w1 | w3 | w2]` block.
+fn expert_ref(w: &[f32], x: &[f32], c: usize, f: usize) -> Vec<f64> {
+    let (w1, w3, w2) = (&w[..f * c], &w[f * c..2 * f * c], &w[2 * f * c..]);
+    let h: Vec<f64> = (0..f).map(|i| silu(dot(&w1[i * c..(i + 1) * c], x)) * dot(&w3[i * c..(i + 1) * c], x)).collect();
+    (0..c).map(|o| (0..f).map(|i| w2[o * f + i] as f64 * h[i]).sum()).collect()
+}
+
+/// `(y, aux, z)` of the dropless layer, as HF Mixtral computes it plus shared experts.
+fn moe_ref(d: &MoeDims, w: &Weights) -> (Vec<f32>, f64, f64) {
+    let (c, f, e, k, es) = (d.c, d.f, d.e, d.k, d.expert_size());
+    let mut y = vec![0.0f32; d.n * c];
+    let (mut counts, mut psum, mut z) = (vec![0usize; e], vec![0.0f64; e], 0.0f64);
+    for t in 0..d.n {
+        let xt = &w.x[t * c..(t + 1) * c];
+        let logits: Vec<f64> = (0..e).map(|ex| dot(xt, &w.router[ex * c..(ex + 1) * c])).collect();
+        let m = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let s: f64 = logits.iter().map(|l| (l - m).exp()).sum();
+        let p: Vec<f64> = logits.iter().map(|l| (l - m).exp() / s).collect();
+        z += (m + s.ln()).powi(2);
+        let mut order: Vec<usize> = (0..e).collect();
+        order.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
+        let sel = &order[..k];
+        let norm: f64 = if d.renormalize { sel.iter().map(|&i| p[i]).sum() } else { 1.0 };
+        let mut acc = vec![0.0f64; c];
+        for &ex in sel {
+            counts[ex] += 1;
+            let o = expert_ref(&w.experts[ex * es..(ex + 1) * es], xt, c, f);
+            for j in 0..c {
+                acc[j] += p[ex] / norm * o[j];
+            }
+        }
+        for sidx in 0..d.n_shared {
+            let o = expert_ref(&w.shared[sidx * es..(sidx + 1) * es], xt, c, f);
+            for j in 0..c {
+                acc[j] += o[j];
+            }
+        }
+        for ex in 0..e {
+            psum[ex] += p[ex];
+        }
+        for j in 0..c {
+            y[t * c + j] = acc[j] as f32;
+        }
+    }
+    let aux = e as f64 * (0..e).map(|ex| counts[ex] as f64 / (d.n * k) as f64 * psum[ex] / d.n as f64).sum::<f64>();
+    (y, aux, z / d.n as f64)
+}
+
+#[test]
+fn dropless_matches_per_token_reference() {
+    for (d, seed) in [(dims(37, 16, 12, 6, 3, 2, 0.0, true), 11), (dims(40, 12, 8, 8, 2, 0, 0.0, false), 12), (dims(33, 8, 6, 4, 1, 1, 0.0, false), 13)] {
+        let w = untied(&d, seed);
+        let (y, st, cache) = forward(&d, &w, 0.01, 0.001);
+        let (want, aux, z) = moe_ref(&d, &w);
+        let err = max_err(&y, &want);
+        assert!(err < 1e-5, "{d:?}: max error {err}");
+        assert!((st.aux_loss as f64 - aux).abs() < 1e-5 * aux, "aux {} vs {aux}", st.aux_loss);
+        assert!((st.z_loss as f64 - z).abs() < 1e-5 * z, "z {} vs {z}", st.z_loss);
+        assert!((st.loss - (0.01 * st.aux_loss + 0.001 * st.z_loss)).abs() < 1e-7);
+        assert_eq!(st.dropped_fraction, 0.0);
+        assert_eq!(st.counts.iter().sum::<usize>(), d.n * d.k);
+        assert_eq!(cache.rows(), d.n * d.k);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// E = 1, K = 1: the layer is a dense SwiGLU MLP (gate = softmax over one logit = 1).
+
+#[test]
+fn single_expert_is_a_swiglu_mlp() {
+    for renormalize in [false, true] {
+        let d = dims(10, 8, 6, 1, 1, 0, 0.0, renormalize);
+        let w = Weights::random(&d, &mut Rng::new(20));
+        let (n, c, f) = (d.n, d.c, d.f);
+        let (wgu, w2) = w.experts.split_at(2 * f * c);
+        let (mut gu, mut h, mut want) = (vec![0.0; n * 2 * f], vec![0.0; n * f], vec![0.0; n * c]);
+        matmul_forward(&mut gu, &w.x, wgu, None, n, c, 2 * f);
+        swiglu_forward(&mut h, &gu, f);
+        matmul_forward(&mut want, &h, w2, None, n, f, c);
+        let (y, st, mut cache) = forward(&d, &w, 0.0, 0.0);
+        assert!(max_err(&y, &want) < 1e-6, "renorm={renormalize}: {}", max_err(&y, &want));
+        assert!((st.aux_loss - 1.0).abs() < 1e-6, "aux {}", st.aux_loss);
+
+        let dy = randn(&mut Rng::new(21), n * c, 1.0);
+        let g = backward(&d, &w, &dy, &mut cache, 0.0, 0.0);
+        let (mut dx, mut dwgu, mut dw2) = (vec![0.0; n * c], vec![0.0; 2 * f * c], vec![0.0; c * f]);
+        let (mut dh, mut dgu) = (vec![0.0; n * f], vec![0.0; n * 2 * f]);
+        matmul_backward(&mut dh, &mut dw2, None, &dy, &h, w2, n, f, c);
+        swiglu_backward(&mut dgu, &dh, &gu, f);
+        matmul_backward(&mut dx, &mut dwgu, None, &dgu, &w.x, wgu, n, c, 2 * f);
+        assert!(max_err(&g.x, &dx) < 1e-5, "dx");
+        assert!(max_err(&g.experts, &[dwgu, dw2].concat()) < 1e-5, "dexperts");
+        assert!(g.router.iter().all(|v| v.abs() < 1e-6), "router gradient with one expert");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Capacity, drops and the losses on crafted routings.
+
+/// Router `Wr = 4·I` (C = E) and tokens `x_t = one-hot(route[t])` (+ `second` at a second
+/// expert for top-2), so token t's logits are `[4·x_t]`.
+fn crafted(route: &[usize], second: Option<&[usize]>, e: usize) -> (Vec<f32>, Vec<f32>) {
+    let mut x = vec![0.0; route.len() * e];
+    for (t, &r) in route.iter().enumerate() {
+        x[t * e + r] = 1.0;
+        if let Some(s) = second {
+            x[t * e + s[t]] = 0.5;
+        }
+    }
+    let mut wr = vec![0.0; e * e];
+    for i in 0..e {
+        wr[i * e + i] = 4.0;
+    }
+    (x, wr)
+}
+
+#[test]
+fn capacity_counts_drops_in_token_order() {
+    // top-1, E = 4, N = 8, capacity = ceil(1.0·8·1/4) = 2.
+    let route = [0, 0, 1, 0, 0, 2, 1, 0];
+    let (x, router) = crafted(&route, None, 4);
+    let d = dims(8, 4, 3, 4, 1, 0, 1.0, false);
+    assert_eq!(d.capacity(), 2);
+    let mut rng = Rng::new(30);
+    let w = Weights { x, router, experts: randn(&mut rng, d.experts_size(), 0.5), shared: vec![] };
+    let (y, st, cache) = forward(&d, &w, 0.0, 0.0);
+    assert_eq!(st.counts, vec![5, 2, 1, 0]);
+    assert_eq!(st.max_load, 5);
+    assert_eq!(st.mean_load, 2.0);
+    assert!((st.dropped_fraction - 3.0 / 8.0).abs() < 1e-7, "{}", st.dropped_fraction);
+    // Expert 0 keeps tokens 0 and 1; tokens 3, 4 and 7 (later in token order) are dropped.
+    assert_eq!(cache.offsets, vec![0, 2, 4, 5, 5]);
+    assert_eq!(&cache.row_token[..5], &[0, 1, 2, 6, 5]);
+    assert_eq!(cache.slot, vec![0, 1, 2, DROPPED, DROPPED, 4, 3, DROPPED]);
+    for t in [3, 4, 7] {
+        assert!(y[t * 4..(t + 1) * 4].iter().all(|&v| v == 0.0), "dropped token {t} has output");
+    }
+    // kept tokens equal the dropless layer's output
+    let (yd, std, _) = forward(&MoeDims { capacity_factor: 0.0, ..d }, &w, 0.0, 0.0);
+    assert_eq!(std.dropped_fraction, 0.0);
+    for t in [0, 1, 2, 5, 6] {
+        assert_eq!(&y[t * 4..(t + 1) * 4], &yd[t * 4..(t + 1) * 4], "kept token {t}");
+    }
+
+    // top-2: first choices [0, 0, 0, 1], second [1, 1, 2, 0]; capacity = ceil(0.5·4·2/3) = 2.
+    // Assignments in token order then rank: (0:e0)(0:e1)(1:e0)(1:e1)(2:e0 dropped)(2:e2)
+    // (3:e1 dropped)(3:e0 dropped).
+    let (x, router) = crafted(&[0, 0, 0, 1], Some(&[1, 1, 2, 0]), 3);
+    let d = dims(4, 3, 2, 3, 2, 0, 0.5, true);
+    assert_eq!(d.capacity(), 2);
+    let w = Weights { x, router, experts: randn(&mut rng, d.experts_size(), 0.5), shared: vec![] };
+    let (_, st, cache) = forward(&d, &w, 0.0, 0.0);
+    assert_eq!(st.counts, vec![4, 3, 1]);
+    assert_eq!(cache.idx, vec![0, 1, 0, 1, 0, 2, 1, 0]);
+    assert_eq!(cache.slot, vec![0, 2, 1, 3, DROPPED, 4, DROPPED, DROPPED]);
+    assert!((st.dropped_fraction - 3.0 / 8.0).abs() < 1e-7);
+}
+
+#[test]
+fn aux_loss_is_one_for_uniform_routing_and_z_loss_by_hand() {
+    // Token t goes to expert t % E with logits 4·one-hot: f_e = P_e = 1/E by symmetry.
+    let (e, n) = (4, 12);
+    let route: Vec<usize> = (0..n).map(|t| t % e).collect();
+    let (x, router) = crafted(&route, None, e);
+    let d = dims(n, e, 3, e, 1, 0, 0.0, false);
+    let w = Weights { x, router, experts: vec![0.1; d.experts_size()], shared: vec![] };
+    let (_, st, _) = forward(&d, &w, 0.0, 0.0);
+    assert_eq!(st.counts, vec![3; 4]);
+    assert!((st.aux_loss - 1.0).abs() < 1e-6, "aux {}", st.aux_loss);
+    // every row's logits are [4, 0, 0, 0] up to order: lse = ln(e⁴ + 3)
+    let lse = (4f64.exp() + 3.0).ln();
+    assert!((st.z_loss as f64 - lse * lse).abs() < 1e-5, "z {} vs {}", st.z_loss, lse * lse);
+
+    // All tokens to expert 0: f = [1, 0, 0, 0], P_0 = e⁴/(e⁴+3) → aux = E·P_0.
+    let (x, router) = crafted(&vec![0; n], None, e);
+    let w = Weights { x, router, ..w };
+    let (_, st, _) = forward(&d, &w, 0.0, 0.0);
+    let p0 = 4f64.exp() / (4f64.exp() + 3.0);
+    assert!((st.aux_loss as f64 - 4.0 * p0).abs() < 1e-5, "aux {} vs {}", st.aux_loss, 4.0 * p0);
+    assert_eq!(st.max_load, n);
+
+    // Zero router: logits 0, lse = ln E, z = ln²E; probs uniform so aux = 1 whatever the
+    // (tie-broken → expert 0) routing.
+    let w = Weights { router: vec![0.0; e * e], ..w };
+    let (_, st, _) = forward(&d, &w, 0.0, 0.0);
+    assert!((st.z_loss as f64 - (e as f64).ln().powi(2)).abs() < 1e-6);
+    assert_eq!(st.counts, vec![n, 0, 0, 0], "ties go to the lower expert id");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Determinism and accumulation
+
+fn in_pool<R: Send>(threads: usize, f: impl FnOnce() -> R + Send) -> R {
+    rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap().install(f)
+}
+
+#[test]
+fn deterministic_across_thread_counts() {
+    for cf in [0.0f32, 1.25] {
+        let d = dims(300, 48, 40, 8, 2, 1, cf, true);
+        let w = Weights::random(&d, &mut Rng::new(40));
+        let dy = randn(&mut Rng::new(41), d.n * d.c, 1.0);
+        let run = || {
+            let (y, st, mut cache) = forward(&d, &w, 0.01, 0.001);
+            let g = backward(&d, &w, &dy, &mut cache, 0.01, 0.001);
+            (y, st, g.x, g.router, g.experts, g.shared)
+        };
+        let one = in_pool(1, run);
+        let three = in_pool(3, run);
+        assert!(one == three, "cf={cf}: 1 vs 3 threads differ");
+        if cf > 0.0 {
+            assert!(one.1.dropped_fraction > 0.0);
+        }
+    }
+}
+
+#[test]
+fn backward_accumulates_and_cache_is_reusable() {
+    let d = dims(20, 8, 6, 4, 2, 1, 1.0, true);
+    let w = Weights::random(&d, &mut Rng::new(50));
+    let dy = randn(&mut Rng::new(51), d.n * d.c, 1.0);
+    let (y0, _, mut cache) = forward(&d, &w, 0.1, 0.1);
+    let g1 = backward(&d, &w, &dy, &mut cache, 0.1, 0.1);
+    // A forward on other inputs, then the original again into the same cache.
+    let other = Weights::random(&d, &mut Rng::new(52));
+    let mut y = vec![0.0; y0.len()];
+    moe_forward(&mut y, &mut cache, &other.x, &other.router, &other.experts, &other.shared, &d, 0.1, 0.1);
+    moe_forward(&mut y, &mut cache, &w.x, &w.router, &w.experts, &w.shared, &d, 0.1, 0.1);
+    assert_eq!(y, y0);
+    let mut g = backward(&d, &w, &dy, &mut cache, 0.1, 0.1);
+    moe_backward(&mut g.x, &mut g.router, &mut g.experts, &mut g.shared, &dy, &mut cache, &w.x, &w.router, &w.experts, &w.shared, &d, 0.1, 0.1);
+    for (name, a, b) in [("dx", &g.x, &g1.x), ("drouter", &g.router, &g1.router), ("dexperts", &g.experts, &g1.experts), ("dshared", &g.shared, &g1.shared)] {
+        let twice: Vec<f32> = b.iter().map(|v| 2.0 * v).collect();
+        assert!(max_err(a, &twice) < 1e-6, "{name} does not accumulate");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The transformers `mixtral-tiny` fixture (4 experts, top-2, renormalised).
+
+fn fixture(name: &str) -> Option<PathBuf> {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/fixtures").join(name);
+    if p.exists() { Some(p) } else { eprintln!("skipped: fixture {} not found", p.display()); None }
+}
+
+/// A minimal safetensors reader (F32 only), as in llama.rs.
+struct SafeTensors {
+    header: String,
+    data: Vec<u8>,
+}
+
+impl SafeTensors {
+    fn open(path: &Path) -> SafeTensors {
+        let bytes = std::fs::read(path).unwrap();
+        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        SafeTensors { header: String::from_utf8(bytes[8..8 + n].to_vec()).unwrap(), data: bytes[8 + n..].to_vec() }
+    }
+    fn ints(&self, name: &str, key: &str) -> Vec<usize> {
+        let at = self.header.find(&format!("\"{name}\"")).unwrap_or_else(|| panic!("no tensor {name}"));
+        let rest = &self.header[at..];
+        let k = rest.find(&format!("\"{key}\"")).unwrap();
+        let open = k + rest[k..].find('[').unwrap();
+        let close = open + rest[open..].find(']').unwrap();
+        rest[open + 1..close].split(',').filter(|s| !s.trim().is_empty()).map(|s| s.trim().parse().unwrap()).collect()
+    }
+    fn get(&self, name: &str, shape: &[usize]) -> Vec<f32> {
+        assert_eq!(self.ints(name, "shape"), shape, "{name} shape");
+        let off = self.ints(name, "data_offsets");
+        self.data[off[0]..off[1]].chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect()
+    }
+}
+
+#[test]
+fn mixtral_tiny_fixture_logits_match_transformers() {
+    let Some(dir) = fixture("mixtral-tiny") else { return };
+    // config.json: hidden 64, 4 heads of 16, 2 kv heads, intermediate 96, 2 layers, 4 local
+    // experts, 2 per token, rms_norm_eps 1e-5, rope_theta 10000, vocab 97, untied lm_head.
+    let (c, nh, nkv, hs, f, layers, v, e, k) = (64, 4, 2, 16, 96, 2, 97, 4, 2);
+    let st = SafeTensors::open(&dir.join("model.safetensors"));
+    let toks = std::fs::read_to_string(dir.join("tokens.json")).unwrap();
+    let body = &toks[toks.find("[[").unwrap() + 1..toks.rfind("]]").unwrap() + 1];
+    let rows: Vec<Vec<u32>> = body
+        .split(']')
+        .filter(|r| r.contains('['))
+        .map(|r| r[r.find('[').unwrap() + 1..].split(',').map(|x| x.trim().parse().unwrap()).collect())
+        .collect();
+    let (b, t) = (rows.len(), rows[0].len());
+    let tokens: Vec<u32> = rows.concat();
+    let n = b * t;
+    let gd = GqaDims { b, t, nh, nkv, hs };
+    let w = gd.qkv_width();
+    let (cos, sin) = rope_table(10_000.0, hs, t);
+    let md = MoeDims { n, c, f, e, k, n_shared: 0, capacity_factor: 0.0, renormalize: true };
+    let mut cache = MoeCache::new(md);
+
+    let mut x = vec![0.0; n * c];
+    embedding_forward(&mut x, &tokens, &st.get("model.embed_tokens.weight", &[v, c]), None, t, c);
+    let (mut h, mut rstd) = (vec![0.0; n * c], vec![0.0; n]);
+    let (mut qkv, mut att, mut y) = (vec![0.0; n * w], vec![0.0; b * nh * t * t], vec![0.0; n * c]);
+    for l in 0..layers {
+        let p = |s: &str, shape: &[usize]| st.get(&format!("model.layers.{l}.{s}"), shape);
+        rmsnorm_forward(&mut h, &mut rstd, &x, &p("input_layernorm.weight", &[c]), 1e-5, c);
+        let wqkv = [p("self_attn.q_proj.weight", &[nh * hs, c]), p("self_attn.k_proj.weight", &[nkv * hs, c]), p("self_attn.v_proj.weight", &[nkv * hs, c])].concat();
+        matmul_forward(&mut qkv, &h, &wqkv, None, n, c, w);
+        rope_forward(&mut qkv, &cos, &sin, b, t, nh, nkv, hs, 0);
+        gqa_attention_forward(&mut y, &mut att, &qkv, &gd);
+        matmul_forward(&mut h, &y, &p("self_attn.o_proj.weight", &[c, c]), None, n, c, c);
+        add_into(&mut x, &h);
+        // x = x + moe(norm(x)); experts_w per expert = [w1 | w3 | w2].
+        rmsnorm_forward(&mut h, &mut rstd, &x, &p("post_attention_layernorm.weight", &[c]), 1e-5, c);
+        let experts: Vec<f32> = (0..e)
+            .flat_map(|ex| {
+                let q = |m: &str, shape: &[usize]| p(&format!("block_sparse_moe.experts.{ex}.{m}.weight"), shape);
+                [q("w1", &[f, c]), q("w3", &[f, c]), q("w2", &[c, f])].concat()
+            })
+            .collect();
+        let router = p("block_sparse_moe.gate.weight", &[e, c]);
+        let stats = moe_forward(&mut y, &mut cache, &h, &router, &experts, &[], &md, 0.0, 0.0);
+        eprintln!("mixtral-tiny layer {l}: counts {:?}, aux {}", stats.counts, stats.aux_loss);
+        add_into(&mut x, &y);
+    }
+    rmsnorm_forward(&mut h, &mut rstd, &x, &st.get("model.norm.weight", &[c]), 1e-5, c);
+    let mut logits = vec![0.0; n * v];
+    matmul_forward(&mut logits, &h, &st.get("lm_head.weight", &[v, c]), None, n, c, v);
+
+    let want = SafeTensors::open(&dir.join("expected.safetensors")).get("logits", &[b, t, v]);
+    let err = logits.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    eprintln!("mixtral-tiny: max |logit error| {err} over {} logits", want.len());
+    assert!(err <= 1e-4, "max |logit error| {err}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Timing (opt-in): KILN_MOE_TIMING=1 RAYON_NUM_THREADS=2 cargo test -p tensor --release moe_timing -- --nocapture
+
+#[test]
+fn moe_timing() {
+    if std::env::var_os("KILN_MOE_TIMING").is_none() {
+        return;
+    }
+    fn time(name: &str, mut f: impl FnMut()) -> f64 {
+        f();
+        let mut best = f64::INFINITY;
+        for _ in 0..5 {
+            let s = std::time::Instant::now();
+            f();
+            best = best.min(s.elapsed().as_secs_f64());
+        }
+        println!("{{\"kernel\": \"{name}\", \"threads\": {}, \"ms\": {:.3}}}", rayon::current_num_threads(), best * 1e3);
+        best
+    }
+    let (n, c, f, e, k) = (1024, 768, 1024, 8, 2);
+    let d = dims(n, c, f, e, k, 0, 1.25, true);
+    let w = Weights::random(&d, &mut Rng::new(60));
+    let dy = randn(&mut Rng::new(61), n * c, 1.0);
+    let mut cache = MoeCache::new(d);
+    let mut y = vec![0.0; n * c];
+    let mut g = Grads { x: vec![0.0; n * c], router: vec![0.0; d.router_size()], experts: vec![0.0; d.experts_size()], shared: vec![] };
+    let st = moe_forward(&mut y, &mut cache, &w.x, &w.router, &w.experts, &w.shared, &d, 0.01, 0.001);
+    println!("{{\"counts\": {:?}, \"dropped_fraction\": {}}}", st.counts, st.dropped_fraction);
+    let fwd = time("moe_forward (E=8, K=2, F=1024, cf=1.25)", || {
+        moe_forward(&mut y, &mut cache, &w.x, &w.router, &w.experts, &w.shared, &d, 0.01, 0.001);
+    });
+    let bwd = time("moe_backward", || {
+        moe_backward(&mut g.x, &mut g.router, &mut g.experts, &mut g.shared, &dy, &mut cache, &w.x, &w.router, &w.experts, &w.shared, &d, 0.01, 0.001);
+    });
+    // Dense SwiGLU of the same active size: F' = K·F.
+    let fd = k * f;
+    let mut rng = Rng::new(62);
+    let (wgu, w2) = (randn(&mut rng, 2 * fd * c, 0.02), randn(&mut rng, c * fd, 0.02));
+    let (mut gu, mut h, mut out) = (vec![0.0; n * 2 * fd], vec![0.0; n * fd], vec![0.0; n * c]);
+    let dfwd = time("dense swiglu forward (F=2048)", || {
+        matmul_forward(&mut gu, &w.x, &wgu, None, n, c, 2 * fd);
+        swiglu_forward(&mut h, &gu, fd);
+        matmul_forward(&mut out, &h, &w2, None, n, fd, c);
+    });
+    let (mut dx, mut dwgu, mut dw2, mut dh, mut dgu) = (vec![0.0; n * c], vec![0.0; 2 * fd * c], vec![0.0; c * fd], vec![0.0; n * fd], vec![0.0; n * 2 * fd]);
+    let dbwd = time("dense swiglu backward", || {
+        dh.fill(0.0);
+        matmul_backward(&mut dh, &mut dw2, None, &dy, &h, &w2, n, fd, c);
+        dgu.fill(0.0);
+        swiglu_backward(&mut dgu, &dh, &gu, fd);
+        matmul_backward(&mut dx, &mut dwgu, None, &dgu, &w.x, &wgu, n, c, 2 * fd);
+    });
+    println!("{{\"moe_over_dense_forward\": {:.3}, \"moe_over_dense_backward\": {:.3}}}", fwd / dfwd, bwd / dbwd);
+}
