@@ -28,6 +28,12 @@ enum Cmd {
     /// Plan a training run: memory, step time, MFU; search parallel layouts; validate.
     #[command(subcommand)]
     Plan(crate::cmd_plan::PlanCmd),
+    /// Plot loss, learning rate and throughput of one or more runs into a PNG.
+    Plot(crate::obs::cmd::PlotArgs),
+    /// List run directories with their config differences and val losses.
+    Runs(crate::obs::cmd::RunsArgs),
+    /// Report this machine, the build's backends and the default corpus; non-zero if a default run cannot start.
+    Doctor,
     /// Export a run's newest valid checkpoint (Hugging Face format).
     Export(ExportCli),
     /// Data preparation.
@@ -62,9 +68,18 @@ struct TrainCli {
     resume: bool,
     #[arg(long)]
     seed: Option<u64>,
-    /// Start from a Hugging Face GPT-2 directory (config.json + model.safetensors).
+    /// Start from a base model: a kiln run directory or a Hugging Face directory
+    /// (GPT2LMHeadModel / LlamaForCausalLM: config.json + model.safetensors).
     #[arg(long)]
     init_from: Option<PathBuf>,
+    /// Fine-tune LoRA adapters of this rank on a frozen --init-from base.
+    #[arg(long)]
+    lora_rank: Option<usize>,
+    #[arg(long)]
+    lora_alpha: Option<f64>,
+    /// Comma-separated: q,k,v,o,gate,up,down
+    #[arg(long)]
+    lora_targets: Option<String>,
     /// No progress output.
     #[arg(long)]
     quiet: bool,
@@ -153,6 +168,9 @@ struct ExportCli {
     format: String,
     #[arg(long)]
     out: PathBuf,
+    /// Fold a LoRA run's adapters into the base weights (required for LoRA runs).
+    #[arg(long)]
+    merge: bool,
 }
 
 #[derive(Subcommand)]
@@ -216,7 +234,7 @@ pub fn init_threads(n: usize) {
 fn dispatch(cmd: Cmd) -> Result<()> {
     match cmd {
         Cmd::Train(a) => {
-            let args = TrainArgs { preset: a.preset, config: a.config, data: a.data, out: a.out, set: a.set, max_steps: a.max_steps, resume: a.resume, seed: a.seed, init_from: a.init_from, quiet: a.quiet };
+            let args = TrainArgs { preset: a.preset, config: a.config, data: a.data, out: a.out, set: a.set, max_steps: a.max_steps, resume: a.resume, seed: a.seed, init_from: a.init_from, lora_rank: a.lora_rank, lora_alpha: a.lora_alpha, lora_targets: a.lora_targets, quiet: a.quiet };
             let stop = Arc::new(AtomicBool::new(false));
             let s2 = stop.clone();
             let _ = ctrlc::set_handler(move || {
@@ -227,6 +245,12 @@ fn dispatch(cmd: Cmd) -> Result<()> {
                 eprintln!("\ninterrupt: finishing this step, then saving a checkpoint (Ctrl-C again to abort)");
             });
             trainer::train(&args, &stop).map(|_| ())
+        }
+        Cmd::Plot(a) => crate::obs::cmd::plot(&a).map_err(KilnError::User),
+        Cmd::Runs(a) => crate::obs::cmd::runs(&a).map_err(KilnError::User),
+        Cmd::Doctor => {
+            init_threads(0);
+            crate::obs::cmd::doctor().map_err(KilnError::User)
         }
         Cmd::Plan(p) => crate::cmd_plan::run(p).map_err(KilnError::User),
         Cmd::Bench(b) => {
@@ -283,6 +307,9 @@ fn dispatch(cmd: Cmd) -> Result<()> {
                 return user(format!("--format `{}`: supported formats: hf", x.format));
             }
             let r = run::load_run(&x.run)?;
+            if r.config.lora.rank > 0 && !x.merge {
+                return user(format!("{} trained LoRA adapters: pass --merge to fold them into the base weights", x.run.display()));
+            }
             let m = run::load_model(&r)?;
             model::hf::export_hf(&m, &x.out).map_err(KilnError::User)?;
             println!("exported {} (step {}) to {}", r.ckpt.dir.display(), r.ckpt.state.step, x.out.display());

@@ -99,6 +99,16 @@ pub struct SampleSection {
     pub top_k: usize,
 }
 
+/// LoRA fine-tuning (Hu et al. 2021): off while `rank` is 0.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LoraSection {
+    pub rank: usize,
+    pub alpha: f64,
+    /// Any of q, k, v, o, gate, up, down.
+    pub targets: Vec<String>,
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RunConfig {
@@ -109,6 +119,7 @@ pub struct RunConfig {
     pub checkpoint: CheckpointSection,
     pub data: DataSection,
     pub sample: SampleSection,
+    pub lora: LoraSection,
 }
 
 /// A flat map of dotted keys to TOML values.
@@ -269,6 +280,9 @@ impl RunConfig {
         if !(self.data.val_fraction > 0.0 && self.data.val_fraction < 1.0) {
             return user(format!("data.val_fraction must be in (0, 1), got {}", self.data.val_fraction));
         }
+        if self.lora.rank > 0 && self.model.init_from.is_empty() {
+            return user("lora.rank needs a base model to adapt: pass --init-from (a kiln run directory or a Hugging Face directory)");
+        }
         if self.checkpoint.keep == 0 {
             return user("checkpoint.keep must be positive, got 0");
         }
@@ -336,5 +350,6 @@ pub fn padded_vocab(vocab: usize) -> usize {
 /// different value for any of them cannot continue from its checkpoint.
 pub const STRUCTURAL_KEYS: &[&str] = &[
     "model.arch", "model.n_layer", "model.n_head", "model.n_kv_head", "model.n_embd", "model.ffn_hidden", "model.block_size",
-    "model.vocab_size", "model.bias", "model.tied_embeddings", "model.rope_theta", "model.norm_eps", "data.tokenizer", "data.paths", "data.val_fraction",
+    "model.vocab_size", "model.bias", "model.tied_embeddings", "model.rope_theta", "model.norm_eps", "model.init_from",
+    "lora.rank", "lora.targets", "data.tokenizer", "data.paths", "data.val_fraction",
 ];

@@ -20,6 +20,7 @@ fn base() -> RunConfig {
         checkpoint: CheckpointSection { interval: 500, keep: 3 },
         data: DataSection { tokenizer: "byte".into(), paths: vec![], val_fraction: 0.1 },
         sample: SampleSection { tokens: 300, prompt: "\n".into(), temperature: 0.8, top_k: 200 },
+        lora: LoraSection { rank: 0, alpha: 16.0, targets: vec!["q".into(), "v".into()] },
     }
 }
 

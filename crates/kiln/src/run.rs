@@ -91,12 +91,45 @@ pub fn load_run(dir: &Path) -> Result<SavedRun> {
     Ok(SavedRun { dir: dir.to_path_buf(), config, ckpt, tokenizer })
 }
 
-/// Rebuilds the model of a saved run with the checkpoint's parameters.
+/// Rebuilds the model of a saved run with the checkpoint's parameters. A LoRA run's
+/// checkpoint holds only its adapters: they are loaded over its base (`model.init_from`) and
+/// merged, so the result is a plain model.
 pub fn load_model(run: &SavedRun) -> Result<model::Gpt> {
-    let cfg = run.config.gpt_config(run.tokenizer.vocab_size());
-    let mut m = model::Gpt::zeroed(cfg, run.tokenizer.vocab_size());
+    let vocab = run.tokenizer.vocab_size();
+    let cfg = run.config.gpt_config(vocab);
     let origin = run.ckpt.dir.join("model.safetensors");
+    if run.config.lora.rank > 0 {
+        let mut m = load_base(Path::new(&run.config.model.init_from))?;
+        m.real_vocab = vocab;
+        let l = &run.config.lora;
+        let mut lo = model::lora::Lora::new(&m.cfg, l.rank, l.alpha as f32, &l.targets, 0).map_err(KilnError::User)?;
+        let layout = lo.layout.clone();
+        checkpoint::read_into(&run.ckpt.model, "", &layout, &mut lo.params, &origin)?;
+        lo.merge_into(&mut m.params, &m.views);
+        return Ok(m);
+    }
+    let mut m = model::Gpt::zeroed(cfg, vocab);
     let layout = m.layout.clone();
     checkpoint::read_into(&run.ckpt.model, "", &layout, &mut m.params, &origin)?;
     Ok(m)
+}
+
+/// A base model to start from: a kiln run directory (its newest valid checkpoint) or a
+/// Hugging Face directory.
+pub fn load_base(path: &Path) -> Result<model::Gpt> {
+    if path.join("config.toml").exists() {
+        let r = load_run(path)?;
+        return load_model(&r);
+    }
+    model::hf::import_hf(path).map_err(KilnError::User)
+}
+
+/// A plain copy of `m` with its LoRA adapters (if any) folded into the weights.
+pub fn merged(m: &model::Gpt) -> model::Gpt {
+    let mut out = model::Gpt::zeroed(m.cfg.clone(), m.real_vocab);
+    out.params.copy_from_slice(&m.params);
+    if let Some(lo) = &m.lora {
+        lo.merge_into(&mut out.params, &out.views);
+    }
+    out
 }

@@ -27,8 +27,9 @@ impl Optimizer {
         Optimizer { m: vec![0.0; layout.total], v: vec![0.0; layout.total], segs }
     }
 
-    /// Applies one AdamW update with learning rate `lr` as step number `t` (1-based).
-    pub fn update(&mut self, model: &mut Gpt, cfg: &RunConfig, lr: f64, t: u64) {
+    /// Applies one AdamW update with learning rate `lr` as step number `t` (1-based) to the
+    /// trainable parameters (the model's, or its LoRA adapters').
+    pub fn update(&mut self, params: &mut [f32], grads: &[f32], cfg: &RunConfig, lr: f64, t: u64) {
         let tc = &cfg.train;
         for (r, decay) in &self.segs {
             let h = AdamW {
@@ -39,7 +40,7 @@ impl Optimizer {
                 weight_decay: if *decay { tc.weight_decay as f32 } else { 0.0 },
                 t,
             };
-            adamw_update(&mut model.params[r.clone()], &model.grads[r.clone()], &mut self.m[r.clone()], &mut self.v[r.clone()], &h);
+            adamw_update(&mut params[r.clone()], &grads[r.clone()], &mut self.m[r.clone()], &mut self.v[r.clone()], &h);
         }
     }
 }
@@ -70,11 +71,12 @@ pub fn train_step(
         loss_sum += model.forward(x, y, mb, t, pass) as f64;
         model.backward();
     }
-    let grad_norm = sum_squares(&model.grads).sqrt();
+    let (params, grads) = trainable(model);
+    let grad_norm = sum_squares(grads).sqrt();
     if cfg.train.grad_clip > 0.0 && grad_norm > cfg.train.grad_clip {
-        scale_in_place(&mut model.grads, (cfg.train.grad_clip / (grad_norm + 1e-6)) as f32);
+        scale_in_place(grads, (cfg.train.grad_clip / (grad_norm + 1e-6)) as f32);
     }
-    opt.update(model, cfg, cfg.lr_at(step), step + 1);
+    opt.update(params, grads, cfg, cfg.lr_at(step), step + 1);
     ((loss_sum / accum as f64) as f32, grad_norm)
 }
 
@@ -84,4 +86,18 @@ pub fn model_flops_per_token(model: &Gpt) -> f64 {
     let n = model.layout.count_without("transformer.wpe.weight") as f64;
     let c = &model.cfg;
     plan::palm_flops_per_token(n, c.n_layer as f64, c.n_embd as f64, c.block_size as f64)
+}
+
+/// The parameters and gradients that train: the LoRA adapters when the model has them, else
+/// every parameter.
+pub fn trainable(model: &mut Gpt) -> (&mut [f32], &mut [f32]) {
+    match model.lora.as_mut() {
+        Some(lo) => (&mut lo.params, &mut lo.grads),
+        None => (&mut model.params, &mut model.grads),
+    }
+}
+
+/// The layout of [`trainable`].
+pub fn trainable_layout(model: &Gpt) -> &model::ParamLayout {
+    model.lora.as_ref().map_or(&model.layout, |lo| &lo.layout)
 }

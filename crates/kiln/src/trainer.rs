@@ -16,12 +16,11 @@ use data::{Dataset, Tokenizer, Tokens};
 use model::gpt::IGNORE_INDEX;
 use model::{Gpt, Pass, Sampler};
 use std::fs;
-use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 use tensor::rng::mix64;
-use crate::step::{model_flops_per_token, train_step, Optimizer};
+use crate::step::{model_flops_per_token, train_step, trainable, trainable_layout, Optimizer};
 use tensor::Rng;
 
 #[derive(Clone, Debug, Default)]
@@ -35,6 +34,9 @@ pub struct TrainArgs {
     pub resume: bool,
     pub seed: Option<u64>,
     pub init_from: Option<PathBuf>,
+    pub lora_rank: Option<usize>,
+    pub lora_alpha: Option<f64>,
+    pub lora_targets: Option<String>,
     pub quiet: bool,
 }
 
@@ -67,6 +69,16 @@ fn layered(base: &RunConfig, args: &TrainArgs) -> Result<RunConfig> {
     }
     if let Some(p) = &args.init_from {
         raw.insert("model.init_from".into(), toml::Value::String(p.display().to_string()));
+    }
+    if let Some(r) = args.lora_rank {
+        raw.insert("lora.rank".into(), toml::Value::Integer(r as i64));
+    }
+    if let Some(a) = args.lora_alpha {
+        raw.insert("lora.alpha".into(), toml::Value::Float(a));
+    }
+    if let Some(t) = &args.lora_targets {
+        let list = t.split(',').map(|s| toml::Value::String(s.trim().to_string())).filter(|v| v.as_str() != Some("")).collect();
+        raw.insert("lora.targets".into(), toml::Value::Array(list));
     }
     RunConfig::resolve(&raw)
 }
@@ -197,9 +209,11 @@ pub fn train(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
         }
         cfg
     };
-    // Starting from a Hugging Face checkpoint: its config fixes the model's shape.
-    let init = if resume_from.is_none() && !cfg.model.init_from.is_empty() {
-        let m = model::hf::import_hf(Path::new(&cfg.model.init_from)).map_err(KilnError::User)?;
+    // Starting from a base model (a kiln run or a Hugging Face directory): its config fixes the
+    // model's shape. A resumed full fine-tune reloads everything from its checkpoint; a LoRA
+    // run always needs its base.
+    let init = if !cfg.model.init_from.is_empty() && (resume_from.is_none() || cfg.lora.rank > 0) {
+        let m = run::load_base(Path::new(&cfg.model.init_from))?;
         let (mc, hc) = (&mut cfg.model, &m.cfg);
         mc.arch = if hc.arch == model::config::Arch::Llama { "llama".into() } else { "gpt2".into() };
         (mc.n_layer, mc.n_head, mc.n_kv_head, mc.n_embd, mc.ffn_hidden, mc.block_size, mc.vocab_size, mc.bias, mc.tied_embeddings) =
@@ -233,13 +247,18 @@ pub fn train(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
         }
         None => Gpt::new(gcfg, ds.tokenizer.vocab_size(), cfg.train.seed),
     };
+    if cfg.lora.rank > 0 {
+        let l = &cfg.lora;
+        model.lora = Some(model::lora::Lora::new(&model.cfg, l.rank, l.alpha as f32, &l.targets, cfg.train.seed).map_err(KilnError::User)?);
+    }
     let n = model.num_params();
-    let mut opt = Optimizer::new(&model.layout);
+    let n_train = trainable_layout(&model).total;
+    let mut opt = Optimizer::new(trainable_layout(&model));
     let mut sampler = Rng::new(mix64(cfg.train.seed ^ 0x5EED_DA7A));
     let (mut step, mut tokens_seen, mut elapsed_prev) = (0u64, 0u64, 0.0f64);
     if let Some(l) = &resume_from {
-        let layout = model.layout.clone();
-        checkpoint::read_into(&l.model, "", &layout, &mut model.params, &l.dir.join("model.safetensors"))?;
+        let layout = trainable_layout(&model).clone();
+        checkpoint::read_into(&l.model, "", &layout, trainable(&mut model).0, &l.dir.join("model.safetensors"))?;
         checkpoint::read_into(&l.optim, "exp_avg.", &layout, &mut opt.m, &l.dir.join("optimizer.safetensors"))?;
         checkpoint::read_into(&l.optim, "exp_avg_sq.", &layout, &mut opt.v, &l.dir.join("optimizer.safetensors"))?;
         sampler = Rng::from_state(l.state.sampler_rng);
@@ -253,11 +272,8 @@ pub fn train(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
     write_atomic(&saved_cfg_path, cfg.to_toml().as_bytes())?;
     let tok_json = ds.tokenizer.to_json();
     write_atomic(&run_dir.join("tokenizer.json"), tok_json.as_bytes())?;
-    let metrics_path = run_dir.join("metrics.jsonl");
-    if resume_from.is_some() {
-        truncate_metrics(&metrics_path, step)?;
-    }
-    let mut metrics = fs::OpenOptions::new().create(true).append(true).open(&metrics_path).map_err(|e| io_err(&metrics_path, e))?;
+    // metrics.jsonl and TensorBoard event files; a resumed run drops the lines past its checkpoint.
+    let mut metrics = crate::obs::MetricsWriter::open(&run_dir, resume_from.as_ref().map(|_| step)).map_err(KilnError::User)?;
 
     let peak = tensor::matmul::measure_peak_flops(1024, 3);
     let flops_per_token = model_flops_per_token(&model);
@@ -266,8 +282,10 @@ pub fn train(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
     let progress = Progress::new(step, max_steps, args.quiet);
     let say = |s: &str| if !args.quiet { progress.println(s) };
     say(&format!(
-        "kiln: {} | {:.2}M parameters | {} | run dir {}",
-        cfg.preset, n as f64 / 1e6, ds.description, run_dir.display()
+        "kiln: {} | {:.2}M parameters{} | {} | run dir {}",
+        cfg.preset, n as f64 / 1e6,
+        if n_train < n { format!(" ({:.3}M trainable, {:.2}%: LoRA rank {})", n_train as f64 / 1e6, 100.0 * n_train as f64 / n as f64, cfg.lora.rank) } else { String::new() },
+        ds.description, run_dir.display()
     ));
     if let Some(l) = &resume_from {
         say(&format!("resuming from {} (step {step})", l.dir.display()));
@@ -277,13 +295,15 @@ pub fn train(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
     let started = Instant::now();
     let mut last_val = None;
     let mut interrupted = false;
-    let write_line = |f: &mut fs::File, v: serde_json::Value| -> Result<()> {
-        writeln!(f, "{v}").map_err(|e| io_err(&metrics_path, e))
-    };
     let save = |model: &Gpt, m: &[f32], v: &[f32], step: u64, sampler: &Rng, tokens_seen: u64, elapsed: f64| -> Result<PathBuf> {
-        let mt = Tensors { items: named(&model.layout, "", &model.params) };
-        let mut opt = named(&model.layout, "exp_avg.", m);
-        opt.extend(named(&model.layout, "exp_avg_sq.", v));
+        // A LoRA run saves its adapters alone; the base is `model.init_from`.
+        let (layout, params) = match &model.lora {
+            Some(lo) => (&lo.layout, &lo.params[..]),
+            None => (&model.layout, &model.params[..]),
+        };
+        let mt = Tensors { items: named(layout, "", params) };
+        let mut opt = named(layout, "exp_avg.", m);
+        opt.extend(named(layout, "exp_avg_sq.", v));
         let ot = Tensors { items: opt };
         let state = TrainState { step, sampler_rng: sampler.state(), tokens_seen, elapsed_s: elapsed, config: cfg.to_toml() };
         let dir = checkpoint::save(&ckpt_dir(&run_dir), &state, &mt, &ot, &tok_json)?;
@@ -308,10 +328,10 @@ pub fn train(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
         let tps = step_tokens as f64 / dt;
         let mfu = flops_per_token * tps / peak;
         let elapsed = elapsed_prev + started.elapsed().as_secs_f64();
-        write_line(&mut metrics, serde_json::json!({
+        metrics.log(&serde_json::json!({
             "kind": "train", "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
             "tokens_per_sec": tps, "mfu": mfu, "elapsed_s": elapsed,
-        }))?;
+        })).map_err(KilnError::User)?;
         let log_now = step % cfg.train.log_interval.max(1) == 0 || step == max_steps;
         progress.step(&StepInfo { step, loss, lr, tokens_per_sec: tps, mfu }, log_now);
 
@@ -322,7 +342,7 @@ pub fn train(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
             let eb = if cfg.eval.batch_size == 0 { mb } else { cfg.eval.batch_size };
             let (vl, _) = evaluate(&mut model, &ds.val, t, eb, cfg.eval.iters);
             last_val = Some(vl);
-            write_line(&mut metrics, serde_json::json!({"kind": "eval", "step": step, "val_loss": vl}))?;
+            metrics.log(&serde_json::json!({"kind": "eval", "step": step, "val_loss": vl})).map_err(KilnError::User)?;
             say(&format!("step {step}: train loss {loss:.4}, val loss {vl:.4}"));
         }
         if every(cfg.checkpoint.interval) || last || interrupted {
@@ -336,7 +356,9 @@ pub fn train(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
         }
     }
     progress.finish();
-    metrics.flush().map_err(|e| io_err(&metrics_path, e))?;
+    if let Err(e) = crate::obs::write_loss_png(&run_dir) {
+        eprintln!("warning: loss.png: {e}");
+    }
     let total = started.elapsed().as_secs_f64();
     if interrupted {
         eprintln!("interrupted: stopped cleanly at step {step}; continue with: kiln train --resume --out {}", run_dir.display());
@@ -346,7 +368,14 @@ pub fn train(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
 
     // 5. A sample of what the model learned.
     if !interrupted && cfg.sample.tokens > 0 {
-        let text = sample_text(&model, &ds.tokenizer, &cfg.sample.prompt, cfg.sample.tokens, cfg.sample.temperature as f32, cfg.sample.top_k, cfg.train.seed);
+        let plain;
+        let sampler_model = if model.lora.is_some() {
+            plain = run::merged(&model);
+            &plain
+        } else {
+            &model
+        };
+        let text = sample_text(sampler_model, &ds.tokenizer, &cfg.sample.prompt, cfg.sample.tokens, cfg.sample.temperature as f32, cfg.sample.top_k, cfg.train.seed);
         write_atomic(&run_dir.join("sample.txt"), text.as_bytes())?;
         // The sample is the run's product, so it goes to stdout even with --quiet.
         println!("--- sample (step {step}) ---\n{text}\n---");
@@ -366,19 +395,4 @@ pub fn sample_text(model: &Gpt, tok: &Tokenizer, prompt: &str, n: usize, tempera
     let mut all = ids;
     all.extend(out);
     tok.decode(&all)
-}
-
-/// Keeps only the metrics lines of steps ≤ `step` (a resumed run re-emits the rest).
-fn truncate_metrics(path: &Path, step: u64) -> Result<()> {
-    let Ok(f) = fs::File::open(path) else { return Ok(()) };
-    let mut kept = String::new();
-    for line in std::io::BufReader::new(f).lines() {
-        let line = line.map_err(|e| io_err(path, e))?;
-        let s = serde_json::from_str::<serde_json::Value>(&line).ok().and_then(|v| v.get("step").and_then(|s| s.as_u64()));
-        if s.is_some_and(|s| s <= step) {
-            kept.push_str(&line);
-            kept.push('\n');
-        }
-    }
-    write_atomic(path, kept.as_bytes())
 }

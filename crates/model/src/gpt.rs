@@ -16,8 +16,8 @@ use crate::lora::{Lora, Site};
 use crate::layout::{gpt_layout, GptParams, Init, ParamLayout};
 use tensor::attention::AttnDims;
 use tensor::classifier::{chunk_rows, lm_head_crossentropy};
-use tensor::flash::{flash_attention_backward, flash_attention_forward};
-use tensor::llama::{gqa_attention_backward, gqa_attention_forward, rmsnorm_backward, rmsnorm_forward, rope_backward, rope_forward, rope_table, swiglu_backward, swiglu_forward, GqaDims};
+use tensor::flash::{flash_attention_backward, flash_attention_forward, flash_gqa_backward, flash_gqa_forward};
+use tensor::llama::{rmsnorm_backward, rmsnorm_forward, rope_backward, rope_forward, rope_table, swiglu_backward, swiglu_forward, GqaDims};
 use tensor::rng::mix64;
 use tensor::*;
 
@@ -42,8 +42,8 @@ struct BlockActs {
     ln_1_rstd: Vec<f32>, // [B, T]
     qkv: Vec<f32>,       // [B, T, (NH + 2·NKV)·HS]  (LLaMA: q and k after the rotary embedding)
     atty: Vec<f32>,      // [B, T, C]
-    attn_state: Vec<f32>, // GPT-2: lse [B, NH, T] (FlashAttention keeps no T×T matrix);
-                          // LLaMA: probabilities [B, NH, T, T] (materialised GQA kernel)
+    attn_state: Vec<f32>, // lse [B, NH, T]: FlashAttention (MHA for GPT-2, GQA for LLaMA)
+                          // keeps no T×T matrix
     attproj: Vec<f32>,   // [B, T, C]  after residual dropout
     res_2: Vec<f32>,     // [B, T, C]  x + attn branch
     ln_2: Vec<f32>,
@@ -152,10 +152,7 @@ impl Gpt {
         }
         let (c, nh, vp) = (self.cfg.n_embd, self.cfg.n_head, self.cfg.vocab_size);
         let (qw, fw, f) = (self.cfg.qkv_width(), self.cfg.fc_width(), self.cfg.ffn_hidden);
-        let state = match self.cfg.arch {
-            Arch::Gpt2 => b * nh * t,
-            Arch::Llama => b * nh * t * t,
-        };
+        let state = b * nh * t; // flash lse, both architectures
         let n = b * t;
         let block = || BlockActs {
             ln_1: zeros(n * c), ln_1_mean: zeros(n), ln_1_rstd: zeros(n),
@@ -454,7 +451,7 @@ impl Ops<'_> {
             Arch::Llama => {
                 let (cos, sin) = self.rope.expect("llama has rotary tables");
                 rope_forward(qkv, cos, sin, self.b, self.t, cfg.n_head, cfg.n_kv_head, cfg.head_size(), 0);
-                gqa_attention_forward(out, state, qkv, &self.gqa());
+                flash_gqa_forward(out, state, qkv, &self.gqa(), p_drop, seed);
             }
         }
     }
@@ -471,7 +468,7 @@ impl Ops<'_> {
             Arch::Llama => {
                 // dqkv is zero on entry (the caller clears it), so the in-place inverse rotation
                 // after the accumulation is still an accumulation into zero.
-                gqa_attention_backward(dqkv, dout, qkv, state, &self.gqa());
+                flash_gqa_backward(dqkv, dout, qkv, out, state, &self.gqa(), p_drop, seed);
                 let (cos, sin) = self.rope.expect("llama has rotary tables");
                 rope_backward(dqkv, cos, sin, self.b, self.t, cfg.n_head, cfg.n_kv_head, cfg.head_size(), 0);
             }

@@ -193,9 +193,6 @@ pub fn export_hf(m: &Gpt, dir: &Path) -> Result<(), String> {
         "bos_token_id": 50256, "eos_token_id": 50256, "dtype": "float32",
         })
     };
-    if c.arch == Arch::Gpt2 && !c.bias {
-        return Err("export: HF GPT-2 always has biases; this model has model.bias = false".into());
-    }
     let mut data: BTreeMap<String, (Vec<usize>, Vec<u8>)> = BTreeMap::new();
     for p in &m.layout.params {
         let src = &m.params[p.range()];
@@ -207,6 +204,17 @@ pub fn export_hf(m: &Gpt, dir: &Path) -> Result<(), String> {
             (p.shape.clone(), src.to_vec())
         };
         data.insert(p.name.clone(), (shape, vals.iter().flat_map(|x| x.to_le_bytes()).collect()));
+    }
+    // HF's GPT-2 always has biases: a bias-free model is exactly one whose biases are zero.
+    if c.arch == Arch::Gpt2 && !c.bias {
+        let zeros = |n: usize| (vec![n], vec![0u8; 4 * n]);
+        let (cc, f) = (c.n_embd, c.ffn_hidden);
+        for l in 0..c.n_layer {
+            for (name, n) in [("ln_1", cc), ("attn.c_attn", 3 * cc), ("attn.c_proj", cc), ("ln_2", cc), ("mlp.c_fc", f), ("mlp.c_proj", cc)] {
+                data.insert(format!("transformer.h.{l}.{name}.bias"), zeros(n));
+            }
+        }
+        data.insert("transformer.ln_f.bias".into(), zeros(cc));
     }
     let views: Vec<(String, TensorView)> =
         data.iter().map(|(n, (s, b))| (n.clone(), TensorView::new(Dtype::F32, s.clone(), b).expect("shape matches"))).collect();

@@ -51,11 +51,18 @@ impl Default for Tiles {
     }
 }
 
-/// How backward is split into tasks. Both schedules give bit-identical results.
+/// How backward is split into tasks. All schedules give bit-identical results.
+///
+/// With GQA (`NH > NKV`) each kv head's `dk`, `dv` is the sum over its group's query heads of
+/// per-(head, key tile) partials, each accumulated from zero over ascending query tiles, added
+/// in ascending head order; every schedule forms exactly these partials with the same tile
+/// products, so they agree bit for bit. With `NKV == NH` there is one head per group and the
+/// products accumulate straight into `dqkv`, as the MHA kernel always did.
 #[doc(hidden)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Schedule {
-    /// `PerHead` when the (batch, kv head) tasks fill the pool evenly, else `TwoPass`.
+    /// The schedule with the least estimated time for this shape and pool size: `PerHead` when
+    /// the (batch, kv head) tasks fill the pool evenly, else (GQA) `PerQueryHead` or `TwoPass`.
     Auto,
     /// One task per (batch, kv head): key tiles outer, then the group's query heads, then query
     /// tiles; `dq`, `dk` and `dv` all accumulated in that task. Least work (every score tile is
@@ -64,6 +71,11 @@ pub enum Schedule {
     /// FA-2's split: one task per (batch, kv head, key tile) for `dk`, `dv`, then one per
     /// (batch, query head, query tile) for `dq`, recomputing the tiles. More tasks, more work.
     TwoPass,
+    /// GQA only (the same as `PerHead` when `NKV == NH`): one task per (batch, query head)
+    /// writing its `dq` and its partial `dk`, `dv` into a `[B, NH, T, HS]` scratch pair, then a
+    /// pass adding each kv head's partials in ascending head order. `NH/NKV` times the tasks
+    /// of `PerHead` for little more work: for B·NKV smaller than the pool.
+    PerQueryHead,
 }
 
 /// Causal multi-head attention, FlashAttention-2 forward:
@@ -360,6 +372,8 @@ struct BwdScratch {
     pd: Vec<f32>, // [br, bc]  dropped, rescaled P (only with dropout)
     ds: Vec<f32>, // [br, bc]  dO·vᵀ, then dS = P ∘ (dP − D)
     mk: Vec<f32>, // [bc]      dropout keep-scale of one row
+    kp: Vec<f32>, // [bc, HS]  one head's partial dk of a key tile (GQA only)
+    vp: Vec<f32>, // [bc, HS]  one head's partial dv of a key tile (GQA only)
 }
 
 struct Ctx<'a> {
@@ -442,24 +456,60 @@ pub fn flash_gqa_backward_with(
         br, bc, scale: 1.0 / (hs as f32).sqrt(), dropout, seed,
     };
     let (ntq, ntk) = (t.div_ceil(br), t.div_ceil(bc));
-    let per_head = match schedule {
-        Schedule::PerHead => true,
-        Schedule::TwoPass => false,
-        Schedule::Auto => {
-            let (n, th) = (b * nkv, rayon::current_num_threads());
-            n.is_multiple_of(th) || n >= 4 * th
-        }
+    let schedule = match schedule {
+        Schedule::Auto => auto_schedule(b, nh, nkv, rayon::current_num_threads()),
+        Schedule::PerQueryHead if group == 1 => Schedule::PerHead,
+        s => s,
     };
     let init = || BwdScratch {
         p: vec![0.0; br * bc],
         pd: vec![0.0; if dropout > 0.0 { br * bc } else { 0 }],
         ds: vec![0.0; br * bc],
         mk: vec![0.0; bc],
+        kp: vec![0.0; if group > 1 { bc * hs } else { 0 }],
+        vp: vec![0.0; if group > 1 { bc * hs } else { 0 }],
     };
-    if per_head {
+    if schedule == Schedule::PerHead {
         (0..b * nkv).into_par_iter().for_each_init(init, |sc, bg| {
             for jt in 0..ntk {
                 key_tile(&ctx, sc, bg, jt, true);
+            }
+        });
+    } else if schedule == Schedule::PerQueryHead {
+        // Partial dk, dv of every (batch, query head): [B, NH, T, HS] each.
+        let mut kp = vec![0.0f32; b * nh * t * hs];
+        let mut vp = vec![0.0f32; b * nh * t * hs];
+        let (kpp, vpp) = (SyncPtr(kp.as_mut_ptr()), SyncPtr(vp.as_mut_ptr()));
+        (0..b * nh).into_par_iter().for_each_init(init, |sc, bh| {
+            let (kpp, vpp) = (kpp, vpp);
+            let (bi, h) = (bh / nh, bh % nh);
+            for jt in 0..ntk {
+                let j0 = jt * bc;
+                // Safety: task bh alone writes rows bh·T.. of the partials, and the q columns
+                // of head h of batch bi in dqkv.
+                let (dk, dv) = unsafe { (kpp.0.add((bh * t + j0) * hs), vpp.0.add((bh * t + j0) * hs)) };
+                head_key_tile(&ctx, sc, bi, h, jt, dk, dv, hs, true);
+            }
+        });
+        // dk_g += Σ_h partial_h, ascending h (the order `key_tile` adds them in).
+        let dqp = ctx.dqkv;
+        (0..b * nkv * ntk).into_par_iter().for_each(|task| {
+            #[allow(clippy::redundant_locals)] // capture the whole (Send) SyncPtr, not its field
+            let dqp = dqp;
+            let (bg, jt) = (task / ntk, task % ntk);
+            let (bi, g) = (bg / nkv, bg % nkv);
+            let (j0, cols) = (jt * bc, Cols { nh, nkv, hs });
+            let ncols = bc.min(t - j0);
+            for h in g * group..(g + 1) * group {
+                let src = ((bi * nh + h) * t + j0) * hs;
+                for r in 0..ncols {
+                    let row = (bi * t + j0 + r) * w;
+                    // Safety: task (bg, jt) alone writes rows j0..j0+ncols of kv head g's k, v.
+                    unsafe {
+                        add_into(dqp.0.add(row + cols.k(g)), &kp[src + r * hs..src + (r + 1) * hs]);
+                        add_into(dqp.0.add(row + cols.v(g)), &vp[src + r * hs..src + (r + 1) * hs]);
+                    }
+                }
             }
         });
     } else {
@@ -473,47 +523,113 @@ pub fn flash_gqa_backward_with(
     }
 }
 
-/// `dk_j += Σ_h Σ_i dSᵀ·q_h,i·scale`, `dv_j += Σ_h Σ_i Pdᵀ·dO_h,i` over the query heads `h`
-/// of kv head `g` in ascending order and, within each, query tiles `i` in ascending order (and
-/// `dq_h,i += dS·k_j·scale` when `with_dq`). `bg = b·NKV + g`.
+/// [`Schedule::Auto`]: the schedule with the least estimated makespan, in units of
+/// `PerHead`'s total work. Measured work factors (`benches/flash.rs`, `FLASH_NKV`): two-pass
+/// recomputes every tile, about 1.7×; per-query-head adds the partials' traffic, about 1.1×.
+fn auto_schedule(b: usize, nh: usize, nkv: usize, threads: usize) -> Schedule {
+    let (n, th) = (b * nkv, threads.max(1));
+    if n.is_multiple_of(th) || n >= 4 * th {
+        return Schedule::PerHead;
+    }
+    if nh == nkv {
+        return Schedule::TwoPass;
+    }
+    // n equal tasks on th threads finish after ceil(n/th) task lengths.
+    let span = |tasks: usize, work: f64| work * tasks.div_ceil(th) as f64 / tasks as f64;
+    let per_head = span(n, 1.0);
+    let per_query = span(b * nh, 1.1);
+    let two_pass = 1.7 / th as f64;
+    if per_head <= per_query && per_head <= two_pass {
+        Schedule::PerHead
+    } else if per_query <= two_pass {
+        Schedule::PerQueryHead
+    } else {
+        Schedule::TwoPass
+    }
+}
+
+/// Key tile `jt` of kv head `g` (`bg = b·NKV + g`): `dk_j += Σ_h Σ_i dSᵀ·q_h,i·scale`,
+/// `dv_j += Σ_h Σ_i Pdᵀ·dO_h,i` (and `dq_h,i += dS·k_j·scale` when `with_dq`). With one head
+/// per group the products accumulate straight into `dqkv`; with GQA each head's sum over
+/// ascending query tiles is formed from zero in scratch, then added, heads ascending.
 fn key_tile(x: &Ctx, sc: &mut BwdScratch, bg: usize, jt: usize, with_dq: bool) {
-    let (t, c, w, hs, cols) = (x.t, x.c, x.w, x.hs, x.cols);
+    let (t, w, hs, cols) = (x.t, x.w, x.hs, x.cols);
     let (bi, g) = (bg / x.nkv, bg % x.nkv);
-    let base = bi * t * w;
     let j0 = jt * x.bc;
     let ncols = x.bc.min(t - j0);
-    let k = View { data: x.qkv, off: base + j0 * w + cols.k(g), rows: ncols, cols: hs, rs: w, cs: 1 };
     // Safety: key tile (bg, jt) is handled by exactly one task, the only writer of rows
     // j0..j0+ncols of the k and v columns of kv head g of batch bi; with `with_dq` the task
     // owns all of (bi, g), so also the q columns of the group's query heads.
     let (dk, dv) = unsafe {
-        let r = x.dqkv.0.add(base + j0 * w);
+        let r = x.dqkv.0.add(bi * t * w + j0 * w);
         (r.add(cols.k(g)), r.add(cols.v(g)))
     };
+    if x.group == 1 {
+        head_key_tile(x, sc, bi, g, jt, dk, dv, w, with_dq);
+        return;
+    }
+    let (mut kp, mut vp) = (std::mem::take(&mut sc.kp), std::mem::take(&mut sc.vp));
     for h in g * x.group..(g + 1) * x.group {
-        let bh = bi * x.nh + h;
-        let mut it = j0 / x.br;
-        while it * x.br < t {
-            let i0 = it * x.br;
-            let rows = x.br.min(t - i0);
-            tile_grads(x, sc, bh, i0, rows, j0, ncols);
-            let q = View { data: x.qkv, off: base + i0 * w + cols.q(h), rows, cols: hs, rs: w, cs: 1 };
-            let d_o = View { data: x.dout, off: bi * t * c + i0 * c + h * hs, rows, cols: hs, rs: c, cs: 1 };
-            let pd = if x.dropout > 0.0 { &sc.pd } else { &sc.p };
-            let pd = View { data: pd, off: 0, rows, cols: ncols, rs: x.bc, cs: 1 };
-            let ds = View { data: &sc.ds, off: 0, rows, cols: ncols, rs: x.bc, cs: 1 };
+        kp[..ncols * hs].fill(0.0);
+        vp[..ncols * hs].fill(0.0);
+        head_key_tile(x, sc, bi, h, jt, kp.as_mut_ptr(), vp.as_mut_ptr(), hs, with_dq);
+        for r in 0..ncols {
+            // Safety: as above.
             unsafe {
-                // dv += Pdᵀ·dO ; dk += dSᵀ·q·scale
-                gemm_raw(dv, w, true, pd.t(), d_o, 1.0, Threads::One);
-                gemm_raw(dk, w, true, ds.t(), q, x.scale, Threads::One);
-                if with_dq {
-                    // dq += dS·k·scale
-                    let dq = x.dqkv.0.add(base + i0 * w + cols.q(h));
-                    gemm_raw(dq, w, true, ds, k, x.scale, Threads::One);
-                }
+                add_into(dk.add(r * w), &kp[r * hs..(r + 1) * hs]);
+                add_into(dv.add(r * w), &vp[r * hs..(r + 1) * hs]);
             }
-            it += 1;
         }
+    }
+    (sc.kp, sc.vp) = (kp, vp);
+}
+
+/// Query head `h` of batch `bi` against key tile `jt` of its kv head, query tiles ascending:
+/// `dk += dSᵀ·q·scale`, `dv += Pdᵀ·dO` into the `[ncols, HS]` blocks at `dk`, `dv` (row stride
+/// `ld`), and `dq += dS·k·scale` in `dqkv` when `with_dq`. The caller must own those blocks
+/// (and, with `with_dq`, head h's q columns of batch bi).
+#[allow(clippy::too_many_arguments)]
+fn head_key_tile(x: &Ctx, sc: &mut BwdScratch, bi: usize, h: usize, jt: usize, dk: *mut f32, dv: *mut f32, ld: usize, with_dq: bool) {
+    let (t, c, w, hs, cols) = (x.t, x.c, x.w, x.hs, x.cols);
+    let g = h / x.group;
+    let bh = bi * x.nh + h;
+    let base = bi * t * w;
+    let j0 = jt * x.bc;
+    let ncols = x.bc.min(t - j0);
+    let k = View { data: x.qkv, off: base + j0 * w + cols.k(g), rows: ncols, cols: hs, rs: w, cs: 1 };
+    let mut it = j0 / x.br;
+    while it * x.br < t {
+        let i0 = it * x.br;
+        let rows = x.br.min(t - i0);
+        tile_grads(x, sc, bh, i0, rows, j0, ncols);
+        let q = View { data: x.qkv, off: base + i0 * w + cols.q(h), rows, cols: hs, rs: w, cs: 1 };
+        let d_o = View { data: x.dout, off: bi * t * c + i0 * c + h * hs, rows, cols: hs, rs: c, cs: 1 };
+        let pd = if x.dropout > 0.0 { &sc.pd } else { &sc.p };
+        let pd = View { data: pd, off: 0, rows, cols: ncols, rs: x.bc, cs: 1 };
+        let ds = View { data: &sc.ds, off: 0, rows, cols: ncols, rs: x.bc, cs: 1 };
+        unsafe {
+            // dv += Pdᵀ·dO ; dk += dSᵀ·q·scale
+            gemm_raw(dv, ld, true, pd.t(), d_o, 1.0, Threads::One);
+            gemm_raw(dk, ld, true, ds.t(), q, x.scale, Threads::One);
+            if with_dq {
+                // dq += dS·k·scale
+                let dq = x.dqkv.0.add(base + i0 * w + cols.q(h));
+                gemm_raw(dq, w, true, ds, k, x.scale, Threads::One);
+            }
+        }
+        it += 1;
+    }
+}
+
+/// `dst[..src.len()] += src`, element by element.
+///
+/// # Safety
+/// `dst` must be valid for `src.len()` writes that no one else makes concurrently.
+#[inline]
+unsafe fn add_into(dst: *mut f32, src: &[f32]) {
+    let d = unsafe { std::slice::from_raw_parts_mut(dst, src.len()) };
+    for (a, b) in d.iter_mut().zip(src) {
+        *a += b;
     }
 }
 
@@ -552,7 +668,7 @@ fn tile_grads(x: &Ctx, sc: &mut BwdScratch, bh: usize, i0: usize, rows: usize, j
     let k = View { data: x.qkv, off: base + j0 * w + cols.k(g), rows: ncols, cols: hs, rs: w, cs: 1 };
     let v = View { off: base + j0 * w + cols.v(g), ..k };
     let d_o = View { data: x.dout, off: bi * t * c + i0 * c + h * hs, rows, cols: hs, rs: c, cs: 1 };
-    let BwdScratch { p, pd, ds, mk } = sc;
+    let BwdScratch { p, pd, ds, mk, .. } = sc;
     unsafe {
         // S = q·kᵀ·scale ; dPd = dO·vᵀ   [rows, ncols], row stride bc
         gemm_raw(p.as_mut_ptr(), x.bc, false, q, k.t(), x.scale, Threads::One);

@@ -289,9 +289,9 @@ pub fn moe_forward(
         let h = split_rows(&mut cache.h[..rows * f], offs, f);
         let eo = split_rows(&mut cache.eo[..rows * c], offs, c);
         let tasks: Vec<_> = xe.into_iter().zip(gu).zip(h).zip(eo).enumerate().collect();
-        tasks.into_par_iter().for_each(|(ex, (((xe, gu), h), eo))| {
+        tasks.into_iter().for_each(|(ex, (((xe, gu), h), eo))| {
             let w = &experts_w[ex * es..(ex + 1) * es];
-            expert_forward(eo, gu, h, xe, w, c, f, Threads::One);
+            expert_forward(eo, gu, h, xe, w, c, f, Threads::All);
         });
     }
 
@@ -496,12 +496,12 @@ pub fn moe_backward(
         let dh_e = split_rows(&mut dh[..rows * f], offs, f);
         let dgu_e = split_rows(&mut dgu[..rows * 2 * f], offs, 2 * f);
         let tasks: Vec<_> = deo_e.into_iter().zip(dh_e).zip(dgu_e).zip(dexperts_w.chunks_mut(es)).enumerate().collect();
-        tasks.into_par_iter().for_each(|(ex, (((deo, dh), dgu), dw))| {
+        tasks.into_iter().for_each(|(ex, (((deo, dh), dgu), dw))| {
             let (r0, r1) = (offs[ex] * c, offs[ex + 1] * c);
             let (g0, g1) = (offs[ex] * 2 * f, offs[ex + 1] * 2 * f);
             let (h0, h1) = (offs[ex] * f, offs[ex + 1] * f);
             let w = &experts_w[ex * es..(ex + 1) * es];
-            expert_backward(deo, dh, dgu, dw, &xe[r0..r1], &gu[g0..g1], &h[h0..h1], w, c, f, Threads::One);
+            expert_backward(deo, dh, dgu, dw, &xe[r0..r1], &gu[g0..g1], &h[h0..h1], w, c, f, Threads::All);
         });
     }
     // Dispatch backward: dx[t] += Σ_j dxe[slot[t, j]] in rank order.

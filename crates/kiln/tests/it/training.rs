@@ -175,3 +175,35 @@ fn hf_init_export_and_checkpoint_commands() {
     assert_user_error(&kiln(&["eval", "--checkpoint", exp.to_str().unwrap(), "--data", data.to_str().unwrap()]), &["gpt2 tokenizer has 50257 tokens", "--tokenizer"]);
     assert_user_error(&kiln(&["export", "--run", out.to_str().unwrap(), "--format", "onnx", "--out", exp.to_str().unwrap()]), &["onnx"]);
 }
+
+#[test]
+fn lora_fine_tune_of_a_kiln_run_trains_adapters_only_and_exports_merged() {
+    let d = scratch("lora");
+    let data = corpus(&d);
+    let base = d.join("base");
+    assert!(train(&data, &base, &["--max-steps", "6"]).status.success());
+    let other = d.join("other.txt");
+    fs::write(&other, fs::read_to_string(&data).unwrap().replace("the", "a").repeat(2)).unwrap();
+    let ft = d.join("ft");
+    let o = train(&other, &ft, &["--init-from", base.to_str().unwrap(), "--lora-rank", "2", "--lora-targets", "q,v,up", "--max-steps", "8", "--set", "train.lr=1e-2"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    // The checkpoint holds only adapters (PEFT names) and their optimizer state.
+    let ck = ft.join("checkpoints/step-00000008/model.safetensors");
+    let bytes = fs::read(&ck).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    assert!(st.names().iter().all(|n| n.contains(".lora_A.") || n.contains(".lora_B.")), "{:?}", st.names());
+    assert_eq!(st.names().len(), 2 * 3, "one layer × three targets × (A, B)");
+    let l = losses(&ft);
+    assert!(l.last().unwrap().1 < l[0].1, "fine-tuning lowers the loss: {l:?}");
+    // Resume works (the base is rebuilt from --init-from, the adapters from the checkpoint).
+    let o = train(&other, &ft, &["--resume", "--max-steps", "10"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    // Export needs --merge, and then evaluates like the run.
+    let exp = d.join("exp");
+    assert_user_error(&kiln(&["export", "--run", ft.to_str().unwrap(), "--out", exp.to_str().unwrap()]), &["--merge"]);
+    let o = kiln(&["export", "--run", ft.to_str().unwrap(), "--merge", "--out", exp.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    // Bad LoRA input: no base, a target that names no layer.
+    assert_user_error(&train(&other, &d.join("x1"), &["--lora-rank", "2"]), &["--init-from"]);
+    assert_user_error(&train(&other, &d.join("x2"), &["--init-from", base.to_str().unwrap(), "--lora-rank", "2", "--lora-targets", "gate"]), &["gate", "names no layer"]);
+}

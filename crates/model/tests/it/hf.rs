@@ -109,3 +109,17 @@ fn import_errors_name_the_problem() {
     assert!(e.contains("transformer.") && e.contains("expected F32"), "{e}");
     let _ = std::fs::remove_dir_all(&tmp);
 }
+
+#[test]
+fn bias_free_gpt2_exports_with_zero_biases_and_same_logits() {
+    let cfg = model::GptConfig::gpt2(2, 2, 8, 6, 12, false, 0.0, true);
+    let mut m = model::Gpt::new(cfg, 12, 1);
+    let out = std::env::temp_dir().join(format!("kiln-hf-nobias-{}", std::process::id()));
+    export_hf(&m, &out).unwrap();
+    let mut back = import_hf(&out).unwrap();
+    assert!(back.cfg.bias);
+    let x: Vec<u32> = (0..12).map(|i| i % 12).collect();
+    let (a, b) = (m.forward_logits(&x, 2, 6), back.forward_logits(&x, 2, 6));
+    assert!(a.iter().zip(&b).all(|(p, q)| (p - q).abs() < 1e-6));
+    let _ = std::fs::remove_dir_all(&out);
+}

@@ -278,6 +278,8 @@ fn long_sequence_matches_direct_rows() {
 // ---------------------------------------------------------------------------------------------
 // Grouped-query attention
 
+const SCHEDULES: [Schedule; 4] = [Schedule::Auto, Schedule::PerHead, Schedule::TwoPass, Schedule::PerQueryHead];
+
 fn gqa_flash_fwd(qkv: &[f32], d: &GqaDims, p: f32, seed: u64, tiles: Tiles) -> (Vec<f32>, Vec<f32>) {
     let (mut o, mut l) = (vec![f32::NAN; d.b * d.t * d.c()], vec![f32::NAN; d.b * d.nh * d.t]);
     flash_gqa_forward_tiled(&mut o, &mut l, qkv, d, p, seed, tiles);
@@ -358,7 +360,7 @@ fn gqa_matches_materialised_reference() {
                 let (eo, el) = (max_err(&o, &ro), max_err(&l, &gqa_reference_lse(&qkv, &d)));
                 assert!(eo < 1e-5, "out {d:?}: err {eo}");
                 assert!(el < 1e-5, "lse {d:?}: err {el}");
-                for sched in [Schedule::Auto, Schedule::PerHead, Schedule::TwoPass] {
+                for sched in SCHEDULES {
                     let g = gqa_flash_bwd(&dout, &qkv, &d, 0.0, 0, Tiles::default(), sched);
                     let e = max_err(&g, &rg);
                     assert!(e < 1e-5, "dqkv {d:?} {sched:?}: err {e}");
@@ -380,7 +382,7 @@ fn gqa_small_tiles_match_materialised_reference() {
             let (o, _) = gqa_flash_fwd(&qkv, &d, 0.0, 0, tl);
             let (ro, rg) = gqa_reference(&qkv, &dout, &d);
             assert!(max_err(&o, &ro) < 1e-5, "out tiles {br}x{bc} NKV={nkv}");
-            for sched in [Schedule::PerHead, Schedule::TwoPass] {
+            for sched in SCHEDULES {
                 let e = max_err(&gqa_flash_bwd(&dout, &qkv, &d, 0.0, 0, tl, sched), &rg);
                 assert!(e < 1e-5, "dqkv tiles {br}x{bc} NKV={nkv} {sched:?}: err {e}");
             }
@@ -403,7 +405,7 @@ fn gqa_with_dropout_matches_expanded_mha_reference() {
         let (ro, rge) = reference(&expand_kv(&qkv, &d), &dout, &md, p, 13);
         assert!(max_err(&o, &ro) < 1e-5, "out T={t} NKV={nkv} p={p}");
         let rg = fold_kv(&rge, &d);
-        for sched in [Schedule::PerHead, Schedule::TwoPass] {
+        for sched in SCHEDULES {
             let e = max_err(&gqa_flash_bwd(&dout, &qkv, &d, p, 13, Tiles::default(), sched), &rg);
             assert!(e < 1e-5, "dqkv T={t} NKV={nkv} p={p} {sched:?}: err {e}");
         }
@@ -429,7 +431,7 @@ fn gqa_with_nkv_equal_nh_is_the_mha_kernel_bit_for_bit() {
         let (o, l) = gqa_flash_fwd(&qkv, &d, p, 21, tiles);
         let (mo, ml) = flash_fwd(&qkv, &md, p, 21, tiles);
         assert!(o == mo && l == ml, "forward T={t} p={p}");
-        for sched in [Schedule::Auto, Schedule::PerHead, Schedule::TwoPass] {
+        for sched in SCHEDULES {
             let (mut g, mut mg) = (init.clone(), init.clone());
             flash_gqa_backward_with(&mut g, &dout, &qkv, &o, &l, &d, p, 21, tiles, sched);
             flash_attention_backward_with(&mut mg, &dout, &qkv, &mo, &ml, &md, p, 21, tiles, sched);
@@ -470,8 +472,9 @@ fn gqa_gradients() {
 
 #[test]
 fn gqa_deterministic_across_thread_counts_and_schedules() {
-    // B·NKV = 2: on 3 threads `Auto` takes the two-pass schedule (key tiles split within a kv
-    // head), on 1 thread one task per kv head; (2, 6, 3): 6 kv tasks, per head on both.
+    // B·NKV = 2: on 3 threads `Auto` splits beyond kv heads (per query head with partials, or
+    // key tiles within a kv head), on 1 thread one task per kv head; (2, 6, 3): 6 kv tasks, per
+    // kv head on both; every schedule explicitly, on 3 threads, against 1 thread's result.
     for &(b, nh, nkv, p) in &[(1usize, 4usize, 2usize, 0.0f32), (1, 4, 2, 0.2), (2, 6, 3, 0.0), (1, 4, 1, 0.2)] {
         let d = gqa(b, 130, nh, nkv, 16);
         let mut rng = Rng::new(3 + nkv as u64);
@@ -487,7 +490,7 @@ fn gqa_deterministic_across_thread_counts_and_schedules() {
         let one = in_pool(1, run);
         let three = in_pool(3, run);
         assert!(one == three, "{d:?} p={p}: 1 vs 3 threads differ");
-        for sched in [Schedule::PerHead, Schedule::TwoPass] {
+        for sched in SCHEDULES {
             let g = in_pool(3, || gqa_flash_bwd(&dout, &qkv, &d, p, 8, Tiles::default(), sched));
             assert!(g == one.2, "{d:?} p={p}: {sched:?} differs");
         }

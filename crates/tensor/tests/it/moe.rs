@@ -48,6 +48,7 @@ fn max_err(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| (x - y).abs() / (1.0 + y.abs())).fold(0.0, f32::max)
 }
 
+#[allow(clippy::too_many_arguments)]
 fn dims(n: usize, c: usize, f: usize, e: usize, k: usize, n_shared: usize, capacity_factor: f32, renormalize: bool) -> MoeDims {
     MoeDims { n, c, f, e, k, n_shared, capacity_factor, renormalize }
 }
@@ -166,7 +167,7 @@ fn gradients_with_dropped_tokens() {
     assert_eq!(d.capacity(), 3);
     let st = gradcheck(d, 4, 0.4, 0.2);
     assert!(st.dropped_fraction > 0.0, "no token dropped: {st:?}");
-    // and the dropless loss through the aux term alone (y unused).
+    // and without renormalisation or shared experts, aux-weighted only.
     gradcheck(dims(12, 6, 4, 4, 2, 0, 0.75, false), 5, 1.0, 0.0);
 }
 
@@ -318,7 +319,7 @@ fn capacity_counts_drops_in_token_order() {
     let (yd, std, _) = forward(&MoeDims { capacity_factor: 0.0, ..d }, &w, 0.0, 0.0);
     assert_eq!(std.dropped_fraction, 0.0);
     for t in [0, 1, 2, 5, 6] {
-        assert_eq!(&y[t * 4..(t + 1) * 4], &yd[t * 4..(t + 1) * 4], "kept token {t}");
+        assert!(max_err(&y[t * 4..(t + 1) * 4], &yd[t * 4..(t + 1) * 4]) < 1e-6, "kept token {t}");
     }
 
     // top-2: first choices [0, 0, 0, 1], second [1, 1, 2, 0]; capacity = ceil(0.5·4·2/3) = 2.
