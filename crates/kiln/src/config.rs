@@ -12,15 +12,20 @@ use std::path::Path;
 #[serde(deny_unknown_fields)]
 pub struct ModelSection {
     /// `gpt2` (LayerNorm, learned positions, GELU) or `llama` (RMSNorm, RoPE, SwiGLU, GQA).
+    #[serde(default = "default_arch")]
     pub arch: String,
     pub n_layer: usize,
     pub n_head: usize,
     /// Key/value heads for grouped-query attention (llama); 0 = n_head.
+    #[serde(default)]
     pub n_kv_head: usize,
     pub n_embd: usize,
     /// MLP width; 0 = 4·n_embd (gpt2) or 8/3·n_embd rounded up to a multiple of 64 (llama).
+    #[serde(default)]
     pub ffn_hidden: usize,
+    #[serde(default = "default_theta")]
     pub rope_theta: f64,
+    #[serde(default = "default_eps")]
     pub norm_eps: f64,
     pub block_size: usize,
     /// 0 = from the tokenizer (rounded up to a multiple of 64 above 256 tokens: 50257 → 50304).
@@ -30,6 +35,7 @@ pub struct ModelSection {
     pub tied_embeddings: bool,
     /// A Hugging Face GPT-2 directory to start from ("" = fresh initialisation). Its
     /// `config.json` fixes the shape keys above; its weights replace the initialisation.
+    #[serde(default)]
     pub init_from: String,
 }
 
@@ -99,8 +105,20 @@ pub struct SampleSection {
     pub top_k: usize,
 }
 
+// Defaults for keys added after the first release, so run directories written before them
+// still load (a saved config.toml is read back on --resume, eval, generate and export).
+fn default_arch() -> String {
+    "gpt2".into()
+}
+fn default_theta() -> f64 {
+    10000.0
+}
+fn default_eps() -> f64 {
+    1e-5
+}
+
 /// LoRA fine-tuning (Hu et al. 2021): off while `rank` is 0.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LoraSection {
     pub rank: usize,
@@ -119,6 +137,7 @@ pub struct RunConfig {
     pub checkpoint: CheckpointSection,
     pub data: DataSection,
     pub sample: SampleSection,
+    #[serde(default)]
     pub lora: LoraSection,
 }
 

@@ -227,8 +227,12 @@ pub fn train(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
     crate::cli::init_threads(cfg.train.threads);
 
     // 2. Data.
+    // A resumed run keeps its tokenizer; a run started from another kiln run keeps that run's
+    // (its token ids are what the base model knows).
+    let base_tok = Path::new(&cfg.model.init_from).join("tokenizer.json");
     let tokenizer = match &resume_from {
         Some(l) => Some(Tokenizer::from_json(&l.tokenizer_json, &l.dir.join("tokenizer.json"))?),
+        None if !cfg.model.init_from.is_empty() && base_tok.exists() => Some(Tokenizer::load(&base_tok)?),
         None => None,
     };
     let ds = load_data(&cfg, tokenizer)?;

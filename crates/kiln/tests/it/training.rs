@@ -207,3 +207,21 @@ fn lora_fine_tune_of_a_kiln_run_trains_adapters_only_and_exports_merged() {
     assert_user_error(&train(&other, &d.join("x1"), &["--lora-rank", "2"]), &["--init-from"]);
     assert_user_error(&train(&other, &d.join("x2"), &["--init-from", base.to_str().unwrap(), "--lora-rank", "2", "--lora-targets", "gate"]), &["gate", "names no layer"]);
 }
+
+#[test]
+fn run_dirs_from_before_the_llama_and_lora_keys_still_load() {
+    let d = scratch("oldcfg");
+    let data = corpus(&d);
+    let out = d.join("run");
+    assert!(train(&data, &out, &["--max-steps", "5"]).status.success());
+    // Remove the keys later releases added, as an older kiln wrote the file.
+    let cfg = fs::read_to_string(out.join("config.toml")).unwrap();
+    let added = ["arch", "n_kv_head", "ffn_hidden", "rope_theta", "norm_eps", "init_from"];
+    let mut old: String = cfg.lines().filter(|l| !added.iter().any(|k| l.starts_with(&format!("{k} =")))).map(|l| format!("{l}\n")).collect();
+    old = old.split("[lora]").next().unwrap().to_string();
+    fs::write(out.join("config.toml"), old).unwrap();
+    let o = kiln(&["eval", "--run", out.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = train(&data, &out, &["--resume", "--max-steps", "7"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}
