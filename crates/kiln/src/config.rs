@@ -37,6 +37,24 @@ pub struct ModelSection {
     /// `config.json` fixes the shape keys above; its weights replace the initialisation.
     #[serde(default)]
     pub init_from: String,
+    /// Mixture of experts (llama arch): routed experts per layer, 0 = dense MLP; `ffn_hidden`
+    /// is then each expert's width.
+    #[serde(default)]
+    pub n_expert: usize,
+    #[serde(default = "default_top_k")]
+    pub top_k: usize,
+    /// Always-on shared experts (DeepSeekMoE).
+    #[serde(default)]
+    pub n_shared_expert: usize,
+    /// Expert capacity factor; 0 = dropless.
+    #[serde(default)]
+    pub capacity_factor: f64,
+    /// Weight of the Switch load-balancing loss.
+    #[serde(default = "default_aux")]
+    pub moe_aux_weight: f64,
+    /// Weight of the ST-MoE router z-loss.
+    #[serde(default = "default_z")]
+    pub moe_z_weight: f64,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -115,6 +133,15 @@ fn default_theta() -> f64 {
 }
 fn default_eps() -> f64 {
     1e-5
+}
+fn default_top_k() -> usize {
+    2
+}
+fn default_aux() -> f64 {
+    0.01
+}
+fn default_z() -> f64 {
+    0.001
 }
 
 /// LoRA fine-tuning (Hu et al. 2021): off while `rank` is 0.
@@ -330,6 +357,12 @@ impl RunConfig {
             tied_embeddings: m.tied_embeddings,
             rope_theta: m.rope_theta as f32,
             norm_eps: m.norm_eps as f32,
+            n_expert: m.n_expert,
+            top_k: m.top_k,
+            n_shared_expert: m.n_shared_expert,
+            capacity_factor: m.capacity_factor as f32,
+            moe_aux_weight: m.moe_aux_weight as f32,
+            moe_z_weight: m.moe_z_weight as f32,
         }
     }
 
@@ -370,5 +403,6 @@ pub fn padded_vocab(vocab: usize) -> usize {
 pub const STRUCTURAL_KEYS: &[&str] = &[
     "model.arch", "model.n_layer", "model.n_head", "model.n_kv_head", "model.n_embd", "model.ffn_hidden", "model.block_size",
     "model.vocab_size", "model.bias", "model.tied_embeddings", "model.rope_theta", "model.norm_eps", "model.init_from",
+    "model.n_expert", "model.top_k", "model.n_shared_expert",
     "lora.rank", "lora.targets", "data.tokenizer", "data.paths", "data.val_fraction",
 ];

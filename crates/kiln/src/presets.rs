@@ -3,7 +3,7 @@
 use crate::config::*;
 use crate::error::{user, Result};
 
-pub const PRESETS: &[&str] = &["tiny", "shakespeare-char", "llama-tiny", "gpt2-124m"];
+pub const PRESETS: &[&str] = &["tiny", "shakespeare-char", "llama-tiny", "moe-tiny", "gpt2-124m"];
 
 fn base() -> RunConfig {
     RunConfig {
@@ -11,6 +11,7 @@ fn base() -> RunConfig {
         model: ModelSection {
             arch: "gpt2".into(), n_layer: 4, n_head: 4, n_kv_head: 0, n_embd: 128, ffn_hidden: 0, rope_theta: 10000.0, norm_eps: 1e-5,
             block_size: 128, vocab_size: 0, bias: false, dropout: 0.0, tied_embeddings: true, init_from: String::new(),
+            n_expert: 0, top_k: 2, n_shared_expert: 0, capacity_factor: 0.0, moe_aux_weight: 0.01, moe_z_weight: 0.001,
         },
         train: TrainSection {
             batch_size: 16, grad_accum: 1, lr: 1e-3, min_lr: 1e-4, warmup_steps: 100, lr_decay_steps: 0, max_steps: 1000,
@@ -67,6 +68,17 @@ pub fn preset(name: &str) -> Result<RunConfig> {
             c.model.ffn_hidden = 341;
             c.model.tied_embeddings = false;
             c.model.norm_eps = 1e-6;
+        }
+        // llama-tiny's MLP split into 8 SwiGLU experts of width 170, 2 per token (Mixtral's
+        // top-2 routing): the same active parameters per token (2·170 ≈ 341), 8× the MLP
+        // parameters in total. Capacity factor 1.25 (GShard/Switch), load-balancing loss 0.01.
+        "moe-tiny" => {
+            c = preset("llama-tiny")?;
+            c.preset = name.to_string();
+            c.model.n_expert = 8;
+            c.model.top_k = 2;
+            c.model.ffn_hidden = 170;
+            c.model.capacity_factor = 1.25;
         }
         // GPT-2 small (124M) with the real GPT-2 BPE (nanoGPT's train_gpt2.py hyper-parameters,
         // with a CPU-sized batch and schedule).

@@ -215,6 +215,7 @@ pub fn train(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
     let init = if !cfg.model.init_from.is_empty() && (resume_from.is_none() || cfg.lora.rank > 0) {
         let m = run::load_base(Path::new(&cfg.model.init_from))?;
         let (mc, hc) = (&mut cfg.model, &m.cfg);
+        (mc.n_expert, mc.top_k, mc.n_shared_expert) = (hc.n_expert, hc.top_k, hc.n_shared_expert);
         mc.arch = if hc.arch == model::config::Arch::Llama { "llama".into() } else { "gpt2".into() };
         (mc.n_layer, mc.n_head, mc.n_kv_head, mc.n_embd, mc.ffn_hidden, mc.block_size, mc.vocab_size, mc.bias, mc.tied_embeddings) =
             (hc.n_layer, hc.n_head, hc.n_kv_head, hc.n_embd, hc.ffn_hidden, hc.block_size, hc.vocab_size, hc.bias, hc.tied_embeddings);
@@ -332,10 +333,12 @@ pub fn train(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
         let tps = step_tokens as f64 / dt;
         let mfu = flops_per_token * tps / peak;
         let elapsed = elapsed_prev + started.elapsed().as_secs_f64();
-        metrics.log(&serde_json::json!({
+        let mut line = serde_json::json!({
             "kind": "train", "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
             "tokens_per_sec": tps, "mfu": mfu, "elapsed_s": elapsed,
-        })).map_err(KilnError::User)?;
+        });
+        add_moe_stats(&mut line, model.moe_stats());
+        metrics.log(&line).map_err(KilnError::User)?;
         let log_now = step % cfg.train.log_interval.max(1) == 0 || step == max_steps;
         progress.step(&StepInfo { step, loss, lr, tokens_per_sec: tps, mfu }, log_now);
 
@@ -385,6 +388,25 @@ pub fn train(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
         println!("--- sample (step {step}) ---\n{text}\n---");
     }
     Ok(Summary { run_dir, step, val_loss: last_val, interrupted })
+}
+
+/// MoE routing figures of the last micro-batch, summed or worst over layers: the router
+/// losses, the dropped-token fraction, max/mean tokens per expert, and per-expert load.
+fn add_moe_stats(line: &mut serde_json::Value, stats: &[tensor::moe::MoeStats]) {
+    if stats.is_empty() {
+        return;
+    }
+    let aux: f32 = stats.iter().map(|s| s.aux_loss).sum::<f32>() / stats.len() as f32;
+    let z: f32 = stats.iter().map(|s| s.z_loss).sum::<f32>() / stats.len() as f32;
+    let dropped: f32 = stats.iter().map(|s| s.dropped_fraction).sum::<f32>() / stats.len() as f32;
+    let imbalance = stats.iter().map(|s| s.max_load as f32 / s.mean_load.max(1e-9)).fold(0.0f32, f32::max);
+    let e = stats[0].counts.len();
+    let load: Vec<usize> = (0..e).map(|i| stats.iter().map(|s| s.counts[i]).sum()).collect();
+    line["moe_aux_loss"] = aux.into();
+    line["moe_z_loss"] = z.into();
+    line["moe_dropped_fraction"] = dropped.into();
+    line["moe_max_over_mean_load"] = imbalance.into();
+    line["moe_expert_load"] = load.into();
 }
 
 /// The views of `buf` under the layout's names, with `prefix`.

@@ -38,6 +38,19 @@ pub struct GptConfig {
     pub rope_theta: f32,
     /// Epsilon of LayerNorm / RMSNorm.
     pub norm_eps: f32,
+    /// Routed experts per MoE layer (0 = dense MLP). With experts, `ffn_hidden` is each
+    /// expert's SwiGLU width (Mixtral, DeepSeekMoE; llama arch only).
+    pub n_expert: usize,
+    /// Experts per token.
+    pub top_k: usize,
+    /// Always-on shared experts (DeepSeekMoE).
+    pub n_shared_expert: usize,
+    /// Expert capacity `ceil(capacity_factor·N·top_k/n_expert)`; ≤ 0 = dropless.
+    pub capacity_factor: f32,
+    /// Weight of the Switch load-balancing loss.
+    pub moe_aux_weight: f32,
+    /// Weight of the ST-MoE router z-loss.
+    pub moe_z_weight: f32,
 }
 
 impl GptConfig {
@@ -47,6 +60,7 @@ impl GptConfig {
         GptConfig {
             arch: Arch::Gpt2, n_layer, n_head, n_kv_head: n_head, n_embd, ffn_hidden: 4 * n_embd, block_size, vocab_size,
             bias, dropout, tied_embeddings: tied, rope_theta: 10000.0, norm_eps: 1e-5,
+            n_expert: 0, top_k: 2, n_shared_expert: 0, capacity_factor: 0.0, moe_aux_weight: 0.01, moe_z_weight: 0.001,
         }
     }
 
@@ -83,6 +97,14 @@ impl GptConfig {
         if !(0.0..1.0).contains(&self.dropout) || self.dropout.is_nan() {
             return Err(format!("model.dropout must be in [0, 1), got {}", self.dropout));
         }
+        if self.n_expert > 0 {
+            if self.arch != Arch::Llama {
+                return Err("model.n_expert > 0 needs model.arch = llama (the experts are SwiGLU MLPs)".into());
+            }
+            if self.top_k == 0 || self.top_k > self.n_expert {
+                return Err(format!("model.top_k ({}) must be between 1 and model.n_expert ({})", self.top_k, self.n_expert));
+            }
+        }
         if !(self.rope_theta > 0.0) {
             return Err(format!("model.rope_theta must be positive, got {}", self.rope_theta));
         }
@@ -96,6 +118,18 @@ impl GptConfig {
     /// Width of the fused q|k|v projection output: `(NH + 2·NKV)·HS`.
     pub fn qkv_width(&self) -> usize {
         (self.n_head + 2 * self.n_kv_head) * self.head_size()
+    }
+
+    pub fn is_moe(&self) -> bool {
+        self.n_expert > 0
+    }
+
+    /// The MoE kernel's dimensions for `n` tokens.
+    pub fn moe_dims(&self, n: usize) -> tensor::moe::MoeDims {
+        tensor::moe::MoeDims {
+            n, c: self.n_embd, f: self.ffn_hidden, e: self.n_expert, k: self.top_k, n_shared: self.n_shared_expert,
+            capacity_factor: self.capacity_factor, renormalize: true,
+        }
     }
 
     /// Width of the MLP's first projection: `F` (GELU) or `2F` (SwiGLU's gate and up).

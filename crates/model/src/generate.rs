@@ -24,6 +24,7 @@ pub struct KvCache {
 struct Scratch {
     x: Vec<f32>, ln: Vec<f32>, qkv: Vec<f32>, atty: Vec<f32>, proj: Vec<f32>, res: Vec<f32>,
     fch: Vec<f32>, fch_gelu: Vec<f32>, logits: Vec<f32>, mean: [f32; 1], rstd: [f32; 1],
+    moe: Option<tensor::moe::MoeCache>,
 }
 
 impl Gpt {
@@ -46,6 +47,7 @@ impl Gpt {
         Scratch {
             x: vec![0.0; c], ln: vec![0.0; c], qkv: vec![0.0; self.cfg.qkv_width()], atty: vec![0.0; c], proj: vec![0.0; c], res: vec![0.0; c],
             fch: vec![0.0; self.cfg.fc_width()], fch_gelu: vec![0.0; f], logits: vec![0.0; self.cfg.vocab_size], mean: [0.0], rstd: [0.0],
+            moe: self.cfg.is_moe().then(|| tensor::moe::MoeCache::new(self.cfg.moe_dims(1))),
         }
     }
 
@@ -81,9 +83,14 @@ impl Gpt {
             matmul_forward(&mut s.proj, &s.atty, &w[bp.attn_proj_w.clone()], opt(&bp.attn_proj_b), 1, c, c);
             residual_forward(&mut s.res, &s.x, &s.proj);
             ops.norm_forward(&mut s.ln, &mut s.mean, &mut s.rstd, &s.res, &w[bp.ln_2_w.clone()], opt(&bp.ln_2_b));
-            matmul_forward(&mut s.fch, &s.ln, &w[bp.c_fc_w.clone()], opt(&bp.c_fc_b), 1, c, fw);
-            ops.act_forward(&mut s.fch_gelu, &s.fch);
-            matmul_forward(&mut s.proj, &s.fch_gelu, &w[bp.mlp_proj_w.clone()], opt(&bp.mlp_proj_b), 1, f, c);
+            if let (Some(mp), Some(cache)) = (&bp.moe, s.moe.as_mut()) {
+                let dims = cfg.moe_dims(1);
+                tensor::moe::moe_forward(&mut s.proj, cache, &s.ln, &w[mp.router.clone()], &w[mp.experts.clone()], &w[mp.shared.clone()], &dims, 0.0, 0.0);
+            } else {
+                matmul_forward(&mut s.fch, &s.ln, &w[bp.c_fc_w.clone()], opt(&bp.c_fc_b), 1, c, fw);
+                ops.act_forward(&mut s.fch_gelu, &s.fch);
+                matmul_forward(&mut s.proj, &s.fch_gelu, &w[bp.mlp_proj_w.clone()], opt(&bp.mlp_proj_b), 1, f, c);
+            }
             residual_forward(&mut s.x, &s.res, &s.proj);
         }
         ops.norm_forward(&mut s.ln, &mut s.mean, &mut s.rstd, &s.x, &w[pv.ln_f_w.clone()], opt(&pv.ln_f_b));

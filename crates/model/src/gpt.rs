@@ -13,6 +13,7 @@
 
 use crate::config::{Arch, GptConfig};
 use crate::lora::{Lora, Site};
+use tensor::moe::{moe_backward, moe_forward, MoeCache, MoeStats};
 use crate::layout::{gpt_layout, GptParams, Init, ParamLayout};
 use tensor::attention::AttnDims;
 use tensor::classifier::{chunk_rows, lm_head_crossentropy};
@@ -52,6 +53,7 @@ struct BlockActs {
     fch: Vec<f32>,       // [B, T, F] (GPT-2) or [B, T, 2F] (LLaMA: gate | up)
     fch_gelu: Vec<f32>,  // [B, T, F]  after GELU or SwiGLU
     fcproj: Vec<f32>,    // [B, T, C]  after residual dropout
+    moe: Option<MoeCache>, // routing, dispatch and expert activations of an MoE layer
     res_3: Vec<f32>,     // [B, T, C]  block output
 }
 
@@ -70,6 +72,10 @@ struct Acts {
     targets: Vec<i32>,
     count: usize,
     dropout_seed: u64,
+    /// The gradient scale of the last training forward (the MoE losses' weights use it).
+    loss_scale: f32,
+    /// Routing statistics of each MoE layer in the last forward.
+    moe_stats: Vec<MoeStats>,
 }
 
 /// Gradient scratch for activations, reused across blocks during backward.
@@ -154,12 +160,17 @@ impl Gpt {
         let (qw, fw, f) = (self.cfg.qkv_width(), self.cfg.fc_width(), self.cfg.ffn_hidden);
         let state = b * nh * t; // flash lse, both architectures
         let n = b * t;
+        let moe = self.cfg.is_moe();
+        // An MoE layer keeps its activations in its MoeCache; the dense MLP buffers stay empty.
+        let (fw, f) = if moe { (0, 0) } else { (fw, f) };
+        let cfg = &self.cfg;
         let block = || BlockActs {
             ln_1: zeros(n * c), ln_1_mean: zeros(n), ln_1_rstd: zeros(n),
             qkv: zeros(n * qw), atty: zeros(n * c), attn_state: zeros(state),
             attproj: zeros(n * c), res_2: zeros(n * c),
             ln_2: zeros(n * c), ln_2_mean: zeros(n), ln_2_rstd: zeros(n),
             fch: zeros(n * fw), fch_gelu: zeros(n * f), fcproj: zeros(n * c), res_3: zeros(n * c),
+            moe: moe.then(|| MoeCache::new(cfg.moe_dims(n))),
         };
         self.acts = Some(Acts {
             b, t,
@@ -167,7 +178,7 @@ impl Gpt {
             blocks: (0..self.cfg.n_layer).map(|_| block()).collect(),
             ln_f: zeros(n * c), ln_f_mean: zeros(n), ln_f_rstd: zeros(n),
             dln_f: zeros(n * c), head_scratch: zeros(chunk_rows(n, vp) * vp), losses: zeros(n),
-            tokens: vec![0; n], targets: vec![0; n], count: 0, dropout_seed: 0,
+            tokens: vec![0; n], targets: vec![0; n], count: 0, dropout_seed: 0, loss_scale: 1.0, moe_stats: Vec::new(),
         });
         self.scratch = None;
     }
@@ -183,6 +194,7 @@ impl Gpt {
         self.trunk_forward(tokens, b, t, p_drop, seed);
         let (c, vp, v) = (self.cfg.n_embd, self.cfg.vocab_size, self.real_vocab);
         let a = self.acts.as_mut().unwrap();
+        a.loss_scale = loss_scale.unwrap_or(1.0);
         a.targets.copy_from_slice(targets);
         let count = targets.iter().filter(|&&x| x != IGNORE_INDEX).count();
         a.count = count;
@@ -223,6 +235,7 @@ impl Gpt {
         let lora = &mut self.lora;
         a.tokens.copy_from_slice(tokens);
         a.dropout_seed = dropout_seed;
+        a.moe_stats.clear();
         let ops = Ops { cfg: &self.cfg, rope: self.rope.as_ref(), b, t };
         let opt = |r: &Option<std::ops::Range<usize>>| r.as_ref().map(|r| &w[r.clone()]);
         let (qw, fw, f) = (self.cfg.qkv_width(), self.cfg.fc_width(), self.cfg.ffn_hidden);
@@ -253,14 +266,20 @@ impl Gpt {
             residual_forward(&mut s.res_2, x, &s.attproj);
             // x = x + drop(mlp(norm_2(x)))
             ops.norm_forward(&mut s.ln_2, &mut s.ln_2_mean, &mut s.ln_2_rstd, &s.res_2, &w[bp.ln_2_w.clone()], opt(&bp.ln_2_b));
-            matmul_forward(&mut s.fch, &s.ln_2, &w[bp.c_fc_w.clone()], opt(&bp.c_fc_b), n, c, fw);
-            if let Some(lo) = lora.as_mut() {
-                lo.forward(l, Site::Fc, &mut s.fch, &s.ln_2, n, fw);
-            }
-            ops.act_forward(&mut s.fch_gelu, &s.fch);
-            matmul_forward(&mut s.fcproj, &s.fch_gelu, &w[bp.mlp_proj_w.clone()], opt(&bp.mlp_proj_b), n, f, c);
-            if let Some(lo) = lora.as_mut() {
-                lo.forward(l, Site::MlpProj, &mut s.fcproj, &s.fch_gelu, n, c);
+            if let (Some(mp), Some(cache)) = (&bp.moe, s.moe.as_mut()) {
+                let dims = self.cfg.moe_dims(n);
+                let st = moe_forward(&mut s.fcproj, cache, &s.ln_2, &w[mp.router.clone()], &w[mp.experts.clone()], &w[mp.shared.clone()], &dims, self.cfg.moe_aux_weight, self.cfg.moe_z_weight);
+                a.moe_stats.push(st);
+            } else {
+                matmul_forward(&mut s.fch, &s.ln_2, &w[bp.c_fc_w.clone()], opt(&bp.c_fc_b), n, c, fw);
+                if let Some(lo) = lora.as_mut() {
+                    lo.forward(l, Site::Fc, &mut s.fch, &s.ln_2, n, fw);
+                }
+                ops.act_forward(&mut s.fch_gelu, &s.fch);
+                matmul_forward(&mut s.fcproj, &s.fch_gelu, &w[bp.mlp_proj_w.clone()], opt(&bp.mlp_proj_b), n, f, c);
+                if let Some(lo) = lora.as_mut() {
+                    lo.forward(l, Site::MlpProj, &mut s.fcproj, &s.fch_gelu, n, c);
+                }
             }
             if p_drop > 0.0 {
                 dropout_inplace(&mut s.fcproj, p_drop, site_seed(dropout_seed, site + 2));
@@ -274,7 +293,7 @@ impl Gpt {
     /// Backward pass of the last `forward` (which must have been a `Pass::Train`: the head's
     /// gradient and `dln_f` come from it). Accumulates into `grads`.
     pub fn backward(&mut self) {
-        let a = self.acts.as_ref().expect("backward before forward");
+        let a = self.acts.as_mut().expect("backward before forward");
         let (b, t) = (a.b, a.t);
         let c = self.cfg.n_embd;
         let (qw, fw, f) = (self.cfg.qkv_width(), self.cfg.fc_width(), self.cfg.ffn_hidden);
@@ -303,12 +322,23 @@ impl Gpt {
         let (dlnf_w, dlnf_b) = split_two(dw, &pv.ln_f_w, &pv.ln_f_b);
         ops.norm_backward(&mut g.dres, dlnf_w, dlnf_b, &a.dln_f, x_last, &w[pv.ln_f_w.clone()], &a.ln_f_mean, &a.ln_f_rstd);
 
+        let moe_scale = a.loss_scale;
         for (l, bp) in pv.blocks.iter().enumerate().rev() {
-            let s = &a.blocks[l];
-            let x: &[f32] = if l == 0 { &a.encoded } else { &a.blocks[l - 1].res_3 };
+            let (prev, rest) = a.blocks.split_at_mut(l);
+            let x: &[f32] = if l == 0 { &a.encoded } else { &prev[l - 1].res_3 };
+            let s = &mut rest[0];
             let site = 1 + 3 * l as u64;
             // MLP branch: res_3 = res_2 + drop(fcproj)
             let dfcproj = branch_grad(&mut g.dbranch, &g.dres, p_drop, site_seed(seed, site + 2));
+            if let (Some(mp), Some(cache)) = (&bp.moe, s.moe.as_mut()) {
+                // The router's losses join the objective with the same scale as the main loss.
+                let dims = self.cfg.moe_dims(n);
+                let (aux, z) = (self.cfg.moe_aux_weight * moe_scale, self.cfg.moe_z_weight * moe_scale);
+                g.dln.fill(0.0);
+                let (dr, rest_w) = dw[mp.router.start..mp.shared.end].split_at_mut(mp.router.len());
+                let (de, ds) = rest_w.split_at_mut(mp.experts.len());
+                moe_backward(&mut g.dln, dr, de, ds, dfcproj, cache, &s.ln_2, &w[mp.router.clone()], &w[mp.experts.clone()], &w[mp.shared.clone()], &dims, aux, z);
+            } else {
             g.dfch_gelu.fill(0.0);
             let (dwp, dbp) = split_two(dw, &bp.mlp_proj_w, &bp.mlp_proj_b);
             linear_backward(frozen, &mut g.dfch_gelu, dwp, dbp, dfcproj, &s.fch_gelu, &w[bp.mlp_proj_w.clone()], n, f, c);
@@ -322,6 +352,7 @@ impl Gpt {
             linear_backward(frozen, &mut g.dln, dwf, dbf, &g.dfch, &s.ln_2, &w[bp.c_fc_w.clone()], n, c, fw);
             if let Some(lo) = lora.as_mut() {
                 lo.backward(l, Site::Fc, &mut g.dln, &g.dfch, &s.ln_2, n, fw);
+            }
             }
             // dres (currently d res_3, flowing straight through to d res_2) += ln_2 backward
             let (dw2, db2) = split_two(dw, &bp.ln_2_w, &bp.ln_2_b);
@@ -354,6 +385,11 @@ impl Gpt {
             }
             None => embedding_backward(&mut dw[pv.wte.clone()], None, demb, &a.tokens, t, c),
         }
+    }
+
+    /// Routing statistics of each MoE layer in the last forward (empty for dense models).
+    pub fn moe_stats(&self) -> &[MoeStats] {
+        self.acts.as_ref().map_or(&[], |a| &a.moe_stats)
     }
 
     /// Per-position losses of the last forward (0 at ignored positions).

@@ -29,7 +29,19 @@ pub fn hf_config(cfg: &Value, origin: &Path) -> Result<GptConfig, String> {
     match arch {
         "GPT2LMHeadModel" => gpt2_config(cfg, origin),
         "LlamaForCausalLM" => llama_config(cfg, origin),
-        _ => Err(format!("{}: architecture `{arch}` is not supported for import (supported: GPT2LMHeadModel, LlamaForCausalLM)", origin.display())),
+        "MixtralForCausalLM" => {
+            let mut c = llama_config(cfg, origin)?;
+            c.n_expert = get_usize(cfg, "num_local_experts", origin)?;
+            c.top_k = get_usize(cfg, "num_experts_per_tok", origin)?;
+            // HF Mixtral routes without capacity (dropless); its aux coefficient multiplies a
+            // loss K times kiln's (see tensor::moe), so the weight is scaled to match.
+            c.capacity_factor = 0.0;
+            c.moe_aux_weight = get_f32(cfg, "router_aux_loss_coef", 0.001) * c.top_k as f32;
+            c.moe_z_weight = 0.0;
+            c.validate().map_err(|e| format!("{}: {e}", origin.display()))?;
+            Ok(c)
+        }
+        _ => Err(format!("{}: architecture `{arch}` is not supported for import (supported: GPT2LMHeadModel, LlamaForCausalLM, MixtralForCausalLM)", origin.display())),
     }
 }
 
@@ -74,6 +86,7 @@ fn llama_config(cfg: &Value, origin: &Path) -> Result<GptConfig, String> {
         tied_embeddings: cfg.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(false),
         rope_theta: theta,
         norm_eps: get_f32(cfg, "rms_norm_eps", 1e-6),
+        ..GptConfig::gpt2(1, 1, 1, 1, 1, false, 0.0, false)
     };
     c.validate().map_err(|e| format!("{}: {e}", origin.display()))?;
     Ok(c)
@@ -174,16 +187,27 @@ fn transpose(dst: &mut [f32], src: &[f32], rows: usize, cols: usize) {
 pub fn export_hf(m: &Gpt, dir: &Path) -> Result<(), String> {
     std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let c = &m.cfg;
+    if c.n_shared_expert > 0 {
+        return Err("export: shared experts have no Hugging Face Mixtral equivalent".into());
+    }
     let config = if c.arch == Arch::Llama {
-        json!({
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        let (arch, ty) = if c.is_moe() { ("MixtralForCausalLM", "mixtral") } else { ("LlamaForCausalLM", "llama") };
+        let mut v = json!({
+            "architectures": [arch], "model_type": ty, "hidden_act": "silu",
             "hidden_size": c.n_embd, "intermediate_size": c.ffn_hidden, "num_hidden_layers": c.n_layer,
             "num_attention_heads": c.n_head, "num_key_value_heads": c.n_kv_head, "head_dim": c.head_size(),
             "max_position_embeddings": c.block_size, "vocab_size": c.vocab_size, "rms_norm_eps": c.norm_eps,
             "rope_theta": c.rope_theta, "rope_parameters": {"rope_theta": c.rope_theta, "rope_type": "default"},
             "tie_word_embeddings": c.tied_embeddings, "attention_bias": false, "mlp_bias": false,
             "attention_dropout": 0.0, "dtype": "float32",
-        })
+        });
+        if c.is_moe() {
+            v["num_local_experts"] = c.n_expert.into();
+            v["num_experts_per_tok"] = c.top_k.into();
+            v["router_aux_loss_coef"] = (c.moe_aux_weight / c.top_k as f32).into();
+            v["output_router_logits"] = false.into();
+        }
+        v
     } else {
         json!({
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "activation_function": "gelu_new",

@@ -90,6 +90,17 @@ pub struct BlockParams {
     pub c_fc_b: Option<Range<usize>>,
     pub mlp_proj_w: Range<usize>,
     pub mlp_proj_b: Option<Range<usize>>,
+    /// A mixture-of-experts MLP in place of the dense one (then `c_fc_w`, `mlp_proj_w` are empty).
+    pub moe: Option<MoeParams>,
+}
+
+/// The views of an MoE layer: the router `[E, C]`, the routed experts `[E, 3FC]` (each
+/// `[w1 | w3 | w2]`, Mixtral's names, the layout `tensor::moe` reads), the shared experts.
+#[derive(Clone, Debug)]
+pub struct MoeParams {
+    pub router: Range<usize>,
+    pub experts: Range<usize>,
+    pub shared: Range<usize>,
 }
 
 /// The views of the whole model, resolved once from the layout.
@@ -142,7 +153,7 @@ fn gpt2_layout(cfg: &GptConfig) -> (ParamLayout, GptParams) {
         let c_fc_b = bias(&mut l, "mlp.c_fc", f);
         let mlp_proj_w = l.push(format!("{p}mlp.c_proj.weight"), vec![c, f], Init::Normal(proj_std), true);
         let mlp_proj_b = bias(&mut l, "mlp.c_proj", c);
-        blocks.push(BlockParams { ln_1_w, ln_1_b, c_attn_w, c_attn_b, attn_proj_w, attn_proj_b, ln_2_w, ln_2_b, c_fc_w, c_fc_b, mlp_proj_w, mlp_proj_b });
+        blocks.push(BlockParams { ln_1_w, ln_1_b, c_attn_w, c_attn_b, attn_proj_w, attn_proj_b, ln_2_w, ln_2_b, c_fc_w, c_fc_b, mlp_proj_w, mlp_proj_b, moe: None });
     }
     let ln_f_w = l.push("transformer.ln_f.weight".into(), vec![c], Init::Ones, false);
     let ln_f_b = cfg.bias.then(|| l.push("transformer.ln_f.bias".into(), vec![c], Init::Zeros, false));
@@ -170,12 +181,35 @@ fn llama_layout(cfg: &GptConfig) -> (ParamLayout, GptParams) {
         let v = l.push(format!("{p}self_attn.v_proj.weight"), vec![cfg.n_kv_head * hs, c], Init::Normal(std), true);
         let attn_proj_w = l.push(format!("{p}self_attn.o_proj.weight"), vec![c, cfg.n_head * hs], Init::Normal(proj_std), true);
         let ln_2_w = l.push(format!("{p}post_attention_layernorm.weight"), vec![c], Init::Ones, false);
-        let gate = l.push(format!("{p}mlp.gate_proj.weight"), vec![f, c], Init::Normal(std), true);
-        let up = l.push(format!("{p}mlp.up_proj.weight"), vec![f, c], Init::Normal(std), true);
-        let mlp_proj_w = l.push(format!("{p}mlp.down_proj.weight"), vec![c, f], Init::Normal(proj_std), true);
+        let (c_fc_w, mlp_proj_w, moe) = if cfg.is_moe() {
+            // Mixtral's names; DeepSeekMoE-style shared experts beside them.
+            let m = format!("{p}block_sparse_moe.");
+            let router = l.push(format!("{m}gate.weight"), vec![cfg.n_expert, c], Init::Normal(std), false);
+            let expert = |l: &mut ParamLayout, stem: String| {
+                let w1 = l.push(format!("{stem}.w1.weight"), vec![f, c], Init::Normal(std), true);
+                l.push(format!("{stem}.w3.weight"), vec![f, c], Init::Normal(std), true);
+                let w2 = l.push(format!("{stem}.w2.weight"), vec![c, f], Init::Normal(proj_std), true);
+                w1.start..w2.end
+            };
+            let start = l.total;
+            for e in 0..cfg.n_expert {
+                expert(&mut l, format!("{m}experts.{e}"));
+            }
+            let experts = start..l.total;
+            let start = l.total;
+            for e in 0..cfg.n_shared_expert {
+                expert(&mut l, format!("{m}shared_experts.{e}"));
+            }
+            (0..0, 0..0, Some(MoeParams { router, experts, shared: start..l.total }))
+        } else {
+            let gate = l.push(format!("{p}mlp.gate_proj.weight"), vec![f, c], Init::Normal(std), true);
+            let up = l.push(format!("{p}mlp.up_proj.weight"), vec![f, c], Init::Normal(std), true);
+            let down = l.push(format!("{p}mlp.down_proj.weight"), vec![c, f], Init::Normal(proj_std), true);
+            (gate.start..up.end, down, None)
+        };
         blocks.push(BlockParams {
             ln_1_w, ln_1_b: None, c_attn_w: q.start..v.end, c_attn_b: None, attn_proj_w, attn_proj_b: None,
-            ln_2_w, ln_2_b: None, c_fc_w: gate.start..up.end, c_fc_b: None, mlp_proj_w, mlp_proj_b: None,
+            ln_2_w, ln_2_b: None, c_fc_w, c_fc_b: None, mlp_proj_w, mlp_proj_b: None, moe,
         });
     }
     let ln_f_w = l.push("model.norm.weight".into(), vec![c], Init::Ones, false);

@@ -89,6 +89,11 @@ impl Lora {
         }
         let mut layout = ParamLayout::default();
         let mut adapters = Vec::new();
+        if cfg.is_moe() {
+            if let Some(t) = targets.iter().find(|t| ["gate", "up", "down"].contains(&t.as_str())) {
+                return Err(format!("lora target `{t}` names no layer in a mixture-of-experts model (adapters on experts are not supported; use q, k, v, o)"));
+            }
+        }
         for l in 0..cfg.n_layer {
             for t in targets {
                 let (base, site, rows, d_in) = locate(cfg, l, t)?;

@@ -12,7 +12,8 @@
 //! `q`, `k` and `lse`. Tiles entirely above the causal diagonal are skipped, only tiles that
 //! cross it are masked. Every tile product runs through gemm single-threaded inside a rayon
 //! task, so the pool never oversubscribes. Scratch is a few `TILE_Q × TILE_K` blocks per task;
-//! the only buffer that grows with `T` is backward's `D[B, NH, T]`.
+//! the buffers that grow with `T` are backward's `D[B, NH, T]` and, only for the GQA schedule
+//! [`Schedule::PerQueryHead`], per-query-head partial `dk`, `dv` (`2·B·NH·T·HS`, twice `out`).
 //!
 //! Attention-probability dropout uses exactly the reference kernel's counter-based mask, indexed
 //! by the *query* head: element `(b·NH + h, i, j)` is kept iff
@@ -524,8 +525,9 @@ pub fn flash_gqa_backward_with(
 }
 
 /// [`Schedule::Auto`]: the schedule with the least estimated makespan, in units of
-/// `PerHead`'s total work. Measured work factors (`benches/flash.rs`, `FLASH_NKV`): two-pass
-/// recomputes every tile, about 1.7×; per-query-head adds the partials' traffic, about 1.1×.
+/// `PerHead`'s total work. Measured work factors (`benches/flash.rs`, `FLASH_NKV`, one thread,
+/// B1 T1024 NH12 HS64): two-pass recomputes every tile, about 1.5×; per-query-head adds the
+/// partials' traffic, about 1.1×.
 fn auto_schedule(b: usize, nh: usize, nkv: usize, threads: usize) -> Schedule {
     let (n, th) = (b * nkv, threads.max(1));
     if n.is_multiple_of(th) || n >= 4 * th {
@@ -538,7 +540,7 @@ fn auto_schedule(b: usize, nh: usize, nkv: usize, threads: usize) -> Schedule {
     let span = |tasks: usize, work: f64| work * tasks.div_ceil(th) as f64 / tasks as f64;
     let per_head = span(n, 1.0);
     let per_query = span(b * nh, 1.1);
-    let two_pass = 1.7 / th as f64;
+    let two_pass = 1.5 / th as f64;
     if per_head <= per_query && per_head <= two_pass {
         Schedule::PerHead
     } else if per_query <= two_pass {

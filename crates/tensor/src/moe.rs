@@ -26,7 +26,7 @@
 //! `router_w[E, C]` is `block_sparse_moe.gate.weight`. Shared experts use the same per-expert
 //! layout: `shared_w[S, 3FC]`.
 //!
-//! **Capacity.** `capacity = ceil(capacity_factor · N · K / E)` (computed in f64);
+//! **Capacity.** `capacity = ceil(capacity_factor · N · K / E)` (see [`MoeDims::capacity`]);
 //! `capacity_factor <= 0` means dropless (an expert takes every token routed to it).
 //! Dropping happens after the gates are computed, so a dropped assignment does not change the
 //! other gates of its token (GShard / Switch; the residual outside the layer carries it).
@@ -38,10 +38,15 @@
 //! through the gates (including their renormalisation), `P_e` and `logsumexp` into the router.
 //!
 //! Forward overwrites `y` and the cache; backward accumulates into every gradient. Every
-//! reduction has a fixed order: tokens and packed rows are independent, experts are
-//! independent rayon tasks (their gemms single-threaded inside), per-token sums over the `K`
-//! selected experts run in rank order and the loss sums run sequentially, so results do not
-//! depend on the thread count.
+//! reduction has a fixed order: tokens and packed rows are independent rayon items, per-token
+//! sums over the `K` selected experts run in rank order, the loss sums run sequentially, and
+//! gemm splits output tiles, never an inner sum, so results do not depend on the thread count
+//! (checked bit for bit, 1 vs 3 threads, in the tests).
+//!
+//! **Threads.** Experts run one after another, each product on the whole pool (as every large
+//! matmul here). One rayon task per expert with single-threaded gemms was tried too: no faster
+//! at `N=1024, C=768, F=1024, E=8, K=2` on 2 threads, and it serialises a hot expert and idles
+//! cores once expert parallelism leaves a rank only `E/ep` local experts.
 
 use crate::llama::{swiglu_backward, swiglu_forward};
 use crate::matmul::{gemm, Threads, View};
@@ -88,11 +93,12 @@ impl MoeDims {
         self.e * self.c
     }
     /// Token slots per expert: `ceil(capacity_factor·N·K/E)`, or `N` (every token could pick
-    /// the expert, at most once) when dropless.
+    /// the expert, at most once) when dropless. The product is shrunk by a relative 1e-6 before
+    /// the ceiling, so an f32 factor such as 1.1 (really 1.100000024) times 10 gives 11, not 12.
     pub fn capacity(&self) -> usize {
         if self.capacity_factor > 0.0 {
-            let cap = (self.capacity_factor as f64 * (self.n * self.k) as f64 / self.e as f64).ceil();
-            (cap as usize).min(self.n)
+            let x = self.capacity_factor as f64 * (self.n * self.k) as f64 / self.e as f64;
+            ((x * (1.0 - 1e-6)).ceil() as usize).clamp(1, self.n)
         } else {
             self.n
         }
@@ -201,17 +207,6 @@ impl MoeCache {
     }
 }
 
-/// Splits `buf` into consecutive per-expert pieces of `(offsets[e+1] − offsets[e])·width`.
-fn split_rows<'a>(mut buf: &'a mut [f32], offsets: &[usize], width: usize) -> Vec<&'a mut [f32]> {
-    let mut out = Vec::with_capacity(offsets.len() - 1);
-    for w in offsets.windows(2) {
-        let (a, b) = std::mem::take(&mut buf).split_at_mut((w[1] - w[0]) * width);
-        out.push(a);
-        buf = b;
-    }
-    out
-}
-
 /// One expert's weights `(w_gu [2F, C], w2 [C, F])` from its `3FC` block.
 fn expert_views(w: &[f32], c: usize, f: usize) -> (&[f32], &[f32]) {
     w.split_at(2 * f * c)
@@ -255,44 +250,25 @@ pub fn moe_forward(
         .with_min_len(64)
         .for_each(|(((p, lse), (idx, g)), l)| route_row(p, lse, idx, g, l, renormalize));
 
-    // Assign slots in token order (then rank order), dropping past capacity; sequential and
-    // O(N·K), so the index maps never depend on threads.
-    let cap = dims.capacity();
-    cache.counts.fill(0);
-    for (i, &ex) in cache.idx.iter().enumerate() {
-        let ex = ex as usize;
-        // Provisionally the position within the expert; made a packed row below.
-        cache.slot[i] = if cache.counts[ex] < cap { cache.counts[ex] as u32 } else { DROPPED };
-        cache.counts[ex] += 1;
-    }
-    cache.offsets[0] = 0;
-    for ex in 0..e {
-        cache.offsets[ex + 1] = cache.offsets[ex] + cache.counts[ex].min(cap);
-    }
-    for (i, sl) in cache.slot.iter_mut().enumerate() {
-        if *sl != DROPPED {
-            let row = cache.offsets[cache.idx[i] as usize] + *sl as usize;
-            *sl = row as u32;
-            cache.row_token[row] = (i / k) as u32;
-        }
-    }
+    // Assign slots (sequential, O(N·K): the index maps never depend on threads).
+    moe_assign(&mut cache.slot, &mut cache.row_token, &mut cache.offsets, &mut cache.counts, &cache.idx, k, dims.capacity());
     let rows = cache.rows();
 
     // Dispatch: gather the kept tokens into the packed per-expert buffer.
     moe_dispatch(&mut cache.xe[..rows * c], x, &cache.row_token[..rows], c);
 
-    // Routed experts, one rayon task each (gemm single-threaded inside).
-    {
-        let offs = &cache.offsets;
-        let xe = split_rows(&mut cache.xe[..rows * c], offs, c);
-        let gu = split_rows(&mut cache.gu[..rows * 2 * f], offs, 2 * f);
-        let h = split_rows(&mut cache.h[..rows * f], offs, f);
-        let eo = split_rows(&mut cache.eo[..rows * c], offs, c);
-        let tasks: Vec<_> = xe.into_iter().zip(gu).zip(h).zip(eo).enumerate().collect();
-        tasks.into_iter().for_each(|(ex, (((xe, gu), h), eo))| {
-            let w = &experts_w[ex * es..(ex + 1) * es];
-            expert_forward(eo, gu, h, xe, w, c, f, Threads::All);
-        });
+    // Routed experts in order, each product on the whole pool (see the module docs).
+    for ex in 0..e {
+        let (r0, r1) = (cache.offsets[ex], cache.offsets[ex + 1]);
+        expert_forward(
+            &mut cache.eo[r0 * c..r1 * c],
+            &mut cache.gu[r0 * 2 * f..r1 * 2 * f],
+            &mut cache.h[r0 * f..r1 * f],
+            &cache.xe[r0 * c..r1 * c],
+            &experts_w[ex * es..(ex + 1) * es],
+            c,
+            f,
+        );
     }
 
     // Shared experts over all tokens, summed into y in order; then the routed combine.
@@ -360,6 +336,43 @@ fn route_row(p: &mut [f32], lse: &mut f32, idx: &mut [u32], g: &mut [f32], l: &[
     }
 }
 
+/// Assignment: token-assignments `(t, j)` in token order, then rank order, take the next slot
+/// of expert `idx[t, j]`; past `capacity` they are [`DROPPED`]. Writes the index maps
+/// `slot[t, j]` (packed row or DROPPED) and `row_token[r]`, the packed layout `offsets` and the
+/// pre-drop `counts`; returns the kept count `R`. Overwrites its outputs.
+pub fn moe_assign(
+    slot: &mut [u32],        // [N, K]
+    row_token: &mut [u32],   // [≥ R]
+    offsets: &mut [usize],   // [E + 1]
+    counts: &mut [usize],    // [E]
+    idx: &[u32],             // [N, K]
+    k: usize,
+    capacity: usize,
+) -> usize {
+    let e = counts.len();
+    assert_eq!(offsets.len(), e + 1);
+    assert_eq!(slot.len(), idx.len());
+    counts.fill(0);
+    for (sl, &ex) in slot.iter_mut().zip(idx) {
+        let ex = ex as usize;
+        // Provisionally the position within the expert; made a packed row below.
+        *sl = if counts[ex] < capacity { counts[ex] as u32 } else { DROPPED };
+        counts[ex] += 1;
+    }
+    offsets[0] = 0;
+    for ex in 0..e {
+        offsets[ex + 1] = offsets[ex] + counts[ex].min(capacity);
+    }
+    for (i, sl) in slot.iter_mut().enumerate() {
+        if *sl != DROPPED {
+            let row = offsets[idx[i] as usize] + *sl as usize;
+            *sl = row as u32;
+            row_token[row] = (i / k) as u32;
+        }
+    }
+    offsets[e]
+}
+
 /// Dispatch: `xe[r] = x[row_token[r]]`. Overwrites `xe`.
 pub fn moe_dispatch(
     xe: &mut [f32],        // [R, C]
@@ -413,7 +426,6 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// One SwiGLU expert over its `M` tokens: `gu = xe·w_guᵀ`, `h = silu(gate)·up`, `eo = h·w2ᵀ`.
-#[allow(clippy::too_many_arguments)]
 fn expert_forward(
     eo: &mut [f32],   // [M, C]
     gu: &mut [f32],   // [M, 2F]
@@ -422,16 +434,15 @@ fn expert_forward(
     w: &[f32],        // [3FC]
     c: usize,
     f: usize,
-    threads: Threads,
 ) {
     let m = xe.len() / c;
     if m == 0 {
         return;
     }
     let (wgu, w2) = expert_views(w, c, f);
-    gemm(gu, false, View::rows(xe, m, c), View::rows(wgu, 2 * f, c).t(), 1.0, threads);
+    gemm(gu, false, View::rows(xe, m, c), View::rows(wgu, 2 * f, c).t(), 1.0, Threads::All);
     swiglu_forward(h, gu, f);
-    gemm(eo, false, View::rows(h, m, f), View::rows(w2, c, f).t(), 1.0, threads);
+    gemm(eo, false, View::rows(h, m, f), View::rows(w2, c, f).t(), 1.0, Threads::All);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -489,20 +500,21 @@ pub fn moe_backward(
         }
     });
 
-    // Routed experts' backward, one task each; `deo` is replaced by d(dispatched tokens).
-    {
-        let offs = &*offsets;
-        let deo_e = split_rows(&mut deo[..rows * c], offs, c);
-        let dh_e = split_rows(&mut dh[..rows * f], offs, f);
-        let dgu_e = split_rows(&mut dgu[..rows * 2 * f], offs, 2 * f);
-        let tasks: Vec<_> = deo_e.into_iter().zip(dh_e).zip(dgu_e).zip(dexperts_w.chunks_mut(es)).enumerate().collect();
-        tasks.into_iter().for_each(|(ex, (((deo, dh), dgu), dw))| {
-            let (r0, r1) = (offs[ex] * c, offs[ex + 1] * c);
-            let (g0, g1) = (offs[ex] * 2 * f, offs[ex + 1] * 2 * f);
-            let (h0, h1) = (offs[ex] * f, offs[ex + 1] * f);
-            let w = &experts_w[ex * es..(ex + 1) * es];
-            expert_backward(deo, dh, dgu, dw, &xe[r0..r1], &gu[g0..g1], &h[h0..h1], w, c, f, Threads::All);
-        });
+    // Routed experts' backward in order; `deo` is replaced by d(dispatched tokens).
+    for ex in 0..e {
+        let (r0, r1) = (offsets[ex], offsets[ex + 1]);
+        expert_backward(
+            &mut deo[r0 * c..r1 * c],
+            &mut dh[r0 * f..r1 * f],
+            &mut dgu[r0 * 2 * f..r1 * 2 * f],
+            &mut dexperts_w[ex * es..(ex + 1) * es],
+            &xe[r0 * c..r1 * c],
+            &gu[r0 * 2 * f..r1 * 2 * f],
+            &h[r0 * f..r1 * f],
+            &experts_w[ex * es..(ex + 1) * es],
+            c,
+            f,
+        );
     }
     // Dispatch backward: dx[t] += Σ_j dxe[slot[t, j]] in rank order.
     let dxe = &deo[..rows * c];
@@ -578,7 +590,6 @@ fn expert_backward(
     w: &[f32],        // [3FC]
     c: usize,
     f: usize,
-    threads: Threads,
 ) {
     let m = xe.len() / c;
     if m == 0 {
@@ -587,11 +598,11 @@ fn expert_backward(
     let (wgu, w2) = expert_views(w, c, f);
     let (dwgu, dw2) = dw.split_at_mut(2 * f * c);
     // dh = deo · w2 ; dw2 += deoᵀ · h
-    gemm(dh, false, View::rows(deo, m, c), View::rows(w2, c, f), 1.0, threads);
-    gemm(dw2, true, View::rows(deo, m, c).t(), View::rows(h, m, f), 1.0, threads);
+    gemm(dh, false, View::rows(deo, m, c), View::rows(w2, c, f), 1.0, Threads::All);
+    gemm(dw2, true, View::rows(deo, m, c).t(), View::rows(h, m, f), 1.0, Threads::All);
     dgu.fill(0.0);
     swiglu_backward(dgu, dh, gu, f);
     // dw_gu += dguᵀ · xe ; dxe = dgu · w_gu (into deo, no longer needed)
-    gemm(dwgu, true, View::rows(dgu, m, 2 * f).t(), View::rows(xe, m, c), 1.0, threads);
-    gemm(deo, false, View::rows(dgu, m, 2 * f), View::rows(wgu, 2 * f, c), 1.0, threads);
+    gemm(dwgu, true, View::rows(dgu, m, 2 * f).t(), View::rows(xe, m, c), 1.0, Threads::All);
+    gemm(deo, false, View::rows(dgu, m, 2 * f), View::rows(wgu, 2 * f, c), 1.0, Threads::All);
 }

@@ -33,6 +33,16 @@ fn llama_fixture_logits_and_loss_match_transformers() {
 }
 
 #[test]
+fn mixtral_fixture_logits_and_loss_match_transformers() {
+    fixture_matches("mixtral-tiny");
+}
+
+#[test]
+fn mixtral_export_reimport_is_bit_identical() {
+    export_reimport("mixtral-tiny");
+}
+
+#[test]
 fn llama_export_reimport_is_bit_identical() {
     export_reimport("llama-tiny");
 }
@@ -92,12 +102,13 @@ fn export_reimport(name: &str) {
 
 #[test]
 fn import_errors_name_the_problem() {
-    let Some(dir) = fixture("mixtral-tiny") else { return };
-    let e = import_hf(&dir).err().unwrap();
-    assert!(e.contains("MixtralForCausalLM") && e.contains("config.json"), "{e}");
+    let Some(gdir) = fixture("gpt2-tiny") else { return };
     let tmp = std::env::temp_dir().join(format!("kiln-hf-bad-{}", std::process::id()));
     std::fs::create_dir_all(&tmp).unwrap();
-    let gdir = fixture("gpt2-tiny").unwrap();
+    let cfg = std::fs::read_to_string(gdir.join("config.json")).unwrap().replace("GPT2LMHeadModel", "FalconForCausalLM");
+    std::fs::write(tmp.join("config.json"), cfg).unwrap();
+    let e = import_hf(&tmp).err().unwrap();
+    assert!(e.contains("FalconForCausalLM") && e.contains("config.json"), "{e}");
     std::fs::copy(gdir.join("config.json"), tmp.join("config.json")).unwrap();
     let e = import_hf(&tmp).err().unwrap();
     assert!(e.contains("no model.safetensors"), "{e}");
