@@ -3,7 +3,23 @@
 use crate::config::*;
 use crate::error::{user, Result};
 
-pub const PRESETS: &[&str] = &["tiny", "shakespeare-char", "llama-tiny", "moe-tiny", "gpt2-124m"];
+pub const PRESETS: &[&str] = &[
+    "tiny", "shakespeare-char", "llama-tiny", "moe-tiny", "gpt2-124m",
+    // config-only shapes of published models (for `kiln bench` shapes, the planner and memory
+    // estimates; far too large to train on a CPU)
+    "llama2-7b", "llama3-8b", "mixtral-8x7b", "deepseek-v2-lite",
+];
+
+/// A published LLaMA-family shape (config only).
+#[allow(clippy::too_many_arguments)]
+fn llama_shape(c: &mut RunConfig, n_layer: usize, n_embd: usize, n_head: usize, n_kv_head: usize, ffn: usize, block: usize, vocab: usize, theta: f64) {
+    c.model = ModelSection {
+        arch: "llama".into(), n_layer, n_head, n_kv_head, n_embd, ffn_hidden: ffn, rope_theta: theta, norm_eps: 1e-5,
+        block_size: block, vocab_size: vocab, bias: false, dropout: 0.0, tied_embeddings: false, ..c.model.clone()
+    };
+    c.train.batch_size = 1;
+    c.data.tokenizer = "byte".into();
+}
 
 fn base() -> RunConfig {
     RunConfig {
@@ -96,6 +112,21 @@ pub fn preset(name: &str) -> Result<RunConfig> {
             c.checkpoint.interval = 200;
             c.data.tokenizer = "gpt2".into();
             c.sample.prompt = "The ".into();
+        }
+        // Touvron et al. 2023 (Llama 2), Table 1 / the HF config.
+        "llama2-7b" => llama_shape(&mut c, 32, 4096, 32, 32, 11008, 4096, 32000, 10000.0),
+        // Meta Llama 3 8B (HF config): GQA with 8 kv heads, rope base 500000.
+        "llama3-8b" => llama_shape(&mut c, 32, 4096, 32, 8, 14336, 8192, 128256, 500000.0),
+        // Jiang et al. 2024 (Mixtral of Experts): 8 experts, top-2.
+        "mixtral-8x7b" => {
+            llama_shape(&mut c, 32, 4096, 32, 8, 14336, 32768, 32000, 1e6);
+            (c.model.n_expert, c.model.top_k) = (8, 2);
+        }
+        // DeepSeek-V2-Lite-style MoE (DeepSeek-AI 2024): 64 fine-grained routed experts, top-6,
+        // 2 shared. Its multi-head latent attention is modelled as plain multi-head attention.
+        "deepseek-v2-lite" => {
+            llama_shape(&mut c, 27, 2048, 16, 16, 1408, 4096, 102400, 10000.0);
+            (c.model.n_expert, c.model.top_k, c.model.n_shared_expert) = (64, 6, 2);
         }
         _ => return user(format!("unknown preset `{name}` (known: {})", PRESETS.join(", "))),
     }

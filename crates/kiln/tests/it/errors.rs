@@ -149,3 +149,31 @@ fn eval_and_generate_on_a_missing_run() {
     let o = kiln(&["generate", "--run", d.join("x").to_str().unwrap()]);
     assert_user_error(&o, &["not a kiln run directory"]);
 }
+
+#[test]
+fn model_family_config_errors_name_the_key() {
+    // Issue 4's bad input: n_head not divisible by n_kv_head, top_k beyond the experts.
+    let d = scratch("family");
+    let data = corpus(&d);
+    let out = d.join("run");
+    let llama = ["--set", "model.arch=llama", "--set", "model.n_head=4", "--set", "model.n_embd=16"];
+    let mut a = llama.to_vec();
+    a.extend(["--set", "model.n_kv_head=3"]);
+    assert_user_error(&train(&data, &out, &a), &["model.n_head (4)", "model.n_kv_head (3)"]);
+    let mut a = llama.to_vec();
+    a.extend(["--set", "model.n_expert=4", "--set", "model.top_k=5"]);
+    assert_user_error(&train(&data, &out, &a), &["model.top_k (5)", "model.n_expert (4)"]);
+    assert_user_error(&train(&data, &out, &["--set", "model.arch=mamba"]), &["model.arch", "mamba"]);
+    assert!(!out.exists());
+}
+
+#[test]
+fn published_shapes_resolve() {
+    // The config-only presets are valid configs (benched here with one layer and a short context).
+    for p in ["llama2-7b", "llama3-8b", "mixtral-8x7b", "deepseek-v2-lite"] {
+        let o = kiln(&["bench", "--preset", p, "--set", "model.n_layer=1", "--set", "model.block_size=8", "--set", "model.n_embd=64",
+            "--set", "model.n_head=4", "--set", &format!("model.n_kv_head={}", if p == "llama2-7b" || p == "deepseek-v2-lite" { 4 } else { 2 }),
+            "--set", "model.ffn_hidden=32", "--set", "model.vocab_size=512", "--steps", "1", "--warmup", "0", "--json"]);
+        assert!(o.status.success(), "{p}: {}", stderr(&o));
+    }
+}
