@@ -1,4 +1,5 @@
 //! Integration tests for the kernels: one binary, modules per concern.
+mod common;
 mod gradcheck;
 mod kernels;
 mod llama;
