@@ -125,13 +125,21 @@ pub fn matmul_backward(
 ) {
     let _p = crate::profile::scope("matmul_backward");
     assert_eq!(dout.len(), bt * oc);
-    // dinp += dout · weight
-    gemm(dinp, true, View::rows(dout, bt, oc), View::rows(weight, oc, c), 1.0, Threads::All);
-    // dweight += doutᵀ · inp
-    gemm(dweight, true, View::rows(dout, bt, oc).t(), View::rows(inp, bt, c), 1.0, Threads::All);
-    if let Some(db) = dbias {
-        bias_backward(db, dout, bt, oc);
-    }
+    // The two products are independent and equally large: run them side by side, each on the
+    // whole pool (work stealing balances them), instead of one after the other, so small
+    // products (few tiles each) still keep every core busy. Each gemm splits only output
+    // tiles, so the results do not depend on the scheduling.
+    rayon::join(
+        // dinp += dout · weight
+        || gemm(dinp, true, View::rows(dout, bt, oc), View::rows(weight, oc, c), 1.0, Threads::All),
+        || {
+            // dweight += doutᵀ · inp
+            gemm(dweight, true, View::rows(dout, bt, oc).t(), View::rows(inp, bt, c), 1.0, Threads::All);
+            if let Some(db) = dbias {
+                bias_backward(db, dout, bt, oc);
+            }
+        },
+    );
 }
 
 /// The input gradient alone, `dinp += dout · weight` (for frozen weights: LoRA's base).
