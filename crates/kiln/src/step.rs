@@ -82,9 +82,15 @@ pub fn train_step(
 
 /// Model FLOPs per trained token (forward and backward, no recomputation), by PaLM's formula
 /// (Chowdhery et al. 2022, appendix B) as the planner states it.
+/// With mixture-of-experts layers N counts the parameters a token uses: the routed experts'
+/// weights only `top_k / n_expert` of them.
 pub fn model_flops_per_token(model: &Gpt) -> f64 {
-    let n = model.layout.count_without("transformer.wpe.weight") as f64;
+    let mut n = model.layout.count_without("transformer.wpe.weight") as f64;
     let c = &model.cfg;
+    if c.is_moe() {
+        let routed: usize = model.views.blocks.iter().filter_map(|b| b.moe.as_ref()).map(|m| m.experts.len()).sum();
+        n -= routed as f64 * (1.0 - c.top_k as f64 / c.n_expert as f64);
+    }
     plan::palm_flops_per_token(n, c.n_layer as f64, c.n_embd as f64, c.block_size as f64)
 }
 
