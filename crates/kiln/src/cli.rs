@@ -161,8 +161,8 @@ struct EvalCli {
 
 #[derive(Args)]
 struct ExportCli {
-    #[arg(long)]
-    run: PathBuf,
+    #[command(flatten)]
+    source: Source,
     /// Output format; `hf` (Hugging Face GPT2LMHeadModel) is the one supported.
     #[arg(long, default_value = "hf")]
     format: String,
@@ -306,13 +306,19 @@ fn dispatch(cmd: Cmd) -> Result<()> {
             if x.format != "hf" {
                 return user(format!("--format `{}`: supported formats: hf", x.format));
             }
-            let r = run::load_run(&x.run)?;
-            if r.config.lora.rank > 0 && !x.merge {
-                return user(format!("{} trained LoRA adapters: pass --merge to fold them into the base weights", x.run.display()));
-            }
-            let m = run::load_model(&r)?;
+            let (m, from) = match (&x.source.run, &x.source.checkpoint) {
+                (Some(dir), _) => {
+                    let r = run::load_run(dir)?;
+                    if r.config.lora.rank > 0 && !x.merge {
+                        return user(format!("{} trained LoRA adapters: pass --merge to fold them into the base weights", dir.display()));
+                    }
+                    (run::load_model(&r)?, format!("{} (step {})", r.ckpt.dir.display(), r.ckpt.state.step))
+                }
+                (None, Some(dir)) => (model::hf::import_hf(dir).map_err(KilnError::User)?, dir.display().to_string()),
+                (None, None) => unreachable!("clap requires --run or --checkpoint"),
+            };
             model::hf::export_hf(&m, &x.out).map_err(KilnError::User)?;
-            println!("exported {} (step {}) to {}", r.ckpt.dir.display(), r.ckpt.state.step, x.out.display());
+            println!("exported {from} to {}", x.out.display());
             Ok(())
         }
         Cmd::Data(DataCmd::Prepare { input, tokenizer, out, val_fraction }) => {

@@ -174,6 +174,15 @@ fn hf_init_export_and_checkpoint_commands() {
     assert_user_error(&kiln(&["eval", "--checkpoint", exp.to_str().unwrap(), "--tokenizer", tok.to_str().unwrap()]), &["--data"]);
     assert_user_error(&kiln(&["eval", "--checkpoint", exp.to_str().unwrap(), "--data", data.to_str().unwrap()]), &["gpt2 tokenizer has 50257 tokens", "--tokenizer"]);
     assert_user_error(&kiln(&["export", "--run", out.to_str().unwrap(), "--format", "onnx", "--out", exp.to_str().unwrap()]), &["onnx"]);
+    // Re-saving an HF directory through kiln keeps every tensor's bytes.
+    let resaved = d.join("resaved");
+    let o = kiln(&["export", "--checkpoint", fx.to_str().unwrap(), "--out", resaved.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let (a, b) = (fs::read(fx.join("model.safetensors")).unwrap(), fs::read(resaved.join("model.safetensors")).unwrap());
+    let (sa, sb) = (safetensors::SafeTensors::deserialize(&a).unwrap(), safetensors::SafeTensors::deserialize(&b).unwrap());
+    for n in sa.names() {
+        assert_eq!(sa.tensor(n).unwrap().data(), sb.tensor(n).unwrap().data(), "{n}");
+    }
 }
 
 #[test]
