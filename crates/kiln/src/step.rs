@@ -5,7 +5,7 @@ use crate::config::RunConfig;
 use model::{Gpt, Pass};
 use std::ops::Range;
 use tensor::rng::mix64;
-use tensor::{adamw_update, scale_in_place, sum_squares, AdamW};
+use tensor::{adamw_update, profile, scale_in_place, sum_squares, AdamW};
 
 /// AdamW state: the two moments in the parameter layout, and the layout's contiguous ranges
 /// grouped by whether weight decay applies (one update call per range).
@@ -66,11 +66,19 @@ pub fn train_step(
     model.zero_grad();
     let mut loss_sum = 0.0f64;
     for micro in 0..accum {
-        fill(micro, x, y);
+        {
+            let _p = profile::scope("data");
+            fill(micro, x, y);
+        }
         let pass = Pass::Train { dropout_seed: dropout_seed(cfg.train.seed, step, micro), loss_scale: 1.0 / accum as f32 };
-        loss_sum += model.forward(x, y, mb, t, pass) as f64;
+        {
+            let _p = profile::scope("forward");
+            loss_sum += model.forward(x, y, mb, t, pass) as f64;
+        }
+        let _p = profile::scope("backward");
         model.backward();
     }
+    let _p = profile::scope("optimizer");
     let (params, grads) = trainable(model);
     let grad_norm = sum_squares(grads).sqrt();
     if cfg.train.grad_clip > 0.0 && grad_norm > cfg.train.grad_clip {

@@ -37,6 +37,8 @@ pub struct TrainArgs {
     pub lora_rank: Option<usize>,
     pub lora_alpha: Option<f64>,
     pub lora_targets: Option<String>,
+    /// Record a trace of this many steps into `trace.json`.
+    pub profile: Option<u64>,
     pub quiet: bool,
 }
 
@@ -316,8 +318,13 @@ pub fn train(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
         Ok(dir)
     };
 
+    let mut trace_until = args.profile.map(|n| step + n);
+    if trace_until.is_some() {
+        tensor::profile::trace(true);
+    }
     while step < max_steps {
         let t0 = Instant::now();
+        let step_span = tensor::profile::scope("step");
         let lr = cfg.lr_at(step);
         let offsets = sample_offsets(&mut sampler, ds.train.len(), t, cfg.train.batch_size);
         let (loss, grad_norm) = train_step(&mut model, &mut opt, &cfg, step, &mut x, &mut y, |micro, x, y| {
@@ -327,6 +334,7 @@ pub fn train(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
             return Err(KilnError::Internal(format!("loss is {loss} at step {}: stopping (the last checkpoint is intact)", step + 1)));
         }
         step += 1;
+        drop(step_span);
         let step_tokens = (cfg.train.batch_size * t) as u64;
         tokens_seen += step_tokens;
         let dt = t0.elapsed().as_secs_f64();
@@ -346,6 +354,7 @@ pub fn train(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
         interrupted = stop.load(Ordering::SeqCst);
         let every = |k: u64| k > 0 && step % k == 0;
         if every(cfg.eval.interval) || last {
+            let _p = tensor::profile::scope("eval");
             let eb = if cfg.eval.batch_size == 0 { mb } else { cfg.eval.batch_size };
             let (vl, _) = evaluate(&mut model, &ds.val, t, eb, cfg.eval.iters);
             last_val = Some(vl);
@@ -353,10 +362,17 @@ pub fn train(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
             say(&format!("step {step}: train loss {loss:.4}, val loss {vl:.4}"));
         }
         if every(cfg.checkpoint.interval) || last || interrupted {
+            let _p = tensor::profile::scope("checkpoint");
             let dir = save(&model, &opt.m, &opt.v, step, &sampler, tokens_seen, elapsed)?;
             if interrupted || last {
                 say(&format!("checkpoint saved: {}", dir.display()));
             }
+        }
+        if trace_until.is_some_and(|u| step >= u || step == max_steps || interrupted) {
+            trace_until = None;
+            tensor::profile::trace(false);
+            crate::obs::trace::write_trace(&run_dir, &tensor::profile::take_trace(), 0).map_err(KilnError::Internal)?;
+            say(&format!("trace of steps {}..={step}: {}", step + 1 - args.profile.unwrap().min(step), run_dir.join("trace.json").display()));
         }
         if interrupted {
             break;

@@ -249,6 +249,7 @@ impl Gpt {
             let x: &[f32] = if l == 0 { &a.encoded } else { &prev[l - 1].res_3 };
             let s = &mut rest[0];
             let site = 1 + 3 * l as u64;
+            let _span = tensor::profile::layer_scope("block_forward", l);
             // x = x + drop(attn(norm_1(x)))
             ops.norm_forward(&mut s.ln_1, &mut s.ln_1_mean, &mut s.ln_1_rstd, x, &w[bp.ln_1_w.clone()], opt(&bp.ln_1_b));
             matmul_forward(&mut s.qkv, &s.ln_1, &w[bp.c_attn_w.clone()], opt(&bp.c_attn_b), n, c, qw);
@@ -328,6 +329,7 @@ impl Gpt {
             let x: &[f32] = if l == 0 { &a.encoded } else { &prev[l - 1].res_3 };
             let s = &mut rest[0];
             let site = 1 + 3 * l as u64;
+            let _span = tensor::profile::layer_scope("block_backward", l);
             // MLP branch: res_3 = res_2 + drop(fcproj)
             let dfcproj = branch_grad(&mut g.dbranch, &g.dres, p_drop, site_seed(seed, site + 2));
             if let (Some(mp), Some(cache)) = (&bp.moe, s.moe.as_mut()) {

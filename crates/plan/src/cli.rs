@@ -241,7 +241,11 @@ fn estimate_text(model: &ModelShape, cl: &Cluster, e: &Estimate) -> String {
         cl.acc.name
     );
     let _ = writeln!(o, "layout      {}  ({} micro-batches)", layout_line(e), b.micro_batches);
-    let _ = writeln!(o, "step time   {:.3} s", e.step_time_s);
+    if e.step_time_s < 1.0 {
+        let _ = writeln!(o, "step time   {:.1} ms", e.step_time_s * 1e3);
+    } else {
+        let _ = writeln!(o, "step time   {:.3} s", e.step_time_s);
+    }
     let _ = writeln!(
         o,
         "throughput  {:.1} model TFLOP/s per GPU, MFU {:.1}%  ({:.1} hardware TFLOP/s incl. recompute)",

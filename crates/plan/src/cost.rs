@@ -888,13 +888,34 @@ fn layer_time(m: &ModelShape, cl: &Cluster, l: &Layout, moe: bool) -> LayerFwd {
             // Backward: softmax backward reads probs and grad, writes grad; dropout backward reads grad and mask.
             r.attn_elem_b = elem_time(cl, (3.0 * e + drop + mask) * s2, 2.0);
         }
-        Attention::Flash => {
-            // FlashAttention-2 (Dao 2023): forward 2 matmuls, backward 5 (recomputes S); causal masking skips half.
-            let causal = 0.5;
-            let mm = attn_gemm_time(cl, pr, s_loc, s_kv, d, batch) - cl.acc.kernel_overhead;
-            r.attn = 2.0 * mm * causal + cl.acc.kernel_overhead;
-            r.attn_b = 5.0 * mm * causal + cl.acc.kernel_overhead;
-        }
+        Attention::Flash => match cl.acc.attention_curve {
+            // kiln's CPU kernel (`tensor::flash`, FlashAttention-2 style): 64 × 64 tiles, one single-threaded
+            // product per tile, tiles above the causal diagonal skipped, the diagonal ones computed in full
+            // ((n+1)/(2n) of the n² tiles). Forward S = Q·Kᵀ and O += P·V per tile; backward recomputes S and forms
+            // dP = dO·Vᵀ ([br, bc, HS] shape) and dV, dK, dQ ([br, HS, bc]), each at the measured curve at the tile
+            // shape. The tile's exp (forward, and again in backward) is counted as the softmax bytes it replaces:
+            // read + write the computed scores at the elementwise rate.
+            Some(curve) if cl.acc.gemm_curve.is_some() => {
+                let tile = 64f64.min(s_kv);
+                let n = (s_kv / tile).ceil();
+                let computed = batch * s_loc * s_kv * (n + 1.0) / (2.0 * n); // score elements actually formed
+                let peak = cl.acc.peak(pr).unwrap_or(f64::MIN_POSITIVE);
+                let st = 2.0 * computed * d / (peak * curve.efficiency(tile, tile, d)); // one S-shaped product
+                let pv = 2.0 * computed * d / (peak * curve.efficiency(tile, d, tile)); // one PV-shaped product
+                let ovh = cl.acc.kernel_overhead;
+                r.attn = st + pv + ovh;
+                r.attn_b = 2.0 * st + 3.0 * pv + ovh;
+                r.attn_elem = elem_time(cl, 2.0 * e * computed, 0.0);
+                r.attn_elem_b = elem_time(cl, 2.0 * e * computed, 0.0);
+            }
+            _ => {
+                // FlashAttention-2 (Dao 2023): forward 2 matmuls, backward 5 (recomputes S); causal masking skips half.
+                let causal = 0.5;
+                let mm = attn_gemm_time(cl, pr, s_loc, s_kv, d, batch) - cl.acc.kernel_overhead;
+                r.attn = 2.0 * mm * causal + cl.acc.kernel_overhead;
+                r.attn_b = 5.0 * mm * causal + cl.acc.kernel_overhead;
+            }
+        },
     }
     // Rotary embeddings on Q and K (RoPE models): read + write.
     if !m.learned_pos_emb {

@@ -6,6 +6,7 @@
 //! - [`plot_runs`] / [`write_loss_png`]: PNG curves (plotters, embedded font).
 //! - [`doctor`]: machine, build and corpus report.
 //! - [`list_runs`]: a table of run directories and the config keys that differ.
+//! - [`trace`]: the Chrome trace-event file of `kiln train --profile N`.
 //! - [`cmd`]: clap argument types and printing entry points for the CLI.
 
 pub mod cmd;
@@ -13,6 +14,7 @@ pub mod doctor;
 pub mod plot;
 pub mod runs;
 pub mod tfevents;
+pub mod trace;
 
 pub use doctor::{doctor, doctor_with};
 pub use plot::{plot_runs, write_loss_png};

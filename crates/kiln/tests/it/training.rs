@@ -234,3 +234,27 @@ fn run_dirs_from_before_the_llama_and_lora_keys_still_load() {
     let o = train(&data, &out, &["--resume", "--max-steps", "7"]);
     assert!(o.status.success(), "{}", stderr(&o));
 }
+
+#[test]
+fn profile_writes_a_valid_chrome_trace() {
+    let d = scratch("trace");
+    let data = corpus(&d);
+    let out = d.join("run");
+    let o = train(&data, &out, &["--max-steps", "5", "--profile", "2"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(&fs::read_to_string(out.join("trace.json")).unwrap()).unwrap();
+    let ev = v["traceEvents"].as_array().unwrap();
+    let spans: Vec<&serde_json::Value> = ev.iter().filter(|e| e["ph"] == "X").collect();
+    for e in &spans {
+        assert!(e["name"].is_string() && e["ts"].as_f64().unwrap() >= 0.0 && e["dur"].as_f64().unwrap() >= 0.0, "{e}");
+        assert!(e["pid"].is_u64() && e["tid"].is_u64(), "{e}");
+    }
+    let count = |n: &str| spans.iter().filter(|e| e["name"] == n).count();
+    assert_eq!(count("step"), 2, "two traced steps");
+    for n in ["data", "forward", "backward", "optimizer", "matmul_forward", "flash_attention_backward"] {
+        assert!(count(n) >= 2, "{n}: {}", count(n));
+    }
+    // Per-layer block spans carry their layer.
+    assert!(spans.iter().any(|e| e["name"] == "block_backward" && e["args"]["layer"] == 0));
+    assert!(ev.iter().any(|e| e["ph"] == "M" && e["name"] == "process_name"));
+}
