@@ -62,20 +62,47 @@ pub unsafe fn gemm_raw(dst_ptr: *mut f32, dst_rs: usize, accumulate: bool, lhs: 
         }
         return;
     }
-    let par = match threads {
-        Threads::One => gemm::Parallelism::None,
-        Threads::All => {
-            let t = rayon::current_num_threads();
-            // Small products do not pay for thread start-up.
-            if t <= 1 || (m * n * k) < (1 << 15) { gemm::Parallelism::None } else { gemm::Parallelism::Rayon(t) }
+    let t = rayon::current_num_threads();
+    if threads == Threads::One || t <= 1 || (m * n * k) < (1 << 15) {
+        gemm_one(dst_ptr, dst_rs, accumulate, lhs, rhs, alpha);
+        return;
+    }
+    // Split the output into one block per thread along its longer side and run each block as
+    // a single-threaded product: measured faster here than gemm's own threading (which splits
+    // small-M weight-gradient products poorly), and every output element is still computed by
+    // one call with the same k order, so the split only depends on the thread count.
+    let (split_rows, len) = if m >= n { (true, m) } else { (false, n) };
+    let parts = t.min(len.div_ceil(16)).max(1);
+    let dst = crate::par::SyncPtr(dst_ptr);
+    (0..parts).into_par_iter().for_each(|i| {
+        let dst = dst;
+        let (a, b) = (len * i / parts, len * (i + 1) / parts);
+        if a == b {
+            return;
         }
-    };
+        // Safety: block i writes rows (or columns) a..b of the destination, disjoint from the
+        // other blocks'.
+        unsafe {
+            if split_rows {
+                let l = View { off: lhs.off + a * lhs.rs, rows: b - a, ..lhs };
+                gemm_one(dst.0.add(a * dst_rs), dst_rs, accumulate, l, rhs, alpha);
+            } else {
+                let r = View { off: rhs.off + a * rhs.cs, cols: b - a, ..rhs };
+                gemm_one(dst.0.add(a), dst_rs, accumulate, lhs, r, alpha);
+            }
+        }
+    });
+}
+
+/// One single-threaded gemm call (see [`gemm_raw`] for the contract).
+unsafe fn gemm_one(dst_ptr: *mut f32, dst_rs: usize, accumulate: bool, lhs: View, rhs: View, alpha: f32) {
+    let (m, n, k) = (lhs.rows, rhs.cols, lhs.cols);
     gemm::gemm(
         m, n, k,
         dst_ptr, 1, dst_rs as isize, accumulate,
         lhs.data.as_ptr().add(lhs.off), lhs.cs as isize, lhs.rs as isize,
         rhs.data.as_ptr().add(rhs.off), rhs.cs as isize, rhs.rs as isize,
-        1.0, alpha, false, false, false, par,
+        1.0, alpha, false, false, false, gemm::Parallelism::None,
     );
 }
 
