@@ -45,7 +45,7 @@ pub fn preset(name: &str) -> Result<RunConfig> {
     let mut c = base();
     c.preset = name.to_string();
     match name {
-        // The default: a byte-level model on the Rust books, about five minutes on 2 cores.
+        // The default: a byte-level model on the Rust books, about 1.5 minutes on 2 cores.
         "tiny" => {
             c.model = ModelSection { n_layer: 4, n_head: 4, n_embd: 128, block_size: 128, ..c.model };
             c.train.batch_size = 16;
