@@ -42,3 +42,32 @@ pub fn max_err(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
     a.iter().zip(b).map(|(x, y)| (x - y).abs() / (1.0 + y.abs())).fold(0.0, f32::max)
 }
+
+/// A `../shared/fixtures` directory, or `None` (with a note) where it is absent.
+pub fn fixture(name: &str) -> Option<std::path::PathBuf> {
+    let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/fixtures").join(name);
+    if p.exists() {
+        Some(p)
+    } else {
+        eprintln!("skipped: fixture {} not found", p.display());
+        None
+    }
+}
+
+/// F32 tensors of a safetensors file, by name with their expected shape.
+pub struct SafeTensors {
+    bytes: Vec<u8>,
+}
+
+impl SafeTensors {
+    pub fn open(path: &std::path::Path) -> SafeTensors {
+        SafeTensors { bytes: std::fs::read(path).unwrap() }
+    }
+
+    pub fn get(&self, name: &str, shape: &[usize]) -> Vec<f32> {
+        let st = safetensors::SafeTensors::deserialize(&self.bytes).unwrap();
+        let t = st.tensor(name).unwrap_or_else(|_| panic!("no tensor {name}"));
+        assert_eq!(t.shape(), shape, "{name} shape");
+        t.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
+    }
+}

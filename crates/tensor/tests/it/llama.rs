@@ -2,7 +2,6 @@
 //! rotary-embedding identities, GQA against the multi-head kernel, accumulation, and the
 //! `llama-tiny` transformers fixture's logits reproduced from these kernels (issue 4).
 
-use std::path::{Path, PathBuf};
 use tensor::attention::AttnDims;
 use tensor::llama::*;
 use tensor::*;
@@ -415,42 +414,6 @@ fn backward_kernels_accumulate() {
 
 // ---------------------------------------------------------------------------------------------
 // The transformers `llama-tiny` fixture: logits from these kernels (plus embedding and matmul)
-
-fn fixture(name: &str) -> Option<PathBuf> {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/fixtures").join(name);
-    if p.exists() { Some(p) } else { eprintln!("skipped: fixture {} not found", p.display()); None }
-}
-
-/// A minimal safetensors reader (F32 only): 8-byte little-endian header length, a JSON header
-/// of `"name": {"dtype", "shape", "data_offsets": [begin, end]}`, then the raw data.
-struct SafeTensors {
-    header: String,
-    data: Vec<u8>,
-}
-
-impl SafeTensors {
-    fn open(path: &Path) -> SafeTensors {
-        let bytes = std::fs::read(path).unwrap();
-        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-        SafeTensors { header: String::from_utf8(bytes[8..8 + n].to_vec()).unwrap(), data: bytes[8 + n..].to_vec() }
-    }
-    /// The integers in the first `[...]` after `"key":` that follows the tensor's name.
-    fn ints(&self, name: &str, key: &str) -> Vec<usize> {
-        let at = self.header.find(&format!("\"{name}\"")).unwrap_or_else(|| panic!("no tensor {name}"));
-        let rest = &self.header[at..];
-        let k = rest.find(&format!("\"{key}\"")).unwrap();
-        let open = k + rest[k..].find('[').unwrap();
-        let close = open + rest[open..].find(']').unwrap();
-        rest[open + 1..close].split(',').filter(|s| !s.trim().is_empty()).map(|s| s.trim().parse().unwrap()).collect()
-    }
-    fn get(&self, name: &str, shape: &[usize]) -> Vec<f32> {
-        assert_eq!(self.ints(name, "shape"), shape, "{name} shape");
-        let off = self.ints(name, "data_offsets");
-        let v: Vec<f32> = self.data[off[0]..off[1]].chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
-        assert_eq!(v.len(), shape.iter().product::<usize>());
-        v
-    }
-}
 
 #[test]
 fn llama_tiny_fixture_logits_match_transformers() {

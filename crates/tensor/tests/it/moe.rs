@@ -4,7 +4,6 @@
 //! SwiGLU MLP, capacity/drop bookkeeping on a crafted routing, the aux and z losses by hand,
 //! determinism across thread counts, accumulation, and the `mixtral-tiny` transformers fixture.
 
-use std::path::{Path, PathBuf};
 use tensor::llama::*;
 use tensor::moe::*;
 use tensor::*;
@@ -392,38 +391,6 @@ fn backward_accumulates_and_cache_is_reusable() {
 
 // ---------------------------------------------------------------------------------------------
 // The transformers `mixtral-tiny` fixture (4 experts, top-2, renormalised).
-
-fn fixture(name: &str) -> Option<PathBuf> {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/fixtures").join(name);
-    if p.exists() { Some(p) } else { eprintln!("skipped: fixture {} not found", p.display()); None }
-}
-
-/// A minimal safetensors reader (F32 only), as in llama.rs.
-struct SafeTensors {
-    header: String,
-    data: Vec<u8>,
-}
-
-impl SafeTensors {
-    fn open(path: &Path) -> SafeTensors {
-        let bytes = std::fs::read(path).unwrap();
-        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-        SafeTensors { header: String::from_utf8(bytes[8..8 + n].to_vec()).unwrap(), data: bytes[8 + n..].to_vec() }
-    }
-    fn ints(&self, name: &str, key: &str) -> Vec<usize> {
-        let at = self.header.find(&format!("\"{name}\"")).unwrap_or_else(|| panic!("no tensor {name}"));
-        let rest = &self.header[at..];
-        let k = rest.find(&format!("\"{key}\"")).unwrap();
-        let open = k + rest[k..].find('[').unwrap();
-        let close = open + rest[open..].find(']').unwrap();
-        rest[open + 1..close].split(',').filter(|s| !s.trim().is_empty()).map(|s| s.trim().parse().unwrap()).collect()
-    }
-    fn get(&self, name: &str, shape: &[usize]) -> Vec<f32> {
-        assert_eq!(self.ints(name, "shape"), shape, "{name} shape");
-        let off = self.ints(name, "data_offsets");
-        self.data[off[0]..off[1]].chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect()
-    }
-}
 
 #[test]
 fn mixtral_tiny_fixture_logits_match_transformers() {
