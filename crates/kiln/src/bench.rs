@@ -46,6 +46,12 @@ fn product_flops(m: usize, n: usize, k: usize, reps: usize) -> f64 {
     2.0 * (m * n * k) as f64 / best
 }
 
+/// The fp32 matmul peak in FLOP/s: the best product of [`peak`]. Training and `kiln bench`
+/// state MFU against this figure.
+pub fn peak_flops() -> f64 {
+    peak()["peak_gflops"].as_f64().unwrap_or(f64::NAN) * 1e9
+}
+
 /// `kiln bench --peak`: large square and transformer-shaped products on all threads.
 pub fn peak() -> serde_json::Value {
     let shapes: &[(&str, usize, usize, usize)] = &[
@@ -96,9 +102,10 @@ pub fn bench(args: &BenchArgs) -> Result<serde_json::Value> {
     let vp = if cfg.model.vocab_size > 0 { gcfg.vocab_size } else { padded_vocab(real_vocab) };
     let gcfg = model::GptConfig { vocab_size: vp, ..gcfg };
     let (t, mb) = (cfg.model.block_size, cfg.micro_batch());
-    let peak = tensor::matmul::measure_peak_flops(1024, 3);
+    let peak = peak_flops();
 
     let mut model = Gpt::new(gcfg, real_vocab.min(vp), cfg.train.seed);
+    model.recompute = cfg.recompute();
     let mut opt = Optimizer::new(&model.layout);
     let mut rng = Rng::new(cfg.train.seed);
     let (mut x, mut y) = (vec![0u32; mb * t], vec![0i32; mb * t]);
@@ -137,6 +144,7 @@ pub fn bench(args: &BenchArgs) -> Result<serde_json::Value> {
         "peak_gflops": peak / 1e9,
         "mfu": flops / median / peak,
         "peak_rss_bytes": peak_rss_bytes(),
+        "activation_bytes": model.activation_bytes(),
         "parameters": model.num_params(),
         "config": {"model": serde_json::to_value(&cfg.model).unwrap(), "train": {"batch_size": cfg.train.batch_size, "grad_accum": cfg.train.grad_accum}, "vocab_size": vp},
     });

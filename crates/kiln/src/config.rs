@@ -55,6 +55,10 @@ pub struct ModelSection {
     /// Weight of the ST-MoE router z-loss.
     #[serde(default = "default_z")]
     pub moe_z_weight: f64,
+    /// Activation recomputation: `none`, `selective` (attention internals and MLP hidden
+    /// activations) or `full` (keep block inputs only). Results are bit-identical to `none`.
+    #[serde(default = "default_recompute")]
+    pub recompute: String,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -133,6 +137,9 @@ fn default_theta() -> f64 {
 }
 fn default_eps() -> f64 {
     1e-5
+}
+fn default_recompute() -> String {
+    "none".into()
 }
 fn default_top_k() -> usize {
     2
@@ -295,6 +302,9 @@ impl RunConfig {
         if m.arch != "gpt2" && m.arch != "llama" {
             return user(format!("model.arch must be `gpt2` or `llama`, got `{}`", m.arch));
         }
+        if !["none", "selective", "full"].contains(&m.recompute.as_str()) {
+            return user(format!("model.recompute must be `none`, `selective` or `full`, got `{}`", m.recompute));
+        }
         if m.arch == "llama" && m.bias {
             return user("model.bias must be false for model.arch = llama (LLaMA has no biases)");
         }
@@ -406,3 +416,14 @@ pub const STRUCTURAL_KEYS: &[&str] = &[
     "model.n_expert", "model.top_k", "model.n_shared_expert",
     "lora.rank", "lora.targets", "data.tokenizer", "data.paths", "data.val_fraction",
 ];
+
+impl RunConfig {
+    /// The activation recomputation policy of `model.recompute`.
+    pub fn recompute(&self) -> model::gpt::Recompute {
+        match self.model.recompute.as_str() {
+            "full" => model::gpt::Recompute::Full,
+            "selective" => model::gpt::Recompute::Selective,
+            _ => model::gpt::Recompute::None,
+        }
+    }
+}

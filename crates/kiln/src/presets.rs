@@ -28,6 +28,7 @@ fn base() -> RunConfig {
             arch: "gpt2".into(), n_layer: 4, n_head: 4, n_kv_head: 0, n_embd: 128, ffn_hidden: 0, rope_theta: 10000.0, norm_eps: 1e-5,
             block_size: 128, vocab_size: 0, bias: false, dropout: 0.0, tied_embeddings: true, init_from: String::new(),
             n_expert: 0, top_k: 2, n_shared_expert: 0, capacity_factor: 0.0, moe_aux_weight: 0.01, moe_z_weight: 0.001,
+            recompute: "none".into(),
         },
         train: TrainSection {
             batch_size: 16, grad_accum: 1, lr: 1e-3, min_lr: 1e-4, warmup_steps: 100, lr_decay_steps: 0, max_steps: 1000,

@@ -254,6 +254,7 @@ pub fn train(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
         }
         None => Gpt::new(gcfg, ds.tokenizer.vocab_size(), cfg.train.seed),
     };
+    model.recompute = cfg.recompute();
     if cfg.lora.rank > 0 {
         let l = &cfg.lora;
         model.lora = Some(model::lora::Lora::new(&model.cfg, l.rank, l.alpha as f32, &l.targets, cfg.train.seed).map_err(KilnError::User)?);
@@ -282,7 +283,8 @@ pub fn train(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
     // metrics.jsonl and TensorBoard event files; a resumed run drops the lines past its checkpoint.
     let mut metrics = crate::obs::MetricsWriter::open(&run_dir, resume_from.as_ref().map(|_| step)).map_err(KilnError::User)?;
 
-    let peak = tensor::matmul::measure_peak_flops(1024, 3);
+    // MFU is stated against the same peak `kiln bench --peak` reports.
+    let peak = crate::bench::peak_flops();
     let flops_per_token = model_flops_per_token(&model);
 
     let max_steps = cfg.train.max_steps;

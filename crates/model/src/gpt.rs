@@ -6,7 +6,9 @@
 //! logits = ln_f(x) · headᵀ;   loss = mean cross-entropy(logits, targets)
 //! ```
 //!
-//! Forward keeps every activation backward needs, in buffers sized once per `(B, T)`.
+//! Forward keeps every activation backward needs, in buffers sized once per `(B, T)` — or,
+//! under a [`Recompute`] policy, only part of them (each block's input, for `Full`), and
+//! backward re-runs the rest of each block's forward, block by block, into one shared set.
 //! Backward walks the same steps in reverse, accumulating parameter gradients into `grads`
 //! (one flat buffer with the parameter layout), so gradient accumulation over micro-batches
 //! is a matter of not zeroing `grads` between them.
@@ -14,7 +16,7 @@
 use crate::config::{Arch, GptConfig};
 use crate::lora::{Lora, Site};
 use tensor::moe::{moe_backward, moe_forward, MoeCache, MoeStats};
-use crate::layout::{gpt_layout, GptParams, Init, ParamLayout};
+use crate::layout::{gpt_layout, BlockParams, GptParams, Init, ParamLayout};
 use tensor::attention::AttnDims;
 use tensor::classifier::{chunk_rows, lm_head_crossentropy};
 use tensor::flash::{flash_attention_backward, flash_attention_forward, flash_gqa_backward, flash_gqa_forward};
@@ -36,32 +38,74 @@ pub enum Pass {
     Train { dropout_seed: u64, loss_scale: f32 },
 }
 
-/// Activations of one block for one `(B, T)`.
-struct BlockActs {
+/// Activation recomputation ("gradient checkpointing"; Chen et al. 2016, "Training Deep Nets
+/// with Sublinear Memory Cost"; Megatron-LM's `--recompute-granularity full`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Recompute {
+    /// Forward keeps every block's activations.
+    #[default]
+    None,
+    /// Forward keeps each block's norm outputs (with their statistics) and the residual between
+    /// its branches, but not the attention internals (`qkv`, the attention output and its
+    /// log-sum-exp) nor the MLP hidden activations (GELU / SwiGLU input and output, or the MoE
+    /// layer's routing and expert activations): backward recomputes those, from the kept norm
+    /// outputs, into one shared set. Costs the q|k|v and first MLP matmuls and the attention
+    /// forward again; GPT-2 keeps 4C floats per token and layer (with the block's output) of
+    /// `None`'s 16C.
+    Selective,
+    /// Forward keeps only each block's input (the residual stream entering it) and the final
+    /// norm's; backward re-runs each block's forward from its saved input into one shared set of
+    /// block buffers, then differentiates it. The same kernels run in the same order on the same
+    /// inputs, and dropout masks are counter-based, so the loss and every gradient are
+    /// bit-identical to [`Recompute::None`] (for `Selective` too); the price is one more block
+    /// forward per step (less the MLP output projection, whose result backward does not read).
+    /// LoRA adapters keep their `x·Aᵀ` per layer and site, so re-running re-saves the same
+    /// values; the MoE routing statistics reported are those of the forward pass.
+    Full,
+}
+
+/// The activations of one block for one `(B, T)` that [`Recompute::Selective`] keeps: the norms'
+/// outputs and statistics and the residual between the branches. The block's input and output
+/// live in `Acts::xs`; the branch outputs (projection after dropout), which backward never
+/// reads, in the one `Acts::branch`.
+struct BlockKept {
     ln_1: Vec<f32>,      // [B, T, C]
     ln_1_mean: Vec<f32>, // [B, T]
     ln_1_rstd: Vec<f32>, // [B, T]
-    qkv: Vec<f32>,       // [B, T, (NH + 2·NKV)·HS]  (LLaMA: q and k after the rotary embedding)
-    atty: Vec<f32>,      // [B, T, C]
-    attn_state: Vec<f32>, // lse [B, NH, T]: FlashAttention (MHA for GPT-2, GQA for LLaMA)
-                          // keeps no T×T matrix
-    attproj: Vec<f32>,   // [B, T, C]  after residual dropout
     res_2: Vec<f32>,     // [B, T, C]  x + attn branch
     ln_2: Vec<f32>,
     ln_2_mean: Vec<f32>,
     ln_2_rstd: Vec<f32>,
+}
+
+/// A block's attention internals and MLP hidden activations, which [`Recompute::Selective`] and
+/// `Full` recompute in backward into one shared set.
+struct BlockInner {
+    qkv: Vec<f32>,       // [B, T, (NH + 2·NKV)·HS]  (LLaMA: q and k after the rotary embedding)
+    atty: Vec<f32>,      // [B, T, C]
+    attn_state: Vec<f32>, // lse [B, NH, T]: FlashAttention (MHA for GPT-2, GQA for LLaMA)
+                          // keeps no T×T matrix
     fch: Vec<f32>,       // [B, T, F] (GPT-2) or [B, T, 2F] (LLaMA: gate | up)
     fch_gelu: Vec<f32>,  // [B, T, F]  after GELU or SwiGLU
-    fcproj: Vec<f32>,    // [B, T, C]  after residual dropout
     moe: Option<MoeCache>, // routing, dispatch and expert activations of an MoE layer
-    res_3: Vec<f32>,     // [B, T, C]  block output
 }
 
 struct Acts {
     b: usize,
     t: usize,
-    encoded: Vec<f32>, // [B, T, C]
-    blocks: Vec<BlockActs>,
+    /// The policy these buffers were laid out for.
+    recompute: Recompute,
+    /// The residual stream between blocks, `L + 1` of `[B, T, C]`: `xs[0]` the (dropped-out)
+    /// embedding, `xs[l + 1]` block `l`'s output (`res_3`); `xs[L]` feeds the final norm.
+    xs: Vec<Vec<f32>>,
+    /// Kept block activations: one per layer, except one shared with `Recompute::Full`.
+    kept: Vec<BlockKept>,
+    /// Attention internals and MLP hidden activations: one per layer with `Recompute::None`,
+    /// else one shared.
+    inner: Vec<BlockInner>,
+    /// A branch's output (attention or MLP projection, after dropout) before its residual add,
+    /// `[B, T, C]`: forward-only, so one for all blocks and both branches.
+    branch: Vec<f32>,
     ln_f: Vec<f32>,
     ln_f_mean: Vec<f32>,
     ln_f_rstd: Vec<f32>,
@@ -72,10 +116,20 @@ struct Acts {
     targets: Vec<i32>,
     count: usize,
     dropout_seed: u64,
+    /// The dropout probability of the last forward (0 for `Pass::Eval`).
+    p_drop: f32,
     /// The gradient scale of the last training forward (the MoE losses' weights use it).
     loss_scale: f32,
     /// Routing statistics of each MoE layer in the last forward.
     moe_stats: Vec<MoeStats>,
+}
+
+impl Acts {
+    /// The `kept` and `inner` slot of block `l`: its own, or the shared one.
+    fn slots(&self) -> (impl Fn(usize) -> usize, impl Fn(usize) -> usize) {
+        let (own_kept, own_inner) = (self.kept.len() > 1, self.inner.len() > 1);
+        (move |l| if own_kept { l } else { 0 }, move |l| if own_inner { l } else { 0 })
+    }
 }
 
 /// Gradient scratch for activations, reused across blocks during backward.
@@ -102,6 +156,9 @@ pub struct Gpt {
     /// LoRA adapters; when present the base parameters are frozen (no gradients computed for
     /// its matrices) and only the adapters train.
     pub lora: Option<Lora>,
+    /// Activation recomputation policy (default [`Recompute::None`]); takes effect at the next
+    /// forward.
+    pub recompute: Recompute,
     acts: Option<Acts>,
     scratch: Option<GradScratch>,
 }
@@ -138,7 +195,7 @@ impl Gpt {
         let (layout, views) = gpt_layout(&cfg);
         let n = layout.total;
         let rope = (cfg.arch == Arch::Llama).then(|| rope_table(cfg.rope_theta, cfg.head_size(), cfg.block_size));
-        Gpt { cfg, layout, views, real_vocab, params: zeros(n), grads: zeros(n), rope, lora: None, acts: None, scratch: None }
+        Gpt { cfg, layout, views, real_vocab, params: zeros(n), grads: zeros(n), rope, lora: None, recompute: Recompute::None, acts: None, scratch: None }
     }
 
     pub fn num_params(&self) -> usize {
@@ -153,7 +210,7 @@ impl Gpt {
     }
 
     fn ensure_acts(&mut self, b: usize, t: usize) {
-        if self.acts.as_ref().is_some_and(|a| a.b == b && a.t == t) {
+        if self.acts.as_ref().is_some_and(|a| a.b == b && a.t == t && a.recompute == self.recompute) {
             return;
         }
         let (c, nh, vp) = (self.cfg.n_embd, self.cfg.n_head, self.cfg.vocab_size);
@@ -164,21 +221,33 @@ impl Gpt {
         // An MoE layer keeps its activations in its MoeCache; the dense MLP buffers stay empty.
         let (fw, f) = if moe { (0, 0) } else { (fw, f) };
         let cfg = &self.cfg;
-        let block = || BlockActs {
-            ln_1: zeros(n * c), ln_1_mean: zeros(n), ln_1_rstd: zeros(n),
-            qkv: zeros(n * qw), atty: zeros(n * c), attn_state: zeros(state),
-            attproj: zeros(n * c), res_2: zeros(n * c),
+        let kept = || BlockKept {
+            ln_1: zeros(n * c), ln_1_mean: zeros(n), ln_1_rstd: zeros(n), res_2: zeros(n * c),
             ln_2: zeros(n * c), ln_2_mean: zeros(n), ln_2_rstd: zeros(n),
-            fch: zeros(n * fw), fch_gelu: zeros(n * f), fcproj: zeros(n * c), res_3: zeros(n * c),
+        };
+        let inner = || BlockInner {
+            qkv: zeros(n * qw), atty: zeros(n * c), attn_state: zeros(state),
+            fch: zeros(n * fw), fch_gelu: zeros(n * f),
             moe: moe.then(|| MoeCache::new(cfg.moe_dims(n))),
         };
+        let l = self.cfg.n_layer;
+        let (n_kept, n_inner) = match self.recompute {
+            Recompute::None => (l, l),
+            Recompute::Selective => (l, 1),
+            Recompute::Full => (1, 1),
+        };
+        // Drop the old buffers before allocating the new ones (peak memory).
+        self.acts = None;
         self.acts = Some(Acts {
             b, t,
-            encoded: zeros(n * c),
-            blocks: (0..self.cfg.n_layer).map(|_| block()).collect(),
+            recompute: self.recompute,
+            xs: (0..=self.cfg.n_layer).map(|_| zeros(n * c)).collect(),
+            kept: (0..n_kept).map(|_| kept()).collect(),
+            inner: (0..n_inner).map(|_| inner()).collect(),
+            branch: zeros(n * c),
             ln_f: zeros(n * c), ln_f_mean: zeros(n), ln_f_rstd: zeros(n),
             dln_f: zeros(n * c), head_scratch: zeros(chunk_rows(n, vp) * vp), losses: zeros(n),
-            tokens: vec![0; n], targets: vec![0; n], count: 0, dropout_seed: 0, loss_scale: 1.0, moe_stats: Vec::new(),
+            tokens: vec![0; n], targets: vec![0; n], count: 0, dropout_seed: 0, p_drop: 0.0, loss_scale: 1.0, moe_stats: Vec::new(),
         });
         self.scratch = None;
     }
@@ -228,67 +297,31 @@ impl Gpt {
         assert_eq!(tokens.len(), b * t);
         self.ensure_acts(b, t);
         let c = self.cfg.n_embd;
-        let n = b * t;
         let w = &self.params;
         let pv = &self.views;
         let a = self.acts.as_mut().unwrap();
         let lora = &mut self.lora;
         a.tokens.copy_from_slice(tokens);
         a.dropout_seed = dropout_seed;
+        a.p_drop = p_drop;
         a.moe_stats.clear();
         let ops = Ops { cfg: &self.cfg, rope: self.rope.as_ref(), b, t };
-        let opt = |r: &Option<std::ops::Range<usize>>| r.as_ref().map(|r| &w[r.clone()]);
-        let (qw, fw, f) = (self.cfg.qkv_width(), self.cfg.fc_width(), self.cfg.ffn_hidden);
 
-        embedding_forward(&mut a.encoded, tokens, &w[pv.wte.clone()], pv.wpe.as_ref().map(|r| &w[r.clone()]), t, c);
+        embedding_forward(&mut a.xs[0], tokens, &w[pv.wte.clone()], pv.wpe.as_ref().map(|r| &w[r.clone()]), t, c);
         if p_drop > 0.0 {
-            dropout_inplace(&mut a.encoded, p_drop, site_seed(dropout_seed, 0));
+            dropout_inplace(&mut a.xs[0], p_drop, site_seed(dropout_seed, 0));
         }
+        let (kl, il) = a.slots();
         for (l, bp) in pv.blocks.iter().enumerate() {
-            let (prev, rest) = a.blocks.split_at_mut(l);
-            let x: &[f32] = if l == 0 { &a.encoded } else { &prev[l - 1].res_3 };
-            let s = &mut rest[0];
-            let site = 1 + 3 * l as u64;
+            let (inp, out) = a.xs.split_at_mut(l + 1);
+            let (k, i) = (&mut a.kept[kl(l)], &mut a.inner[il(l)]);
             let _span = tensor::profile::layer_scope("block_forward", l);
-            // x = x + drop(attn(norm_1(x)))
-            ops.norm_forward(&mut s.ln_1, &mut s.ln_1_mean, &mut s.ln_1_rstd, x, &w[bp.ln_1_w.clone()], opt(&bp.ln_1_b));
-            matmul_forward(&mut s.qkv, &s.ln_1, &w[bp.c_attn_w.clone()], opt(&bp.c_attn_b), n, c, qw);
-            if let Some(lo) = lora.as_mut() {
-                lo.forward(l, Site::Qkv, &mut s.qkv, &s.ln_1, n, qw);
-            }
-            ops.attn_forward(&mut s.atty, &mut s.attn_state, &mut s.qkv, p_drop, site_seed(dropout_seed, site));
-            matmul_forward(&mut s.attproj, &s.atty, &w[bp.attn_proj_w.clone()], opt(&bp.attn_proj_b), n, c, c);
-            if let Some(lo) = lora.as_mut() {
-                lo.forward(l, Site::AttnProj, &mut s.attproj, &s.atty, n, c);
-            }
-            if p_drop > 0.0 {
-                dropout_inplace(&mut s.attproj, p_drop, site_seed(dropout_seed, site + 1));
-            }
-            residual_forward(&mut s.res_2, x, &s.attproj);
-            // x = x + drop(mlp(norm_2(x)))
-            ops.norm_forward(&mut s.ln_2, &mut s.ln_2_mean, &mut s.ln_2_rstd, &s.res_2, &w[bp.ln_2_w.clone()], opt(&bp.ln_2_b));
-            if let (Some(mp), Some(cache)) = (&bp.moe, s.moe.as_mut()) {
-                let dims = self.cfg.moe_dims(n);
-                let st = moe_forward(&mut s.fcproj, cache, &s.ln_2, &w[mp.router.clone()], &w[mp.experts.clone()], &w[mp.shared.clone()], &dims, self.cfg.moe_aux_weight, self.cfg.moe_z_weight);
+            if let Some(st) = block_forward(&ops, w, bp, lora, l, &inp[l], k, i, &mut a.branch, Some(&mut out[0]), p_drop, dropout_seed) {
                 a.moe_stats.push(st);
-            } else {
-                matmul_forward(&mut s.fch, &s.ln_2, &w[bp.c_fc_w.clone()], opt(&bp.c_fc_b), n, c, fw);
-                if let Some(lo) = lora.as_mut() {
-                    lo.forward(l, Site::Fc, &mut s.fch, &s.ln_2, n, fw);
-                }
-                ops.act_forward(&mut s.fch_gelu, &s.fch);
-                matmul_forward(&mut s.fcproj, &s.fch_gelu, &w[bp.mlp_proj_w.clone()], opt(&bp.mlp_proj_b), n, f, c);
-                if let Some(lo) = lora.as_mut() {
-                    lo.forward(l, Site::MlpProj, &mut s.fcproj, &s.fch_gelu, n, c);
-                }
             }
-            if p_drop > 0.0 {
-                dropout_inplace(&mut s.fcproj, p_drop, site_seed(dropout_seed, site + 2));
-            }
-            residual_forward(&mut s.res_3, &s.res_2, &s.fcproj);
         }
-        let x: &[f32] = a.blocks.last().map_or(&a.encoded, |s| &s.res_3);
-        ops.norm_forward(&mut a.ln_f, &mut a.ln_f_mean, &mut a.ln_f_rstd, x, &w[pv.ln_f_w.clone()], opt(&pv.ln_f_b));
+        let x: &[f32] = a.xs.last().unwrap();
+        ops.norm_forward(&mut a.ln_f, &mut a.ln_f_mean, &mut a.ln_f_rstd, x, &w[pv.ln_f_w.clone()], pv.ln_f_b.as_ref().map(|r| &w[r.clone()]));
     }
 
     /// Backward pass of the last `forward` (which must have been a `Pass::Train`: the head's
@@ -319,64 +352,77 @@ impl Gpt {
         }
         // The head and the loss were differentiated in forward (fused): start from d ln_f.
         g.dres.fill(0.0);
-        let x_last: &[f32] = a.blocks.last().map_or(&a.encoded, |s| &s.res_3);
+        let x_last: &[f32] = a.xs.last().unwrap();
         let (dlnf_w, dlnf_b) = split_two(dw, &pv.ln_f_w, &pv.ln_f_b);
         ops.norm_backward(&mut g.dres, dlnf_w, dlnf_b, &a.dln_f, x_last, &w[pv.ln_f_w.clone()], &a.ln_f_mean, &a.ln_f_rstd);
 
         let moe_scale = a.loss_scale;
+        let (kl, il) = a.slots();
         for (l, bp) in pv.blocks.iter().enumerate().rev() {
-            let (prev, rest) = a.blocks.split_at_mut(l);
-            let x: &[f32] = if l == 0 { &a.encoded } else { &prev[l - 1].res_3 };
-            let s = &mut rest[0];
+            let x: &[f32] = &a.xs[l];
+            let (k, i) = (&mut a.kept[kl(l)], &mut a.inner[il(l)]);
             let site = 1 + 3 * l as u64;
+            // Re-run what forward did not keep, from what it kept (same kernels, same masks).
+            match a.recompute {
+                Recompute::None => {}
+                Recompute::Selective => {
+                    let _span = tensor::profile::layer_scope("block_recompute", l);
+                    attn_inner(&ops, w, bp, lora, l, k, i, a.p_drop, seed);
+                    mlp_inner(&ops, w, bp, lora, l, k, i, &mut a.branch, false);
+                }
+                Recompute::Full => {
+                    let _span = tensor::profile::layer_scope("block_recompute", l);
+                    block_forward(&ops, w, bp, lora, l, x, k, i, &mut a.branch, None, a.p_drop, seed);
+                }
+            }
             let _span = tensor::profile::layer_scope("block_backward", l);
             // MLP branch: res_3 = res_2 + drop(fcproj)
             let dfcproj = branch_grad(&mut g.dbranch, &g.dres, p_drop, site_seed(seed, site + 2));
-            if let (Some(mp), Some(cache)) = (&bp.moe, s.moe.as_mut()) {
+            if let (Some(mp), Some(cache)) = (&bp.moe, i.moe.as_mut()) {
                 // The router's losses join the objective with the same scale as the main loss.
                 let dims = self.cfg.moe_dims(n);
                 let (aux, z) = (self.cfg.moe_aux_weight * moe_scale, self.cfg.moe_z_weight * moe_scale);
                 g.dln.fill(0.0);
                 let (dr, rest_w) = dw[mp.router.start..mp.shared.end].split_at_mut(mp.router.len());
                 let (de, ds) = rest_w.split_at_mut(mp.experts.len());
-                moe_backward(&mut g.dln, dr, de, ds, dfcproj, cache, &s.ln_2, &w[mp.router.clone()], &w[mp.experts.clone()], &w[mp.shared.clone()], &dims, aux, z);
+                moe_backward(&mut g.dln, dr, de, ds, dfcproj, cache, &k.ln_2, &w[mp.router.clone()], &w[mp.experts.clone()], &w[mp.shared.clone()], &dims, aux, z);
             } else {
             g.dfch_gelu.fill(0.0);
             let (dwp, dbp) = split_two(dw, &bp.mlp_proj_w, &bp.mlp_proj_b);
-            linear_backward(frozen, &mut g.dfch_gelu, dwp, dbp, dfcproj, &s.fch_gelu, &w[bp.mlp_proj_w.clone()], n, f, c);
+            linear_backward(frozen, &mut g.dfch_gelu, dwp, dbp, dfcproj, &i.fch_gelu, &w[bp.mlp_proj_w.clone()], n, f, c);
             if let Some(lo) = lora.as_mut() {
-                lo.backward(l, Site::MlpProj, &mut g.dfch_gelu, dfcproj, &s.fch_gelu, n, c);
+                lo.backward(l, Site::MlpProj, &mut g.dfch_gelu, dfcproj, &i.fch_gelu, n, c);
             }
             g.dfch.fill(0.0);
-            ops.act_backward(&mut g.dfch, &g.dfch_gelu, &s.fch);
+            ops.act_backward(&mut g.dfch, &g.dfch_gelu, &i.fch);
             g.dln.fill(0.0);
             let (dwf, dbf) = split_two(dw, &bp.c_fc_w, &bp.c_fc_b);
-            linear_backward(frozen, &mut g.dln, dwf, dbf, &g.dfch, &s.ln_2, &w[bp.c_fc_w.clone()], n, c, fw);
+            linear_backward(frozen, &mut g.dln, dwf, dbf, &g.dfch, &k.ln_2, &w[bp.c_fc_w.clone()], n, c, fw);
             if let Some(lo) = lora.as_mut() {
-                lo.backward(l, Site::Fc, &mut g.dln, &g.dfch, &s.ln_2, n, fw);
+                lo.backward(l, Site::Fc, &mut g.dln, &g.dfch, &k.ln_2, n, fw);
             }
             }
             // dres (currently d res_3, flowing straight through to d res_2) += ln_2 backward
             let (dw2, db2) = split_two(dw, &bp.ln_2_w, &bp.ln_2_b);
-            ops.norm_backward(&mut g.dres, dw2, db2, &g.dln, &s.res_2, &w[bp.ln_2_w.clone()], &s.ln_2_mean, &s.ln_2_rstd);
+            ops.norm_backward(&mut g.dres, dw2, db2, &g.dln, &k.res_2, &w[bp.ln_2_w.clone()], &k.ln_2_mean, &k.ln_2_rstd);
             // Attention branch: res_2 = x + drop(attproj)
             let dattproj = branch_grad(&mut g.dbranch, &g.dres, p_drop, site_seed(seed, site + 1));
             g.datty.fill(0.0);
             let (dwa, dba) = split_two(dw, &bp.attn_proj_w, &bp.attn_proj_b);
-            linear_backward(frozen, &mut g.datty, dwa, dba, dattproj, &s.atty, &w[bp.attn_proj_w.clone()], n, c, c);
+            linear_backward(frozen, &mut g.datty, dwa, dba, dattproj, &i.atty, &w[bp.attn_proj_w.clone()], n, c, c);
             if let Some(lo) = lora.as_mut() {
-                lo.backward(l, Site::AttnProj, &mut g.datty, dattproj, &s.atty, n, c);
+                lo.backward(l, Site::AttnProj, &mut g.datty, dattproj, &i.atty, n, c);
             }
             g.dqkv.fill(0.0);
-            ops.attn_backward(&mut g.dqkv, &g.datty, &s.qkv, &s.atty, &s.attn_state, p_drop, site_seed(seed, site));
+            ops.attn_backward(&mut g.dqkv, &g.datty, &i.qkv, &i.atty, &i.attn_state, p_drop, site_seed(seed, site));
             g.dln.fill(0.0);
             let (dwq, dbq) = split_two(dw, &bp.c_attn_w, &bp.c_attn_b);
-            linear_backward(frozen, &mut g.dln, dwq, dbq, &g.dqkv, &s.ln_1, &w[bp.c_attn_w.clone()], n, c, qw);
+            linear_backward(frozen, &mut g.dln, dwq, dbq, &g.dqkv, &k.ln_1, &w[bp.c_attn_w.clone()], n, c, qw);
             if let Some(lo) = lora.as_mut() {
-                lo.backward(l, Site::Qkv, &mut g.dln, &g.dqkv, &s.ln_1, n, qw);
+                lo.backward(l, Site::Qkv, &mut g.dln, &g.dqkv, &k.ln_1, n, qw);
             }
             let (dw1, db1) = split_two(dw, &bp.ln_1_w, &bp.ln_1_b);
-            ops.norm_backward(&mut g.dres, dw1, db1, &g.dln, x, &w[bp.ln_1_w.clone()], &s.ln_1_mean, &s.ln_1_rstd);
+            ops.norm_backward(&mut g.dres, dw1, db1, &g.dln, x, &w[bp.ln_1_w.clone()], &k.ln_1_mean, &k.ln_1_rstd);
         }
         // x = drop(wte[tokens] + wpe)
         let demb = branch_grad(&mut g.dbranch, &g.dres, p_drop, site_seed(seed, 0));
@@ -389,6 +435,45 @@ impl Gpt {
         }
     }
 
+    /// Allocates the activation buffers for `(B, T)` under the current [`Recompute`] policy, as
+    /// the next forward would (a no-op when they already fit).
+    pub fn reserve_activations(&mut self, b: usize, t: usize) {
+        self.ensure_acts(b, t);
+    }
+
+    /// Bytes held by the forward activation buffers (0 before the first forward or
+    /// [`Gpt::reserve_activations`]): the residual stream between blocks, the block activations
+    /// (with their MoE caches, backward scratch included), the branch buffer, the final norm,
+    /// the head's logits chunk and `dln_f`, losses, tokens and targets. Not counted: backward's
+    /// gradient scratch (one set, shared by all blocks in every policy) and LoRA's saved `x·Aᵀ`
+    /// (`[B·T, r]` per adapter).
+    pub fn activation_bytes(&self) -> usize {
+        let Some(a) = self.acts.as_ref() else { return 0 };
+        let f4 = std::mem::size_of::<f32>();
+        let v = |x: &Vec<f32>| x.len() * f4;
+        let moe_bytes = |m: &MoeCache| {
+            let tensor::moe::MoeDims { n, f, e, k, c, .. } = m.dims;
+            let r = n * k;
+            let big = r.max(n);
+            let public = (m.logits.len() + m.probs.len() + m.lse.len() + m.gates.len() + m.xe.len() + m.gu.len() + m.h.len() + m.eo.len() + m.sgu.len() + m.sh.len()) * f4
+                + (m.idx.len() + m.slot.len() + m.row_token.len()) * 4
+                + (m.offsets.len() + m.counts.len()) * std::mem::size_of::<usize>();
+            // The private backward scratch, sized as `MoeCache::new` sizes it.
+            public + (r * c + big * f + big * 2 * f + n * k + n * e) * f4
+        };
+        let kept = |k: &BlockKept| [&k.ln_1, &k.ln_1_mean, &k.ln_1_rstd, &k.res_2, &k.ln_2, &k.ln_2_mean, &k.ln_2_rstd].iter().map(|x| v(x)).sum::<usize>();
+        let inner = |i: &BlockInner| {
+            [&i.qkv, &i.atty, &i.attn_state, &i.fch, &i.fch_gelu].iter().map(|x| v(x)).sum::<usize>() + i.moe.as_ref().map_or(0, moe_bytes)
+        };
+        a.xs.iter().map(v).sum::<usize>()
+            + a.kept.iter().map(kept).sum::<usize>()
+            + a.inner.iter().map(inner).sum::<usize>()
+            + v(&a.branch)
+            + [&a.ln_f, &a.ln_f_mean, &a.ln_f_rstd, &a.dln_f, &a.head_scratch, &a.losses].iter().map(|x| v(x)).sum::<usize>()
+            + a.tokens.len() * 4
+            + a.targets.len() * 4
+    }
+
     /// Routing statistics of each MoE layer in the last forward (empty for dense models).
     pub fn moe_stats(&self) -> &[MoeStats] {
         self.acts.as_ref().map_or(&[], |a| &a.moe_stats)
@@ -399,6 +484,82 @@ impl Gpt {
         &self.acts.as_ref().expect("forward first").losses
     }
 
+}
+
+/// One block's forward from its input `x[B, T, C]` into its activations `k`, `i`, returning the
+/// MoE layer's routing statistics:
+/// `res_2 = x + drop(attn(norm_1(x)));  out = res_2 + drop(mlp(norm_2(res_2)))`.
+/// With `out` `None` (the recomputation in backward) the tail that backward never reads — the
+/// dense MLP's output projection, its dropout and the residual add — is skipped.
+#[allow(clippy::too_many_arguments)]
+fn block_forward(ops: &Ops, w: &[f32], bp: &BlockParams, lora: &mut Option<Lora>, l: usize, x: &[f32], k: &mut BlockKept, i: &mut BlockInner, branch: &mut [f32], out: Option<&mut [f32]>, p_drop: f32, dropout_seed: u64) -> Option<MoeStats> {
+    let cfg = ops.cfg;
+    let (c, n) = (cfg.n_embd, ops.b * ops.t);
+    let opt = |r: &Option<std::ops::Range<usize>>| r.as_ref().map(|r| &w[r.clone()]);
+    let site = 1 + 3 * l as u64;
+    // res_2 = x + drop(attn(norm_1(x)))
+    ops.norm_forward(&mut k.ln_1, &mut k.ln_1_mean, &mut k.ln_1_rstd, x, &w[bp.ln_1_w.clone()], opt(&bp.ln_1_b));
+    attn_inner(ops, w, bp, lora, l, k, i, p_drop, dropout_seed);
+    matmul_forward(branch, &i.atty, &w[bp.attn_proj_w.clone()], opt(&bp.attn_proj_b), n, c, c);
+    if let Some(lo) = lora.as_mut() {
+        lo.forward(l, Site::AttnProj, branch, &i.atty, n, c);
+    }
+    if p_drop > 0.0 {
+        dropout_inplace(branch, p_drop, site_seed(dropout_seed, site + 1));
+    }
+    residual_forward(&mut k.res_2, x, branch);
+    // out = res_2 + drop(mlp(norm_2(res_2)))
+    ops.norm_forward(&mut k.ln_2, &mut k.ln_2_mean, &mut k.ln_2_rstd, &k.res_2, &w[bp.ln_2_w.clone()], opt(&bp.ln_2_b));
+    let stats = mlp_inner(ops, w, bp, lora, l, k, i, branch, out.is_some());
+    if let Some(out) = out {
+        if p_drop > 0.0 {
+            dropout_inplace(branch, p_drop, site_seed(dropout_seed, site + 2));
+        }
+        residual_forward(out, &k.res_2, branch);
+    }
+    stats
+}
+
+/// The attention internals from the kept `ln_1`: `qkv = ln_1·Wᵀ (+ LoRA)`, then attention
+/// (after the rotary embedding, for LLaMA) into `atty` and its log-sum-exp.
+#[allow(clippy::too_many_arguments)]
+fn attn_inner(ops: &Ops, w: &[f32], bp: &BlockParams, lora: &mut Option<Lora>, l: usize, k: &BlockKept, i: &mut BlockInner, p_drop: f32, dropout_seed: u64) {
+    let cfg = ops.cfg;
+    let (c, n, qw) = (cfg.n_embd, ops.b * ops.t, cfg.qkv_width());
+    matmul_forward(&mut i.qkv, &k.ln_1, &w[bp.c_attn_w.clone()], bp.c_attn_b.as_ref().map(|r| &w[r.clone()]), n, c, qw);
+    if let Some(lo) = lora.as_mut() {
+        lo.forward(l, Site::Qkv, &mut i.qkv, &k.ln_1, n, qw);
+    }
+    ops.attn_forward(&mut i.atty, &mut i.attn_state, &mut i.qkv, p_drop, site_seed(dropout_seed, 1 + 3 * l as u64));
+}
+
+/// The MLP from the kept `ln_2`: its hidden activations, and with `proj` its output (before
+/// dropout) in `branch`. An MoE layer always writes its output (the combine is part of its
+/// forward). Without `proj` the dense output projection and its LoRA adapter are skipped:
+/// backward reads neither the output nor anything the adapter saves there (its `x·Aᵀ` is kept
+/// per layer in the adapter from forward).
+#[allow(clippy::too_many_arguments)]
+fn mlp_inner(ops: &Ops, w: &[f32], bp: &BlockParams, lora: &mut Option<Lora>, l: usize, k: &BlockKept, i: &mut BlockInner, branch: &mut [f32], proj: bool) -> Option<MoeStats> {
+    let cfg = ops.cfg;
+    let (c, n) = (cfg.n_embd, ops.b * ops.t);
+    let (fw, f) = (cfg.fc_width(), cfg.ffn_hidden);
+    let opt = |r: &Option<std::ops::Range<usize>>| r.as_ref().map(|r| &w[r.clone()]);
+    if let (Some(mp), Some(cache)) = (&bp.moe, i.moe.as_mut()) {
+        let dims = cfg.moe_dims(n);
+        return Some(moe_forward(branch, cache, &k.ln_2, &w[mp.router.clone()], &w[mp.experts.clone()], &w[mp.shared.clone()], &dims, cfg.moe_aux_weight, cfg.moe_z_weight));
+    }
+    matmul_forward(&mut i.fch, &k.ln_2, &w[bp.c_fc_w.clone()], opt(&bp.c_fc_b), n, c, fw);
+    if let Some(lo) = lora.as_mut() {
+        lo.forward(l, Site::Fc, &mut i.fch, &k.ln_2, n, fw);
+    }
+    ops.act_forward(&mut i.fch_gelu, &i.fch);
+    if proj {
+        matmul_forward(branch, &i.fch_gelu, &w[bp.mlp_proj_w.clone()], opt(&bp.mlp_proj_b), n, f, c);
+        if let Some(lo) = lora.as_mut() {
+            lo.forward(l, Site::MlpProj, branch, &i.fch_gelu, n, c);
+        }
+    }
+    None
 }
 
 /// A Linear's backward; with a frozen weight only the input gradient is computed.

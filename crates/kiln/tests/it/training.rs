@@ -258,3 +258,19 @@ fn profile_writes_a_valid_chrome_trace() {
     assert!(spans.iter().any(|e| e["name"] == "block_backward" && e["args"]["layer"] == 0));
     assert!(ev.iter().any(|e| e["ph"] == "M" && e["name"] == "process_name"));
 }
+
+#[test]
+fn recomputation_changes_memory_not_results() {
+    let d = scratch("recompute");
+    let data = corpus(&d);
+    let (a, b) = (d.join("none"), d.join("full"));
+    let extra = ["--max-steps", "6", "--set", "model.dropout=0.1", "--set", "model.n_layer=2"];
+    assert!(train(&data, &a, &extra).status.success());
+    let mut e2 = extra.to_vec();
+    e2.extend(["--set", "model.recompute=full"]);
+    let o = train(&data, &b, &e2);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let bits = |r: &std::path::Path| losses(r).iter().map(|x| x.1.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&a), bits(&b));
+    assert_user_error(&train(&data, &d.join("bad"), &["--set", "model.recompute=some"]), &["model.recompute", "some"]);
+}

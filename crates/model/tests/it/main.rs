@@ -2,3 +2,4 @@
 mod gpt;
 mod hf;
 mod lora;
+mod recompute;

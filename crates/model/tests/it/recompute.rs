@@ -1,0 +1,216 @@
+//! Activation recomputation (issue 7): `Recompute::Full` keeps only each block's input and
+//! re-runs the block in backward, `Selective` keeps all but the attention internals and MLP
+//! hidden activations and recomputes those; the loss and every gradient must be bit-identical to
+//! `Recompute::None`, and what is recomputed must exist once instead of `n_layer` times.
+
+use model::config::Arch;
+use model::gpt::{Recompute, IGNORE_INDEX};
+use model::lora::Lora;
+use model::{Gpt, GptConfig, Pass};
+
+fn gpt2(n_layer: usize, dropout: f32, bias: bool, tied: bool) -> GptConfig {
+    GptConfig::gpt2(n_layer, 4, 16, 8, 13, bias, dropout, tied)
+}
+
+fn llama(n_layer: usize, n_kv_head: usize, dropout: f32) -> GptConfig {
+    GptConfig { arch: Arch::Llama, n_head: 4, n_kv_head, ffn_hidden: 24, tied_embeddings: false, bias: false, ..GptConfig::gpt2(n_layer, 4, 16, 8, 13, false, dropout, false) }
+}
+
+fn moe(n_shared: usize, capacity: f32, dropout: f32) -> GptConfig {
+    GptConfig { n_expert: 4, top_k: 2, n_shared_expert: n_shared, capacity_factor: capacity, ffn_hidden: 12, moe_aux_weight: 0.3, moe_z_weight: 0.05, ..llama(3, 2, dropout) }
+}
+
+/// Two micro-batches `[3, 8]` with an ignored target, deterministic in `k`.
+fn batch(k: u32) -> (Vec<u32>, Vec<i32>) {
+    let tokens: Vec<u32> = (0..24u32).map(|i| (i * 7 + k * 5 + i * i) % 11).collect();
+    let mut targets: Vec<i32> = (0..24u32).map(|i| ((i * 3 + k + 1) % 11) as i32).collect();
+    targets[5] = IGNORE_INDEX;
+    (tokens, targets)
+}
+
+fn lora_targets(arch: Arch, moe: bool) -> Vec<String> {
+    let t: &[&str] = match (arch, moe) {
+        (_, true) => &["q", "k", "v", "o"],
+        (Arch::Llama, false) => &["q", "k", "v", "o", "gate", "up", "down"],
+        (Arch::Gpt2, false) => &["q", "k", "v", "o", "up", "down"],
+    };
+    t.iter().map(|s| s.to_string()).collect()
+}
+
+fn build(cfg: &GptConfig, lora: bool, recompute: Recompute) -> Gpt {
+    let mut m = Gpt::new(cfg.clone(), 11, 3);
+    // Larger weights than the 0.02 init so every path (and every router choice) carries signal.
+    let mut rng = tensor::Rng::new(4);
+    for spec in m.layout.params.clone() {
+        let x = &mut m.params[spec.range()];
+        match spec.init {
+            model::Init::Normal(_) => rng.fill_normal(x, 0.3),
+            _ => x.iter_mut().for_each(|v| *v += 0.1 * rng.normal() as f32),
+        }
+    }
+    if lora {
+        let mut lo = Lora::new(cfg, 2, 4.0, &lora_targets(cfg.arch, cfg.is_moe()), 1).unwrap();
+        tensor::Rng::new(9).fill_normal(&mut lo.params, 0.3);
+        m.lora = Some(lo);
+    }
+    m.recompute = recompute;
+    m
+}
+
+/// Everything a training step produces: per micro-batch the loss bits and MoE loss bits, then
+/// the accumulated base and LoRA gradients' bits.
+fn run_step(m: &mut Gpt) -> (Vec<u32>, Vec<u32>, Vec<u32>) {
+    m.zero_grad();
+    let mut losses = Vec::new();
+    for k in 0..2 {
+        let (tokens, targets) = batch(k);
+        let loss = m.forward(&tokens, &targets, 3, 8, Pass::Train { dropout_seed: 100 + k as u64, loss_scale: 0.5 });
+        losses.push(loss.to_bits());
+        losses.extend(m.moe_stats().iter().map(|s| s.loss.to_bits()));
+        m.backward();
+    }
+    let g = m.grads.iter().map(|x| x.to_bits()).collect();
+    let lg = m.lora.as_ref().map_or(Vec::new(), |lo| lo.grads.iter().map(|x| x.to_bits()).collect());
+    (losses, g, lg)
+}
+
+fn assert_bit_identical(cfg: GptConfig, lora: bool) {
+    let mut none = build(&cfg, lora, Recompute::None);
+    let a = run_step(&mut none);
+    assert!(a.1.iter().any(|&x| x != 0), "gradients are all zero");
+    assert!(!lora || a.2.iter().any(|&x| x != 0), "LoRA gradients are all zero");
+    for policy in [Recompute::Selective, Recompute::Full] {
+        let mut m = build(&cfg, lora, policy);
+        let b = run_step(&mut m);
+        assert_eq!(a.0, b.0, "{policy:?}: losses differ");
+        for spec in &none.layout.params {
+            let r = spec.range();
+            assert_eq!(a.1[r.clone()], b.1[r], "{policy:?}: gradient of {} differs", spec.name);
+        }
+        if lora {
+            for spec in &none.lora.as_ref().unwrap().layout.params {
+                let r = spec.range();
+                assert_eq!(a.2[r.clone()], b.2[r], "{policy:?}: LoRA gradient of {} differs", spec.name);
+            }
+        }
+        // Switching the policy on a live model re-lays the buffers and changes nothing.
+        m.recompute = Recompute::None;
+        assert_eq!(run_step(&mut m), a, "{policy:?} then None");
+    }
+    none.recompute = Recompute::Full;
+    assert_eq!(run_step(&mut none), a, "None then Full");
+}
+
+#[test]
+fn recompute_is_bit_identical_gpt2_with_dropout() {
+    assert_bit_identical(gpt2(3, 0.2, true, true), false);
+    assert_bit_identical(gpt2(3, 0.1, false, false), false);
+}
+
+#[test]
+fn recompute_is_bit_identical_llama_gqa() {
+    assert_bit_identical(llama(3, 2, 0.0), false);
+    assert_bit_identical(llama(3, 1, 0.2), false);
+}
+
+#[test]
+fn recompute_is_bit_identical_moe() {
+    assert_bit_identical(moe(0, 0.0, 0.0), false); // dropless
+    assert_bit_identical(moe(1, 1.0, 0.1), false); // shared expert, capacity drops tokens
+}
+
+#[test]
+fn recompute_is_bit_identical_lora() {
+    assert_bit_identical(gpt2(3, 0.2, true, true), true);
+    assert_bit_identical(llama(3, 2, 0.1), true);
+    assert_bit_identical(moe(1, 0.0, 0.0), true);
+}
+
+#[test]
+fn recompute_eval_and_logits_match() {
+    let cfg = gpt2(3, 0.2, true, false);
+    let mut none = build(&cfg, false, Recompute::None);
+    let (tokens, targets) = batch(0);
+    let loss = none.forward(&tokens, &targets, 3, 8, Pass::Eval).to_bits();
+    let a: Vec<u32> = none.forward_logits(&tokens, 3, 8).iter().map(|x| x.to_bits()).collect();
+    for policy in [Recompute::Selective, Recompute::Full] {
+        let mut m = build(&cfg, false, policy);
+        assert_eq!(m.forward(&tokens, &targets, 3, 8, Pass::Eval).to_bits(), loss);
+        let b: Vec<u32> = m.forward_logits(&tokens, 3, 8).iter().map(|x| x.to_bits()).collect();
+        assert_eq!(a, b);
+    }
+}
+
+#[test]
+fn recompute_keeps_block_activations_once() {
+    let cfg = GptConfig::gpt2(8, 4, 64, 32, 65, true, 0.0, true);
+    let mut m = Gpt::new(cfg, 65, 1);
+    assert_eq!(m.activation_bytes(), 0);
+    let mut bytes = Vec::new();
+    for policy in [Recompute::None, Recompute::Selective, Recompute::Full] {
+        m.recompute = policy;
+        m.reserve_activations(4, 32);
+        bytes.push(m.activation_bytes());
+    }
+    let [none, selective, full] = bytes[..] else { unreachable!() };
+    assert!((full as f64) < 0.4 * none as f64, "full {full} none {none}");
+    assert!(full < selective && selective < none, "{bytes:?}");
+    // Per block every policy keeps the block's output (C per token). The norm outputs ln_1,
+    // ln_2 and the residual res_2 (3C) with the norms' mean and rstd (4) are per block except
+    // under Full; the attention internals qkv (3C), atty (C), lse (NH) and the MLP hidden fch
+    // (4C), gelu (4C) are per block only under None.
+    let (n, c, nh) = (4 * 32, 64, 4);
+    let kept = (3 * n * c + 4 * n) * 4;
+    let inner = (12 * n * c + nh * n) * 4;
+    assert_eq!(none - selective, 7 * inner);
+    assert_eq!(selective - full, 7 * kept);
+}
+
+/// Step time of forward + backward, None vs Full, on shakespeare-char's shape (4 layers, 4
+/// heads, 128 channels, B 12, T 64). Slow: set `KILN_BENCH_RECOMPUTE=1`; prints JSON.
+#[test]
+fn recompute_step_time_shakespeare_char() {
+    if std::env::var_os("KILN_BENCH_RECOMPUTE").is_none() {
+        return;
+    }
+    let cfg = GptConfig::gpt2(4, 4, 128, 64, 65, false, 0.0, true);
+    let (b, t) = (12, 64);
+    let tokens: Vec<u32> = (0..b * t).map(|i| ((i * 31 + 7) % 65) as u32).collect();
+    let targets: Vec<i32> = (0..b * t).map(|i| ((i * 17 + 3) % 65) as i32).collect();
+    let mut times = Vec::new();
+    for policy in [Recompute::None, Recompute::Selective, Recompute::Full] {
+        let mut m = Gpt::new(cfg.clone(), 65, 1);
+        m.recompute = policy;
+        let mut ts = Vec::new();
+        for i in 0..25 {
+            let t0 = std::time::Instant::now();
+            m.forward(&tokens, &targets, b, t, Pass::Train { dropout_seed: i, loss_scale: 1.0 });
+            m.backward();
+            ts.push(t0.elapsed().as_secs_f64());
+        }
+        ts.drain(..5);
+        ts.sort_by(|x, y| x.partial_cmp(y).unwrap());
+        times.push((ts[ts.len() / 2], m.activation_bytes()));
+    }
+    for (name, (t, bytes)) in ["none", "selective", "full"].iter().zip(&times) {
+        println!("{{\"policy\": \"{name}\", \"step_ms\": {:.3}, \"overhead\": {:.3}, \"act_bytes\": {bytes}}}", t * 1e3, t / times[0].0 - 1.0);
+    }
+}
+
+/// GPT-2 124M at B 4, T 256: activation bytes under each policy (builds the model; prints JSON).
+/// Slow-ish: set `KILN_BENCH_RECOMPUTE=1`.
+#[test]
+fn recompute_activation_bytes_gpt2_124m() {
+    if std::env::var_os("KILN_BENCH_RECOMPUTE").is_none() {
+        return;
+    }
+    let mut m = Gpt::zeroed(GptConfig::gpt2_124m(), 50257);
+    let mut none = 0;
+    for policy in [Recompute::None, Recompute::Selective, Recompute::Full] {
+        m.recompute = policy;
+        m.reserve_activations(4, 256);
+        let bytes = m.activation_bytes();
+        none = none.max(bytes);
+        println!("{{\"model\": \"gpt2-124m\", \"b\": 4, \"t\": 256, \"policy\": \"{policy:?}\", \"act_bytes\": {bytes}, \"of_none\": {:.4}}}", bytes as f64 / none as f64);
+    }
+}
