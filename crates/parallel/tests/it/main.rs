@@ -1,3 +1,5 @@
+mod comm;
+
 use parallel::{Axis, DeviceMesh};
 
 #[test]

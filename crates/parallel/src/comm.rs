@@ -1,0 +1,641 @@
+//! The communicator: the collectives every parallel strategy is written against, and the
+//! in-process backend (one OS thread per rank, shared memory) that `kiln train --dp N` and the
+//! tests run on.
+//!
+//! Contract shared by every backend:
+//! - Every rank of a group calls the same collectives in the same order with matching sizes.
+//!   A mismatch (different collective, different lengths, different root) is detected at the
+//!   rendezvous and every rank panics with a message naming the group and the ranks.
+//! - **Reductions sum in rank order**: element `i` of a sum is
+//!   `((x₀[i] + x₁[i]) + x₂[i]) + …`, never in arrival order, so results are bit-identical
+//!   regardless of thread timing and equal to the sequential left fold.
+//! - At group size 1 every collective is the identity (a copy where input and output differ).
+//! - Ranks passed to and returned from a communicator are ranks *within its group*
+//!   (`0..size()`); [`InProcessComm::world_ranks`] maps them back to world ranks.
+//!
+//! Hang diagnostics: a rank that waits longer than the communicator's timeout (default
+//! [`DEFAULT_TIMEOUT`], overridable with `KILN_COMM_TIMEOUT_S` or
+//! [`InProcess::world_with_timeout`]) panics with the collective, the group (as world ranks),
+//! the ranks that have arrived and what each is waiting in, and the ranks that have not. A rank
+//! that panics marks the world aborted, and every rank blocked in a collective then panics
+//! within ~100 ms instead of waiting out the timeout.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use crate::mesh::{Axis, DeviceMesh};
+
+/// Collectives over one group of ranks. Buffers are `f32`; every call is blocking.
+pub trait Comm: Send {
+    /// This rank within the communicator's group, `0..size()`.
+    fn rank(&self) -> usize;
+    fn size(&self) -> usize;
+    /// `buf ← Σ_r buf_r`, summed in rank order. Lengths must match across ranks.
+    fn all_reduce_sum(&self, buf: &mut [f32]);
+    /// `out ← (Σ_r input_r)[rank·c .. (rank+1)·c]` with `c = out.len()`,
+    /// `input.len() == size·c`; summed in rank order.
+    fn reduce_scatter_sum(&self, input: &[f32], out: &mut [f32]);
+    /// `out[r·c .. (r+1)·c] ← input_r` with `c = input.len()`, `out.len() == size·c`.
+    fn all_gather(&self, input: &[f32], out: &mut [f32]);
+    /// `buf ← buf_root` on every rank.
+    fn broadcast(&self, buf: &mut [f32], root: usize);
+    /// Buffered, non-blocking point-to-point send to group rank `to`. Messages between one
+    /// pair with one tag arrive in the order sent; different tags are independent.
+    fn send(&self, buf: &[f32], to: usize, tag: u32);
+    /// Blocks until the oldest message from `from` with `tag` arrives; its length must equal
+    /// `buf.len()`.
+    fn recv(&self, buf: &mut [f32], from: usize, tag: u32);
+    /// `input` is `size` equal chunks of `c = input.len()/size`; chunk `j` goes to rank `j`,
+    /// and `out[r·c .. (r+1)·c]` receives rank `r`'s chunk for this rank.
+    /// `out.len() == input.len()`.
+    fn all_to_all(&self, input: &[f32], out: &mut [f32]);
+    fn barrier(&self);
+    /// A sub-communicator over `ranks` (ranks of this group, listed in the order that becomes
+    /// the new group's rank order; must contain this rank). Collective over this group: every
+    /// rank calls `split` (the same number of times, in the same order), each with the group
+    /// it belongs to; the groups must partition this group (e.g. one mesh axis's groups).
+    fn split(&self, ranks: &[usize]) -> Box<dyn Comm>;
+}
+
+/// The communicator of `comm`'s rank along `axis` of `mesh`. `comm` must be the world
+/// communicator for `mesh` (its ranks are the mesh's ranks). Collective over `comm`.
+pub fn mesh_group(comm: &dyn Comm, mesh: &DeviceMesh, axis: Axis) -> Box<dyn Comm> {
+    assert_eq!(comm.size(), mesh.world(), "mesh_group: communicator size {} is not the mesh's world {}", comm.size(), mesh.world());
+    comm.split(&mesh.group(axis, comm.rank()))
+}
+
+/// Chunk `k` of `len` elements split `n` ways, balanced (sizes differ by at most one).
+pub fn chunk_bounds(len: usize, n: usize, k: usize) -> (usize, usize) {
+    (k * len / n, (k + 1) * len / n)
+}
+
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+/// All-reduces up to this many elements take the two-rendezvous path (every rank sums all).
+const SMALL_ALL_REDUCE: usize = 4096;
+const POLL: Duration = Duration::from_millis(100);
+const NO_RANK: usize = usize::MAX;
+
+// ---------------------------------------------------------------------------------------------
+// In-process backend
+// ---------------------------------------------------------------------------------------------
+
+/// Constructor namespace for the in-process backend.
+pub struct InProcess;
+
+impl InProcess {
+    /// `n` connected communicators, one per rank; move each to its own thread.
+    pub fn world(n: usize) -> Vec<InProcessComm> {
+        let timeout = match std::env::var("KILN_COMM_TIMEOUT_S") {
+            Ok(s) => match s.trim().parse::<f64>() {
+                Ok(t) if t > 0.0 && t.is_finite() => Duration::from_secs_f64(t),
+                _ => panic!("KILN_COMM_TIMEOUT_S must be a positive number of seconds, got {s:?}"),
+            },
+            Err(_) => DEFAULT_TIMEOUT,
+        };
+        Self::world_with_timeout(n, timeout)
+    }
+
+    pub fn world_with_timeout(n: usize, timeout: Duration) -> Vec<InProcessComm> {
+        assert!(n > 0, "world size must be positive");
+        let world = Arc::new(World {
+            timeout,
+            aborted_by: AtomicUsize::new(NO_RANK),
+            next_group: AtomicU64::new(1),
+            registry: Mutex::new(HashMap::new()),
+            mail: Mutex::new(HashMap::new()),
+            mail_cv: Condvar::new(),
+        });
+        let group = Arc::new(Group::new(0, (0..n).collect()));
+        (0..n)
+            .map(|r| InProcessComm { world: world.clone(), group: group.clone(), rank: r, splits: std::cell::Cell::new(0) })
+            .collect()
+    }
+}
+
+/// Runs `f` on `n` ranks, one scoped OS thread each (named `rank{r}`), and returns the per-rank
+/// results in rank order. If any rank panics, the other ranks' collectives abort and this
+/// re-raises the panic of the first rank that failed (not the follow-on aborts).
+pub fn run_ranks<T, F>(n: usize, f: F) -> Vec<T>
+where
+    T: Send,
+    F: Fn(&InProcessComm) -> T + Sync,
+{
+    run_comms(InProcess::world(n), f)
+}
+
+/// [`run_ranks`] with an explicit hang timeout.
+pub fn run_ranks_with_timeout<T, F>(n: usize, timeout: Duration, f: F) -> Vec<T>
+where
+    T: Send,
+    F: Fn(&InProcessComm) -> T + Sync,
+{
+    run_comms(InProcess::world_with_timeout(n, timeout), f)
+}
+
+fn run_comms<T, F>(comms: Vec<InProcessComm>, f: F) -> Vec<T>
+where
+    T: Send,
+    F: Fn(&InProcessComm) -> T + Sync,
+{
+    let world = comms[0].world.clone();
+    let joined: Vec<std::thread::Result<T>> = std::thread::scope(|s| {
+        let f = &f;
+        let handles: Vec<_> = comms
+            .into_iter()
+            .map(|c| {
+                std::thread::Builder::new()
+                    .name(format!("rank{}", c.rank))
+                    .spawn_scoped(s, move || f(&c))
+                    .expect("spawn rank thread")
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join()).collect()
+    });
+    if joined.iter().any(|r| r.is_err()) {
+        let first = world.aborted_by.load(Ordering::SeqCst);
+        let mut errs: Vec<(usize, Box<dyn std::any::Any + Send>)> =
+            joined.into_iter().enumerate().filter_map(|(r, j)| j.err().map(|e| (r, e))).collect();
+        let pick = errs.iter().position(|(r, _)| *r == first).unwrap_or(0);
+        std::panic::resume_unwind(errs.swap_remove(pick).1);
+    }
+    joined.into_iter().map(|r| r.ok().unwrap()).collect()
+}
+
+/// (parent group id, split number, world ranks) → (the new group, members that picked it up).
+type Registry = HashMap<(u64, u64, Vec<usize>), (Arc<Group>, usize)>;
+/// (group id, from world rank, to world rank, tag) → messages in send order.
+type Mailboxes = HashMap<(u64, usize, usize, u32), VecDeque<Vec<f32>>>;
+
+struct World {
+    timeout: Duration,
+    /// World rank of the first rank that panicked holding a communicator, or `NO_RANK`.
+    aborted_by: AtomicUsize,
+    next_group: AtomicU64,
+    /// Sub-groups being created by `split`.
+    registry: Mutex<Registry>,
+    /// Point-to-point mailboxes.
+    mail: Mutex<Mailboxes>,
+    mail_cv: Condvar,
+}
+
+/// What a rank deposits at a rendezvous: raw addresses of its buffers, valid until the
+/// collective's closing rendezvous.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+struct Slot {
+    /// This rank's buffer (read-only unless the collective says otherwise).
+    a: *mut f32,
+    a_len: usize,
+    /// A second length (e.g. the output's) that must also agree across ranks.
+    b_len: usize,
+    /// A scalar argument that must agree across ranks (e.g. the root).
+    x: usize,
+}
+
+impl Default for Slot {
+    fn default() -> Slot {
+        Slot { a: std::ptr::null_mut(), a_len: 0, b_len: 0, x: 0 }
+    }
+}
+
+// SAFETY: a slot's pointer is only dereferenced between the rendezvous that publishes it and
+// the collective's closing rendezvous, while its owner is blocked inside the same collective
+// and does not touch the buffer except through the regions the collective assigns it.
+unsafe impl Send for Slot {}
+
+struct Group {
+    id: u64,
+    /// World rank of each group rank.
+    ranks: Vec<usize>,
+    state: Mutex<State>,
+    cv: Condvar,
+}
+
+struct State {
+    generation: u64,
+    count: usize,
+    arrived: Vec<bool>,
+    /// What each rank is waiting in (for diagnostics and the mismatch check).
+    waiting_in: Vec<&'static str>,
+    slots: Vec<Slot>,
+    /// Set once when ranks disagree at a rendezvous; every rank then panics with it.
+    error: Option<String>,
+}
+
+impl Group {
+    fn new(id: u64, ranks: Vec<usize>) -> Group {
+        let n = ranks.len();
+        Group {
+            id,
+            ranks,
+            state: Mutex::new(State {
+                generation: 0,
+                count: 0,
+                arrived: vec![false; n],
+                waiting_in: vec![""; n],
+                slots: vec![Slot::default(); n],
+                error: None,
+            }),
+            cv: Condvar::new(),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// One rank's handle on one group. `Send`, not `Sync`: owned by its rank's thread.
+pub struct InProcessComm {
+    world: Arc<World>,
+    group: Arc<Group>,
+    rank: usize,
+    splits: std::cell::Cell<u64>,
+}
+
+impl Drop for InProcessComm {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let me = self.group.ranks[self.rank];
+            let _ = self.world.aborted_by.compare_exchange(NO_RANK, me, Ordering::SeqCst, Ordering::SeqCst);
+            self.world.mail_cv.notify_all();
+        }
+    }
+}
+
+unsafe fn rd<'a>(base: *mut f32, off: usize, len: usize) -> &'a [f32] {
+    std::slice::from_raw_parts(base.add(off), len)
+}
+
+unsafe fn wr<'a>(base: *mut f32, off: usize, len: usize) -> &'a mut [f32] {
+    std::slice::from_raw_parts_mut(base.add(off), len)
+}
+
+impl InProcessComm {
+    /// World rank of each rank of this group, in group order.
+    pub fn world_ranks(&self) -> &[usize] {
+        &self.group.ranks
+    }
+
+    fn n(&self) -> usize {
+        self.group.ranks.len()
+    }
+
+    fn describe_group(&self) -> String {
+        format!("group {} (world ranks {:?})", self.group.id, self.group.ranks)
+    }
+
+    /// Panics because world rank `a` panicked while this rank waited in `what`.
+    fn abort_panic(&self, what: &str, a: usize) -> ! {
+        panic!(
+            "{what} on {} abandoned by rank {} (world rank {}): world rank {a} panicked",
+            self.describe_group(),
+            self.rank,
+            self.group.ranks[self.rank]
+        );
+    }
+
+    /// Waits until every rank of the group has arrived at this rendezvous. With `slot`, this
+    /// rank deposits its buffers and gets back everyone's (valid until the collective's next
+    /// rendezvous: no rank deposits again before every rank has passed that one). With
+    /// `uniform`, the last arrival checks that every rank deposited the same sizes.
+    fn rendezvous(&self, what: &'static str, slot: Option<Slot>, uniform: bool) -> Vec<Slot> {
+        let n = self.n();
+        let me = self.rank;
+        let start = Instant::now();
+        let mut st = self.group.lock();
+        if let Some(s) = slot {
+            st.slots[me] = s;
+        }
+        st.arrived[me] = true;
+        st.waiting_in[me] = what;
+        st.count += 1;
+        let gen = st.generation;
+        if st.count == n {
+            if st.error.is_none() {
+                st.error = Self::validate(&st, n, what, slot.is_some() && uniform, &self.group.ranks);
+            }
+            st.count = 0;
+            st.arrived.iter_mut().for_each(|a| *a = false);
+            st.generation += 1;
+            self.group.cv.notify_all();
+        } else {
+            while st.generation == gen {
+                let elapsed = start.elapsed();
+                if elapsed >= self.world.timeout {
+                    let msg = self.hang_message(&st, what, elapsed);
+                    drop(st);
+                    panic!("{msg}");
+                }
+                let a = self.world.aborted_by.load(Ordering::SeqCst);
+                if a != NO_RANK {
+                    drop(st);
+                    self.abort_panic(what, a);
+                }
+                let wait = POLL.min(self.world.timeout - elapsed);
+                st = self.group.cv.wait_timeout(st, wait).unwrap_or_else(|e| e.into_inner()).0;
+            }
+        }
+        if let Some(e) = &st.error {
+            let e = e.clone();
+            drop(st);
+            panic!("{e}");
+        }
+        if slot.is_some() {
+            st.slots.clone()
+        } else {
+            Vec::new()
+        }
+    }
+
+    fn validate(st: &State, n: usize, what: &str, uniform: bool, world_ranks: &[usize]) -> Option<String> {
+        if st.waiting_in.iter().any(|w| *w != what) {
+            let calls: Vec<String> = (0..n).map(|r| format!("rank {r}: {}", st.waiting_in[r])).collect();
+            return Some(format!("collective mismatch on group (world ranks {world_ranks:?}): {}", calls.join(", ")));
+        }
+        if uniform {
+            let shape = |s: &Slot| (s.a_len, s.b_len, s.x);
+            if st.slots.iter().any(|s| shape(s) != shape(&st.slots[0])) {
+                let calls: Vec<String> = (0..n)
+                    .map(|r| {
+                        let s = &st.slots[r];
+                        format!("rank {r}: lengths {}/{} arg {}", s.a_len, s.b_len, s.x)
+                    })
+                    .collect();
+                return Some(format!("{what}: ranks disagree on sizes on group (world ranks {world_ranks:?}): {}", calls.join(", ")));
+            }
+        }
+        None
+    }
+
+    fn hang_message(&self, st: &State, what: &str, elapsed: Duration) -> String {
+        let missing: Vec<usize> = (0..self.n()).filter(|&r| !st.arrived[r]).collect();
+        let missing_world: Vec<usize> = missing.iter().map(|&r| self.group.ranks[r]).collect();
+        let here: Vec<String> =
+            (0..self.n()).filter(|&r| st.arrived[r]).map(|r| format!("rank {r} in {}", st.waiting_in[r])).collect();
+        format!(
+            "collective {what} timed out after {:.1}s on rank {} of {}: ranks {missing:?} (world ranks {missing_world:?}) have not arrived; arrived: [{}]",
+            elapsed.as_secs_f64(),
+            self.rank,
+            self.describe_group(),
+            here.join(", ")
+        )
+    }
+
+    fn lock_mail(&self) -> MutexGuard<'_, Mailboxes> {
+        self.world.mail.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl Comm for InProcessComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.n()
+    }
+
+    fn all_reduce_sum(&self, buf: &mut [f32]) {
+        let n = self.n();
+        if n == 1 {
+            return;
+        }
+        let me = self.rank;
+        let len = buf.len();
+        let p = buf.as_mut_ptr();
+        // From here until the last rendezvous, `buf` is touched only through `p`.
+        let slots = self.rendezvous("all_reduce_sum", Some(Slot { a: p, a_len: len, ..Slot::default() }), true);
+        if len <= SMALL_ALL_REDUCE {
+            // Small buffers: latency, not bandwidth, matters. Every rank sums everything itself
+            // (same order, same bits) and writes its own buffer once nobody reads it any more:
+            // two rendezvous instead of three.
+            let mut acc = unsafe { rd(slots[0].a, 0, len) }.to_vec();
+            for s in &slots[1..] {
+                for (a, x) in acc.iter_mut().zip(unsafe { rd(s.a, 0, len) }) {
+                    *a += *x;
+                }
+            }
+            self.rendezvous("all_reduce_sum/read", None, false);
+            unsafe { wr(p, 0, len).copy_from_slice(&acc) };
+            return;
+        }
+        // Reduce-scatter: this rank sums chunk `me` of every buffer, in rank order, into its
+        // own buffer. Rank k reads only chunk k of the others and writes only chunk k of its own.
+        let (lo, hi) = chunk_bounds(len, n, me);
+        const BLK: usize = 1024;
+        let mut tmp = [0f32; BLK];
+        let mut i = lo;
+        while i < hi {
+            let m = BLK.min(hi - i);
+            let t = &mut tmp[..m];
+            unsafe {
+                t.copy_from_slice(rd(slots[0].a, i, m));
+                for s in &slots[1..] {
+                    for (acc, x) in t.iter_mut().zip(rd(s.a, i, m)) {
+                        *acc += *x;
+                    }
+                }
+                wr(p, i, m).copy_from_slice(t);
+            }
+            i += m;
+        }
+        self.rendezvous("all_reduce_sum/reduced", None, false);
+        // All-gather: copy every other rank's finished chunk.
+        for (k, s) in slots.iter().enumerate() {
+            if k != me {
+                let (lo, hi) = chunk_bounds(len, n, k);
+                unsafe { wr(p, lo, hi - lo).copy_from_slice(rd(s.a, lo, hi - lo)) };
+            }
+        }
+        self.rendezvous("all_reduce_sum/gathered", None, false);
+    }
+
+    fn reduce_scatter_sum(&self, input: &[f32], out: &mut [f32]) {
+        let n = self.n();
+        let c = out.len();
+        assert_eq!(input.len(), n * c, "reduce_scatter_sum: input length {} is not size {n} × output length {c}", input.len());
+        if n == 1 {
+            out.copy_from_slice(input);
+            return;
+        }
+        let slot = Slot { a: input.as_ptr() as *mut f32, a_len: input.len(), b_len: c, ..Slot::default() };
+        let slots = self.rendezvous("reduce_scatter_sum", Some(slot), true);
+        let off = self.rank * c;
+        unsafe {
+            out.copy_from_slice(rd(slots[0].a, off, c));
+            for s in &slots[1..] {
+                for (acc, x) in out.iter_mut().zip(rd(s.a, off, c)) {
+                    *acc += *x;
+                }
+            }
+        }
+        self.rendezvous("reduce_scatter_sum/done", None, false);
+    }
+
+    fn all_gather(&self, input: &[f32], out: &mut [f32]) {
+        let n = self.n();
+        let c = input.len();
+        assert_eq!(out.len(), n * c, "all_gather: output length {} is not size {n} × input length {c}", out.len());
+        if n == 1 {
+            out.copy_from_slice(input);
+            return;
+        }
+        let slot = Slot { a: input.as_ptr() as *mut f32, a_len: c, ..Slot::default() };
+        let slots = self.rendezvous("all_gather", Some(slot), true);
+        for (k, s) in slots.iter().enumerate() {
+            unsafe { out[k * c..(k + 1) * c].copy_from_slice(rd(s.a, 0, c)) };
+        }
+        self.rendezvous("all_gather/done", None, false);
+    }
+
+    fn broadcast(&self, buf: &mut [f32], root: usize) {
+        let n = self.n();
+        assert!(root < n, "broadcast: root {root} outside group of size {n}");
+        if n == 1 {
+            return;
+        }
+        let len = buf.len();
+        let p = buf.as_mut_ptr();
+        let slots = self.rendezvous("broadcast", Some(Slot { a: p, a_len: len, x: root, ..Slot::default() }), true);
+        if self.rank != root {
+            unsafe { wr(p, 0, len).copy_from_slice(rd(slots[root].a, 0, len)) };
+        }
+        self.rendezvous("broadcast/done", None, false);
+    }
+
+    fn send(&self, buf: &[f32], to: usize, tag: u32) {
+        let n = self.n();
+        assert!(to < n, "send: destination rank {to} outside group of size {n}");
+        let key = (self.group.id, self.group.ranks[self.rank], self.group.ranks[to], tag);
+        self.lock_mail().entry(key).or_default().push_back(buf.to_vec());
+        self.world.mail_cv.notify_all();
+    }
+
+    fn recv(&self, buf: &mut [f32], from: usize, tag: u32) {
+        let n = self.n();
+        assert!(from < n, "recv: source rank {from} outside group of size {n}");
+        let me_w = self.group.ranks[self.rank];
+        let key = (self.group.id, self.group.ranks[from], me_w, tag);
+        let start = Instant::now();
+        let mut mail = self.lock_mail();
+        loop {
+            if let Some(msg) = mail.get_mut(&key).and_then(|q| q.pop_front()) {
+                if mail.get(&key).is_some_and(|q| q.is_empty()) {
+                    mail.remove(&key);
+                }
+                drop(mail);
+                assert_eq!(
+                    msg.len(),
+                    buf.len(),
+                    "recv on rank {} of {}: message from rank {from} tag {tag} has {} elements, buffer has {}",
+                    self.rank,
+                    self.describe_group(),
+                    msg.len(),
+                    buf.len()
+                );
+                buf.copy_from_slice(&msg);
+                return;
+            }
+            let elapsed = start.elapsed();
+            if elapsed >= self.world.timeout {
+                let mut pending: Vec<String> = mail
+                    .iter()
+                    .filter(|(k, q)| k.0 == self.group.id && k.2 == me_w && !q.is_empty())
+                    .map(|(k, q)| {
+                        let r = self.group.ranks.iter().position(|&w| w == k.1).unwrap();
+                        format!("{} from rank {r} tag {}", q.len(), k.3)
+                    })
+                    .collect();
+                pending.sort();
+                drop(mail);
+                panic!(
+                    "recv from rank {from} tag {tag} timed out after {:.1}s on rank {} of {}; messages waiting for this rank: [{}]",
+                    elapsed.as_secs_f64(),
+                    self.rank,
+                    self.describe_group(),
+                    pending.join(", ")
+                );
+            }
+            let a = self.world.aborted_by.load(Ordering::SeqCst);
+            if a != NO_RANK {
+                drop(mail);
+                self.abort_panic("recv", a);
+            }
+            let wait = POLL.min(self.world.timeout - elapsed);
+            mail = self.world.mail_cv.wait_timeout(mail, wait).unwrap_or_else(|e| e.into_inner()).0;
+        }
+    }
+
+    fn all_to_all(&self, input: &[f32], out: &mut [f32]) {
+        let n = self.n();
+        assert_eq!(input.len() % n, 0, "all_to_all: input length {} not divisible by size {n}", input.len());
+        assert_eq!(out.len(), input.len(), "all_to_all: output length {} != input length {}", out.len(), input.len());
+        if n == 1 {
+            out.copy_from_slice(input);
+            return;
+        }
+        let c = input.len() / n;
+        let slot = Slot { a: input.as_ptr() as *mut f32, a_len: input.len(), ..Slot::default() };
+        let slots = self.rendezvous("all_to_all", Some(slot), true);
+        for (k, s) in slots.iter().enumerate() {
+            unsafe { out[k * c..(k + 1) * c].copy_from_slice(rd(s.a, self.rank * c, c)) };
+        }
+        self.rendezvous("all_to_all/done", None, false);
+    }
+
+    fn barrier(&self) {
+        if self.n() > 1 {
+            self.rendezvous("barrier", None, false);
+        }
+    }
+
+    fn split(&self, ranks: &[usize]) -> Box<dyn Comm> {
+        let n = self.n();
+        let me = self.rank;
+        let seq = self.splits.get();
+        self.splits.set(seq + 1);
+        assert!(ranks.contains(&me), "split on rank {me}: the group {ranks:?} does not contain this rank");
+        for (i, &r) in ranks.iter().enumerate() {
+            assert!(r < n, "split on rank {me}: rank {r} outside group of size {n}");
+            assert!(!ranks[..i].contains(&r), "split on rank {me}: rank {r} listed twice in {ranks:?}");
+        }
+        // Every rank checks that the requested groups partition this group consistently.
+        if n > 1 {
+            let slot = Slot { a: ranks.as_ptr() as *mut f32, a_len: ranks.len(), ..Slot::default() };
+            let slots = self.rendezvous("split", Some(slot), false);
+            let list = |k: usize| unsafe { std::slice::from_raw_parts(slots[k].a as *const usize, slots[k].a_len) };
+            let mut bad = None;
+            'outer: for k in 0..n {
+                for &j in list(k) {
+                    if list(j) != list(k) {
+                        bad = Some(format!("rank {k} asked for {:?} but rank {j} asked for {:?}", list(k), list(j)));
+                        break 'outer;
+                    }
+                }
+            }
+            self.rendezvous("split/checked", None, false);
+            if let Some(b) = bad {
+                panic!("split on {}: groups do not partition the parent: {b}", self.describe_group());
+            }
+        }
+        let world_ranks: Vec<usize> = ranks.iter().map(|&r| self.group.ranks[r]).collect();
+        let new_rank = ranks.iter().position(|&r| r == me).unwrap();
+        let key = (self.group.id, seq, world_ranks.clone());
+        let group = {
+            let mut reg = self.world.registry.lock().unwrap_or_else(|e| e.into_inner());
+            let entry = reg.entry(key.clone()).or_insert_with(|| {
+                let id = self.world.next_group.fetch_add(1, Ordering::SeqCst);
+                (Arc::new(Group::new(id, world_ranks.clone())), 0)
+            });
+            entry.1 += 1;
+            let g = entry.0.clone();
+            if entry.1 == world_ranks.len() {
+                reg.remove(&key);
+            }
+            g
+        };
+        Box::new(InProcessComm { world: self.world.clone(), group, rank: new_rank, splits: std::cell::Cell::new(0) })
+    }
+}
