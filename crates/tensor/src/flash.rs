@@ -29,7 +29,7 @@ use crate::attention::AttnDims;
 use crate::llama::GqaDims;
 use crate::matmul::{gemm_raw, Threads, View};
 use crate::ops::dropout_keep;
-use crate::par::SyncPtr;
+use crate::par::{pooled, PoolBuf, SyncPtr};
 use crate::simd::exp;
 use rayon::prelude::*;
 
@@ -229,12 +229,12 @@ fn dropout_row_body(mk: &mut [f32], bh: usize, t: usize, gi: usize, j0: usize, n
 // Forward
 
 struct FwdScratch {
-    s: Vec<f32>,     // [br, bc]  scores, then (dropped) unnormalised probabilities
-    o: Vec<f32>,     // [br, HS]  unnormalised output accumulator
-    m: Vec<f32>,     // [br]      running row max
-    l: Vec<f32>,     // [br]      running row sum
-    alpha: Vec<f32>, // [br]      per-tile rescale factor
-    mk: Vec<f32>,    // [bc]      dropout keep-scale of one row
+    s: PoolBuf,     // [br, bc]  scores, then (dropped) unnormalised probabilities
+    o: PoolBuf,     // [br, HS]  unnormalised output accumulator
+    m: PoolBuf,     // [br]      running row max
+    l: PoolBuf,     // [br]      running row sum
+    alpha: PoolBuf, // [br]      per-tile rescale factor
+    mk: PoolBuf,    // [bc]      dropout keep-scale of one row
 }
 
 #[doc(hidden)]
@@ -274,12 +274,12 @@ pub fn flash_gqa_forward_tiled(
     let outp = SyncPtr(out.as_mut_ptr());
     let lsep = SyncPtr(lse.as_mut_ptr());
     let init = || FwdScratch {
-        s: vec![0.0; br * bc],
-        o: vec![0.0; br * hs],
-        m: vec![0.0; br],
-        l: vec![0.0; br],
-        alpha: vec![0.0; br],
-        mk: vec![0.0; bc],
+        s: pooled(br * bc),
+        o: pooled(br * hs),
+        m: pooled(br),
+        l: pooled(br),
+        alpha: pooled(br),
+        mk: pooled(bc),
     };
     (0..b * nh * ntq).into_par_iter().for_each_init(init, |sc, task| {
         let (outp, lsep) = (outp, lsep);
@@ -369,12 +369,12 @@ crate::multiversion! {
 // Backward
 
 struct BwdScratch {
-    p: Vec<f32>,  // [br, bc]  P = exp(S − lse), causal part
-    pd: Vec<f32>, // [br, bc]  dropped, rescaled P (only with dropout)
-    ds: Vec<f32>, // [br, bc]  dO·vᵀ, then dS = P ∘ (dP − D)
-    mk: Vec<f32>, // [bc]      dropout keep-scale of one row
-    kp: Vec<f32>, // [bc, HS]  one head's partial dk of a key tile (GQA only)
-    vp: Vec<f32>, // [bc, HS]  one head's partial dv of a key tile (GQA only)
+    p: PoolBuf,  // [br, bc]  P = exp(S − lse), causal part
+    pd: PoolBuf, // [br, bc]  dropped, rescaled P (only with dropout)
+    ds: PoolBuf, // [br, bc]  dO·vᵀ, then dS = P ∘ (dP − D)
+    mk: PoolBuf, // [bc]      dropout keep-scale of one row
+    kp: PoolBuf, // [bc, HS]  one head's partial dk of a key tile (GQA only)
+    vp: PoolBuf, // [bc, HS]  one head's partial dv of a key tile (GQA only)
 }
 
 struct Ctx<'a> {
@@ -443,7 +443,7 @@ pub fn flash_gqa_backward_with(
     }
     let Tiles { br, bc } = tiles;
     // D[bh, i] = dO_i · O_i  (FA-2: equals Σ_j P_ij·dP_ij, with dropout too)
-    let mut d = vec![0.0f32; b * nh * t];
+    let mut d = pooled(b * nh * t);
     d.par_chunks_mut(t).enumerate().for_each(|(bh, d)| {
         let (bi, h) = (bh / nh, bh % nh);
         for (i, di) in d.iter_mut().enumerate() {
@@ -463,12 +463,12 @@ pub fn flash_gqa_backward_with(
         s => s,
     };
     let init = || BwdScratch {
-        p: vec![0.0; br * bc],
-        pd: vec![0.0; if dropout > 0.0 { br * bc } else { 0 }],
-        ds: vec![0.0; br * bc],
-        mk: vec![0.0; bc],
-        kp: vec![0.0; if group > 1 { bc * hs } else { 0 }],
-        vp: vec![0.0; if group > 1 { bc * hs } else { 0 }],
+        p: pooled(br * bc),
+        pd: pooled(if dropout > 0.0 { br * bc } else { 0 }),
+        ds: pooled(br * bc),
+        mk: pooled(bc),
+        kp: pooled(if group > 1 { bc * hs } else { 0 }),
+        vp: pooled(if group > 1 { bc * hs } else { 0 }),
     };
     if schedule == Schedule::PerHead {
         (0..b * nkv).into_par_iter().for_each_init(init, |sc, bg| {
@@ -478,8 +478,8 @@ pub fn flash_gqa_backward_with(
         });
     } else if schedule == Schedule::PerQueryHead {
         // Partial dk, dv of every (batch, query head): [B, NH, T, HS] each.
-        let mut kp = vec![0.0f32; b * nh * t * hs];
-        let mut vp = vec![0.0f32; b * nh * t * hs];
+        let mut kp = pooled(b * nh * t * hs);
+        let mut vp = pooled(b * nh * t * hs);
         let (kpp, vpp) = (SyncPtr(kp.as_mut_ptr()), SyncPtr(vp.as_mut_ptr()));
         (0..b * nh).into_par_iter().for_each_init(init, |sc, bh| {
             let (kpp, vpp) = (kpp, vpp);

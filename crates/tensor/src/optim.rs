@@ -42,11 +42,20 @@ pub fn adamw_update(params: &mut [f32], grads: &[f32], m: &mut [f32], v: &mut [f
 
 /// `Σ x²` in f64, over fixed chunks combined in order (deterministic).
 pub fn sum_squares(x: &[f32]) -> f64 {
-    let parts: Vec<f64> = x
-        .par_chunks(ELEMS)
-        .map(|c| c.iter().map(|&a| (a as f64) * (a as f64)).sum::<f64>())
-        .collect();
-    parts.iter().sum()
+    // Partials per fixed chunk, in a buffer kept per calling thread (a top-level kernel, never a
+    // rayon task), so after the first step nothing is allocated here.
+    thread_local! {
+        static PARTS: std::cell::RefCell<Vec<f64>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    PARTS.with(|cell| {
+        let mut parts = cell.borrow_mut();
+        parts.clear();
+        parts.resize(x.len().div_ceil(ELEMS), 0.0);
+        parts.par_iter_mut().zip(x.par_chunks(ELEMS)).for_each(|(p, c)| {
+            *p = c.iter().map(|&a| (a as f64) * (a as f64)).sum::<f64>();
+        });
+        parts.iter().sum()
+    })
 }
 
 pub fn scale_in_place(x: &mut [f32], s: f32) {

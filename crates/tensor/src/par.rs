@@ -50,3 +50,53 @@ where
 
 /// Elements per chunk for elementwise parallel loops.
 pub const ELEMS: usize = 1 << 14;
+
+thread_local! {
+    static POOL: std::cell::RefCell<Vec<Vec<f32>>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// A zeroed `f32` buffer taken from this thread's pool, returned to the pool of whichever
+/// thread drops it. Kernels use it for per-task scratch so that, after the first step of a
+/// run, their scratch costs no allocation.
+#[derive(Default)]
+pub struct PoolBuf {
+    v: Vec<f32>,
+}
+
+/// A zeroed buffer of `n` floats (see [`PoolBuf`]).
+pub fn pooled(n: usize) -> PoolBuf {
+    let mut v = POOL.with(|p| {
+        let mut p = p.borrow_mut();
+        // The smallest pooled buffer that is large enough, else any (it grows once).
+        let best = p.iter().enumerate().filter(|(_, b)| b.capacity() >= n).min_by_key(|(_, b)| b.capacity()).map(|(i, _)| i);
+        match best {
+            Some(i) => p.swap_remove(i),
+            None => p.pop().unwrap_or_default(),
+        }
+    });
+    v.clear();
+    v.resize(n, 0.0);
+    PoolBuf { v }
+}
+
+impl std::ops::Deref for PoolBuf {
+    type Target = [f32];
+    fn deref(&self) -> &[f32] {
+        &self.v
+    }
+}
+
+impl std::ops::DerefMut for PoolBuf {
+    fn deref_mut(&mut self) -> &mut [f32] {
+        &mut self.v
+    }
+}
+
+impl Drop for PoolBuf {
+    fn drop(&mut self) {
+        let v = std::mem::take(&mut self.v);
+        if v.capacity() > 0 {
+            let _ = POOL.try_with(|p| p.borrow_mut().push(v));
+        }
+    }
+}

@@ -81,3 +81,17 @@ fn reductions_are_thread_count_independent() {
     };
     assert_eq!(run(&one), run(&three));
 }
+
+#[test]
+fn pooled_scratch_is_reused_not_reallocated() {
+    // A buffer returned to the pool is handed out again (same allocation), zeroed.
+    let ptr = {
+        let mut a = tensor::par::pooled(1000);
+        a[3] = 7.0;
+        a.as_ptr()
+    };
+    let b = tensor::par::pooled(900);
+    assert_eq!(b.as_ptr(), ptr);
+    assert!(b.iter().all(|&x| x == 0.0));
+    assert_eq!(b.len(), 900);
+}
