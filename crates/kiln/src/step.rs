@@ -115,3 +115,24 @@ pub fn trainable(model: &mut Gpt) -> (&mut [f32], &mut [f32]) {
 pub fn trainable_layout(model: &Gpt) -> &model::ParamLayout {
     model.lora.as_ref().map_or(&model.layout, |lo| &lo.layout)
 }
+
+/// Hardware FLOPs per token: the model FLOPs plus the forward work that activation
+/// recomputation repeats (for HFU, which counts what the machine executes; MFU never counts
+/// recomputation). Full reruns each block's forward, `2·N_blocks + 4·L·C·T` (its matmuls and
+/// attention, as in PaLM's split of `6N + 12·L·C·T` into forward and backward); selective
+/// reruns the q|k|v and first MLP products and attention.
+pub fn hardware_flops_per_token(model: &Gpt) -> f64 {
+    let c = &model.cfg;
+    let attn_fwd = 4.0 * (c.n_layer * c.n_embd * c.block_size) as f64;
+    let sum = |f: &dyn Fn(&model::layout::BlockParams) -> usize| model.views.blocks.iter().map(f).sum::<usize>() as f64;
+    let extra = match model.recompute {
+        model::gpt::Recompute::None => 0.0,
+        model::gpt::Recompute::Full => {
+            2.0 * sum(&|b| b.c_attn_w.len() + b.attn_proj_w.len() + b.c_fc_w.len() + b.mlp_proj_w.len() + b.moe.as_ref().map_or(0, |m| m.router.len() + m.shared.len() + m.experts.len() * c.top_k / c.n_expert.max(1))) + attn_fwd
+        }
+        model::gpt::Recompute::Selective => {
+            2.0 * sum(&|b| b.c_attn_w.len() + b.c_fc_w.len() + b.moe.as_ref().map_or(0, |m| m.router.len() + m.shared.len() + m.experts.len() * c.top_k / c.n_expert.max(1))) + attn_fwd
+        }
+    };
+    model_flops_per_token(model) + extra
+}

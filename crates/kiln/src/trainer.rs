@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 use tensor::rng::mix64;
-use crate::step::{model_flops_per_token, train_step, trainable, trainable_layout, Optimizer};
+use crate::step::{hardware_flops_per_token, model_flops_per_token, train_step, trainable, trainable_layout, Optimizer};
 use tensor::Rng;
 
 #[derive(Clone, Debug, Default)]
@@ -286,6 +286,7 @@ pub fn train(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
     // MFU is stated against the same peak `kiln bench --peak` reports.
     let peak = crate::bench::peak_flops();
     let flops_per_token = model_flops_per_token(&model);
+    let hw_flops_per_token = hardware_flops_per_token(&model);
 
     let max_steps = cfg.train.max_steps;
     let progress = Progress::new(step, max_steps, args.quiet);
@@ -347,6 +348,9 @@ pub fn train(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
             "kind": "train", "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
             "tokens_per_sec": tps, "mfu": mfu, "elapsed_s": elapsed,
         });
+        if model.recompute != model::gpt::Recompute::None {
+            line["hfu"] = (hw_flops_per_token * tps / peak).into();
+        }
         add_moe_stats(&mut line, model.moe_stats());
         metrics.log(&line).map_err(KilnError::User)?;
         let log_now = step % cfg.train.log_interval.max(1) == 0 || step == max_steps;

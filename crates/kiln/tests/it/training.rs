@@ -272,5 +272,10 @@ fn recomputation_changes_memory_not_results() {
     assert!(o.status.success(), "{}", stderr(&o));
     let bits = |r: &std::path::Path| losses(r).iter().map(|x| x.1.to_bits()).collect::<Vec<_>>();
     assert_eq!(bits(&a), bits(&b));
+    // HFU (recomputation counted) is reported beside MFU, and exceeds it, only when recomputing.
+    let line = |r: &std::path::Path| -> serde_json::Value { serde_json::from_str(fs::read_to_string(r.join("metrics.jsonl")).unwrap().lines().next().unwrap()).unwrap() };
+    assert!(line(&a).get("hfu").is_none());
+    let lb = line(&b);
+    assert!(lb["hfu"].as_f64().unwrap() > lb["mfu"].as_f64().unwrap());
     assert_user_error(&train(&data, &d.join("bad"), &["--set", "model.recompute=some"]), &["model.recompute", "some"]);
 }
