@@ -92,15 +92,7 @@ fn gradients_match_finite_differences_llama_mqa_with_dropout() {
 #[test]
 fn llama_decode_logits_match_full_forward() {
     let mut m = Gpt::new(tiny_llama(2, 0.0), 12, 5);
-    let (tokens, _) = batch();
-    let full = m.forward_logits(&tokens, 2, 6)[6 * 12..].to_vec();
-    let mut cache = m.new_cache();
-    for (t, &tok) in tokens[6..].iter().enumerate() {
-        let lg = m.decode_step(&mut cache, tok);
-        for j in 0..12 {
-            assert!((lg[j] - full[t * 12 + j]).abs() < 1e-4, "t={t} j={j}");
-        }
-    }
+    assert_decode_matches_forward(&mut m, 1);
 }
 
 #[test]
@@ -134,19 +126,25 @@ fn layout_uses_hf_names_and_gpt2_init() {
     assert_eq!(full.total, 124_475_904);
 }
 
-#[test]
-fn decode_logits_match_full_forward() {
-    let cfg = tiny(true, 0.0, false);
-    let mut m = Gpt::new(cfg, 12, 5);
+/// KV-cached decoding of sequence `row` of the batch, token by token, gives the logits of the
+/// full forward pass (vocabulary 12).
+fn assert_decode_matches_forward(m: &mut Gpt, row: usize) {
     let (tokens, _) = batch();
-    let full = m.forward_logits(&tokens, 2, 6)[..6 * 12].to_vec();
+    let full = m.forward_logits(&tokens, 2, 6)[row * 6 * 12..(row + 1) * 6 * 12].to_vec();
     let mut cache = m.new_cache();
-    for (t, &tok) in tokens[..6].iter().enumerate() {
+    for (t, &tok) in tokens[row * 6..(row + 1) * 6].iter().enumerate() {
         let lg = m.decode_step(&mut cache, tok);
         for j in 0..12 {
             assert!((lg[j] - full[t * 12 + j]).abs() < 1e-4, "t={t} j={j}");
         }
     }
+}
+
+#[test]
+fn decode_logits_match_full_forward() {
+    let cfg = tiny(true, 0.0, false);
+    let mut m = Gpt::new(cfg, 12, 5);
+    assert_decode_matches_forward(&mut m, 0);
 }
 
 #[test]
@@ -199,15 +197,8 @@ fn gradients_match_finite_differences_moe_router_losses() {
 #[test]
 fn moe_decode_logits_match_full_forward_and_stats_are_reported() {
     let mut m = Gpt::new(tiny_moe(0, 0.0), 12, 5);
+    assert_decode_matches_forward(&mut m, 0);
     let (tokens, targets) = batch();
-    let full = m.forward_logits(&tokens, 2, 6)[..6 * 12].to_vec();
-    let mut cache = m.new_cache();
-    for (t, &tok) in tokens[..6].iter().enumerate() {
-        let lg = m.decode_step(&mut cache, tok);
-        for j in 0..12 {
-            assert!((lg[j] - full[t * 12 + j]).abs() < 1e-4, "t={t} j={j}");
-        }
-    }
     m.forward(&tokens, &targets, 2, 6, Pass::Eval);
     let st = m.moe_stats();
     assert_eq!(st.len(), 2, "one per layer");
