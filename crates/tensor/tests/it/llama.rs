@@ -422,35 +422,18 @@ fn llama_tiny_fixture_logits_match_transformers() {
     // rms_norm_eps 1e-5, rope_theta 10000, vocab 103, untied lm_head.
     let (c, nh, nkv, hs, f, layers, v) = (64, 4, 2, 16, 172, 2, 103);
     let st = SafeTensors::open(&dir.join("model.safetensors"));
-    let toks = std::fs::read_to_string(dir.join("tokens.json")).unwrap();
-    let body = &toks[toks.find("[[").unwrap() + 1..toks.rfind("]]").unwrap() + 1];
-    let rows: Vec<Vec<u32>> = body
-        .split(']')
-        .filter(|r| r.contains('['))
-        .map(|r| r[r.find('[').unwrap() + 1..].split(',').map(|x| x.trim().parse().unwrap()).collect())
-        .collect();
-    let (b, t) = (rows.len(), rows[0].len());
-    let tokens: Vec<u32> = rows.concat();
+    let (tokens, b, t) = fixture_tokens(&dir);
     let n = b * t;
     let d = GqaDims { b, t, nh, nkv, hs };
-    let w = d.qkv_width();
     let (cos, sin) = rope_table(10_000.0, hs, t);
 
     let mut x = vec![0.0; n * c];
     embedding_forward(&mut x, &tokens, &st.get("model.embed_tokens.weight", &[v, c]), None, t, c);
     let (mut h, mut rstd) = (vec![0.0; n * c], vec![0.0; n]);
-    let (mut qkv, mut att, mut y) = (vec![0.0; n * w], vec![0.0; b * nh * t * t], vec![0.0; n * c]);
     let (mut gu, mut m) = (vec![0.0; n * 2 * f], vec![0.0; n * f]);
     for l in 0..layers {
         let p = |s: &str, shape: &[usize]| st.get(&format!("model.layers.{l}.{s}"), shape);
-        // x = x + o_proj(attn(rope(qkv_proj(norm(x)))))
-        rmsnorm_forward(&mut h, &mut rstd, &x, &p("input_layernorm.weight", &[c]), 1e-5, c);
-        let wqkv = [p("self_attn.q_proj.weight", &[nh * hs, c]), p("self_attn.k_proj.weight", &[nkv * hs, c]), p("self_attn.v_proj.weight", &[nkv * hs, c])].concat();
-        matmul_forward(&mut qkv, &h, &wqkv, None, n, c, w);
-        rope_forward(&mut qkv, &cos, &sin, b, t, nh, nkv, hs, 0);
-        gqa_attention_forward(&mut y, &mut att, &qkv, &d);
-        matmul_forward(&mut h, &y, &p("self_attn.o_proj.weight", &[c, c]), None, n, c, c);
-        add_into(&mut x, &h);
+        hf_attention_residual(&mut x, &st, l, &d, &cos, &sin);
         // x = x + down_proj(silu(gate_proj(norm(x))) · up_proj(norm(x)))
         rmsnorm_forward(&mut h, &mut rstd, &x, &p("post_attention_layernorm.weight", &[c]), 1e-5, c);
         let wgu = [p("mlp.gate_proj.weight", &[f, c]), p("mlp.up_proj.weight", &[f, c])].concat();
@@ -459,14 +442,7 @@ fn llama_tiny_fixture_logits_match_transformers() {
         matmul_forward(&mut h, &m, &p("mlp.down_proj.weight", &[c, f]), None, n, f, c);
         add_into(&mut x, &h);
     }
-    rmsnorm_forward(&mut h, &mut rstd, &x, &st.get("model.norm.weight", &[c]), 1e-5, c);
-    let mut logits = vec![0.0; n * v];
-    matmul_forward(&mut logits, &h, &st.get("lm_head.weight", &[v, c]), None, n, c, v);
-
-    let want = SafeTensors::open(&dir.join("expected.safetensors")).get("logits", &[b, t, v]);
-    let err = logits.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
-    eprintln!("llama-tiny: max |logit error| {err} over {} logits", want.len());
-    assert!(err <= 1e-4, "max |logit error| {err}");
+    assert_fixture_logits("llama-tiny", &dir, &st, &x, b, t, c, v);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -399,35 +399,19 @@ fn mixtral_tiny_fixture_logits_match_transformers() {
     // experts, 2 per token, rms_norm_eps 1e-5, rope_theta 10000, vocab 97, untied lm_head.
     let (c, nh, nkv, hs, f, layers, v, e, k) = (64, 4, 2, 16, 96, 2, 97, 4, 2);
     let st = SafeTensors::open(&dir.join("model.safetensors"));
-    let toks = std::fs::read_to_string(dir.join("tokens.json")).unwrap();
-    let body = &toks[toks.find("[[").unwrap() + 1..toks.rfind("]]").unwrap() + 1];
-    let rows: Vec<Vec<u32>> = body
-        .split(']')
-        .filter(|r| r.contains('['))
-        .map(|r| r[r.find('[').unwrap() + 1..].split(',').map(|x| x.trim().parse().unwrap()).collect())
-        .collect();
-    let (b, t) = (rows.len(), rows[0].len());
-    let tokens: Vec<u32> = rows.concat();
+    let (tokens, b, t) = fixture_tokens(&dir);
     let n = b * t;
     let gd = GqaDims { b, t, nh, nkv, hs };
-    let w = gd.qkv_width();
     let (cos, sin) = rope_table(10_000.0, hs, t);
     let md = MoeDims { n, c, f, e, k, n_shared: 0, capacity_factor: 0.0, renormalize: true };
     let mut cache = MoeCache::new(md);
 
     let mut x = vec![0.0; n * c];
     embedding_forward(&mut x, &tokens, &st.get("model.embed_tokens.weight", &[v, c]), None, t, c);
-    let (mut h, mut rstd) = (vec![0.0; n * c], vec![0.0; n]);
-    let (mut qkv, mut att, mut y) = (vec![0.0; n * w], vec![0.0; b * nh * t * t], vec![0.0; n * c]);
+    let (mut h, mut rstd, mut y) = (vec![0.0; n * c], vec![0.0; n], vec![0.0; n * c]);
     for l in 0..layers {
         let p = |s: &str, shape: &[usize]| st.get(&format!("model.layers.{l}.{s}"), shape);
-        rmsnorm_forward(&mut h, &mut rstd, &x, &p("input_layernorm.weight", &[c]), 1e-5, c);
-        let wqkv = [p("self_attn.q_proj.weight", &[nh * hs, c]), p("self_attn.k_proj.weight", &[nkv * hs, c]), p("self_attn.v_proj.weight", &[nkv * hs, c])].concat();
-        matmul_forward(&mut qkv, &h, &wqkv, None, n, c, w);
-        rope_forward(&mut qkv, &cos, &sin, b, t, nh, nkv, hs, 0);
-        gqa_attention_forward(&mut y, &mut att, &qkv, &gd);
-        matmul_forward(&mut h, &y, &p("self_attn.o_proj.weight", &[c, c]), None, n, c, c);
-        add_into(&mut x, &h);
+        hf_attention_residual(&mut x, &st, l, &gd, &cos, &sin);
         // x = x + moe(norm(x)); experts_w per expert = [w1 | w3 | w2].
         rmsnorm_forward(&mut h, &mut rstd, &x, &p("post_attention_layernorm.weight", &[c]), 1e-5, c);
         let experts: Vec<f32> = (0..e)
@@ -441,14 +425,7 @@ fn mixtral_tiny_fixture_logits_match_transformers() {
         eprintln!("mixtral-tiny layer {l}: counts {:?}, aux {}", stats.counts, stats.aux_loss);
         add_into(&mut x, &y);
     }
-    rmsnorm_forward(&mut h, &mut rstd, &x, &st.get("model.norm.weight", &[c]), 1e-5, c);
-    let mut logits = vec![0.0; n * v];
-    matmul_forward(&mut logits, &h, &st.get("lm_head.weight", &[v, c]), None, n, c, v);
-
-    let want = SafeTensors::open(&dir.join("expected.safetensors")).get("logits", &[b, t, v]);
-    let err = logits.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
-    eprintln!("mixtral-tiny: max |logit error| {err} over {} logits", want.len());
-    assert!(err <= 1e-4, "max |logit error| {err}");
+    assert_fixture_logits("mixtral-tiny", &dir, &st, &x, b, t, c, v);
 }
 
 // ---------------------------------------------------------------------------------------------
