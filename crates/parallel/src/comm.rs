@@ -28,35 +28,173 @@ use std::time::{Duration, Instant};
 use crate::mesh::{Axis, DeviceMesh};
 
 /// Collectives over one group of ranks. Buffers are `f32`; every call is blocking.
+///
+/// Every collective is `#[track_caller]`: its signature (per-group sequence number, op, dtype,
+/// element counts, the caller's source location) is compared across ranks, and a mismatch or a
+/// timeout names the ranks, the sequence number and each rank's call site.
 pub trait Comm: Send {
     /// This rank within the communicator's group, `0..size()`.
     fn rank(&self) -> usize;
     fn size(&self) -> usize;
     /// `buf ← Σ_r buf_r`, summed in rank order. Lengths must match across ranks.
+    #[track_caller]
     fn all_reduce_sum(&self, buf: &mut [f32]);
     /// `out ← (Σ_r input_r)[rank·c .. (rank+1)·c]` with `c = out.len()`,
     /// `input.len() == size·c`; summed in rank order.
+    #[track_caller]
     fn reduce_scatter_sum(&self, input: &[f32], out: &mut [f32]);
     /// `out[r·c .. (r+1)·c] ← input_r` with `c = input.len()`, `out.len() == size·c`.
+    #[track_caller]
     fn all_gather(&self, input: &[f32], out: &mut [f32]);
     /// `buf ← buf_root` on every rank.
+    #[track_caller]
     fn broadcast(&self, buf: &mut [f32], root: usize);
     /// Buffered, non-blocking point-to-point send to group rank `to`. Messages between one
     /// pair with one tag arrive in the order sent; different tags are independent.
+    #[track_caller]
     fn send(&self, buf: &[f32], to: usize, tag: u32);
     /// Blocks until the oldest message from `from` with `tag` arrives; its length must equal
     /// `buf.len()`.
+    #[track_caller]
     fn recv(&self, buf: &mut [f32], from: usize, tag: u32);
     /// `input` is `size` equal chunks of `c = input.len()/size`; chunk `j` goes to rank `j`,
     /// and `out[r·c .. (r+1)·c]` receives rank `r`'s chunk for this rank.
     /// `out.len() == input.len()`.
+    #[track_caller]
     fn all_to_all(&self, input: &[f32], out: &mut [f32]);
+    #[track_caller]
     fn barrier(&self);
     /// A sub-communicator over `ranks` (ranks of this group, listed in the order that becomes
     /// the new group's rank order; must contain this rank). Collective over this group: every
     /// rank calls `split` (the same number of times, in the same order), each with the group
     /// it belongs to; the groups must partition this group (e.g. one mesh axis's groups).
     fn split(&self, ranks: &[usize]) -> Box<dyn Comm>;
+    /// Byte counters of this rank, shared by every communicator split from the same world
+    /// communicator (so they total a rank's traffic over all its groups).
+    fn counters(&self) -> Arc<Counters>;
+}
+
+/// The collectives counted by [`Counters`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Op {
+    AllReduce,
+    ReduceScatter,
+    AllGather,
+    Broadcast,
+    SendRecv,
+    AllToAll,
+    Barrier,
+}
+
+pub const OPS: [Op; 7] = [Op::AllReduce, Op::ReduceScatter, Op::AllGather, Op::Broadcast, Op::SendRecv, Op::AllToAll, Op::Barrier];
+
+impl Op {
+    pub fn name(self) -> &'static str {
+        match self {
+            Op::AllReduce => "all_reduce",
+            Op::ReduceScatter => "reduce_scatter",
+            Op::AllGather => "all_gather",
+            Op::Broadcast => "broadcast",
+            Op::SendRecv => "send_recv",
+            Op::AllToAll => "all_to_all",
+            Op::Barrier => "barrier",
+        }
+    }
+}
+
+/// Calls and bytes per collective of one rank. Bytes are what this rank's buffers exchange with
+/// other ranks under the backend's algorithm (a ring all-reduce of `B` bytes on `N` ranks sends
+/// and receives `2(N−1)/N·B` each); copies within a rank are not counted.
+#[derive(Default, Debug)]
+pub struct Counters {
+    calls: [AtomicU64; 7],
+    sent: [AtomicU64; 7],
+    recv: [AtomicU64; 7],
+}
+
+/// A snapshot of [`Counters`]: `(calls, bytes sent, bytes received)` per op, in [`OPS`] order.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CommTotals(pub [(u64, u64, u64); 7]);
+
+impl Counters {
+    pub fn add(&self, op: Op, sent: u64, recv: u64) {
+        let i = op as usize;
+        self.calls[i].fetch_add(1, Ordering::Relaxed);
+        self.sent[i].fetch_add(sent, Ordering::Relaxed);
+        self.recv[i].fetch_add(recv, Ordering::Relaxed);
+    }
+
+    pub fn snapshot(&self) -> CommTotals {
+        let mut t = CommTotals::default();
+        for i in 0..7 {
+            t.0[i] = (self.calls[i].load(Ordering::Relaxed), self.sent[i].load(Ordering::Relaxed), self.recv[i].load(Ordering::Relaxed));
+        }
+        t
+    }
+}
+
+impl CommTotals {
+    /// What happened between `before` and `self`.
+    pub fn since(&self, before: &CommTotals) -> CommTotals {
+        let mut t = CommTotals::default();
+        for i in 0..7 {
+            t.0[i] = (self.0[i].0 - before.0[i].0, self.0[i].1 - before.0[i].1, self.0[i].2 - before.0[i].2);
+        }
+        t
+    }
+
+    pub fn get(&self, op: Op) -> (u64, u64, u64) {
+        self.0[op as usize]
+    }
+
+    pub fn bytes_sent(&self) -> u64 {
+        self.0.iter().map(|x| x.1).sum()
+    }
+
+    pub fn bytes_recv(&self) -> u64 {
+        self.0.iter().map(|x| x.2).sum()
+    }
+}
+
+/// What one rank called, compared across the group at each collective's first rendezvous.
+#[derive(Clone, Copy, Debug)]
+pub struct Signature {
+    /// Collectives this rank has called on this communicator before this one.
+    pub seq: u64,
+    pub op: &'static str,
+    pub dtype: &'static str,
+    /// Element counts (input, output) and a scalar argument (root) that must agree.
+    pub counts: (usize, usize, usize),
+    pub site: &'static std::panic::Location<'static>,
+}
+
+impl Signature {
+    fn same_call(&self, o: &Signature) -> bool {
+        self.seq == o.seq && self.op == o.op && self.dtype == o.dtype && self.counts == o.counts
+    }
+}
+
+impl std::fmt::Display for Signature {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (a, b, x) = self.counts;
+        write!(f, "#{} {}({} × {a}", self.seq, self.op, self.dtype)?;
+        if b != 0 {
+            write!(f, " → {b}")?;
+        }
+        if x != 0 {
+            write!(f, ", root {x}")?;
+        }
+        write!(f, ") at {}", self.site)
+    }
+}
+
+/// The error message for ranks whose signatures disagree (`None` when they agree).
+pub fn signature_mismatch(group: &str, sigs: &[Signature]) -> Option<String> {
+    if sigs.iter().all(|s| s.same_call(&sigs[0])) {
+        return None;
+    }
+    let calls: Vec<String> = sigs.iter().enumerate().map(|(r, s)| format!("rank {r} called {s}")).collect();
+    Some(format!("collective mismatch on {group} at sequence number {}: {}", sigs[0].seq.min(sigs.iter().map(|s| s.seq).min().unwrap()), calls.join("; ")))
 }
 
 /// The communicator of `comm`'s rank along `axis` of `mesh`. `comm` must be the world
@@ -109,7 +247,14 @@ impl InProcess {
         });
         let group = Arc::new(Group::new(0, (0..n).collect()));
         (0..n)
-            .map(|r| InProcessComm { world: world.clone(), group: group.clone(), rank: r, splits: std::cell::Cell::new(0) })
+            .map(|r| InProcessComm {
+                world: world.clone(),
+                group: group.clone(),
+                rank: r,
+                splits: std::cell::Cell::new(0),
+                seq: std::cell::Cell::new(0),
+                counters: Arc::new(Counters::default()),
+            })
             .collect()
     }
 }
@@ -218,6 +363,8 @@ struct State {
     arrived: Vec<bool>,
     /// What each rank is waiting in (for diagnostics and the mismatch check).
     waiting_in: Vec<&'static str>,
+    /// The signature each rank deposited at the opening rendezvous of its current collective.
+    sigs: Vec<Option<Signature>>,
     slots: Vec<Slot>,
     /// Set once when ranks disagree at a rendezvous; every rank then panics with it.
     error: Option<String>,
@@ -234,6 +381,7 @@ impl Group {
                 count: 0,
                 arrived: vec![false; n],
                 waiting_in: vec![""; n],
+                sigs: vec![None; n],
                 slots: vec![Slot::default(); n],
                 error: None,
             }),
@@ -252,6 +400,9 @@ pub struct InProcessComm {
     group: Arc<Group>,
     rank: usize,
     splits: std::cell::Cell<u64>,
+    /// Collectives called on this communicator so far (the next one's sequence number).
+    seq: std::cell::Cell<u64>,
+    counters: Arc<Counters>,
 }
 
 impl Drop for InProcessComm {
@@ -300,7 +451,7 @@ impl InProcessComm {
     /// rank deposits its buffers and gets back everyone's (valid until the collective's next
     /// rendezvous: no rank deposits again before every rank has passed that one). With
     /// `uniform`, the last arrival checks that every rank deposited the same sizes.
-    fn rendezvous(&self, what: &'static str, slot: Option<Slot>, uniform: bool) -> Vec<Slot> {
+    fn rendezvous(&self, what: &'static str, slot: Option<Slot>, sig: Option<Signature>) -> Vec<Slot> {
         let n = self.n();
         let me = self.rank;
         let start = Instant::now();
@@ -310,11 +461,14 @@ impl InProcessComm {
         }
         st.arrived[me] = true;
         st.waiting_in[me] = what;
+        if sig.is_some() {
+            st.sigs[me] = sig;
+        }
         st.count += 1;
         let gen = st.generation;
         if st.count == n {
             if st.error.is_none() {
-                st.error = Self::validate(&st, n, what, slot.is_some() && uniform, &self.group.ranks);
+                st.error = Self::validate(&st, n, what, sig.is_some(), &self.describe_group());
             }
             st.count = 0;
             st.arrived.iter_mut().for_each(|a| *a = false);
@@ -349,31 +503,44 @@ impl InProcessComm {
         }
     }
 
-    fn validate(st: &State, n: usize, what: &str, uniform: bool, world_ranks: &[usize]) -> Option<String> {
-        if st.waiting_in.iter().any(|w| *w != what) {
-            let calls: Vec<String> = (0..n).map(|r| format!("rank {r}: {}", st.waiting_in[r])).collect();
-            return Some(format!("collective mismatch on group (world ranks {world_ranks:?}): {}", calls.join(", ")));
+    fn validate(st: &State, n: usize, what: &str, opening: bool, group: &str) -> Option<String> {
+        if st.waiting_in.iter().any(|w| *w != what) || (opening && st.sigs.iter().any(|s| s.is_none())) {
+            // Different collectives (or phases of them) met: name what each rank called.
+            let calls: Vec<String> = (0..n)
+                .map(|r| match &st.sigs[r] {
+                    Some(s) if st.waiting_in[r] == s.op => format!("rank {r} called {s}"),
+                    Some(s) => format!("rank {r} is in {} of {s}", st.waiting_in[r]),
+                    None => format!("rank {r} is in {}", st.waiting_in[r]),
+                })
+                .collect();
+            let seq = st.sigs.iter().flatten().map(|s| s.seq).min().unwrap_or(0);
+            return Some(format!("collective mismatch on {group} at sequence number {seq}: {}", calls.join("; ")));
         }
-        if uniform {
-            let shape = |s: &Slot| (s.a_len, s.b_len, s.x);
-            if st.slots.iter().any(|s| shape(s) != shape(&st.slots[0])) {
-                let calls: Vec<String> = (0..n)
-                    .map(|r| {
-                        let s = &st.slots[r];
-                        format!("rank {r}: lengths {}/{} arg {}", s.a_len, s.b_len, s.x)
-                    })
-                    .collect();
-                return Some(format!("{what}: ranks disagree on sizes on group (world ranks {world_ranks:?}): {}", calls.join(", ")));
-            }
+        if opening {
+            let sigs: Vec<Signature> = st.sigs.iter().map(|s| s.unwrap()).collect();
+            return signature_mismatch(group, &sigs);
         }
         None
+    }
+
+    /// The signature of this rank's next collective (and advances the sequence number).
+    #[track_caller]
+    fn sig(&self, op: &'static str, counts: (usize, usize, usize)) -> Signature {
+        let seq = self.seq.get();
+        self.seq.set(seq + 1);
+        Signature { seq, op, dtype: "f32", counts, site: std::panic::Location::caller() }
     }
 
     fn hang_message(&self, st: &State, what: &str, elapsed: Duration) -> String {
         let missing: Vec<usize> = (0..self.n()).filter(|&r| !st.arrived[r]).collect();
         let missing_world: Vec<usize> = missing.iter().map(|&r| self.group.ranks[r]).collect();
-        let here: Vec<String> =
-            (0..self.n()).filter(|&r| st.arrived[r]).map(|r| format!("rank {r} in {}", st.waiting_in[r])).collect();
+        let here: Vec<String> = (0..self.n())
+            .filter(|&r| st.arrived[r])
+            .map(|r| match &st.sigs[r] {
+                Some(s) => format!("rank {r} in {} of {s}", st.waiting_in[r]),
+                None => format!("rank {r} in {}", st.waiting_in[r]),
+            })
+            .collect();
         format!(
             "collective {what} timed out after {:.1}s on rank {} of {}: ranks {missing:?} (world ranks {missing_world:?}) have not arrived; arrived: [{}]",
             elapsed.as_secs_f64(),
@@ -397,17 +564,23 @@ impl Comm for InProcessComm {
         self.n()
     }
 
+    #[track_caller]
     fn all_reduce_sum(&self, buf: &mut [f32]) {
         let n = self.n();
-        if n == 1 {
-            return;
-        }
         let me = self.rank;
         let len = buf.len();
+        let sig = self.sig("all_reduce_sum", (len, 0, 0));
+        if n == 1 {
+            self.counters.add(Op::AllReduce, 0, 0);
+            return;
+        }
         let p = buf.as_mut_ptr();
         // From here until the last rendezvous, `buf` is touched only through `p`.
-        let slots = self.rendezvous("all_reduce_sum", Some(Slot { a: p, a_len: len, ..Slot::default() }), true);
+        let slots = self.rendezvous("all_reduce_sum", Some(Slot { a: p, a_len: len, ..Slot::default() }), Some(sig));
         if len <= SMALL_ALL_REDUCE {
+            // Every rank reads every other rank's whole buffer.
+            let b = ((n - 1) * len * 4) as u64;
+            self.counters.add(Op::AllReduce, b, b);
             // Small buffers: latency, not bandwidth, matters. Every rank sums everything itself
             // (same order, same bits) and writes its own buffer once nobody reads it any more:
             // two rendezvous instead of three.
@@ -417,10 +590,15 @@ impl Comm for InProcessComm {
                     *a += *x;
                 }
             }
-            self.rendezvous("all_reduce_sum/read", None, false);
+            self.rendezvous("all_reduce_sum/read", None, None);
             unsafe { wr(p, 0, len).copy_from_slice(&acc) };
             return;
         }
+        // Reduce-scatter then all-gather: this rank reads the n−1 other ranks' chunk `me`, then
+        // their finished chunks: 2(n−1)/n of the buffer in, and as much out.
+        let (lo, hi) = chunk_bounds(len, n, me);
+        let b = (((len - (hi - lo)) * 2) * 4) as u64;
+        self.counters.add(Op::AllReduce, b, b);
         // Reduce-scatter: this rank sums chunk `me` of every buffer, in rank order, into its
         // own buffer. Rank k reads only chunk k of the others and writes only chunk k of its own.
         let (lo, hi) = chunk_bounds(len, n, me);
@@ -441,7 +619,7 @@ impl Comm for InProcessComm {
             }
             i += m;
         }
-        self.rendezvous("all_reduce_sum/reduced", None, false);
+        self.rendezvous("all_reduce_sum/reduced", None, None);
         // All-gather: copy every other rank's finished chunk.
         for (k, s) in slots.iter().enumerate() {
             if k != me {
@@ -449,19 +627,23 @@ impl Comm for InProcessComm {
                 unsafe { wr(p, lo, hi - lo).copy_from_slice(rd(s.a, lo, hi - lo)) };
             }
         }
-        self.rendezvous("all_reduce_sum/gathered", None, false);
+        self.rendezvous("all_reduce_sum/gathered", None, None);
     }
 
+    #[track_caller]
     fn reduce_scatter_sum(&self, input: &[f32], out: &mut [f32]) {
         let n = self.n();
         let c = out.len();
         assert_eq!(input.len(), n * c, "reduce_scatter_sum: input length {} is not size {n} × output length {c}", input.len());
+        let sig = self.sig("reduce_scatter_sum", (input.len(), c, 0));
+        let b = ((n - 1) * c * 4) as u64;
+        self.counters.add(Op::ReduceScatter, b, b);
         if n == 1 {
             out.copy_from_slice(input);
             return;
         }
         let slot = Slot { a: input.as_ptr() as *mut f32, a_len: input.len(), b_len: c, ..Slot::default() };
-        let slots = self.rendezvous("reduce_scatter_sum", Some(slot), true);
+        let slots = self.rendezvous("reduce_scatter_sum", Some(slot), Some(sig));
         let off = self.rank * c;
         unsafe {
             out.copy_from_slice(rd(slots[0].a, off, c));
@@ -471,51 +653,68 @@ impl Comm for InProcessComm {
                 }
             }
         }
-        self.rendezvous("reduce_scatter_sum/done", None, false);
+        self.rendezvous("reduce_scatter_sum/done", None, None);
     }
 
+    #[track_caller]
     fn all_gather(&self, input: &[f32], out: &mut [f32]) {
         let n = self.n();
         let c = input.len();
         assert_eq!(out.len(), n * c, "all_gather: output length {} is not size {n} × input length {c}", out.len());
+        let sig = self.sig("all_gather", (c, out.len(), 0));
+        let b = ((n - 1) * c * 4) as u64;
+        self.counters.add(Op::AllGather, b, b);
         if n == 1 {
             out.copy_from_slice(input);
             return;
         }
         let slot = Slot { a: input.as_ptr() as *mut f32, a_len: c, ..Slot::default() };
-        let slots = self.rendezvous("all_gather", Some(slot), true);
+        let slots = self.rendezvous("all_gather", Some(slot), Some(sig));
         for (k, s) in slots.iter().enumerate() {
             unsafe { out[k * c..(k + 1) * c].copy_from_slice(rd(s.a, 0, c)) };
         }
-        self.rendezvous("all_gather/done", None, false);
+        self.rendezvous("all_gather/done", None, None);
     }
 
+    #[track_caller]
     fn broadcast(&self, buf: &mut [f32], root: usize) {
         let n = self.n();
         assert!(root < n, "broadcast: root {root} outside group of size {n}");
+        let len = buf.len();
+        let sig = self.sig("broadcast", (len, 0, root));
+        let b = (len * 4) as u64;
+        if self.rank == root {
+            self.counters.add(Op::Broadcast, (n as u64 - 1) * b, 0);
+        } else {
+            self.counters.add(Op::Broadcast, 0, b);
+        }
         if n == 1 {
             return;
         }
-        let len = buf.len();
         let p = buf.as_mut_ptr();
-        let slots = self.rendezvous("broadcast", Some(Slot { a: p, a_len: len, x: root, ..Slot::default() }), true);
+        let slots = self.rendezvous("broadcast", Some(Slot { a: p, a_len: len, x: root, ..Slot::default() }), Some(sig));
         if self.rank != root {
             unsafe { wr(p, 0, len).copy_from_slice(rd(slots[root].a, 0, len)) };
         }
-        self.rendezvous("broadcast/done", None, false);
+        self.rendezvous("broadcast/done", None, None);
     }
 
+    #[track_caller]
     fn send(&self, buf: &[f32], to: usize, tag: u32) {
         let n = self.n();
         assert!(to < n, "send: destination rank {to} outside group of size {n}");
+        self.counters.add(Op::SendRecv, (buf.len() * 4) as u64, 0);
         let key = (self.group.id, self.group.ranks[self.rank], self.group.ranks[to], tag);
         self.lock_mail().entry(key).or_default().push_back(buf.to_vec());
         self.world.mail_cv.notify_all();
     }
 
+    #[track_caller]
     fn recv(&self, buf: &mut [f32], from: usize, tag: u32) {
         let n = self.n();
         assert!(from < n, "recv: source rank {from} outside group of size {n}");
+        self.counters.add(Op::SendRecv, 0, (buf.len() * 4) as u64);
+        let site = std::panic::Location::caller();
         let me_w = self.group.ranks[self.rank];
         let key = (self.group.id, self.group.ranks[from], me_w, tag);
         let start = Instant::now();
@@ -551,7 +750,7 @@ impl Comm for InProcessComm {
                 pending.sort();
                 drop(mail);
                 panic!(
-                    "recv from rank {from} tag {tag} timed out after {:.1}s on rank {} of {}; messages waiting for this rank: [{}]",
+                    "recv from rank {from} tag {tag} at {site} timed out after {:.1}s on rank {} of {}; messages waiting for this rank: [{}]",
                     elapsed.as_secs_f64(),
                     self.rank,
                     self.describe_group(),
@@ -568,27 +767,38 @@ impl Comm for InProcessComm {
         }
     }
 
+    #[track_caller]
     fn all_to_all(&self, input: &[f32], out: &mut [f32]) {
         let n = self.n();
         assert_eq!(input.len() % n, 0, "all_to_all: input length {} not divisible by size {n}", input.len());
         assert_eq!(out.len(), input.len(), "all_to_all: output length {} != input length {}", out.len(), input.len());
+        let sig = self.sig("all_to_all", (input.len(), 0, 0));
+        let c = input.len() / n;
+        let b = ((n - 1) * c * 4) as u64;
+        self.counters.add(Op::AllToAll, b, b);
         if n == 1 {
             out.copy_from_slice(input);
             return;
         }
-        let c = input.len() / n;
         let slot = Slot { a: input.as_ptr() as *mut f32, a_len: input.len(), ..Slot::default() };
-        let slots = self.rendezvous("all_to_all", Some(slot), true);
+        let slots = self.rendezvous("all_to_all", Some(slot), Some(sig));
         for (k, s) in slots.iter().enumerate() {
             unsafe { out[k * c..(k + 1) * c].copy_from_slice(rd(s.a, self.rank * c, c)) };
         }
-        self.rendezvous("all_to_all/done", None, false);
+        self.rendezvous("all_to_all/done", None, None);
     }
 
+    #[track_caller]
     fn barrier(&self) {
+        let sig = self.sig("barrier", (0, 0, 0));
+        self.counters.add(Op::Barrier, 0, 0);
         if self.n() > 1 {
-            self.rendezvous("barrier", None, false);
+            self.rendezvous("barrier", None, Some(sig));
         }
+    }
+
+    fn counters(&self) -> Arc<Counters> {
+        self.counters.clone()
     }
 
     fn split(&self, ranks: &[usize]) -> Box<dyn Comm> {
@@ -604,7 +814,7 @@ impl Comm for InProcessComm {
         // Every rank checks that the requested groups partition this group consistently.
         if n > 1 {
             let slot = Slot { a: ranks.as_ptr() as *mut f32, a_len: ranks.len(), ..Slot::default() };
-            let slots = self.rendezvous("split", Some(slot), false);
+            let slots = self.rendezvous("split", Some(slot), None);
             let list = |k: usize| unsafe { std::slice::from_raw_parts(slots[k].a as *const usize, slots[k].a_len) };
             let mut bad = None;
             'outer: for k in 0..n {
@@ -615,7 +825,7 @@ impl Comm for InProcessComm {
                     }
                 }
             }
-            self.rendezvous("split/checked", None, false);
+            self.rendezvous("split/checked", None, None);
             if let Some(b) = bad {
                 panic!("split on {}: groups do not partition the parent: {b}", self.describe_group());
             }
@@ -636,6 +846,13 @@ impl Comm for InProcessComm {
             }
             g
         };
-        Box::new(InProcessComm { world: self.world.clone(), group, rank: new_rank, splits: std::cell::Cell::new(0) })
+        Box::new(InProcessComm {
+            world: self.world.clone(),
+            group,
+            rank: new_rank,
+            splits: std::cell::Cell::new(0),
+            seq: std::cell::Cell::new(0),
+            counters: self.counters.clone(),
+        })
     }
 }

@@ -10,5 +10,5 @@
 
 pub mod comm;
 pub mod mesh;
-pub use comm::{mesh_group, run_ranks, run_ranks_with_timeout, Comm, InProcess, InProcessComm};
+pub use comm::{mesh_group, run_ranks, run_ranks_with_timeout, Comm, CommTotals, Counters, InProcess, InProcessComm, Op, Signature, OPS};
 pub use mesh::{Axis, DeviceMesh};

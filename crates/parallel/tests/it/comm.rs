@@ -292,7 +292,7 @@ fn mismatched_calls_panic_on_every_rank() {
         panic_text(&*e)
     });
     for m in &msgs {
-        assert!(m.contains("all_reduce_sum: ranks disagree on sizes") && m.contains("rank 1: lengths 5"), "{m}");
+        assert!(m.contains("collective mismatch") && m.contains("sequence number 0") && m.contains("rank 1 called #0 all_reduce_sum(f32 × 5) at crates/parallel/tests/it/comm.rs:"), "{m}");
     }
     let msgs = run_ranks(2, |c| {
         let e = catch_unwind(AssertUnwindSafe(|| {
@@ -307,7 +307,7 @@ fn mismatched_calls_panic_on_every_rank() {
         panic_text(&*e)
     });
     for m in &msgs {
-        assert!(m.contains("collective mismatch") && m.contains("rank 0: barrier") && m.contains("rank 1: all_gather"), "{m}");
+        assert!(m.contains("collective mismatch") && m.contains("rank 0 called #0 barrier") && m.contains("rank 1 called #0 all_gather(f32 × 1 → 2)"), "{m}");
     }
     let msgs = run_ranks(3, |c| {
         let e = catch_unwind(AssertUnwindSafe(|| {
@@ -417,4 +417,49 @@ fn many_ranks_on_few_cores_do_not_deadlock() {
     });
     let want: f32 = (0..iters).map(|it| (1 + it % 9) as f32 * 16.0 * 2.0).sum();
     assert!(out.iter().all(|&a| a == want), "{out:?} vs {want}");
+}
+
+#[test]
+fn a_skipped_collective_is_named_by_sequence_number_and_call_sites() {
+    // Rank 1 skips the first of two all-reduces: its barrier meets rank 0's all-reduce, and the
+    // error names both calls, their sequence number and each rank's call site.
+    let msgs = run_ranks(2, |c| {
+        let e = catch_unwind(AssertUnwindSafe(|| {
+            let mut b = vec![1.0; 8];
+            if c.rank() == 0 {
+                c.all_reduce_sum(&mut b);
+            }
+            c.barrier();
+            c.all_reduce_sum(&mut b);
+        }))
+        .expect_err("rank 1 skipped one");
+        panic_text(&*e)
+    });
+    for m in &msgs {
+        assert!(m.contains("collective mismatch on group 0 (world ranks [0, 1]) at sequence number 0"), "{m}");
+        assert!(m.contains("rank 0 called #0 all_reduce_sum(f32 × 8) at crates/parallel/tests/it/comm.rs:"), "{m}");
+        assert!(m.contains("rank 1 called #0 barrier(f32 × 0) at crates/parallel/tests/it/comm.rs:"), "{m}");
+    }
+}
+
+#[test]
+fn counters_follow_the_ring_volumes() {
+    let n = 4;
+    let len = 1 << 16;
+    let totals = run_ranks(n, |c| {
+        let mut g = vec![1.0f32; len];
+        c.all_reduce_sum(&mut g);
+        let mut shard = vec![0.0f32; len / n];
+        c.reduce_scatter_sum(&g, &mut shard);
+        c.all_gather(&shard.clone(), &mut g);
+        c.counters().snapshot()
+    });
+    let bytes = (len * 4) as u64;
+    for t in &totals {
+        let (calls, sent, recv) = t.get(parallel::Op::AllReduce);
+        assert_eq!((calls, sent, recv), (1, 2 * 3 * bytes / 4, 2 * 3 * bytes / 4));
+        assert_eq!(t.get(parallel::Op::ReduceScatter), (1, 3 * bytes / 4, 3 * bytes / 4));
+        assert_eq!(t.get(parallel::Op::AllGather), (1, 3 * bytes / 4, 3 * bytes / 4));
+        assert_eq!(t.bytes_sent(), 4 * 3 * bytes / 4);
+    }
 }
