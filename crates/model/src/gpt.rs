@@ -17,6 +17,7 @@ use crate::config::{Arch, GptConfig};
 use crate::lora::{Lora, Site};
 use tensor::moe::{moe_backward, moe_forward, MoeCache, MoeStats};
 use crate::layout::{gpt_layout, BlockParams, GptParams, Init, ParamLayout};
+use crate::units::{Access, Local, UnitStore};
 use tensor::attention::AttnDims;
 use tensor::classifier::{chunk_rows, lm_head_crossentropy};
 use tensor::flash::{flash_attention_backward, flash_attention_forward, flash_gqa_backward, flash_gqa_forward};
@@ -147,6 +148,10 @@ pub struct Gpt {
     pub cfg: GptConfig,
     pub layout: ParamLayout,
     pub views: GptParams,
+    /// The layout's units ([`GptParams::units`]) and the views rebased to them, which passes
+    /// index the slices a [`UnitStore`] hands out with.
+    pub units: Vec<std::ops::Range<usize>>,
+    unit_views: GptParams,
     /// Tokens the loss may predict (the tokenizer's vocabulary, ≤ `cfg.vocab_size`).
     pub real_vocab: usize,
     pub params: Vec<f32>,
@@ -195,7 +200,9 @@ impl Gpt {
         let (layout, views) = gpt_layout(&cfg);
         let n = layout.total;
         let rope = (cfg.arch == Arch::Llama).then(|| rope_table(cfg.rope_theta, cfg.head_size(), cfg.block_size));
-        Gpt { cfg, layout, views, real_vocab, params: zeros(n), grads: zeros(n), rope, lora: None, recompute: Recompute::None, acts: None, scratch: None }
+        let units = views.units(n);
+        let unit_views = views.rebased(n);
+        Gpt { cfg, layout, views, units, unit_views, real_vocab, params: zeros(n), grads: zeros(n), rope, lora: None, recompute: Recompute::None, acts: None, scratch: None }
     }
 
     pub fn num_params(&self) -> usize {
@@ -255,12 +262,23 @@ impl Gpt {
     /// Forward pass over `tokens[B, T]` with `targets[B, T]` (`IGNORE_INDEX` to skip a
     /// position). Returns the mean loss over counted targets.
     pub fn forward(&mut self, tokens: &[u32], targets: &[i32], b: usize, t: usize, pass: Pass) -> f32 {
+        let (params, mut grads) = (std::mem::take(&mut self.params), std::mem::take(&mut self.grads));
+        let loss = self.forward_with(&mut Local { params: &params, grads: &mut grads, units: &self.units.clone() }, tokens, targets, b, t, pass);
+        (self.params, self.grads) = (params, grads);
+        loss
+    }
+
+    /// [`Gpt::forward`] reaching the parameters (and the head's gradients) through `store`;
+    /// the model's own `params` and `grads` are not touched.
+    pub fn forward_with(&mut self, store: &mut dyn UnitStore, tokens: &[u32], targets: &[i32], b: usize, t: usize, pass: Pass) -> f32 {
         assert_eq!(targets.len(), b * t);
         let (p_drop, seed, loss_scale) = match pass {
             Pass::Eval => (0.0, 0, None),
             Pass::Train { dropout_seed, loss_scale } => (self.cfg.dropout, dropout_seed, Some(loss_scale)),
         };
-        self.trunk_forward(tokens, b, t, p_drop, seed);
+        let hu = self.unit_views.head_unit();
+        let head_access = Access::Head { train: loss_scale.is_some() };
+        self.trunk_forward(store, tokens, b, t, p_drop, seed, Some((hu, head_access)));
         let (c, vp, v) = (self.cfg.n_embd, self.cfg.vocab_size, self.real_vocab);
         let a = self.acts.as_mut().unwrap();
         a.loss_scale = loss_scale.unwrap_or(1.0);
@@ -268,12 +286,14 @@ impl Gpt {
         let count = targets.iter().filter(|&&x| x != IGNORE_INDEX).count();
         a.count = count;
         // logits = ln_f(x) · headᵀ ; loss — fused, in row chunks (and its gradient, when training)
-        let head = &self.params[self.views.lm_head.clone()];
+        let r = self.unit_views.lm_head.clone();
+        let (w, dw) = store.acquire(hu, head_access, None);
         let grads = match loss_scale {
-            Some(s) if count > 0 => Some((&mut a.dln_f[..], &mut self.grads[self.views.lm_head.clone()], s / count as f32)),
+            Some(s) if count > 0 => Some((&mut a.dln_f[..], &mut dw[r.clone()], s / count as f32)),
             _ => None,
         };
-        lm_head_crossentropy(&mut a.losses, grads, &a.ln_f, head, targets, &mut a.head_scratch, c, v, vp, IGNORE_INDEX);
+        lm_head_crossentropy(&mut a.losses, grads, &a.ln_f, &w[r], targets, &mut a.head_scratch, c, v, vp, IGNORE_INDEX);
+        store.release(hu, head_access);
         if count == 0 {
             return 0.0;
         }
@@ -283,7 +303,9 @@ impl Gpt {
     /// Full logits `[B, T, Vp]` for `tokens` (evaluation mode). Materialises every logit: for
     /// inference and tests, not for training.
     pub fn forward_logits(&mut self, tokens: &[u32], b: usize, t: usize) -> Vec<f32> {
-        self.trunk_forward(tokens, b, t, 0.0, 0);
+        let (params, mut grads) = (std::mem::take(&mut self.params), std::mem::take(&mut self.grads));
+        self.trunk_forward(&mut Local { params: &params, grads: &mut grads, units: &self.units.clone() }, tokens, b, t, 0.0, 0, None);
+        (self.params, self.grads) = (params, grads);
         let (c, vp) = (self.cfg.n_embd, self.cfg.vocab_size);
         let mut logits = vec![0.0; b * t * vp];
         let a = self.acts.as_ref().unwrap();
@@ -291,14 +313,16 @@ impl Gpt {
         logits
     }
 
-    /// Embedding, blocks and the final norm; leaves `ln_f` in the activations.
-    fn trunk_forward(&mut self, tokens: &[u32], b: usize, t: usize, p_drop: f32, dropout_seed: u64) {
+    /// Embedding, blocks and the final norm; leaves `ln_f` in the activations. `then` is the
+    /// unit the caller acquires next (the head), for the store's prefetch.
+    #[allow(clippy::too_many_arguments)]
+    fn trunk_forward(&mut self, store: &mut dyn UnitStore, tokens: &[u32], b: usize, t: usize, p_drop: f32, dropout_seed: u64, then: Option<(usize, Access)>) {
         assert!(t <= self.cfg.block_size, "sequence length {t} exceeds block_size");
         assert_eq!(tokens.len(), b * t);
         self.ensure_acts(b, t);
         let c = self.cfg.n_embd;
-        let w = &self.params;
-        let pv = &self.views;
+        let pv = &self.unit_views;
+        let last = pv.blocks.len() + 1;
         let a = self.acts.as_mut().unwrap();
         let lora = &mut self.lora;
         a.tokens.copy_from_slice(tokens);
@@ -307,7 +331,9 @@ impl Gpt {
         a.moe_stats.clear();
         let ops = Ops { cfg: &self.cfg, rope: self.rope.as_ref(), b, t };
 
+        let (w, _) = store.acquire(0, Access::Forward, Some((1, Access::Forward)));
         embedding_forward(&mut a.xs[0], tokens, &w[pv.wte.clone()], pv.wpe.as_ref().map(|r| &w[r.clone()]), t, c);
+        store.release(0, Access::Forward);
         if p_drop > 0.0 {
             dropout_inplace(&mut a.xs[0], p_drop, site_seed(dropout_seed, 0));
         }
@@ -316,17 +342,29 @@ impl Gpt {
             let (inp, out) = a.xs.split_at_mut(l + 1);
             let (k, i) = (&mut a.kept[kl(l)], &mut a.inner[il(l)]);
             let _span = tensor::profile::layer_scope("block_forward", l);
+            let (w, _) = store.acquire(l + 1, Access::Forward, Some((l + 2, Access::Forward)));
             if let Some(st) = block_forward(&ops, w, bp, lora, l, &inp[l], k, i, &mut a.branch, Some(&mut out[0]), p_drop, dropout_seed) {
                 a.moe_stats.push(st);
             }
+            store.release(l + 1, Access::Forward);
         }
         let x: &[f32] = a.xs.last().unwrap();
+        let (w, _) = store.acquire(last, Access::Forward, then);
         ops.norm_forward(&mut a.ln_f, &mut a.ln_f_mean, &mut a.ln_f_rstd, x, &w[pv.ln_f_w.clone()], pv.ln_f_b.as_ref().map(|r| &w[r.clone()]));
+        store.release(last, Access::Forward);
     }
 
     /// Backward pass of the last `forward` (which must have been a `Pass::Train`: the head's
     /// gradient and `dln_f` come from it). Accumulates into `grads`.
     pub fn backward(&mut self) {
+        let (params, mut grads) = (std::mem::take(&mut self.params), std::mem::take(&mut self.grads));
+        self.backward_with(&mut Local { params: &params, grads: &mut grads, units: &self.units.clone() });
+        (self.params, self.grads) = (params, grads);
+    }
+
+    /// [`Gpt::backward`] through `store`: units are acquired in reverse order and each is
+    /// released as soon as its gradients are complete (the embeddings' last).
+    pub fn backward_with(&mut self, store: &mut dyn UnitStore) {
         let a = self.acts.as_mut().expect("backward before forward");
         let (b, t) = (a.b, a.t);
         let c = self.cfg.n_embd;
@@ -341,24 +379,34 @@ impl Gpt {
         let g = self.scratch.as_mut().unwrap();
         let frozen = self.lora.is_some();
         let lora = &mut self.lora;
-        let w = &self.params;
-        let dw = &mut self.grads;
-        let pv = &self.views;
+        let pv = &self.unit_views;
+        let last = pv.blocks.len() + 1;
+        let bwd = Access::Backward { params: true };
         let p_drop = self.cfg.dropout;
         let seed = a.dropout_seed;
         let ops = Ops { cfg: &self.cfg, rope: self.rope.as_ref(), b, t };
-        if a.count == 0 {
-            return;
-        }
+        // Every unit is acquired and released even when no target counted (the gradients are
+        // then zero): a store's collectives must run the same on every rank.
+        let skip = a.count == 0;
         // The head and the loss were differentiated in forward (fused): start from d ln_f.
         g.dres.fill(0.0);
         let x_last: &[f32] = a.xs.last().unwrap();
-        let (dlnf_w, dlnf_b) = split_two(dw, &pv.ln_f_w, &pv.ln_f_b);
-        ops.norm_backward(&mut g.dres, dlnf_w, dlnf_b, &a.dln_f, x_last, &w[pv.ln_f_w.clone()], &a.ln_f_mean, &a.ln_f_rstd);
+        let (w, dw) = store.acquire(last, bwd, Some((last - 1, bwd)));
+        if !skip {
+            let (dlnf_w, dlnf_b) = split_two(dw, &pv.ln_f_w, &pv.ln_f_b);
+            ops.norm_backward(&mut g.dres, dlnf_w, dlnf_b, &a.dln_f, x_last, &w[pv.ln_f_w.clone()], &a.ln_f_mean, &a.ln_f_rstd);
+        }
+        store.release(last, bwd);
 
         let moe_scale = a.loss_scale;
         let (kl, il) = a.slots();
         for (l, bp) in pv.blocks.iter().enumerate().rev() {
+            let next = if l == 0 { (0, Access::Backward { params: false }) } else { (l, bwd) };
+            let (w, dw) = store.acquire(l + 1, bwd, Some(next));
+            if skip {
+                store.release(l + 1, bwd);
+                continue;
+            }
             let x: &[f32] = &a.xs[l];
             let (k, i) = (&mut a.kept[kl(l)], &mut a.inner[il(l)]);
             let site = 1 + 3 * l as u64;
@@ -423,16 +471,22 @@ impl Gpt {
             }
             let (dw1, db1) = split_two(dw, &bp.ln_1_w, &bp.ln_1_b);
             ops.norm_backward(&mut g.dres, dw1, db1, &g.dln, x, &w[bp.ln_1_w.clone()], &k.ln_1_mean, &k.ln_1_rstd);
+            store.release(l + 1, bwd);
         }
         // x = drop(wte[tokens] + wpe)
-        let demb = branch_grad(&mut g.dbranch, &g.dres, p_drop, site_seed(seed, 0));
-        match &pv.wpe {
-            Some(wpe) => {
-                let (dwte, dwpe) = split_pair(dw, &pv.wte, wpe);
-                embedding_backward(dwte, Some(dwpe), demb, &a.tokens, t, c);
+        let emb = Access::Backward { params: false };
+        let (_, dw) = store.acquire(0, emb, None);
+        if !skip {
+            let demb = branch_grad(&mut g.dbranch, &g.dres, p_drop, site_seed(seed, 0));
+            match &pv.wpe {
+                Some(wpe) => {
+                    let (dwte, dwpe) = split_pair(dw, &pv.wte, wpe);
+                    embedding_backward(dwte, Some(dwpe), demb, &a.tokens, t, c);
+                }
+                None => embedding_backward(&mut dw[pv.wte.clone()], None, demb, &a.tokens, t, c),
             }
-            None => embedding_backward(&mut dw[pv.wte.clone()], None, demb, &a.tokens, t, c),
         }
+        store.release(0, emb);
     }
 
     /// Allocates the activation buffers for `(B, T)` under the current [`Recompute`] policy, as

@@ -220,3 +220,68 @@ fn llama_layout(cfg: &GptConfig) -> (ParamLayout, GptParams) {
     };
     (l, GptParams { wte, wpe: None, blocks, ln_f_w, ln_f_b: None, lm_head })
 }
+
+impl GptParams {
+    /// The model's *units*: the contiguous ranges of the flat layout a pass uses one at a time,
+    /// in layout order — `0` the embeddings (`wte`, `wpe`), `1 + l` block `l`, and last the
+    /// final norm (with the untied head). They tile `0..total`. Data-parallel buckets, ZeRO
+    /// shards and ZeRO-3's gathers are made of units.
+    pub fn units(&self, total: usize) -> Vec<Range<usize>> {
+        let mut starts = vec![0];
+        starts.extend(self.blocks.iter().map(|b| b.ln_1_w.start));
+        starts.push(self.ln_f_w.start);
+        starts.push(total);
+        starts.windows(2).map(|w| w[0]..w[1]).collect()
+    }
+
+    /// The unit holding the output head: the embeddings when tied, else the final unit.
+    pub fn head_unit(&self) -> usize {
+        if self.lm_head == self.wte { 0 } else { self.blocks.len() + 1 }
+    }
+
+    /// These views with every range relative to the start of its unit (what a pass indexes a
+    /// unit's own parameter and gradient slices with).
+    pub fn rebased(&self, total: usize) -> GptParams {
+        let units = self.units(total);
+        let sh = |r: &Range<usize>, u: usize| {
+            let s = units[u].start;
+            let inside = r.start >= s && r.end <= units[u].end;
+            assert!(inside || r.is_empty(), "range {r:?} outside unit {u}");
+            // Empty ranges outside the unit are the `0..0` placeholders of absent weights.
+            if inside { r.start - s..r.end - s } else { 0..0 }
+        };
+        let sho = |r: &Option<Range<usize>>, u: usize| r.as_ref().map(|r| sh(r, u));
+        let last = self.blocks.len() + 1;
+        let blocks = self
+            .blocks
+            .iter()
+            .enumerate()
+            .map(|(l, b)| {
+                let u = l + 1;
+                BlockParams {
+                    ln_1_w: sh(&b.ln_1_w, u),
+                    ln_1_b: sho(&b.ln_1_b, u),
+                    c_attn_w: sh(&b.c_attn_w, u),
+                    c_attn_b: sho(&b.c_attn_b, u),
+                    attn_proj_w: sh(&b.attn_proj_w, u),
+                    attn_proj_b: sho(&b.attn_proj_b, u),
+                    ln_2_w: sh(&b.ln_2_w, u),
+                    ln_2_b: sho(&b.ln_2_b, u),
+                    c_fc_w: sh(&b.c_fc_w, u),
+                    c_fc_b: sho(&b.c_fc_b, u),
+                    mlp_proj_w: sh(&b.mlp_proj_w, u),
+                    mlp_proj_b: sho(&b.mlp_proj_b, u),
+                    moe: b.moe.as_ref().map(|m| MoeParams { router: sh(&m.router, u), experts: sh(&m.experts, u), shared: sh(&m.shared, u) }),
+                }
+            })
+            .collect();
+        GptParams {
+            wte: sh(&self.wte, 0),
+            wpe: sho(&self.wpe, 0),
+            blocks,
+            ln_f_w: sh(&self.ln_f_w, last),
+            ln_f_b: sho(&self.ln_f_b, last),
+            lm_head: sh(&self.lm_head, self.head_unit()),
+        }
+    }
+}

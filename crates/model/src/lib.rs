@@ -8,8 +8,10 @@ pub mod hf;
 pub mod gpt;
 pub mod layout;
 pub mod lora;
+pub mod units;
 
 pub use config::GptConfig;
 pub use generate::{Sampler, KvCache};
 pub use gpt::{Gpt, Pass};
 pub use layout::{ParamLayout, ParamSpec, Init};
+pub use units::{Access, Local, UnitStore};

@@ -157,24 +157,29 @@ impl CommTotals {
 }
 
 /// What one rank called, compared across the group at each collective's first rendezvous.
+///
+/// `S` is the call site: the caller's `Location` in the in-process backend; a backend that
+/// receives other processes' signatures (MPI) uses `Signature<String>` with the site as text
+/// (`file:line:col`, as `Location` displays).
 #[derive(Clone, Copy, Debug)]
-pub struct Signature {
+pub struct Signature<S = &'static std::panic::Location<'static>> {
     /// Collectives this rank has called on this communicator before this one.
     pub seq: u64,
     pub op: &'static str,
     pub dtype: &'static str,
     /// Element counts (input, output) and a scalar argument (root) that must agree.
     pub counts: (usize, usize, usize),
-    pub site: &'static std::panic::Location<'static>,
+    pub site: S,
 }
 
-impl Signature {
-    fn same_call(&self, o: &Signature) -> bool {
+impl<S> Signature<S> {
+    /// Whether two ranks made the same call (the call sites may differ).
+    pub fn same_call<T>(&self, o: &Signature<T>) -> bool {
         self.seq == o.seq && self.op == o.op && self.dtype == o.dtype && self.counts == o.counts
     }
 }
 
-impl std::fmt::Display for Signature {
+impl<S: std::fmt::Display> std::fmt::Display for Signature<S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let (a, b, x) = self.counts;
         write!(f, "#{} {}({} × {a}", self.seq, self.op, self.dtype)?;
@@ -189,7 +194,8 @@ impl std::fmt::Display for Signature {
 }
 
 /// The error message for ranks whose signatures disagree (`None` when they agree).
-pub fn signature_mismatch(group: &str, sigs: &[Signature]) -> Option<String> {
+/// `sigs[r]` is group rank `r`'s signature.
+pub fn signature_mismatch<S: std::fmt::Display>(group: &str, sigs: &[Signature<S>]) -> Option<String> {
     if sigs.iter().all(|s| s.same_call(&sigs[0])) {
         return None;
     }

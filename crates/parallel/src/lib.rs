@@ -10,5 +10,7 @@
 
 pub mod comm;
 pub mod mesh;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 pub use comm::{mesh_group, run_ranks, run_ranks_with_timeout, Comm, CommTotals, Counters, InProcess, InProcessComm, Op, Signature, OPS};
 pub use mesh::{Axis, DeviceMesh};

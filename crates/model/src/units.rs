@@ -1,0 +1,61 @@
+//! How a pass reaches the parameters: one *unit* (see [`GptParams::units`]) at a time, through
+//! a [`UnitStore`]. The model's own store hands out slices of its flat buffers; the parallel
+//! crate's stores gather ZeRO-3 shards before a unit is used and reduce a unit's gradients as
+//! soon as backward is done with it, without the model knowing about ranks.
+//!
+//! [`GptParams::units`]: crate::layout::GptParams::units
+
+use std::ops::Range;
+
+/// What a pass does with a unit it acquires.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Access {
+    /// Forward through the unit: parameters only.
+    Forward,
+    /// The fused output head (forward): parameters, and gradients when `train` (the head's
+    /// weight gradient is accumulated here; the unit's gradients are not complete yet).
+    Head { train: bool },
+    /// Backward through the unit: gradients, and its parameters when `params`. When it is
+    /// released the unit's gradients for this micro-batch are complete.
+    Backward { params: bool },
+}
+
+impl Access {
+    pub fn params(self) -> bool {
+        !matches!(self, Access::Backward { params: false })
+    }
+
+    pub fn grads(self) -> bool {
+        matches!(self, Access::Head { train: true } | Access::Backward { .. })
+    }
+}
+
+/// Where a pass gets unit `u`'s parameters and gradient accumulators: slices laid out as the
+/// unit's range of the flat layout, indexed from 0 (the model indexes them with
+/// [`GptParams::rebased`] views). A slice the access does not need may be empty.
+///
+/// [`GptParams::rebased`]: crate::layout::GptParams::rebased
+pub trait UnitStore {
+    /// Unit `u`'s slices for `access`; `next` is the unit the pass will acquire after this one
+    /// (a store may start fetching it now).
+    fn acquire(&mut self, u: usize, access: Access, next: Option<(usize, Access)>) -> (&[f32], &mut [f32]);
+    /// The pass is done with unit `u` for `access` (for `Backward`, its gradients are final).
+    fn release(&mut self, u: usize, access: Access);
+}
+
+/// The model's own flat buffers as a store.
+pub struct Local<'a> {
+    pub params: &'a [f32],
+    pub grads: &'a mut [f32],
+    pub units: &'a [Range<usize>],
+}
+
+impl UnitStore for Local<'_> {
+    fn acquire(&mut self, u: usize, access: Access, _next: Option<(usize, Access)>) -> (&[f32], &mut [f32]) {
+        let r = self.units[u].clone();
+        let g: &mut [f32] = if access.grads() { &mut self.grads[r.clone()] } else { &mut [] };
+        (&self.params[r], g)
+    }
+
+    fn release(&mut self, _u: usize, _access: Access) {}
+}
