@@ -5,7 +5,7 @@
 use crate::config::{self, padded_vocab, Raw, RunConfig};
 use crate::error::{user, Result};
 use crate::presets;
-use crate::step::{model_flops_per_token, train_step, Optimizer};
+use crate::step::{model_flops_per_token, single_rank, train_step, Optimizer};
 use model::Gpt;
 use serde_json::json;
 use std::path::PathBuf;
@@ -107,6 +107,7 @@ pub fn bench(args: &BenchArgs) -> Result<serde_json::Value> {
     let mut model = Gpt::new(gcfg, real_vocab.min(vp), cfg.train.seed);
     model.recompute = cfg.recompute();
     let mut opt = Optimizer::new(&model.layout);
+    let mut dp = single_rank(&mut model);
     let mut rng = Rng::new(cfg.train.seed);
     let (mut x, mut y) = (vec![0u32; mb * t], vec![0i32; mb * t]);
     let mut times = Vec::new();
@@ -116,7 +117,7 @@ pub fn bench(args: &BenchArgs) -> Result<serde_json::Value> {
             let _ = tensor::profile::take();
         }
         let t0 = Instant::now();
-        train_step(&mut model, &mut opt, &cfg, s as u64, &mut x, &mut y, |_, x, y| {
+        train_step(&mut model, &mut dp, &mut opt, &cfg, s as u64, &mut x, &mut y, |_, x, y| {
             for (xi, yi) in x.iter_mut().zip(y.iter_mut()) {
                 *xi = rng.below(real_vocab as u64) as u32;
                 *yi = rng.below(real_vocab as u64) as i32;

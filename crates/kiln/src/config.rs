@@ -161,6 +161,29 @@ pub struct LoraSection {
     pub targets: Vec<String>,
 }
 
+/// Data parallelism and ZeRO (`parallel` crate). Changing these changes speed and memory,
+/// not the result: `train.batch_size` stays the global batch.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ParallelSection {
+    /// Data-parallel ranks. With `backend = "inproc"`, one thread per rank in this process;
+    /// with `"mpi"`, must equal the number of MPI processes (0 = take it from MPI).
+    pub dp: usize,
+    /// ZeRO stage: 0 (plain data parallel), 1 (optimizer state sharded), 2 (+ gradients),
+    /// 3 (+ parameters).
+    pub zero: usize,
+    /// `inproc` or `mpi` (a build with `--features mpi`, run under `mpirun`).
+    pub backend: String,
+    /// Gradient all-reduce bucket size in MiB (stages 0 and 1).
+    pub bucket_mb: f64,
+}
+
+impl Default for ParallelSection {
+    fn default() -> Self {
+        ParallelSection { dp: 1, zero: 0, backend: "inproc".into(), bucket_mb: 25.0 }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RunConfig {
@@ -173,6 +196,8 @@ pub struct RunConfig {
     pub sample: SampleSection,
     #[serde(default)]
     pub lora: LoraSection,
+    #[serde(default)]
+    pub parallel: ParallelSection,
 }
 
 /// A flat map of dotted keys to TOML values.
@@ -342,6 +367,25 @@ impl RunConfig {
         if self.checkpoint.keep == 0 {
             return user("checkpoint.keep must be positive, got 0");
         }
+        let p = &self.parallel;
+        if p.backend != "inproc" && p.backend != "mpi" {
+            return user(format!("parallel.backend must be `inproc` or `mpi`, got `{}`", p.backend));
+        }
+        if p.dp == 0 && p.backend != "mpi" {
+            return user("parallel.dp must be positive, got 0 (0 means `all MPI processes` and needs parallel.backend = mpi)");
+        }
+        if p.zero > 3 {
+            return user(format!("parallel.zero must be 0, 1, 2 or 3, got {}", p.zero));
+        }
+        if p.zero > 0 && self.lora.rank > 0 {
+            return user(format!("parallel.zero = {} with LoRA: the adapters are tiny and the base is frozen; use parallel.zero = 0", p.zero));
+        }
+        if !(p.bucket_mb > 0.0) {
+            return user(format!("parallel.bucket_mb must be positive, got {}", p.bucket_mb));
+        }
+        if p.dp > 0 {
+            self.check_dp(p.dp)?;
+        }
         Ok(())
     }
 
@@ -418,6 +462,19 @@ pub const STRUCTURAL_KEYS: &[&str] = &[
 ];
 
 impl RunConfig {
+    /// Checks that `dp` ranks can split the global batch: each micro-batch's sequences divide
+    /// evenly among them.
+    pub fn check_dp(&self, dp: usize) -> Result<()> {
+        let mb = self.micro_batch();
+        if mb % dp != 0 {
+            return user(format!(
+                "parallel.dp = {dp} does not divide the micro-batch: train.batch_size {} / train.grad_accum {} = {mb} sequences per micro-batch must split evenly over {dp} ranks",
+                self.train.batch_size, self.train.grad_accum
+            ));
+        }
+        Ok(())
+    }
+
     /// The activation recomputation policy of `model.recompute`.
     pub fn recompute(&self) -> model::gpt::Recompute {
         match self.model.recompute.as_str() {

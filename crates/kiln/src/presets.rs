@@ -39,6 +39,7 @@ fn base() -> RunConfig {
         data: DataSection { tokenizer: "byte".into(), paths: vec![], val_fraction: 0.1 },
         sample: SampleSection { tokens: 300, prompt: "\n".into(), temperature: 0.8, top_k: 200 },
         lora: LoraSection { rank: 0, alpha: 16.0, targets: vec!["q".into(), "v".into()] },
+        parallel: Default::default(),
     }
 }
 

@@ -1,14 +1,16 @@
 //! One optimizer step, shared by `kiln train` and `kiln bench`: micro-batch forward/backward
-//! with gradient accumulation, global-norm clipping, and AdamW over the flat buffers.
+//! with gradient accumulation through the data-parallel store (one rank or many, any ZeRO
+//! stage), global-norm clipping, and AdamW over the pieces this rank owns.
 
 use crate::config::RunConfig;
 use model::{Gpt, Pass};
+use parallel::DataParallel;
 use std::ops::Range;
 use tensor::rng::mix64;
 use tensor::{adamw_update, profile, scale_in_place, sum_squares, AdamW};
 
-/// AdamW state: the two moments in the parameter layout, and the layout's contiguous ranges
-/// grouped by whether weight decay applies (one update call per range).
+/// AdamW state: the two moments (in the layout, or in this rank's ZeRO shard), and the
+/// layout's contiguous ranges grouped by whether weight decay applies.
 pub struct Optimizer {
     pub m: Vec<f32>,
     pub v: Vec<f32>,
@@ -16,7 +18,13 @@ pub struct Optimizer {
 }
 
 impl Optimizer {
+    /// Moments for the whole `layout`.
     pub fn new(layout: &model::ParamLayout) -> Optimizer {
+        Self::with_len(layout, layout.total)
+    }
+
+    /// Moments of `len` elements (a ZeRO shard: see [`parallel::Piece`]).
+    pub fn with_len(layout: &model::ParamLayout, len: usize) -> Optimizer {
         let mut segs: Vec<(Range<usize>, bool)> = Vec::new();
         for p in &layout.params {
             match segs.last_mut() {
@@ -24,14 +32,27 @@ impl Optimizer {
                 _ => segs.push((p.range(), p.decay)),
             }
         }
-        Optimizer { m: vec![0.0; layout.total], v: vec![0.0; layout.total], segs }
+        Optimizer { m: vec![0.0; len], v: vec![0.0; len], segs }
     }
 
-    /// Applies one AdamW update with learning rate `lr` as step number `t` (1-based) to the
-    /// trainable parameters (the model's, or its LoRA adapters').
+    /// Applies one AdamW update with learning rate `lr` as step number `t` (1-based) to every
+    /// parameter (`params`, `grads` and the moments all in the layout).
     pub fn update(&mut self, params: &mut [f32], grads: &[f32], cfg: &RunConfig, lr: f64, t: u64) {
+        let all = 0..params.len();
+        self.update_piece(params, grads, &parallel::Piece { flat: all.clone(), shard: all }, cfg, lr, t);
+    }
+
+    /// The update of one piece: `params` and `grads` hold layout elements `piece.flat`, whose
+    /// moments are at `piece.shard`. AdamW is elementwise, so an element's new value does not
+    /// depend on how the layout is cut into pieces.
+    pub fn update_piece(&mut self, params: &mut [f32], grads: &[f32], piece: &parallel::Piece, cfg: &RunConfig, lr: f64, t: u64) {
         let tc = &cfg.train;
+        let f = &piece.flat;
         for (r, decay) in &self.segs {
+            let (a, b) = (r.start.max(f.start), r.end.min(f.end));
+            if a >= b {
+                continue;
+            }
             let h = AdamW {
                 lr: lr as f32,
                 beta1: tc.beta1 as f32,
@@ -40,7 +61,9 @@ impl Optimizer {
                 weight_decay: if *decay { tc.weight_decay as f32 } else { 0.0 },
                 t,
             };
-            adamw_update(&mut params[r.clone()], &grads[r.clone()], &mut self.m[r.clone()], &mut self.v[r.clone()], &h);
+            let (lo, hi) = (a - f.start, b - f.start);
+            let (mlo, mhi) = (piece.shard.start + lo, piece.shard.start + hi);
+            adamw_update(&mut params[lo..hi], &grads[lo..hi], &mut self.m[mlo..mhi], &mut self.v[mlo..mhi], &h);
         }
     }
 }
@@ -50,42 +73,92 @@ pub fn dropout_seed(seed: u64, step: u64, micro: usize) -> u64 {
     mix64(seed ^ mix64(step.wrapping_mul(1 << 16) + micro as u64))
 }
 
-/// Runs optimizer step `step` (0-based): for each micro-batch, `fill(micro, x, y)` writes its
-/// tokens and targets, then forward and backward accumulate gradients scaled by 1/grad_accum;
-/// then clipping and the AdamW update. Returns (mean loss, gradient norm before clipping).
+/// What one optimizer step reports.
+#[derive(Clone, Copy, Debug)]
+pub struct StepOut {
+    /// Mean loss over the global batch (the mean over micro-batches of each one's mean).
+    pub loss: f32,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    /// The gradient reduction's cost and how much of it backward hid (last micro-batch).
+    pub overlap: parallel::Overlap,
+}
+
+/// Runs optimizer step `step` (0-based) on this rank: for each micro-batch, `fill(micro, x, y)`
+/// writes this rank's rows of it (`micro_batch / dp` sequences), then forward and backward
+/// through `dp` accumulate gradients scaled so that their sum over ranks is the gradient of
+/// the global micro-batch's mean loss, divided by `grad_accum`; then the reduction, clipping by
+/// the global norm, and the AdamW update of the pieces this rank owns.
+#[allow(clippy::too_many_arguments)]
 pub fn train_step(
     model: &mut Gpt,
+    dp: &mut DataParallel,
     opt: &mut Optimizer,
     cfg: &RunConfig,
     step: u64,
     x: &mut [u32],
     y: &mut [i32],
     mut fill: impl FnMut(usize, &mut [u32], &mut [i32]),
-) -> (f32, f64) {
-    let (mb, t, accum) = (cfg.micro_batch(), cfg.model.block_size, cfg.train.grad_accum);
-    model.zero_grad();
-    let mut loss_sum = 0.0f64;
+) -> StepOut {
+    let (t, accum) = (cfg.model.block_size, cfg.train.grad_accum);
+    let rows = cfg.micro_batch() / dp.n();
+    dp.zero_grad();
+    if let Some(lo) = model.lora.as_mut() {
+        lo.grads.fill(0.0);
+    }
+    let mut sums = vec![0.0f64; 2 * accum];
     for micro in 0..accum {
         {
             let _p = profile::scope("data");
             fill(micro, x, y);
         }
-        let pass = Pass::Train { dropout_seed: dropout_seed(cfg.train.seed, step, micro), loss_scale: 1.0 / accum as f32 };
+        let count = y.iter().filter(|&&v| v != model::gpt::IGNORE_INDEX).count();
+        let global = if dp.n() > 1 { dp.all_reduce_f64(&[count as f64])[0] } else { count as f64 };
+        // Per-token gradient scale 1/(global count · accum) on every rank.
+        let loss_scale = if global > 0.0 { (count as f64 / global / accum as f64) as f32 } else { 0.0 };
+        let pass = Pass::Train { dropout_seed: dropout_seed(cfg.train.seed, step, micro), loss_scale };
+        dp.begin_micro(micro + 1 == accum);
         {
             let _p = profile::scope("forward");
-            loss_sum += model.forward(x, y, mb, t, pass) as f64;
+            model.forward_with(dp, x, y, rows, t, pass);
+            sums[2 * micro] = model.losses().iter().map(|&l| l as f64).sum::<f64>();
+            sums[2 * micro + 1] = count as f64;
         }
         let _p = profile::scope("backward");
-        model.backward();
+        model.backward_with(dp);
     }
+    let overlap = {
+        let _p = profile::scope("grad_sync");
+        dp.finish_backward()
+    };
     let _p = profile::scope("optimizer");
-    let (params, grads) = trainable(model);
-    let grad_norm = sum_squares(grads).sqrt();
-    if cfg.train.grad_clip > 0.0 && grad_norm > cfg.train.grad_clip {
-        scale_in_place(grads, (cfg.train.grad_clip / (grad_norm + 1e-6)) as f32);
-    }
-    opt.update(params, grads, cfg, cfg.lr_at(step), step + 1);
-    ((loss_sum / accum as f64) as f32, grad_norm)
+    let sums = if dp.n() > 1 { dp.all_reduce_f64(&sums) } else { sums };
+    let loss = (0..accum).map(|k| if sums[2 * k + 1] > 0.0 { sums[2 * k] / sums[2 * k + 1] } else { 0.0 }).sum::<f64>() / accum as f64;
+    let (lr, clip) = (cfg.lr_at(step), cfg.train.grad_clip);
+    let grad_norm = if let Some(lo) = model.lora.as_mut() {
+        dp.reduce_adapters(&mut lo.grads);
+        let norm = sum_squares(&lo.grads).sqrt();
+        if clip > 0.0 && norm > clip {
+            scale_in_place(&mut lo.grads, (clip / (norm + 1e-6)) as f32);
+        }
+        opt.update(&mut lo.params, &lo.grads, cfg, lr, step + 1);
+        norm
+    } else {
+        let norm = dp.grad_norm();
+        if clip > 0.0 && norm > clip {
+            dp.scale_grads((clip / (norm + 1e-6)) as f32);
+        }
+        dp.for_each_piece(|piece, params, grads| opt.update_piece(params, grads, piece, cfg, lr, step + 1));
+        dp.after_update();
+        norm
+    };
+    StepOut { loss: loss as f32, grad_norm, overlap }
+}
+
+/// A single-rank [`DataParallel`] over `model` (its own communication thread does nothing).
+pub fn single_rank(model: &mut Gpt) -> DataParallel {
+    let comm: Box<dyn parallel::Comm> = Box::new(parallel::InProcess::world(1).pop().unwrap());
+    DataParallel::new(comm, model, 0, parallel::dp::DEFAULT_BUCKET_ELEMS)
 }
 
 /// Model FLOPs per trained token (forward and backward, no recomputation), by PaLM's formula

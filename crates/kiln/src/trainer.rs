@@ -13,6 +13,7 @@ use crate::presets;
 use crate::progress::{fmt_duration, Progress, StepInfo};
 use crate::run::{self, ckpt_dir, write_atomic};
 use data::{Dataset, Tokenizer, Tokens};
+use parallel::Comm;
 use model::gpt::IGNORE_INDEX;
 use model::{Gpt, Pass, Sampler};
 use std::fs;
@@ -39,6 +40,9 @@ pub struct TrainArgs {
     pub lora_targets: Option<String>,
     /// Record a trace of this many steps into `trace.json`.
     pub profile: Option<u64>,
+    pub dp: Option<usize>,
+    pub zero: Option<usize>,
+    pub backend: Option<String>,
     pub quiet: bool,
 }
 
@@ -71,6 +75,15 @@ fn layered(base: &RunConfig, args: &TrainArgs) -> Result<RunConfig> {
     }
     if let Some(p) = &args.init_from {
         raw.insert("model.init_from".into(), toml::Value::String(p.display().to_string()));
+    }
+    if let Some(d) = args.dp {
+        raw.insert("parallel.dp".into(), toml::Value::Integer(d as i64));
+    }
+    if let Some(z) = args.zero {
+        raw.insert("parallel.zero".into(), toml::Value::Integer(z as i64));
+    }
+    if let Some(b) = &args.backend {
+        raw.insert("parallel.backend".into(), toml::Value::String(b.clone()));
     }
     if let Some(r) = args.lora_rank {
         raw.insert("lora.rank".into(), toml::Value::Integer(r as i64));
@@ -158,22 +171,37 @@ fn fill_windows(toks: &Tokens, offsets: &[usize], t: usize, x: &mut [u32], y: &m
 /// Mean loss over non-overlapping windows of the split, `batch` windows at a time, at most
 /// `max_batches` batches (0 = all). Returns (loss, tokens counted).
 pub fn evaluate(m: &mut Gpt, toks: &Tokens, t: usize, batch: usize, max_batches: usize) -> (f64, usize) {
+    let (sum, count) = eval_sums(m, None, toks, t, batch, max_batches, 0, 1);
+    (sum / count.max(1) as f64, count)
+}
+
+/// This rank's share of [`evaluate`]: rank `r` of `n` takes batches `r, r + n, …` (every rank
+/// runs the same number of forwards, padding with fully ignored batches, since ZeRO-3's
+/// forward is collective). Returns (sum of losses, tokens counted), to be summed over ranks.
+#[allow(clippy::too_many_arguments)]
+pub fn eval_sums(m: &mut Gpt, mut store: Option<&mut dyn model::UnitStore>, toks: &Tokens, t: usize, batch: usize, max_batches: usize, rank: usize, n: usize) -> (f64, usize) {
     let n_windows = (toks.len() - 1) / t;
     let mut offsets: Vec<usize> = (0..n_windows).map(|k| k * t).collect();
     if max_batches > 0 {
         offsets.truncate(max_batches * batch);
     }
+    let batches: Vec<&[usize]> = offsets.chunks(batch).collect();
+    let rounds = batches.len().div_ceil(n);
     let (mut x, mut y) = (vec![0u32; batch * t], vec![0i32; batch * t]);
     let (mut sum, mut count) = (0.0f64, 0usize);
-    for chunk in offsets.chunks(batch) {
+    for k in 0..rounds {
+        let chunk: &[usize] = batches.get(k * n + rank).copied().unwrap_or(&[]);
         x.fill(0);
         y.fill(IGNORE_INDEX);
         fill_windows(toks, chunk, t, &mut x, &mut y);
-        m.forward(&x, &y, batch, t, Pass::Eval);
+        match store.as_deref_mut() {
+            Some(s) => m.forward_with(s, &x, &y, batch, t, Pass::Eval),
+            None => m.forward(&x, &y, batch, t, Pass::Eval),
+        };
         sum += m.losses().iter().map(|&l| l as f64).sum::<f64>();
         count += chunk.len() * t;
     }
-    (sum / count.max(1) as f64, count)
+    (sum, count)
 }
 
 /// Runs `kiln train`.
@@ -242,16 +270,109 @@ pub fn train(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
     check_data_fits(&cfg, &ds)?;
     let gcfg = cfg.gpt_config(ds.tokenizer.vocab_size());
     cfg.model.vocab_size = gcfg.vocab_size;
+
+    // 3. The ranks: this process alone, threads in it, or MPI processes.
+    let world = cfg.parallel.dp;
+    let ctx = Ctx { args, cfg, ds: &ds, run_dir, saved_cfg_path, resume_from, init: std::sync::Mutex::new(init) };
+    match ctx.cfg.parallel.backend.as_str() {
+        "mpi" => run_mpi(&ctx, stop),
+        _ if world == 1 => {
+            let comm: Box<dyn parallel::Comm> = Box::new(parallel::InProcess::world(1).pop().unwrap());
+            run_rank(&ctx, comm, stop)
+        }
+        _ => run_inproc(&ctx, world, stop),
+    }
+}
+
+/// Everything a rank needs from the set-up (shared by the in-process ranks).
+struct Ctx<'a> {
+    args: &'a TrainArgs,
+    cfg: RunConfig,
+    ds: &'a Dataset,
+    run_dir: PathBuf,
+    saved_cfg_path: PathBuf,
+    resume_from: Option<checkpoint::Loaded>,
+    /// The base model (`model.init_from`), for rank 0; the others receive its weights.
+    init: std::sync::Mutex<Option<Gpt>>,
+}
+
+/// `world` ranks as threads of this process. A rank that fails makes the others' collectives
+/// abort; the first failure is returned (a user error keeps its exit code).
+fn run_inproc(ctx: &Ctx, world: usize, stop: &AtomicBool) -> Result<Summary> {
+    let failed: std::sync::Mutex<Option<KilnError>> = std::sync::Mutex::new(None);
+    let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        parallel::run_ranks(world, |c| {
+            let all: Vec<usize> = (0..world).collect();
+            match run_rank(ctx, c.split(&all), stop) {
+                Ok(s) => s,
+                Err(e) => {
+                    let msg = e.to_string();
+                    failed.lock().unwrap().get_or_insert(e);
+                    panic!("rank {} stopped: {msg}", c.rank());
+                }
+            }
+        })
+    }));
+    if let Some(e) = failed.into_inner().unwrap() {
+        return Err(e);
+    }
+    match res {
+        Ok(mut v) => Ok(v.swap_remove(0)),
+        Err(p) => {
+            let msg = p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default();
+            Err(KilnError::Internal(format!("a data-parallel rank failed: {msg}")))
+        }
+    }
+}
+
+#[cfg(not(feature = "mpi"))]
+fn run_mpi(_ctx: &Ctx, _stop: &AtomicBool) -> Result<Summary> {
+    user("parallel.backend = mpi: this kiln was built without MPI support; rebuild with `cargo build --release --features mpi` (needs OpenMPI: apt-get install libopenmpi-dev openmpi-bin libclang-dev clang) and run it under mpirun")
+}
+
+#[cfg(feature = "mpi")]
+fn run_mpi(ctx: &Ctx, stop: &AtomicBool) -> Result<Summary> {
+    let world = parallel::mpi::init().map_err(KilnError::User)?;
+    let comm = world.comm();
+    let n = comm.size();
+    if ctx.cfg.parallel.dp != 0 && ctx.cfg.parallel.dp != n {
+        return user(format!("parallel.dp = {} but mpirun started {n} processes: pass --dp {n} (or --dp 0 to take the MPI world size)", ctx.cfg.parallel.dp));
+    }
+    ctx.cfg.check_dp(n)?;
+    // Every process has checked the run directory before rank 0 creates it.
+    comm.barrier();
+    let all: Vec<usize> = (0..n).collect();
+    let dp_comm = comm.split(&all);
+    let out = run_rank(ctx, dp_comm, stop);
+    drop(comm);
+    drop(world);
+    out
+}
+
+/// One rank's training run. Rank 0 owns the run directory, metrics, progress, checkpoints and
+/// the sample; every rank computes.
+fn run_rank(ctx: &Ctx, comm: Box<dyn parallel::Comm>, stop: &AtomicBool) -> Result<Summary> {
+    let (args, cfg, ds) = (ctx.args, &ctx.cfg, ctx.ds);
+    let (run_dir, saved_cfg_path, resume_from) = (&ctx.run_dir, &ctx.saved_cfg_path, &ctx.resume_from);
+    let (rank, world) = (comm.rank(), comm.size());
+    let lead = rank == 0;
+    let counters = comm.counters();
+    let gcfg = cfg.gpt_config(ds.tokenizer.vocab_size());
     let t = cfg.model.block_size;
     let mb = cfg.micro_batch();
+    let rows = mb / world;
+    let zero = cfg.parallel.zero as u8;
 
-    // 3. Model, optimizer state, sampler.
+    // Model, optimizer state, sampler.
+    let init = if lead { ctx.init.lock().unwrap().take() } else { None };
     let mut model = match init {
         Some(mut m) => {
             m.cfg.dropout = gcfg.dropout;
             m.real_vocab = ds.tokenizer.vocab_size();
             m
         }
+        // Other ranks receive rank 0's weights when the data-parallel store starts.
+        None if !cfg.model.init_from.is_empty() => Gpt::zeroed(gcfg, ds.tokenizer.vocab_size()),
         None => Gpt::new(gcfg, ds.tokenizer.vocab_size(), cfg.train.seed),
     };
     model.recompute = cfg.recompute();
@@ -261,68 +382,70 @@ pub fn train(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
     }
     let n = model.num_params();
     let n_train = trainable_layout(&model).total;
-    let mut opt = Optimizer::new(trainable_layout(&model));
     let mut sampler = Rng::new(mix64(cfg.train.seed ^ 0x5EED_DA7A));
     let (mut step, mut tokens_seen, mut elapsed_prev) = (0u64, 0u64, 0.0f64);
-    if let Some(l) = &resume_from {
+    let mut moments = None;
+    if let Some(l) = resume_from {
         let layout = trainable_layout(&model).clone();
         checkpoint::read_into(&l.model, "", &layout, trainable(&mut model).0, &l.dir.join("model.safetensors"))?;
-        checkpoint::read_into(&l.optim, "exp_avg.", &layout, &mut opt.m, &l.dir.join("optimizer.safetensors"))?;
-        checkpoint::read_into(&l.optim, "exp_avg_sq.", &layout, &mut opt.v, &l.dir.join("optimizer.safetensors"))?;
+        let (mut m, mut v) = (vec![0.0; layout.total], vec![0.0; layout.total]);
+        checkpoint::read_into(&l.optim, "exp_avg.", &layout, &mut m, &l.dir.join("optimizer.safetensors"))?;
+        checkpoint::read_into(&l.optim, "exp_avg_sq.", &layout, &mut v, &l.dir.join("optimizer.safetensors"))?;
+        moments = Some((m, v));
         sampler = Rng::from_state(l.state.sampler_rng);
         step = l.state.step;
         tokens_seen = l.state.tokens_seen;
         elapsed_prev = l.state.elapsed_s;
     }
+    let bucket_elems = ((cfg.parallel.bucket_mb * 1024.0 * 1024.0 / 4.0) as usize).max(1);
+    let mut dp = parallel::DataParallel::new(comm, &mut model, zero, bucket_elems);
+    let mut opt = if model.lora.is_some() { Optimizer::new(trainable_layout(&model)) } else { Optimizer::with_len(&model.layout, dp.moments_len()) };
+    if let Some((m, v)) = moments {
+        let sharded = model.lora.is_none() && zero > 0;
+        (opt.m, opt.v) = if sharded { (dp.shards.take(&m), dp.shards.take(&v)) } else { (m, v) };
+    }
 
-    // 4. The run directory.
-    fs::create_dir_all(ckpt_dir(&run_dir)).map_err(|e| io_err(&run_dir, e))?;
-    write_atomic(&saved_cfg_path, cfg.to_toml().as_bytes())?;
+    // The run directory.
     let tok_json = ds.tokenizer.to_json();
-    write_atomic(&run_dir.join("tokenizer.json"), tok_json.as_bytes())?;
-    // metrics.jsonl and TensorBoard event files; a resumed run drops the lines past its checkpoint.
-    let mut metrics = crate::obs::MetricsWriter::open(&run_dir, resume_from.as_ref().map(|_| step)).map_err(KilnError::User)?;
+    let mut metrics = None;
+    if lead {
+        fs::create_dir_all(ckpt_dir(run_dir)).map_err(|e| io_err(run_dir, e))?;
+        write_atomic(saved_cfg_path, cfg.to_toml().as_bytes())?;
+        write_atomic(&run_dir.join("tokenizer.json"), tok_json.as_bytes())?;
+        // metrics.jsonl and TensorBoard event files; a resumed run drops the lines past its checkpoint.
+        metrics = Some(crate::obs::MetricsWriter::open(run_dir, resume_from.as_ref().map(|_| step)).map_err(KilnError::User)?);
+    }
 
-    // MFU is stated against the same peak `kiln bench --peak` reports.
+    // MFU is stated against the same peak `kiln bench --peak` reports (one rank's share of the
+    // machine's cores is what in-process ranks split, so the peak is the machine's).
     let peak = crate::bench::peak_flops();
     let flops_per_token = model_flops_per_token(&model);
     let hw_flops_per_token = hardware_flops_per_token(&model);
 
     let max_steps = cfg.train.max_steps;
-    let progress = Progress::new(step, max_steps, args.quiet);
-    let say = |s: &str| if !args.quiet { progress.println(s) };
+    let progress = Progress::new(step, max_steps, args.quiet || !lead);
+    let say = |s: &str| if !args.quiet && lead { progress.println(s) };
     say(&format!(
         "kiln: {} | {:.2}M parameters{} | {} | run dir {}",
         cfg.preset, n as f64 / 1e6,
         if n_train < n { format!(" ({:.3}M trainable, {:.2}%: LoRA rank {})", n_train as f64 / 1e6, 100.0 * n_train as f64 / n as f64, cfg.lora.rank) } else { String::new() },
         ds.description, run_dir.display()
     ));
-    if let Some(l) = &resume_from {
+    if world > 1 {
+        say(&format!("data parallel: {world} ranks ({}), ZeRO stage {zero}, {rows} sequences per rank per micro-batch", cfg.parallel.backend));
+    }
+    if let Some(l) = resume_from {
         say(&format!("resuming from {} (step {step})", l.dir.display()));
     }
 
-    let (mut x, mut y) = (vec![0u32; mb * t], vec![0i32; mb * t]);
+    let (mut x, mut y) = (vec![0u32; rows * t], vec![0i32; rows * t]);
     let started = Instant::now();
     let mut last_val = None;
     let mut interrupted = false;
-    let save = |model: &Gpt, m: &[f32], v: &[f32], step: u64, sampler: &Rng, tokens_seen: u64, elapsed: f64| -> Result<PathBuf> {
-        // A LoRA run saves its adapters alone; the base is `model.init_from`.
-        let (layout, params) = match &model.lora {
-            Some(lo) => (&lo.layout, &lo.params[..]),
-            None => (&model.layout, &model.params[..]),
-        };
-        let mt = Tensors { items: named(layout, "", params) };
-        let mut opt = named(layout, "exp_avg.", m);
-        opt.extend(named(layout, "exp_avg_sq.", v));
-        let ot = Tensors { items: opt };
-        let state = TrainState { step, sampler_rng: sampler.state(), tokens_seen, elapsed_s: elapsed, config: cfg.to_toml() };
-        let dir = checkpoint::save(&ckpt_dir(&run_dir), &state, &mt, &ot, &tok_json)?;
-        checkpoint::prune(&ckpt_dir(&run_dir), cfg.checkpoint.keep);
-        Ok(dir)
-    };
+    let layout = model.lora.as_ref().map_or(&model.layout, |lo| &lo.layout).clone();
 
     let mut trace_until = args.profile.map(|n| step + n);
-    if trace_until.is_some() {
+    if trace_until.is_some() && lead {
         tensor::profile::trace(true);
     }
     while step < max_steps {
@@ -330,9 +453,13 @@ pub fn train(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
         let step_span = tensor::profile::scope("step");
         let lr = cfg.lr_at(step);
         let offsets = sample_offsets(&mut sampler, ds.train.len(), t, cfg.train.batch_size);
-        let (loss, grad_norm) = train_step(&mut model, &mut opt, &cfg, step, &mut x, &mut y, |micro, x, y| {
-            fill_windows(&ds.train, &offsets[micro * mb..(micro + 1) * mb], t, x, y);
+        let before = counters.snapshot();
+        let out = train_step(&mut model, &mut dp, &mut opt, cfg, step, &mut x, &mut y, |micro, x, y| {
+            let first = micro * mb + rank * rows;
+            fill_windows(&ds.train, &offsets[first..first + rows], t, x, y);
         });
+        let comm_bytes = counters.snapshot().since(&before);
+        let loss = out.loss;
         if !loss.is_finite() {
             return Err(KilnError::Internal(format!("loss is {loss} at step {}: stopping (the last checkpoint is intact)", step + 1)));
         }
@@ -344,40 +471,78 @@ pub fn train(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
         let tps = step_tokens as f64 / dt;
         let mfu = flops_per_token * tps / peak;
         let elapsed = elapsed_prev + started.elapsed().as_secs_f64();
-        let mut line = serde_json::json!({
-            "kind": "train", "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-            "tokens_per_sec": tps, "mfu": mfu, "elapsed_s": elapsed,
-        });
-        if model.recompute != model::gpt::Recompute::None {
-            line["hfu"] = (hw_flops_per_token * tps / peak).into();
+        // Every rank stops at the same step: any rank's Ctrl-C stops them all.
+        let stop_here = stop.load(Ordering::SeqCst) as u8 as f64;
+        interrupted = if world > 1 { dp.all_reduce_f64(&[stop_here])[0] > 0.0 } else { stop_here > 0.0 };
+        if let Some(metrics) = metrics.as_mut() {
+            let mut line = serde_json::json!({
+                "kind": "train", "step": step, "loss": loss, "lr": lr, "grad_norm": out.grad_norm,
+                "tokens_per_sec": tps, "mfu": mfu, "elapsed_s": elapsed,
+            });
+            if model.recompute != model::gpt::Recompute::None {
+                line["hfu"] = (hw_flops_per_token * tps / peak).into();
+            }
+            add_moe_stats(&mut line, model.moe_stats());
+            if world > 1 {
+                let sb = dp.state_bytes();
+                line["comm_bytes_sent"] = comm_bytes.bytes_sent().into();
+                line["comm_bytes_recv"] = comm_bytes.bytes_recv().into();
+                line["comm_s"] = out.overlap.comm.as_secs_f64().into();
+                line["comm_exposed_s"] = out.overlap.exposed.as_secs_f64().into();
+                line["comm_hidden_fraction"] = out.overlap.hidden_fraction().into();
+                line["mem_params_bytes"] = sb.params.into();
+                line["mem_grads_bytes"] = sb.grads.into();
+                line["mem_optim_bytes"] = ((opt.m.len() + opt.v.len()) * 4).into();
+                line["mem_transient_peak_bytes"] = sb.peak_transient.into();
+            }
+            metrics.log(&line).map_err(KilnError::User)?;
         }
-        add_moe_stats(&mut line, model.moe_stats());
-        metrics.log(&line).map_err(KilnError::User)?;
         let log_now = step % cfg.train.log_interval.max(1) == 0 || step == max_steps;
         progress.step(&StepInfo { step, loss, lr, tokens_per_sec: tps, mfu }, log_now);
 
         let last = step == max_steps;
-        interrupted = stop.load(Ordering::SeqCst);
         let every = |k: u64| k > 0 && step % k == 0;
         if every(cfg.eval.interval) || last {
             let _p = tensor::profile::scope("eval");
             let eb = if cfg.eval.batch_size == 0 { mb } else { cfg.eval.batch_size };
-            let (vl, _) = evaluate(&mut model, &ds.val, t, eb, cfg.eval.iters);
+            let (sum, count) = eval_sums(&mut model, Some(&mut dp), &ds.val, t, eb, cfg.eval.iters, rank, world);
+            let (sum, count) = if world > 1 {
+                let r = dp.all_reduce_f64(&[sum, count as f64]);
+                (r[0], r[1] as usize)
+            } else {
+                (sum, count)
+            };
+            let vl = sum / count.max(1) as f64;
             last_val = Some(vl);
-            metrics.log(&serde_json::json!({"kind": "eval", "step": step, "val_loss": vl})).map_err(KilnError::User)?;
+            if let Some(metrics) = metrics.as_mut() {
+                metrics.log(&serde_json::json!({"kind": "eval", "step": step, "val_loss": vl})).map_err(KilnError::User)?;
+            }
             say(&format!("step {step}: train loss {loss:.4}, val loss {vl:.4}"));
         }
         if every(cfg.checkpoint.interval) || last || interrupted {
             let _p = tensor::profile::scope("checkpoint");
-            let dir = save(&model, &opt.m, &opt.v, step, &sampler, tokens_seen, elapsed)?;
-            if interrupted || last {
-                say(&format!("checkpoint saved: {}", dir.display()));
+            // Full parameters and moments (gathered from the shards: collective).
+            let params = match &model.lora {
+                Some(lo) => lo.params.clone(),
+                None => dp.full_params(),
+            };
+            let (m, v) = if model.lora.is_none() && zero > 0 { (dp.gather_shards(&opt.m), dp.gather_shards(&opt.v)) } else { (opt.m.clone(), opt.v.clone()) };
+            if lead {
+                let mt = Tensors { items: named(&layout, "", &params) };
+                let mut ot = named(&layout, "exp_avg.", &m);
+                ot.extend(named(&layout, "exp_avg_sq.", &v));
+                let state = TrainState { step, sampler_rng: sampler.state(), tokens_seen, elapsed_s: elapsed, config: cfg.to_toml() };
+                let dir = checkpoint::save(&ckpt_dir(run_dir), &state, &mt, &Tensors { items: ot }, &tok_json)?;
+                checkpoint::prune(&ckpt_dir(run_dir), cfg.checkpoint.keep);
+                if interrupted || last {
+                    say(&format!("checkpoint saved: {}", dir.display()));
+                }
             }
         }
-        if trace_until.is_some_and(|u| step >= u || step == max_steps || interrupted) {
+        if lead && trace_until.is_some_and(|u| step >= u || step == max_steps || interrupted) {
             trace_until = None;
             tensor::profile::trace(false);
-            crate::obs::trace::write_trace(&run_dir, &tensor::profile::take_trace(), 0).map_err(KilnError::Internal)?;
+            crate::obs::trace::write_trace(run_dir, &tensor::profile::take_trace(), 0).map_err(KilnError::Internal)?;
             say(&format!("trace of steps {}..={step}: {}", step + 1 - args.profile.unwrap().min(step), run_dir.join("trace.json").display()));
         }
         if interrupted {
@@ -385,7 +550,11 @@ pub fn train(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
         }
     }
     progress.finish();
-    if let Err(e) = crate::obs::write_loss_png(&run_dir) {
+    dp.restore(&mut model);
+    if !lead {
+        return Ok(Summary { run_dir: run_dir.clone(), step, val_loss: last_val, interrupted });
+    }
+    if let Err(e) = crate::obs::write_loss_png(run_dir) {
         eprintln!("warning: loss.png: {e}");
     }
     let total = started.elapsed().as_secs_f64();
@@ -395,7 +564,7 @@ pub fn train(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
         eprintln!("trained to step {step} in {}", fmt_duration(total));
     }
 
-    // 5. A sample of what the model learned.
+    // 4. A sample of what the model learned.
     if !interrupted && cfg.sample.tokens > 0 {
         let plain;
         let sampler_model = if model.lora.is_some() {
@@ -409,7 +578,7 @@ pub fn train(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
         // The sample is the run's product, so it goes to stdout even with --quiet.
         println!("--- sample (step {step}) ---\n{text}\n---");
     }
-    Ok(Summary { run_dir, step, val_loss: last_val, interrupted })
+    Ok(Summary { run_dir: run_dir.clone(), step, val_loss: last_val, interrupted })
 }
 
 /// MoE routing figures of the last micro-batch, summed or worst over layers: the router

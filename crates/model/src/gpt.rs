@@ -262,9 +262,9 @@ impl Gpt {
     /// Forward pass over `tokens[B, T]` with `targets[B, T]` (`IGNORE_INDEX` to skip a
     /// position). Returns the mean loss over counted targets.
     pub fn forward(&mut self, tokens: &[u32], targets: &[i32], b: usize, t: usize, pass: Pass) -> f32 {
-        let (params, mut grads) = (std::mem::take(&mut self.params), std::mem::take(&mut self.grads));
-        let loss = self.forward_with(&mut Local { params: &params, grads: &mut grads, units: &self.units.clone() }, tokens, targets, b, t, pass);
-        (self.params, self.grads) = (params, grads);
+        let (params, mut grads, units) = (std::mem::take(&mut self.params), std::mem::take(&mut self.grads), std::mem::take(&mut self.units));
+        let loss = self.forward_with(&mut Local { params: &params, grads: &mut grads, units: &units }, tokens, targets, b, t, pass);
+        (self.params, self.grads, self.units) = (params, grads, units);
         loss
     }
 
@@ -303,9 +303,9 @@ impl Gpt {
     /// Full logits `[B, T, Vp]` for `tokens` (evaluation mode). Materialises every logit: for
     /// inference and tests, not for training.
     pub fn forward_logits(&mut self, tokens: &[u32], b: usize, t: usize) -> Vec<f32> {
-        let (params, mut grads) = (std::mem::take(&mut self.params), std::mem::take(&mut self.grads));
-        self.trunk_forward(&mut Local { params: &params, grads: &mut grads, units: &self.units.clone() }, tokens, b, t, 0.0, 0, None);
-        (self.params, self.grads) = (params, grads);
+        let (params, mut grads, units) = (std::mem::take(&mut self.params), std::mem::take(&mut self.grads), std::mem::take(&mut self.units));
+        self.trunk_forward(&mut Local { params: &params, grads: &mut grads, units: &units }, tokens, b, t, 0.0, 0, None);
+        (self.params, self.grads, self.units) = (params, grads, units);
         let (c, vp) = (self.cfg.n_embd, self.cfg.vocab_size);
         let mut logits = vec![0.0; b * t * vp];
         let a = self.acts.as_ref().unwrap();
@@ -357,9 +357,9 @@ impl Gpt {
     /// Backward pass of the last `forward` (which must have been a `Pass::Train`: the head's
     /// gradient and `dln_f` come from it). Accumulates into `grads`.
     pub fn backward(&mut self) {
-        let (params, mut grads) = (std::mem::take(&mut self.params), std::mem::take(&mut self.grads));
-        self.backward_with(&mut Local { params: &params, grads: &mut grads, units: &self.units.clone() });
-        (self.params, self.grads) = (params, grads);
+        let (params, mut grads, units) = (std::mem::take(&mut self.params), std::mem::take(&mut self.grads), std::mem::take(&mut self.units));
+        self.backward_with(&mut Local { params: &params, grads: &mut grads, units: &units });
+        (self.params, self.grads, self.units) = (params, grads, units);
     }
 
     /// [`Gpt::backward`] through `store`: units are acquired in reverse order and each is

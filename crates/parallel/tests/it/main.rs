@@ -1,4 +1,5 @@
 mod comm;
+mod mpi;
 
 use parallel::{Axis, DeviceMesh};
 

@@ -1,0 +1,599 @@
+//! Data parallelism with overlapped bucketed gradient reduction, and ZeRO stages 1–3
+//! (Rajbhandari et al., SC20), applied to the model through its units ([`UnitStore`]).
+//!
+//! Every rank holds a replica (or, with ZeRO, a shard) and runs forward and backward on its
+//! part of the global batch. Gradients are summed over ranks: the loss gradient of each rank
+//! is already scaled by `1/(global token count)`, so the sum is the global-batch gradient.
+//!
+//! - **Stage 0** (plain DP): full parameters, gradients and AdamW moments on every rank. During
+//!   the last micro-batch's backward, gradients are all-reduced in buckets of consecutive units
+//!   (`bucket_elems` elements or more, built from the last unit backward), each launched on the
+//!   communication thread as soon as backward has released all its units.
+//! - **Stage 1**: moments for this rank's shard only; the buckets are reduce-scattered instead,
+//!   each rank updates its shard of the (fp32, hence master) parameters, and the parameters are
+//!   all-gathered after the update.
+//! - **Stage 2**: also no full gradient buffer: each unit's gradients go to a unit-sized buffer
+//!   that is reduce-scattered into this rank's gradient shard when backward releases the unit,
+//!   then freed. Gradients are reduced at every micro-batch (as DeepSpeed does), since a full
+//!   buffer to accumulate into is exactly what this stage does not keep.
+//! - **Stage 3**: also only a parameter shard: each unit is all-gathered just before forward or
+//!   backward needs it, with the next unit's gather launched at the same time (prefetch), and
+//!   freed when released.
+//!
+//! Shards: unit `u` of length `L` is split into `n` chunks of `c = ⌈L/n⌉` (the last ones
+//! padded with zeros); rank `r` owns chunk `r` of every unit, and its shard is the
+//! concatenation of its chunks in unit order. The same shards serve every stage, so the
+//! optimizer touches the same elements in the same order whatever the stage, and stages 1–3
+//! reproduce stage 0 bit for bit at the same `n`.
+//!
+//! Deterministic gradient norm: `Σ_u Σ_r Σ_{i ∈ chunk(u, r)} g_i²`, each chunk's partial
+//! summed in f64 by `tensor::sum_squares`, then in (unit, rank) order — the same value on every
+//! rank and at every stage.
+
+use crate::comm::Comm;
+use crate::worker::CommWorker;
+use model::{Access, Gpt, UnitStore};
+use std::ops::Range;
+use std::time::{Duration, Instant};
+use tensor::par::SyncPtr;
+
+/// Default bucket size: PyTorch DDP's 25 MiB of fp32 gradients.
+pub const DEFAULT_BUCKET_ELEMS: usize = 25 * 1024 * 1024 / 4;
+
+/// A contiguous run of elements this rank updates: `flat` in the full layout, `shard` in the
+/// optimizer-state buffers (equal to `flat` at stage 0, where the moments are full-size).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Piece {
+    pub flat: Range<usize>,
+    pub shard: Range<usize>,
+}
+
+/// The per-unit sharding of the flat layout over `n` ranks.
+#[derive(Clone, Debug)]
+pub struct Shards {
+    pub n: usize,
+    pub rank: usize,
+    pub units: Vec<Range<usize>>,
+    /// Chunk length of each unit.
+    pub chunk: Vec<usize>,
+    /// Offset of each unit's chunk in a shard.
+    pub offset: Vec<usize>,
+    /// Shard length (padded).
+    pub len: usize,
+}
+
+impl Shards {
+    pub fn new(units: &[Range<usize>], n: usize, rank: usize) -> Shards {
+        let chunk: Vec<usize> = units.iter().map(|u| u.len().div_ceil(n)).collect();
+        let mut offset = Vec::with_capacity(units.len());
+        let mut len = 0;
+        for c in &chunk {
+            offset.push(len);
+            len += c;
+        }
+        Shards { n, rank, units: units.to_vec(), chunk, offset, len }
+    }
+
+    /// Rank `r`'s real (unpadded) elements of unit `u`, relative to the unit's start.
+    pub fn own(&self, u: usize, r: usize) -> Range<usize> {
+        let (c, l) = (self.chunk[u], self.units[u].len());
+        (r * c).min(l)..((r + 1) * c).min(l)
+    }
+
+    /// This rank's pieces (one per unit with elements on this rank), with shard positions.
+    pub fn pieces(&self) -> Vec<Piece> {
+        (0..self.units.len())
+            .filter_map(|u| {
+                let o = self.own(u, self.rank);
+                let s = self.units[u].start;
+                (!o.is_empty()).then(|| Piece { flat: s + o.start..s + o.end, shard: self.offset[u]..self.offset[u] + o.len() })
+            })
+            .collect()
+    }
+
+    /// This rank's shard of a full buffer.
+    pub fn take(&self, full: &[f32]) -> Vec<f32> {
+        let mut out = vec![0.0; self.len];
+        for p in self.pieces() {
+            out[p.shard].copy_from_slice(&full[p.flat]);
+        }
+        out
+    }
+
+    /// Puts rank `r`'s shard `shard` into `full` at its positions.
+    fn scatter_rank(&self, r: usize, shard: &[f32], full: &mut [f32]) {
+        for (u, range) in self.units.iter().enumerate() {
+            let o = self.own(u, r);
+            full[range.start + o.start..range.start + o.end].copy_from_slice(&shard[self.offset[u]..self.offset[u] + o.len()]);
+        }
+    }
+}
+
+/// What a step's gradient reduction cost and how much of it backward hid.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Overlap {
+    /// Time the communication thread spent in the step's collectives.
+    pub comm: Duration,
+    /// Time between the end of backward and the end of the last reduction (not hidden).
+    pub exposed: Duration,
+}
+
+impl Overlap {
+    /// Fraction of the reduction time hidden behind backward.
+    pub fn hidden_fraction(&self) -> f64 {
+        let c = self.comm.as_secs_f64();
+        if c <= 0.0 {
+            return 0.0;
+        }
+        (1.0 - self.exposed.as_secs_f64() / c).clamp(0.0, 1.0)
+    }
+}
+
+/// Bytes held per rank for model state: parameters, gradients, and (counted by the caller,
+/// who owns the optimizer) optimizer state.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct StateBytes {
+    pub params: usize,
+    pub grads: usize,
+    /// Most bytes held at once by transient unit buffers (ZeRO-3's gathered units, ZeRO-2/3's
+    /// unit gradient buffers) during the last step.
+    pub peak_transient: usize,
+}
+
+pub struct DataParallel {
+    pub zero: u8,
+    pub shards: Shards,
+    worker: CommWorker,
+    /// LoRA: the base is frozen, its gradients are never reduced.
+    frozen: bool,
+    /// Buckets (stage 0/1) as unit lists in backward order; `bucket_of[u]`; units still to be
+    /// released in each bucket this micro-batch.
+    buckets: Vec<Vec<usize>>,
+    bucket_of: Vec<usize>,
+    remaining: Vec<usize>,
+    /// Reduce the gradients of this micro-batch (the last of a step; every one at stage 2/3).
+    sync: bool,
+    /// Full parameters (stages 0–2; empty at stage 3).
+    params: Vec<f32>,
+    /// Full gradients (stages 0–1; empty at stages 2–3), reached only through `grads_ptr`
+    /// while a pass runs, since the communication thread reduces released units concurrently.
+    grads: Vec<f32>,
+    grads_ptr: SyncPtr,
+    /// This rank's parameter shard (stage 3).
+    shard_params: Vec<f32>,
+    /// This rank's reduced gradient shard (stages 2–3), written by the communication thread.
+    shard_grads: Vec<f32>,
+    shard_grads_ptr: SyncPtr,
+    /// Stage 3: gathered units (with the ticket of their gather).
+    gathered: Vec<Option<(u64, Vec<f32>)>>,
+    /// Stages 2–3: unit gradient buffers (padded to `n` chunks).
+    unit_grads: Vec<Option<Vec<f32>>>,
+    transient: usize,
+    peak_transient: usize,
+    backward_started: bool,
+    busy_at_start: Duration,
+}
+
+/// `len` elements at `p + off`. (A function, so closures capture the whole `SyncPtr`.)
+///
+/// # Safety
+/// The caller guarantees the region is valid and not accessed by anyone else meanwhile.
+unsafe fn region<'a>(p: SyncPtr, off: usize, len: usize) -> &'a mut [f32] {
+    std::slice::from_raw_parts_mut(p.0.add(off), len)
+}
+
+fn padded(x: &[f32], n: usize, c: usize) -> std::borrow::Cow<'_, [f32]> {
+    if x.len() == n * c {
+        std::borrow::Cow::Borrowed(x)
+    } else {
+        let mut v = vec![0.0; n * c];
+        v[..x.len()].copy_from_slice(x);
+        std::borrow::Cow::Owned(v)
+    }
+}
+
+impl DataParallel {
+    /// Takes over `model`'s parameters and gradients (its own buffers are left empty: passes go
+    /// through this store) and shards them for `zero`. `comm` should be a communicator of its
+    /// own (e.g. a `split` of the data-parallel group): it moves to the communication thread.
+    /// Rank 0's parameters are broadcast first, so every replica starts identical.
+    pub fn new(comm: Box<dyn Comm>, model: &mut Gpt, zero: u8, bucket_elems: usize) -> DataParallel {
+        assert!(zero <= 3, "ZeRO stage {zero} does not exist (0, 1, 2 or 3)");
+        let frozen = model.lora.is_some();
+        assert!(!(frozen && zero > 0), "ZeRO with LoRA adapters is not supported (the adapters are small: use zero = 0)");
+        let (n, rank) = (comm.size(), comm.rank());
+        let shards = Shards::new(&model.units, n, rank);
+        let mut worker = CommWorker::spawn(comm);
+        let mut params = std::mem::take(&mut model.params);
+        let mut grads = std::mem::take(&mut model.grads);
+        if n > 1 {
+            let p = SyncPtr(params.as_mut_ptr());
+            let len = params.len();
+            worker.run(move |c| c.broadcast(unsafe { region(p, 0, len) }, 0));
+        }
+        let u = shards.units.len();
+        let (mut shard_params, mut shard_grads) = (Vec::new(), Vec::new());
+        if zero >= 2 {
+            grads = Vec::new();
+            shard_grads = vec![0.0; shards.len];
+        }
+        if zero == 3 {
+            shard_params = shards.take(&params);
+            params = Vec::new();
+        }
+        // Buckets: consecutive units in backward order, closed once they hold bucket_elems.
+        let mut buckets: Vec<Vec<usize>> = Vec::new();
+        let mut size = usize::MAX;
+        for uu in (0..u).rev() {
+            if size >= bucket_elems {
+                buckets.push(Vec::new());
+                size = 0;
+            }
+            buckets.last_mut().unwrap().push(uu);
+            size += shards.units[uu].len();
+        }
+        let mut bucket_of = vec![0; u];
+        for (b, us) in buckets.iter().enumerate() {
+            for &x in us {
+                bucket_of[x] = b;
+            }
+        }
+        let remaining = buckets.iter().map(|b| b.len()).collect();
+        let grads_ptr = SyncPtr(grads.as_mut_ptr());
+        let shard_grads_ptr = SyncPtr(shard_grads.as_mut_ptr());
+        DataParallel {
+            zero, shards, worker, frozen, buckets, bucket_of, remaining, sync: true,
+            params, grads, grads_ptr, shard_params, shard_grads, shard_grads_ptr,
+            gathered: (0..u).map(|_| None).collect(),
+            unit_grads: (0..u).map(|_| None).collect(),
+            transient: 0, peak_transient: 0, backward_started: false, busy_at_start: Duration::ZERO,
+        }
+    }
+
+    pub fn n(&self) -> usize {
+        self.shards.n
+    }
+
+    pub fn rank(&self) -> usize {
+        self.shards.rank
+    }
+
+    /// Length of the optimizer-state buffers (moments): the full layout at stage 0, the shard
+    /// above.
+    pub fn moments_len(&self) -> usize {
+        if self.zero == 0 { self.shards.units.last().map_or(0, |u| u.end) } else { self.shards.len }
+    }
+
+    /// The pieces this rank updates (at stage 0 every unit, with `shard == flat`).
+    pub fn pieces(&self) -> Vec<Piece> {
+        if self.zero == 0 {
+            self.shards.units.iter().filter(|u| !u.is_empty()).map(|u| Piece { flat: u.clone(), shard: u.clone() }).collect()
+        } else {
+            self.shards.pieces()
+        }
+    }
+
+    /// Whether this micro-batch's gradients are reduced (stages 0–1 reduce only on the last
+    /// micro-batch of a step; stages 2–3 always).
+    pub fn begin_micro(&mut self, last: bool) {
+        self.sync = last || self.zero >= 2;
+        self.grads_ptr = SyncPtr(self.grads.as_mut_ptr());
+        self.shard_grads_ptr = SyncPtr(self.shard_grads.as_mut_ptr());
+        self.remaining = self.buckets.iter().map(|b| b.len()).collect();
+        self.backward_started = false;
+    }
+
+    /// Clears the gradient accumulators for a new step.
+    pub fn zero_grad(&mut self) {
+        self.worker.wait_all();
+        self.grads.fill(0.0);
+        self.shard_grads.fill(0.0);
+        self.peak_transient = 0;
+        self.busy_at_start = self.worker.busy();
+    }
+
+    /// Waits for the step's reductions; returns how much of them backward hid.
+    pub fn finish_backward(&mut self) -> Overlap {
+        let end = Instant::now();
+        self.worker.wait_all();
+        let exposed = end.elapsed();
+        Overlap { comm: self.worker.busy() - self.busy_at_start, exposed }
+    }
+
+    /// Runs `f` with each piece's parameters and (reduced) gradients.
+    pub fn for_each_piece(&mut self, mut f: impl FnMut(&Piece, &mut [f32], &mut [f32])) {
+        self.worker.wait_all();
+        for p in self.pieces() {
+            let (params, grads): (&mut [f32], &mut [f32]) = match self.zero {
+                0 | 1 => (&mut self.params[p.flat.clone()], &mut self.grads[p.flat.clone()]),
+                2 => (&mut self.params[p.flat.clone()], &mut self.shard_grads[p.shard.clone()]),
+                _ => (&mut self.shard_params[p.shard.clone()], &mut self.shard_grads[p.shard.clone()]),
+            };
+            f(&p, params, grads);
+        }
+    }
+
+    /// The global gradient norm (collective).
+    pub fn grad_norm(&mut self) -> f64 {
+        self.worker.wait_all();
+        let (n, u) = (self.shards.n, self.shards.units.len());
+        // parts[u·n + r]: chunk (u, r)'s sum of squares.
+        let mut parts = vec![0f64; u * n];
+        if self.zero == 0 {
+            for uu in 0..u {
+                for r in 0..n {
+                    let o = self.shards.own(uu, r);
+                    let s = self.shards.units[uu].start;
+                    parts[uu * n + r] = tensor::sum_squares(&self.grads[s + o.start..s + o.end]);
+                }
+            }
+        } else {
+            let mine: Vec<f64> = (0..u)
+                .map(|uu| {
+                    let o = self.shards.own(uu, self.shards.rank);
+                    if self.zero == 1 {
+                        let s = self.shards.units[uu].start;
+                        tensor::sum_squares(&self.grads[s + o.start..s + o.end])
+                    } else {
+                        let off = self.shards.offset[uu];
+                        tensor::sum_squares(&self.shard_grads[off..off + o.len()])
+                    }
+                })
+                .collect();
+            let all = self.all_gather_f64(&mine);
+            for r in 0..n {
+                for uu in 0..u {
+                    parts[uu * n + r] = all[r * u + uu];
+                }
+            }
+        }
+        parts.iter().sum::<f64>().sqrt()
+    }
+
+    /// `out[r·k .. (r+1)·k] = x_r` for `k = x.len()`, exactly (f64 through f32 bit pairs).
+    pub fn all_gather_f64(&mut self, x: &[f64]) -> Vec<f64> {
+        let n = self.shards.n;
+        if n == 1 {
+            return x.to_vec();
+        }
+        let bits: Vec<f32> = x.iter().flat_map(|v| {
+            let b = v.to_bits();
+            [f32::from_bits(b as u32), f32::from_bits((b >> 32) as u32)]
+        }).collect();
+        let out = self.worker.run(move |c| {
+            let mut out = vec![0f32; bits.len() * c.size()];
+            c.all_gather(&bits, &mut out);
+            out
+        });
+        out.chunks(2).map(|p| f64::from_bits(p[0].to_bits() as u64 | ((p[1].to_bits() as u64) << 32))).collect()
+    }
+
+    /// `Σ_r x_r` elementwise in rank order, exactly as a sequential f64 sum (collective).
+    pub fn all_reduce_f64(&mut self, x: &[f64]) -> Vec<f64> {
+        let all = self.all_gather_f64(x);
+        let k = x.len();
+        (0..k).map(|i| (0..self.shards.n).fold(0.0, |acc, r| acc + all[r * k + i])).collect()
+    }
+
+    /// Scales the gradients this rank updates by `s` (clipping).
+    pub fn scale_grads(&mut self, s: f32) {
+        self.for_each_piece(|_, _, g| tensor::scale_in_place(g, s));
+    }
+
+    /// After the optimizer updated this rank's pieces: stages 1–2 all-gather the parameters.
+    pub fn after_update(&mut self) {
+        if self.zero == 0 || self.zero == 3 || self.shards.n == 1 {
+            return;
+        }
+        let p = SyncPtr(self.params.as_mut_ptr());
+        for (u, range) in self.shards.units.clone().into_iter().enumerate() {
+            let c = self.shards.chunk[u];
+            let own = self.shards.own(u, self.shards.rank);
+            let mut mine = vec![0.0; c];
+            mine[..own.len()].copy_from_slice(&self.params[range.start + own.start..range.start + own.end]);
+            self.worker.submit(move |comm| {
+                let n = comm.size();
+                let mut out = vec![0.0; n * c];
+                comm.all_gather(&mine, &mut out);
+                // SAFETY: the compute thread does not touch the parameters until wait_all.
+                unsafe { region(p, range.start, range.len()) }.copy_from_slice(&out[..range.len()]);
+            });
+        }
+        self.worker.wait_all();
+    }
+
+    /// The full parameters (collective at stage 3, where they are gathered).
+    pub fn full_params(&mut self) -> Vec<f32> {
+        if self.zero < 3 {
+            self.worker.wait_all();
+            return self.params.clone();
+        }
+        self.gather_shards(&self.shard_params.clone())
+    }
+
+    /// The full buffer whose shards the ranks hold in `shard` (collective).
+    pub fn gather_shards(&mut self, shard: &[f32]) -> Vec<f32> {
+        let shards = self.shards.clone();
+        let total = shards.units.last().map_or(0, |u| u.end);
+        let mine = shard.to_vec();
+        let all = self.worker.run(move |c| {
+            let mut out = vec![0f32; mine.len() * c.size()];
+            c.all_gather(&mine, &mut out);
+            out
+        });
+        let mut full = vec![0.0; total];
+        for r in 0..shards.n {
+            shards.scatter_rank(r, &all[r * shards.len..(r + 1) * shards.len], &mut full);
+        }
+        full
+    }
+
+    /// Gives `model` back full parameters and gradient buffers (collective), ending the
+    /// parallel run.
+    pub fn restore(mut self, model: &mut Gpt) {
+        let p = self.full_params();
+        let n = p.len();
+        model.params = p;
+        model.grads = vec![0.0; n];
+    }
+
+    /// All-reduces the LoRA adapters' gradients (the base is frozen).
+    pub fn reduce_adapters(&mut self, grads: &mut [f32]) {
+        if self.shards.n == 1 {
+            return;
+        }
+        let p = SyncPtr(grads.as_mut_ptr());
+        let len = grads.len();
+        // SAFETY: `grads` is borrowed mutably until the job is waited for, below.
+        self.worker.run(move |c| c.all_reduce_sum(unsafe { region(p, 0, len) }));
+    }
+
+    pub fn state_bytes(&self) -> StateBytes {
+        let f = std::mem::size_of::<f32>();
+        StateBytes {
+            params: (self.params.len() + self.shard_params.len()) * f,
+            grads: (self.grads.len() + self.shard_grads.len()) * f,
+            peak_transient: self.peak_transient * f,
+        }
+    }
+
+    /// Runs a collective on the communication thread (for the caller's own scalars).
+    pub fn run<T: Send + 'static>(&mut self, f: impl FnOnce(&dyn Comm) -> T + Send + 'static) -> T {
+        self.worker.run(f)
+    }
+
+    fn track(&mut self, delta: isize) {
+        self.transient = (self.transient as isize + delta) as usize;
+        self.peak_transient = self.peak_transient.max(self.transient);
+    }
+
+    /// Stage 3: starts gathering unit `u` unless it is gathered or on its way.
+    fn start_gather(&mut self, u: usize) {
+        if self.gathered[u].is_some() {
+            return;
+        }
+        let (n, c) = (self.shards.n, self.shards.chunk[u]);
+        let off = self.shards.offset[u];
+        let mut buf = vec![0.0f32; n * c];
+        self.track((n * c) as isize);
+        let out = SyncPtr(buf.as_mut_ptr());
+        let input = SyncPtr(self.shard_params[off..off + c].as_ptr() as *mut f32);
+        // SAFETY: the shard is read-only during passes; `buf` is not read before the ticket is
+        // waited for, and its heap storage does not move when the Vec is moved.
+        let t = self.worker.submit(move |comm| unsafe {
+            comm.all_gather(region(input, 0, c), region(out, 0, n * c))
+        });
+        self.gathered[u] = Some((t, buf));
+    }
+
+    /// A unit's gradients are final for this micro-batch: reduce them if this micro-batch syncs.
+    fn unit_done(&mut self, u: usize) {
+        if self.frozen || !self.sync {
+            return;
+        }
+        let n = self.shards.n;
+        if self.zero >= 2 {
+            let buf = self.unit_grads[u].take().expect("unit gradients acquired");
+            let c = self.shards.chunk[u];
+            let out = SyncPtr(unsafe { self.shard_grads_ptr.0.add(self.shards.offset[u]) });
+            let len = buf.len();
+            self.worker.submit(move |comm| {
+                let mut tmp = vec![0.0; c];
+                comm.reduce_scatter_sum(&buf, &mut tmp);
+                // SAFETY: only this thread writes the gradient shard during a pass.
+                let dst = unsafe { region(out, 0, c) };
+                for (d, x) in dst.iter_mut().zip(&tmp) {
+                    *d += *x;
+                }
+                drop(buf);
+            });
+            self.track(-(len as isize));
+            return;
+        }
+        let b = self.bucket_of[u];
+        self.remaining[b] -= 1;
+        if self.remaining[b] > 0 || n == 1 {
+            return;
+        }
+        let units: Vec<Range<usize>> = self.buckets[b].iter().map(|&x| self.shards.units[x].clone()).collect();
+        let g = self.grads_ptr;
+        if self.zero == 0 {
+            let lo = units.iter().map(|r| r.start).min().unwrap();
+            let hi = units.iter().map(|r| r.end).max().unwrap();
+            // SAFETY: backward has released every unit of the bucket and never touches them again
+            // this micro-batch; the units are disjoint from those backward still writes.
+            self.worker.submit(move |comm| comm.all_reduce_sum(unsafe { region(g, lo, hi - lo) }));
+        } else {
+            let shards = self.shards.clone();
+            let idx = self.buckets[b].clone();
+            self.worker.submit(move |comm| {
+                for &x in &idx {
+                    let (r, c) = (&shards.units[x], shards.chunk[x]);
+                    // SAFETY: as above.
+                    let unit = unsafe { region(g, r.start, r.len()) };
+                    let input = padded(unit, shards.n, c);
+                    let mut tmp = vec![0.0; c];
+                    comm.reduce_scatter_sum(&input, &mut tmp);
+                    drop(input);
+                    let o = shards.own(x, shards.rank);
+                    unit[o.clone()].copy_from_slice(&tmp[..o.len()]);
+                }
+            });
+        }
+    }
+}
+
+impl UnitStore for DataParallel {
+    fn acquire(&mut self, u: usize, access: Access, next: Option<(usize, Access)>) -> (&[f32], &mut [f32]) {
+        if matches!(access, Access::Backward { .. }) && !self.backward_started {
+            self.backward_started = true;
+        }
+        let range = self.shards.units[u].clone();
+        if self.zero == 3 {
+            if access.params() {
+                self.start_gather(u);
+            }
+            if let Some((nu, na)) = next {
+                if na.params() {
+                    self.start_gather(nu);
+                }
+            }
+        }
+        if access.grads() && self.zero >= 2 && self.unit_grads[u].is_none() {
+            let len = self.shards.n * self.shards.chunk[u];
+            self.unit_grads[u] = Some(vec![0.0; len]);
+            self.track(len as isize);
+        }
+        let params: &[f32] = match (self.zero, access.params()) {
+            (_, false) => &[],
+            (3, true) => {
+                let (t, buf) = self.gathered[u].as_ref().unwrap();
+                self.worker.wait(*t);
+                &buf[..range.len()]
+            }
+            _ => &self.params[range.clone()],
+        };
+        let grads: &mut [f32] = if !access.grads() {
+            &mut []
+        } else if self.zero >= 2 {
+            &mut self.unit_grads[u].as_mut().unwrap()[..range.len()]
+        } else {
+            // SAFETY: unit `u` is not being reduced (its bucket launches only after backward
+            // released it, and it is not acquired again in this micro-batch).
+            unsafe { std::slice::from_raw_parts_mut(self.grads_ptr.0.add(range.start), range.len()) }
+        };
+        (params, grads)
+    }
+
+    fn release(&mut self, u: usize, access: Access) {
+        if self.zero == 3 && access.params() {
+            if let Some((t, buf)) = self.gathered[u].take() {
+                self.worker.wait(t);
+                self.track(-(buf.len() as isize));
+            }
+        }
+        if matches!(access, Access::Backward { .. }) {
+            self.unit_done(u);
+        }
+    }
+}
