@@ -333,7 +333,7 @@ fn run_mpi(_ctx: &Ctx, _stop: &AtomicBool) -> Result<Summary> {
 #[cfg(feature = "mpi")]
 fn run_mpi(ctx: &Ctx, stop: &AtomicBool) -> Result<Summary> {
     let world = parallel::mpi::init().map_err(KilnError::User)?;
-    let comm = world.comm();
+    let comm = world.world();
     let n = comm.size();
     if ctx.cfg.parallel.dp != 0 && ctx.cfg.parallel.dp != n {
         return user(format!("parallel.dp = {} but mpirun started {n} processes: pass --dp {n} (or --dp 0 to take the MPI world size)", ctx.cfg.parallel.dp));
@@ -418,7 +418,7 @@ fn run_rank(ctx: &Ctx, comm: Box<dyn parallel::Comm>, stop: &AtomicBool) -> Resu
 
     // MFU is stated against the same peak `kiln bench --peak` reports (one rank's share of the
     // machine's cores is what in-process ranks split, so the peak is the machine's).
-    let peak = crate::bench::peak_flops();
+    let peak = if lead { crate::bench::peak_flops() } else { f64::NAN };
     let flops_per_token = model_flops_per_token(&model);
     let hw_flops_per_token = hardware_flops_per_token(&model);
 

@@ -3,4 +3,5 @@ mod bench;
 mod common;
 mod errors;
 mod obs;
+mod parallel;
 mod training;
