@@ -149,3 +149,38 @@ fn bad_parallel_settings_are_user_errors() {
         assert!(!d.join(x).exists(), "a bad config must not create the run directory {x}");
     }
 }
+
+/// `mpirun -n N kiln train --backend mpi`: one process per rank gives what N in-process ranks
+/// give, bit for bit (the MPI backend sums in the same rank order; each process gets the same
+/// thread count as the in-process pool, since the matmul tiling follows the thread count).
+#[cfg(feature = "mpi")]
+#[test]
+fn mpi_processes_match_in_process_ranks() {
+    let d = scratch("dp-mpi");
+    let data = corpus(&d);
+    for (n, zero) in [(2, 0), (4, 3)] {
+        let inproc = d.join(format!("inproc{n}"));
+        run_dp(&data, &inproc, n, zero, &[]);
+        let mpi = d.join(format!("mpi{n}"));
+        let mut args: Vec<String> = ["--allow-run-as-root", "--oversubscribe", "-n", &n.to_string(), env!("CARGO_BIN_EXE_kiln"), "train", "--data"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        args.extend([data.display().to_string(), "--out".into(), mpi.display().to_string(), "--backend".into(), "mpi".into(), "--dp".into(), "0".into(), "--zero".into(), zero.to_string(), "--max-steps".into(), "8".into()]);
+        args.extend(SMALL.iter().chain(DP).map(|s| s.to_string()));
+        let o = std::process::Command::new("mpirun").args(&args).env("RAYON_NUM_THREADS", "2").output().expect("mpirun (install openmpi-bin)");
+        assert!(o.status.success(), "mpirun -n {n}: {}", stderr(&o));
+        assert_eq!(losses(&mpi), losses(&inproc), "mpi {n} ranks zero {zero}");
+        assert!(final_checkpoint(&mpi) == final_checkpoint(&inproc), "mpi {n}: final checkpoint differs from in-process");
+    }
+    // A world size that does not match --dp is a user error on every rank.
+    let o = std::process::Command::new("mpirun")
+        .args(["--allow-run-as-root", "--oversubscribe", "-n", "2", env!("CARGO_BIN_EXE_kiln"), "train", "--data", data.to_str().unwrap(), "--out"])
+        .arg(d.join("bad"))
+        .args(["--backend", "mpi", "--dp", "4", "--quiet"])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("parallel.dp = 4 but mpirun started 2 processes"), "{}", stderr(&o));
+    assert!(!d.join("bad").exists());
+}
