@@ -237,7 +237,7 @@ pub fn main() -> i32 {
 /// Sizes the one rayon pool: `n` threads, or with 0 `RAYON_NUM_THREADS` / all cores. Only the
 /// first call in a process has an effect.
 pub fn init_threads(n: usize) {
-    let mut b = rayon::ThreadPoolBuilder::new();
+    let mut b = rayon::ThreadPoolBuilder::new().thread_name(|i| format!("rayon{i}"));
     if n > 0 {
         b = b.num_threads(n);
     }

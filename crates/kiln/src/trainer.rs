@@ -445,8 +445,14 @@ fn run_rank(ctx: &Ctx, comm: Box<dyn parallel::Comm>, stop: &AtomicBool) -> Resu
     let layout = model.lora.as_ref().map_or(&model.layout, |lo| &lo.layout).clone();
 
     let mut trace_until = args.profile.map(|n| step + n);
-    if trace_until.is_some() && lead {
-        tensor::profile::trace(true);
+    if trace_until.is_some() {
+        if lead {
+            tensor::profile::trace(true);
+        }
+        // The other ranks start their first traced step only once rank 0 has turned tracing on.
+        if world > 1 {
+            dp.all_reduce_f64(&[0.0]);
+        }
     }
     while step < max_steps {
         let t0 = Instant::now();

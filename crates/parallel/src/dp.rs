@@ -182,6 +182,11 @@ unsafe fn region<'a>(p: SyncPtr, off: usize, len: usize) -> &'a mut [f32] {
     std::slice::from_raw_parts_mut(p.0.add(off), len)
 }
 
+/// The transformer layer of unit `u` (units `1..=L` are the blocks), for trace spans.
+fn layer_of(shards: &Shards, u: usize) -> Option<usize> {
+    (u >= 1 && u + 1 < shards.units.len()).then(|| u - 1)
+}
+
 fn padded(x: &[f32], n: usize, c: usize) -> std::borrow::Cow<'_, [f32]> {
     if x.len() == n * c {
         std::borrow::Cow::Borrowed(x)
@@ -209,7 +214,7 @@ impl DataParallel {
         if n > 1 {
             let p = SyncPtr(params.as_mut_ptr());
             let len = params.len();
-            worker.run(move |c| c.broadcast(unsafe { region(p, 0, len) }, 0));
+            worker.run("broadcast params", move |c| c.broadcast(unsafe { region(p, 0, len) }, 0));
         }
         let u = shards.units.len();
         let (mut shard_params, mut shard_grads) = (Vec::new(), Vec::new());
@@ -360,7 +365,7 @@ impl DataParallel {
             let b = v.to_bits();
             [f32::from_bits(b as u32), f32::from_bits((b >> 32) as u32)]
         }).collect();
-        let out = self.worker.run(move |c| {
+        let out = self.worker.run("all_gather f64", move |c| {
             let mut out = vec![0f32; bits.len() * c.size()];
             c.all_gather(&bits, &mut out);
             out
@@ -391,7 +396,7 @@ impl DataParallel {
             let own = self.shards.own(u, self.shards.rank);
             let mut mine = vec![0.0; c];
             mine[..own.len()].copy_from_slice(&self.params[range.start + own.start..range.start + own.end]);
-            self.worker.submit(move |comm| {
+            self.worker.submit("all_gather params", layer_of(&self.shards, u), move |comm| {
                 let n = comm.size();
                 let mut out = vec![0.0; n * c];
                 comm.all_gather(&mine, &mut out);
@@ -416,7 +421,7 @@ impl DataParallel {
         let shards = self.shards.clone();
         let total = shards.units.last().map_or(0, |u| u.end);
         let mine = shard.to_vec();
-        let all = self.worker.run(move |c| {
+        let all = self.worker.run("all_gather shards", move |c| {
             let mut out = vec![0f32; mine.len() * c.size()];
             c.all_gather(&mine, &mut out);
             out
@@ -445,7 +450,7 @@ impl DataParallel {
         let p = SyncPtr(grads.as_mut_ptr());
         let len = grads.len();
         // SAFETY: `grads` is borrowed mutably until the job is waited for, below.
-        self.worker.run(move |c| c.all_reduce_sum(unsafe { region(p, 0, len) }));
+        self.worker.run("all_reduce adapters", move |c| c.all_reduce_sum(unsafe { region(p, 0, len) }));
     }
 
     pub fn state_bytes(&self) -> StateBytes {
@@ -458,8 +463,8 @@ impl DataParallel {
     }
 
     /// Runs a collective on the communication thread (for the caller's own scalars).
-    pub fn run<T: Send + 'static>(&mut self, f: impl FnOnce(&dyn Comm) -> T + Send + 'static) -> T {
-        self.worker.run(f)
+    pub fn run<T: Send + 'static>(&mut self, name: &'static str, f: impl FnOnce(&dyn Comm) -> T + Send + 'static) -> T {
+        self.worker.run(name, f)
     }
 
     fn track(&mut self, delta: isize) {
@@ -480,7 +485,7 @@ impl DataParallel {
         let input = SyncPtr(self.shard_params[off..off + c].as_ptr() as *mut f32);
         // SAFETY: the shard is read-only during passes; `buf` is not read before the ticket is
         // waited for, and its heap storage does not move when the Vec is moved.
-        let t = self.worker.submit(move |comm| unsafe {
+        let t = self.worker.submit("all_gather unit", layer_of(&self.shards, u), move |comm| unsafe {
             comm.all_gather(region(input, 0, c), region(out, 0, n * c))
         });
         self.gathered[u] = Some((t, buf));
@@ -497,7 +502,7 @@ impl DataParallel {
             let c = self.shards.chunk[u];
             let out = SyncPtr(unsafe { self.shard_grads_ptr.0.add(self.shards.offset[u]) });
             let len = buf.len();
-            self.worker.submit(move |comm| {
+            self.worker.submit("reduce_scatter unit", layer_of(&self.shards, u), move |comm| {
                 let mut tmp = vec![0.0; c];
                 comm.reduce_scatter_sum(&buf, &mut tmp);
                 // SAFETY: only this thread writes the gradient shard during a pass.
@@ -522,11 +527,11 @@ impl DataParallel {
             let hi = units.iter().map(|r| r.end).max().unwrap();
             // SAFETY: backward has released every unit of the bucket and never touches them again
             // this micro-batch; the units are disjoint from those backward still writes.
-            self.worker.submit(move |comm| comm.all_reduce_sum(unsafe { region(g, lo, hi - lo) }));
+            self.worker.submit("all_reduce bucket", layer_of(&self.shards, self.buckets[b][0]), move |comm| comm.all_reduce_sum(unsafe { region(g, lo, hi - lo) }));
         } else {
             let shards = self.shards.clone();
             let idx = self.buckets[b].clone();
-            self.worker.submit(move |comm| {
+            self.worker.submit("reduce_scatter bucket", layer_of(&self.shards, idx[0]), move |comm| {
                 for &x in &idx {
                     let (r, c) = (&shards.units[x], shards.chunk[x]);
                     // SAFETY: as above.

@@ -14,7 +14,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-type Job = Box<dyn FnOnce(&dyn Comm) + Send>;
+type Job = (&'static str, Option<usize>, Box<dyn FnOnce(&dyn Comm) + Send>);
 
 #[derive(Default)]
 struct State {
@@ -49,9 +49,15 @@ impl CommWorker {
             .name(format!("comm{rank}"))
             .spawn(move || {
                 let comm = comm;
-                for job in rx {
+                for (name, unit, job) in rx {
                     let t0 = Instant::now();
-                    let r = catch_unwind(AssertUnwindSafe(|| job(&*comm)));
+                    let r = catch_unwind(AssertUnwindSafe(|| {
+                        let _span = match unit {
+                            Some(u) => tensor::profile::layer_scope(name, u),
+                            None => tensor::profile::scope(name),
+                        };
+                        job(&*comm)
+                    }));
                     let (lock, cv) = &*st;
                     let mut s = lock.lock().unwrap_or_else(|e| e.into_inner());
                     s.busy += t0.elapsed();
@@ -82,10 +88,11 @@ impl CommWorker {
         self.size
     }
 
-    /// Queues `job`; returns its ticket for [`CommWorker::wait`].
-    pub fn submit(&mut self, job: impl FnOnce(&dyn Comm) + Send + 'static) -> u64 {
+    /// Queues `job`, traced as a span `name` (of model unit `unit`, shown as its layer); returns
+    /// its ticket for [`CommWorker::wait`].
+    pub fn submit(&mut self, name: &'static str, unit: Option<usize>, job: impl FnOnce(&dyn Comm) + Send + 'static) -> u64 {
         self.submitted += 1;
-        if self.tx.as_ref().unwrap().send(Box::new(job)).is_err() {
+        if self.tx.as_ref().unwrap().send((name, unit, Box::new(job))).is_err() {
             self.wait(self.submitted); // the worker has failed: report why
         }
         self.submitted
@@ -111,10 +118,10 @@ impl CommWorker {
     }
 
     /// Runs `f` on the communication thread and waits for it.
-    pub fn run<T: Send + 'static>(&mut self, f: impl FnOnce(&dyn Comm) -> T + Send + 'static) -> T {
+    pub fn run<T: Send + 'static>(&mut self, name: &'static str, f: impl FnOnce(&dyn Comm) -> T + Send + 'static) -> T {
         let slot = Arc::new(Mutex::new(None));
         let out = slot.clone();
-        let t = self.submit(move |c| *out.lock().unwrap() = Some(f(c)));
+        let t = self.submit(name, None, move |c| *out.lock().unwrap() = Some(f(c)));
         self.wait(t);
         let v = slot.lock().unwrap().take();
         v.expect("job ran")

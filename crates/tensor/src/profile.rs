@@ -15,9 +15,22 @@ static TRACING: AtomicBool = AtomicBool::new(false);
 static TOTALS: Mutex<Vec<(&'static str, f64, u64)>> = Mutex::new(Vec::new());
 static EVENTS: Mutex<Vec<Span>> = Mutex::new(Vec::new());
 static NEXT_TID: AtomicU64 = AtomicU64::new(0);
+/// The name of each thread that recorded a span (`tid`, name).
+static NAMES: Mutex<Vec<(u64, String)>> = Mutex::new(Vec::new());
 
 thread_local! {
-    static TID: u64 = NEXT_TID.fetch_add(1, Ordering::Relaxed);
+    static TID: u64 = {
+        let t = NEXT_TID.fetch_add(1, Ordering::Relaxed);
+        let name = std::thread::current().name().unwrap_or("").to_string();
+        NAMES.lock().unwrap().push((t, name));
+        t
+    };
+}
+
+/// The names of the threads that recorded spans, by `tid` (empty for unnamed threads; rank
+/// threads are `rank{r}`, their communication threads `comm{r}`, rayon's `rayon{i}`).
+pub fn thread_names() -> Vec<(u64, String)> {
+    NAMES.lock().unwrap().clone()
 }
 
 fn epoch() -> Instant {

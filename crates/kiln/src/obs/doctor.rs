@@ -73,7 +73,7 @@ pub fn doctor_with(corpus: Result<Vec<PathBuf>, String>, peak_flops: Option<f64>
             let _ = writeln!(r, "matmul:   not measured");
         }
     }
-    let _ = writeln!(r, "backends: CPU yes; MPI not built; CUDA not built");
+    let _ = writeln!(r, "backends: CPU yes; in-process ranks yes (kiln train --dp N); MPI {}; CUDA not built", mpi_status());
     match corpus {
         Ok(files) if !files.is_empty() => {
             let bytes: u64 = files.iter().filter_map(|f| std::fs::metadata(f).ok()).map(|m| m.len()).sum();
@@ -93,4 +93,19 @@ pub fn doctor_with(corpus: Result<Vec<PathBuf>, String>, peak_flops: Option<f64>
     }
     let _ = writeln!(r, "status:   {}", if ok { "ok" } else { "problems found (see MISSING above)" });
     (r, ok)
+}
+
+/// Whether this build has the MPI backend, and whether `mpirun` is on the PATH to start it.
+fn mpi_status() -> String {
+    let mpirun = std::env::var_os("PATH")
+        .and_then(|p| std::env::split_paths(&p).map(|d| d.join("mpirun")).find(|f| f.is_file()));
+    let found = match &mpirun {
+        Some(p) => format!("mpirun at {}", p.display()),
+        None => "no mpirun on PATH".to_string(),
+    };
+    if cfg!(feature = "mpi") {
+        format!("built ({found})")
+    } else {
+        format!("not built (rebuild with --features mpi; {found})")
+    }
 }

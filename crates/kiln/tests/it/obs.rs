@@ -313,7 +313,9 @@ fn doctor_reports_machine_and_fails_without_the_corpus() {
     assert!(!ok, "{r}");
     assert!(r.contains("MISSING") && r.contains("/nowhere"), "{r}");
     assert!(r.contains("42.0 GFLOP/s"), "{r}");
-    assert!(r.contains("CUDA not built") && r.contains("MPI not built") && r.contains("CPU yes"), "{r}");
+    assert!(r.contains("CUDA not built") && r.contains("CPU yes") && r.contains("in-process ranks yes"), "{r}");
+    let mpi = if cfg!(feature = "mpi") { "MPI built" } else { "MPI not built (rebuild with --features mpi" };
+    assert!(r.contains(mpi), "{r}");
     if cfg!(target_arch = "x86_64") {
         assert!(r.contains("avx2") && r.contains("fma") && r.contains("avx512f"), "{r}");
     }

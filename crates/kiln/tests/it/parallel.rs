@@ -184,3 +184,34 @@ fn mpi_processes_match_in_process_ranks() {
     assert!(stderr(&o).contains("parallel.dp = 4 but mpirun started 2 processes"), "{}", stderr(&o));
     assert!(!d.join("bad").exists());
 }
+
+#[test]
+fn a_two_rank_trace_shows_both_ranks_compute_and_communication() {
+    let d = scratch("dp-trace");
+    let data = corpus(&d);
+    let out = d.join("run");
+    // Small buckets, so gradients are reduced in several buckets during backward.
+    let o = train(&data, &out, &["--max-steps", "4", "--profile", "2", "--dp", "2", "--zero", "0", "--set", "parallel.bucket_mb=0.001"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("trace.json")).unwrap()).unwrap();
+    let ev = v["traceEvents"].as_array().unwrap();
+    let spans: Vec<&serde_json::Value> = ev.iter().filter(|e| e["ph"] == "X").collect();
+    for e in &spans {
+        assert!(e["name"].is_string() && e["ts"].as_f64().unwrap() >= 0.0 && e["dur"].as_f64().unwrap() >= 0.0, "{e}");
+        assert!(e["pid"].is_u64() && e["tid"].is_u64(), "{e}");
+    }
+    let meta = |kind: &str, name: &str| ev.iter().any(|e| e["ph"] == "M" && e["name"] == kind && e["args"]["name"] == name);
+    for r in 0..2u64 {
+        assert!(meta("process_name", &format!("rank {r}")), "process of rank {r}");
+        assert!(meta("thread_name", &format!("rank{r}")) && meta("thread_name", &format!("comm{r}")), "threads of rank {r}");
+        let on = |n: &str| spans.iter().filter(|e| e["pid"] == r && e["name"] == n).count();
+        assert_eq!(on("step"), 2, "rank {r}: two traced steps");
+        for n in ["forward", "backward", "block_backward", "all_reduce bucket", "optimizer"] {
+            assert!(on(n) >= 2, "rank {r}: {n} spans: {}", on(n));
+        }
+    }
+    // At least one bucket's reduction starts before that rank's backward ends (overlap).
+    let ends: Vec<f64> = spans.iter().filter(|e| e["pid"] == 0 && e["name"] == "backward").map(|e| e["ts"].as_f64().unwrap() + e["dur"].as_f64().unwrap()).collect();
+    let starts: Vec<f64> = spans.iter().filter(|e| e["pid"] == 0 && e["name"] == "all_reduce bucket").map(|e| e["ts"].as_f64().unwrap()).collect();
+    assert!(starts.iter().any(|s| ends.iter().any(|e| s < e && e - s < 1e6)), "no reduction overlaps backward");
+}
