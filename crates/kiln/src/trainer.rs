@@ -490,17 +490,19 @@ fn run_rank(ctx: &Ctx, comm: Box<dyn parallel::Comm>, stop: &AtomicBool) -> Resu
             }
             add_moe_stats(&mut line, model.moe_stats());
             if world > 1 {
-                let sb = dp.state_bytes();
                 line["comm_bytes_sent"] = comm_bytes.bytes_sent().into();
                 line["comm_bytes_recv"] = comm_bytes.bytes_recv().into();
                 line["comm_s"] = out.overlap.comm.as_secs_f64().into();
                 line["comm_exposed_s"] = out.overlap.exposed.as_secs_f64().into();
                 line["comm_hidden_fraction"] = out.overlap.hidden_fraction().into();
-                line["mem_params_bytes"] = sb.params.into();
-                line["mem_grads_bytes"] = sb.grads.into();
-                line["mem_optim_bytes"] = ((opt.m.len() + opt.v.len()) * 4).into();
-                line["mem_transient_peak_bytes"] = sb.peak_transient.into();
             }
+            let sb = dp.state_bytes();
+            let lora = model.lora.as_ref().map_or(0, |lo| lo.params.len() * 4);
+            line["mem_params_bytes"] = (sb.params + lora).into();
+            line["mem_grads_bytes"] = (sb.grads + lora).into();
+            line["mem_optim_bytes"] = ((opt.m.len() + opt.v.len()) * 4).into();
+            line["mem_activations_bytes"] = model.activation_bytes().into();
+            line["mem_transient_peak_bytes"] = sb.peak_transient.into();
             metrics.log(&line).map_err(KilnError::User)?;
         }
         let log_now = step % cfg.train.log_interval.max(1) == 0 || step == max_steps;

@@ -223,6 +223,9 @@ fn planted(world: &MpiComm, f: impl FnOnce(&MpiComm)) -> ! {
         Err(e) => {
             println!("kiln-mpi-selftest: rank {me} caught: {}", panic_text(e));
             let _ = std::io::stdout().flush();
+            // mpirun aborts the job when the first rank exits non-zero: give the other ranks,
+            // which catch the same failure within milliseconds, time to print theirs.
+            std::thread::sleep(std::time::Duration::from_millis(1500));
             std::process::exit(PLANTED);
         }
         Ok(()) => {
