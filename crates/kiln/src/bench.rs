@@ -117,7 +117,7 @@ pub fn bench(args: &BenchArgs) -> Result<serde_json::Value> {
             let _ = tensor::profile::take();
         }
         let t0 = Instant::now();
-        train_step(&mut model, &mut dp, &mut opt, &cfg, s as u64, &mut x, &mut y, |_, x, y| {
+        train_step(&mut model, &mut dp, None, &mut opt, &cfg, s as u64, &mut x, &mut y, |_, x, y| {
             for (xi, yi) in x.iter_mut().zip(y.iter_mut()) {
                 *xi = rng.below(real_vocab as u64) as u32;
                 *yi = rng.below(real_vocab as u64) as i32;

@@ -172,15 +172,23 @@ pub struct ParallelSection {
     /// ZeRO stage: 0 (plain data parallel), 1 (optimizer state sharded), 2 (+ gradients),
     /// 3 (+ parameters).
     pub zero: usize,
+    /// Tensor-parallel ranks (Megatron column/row split of attention heads and MLP columns);
+    /// the world is `dp × tp` ranks.
+    #[serde(default = "one")]
+    pub tp: usize,
     /// `inproc` or `mpi` (a build with `--features mpi`, run under `mpirun`).
     pub backend: String,
     /// Gradient all-reduce bucket size in MiB (stages 0 and 1).
     pub bucket_mb: f64,
 }
 
+fn one() -> usize {
+    1
+}
+
 impl Default for ParallelSection {
     fn default() -> Self {
-        ParallelSection { dp: 1, zero: 0, backend: "inproc".into(), bucket_mb: 25.0 }
+        ParallelSection { dp: 1, zero: 0, tp: 1, backend: "inproc".into(), bucket_mb: 25.0 }
     }
 }
 
@@ -377,6 +385,16 @@ impl RunConfig {
         if p.zero > 3 {
             return user(format!("parallel.zero must be 0, 1, 2 or 3, got {}", p.zero));
         }
+        if p.tp == 0 {
+            return user("parallel.tp must be positive, got 0");
+        }
+        if p.tp > 1 && self.lora.rank > 0 {
+            return user(format!("parallel.tp = {} with LoRA is not supported: the adapters are tiny; use data parallelism (parallel.dp)", p.tp));
+        }
+        if p.tp > 1 {
+            let g = self.gpt_config(256);
+            parallel::tp::local_config(&g, p.tp).map_err(crate::error::KilnError::User)?;
+        }
         if p.zero > 0 && self.lora.rank > 0 {
             return user(format!("parallel.zero = {} with LoRA: the adapters are tiny and the base is frozen; use parallel.zero = 0", p.zero));
         }
@@ -417,6 +435,7 @@ impl RunConfig {
             capacity_factor: m.capacity_factor as f32,
             moe_aux_weight: m.moe_aux_weight as f32,
             moe_z_weight: m.moe_z_weight as f32,
+            tp: 1,
         }
     }
 

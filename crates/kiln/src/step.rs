@@ -88,11 +88,13 @@ pub struct StepOut {
 /// writes this rank's rows of it (`micro_batch / dp` sequences), then forward and backward
 /// through `dp` accumulate gradients scaled so that their sum over ranks is the gradient of
 /// the global micro-batch's mean loss, divided by `grad_accum`; then the reduction, clipping by
-/// the global norm, and the AdamW update of the pieces this rank owns.
+/// the global norm, and the AdamW update of the pieces this rank owns. `tp` is the
+/// tensor-parallel group and the shard's replicated ranges, when the model is a shard.
 #[allow(clippy::too_many_arguments)]
 pub fn train_step(
     model: &mut Gpt,
     dp: &mut DataParallel,
+    tp: Option<(&dyn parallel::Comm, &[std::ops::Range<usize>])>,
     opt: &mut Optimizer,
     cfg: &RunConfig,
     step: u64,
@@ -144,7 +146,15 @@ pub fn train_step(
         opt.update(&mut lo.params, &lo.grads, cfg, lr, step + 1);
         norm
     } else {
-        let norm = dp.grad_norm();
+        // With tensor parallelism the shards' squares add up over the tp group; replicated
+        // parameters (identical on every tp rank) count once.
+        let norm = match tp {
+            Some((comm, replicated)) => {
+                let (sharded, repl) = dp.grad_sq_split(replicated);
+                (parallel::tp::sum_f64(comm, sharded) + repl).sqrt()
+            }
+            None => dp.grad_norm(),
+        };
         if clip > 0.0 && norm > clip {
             dp.scale_grads((clip / (norm + 1e-6)) as f32);
         }

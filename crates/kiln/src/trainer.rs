@@ -42,6 +42,7 @@ pub struct TrainArgs {
     pub profile: Option<u64>,
     pub dp: Option<usize>,
     pub zero: Option<usize>,
+    pub tp: Option<usize>,
     pub backend: Option<String>,
     pub quiet: bool,
 }
@@ -81,6 +82,9 @@ fn layered(base: &RunConfig, args: &TrainArgs) -> Result<RunConfig> {
     }
     if let Some(z) = args.zero {
         raw.insert("parallel.zero".into(), toml::Value::Integer(z as i64));
+    }
+    if let Some(t) = args.tp {
+        raw.insert("parallel.tp".into(), toml::Value::Integer(t as i64));
     }
     if let Some(b) = &args.backend {
         raw.insert("parallel.backend".into(), toml::Value::String(b.clone()));
@@ -272,13 +276,13 @@ pub fn train(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
     cfg.model.vocab_size = gcfg.vocab_size;
 
     // 3. The ranks: this process alone, threads in it, or MPI processes.
-    let world = cfg.parallel.dp;
+    let world = cfg.parallel.dp * cfg.parallel.tp;
     let ctx = Ctx { args, cfg, ds: &ds, run_dir, saved_cfg_path, resume_from, init: std::sync::Mutex::new(init) };
     match ctx.cfg.parallel.backend.as_str() {
         "mpi" => run_mpi(&ctx, stop),
         _ if world == 1 => {
-            let comm: Box<dyn parallel::Comm> = Box::new(parallel::InProcess::world(1).pop().unwrap());
-            run_rank(&ctx, comm, stop)
+            let comm = parallel::InProcess::world(1).pop().unwrap();
+            run_rank(&ctx, &comm, stop)
         }
         _ => run_inproc(&ctx, world, stop),
     }
@@ -302,8 +306,7 @@ fn run_inproc(ctx: &Ctx, world: usize, stop: &AtomicBool) -> Result<Summary> {
     let failed: std::sync::Mutex<Option<KilnError>> = std::sync::Mutex::new(None);
     let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         parallel::run_ranks(world, |c| {
-            let all: Vec<usize> = (0..world).collect();
-            match run_rank(ctx, c.split(&all), stop) {
+            match run_rank(ctx, c, stop) {
                 Ok(s) => s,
                 Err(e) => {
                     let msg = e.to_string();
@@ -335,15 +338,16 @@ fn run_mpi(ctx: &Ctx, stop: &AtomicBool) -> Result<Summary> {
     let world = parallel::mpi::init().map_err(KilnError::User)?;
     let comm = world.world();
     let n = comm.size();
-    if ctx.cfg.parallel.dp != 0 && ctx.cfg.parallel.dp != n {
-        return user(format!("parallel.dp = {} but mpirun started {n} processes: pass --dp {n} (or --dp 0 to take the MPI world size)", ctx.cfg.parallel.dp));
+    let tp = ctx.cfg.parallel.tp;
+    let dp = ctx.cfg.parallel.dp;
+    if n % tp != 0 || (dp != 0 && dp * tp != n) {
+        let want = if dp == 0 { format!("a multiple of parallel.tp = {tp}") } else { format!("dp {dp} × tp {tp} = {}", dp * tp) };
+        return user(format!("parallel.dp = {dp} but mpirun started {n} processes, not {want}: pass --dp {} (or --dp 0 to take the MPI world size)", n / tp.max(1)));
     }
-    ctx.cfg.check_dp(n)?;
+    ctx.cfg.check_dp(n / tp)?;
     // Every process has checked the run directory before rank 0 creates it.
     comm.barrier();
-    let all: Vec<usize> = (0..n).collect();
-    let dp_comm = comm.split(&all);
-    let out = run_rank(ctx, dp_comm, stop);
+    let out = run_rank(ctx, &comm, stop);
     drop(comm);
     drop(world);
     out
@@ -351,7 +355,7 @@ fn run_mpi(ctx: &Ctx, stop: &AtomicBool) -> Result<Summary> {
 
 /// One rank's training run. Rank 0 owns the run directory, metrics, progress, checkpoints and
 /// the sample; every rank computes.
-fn run_rank(ctx: &Ctx, comm: Box<dyn parallel::Comm>, stop: &AtomicBool) -> Result<Summary> {
+fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<Summary> {
     let (args, cfg, ds) = (ctx.args, &ctx.cfg, ctx.ds);
     let (run_dir, saved_cfg_path, resume_from) = (&ctx.run_dir, &ctx.saved_cfg_path, &ctx.resume_from);
     let (rank, world) = (comm.rank(), comm.size());
@@ -360,13 +364,30 @@ fn run_rank(ctx: &Ctx, comm: Box<dyn parallel::Comm>, stop: &AtomicBool) -> Resu
     let gcfg = cfg.gpt_config(ds.tokenizer.vocab_size());
     let t = cfg.model.block_size;
     let mb = cfg.micro_batch();
-    let rows = mb / world;
+    let tpn = cfg.parallel.tp;
+    let dpn = world / tpn;
+    // The mesh (tp fastest: tensor-parallel peers are neighbours) and this rank's groups: the
+    // data-parallel store's, the model's tensor-parallel hooks', and one for whole-model
+    // gathers and the gradient norm.
+    let mesh = parallel::DeviceMesh::new(&[(parallel::Axis::Dp, dpn), (parallel::Axis::Tp, tpn)], world).map_err(KilnError::User)?;
+    let dp_comm = parallel::mesh_group(comm, &mesh, parallel::Axis::Dp);
+    let tp_hooks_comm = parallel::mesh_group(comm, &mesh, parallel::Axis::Tp);
+    let tp_comm = parallel::mesh_group(comm, &mesh, parallel::Axis::Tp);
+    let (dp_rank, tp_rank) = (dp_comm.rank(), tp_comm.rank());
+    let rows = mb / dpn;
     let zero = cfg.parallel.zero as u8;
 
     // Model, optimizer state, sampler.
     let init = if lead { ctx.init.lock().unwrap().take() } else { None };
     let mut model = match init {
         Some(mut m) => {
+            m.cfg.dropout = gcfg.dropout;
+            m.real_vocab = ds.tokenizer.vocab_size();
+            m
+        }
+        // Tensor-parallel ranks each cut their shard from the base.
+        None if !cfg.model.init_from.is_empty() && tpn > 1 => {
+            let mut m = run::load_base(Path::new(&cfg.model.init_from))?;
             m.cfg.dropout = gcfg.dropout;
             m.real_vocab = ds.tokenizer.vocab_size();
             m
@@ -382,6 +403,12 @@ fn run_rank(ctx: &Ctx, comm: Box<dyn parallel::Comm>, stop: &AtomicBool) -> Resu
     }
     let n = model.num_params();
     let n_train = trainable_layout(&model).total;
+    // MFU is stated against the same peak `kiln bench --peak` reports (one rank's share of the
+    // machine's cores is what in-process ranks split, so the peak is the machine's), for the
+    // whole model's FLOPs.
+    let peak = if lead { crate::bench::peak_flops() } else { f64::NAN };
+    let flops_per_token = model_flops_per_token(&model);
+    let hw_flops_per_token = hardware_flops_per_token(&model);
     let mut sampler = Rng::new(mix64(cfg.train.seed ^ 0x5EED_DA7A));
     let (mut step, mut tokens_seen, mut elapsed_prev) = (0u64, 0u64, 0.0f64);
     let mut moments = None;
@@ -397,8 +424,23 @@ fn run_rank(ctx: &Ctx, comm: Box<dyn parallel::Comm>, stop: &AtomicBool) -> Resu
         tokens_seen = l.state.tokens_seen;
         elapsed_prev = l.state.elapsed_s;
     }
+    // Tensor parallel: keep this rank's shard of the whole model (and of its moments).
+    let full_layout = model.layout.clone();
+    let mut tp_replicated = Vec::new();
+    if tpn > 1 {
+        let local_cfg = parallel::tp::local_config(&model.cfg, tpn).map_err(KilnError::User)?;
+        let mut local = Gpt::zeroed(local_cfg, model.real_vocab);
+        local.params = parallel::tp::shard(&full_layout, &model.params, &local.layout, tp_rank, tpn);
+        local.recompute = model.recompute;
+        local.tp = Some(Box::new(parallel::tp::TpComm { comm: tp_hooks_comm, c: model.cfg.n_embd }));
+        if let Some((m, v)) = moments.take() {
+            moments = Some((parallel::tp::shard(&full_layout, &m, &local.layout, tp_rank, tpn), parallel::tp::shard(&full_layout, &v, &local.layout, tp_rank, tpn)));
+        }
+        tp_replicated = parallel::tp::replicated_ranges(&local.layout);
+        model = local;
+    }
     let bucket_elems = ((cfg.parallel.bucket_mb * 1024.0 * 1024.0 / 4.0) as usize).max(1);
-    let mut dp = parallel::DataParallel::new(comm, &mut model, zero, bucket_elems);
+    let mut dp = parallel::DataParallel::new(dp_comm, &mut model, zero, bucket_elems);
     let mut opt = if model.lora.is_some() { Optimizer::new(trainable_layout(&model)) } else { Optimizer::with_len(&model.layout, dp.moments_len()) };
     if let Some((m, v)) = moments {
         let sharded = model.lora.is_none() && zero > 0;
@@ -416,11 +458,6 @@ fn run_rank(ctx: &Ctx, comm: Box<dyn parallel::Comm>, stop: &AtomicBool) -> Resu
         metrics = Some(crate::obs::MetricsWriter::open(run_dir, resume_from.as_ref().map(|_| step)).map_err(KilnError::User)?);
     }
 
-    // MFU is stated against the same peak `kiln bench --peak` reports (one rank's share of the
-    // machine's cores is what in-process ranks split, so the peak is the machine's).
-    let peak = if lead { crate::bench::peak_flops() } else { f64::NAN };
-    let flops_per_token = model_flops_per_token(&model);
-    let hw_flops_per_token = hardware_flops_per_token(&model);
 
     let max_steps = cfg.train.max_steps;
     let progress = Progress::new(step, max_steps, args.quiet || !lead);
@@ -432,7 +469,7 @@ fn run_rank(ctx: &Ctx, comm: Box<dyn parallel::Comm>, stop: &AtomicBool) -> Resu
         ds.description, run_dir.display()
     ));
     if world > 1 {
-        say(&format!("data parallel: {world} ranks ({}), ZeRO stage {zero}, {rows} sequences per rank per micro-batch", cfg.parallel.backend));
+        say(&format!("parallel: {world} ranks ({}): dp {dpn} × tp {tpn}, ZeRO stage {zero}, {rows} sequences per data-parallel rank per micro-batch", cfg.parallel.backend));
     }
     if let Some(l) = resume_from {
         say(&format!("resuming from {} (step {step})", l.dir.display()));
@@ -442,7 +479,8 @@ fn run_rank(ctx: &Ctx, comm: Box<dyn parallel::Comm>, stop: &AtomicBool) -> Resu
     let started = Instant::now();
     let mut last_val = None;
     let mut interrupted = false;
-    let layout = model.lora.as_ref().map_or(&model.layout, |lo| &lo.layout).clone();
+    // Checkpoints hold the whole model (or the adapters alone).
+    let layout = model.lora.as_ref().map_or(&full_layout, |lo| &lo.layout).clone();
 
     let mut trace_until = args.profile.map(|n| step + n);
     if trace_until.is_some() {
@@ -451,7 +489,7 @@ fn run_rank(ctx: &Ctx, comm: Box<dyn parallel::Comm>, stop: &AtomicBool) -> Resu
         }
         // The other ranks start their first traced step only once rank 0 has turned tracing on.
         if world > 1 {
-            dp.all_reduce_f64(&[0.0]);
+            parallel::tp::sum_f64(comm, 0.0);
         }
     }
     while step < max_steps {
@@ -460,8 +498,9 @@ fn run_rank(ctx: &Ctx, comm: Box<dyn parallel::Comm>, stop: &AtomicBool) -> Resu
         let lr = cfg.lr_at(step);
         let offsets = sample_offsets(&mut sampler, ds.train.len(), t, cfg.train.batch_size);
         let before = counters.snapshot();
-        let out = train_step(&mut model, &mut dp, &mut opt, cfg, step, &mut x, &mut y, |micro, x, y| {
-            let first = micro * mb + rank * rows;
+        let tp_norm = (tpn > 1).then(|| (&*tp_comm, &tp_replicated[..]));
+        let out = train_step(&mut model, &mut dp, tp_norm, &mut opt, cfg, step, &mut x, &mut y, |micro, x, y| {
+            let first = micro * mb + dp_rank * rows;
             fill_windows(&ds.train, &offsets[first..first + rows], t, x, y);
         });
         let comm_bytes = counters.snapshot().since(&before);
@@ -479,7 +518,7 @@ fn run_rank(ctx: &Ctx, comm: Box<dyn parallel::Comm>, stop: &AtomicBool) -> Resu
         let elapsed = elapsed_prev + started.elapsed().as_secs_f64();
         // Every rank stops at the same step: any rank's Ctrl-C stops them all.
         let stop_here = stop.load(Ordering::SeqCst) as u8 as f64;
-        interrupted = if world > 1 { dp.all_reduce_f64(&[stop_here])[0] > 0.0 } else { stop_here > 0.0 };
+        interrupted = if world > 1 { parallel::tp::sum_f64(comm, stop_here) > 0.0 } else { stop_here > 0.0 };
         if let Some(metrics) = metrics.as_mut() {
             let mut line = serde_json::json!({
                 "kind": "train", "step": step, "loss": loss, "lr": lr, "grad_norm": out.grad_norm,
@@ -513,8 +552,8 @@ fn run_rank(ctx: &Ctx, comm: Box<dyn parallel::Comm>, stop: &AtomicBool) -> Resu
         if every(cfg.eval.interval) || last {
             let _p = tensor::profile::scope("eval");
             let eb = if cfg.eval.batch_size == 0 { mb } else { cfg.eval.batch_size };
-            let (sum, count) = eval_sums(&mut model, Some(&mut dp), &ds.val, t, eb, cfg.eval.iters, rank, world);
-            let (sum, count) = if world > 1 {
+            let (sum, count) = eval_sums(&mut model, Some(&mut dp), &ds.val, t, eb, cfg.eval.iters, dp_rank, dpn);
+            let (sum, count) = if dpn > 1 {
                 let r = dp.all_reduce_f64(&[sum, count as f64]);
                 (r[0], r[1] as usize)
             } else {
@@ -532,9 +571,10 @@ fn run_rank(ctx: &Ctx, comm: Box<dyn parallel::Comm>, stop: &AtomicBool) -> Resu
             // Full parameters and moments (gathered from the shards: collective).
             let params = match &model.lora {
                 Some(lo) => lo.params.clone(),
-                None => dp.full_params(),
+                None => whole(&*tp_comm, &full_layout, &model.layout, dp.full_params()),
             };
             let (m, v) = if model.lora.is_none() && zero > 0 { (dp.gather_shards(&opt.m), dp.gather_shards(&opt.v)) } else { (opt.m.clone(), opt.v.clone()) };
+            let (m, v) = if model.lora.is_none() { (whole(&*tp_comm, &full_layout, &model.layout, m), whole(&*tp_comm, &full_layout, &model.layout, v)) } else { (m, v) };
             if lead {
                 let mt = Tensors { items: named(&layout, "", &params) };
                 let mut ot = named(&layout, "exp_avg.", &m);
@@ -559,6 +599,12 @@ fn run_rank(ctx: &Ctx, comm: Box<dyn parallel::Comm>, stop: &AtomicBool) -> Resu
     }
     progress.finish();
     dp.restore(&mut model);
+    if tpn > 1 {
+        // The whole model again, for the sample.
+        let mut full = Gpt::zeroed(cfg.gpt_config(ds.tokenizer.vocab_size()), model.real_vocab);
+        full.params = whole(&*tp_comm, &full_layout, &model.layout, std::mem::take(&mut model.params));
+        model = full;
+    }
     if !lead {
         return Ok(Summary { run_dir: run_dir.clone(), step, val_loss: last_val, interrupted });
     }
@@ -587,6 +633,17 @@ fn run_rank(ctx: &Ctx, comm: Box<dyn parallel::Comm>, stop: &AtomicBool) -> Resu
         println!("--- sample (step {step}) ---\n{text}\n---");
     }
     Ok(Summary { run_dir: run_dir.clone(), step, val_loss: last_val, interrupted })
+}
+
+/// The whole-model buffer from this rank's tensor-parallel shard `local` (collective over
+/// `tp`; the identity without tensor parallelism).
+fn whole(tp: &dyn parallel::Comm, full: &model::ParamLayout, local_layout: &model::ParamLayout, local: Vec<f32>) -> Vec<f32> {
+    if tp.size() == 1 {
+        return local;
+    }
+    let shards = parallel::tp::gather(tp, &local);
+    let refs: Vec<&[f32]> = shards.iter().map(|s| &s[..]).collect();
+    parallel::tp::unshard(full, &refs, local_layout)
 }
 
 /// MoE routing figures of the last micro-batch, summed or worst over layers: the router

@@ -51,6 +51,19 @@ pub struct GptConfig {
     pub moe_aux_weight: f32,
     /// Weight of the ST-MoE router z-loss.
     pub moe_z_weight: f32,
+    /// Tensor-parallel degree this config is one shard of (1: the whole model). A shard keeps
+    /// `n_embd`, but `n_head`, `n_kv_head` and `ffn_hidden` count only its own heads and MLP
+    /// columns (Megatron-LM's column/row split; see `parallel::tp`).
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub tp: usize,
+}
+
+fn one() -> usize {
+    1
+}
+
+fn is_one(x: &usize) -> bool {
+    *x == 1
 }
 
 impl GptConfig {
@@ -60,7 +73,7 @@ impl GptConfig {
         GptConfig {
             arch: Arch::Gpt2, n_layer, n_head, n_kv_head: n_head, n_embd, ffn_hidden: 4 * n_embd, block_size, vocab_size,
             bias, dropout, tied_embeddings: tied, rope_theta: 10000.0, norm_eps: 1e-5,
-            n_expert: 0, top_k: 2, n_shared_expert: 0, capacity_factor: 0.0, moe_aux_weight: 0.01, moe_z_weight: 0.001,
+            n_expert: 0, top_k: 2, n_shared_expert: 0, capacity_factor: 0.0, moe_aux_weight: 0.01, moe_z_weight: 0.001, tp: 1,
         }
     }
 
@@ -112,7 +125,13 @@ impl GptConfig {
     }
 
     pub fn head_size(&self) -> usize {
-        self.n_embd / self.n_head
+        self.n_embd / (self.n_head * self.tp)
+    }
+
+    /// Width of the attention output (`n_head · head_size`): `n_embd` for a whole model, its
+    /// heads' share for a tensor-parallel shard.
+    pub fn attn_width(&self) -> usize {
+        self.n_head * self.head_size()
     }
 
     /// Width of the fused q|k|v projection output: `(NH + 2·NKV)·HS`.

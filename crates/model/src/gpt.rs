@@ -17,7 +17,7 @@ use crate::config::{Arch, GptConfig};
 use crate::lora::{Lora, Site};
 use tensor::moe::{moe_backward, moe_forward, MoeCache, MoeStats};
 use crate::layout::{gpt_layout, BlockParams, GptParams, Init, ParamLayout};
-use crate::units::{Access, Local, UnitStore};
+use crate::units::{Access, Local, TpHooks, UnitStore};
 use tensor::attention::AttnDims;
 use tensor::classifier::{chunk_rows, lm_head_crossentropy};
 use tensor::flash::{flash_attention_backward, flash_attention_forward, flash_gqa_backward, flash_gqa_forward};
@@ -161,6 +161,9 @@ pub struct Gpt {
     /// LoRA adapters; when present the base parameters are frozen (no gradients computed for
     /// its matrices) and only the adapters train.
     pub lora: Option<Lora>,
+    /// Tensor parallelism: with `cfg.tp > 1` this model is one shard, and these hooks sum the
+    /// shards' partial results at the branch boundaries.
+    pub tp: Option<Box<dyn TpHooks>>,
     /// Activation recomputation policy (default [`Recompute::None`]); takes effect at the next
     /// forward.
     pub recompute: Recompute,
@@ -202,7 +205,7 @@ impl Gpt {
         let rope = (cfg.arch == Arch::Llama).then(|| rope_table(cfg.rope_theta, cfg.head_size(), cfg.block_size));
         let units = views.units(n);
         let unit_views = views.rebased(n);
-        Gpt { cfg, layout, views, units, unit_views, real_vocab, params: zeros(n), grads: zeros(n), rope, lora: None, recompute: Recompute::None, acts: None, scratch: None }
+        Gpt { cfg, layout, views, units, unit_views, real_vocab, params: zeros(n), grads: zeros(n), rope, lora: None, tp: None, recompute: Recompute::None, acts: None, scratch: None }
     }
 
     pub fn num_params(&self) -> usize {
@@ -222,6 +225,7 @@ impl Gpt {
         }
         let (c, nh, vp) = (self.cfg.n_embd, self.cfg.n_head, self.cfg.vocab_size);
         let (qw, fw, f) = (self.cfg.qkv_width(), self.cfg.fc_width(), self.cfg.ffn_hidden);
+        let aw = self.cfg.attn_width();
         let state = b * nh * t; // flash lse, both architectures
         let n = b * t;
         let moe = self.cfg.is_moe();
@@ -233,7 +237,7 @@ impl Gpt {
             ln_2: zeros(n * c), ln_2_mean: zeros(n), ln_2_rstd: zeros(n),
         };
         let inner = || BlockInner {
-            qkv: zeros(n * qw), atty: zeros(n * c), attn_state: zeros(state),
+            qkv: zeros(n * qw), atty: zeros(n * aw), attn_state: zeros(state),
             fch: zeros(n * fw), fch_gelu: zeros(n * f),
             moe: moe.then(|| MoeCache::new(cfg.moe_dims(n))),
         };
@@ -329,7 +333,7 @@ impl Gpt {
         a.dropout_seed = dropout_seed;
         a.p_drop = p_drop;
         a.moe_stats.clear();
-        let ops = Ops { cfg: &self.cfg, rope: self.rope.as_ref(), b, t };
+        let ops = Ops { cfg: &self.cfg, rope: self.rope.as_ref(), b, t, tp: std::cell::RefCell::new(self.tp.as_deref_mut()) };
 
         let (w, _) = store.acquire(0, Access::Forward, Some((1, Access::Forward)));
         embedding_forward(&mut a.xs[0], tokens, &w[pv.wte.clone()], pv.wpe.as_ref().map(|r| &w[r.clone()]), t, c);
@@ -372,7 +376,7 @@ impl Gpt {
         let n = b * t;
         if self.scratch.is_none() {
             self.scratch = Some(GradScratch {
-                dres: zeros(n * c), dln: zeros(n * c), dbranch: zeros(n * c), datty: zeros(n * c),
+                dres: zeros(n * c), dln: zeros(n * c), dbranch: zeros(n * c), datty: zeros(n * self.cfg.attn_width()),
                 dqkv: zeros(n * qw), dfch: zeros(n * fw), dfch_gelu: zeros(n * f),
             });
         }
@@ -384,7 +388,7 @@ impl Gpt {
         let bwd = Access::Backward { params: true };
         let p_drop = self.cfg.dropout;
         let seed = a.dropout_seed;
-        let ops = Ops { cfg: &self.cfg, rope: self.rope.as_ref(), b, t };
+        let ops = Ops { cfg: &self.cfg, rope: self.rope.as_ref(), b, t, tp: std::cell::RefCell::new(self.tp.as_deref_mut()) };
         // Every unit is acquired and released even when no target counted (the gradients are
         // then zero): a store's collectives must run the same on every rank.
         let skip = a.count == 0;
@@ -449,6 +453,7 @@ impl Gpt {
             if let Some(lo) = lora.as_mut() {
                 lo.backward(l, Site::Fc, &mut g.dln, &g.dfch, &k.ln_2, n, fw);
             }
+            ops.tp_reduce_input_grad(&mut g.dln);
             }
             // dres (currently d res_3, flowing straight through to d res_2) += ln_2 backward
             let (dw2, db2) = split_two(dw, &bp.ln_2_w, &bp.ln_2_b);
@@ -457,7 +462,8 @@ impl Gpt {
             let dattproj = branch_grad(&mut g.dbranch, &g.dres, p_drop, site_seed(seed, site + 1));
             g.datty.fill(0.0);
             let (dwa, dba) = split_two(dw, &bp.attn_proj_w, &bp.attn_proj_b);
-            linear_backward(frozen, &mut g.datty, dwa, dba, dattproj, &i.atty, &w[bp.attn_proj_w.clone()], n, c, c);
+            let aw = self.cfg.attn_width();
+            linear_backward(frozen, &mut g.datty, dwa, dba, dattproj, &i.atty, &w[bp.attn_proj_w.clone()], n, aw, c);
             if let Some(lo) = lora.as_mut() {
                 lo.backward(l, Site::AttnProj, &mut g.datty, dattproj, &i.atty, n, c);
             }
@@ -469,6 +475,7 @@ impl Gpt {
             if let Some(lo) = lora.as_mut() {
                 lo.backward(l, Site::Qkv, &mut g.dln, &g.dqkv, &k.ln_1, n, qw);
             }
+            ops.tp_reduce_input_grad(&mut g.dln);
             let (dw1, db1) = split_two(dw, &bp.ln_1_w, &bp.ln_1_b);
             ops.norm_backward(&mut g.dres, dw1, db1, &g.dln, x, &w[bp.ln_1_w.clone()], &k.ln_1_mean, &k.ln_1_rstd);
             store.release(l + 1, bwd);
@@ -554,10 +561,11 @@ fn block_forward(ops: &Ops, w: &[f32], bp: &BlockParams, lora: &mut Option<Lora>
     // res_2 = x + drop(attn(norm_1(x)))
     ops.norm_forward(&mut k.ln_1, &mut k.ln_1_mean, &mut k.ln_1_rstd, x, &w[bp.ln_1_w.clone()], opt(&bp.ln_1_b));
     attn_inner(ops, w, bp, lora, l, k, i, p_drop, dropout_seed);
-    matmul_forward(branch, &i.atty, &w[bp.attn_proj_w.clone()], opt(&bp.attn_proj_b), n, c, c);
+    matmul_forward(branch, &i.atty, &w[bp.attn_proj_w.clone()], opt(&bp.attn_proj_b), n, cfg.attn_width(), c);
     if let Some(lo) = lora.as_mut() {
         lo.forward(l, Site::AttnProj, branch, &i.atty, n, c);
     }
+    ops.tp_reduce_output(branch, opt(&bp.attn_proj_b));
     if p_drop > 0.0 {
         dropout_inplace(branch, p_drop, site_seed(dropout_seed, site + 1));
     }
@@ -612,6 +620,7 @@ fn mlp_inner(ops: &Ops, w: &[f32], bp: &BlockParams, lora: &mut Option<Lora>, l:
         if let Some(lo) = lora.as_mut() {
             lo.forward(l, Site::MlpProj, branch, &i.fch_gelu, n, c);
         }
+        ops.tp_reduce_output(branch, opt(&bp.mlp_proj_b));
     }
     None
 }
@@ -668,9 +677,25 @@ pub(crate) struct Ops<'a> {
     pub rope: Option<&'a (Vec<f32>, Vec<f32>)>,
     pub b: usize,
     pub t: usize,
+    /// The tensor-parallel hooks of a shard (`None` for a whole model).
+    pub tp: std::cell::RefCell<Option<&'a mut (dyn TpHooks + 'static)>>,
 }
 
 impl Ops<'_> {
+    /// Megatron's `g`: sums a row-parallel product's partial outputs over the shards.
+    fn tp_reduce_output(&self, out: &mut [f32], bias: Option<&[f32]>) {
+        if let Some(h) = self.tp.borrow_mut().as_mut() {
+            h.reduce_output(out, bias);
+        }
+    }
+
+    /// Megatron's `f` backward: sums a column-parallel product's input gradients.
+    fn tp_reduce_input_grad(&self, dx: &mut [f32]) {
+        if let Some(h) = self.tp.borrow_mut().as_mut() {
+            h.reduce_input_grad(dx);
+        }
+    }
+
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn norm_forward(&self, out: &mut [f32], mean: &mut [f32], rstd: &mut [f32], x: &[f32], w: &[f32], bias: Option<&[f32]>) {
         let c = self.cfg.n_embd;
@@ -698,7 +723,7 @@ impl Ops<'_> {
         let cfg = self.cfg;
         match cfg.arch {
             Arch::Gpt2 => {
-                let dims = AttnDims { b: self.b, t: self.t, c: cfg.n_embd, nh: cfg.n_head };
+                let dims = AttnDims { b: self.b, t: self.t, c: cfg.attn_width(), nh: cfg.n_head };
                 flash_attention_forward(out, state, qkv, &dims, p_drop, seed);
             }
             Arch::Llama => {
@@ -715,7 +740,7 @@ impl Ops<'_> {
         let cfg = self.cfg;
         match cfg.arch {
             Arch::Gpt2 => {
-                let dims = AttnDims { b: self.b, t: self.t, c: cfg.n_embd, nh: cfg.n_head };
+                let dims = AttnDims { b: self.b, t: self.t, c: cfg.attn_width(), nh: cfg.n_head };
                 flash_attention_backward(dqkv, dout, qkv, out, state, &dims, p_drop, seed);
             }
             Arch::Llama => {

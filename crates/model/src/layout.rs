@@ -129,6 +129,8 @@ pub fn gpt_layout(cfg: &GptConfig) -> (ParamLayout, GptParams) {
 
 fn gpt2_layout(cfg: &GptConfig) -> (ParamLayout, GptParams) {
     let c = cfg.n_embd;
+    // The attention width (C, or a tensor-parallel shard's share of the heads).
+    let aw = cfg.attn_width();
     let std = 0.02f32;
     let proj_std = std / ((2 * cfg.n_layer) as f32).sqrt();
     let mut l = ParamLayout::default();
@@ -142,9 +144,9 @@ fn gpt2_layout(cfg: &GptConfig) -> (ParamLayout, GptParams) {
         };
         let ln_1_w = l.push(format!("{p}ln_1.weight"), vec![c], Init::Ones, false);
         let ln_1_b = bias(&mut l, "ln_1", c);
-        let c_attn_w = l.push(format!("{p}attn.c_attn.weight"), vec![3 * c, c], Init::Normal(std), true);
-        let c_attn_b = bias(&mut l, "attn.c_attn", 3 * c);
-        let attn_proj_w = l.push(format!("{p}attn.c_proj.weight"), vec![c, c], Init::Normal(proj_std), true);
+        let c_attn_w = l.push(format!("{p}attn.c_attn.weight"), vec![3 * aw, c], Init::Normal(std), true);
+        let c_attn_b = bias(&mut l, "attn.c_attn", 3 * aw);
+        let attn_proj_w = l.push(format!("{p}attn.c_proj.weight"), vec![c, aw], Init::Normal(proj_std), true);
         let attn_proj_b = bias(&mut l, "attn.c_proj", c);
         let ln_2_w = l.push(format!("{p}ln_2.weight"), vec![c], Init::Ones, false);
         let ln_2_b = bias(&mut l, "ln_2", c);

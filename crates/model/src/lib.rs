@@ -14,4 +14,4 @@ pub use config::GptConfig;
 pub use generate::{Sampler, KvCache};
 pub use gpt::{Gpt, Pass};
 pub use layout::{ParamLayout, ParamSpec, Init};
-pub use units::{Access, Local, UnitStore};
+pub use units::{Access, Local, TpHooks, UnitStore};

@@ -59,3 +59,18 @@ impl UnitStore for Local<'_> {
 
     fn release(&mut self, _u: usize, _access: Access) {}
 }
+
+/// The collectives a tensor-parallel shard needs inside a block (Megatron-LM's conjugate `f`
+/// and `g`): the model calls them at its two branch boundaries and knows nothing else about
+/// ranks. A shard's column-parallel products (q|k|v, the MLP's up/gate) see the whole input;
+/// its row-parallel products (attention output, MLP down) produce partial sums.
+pub trait TpHooks: Send {
+    /// `g` forward: `out` (`[N, C]`) holds this rank's partial sum of a row-parallel product,
+    /// plus `bias` if the layer has one (every rank adds it); make it the full output, with the
+    /// bias counted once. Backward of `g` is the identity.
+    fn reduce_output(&mut self, out: &mut [f32], bias: Option<&[f32]>);
+    /// `f` backward: `dx` (`[N, C]`) holds this rank's part of the gradient of a
+    /// column-parallel product's input; make it the sum over ranks. Forward of `f` is the
+    /// identity.
+    fn reduce_input_grad(&mut self, dx: &mut [f32]);
+}

@@ -320,39 +320,70 @@ impl DataParallel {
 
     /// The global gradient norm (collective).
     pub fn grad_norm(&mut self) -> f64 {
+        let (a, b) = self.grad_sq_split(&[]);
+        (a + b).sqrt()
+    }
+
+    /// The squared gradient norm over the data-parallel group, split into the part outside
+    /// `replicated` (flat ranges) and the part inside (collective). Each (unit, rank) chunk's
+    /// partials are taken in flat order and summed in (unit, rank) order.
+    pub fn grad_sq_split(&mut self, replicated: &[Range<usize>]) -> (f64, f64) {
         self.worker.wait_all();
         let (n, u) = (self.shards.n, self.shards.units.len());
-        // parts[u·n + r]: chunk (u, r)'s sum of squares.
-        let mut parts = vec![0f64; u * n];
+        // parts[2·(u·n + r) + {0, 1}]: chunk (u, r)'s sums of squares outside / inside.
+        let mut parts = vec![0f64; 2 * u * n];
+        let chunk_sq = |g: &[f32], flat: usize| -> (f64, f64) {
+            let (mut a, mut b) = (0.0, 0.0);
+            let mut i = 0;
+            while i < g.len() {
+                let at = flat + i;
+                let inside = replicated.iter().find(|r| r.start <= at && at < r.end);
+                let next = match inside {
+                    Some(r) => r.end,
+                    None => replicated.iter().map(|r| r.start).filter(|&s| s > at).min().unwrap_or(usize::MAX),
+                };
+                let j = (next - flat).min(g.len());
+                let sq = tensor::sum_squares(&g[i..j]);
+                if inside.is_some() { b += sq } else { a += sq }
+                i = j;
+            }
+            (a, b)
+        };
         if self.zero == 0 {
             for uu in 0..u {
                 for r in 0..n {
                     let o = self.shards.own(uu, r);
                     let s = self.shards.units[uu].start;
-                    parts[uu * n + r] = tensor::sum_squares(&self.grads[s + o.start..s + o.end]);
+                    let (a, b) = chunk_sq(&self.grads[s + o.start..s + o.end], s + o.start);
+                    parts[2 * (uu * n + r)] = a;
+                    parts[2 * (uu * n + r) + 1] = b;
                 }
             }
         } else {
-            let mine: Vec<f64> = (0..u)
-                .map(|uu| {
-                    let o = self.shards.own(uu, self.shards.rank);
-                    if self.zero == 1 {
-                        let s = self.shards.units[uu].start;
-                        tensor::sum_squares(&self.grads[s + o.start..s + o.end])
-                    } else {
-                        let off = self.shards.offset[uu];
-                        tensor::sum_squares(&self.shard_grads[off..off + o.len()])
-                    }
-                })
-                .collect();
+            let mut mine = Vec::with_capacity(2 * u);
+            for uu in 0..u {
+                let o = self.shards.own(uu, self.shards.rank);
+                let s = self.shards.units[uu].start;
+                let (a, b) = if self.zero == 1 {
+                    chunk_sq(&self.grads[s + o.start..s + o.end], s + o.start)
+                } else {
+                    let off = self.shards.offset[uu];
+                    chunk_sq(&self.shard_grads[off..off + o.len()], s + o.start)
+                };
+                mine.push(a);
+                mine.push(b);
+            }
             let all = self.all_gather_f64(&mine);
             for r in 0..n {
                 for uu in 0..u {
-                    parts[uu * n + r] = all[r * u + uu];
+                    parts[2 * (uu * n + r)] = all[r * 2 * u + 2 * uu];
+                    parts[2 * (uu * n + r) + 1] = all[r * 2 * u + 2 * uu + 1];
                 }
             }
         }
-        parts.iter().sum::<f64>().sqrt()
+        let a = parts.iter().step_by(2).sum::<f64>();
+        let b = parts.iter().skip(1).step_by(2).sum::<f64>();
+        (a, b)
     }
 
     /// `out[r·k .. (r+1)·k] = x_r` for `k = x.len()`, exactly (f64 through f32 bit pairs).

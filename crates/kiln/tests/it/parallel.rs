@@ -158,16 +158,18 @@ fn bad_parallel_settings_are_user_errors() {
 fn mpi_processes_match_in_process_ranks() {
     let d = scratch("dp-mpi");
     let data = corpus(&d);
-    for (n, zero) in [(2, 0), (4, 3)] {
-        let inproc = d.join(format!("inproc{n}"));
-        run_dp(&data, &inproc, n, zero, &[]);
-        let mpi = d.join(format!("mpi{n}"));
+    // (processes, dp, tp, zero): plain dp, ZeRO-3, and a composed dp 2 × tp 2 layout.
+    for (n, dp, tp, zero) in [(2, 2, 1, 0), (4, 4, 1, 3), (4, 2, 2, 1)] {
+        let tp_args: Vec<&str> = if tp > 1 { [&["--tp", "2"], TP].concat() } else { vec![] };
+        let inproc = d.join(format!("inproc{n}-tp{tp}"));
+        run_dp(&data, &inproc, dp, zero, &tp_args);
+        let mpi = d.join(format!("mpi{n}-tp{tp}"));
         let mut args: Vec<String> = ["--allow-run-as-root", "--oversubscribe", "-n", &n.to_string(), env!("CARGO_BIN_EXE_kiln"), "train", "--data"]
             .iter()
             .map(|s| s.to_string())
             .collect();
         args.extend([data.display().to_string(), "--out".into(), mpi.display().to_string(), "--backend".into(), "mpi".into(), "--dp".into(), "0".into(), "--zero".into(), zero.to_string(), "--max-steps".into(), "8".into()]);
-        args.extend(SMALL.iter().chain(DP).map(|s| s.to_string()));
+        args.extend(SMALL.iter().chain(DP).chain(&tp_args).map(|s| s.to_string()));
         let o = std::process::Command::new("mpirun").args(&args).env("RAYON_NUM_THREADS", "2").output().expect("mpirun (install openmpi-bin)");
         assert!(o.status.success(), "mpirun -n {n}: {}", stderr(&o));
         assert_eq!(losses(&mpi), losses(&inproc), "mpi {n} ranks zero {zero}");
@@ -214,4 +216,91 @@ fn a_two_rank_trace_shows_both_ranks_compute_and_communication() {
     let ends: Vec<f64> = spans.iter().filter(|e| e["pid"] == 0 && e["name"] == "backward").map(|e| e["ts"].as_f64().unwrap() + e["dur"].as_f64().unwrap()).collect();
     let starts: Vec<f64> = spans.iter().filter(|e| e["pid"] == 0 && e["name"] == "all_reduce bucket").map(|e| e["ts"].as_f64().unwrap()).collect();
     assert!(starts.iter().any(|s| ends.iter().any(|e| s < e && e - s < 1e6)), "no reduction overlaps backward");
+}
+
+/// Tensor parallel needs whole heads per rank: 4 heads of 4 channels, no dropout (attention
+/// dropout masks are drawn per local head, so with dropout a shard's masks differ from one
+/// rank's).
+const TP: &[&str] = &["--set", "model.n_head=4", "--set", "model.dropout=0"];
+
+#[test]
+fn tensor_parallel_matches_one_rank_for_gpt2_and_llama() {
+    let d = scratch("tp-equiv");
+    let data = corpus(&d);
+    for arch in [&["--set", "model.arch=gpt2", "--set", "model.bias=true"][..], &["--set", "model.arch=llama", "--set", "model.bias=false", "--set", "model.n_kv_head=2", "--set", "model.tied_embeddings=false"][..]] {
+        let name = arch[1].replace('=', "-").replace('.', "-");
+        let extra = [TP, arch].concat();
+        let one = d.join(format!("{name}-one"));
+        run_dp(&data, &one, 1, 0, &extra);
+        let base = losses(&one);
+        let sample = std::fs::read_to_string(one.join("sample.txt")).ok();
+        let layouts: &[(&str, &str, &str)] = if arch[1].ends_with("llama") { &[("1", "2", "0")] } else { &[("1", "2", "0"), ("1", "4", "0"), ("2", "2", "1")] };
+        for (dp, tp, zero) in layouts {
+            let out = d.join(format!("{name}-dp{dp}-tp{tp}-z{zero}"));
+            let o = train(&data, &out, &[&["--max-steps", "8", "--dp", dp, "--tp", tp, "--zero", zero], DP, &extra].concat());
+            assert!(o.status.success(), "{name} dp {dp} tp {tp}: {}", stderr(&o));
+            let ls = losses(&out);
+            assert_eq!(ls.len(), base.len());
+            for ((s, a), (_, b)) in ls.iter().zip(&base) {
+                assert!(((a - b) / b).abs() <= 1e-5, "{name} dp {dp} tp {tp} step {s}: loss {a} vs one rank {b}");
+            }
+            let g = |r: &Path| train_lines(r).last().unwrap()["grad_norm"].as_f64().unwrap();
+            assert!((g(&out) / g(&one) - 1.0).abs() < 1e-5, "{name} dp {dp} tp {tp}: grad norm {} vs {}", g(&out), g(&one));
+            // The checkpoint holds the whole model: it loads as one.
+            let e = kiln(&["eval", "--run", out.to_str().unwrap()]);
+            assert!(e.status.success(), "{}", stderr(&e));
+            assert_eq!(std::fs::read_to_string(out.join("sample.txt")).ok(), sample);
+        }
+    }
+}
+
+#[test]
+fn tensor_parallel_volume_follows_megatron() {
+    // Four all-reduces of [b·s, h] per layer and micro-batch: 8·b·s·h·(t−1)/t elements sent.
+    let d = scratch("tp-volume");
+    let data = corpus(&d);
+    for tp in [2.0f64, 4.0] {
+        let out = d.join(format!("tp{tp}"));
+        let t = format!("{tp}");
+        // b·s·h = 8192 elements: above the communicator's small-message threshold (4096), where
+        // it runs the ring algorithm.
+        run_dp(&data, &out, 1, 0, &[&["--tp", &t], TP, &["--set", "model.n_layer=2", "--set", "train.grad_accum=1", "--set", "model.n_embd=64"]].concat());
+        let (b, s, h, layers) = (8.0, 16.0, 64.0, 2.0);
+        let theory = 8.0 * b * s * h * (tp - 1.0) / tp * layers * 4.0;
+        let sent = train_lines(&out)[2]["comm_bytes_sent"].as_f64().unwrap();
+        assert!((sent / theory - 1.0).abs() < 0.05, "tp {tp}: sent {sent} vs {theory}");
+    }
+}
+
+#[test]
+fn bad_tensor_parallel_settings_are_user_errors() {
+    let d = scratch("tp-bad");
+    let data = corpus(&d);
+    let o = train(&data, &d.join("a"), &["--tp", "3"]);
+    assert_user_error(&o, &["parallel.tp = 3 does not divide model.n_head = 2"]);
+    let o = train(&data, &d.join("b"), &["--tp", "2", "--set", "model.arch=llama", "--set", "model.bias=false", "--set", "model.n_expert=4"]);
+    assert_user_error(&o, &["tensor parallelism does not split mixture-of-experts layers"]);
+    let o = train(&data, &d.join("c"), &["--tp", "0"]);
+    assert_user_error(&o, &["parallel.tp must be positive"]);
+    for x in ["a", "b", "c"] {
+        assert!(!d.join(x).exists());
+    }
+}
+
+#[test]
+fn a_dp2_tp2_checkpoint_resumes_on_one_rank() {
+    let d = scratch("tp-reshard");
+    let data = corpus(&d);
+    let straight = d.join("straight");
+    run_dp(&data, &straight, 1, 0, TP);
+    let split = d.join("split");
+    let o = train(&data, &split, &[&["--max-steps", "4", "--dp", "2", "--tp", "2", "--zero", "1"], DP, TP, &["--set", "checkpoint.interval=4"]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = train(&data, &split, &[&["--resume", "--max-steps", "8"], DP, TP].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let (a, b) = (losses(&straight), losses(&split));
+    assert_eq!(a.len(), b.len());
+    for ((s, x), (_, y)) in a.iter().zip(&b) {
+        assert!(((x - y) / y).abs() <= 1e-6, "step {s}: {x} vs {y}");
+    }
 }
