@@ -122,7 +122,7 @@ pub fn bench(args: &BenchArgs) -> Result<serde_json::Value> {
                 *xi = rng.below(real_vocab as u64) as u32;
                 *yi = rng.below(real_vocab as u64) as i32;
             }
-        });
+        }, |_, _| None);
         if s >= args.warmup {
             times.push(t0.elapsed().as_secs_f64());
         }

@@ -200,15 +200,98 @@ pub fn latest_valid(ckpt_dir: &Path) -> Result<Loaded> {
     user(format!("no valid checkpoint in {}: {}", ckpt_dir.display(), failures.join("; ")))
 }
 
-/// Removes the oldest *valid* checkpoints beyond `keep`. Invalid ones are never touched.
-pub fn prune(ckpt_dir: &Path, keep: usize) {
+/// Removes the oldest *valid* checkpoints beyond the newest `keep`, except those of steps
+/// that are multiples of `keep_every` (0: none kept that way). Invalid ones are never touched.
+pub fn prune(ckpt_dir: &Path, keep: usize, keep_every: u64) {
     let mut valid = 0;
-    for (_, dir) in list(ckpt_dir) {
+    for (step, dir) in list(ckpt_dir) {
         if verify_and_load(&dir).is_ok() {
             valid += 1;
-            if valid > keep {
+            if valid > keep && !(keep_every > 0 && step % keep_every == 0) {
                 let _ = fs::remove_dir_all(&dir);
             }
+        }
+    }
+}
+
+/// `buf`'s views under the layout's names, with `prefix`.
+pub fn named<'a>(layout: &model::ParamLayout, prefix: &str, buf: &'a [f32]) -> Vec<(String, Vec<usize>, &'a [f32])> {
+    layout.params.iter().map(|p| (format!("{prefix}{}", p.name), p.shape.clone(), &buf[p.range()])).collect()
+}
+
+/// Everything a checkpoint holds, copied out of the training state (so training can go on).
+pub struct Snapshot {
+    pub state: TrainState,
+    pub layout: model::ParamLayout,
+    pub params: Vec<f32>,
+    pub m: Vec<f32>,
+    pub v: Vec<f32>,
+    pub tokenizer_json: String,
+}
+
+/// A finished save.
+pub struct Saved {
+    pub dir: PathBuf,
+    pub step: u64,
+    /// Serialising, checksumming, writing and syncing (and pruning).
+    pub write_s: f64,
+}
+
+fn write_snapshot(ckpt_dir: &Path, snap: &Snapshot, keep: usize, keep_every: u64) -> Result<Saved> {
+    let t0 = std::time::Instant::now();
+    let mt = Tensors { items: named(&snap.layout, "", &snap.params) };
+    let mut ot = named(&snap.layout, "exp_avg.", &snap.m);
+    ot.extend(named(&snap.layout, "exp_avg_sq.", &snap.v));
+    let dir = save(ckpt_dir, &snap.state, &mt, &Tensors { items: ot }, &snap.tokenizer_json)?;
+    prune(ckpt_dir, keep, keep_every);
+    Ok(Saved { dir, step: snap.state.step, write_s: t0.elapsed().as_secs_f64() })
+}
+
+/// Writes snapshots on a background thread, at most one in flight: a new one waits for the
+/// previous to finish (a write is never abandoned or interleaved with another). Synchronous
+/// when `background` is false.
+pub struct Writer {
+    ckpt_dir: PathBuf,
+    keep: usize,
+    keep_every: u64,
+    background: bool,
+    inflight: Option<std::thread::JoinHandle<Result<Saved>>>,
+}
+
+impl Writer {
+    pub fn new(ckpt_dir: PathBuf, keep: usize, keep_every: u64, background: bool) -> Writer {
+        Writer { ckpt_dir, keep, keep_every, background, inflight: None }
+    }
+
+    /// Starts saving `snap` (waiting for the previous save first, whose result is returned).
+    pub fn submit(&mut self, snap: Snapshot) -> Result<Option<Saved>> {
+        let prev = self.finish()?;
+        if !self.background {
+            return write_snapshot(&self.ckpt_dir, &snap, self.keep, self.keep_every).map(Some).map(|now| now.or(prev));
+        }
+        let (dir, keep, every) = (self.ckpt_dir.clone(), self.keep, self.keep_every);
+        let h = std::thread::Builder::new()
+            .name("checkpoint".into())
+            .spawn(move || write_snapshot(&dir, &snap, keep, every))
+            .map_err(|e| KilnError::Internal(format!("cannot start the checkpoint writer: {e}")))?;
+        self.inflight = Some(h);
+        Ok(prev)
+    }
+
+    /// Waits for the save in flight, if any (and reports how it went).
+    pub fn finish(&mut self) -> Result<Option<Saved>> {
+        match self.inflight.take() {
+            None => Ok(None),
+            Some(h) => h.join().map_err(|_| KilnError::Internal("the checkpoint writer panicked".into()))?.map(Some),
+        }
+    }
+}
+
+impl Drop for Writer {
+    /// A run that stops early (an error, a rollback) still lets the write in flight finish.
+    fn drop(&mut self) {
+        if let Some(h) = self.inflight.take() {
+            let _ = h.join();
         }
     }
 }

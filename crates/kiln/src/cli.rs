@@ -36,6 +36,9 @@ enum Cmd {
     Doctor,
     /// Export a run's newest valid checkpoint (Hugging Face format).
     Export(ExportCli),
+    /// Checkpoints: inspect (manifest and layout-independent SHA-256 digests as JSON).
+    #[command(subcommand)]
+    Checkpoint(CheckpointCmd),
     /// Data preparation.
     #[command(subcommand)]
     Data(DataCmd),
@@ -173,6 +176,13 @@ struct EvalCli {
     /// Tokenizer for --checkpoint (byte, char, gpt2, or a JSON file); default gpt2.
     #[arg(long)]
     tokenizer: Option<String>,
+}
+
+#[derive(Subcommand)]
+enum CheckpointCmd {
+    /// Print a checkpoint's manifest as JSON: step, params_sha256, optimizer_sha256, files,
+    /// tensors. PATH is a checkpoint directory, or a run directory (its newest valid one).
+    Inspect { path: PathBuf },
 }
 
 #[derive(Args)]
@@ -316,6 +326,10 @@ fn dispatch(cmd: Cmd) -> Result<()> {
                 out["checkpoint"] = r.ckpt.dir.display().to_string().into();
             }
             println!("{out}");
+            Ok(())
+        }
+        Cmd::Checkpoint(CheckpointCmd::Inspect { path }) => {
+            println!("{}", serde_json::to_string_pretty(&crate::cmd_checkpoint::inspect(&path)?).unwrap());
             Ok(())
         }
         Cmd::Export(x) => {

@@ -105,6 +105,16 @@ pub struct CheckpointSection {
     pub interval: u64,
     /// Valid checkpoints kept (older ones are removed after a newer one is safely written).
     pub keep: usize,
+    /// Also keep every checkpoint whose step is a multiple of this (0 = none).
+    #[serde(default)]
+    pub keep_every: u64,
+    /// Write checkpoints on a background thread while training continues.
+    #[serde(default = "yes")]
+    pub background: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -186,6 +196,29 @@ fn one() -> usize {
     1
 }
 
+/// Numerical faults: what a step with a non-finite or spiking loss does.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FaultSection {
+    /// Skip the update of a step whose loss or gradient norm is not finite (else stop).
+    pub skip_nonfinite: bool,
+    /// Skip the update of a step whose loss is more than this many standard deviations above
+    /// the mean of the last `spike_window` applied steps (0 = off).
+    pub spike_zscore: f64,
+    pub spike_window: usize,
+    /// After this many consecutive skipped updates, roll back to the newest valid checkpoint
+    /// and skip those steps' batches on the way forward (0 = stop instead).
+    pub max_consecutive_skips: usize,
+    /// Debug: poison the gradient with NaN at these steps (1-based).
+    pub inject_nan_steps: Vec<u64>,
+}
+
+impl Default for FaultSection {
+    fn default() -> Self {
+        FaultSection { skip_nonfinite: true, spike_zscore: 0.0, spike_window: 50, max_consecutive_skips: 3, inject_nan_steps: vec![] }
+    }
+}
+
 impl Default for ParallelSection {
     fn default() -> Self {
         ParallelSection { dp: 1, zero: 0, tp: 1, backend: "inproc".into(), bucket_mb: 25.0 }
@@ -206,6 +239,8 @@ pub struct RunConfig {
     pub lora: LoraSection,
     #[serde(default)]
     pub parallel: ParallelSection,
+    #[serde(default)]
+    pub faults: FaultSection,
 }
 
 /// A flat map of dotted keys to TOML values.

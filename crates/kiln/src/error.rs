@@ -8,13 +8,16 @@ use std::fmt;
 pub enum KilnError {
     User(String),
     Internal(String),
+    /// Training must restart from the newest valid checkpoint of `run_dir` (numerical-fault
+    /// rollback).
+    Rollback(String, std::path::PathBuf),
 }
 
 impl KilnError {
     pub fn exit_code(&self) -> i32 {
         match self {
             KilnError::User(_) => 2,
-            KilnError::Internal(_) => 1,
+            KilnError::Internal(_) | KilnError::Rollback(..) => 1,
         }
     }
 }
@@ -22,7 +25,7 @@ impl KilnError {
 impl fmt::Display for KilnError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            KilnError::User(m) | KilnError::Internal(m) => f.write_str(m),
+            KilnError::User(m) | KilnError::Internal(m) | KilnError::Rollback(m, _) => f.write_str(m),
         }
     }
 }

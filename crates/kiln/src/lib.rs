@@ -3,6 +3,7 @@
 
 pub mod bench;
 pub mod checkpoint;
+pub mod cmd_checkpoint;
 pub mod cmd_plan;
 pub mod cli;
 pub mod config;

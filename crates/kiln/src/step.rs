@@ -82,6 +82,8 @@ pub struct StepOut {
     pub grad_norm: f64,
     /// The gradient reduction's cost and how much of it backward hid (last micro-batch).
     pub overlap: parallel::Overlap,
+    /// Why the update was skipped (`None`: it was applied).
+    pub skipped: Option<&'static str>,
 }
 
 /// Runs optimizer step `step` (0-based) on this rank: for each micro-batch, `fill(micro, x, y)`
@@ -101,6 +103,7 @@ pub fn train_step(
     x: &mut [u32],
     y: &mut [i32],
     mut fill: impl FnMut(usize, &mut [u32], &mut [i32]),
+    mut veto: impl FnMut(f32, f64) -> Option<&'static str>,
 ) -> StepOut {
     let (t, accum) = (cfg.model.block_size, cfg.train.grad_accum);
     let rows = cfg.micro_batch() / dp.n();
@@ -137,9 +140,25 @@ pub fn train_step(
     let sums = if dp.n() > 1 { dp.all_reduce_f64(&sums) } else { sums };
     let loss = (0..accum).map(|k| if sums[2 * k + 1] > 0.0 { sums[2 * k] / sums[2 * k + 1] } else { 0.0 }).sum::<f64>() / accum as f64;
     let (lr, clip) = (cfg.lr_at(step), cfg.train.grad_clip);
+    if cfg.faults.inject_nan_steps.contains(&(step + 1)) {
+        match model.lora.as_mut() {
+            Some(lo) => lo.grads[0] = f32::NAN,
+            None => dp.for_each_piece(|p, _, g| if p.flat.start == 0 { g[0] = f32::NAN }),
+        }
+    }
+    // The update is decided from the global loss and gradient norm, so every rank agrees.
+    let check = |loss: f32, norm: f64, veto: &mut dyn FnMut(f32, f64) -> Option<&'static str>| {
+        if !(loss.is_finite() && norm.is_finite()) {
+            return Some("non-finite loss or gradient norm");
+        }
+        veto(loss, norm)
+    };
     let grad_norm = if let Some(lo) = model.lora.as_mut() {
         dp.reduce_adapters(&mut lo.grads);
         let norm = sum_squares(&lo.grads).sqrt();
+        if let Some(why) = check(loss as f32, norm, &mut veto) {
+            return StepOut { loss: loss as f32, grad_norm: norm, overlap, skipped: Some(why) };
+        }
         if clip > 0.0 && norm > clip {
             scale_in_place(&mut lo.grads, (clip / (norm + 1e-6)) as f32);
         }
@@ -155,6 +174,9 @@ pub fn train_step(
             }
             None => dp.grad_norm(),
         };
+        if let Some(why) = check(loss as f32, norm, &mut veto) {
+            return StepOut { loss: loss as f32, grad_norm: norm, overlap, skipped: Some(why) };
+        }
         if clip > 0.0 && norm > clip {
             dp.scale_grads((clip / (norm + 1e-6)) as f32);
         }
@@ -162,7 +184,7 @@ pub fn train_step(
         dp.after_update();
         norm
     };
-    StepOut { loss: loss as f32, grad_norm, overlap }
+    StepOut { loss: loss as f32, grad_norm, overlap, skipped: None }
 }
 
 /// A single-rank [`DataParallel`] over `model` (its own communication thread does nothing).

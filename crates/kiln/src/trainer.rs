@@ -6,7 +6,7 @@
 //! order. A run is a pure function of its config, so a resumed run (which restores the sampler
 //! state, parameters and moments) continues bit for bit.
 
-use crate::checkpoint::{self, Tensors, TrainState};
+use crate::checkpoint::{self, TrainState};
 use crate::config::{self, Raw, RunConfig, STRUCTURAL_KEYS};
 use crate::error::{io_err, user, KilnError, Result};
 use crate::presets;
@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 use tensor::rng::mix64;
-use crate::step::{hardware_flops_per_token, model_flops_per_token, train_step, trainable, trainable_layout, Optimizer};
+use crate::step::{hardware_flops_per_token, model_flops_per_token, train_step, trainable, trainable_layout, Optimizer, StepOut};
 use tensor::Rng;
 
 #[derive(Clone, Debug, Default)]
@@ -208,8 +208,31 @@ pub fn eval_sums(m: &mut Gpt, mut store: Option<&mut dyn model::UnitStore>, toks
     (sum, count)
 }
 
-/// Runs `kiln train`.
+/// The steps whose batches a rollback marked as offending (`RUN/skipped_steps.json`).
+fn load_skips(run_dir: &Path) -> std::collections::BTreeSet<u64> {
+    fs::read(run_dir.join("skipped_steps.json")).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_default()
+}
+
+/// Runs `kiln train`. A numerical-fault rollback restarts it from the newest valid checkpoint
+/// (at most 10 times), skipping the batches the rollback marked.
 pub fn train(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
+    let mut a = args.clone();
+    for _ in 0..10 {
+        match train_once(&a, stop) {
+            Err(KilnError::Rollback(msg, run_dir)) => {
+                if checkpoint::list(&ckpt_dir(&run_dir)).is_empty() {
+                    return Err(KilnError::Internal(format!("{msg}, but {} has no checkpoint to roll back to", run_dir.display())));
+                }
+                eprintln!("{msg}: rolling back to the newest valid checkpoint");
+                (a.resume, a.out, a.preset) = (true, Some(run_dir), None);
+            }
+            r => return r,
+        }
+    }
+    Err(KilnError::Internal("rolled back 10 times: giving up".into()))
+}
+
+fn train_once(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
     // 1. Config and run directory: everything is checked before anything is written.
     let preset_name = args.preset.clone().unwrap_or_else(|| "tiny".into());
     let run_dir = match (&args.out, args.resume) {
@@ -492,6 +515,13 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
             parallel::tp::sum_f64(comm, 0.0);
         }
     }
+    let mut writer = checkpoint::Writer::new(ckpt_dir(run_dir), cfg.checkpoint.keep, cfg.checkpoint.keep_every, cfg.checkpoint.background);
+    // Numerical faults: batches a rollback marked, the recent applied losses (for spikes), and
+    // the run of consecutive skipped updates.
+    let marked = load_skips(run_dir);
+    let fc = &cfg.faults;
+    let mut recent: std::collections::VecDeque<f64> = std::collections::VecDeque::new();
+    let mut skipped_run: Vec<u64> = Vec::new();
     while step < max_steps {
         let t0 = Instant::now();
         let step_span = tensor::profile::scope("step");
@@ -499,14 +529,57 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
         let offsets = sample_offsets(&mut sampler, ds.train.len(), t, cfg.train.batch_size);
         let before = counters.snapshot();
         let tp_norm = (tpn > 1).then(|| (&*tp_comm, &tp_replicated[..]));
-        let out = train_step(&mut model, &mut dp, tp_norm, &mut opt, cfg, step, &mut x, &mut y, |micro, x, y| {
-            let first = micro * mb + dp_rank * rows;
-            fill_windows(&ds.train, &offsets[first..first + rows], t, x, y);
-        });
+        let out = if marked.contains(&(step + 1)) {
+            // Drawn (the sampler stays in step with the uninterrupted run) but not trained on.
+            StepOut { loss: f32::NAN, grad_norm: f64::NAN, overlap: Default::default(), skipped: Some("batch marked by a rollback") }
+        } else {
+            let spike = |loss: f32, _: f64| -> Option<&'static str> {
+                if fc.spike_zscore <= 0.0 || recent.len() < fc.spike_window.max(2) {
+                    return None;
+                }
+                let n = recent.len() as f64;
+                let mean = recent.iter().sum::<f64>() / n;
+                let sd = (recent.iter().map(|x| (x - mean) * (x - mean)).sum::<f64>() / (n - 1.0)).sqrt();
+                ((loss as f64 - mean) > fc.spike_zscore * sd.max(1e-12)).then_some("loss spike")
+            };
+            train_step(&mut model, &mut dp, tp_norm, &mut opt, cfg, step, &mut x, &mut y, |micro, x, y| {
+                let first = micro * mb + dp_rank * rows;
+                fill_windows(&ds.train, &offsets[first..first + rows], t, x, y);
+            }, spike)
+        };
         let comm_bytes = counters.snapshot().since(&before);
         let loss = out.loss;
-        if !loss.is_finite() {
-            return Err(KilnError::Internal(format!("loss is {loss} at step {}: stopping (the last checkpoint is intact)", step + 1)));
+        if let Some(why) = out.skipped {
+            if why.starts_with("non-finite") && !fc.skip_nonfinite {
+                return Err(KilnError::Internal(format!("loss is {loss}, gradient norm {} at step {}: stopping (the last checkpoint is intact)", out.grad_norm, step + 1)));
+            }
+            let step = step + 1;
+            if let Some(metrics) = metrics.as_mut() {
+                let f = |x: f64| if x.is_finite() { serde_json::json!(x) } else { serde_json::json!(x.to_string()) };
+                let line = serde_json::json!({"kind": "fault", "step": step, "event": "update_skipped", "reason": why, "loss": f(loss as f64), "grad_norm": f(out.grad_norm)});
+                metrics.log(&line).map_err(KilnError::User)?;
+            }
+            say(&format!("step {step}: update skipped ({why})"));
+            if !marked.contains(&step) {
+                skipped_run.push(step);
+                if fc.max_consecutive_skips > 0 && skipped_run.len() >= fc.max_consecutive_skips {
+                    if lead {
+                        let mut all = marked.clone();
+                        all.extend(skipped_run.iter().copied());
+                        write_atomic(&run_dir.join("skipped_steps.json"), serde_json::to_string(&all).unwrap().as_bytes())?;
+                        if let Some(metrics) = metrics.as_mut() {
+                            metrics.log(&serde_json::json!({"kind": "fault", "step": step, "event": "rollback", "skip_steps": skipped_run})).map_err(KilnError::User)?;
+                        }
+                    }
+                    return Err(KilnError::Rollback(format!("{} consecutive updates skipped (steps {skipped_run:?})", skipped_run.len()), run_dir.clone()));
+                }
+            }
+        } else {
+            skipped_run.clear();
+            recent.push_back(loss as f64);
+            if recent.len() > fc.spike_window.max(2) {
+                recent.pop_front();
+            }
         }
         step += 1;
         drop(step_span);
@@ -519,7 +592,7 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
         // Every rank stops at the same step: any rank's Ctrl-C stops them all.
         let stop_here = stop.load(Ordering::SeqCst) as u8 as f64;
         interrupted = if world > 1 { parallel::tp::sum_f64(comm, stop_here) > 0.0 } else { stop_here > 0.0 };
-        if let Some(metrics) = metrics.as_mut() {
+        if let (Some(metrics), None) = (metrics.as_mut(), out.skipped) {
             let mut line = serde_json::json!({
                 "kind": "train", "step": step, "loss": loss, "lr": lr, "grad_norm": out.grad_norm,
                 "tokens_per_sec": tps, "mfu": mfu, "elapsed_s": elapsed,
@@ -545,7 +618,9 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
             metrics.log(&line).map_err(KilnError::User)?;
         }
         let log_now = step % cfg.train.log_interval.max(1) == 0 || step == max_steps;
-        progress.step(&StepInfo { step, loss, lr, tokens_per_sec: tps, mfu }, log_now);
+        if out.skipped.is_none() {
+            progress.step(&StepInfo { step, loss, lr, tokens_per_sec: tps, mfu }, log_now);
+        }
 
         let last = step == max_steps;
         let every = |k: u64| k > 0 && step % k == 0;
@@ -568,6 +643,7 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
         }
         if every(cfg.checkpoint.interval) || last || interrupted {
             let _p = tensor::profile::scope("checkpoint");
+            let ck0 = Instant::now();
             // Full parameters and moments (gathered from the shards: collective).
             let params = match &model.lora {
                 Some(lo) => lo.params.clone(),
@@ -576,14 +652,19 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
             let (m, v) = if model.lora.is_none() && zero > 0 { (dp.gather_shards(&opt.m), dp.gather_shards(&opt.v)) } else { (opt.m.clone(), opt.v.clone()) };
             let (m, v) = if model.lora.is_none() { (whole(&*tp_comm, &full_layout, &model.layout, m), whole(&*tp_comm, &full_layout, &model.layout, v)) } else { (m, v) };
             if lead {
-                let mt = Tensors { items: named(&layout, "", &params) };
-                let mut ot = named(&layout, "exp_avg.", &m);
-                ot.extend(named(&layout, "exp_avg_sq.", &v));
                 let state = TrainState { step, sampler_rng: sampler.state(), tokens_seen, elapsed_s: elapsed, config: cfg.to_toml() };
-                let dir = checkpoint::save(&ckpt_dir(run_dir), &state, &mt, &Tensors { items: ot }, &tok_json)?;
-                checkpoint::prune(&ckpt_dir(run_dir), cfg.checkpoint.keep);
-                if interrupted || last {
-                    say(&format!("checkpoint saved: {}", dir.display()));
+                let snap = checkpoint::Snapshot { state, layout: layout.clone(), params, m, v, tokenizer_json: tok_json.clone() };
+                let snapshot_s = ck0.elapsed().as_secs_f64();
+                let done = writer.submit(snap)?;
+                let done = if interrupted || last { writer.finish()?.or(done) } else { done };
+                if let Some(m) = metrics.as_mut() {
+                    m.log(&serde_json::json!({"kind": "checkpoint", "step": step, "snapshot_s": snapshot_s, "background": cfg.checkpoint.background})).map_err(KilnError::User)?;
+                    if let Some(d) = &done {
+                        m.log(&serde_json::json!({"kind": "checkpoint", "step": d.step, "write_s": d.write_s})).map_err(KilnError::User)?;
+                    }
+                }
+                if let (Some(d), true) = (&done, interrupted || last) {
+                    say(&format!("checkpoint saved: {}", d.dir.display()));
                 }
             }
         }
@@ -598,6 +679,7 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
         }
     }
     progress.finish();
+    writer.finish()?;
     dp.restore(&mut model);
     if tpn > 1 {
         // The whole model again, for the sample.
@@ -665,10 +747,6 @@ fn add_moe_stats(line: &mut serde_json::Value, stats: &[tensor::moe::MoeStats]) 
     line["moe_expert_load"] = load.into();
 }
 
-/// The views of `buf` under the layout's names, with `prefix`.
-fn named<'a>(layout: &model::ParamLayout, prefix: &str, buf: &'a [f32]) -> Vec<(String, Vec<usize>, &'a [f32])> {
-    layout.params.iter().map(|p| (format!("{prefix}{}", p.name), p.shape.clone(), &buf[p.range()])).collect()
-}
 
 /// Prompt plus generated continuation, decoded.
 pub fn sample_text(model: &Gpt, tok: &Tokenizer, prompt: &str, n: usize, temperature: f32, top_k: usize, seed: u64) -> String {

@@ -371,7 +371,7 @@ pub struct MetricsWriter {
 impl MetricsWriter {
     /// Opens `run_dir/metrics.jsonl` for appending and starts a new event file beside it.
     /// With `keep_up_to_step = Some(s)` (a resumed run) the lines of steps after `s` (and lines
-    /// without a step) are first dropped, atomically, and the new event file starts with a
+    /// without a step), except `"kind": "fault"` events, are first dropped, atomically, and the new event file starts with a
     /// `SessionLog START` at step `s + 1` so TensorBoard drops the old file's later steps too.
     pub fn open(run_dir: &Path, keep_up_to_step: Option<u64>) -> Result<MetricsWriter, String> {
         fs::create_dir_all(run_dir).map_err(|e| format!("{}: cannot create: {e}", run_dir.display()))?;
@@ -435,8 +435,11 @@ fn truncate_metrics(path: &Path, step: u64) -> Result<(), String> {
     let mut kept = String::new();
     for line in std::io::BufReader::new(f).lines() {
         let line = line.map_err(|e| format!("{}: cannot read: {e}", path.display()))?;
-        let s = serde_json::from_str::<serde_json::Value>(&line).ok().and_then(|v| v.get("step").and_then(|s| s.as_u64()));
-        if s.is_some_and(|s| s <= step) {
+        let v = serde_json::from_str::<serde_json::Value>(&line).ok();
+        let s = v.as_ref().and_then(|v| v.get("step").and_then(|s| s.as_u64()));
+        // Fault events stay: they are the record of what made the run resume.
+        let fault = v.as_ref().is_some_and(|v| v["kind"] == "fault");
+        if fault || s.is_some_and(|s| s <= step) {
             kept.push_str(&line);
             kept.push('\n');
         }
