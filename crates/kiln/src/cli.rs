@@ -99,6 +99,17 @@ struct TrainCli {
     /// inproc or mpi (parallel.backend).
     #[arg(long)]
     backend: Option<String>,
+    /// Run training as a child process and restart it from the newest valid checkpoint when it
+    /// crashes or stops sending heartbeats.
+    #[arg(long)]
+    supervise: bool,
+    /// With --supervise: restarts before giving up.
+    #[arg(long, default_value_t = 3)]
+    max_restarts: u32,
+    /// With --supervise: seconds without a heartbeat (one per step) after which the training
+    /// process counts as hung and is killed.
+    #[arg(long, default_value_t = 300.0)]
+    heartbeat_timeout: f64,
     /// No progress output.
     #[arg(long)]
     quiet: bool,
@@ -270,6 +281,14 @@ fn dispatch(cmd: Cmd) -> Result<()> {
                 }
                 eprintln!("\ninterrupt: finishing this step, then saving a checkpoint (Ctrl-C again to abort)");
             });
+            if a.supervise {
+                let argv: Vec<String> = std::env::args().skip_while(|x| x != "train").skip(1).collect();
+                if !(a.heartbeat_timeout > 0.0) {
+                    return user(format!("--heartbeat-timeout must be positive, got {}", a.heartbeat_timeout));
+                }
+                let sv = crate::supervise::Supervise { max_restarts: a.max_restarts, heartbeat_timeout: std::time::Duration::from_secs_f64(a.heartbeat_timeout) };
+                return crate::supervise::run(&argv, args.preset.as_deref(), &sv, &stop);
+            }
             trainer::train(&args, &stop).map(|_| ())
         }
         Cmd::Plot(a) => crate::obs::cmd::plot(&a).map_err(KilnError::User),

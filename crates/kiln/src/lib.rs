@@ -13,4 +13,5 @@ pub mod presets;
 pub mod progress;
 pub mod run;
 pub mod step;
+pub mod supervise;
 pub mod trainer;

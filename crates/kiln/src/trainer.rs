@@ -257,7 +257,13 @@ fn train_once(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
         if !diff.is_empty() {
             return user(format!("--resume: {} has an incompatible config: {}", run_dir.display(), diff.join("; ")));
         }
-        resume_from = Some(checkpoint::latest_valid(&ckpt_dir(&run_dir))?);
+        // A run killed before its first checkpoint starts again from step 0 (a supervisor's
+        // restart); one whose checkpoints all fail verification is an error.
+        if checkpoint::list(&ckpt_dir(&run_dir)).is_empty() {
+            eprintln!("{}: no checkpoint yet: starting from step 0", run_dir.display());
+        } else {
+            resume_from = Some(checkpoint::latest_valid(&ckpt_dir(&run_dir))?);
+        }
         cfg
     } else {
         let cfg = layered(&presets::preset(&preset_name)?, args)?;
@@ -478,7 +484,7 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
         write_atomic(saved_cfg_path, cfg.to_toml().as_bytes())?;
         write_atomic(&run_dir.join("tokenizer.json"), tok_json.as_bytes())?;
         // metrics.jsonl and TensorBoard event files; a resumed run drops the lines past its checkpoint.
-        metrics = Some(crate::obs::MetricsWriter::open(run_dir, resume_from.as_ref().map(|_| step)).map_err(KilnError::User)?);
+        metrics = Some(crate::obs::MetricsWriter::open(run_dir, args.resume.then_some(step)).map_err(KilnError::User)?);
     }
 
 
@@ -616,6 +622,13 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
             line["mem_activations_bytes"] = model.activation_bytes().into();
             line["mem_transient_peak_bytes"] = sb.peak_transient.into();
             metrics.log(&line).map_err(KilnError::User)?;
+        }
+        if lead {
+            // For `kiln train --supervise`: proof of life, with the step reached.
+            // (Renamed into place, so a reader never sees a half-written file; not synced: a
+            // heartbeat only matters while this process lives.)
+            let hb = run_dir.join("heartbeat");
+            let _ = fs::write(hb.with_extension("tmp"), step.to_string()).and_then(|_| fs::rename(hb.with_extension("tmp"), &hb));
         }
         let log_now = step % cfg.train.log_interval.max(1) == 0 || step == max_steps;
         if out.skipped.is_none() {

@@ -4,4 +4,5 @@ mod common;
 mod errors;
 mod obs;
 mod parallel;
+mod reliability;
 mod training;

@@ -1,0 +1,222 @@
+//! Faults: numerical (skip, roll back), killed and hung workers under --supervise, damaged
+//! checkpoints, a full disk. No valid checkpoint is ever damaged.
+
+use crate::common::*;
+use std::io::BufRead;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn lines_of(run: &Path, kind: &str) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|v| v["kind"] == kind)
+        .collect()
+}
+
+fn digests(run: &Path) -> (String, String, u64) {
+    let o = kiln(&["checkpoint", "inspect", run.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    (v["params_sha256"].as_str().unwrap().into(), v["optimizer_sha256"].as_str().unwrap().into(), v["step"].as_u64().unwrap())
+}
+
+#[test]
+fn a_nan_gradient_skips_its_update_and_repeated_ones_roll_back() {
+    let d = scratch("nan");
+    let data = corpus(&d);
+    let base = ["--max-steps", "12", "--set", "checkpoint.interval=4", "--set", "sample.tokens=0"];
+    // One poisoned step: its update is skipped, the run goes on and logs the event.
+    let one = d.join("one");
+    let o = train(&data, &one, &[&base[..], &["--set", "faults.inject_nan_steps=[3]"]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let f = lines_of(&one, "fault");
+    assert_eq!(f.len(), 1, "{f:?}");
+    assert_eq!((f[0]["step"].as_u64(), f[0]["event"].as_str()), (Some(3), Some("update_skipped")));
+    assert!(losses(&one).iter().all(|(s, l)| *s != 3 && l.is_finite()));
+    // Three in a row (steps 6–8): roll back to step 4, skip those batches, finish.
+    let three = d.join("three");
+    let o = train(&data, &three, &[&base[..], &["--set", "faults.inject_nan_steps=[6,7,8]"]].concat());
+    let err = stderr(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("rolling back"), "{err}");
+    let events: Vec<String> = lines_of(&three, "fault").iter().map(|v| format!("{}@{}", v["event"].as_str().unwrap(), v["step"])).collect();
+    assert!(events.contains(&"rollback@8".to_string()), "{events:?}");
+    let steps: Vec<u64> = losses(&three).iter().map(|x| x.0).collect();
+    assert_eq!(steps, vec![1, 2, 3, 4, 5, 9, 10, 11, 12]);
+    // Steps after the skipped batches train on the same batches as a run that never saw them:
+    // the sampler stays in step, so step 9's batch is the uninterrupted run's step 9 batch.
+    let (p, _, s) = digests(&three);
+    assert_eq!(s, 12);
+    assert_ne!(p, digests(&one).0);
+    // Without skipping, a non-finite step stops the run with the last checkpoint intact.
+    let stopped = d.join("stopped");
+    let o = train(&data, &stopped, &[&base[..], &["--set", "faults.inject_nan_steps=[6]", "--set", "faults.skip_nonfinite=false"]].concat());
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains("at step 6: stopping"), "{}", stderr(&o));
+    assert_eq!(digests(&stopped).2, 4);
+}
+
+#[test]
+fn checkpoints_written_in_the_background_equal_synchronous_ones() {
+    let d = scratch("async-ckpt");
+    let data = corpus(&d);
+    let run = |name: &str, bg: &str| {
+        let out = d.join(name);
+        let o = train(&data, &out, &["--max-steps", "12", "--set", "checkpoint.interval=2", "--set", "checkpoint.keep=2", "--set", "checkpoint.keep_every=4", "--set", &format!("checkpoint.background={bg}")]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        out
+    };
+    let (a, b) = (run("bg", "true"), run("fg", "false"));
+    assert_eq!(digests(&a), digests(&b));
+    assert_eq!(losses(&a), losses(&b));
+    // Retention: the newest two, plus every 4th step.
+    let mut kept: Vec<String> = std::fs::read_dir(a.join("checkpoints")).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    kept.sort();
+    assert_eq!(kept, ["step-00000004", "step-00000008", "step-00000010", "step-00000012"]);
+    let ck = lines_of(&a, "checkpoint");
+    assert!(ck.iter().any(|v| v["snapshot_s"].is_number()) && ck.iter().any(|v| v["write_s"].is_number()), "{ck:?}");
+}
+
+/// `kiln train --supervise` over `args`; kills the training process with SIGKILL once the
+/// heartbeat reaches each of `kill_at`; returns the supervisor's output.
+fn supervised(args: &[&str], run: &Path, kill_at: &[u64]) -> std::process::Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(args)
+        .env("RAYON_NUM_THREADS", "2")
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let err = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    let reader = std::thread::spawn(move || {
+        let mut all = String::new();
+        for l in std::io::BufReader::new(err).lines().map_while(|l| l.ok()) {
+            let _ = tx.send(l.clone());
+            all.push_str(&l);
+            all.push('\n');
+        }
+        all
+    });
+    let mut pid = None;
+    let t0 = Instant::now();
+    for &at in kill_at {
+        loop {
+            assert!(t0.elapsed() < Duration::from_secs(240), "supervised run stalled before step {at}");
+            while let Ok(l) = rx.try_recv() {
+                if let Some(p) = l.strip_prefix("supervisor: training process ").and_then(|r| r.split(' ').next()).and_then(|p| p.parse::<u32>().ok()) {
+                    pid = Some(p);
+                }
+            }
+            let beat = std::fs::read_to_string(run.join("heartbeat")).ok().and_then(|s| s.trim().parse::<u64>().ok()).unwrap_or(0);
+            if beat >= at && pid.is_some() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let st = Command::new("kill").args(["-9", &pid.take().unwrap().to_string()]).status().unwrap();
+        assert!(st.success());
+    }
+    let status = child.wait().unwrap();
+    let stderr = reader.join().unwrap();
+    std::process::Output { status, stdout: Vec::new(), stderr: stderr.into_bytes() }
+}
+
+#[test]
+fn a_supervised_run_killed_five_times_ends_bit_identical() {
+    let d = scratch("supervise");
+    let data = corpus(&d);
+    let common = ["--data", data.to_str().unwrap(), "--max-steps", "300", "--set", "checkpoint.interval=20", "--set", "eval.interval=100", "--set", "sample.tokens=0"];
+    let straight = d.join("straight");
+    let o = kiln(&[&["train", "--out", straight.to_str().unwrap()], &common[..], SMALL].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let sup = d.join("sup");
+    let kill_at = [30u64, 75, 140, 200, 260];
+    let o = supervised(&[&["train", "--supervise", "--max-restarts", "6", "--heartbeat-timeout", "60", "--out", sup.to_str().unwrap()], &common[..], SMALL].concat(), &sup, &kill_at);
+    let err = stderr(&o);
+    assert!(o.status.success(), "{err}");
+    assert_eq!(digests(&sup), digests(&straight), "parameters and optimizer state after 5 SIGKILLs");
+    let faults = lines_of(&sup, "fault");
+    assert_eq!(faults.len(), 5, "{faults:?}");
+    for (f, at) in faults.iter().zip(kill_at) {
+        assert_eq!(f["event"], "worker_crashed");
+        let step = f["step"].as_u64().unwrap();
+        assert!(step >= at && step < at + 20, "killed at heartbeat {step}, asked {at}");
+    }
+    // Lost work per failure ≤ the checkpoint interval: each restart resumed from the last
+    // multiple of 20 below the step it died at.
+    assert_eq!(losses(&sup), losses(&straight));
+}
+
+#[test]
+fn a_hung_worker_is_killed_and_restarted() {
+    let d = scratch("hang");
+    let data = corpus(&d);
+    let out = d.join("run");
+    // SIGSTOP freezes the worker (a hang): the supervisor sees no heartbeat, kills, restarts.
+    let args = [&["train", "--supervise", "--max-restarts", "2", "--heartbeat-timeout", "3", "--out", out.to_str().unwrap(), "--data", data.to_str().unwrap(), "--max-steps", "60", "--set", "checkpoint.interval=10", "--set", "sample.tokens=0"][..], SMALL].concat();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kiln")).args(&args).stderr(Stdio::piped()).spawn().unwrap();
+    let err = child.stderr.take().unwrap();
+    let mut lines = std::io::BufReader::new(err).lines();
+    let first = lines.next().unwrap().unwrap();
+    let pid: u32 = first.strip_prefix("supervisor: training process ").and_then(|r| r.split(' ').next()).unwrap().parse().unwrap();
+    let t0 = Instant::now();
+    while std::fs::read_to_string(out.join("heartbeat")).ok().and_then(|s| s.trim().parse::<u64>().ok()).unwrap_or(0) < 15 {
+        assert!(t0.elapsed() < Duration::from_secs(120));
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    Command::new("kill").args(["-STOP", &pid.to_string()]).status().unwrap();
+    let rest: Vec<String> = lines.map_while(|l| l.ok()).collect();
+    let status = child.wait().unwrap();
+    assert!(status.success(), "{rest:?}");
+    assert!(rest.iter().any(|l| l.contains("worker_hung")), "{rest:?}");
+    let f = lines_of(&out, "fault");
+    assert_eq!(f.len(), 1);
+    assert_eq!(f[0]["event"], "worker_hung");
+    assert_eq!(losses(&out).last().unwrap().0, 60);
+}
+
+#[test]
+fn a_full_disk_during_a_checkpoint_write_damages_nothing() {
+    let d = scratch("full-disk");
+    let data = corpus(&d);
+    let out = d.join("run");
+    let o = train(&data, &out, &["--max-steps", "5", "--set", "checkpoint.interval=5", "--set", "sample.tokens=0"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let before = digests(&out);
+    // A file-size limit below a checkpoint's size stands in for a full disk: the next write
+    // fails (EFBIG), the run stops with an error, and step 5's checkpoint still verifies.
+    let script = format!(
+        "ulimit -f 40; trap '' XFSZ; exec {} train --resume --out {} --data {} --max-steps 10 --set checkpoint.interval=10 --set sample.tokens=0 {}",
+        env!("CARGO_BIN_EXE_kiln"),
+        out.display(),
+        data.display(),
+        SMALL.iter().map(|s| format!("'{s}'")).collect::<Vec<_>>().join(" ")
+    );
+    let o = Command::new("sh").args(["-c", &script]).output().unwrap();
+    let err = stderr(&o);
+    assert!(!o.status.success(), "the write should have failed: {err}");
+    assert!(err.contains("File too large") || err.contains("No space") || err.contains("too large"), "{err}");
+    assert_eq!(digests(&out), before, "the newest valid checkpoint is still step 5's, intact");
+    // No partial checkpoint is ever visible as one.
+    let visible: Vec<String> = std::fs::read_dir(out.join("checkpoints")).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with("step-")).collect();
+    assert_eq!(visible, ["step-00000005"]);
+}
+
+#[test]
+fn a_checkpoint_without_its_manifest_is_skipped() {
+    let d = scratch("no-manifest");
+    let data = corpus(&d);
+    let out = d.join("run");
+    let o = train(&data, &out, &["--max-steps", "10", "--set", "checkpoint.interval=5", "--set", "sample.tokens=0"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    std::fs::remove_file(out.join("checkpoints/step-00000010/manifest.json")).unwrap();
+    let o = kiln(&["checkpoint", "inspect", out.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("step-00000005"), "{}", stdout(&o));
+    assert!(stderr(&o).contains("step-00000010") && stderr(&o).contains("manifest"), "{}", stderr(&o));
+    let o = kiln(&["checkpoint", "inspect", out.join("checkpoints/step-00000010").to_str().unwrap()]);
+    assert_user_error(&o, &["neither a checkpoint"]);
+}
