@@ -11,7 +11,7 @@
 //! checksum; a checkpoint that fails is reported and skipped, never deleted or overwritten.
 
 use crate::error::{io_err, user, KilnError, Result};
-use safetensors::tensor::{Dtype, TensorView};
+use safetensors::tensor::Dtype;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::fs;
@@ -69,13 +69,39 @@ fn sync_dir(path: &Path) -> Result<()> {
     fs::File::open(path).and_then(|f| f.sync_all()).map_err(|e| io_err(path, e))
 }
 
-pub fn safetensors_bytes(t: &Tensors) -> Result<Vec<u8>> {
-    let views: Vec<(String, TensorView)> = t
-        .items
-        .iter()
-        .map(|(n, s, d)| (n.clone(), TensorView::new(Dtype::F32, s.clone(), f32_bytes(d)).expect("shape matches data")))
-        .collect();
-    safetensors::tensor::serialize(views, None).map_err(|e| KilnError::Internal(format!("safetensors: {e}")))
+
+/// Writes `t` as a safetensors file (tensors in the given order, f32), streaming, and syncs
+/// it; returns its size and CRC-32.
+fn write_tensors(path: &Path, t: &Tensors) -> Result<(u64, u32)> {
+    let mut header = serde_json::Map::new();
+    let mut off = 0usize;
+    for (name, shape, data) in &t.items {
+        let n = data.len() * 4;
+        header.insert(name.clone(), serde_json::json!({"dtype": "F32", "shape": shape, "data_offsets": [off, off + n]}));
+        off += n;
+    }
+    let mut h = serde_json::to_vec(&serde_json::Value::Object(header)).expect("header serializes");
+    // The data section starts 8-byte aligned, as safetensors writes it.
+    while (8 + h.len()) % 8 != 0 {
+        h.push(b' ');
+    }
+    let f = fs::File::create(path).map_err(|e| io_err(path, e))?;
+    let mut w = std::io::BufWriter::with_capacity(1 << 22, f);
+    let mut crc = crc32fast::Hasher::new();
+    let mut put = |w: &mut std::io::BufWriter<fs::File>, b: &[u8]| -> Result<()> {
+        crc.update(b);
+        w.write_all(b).map_err(|e| io_err(path, e))
+    };
+    put(&mut w, &(h.len() as u64).to_le_bytes())?;
+    put(&mut w, &h)?;
+    for (_, _, data) in &t.items {
+        for chunk in data.chunks(1 << 20) {
+            put(&mut w, f32_bytes(chunk))?;
+        }
+    }
+    let f = w.into_inner().map_err(|e| io_err(path, e.into_error()))?;
+    f.sync_all().map_err(|e| io_err(path, e))?;
+    Ok(((8 + h.len() + off) as u64, crc.finalize()))
 }
 
 /// Name of the checkpoint directory for `step` under `dir`, avoiding any existing entry (a
@@ -99,13 +125,16 @@ pub fn save(ckpt_dir: &Path, state: &TrainState, model: &Tensors, optim: &Tensor
         fs::remove_dir_all(&tmp).map_err(|e| io_err(&tmp, e))?;
     }
     fs::create_dir(&tmp).map_err(|e| io_err(&tmp, e))?;
+    let mut manifest = Manifest { format: 1, files: BTreeMap::new(), self_crc32: 0 };
+    // Tensors stream straight from the caller's buffers to disk (no serialised copy in memory).
+    for (name, t) in [("model.safetensors", model), ("optimizer.safetensors", optim)] {
+        let (bytes, crc32) = write_tensors(&tmp.join(name), t)?;
+        manifest.files.insert(name.to_string(), FileSum { bytes, crc32 });
+    }
     let files: Vec<(&str, Vec<u8>)> = vec![
-        ("model.safetensors", safetensors_bytes(model)?),
-        ("optimizer.safetensors", safetensors_bytes(optim)?),
         ("state.json", serde_json::to_vec_pretty(state).expect("state serializes")),
         ("tokenizer.json", tokenizer_json.as_bytes().to_vec()),
     ];
-    let mut manifest = Manifest { format: 1, files: BTreeMap::new(), self_crc32: 0 };
     for (name, bytes) in &files {
         write_synced(&tmp.join(name), bytes)?;
         manifest.files.insert(name.to_string(), FileSum { bytes: bytes.len() as u64, crc32: crc32fast::hash(bytes) });
@@ -116,6 +145,10 @@ pub fn save(ckpt_dir: &Path, state: &TrainState, model: &Tensors, optim: &Tensor
     let dst = fresh_name(ckpt_dir, state.step);
     fs::rename(&tmp, &dst).map_err(|e| io_err(&dst, e))?;
     sync_dir(ckpt_dir)?;
+    // Written from memory with these checksums and synced: known valid.
+    if let Some(t) = manifest_mtime(&dst) {
+        VERIFIED.lock().unwrap().push((dst.clone(), t));
+    }
     Ok(dst)
 }
 
@@ -200,12 +233,33 @@ pub fn latest_valid(ckpt_dir: &Path) -> Result<Loaded> {
     user(format!("no valid checkpoint in {}: {}", ckpt_dir.display(), failures.join("; ")))
 }
 
+/// Checkpoints this process has verified (or written), by directory, with the manifest's
+/// modification time then: pruning does not read them again while they are unchanged.
+static VERIFIED: std::sync::Mutex<Vec<(PathBuf, std::time::SystemTime)>> = std::sync::Mutex::new(Vec::new());
+
+fn manifest_mtime(dir: &Path) -> Option<std::time::SystemTime> {
+    fs::metadata(dir.join("manifest.json")).and_then(|m| m.modified()).ok()
+}
+
+fn known_valid(dir: &Path) -> bool {
+    let Some(t) = manifest_mtime(dir) else { return false };
+    if VERIFIED.lock().unwrap().iter().any(|(d, m)| d == dir && *m == t) {
+        return true;
+    }
+    let ok = verify_and_load(dir).is_ok();
+    if ok {
+        VERIFIED.lock().unwrap().push((dir.to_path_buf(), t));
+    }
+    ok
+}
+
 /// Removes the oldest *valid* checkpoints beyond the newest `keep`, except those of steps
 /// that are multiples of `keep_every` (0: none kept that way). Invalid ones are never touched.
+/// (Each checkpoint is fully verified once per process; see [`VERIFIED`].)
 pub fn prune(ckpt_dir: &Path, keep: usize, keep_every: u64) {
     let mut valid = 0;
     for (step, dir) in list(ckpt_dir) {
-        if verify_and_load(&dir).is_ok() {
+        if known_valid(&dir) {
             valid += 1;
             if valid > keep && !(keep_every > 0 && step % keep_every == 0) {
                 let _ = fs::remove_dir_all(&dir);
@@ -255,35 +309,60 @@ pub struct Writer {
     keep: usize,
     keep_every: u64,
     background: bool,
-    inflight: Option<std::thread::JoinHandle<Result<Saved>>>,
+    inflight: Option<std::thread::JoinHandle<(Result<Saved>, Snapshot)>>,
+    /// A finished write whose result has not been reported yet.
+    finished: Option<Result<Saved>>,
+    /// The last written snapshot's buffers, for the next snapshot to copy into (no fresh
+    /// allocation, so no page faults, in the training loop).
+    spare: Option<Snapshot>,
 }
 
 impl Writer {
     pub fn new(ckpt_dir: PathBuf, keep: usize, keep_every: u64, background: bool) -> Writer {
-        Writer { ckpt_dir, keep, keep_every, background, inflight: None }
+        Writer { ckpt_dir, keep, keep_every, background, inflight: None, finished: None, spare: None }
+    }
+
+    fn reap(&mut self) -> Result<()> {
+        if let Some(h) = self.inflight.take() {
+            let (r, snap) = h.join().map_err(|_| KilnError::Internal("the checkpoint writer panicked".into()))?;
+            self.finished = Some(r);
+            self.spare = Some(snap);
+        }
+        Ok(())
     }
 
     /// Starts saving `snap` (waiting for the previous save first, whose result is returned).
     pub fn submit(&mut self, snap: Snapshot) -> Result<Option<Saved>> {
         let prev = self.finish()?;
         if !self.background {
-            return write_snapshot(&self.ckpt_dir, &snap, self.keep, self.keep_every).map(Some).map(|now| now.or(prev));
+            let r = write_snapshot(&self.ckpt_dir, &snap, self.keep, self.keep_every);
+            self.spare = Some(snap);
+            return r.map(Some);
         }
         let (dir, keep, every) = (self.ckpt_dir.clone(), self.keep, self.keep_every);
         let h = std::thread::Builder::new()
             .name("checkpoint".into())
-            .spawn(move || write_snapshot(&dir, &snap, keep, every))
+            .spawn(move || {
+                lower_priority();
+                (write_snapshot(&dir, &snap, keep, every), snap)
+            })
             .map_err(|e| KilnError::Internal(format!("cannot start the checkpoint writer: {e}")))?;
         self.inflight = Some(h);
         Ok(prev)
     }
 
-    /// Waits for the save in flight, if any (and reports how it went).
+    /// Waits for the save in flight, if any, and reports the last unreported one.
     pub fn finish(&mut self) -> Result<Option<Saved>> {
-        match self.inflight.take() {
-            None => Ok(None),
-            Some(h) => h.join().map_err(|_| KilnError::Internal("the checkpoint writer panicked".into()))?.map(Some),
+        self.reap()?;
+        self.finished.take().transpose()
+    }
+
+    /// The buffers of the last finished snapshot, when no write is still using them.
+    pub fn take_spare(&mut self) -> Option<Snapshot> {
+        if self.inflight.as_ref().is_some_and(|h| h.is_finished()) {
+            self.reap().ok()?;
         }
+        self.spare.take()
     }
 }
 
@@ -311,4 +390,14 @@ pub fn read_into(bytes: &[u8], prefix: &str, layout: &model::ParamLayout, dst: &
         }
     }
     Ok(())
+}
+
+/// Gives the calling thread the lowest scheduling priority (Linux: `nice` 19 for this thread
+/// alone), so a background write takes the cores only when training leaves them idle.
+fn lower_priority() {
+    #[cfg(target_os = "linux")]
+    unsafe {
+        let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
+        libc::setpriority(libc::PRIO_PROCESS, tid, 19);
+    }
 }

@@ -36,6 +36,8 @@ enum Cmd {
     Doctor,
     /// Export a run's newest valid checkpoint (Hugging Face format).
     Export(ExportCli),
+    /// Print a pipeline schedule as a timeline (one row per stage), with its bubble.
+    PpSchedule(PpScheduleCli),
     /// Checkpoints: inspect (manifest and layout-independent SHA-256 digests as JSON).
     #[command(subcommand)]
     Checkpoint(CheckpointCmd),
@@ -187,6 +189,27 @@ struct EvalCli {
     /// Tokenizer for --checkpoint (byte, char, gpt2, or a JSON file); default gpt2.
     #[arg(long)]
     tokenizer: Option<String>,
+}
+
+#[derive(Args)]
+struct PpScheduleCli {
+    /// Pipeline stages (ranks).
+    #[arg(long)]
+    pp: usize,
+    #[arg(long)]
+    micro_batches: usize,
+    /// gpipe, 1f1b or interleaved.
+    #[arg(long, default_value = "1f1b")]
+    schedule: String,
+    /// Model chunks per rank (interleaved).
+    #[arg(long, default_value_t = 1)]
+    r#virtual: usize,
+    /// Backward time over forward time.
+    #[arg(long, default_value_t = 2.0)]
+    backward_ratio: f64,
+    /// Print JSON (per-rank idle/busy, peak in flight, the formula) instead of the timeline.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Subcommand)]
@@ -345,6 +368,27 @@ fn dispatch(cmd: Cmd) -> Result<()> {
                 out["checkpoint"] = r.ckpt.dir.display().to_string().into();
             }
             println!("{out}");
+            Ok(())
+        }
+        Cmd::PpSchedule(a) => {
+            let kind = parallel::pp::Kind::parse(&a.schedule).map_err(KilnError::User)?;
+            let sch = parallel::pp::Schedule::new(kind, a.pp, a.micro_batches, a.r#virtual).map_err(KilnError::User)?;
+            if !(a.backward_ratio > 0.0) {
+                return user(format!("--backward-ratio must be positive, got {}", a.backward_ratio));
+            }
+            let tb = a.backward_ratio;
+            // The interleaved chunks are 1/v of a stage: their passes take 1/v as long.
+            let (tf, tb) = (1.0 / a.r#virtual as f64, tb / a.r#virtual as f64);
+            if a.json {
+                let v = serde_json::json!({
+                    "schedule": a.schedule, "pp": a.pp, "micro_batches": a.micro_batches, "virtual": a.r#virtual,
+                    "bubble": sch.bubble(tf, tb), "formula": sch.ideal_bubble(),
+                    "peak_in_flight": (0..a.pp).map(|s| sch.peak_in_flight(s)).collect::<Vec<_>>(),
+                });
+                println!("{v}");
+            } else {
+                print!("{}", sch.render(tf, tb));
+            }
             Ok(())
         }
         Cmd::Checkpoint(CheckpointCmd::Inspect { path }) => {

@@ -111,6 +111,11 @@ pub struct CheckpointSection {
     /// Write checkpoints on a background thread while training continues.
     #[serde(default = "yes")]
     pub background: bool,
+    /// Mean time between failures, seconds: when positive the interval is chosen automatically,
+    /// `sqrt(2 · cost · MTBF)` (Young 1974, Daly 2006) from each checkpoint's measured cost, the
+    /// first at `interval` (or step 10). 0 = the fixed `interval`.
+    #[serde(default)]
+    pub mtbf_s: f64,
 }
 
 fn yes() -> bool {
@@ -409,6 +414,9 @@ impl RunConfig {
         }
         if self.checkpoint.keep == 0 {
             return user("checkpoint.keep must be positive, got 0");
+        }
+        if !(self.checkpoint.mtbf_s >= 0.0 && self.checkpoint.mtbf_s.is_finite()) {
+            return user(format!("checkpoint.mtbf_s must be a non-negative number of seconds, got {}", self.checkpoint.mtbf_s));
         }
         let p = &self.parallel;
         if p.backend != "inproc" && p.backend != "mpi" {

@@ -521,6 +521,11 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
             parallel::tp::sum_f64(comm, 0.0);
         }
     }
+    // Checkpoint interval: fixed, or (checkpoint.mtbf_s) chosen after each checkpoint from its
+    // measured cost; the first comes at checkpoint.interval (or step 10) to measure it.
+    let mut step_times: Vec<f64> = Vec::new();
+    let mut auto_interval: Option<u64> = None;
+    let mut auto_next = (cfg.checkpoint.mtbf_s > 0.0).then(|| step + if cfg.checkpoint.interval > 0 { cfg.checkpoint.interval } else { 10 });
     let mut writer = checkpoint::Writer::new(ckpt_dir(run_dir), cfg.checkpoint.keep, cfg.checkpoint.keep_every, cfg.checkpoint.background);
     // Numerical faults: batches a rollback marked, the recent applied losses (for spikes), and
     // the run of consecutive skipped updates.
@@ -654,24 +659,68 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
             }
             say(&format!("step {step}: train loss {loss:.4}, val loss {vl:.4}"));
         }
-        if every(cfg.checkpoint.interval) || last || interrupted {
+        step_times.push(dt);
+        let due = match auto_next {
+            Some(n) => step >= n,
+            None => every(cfg.checkpoint.interval),
+        };
+        if due || last || interrupted {
             let _p = tensor::profile::scope("checkpoint");
             let ck0 = Instant::now();
             // Full parameters and moments (gathered from the shards: collective).
+            // The previous snapshot's buffers are reused where the copy is plain (one shard of
+            // nothing: no ZeRO, no tensor parallelism).
+            let spare = if lead { writer.take_spare() } else { None };
+            let plain = tpn == 1 && zero == 0;
+            let copy = |src: &[f32], dst: Option<Vec<f32>>| {
+                let mut d = dst.unwrap_or_default();
+                d.clear();
+                d.extend_from_slice(src);
+                d
+            };
+            let (sp, sm, sv) = match spare {
+                Some(s) => (Some(s.params), Some(s.m), Some(s.v)),
+                None => (None, None, None),
+            };
+            // Without shards to gather, only rank 0 (which writes) copies anything.
+            let copies = lead || !(plain || model.lora.is_some());
             let params = match &model.lora {
-                Some(lo) => lo.params.clone(),
+                _ if !copies => Vec::new(),
+                Some(lo) => copy(&lo.params, sp),
+                None if plain => dp.copy_params_into(sp.unwrap_or_default()),
                 None => whole(&*tp_comm, &full_layout, &model.layout, dp.full_params()),
             };
-            let (m, v) = if model.lora.is_none() && zero > 0 { (dp.gather_shards(&opt.m), dp.gather_shards(&opt.v)) } else { (opt.m.clone(), opt.v.clone()) };
-            let (m, v) = if model.lora.is_none() { (whole(&*tp_comm, &full_layout, &model.layout, m), whole(&*tp_comm, &full_layout, &model.layout, v)) } else { (m, v) };
+            let (m, v) = if !copies {
+                (Vec::new(), Vec::new())
+            } else if model.lora.is_some() || plain {
+                (copy(&opt.m, sm), copy(&opt.v, sv))
+            } else {
+                let (m, v) = if zero > 0 { (dp.gather_shards(&opt.m), dp.gather_shards(&opt.v)) } else { (opt.m.clone(), opt.v.clone()) };
+                (whole(&*tp_comm, &full_layout, &model.layout, m), whole(&*tp_comm, &full_layout, &model.layout, v))
+            };
             if lead {
                 let state = TrainState { step, sampler_rng: sampler.state(), tokens_seen, elapsed_s: elapsed, config: cfg.to_toml() };
                 let snap = checkpoint::Snapshot { state, layout: layout.clone(), params, m, v, tokenizer_json: tok_json.clone() };
                 let snapshot_s = ck0.elapsed().as_secs_f64();
                 let done = writer.submit(snap)?;
+                if cfg.checkpoint.mtbf_s > 0.0 {
+                    // Young/Daly: the interval that minimises expected lost plus checkpointing
+                    // time is sqrt(2 · cost · MTBF); the cost to training is the snapshot
+                    // (plus the write when it is not in the background).
+                    let write = if cfg.checkpoint.background { 0.0 } else { done.as_ref().map_or(0.0, |d| d.write_s) };
+                    let mut recent = step_times[step_times.len().saturating_sub(20)..].to_vec();
+                    recent.sort_by(f64::total_cmp);
+                    let step_s = recent.get(recent.len() / 2).copied().unwrap_or(1.0).max(1e-9);
+                    let interval = ((2.0 * (snapshot_s + write) * cfg.checkpoint.mtbf_s).sqrt() / step_s).round().max(1.0) as u64;
+                    auto_interval = Some(interval);
+                }
                 let done = if interrupted || last { writer.finish()?.or(done) } else { done };
                 if let Some(m) = metrics.as_mut() {
-                    m.log(&serde_json::json!({"kind": "checkpoint", "step": step, "snapshot_s": snapshot_s, "background": cfg.checkpoint.background})).map_err(KilnError::User)?;
+                    let mut line = serde_json::json!({"kind": "checkpoint", "step": step, "snapshot_s": snapshot_s, "background": cfg.checkpoint.background});
+                    if let Some(i) = auto_interval {
+                        line["next_interval"] = i.into();
+                    }
+                    m.log(&line).map_err(KilnError::User)?;
                     if let Some(d) = &done {
                         m.log(&serde_json::json!({"kind": "checkpoint", "step": d.step, "write_s": d.write_s})).map_err(KilnError::User)?;
                     }
@@ -679,6 +728,11 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
                 if let (Some(d), true) = (&done, interrupted || last) {
                     say(&format!("checkpoint saved: {}", d.dir.display()));
                 }
+            }
+            if let Some(next) = auto_next.as_mut() {
+                // Every rank takes rank 0's choice (the checkpoint is collective).
+                let i = if world > 1 { parallel::tp::sum_f64(comm, auto_interval.unwrap_or(0) as f64) as u64 } else { auto_interval.unwrap_or(0) };
+                *next = step + i.max(1);
             }
         }
         if lead && trace_until.is_some_and(|u| step >= u || step == max_steps || interrupted) {

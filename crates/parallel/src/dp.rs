@@ -438,6 +438,15 @@ impl DataParallel {
         self.worker.wait_all();
     }
 
+    /// The full parameters copied into `out` (its allocation reused); stages 0–2 only.
+    pub fn copy_params_into(&mut self, mut out: Vec<f32>) -> Vec<f32> {
+        assert!(self.zero < 3, "ZeRO-3 holds no full parameters: use full_params");
+        self.worker.wait_all();
+        out.clear();
+        out.extend_from_slice(&self.params);
+        out
+    }
+
     /// The full parameters (collective at stage 3, where they are gathered).
     pub fn full_params(&mut self) -> Vec<f32> {
         if self.zero < 3 {

@@ -12,6 +12,7 @@
 pub mod comm;
 pub mod dp;
 pub mod mesh;
+pub mod pp;
 pub mod tp;
 pub mod worker;
 #[cfg(feature = "mpi")]

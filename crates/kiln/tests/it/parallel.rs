@@ -304,3 +304,20 @@ fn a_dp2_tp2_checkpoint_resumes_on_one_rank() {
         assert!(((x - y) / y).abs() <= 1e-6, "step {s}: {x} vs {y}");
     }
 }
+
+#[test]
+fn pp_schedule_prints_the_timeline_and_its_bubble() {
+    let o = kiln(&["pp-schedule", "--pp", "4", "--micro-batches", "8", "--schedule", "interleaved", "--virtual", "2"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert_eq!(out.lines().filter(|l| l.starts_with("rank ")).count(), 4, "{out}");
+    assert!(out.contains("idle/busy 0.188") && out.contains("formula (p−1)/(v·m) = 0.188"), "{out}");
+    let o = kiln(&["pp-schedule", "--pp", "4", "--micro-batches", "16", "--schedule", "gpipe", "--json"]);
+    let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    assert_eq!(v["peak_in_flight"][0], 16);
+    assert!((v["bubble"][0].as_f64().unwrap() - 3.0 / 16.0).abs() < 1e-9);
+    let o = kiln(&["pp-schedule", "--pp", "4", "--micro-batches", "6", "--schedule", "interleaved", "--virtual", "2"]);
+    assert_user_error(&o, &["needs micro-batches (6) divisible by the pipeline degree (4)"]);
+    let o = kiln(&["pp-schedule", "--pp", "4", "--micro-batches", "6", "--schedule", "zigzag"]);
+    assert_user_error(&o, &["schedule must be gpipe, 1f1b or interleaved"]);
+}

@@ -220,3 +220,21 @@ fn a_checkpoint_without_its_manifest_is_skipped() {
     let o = kiln(&["checkpoint", "inspect", out.join("checkpoints/step-00000010").to_str().unwrap()]);
     assert_user_error(&o, &["neither a checkpoint"]);
 }
+
+#[test]
+fn the_automatic_interval_follows_young_daly_from_measured_costs() {
+    let d = scratch("auto-interval");
+    let data = corpus(&d);
+    let out = d.join("run");
+    let o = train(&data, &out, &["--max-steps", "60", "--set", "checkpoint.interval=5", "--set", "checkpoint.mtbf_s=2", "--set", "checkpoint.keep=100", "--set", "sample.tokens=0"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let taken: Vec<(u64, Option<u64>)> = lines_of(&out, "checkpoint").iter().filter(|v| v["snapshot_s"].is_number()).map(|v| (v["step"].as_u64().unwrap(), v["next_interval"].as_u64())).collect();
+    assert_eq!(taken[0].0, 5, "the first checkpoint measures the cost: {taken:?}");
+    for w in taken.windows(2) {
+        let (step, next) = (w[0].0, w[0].1.expect("each checkpoint chooses the next interval"));
+        assert!(next >= 1);
+        assert!(w[1].0 == step + next || w[1].0 == 60, "{taken:?}");
+    }
+    let o = train(&data, &d.join("bad"), &["--set", "checkpoint.mtbf_s=-1"]);
+    assert_user_error(&o, &["checkpoint.mtbf_s must be a non-negative number"]);
+}

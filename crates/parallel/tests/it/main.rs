@@ -34,3 +34,4 @@ fn ranks_and_coordinates_round_trip_with_tp_fastest() {
         assert!(seen.iter().all(|&s| s == 1), "{axis}: {seen:?}");
     }
 }
+mod pp;

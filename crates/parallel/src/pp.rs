@@ -1,0 +1,198 @@
+//! Pipeline schedules (GPipe: Huang et al. 2019; 1F1B / PipeDream-Flush: Narayanan et al.
+//! 2019/2021; interleaved 1F1B: Narayanan et al. SC21), as data: the order in which each stage
+//! runs the forward and backward passes of each micro-batch, and a simulator that turns the
+//! order into a timeline with the dependencies of a pipeline (a forward needs the previous
+//! stage's forward of the same micro-batch, a backward the next stage's backward).
+//!
+//! With `v` virtual stages per rank (interleaved), rank `s` holds model chunks `s, s + p, …,
+//! s + (v−1)·p` of the `p·v` chunk pipeline.
+
+use std::fmt::Write;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Gpipe,
+    OneFOneB,
+    Interleaved,
+}
+
+impl Kind {
+    pub fn parse(s: &str) -> Result<Kind, String> {
+        match s {
+            "gpipe" => Ok(Kind::Gpipe),
+            "1f1b" => Ok(Kind::OneFOneB),
+            "interleaved" => Ok(Kind::Interleaved),
+            _ => Err(format!("schedule must be gpipe, 1f1b or interleaved, got `{s}`")),
+        }
+    }
+}
+
+/// One unit of work on a stage: forward or backward of micro-batch `mb` through the rank's
+/// model chunk `chunk` (0 unless interleaved).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Task {
+    pub forward: bool,
+    pub mb: usize,
+    pub chunk: usize,
+}
+
+#[derive(Clone, Debug)]
+pub struct Schedule {
+    pub kind: Kind,
+    /// Pipeline ranks.
+    pub p: usize,
+    /// Micro-batches per step.
+    pub m: usize,
+    /// Model chunks per rank (1 unless interleaved).
+    pub v: usize,
+}
+
+impl Schedule {
+    pub fn new(kind: Kind, p: usize, m: usize, v: usize) -> Result<Schedule, String> {
+        if p == 0 || m == 0 || v == 0 {
+            return Err(format!("pipeline degree, micro-batches and virtual stages must be positive (got {p}, {m}, {v})"));
+        }
+        match kind {
+            Kind::Interleaved if m % p != 0 => Err(format!("the interleaved schedule needs micro-batches ({m}) divisible by the pipeline degree ({p})")),
+            Kind::Gpipe | Kind::OneFOneB if v != 1 => Err(format!("--virtual {v} needs the interleaved schedule")),
+            _ => Ok(Schedule { kind, p, m, v }),
+        }
+    }
+
+    /// The tasks of rank `s`, in the order it runs them.
+    pub fn tasks(&self, s: usize) -> Vec<Task> {
+        let (p, m, v) = (self.p, self.m, self.v);
+        let f = |mb, chunk| Task { forward: true, mb, chunk };
+        let b = |mb, chunk| Task { forward: false, mb, chunk };
+        match self.kind {
+            Kind::Gpipe => (0..m).map(|i| f(i, 0)).chain((0..m).map(|i| b(i, 0))).collect(),
+            Kind::OneFOneB => {
+                let warm = (p - s - 1).min(m);
+                let mut out: Vec<Task> = (0..warm).map(|i| f(i, 0)).collect();
+                for i in 0..m - warm {
+                    out.push(f(warm + i, 0));
+                    out.push(b(i, 0));
+                }
+                out.extend((m - warm..m).map(|i| b(i, 0)));
+                out
+            }
+            Kind::Interleaved => {
+                // Megatron-LM's order: micro-batches in groups of p, cycling through the chunks
+                // (forward: chunk 0 first; backward: the last chunk first).
+                let total = m * v;
+                let fwd = |k: usize| f((k / (p * v)) * p + k % p, (k / p) % v);
+                let bwd = |k: usize| b((k / (p * v)) * p + k % p, v - 1 - (k / p) % v);
+                let warm = ((p - s - 1) * 2 + (v - 1) * p).min(total);
+                let mut out: Vec<Task> = (0..warm).map(fwd).collect();
+                for i in 0..total - warm {
+                    out.push(fwd(warm + i));
+                    out.push(bwd(i));
+                }
+                out.extend((total - warm..total).map(bwd));
+                out
+            }
+        }
+    }
+
+    /// Peak number of micro-batches whose activations rank `s` holds at once (forwards done,
+    /// backwards not yet), counted per chunk.
+    pub fn peak_in_flight(&self, s: usize) -> usize {
+        let mut live: i64 = 0;
+        let mut peak = 0;
+        for t in self.tasks(s) {
+            live += if t.forward { 1 } else { -1 };
+            peak = peak.max(live);
+        }
+        peak as usize
+    }
+
+    /// Runs the schedule with every chunk's forward taking `tf` and backward `tb` (time units)
+    /// and no communication cost: each task starts once its rank is free and its dependency is
+    /// done. Returns, per rank, the tasks with their start and end times.
+    pub fn simulate(&self, tf: f64, tb: f64) -> Vec<Vec<(Task, f64, f64)>> {
+        let (p, m, v) = (self.p, self.m, self.v);
+        let lists: Vec<Vec<Task>> = (0..p).map(|s| self.tasks(s)).collect();
+        // Finish times by (virtual stage = chunk·p + rank, micro-batch), forward and backward.
+        let vs = p * v;
+        let mut done_f = vec![f64::NAN; vs * m];
+        let mut done_b = vec![f64::NAN; vs * m];
+        let mut next = vec![0usize; p];
+        let mut free = vec![0f64; p];
+        let mut out: Vec<Vec<(Task, f64, f64)>> = vec![Vec::new(); p];
+        let total: usize = lists.iter().map(|l| l.len()).sum();
+        let mut placed = 0;
+        while placed < total {
+            let mut progressed = false;
+            for s in 0..p {
+                while let Some(&t) = lists[s].get(next[s]) {
+                    let stage = t.chunk * p + s;
+                    let dep = if t.forward {
+                        if stage == 0 { Some(0.0) } else { Some(done_f[(stage - 1) * m + t.mb]).filter(|x| !x.is_nan()) }
+                    } else {
+                        let own = done_f[stage * m + t.mb];
+                        let later = if stage + 1 == vs { Some(own) } else { Some(done_b[(stage + 1) * m + t.mb]).filter(|x| !x.is_nan()) };
+                        later.filter(|_| !own.is_nan())
+                    };
+                    let Some(ready) = dep else { break };
+                    let start = ready.max(free[s]);
+                    let end = start + if t.forward { tf } else { tb };
+                    free[s] = end;
+                    if t.forward { done_f[stage * m + t.mb] = end } else { done_b[stage * m + t.mb] = end }
+                    out[s].push((t, start, end));
+                    next[s] += 1;
+                    placed += 1;
+                    progressed = true;
+                }
+            }
+            assert!(progressed, "schedule deadlocks");
+        }
+        out
+    }
+
+    /// Idle time over busy time on each rank between the step's start and end, from
+    /// [`Schedule::simulate`] (the bubble as Narayanan et al. state it: `(p−1)/m` for GPipe and
+    /// 1F1B, `(p−1)/(v·m)` interleaved).
+    pub fn bubble(&self, tf: f64, tb: f64) -> Vec<f64> {
+        let tl = self.simulate(tf, tb);
+        let end = tl.iter().flat_map(|r| r.iter().map(|x| x.2)).fold(0.0, f64::max);
+        tl.iter().map(|r| {
+            let busy: f64 = r.iter().map(|x| x.2 - x.1).sum();
+            (end - busy) / busy
+        }).collect()
+    }
+
+    /// The formula's bubble.
+    pub fn ideal_bubble(&self) -> f64 {
+        (self.p - 1) as f64 / (self.v * self.m) as f64
+    }
+
+    /// A text timeline: one row per rank, one column per time unit (the shorter of `tf`, `tb`):
+    /// micro-batch k's forward as the k-th letter in upper case, its backward in lower case,
+    /// idle time as `.`; then each rank's idle/busy ratio and peak micro-batches in flight.
+    pub fn render(&self, tf: f64, tb: f64) -> String {
+        let tl = self.simulate(tf, tb);
+        let unit = tf.min(tb);
+        let end = tl.iter().flat_map(|r| r.iter().map(|x| x.2)).fold(0.0, f64::max);
+        let cols = (end / unit).round() as usize;
+        let glyph = |t: &Task| {
+            let c = (b'a' + (t.mb % 26) as u8) as char;
+            if t.forward { c.to_ascii_uppercase() } else { c }
+        };
+        let mut s = String::new();
+        let _ = writeln!(s, "{:?} schedule, p = {}, m = {}, v = {}: micro-batch 0, 1, … as A, B, … forward and a, b, … backward, idle = .", self.kind, self.p, self.m, self.v);
+        let bubbles = self.bubble(tf, tb);
+        for (r, row) in tl.iter().enumerate() {
+            let mut line = vec!['.'; cols];
+            for (t, a, b) in row {
+                let (a, b) = ((a / unit).round() as usize, (b / unit).round() as usize);
+                for c in line.iter_mut().take(b).skip(a) {
+                    *c = glyph(t);
+                }
+            }
+            let chunks: String = if self.v > 1 { format!(" chunks {:?}", (0..self.v).map(|c| c * self.p + r).collect::<Vec<_>>()) } else { String::new() };
+            let _ = writeln!(s, "rank {r:>2} |{}| idle/busy {:.3}, peak {} micro-batches in flight{chunks}", line.iter().collect::<String>(), bubbles[r], self.peak_in_flight(r));
+        }
+        let _ = writeln!(s, "bubble (idle/busy, every rank): {:.3}; formula (p−1)/(v·m) = {:.3}", bubbles.iter().fold(0.0f64, |a, &b| a.max(b)), self.ideal_bubble());
+        s
+    }
+}
