@@ -39,10 +39,31 @@ struct FileSum {
 
 #[derive(Serialize, Deserialize)]
 struct Manifest {
+    /// 1: one `model.safetensors` and `optimizer.safetensors`; 2: sharded, `shards` parts
+    /// `model-RRRRR-of-NNNNN.safetensors` / `optimizer-…`, part r holding elements
+    /// `[r·len/n, (r+1)·len/n)` of every tensor (flattened), the tensors' whole shapes in
+    /// `shapes`.
     format: u32,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    shards: usize,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    shapes: BTreeMap<String, Vec<usize>>,
     files: BTreeMap<String, FileSum>,
     /// CRC-32 of this manifest serialized with `self_crc32 = 0`.
     self_crc32: u32,
+}
+
+fn is_zero(x: &usize) -> bool {
+    *x == 0
+}
+
+/// Part `r` of `n` of a tensor of `len` elements.
+pub fn part_range(len: usize, r: usize, n: usize) -> std::ops::Range<usize> {
+    r * len / n..(r + 1) * len / n
+}
+
+fn part_name(kind: &str, r: usize, n: usize) -> String {
+    format!("{kind}-{r:05}-of-{n:05}.safetensors")
 }
 
 pub struct Tensors<'a> {
@@ -73,6 +94,16 @@ fn sync_dir(path: &Path) -> Result<()> {
 /// Writes `t` as a safetensors file (tensors in the given order, f32), streaming, and syncs
 /// it; returns its size and CRC-32.
 fn write_tensors(path: &Path, t: &Tensors) -> Result<(u64, u32)> {
+    let f = fs::File::create(path).map_err(|e| io_err(path, e))?;
+    let mut w = std::io::BufWriter::with_capacity(1 << 22, f);
+    let r = encode_tensors(&mut w, t).map_err(|e| io_err(path, e))?;
+    let f = w.into_inner().map_err(|e| io_err(path, e.into_error()))?;
+    f.sync_all().map_err(|e| io_err(path, e))?;
+    Ok(r)
+}
+
+/// The safetensors encoding of `t` into `w`; returns (bytes, CRC-32).
+fn encode_tensors(w: &mut impl Write, t: &Tensors) -> std::io::Result<(u64, u32)> {
     let mut header = serde_json::Map::new();
     let mut off = 0usize;
     for (name, shape, data) in &t.items {
@@ -85,22 +116,18 @@ fn write_tensors(path: &Path, t: &Tensors) -> Result<(u64, u32)> {
     while (8 + h.len()) % 8 != 0 {
         h.push(b' ');
     }
-    let f = fs::File::create(path).map_err(|e| io_err(path, e))?;
-    let mut w = std::io::BufWriter::with_capacity(1 << 22, f);
     let mut crc = crc32fast::Hasher::new();
-    let mut put = |w: &mut std::io::BufWriter<fs::File>, b: &[u8]| -> Result<()> {
+    let mut put = |b: &[u8]| -> std::io::Result<()> {
         crc.update(b);
-        w.write_all(b).map_err(|e| io_err(path, e))
+        w.write_all(b)
     };
-    put(&mut w, &(h.len() as u64).to_le_bytes())?;
-    put(&mut w, &h)?;
+    put(&(h.len() as u64).to_le_bytes())?;
+    put(&h)?;
     for (_, _, data) in &t.items {
         for chunk in data.chunks(1 << 20) {
-            put(&mut w, f32_bytes(chunk))?;
+            put(f32_bytes(chunk))?;
         }
     }
-    let f = w.into_inner().map_err(|e| io_err(path, e.into_error()))?;
-    f.sync_all().map_err(|e| io_err(path, e))?;
     Ok(((8 + h.len() + off) as u64, crc.finalize()))
 }
 
@@ -125,7 +152,7 @@ pub fn save(ckpt_dir: &Path, state: &TrainState, model: &Tensors, optim: &Tensor
         fs::remove_dir_all(&tmp).map_err(|e| io_err(&tmp, e))?;
     }
     fs::create_dir(&tmp).map_err(|e| io_err(&tmp, e))?;
-    let mut manifest = Manifest { format: 1, files: BTreeMap::new(), self_crc32: 0 };
+    let mut manifest = Manifest { format: 1, shards: 0, shapes: BTreeMap::new(), files: BTreeMap::new(), self_crc32: 0 };
     // Tensors stream straight from the caller's buffers to disk (no serialised copy in memory).
     for (name, t) in [("model.safetensors", model), ("optimizer.safetensors", optim)] {
         let (bytes, crc32) = write_tensors(&tmp.join(name), t)?;
@@ -152,6 +179,104 @@ pub fn save(ckpt_dir: &Path, state: &TrainState, model: &Tensors, optim: &Tensor
     Ok(dst)
 }
 
+/// Where rank `rank` of `world` writes its part of a sharded checkpoint: `tmp`, a directory
+/// rank 0 prepared ([`prepare_sharded`]) before any rank writes.
+#[derive(Clone, Debug)]
+pub struct Part {
+    pub rank: usize,
+    pub world: usize,
+    pub tmp: PathBuf,
+    /// Every tensor's whole shape (rank 0 records them in the manifest).
+    pub shapes: BTreeMap<String, Vec<usize>>,
+}
+
+/// The shared temporary directory of a sharded checkpoint of `step`, emptied (a crashed
+/// attempt at the same step may have left parts). Rank 0 calls it, then every rank writes.
+pub fn prepare_sharded(ckpt_dir: &Path, step: u64) -> Result<PathBuf> {
+    let tmp = ckpt_dir.join(format!(".tmp-step-{step:08}-sharded"));
+    if tmp.exists() {
+        fs::remove_dir_all(&tmp).map_err(|e| io_err(&tmp, e))?;
+    }
+    fs::create_dir_all(&tmp).map_err(|e| io_err(&tmp, e))?;
+    Ok(tmp)
+}
+
+/// Writes this rank's part (`model` and `optim` hold its slices of every tensor, in
+/// [`part_range`] order) and a `part-RRRRR.json` with their checksums, last. Rank 0 then
+/// waits for every rank's part file, writes the state, tokenizer and the manifest, and renames
+/// the directory into place; it returns the checkpoint directory.
+pub fn save_part(ckpt_dir: &Path, part: &Part, state: &TrainState, model: &Tensors, optim: &Tensors, tokenizer_json: &str) -> Result<Option<PathBuf>> {
+    let (r, n, tmp) = (part.rank, part.world, &part.tmp);
+    let mut files = BTreeMap::new();
+    for (kind, t) in [("model", model), ("optimizer", optim)] {
+        let name = part_name(kind, r, n);
+        let (bytes, crc32) = write_tensors(&tmp.join(&name), t)?;
+        files.insert(name, FileSum { bytes, crc32 });
+    }
+    let pj = tmp.join(format!("part-{r:05}.json"));
+    write_synced(&pj.with_extension("tmp"), &serde_json::to_vec(&files).unwrap())?;
+    fs::rename(pj.with_extension("tmp"), &pj).map_err(|e| io_err(&pj, e))?;
+    if r != 0 {
+        return Ok(None);
+    }
+    let mut manifest = Manifest { format: 2, shards: n, shapes: part.shapes.clone(), files: BTreeMap::new(), self_crc32: 0 };
+    let t0 = std::time::Instant::now();
+    for k in 0..n {
+        let pk = tmp.join(format!("part-{k:05}.json"));
+        loop {
+            if let Ok(b) = fs::read(&pk) {
+                let f: BTreeMap<String, FileSum> = serde_json::from_slice(&b).map_err(|e| KilnError::Internal(format!("{}: {e}", pk.display())))?;
+                manifest.files.extend(f);
+                break;
+            }
+            if t0.elapsed() > std::time::Duration::from_secs(600) {
+                return Err(KilnError::Internal(format!("{}: rank {k}'s part of the checkpoint did not arrive within 600 s", tmp.display())));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }
+    for (name, bytes) in [("state.json", serde_json::to_vec_pretty(state).expect("state serializes")), ("tokenizer.json", tokenizer_json.as_bytes().to_vec())] {
+        write_synced(&tmp.join(name), &bytes)?;
+        manifest.files.insert(name.to_string(), FileSum { bytes: bytes.len() as u64, crc32: crc32fast::hash(&bytes) });
+    }
+    manifest.self_crc32 = crc32fast::hash(&serde_json::to_vec(&manifest).unwrap());
+    write_synced(&tmp.join("manifest.json"), &serde_json::to_vec_pretty(&manifest).unwrap())?;
+    sync_dir(tmp)?;
+    let dst = fresh_name(ckpt_dir, state.step);
+    fs::rename(tmp, &dst).map_err(|e| io_err(&dst, e))?;
+    sync_dir(ckpt_dir)?;
+    if let Some(t) = manifest_mtime(&dst) {
+        VERIFIED.lock().unwrap().push((dst.clone(), t));
+    }
+    Ok(Some(dst))
+}
+
+/// The whole tensors of a sharded checkpoint's `kind` parts, as one safetensors buffer.
+fn assemble(dir: &Path, kind: &str, m: &Manifest, contents: &BTreeMap<String, Vec<u8>>) -> Result<Vec<u8>> {
+    let bad = |what: String| KilnError::User(format!("{}: {what}", dir.display()));
+    let parts: Vec<safetensors::SafeTensors> = (0..m.shards)
+        .map(|r| safetensors::SafeTensors::deserialize(&contents[&part_name(kind, r, m.shards)]).map_err(|e| bad(format!("{}: {e}", part_name(kind, r, m.shards)))))
+        .collect::<Result<_>>()?;
+    let mut whole: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
+    for name in parts[0].names() {
+        let shape = m.shapes.get(name).ok_or_else(|| bad(format!("manifest.json has no shape for `{name}`")))?.clone();
+        let len: usize = shape.iter().product();
+        let mut data = Vec::with_capacity(len);
+        for (r, p) in parts.iter().enumerate() {
+            let t = p.tensor(name).map_err(|_| bad(format!("{} lacks `{name}`", part_name(kind, r, m.shards))))?;
+            if t.data().len() != part_range(len, r, m.shards).len() * 4 {
+                return Err(bad(format!("{}: `{name}` holds the wrong slice", part_name(kind, r, m.shards))));
+            }
+            data.extend(t.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])));
+        }
+        whole.push((name.to_string(), shape, data));
+    }
+    let t = Tensors { items: whole.iter().map(|(n, s, d)| (n.clone(), s.clone(), &d[..])).collect() };
+    let mut out = Vec::new();
+    encode_tensors(&mut out, &t).expect("writing to memory");
+    Ok(out)
+}
+
 /// A verified checkpoint, loaded into memory.
 pub struct Loaded {
     pub dir: PathBuf,
@@ -172,8 +297,18 @@ pub fn verify_and_load(dir: &Path) -> Result<Loaded> {
     if crc32fast::hash(&serde_json::to_vec(&manifest).unwrap()) != claimed {
         return Err(bad("manifest.json fails its checksum".into()));
     }
-    let mut contents = BTreeMap::new();
-    for name in ["model.safetensors", "optimizer.safetensors", "state.json", "tokenizer.json"] {
+    let mut names: Vec<String> = ["state.json", "tokenizer.json"].iter().map(|s| s.to_string()).collect();
+    if manifest.format == 2 {
+        for r in 0..manifest.shards {
+            names.push(part_name("model", r, manifest.shards));
+            names.push(part_name("optimizer", r, manifest.shards));
+        }
+    } else {
+        names.extend(["model.safetensors".to_string(), "optimizer.safetensors".to_string()]);
+    }
+    let mut contents: BTreeMap<String, Vec<u8>> = BTreeMap::new();
+    for name in &names {
+        let name = name.as_str();
         let sum = manifest.files.get(name).ok_or_else(|| bad(format!("manifest.json does not list {name}")))?;
         let bytes = fs::read(dir.join(name)).map_err(|e| bad(format!("cannot read {name}: {e}")))?;
         if bytes.len() as u64 != sum.bytes {
@@ -182,14 +317,19 @@ pub fn verify_and_load(dir: &Path) -> Result<Loaded> {
         if crc32fast::hash(&bytes) != sum.crc32 {
             return Err(bad(format!("{name} fails its checksum (corrupted)")));
         }
-        contents.insert(name, bytes);
+        contents.insert(name.to_string(), bytes);
     }
     let state: TrainState = serde_json::from_slice(&contents["state.json"]).map_err(|e| bad(format!("state.json: {e}")))?;
+    let (model, optim) = if manifest.format == 2 {
+        (assemble(dir, "model", &manifest, &contents)?, assemble(dir, "optimizer", &manifest, &contents)?)
+    } else {
+        (contents.remove("model.safetensors").unwrap(), contents.remove("optimizer.safetensors").unwrap())
+    };
     Ok(Loaded {
         dir: dir.to_path_buf(),
         state,
-        model: contents.remove("model.safetensors").unwrap(),
-        optim: contents.remove("optimizer.safetensors").unwrap(),
+        model,
+        optim,
         tokenizer_json: String::from_utf8_lossy(&contents["tokenizer.json"]).into_owned(),
     })
 }
@@ -275,6 +415,8 @@ pub fn named<'a>(layout: &model::ParamLayout, prefix: &str, buf: &'a [f32]) -> V
 
 /// Everything a checkpoint holds, copied out of the training state (so training can go on).
 pub struct Snapshot {
+    /// Sharded: this rank's part (`layout`, `params`, `m`, `v` then hold its slices).
+    pub part: Option<Part>,
     pub state: TrainState,
     pub layout: model::ParamLayout,
     pub params: Vec<f32>,
@@ -296,7 +438,14 @@ fn write_snapshot(ckpt_dir: &Path, snap: &Snapshot, keep: usize, keep_every: u64
     let mt = Tensors { items: named(&snap.layout, "", &snap.params) };
     let mut ot = named(&snap.layout, "exp_avg.", &snap.m);
     ot.extend(named(&snap.layout, "exp_avg_sq.", &snap.v));
-    let dir = save(ckpt_dir, &snap.state, &mt, &Tensors { items: ot }, &snap.tokenizer_json)?;
+    let dir = match &snap.part {
+        None => save(ckpt_dir, &snap.state, &mt, &Tensors { items: ot }, &snap.tokenizer_json)?,
+        Some(p) => match save_part(ckpt_dir, p, &snap.state, &mt, &Tensors { items: ot }, &snap.tokenizer_json)? {
+            Some(d) => d,
+            // Another rank's part: rank 0 finishes and prunes.
+            None => return Ok(Saved { dir: p.tmp.clone(), step: snap.state.step, write_s: t0.elapsed().as_secs_f64() }),
+        },
+    };
     prune(ckpt_dir, keep, keep_every);
     Ok(Saved { dir, step: snap.state.step, write_s: t0.elapsed().as_secs_f64() })
 }

@@ -667,40 +667,65 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
         if due || last || interrupted {
             let _p = tensor::profile::scope("checkpoint");
             let ck0 = Instant::now();
-            // Full parameters and moments (gathered from the shards: collective).
-            // The previous snapshot's buffers are reused where the copy is plain (one shard of
-            // nothing: no ZeRO, no tensor parallelism).
-            let spare = if lead { writer.take_spare() } else { None };
+            // With several ranks and whole-model weights, every rank writes its slice of every
+            // tensor (a LoRA run's tiny adapters are written whole by rank 0).
+            let sharded = world > 1 && model.lora.is_none();
+            let writes = lead || sharded;
             let plain = tpn == 1 && zero == 0;
-            let copy = |src: &[f32], dst: Option<Vec<f32>>| {
-                let mut d = dst.unwrap_or_default();
-                d.clear();
-                d.extend_from_slice(src);
-                d
+            // The whole parameters and moments: borrowed when this rank holds them, else gathered
+            // from the shards (collective).
+            use std::borrow::Cow;
+            let (fp, fm, fv): (Cow<[f32]>, Cow<[f32]>, Cow<[f32]>) = match &model.lora {
+                Some(lo) => (Cow::Borrowed(&lo.params[..]), Cow::Borrowed(&opt.m[..]), Cow::Borrowed(&opt.v[..])),
+                None if plain => (Cow::Borrowed(dp.local_params()), Cow::Borrowed(&opt.m[..]), Cow::Borrowed(&opt.v[..])),
+                None => {
+                    let p = whole(&*tp_comm, &full_layout, &model.layout, dp.full_params());
+                    let (m, v) = if zero > 0 { (dp.gather_shards(&opt.m), dp.gather_shards(&opt.v)) } else { (opt.m.clone(), opt.v.clone()) };
+                    (Cow::Owned(p), Cow::Owned(whole(&*tp_comm, &full_layout, &model.layout, m)), Cow::Owned(whole(&*tp_comm, &full_layout, &model.layout, v)))
+                }
             };
-            let (sp, sm, sv) = match spare {
-                Some(s) => (Some(s.params), Some(s.m), Some(s.v)),
-                None => (None, None, None),
-            };
-            // Without shards to gather, only rank 0 (which writes) copies anything.
-            let copies = lead || !(plain || model.lora.is_some());
-            let params = match &model.lora {
-                _ if !copies => Vec::new(),
-                Some(lo) => copy(&lo.params, sp),
-                None if plain => dp.copy_params_into(sp.unwrap_or_default()),
-                None => whole(&*tp_comm, &full_layout, &model.layout, dp.full_params()),
-            };
-            let (m, v) = if !copies {
-                (Vec::new(), Vec::new())
-            } else if model.lora.is_some() || plain {
-                (copy(&opt.m, sm), copy(&opt.v, sv))
+            let part = if sharded {
+                // Rank 0 empties the shared temporary directory before anyone writes into it.
+                let tmp = if lead { Some(checkpoint::prepare_sharded(&ckpt_dir(run_dir), step)?) } else { None };
+                parallel::tp::sum_f64(comm, 0.0);
+                let shapes = layout.params.iter().flat_map(|p| ["", "exp_avg.", "exp_avg_sq."].map(|pre| (format!("{pre}{}", p.name), p.shape.clone()))).collect();
+                Some(checkpoint::Part { rank, world, tmp: tmp.unwrap_or_else(|| ckpt_dir(run_dir).join(format!(".tmp-step-{step:08}-sharded"))), shapes })
             } else {
-                let (m, v) = if zero > 0 { (dp.gather_shards(&opt.m), dp.gather_shards(&opt.v)) } else { (opt.m.clone(), opt.v.clone()) };
-                (whole(&*tp_comm, &full_layout, &model.layout, m), whole(&*tp_comm, &full_layout, &model.layout, v))
+                None
             };
-            if lead {
+            // Copied into the previous snapshot's buffers (no fresh allocation in the loop): all
+            // of each tensor, or this rank's part of it.
+            let snap = writes.then(|| {
+                let spare = writer.take_spare();
+                let (mut sp, mut sm, mut sv) = spare.map_or((Vec::new(), Vec::new(), Vec::new()), |s| (s.params, s.m, s.v));
+                let mut part_layout = model::ParamLayout::default();
+                for b in [&mut sp, &mut sm, &mut sv] {
+                    b.clear();
+                }
+                for p in &layout.params {
+                    let r = match &part {
+                        Some(pt) => checkpoint::part_range(p.len(), pt.rank, pt.world),
+                        None => 0..p.len(),
+                    };
+                    let shape = if part.is_some() { vec![r.len()] } else { p.shape.clone() };
+                    part_layout.push_named(p.name.clone(), shape, model::Init::Zeros, false);
+                    let (a, b) = (p.offset + r.start, p.offset + r.end);
+                    sp.extend_from_slice(&fp[a..b]);
+                    sm.extend_from_slice(&fm[a..b]);
+                    sv.extend_from_slice(&fv[a..b]);
+                }
                 let state = TrainState { step, sampler_rng: sampler.state(), tokens_seen, elapsed_s: elapsed, config: cfg.to_toml() };
-                let snap = checkpoint::Snapshot { state, layout: layout.clone(), params, m, v, tokenizer_json: tok_json.clone() };
+                checkpoint::Snapshot { part: part.clone(), state, layout: part_layout, params: sp, m: sm, v: sv, tokenizer_json: tok_json.clone() }
+            });
+            drop((fp, fm, fv));
+            if !lead {
+                if let Some(snap) = snap {
+                    writer.submit(snap)?;
+                    if interrupted || last {
+                        writer.finish()?;
+                    }
+                }
+            } else if let Some(snap) = snap {
                 let snapshot_s = ck0.elapsed().as_secs_f64();
                 let done = writer.submit(snap)?;
                 if cfg.checkpoint.mtbf_s > 0.0 {

@@ -438,6 +438,13 @@ impl DataParallel {
         self.worker.wait_all();
     }
 
+    /// The full parameters this rank holds (stages 0–2).
+    pub fn local_params(&mut self) -> &[f32] {
+        assert!(self.zero < 3, "ZeRO-3 holds no full parameters: use full_params");
+        self.worker.wait_all();
+        &self.params
+    }
+
     /// The full parameters copied into `out` (its allocation reused); stages 0–2 only.
     pub fn copy_params_into(&mut self, mut out: Vec<f32>) -> Vec<f32> {
         assert!(self.zero < 3, "ZeRO-3 holds no full parameters: use full_params");
