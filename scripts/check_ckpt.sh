@@ -9,7 +9,7 @@ OUT=${OUT:-/tmp/kiln-ckpt}
 K=target/release/kiln
 mkdir -p "$OUT"
 for r in $(seq 1 "${ROUNDS:-2}"); do
-    for mode in none bg sync; do
+    for mode in ${MODES:-none bg sync}; do
         case $mode in
             none) ck=(--set checkpoint.interval=0) ;;
             bg) ck=(--set checkpoint.interval=10 --set checkpoint.background=true) ;;
@@ -21,13 +21,13 @@ for r in $(seq 1 "${ROUNDS:-2}"); do
             --set sample.tokens=0 --set checkpoint.keep=2 "${ck[@]}" > "$OUT/$mode-$r.log" 2>&1
     done
 done
-python3 - "$OUT" "${ROUNDS:-2}" <<'PY'
+python3 - "$OUT" "${ROUNDS:-2}" "${MODES:-none bg sync}" <<'PY'
 import json, sys, statistics as st
 out, rounds = sys.argv[1], int(sys.argv[2])
 def el(r):
     ls = [json.loads(l) for l in open(f"{out}/{r}/metrics.jsonl")]
     return [x for x in ls if x["kind"] == "train"][-1]["elapsed_s"], [x for x in ls if x["kind"] == "checkpoint"]
-for mode in ("bg", "sync"):
+for mode in [m for m in ("bg", "sync") if m in sys.argv[3].split()]:
     over = []
     for r in range(1, rounds + 1):
         a, _ = el(f"none-{r}"); b, ck = el(f"{mode}-{r}")

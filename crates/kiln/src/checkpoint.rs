@@ -1,6 +1,8 @@
 //! Checkpoints: `checkpoints/step-NNNNNNNN/` holding
-//! - `model.safetensors`: parameters by their HF names,
-//! - `optimizer.safetensors`: AdamW moments as `exp_avg.NAME` / `exp_avg_sq.NAME`,
+//! - `model.safetensors`: parameters by their HF names, whole whatever layout trained them
+//!   (with several ranks, `model-RRRRR-of-NNNNN.safetensors` instead: rank r's slice
+//!   `[r·len/n, (r+1)·len/n)` of every tensor, flattened — see [`save_part`]),
+//! - `optimizer.safetensors`: AdamW moments as `exp_avg.NAME` / `exp_avg_sq.NAME` (or parts),
 //! - `state.json`: step, RNG and data-cursor state, elapsed time, the resolved config,
 //! - `tokenizer.json`,
 //! - `manifest.json`: size and CRC-32 of every other file, and a CRC-32 of itself.

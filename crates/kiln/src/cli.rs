@@ -217,6 +217,16 @@ enum CheckpointCmd {
     /// Print a checkpoint's manifest as JSON: step, params_sha256, optimizer_sha256, files,
     /// tensors. PATH is a checkpoint directory, or a run directory (its newest valid one).
     Inspect { path: PathBuf },
+    /// Rewrite a checkpoint (or a run's newest valid one) under OUT/step-N as one file per
+    /// kind (--shards 1) or N per-rank parts; any layout loads either. For Hugging Face
+    /// safetensors use `kiln export`.
+    Convert {
+        path: PathBuf,
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, default_value_t = 1)]
+        shards: usize,
+    },
 }
 
 #[derive(Args)]
@@ -389,6 +399,11 @@ fn dispatch(cmd: Cmd) -> Result<()> {
             } else {
                 print!("{}", sch.render(tf, tb));
             }
+            Ok(())
+        }
+        Cmd::Checkpoint(CheckpointCmd::Convert { path, out, shards }) => {
+            let dir = crate::cmd_checkpoint::convert(&path, &out, shards)?;
+            println!("wrote {}", dir.display());
             Ok(())
         }
         Cmd::Checkpoint(CheckpointCmd::Inspect { path }) => {

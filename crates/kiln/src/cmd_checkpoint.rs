@@ -60,3 +60,61 @@ pub fn inspect(path: &Path) -> Result<serde_json::Value> {
         "tensors": tensors,
     }))
 }
+
+/// Every tensor of a safetensors buffer, decoded: (name, shape, data), in name order.
+fn tensors_of(bytes: &[u8], origin: &Path) -> Result<Vec<(String, Vec<usize>, Vec<f32>)>> {
+    let st = safetensors::SafeTensors::deserialize(bytes).map_err(|e| KilnError::User(format!("{}: {e}", origin.display())))?;
+    let mut names: Vec<String> = st.names().into_iter().map(|n| n.to_string()).collect();
+    names.sort();
+    names
+        .into_iter()
+        .map(|n| {
+            let t = st.tensor(&n).map_err(|e| KilnError::User(format!("{}: {n}: {e}", origin.display())))?;
+            let data = t.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+            Ok((n, t.shape().to_vec(), data))
+        })
+        .collect()
+}
+
+/// `kiln checkpoint convert PATH --out DIR --shards N`: the checkpoint (or a run's newest
+/// valid one) rewritten under `DIR/step-NNNNNNNN` as one file per kind (`N` = 1) or `N`
+/// per-rank parts, verified on the way in and readable by any layout. Returns the new
+/// directory.
+pub fn convert(path: &Path, out: &Path, shards: usize) -> Result<std::path::PathBuf> {
+    if shards == 0 {
+        return user("--shards must be positive, got 0");
+    }
+    let l = resolve(path)?;
+    if crate::checkpoint::list(out).iter().any(|(s, _)| *s == l.state.step) {
+        return user(format!("{} already holds a checkpoint of step {}", out.display(), l.state.step));
+    }
+    let model = tensors_of(&l.model, &l.dir)?;
+    let optim = tensors_of(&l.optim, &l.dir)?;
+    fn view(ts: &[(String, Vec<usize>, Vec<f32>)], part: Option<(usize, usize)>) -> crate::checkpoint::Tensors<'_> {
+        crate::checkpoint::Tensors {
+        items: ts
+            .iter()
+            .map(|(n, s, d)| match part {
+                None => (n.clone(), s.clone(), &d[..]),
+                Some((r, k)) => {
+                    let range = crate::checkpoint::part_range(d.len(), r, k);
+                    (n.clone(), vec![range.len()], &d[range])
+                }
+            })
+            .collect(),
+        }
+    }
+    std::fs::create_dir_all(out).map_err(|e| crate::error::io_err(out, e))?;
+    if shards == 1 {
+        return crate::checkpoint::save(out, &l.state, &view(&model, None), &view(&optim, None), &l.tokenizer_json);
+    }
+    let tmp = crate::checkpoint::prepare_sharded(out, l.state.step)?;
+    let shapes = model.iter().chain(&optim).map(|(n, s, _)| (n.clone(), s.clone())).collect();
+    // Ranks 1.. first: rank 0 finishes the checkpoint once every part is in.
+    let mut dir = None;
+    for r in (0..shards).rev() {
+        let part = crate::checkpoint::Part { rank: r, world: shards, tmp: tmp.clone(), shapes: std::collections::BTreeMap::clone(&shapes) };
+        dir = crate::checkpoint::save_part(out, &part, &l.state, &view(&model, Some((r, shards))), &view(&optim, Some((r, shards))), &l.tokenizer_json)?;
+    }
+    Ok(dir.expect("rank 0 returns the directory"))
+}

@@ -238,3 +238,25 @@ fn the_automatic_interval_follows_young_daly_from_measured_costs() {
     let o = train(&data, &d.join("bad"), &["--set", "checkpoint.mtbf_s=-1"]);
     assert_user_error(&o, &["checkpoint.mtbf_s must be a non-negative number"]);
 }
+
+#[test]
+fn convert_between_one_file_and_parts_keeps_the_digests() {
+    let d = scratch("convert");
+    let data = corpus(&d);
+    let out = d.join("run");
+    let o = train(&data, &out, &["--max-steps", "5", "--set", "checkpoint.interval=5", "--set", "sample.tokens=0"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let want = digests(&out);
+    let parts = d.join("parts");
+    let o = kiln(&["checkpoint", "convert", out.to_str().unwrap(), "--out", parts.to_str().unwrap(), "--shards", "3"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(parts.join("step-00000005/model-00002-of-00003.safetensors").exists());
+    assert_eq!(digests(&parts.join("step-00000005")), want);
+    let back = d.join("back");
+    let o = kiln(&["checkpoint", "convert", parts.join("step-00000005").to_str().unwrap(), "--out", back.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(back.join("step-00000005/model.safetensors").exists());
+    assert_eq!(digests(&back.join("step-00000005")), want);
+    let o = kiln(&["checkpoint", "convert", out.to_str().unwrap(), "--out", back.to_str().unwrap()]);
+    assert_user_error(&o, &["already holds a checkpoint of step 5"]);
+}
