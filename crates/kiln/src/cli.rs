@@ -98,6 +98,9 @@ struct TrainCli {
     /// Tensor-parallel ranks (parallel.tp).
     #[arg(long)]
     tp: Option<usize>,
+    /// none or optimizer: AdamW moments in memory-mapped files (memory.offload).
+    #[arg(long)]
+    offload: Option<String>,
     /// inproc or mpi (parallel.backend).
     #[arg(long)]
     backend: Option<String>,
@@ -304,7 +307,7 @@ pub fn init_threads(n: usize) {
 fn dispatch(cmd: Cmd) -> Result<()> {
     match cmd {
         Cmd::Train(a) => {
-            let args = TrainArgs { preset: a.preset, config: a.config, data: a.data, out: a.out, set: a.set, max_steps: a.max_steps, resume: a.resume, seed: a.seed, init_from: a.init_from, lora_rank: a.lora_rank, lora_alpha: a.lora_alpha, lora_targets: a.lora_targets, profile: a.profile, dp: a.dp, zero: a.zero, tp: a.tp, backend: a.backend, quiet: a.quiet };
+            let args = TrainArgs { preset: a.preset, config: a.config, data: a.data, out: a.out, set: a.set, max_steps: a.max_steps, resume: a.resume, seed: a.seed, init_from: a.init_from, lora_rank: a.lora_rank, lora_alpha: a.lora_alpha, lora_targets: a.lora_targets, profile: a.profile, dp: a.dp, zero: a.zero, tp: a.tp, offload: a.offload, backend: a.backend, quiet: a.quiet };
             let stop = Arc::new(AtomicBool::new(false));
             let s2 = stop.clone();
             let _ = ctrlc::set_handler(move || {

@@ -201,6 +201,21 @@ fn one() -> usize {
     1
 }
 
+/// Memory tiers.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MemorySection {
+    /// `none`, or `optimizer`: AdamW's moments in memory-mapped files under the run directory
+    /// (`offload/`), streamed through the update in chunks (ZeRO-Infinity's NVMe tier).
+    pub offload: String,
+}
+
+impl Default for MemorySection {
+    fn default() -> Self {
+        MemorySection { offload: "none".into() }
+    }
+}
+
 /// Numerical faults: what a step with a non-finite or spiking loss does.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -246,6 +261,8 @@ pub struct RunConfig {
     pub parallel: ParallelSection,
     #[serde(default)]
     pub faults: FaultSection,
+    #[serde(default)]
+    pub memory: MemorySection,
 }
 
 /// A flat map of dotted keys to TOML values.
@@ -417,6 +434,9 @@ impl RunConfig {
         }
         if !(self.checkpoint.mtbf_s >= 0.0 && self.checkpoint.mtbf_s.is_finite()) {
             return user(format!("checkpoint.mtbf_s must be a non-negative number of seconds, got {}", self.checkpoint.mtbf_s));
+        }
+        if self.memory.offload != "none" && self.memory.offload != "optimizer" {
+            return user(format!("memory.offload must be `none` or `optimizer`, got `{}`", self.memory.offload));
         }
         let p = &self.parallel;
         if p.backend != "inproc" && p.backend != "mpi" {

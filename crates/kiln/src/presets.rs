@@ -41,6 +41,7 @@ fn base() -> RunConfig {
         lora: LoraSection { rank: 0, alpha: 16.0, targets: vec!["q".into(), "v".into()] },
         parallel: Default::default(),
         faults: Default::default(),
+        memory: Default::default(),
     }
 }
 

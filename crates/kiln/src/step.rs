@@ -9,13 +9,73 @@ use std::ops::Range;
 use tensor::rng::mix64;
 use tensor::{adamw_update, profile, scale_in_place, sum_squares, AdamW};
 
+/// Where AdamW's moments live: in memory, or (ZeRO-Infinity's NVMe tier, on a CPU) in a
+/// memory-mapped file that the update streams through in chunks, handing each chunk's pages
+/// back to the kernel once updated, so they stay out of the process's resident memory.
+pub enum Moments {
+    Mem(Vec<f32>),
+    File { map: memmap2::MmapMut, len: usize },
+}
+
+impl std::ops::Deref for Moments {
+    type Target = [f32];
+    fn deref(&self) -> &[f32] {
+        match self {
+            Moments::Mem(v) => v,
+            // SAFETY: the map is `len` f32s long and page-aligned (so f32-aligned).
+            Moments::File { map, len } => unsafe { std::slice::from_raw_parts(map.as_ptr() as *const f32, *len) },
+        }
+    }
+}
+
+impl std::ops::DerefMut for Moments {
+    fn deref_mut(&mut self) -> &mut [f32] {
+        match self {
+            Moments::Mem(v) => v,
+            Moments::File { map, len } => unsafe { std::slice::from_raw_parts_mut(map.as_mut_ptr() as *mut f32, *len) },
+        }
+    }
+}
+
+impl Moments {
+    /// `len` zeros in a new file at `path` (replaced if it exists), mapped shared.
+    pub fn file(path: &std::path::Path, len: usize) -> std::io::Result<Moments> {
+        let f = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(path)?;
+        f.set_len((len.max(1) * 4) as u64)?;
+        let map = unsafe { memmap2::MmapMut::map_mut(&f)? };
+        Ok(Moments::File { map, len })
+    }
+
+    /// Replaces the contents with `src` (same length).
+    pub fn load(&mut self, src: &[f32]) {
+        self.copy_from_slice(src);
+        self.release(0..src.len());
+    }
+
+    /// Gives the pages of elements `r` back to the kernel (file-backed: the data stays in the
+    /// file and the page cache; the process's resident set drops). No-op in memory.
+    pub fn release(&mut self, r: Range<usize>) {
+        if let Moments::File { map, .. } = self {
+            let page = 4096;
+            let (a, b) = ((r.start * 4).div_ceil(page) * page, (r.end * 4) / page * page);
+            if b > a {
+                // SAFETY: a shared file mapping: dropping its pages loses nothing.
+                let _ = unsafe { map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, a, b - a) };
+            }
+        }
+    }
+}
+
 /// AdamW state: the two moments (in the layout, or in this rank's ZeRO shard), and the
 /// layout's contiguous ranges grouped by whether weight decay applies.
 pub struct Optimizer {
-    pub m: Vec<f32>,
-    pub v: Vec<f32>,
+    pub m: Moments,
+    pub v: Moments,
     segs: Vec<(Range<usize>, bool)>,
 }
+
+/// Elements per chunk of an offloaded update (4 MiB of each moment).
+const OFFLOAD_CHUNK: usize = 1 << 20;
 
 impl Optimizer {
     /// Moments for the whole `layout`.
@@ -32,7 +92,18 @@ impl Optimizer {
                 _ => segs.push((p.range(), p.decay)),
             }
         }
-        Optimizer { m: vec![0.0; len], v: vec![0.0; len], segs }
+        Optimizer { m: Moments::Mem(vec![0.0; len]), v: Moments::Mem(vec![0.0; len]), segs }
+    }
+
+    /// Moves the moments to memory-mapped files `dir/exp_avg.bin` and `dir/exp_avg_sq.bin`.
+    pub fn offload(&mut self, dir: &std::path::Path) -> std::io::Result<()> {
+        std::fs::create_dir_all(dir)?;
+        let len = self.m.len();
+        let (mut m, mut v) = (Moments::file(&dir.join("exp_avg.bin"), len)?, Moments::file(&dir.join("exp_avg_sq.bin"), len)?);
+        m.load(&self.m);
+        v.load(&self.v);
+        (self.m, self.v) = (m, v);
+        Ok(())
     }
 
     /// Applies one AdamW update with learning rate `lr` as step number `t` (1-based) to every
@@ -62,8 +133,17 @@ impl Optimizer {
                 t,
             };
             let (lo, hi) = (a - f.start, b - f.start);
-            let (mlo, mhi) = (piece.shard.start + lo, piece.shard.start + hi);
-            adamw_update(&mut params[lo..hi], &grads[lo..hi], &mut self.m[mlo..mhi], &mut self.v[mlo..mhi], &h);
+            let off = piece.shard.start;
+            // Offloaded moments stream through in chunks, each released once updated.
+            let step = if matches!(self.m, Moments::File { .. }) { OFFLOAD_CHUNK } else { hi - lo };
+            let mut i = lo;
+            while i < hi {
+                let j = (i + step.max(1)).min(hi);
+                adamw_update(&mut params[i..j], &grads[i..j], &mut self.m[off + i..off + j], &mut self.v[off + i..off + j], &h);
+                self.m.release(off + i..off + j);
+                self.v.release(off + i..off + j);
+                i = j;
+            }
         }
     }
 }

@@ -43,6 +43,7 @@ pub struct TrainArgs {
     pub dp: Option<usize>,
     pub zero: Option<usize>,
     pub tp: Option<usize>,
+    pub offload: Option<String>,
     pub backend: Option<String>,
     pub quiet: bool,
 }
@@ -82,6 +83,9 @@ fn layered(base: &RunConfig, args: &TrainArgs) -> Result<RunConfig> {
     }
     if let Some(z) = args.zero {
         raw.insert("parallel.zero".into(), toml::Value::Integer(z as i64));
+    }
+    if let Some(o) = &args.offload {
+        raw.insert("memory.offload".into(), toml::Value::String(o.clone()));
     }
     if let Some(t) = args.tp {
         raw.insert("parallel.tp".into(), toml::Value::Integer(t as i64));
@@ -206,6 +210,19 @@ pub fn eval_sums(m: &mut Gpt, mut store: Option<&mut dyn model::UnitStore>, toks
         count += chunk.len() * t;
     }
     (sum, count)
+}
+
+/// This process's peak resident set (`VmHWM`) since [`reset_peak_rss`], in bytes (Linux).
+fn peak_rss() -> Option<u64> {
+    let s = fs::read_to_string("/proc/self/status").ok()?;
+    let kb: u64 = s.lines().find_map(|l| l.strip_prefix("VmHWM:"))?.trim().trim_end_matches("kB").trim().parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// Restarts the peak-resident-set count (Linux `clear_refs` 5), so the training loop's peak is
+/// not the start-up's (the matmul peak probe's large products).
+fn reset_peak_rss() {
+    let _ = fs::write("/proc/self/clear_refs", "5");
 }
 
 /// The steps whose batches a rollback marked as offending (`RUN/skipped_steps.json`).
@@ -473,7 +490,12 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
     let mut opt = if model.lora.is_some() { Optimizer::new(trainable_layout(&model)) } else { Optimizer::with_len(&model.layout, dp.moments_len()) };
     if let Some((m, v)) = moments {
         let sharded = model.lora.is_none() && zero > 0;
-        (opt.m, opt.v) = if sharded { (dp.shards.take(&m), dp.shards.take(&v)) } else { (m, v) };
+        let (m, v) = if sharded { (dp.shards.take(&m), dp.shards.take(&v)) } else { (m, v) };
+        (opt.m, opt.v) = (crate::step::Moments::Mem(m), crate::step::Moments::Mem(v));
+    }
+    if cfg.memory.offload == "optimizer" {
+        let dir = run_dir.join("offload").join(format!("rank{rank}"));
+        opt.offload(&dir).map_err(|e| io_err(&dir, e))?;
     }
 
     // The run directory.
@@ -511,6 +533,7 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
     // Checkpoints hold the whole model (or the adapters alone).
     let layout = model.lora.as_ref().map_or(&full_layout, |lo| &lo.layout).clone();
 
+    reset_peak_rss();
     let mut trace_until = args.profile.map(|n| step + n);
     if trace_until.is_some() {
         if lead {
@@ -623,7 +646,15 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
             let lora = model.lora.as_ref().map_or(0, |lo| lo.params.len() * 4);
             line["mem_params_bytes"] = (sb.params + lora).into();
             line["mem_grads_bytes"] = (sb.grads + lora).into();
-            line["mem_optim_bytes"] = ((opt.m.len() + opt.v.len()) * 4).into();
+            let optim = (opt.m.len() + opt.v.len()) * 4;
+            let offloaded = matches!(opt.m, crate::step::Moments::File { .. });
+            line["mem_optim_bytes"] = (if offloaded { 0 } else { optim }).into();
+            if offloaded {
+                line["mem_optim_offloaded_bytes"] = optim.into();
+            }
+            if let Some(hwm) = peak_rss() {
+                line["mem_rss_peak_bytes"] = hwm.into();
+            }
             line["mem_activations_bytes"] = model.activation_bytes().into();
             line["mem_transient_peak_bytes"] = sb.peak_transient.into();
             metrics.log(&line).map_err(KilnError::User)?;
@@ -680,7 +711,7 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
                 None if plain => (Cow::Borrowed(dp.local_params()), Cow::Borrowed(&opt.m[..]), Cow::Borrowed(&opt.v[..])),
                 None => {
                     let p = whole(&*tp_comm, &full_layout, &model.layout, dp.full_params());
-                    let (m, v) = if zero > 0 { (dp.gather_shards(&opt.m), dp.gather_shards(&opt.v)) } else { (opt.m.clone(), opt.v.clone()) };
+                    let (m, v) = if zero > 0 { (dp.gather_shards(&opt.m), dp.gather_shards(&opt.v)) } else { (opt.m.to_vec(), opt.v.to_vec()) };
                     (Cow::Owned(p), Cow::Owned(whole(&*tp_comm, &full_layout, &model.layout, m)), Cow::Owned(whole(&*tp_comm, &full_layout, &model.layout, v)))
                 }
             };
