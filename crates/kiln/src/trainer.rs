@@ -638,6 +638,14 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
             if world > 1 {
                 line["comm_bytes_sent"] = comm_bytes.bytes_sent().into();
                 line["comm_bytes_recv"] = comm_bytes.bytes_recv().into();
+                // And per collective, as the communicator counts them.
+                for op in parallel::OPS {
+                    let (calls, sent, _) = comm_bytes.get(op);
+                    if calls > 0 {
+                        line[format!("comm_bytes_sent_{}", op.name())] = sent.into();
+                        line[format!("comm_calls_{}", op.name())] = calls.into();
+                    }
+                }
                 line["comm_s"] = out.overlap.comm.as_secs_f64().into();
                 line["comm_exposed_s"] = out.overlap.exposed.as_secs_f64().into();
                 line["comm_hidden_fraction"] = out.overlap.hidden_fraction().into();

@@ -119,6 +119,15 @@ fn communication_volume_and_memory_follow_theory() {
         let theory = if zero == 3 { 1.5 * ring } else { ring };
         let sent = get("comm_bytes_sent");
         assert!((sent / theory - 1.0).abs() < 0.05, "zero {zero}: sent {sent} vs theory {theory}");
+        // Per collective: stage 0 all-reduces; 1–2 reduce-scatter gradients and all-gather
+        // parameters (half each); 3 all-gathers twice as much as it reduce-scatters.
+        let op = |k: &str| line[format!("comm_bytes_sent_{k}")].as_f64().unwrap_or(0.0);
+        let (ar, rs, ag) = (op("all_reduce"), op("reduce_scatter"), op("all_gather"));
+        match zero {
+            0 => assert!((ar / ring - 1.0).abs() < 0.05, "{line}"),
+            1 | 2 => assert!((rs / (ring / 2.0) - 1.0).abs() < 0.05 && (ag / (ring / 2.0) - 1.0).abs() < 0.05, "{line}"),
+            _ => assert!((rs / (ring / 2.0) - 1.0).abs() < 0.05 && (ag / ring - 1.0).abs() < 0.05, "{line}"),
+        }
         // Model-state bytes per rank (fp32): 16Ψ, 8Ψ + 8Ψ/N, 4Ψ + 12Ψ/N, 16Ψ/N.
         let held = get("mem_params_bytes") + get("mem_grads_bytes") + get("mem_optim_bytes");
         let formula = match zero {
