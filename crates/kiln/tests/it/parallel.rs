@@ -341,3 +341,32 @@ fn pp_schedule_prints_the_timeline_and_its_bubble() {
     let o = kiln(&["pp-schedule", "--pp", "4", "--micro-batches", "6", "--schedule", "zigzag"]);
     assert_user_error(&o, &["schedule must be gpipe, 1f1b or interleaved"]);
 }
+
+#[test]
+fn moe_and_lora_runs_match_one_rank_under_data_parallel() {
+    let d = scratch("dp-moe-lora");
+    let data = corpus(&d);
+    // Mixture of experts (the routing statistics and router losses ride along), ZeRO-3.
+    let moe = ["--set", "model.arch=llama", "--set", "model.bias=false", "--set", "model.n_expert=4", "--set", "model.top_k=2", "--set", "model.ffn_hidden=16"];
+    let one = d.join("moe1");
+    run_dp(&data, &one, 1, 0, &moe);
+    let two = d.join("moe2");
+    run_dp(&data, &two, 2, 3, &moe);
+    for ((s, a), (_, b)) in losses(&one).iter().zip(&losses(&two)) {
+        assert!(((a - b) / b).abs() <= 1e-5, "moe step {s}: {a} vs {b}");
+    }
+    // LoRA adapters on a trained base: the adapters' gradients are all-reduced.
+    let base = d.join("base");
+    run_dp(&data, &base, 1, 0, &[]);
+    let lora = |name: &str, dp: &str| {
+        let out = d.join(name);
+        let o = train(&data, &out, &[&["--init-from", base.to_str().unwrap(), "--lora-rank", "2", "--max-steps", "6", "--dp", dp], DP].concat());
+        assert!(o.status.success(), "{}", stderr(&o));
+        losses(&out)
+    };
+    let (a, b) = (lora("lora1", "1"), lora("lora2", "2"));
+    assert_eq!(a.len(), 6);
+    for ((s, x), (_, y)) in a.iter().zip(&b) {
+        assert!(((x - y) / y).abs() <= 1e-5, "lora step {s}: {x} vs {y}");
+    }
+}
