@@ -250,7 +250,7 @@ pub fn train_step(
         let norm = match tp {
             Some((comm, replicated)) => {
                 let (sharded, repl) = dp.grad_sq_split(replicated);
-                (parallel::tp::sum_f64(comm, sharded) + repl).sqrt()
+                (parallel::comm::sum_f64(comm, sharded) + repl).sqrt()
             }
             None => dp.grad_norm(),
         };

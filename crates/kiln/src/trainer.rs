@@ -541,7 +541,7 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
         }
         // The other ranks start their first traced step only once rank 0 has turned tracing on.
         if world > 1 {
-            parallel::tp::sum_f64(comm, 0.0);
+            parallel::comm::sum_f64(comm, 0.0);
         }
     }
     // Checkpoint interval: fixed, or (checkpoint.mtbf_s) chosen after each checkpoint from its
@@ -625,7 +625,7 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
         let elapsed = elapsed_prev + started.elapsed().as_secs_f64();
         // Every rank stops at the same step: any rank's Ctrl-C stops them all.
         let stop_here = stop.load(Ordering::SeqCst) as u8 as f64;
-        interrupted = if world > 1 { parallel::tp::sum_f64(comm, stop_here) > 0.0 } else { stop_here > 0.0 };
+        interrupted = if world > 1 { parallel::comm::sum_f64(comm, stop_here) > 0.0 } else { stop_here > 0.0 };
         if let (Some(metrics), None) = (metrics.as_mut(), out.skipped) {
             let mut line = serde_json::json!({
                 "kind": "train", "step": step, "loss": loss, "lr": lr, "grad_norm": out.grad_norm,
@@ -726,7 +726,7 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
             let part = if sharded {
                 // Rank 0 empties the shared temporary directory before anyone writes into it.
                 let tmp = if lead { Some(checkpoint::prepare_sharded(&ckpt_dir(run_dir), step)?) } else { None };
-                parallel::tp::sum_f64(comm, 0.0);
+                parallel::comm::sum_f64(comm, 0.0);
                 let shapes = layout.params.iter().flat_map(|p| ["", "exp_avg.", "exp_avg_sq."].map(|pre| (format!("{pre}{}", p.name), p.shape.clone()))).collect();
                 Some(checkpoint::Part { rank, world, tmp: tmp.unwrap_or_else(|| ckpt_dir(run_dir).join(format!(".tmp-step-{step:08}-sharded"))), shapes })
             } else {
@@ -795,7 +795,7 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
             }
             if let Some(next) = auto_next.as_mut() {
                 // Every rank takes rank 0's choice (the checkpoint is collective).
-                let i = if world > 1 { parallel::tp::sum_f64(comm, auto_interval.unwrap_or(0) as f64) as u64 } else { auto_interval.unwrap_or(0) };
+                let i = if world > 1 { parallel::comm::sum_f64(comm, auto_interval.unwrap_or(0) as f64) as u64 } else { auto_interval.unwrap_or(0) };
                 *next = step + i.max(1);
             }
         }

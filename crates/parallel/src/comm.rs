@@ -124,6 +124,29 @@ impl Counters {
         self.recv[i].fetch_add(recv, Ordering::Relaxed);
     }
 
+    /// Records one collective of this rank (group rank `rank` of `n`) under the byte model
+    /// every backend implements: all-reduce of `len` elements — every rank reads every other
+    /// whole buffer up to [`SMALL_ALL_REDUCE`] elements, else a reduce-scatter + all-gather,
+    /// `2·(len − own chunk)` each way; reduce-scatter and all-gather of `len`-element chunks and
+    /// all-to-all of `len`-element blocks, `(n−1)·len` each way; broadcast of `len` elements,
+    /// `(n−1)·len` out of the root and `len` into every other rank; barrier, nothing.
+    pub fn record(&self, op: Op, n: usize, rank: usize, len: usize, root: usize) {
+        let e = |x: usize| (x * std::mem::size_of::<f32>()) as u64;
+        let (sent, recv) = match op {
+            _ if n == 1 => (0, 0),
+            Op::AllReduce if len <= SMALL_ALL_REDUCE => (e((n - 1) * len), e((n - 1) * len)),
+            Op::AllReduce => {
+                let (lo, hi) = chunk_bounds(len, n, rank);
+                (e(2 * (len - (hi - lo))), e(2 * (len - (hi - lo))))
+            }
+            Op::ReduceScatter | Op::AllGather | Op::AllToAll => (e((n - 1) * len), e((n - 1) * len)),
+            Op::Broadcast if rank == root => (e((n - 1) * len), 0),
+            Op::Broadcast => (0, e(len)),
+            Op::Barrier | Op::SendRecv => (0, 0),
+        };
+        self.add(op, sent, recv);
+    }
+
     pub fn snapshot(&self) -> CommTotals {
         let mut t = CommTotals::default();
         for i in 0..7 {
@@ -210,6 +233,29 @@ pub fn mesh_group(comm: &dyn Comm, mesh: &DeviceMesh, axis: Axis) -> Box<dyn Com
     comm.split(&mesh.group(axis, comm.rank()))
 }
 
+/// `out[r·k .. (r+1)·k] = x_r` for `k = x.len()`, exactly: each f64 travels as the bit
+/// patterns of two f32s (collective over `comm`).
+pub fn all_gather_f64(comm: &dyn Comm, x: &[f64]) -> Vec<f64> {
+    if comm.size() == 1 {
+        return x.to_vec();
+    }
+    let bits: Vec<f32> = x
+        .iter()
+        .flat_map(|v| {
+            let b = v.to_bits();
+            [f32::from_bits(b as u32), f32::from_bits((b >> 32) as u32)]
+        })
+        .collect();
+    let mut out = vec![0f32; bits.len() * comm.size()];
+    comm.all_gather(&bits, &mut out);
+    out.chunks(2).map(|p| f64::from_bits(p[0].to_bits() as u64 | ((p[1].to_bits() as u64) << 32))).collect()
+}
+
+/// `Σ_r x_r` over `comm`'s ranks in rank order, exactly as a sequential f64 sum (collective).
+pub fn sum_f64(comm: &dyn Comm, x: f64) -> f64 {
+    all_gather_f64(comm, &[x]).iter().fold(0.0, |a, v| a + v)
+}
+
 /// Chunk `k` of `len` elements split `n` ways, balanced (sizes differ by at most one).
 pub fn chunk_bounds(len: usize, n: usize, k: usize) -> (usize, usize) {
     (k * len / n, (k + 1) * len / n)
@@ -217,7 +263,7 @@ pub fn chunk_bounds(len: usize, n: usize, k: usize) -> (usize, usize) {
 
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 /// All-reduces up to this many elements take the two-rendezvous path (every rank sums all).
-const SMALL_ALL_REDUCE: usize = 4096;
+pub(crate) const SMALL_ALL_REDUCE: usize = 4096;
 const POLL: Duration = Duration::from_millis(100);
 const NO_RANK: usize = usize::MAX;
 
@@ -576,17 +622,14 @@ impl Comm for InProcessComm {
         let me = self.rank;
         let len = buf.len();
         let sig = self.sig("all_reduce_sum", (len, 0, 0));
+        self.counters.record(Op::AllReduce, n, me, len, 0);
         if n == 1 {
-            self.counters.add(Op::AllReduce, 0, 0);
             return;
         }
         let p = buf.as_mut_ptr();
         // From here until the last rendezvous, `buf` is touched only through `p`.
         let slots = self.rendezvous("all_reduce_sum", Some(Slot { a: p, a_len: len, ..Slot::default() }), Some(sig));
         if len <= SMALL_ALL_REDUCE {
-            // Every rank reads every other rank's whole buffer.
-            let b = ((n - 1) * len * 4) as u64;
-            self.counters.add(Op::AllReduce, b, b);
             // Small buffers: latency, not bandwidth, matters. Every rank sums everything itself
             // (same order, same bits) and writes its own buffer once nobody reads it any more:
             // two rendezvous instead of three.
@@ -600,11 +643,6 @@ impl Comm for InProcessComm {
             unsafe { wr(p, 0, len).copy_from_slice(&acc) };
             return;
         }
-        // Reduce-scatter then all-gather: this rank reads the n−1 other ranks' chunk `me`, then
-        // their finished chunks: 2(n−1)/n of the buffer in, and as much out.
-        let (lo, hi) = chunk_bounds(len, n, me);
-        let b = (((len - (hi - lo)) * 2) * 4) as u64;
-        self.counters.add(Op::AllReduce, b, b);
         // Reduce-scatter: this rank sums chunk `me` of every buffer, in rank order, into its
         // own buffer. Rank k reads only chunk k of the others and writes only chunk k of its own.
         let (lo, hi) = chunk_bounds(len, n, me);
@@ -642,8 +680,7 @@ impl Comm for InProcessComm {
         let c = out.len();
         assert_eq!(input.len(), n * c, "reduce_scatter_sum: input length {} is not size {n} × output length {c}", input.len());
         let sig = self.sig("reduce_scatter_sum", (input.len(), c, 0));
-        let b = ((n - 1) * c * 4) as u64;
-        self.counters.add(Op::ReduceScatter, b, b);
+        self.counters.record(Op::ReduceScatter, n, self.rank, c, 0);
         if n == 1 {
             out.copy_from_slice(input);
             return;
@@ -668,8 +705,7 @@ impl Comm for InProcessComm {
         let c = input.len();
         assert_eq!(out.len(), n * c, "all_gather: output length {} is not size {n} × input length {c}", out.len());
         let sig = self.sig("all_gather", (c, out.len(), 0));
-        let b = ((n - 1) * c * 4) as u64;
-        self.counters.add(Op::AllGather, b, b);
+        self.counters.record(Op::AllGather, n, self.rank, c, 0);
         if n == 1 {
             out.copy_from_slice(input);
             return;
@@ -688,12 +724,7 @@ impl Comm for InProcessComm {
         assert!(root < n, "broadcast: root {root} outside group of size {n}");
         let len = buf.len();
         let sig = self.sig("broadcast", (len, 0, root));
-        let b = (len * 4) as u64;
-        if self.rank == root {
-            self.counters.add(Op::Broadcast, (n as u64 - 1) * b, 0);
-        } else {
-            self.counters.add(Op::Broadcast, 0, b);
-        }
+        self.counters.record(Op::Broadcast, n, self.rank, len, root);
         if n == 1 {
             return;
         }
@@ -780,8 +811,7 @@ impl Comm for InProcessComm {
         assert_eq!(out.len(), input.len(), "all_to_all: output length {} != input length {}", out.len(), input.len());
         let sig = self.sig("all_to_all", (input.len(), 0, 0));
         let c = input.len() / n;
-        let b = ((n - 1) * c * 4) as u64;
-        self.counters.add(Op::AllToAll, b, b);
+        self.counters.record(Op::AllToAll, n, self.rank, c, 0);
         if n == 1 {
             out.copy_from_slice(input);
             return;
@@ -797,7 +827,7 @@ impl Comm for InProcessComm {
     #[track_caller]
     fn barrier(&self) {
         let sig = self.sig("barrier", (0, 0, 0));
-        self.counters.add(Op::Barrier, 0, 0);
+        self.counters.record(Op::Barrier, self.n(), self.rank, 0, 0);
         if self.n() > 1 {
             self.rendezvous("barrier", None, Some(sig));
         }

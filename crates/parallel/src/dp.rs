@@ -386,22 +386,13 @@ impl DataParallel {
         (a, b)
     }
 
-    /// `out[r·k .. (r+1)·k] = x_r` for `k = x.len()`, exactly (f64 through f32 bit pairs).
+    /// `out[r·k .. (r+1)·k] = x_r` for `k = x.len()`, exactly (on the communication thread).
     pub fn all_gather_f64(&mut self, x: &[f64]) -> Vec<f64> {
-        let n = self.shards.n;
-        if n == 1 {
+        if self.shards.n == 1 {
             return x.to_vec();
         }
-        let bits: Vec<f32> = x.iter().flat_map(|v| {
-            let b = v.to_bits();
-            [f32::from_bits(b as u32), f32::from_bits((b >> 32) as u32)]
-        }).collect();
-        let out = self.worker.run("all_gather f64", move |c| {
-            let mut out = vec![0f32; bits.len() * c.size()];
-            c.all_gather(&bits, &mut out);
-            out
-        });
-        out.chunks(2).map(|p| f64::from_bits(p[0].to_bits() as u64 | ((p[1].to_bits() as u64) << 32))).collect()
+        let x = x.to_vec();
+        self.worker.run("all_gather f64", move |c| crate::comm::all_gather_f64(c, &x))
     }
 
     /// `Σ_r x_r` elementwise in rank order, exactly as a sequential f64 sum (collective).

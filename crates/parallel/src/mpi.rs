@@ -75,10 +75,9 @@ use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::*;
 use mpi::Threading;
 
-use crate::comm::{chunk_bounds, signature_mismatch, Comm, Counters, Op, Signature, DEFAULT_TIMEOUT};
+use crate::comm::{chunk_bounds, signature_mismatch, Comm, Counters, Op, Signature, DEFAULT_TIMEOUT, SMALL_ALL_REDUCE};
 
 /// All-reduces up to this many elements take the all-gather path (as in-process).
-const SMALL_ALL_REDUCE: usize = 4096;
 /// Bytes of one signature record.
 const REC: usize = 512;
 /// Header of a record: seq, op, dtype, counts ×3, site length.
@@ -427,15 +426,13 @@ impl Comm for MpiComm {
         let me = self.rank;
         let len = buf.len();
         let sig = self.sig("all_reduce_sum", (len, 0, 0));
+        self.counters.record(Op::AllReduce, n, me, len, 0);
         if n == 1 {
-            self.counters.add(Op::AllReduce, 0, 0);
             return;
         }
         count(len, "all_reduce_sum");
         self.exchange(sig);
         if len <= SMALL_ALL_REDUCE {
-            let b = ((n - 1) * len * 4) as u64;
-            self.counters.add(Op::AllReduce, b, b);
             self.with_scratch(n * len, |all| {
                 self.coll.all_gather_into(&buf[..], &mut all[..]);
                 buf.copy_from_slice(&all[..len]);
@@ -449,8 +446,6 @@ impl Comm for MpiComm {
         }
         let (lo, hi) = chunk_bounds(len, n, me);
         let c = hi - lo;
-        let b = (((len - c) * 2) * 4) as u64;
-        self.counters.add(Op::AllReduce, b, b);
         // Chunk k of every buffer goes to rank k.
         let sizes: Vec<c_int> = (0..n).map(|k| chunk_bounds(len, n, k)).map(|(l, h)| (h - l) as c_int).collect();
         let offs: Vec<c_int> = (0..n).map(|k| chunk_bounds(len, n, k).0 as c_int).collect();
@@ -480,8 +475,7 @@ impl Comm for MpiComm {
         let c = out.len();
         assert_eq!(input.len(), n * c, "reduce_scatter_sum: input length {} is not size {n} × output length {c}", input.len());
         let sig = self.sig("reduce_scatter_sum", (input.len(), c, 0));
-        let b = ((n - 1) * c * 4) as u64;
-        self.counters.add(Op::ReduceScatter, b, b);
+        self.counters.record(Op::ReduceScatter, n, self.rank, c, 0);
         if n == 1 {
             out.copy_from_slice(input);
             return;
@@ -505,8 +499,7 @@ impl Comm for MpiComm {
         let c = input.len();
         assert_eq!(out.len(), n * c, "all_gather: output length {} is not size {n} × input length {c}", out.len());
         let sig = self.sig("all_gather", (c, out.len(), 0));
-        let b = ((n - 1) * c * 4) as u64;
-        self.counters.add(Op::AllGather, b, b);
+        self.counters.record(Op::AllGather, n, self.rank, c, 0);
         if n == 1 {
             out.copy_from_slice(input);
             return;
@@ -522,12 +515,7 @@ impl Comm for MpiComm {
         assert!(root < n, "broadcast: root {root} outside group of size {n}");
         let len = buf.len();
         let sig = self.sig("broadcast", (len, 0, root));
-        let b = (len * 4) as u64;
-        if self.rank == root {
-            self.counters.add(Op::Broadcast, (n as u64 - 1) * b, 0);
-        } else {
-            self.counters.add(Op::Broadcast, 0, b);
-        }
+        self.counters.record(Op::Broadcast, n, self.rank, len, root);
         if n == 1 {
             return;
         }
@@ -609,8 +597,7 @@ impl Comm for MpiComm {
         assert_eq!(out.len(), input.len(), "all_to_all: output length {} != input length {}", out.len(), input.len());
         let sig = self.sig("all_to_all", (input.len(), 0, 0));
         let c = input.len() / n;
-        let b = ((n - 1) * c * 4) as u64;
-        self.counters.add(Op::AllToAll, b, b);
+        self.counters.record(Op::AllToAll, n, self.rank, c, 0);
         if n == 1 {
             out.copy_from_slice(input);
             return;
@@ -623,7 +610,7 @@ impl Comm for MpiComm {
     #[track_caller]
     fn barrier(&self) {
         let sig = self.sig("barrier", (0, 0, 0));
-        self.counters.add(Op::Barrier, 0, 0);
+        self.counters.record(Op::Barrier, self.n(), self.rank, 0, 0);
         // Every rank has arrived once every rank's signature has.
         self.exchange(sig);
     }

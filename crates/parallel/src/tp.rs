@@ -164,18 +164,6 @@ impl model::TpHooks for TpComm {
     }
 }
 
-/// `Σ_r x_r` over `comm`'s ranks in rank order, exactly (f64 through f32 bit pairs).
-pub fn sum_f64(comm: &dyn Comm, x: f64) -> f64 {
-    if comm.size() == 1 {
-        return x;
-    }
-    let b = x.to_bits();
-    let mine = [f32::from_bits(b as u32), f32::from_bits((b >> 32) as u32)];
-    let mut all = vec![0f32; 2 * comm.size()];
-    comm.all_gather(&mine, &mut all);
-    all.chunks(2).map(|p| f64::from_bits(p[0].to_bits() as u64 | ((p[1].to_bits() as u64) << 32))).fold(0.0, |a, v| a + v)
-}
-
 /// Every rank's `local` buffer, gathered (`out[r]` is rank `r`'s).
 pub fn gather(comm: &dyn Comm, local: &[f32]) -> Vec<Vec<f32>> {
     let n = comm.size();
