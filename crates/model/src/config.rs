@@ -56,6 +56,25 @@ pub struct GptConfig {
     /// columns (Megatron-LM's column/row split; see `parallel::tp`).
     #[serde(default = "one", skip_serializing_if = "is_one")]
     pub tp: usize,
+    /// Pipeline parallelism: this config is one stage of a deeper model — `n_layer` of its
+    /// layers, starting at `first_layer` (see `parallel::pp`). `None`: the whole model.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stage: Option<Stage>,
+}
+
+/// Where a pipeline stage sits in the whole model. Layer names, dropout streams and the
+/// residual projections' initialisation scale use the whole model's layer numbering, so a
+/// stage is exactly its layers of the whole model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Stage {
+    /// Global index of the stage's first block.
+    pub first_layer: usize,
+    /// Blocks in the whole model.
+    pub total_layers: usize,
+    /// The stage embeds the tokens (the first stage).
+    pub embed: bool,
+    /// The stage applies the final norm, the head and the loss (the last stage).
+    pub head: bool,
 }
 
 fn one() -> usize {
@@ -73,7 +92,7 @@ impl GptConfig {
         GptConfig {
             arch: Arch::Gpt2, n_layer, n_head, n_kv_head: n_head, n_embd, ffn_hidden: 4 * n_embd, block_size, vocab_size,
             bias, dropout, tied_embeddings: tied, rope_theta: 10000.0, norm_eps: 1e-5,
-            n_expert: 0, top_k: 2, n_shared_expert: 0, capacity_factor: 0.0, moe_aux_weight: 0.01, moe_z_weight: 0.001, tp: 1,
+            n_expert: 0, top_k: 2, n_shared_expert: 0, capacity_factor: 0.0, moe_aux_weight: 0.01, moe_z_weight: 0.001, tp: 1, stage: None,
         }
     }
 
@@ -137,6 +156,34 @@ impl GptConfig {
     /// Width of the fused q|k|v projection output: `(NH + 2·NKV)·HS`.
     pub fn qkv_width(&self) -> usize {
         (self.n_head + 2 * self.n_kv_head) * self.head_size()
+    }
+
+    /// Global index of this config's first block (0 unless a pipeline stage).
+    pub fn first_layer(&self) -> usize {
+        self.stage.map_or(0, |s| s.first_layer)
+    }
+
+    /// Blocks of the whole model this config belongs to.
+    pub fn total_layers(&self) -> usize {
+        self.stage.map_or(self.n_layer, |s| s.total_layers)
+    }
+
+    /// Whether this model embeds the tokens (every model but a later pipeline stage).
+    pub fn has_embed(&self) -> bool {
+        self.stage.is_none_or(|s| s.embed)
+    }
+
+    /// Whether this model ends in the final norm, head and loss.
+    pub fn has_head(&self) -> bool {
+        self.stage.is_none_or(|s| s.head)
+    }
+
+    /// Whether the layout holds the embedding unit: to embed, or (tied) as the head's weight.
+    /// A last stage that only needs `wte` for its tied head keeps the whole unit (with `wpe`,
+    /// unused there), so the unit is laid out — and ZeRO-sharded — exactly as on the first
+    /// stage, and the two copies' gradients can be summed shard by shard.
+    pub fn has_embedding_unit(&self) -> bool {
+        self.has_embed() || (self.has_head() && self.tied_embeddings)
     }
 
     pub fn is_moe(&self) -> bool {

@@ -181,6 +181,24 @@ fn site_seed(seed: u64, site: u64) -> u64 {
     mix64(seed ^ mix64(site.wrapping_add(0xD1B5_4A32_D192_ED03)))
 }
 
+/// The first dropout site of block `l` of `cfg` (numbered in the whole model, so a pipeline
+/// stage draws the masks the whole model would).
+fn block_site(cfg: &GptConfig, l: usize) -> u64 {
+    1 + 3 * (cfg.first_layer() + l) as u64
+}
+
+/// One micro-batch's forward activations, taken out of a model so that another micro-batch
+/// can run forward meanwhile (pipeline schedules keep several in flight), and put back before
+/// its backward. Opaque: only the model reads it.
+pub struct Activations(Acts);
+
+impl Activations {
+    /// Bytes these activations hold (see [`Gpt::activation_bytes`]).
+    pub fn bytes(&self) -> usize {
+        acts_bytes(&self.0)
+    }
+}
+
 impl Gpt {
     /// A freshly initialised model (GPT-2 initialisation, see `layout`), deterministic in `seed`.
     pub fn new(cfg: GptConfig, real_vocab: usize, seed: u64) -> Gpt {
@@ -228,6 +246,7 @@ impl Gpt {
         let aw = self.cfg.attn_width();
         let state = b * nh * t; // flash lse, both architectures
         let n = b * t;
+        let hn = if self.cfg.has_head() { n } else { 0 };
         let moe = self.cfg.is_moe();
         // An MoE layer keeps its activations in its MoeCache; the dense MLP buffers stay empty.
         let (fw, f) = if moe { (0, 0) } else { (fw, f) };
@@ -256,8 +275,9 @@ impl Gpt {
             kept: (0..n_kept).map(|_| kept()).collect(),
             inner: (0..n_inner).map(|_| inner()).collect(),
             branch: zeros(n * c),
-            ln_f: zeros(n * c), ln_f_mean: zeros(n), ln_f_rstd: zeros(n),
-            dln_f: zeros(n * c), head_scratch: zeros(chunk_rows(n, vp) * vp), losses: zeros(n),
+            // The final norm and the head's buffers only where the head is (pipeline stages).
+            ln_f: zeros(hn * c), ln_f_mean: zeros(hn), ln_f_rstd: zeros(hn),
+            dln_f: zeros(hn * c), head_scratch: zeros(chunk_rows(hn, vp) * vp), losses: zeros(n),
             tokens: vec![0; n], targets: vec![0; n], count: 0, dropout_seed: 0, p_drop: 0.0, loss_scale: 1.0, moe_stats: Vec::new(),
         });
         self.scratch = None;
@@ -282,13 +302,19 @@ impl Gpt {
         };
         let hu = self.unit_views.head_unit();
         let head_access = Access::Head { train: loss_scale.is_some() };
-        self.trunk_forward(store, tokens, b, t, p_drop, seed, Some((hu, head_access)));
+        let head = self.cfg.has_head();
+        self.trunk_forward(store, tokens, b, t, p_drop, seed, head.then_some((hu, head_access)));
         let (c, vp, v) = (self.cfg.n_embd, self.cfg.vocab_size, self.real_vocab);
         let a = self.acts.as_mut().unwrap();
         a.loss_scale = loss_scale.unwrap_or(1.0);
         a.targets.copy_from_slice(targets);
         let count = targets.iter().filter(|&&x| x != IGNORE_INDEX).count();
         a.count = count;
+        if !head {
+            // A pipeline stage before the last: its output is `stage_output()`.
+            a.losses.fill(0.0);
+            return 0.0;
+        }
         // logits = ln_f(x) · headᵀ ; loss — fused, in row chunks (and its gradient, when training)
         let r = self.unit_views.lm_head.clone();
         let (w, dw) = store.acquire(hu, head_access, None);
@@ -335,11 +361,14 @@ impl Gpt {
         a.moe_stats.clear();
         let ops = Ops { cfg: &self.cfg, rope: self.rope.as_ref(), b, t, tp: std::cell::RefCell::new(self.tp.as_deref_mut()) };
 
-        let (w, _) = store.acquire(0, Access::Forward, Some((1, Access::Forward)));
-        embedding_forward(&mut a.xs[0], tokens, &w[pv.wte.clone()], pv.wpe.as_ref().map(|r| &w[r.clone()]), t, c);
-        store.release(0, Access::Forward);
-        if p_drop > 0.0 {
-            dropout_inplace(&mut a.xs[0], p_drop, site_seed(dropout_seed, 0));
+        // A later pipeline stage starts from the activations put in `xs[0]` (`stage_input_mut`).
+        if self.cfg.has_embed() {
+            let (w, _) = store.acquire(0, Access::Forward, Some((1, Access::Forward)));
+            embedding_forward(&mut a.xs[0], tokens, &w[pv.wte.clone()], pv.wpe.as_ref().map(|r| &w[r.clone()]), t, c);
+            store.release(0, Access::Forward);
+            if p_drop > 0.0 {
+                dropout_inplace(&mut a.xs[0], p_drop, site_seed(dropout_seed, 0));
+            }
         }
         let (kl, il) = a.slots();
         for (l, bp) in pv.blocks.iter().enumerate() {
@@ -351,6 +380,9 @@ impl Gpt {
                 a.moe_stats.push(st);
             }
             store.release(l + 1, Access::Forward);
+        }
+        if !self.cfg.has_head() {
+            return;
         }
         let x: &[f32] = a.xs.last().unwrap();
         let (w, _) = store.acquire(last, Access::Forward, then);
@@ -369,17 +401,13 @@ impl Gpt {
     /// [`Gpt::backward`] through `store`: units are acquired in reverse order and each is
     /// released as soon as its gradients are complete (the embeddings' last).
     pub fn backward_with(&mut self, store: &mut dyn UnitStore) {
+        self.ensure_scratch();
         let a = self.acts.as_mut().expect("backward before forward");
         let (b, t) = (a.b, a.t);
         let c = self.cfg.n_embd;
-        let (qw, fw, f) = (self.cfg.qkv_width(), self.cfg.fc_width(), self.cfg.ffn_hidden);
+        let (qw, f) = (self.cfg.qkv_width(), self.cfg.ffn_hidden);
+        let fw = self.cfg.fc_width();
         let n = b * t;
-        if self.scratch.is_none() {
-            self.scratch = Some(GradScratch {
-                dres: zeros(n * c), dln: zeros(n * c), dbranch: zeros(n * c), datty: zeros(n * self.cfg.attn_width()),
-                dqkv: zeros(n * qw), dfch: zeros(n * fw), dfch_gelu: zeros(n * f),
-            });
-        }
         let g = self.scratch.as_mut().unwrap();
         let frozen = self.lora.is_some();
         let lora = &mut self.lora;
@@ -392,11 +420,16 @@ impl Gpt {
         // Every unit is acquired and released even when no target counted (the gradients are
         // then zero): a store's collectives must run the same on every rank.
         let skip = a.count == 0;
-        // The head and the loss were differentiated in forward (fused): start from d ln_f.
-        g.dres.fill(0.0);
+        // The head and the loss were differentiated in forward (fused): start from d ln_f — or,
+        // on a pipeline stage before the last, from the output gradient the caller put in
+        // `stage_output_grad_mut()`.
+        let head = self.cfg.has_head();
+        if head {
+            g.dres.fill(0.0);
+        }
         let x_last: &[f32] = a.xs.last().unwrap();
         let (w, dw) = store.acquire(last, bwd, Some((last - 1, bwd)));
-        if !skip {
+        if !skip && head {
             let (dlnf_w, dlnf_b) = split_two(dw, &pv.ln_f_w, &pv.ln_f_b);
             ops.norm_backward(&mut g.dres, dlnf_w, dlnf_b, &a.dln_f, x_last, &w[pv.ln_f_w.clone()], &a.ln_f_mean, &a.ln_f_rstd);
         }
@@ -413,7 +446,7 @@ impl Gpt {
             }
             let x: &[f32] = &a.xs[l];
             let (k, i) = (&mut a.kept[kl(l)], &mut a.inner[il(l)]);
-            let site = 1 + 3 * l as u64;
+            let site = block_site(&self.cfg, l);
             // Re-run what forward did not keep, from what it kept (same kernels, same masks).
             match a.recompute {
                 Recompute::None => {}
@@ -483,7 +516,8 @@ impl Gpt {
         // x = drop(wte[tokens] + wpe)
         let emb = Access::Backward { params: false };
         let (_, dw) = store.acquire(0, emb, None);
-        if !skip {
+        // A later pipeline stage leaves its input's gradient in `dres` (`stage_input_grad`).
+        if !skip && self.cfg.has_embed() {
             let demb = branch_grad(&mut g.dbranch, &g.dres, p_drop, site_seed(seed, 0));
             match &pv.wpe {
                 Some(wpe) => {
@@ -509,30 +543,61 @@ impl Gpt {
     /// gradient scratch (one set, shared by all blocks in every policy) and LoRA's saved `x·Aᵀ`
     /// (`[B·T, r]` per adapter).
     pub fn activation_bytes(&self) -> usize {
-        let Some(a) = self.acts.as_ref() else { return 0 };
-        let f4 = std::mem::size_of::<f32>();
-        let v = |x: &Vec<f32>| x.len() * f4;
-        let moe_bytes = |m: &MoeCache| {
-            let tensor::moe::MoeDims { n, f, e, k, c, .. } = m.dims;
-            let r = n * k;
-            let big = r.max(n);
-            let public = (m.logits.len() + m.probs.len() + m.lse.len() + m.gates.len() + m.xe.len() + m.gu.len() + m.h.len() + m.eo.len() + m.sgu.len() + m.sh.len()) * f4
-                + (m.idx.len() + m.slot.len() + m.row_token.len()) * 4
-                + (m.offsets.len() + m.counts.len()) * std::mem::size_of::<usize>();
-            // The private backward scratch, sized as `MoeCache::new` sizes it.
-            public + (r * c + big * f + big * 2 * f + n * k + n * e) * f4
-        };
-        let kept = |k: &BlockKept| [&k.ln_1, &k.ln_1_mean, &k.ln_1_rstd, &k.res_2, &k.ln_2, &k.ln_2_mean, &k.ln_2_rstd].iter().map(|x| v(x)).sum::<usize>();
-        let inner = |i: &BlockInner| {
-            [&i.qkv, &i.atty, &i.attn_state, &i.fch, &i.fch_gelu].iter().map(|x| v(x)).sum::<usize>() + i.moe.as_ref().map_or(0, moe_bytes)
-        };
-        a.xs.iter().map(v).sum::<usize>()
-            + a.kept.iter().map(kept).sum::<usize>()
-            + a.inner.iter().map(inner).sum::<usize>()
-            + v(&a.branch)
-            + [&a.ln_f, &a.ln_f_mean, &a.ln_f_rstd, &a.dln_f, &a.head_scratch, &a.losses].iter().map(|x| v(x)).sum::<usize>()
-            + a.tokens.len() * 4
-            + a.targets.len() * 4
+        self.acts.as_ref().map_or(0, acts_bytes)
+    }
+
+    /// Takes the last forward's activations out of the model (the next forward allocates a
+    /// fresh set, or reuses one given back with [`Gpt::put_activations`]).
+    pub fn take_activations(&mut self) -> Option<Activations> {
+        self.acts.take().map(Activations)
+    }
+
+    /// Puts a micro-batch's activations back, for its backward (or for reuse by a forward of
+    /// the same shape).
+    pub fn put_activations(&mut self, a: Activations) {
+        self.acts = Some(a.0);
+    }
+
+    /// Pipeline stage without the embedding: the buffer of its input activations `[B, T, C]`
+    /// for the next forward at `(B, T)` (write the previous stage's output here).
+    pub fn stage_input_mut(&mut self, b: usize, t: usize) -> &mut [f32] {
+        self.ensure_acts(b, t);
+        &mut self.acts.as_mut().unwrap().xs[0]
+    }
+
+    /// Pipeline stage without the head: its output activations `[B, T, C]` from the last
+    /// forward (the next stage's input).
+    pub fn stage_output(&self) -> &[f32] {
+        self.acts.as_ref().expect("forward first").xs.last().unwrap()
+    }
+
+    /// Pipeline stage without the head: the buffer for the gradient of its output, to be
+    /// filled before [`Gpt::backward_with`] (the next stage's input gradient).
+    pub fn stage_output_grad_mut(&mut self) -> &mut [f32] {
+        self.ensure_scratch();
+        &mut self.scratch.as_mut().unwrap().dres
+    }
+
+    /// Pipeline stage without the embedding: the gradient of its input after the last
+    /// backward (for the previous stage).
+    pub fn stage_input_grad(&self) -> &[f32] {
+        &self.scratch.as_ref().expect("backward first").dres
+    }
+
+    /// Backward's gradient scratch, for the current activations' `(B, T)`.
+    fn ensure_scratch(&mut self) {
+        let a = self.acts.as_ref().expect("backward before forward");
+        let n = a.b * a.t;
+        let c = self.cfg.n_embd;
+        if self.scratch.as_ref().is_some_and(|g| g.dres.len() == n * c) {
+            return;
+        }
+        let (qw, fw, f) = (self.cfg.qkv_width(), self.cfg.fc_width(), self.cfg.ffn_hidden);
+        self.scratch = None;
+        self.scratch = Some(GradScratch {
+            dres: zeros(n * c), dln: zeros(n * c), dbranch: zeros(n * c), datty: zeros(n * self.cfg.attn_width()),
+            dqkv: zeros(n * qw), dfch: zeros(n * fw), dfch_gelu: zeros(n * f),
+        });
     }
 
     /// Routing statistics of each MoE layer in the last forward (empty for dense models).
@@ -547,6 +612,33 @@ impl Gpt {
 
 }
 
+/// Bytes held by one set of forward activations (see [`Gpt::activation_bytes`]).
+fn acts_bytes(a: &Acts) -> usize {
+    let f4 = std::mem::size_of::<f32>();
+    let v = |x: &Vec<f32>| x.len() * f4;
+    let moe_bytes = |m: &MoeCache| {
+        let tensor::moe::MoeDims { n, f, e, k, c, .. } = m.dims;
+        let r = n * k;
+        let big = r.max(n);
+        let public = (m.logits.len() + m.probs.len() + m.lse.len() + m.gates.len() + m.xe.len() + m.gu.len() + m.h.len() + m.eo.len() + m.sgu.len() + m.sh.len()) * f4
+            + (m.idx.len() + m.slot.len() + m.row_token.len()) * 4
+            + (m.offsets.len() + m.counts.len()) * std::mem::size_of::<usize>();
+        // The private backward scratch, sized as `MoeCache::new` sizes it.
+        public + (r * c + big * f + big * 2 * f + n * k + n * e) * f4
+    };
+    let kept = |k: &BlockKept| [&k.ln_1, &k.ln_1_mean, &k.ln_1_rstd, &k.res_2, &k.ln_2, &k.ln_2_mean, &k.ln_2_rstd].iter().map(|x| v(x)).sum::<usize>();
+    let inner = |i: &BlockInner| {
+        [&i.qkv, &i.atty, &i.attn_state, &i.fch, &i.fch_gelu].iter().map(|x| v(x)).sum::<usize>() + i.moe.as_ref().map_or(0, moe_bytes)
+    };
+    a.xs.iter().map(v).sum::<usize>()
+        + a.kept.iter().map(kept).sum::<usize>()
+        + a.inner.iter().map(inner).sum::<usize>()
+        + v(&a.branch)
+        + [&a.ln_f, &a.ln_f_mean, &a.ln_f_rstd, &a.dln_f, &a.head_scratch, &a.losses].iter().map(|x| v(x)).sum::<usize>()
+        + a.tokens.len() * 4
+        + a.targets.len() * 4
+}
+
 /// One block's forward from its input `x[B, T, C]` into its activations `k`, `i`, returning the
 /// MoE layer's routing statistics:
 /// `res_2 = x + drop(attn(norm_1(x)));  out = res_2 + drop(mlp(norm_2(res_2)))`.
@@ -557,7 +649,7 @@ fn block_forward(ops: &Ops, w: &[f32], bp: &BlockParams, lora: &mut Option<Lora>
     let cfg = ops.cfg;
     let (c, n) = (cfg.n_embd, ops.b * ops.t);
     let opt = |r: &Option<std::ops::Range<usize>>| r.as_ref().map(|r| &w[r.clone()]);
-    let site = 1 + 3 * l as u64;
+    let site = block_site(cfg, l);
     // res_2 = x + drop(attn(norm_1(x)))
     ops.norm_forward(&mut k.ln_1, &mut k.ln_1_mean, &mut k.ln_1_rstd, x, &w[bp.ln_1_w.clone()], opt(&bp.ln_1_b));
     attn_inner(ops, w, bp, lora, l, k, i, p_drop, dropout_seed);
@@ -592,7 +684,7 @@ fn attn_inner(ops: &Ops, w: &[f32], bp: &BlockParams, lora: &mut Option<Lora>, l
     if let Some(lo) = lora.as_mut() {
         lo.forward(l, Site::Qkv, &mut i.qkv, &k.ln_1, n, qw);
     }
-    ops.attn_forward(&mut i.atty, &mut i.attn_state, &mut i.qkv, p_drop, site_seed(dropout_seed, 1 + 3 * l as u64));
+    ops.attn_forward(&mut i.atty, &mut i.attn_state, &mut i.qkv, p_drop, site_seed(dropout_seed, block_site(cfg, l)));
 }
 
 /// The MLP from the kept `ln_2`: its hidden activations, and with `proj` its output (before

@@ -132,12 +132,16 @@ fn gpt2_layout(cfg: &GptConfig) -> (ParamLayout, GptParams) {
     // The attention width (C, or a tensor-parallel shard's share of the heads).
     let aw = cfg.attn_width();
     let std = 0.02f32;
-    let proj_std = std / ((2 * cfg.n_layer) as f32).sqrt();
+    let proj_std = std / ((2 * cfg.total_layers()) as f32).sqrt();
     let mut l = ParamLayout::default();
-    let wte = l.push("transformer.wte.weight".into(), vec![cfg.vocab_size, c], Init::Normal(std), false);
-    let wpe = l.push("transformer.wpe.weight".into(), vec![cfg.block_size, c], Init::Normal(std), false);
+    let (wte, wpe) = if cfg.has_embedding_unit() {
+        let wte = l.push("transformer.wte.weight".into(), vec![cfg.vocab_size, c], Init::Normal(std), false);
+        (wte, Some(l.push("transformer.wpe.weight".into(), vec![cfg.block_size, c], Init::Normal(std), false)))
+    } else {
+        (0..0, None)
+    };
     let mut blocks = Vec::new();
-    for i in 0..cfg.n_layer {
+    for i in cfg.first_layer()..cfg.first_layer() + cfg.n_layer {
         let p = format!("transformer.h.{i}.");
         let bias = |l: &mut ParamLayout, name: &str, n: usize| {
             cfg.bias.then(|| l.push(format!("{p}{name}.bias"), vec![n], Init::Zeros, false))
@@ -157,6 +161,10 @@ fn gpt2_layout(cfg: &GptConfig) -> (ParamLayout, GptParams) {
         let mlp_proj_b = bias(&mut l, "mlp.c_proj", c);
         blocks.push(BlockParams { ln_1_w, ln_1_b, c_attn_w, c_attn_b, attn_proj_w, attn_proj_b, ln_2_w, ln_2_b, c_fc_w, c_fc_b, mlp_proj_w, mlp_proj_b, moe: None });
     }
+    if !cfg.has_head() {
+        let end = l.total;
+        return (l, GptParams { wte, wpe, blocks, ln_f_w: end..end, ln_f_b: None, lm_head: 0..0 });
+    }
     let ln_f_w = l.push("transformer.ln_f.weight".into(), vec![c], Init::Ones, false);
     let ln_f_b = cfg.bias.then(|| l.push("transformer.ln_f.bias".into(), vec![c], Init::Zeros, false));
     let lm_head = if cfg.tied_embeddings {
@@ -164,18 +172,18 @@ fn gpt2_layout(cfg: &GptConfig) -> (ParamLayout, GptParams) {
     } else {
         l.push("lm_head.weight".into(), vec![cfg.vocab_size, c], Init::Normal(std), true)
     };
-    (l, GptParams { wte, wpe: Some(wpe), blocks, ln_f_w, ln_f_b, lm_head })
+    (l, GptParams { wte, wpe, blocks, ln_f_w, ln_f_b, lm_head })
 }
 
 /// LLaMA (Touvron et al. 2023) with Hugging Face `LlamaForCausalLM` names. No biases.
 fn llama_layout(cfg: &GptConfig) -> (ParamLayout, GptParams) {
     let (c, hs, f) = (cfg.n_embd, cfg.head_size(), cfg.ffn_hidden);
     let std = 0.02f32;
-    let proj_std = std / ((2 * cfg.n_layer) as f32).sqrt();
+    let proj_std = std / ((2 * cfg.total_layers()) as f32).sqrt();
     let mut l = ParamLayout::default();
-    let wte = l.push("model.embed_tokens.weight".into(), vec![cfg.vocab_size, c], Init::Normal(std), false);
+    let wte = if cfg.has_embedding_unit() { l.push("model.embed_tokens.weight".into(), vec![cfg.vocab_size, c], Init::Normal(std), false) } else { 0..0 };
     let mut blocks = Vec::new();
-    for i in 0..cfg.n_layer {
+    for i in cfg.first_layer()..cfg.first_layer() + cfg.n_layer {
         let p = format!("model.layers.{i}.");
         let ln_1_w = l.push(format!("{p}input_layernorm.weight"), vec![c], Init::Ones, false);
         let q = l.push(format!("{p}self_attn.q_proj.weight"), vec![cfg.n_head * hs, c], Init::Normal(std), true);
@@ -213,6 +221,10 @@ fn llama_layout(cfg: &GptConfig) -> (ParamLayout, GptParams) {
             ln_1_w, ln_1_b: None, c_attn_w: q.start..v.end, c_attn_b: None, attn_proj_w, attn_proj_b: None,
             ln_2_w, ln_2_b: None, c_fc_w, c_fc_b: None, mlp_proj_w, mlp_proj_b: None, moe,
         });
+    }
+    if !cfg.has_head() {
+        let end = l.total;
+        return (l, GptParams { wte, wpe: None, blocks, ln_f_w: end..end, ln_f_b: None, lm_head: 0..0 });
     }
     let ln_f_w = l.push("model.norm.weight".into(), vec![c], Init::Ones, false);
     let lm_head = if cfg.tied_embeddings {

@@ -196,3 +196,90 @@ impl Schedule {
         s
     }
 }
+
+/// How `n_layer` blocks are split into `k` consecutive stages: `explicit` layer counts (which
+/// must add up), or else balanced so that the costliest stage is as cheap as possible, each
+/// block costing `layer_cost` and the last stage also `head_cost` (the output head and loss;
+/// GPT-2 124M's head is worth about two blocks). Every stage gets at least one block. The
+/// error names `parallel.pp_layers`.
+pub fn split_layers(n_layer: usize, k: usize, explicit: &[usize], layer_cost: f64, head_cost: f64) -> Result<Vec<std::ops::Range<usize>>, String> {
+    if k > n_layer {
+        return Err(format!("{k} pipeline stages need at least {k} layers, the model has {n_layer} (model.n_layer)"));
+    }
+    let counts: Vec<usize> = if !explicit.is_empty() {
+        if explicit.len() != k || explicit.contains(&0) || explicit.iter().sum::<usize>() != n_layer {
+            return Err(format!(
+                "parallel.pp_layers = {explicit:?} must list {k} positive layer counts (pp × virtual stages) adding up to model.n_layer = {n_layer}"
+            ));
+        }
+        explicit.to_vec()
+    } else {
+        // Minimise the largest stage cost over contiguous splits, then the sum of squared
+        // stage costs (so the remainder spreads out); O(k·L²), L is small.
+        let cost = |a: usize, b: usize| (b - a) as f64 * layer_cost + if b == n_layer { head_cost } else { 0.0 };
+        let inf = (f64::INFINITY, f64::INFINITY);
+        // best[j][i]: the best (largest, sum of squares) splitting the first i layers into j stages.
+        let mut best = vec![vec![inf; n_layer + 1]; k + 1];
+        let mut from = vec![vec![0usize; n_layer + 1]; k + 1];
+        best[0][0] = (0.0, 0.0);
+        for j in 1..=k {
+            for i in j..=n_layer {
+                for a in (j - 1)..i {
+                    let (m, q) = best[j - 1][a];
+                    let c = cost(a, i);
+                    let cand = (m.max(c), q + c * c);
+                    // Ties go to the later cut: earlier stages take the extra layer.
+                    if cand.0 < best[j][i].0 || (cand.0 == best[j][i].0 && cand.1 <= best[j][i].1) {
+                        best[j][i] = cand;
+                        from[j][i] = a;
+                    }
+                }
+            }
+        }
+        let mut cuts = vec![n_layer];
+        let mut i = n_layer;
+        for j in (1..=k).rev() {
+            i = from[j][i];
+            cuts.push(i);
+        }
+        cuts.reverse();
+        cuts.windows(2).map(|w| w[1] - w[0]).collect()
+    };
+    let mut start = 0;
+    Ok(counts
+        .iter()
+        .map(|&c| {
+            let r = start..start + c;
+            start += c;
+            r
+        })
+        .collect())
+}
+
+/// The config of the pipeline stage holding blocks `layers` of `whole` (embedding on the
+/// first stage, final norm and head on the last).
+pub fn stage_config(whole: &model::GptConfig, layers: std::ops::Range<usize>) -> model::GptConfig {
+    assert!(whole.stage.is_none(), "stage_config of a stage");
+    let stage = model::config::Stage { first_layer: layers.start, total_layers: whole.n_layer, embed: layers.start == 0, head: layers.end == whole.n_layer };
+    model::GptConfig { n_layer: layers.len(), stage: Some(stage), ..whole.clone() }
+}
+
+/// A stage's parameters (laid out as `stage`) cut by name from the whole model's `whole`
+/// (laid out as `full`). Tensors keep their whole-model names, so this is a lookup.
+pub fn cut(full: &model::ParamLayout, whole: &[f32], stage: &model::ParamLayout) -> Vec<f32> {
+    let mut out = vec![0.0; stage.total];
+    for q in &stage.params {
+        let p = full.get(&q.name).unwrap_or_else(|| panic!("stage parameter {} is not in the whole model", q.name));
+        out[q.range()].copy_from_slice(&whole[p.range()]);
+    }
+    out
+}
+
+/// Writes a stage's parameters back into the whole model's buffer by name (the inverse of
+/// [`cut`]; a tied embedding on the last stage writes the same values as the first stage's).
+pub fn paste(full: &model::ParamLayout, whole: &mut [f32], stage: &model::ParamLayout, params: &[f32]) {
+    for q in &stage.params {
+        let p = full.get(&q.name).unwrap_or_else(|| panic!("stage parameter {} is not in the whole model", q.name));
+        whole[p.range()].copy_from_slice(&params[q.range()]);
+    }
+}
