@@ -5,7 +5,7 @@
 use crate::config::{self, padded_vocab, Raw, RunConfig};
 use crate::error::{user, Result};
 use crate::presets;
-use crate::step::{model_flops_per_token, single_rank, train_step, Optimizer};
+use crate::step::{model_flops_per_token, single_rank, train_step, Chunk, Optimizer, Pipeline};
 use model::Gpt;
 use serde_json::json;
 use std::path::PathBuf;
@@ -101,15 +101,16 @@ pub fn bench(args: &BenchArgs) -> Result<serde_json::Value> {
     let gcfg = cfg.gpt_config(real_vocab);
     let vp = if cfg.model.vocab_size > 0 { gcfg.vocab_size } else { padded_vocab(real_vocab) };
     let gcfg = model::GptConfig { vocab_size: vp, ..gcfg };
-    let (t, mb) = (cfg.model.block_size, cfg.micro_batch());
+    let t = cfg.model.block_size;
     let peak = peak_flops();
 
     let mut model = Gpt::new(gcfg, real_vocab.min(vp), cfg.train.seed);
     model.recompute = cfg.recompute();
-    let mut opt = Optimizer::new(&model.layout);
-    let mut dp = single_rank(&mut model);
+    let opt = Optimizer::new(&model.layout);
+    let dp = single_rank(&mut model);
+    let mut chunks = vec![Chunk { model, dp, opt, replicated: Vec::new() }];
+    let mut pipe = Pipeline::single(cfg.train.grad_accum, None);
     let mut rng = Rng::new(cfg.train.seed);
-    let (mut x, mut y) = (vec![0u32; mb * t], vec![0i32; mb * t]);
     let mut times = Vec::new();
     for s in 0..args.warmup + args.steps {
         if s == args.warmup {
@@ -117,7 +118,7 @@ pub fn bench(args: &BenchArgs) -> Result<serde_json::Value> {
             let _ = tensor::profile::take();
         }
         let t0 = Instant::now();
-        train_step(&mut model, &mut dp, None, &mut opt, &cfg, s as u64, &mut x, &mut y, |_, x, y| {
+        train_step(&mut chunks, &mut pipe, &cfg, s as u64, |_, x, y| {
             for (xi, yi) in x.iter_mut().zip(y.iter_mut()) {
                 *xi = rng.below(real_vocab as u64) as u32;
                 *yi = rng.below(real_vocab as u64) as i32;
@@ -132,7 +133,8 @@ pub fn bench(args: &BenchArgs) -> Result<serde_json::Value> {
     sorted.sort_by(f64::total_cmp);
     let median = sorted[sorted.len() / 2];
     let tokens = (cfg.train.batch_size * t) as f64;
-    let flops = model_flops_per_token(&model) * tokens;
+    let model = &chunks[0].model;
+    let flops = model_flops_per_token(model) * tokens;
     let mut out = json!({
         "preset": name,
         "threads": rayon::current_num_threads(),

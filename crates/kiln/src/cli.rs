@@ -19,6 +19,10 @@ struct Cli {
 enum Cmd {
     /// Train a model (default: the `tiny` preset on the Rust books of the local Rust install).
     Train(TrainCli),
+    /// Print the memory plan of the run `kiln train` would start with the same flags: per-rank
+    /// bytes for parameters, gradients, optimizer state, activations by component, temporary
+    /// and communication buffers; exit 2 if it exceeds --memory-limit.
+    Memory(MemoryCli),
     /// Generate text from a run's newest valid checkpoint.
     Generate(GenerateCli),
     /// Evaluate a run's newest valid checkpoint; prints one JSON object.
@@ -98,6 +102,24 @@ struct TrainCli {
     /// Tensor-parallel ranks (parallel.tp).
     #[arg(long)]
     tp: Option<usize>,
+    /// Pipeline stages (parallel.pp).
+    #[arg(long)]
+    pp: Option<usize>,
+    /// Micro-batches per step, the pipeline's (train.grad_accum).
+    #[arg(long)]
+    micro_batches: Option<usize>,
+    /// Pipeline schedule: gpipe, 1f1b or interleaved (parallel.schedule).
+    #[arg(long)]
+    schedule: Option<String>,
+    /// Model chunks per pipeline rank, interleaved schedule (parallel.virtual_stages).
+    #[arg(long = "virtual")]
+    virtual_stages: Option<usize>,
+    /// Layers per pipeline stage, comma-separated (parallel.pp_layers; default: balanced).
+    #[arg(long)]
+    pp_layers: Option<String>,
+    /// Record pipeline tasks per rank: off, wall or device (parallel.pp_trace).
+    #[arg(long)]
+    pp_trace: Option<String>,
     /// none or optimizer: AdamW moments in memory-mapped files (memory.offload).
     #[arg(long)]
     offload: Option<String>,
@@ -118,6 +140,31 @@ struct TrainCli {
     /// No progress output.
     #[arg(long)]
     quiet: bool,
+    /// Refuse to start when the memory plan needs more than SIZE per rank (memory.limit):
+    /// bytes, or e.g. 2GiB, 1500MB; 0 = no limit.
+    #[arg(long, value_name = "SIZE")]
+    memory_limit: Option<String>,
+}
+
+impl TrainCli {
+    /// The trainer's arguments (shared by `kiln train` and `kiln memory`). `--memory-limit`
+    /// becomes the last `--set memory.limit=…`, so it wins over the config file and `--set`.
+    fn args(&self) -> TrainArgs {
+        let mut set = self.set.clone();
+        if let Some(l) = &self.memory_limit {
+            set.push(format!("memory.limit={}", toml::Value::String(l.clone())));
+        }
+        TrainArgs { preset: self.preset.clone(), config: self.config.clone(), data: self.data.clone(), out: self.out.clone(), set, max_steps: self.max_steps, resume: self.resume, seed: self.seed, init_from: self.init_from.clone(), lora_rank: self.lora_rank, lora_alpha: self.lora_alpha, lora_targets: self.lora_targets.clone(), profile: self.profile, dp: self.dp, zero: self.zero, tp: self.tp, pp: self.pp, micro_batches: self.micro_batches, schedule: self.schedule.clone(), virtual_stages: self.virtual_stages, pp_layers: self.pp_layers.clone(), pp_trace: self.pp_trace.clone(), offload: self.offload.clone(), backend: self.backend.clone(), quiet: self.quiet }
+    }
+}
+
+#[derive(Args)]
+struct MemoryCli {
+    #[command(flatten)]
+    train: TrainCli,
+    /// Print the plan as one JSON object.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args)]
@@ -307,7 +354,7 @@ pub fn init_threads(n: usize) {
 fn dispatch(cmd: Cmd) -> Result<()> {
     match cmd {
         Cmd::Train(a) => {
-            let args = TrainArgs { preset: a.preset, config: a.config, data: a.data, out: a.out, set: a.set, max_steps: a.max_steps, resume: a.resume, seed: a.seed, init_from: a.init_from, lora_rank: a.lora_rank, lora_alpha: a.lora_alpha, lora_targets: a.lora_targets, profile: a.profile, dp: a.dp, zero: a.zero, tp: a.tp, offload: a.offload, backend: a.backend, quiet: a.quiet };
+            let args = a.args();
             let stop = Arc::new(AtomicBool::new(false));
             let s2 = stop.clone();
             let _ = ctrlc::set_handler(move || {
@@ -326,6 +373,12 @@ fn dispatch(cmd: Cmd) -> Result<()> {
                 return crate::supervise::run(&argv, args.preset.as_deref(), &sv, &stop);
             }
             trainer::train(&args, &stop).map(|_| ())
+        }
+        Cmd::Memory(m) => {
+            if m.train.supervise {
+                return user("kiln memory: --supervise applies to `kiln train` only");
+            }
+            crate::memory::cmd(&m.train.args(), m.json)
         }
         Cmd::Plot(a) => crate::obs::cmd::plot(&a).map_err(KilnError::User),
         Cmd::Runs(a) => crate::obs::cmd::runs(&a).map_err(KilnError::User),

@@ -195,6 +195,34 @@ pub struct ParallelSection {
     pub backend: String,
     /// Gradient all-reduce bucket size in MiB (stages 0 and 1).
     pub bucket_mb: f64,
+    /// Pipeline stages (consecutive layers each; the world is `pp × dp × tp` ranks). The
+    /// step's micro-batches are `train.grad_accum` (`--micro-batches`).
+    #[serde(default = "one")]
+    pub pp: usize,
+    /// Pipeline schedule: `gpipe`, `1f1b` or `interleaved`.
+    #[serde(default = "one_f_one_b")]
+    pub schedule: String,
+    /// Model chunks per pipeline rank (`interleaved` only).
+    #[serde(default = "one")]
+    pub virtual_stages: usize,
+    /// Layers per pipeline stage (`pp × virtual_stages` counts, adding up to `model.n_layer`);
+    /// empty: balanced by cost (the last stage also pays for the head).
+    #[serde(default)]
+    pub pp_layers: Vec<usize>,
+    /// Record each rank's pipeline tasks per step in `RUN/pipeline/rank-R.jsonl`: `off`,
+    /// `wall` (as they ran), or `device` (also compute one task at a time across the process,
+    /// so each task's time is uncontended; for measuring schedules on a machine with fewer
+    /// cores than ranks; needs dp = tp = 1).
+    #[serde(default = "off")]
+    pub pp_trace: String,
+}
+
+fn one_f_one_b() -> String {
+    "1f1b".into()
+}
+
+fn off() -> String {
+    "off".into()
 }
 
 fn one() -> usize {
@@ -208,11 +236,23 @@ pub struct MemorySection {
     /// `none`, or `optimizer`: AdamW's moments in memory-mapped files under the run directory
     /// (`offload/`), streamed through the update in chunks (ZeRO-Infinity's NVMe tier).
     pub offload: String,
+    /// The most one rank may hold, as planned before step 0 (`kiln memory`): a number of bytes
+    /// or a size such as `2GiB` or `1500MB`; `0` = no limit. A run whose plan exceeds it is
+    /// refused before anything is written.
+    #[serde(default = "no_limit")]
+    pub limit: String,
 }
+
+fn no_limit() -> String {
+    "0".into()
+}
+
+/// String keys that also take a plain integer (a number of bytes).
+const SIZE_KEYS: &[&str] = &["memory.limit"];
 
 impl Default for MemorySection {
     fn default() -> Self {
-        MemorySection { offload: "none".into() }
+        MemorySection { offload: "none".into(), limit: no_limit() }
     }
 }
 
@@ -241,7 +281,7 @@ impl Default for FaultSection {
 
 impl Default for ParallelSection {
     fn default() -> Self {
-        ParallelSection { dp: 1, zero: 0, tp: 1, backend: "inproc".into(), bucket_mb: 25.0 }
+        ParallelSection { dp: 1, zero: 0, tp: 1, backend: "inproc".into(), bucket_mb: 25.0, pp: 1, schedule: one_f_one_b(), virtual_stages: 1, pp_layers: Vec::new(), pp_trace: off() }
     }
 }
 
@@ -316,6 +356,7 @@ pub fn set_key(raw: &mut Raw, key: &str, value: toml::Value, origin: &str) -> Re
     };
     let value = match (old, value) {
         (toml::Value::Float(_), toml::Value::Integer(i)) => toml::Value::Float(i as f64),
+        (toml::Value::String(_), toml::Value::Integer(i)) if SIZE_KEYS.contains(&key) && i >= 0 => toml::Value::String(i.to_string()),
         (o, v) if std::mem::discriminant(o) == std::mem::discriminant(&v) => v,
         (o, v) => return user(format!("{origin}: config key `{key}` must be {}, got {} ({v})", type_name(o), type_name(&v))),
     };
@@ -438,6 +479,7 @@ impl RunConfig {
         if self.memory.offload != "none" && self.memory.offload != "optimizer" {
             return user(format!("memory.offload must be `none` or `optimizer`, got `{}`", self.memory.offload));
         }
+        crate::memory::parse_size(&self.memory.limit).map_err(|e| crate::error::KilnError::User(format!("memory.limit: {e}")))?;
         let p = &self.parallel;
         if p.backend != "inproc" && p.backend != "mpi" {
             return user(format!("parallel.backend must be `inproc` or `mpi`, got `{}`", p.backend));
@@ -466,6 +508,24 @@ impl RunConfig {
         }
         if p.dp > 0 {
             self.check_dp(p.dp)?;
+        }
+        if p.pp == 0 {
+            return user("parallel.pp must be positive, got 0");
+        }
+        if p.virtual_stages == 0 {
+            return user("parallel.virtual_stages must be positive, got 0");
+        }
+        let kind = parallel::pp::Kind::parse(&p.schedule).map_err(|e| crate::error::KilnError::User(format!("parallel.schedule: {e}")))?;
+        parallel::pp::Schedule::new(kind, p.pp, t.grad_accum, p.virtual_stages).map_err(|e| crate::error::KilnError::User(format!("parallel.schedule = {}: {e} (micro-batches are train.grad_accum, --micro-batches)", p.schedule)))?;
+        self.stage_layers(256)?;
+        if p.pp > 1 && self.lora.rank > 0 {
+            return user(format!("parallel.pp = {} with LoRA is not supported: the adapters are tiny; use data parallelism (parallel.dp)", p.pp));
+        }
+        if !["off", "wall", "device"].contains(&p.pp_trace.as_str()) {
+            return user(format!("parallel.pp_trace must be `off`, `wall` or `device`, got `{}`", p.pp_trace));
+        }
+        if p.pp_trace == "device" && (p.dp != 1 || p.tp != 1) {
+            return user(format!("parallel.pp_trace = device serialises compute across ranks, which needs parallel.dp = 1 and parallel.tp = 1 (got dp {} × tp {}); use `wall`", p.dp, p.tp));
         }
         Ok(())
     }
@@ -499,6 +559,7 @@ impl RunConfig {
             moe_aux_weight: m.moe_aux_weight as f32,
             moe_z_weight: m.moe_z_weight as f32,
             tp: 1,
+            stage: None,
         }
     }
 
@@ -555,6 +616,26 @@ impl RunConfig {
             ));
         }
         Ok(())
+    }
+
+    /// The pipeline's virtual stages as layer ranges (`parallel.pp × parallel.virtual_stages`
+    /// of them): as `parallel.pp_layers` lists, or balanced by cost (a block's FLOPs per
+    /// token, and the head's on the last stage).
+    /// `vocab` is the tokenizer's vocabulary size (the head's cost).
+    pub fn stage_layers(&self, vocab: usize) -> Result<Vec<std::ops::Range<usize>>> {
+        let p = &self.parallel;
+        let g = self.gpt_config(vocab);
+        let k = p.pp * p.virtual_stages;
+        let c = g.n_embd as f64;
+        // Per token: a block's matmuls (2 FLOPs per weight, forward) and attention; the head's V·C.
+        let layer = 2.0 * (c * g.qkv_width() as f64 + g.attn_width() as f64 * c + g.fc_width() as f64 * c + g.ffn_hidden as f64 * c) + 4.0 * c * g.block_size as f64;
+        let head = 2.0 * c * g.vocab_size as f64;
+        parallel::pp::split_layers(g.n_layer, k, &p.pp_layers, layer, head).map_err(crate::error::KilnError::User)
+    }
+
+    /// `memory.limit` in bytes (0 = none); checked by `validate`.
+    pub fn memory_limit(&self) -> u64 {
+        crate::memory::parse_size(&self.memory.limit).unwrap_or(0)
     }
 
     /// The activation recomputation policy of `model.recompute`.

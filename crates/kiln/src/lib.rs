@@ -8,6 +8,7 @@ pub mod cmd_plan;
 pub mod cli;
 pub mod config;
 pub mod error;
+pub mod memory;
 pub mod obs;
 pub mod presets;
 pub mod progress;

@@ -3,9 +3,12 @@
 //! stage), global-norm clipping, and AdamW over the pieces this rank owns.
 
 use crate::config::RunConfig;
+use model::gpt::Activations;
 use model::{Gpt, Pass};
+use parallel::pp;
 use parallel::DataParallel;
 use std::ops::Range;
+use std::time::Instant;
 use tensor::rng::mix64;
 use tensor::{adamw_update, profile, scale_in_place, sum_squares, AdamW};
 
@@ -164,66 +167,278 @@ pub struct StepOut {
     pub overlap: parallel::Overlap,
     /// Why the update was skipped (`None`: it was applied).
     pub skipped: Option<&'static str>,
+    /// Most bytes of forward activations this rank held at once (every chunk, every
+    /// micro-batch in flight), and the most micro-batches in flight.
+    pub peak_activation_bytes: usize,
+    pub peak_in_flight: usize,
 }
 
-/// Runs optimizer step `step` (0-based) on this rank: for each micro-batch, `fill(micro, x, y)`
-/// writes this rank's rows of it (`micro_batch / dp` sequences), then forward and backward
-/// through `dp` accumulate gradients scaled so that their sum over ranks is the gradient of
-/// the global micro-batch's mean loss, divided by `grad_accum`; then the reduction, clipping by
-/// the global norm, and the AdamW update of the pieces this rank owns. `tp` is the
-/// tensor-parallel group and the shard's replicated ranges, when the model is a shard.
+/// One model chunk a rank trains: a whole model, or a pipeline stage, or a tensor-parallel
+/// shard of either; the data-parallel store its passes go through, and its optimizer state.
+pub struct Chunk {
+    pub model: Gpt,
+    pub dp: DataParallel,
+    pub opt: Optimizer,
+    /// Flat ranges of `model` that every tensor-parallel rank holds whole (counted once in the
+    /// gradient norm); empty without tensor parallelism.
+    pub replicated: Vec<Range<usize>>,
+}
+
+/// How a rank's chunks sit in the pipeline, and the groups a step talks to beyond each chunk's
+/// data-parallel group. Without pipeline parallelism: one chunk, `p = 1`, the 1F1B schedule
+/// over the accumulation micro-batches (forward then backward of each in turn).
+pub struct Pipeline<'a> {
+    pub sched: pp::Schedule,
+    /// This rank's pipeline stage, `0..p`; chunk `c` is virtual stage `c·p + rank`.
+    pub rank: usize,
+    /// The pipeline group (`None` when `p = 1`).
+    pub comm: Option<&'a dyn parallel::Comm>,
+    /// The tensor-parallel group (for the gradient norm).
+    pub tp: Option<&'a dyn parallel::Comm>,
+    /// The first and last stages' group when they share a tied embedding (on those two ranks).
+    pub tie: Option<&'a dyn parallel::Comm>,
+    /// Record this step's tasks (see [`PipeTrace`]).
+    pub trace: Option<&'a mut PipeTrace>,
+}
+
+impl Pipeline<'_> {
+    /// One chunk, no pipeline: micro-batch after micro-batch.
+    pub fn single(accum: usize, tp: Option<&dyn parallel::Comm>) -> Pipeline<'_> {
+        Pipeline { sched: pp::Schedule::new(pp::Kind::OneFOneB, 1, accum, 1).expect("accum > 0"), rank: 0, comm: None, tp, tie: None, trace: None }
+    }
+}
+
+/// One traced task: forward or backward of micro-batch `mb` through chunk `chunk`, with its
+/// times in seconds from the step's start on two clocks. `wall_*`: this process's clock
+/// (waiting for messages included). `dev_*`: the rank's *device clock*, which advances only by
+/// the task's measured compute time and waits for messages by the sender's device time — the
+/// timeline the same tasks would have on ranks with a processor each, however many cores the
+/// ranks share here. With `exclusive`, tasks compute one at a time across the process, so each
+/// one's measured time is an uncontended one.
+#[derive(Clone, Copy, Debug, serde::Serialize)]
+pub struct TracedTask {
+    pub forward: bool,
+    pub mb: usize,
+    pub chunk: usize,
+    pub wall_start: f64,
+    pub wall_end: f64,
+    /// Of `wall_end − wall_start`, the time spent waiting for the input message.
+    pub wall_wait: f64,
+    pub dev_start: f64,
+    pub dev_end: f64,
+}
+
+/// A rank's record of one pipeline step.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct PipeTrace {
+    pub tasks: Vec<TracedTask>,
+    /// Compute tasks one at a time across the process (only safe when no collective runs
+    /// inside a pass: no tensor parallelism, no data parallelism).
+    #[serde(skip)]
+    pub exclusive: bool,
+}
+
+impl PipeTrace {
+    /// Idle over busy time on the device clock between the step's first start and last end
+    /// over all ranks (`end`, the step's device makespan) — the bubble as Narayanan et al.
+    /// define it, `(p−1)/m` for GPipe and 1F1B.
+    pub fn bubble(&self, end: f64) -> f64 {
+        let busy: f64 = self.tasks.iter().map(|t| t.dev_end - t.dev_start).sum();
+        (end - busy) / busy
+    }
+
+    pub fn dev_end(&self) -> f64 {
+        self.tasks.iter().map(|t| t.dev_end).fold(0.0, f64::max)
+    }
+}
+
+/// Serialises compute across the process's ranks in exclusive trace mode.
+static EXCLUSIVE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// Message tags between pipeline stages: activations across the boundary after virtual stage
+/// `b` (forward), and their gradients back (backward); device-clock stamps beside them.
+fn tag(boundary: usize, backward: bool, stamp: bool) -> u32 {
+    (4 * boundary + 2 * backward as usize + stamp as usize) as u32
+}
+
+/// f64 as two f32 bit patterns (a device-clock stamp in an f32 message).
+fn stamp_bits(x: f64) -> [f32; 2] {
+    let b = x.to_bits();
+    [f32::from_bits(b as u32), f32::from_bits((b >> 32) as u32)]
+}
+
+fn from_stamp(s: [f32; 2]) -> f64 {
+    f64::from_bits(s[0].to_bits() as u64 | ((s[1].to_bits() as u64) << 32))
+}
+
+/// Runs optimizer step `step` (0-based) on this rank's `chunks`: the pipeline schedule's
+/// forwards and backwards of the step's micro-batches (for each, `fill(micro, x, y)` writes
+/// this rank's rows of it, `micro_batch / dp` sequences), activations and their gradients
+/// passed between stages, each chunk's data-parallel store accumulating gradients scaled so that
+/// their sum over ranks is the gradient of the global batch's mean loss (divided by the
+/// micro-batch count); then the reductions, the tied embedding's two copies summed, clipping by
+/// the global norm, and the AdamW update of the pieces this rank owns.
 #[allow(clippy::too_many_arguments)]
 pub fn train_step(
-    model: &mut Gpt,
-    dp: &mut DataParallel,
-    tp: Option<(&dyn parallel::Comm, &[std::ops::Range<usize>])>,
-    opt: &mut Optimizer,
+    chunks: &mut [Chunk],
+    pipe: &mut Pipeline,
     cfg: &RunConfig,
     step: u64,
-    x: &mut [u32],
-    y: &mut [i32],
     mut fill: impl FnMut(usize, &mut [u32], &mut [i32]),
     mut veto: impl FnMut(f32, f64) -> Option<&'static str>,
 ) -> StepOut {
-    let (t, accum) = (cfg.model.block_size, cfg.train.grad_accum);
-    let rows = cfg.micro_batch() / dp.n();
-    dp.zero_grad();
-    if let Some(lo) = model.lora.as_mut() {
-        lo.grads.fill(0.0);
-    }
-    let mut sums = vec![0.0f64; 2 * accum];
-    for micro in 0..accum {
-        {
-            let _p = profile::scope("data");
-            fill(micro, x, y);
+    let t = cfg.model.block_size;
+    let (p, m, v, me) = (pipe.sched.p, pipe.sched.m, pipe.sched.v, pipe.rank);
+    assert_eq!(chunks.len(), v, "one chunk per virtual stage");
+    let dpn = chunks[0].dp.n();
+    let rows = cfg.micro_batch() / dpn;
+    for ch in chunks.iter_mut() {
+        ch.dp.zero_grad();
+        if let Some(lo) = ch.model.lora.as_mut() {
+            lo.grads.fill(0.0);
         }
-        let count = y.iter().filter(|&&v| v != model::gpt::IGNORE_INDEX).count();
-        let global = if dp.n() > 1 { dp.all_reduce_f64(&[count as f64])[0] } else { count as f64 };
-        // Per-token gradient scale 1/(global count · accum) on every rank.
-        let loss_scale = if global > 0.0 { (count as f64 / global / accum as f64) as f32 } else { 0.0 };
-        let pass = Pass::Train { dropout_seed: dropout_seed(cfg.train.seed, step, micro), loss_scale };
-        dp.begin_micro(micro + 1 == accum);
-        {
-            let _p = profile::scope("forward");
-            model.forward_with(dp, x, y, rows, t, pass);
-            sums[2 * micro] = model.losses().iter().map(|&l| l as f64).sum::<f64>();
-            sums[2 * micro + 1] = count as f64;
-        }
-        let _p = profile::scope("backward");
-        model.backward_with(dp);
     }
-    let overlap = {
-        let _p = profile::scope("grad_sync");
-        dp.finish_backward()
+    // The step's micro-batches (this rank's rows) and the global count of targets in each.
+    let data: Vec<(Vec<u32>, Vec<i32>)> = {
+        let _p = profile::scope("data");
+        (0..m).map(|micro| {
+            let (mut x, mut y) = (vec![0u32; rows * t], vec![0i32; rows * t]);
+            fill(micro, &mut x, &mut y);
+            (x, y)
+        }).collect()
     };
+    let counts: Vec<f64> = data.iter().map(|(_, y)| y.iter().filter(|&&v| v != model::gpt::IGNORE_INDEX).count() as f64).collect();
+    let global = if dpn > 1 { chunks[0].dp.all_reduce_f64(&counts) } else { counts.clone() };
+
+    let t0 = Instant::now();
+    let exclusive = pipe.trace.as_ref().is_some_and(|tr| tr.exclusive);
+    let mut clock = 0.0f64;
+    let mut traced = Vec::new();
+    let mut sums = vec![0.0f64; 2 * m];
+    // Activations of micro-batches between their forward and backward, per chunk; sets free
+    // for reuse.
+    let mut live: Vec<Vec<Option<Activations>>> = (0..v).map(|_| (0..m).map(|_| None).collect()).collect();
+    let mut free: Vec<Vec<Activations>> = (0..v).map(|_| Vec::new()).collect();
+    let (mut held, mut peak_bytes, mut in_flight, mut peak_in_flight) = (0usize, 0usize, 0usize, 0usize);
+    let last_vs = p * v - 1;
+    for task in pipe.sched.tasks(me) {
+        let c = task.chunk;
+        let vs = c * p + me;
+        let (first, last) = (vs == 0, vs == last_vs);
+        let ch = &mut chunks[c];
+        let (x, y) = &data[task.mb];
+        let w0 = t0.elapsed().as_secs_f64();
+        let mut ready = clock;
+        let recv_stamp = |comm: &dyn parallel::Comm, from: usize, tg: u32| {
+            let mut st = [0f32; 2];
+            comm.recv(&mut st, from, tg);
+            from_stamp(st)
+        };
+        let traced_on = pipe.trace.is_some();
+        if task.forward {
+            if let Some(a) = free[c].pop() {
+                ch.model.put_activations(a);
+            }
+            if !first {
+                let comm = pipe.comm.expect("pipeline group");
+                let _p = profile::scope("pp recv");
+                comm.recv(ch.model.stage_input_mut(rows, t), (vs - 1) % p, tag(vs - 1, false, false));
+                if traced_on {
+                    ready = ready.max(recv_stamp(comm, (vs - 1) % p, tag(vs - 1, false, true)));
+                }
+            }
+        } else {
+            ch.model.put_activations(live[c][task.mb].take().expect("forward before backward"));
+            if !last {
+                let comm = pipe.comm.expect("pipeline group");
+                let _p = profile::scope("pp recv");
+                comm.recv(ch.model.stage_output_grad_mut(), (vs + 1) % p, tag(vs, true, false));
+                if traced_on {
+                    ready = ready.max(recv_stamp(comm, (vs + 1) % p, tag(vs, true, true)));
+                }
+            }
+        }
+        let w1 = t0.elapsed().as_secs_f64();
+        let (c0, c1) = {
+            let _lock = exclusive.then(|| EXCLUSIVE.lock().unwrap_or_else(|e| e.into_inner()));
+            let c0 = Instant::now();
+            if task.forward {
+                let loss_scale = if global[task.mb] > 0.0 { (counts[task.mb] / global[task.mb] / m as f64) as f32 } else { 0.0 };
+                let pass = Pass::Train { dropout_seed: dropout_seed(cfg.train.seed, step, task.mb), loss_scale };
+                let _p = profile::scope("forward");
+                ch.model.forward_with(&mut ch.dp, x, y, rows, t, pass);
+            } else {
+                ch.dp.begin_micro(task.mb + 1 == m);
+                let _p = profile::scope("backward");
+                ch.model.backward_with(&mut ch.dp);
+            }
+            (c0, Instant::now())
+        };
+        let dev_start = ready;
+        clock = ready + (c1 - c0).as_secs_f64();
+        if task.forward {
+            if last {
+                sums[2 * task.mb] = ch.model.losses().iter().map(|&l| l as f64).sum::<f64>();
+                sums[2 * task.mb + 1] = counts[task.mb];
+            } else {
+                let comm = pipe.comm.expect("pipeline group");
+                comm.send(ch.model.stage_output(), (vs + 1) % p, tag(vs, false, false));
+                if traced_on {
+                    comm.send(&stamp_bits(clock), (vs + 1) % p, tag(vs, false, true));
+                }
+            }
+            let a = ch.model.take_activations().expect("forward made activations");
+            (held, in_flight) = (held + a.bytes(), in_flight + 1);
+            (peak_bytes, peak_in_flight) = (peak_bytes.max(held), peak_in_flight.max(in_flight));
+            live[c][task.mb] = Some(a);
+        } else {
+            if !first {
+                let comm = pipe.comm.expect("pipeline group");
+                comm.send(ch.model.stage_input_grad(), (vs - 1) % p, tag(vs - 1, true, false));
+                if traced_on {
+                    comm.send(&stamp_bits(clock), (vs - 1) % p, tag(vs - 1, true, true));
+                }
+            }
+            let a = ch.model.take_activations().expect("backward keeps its activations");
+            (held, in_flight) = (held - a.bytes(), in_flight - 1);
+            free[c].push(a);
+        }
+        if traced_on {
+            traced.push(TracedTask { forward: task.forward, mb: task.mb, chunk: c, wall_start: w0, wall_end: t0.elapsed().as_secs_f64(), wall_wait: w1 - w0, dev_start, dev_end: clock });
+        }
+    }
+    // Each model keeps its last activations (for its statistics, and the next step's reuse).
+    for (ch, f) in chunks.iter_mut().zip(&mut free) {
+        if let Some(a) = f.pop() {
+            ch.model.put_activations(a);
+        }
+    }
+    if let Some(tr) = pipe.trace.as_deref_mut() {
+        tr.tasks = traced;
+    }
+    let mut overlap = parallel::Overlap::default();
+    {
+        let _p = profile::scope("grad_sync");
+        for ch in chunks.iter_mut() {
+            let o = ch.dp.finish_backward();
+            (overlap.comm, overlap.exposed) = (overlap.comm + o.comm, overlap.exposed + o.exposed);
+        }
+    }
     let _p = profile::scope("optimizer");
-    let sums = if dp.n() > 1 { dp.all_reduce_f64(&sums) } else { sums };
-    let loss = (0..accum).map(|k| if sums[2 * k + 1] > 0.0 { sums[2 * k] / sums[2 * k + 1] } else { 0.0 }).sum::<f64>() / accum as f64;
+    // The loss lives on the last stage: summed over its data-parallel group, then taken from
+    // it by every stage.
+    let sums = if dpn > 1 { chunks[v - 1].dp.all_reduce_f64(&sums) } else { sums };
+    let sums = match pipe.comm {
+        Some(comm) => parallel::comm::all_gather_f64(comm, &sums)[(p - 1) * 2 * m..].to_vec(),
+        None => sums,
+    };
+    let loss = (0..m).map(|k| if sums[2 * k + 1] > 0.0 { sums[2 * k] / sums[2 * k + 1] } else { 0.0 }).sum::<f64>() / m as f64;
+    let out = |grad_norm: f64, skipped: Option<&'static str>, overlap: parallel::Overlap| StepOut { loss: loss as f32, grad_norm, overlap, skipped, peak_activation_bytes: peak_bytes, peak_in_flight };
     let (lr, clip) = (cfg.lr_at(step), cfg.train.grad_clip);
     if cfg.faults.inject_nan_steps.contains(&(step + 1)) {
-        match model.lora.as_mut() {
+        match chunks[0].model.lora.as_mut() {
             Some(lo) => lo.grads[0] = f32::NAN,
-            None => dp.for_each_piece(|p, _, g| if p.flat.start == 0 { g[0] = f32::NAN }),
+            None => chunks[0].dp.for_each_piece(|p, _, g| if p.flat.start == 0 && !g.is_empty() { g[0] = f32::NAN }),
         }
     }
     // The update is decided from the global loss and gradient norm, so every rank agrees.
@@ -233,38 +448,73 @@ pub fn train_step(
         }
         veto(loss, norm)
     };
-    let grad_norm = if let Some(lo) = model.lora.as_mut() {
-        dp.reduce_adapters(&mut lo.grads);
+    if chunks[0].model.lora.is_some() {
+        let ch = &mut chunks[0];
+        let lo = ch.model.lora.as_mut().unwrap();
+        ch.dp.reduce_adapters(&mut lo.grads);
         let norm = sum_squares(&lo.grads).sqrt();
         if let Some(why) = check(loss as f32, norm, &mut veto) {
-            return StepOut { loss: loss as f32, grad_norm: norm, overlap, skipped: Some(why) };
+            return out(norm, Some(why), overlap);
         }
         if clip > 0.0 && norm > clip {
             scale_in_place(&mut lo.grads, (clip / (norm + 1e-6)) as f32);
         }
-        opt.update(&mut lo.params, &lo.grads, cfg, lr, step + 1);
-        norm
-    } else {
-        // With tensor parallelism the shards' squares add up over the tp group; replicated
-        // parameters (identical on every tp rank) count once.
-        let norm = match tp {
-            Some((comm, replicated)) => {
-                let (sharded, repl) = dp.grad_sq_split(replicated);
-                (parallel::comm::sum_f64(comm, sharded) + repl).sqrt()
+        ch.opt.update(&mut lo.params, &lo.grads, cfg, lr, step + 1);
+        return out(norm, None, overlap);
+    }
+    // The tied embedding: the first stage's gradient (from the embedding) and the last
+    // stage's (from the head) are two parts of one gradient; both copies get the sum.
+    let tied = (0..v).filter(|&c| {
+        let vs = c * p + me;
+        chunks[c].model.cfg.tied_embeddings && (vs == 0 || vs == last_vs) && p * v > 1
+    });
+    let tied: Vec<usize> = tied.collect();
+    if !tied.is_empty() {
+        let _p = profile::scope("pp tied embedding");
+        let mut sum: Vec<f32> = chunks[tied[0]].dp.unit_grads_mut(0).to_vec();
+        for &c in &tied[1..] {
+            for (s, g) in sum.iter_mut().zip(chunks[c].dp.unit_grads_mut(0).iter()) {
+                *s += *g;
             }
-            None => dp.grad_norm(),
-        };
-        if let Some(why) = check(loss as f32, norm, &mut veto) {
-            return StepOut { loss: loss as f32, grad_norm: norm, overlap, skipped: Some(why) };
         }
-        if clip > 0.0 && norm > clip {
-            dp.scale_grads((clip / (norm + 1e-6)) as f32);
+        if let Some(tie) = pipe.tie {
+            tie.all_reduce_sum(&mut sum);
         }
-        dp.for_each_piece(|piece, params, grads| opt.update_piece(params, grads, piece, cfg, lr, step + 1));
-        dp.after_update();
-        norm
+        for &c in &tied {
+            chunks[c].dp.unit_grads_mut(0).copy_from_slice(&sum);
+        }
+    }
+    // Global norm: per chunk over its data-parallel group, tensor-parallel shards added
+    // (replicated parameters once), then the pipeline's stages added (the tied embedding once:
+    // not on the last stage).
+    let (mut sharded, mut repl) = (0.0, 0.0);
+    for (c, ch) in chunks.iter_mut().enumerate() {
+        let vs = c * p + me;
+        let skip: Vec<Range<usize>> = if vs == last_vs && tied.contains(&c) && vs != 0 { vec![ch.model.units[0].clone()] } else { Vec::new() };
+        let (a, b) = ch.dp.grad_sq_split(&ch.replicated, &skip);
+        (sharded, repl) = (sharded + a, repl + b);
+    }
+    let sq = match pipe.tp {
+        Some(comm) => parallel::comm::sum_f64(comm, sharded) + repl,
+        None => sharded + repl,
     };
-    StepOut { loss: loss as f32, grad_norm, overlap, skipped: None }
+    let norm = match pipe.comm {
+        Some(comm) => parallel::comm::sum_f64(comm, sq),
+        None => sq,
+    }
+    .sqrt();
+    if let Some(why) = check(loss as f32, norm, &mut veto) {
+        return out(norm, Some(why), overlap);
+    }
+    for ch in chunks.iter_mut() {
+        if clip > 0.0 && norm > clip {
+            ch.dp.scale_grads((clip / (norm + 1e-6)) as f32);
+        }
+        let opt = &mut ch.opt;
+        ch.dp.for_each_piece(|piece, params, grads| opt.update_piece(params, grads, piece, cfg, lr, step + 1));
+        ch.dp.after_update();
+    }
+    out(norm, None, overlap)
 }
 
 /// A single-rank [`DataParallel`] over `model` (its own communication thread does nothing).

@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 use tensor::rng::mix64;
-use crate::step::{hardware_flops_per_token, model_flops_per_token, train_step, trainable, trainable_layout, Optimizer, StepOut};
+use crate::step::{hardware_flops_per_token, model_flops_per_token, train_step, trainable, trainable_layout, Chunk, Optimizer, StepOut};
 use tensor::Rng;
 
 #[derive(Clone, Debug, Default)]
@@ -43,6 +43,15 @@ pub struct TrainArgs {
     pub dp: Option<usize>,
     pub zero: Option<usize>,
     pub tp: Option<usize>,
+    /// Pipeline flags: `parallel.pp`, `train.grad_accum` (the micro-batches),
+    /// `parallel.schedule`, `parallel.virtual_stages`, `parallel.pp_layers` (comma-separated),
+    /// `parallel.pp_trace`.
+    pub pp: Option<usize>,
+    pub micro_batches: Option<usize>,
+    pub schedule: Option<String>,
+    pub virtual_stages: Option<usize>,
+    pub pp_layers: Option<String>,
+    pub pp_trace: Option<String>,
     pub offload: Option<String>,
     pub backend: Option<String>,
     pub quiet: bool,
@@ -57,7 +66,7 @@ pub struct Summary {
 
 /// Builds the raw config from a base and the user's overrides, in order: file, `--set`,
 /// then the dedicated flags (`--data`, `--max-steps`, `--seed`).
-fn layered(base: &RunConfig, args: &TrainArgs) -> Result<RunConfig> {
+pub(crate) fn layered(base: &RunConfig, args: &TrainArgs) -> Result<RunConfig> {
     let mut raw: Raw = base.to_raw();
     if let Some(p) = &args.config {
         config::apply_file(&mut raw, p)?;
@@ -89,6 +98,25 @@ fn layered(base: &RunConfig, args: &TrainArgs) -> Result<RunConfig> {
     }
     if let Some(t) = args.tp {
         raw.insert("parallel.tp".into(), toml::Value::Integer(t as i64));
+    }
+    let int = |x: usize| toml::Value::Integer(x as i64);
+    for (key, v) in [("parallel.pp", args.pp), ("train.grad_accum", args.micro_batches), ("parallel.virtual_stages", args.virtual_stages)] {
+        if let Some(v) = v {
+            raw.insert(key.into(), int(v));
+        }
+    }
+    for (key, v) in [("parallel.schedule", &args.schedule), ("parallel.pp_trace", &args.pp_trace)] {
+        if let Some(v) = v {
+            raw.insert(key.into(), toml::Value::String(v.clone()));
+        }
+    }
+    if let Some(l) = &args.pp_layers {
+        let mut list = Vec::new();
+        for x in l.split(',').map(str::trim).filter(|x| !x.is_empty()) {
+            let n: usize = x.parse().map_err(|_| KilnError::User(format!("--pp-layers: `{x}` is not a layer count (expected e.g. 3,3,2)")))?;
+            list.push(int(n));
+        }
+        raw.insert("parallel.pp_layers".into(), toml::Value::Array(list));
     }
     if let Some(b) = &args.backend {
         raw.insert("parallel.backend".into(), toml::Value::String(b.clone()));
@@ -188,6 +216,43 @@ pub fn evaluate(m: &mut Gpt, toks: &Tokens, t: usize, batch: usize, max_batches:
 /// forward is collective). Returns (sum of losses, tokens counted), to be summed over ranks.
 #[allow(clippy::too_many_arguments)]
 pub fn eval_sums(m: &mut Gpt, mut store: Option<&mut dyn model::UnitStore>, toks: &Tokens, t: usize, batch: usize, max_batches: usize, rank: usize, n: usize) -> (f64, usize) {
+    eval_batches(toks, t, batch, max_batches, rank, n, |x, y| {
+        match store.as_deref_mut() {
+            Some(s) => m.forward_with(s, x, y, batch, t, Pass::Eval),
+            None => m.forward(x, y, batch, t, Pass::Eval),
+        };
+        m.losses().iter().map(|&l| l as f64).sum::<f64>()
+    })
+}
+
+/// [`eval_sums`] through a pipeline: each batch runs forward through every virtual stage in
+/// turn (this rank's chunks `c` are stages `c·p + me`), activations passed on; the losses
+/// come out of the last stage, whose ranks alone return a nonzero sum.
+#[allow(clippy::too_many_arguments)]
+fn eval_sums_pipeline(chunks: &mut [Chunk], pp: &dyn Comm, me: usize, toks: &Tokens, t: usize, batch: usize, max_batches: usize, rank: usize, n: usize) -> (f64, usize) {
+    let (p, v) = (pp.size(), chunks.len());
+    eval_batches(toks, t, batch, max_batches, rank, n, |x, y| {
+        let mut sum = 0.0;
+        for vs in (0..p * v).filter(|vs| vs % p == me) {
+            let ch = &mut chunks[vs / p];
+            if vs > 0 {
+                pp.recv(ch.model.stage_input_mut(batch, t), (vs - 1) % p, (1 << 20) + vs as u32);
+            }
+            ch.model.forward_with(&mut ch.dp, x, y, batch, t, Pass::Eval);
+            if vs + 1 < p * v {
+                pp.send(ch.model.stage_output(), (vs + 1) % p, (1 << 20) + vs as u32 + 1);
+            } else {
+                sum = ch.model.losses().iter().map(|&l| l as f64).sum::<f64>();
+            }
+        }
+        sum
+    })
+}
+
+/// The evaluation batches of `toks` for rank `rank` of `n`, each given to `forward` (which
+/// returns its sum of losses). Returns (sum of losses, tokens counted).
+#[allow(clippy::too_many_arguments)]
+fn eval_batches(toks: &Tokens, t: usize, batch: usize, max_batches: usize, rank: usize, n: usize, mut forward: impl FnMut(&[u32], &[i32]) -> f64) -> (f64, usize) {
     let n_windows = (toks.len() - 1) / t;
     let mut offsets: Vec<usize> = (0..n_windows).map(|k| k * t).collect();
     if max_batches > 0 {
@@ -202,11 +267,7 @@ pub fn eval_sums(m: &mut Gpt, mut store: Option<&mut dyn model::UnitStore>, toks
         x.fill(0);
         y.fill(IGNORE_INDEX);
         fill_windows(toks, chunk, t, &mut x, &mut y);
-        match store.as_deref_mut() {
-            Some(s) => m.forward_with(s, &x, &y, batch, t, Pass::Eval),
-            None => m.forward(&x, &y, batch, t, Pass::Eval),
-        };
-        sum += m.losses().iter().map(|&l| l as f64).sum::<f64>();
+        sum += forward(&x, &y);
         count += chunk.len() * t;
     }
     (sum, count)
@@ -320,9 +381,11 @@ fn train_once(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
     check_data_fits(&cfg, &ds)?;
     let gcfg = cfg.gpt_config(ds.tokenizer.vocab_size());
     cfg.model.vocab_size = gcfg.vocab_size;
+    // memory: refuse a run whose plan exceeds memory.limit, before anything is written (issue 7).
+    crate::memory::plan_run(&cfg, &gcfg, &ds)?.check_limit()?;
 
     // 3. The ranks: this process alone, threads in it, or MPI processes.
-    let world = cfg.parallel.dp * cfg.parallel.tp;
+    let world = cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp;
     let ctx = Ctx { args, cfg, ds: &ds, run_dir, saved_cfg_path, resume_from, init: std::sync::Mutex::new(init) };
     match ctx.cfg.parallel.backend.as_str() {
         "mpi" => run_mpi(&ctx, stop),
@@ -384,13 +447,14 @@ fn run_mpi(ctx: &Ctx, stop: &AtomicBool) -> Result<Summary> {
     let world = parallel::mpi::init().map_err(KilnError::User)?;
     let comm = world.world();
     let n = comm.size();
-    let tp = ctx.cfg.parallel.tp;
+    let (tp, pp) = (ctx.cfg.parallel.tp, ctx.cfg.parallel.pp);
     let dp = ctx.cfg.parallel.dp;
-    if n % tp != 0 || (dp != 0 && dp * tp != n) {
-        let want = if dp == 0 { format!("a multiple of parallel.tp = {tp}") } else { format!("dp {dp} × tp {tp} = {}", dp * tp) };
-        return user(format!("parallel.dp = {dp} but mpirun started {n} processes, not {want}: pass --dp {} (or --dp 0 to take the MPI world size)", n / tp.max(1)));
+    let other = tp * pp;
+    if n % other != 0 || (dp != 0 && dp * other != n) {
+        let want = if dp == 0 { format!("a multiple of parallel.tp × parallel.pp = {other}") } else { format!("pp {pp} × dp {dp} × tp {tp} = {}", dp * other) };
+        return user(format!("parallel.dp = {dp} but mpirun started {n} processes, not {want}: pass --dp {} (or --dp 0 to take the MPI world size)", n / other.max(1)));
     }
-    ctx.cfg.check_dp(n / tp)?;
+    ctx.cfg.check_dp(n / other)?;
     // Every process has checked the run directory before rank 0 creates it.
     comm.barrier();
     let out = run_rank(ctx, &comm, stop);
@@ -410,18 +474,26 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
     let gcfg = cfg.gpt_config(ds.tokenizer.vocab_size());
     let t = cfg.model.block_size;
     let mb = cfg.micro_batch();
-    let tpn = cfg.parallel.tp;
-    let dpn = world / tpn;
-    // The mesh (tp fastest: tensor-parallel peers are neighbours) and this rank's groups: the
-    // data-parallel store's, the model's tensor-parallel hooks', and one for whole-model
-    // gathers and the gradient norm.
-    let mesh = parallel::DeviceMesh::new(&[(parallel::Axis::Dp, dpn), (parallel::Axis::Tp, tpn)], world).map_err(KilnError::User)?;
-    let dp_comm = parallel::mesh_group(comm, &mesh, parallel::Axis::Dp);
-    let tp_hooks_comm = parallel::mesh_group(comm, &mesh, parallel::Axis::Tp);
+    let (tpn, ppn, vn) = (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.virtual_stages);
+    let dpn = world / (tpn * ppn);
+    // The mesh (pp slowest, tp fastest: tensor-parallel peers are neighbours, pipeline stages
+    // farthest apart) and this rank's groups: per model chunk, the data-parallel store's and
+    // the tensor-parallel hooks'; one tensor-parallel group for whole-model gathers and the
+    // gradient norm; the pipeline group.
+    let mesh = parallel::DeviceMesh::new(&[(parallel::Axis::Pp, ppn), (parallel::Axis::Dp, dpn), (parallel::Axis::Tp, tpn)], world).map_err(KilnError::User)?;
+    let dp_comms: Vec<Box<dyn Comm>> = (0..vn).map(|_| parallel::mesh_group(comm, &mesh, parallel::Axis::Dp)).collect();
+    let tp_hooks_comms: Vec<Box<dyn Comm>> = (0..vn).map(|_| parallel::mesh_group(comm, &mesh, parallel::Axis::Tp)).collect();
     let tp_comm = parallel::mesh_group(comm, &mesh, parallel::Axis::Tp);
-    let (dp_rank, tp_rank) = (dp_comm.rank(), tp_comm.rank());
+    let pp_comm = parallel::mesh_group(comm, &mesh, parallel::Axis::Pp);
+    let (dp_rank, tp_rank, pp_rank) = (dp_comms[0].rank(), tp_comm.rank(), pp_comm.rank());
+    // The first and last pipeline stages share a tied embedding: their own group.
+    let tie_group: Vec<usize> = if pp_rank == 0 || pp_rank + 1 == ppn { vec![0, ppn - 1] } else { vec![pp_rank] };
+    let tie_group: Vec<usize> = tie_group.into_iter().collect::<std::collections::BTreeSet<_>>().into_iter().collect();
+    let tie_comm = pp_comm.split(&tie_group);
     let rows = mb / dpn;
     let zero = cfg.parallel.zero as u8;
+    let stages = cfg.stage_layers(ds.tokenizer.vocab_size())?;
+    let pipelined = stages.len() > 1;
 
     // Model, optimizer state, sampler.
     let init = if lead { ctx.init.lock().unwrap().take() } else { None };
@@ -431,8 +503,8 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
             m.real_vocab = ds.tokenizer.vocab_size();
             m
         }
-        // Tensor-parallel ranks each cut their shard from the base.
-        None if !cfg.model.init_from.is_empty() && tpn > 1 => {
+        // Tensor-parallel and pipeline ranks each cut their part from the base.
+        None if !cfg.model.init_from.is_empty() && (tpn > 1 || pipelined) => {
             let mut m = run::load_base(Path::new(&cfg.model.init_from))?;
             m.cfg.dropout = gcfg.dropout;
             m.real_vocab = ds.tokenizer.vocab_size();
@@ -470,34 +542,58 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
         tokens_seen = l.state.tokens_seen;
         elapsed_prev = l.state.elapsed_s;
     }
-    // Tensor parallel: keep this rank's shard of the whole model (and of its moments).
     let full_layout = model.layout.clone();
-    let mut tp_replicated = Vec::new();
-    if tpn > 1 {
-        let local_cfg = parallel::tp::local_config(&model.cfg, tpn).map_err(KilnError::User)?;
-        let mut local = Gpt::zeroed(local_cfg, model.real_vocab);
-        local.params = parallel::tp::shard(&full_layout, &model.params, &local.layout, tp_rank, tpn);
-        local.recompute = model.recompute;
-        local.tp = Some(Box::new(parallel::tp::TpComm { comm: tp_hooks_comm, c: model.cfg.n_embd }));
-        if let Some((m, v)) = moments.take() {
-            moments = Some((parallel::tp::shard(&full_layout, &m, &local.layout, tp_rank, tpn), parallel::tp::shard(&full_layout, &v, &local.layout, tp_rank, tpn)));
+    let whole_cfg = model.cfg.clone();
+    let recompute = model.recompute;
+    // This rank's chunks: its pipeline stages' layers (the whole model without a pipeline),
+    // each cut to this rank's tensor-parallel shard, with its moments.
+    let mut parts: Vec<(Gpt, Option<(Vec<f32>, Vec<f32>)>)> = Vec::new();
+    if pipelined {
+        for c in 0..vn {
+            let mut st = Gpt::zeroed(parallel::pp::stage_config(&whole_cfg, stages[c * ppn + pp_rank].clone()), model.real_vocab);
+            st.params = parallel::pp::cut(&full_layout, &model.params, &st.layout);
+            let mv = moments.as_ref().map(|(m, v)| (parallel::pp::cut(&full_layout, m, &st.layout), parallel::pp::cut(&full_layout, v, &st.layout)));
+            parts.push((st, mv));
         }
-        tp_replicated = parallel::tp::replicated_ranges(&local.layout);
-        model = local;
+        drop(model);
+    } else {
+        parts.push((model, moments));
     }
     let bucket_elems = ((cfg.parallel.bucket_mb * 1024.0 * 1024.0 / 4.0) as usize).max(1);
-    let mut dp = parallel::DataParallel::new(dp_comm, &mut model, zero, bucket_elems);
-    let mut opt = if model.lora.is_some() { Optimizer::new(trainable_layout(&model)) } else { Optimizer::with_len(&model.layout, dp.moments_len()) };
-    if let Some((m, v)) = moments {
-        let sharded = model.lora.is_none() && zero > 0;
-        let (m, v) = if sharded { (dp.shards.take(&m), dp.shards.take(&v)) } else { (m, v) };
-        (opt.m, opt.v) = (crate::step::Moments::Mem(m), crate::step::Moments::Mem(v));
+    // Each chunk's layout before the tensor-parallel cut (what `whole` goes back to).
+    let mut stage_layouts = Vec::new();
+    let mut chunks: Vec<Chunk> = Vec::new();
+    for (c, (((mut m, mut mv), dp_comm), tp_hooks)) in parts.into_iter().zip(dp_comms).zip(tp_hooks_comms).enumerate() {
+        m.recompute = recompute;
+        stage_layouts.push(m.layout.clone());
+        let mut replicated = Vec::new();
+        if tpn > 1 {
+            let local_cfg = parallel::tp::local_config(&m.cfg, tpn).map_err(KilnError::User)?;
+            let mut local = Gpt::zeroed(local_cfg, m.real_vocab);
+            local.params = parallel::tp::shard(&m.layout, &m.params, &local.layout, tp_rank, tpn);
+            local.recompute = recompute;
+            local.tp = Some(Box::new(parallel::tp::TpComm { comm: tp_hooks, c: m.cfg.n_embd }));
+            if let Some((mm, vv)) = mv.take() {
+                mv = Some((parallel::tp::shard(&m.layout, &mm, &local.layout, tp_rank, tpn), parallel::tp::shard(&m.layout, &vv, &local.layout, tp_rank, tpn)));
+            }
+            replicated = parallel::tp::replicated_ranges(&local.layout);
+            m = local;
+        }
+        let dp = parallel::DataParallel::new(dp_comm, &mut m, zero, bucket_elems);
+        let mut opt = if m.lora.is_some() { Optimizer::new(trainable_layout(&m)) } else { Optimizer::with_len(&m.layout, dp.moments_len()) };
+        if let Some((mm, vv)) = mv {
+            let sharded = m.lora.is_none() && zero > 0;
+            let (mm, vv) = if sharded { (dp.shards.take(&mm), dp.shards.take(&vv)) } else { (mm, vv) };
+            (opt.m, opt.v) = (crate::step::Moments::Mem(mm), crate::step::Moments::Mem(vv));
+        }
+        if cfg.memory.offload == "optimizer" {
+            let dir = run_dir.join("offload").join(if vn > 1 { format!("rank{rank}-chunk{c}") } else { format!("rank{rank}") });
+            opt.offload(&dir).map_err(|e| io_err(&dir, e))?;
+        }
+        chunks.push(Chunk { model: m, dp, opt, replicated });
     }
-    if cfg.memory.offload == "optimizer" {
-        let dir = run_dir.join("offload").join(format!("rank{rank}"));
-        opt.offload(&dir).map_err(|e| io_err(&dir, e))?;
-    }
-
+    // memory: charge the model state to its tracking categories (issue 7).
+    chunks.iter_mut().for_each(|ch| crate::memory::attribute(&ch.model, &mut ch.dp, &ch.opt));
     // The run directory.
     let tok_json = ds.tokenizer.to_json();
     let mut metrics = None;
@@ -520,20 +616,33 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
         ds.description, run_dir.display()
     ));
     if world > 1 {
-        say(&format!("parallel: {world} ranks ({}): dp {dpn} × tp {tpn}, ZeRO stage {zero}, {rows} sequences per data-parallel rank per micro-batch", cfg.parallel.backend));
+        say(&format!("parallel: {world} ranks ({}): pp {ppn} × dp {dpn} × tp {tpn}, ZeRO stage {zero}, {rows} sequences per data-parallel rank per micro-batch", cfg.parallel.backend));
+    }
+    // memory: the plan, before step 0 (issue 7).
+    say(crate::memory::plan_run(cfg, &whole_cfg, ds)?.table().trim_end());
+    if pipelined {
+        let layers: Vec<usize> = stages.iter().map(|r| r.len()).collect();
+        say(&format!("pipeline: {} schedule, {} micro-batches, {vn} chunk(s) per rank; layers per stage {layers:?}", cfg.parallel.schedule, cfg.train.grad_accum));
     }
     if let Some(l) = resume_from {
         say(&format!("resuming from {} (step {step})", l.dir.display()));
     }
 
-    let (mut x, mut y) = (vec![0u32; rows * t], vec![0i32; rows * t]);
     let started = Instant::now();
+    let sched = parallel::pp::Schedule::new(parallel::pp::Kind::parse(&cfg.parallel.schedule).map_err(KilnError::User)?, ppn, cfg.train.grad_accum, vn).map_err(KilnError::User)?;
+    let tied = whole_cfg.tied_embeddings && ppn > 1 && tie_comm.size() > 1;
+    let mut pipe_trace = (cfg.parallel.pp_trace != "off").then(|| crate::step::PipeTrace { tasks: Vec::new(), exclusive: cfg.parallel.pp_trace == "device" });
+    if pipe_trace.is_some() {
+        let dir = run_dir.join("pipeline");
+        fs::create_dir_all(&dir).map_err(|e| io_err(&dir, e))?;
+    }
     let mut last_val = None;
     let mut interrupted = false;
     // Checkpoints hold the whole model (or the adapters alone).
-    let layout = model.lora.as_ref().map_or(&full_layout, |lo| &lo.layout).clone();
+    let layout = chunks[0].model.lora.as_ref().map_or(&full_layout, |lo| &lo.layout).clone();
 
     reset_peak_rss();
+    crate::memory::track::reset_peaks();
     let mut trace_until = args.profile.map(|n| step + n);
     if trace_until.is_some() {
         if lead {
@@ -562,10 +671,11 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
         let lr = cfg.lr_at(step);
         let offsets = sample_offsets(&mut sampler, ds.train.len(), t, cfg.train.batch_size);
         let before = counters.snapshot();
-        let tp_norm = (tpn > 1).then(|| (&*tp_comm, &tp_replicated[..]));
+        // memory: the activation buffers, allocated under their tracking category (a no-op once they fit).
+        chunks.iter_mut().for_each(|ch| crate::memory::track::scope(crate::memory::track::Category::Activations, || ch.model.reserve_activations(rows, t)));
         let out = if marked.contains(&(step + 1)) {
             // Drawn (the sampler stays in step with the uninterrupted run) but not trained on.
-            StepOut { loss: f32::NAN, grad_norm: f64::NAN, overlap: Default::default(), skipped: Some("batch marked by a rollback") }
+            StepOut { loss: f32::NAN, grad_norm: f64::NAN, overlap: Default::default(), skipped: Some("batch marked by a rollback"), peak_activation_bytes: 0, peak_in_flight: 0 }
         } else {
             let spike = |loss: f32, _: f64| -> Option<&'static str> {
                 if fc.spike_zscore <= 0.0 || recent.len() < fc.spike_window.max(2) {
@@ -576,13 +686,38 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
                 let sd = (recent.iter().map(|x| (x - mean) * (x - mean)).sum::<f64>() / (n - 1.0)).sqrt();
                 ((loss as f64 - mean) > fc.spike_zscore * sd.max(1e-12)).then_some("loss spike")
             };
-            train_step(&mut model, &mut dp, tp_norm, &mut opt, cfg, step, &mut x, &mut y, |micro, x, y| {
+            let mut pipe = crate::step::Pipeline {
+                sched: sched.clone(),
+                rank: pp_rank,
+                comm: (ppn > 1).then_some(&*pp_comm),
+                tp: (tpn > 1).then_some(&*tp_comm),
+                tie: tied.then_some(&*tie_comm),
+                trace: pipe_trace.as_mut(),
+            };
+            train_step(&mut chunks, &mut pipe, cfg, step, |micro, x, y| {
                 let first = micro * mb + dp_rank * rows;
                 fill_windows(&ds.train, &offsets[first..first + rows], t, x, y);
             }, spike)
         };
         let comm_bytes = counters.snapshot().since(&before);
         let loss = out.loss;
+        // The pipeline trace: this rank's tasks, and the bubble against the step's makespan
+        // over every stage (collective over the pipeline group).
+        let mut bubble = None;
+        if let Some(tr) = pipe_trace.as_mut().filter(|_| out.peak_in_flight > 0) {
+            let end = if ppn > 1 { parallel::comm::all_gather_f64(&*pp_comm, &[tr.dev_end()]).into_iter().fold(0.0, f64::max) } else { tr.dev_end() };
+            let b = tr.bubble(end);
+            bubble = Some(b);
+            let line = serde_json::json!({
+                "step": step + 1, "rank": rank, "pp_rank": pp_rank, "schedule": cfg.parallel.schedule, "pp": ppn, "micro_batches": sched.m, "virtual_stages": vn,
+                "clock": cfg.parallel.pp_trace, "bubble": b, "makespan_s": end,
+                "peak_activation_bytes": out.peak_activation_bytes, "peak_in_flight": out.peak_in_flight, "tasks": tr.tasks,
+            });
+            let path = run_dir.join("pipeline").join(format!("rank-{rank:03}.jsonl"));
+            let mut f = fs::OpenOptions::new().create(true).append(true).open(&path).map_err(|e| io_err(&path, e))?;
+            use std::io::Write;
+            writeln!(f, "{line}").map_err(|e| io_err(&path, e))?;
+        }
         if let Some(why) = out.skipped {
             if why.starts_with("non-finite") && !fc.skip_nonfinite {
                 return Err(KilnError::Internal(format!("loss is {loss}, gradient norm {} at step {}: stopping (the last checkpoint is intact)", out.grad_norm, step + 1)));
@@ -631,10 +766,13 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
                 "kind": "train", "step": step, "loss": loss, "lr": lr, "grad_norm": out.grad_norm,
                 "tokens_per_sec": tps, "mfu": mfu, "elapsed_s": elapsed,
             });
-            if model.recompute != model::gpt::Recompute::None {
+            if recompute != model::gpt::Recompute::None {
                 line["hfu"] = (hw_flops_per_token * tps / peak).into();
             }
-            add_moe_stats(&mut line, model.moe_stats());
+            add_moe_stats(&mut line, chunks[0].model.moe_stats());
+            if let Some(b) = bubble {
+                line["pp_bubble"] = b.into();
+            }
             if world > 1 {
                 line["comm_bytes_sent"] = comm_bytes.bytes_sent().into();
                 line["comm_bytes_recv"] = comm_bytes.bytes_recv().into();
@@ -650,12 +788,16 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
                 line["comm_exposed_s"] = out.overlap.exposed.as_secs_f64().into();
                 line["comm_hidden_fraction"] = out.overlap.hidden_fraction().into();
             }
-            let sb = dp.state_bytes();
-            let lora = model.lora.as_ref().map_or(0, |lo| lo.params.len() * 4);
-            line["mem_params_bytes"] = (sb.params + lora).into();
-            line["mem_grads_bytes"] = (sb.grads + lora).into();
-            let optim = (opt.m.len() + opt.v.len()) * 4;
-            let offloaded = matches!(opt.m, crate::step::Moments::File { .. });
+            let (mut params_b, mut grads_b, mut transient_b, mut optim) = (0, 0, 0, 0);
+            for ch in &chunks {
+                let sb = ch.dp.state_bytes();
+                let lora = ch.model.lora.as_ref().map_or(0, |lo| lo.params.len() * 4);
+                (params_b, grads_b, transient_b) = (params_b + sb.params + lora, grads_b + sb.grads + lora, transient_b + sb.peak_transient);
+                optim += (ch.opt.m.len() + ch.opt.v.len()) * 4;
+            }
+            line["mem_params_bytes"] = params_b.into();
+            line["mem_grads_bytes"] = grads_b.into();
+            let offloaded = matches!(chunks[0].opt.m, crate::step::Moments::File { .. });
             line["mem_optim_bytes"] = (if offloaded { 0 } else { optim }).into();
             if offloaded {
                 line["mem_optim_offloaded_bytes"] = optim.into();
@@ -663,8 +805,12 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
             if let Some(hwm) = peak_rss() {
                 line["mem_rss_peak_bytes"] = hwm.into();
             }
-            line["mem_activations_bytes"] = model.activation_bytes().into();
-            line["mem_transient_peak_bytes"] = sb.peak_transient.into();
+            line["mem_activations_bytes"] = out.peak_activation_bytes.into();
+            if pipelined {
+                line["pp_peak_in_flight"] = out.peak_in_flight.into();
+            }
+            line["mem_transient_peak_bytes"] = transient_b.into();
+            crate::memory::track::log_peaks(&mut line);
             metrics.log(&line).map_err(KilnError::User)?;
         }
         if lead {
@@ -684,13 +830,21 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
         if every(cfg.eval.interval) || last {
             let _p = tensor::profile::scope("eval");
             let eb = if cfg.eval.batch_size == 0 { mb } else { cfg.eval.batch_size };
-            let (sum, count) = eval_sums(&mut model, Some(&mut dp), &ds.val, t, eb, cfg.eval.iters, dp_rank, dpn);
+            chunks.iter_mut().for_each(|ch| crate::memory::track::scope(crate::memory::track::Category::Activations, || ch.model.reserve_activations(eb, t)));
+            let (sum, count) = if pipelined {
+                eval_sums_pipeline(&mut chunks, &*pp_comm, pp_rank, &ds.val, t, eb, cfg.eval.iters, dp_rank, dpn)
+            } else {
+                let ch = &mut chunks[0];
+                eval_sums(&mut ch.model, Some(&mut ch.dp), &ds.val, t, eb, cfg.eval.iters, dp_rank, dpn)
+            };
             let (sum, count) = if dpn > 1 {
-                let r = dp.all_reduce_f64(&[sum, count as f64]);
+                let r = chunks[vn - 1].dp.all_reduce_f64(&[sum, count as f64]);
                 (r[0], r[1] as usize)
             } else {
                 (sum, count)
             };
+            // The losses are the last stage's.
+            let sum = if ppn > 1 { parallel::comm::all_gather_f64(&*pp_comm, &[sum])[ppn - 1] } else { sum };
             let vl = sum / count.max(1) as f64;
             last_val = Some(vl);
             if let Some(metrics) = metrics.as_mut() {
@@ -708,20 +862,31 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
             let ck0 = Instant::now();
             // With several ranks and whole-model weights, every rank writes its slice of every
             // tensor (a LoRA run's tiny adapters are written whole by rank 0).
-            let sharded = world > 1 && model.lora.is_none();
+            let sharded = world > 1 && chunks[0].model.lora.is_none();
             let writes = lead || sharded;
-            let plain = tpn == 1 && zero == 0;
+            let plain = tpn == 1 && zero == 0 && !pipelined;
             // The whole parameters and moments: borrowed when this rank holds them, else gathered
-            // from the shards (collective).
+            // from the shards, the tensor-parallel ranks and the pipeline stages (collective).
             use std::borrow::Cow;
-            let (fp, fm, fv): (Cow<[f32]>, Cow<[f32]>, Cow<[f32]>) = match &model.lora {
-                Some(lo) => (Cow::Borrowed(&lo.params[..]), Cow::Borrowed(&opt.m[..]), Cow::Borrowed(&opt.v[..])),
-                None if plain => (Cow::Borrowed(dp.local_params()), Cow::Borrowed(&opt.m[..]), Cow::Borrowed(&opt.v[..])),
-                None => {
-                    let p = whole(&*tp_comm, &full_layout, &model.layout, dp.full_params());
-                    let (m, v) = if zero > 0 { (dp.gather_shards(&opt.m), dp.gather_shards(&opt.v)) } else { (opt.m.to_vec(), opt.v.to_vec()) };
-                    (Cow::Owned(p), Cow::Owned(whole(&*tp_comm, &full_layout, &model.layout, m)), Cow::Owned(whole(&*tp_comm, &full_layout, &model.layout, v)))
+            let lora = chunks[0].model.lora.is_some();
+            let (fp, fm, fv): (Cow<[f32]>, Cow<[f32]>, Cow<[f32]>) = if lora || plain {
+                let ch = &mut chunks[0];
+                let p = match &ch.model.lora {
+                    Some(lo) => &lo.params[..],
+                    None => ch.dp.local_params(),
+                };
+                (Cow::Borrowed(p), Cow::Borrowed(&ch.opt.m[..]), Cow::Borrowed(&ch.opt.v[..]))
+            } else {
+                let (mut ps, mut ms, mut vs) = (Vec::new(), Vec::new(), Vec::new());
+                for ch in chunks.iter_mut() {
+                    ps.push(ch.dp.full_params());
+                    let (m, v) = if zero > 0 { (ch.dp.gather_shards(&ch.opt.m), ch.dp.gather_shards(&ch.opt.v)) } else { (ch.opt.m.to_vec(), ch.opt.v.to_vec()) };
+                    ms.push(m);
+                    vs.push(v);
                 }
+                let locals: Vec<model::ParamLayout> = chunks.iter().map(|c| c.model.layout.clone()).collect();
+                let w = |bufs| whole_model(&*tp_comm, &*pp_comm, &whole_cfg, &stages, &stage_layouts, &locals, bufs);
+                (Cow::Owned(w(ps)), Cow::Owned(w(ms)), Cow::Owned(w(vs)))
             };
             let part = if sharded {
                 // Rank 0 empties the shared temporary directory before anyone writes into it.
@@ -811,13 +976,22 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
     }
     progress.finish();
     writer.finish()?;
-    dp.restore(&mut model);
-    if tpn > 1 {
-        // The whole model again, for the sample.
-        let mut full = Gpt::zeroed(cfg.gpt_config(ds.tokenizer.vocab_size()), model.real_vocab);
-        full.params = whole(&*tp_comm, &full_layout, &model.layout, std::mem::take(&mut model.params));
-        model = full;
+    let mut locals = Vec::new();
+    let mut bufs = Vec::new();
+    for Chunk { mut model, dp, .. } in chunks {
+        dp.restore(&mut model);
+        locals.push(model.layout.clone());
+        bufs.push(model);
     }
+    let model = if tpn > 1 || pipelined {
+        // The whole model again, for the sample.
+        let mut full = Gpt::zeroed(cfg.gpt_config(ds.tokenizer.vocab_size()), bufs[0].real_vocab);
+        let params = bufs.iter_mut().map(|m| std::mem::take(&mut m.params)).collect();
+        full.params = whole_model(&*tp_comm, &*pp_comm, &whole_cfg, &stages, &stage_layouts, &locals, params);
+        full
+    } else {
+        bufs.pop().unwrap()
+    };
     if !lead {
         return Ok(Summary { run_dir: run_dir.clone(), step, val_loss: last_val, interrupted });
     }
@@ -846,6 +1020,19 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
         println!("--- sample (step {step}) ---\n{text}\n---");
     }
     Ok(Summary { run_dir: run_dir.clone(), step, val_loss: last_val, interrupted })
+}
+
+/// The whole model's buffer from this rank's chunks' `bufs` (each laid out as `locals[c]`, a
+/// tensor-parallel shard of a pipeline stage laid out as `stage_layouts[c]`): collective over
+/// the tensor-parallel group `tp` and the pipeline group `pp`.
+#[allow(clippy::too_many_arguments)]
+fn whole_model(tp: &dyn parallel::Comm, pp: &dyn parallel::Comm, whole_cfg: &model::GptConfig, stages: &[std::ops::Range<usize>], stage_layouts: &[model::ParamLayout], locals: &[model::ParamLayout], bufs: Vec<Vec<f32>>) -> Vec<f32> {
+    let per_stage: Vec<Vec<f32>> = bufs.into_iter().enumerate().map(|(c, b)| whole(tp, &stage_layouts[c], &locals[c], b)).collect();
+    if stages.len() == 1 {
+        return per_stage.into_iter().next().unwrap();
+    }
+    let refs: Vec<&[f32]> = per_stage.iter().map(|b| &b[..]).collect();
+    parallel::pp::gather_whole(pp, whole_cfg, stages, &refs)
 }
 
 /// The whole-model buffer from this rank's tensor-parallel shard `local` (collective over

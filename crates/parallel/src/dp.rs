@@ -318,16 +318,34 @@ impl DataParallel {
         }
     }
 
+    /// This rank's reduced gradients of unit `u`: the whole unit at stage 0, the elements it
+    /// owns above (the same positions on every replica of the same layout).
+    pub fn unit_grads_mut(&mut self, u: usize) -> &mut [f32] {
+        self.worker.wait_all();
+        let range = self.shards.units[u].clone();
+        let own = self.shards.own(u, self.shards.rank);
+        match self.zero {
+            0 => &mut self.grads[range],
+            1 => &mut self.grads[range.start + own.start..range.start + own.end],
+            _ => {
+                let off = self.shards.offset[u];
+                &mut self.shard_grads[off..off + own.len()]
+            }
+        }
+    }
+
     /// The global gradient norm (collective).
     pub fn grad_norm(&mut self) -> f64 {
-        let (a, b) = self.grad_sq_split(&[]);
+        let (a, b) = self.grad_sq_split(&[], &[]);
         (a + b).sqrt()
     }
 
     /// The squared gradient norm over the data-parallel group, split into the part outside
-    /// `replicated` (flat ranges) and the part inside (collective). Each (unit, rank) chunk's
-    /// partials are taken in flat order and summed in (unit, rank) order.
-    pub fn grad_sq_split(&mut self, replicated: &[Range<usize>]) -> (f64, f64) {
+    /// `replicated` (flat ranges) and the part inside (collective), leaving out the elements
+    /// in `skip` (a copy counted elsewhere, e.g. a pipeline's tied embedding on its last
+    /// stage). Each (unit, rank) chunk's partials are taken in flat order and summed in
+    /// (unit, rank) order.
+    pub fn grad_sq_split(&mut self, replicated: &[Range<usize>], skip: &[Range<usize>]) -> (f64, f64) {
         self.worker.wait_all();
         let (n, u) = (self.shards.n, self.shards.units.len());
         // parts[2·(u·n + r) + {0, 1}]: chunk (u, r)'s sums of squares outside / inside.
@@ -335,16 +353,22 @@ impl DataParallel {
         let chunk_sq = |g: &[f32], flat: usize| -> (f64, f64) {
             let (mut a, mut b) = (0.0, 0.0);
             let mut i = 0;
+            let within = |set: &[Range<usize>], at: usize| set.iter().find(|r| r.start <= at && at < r.end).map(|r| r.end);
             while i < g.len() {
                 let at = flat + i;
-                let inside = replicated.iter().find(|r| r.start <= at && at < r.end);
-                let next = match inside {
-                    Some(r) => r.end,
-                    None => replicated.iter().map(|r| r.start).filter(|&s| s > at).min().unwrap_or(usize::MAX),
-                };
+                let (inside, skipped) = (within(replicated, at), within(skip, at));
+                // The run of elements in the same class as `at`: up to the next boundary.
+                let next = [inside, skipped]
+                    .into_iter()
+                    .flatten()
+                    .chain(replicated.iter().chain(skip).map(|r| r.start).filter(|&s| s > at))
+                    .min()
+                    .unwrap_or(usize::MAX);
                 let j = (next - flat).min(g.len());
-                let sq = tensor::sum_squares(&g[i..j]);
-                if inside.is_some() { b += sq } else { a += sq }
+                if skipped.is_none() {
+                    let sq = tensor::sum_squares(&g[i..j]);
+                    if inside.is_some() { b += sq } else { a += sq }
+                }
                 i = j;
             }
             (a, b)

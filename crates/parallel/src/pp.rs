@@ -283,3 +283,35 @@ pub fn paste(full: &model::ParamLayout, whole: &mut [f32], stage: &model::ParamL
         whole[p.range()].copy_from_slice(&params[q.range()]);
     }
 }
+
+/// The whole model's buffer (laid out as `gpt_layout(whole)`) on every rank of the pipeline
+/// group `comm`, from each rank's chunks: `mine[c]` holds virtual stage `c·p + rank`'s
+/// parameters (or any per-parameter buffer, e.g. an optimizer moment) laid out as that stage,
+/// `stages` every virtual stage's layers. Collective over `comm` (an all-gather, each rank's
+/// chunks zero-padded to the longest rank's). A tied embedding is taken from the first stage.
+pub fn gather_whole(comm: &dyn crate::Comm, whole: &model::GptConfig, stages: &[std::ops::Range<usize>], mine: &[&[f32]]) -> Vec<f32> {
+    let p = comm.size();
+    let v = stages.len() / p;
+    assert_eq!(mine.len(), v, "one buffer per chunk");
+    let (full, _) = model::layout::gpt_layout(whole);
+    let layouts: Vec<model::ParamLayout> = stages.iter().map(|r| model::layout::gpt_layout(&stage_config(whole, r.clone())).0).collect();
+    let rank_len = |r: usize| (0..v).map(|c| layouts[c * p + r].total).sum::<usize>();
+    let width = (0..p).map(rank_len).max().unwrap_or(0);
+    let mut send = vec![0.0f32; width];
+    let mut at = 0;
+    for (c, buf) in mine.iter().enumerate() {
+        assert_eq!(buf.len(), layouts[c * p + comm.rank()].total);
+        send[at..at + buf.len()].copy_from_slice(buf);
+        at += buf.len();
+    }
+    let mut all = vec![0.0f32; width * p];
+    comm.all_gather(&send, &mut all);
+    let mut out = vec![0.0f32; full.total];
+    // Later stages first, so the first stage's embedding is the one that stays.
+    for vs in (0..stages.len()).rev() {
+        let (r, c) = (vs % p, vs / p);
+        let off = r * width + (0..c).map(|k| layouts[k * p + r].total).sum::<usize>();
+        paste(&full, &mut out, &layouts[vs], &all[off..off + layouts[vs].total]);
+    }
+    out
+}

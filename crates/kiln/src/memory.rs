@@ -1,0 +1,636 @@
+//! The memory plan: what one rank of a run will hold, computed from its resolved config before
+//! anything is allocated (`kiln memory`, the table printed before step 0, `memory.limit`).
+//!
+//! It counts what kiln *allocates*, buffer by buffer, not a textbook formula: the parameter,
+//! gradient and moment buffers as `parallel::DataParallel` keeps them for the ZeRO stage (with
+//! `Shards`' padding), the activation buffers as `Gpt::ensure_acts` lays them out for the
+//! recomputation policy (checked against `Gpt::activation_bytes` in `tests/it/memory.rs`),
+//! backward's gradient scratch (`GradScratch`), the MoE caches (`tensor::moe::MoeCache`), the
+//! head's chunk of logits (`tensor::classifier::chunk_rows`), ZeRO-2/3's transient unit buffers
+//! (by replaying the acquire/release sequence of a step against the store's rules), the
+//! data-parallel communication temporaries, LoRA's adapters, and the checkpoint snapshot.
+//!
+//! Bytes per element are a [`Precision`], so bf16 / fp16 / fp8 storage (issue 7) only adds a
+//! constant; kiln trains in fp32 today.
+//!
+//! Not modelled (each at most a few MiB): per-thread kernel scratch pools, gemm's packing
+//! buffers, the tokenizer, thread stacks, allocator slack; with `memory.offload = optimizer`
+//! the moments' pages being updated (4 MiB of each at a time, mapped file pages, not heap).
+
+pub mod track;
+
+use crate::config::RunConfig;
+use crate::error::{user, KilnError, Result};
+use model::gpt::Recompute;
+use model::{Access, GptConfig};
+use serde_json::json;
+
+/// Bytes per element of each kind of buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Precision {
+    pub name: &'static str,
+    pub param: usize,
+    pub grad: usize,
+    pub act: usize,
+    /// Each AdamW moment.
+    pub optim: usize,
+    /// fp32 master weights kept beside lower-precision parameters (0 when the parameters are
+    /// the master copy).
+    pub master: usize,
+}
+
+/// kiln today: everything in fp32, the parameters are their own master copy.
+pub const FP32: Precision = Precision { name: "fp32", param: 4, grad: 4, act: 4, optim: 4, master: 0 };
+
+/// Where a row's bytes sit in a rank's timeline.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    /// Held across steps (allocated at start-up or in the first step, then reused).
+    Held,
+    /// Held only at a moment of the step (the most held at once).
+    Step,
+    /// Held during evaluation instead of the training activations.
+    Eval,
+    /// Held while a checkpoint is taken.
+    Checkpoint,
+}
+
+/// What a row holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Parameters,
+    Gradients,
+    Optimizer,
+    Activations,
+    Temporary,
+    Communication,
+    Other,
+}
+
+impl Kind {
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::Parameters => "parameters",
+            Kind::Gradients => "gradients",
+            Kind::Optimizer => "optimizer state",
+            Kind::Activations => "activations",
+            Kind::Temporary => "temporary",
+            Kind::Communication => "communication",
+            Kind::Other => "other",
+        }
+    }
+
+    /// The tracking allocator's category these bytes are charged to in a training run.
+    pub fn tracked(self) -> track::Category {
+        match self {
+            Kind::Parameters => track::Category::Params,
+            Kind::Gradients => track::Category::Grads,
+            Kind::Optimizer => track::Category::Optimizer,
+            Kind::Activations => track::Category::Activations,
+            Kind::Temporary | Kind::Communication | Kind::Other => track::Category::Other,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Row {
+    pub kind: Kind,
+    pub phase: Phase,
+    pub name: &'static str,
+    pub bytes: u64,
+    pub detail: String,
+}
+
+/// One rank's plan, plus what its process adds.
+#[derive(Clone, Debug)]
+pub struct MemoryPlan {
+    pub precision: Precision,
+    /// Per rank (every rank of a run holds the same, up to rank 0's checkpoint duties, which
+    /// are counted).
+    pub rows: Vec<Row>,
+    /// The most one rank holds during a training step before the first checkpoint.
+    pub step_peak: u64,
+    /// The most one rank holds during evaluation.
+    pub eval_peak: u64,
+    /// The most one rank holds while a checkpoint is taken.
+    pub checkpoint_peak: u64,
+    /// The run's per-rank peak: the largest of the three, with the checkpoint snapshot's
+    /// buffers, which are kept for reuse from the first checkpoint on.
+    pub total: u64,
+    /// Ranks that share one process (in-process ranks are threads; MPI ranks are processes).
+    pub ranks_per_process: usize,
+    /// Token streams held in memory (memory-mapped shards are not), once per process.
+    pub data_bytes: u64,
+    /// `memory.limit` in bytes (0 = none).
+    pub limit: u64,
+    /// A line naming the layout, for the table's title.
+    pub layout: String,
+}
+
+/// The activation buffers of one `(B, T)` set, by component, in bytes (what
+/// `Gpt::activation_bytes` reports after `Gpt::reserve_activations(b, t)`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Activations {
+    /// The residual stream between blocks (`L + 1` of `[B, T, C]`), the kept residual between
+    /// each block's branches, and the one branch buffer.
+    pub residual: u64,
+    /// q|k|v, the attention output and FlashAttention's log-sum-exp (no `T×T` matrix).
+    pub attention: u64,
+    /// The MLP's hidden activations (GELU / SwiGLU input and output), or the MoE layers'
+    /// routing, dispatch, expert activations and backward scratch.
+    pub mlp: u64,
+    /// The norms' outputs and statistics (each block's two, and the final norm).
+    pub norms: u64,
+    /// The head: one chunk of logits and the gradient of the final norm's output.
+    pub head: u64,
+    /// Per-position losses, tokens and targets.
+    pub losses: u64,
+}
+
+impl Activations {
+    pub fn total(&self) -> u64 {
+        self.residual + self.attention + self.mlp + self.norms + self.head + self.losses
+    }
+
+    fn times(self, k: u64) -> Activations {
+        Activations { residual: self.residual * k, attention: self.attention * k, mlp: self.mlp * k, norms: self.norms * k, head: self.head * k, losses: self.losses * k }
+    }
+}
+
+/// The activation buffers `Gpt::ensure_acts` allocates for a model `cfg` (this rank's: a
+/// tensor-parallel shard, a pipeline stage's layers) at `(b, t)` under `recompute`, for one
+/// micro-batch. A pipeline stage holds one such set per micro-batch in flight.
+pub fn activation_set(cfg: &GptConfig, b: usize, t: usize, recompute: Recompute, p: &Precision) -> Activations {
+    let (c, nh, vp) = (cfg.n_embd, cfg.n_head, cfg.vocab_size);
+    let (qw, aw) = (cfg.qkv_width(), cfg.attn_width());
+    let n = b * t;
+    let hn = if cfg.has_head() { n } else { 0 };
+    let l = cfg.n_layer;
+    let (n_kept, n_inner) = match recompute {
+        Recompute::None => (l, l),
+        Recompute::Selective => (l, 1),
+        Recompute::Full => (1, 1),
+    };
+    let a = p.act as u64;
+    let f = |elems: usize| elems as u64 * a;
+    let mlp_inner = if cfg.is_moe() { moe_cache_bytes(cfg, n, p) } else { f(n * cfg.fc_width() + n * cfg.ffn_hidden) };
+    Activations {
+        residual: f((l + 1) * n * c) + n_kept as u64 * f(n * c) + f(n * c),
+        attention: n_inner as u64 * f(n * qw + n * aw + b * nh * t),
+        mlp: n_inner as u64 * mlp_inner,
+        norms: n_kept as u64 * f(2 * (n * c + 2 * n)) + f(hn * c + 2 * hn),
+        head: f(hn * c) + f(tensor::classifier::chunk_rows(hn, vp) * vp),
+        // losses are activations; tokens (u32) and targets (i32) are 4 bytes whatever the precision
+        losses: f(n) + 8 * n as u64,
+    }
+}
+
+/// One MoE layer's cache (`tensor::moe::MoeCache::new`): forward's saved tensors and
+/// backward's scratch, with `R = N·K` rows allocated for the kept token-assignments.
+fn moe_cache_bytes(cfg: &GptConfig, n: usize, p: &Precision) -> u64 {
+    let tensor::moe::MoeDims { c, f, e, k, n_shared: s, .. } = cfg.moe_dims(n);
+    let (r, big) = (n * k, (n * k).max(n));
+    let floats = 2 * n * e + n + n * k + r * c + r * 2 * f + r * f + r * c + s * n * 2 * f + s * n * f  // logits, probs, lse, gates, xe, gu, h, eo, sgu, sh
+        + r * c + big * f + big * 2 * f + n * k + n * e; // deo, dh, dgu, dgate, dlogits
+    let u32s = n * k + n * k + r; // idx, slot, row_token
+    let usizes = (e + 1) + e; // offsets, counts
+    floats as u64 * p.act as u64 + u32s as u64 * 4 + (usizes * std::mem::size_of::<usize>()) as u64
+}
+
+/// Backward's gradient scratch (`GradScratch`): one set for all blocks, sized by the dense
+/// widths even for an MoE model (whose layer keeps its own scratch in its cache).
+pub fn grad_scratch(cfg: &GptConfig, n: usize, p: &Precision) -> u64 {
+    let elems = 3 * n * cfg.n_embd + n * cfg.attn_width() + n * cfg.qkv_width() + n * cfg.fc_width() + n * cfg.ffn_hidden;
+    elems as u64 * p.act as u64
+}
+
+/// The elements ZeRO-2/3's transient unit buffers hold at most at once during a step (forward
+/// and, when `train`, backward), replaying the unit accesses a pass makes against
+/// `DataParallel`'s rules: stage 3 gathers a unit (padded to `n` chunks) on acquire, with the
+/// pass's next unit as prefetch, and frees it on release; stages 2–3 give each unit acquired
+/// for gradients (the head already in forward) a padded gradient buffer, handed to the
+/// communication thread on its backward release, where it lives until its reduce-scatter
+/// (with a chunk of output) is done — counted here until the next acquire.
+fn zero_transient(padded: &[usize], chunk: &[usize], zero: usize, head_unit: usize, train: bool) -> usize {
+    struct Replay<'a> {
+        p: &'a [usize],
+        chunk: &'a [usize],
+        zero: usize,
+        gathered: Vec<bool>,
+        grads: Vec<bool>,
+        live: usize,
+        in_flight: usize,
+        peak: usize,
+    }
+    impl Replay<'_> {
+        fn take(&mut self, x: usize) {
+            self.live += x;
+            self.peak = self.peak.max(self.live + self.in_flight);
+        }
+        fn gather(&mut self, u: usize) {
+            if !self.gathered[u] {
+                self.gathered[u] = true;
+                self.take(self.p[u]);
+            }
+        }
+        fn acquire(&mut self, u: usize, a: Access, next: Option<(usize, Access)>) {
+            if self.zero == 3 {
+                if a.params() {
+                    self.gather(u);
+                }
+                if let Some((nu, na)) = next.filter(|(_, na)| na.params()) {
+                    let _ = na;
+                    self.gather(nu);
+                }
+            }
+            if a.grads() && self.zero >= 2 && !self.grads[u] {
+                self.grads[u] = true;
+                self.take(self.p[u]);
+            }
+            self.in_flight = 0;
+        }
+        fn release(&mut self, u: usize, a: Access) {
+            if self.zero == 3 && a.params() && self.gathered[u] {
+                self.gathered[u] = false;
+                self.live -= self.p[u];
+            }
+            if matches!(a, Access::Backward { .. }) && self.zero >= 2 && self.grads[u] {
+                self.grads[u] = false;
+                self.live -= self.p[u];
+                self.in_flight = self.p[u] + self.chunk[u];
+            }
+        }
+    }
+    if zero < 2 {
+        return 0;
+    }
+    let units = padded.len();
+    let (last, hu) = (units - 1, head_unit);
+    let mut r = Replay { p: padded, chunk, zero, gathered: vec![false; units], grads: vec![false; units], live: 0, in_flight: 0, peak: 0 };
+    let (fwd, bwd) = (Access::Forward, Access::Backward { params: true });
+    // Gpt::forward_with: the embeddings, the blocks, the final norm, then the fused head.
+    for u in 0..last {
+        r.acquire(u, fwd, Some((u + 1, fwd)));
+        r.release(u, fwd);
+    }
+    let head = Access::Head { train };
+    r.acquire(last, fwd, Some((hu, head)));
+    r.release(last, fwd);
+    r.acquire(hu, head, None);
+    r.release(hu, head);
+    if train {
+        // Gpt::backward_with: the final norm, the blocks in reverse, the embeddings' gradients.
+        r.acquire(last, bwd, Some((last - 1, bwd)));
+        r.release(last, bwd);
+        for u in (1..last).rev() {
+            let next = if u == 1 { (0, Access::Backward { params: false }) } else { (u - 1, bwd) };
+            r.acquire(u, bwd, Some(next));
+            r.release(u, bwd);
+        }
+        let emb = Access::Backward { params: false };
+        r.acquire(0, emb, None);
+        r.release(0, emb);
+    }
+    r.peak
+}
+
+/// The plan for `cfg` with `gpt` the whole model's config (its vocabulary resolved), and
+/// `data_bytes` the token streams the process holds in memory. Errors are the user's (a
+/// tensor-parallel degree that does not divide the heads, bad LoRA targets).
+pub fn plan(cfg: &RunConfig, gpt: &GptConfig, data_bytes: u64) -> Result<MemoryPlan> {
+    let p = FP32;
+    let par = &cfg.parallel;
+    let (dp, tp, pp, zero) = (par.dp.max(1), par.tp, par.pp, par.zero);
+    let world = dp * tp * pp;
+    let b4 = |elems: usize, bytes: usize| (elems * bytes) as u64;
+    // This rank's model: the tensor-parallel shard.
+    // TODO(pp): with `parallel.pp`, this rank's stage (`parallel::pp::stage_config` of its
+    // layer range, the embeddings on the first stage, the norm and head on the last) and the
+    // micro-batches it keeps in flight (1F1B: up to pp on stage 0; GPipe: all of them) go here.
+    // Until then a pipeline rank is planned as if it held every layer (an over-estimate).
+    let local = if tp > 1 { parallel::tp::local_config(gpt, tp).map_err(KilnError::User)? } else { gpt.clone() };
+    let in_flight = 1;
+    let (layout, views) = model::layout::gpt_layout(&local);
+    let total = layout.total;
+    let units = views.units(total);
+    let shards = parallel::Shards::new(&units, dp, 0);
+    let chunk = &shards.chunk;
+    let padded: Vec<usize> = chunk.iter().map(|c| c * dp).collect();
+    let lora = if cfg.lora.rank > 0 {
+        let l = &cfg.lora;
+        Some(model::lora::Lora::new(&local, l.rank, l.alpha as f32, &l.targets, 0).map_err(KilnError::User)?)
+    } else {
+        None
+    };
+    let (t, mb) = (cfg.model.block_size, cfg.micro_batch());
+    let rows = mb / dp;
+    let n = rows * t;
+    let recompute = cfg.recompute();
+    let mut out = Vec::new();
+    let mut row = |kind, phase, name, bytes: u64, detail: String| out.push(Row { kind, phase, name, bytes, detail });
+    let held = Phase::Held;
+
+    // Model state, as DataParallel keeps it.
+    let (pe, ge) = (if zero == 3 { shards.len } else { total }, if zero >= 2 { shards.len } else { total });
+    let sharded = |e: usize| if e == total { format!("{e} elements") } else { format!("{e} elements: this rank's ZeRO shard of {total} (padded)") };
+    let tp_note = if tp > 1 { format!(", a tensor-parallel shard (1/{tp} of the heads and MLP columns)") } else { String::new() };
+    row(Kind::Parameters, held, "parameters", b4(pe, p.param), format!("{}{tp_note}", sharded(pe)));
+    row(Kind::Gradients, held, "gradients", b4(ge, p.grad), sharded(ge) + if lora.is_some() { " (the frozen base's buffer, unused)" } else { "" });
+    let moments = match &lora {
+        Some(lo) => lo.layout.total,
+        None if zero == 0 => total,
+        None => shards.len,
+    };
+    if let Some(lo) = &lora {
+        row(Kind::Parameters, held, "LoRA adapters", b4(lo.layout.total, p.param), format!("{} adapters of rank {}", lo.adapters.len(), lo.rank));
+        row(Kind::Gradients, held, "LoRA adapter gradients", b4(lo.layout.total, p.grad), String::new());
+    }
+    let optim = b4(2 * moments, p.optim);
+    if cfg.memory.offload == "optimizer" {
+        row(Kind::Optimizer, held, "AdamW m, v (offloaded)", 0, format!("{} in memory-mapped files under the run directory (memory.offload), streamed through the update in 4 MiB chunks", fmt_bytes(optim)));
+    } else {
+        row(Kind::Optimizer, held, "AdamW m, v", optim, format!("2 × {moments} elements"));
+    }
+    if p.master > 0 {
+        row(Kind::Optimizer, held, "master weights", b4(moments, p.master), String::new());
+    }
+
+    // Activations (one set per micro-batch in flight).
+    let acts = activation_set(&local, rows, t, recompute, &p).times(in_flight);
+    let policy = match recompute {
+        Recompute::None => "every block's",
+        Recompute::Selective => "kept per block; attention and MLP internals in one shared set",
+        Recompute::Full => "block inputs only; one shared set for the block being recomputed",
+    };
+    let shape = format!("B {rows} × T {t}");
+    row(Kind::Activations, held, "residual stream", acts.residual, format!("{shape}; {} + 1 block boundaries", local.n_layer));
+    row(Kind::Activations, held, "attention", acts.attention, format!("q|k|v, output, log-sum-exp ({policy})"));
+    row(Kind::Activations, held, if local.is_moe() { "MoE layers" } else { "MLP" }, acts.mlp, if local.is_moe() { format!("routing, dispatch, experts, backward scratch ({policy})") } else { format!("hidden activations ({policy})") });
+    row(Kind::Activations, held, "norms", acts.norms, "outputs and statistics".into());
+    row(Kind::Activations, held, "head (logits chunk)", acts.head, format!("{} rows × {} logits at a time, and d ln_f", tensor::classifier::chunk_rows(n, local.vocab_size), local.vocab_size));
+    row(Kind::Activations, held, "losses, tokens", acts.losses, String::new());
+    row(Kind::Temporary, held, "backward gradient scratch", grad_scratch(&local, n, &p), "one set shared by every block".into());
+    if let Some(lo) = &lora {
+        row(Kind::Temporary, held, "LoRA saved x·Aᵀ", b4((lo.adapters.len() + 1) * n * lo.rank, p.act), "[B·T, r] per adapter, and one for its gradient".into());
+    }
+    let rope = if local.arch == model::config::Arch::Llama { 2 * local.block_size * (local.head_size() / 2) } else { 0 };
+    row(Kind::Other, held, "token batch, rotary tables", b4(2 * n, 4) + b4(rope, 4), String::new());
+
+    // What a step holds for a moment.
+    let zt = zero_transient(&padded, chunk, zero, views.head_unit(), true);
+    if zero >= 2 {
+        let what = if zero == 3 { "gathered units (with the prefetched next) and unit gradient buffers" } else { "unit gradient buffers" };
+        row(Kind::Temporary, Phase::Step, "ZeRO unit buffers", b4(zt, p.param.max(p.grad)), format!("{what}, at most at once"));
+    }
+    let max_pad = padded.iter().copied().max().unwrap_or(0);
+    let comm = if dp == 1 {
+        0
+    } else {
+        match zero {
+            // The bucket all-reduce works in place (the in-process backend through a stack block).
+            0 => 0,
+            // Each bucketed unit's reduce-scatter pads a copy to `dp` chunks; after the update
+            // every unit's chunk is copied out and gathered into a padded unit.
+            1 => {
+                let rs = (0..units.len()).map(|u| if units[u].len() == padded[u] { chunk[u] } else { padded[u] + chunk[u] }).max().unwrap_or(0);
+                rs.max(shards.len + max_pad)
+            }
+            2 => shards.len + max_pad,
+            _ => 0,
+        }
+    };
+    if dp > 1 {
+        let what = match zero {
+            0 => "the bucket all-reduce runs in place".to_string(),
+            1 | 2 => format!("the parameter all-gather after the update: {} chunk copies and one padded unit", shards.len),
+            _ => "gathers land in the ZeRO unit buffers".to_string(),
+        };
+        row(Kind::Communication, Phase::Step, "data-parallel buffers", b4(comm, p.param), what);
+    }
+
+    // Evaluation: a batch of eval.batch_size sequences (default the micro-batch) per rank.
+    let eb = if cfg.eval.batch_size == 0 { mb } else { cfg.eval.batch_size };
+    let realloc = eb != rows;
+    let eval_acts = if realloc { activation_set(&local, eb, t, recompute, &p).total() } else { 0 };
+    let eval_zero = zero_transient(&padded, chunk, zero, views.head_unit(), false);
+    let eval_extra = b4(2 * eb * t, 4) + if zero == 3 { b4(eval_zero, p.param) } else { 0 };
+    if realloc {
+        row(Kind::Activations, Phase::Eval, "evaluation activations", eval_acts, format!("B {eb} × T {t} (eval.batch_size), in place of the training set and scratch"));
+    }
+    row(Kind::Other, Phase::Eval, "evaluation batch, gathers", eval_extra, String::new());
+
+    // Checkpoints: rank 0 (and every rank when the run is sharded over ranks) copies the
+    // trainable parameters and both moments into snapshot buffers, kept for the next one; with
+    // ZeRO or tensor parallelism the whole tensors are first gathered on every rank.
+    let lora_run = lora.is_some();
+    let (whole_layout, _) = model::layout::gpt_layout(gpt);
+    let parts = world > 1 && !lora_run;
+    let snap = match &lora {
+        Some(lo) => 3 * lo.layout.total,
+        None if parts => 3 * whole_layout.params.iter().map(|q| crate::checkpoint::part_range(q.len(), 0, world).len()).sum::<usize>(),
+        None => 3 * whole_layout.total,
+    };
+    row(Kind::Other, Phase::Checkpoint, "checkpoint snapshot", b4(snap, p.param), format!("parameters and both moments{}; kept from the first checkpoint on", if parts { format!(", this rank's 1/{world} part") } else { String::new() }));
+    let plain = tp == 1 && zero == 0;
+    let gather = if lora_run || plain {
+        0
+    } else {
+        let one = if zero > 0 { shards.len * (dp + 1) } else { 0 } + if tp > 1 { tp * total } else { 0 };
+        3 * whole_layout.total + one
+    };
+    if gather > 0 {
+        row(Kind::Communication, Phase::Checkpoint, "checkpoint gathers", b4(gather, p.param), "whole parameters and moments, gathered from the shards".into());
+    }
+
+    let sum = |f: &dyn Fn(&Row) -> bool| out.iter().filter(|r| f(r)).map(|r| r.bytes).sum::<u64>();
+    let held_bytes = sum(&|r| r.phase == Phase::Held);
+    // The step's transients come at different moments (ZeRO-2's unit buffers are gone by the
+    // time the parameters are gathered after the update): the largest, not their sum.
+    let step_peak = held_bytes + out.iter().filter(|r| r.phase == Phase::Step).map(|r| r.bytes).max().unwrap_or(0);
+    let scratch = grad_scratch(&local, n, &p);
+    let eval_peak = if realloc { held_bytes - acts.total() - scratch + eval_acts } else { held_bytes } + eval_extra;
+    let snapshot = b4(snap, p.param);
+    let checkpoint_peak = held_bytes + snapshot + b4(gather, p.param);
+    // Snapshot buffers are kept for the next checkpoint: from a checkpoint before the last step
+    // on, steps and evaluations hold them too.
+    let ck = &cfg.checkpoint;
+    let mid_run = (ck.interval > 0 && ck.interval < cfg.train.max_steps) || ck.mtbf_s > 0.0;
+    let kept = if mid_run { snapshot } else { 0 };
+    let total_peak = (step_peak + kept).max(eval_peak + kept).max(checkpoint_peak);
+    let layout_line = format!(
+        "{} | {} layers, {} params{} | dp {dp} × tp {tp}{}, ZeRO {zero} | recompute {} | micro-batch {rows} × {t} per rank | {}{}",
+        cfg.preset, gpt.n_layer, fmt_count(whole_layout.total), if lora_run { " (LoRA)" } else { "" },
+        if pp > 1 { format!(" × pp {pp} (planned as whole-model ranks: pipeline stages are not modelled yet)") } else { String::new() }, cfg.model.recompute, p.name,
+        if cfg.memory.offload == "optimizer" { " | optimizer offloaded" } else { "" },
+    );
+    let ranks_per_process = if par.backend == "mpi" { 1 } else { world };
+    Ok(MemoryPlan { precision: p, rows: out, step_peak, eval_peak, checkpoint_peak, total: total_peak, ranks_per_process, data_bytes, limit: cfg.memory_limit(), layout: layout_line })
+}
+
+/// The plan of a training run over `ds`: the model as `kiln train` builds it (its vocabulary
+/// from the tokenizer) and the data it holds.
+pub fn plan_run(cfg: &RunConfig, gpt: &GptConfig, ds: &data::Dataset) -> Result<MemoryPlan> {
+    let in_memory = |t: &data::Tokens| if t.is_mapped() { 0 } else { 4 * t.len() as u64 };
+    plan(cfg, gpt, in_memory(&ds.train) + in_memory(&ds.val))
+}
+
+impl MemoryPlan {
+    /// What the process holds: its ranks and the data once.
+    pub fn process_total(&self) -> u64 {
+        self.ranks_per_process as u64 * self.total + self.data_bytes
+    }
+
+    /// The per-rank table, one line per row, then the peaks.
+    pub fn table(&self) -> String {
+        let mut s = format!("memory plan (per rank): {}\n", self.layout);
+        let phase = |p: Phase| match p {
+            Phase::Held => "",
+            Phase::Step => " [step]",
+            Phase::Eval => " [eval]",
+            Phase::Checkpoint => " [checkpoint]",
+        };
+        for r in &self.rows {
+            let label = format!("{} · {}{}", r.kind.name(), r.name, phase(r.phase));
+            let detail = if r.detail.is_empty() { String::new() } else { format!("  {}", r.detail) };
+            s.push_str(&format!("  {label:<52} {:>11}{detail}\n", fmt_bytes(r.bytes)));
+        }
+        let line = |s: &mut String, what: &str, b: u64| s.push_str(&format!("  {what:<52} {:>11}\n", fmt_bytes(b)));
+        line(&mut s, "peak of a training step", self.step_peak);
+        line(&mut s, "peak of an evaluation", self.eval_peak);
+        line(&mut s, "peak of a checkpoint", self.checkpoint_peak);
+        line(&mut s, "total per rank (the run's peak)", self.total);
+        if self.ranks_per_process > 1 || self.data_bytes > 0 {
+            line(&mut s, &format!("process: {} rank(s) + data in memory ({})", self.ranks_per_process, fmt_bytes(self.data_bytes)), self.process_total());
+        }
+        if self.limit > 0 {
+            line(&mut s, "memory.limit", self.limit);
+        }
+        s
+    }
+
+    pub fn to_json(&self) -> serde_json::Value {
+        let rows: Vec<serde_json::Value> = self
+            .rows
+            .iter()
+            .map(|r| {
+                let phase = format!("{:?}", r.phase).to_lowercase();
+                json!({"kind": r.kind.name(), "name": r.name, "phase": phase, "bytes": r.bytes, "tracked_as": r.kind.tracked().name(), "detail": r.detail})
+            })
+            .collect();
+        json!({
+            "layout": self.layout, "precision": self.precision.name, "rows": rows,
+            "step_peak_bytes": self.step_peak, "eval_peak_bytes": self.eval_peak, "checkpoint_peak_bytes": self.checkpoint_peak,
+            "total_bytes": self.total, "ranks_per_process": self.ranks_per_process, "data_bytes": self.data_bytes,
+            "process_total_bytes": self.process_total(), "limit_bytes": self.limit,
+        })
+    }
+
+    /// A user error when the per-rank total exceeds `memory.limit` (with the table).
+    pub fn check_limit(&self) -> Result<()> {
+        if self.limit > 0 && self.total > self.limit {
+            return user(format!(
+                "the memory plan needs {} per rank, more than memory.limit = {}: lower the batch, recompute (model.recompute), shard (parallel.zero, parallel.dp, parallel.tp) or offload (memory.offload)\n{}",
+                fmt_bytes(self.total), fmt_bytes(self.limit), self.table().trim_end()
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Parses a size: bytes (`1500000`), or a number with a unit (`1500MB`, `2GiB`, `1.5 GB`; k/K,
+/// M, G, T in powers of 1000, KiB/MiB/GiB/TiB in powers of 1024). `0` means no limit.
+pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
+    let s = s.trim();
+    let split = s.find(|ch: char| !(ch.is_ascii_digit() || ch == '.')).unwrap_or(s.len());
+    let (num, unit) = (s[..split].trim(), s[split..].trim());
+    let x: f64 = num.parse().map_err(|_| format!("`{s}` is not a size (expected e.g. 2GiB, 1500MB or a number of bytes)"))?;
+    let scale = match unit.to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kb" => 1e3,
+        "m" | "mb" => 1e6,
+        "g" | "gb" => 1e9,
+        "t" | "tb" => 1e12,
+        "kib" => 1024.0,
+        "mib" => 1024.0 * 1024.0,
+        "gib" => 1024.0 * 1024.0 * 1024.0,
+        "tib" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
+        _ => return Err(format!("`{s}`: unknown unit `{unit}` (use B, KB, MB, GB, TB, KiB, MiB, GiB or TiB)")),
+    };
+    Ok((x * scale).round() as u64)
+}
+
+/// `1.23 GiB`, `456.7 MiB`, `12.0 KiB`, `512 B`.
+pub fn fmt_bytes(b: u64) -> String {
+    let x = b as f64;
+    let k = 1024.0;
+    if x >= k * k * k {
+        format!("{:.2} GiB", x / (k * k * k))
+    } else if x >= k * k {
+        format!("{:.1} MiB", x / (k * k))
+    } else if x >= k {
+        format!("{:.1} KiB", x / k)
+    } else {
+        format!("{b} B")
+    }
+}
+
+fn fmt_count(n: usize) -> String {
+    if n >= 1_000_000 { format!("{:.2}M", n as f64 / 1e6) } else { format!("{n}") }
+}
+
+/// Moves the trainer's model-state buffers to their tracking categories (parameters,
+/// gradients, moments), once the data-parallel store holds them: they were allocated before
+/// their owners were known (the model's constructor allocates both its buffers).
+pub fn attribute(model: &model::Gpt, dp: &mut parallel::DataParallel, opt: &crate::step::Optimizer) {
+    use track::{retag_raw, retag_vec, Category};
+    if !track::active() {
+        return;
+    }
+    let (zero, len) = (dp.zero, dp.shards.len);
+    let total = dp.shards.units.last().map_or(0, |u| u.end);
+    let mut first = true;
+    dp.for_each_piece(|piece, params, grads| {
+        if !std::mem::take(&mut first) {
+            return;
+        }
+        // A piece's slices start `flat.start` into the full buffers, `shard.start` into shards.
+        let base = |s: &[f32], sharded: bool| s.as_ptr().wrapping_sub(if sharded { piece.shard.start } else { piece.flat.start }) as *const u8;
+        // SAFETY: each base is the start of the store's buffer of that many elements.
+        unsafe {
+            retag_raw(base(params, zero == 3), 4 * if zero == 3 { len } else { total }, Category::Params);
+            retag_raw(base(grads, zero >= 2), 4 * if zero >= 2 { len } else { total }, Category::Grads);
+        }
+    });
+    if let Some(lo) = &model.lora {
+        retag_vec(&lo.params, Category::Params);
+        retag_vec(&lo.grads, Category::Grads);
+    }
+    for m in [&opt.m, &opt.v] {
+        if let crate::step::Moments::Mem(v) = m {
+            retag_vec(v, Category::Optimizer);
+        }
+    }
+}
+
+/// `kiln memory`: the plan of the run `kiln train` would start with the same flags.
+pub fn cmd(args: &crate::trainer::TrainArgs, as_json: bool) -> Result<()> {
+    if args.resume {
+        return user("kiln memory plans a new run: for an existing one pass --config RUN/config.toml (its resolved config) instead of --resume");
+    }
+    let name = args.preset.clone().unwrap_or_else(|| "tiny".into());
+    let cfg = crate::trainer::layered(&crate::presets::preset(&name)?, args)?;
+    // A base model fixes the shape (and the vocabulary), as in `kiln train --init-from`.
+    let base = (!cfg.model.init_from.is_empty()).then(|| crate::run::load_base(std::path::Path::new(&cfg.model.init_from))).transpose()?;
+    let ds = crate::trainer::load_data(&cfg, None)?;
+    let gpt = match base {
+        Some(m) => GptConfig { dropout: cfg.model.dropout as f32, ..m.cfg },
+        None => cfg.gpt_config(ds.tokenizer.vocab_size()),
+    };
+    let plan = plan_run(&cfg, &gpt, &ds)?;
+    if as_json {
+        println!("{}", plan.to_json());
+    } else {
+        print!("{}", plan.table());
+    }
+    plan.check_limit()
+}
