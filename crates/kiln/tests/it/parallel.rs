@@ -316,7 +316,8 @@ fn a_dp2_tp2_checkpoint_resumes_on_one_rank() {
     let split = d.join("split");
     let o = train(&data, &split, &[&["--max-steps", "4", "--dp", "2", "--tp", "2", "--zero", "1"], DP, TP, &["--set", "checkpoint.interval=4"]].concat());
     assert!(o.status.success(), "{}", stderr(&o));
-    let o = train(&data, &split, &[&["--resume", "--max-steps", "8"], DP, TP].concat());
+    // The run's config says dp 2 × tp 2: resume it on one rank.
+    let o = train(&data, &split, &[&["--resume", "--max-steps", "8", "--dp", "1", "--tp", "1", "--zero", "0"], DP, TP].concat());
     assert!(o.status.success(), "{}", stderr(&o));
     let (a, b) = (losses(&straight), losses(&split));
     assert_eq!(a.len(), b.len());
@@ -368,5 +369,143 @@ fn moe_and_lora_runs_match_one_rank_under_data_parallel() {
     assert_eq!(a.len(), 6);
     for ((s, x), (_, y)) in a.iter().zip(&b) {
         assert!(((x - y) / y).abs() <= 1e-5, "lora step {s}: {x} vs {y}");
+    }
+}
+
+/// Pipelines: 4 layers, 8 sequences per step in 4 micro-batches of 2, dropout on.
+const PP: &[&str] = &[
+    "--set", "model.n_layer=4", "--set", "train.batch_size=8", "--micro-batches", "4", "--set", "model.dropout=0.1",
+    "--set", "sample.tokens=0", "--set", "checkpoint.interval=0",
+];
+
+fn run_pp(data: &Path, out: &Path, args: &[&str]) {
+    let steps: &[&str] = if args.contains(&"--max-steps") { &[] } else { &["--max-steps", "6"] };
+    let o = train(data, out, &[PP, steps, args].concat());
+    assert!(o.status.success(), "{args:?}: {}", stderr(&o));
+}
+
+fn assert_close(a: &Path, b: &Path, tol: f64, what: &str) {
+    let (x, y) = (losses(a), losses(b));
+    assert_eq!(x.len(), y.len(), "{what}");
+    for ((s, p), (_, q)) in x.iter().zip(&y) {
+        assert!(((p - q) / q).abs() <= tol, "{what} step {s}: loss {p} vs one rank {q}");
+    }
+    let g = |r: &Path| train_lines(r).last().unwrap()["grad_norm"].as_f64().unwrap();
+    assert!((g(a) / g(b) - 1.0).abs() < tol, "{what}: grad norm {} vs {}", g(a), g(b));
+}
+
+#[test]
+fn every_pipeline_schedule_matches_one_rank() {
+    let d = scratch("pp-equiv");
+    let data = corpus(&d);
+    for (name, arch) in [
+        ("gpt2", &["--set", "model.arch=gpt2"][..]),
+        ("llama", &["--set", "model.arch=llama", "--set", "model.n_kv_head=1", "--set", "model.tied_embeddings=false"][..]),
+        ("moe", &["--set", "model.arch=llama", "--set", "model.tied_embeddings=false", "--set", "model.n_expert=4", "--set", "model.top_k=2", "--set", "model.n_shared_expert=1"][..]),
+    ] {
+        let one = d.join(format!("{name}-one"));
+        run_pp(&data, &one, arch);
+        let layouts: &[&[&str]] = if name == "gpt2" {
+            &[&["--pp", "2", "--schedule", "gpipe"], &["--pp", "2", "--schedule", "1f1b"], &["--pp", "2", "--schedule", "interleaved", "--virtual", "2"], &["--pp", "4", "--schedule", "1f1b"], &["--pp", "3", "--pp-layers", "1,2,1"]]
+        } else {
+            &[&["--pp", "2", "--schedule", "1f1b"]]
+        };
+        for l in layouts {
+            let out = d.join(format!("{name}-{}", l.join("").replace("--", "-")));
+            run_pp(&data, &out, &[arch, l].concat());
+            assert_close(&out, &one, 1e-5, &format!("{name} {l:?}"));
+            // The checkpoint holds the whole model: it evaluates as one.
+            let e = kiln(&["eval", "--run", out.to_str().unwrap()]);
+            assert!(e.status.success(), "{}", stderr(&e));
+        }
+    }
+}
+
+#[test]
+fn dp2_tp2_pp2_on_eight_ranks_matches_one_rank() {
+    let d = scratch("pp-composed");
+    let data = corpus(&d);
+    let one = d.join("one");
+    run_pp(&data, &one, &[TP, &["--set", "model.dropout=0"]].concat());
+    for (zero, sched) in [("1", "1f1b"), ("3", "interleaved")] {
+        let out = d.join(format!("z{zero}-{sched}"));
+        let mut args = vec!["--dp", "2", "--tp", "2", "--pp", "2", "--zero", zero, "--schedule", sched, "--set", "model.dropout=0"];
+        if sched == "interleaved" {
+            args.extend(["--virtual", "2"]);
+        }
+        run_pp(&data, &out, &[TP, &args].concat());
+        assert_close(&out, &one, 1e-5, &format!("dp2 tp2 pp2 zero {zero} {sched}"));
+    }
+}
+
+#[test]
+fn a_pipeline_checkpoint_resumes_on_one_rank() {
+    let d = scratch("pp-reshard");
+    let data = corpus(&d);
+    let straight = d.join("straight");
+    run_pp(&data, &straight, &["--set", "model.dropout=0"]);
+    let split = d.join("split");
+    run_pp(&data, &split, &["--pp", "2", "--tp", "2", "--set", "model.dropout=0", "--set", "checkpoint.interval=3", "--max-steps", "3"]);
+    let o = train(&data, &split, &[PP, &["--resume", "--max-steps", "6", "--pp", "1", "--tp", "1", "--set", "model.dropout=0"]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_close(&split, &straight, 1e-6, "pp2 tp2 → one rank");
+}
+
+#[test]
+fn pipeline_trace_memory_and_volume_follow_the_schedule() {
+    let d = scratch("pp-trace");
+    let data = corpus(&d);
+    let (p, m) = (2usize, 4usize);
+    let mut peak = Vec::new();
+    for sched in ["gpipe", "1f1b"] {
+        let out = d.join(sched);
+        run_pp(&data, &out, &["--pp", "2", "--schedule", sched, "--pp-trace", "device"]);
+        let steps: Vec<serde_json::Value> = std::fs::read_to_string(out.join("pipeline/rank-000.jsonl")).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        assert_eq!(steps.len(), 6);
+        let s = &steps[5];
+        let tasks = s["tasks"].as_array().unwrap();
+        assert_eq!(tasks.len(), 2 * m, "{s}");
+        // Device clock: tasks in order, never overlapping, and idle at least the fill and drain.
+        let mut end = 0.0;
+        for t in tasks {
+            let (a, b) = (t["dev_start"].as_f64().unwrap(), t["dev_end"].as_f64().unwrap());
+            assert!(a >= end && b > a, "{t}");
+            end = b;
+        }
+        let bubble = s["bubble"].as_f64().unwrap();
+        assert!(bubble > 0.0 && bubble.is_finite(), "{s}");
+        // Stage 0 holds every micro-batch under GPipe, at most p under 1F1B.
+        let in_flight = s["peak_in_flight"].as_u64().unwrap() as usize;
+        assert_eq!(in_flight, if sched == "gpipe" { m } else { p }, "{sched}");
+        peak.push(s["peak_activation_bytes"].as_f64().unwrap());
+        // Bytes sent by stage 0 per step: one [b, s, h] activation per micro-batch (b = 2
+        // sequences, s = 16, h = 16), exactly, and (tracing) each one's 8-byte clock stamp.
+        let line = &train_lines(&out)[5];
+        assert_eq!(line["comm_bytes_sent_send_recv"].as_f64().unwrap(), (m * (2 * 16 * 16 * 4 + 8)) as f64, "{line}");
+        assert_eq!(line["pp_peak_in_flight"].as_u64().unwrap() as usize, in_flight);
+    }
+    assert!((peak[0] / peak[1] - (m / p) as f64).abs() < 1e-9, "GPipe holds m/p times 1F1B's activations: {peak:?}");
+}
+
+#[test]
+fn bad_pipeline_settings_are_user_errors() {
+    let d = scratch("pp-bad");
+    let data = corpus(&d);
+    let cases: &[(&[&str], &[&str])] = &[
+        (&["--pp", "0"], &["parallel.pp must be positive"]),
+        (&["--pp", "3"], &["3 pipeline stages need at least 3 layers", "model.n_layer"]),
+        (&["--pp", "2", "--set", "model.n_layer=4", "--pp-layers", "1,2"], &["parallel.pp_layers = [1, 2]", "adding up to model.n_layer = 4"]),
+        (&["--pp", "2", "--set", "model.n_layer=2", "--pp-layers", "1,x"], &["--pp-layers: `x` is not a layer count"]),
+        (&["--pp", "2", "--set", "model.n_layer=2", "--virtual", "2"], &["--virtual 2 needs the interleaved schedule"]),
+        (&["--pp", "2", "--set", "model.n_layer=4", "--schedule", "interleaved", "--virtual", "2", "--set", "train.batch_size=6", "--micro-batches", "3"], &["micro-batches (3) divisible by the pipeline degree (2)"]),
+        (&["--pp", "2", "--set", "model.n_layer=2", "--schedule", "zigzag"], &["parallel.schedule", "gpipe, 1f1b or interleaved, got `zigzag`"]),
+        (&["--pp", "2", "--set", "model.n_layer=2", "--dp", "2", "--pp-trace", "device"], &["parallel.pp_trace = device", "parallel.dp = 1"]),
+        (&["--pp", "2", "--set", "model.n_layer=2", "--pp-trace", "gpu"], &["parallel.pp_trace must be `off`, `wall` or `device`"]),
+    ];
+    for (i, (args, needles)) in cases.iter().enumerate() {
+        let out = d.join(format!("c{i}"));
+        let o = train(&data, &out, args);
+        assert_user_error(&o, needles);
+        assert!(!out.exists(), "a bad config must not create the run directory ({args:?})");
     }
 }
