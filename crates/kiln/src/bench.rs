@@ -108,7 +108,7 @@ pub fn bench(args: &BenchArgs) -> Result<serde_json::Value> {
     model.recompute = cfg.recompute();
     let opt = Optimizer::new(&model.layout);
     let dp = single_rank(&mut model);
-    let mut chunks = vec![Chunk { model, dp, opt, replicated: Vec::new() }];
+    let mut chunks = vec![Chunk { model, dp, opt, replicated: Vec::new(), seq_partial: Vec::new() }];
     let mut pipe = Pipeline::single(cfg.train.grad_accum, None);
     let mut rng = Rng::new(cfg.train.seed);
     let mut times = Vec::new();

@@ -102,6 +102,12 @@ struct TrainCli {
     /// Tensor-parallel ranks (parallel.tp).
     #[arg(long)]
     tp: Option<usize>,
+    /// Expert-parallel ranks (parallel.ep): each MoE layer's experts spread over them.
+    #[arg(long)]
+    ep: Option<usize>,
+    /// Sequence parallelism within the tensor-parallel group (parallel.sequence_parallel).
+    #[arg(long)]
+    sequence_parallel: bool,
     /// Pipeline stages (parallel.pp).
     #[arg(long)]
     pp: Option<usize>,
@@ -154,7 +160,7 @@ impl TrainCli {
         if let Some(l) = &self.memory_limit {
             set.push(format!("memory.limit={}", toml::Value::String(l.clone())));
         }
-        TrainArgs { preset: self.preset.clone(), config: self.config.clone(), data: self.data.clone(), out: self.out.clone(), set, max_steps: self.max_steps, resume: self.resume, seed: self.seed, init_from: self.init_from.clone(), lora_rank: self.lora_rank, lora_alpha: self.lora_alpha, lora_targets: self.lora_targets.clone(), profile: self.profile, dp: self.dp, zero: self.zero, tp: self.tp, pp: self.pp, micro_batches: self.micro_batches, schedule: self.schedule.clone(), virtual_stages: self.virtual_stages, pp_layers: self.pp_layers.clone(), pp_trace: self.pp_trace.clone(), offload: self.offload.clone(), backend: self.backend.clone(), quiet: self.quiet }
+        TrainArgs { preset: self.preset.clone(), config: self.config.clone(), data: self.data.clone(), out: self.out.clone(), set, max_steps: self.max_steps, resume: self.resume, seed: self.seed, init_from: self.init_from.clone(), lora_rank: self.lora_rank, lora_alpha: self.lora_alpha, lora_targets: self.lora_targets.clone(), profile: self.profile, dp: self.dp, zero: self.zero, tp: self.tp, ep: self.ep, pp: self.pp, sequence_parallel: self.sequence_parallel, micro_batches: self.micro_batches, schedule: self.schedule.clone(), virtual_stages: self.virtual_stages, pp_layers: self.pp_layers.clone(), pp_trace: self.pp_trace.clone(), offload: self.offload.clone(), backend: self.backend.clone(), quiet: self.quiet }
     }
 }
 

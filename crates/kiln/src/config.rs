@@ -191,10 +191,18 @@ pub struct ParallelSection {
     /// the world is `dp × tp` ranks.
     #[serde(default = "one")]
     pub tp: usize,
+    /// Expert-parallel ranks: each MoE layer's routed experts spread over them, the batch split
+    /// over `dp × ep` (see `parallel::ep`); the world is `pp × dp × ep × tp` ranks.
+    #[serde(default = "one")]
+    pub ep: usize,
     /// `inproc` or `mpi` (a build with `--features mpi`, run under `mpirun`).
     pub backend: String,
     /// Gradient all-reduce bucket size in MiB (stages 0 and 1).
     pub bucket_mb: f64,
+    /// With `tp > 1`: sequence parallelism (Korthikanti et al.): norms, dropout and the
+    /// residual stream split along the sequence over the tensor-parallel ranks.
+    #[serde(default)]
+    pub sequence_parallel: bool,
     /// Pipeline stages (consecutive layers each; the world is `pp × dp × tp` ranks). The
     /// step's micro-batches are `train.grad_accum` (`--micro-batches`).
     #[serde(default = "one")]
@@ -281,7 +289,7 @@ impl Default for FaultSection {
 
 impl Default for ParallelSection {
     fn default() -> Self {
-        ParallelSection { dp: 1, zero: 0, tp: 1, backend: "inproc".into(), bucket_mb: 25.0, pp: 1, schedule: one_f_one_b(), virtual_stages: 1, pp_layers: Vec::new(), pp_trace: off() }
+        ParallelSection { dp: 1, zero: 0, tp: 1, ep: 1, backend: "inproc".into(), bucket_mb: 25.0, sequence_parallel: false, pp: 1, schedule: one_f_one_b(), virtual_stages: 1, pp_layers: Vec::new(), pp_trace: off() }
     }
 }
 
@@ -500,6 +508,18 @@ impl RunConfig {
             let g = self.gpt_config(256);
             parallel::tp::local_config(&g, p.tp).map_err(crate::error::KilnError::User)?;
         }
+        if p.ep == 0 {
+            return user("parallel.ep must be positive, got 0");
+        }
+        if p.ep > 1 {
+            parallel::ep::local_config(&self.gpt_config(256), p.ep, 0).map_err(crate::error::KilnError::User)?;
+            if p.zero > 0 {
+                return user(format!("parallel.ep = {} with parallel.zero = {}: ZeRO stages 1-3 are not supported with expert parallelism (their per-unit shards would cut across the expert blocks); use parallel.zero = 0", p.ep, p.zero));
+            }
+            if self.lora.rank > 0 {
+                return user(format!("parallel.ep = {} with LoRA is not supported: the adapters are tiny; use data parallelism (parallel.dp)", p.ep));
+            }
+        }
         if p.zero > 0 && self.lora.rank > 0 {
             return user(format!("parallel.zero = {} with LoRA: the adapters are tiny and the base is frozen; use parallel.zero = 0", p.zero));
         }
@@ -508,6 +528,12 @@ impl RunConfig {
         }
         if p.dp > 0 {
             self.check_dp(p.dp)?;
+        }
+        if p.sequence_parallel && p.tp < 2 {
+            return user(format!("parallel.sequence_parallel needs tensor parallelism (parallel.tp > 1, got {})", p.tp));
+        }
+        if p.sequence_parallel && self.model.block_size % p.tp != 0 {
+            return user(format!("parallel.sequence_parallel: parallel.tp = {} does not divide the sequence length model.block_size = {}", p.tp, self.model.block_size));
         }
         if p.pp == 0 {
             return user("parallel.pp must be positive, got 0");
@@ -524,8 +550,8 @@ impl RunConfig {
         if !["off", "wall", "device"].contains(&p.pp_trace.as_str()) {
             return user(format!("parallel.pp_trace must be `off`, `wall` or `device`, got `{}`", p.pp_trace));
         }
-        if p.pp_trace == "device" && (p.dp != 1 || p.tp != 1) {
-            return user(format!("parallel.pp_trace = device serialises compute across ranks, which needs parallel.dp = 1 and parallel.tp = 1 (got dp {} × tp {}); use `wall`", p.dp, p.tp));
+        if p.pp_trace == "device" && (p.dp != 1 || p.tp != 1 || p.ep != 1) {
+            return user(format!("parallel.pp_trace = device serialises compute across ranks, which needs parallel.dp = 1, parallel.tp = 1 and parallel.ep = 1 (got dp {} × tp {} × ep {}); use `wall`", p.dp, p.tp, p.ep));
         }
         Ok(())
     }
@@ -559,7 +585,9 @@ impl RunConfig {
             moe_aux_weight: m.moe_aux_weight as f32,
             moe_z_weight: m.moe_z_weight as f32,
             tp: 1,
+            sequence_parallel: false,
             stage: None,
+            ep: None,
         }
     }
 
@@ -605,10 +633,18 @@ pub const STRUCTURAL_KEYS: &[&str] = &[
 ];
 
 impl RunConfig {
-    /// Checks that `dp` ranks can split the global batch: each micro-batch's sequences divide
-    /// evenly among them.
+    /// Checks that `dp` data-parallel ranks (times `parallel.ep`: expert-parallel ranks split
+    /// the batch too) can split the global batch: each micro-batch's sequences divide evenly
+    /// among them.
     pub fn check_dp(&self, dp: usize) -> Result<()> {
         let mb = self.micro_batch();
+        let ep = self.parallel.ep;
+        if ep > 1 && mb % (dp * ep) != 0 {
+            return user(format!(
+                "parallel.dp = {dp} × parallel.ep = {ep} = {} ranks split the batch, but they do not divide the micro-batch: train.batch_size {} / train.grad_accum {} = {mb} sequences per micro-batch",
+                dp * ep, self.train.batch_size, self.train.grad_accum
+            ));
+        }
         if mb % dp != 0 {
             return user(format!(
                 "parallel.dp = {dp} does not divide the micro-batch: train.batch_size {} / train.grad_accum {} = {mb} sequences per micro-batch must split evenly over {dp} ranks",

@@ -490,7 +490,7 @@ impl MemoryPlan {
             Phase::Checkpoint => " [checkpoint]",
         };
         for r in &self.rows {
-            let label = format!("{} · {}{}", r.kind.name(), r.name, phase(r.phase));
+            let label = if r.name == r.kind.name() { format!("{}{}", r.name, phase(r.phase)) } else { format!("{} · {}{}", r.kind.name(), r.name, phase(r.phase)) };
             let detail = if r.detail.is_empty() { String::new() } else { format!("  {}", r.detail) };
             s.push_str(&format!("  {label:<52} {:>11}{detail}\n", fmt_bytes(r.bytes)));
         }
@@ -618,12 +618,15 @@ pub fn cmd(args: &crate::trainer::TrainArgs, as_json: bool) -> Result<()> {
         return user("kiln memory plans a new run: for an existing one pass --config RUN/config.toml (its resolved config) instead of --resume");
     }
     let name = args.preset.clone().unwrap_or_else(|| "tiny".into());
-    let cfg = crate::trainer::layered(&crate::presets::preset(&name)?, args)?;
+    let mut cfg = crate::trainer::layered(&crate::presets::preset(&name)?, args)?;
     // A base model fixes the shape (and the vocabulary), as in `kiln train --init-from`.
     let base = (!cfg.model.init_from.is_empty()).then(|| crate::run::load_base(std::path::Path::new(&cfg.model.init_from))).transpose()?;
     let ds = crate::trainer::load_data(&cfg, None)?;
     let gpt = match base {
-        Some(m) => GptConfig { dropout: cfg.model.dropout as f32, ..m.cfg },
+        Some(m) => {
+            cfg.model.block_size = m.cfg.block_size;
+            GptConfig { dropout: cfg.model.dropout as f32, ..m.cfg }
+        }
         None => cfg.gpt_config(ds.tokenizer.vocab_size()),
     };
     let plan = plan_run(&cfg, &gpt, &ds)?;

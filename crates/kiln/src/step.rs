@@ -182,6 +182,30 @@ pub struct Chunk {
     /// Flat ranges of `model` that every tensor-parallel rank holds whole (counted once in the
     /// gradient norm); empty without tensor parallelism.
     pub replicated: Vec<Range<usize>>,
+    /// Flat ranges whose gradients are partial sums over the tensor-parallel group (the norms'
+    /// under sequence parallelism), summed there before the update.
+    pub seq_partial: Vec<Range<usize>>,
+}
+
+/// Sums this rank's reduced gradients inside `ranges` over `comm`, whose ranks hold the same
+/// layout and the same data-parallel pieces (tensor-parallel peers).
+fn sum_grads_over(dp: &mut DataParallel, comm: &dyn parallel::Comm, ranges: &[Range<usize>]) {
+    let overlaps = |p: &parallel::Piece| -> Vec<Range<usize>> {
+        ranges.iter().filter_map(|r| {
+            let (a, b) = (r.start.max(p.flat.start), r.end.min(p.flat.end));
+            (a < b).then(|| a - p.flat.start..b - p.flat.start)
+        }).collect()
+    };
+    let mut buf = Vec::new();
+    dp.for_each_piece(|p, _, g| overlaps(p).into_iter().for_each(|r| buf.extend_from_slice(&g[r])));
+    comm.all_reduce_sum(&mut buf);
+    let mut at = 0;
+    dp.for_each_piece(|p, _, g| {
+        for r in overlaps(p) {
+            g[r.clone()].copy_from_slice(&buf[at..at + r.len()]);
+            at += r.len();
+        }
+    });
 }
 
 /// How a rank's chunks sit in the pipeline, and the groups a step talks to beyond each chunk's
@@ -482,6 +506,13 @@ pub fn train_step(
         }
         for &c in &tied {
             chunks[c].dp.unit_grads_mut(0).copy_from_slice(&sum);
+        }
+    }
+    // Sequence parallelism: each tensor-parallel shard's norm gradients cover its positions.
+    if let Some(tp) = pipe.tp {
+        for ch in chunks.iter_mut().filter(|c| !c.seq_partial.is_empty()) {
+            let _p = profile::scope("sp norm gradients");
+            sum_grads_over(&mut ch.dp, tp, &ch.seq_partial);
         }
     }
     // Global norm: per chunk over its data-parallel group, tensor-parallel shards added

@@ -43,10 +43,13 @@ pub struct TrainArgs {
     pub dp: Option<usize>,
     pub zero: Option<usize>,
     pub tp: Option<usize>,
+    /// Expert-parallel ranks (`parallel.ep`).
+    pub ep: Option<usize>,
     /// Pipeline flags: `parallel.pp`, `train.grad_accum` (the micro-batches),
     /// `parallel.schedule`, `parallel.virtual_stages`, `parallel.pp_layers` (comma-separated),
     /// `parallel.pp_trace`.
     pub pp: Option<usize>,
+    pub sequence_parallel: bool,
     pub micro_batches: Option<usize>,
     pub schedule: Option<String>,
     pub virtual_stages: Option<usize>,
@@ -99,8 +102,11 @@ pub(crate) fn layered(base: &RunConfig, args: &TrainArgs) -> Result<RunConfig> {
     if let Some(t) = args.tp {
         raw.insert("parallel.tp".into(), toml::Value::Integer(t as i64));
     }
+    if args.sequence_parallel {
+        raw.insert("parallel.sequence_parallel".into(), toml::Value::Boolean(true));
+    }
     let int = |x: usize| toml::Value::Integer(x as i64);
-    for (key, v) in [("parallel.pp", args.pp), ("train.grad_accum", args.micro_batches), ("parallel.virtual_stages", args.virtual_stages)] {
+    for (key, v) in [("parallel.pp", args.pp), ("parallel.ep", args.ep), ("train.grad_accum", args.micro_batches), ("parallel.virtual_stages", args.virtual_stages)] {
         if let Some(v) = v {
             raw.insert(key.into(), int(v));
         }
@@ -385,7 +391,7 @@ fn train_once(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
     crate::memory::plan_run(&cfg, &gcfg, &ds)?.check_limit()?;
 
     // 3. The ranks: this process alone, threads in it, or MPI processes.
-    let world = cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp;
+    let world = cfg.parallel.dp * cfg.parallel.ep * cfg.parallel.tp * cfg.parallel.pp;
     let ctx = Ctx { args, cfg, ds: &ds, run_dir, saved_cfg_path, resume_from, init: std::sync::Mutex::new(init) };
     match ctx.cfg.parallel.backend.as_str() {
         "mpi" => run_mpi(&ctx, stop),
@@ -447,11 +453,11 @@ fn run_mpi(ctx: &Ctx, stop: &AtomicBool) -> Result<Summary> {
     let world = parallel::mpi::init().map_err(KilnError::User)?;
     let comm = world.world();
     let n = comm.size();
-    let (tp, pp) = (ctx.cfg.parallel.tp, ctx.cfg.parallel.pp);
+    let (tp, pp, ep) = (ctx.cfg.parallel.tp, ctx.cfg.parallel.pp, ctx.cfg.parallel.ep);
     let dp = ctx.cfg.parallel.dp;
-    let other = tp * pp;
+    let other = tp * pp * ep;
     if n % other != 0 || (dp != 0 && dp * other != n) {
-        let want = if dp == 0 { format!("a multiple of parallel.tp × parallel.pp = {other}") } else { format!("pp {pp} × dp {dp} × tp {tp} = {}", dp * other) };
+        let want = if dp == 0 { format!("a multiple of parallel.tp × parallel.pp × parallel.ep = {other}") } else { format!("pp {pp} × dp {dp} × ep {ep} × tp {tp} = {}", dp * other) };
         return user(format!("parallel.dp = {dp} but mpirun started {n} processes, not {want}: pass --dp {} (or --dp 0 to take the MPI world size)", n / other.max(1)));
     }
     ctx.cfg.check_dp(n / other)?;
@@ -474,18 +480,25 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
     let gcfg = cfg.gpt_config(ds.tokenizer.vocab_size());
     let t = cfg.model.block_size;
     let mb = cfg.micro_batch();
-    let (tpn, ppn, vn) = (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.virtual_stages);
-    let dpn = world / (tpn * ppn);
+    let (tpn, ppn, vn, epn) = (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.virtual_stages, cfg.parallel.ep);
+    let dpn = world / (tpn * ppn * epn);
     // The mesh (pp slowest, tp fastest: tensor-parallel peers are neighbours, pipeline stages
-    // farthest apart) and this rank's groups: per model chunk, the data-parallel store's and
-    // the tensor-parallel hooks'; one tensor-parallel group for whole-model gathers and the
-    // gradient norm; the pipeline group.
-    let mesh = parallel::DeviceMesh::new(&[(parallel::Axis::Pp, ppn), (parallel::Axis::Dp, dpn), (parallel::Axis::Tp, tpn)], world).map_err(KilnError::User)?;
-    let dp_comms: Vec<Box<dyn Comm>> = (0..vn).map(|_| parallel::mesh_group(comm, &mesh, parallel::Axis::Dp)).collect();
+    // farthest apart) and this rank's groups: per model chunk, the data-parallel store's (with
+    // expert parallelism the whole dp × ep group, which splits the batch, plus the dp group
+    // for the experts and the ep group for the MoE exchange) and the tensor-parallel hooks';
+    // one tensor-parallel and one ep group for whole-model gathers and the gradient norm; the
+    // pipeline group.
+    let mesh = parallel::DeviceMesh::new(&[(parallel::Axis::Pp, ppn), (parallel::Axis::Dp, dpn), (parallel::Axis::Ep, epn), (parallel::Axis::Tp, tpn)], world).map_err(KilnError::User)?;
+    let data_group = mesh.group_axes(&[parallel::Axis::Dp, parallel::Axis::Ep], rank);
+    let dp_comms: Vec<Box<dyn Comm>> = (0..vn).map(|_| comm.split(&data_group)).collect();
+    let mut ep_comms: Vec<(Box<dyn Comm>, Box<dyn Comm>)> = (0..vn).map(|_| (parallel::mesh_group(comm, &mesh, parallel::Axis::Dp), parallel::mesh_group(comm, &mesh, parallel::Axis::Ep))).collect();
+    let ep_comm = parallel::mesh_group(comm, &mesh, parallel::Axis::Ep);
     let tp_hooks_comms: Vec<Box<dyn Comm>> = (0..vn).map(|_| parallel::mesh_group(comm, &mesh, parallel::Axis::Tp)).collect();
     let tp_comm = parallel::mesh_group(comm, &mesh, parallel::Axis::Tp);
     let pp_comm = parallel::mesh_group(comm, &mesh, parallel::Axis::Pp);
-    let (dp_rank, tp_rank, pp_rank) = (dp_comms[0].rank(), tp_comm.rank(), pp_comm.rank());
+    // `dp_rank` / `dpn` below: this rank's place among the ranks that split the batch.
+    let (dp_rank, tp_rank, pp_rank, ep_rank) = (dp_comms[0].rank(), tp_comm.rank(), pp_comm.rank(), ep_comm.rank());
+    let dpn = dpn * epn;
     // The first and last pipeline stages share a tied embedding: their own group.
     let tie_group: Vec<usize> = if pp_rank == 0 || pp_rank + 1 == ppn { vec![0, ppn - 1] } else { vec![pp_rank] };
     let tie_group: Vec<usize> = tie_group.into_iter().collect::<std::collections::BTreeSet<_>>().into_iter().collect();
@@ -504,7 +517,7 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
             m
         }
         // Tensor-parallel and pipeline ranks each cut their part from the base.
-        None if !cfg.model.init_from.is_empty() && (tpn > 1 || pipelined) => {
+        None if !cfg.model.init_from.is_empty() && (tpn > 1 || pipelined || epn > 1) => {
             let mut m = run::load_base(Path::new(&cfg.model.init_from))?;
             m.cfg.dropout = gcfg.dropout;
             m.real_vocab = ds.tokenizer.vocab_size();
@@ -566,9 +579,10 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
     for (c, (((mut m, mut mv), dp_comm), tp_hooks)) in parts.into_iter().zip(dp_comms).zip(tp_hooks_comms).enumerate() {
         m.recompute = recompute;
         stage_layouts.push(m.layout.clone());
-        let mut replicated = Vec::new();
+        let (mut replicated, mut seq_partial) = (Vec::new(), Vec::new());
         if tpn > 1 {
-            let local_cfg = parallel::tp::local_config(&m.cfg, tpn).map_err(KilnError::User)?;
+            let mut local_cfg = parallel::tp::local_config(&m.cfg, tpn).map_err(KilnError::User)?;
+            local_cfg.sequence_parallel = cfg.parallel.sequence_parallel;
             let mut local = Gpt::zeroed(local_cfg, m.real_vocab);
             local.params = parallel::tp::shard(&m.layout, &m.params, &local.layout, tp_rank, tpn);
             local.recompute = recompute;
@@ -577,9 +591,30 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
                 mv = Some((parallel::tp::shard(&m.layout, &mm, &local.layout, tp_rank, tpn), parallel::tp::shard(&m.layout, &vv, &local.layout, tp_rank, tpn)));
             }
             replicated = parallel::tp::replicated_ranges(&local.layout);
+            if local.cfg.sequence_parallel {
+                seq_partial = parallel::tp::sequence_parallel_ranges(&local.layout);
+            }
             m = local;
         }
-        let dp = parallel::DataParallel::new(dp_comm, &mut m, zero, bucket_elems);
+        let (expert_comm, ep_hooks) = ep_comms.remove(0);
+        if epn > 1 {
+            // This rank's block of experts, by name; the exchange over the ep group.
+            let local_cfg = parallel::ep::local_config(&m.cfg, epn, ep_rank).map_err(KilnError::User)?;
+            let mut local = Gpt::zeroed(local_cfg, m.real_vocab);
+            local.params = parallel::ep::shard(&m.layout, &m.params, &local.layout);
+            local.recompute = recompute;
+            local.ep = Some(Box::new(parallel::ep::EpComm { comm: ep_hooks }));
+            if let Some((mm, vv)) = mv.take() {
+                mv = Some((parallel::ep::shard(&m.layout, &mm, &local.layout), parallel::ep::shard(&m.layout, &vv, &local.layout)));
+            }
+            m = local;
+        }
+        let dp = if epn > 1 {
+            let experts = parallel::ep::expert_ranges(&m.layout);
+            parallel::DataParallel::new_ep(dp_comm, expert_comm, experts, &mut m, bucket_elems)
+        } else {
+            parallel::DataParallel::new(dp_comm, &mut m, zero, bucket_elems)
+        };
         let mut opt = if m.lora.is_some() { Optimizer::new(trainable_layout(&m)) } else { Optimizer::with_len(&m.layout, dp.moments_len()) };
         if let Some((mm, vv)) = mv {
             let sharded = m.lora.is_none() && zero > 0;
@@ -590,7 +625,7 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
             let dir = run_dir.join("offload").join(if vn > 1 { format!("rank{rank}-chunk{c}") } else { format!("rank{rank}") });
             opt.offload(&dir).map_err(|e| io_err(&dir, e))?;
         }
-        chunks.push(Chunk { model: m, dp, opt, replicated });
+        chunks.push(Chunk { model: m, dp, opt, replicated, seq_partial });
     }
     // memory: charge the model state to its tracking categories (issue 7).
     chunks.iter_mut().for_each(|ch| crate::memory::attribute(&ch.model, &mut ch.dp, &ch.opt));
@@ -616,7 +651,7 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
         ds.description, run_dir.display()
     ));
     if world > 1 {
-        say(&format!("parallel: {world} ranks ({}): pp {ppn} × dp {dpn} × tp {tpn}, ZeRO stage {zero}, {rows} sequences per data-parallel rank per micro-batch", cfg.parallel.backend));
+        say(&format!("parallel: {world} ranks ({}): pp {ppn} × dp {} × ep {epn} × tp {tpn}, ZeRO stage {zero}, {rows} sequences per data-parallel rank per micro-batch", cfg.parallel.backend, dpn / epn));
     }
     // memory: the plan, before step 0 (issue 7).
     say(crate::memory::plan_run(cfg, &whole_cfg, ds)?.table().trim_end());
@@ -864,7 +899,7 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
             // tensor (a LoRA run's tiny adapters are written whole by rank 0).
             let sharded = world > 1 && chunks[0].model.lora.is_none();
             let writes = lead || sharded;
-            let plain = tpn == 1 && zero == 0 && !pipelined;
+            let plain = tpn == 1 && zero == 0 && !pipelined && epn == 1;
             // The whole parameters and moments: borrowed when this rank holds them, else gathered
             // from the shards, the tensor-parallel ranks and the pipeline stages (collective).
             use std::borrow::Cow;
@@ -884,8 +919,8 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
                     ms.push(m);
                     vs.push(v);
                 }
-                let locals: Vec<model::ParamLayout> = chunks.iter().map(|c| c.model.layout.clone()).collect();
-                let w = |bufs| whole_model(&*tp_comm, &*pp_comm, &whole_cfg, &stages, &stage_layouts, &locals, bufs);
+                let locals: Vec<model::GptConfig> = chunks.iter().map(|c| c.model.cfg.clone()).collect();
+                let w = |bufs| whole_model(&*tp_comm, &*ep_comm, &*pp_comm, &whole_cfg, &stages, &stage_layouts, &locals, bufs);
                 (Cow::Owned(w(ps)), Cow::Owned(w(ms)), Cow::Owned(w(vs)))
             };
             let part = if sharded {
@@ -980,14 +1015,14 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
     let mut bufs = Vec::new();
     for Chunk { mut model, dp, .. } in chunks {
         dp.restore(&mut model);
-        locals.push(model.layout.clone());
+        locals.push(model.cfg.clone());
         bufs.push(model);
     }
-    let model = if tpn > 1 || pipelined {
+    let model = if tpn > 1 || pipelined || epn > 1 {
         // The whole model again, for the sample.
         let mut full = Gpt::zeroed(cfg.gpt_config(ds.tokenizer.vocab_size()), bufs[0].real_vocab);
         let params = bufs.iter_mut().map(|m| std::mem::take(&mut m.params)).collect();
-        full.params = whole_model(&*tp_comm, &*pp_comm, &whole_cfg, &stages, &stage_layouts, &locals, params);
+        full.params = whole_model(&*tp_comm, &*ep_comm, &*pp_comm, &whole_cfg, &stages, &stage_layouts, &locals, params);
         full
     } else {
         bufs.pop().unwrap()
@@ -1022,12 +1057,13 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
     Ok(Summary { run_dir: run_dir.clone(), step, val_loss: last_val, interrupted })
 }
 
-/// The whole model's buffer from this rank's chunks' `bufs` (each laid out as `locals[c]`, a
-/// tensor-parallel shard of a pipeline stage laid out as `stage_layouts[c]`): collective over
-/// the tensor-parallel group `tp` and the pipeline group `pp`.
+/// The whole model's buffer from this rank's chunks' `bufs` (each laid out as the config
+/// `locals[c]`: a tensor- or expert-parallel shard of a pipeline stage laid out as
+/// `stage_layouts[c]`): collective over the tensor-parallel group `tp`, the expert-parallel
+/// group `ep` and the pipeline group `pp`.
 #[allow(clippy::too_many_arguments)]
-fn whole_model(tp: &dyn parallel::Comm, pp: &dyn parallel::Comm, whole_cfg: &model::GptConfig, stages: &[std::ops::Range<usize>], stage_layouts: &[model::ParamLayout], locals: &[model::ParamLayout], bufs: Vec<Vec<f32>>) -> Vec<f32> {
-    let per_stage: Vec<Vec<f32>> = bufs.into_iter().enumerate().map(|(c, b)| whole(tp, &stage_layouts[c], &locals[c], b)).collect();
+fn whole_model(tp: &dyn parallel::Comm, ep: &dyn parallel::Comm, pp: &dyn parallel::Comm, whole_cfg: &model::GptConfig, stages: &[std::ops::Range<usize>], stage_layouts: &[model::ParamLayout], locals: &[model::GptConfig], bufs: Vec<Vec<f32>>) -> Vec<f32> {
+    let per_stage: Vec<Vec<f32>> = bufs.into_iter().enumerate().map(|(c, b)| whole(tp, ep, &stage_layouts[c], &locals[c], b)).collect();
     if stages.len() == 1 {
         return per_stage.into_iter().next().unwrap();
     }
@@ -1035,15 +1071,20 @@ fn whole_model(tp: &dyn parallel::Comm, pp: &dyn parallel::Comm, whole_cfg: &mod
     parallel::pp::gather_whole(pp, whole_cfg, stages, &refs)
 }
 
-/// The whole-model buffer from this rank's tensor-parallel shard `local` (collective over
-/// `tp`; the identity without tensor parallelism).
-fn whole(tp: &dyn parallel::Comm, full: &model::ParamLayout, local_layout: &model::ParamLayout, local: Vec<f32>) -> Vec<f32> {
-    if tp.size() == 1 {
+/// The whole-model buffer from this rank's tensor- or expert-parallel shard `local` of config
+/// `local_cfg` (collective over `tp`, or `ep`; the identity without either).
+fn whole(tp: &dyn parallel::Comm, ep: &dyn parallel::Comm, full: &model::ParamLayout, local_cfg: &model::GptConfig, local: Vec<f32>) -> Vec<f32> {
+    let group = if tp.size() > 1 { tp } else { ep };
+    if group.size() == 1 {
         return local;
     }
-    let shards = parallel::tp::gather(tp, &local);
+    let shards = parallel::tp::gather(group, &local);
     let refs: Vec<&[f32]> = shards.iter().map(|s| &s[..]).collect();
-    parallel::tp::unshard(full, &refs, local_layout)
+    if tp.size() > 1 {
+        return parallel::tp::unshard(full, &refs, &model::layout::gpt_layout(local_cfg).0);
+    }
+    let layouts: Vec<model::ParamLayout> = (0..ep.size()).map(|r| parallel::ep::layout_of(local_cfg, r)).collect();
+    parallel::ep::unshard(full, &refs, &layouts)
 }
 
 /// MoE routing figures of the last micro-batch, summed or worst over layers: the router
@@ -1063,6 +1104,13 @@ fn add_moe_stats(line: &mut serde_json::Value, stats: &[tensor::moe::MoeStats]) 
     line["moe_dropped_fraction"] = dropped.into();
     line["moe_max_over_mean_load"] = imbalance.into();
     line["moe_expert_load"] = load.into();
+    let (sent, received): (usize, usize) = (stats.iter().map(|s| s.ep_rows_sent).sum(), stats.iter().map(|s| s.ep_rows_received).sum());
+    if sent + received > 0 {
+        // Expert parallelism: rows this rank sent to other ranks' experts and received for its
+        // own, over the layers (see `tensor::moe::MoeStats`).
+        line["moe_ep_rows_sent"] = sent.into();
+        line["moe_ep_rows_received"] = received.into();
+    }
 }
 
 

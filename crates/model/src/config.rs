@@ -56,10 +56,29 @@ pub struct GptConfig {
     /// columns (Megatron-LM's column/row split; see `parallel::tp`).
     #[serde(default = "one", skip_serializing_if = "is_one")]
     pub tp: usize,
+    /// With `tp > 1`: sequence parallelism (Korthikanti et al. 2023) — the norms, dropout and
+    /// residual stream hold only this shard's `block_size / tp` positions of every sequence;
+    /// the branch boundaries all-gather and reduce-scatter along the sequence instead of
+    /// all-reducing.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub sequence_parallel: bool,
     /// Pipeline parallelism: this config is one stage of a deeper model — `n_layer` of its
     /// layers, starting at `first_layer` (see `parallel::pp`). `None`: the whole model.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stage: Option<Stage>,
+    /// Expert parallelism: this config is one shard of a mixture-of-experts model whose routed
+    /// experts are spread over `size` ranks; it holds experts `rank·E/size .. (rank+1)·E/size`
+    /// under their whole-model names (the router still scores all `n_expert`; see
+    /// `parallel::ep`). `None`: every expert.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ep: Option<ExpertShard>,
+}
+
+/// Which routed experts an expert-parallel shard holds (see [`GptConfig::ep`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExpertShard {
+    pub rank: usize,
+    pub size: usize,
 }
 
 /// Where a pipeline stage sits in the whole model. Layer names, dropout streams and the
@@ -92,7 +111,7 @@ impl GptConfig {
         GptConfig {
             arch: Arch::Gpt2, n_layer, n_head, n_kv_head: n_head, n_embd, ffn_hidden: 4 * n_embd, block_size, vocab_size,
             bias, dropout, tied_embeddings: tied, rope_theta: 10000.0, norm_eps: 1e-5,
-            n_expert: 0, top_k: 2, n_shared_expert: 0, capacity_factor: 0.0, moe_aux_weight: 0.01, moe_z_weight: 0.001, tp: 1, stage: None,
+            n_expert: 0, top_k: 2, n_shared_expert: 0, capacity_factor: 0.0, moe_aux_weight: 0.01, moe_z_weight: 0.001, tp: 1, sequence_parallel: false, stage: None, ep: None,
         }
     }
 
@@ -188,6 +207,18 @@ impl GptConfig {
 
     pub fn is_moe(&self) -> bool {
         self.n_expert > 0
+    }
+
+    /// The routed experts this config's layout holds (global ids): all of them, or an
+    /// expert-parallel shard's block.
+    pub fn local_experts(&self) -> std::ops::Range<usize> {
+        match self.ep {
+            None => 0..self.n_expert,
+            Some(s) => {
+                let el = self.n_expert / s.size;
+                s.rank * el..(s.rank + 1) * el
+            }
+        }
     }
 
     /// The MoE kernel's dimensions for `n` tokens.

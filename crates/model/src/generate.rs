@@ -60,7 +60,7 @@ impl Gpt {
         let pos = cache.len;
         let w = &self.params;
         let pv = &self.views;
-        let ops = Ops { cfg, rope: self.rope.as_ref(), b: 1, t: 1, tp: std::cell::RefCell::new(None) };
+        let ops = Ops { cfg, rope: self.rope.as_ref(), b: 1, t: 1, tp: std::cell::RefCell::new(None), ep: std::cell::RefCell::new(None) };
         let opt = |r: &Option<std::ops::Range<usize>>| r.as_ref().map(|r| &w[r.clone()]);
         s.x.copy_from_slice(&w[pv.wte.clone()][token as usize * c..(token as usize + 1) * c]);
         if let Some(wpe) = &pv.wpe {
@@ -86,7 +86,7 @@ impl Gpt {
             ops.norm_forward(&mut s.ln, &mut s.mean, &mut s.rstd, &s.res, &w[bp.ln_2_w.clone()], opt(&bp.ln_2_b));
             if let (Some(mp), Some(cache)) = (&bp.moe, s.moe.as_mut()) {
                 let dims = cfg.moe_dims(1);
-                tensor::moe::moe_forward(&mut s.proj, cache, &s.ln, &w[mp.router.clone()], &w[mp.experts.clone()], &w[mp.shared.clone()], &dims, 0.0, 0.0);
+                tensor::moe::moe_forward(&mut s.proj, cache, &s.ln, &w[mp.router.clone()], &w[mp.experts.clone()], &w[mp.shared.clone()], &dims, 0.0, 0.0, None);
             } else {
                 matmul_forward(&mut s.fch, &s.ln, &w[bp.c_fc_w.clone()], opt(&bp.c_fc_b), 1, c, fw);
                 ops.act_forward(&mut s.fch_gelu, &s.fch);

@@ -15,11 +15,12 @@
 
 use crate::config::{Arch, GptConfig};
 use crate::lora::{Lora, Site};
-use tensor::moe::{moe_backward, moe_forward, MoeCache, MoeStats};
+use tensor::moe::{moe_backward, moe_forward, MoeCache, MoeExchange, MoeStats};
 use crate::layout::{gpt_layout, BlockParams, GptParams, Init, ParamLayout};
 use crate::units::{Access, Local, TpHooks, UnitStore};
 use tensor::attention::AttnDims;
-use tensor::classifier::{chunk_rows, lm_head_crossentropy};
+use tensor::classifier::{chunk_rows, lm_head_crossentropy, lm_head_crossentropy_vocab_parallel};
+use tensor::ops::{dropout_backward_rows, dropout_inplace_rows, RowMap};
 use tensor::flash::{flash_attention_backward, flash_attention_forward, flash_gqa_backward, flash_gqa_forward};
 use tensor::llama::{rmsnorm_backward, rmsnorm_forward, rope_backward, rope_forward, rope_table, swiglu_backward, swiglu_forward, GqaDims};
 use tensor::rng::mix64;
@@ -89,6 +90,10 @@ struct BlockInner {
     fch: Vec<f32>,       // [B, T, F] (GPT-2) or [B, T, 2F] (LLaMA: gate | up)
     fch_gelu: Vec<f32>,  // [B, T, F]  after GELU or SwiGLU
     moe: Option<MoeCache>, // routing, dispatch and expert activations of an MoE layer
+    /// Sequence parallel: the norms' outputs gathered along the sequence, `[B, T, C]` (the
+    /// column-parallel products' inputs); empty otherwise.
+    ln_1_full: Vec<f32>,
+    ln_2_full: Vec<f32>,
 }
 
 struct Acts {
@@ -107,6 +112,13 @@ struct Acts {
     /// A branch's output (attention or MLP projection, after dropout) before its residual add,
     /// `[B, T, C]`: forward-only, so one for all blocks and both branches.
     branch: Vec<f32>,
+    /// Sequence parallel: a whole-sequence `[B, T, C]` scratch (the embedding's and the
+    /// row-parallel products' partial sums before their reduce-scatter, the final norm's
+    /// gathered output for the head) and the head's input gradient before its reduce-scatter.
+    /// Empty otherwise. Everything else `[B, T, ·]` in the residual stream then holds this
+    /// shard's `T/t` positions.
+    full: Vec<f32>,
+    dln_f_full: Vec<f32>,
     ln_f: Vec<f32>,
     ln_f_mean: Vec<f32>,
     ln_f_rstd: Vec<f32>,
@@ -142,6 +154,11 @@ struct GradScratch {
     dqkv: Vec<f32>,     // [B, T, (NH + 2·NKV)·HS]
     dfch: Vec<f32>,     // [B, T, F or 2F]
     dfch_gelu: Vec<f32>,
+    /// Sequence parallel (`[B, T, C]`, else empty): a row-parallel product's output gradient
+    /// gathered along the sequence, and a column-parallel product's input gradient before its
+    /// reduce-scatter.
+    dfull: Vec<f32>,
+    dln_full: Vec<f32>,
 }
 
 pub struct Gpt {
@@ -164,6 +181,9 @@ pub struct Gpt {
     /// Tensor parallelism: with `cfg.tp > 1` this model is one shard, and these hooks sum the
     /// shards' partial results at the branch boundaries.
     pub tp: Option<Box<dyn TpHooks>>,
+    /// Expert parallelism: with `cfg.ep` set this model holds only its block of routed experts,
+    /// and this exchange moves each MoE layer's dispatched rows to the experts' owners and back.
+    pub ep: Option<Box<dyn MoeExchange + Send>>,
     /// Activation recomputation policy (default [`Recompute::None`]); takes effect at the next
     /// forward.
     pub recompute: Recompute,
@@ -217,13 +237,13 @@ impl Gpt {
 
     /// A model with all-zero parameters, to be filled from a checkpoint.
     pub fn zeroed(cfg: GptConfig, real_vocab: usize) -> Gpt {
-        assert!(real_vocab <= cfg.vocab_size);
+        assert!(real_vocab <= cfg.vocab_size * cfg.tp, "real vocabulary {real_vocab} exceeds the (padded) vocabulary");
         let (layout, views) = gpt_layout(&cfg);
         let n = layout.total;
         let rope = (cfg.arch == Arch::Llama).then(|| rope_table(cfg.rope_theta, cfg.head_size(), cfg.block_size));
         let units = views.units(n);
         let unit_views = views.rebased(n);
-        Gpt { cfg, layout, views, units, unit_views, real_vocab, params: zeros(n), grads: zeros(n), rope, lora: None, tp: None, recompute: Recompute::None, acts: None, scratch: None }
+        Gpt { cfg, layout, views, units, unit_views, real_vocab, params: zeros(n), grads: zeros(n), rope, lora: None, tp: None, ep: None, recompute: Recompute::None, acts: None, scratch: None }
     }
 
     pub fn num_params(&self) -> usize {
@@ -246,19 +266,26 @@ impl Gpt {
         let aw = self.cfg.attn_width();
         let state = b * nh * t; // flash lse, both architectures
         let n = b * t;
+        // Rows of the residual stream on this shard (all of them, or under sequence
+        // parallelism its positions of each sequence), and of the whole-sequence scratch.
+        let sp = self.cfg.sequence_parallel;
+        assert!(!sp || t % self.cfg.tp == 0, "sequence parallel: T = {t} not divisible by tp = {}", self.cfg.tp);
+        let (nl, nf) = if sp { (n / self.cfg.tp, n) } else { (n, 0) };
         let hn = if self.cfg.has_head() { n } else { 0 };
+        let hl = if self.cfg.has_head() { nl } else { 0 };
         let moe = self.cfg.is_moe();
         // An MoE layer keeps its activations in its MoeCache; the dense MLP buffers stay empty.
         let (fw, f) = if moe { (0, 0) } else { (fw, f) };
         let cfg = &self.cfg;
         let kept = || BlockKept {
-            ln_1: zeros(n * c), ln_1_mean: zeros(n), ln_1_rstd: zeros(n), res_2: zeros(n * c),
-            ln_2: zeros(n * c), ln_2_mean: zeros(n), ln_2_rstd: zeros(n),
+            ln_1: zeros(nl * c), ln_1_mean: zeros(nl), ln_1_rstd: zeros(nl), res_2: zeros(nl * c),
+            ln_2: zeros(nl * c), ln_2_mean: zeros(nl), ln_2_rstd: zeros(nl),
         };
         let inner = || BlockInner {
             qkv: zeros(n * qw), atty: zeros(n * aw), attn_state: zeros(state),
             fch: zeros(n * fw), fch_gelu: zeros(n * f),
             moe: moe.then(|| MoeCache::new(cfg.moe_dims(n))),
+            ln_1_full: zeros(nf * c), ln_2_full: zeros(nf * c),
         };
         let l = self.cfg.n_layer;
         let (n_kept, n_inner) = match self.recompute {
@@ -271,13 +298,15 @@ impl Gpt {
         self.acts = Some(Acts {
             b, t,
             recompute: self.recompute,
-            xs: (0..=self.cfg.n_layer).map(|_| zeros(n * c)).collect(),
+            xs: (0..=self.cfg.n_layer).map(|_| zeros(nl * c)).collect(),
             kept: (0..n_kept).map(|_| kept()).collect(),
             inner: (0..n_inner).map(|_| inner()).collect(),
-            branch: zeros(n * c),
+            branch: zeros(nl * c),
+            full: zeros(nf * c),
+            dln_f_full: zeros(if self.cfg.has_head() { nf * c } else { 0 }),
             // The final norm and the head's buffers only where the head is (pipeline stages).
-            ln_f: zeros(hn * c), ln_f_mean: zeros(hn), ln_f_rstd: zeros(hn),
-            dln_f: zeros(hn * c), head_scratch: zeros(chunk_rows(hn, vp) * vp), losses: zeros(n),
+            ln_f: zeros(hl * c), ln_f_mean: zeros(hl), ln_f_rstd: zeros(hl),
+            dln_f: zeros(hl * c), head_scratch: zeros(chunk_rows(hn, vp) * vp), losses: zeros(n),
             tokens: vec![0; n], targets: vec![0; n], count: 0, dropout_seed: 0, p_drop: 0.0, loss_scale: 1.0, moe_stats: Vec::new(),
         });
         self.scratch = None;
@@ -318,11 +347,36 @@ impl Gpt {
         // logits = ln_f(x) · headᵀ ; loss — fused, in row chunks (and its gradient, when training)
         let r = self.unit_views.lm_head.clone();
         let (w, dw) = store.acquire(hu, head_access, None);
-        let grads = match loss_scale {
-            Some(s) if count > 0 => Some((&mut a.dln_f[..], &mut dw[r.clone()], s / count as f32)),
+        let scale = match loss_scale {
+            Some(s) if count > 0 => Some(s / count as f32),
             _ => None,
         };
-        lm_head_crossentropy(&mut a.losses, grads, &a.ln_f, &w[r], targets, &mut a.head_scratch, c, v, vp, IGNORE_INDEX);
+        match self.tp.as_deref_mut() {
+            // A tensor-parallel shard holds rows `rank·Vp/t ..` of the head, for every
+            // position: under sequence parallelism the final norm's output is gathered first
+            // and the head's input gradient reduce-scattered back to this shard's positions.
+            Some(h) => {
+                let off = h.rank() * vp;
+                let v_local = v.saturating_sub(off).min(vp);
+                let sp = self.cfg.sequence_parallel;
+                if sp {
+                    h.gather_seq(&a.ln_f, &mut a.full, b, t);
+                }
+                let (x, dx) = if sp { (&a.full[..], &mut a.dln_f_full[..]) } else { (&a.ln_f[..], &mut a.dln_f[..]) };
+                let grads = scale.map(|s| (dx, &mut dw[r.clone()], s));
+                lm_head_crossentropy_vocab_parallel(&mut a.losses, grads, x, &w[r], targets, &mut a.head_scratch, c, v_local, vp, off, IGNORE_INDEX, &mut |x| h.all_gather(x));
+                // `f` backward at the head's input: the vocabulary slices' partial sums.
+                match (scale.is_some(), sp) {
+                    (true, true) => h.scatter_seq(&mut a.dln_f_full, &mut a.dln_f, None, b, t),
+                    (true, false) => h.reduce_input_grad(&mut a.dln_f),
+                    _ => {}
+                }
+            }
+            None => {
+                let grads = scale.map(|s| (&mut a.dln_f[..], &mut dw[r.clone()], s));
+                lm_head_crossentropy(&mut a.losses, grads, &a.ln_f, &w[r], targets, &mut a.head_scratch, c, v, vp, IGNORE_INDEX);
+            }
+        }
         store.release(hu, head_access);
         if count == 0 {
             return 0.0;
@@ -359,15 +413,28 @@ impl Gpt {
         a.dropout_seed = dropout_seed;
         a.p_drop = p_drop;
         a.moe_stats.clear();
-        let ops = Ops { cfg: &self.cfg, rope: self.rope.as_ref(), b, t, tp: std::cell::RefCell::new(self.tp.as_deref_mut()) };
+        let ops = Ops { cfg: &self.cfg, rope: self.rope.as_ref(), b, t, tp: std::cell::RefCell::new(self.tp.as_deref_mut()), ep: std::cell::RefCell::new(self.ep.as_deref_mut()) };
 
         // A later pipeline stage starts from the activations put in `xs[0]` (`stage_input_mut`).
         if self.cfg.has_embed() {
             let (w, _) = store.acquire(0, Access::Forward, Some((1, Access::Forward)));
-            embedding_forward(&mut a.xs[0], tokens, &w[pv.wte.clone()], pv.wpe.as_ref().map(|r| &w[r.clone()]), t, c);
+            let wpe = pv.wpe.as_ref().map(|r| &w[r.clone()]);
+            match ops.vocab_rows() {
+                // Vocab-parallel: this shard's rows' lookups, summed over the shards (`g`).
+                // Under sequence parallelism, reduce-scattered to this shard's positions.
+                Some(rows) if ops.sp() => {
+                    embedding_forward_rows(&mut a.full, tokens, &w[pv.wte.clone()], wpe, t, c, rows);
+                    ops.scatter_seq(&mut a.full, &mut a.xs[0], None);
+                }
+                Some(rows) => {
+                    embedding_forward_rows(&mut a.xs[0], tokens, &w[pv.wte.clone()], wpe, t, c, rows);
+                    ops.tp_reduce_output(&mut a.xs[0], None);
+                }
+                None => embedding_forward(&mut a.xs[0], tokens, &w[pv.wte.clone()], wpe, t, c),
+            }
             store.release(0, Access::Forward);
             if p_drop > 0.0 {
-                dropout_inplace(&mut a.xs[0], p_drop, site_seed(dropout_seed, 0));
+                dropout_inplace_rows(&mut a.xs[0], p_drop, site_seed(dropout_seed, 0), c, ops.row_map());
             }
         }
         let (kl, il) = a.slots();
@@ -376,7 +443,7 @@ impl Gpt {
             let (k, i) = (&mut a.kept[kl(l)], &mut a.inner[il(l)]);
             let _span = tensor::profile::layer_scope("block_forward", l);
             let (w, _) = store.acquire(l + 1, Access::Forward, Some((l + 2, Access::Forward)));
-            if let Some(st) = block_forward(&ops, w, bp, lora, l, &inp[l], k, i, &mut a.branch, Some(&mut out[0]), p_drop, dropout_seed) {
+            if let Some(st) = block_forward(&ops, w, bp, lora, l, &inp[l], k, i, &mut a.branch, &mut a.full, Some(&mut out[0]), p_drop, dropout_seed) {
                 a.moe_stats.push(st);
             }
             store.release(l + 1, Access::Forward);
@@ -416,7 +483,7 @@ impl Gpt {
         let bwd = Access::Backward { params: true };
         let p_drop = self.cfg.dropout;
         let seed = a.dropout_seed;
-        let ops = Ops { cfg: &self.cfg, rope: self.rope.as_ref(), b, t, tp: std::cell::RefCell::new(self.tp.as_deref_mut()) };
+        let ops = Ops { cfg: &self.cfg, rope: self.rope.as_ref(), b, t, tp: std::cell::RefCell::new(self.tp.as_deref_mut()), ep: std::cell::RefCell::new(self.ep.as_deref_mut()) };
         // Every unit is acquired and released even when no target counted (the gradients are
         // then zero): a store's collectives must run the same on every rank.
         let skip = a.count == 0;
@@ -453,16 +520,17 @@ impl Gpt {
                 Recompute::Selective => {
                     let _span = tensor::profile::layer_scope("block_recompute", l);
                     attn_inner(&ops, w, bp, lora, l, k, i, a.p_drop, seed);
-                    mlp_inner(&ops, w, bp, lora, l, k, i, &mut a.branch, false);
+                    mlp_inner(&ops, w, bp, lora, l, k, i, &mut a.branch, &mut a.full, false);
                 }
                 Recompute::Full => {
                     let _span = tensor::profile::layer_scope("block_recompute", l);
-                    block_forward(&ops, w, bp, lora, l, x, k, i, &mut a.branch, None, a.p_drop, seed);
+                    block_forward(&ops, w, bp, lora, l, x, k, i, &mut a.branch, &mut a.full, None, a.p_drop, seed);
                 }
             }
             let _span = tensor::profile::layer_scope("block_backward", l);
             // MLP branch: res_3 = res_2 + drop(fcproj)
-            let dfcproj = branch_grad(&mut g.dbranch, &g.dres, p_drop, site_seed(seed, site + 2));
+            let map = ops.row_map();
+            let dfcproj = branch_grad(&mut g.dbranch, &g.dres, p_drop, site_seed(seed, site + 2), c, map);
             if let (Some(mp), Some(cache)) = (&bp.moe, i.moe.as_mut()) {
                 // The router's losses join the objective with the same scale as the main loss.
                 let dims = self.cfg.moe_dims(n);
@@ -470,45 +538,51 @@ impl Gpt {
                 g.dln.fill(0.0);
                 let (dr, rest_w) = dw[mp.router.start..mp.shared.end].split_at_mut(mp.router.len());
                 let (de, ds) = rest_w.split_at_mut(mp.experts.len());
-                moe_backward(&mut g.dln, dr, de, ds, dfcproj, cache, &k.ln_2, &w[mp.router.clone()], &w[mp.experts.clone()], &w[mp.shared.clone()], &dims, aux, z);
+                moe_backward(&mut g.dln, dr, de, ds, dfcproj, cache, &k.ln_2, &w[mp.router.clone()], &w[mp.experts.clone()], &w[mp.shared.clone()], &dims, aux, z, ops.ep.borrow_mut().as_deref_mut().map(|h| h as &mut dyn MoeExchange));
             } else {
+            let dproj = ops.row_parallel_grad(dfcproj, &mut g.dfull);
             g.dfch_gelu.fill(0.0);
             let (dwp, dbp) = split_two(dw, &bp.mlp_proj_w, &bp.mlp_proj_b);
-            linear_backward(frozen, &mut g.dfch_gelu, dwp, dbp, dfcproj, &i.fch_gelu, &w[bp.mlp_proj_w.clone()], n, f, c);
+            linear_backward(frozen, &mut g.dfch_gelu, dwp, dbp, dproj, &i.fch_gelu, &w[bp.mlp_proj_w.clone()], n, f, c);
             if let Some(lo) = lora.as_mut() {
-                lo.backward(l, Site::MlpProj, &mut g.dfch_gelu, dfcproj, &i.fch_gelu, n, c);
+                lo.backward(l, Site::MlpProj, &mut g.dfch_gelu, dproj, &i.fch_gelu, n, c);
             }
             g.dfch.fill(0.0);
             ops.act_backward(&mut g.dfch, &g.dfch_gelu, &i.fch);
-            g.dln.fill(0.0);
             let (dwf, dbf) = split_two(dw, &bp.c_fc_w, &bp.c_fc_b);
-            linear_backward(frozen, &mut g.dln, dwf, dbf, &g.dfch, &k.ln_2, &w[bp.c_fc_w.clone()], n, c, fw);
-            if let Some(lo) = lora.as_mut() {
-                lo.backward(l, Site::Fc, &mut g.dln, &g.dfch, &k.ln_2, n, fw);
-            }
-            ops.tp_reduce_input_grad(&mut g.dln);
+            let xin: &[f32] = if ops.sp() { &i.ln_2_full } else { &k.ln_2 };
+            let dfch = &g.dfch;
+            ops.column_input_grad(&mut g.dln, &mut g.dln_full, |d| {
+                linear_backward(frozen, d, dwf, dbf, dfch, xin, &w[bp.c_fc_w.clone()], n, c, fw);
+                if let Some(lo) = lora.as_mut() {
+                    lo.backward(l, Site::Fc, d, dfch, xin, n, fw);
+                }
+            });
             }
             // dres (currently d res_3, flowing straight through to d res_2) += ln_2 backward
             let (dw2, db2) = split_two(dw, &bp.ln_2_w, &bp.ln_2_b);
             ops.norm_backward(&mut g.dres, dw2, db2, &g.dln, &k.res_2, &w[bp.ln_2_w.clone()], &k.ln_2_mean, &k.ln_2_rstd);
             // Attention branch: res_2 = x + drop(attproj)
-            let dattproj = branch_grad(&mut g.dbranch, &g.dres, p_drop, site_seed(seed, site + 1));
+            let dattproj = branch_grad(&mut g.dbranch, &g.dres, p_drop, site_seed(seed, site + 1), c, map);
+            let dproj = ops.row_parallel_grad(dattproj, &mut g.dfull);
             g.datty.fill(0.0);
             let (dwa, dba) = split_two(dw, &bp.attn_proj_w, &bp.attn_proj_b);
             let aw = self.cfg.attn_width();
-            linear_backward(frozen, &mut g.datty, dwa, dba, dattproj, &i.atty, &w[bp.attn_proj_w.clone()], n, aw, c);
+            linear_backward(frozen, &mut g.datty, dwa, dba, dproj, &i.atty, &w[bp.attn_proj_w.clone()], n, aw, c);
             if let Some(lo) = lora.as_mut() {
-                lo.backward(l, Site::AttnProj, &mut g.datty, dattproj, &i.atty, n, c);
+                lo.backward(l, Site::AttnProj, &mut g.datty, dproj, &i.atty, n, c);
             }
             g.dqkv.fill(0.0);
             ops.attn_backward(&mut g.dqkv, &g.datty, &i.qkv, &i.atty, &i.attn_state, p_drop, site_seed(seed, site));
-            g.dln.fill(0.0);
             let (dwq, dbq) = split_two(dw, &bp.c_attn_w, &bp.c_attn_b);
-            linear_backward(frozen, &mut g.dln, dwq, dbq, &g.dqkv, &k.ln_1, &w[bp.c_attn_w.clone()], n, c, qw);
-            if let Some(lo) = lora.as_mut() {
-                lo.backward(l, Site::Qkv, &mut g.dln, &g.dqkv, &k.ln_1, n, qw);
-            }
-            ops.tp_reduce_input_grad(&mut g.dln);
+            let xin: &[f32] = if ops.sp() { &i.ln_1_full } else { &k.ln_1 };
+            let dqkv = &g.dqkv;
+            ops.column_input_grad(&mut g.dln, &mut g.dln_full, |d| {
+                linear_backward(frozen, d, dwq, dbq, dqkv, xin, &w[bp.c_attn_w.clone()], n, c, qw);
+                if let Some(lo) = lora.as_mut() {
+                    lo.backward(l, Site::Qkv, d, dqkv, xin, n, qw);
+                }
+            });
             let (dw1, db1) = split_two(dw, &bp.ln_1_w, &bp.ln_1_b);
             ops.norm_backward(&mut g.dres, dw1, db1, &g.dln, x, &w[bp.ln_1_w.clone()], &k.ln_1_mean, &k.ln_1_rstd);
             store.release(l + 1, bwd);
@@ -518,13 +592,19 @@ impl Gpt {
         let (_, dw) = store.acquire(0, emb, None);
         // A later pipeline stage leaves its input's gradient in `dres` (`stage_input_grad`).
         if !skip && self.cfg.has_embed() {
-            let demb = branch_grad(&mut g.dbranch, &g.dres, p_drop, site_seed(seed, 0));
-            match &pv.wpe {
+            let demb = branch_grad(&mut g.dbranch, &g.dres, p_drop, site_seed(seed, 0), c, ops.row_map());
+            // Under sequence parallelism the embedding's output was reduce-scattered: gather.
+            let demb = ops.row_parallel_grad(demb, &mut g.dfull);
+            let (dwte, dwpe) = match &pv.wpe {
                 Some(wpe) => {
                     let (dwte, dwpe) = split_pair(dw, &pv.wte, wpe);
-                    embedding_backward(dwte, Some(dwpe), demb, &a.tokens, t, c);
+                    (dwte, Some(dwpe))
                 }
-                None => embedding_backward(&mut dw[pv.wte.clone()], None, demb, &a.tokens, t, c),
+                None => (&mut dw[pv.wte.clone()], None),
+            };
+            match ops.vocab_rows() {
+                Some(rows) => embedding_backward_rows(dwte, dwpe, demb, &a.tokens, t, c, rows),
+                None => embedding_backward(dwte, dwpe, demb, &a.tokens, t, c),
             }
         }
         store.release(0, emb);
@@ -589,14 +669,15 @@ impl Gpt {
         let a = self.acts.as_ref().expect("backward before forward");
         let n = a.b * a.t;
         let c = self.cfg.n_embd;
-        if self.scratch.as_ref().is_some_and(|g| g.dres.len() == n * c) {
+        let (nl, nf) = if self.cfg.sequence_parallel { (n / self.cfg.tp, n) } else { (n, 0) };
+        if self.scratch.as_ref().is_some_and(|g| g.dres.len() == nl * c && g.dqkv.len() == n * self.cfg.qkv_width()) {
             return;
         }
         let (qw, fw, f) = (self.cfg.qkv_width(), self.cfg.fc_width(), self.cfg.ffn_hidden);
         self.scratch = None;
         self.scratch = Some(GradScratch {
-            dres: zeros(n * c), dln: zeros(n * c), dbranch: zeros(n * c), datty: zeros(n * self.cfg.attn_width()),
-            dqkv: zeros(n * qw), dfch: zeros(n * fw), dfch_gelu: zeros(n * f),
+            dres: zeros(nl * c), dln: zeros(nl * c), dbranch: zeros(nl * c), datty: zeros(n * self.cfg.attn_width()),
+            dqkv: zeros(n * qw), dfch: zeros(n * fw), dfch_gelu: zeros(n * f), dfull: zeros(nf * c), dln_full: zeros(nf * c),
         });
     }
 
@@ -645,7 +726,7 @@ fn acts_bytes(a: &Acts) -> usize {
 /// With `out` `None` (the recomputation in backward) the tail that backward never reads — the
 /// dense MLP's output projection, its dropout and the residual add — is skipped.
 #[allow(clippy::too_many_arguments)]
-fn block_forward(ops: &Ops, w: &[f32], bp: &BlockParams, lora: &mut Option<Lora>, l: usize, x: &[f32], k: &mut BlockKept, i: &mut BlockInner, branch: &mut [f32], out: Option<&mut [f32]>, p_drop: f32, dropout_seed: u64) -> Option<MoeStats> {
+fn block_forward(ops: &Ops, w: &[f32], bp: &BlockParams, lora: &mut Option<Lora>, l: usize, x: &[f32], k: &mut BlockKept, i: &mut BlockInner, branch: &mut [f32], full: &mut [f32], out: Option<&mut [f32]>, p_drop: f32, dropout_seed: u64) -> Option<MoeStats> {
     let cfg = ops.cfg;
     let (c, n) = (cfg.n_embd, ops.b * ops.t);
     let opt = |r: &Option<std::ops::Range<usize>>| r.as_ref().map(|r| &w[r.clone()]);
@@ -653,21 +734,22 @@ fn block_forward(ops: &Ops, w: &[f32], bp: &BlockParams, lora: &mut Option<Lora>
     // res_2 = x + drop(attn(norm_1(x)))
     ops.norm_forward(&mut k.ln_1, &mut k.ln_1_mean, &mut k.ln_1_rstd, x, &w[bp.ln_1_w.clone()], opt(&bp.ln_1_b));
     attn_inner(ops, w, bp, lora, l, k, i, p_drop, dropout_seed);
-    matmul_forward(branch, &i.atty, &w[bp.attn_proj_w.clone()], opt(&bp.attn_proj_b), n, cfg.attn_width(), c);
-    if let Some(lo) = lora.as_mut() {
-        lo.forward(l, Site::AttnProj, branch, &i.atty, n, c);
-    }
-    ops.tp_reduce_output(branch, opt(&bp.attn_proj_b));
+    ops.row_parallel(branch, full, opt(&bp.attn_proj_b), |y| {
+        matmul_forward(y, &i.atty, &w[bp.attn_proj_w.clone()], opt(&bp.attn_proj_b), n, cfg.attn_width(), c);
+        if let Some(lo) = lora.as_mut() {
+            lo.forward(l, Site::AttnProj, y, &i.atty, n, c);
+        }
+    });
     if p_drop > 0.0 {
-        dropout_inplace(branch, p_drop, site_seed(dropout_seed, site + 1));
+        dropout_inplace_rows(branch, p_drop, site_seed(dropout_seed, site + 1), c, ops.row_map());
     }
     residual_forward(&mut k.res_2, x, branch);
     // out = res_2 + drop(mlp(norm_2(res_2)))
     ops.norm_forward(&mut k.ln_2, &mut k.ln_2_mean, &mut k.ln_2_rstd, &k.res_2, &w[bp.ln_2_w.clone()], opt(&bp.ln_2_b));
-    let stats = mlp_inner(ops, w, bp, lora, l, k, i, branch, out.is_some());
+    let stats = mlp_inner(ops, w, bp, lora, l, k, i, branch, full, out.is_some());
     if let Some(out) = out {
         if p_drop > 0.0 {
-            dropout_inplace(branch, p_drop, site_seed(dropout_seed, site + 2));
+            dropout_inplace_rows(branch, p_drop, site_seed(dropout_seed, site + 2), c, ops.row_map());
         }
         residual_forward(out, &k.res_2, branch);
     }
@@ -680,9 +762,10 @@ fn block_forward(ops: &Ops, w: &[f32], bp: &BlockParams, lora: &mut Option<Lora>
 fn attn_inner(ops: &Ops, w: &[f32], bp: &BlockParams, lora: &mut Option<Lora>, l: usize, k: &BlockKept, i: &mut BlockInner, p_drop: f32, dropout_seed: u64) {
     let cfg = ops.cfg;
     let (c, n, qw) = (cfg.n_embd, ops.b * ops.t, cfg.qkv_width());
-    matmul_forward(&mut i.qkv, &k.ln_1, &w[bp.c_attn_w.clone()], bp.c_attn_b.as_ref().map(|r| &w[r.clone()]), n, c, qw);
+    let x = ops.column_input(&k.ln_1, &mut i.ln_1_full);
+    matmul_forward(&mut i.qkv, x, &w[bp.c_attn_w.clone()], bp.c_attn_b.as_ref().map(|r| &w[r.clone()]), n, c, qw);
     if let Some(lo) = lora.as_mut() {
-        lo.forward(l, Site::Qkv, &mut i.qkv, &k.ln_1, n, qw);
+        lo.forward(l, Site::Qkv, &mut i.qkv, x, n, qw);
     }
     ops.attn_forward(&mut i.atty, &mut i.attn_state, &mut i.qkv, p_drop, site_seed(dropout_seed, block_site(cfg, l)));
 }
@@ -693,26 +776,29 @@ fn attn_inner(ops: &Ops, w: &[f32], bp: &BlockParams, lora: &mut Option<Lora>, l
 /// backward reads neither the output nor anything the adapter saves there (its `x·Aᵀ` is kept
 /// per layer in the adapter from forward).
 #[allow(clippy::too_many_arguments)]
-fn mlp_inner(ops: &Ops, w: &[f32], bp: &BlockParams, lora: &mut Option<Lora>, l: usize, k: &BlockKept, i: &mut BlockInner, branch: &mut [f32], proj: bool) -> Option<MoeStats> {
+fn mlp_inner(ops: &Ops, w: &[f32], bp: &BlockParams, lora: &mut Option<Lora>, l: usize, k: &BlockKept, i: &mut BlockInner, branch: &mut [f32], full: &mut [f32], proj: bool) -> Option<MoeStats> {
     let cfg = ops.cfg;
     let (c, n) = (cfg.n_embd, ops.b * ops.t);
     let (fw, f) = (cfg.fc_width(), cfg.ffn_hidden);
     let opt = |r: &Option<std::ops::Range<usize>>| r.as_ref().map(|r| &w[r.clone()]);
     if let (Some(mp), Some(cache)) = (&bp.moe, i.moe.as_mut()) {
         let dims = cfg.moe_dims(n);
-        return Some(moe_forward(branch, cache, &k.ln_2, &w[mp.router.clone()], &w[mp.experts.clone()], &w[mp.shared.clone()], &dims, cfg.moe_aux_weight, cfg.moe_z_weight));
+        let mut ep = ops.ep.borrow_mut();
+        return Some(moe_forward(branch, cache, &k.ln_2, &w[mp.router.clone()], &w[mp.experts.clone()], &w[mp.shared.clone()], &dims, cfg.moe_aux_weight, cfg.moe_z_weight, ep.as_deref_mut().map(|h| h as &mut dyn MoeExchange)));
     }
-    matmul_forward(&mut i.fch, &k.ln_2, &w[bp.c_fc_w.clone()], opt(&bp.c_fc_b), n, c, fw);
+    let x = ops.column_input(&k.ln_2, &mut i.ln_2_full);
+    matmul_forward(&mut i.fch, x, &w[bp.c_fc_w.clone()], opt(&bp.c_fc_b), n, c, fw);
     if let Some(lo) = lora.as_mut() {
-        lo.forward(l, Site::Fc, &mut i.fch, &k.ln_2, n, fw);
+        lo.forward(l, Site::Fc, &mut i.fch, x, n, fw);
     }
     ops.act_forward(&mut i.fch_gelu, &i.fch);
     if proj {
-        matmul_forward(branch, &i.fch_gelu, &w[bp.mlp_proj_w.clone()], opt(&bp.mlp_proj_b), n, f, c);
-        if let Some(lo) = lora.as_mut() {
-            lo.forward(l, Site::MlpProj, branch, &i.fch_gelu, n, c);
-        }
-        ops.tp_reduce_output(branch, opt(&bp.mlp_proj_b));
+        ops.row_parallel(branch, full, opt(&bp.mlp_proj_b), |y| {
+            matmul_forward(y, &i.fch_gelu, &w[bp.mlp_proj_w.clone()], opt(&bp.mlp_proj_b), n, f, c);
+            if let Some(lo) = lora.as_mut() {
+                lo.forward(l, Site::MlpProj, y, &i.fch_gelu, n, c);
+            }
+        });
     }
     None
 }
@@ -729,12 +815,12 @@ fn linear_backward(frozen: bool, dinp: &mut [f32], dw: &mut [f32], db: Option<&m
 
 /// The gradient of a dropout-wrapped branch output: `dout` itself without dropout, else the
 /// masked copy written into `buf`.
-fn branch_grad<'a>(buf: &'a mut [f32], dout: &'a [f32], p: f32, seed: u64) -> &'a [f32] {
+fn branch_grad<'a>(buf: &'a mut [f32], dout: &'a [f32], p: f32, seed: u64, c: usize, map: RowMap) -> &'a [f32] {
     if p == 0.0 {
         return dout;
     }
     buf.fill(0.0);
-    dropout_backward(buf, dout, p, seed);
+    dropout_backward_rows(buf, dout, p, seed, c, map);
     buf
 }
 
@@ -771,9 +857,90 @@ pub(crate) struct Ops<'a> {
     pub t: usize,
     /// The tensor-parallel hooks of a shard (`None` for a whole model).
     pub tp: std::cell::RefCell<Option<&'a mut (dyn TpHooks + 'static)>>,
+    /// The expert-parallel exchange of a shard (`None`: every expert is local).
+    pub ep: std::cell::RefCell<Option<&'a mut (dyn MoeExchange + Send + 'static)>>,
 }
 
 impl Ops<'_> {
+    /// Sequence parallelism: this shard holds `T/t` positions of the residual stream.
+    fn sp(&self) -> bool {
+        self.cfg.sequence_parallel && self.tp.borrow().is_some()
+    }
+
+    /// Where the residual stream's rows sit in the whole `[B, T]` (for dropout masks).
+    fn row_map(&self) -> RowMap {
+        match self.tp.borrow().as_ref() {
+            Some(h) if self.cfg.sequence_parallel => {
+                let tl = self.t / h.size();
+                RowMap { t_local: tl, t: self.t, offset: h.rank() * tl }
+            }
+            _ => RowMap::whole(self.t),
+        }
+    }
+
+    /// Sequence parallel: `local` gathered along the sequence into `full`.
+    fn gather_seq(&self, local: &[f32], full: &mut [f32]) {
+        self.tp.borrow_mut().as_mut().expect("sequence parallel needs tensor-parallel hooks").gather_seq(local, full, self.b, self.t);
+    }
+
+    /// Sequence parallel: the partial sums in `full` reduce-scattered into this shard's `local`.
+    fn scatter_seq(&self, full: &mut [f32], local: &mut [f32], bias: Option<&[f32]>) {
+        self.tp.borrow_mut().as_mut().expect("sequence parallel needs tensor-parallel hooks").scatter_seq(full, local, bias, self.b, self.t);
+    }
+
+    /// A column-parallel product's input: the norm's output `local` itself, or under sequence
+    /// parallelism gathered into `full` (Megatron-SP's `g`).
+    fn column_input<'x>(&self, local: &'x [f32], full: &'x mut [f32]) -> &'x [f32] {
+        if self.sp() {
+            self.gather_seq(local, full);
+            full
+        } else {
+            local
+        }
+    }
+
+    /// A row-parallel product into the branch: `product` writes this shard's partial sum, into
+    /// `branch` (then all-reduced, `g`) or under sequence parallelism into the whole-sequence
+    /// `full` (then reduce-scattered into `branch`, `ḡ`). Without tensor parallelism: just
+    /// `product(branch)`.
+    fn row_parallel(&self, branch: &mut [f32], full: &mut [f32], bias: Option<&[f32]>, product: impl FnOnce(&mut [f32])) {
+        if self.sp() {
+            product(full);
+            self.scatter_seq(full, branch, bias);
+        } else {
+            product(branch);
+            self.tp_reduce_output(branch, bias);
+        }
+    }
+
+    /// A row-parallel product's output gradient: `d` itself, or under sequence parallelism
+    /// gathered along the sequence into `full` (the backward of the reduce-scatter).
+    fn row_parallel_grad<'x>(&self, d: &'x [f32], full: &'x mut [f32]) -> &'x [f32] {
+        self.column_input(d, full)
+    }
+
+    /// A column-parallel product's input gradient, computed by `product` (which accumulates
+    /// into a zeroed buffer): summed over the shards into `dln` (all-reduce), or under sequence
+    /// parallelism reduce-scattered from the whole-sequence `dfull` into `dln` (this shard's
+    /// positions).
+    fn column_input_grad(&self, dln: &mut [f32], dfull: &mut [f32], product: impl FnOnce(&mut [f32])) {
+        if self.sp() {
+            dfull.fill(0.0);
+            product(dfull);
+            self.scatter_seq(dfull, dln, None);
+        } else {
+            dln.fill(0.0);
+            product(dln);
+            self.tp_reduce_input_grad(dln);
+        }
+    }
+
+    /// A tensor-parallel shard's rows of the (padded) vocabulary; `None` for a whole model.
+    fn vocab_rows(&self) -> Option<std::ops::Range<usize>> {
+        let vl = self.cfg.vocab_size;
+        self.tp.borrow().as_ref().map(|h| h.rank() * vl..(h.rank() + 1) * vl)
+    }
+
     /// Megatron's `g`: sums a row-parallel product's partial outputs over the shards.
     fn tp_reduce_output(&self, out: &mut [f32], bias: Option<&[f32]>) {
         if let Some(h) = self.tp.borrow_mut().as_mut() {
@@ -811,7 +978,19 @@ impl Ops<'_> {
     }
 
     /// Attention over `qkv`; for LLaMA the rotary embedding is applied to `qkv` in place first.
+    /// The attention-probability dropout stream: a tensor-parallel shard holds other heads than
+    /// its peers under the same local head numbers, so each shard draws its own stream
+    /// (statistically what the whole model draws, not the same bits; Megatron-LM likewise
+    /// forks a model-parallel RNG per rank).
+    fn attn_seed(&self, seed: u64) -> u64 {
+        match self.tp.borrow().as_ref() {
+            Some(h) if h.rank() > 0 => mix64(seed ^ mix64(h.rank() as u64)),
+            _ => seed,
+        }
+    }
+
     fn attn_forward(&self, out: &mut [f32], state: &mut [f32], qkv: &mut [f32], p_drop: f32, seed: u64) {
+        let seed = self.attn_seed(seed);
         let cfg = self.cfg;
         match cfg.arch {
             Arch::Gpt2 => {
@@ -829,6 +1008,7 @@ impl Ops<'_> {
     /// Accumulates into `dqkv` (with respect to the un-rotated q and k for LLaMA).
     #[allow(clippy::too_many_arguments)]
     fn attn_backward(&self, dqkv: &mut [f32], dout: &[f32], qkv: &[f32], out: &[f32], state: &[f32], p_drop: f32, seed: u64) {
+        let seed = self.attn_seed(seed);
         let cfg = self.cfg;
         match cfg.arch {
             Arch::Gpt2 => {

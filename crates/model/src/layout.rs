@@ -202,7 +202,7 @@ fn llama_layout(cfg: &GptConfig) -> (ParamLayout, GptParams) {
                 w1.start..w2.end
             };
             let start = l.total;
-            for e in 0..cfg.n_expert {
+            for e in cfg.local_experts() {
                 expert(&mut l, format!("{m}experts.{e}"));
             }
             let experts = start..l.total;

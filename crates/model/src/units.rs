@@ -73,4 +73,19 @@ pub trait TpHooks: Send {
     /// column-parallel product's input; make it the sum over ranks. Forward of `f` is the
     /// identity.
     fn reduce_input_grad(&mut self, dx: &mut [f32]);
+    /// This shard's rank in the tensor-parallel group (its slice of the vocabulary).
+    fn rank(&self) -> usize;
+    /// The tensor-parallel degree.
+    fn size(&self) -> usize;
+    /// Sequence parallel `g` forward (before a column-parallel product): `local`
+    /// (`[B, T/t, C]`, this rank's positions `rank·T/t ..` of each sequence) gathered into
+    /// `full` (`[B, T, C]`).
+    fn gather_seq(&mut self, local: &[f32], full: &mut [f32], b: usize, t: usize);
+    /// Sequence parallel `ḡ` forward (after a row-parallel product): `full` (`[B, T, C]`, this
+    /// rank's partial sum, plus `bias` if the layer has one) summed over the ranks, of which
+    /// this rank keeps its positions in `local`; the bias counted once. `full` is clobbered.
+    fn scatter_seq(&mut self, full: &mut [f32], local: &mut [f32], bias: Option<&[f32]>, b: usize, t: usize);
+    /// Every rank's `x` (equal lengths), concatenated in rank order (the vocab-parallel
+    /// cross-entropy's exchange of per-row log-sum-exps and target logits).
+    fn all_gather(&mut self, x: &[f32]) -> Vec<f32>;
 }

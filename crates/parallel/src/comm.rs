@@ -62,6 +62,12 @@ pub trait Comm: Send {
     /// `out.len() == input.len()`.
     #[track_caller]
     fn all_to_all(&self, input: &[f32], out: &mut [f32]);
+    /// Variable all-to-all: `input` is `size` consecutive blocks, `send[j]` elements for rank
+    /// `j`; `out` receives rank `r`'s block for this rank at `Σ_{q<r} recv[q]`, `recv[r]`
+    /// elements (which must equal rank `r`'s `send[rank]`). `send.len() == recv.len() == size`.
+    /// Bytes counted: the blocks to and from other ranks.
+    #[track_caller]
+    fn all_to_all_v(&self, input: &[f32], send: &[usize], out: &mut [f32], recv: &[usize]);
     #[track_caller]
     fn barrier(&self);
     /// A sub-communicator over `ranks` (ranks of this group, listed in the order that becomes
@@ -145,6 +151,14 @@ impl Counters {
             Op::Barrier | Op::SendRecv => (0, 0),
         };
         self.add(op, sent, recv);
+    }
+
+    /// Records one variable all-to-all of rank `rank`: the blocks to and from other ranks
+    /// (`send[j]` / `recv[j]` elements each), `(Σ_{j≠rank} send[j])·4` bytes out and
+    /// `(Σ_{j≠rank} recv[j])·4` in.
+    pub fn record_v(&self, op: Op, rank: usize, send: &[usize], recv: &[usize]) {
+        let others = |c: &[usize]| c.iter().enumerate().filter(|&(j, _)| j != rank).map(|(_, &x)| x).sum::<usize>() as u64 * 4;
+        self.add(op, others(send), others(recv));
     }
 
     pub fn snapshot(&self) -> CommTotals {
@@ -254,6 +268,16 @@ pub fn all_gather_f64(comm: &dyn Comm, x: &[f64]) -> Vec<f64> {
 /// `Σ_r x_r` over `comm`'s ranks in rank order, exactly as a sequential f64 sum (collective).
 pub fn sum_f64(comm: &dyn Comm, x: f64) -> f64 {
     all_gather_f64(comm, &[x]).iter().fold(0.0, |a, v| a + v)
+}
+
+/// The shape checks of `all_to_all_v`, shared by the backends.
+pub(crate) fn check_v(what: &str, n: usize, me: usize, input: &[f32], send: &[usize], out: &[f32], recv: &[usize]) {
+    assert!(send.len() == n && recv.len() == n, "{what} on rank {me}: {} send and {} receive counts for a group of {n}", send.len(), recv.len());
+    assert_eq!(input.len(), send.iter().sum::<usize>(), "{what} on rank {me}: input length is not the sum of the send counts {send:?}");
+    assert_eq!(out.len(), recv.iter().sum::<usize>(), "{what} on rank {me}: output length is not the sum of the receive counts {recv:?}");
+    if n == 1 {
+        assert_eq!(send[0], recv[0], "{what}: a single rank sends itself {} elements but expects {}", send[0], recv[0]);
+    }
 }
 
 /// Chunk `k` of `len` elements split `n` ways, balanced (sizes differ by at most one).
@@ -388,11 +412,13 @@ struct Slot {
     b_len: usize,
     /// A scalar argument that must agree across ranks (e.g. the root).
     x: usize,
+    /// Per-rank element counts (`all_to_all_v`'s send counts), `n` of them, or null.
+    v: *const usize,
 }
 
 impl Default for Slot {
     fn default() -> Slot {
-        Slot { a: std::ptr::null_mut(), a_len: 0, b_len: 0, x: 0 }
+        Slot { a: std::ptr::null_mut(), a_len: 0, b_len: 0, x: 0, v: std::ptr::null() }
     }
 }
 
@@ -822,6 +848,32 @@ impl Comm for InProcessComm {
             unsafe { out[k * c..(k + 1) * c].copy_from_slice(rd(s.a, self.rank * c, c)) };
         }
         self.rendezvous("all_to_all/done", None, None);
+    }
+
+    #[track_caller]
+    fn all_to_all_v(&self, input: &[f32], send: &[usize], out: &mut [f32], recv: &[usize]) {
+        let n = self.n();
+        let me = self.rank;
+        check_v("all_to_all_v", n, me, input, send, out, recv);
+        let sig = self.sig("all_to_all_v", (n, 0, 0));
+        self.counters.record_v(Op::AllToAll, me, send, recv);
+        if n == 1 {
+            out.copy_from_slice(input);
+            return;
+        }
+        let slot = Slot { a: input.as_ptr() as *mut f32, a_len: input.len(), v: send.as_ptr(), ..Slot::default() };
+        let slots = self.rendezvous("all_to_all_v", Some(slot), Some(sig));
+        let mut at = 0;
+        for (k, s) in slots.iter().enumerate() {
+            // SAFETY: rank k's send counts (n of them) and input stay valid until the closing
+            // rendezvous; its block for this rank starts after its blocks for ranks 0..me.
+            let theirs = unsafe { std::slice::from_raw_parts(s.v, n) };
+            assert_eq!(theirs[me], recv[k], "all_to_all_v on rank {me} of {}: rank {k} sends {} elements, this rank expects {}", self.describe_group(), theirs[me], recv[k]);
+            let off: usize = theirs[..me].iter().sum();
+            unsafe { out[at..at + recv[k]].copy_from_slice(rd(s.a, off, recv[k])) };
+            at += recv[k];
+        }
+        self.rendezvous("all_to_all_v/done", None, None);
     }
 
     #[track_caller]

@@ -26,6 +26,11 @@
 //! optimizer touches the same elements in the same order whatever the stage, and stages 1–3
 //! reproduce stage 0 bit for bit at the same `n`.
 //!
+//! **Expert parallelism** ([`DataParallel::new_ep`], stage 0): the group is the whole
+//! `dp × ep` group, but the flat ranges of the routed experts (which differ across the ep
+//! axis) are reduced and broadcast over their own communicator, the ranks holding the same
+//! experts, and counted in the gradient norm once per ep rank.
+//!
 //! Deterministic gradient norm: `Σ_u Σ_r Σ_{i ∈ chunk(u, r)} g_i²`, each chunk's partial
 //! summed in f64 by `tensor::sum_squares`, then in (unit, rank) order — the same value on every
 //! rank and at every stage.
@@ -34,6 +39,7 @@ use crate::comm::Comm;
 use crate::worker::CommWorker;
 use model::{Access, Gpt, UnitStore};
 use std::ops::Range;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tensor::par::SyncPtr;
 
@@ -140,8 +146,19 @@ pub struct StateBytes {
     pub peak_transient: usize,
 }
 
+/// The routed experts' flat ranges and the group of ranks that hold the same experts (see
+/// [`DataParallel::new_ep`]). The communicator is only ever used on the communication thread
+/// (the mutex makes it shareable with the jobs; it is never contended).
+struct Experts {
+    ranges: Vec<Range<usize>>,
+    comm: Arc<Mutex<Box<dyn Comm>>>,
+    /// This rank's position in that group: rank 0 of each counts its experts in the norm.
+    rank: usize,
+}
+
 pub struct DataParallel {
     pub zero: u8,
+    experts: Option<Experts>,
     pub shards: Shards,
     worker: CommWorker,
     /// LoRA: the base is frozen, its gradients are never reduced.
@@ -187,6 +204,30 @@ fn layer_of(shards: &Shards, u: usize) -> Option<usize> {
     (u >= 1 && u + 1 < shards.units.len()).then(|| u - 1)
 }
 
+/// Calls `f(range, comm)` for the runs of `all` in order: `comm` is the experts' communicator
+/// (locked) on their ranges, `None` (the store's own) elsewhere; one call for `all` without
+/// experts. A run on a single-rank communicator is skipped (its collectives are the identity).
+fn for_split(all: Range<usize>, experts: Option<&(Vec<Range<usize>>, Arc<Mutex<Box<dyn Comm>>>)>, mut f: impl FnMut(Range<usize>, Option<&dyn Comm>)) {
+    let Some((ranges, ec)) = experts else {
+        return f(all, None);
+    };
+    let ec = ec.lock().unwrap_or_else(|e| e.into_inner());
+    let mut at = all.start;
+    for r in ranges.iter().filter(|r| r.end > all.start && r.start < all.end) {
+        let (a, b) = (r.start.max(all.start), r.end.min(all.end));
+        if a > at {
+            f(at..a, None);
+        }
+        if ec.size() > 1 {
+            f(a..b, Some(&**ec));
+        }
+        at = b;
+    }
+    if at < all.end {
+        f(at..all.end, None);
+    }
+}
+
 fn padded(x: &[f32], n: usize, c: usize) -> std::borrow::Cow<'_, [f32]> {
     if x.len() == n * c {
         std::borrow::Cow::Borrowed(x)
@@ -203,7 +244,23 @@ impl DataParallel {
     /// own (e.g. a `split` of the data-parallel group): it moves to the communication thread.
     /// Rank 0's parameters are broadcast first, so every replica starts identical.
     pub fn new(comm: Box<dyn Comm>, model: &mut Gpt, zero: u8, bucket_elems: usize) -> DataParallel {
+        Self::with_experts(comm, None, model, zero, bucket_elems)
+    }
+
+    /// [`DataParallel::new`] for an expert-parallel shard: `comm` is the whole `dp × ep` group
+    /// (every parameter outside `expert_ranges` is reduced over it), `expert_comm` the ranks of
+    /// it that hold the same experts (the data-parallel group; size 1 when dp = 1), over which
+    /// the ranges of the routed experts are broadcast, reduced, and counted once in the norm.
+    /// Stage 0 only (ZeRO's per-unit shards would cut across the expert ranges).
+    pub fn new_ep(comm: Box<dyn Comm>, expert_comm: Box<dyn Comm>, expert_ranges: Vec<Range<usize>>, model: &mut Gpt, bucket_elems: usize) -> DataParallel {
+        let rank = expert_comm.rank();
+        let experts = Experts { ranges: expert_ranges, comm: Arc::new(Mutex::new(expert_comm)), rank };
+        Self::with_experts(comm, Some(experts), model, 0, bucket_elems)
+    }
+
+    fn with_experts(comm: Box<dyn Comm>, experts: Option<Experts>, model: &mut Gpt, zero: u8, bucket_elems: usize) -> DataParallel {
         assert!(zero <= 3, "ZeRO stage {zero} does not exist (0, 1, 2 or 3)");
+        assert!(experts.is_none() || zero == 0, "expert parallelism needs ZeRO stage 0");
         let frozen = model.lora.is_some();
         assert!(!(frozen && zero > 0), "ZeRO with LoRA adapters is not supported (the adapters are small: use zero = 0)");
         let (n, rank) = (comm.size(), comm.rank());
@@ -211,10 +268,13 @@ impl DataParallel {
         let mut worker = CommWorker::spawn(comm);
         let mut params = std::mem::take(&mut model.params);
         let mut grads = std::mem::take(&mut model.grads);
-        if n > 1 {
+        if n > 1 || experts.is_some() {
             let p = SyncPtr(params.as_mut_ptr());
             let len = params.len();
-            worker.run("broadcast params", move |c| c.broadcast(unsafe { region(p, 0, len) }, 0));
+            let ex = experts.as_ref().map(|e| (e.ranges.clone(), e.comm.clone()));
+            worker.run("broadcast params", move |c| {
+                for_split(0..len, ex.as_ref(), |r, on| on.unwrap_or(c).broadcast(unsafe { region(p, r.start, r.len()) }, 0));
+            });
         }
         let u = shards.units.len();
         let (mut shard_params, mut shard_grads) = (Vec::new(), Vec::new());
@@ -247,7 +307,7 @@ impl DataParallel {
         let grads_ptr = SyncPtr(grads.as_mut_ptr());
         let shard_grads_ptr = SyncPtr(shard_grads.as_mut_ptr());
         DataParallel {
-            zero, shards, worker, frozen, buckets, bucket_of, remaining, sync: true,
+            zero, experts, shards, worker, frozen, buckets, bucket_of, remaining, sync: true,
             params, grads, grads_ptr, shard_params, shard_grads, shard_grads_ptr,
             gathered: (0..u).map(|_| None).collect(),
             unit_grads: (0..u).map(|_| None).collect(),
@@ -346,6 +406,14 @@ impl DataParallel {
     /// stage). Each (unit, rank) chunk's partials are taken in flat order and summed in
     /// (unit, rank) order.
     pub fn grad_sq_split(&mut self, replicated: &[Range<usize>], skip: &[Range<usize>]) -> (f64, f64) {
+        if self.experts.is_some() {
+            self.worker.wait_all();
+            return self.grad_sq_experts(replicated, skip);
+        }
+        self.grad_sq_plain(replicated, skip)
+    }
+
+    fn grad_sq_plain(&mut self, replicated: &[Range<usize>], skip: &[Range<usize>]) -> (f64, f64) {
         self.worker.wait_all();
         let (n, u) = (self.shards.n, self.shards.units.len());
         // parts[2·(u·n + r) + {0, 1}]: chunk (u, r)'s sums of squares outside / inside.
@@ -408,6 +476,21 @@ impl DataParallel {
         let a = parts.iter().step_by(2).sum::<f64>();
         let b = parts.iter().skip(1).step_by(2).sum::<f64>();
         (a, b)
+    }
+
+    /// [`DataParallel::grad_sq_split`] with the routed experts (stage 0): the first part also
+    /// holds every expert's squares once — each rank's own (in flat order), summed over the
+    /// group in rank order from the first rank of each set holding the same experts.
+    fn grad_sq_experts(&mut self, replicated: &[Range<usize>], skip: &[Range<usize>]) -> (f64, f64) {
+        let (ranges, first) = {
+            let e = self.experts.as_ref().unwrap();
+            (e.ranges.clone(), e.rank == 0)
+        };
+        let skip_all: Vec<Range<usize>> = skip.iter().cloned().chain(ranges.iter().cloned()).collect();
+        let (a, b) = self.grad_sq_plain(replicated, &skip_all);
+        let mine: f64 = if first { ranges.iter().map(|r| tensor::sum_squares(&self.grads[r.clone()])).sum() } else { 0.0 };
+        let all = self.all_gather_f64(&[mine]);
+        (a + all.iter().fold(0.0, |s, x| s + x), b)
     }
 
     /// `out[r·k .. (r+1)·k] = x_r` for `k = x.len()`, exactly (on the communication thread).
@@ -579,7 +662,7 @@ impl DataParallel {
         }
         let b = self.bucket_of[u];
         self.remaining[b] -= 1;
-        if self.remaining[b] > 0 || n == 1 {
+        if self.remaining[b] > 0 || (n == 1 && self.experts.is_none()) {
             return;
         }
         let units: Vec<Range<usize>> = self.buckets[b].iter().map(|&x| self.shards.units[x].clone()).collect();
@@ -587,9 +670,12 @@ impl DataParallel {
         if self.zero == 0 {
             let lo = units.iter().map(|r| r.start).min().unwrap();
             let hi = units.iter().map(|r| r.end).max().unwrap();
+            let ex = self.experts.as_ref().map(|e| (e.ranges.clone(), e.comm.clone()));
             // SAFETY: backward has released every unit of the bucket and never touches them again
             // this micro-batch; the units are disjoint from those backward still writes.
-            self.worker.submit("all_reduce bucket", layer_of(&self.shards, self.buckets[b][0]), move |comm| comm.all_reduce_sum(unsafe { region(g, lo, hi - lo) }));
+            self.worker.submit("all_reduce bucket", layer_of(&self.shards, self.buckets[b][0]), move |comm| {
+                for_split(lo..hi, ex.as_ref(), |r, on| on.unwrap_or(comm).all_reduce_sum(unsafe { region(g, r.start, r.len()) }));
+            });
         } else {
             let shards = self.shards.clone();
             let idx = self.buckets[b].clone();

@@ -4,13 +4,14 @@
 //! with its in-process backend: one thread per rank; MPI behind the `mpi` feature), the
 //! per-rank communication thread, and data parallelism with ZeRO-1/2/3 (`dp`), which reaches
 //! the model only through its units (`model::UnitStore`). Tensor / sequence parallel, pipeline
-//! schedules and expert parallel are not implemented yet (see ARCHITECTURE.md).
+//! schedules and expert parallel (`ep`) are applied by parameter name as well.
 //!
 //! Architecture invariant: at world size 1 every strategy is the identity, and on N ranks the
 //! loss and gradients match one rank.
 
 pub mod comm;
 pub mod dp;
+pub mod ep;
 pub mod mesh;
 pub mod pp;
 pub mod tp;

@@ -91,6 +91,20 @@ impl DeviceMesh {
         })
     }
 
+    /// The ranks that share every coordinate with `rank` except along `axes`, in rank order
+    /// (row-major over those axes): the group of several axes at once, e.g. `[Dp, Ep]`, the
+    /// ranks that split the batch under expert parallelism.
+    pub fn group_axes(&self, axes: &[Axis], rank: usize) -> Vec<usize> {
+        let mine = self.coords(rank);
+        let free: Vec<usize> = axes.iter().map(|a| Self::idx(*a)).collect();
+        (0..self.world())
+            .filter(|&r| {
+                let c = self.coords(r);
+                (0..5).all(|i| free.contains(&i) || c[i] == mine[i])
+            })
+            .collect()
+    }
+
     /// The ranks that share every coordinate with `rank` except along `axis`, in axis order:
     /// the communication group of `rank` for that axis.
     pub fn group(&self, axis: Axis, rank: usize) -> Vec<usize> {

@@ -85,7 +85,7 @@ const REC_HEAD: usize = 7 * 8;
 /// Tag of signature records on the collective communicator.
 const SIG_TAG: c_int = 1;
 /// Ops a record can name (index = op id on the wire).
-const OP_NAMES: [&str; 7] = ["all_reduce_sum", "reduce_scatter_sum", "all_gather", "broadcast", "all_to_all", "barrier", "split"];
+const OP_NAMES: [&str; 8] = ["all_reduce_sum", "reduce_scatter_sum", "all_gather", "broadcast", "all_to_all", "barrier", "split", "all_to_all_v"];
 const DTYPES: [&str; 1] = ["f32"];
 
 /// The MPI environment of this process. Keeps MPI initialised; hands out world communicators.
@@ -605,6 +605,28 @@ impl Comm for MpiComm {
         count(input.len(), "all_to_all");
         self.exchange(sig);
         self.coll.all_to_all_into(input, out);
+    }
+
+    #[track_caller]
+    fn all_to_all_v(&self, input: &[f32], send: &[usize], out: &mut [f32], recv: &[usize]) {
+        let n = self.n();
+        let me = self.rank;
+        crate::comm::check_v("all_to_all_v", n, me, input, send, out, recv);
+        let sig = self.sig("all_to_all_v", (n, 0, 0));
+        self.counters.record_v(Op::AllToAll, me, send, recv);
+        if n == 1 {
+            out.copy_from_slice(input);
+            return;
+        }
+        count(input.len(), "all_to_all_v");
+        count(out.len(), "all_to_all_v");
+        self.exchange(sig);
+        let displs = |c: &[usize]| -> Vec<c_int> { c.iter().scan(0usize, |a, &x| { let d = *a; *a += x; Some(d as c_int) }).collect() };
+        let (sc, rc): (Vec<c_int>, Vec<c_int>) = (send.iter().map(|&x| x as c_int).collect(), recv.iter().map(|&x| x as c_int).collect());
+        let (sd, rd) = (displs(send), displs(recv));
+        let part = Partition::new(input, &sc[..], &sd[..]);
+        let mut recv_part = PartitionMut::new(out, &rc[..], &rd[..]);
+        self.coll.all_to_all_varcount_into(&part, &mut recv_part);
     }
 
     #[track_caller]

@@ -5,18 +5,23 @@
 //! names. [`PLAN`] says how each whole-model parameter is cut: column-parallel products
 //! (q|k|v, the MLP's up and gate) keep their rows for this rank's heads or columns,
 //! row-parallel products (attention output, MLP down) keep the matching input columns, and
-//! everything else (embeddings, norms, the head, the row-parallel biases) is replicated. The
+//! everything else (position embeddings, norms, the row-parallel biases) is replicated. The
 //! model sums the partial results at its two branch boundaries through [`TpComm`] (Megatron's
 //! conjugate `f`/`g`: all-reduce of the row-parallel outputs in forward, of the
 //! column-parallel inputs' gradients in backward): four all-reduces of `[B·T, C]` per layer
-//! and micro-batch, `8·b·s·h·(t−1)/t` elements sent per rank in a ring.
+//! and micro-batch, `8·b·s·h·(t−1)/t` elements sent per rank in a ring, plus two for the
+//! vocab-parallel embedding (forward) and head (its input gradient).
 //!
 //! Replicated parameters get identical gradients on every rank (their inputs and output
 //! gradients are the full, summed tensors), so they stay identical with no extra traffic; the
 //! global gradient norm counts them once ([`replicated_ranges`]).
 //!
-//! Not split: mixture-of-experts layers (expert parallelism's job) and the vocabulary (the
-//! embedding and output head are replicated; no vocab-parallel cross-entropy yet).
+//! The vocabulary is split too (Megatron's vocab-parallel embedding and cross-entropy): each
+//! rank holds rows `r·V/t ..` of the token embedding and head; the embedding's partial
+//! lookups are summed (`g`), the head's logits stay split, and the loss combines per-row
+//! log-sum-exps across ranks (`tensor::classifier::lm_head_crossentropy_vocab_parallel`), so
+//! no rank ever holds `[N, V]` logits. Not split: mixture-of-experts layers (expert
+//! parallelism's job).
 
 use crate::comm::Comm;
 use model::layout::ParamLayout;
@@ -33,6 +38,10 @@ pub enum Split {
     Rows { groups: usize },
     /// Dimension 1 (input columns) split `tp` ways.
     Cols,
+    /// The vocabulary's rows: each rank holds `⌈V/tp⌉` (the last ranks' tails zero padding,
+    /// never looked up or predicted), so any vocabulary splits and the whole model's layout
+    /// does not depend on the tensor-parallel degree.
+    Vocab,
 }
 
 /// The plan, by parameter-name suffix (the first match wins; unmatched names are replicated).
@@ -50,6 +59,10 @@ pub const PLAN: &[(&str, Split)] = &[
     ("mlp.gate_proj.weight", Split::Rows { groups: 1 }),
     ("mlp.up_proj.weight", Split::Rows { groups: 1 }),
     ("mlp.down_proj.weight", Split::Cols),
+    // Vocab-parallel embedding and head: each rank holds a slice of the (padded) vocabulary.
+    ("transformer.wte.weight", Split::Vocab),
+    ("model.embed_tokens.weight", Split::Vocab),
+    ("lm_head.weight", Split::Vocab),
 ];
 
 pub fn split_of(name: &str) -> Split {
@@ -68,7 +81,7 @@ pub fn local_config(cfg: &GptConfig, tp: usize) -> Result<GptConfig, String> {
             return Err(format!("parallel.tp = {tp} does not divide {key} = {v}"));
         }
     }
-    Ok(GptConfig { n_head: cfg.n_head / tp, n_kv_head: cfg.n_kv_head / tp, ffn_hidden: cfg.ffn_hidden / tp, tp, ..cfg.clone() })
+    Ok(GptConfig { n_head: cfg.n_head / tp, n_kv_head: cfg.n_kv_head / tp, ffn_hidden: cfg.ffn_hidden / tp, vocab_size: cfg.vocab_size.div_ceil(tp), tp, ..cfg.clone() })
 }
 
 /// Rows × columns of a parameter (a vector is one column).
@@ -97,6 +110,11 @@ fn runs(split: Split, shape: &[usize], rank: usize, tp: usize, mut f: impl FnMut
             for row in 0..r {
                 f(row * lc, row * c + rank * lc, lc);
             }
+        }
+        Split::Vocab => {
+            let lr = r.div_ceil(tp);
+            let (a, b) = ((rank * lr).min(r), ((rank + 1) * lr).min(r));
+            f(0, a * c, (b - a) * c);
         }
     }
 }
@@ -137,6 +155,19 @@ pub fn replicated_ranges(local: &ParamLayout) -> Vec<Range<usize>> {
     out
 }
 
+/// Norm parameters, by name suffix: under sequence parallelism each shard sees only its
+/// positions, so their gradients are partial sums over the tensor-parallel group.
+pub const SEQUENCE_PARALLEL_PARAMS: &[&str] = &[
+    "ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias", "ln_f.weight", "ln_f.bias",
+    "input_layernorm.weight", "post_attention_layernorm.weight", "model.norm.weight",
+];
+
+/// The ranges of a shard's layout whose gradients sequence parallelism leaves partial (the
+/// norms'), to be summed over the tensor-parallel group before the update.
+pub fn sequence_parallel_ranges(local: &ParamLayout) -> Vec<Range<usize>> {
+    local.params.iter().filter(|p| SEQUENCE_PARALLEL_PARAMS.iter().any(|s| p.name.ends_with(s))).map(|p| p.range()).collect()
+}
+
 /// The model's tensor-parallel hooks over the `tp` group.
 pub struct TpComm {
     pub comm: Box<dyn Comm>,
@@ -144,10 +175,9 @@ pub struct TpComm {
     pub c: usize,
 }
 
-impl model::TpHooks for TpComm {
-    fn reduce_output(&mut self, out: &mut [f32], bias: Option<&[f32]>) {
-        let _span = tensor::profile::scope("tp all_reduce");
-        // Every shard added the (replicated) bias; keep rank 0's.
+impl TpComm {
+    /// Every shard added the (replicated) bias to its partial sum; keep rank 0's.
+    fn unbias(&self, out: &mut [f32], bias: Option<&[f32]>) {
         if let (Some(b), true) = (bias, self.comm.rank() != 0) {
             for row in out.chunks_mut(self.c) {
                 for (x, y) in row.iter_mut().zip(b) {
@@ -155,12 +185,64 @@ impl model::TpHooks for TpComm {
                 }
             }
         }
+    }
+}
+
+/// Row offsets of the sequence-parallel layout: `[B, T, C]` as `[t ranks][B][T/t]` chunks of
+/// `c`, calling `f(whole row, rank-major row)` for every row.
+fn seq_rows(b: usize, t: usize, tp: usize, mut f: impl FnMut(usize, usize)) {
+    let tl = t / tp;
+    for r in 0..tp {
+        for bi in 0..b {
+            for j in 0..tl {
+                f(bi * t + r * tl + j, (r * b + bi) * tl + j);
+            }
+        }
+    }
+}
+
+impl model::TpHooks for TpComm {
+    fn reduce_output(&mut self, out: &mut [f32], bias: Option<&[f32]>) {
+        let _span = tensor::profile::scope("tp all_reduce");
+        self.unbias(out, bias);
         self.comm.all_reduce_sum(out);
+    }
+
+    fn size(&self) -> usize {
+        self.comm.size()
+    }
+
+    fn gather_seq(&mut self, local: &[f32], full: &mut [f32], b: usize, t: usize) {
+        let _span = tensor::profile::scope("sp all_gather");
+        let (c, tp) = (self.c, self.comm.size());
+        let mut all = vec![0.0f32; full.len()];
+        self.comm.all_gather(local, &mut all);
+        seq_rows(b, t, tp, |w, m| full[w * c..(w + 1) * c].copy_from_slice(&all[m * c..(m + 1) * c]));
+    }
+
+    fn scatter_seq(&mut self, full: &mut [f32], local: &mut [f32], bias: Option<&[f32]>, b: usize, t: usize) {
+        let _span = tensor::profile::scope("sp reduce_scatter");
+        let (c, tp) = (self.c, self.comm.size());
+        self.unbias(full, bias);
+        let mut ranked = vec![0.0f32; full.len()];
+        seq_rows(b, t, tp, |w, m| ranked[m * c..(m + 1) * c].copy_from_slice(&full[w * c..(w + 1) * c]));
+        self.comm.reduce_scatter_sum(&ranked, local);
     }
 
     fn reduce_input_grad(&mut self, dx: &mut [f32]) {
         let _span = tensor::profile::scope("tp all_reduce");
         self.comm.all_reduce_sum(dx);
+    }
+
+    fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    fn all_gather(&mut self, x: &[f32]) -> Vec<f32> {
+        let _span = tensor::profile::scope("tp all_gather");
+        let mut out = vec![0.0; x.len() * self.comm.size()];
+        self.comm.all_gather(x, &mut out);
+        out
     }
 }
 

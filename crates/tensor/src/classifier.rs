@@ -111,3 +111,88 @@ fn exp_sub_sum(x: &mut [f32], max: f32) -> f32 {
     exp_sub_sum_into(x, max, &mut s);
     s
 }
+
+/// [`lm_head_crossentropy`] with the vocabulary split over ranks (Megatron-LM's
+/// vocab-parallel cross-entropy): `weight` holds rows `offset .. offset + vl` of the whole
+/// head, of which the first `v_local` are real tokens (the rest padding). Per chunk of rows,
+/// each rank computes its logits, its log-sum-exp over its columns and its target logit (0
+/// where another rank owns the target); `gather` all-gathers `[lse | target logit]` of the
+/// chunk's rows across the ranks (rank order), and every rank combines them into the global
+/// log-sum-exp `m + ln Σ_r exp(lse_r − m)` and target logit, so `loss = lse − z_target`.
+/// Gradients: `dlogits = dloss·(exp(z − lse) − onehot)` on this rank's columns; `dweight`
+/// (this rank's rows) accumulates, `dinp` is overwritten with this rank's *partial* input
+/// gradient, which the caller sums over the ranks. The `[N, V]` logits never exist anywhere.
+#[allow(clippy::too_many_arguments)]
+pub fn lm_head_crossentropy_vocab_parallel(
+    losses: &mut [f32],                                  // [N]
+    grads: Option<(&mut [f32], &mut [f32], f32)>,        // dinp [N, C] (partial), dweight [vl, C], dloss
+    inp: &[f32],                                         // [N, C]
+    weight: &[f32],                                      // [vl, C]
+    targets: &[i32],                                     // [N], global ids
+    scratch: &mut [f32],                                 // [R, vl]
+    c: usize,
+    v_local: usize,
+    vl: usize,
+    offset: usize,
+    ignore_index: i32,
+    gather: &mut dyn FnMut(&[f32]) -> Vec<f32>,
+) -> usize {
+    let _p = crate::profile::scope("lm_head_crossentropy_vocab_parallel");
+    let n = targets.len();
+    assert_eq!(inp.len(), n * c);
+    assert_eq!(weight.len(), vl * c);
+    assert!(v_local <= vl);
+    let r = chunk_rows(n, vl);
+    assert!(scratch.len() >= r * vl, "scratch too small");
+    let mut grads = grads;
+    let owned = |tgt: i32| tgt != ignore_index && (offset..offset + v_local).contains(&(tgt as usize));
+    for r0 in (0..n).step_by(r) {
+        let rows = r.min(n - r0);
+        let lg = &mut scratch[..rows * vl];
+        let x = &inp[r0 * c..(r0 + rows) * c];
+        gemm(lg, false, View::rows(x, rows, c), View::rows(weight, vl, c).t(), 1.0, Threads::All);
+        let tg = &targets[r0..r0 + rows];
+        // This rank's [lse | target logit] per row.
+        let mut mine = vec![0.0f32; 2 * rows];
+        for (i, row) in lg.chunks(vl).enumerate() {
+            let max = row[..v_local].iter().fold(f32::NEG_INFINITY, |m, &a| m.max(a));
+            let sum: f64 = row[..v_local].iter().map(|&z| ((z - max) as f64).exp()).sum();
+            mine[i] = if v_local == 0 { f32::NEG_INFINITY } else { max + (sum as f32).ln() };
+            mine[rows + i] = if owned(tg[i]) { row[tg[i] as usize - offset] } else { 0.0 };
+        }
+        let all = gather(&mine);
+        let ranks = all.len() / (2 * rows);
+        let dloss = grads.as_ref().map(|g| g.2);
+        lg.par_chunks_mut(vl).zip(losses[r0..r0 + rows].par_iter_mut()).enumerate().for_each(|(i, (row, loss))| {
+            let tgt = tg[i];
+            let part = |k: usize, j: usize| all[k * 2 * rows + j * rows + i];
+            let m = (0..ranks).map(|k| part(k, 0)).fold(f32::NEG_INFINITY, f32::max);
+            let lse = m + (0..ranks).map(|k| ((part(k, 0) - m) as f64).exp()).sum::<f64>().ln() as f32;
+            if tgt == ignore_index {
+                *loss = 0.0;
+                row.fill(0.0);
+                return;
+            }
+            let zt = (0..ranks).map(|k| part(k, 1)).sum::<f32>();
+            *loss = lse - zt;
+            match dloss {
+                Some(d) => {
+                    for z in row[..v_local].iter_mut() {
+                        *z = d * simd::exp(*z - lse);
+                    }
+                    row[v_local..].fill(0.0);
+                    if owned(tgt) {
+                        row[tgt as usize - offset] -= d;
+                    }
+                }
+                None => row.fill(0.0),
+            }
+        });
+        if let Some((dinp, dweight, _)) = grads.as_mut() {
+            let dl = View::rows(lg, rows, vl);
+            gemm(&mut dinp[r0 * c..(r0 + rows) * c], false, dl, View::rows(weight, vl, c), 1.0, Threads::All);
+            gemm(dweight, true, dl.t(), View::rows(x, rows, c), 1.0, Threads::All);
+        }
+    }
+    targets.iter().filter(|&&t| t != ignore_index).count()
+}

@@ -47,6 +47,21 @@
 //! matmul here). One rayon task per expert with single-threaded gemms was tried too: no faster
 //! at `N=1024, C=768, F=1024, E=8, K=2` on 2 threads, and it serialises a hot expert and idles
 //! cores once expert parallelism leaves a rank only `E/ep` local experts.
+//!
+//! **Expert parallelism** (GShard; DeepSpeed-MoE). With a [`MoeExchange`] over `P` ranks, this
+//! rank holds only experts `rank·E/P .. (rank+1)·E/P` (`experts_w` is `[E/P, 3FC]`) but still
+//! routes its own tokens over all `E`. The packed `xe` is already grouped by destination (the
+//! experts of rank `d` are contiguous), so after a count exchange one variable all-to-all
+//! sends each owner its rows; the owner reorders what it received from source-major to
+//! expert-major (expert `j`'s rows: source 0's, then source 1's, …), runs its experts, reorders
+//! back, and a second all-to-all returns the outputs into `eo` in the original packed order, so
+//! the combine is unchanged. Backward mirrors it: `d(eo)` rows go to the owners, `d(xe)` rows
+//! come back. Rows travel unchanged and an expert's per-row arithmetic does not depend on
+//! which rows share its product, so each rank's outputs and input gradients are bit for bit
+//! those of its own tokens through all `E` experts on one rank (`parallel`'s tests); against
+//! one rank holding the whole batch they agree to rounding (the router product then has more
+//! rows, and the gemm crate picks kernels by shape). When the sources hold consecutive slices
+//! of a batch an expert sees its rows in the whole batch's order.
 
 use crate::llama::{swiglu_backward, swiglu_forward};
 use crate::matmul::{gemm, Threads, View};
@@ -54,6 +69,23 @@ use rayon::prelude::*;
 
 /// Marks a dropped token-assignment in [`MoeCache::slot`].
 pub const DROPPED: u32 = u32::MAX;
+
+/// The collectives of expert parallelism, supplied by the caller (this crate knows nothing of
+/// ranks): the routed experts are spread over `size()` ranks in contiguous blocks, rank `r`
+/// holding experts `r·E/size .. (r+1)·E/size`. Every rank of the group calls both methods the
+/// same number of times, in the same order.
+pub trait MoeExchange {
+    /// This rank, `0..size()`.
+    fn rank(&self) -> usize;
+    fn size(&self) -> usize;
+    /// All-to-all of `k = send.len() / size` counts per peer: `recv[r·k .. (r+1)·k]` receives
+    /// rank `r`'s `send[rank·k .. (rank+1)·k]`.
+    fn exchange_counts(&mut self, send: &[usize], recv: &mut [usize]);
+    /// Variable all-to-all of rows of `c` floats: `send` holds `send_rows[d]` rows for each
+    /// rank `d` in rank order; `recv` receives `recv_rows[s]` rows from each rank `s` in rank
+    /// order (`recv_rows[s]` is what rank `s` has in its `send_rows[rank]`).
+    fn exchange_rows(&mut self, send: &[f32], send_rows: &[usize], recv: &mut [f32], recv_rows: &[usize], c: usize);
+}
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct MoeDims {
@@ -127,6 +159,12 @@ pub struct MoeStats {
     pub max_load: usize,
     /// mean of `counts`, `N·K/E`
     pub mean_load: f32,
+    /// Expert parallelism: kept rows this rank sent to other ranks' experts, and rows it
+    /// received from other ranks for its own (the dispatch all-to-all and backward's d(eo)
+    /// all-to-all send the first, the two return all-to-alls the second: a rank sends
+    /// `4·C·(2·sent + 2·received)` bytes of rows per layer and micro-batch); 0 without it.
+    pub ep_rows_sent: usize,
+    pub ep_rows_received: usize,
 }
 
 /// Everything forward saves for backward plus backward's scratch, allocated once for one
@@ -163,6 +201,8 @@ pub struct MoeCache {
     pub sgu: Vec<f32>,
     /// shared experts' activations                    [S, N, F]
     pub sh: Vec<f32>,
+    /// Expert parallelism only (empty otherwise), on this rank as an expert owner:
+    pub ep: EpCache,
     // backward scratch
     deo: Vec<f32>,    // [R, C]   d(expert output), then d(dispatched tokens)
     dh: Vec<f32>,     // [R, F]   (also [N, F] for the shared experts)
@@ -194,6 +234,7 @@ impl MoeCache {
             eo: vec![0.0; r * c],
             sgu: vec![0.0; s * n * 2 * f],
             sh: vec![0.0; s * n * f],
+            ep: EpCache::default(),
             deo: vec![0.0; r * c],
             dh: vec![0.0; big * f],
             dgu: vec![0.0; big * 2 * f],
@@ -207,6 +248,91 @@ impl MoeCache {
     }
 }
 
+/// What an expert owner keeps from an expert-parallel forward (`P` ranks, `El = E/P` local
+/// experts, `Rl` rows received), grown to the largest `Rl` seen and reused.
+#[derive(Default)]
+pub struct EpCache {
+    /// Rows this rank sent to rank `d` for its local expert `j`          [P, El]
+    pub send: Vec<usize>,
+    /// Rows this rank received from rank `s` for its local expert `j`    [P, El]
+    pub recv: Vec<usize>,
+    /// Received rows, expert-major (expert `j`: source 0's rows, then source 1's, …)   [Rl, C]
+    pub xl: Vec<f32>,
+    /// Local experts' pre-activations `[gate | up]`                      [Rl, 2F]
+    pub gul: Vec<f32>,
+    /// Local experts' activations                                        [Rl, F]
+    pub hl: Vec<f32>,
+    /// Local experts' outputs                                            [Rl, C]
+    pub eol: Vec<f32>,
+    /// Source-major staging for the all-to-alls                          [max(R, Rl), C]
+    buf: Vec<f32>,
+    /// Backward: d(local outputs), then d(received rows), expert-major   [Rl, C]
+    dl: Vec<f32>,
+}
+
+impl EpCache {
+    /// Rows received, `Rl`.
+    pub fn rows(&self) -> usize {
+        self.recv.iter().sum()
+    }
+
+    /// Bytes held (the buffers as grown so far).
+    pub fn bytes(&self) -> usize {
+        4 * (self.xl.len() + self.gul.len() + self.hl.len() + self.eol.len() + self.buf.len() + self.dl.len()) + 8 * (self.send.len() + self.recv.len())
+    }
+}
+
+/// Grows `v` to at least `len` elements.
+fn grow(v: &mut Vec<f32>, len: usize) {
+    if v.len() < len {
+        v.resize(len, 0.0);
+    }
+}
+
+/// The row runs `(source-major start, expert-major start, len)` of an owner's received rows,
+/// `recv[s·el + j]` rows from source `s` for local expert `j`.
+fn ep_runs(recv: &[usize], p: usize, el: usize) -> Vec<(usize, usize, usize)> {
+    let per_expert: Vec<usize> = (0..el).map(|j| (0..p).map(|s| recv[s * el + j]).sum()).collect();
+    let mut expert_start = vec![0usize; el];
+    for j in 1..el {
+        expert_start[j] = expert_start[j - 1] + per_expert[j - 1];
+    }
+    let mut runs = Vec::with_capacity(p * el);
+    let mut src = 0;
+    for s in 0..p {
+        for j in 0..el {
+            let len = recv[s * el + j];
+            runs.push((src, expert_start[j], len));
+            expert_start[j] += len;
+            src += len;
+        }
+    }
+    runs
+}
+
+/// Copies rows along `runs` (see [`ep_runs`]): source-major `from` into expert-major `to` when
+/// `to_expert`, else back.
+fn ep_permute(to: &mut [f32], from: &[f32], runs: &[(usize, usize, usize)], c: usize, to_expert: bool) {
+    for &(s, e, len) in runs {
+        let (a, b) = if to_expert { (e, s) } else { (s, e) };
+        to[a * c..(a + len) * c].copy_from_slice(&from[b * c..(b + len) * c]);
+    }
+}
+
+/// Rows per peer from per-(peer, local expert) counts `[P, El]`.
+fn per_peer(counts: &[usize], el: usize) -> Vec<usize> {
+    counts.chunks(el).map(|c| c.iter().sum()).collect()
+}
+
+/// Expert-major row offsets of the local experts `[El + 1]`.
+fn local_offsets(recv: &[usize], p: usize, el: usize) -> Vec<usize> {
+    let mut o = vec![0usize; el + 1];
+    for j in 0..el {
+        o[j + 1] = o[j] + (0..p).map(|s| recv[s * el + j]).sum::<usize>();
+    }
+    o
+}
+
 /// One expert's weights `(w_gu [2F, C], w2 [C, F])` from its `3FC` block.
 fn expert_views(w: &[f32], c: usize, f: usize) -> (&[f32], &[f32]) {
     w.split_at(2 * f * c)
@@ -216,18 +342,21 @@ fn expert_views(w: &[f32], c: usize, f: usize) -> (&[f32], &[f32]) {
 // Forward
 
 /// The MoE layer: `y = Σ_shared s(x) + Σ_selected gate·expert(x)`. Overwrites `y` and `cache`;
-/// returns the routing losses (see the module docs) and statistics.
+/// returns the routing losses (see the module docs) and statistics. With `ep` the routed
+/// experts are spread over its ranks and `experts_w` holds this rank's `E/P` of them (see the
+/// module docs); collective over `ep`'s group.
 #[allow(clippy::too_many_arguments)]
 pub fn moe_forward(
     y: &mut [f32],           // [N, C]
     cache: &mut MoeCache,
     x: &[f32],               // [N, C]
     router_w: &[f32],        // [E, C]
-    experts_w: &[f32],       // [E, 3FC]  per expert [w1 (gate) F×C | w3 (up) F×C | w2 (down) C×F]
+    experts_w: &[f32],       // [E/P, 3FC]  per expert [w1 (gate) F×C | w3 (up) F×C | w2 (down) C×F]
     shared_w: &[f32],        // [S, 3FC]  same layout
     dims: &MoeDims,
     aux_weight: f32,
     z_weight: f32,
+    ep: Option<&mut dyn MoeExchange>,
 ) -> MoeStats {
     let _p = crate::profile::scope("moe_forward");
     assert_eq!(*dims, cache.dims, "MoeCache built for other dims");
@@ -235,7 +364,7 @@ pub fn moe_forward(
     assert_eq!(y.len(), n * c);
     assert_eq!(x.len(), n * c);
     assert_eq!(router_w.len(), dims.router_size());
-    assert_eq!(experts_w.len(), dims.experts_size());
+    assert_eq!(experts_w.len(), dims.experts_size() / ep_size(&ep, e));
     assert_eq!(shared_w.len(), dims.shared_size());
     let es = dims.expert_size();
 
@@ -257,19 +386,15 @@ pub fn moe_forward(
     // Dispatch: gather the kept tokens into the packed per-expert buffer.
     moe_dispatch(&mut cache.xe[..rows * c], x, &cache.row_token[..rows], c);
 
-    // Routed experts in order, each product on the whole pool (see the module docs).
-    for ex in 0..e {
-        let (r0, r1) = (cache.offsets[ex], cache.offsets[ex + 1]);
-        expert_forward(
-            &mut cache.eo[r0 * c..r1 * c],
-            &mut cache.gu[r0 * 2 * f..r1 * 2 * f],
-            &mut cache.h[r0 * f..r1 * f],
-            &cache.xe[r0 * c..r1 * c],
-            &experts_w[ex * es..(ex + 1) * es],
-            c,
-            f,
-        );
-    }
+    // Routed experts in order, each product on the whole pool (see the module docs); under
+    // expert parallelism on their owners, the rows sent there and the outputs back.
+    let (ep_rows_sent, ep_rows_received) = match ep {
+        None => {
+            experts_forward(&mut cache.eo, &mut cache.gu, &mut cache.h, &cache.xe, &cache.offsets, experts_w, c, f);
+            (0, 0)
+        }
+        Some(ex) => ep_experts_forward(cache, experts_w, ex, rows),
+    };
 
     // Shared experts over all tokens, summed into y in order; then the routed combine.
     for si in 0..s {
@@ -299,7 +424,63 @@ pub fn moe_forward(
         dropped_fraction: (n * k - rows) as f32 / (n * k) as f32,
         max_load,
         mean_load: (n * k) as f32 / e as f32,
+        ep_rows_sent,
+        ep_rows_received,
     }
+}
+
+/// Ranks the routed experts are spread over (1 without expert parallelism); they must divide
+/// `E` evenly.
+fn ep_size(ep: &Option<&mut dyn MoeExchange>, e: usize) -> usize {
+    let p = ep.as_ref().map_or(1, |x| x.size());
+    assert!(p > 0 && e % p == 0, "{p} expert-parallel ranks do not split {e} experts evenly");
+    p
+}
+
+/// Experts `0..El` over their packed rows (`offsets[j]..offsets[j+1]`, `[El + 1]`), in order.
+#[allow(clippy::too_many_arguments)]
+fn experts_forward(
+    eo: &mut [f32],        // [R, C]
+    gu: &mut [f32],        // [R, 2F]
+    h: &mut [f32],         // [R, F]
+    xe: &[f32],            // [R, C]
+    offsets: &[usize],     // [El + 1]
+    experts_w: &[f32],     // [El, 3FC]
+    c: usize,
+    f: usize,
+) {
+    let es = 3 * f * c;
+    for ex in 0..offsets.len() - 1 {
+        let (r0, r1) = (offsets[ex], offsets[ex + 1]);
+        expert_forward(&mut eo[r0 * c..r1 * c], &mut gu[r0 * 2 * f..r1 * 2 * f], &mut h[r0 * f..r1 * f], &xe[r0 * c..r1 * c], &experts_w[ex * es..(ex + 1) * es], c, f);
+    }
+}
+
+/// The expert-parallel middle of [`moe_forward`]: counts, then `xe`'s rows to their owners,
+/// this rank's experts on what it received, and the outputs back into `eo` (packed order).
+/// Returns the rows sent to and received from other ranks.
+fn ep_experts_forward(cache: &mut MoeCache, experts_w: &[f32], ex: &mut dyn MoeExchange, rows: usize) -> (usize, usize) {
+    let MoeDims { c, f, e, .. } = cache.dims;
+    let p = ex.size();
+    let el = e / p;
+    let MoeCache { offsets, xe, eo, ep, .. } = cache;
+    ep.send = (0..e).map(|j| offsets[j + 1] - offsets[j]).collect();
+    ep.recv = vec![0; e];
+    ex.exchange_counts(&ep.send, &mut ep.recv);
+    let (send_rows, recv_rows) = (per_peer(&ep.send, el), per_peer(&ep.recv, el));
+    let rl = ep.rows();
+    grow(&mut ep.buf, rl.max(rows) * c);
+    for (v, w) in [(&mut ep.xl, c), (&mut ep.gul, 2 * f), (&mut ep.hl, f), (&mut ep.eol, c)] {
+        grow(v, rl * w);
+    }
+    ex.exchange_rows(&xe[..rows * c], &send_rows, &mut ep.buf[..rl * c], &recv_rows, c);
+    let runs = ep_runs(&ep.recv, p, el);
+    ep_permute(&mut ep.xl, &ep.buf, &runs, c, true);
+    let lo = local_offsets(&ep.recv, p, el);
+    experts_forward(&mut ep.eol, &mut ep.gul, &mut ep.hl, &ep.xl, &lo, experts_w, c, f);
+    ep_permute(&mut ep.buf, &ep.eol, &runs, c, false);
+    ex.exchange_rows(&ep.buf[..rl * c], &recv_rows, &mut eo[..rows * c], &send_rows, c);
+    (rows - send_rows[ex.rank()], rl - recv_rows[ex.rank()])
 }
 
 /// Softmax, logsumexp, top-k (ties → lower id, by logit) and gates of one token.
@@ -450,22 +631,25 @@ fn expert_forward(
 
 /// Backward of [`moe_forward`] for the total `L = ⟨dy, y⟩ + aux_weight·aux + z_weight·z`.
 /// Accumulates into `dx`, `drouter_w`, `dexperts_w` and `dshared_w`; `cache` must hold the
-/// forward of the same inputs (its scratch is overwritten).
+/// forward of the same inputs (its scratch is overwritten). With `ep` (the forward's group),
+/// `dexperts_w` and `experts_w` are this rank's experts, whose gradient collects the rows every
+/// rank of the group sent them; collective over `ep`'s group.
 #[allow(clippy::too_many_arguments)]
 pub fn moe_backward(
     dx: &mut [f32],          // [N, C]
     drouter_w: &mut [f32],   // [E, C]
-    dexperts_w: &mut [f32],  // [E, 3FC]
+    dexperts_w: &mut [f32],  // [E/P, 3FC]
     dshared_w: &mut [f32],   // [S, 3FC]
     dy: &[f32],              // [N, C]
     cache: &mut MoeCache,
     x: &[f32],               // [N, C]
     router_w: &[f32],        // [E, C]
-    experts_w: &[f32],       // [E, 3FC]
+    experts_w: &[f32],       // [E/P, 3FC]
     shared_w: &[f32],        // [S, 3FC]
     dims: &MoeDims,
     aux_weight: f32,
     z_weight: f32,
+    ep: Option<&mut dyn MoeExchange>,
 ) {
     let _p = crate::profile::scope("moe_backward");
     assert_eq!(*dims, cache.dims, "MoeCache built for other dims");
@@ -475,13 +659,14 @@ pub fn moe_backward(
     assert_eq!(x.len(), n * c);
     assert_eq!(drouter_w.len(), dims.router_size());
     assert_eq!(router_w.len(), dims.router_size());
-    assert_eq!(dexperts_w.len(), dims.experts_size());
-    assert_eq!(experts_w.len(), dims.experts_size());
+    let p = ep_size(&ep, e);
+    assert_eq!(dexperts_w.len(), dims.experts_size() / p);
+    assert_eq!(experts_w.len(), dims.experts_size() / p);
     assert_eq!(dshared_w.len(), dims.shared_size());
     assert_eq!(shared_w.len(), dims.shared_size());
     let es = dims.expert_size();
     let rows = cache.rows();
-    let MoeCache { probs, lse, idx, gates, slot, row_token, offsets, counts, xe, gu, h, eo, sgu, sh, deo, dh, dgu, dgate, dlogits, .. } = cache;
+    let MoeCache { probs, lse, idx, gates, slot, row_token, offsets, counts, xe, gu, h, eo, sgu, sh, ep: epc, deo, dh, dgu, dgate, dlogits, .. } = cache;
 
     // Combine backward: d(gate) = ⟨dy[t], eo[r]⟩ per assignment, d(eo[r]) = gate · dy[t].
     dgate.par_chunks_mut(k).enumerate().with_min_len(16).for_each(|(t, dg)| {
@@ -500,21 +685,25 @@ pub fn moe_backward(
         }
     });
 
-    // Routed experts' backward in order; `deo` is replaced by d(dispatched tokens).
-    for ex in 0..e {
-        let (r0, r1) = (offsets[ex], offsets[ex + 1]);
-        expert_backward(
-            &mut deo[r0 * c..r1 * c],
-            &mut dh[r0 * f..r1 * f],
-            &mut dgu[r0 * 2 * f..r1 * 2 * f],
-            &mut dexperts_w[ex * es..(ex + 1) * es],
-            &xe[r0 * c..r1 * c],
-            &gu[r0 * 2 * f..r1 * 2 * f],
-            &h[r0 * f..r1 * f],
-            &experts_w[ex * es..(ex + 1) * es],
-            c,
-            f,
-        );
+    // Routed experts' backward in order; `deo` is replaced by d(dispatched tokens). Under
+    // expert parallelism the d(eo) rows go to the experts' owners and d(xe) rows come back.
+    match ep {
+        None => experts_backward(deo, dh, dgu, dexperts_w, xe, gu, h, offsets, experts_w, c, f),
+        Some(ex) => {
+            let el = e / p;
+            let (send_rows, recv_rows) = (per_peer(&epc.send, el), per_peer(&epc.recv, el));
+            let rl = epc.rows();
+            grow(&mut epc.dl, rl * c);
+            grow(dh, rl * f);
+            grow(dgu, rl * 2 * f);
+            ex.exchange_rows(&deo[..rows * c], &send_rows, &mut epc.buf[..rl * c], &recv_rows, c);
+            let runs = ep_runs(&epc.recv, p, el);
+            ep_permute(&mut epc.dl, &epc.buf, &runs, c, true);
+            let lo = local_offsets(&epc.recv, p, el);
+            experts_backward(&mut epc.dl, dh, dgu, dexperts_w, &epc.xl, &epc.gul, &epc.hl, &lo, experts_w, c, f);
+            ep_permute(&mut epc.buf, &epc.dl, &runs, c, false);
+            ex.exchange_rows(&epc.buf[..rl * c], &recv_rows, &mut deo[..rows * c], &send_rows, c);
+        }
     }
     // Dispatch backward: dx[t] += Σ_j dxe[slot[t, j]] in rank order.
     let dxe = &deo[..rows * c];
@@ -574,6 +763,40 @@ pub fn moe_backward(
     });
     gemm(dx, true, View::rows(dlogits, n, e), View::rows(router_w, e, c), 1.0, Threads::All);
     gemm(drouter_w, true, View::rows(dlogits, n, e).t(), View::rows(x, n, c), 1.0, Threads::All);
+}
+
+/// Backward of [`experts_forward`]: accumulates into `dexperts_w`; replaces `deo` (d(output)
+/// in) with d(xe) (out). `dh`, `dgu` are scratch of at least `R` rows.
+#[allow(clippy::too_many_arguments)]
+fn experts_backward(
+    deo: &mut [f32],        // [R, C]
+    dh: &mut [f32],         // [≥ R, F]
+    dgu: &mut [f32],        // [≥ R, 2F]
+    dexperts_w: &mut [f32], // [El, 3FC]
+    xe: &[f32],             // [R, C]
+    gu: &[f32],             // [R, 2F]
+    h: &[f32],              // [R, F]
+    offsets: &[usize],      // [El + 1]
+    experts_w: &[f32],      // [El, 3FC]
+    c: usize,
+    f: usize,
+) {
+    let es = 3 * f * c;
+    for ex in 0..offsets.len() - 1 {
+        let (r0, r1) = (offsets[ex], offsets[ex + 1]);
+        expert_backward(
+            &mut deo[r0 * c..r1 * c],
+            &mut dh[r0 * f..r1 * f],
+            &mut dgu[r0 * 2 * f..r1 * 2 * f],
+            &mut dexperts_w[ex * es..(ex + 1) * es],
+            &xe[r0 * c..r1 * c],
+            &gu[r0 * 2 * f..r1 * 2 * f],
+            &h[r0 * f..r1 * f],
+            &experts_w[ex * es..(ex + 1) * es],
+            c,
+            f,
+        );
+    }
 }
 
 /// Backward of [`expert_forward`]: accumulates into `dw`; replaces `deo` (d(output) in) with

@@ -56,15 +56,82 @@ pub fn embedding_backward(
         }
     }
     if let Some(dwpe) = dwpe {
-        let b = tokens.len() / t;
-        dwpe[..t * c].par_chunks_mut(c).enumerate().for_each(|(pos, w)| {
-            for bi in 0..b {
-                let d = &dout[(bi * t + pos) * c..(bi * t + pos + 1) * c];
-                for (w, d) in w.iter_mut().zip(d) {
-                    *w += d;
+        position_backward(dwpe, dout, tokens.len() / t, t, c);
+    }
+}
+
+/// `dwpe[pos] += Σ_b dout[b, pos]`, parallel over positions (each summed in batch order).
+fn position_backward(dwpe: &mut [f32], dout: &[f32], b: usize, t: usize, c: usize) {
+    dwpe[..t * c].par_chunks_mut(c).enumerate().for_each(|(pos, w)| {
+        for bi in 0..b {
+            let d = &dout[(bi * t + pos) * c..(bi * t + pos + 1) * c];
+            for (w, d) in w.iter_mut().zip(d) {
+                *w += d;
+            }
+        }
+    });
+}
+
+/// [`embedding_forward`] with the vocabulary split over ranks (Megatron-LM's vocab-parallel
+/// embedding): `wte` holds rows `rows.start .. rows.end` of the whole table. A token in the
+/// range gets its embedding (plus the position's); any other token gets 0 — another rank
+/// writes it — so the sum over ranks is the whole embedding, exactly (adding zeros).
+pub fn embedding_forward_rows(
+    out: &mut [f32],        // [B, T, C]
+    tokens: &[u32],         // [B, T]
+    wte: &[f32],            // [rows, C]
+    wpe: Option<&[f32]>,    // [maxT, C]
+    t: usize,
+    c: usize,
+    rows: std::ops::Range<usize>,
+) {
+    let _p = crate::profile::scope("embedding_forward");
+    assert_eq!(out.len(), tokens.len() * c);
+    assert_eq!(wte.len(), rows.len() * c);
+    out.par_chunks_mut(c).enumerate().for_each(|(i, o)| {
+        let tok = tokens[i] as usize;
+        if !rows.contains(&tok) {
+            o.fill(0.0);
+            return;
+        }
+        let e = &wte[(tok - rows.start) * c..(tok - rows.start + 1) * c];
+        match wpe {
+            Some(p) => {
+                let pos = i % t;
+                for ((o, e), p) in o.iter_mut().zip(e).zip(&p[pos * c..(pos + 1) * c]) {
+                    *o = e + p;
                 }
             }
-        });
+            None => o.copy_from_slice(e),
+        }
+    });
+}
+
+/// Backward of [`embedding_forward_rows`] for this rank's rows: `dwte` (`[rows, C]`)
+/// accumulates the gradients of the tokens in `rows`; `dwpe` every position's (the positions
+/// table is replicated, and `dout` is the whole gradient on every rank).
+pub fn embedding_backward_rows(
+    dwte: &mut [f32],            // [rows, C]
+    dwpe: Option<&mut [f32]>,    // [maxT, C]
+    dout: &[f32],                // [B, T, C]
+    tokens: &[u32],              // [B, T]
+    t: usize,
+    c: usize,
+    rows: std::ops::Range<usize>,
+) {
+    let _p = crate::profile::scope("embedding_backward");
+    for (i, &tok) in tokens.iter().enumerate() {
+        let tok = tok as usize;
+        if !rows.contains(&tok) {
+            continue;
+        }
+        let d = &dout[i * c..(i + 1) * c];
+        for (w, d) in dwte[(tok - rows.start) * c..(tok - rows.start + 1) * c].iter_mut().zip(d) {
+            *w += d;
+        }
+    }
+    if let Some(dwpe) = dwpe {
+        position_backward(dwpe, dout, tokens.len() / t, t, c);
     }
 }
 
@@ -265,6 +332,60 @@ pub fn dropout_inplace(x: &mut [f32], p: f32, seed: u64) {
         let base = (ci * ELEMS) as u64;
         for (j, x) in x.iter_mut().enumerate() {
             *x = if dropout_keep(seed, base + j as u64, p) { *x * scale } else { 0.0 };
+        }
+    });
+}
+
+/// Where a buffer's rows sit in the whole `[B, T, ·]` tensor: local row `b·t_local + j` is
+/// global row `b·t + offset + j` (a sequence-parallel shard holds positions
+/// `offset .. offset + t_local` of every sequence; the whole tensor has `t_local = t`). Dropout
+/// masks are drawn by global element index, so a shard drops exactly what the whole model does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RowMap {
+    pub t_local: usize,
+    pub t: usize,
+    pub offset: usize,
+}
+
+impl RowMap {
+    /// The whole tensor: every row is its own.
+    pub fn whole(t: usize) -> RowMap {
+        RowMap { t_local: t, t, offset: 0 }
+    }
+
+    pub fn global(&self, row: usize) -> usize {
+        (row / self.t_local) * self.t + self.offset + row % self.t_local
+    }
+}
+
+/// [`dropout_inplace`] over rows of `c` elements laid out as `map` says: element `(row, k)`
+/// uses the mask of global element `map.global(row)·c + k`. With [`RowMap::whole`] this is
+/// [`dropout_inplace`].
+pub fn dropout_inplace_rows(x: &mut [f32], p: f32, seed: u64, c: usize, map: RowMap) {
+    let _p = crate::profile::scope("dropout_inplace");
+    assert!((0.0..1.0).contains(&p), "dropout p must be in [0, 1)");
+    if p == 0.0 {
+        return;
+    }
+    let scale = 1.0 / (1.0 - p);
+    x.par_chunks_mut(c).enumerate().for_each(|(row, x)| {
+        let base = (map.global(row) * c) as u64;
+        for (j, x) in x.iter_mut().enumerate() {
+            *x = if dropout_keep(seed, base + j as u64, p) { *x * scale } else { 0.0 };
+        }
+    });
+}
+
+/// Backward of [`dropout_inplace_rows`]: accumulates into `dinp`.
+pub fn dropout_backward_rows(dinp: &mut [f32], dout: &[f32], p: f32, seed: u64, c: usize, map: RowMap) {
+    let _p = crate::profile::scope("dropout_backward");
+    let scale = 1.0 / (1.0 - p);
+    dinp.par_chunks_mut(c).zip(dout.par_chunks(c)).enumerate().for_each(|(row, (di, d))| {
+        let base = (map.global(row) * c) as u64;
+        for (j, (di, d)) in di.iter_mut().zip(d).enumerate() {
+            if p == 0.0 || dropout_keep(seed, base + j as u64, p) {
+                *di += d * scale;
+            }
         }
     });
 }

@@ -177,3 +177,35 @@ fn published_shapes_resolve() {
         assert!(o.status.success(), "{p}: {}", stderr(&o));
     }
 }
+
+/// Issue 7: a run whose memory plan exceeds `memory.limit` is refused before anything is
+/// written, with the plan as the error; bad sizes name the key.
+#[test]
+fn memory_limit_refuses_the_run_with_the_plan() {
+    let d = scratch("memory-limit");
+    let data = corpus(&d);
+    let out = d.join("run");
+    let o = train(&data, &out, &["--memory-limit", "100KB"]);
+    assert_user_error(&o, &["memory.limit = 97.7 KiB", "memory plan (per rank)", "activations · attention", "total per rank"]);
+    // A number of bytes through --set, and the same limit from a config file.
+    assert_user_error(&train(&data, &out, &["--set", "memory.limit=1000"]), &["memory.limit", "1000 B"]);
+    let cfg = d.join("limit.toml");
+    fs::write(&cfg, "[memory]\nlimit = \"0.25MiB\"\n").unwrap();
+    assert_user_error(&train(&data, &out, &["--config", cfg.to_str().unwrap()]), &["memory.limit", "256.0 KiB"]);
+    assert!(!out.exists(), "a refused run must not create the run directory");
+    // Sizes that do not parse name the key and the value.
+    assert_user_error(&train(&data, &out, &["--memory-limit", "2XB"]), &["memory.limit", "unknown unit `XB`"]);
+    assert_user_error(&train(&data, &out, &["--memory-limit", "lots"]), &["memory.limit", "`lots` is not a size"]);
+    assert!(!out.exists());
+    // A generous limit trains; `kiln memory` refuses the same way, and plans new runs only.
+    let o = train(&data, &out, &["--memory-limit", "4GiB", "--max-steps", "1"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let mem = |extra: &[&str]| {
+        let mut a = vec!["memory", "--data", data.to_str().unwrap()];
+        a.extend_from_slice(extra);
+        kiln(&a)
+    };
+    assert_user_error(&mem(&["--memory-limit", "1MB"]), &["memory.limit", "total per rank"]);
+    assert_user_error(&mem(&["--resume", "--out", out.to_str().unwrap()]), &["kiln memory plans a new run", "--config"]);
+    assert_user_error(&mem(&["--supervise"]), &["--supervise applies to `kiln train` only"]);
+}

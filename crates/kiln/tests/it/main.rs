@@ -2,6 +2,8 @@
 mod bench;
 mod common;
 mod errors;
+mod expert;
+mod memory;
 mod obs;
 mod parallel;
 mod reliability;

@@ -276,7 +276,9 @@ fn tensor_parallel_matches_one_rank_for_gpt2_and_llama() {
 
 #[test]
 fn tensor_parallel_volume_follows_megatron() {
-    // Four all-reduces of [b·s, h] per layer and micro-batch: 8·b·s·h·(t−1)/t elements sent.
+    // Four all-reduces of [b·s, h] per layer and micro-batch, 8·b·s·h·(t−1)/t elements sent,
+    // plus two for the vocab-parallel embedding (forward) and head (input gradient); the
+    // cross-entropy's per-row exchange is a small all-gather.
     let d = scratch("tp-volume");
     let data = corpus(&d);
     for tp in [2.0f64, 4.0] {
@@ -286,8 +288,11 @@ fn tensor_parallel_volume_follows_megatron() {
         // it runs the ring algorithm.
         run_dp(&data, &out, 1, 0, &[&["--tp", &t], TP, &["--set", "model.n_layer=2", "--set", "train.grad_accum=1", "--set", "model.n_embd=64"]].concat());
         let (b, s, h, layers) = (8.0, 16.0, 64.0, 2.0);
-        let theory = 8.0 * b * s * h * (tp - 1.0) / tp * layers * 4.0;
-        let sent = train_lines(&out)[2]["comm_bytes_sent"].as_f64().unwrap();
+        let theory = (8.0 * layers + 4.0) * b * s * h * (tp - 1.0) / tp * 4.0;
+        let line = &train_lines(&out)[2];
+        let ar = line["comm_bytes_sent_all_reduce"].as_f64().unwrap();
+        assert!((ar / theory - 1.0).abs() < 1e-9, "tp {tp}: all-reduce bytes {ar} vs {theory}");
+        let sent = line["comm_bytes_sent"].as_f64().unwrap();
         assert!((sent / theory - 1.0).abs() < 0.05, "tp {tp}: sent {sent} vs {theory}");
     }
 }
@@ -508,4 +513,41 @@ fn bad_pipeline_settings_are_user_errors() {
         assert_user_error(&o, needles);
         assert!(!out.exists(), "a bad config must not create the run directory ({args:?})");
     }
+}
+
+#[test]
+fn sequence_parallel_matches_one_rank_and_moves_what_tensor_parallel_moves() {
+    let d = scratch("sp-equiv");
+    let data = corpus(&d);
+    let one = d.join("one");
+    let shape = ["--set", "model.n_layer=2", "--set", "model.n_embd=64", "--set", "train.grad_accum=1"];
+    run_dp(&data, &one, 1, 0, &[TP, &shape].concat());
+    for (tp, extra) in [("2", &[][..]), ("4", &[][..]), ("2", &["--pp", "2", "--micro-batches", "2", "--set", "train.grad_accum=2"][..]), ("2", &["--dp", "2", "--zero", "2"][..])] {
+        let out = d.join(format!("sp-tp{tp}-{}", extra.join("")));
+        let o = train(&data, &out, &[&["--max-steps", "8", "--tp", tp, "--sequence-parallel"], DP, TP, &shape, extra].concat());
+        assert!(o.status.success(), "tp {tp} {extra:?}: {}", stderr(&o));
+        assert_close(&out, &one, 1e-5, &format!("sequence parallel tp {tp} {extra:?}"));
+        if extra.is_empty() {
+            // The all-reduces become reduce-scatters and all-gathers of the same bytes: per layer
+            // 4 of each of [b·s, h]·(t−1)/t (2 forward, 2 backward), plus one each for the
+            // embedding and the head.
+            let t: f64 = tp.parse().unwrap();
+            let (b, s, h, layers) = (8.0, 16.0, 64.0, 2.0);
+            let unit = b * s * h * (t - 1.0) / t * 4.0;
+            let line = &train_lines(&out)[2];
+            let op = |k: &str| line[format!("comm_bytes_sent_{k}")].as_f64().unwrap_or(0.0);
+            assert!((op("reduce_scatter") / ((4.0 * layers + 2.0) * unit) - 1.0).abs() < 1e-9, "tp {tp}: {line}");
+            assert!((op("all_gather") / ((4.0 * layers + 2.0) * unit) - 1.0).abs() < 0.02, "tp {tp}: {line}");
+            // Left as an all-reduce: the norms' gradients (2 per layer and the final one, of h
+            // each, no biases), summed over the shards — 320 floats, below the communicator's
+            // small-message threshold, where each rank sends its buffer to the t − 1 others.
+            let norms = (2.0 * layers + 1.0) * h * 4.0 * (t - 1.0);
+            assert_eq!(op("all_reduce"), norms, "tp {tp}: {line}");
+        }
+    }
+    let o = train(&data, &d.join("bad1"), &["--sequence-parallel"]);
+    assert_user_error(&o, &["parallel.sequence_parallel needs tensor parallelism"]);
+    let o = train(&data, &d.join("bad2"), &[&["--tp", "2", "--sequence-parallel", "--set", "model.block_size=15"], TP].concat());
+    assert_user_error(&o, &["parallel.tp = 2 does not divide the sequence length model.block_size = 15"]);
+    assert!(!d.join("bad1").exists() && !d.join("bad2").exists());
 }

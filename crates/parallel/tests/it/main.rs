@@ -1,4 +1,5 @@
 mod comm;
+mod ep;
 mod mpi;
 
 use parallel::{Axis, DeviceMesh};
@@ -35,3 +36,14 @@ fn ranks_and_coordinates_round_trip_with_tp_fastest() {
     }
 }
 mod pp;
+
+#[test]
+fn ep_mesh_groups_split_the_batch_over_dp_and_ep() {
+    let m = DeviceMesh::new(&[(Axis::Pp, 2), (Axis::Dp, 2), (Axis::Ep, 2)], 8).unwrap();
+    // Ranks 0..4 are stage 0: (dp, ep) = (0,0) (0,1) (1,0) (1,1); the experts' group is dp.
+    assert_eq!(m.group_axes(&[Axis::Dp, Axis::Ep], 1), vec![0, 1, 2, 3]);
+    assert_eq!(m.group_axes(&[Axis::Dp, Axis::Ep], 6), vec![4, 5, 6, 7]);
+    assert_eq!(m.group(Axis::Ep, 2), vec![2, 3]);
+    assert_eq!(m.group(Axis::Dp, 1), vec![1, 3]);
+    assert_eq!(m.group_axes(&[Axis::Dp], 5), m.group(Axis::Dp, 5));
+}

@@ -60,7 +60,7 @@ fn untied(d: &MoeDims, seed: u64) -> Weights {
 fn forward(d: &MoeDims, w: &Weights, aux_w: f32, z_w: f32) -> (Vec<f32>, MoeStats, MoeCache) {
     let mut cache = MoeCache::new(*d);
     let mut y = vec![f32::NAN; d.n * d.c];
-    let st = moe_forward(&mut y, &mut cache, &w.x, &w.router, &w.experts, &w.shared, d, aux_w, z_w);
+    let st = moe_forward(&mut y, &mut cache, &w.x, &w.router, &w.experts, &w.shared, d, aux_w, z_w, None);
     (y, st, cache)
 }
 
@@ -78,7 +78,7 @@ fn backward(d: &MoeDims, w: &Weights, dy: &[f32], cache: &mut MoeCache, aux_w: f
         experts: vec![0.0; w.experts.len()],
         shared: vec![0.0; w.shared.len()],
     };
-    moe_backward(&mut g.x, &mut g.router, &mut g.experts, &mut g.shared, dy, cache, &w.x, &w.router, &w.experts, &w.shared, d, aux_w, z_w);
+    moe_backward(&mut g.x, &mut g.router, &mut g.experts, &mut g.shared, dy, cache, &w.x, &w.router, &w.experts, &w.shared, d, aux_w, z_w, None);
     g
 }
 
@@ -378,11 +378,11 @@ fn backward_accumulates_and_cache_is_reusable() {
     // A forward on other inputs, then the original again into the same cache.
     let other = Weights::random(&d, &mut Rng::new(52));
     let mut y = vec![0.0; y0.len()];
-    moe_forward(&mut y, &mut cache, &other.x, &other.router, &other.experts, &other.shared, &d, 0.1, 0.1);
-    moe_forward(&mut y, &mut cache, &w.x, &w.router, &w.experts, &w.shared, &d, 0.1, 0.1);
+    moe_forward(&mut y, &mut cache, &other.x, &other.router, &other.experts, &other.shared, &d, 0.1, 0.1, None);
+    moe_forward(&mut y, &mut cache, &w.x, &w.router, &w.experts, &w.shared, &d, 0.1, 0.1, None);
     assert_eq!(y, y0);
     let mut g = backward(&d, &w, &dy, &mut cache, 0.1, 0.1);
-    moe_backward(&mut g.x, &mut g.router, &mut g.experts, &mut g.shared, &dy, &mut cache, &w.x, &w.router, &w.experts, &w.shared, &d, 0.1, 0.1);
+    moe_backward(&mut g.x, &mut g.router, &mut g.experts, &mut g.shared, &dy, &mut cache, &w.x, &w.router, &w.experts, &w.shared, &d, 0.1, 0.1, None);
     for (name, a, b) in [("dx", &g.x, &g1.x), ("drouter", &g.router, &g1.router), ("dexperts", &g.experts, &g1.experts), ("dshared", &g.shared, &g1.shared)] {
         let twice: Vec<f32> = b.iter().map(|v| 2.0 * v).collect();
         assert!(max_err(a, &twice) < 1e-6, "{name} does not accumulate");
@@ -421,7 +421,7 @@ fn mixtral_tiny_fixture_logits_match_transformers() {
             })
             .collect();
         let router = p("block_sparse_moe.gate.weight", &[e, c]);
-        let stats = moe_forward(&mut y, &mut cache, &h, &router, &experts, &[], &md, 0.0, 0.0);
+        let stats = moe_forward(&mut y, &mut cache, &h, &router, &experts, &[], &md, 0.0, 0.0, None);
         eprintln!("mixtral-tiny layer {l}: counts {:?}, aux {}", stats.counts, stats.aux_loss);
         add_into(&mut x, &y);
     }
@@ -461,8 +461,8 @@ fn moe_timing() {
                 best[i] = best[i].min(s.elapsed().as_secs_f64());
             }
         };
-        timed(0, &mut || stats = Some(moe_forward(&mut y, &mut cache, &w.x, &w.router, &w.experts, &w.shared, &d, 0.01, 0.001)));
-        timed(1, &mut || moe_backward(&mut g.x, &mut g.router, &mut g.experts, &mut g.shared, &dy, &mut cache, &w.x, &w.router, &w.experts, &w.shared, &d, 0.01, 0.001));
+        timed(0, &mut || stats = Some(moe_forward(&mut y, &mut cache, &w.x, &w.router, &w.experts, &w.shared, &d, 0.01, 0.001, None)));
+        timed(1, &mut || moe_backward(&mut g.x, &mut g.router, &mut g.experts, &mut g.shared, &dy, &mut cache, &w.x, &w.router, &w.experts, &w.shared, &d, 0.01, 0.001, None));
         timed(2, &mut || {
             matmul_forward(&mut gu, &w.x, &wgu, None, n, c, 2 * fd);
             swiglu_forward(&mut h, &gu, fd);

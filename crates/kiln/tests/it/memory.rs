@@ -1,0 +1,146 @@
+//! The memory plan (issue 7): its activation figures against the model's own buffers, the
+//! `kiln memory` command, and the plan against what a run's tracking allocator measures.
+
+use crate::common::*;
+use kiln::memory::{activation_set, FP32};
+use model::gpt::Recompute;
+use model::{Gpt, GptConfig};
+
+const POLICIES: [Recompute; 3] = [Recompute::None, Recompute::Selective, Recompute::Full];
+
+/// `activation_set` against `Gpt::reserve_activations` + `activation_bytes` (no forward needed).
+fn check(name: &str, cfg: &GptConfig, shapes: &[(usize, usize)]) {
+    for &(b, t) in shapes {
+        for r in POLICIES {
+            let mut m = Gpt::zeroed(cfg.clone(), cfg.vocab_size.min(256));
+            m.recompute = r;
+            m.reserve_activations(b, t);
+            let planned = activation_set(cfg, b, t, r, &FP32).total();
+            assert_eq!(planned as usize, m.activation_bytes(), "{name} B {b} T {t} {r:?}");
+        }
+    }
+}
+
+#[test]
+fn planned_activations_equal_the_models_buffers_for_every_policy() {
+    // GPT-2: biases, tied head, a vocabulary large enough that the head runs in several chunks.
+    let gpt2 = GptConfig::gpt2(3, 4, 64, 64, 70000, true, 0.0, true);
+    check("gpt2", &gpt2, &[(2, 64), (3, 17)]);
+    // LLaMA: grouped-query attention, SwiGLU, untied head.
+    let mut llama = GptConfig::gpt2(2, 4, 64, 32, 300, false, 0.0, false);
+    (llama.arch, llama.n_kv_head, llama.ffn_hidden) = (model::config::Arch::Llama, 2, GptConfig::llama_ffn(64));
+    check("llama", &llama, &[(2, 32), (1, 5)]);
+    // MoE: routed and shared experts, with and without a capacity limit.
+    let mut moe = llama.clone();
+    (moe.n_expert, moe.top_k, moe.n_shared_expert, moe.ffn_hidden, moe.capacity_factor) = (4, 2, 1, 48, 1.25);
+    check("moe", &moe, &[(2, 32)]);
+    moe.capacity_factor = 0.0;
+    check("moe dropless", &moe, &[(1, 7)]);
+    // A tensor-parallel shard and pipeline stages (no head on the first, no embedding on the last).
+    check("tp shard", &parallel::tp::local_config(&llama, 2).unwrap(), &[(2, 16)]);
+    let whole = GptConfig::gpt2(4, 4, 32, 16, 256, true, 0.0, false);
+    check("first stage", &parallel::pp::stage_config(&whole, 0..2), &[(2, 16)]);
+    check("last stage", &parallel::pp::stage_config(&whole, 2..4), &[(2, 16)]);
+}
+
+#[test]
+fn recomputation_shrinks_the_plan_as_the_policies_say() {
+    // GPT-2 124M at B 4, T 1024: per layer `none` keeps 16 C floats per token (plus statistics
+    // and the log-sum-exp), `selective` 4 C, `full` C; the rest is shared by all layers.
+    let cfg = GptConfig::gpt2_124m();
+    let a = |r| activation_set(&cfg, 4, 1024, r, &FP32);
+    let (none, sel, full) = (a(Recompute::None), a(Recompute::Selective), a(Recompute::Full));
+    assert!(none.total() > sel.total() && sel.total() > full.total());
+    let per_layer = |x: u64, y: u64| (x - y) as f64 / 11.0; // the difference of 12 layers' sets vs one
+    let n = 4.0 * 1024.0;
+    // none − full = 11 sets of (ln_1, res_2, ln_2, qkv, atty, fch, fch_gelu) = 15 C per token, plus stats and lse.
+    let d = per_layer(none.total(), full.total()) / (4.0 * n * 768.0);
+    assert!((15.0..15.1).contains(&d), "none − full per layer: {d} C floats per token");
+}
+
+#[test]
+fn memory_command_prints_the_plan_and_json() {
+    let d = scratch("memory-cmd");
+    let data = corpus(&d);
+    let base = ["memory", "--data", data.to_str().unwrap(), "--set", "model.n_layer=2", "--set", "model.n_embd=32", "--set", "model.n_head=2", "--set", "model.block_size=16"];
+    let o = kiln(&base);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let table = stdout(&o);
+    for needle in ["memory plan (per rank)", "parameters", "optimizer state", "activations · attention", "total per rank"] {
+        assert!(table.contains(needle), "table should show `{needle}`:\n{table}");
+    }
+    let mut args = base.to_vec();
+    args.extend(["--json", "--dp", "2", "--zero", "3"]);
+    let o = kiln(&args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    // The parameters row is this rank's ZeRO-3 shard: half of the model, padded per unit.
+    let cfg = kiln::config::RunConfig::resolve(&{
+        let mut raw = kiln::presets::preset("tiny").unwrap().to_raw();
+        for kv in ["model.n_layer=2", "model.n_embd=32", "model.n_head=2", "model.block_size=16"] {
+            kiln::config::apply_set(&mut raw, kv).unwrap();
+        }
+        raw
+    })
+    .unwrap();
+    let m = Gpt::zeroed(cfg.gpt_config(256), 256);
+    let shard: usize = m.units.iter().map(|u| u.len().div_ceil(2)).sum();
+    let row = |name: &str| v["rows"].as_array().unwrap().iter().find(|r| r["name"] == name).unwrap_or_else(|| panic!("no row {name}: {v}")).clone();
+    assert_eq!(row("parameters")["bytes"].as_u64().unwrap() as usize, 4 * shard);
+    assert_eq!(row("AdamW m, v")["bytes"].as_u64().unwrap() as usize, 8 * shard);
+    assert!(row("ZeRO unit buffers")["bytes"].as_u64().unwrap() > 0);
+    assert_eq!(v["ranks_per_process"], 2);
+    assert!(v["total_bytes"].as_u64().unwrap() >= v["step_peak_bytes"].as_u64().unwrap());
+}
+
+#[test]
+fn tracked_peaks_are_logged_and_the_plan_predicts_them() {
+    let d = scratch("memory-tracked");
+    let data = corpus(&d);
+    for (name, extra) in [("plain", &[][..]), ("zero2-dp2", &["--dp", "2", "--zero", "2"][..])] {
+        let out = d.join(name);
+        let mut args = vec!["train", "--data", data.to_str().unwrap(), "--out", out.to_str().unwrap(), "--max-steps", "1", "--quiet"];
+        // Large enough that what the plan leaves out (gemm's packing buffers, kernel scratch
+        // pools: about 2 MB here) is well under its tolerance.
+        let shape = ["model.n_layer=2", "model.n_embd=256", "model.n_head=4", "model.block_size=128", "train.batch_size=8", "eval.iters=1", "eval.batch_size=4", "checkpoint.interval=0", "sample.tokens=0"];
+        for kv in shape {
+            args.extend(["--set", kv]);
+        }
+        args.extend_from_slice(extra);
+        let o = kiln(&args);
+        assert!(o.status.success(), "{name}: {}", stderr(&o));
+        let lines = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+        let last: serde_json::Value = lines.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()).filter(|v| v["kind"] == "train").last().unwrap();
+        let tracked = last["mem_tracked_peak_bytes"].as_f64().unwrap();
+        for c in ["params", "grads", "optimizer", "activations", "other"] {
+            assert!(last[format!("mem_tracked_peak_{c}_bytes")].as_u64().is_some(), "{name}: no {c} peak in {last}");
+        }
+        // The plan of the same run: its ranks' step peak and the data, against the allocator.
+        let mut margs = args.clone();
+        margs[0] = "memory";
+        margs.retain(|a| *a != "--quiet");
+        let pos = margs.iter().position(|a| *a == "--out").unwrap();
+        margs.drain(pos..pos + 2);
+        margs.push("--json");
+        let p: serde_json::Value = serde_json::from_str(&stdout(&kiln(&margs))).unwrap();
+        let ranks = p["ranks_per_process"].as_u64().unwrap();
+        // The tracker counts the process: every in-process rank's parameters.
+        assert_eq!(last["mem_tracked_peak_params_bytes"].as_u64().unwrap(), ranks * last["mem_params_bytes"].as_u64().unwrap(), "{name}: {last}");
+        let planned = ranks as f64 * p["step_peak_bytes"].as_f64().unwrap() + p["data_bytes"].as_f64().unwrap();
+        let err = (planned - tracked).abs() / tracked;
+        assert!(err < 0.10, "{name}: planned {planned} vs tracked peak {tracked} ({:.1}%)", 100.0 * err);
+    }
+}
+
+#[test]
+fn sizes_parse_with_decimal_and_binary_units() {
+    use kiln::memory::parse_size;
+    assert_eq!(parse_size("0"), Ok(0));
+    assert_eq!(parse_size("1500MB"), Ok(1_500_000_000));
+    assert_eq!(parse_size("2GiB"), Ok(2 << 30));
+    assert_eq!(parse_size("1.5 kib"), Ok(1536));
+    assert_eq!(parse_size("123"), Ok(123));
+    assert!(parse_size("2 XB").unwrap_err().contains("unknown unit `XB`"));
+    assert!(parse_size("GiB").unwrap_err().contains("not a size"));
+    assert!(parse_size("1.2.3MB").unwrap_err().contains("not a size"));
+}
