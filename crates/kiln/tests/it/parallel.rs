@@ -195,6 +195,18 @@ fn mpi_processes_match_in_process_ranks() {
         assert_eq!(losses(&mpi), losses(&inproc), "mpi {n} ranks zero {zero}");
         assert!(final_checkpoint(&mpi) == final_checkpoint(&inproc), "mpi {n}: final checkpoint differs from in-process");
     }
+    // A composed pipeline × tensor-parallel layout: 2 stages × 2 shards on 4 processes.
+    let pp_args: Vec<&str> = [&["--pp", "2", "--tp", "2", "--micro-batches", "2", "--schedule", "1f1b", "--set", "model.n_layer=2"][..], TP].concat();
+    let inproc = d.join("inproc-pp2-tp2");
+    run_dp(&data, &inproc, 1, 0, &pp_args);
+    let mpi = d.join("mpi-pp2-tp2");
+    let mut args: Vec<String> = ["--allow-run-as-root", "--oversubscribe", "-n", "4", env!("CARGO_BIN_EXE_kiln"), "train", "--data"].iter().map(|s| s.to_string()).collect();
+    args.extend([data.display().to_string(), "--out".into(), mpi.display().to_string(), "--backend".into(), "mpi".into(), "--dp".into(), "0".into(), "--max-steps".into(), "8".into()]);
+    args.extend(SMALL.iter().chain(DP).chain(&pp_args).map(|s| s.to_string()));
+    let o = std::process::Command::new("mpirun").args(&args).env("RAYON_NUM_THREADS", "2").output().expect("mpirun");
+    assert!(o.status.success(), "mpirun pp2 × tp2: {}", stderr(&o));
+    assert_eq!(losses(&mpi), losses(&inproc), "mpi pp2 × tp2");
+    assert!(final_checkpoint(&mpi) == final_checkpoint(&inproc), "mpi pp2 × tp2: final checkpoint differs from in-process");
     // A world size that does not match --dp is a user error on every rank.
     let o = std::process::Command::new("mpirun")
         .args(["--allow-run-as-root", "--oversubscribe", "-n", "2", env!("CARGO_BIN_EXE_kiln"), "train", "--data", data.to_str().unwrap(), "--out"])
