@@ -427,6 +427,104 @@ pub struct Snapshot {
     pub tokenizer_json: String,
 }
 
+/// One of the buffers a snapshot copies: gathered for it (owned), or the live training buffer
+/// itself, which the training loop leaves untouched until the snapshot's [`Gate`] opens.
+pub enum Source {
+    Owned(Vec<f32>),
+    Live { ptr: *const f32, len: usize },
+}
+
+// SAFETY: a `Live` source is only read, on the writer thread, while the gate is held; the
+// training loop waits at the gate before it writes the buffer again.
+unsafe impl Send for Source {}
+
+impl Source {
+    /// The live buffer `x`: the caller must not write or free it before the gate of the job it
+    /// goes into opens.
+    pub fn live(x: &[f32]) -> Source {
+        Source::Live { ptr: x.as_ptr(), len: x.len() }
+    }
+
+    fn as_slice(&self) -> &[f32] {
+        match self {
+            Source::Owned(v) => v,
+            // SAFETY: see `Source::live`.
+            Source::Live { ptr, len } => unsafe { std::slice::from_raw_parts(*ptr, *len) },
+        }
+    }
+}
+
+/// What to snapshot: the whole-model `layout` over parameter, first- and second-moment
+/// `sources`, of which a sharded checkpoint's rank keeps its `part`.
+pub struct Job {
+    pub part: Option<Part>,
+    pub state: TrainState,
+    pub layout: model::ParamLayout,
+    pub sources: [Source; 3],
+    pub tokenizer_json: String,
+}
+
+/// Held while a snapshot is being copied out of live training buffers (CheckFreq's pipelined
+/// snapshot: the copy overlaps the next step's forward and backward); the next update waits
+/// here ([`Gate::wait`]) until the copy is done.
+#[derive(Clone, Default)]
+pub struct Gate(std::sync::Arc<(std::sync::Mutex<(bool, f64)>, std::sync::Condvar)>);
+
+impl Gate {
+    fn hold(&self) {
+        self.0 .0.lock().unwrap().0 = true;
+    }
+
+    fn release(&self) {
+        self.0 .0.lock().unwrap().0 = false;
+        self.0 .1.notify_all();
+    }
+
+    /// Blocks while a snapshot is still reading the live buffers.
+    pub fn wait(&self) {
+        let (lock, cv) = &*self.0;
+        let mut g = lock.lock().unwrap();
+        if !g.0 {
+            return;
+        }
+        let t0 = std::time::Instant::now();
+        while g.0 {
+            g = cv.wait(g).unwrap();
+        }
+        g.1 += t0.elapsed().as_secs_f64();
+    }
+
+    /// Seconds the training loop has waited at the gate since the last call.
+    pub fn take_waited(&self) -> f64 {
+        std::mem::take(&mut self.0 .0.lock().unwrap().1)
+    }
+}
+
+/// Copies a job's tensors (all of each, or this rank's part) into `spare`'s buffers (no fresh
+/// allocation after the first snapshot).
+fn copy_job(job: Job, spare: Option<Snapshot>) -> Snapshot {
+    let (mut sp, mut sm, mut sv) = spare.map_or((Vec::new(), Vec::new(), Vec::new()), |s| (s.params, s.m, s.v));
+    for b in [&mut sp, &mut sm, &mut sv] {
+        b.clear();
+    }
+    let [fp, fm, fv] = &job.sources;
+    let (fp, fm, fv) = (fp.as_slice(), fm.as_slice(), fv.as_slice());
+    let mut part_layout = model::ParamLayout::default();
+    for p in &job.layout.params {
+        let r = match &job.part {
+            Some(pt) => part_range(p.len(), pt.rank, pt.world),
+            None => 0..p.len(),
+        };
+        let shape = if job.part.is_some() { vec![r.len()] } else { p.shape.clone() };
+        part_layout.push_named(p.name.clone(), shape, model::Init::Zeros, false);
+        let (a, b) = (p.offset + r.start, p.offset + r.end);
+        sp.extend_from_slice(&fp[a..b]);
+        sm.extend_from_slice(&fm[a..b]);
+        sv.extend_from_slice(&fv[a..b]);
+    }
+    Snapshot { part: job.part, state: job.state, layout: part_layout, params: sp, m: sm, v: sv, tokenizer_json: job.tokenizer_json }
+}
+
 /// A finished save.
 pub struct Saved {
     pub dir: PathBuf,
@@ -466,11 +564,12 @@ pub struct Writer {
     /// The last written snapshot's buffers, for the next snapshot to copy into (no fresh
     /// allocation, so no page faults, in the training loop).
     spare: Option<Snapshot>,
+    gate: Gate,
 }
 
 impl Writer {
     pub fn new(ckpt_dir: PathBuf, keep: usize, keep_every: u64, background: bool) -> Writer {
-        Writer { ckpt_dir, keep, keep_every, background, inflight: None, finished: None, spare: None }
+        Writer { ckpt_dir, keep, keep_every, background, inflight: None, finished: None, spare: None, gate: Gate::default() }
     }
 
     fn reap(&mut self) -> Result<()> {
@@ -482,18 +581,33 @@ impl Writer {
         Ok(())
     }
 
-    /// Starts saving `snap` (waiting for the previous save first, whose result is returned).
-    pub fn submit(&mut self, snap: Snapshot) -> Result<Option<Saved>> {
+    /// The gate the training loop waits at before it updates buffers a snapshot may still be
+    /// copying.
+    pub fn gate(&self) -> Gate {
+        self.gate.clone()
+    }
+
+    /// Starts saving `job` (waiting for the previous save first, whose result is returned).
+    /// In the background the copy out of the job's sources happens on the writer thread (the
+    /// gate is held until it is done), then the write, at the lowest priority; otherwise both
+    /// happen now.
+    pub fn submit(&mut self, job: Job) -> Result<Option<Saved>> {
         let prev = self.finish()?;
+        let spare = self.spare.take();
         if !self.background {
+            let snap = copy_job(job, spare);
             let r = write_snapshot(&self.ckpt_dir, &snap, self.keep, self.keep_every);
             self.spare = Some(snap);
             return r.map(Some);
         }
         let (dir, keep, every) = (self.ckpt_dir.clone(), self.keep, self.keep_every);
+        let gate = self.gate.clone();
+        gate.hold();
         let h = std::thread::Builder::new()
             .name("checkpoint".into())
             .spawn(move || {
+                let snap = copy_job(job, spare);
+                gate.release();
                 lower_priority();
                 (write_snapshot(&dir, &snap, keep, every), snap)
             })
@@ -508,13 +622,6 @@ impl Writer {
         self.finished.take().transpose()
     }
 
-    /// The buffers of the last finished snapshot, when no write is still using them.
-    pub fn take_spare(&mut self) -> Option<Snapshot> {
-        if self.inflight.as_ref().is_some_and(|h| h.is_finished()) {
-            self.reap().ok()?;
-        }
-        self.spare.take()
-    }
 }
 
 impl Drop for Writer {

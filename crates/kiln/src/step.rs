@@ -223,12 +223,15 @@ pub struct Pipeline<'a> {
     pub tie: Option<&'a dyn parallel::Comm>,
     /// Record this step's tasks (see [`PipeTrace`]).
     pub trace: Option<&'a mut PipeTrace>,
+    /// Called before the update writes parameters and moments (a background checkpoint may
+    /// still be copying them: it blocks until the copy is done).
+    pub before_update: Option<&'a dyn Fn()>,
 }
 
 impl Pipeline<'_> {
     /// One chunk, no pipeline: micro-batch after micro-batch.
     pub fn single(accum: usize, tp: Option<&dyn parallel::Comm>) -> Pipeline<'_> {
-        Pipeline { sched: pp::Schedule::new(pp::Kind::OneFOneB, 1, accum, 1).expect("accum > 0"), rank: 0, comm: None, tp, tie: None, trace: None }
+        Pipeline { sched: pp::Schedule::new(pp::Kind::OneFOneB, 1, accum, 1).expect("accum > 0"), rank: 0, comm: None, tp, tie: None, trace: None, before_update: None }
     }
 }
 
@@ -480,6 +483,9 @@ pub fn train_step(
         if let Some(why) = check(loss as f32, norm, &mut veto) {
             return out(norm, Some(why), overlap);
         }
+        if let Some(wait) = pipe.before_update {
+            wait();
+        }
         if clip > 0.0 && norm > clip {
             scale_in_place(&mut lo.grads, (clip / (norm + 1e-6)) as f32);
         }
@@ -536,6 +542,9 @@ pub fn train_step(
     .sqrt();
     if let Some(why) = check(loss as f32, norm, &mut veto) {
         return out(norm, Some(why), overlap);
+    }
+    if let Some(wait) = pipe.before_update {
+        wait();
     }
     for ch in chunks.iter_mut() {
         if clip > 0.0 && norm > clip {

@@ -491,7 +491,8 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
     let mesh = parallel::DeviceMesh::new(&[(parallel::Axis::Pp, ppn), (parallel::Axis::Dp, dpn), (parallel::Axis::Ep, epn), (parallel::Axis::Tp, tpn)], world).map_err(KilnError::User)?;
     let data_group = mesh.group_axes(&[parallel::Axis::Dp, parallel::Axis::Ep], rank);
     let dp_comms: Vec<Box<dyn Comm>> = (0..vn).map(|_| comm.split(&data_group)).collect();
-    let mut ep_comms: Vec<(Box<dyn Comm>, Box<dyn Comm>)> = (0..vn).map(|_| (parallel::mesh_group(comm, &mesh, parallel::Axis::Dp), parallel::mesh_group(comm, &mesh, parallel::Axis::Ep))).collect();
+    let mut ep_comms: Vec<(Box<dyn Comm>, Box<dyn Comm>, Box<dyn Comm>)> =
+        (0..vn).map(|_| (parallel::mesh_group(comm, &mesh, parallel::Axis::Dp), parallel::mesh_group(comm, &mesh, parallel::Axis::Ep), comm.split(&data_group))).collect();
     let ep_comm = parallel::mesh_group(comm, &mesh, parallel::Axis::Ep);
     let tp_hooks_comms: Vec<Box<dyn Comm>> = (0..vn).map(|_| parallel::mesh_group(comm, &mesh, parallel::Axis::Tp)).collect();
     let tp_comm = parallel::mesh_group(comm, &mesh, parallel::Axis::Tp);
@@ -596,18 +597,23 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
             }
             m = local;
         }
-        let (expert_comm, ep_hooks) = ep_comms.remove(0);
+        let (expert_comm, ep_hooks, batch) = ep_comms.remove(0);
+        // MoE layers sum their load-balancing statistics over the ranks that split the batch
+        // (so the loss is one rank's); with expert parallelism the same hooks move the rows.
+        let route = (m.cfg.is_moe() && dpn > 1).then_some(batch);
         if epn > 1 {
             // This rank's block of experts, by name; the exchange over the ep group.
             let local_cfg = parallel::ep::local_config(&m.cfg, epn, ep_rank).map_err(KilnError::User)?;
             let mut local = Gpt::zeroed(local_cfg, m.real_vocab);
             local.params = parallel::ep::shard(&m.layout, &m.params, &local.layout);
             local.recompute = recompute;
-            local.ep = Some(Box::new(parallel::ep::EpComm { comm: ep_hooks }));
+            local.ep = Some(Box::new(parallel::ep::EpComm { comm: ep_hooks, batch: route }));
             if let Some((mm, vv)) = mv.take() {
                 mv = Some((parallel::ep::shard(&m.layout, &mm, &local.layout), parallel::ep::shard(&m.layout, &vv, &local.layout)));
             }
             m = local;
+        } else if route.is_some() {
+            m.ep = Some(Box::new(parallel::ep::EpComm { comm: ep_hooks, batch: route }));
         }
         let dp = if epn > 1 {
             let experts = parallel::ep::expert_ranges(&m.layout);
@@ -694,6 +700,8 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
     let mut auto_interval: Option<u64> = None;
     let mut auto_next = (cfg.checkpoint.mtbf_s > 0.0).then(|| step + if cfg.checkpoint.interval > 0 { cfg.checkpoint.interval } else { 10 });
     let mut writer = checkpoint::Writer::new(ckpt_dir(run_dir), cfg.checkpoint.keep, cfg.checkpoint.keep_every, cfg.checkpoint.background);
+    let gate = writer.gate();
+    let wait_for_snapshot = || gate.wait();
     // Numerical faults: batches a rollback marked, the recent applied losses (for spikes), and
     // the run of consecutive skipped updates.
     let marked = load_skips(run_dir);
@@ -728,6 +736,7 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
                 tp: (tpn > 1).then_some(&*tp_comm),
                 tie: tied.then_some(&*tie_comm),
                 trace: pipe_trace.as_mut(),
+                before_update: Some(&wait_for_snapshot),
             };
             train_step(&mut chunks, &mut pipe, cfg, step, |micro, x, y| {
                 let first = micro * mb + dp_rank * rows;
@@ -736,6 +745,11 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
         };
         let comm_bytes = counters.snapshot().since(&before);
         let loss = out.loss;
+        // The update waited for a background checkpoint still copying the training state.
+        let blocked = gate.take_waited();
+        if let (Some(m), true) = (metrics.as_mut(), blocked > 0.0) {
+            m.log(&serde_json::json!({"kind": "checkpoint", "step": step + 1, "update_blocked_s": blocked})).map_err(KilnError::User)?;
+        }
         // The pipeline trace: this rank's tasks, and the bubble against the step's makespan
         // over every stage (collective over the pipeline group).
         let mut bubble = None;
@@ -932,31 +946,17 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
             } else {
                 None
             };
-            // Copied into the previous snapshot's buffers (no fresh allocation in the loop): all
-            // of each tensor, or this rank's part of it.
+            // The writer copies all of each tensor, or this rank's part of it, into the previous
+            // snapshot's buffers — from the live training buffers when this rank holds them
+            // (the next update waits for the copy at the writer's gate), else from the gathers.
             let snap = writes.then(|| {
-                let spare = writer.take_spare();
-                let (mut sp, mut sm, mut sv) = spare.map_or((Vec::new(), Vec::new(), Vec::new()), |s| (s.params, s.m, s.v));
-                let mut part_layout = model::ParamLayout::default();
-                for b in [&mut sp, &mut sm, &mut sv] {
-                    b.clear();
-                }
-                for p in &layout.params {
-                    let r = match &part {
-                        Some(pt) => checkpoint::part_range(p.len(), pt.rank, pt.world),
-                        None => 0..p.len(),
-                    };
-                    let shape = if part.is_some() { vec![r.len()] } else { p.shape.clone() };
-                    part_layout.push_named(p.name.clone(), shape, model::Init::Zeros, false);
-                    let (a, b) = (p.offset + r.start, p.offset + r.end);
-                    sp.extend_from_slice(&fp[a..b]);
-                    sm.extend_from_slice(&fm[a..b]);
-                    sv.extend_from_slice(&fv[a..b]);
-                }
+                let src = |c: Cow<[f32]>| match c {
+                    Cow::Borrowed(x) => checkpoint::Source::live(x),
+                    Cow::Owned(v) => checkpoint::Source::Owned(v),
+                };
                 let state = TrainState { step, sampler_rng: sampler.state(), tokens_seen, elapsed_s: elapsed, config: cfg.to_toml() };
-                checkpoint::Snapshot { part: part.clone(), state, layout: part_layout, params: sp, m: sm, v: sv, tokenizer_json: tok_json.clone() }
+                checkpoint::Job { part: part.clone(), state, layout: layout.clone(), sources: [src(fp), src(fm), src(fv)], tokenizer_json: tok_json.clone() }
             });
-            drop((fp, fm, fv));
             if !lead {
                 if let Some(snap) = snap {
                     writer.submit(snap)?;

@@ -156,7 +156,7 @@ fn a_hung_worker_is_killed_and_restarted() {
     let data = corpus(&d);
     let out = d.join("run");
     // SIGSTOP freezes the worker (a hang): the supervisor sees no heartbeat, kills, restarts.
-    let args = [&["train", "--supervise", "--max-restarts", "2", "--heartbeat-timeout", "3", "--out", out.to_str().unwrap(), "--data", data.to_str().unwrap(), "--max-steps", "60", "--set", "checkpoint.interval=10", "--set", "sample.tokens=0"][..], SMALL].concat();
+    let args = [&["train", "--supervise", "--max-restarts", "2", "--heartbeat-timeout", "8", "--out", out.to_str().unwrap(), "--data", data.to_str().unwrap(), "--max-steps", "60", "--set", "checkpoint.interval=10", "--set", "sample.tokens=0"][..], SMALL].concat();
     let mut child = Command::new(env!("CARGO_BIN_EXE_kiln")).args(&args).stderr(Stdio::piped()).spawn().unwrap();
     let err = child.stderr.take().unwrap();
     let mut lines = std::io::BufReader::new(err).lines();
