@@ -19,6 +19,7 @@ pub mod moe;
 pub mod ops;
 pub mod optim;
 pub mod par;
+pub mod precision;
 pub mod profile;
 pub mod rng;
 pub mod simd;

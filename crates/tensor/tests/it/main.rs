@@ -5,3 +5,4 @@ mod kernels;
 mod llama;
 mod moe;
 mod flash;
+mod precision;

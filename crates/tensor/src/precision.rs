@@ -1,0 +1,94 @@
+//! Low-precision number formats, simulated on `f32` buffers: each value is rounded to the
+//! nearest value the format can hold (round to nearest, ties to even), the way a device stores
+//! it. Used by mixed-precision training (bf16, fp16) and FP8 matmul inputs (E4M3 forward, E5M2
+//! gradients; Micikevicius et al. 2022, "FP8 Formats for Deep Learning"). On this CPU the
+//! arithmetic stays `f32` (matmuls accumulate in `f32`, as tensor cores do); what is simulated
+//! is every rounding a device would apply when it stores a tensor in the format.
+
+use rayon::prelude::*;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Format {
+    /// bfloat16: 8 exponent bits, 7 mantissa bits; f32's range.
+    Bf16,
+    /// IEEE half: 5 exponent bits, 10 mantissa bits; largest 65504, beyond which values
+    /// overflow to infinity (what fp16 loss scaling watches for).
+    Fp16,
+    /// FP8 E4M3 (OCP "fn"): 3 mantissa bits, largest 448; saturating.
+    E4m3,
+    /// FP8 E5M2: 2 mantissa bits, largest 57344; saturating.
+    E5m2,
+}
+
+impl Format {
+    /// (mantissa bits, smallest normal exponent, largest finite value, overflow to infinity)
+    fn spec(self) -> (i32, i32, f32, bool) {
+        match self {
+            Format::Bf16 => (7, -126, f32::from_bits(0x7F7F_0000), true),
+            Format::Fp16 => (10, -14, 65504.0, true),
+            Format::E4m3 => (3, -6, 448.0, false),
+            Format::E5m2 => (2, -14, 57344.0, false),
+        }
+    }
+
+    /// The largest finite value.
+    pub fn max(self) -> f32 {
+        self.spec().2
+    }
+}
+
+/// 2^k as an `f32` (k ≥ −149), exactly.
+fn pow2(k: i32) -> f32 {
+    if k >= -126 {
+        f32::from_bits(((k + 127) as u32) << 23)
+    } else {
+        f32::from_bits(1u32 << (k + 149))
+    }
+}
+
+/// `x` rounded to `fmt` (NaN and infinities pass through; overflow saturates to the largest
+/// value for the FP8 formats and becomes infinity for bf16 and fp16).
+#[inline]
+pub fn round(x: f32, fmt: Format) -> f32 {
+    if fmt == Format::Bf16 {
+        // Round to nearest even on the upper 16 bits.
+        if x.is_nan() {
+            return x;
+        }
+        let b = x.to_bits();
+        return f32::from_bits(b.wrapping_add(0x7FFF + ((b >> 16) & 1)) & 0xFFFF_0000);
+    }
+    if !x.is_finite() || x == 0.0 {
+        return x;
+    }
+    let (m, emin, max, inf) = fmt.spec();
+    let a = x.abs();
+    let e = (((a.to_bits() >> 23) as i32) - 127).max(emin);
+    let q = pow2(e - m);
+    let r = (a / q).round_ties_even() * q;
+    let r = if r > max { if inf { f32::INFINITY } else { max } } else { r };
+    r.copysign(x)
+}
+
+/// Rounds every element of `x` to `fmt`, in place.
+pub fn round_slice(x: &mut [f32], fmt: Format) {
+    let _p = crate::profile::scope("round_precision");
+    x.par_chunks_mut(1 << 14).for_each(|c| c.iter_mut().for_each(|v| *v = round(*v, fmt)));
+}
+
+/// `out = round(x / scale, fmt) · scale`: `x` cast to an FP8 format with a per-tensor scale
+/// (the scale maps the tensor's range onto the format's), and back.
+pub fn quantize_into(out: &mut [f32], x: &[f32], fmt: Format, scale: f32) {
+    let _p = crate::profile::scope("quantize_fp8");
+    let inv = 1.0 / scale;
+    out.par_chunks_mut(1 << 14).zip(x.par_chunks(1 << 14)).for_each(|(o, x)| {
+        for (o, &v) in o.iter_mut().zip(x) {
+            *o = round(v * inv, fmt) * scale;
+        }
+    });
+}
+
+/// The largest magnitude in `x` (0 for an empty slice; NaN if any element is NaN).
+pub fn amax(x: &[f32]) -> f32 {
+    x.par_chunks(1 << 14).map(|c| c.iter().fold(0.0f32, |m, v| if v.is_nan() || m.is_nan() { f32::NAN } else { m.max(v.abs()) })).reduce(|| 0.0, |a, b| if a.is_nan() || b.is_nan() { f32::NAN } else { a.max(b) })
+}

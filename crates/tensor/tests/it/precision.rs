@@ -1,0 +1,81 @@
+//! The simulated number formats hold exactly the values the formats hold.
+
+use tensor::precision::{amax, quantize_into, round, round_slice, Format};
+
+#[test]
+fn bf16_and_fp16_round_to_nearest_even_and_overflow_to_infinity() {
+    // bf16 keeps 8 significant bits: 1 + 2^-8 is a tie between 1 and 1 + 2^-7 → even (1).
+    assert_eq!(round(1.0 + 2f32.powi(-8), Format::Bf16), 1.0);
+    assert_eq!(round(1.0 + 3.0 * 2f32.powi(-8), Format::Bf16), 1.0 + 2f32.powi(-6));
+    assert_eq!(round(3.0e38, Format::Bf16), f32::from_bits(0x7F62_0000));
+    // fp16: 11 significant bits, largest 65504, smallest subnormal 2^-24.
+    assert_eq!(round(2049.0, Format::Fp16), 2048.0);
+    assert_eq!(round(2051.0, Format::Fp16), 2052.0);
+    assert_eq!(round(65504.0, Format::Fp16), 65504.0);
+    assert_eq!(round(65520.0, Format::Fp16), f32::INFINITY);
+    assert_eq!(round(-70000.0, Format::Fp16), f32::NEG_INFINITY);
+    assert_eq!(round(2f32.powi(-24), Format::Fp16), 2f32.powi(-24));
+    assert_eq!(round(2f32.powi(-26), Format::Fp16), 0.0);
+    assert!(round(f32::NAN, Format::Fp16).is_nan() && round(f32::NAN, Format::Bf16).is_nan());
+    // Every fp16 value is a fixed point.
+    for bits in (0u16..0x7C00).step_by(7) {
+        let v = f16_to_f32(bits);
+        assert_eq!(round(v, Format::Fp16), v, "{bits:#x}");
+        assert_eq!(round(-v, Format::Fp16), -v);
+    }
+}
+
+/// IEEE half bits → f32 (reference for the test).
+fn f16_to_f32(h: u16) -> f32 {
+    let (e, m) = ((h >> 10) & 0x1F, (h & 0x3FF) as f32);
+    if e == 0 { m * 2f32.powi(-24) } else { (1.0 + m / 1024.0) * 2f32.powi(e as i32 - 15) }
+}
+
+#[test]
+fn fp8_formats_hold_their_grids_and_saturate() {
+    // E4M3: 0.0625 · 2^-6 granularity below 2^-6, 3 mantissa bits, max 448.
+    let e4m3: Vec<f32> = (0..=0x7E).map(|b: u32| {
+        let (e, m) = ((b >> 3) as i32, (b & 7) as f32);
+        if e == 0 { m / 8.0 * 2f32.powi(-6) } else { (1.0 + m / 8.0) * 2f32.powi(e - 7) }
+    }).collect();
+    assert_eq!(*e4m3.last().unwrap(), 448.0);
+    for &v in &e4m3 {
+        assert_eq!(round(v, Format::E4m3), v);
+    }
+    // Midpoints round to the even neighbour; beyond the range saturates.
+    assert_eq!(round(1.0625, Format::E4m3), 1.0);
+    assert_eq!(round(1.1875, Format::E4m3), 1.25);
+    assert_eq!(round(1000.0, Format::E4m3), 448.0);
+    assert_eq!(round(-1e9, Format::E5m2), -57344.0);
+    // 1.5 quanta of the subnormal grid (2^-16): a tie, to the even multiple.
+    assert_eq!(round(3.0 * 2f32.powi(-17), Format::E5m2), 2f32.powi(-15));
+    assert_eq!(round(2f32.powi(-18), Format::E5m2), 0.0);
+    // Random values land on the grid, within half a step.
+    let mut rng = tensor::Rng::new(3);
+    for _ in 0..2000 {
+        let x = (rng.normal() * 50.0) as f32;
+        let r = round(x, Format::E4m3);
+        assert!(e4m3.contains(&r.abs()), "{x} → {r}");
+        let nearest = e4m3.iter().map(|g| (g - x.abs()).abs()).fold(f32::INFINITY, f32::min);
+        assert!(((r.abs() - x.abs()).abs() - nearest).abs() < 1e-6 || x.abs() > 448.0);
+    }
+}
+
+#[test]
+fn scaled_quantisation_and_amax() {
+    let x: Vec<f32> = (0..1000).map(|i| (i as f32 - 500.0) * 1e-5).collect();
+    let a = amax(&x);
+    assert_eq!(a, 500.0 * 1e-5);
+    let scale = a / Format::E4m3.max();
+    let mut q = vec![0.0; x.len()];
+    quantize_into(&mut q, &x, Format::E4m3, scale);
+    // Relative error at most half a unit in the last of 4 significant bits, for normal values.
+    for (a, b) in x.iter().zip(&q) {
+        if a.abs() > 2f32.powi(-6) * scale {
+            assert!((a - b).abs() <= a.abs() / 16.0 + 1e-12, "{a} vs {b}");
+        }
+    }
+    let mut y = x.clone();
+    round_slice(&mut y, Format::Bf16);
+    assert!(y.iter().zip(&x).all(|(a, b)| (a - b).abs() <= b.abs() / 256.0));
+}
