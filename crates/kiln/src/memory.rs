@@ -238,8 +238,7 @@ fn zero_transient(padded: &[usize], chunk: &[usize], zero: usize, head_unit: usi
                 if a.params() {
                     self.gather(u);
                 }
-                if let Some((nu, na)) = next.filter(|(_, na)| na.params()) {
-                    let _ = na;
+                if let Some((nu, _)) = next.filter(|(_, na)| na.params()) {
                     self.gather(nu);
                 }
             }
