@@ -31,6 +31,9 @@ pub struct TrainState {
     pub elapsed_s: f64,
     /// The resolved config the run was made with (TOML).
     pub config: String,
+    /// fp16's dynamic loss scale.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_scale: Option<crate::step::LossScaler>,
 }
 
 #[derive(Serialize, Deserialize)]

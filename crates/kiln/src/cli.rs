@@ -108,6 +108,9 @@ struct TrainCli {
     /// Sequence parallelism within the tensor-parallel group (parallel.sequence_parallel).
     #[arg(long)]
     sequence_parallel: bool,
+    /// Storage precision: fp32, bf16 or fp16 (train.precision).
+    #[arg(long)]
+    precision: Option<String>,
     /// Pipeline stages (parallel.pp).
     #[arg(long)]
     pp: Option<usize>,
@@ -157,6 +160,9 @@ impl TrainCli {
     /// becomes the last `--set memory.limit=…`, so it wins over the config file and `--set`.
     fn args(&self) -> TrainArgs {
         let mut set = self.set.clone();
+        if let Some(p) = &self.precision {
+            set.push(format!("train.precision={}", toml::Value::String(p.clone())));
+        }
         if let Some(l) = &self.memory_limit {
             set.push(format!("memory.limit={}", toml::Value::String(l.clone())));
         }

@@ -85,6 +85,28 @@ pub struct TrainSection {
     pub threads: usize,
     /// Progress/metrics line every this many steps.
     pub log_interval: u64,
+    /// Storage precision: `fp32`, or mixed precision `bf16` / `fp16` (parameters, activations
+    /// and activation gradients rounded to it, fp32 master weights, moments and weight-gradient
+    /// accumulation; simulated on CPU — the buffers stay f32).
+    #[serde(default = "fp32")]
+    pub precision: String,
+    /// fp16: the initial dynamic loss scale, and the overflow-free updates after which it doubles.
+    #[serde(default = "loss_scale_init")]
+    pub loss_scale: f64,
+    #[serde(default = "loss_scale_window")]
+    pub loss_scale_window: u64,
+}
+
+fn fp32() -> String {
+    "fp32".into()
+}
+
+fn loss_scale_init() -> f64 {
+    65536.0
+}
+
+fn loss_scale_window() -> u64 {
+    1000
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -484,6 +506,15 @@ impl RunConfig {
         if !(self.checkpoint.mtbf_s >= 0.0 && self.checkpoint.mtbf_s.is_finite()) {
             return user(format!("checkpoint.mtbf_s must be a non-negative number of seconds, got {}", self.checkpoint.mtbf_s));
         }
+        if !["fp32", "bf16", "fp16"].contains(&t.precision.as_str()) {
+            return user(format!("train.precision must be fp32, bf16 or fp16, got `{}` (fp8 is not implemented yet)", t.precision));
+        }
+        if !(t.loss_scale >= 1.0 && t.loss_scale.is_finite()) || t.loss_scale_window == 0 {
+            return user(format!("train.loss_scale must be a finite number ≥ 1 and train.loss_scale_window positive, got {} and {}", t.loss_scale, t.loss_scale_window));
+        }
+        if t.precision != "fp32" && self.lora.rank > 0 {
+            return user(format!("train.precision = {} with LoRA is not supported: the adapters train in fp32", t.precision));
+        }
         if self.memory.offload != "none" && self.memory.offload != "optimizer" {
             return user(format!("memory.offload must be `none` or `optimizer`, got `{}`", self.memory.offload));
         }
@@ -672,6 +703,15 @@ impl RunConfig {
     /// `memory.limit` in bytes (0 = none); checked by `validate`.
     pub fn memory_limit(&self) -> u64 {
         crate::memory::parse_size(&self.memory.limit).unwrap_or(0)
+    }
+
+    /// The storage precision of `train.precision`.
+    pub fn precision(&self) -> model::gpt::Precision {
+        match self.train.precision.as_str() {
+            "bf16" => model::gpt::Precision::Bf16,
+            "fp16" => model::gpt::Precision::Fp16,
+            _ => model::gpt::Precision::Fp32,
+        }
     }
 
     /// The activation recomputation policy of `model.recompute`.

@@ -39,8 +39,12 @@ pub struct Precision {
     pub master: usize,
 }
 
-/// kiln today: everything in fp32, the parameters are their own master copy.
+/// Everything in fp32, the parameters are their own master copy.
 pub const FP32: Precision = Precision { name: "fp32", param: 4, grad: 4, act: 4, optim: 4, master: 0 };
+
+/// bf16 / fp16 as kiln simulates them on a CPU: the values are rounded to the format but the
+/// buffers stay f32, and fp32 master weights sit beside the working parameters.
+pub const SIMULATED_16: Precision = Precision { name: "bf16/fp16 (simulated in f32 buffers)", param: 4, grad: 4, act: 4, optim: 4, master: 4 };
 
 /// Where a row's bytes sit in a rank's timeline.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -297,7 +301,7 @@ fn zero_transient(padded: &[usize], chunk: &[usize], zero: usize, head_unit: usi
 /// `data_bytes` the token streams the process holds in memory. Errors are the user's (a
 /// tensor-parallel degree that does not divide the heads, bad LoRA targets).
 pub fn plan(cfg: &RunConfig, gpt: &GptConfig, data_bytes: u64) -> Result<MemoryPlan> {
-    let p = FP32;
+    let p = if cfg.train.precision == "fp32" { FP32 } else { SIMULATED_16 };
     let par = &cfg.parallel;
     let (dp, tp, pp, zero) = (par.dp.max(1), par.tp, par.pp, par.zero);
     let world = dp * tp * pp;

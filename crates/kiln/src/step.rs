@@ -74,6 +74,11 @@ impl Moments {
 pub struct Optimizer {
     pub m: Moments,
     pub v: Moments,
+    /// Mixed precision: the fp32 master weights (laid out like the moments); the working
+    /// parameters the passes read are these rounded to `round`. `None`: the parameters are the
+    /// fp32 weights themselves.
+    pub master: Option<Vec<f32>>,
+    pub round: Option<tensor::precision::Format>,
     segs: Vec<(Range<usize>, bool)>,
 }
 
@@ -95,7 +100,21 @@ impl Optimizer {
                 _ => segs.push((p.range(), p.decay)),
             }
         }
-        Optimizer { m: Moments::Mem(vec![0.0; len]), v: Moments::Mem(vec![0.0; len]), segs }
+        Optimizer { m: Moments::Mem(vec![0.0; len]), v: Moments::Mem(vec![0.0; len]), master: None, round: None, segs }
+    }
+
+    /// Mixed precision: keeps fp32 master weights, taken from the fp32 parameters of `dp`'s
+    /// pieces (fresh, or a checkpoint's), and rounds the working parameters to `fmt`.
+    pub fn mixed(&mut self, dp: &mut DataParallel, fmt: tensor::precision::Format) {
+        let mut mw = vec![0.0; self.m.len()];
+        dp.for_each_piece(|piece, params, _| {
+            mw[piece.shard.clone()].copy_from_slice(params);
+            for (p, &w) in params.iter_mut().zip(&mw[piece.shard.clone()]) {
+                *p = tensor::precision::round(w, fmt);
+            }
+        });
+        dp.after_update();
+        (self.master, self.round) = (Some(mw), Some(fmt));
     }
 
     /// Moves the moments to memory-mapped files `dir/exp_avg.bin` and `dir/exp_avg_sq.bin`.
@@ -142,7 +161,17 @@ impl Optimizer {
             let mut i = lo;
             while i < hi {
                 let j = (i + step.max(1)).min(hi);
-                adamw_update(&mut params[i..j], &grads[i..j], &mut self.m[off + i..off + j], &mut self.v[off + i..off + j], &h);
+                match (&mut self.master, self.round) {
+                    // Mixed precision: AdamW on the fp32 master weights, then the working copy.
+                    (Some(mw), Some(fmt)) => {
+                        let w = &mut mw[off + i..off + j];
+                        adamw_update(w, &grads[i..j], &mut self.m[off + i..off + j], &mut self.v[off + i..off + j], &h);
+                        for (p, &x) in params[i..j].iter_mut().zip(w.iter()) {
+                            *p = tensor::precision::round(x, fmt);
+                        }
+                    }
+                    _ => adamw_update(&mut params[i..j], &grads[i..j], &mut self.m[off + i..off + j], &mut self.v[off + i..off + j], &h),
+                }
                 self.m.release(off + i..off + j);
                 self.v.release(off + i..off + j);
                 i = j;
@@ -172,6 +201,20 @@ pub struct StepOut {
     pub peak_activation_bytes: usize,
     pub peak_in_flight: usize,
 }
+
+/// fp16's dynamic loss scaling (Micikevicius et al. 2018): the loss gradient is multiplied by
+/// `scale` so small gradients survive fp16; an overflow (a non-finite gradient norm) skips the
+/// update and halves the scale, and `window` updates without one double it.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct LossScaler {
+    pub scale: f64,
+    /// Updates since the last overflow or growth.
+    pub good: u64,
+    pub window: u64,
+}
+
+/// The reason a step reports when fp16 overflowed (the update is skipped, not a fault).
+pub const FP16_OVERFLOW: &str = "fp16 overflow: loss scale halved";
 
 /// One model chunk a rank trains: a whole model, or a pipeline stage, or a tensor-parallel
 /// shard of either; the data-parallel store its passes go through, and its optimizer state.
@@ -226,12 +269,14 @@ pub struct Pipeline<'a> {
     /// Called before the update writes parameters and moments (a background checkpoint may
     /// still be copying them: it blocks until the copy is done).
     pub before_update: Option<&'a dyn Fn()>,
+    /// fp16: the dynamic loss scale.
+    pub scaler: Option<&'a mut LossScaler>,
 }
 
 impl Pipeline<'_> {
     /// One chunk, no pipeline: micro-batch after micro-batch.
     pub fn single(accum: usize, tp: Option<&dyn parallel::Comm>) -> Pipeline<'_> {
-        Pipeline { sched: pp::Schedule::new(pp::Kind::OneFOneB, 1, accum, 1).expect("accum > 0"), rank: 0, comm: None, tp, tie: None, trace: None, before_update: None }
+        Pipeline { sched: pp::Schedule::new(pp::Kind::OneFOneB, 1, accum, 1).expect("accum > 0"), rank: 0, comm: None, tp, tie: None, trace: None, before_update: None, scaler: None }
     }
 }
 
@@ -390,7 +435,8 @@ pub fn train_step(
             let _lock = exclusive.then(|| EXCLUSIVE.lock().unwrap_or_else(|e| e.into_inner()));
             let c0 = Instant::now();
             if task.forward {
-                let loss_scale = if global[task.mb] > 0.0 { (counts[task.mb] / global[task.mb] / m as f64) as f32 } else { 0.0 };
+                let s = pipe.scaler.as_ref().map_or(1.0, |x| x.scale);
+                let loss_scale = if global[task.mb] > 0.0 { (s * counts[task.mb] / global[task.mb] / m as f64) as f32 } else { 0.0 };
                 let pass = Pass::Train { dropout_seed: dropout_seed(cfg.train.seed, step, task.mb), loss_scale };
                 let _p = profile::scope("forward");
                 ch.model.forward_with(&mut ch.dp, x, y, rows, t, pass);
@@ -540,15 +586,33 @@ pub fn train_step(
         None => sq,
     }
     .sqrt();
+    // fp16: the gradients carry the loss scale; an overflow skips the update.
+    let unscale = match pipe.scaler.as_deref_mut() {
+        Some(sc) if !norm.is_finite() && loss.is_finite() => {
+            sc.scale = (sc.scale / 2.0).max(1.0);
+            sc.good = 0;
+            return out(norm, Some(FP16_OVERFLOW), overlap);
+        }
+        Some(sc) => 1.0 / sc.scale,
+        None => 1.0,
+    };
+    let norm = norm * unscale;
     if let Some(why) = check(loss as f32, norm, &mut veto) {
         return out(norm, Some(why), overlap);
+    }
+    if let Some(sc) = pipe.scaler.as_deref_mut() {
+        sc.good += 1;
+        if sc.good >= sc.window {
+            (sc.scale, sc.good) = (sc.scale * 2.0, 0);
+        }
     }
     if let Some(wait) = pipe.before_update {
         wait();
     }
+    let clip_scale = if clip > 0.0 && norm > clip { clip / (norm + 1e-6) } else { 1.0 };
     for ch in chunks.iter_mut() {
-        if clip > 0.0 && norm > clip {
-            ch.dp.scale_grads((clip / (norm + 1e-6)) as f32);
+        if clip_scale * unscale != 1.0 {
+            ch.dp.scale_grads((clip_scale * unscale) as f32);
         }
         let opt = &mut ch.opt;
         ch.dp.for_each_piece(|piece, params, grads| opt.update_piece(params, grads, piece, cfg, lr, step + 1));

@@ -544,6 +544,8 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
     let mut sampler = Rng::new(mix64(cfg.train.seed ^ 0x5EED_DA7A));
     let (mut step, mut tokens_seen, mut elapsed_prev) = (0u64, 0u64, 0.0f64);
     let mut moments = None;
+    // fp16's loss scale (restored with the checkpoint).
+    let mut scaler = (cfg.precision() == model::gpt::Precision::Fp16).then_some(crate::step::LossScaler { scale: cfg.train.loss_scale, good: 0, window: cfg.train.loss_scale_window });
     if let Some(l) = resume_from {
         let layout = trainable_layout(&model).clone();
         checkpoint::read_into(&l.model, "", &layout, trainable(&mut model).0, &l.dir.join("model.safetensors"))?;
@@ -551,6 +553,7 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
         checkpoint::read_into(&l.optim, "exp_avg.", &layout, &mut m, &l.dir.join("optimizer.safetensors"))?;
         checkpoint::read_into(&l.optim, "exp_avg_sq.", &layout, &mut v, &l.dir.join("optimizer.safetensors"))?;
         moments = Some((m, v));
+        scaler = l.state.loss_scale.or(scaler);
         sampler = Rng::from_state(l.state.sampler_rng);
         step = l.state.step;
         tokens_seen = l.state.tokens_seen;
@@ -615,7 +618,7 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
         } else if route.is_some() {
             m.ep = Some(Box::new(parallel::ep::EpComm { comm: ep_hooks, batch: route }));
         }
-        let dp = if epn > 1 {
+        let mut dp = if epn > 1 {
             let experts = parallel::ep::expert_ranges(&m.layout);
             parallel::DataParallel::new_ep(dp_comm, expert_comm, experts, &mut m, bucket_elems)
         } else {
@@ -626,6 +629,12 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
             let sharded = m.lora.is_none() && zero > 0;
             let (mm, vv) = if sharded { (dp.shards.take(&mm), dp.shards.take(&vv)) } else { (mm, vv) };
             (opt.m, opt.v) = (crate::step::Moments::Mem(mm), crate::step::Moments::Mem(vv));
+        }
+        // Mixed precision: the fp32 weights (fresh or from the checkpoint) become the master
+        // copy and the working parameters are rounded.
+        m.precision = cfg.precision();
+        if let Some(fmt) = m.precision.storage() {
+            opt.mixed(&mut dp, fmt);
         }
         if cfg.memory.offload == "optimizer" {
             let dir = run_dir.join("offload").join(if vn > 1 { format!("rank{rank}-chunk{c}") } else { format!("rank{rank}") });
@@ -737,6 +746,7 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
                 tie: tied.then_some(&*tie_comm),
                 trace: pipe_trace.as_mut(),
                 before_update: Some(&wait_for_snapshot),
+                scaler: scaler.as_mut(),
             };
             train_step(&mut chunks, &mut pipe, cfg, step, |micro, x, y| {
                 let first = micro * mb + dp_rank * rows;
@@ -767,7 +777,12 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
             use std::io::Write;
             writeln!(f, "{line}").map_err(|e| io_err(&path, e))?;
         }
-        if let Some(why) = out.skipped {
+        if out.skipped == Some(crate::step::FP16_OVERFLOW) {
+            // fp16 loss scaling at work: not a fault of the run, never a reason to roll back.
+            if let (Some(m), Some(sc)) = (metrics.as_mut(), &scaler) {
+                m.log(&serde_json::json!({"kind": "fault", "step": step + 1, "event": "loss_scale_backoff", "loss_scale": sc.scale})).map_err(KilnError::User)?;
+            }
+        } else if let Some(why) = out.skipped {
             if why.starts_with("non-finite") && !fc.skip_nonfinite {
                 return Err(KilnError::Internal(format!("loss is {loss}, gradient norm {} at step {}: stopping (the last checkpoint is intact)", out.grad_norm, step + 1)));
             }
@@ -920,15 +935,21 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
             let lora = chunks[0].model.lora.is_some();
             let (fp, fm, fv): (Cow<[f32]>, Cow<[f32]>, Cow<[f32]>) = if lora || plain {
                 let ch = &mut chunks[0];
-                let p = match &ch.model.lora {
-                    Some(lo) => &lo.params[..],
-                    None => ch.dp.local_params(),
+                // Mixed precision checkpoints the fp32 master weights.
+                let p = match (&ch.model.lora, &ch.opt.master) {
+                    (Some(lo), _) => &lo.params[..],
+                    (None, Some(mw)) => &mw[..],
+                    (None, None) => ch.dp.local_params(),
                 };
                 (Cow::Borrowed(p), Cow::Borrowed(&ch.opt.m[..]), Cow::Borrowed(&ch.opt.v[..]))
             } else {
                 let (mut ps, mut ms, mut vs) = (Vec::new(), Vec::new(), Vec::new());
                 for ch in chunks.iter_mut() {
-                    ps.push(ch.dp.full_params());
+                    ps.push(match &ch.opt.master {
+                        Some(mw) if zero > 0 => ch.dp.gather_shards(mw),
+                        Some(mw) => mw.clone(),
+                        None => ch.dp.full_params(),
+                    });
                     let (m, v) = if zero > 0 { (ch.dp.gather_shards(&ch.opt.m), ch.dp.gather_shards(&ch.opt.v)) } else { (ch.opt.m.to_vec(), ch.opt.v.to_vec()) };
                     ms.push(m);
                     vs.push(v);
@@ -954,7 +975,7 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
                     Cow::Borrowed(x) => checkpoint::Source::live(x),
                     Cow::Owned(v) => checkpoint::Source::Owned(v),
                 };
-                let state = TrainState { step, sampler_rng: sampler.state(), tokens_seen, elapsed_s: elapsed, config: cfg.to_toml() };
+                let state = TrainState { step, sampler_rng: sampler.state(), tokens_seen, elapsed_s: elapsed, config: cfg.to_toml(), loss_scale: scaler };
                 checkpoint::Job { part: part.clone(), state, layout: layout.clone(), sources: [src(fp), src(fm), src(fv)], tokenizer_json: tok_json.clone() }
             });
             if !lead {

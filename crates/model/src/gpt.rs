@@ -66,6 +66,32 @@ pub enum Recompute {
     Full,
 }
 
+/// The number format tensors are stored in (mixed precision; Micikevicius et al. 2018): the
+/// parameters the passes read (the optimizer keeps fp32 master weights and rounds them into
+/// the working copy), every stored activation and activation gradient are rounded to it, while
+/// matmuls and reductions accumulate in fp32 and weight gradients accumulate in fp32 (Megatron's
+/// main gradients). Simulated on CPU: the buffers stay `f32`, the values are exactly the
+/// format's.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Precision {
+    #[default]
+    Fp32,
+    Bf16,
+    Fp16,
+}
+
+impl Precision {
+    /// The storage format of parameters, activations and their gradients.
+    pub fn storage(self) -> Option<tensor::precision::Format> {
+        use tensor::precision::Format;
+        match self {
+            Precision::Fp32 => None,
+            Precision::Bf16 => Some(Format::Bf16),
+            Precision::Fp16 => Some(Format::Fp16),
+        }
+    }
+}
+
 /// The activations of one block for one `(B, T)` that [`Recompute::Selective`] keeps: the norms'
 /// outputs and statistics and the residual between the branches. The block's input and output
 /// live in `Acts::xs`; the branch outputs (projection after dropout), which backward never
@@ -187,6 +213,9 @@ pub struct Gpt {
     /// Activation recomputation policy (default [`Recompute::None`]); takes effect at the next
     /// forward.
     pub recompute: Recompute,
+    /// Storage precision of activations and their gradients (the caller keeps the parameters
+    /// rounded to it).
+    pub precision: Precision,
     acts: Option<Acts>,
     scratch: Option<GradScratch>,
 }
@@ -243,7 +272,7 @@ impl Gpt {
         let rope = (cfg.arch == Arch::Llama).then(|| rope_table(cfg.rope_theta, cfg.head_size(), cfg.block_size));
         let units = views.units(n);
         let unit_views = views.rebased(n);
-        Gpt { cfg, layout, views, units, unit_views, real_vocab, params: zeros(n), grads: zeros(n), rope, lora: None, tp: None, ep: None, recompute: Recompute::None, acts: None, scratch: None }
+        Gpt { cfg, layout, views, units, unit_views, real_vocab, params: zeros(n), grads: zeros(n), rope, lora: None, tp: None, ep: None, recompute: Recompute::None, precision: Precision::Fp32, acts: None, scratch: None }
     }
 
     pub fn num_params(&self) -> usize {
@@ -413,7 +442,7 @@ impl Gpt {
         a.dropout_seed = dropout_seed;
         a.p_drop = p_drop;
         a.moe_stats.clear();
-        let ops = Ops { cfg: &self.cfg, rope: self.rope.as_ref(), b, t, tp: std::cell::RefCell::new(self.tp.as_deref_mut()), ep: std::cell::RefCell::new(self.ep.as_deref_mut()) };
+        let ops = Ops { cfg: &self.cfg, rope: self.rope.as_ref(), b, t, tp: std::cell::RefCell::new(self.tp.as_deref_mut()), ep: std::cell::RefCell::new(self.ep.as_deref_mut()), store: self.precision.storage() };
 
         // A later pipeline stage starts from the activations put in `xs[0]` (`stage_input_mut`).
         if self.cfg.has_embed() {
@@ -437,6 +466,7 @@ impl Gpt {
                 dropout_inplace_rows(&mut a.xs[0], p_drop, site_seed(dropout_seed, 0), c, ops.row_map());
             }
         }
+        ops.store(&mut a.xs[0]);
         let (kl, il) = a.slots();
         for (l, bp) in pv.blocks.iter().enumerate() {
             let (inp, out) = a.xs.split_at_mut(l + 1);
@@ -454,6 +484,7 @@ impl Gpt {
         let x: &[f32] = a.xs.last().unwrap();
         let (w, _) = store.acquire(last, Access::Forward, then);
         ops.norm_forward(&mut a.ln_f, &mut a.ln_f_mean, &mut a.ln_f_rstd, x, &w[pv.ln_f_w.clone()], pv.ln_f_b.as_ref().map(|r| &w[r.clone()]));
+        ops.store(&mut a.ln_f);
         store.release(last, Access::Forward);
     }
 
@@ -483,7 +514,7 @@ impl Gpt {
         let bwd = Access::Backward { params: true };
         let p_drop = self.cfg.dropout;
         let seed = a.dropout_seed;
-        let ops = Ops { cfg: &self.cfg, rope: self.rope.as_ref(), b, t, tp: std::cell::RefCell::new(self.tp.as_deref_mut()), ep: std::cell::RefCell::new(self.ep.as_deref_mut()) };
+        let ops = Ops { cfg: &self.cfg, rope: self.rope.as_ref(), b, t, tp: std::cell::RefCell::new(self.tp.as_deref_mut()), ep: std::cell::RefCell::new(self.ep.as_deref_mut()), store: self.precision.storage() };
         // Every unit is acquired and released even when no target counted (the gradients are
         // then zero): a store's collectives must run the same on every rank.
         let skip = a.count == 0;
@@ -498,7 +529,9 @@ impl Gpt {
         let (w, dw) = store.acquire(last, bwd, Some((last - 1, bwd)));
         if !skip && head {
             let (dlnf_w, dlnf_b) = split_two(dw, &pv.ln_f_w, &pv.ln_f_b);
+            ops.store(&mut a.dln_f);
             ops.norm_backward(&mut g.dres, dlnf_w, dlnf_b, &a.dln_f, x_last, &w[pv.ln_f_w.clone()], &a.ln_f_mean, &a.ln_f_rstd);
+            ops.store(&mut g.dres);
         }
         store.release(last, bwd);
 
@@ -547,8 +580,10 @@ impl Gpt {
             if let Some(lo) = lora.as_mut() {
                 lo.backward(l, Site::MlpProj, &mut g.dfch_gelu, dproj, &i.fch_gelu, n, c);
             }
+            ops.store(&mut g.dfch_gelu);
             g.dfch.fill(0.0);
             ops.act_backward(&mut g.dfch, &g.dfch_gelu, &i.fch);
+            ops.store(&mut g.dfch);
             let (dwf, dbf) = split_two(dw, &bp.c_fc_w, &bp.c_fc_b);
             let xin: &[f32] = if ops.sp() { &i.ln_2_full } else { &k.ln_2 };
             let dfch = &g.dfch;
@@ -561,7 +596,9 @@ impl Gpt {
             }
             // dres (currently d res_3, flowing straight through to d res_2) += ln_2 backward
             let (dw2, db2) = split_two(dw, &bp.ln_2_w, &bp.ln_2_b);
+            ops.store(&mut g.dln);
             ops.norm_backward(&mut g.dres, dw2, db2, &g.dln, &k.res_2, &w[bp.ln_2_w.clone()], &k.ln_2_mean, &k.ln_2_rstd);
+            ops.store(&mut g.dres);
             // Attention branch: res_2 = x + drop(attproj)
             let dattproj = branch_grad(&mut g.dbranch, &g.dres, p_drop, site_seed(seed, site + 1), c, map);
             let dproj = ops.row_parallel_grad(dattproj, &mut g.dfull);
@@ -572,8 +609,10 @@ impl Gpt {
             if let Some(lo) = lora.as_mut() {
                 lo.backward(l, Site::AttnProj, &mut g.datty, dproj, &i.atty, n, c);
             }
+            ops.store(&mut g.datty);
             g.dqkv.fill(0.0);
             ops.attn_backward(&mut g.dqkv, &g.datty, &i.qkv, &i.atty, &i.attn_state, p_drop, site_seed(seed, site));
+            ops.store(&mut g.dqkv);
             let (dwq, dbq) = split_two(dw, &bp.c_attn_w, &bp.c_attn_b);
             let xin: &[f32] = if ops.sp() { &i.ln_1_full } else { &k.ln_1 };
             let dqkv = &g.dqkv;
@@ -584,7 +623,9 @@ impl Gpt {
                 }
             });
             let (dw1, db1) = split_two(dw, &bp.ln_1_w, &bp.ln_1_b);
+            ops.store(&mut g.dln);
             ops.norm_backward(&mut g.dres, dw1, db1, &g.dln, x, &w[bp.ln_1_w.clone()], &k.ln_1_mean, &k.ln_1_rstd);
+            ops.store(&mut g.dres);
             store.release(l + 1, bwd);
         }
         // x = drop(wte[tokens] + wpe)
@@ -733,6 +774,7 @@ fn block_forward(ops: &Ops, w: &[f32], bp: &BlockParams, lora: &mut Option<Lora>
     let site = block_site(cfg, l);
     // res_2 = x + drop(attn(norm_1(x)))
     ops.norm_forward(&mut k.ln_1, &mut k.ln_1_mean, &mut k.ln_1_rstd, x, &w[bp.ln_1_w.clone()], opt(&bp.ln_1_b));
+    ops.store(&mut k.ln_1);
     attn_inner(ops, w, bp, lora, l, k, i, p_drop, dropout_seed);
     ops.row_parallel(branch, full, opt(&bp.attn_proj_b), |y| {
         matmul_forward(y, &i.atty, &w[bp.attn_proj_w.clone()], opt(&bp.attn_proj_b), n, cfg.attn_width(), c);
@@ -744,14 +786,17 @@ fn block_forward(ops: &Ops, w: &[f32], bp: &BlockParams, lora: &mut Option<Lora>
         dropout_inplace_rows(branch, p_drop, site_seed(dropout_seed, site + 1), c, ops.row_map());
     }
     residual_forward(&mut k.res_2, x, branch);
+    ops.store(&mut k.res_2);
     // out = res_2 + drop(mlp(norm_2(res_2)))
     ops.norm_forward(&mut k.ln_2, &mut k.ln_2_mean, &mut k.ln_2_rstd, &k.res_2, &w[bp.ln_2_w.clone()], opt(&bp.ln_2_b));
+    ops.store(&mut k.ln_2);
     let stats = mlp_inner(ops, w, bp, lora, l, k, i, branch, full, out.is_some());
     if let Some(out) = out {
         if p_drop > 0.0 {
             dropout_inplace_rows(branch, p_drop, site_seed(dropout_seed, site + 2), c, ops.row_map());
         }
         residual_forward(out, &k.res_2, branch);
+        ops.store(out);
     }
     stats
 }
@@ -767,7 +812,9 @@ fn attn_inner(ops: &Ops, w: &[f32], bp: &BlockParams, lora: &mut Option<Lora>, l
     if let Some(lo) = lora.as_mut() {
         lo.forward(l, Site::Qkv, &mut i.qkv, x, n, qw);
     }
+    ops.store(&mut i.qkv);
     ops.attn_forward(&mut i.atty, &mut i.attn_state, &mut i.qkv, p_drop, site_seed(dropout_seed, block_site(cfg, l)));
+    ops.store(&mut i.atty);
 }
 
 /// The MLP from the kept `ln_2`: its hidden activations, and with `proj` its output (before
@@ -791,7 +838,9 @@ fn mlp_inner(ops: &Ops, w: &[f32], bp: &BlockParams, lora: &mut Option<Lora>, l:
     if let Some(lo) = lora.as_mut() {
         lo.forward(l, Site::Fc, &mut i.fch, x, n, fw);
     }
+    ops.store(&mut i.fch);
     ops.act_forward(&mut i.fch_gelu, &i.fch);
+    ops.store(&mut i.fch_gelu);
     if proj {
         ops.row_parallel(branch, full, opt(&bp.mlp_proj_b), |y| {
             matmul_forward(y, &i.fch_gelu, &w[bp.mlp_proj_w.clone()], opt(&bp.mlp_proj_b), n, f, c);
@@ -859,9 +908,18 @@ pub(crate) struct Ops<'a> {
     pub tp: std::cell::RefCell<Option<&'a mut (dyn TpHooks + 'static)>>,
     /// The expert-parallel exchange of a shard (`None`: every expert is local).
     pub ep: std::cell::RefCell<Option<&'a mut (dyn MoeExchange + Send + 'static)>>,
+    /// Where stored activations and gradients are rounded to (mixed precision).
+    pub store: Option<tensor::precision::Format>,
 }
 
 impl Ops<'_> {
+    /// Rounds a stored activation (or activation gradient) to the storage precision.
+    fn store(&self, x: &mut [f32]) {
+        if let Some(f) = self.store {
+            tensor::precision::round_slice(x, f);
+        }
+    }
+
     /// Sequence parallelism: this shard holds `T/t` positions of the residual stream.
     fn sp(&self) -> bool {
         self.cfg.sequence_parallel && self.tp.borrow().is_some()

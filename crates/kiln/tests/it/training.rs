@@ -305,3 +305,41 @@ fn optimizer_offload_keeps_losses_and_frees_resident_memory() {
     let o = train(&data, &d.join("bad"), &["--offload", "disk"]);
     assert_user_error(&o, &["memory.offload must be `none` or `optimizer`, got `disk`"]);
 }
+
+#[test]
+fn mixed_precision_tracks_fp32_resumes_bit_exactly_and_scales_fp16_losses() {
+    let d = scratch("precision");
+    let data = corpus(&d);
+    let run = |name: &str, extra: &[&str]| {
+        let out = d.join(name);
+        let o = train(&data, &out, &[&["--set", "model.dropout=0.1", "--set", "train.grad_accum=2"][..], extra].concat());
+        assert!(o.status.success(), "{name}: {}", stderr(&o));
+        out
+    };
+    let fp32 = run("fp32", &["--max-steps", "20"]);
+    for p in ["bf16", "fp16"] {
+        let full = run(&format!("{p}-full"), &["--max-steps", "20", "--precision", p]);
+        // Rounded storage changes the numbers a little, not the training.
+        for ((s, a), (_, b)) in losses(&full).iter().zip(&losses(&fp32)) {
+            assert!(((a - b) / b).abs() < 0.02, "{p} step {s}: {a} vs fp32 {b}");
+        }
+        assert!(losses(&full) != losses(&fp32), "{p}: rounding changed nothing");
+        // The checkpoint holds the fp32 master weights (and the loss scale): resume is exact.
+        let split = run(&format!("{p}-split"), &["--max-steps", "10", "--precision", p]);
+        let o = train(&data, &split, &["--resume", "--max-steps", "20"]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        assert_eq!(losses(&split), losses(&full), "{p}: resumed run differs");
+    }
+    // fp16 with an absurd initial loss scale overflows, skips, halves the scale until it fits,
+    // and trains on.
+    let over = run("fp16-overflow", &["--max-steps", "40", "--precision", "fp16", "--set", "train.loss_scale=1099511627776.0"]);
+    let faults: Vec<serde_json::Value> = std::fs::read_to_string(over.join("metrics.jsonl")).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).filter(|v: &serde_json::Value| v["kind"] == "fault").collect();
+    assert!(!faults.is_empty() && faults.iter().all(|f| f["event"] == "loss_scale_backoff"), "{faults:?}");
+    let scales: Vec<f64> = faults.iter().map(|f| f["loss_scale"].as_f64().unwrap()).collect();
+    assert!(scales.windows(2).all(|w| w[1] == w[0] / 2.0), "{scales:?}");
+    assert!(!losses(&over).is_empty(), "the scale never came down: {scales:?}");
+    assert_eq!(losses(&over).len() + faults.len(), 40);
+    let o = train(&data, &d.join("bad"), &["--precision", "fp4"]);
+    assert_user_error(&o, &["train.precision must be fp32, bf16 or fp16, got `fp4`"]);
+    assert!(!d.join("bad").exists());
+}
