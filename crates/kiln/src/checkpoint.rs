@@ -34,6 +34,9 @@ pub struct TrainState {
     /// fp16's dynamic loss scale.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub loss_scale: Option<crate::step::LossScaler>,
+    /// fp8's amax histories (one per block matmul tensor).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fp8_amax: Option<Vec<Vec<f32>>>,
 }
 
 #[derive(Serialize, Deserialize)]

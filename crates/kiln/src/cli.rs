@@ -108,7 +108,7 @@ struct TrainCli {
     /// Sequence parallelism within the tensor-parallel group (parallel.sequence_parallel).
     #[arg(long)]
     sequence_parallel: bool,
-    /// Storage precision: fp32, bf16 or fp16 (train.precision).
+    /// Storage precision: fp32, bf16, fp16 or fp8 (train.precision).
     #[arg(long)]
     precision: Option<String>,
     /// Pipeline stages (parallel.pp).

@@ -95,6 +95,13 @@ pub struct TrainSection {
     pub loss_scale: f64,
     #[serde(default = "loss_scale_window")]
     pub loss_scale_window: u64,
+    /// fp8: steps of amax history behind each tensor's delayed scale.
+    #[serde(default = "fp8_history")]
+    pub fp8_amax_history: usize,
+}
+
+fn fp8_history() -> usize {
+    16
 }
 
 fn fp32() -> String {
@@ -506,8 +513,14 @@ impl RunConfig {
         if !(self.checkpoint.mtbf_s >= 0.0 && self.checkpoint.mtbf_s.is_finite()) {
             return user(format!("checkpoint.mtbf_s must be a non-negative number of seconds, got {}", self.checkpoint.mtbf_s));
         }
-        if !["fp32", "bf16", "fp16"].contains(&t.precision.as_str()) {
-            return user(format!("train.precision must be fp32, bf16 or fp16, got `{}` (fp8 is not implemented yet)", t.precision));
+        if !["fp32", "bf16", "fp16", "fp8"].contains(&t.precision.as_str()) {
+            return user(format!("train.precision must be fp32, bf16, fp16 or fp8, got `{}`", t.precision));
+        }
+        if t.precision == "fp8" && (self.parallel.tp > 1 || self.parallel.pp > 1) {
+            return user(format!("train.precision = fp8 with tensor or pipeline parallelism is not supported yet (parallel.tp = {}, parallel.pp = {}); data parallelism and ZeRO are", self.parallel.tp, self.parallel.pp));
+        }
+        if t.fp8_amax_history == 0 {
+            return user("train.fp8_amax_history must be positive, got 0");
         }
         if !(t.loss_scale >= 1.0 && t.loss_scale.is_finite()) || t.loss_scale_window == 0 {
             return user(format!("train.loss_scale must be a finite number ≥ 1 and train.loss_scale_window positive, got {} and {}", t.loss_scale, t.loss_scale_window));
@@ -710,6 +723,7 @@ impl RunConfig {
         match self.train.precision.as_str() {
             "bf16" => model::gpt::Precision::Bf16,
             "fp16" => model::gpt::Precision::Fp16,
+            "fp8" => model::gpt::Precision::Fp8,
             _ => model::gpt::Precision::Fp32,
         }
     }

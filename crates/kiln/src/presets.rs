@@ -32,7 +32,7 @@ fn base() -> RunConfig {
         },
         train: TrainSection {
             batch_size: 16, grad_accum: 1, lr: 1e-3, min_lr: 1e-4, warmup_steps: 100, lr_decay_steps: 0, max_steps: 1000,
-            weight_decay: 0.1, beta1: 0.9, beta2: 0.99, eps: 1e-8, grad_clip: 1.0, seed: 1337, threads: 0, log_interval: 10, precision: "fp32".into(), loss_scale: 65536.0, loss_scale_window: 1000,
+            weight_decay: 0.1, beta1: 0.9, beta2: 0.99, eps: 1e-8, grad_clip: 1.0, seed: 1337, threads: 0, log_interval: 10, precision: "fp32".into(), loss_scale: 65536.0, loss_scale_window: 1000, fp8_amax_history: 16,
         },
         eval: EvalSection { interval: 250, iters: 20, batch_size: 0 },
         checkpoint: CheckpointSection { interval: 500, keep: 3, keep_every: 0, background: true, mtbf_s: 0.0 },

@@ -497,6 +497,21 @@ pub fn train_step(
             (overlap.comm, overlap.exposed) = (overlap.comm + o.comm, overlap.exposed + o.exposed);
         }
     }
+    // FP8: this step's amaxes, the same on every data-parallel rank (elementwise max), join the
+    // scaling histories (whether or not the update happens).
+    for ch in chunks.iter_mut() {
+        if let Some(st) = ch.model.fp8.as_mut() {
+            let pending = st.get_mut().pending_mut();
+            if dpn > 1 {
+                let mine: Vec<f64> = pending.iter().map(|&x| x as f64).collect();
+                let all = ch.dp.all_gather_f64(&mine);
+                for (i, p) in pending.iter_mut().enumerate() {
+                    *p = (0..dpn).map(|r| all[r * mine.len() + i] as f32).fold(0.0, f32::max);
+                }
+            }
+            ch.model.fp8_commit();
+        }
+    }
     let _p = profile::scope("optimizer");
     // The loss lives on the last stage: summed over its data-parallel group, then taken from
     // it by every stage.

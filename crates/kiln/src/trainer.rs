@@ -636,6 +636,13 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
         if let Some(fmt) = m.precision.storage() {
             opt.mixed(&mut dp, fmt);
         }
+        if m.precision == model::gpt::Precision::Fp8 {
+            let mut st = model::gpt::Fp8State::new(m.cfg.n_layer, cfg.train.fp8_amax_history);
+            if let Some(h) = resume_from.as_ref().and_then(|l| l.state.fp8_amax.as_ref()) {
+                st.set_history(h);
+            }
+            m.fp8 = Some(std::cell::RefCell::new(st));
+        }
         if cfg.memory.offload == "optimizer" {
             let dir = run_dir.join("offload").join(if vn > 1 { format!("rank{rank}-chunk{c}") } else { format!("rank{rank}") });
             opt.offload(&dir).map_err(|e| io_err(&dir, e))?;
@@ -926,6 +933,7 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
             let ck0 = Instant::now();
             // With several ranks and whole-model weights, every rank writes its slice of every
             // tensor (a LoRA run's tiny adapters are written whole by rank 0).
+            let fp8_hist = chunks[0].model.fp8.as_ref().map(|s| s.borrow().history());
             let sharded = world > 1 && chunks[0].model.lora.is_none();
             let writes = lead || sharded;
             let plain = tpn == 1 && zero == 0 && !pipelined && epn == 1;
@@ -975,7 +983,7 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
                     Cow::Borrowed(x) => checkpoint::Source::live(x),
                     Cow::Owned(v) => checkpoint::Source::Owned(v),
                 };
-                let state = TrainState { step, sampler_rng: sampler.state(), tokens_seen, elapsed_s: elapsed, config: cfg.to_toml(), loss_scale: scaler };
+                let state = TrainState { step, sampler_rng: sampler.state(), tokens_seen, elapsed_s: elapsed, config: cfg.to_toml(), loss_scale: scaler, fp8_amax: fp8_hist.clone() };
                 checkpoint::Job { part: part.clone(), state, layout: layout.clone(), sources: [src(fp), src(fm), src(fv)], tokenizer_json: tok_json.clone() }
             });
             if !lead {

@@ -70,7 +70,9 @@ pub enum Recompute {
 /// parameters the passes read (the optimizer keeps fp32 master weights and rounds them into
 /// the working copy), every stored activation and activation gradient are rounded to it, while
 /// matmuls and reductions accumulate in fp32 and weight gradients accumulate in fp32 (Megatron's
-/// main gradients). Simulated on CPU: the buffers stay `f32`, the values are exactly the
+/// main gradients). `Fp8` stores in bf16 and casts each block matmul's inputs to FP8 (E4M3
+/// for activations and weights, E5M2 for gradients) with per-tensor delayed scaling
+/// ([`Fp8State`]). Simulated on CPU: the buffers stay `f32`, the values are exactly the
 /// format's.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Precision {
@@ -78,6 +80,7 @@ pub enum Precision {
     Fp32,
     Bf16,
     Fp16,
+    Fp8,
 }
 
 impl Precision {
@@ -86,8 +89,76 @@ impl Precision {
         use tensor::precision::Format;
         match self {
             Precision::Fp32 => None,
-            Precision::Bf16 => Some(Format::Bf16),
+            Precision::Bf16 | Precision::Fp8 => Some(Format::Bf16),
             Precision::Fp16 => Some(Format::Fp16),
+        }
+    }
+}
+
+/// Block matmuls: q|k|v, attention output, MLP up (and gate), MLP down.
+const FP8_SITES: usize = 4;
+
+/// FP8 delayed scaling (Transformer Engine's recipe, as FP8-LM uses it): every block matmul's
+/// input, weight and output gradient has a per-tensor scale `amax / fmt_max`, where `amax` is the
+/// largest magnitude over the last `len` steps' history (the current tensor's own amax while the
+/// history is empty). A step's amaxes are collected in `pending` (a recomputation sees the same
+/// tensors, so it records the same values), reduced over the data-parallel ranks by the caller
+/// and appended by [`Gpt::fp8_commit`]: the scales are the same on every rank and for every
+/// micro-batch of a step.
+#[derive(Clone, Debug)]
+pub struct Fp8State {
+    hist: Vec<std::collections::VecDeque<f32>>,
+    pending: Vec<f32>,
+    len: usize,
+    scratch: [Vec<f32>; 3],
+}
+
+impl Fp8State {
+    pub fn new(n_layer: usize, len: usize) -> Fp8State {
+        let k = n_layer * FP8_SITES * 3;
+        Fp8State { hist: vec![std::collections::VecDeque::new(); k], pending: vec![0.0; k], len: len.max(1), scratch: Default::default() }
+    }
+
+    fn slot(l: usize, site: usize, role: usize) -> usize {
+        (l * FP8_SITES + site) * 3 + role
+    }
+
+    /// Casts `x` (tensor `slot`) to `fmt` into scratch buffer `k`, recording its amax.
+    fn cast(&mut self, slot: usize, k: usize, x: &[f32], fmt: tensor::precision::Format) -> &[f32] {
+        let a = tensor::precision::amax(x);
+        self.pending[slot] = self.pending[slot].max(a);
+        let h = self.hist[slot].iter().copied().fold(0.0f32, f32::max);
+        let amax = if self.hist[slot].is_empty() { a } else { h };
+        let scale = if amax > 0.0 && amax.is_finite() { amax / fmt.max() } else { 1.0 };
+        let buf = &mut self.scratch[k];
+        buf.resize(x.len(), 0.0);
+        tensor::precision::quantize_into(buf, x, fmt, scale);
+        &self.scratch[k]
+    }
+
+    /// This step's amaxes (to be reduced over data-parallel ranks, elementwise max).
+    pub fn pending_mut(&mut self) -> &mut [f32] {
+        &mut self.pending
+    }
+
+    /// Appends the step's amaxes to the histories and clears them.
+    pub fn commit(&mut self) {
+        for (h, p) in self.hist.iter_mut().zip(self.pending.iter_mut()) {
+            h.push_back(std::mem::take(p));
+            while h.len() > self.len {
+                h.pop_front();
+            }
+        }
+    }
+
+    /// The histories, for checkpoints.
+    pub fn history(&self) -> Vec<Vec<f32>> {
+        self.hist.iter().map(|h| h.iter().copied().collect()).collect()
+    }
+
+    pub fn set_history(&mut self, h: &[Vec<f32>]) {
+        for (d, s) in self.hist.iter_mut().zip(h) {
+            *d = s.iter().copied().collect();
         }
     }
 }
@@ -216,6 +287,8 @@ pub struct Gpt {
     /// Storage precision of activations and their gradients (the caller keeps the parameters
     /// rounded to it).
     pub precision: Precision,
+    /// FP8 scaling state (with `Precision::Fp8`).
+    pub fp8: Option<std::cell::RefCell<Fp8State>>,
     acts: Option<Acts>,
     scratch: Option<GradScratch>,
 }
@@ -272,7 +345,7 @@ impl Gpt {
         let rope = (cfg.arch == Arch::Llama).then(|| rope_table(cfg.rope_theta, cfg.head_size(), cfg.block_size));
         let units = views.units(n);
         let unit_views = views.rebased(n);
-        Gpt { cfg, layout, views, units, unit_views, real_vocab, params: zeros(n), grads: zeros(n), rope, lora: None, tp: None, ep: None, recompute: Recompute::None, precision: Precision::Fp32, acts: None, scratch: None }
+        Gpt { cfg, layout, views, units, unit_views, real_vocab, params: zeros(n), grads: zeros(n), rope, lora: None, tp: None, ep: None, recompute: Recompute::None, precision: Precision::Fp32, fp8: None, acts: None, scratch: None }
     }
 
     pub fn num_params(&self) -> usize {
@@ -442,7 +515,7 @@ impl Gpt {
         a.dropout_seed = dropout_seed;
         a.p_drop = p_drop;
         a.moe_stats.clear();
-        let ops = Ops { cfg: &self.cfg, rope: self.rope.as_ref(), b, t, tp: std::cell::RefCell::new(self.tp.as_deref_mut()), ep: std::cell::RefCell::new(self.ep.as_deref_mut()), store: self.precision.storage() };
+        let ops = Ops { cfg: &self.cfg, rope: self.rope.as_ref(), b, t, tp: std::cell::RefCell::new(self.tp.as_deref_mut()), ep: std::cell::RefCell::new(self.ep.as_deref_mut()), store: self.precision.storage(), fp8: self.fp8.as_ref() };
 
         // A later pipeline stage starts from the activations put in `xs[0]` (`stage_input_mut`).
         if self.cfg.has_embed() {
@@ -514,7 +587,7 @@ impl Gpt {
         let bwd = Access::Backward { params: true };
         let p_drop = self.cfg.dropout;
         let seed = a.dropout_seed;
-        let ops = Ops { cfg: &self.cfg, rope: self.rope.as_ref(), b, t, tp: std::cell::RefCell::new(self.tp.as_deref_mut()), ep: std::cell::RefCell::new(self.ep.as_deref_mut()), store: self.precision.storage() };
+        let ops = Ops { cfg: &self.cfg, rope: self.rope.as_ref(), b, t, tp: std::cell::RefCell::new(self.tp.as_deref_mut()), ep: std::cell::RefCell::new(self.ep.as_deref_mut()), store: self.precision.storage(), fp8: self.fp8.as_ref() };
         // Every unit is acquired and released even when no target counted (the gradients are
         // then zero): a store's collectives must run the same on every rank.
         let skip = a.count == 0;
@@ -576,7 +649,7 @@ impl Gpt {
             let dproj = ops.row_parallel_grad(dfcproj, &mut g.dfull);
             g.dfch_gelu.fill(0.0);
             let (dwp, dbp) = split_two(dw, &bp.mlp_proj_w, &bp.mlp_proj_b);
-            linear_backward(frozen, &mut g.dfch_gelu, dwp, dbp, dproj, &i.fch_gelu, &w[bp.mlp_proj_w.clone()], n, f, c);
+            ops.linear_backward(frozen, &mut g.dfch_gelu, dwp, dbp, dproj, &i.fch_gelu, &w[bp.mlp_proj_w.clone()], n, f, c, l, 3);
             if let Some(lo) = lora.as_mut() {
                 lo.backward(l, Site::MlpProj, &mut g.dfch_gelu, dproj, &i.fch_gelu, n, c);
             }
@@ -588,7 +661,7 @@ impl Gpt {
             let xin: &[f32] = if ops.sp() { &i.ln_2_full } else { &k.ln_2 };
             let dfch = &g.dfch;
             ops.column_input_grad(&mut g.dln, &mut g.dln_full, |d| {
-                linear_backward(frozen, d, dwf, dbf, dfch, xin, &w[bp.c_fc_w.clone()], n, c, fw);
+                ops.linear_backward(frozen, d, dwf, dbf, dfch, xin, &w[bp.c_fc_w.clone()], n, c, fw, l, 2);
                 if let Some(lo) = lora.as_mut() {
                     lo.backward(l, Site::Fc, d, dfch, xin, n, fw);
                 }
@@ -605,7 +678,7 @@ impl Gpt {
             g.datty.fill(0.0);
             let (dwa, dba) = split_two(dw, &bp.attn_proj_w, &bp.attn_proj_b);
             let aw = self.cfg.attn_width();
-            linear_backward(frozen, &mut g.datty, dwa, dba, dproj, &i.atty, &w[bp.attn_proj_w.clone()], n, aw, c);
+            ops.linear_backward(frozen, &mut g.datty, dwa, dba, dproj, &i.atty, &w[bp.attn_proj_w.clone()], n, aw, c, l, 1);
             if let Some(lo) = lora.as_mut() {
                 lo.backward(l, Site::AttnProj, &mut g.datty, dproj, &i.atty, n, c);
             }
@@ -617,7 +690,7 @@ impl Gpt {
             let xin: &[f32] = if ops.sp() { &i.ln_1_full } else { &k.ln_1 };
             let dqkv = &g.dqkv;
             ops.column_input_grad(&mut g.dln, &mut g.dln_full, |d| {
-                linear_backward(frozen, d, dwq, dbq, dqkv, xin, &w[bp.c_attn_w.clone()], n, c, qw);
+                ops.linear_backward(frozen, d, dwq, dbq, dqkv, xin, &w[bp.c_attn_w.clone()], n, c, qw, l, 0);
                 if let Some(lo) = lora.as_mut() {
                     lo.backward(l, Site::Qkv, d, dqkv, xin, n, qw);
                 }
@@ -722,6 +795,14 @@ impl Gpt {
         });
     }
 
+    /// FP8: folds the step's amaxes (after the caller reduced `fp8.pending_mut()` over the
+    /// data-parallel ranks) into the scaling histories.
+    pub fn fp8_commit(&mut self) {
+        if let Some(st) = self.fp8.as_mut() {
+            st.get_mut().commit();
+        }
+    }
+
     /// Routing statistics of each MoE layer in the last forward (empty for dense models).
     pub fn moe_stats(&self) -> &[MoeStats] {
         self.acts.as_ref().map_or(&[], |a| &a.moe_stats)
@@ -777,7 +858,7 @@ fn block_forward(ops: &Ops, w: &[f32], bp: &BlockParams, lora: &mut Option<Lora>
     ops.store(&mut k.ln_1);
     attn_inner(ops, w, bp, lora, l, k, i, p_drop, dropout_seed);
     ops.row_parallel(branch, full, opt(&bp.attn_proj_b), |y| {
-        matmul_forward(y, &i.atty, &w[bp.attn_proj_w.clone()], opt(&bp.attn_proj_b), n, cfg.attn_width(), c);
+        ops.linear(y, &i.atty, &w[bp.attn_proj_w.clone()], opt(&bp.attn_proj_b), n, cfg.attn_width(), c, l, 1);
         if let Some(lo) = lora.as_mut() {
             lo.forward(l, Site::AttnProj, y, &i.atty, n, c);
         }
@@ -808,7 +889,7 @@ fn attn_inner(ops: &Ops, w: &[f32], bp: &BlockParams, lora: &mut Option<Lora>, l
     let cfg = ops.cfg;
     let (c, n, qw) = (cfg.n_embd, ops.b * ops.t, cfg.qkv_width());
     let x = ops.column_input(&k.ln_1, &mut i.ln_1_full);
-    matmul_forward(&mut i.qkv, x, &w[bp.c_attn_w.clone()], bp.c_attn_b.as_ref().map(|r| &w[r.clone()]), n, c, qw);
+    ops.linear(&mut i.qkv, x, &w[bp.c_attn_w.clone()], bp.c_attn_b.as_ref().map(|r| &w[r.clone()]), n, c, qw, l, 0);
     if let Some(lo) = lora.as_mut() {
         lo.forward(l, Site::Qkv, &mut i.qkv, x, n, qw);
     }
@@ -834,7 +915,7 @@ fn mlp_inner(ops: &Ops, w: &[f32], bp: &BlockParams, lora: &mut Option<Lora>, l:
         return Some(moe_forward(branch, cache, &k.ln_2, &w[mp.router.clone()], &w[mp.experts.clone()], &w[mp.shared.clone()], &dims, cfg.moe_aux_weight, cfg.moe_z_weight, ep.as_deref_mut().map(|h| h as &mut dyn MoeExchange)));
     }
     let x = ops.column_input(&k.ln_2, &mut i.ln_2_full);
-    matmul_forward(&mut i.fch, x, &w[bp.c_fc_w.clone()], opt(&bp.c_fc_b), n, c, fw);
+    ops.linear(&mut i.fch, x, &w[bp.c_fc_w.clone()], opt(&bp.c_fc_b), n, c, fw, l, 2);
     if let Some(lo) = lora.as_mut() {
         lo.forward(l, Site::Fc, &mut i.fch, x, n, fw);
     }
@@ -843,7 +924,7 @@ fn mlp_inner(ops: &Ops, w: &[f32], bp: &BlockParams, lora: &mut Option<Lora>, l:
     ops.store(&mut i.fch_gelu);
     if proj {
         ops.row_parallel(branch, full, opt(&bp.mlp_proj_b), |y| {
-            matmul_forward(y, &i.fch_gelu, &w[bp.mlp_proj_w.clone()], opt(&bp.mlp_proj_b), n, f, c);
+            ops.linear(y, &i.fch_gelu, &w[bp.mlp_proj_w.clone()], opt(&bp.mlp_proj_b), n, f, c, l, 3);
             if let Some(lo) = lora.as_mut() {
                 lo.forward(l, Site::MlpProj, y, &i.fch_gelu, n, c);
             }
@@ -910,9 +991,48 @@ pub(crate) struct Ops<'a> {
     pub ep: std::cell::RefCell<Option<&'a mut (dyn MoeExchange + Send + 'static)>>,
     /// Where stored activations and gradients are rounded to (mixed precision).
     pub store: Option<tensor::precision::Format>,
+    /// FP8 matmul inputs' scaling state.
+    pub fp8: Option<&'a std::cell::RefCell<Fp8State>>,
 }
 
 impl Ops<'_> {
+    /// A block matmul `out = x·wᵀ (+ b)` (site `site` of layer `l`): with FP8, `x` and `w` cast
+    /// to E4M3 first (fp32 accumulation).
+    #[allow(clippy::too_many_arguments)]
+    fn linear(&self, out: &mut [f32], x: &[f32], w: &[f32], b: Option<&[f32]>, n: usize, c: usize, oc: usize, l: usize, site: usize) {
+        match self.fp8 {
+            Some(st) => {
+                use tensor::precision::Format::E4m3;
+                let mut st = st.borrow_mut();
+                let xq = st.cast(Fp8State::slot(l, site, 0), 0, x, E4m3).as_ptr();
+                let wq = st.cast(Fp8State::slot(l, site, 1), 1, w, E4m3);
+                // SAFETY: scratch buffers 0 and 1 are distinct and not resized until the next cast.
+                let xq = unsafe { std::slice::from_raw_parts(xq, x.len()) };
+                matmul_forward(out, xq, wq, b, n, c, oc);
+            }
+            None => matmul_forward(out, x, w, b, n, c, oc),
+        }
+    }
+
+    /// The backward of [`Ops::linear`]: with FP8, the output gradient cast to E5M2 and the
+    /// inputs re-cast as forward cast them (same scales within a step).
+    #[allow(clippy::too_many_arguments)]
+    fn linear_backward(&self, frozen: bool, dinp: &mut [f32], dw: &mut [f32], db: Option<&mut [f32]>, dout: &[f32], x: &[f32], w: &[f32], n: usize, c: usize, oc: usize, l: usize, site: usize) {
+        match self.fp8 {
+            Some(st) => {
+                use tensor::precision::Format::{E4m3, E5m2};
+                let mut st = st.borrow_mut();
+                let xq = st.cast(Fp8State::slot(l, site, 0), 0, x, E4m3).as_ptr();
+                let wq = st.cast(Fp8State::slot(l, site, 1), 1, w, E4m3).as_ptr();
+                let gq = st.cast(Fp8State::slot(l, site, 2), 2, dout, E5m2);
+                // SAFETY: the three scratch buffers are distinct and not resized meanwhile.
+                let (xq, wq) = unsafe { (std::slice::from_raw_parts(xq, x.len()), std::slice::from_raw_parts(wq, w.len())) };
+                linear_backward(frozen, dinp, dw, db, gq, xq, wq, n, c, oc);
+            }
+            None => linear_backward(frozen, dinp, dw, db, dout, x, w, n, c, oc),
+        }
+    }
+
     /// Rounds a stored activation (or activation gradient) to the storage precision.
     fn store(&self, x: &mut [f32]) {
         if let Some(f) = self.store {

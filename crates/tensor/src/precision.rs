@@ -61,6 +61,15 @@ pub fn round(x: f32, fmt: Format) -> f32 {
     if !x.is_finite() || x == 0.0 {
         return x;
     }
+    if fmt == Format::Fp16 {
+        // The normal range: nearest even on f32's upper 19 bits (10 mantissa bits kept).
+        let b = x.to_bits();
+        let e = (b >> 23) & 0xFF;
+        if e >= 127 - 14 {
+            let r = f32::from_bits(b.wrapping_add(0xFFF + ((b >> 13) & 1)) & !0x1FFF);
+            return if r.abs() > 65504.0 { f32::INFINITY.copysign(x) } else { r };
+        }
+    }
     let (m, emin, max, inf) = fmt.spec();
     let a = x.abs();
     let e = (((a.to_bits() >> 23) as i32) - 127).max(emin);

@@ -307,7 +307,7 @@ fn optimizer_offload_keeps_losses_and_frees_resident_memory() {
 }
 
 #[test]
-fn mixed_precision_tracks_fp32_resumes_bit_exactly_and_scales_fp16_losses() {
+fn mixed_precision_and_fp8_track_fp32_resume_bit_exactly_and_fp16_scales_its_loss() {
     let d = scratch("precision");
     let data = corpus(&d);
     let run = |name: &str, extra: &[&str]| {
@@ -317,7 +317,7 @@ fn mixed_precision_tracks_fp32_resumes_bit_exactly_and_scales_fp16_losses() {
         out
     };
     let fp32 = run("fp32", &["--max-steps", "20"]);
-    for p in ["bf16", "fp16"] {
+    for p in ["bf16", "fp16", "fp8"] {
         let full = run(&format!("{p}-full"), &["--max-steps", "20", "--precision", p]);
         // Rounded storage changes the numbers a little, not the training.
         for ((s, a), (_, b)) in losses(&full).iter().zip(&losses(&fp32)) {
@@ -340,6 +340,8 @@ fn mixed_precision_tracks_fp32_resumes_bit_exactly_and_scales_fp16_losses() {
     assert!(!losses(&over).is_empty(), "the scale never came down: {scales:?}");
     assert_eq!(losses(&over).len() + faults.len(), 40);
     let o = train(&data, &d.join("bad"), &["--precision", "fp4"]);
-    assert_user_error(&o, &["train.precision must be fp32, bf16 or fp16, got `fp4`"]);
-    assert!(!d.join("bad").exists());
+    assert_user_error(&o, &["train.precision must be fp32, bf16, fp16 or fp8, got `fp4`"]);
+    let o = train(&data, &d.join("bad2"), &["--precision", "fp8", "--tp", "2"]);
+    assert_user_error(&o, &["train.precision = fp8 with tensor or pipeline parallelism is not supported yet"]);
+    assert!(!d.join("bad").exists() && !d.join("bad2").exists());
 }
