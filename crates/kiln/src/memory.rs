@@ -168,22 +168,27 @@ pub fn activation_set(cfg: &GptConfig, b: usize, t: usize, recompute: Recompute,
     let (c, nh, vp) = (cfg.n_embd, cfg.n_head, cfg.vocab_size);
     let (qw, aw) = (cfg.qkv_width(), cfg.attn_width());
     let n = b * t;
-    let hn = if cfg.has_head() { n } else { 0 };
+    // Sequence parallel: the residual stream and norms hold this shard's T/tp positions; the
+    // gathered norm outputs and one whole-sequence scratch are extra.
+    let (nl, nf) = if cfg.sequence_parallel { (n / cfg.tp, n) } else { (n, 0) };
+    let head = cfg.has_head();
+    let (hn, hl) = if head { (n, nl) } else { (0, 0) };
     let l = cfg.n_layer;
-    let (n_kept, n_inner) = match recompute {
-        Recompute::None => (l, l),
-        Recompute::Selective => (l, 1),
-        Recompute::Full => (1, 1),
+    // Sets per layer: kept (norms, residual), inner (q|k|v, MLP hidden), attention core.
+    let (n_kept, n_inner, n_core) = match recompute {
+        Recompute::None => (l, l, l),
+        Recompute::Selective => (l, l, 1),
+        Recompute::Full => (1, 1, 1),
     };
     let a = p.act as u64;
     let f = |elems: usize| elems as u64 * a;
     let mlp_inner = if cfg.is_moe() { moe_cache_bytes(cfg, n, p) } else { f(n * cfg.fc_width() + n * cfg.ffn_hidden) };
     Activations {
-        residual: f((l + 1) * n * c) + n_kept as u64 * f(n * c) + f(n * c),
-        attention: n_inner as u64 * f(n * qw + n * aw + b * nh * t),
+        residual: f((l + 1) * nl * c) + n_kept as u64 * f(nl * c) + f(nl * c) + f(nf * c),
+        attention: n_inner as u64 * f(n * qw) + n_core as u64 * f(n * aw + b * nh * t),
         mlp: n_inner as u64 * mlp_inner,
-        norms: n_kept as u64 * f(2 * (n * c + 2 * n)) + f(hn * c + 2 * hn),
-        head: f(hn * c) + f(tensor::classifier::chunk_rows(hn, vp) * vp),
+        norms: n_kept as u64 * f(2 * (nl * c + 2 * nl)) + f(hl * c + 2 * hl) + n_inner as u64 * f(2 * nf * c),
+        head: f(hl * c) + f(if head { nf * c } else { 0 }) + f(tensor::classifier::chunk_rows(hn, vp) * vp),
         // losses are activations; tokens (u32) and targets (i32) are 4 bytes whatever the precision
         losses: f(n) + 8 * n as u64,
     }
@@ -311,7 +316,13 @@ pub fn plan(cfg: &RunConfig, gpt: &GptConfig, data_bytes: u64) -> Result<MemoryP
     // layer range, the embeddings on the first stage, the norm and head on the last) and the
     // micro-batches it keeps in flight (1F1B: up to pp on stage 0; GPipe: all of them) go here.
     // Until then a pipeline rank is planned as if it held every layer (an over-estimate).
-    let local = if tp > 1 { parallel::tp::local_config(gpt, tp).map_err(KilnError::User)? } else { gpt.clone() };
+    let local = if tp > 1 {
+        let mut l = parallel::tp::local_config(gpt, tp).map_err(KilnError::User)?;
+        l.sequence_parallel = par.sequence_parallel;
+        l
+    } else {
+        gpt.clone()
+    };
     let in_flight = 1;
     let (layout, views) = model::layout::gpt_layout(&local);
     let total = layout.total;

@@ -47,13 +47,11 @@ pub enum Recompute {
     /// Forward keeps every block's activations.
     #[default]
     None,
-    /// Forward keeps each block's norm outputs (with their statistics) and the residual between
-    /// its branches, but not the attention internals (`qkv`, the attention output and its
-    /// log-sum-exp) nor the MLP hidden activations (GELU / SwiGLU input and output, or the MoE
-    /// layer's routing and expert activations): backward recomputes those, from the kept norm
-    /// outputs, into one shared set. Costs the q|k|v and first MLP matmuls and the attention
-    /// forward again; GPT-2 keeps 4C floats per token and layer (with the block's output) of
-    /// `None`'s 16C.
+    /// Korthikanti et al.'s selective recomputation: forward keeps everything but the attention
+    /// core's outputs (the attention output and its log-sum-exp); backward re-runs the
+    /// attention core (FlashAttention's forward) from the kept q|k|v into one shared set.
+    /// Costs one attention forward per layer, no matmul. (With FlashAttention the core keeps no
+    /// `T×T` scores anyway, so this saves `C` floats per token and layer of `None`'s `16C`.)
     Selective,
     /// Forward keeps only each block's input (the residual stream entering it) and the final
     /// norm's; backward re-runs each block's forward from its saved input into one shared set of
@@ -177,13 +175,19 @@ struct BlockKept {
     ln_2_rstd: Vec<f32>,
 }
 
-/// A block's attention internals and MLP hidden activations, which [`Recompute::Selective`] and
-/// `Full` recompute in backward into one shared set.
+/// The attention core's outputs — what [`Recompute::Selective`] recomputes (into one shared
+/// set) from the kept q|k|v.
+struct AttnCore {
+    atty: Vec<f32>,  // [B, T, C]
+    state: Vec<f32>, // lse [B, NH, T]: FlashAttention (MHA for GPT-2, GQA for LLaMA) keeps no T×T matrix
+}
+
+/// A block's attention internals and MLP hidden activations, which `Full` recomputes in
+/// backward into one shared set.
 struct BlockInner {
     qkv: Vec<f32>,       // [B, T, (NH + 2·NKV)·HS]  (LLaMA: q and k after the rotary embedding)
-    atty: Vec<f32>,      // [B, T, C]
-    attn_state: Vec<f32>, // lse [B, NH, T]: FlashAttention (MHA for GPT-2, GQA for LLaMA)
-                          // keeps no T×T matrix
+    /// Empty under [`Recompute::Selective`] (the shared [`Acts::core`] is used).
+    core: AttnCore,
     fch: Vec<f32>,       // [B, T, F] (GPT-2) or [B, T, 2F] (LLaMA: gate | up)
     fch_gelu: Vec<f32>,  // [B, T, F]  after GELU or SwiGLU
     moe: Option<MoeCache>, // routing, dispatch and expert activations of an MoE layer
@@ -203,9 +207,11 @@ struct Acts {
     xs: Vec<Vec<f32>>,
     /// Kept block activations: one per layer, except one shared with `Recompute::Full`.
     kept: Vec<BlockKept>,
-    /// Attention internals and MLP hidden activations: one per layer with `Recompute::None`,
-    /// else one shared.
+    /// Attention internals and MLP hidden activations: one per layer with `Recompute::None` and
+    /// `Selective`, else one shared.
     inner: Vec<BlockInner>,
+    /// `Selective`: the attention core's outputs, shared by all layers (empty otherwise).
+    core: AttnCore,
     /// A branch's output (attention or MLP projection, after dropout) before its residual add,
     /// `[B, T, C]`: forward-only, so one for all blocks and both branches.
     branch: Vec<f32>,
@@ -379,20 +385,21 @@ impl Gpt {
         // An MoE layer keeps its activations in its MoeCache; the dense MLP buffers stay empty.
         let (fw, f) = if moe { (0, 0) } else { (fw, f) };
         let cfg = &self.cfg;
+        // Selective recomputation keeps everything but the attention core's outputs.
+        let own_core = self.recompute != Recompute::Selective;
         let kept = || BlockKept {
             ln_1: zeros(nl * c), ln_1_mean: zeros(nl), ln_1_rstd: zeros(nl), res_2: zeros(nl * c),
             ln_2: zeros(nl * c), ln_2_mean: zeros(nl), ln_2_rstd: zeros(nl),
         };
         let inner = || BlockInner {
-            qkv: zeros(n * qw), atty: zeros(n * aw), attn_state: zeros(state),
+            qkv: zeros(n * qw), core: if own_core { AttnCore { atty: zeros(n * aw), state: zeros(state) } } else { AttnCore { atty: Vec::new(), state: Vec::new() } },
             fch: zeros(n * fw), fch_gelu: zeros(n * f),
             moe: moe.then(|| MoeCache::new(cfg.moe_dims(n))),
             ln_1_full: zeros(nf * c), ln_2_full: zeros(nf * c),
         };
         let l = self.cfg.n_layer;
         let (n_kept, n_inner) = match self.recompute {
-            Recompute::None => (l, l),
-            Recompute::Selective => (l, 1),
+            Recompute::None | Recompute::Selective => (l, l),
             Recompute::Full => (1, 1),
         };
         // Drop the old buffers before allocating the new ones (peak memory).
@@ -403,6 +410,7 @@ impl Gpt {
             xs: (0..=self.cfg.n_layer).map(|_| zeros(nl * c)).collect(),
             kept: (0..n_kept).map(|_| kept()).collect(),
             inner: (0..n_inner).map(|_| inner()).collect(),
+            core: if own_core { AttnCore { atty: Vec::new(), state: Vec::new() } } else { AttnCore { atty: zeros(n * aw), state: zeros(state) } },
             branch: zeros(nl * c),
             full: zeros(nf * c),
             dln_f_full: zeros(if self.cfg.has_head() { nf * c } else { 0 }),
@@ -546,7 +554,7 @@ impl Gpt {
             let (k, i) = (&mut a.kept[kl(l)], &mut a.inner[il(l)]);
             let _span = tensor::profile::layer_scope("block_forward", l);
             let (w, _) = store.acquire(l + 1, Access::Forward, Some((l + 2, Access::Forward)));
-            if let Some(st) = block_forward(&ops, w, bp, lora, l, &inp[l], k, i, &mut a.branch, &mut a.full, Some(&mut out[0]), p_drop, dropout_seed) {
+            if let Some(st) = block_forward(&ops, w, bp, lora, l, &inp[l], k, i, &mut a.core, &mut a.branch, &mut a.full, Some(&mut out[0]), p_drop, dropout_seed) {
                 a.moe_stats.push(st);
             }
             store.release(l + 1, Access::Forward);
@@ -625,12 +633,11 @@ impl Gpt {
                 Recompute::None => {}
                 Recompute::Selective => {
                     let _span = tensor::profile::layer_scope("block_recompute", l);
-                    attn_inner(&ops, w, bp, lora, l, k, i, a.p_drop, seed);
-                    mlp_inner(&ops, w, bp, lora, l, k, i, &mut a.branch, &mut a.full, false);
+                    attn_core(&ops, l, &mut i.qkv, &mut a.core, a.p_drop, seed);
                 }
                 Recompute::Full => {
                     let _span = tensor::profile::layer_scope("block_recompute", l);
-                    block_forward(&ops, w, bp, lora, l, x, k, i, &mut a.branch, &mut a.full, None, a.p_drop, seed);
+                    block_forward(&ops, w, bp, lora, l, x, k, i, &mut a.core, &mut a.branch, &mut a.full, None, a.p_drop, seed);
                 }
             }
             let _span = tensor::profile::layer_scope("block_backward", l);
@@ -678,13 +685,14 @@ impl Gpt {
             g.datty.fill(0.0);
             let (dwa, dba) = split_two(dw, &bp.attn_proj_w, &bp.attn_proj_b);
             let aw = self.cfg.attn_width();
-            ops.linear_backward(frozen, &mut g.datty, dwa, dba, dproj, &i.atty, &w[bp.attn_proj_w.clone()], n, aw, c, l, 1);
+            let core = if i.core.atty.is_empty() { &a.core } else { &i.core };
+            ops.linear_backward(frozen, &mut g.datty, dwa, dba, dproj, &core.atty, &w[bp.attn_proj_w.clone()], n, aw, c, l, 1);
             if let Some(lo) = lora.as_mut() {
-                lo.backward(l, Site::AttnProj, &mut g.datty, dproj, &i.atty, n, c);
+                lo.backward(l, Site::AttnProj, &mut g.datty, dproj, &core.atty, n, c);
             }
             ops.store(&mut g.datty);
             g.dqkv.fill(0.0);
-            ops.attn_backward(&mut g.dqkv, &g.datty, &i.qkv, &i.atty, &i.attn_state, p_drop, site_seed(seed, site));
+            ops.attn_backward(&mut g.dqkv, &g.datty, &i.qkv, &core.atty, &core.state, p_drop, site_seed(seed, site));
             ops.store(&mut g.dqkv);
             let (dwq, dbq) = split_two(dw, &bp.c_attn_w, &bp.c_attn_b);
             let xin: &[f32] = if ops.sp() { &i.ln_1_full } else { &k.ln_1 };
@@ -831,12 +839,16 @@ fn acts_bytes(a: &Acts) -> usize {
     };
     let kept = |k: &BlockKept| [&k.ln_1, &k.ln_1_mean, &k.ln_1_rstd, &k.res_2, &k.ln_2, &k.ln_2_mean, &k.ln_2_rstd].iter().map(|x| v(x)).sum::<usize>();
     let inner = |i: &BlockInner| {
-        [&i.qkv, &i.atty, &i.attn_state, &i.fch, &i.fch_gelu].iter().map(|x| v(x)).sum::<usize>() + i.moe.as_ref().map_or(0, moe_bytes)
+        [&i.qkv, &i.core.atty, &i.core.state, &i.fch, &i.fch_gelu, &i.ln_1_full, &i.ln_2_full].iter().map(|x| v(x)).sum::<usize>() + i.moe.as_ref().map_or(0, moe_bytes)
     };
     a.xs.iter().map(v).sum::<usize>()
         + a.kept.iter().map(kept).sum::<usize>()
         + a.inner.iter().map(inner).sum::<usize>()
+        + v(&a.core.atty)
+        + v(&a.core.state)
         + v(&a.branch)
+        + v(&a.full)
+        + v(&a.dln_f_full)
         + [&a.ln_f, &a.ln_f_mean, &a.ln_f_rstd, &a.dln_f, &a.head_scratch, &a.losses].iter().map(|x| v(x)).sum::<usize>()
         + a.tokens.len() * 4
         + a.targets.len() * 4
@@ -848,7 +860,7 @@ fn acts_bytes(a: &Acts) -> usize {
 /// With `out` `None` (the recomputation in backward) the tail that backward never reads — the
 /// dense MLP's output projection, its dropout and the residual add — is skipped.
 #[allow(clippy::too_many_arguments)]
-fn block_forward(ops: &Ops, w: &[f32], bp: &BlockParams, lora: &mut Option<Lora>, l: usize, x: &[f32], k: &mut BlockKept, i: &mut BlockInner, branch: &mut [f32], full: &mut [f32], out: Option<&mut [f32]>, p_drop: f32, dropout_seed: u64) -> Option<MoeStats> {
+fn block_forward(ops: &Ops, w: &[f32], bp: &BlockParams, lora: &mut Option<Lora>, l: usize, x: &[f32], k: &mut BlockKept, i: &mut BlockInner, shared: &mut AttnCore, branch: &mut [f32], full: &mut [f32], out: Option<&mut [f32]>, p_drop: f32, dropout_seed: u64) -> Option<MoeStats> {
     let cfg = ops.cfg;
     let (c, n) = (cfg.n_embd, ops.b * ops.t);
     let opt = |r: &Option<std::ops::Range<usize>>| r.as_ref().map(|r| &w[r.clone()]);
@@ -856,11 +868,14 @@ fn block_forward(ops: &Ops, w: &[f32], bp: &BlockParams, lora: &mut Option<Lora>
     // res_2 = x + drop(attn(norm_1(x)))
     ops.norm_forward(&mut k.ln_1, &mut k.ln_1_mean, &mut k.ln_1_rstd, x, &w[bp.ln_1_w.clone()], opt(&bp.ln_1_b));
     ops.store(&mut k.ln_1);
-    attn_inner(ops, w, bp, lora, l, k, i, p_drop, dropout_seed);
+    attn_inner(ops, w, bp, lora, l, k, i);
+    let core = if i.core.atty.is_empty() { shared } else { &mut i.core };
+    attn_core(ops, l, &mut i.qkv, core, p_drop, dropout_seed);
+    let atty = &core.atty;
     ops.row_parallel(branch, full, opt(&bp.attn_proj_b), |y| {
-        ops.linear(y, &i.atty, &w[bp.attn_proj_w.clone()], opt(&bp.attn_proj_b), n, cfg.attn_width(), c, l, 1);
+        ops.linear(y, atty, &w[bp.attn_proj_w.clone()], opt(&bp.attn_proj_b), n, cfg.attn_width(), c, l, 1);
         if let Some(lo) = lora.as_mut() {
-            lo.forward(l, Site::AttnProj, y, &i.atty, n, c);
+            lo.forward(l, Site::AttnProj, y, atty, n, c);
         }
     });
     if p_drop > 0.0 {
@@ -882,10 +897,9 @@ fn block_forward(ops: &Ops, w: &[f32], bp: &BlockParams, lora: &mut Option<Lora>
     stats
 }
 
-/// The attention internals from the kept `ln_1`: `qkv = ln_1·Wᵀ (+ LoRA)`, then attention
-/// (after the rotary embedding, for LLaMA) into `atty` and its log-sum-exp.
-#[allow(clippy::too_many_arguments)]
-fn attn_inner(ops: &Ops, w: &[f32], bp: &BlockParams, lora: &mut Option<Lora>, l: usize, k: &BlockKept, i: &mut BlockInner, p_drop: f32, dropout_seed: u64) {
+/// The attention's input from the kept `ln_1`: `qkv = ln_1·Wᵀ (+ LoRA)` (LLaMA: q and k then
+/// rotated).
+fn attn_inner(ops: &Ops, w: &[f32], bp: &BlockParams, lora: &mut Option<Lora>, l: usize, k: &BlockKept, i: &mut BlockInner) {
     let cfg = ops.cfg;
     let (c, n, qw) = (cfg.n_embd, ops.b * ops.t, cfg.qkv_width());
     let x = ops.column_input(&k.ln_1, &mut i.ln_1_full);
@@ -894,8 +908,14 @@ fn attn_inner(ops: &Ops, w: &[f32], bp: &BlockParams, lora: &mut Option<Lora>, l
         lo.forward(l, Site::Qkv, &mut i.qkv, x, n, qw);
     }
     ops.store(&mut i.qkv);
-    ops.attn_forward(&mut i.atty, &mut i.attn_state, &mut i.qkv, p_drop, site_seed(dropout_seed, block_site(cfg, l)));
-    ops.store(&mut i.atty);
+    ops.rope_forward(&mut i.qkv);
+}
+
+/// The attention core: attention over the kept (rotated) q|k|v into `core`'s output and
+/// log-sum-exp — what selective recomputation re-runs.
+fn attn_core(ops: &Ops, l: usize, qkv: &mut [f32], core: &mut AttnCore, p_drop: f32, dropout_seed: u64) {
+    ops.attn_forward(&mut core.atty, &mut core.state, qkv, p_drop, site_seed(dropout_seed, block_site(ops.cfg, l)));
+    ops.store(&mut core.atty);
 }
 
 /// The MLP from the kept `ln_2`: its hidden activations, and with `proj` its output (before
@@ -1167,7 +1187,15 @@ impl Ops<'_> {
         }
     }
 
-    fn attn_forward(&self, out: &mut [f32], state: &mut [f32], qkv: &mut [f32], p_drop: f32, seed: u64) {
+    /// LLaMA: the rotary embedding of q and k, in place (nothing for GPT-2).
+    fn rope_forward(&self, qkv: &mut [f32]) {
+        if self.cfg.arch == Arch::Llama {
+            let (cos, sin) = self.rope.expect("llama has rotary tables");
+            rope_forward(qkv, cos, sin, self.b, self.t, self.cfg.n_head, self.cfg.n_kv_head, self.cfg.head_size(), 0);
+        }
+    }
+
+    fn attn_forward(&self, out: &mut [f32], state: &mut [f32], qkv: &[f32], p_drop: f32, seed: u64) {
         let seed = self.attn_seed(seed);
         let cfg = self.cfg;
         match cfg.arch {
@@ -1175,11 +1203,7 @@ impl Ops<'_> {
                 let dims = AttnDims { b: self.b, t: self.t, c: cfg.attn_width(), nh: cfg.n_head };
                 flash_attention_forward(out, state, qkv, &dims, p_drop, seed);
             }
-            Arch::Llama => {
-                let (cos, sin) = self.rope.expect("llama has rotary tables");
-                rope_forward(qkv, cos, sin, self.b, self.t, cfg.n_head, cfg.n_kv_head, cfg.head_size(), 0);
-                flash_gqa_forward(out, state, qkv, &self.gqa(), p_drop, seed);
-            }
+            Arch::Llama => flash_gqa_forward(out, state, qkv, &self.gqa(), p_drop, seed),
         }
     }
 

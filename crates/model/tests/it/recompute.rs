@@ -1,6 +1,6 @@
 //! Activation recomputation (issue 7): `Recompute::Full` keeps only each block's input and
-//! re-runs the block in backward, `Selective` keeps all but the attention internals and MLP
-//! hidden activations and recomputes those; the loss and every gradient must be bit-identical to
+//! re-runs the block in backward, `Selective` (Korthikanti et al.) keeps all but the attention
+//! core's outputs and recomputes those; the loss and every gradient must be bit-identical to
 //! `Recompute::None`, and what is recomputed must exist once instead of `n_layer` times.
 
 use model::config::Arch;
@@ -156,14 +156,15 @@ fn recompute_keeps_block_activations_once() {
     assert!((full as f64) < 0.4 * none as f64, "full {full} none {none}");
     assert!(full < selective && selective < none, "{bytes:?}");
     // Per block every policy keeps the block's output (C per token). The norm outputs ln_1,
-    // ln_2 and the residual res_2 (3C) with the norms' mean and rstd (4) are per block except
-    // under Full; the attention internals qkv (3C), atty (C), lse (NH) and the MLP hidden fch
-    // (4C), gelu (4C) are per block only under None.
+    // ln_2 and the residual res_2 (3C) with the norms' mean and rstd (4), qkv (3C) and the MLP
+    // hidden fch (4C), gelu (4C) are per block except under Full; the attention core's output
+    // atty (C) and lse (NH) are per block only under None.
     let (n, c, nh) = (4 * 32, 64, 4);
     let kept = (3 * n * c + 4 * n) * 4;
-    let inner = (12 * n * c + nh * n) * 4;
-    assert_eq!(none - selective, 7 * inner);
-    assert_eq!(selective - full, 7 * kept);
+    let core = (n * c + nh * n) * 4;
+    let rest = 11 * n * c * 4;
+    assert_eq!(none - selective, 7 * core);
+    assert_eq!(selective - full, 7 * (kept + rest));
 }
 
 /// Step time of forward + backward, None vs Full, on shakespeare-char's shape (4 layers, 4
