@@ -17,6 +17,11 @@
 //! and `R_own` those routed to its own experts (`≈ 4·C·R·(ep−1)/ep` with balanced routing),
 //! plus `4·(ep−1)·E/ep` bytes of counts in forward.
 //!
+//! The load-balancing loss is the batch's: each MoE layer sums its routing statistics over
+//! the `dp × ep` ranks (`EpComm::batch`), so every layout computes one rank's loss and
+//! gradients; a token's capacity slot is still decided on its own rank (a routing group per
+//! rank, as in GShard).
+//!
 //! Gradients: the non-expert parameters are all-reduced over the whole `dp × ep` group (they
 //! saw different data), an expert's gradient already sums every token of its ep group (the
 //! owner ran them all) and is reduced only over the ranks holding the same experts — the
@@ -100,9 +105,13 @@ pub fn expert_ranges(layout: &ParamLayout) -> Vec<Range<usize>> {
 
 /// The model's expert-parallel exchange over the ep group (a [`tensor::moe::MoeExchange`]):
 /// counts travel as `u32` bit patterns in an equal-chunk all-to-all, rows in
-/// [`Comm::all_to_all_v`].
+/// [`Comm::all_to_all_v`], and the routing statistics are summed over `batch`, every rank of
+/// the batch (`dp × ep`; `None`: this rank's own tokens are the routing group). A data-parallel
+/// MoE run without expert parallelism uses one too, with a single-rank `comm`, for the
+/// statistics alone.
 pub struct EpComm {
     pub comm: Box<dyn Comm>,
+    pub batch: Option<Box<dyn Comm>>,
 }
 
 impl tensor::moe::MoeExchange for EpComm {
@@ -121,6 +130,17 @@ impl tensor::moe::MoeExchange for EpComm {
         self.comm.all_to_all(&bits, &mut out);
         for (r, x) in recv.iter_mut().zip(&out) {
             *r = x.to_bits() as usize;
+        }
+    }
+
+    fn sum_routing(&mut self, stats: &mut [f64]) {
+        if let Some(b) = self.batch.as_deref().filter(|b| b.size() > 1) {
+            let _span = tensor::profile::scope("moe routing all_gather");
+            let all = crate::comm::all_gather_f64(b, stats);
+            let k = stats.len();
+            for (i, s) in stats.iter_mut().enumerate() {
+                *s = (0..b.size()).fold(0.0, |acc, r| acc + all[r * k + i]);
+            }
         }
     }
 

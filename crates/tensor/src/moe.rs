@@ -36,6 +36,10 @@
 //! `load_balancing_loss_func` divides the counts by `N` only: its value is `K ×` this one.)
 //! Top-k selection and `f_e` are constants for the gradient (standard); the gradient flows
 //! through the gates (including their renormalisation), `P_e` and `logsumexp` into the router.
+//! Under data or expert parallelism a [`MoeExchange`] sums `f_e`'s counts, `P_e`'s sums and `N`
+//! over the *routing group* (every rank of the batch), so the load-balancing loss is the
+//! batch's, exactly as one rank computes it (global-batch balancing); capacity stays per rank.
+//! The z-loss is a mean over tokens and needs no group.
 //!
 //! Forward overwrites `y` and the cache; backward accumulates into every gradient. Every
 //! reduction has a fixed order: tokens and packed rows are independent rayon items, per-token
@@ -81,6 +85,11 @@ pub trait MoeExchange {
     /// All-to-all of `k = send.len() / size` counts per peer: `recv[r·k .. (r+1)·k]` receives
     /// rank `r`'s `send[rank·k .. (rank+1)·k]`.
     fn exchange_counts(&mut self, send: &[usize], recv: &mut [usize]);
+    /// Sums routing statistics (`f64`s, elementwise, in rank order) over the *routing group*:
+    /// every rank whose tokens belong to the same batch (the data-parallel × expert-parallel
+    /// ranks, a superset of this group), so that the load-balancing loss is the batch's, as on
+    /// one rank. The identity when the batch is this rank's alone.
+    fn sum_routing(&mut self, stats: &mut [f64]);
     /// Variable all-to-all of rows of `c` floats: `send` holds `send_rows[d]` rows for each
     /// rank `d` in rank order; `recv` receives `recv_rows[s]` rows from each rank `s` in rank
     /// order (`recv_rows[s]` is what rank `s` has in its `send_rows[rank]`).
@@ -189,6 +198,9 @@ pub struct MoeCache {
     pub offsets: Vec<usize>,
     /// token-assignments per expert, before dropping  [E]
     pub counts: Vec<usize>,
+    /// load-balancing statistics of the routing group: per expert its token-assignments, then
+    /// its Σ_t probs, then the token count (this rank's alone without a group)   [2E + 1]
+    pub route: Vec<f64>,
     /// dispatched tokens                              [R, C]
     pub xe: Vec<f32>,
     /// expert pre-activations `[gate | up]`           [R, 2F]
@@ -228,6 +240,7 @@ impl MoeCache {
             row_token: vec![0; r],
             offsets: vec![0; e + 1],
             counts: vec![0; e],
+            route: Vec::with_capacity(2 * e + 1),
             xe: vec![0.0; r * c],
             gu: vec![0.0; r * 2 * f],
             h: vec![0.0; r * f],
@@ -383,17 +396,30 @@ pub fn moe_forward(
     moe_assign(&mut cache.slot, &mut cache.row_token, &mut cache.offsets, &mut cache.counts, &cache.idx, k, dims.capacity());
     let rows = cache.rows();
 
+    // The load-balancing statistics, summed sequentially in f64: per expert its
+    // token-assignments and Σ_t probs, and the token count — over the routing group when
+    // there is one (see the module docs).
+    let mut ep = ep;
+    let st = &mut cache.route;
+    st.clear();
+    st.extend(cache.counts.iter().map(|&x| x as f64));
+    st.extend((0..e).map(|ex| (0..n).map(|t| cache.probs[t * e + ex] as f64).sum::<f64>()));
+    st.push(n as f64);
+    if let Some(ex) = ep.as_deref_mut() {
+        ex.sum_routing(st);
+    }
+
     // Dispatch: gather the kept tokens into the packed per-expert buffer.
     moe_dispatch(&mut cache.xe[..rows * c], x, &cache.row_token[..rows], c);
 
     // Routed experts in order, each product on the whole pool (see the module docs); under
     // expert parallelism on their owners, the rows sent there and the outputs back.
     let (ep_rows_sent, ep_rows_received) = match ep {
-        None => {
+        Some(ex) if ex.size() > 1 => ep_experts_forward(cache, experts_w, ex, rows),
+        _ => {
             experts_forward(&mut cache.eo, &mut cache.gu, &mut cache.h, &cache.xe, &cache.offsets, experts_w, c, f);
             (0, 0)
         }
-        Some(ex) => ep_experts_forward(cache, experts_w, ex, rows),
     };
 
     // Shared experts over all tokens, summed into y in order; then the routed combine.
@@ -407,11 +433,12 @@ pub fn moe_forward(
     }
     moe_combine(y, &cache.eo[..rows * c], &cache.gates, &cache.slot, s > 0, c, k);
 
-    // Losses, summed sequentially in f64.
+    // Losses: `f_e·P_e` from the (routing group's) statistics.
+    let (route, nt) = (&cache.route, cache.route[2 * e]);
     let mut aux = 0.0f64;
     for ex in 0..e {
-        let pe: f64 = (0..n).map(|t| cache.probs[t * e + ex] as f64).sum::<f64>() / n as f64;
-        aux += cache.counts[ex] as f64 / (n * k) as f64 * pe;
+        let pe: f64 = route[e + ex] / nt;
+        aux += route[ex] / (nt * k as f64) * pe;
     }
     let aux = (aux * e as f64) as f32;
     let z = (cache.lse.iter().map(|&l| l as f64 * l as f64).sum::<f64>() / n as f64) as f32;
@@ -666,7 +693,7 @@ pub fn moe_backward(
     assert_eq!(shared_w.len(), dims.shared_size());
     let es = dims.expert_size();
     let rows = cache.rows();
-    let MoeCache { probs, lse, idx, gates, slot, row_token, offsets, counts, xe, gu, h, eo, sgu, sh, ep: epc, deo, dh, dgu, dgate, dlogits, .. } = cache;
+    let MoeCache { probs, lse, idx, gates, slot, row_token, offsets, route, xe, gu, h, eo, sgu, sh, ep: epc, deo, dh, dgu, dgate, dlogits, .. } = cache;
 
     // Combine backward: d(gate) = ⟨dy[t], eo[r]⟩ per assignment, d(eo[r]) = gate · dy[t].
     dgate.par_chunks_mut(k).enumerate().with_min_len(16).for_each(|(t, dg)| {
@@ -688,8 +715,7 @@ pub fn moe_backward(
     // Routed experts' backward in order; `deo` is replaced by d(dispatched tokens). Under
     // expert parallelism the d(eo) rows go to the experts' owners and d(xe) rows come back.
     match ep {
-        None => experts_backward(deo, dh, dgu, dexperts_w, xe, gu, h, offsets, experts_w, c, f),
-        Some(ex) => {
+        Some(ex) if p > 1 => {
             let el = e / p;
             let (send_rows, recv_rows) = (per_peer(&epc.send, el), per_peer(&epc.recv, el));
             let rl = epc.rows();
@@ -704,6 +730,7 @@ pub fn moe_backward(
             ep_permute(&mut epc.buf, &epc.dl, &runs, c, false);
             ex.exchange_rows(&epc.buf[..rl * c], &recv_rows, &mut deo[..rows * c], &send_rows, c);
         }
+        _ => experts_backward(deo, dh, dgu, dexperts_w, xe, gu, h, offsets, experts_w, c, f),
     }
     // Dispatch backward: dx[t] += Σ_j dxe[slot[t, j]] in rank order.
     let dxe = &deo[..rows * c];
@@ -734,8 +761,13 @@ pub fn moe_backward(
     }
 
     // Router: gates (with renormalisation), aux and z losses → d(logits) → dx, dWr.
+    // d(aux_weight·aux)/d(probs[t, e]) = aux_weight·E·f_e / N with f_e the routing group's
+    // (`route`). Over a group, `aux_weight` arrives scaled by this rank's share of the batch's
+    // loss (`N / N_group` when every target counts), so dividing by the local `N` gives the
+    // one-rank coefficient `aux_weight·E·f_e / N_group`.
+    let nt = route[2 * e];
     let aux_coef: Vec<f32> =
-        counts.iter().map(|&cnt| (aux_weight as f64 * e as f64 * cnt as f64 / ((n * k) as f64 * n as f64)) as f32).collect();
+        route[..e].iter().map(|&cnt| (aux_weight as f64 * e as f64 * cnt as f64 / ((nt * k as f64) * n as f64)) as f32).collect();
     let z_coef = 2.0 * z_weight / n as f32;
     dlogits.par_chunks_mut(e).enumerate().with_min_len(64).for_each(|(t, dl)| {
         let p = &probs[t * e..(t + 1) * e];

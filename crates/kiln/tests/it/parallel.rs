@@ -490,7 +490,7 @@ fn pipeline_trace_memory_and_volume_follow_the_schedule() {
             end = b;
         }
         let bubble = s["bubble"].as_f64().unwrap();
-        assert!(bubble > 0.0 && bubble.is_finite(), "{s}");
+        assert!(bubble >= 0.0 && bubble.is_finite(), "{s}");
         // Stage 0 holds every micro-batch under GPipe, at most p under 1F1B.
         let in_flight = s["peak_in_flight"].as_u64().unwrap() as usize;
         assert_eq!(in_flight, if sched == "gpipe" { m } else { p }, "{sched}");

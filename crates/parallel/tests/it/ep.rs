@@ -68,7 +68,7 @@ fn sharded(d: &MoeDims, l: &Layer, p: usize, z: f32) -> Vec<Out> {
     let el = d.e / p;
     run_ranks(p, |world| {
         let r = world.rank();
-        let mut ex = EpComm { comm: world.split(&(0..p).collect::<Vec<_>>()) };
+        let mut ex = EpComm { comm: world.split(&(0..p).collect::<Vec<_>>()), batch: None };
         let counters = world.counters();
         let before = counters.snapshot();
         let rows = r * n * c..(r + 1) * n * c;
@@ -248,4 +248,49 @@ fn ep_shards_hold_their_experts_by_name_and_unshard_to_the_whole() {
     cfg.n_expert = 0;
     let e = ep::local_config(&cfg, 2, 0).unwrap_err();
     assert!(e.contains("model.n_expert > 0"), "{e}");
+}
+
+#[test]
+fn routing_statistics_over_the_batch_give_the_whole_layers_load_balancing_loss() {
+    // The aux loss is f_e·P_e of a routing group: per rank it is not the batch's, but with the
+    // statistics summed over the batch's ranks (`EpComm::batch`) each rank's loss value and its
+    // tokens' gradients are the whole layer's (aux weight scaled by the rank's share 1/P, as
+    // the trainer scales its losses).
+    let (p, n, aux) = (2usize, 12usize, 0.5f32);
+    let local = MoeDims { n, c: 8, f: 6, e: 4, k: 2, n_shared: 0, capacity_factor: 0.0, renormalize: true };
+    let whole_d = MoeDims { n: p * n, ..local };
+    let l = Layer::random(&whole_d, 41);
+    let run = |batch: bool| {
+        run_ranks(p, |world| {
+            let r = world.rank();
+            let all: Vec<usize> = (0..p).collect();
+            let mut ex = EpComm { comm: world.split(&all), batch: batch.then(|| world.split(&all)) };
+            let tok = r * n * local.c..(r + 1) * n * local.c;
+            let el = local.e / p;
+            let es = local.expert_size();
+            let mut cache = MoeCache::new(local);
+            let mut y = vec![0.0; n * local.c];
+            let experts = &l.experts[r * el * es..(r + 1) * el * es];
+            let st = moe_forward(&mut y, &mut cache, &l.x[tok.clone()], &l.router, experts, &l.shared, &local, aux / p as f32, 0.0, Some(&mut ex));
+            let (mut dx, mut dr, mut de, mut ds) = (vec![0.0; n * local.c], vec![0.0; l.router.len()], vec![0.0; experts.len()], vec![0.0; 0]);
+            moe_backward(&mut dx, &mut dr, &mut de, &mut ds, &l.dy[tok.clone()], &mut cache, &l.x[tok], &l.router, experts, &l.shared, &local, aux / p as f32, 0.0, Some(&mut ex));
+            (st.aux_loss, dx, dr)
+        })
+    };
+    let mut cache = MoeCache::new(whole_d);
+    let mut y = vec![0.0; p * n * local.c];
+    let st = moe_forward(&mut y, &mut cache, &l.x, &l.router, &l.experts, &l.shared, &whole_d, aux, 0.0, None);
+    let (mut dx, mut dr, mut de, mut ds) = (vec![0.0; l.x.len()], vec![0.0; l.router.len()], vec![0.0; l.experts.len()], vec![0.0; 0]);
+    moe_backward(&mut dx, &mut dr, &mut de, &mut ds, &l.dy, &mut cache, &l.x, &l.router, &l.experts, &l.shared, &whole_d, aux, 0.0, None);
+    let grouped = run(true);
+    let mut drouter = vec![0.0f32; dr.len()];
+    for (r, (a, g, d)) in grouped.iter().enumerate() {
+        assert!((a - st.aux_loss).abs() <= 1e-6 * st.aux_loss, "rank {r}: aux {a} vs whole {}", st.aux_loss);
+        close(g, &dx[r * n * local.c..(r + 1) * n * local.c], 1e-5, "dx with the batch's statistics");
+        drouter.iter_mut().zip(d).for_each(|(s, x)| *s += x);
+    }
+    close(&drouter, &dr, 1e-5, "router gradient with the batch's statistics");
+    // Without the group each rank balances its own tokens: another loss.
+    let alone = run(false);
+    assert!(alone.iter().any(|(a, _, _)| (a - st.aux_loss).abs() > 1e-4), "per-rank aux should differ from the batch's");
 }
