@@ -29,7 +29,7 @@ fn expert_parallel_runs_match_one_rank() {
     run(&data, &one, &[]);
     let base = losses(&one);
     assert_eq!(base.len(), 8);
-    for (name, layout, p) in [("ep2", &["--ep", "2"][..], 2u64), ("ep4", &["--ep", "4"][..], 4), ("dp2ep2", &["--dp", "2", "--ep", "2"][..], 2)] {
+    for (name, layout, p) in [("ep2", &["--ep", "2"][..], 2u64), ("ep4", &["--ep", "4"][..], 4), ("dp2ep2", &["--dp", "2", "--ep", "2"][..], 2), ("pp2ep2", &["--pp", "2", "--ep", "2", "--micro-batches", "2"][..], 2)] {
         let out = d.join(name);
         run(&data, &out, layout);
         for ((s, a), (_, b)) in losses(&out).iter().zip(&base) {
@@ -41,6 +41,10 @@ fn expert_parallel_runs_match_one_rank() {
         // Rank 0's all-to-all bytes: per layer, the counts ((p−1)·E/p u32s), then four row
         // all-to-alls of C = 16 floats a row — the dispatch and backward's d(eo) send the rows
         // routed to other ranks' experts, the two returns the rows received from them.
+        if name.starts_with("pp") {
+            // Rank 0 holds only the first stage's layer: its bytes are not this formula's.
+            continue;
+        }
         for line in train_lines(&out) {
             let g = |k: &str| line[k].as_u64().unwrap_or_else(|| panic!("{k} missing: {line}"));
             let want = 2 * 4 * 16 * (g("moe_ep_rows_sent") + g("moe_ep_rows_received")) + 2 * 4 * (p - 1) * 4 / p;
