@@ -311,19 +311,23 @@ pub fn plan(cfg: &RunConfig, gpt: &GptConfig, data_bytes: u64) -> Result<MemoryP
     let (dp, tp, pp, zero) = (par.dp.max(1), par.tp, par.pp, par.zero);
     let world = dp * tp * pp;
     let b4 = |elems: usize, bytes: usize| (elems * bytes) as u64;
-    // This rank's model: the tensor-parallel shard.
-    // TODO(pp): with `parallel.pp`, this rank's stage (`parallel::pp::stage_config` of its
-    // layer range, the embeddings on the first stage, the norm and head on the last) and the
-    // micro-batches it keeps in flight (1F1B: up to pp on stage 0; GPipe: all of them) go here.
-    // Until then a pipeline rank is planned as if it held every layer (an over-estimate).
+    // This rank's model: with a pipeline, rank 0's stage (its layers, the embeddings; the
+    // stage that keeps the most micro-batches in flight), then its tensor-parallel shard.
+    let stages = cfg.stage_layers(gpt.vocab_size)?;
+    let (v, sched) = (par.virtual_stages, parallel::pp::Kind::parse(&par.schedule).map_err(KilnError::User)?);
+    let stage = if stages.len() > 1 { parallel::pp::stage_config(gpt, stages[0].clone()) } else { gpt.clone() };
     let local = if tp > 1 {
-        let mut l = parallel::tp::local_config(gpt, tp).map_err(KilnError::User)?;
+        let mut l = parallel::tp::local_config(&stage, tp).map_err(KilnError::User)?;
         l.sequence_parallel = par.sequence_parallel;
         l
     } else {
-        gpt.clone()
+        stage
     };
-    let in_flight = 1;
+    // Activation sets held at once: one, or the schedule's peak on stage 0 (1F1B: p, GPipe: m;
+    // interleaved counts each chunk's sets, planned at the first chunk's size).
+    let in_flight = if stages.len() > 1 { parallel::pp::Schedule::new(sched, pp, cfg.train.grad_accum, v).map_err(KilnError::User)?.peak_in_flight(0) } else { 1 };
+    // Interleaved: rank 0 holds v chunks, planned as v copies of the first one's state.
+    let chunks = if stages.len() > 1 { v } else { 1 };
     let (layout, views) = model::layout::gpt_layout(&local);
     let total = layout.total;
     let units = views.units(total);
@@ -348,8 +352,9 @@ pub fn plan(cfg: &RunConfig, gpt: &GptConfig, data_bytes: u64) -> Result<MemoryP
     let (pe, ge) = (if zero == 3 { shards.len } else { total }, if zero >= 2 { shards.len } else { total });
     let sharded = |e: usize| if e == total { format!("{e} elements") } else { format!("{e} elements: this rank's ZeRO shard of {total} (padded)") };
     let tp_note = if tp > 1 { format!(", a tensor-parallel shard (1/{tp} of the heads and MLP columns)") } else { String::new() };
-    row(Kind::Parameters, held, "parameters", b4(pe, p.param), format!("{}{tp_note}", sharded(pe)));
-    row(Kind::Gradients, held, "gradients", b4(ge, p.grad), sharded(ge) + if lora.is_some() { " (the frozen base's buffer, unused)" } else { "" });
+    let pp_note = if chunks > 1 { format!(", × {chunks} model chunks") } else if stages.len() > 1 { format!(", pipeline stage 0 (layers {:?})", stages[0]) } else { String::new() };
+    row(Kind::Parameters, held, "parameters", b4(pe * chunks, p.param), format!("{}{tp_note}{pp_note}", sharded(pe)));
+    row(Kind::Gradients, held, "gradients", b4(ge * chunks, p.grad), sharded(ge) + if lora.is_some() { " (the frozen base's buffer, unused)" } else { "" });
     let moments = match &lora {
         Some(lo) => lo.layout.total,
         None if zero == 0 => total,
@@ -359,18 +364,18 @@ pub fn plan(cfg: &RunConfig, gpt: &GptConfig, data_bytes: u64) -> Result<MemoryP
         row(Kind::Parameters, held, "LoRA adapters", b4(lo.layout.total, p.param), format!("{} adapters of rank {}", lo.adapters.len(), lo.rank));
         row(Kind::Gradients, held, "LoRA adapter gradients", b4(lo.layout.total, p.grad), String::new());
     }
-    let optim = b4(2 * moments, p.optim);
+    let optim = b4(2 * moments * chunks, p.optim);
     if cfg.memory.offload == "optimizer" {
         row(Kind::Optimizer, held, "AdamW m, v (offloaded)", 0, format!("{} in memory-mapped files under the run directory (memory.offload), streamed through the update in 4 MiB chunks", fmt_bytes(optim)));
     } else {
         row(Kind::Optimizer, held, "AdamW m, v", optim, format!("2 × {moments} elements"));
     }
     if p.master > 0 {
-        row(Kind::Optimizer, held, "master weights", b4(moments, p.master), String::new());
+        row(Kind::Optimizer, held, "master weights", b4(moments * chunks, p.master), String::new());
     }
 
     // Activations (one set per micro-batch in flight).
-    let acts = activation_set(&local, rows, t, recompute, &p).times(in_flight);
+    let acts = activation_set(&local, rows, t, recompute, &p).times(in_flight as u64);
     let policy = match recompute {
         Recompute::None => "every block's",
         Recompute::Selective => "kept per block; attention and MLP internals in one shared set",
@@ -474,7 +479,7 @@ pub fn plan(cfg: &RunConfig, gpt: &GptConfig, data_bytes: u64) -> Result<MemoryP
     let layout_line = format!(
         "{} | {} layers, {} params{} | dp {dp} × tp {tp}{}, ZeRO {zero} | recompute {} | micro-batch {rows} × {t} per rank | {}{}",
         cfg.preset, gpt.n_layer, fmt_count(whole_layout.total), if lora_run { " (LoRA)" } else { "" },
-        if pp > 1 { format!(" × pp {pp} (planned as whole-model ranks: pipeline stages are not modelled yet)") } else { String::new() }, cfg.model.recompute, p.name,
+        if pp > 1 { format!(" × pp {pp} (rank 0: stage layers {:?}, {in_flight} micro-batch activation sets in flight, {})", stages[0], par.schedule) } else { String::new() }, cfg.model.recompute, p.name,
         if cfg.memory.offload == "optimizer" { " | optimizer offloaded" } else { "" },
     );
     let ranks_per_process = if par.backend == "mpi" { 1 } else { world };

@@ -151,3 +151,28 @@ fn sizes_parse_with_decimal_and_binary_units() {
     assert!(parse_size("GiB").unwrap_err().contains("not a size"));
     assert!(parse_size("1.2.3MB").unwrap_err().contains("not a size"));
 }
+
+#[test]
+fn the_plan_knows_pipeline_stages_and_their_micro_batches_in_flight() {
+    // Stage 0 of a 2-stage pipeline over 4 layers, 4 micro-batches: GPipe holds all 4 activation
+    // sets, 1F1B at most 2 — planned, and measured by the run itself.
+    let d = scratch("memory-pp");
+    let data = corpus(&d);
+    for (sched, sets) in [("gpipe", 4), ("1f1b", 2)] {
+        let shape = ["--set", "model.n_layer=4", "--set", "train.batch_size=8", "--micro-batches", "4", "--pp", "2", "--schedule", sched];
+        let o = kiln(&[&["memory", "--data", data.to_str().unwrap(), "--json"][..], SMALL_MEMORY, &shape].concat());
+        assert!(o.status.success(), "{}", stderr(&o));
+        let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+        let planned: u64 = v["rows"].as_array().unwrap().iter().filter(|r| r["kind"] == "activations").map(|r| r["bytes"].as_u64().unwrap()).sum();
+        assert!(v["layout"].as_str().unwrap().contains(&format!("{sets} micro-batch activation sets in flight")), "{v}");
+        let out = d.join(sched);
+        let o = train(&data, &out, &[&shape[..], &["--max-steps", "2", "--pp-trace", "wall", "--set", "sample.tokens=0"]].concat());
+        assert!(o.status.success(), "{}", stderr(&o));
+        let line: serde_json::Value = serde_json::from_str(std::fs::read_to_string(out.join("pipeline/rank-000.jsonl")).unwrap().lines().last().unwrap()).unwrap();
+        assert_eq!(line["peak_in_flight"].as_u64().unwrap(), sets);
+        assert_eq!(line["peak_activation_bytes"].as_u64().unwrap(), planned, "{sched}: planned {planned} vs measured {line}");
+    }
+}
+
+/// `kiln memory` with `SMALL`'s model (the flags `train` gets from `common::train`).
+const SMALL_MEMORY: &[&str] = &["--set", "model.n_layer=1", "--set", "model.n_head=2", "--set", "model.n_embd=16", "--set", "model.block_size=16", "--set", "train.batch_size=4"];
