@@ -46,6 +46,14 @@ fn pow2(k: i32) -> f32 {
     }
 }
 
+/// `y` rounded to an integer, to nearest even (|y| < 2^22): 1.5·2^23 has ulp 1, so the sum
+/// rounds in hardware (no libm `roundeven` call on baseline x86-64).
+#[inline]
+fn rne_int(y: f32) -> f32 {
+    const C: f32 = 12_582_912.0;
+    (y + C) - C
+}
+
 /// `x` rounded to `fmt` (NaN and infinities pass through; overflow saturates to the largest
 /// value for the FP8 formats and becomes infinity for bf16 and fp16).
 #[inline]
@@ -69,12 +77,16 @@ pub fn round(x: f32, fmt: Format) -> f32 {
             let r = f32::from_bits(b.wrapping_add(0xFFF + ((b >> 13) & 1)) & !0x1FFF);
             return if r.abs() > 65504.0 { f32::INFINITY.copysign(x) } else { r };
         }
+        // Subnormal fp16: multiples of 2^-24, which is the ulp of f32 values in [0.5, 1):
+        // adding and subtracting 0.75 rounds to them, to nearest even, in hardware.
+        return (x + 0.75) - 0.75;
     }
     let (m, emin, max, inf) = fmt.spec();
     let a = x.abs();
     let e = (((a.to_bits() >> 23) as i32) - 127).max(emin);
+    // a / q and the product back are exact: q is a power of two and a / q < 2^(m+1).
     let q = pow2(e - m);
-    let r = (a / q).round_ties_even() * q;
+    let r = rne_int(a * pow2(m - e)) * q;
     let r = if r > max { if inf { f32::INFINITY } else { max } } else { r };
     r.copysign(x)
 }
