@@ -656,12 +656,18 @@ pub fn read_into(bytes: &[u8], prefix: &str, layout: &model::ParamLayout, dst: &
     Ok(())
 }
 
-/// Gives the calling thread the lowest scheduling priority (Linux: `nice` 19 for this thread
-/// alone), so a background write takes the cores only when training leaves them idle.
+/// Gives the calling thread the lowest scheduling priority (Linux: `SCHED_IDLE`, and `nice` 19,
+/// for this thread alone), so a background write takes the cores only when training leaves
+/// them idle.
 fn lower_priority() {
     #[cfg(target_os = "linux")]
     unsafe {
         let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
         libc::setpriority(libc::PRIO_PROCESS, tid, 19);
+        // SCHED_IDLE: run only on a core nothing else wants, so the writer does not preempt a
+        // training thread mid-kernel (with every core in a parallel matmul, one preempted
+        // thread stalls them all); nice 19 above stays as the fallback if this is refused.
+        let param = libc::sched_param { sched_priority: 0 };
+        libc::sched_setscheduler(0, libc::SCHED_IDLE, &param);
     }
 }
