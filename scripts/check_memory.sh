@@ -7,7 +7,7 @@
 #     allocator's count), and the ratios between the policies against Korthikanti et al.'s
 #     per-layer formulas adapted to kiln (fp32, FlashAttention, no stored dropout masks).
 # (b) The plan's per-process step peak against the tracked peak and the peak RSS for varied
-#     configurations (recompute, ZeRO stage, dp, tp, offload, MoE).
+#     configurations (recompute, ZeRO stage, dp, tp, sequence parallel, pp, offload, MoE, bf16).
 #
 # Usage: scripts/check_memory.sh   (KILN=path/to/kiln, OUT=dir; a release build is assumed)
 set -euo pipefail
@@ -27,11 +27,13 @@ COMMON=(--data "$OUT/corpus.txt" --set data.tokenizer=byte --set sample.tokens=0
         --set eval.interval=0 --set eval.iters=1 --set eval.batch_size=1 --set train.warmup_steps=1)
 
 # run NAME STEPS ARGS...: `kiln memory --json` into NAME.plan.json, then `kiln train`.
-# REPORT_ONLY=1 prints the report of an earlier run's files.
+# REPORT_ONLY=1 prints the report of an earlier run's files (REPORT_ONLY=plans re-plans them first).
 run() {
-    [ -n "${REPORT_ONLY:-}" ] && return
     local name=$1 steps=$2
     shift 2
+    # REPORT_ONLY=plans re-plans the earlier runs (after a change to the plan) and reports.
+    [ "${REPORT_ONLY:-}" = plans ] && "$KILN" memory "${COMMON[@]}" "$@" --json > "$OUT/$name.plan.json"
+    [ -n "${REPORT_ONLY:-}" ] && return
     "$KILN" memory "${COMMON[@]}" "$@" --json > "$OUT/$name.plan.json"
     rm -rf "${OUT:?}/$name"
     "$KILN" train "${COMMON[@]}" "$@" --out "$OUT/$name" --max-steps "$steps" --quiet > "$OUT/$name.log" 2>&1
@@ -66,6 +68,9 @@ run b-dp2-zero3 3 "${BASE[@]}" --dp 2 --zero 3
 run b-tp2 3 "${BASE[@]}" --tp 2
 run b-offload 3 "${BASE[@]}" --offload optimizer
 run b-moe 3 "${MOE[@]}"
+run b-bf16 3 "${BASE[@]}" --precision bf16
+run b-pp2-1f1b 3 "${BASE[@]}" --pp 2 --micro-batches 4
+run b-tp2-sp 3 "${BASE[@]}" --tp 2 --sequence-parallel
 
 python3 - "$OUT" <<'PY'
 import json, sys
@@ -116,15 +121,14 @@ for model, (h, a, kv, fc, f) in (("gpt2", (768, 12, 768, 3072, 3072)), ("llama",
     agree = [abs(m / q - 1) for m, q in zip(mr, kr)]
     print(f"  {model}: measured per layer {mr[0]:.2f} : {mr[1]:.2f} : 1   Korthikanti (adapted) {kr[0]:.2f} : {kr[1]:.2f} : 1"
           f"   disagreement none {100*agree[0]:.1f}%, selective {100*agree[1]:.1f}%   (whole totals {tr[0]:.2f} : {tr[1]:.2f} : 1)")
-print("  kiln's selective keeps only the norms' inputs and outputs (x, ln_1, res_2, ln_2: 4h per token) and recomputes\n"
-      "  q|k|v, attention and the MLP's hidden activations; Korthikanti's selective recomputes only the attention core,\n"
-      "  which under FlashAttention is just the log-sum-exp, so it keeps nearly everything `none` keeps.")
+print("  selective (Korthikanti's) re-runs the attention core: kiln drops its output and log-sum-exp (h + a per token);\n"
+      "  the adapted formula drops only the log-sum-exp (FlashAttention stores no s×s scores), so they differ by h.")
 
 print("\n(b) per-process step peak: planned vs tracked allocator vs peak RSS")
 print(f"{'run':18s} {'planned MiB':>12s} {'tracked MiB':>12s} {'err':>7s} {'RSS MiB':>9s} {'err':>7s}")
-for name in ("b-none", "b-full", "b-sel-dp2-zero1", "b-dp2-zero2", "b-dp2-zero3", "b-tp2", "b-offload", "b-moe"):
+for name in ("b-none", "b-full", "b-sel-dp2-zero1", "b-dp2-zero2", "b-dp2-zero3", "b-tp2", "b-offload", "b-moe", "b-bf16", "b-pp2-1f1b", "b-tp2-sp"):
     p, m = plan(name), last_train(name)
-    planned = p["ranks_per_process"] * p["step_peak_bytes"] + p["data_bytes"]
+    planned = p["process_step_peak_bytes"]
     tr, rss = m["mem_tracked_peak_bytes"], m["mem_rss_peak_bytes"]
     print(f"{name:18s} {mb(planned):12.1f} {mb(tr):12.1f} {100*(planned-tr)/tr:+6.1f}% {mb(rss):9.1f} {100*(planned-rss)/rss:+6.1f}%")
 PY

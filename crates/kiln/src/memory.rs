@@ -123,6 +123,9 @@ pub struct MemoryPlan {
     pub total: u64,
     /// Ranks that share one process (in-process ranks are threads; MPI ranks are processes).
     pub ranks_per_process: usize,
+    /// With in-process pipeline ranks (different stages): the sums of their totals and of
+    /// their step peaks.
+    pub ranks_sum: Option<(u64, u64)>,
     /// Token streams held in memory (memory-mapped shards are not), once per process.
     pub data_bytes: u64,
     /// `memory.limit` in bytes (0 = none).
@@ -306,6 +309,24 @@ fn zero_transient(padded: &[usize], chunk: &[usize], zero: usize, head_unit: usi
 /// `data_bytes` the token streams the process holds in memory. Errors are the user's (a
 /// tensor-parallel degree that does not divide the heads, bad LoRA targets).
 pub fn plan(cfg: &RunConfig, gpt: &GptConfig, data_bytes: u64) -> Result<MemoryPlan> {
+    let mut p = plan_rank(cfg, gpt, data_bytes, 0)?;
+    let par = &cfg.parallel;
+    if par.pp > 1 && par.backend != "mpi" {
+        // In-process pipeline ranks hold different stages: the process holds each stage's plan
+        // once per (dp × ep × tp) rank of it.
+        let per_stage = (par.dp.max(1) * par.tp * par.ep) as u64;
+        let (mut total, mut step) = (0, 0);
+        for s in 0..par.pp {
+            let r = plan_rank(cfg, gpt, data_bytes, s)?;
+            (total, step) = (total + r.total, step + r.step_peak);
+        }
+        p.ranks_sum = Some((per_stage * total, per_stage * step));
+    }
+    Ok(p)
+}
+
+/// The plan of pipeline rank `s` (with no pipeline, every rank's).
+fn plan_rank(cfg: &RunConfig, gpt: &GptConfig, data_bytes: u64, s: usize) -> Result<MemoryPlan> {
     let p = if cfg.train.precision == "fp32" { FP32 } else { SIMULATED_16 };
     let par = &cfg.parallel;
     let (dp, tp, pp, zero) = (par.dp.max(1), par.tp, par.pp, par.zero);
@@ -315,7 +336,7 @@ pub fn plan(cfg: &RunConfig, gpt: &GptConfig, data_bytes: u64) -> Result<MemoryP
     // stage that keeps the most micro-batches in flight), then its tensor-parallel shard.
     let stages = cfg.stage_layers(gpt.vocab_size)?;
     let (v, sched) = (par.virtual_stages, parallel::pp::Kind::parse(&par.schedule).map_err(KilnError::User)?);
-    let stage = if stages.len() > 1 { parallel::pp::stage_config(gpt, stages[0].clone()) } else { gpt.clone() };
+    let stage = if stages.len() > 1 { parallel::pp::stage_config(gpt, stages[s].clone()) } else { gpt.clone() };
     let local = if tp > 1 {
         let mut l = parallel::tp::local_config(&stage, tp).map_err(KilnError::User)?;
         l.sequence_parallel = par.sequence_parallel;
@@ -325,7 +346,7 @@ pub fn plan(cfg: &RunConfig, gpt: &GptConfig, data_bytes: u64) -> Result<MemoryP
     };
     // Activation sets held at once: one, or the schedule's peak on stage 0 (1F1B: p, GPipe: m;
     // interleaved counts each chunk's sets, planned at the first chunk's size).
-    let in_flight = if stages.len() > 1 { parallel::pp::Schedule::new(sched, pp, cfg.train.grad_accum, v).map_err(KilnError::User)?.peak_in_flight(0) } else { 1 };
+    let in_flight = if stages.len() > 1 { parallel::pp::Schedule::new(sched, pp, cfg.train.grad_accum, v).map_err(KilnError::User)?.peak_in_flight(s) } else { 1 };
     // Interleaved: rank 0 holds v chunks, planned as v copies of the first one's state.
     let chunks = if stages.len() > 1 { v } else { 1 };
     let (layout, views) = model::layout::gpt_layout(&local);
@@ -352,7 +373,7 @@ pub fn plan(cfg: &RunConfig, gpt: &GptConfig, data_bytes: u64) -> Result<MemoryP
     let (pe, ge) = (if zero == 3 { shards.len } else { total }, if zero >= 2 { shards.len } else { total });
     let sharded = |e: usize| if e == total { format!("{e} elements") } else { format!("{e} elements: this rank's ZeRO shard of {total} (padded)") };
     let tp_note = if tp > 1 { format!(", a tensor-parallel shard (1/{tp} of the heads and MLP columns)") } else { String::new() };
-    let pp_note = if chunks > 1 { format!(", × {chunks} model chunks") } else if stages.len() > 1 { format!(", pipeline stage 0 (layers {:?})", stages[0]) } else { String::new() };
+    let pp_note = if chunks > 1 { format!(", × {chunks} model chunks") } else if stages.len() > 1 { format!(", pipeline stage {s} (layers {:?})", stages[s]) } else { String::new() };
     row(Kind::Parameters, held, "parameters", b4(pe * chunks, p.param), format!("{}{tp_note}{pp_note}", sharded(pe)));
     row(Kind::Gradients, held, "gradients", b4(ge * chunks, p.grad), sharded(ge) + if lora.is_some() { " (the frozen base's buffer, unused)" } else { "" });
     let moments = match &lora {
@@ -479,11 +500,11 @@ pub fn plan(cfg: &RunConfig, gpt: &GptConfig, data_bytes: u64) -> Result<MemoryP
     let layout_line = format!(
         "{} | {} layers, {} params{} | dp {dp} × tp {tp}{}, ZeRO {zero} | recompute {} | micro-batch {rows} × {t} per rank | {}{}",
         cfg.preset, gpt.n_layer, fmt_count(whole_layout.total), if lora_run { " (LoRA)" } else { "" },
-        if pp > 1 { format!(" × pp {pp} (rank 0: stage layers {:?}, {in_flight} micro-batch activation sets in flight, {})", stages[0], par.schedule) } else { String::new() }, cfg.model.recompute, p.name,
+        if pp > 1 { format!(" × pp {pp} (rank {s}: stage layers {:?}, {in_flight} micro-batch activation sets in flight, {})", stages[s], par.schedule) } else { String::new() }, cfg.model.recompute, p.name,
         if cfg.memory.offload == "optimizer" { " | optimizer offloaded" } else { "" },
     );
     let ranks_per_process = if par.backend == "mpi" { 1 } else { world };
-    Ok(MemoryPlan { precision: p, rows: out, step_peak, eval_peak, checkpoint_peak, total: total_peak, ranks_per_process, data_bytes, limit: cfg.memory_limit(), layout: layout_line })
+    Ok(MemoryPlan { precision: p, rows: out, step_peak, eval_peak, checkpoint_peak, total: total_peak, ranks_per_process, ranks_sum: None, data_bytes, limit: cfg.memory_limit(), layout: layout_line })
 }
 
 /// The plan of a training run over `ds`: the model as `kiln train` builds it (its vocabulary
@@ -496,7 +517,12 @@ pub fn plan_run(cfg: &RunConfig, gpt: &GptConfig, ds: &data::Dataset) -> Result<
 impl MemoryPlan {
     /// What the process holds: its ranks and the data once.
     pub fn process_total(&self) -> u64 {
-        self.ranks_per_process as u64 * self.total + self.data_bytes
+        self.ranks_sum.map_or(self.ranks_per_process as u64 * self.total, |s| s.0) + self.data_bytes
+    }
+
+    /// The process's ranks' step peaks together, with the data.
+    pub fn process_step_peak(&self) -> u64 {
+        self.ranks_sum.map_or(self.ranks_per_process as u64 * self.step_peak, |s| s.1) + self.data_bytes
     }
 
     /// The per-rank table, one line per row, then the peaks.
@@ -540,7 +566,7 @@ impl MemoryPlan {
             "layout": self.layout, "precision": self.precision.name, "rows": rows,
             "step_peak_bytes": self.step_peak, "eval_peak_bytes": self.eval_peak, "checkpoint_peak_bytes": self.checkpoint_peak,
             "total_bytes": self.total, "ranks_per_process": self.ranks_per_process, "data_bytes": self.data_bytes,
-            "process_total_bytes": self.process_total(), "limit_bytes": self.limit,
+            "process_total_bytes": self.process_total(), "process_step_peak_bytes": self.process_step_peak(), "limit_bytes": self.limit,
         })
     }
 
