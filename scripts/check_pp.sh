@@ -74,7 +74,7 @@ bubble|memory)
     for m in 4 8 16; do
         for s in gpipe 1f1b interleaved; do
             v=1; [ $s = interleaved ] && v=2
-            run "b-$s-m$m" --set model.n_layer=8 --set model.n_head=8 --set model.n_embd=256 --set train.batch_size=$((4 * m)) --micro-batches $m \
+            run "b-$s-m$m" --set model.n_layer=16 --set model.n_head=8 --set model.n_embd=256 --set train.batch_size=$((4 * m)) --micro-batches $m \
                 --max-steps 8 --pp 4 --schedule $s --virtual $v --pp-trace device --set eval.iters=1
         done
     done

@@ -115,7 +115,7 @@ pub fn bench(args: &BenchArgs) -> Result<serde_json::Value> {
     if let Some(fmt) = model.precision.storage() {
         opt.mixed(&mut dp, fmt);
     }
-    let mut chunks = vec![Chunk { model, dp, opt, replicated: Vec::new(), seq_partial: Vec::new() }];
+    let mut chunks = vec![Chunk { model, dp, opt, replicated: Vec::new(), seq_partial: Vec::new(), pool: Vec::new() }];
     let mut scaler = (cfg.precision() == model::gpt::Precision::Fp16).then_some(crate::step::LossScaler { scale: cfg.train.loss_scale, good: 0, window: cfg.train.loss_scale_window });
     let mut pipe = Pipeline::single(cfg.train.grad_accum, None);
     pipe.scaler = scaler.as_mut();

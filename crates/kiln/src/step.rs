@@ -228,6 +228,9 @@ pub struct Chunk {
     /// Flat ranges whose gradients are partial sums over the tensor-parallel group (the norms'
     /// under sequence parallelism), summed there before the update.
     pub seq_partial: Vec<Range<usize>>,
+    /// Activation sets beyond the model's own, kept from step to step for the micro-batches a
+    /// pipeline schedule holds in flight (allocated once, not every step).
+    pub pool: Vec<Activations>,
 }
 
 /// Sums this rank's reduced gradients inside `ranges` over `comm`, whose ranks hold the same
@@ -390,7 +393,7 @@ pub fn train_step(
     // Activations of micro-batches between their forward and backward, per chunk; sets free
     // for reuse.
     let mut live: Vec<Vec<Option<Activations>>> = (0..v).map(|_| (0..m).map(|_| None).collect()).collect();
-    let mut free: Vec<Vec<Activations>> = (0..v).map(|_| Vec::new()).collect();
+    let mut free: Vec<Vec<Activations>> = chunks.iter_mut().map(|ch| std::mem::take(&mut ch.pool)).collect();
     let (mut held, mut peak_bytes, mut in_flight, mut peak_in_flight) = (0usize, 0usize, 0usize, 0usize);
     let last_vs = p * v - 1;
     for task in pipe.sched.tasks(me) {
@@ -480,11 +483,12 @@ pub fn train_step(
             traced.push(TracedTask { forward: task.forward, mb: task.mb, chunk: c, wall_start: w0, wall_end: t0.elapsed().as_secs_f64(), wall_wait: w1 - w0, dev_start, dev_end: clock });
         }
     }
-    // Each model keeps its last activations (for its statistics, and the next step's reuse).
-    for (ch, f) in chunks.iter_mut().zip(&mut free) {
+    // Each model keeps its last activations (for its statistics), the pool the others.
+    for (ch, mut f) in chunks.iter_mut().zip(free) {
         if let Some(a) = f.pop() {
             ch.model.put_activations(a);
         }
+        ch.pool = f;
     }
     if let Some(tr) = pipe.trace.as_deref_mut() {
         tr.tasks = traced;

@@ -647,7 +647,7 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
             let dir = run_dir.join("offload").join(if vn > 1 { format!("rank{rank}-chunk{c}") } else { format!("rank{rank}") });
             opt.offload(&dir).map_err(|e| io_err(&dir, e))?;
         }
-        chunks.push(Chunk { model: m, dp, opt, replicated, seq_partial });
+        chunks.push(Chunk { model: m, dp, opt, replicated, seq_partial, pool: Vec::new() });
     }
     // memory: charge the model state to its tracking categories (issue 7).
     chunks.iter_mut().for_each(|ch| crate::memory::attribute(&ch.model, &mut ch.dp, &ch.opt));
