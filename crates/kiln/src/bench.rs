@@ -106,6 +106,7 @@ pub fn bench(args: &BenchArgs) -> Result<serde_json::Value> {
 
     let mut model = Gpt::new(gcfg, real_vocab.min(vp), cfg.train.seed);
     model.recompute = cfg.recompute();
+    model.recompute_every = cfg.model.recompute_every;
     let mut opt = Optimizer::new(&model.layout);
     model.precision = cfg.precision();
     if model.precision == model::gpt::Precision::Fp8 {

@@ -111,6 +111,12 @@ struct TrainCli {
     /// Storage precision: fp32, bf16, fp16 or fp8 (train.precision).
     #[arg(long)]
     precision: Option<String>,
+    /// Activation recomputation: none, selective or full (model.recompute).
+    #[arg(long)]
+    recompute: Option<String>,
+    /// With --recompute full: every K-th layer only (model.recompute_every).
+    #[arg(long, value_name = "K")]
+    recompute_every: Option<usize>,
     /// Pipeline stages (parallel.pp).
     #[arg(long)]
     pp: Option<usize>,
@@ -162,6 +168,12 @@ impl TrainCli {
         let mut set = self.set.clone();
         if let Some(p) = &self.precision {
             set.push(format!("train.precision={}", toml::Value::String(p.clone())));
+        }
+        if let Some(r) = &self.recompute {
+            set.push(format!("model.recompute={}", toml::Value::String(r.clone())));
+        }
+        if let Some(k) = self.recompute_every {
+            set.push(format!("model.recompute_every={k}"));
         }
         if let Some(l) = &self.memory_limit {
             set.push(format!("memory.limit={}", toml::Value::String(l.clone())));

@@ -55,10 +55,13 @@ pub struct ModelSection {
     /// Weight of the ST-MoE router z-loss.
     #[serde(default = "default_z")]
     pub moe_z_weight: f64,
-    /// Activation recomputation: `none`, `selective` (attention internals and MLP hidden
-    /// activations) or `full` (keep block inputs only). Results are bit-identical to `none`.
+    /// Activation recomputation: `none`, `selective` (Korthikanti et al.: re-run the attention
+    /// core) or `full` (keep block inputs only). Results are bit-identical to `none`.
     #[serde(default = "default_recompute")]
     pub recompute: String,
+    /// With `full`: recompute every k-th layer only (1 = all), keeping the others' activations.
+    #[serde(default = "one")]
+    pub recompute_every: usize,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -472,6 +475,9 @@ impl RunConfig {
         }
         if !["none", "selective", "full"].contains(&m.recompute.as_str()) {
             return user(format!("model.recompute must be `none`, `selective` or `full`, got `{}`", m.recompute));
+        }
+        if m.recompute_every == 0 || (m.recompute_every > 1 && m.recompute != "full") {
+            return user(format!("model.recompute_every must be positive and applies to model.recompute = full (got {} with `{}`)", m.recompute_every, m.recompute));
         }
         if m.arch == "llama" && m.bias {
             return user("model.bias must be false for model.arch = llama (LLaMA has no biases)");

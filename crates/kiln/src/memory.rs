@@ -168,6 +168,12 @@ impl Activations {
 /// tensor-parallel shard, a pipeline stage's layers) at `(b, t)` under `recompute`, for one
 /// micro-batch. A pipeline stage holds one such set per micro-batch in flight.
 pub fn activation_set(cfg: &GptConfig, b: usize, t: usize, recompute: Recompute, p: &Precision) -> Activations {
+    activation_set_every(cfg, b, t, recompute, 1, p)
+}
+
+/// [`activation_set`] with `Full` recomputation of every `every`-th layer only (by whole-model
+/// index; the others keep their sets).
+pub fn activation_set_every(cfg: &GptConfig, b: usize, t: usize, recompute: Recompute, every: usize, p: &Precision) -> Activations {
     let (c, nh, vp) = (cfg.n_embd, cfg.n_head, cfg.vocab_size);
     let (qw, aw) = (cfg.qkv_width(), cfg.attn_width());
     let n = b * t;
@@ -178,10 +184,12 @@ pub fn activation_set(cfg: &GptConfig, b: usize, t: usize, recompute: Recompute,
     let (hn, hl) = if head { (n, nl) } else { (0, 0) };
     let l = cfg.n_layer;
     // Sets per layer: kept (norms, residual), inner (q|k|v, MLP hidden), attention core.
+    let recomputed = (0..l).filter(|i| (cfg.first_layer() + i) % every.max(1) == 0).count();
+    let own = l - recomputed + usize::from(recomputed > 0);
     let (n_kept, n_inner, n_core) = match recompute {
         Recompute::None => (l, l, l),
         Recompute::Selective => (l, l, 1),
-        Recompute::Full => (1, 1, 1),
+        Recompute::Full => (own, own, own),
     };
     let a = p.act as u64;
     let f = |elems: usize| elems as u64 * a;
@@ -396,7 +404,8 @@ fn plan_rank(cfg: &RunConfig, gpt: &GptConfig, data_bytes: u64, s: usize) -> Res
     }
 
     // Activations (one set per micro-batch in flight).
-    let acts = activation_set(&local, rows, t, recompute, &p).times(in_flight as u64);
+    let every = cfg.model.recompute_every;
+    let acts = activation_set_every(&local, rows, t, recompute, every, &p).times(in_flight as u64);
     let policy = match recompute {
         Recompute::None => "every block's",
         Recompute::Selective => "kept per block; attention and MLP internals in one shared set",
@@ -451,7 +460,7 @@ fn plan_rank(cfg: &RunConfig, gpt: &GptConfig, data_bytes: u64, s: usize) -> Res
     // Evaluation: a batch of eval.batch_size sequences (default the micro-batch) per rank.
     let eb = if cfg.eval.batch_size == 0 { mb } else { cfg.eval.batch_size };
     let realloc = eb != rows;
-    let eval_acts = if realloc { activation_set(&local, eb, t, recompute, &p).total() } else { 0 };
+    let eval_acts = if realloc { activation_set_every(&local, eb, t, recompute, every, &p).total() } else { 0 };
     let eval_zero = zero_transient(&padded, chunk, zero, views.head_unit(), false);
     let eval_extra = b4(2 * eb * t, 4) + if zero == 3 { b4(eval_zero, p.param) } else { 0 };
     if realloc {

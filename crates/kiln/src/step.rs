@@ -677,8 +677,8 @@ pub fn trainable_layout(model: &Gpt) -> &model::ParamLayout {
 /// Hardware FLOPs per token: the model FLOPs plus the forward work that activation
 /// recomputation repeats (for HFU, which counts what the machine executes; MFU never counts
 /// recomputation). Full reruns each block's forward, `2·N_blocks + 4·L·C·T` (its matmuls and
-/// attention, as in PaLM's split of `6N + 12·L·C·T` into forward and backward); selective
-/// reruns the q|k|v and first MLP products and attention.
+/// attention, as in PaLM's split of `6N + 12·L·C·T` into forward and backward) — for the
+/// recomputed share of the layers; selective reruns the attention core.
 pub fn hardware_flops_per_token(model: &Gpt) -> f64 {
     let c = &model.cfg;
     let attn_fwd = 4.0 * (c.n_layer * c.n_embd * c.block_size) as f64;
@@ -686,11 +686,13 @@ pub fn hardware_flops_per_token(model: &Gpt) -> f64 {
     let extra = match model.recompute {
         model::gpt::Recompute::None => 0.0,
         model::gpt::Recompute::Full => {
-            2.0 * sum(&|b| b.c_attn_w.len() + b.attn_proj_w.len() + b.c_fc_w.len() + b.mlp_proj_w.len() + b.moe.as_ref().map_or(0, |m| m.router.len() + m.shared.len() + m.experts.len() * c.top_k / c.n_expert.max(1))) + attn_fwd
+            // Every `recompute_every`-th layer only.
+            let k = model.recompute_every.max(1);
+            let share = (0..c.n_layer).filter(|i| (c.first_layer() + i) % k == 0).count() as f64 / c.n_layer as f64;
+            share * (2.0 * sum(&|b| b.c_attn_w.len() + b.attn_proj_w.len() + b.c_fc_w.len() + b.mlp_proj_w.len() + b.moe.as_ref().map_or(0, |m| m.router.len() + m.shared.len() + m.experts.len() * c.top_k / c.n_expert.max(1))) + attn_fwd)
         }
-        model::gpt::Recompute::Selective => {
-            2.0 * sum(&|b| b.c_attn_w.len() + b.c_fc_w.len() + b.moe.as_ref().map_or(0, |m| m.router.len() + m.shared.len() + m.experts.len() * c.top_k / c.n_expert.max(1))) + attn_fwd
-        }
+        // Korthikanti's selective recomputation re-runs the attention core alone.
+        model::gpt::Recompute::Selective => attn_fwd,
     };
     model_flops_per_token(model) + extra
 }

@@ -529,6 +529,7 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
         None => Gpt::new(gcfg, ds.tokenizer.vocab_size(), cfg.train.seed),
     };
     model.recompute = cfg.recompute();
+    model.recompute_every = cfg.model.recompute_every;
     if cfg.lora.rank > 0 {
         let l = &cfg.lora;
         model.lora = Some(model::lora::Lora::new(&model.cfg, l.rank, l.alpha as f32, &l.targets, cfg.train.seed).map_err(KilnError::User)?);
@@ -581,7 +582,7 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
     let mut stage_layouts = Vec::new();
     let mut chunks: Vec<Chunk> = Vec::new();
     for (c, (((mut m, mut mv), dp_comm), tp_hooks)) in parts.into_iter().zip(dp_comms).zip(tp_hooks_comms).enumerate() {
-        m.recompute = recompute;
+        (m.recompute, m.recompute_every) = (recompute, cfg.model.recompute_every);
         stage_layouts.push(m.layout.clone());
         let (mut replicated, mut seq_partial) = (Vec::new(), Vec::new());
         if tpn > 1 {
@@ -589,7 +590,7 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
             local_cfg.sequence_parallel = cfg.parallel.sequence_parallel;
             let mut local = Gpt::zeroed(local_cfg, m.real_vocab);
             local.params = parallel::tp::shard(&m.layout, &m.params, &local.layout, tp_rank, tpn);
-            local.recompute = recompute;
+            (local.recompute, local.recompute_every) = (recompute, cfg.model.recompute_every);
             local.tp = Some(Box::new(parallel::tp::TpComm { comm: tp_hooks, c: m.cfg.n_embd }));
             if let Some((mm, vv)) = mv.take() {
                 mv = Some((parallel::tp::shard(&m.layout, &mm, &local.layout, tp_rank, tpn), parallel::tp::shard(&m.layout, &vv, &local.layout, tp_rank, tpn)));
@@ -609,7 +610,7 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
             let local_cfg = parallel::ep::local_config(&m.cfg, epn, ep_rank).map_err(KilnError::User)?;
             let mut local = Gpt::zeroed(local_cfg, m.real_vocab);
             local.params = parallel::ep::shard(&m.layout, &m.params, &local.layout);
-            local.recompute = recompute;
+            (local.recompute, local.recompute_every) = (recompute, cfg.model.recompute_every);
             local.ep = Some(Box::new(parallel::ep::EpComm { comm: ep_hooks, batch: route }));
             if let Some((mm, vv)) = mv.take() {
                 mv = Some((parallel::ep::shard(&m.layout, &mm, &local.layout), parallel::ep::shard(&m.layout, &vv, &local.layout)));

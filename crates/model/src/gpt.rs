@@ -200,8 +200,13 @@ struct BlockInner {
 struct Acts {
     b: usize,
     t: usize,
-    /// The policy these buffers were laid out for.
+    /// The policy these buffers were laid out for (with `Full`, every `every`-th layer).
     recompute: Recompute,
+    every: usize,
+    /// Each block's `kept` / `inner` slot (the recomputed blocks share slot 0), and whether
+    /// backward re-runs the block.
+    slot: Vec<usize>,
+    recomputed: Vec<bool>,
     /// The residual stream between blocks, `L + 1` of `[B, T, C]`: `xs[0]` the (dropped-out)
     /// embedding, `xs[l + 1]` block `l`'s output (`res_3`); `xs[L]` feeds the final norm.
     xs: Vec<Vec<f32>>,
@@ -243,8 +248,8 @@ struct Acts {
 impl Acts {
     /// The `kept` and `inner` slot of block `l`: its own, or the shared one.
     fn slots(&self) -> (impl Fn(usize) -> usize, impl Fn(usize) -> usize) {
-        let (own_kept, own_inner) = (self.kept.len() > 1, self.inner.len() > 1);
-        (move |l| if own_kept { l } else { 0 }, move |l| if own_inner { l } else { 0 })
+        let (a, b) = (self.slot.clone(), self.slot.clone());
+        (move |l| a[l], move |l| b[l])
     }
 }
 
@@ -290,6 +295,9 @@ pub struct Gpt {
     /// Activation recomputation policy (default [`Recompute::None`]); takes effect at the next
     /// forward.
     pub recompute: Recompute,
+    /// With `Recompute::Full`: recompute every this-many-th layer (by whole-model index; 1 =
+    /// all), keeping the others' activations.
+    pub recompute_every: usize,
     /// Storage precision of activations and their gradients (the caller keeps the parameters
     /// rounded to it).
     pub precision: Precision,
@@ -351,7 +359,7 @@ impl Gpt {
         let rope = (cfg.arch == Arch::Llama).then(|| rope_table(cfg.rope_theta, cfg.head_size(), cfg.block_size));
         let units = views.units(n);
         let unit_views = views.rebased(n);
-        Gpt { cfg, layout, views, units, unit_views, real_vocab, params: zeros(n), grads: zeros(n), rope, lora: None, tp: None, ep: None, recompute: Recompute::None, precision: Precision::Fp32, fp8: None, acts: None, scratch: None }
+        Gpt { cfg, layout, views, units, unit_views, real_vocab, params: zeros(n), grads: zeros(n), rope, lora: None, tp: None, ep: None, recompute: Recompute::None, recompute_every: 1, precision: Precision::Fp32, fp8: None, acts: None, scratch: None }
     }
 
     pub fn num_params(&self) -> usize {
@@ -366,7 +374,7 @@ impl Gpt {
     }
 
     fn ensure_acts(&mut self, b: usize, t: usize) {
-        if self.acts.as_ref().is_some_and(|a| a.b == b && a.t == t && a.recompute == self.recompute) {
+        if self.acts.as_ref().is_some_and(|a| a.b == b && a.t == t && a.recompute == self.recompute && a.every == self.recompute_every) {
             return;
         }
         let (c, nh, vp) = (self.cfg.n_embd, self.cfg.n_head, self.cfg.vocab_size);
@@ -398,15 +406,27 @@ impl Gpt {
             ln_1_full: zeros(nf * c), ln_2_full: zeros(nf * c),
         };
         let l = self.cfg.n_layer;
-        let (n_kept, n_inner) = match self.recompute {
-            Recompute::None | Recompute::Selective => (l, l),
-            Recompute::Full => (1, 1),
-        };
+        // Full recomputation of every k-th layer (k = 1: all): those layers share one set,
+        // the others keep their own.
+        let every = self.recompute_every.max(1);
+        let recomputed: Vec<bool> = (0..l).map(|i| self.recompute == Recompute::Full && (self.cfg.first_layer() + i) % every == 0).collect();
+        let mut slot = vec![0; l];
+        let mut next = usize::from(recomputed.iter().any(|&r| r));
+        for (i, r) in recomputed.iter().enumerate() {
+            if !r {
+                slot[i] = next;
+                next += 1;
+            }
+        }
+        let (n_kept, n_inner) = (next, next);
         // Drop the old buffers before allocating the new ones (peak memory).
         self.acts = None;
         self.acts = Some(Acts {
             b, t,
             recompute: self.recompute,
+            every,
+            slot,
+            recomputed,
             xs: (0..=self.cfg.n_layer).map(|_| zeros(nl * c)).collect(),
             kept: (0..n_kept).map(|_| kept()).collect(),
             inner: (0..n_inner).map(|_| inner()).collect(),
@@ -635,10 +655,11 @@ impl Gpt {
                     let _span = tensor::profile::layer_scope("block_recompute", l);
                     attn_core(&ops, l, &mut i.qkv, &mut a.core, a.p_drop, seed);
                 }
-                Recompute::Full => {
+                Recompute::Full if a.recomputed[l] => {
                     let _span = tensor::profile::layer_scope("block_recompute", l);
                     block_forward(&ops, w, bp, lora, l, x, k, i, &mut a.core, &mut a.branch, &mut a.full, None, a.p_drop, seed);
                 }
+                Recompute::Full => {}
             }
             let _span = tensor::profile::layer_scope("block_backward", l);
             // MLP branch: res_3 = res_2 + drop(fcproj)

@@ -209,3 +209,18 @@ fn memory_limit_refuses_the_run_with_the_plan() {
     assert_user_error(&mem(&["--resume", "--out", out.to_str().unwrap()]), &["kiln memory plans a new run", "--config"]);
     assert_user_error(&mem(&["--supervise"]), &["--supervise applies to `kiln train` only"]);
 }
+
+#[test]
+fn recompute_flags_are_checked() {
+    let d = scratch("recompute-flags");
+    let data = corpus(&d);
+    let o = train(&data, &d.join("a"), &["--recompute", "sometimes"]);
+    assert_user_error(&o, &["model.recompute must be `none`, `selective` or `full`, got `sometimes`"]);
+    let o = train(&data, &d.join("b"), &["--recompute", "selective", "--recompute-every", "2"]);
+    assert_user_error(&o, &["model.recompute_every must be positive and applies to model.recompute = full"]);
+    assert!(!d.join("a").exists() && !d.join("b").exists());
+    // Full recomputation of every 2nd layer trains (and matches no recomputation bit for bit:
+    // tests/it/recompute.rs in the model crate).
+    let o = train(&data, &d.join("c"), &["--recompute", "full", "--recompute-every", "2", "--set", "model.n_layer=4", "--max-steps", "3"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}

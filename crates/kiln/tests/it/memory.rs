@@ -2,7 +2,7 @@
 //! `kiln memory` command, and the plan against what a run's tracking allocator measures.
 
 use crate::common::*;
-use kiln::memory::{activation_set, FP32};
+use kiln::memory::{activation_set, activation_set_every, FP32};
 use model::gpt::Recompute;
 use model::{Gpt, GptConfig};
 
@@ -17,6 +17,13 @@ fn check(name: &str, cfg: &GptConfig, shapes: &[(usize, usize)]) {
             m.reserve_activations(b, t);
             let planned = activation_set(cfg, b, t, r, &FP32).total();
             assert_eq!(planned as usize, m.activation_bytes(), "{name} B {b} T {t} {r:?}");
+        }
+        for every in [2, 3] {
+            let mut m = Gpt::zeroed(cfg.clone(), cfg.vocab_size.min(256));
+            (m.recompute, m.recompute_every) = (Recompute::Full, every);
+            m.reserve_activations(b, t);
+            let planned = activation_set_every(cfg, b, t, Recompute::Full, every, &FP32).total();
+            assert_eq!(planned as usize, m.activation_bytes(), "{name} B {b} T {t} full every {every}");
         }
     }
 }

@@ -79,10 +79,12 @@ fn assert_bit_identical(cfg: GptConfig, lora: bool) {
     let a = run_step(&mut none);
     assert!(a.1.iter().any(|&x| x != 0), "gradients are all zero");
     assert!(!lora || a.2.iter().any(|&x| x != 0), "LoRA gradients are all zero");
-    for policy in [Recompute::Selective, Recompute::Full] {
+    // Full recomputation of every layer, and of every 2nd (the others keep their activations).
+    for (policy, every) in [(Recompute::Selective, 1), (Recompute::Full, 1), (Recompute::Full, 2)] {
         let mut m = build(&cfg, lora, policy);
+        m.recompute_every = every;
         let b = run_step(&mut m);
-        assert_eq!(a.0, b.0, "{policy:?}: losses differ");
+        assert_eq!(a.0, b.0, "{policy:?} every {every}: losses differ");
         for spec in &none.layout.params {
             let r = spec.range();
             assert_eq!(a.1[r.clone()], b.1[r], "{policy:?}: gradient of {} differs", spec.name);
@@ -94,7 +96,7 @@ fn assert_bit_identical(cfg: GptConfig, lora: bool) {
             }
         }
         // Switching the policy on a live model re-lays the buffers and changes nothing.
-        m.recompute = Recompute::None;
+        (m.recompute, m.recompute_every) = (Recompute::None, 1);
         assert_eq!(run_step(&mut m), a, "{policy:?} then None");
     }
     none.recompute = Recompute::Full;
@@ -153,6 +155,12 @@ fn recompute_keeps_block_activations_once() {
         bytes.push(m.activation_bytes());
     }
     let [none, selective, full] = bytes[..] else { unreachable!() };
+    // Full on every 2nd of the 8 layers: those 4 share one set, the other 4 keep theirs.
+    m.recompute = Recompute::Full;
+    m.recompute_every = 2;
+    m.reserve_activations(4, 32);
+    let half = m.activation_bytes();
+    assert!(full < half && half < none, "{full} {half} {none}");
     assert!((full as f64) < 0.4 * none as f64, "full {full} none {none}");
     assert!(full < selective && selective < none, "{bytes:?}");
     // Per block every policy keeps the block's output (C per token). The norm outputs ln_1,
