@@ -400,7 +400,11 @@ fn plan_rank(cfg: &RunConfig, gpt: &GptConfig, data_bytes: u64, s: usize) -> Res
         row(Kind::Optimizer, held, "AdamW m, v", optim, format!("2 × {moments} elements"));
     }
     if p.master > 0 {
-        row(Kind::Optimizer, held, "master weights", b4(moments * chunks, p.master), String::new());
+        if cfg.memory.offload == "optimizer" {
+            row(Kind::Optimizer, held, "master weights (offloaded)", 0, format!("{} in a memory-mapped file beside the moments", fmt_bytes(b4(moments * chunks, p.master))));
+        } else {
+            row(Kind::Optimizer, held, "master weights", b4(moments * chunks, p.master), String::new());
+        }
     }
 
     // Activations (one set per micro-batch in flight).

@@ -77,7 +77,7 @@ pub struct Optimizer {
     /// Mixed precision: the fp32 master weights (laid out like the moments); the working
     /// parameters the passes read are these rounded to `round`. `None`: the parameters are the
     /// fp32 weights themselves.
-    pub master: Option<Vec<f32>>,
+    pub master: Option<Moments>,
     pub round: Option<tensor::precision::Format>,
     segs: Vec<(Range<usize>, bool)>,
 }
@@ -114,10 +114,11 @@ impl Optimizer {
             }
         });
         dp.after_update();
-        (self.master, self.round) = (Some(mw), Some(fmt));
+        (self.master, self.round) = (Some(Moments::Mem(mw)), Some(fmt));
     }
 
-    /// Moves the moments to memory-mapped files `dir/exp_avg.bin` and `dir/exp_avg_sq.bin`.
+    /// Moves the moments (and mixed precision's master weights) to memory-mapped files
+    /// `dir/exp_avg.bin`, `dir/exp_avg_sq.bin` (and `dir/master.bin`).
     pub fn offload(&mut self, dir: &std::path::Path) -> std::io::Result<()> {
         std::fs::create_dir_all(dir)?;
         let len = self.m.len();
@@ -125,6 +126,11 @@ impl Optimizer {
         m.load(&self.m);
         v.load(&self.v);
         (self.m, self.v) = (m, v);
+        if let Some(mw) = self.master.as_mut() {
+            let mut f = Moments::file(&dir.join("master.bin"), len)?;
+            f.load(mw);
+            *mw = f;
+        }
         Ok(())
     }
 
@@ -169,6 +175,7 @@ impl Optimizer {
                         for (p, &x) in params[i..j].iter_mut().zip(w.iter()) {
                             *p = tensor::precision::round(x, fmt);
                         }
+                        mw.release(off + i..off + j);
                     }
                     _ => adamw_update(&mut params[i..j], &grads[i..j], &mut self.m[off + i..off + j], &mut self.v[off + i..off + j], &h),
                 }

@@ -955,8 +955,8 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
                 let (mut ps, mut ms, mut vs) = (Vec::new(), Vec::new(), Vec::new());
                 for ch in chunks.iter_mut() {
                     ps.push(match &ch.opt.master {
-                        Some(mw) if zero > 0 => ch.dp.gather_shards(mw),
-                        Some(mw) => mw.clone(),
+                        Some(mw) if zero > 0 => ch.dp.gather_shards(&mw[..]),
+                        Some(mw) => mw.to_vec(),
                         None => ch.dp.full_params(),
                     });
                     let (m, v) = if zero > 0 { (ch.dp.gather_shards(&ch.opt.m), ch.dp.gather_shards(&ch.opt.v)) } else { (ch.opt.m.to_vec(), ch.opt.v.to_vec()) };
