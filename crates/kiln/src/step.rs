@@ -566,11 +566,12 @@ pub fn train_step(
     }
     // The tied embedding: the first stage's gradient (from the embedding) and the last
     // stage's (from the head) are two parts of one gradient; both copies get the sum.
-    let tied = (0..v).filter(|&c| {
-        let vs = c * p + me;
-        chunks[c].model.cfg.tied_embeddings && (vs == 0 || vs == last_vs) && p * v > 1
-    });
-    let tied: Vec<usize> = tied.collect();
+    let tied: Vec<usize> = (0..v)
+        .filter(|&c| {
+            let vs = c * p + me;
+            chunks[c].model.cfg.tied_embeddings && (vs == 0 || vs == last_vs) && p * v > 1
+        })
+        .collect();
     if !tied.is_empty() {
         let _p = profile::scope("pp tied embedding");
         let mut sum: Vec<f32> = chunks[tied[0]].dp.unit_grads_mut(0).to_vec();

@@ -501,8 +501,8 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
     let (dp_rank, tp_rank, pp_rank, ep_rank) = (dp_comms[0].rank(), tp_comm.rank(), pp_comm.rank(), ep_comm.rank());
     let dpn = dpn * epn;
     // The first and last pipeline stages share a tied embedding: their own group.
-    let tie_group: Vec<usize> = if pp_rank == 0 || pp_rank + 1 == ppn { vec![0, ppn - 1] } else { vec![pp_rank] };
-    let tie_group: Vec<usize> = tie_group.into_iter().collect::<std::collections::BTreeSet<_>>().into_iter().collect();
+    let mut tie_group = if pp_rank == 0 || pp_rank + 1 == ppn { vec![0, ppn - 1] } else { vec![pp_rank] };
+    tie_group.dedup();
     let tie_comm = pp_comm.split(&tie_group);
     let rows = mb / dpn;
     let zero = cfg.parallel.zero as u8;

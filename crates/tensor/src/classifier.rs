@@ -66,12 +66,19 @@ pub fn lm_head_crossentropy(
             }
         });
         if let Some((dinp, dweight, _)) = grads.as_mut() {
-            let dl = View::rows(lg, rows, vp);
-            gemm(&mut dinp[r0 * c..(r0 + rows) * c], false, dl, View::rows(weight, vp, c), 1.0, Threads::All);
-            gemm(dweight, true, dl.t(), View::rows(x, rows, c), 1.0, Threads::All);
+            chunk_grads(&mut dinp[r0 * c..(r0 + rows) * c], dweight, lg, x, weight, rows, vp, c);
         }
     }
     targets.iter().filter(|&&t| t != ignore_index).count()
+}
+
+/// One chunk's backward through the head: `dinp = dlogits · weight` (overwritten) and
+/// `dweight += dlogitsᵀ · inp`, with `dlogits` `[rows, vp]`.
+#[allow(clippy::too_many_arguments)]
+fn chunk_grads(dinp: &mut [f32], dweight: &mut [f32], dlogits: &[f32], inp: &[f32], weight: &[f32], rows: usize, vp: usize, c: usize) {
+    let dl = View::rows(dlogits, rows, vp);
+    gemm(dinp, false, dl, View::rows(weight, vp, c), 1.0, Threads::All);
+    gemm(dweight, true, dl.t(), View::rows(inp, rows, c), 1.0, Threads::All);
 }
 
 /// In-place softmax over the first `v` entries of `row`; the rest (padding) become 0.
@@ -189,9 +196,7 @@ pub fn lm_head_crossentropy_vocab_parallel(
             }
         });
         if let Some((dinp, dweight, _)) = grads.as_mut() {
-            let dl = View::rows(lg, rows, vl);
-            gemm(&mut dinp[r0 * c..(r0 + rows) * c], false, dl, View::rows(weight, vl, c), 1.0, Threads::All);
-            gemm(dweight, true, dl.t(), View::rows(x, rows, c), 1.0, Threads::All);
+            chunk_grads(&mut dinp[r0 * c..(r0 + rows) * c], dweight, lg, x, weight, rows, vl, c);
         }
     }
     targets.iter().filter(|&&t| t != ignore_index).count()

@@ -18,22 +18,9 @@ pub fn embedding_forward(
     t: usize,
     c: usize,
 ) {
-    let _p = crate::profile::scope("embedding_forward");
-    assert_eq!(out.len(), tokens.len() * c);
-    out.par_chunks_mut(c).enumerate().for_each(|(i, o)| {
-        let tok = tokens[i] as usize;
-        let e = &wte[tok * c..(tok + 1) * c];
-        match wpe {
-            Some(p) => {
-                let pos = i % t;
-                let p = &p[pos * c..(pos + 1) * c];
-                for ((o, e), p) in o.iter_mut().zip(e).zip(p) {
-                    *o = e + p;
-                }
-            }
-            None => o.copy_from_slice(e),
-        }
-    });
+    let vp = wte.len() / c;
+    assert!(tokens.iter().all(|&x| (x as usize) < vp), "token outside the vocabulary of {vp}");
+    embedding_forward_rows(out, tokens, wte, wpe, t, c, 0..vp);
 }
 
 /// Backward of [`embedding_forward`]. Accumulates into `dwte` and `dwpe`.
@@ -47,17 +34,9 @@ pub fn embedding_backward(
     t: usize,
     c: usize,
 ) {
-    let _p = crate::profile::scope("embedding_backward");
-    for (i, &tok) in tokens.iter().enumerate() {
-        let d = &dout[i * c..(i + 1) * c];
-        let w = &mut dwte[tok as usize * c..(tok as usize + 1) * c];
-        for (w, d) in w.iter_mut().zip(d) {
-            *w += d;
-        }
-    }
-    if let Some(dwpe) = dwpe {
-        position_backward(dwpe, dout, tokens.len() / t, t, c);
-    }
+    let vp = dwte.len() / c;
+    assert!(tokens.iter().all(|&x| (x as usize) < vp), "token outside the vocabulary of {vp}");
+    embedding_backward_rows(dwte, dwpe, dout, tokens, t, c, 0..vp);
 }
 
 /// `dwpe[pos] += Σ_b dout[b, pos]`, parallel over positions (each summed in batch order).
