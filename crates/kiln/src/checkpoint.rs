@@ -100,14 +100,113 @@ fn sync_dir(path: &Path) -> Result<()> {
 
 
 /// Writes `t` as a safetensors file (tensors in the given order, f32), streaming, and syncs
-/// it; returns its size and CRC-32.
+/// it; returns its size and CRC-32. Written with direct I/O where the filesystem takes it
+/// ([`DirectWriter`]), else through the page cache.
 fn write_tensors(path: &Path, t: &Tensors) -> Result<(u64, u32)> {
+    #[cfg(target_os = "linux")]
+    match DirectWriter::create(path) {
+        Ok(mut w) => match encode_tensors(&mut w, t).and_then(|r| w.finish().map(|()| r)) {
+            Ok(r) => return Ok(r),
+            // EINVAL: this file system refuses some direct write after all; start over below.
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {}
+            Err(e) => return Err(io_err(path, e)),
+        },
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {}
+        Err(e) => return Err(io_err(path, e)),
+    }
     let f = fs::File::create(path).map_err(|e| io_err(path, e))?;
     let mut w = std::io::BufWriter::with_capacity(1 << 22, f);
     let r = encode_tensors(&mut w, t).map_err(|e| io_err(path, e))?;
     let f = w.into_inner().map_err(|e| io_err(path, e.into_error()))?;
     f.sync_all().map_err(|e| io_err(path, e))?;
     Ok(r)
+}
+
+/// A file written with `O_DIRECT` through a page-aligned staging buffer: the data goes from
+/// that buffer to the device, bypassing the page cache. Buffered, a 1.5 GB checkpoint costs
+/// this machine ~3.8 s of kernel CPU (copying into the cache, then writeback and reclaim by
+/// kernel threads at normal priority, which take the cores from training); direct, ~0.1 s,
+/// and what is left (filling the staging buffer) runs on the writer's idle-priority thread.
+#[cfg(target_os = "linux")]
+struct DirectWriter {
+    f: fs::File,
+    buf: *mut u8,
+    fill: usize,
+    /// File offset of `buf[0]`.
+    off: u64,
+}
+
+#[cfg(target_os = "linux")]
+impl DirectWriter {
+    /// Staging size and alignment (of memory, file offsets and lengths: the file system block).
+    const CAP: usize = 1 << 22;
+    const ALIGN: usize = 4096;
+
+    fn layout() -> std::alloc::Layout {
+        std::alloc::Layout::from_size_align(Self::CAP, Self::ALIGN).unwrap()
+    }
+
+    fn create(path: &Path) -> std::io::Result<DirectWriter> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let f = fs::OpenOptions::new().write(true).create(true).truncate(true).custom_flags(libc::O_DIRECT).open(path)?;
+        // SAFETY: a non-zero size; freed in Drop with the same layout.
+        let buf = unsafe { std::alloc::alloc(Self::layout()) };
+        if buf.is_null() {
+            std::alloc::handle_alloc_error(Self::layout());
+        }
+        Ok(DirectWriter { f, buf, fill: 0, off: 0 })
+    }
+
+    /// Writes the first `len` staged bytes (a multiple of ALIGN) at the current offset.
+    fn put(&mut self, len: usize) -> std::io::Result<()> {
+        use std::os::unix::fs::FileExt;
+        // SAFETY: `buf` holds CAP initialised-or-written bytes; len <= CAP.
+        let b = unsafe { std::slice::from_raw_parts(self.buf, len) };
+        self.f.write_all_at(b, self.off)?;
+        self.off += len as u64;
+        Ok(())
+    }
+
+    /// Writes what is staged (the last block zero-padded), cuts the file to its length, syncs.
+    fn finish(&mut self) -> std::io::Result<()> {
+        let len = self.off + self.fill as u64;
+        if self.fill > 0 {
+            let padded = self.fill.div_ceil(Self::ALIGN) * Self::ALIGN;
+            // SAFETY: padded <= CAP.
+            unsafe { std::ptr::write_bytes(self.buf.add(self.fill), 0, padded - self.fill) };
+            self.put(padded)?;
+            self.fill = 0;
+        }
+        self.f.set_len(len)?;
+        self.f.sync_all()
+    }
+}
+
+#[cfg(target_os = "linux")]
+impl Write for DirectWriter {
+    fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
+        let n = data.len().min(Self::CAP - self.fill);
+        // SAFETY: fill + n <= CAP; `data` cannot overlap our private buffer.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.buf.add(self.fill), n) };
+        self.fill += n;
+        if self.fill == Self::CAP {
+            self.put(Self::CAP)?;
+            self.fill = 0;
+        }
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[cfg(target_os = "linux")]
+impl Drop for DirectWriter {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `create` with this layout.
+        unsafe { std::alloc::dealloc(self.buf, Self::layout()) };
+    }
 }
 
 /// The safetensors encoding of `t` into `w`; returns (bytes, CRC-32).

@@ -1008,18 +1008,22 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
                     let interval = ((2.0 * (snapshot_s + write) * cfg.checkpoint.mtbf_s).sqrt() / step_s).round().max(1.0) as u64;
                     auto_interval = Some(interval);
                 }
-                let done = if interrupted || last { writer.finish()?.or(done) } else { done };
+                // At the end, the write just submitted finishes too: both are reported.
+                let mut done: Vec<checkpoint::Saved> = done.into_iter().collect();
+                if interrupted || last {
+                    done.extend(writer.finish()?);
+                }
                 if let Some(m) = metrics.as_mut() {
                     let mut line = serde_json::json!({"kind": "checkpoint", "step": step, "snapshot_s": snapshot_s, "background": cfg.checkpoint.background});
                     if let Some(i) = auto_interval {
                         line["next_interval"] = i.into();
                     }
                     m.log(&line).map_err(KilnError::User)?;
-                    if let Some(d) = &done {
+                    for d in &done {
                         m.log(&serde_json::json!({"kind": "checkpoint", "step": d.step, "write_s": d.write_s})).map_err(KilnError::User)?;
                     }
                 }
-                if let (Some(d), true) = (&done, interrupted || last) {
+                if let (Some(d), true) = (done.last(), interrupted || last) {
                     say(&format!("checkpoint saved: {}", d.dir.display()));
                 }
             }

@@ -260,3 +260,29 @@ fn convert_between_one_file_and_parts_keeps_the_digests() {
     let o = kiln(&["checkpoint", "convert", out.to_str().unwrap(), "--out", back.to_str().unwrap()]);
     assert_user_error(&o, &["already holds a checkpoint of step 5"]);
 }
+
+#[test]
+fn direct_io_checkpoints_of_any_size_read_back_exactly() {
+    // Tensor sizes that leave every kind of partial last block (direct I/O writes whole 4 KiB
+    // blocks and cuts the file to its length), one spanning several 4 MiB staging buffers.
+    use kiln::checkpoint::{save, verify_and_load, Tensors, TrainState};
+    let d = scratch("direct");
+    let sizes = [1usize, 3, 1023, 1024, 1025, (1 << 20) + 7, 3 << 20];
+    let bufs: Vec<Vec<f32>> = sizes.iter().enumerate().map(|(k, &n)| (0..n).map(|i| (i as f32 * 0.37 + k as f32).sin()).collect()).collect();
+    let t = |pre: &str| Tensors { items: bufs.iter().enumerate().map(|(k, b)| (format!("{pre}t{k}"), vec![b.len()], &b[..])).collect() };
+    let state = TrainState { step: 7, sampler_rng: [1, 2, 3, 4], tokens_seen: 9, elapsed_s: 1.5, config: String::new(), loss_scale: None, fp8_amax: None };
+    let dir = save(&d.join("checkpoints"), &state, &t(""), &t("exp_avg."), "{}").unwrap();
+    let l = verify_and_load(&dir).unwrap();
+    assert_eq!(l.state, state);
+    for (bytes, pre) in [(&l.model, ""), (&l.optim, "exp_avg.")] {
+        let st = safetensors::SafeTensors::deserialize(bytes).unwrap();
+        for (k, b) in bufs.iter().enumerate() {
+            let got: Vec<f32> = st.tensor(&format!("{pre}t{k}")).unwrap().data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+            assert_eq!(&got, b, "tensor {pre}t{k} of {} elements", b.len());
+        }
+    }
+    // The file is exactly its safetensors length (no block padding left behind).
+    let len = std::fs::metadata(dir.join("model.safetensors")).unwrap().len();
+    assert_eq!(len as usize, l.model.len());
+    assert_ne!(len % 4096, 0, "the test should end in a partial block");
+}
