@@ -49,7 +49,9 @@ fn product_flops(m: usize, n: usize, k: usize, reps: usize) -> f64 {
 /// The fp32 matmul peak in FLOP/s: the best product of [`peak`]. Training and `kiln bench`
 /// state MFU against this figure.
 pub fn peak_flops() -> f64 {
-    peak()["peak_gflops"].as_f64().unwrap_or(f64::NAN) * 1e9
+    // Measured once per process (an in-process restart of the ranks does not measure again).
+    static PEAK: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
+    *PEAK.get_or_init(|| peak()["peak_gflops"].as_f64().unwrap_or(f64::NAN) * 1e9)
 }
 
 /// `kiln bench --peak`: large square and transformer-shaped products on all threads.

@@ -567,6 +567,8 @@ pub struct Job {
     pub layout: model::ParamLayout,
     pub sources: [Source; 3],
     pub tokenizer_json: String,
+    /// Written to disk; else an in-memory snapshot only (kept by the [`ReplicaStore`]).
+    pub to_disk: bool,
 }
 
 /// Held while a snapshot is being copied out of live training buffers (CheckFreq's pipelined
@@ -655,6 +657,126 @@ fn write_snapshot(ckpt_dir: &Path, snap: &Snapshot, keep: usize, keep_every: u64
     Ok(Saved { dir, step: snap.state.step, write_s: t0.elapsed().as_secs_f64() })
 }
 
+/// In-memory checkpoints (Gemini, Wang et al. SOSP 2023): every rank's latest snapshot stays
+/// in its own memory and a copy goes to its peer's (rank `r`'s to rank `r + 1 mod n`), so
+/// when a rank fails, the survivors restore from their own memory and the failed rank's part
+/// comes from its peer's, without reading disk. A host is one rank's memory; a failed rank
+/// loses its host ([`ReplicaStore::lose`]): its own snapshot and the copy it kept for the
+/// rank before it. With in-process ranks the hosts are regions of this process (what a
+/// failed rank thread loses is simulated; a crash of the process loses them all, and the
+/// restart reads disk).
+pub struct ReplicaStore {
+    hosts: Vec<std::sync::Mutex<Host>>,
+}
+
+#[derive(Default)]
+struct Host {
+    /// This rank's latest snapshot (also what its writer reads while writing it to disk).
+    own: Option<std::sync::Arc<Snapshot>>,
+    /// A copy of the previous rank's latest snapshot.
+    guest: Option<Snapshot>,
+}
+
+/// A snapshot's bytes of tensor data.
+fn snapshot_bytes(s: &Snapshot) -> usize {
+    4 * (s.params.len() + s.m.len() + s.v.len())
+}
+
+impl ReplicaStore {
+    pub fn new(world: usize) -> std::sync::Arc<ReplicaStore> {
+        std::sync::Arc::new(ReplicaStore { hosts: (0..world).map(|_| Default::default()).collect() })
+    }
+
+    fn peer(&self, rank: usize) -> usize {
+        (rank + 1) % self.hosts.len()
+    }
+
+    /// Makes `snap` rank `rank`'s latest in-memory snapshot: copied into its peer's memory
+    /// (into the buffers of the copy it replaces), then kept as its own. Returns the snapshot
+    /// it replaces (for its buffers to be reused).
+    fn publish(&self, rank: usize, snap: std::sync::Arc<Snapshot>) -> Option<std::sync::Arc<Snapshot>> {
+        let peer = self.peer(rank);
+        if peer != rank {
+            let old = self.hosts[peer].lock().unwrap().guest.take();
+            let (mut p, mut m, mut v) = old.map_or((Vec::new(), Vec::new(), Vec::new()), |g| (g.params, g.m, g.v));
+            for (dst, src) in [(&mut p, &snap.params), (&mut m, &snap.m), (&mut v, &snap.v)] {
+                dst.clear();
+                dst.extend_from_slice(src);
+            }
+            let copy = Snapshot { part: snap.part.clone(), state: snap.state.clone(), layout: snap.layout.clone(), params: p, m, v, tokenizer_json: snap.tokenizer_json.clone() };
+            self.hosts[peer].lock().unwrap().guest = Some(copy);
+        }
+        self.hosts[rank].lock().unwrap().own.replace(snap)
+    }
+
+    /// Rank `rank` has failed: everything in its memory is gone.
+    pub fn lose(&self, rank: usize) {
+        *self.hosts[rank].lock().unwrap() = Host::default();
+    }
+
+    /// Bytes held in rank `rank`'s memory (its own snapshot and its peer's copy).
+    pub fn held_bytes(&self, rank: usize) -> usize {
+        let h = self.hosts[rank].lock().unwrap();
+        h.own.as_deref().map_or(0, snapshot_bytes) + h.guest.as_ref().map_or(0, snapshot_bytes)
+    }
+
+    /// The whole checkpoint of the newest step whose every part is still in memory: each
+    /// rank's own snapshot, or for a failed rank the copy in its peer's memory. Why not, when
+    /// no step has all its parts.
+    pub fn restore(&self) -> std::result::Result<Loaded, String> {
+        let n = self.hosts.len();
+        let hosts: Vec<_> = self.hosts.iter().map(|h| h.lock().unwrap()).collect();
+        // Part k of a sharded snapshot is rank k's; an unsharded one (LoRA adapters) is rank 0's alone.
+        let parts = hosts.iter().filter_map(|h| h.own.as_deref().or(h.guest.as_ref())).map(|s| s.part.as_ref().map_or(1, |p| p.world)).next();
+        let Some(parts) = parts else { return Err("no rank holds an in-memory snapshot".into()) };
+        let candidates = |k: usize| -> Vec<&Snapshot> {
+            let guest = hosts[(k + 1) % n].guest.as_ref().filter(|g| g.part.as_ref().map_or(0, |p| p.rank) == k);
+            hosts[k].own.as_deref().into_iter().chain(guest).collect()
+        };
+        let mut steps: Option<std::collections::BTreeSet<u64>> = None;
+        for k in 0..parts {
+            let have: std::collections::BTreeSet<u64> = candidates(k).iter().map(|s| s.state.step).collect();
+            if have.is_empty() {
+                return Err(format!("rank {k}'s snapshot is in neither its memory nor its peer's (rank {})", (k + 1) % n));
+            }
+            steps = Some(match steps {
+                None => have,
+                Some(s) => s.intersection(&have).copied().collect(),
+            });
+        }
+        let Some(&step) = steps.unwrap_or_default().iter().next_back() else {
+            return Err("the ranks' in-memory snapshots are of different steps (a failure during a snapshot)".into());
+        };
+        let chosen: Vec<&Snapshot> = (0..parts).map(|k| *candidates(k).iter().find(|s| s.state.step == step).unwrap()).collect();
+        let first = chosen[0];
+        // The whole tensors, from every part's slice of each, in part order.
+        let whole = |prefix: &str, pick: &dyn Fn(&Snapshot) -> &[f32]| -> Vec<(String, Vec<usize>, Vec<f32>)> {
+            first
+                .layout
+                .params
+                .iter()
+                .enumerate()
+                .map(|(i, p)| {
+                    let name = format!("{prefix}{}", p.name);
+                    let shape = first.part.as_ref().map_or_else(|| p.shape.clone(), |pt| pt.shapes[&name].clone());
+                    let data = chosen.iter().flat_map(|s| pick(s)[s.layout.params[i].range()].iter().copied()).collect();
+                    (name, shape, data)
+                })
+                .collect()
+        };
+        let encode = |items: Vec<(String, Vec<usize>, Vec<f32>)>| {
+            let t = Tensors { items: items.iter().map(|(n, s, d)| (n.clone(), s.clone(), &d[..])).collect() };
+            let mut out = Vec::new();
+            encode_tensors(&mut out, &t).expect("writing to memory");
+            out
+        };
+        let model = encode(whole("", &|s| &s.params));
+        let mut ot = whole("exp_avg.", &|s| &s.m);
+        ot.extend(whole("exp_avg_sq.", &|s| &s.v));
+        Ok(Loaded { dir: PathBuf::from(format!("<in-memory snapshot of step {step}>")), state: first.state.clone(), model, optim: encode(ot), tokenizer_json: first.tokenizer_json.clone() })
+    }
+}
+
 /// Writes snapshots on a background thread, at most one in flight: a new one waits for the
 /// previous to finish (a write is never abandoned or interleaved with another). Synchronous
 /// when `background` is false.
@@ -663,7 +785,9 @@ pub struct Writer {
     keep: usize,
     keep_every: u64,
     background: bool,
-    inflight: Option<std::thread::JoinHandle<(Result<Saved>, Snapshot)>>,
+    /// In-memory checkpoints: the store and this rank.
+    replicas: Option<(std::sync::Arc<ReplicaStore>, usize)>,
+    inflight: Option<std::thread::JoinHandle<(Result<Option<Saved>>, Option<Snapshot>)>>,
     /// A finished write whose result has not been reported yet.
     finished: Option<Result<Saved>>,
     /// The last written snapshot's buffers, for the next snapshot to copy into (no fresh
@@ -674,16 +798,30 @@ pub struct Writer {
 
 impl Writer {
     pub fn new(ckpt_dir: PathBuf, keep: usize, keep_every: u64, background: bool) -> Writer {
-        Writer { ckpt_dir, keep, keep_every, background, inflight: None, finished: None, spare: None, gate: Gate::default() }
+        Writer { ckpt_dir, keep, keep_every, background, replicas: None, inflight: None, finished: None, spare: None, gate: Gate::default() }
+    }
+
+    /// Also keeps every snapshot in memory, this rank's in `store` ([`ReplicaStore`]).
+    pub fn with_replicas(mut self, store: std::sync::Arc<ReplicaStore>, rank: usize) -> Writer {
+        self.replicas = Some((store, rank));
+        self
     }
 
     fn reap(&mut self) -> Result<()> {
         if let Some(h) = self.inflight.take() {
             let (r, snap) = h.join().map_err(|_| KilnError::Internal("the checkpoint writer panicked".into()))?;
-            self.finished = Some(r);
-            self.spare = Some(snap);
+            // A memory-only snapshot has nothing to report; an earlier write's report stays.
+            if let Some(r) = r.transpose() {
+                self.finished = Some(r);
+            }
+            self.spare = snap;
         }
         Ok(())
+    }
+
+    /// A snapshot is still being copied or written.
+    pub fn busy(&self) -> bool {
+        self.inflight.as_ref().is_some_and(|h| !h.is_finished())
     }
 
     /// The gate the training loop waits at before it updates buffers a snapshot may still be
@@ -699,13 +837,25 @@ impl Writer {
     pub fn submit(&mut self, job: Job) -> Result<Option<Saved>> {
         let prev = self.finish()?;
         let spare = self.spare.take();
+        let (dir, keep, every, replicas) = (self.ckpt_dir.clone(), self.keep, self.keep_every, self.replicas.clone());
+        // Copied, kept in memory (the buffers of the one it replaces come back as the next
+        // spare), and written.
+        let save = move |snap: Snapshot, to_disk: bool| -> (Result<Option<Saved>>, Option<Snapshot>) {
+            let Some((store, rank)) = replicas else {
+                let r = if to_disk { write_snapshot(&dir, &snap, keep, every).map(Some) } else { Ok(None) };
+                return (r, Some(snap));
+            };
+            let snap = std::sync::Arc::new(snap);
+            let old = store.publish(rank, snap.clone());
+            let r = if to_disk { write_snapshot(&dir, &snap, keep, every).map(Some) } else { Ok(None) };
+            (r, old.and_then(|o| std::sync::Arc::try_unwrap(o).ok()))
+        };
+        let to_disk = job.to_disk;
         if !self.background {
-            let snap = copy_job(job, spare);
-            let r = write_snapshot(&self.ckpt_dir, &snap, self.keep, self.keep_every);
-            self.spare = Some(snap);
-            return r.map(Some);
+            let (r, spare) = save(copy_job(job, spare), to_disk);
+            self.spare = spare;
+            return r.map(|s| s.or(prev));
         }
-        let (dir, keep, every) = (self.ckpt_dir.clone(), self.keep, self.keep_every);
         let gate = self.gate.clone();
         gate.hold();
         let h = std::thread::Builder::new()
@@ -714,7 +864,7 @@ impl Writer {
                 let snap = copy_job(job, spare);
                 gate.release();
                 lower_priority();
-                (write_snapshot(&dir, &snap, keep, every), snap)
+                save(snap, to_disk)
             })
             .map_err(|e| KilnError::Internal(format!("cannot start the checkpoint writer: {e}")))?;
         self.inflight = Some(h);

@@ -148,6 +148,12 @@ pub struct CheckpointSection {
     /// first at `interval` (or step 10). 0 = the fixed `interval`.
     #[serde(default)]
     pub mtbf_s: f64,
+    /// In-memory checkpoints (Gemini): every this many steps (0 = off) each rank snapshots
+    /// its state into its memory and a copy into the next rank's, and a failed rank is
+    /// restored from there without reading disk. Disk checkpoints are kept in memory too.
+    /// Needs at least two in-process ranks.
+    #[serde(default)]
+    pub memory_interval: u64,
 }
 
 fn yes() -> bool {
@@ -311,11 +317,25 @@ pub struct FaultSection {
     pub max_consecutive_skips: usize,
     /// Debug: poison the gradient with NaN at these steps (1-based).
     pub inject_nan_steps: Vec<u64>,
+    /// Debug: these ranks fail (lose their state and memory) at the start of step
+    /// `fail_step` (1-based; 0 = never), once per run.
+    #[serde(default)]
+    pub fail_ranks: Vec<usize>,
+    #[serde(default)]
+    pub fail_step: u64,
+    /// In-process restarts after a rank fails (from in-memory snapshots, else from disk)
+    /// before the run gives up.
+    #[serde(default = "three")]
+    pub max_rank_restarts: u32,
+}
+
+fn three() -> u32 {
+    3
 }
 
 impl Default for FaultSection {
     fn default() -> Self {
-        FaultSection { skip_nonfinite: true, spike_zscore: 0.0, spike_window: 50, max_consecutive_skips: 3, inject_nan_steps: vec![] }
+        FaultSection { skip_nonfinite: true, spike_zscore: 0.0, spike_window: 50, max_consecutive_skips: 3, inject_nan_steps: vec![], fail_ranks: vec![], fail_step: 0, max_rank_restarts: 3 }
     }
 }
 
@@ -541,6 +561,16 @@ impl RunConfig {
         let p = &self.parallel;
         if p.backend != "inproc" && p.backend != "mpi" {
             return user(format!("parallel.backend must be `inproc` or `mpi`, got `{}`", p.backend));
+        }
+        let world = p.dp * p.tp * p.pp * p.ep;
+        if self.checkpoint.memory_interval > 0 && (p.backend == "mpi" || world < 2) {
+            return user(format!(
+                "checkpoint.memory_interval = {} needs at least two in-process ranks (a peer to keep each rank's copy), got parallel.backend = {} with {world} rank(s): under MPI a failed rank takes the whole job, and the peers' memory, with it",
+                self.checkpoint.memory_interval, p.backend
+            ));
+        }
+        if let Some(r) = self.faults.fail_ranks.iter().find(|&&r| p.backend != "mpi" && r >= world) {
+            return user(format!("faults.fail_ranks names rank {r}, but the run has {world} rank(s)"));
         }
         if p.dp == 0 && p.backend != "mpi" {
             return user("parallel.dp must be positive, got 0 (0 means `all MPI processes` and needs parallel.backend = mpi)");

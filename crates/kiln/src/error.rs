@@ -11,13 +11,15 @@ pub enum KilnError {
     /// Training must restart from the newest valid checkpoint of `run_dir` (numerical-fault
     /// rollback).
     Rollback(String, std::path::PathBuf),
+    /// A rank failed (`faults.fail_ranks`): its state and memory are gone.
+    RankFailed { rank: usize, step: u64 },
 }
 
 impl KilnError {
     pub fn exit_code(&self) -> i32 {
         match self {
             KilnError::User(_) => 2,
-            KilnError::Internal(_) | KilnError::Rollback(..) => 1,
+            KilnError::Internal(_) | KilnError::Rollback(..) | KilnError::RankFailed { .. } => 1,
         }
     }
 }
@@ -26,6 +28,7 @@ impl fmt::Display for KilnError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             KilnError::User(m) | KilnError::Internal(m) | KilnError::Rollback(m, _) => f.write_str(m),
+            KilnError::RankFailed { rank, step } => write!(f, "rank {rank} failed at step {step} (injected: faults.fail_ranks)"),
         }
     }
 }

@@ -483,7 +483,8 @@ fn plan_rank(cfg: &RunConfig, gpt: &GptConfig, data_bytes: u64, s: usize) -> Res
         None if parts => 3 * whole_layout.params.iter().map(|q| crate::checkpoint::part_range(q.len(), 0, world).len()).sum::<usize>(),
         None => 3 * whole_layout.total,
     };
-    row(Kind::Other, Phase::Checkpoint, "checkpoint snapshot", b4(snap, p.param), format!("parameters and both moments{}; kept from the first checkpoint on", if parts { format!(", this rank's 1/{world} part") } else { String::new() }));
+    let snapshots = if cfg.checkpoint.memory_interval > 0 { 3 } else { 1 };
+    row(Kind::Other, Phase::Checkpoint, "checkpoint snapshot", snapshots * b4(snap, p.param), format!("parameters and both moments{}; kept from the first checkpoint on{}", if parts { format!(", this rank's 1/{world} part") } else { String::new() }, if cfg.checkpoint.memory_interval > 0 { " (×3 with in-memory checkpoints: latest, previous, the peer's copy)" } else { "" }));
     let plain = tp == 1 && zero == 0;
     let gather = if lora_run || plain {
         0
@@ -503,12 +504,14 @@ fn plan_rank(cfg: &RunConfig, gpt: &GptConfig, data_bytes: u64, s: usize) -> Res
     let scratch = grad_scratch(&local, n, &p);
     let eval_peak = if realloc { held_bytes - acts.total() - scratch + eval_acts } else { held_bytes } + eval_extra;
     let snapshot = b4(snap, p.param);
-    let checkpoint_peak = held_bytes + snapshot + b4(gather, p.param);
+    let checkpoint_peak = held_bytes + snapshots * snapshot + b4(gather, p.param);
     // Snapshot buffers are kept for the next checkpoint: from a checkpoint before the last step
     // on, steps and evaluations hold them too.
     let ck = &cfg.checkpoint;
     let mid_run = (ck.interval > 0 && ck.interval < cfg.train.max_steps) || ck.mtbf_s > 0.0;
-    let kept = if mid_run { snapshot } else { 0 };
+    // In-memory checkpoints keep three: the latest (this rank's in-memory copy), the one
+    // before (the next snapshot's buffers) and the previous rank's copy.
+    let kept = if mid_run || ck.memory_interval > 0 { snapshots * snapshot } else { 0 };
     let total_peak = (step_peak + kept).max(eval_peak + kept).max(checkpoint_peak);
     let layout_line = format!(
         "{} | {} layers, {} params{} | dp {dp} × tp {tp}{}, ZeRO {zero} | recompute {} | micro-batch {rows} × {t} per rank | {}{}",

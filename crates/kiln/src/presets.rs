@@ -36,7 +36,7 @@ fn base() -> RunConfig {
             weight_decay: 0.1, beta1: 0.9, beta2: 0.99, eps: 1e-8, grad_clip: 1.0, seed: 1337, threads: 0, log_interval: 10, precision: "fp32".into(), loss_scale: 65536.0, loss_scale_window: 1000, fp8_amax_history: 16,
         },
         eval: EvalSection { interval: 250, iters: 20, batch_size: 0 },
-        checkpoint: CheckpointSection { interval: 500, keep: 3, keep_every: 0, background: true, mtbf_s: 0.0 },
+        checkpoint: CheckpointSection { interval: 500, keep: 3, keep_every: 0, background: true, mtbf_s: 0.0, memory_interval: 0 },
         data: DataSection { tokenizer: "byte".into(), paths: vec![], val_fraction: 0.1 },
         sample: SampleSection { tokens: 300, prompt: "\n".into(), temperature: 0.8, top_k: 200 },
         lora: LoraSection { rank: 0, alpha: 16.0, targets: vec!["q".into(), "v".into()] },

@@ -397,7 +397,7 @@ fn train_once(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
         "mpi" => run_mpi(&ctx, stop),
         _ if world == 1 => {
             let comm = parallel::InProcess::world(1).pop().unwrap();
-            run_rank(&ctx, &comm, stop)
+            run_rank(&ctx, &comm, stop, None, ctx.resume_from.as_ref())
         }
         _ => run_inproc(&ctx, world, stop),
     }
@@ -416,29 +416,85 @@ struct Ctx<'a> {
 }
 
 /// `world` ranks as threads of this process. A rank that fails makes the others' collectives
-/// abort; the first failure is returned (a user error keeps its exit code).
+/// abort; the first failure is returned (a user error keeps its exit code). With in-memory
+/// checkpoints (`checkpoint.memory_interval`), a failed run restarts here, every rank from
+/// the newest step whose parts are all still in memory (a failed rank's from its peer's),
+/// else from the newest valid checkpoint on disk, up to `faults.max_rank_restarts` times.
 fn run_inproc(ctx: &Ctx, world: usize, stop: &AtomicBool) -> Result<Summary> {
-    let failed: std::sync::Mutex<Option<KilnError>> = std::sync::Mutex::new(None);
-    let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        parallel::run_ranks(world, |c| {
-            match run_rank(ctx, c, stop) {
-                Ok(s) => s,
-                Err(e) => {
-                    let msg = e.to_string();
-                    failed.lock().unwrap().get_or_insert(e);
-                    panic!("rank {} stopped: {msg}", c.rank());
+    let store = (ctx.cfg.checkpoint.memory_interval > 0).then(|| checkpoint::ReplicaStore::new(world));
+    let mut restored: Option<checkpoint::Loaded> = None;
+    let mut restarts = 0;
+    loop {
+        let resume = restored.as_ref().or(ctx.resume_from.as_ref());
+        let failed: std::sync::Mutex<Option<KilnError>> = std::sync::Mutex::new(None);
+        let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            parallel::run_ranks(world, |c| {
+                match run_rank(ctx, c, stop, store.as_ref(), resume) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        let msg = e.to_string();
+                        // A failed rank's memory is gone (its writer has finished: dropped).
+                        if let (KilnError::RankFailed { rank, .. }, Some(st)) = (&e, &store) {
+                            st.lose(*rank);
+                        }
+                        failed.lock().unwrap().get_or_insert(e);
+                        panic!("rank {} stopped: {msg}", c.rank());
+                    }
                 }
+            })
+        }));
+        let err = match (failed.into_inner().unwrap(), res) {
+            (None, Ok(mut v)) => return Ok(v.swap_remove(0)),
+            (Some(e), _) => e,
+            (None, Err(p)) => {
+                let msg = p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default();
+                KilnError::Internal(format!("a data-parallel rank failed: {msg}"))
             }
-        })
-    }));
-    if let Some(e) = failed.into_inner().unwrap() {
-        return Err(e);
-    }
-    match res {
-        Ok(mut v) => Ok(v.swap_remove(0)),
-        Err(p) => {
-            let msg = p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default();
-            Err(KilnError::Internal(format!("a data-parallel rank failed: {msg}")))
+        };
+        // User errors and rollbacks are not rank failures; without in-memory checkpoints a
+        // failure ends the process (a supervisor restarts it from disk).
+        let (Some(st), KilnError::Internal(_) | KilnError::RankFailed { .. }) = (&store, &err) else { return Err(err) };
+        if stop.load(Ordering::SeqCst) {
+            return Err(err);
+        }
+        restarts += 1;
+        let give_up = restarts > ctx.cfg.faults.max_rank_restarts;
+        let step = match &err {
+            KilnError::RankFailed { step, .. } => *step,
+            _ => fs::read_to_string(ctx.run_dir.join("heartbeat")).ok().and_then(|s| s.trim().parse().ok()).unwrap_or(0),
+        };
+        let rank = if let KilnError::RankFailed { rank, .. } = &err { serde_json::json!(rank) } else { serde_json::Value::Null };
+        eprintln!("{err}{}", if give_up { ": no restarts left" } else { ": restarting the ranks" });
+        let log = |line: serde_json::Value| match crate::obs::MetricsWriter::open(&ctx.run_dir, None) {
+            Ok(mut m) => m.log(&line).map_err(KilnError::User),
+            Err(e) => Err(KilnError::User(e)),
+        };
+        log(serde_json::json!({"kind": "fault", "step": step, "event": "rank_failed", "rank": rank, "detail": err.to_string(), "restart": restarts, "gave_up": give_up}))?;
+        if give_up {
+            return Err(KilnError::Internal(format!("ranks failed {restarts} times, the last: {err}")));
+        }
+        let t0 = Instant::now();
+        let (from, why) = match st.restore() {
+            Ok(l) => {
+                restored = Some(l);
+                ("memory", None)
+            }
+            Err(why) => {
+                let dir = ckpt_dir(&ctx.run_dir);
+                restored = if checkpoint::list(&dir).is_empty() { None } else { Some(checkpoint::latest_valid(&dir)?) };
+                ("disk", Some(why))
+            }
+        };
+        let at = restored.as_ref().map_or(0, |l| l.state.step);
+        eprintln!("restoring every rank from {} at step {at}{}", if from == "memory" { "in-memory snapshots" } else { "disk" }, why.as_ref().map_or(String::new(), |w| format!(" ({w})")));
+        let mut line = serde_json::json!({"kind": "fault", "step": step, "event": "restored", "from": from, "restored_step": at, "lost_steps": step.saturating_sub(at + 1), "restore_s": t0.elapsed().as_secs_f64()});
+        if let Some(w) = why {
+            line["why_not_memory"] = w.into();
+        }
+        log(line)?;
+        // A LoRA run needs its base model again.
+        if ctx.cfg.lora.rank > 0 {
+            *ctx.init.lock().unwrap() = Some(run::load_base(Path::new(&ctx.cfg.model.init_from))?);
         }
     }
 }
@@ -463,17 +519,18 @@ fn run_mpi(ctx: &Ctx, stop: &AtomicBool) -> Result<Summary> {
     ctx.cfg.check_dp(n / other)?;
     // Every process has checked the run directory before rank 0 creates it.
     comm.barrier();
-    let out = run_rank(ctx, &comm, stop);
+    let out = run_rank(ctx, &comm, stop, None, ctx.resume_from.as_ref());
     drop(comm);
     drop(world);
     out
 }
 
-/// One rank's training run. Rank 0 owns the run directory, metrics, progress, checkpoints and
-/// the sample; every rank computes.
-fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<Summary> {
+/// One rank's training run, from `resume_from` (a checkpoint, or in-memory snapshots) when
+/// given. Rank 0 owns the run directory, metrics, progress, checkpoints and the sample; every
+/// rank computes. With `replicas`, snapshots are also kept in memory.
+fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool, replicas: Option<&std::sync::Arc<checkpoint::ReplicaStore>>, resume_from: Option<&checkpoint::Loaded>) -> Result<Summary> {
     let (args, cfg, ds) = (ctx.args, &ctx.cfg, ctx.ds);
-    let (run_dir, saved_cfg_path, resume_from) = (&ctx.run_dir, &ctx.saved_cfg_path, &ctx.resume_from);
+    let (run_dir, saved_cfg_path) = (&ctx.run_dir, &ctx.saved_cfg_path);
     let (rank, world) = (comm.rank(), comm.size());
     let lead = rank == 0;
     let counters = comm.counters();
@@ -639,7 +696,7 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
         }
         if m.precision == model::gpt::Precision::Fp8 {
             let mut st = model::gpt::Fp8State::new(m.cfg.n_layer, cfg.train.fp8_amax_history);
-            if let Some(h) = resume_from.as_ref().and_then(|l| l.state.fp8_amax.as_ref()) {
+            if let Some(h) = resume_from.and_then(|l| l.state.fp8_amax.as_ref()) {
                 st.set_history(h);
             }
             m.fp8 = Some(std::cell::RefCell::new(st));
@@ -660,7 +717,7 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
         write_atomic(saved_cfg_path, cfg.to_toml().as_bytes())?;
         write_atomic(&run_dir.join("tokenizer.json"), tok_json.as_bytes())?;
         // metrics.jsonl and TensorBoard event files; a resumed run drops the lines past its checkpoint.
-        metrics = Some(crate::obs::MetricsWriter::open(run_dir, args.resume.then_some(step)).map_err(KilnError::User)?);
+        metrics = Some(crate::obs::MetricsWriter::open(run_dir, (args.resume || replicas.is_some()).then_some(step)).map_err(KilnError::User)?);
     }
 
 
@@ -717,6 +774,9 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
     let mut auto_interval: Option<u64> = None;
     let mut auto_next = (cfg.checkpoint.mtbf_s > 0.0).then(|| step + if cfg.checkpoint.interval > 0 { cfg.checkpoint.interval } else { 10 });
     let mut writer = checkpoint::Writer::new(ckpt_dir(run_dir), cfg.checkpoint.keep, cfg.checkpoint.keep_every, cfg.checkpoint.background);
+    if let Some(st) = replicas {
+        writer = writer.with_replicas(st.clone(), rank);
+    }
     let gate = writer.gate();
     let wait_for_snapshot = || gate.wait();
     // Numerical faults: batches a rollback marked, the recent applied losses (for spikes), and
@@ -726,6 +786,13 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
     let mut recent: std::collections::VecDeque<f64> = std::collections::VecDeque::new();
     let mut skipped_run: Vec<u64> = Vec::new();
     while step < max_steps {
+        // faults.fail_ranks: this rank fails here, once per run (a marker file remembers it).
+        if fc.fail_step == step + 1 && fc.fail_ranks.contains(&rank) {
+            let marker = run_dir.join(format!("faults-fired-rank{rank}-step{}", step + 1));
+            if fs::OpenOptions::new().write(true).create_new(true).open(&marker).is_ok() {
+                return Err(KilnError::RankFailed { rank, step: step + 1 });
+            }
+        }
         let t0 = Instant::now();
         let step_span = tensor::profile::scope("step");
         let lr = cfg.lr_at(step);
@@ -929,7 +996,20 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
             Some(n) => step >= n,
             None => every(cfg.checkpoint.interval),
         };
-        if due || last || interrupted {
+        let to_disk = due || last || interrupted;
+        // An in-memory snapshot between disk checkpoints waits for no disk write: while one is
+        // still in flight on any rank, every rank skips it.
+        let in_memory = !to_disk && replicas.is_some() && every(cfg.checkpoint.memory_interval) && {
+            let busy = writer.busy() as u8 as f64;
+            let busy = if world > 1 { parallel::comm::sum_f64(comm, busy) } else { busy };
+            if busy > 0.0 {
+                if let Some(m) = metrics.as_mut() {
+                    m.log(&serde_json::json!({"kind": "checkpoint", "step": step, "disk": false, "skipped": "a disk write is in flight"})).map_err(KilnError::User)?;
+                }
+            }
+            busy == 0.0
+        };
+        if to_disk || in_memory {
             let _p = tensor::profile::scope("checkpoint");
             let ck0 = Instant::now();
             // With several ranks and whole-model weights, every rank writes its slice of every
@@ -969,8 +1049,10 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
             };
             let part = if sharded {
                 // Rank 0 empties the shared temporary directory before anyone writes into it.
-                let tmp = if lead { Some(checkpoint::prepare_sharded(&ckpt_dir(run_dir), step)?) } else { None };
-                parallel::comm::sum_f64(comm, 0.0);
+                let tmp = if lead && to_disk { Some(checkpoint::prepare_sharded(&ckpt_dir(run_dir), step)?) } else { None };
+                if to_disk {
+                    parallel::comm::sum_f64(comm, 0.0);
+                }
                 let shapes = layout.params.iter().flat_map(|p| ["", "exp_avg.", "exp_avg_sq."].map(|pre| (format!("{pre}{}", p.name), p.shape.clone()))).collect();
                 Some(checkpoint::Part { rank, world, tmp: tmp.unwrap_or_else(|| ckpt_dir(run_dir).join(format!(".tmp-step-{step:08}-sharded"))), shapes })
             } else {
@@ -985,7 +1067,7 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
                     Cow::Owned(v) => checkpoint::Source::Owned(v),
                 };
                 let state = TrainState { step, sampler_rng: sampler.state(), tokens_seen, elapsed_s: elapsed, config: cfg.to_toml(), loss_scale: scaler, fp8_amax: fp8_hist.clone() };
-                checkpoint::Job { part: part.clone(), state, layout: layout.clone(), sources: [src(fp), src(fm), src(fv)], tokenizer_json: tok_json.clone() }
+                checkpoint::Job { part: part.clone(), state, layout: layout.clone(), sources: [src(fp), src(fm), src(fv)], tokenizer_json: tok_json.clone(), to_disk }
             });
             if !lead {
                 if let Some(snap) = snap {
@@ -997,7 +1079,7 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
             } else if let Some(snap) = snap {
                 let snapshot_s = ck0.elapsed().as_secs_f64();
                 let done = writer.submit(snap)?;
-                if cfg.checkpoint.mtbf_s > 0.0 {
+                if cfg.checkpoint.mtbf_s > 0.0 && to_disk {
                     // Young/Daly: the interval that minimises expected lost plus checkpointing
                     // time is sqrt(2 · cost · MTBF); the cost to training is the snapshot
                     // (plus the write when it is not in the background).
@@ -1014,7 +1096,10 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
                     done.extend(writer.finish()?);
                 }
                 if let Some(m) = metrics.as_mut() {
-                    let mut line = serde_json::json!({"kind": "checkpoint", "step": step, "snapshot_s": snapshot_s, "background": cfg.checkpoint.background});
+                    let mut line = serde_json::json!({"kind": "checkpoint", "step": step, "snapshot_s": snapshot_s, "background": cfg.checkpoint.background, "disk": to_disk});
+                    if let Some(st) = replicas {
+                        line["memory_held_bytes"] = st.held_bytes(rank).into();
+                    }
                     if let Some(i) = auto_interval {
                         line["next_interval"] = i.into();
                     }
@@ -1027,7 +1112,7 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool) -> Result<S
                     say(&format!("checkpoint saved: {}", d.dir.display()));
                 }
             }
-            if let Some(next) = auto_next.as_mut() {
+            if let Some(next) = auto_next.as_mut().filter(|_| to_disk) {
                 // Every rank takes rank 0's choice (the checkpoint is collective).
                 let i = if world > 1 { parallel::comm::sum_f64(comm, auto_interval.unwrap_or(0) as f64) as u64 } else { auto_interval.unwrap_or(0) };
                 *next = step + i.max(1);

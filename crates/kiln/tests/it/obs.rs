@@ -199,7 +199,8 @@ fn tensorboard_reads_our_event_files() {
 
 /// A real `kiln train` run directory with event files: the trainer's own once it writes them,
 /// until then its metrics.jsonl replayed through MetricsWriter.
-fn real_run(name: &str) -> PathBuf {
+/// The run directory, inside the scratch directory that holds it (removed when that drops).
+fn real_run(name: &str) -> (crate::common::Scratch, PathBuf) {
     let root = scratch(name);
     let data = crate::common::corpus(&root);
     let dir = root.join("run");
@@ -213,7 +214,7 @@ fn real_run(name: &str) -> PathBuf {
             w.log(&serde_json::from_str(l).unwrap()).unwrap();
         }
     }
-    dir
+    (root, dir)
 }
 
 fn run_roundtrip_script(dir: &Path) -> String {
@@ -228,7 +229,7 @@ fn run_roundtrip_script(dir: &Path) -> String {
 
 #[test]
 fn real_run_event_files_match_metrics_and_plot() {
-    let dir = real_run("obs-real");
+    let (_root, dir) = real_run("obs-real");
     let lines = jsonl(&dir);
     assert!(lines.iter().any(|l| l["kind"] == "eval"));
     same_scalars(&sorted(tfevents::read_scalars(&dir).unwrap()), &expected_scalars(&lines));

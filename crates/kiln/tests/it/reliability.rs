@@ -286,3 +286,48 @@ fn direct_io_checkpoints_of_any_size_read_back_exactly() {
     assert_eq!(len as usize, l.model.len());
     assert_ne!(len % 4096, 0, "the test should end in a partial block");
 }
+
+#[test]
+fn a_failed_rank_restores_from_its_peers_memory_or_from_disk_when_the_peer_is_gone_too() {
+    let d = scratch("gemini");
+    let data = corpus(&d);
+    let run = |name: &str, extra: &[&str]| {
+        let out = d.join(name);
+        let o = train(&data, &out, &[&["--max-steps", "16", "--set", "sample.tokens=0"][..], extra].concat());
+        assert!(o.status.success(), "{name}: {}", stderr(&o));
+        out
+    };
+    let faults = |run: &Path| -> Vec<(String, serde_json::Value)> { lines_of(run, "fault").into_iter().map(|f| (f["event"].as_str().unwrap().to_string(), f)).collect() };
+    let checkpoints = |run: &Path| -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(run.join("checkpoints")).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        v.sort();
+        v
+    };
+    for layout in [&["--set", "parallel.dp=2"][..], &["--set", "parallel.tp=2"][..]] {
+        let tag = layout[1].replace(['.', '='], "-");
+        let whole = run(&format!("whole-{tag}"), &[layout, &["--set", "checkpoint.interval=0"]].concat());
+        // In memory every 4 steps, on disk only at the end: rank 1 fails at the start of step
+        // 11 and every rank comes back at step 8 from memory (rank 1's part from rank 0's).
+        let mem = run(&format!("mem-{tag}"), &[layout, &["--set", "checkpoint.interval=0", "--set", "checkpoint.memory_interval=4", "--set", "faults.fail_ranks=[1]", "--set", "faults.fail_step=11"]].concat());
+        let f = faults(&mem);
+        assert_eq!(f.len(), 2, "{f:?}");
+        assert_eq!((f[0].0.as_str(), f[0].1["rank"].as_u64(), f[0].1["step"].as_u64()), ("rank_failed", Some(1), Some(11)), "{f:?}");
+        assert_eq!((f[1].0.as_str(), f[1].1["from"].as_str(), f[1].1["restored_step"].as_u64(), f[1].1["lost_steps"].as_u64()), ("restored", Some("memory"), Some(8), Some(2)), "{f:?}");
+        assert_eq!(checkpoints(&mem), ["step-00000016"], "nothing but the final checkpoint was ever on disk");
+        assert_eq!(digests(&mem), digests(&whole), "{tag}: restored from memory, the run ends where the uninterrupted one does");
+        assert_eq!(losses(&mem), losses(&whole));
+    }
+    // Of four ranks, 1 and its peer 2 fail: rank 1's copy went with rank 2, so the restore
+    // falls back to the disk checkpoint of step 8.
+    let whole = run("whole-dp4", &["--set", "parallel.dp=4", "--set", "checkpoint.interval=0"]);
+    let both = run("both", &["--set", "parallel.dp=4", "--set", "checkpoint.interval=4", "--set", "checkpoint.memory_interval=2", "--set", "faults.fail_ranks=[1, 2]", "--set", "faults.fail_step=11"]);
+    let f = faults(&both);
+    assert_eq!((f[1].0.as_str(), f[1].1["from"].as_str(), f[1].1["restored_step"].as_u64()), ("restored", Some("disk"), Some(8)), "{f:?}");
+    assert!(f[1].1["why_not_memory"].as_str().unwrap().contains("rank 1's snapshot is in neither its memory nor its peer's (rank 2)"), "{f:?}");
+    assert_eq!(digests(&both), digests(&whole));
+    // In-memory checkpoints need a peer.
+    let o = train(&data, &d.join("alone"), &["--set", "checkpoint.memory_interval=4"]);
+    assert_user_error(&o, &["checkpoint.memory_interval = 4 needs at least two in-process ranks"]);
+    let o = train(&data, &d.join("nobody"), &["--set", "parallel.dp=2", "--set", "faults.fail_ranks=[2]", "--set", "faults.fail_step=3"]);
+    assert_user_error(&o, &["faults.fail_ranks names rank 2, but the run has 2 rank(s)"]);
+}
