@@ -251,6 +251,25 @@ fn fresh_name(dir: &Path, step: u64) -> PathBuf {
     p
 }
 
+/// Debug (`faults.kill_in_write_step`): the step whose checkpoint write kills this process
+/// with SIGKILL halfway (its tensor files written, no manifest yet), once per run: the marker
+/// file is created first.
+pub static KILL_IN_WRITE: std::sync::Mutex<Option<(u64, PathBuf)>> = std::sync::Mutex::new(None);
+
+fn crash_point(step: u64) {
+    let armed = KILL_IN_WRITE.lock().unwrap().clone();
+    if let Some((s, marker)) = armed.filter(|(s, _)| *s == step) {
+        if fs::OpenOptions::new().write(true).create_new(true).open(&marker).is_ok() {
+            eprintln!("faults.kill_in_write_step = {s}: killing this process in the middle of the checkpoint write");
+            #[cfg(unix)]
+            unsafe {
+                libc::kill(libc::getpid(), libc::SIGKILL);
+            }
+            std::process::abort();
+        }
+    }
+}
+
 /// Writes a checkpoint atomically; returns its directory.
 pub fn save(ckpt_dir: &Path, state: &TrainState, model: &Tensors, optim: &Tensors, tokenizer_json: &str) -> Result<PathBuf> {
     fs::create_dir_all(ckpt_dir).map_err(|e| io_err(ckpt_dir, e))?;
@@ -265,6 +284,7 @@ pub fn save(ckpt_dir: &Path, state: &TrainState, model: &Tensors, optim: &Tensor
         let (bytes, crc32) = write_tensors(&tmp.join(name), t)?;
         manifest.files.insert(name.to_string(), FileSum { bytes, crc32 });
     }
+    crash_point(state.step);
     let files: Vec<(&str, Vec<u8>)> = vec![
         ("state.json", serde_json::to_vec_pretty(state).expect("state serializes")),
         ("tokenizer.json", tokenizer_json.as_bytes().to_vec()),
@@ -320,6 +340,7 @@ pub fn save_part(ckpt_dir: &Path, part: &Part, state: &TrainState, model: &Tenso
         let (bytes, crc32) = write_tensors(&tmp.join(&name), t)?;
         files.insert(name, FileSum { bytes, crc32 });
     }
+    crash_point(state.step);
     let pj = tmp.join(format!("part-{r:05}.json"));
     write_synced(&pj.with_extension("tmp"), &serde_json::to_vec(&files).unwrap())?;
     fs::rename(pj.with_extension("tmp"), &pj).map_err(|e| io_err(&pj, e))?;
@@ -498,6 +519,21 @@ fn known_valid(dir: &Path) -> bool {
         VERIFIED.lock().unwrap().push((dir.to_path_buf(), t));
     }
     ok
+}
+
+/// Removes what writers that died left behind: `.tmp-*` directories, never checkpoints (a
+/// checkpoint becomes visible only when renamed into place). Called when a run starts, before
+/// anything of its own is written; returns what was removed.
+pub fn remove_partial(ckpt_dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    if let Ok(rd) = fs::read_dir(ckpt_dir) {
+        for e in rd.flatten() {
+            if e.file_name().to_string_lossy().starts_with(".tmp-") && fs::remove_dir_all(e.path()).is_ok() {
+                out.push(e.path());
+            }
+        }
+    }
+    out
 }
 
 /// Removes the oldest *valid* checkpoints beyond the newest `keep`, except those of steps

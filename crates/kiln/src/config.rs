@@ -323,6 +323,10 @@ pub struct FaultSection {
     pub fail_ranks: Vec<usize>,
     #[serde(default)]
     pub fail_step: u64,
+    /// Debug: SIGKILL this process in the middle of writing the checkpoint of this step
+    /// (0 = never), once per run.
+    #[serde(default)]
+    pub kill_in_write_step: u64,
     /// In-process restarts after a rank fails (from in-memory snapshots, else from disk)
     /// before the run gives up.
     #[serde(default = "three")]
@@ -335,7 +339,7 @@ fn three() -> u32 {
 
 impl Default for FaultSection {
     fn default() -> Self {
-        FaultSection { skip_nonfinite: true, spike_zscore: 0.0, spike_window: 50, max_consecutive_skips: 3, inject_nan_steps: vec![], fail_ranks: vec![], fail_step: 0, max_rank_restarts: 3 }
+        FaultSection { skip_nonfinite: true, spike_zscore: 0.0, spike_window: 50, max_consecutive_skips: 3, inject_nan_steps: vec![], fail_ranks: vec![], fail_step: 0, kill_in_write_step: 0, max_rank_restarts: 3 }
     }
 }
 

@@ -714,6 +714,9 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool, replicas: O
     let mut metrics = None;
     if lead {
         fs::create_dir_all(ckpt_dir(run_dir)).map_err(|e| io_err(run_dir, e))?;
+        for p in checkpoint::remove_partial(&ckpt_dir(run_dir)) {
+            eprintln!("removed a partial checkpoint a stopped writer left: {}", p.display());
+        }
         write_atomic(saved_cfg_path, cfg.to_toml().as_bytes())?;
         write_atomic(&run_dir.join("tokenizer.json"), tok_json.as_bytes())?;
         // metrics.jsonl and TensorBoard event files; a resumed run drops the lines past its checkpoint.
@@ -741,6 +744,10 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool, replicas: O
     }
     if let Some(l) = resume_from {
         say(&format!("resuming from {} (step {step})", l.dir.display()));
+        // Where the run continues from (after a failure: the work lost is the steps done past it).
+        if let Some(m) = metrics.as_mut() {
+            m.log(&serde_json::json!({"kind": "resume", "step": step, "from": l.dir.display().to_string()})).map_err(KilnError::User)?;
+        }
     }
 
     let started = Instant::now();
@@ -773,6 +780,9 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool, replicas: O
     let mut step_times: Vec<f64> = Vec::new();
     let mut auto_interval: Option<u64> = None;
     let mut auto_next = (cfg.checkpoint.mtbf_s > 0.0).then(|| step + if cfg.checkpoint.interval > 0 { cfg.checkpoint.interval } else { 10 });
+    if let k @ 1.. = cfg.faults.kill_in_write_step {
+        *checkpoint::KILL_IN_WRITE.lock().unwrap() = Some((k, run_dir.join(format!("faults-fired-kill-in-write-step{k}"))));
+    }
     let mut writer = checkpoint::Writer::new(ckpt_dir(run_dir), cfg.checkpoint.keep, cfg.checkpoint.keep_every, cfg.checkpoint.background);
     if let Some(st) = replicas {
         writer = writer.with_replicas(st.clone(), rank);

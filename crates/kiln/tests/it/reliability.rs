@@ -81,8 +81,9 @@ fn checkpoints_written_in_the_background_equal_synchronous_ones() {
 }
 
 /// `kiln train --supervise` over `args`; kills the training process with SIGKILL once the
-/// heartbeat reaches each of `kill_at`; returns the supervisor's output.
-fn supervised(args: &[&str], run: &Path, kill_at: &[u64]) -> std::process::Output {
+/// heartbeat reaches each of `kill_at`'s steps (after its delay in ms); returns the
+/// supervisor's output.
+fn supervised(args: &[&str], run: &Path, kill_at: &[(u64, u64)]) -> std::process::Output {
     let mut child = Command::new(env!("CARGO_BIN_EXE_kiln"))
         .args(args)
         .env("RAYON_NUM_THREADS", "2")
@@ -102,7 +103,7 @@ fn supervised(args: &[&str], run: &Path, kill_at: &[u64]) -> std::process::Outpu
     });
     let mut pid = None;
     let t0 = Instant::now();
-    for &at in kill_at {
+    for &(at, delay_ms) in kill_at {
         loop {
             assert!(t0.elapsed() < Duration::from_secs(240), "supervised run stalled before step {at}");
             while let Ok(l) = rx.try_recv() {
@@ -116,6 +117,7 @@ fn supervised(args: &[&str], run: &Path, kill_at: &[u64]) -> std::process::Outpu
             }
             std::thread::sleep(Duration::from_millis(5));
         }
+        std::thread::sleep(Duration::from_millis(delay_ms));
         let st = Command::new("kill").args(["-9", &pid.take().unwrap().to_string()]).status().unwrap();
         assert!(st.success());
     }
@@ -124,30 +126,80 @@ fn supervised(args: &[&str], run: &Path, kill_at: &[u64]) -> std::process::Outpu
     std::process::Output { status, stdout: Vec::new(), stderr: stderr.into_bytes() }
 }
 
+/// Five distinct steps in 25..=285, at least 25 apart, and a delay of 0–4 ms after each, from
+/// `seed` (printed, so a failure can be replayed).
+fn random_kills(seed: u64) -> Vec<(u64, u64)> {
+    let mut x = seed | 1;
+    let mut next = |n: u64| {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x % n
+    };
+    loop {
+        let mut steps: Vec<u64> = (0..5).map(|_| 25 + next(261)).collect();
+        steps.sort();
+        if steps.windows(2).all(|w| w[1] >= w[0] + 25) {
+            return steps.into_iter().map(|s| (s, next(5))).collect();
+        }
+    }
+}
+
 #[test]
 fn a_supervised_run_killed_five_times_ends_bit_identical() {
     let d = scratch("supervise");
     let data = corpus(&d);
-    let common = ["--data", data.to_str().unwrap(), "--max-steps", "300", "--set", "checkpoint.interval=20", "--set", "eval.interval=100", "--set", "sample.tokens=0"];
+    // Synchronous checkpoints every 20 steps: a step's checkpoint is on disk before the next
+    // step starts, so no failure may lose more than 20 steps.
+    let common = ["--data", data.to_str().unwrap(), "--max-steps", "300", "--set", "checkpoint.interval=20", "--set", "checkpoint.background=false", "--set", "eval.interval=100", "--set", "sample.tokens=0"];
     let straight = d.join("straight");
-    let o = kiln(&[&["train", "--out", straight.to_str().unwrap()], &common[..], SMALL].concat());
+    let o = kiln(&[&["train", "--out", straight.to_str().unwrap()], SMALL, &common[..]].concat());
     assert!(o.status.success(), "{}", stderr(&o));
     let sup = d.join("sup");
-    let kill_at = [30u64, 75, 140, 200, 260];
-    let o = supervised(&[&["train", "--supervise", "--max-restarts", "6", "--heartbeat-timeout", "60", "--out", sup.to_str().unwrap()], &common[..], SMALL].concat(), &sup, &kill_at);
+    let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
+    let kills = random_kills(seed);
+    eprintln!("SIGKILL after steps (and ms) {kills:?}: seed {seed}");
+    let kill_at: Vec<u64> = kills.iter().map(|k| k.0).collect();
+    let o = supervised(&[&["train", "--supervise", "--max-restarts", "6", "--heartbeat-timeout", "60", "--out", sup.to_str().unwrap()], SMALL, &common[..]].concat(), &sup, &kills);
     let err = stderr(&o);
-    assert!(o.status.success(), "{err}");
-    assert_eq!(digests(&sup), digests(&straight), "parameters and optimizer state after 5 SIGKILLs");
+    assert!(o.status.success(), "seed {seed}: {err}");
+    assert_eq!(digests(&sup), digests(&straight), "seed {seed}: parameters and optimizer state after 5 SIGKILLs");
     let faults = lines_of(&sup, "fault");
-    assert_eq!(faults.len(), 5, "{faults:?}");
-    for (f, at) in faults.iter().zip(kill_at) {
+    let resumes = lines_of(&sup, "resume");
+    assert_eq!((faults.len(), resumes.len()), (5, 5), "seed {seed}: {faults:?} {resumes:?}");
+    let lost: Vec<(u64, u64)> = faults.iter().zip(&resumes).map(|(f, r)| (f["step"].as_u64().unwrap(), r["step"].as_u64().unwrap())).collect();
+    eprintln!("(killed after step, resumed from step): {lost:?}");
+    for ((f, r), at) in faults.iter().zip(&resumes).zip(kill_at) {
         assert_eq!(f["event"], "worker_crashed");
-        let step = f["step"].as_u64().unwrap();
-        assert!(step >= at && step < at + 20, "killed at heartbeat {step}, asked {at}");
+        let (step, from) = (f["step"].as_u64().unwrap(), r["step"].as_u64().unwrap());
+        assert!(step >= at && step < at + 20, "seed {seed}: killed at heartbeat {step}, asked {at}");
+        // Lost work per failure ≤ the checkpoint interval.
+        assert!(from % 20 == 0 && from <= step && step - from <= 20, "seed {seed}: killed after step {step}, resumed from {from}");
     }
-    // Lost work per failure ≤ the checkpoint interval: each restart resumed from the last
-    // multiple of 20 below the step it died at.
     assert_eq!(losses(&sup), losses(&straight));
+}
+
+#[test]
+fn a_worker_killed_in_the_middle_of_a_checkpoint_write_restarts_from_the_one_before() {
+    let d = scratch("kill-in-write");
+    let data = corpus(&d);
+    let common = ["--data", data.to_str().unwrap(), "--max-steps", "40", "--set", "checkpoint.interval=10", "--set", "sample.tokens=0"];
+    let straight = d.join("straight");
+    let o = kiln(&[&["train", "--out", straight.to_str().unwrap()], SMALL, &common[..]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    // The background write of step 20 dies with the process after the tensor files, before
+    // the manifest: step 10's checkpoint is the newest valid one.
+    let sup = d.join("sup");
+    let o = kiln(&[&["train", "--supervise", "--max-restarts", "2", "--out", sup.to_str().unwrap()], SMALL, &common[..], &["--set", "faults.kill_in_write_step=20"]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let faults = lines_of(&sup, "fault");
+    assert_eq!(faults.len(), 1, "{faults:?}");
+    assert_eq!(faults[0]["detail"], "killed by signal 9", "{faults:?}");
+    assert_eq!(lines_of(&sup, "resume").iter().map(|r| r["step"].as_u64().unwrap()).collect::<Vec<_>>(), [10]);
+    assert_eq!(digests(&sup), digests(&straight));
+    // The dead writer's partial directory was cleared away when the run restarted.
+    let left: Vec<String> = std::fs::read_dir(sup.join("checkpoints")).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with('.')).collect();
+    assert!(left.is_empty(), "{left:?}");
 }
 
 #[test]
