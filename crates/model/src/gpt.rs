@@ -123,14 +123,20 @@ impl Fp8State {
 
     /// Casts `x` (tensor `slot`) to `fmt` into scratch buffer `k`, recording its amax.
     fn cast(&mut self, slot: usize, k: usize, x: &[f32], fmt: tensor::precision::Format) -> &[f32] {
-        let a = tensor::precision::amax(x);
-        self.pending[slot] = self.pending[slot].max(a);
-        let h = self.hist[slot].iter().copied().fold(0.0f32, f32::max);
-        let amax = if self.hist[slot].is_empty() { a } else { h };
-        let scale = if amax > 0.0 && amax.is_finite() { amax / fmt.max() } else { 1.0 };
+        let scale = |amax: f32| if amax > 0.0 && amax.is_finite() { amax / fmt.max() } else { 1.0 };
         let buf = &mut self.scratch[k];
         buf.resize(x.len(), 0.0);
-        tensor::precision::quantize_into(buf, x, fmt, scale);
+        // Delayed scaling: the scale comes from the history, and this tensor's amax (for the
+        // history) from the same pass as the cast; with no history yet, from this tensor.
+        let a = if self.hist[slot].is_empty() {
+            let a = tensor::precision::amax(x);
+            tensor::precision::quantize_into(buf, x, fmt, scale(a));
+            a
+        } else {
+            let h = self.hist[slot].iter().copied().fold(0.0f32, f32::max);
+            tensor::precision::quantize_into(buf, x, fmt, scale(h))
+        };
+        self.pending[slot] = self.pending[slot].max(a);
         &self.scratch[k]
     }
 

@@ -66,20 +66,23 @@ pub fn round(x: f32, fmt: Format) -> f32 {
         let b = x.to_bits();
         return f32::from_bits(b.wrapping_add(0x7FFF + ((b >> 16) & 1)) & 0xFFFF_0000);
     }
-    if !x.is_finite() || x == 0.0 {
-        return x;
-    }
     if fmt == Format::Fp16 {
-        // The normal range: nearest even on f32's upper 19 bits (10 mantissa bits kept).
+        // Branch-free (selects only), so slices of it vectorise.
         let b = x.to_bits();
         let e = (b >> 23) & 0xFF;
-        if e >= 127 - 14 {
-            let r = f32::from_bits(b.wrapping_add(0xFFF + ((b >> 13) & 1)) & !0x1FFF);
-            return if r.abs() > 65504.0 { f32::INFINITY.copysign(x) } else { r };
-        }
+        // The normal range: nearest even on f32's upper 19 bits (10 mantissa bits kept).
+        let n = f32::from_bits(b.wrapping_add(0xFFF + ((b >> 13) & 1)) & !0x1FFF);
+        let n = if n.abs() > 65504.0 { f32::INFINITY.copysign(x) } else { n };
         // Subnormal fp16: multiples of 2^-24, which is the ulp of f32 values in [0.5, 1):
-        // adding and subtracting 0.75 rounds to them, to nearest even, in hardware.
-        return (x + 0.75) - 0.75;
+        // adding and subtracting 0.75 rounds to them, to nearest even, in hardware (the sign
+        // put back keeps −0 and values that round to zero negative).
+        let s = ((x + 0.75) - 0.75).copysign(x);
+        let r = if e >= 127 - 14 { n } else { s };
+        // NaN and infinities pass through.
+        return if e == 0xFF { x } else { r };
+    }
+    if !x.is_finite() || x == 0.0 {
+        return x;
     }
     let (m, emin, max, inf) = fmt.spec();
     let a = x.abs();
@@ -91,25 +94,116 @@ pub fn round(x: f32, fmt: Format) -> f32 {
     r.copysign(x)
 }
 
+/// `$body` with `$f` bound to `fmt` as a constant, one copy per format (each vectorises).
+macro_rules! per_format {
+    ($fmt:expr, $f:ident => $body:expr) => {
+        match $fmt {
+            Format::Bf16 => {
+                const $f: Format = Format::Bf16;
+                $body
+            }
+            Format::Fp16 => {
+                const $f: Format = Format::Fp16;
+                $body
+            }
+            Format::E4m3 => {
+                const $f: Format = Format::E4m3;
+                $body
+            }
+            Format::E5m2 => {
+                const $f: Format = Format::E5m2;
+                $body
+            }
+        }
+    };
+}
+
+crate::multiversion! {
+    fn round_chunk(c: &mut [f32], fmt: Format) {
+        per_format!(fmt, F => c.iter_mut().for_each(|v| *v = round(*v, F)))
+    }
+}
+
+crate::multiversion! {
+    /// `o = round(x · inv, fmt) · scale`, and (into `out`) the amax of `x` as [`amax_chunk`].
+    fn quantize_chunk(o: &mut [f32], x: &[f32], fmt: Format, inv: f32, scale: f32, out: &mut (f32, bool)) {
+        let (mut m, mut nan) = ([0.0f32; 8], [false; 8]);
+        per_format!(fmt, F => {
+            let mut oi = o.chunks_exact_mut(8);
+            let mut xi = x.chunks_exact(8);
+            for (oc, xc) in (&mut oi).zip(&mut xi) {
+                for l in 0..8 {
+                    let v = xc[l];
+                    oc[l] = round(v * inv, F) * scale;
+                    m[l] = if v.abs() > m[l] { v.abs() } else { m[l] };
+                    nan[l] |= v != v;
+                }
+            }
+            for (o, &v) in oi.into_remainder().iter_mut().zip(xi.remainder()) {
+                *o = round(v * inv, F) * scale;
+                m[0] = if v.abs() > m[0] { v.abs() } else { m[0] };
+                nan[0] |= v != v;
+            }
+        });
+        *out = (m.iter().copied().fold(0.0, f32::max), nan.iter().any(|&n| n));
+    }
+}
+
 /// Rounds every element of `x` to `fmt`, in place.
 pub fn round_slice(x: &mut [f32], fmt: Format) {
     let _p = crate::profile::scope("round_precision");
-    x.par_chunks_mut(1 << 14).for_each(|c| c.iter_mut().for_each(|v| *v = round(*v, fmt)));
+    x.par_chunks_mut(1 << 14).for_each(|c| round_chunk(c, fmt));
 }
 
 /// `out = round(x / scale, fmt) · scale`: `x` cast to an FP8 format with a per-tensor scale
-/// (the scale maps the tensor's range onto the format's), and back.
-pub fn quantize_into(out: &mut [f32], x: &[f32], fmt: Format, scale: f32) {
+/// (the scale maps the tensor's range onto the format's), and back. Returns [`amax`] of `x`,
+/// found in the same pass.
+pub fn quantize_into(out: &mut [f32], x: &[f32], fmt: Format, scale: f32) -> f32 {
     let _p = crate::profile::scope("quantize_fp8");
     let inv = 1.0 / scale;
-    out.par_chunks_mut(1 << 14).zip(x.par_chunks(1 << 14)).for_each(|(o, x)| {
-        for (o, &v) in o.iter_mut().zip(x) {
-            *o = round(v * inv, fmt) * scale;
+    let (m, nan) = out
+        .par_chunks_mut(1 << 14)
+        .zip(x.par_chunks(1 << 14))
+        .map(|(o, x)| {
+            let mut r = (0.0, false);
+            quantize_chunk(o, x, fmt, inv, scale, &mut r);
+            r
+        })
+        .reduce(|| (0.0, false), |a, b| (a.0.max(b.0), a.1 | b.1));
+    if nan { f32::NAN } else { m }
+}
+
+crate::multiversion! {
+    /// The largest magnitude in `c` and whether any element is NaN, in eight lanes (selects and
+    /// ors only, so it vectorises).
+    fn amax_chunk(c: &[f32], out: &mut (f32, bool)) {
+        let (mut m, mut nan) = ([0.0f32; 8], [false; 8]);
+        let mut it = c.chunks_exact(8);
+        for ch in &mut it {
+            for l in 0..8 {
+                let a = ch[l].abs();
+                m[l] = if a > m[l] { a } else { m[l] };
+                nan[l] |= ch[l] != ch[l];
+            }
         }
-    });
+        for &v in it.remainder() {
+            m[0] = if v.abs() > m[0] { v.abs() } else { m[0] };
+            nan[0] |= v != v;
+        }
+        *out = (m.iter().copied().fold(0.0, f32::max), nan.iter().any(|&n| n));
+    }
 }
 
 /// The largest magnitude in `x` (0 for an empty slice; NaN if any element is NaN).
 pub fn amax(x: &[f32]) -> f32 {
-    x.par_chunks(1 << 14).map(|c| c.iter().fold(0.0f32, |m, v| if v.is_nan() || m.is_nan() { f32::NAN } else { m.max(v.abs()) })).reduce(|| 0.0, |a, b| if a.is_nan() || b.is_nan() { f32::NAN } else { a.max(b) })
+    let _p = crate::profile::scope("amax");
+    let (m, nan) = x
+        .par_chunks(1 << 14)
+        .map(|c| {
+            let mut r = (0.0, false);
+            amax_chunk(c, &mut r);
+            r
+        })
+        .reduce(|| (0.0, false), |a, b| (a.0.max(b.0), a.1 | b.1));
+    if nan { f32::NAN } else { m }
 }

@@ -25,6 +25,38 @@ fn bf16_and_fp16_round_to_nearest_even_and_overflow_to_infinity() {
     }
 }
 
+#[test]
+fn fp16_rounding_matches_a_reference_across_the_f32_range() {
+    // Reference in f64: the fp16 spacing at |x| (2^(e − 10), subnormal below 2^-14), x over the
+    // spacing rounded half to even, overflow from 65520 on.
+    let reference = |x: f32| -> f32 {
+        if !x.is_finite() {
+            return x;
+        }
+        let a = x.abs() as f64;
+        if a >= 65520.0 {
+            return f32::INFINITY.copysign(x);
+        }
+        let e = if a == 0.0 { -14 } else { (a.log2().floor() as i32).max(-14) };
+        // log2 can be off by one at powers of two: the spacing is the one of a's binade.
+        let e = if a >= 2f64.powi(e + 1) { e + 1 } else if a < 2f64.powi(e) && e > -14 { e - 1 } else { e };
+        let q = 2f64.powi(e - 10);
+        let y = a / q;
+        let f = y.floor();
+        let r = if y - f > 0.5 || (y - f == 0.5 && f % 2.0 == 1.0) { f + 1.0 } else { f };
+        ((r * q) as f32).copysign(x)
+    };
+    // A stride through every bit pattern (both signs, zeros, subnormals, NaNs, infinities), and
+    // the neighbourhood of every fp16 rounding boundary near 1 and the overflow threshold.
+    let mut bits: Vec<u32> = (0..=u32::MAX / 40_009).map(|k| k * 40_009).collect();
+    bits.extend((0x3F80_0000u32..0x3F80_0000 + (1 << 16)).chain(0x477F_E000 - 4096..0x477F_E000 + 4096).chain(0x3880_0000 - 4096..0x3880_0000 + 4096));
+    for b in bits {
+        let x = f32::from_bits(b);
+        let (got, want) = (round(x, Format::Fp16), reference(x));
+        assert!(got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()), "{b:#x} ({x:e}): {got:e} vs {want:e}");
+    }
+}
+
 /// IEEE half bits → f32 (reference for the test).
 fn f16_to_f32(h: u16) -> f32 {
     let (e, m) = ((h >> 10) & 0x1F, (h & 0x3FF) as f32);
@@ -68,7 +100,7 @@ fn scaled_quantisation_and_amax() {
     assert_eq!(a, 500.0 * 1e-5);
     let scale = a / Format::E4m3.max();
     let mut q = vec![0.0; x.len()];
-    quantize_into(&mut q, &x, Format::E4m3, scale);
+    assert_eq!(quantize_into(&mut q, &x, Format::E4m3, scale), a, "the cast finds the amax too");
     // Relative error at most half a unit in the last of 4 significant bits, for normal values.
     for (a, b) in x.iter().zip(&q) {
         if a.abs() > 2f32.powi(-6) * scale {
@@ -78,4 +110,13 @@ fn scaled_quantisation_and_amax() {
     let mut y = x.clone();
     round_slice(&mut y, Format::Bf16);
     assert!(y.iter().zip(&x).all(|(a, b)| (a - b).abs() <= b.abs() / 256.0));
+    // Across chunks and lanes (40 000 values: several 16K chunks, a partial lane group), a NaN
+    // anywhere makes the amax NaN; infinities count.
+    let mut big: Vec<f32> = (0..40_003).map(|i| ((i * 7919) % 1000) as f32 - 500.0).collect();
+    assert_eq!(amax(&big), 500.0);
+    big[39_999] = -f32::INFINITY;
+    assert_eq!(amax(&big), f32::INFINITY);
+    big[40_002] = f32::NAN;
+    assert!(amax(&big).is_nan() && quantize_into(&mut vec![0.0; big.len()], &big, Format::E5m2, 1.0).is_nan());
+    assert_eq!(amax(&[]), 0.0);
 }
