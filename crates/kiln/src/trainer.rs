@@ -705,6 +705,9 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool, replicas: O
             let dir = run_dir.join("offload").join(if vn > 1 { format!("rank{rank}-chunk{c}") } else { format!("rank{rank}") });
             opt.offload(&dir).map_err(|e| io_err(&dir, e))?;
         }
+        // This rank's sequences start at dp_rank · rows of each micro-batch (see the fill
+        // below): dropout masks are drawn by global sequence.
+        m.batch_offset = dp_rank * rows;
         chunks.push(Chunk { model: m, dp, opt, replicated, seq_partial, pool: Vec::new() });
     }
     // memory: charge the model state to its tracking categories (issue 7).

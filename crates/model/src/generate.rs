@@ -60,7 +60,7 @@ impl Gpt {
         let pos = cache.len;
         let w = &self.params;
         let pv = &self.views;
-        let ops = Ops { cfg, rope: self.rope.as_ref(), b: 1, t: 1, tp: std::cell::RefCell::new(None), ep: std::cell::RefCell::new(None), store: None, fp8: None };
+        let ops = Ops { cfg, rope: self.rope.as_ref(), b: 1, t: 1, tp: std::cell::RefCell::new(None), ep: std::cell::RefCell::new(None), store: None, fp8: None, b0: 0 };
         let opt = |r: &Option<std::ops::Range<usize>>| r.as_ref().map(|r| &w[r.clone()]);
         s.x.copy_from_slice(&w[pv.wte.clone()][token as usize * c..(token as usize + 1) * c]);
         if let Some(wpe) = &pv.wpe {

@@ -309,6 +309,10 @@ pub struct Gpt {
     pub precision: Precision,
     /// FP8 scaling state (with `Precision::Fp8`).
     pub fp8: Option<std::cell::RefCell<Fp8State>>,
+    /// The index of this model's first sequence in the global micro-batch (a data-parallel
+    /// rank's share starts at `rank · rows`): dropout masks are drawn by global sequence, so
+    /// data-parallel ranks together drop exactly what one rank would.
+    pub batch_offset: usize,
     acts: Option<Acts>,
     scratch: Option<GradScratch>,
 }
@@ -365,7 +369,7 @@ impl Gpt {
         let rope = (cfg.arch == Arch::Llama).then(|| rope_table(cfg.rope_theta, cfg.head_size(), cfg.block_size));
         let units = views.units(n);
         let unit_views = views.rebased(n);
-        Gpt { cfg, layout, views, units, unit_views, real_vocab, params: zeros(n), grads: zeros(n), rope, lora: None, tp: None, ep: None, recompute: Recompute::None, recompute_every: 1, precision: Precision::Fp32, fp8: None, acts: None, scratch: None }
+        Gpt { cfg, layout, views, units, unit_views, real_vocab, params: zeros(n), grads: zeros(n), rope, lora: None, tp: None, ep: None, recompute: Recompute::None, recompute_every: 1, precision: Precision::Fp32, fp8: None, batch_offset: 0, acts: None, scratch: None }
     }
 
     pub fn num_params(&self) -> usize {
@@ -549,7 +553,7 @@ impl Gpt {
         a.dropout_seed = dropout_seed;
         a.p_drop = p_drop;
         a.moe_stats.clear();
-        let ops = Ops { cfg: &self.cfg, rope: self.rope.as_ref(), b, t, tp: std::cell::RefCell::new(self.tp.as_deref_mut()), ep: std::cell::RefCell::new(self.ep.as_deref_mut()), store: self.precision.storage(), fp8: self.fp8.as_ref() };
+        let ops = Ops { cfg: &self.cfg, rope: self.rope.as_ref(), b, t, tp: std::cell::RefCell::new(self.tp.as_deref_mut()), ep: std::cell::RefCell::new(self.ep.as_deref_mut()), store: self.precision.storage(), fp8: self.fp8.as_ref(), b0: self.batch_offset };
 
         // A later pipeline stage starts from the activations put in `xs[0]` (`stage_input_mut`).
         if self.cfg.has_embed() {
@@ -621,7 +625,7 @@ impl Gpt {
         let bwd = Access::Backward { params: true };
         let p_drop = self.cfg.dropout;
         let seed = a.dropout_seed;
-        let ops = Ops { cfg: &self.cfg, rope: self.rope.as_ref(), b, t, tp: std::cell::RefCell::new(self.tp.as_deref_mut()), ep: std::cell::RefCell::new(self.ep.as_deref_mut()), store: self.precision.storage(), fp8: self.fp8.as_ref() };
+        let ops = Ops { cfg: &self.cfg, rope: self.rope.as_ref(), b, t, tp: std::cell::RefCell::new(self.tp.as_deref_mut()), ep: std::cell::RefCell::new(self.ep.as_deref_mut()), store: self.precision.storage(), fp8: self.fp8.as_ref(), b0: self.batch_offset };
         // Every unit is acquired and released even when no target counted (the gradients are
         // then zero): a store's collectives must run the same on every rank.
         let skip = a.count == 0;
@@ -1040,6 +1044,8 @@ pub(crate) struct Ops<'a> {
     pub store: Option<tensor::precision::Format>,
     /// FP8 matmul inputs' scaling state.
     pub fp8: Option<&'a std::cell::RefCell<Fp8State>>,
+    /// [`Gpt::batch_offset`].
+    pub b0: usize,
 }
 
 impl Ops<'_> {
@@ -1097,9 +1103,9 @@ impl Ops<'_> {
         match self.tp.borrow().as_ref() {
             Some(h) if self.cfg.sequence_parallel => {
                 let tl = self.t / h.size();
-                RowMap { t_local: tl, t: self.t, offset: h.rank() * tl }
+                RowMap { t_local: tl, t: self.t, offset: h.rank() * tl, b0: self.b0 }
             }
-            _ => RowMap::whole(self.t),
+            _ => RowMap { b0: self.b0, ..RowMap::whole(self.t) },
         }
     }
 
@@ -1199,18 +1205,17 @@ impl Ops<'_> {
     }
 
     fn gqa(&self) -> GqaDims {
-        GqaDims { b: self.b, t: self.t, nh: self.cfg.n_head, nkv: self.cfg.n_kv_head, hs: self.cfg.head_size() }
+        let (head0, heads) = self.mask_heads();
+        GqaDims { b: self.b, t: self.t, nh: self.cfg.n_head, nkv: self.cfg.n_kv_head, hs: self.cfg.head_size(), head0, heads, b0: self.b0 }
     }
 
-    /// Attention over `qkv`; for LLaMA the rotary embedding is applied to `qkv` in place first.
-    /// The attention-probability dropout stream: a tensor-parallel shard holds other heads than
-    /// its peers under the same local head numbers, so each shard draws its own stream
-    /// (statistically what the whole model draws, not the same bits; Megatron-LM likewise
-    /// forks a model-parallel RNG per rank).
-    fn attn_seed(&self, seed: u64) -> u64 {
+    /// A tensor-parallel shard's first head and the whole model's head count ((0, 0) without
+    /// tensor parallelism): attention dropout masks are drawn by whole-model head, so every
+    /// shard drops what one rank would for the same heads.
+    fn mask_heads(&self) -> (usize, usize) {
         match self.tp.borrow().as_ref() {
-            Some(h) if h.rank() > 0 => mix64(seed ^ mix64(h.rank() as u64)),
-            _ => seed,
+            Some(h) if h.size() > 1 => (h.rank() * self.cfg.n_head, h.size() * self.cfg.n_head),
+            _ => (0, 0),
         }
     }
 
@@ -1223,11 +1228,11 @@ impl Ops<'_> {
     }
 
     fn attn_forward(&self, out: &mut [f32], state: &mut [f32], qkv: &[f32], p_drop: f32, seed: u64) {
-        let seed = self.attn_seed(seed);
         let cfg = self.cfg;
         match cfg.arch {
             Arch::Gpt2 => {
-                let dims = AttnDims { b: self.b, t: self.t, c: cfg.attn_width(), nh: cfg.n_head };
+                let (head0, heads) = self.mask_heads();
+                let dims = AttnDims { b: self.b, t: self.t, c: cfg.attn_width(), nh: cfg.n_head, head0, heads, b0: self.b0 };
                 flash_attention_forward(out, state, qkv, &dims, p_drop, seed);
             }
             Arch::Llama => flash_gqa_forward(out, state, qkv, &self.gqa(), p_drop, seed),
@@ -1237,11 +1242,11 @@ impl Ops<'_> {
     /// Accumulates into `dqkv` (with respect to the un-rotated q and k for LLaMA).
     #[allow(clippy::too_many_arguments)]
     fn attn_backward(&self, dqkv: &mut [f32], dout: &[f32], qkv: &[f32], out: &[f32], state: &[f32], p_drop: f32, seed: u64) {
-        let seed = self.attn_seed(seed);
         let cfg = self.cfg;
         match cfg.arch {
             Arch::Gpt2 => {
-                let dims = AttnDims { b: self.b, t: self.t, c: cfg.attn_width(), nh: cfg.n_head };
+                let (head0, heads) = self.mask_heads();
+                let dims = AttnDims { b: self.b, t: self.t, c: cfg.attn_width(), nh: cfg.n_head, head0, heads, b0: self.b0 };
                 flash_attention_backward(dqkv, dout, qkv, out, state, &dims, p_drop, seed);
             }
             Arch::Llama => {

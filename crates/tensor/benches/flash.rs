@@ -52,14 +52,14 @@ fn main() {
         let nkvs: Vec<usize> = list.split(',').map(|x| x.trim().parse().expect("FLASH_NKV: list of integers")).collect();
         for &(b, t) in &shapes {
             for &nkv in &nkvs {
-                bench_gqa(GqaDims { b, t, nh, nkv, hs }, p, threads, skip_ref);
+                bench_gqa(GqaDims { b, t, nh, nkv, hs, ..Default::default() }, p, threads, skip_ref);
             }
         }
         return;
     }
     let c = nh * hs;
     for &(b, t) in &shapes {
-        let d = AttnDims { b, t, c, nh };
+        let d = AttnDims { b, t, c, nh, ..Default::default() };
         let mut rng = Rng::new(1);
         let mut qkv = vec![0.0; b * t * 3 * c];
         rng.fill_normal(&mut qkv, 1.0);
@@ -110,7 +110,7 @@ fn main() {
 /// Materialised GQA (`[B, NH, T, T]` probabilities) against GQA flash, each backward schedule
 /// (`flash_total_ms` with the one `Schedule::Auto` picks).
 fn bench_gqa(d: GqaDims, p: f32, threads: usize, skip_ref: bool) {
-    let GqaDims { b, t, nh, nkv, hs } = d;
+    let GqaDims { b, t, nh, nkv, hs, .. } = d;
     let (c, w) = (d.c(), d.qkv_width());
     let mut rng = Rng::new(1);
     let mut qkv = vec![0.0; b * t * w];

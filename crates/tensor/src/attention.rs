@@ -11,14 +11,27 @@ use crate::ops::dropout_keep;
 use crate::par::SyncPtr;
 use rayon::prelude::*;
 
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct AttnDims {
     pub b: usize,
     pub t: usize,
     pub c: usize,
     pub nh: usize,
+    /// As [`crate::llama::GqaDims::head0`] / `heads`: a tensor-parallel shard's place among the
+    /// whole model's heads, for the dropout mask (0, 0 = not a shard).
+    pub head0: usize,
+    pub heads: usize,
+    /// As `GqaDims::b0`.
+    pub b0: usize,
 }
 
 impl AttnDims {
+    /// The whole-model `(batch, head)` index of `bh = b·NH + h` (see `GqaDims::mask_bh`).
+    fn mask_bh(&self, bh: usize) -> usize {
+        let heads = if self.heads == 0 { self.nh } else { self.heads };
+        (self.b0 + bh / self.nh) * heads + self.head0 + bh % self.nh
+    }
+
     fn hs(&self) -> usize {
         assert_eq!(self.c % self.nh, 0);
         self.c / self.nh
@@ -35,7 +48,7 @@ pub fn attention_forward(
     seed: u64,
 ) {
     let _p = crate::profile::scope("attention_forward");
-    let AttnDims { b, t, c, nh } = *dims;
+    let AttnDims { b, t, c, nh, .. } = *dims;
     let hs = dims.hs();
     assert_eq!(out.len(), b * t * c);
     assert_eq!(att.len(), b * nh * t * t);
@@ -72,7 +85,7 @@ pub fn attention_forward(
         let dst = unsafe { outp.0.add(o_off) };
         if dropout > 0.0 {
             let mut pd = a.to_vec();
-            apply_att_dropout(&mut pd, bh, t, dropout, seed);
+            apply_att_dropout(&mut pd, dims.mask_bh(bh), t, dropout, seed);
             let p = View::rows(&pd, t, t);
             unsafe { gemm_raw(dst, c, false, p, v, 1.0, Threads::One) };
         } else {
@@ -101,7 +114,7 @@ pub fn attention_backward(
     seed: u64,
 ) {
     let _p = crate::profile::scope("attention_backward");
-    let AttnDims { b, t, c, nh } = *dims;
+    let AttnDims { b, t, c, nh, .. } = *dims;
     let hs = dims.hs();
     assert_eq!(dqkv.len(), b * t * 3 * c);
     let scale = 1.0 / (hs as f32).sqrt();
@@ -118,7 +131,7 @@ pub fn attention_backward(
         let mut pd_buf;
         let pd: &[f32] = if dropout > 0.0 {
             pd_buf = p.to_vec();
-            apply_att_dropout(&mut pd_buf, bh, t, dropout, seed);
+            apply_att_dropout(&mut pd_buf, dims.mask_bh(bh), t, dropout, seed);
             &pd_buf
         } else {
             p
@@ -135,7 +148,7 @@ pub fn attention_backward(
         unsafe { gemm_raw(ds.as_mut_ptr(), t, false, d_o, v.t(), 1.0, Threads::One) };
         if dropout > 0.0 {
             let sc = 1.0 / (1.0 - dropout);
-            let base = (bh * t * t) as u64;
+            let base = (dims.mask_bh(bh) * t * t) as u64;
             for (idx, x) in ds.iter_mut().enumerate() {
                 *x = if dropout_keep(seed, base + idx as u64, dropout) { *x * sc } else { 0.0 };
             }

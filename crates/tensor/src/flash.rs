@@ -17,7 +17,7 @@
 //!
 //! Attention-probability dropout uses exactly the reference kernel's counter-based mask, indexed
 //! by the *query* head: element `(b·NH + h, i, j)` is kept iff
-//! `dropout_keep(seed, ((b·NH + h)·T + i)·T + j, p)`, scaled by `1/(1-p)`, so this kernel and
+//! `dropout_keep(seed, ((b·NH + h)·T + i)·T + j, p)` (NH and h the whole model's under tensor parallelism: [`GqaDims::mask_bh`]), scaled by `1/(1-p)`, so this kernel and
 //! [`crate::attention`] agree with dropout on.
 //!
 //! Determinism: every output element is produced in one task, with contributions added in a
@@ -144,7 +144,7 @@ pub fn flash_gqa_backward(
 /// The MHA shape as the GQA shape with one query head per kv head: the layouts coincide.
 fn mha_dims(dims: &AttnDims) -> GqaDims {
     assert!(dims.nh > 0 && dims.c.is_multiple_of(dims.nh), "C must be a multiple of NH");
-    GqaDims { b: dims.b, t: dims.t, nh: dims.nh, nkv: dims.nh, hs: dims.c / dims.nh }
+    GqaDims { b: dims.b, t: dims.t, nh: dims.nh, nkv: dims.nh, hs: dims.c / dims.nh, head0: dims.head0, heads: dims.heads, b0: dims.b0 }
 }
 
 fn check_dims(dims: &GqaDims, tiles: Tiles, dropout: f32) {
@@ -262,7 +262,7 @@ pub fn flash_gqa_forward_tiled(
 ) {
     let _p = crate::profile::scope("flash_attention_forward");
     check_dims(dims, tiles, dropout);
-    let GqaDims { b, t, nh, nkv, hs } = *dims;
+    let GqaDims { b, t, nh, nkv, hs, .. } = *dims;
     let (c, w, group) = (nh * hs, (nh + 2 * nkv) * hs, nh / nkv);
     let cols = Cols { nh, nkv, hs };
     assert_eq!(out.len(), b * t * c);
@@ -313,7 +313,7 @@ pub fn flash_gqa_forward_tiled(
             if dropout > 0.0 {
                 for r in 0..rows {
                     let vr = valid_cols(i0 + r, j0, ncols);
-                    dropout_row(mk, bh, t, i0 + r, j0, vr, dropout, seed);
+                    dropout_row(mk, dims.mask_bh(bh), t, i0 + r, j0, vr, dropout, seed);
                     mul_into(&mut s[r * bc..r * bc + vr], &mk[..vr]);
                 }
             }
@@ -378,6 +378,7 @@ struct BwdScratch {
 }
 
 struct Ctx<'a> {
+    dims: GqaDims,
     qkv: &'a [f32],
     dout: &'a [f32],
     lse: &'a [f32],
@@ -431,7 +432,7 @@ pub fn flash_gqa_backward_with(
 ) {
     let _p = crate::profile::scope("flash_attention_backward");
     check_dims(dims, tiles, dropout);
-    let GqaDims { b, t, nh, nkv, hs } = *dims;
+    let GqaDims { b, t, nh, nkv, hs, .. } = *dims;
     let (c, w, group) = (nh * hs, (nh + 2 * nkv) * hs, nh / nkv);
     assert_eq!(dqkv.len(), b * t * w);
     assert_eq!(dout.len(), b * t * c);
@@ -452,6 +453,7 @@ pub fn flash_gqa_backward_with(
         }
     });
     let ctx = Ctx {
+        dims: *dims,
         qkv, dout, lse, d: &d, dqkv: SyncPtr(dqkv.as_mut_ptr()),
         t, c, w, nh, nkv, group, hs, cols: Cols { nh, nkv, hs },
         br, bc, scale: 1.0 / (hs as f32).sqrt(), dropout, seed,
@@ -684,7 +686,7 @@ fn tile_grads(x: &Ctx, sc: &mut BwdScratch, bh: usize, i0: usize, rows: usize, j
         let pr = &mut p[r * x.bc..r * x.bc + ncols];
         let dr = &mut ds[r * x.bc..r * x.bc + ncols];
         if x.dropout > 0.0 {
-            dropout_row(mk, bh, t, gi, j0, vr, x.dropout, x.seed);
+            dropout_row(mk, x.dims.mask_bh(bh), t, gi, j0, vr, x.dropout, x.seed);
             let pdr = &mut pd[r * x.bc..r * x.bc + ncols];
             bwd_row_dropout(pr, pdr, dr, &mk[..vr], vr, lse[r], d[r]);
         } else {

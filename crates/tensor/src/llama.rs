@@ -284,16 +284,31 @@ crate::multiversion! {
 // ---------------------------------------------------------------------------------------------
 // Grouped-query attention (materialised reference): query head h reads kv head h / (NH/NKV).
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct GqaDims {
     pub b: usize,
     pub t: usize,
     pub nh: usize,
     pub nkv: usize,
     pub hs: usize,
+    /// A tensor-parallel shard's first head in the whole model, and the whole model's head
+    /// count (0 = `nh`: not a shard). Attention dropout masks are drawn by whole-model head, so a
+    /// shard drops exactly what the whole model drops for its heads.
+    pub head0: usize,
+    pub heads: usize,
+    /// The first sequence's index in the global batch (a data-parallel rank's share), for the
+    /// dropout mask too.
+    pub b0: usize,
 }
 
 impl GqaDims {
+    /// The whole-model, whole-batch `(batch, head)` index of this shard's `bh = b·NH + h`,
+    /// which keys the dropout mask.
+    pub fn mask_bh(&self, bh: usize) -> usize {
+        let heads = if self.heads == 0 { self.nh } else { self.heads };
+        (self.b0 + bh / self.nh) * heads + self.head0 + bh % self.nh
+    }
+
     /// Query heads per kv head, `NH / NKV`.
     pub fn group(&self) -> usize {
         assert!(self.nkv > 0 && self.nh.is_multiple_of(self.nkv), "NH must be a multiple of NKV");
@@ -394,7 +409,7 @@ pub fn gqa_attention_backward(
     dims: &GqaDims,
 ) {
     let _p = crate::profile::scope("gqa_attention_backward");
-    let GqaDims { b, t, nh, nkv, hs } = *dims;
+    let GqaDims { b, t, nh, nkv, hs, .. } = *dims;
     let (c, w, group) = (dims.c(), dims.qkv_width(), dims.group());
     assert_eq!(dqkv.len(), b * t * w);
     assert_eq!(qkv.len(), b * t * w);

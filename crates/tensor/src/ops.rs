@@ -324,16 +324,18 @@ pub struct RowMap {
     pub t_local: usize,
     pub t: usize,
     pub offset: usize,
+    /// The first sequence's index in the global batch (a data-parallel rank's share).
+    pub b0: usize,
 }
 
 impl RowMap {
     /// The whole tensor: every row is its own.
     pub fn whole(t: usize) -> RowMap {
-        RowMap { t_local: t, t, offset: 0 }
+        RowMap { t_local: t, t, offset: 0, b0: 0 }
     }
 
     pub fn global(&self, row: usize) -> usize {
-        (row / self.t_local) * self.t + self.offset + row % self.t_local
+        (self.b0 + row / self.t_local) * self.t + self.offset + row % self.t_local
     }
 }
 

@@ -90,7 +90,7 @@ pub fn fixture_tokens(dir: &std::path::Path) -> (Vec<u32>, usize, usize) {
 pub fn hf_attention_residual(x: &mut [f32], st: &SafeTensors, l: usize, d: &tensor::llama::GqaDims, cos: &[f32], sin: &[f32]) {
     use tensor::llama::*;
     use tensor::*;
-    let tensor::llama::GqaDims { b, t, nh, nkv, hs } = *d;
+    let tensor::llama::GqaDims { b, t, nh, nkv, hs, .. } = *d;
     let (n, c, w) = (b * t, nh * hs, d.qkv_width());
     let p = |s: &str, shape: &[usize]| st.get(&format!("model.layers.{l}.{s}"), shape);
     let (mut h, mut rstd) = (vec![0.0; n * c], vec![0.0; n]);

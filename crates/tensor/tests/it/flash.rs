@@ -10,7 +10,7 @@ use tensor::*;
 use crate::common::*;
 
 fn dims(b: usize, t: usize, nh: usize, hs: usize) -> AttnDims {
-    AttnDims { b, t, c: nh * hs, nh }
+    AttnDims { b, t, c: nh * hs, nh, ..Default::default() }
 }
 
 fn flash_fwd(qkv: &[f32], d: &AttnDims, p: f32, seed: u64, tiles: Tiles) -> (Vec<f32>, Vec<f32>) {
@@ -126,7 +126,7 @@ fn small_and_unequal_tiles_match_reference() {
 }
 
 fn flash_gradcheck(dropout: f32, tiles: Tiles) {
-    let d = AttnDims { b: 2, t: 5, c: 8, nh: 2 };
+    let d = AttnDims { b: 2, t: 5, c: 8, nh: 2, ..Default::default() };
     let mut rng = Rng::new(9);
     let qkv = randn(&mut rng, d.b * d.t * 3 * d.c, 1.0);
     let dout = randn(&mut rng, d.b * d.t * d.c, 1.0);
@@ -194,6 +194,31 @@ fn backward_accumulates() {
         assert!(max_err(&g, &twice) < 1e-6, "p={p}: second call did not add");
         assert!(once.iter().any(|&x| x != 0.0));
     }
+}
+
+#[test]
+fn a_shard_drops_what_the_whole_model_drops_for_its_heads_and_sequences() {
+    // Whole: 2 sequences, 4 heads. Shard: sequence 1 (b0 = 1) and heads 2..4 (head0 = 2 of
+    // heads = 4), as a data-parallel rank holding a tensor-parallel slice would see them.
+    let (t, hs, p) = (24, 4, 0.3);
+    let whole = dims(2, t, 4, hs);
+    let shard = AttnDims { b0: 1, head0: 2, heads: 4, ..dims(1, t, 2, hs) };
+    let mut rng = Rng::new(31);
+    let qkv = randn(&mut rng, whole.b * t * 3 * whole.c, 1.0);
+    let dout = randn(&mut rng, whole.b * t * whole.c, 1.0);
+    // Rows of sequence 1, columns of heads 2..4 in each of the `parts` blocks of `width`.
+    let cut = |x: &[f32], parts: usize, width: usize| -> Vec<f32> {
+        (0..t).flat_map(|i| (0..parts).flat_map(move |k| (2 * hs..4 * hs).map(move |j| (t + i) * parts * width + k * width + j))).map(|ix| x[ix]).collect()
+    };
+    let (o, _) = flash_fwd(&qkv, &whole, p, 9, Tiles::default());
+    let (os, _) = flash_fwd(&cut(&qkv, 3, whole.c), &shard, p, 9, Tiles::default());
+    assert_eq!(os, cut(&o, 1, whole.c), "forward");
+    let g = flash_bwd(&dout, &qkv, &whole, p, 9, Tiles::default(), Schedule::Auto);
+    let gs = flash_bwd(&cut(&dout, 1, whole.c), &cut(&qkv, 3, whole.c), &shard, p, 9, Tiles::default(), Schedule::Auto);
+    assert_eq!(gs, cut(&g, 3, whole.c), "backward");
+    // The reference kernels key their masks the same way.
+    let (ro, rg) = reference(&cut(&qkv, 3, whole.c), &cut(&dout, 1, whole.c), &shard, p, 9);
+    assert!(max_err(&ro, &os) < 1e-5 && max_err(&rg, &gs) < 1e-4);
 }
 
 #[test]
@@ -301,11 +326,11 @@ fn fold_kv(de: &[f32], d: &GqaDims) -> Vec<f32> {
 
 /// `lse` in f64 via the expanded MHA layout.
 fn gqa_reference_lse(qkv: &[f32], d: &GqaDims) -> Vec<f32> {
-    reference_lse(&expand_kv(qkv, d), &AttnDims { b: d.b, t: d.t, c: d.c(), nh: d.nh })
+    reference_lse(&expand_kv(qkv, d), &AttnDims { b: d.b, t: d.t, c: d.c(), nh: d.nh, ..Default::default() })
 }
 
 fn gqa(b: usize, t: usize, nh: usize, nkv: usize, hs: usize) -> GqaDims {
-    GqaDims { b, t, nh, nkv, hs }
+    GqaDims { b, t, nh, nkv, hs, ..Default::default() }
 }
 
 #[test]
@@ -359,7 +384,7 @@ fn gqa_with_dropout_matches_expanded_mha_reference() {
     // so this holds with dropout on too.
     for &(t, nkv, p) in &[(7usize, 1usize, 0.2f32), (65, 2, 0.2), (130, 2, 0.3), (33, 4, 0.1)] {
         let d = gqa(2, t, 4, nkv, 16);
-        let md = AttnDims { b: d.b, t, c: d.c(), nh: d.nh };
+        let md = AttnDims { b: d.b, t, c: d.c(), nh: d.nh, ..Default::default() };
         let mut rng = Rng::new(t as u64 + nkv as u64 * 7);
         let qkv = randn(&mut rng, d.b * t * d.qkv_width(), 1.0);
         let dout = randn(&mut rng, d.b * t * d.c(), 1.0);
@@ -385,7 +410,7 @@ fn gqa_with_nkv_equal_nh_is_the_mha_kernel_bit_for_bit() {
         (1, 0.0, Tiles::default()),
     ] {
         let d = gqa(2, t, 3, 3, 16);
-        let md = AttnDims { b: 2, t, c: 48, nh: 3 };
+        let md = AttnDims { b: 2, t, c: 48, nh: 3, ..Default::default() };
         let mut rng = Rng::new(t as u64);
         let qkv = randn(&mut rng, d.b * t * d.qkv_width(), 1.0);
         let dout = randn(&mut rng, d.b * t * d.c(), 1.0);

@@ -177,7 +177,7 @@ fn crossentropy_gradients_with_ignore_index() {
 }
 
 fn attention_check(dropout: f32) {
-    let dims = AttnDims { b: 2, t: 5, c: 8, nh: 2 };
+    let dims = AttnDims { b: 2, t: 5, c: 8, nh: 2, ..Default::default() };
     let (b, t, c, nh) = (dims.b, dims.t, dims.c, dims.nh);
     let mut rng = Rng::new(9);
     let qkv = randn(&mut rng, b * t * 3 * c, 1.0);
@@ -208,7 +208,7 @@ fn attention_gradients_with_dropout() {
 #[test]
 fn attention_is_causal() {
     // Changing a future token's k/v must not change earlier outputs.
-    let dims = AttnDims { b: 1, t: 6, c: 4, nh: 2 };
+    let dims = AttnDims { b: 1, t: 6, c: 4, nh: 2, ..Default::default() };
     let mut rng = Rng::new(10);
     let mut qkv = randn(&mut rng, 6 * 12, 1.0);
     let (mut o1, mut a) = (vec![0.0; 24], vec![0.0; 2 * 36]);

@@ -5,7 +5,7 @@ use tensor::attention::AttnDims;
 
 #[test]
 fn decode_attention_matches_full_attention_last_row() {
-    let dims = AttnDims { b: 1, t: 7, c: 8, nh: 2 };
+    let dims = AttnDims { b: 1, t: 7, c: 8, nh: 2, ..Default::default() };
     let mut rng = Rng::new(11);
     let mut qkv = vec![0.0; 7 * 24];
     rng.fill_normal(&mut qkv, 1.0);

@@ -275,15 +275,15 @@ fn gqa_check(d: GqaDims, seed: u64) {
 
 #[test]
 fn gqa_attention_gradients() {
-    gqa_check(GqaDims { b: 2, t: 5, nh: 4, nkv: 2, hs: 3 }, 29); // groups of two
-    gqa_check(GqaDims { b: 1, t: 6, nh: 3, nkv: 1, hs: 4 }, 30); // multi-query
-    gqa_check(GqaDims { b: 2, t: 4, nh: 2, nkv: 2, hs: 4 }, 31); // multi-head
+    gqa_check(GqaDims { b: 2, t: 5, nh: 4, nkv: 2, hs: 3, ..Default::default() }, 29); // groups of two
+    gqa_check(GqaDims { b: 1, t: 6, nh: 3, nkv: 1, hs: 4, ..Default::default() }, 30); // multi-query
+    gqa_check(GqaDims { b: 2, t: 4, nh: 2, nkv: 2, hs: 4, ..Default::default() }, 31); // multi-head
 }
 
 #[test]
 fn gqa_with_nkv_equal_nh_matches_attention_kernel() {
-    let d = GqaDims { b: 2, t: 7, nh: 3, nkv: 3, hs: 4 };
-    let ad = AttnDims { b: d.b, t: d.t, c: d.c(), nh: d.nh };
+    let d = GqaDims { b: 2, t: 7, nh: 3, nkv: 3, hs: 4, ..Default::default() };
+    let ad = AttnDims { b: d.b, t: d.t, c: d.c(), nh: d.nh, ..Default::default() };
     let mut rng = Rng::new(32);
     let qkv = randn(&mut rng, d.b * d.t * 3 * d.c(), 1.0);
     let dout = randn(&mut rng, d.b * d.t * d.c(), 1.0);
@@ -301,9 +301,9 @@ fn gqa_with_nkv_equal_nh_matches_attention_kernel() {
 fn gqa_matches_multi_head_attention_with_repeated_kv() {
     // HF's `repeat_kv`: expand each kv head to its group, run plain MHA; the kv gradients of
     // GQA are the sums of the expanded ones over each group.
-    let d = GqaDims { b: 2, t: 6, nh: 6, nkv: 2, hs: 4 };
+    let d = GqaDims { b: 2, t: 6, nh: 6, nkv: 2, hs: 4, ..Default::default() };
     let (c, w, hs, group) = (d.c(), d.qkv_width(), d.hs, d.group());
-    let ad = AttnDims { b: d.b, t: d.t, c, nh: d.nh };
+    let ad = AttnDims { b: d.b, t: d.t, c, nh: d.nh, ..Default::default() };
     let mut rng = Rng::new(33);
     let qkv = randn(&mut rng, d.b * d.t * w, 1.0);
     let dout = randn(&mut rng, d.b * d.t * c, 1.0);
@@ -343,7 +343,7 @@ fn gqa_matches_multi_head_attention_with_repeated_kv() {
 
 #[test]
 fn gqa_attention_is_causal() {
-    let d = GqaDims { b: 1, t: 6, nh: 4, nkv: 2, hs: 2 };
+    let d = GqaDims { b: 1, t: 6, nh: 4, nkv: 2, hs: 2, ..Default::default() };
     let w = d.qkv_width();
     let mut rng = Rng::new(34);
     let mut qkv = randn(&mut rng, d.t * w, 1.0);
@@ -359,7 +359,7 @@ fn gqa_attention_is_causal() {
 
 #[test]
 fn gqa_backward_is_deterministic_across_thread_counts() {
-    let d = GqaDims { b: 3, t: 33, nh: 8, nkv: 2, hs: 8 };
+    let d = GqaDims { b: 3, t: 33, nh: 8, nkv: 2, hs: 8, ..Default::default() };
     let mut rng = Rng::new(35);
     let qkv = randn(&mut rng, d.b * d.t * d.qkv_width(), 1.0);
     let dout = randn(&mut rng, d.b * d.t * d.c(), 1.0);
@@ -405,7 +405,7 @@ fn backward_kernels_accumulate() {
     let dout = randn(&mut rng, n * f, 1.0);
     twice(&|g| swiglu_backward(g, &dout, &gu, f), gu.len(), "swiglu.dgu");
     // GQA
-    let d = GqaDims { b: 1, t: 4, nh: 4, nkv: 2, hs: 2 };
+    let d = GqaDims { b: 1, t: 4, nh: 4, nkv: 2, hs: 2, ..Default::default() };
     let qkv = randn(&mut rng, d.t * d.qkv_width(), 1.0);
     let dout = randn(&mut rng, d.t * d.c(), 1.0);
     let (_, a) = gqa_fwd(&qkv, &d);
@@ -424,7 +424,7 @@ fn llama_tiny_fixture_logits_match_transformers() {
     let st = SafeTensors::open(&dir.join("model.safetensors"));
     let (tokens, b, t) = fixture_tokens(&dir);
     let n = b * t;
-    let d = GqaDims { b, t, nh, nkv, hs };
+    let d = GqaDims { b, t, nh, nkv, hs, ..Default::default() };
     let (cos, sin) = rope_table(10_000.0, hs, t);
 
     let mut x = vec![0.0; n * c];
@@ -477,7 +477,7 @@ fn llama_kernel_timing() {
     let mut dgu = vec![0.0; n * 2 * f];
     time("swiglu_backward", 28 * n * f, || swiglu_backward(&mut dgu, &h, &gu, f));
     // T = 1024, 12 heads of 64, 4 kv heads (GQA groups of 3).
-    let d = GqaDims { b: 1, t: n, nh: 12, nkv: 4, hs: 64 };
+    let d = GqaDims { b: 1, t: n, nh: 12, nkv: 4, hs: 64, ..Default::default() };
     let (cos, sin) = rope_table(10_000.0, d.hs, d.t);
     let mut qkv = randn(&mut rng, n * d.qkv_width(), 1.0);
     let rot = 8 * n * (d.nh + d.nkv) * d.hs;
@@ -487,7 +487,7 @@ fn llama_kernel_timing() {
     time("gqa_attention_forward", 0, || gqa_attention_forward(&mut o, &mut a, &qkv, &d));
     let mut dq = vec![0.0; qkv.len()];
     time("gqa_attention_backward", 0, || gqa_attention_backward(&mut dq, &o, &qkv, &a, &d));
-    let ad = AttnDims { b: 1, t: n, c: 768, nh: 12 };
+    let ad = AttnDims { b: 1, t: n, c: 768, nh: 12, ..Default::default() };
     let qkv3 = randn(&mut rng, n * 3 * 768, 1.0);
     time("attention_forward (MHA, for comparison)", 0, || attention_forward(&mut o, &mut a, &qkv3, &ad, 0.0, 0));
 }

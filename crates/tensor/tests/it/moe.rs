@@ -401,7 +401,7 @@ fn mixtral_tiny_fixture_logits_match_transformers() {
     let st = SafeTensors::open(&dir.join("model.safetensors"));
     let (tokens, b, t) = fixture_tokens(&dir);
     let n = b * t;
-    let gd = GqaDims { b, t, nh, nkv, hs };
+    let gd = GqaDims { b, t, nh, nkv, hs, ..Default::default() };
     let (cos, sin) = rope_table(10_000.0, hs, t);
     let md = MoeDims { n, c, f, e, k, n_shared: 0, capacity_factor: 0.0, renormalize: true };
     let mut cache = MoeCache::new(md);
