@@ -345,3 +345,22 @@ fn mixed_precision_and_fp8_track_fp32_resume_bit_exactly_and_fp16_scales_its_los
     assert_user_error(&o, &["train.precision = fp8 with tensor or pipeline parallelism is not supported yet"]);
     assert!(!d.join("bad").exists() && !d.join("bad2").exists());
 }
+
+#[test]
+fn cargo_run_at_the_root_means_the_kiln_program() {
+    // The README's first command is `cargo run --release -- train`: at the workspace root,
+    // cargo must find exactly one binary to run among the default members.
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let o = std::process::Command::new(env!("CARGO")).args(["metadata", "--format-version", "1", "--no-deps"]).current_dir(&root).output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let m: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let defaults: Vec<&str> = m["workspace_default_members"].as_array().expect("cargo reports default members").iter().map(|v| v.as_str().unwrap()).collect();
+    let bins: Vec<&str> = m["packages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|p| defaults.contains(&p["id"].as_str().unwrap()))
+        .flat_map(|p| p["targets"].as_array().unwrap().iter().filter(|t| t["kind"].as_array().unwrap().iter().any(|k| k == "bin")).map(|t| t["name"].as_str().unwrap()))
+        .collect();
+    assert_eq!(bins, ["kiln"], "binaries `cargo run` chooses from at the root");
+}
