@@ -25,7 +25,12 @@ pub fn summarize(dir: &Path) -> RunSummary {
     let mut s = RunSummary { dir: dir.to_path_buf(), name, preset: None, steps: None, final_val: None, best_val: None, config: Raw::new(), config_error: None };
     let cpath = dir.join("config.toml");
     match fs::read_to_string(&cpath).map_err(|e| e.to_string()).and_then(|t| t.parse::<toml::Table>().map_err(|e| e.to_string())) {
-        Ok(t) => flatten("", &t, &mut s.config),
+        // Resolved, so keys a run's (older) config.toml lacks read as their defaults and do
+        // not show up as differences; as written when it no longer resolves.
+        Ok(t) => match crate::config::RunConfig::load(&cpath) {
+            Ok(c) => s.config = c.to_raw(),
+            Err(_) => flatten("", &t, &mut s.config),
+        },
         Err(e) => s.config_error = Some(e.lines().next().unwrap_or("").to_string()),
     }
     s.preset = s.config.get("preset").and_then(|v| v.as_str()).map(str::to_string);

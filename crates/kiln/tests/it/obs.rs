@@ -359,6 +359,14 @@ fn runs_table_shows_progress_and_differing_keys() {
     assert!(lines[2].contains("0.001") && lines[3].contains("0.003"), "{t}");
     assert!(lines[3].starts_with("b ") && !t.contains("not-a-run"), "{t}");
     assert_eq!(lines.len(), 4, "{t}");
+    // A run written before a key existed (its config.toml lacks it) has that key's default:
+    // not a difference.
+    let cfg = root.join("b/config.toml");
+    let text = fs::read_to_string(&cfg).unwrap();
+    fs::write(&cfg, text.lines().filter(|l| !l.starts_with("memory_interval")).collect::<Vec<_>>().join("\n")).unwrap();
+    assert!(text.contains("memory_interval") && !fs::read_to_string(&cfg).unwrap().contains("memory_interval"));
+    let t2 = kiln::obs::list_runs(&root).unwrap();
+    assert_eq!(t2.lines().next(), t.lines().next(), "{t2}");
 
     let empty = scratch("obs-runs-empty");
     assert!(kiln::obs::list_runs(&empty).unwrap().contains("no run directories"));
