@@ -508,17 +508,24 @@ pub fn train_step(
             (overlap.comm, overlap.exposed) = (overlap.comm + o.comm, overlap.exposed + o.exposed);
         }
     }
-    // FP8: this step's amaxes, the same on every data-parallel rank (elementwise max), join the
-    // scaling histories (whether or not the update happens).
+    // FP8: this step's amaxes, the same on every data-parallel rank (elementwise max) and, over
+    // the tensor-parallel shards of each tensor, the whole tensor's (the max of the shards'),
+    // join the scaling histories (whether or not the update happens).
     for ch in chunks.iter_mut() {
         if let Some(st) = ch.model.fp8.as_mut() {
             let pending = st.get_mut().pending_mut();
-            if dpn > 1 {
+            let mut max_over = |n: usize, gather: &mut dyn FnMut(&[f64]) -> Vec<f64>| {
                 let mine: Vec<f64> = pending.iter().map(|&x| x as f64).collect();
-                let all = ch.dp.all_gather_f64(&mine);
+                let all = gather(&mine);
                 for (i, p) in pending.iter_mut().enumerate() {
-                    *p = (0..dpn).map(|r| all[r * mine.len() + i] as f32).fold(0.0, f32::max);
+                    *p = (0..n).map(|r| all[r * mine.len() + i] as f32).fold(0.0, f32::max);
                 }
+            };
+            if dpn > 1 {
+                max_over(dpn, &mut |x| ch.dp.all_gather_f64(x));
+            }
+            if let Some(tp) = pipe.tp.filter(|c| c.size() > 1) {
+                max_over(tp.size(), &mut |x| parallel::comm::all_gather_f64(tp, x));
             }
             ch.model.fp8_commit();
         }

@@ -122,14 +122,16 @@ impl Fp8State {
     }
 
     /// Casts `x` (tensor `slot`) to `fmt` into scratch buffer `k`, recording its amax.
-    fn cast(&mut self, slot: usize, k: usize, x: &[f32], fmt: tensor::precision::Format) -> &[f32] {
+    /// `whole` turns a shard's amax into the whole tensor's (tensor parallelism: the max over
+    /// the shards; a collective, needed only before the first step has filled the history).
+    fn cast(&mut self, slot: usize, k: usize, x: &[f32], fmt: tensor::precision::Format, whole: &dyn Fn(f32) -> f32) -> &[f32] {
         let scale = |amax: f32| if amax > 0.0 && amax.is_finite() { amax / fmt.max() } else { 1.0 };
         let buf = &mut self.scratch[k];
         buf.resize(x.len(), 0.0);
         // Delayed scaling: the scale comes from the history, and this tensor's amax (for the
         // history) from the same pass as the cast; with no history yet, from this tensor.
         let a = if self.hist[slot].is_empty() {
-            let a = tensor::precision::amax(x);
+            let a = whole(tensor::precision::amax(x));
             tensor::precision::quantize_into(buf, x, fmt, scale(a));
             a
         } else {
@@ -1056,9 +1058,10 @@ impl Ops<'_> {
         match self.fp8 {
             Some(st) => {
                 use tensor::precision::Format::E4m3;
+                let whole = |a: f32| self.amax_over_shards(a);
                 let mut st = st.borrow_mut();
-                let xq = st.cast(Fp8State::slot(l, site, 0), 0, x, E4m3).as_ptr();
-                let wq = st.cast(Fp8State::slot(l, site, 1), 1, w, E4m3);
+                let xq = st.cast(Fp8State::slot(l, site, 0), 0, x, E4m3, &whole).as_ptr();
+                let wq = st.cast(Fp8State::slot(l, site, 1), 1, w, E4m3, &whole);
                 // SAFETY: scratch buffers 0 and 1 are distinct and not resized until the next cast.
                 let xq = unsafe { std::slice::from_raw_parts(xq, x.len()) };
                 matmul_forward(out, xq, wq, b, n, c, oc);
@@ -1074,15 +1077,24 @@ impl Ops<'_> {
         match self.fp8 {
             Some(st) => {
                 use tensor::precision::Format::{E4m3, E5m2};
+                let whole = |a: f32| self.amax_over_shards(a);
                 let mut st = st.borrow_mut();
-                let xq = st.cast(Fp8State::slot(l, site, 0), 0, x, E4m3).as_ptr();
-                let wq = st.cast(Fp8State::slot(l, site, 1), 1, w, E4m3).as_ptr();
-                let gq = st.cast(Fp8State::slot(l, site, 2), 2, dout, E5m2);
+                let xq = st.cast(Fp8State::slot(l, site, 0), 0, x, E4m3, &whole).as_ptr();
+                let wq = st.cast(Fp8State::slot(l, site, 1), 1, w, E4m3, &whole).as_ptr();
+                let gq = st.cast(Fp8State::slot(l, site, 2), 2, dout, E5m2, &whole);
                 // SAFETY: the three scratch buffers are distinct and not resized meanwhile.
                 let (xq, wq) = unsafe { (std::slice::from_raw_parts(xq, x.len()), std::slice::from_raw_parts(wq, w.len())) };
                 linear_backward(frozen, dinp, dw, db, gq, xq, wq, n, c, oc);
             }
             None => linear_backward(frozen, dinp, dw, db, dout, x, w, n, c, oc),
+        }
+    }
+
+    /// The largest of the tensor-parallel shards' `a` (`a` without tensor parallelism).
+    fn amax_over_shards(&self, a: f32) -> f32 {
+        match self.tp.borrow_mut().as_mut() {
+            Some(h) if h.size() > 1 => h.all_gather(&[a]).into_iter().fold(a, |m, x| if m.is_nan() || x.is_nan() { f32::NAN } else { m.max(x) }),
+            _ => a,
         }
     }
 

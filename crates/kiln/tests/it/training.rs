@@ -329,6 +329,16 @@ fn mixed_precision_and_fp8_track_fp32_resume_bit_exactly_and_fp16_scales_its_los
         let o = train(&data, &split, &["--resume", "--max-steps", "20"]);
         assert!(o.status.success(), "{}", stderr(&o));
         assert_eq!(losses(&split), losses(&full), "{p}: resumed run differs");
+        if p == "fp8" {
+            // Tensor parallel: each tensor's amax is the max over its shards (collective before
+            // the first step has a history, then folded into the step's amax exchange), so the
+            // shards quantise with one rank's scales. What differs is TP's summation order,
+            // whose last-bit differences can flip a rounding of the 3-bit mantissa.
+            let tp = run("fp8-tp2", &["--max-steps", "20", "--precision", p, "--tp", "2"]);
+            for ((s, a), (_, b)) in losses(&tp).iter().zip(&losses(&full)) {
+                assert!(((a - b) / b).abs() < 1e-3, "fp8 tp 2 step {s}: {a} vs one rank {b}");
+            }
+        }
     }
     // fp16 with an absurd initial loss scale overflows, skips, halves the scale until it fits,
     // and trains on.
@@ -341,8 +351,8 @@ fn mixed_precision_and_fp8_track_fp32_resume_bit_exactly_and_fp16_scales_its_los
     assert_eq!(losses(&over).len() + faults.len(), 40);
     let o = train(&data, &d.join("bad"), &["--precision", "fp4"]);
     assert_user_error(&o, &["train.precision must be fp32, bf16, fp16 or fp8, got `fp4`"]);
-    let o = train(&data, &d.join("bad2"), &["--precision", "fp8", "--tp", "2"]);
-    assert_user_error(&o, &["train.precision = fp8 with tensor or pipeline parallelism is not supported yet"]);
+    let o = train(&data, &d.join("bad2"), &["--precision", "fp8", "--pp", "2"]);
+    assert_user_error(&o, &["train.precision = fp8 with pipeline parallelism is not supported yet"]);
     assert!(!d.join("bad").exists() && !d.join("bad2").exists());
 }
 
