@@ -546,9 +546,6 @@ impl RunConfig {
         if !["fp32", "bf16", "fp16", "fp8"].contains(&t.precision.as_str()) {
             return user(format!("train.precision must be fp32, bf16, fp16 or fp8, got `{}`", t.precision));
         }
-        if t.precision == "fp8" && self.parallel.pp > 1 {
-            return user(format!("train.precision = fp8 with pipeline parallelism is not supported yet (parallel.pp = {}); data and tensor parallelism and ZeRO are", self.parallel.pp));
-        }
         if t.fp8_amax_history == 0 {
             return user("train.fp8_amax_history must be positive, got 0");
         }

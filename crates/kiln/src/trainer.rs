@@ -697,7 +697,8 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool, replicas: O
         if m.precision == model::gpt::Precision::Fp8 {
             let mut st = model::gpt::Fp8State::new(m.cfg.n_layer, cfg.train.fp8_amax_history);
             if let Some(h) = resume_from.and_then(|l| l.state.fp8_amax.as_ref()) {
-                st.set_history(h);
+                // The checkpoint holds the whole model's histories; a stage takes its layers'.
+                st.set_history_from_layer(h, m.cfg.first_layer());
             }
             m.fp8 = Some(std::cell::RefCell::new(st));
         }
@@ -1027,7 +1028,11 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool, replicas: O
             let ck0 = Instant::now();
             // With several ranks and whole-model weights, every rank writes its slice of every
             // tensor (a LoRA run's tiny adapters are written whole by rank 0).
-            let fp8_hist = chunks[0].model.fp8.as_ref().map(|s| s.borrow().history());
+            let fp8_hist = if pipelined && chunks[0].model.fp8.is_some() {
+                Some(fp8_histories(&chunks, &*pp_comm))
+            } else {
+                chunks[0].model.fp8.as_ref().map(|s| s.borrow().history())
+            };
             let sharded = world > 1 && chunks[0].model.lora.is_none();
             let writes = lead || sharded;
             let plain = tpn == 1 && zero == 0 && !pipelined && epn == 1;
@@ -1221,6 +1226,38 @@ fn whole(tp: &dyn parallel::Comm, ep: &dyn parallel::Comm, full: &model::ParamLa
 
 /// MoE routing figures of the last micro-batch, summed or worst over layers: the router
 /// losses, the dropped-token fraction, max/mean tokens per expert, and per-expert load.
+/// The whole model's fp8 amax histories, from every pipeline stage's chunks in layer order
+/// (collective over the pipeline group).
+fn fp8_histories(chunks: &[Chunk], pp: &dyn Comm) -> Vec<Vec<f32>> {
+    // Per chunk: first layer, slot count, history length, the values (slot-major).
+    let mut mine: Vec<f64> = Vec::new();
+    for ch in chunks {
+        let h = ch.model.fp8.as_ref().expect("fp8 state on every chunk").borrow().history();
+        let len = h.first().map_or(0, |x| x.len());
+        assert!(h.iter().all(|x| x.len() == len), "every fp8 slot has the same history length");
+        mine.extend([ch.model.cfg.first_layer() as f64, h.len() as f64, len as f64]);
+        mine.extend(h.iter().flatten().map(|&x| x as f64));
+    }
+    // Equal lengths for the all-gather: padded to the longest.
+    let n = parallel::comm::all_gather_f64(pp, &[mine.len() as f64]).into_iter().fold(0.0, f64::max) as usize;
+    let real = mine.len();
+    mine.resize(n + 1, 0.0);
+    mine[n] = real as f64;
+    let all = parallel::comm::all_gather_f64(pp, &mine);
+    let mut stages: Vec<(usize, Vec<Vec<f32>>)> = Vec::new();
+    for r in all.chunks(n + 1) {
+        let (mut i, end) = (0, r[n] as usize);
+        while i < end {
+            let (first, slots, len) = (r[i] as usize, r[i + 1] as usize, r[i + 2] as usize);
+            i += 3;
+            stages.push((first, (0..slots).map(|k| r[i + k * len..i + (k + 1) * len].iter().map(|&x| x as f32).collect()).collect()));
+            i += slots * len;
+        }
+    }
+    stages.sort_by_key(|s| s.0);
+    stages.into_iter().flat_map(|s| s.1).collect()
+}
+
 fn add_moe_stats(line: &mut serde_json::Value, stats: &[tensor::moe::MoeStats]) {
     if stats.is_empty() {
         return;

@@ -167,6 +167,13 @@ impl Fp8State {
             *d = s.iter().copied().collect();
         }
     }
+
+    /// The histories of tensor slots `[first_layer · k, …)` of a whole model's `whole` (a
+    /// pipeline stage's layers, `k` slots per layer).
+    pub fn set_history_from_layer(&mut self, whole: &[Vec<f32>], first_layer: usize) {
+        let k = FP8_SITES * 3;
+        self.set_history(&whole[(first_layer * k).min(whole.len())..]);
+    }
 }
 
 /// The activations of one block for one `(B, T)` that [`Recompute::Selective`] keeps: the norms'
