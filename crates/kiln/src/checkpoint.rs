@@ -259,7 +259,7 @@ pub static KILL_IN_WRITE: std::sync::Mutex<Option<(u64, PathBuf)>> = std::sync::
 fn crash_point(step: u64) {
     let armed = KILL_IN_WRITE.lock().unwrap().clone();
     if let Some((s, marker)) = armed.filter(|(s, _)| *s == step) {
-        if fs::OpenOptions::new().write(true).create_new(true).open(&marker).is_ok() {
+        if crate::run::fire_once(&marker) {
             eprintln!("faults.kill_in_write_step = {s}: killing this process in the middle of the checkpoint write");
             #[cfg(unix)]
             unsafe {
@@ -399,10 +399,15 @@ fn assemble(dir: &Path, kind: &str, m: &Manifest, contents: &BTreeMap<String, Ve
         }
         whole.push((name.to_string(), shape, data));
     }
-    let t = Tensors { items: whole.iter().map(|(n, s, d)| (n.clone(), s.clone(), &d[..])).collect() };
+    Ok(encode_owned(&whole))
+}
+
+/// The safetensors bytes of owned `(name, shape, data)` tensors.
+fn encode_owned(items: &[(String, Vec<usize>, Vec<f32>)]) -> Vec<u8> {
+    let t = Tensors { items: items.iter().map(|(n, s, d)| (n.clone(), s.clone(), &d[..])).collect() };
     let mut out = Vec::new();
     encode_tensors(&mut out, &t).expect("writing to memory");
-    Ok(out)
+    out
 }
 
 /// A verified checkpoint, loaded into memory.
@@ -800,16 +805,10 @@ impl ReplicaStore {
                 })
                 .collect()
         };
-        let encode = |items: Vec<(String, Vec<usize>, Vec<f32>)>| {
-            let t = Tensors { items: items.iter().map(|(n, s, d)| (n.clone(), s.clone(), &d[..])).collect() };
-            let mut out = Vec::new();
-            encode_tensors(&mut out, &t).expect("writing to memory");
-            out
-        };
-        let model = encode(whole("", &|s| &s.params));
+        let model = encode_owned(&whole("", &|s| &s.params));
         let mut ot = whole("exp_avg.", &|s| &s.m);
         ot.extend(whole("exp_avg_sq.", &|s| &s.v));
-        Ok(Loaded { dir: PathBuf::from(format!("<in-memory snapshot of step {step}>")), state: first.state.clone(), model, optim: encode(ot), tokenizer_json: first.tokenizer_json.clone() })
+        Ok(Loaded { dir: PathBuf::from(format!("<in-memory snapshot of step {step}>")), state: first.state.clone(), model, optim: encode_owned(&ot), tokenizer_json: first.tokenizer_json.clone() })
     }
 }
 
@@ -877,14 +876,15 @@ impl Writer {
         // Copied, kept in memory (the buffers of the one it replaces come back as the next
         // spare), and written.
         let save = move |snap: Snapshot, to_disk: bool| -> (Result<Option<Saved>>, Option<Snapshot>) {
-            let Some((store, rank)) = replicas else {
-                let r = if to_disk { write_snapshot(&dir, &snap, keep, every).map(Some) } else { Ok(None) };
-                return (r, Some(snap));
-            };
             let snap = std::sync::Arc::new(snap);
-            let old = store.publish(rank, snap.clone());
+            let old = replicas.map(|(store, rank)| store.publish(rank, snap.clone()));
             let r = if to_disk { write_snapshot(&dir, &snap, keep, every).map(Some) } else { Ok(None) };
-            (r, old.and_then(|o| std::sync::Arc::try_unwrap(o).ok()))
+            // Kept in memory, the snapshot stays there and the one it replaced comes back.
+            let spare = match old {
+                Some(old) => old.and_then(|o| std::sync::Arc::try_unwrap(o).ok()),
+                None => std::sync::Arc::try_unwrap(snap).ok(),
+            };
+            (r, spare)
         };
         let to_disk = job.to_disk;
         if !self.background {

@@ -20,6 +20,12 @@ pub fn ckpt_dir(run: &Path) -> PathBuf {
     run.join("checkpoints")
 }
 
+/// A debug fault armed once per run: true the first time it is asked for `marker` (the file is
+/// created then), false ever after, in this process or a restarted one.
+pub fn fire_once(marker: &Path) -> bool {
+    fs::OpenOptions::new().write(true).create_new(true).open(marker).is_ok()
+}
+
 /// Writes `bytes` to `path` through a temporary file and a rename.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let tmp = path.with_extension("tmp");

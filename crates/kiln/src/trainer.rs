@@ -803,7 +803,7 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool, replicas: O
         // faults.fail_ranks: this rank fails here, once per run (a marker file remembers it).
         if fc.fail_step == step + 1 && fc.fail_ranks.contains(&rank) {
             let marker = run_dir.join(format!("faults-fired-rank{rank}-step{}", step + 1));
-            if fs::OpenOptions::new().write(true).create_new(true).open(&marker).is_ok() {
+            if run::fire_once(&marker) {
                 return Err(KilnError::RankFailed { rank, step: step + 1 });
             }
         }
@@ -1224,8 +1224,6 @@ fn whole(tp: &dyn parallel::Comm, ep: &dyn parallel::Comm, full: &model::ParamLa
     parallel::ep::unshard(full, &refs, &layouts)
 }
 
-/// MoE routing figures of the last micro-batch, summed or worst over layers: the router
-/// losses, the dropped-token fraction, max/mean tokens per expert, and per-expert load.
 /// The whole model's fp8 amax histories, from every pipeline stage's chunks in layer order
 /// (collective over the pipeline group).
 fn fp8_histories(chunks: &[Chunk], pp: &dyn Comm) -> Vec<Vec<f32>> {
@@ -1258,6 +1256,8 @@ fn fp8_histories(chunks: &[Chunk], pp: &dyn Comm) -> Vec<Vec<f32>> {
     stages.into_iter().flat_map(|s| s.1).collect()
 }
 
+/// MoE routing figures of the last micro-batch, summed or worst over layers: the router
+/// losses, the dropped-token fraction, max/mean tokens per expert, and per-expert load.
 fn add_moe_stats(line: &mut serde_json::Value, stats: &[tensor::moe::MoeStats]) {
     if stats.is_empty() {
         return;

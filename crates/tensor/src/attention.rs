@@ -26,10 +26,15 @@ pub struct AttnDims {
 }
 
 impl AttnDims {
-    /// The whole-model `(batch, head)` index of `bh = b·NH + h` (see `GqaDims::mask_bh`).
+    /// The MHA shape as the GQA shape with one query head per kv head: the layouts coincide.
+    pub(crate) fn as_gqa(&self) -> crate::llama::GqaDims {
+        assert!(self.nh > 0 && self.c.is_multiple_of(self.nh), "C must be a multiple of NH");
+        crate::llama::GqaDims { b: self.b, t: self.t, nh: self.nh, nkv: self.nh, hs: self.c / self.nh, head0: self.head0, heads: self.heads, b0: self.b0 }
+    }
+
+    /// The whole-model `(batch, head)` index of `bh = b·NH + h` (`GqaDims::mask_bh`).
     fn mask_bh(&self, bh: usize) -> usize {
-        let heads = if self.heads == 0 { self.nh } else { self.heads };
-        (self.b0 + bh / self.nh) * heads + self.head0 + bh % self.nh
+        self.as_gqa().mask_bh(bh)
     }
 
     fn hs(&self) -> usize {

@@ -141,12 +141,6 @@ pub fn flash_gqa_backward(
     flash_gqa_backward_with(dqkv, dout, qkv, out, lse, dims, dropout, seed, Tiles::default(), Schedule::Auto);
 }
 
-/// The MHA shape as the GQA shape with one query head per kv head: the layouts coincide.
-fn mha_dims(dims: &AttnDims) -> GqaDims {
-    assert!(dims.nh > 0 && dims.c.is_multiple_of(dims.nh), "C must be a multiple of NH");
-    GqaDims { b: dims.b, t: dims.t, nh: dims.nh, nkv: dims.nh, hs: dims.c / dims.nh, head0: dims.head0, heads: dims.heads, b0: dims.b0 }
-}
-
 fn check_dims(dims: &GqaDims, tiles: Tiles, dropout: f32) {
     assert!(dims.nh > 0 && dims.nkv > 0 && dims.nh.is_multiple_of(dims.nkv), "NH must be a multiple of NKV");
     assert!(tiles.br > 0 && tiles.bc > 0, "tile sizes must be positive");
@@ -247,7 +241,7 @@ pub fn flash_attention_forward_tiled(
     seed: u64,
     tiles: Tiles,
 ) {
-    flash_gqa_forward_tiled(out, lse, qkv, &mha_dims(dims), dropout, seed, tiles);
+    flash_gqa_forward_tiled(out, lse, qkv, &dims.as_gqa(), dropout, seed, tiles);
 }
 
 #[doc(hidden)]
@@ -413,7 +407,7 @@ pub fn flash_attention_backward_with(
     tiles: Tiles,
     schedule: Schedule,
 ) {
-    flash_gqa_backward_with(dqkv, dout, qkv, out, lse, &mha_dims(dims), dropout, seed, tiles, schedule);
+    flash_gqa_backward_with(dqkv, dout, qkv, out, lse, &dims.as_gqa(), dropout, seed, tiles, schedule);
 }
 
 #[doc(hidden)]

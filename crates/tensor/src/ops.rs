@@ -298,23 +298,6 @@ pub fn dropout_forward(out: &mut [f32], inp: &[f32], p: f32, seed: u64) {
     });
 }
 
-/// In-place [`dropout_forward`]: `x[i] = keep(i) ? x[i] / (1 - p) : 0`. The same mask as the
-/// out-of-place form, so [`dropout_backward`] applies to both.
-pub fn dropout_inplace(x: &mut [f32], p: f32, seed: u64) {
-    let _p = crate::profile::scope("dropout_inplace");
-    assert!((0.0..1.0).contains(&p), "dropout p must be in [0, 1)");
-    if p == 0.0 {
-        return;
-    }
-    let scale = 1.0 / (1.0 - p);
-    x.par_chunks_mut(ELEMS).enumerate().for_each(|(ci, x)| {
-        let base = (ci * ELEMS) as u64;
-        for (j, x) in x.iter_mut().enumerate() {
-            *x = if dropout_keep(seed, base + j as u64, p) { *x * scale } else { 0.0 };
-        }
-    });
-}
-
 /// Where a buffer's rows sit in the whole `[B, T, ·]` tensor: local row `b·t_local + j` is
 /// global row `b·t + offset + j` (a sequence-parallel shard holds positions
 /// `offset .. offset + t_local` of every sequence; the whole tensor has `t_local = t`). Dropout
@@ -339,9 +322,10 @@ impl RowMap {
     }
 }
 
-/// [`dropout_inplace`] over rows of `c` elements laid out as `map` says: element `(row, k)`
-/// uses the mask of global element `map.global(row)·c + k`. With [`RowMap::whole`] this is
-/// [`dropout_inplace`].
+/// In-place dropout over rows of `c` elements laid out as `map` says: `x = keep ? x / (1 − p) : 0`
+/// where element `(row, k)` uses the mask of global element `map.global(row)·c + k`. With
+/// [`RowMap::whole`] this is [`dropout_forward`] in place (the same mask, so
+/// [`dropout_backward`] applies too).
 pub fn dropout_inplace_rows(x: &mut [f32], p: f32, seed: u64, c: usize, map: RowMap) {
     let _p = crate::profile::scope("dropout_inplace");
     assert!((0.0..1.0).contains(&p), "dropout p must be in [0, 1)");

@@ -124,28 +124,54 @@ crate::multiversion! {
     }
 }
 
+/// A running amax in eight lanes (selects and ors only, so loops over it vectorise): the
+/// largest magnitude seen and whether any value was NaN.
+#[derive(Clone, Copy)]
+struct Amax {
+    m: [f32; 8],
+    nan: [bool; 8],
+}
+
+impl Amax {
+    const ZERO: Amax = Amax { m: [0.0; 8], nan: [false; 8] };
+
+    #[inline(always)]
+    fn add(&mut self, l: usize, v: f32) {
+        let a = v.abs();
+        self.m[l] = if a > self.m[l] { a } else { self.m[l] };
+        self.nan[l] |= v != v;
+    }
+
+    fn lanes(&self) -> (f32, bool) {
+        (self.m.iter().copied().fold(0.0, f32::max), self.nan.iter().any(|&n| n))
+    }
+}
+
+/// Chunks' `(amax, any NaN)` combined: NaN if any chunk saw one.
+fn combine(parts: impl ParallelIterator<Item = (f32, bool)>) -> f32 {
+    let (m, nan) = parts.reduce(|| (0.0, false), |a, b| (a.0.max(b.0), a.1 | b.1));
+    if nan { f32::NAN } else { m }
+}
+
 crate::multiversion! {
     /// `o = round(x · inv, fmt) · scale`, and (into `out`) the amax of `x` as [`amax_chunk`].
     fn quantize_chunk(o: &mut [f32], x: &[f32], fmt: Format, inv: f32, scale: f32, out: &mut (f32, bool)) {
-        let (mut m, mut nan) = ([0.0f32; 8], [false; 8]);
-        per_format!(fmt, F => {
+        *out = per_format!(fmt, F => {
+            let mut a = Amax::ZERO;
             let mut oi = o.chunks_exact_mut(8);
             let mut xi = x.chunks_exact(8);
             for (oc, xc) in (&mut oi).zip(&mut xi) {
                 for l in 0..8 {
-                    let v = xc[l];
-                    oc[l] = round(v * inv, F) * scale;
-                    m[l] = if v.abs() > m[l] { v.abs() } else { m[l] };
-                    nan[l] |= v != v;
+                    oc[l] = round(xc[l] * inv, F) * scale;
+                    a.add(l, xc[l]);
                 }
             }
             for (o, &v) in oi.into_remainder().iter_mut().zip(xi.remainder()) {
                 *o = round(v * inv, F) * scale;
-                m[0] = if v.abs() > m[0] { v.abs() } else { m[0] };
-                nan[0] |= v != v;
+                a.add(0, v);
             }
+            a.lanes()
         });
-        *out = (m.iter().copied().fold(0.0, f32::max), nan.iter().any(|&n| n));
     }
 }
 
@@ -161,49 +187,36 @@ pub fn round_slice(x: &mut [f32], fmt: Format) {
 pub fn quantize_into(out: &mut [f32], x: &[f32], fmt: Format, scale: f32) -> f32 {
     let _p = crate::profile::scope("quantize_fp8");
     let inv = 1.0 / scale;
-    let (m, nan) = out
-        .par_chunks_mut(1 << 14)
-        .zip(x.par_chunks(1 << 14))
-        .map(|(o, x)| {
-            let mut r = (0.0, false);
-            quantize_chunk(o, x, fmt, inv, scale, &mut r);
-            r
-        })
-        .reduce(|| (0.0, false), |a, b| (a.0.max(b.0), a.1 | b.1));
-    if nan { f32::NAN } else { m }
+    combine(out.par_chunks_mut(1 << 14).zip(x.par_chunks(1 << 14)).map(|(o, x)| {
+        let mut r = (0.0, false);
+        quantize_chunk(o, x, fmt, inv, scale, &mut r);
+        r
+    }))
 }
 
 crate::multiversion! {
-    /// The largest magnitude in `c` and whether any element is NaN, in eight lanes (selects and
-    /// ors only, so it vectorises).
+    /// The largest magnitude in `c` and whether any element is NaN.
     fn amax_chunk(c: &[f32], out: &mut (f32, bool)) {
-        let (mut m, mut nan) = ([0.0f32; 8], [false; 8]);
+        let mut a = Amax::ZERO;
         let mut it = c.chunks_exact(8);
         for ch in &mut it {
             for l in 0..8 {
-                let a = ch[l].abs();
-                m[l] = if a > m[l] { a } else { m[l] };
-                nan[l] |= ch[l] != ch[l];
+                a.add(l, ch[l]);
             }
         }
         for &v in it.remainder() {
-            m[0] = if v.abs() > m[0] { v.abs() } else { m[0] };
-            nan[0] |= v != v;
+            a.add(0, v);
         }
-        *out = (m.iter().copied().fold(0.0, f32::max), nan.iter().any(|&n| n));
+        *out = a.lanes();
     }
 }
 
 /// The largest magnitude in `x` (0 for an empty slice; NaN if any element is NaN).
 pub fn amax(x: &[f32]) -> f32 {
     let _p = crate::profile::scope("amax");
-    let (m, nan) = x
-        .par_chunks(1 << 14)
-        .map(|c| {
-            let mut r = (0.0, false);
-            amax_chunk(c, &mut r);
-            r
-        })
-        .reduce(|| (0.0, false), |a, b| (a.0.max(b.0), a.1 | b.1));
-    if nan { f32::NAN } else { m }
+    combine(x.par_chunks(1 << 14).map(|c| {
+        let mut r = (0.0, false);
+        amax_chunk(c, &mut r);
+        r
+    }))
 }
