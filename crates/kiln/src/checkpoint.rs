@@ -823,6 +823,8 @@ pub struct Writer {
     /// In-memory checkpoints: the store and this rank.
     replicas: Option<(std::sync::Arc<ReplicaStore>, usize)>,
     inflight: Option<std::thread::JoinHandle<(Result<Option<Saved>>, Option<Snapshot>)>>,
+    /// The job in flight writes to disk (else it is an in-memory snapshot only).
+    inflight_to_disk: bool,
     /// A finished write whose result has not been reported yet.
     finished: Option<Result<Saved>>,
     /// The last written snapshot's buffers, for the next snapshot to copy into (no fresh
@@ -833,7 +835,7 @@ pub struct Writer {
 
 impl Writer {
     pub fn new(ckpt_dir: PathBuf, keep: usize, keep_every: u64, background: bool) -> Writer {
-        Writer { ckpt_dir, keep, keep_every, background, replicas: None, inflight: None, finished: None, spare: None, gate: Gate::default() }
+        Writer { ckpt_dir, keep, keep_every, background, replicas: None, inflight: None, inflight_to_disk: false, finished: None, spare: None, gate: Gate::default() }
     }
 
     /// Also keeps every snapshot in memory, this rank's in `store` ([`ReplicaStore`]).
@@ -854,9 +856,10 @@ impl Writer {
         Ok(())
     }
 
-    /// A snapshot is still being copied or written.
-    pub fn busy(&self) -> bool {
-        self.inflight.as_ref().is_some_and(|h| !h.is_finished())
+    /// A checkpoint is still being written to disk (an in-memory snapshot in flight is brief:
+    /// the next submit just waits for it).
+    pub fn writing_to_disk(&self) -> bool {
+        self.inflight_to_disk && self.inflight.as_ref().is_some_and(|h| !h.is_finished())
     }
 
     /// The gate the training loop waits at before it updates buffers a snapshot may still be
@@ -903,7 +906,7 @@ impl Writer {
                 save(snap, to_disk)
             })
             .map_err(|e| KilnError::Internal(format!("cannot start the checkpoint writer: {e}")))?;
-        self.inflight = Some(h);
+        (self.inflight, self.inflight_to_disk) = (Some(h), to_disk);
         Ok(prev)
     }
 

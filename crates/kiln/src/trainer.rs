@@ -1014,7 +1014,7 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool, replicas: O
         // An in-memory snapshot between disk checkpoints waits for no disk write: while one is
         // still in flight on any rank, every rank skips it.
         let in_memory = !to_disk && replicas.is_some() && every(cfg.checkpoint.memory_interval) && {
-            let busy = writer.busy() as u8 as f64;
+            let busy = writer.writing_to_disk() as u8 as f64;
             let busy = if world > 1 { parallel::comm::sum_f64(comm, busy) } else { busy };
             if busy > 0.0 {
                 if let Some(m) = metrics.as_mut() {
