@@ -161,13 +161,7 @@ fn pre_split_agrees_with_the_gpt2_regex() {
         "  x\t\ty  \n\n  'll 'LL ünï 12ab…  \r\n\r\n\tfn f<'a>(x: &'a str) -> Vec<u8> { x.bytes().collect() }\n\n\n   ".to_string(),
         "日本語のテキスト、句読点。 Ελληνικά  ١٢٣ 🎉🎉 a\u{00a0}b \u{2003}c".to_string(),
     ];
-    if let Ok((corpus, _)) = data::default_corpus() {
-        let mut end = 300_000.min(corpus.len());
-        while !corpus.is_char_boundary(end) {
-            end -= 1;
-        }
-        texts.push(corpus[..end].to_string());
-    }
+    texts.push(crate::prefix(&crate::rust_books().0, 300_000).to_string());
     for text in &texts {
         let mut expect: Vec<&str> = Vec::new();
         for m in re.find_iter(text) {

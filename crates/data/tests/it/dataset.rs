@@ -28,7 +28,7 @@ fn text_files_join_and_split_like_nanogpt() {
 
 #[test]
 fn tinyshakespeare_char_matches_nanogpt() {
-    let Some(text) = shakespeare() else { return };
+    let text = shakespeare();
     let ds = load(&[shakespeare_path()], "char", 0.1).unwrap();
     assert_eq!(ds.tokenizer.vocab_size(), 65);
     // nanoGPT shakespeare_char: train has 1,003,854 tokens, val has 111,540.

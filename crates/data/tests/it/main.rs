@@ -22,40 +22,34 @@ pub fn temp_dir(tag: &str) -> PathBuf {
     d
 }
 
-/// tinyshakespeare from the shared folder, or `None` (with a note) when it is not there.
-pub fn shakespeare() -> Option<String> {
-    let p = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/data/tinyshakespeare.txt");
-    match std::fs::read_to_string(p) {
-        Ok(s) => Some(s),
-        Err(e) => {
-            eprintln!("note: skipping, {p} not readable: {e}");
-            None
-        }
-    }
+/// tinyshakespeare from the shared folder; a missing one fails the test, naming its path.
+pub fn shakespeare() -> String {
+    let p = shakespeare_path();
+    std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("fixture {} not readable: {e}", p.display()))
 }
 
 pub fn shakespeare_path() -> PathBuf {
     PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/data/tinyshakespeare.txt"))
 }
 
-/// Some English text for training when tinyshakespeare is missing: deterministic, varied.
+/// The Rust books of the toolchain (`data::default_corpus`); where they are missing the test
+/// fails with the paths looked at (`rustup component add rust-docs` installs them).
+pub fn rust_books() -> (String, Vec<PathBuf>) {
+    data::default_corpus().unwrap_or_else(|e| panic!("fixture missing: {e}"))
+}
+
+/// At most the first `bytes` of `s`, cut back to a char boundary.
+pub fn prefix(s: &str, bytes: usize) -> &str {
+    let mut end = bytes.min(s.len());
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+/// The first `bytes` of tinyshakespeare: English text for training.
 pub fn sample_text(bytes: usize) -> String {
-    if let Some(s) = shakespeare() {
-        let mut end = bytes.min(s.len());
-        while !s.is_char_boundary(end) {
-            end -= 1;
-        }
-        return s[..end].to_string();
-    }
-    let words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "and", "runs", "away", "from", "it's", "42", "times,", "again!"];
-    let mut out = String::new();
-    let mut x: u64 = 12345;
-    while out.len() < bytes {
-        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        out.push_str(words[(x >> 33) as usize % words.len()]);
-        out.push(if (x >> 20).is_multiple_of(11) { '\n' } else { ' ' });
-    }
-    out
+    prefix(&shakespeare(), bytes).to_string()
 }
 
 /// Asserts that `err`'s message mentions `needle` (usually a path) and returns the message.

@@ -175,14 +175,10 @@ fn log_rejects_lines_without_a_step() {
     assert_eq!(fs::read_to_string(dir.join("metrics.jsonl")).unwrap(), "");
 }
 
-/// With KILN_TFEVENTS_PY=1 (CI sets it after `pip install tensorboard`): TensorBoard's own
-/// EventAccumulator reads a resumed run's event files back to exactly metrics.jsonl.
+/// TensorBoard's own EventAccumulator (`pip install tensorboard`, as .ci/run does) reads a
+/// resumed run's event files back to exactly metrics.jsonl.
 #[test]
 fn tensorboard_reads_our_event_files() {
-    if std::env::var("KILN_TFEVENTS_PY").as_deref() != Ok("1") {
-        eprintln!("skipped: set KILN_TFEVENTS_PY=1 (needs `pip install tensorboard`)");
-        return;
-    }
     let dir = scratch("obs-tb").join("run");
     make_run(&dir, 20, 1e-3);
     let mut w = MetricsWriter::open(&dir, Some(14)).unwrap();
@@ -237,10 +233,8 @@ fn real_run_event_files_match_metrics_and_plot() {
     assert_eq!(png_size(&dir.join("loss.png")).0, 1600);
     let t = kiln::obs::list_runs(dir.parent().unwrap()).unwrap();
     assert!(t.lines().nth(2).unwrap().starts_with("run ") && t.contains(" 12 "), "{t}");
-    if std::env::var("KILN_TFEVENTS_PY").as_deref() == Ok("1") {
-        let out = run_roundtrip_script(&dir);
-        assert!(out.contains("train/loss") && out.contains("eval/val_loss"), "{out}");
-    }
+    let out = run_roundtrip_script(&dir);
+    assert!(out.contains("train/loss") && out.contains("eval/val_loss"), "{out}");
 }
 
 fn png_size(p: &Path) -> (u32, u32, usize) {

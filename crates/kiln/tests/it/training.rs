@@ -142,10 +142,7 @@ fn prepared_data_and_trained_tokenizer() {
 #[test]
 fn hf_init_export_and_checkpoint_commands() {
     let fx = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/fixtures/gpt2-tiny");
-    if !fx.exists() {
-        eprintln!("skipped: no fixture at {}", fx.display());
-        return;
-    }
+    assert!(fx.exists(), "fixture {} not found", fx.display());
     let d = scratch("hf");
     let data = corpus(&d);
     let out = d.join("run");

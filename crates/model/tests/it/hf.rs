@@ -5,9 +5,11 @@ use model::hf::{export_hf, import_hf};
 use model::Pass;
 use std::path::{Path, PathBuf};
 
-fn fixture(name: &str) -> Option<PathBuf> {
+/// A `../shared/fixtures` directory; a missing one fails the test, naming its path.
+fn fixture(name: &str) -> PathBuf {
     let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/fixtures").join(name);
-    if p.exists() { Some(p) } else { eprintln!("skipped: fixture {} not found", p.display()); None }
+    assert!(p.exists(), "fixture {} not found", p.display());
+    p
 }
 
 fn tokens(dir: &Path) -> Vec<Vec<u32>> {
@@ -48,7 +50,7 @@ fn llama_export_reimport_is_bit_identical() {
 }
 
 fn fixture_matches(name: &str) {
-    let Some(dir) = fixture(name) else { return };
+    let dir = fixture(name);
     let mut m = import_hf(&dir).unwrap();
     let rows = tokens(&dir);
     let (b, t) = (rows.len(), rows[0].len());
@@ -78,7 +80,7 @@ fn gpt2_export_reimport_is_bit_identical() {
 }
 
 fn export_reimport(name: &str) {
-    let Some(dir) = fixture(name) else { return };
+    let dir = fixture(name);
     let m = import_hf(&dir).unwrap();
     let out = std::env::temp_dir().join(format!("kiln-hf-export-{name}-{}", std::process::id()));
     export_hf(&m, &out).unwrap();
@@ -102,7 +104,7 @@ fn export_reimport(name: &str) {
 
 #[test]
 fn import_errors_name_the_problem() {
-    let Some(gdir) = fixture("gpt2-tiny") else { return };
+    let gdir = fixture("gpt2-tiny");
     let tmp = std::env::temp_dir().join(format!("kiln-hf-bad-{}", std::process::id()));
     std::fs::create_dir_all(&tmp).unwrap();
     let cfg = std::fs::read_to_string(gdir.join("config.json")).unwrap().replace("GPT2LMHeadModel", "FalconForCausalLM");

@@ -352,47 +352,6 @@ fn world_size_1_is_the_identity() {
     assert_eq!(out, vec![1]);
 }
 
-/// Prints the all_reduce timing on 16M floats and 2 ranks; set KILN_COMM_BENCH=1 (slow test gate).
-#[test]
-fn bench_all_reduce_16m_2_ranks() {
-    if std::env::var("KILN_COMM_BENCH").is_err() {
-        return;
-    }
-    let len = 16 << 20;
-    for n in [2usize, 4] {
-        let times = run_ranks(n, |c| {
-            let mut b = vec![c.rank() as f32; len];
-            c.all_reduce_sum(&mut b); // warm-up (page faults)
-            let mut ts = Vec::new();
-            for _ in 0..5 {
-                c.barrier();
-                let t = Instant::now();
-                c.all_reduce_sum(&mut b);
-                ts.push(t.elapsed().as_secs_f64());
-            }
-            ts
-        });
-        let best = times.iter().map(|t| t.iter().cloned().fold(f64::MAX, f64::min)).fold(0.0, f64::max);
-        let gbs = (len * 4) as f64 / best / 1e9;
-        println!("{{\"bench\":\"all_reduce_sum\",\"ranks\":{n},\"floats\":{len},\"best_ms\":{:.2},\"payload_GB_per_s\":{gbs:.2}}}", best * 1e3);
-    }
-    // Latency: one float, many times.
-    for n in [2usize, 4] {
-        let iters = 2000;
-        let t = run_ranks(n, |c| {
-            let mut b = [1.0f32];
-            c.barrier();
-            let t = Instant::now();
-            for _ in 0..iters {
-                c.all_reduce_sum(&mut b);
-            }
-            t.elapsed().as_secs_f64()
-        });
-        let us = t.iter().cloned().fold(0.0, f64::max) / iters as f64 * 1e6;
-        println!("{{\"bench\":\"all_reduce_sum_latency\",\"ranks\":{n},\"floats\":1,\"us_per_call\":{us:.1}}}");
-    }
-}
-
 #[test]
 fn many_ranks_on_few_cores_do_not_deadlock() {
     // 8 ranks on (typically) 2 cores: heavy oversubscription, mixed collectives and sub-groups.

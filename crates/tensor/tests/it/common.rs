@@ -43,15 +43,11 @@ pub fn max_err(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| (x - y).abs() / (1.0 + y.abs())).fold(0.0, f32::max)
 }
 
-/// A `../shared/fixtures` directory, or `None` (with a note) where it is absent.
-pub fn fixture(name: &str) -> Option<std::path::PathBuf> {
+/// A `../shared/fixtures` directory; a missing one fails the test, naming its path.
+pub fn fixture(name: &str) -> std::path::PathBuf {
     let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/fixtures").join(name);
-    if p.exists() {
-        Some(p)
-    } else {
-        eprintln!("skipped: fixture {} not found", p.display());
-        None
-    }
+    assert!(p.exists(), "fixture {} not found", p.display());
+    p
 }
 
 /// F32 tensors of a safetensors file, by name with their expected shape.

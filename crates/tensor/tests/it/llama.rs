@@ -417,7 +417,7 @@ fn backward_kernels_accumulate() {
 
 #[test]
 fn llama_tiny_fixture_logits_match_transformers() {
-    let Some(dir) = fixture("llama-tiny") else { return };
+    let dir = fixture("llama-tiny");
     // config.json: hidden 64, 4 heads of 16, 2 kv heads, intermediate 172, 2 layers,
     // rms_norm_eps 1e-5, rope_theta 10000, vocab 103, untied lm_head.
     let (c, nh, nkv, hs, f, layers, v) = (64, 4, 2, 16, 172, 2, 103);
@@ -443,51 +443,4 @@ fn llama_tiny_fixture_logits_match_transformers() {
         add_into(&mut x, &h);
     }
     assert_fixture_logits("llama-tiny", &dir, &st, &x, b, t, c, v);
-}
-
-// ---------------------------------------------------------------------------------------------
-// Timing (opt-in): KILN_LLAMA_TIMING=1 cargo test -p tensor --release llama_kernel_timing -- --nocapture
-
-#[test]
-fn llama_kernel_timing() {
-    if std::env::var_os("KILN_LLAMA_TIMING").is_none() {
-        return;
-    }
-    fn time(name: &str, bytes: usize, mut f: impl FnMut()) {
-        f();
-        let mut best = f64::INFINITY;
-        for _ in 0..5 {
-            let s = std::time::Instant::now();
-            f();
-            best = best.min(s.elapsed().as_secs_f64());
-        }
-        println!("{{\"kernel\": \"{name}\", \"ms\": {:.3}, \"GB/s\": {:.1}}}", best * 1e3, bytes as f64 / best / 1e9);
-    }
-    let (n, c, f) = (1024, 768, 2048);
-    let mut rng = Rng::new(40);
-    let x = randn(&mut rng, n * c, 1.0);
-    let wt = randn(&mut rng, c, 1.0);
-    let (mut out, mut rs) = (vec![0.0; n * c], vec![0.0; n]);
-    time("rmsnorm_forward", 8 * n * c, || rmsnorm_forward(&mut out, &mut rs, &x, &wt, 1e-5, c));
-    let (mut di, mut dw) = (vec![0.0; n * c], vec![0.0; c]);
-    time("rmsnorm_backward", 16 * n * c, || rmsnorm_backward(&mut di, &mut dw, &x, &x, &wt, &rs, c));
-    let gu = randn(&mut rng, n * 2 * f, 1.0);
-    let mut h = vec![0.0; n * f];
-    time("swiglu_forward", 12 * n * f, || swiglu_forward(&mut h, &gu, f));
-    let mut dgu = vec![0.0; n * 2 * f];
-    time("swiglu_backward", 28 * n * f, || swiglu_backward(&mut dgu, &h, &gu, f));
-    // T = 1024, 12 heads of 64, 4 kv heads (GQA groups of 3).
-    let d = GqaDims { b: 1, t: n, nh: 12, nkv: 4, hs: 64, ..Default::default() };
-    let (cos, sin) = rope_table(10_000.0, d.hs, d.t);
-    let mut qkv = randn(&mut rng, n * d.qkv_width(), 1.0);
-    let rot = 8 * n * (d.nh + d.nkv) * d.hs;
-    time("rope_forward", rot, || rope_forward(&mut qkv, &cos, &sin, d.b, d.t, d.nh, d.nkv, d.hs, 0));
-    time("rope_backward", rot, || rope_backward(&mut qkv, &cos, &sin, d.b, d.t, d.nh, d.nkv, d.hs, 0));
-    let (mut o, mut a) = (vec![0.0; n * d.c()], vec![0.0; d.nh * n * n]);
-    time("gqa_attention_forward", 0, || gqa_attention_forward(&mut o, &mut a, &qkv, &d));
-    let mut dq = vec![0.0; qkv.len()];
-    time("gqa_attention_backward", 0, || gqa_attention_backward(&mut dq, &o, &qkv, &a, &d));
-    let ad = AttnDims { b: 1, t: n, c: 768, nh: 12, ..Default::default() };
-    let qkv3 = randn(&mut rng, n * 3 * 768, 1.0);
-    time("attention_forward (MHA, for comparison)", 0, || attention_forward(&mut o, &mut a, &qkv3, &ad, 0.0, 0));
 }

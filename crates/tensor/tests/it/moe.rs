@@ -394,7 +394,7 @@ fn backward_accumulates_and_cache_is_reusable() {
 
 #[test]
 fn mixtral_tiny_fixture_logits_match_transformers() {
-    let Some(dir) = fixture("mixtral-tiny") else { return };
+    let dir = fixture("mixtral-tiny");
     // config.json: hidden 64, 4 heads of 16, 2 kv heads, intermediate 96, 2 layers, 4 local
     // experts, 2 per token, rms_norm_eps 1e-5, rope_theta 10000, vocab 97, untied lm_head.
     let (c, nh, nkv, hs, f, layers, v, e, k) = (64, 4, 2, 16, 96, 2, 97, 4, 2);
@@ -426,62 +426,4 @@ fn mixtral_tiny_fixture_logits_match_transformers() {
         add_into(&mut x, &y);
     }
     assert_fixture_logits("mixtral-tiny", &dir, &st, &x, b, t, c, v);
-}
-
-// ---------------------------------------------------------------------------------------------
-// Timing (opt-in, KILN_MOE_TIMING = repetitions): KILN_MOE_TIMING=10 RAYON_NUM_THREADS=2 cargo test -p tensor --release moe_timing -- --nocapture
-
-#[test]
-fn moe_timing() {
-    if std::env::var_os("KILN_MOE_TIMING").is_none() {
-        return;
-    }
-    // Best of `reps`, the four timings interleaved so a loaded machine slows them alike.
-    let reps: usize = std::env::var("KILN_MOE_TIMING").ok().and_then(|s| s.parse().ok()).unwrap_or(10);
-    let (n, c, f, e, k) = (1024, 768, 1024, 8, 2);
-    let d = dims(n, c, f, e, k, 0, 1.25, true);
-    let w = Weights::random(&d, &mut Rng::new(60));
-    let dy = randn(&mut Rng::new(61), n * c, 1.0);
-    let mut cache = MoeCache::new(d);
-    let mut y = vec![0.0; n * c];
-    let mut g = Grads { x: vec![0.0; n * c], router: vec![0.0; d.router_size()], experts: vec![0.0; d.experts_size()], shared: vec![] };
-    // Dense SwiGLU of the same active size: F' = K·F.
-    let fd = k * f;
-    let mut rng = Rng::new(62);
-    let (wgu, w2) = (randn(&mut rng, 2 * fd * c, 0.02), randn(&mut rng, c * fd, 0.02));
-    let (mut gu, mut h, mut out) = (vec![0.0; n * 2 * fd], vec![0.0; n * fd], vec![0.0; n * c]);
-    let (mut dx, mut dwgu, mut dw2, mut dh, mut dgu) = (vec![0.0; n * c], vec![0.0; 2 * fd * c], vec![0.0; c * fd], vec![0.0; n * fd], vec![0.0; n * 2 * fd]);
-    let mut best = [f64::INFINITY; 4];
-    let mut stats = None;
-    for rep in 0..=reps {
-        let mut timed = |i: usize, f: &mut dyn FnMut()| {
-            let s = std::time::Instant::now();
-            f();
-            if rep > 0 {
-                best[i] = best[i].min(s.elapsed().as_secs_f64());
-            }
-        };
-        timed(0, &mut || stats = Some(moe_forward(&mut y, &mut cache, &w.x, &w.router, &w.experts, &w.shared, &d, 0.01, 0.001, None)));
-        timed(1, &mut || moe_backward(&mut g.x, &mut g.router, &mut g.experts, &mut g.shared, &dy, &mut cache, &w.x, &w.router, &w.experts, &w.shared, &d, 0.01, 0.001, None));
-        timed(2, &mut || {
-            matmul_forward(&mut gu, &w.x, &wgu, None, n, c, 2 * fd);
-            swiglu_forward(&mut h, &gu, fd);
-            matmul_forward(&mut out, &h, &w2, None, n, fd, c);
-        });
-        timed(3, &mut || {
-            dh.fill(0.0);
-            matmul_backward(&mut dh, &mut dw2, None, &dy, &h, &w2, n, fd, c);
-            dgu.fill(0.0);
-            swiglu_backward(&mut dgu, &dh, &gu, fd);
-            matmul_backward(&mut dx, &mut dwgu, None, &dgu, &w.x, &wgu, n, c, 2 * fd);
-        });
-    }
-    let st = stats.unwrap();
-    let gflop = |ms: f64, mult: f64| mult * 2.0 * (n * k * c * 3 * f) as f64 / ms / 1e6;
-    println!("{{\"counts\": {:?}, \"dropped_fraction\": {}, \"threads\": {}, \"reps\": {reps}}}", st.counts, st.dropped_fraction, rayon::current_num_threads());
-    for (i, name) in ["moe_forward (E=8, K=2, F=1024, cf=1.25)", "moe_backward", "dense swiglu forward (F=2048)", "dense swiglu backward"].iter().enumerate() {
-        let ms = best[i] * 1e3;
-        println!("{{\"kernel\": \"{name}\", \"ms\": {ms:.3}, \"GFLOP/s\": {:.1}}}", gflop(ms, if i % 2 == 0 { 1.0 } else { 2.0 }));
-    }
-    println!("{{\"moe_over_dense_forward\": {:.3}, \"moe_over_dense_backward\": {:.3}}}", best[0] / best[2], best[1] / best[3]);
 }
