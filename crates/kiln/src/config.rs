@@ -587,7 +587,7 @@ impl RunConfig {
         }
         if p.tp > 1 {
             let g = self.gpt_config(256);
-            parallel::tp::local_config(&g, p.tp).map_err(crate::error::KilnError::User)?;
+            parallel::tp::local_config(&g, p.tp, 0, false).map_err(crate::error::KilnError::User)?;
         }
         if p.ep == 0 {
             return user("parallel.ep must be positive, got 0");
@@ -665,10 +665,7 @@ impl RunConfig {
             capacity_factor: m.capacity_factor as f32,
             moe_aux_weight: m.moe_aux_weight as f32,
             moe_z_weight: m.moe_z_weight as f32,
-            tp: 1,
-            sequence_parallel: false,
-            stage: None,
-            ep: None,
+            place: model::Placement::default(),
         }
     }
 

@@ -179,7 +179,10 @@ pub fn activation_set_every(cfg: &GptConfig, b: usize, t: usize, recompute: Reco
     let n = b * t;
     // Sequence parallel: the residual stream and norms hold this shard's T/tp positions; the
     // gathered norm outputs and one whole-sequence scratch are extra.
-    let (nl, nf) = if cfg.sequence_parallel { (n / cfg.tp, n) } else { (n, 0) };
+    let (nl, nf) = match cfg.place.seq {
+        Some(s) => (b * s.positions(t).len(), n),
+        None => (n, 0),
+    };
     let head = cfg.has_head();
     let (hn, hl) = if head { (n, nl) } else { (0, 0) };
     let l = cfg.n_layer;
@@ -346,9 +349,7 @@ fn plan_rank(cfg: &RunConfig, gpt: &GptConfig, data_bytes: u64, s: usize) -> Res
     let (v, sched) = (par.virtual_stages, parallel::pp::Kind::parse(&par.schedule).map_err(KilnError::User)?);
     let stage = if stages.len() > 1 { parallel::pp::stage_config(gpt, stages[s].clone()) } else { gpt.clone() };
     let local = if tp > 1 {
-        let mut l = parallel::tp::local_config(&stage, tp).map_err(KilnError::User)?;
-        l.sequence_parallel = par.sequence_parallel;
-        l
+        parallel::tp::local_config(&stage, tp, 0, par.sequence_parallel).map_err(KilnError::User)?
     } else {
         stage
     };

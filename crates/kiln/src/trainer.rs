@@ -210,22 +210,33 @@ fn fill_windows(toks: &Tokens, offsets: &[usize], t: usize, x: &mut [u32], y: &m
     }
 }
 
-/// Mean loss over non-overlapping windows of the split, `batch` windows at a time, at most
-/// `max_batches` batches (0 = all). Returns (loss, tokens counted).
+/// Which evaluation batches a rank runs: non-overlapping windows of `t` tokens of the split,
+/// `batch` windows at a time, at most `max_batches` batches (0 = all); rank `rank` of `ranks`
+/// takes batches `rank, rank + ranks, …` (every rank runs the same number of forwards,
+/// padding with fully ignored batches, since ZeRO-3's forward is collective).
+#[derive(Clone, Copy, Debug)]
+pub struct EvalBatches {
+    pub t: usize,
+    pub batch: usize,
+    pub max_batches: usize,
+    pub rank: usize,
+    pub ranks: usize,
+}
+
+/// Mean loss over the evaluation windows of the split (see [`EvalBatches`], one rank).
+/// Returns (loss, tokens counted).
 pub fn evaluate(m: &mut Gpt, toks: &Tokens, t: usize, batch: usize, max_batches: usize) -> (f64, usize) {
-    let (sum, count) = eval_sums(m, None, toks, t, batch, max_batches, 0, 1);
+    let (sum, count) = eval_sums(m, None, toks, EvalBatches { t, batch, max_batches, rank: 0, ranks: 1 });
     (sum / count.max(1) as f64, count)
 }
 
-/// This rank's share of [`evaluate`]: rank `r` of `n` takes batches `r, r + n, …` (every rank
-/// runs the same number of forwards, padding with fully ignored batches, since ZeRO-3's
-/// forward is collective). Returns (sum of losses, tokens counted), to be summed over ranks.
-#[allow(clippy::too_many_arguments)]
-pub fn eval_sums(m: &mut Gpt, mut store: Option<&mut dyn model::UnitStore>, toks: &Tokens, t: usize, batch: usize, max_batches: usize, rank: usize, n: usize) -> (f64, usize) {
-    eval_batches(toks, t, batch, max_batches, rank, n, |x, y| {
+/// This rank's share of [`evaluate`]. Returns (sum of losses, tokens counted), to be summed over
+/// ranks.
+pub fn eval_sums(m: &mut Gpt, mut store: Option<&mut dyn model::UnitStore>, toks: &Tokens, eb: EvalBatches) -> (f64, usize) {
+    eval_batches(toks, eb, |x, y| {
         match store.as_deref_mut() {
-            Some(s) => m.forward_with(s, x, y, batch, t, Pass::Eval),
-            None => m.forward(x, y, batch, t, Pass::Eval),
+            Some(s) => m.forward_with(s, x, y, eb.batch, eb.t, Pass::Eval),
+            None => m.forward(x, y, eb.batch, eb.t, Pass::Eval),
         };
         m.losses().iter().map(|&l| l as f64).sum::<f64>()
     })
@@ -234,10 +245,10 @@ pub fn eval_sums(m: &mut Gpt, mut store: Option<&mut dyn model::UnitStore>, toks
 /// [`eval_sums`] through a pipeline: each batch runs forward through every virtual stage in
 /// turn (this rank's chunks `c` are stages `c·p + me`), activations passed on; the losses
 /// come out of the last stage, whose ranks alone return a nonzero sum.
-#[allow(clippy::too_many_arguments)]
-fn eval_sums_pipeline(chunks: &mut [Chunk], pp: &dyn Comm, me: usize, toks: &Tokens, t: usize, batch: usize, max_batches: usize, rank: usize, n: usize) -> (f64, usize) {
+fn eval_sums_pipeline(chunks: &mut [Chunk], pp: &dyn Comm, me: usize, toks: &Tokens, eb: EvalBatches) -> (f64, usize) {
     let (p, v) = (pp.size(), chunks.len());
-    eval_batches(toks, t, batch, max_batches, rank, n, |x, y| {
+    let (batch, t) = (eb.batch, eb.t);
+    eval_batches(toks, eb, |x, y| {
         let mut sum = 0.0;
         for vs in (0..p * v).filter(|vs| vs % p == me) {
             let ch = &mut chunks[vs / p];
@@ -255,10 +266,10 @@ fn eval_sums_pipeline(chunks: &mut [Chunk], pp: &dyn Comm, me: usize, toks: &Tok
     })
 }
 
-/// The evaluation batches of `toks` for rank `rank` of `n`, each given to `forward` (which
-/// returns its sum of losses). Returns (sum of losses, tokens counted).
-#[allow(clippy::too_many_arguments)]
-fn eval_batches(toks: &Tokens, t: usize, batch: usize, max_batches: usize, rank: usize, n: usize, mut forward: impl FnMut(&[u32], &[i32]) -> f64) -> (f64, usize) {
+/// The evaluation batches `eb` of `toks`, each given to `forward` (which returns its sum of
+/// losses). Returns (sum of losses, tokens counted).
+fn eval_batches(toks: &Tokens, eb: EvalBatches, mut forward: impl FnMut(&[u32], &[i32]) -> f64) -> (f64, usize) {
+    let EvalBatches { t, batch, max_batches, rank, ranks: n } = eb;
     let n_windows = (toks.len() - 1) / t;
     let mut offsets: Vec<usize> = (0..n_windows).map(|k| k * t).collect();
     if max_batches > 0 {
@@ -539,32 +550,16 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool, replicas: O
     let mb = cfg.micro_batch();
     let (tpn, ppn, vn, epn) = (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.virtual_stages, cfg.parallel.ep);
     let dpn = world / (tpn * ppn * epn);
-    // The mesh (pp slowest, tp fastest: tensor-parallel peers are neighbours, pipeline stages
-    // farthest apart) and this rank's groups: per model chunk, the data-parallel store's (with
-    // expert parallelism the whole dp × ep group, which splits the batch, plus the dp group
-    // for the experts and the ep group for the MoE exchange) and the tensor-parallel hooks';
-    // one tensor-parallel and one ep group for whole-model gathers and the gradient norm; the
-    // pipeline group.
-    let mesh = parallel::DeviceMesh::new(&[(parallel::Axis::Pp, ppn), (parallel::Axis::Dp, dpn), (parallel::Axis::Ep, epn), (parallel::Axis::Tp, tpn)], world).map_err(KilnError::User)?;
-    let data_group = mesh.group_axes(&[parallel::Axis::Dp, parallel::Axis::Ep], rank);
-    let dp_comms: Vec<Box<dyn Comm>> = (0..vn).map(|_| comm.split(&data_group)).collect();
-    let mut ep_comms: Vec<(Box<dyn Comm>, Box<dyn Comm>, Box<dyn Comm>)> =
-        (0..vn).map(|_| (parallel::mesh_group(comm, &mesh, parallel::Axis::Dp), parallel::mesh_group(comm, &mesh, parallel::Axis::Ep), comm.split(&data_group))).collect();
-    let ep_comm = parallel::mesh_group(comm, &mesh, parallel::Axis::Ep);
-    let tp_hooks_comms: Vec<Box<dyn Comm>> = (0..vn).map(|_| parallel::mesh_group(comm, &mesh, parallel::Axis::Tp)).collect();
-    let tp_comm = parallel::mesh_group(comm, &mesh, parallel::Axis::Tp);
-    let pp_comm = parallel::mesh_group(comm, &mesh, parallel::Axis::Pp);
-    // `dp_rank` / `dpn` below: this rank's place among the ranks that split the batch.
-    let (dp_rank, tp_rank, pp_rank, ep_rank) = (dp_comms[0].rank(), tp_comm.rank(), pp_comm.rank(), ep_comm.rank());
-    let dpn = dpn * epn;
-    // The first and last pipeline stages share a tied embedding: their own group.
-    let mut tie_group = if pp_rank == 0 || pp_rank + 1 == ppn { vec![0, ppn - 1] } else { vec![pp_rank] };
-    tie_group.dedup();
-    let tie_comm = pp_comm.split(&tie_group);
-    let rows = mb / dpn;
     let zero = cfg.parallel.zero as u8;
     let stages = cfg.stage_layers(ds.tokenizer.vocab_size())?;
     let pipelined = stages.len() > 1;
+    let strategy = parallel::apply::Strategy {
+        pp: ppn, dp: dpn, ep: epn, tp: tpn, virtual_stages: vn, stages: stages.clone(),
+        sequence_parallel: cfg.parallel.sequence_parallel, zero,
+        bucket_elems: ((cfg.parallel.bucket_mb * 1024.0 * 1024.0 / 4.0) as usize).max(1),
+        micro_batch: mb, recompute: cfg.recompute(), recompute_every: cfg.model.recompute_every,
+        precision: cfg.precision(), fp8_amax_history: cfg.train.fp8_amax_history,
+    };
 
     // Model, optimizer state, sampler.
     let init = if lead { ctx.init.lock().unwrap().take() } else { None };
@@ -617,71 +612,25 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool, replicas: O
         tokens_seen = l.state.tokens_seen;
         elapsed_prev = l.state.elapsed_s;
     }
-    let full_layout = model.layout.clone();
-    let whole_cfg = model.cfg.clone();
-    let recompute = model.recompute;
     // This rank's chunks: its pipeline stages' layers (the whole model without a pipeline),
-    // each cut to this rank's tensor-parallel shard, with its moments.
-    let mut parts: Vec<(Gpt, Option<(Vec<f32>, Vec<f32>)>)> = Vec::new();
-    if pipelined {
-        for c in 0..vn {
-            let mut st = Gpt::zeroed(parallel::pp::stage_config(&whole_cfg, stages[c * ppn + pp_rank].clone()), model.real_vocab);
-            st.params = parallel::pp::cut(&full_layout, &model.params, &st.layout);
-            let mv = moments.as_ref().map(|(m, v)| (parallel::pp::cut(&full_layout, m, &st.layout), parallel::pp::cut(&full_layout, v, &st.layout)));
-            parts.push((st, mv));
-        }
-        drop(model);
-    } else {
-        parts.push((model, moments));
-    }
-    let bucket_elems = ((cfg.parallel.bucket_mb * 1024.0 * 1024.0 / 4.0) as usize).max(1);
-    // Each chunk's layout before the tensor-parallel cut (what `whole` goes back to).
-    let mut stage_layouts = Vec::new();
+    // each cut to this rank's tensor- or expert-parallel shard, behind its data-parallel store
+    // (`parallel::apply`); the moments are cut the same way.
+    let recompute = model.recompute;
+    let (parts, applied) = parallel::apply::parallelize(model, &strategy, comm).map_err(KilnError::User)?;
+    let moments: Vec<Option<(Vec<f32>, Vec<f32>)>> = match moments {
+        Some((m, v)) => applied.cut(m).into_iter().zip(applied.cut(v)).map(Some).collect(),
+        None => parts.iter().map(|_| None).collect(),
+    };
+    let groups = &applied.groups;
+    let (dp_rank, pp_rank) = (groups.dp_rank, groups.pp_rank);
+    let (tp_comm, pp_comm, tie_comm) = (&*groups.tp, &*groups.pp, &*groups.tie);
+    // `dpn` below: the ranks that split the batch (dp × ep).
+    let dpn = groups.dp_size;
+    let rows = mb / dpn;
+    let (whole_cfg, full_layout) = (applied.whole.clone(), applied.full_layout.clone());
     let mut chunks: Vec<Chunk> = Vec::new();
-    for (c, (((mut m, mut mv), dp_comm), tp_hooks)) in parts.into_iter().zip(dp_comms).zip(tp_hooks_comms).enumerate() {
-        (m.recompute, m.recompute_every) = (recompute, cfg.model.recompute_every);
-        stage_layouts.push(m.layout.clone());
-        let (mut replicated, mut seq_partial) = (Vec::new(), Vec::new());
-        if tpn > 1 {
-            let mut local_cfg = parallel::tp::local_config(&m.cfg, tpn).map_err(KilnError::User)?;
-            local_cfg.sequence_parallel = cfg.parallel.sequence_parallel;
-            let mut local = Gpt::zeroed(local_cfg, m.real_vocab);
-            local.params = parallel::tp::shard(&m.layout, &m.params, &local.layout, tp_rank, tpn);
-            (local.recompute, local.recompute_every) = (recompute, cfg.model.recompute_every);
-            local.tp = Some(Box::new(parallel::tp::TpComm { comm: tp_hooks, c: m.cfg.n_embd }));
-            if let Some((mm, vv)) = mv.take() {
-                mv = Some((parallel::tp::shard(&m.layout, &mm, &local.layout, tp_rank, tpn), parallel::tp::shard(&m.layout, &vv, &local.layout, tp_rank, tpn)));
-            }
-            replicated = parallel::tp::replicated_ranges(&local.layout);
-            if local.cfg.sequence_parallel {
-                seq_partial = parallel::tp::sequence_parallel_ranges(&local.layout);
-            }
-            m = local;
-        }
-        let (expert_comm, ep_hooks, batch) = ep_comms.remove(0);
-        // MoE layers sum their load-balancing statistics over the ranks that split the batch
-        // (so the loss is one rank's); with expert parallelism the same hooks move the rows.
-        let route = (m.cfg.is_moe() && dpn > 1).then_some(batch);
-        if epn > 1 {
-            // This rank's block of experts, by name; the exchange over the ep group.
-            let local_cfg = parallel::ep::local_config(&m.cfg, epn, ep_rank).map_err(KilnError::User)?;
-            let mut local = Gpt::zeroed(local_cfg, m.real_vocab);
-            local.params = parallel::ep::shard(&m.layout, &m.params, &local.layout);
-            (local.recompute, local.recompute_every) = (recompute, cfg.model.recompute_every);
-            local.ep = Some(Box::new(parallel::ep::EpComm { comm: ep_hooks, batch: route }));
-            if let Some((mm, vv)) = mv.take() {
-                mv = Some((parallel::ep::shard(&m.layout, &mm, &local.layout), parallel::ep::shard(&m.layout, &vv, &local.layout)));
-            }
-            m = local;
-        } else if route.is_some() {
-            m.ep = Some(Box::new(parallel::ep::EpComm { comm: ep_hooks, batch: route }));
-        }
-        let mut dp = if epn > 1 {
-            let experts = parallel::ep::expert_ranges(&m.layout);
-            parallel::DataParallel::new_ep(dp_comm, expert_comm, experts, &mut m, bucket_elems)
-        } else {
-            parallel::DataParallel::new(dp_comm, &mut m, zero, bucket_elems)
-        };
+    for (c, (part, mv)) in parts.into_iter().zip(moments).enumerate() {
+        let parallel::apply::Part { model: m, mut dp, replicated, seq_partial } = part;
         let mut opt = if m.lora.is_some() { Optimizer::new(trainable_layout(&m)) } else { Optimizer::with_len(&m.layout, dp.moments_len()) };
         if let Some((mm, vv)) = mv {
             let sharded = m.lora.is_none() && zero > 0;
@@ -690,25 +639,17 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool, replicas: O
         }
         // Mixed precision: the fp32 weights (fresh or from the checkpoint) become the master
         // copy and the working parameters are rounded.
-        m.precision = cfg.precision();
         if let Some(fmt) = m.precision.storage() {
             opt.mixed(&mut dp, fmt);
         }
-        if m.precision == model::gpt::Precision::Fp8 {
-            let mut st = model::gpt::Fp8State::new(m.cfg.n_layer, cfg.train.fp8_amax_history);
-            if let Some(h) = resume_from.and_then(|l| l.state.fp8_amax.as_ref()) {
-                // The checkpoint holds the whole model's histories; a stage takes its layers'.
-                st.set_history_from_layer(h, m.cfg.first_layer());
-            }
-            m.fp8 = Some(std::cell::RefCell::new(st));
+        if let (Some(st), Some(h)) = (m.fp8.as_ref(), resume_from.and_then(|l| l.state.fp8_amax.as_ref())) {
+            // The checkpoint holds the whole model's histories; a stage takes its layers'.
+            st.borrow_mut().set_history_from_layer(h, m.cfg.first_layer());
         }
         if cfg.memory.offload == "optimizer" {
             let dir = run_dir.join("offload").join(if vn > 1 { format!("rank{rank}-chunk{c}") } else { format!("rank{rank}") });
             opt.offload(&dir).map_err(|e| io_err(&dir, e))?;
         }
-        // This rank's sequences start at dp_rank · rows of each micro-batch (see the fill
-        // below): dropout masks are drawn by global sequence.
-        m.batch_offset = dp_rank * rows;
         chunks.push(Chunk { model: m, dp, opt, replicated, seq_partial, pool: Vec::new() });
     }
     // memory: charge the model state to its tracking categories (issue 7).
@@ -984,11 +925,12 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool, replicas: O
             let _p = tensor::profile::scope("eval");
             let eb = if cfg.eval.batch_size == 0 { mb } else { cfg.eval.batch_size };
             chunks.iter_mut().for_each(|ch| crate::memory::track::scope(crate::memory::track::Category::Activations, || ch.model.reserve_activations(eb, t)));
+            let batches = EvalBatches { t, batch: eb, max_batches: cfg.eval.iters, rank: dp_rank, ranks: dpn };
             let (sum, count) = if pipelined {
-                eval_sums_pipeline(&mut chunks, &*pp_comm, pp_rank, &ds.val, t, eb, cfg.eval.iters, dp_rank, dpn)
+                eval_sums_pipeline(&mut chunks, &*pp_comm, pp_rank, &ds.val, batches)
             } else {
                 let ch = &mut chunks[0];
-                eval_sums(&mut ch.model, Some(&mut ch.dp), &ds.val, t, eb, cfg.eval.iters, dp_rank, dpn)
+                eval_sums(&mut ch.model, Some(&mut ch.dp), &ds.val, batches)
             };
             let (sum, count) = if dpn > 1 {
                 let r = chunks[vn - 1].dp.all_reduce_f64(&[sum, count as f64]);
@@ -1029,7 +971,7 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool, replicas: O
             // With several ranks and whole-model weights, every rank writes its slice of every
             // tensor (a LoRA run's tiny adapters are written whole by rank 0).
             let fp8_hist = if pipelined && chunks[0].model.fp8.is_some() {
-                Some(fp8_histories(&chunks, &*pp_comm))
+                Some(applied.fp8_histories(&chunks.iter().map(|c| &c.model).collect::<Vec<_>>()))
             } else {
                 chunks[0].model.fp8.as_ref().map(|s| s.borrow().history())
             };
@@ -1061,8 +1003,7 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool, replicas: O
                     ms.push(m);
                     vs.push(v);
                 }
-                let locals: Vec<model::GptConfig> = chunks.iter().map(|c| c.model.cfg.clone()).collect();
-                let w = |bufs| whole_model(&*tp_comm, &*ep_comm, &*pp_comm, &whole_cfg, &stages, &stage_layouts, &locals, bufs);
+                let w = |bufs| applied.gather_whole(bufs);
                 (Cow::Owned(w(ps)), Cow::Owned(w(ms)), Cow::Owned(w(vs)))
             };
             let part = if sharded {
@@ -1148,18 +1089,16 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool, replicas: O
     }
     progress.finish();
     writer.finish()?;
-    let mut locals = Vec::new();
     let mut bufs = Vec::new();
     for Chunk { mut model, dp, .. } in chunks {
         dp.restore(&mut model);
-        locals.push(model.cfg.clone());
         bufs.push(model);
     }
-    let model = if tpn > 1 || pipelined || epn > 1 {
+    let model = if applied.is_part() {
         // The whole model again, for the sample.
         let mut full = Gpt::zeroed(cfg.gpt_config(ds.tokenizer.vocab_size()), bufs[0].real_vocab);
         let params = bufs.iter_mut().map(|m| std::mem::take(&mut m.params)).collect();
-        full.params = whole_model(&*tp_comm, &*ep_comm, &*pp_comm, &whole_cfg, &stages, &stage_layouts, &locals, params);
+        full.params = applied.gather_whole(params);
         full
     } else {
         bufs.pop().unwrap()
@@ -1192,68 +1131,6 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool, replicas: O
         println!("--- sample (step {step}) ---\n{text}\n---");
     }
     Ok(Summary { run_dir: run_dir.clone(), step, val_loss: last_val, interrupted })
-}
-
-/// The whole model's buffer from this rank's chunks' `bufs` (each laid out as the config
-/// `locals[c]`: a tensor- or expert-parallel shard of a pipeline stage laid out as
-/// `stage_layouts[c]`): collective over the tensor-parallel group `tp`, the expert-parallel
-/// group `ep` and the pipeline group `pp`.
-#[allow(clippy::too_many_arguments)]
-fn whole_model(tp: &dyn parallel::Comm, ep: &dyn parallel::Comm, pp: &dyn parallel::Comm, whole_cfg: &model::GptConfig, stages: &[std::ops::Range<usize>], stage_layouts: &[model::ParamLayout], locals: &[model::GptConfig], bufs: Vec<Vec<f32>>) -> Vec<f32> {
-    let per_stage: Vec<Vec<f32>> = bufs.into_iter().enumerate().map(|(c, b)| whole(tp, ep, &stage_layouts[c], &locals[c], b)).collect();
-    if stages.len() == 1 {
-        return per_stage.into_iter().next().unwrap();
-    }
-    let refs: Vec<&[f32]> = per_stage.iter().map(|b| &b[..]).collect();
-    parallel::pp::gather_whole(pp, whole_cfg, stages, &refs)
-}
-
-/// The whole-model buffer from this rank's tensor- or expert-parallel shard `local` of config
-/// `local_cfg` (collective over `tp`, or `ep`; the identity without either).
-fn whole(tp: &dyn parallel::Comm, ep: &dyn parallel::Comm, full: &model::ParamLayout, local_cfg: &model::GptConfig, local: Vec<f32>) -> Vec<f32> {
-    let group = if tp.size() > 1 { tp } else { ep };
-    if group.size() == 1 {
-        return local;
-    }
-    let shards = parallel::tp::gather(group, &local);
-    let refs: Vec<&[f32]> = shards.iter().map(|s| &s[..]).collect();
-    if tp.size() > 1 {
-        return parallel::tp::unshard(full, &refs, &model::layout::gpt_layout(local_cfg).0);
-    }
-    let layouts: Vec<model::ParamLayout> = (0..ep.size()).map(|r| parallel::ep::layout_of(local_cfg, r)).collect();
-    parallel::ep::unshard(full, &refs, &layouts)
-}
-
-/// The whole model's fp8 amax histories, from every pipeline stage's chunks in layer order
-/// (collective over the pipeline group).
-fn fp8_histories(chunks: &[Chunk], pp: &dyn Comm) -> Vec<Vec<f32>> {
-    // Per chunk: first layer, slot count, history length, the values (slot-major).
-    let mut mine: Vec<f64> = Vec::new();
-    for ch in chunks {
-        let h = ch.model.fp8.as_ref().expect("fp8 state on every chunk").borrow().history();
-        let len = h.first().map_or(0, |x| x.len());
-        assert!(h.iter().all(|x| x.len() == len), "every fp8 slot has the same history length");
-        mine.extend([ch.model.cfg.first_layer() as f64, h.len() as f64, len as f64]);
-        mine.extend(h.iter().flatten().map(|&x| x as f64));
-    }
-    // Equal lengths for the all-gather: padded to the longest.
-    let n = parallel::comm::all_gather_f64(pp, &[mine.len() as f64]).into_iter().fold(0.0, f64::max) as usize;
-    let real = mine.len();
-    mine.resize(n + 1, 0.0);
-    mine[n] = real as f64;
-    let all = parallel::comm::all_gather_f64(pp, &mine);
-    let mut stages: Vec<(usize, Vec<Vec<f32>>)> = Vec::new();
-    for r in all.chunks(n + 1) {
-        let (mut i, end) = (0, r[n] as usize);
-        while i < end {
-            let (first, slots, len) = (r[i] as usize, r[i + 1] as usize, r[i + 2] as usize);
-            i += 3;
-            stages.push((first, (0..slots).map(|k| r[i + k * len..i + (k + 1) * len].iter().map(|&x| x as f32).collect()).collect()));
-            i += slots * len;
-        }
-    }
-    stages.sort_by_key(|s| s.0);
-    stages.into_iter().flat_map(|s| s.1).collect()
 }
 
 /// MoE routing figures of the last micro-batch, summed or worst over layers: the router

@@ -1,6 +1,7 @@
 //! The decoder config. Field names are the `model.*` config keys.
 
 use serde::{Deserialize, Serialize};
+pub use crate::placement::{Part, Placement, SeqSlice, Stage};
 
 /// The block family. GPT-2: LayerNorm, learned positions, GELU MLP, multi-head attention,
 /// biases optional. LLaMA: RMSNorm, rotary positions, SwiGLU MLP, grouped-query attention,
@@ -51,57 +52,10 @@ pub struct GptConfig {
     pub moe_aux_weight: f32,
     /// Weight of the ST-MoE router z-loss.
     pub moe_z_weight: f32,
-    /// Tensor-parallel degree this config is one shard of (1: the whole model). A shard keeps
-    /// `n_embd`, but `n_head`, `n_kv_head` and `ffn_hidden` count only its own heads and MLP
-    /// columns (Megatron-LM's column/row split; see `parallel::tp`).
-    #[serde(default = "one", skip_serializing_if = "is_one")]
-    pub tp: usize,
-    /// With `tp > 1`: sequence parallelism (Korthikanti et al. 2023) — the norms, dropout and
-    /// residual stream hold only this shard's `block_size / tp` positions of every sequence;
-    /// the branch boundaries all-gather and reduce-scatter along the sequence instead of
-    /// all-reducing.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub sequence_parallel: bool,
-    /// Pipeline parallelism: this config is one stage of a deeper model — `n_layer` of its
-    /// layers, starting at `first_layer` (see `parallel::pp`). `None`: the whole model.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub stage: Option<Stage>,
-    /// Expert parallelism: this config is one shard of a mixture-of-experts model whose routed
-    /// experts are spread over `size` ranks; it holds experts `rank·E/size .. (rank+1)·E/size`
-    /// under their whole-model names (the router still scores all `n_expert`; see
-    /// `parallel::ep`). `None`: every expert.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub ep: Option<ExpertShard>,
-}
-
-/// Which routed experts an expert-parallel shard holds (see [`GptConfig::ep`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ExpertShard {
-    pub rank: usize,
-    pub size: usize,
-}
-
-/// Where a pipeline stage sits in the whole model. Layer names, dropout streams and the
-/// residual projections' initialisation scale use the whole model's layer numbering, so a
-/// stage is exactly its layers of the whole model.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Stage {
-    /// Global index of the stage's first block.
-    pub first_layer: usize,
-    /// Blocks in the whole model.
-    pub total_layers: usize,
-    /// The stage embeds the tokens (the first stage).
-    pub embed: bool,
-    /// The stage applies the final norm, the head and the loss (the last stage).
-    pub head: bool,
-}
-
-fn one() -> usize {
-    1
-}
-
-fn is_one(x: &usize) -> bool {
-    *x == 1
+    /// Where this model sits in the whole model it is a part of (the default: it is the
+    /// whole model). Set by `parallel` when it cuts a part; never serialised.
+    #[serde(skip)]
+    pub place: Placement,
 }
 
 impl GptConfig {
@@ -111,7 +65,7 @@ impl GptConfig {
         GptConfig {
             arch: Arch::Gpt2, n_layer, n_head, n_kv_head: n_head, n_embd, ffn_hidden: 4 * n_embd, block_size, vocab_size,
             bias, dropout, tied_embeddings: tied, rope_theta: 10000.0, norm_eps: 1e-5,
-            n_expert: 0, top_k: 2, n_shared_expert: 0, capacity_factor: 0.0, moe_aux_weight: 0.01, moe_z_weight: 0.001, tp: 1, sequence_parallel: false, stage: None, ep: None,
+            n_expert: 0, top_k: 2, n_shared_expert: 0, capacity_factor: 0.0, moe_aux_weight: 0.01, moe_z_weight: 0.001, place: Placement::default(),
         }
     }
 
@@ -163,7 +117,7 @@ impl GptConfig {
     }
 
     pub fn head_size(&self) -> usize {
-        self.n_embd / (self.n_head * self.tp)
+        self.n_embd / self.place.heads.map_or(self.n_head, |h| h.total)
     }
 
     /// Width of the attention output (`n_head · head_size`): `n_embd` for a whole model, its
@@ -179,22 +133,22 @@ impl GptConfig {
 
     /// Global index of this config's first block (0 unless a pipeline stage).
     pub fn first_layer(&self) -> usize {
-        self.stage.map_or(0, |s| s.first_layer)
+        self.place.stage.map_or(0, |s| s.first_layer)
     }
 
     /// Blocks of the whole model this config belongs to.
     pub fn total_layers(&self) -> usize {
-        self.stage.map_or(self.n_layer, |s| s.total_layers)
+        self.place.stage.map_or(self.n_layer, |s| s.total_layers)
     }
 
     /// Whether this model embeds the tokens (every model but a later pipeline stage).
     pub fn has_embed(&self) -> bool {
-        self.stage.is_none_or(|s| s.embed)
+        self.place.stage.is_none_or(|s| s.embed)
     }
 
     /// Whether this model ends in the final norm, head and loss.
     pub fn has_head(&self) -> bool {
-        self.stage.is_none_or(|s| s.head)
+        self.place.stage.is_none_or(|s| s.head)
     }
 
     /// Whether the layout holds the embedding unit: to embed, or (tied) as the head's weight.
@@ -212,13 +166,7 @@ impl GptConfig {
     /// The routed experts this config's layout holds (global ids): all of them, or an
     /// expert-parallel shard's block.
     pub fn local_experts(&self) -> std::ops::Range<usize> {
-        match self.ep {
-            None => 0..self.n_expert,
-            Some(s) => {
-                let el = self.n_expert / s.size;
-                s.rank * el..(s.rank + 1) * el
-            }
-        }
+        self.place.experts.clone().unwrap_or(0..self.n_expert)
     }
 
     /// The MoE kernel's dimensions for `n` tokens.

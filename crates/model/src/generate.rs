@@ -53,14 +53,14 @@ impl Gpt {
 
     fn decode_into(&self, cache: &mut KvCache, token: u32, s: &mut Scratch) {
         let cfg = &self.cfg;
-        assert_eq!(cfg.tp, 1, "decoding needs the whole model, not a tensor-parallel shard");
+        assert!(cfg.place.heads.is_none(), "decoding needs the whole model, not a tensor-parallel shard");
         let (c, nh, nkv, hs, bs, vp) = (cfg.n_embd, cfg.n_head, cfg.n_kv_head, cfg.head_size(), cfg.block_size, cfg.vocab_size);
         let (qw, fw, f, kw) = (cfg.qkv_width(), cfg.fc_width(), cfg.ffn_hidden, cfg.n_kv_head * cfg.head_size());
         assert!(cache.len < bs, "KV cache full");
         let pos = cache.len;
         let w = &self.params;
         let pv = &self.views;
-        let ops = Ops { cfg, rope: self.rope.as_ref(), b: 1, t: 1, tp: std::cell::RefCell::new(None), ep: std::cell::RefCell::new(None), store: None, fp8: None, b0: 0 };
+        let ops = Ops::decode(cfg, self.rope.as_ref());
         let opt = |r: &Option<std::ops::Range<usize>>| r.as_ref().map(|r| &w[r.clone()]);
         s.x.copy_from_slice(&w[pv.wte.clone()][token as usize * c..(token as usize + 1) * c]);
         if let Some(wpe) = &pv.wpe {

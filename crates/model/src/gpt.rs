@@ -18,6 +18,8 @@ use crate::lora::{Lora, Site};
 use tensor::moe::{moe_backward, moe_forward, MoeCache, MoeExchange, MoeStats};
 use crate::layout::{gpt_layout, BlockParams, GptParams, Init, ParamLayout};
 use crate::units::{Access, Local, TpHooks, UnitStore};
+use std::cell::RefCell;
+use std::ops::Range;
 use tensor::attention::AttnDims;
 use tensor::classifier::{chunk_rows, lm_head_crossentropy, lm_head_crossentropy_vocab_parallel};
 use tensor::ops::{dropout_backward_rows, dropout_inplace_rows, RowMap};
@@ -301,12 +303,8 @@ pub struct Gpt {
     /// LoRA adapters; when present the base parameters are frozen (no gradients computed for
     /// its matrices) and only the adapters train.
     pub lora: Option<Lora>,
-    /// Tensor parallelism: with `cfg.tp > 1` this model is one shard, and these hooks sum the
-    /// shards' partial results at the branch boundaries.
-    pub tp: Option<Box<dyn TpHooks>>,
-    /// Expert parallelism: with `cfg.ep` set this model holds only its block of routed experts,
-    /// and this exchange moves each MoE layer's dispatched rows to the experts' owners and back.
-    pub ep: Option<Box<dyn MoeExchange + Send>>,
+    /// The collectives of a part of the whole model (see [`Hooks`]); none for a whole model.
+    pub hooks: Hooks,
     /// Activation recomputation policy (default [`Recompute::None`]); takes effect at the next
     /// forward.
     pub recompute: Recompute,
@@ -318,28 +316,31 @@ pub struct Gpt {
     pub precision: Precision,
     /// FP8 scaling state (with `Precision::Fp8`).
     pub fp8: Option<std::cell::RefCell<Fp8State>>,
-    /// The index of this model's first sequence in the global micro-batch (a data-parallel
-    /// rank's share starts at `rank · rows`): dropout masks are drawn by global sequence, so
-    /// data-parallel ranks together drop exactly what one rank would.
-    pub batch_offset: usize,
     acts: Option<Acts>,
     scratch: Option<GradScratch>,
+}
+
+/// The collectives a part of the whole model calls (implemented by `parallel`): where it sits
+/// is its config's [`crate::Placement`]; these move the partial results.
+#[derive(Default)]
+pub struct Hooks {
+    /// A tensor-parallel part (`place.heads` set): sums the parts' partial results at the
+    /// branch boundaries, and gathers or scatters along the sequence under sequence
+    /// parallelism.
+    pub tensor: Option<Box<dyn TpHooks>>,
+    /// An expert-parallel part (`place.experts` set), or a data-parallel MoE model: moves each
+    /// MoE layer's dispatched rows to the experts' owners and back, and sums the routing
+    /// statistics over the ranks that split the batch.
+    pub experts: Option<Box<dyn MoeExchange + Send>>,
 }
 
 fn zeros(n: usize) -> Vec<f32> {
     vec![0.0; n]
 }
 
-/// Dropout sites: 0 the embedding, then three per block (attention probabilities, attention
-/// residual, MLP residual). Each site gets its own stream from the step's seed.
+/// The mask stream of dropout site number `site` (see [`DropSite`]) from the step's seed.
 fn site_seed(seed: u64, site: u64) -> u64 {
     mix64(seed ^ mix64(site.wrapping_add(0xD1B5_4A32_D192_ED03)))
-}
-
-/// The first dropout site of block `l` of `cfg` (numbered in the whole model, so a pipeline
-/// stage draws the masks the whole model would).
-fn block_site(cfg: &GptConfig, l: usize) -> u64 {
-    1 + 3 * (cfg.first_layer() + l) as u64
 }
 
 /// One micro-batch's forward activations, taken out of a model so that another micro-batch
@@ -372,13 +373,13 @@ impl Gpt {
 
     /// A model with all-zero parameters, to be filled from a checkpoint.
     pub fn zeroed(cfg: GptConfig, real_vocab: usize) -> Gpt {
-        assert!(real_vocab <= cfg.vocab_size * cfg.tp, "real vocabulary {real_vocab} exceeds the (padded) vocabulary");
+        assert!(real_vocab <= cfg.place.vocab.map_or(cfg.vocab_size, |v| v.total), "real vocabulary {real_vocab} exceeds the (padded) vocabulary");
         let (layout, views) = gpt_layout(&cfg);
         let n = layout.total;
         let rope = (cfg.arch == Arch::Llama).then(|| rope_table(cfg.rope_theta, cfg.head_size(), cfg.block_size));
         let units = views.units(n);
         let unit_views = views.rebased(n);
-        Gpt { cfg, layout, views, units, unit_views, real_vocab, params: zeros(n), grads: zeros(n), rope, lora: None, tp: None, ep: None, recompute: Recompute::None, recompute_every: 1, precision: Precision::Fp32, fp8: None, batch_offset: 0, acts: None, scratch: None }
+        Gpt { cfg, layout, views, units, unit_views, real_vocab, params: zeros(n), grads: zeros(n), rope, lora: None, hooks: Hooks::default(), recompute: Recompute::None, recompute_every: 1, precision: Precision::Fp32, fp8: None, acts: None, scratch: None }
     }
 
     pub fn num_params(&self) -> usize {
@@ -403,9 +404,10 @@ impl Gpt {
         let n = b * t;
         // Rows of the residual stream on this shard (all of them, or under sequence
         // parallelism its positions of each sequence), and of the whole-sequence scratch.
-        let sp = self.cfg.sequence_parallel;
-        assert!(!sp || t % self.cfg.tp == 0, "sequence parallel: T = {t} not divisible by tp = {}", self.cfg.tp);
-        let (nl, nf) = if sp { (n / self.cfg.tp, n) } else { (n, 0) };
+        let (nl, nf) = match self.cfg.place.seq {
+            Some(s) => (b * s.positions(t).len(), n),
+            None => (n, 0),
+        };
         let hn = if self.cfg.has_head() { n } else { 0 };
         let hl = if self.cfg.has_head() { nl } else { 0 };
         let moe = self.cfg.is_moe();
@@ -481,7 +483,7 @@ impl Gpt {
         let hu = self.unit_views.head_unit();
         let head_access = Access::Head { train: loss_scale.is_some() };
         let head = self.cfg.has_head();
-        self.trunk_forward(store, tokens, b, t, p_drop, seed, head.then_some((hu, head_access)));
+        self.trunk_forward(store, tokens, b, t, Dropout { p: p_drop, seed }, head.then_some((hu, head_access)));
         let (c, vp, v) = (self.cfg.n_embd, self.cfg.vocab_size, self.real_vocab);
         let a = self.acts.as_mut().unwrap();
         a.loss_scale = loss_scale.unwrap_or(1.0);
@@ -500,14 +502,14 @@ impl Gpt {
             Some(s) if count > 0 => Some(s / count as f32),
             _ => None,
         };
-        match self.tp.as_deref_mut() {
-            // A tensor-parallel shard holds rows `rank·Vp/t ..` of the head, for every
+        match (self.hooks.tensor.as_deref_mut(), self.cfg.place.vocab) {
+            // A vocabulary-parallel part holds rows `first ..` of the head, for every
             // position: under sequence parallelism the final norm's output is gathered first
-            // and the head's input gradient reduce-scattered back to this shard's positions.
-            Some(h) => {
-                let off = h.rank() * vp;
+            // and the head's input gradient reduce-scattered back to this part's positions.
+            (Some(h), Some(rows)) => {
+                let off = rows.first;
                 let v_local = v.saturating_sub(off).min(vp);
-                let sp = self.cfg.sequence_parallel;
+                let sp = self.cfg.place.seq.is_some();
                 if sp {
                     h.gather_seq(&a.ln_f, &mut a.full, b, t);
                 }
@@ -521,7 +523,7 @@ impl Gpt {
                     _ => {}
                 }
             }
-            None => {
+            _ => {
                 let grads = scale.map(|s| (&mut a.dln_f[..], &mut dw[r.clone()], s));
                 lm_head_crossentropy(&mut a.losses, grads, &a.ln_f, &w[r], targets, &mut a.head_scratch, c, v, vp, IGNORE_INDEX);
             }
@@ -537,7 +539,7 @@ impl Gpt {
     /// inference and tests, not for training.
     pub fn forward_logits(&mut self, tokens: &[u32], b: usize, t: usize) -> Vec<f32> {
         let (params, mut grads, units) = (std::mem::take(&mut self.params), std::mem::take(&mut self.grads), std::mem::take(&mut self.units));
-        self.trunk_forward(&mut Local { params: &params, grads: &mut grads, units: &units }, tokens, b, t, 0.0, 0, None);
+        self.trunk_forward(&mut Local { params: &params, grads: &mut grads, units: &units }, tokens, b, t, Dropout { p: 0.0, seed: 0 }, None);
         (self.params, self.grads, self.units) = (params, grads, units);
         let (c, vp) = (self.cfg.n_embd, self.cfg.vocab_size);
         let mut logits = vec![0.0; b * t * vp];
@@ -548,8 +550,7 @@ impl Gpt {
 
     /// Embedding, blocks and the final norm; leaves `ln_f` in the activations. `then` is the
     /// unit the caller acquires next (the head), for the store's prefetch.
-    #[allow(clippy::too_many_arguments)]
-    fn trunk_forward(&mut self, store: &mut dyn UnitStore, tokens: &[u32], b: usize, t: usize, p_drop: f32, dropout_seed: u64, then: Option<(usize, Access)>) {
+    fn trunk_forward(&mut self, store: &mut dyn UnitStore, tokens: &[u32], b: usize, t: usize, drop: Dropout, then: Option<(usize, Access)>) {
         assert!(t <= self.cfg.block_size, "sequence length {t} exceeds block_size");
         assert_eq!(tokens.len(), b * t);
         self.ensure_acts(b, t);
@@ -557,12 +558,15 @@ impl Gpt {
         let pv = &self.unit_views;
         let last = pv.blocks.len() + 1;
         let a = self.acts.as_mut().unwrap();
-        let lora = &mut self.lora;
         a.tokens.copy_from_slice(tokens);
-        a.dropout_seed = dropout_seed;
-        a.p_drop = p_drop;
+        a.dropout_seed = drop.seed;
+        a.p_drop = drop.p;
         a.moe_stats.clear();
-        let ops = Ops { cfg: &self.cfg, rope: self.rope.as_ref(), b, t, tp: std::cell::RefCell::new(self.tp.as_deref_mut()), ep: std::cell::RefCell::new(self.ep.as_deref_mut()), store: self.precision.storage(), fp8: self.fp8.as_ref(), b0: self.batch_offset };
+        let ops = Ops {
+            cfg: &self.cfg, rope: self.rope.as_ref(), b, t, drop, loss_scale: a.loss_scale,
+            tp: RefCell::new(self.hooks.tensor.as_deref_mut()), ep: RefCell::new(self.hooks.experts.as_deref_mut()), lora: RefCell::new(self.lora.as_mut()),
+            store: self.precision.storage(), fp8: self.fp8.as_ref(), b0: self.cfg.place.batch_offset,
+        };
 
         // A later pipeline stage starts from the activations put in `xs[0]` (`stage_input_mut`).
         if self.cfg.has_embed() {
@@ -582,18 +586,16 @@ impl Gpt {
                 None => embedding_forward(&mut a.xs[0], tokens, &w[pv.wte.clone()], wpe, t, c),
             }
             store.release(0, Access::Forward);
-            if p_drop > 0.0 {
-                dropout_inplace_rows(&mut a.xs[0], p_drop, site_seed(dropout_seed, 0), c, ops.row_map());
-            }
+            ops.dropout(&mut a.xs[0], DropSite::Embedding);
         }
         ops.store(&mut a.xs[0]);
         let (kl, il) = a.slots();
         for (l, bp) in pv.blocks.iter().enumerate() {
             let (inp, out) = a.xs.split_at_mut(l + 1);
-            let (k, i) = (&mut a.kept[kl(l)], &mut a.inner[il(l)]);
             let _span = tensor::profile::layer_scope("block_forward", l);
             let (w, _) = store.acquire(l + 1, Access::Forward, Some((l + 2, Access::Forward)));
-            if let Some(st) = block_forward(&ops, w, bp, lora, l, &inp[l], k, i, &mut a.core, &mut a.branch, &mut a.full, Some(&mut out[0]), p_drop, dropout_seed) {
+            let acts = BlockActs { k: &mut a.kept[kl(l)], i: &mut a.inner[il(l)], shared: &mut a.core };
+            if let Some(st) = block_forward(&Block { ops: &ops, l, w, bp }, &inp[l], acts, &mut a.branch, &mut a.full, Some(&mut out[0])) {
                 a.moe_stats.push(st);
             }
             store.release(l + 1, Access::Forward);
@@ -623,18 +625,15 @@ impl Gpt {
         let a = self.acts.as_mut().expect("backward before forward");
         let (b, t) = (a.b, a.t);
         let c = self.cfg.n_embd;
-        let (qw, f) = (self.cfg.qkv_width(), self.cfg.ffn_hidden);
-        let fw = self.cfg.fc_width();
-        let n = b * t;
         let g = self.scratch.as_mut().unwrap();
-        let frozen = self.lora.is_some();
-        let lora = &mut self.lora;
         let pv = &self.unit_views;
         let last = pv.blocks.len() + 1;
         let bwd = Access::Backward { params: true };
-        let p_drop = self.cfg.dropout;
-        let seed = a.dropout_seed;
-        let ops = Ops { cfg: &self.cfg, rope: self.rope.as_ref(), b, t, tp: std::cell::RefCell::new(self.tp.as_deref_mut()), ep: std::cell::RefCell::new(self.ep.as_deref_mut()), store: self.precision.storage(), fp8: self.fp8.as_ref(), b0: self.batch_offset };
+        let ops = Ops {
+            cfg: &self.cfg, rope: self.rope.as_ref(), b, t, drop: Dropout { p: a.p_drop, seed: a.dropout_seed }, loss_scale: a.loss_scale,
+            tp: RefCell::new(self.hooks.tensor.as_deref_mut()), ep: RefCell::new(self.hooks.experts.as_deref_mut()), lora: RefCell::new(self.lora.as_mut()),
+            store: self.precision.storage(), fp8: self.fp8.as_ref(), b0: self.cfg.place.batch_offset,
+        };
         // Every unit is acquired and released even when no target counted (the gradients are
         // then zero): a store's collectives must run the same on every rank.
         let skip = a.count == 0;
@@ -655,98 +654,28 @@ impl Gpt {
         }
         store.release(last, bwd);
 
-        let moe_scale = a.loss_scale;
         let (kl, il) = a.slots();
         for (l, bp) in pv.blocks.iter().enumerate().rev() {
             let next = if l == 0 { (0, Access::Backward { params: false }) } else { (l, bwd) };
             let (w, dw) = store.acquire(l + 1, bwd, Some(next));
-            if skip {
-                store.release(l + 1, bwd);
-                continue;
-            }
-            let x: &[f32] = &a.xs[l];
-            let (k, i) = (&mut a.kept[kl(l)], &mut a.inner[il(l)]);
-            let site = block_site(&self.cfg, l);
-            // Re-run what forward did not keep, from what it kept (same kernels, same masks).
-            match a.recompute {
-                Recompute::None => {}
-                Recompute::Selective => {
-                    let _span = tensor::profile::layer_scope("block_recompute", l);
-                    attn_core(&ops, l, &mut i.qkv, &mut a.core, a.p_drop, seed);
+            if !skip {
+                let (blk, x) = (Block { ops: &ops, l, w, bp }, &a.xs[l][..]);
+                // Re-run what forward did not keep, from what it kept (same kernels, same masks).
+                match a.recompute {
+                    Recompute::Selective => {
+                        let _span = tensor::profile::layer_scope("block_recompute", l);
+                        blk.attn_core(&a.inner[il(l)].qkv, &mut a.core);
+                    }
+                    Recompute::Full if a.recomputed[l] => {
+                        let _span = tensor::profile::layer_scope("block_recompute", l);
+                        let acts = BlockActs { k: &mut a.kept[kl(l)], i: &mut a.inner[il(l)], shared: &mut a.core };
+                        block_forward(&blk, x, acts, &mut a.branch, &mut a.full, None);
+                    }
+                    _ => {}
                 }
-                Recompute::Full if a.recomputed[l] => {
-                    let _span = tensor::profile::layer_scope("block_recompute", l);
-                    block_forward(&ops, w, bp, lora, l, x, k, i, &mut a.core, &mut a.branch, &mut a.full, None, a.p_drop, seed);
-                }
-                Recompute::Full => {}
+                let _span = tensor::profile::layer_scope("block_backward", l);
+                block_backward(&blk, dw, x, BlockActs { k: &mut a.kept[kl(l)], i: &mut a.inner[il(l)], shared: &mut a.core }, g);
             }
-            let _span = tensor::profile::layer_scope("block_backward", l);
-            // MLP branch: res_3 = res_2 + drop(fcproj)
-            let map = ops.row_map();
-            let dfcproj = branch_grad(&mut g.dbranch, &g.dres, p_drop, site_seed(seed, site + 2), c, map);
-            if let (Some(mp), Some(cache)) = (&bp.moe, i.moe.as_mut()) {
-                // The router's losses join the objective with the same scale as the main loss.
-                let dims = self.cfg.moe_dims(n);
-                let (aux, z) = (self.cfg.moe_aux_weight * moe_scale, self.cfg.moe_z_weight * moe_scale);
-                g.dln.fill(0.0);
-                let (dr, rest_w) = dw[mp.router.start..mp.shared.end].split_at_mut(mp.router.len());
-                let (de, ds) = rest_w.split_at_mut(mp.experts.len());
-                moe_backward(&mut g.dln, dr, de, ds, dfcproj, cache, &k.ln_2, &w[mp.router.clone()], &w[mp.experts.clone()], &w[mp.shared.clone()], &dims, aux, z, ops.ep.borrow_mut().as_deref_mut().map(|h| h as &mut dyn MoeExchange));
-            } else {
-            let dproj = ops.row_parallel_grad(dfcproj, &mut g.dfull);
-            g.dfch_gelu.fill(0.0);
-            let (dwp, dbp) = split_two(dw, &bp.mlp_proj_w, &bp.mlp_proj_b);
-            ops.linear_backward(frozen, &mut g.dfch_gelu, dwp, dbp, dproj, &i.fch_gelu, &w[bp.mlp_proj_w.clone()], n, f, c, l, 3);
-            if let Some(lo) = lora.as_mut() {
-                lo.backward(l, Site::MlpProj, &mut g.dfch_gelu, dproj, &i.fch_gelu, n, c);
-            }
-            ops.store(&mut g.dfch_gelu);
-            g.dfch.fill(0.0);
-            ops.act_backward(&mut g.dfch, &g.dfch_gelu, &i.fch);
-            ops.store(&mut g.dfch);
-            let (dwf, dbf) = split_two(dw, &bp.c_fc_w, &bp.c_fc_b);
-            let xin: &[f32] = if ops.sp() { &i.ln_2_full } else { &k.ln_2 };
-            let dfch = &g.dfch;
-            ops.column_input_grad(&mut g.dln, &mut g.dln_full, |d| {
-                ops.linear_backward(frozen, d, dwf, dbf, dfch, xin, &w[bp.c_fc_w.clone()], n, c, fw, l, 2);
-                if let Some(lo) = lora.as_mut() {
-                    lo.backward(l, Site::Fc, d, dfch, xin, n, fw);
-                }
-            });
-            }
-            // dres (currently d res_3, flowing straight through to d res_2) += ln_2 backward
-            let (dw2, db2) = split_two(dw, &bp.ln_2_w, &bp.ln_2_b);
-            ops.store(&mut g.dln);
-            ops.norm_backward(&mut g.dres, dw2, db2, &g.dln, &k.res_2, &w[bp.ln_2_w.clone()], &k.ln_2_mean, &k.ln_2_rstd);
-            ops.store(&mut g.dres);
-            // Attention branch: res_2 = x + drop(attproj)
-            let dattproj = branch_grad(&mut g.dbranch, &g.dres, p_drop, site_seed(seed, site + 1), c, map);
-            let dproj = ops.row_parallel_grad(dattproj, &mut g.dfull);
-            g.datty.fill(0.0);
-            let (dwa, dba) = split_two(dw, &bp.attn_proj_w, &bp.attn_proj_b);
-            let aw = self.cfg.attn_width();
-            let core = if i.core.atty.is_empty() { &a.core } else { &i.core };
-            ops.linear_backward(frozen, &mut g.datty, dwa, dba, dproj, &core.atty, &w[bp.attn_proj_w.clone()], n, aw, c, l, 1);
-            if let Some(lo) = lora.as_mut() {
-                lo.backward(l, Site::AttnProj, &mut g.datty, dproj, &core.atty, n, c);
-            }
-            ops.store(&mut g.datty);
-            g.dqkv.fill(0.0);
-            ops.attn_backward(&mut g.dqkv, &g.datty, &i.qkv, &core.atty, &core.state, p_drop, site_seed(seed, site));
-            ops.store(&mut g.dqkv);
-            let (dwq, dbq) = split_two(dw, &bp.c_attn_w, &bp.c_attn_b);
-            let xin: &[f32] = if ops.sp() { &i.ln_1_full } else { &k.ln_1 };
-            let dqkv = &g.dqkv;
-            ops.column_input_grad(&mut g.dln, &mut g.dln_full, |d| {
-                ops.linear_backward(frozen, d, dwq, dbq, dqkv, xin, &w[bp.c_attn_w.clone()], n, c, qw, l, 0);
-                if let Some(lo) = lora.as_mut() {
-                    lo.backward(l, Site::Qkv, d, dqkv, xin, n, qw);
-                }
-            });
-            let (dw1, db1) = split_two(dw, &bp.ln_1_w, &bp.ln_1_b);
-            ops.store(&mut g.dln);
-            ops.norm_backward(&mut g.dres, dw1, db1, &g.dln, x, &w[bp.ln_1_w.clone()], &k.ln_1_mean, &k.ln_1_rstd);
-            ops.store(&mut g.dres);
             store.release(l + 1, bwd);
         }
         // x = drop(wte[tokens] + wpe)
@@ -754,7 +683,7 @@ impl Gpt {
         let (_, dw) = store.acquire(0, emb, None);
         // A later pipeline stage leaves its input's gradient in `dres` (`stage_input_grad`).
         if !skip && self.cfg.has_embed() {
-            let demb = branch_grad(&mut g.dbranch, &g.dres, p_drop, site_seed(seed, 0), c, ops.row_map());
+            let demb = ops.dropout_grad(&mut g.dbranch, &g.dres, DropSite::Embedding);
             // Under sequence parallelism the embedding's output was reduce-scattered: gather.
             let demb = ops.row_parallel_grad(demb, &mut g.dfull);
             let (dwte, dwpe) = match &pv.wpe {
@@ -831,7 +760,10 @@ impl Gpt {
         let a = self.acts.as_ref().expect("backward before forward");
         let n = a.b * a.t;
         let c = self.cfg.n_embd;
-        let (nl, nf) = if self.cfg.sequence_parallel { (n / self.cfg.tp, n) } else { (n, 0) };
+        let (nl, nf) = match self.cfg.place.seq {
+            Some(s) => (a.b * s.positions(a.t).len(), n),
+            None => (n, 0),
+        };
         if self.scratch.as_ref().is_some_and(|g| g.dres.len() == nl * c && g.dqkv.len() == n * self.cfg.qkv_width()) {
             return;
         }
@@ -894,124 +826,312 @@ fn acts_bytes(a: &Acts) -> usize {
         + a.targets.len() * 4
 }
 
-/// One block's forward from its input `x[B, T, C]` into its activations `k`, `i`, returning the
-/// MoE layer's routing statistics:
-/// `res_2 = x + drop(attn(norm_1(x)));  out = res_2 + drop(mlp(norm_2(res_2)))`.
-/// With `out` `None` (the recomputation in backward) the tail that backward never reads — the
-/// dense MLP's output projection, its dropout and the residual add — is skipped.
-#[allow(clippy::too_many_arguments)]
-fn block_forward(ops: &Ops, w: &[f32], bp: &BlockParams, lora: &mut Option<Lora>, l: usize, x: &[f32], k: &mut BlockKept, i: &mut BlockInner, shared: &mut AttnCore, branch: &mut [f32], full: &mut [f32], out: Option<&mut [f32]>, p_drop: f32, dropout_seed: u64) -> Option<MoeStats> {
-    let cfg = ops.cfg;
-    let (c, n) = (cfg.n_embd, ops.b * ops.t);
-    let opt = |r: &Option<std::ops::Range<usize>>| r.as_ref().map(|r| &w[r.clone()]);
-    let site = block_site(cfg, l);
-    // res_2 = x + drop(attn(norm_1(x)))
-    ops.norm_forward(&mut k.ln_1, &mut k.ln_1_mean, &mut k.ln_1_rstd, x, &w[bp.ln_1_w.clone()], opt(&bp.ln_1_b));
-    ops.store(&mut k.ln_1);
-    attn_inner(ops, w, bp, lora, l, k, i);
-    let core = if i.core.atty.is_empty() { shared } else { &mut i.core };
-    attn_core(ops, l, &mut i.qkv, core, p_drop, dropout_seed);
-    let atty = &core.atty;
-    ops.row_parallel(branch, full, opt(&bp.attn_proj_b), |y| {
-        ops.linear(y, atty, &w[bp.attn_proj_w.clone()], opt(&bp.attn_proj_b), n, cfg.attn_width(), c, l, 1);
-        if let Some(lo) = lora.as_mut() {
-            lo.forward(l, Site::AttnProj, y, atty, n, c);
-        }
-    });
-    if p_drop > 0.0 {
-        dropout_inplace_rows(branch, p_drop, site_seed(dropout_seed, site + 1), c, ops.row_map());
+/// Where dropout applies. Each site draws its own mask stream from the step's seed, numbered
+/// in the whole model (0 the embedding, then three per block) so that a pipeline stage draws
+/// the masks the whole model draws.
+#[derive(Clone, Copy, Debug)]
+enum DropSite {
+    Embedding,
+    /// Layer `l`'s attention probabilities.
+    AttnProbs(usize),
+    /// Layer `l`'s attention branch, before its residual add.
+    AttnResidual(usize),
+    /// Layer `l`'s MLP branch, before its residual add.
+    MlpResidual(usize),
+}
+
+/// A pass's dropout: the probability (0 for evaluation) and the step's seed.
+#[derive(Clone, Copy, Debug)]
+struct Dropout {
+    p: f32,
+    seed: u64,
+}
+
+/// A pass's per-block context: the layer, its weights (the unit's slice, indexed by `bp`) and
+/// the pass's operators.
+struct Block<'o, 'a> {
+    ops: &'o Ops<'a>,
+    l: usize,
+    w: &'o [f32],
+    bp: &'o BlockParams,
+}
+
+/// One block's activations for a pass (see [`Acts`]): its kept and inner sets, and the
+/// attention core's outputs shared by every layer under selective recomputation.
+struct BlockActs<'a> {
+    k: &'a mut BlockKept,
+    i: &'a mut BlockInner,
+    shared: &'a mut AttnCore,
+}
+
+/// One of a block's projections, `y = x·Wᵀ (+ b)` plus the LoRA adapters at its site. The site
+/// names its adapters and its FP8 scaling slots; under FP8 its inputs are cast first (E4M3 in
+/// forward, the output gradient E5M2 in backward) and it accumulates in fp32.
+struct Linear<'o, 'a> {
+    ops: &'o Ops<'a>,
+    l: usize,
+    site: Site,
+    /// The unit's parameters, and this projection's weight `[n_out, n_in]` and bias in it.
+    unit: &'o [f32],
+    w: Range<usize>,
+    b: Option<Range<usize>>,
+    n_in: usize,
+    n_out: usize,
+}
+
+/// The tensor a cast belongs to, for its FP8 scaling slot (and its scratch buffer).
+#[derive(Clone, Copy)]
+enum Fp8Role {
+    Input = 0,
+    Weight = 1,
+    Grad = 2,
+}
+
+impl Linear<'_, '_> {
+    /// The FP8 scaling slot of this projection's `role` tensor.
+    fn fp8_slot(&self, role: Fp8Role) -> usize {
+        Fp8State::slot(self.l, self.site as usize, role as usize)
     }
+
+    /// `out[N, n_out] = x[N, n_in]·Wᵀ (+ b) + LoRA(x)`, overwriting `out`.
+    fn forward(&self, out: &mut [f32], x: &[f32]) {
+        let ops = self.ops;
+        let (n, w, b) = (ops.b * ops.t, &self.unit[self.w.clone()], self.b.as_ref().map(|r| &self.unit[r.clone()]));
+        match ops.fp8 {
+            Some(st) => {
+                use tensor::precision::Format::E4m3;
+                let whole = |a: f32| ops.amax_over_shards(a);
+                let mut st = st.borrow_mut();
+                let xq = st.cast(self.fp8_slot(Fp8Role::Input), Fp8Role::Input as usize, x, E4m3, &whole).as_ptr();
+                let wq = st.cast(self.fp8_slot(Fp8Role::Weight), Fp8Role::Weight as usize, w, E4m3, &whole);
+                // SAFETY: scratch buffers 0 and 1 are distinct and not resized until the next cast.
+                let xq = unsafe { std::slice::from_raw_parts(xq, x.len()) };
+                matmul_forward(out, xq, wq, b, n, self.n_in, self.n_out);
+            }
+            None => matmul_forward(out, x, w, b, n, self.n_in, self.n_out),
+        }
+        if let Some(lo) = ops.lora.borrow_mut().as_deref_mut() {
+            lo.forward(self.l, self.site, out, x, n, self.n_out);
+        }
+    }
+
+    /// The backward of [`Linear::forward`]: accumulates `dinp[N, n_in]`, the adapters'
+    /// gradients and, unless the base weights are frozen (LoRA), the weight's and bias's in the
+    /// unit's gradients `dunit`. Under FP8 the inputs are re-cast as forward cast them (the same
+    /// scales within a step).
+    fn backward(&self, dinp: &mut [f32], dunit: &mut [f32], dout: &[f32], x: &[f32]) {
+        let ops = self.ops;
+        let (n, c, oc) = (ops.b * ops.t, self.n_in, self.n_out);
+        let w = &self.unit[self.w.clone()];
+        let (dw, db) = split_two(dunit, &self.w, &self.b);
+        let frozen = ops.lora.borrow().is_some();
+        let mut st = ops.fp8.map(|s| s.borrow_mut());
+        let (xq, wq, gq) = match st.as_mut() {
+            Some(st) => {
+                use tensor::precision::Format::{E4m3, E5m2};
+                let whole = |a: f32| ops.amax_over_shards(a);
+                let xq = st.cast(self.fp8_slot(Fp8Role::Input), Fp8Role::Input as usize, x, E4m3, &whole).as_ptr();
+                let wq = st.cast(self.fp8_slot(Fp8Role::Weight), Fp8Role::Weight as usize, w, E4m3, &whole).as_ptr();
+                let gq = st.cast(self.fp8_slot(Fp8Role::Grad), Fp8Role::Grad as usize, dout, E5m2, &whole).as_ptr();
+                // SAFETY: the three scratch buffers are distinct and not resized until the next
+                // cast, which comes after the products below.
+                unsafe { (std::slice::from_raw_parts(xq, x.len()), std::slice::from_raw_parts(wq, w.len()), std::slice::from_raw_parts(gq, dout.len())) }
+            }
+            None => (x, w, dout),
+        };
+        if frozen {
+            tensor::matmul::matmul_backward_input(dinp, gq, wq, n, c, oc);
+        } else {
+            matmul_backward(dinp, dw, db, gq, xq, wq, n, c, oc);
+        }
+        drop(st);
+        if let Some(lo) = ops.lora.borrow_mut().as_deref_mut() {
+            lo.backward(self.l, self.site, dinp, dout, x, n, oc);
+        }
+    }
+
+    /// A column-parallel projection (its output columns this shard's heads or MLP columns):
+    /// from the norm's output `local`, gathered along the sequence into `full` first under
+    /// sequence parallelism; the output rounded to the storage precision.
+    fn forward_column(&self, out: &mut [f32], local: &[f32], full: &mut [f32]) {
+        let x = self.ops.column_input(local, full);
+        self.forward(out, x);
+        self.ops.store(out);
+    }
+
+    /// A row-parallel projection into the branch: this shard's partial sum summed over the
+    /// shards (or reduce-scattered along the sequence, through the whole-sequence `full`).
+    fn forward_row(&self, branch: &mut [f32], full: &mut [f32], x: &[f32]) {
+        let bias = self.b.as_ref().map(|r| &self.unit[r.clone()]);
+        self.ops.row_parallel(branch, full, bias, |y| self.forward(y, x));
+    }
+
+    /// The backward of [`Linear::forward_column`]: the input's gradient summed over the shards
+    /// (or reduce-scattered along the sequence) into `dln`, accumulating the parameters'.
+    /// `x` is the input forward used (gathered under sequence parallelism).
+    fn backward_column(&self, dln: &mut [f32], dfull: &mut [f32], dunit: &mut [f32], dout: &[f32], x: &[f32]) {
+        self.ops.column_input_grad(dln, dfull, |d| self.backward(d, dunit, dout, x));
+    }
+
+    /// The backward of [`Linear::forward_row`]: `dinp` (zeroed here) from the branch's
+    /// gradient, gathered along the sequence first under sequence parallelism; rounded to the
+    /// storage precision.
+    fn backward_row(&self, dinp: &mut [f32], dfull: &mut [f32], dunit: &mut [f32], dbranch: &[f32], x: &[f32]) {
+        let d = self.ops.row_parallel_grad(dbranch, dfull);
+        dinp.fill(0.0);
+        self.backward(dinp, dunit, d, x);
+        self.ops.store(dinp);
+    }
+}
+
+impl<'o, 'a> Block<'o, 'a> {
+    /// The projection at `site`.
+    fn linear(&self, site: Site) -> Linear<'o, 'a> {
+        let (cfg, bp) = (self.ops.cfg, self.bp);
+        let c = cfg.n_embd;
+        let (w, b, n_in, n_out) = match site {
+            Site::Qkv => (&bp.c_attn_w, &bp.c_attn_b, c, cfg.qkv_width()),
+            Site::AttnProj => (&bp.attn_proj_w, &bp.attn_proj_b, cfg.attn_width(), c),
+            Site::Fc => (&bp.c_fc_w, &bp.c_fc_b, c, cfg.fc_width()),
+            Site::MlpProj => (&bp.mlp_proj_w, &bp.mlp_proj_b, cfg.ffn_hidden, c),
+        };
+        Linear { ops: self.ops, l: self.l, site, unit: self.w, w: w.clone(), b: b.clone(), n_in, n_out }
+    }
+
+    /// A norm's weight and bias.
+    fn norm(&self, w: &Range<usize>, b: &Option<Range<usize>>) -> (&'o [f32], Option<&'o [f32]>) {
+        (&self.w[w.clone()], b.as_ref().map(|r| &self.w[r.clone()]))
+    }
+
+    /// The attention's input from the kept `ln_1`: `qkv = ln_1·Wᵀ (+ LoRA)` (LLaMA: q and k then
+    /// rotated).
+    fn qkv_forward(&self, k: &BlockKept, i: &mut BlockInner) {
+        self.linear(Site::Qkv).forward_column(&mut i.qkv, &k.ln_1, &mut i.ln_1_full);
+        self.ops.rope_forward(&mut i.qkv);
+    }
+
+    /// The attention core: attention over the kept (rotated) q|k|v into `core`'s output and
+    /// log-sum-exp — what selective recomputation re-runs.
+    fn attn_core(&self, qkv: &[f32], core: &mut AttnCore) {
+        self.ops.attn_forward(&mut core.atty, &mut core.state, qkv, DropSite::AttnProbs(self.l));
+        self.ops.store(&mut core.atty);
+    }
+
+    /// The MLP from the kept `ln_2`: its hidden activations, and with `proj` its output (before
+    /// dropout) in `branch`. An MoE layer always writes its output (the combine is part of its
+    /// forward). Without `proj` the dense output projection and its LoRA adapter are skipped:
+    /// backward reads neither the output nor anything the adapter saves there (its `x·Aᵀ` is
+    /// kept per layer in the adapter from forward).
+    fn mlp_forward(&self, k: &BlockKept, i: &mut BlockInner, branch: &mut [f32], full: &mut [f32], proj: bool) -> Option<MoeStats> {
+        let ops = self.ops;
+        if let (Some(mp), Some(cache)) = (&self.bp.moe, i.moe.as_mut()) {
+            let (cfg, w) = (ops.cfg, self.w);
+            let mut ep = ops.ep.borrow_mut();
+            return Some(moe_forward(branch, cache, &k.ln_2, &w[mp.router.clone()], &w[mp.experts.clone()], &w[mp.shared.clone()], &cfg.moe_dims(ops.b * ops.t), cfg.moe_aux_weight, cfg.moe_z_weight, ep.as_deref_mut().map(|h| h as &mut dyn MoeExchange)));
+        }
+        self.linear(Site::Fc).forward_column(&mut i.fch, &k.ln_2, &mut i.ln_2_full);
+        ops.act_forward(&mut i.fch_gelu, &i.fch);
+        ops.store(&mut i.fch_gelu);
+        if proj {
+            self.linear(Site::MlpProj).forward_row(branch, full, &i.fch_gelu);
+        }
+        None
+    }
+
+    /// The MLP's backward from `dout` (the gradient of its output): `g.dln` (zeroed here) gets
+    /// the gradient of its input `ln_2`, `dw` the parameters'.
+    fn mlp_backward(&self, dw: &mut [f32], dout: &[f32], k: &BlockKept, i: &mut BlockInner, g: &mut MlpGrads) {
+        let ops = self.ops;
+        if let (Some(mp), Some(cache)) = (&self.bp.moe, i.moe.as_mut()) {
+            // The router's losses join the objective with the same scale as the main loss.
+            let (cfg, w) = (ops.cfg, self.w);
+            let (aux, z) = (cfg.moe_aux_weight * ops.loss_scale, cfg.moe_z_weight * ops.loss_scale);
+            g.dln.fill(0.0);
+            let (dr, rest_w) = dw[mp.router.start..mp.shared.end].split_at_mut(mp.router.len());
+            let (de, ds) = rest_w.split_at_mut(mp.experts.len());
+            let mut ep = ops.ep.borrow_mut();
+            moe_backward(g.dln, dr, de, ds, dout, cache, &k.ln_2, &w[mp.router.clone()], &w[mp.experts.clone()], &w[mp.shared.clone()], &cfg.moe_dims(ops.b * ops.t), aux, z, ep.as_deref_mut().map(|h| h as &mut dyn MoeExchange));
+            return;
+        }
+        self.linear(Site::MlpProj).backward_row(g.dfch_gelu, g.dfull, dw, dout, &i.fch_gelu);
+        g.dfch.fill(0.0);
+        ops.act_backward(g.dfch, g.dfch_gelu, &i.fch);
+        ops.store(g.dfch);
+        let x: &[f32] = if ops.sp() { &i.ln_2_full } else { &k.ln_2 };
+        self.linear(Site::Fc).backward_column(g.dln, g.dln_full, dw, g.dfch, x);
+    }
+}
+
+/// Backward scratch the MLP's backward writes (borrowed from [`GradScratch`]).
+struct MlpGrads<'a> {
+    dln: &'a mut [f32],
+    dln_full: &'a mut [f32],
+    dfull: &'a mut [f32],
+    dfch: &'a mut [f32],
+    dfch_gelu: &'a mut [f32],
+}
+
+/// One block's forward from its input `x[B, T, C]` into its activations, returning the MoE
+/// layer's routing statistics:
+/// `res_2 = x + drop(attn(norm_1(x)));  out = res_2 + drop(mlp(norm_2(res_2)))`.
+/// `branch` and `full` are forward scratch. With `out` `None` (the recomputation in backward)
+/// the tail that backward never reads — the dense MLP's output projection, its dropout and
+/// the residual add — is skipped.
+fn block_forward(blk: &Block, x: &[f32], acts: BlockActs, branch: &mut [f32], full: &mut [f32], out: Option<&mut [f32]>) -> Option<MoeStats> {
+    let (ops, bp, l) = (blk.ops, blk.bp, blk.l);
+    let BlockActs { k, i, shared } = acts;
+    // res_2 = x + drop(attn(norm_1(x)))
+    let (w1, b1) = blk.norm(&bp.ln_1_w, &bp.ln_1_b);
+    ops.norm_forward(&mut k.ln_1, &mut k.ln_1_mean, &mut k.ln_1_rstd, x, w1, b1);
+    ops.store(&mut k.ln_1);
+    blk.qkv_forward(k, i);
+    let core = if i.core.atty.is_empty() { shared } else { &mut i.core };
+    blk.attn_core(&i.qkv, core);
+    blk.linear(Site::AttnProj).forward_row(branch, full, &core.atty);
+    ops.dropout(branch, DropSite::AttnResidual(l));
     residual_forward(&mut k.res_2, x, branch);
     ops.store(&mut k.res_2);
     // out = res_2 + drop(mlp(norm_2(res_2)))
-    ops.norm_forward(&mut k.ln_2, &mut k.ln_2_mean, &mut k.ln_2_rstd, &k.res_2, &w[bp.ln_2_w.clone()], opt(&bp.ln_2_b));
+    let (w2, b2) = blk.norm(&bp.ln_2_w, &bp.ln_2_b);
+    ops.norm_forward(&mut k.ln_2, &mut k.ln_2_mean, &mut k.ln_2_rstd, &k.res_2, w2, b2);
     ops.store(&mut k.ln_2);
-    let stats = mlp_inner(ops, w, bp, lora, l, k, i, branch, full, out.is_some());
+    let stats = blk.mlp_forward(k, i, branch, full, out.is_some());
     if let Some(out) = out {
-        if p_drop > 0.0 {
-            dropout_inplace_rows(branch, p_drop, site_seed(dropout_seed, site + 2), c, ops.row_map());
-        }
+        ops.dropout(branch, DropSite::MlpResidual(l));
         residual_forward(out, &k.res_2, branch);
         ops.store(out);
     }
     stats
 }
 
-/// The attention's input from the kept `ln_1`: `qkv = ln_1·Wᵀ (+ LoRA)` (LLaMA: q and k then
-/// rotated).
-fn attn_inner(ops: &Ops, w: &[f32], bp: &BlockParams, lora: &mut Option<Lora>, l: usize, k: &BlockKept, i: &mut BlockInner) {
-    let cfg = ops.cfg;
-    let (c, n, qw) = (cfg.n_embd, ops.b * ops.t, cfg.qkv_width());
-    let x = ops.column_input(&k.ln_1, &mut i.ln_1_full);
-    ops.linear(&mut i.qkv, x, &w[bp.c_attn_w.clone()], bp.c_attn_b.as_ref().map(|r| &w[r.clone()]), n, c, qw, l, 0);
-    if let Some(lo) = lora.as_mut() {
-        lo.forward(l, Site::Qkv, &mut i.qkv, x, n, qw);
-    }
-    ops.store(&mut i.qkv);
-    ops.rope_forward(&mut i.qkv);
-}
-
-/// The attention core: attention over the kept (rotated) q|k|v into `core`'s output and
-/// log-sum-exp — what selective recomputation re-runs.
-fn attn_core(ops: &Ops, l: usize, qkv: &mut [f32], core: &mut AttnCore, p_drop: f32, dropout_seed: u64) {
-    ops.attn_forward(&mut core.atty, &mut core.state, qkv, p_drop, site_seed(dropout_seed, block_site(ops.cfg, l)));
-    ops.store(&mut core.atty);
-}
-
-/// The MLP from the kept `ln_2`: its hidden activations, and with `proj` its output (before
-/// dropout) in `branch`. An MoE layer always writes its output (the combine is part of its
-/// forward). Without `proj` the dense output projection and its LoRA adapter are skipped:
-/// backward reads neither the output nor anything the adapter saves there (its `x·Aᵀ` is kept
-/// per layer in the adapter from forward).
-#[allow(clippy::too_many_arguments)]
-fn mlp_inner(ops: &Ops, w: &[f32], bp: &BlockParams, lora: &mut Option<Lora>, l: usize, k: &BlockKept, i: &mut BlockInner, branch: &mut [f32], full: &mut [f32], proj: bool) -> Option<MoeStats> {
-    let cfg = ops.cfg;
-    let (c, n) = (cfg.n_embd, ops.b * ops.t);
-    let (fw, f) = (cfg.fc_width(), cfg.ffn_hidden);
-    let opt = |r: &Option<std::ops::Range<usize>>| r.as_ref().map(|r| &w[r.clone()]);
-    if let (Some(mp), Some(cache)) = (&bp.moe, i.moe.as_mut()) {
-        let dims = cfg.moe_dims(n);
-        let mut ep = ops.ep.borrow_mut();
-        return Some(moe_forward(branch, cache, &k.ln_2, &w[mp.router.clone()], &w[mp.experts.clone()], &w[mp.shared.clone()], &dims, cfg.moe_aux_weight, cfg.moe_z_weight, ep.as_deref_mut().map(|h| h as &mut dyn MoeExchange)));
-    }
-    let x = ops.column_input(&k.ln_2, &mut i.ln_2_full);
-    ops.linear(&mut i.fch, x, &w[bp.c_fc_w.clone()], opt(&bp.c_fc_b), n, c, fw, l, 2);
-    if let Some(lo) = lora.as_mut() {
-        lo.forward(l, Site::Fc, &mut i.fch, x, n, fw);
-    }
-    ops.store(&mut i.fch);
-    ops.act_forward(&mut i.fch_gelu, &i.fch);
-    ops.store(&mut i.fch_gelu);
-    if proj {
-        ops.row_parallel(branch, full, opt(&bp.mlp_proj_b), |y| {
-            ops.linear(y, &i.fch_gelu, &w[bp.mlp_proj_w.clone()], opt(&bp.mlp_proj_b), n, f, c, l, 3);
-            if let Some(lo) = lora.as_mut() {
-                lo.forward(l, Site::MlpProj, y, &i.fch_gelu, n, c);
-            }
-        });
-    }
-    None
-}
-
-/// A Linear's backward; with a frozen weight only the input gradient is computed.
-#[allow(clippy::too_many_arguments)]
-fn linear_backward(frozen: bool, dinp: &mut [f32], dw: &mut [f32], db: Option<&mut [f32]>, dout: &[f32], inp: &[f32], w: &[f32], n: usize, c: usize, oc: usize) {
-    if frozen {
-        tensor::matmul::matmul_backward_input(dinp, dout, w, n, c, oc);
-    } else {
-        matmul_backward(dinp, dw, db, dout, inp, w, n, c, oc);
-    }
-}
-
-/// The gradient of a dropout-wrapped branch output: `dout` itself without dropout, else the
-/// masked copy written into `buf`.
-fn branch_grad<'a>(buf: &'a mut [f32], dout: &'a [f32], p: f32, seed: u64, c: usize, map: RowMap) -> &'a [f32] {
-    if p == 0.0 {
-        return dout;
-    }
-    buf.fill(0.0);
-    dropout_backward_rows(buf, dout, p, seed, c, map);
-    buf
+/// One block's backward, [`block_forward`]'s steps in reverse: `g.dres` holds the gradient of
+/// the block's output and leaves holding its input's, and the block's parameter gradients
+/// accumulate into `dw` (the unit's):
+/// `d res_2 = d out + norm_2ᵀ(mlpᵀ(dropᵀ(d out)));  d x = d res_2 + norm_1ᵀ(attnᵀ(dropᵀ(d res_2)))`.
+fn block_backward(blk: &Block, dw: &mut [f32], x: &[f32], acts: BlockActs, g: &mut GradScratch) {
+    let (ops, bp, l) = (blk.ops, blk.bp, blk.l);
+    let BlockActs { k, i, shared } = acts;
+    // MLP branch: out = res_2 + drop(mlp(ln_2)); d res_2 = d out (straight through) + ln_2ᵀ(…)
+    let dmlp = ops.dropout_grad(&mut g.dbranch, &g.dres, DropSite::MlpResidual(l));
+    let mut mg = MlpGrads { dln: &mut g.dln, dln_full: &mut g.dln_full, dfull: &mut g.dfull, dfch: &mut g.dfch, dfch_gelu: &mut g.dfch_gelu };
+    blk.mlp_backward(dw, dmlp, k, i, &mut mg);
+    let (dw2, db2) = split_two(dw, &bp.ln_2_w, &bp.ln_2_b);
+    ops.store(&mut g.dln);
+    ops.norm_backward(&mut g.dres, dw2, db2, &g.dln, &k.res_2, &blk.w[bp.ln_2_w.clone()], &k.ln_2_mean, &k.ln_2_rstd);
+    ops.store(&mut g.dres);
+    // Attention branch: res_2 = x + drop(attn(ln_1)); d x = d res_2 + ln_1ᵀ(…)
+    let dattn = ops.dropout_grad(&mut g.dbranch, &g.dres, DropSite::AttnResidual(l));
+    let core: &AttnCore = if i.core.atty.is_empty() { shared } else { &i.core };
+    blk.linear(Site::AttnProj).backward_row(&mut g.datty, &mut g.dfull, dw, dattn, &core.atty);
+    g.dqkv.fill(0.0);
+    ops.attn_backward(&mut g.dqkv, &g.datty, &i.qkv, &core.atty, &core.state, DropSite::AttnProbs(l));
+    ops.store(&mut g.dqkv);
+    let xin: &[f32] = if ops.sp() { &i.ln_1_full } else { &k.ln_1 };
+    blk.linear(Site::Qkv).backward_column(&mut g.dln, &mut g.dln_full, dw, &g.dqkv, xin);
+    let (dw1, db1) = split_two(dw, &bp.ln_1_w, &bp.ln_1_b);
+    ops.store(&mut g.dln);
+    ops.norm_backward(&mut g.dres, dw1, db1, &g.dln, x, &blk.w[bp.ln_1_w.clone()], &k.ln_1_mean, &k.ln_1_rstd);
+    ops.store(&mut g.dres);
 }
 
 /// Disjoint mutable views of a weight and its optional bias in the gradient buffer.
@@ -1045,62 +1165,68 @@ pub(crate) struct Ops<'a> {
     pub rope: Option<&'a (Vec<f32>, Vec<f32>)>,
     pub b: usize,
     pub t: usize,
+    /// The pass's dropout.
+    drop: Dropout,
+    /// The training pass's loss-gradient scale (the MoE router losses' weights use it).
+    loss_scale: f32,
+    /// The LoRA adapters (then the base weights are frozen).
+    lora: RefCell<Option<&'a mut Lora>>,
     /// The tensor-parallel hooks of a shard (`None` for a whole model).
-    pub tp: std::cell::RefCell<Option<&'a mut (dyn TpHooks + 'static)>>,
+    pub tp: RefCell<Option<&'a mut (dyn TpHooks + 'static)>>,
     /// The expert-parallel exchange of a shard (`None`: every expert is local).
-    pub ep: std::cell::RefCell<Option<&'a mut (dyn MoeExchange + Send + 'static)>>,
+    pub ep: RefCell<Option<&'a mut (dyn MoeExchange + Send + 'static)>>,
     /// Where stored activations and gradients are rounded to (mixed precision).
     pub store: Option<tensor::precision::Format>,
     /// FP8 matmul inputs' scaling state.
     pub fp8: Option<&'a std::cell::RefCell<Fp8State>>,
-    /// [`Gpt::batch_offset`].
+    /// [`crate::Placement::batch_offset`].
     pub b0: usize,
 }
 
-impl Ops<'_> {
-    /// A block matmul `out = x·wᵀ (+ b)` (site `site` of layer `l`): with FP8, `x` and `w` cast
-    /// to E4M3 first (fp32 accumulation).
-    #[allow(clippy::too_many_arguments)]
-    fn linear(&self, out: &mut [f32], x: &[f32], w: &[f32], b: Option<&[f32]>, n: usize, c: usize, oc: usize, l: usize, site: usize) {
-        match self.fp8 {
-            Some(st) => {
-                use tensor::precision::Format::E4m3;
-                let whole = |a: f32| self.amax_over_shards(a);
-                let mut st = st.borrow_mut();
-                let xq = st.cast(Fp8State::slot(l, site, 0), 0, x, E4m3, &whole).as_ptr();
-                let wq = st.cast(Fp8State::slot(l, site, 1), 1, w, E4m3, &whole);
-                // SAFETY: scratch buffers 0 and 1 are distinct and not resized until the next cast.
-                let xq = unsafe { std::slice::from_raw_parts(xq, x.len()) };
-                matmul_forward(out, xq, wq, b, n, c, oc);
-            }
-            None => matmul_forward(out, x, w, b, n, c, oc),
+impl<'a> Ops<'a> {
+    /// The operators of single-token decoding on a whole model (no dropout, no precision).
+    pub(crate) fn decode(cfg: &'a GptConfig, rope: Option<&'a (Vec<f32>, Vec<f32>)>) -> Ops<'a> {
+        Ops {
+            cfg, rope, b: 1, t: 1, drop: Dropout { p: 0.0, seed: 0 }, loss_scale: 1.0,
+            tp: RefCell::new(None), ep: RefCell::new(None), lora: RefCell::new(None), store: None, fp8: None, b0: 0,
         }
     }
 
-    /// The backward of [`Ops::linear`]: with FP8, the output gradient cast to E5M2 and the
-    /// inputs re-cast as forward cast them (same scales within a step).
-    #[allow(clippy::too_many_arguments)]
-    fn linear_backward(&self, frozen: bool, dinp: &mut [f32], dw: &mut [f32], db: Option<&mut [f32]>, dout: &[f32], x: &[f32], w: &[f32], n: usize, c: usize, oc: usize, l: usize, site: usize) {
-        match self.fp8 {
-            Some(st) => {
-                use tensor::precision::Format::{E4m3, E5m2};
-                let whole = |a: f32| self.amax_over_shards(a);
-                let mut st = st.borrow_mut();
-                let xq = st.cast(Fp8State::slot(l, site, 0), 0, x, E4m3, &whole).as_ptr();
-                let wq = st.cast(Fp8State::slot(l, site, 1), 1, w, E4m3, &whole).as_ptr();
-                let gq = st.cast(Fp8State::slot(l, site, 2), 2, dout, E5m2, &whole);
-                // SAFETY: the three scratch buffers are distinct and not resized meanwhile.
-                let (xq, wq) = unsafe { (std::slice::from_raw_parts(xq, x.len()), std::slice::from_raw_parts(wq, w.len())) };
-                linear_backward(frozen, dinp, dw, db, gq, xq, wq, n, c, oc);
-            }
-            None => linear_backward(frozen, dinp, dw, db, dout, x, w, n, c, oc),
+    /// The mask seed of a dropout site, numbered in the whole model: 0 the embedding, then
+    /// three per block (attention probabilities, attention residual, MLP residual).
+    fn site_seed(&self, site: DropSite) -> u64 {
+        let block = |l: usize| 1 + 3 * (self.cfg.first_layer() + l) as u64;
+        let n = match site {
+            DropSite::Embedding => 0,
+            DropSite::AttnProbs(l) => block(l),
+            DropSite::AttnResidual(l) => block(l) + 1,
+            DropSite::MlpResidual(l) => block(l) + 2,
+        };
+        site_seed(self.drop.seed, n)
+    }
+
+    /// Dropout at `site` on the residual stream's rows `x`, in place.
+    fn dropout(&self, x: &mut [f32], site: DropSite) {
+        if self.drop.p > 0.0 {
+            dropout_inplace_rows(x, self.drop.p, self.site_seed(site), self.cfg.n_embd, self.row_map());
         }
+    }
+
+    /// The gradient through dropout at `site`: `dout` itself without dropout, else the masked
+    /// copy written into `buf`.
+    fn dropout_grad<'x>(&self, buf: &'x mut [f32], dout: &'x [f32], site: DropSite) -> &'x [f32] {
+        if self.drop.p == 0.0 {
+            return dout;
+        }
+        buf.fill(0.0);
+        dropout_backward_rows(buf, dout, self.drop.p, self.site_seed(site), self.cfg.n_embd, self.row_map());
+        buf
     }
 
     /// The largest of the tensor-parallel shards' `a` (`a` without tensor parallelism).
     fn amax_over_shards(&self, a: f32) -> f32 {
         match self.tp.borrow_mut().as_mut() {
-            Some(h) if h.size() > 1 => h.all_gather(&[a]).into_iter().fold(a, |m, x| if m.is_nan() || x.is_nan() { f32::NAN } else { m.max(x) }),
+            Some(h) => h.all_gather(&[a]).into_iter().fold(a, |m, x| if m.is_nan() || x.is_nan() { f32::NAN } else { m.max(x) }),
             _ => a,
         }
     }
@@ -1114,17 +1240,17 @@ impl Ops<'_> {
 
     /// Sequence parallelism: this shard holds `T/t` positions of the residual stream.
     fn sp(&self) -> bool {
-        self.cfg.sequence_parallel && self.tp.borrow().is_some()
+        self.cfg.place.seq.is_some() && self.tp.borrow().is_some()
     }
 
     /// Where the residual stream's rows sit in the whole `[B, T]` (for dropout masks).
     fn row_map(&self) -> RowMap {
-        match self.tp.borrow().as_ref() {
-            Some(h) if self.cfg.sequence_parallel => {
-                let tl = self.t / h.size();
-                RowMap { t_local: tl, t: self.t, offset: h.rank() * tl, b0: self.b0 }
+        match self.cfg.place.seq {
+            Some(s) => {
+                let p = s.positions(self.t);
+                RowMap { t_local: p.len(), t: self.t, offset: p.start, b0: self.b0 }
             }
-            _ => RowMap { b0: self.b0, ..RowMap::whole(self.t) },
+            None => RowMap { b0: self.b0, ..RowMap::whole(self.t) },
         }
     }
 
@@ -1187,8 +1313,7 @@ impl Ops<'_> {
 
     /// A tensor-parallel shard's rows of the (padded) vocabulary; `None` for a whole model.
     fn vocab_rows(&self) -> Option<std::ops::Range<usize>> {
-        let vl = self.cfg.vocab_size;
-        self.tp.borrow().as_ref().map(|h| h.rank() * vl..(h.rank() + 1) * vl)
+        self.cfg.place.vocab.map(|v| v.first..v.first + self.cfg.vocab_size)
     }
 
     /// Megatron's `g`: sums a row-parallel product's partial outputs over the shards.
@@ -1205,7 +1330,6 @@ impl Ops<'_> {
         }
     }
 
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn norm_forward(&self, out: &mut [f32], mean: &mut [f32], rstd: &mut [f32], x: &[f32], w: &[f32], bias: Option<&[f32]>) {
         let c = self.cfg.n_embd;
         match self.cfg.arch {
@@ -1232,10 +1356,7 @@ impl Ops<'_> {
     /// tensor parallelism): attention dropout masks are drawn by whole-model head, so every
     /// shard drops what one rank would for the same heads.
     fn mask_heads(&self) -> (usize, usize) {
-        match self.tp.borrow().as_ref() {
-            Some(h) if h.size() > 1 => (h.rank() * self.cfg.n_head, h.size() * self.cfg.n_head),
-            _ => (0, 0),
-        }
+        self.cfg.place.heads.map_or((0, 0), |h| (h.first, h.total))
     }
 
     /// LLaMA: the rotary embedding of q and k, in place (nothing for GPT-2).
@@ -1246,8 +1367,8 @@ impl Ops<'_> {
         }
     }
 
-    fn attn_forward(&self, out: &mut [f32], state: &mut [f32], qkv: &[f32], p_drop: f32, seed: u64) {
-        let cfg = self.cfg;
+    fn attn_forward(&self, out: &mut [f32], state: &mut [f32], qkv: &[f32], site: DropSite) {
+        let (cfg, p_drop, seed) = (self.cfg, self.drop.p, self.site_seed(site));
         match cfg.arch {
             Arch::Gpt2 => {
                 let (head0, heads) = self.mask_heads();
@@ -1259,9 +1380,8 @@ impl Ops<'_> {
     }
 
     /// Accumulates into `dqkv` (with respect to the un-rotated q and k for LLaMA).
-    #[allow(clippy::too_many_arguments)]
-    fn attn_backward(&self, dqkv: &mut [f32], dout: &[f32], qkv: &[f32], out: &[f32], state: &[f32], p_drop: f32, seed: u64) {
-        let cfg = self.cfg;
+    fn attn_backward(&self, dqkv: &mut [f32], dout: &[f32], qkv: &[f32], out: &[f32], state: &[f32], site: DropSite) {
+        let (cfg, p_drop, seed) = (self.cfg, self.drop.p, self.site_seed(site));
         match cfg.arch {
             Arch::Gpt2 => {
                 let (head0, heads) = self.mask_heads();
@@ -1287,7 +1407,7 @@ impl Ops<'_> {
 
     fn act_backward(&self, dfch: &mut [f32], dout: &[f32], fch: &[f32]) {
         match self.cfg.arch {
-            Arch::Gpt2 => gelu_backward(dfch, fch, dout),
+            Arch::Gpt2 => gelu_backward(dfch, dout, fch),
             Arch::Llama => swiglu_backward(dfch, dout, fch, self.cfg.ffn_hidden),
         }
     }

@@ -1,6 +1,7 @@
 //! kiln's models: configs, the named flat parameter layout, and the GPT-2 decoder with its
 //! forward, backward and KV-cached generation. Nothing here knows about ranks: parallel
-//! strategies act on the layout by parameter name, from the `parallel` crate.
+//! strategies act on the layout by parameter name, from the `parallel` crate, and tell a part
+//! of the model where it sits through its [`Placement`].
 
 pub mod config;
 pub mod generate;
@@ -8,10 +9,12 @@ pub mod hf;
 pub mod gpt;
 pub mod layout;
 pub mod lora;
+pub mod placement;
 pub mod units;
 
 pub use config::GptConfig;
 pub use generate::{Sampler, KvCache};
 pub use gpt::{Gpt, Pass};
 pub use layout::{ParamLayout, ParamSpec, Init};
+pub use placement::Placement;
 pub use units::{Access, Local, TpHooks, UnitStore};

@@ -61,8 +61,8 @@ impl UnitStore for Local<'_> {
 }
 
 /// The collectives a tensor-parallel shard needs inside a block (Megatron-LM's conjugate `f`
-/// and `g`): the model calls them at its two branch boundaries and knows nothing else about
-/// ranks. A shard's column-parallel products (q|k|v, the MLP's up/gate) see the whole input;
+/// and `g`): the model calls them at its two branch boundaries; which heads, rows and
+/// positions it holds it reads from its [`crate::Placement`]. A shard's column-parallel products (q|k|v, the MLP's up/gate) see the whole input;
 /// its row-parallel products (attention output, MLP down) produce partial sums.
 pub trait TpHooks: Send {
     /// `g` forward: `out` (`[N, C]`) holds this rank's partial sum of a row-parallel product,
@@ -73,10 +73,6 @@ pub trait TpHooks: Send {
     /// column-parallel product's input; make it the sum over ranks. Forward of `f` is the
     /// identity.
     fn reduce_input_grad(&mut self, dx: &mut [f32]);
-    /// This shard's rank in the tensor-parallel group (its slice of the vocabulary).
-    fn rank(&self) -> usize;
-    /// The tensor-parallel degree.
-    fn size(&self) -> usize;
     /// Sequence parallel `g` forward (before a column-parallel product): `local`
     /// (`[B, T/t, C]`, this rank's positions `rank·T/t ..` of each sequence) gathered into
     /// `full` (`[B, T, C]`).

@@ -3,7 +3,7 @@
 //!
 //! The routed experts of every MoE layer are spread over the `ep` ranks of an expert-parallel
 //! group: rank `r` holds experts `r·E/ep .. (r+1)·E/ep`. A rank's *shard* is a model whose
-//! config says which block it holds (`GptConfig::ep`), laid out with the experts' whole-model
+//! config says which block it holds (`Placement::experts`), laid out with the experts' whole-model
 //! names (`model.layers.{i}.block_sparse_moe.experts.{e}.*`), so [`shard`] and [`unshard`] are
 //! copies by name and a checkpoint keeps holding the whole model. Everything else — router,
 //! shared experts, attention, norms, embeddings — is replicated.
@@ -28,7 +28,6 @@
 //! data-parallel group, none at `dp = 1` (see `DataParallel::new_ep`).
 
 use crate::comm::Comm;
-use model::config::ExpertShard;
 use model::layout::{gpt_layout, ParamLayout};
 use model::GptConfig;
 use std::collections::HashMap;
@@ -41,7 +40,7 @@ const EXPERT: &str = ".block_sparse_moe.experts.";
 /// The config of rank `rank`'s shard of `cfg` over `ep` ranks; the error names the key that
 /// does not fit.
 pub fn local_config(cfg: &GptConfig, ep: usize, rank: usize) -> Result<GptConfig, String> {
-    assert!(cfg.ep.is_none(), "local_config of a shard");
+    assert!(cfg.place.experts.is_none(), "local_config of a shard");
     if !cfg.is_moe() {
         return Err(format!("parallel.ep = {ep} needs a mixture-of-experts model (model.n_expert > 0, e.g. --preset moe-tiny); this model is dense"));
     }
@@ -49,13 +48,18 @@ pub fn local_config(cfg: &GptConfig, ep: usize, rank: usize) -> Result<GptConfig
         return Err(format!("parallel.ep = {ep} does not divide model.n_expert = {}", cfg.n_expert));
     }
     assert!(rank < ep);
-    Ok(GptConfig { ep: Some(ExpertShard { rank, size: ep }), ..cfg.clone() })
+    let el = cfg.n_expert / ep;
+    let mut local = cfg.clone();
+    local.place.experts = Some(rank * el..(rank + 1) * el);
+    Ok(local)
 }
 
 /// The layout of rank `rank`'s shard, for a shard config `local` of any rank of the group.
 pub fn layout_of(local: &GptConfig, rank: usize) -> ParamLayout {
-    let s = local.ep.expect("an expert-parallel shard config");
-    gpt_layout(&GptConfig { ep: Some(ExpertShard { rank, size: s.size }), ..local.clone() }).0
+    let el = local.place.experts.as_ref().expect("an expert-parallel shard config").len();
+    let mut cfg = local.clone();
+    cfg.place.experts = Some(rank * el..(rank + 1) * el);
+    gpt_layout(&cfg).0
 }
 
 /// The shard laid out as `local` of the whole-model buffer `whole` (laid out as `full`):

@@ -9,6 +9,7 @@
 //! Architecture invariant: at world size 1 every strategy is the identity, and on N ranks the
 //! loss and gradients match one rank.
 
+pub mod apply;
 pub mod comm;
 pub mod dp;
 pub mod ep;

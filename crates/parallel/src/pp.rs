@@ -259,9 +259,11 @@ pub fn split_layers(n_layer: usize, k: usize, explicit: &[usize], layer_cost: f6
 /// The config of the pipeline stage holding blocks `layers` of `whole` (embedding on the
 /// first stage, final norm and head on the last).
 pub fn stage_config(whole: &model::GptConfig, layers: std::ops::Range<usize>) -> model::GptConfig {
-    assert!(whole.stage.is_none(), "stage_config of a stage");
+    assert!(whole.place.stage.is_none(), "stage_config of a stage");
     let stage = model::config::Stage { first_layer: layers.start, total_layers: whole.n_layer, embed: layers.start == 0, head: layers.end == whole.n_layer };
-    model::GptConfig { n_layer: layers.len(), stage: Some(stage), ..whole.clone() }
+    let mut cfg = model::GptConfig { n_layer: layers.len(), ..whole.clone() };
+    cfg.place.stage = Some(stage);
+    cfg
 }
 
 /// A stage's parameters (laid out as `stage`) cut by name from the whole model's `whole`

@@ -1,7 +1,7 @@
 //! Tensor parallelism (Megatron-LM: Shoeybi et al. 2019), applied by parameter name.
 //!
 //! A rank of a `tp`-way group holds a *shard*: a model whose config counts only its own
-//! attention heads, key/value heads and MLP columns (`GptConfig::tp`), with the same layout
+//! attention heads, key/value heads and MLP columns (its `GptConfig::place`), with the same layout
 //! names. [`PLAN`] says how each whole-model parameter is cut: column-parallel products
 //! (q|k|v, the MLP's up and gate) keep their rows for this rank's heads or columns,
 //! row-parallel products (attention output, MLP down) keep the matching input columns, and
@@ -25,6 +25,7 @@
 
 use crate::comm::Comm;
 use model::layout::ParamLayout;
+use model::config::{Part, SeqSlice};
 use model::GptConfig;
 use std::ops::Range;
 
@@ -69,10 +70,12 @@ pub fn split_of(name: &str) -> Split {
     PLAN.iter().find(|(suffix, _)| name.ends_with(suffix)).map_or(Split::Replicated, |p| p.1)
 }
 
-/// The config of one shard of `cfg` over `tp` ranks; the error names the key that does not
-/// divide.
-pub fn local_config(cfg: &GptConfig, tp: usize) -> Result<GptConfig, String> {
-    assert_eq!(cfg.tp, 1, "local_config of a shard");
+/// The config of rank `rank`'s shard of `cfg` over `tp` ranks (its heads, MLP columns and
+/// vocabulary rows, and with `sequence_parallel` its slice of every sequence, in its
+/// [`model::Placement`]); the error names the key that does not divide.
+pub fn local_config(cfg: &GptConfig, tp: usize, rank: usize, sequence_parallel: bool) -> Result<GptConfig, String> {
+    assert!(cfg.place.heads.is_none(), "local_config of a shard");
+    assert!(rank < tp);
     if cfg.is_moe() {
         return Err(format!("parallel.tp = {tp}: tensor parallelism does not split mixture-of-experts layers (model.n_expert = {}); that is expert parallelism", cfg.n_expert));
     }
@@ -81,7 +84,12 @@ pub fn local_config(cfg: &GptConfig, tp: usize) -> Result<GptConfig, String> {
             return Err(format!("parallel.tp = {tp} does not divide {key} = {v}"));
         }
     }
-    Ok(GptConfig { n_head: cfg.n_head / tp, n_kv_head: cfg.n_kv_head / tp, ffn_hidden: cfg.ffn_hidden / tp, vocab_size: cfg.vocab_size.div_ceil(tp), tp, ..cfg.clone() })
+    let (heads, vocab) = (cfg.n_head / tp, cfg.vocab_size.div_ceil(tp));
+    let mut place = cfg.place.clone();
+    place.heads = Some(Part { first: rank * heads, total: cfg.n_head });
+    place.vocab = Some(Part { first: rank * vocab, total: vocab * tp });
+    place.seq = sequence_parallel.then_some(SeqSlice { index: rank, count: tp });
+    Ok(GptConfig { n_head: heads, n_kv_head: cfg.n_kv_head / tp, ffn_hidden: cfg.ffn_hidden / tp, vocab_size: vocab, place, ..cfg.clone() })
 }
 
 /// Rows × columns of a parameter (a vector is one column).
@@ -208,10 +216,6 @@ impl model::TpHooks for TpComm {
         self.comm.all_reduce_sum(out);
     }
 
-    fn size(&self) -> usize {
-        self.comm.size()
-    }
-
     fn gather_seq(&mut self, local: &[f32], full: &mut [f32], b: usize, t: usize) {
         let _span = tensor::profile::scope("sp all_gather");
         let (c, tp) = (self.c, self.comm.size());
@@ -232,10 +236,6 @@ impl model::TpHooks for TpComm {
     fn reduce_input_grad(&mut self, dx: &mut [f32]) {
         let _span = tensor::profile::scope("tp all_reduce");
         self.comm.all_reduce_sum(dx);
-    }
-
-    fn rank(&self) -> usize {
-        self.comm.rank()
     }
 
     fn all_gather(&mut self, x: &[f32]) -> Vec<f32> {

@@ -10,7 +10,7 @@ fn main() {
             let t = Instant::now();
             match name {
                 "gelu_fwd" => tensor::gelu_forward(&mut o, &x),
-                "gelu_bwd" => tensor::gelu_backward(&mut d, &x, &o),
+                "gelu_bwd" => tensor::gelu_backward(&mut d, &o, &x),
                 "residual" => tensor::residual_forward(&mut d, &x, &o),
                 _ => { let (mut m, mut r) = (vec![0.0; 768*4], vec![0.0; 768*4]); tensor::layernorm_forward(&mut d, &mut m, &mut r, &x, &vec![1.0; 128], None, 128); }
             }

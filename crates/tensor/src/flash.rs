@@ -176,47 +176,50 @@ fn valid_cols(gi: usize, j0: usize, ncols: usize) -> usize {
     if gi >= j0 { (gi - j0 + 1).min(ncols) } else { 0 }
 }
 
-/// Writes `mk[jj] = keep ? 1/(1-p) : 0` for the first `n` columns of row `gi`, starting at `j0`.
+/// Writes `mk[jj] = keep ? 1/(1-p) : 0` for the first `n` columns of a score row whose first
+/// column is mask element `base` ([`mask_base`]).
 /// Pure integer hashing, so the vector versions give the same mask bit for bit. (Dispatched by
 /// hand, not `multiversion!`: the hash's 64-bit lane multiplies need AVX-512 DQ.)
-#[allow(clippy::too_many_arguments)]
-fn dropout_row(mk: &mut [f32], bh: usize, t: usize, gi: usize, j0: usize, n: usize, p: f32, seed: u64) {
+fn dropout_row(mk: &mut [f32], base: u64, n: usize, p: f32, seed: u64) {
     #[cfg(target_arch = "x86_64")]
     {
         if std::is_x86_feature_detected!("avx512dq") {
             // Safety: the CPU supports AVX-512 F and DQ (64-bit lane multiplies).
-            return unsafe { dropout_row_avx512(mk, bh, t, gi, j0, n, p, seed) };
+            return unsafe { dropout_row_avx512(mk, base, n, p, seed) };
         }
         if std::is_x86_feature_detected!("avx2") {
             // Safety: the CPU supports AVX2.
-            return unsafe { dropout_row_avx2(mk, bh, t, gi, j0, n, p, seed) };
+            return unsafe { dropout_row_avx2(mk, base, n, p, seed) };
         }
     }
-    dropout_row_body(mk, bh, t, gi, j0, n, p, seed)
+    dropout_row_body(mk, base, n, p, seed)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512dq")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn dropout_row_avx512(mk: &mut [f32], bh: usize, t: usize, gi: usize, j0: usize, n: usize, p: f32, seed: u64) {
-    dropout_row_body(mk, bh, t, gi, j0, n, p, seed)
+unsafe fn dropout_row_avx512(mk: &mut [f32], base: u64, n: usize, p: f32, seed: u64) {
+    dropout_row_body(mk, base, n, p, seed)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn dropout_row_avx2(mk: &mut [f32], bh: usize, t: usize, gi: usize, j0: usize, n: usize, p: f32, seed: u64) {
-    dropout_row_body(mk, bh, t, gi, j0, n, p, seed)
+unsafe fn dropout_row_avx2(mk: &mut [f32], base: u64, n: usize, p: f32, seed: u64) {
+    dropout_row_body(mk, base, n, p, seed)
 }
 
+/// The mask row of score row `gi`, key columns `j0 .. j0 + n`, of mask head `bh`: element
+/// `base + jj`, `base = (bh·T + gi)·T + j0` (see [`mask_base`]).
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn dropout_row_body(mk: &mut [f32], bh: usize, t: usize, gi: usize, j0: usize, n: usize, p: f32, seed: u64) {
+fn dropout_row_body(mk: &mut [f32], base: u64, n: usize, p: f32, seed: u64) {
     let sc = 1.0 / (1.0 - p);
-    let base = ((bh * t + gi) * t + j0) as u64;
     for (jj, m) in mk[..n].iter_mut().enumerate() {
         *m = if dropout_keep(seed, base + jj as u64, p) { sc } else { 0.0 };
     }
+}
+
+/// The mask index of score `(gi, j0)` of mask head `bh` in a length-`t` attention.
+fn mask_base(bh: usize, t: usize, gi: usize, j0: usize) -> u64 {
+    ((bh * t + gi) * t + j0) as u64
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -307,7 +310,7 @@ pub fn flash_gqa_forward_tiled(
             if dropout > 0.0 {
                 for r in 0..rows {
                     let vr = valid_cols(i0 + r, j0, ncols);
-                    dropout_row(mk, dims.mask_bh(bh), t, i0 + r, j0, vr, dropout, seed);
+                    dropout_row(mk, mask_base(dims.mask_bh(bh), t, i0 + r, j0), vr, dropout, seed);
                     mul_into(&mut s[r * bc..r * bc + vr], &mk[..vr]);
                 }
             }
@@ -680,7 +683,7 @@ fn tile_grads(x: &Ctx, sc: &mut BwdScratch, bh: usize, i0: usize, rows: usize, j
         let pr = &mut p[r * x.bc..r * x.bc + ncols];
         let dr = &mut ds[r * x.bc..r * x.bc + ncols];
         if x.dropout > 0.0 {
-            dropout_row(mk, x.dims.mask_bh(bh), t, gi, j0, vr, x.dropout, x.seed);
+            dropout_row(mk, mask_base(x.dims.mask_bh(bh), t, gi, j0), vr, x.dropout, x.seed);
             let pdr = &mut pd[r * x.bc..r * x.bc + ncols];
             bwd_row_dropout(pr, pdr, dr, &mk[..vr], vr, lse[r], d[r]);
         } else {

@@ -226,8 +226,9 @@ crate::multiversion! {
     }
 }
 
-/// Accumulates into `dinp`.
-pub fn gelu_backward(dinp: &mut [f32], inp: &[f32], dout: &[f32]) {
+/// `dinp += GELU'(inp) ⊙ dout` (accumulates into `dinp`). Outputs, then the output gradient,
+/// then the forward's input, as every backward kernel.
+pub fn gelu_backward(dinp: &mut [f32], dout: &[f32], inp: &[f32]) {
     let _p = crate::profile::scope("gelu_backward");
     dinp.par_chunks_mut(ELEMS)
         .zip(inp.par_chunks(ELEMS).zip(dout.par_chunks(ELEMS)))

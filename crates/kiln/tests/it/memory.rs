@@ -44,10 +44,9 @@ fn planned_activations_equal_the_models_buffers_for_every_policy() {
     moe.capacity_factor = 0.0;
     check("moe dropless", &moe, &[(1, 7)]);
     // A tensor-parallel shard and pipeline stages (no head on the first, no embedding on the last).
-    check("tp shard", &parallel::tp::local_config(&llama, 2).unwrap(), &[(2, 16)]);
+    check("tp shard", &parallel::tp::local_config(&llama, 2, 0, false).unwrap(), &[(2, 16)]);
     // Sequence parallel: the residual stream holds T/tp positions, the norms' outputs gathered.
-    let mut sp = parallel::tp::local_config(&gpt2, 2).unwrap();
-    sp.sequence_parallel = true;
+    let sp = parallel::tp::local_config(&gpt2, 2, 0, true).unwrap();
     check("sp shard", &sp, &[(2, 16)]);
     let whole = GptConfig::gpt2(4, 4, 32, 16, 256, true, 0.0, false);
     check("first stage", &parallel::pp::stage_config(&whole, 0..2), &[(2, 16)]);

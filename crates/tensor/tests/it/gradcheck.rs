@@ -71,7 +71,7 @@ fn gelu_gradients() {
     let inp = randn(&mut rng, 50, 2.0);
     let dout = randn(&mut rng, 50, 1.0);
     let mut di = vec![0.0; 50];
-    gelu_backward(&mut di, &inp, &dout);
+    gelu_backward(&mut di, &dout, &inp);
     check("gelu.dinp", &inp, &di, |x| {
         let mut o = vec![0.0; x.len()];
         gelu_forward(&mut o, x);

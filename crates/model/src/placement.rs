@@ -1,0 +1,74 @@
+//! Where a model sits in the whole model it is a part of.
+//!
+//! A parallel strategy (crate `parallel`) cuts a part out of the whole model and says, in one
+//! [`Placement`], which of the whole model's heads, vocabulary rows, sequence positions,
+//! layers and experts the part holds and where its sequences start in the global batch. The
+//! model reads nothing else about its place: everything is in the whole model's numbering, so
+//! a part takes the whole model's parameter names and draws the dropout masks the whole model
+//! draws there. Collectives reach the model only through hook traits ([`crate::units::TpHooks`],
+//! `tensor::moe::MoeExchange`) that `parallel` implements.
+
+use serde::{Deserialize, Serialize};
+use std::ops::Range;
+
+/// Where a model sits in the whole model (the default: it is the whole model).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Placement {
+    /// A tensor-parallel part: the whole model's attention heads it holds start at
+    /// `heads.first` of `heads.total` (its own count is its config's `n_head`; its key/value
+    /// heads and MLP columns are the same share). `None`: every head.
+    pub heads: Option<Part>,
+    /// A vocabulary-parallel part: its embedding and head rows start at `vocab.first` of the
+    /// padded vocabulary's `vocab.total` (its own count is its config's `vocab_size`).
+    pub vocab: Option<Part>,
+    /// Sequence parallel: the residual stream, the norms and dropout hold slice `index` of
+    /// `count` equal slices of every sequence's positions. `None`: every position.
+    pub seq: Option<SeqSlice>,
+    /// A pipeline stage: its config's `n_layer` layers start at whole-model layer
+    /// `first_layer`. `None`: every layer, the embedding and the head.
+    pub stage: Option<Stage>,
+    /// An expert-parallel part: the routed experts it holds (whole-model ids; the router still
+    /// scores all `n_expert`). `None`: every expert.
+    pub experts: Option<Range<usize>>,
+    /// The index of this part's first sequence in the global micro-batch (a data-parallel
+    /// part's share starts at its offset): dropout masks are drawn by global sequence.
+    pub batch_offset: usize,
+}
+
+/// A part of a whole that starts at `first` of `total` (its length is kept elsewhere).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Part {
+    pub first: usize,
+    pub total: usize,
+}
+
+/// Slice `index` of `count` equal slices of every sequence's positions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SeqSlice {
+    pub index: usize,
+    pub count: usize,
+}
+
+impl SeqSlice {
+    /// This slice's positions of a length-`t` sequence (`t` divisible by `count`).
+    pub fn positions(&self, t: usize) -> Range<usize> {
+        assert!(t % self.count == 0, "sequence parallel: T = {t} is not divisible into {} slices", self.count);
+        let tl = t / self.count;
+        self.index * tl..(self.index + 1) * tl
+    }
+}
+
+/// Where a pipeline stage sits in the whole model. Layer names, dropout streams and the
+/// residual projections' initialisation scale use the whole model's layer numbering, so a
+/// stage is exactly its layers of the whole model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Stage {
+    /// Global index of the stage's first block.
+    pub first_layer: usize,
+    /// Blocks in the whole model.
+    pub total_layers: usize,
+    /// The stage embeds the tokens (the first stage).
+    pub embed: bool,
+    /// The stage applies the final norm, the head and the loss (the last stage).
+    pub head: bool,
+}
