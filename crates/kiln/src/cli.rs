@@ -2,7 +2,7 @@
 
 use crate::error::{user, KilnError, Result};
 use crate::run;
-use crate::trainer::{self, TrainArgs};
+use crate::train::{self, TrainArgs};
 use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -396,7 +396,7 @@ fn dispatch(cmd: Cmd) -> Result<()> {
                 let sv = crate::supervise::Supervise { max_restarts: a.max_restarts, heartbeat_timeout: std::time::Duration::from_secs_f64(a.heartbeat_timeout) };
                 return crate::supervise::run(&argv, args.preset.as_deref(), &sv, &stop);
             }
-            trainer::train(&args, &stop).map(|_| ())
+            train::train(&args, &stop).map(|_| ())
         }
         Cmd::Memory(m) => {
             if m.train.supervise {
@@ -424,7 +424,7 @@ fn dispatch(cmd: Cmd) -> Result<()> {
         Cmd::Generate(g) => {
             init_threads(0);
             let (m, tok, _) = load_source(&g.source, g.tokenizer.as_deref())?;
-            let text = trainer::sample_text(&m, &tok, &g.prompt, g.max_new_tokens, g.temperature, g.top_k, g.seed);
+            let text = train::sample_text(&m, &tok, &g.prompt, g.max_new_tokens, g.temperature, g.top_k, g.seed);
             println!("{text}");
             Ok(())
         }
@@ -436,7 +436,7 @@ fn dispatch(cmd: Cmd) -> Result<()> {
                 return user(format!("--seq-len {t}: must be between 1 and the model's context ({})", m.cfg.block_size));
             }
             let (toks, what) = match (&run, e.data.is_empty()) {
-                (Some(r), true) => (trainer::load_data(&r.config, Some(tok.clone()))?.val, "validation split".to_string()),
+                (Some(r), true) => (train::load_data(&r.config, Some(tok.clone()))?.val, "validation split".to_string()),
                 (None, true) => return user("eval --checkpoint needs --data FILE"),
                 (_, false) => {
                     let ds = data::load_with(&e.data, tok.clone(), 0.5)?;
@@ -451,7 +451,7 @@ fn dispatch(cmd: Cmd) -> Result<()> {
                 return user(format!("{what}: {} tokens, fewer than one window of {t} + 1", toks.len()));
             }
             let batch = run.as_ref().map_or(4, |r| r.config.micro_batch());
-            let (vl, n) = trainer::evaluate(&mut m, &toks, t, batch, 0);
+            let (vl, n) = train::evaluate(&mut m, &toks, t, batch, 0);
             let mut out = serde_json::json!({"val_loss": vl, "tokens": n, "seq_len": t, "data": what});
             if let Some(r) = &run {
                 out["step"] = r.ckpt.state.step.into();

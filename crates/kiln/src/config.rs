@@ -3,10 +3,10 @@
 //! types), then a resolved, validated [`RunConfig`] (`RunConfig::resolve`). Errors name the key
 //! and, for files, the path.
 
-use crate::error::{user, Result};
+use crate::error::{user, KilnError, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -770,4 +770,115 @@ impl RunConfig {
             _ => model::gpt::Recompute::None,
         }
     }
+}
+
+/// The user's overrides of `kiln train` (and `kiln memory`): the dedicated flags, layered over
+/// a preset or a saved run's config by [`layered`].
+#[derive(Clone, Debug, Default)]
+pub struct TrainArgs {
+    pub preset: Option<String>,
+    pub config: Option<PathBuf>,
+    pub data: Vec<PathBuf>,
+    pub out: Option<PathBuf>,
+    pub set: Vec<String>,
+    pub max_steps: Option<u64>,
+    pub resume: bool,
+    pub seed: Option<u64>,
+    pub init_from: Option<PathBuf>,
+    pub lora_rank: Option<usize>,
+    pub lora_alpha: Option<f64>,
+    pub lora_targets: Option<String>,
+    /// Record a trace of this many steps into `trace.json`.
+    pub profile: Option<u64>,
+    pub dp: Option<usize>,
+    pub zero: Option<usize>,
+    pub tp: Option<usize>,
+    /// Expert-parallel ranks (`parallel.ep`).
+    pub ep: Option<usize>,
+    /// Pipeline flags: `parallel.pp`, `train.grad_accum` (the micro-batches),
+    /// `parallel.schedule`, `parallel.virtual_stages`, `parallel.pp_layers` (comma-separated),
+    /// `parallel.pp_trace`.
+    pub pp: Option<usize>,
+    pub sequence_parallel: bool,
+    pub micro_batches: Option<usize>,
+    pub schedule: Option<String>,
+    pub virtual_stages: Option<usize>,
+    pub pp_layers: Option<String>,
+    pub pp_trace: Option<String>,
+    pub offload: Option<String>,
+    pub backend: Option<String>,
+    pub quiet: bool,
+}
+
+/// Builds the raw config from a base and the user's overrides, in order: file, `--set`,
+/// then the dedicated flags (`--data`, `--max-steps`, `--seed`).
+pub fn layered(base: &RunConfig, args: &TrainArgs) -> Result<RunConfig> {
+    let mut raw: Raw = base.to_raw();
+    if let Some(p) = &args.config {
+        apply_file(&mut raw, p)?;
+    }
+    for kv in &args.set {
+        apply_set(&mut raw, kv)?;
+    }
+    if !args.data.is_empty() {
+        let paths = args.data.iter().map(|p| toml::Value::String(p.display().to_string())).collect();
+        raw.insert("data.paths".into(), toml::Value::Array(paths));
+    }
+    if let Some(n) = args.max_steps {
+        raw.insert("train.max_steps".into(), toml::Value::Integer(n as i64));
+    }
+    if let Some(s) = args.seed {
+        raw.insert("train.seed".into(), toml::Value::Integer(s as i64));
+    }
+    if let Some(p) = &args.init_from {
+        raw.insert("model.init_from".into(), toml::Value::String(p.display().to_string()));
+    }
+    if let Some(d) = args.dp {
+        raw.insert("parallel.dp".into(), toml::Value::Integer(d as i64));
+    }
+    if let Some(z) = args.zero {
+        raw.insert("parallel.zero".into(), toml::Value::Integer(z as i64));
+    }
+    if let Some(o) = &args.offload {
+        raw.insert("memory.offload".into(), toml::Value::String(o.clone()));
+    }
+    if let Some(t) = args.tp {
+        raw.insert("parallel.tp".into(), toml::Value::Integer(t as i64));
+    }
+    if args.sequence_parallel {
+        raw.insert("parallel.sequence_parallel".into(), toml::Value::Boolean(true));
+    }
+    let int = |x: usize| toml::Value::Integer(x as i64);
+    for (key, v) in [("parallel.pp", args.pp), ("parallel.ep", args.ep), ("train.grad_accum", args.micro_batches), ("parallel.virtual_stages", args.virtual_stages)] {
+        if let Some(v) = v {
+            raw.insert(key.into(), int(v));
+        }
+    }
+    for (key, v) in [("parallel.schedule", &args.schedule), ("parallel.pp_trace", &args.pp_trace)] {
+        if let Some(v) = v {
+            raw.insert(key.into(), toml::Value::String(v.clone()));
+        }
+    }
+    if let Some(l) = &args.pp_layers {
+        let mut list = Vec::new();
+        for x in l.split(',').map(str::trim).filter(|x| !x.is_empty()) {
+            let n: usize = x.parse().map_err(|_| KilnError::User(format!("--pp-layers: `{x}` is not a layer count (expected e.g. 3,3,2)")))?;
+            list.push(int(n));
+        }
+        raw.insert("parallel.pp_layers".into(), toml::Value::Array(list));
+    }
+    if let Some(b) = &args.backend {
+        raw.insert("parallel.backend".into(), toml::Value::String(b.clone()));
+    }
+    if let Some(r) = args.lora_rank {
+        raw.insert("lora.rank".into(), toml::Value::Integer(r as i64));
+    }
+    if let Some(a) = args.lora_alpha {
+        raw.insert("lora.alpha".into(), toml::Value::Float(a));
+    }
+    if let Some(t) = &args.lora_targets {
+        let list = t.split(',').map(|s| toml::Value::String(s.trim().to_string())).filter(|v| v.as_str() != Some("")).collect();
+        raw.insert("lora.targets".into(), toml::Value::Array(list));
+    }
+    RunConfig::resolve(&raw)
 }

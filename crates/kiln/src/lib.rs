@@ -15,4 +15,4 @@ pub mod progress;
 pub mod run;
 pub mod step;
 pub mod supervise;
-pub mod trainer;
+pub mod train;

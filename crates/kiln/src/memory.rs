@@ -675,15 +675,15 @@ pub fn attribute(model: &model::Gpt, dp: &mut parallel::DataParallel, opt: &crat
 }
 
 /// `kiln memory`: the plan of the run `kiln train` would start with the same flags.
-pub fn cmd(args: &crate::trainer::TrainArgs, as_json: bool) -> Result<()> {
+pub fn cmd(args: &crate::config::TrainArgs, as_json: bool) -> Result<()> {
     if args.resume {
         return user("kiln memory plans a new run: for an existing one pass --config RUN/config.toml (its resolved config) instead of --resume");
     }
     let name = args.preset.clone().unwrap_or_else(|| "tiny".into());
-    let mut cfg = crate::trainer::layered(&crate::presets::preset(&name)?, args)?;
+    let mut cfg = crate::config::layered(&crate::presets::preset(&name)?, args)?;
     // A base model fixes the shape (and the vocabulary), as in `kiln train --init-from`.
     let base = (!cfg.model.init_from.is_empty()).then(|| crate::run::load_base(std::path::Path::new(&cfg.model.init_from))).transpose()?;
-    let ds = crate::trainer::load_data(&cfg, None)?;
+    let ds = crate::train::load_data(&cfg, None)?;
     let gpt = match base {
         Some(m) => {
             cfg.model.block_size = m.cfg.block_size;

@@ -1,0 +1,69 @@
+//! The training data: loading a run's corpus, checking it against the model, and drawing the
+//! global batch's windows (one seeded sampler, drawn in a fixed order, so every layout sees the
+//! same sequences).
+
+use crate::config::RunConfig;
+use crate::error::{user, Result};
+use data::{Dataset, Tokenizer, Tokens};
+use std::path::PathBuf;
+use tensor::Rng;
+
+/// Loads the training data for `cfg` (its paths, or the Rust books) with `tokenizer` when the
+/// run already has one (resume), else the configured tokenizer spec.
+pub fn load_data(cfg: &RunConfig, tokenizer: Option<Tokenizer>) -> Result<Dataset> {
+    let frac = cfg.data.val_fraction;
+    if cfg.data.paths.is_empty() {
+        let (text, files) = data::default_corpus()?;
+        let tok = match tokenizer {
+            Some(t) => t,
+            None => Tokenizer::from_spec(&cfg.data.tokenizer, Some(&text))?,
+        };
+        let ids = tok.encode(&text);
+        let n_train = ((ids.len() as f64) * (1.0 - frac)) as usize;
+        let description = format!("the Rust books ({} files, {} tokens, {} tokenizer, vocab {})", files.len(), ids.len(), tok.kind(), tok.vocab_size());
+        return Ok(Dataset { val: Tokens::from_vec(ids[n_train..].to_vec()), train: Tokens::from_vec(ids[..n_train].to_vec()), tokenizer: tok, description, files, skipped: 0 });
+    }
+    let paths: Vec<PathBuf> = cfg.data.paths.iter().map(PathBuf::from).collect();
+    Ok(match tokenizer {
+        Some(t) => data::load_with(&paths, t, frac)?,
+        None => data::load(&paths, &cfg.data.tokenizer, frac)?,
+    })
+}
+
+fn data_name(cfg: &RunConfig) -> String {
+    if cfg.data.paths.is_empty() { "the default corpus".into() } else { cfg.data.paths.join(", ") }
+}
+
+/// Checks the data against the model: enough tokens for one window in each split, and a
+/// model vocabulary that covers the tokenizer's.
+pub(super) fn check_data_fits(cfg: &RunConfig, ds: &Dataset) -> Result<()> {
+    let bs = cfg.model.block_size;
+    for (split, toks) in [("training", &ds.train), ("validation", &ds.val)] {
+        if toks.len() <= bs + 1 {
+            return user(format!(
+                "model.block_size ({bs}) is larger than the {split} split of {} ({} tokens): use a smaller block_size or more data",
+                data_name(cfg), toks.len()
+            ));
+        }
+    }
+    if cfg.model.vocab_size != 0 && cfg.model.vocab_size < ds.tokenizer.vocab_size() {
+        return user(format!("model.vocab_size ({}) is smaller than the {} tokenizer's vocabulary ({})", cfg.model.vocab_size, ds.tokenizer.kind(), ds.tokenizer.vocab_size()));
+    }
+    Ok(())
+}
+
+/// Draws the sequence start offsets of one global batch.
+pub(super) fn sample_offsets(rng: &mut Rng, n_tokens: usize, t: usize, count: usize) -> Vec<usize> {
+    (0..count).map(|_| rng.below((n_tokens - t) as u64) as usize).collect()
+}
+
+pub(super) fn fill_windows(toks: &Tokens, offsets: &[usize], t: usize, x: &mut [u32], y: &mut [i32]) {
+    let mut buf = vec![0u32; t + 1];
+    for (i, &o) in offsets.iter().enumerate() {
+        toks.copy_to(o, &mut buf);
+        x[i * t..(i + 1) * t].copy_from_slice(&buf[..t]);
+        for j in 0..t {
+            y[i * t + j] = buf[j + 1] as i32;
+        }
+    }
+}

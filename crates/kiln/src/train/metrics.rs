@@ -1,0 +1,90 @@
+//! The figures a training step reports in its `metrics.jsonl` line beyond loss and speed:
+//! mixture-of-experts routing, communication, and memory (see docs/metrics.md).
+
+use crate::step::{Chunk, Moments, StepOut};
+use std::fs;
+
+/// This process's peak resident set (`VmHWM`) since [`reset_peak_rss`], in bytes (Linux).
+pub(super) fn peak_rss() -> Option<u64> {
+    let s = fs::read_to_string("/proc/self/status").ok()?;
+    let kb: u64 = s.lines().find_map(|l| l.strip_prefix("VmHWM:"))?.trim().trim_end_matches("kB").trim().parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// Restarts the peak-resident-set count (Linux `clear_refs` 5), so the training loop's peak is
+/// not the start-up's (the matmul peak probe's large products).
+pub(super) fn reset_peak_rss() {
+    let _ = fs::write("/proc/self/clear_refs", "5");
+}
+
+/// MoE routing figures of the last micro-batch, summed or worst over layers: the router
+/// losses, the dropped-token fraction, max/mean tokens per expert, and per-expert load.
+pub(super) fn add_moe_stats(line: &mut serde_json::Value, stats: &[tensor::moe::MoeStats]) {
+    if stats.is_empty() {
+        return;
+    }
+    let aux: f32 = stats.iter().map(|s| s.aux_loss).sum::<f32>() / stats.len() as f32;
+    let z: f32 = stats.iter().map(|s| s.z_loss).sum::<f32>() / stats.len() as f32;
+    let dropped: f32 = stats.iter().map(|s| s.dropped_fraction).sum::<f32>() / stats.len() as f32;
+    let imbalance = stats.iter().map(|s| s.max_load as f32 / s.mean_load.max(1e-9)).fold(0.0f32, f32::max);
+    let e = stats[0].counts.len();
+    let load: Vec<usize> = (0..e).map(|i| stats.iter().map(|s| s.counts[i]).sum()).collect();
+    line["moe_aux_loss"] = aux.into();
+    line["moe_z_loss"] = z.into();
+    line["moe_dropped_fraction"] = dropped.into();
+    line["moe_max_over_mean_load"] = imbalance.into();
+    line["moe_expert_load"] = load.into();
+    let (sent, received): (usize, usize) = (stats.iter().map(|s| s.ep_rows_sent).sum(), stats.iter().map(|s| s.ep_rows_received).sum());
+    if sent + received > 0 {
+        // Expert parallelism: rows this rank sent to other ranks' experts and received for its
+        // own, over the layers (see `tensor::moe::MoeStats`).
+        line["moe_ep_rows_sent"] = sent.into();
+        line["moe_ep_rows_received"] = received.into();
+    }
+}
+
+/// The communication of a step on `world > 1` ranks: bytes sent and received, per collective as
+/// the communicator counts them, and how much of it overlapped compute.
+pub(super) fn add_comm(line: &mut serde_json::Value, bytes: &parallel::CommTotals, out: &StepOut) {
+    line["comm_bytes_sent"] = bytes.bytes_sent().into();
+    line["comm_bytes_recv"] = bytes.bytes_recv().into();
+    for op in parallel::OPS {
+        let (calls, sent, _) = bytes.get(op);
+        if calls > 0 {
+            line[format!("comm_bytes_sent_{}", op.name())] = sent.into();
+            line[format!("comm_calls_{}", op.name())] = calls.into();
+        }
+    }
+    line["comm_s"] = out.overlap.comm.as_secs_f64().into();
+    line["comm_exposed_s"] = out.overlap.exposed.as_secs_f64().into();
+    line["comm_hidden_fraction"] = out.overlap.hidden_fraction().into();
+}
+
+/// This rank's memory: model state by kind (parameters, gradients, optimizer moments, in
+/// memory or offloaded), the process's peak resident set, the step's activations and
+/// transients, and the tracking allocator's peaks per category.
+pub(super) fn add_memory(line: &mut serde_json::Value, chunks: &[Chunk], out: &StepOut, pipelined: bool) {
+    let (mut params_b, mut grads_b, mut transient_b, mut optim) = (0, 0, 0, 0);
+    for ch in chunks {
+        let sb = ch.dp.state_bytes();
+        let lora = ch.model.lora.as_ref().map_or(0, |lo| lo.params.len() * 4);
+        (params_b, grads_b, transient_b) = (params_b + sb.params + lora, grads_b + sb.grads + lora, transient_b + sb.peak_transient);
+        optim += (ch.opt.m.len() + ch.opt.v.len()) * 4;
+    }
+    line["mem_params_bytes"] = params_b.into();
+    line["mem_grads_bytes"] = grads_b.into();
+    let offloaded = matches!(chunks[0].opt.m, Moments::File { .. });
+    line["mem_optim_bytes"] = (if offloaded { 0 } else { optim }).into();
+    if offloaded {
+        line["mem_optim_offloaded_bytes"] = optim.into();
+    }
+    if let Some(hwm) = peak_rss() {
+        line["mem_rss_peak_bytes"] = hwm.into();
+    }
+    line["mem_activations_bytes"] = out.peak_activation_bytes.into();
+    if pipelined {
+        line["pp_peak_in_flight"] = out.peak_in_flight.into();
+    }
+    line["mem_transient_peak_bytes"] = transient_b.into();
+    crate::memory::track::log_peaks(line);
+}

@@ -1,0 +1,296 @@
+//! `kiln train`: config → data → ranks → each rank's run ([`rank`]: set-up, the loop, the
+//! finish) with periodic evaluation, metrics, checkpoints, Ctrl-C handling, and a sample at the
+//! end. The loop's parts live beside it: the step's data ([`data`]), evaluation ([`eval`]),
+//! faults ([`faults`]), metrics lines ([`metrics`]) and checkpoint requests ([`ckpt`]).
+//!
+//! Determinism: the batch sampler is one seeded RNG drawn in a fixed order for the *global*
+//! batch; dropout masks are keyed by `(seed, step, micro-step)`; every kernel reduces in a fixed
+//! order. A run is a pure function of its config, so a resumed run (which restores the sampler
+//! state, parameters and moments) continues bit for bit.
+
+mod ckpt;
+mod data;
+mod eval;
+mod faults;
+mod metrics;
+mod rank;
+
+pub use self::data::load_data;
+pub use self::eval::{eval_sums, evaluate, EvalBatches};
+pub use crate::config::TrainArgs;
+
+use self::data::check_data_fits;
+use self::rank::Rank;
+use crate::checkpoint;
+use crate::config::{layered, RunConfig, STRUCTURAL_KEYS};
+use crate::error::{user, KilnError, Result};
+use crate::presets;
+use crate::run::{self, ckpt_dir};
+use ::data::{Dataset, Tokenizer};
+use parallel::Comm;
+use model::{Gpt, Sampler};
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+pub struct Summary {
+    pub run_dir: PathBuf,
+    pub step: u64,
+    pub val_loss: Option<f64>,
+    pub interrupted: bool,
+}
+
+/// The structural keys on which two configs differ.
+fn incompatible(a: &RunConfig, b: &RunConfig) -> Vec<String> {
+    let (ra, rb) = (a.to_raw(), b.to_raw());
+    STRUCTURAL_KEYS
+        .iter()
+        .filter(|k| ra.get(**k) != rb.get(**k))
+        .map(|k| format!("{k} = {} in the run, {} now", ra.get(*k).map_or("-".into(), |v| v.to_string()), rb.get(*k).map_or("-".into(), |v| v.to_string())))
+        .collect()
+}
+
+
+/// Runs `kiln train`. A numerical-fault rollback restarts it from the newest valid checkpoint
+/// (at most 10 times), skipping the batches the rollback marked.
+pub fn train(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
+    let mut a = args.clone();
+    for _ in 0..10 {
+        match train_once(&a, stop) {
+            Err(KilnError::Rollback(msg, run_dir)) => {
+                if checkpoint::list(&ckpt_dir(&run_dir)).is_empty() {
+                    return Err(KilnError::Internal(format!("{msg}, but {} has no checkpoint to roll back to", run_dir.display())));
+                }
+                eprintln!("{msg}: rolling back to the newest valid checkpoint");
+                (a.resume, a.out, a.preset) = (true, Some(run_dir), None);
+            }
+            r => return r,
+        }
+    }
+    Err(KilnError::Internal("rolled back 10 times: giving up".into()))
+}
+
+fn train_once(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
+    // 1. Config and run directory: everything is checked before anything is written.
+    let preset_name = args.preset.clone().unwrap_or_else(|| "tiny".into());
+    let run_dir = match (&args.out, args.resume) {
+        (Some(d), _) => d.clone(),
+        (None, true) => run::latest_run(args.preset.as_deref())?,
+        (None, false) => run::default_run_dir(&preset_name),
+    };
+    let saved_cfg_path = run_dir.join("config.toml");
+    let mut resume_from = None;
+    let mut cfg = if args.resume {
+        if !saved_cfg_path.exists() {
+            return user(format!("--resume: {} is not a kiln run directory (no config.toml)", run_dir.display()));
+        }
+        let saved = RunConfig::load(&saved_cfg_path)?;
+        let cfg = layered(&saved, &TrainArgs { preset: None, ..args.clone() })?;
+        if let Some(p) = &args.preset {
+            if p != &saved.preset {
+                return user(format!("--resume: {} was made with preset `{}`, not `{p}`", run_dir.display(), saved.preset));
+            }
+        }
+        let diff = incompatible(&saved, &cfg);
+        if !diff.is_empty() {
+            return user(format!("--resume: {} has an incompatible config: {}", run_dir.display(), diff.join("; ")));
+        }
+        // A run killed before its first checkpoint starts again from step 0 (a supervisor's
+        // restart); one whose checkpoints all fail verification is an error.
+        if checkpoint::list(&ckpt_dir(&run_dir)).is_empty() {
+            eprintln!("{}: no checkpoint yet: starting from step 0", run_dir.display());
+        } else {
+            resume_from = Some(checkpoint::latest_valid(&ckpt_dir(&run_dir))?);
+        }
+        cfg
+    } else {
+        let cfg = layered(&presets::preset(&preset_name)?, args)?;
+        if saved_cfg_path.exists() || !checkpoint::list(&ckpt_dir(&run_dir)).is_empty() {
+            return user(format!("{} already holds a run: pass --resume to continue it, or choose another --out", run_dir.display()));
+        }
+        cfg
+    };
+    // Starting from a base model (a kiln run or a Hugging Face directory): its config fixes the
+    // model's shape. A resumed full fine-tune reloads everything from its checkpoint; a LoRA
+    // run always needs its base.
+    let init = if !cfg.model.init_from.is_empty() && (resume_from.is_none() || cfg.lora.rank > 0) {
+        let m = run::load_base(Path::new(&cfg.model.init_from))?;
+        let (mc, hc) = (&mut cfg.model, &m.cfg);
+        (mc.n_expert, mc.top_k, mc.n_shared_expert) = (hc.n_expert, hc.top_k, hc.n_shared_expert);
+        mc.arch = if hc.arch == model::config::Arch::Llama { "llama".into() } else { "gpt2".into() };
+        (mc.n_layer, mc.n_head, mc.n_kv_head, mc.n_embd, mc.ffn_hidden, mc.block_size, mc.vocab_size, mc.bias, mc.tied_embeddings) =
+            (hc.n_layer, hc.n_head, hc.n_kv_head, hc.n_embd, hc.ffn_hidden, hc.block_size, hc.vocab_size, hc.bias, hc.tied_embeddings);
+        (mc.rope_theta, mc.norm_eps) = (hc.rope_theta as f64, hc.norm_eps as f64);
+        Some(m)
+    } else {
+        None
+    };
+
+    crate::cli::init_threads(cfg.train.threads);
+
+    // 2. Data.
+    // A resumed run keeps its tokenizer; a run started from another kiln run keeps that run's
+    // (its token ids are what the base model knows).
+    let base_tok = Path::new(&cfg.model.init_from).join("tokenizer.json");
+    let tokenizer = match &resume_from {
+        Some(l) => Some(Tokenizer::from_json(&l.tokenizer_json, &l.dir.join("tokenizer.json"))?),
+        None if !cfg.model.init_from.is_empty() && base_tok.exists() => Some(Tokenizer::load(&base_tok)?),
+        None => None,
+    };
+    let ds = load_data(&cfg, tokenizer)?;
+    check_data_fits(&cfg, &ds)?;
+    let gcfg = cfg.gpt_config(ds.tokenizer.vocab_size());
+    cfg.model.vocab_size = gcfg.vocab_size;
+    // memory: refuse a run whose plan exceeds memory.limit, before anything is written (issue 7).
+    crate::memory::plan_run(&cfg, &gcfg, &ds)?.check_limit()?;
+
+    // 3. The ranks: this process alone, threads in it, or MPI processes.
+    let world = cfg.parallel.dp * cfg.parallel.ep * cfg.parallel.tp * cfg.parallel.pp;
+    let ctx = Ctx { args, cfg, ds: &ds, run_dir, saved_cfg_path, resume_from, init: std::sync::Mutex::new(init) };
+    match ctx.cfg.parallel.backend.as_str() {
+        "mpi" => run_mpi(&ctx, stop),
+        _ if world == 1 => {
+            let comm = parallel::InProcess::world(1).pop().unwrap();
+            run_rank(&ctx, &comm, stop, None, ctx.resume_from.as_ref())
+        }
+        _ => run_inproc(&ctx, world, stop),
+    }
+}
+
+/// Everything a rank needs from the set-up (shared by the in-process ranks).
+pub(crate) struct Ctx<'a> {
+    args: &'a TrainArgs,
+    cfg: RunConfig,
+    ds: &'a Dataset,
+    run_dir: PathBuf,
+    saved_cfg_path: PathBuf,
+    resume_from: Option<checkpoint::Loaded>,
+    /// The base model (`model.init_from`), for rank 0; the others receive its weights.
+    init: std::sync::Mutex<Option<Gpt>>,
+}
+
+/// `world` ranks as threads of this process. A rank that fails makes the others' collectives
+/// abort; the first failure is returned (a user error keeps its exit code). With in-memory
+/// checkpoints (`checkpoint.memory_interval`), a failed run restarts here, every rank from
+/// the newest step whose parts are all still in memory (a failed rank's from its peer's),
+/// else from the newest valid checkpoint on disk, up to `faults.max_rank_restarts` times.
+fn run_inproc(ctx: &Ctx, world: usize, stop: &AtomicBool) -> Result<Summary> {
+    let store = (ctx.cfg.checkpoint.memory_interval > 0).then(|| checkpoint::ReplicaStore::new(world));
+    let mut restored: Option<checkpoint::Loaded> = None;
+    let mut restarts = 0;
+    loop {
+        let resume = restored.as_ref().or(ctx.resume_from.as_ref());
+        let failed: std::sync::Mutex<Option<KilnError>> = std::sync::Mutex::new(None);
+        let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            parallel::run_ranks(world, |c| {
+                match run_rank(ctx, c, stop, store.as_ref(), resume) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        let msg = e.to_string();
+                        // A failed rank's memory is gone (its writer has finished: dropped).
+                        if let (KilnError::RankFailed { rank, .. }, Some(st)) = (&e, &store) {
+                            st.lose(*rank);
+                        }
+                        failed.lock().unwrap().get_or_insert(e);
+                        panic!("rank {} stopped: {msg}", c.rank());
+                    }
+                }
+            })
+        }));
+        let err = match (failed.into_inner().unwrap(), res) {
+            (None, Ok(mut v)) => return Ok(v.swap_remove(0)),
+            (Some(e), _) => e,
+            (None, Err(p)) => {
+                let msg = p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default();
+                KilnError::Internal(format!("a data-parallel rank failed: {msg}"))
+            }
+        };
+        // User errors and rollbacks are not rank failures; without in-memory checkpoints a
+        // failure ends the process (a supervisor restarts it from disk).
+        let (Some(st), KilnError::Internal(_) | KilnError::RankFailed { .. }) = (&store, &err) else { return Err(err) };
+        if stop.load(Ordering::SeqCst) {
+            return Err(err);
+        }
+        restarts += 1;
+        let give_up = restarts > ctx.cfg.faults.max_rank_restarts;
+        let step = match &err {
+            KilnError::RankFailed { step, .. } => *step,
+            _ => fs::read_to_string(ctx.run_dir.join("heartbeat")).ok().and_then(|s| s.trim().parse().ok()).unwrap_or(0),
+        };
+        let rank = if let KilnError::RankFailed { rank, .. } = &err { serde_json::json!(rank) } else { serde_json::Value::Null };
+        eprintln!("{err}{}", if give_up { ": no restarts left" } else { ": restarting the ranks" });
+        let log = |line: serde_json::Value| match crate::obs::MetricsWriter::open(&ctx.run_dir, None) {
+            Ok(mut m) => m.log(&line).map_err(KilnError::User),
+            Err(e) => Err(KilnError::User(e)),
+        };
+        log(serde_json::json!({"kind": "fault", "step": step, "event": "rank_failed", "rank": rank, "detail": err.to_string(), "restart": restarts, "gave_up": give_up}))?;
+        if give_up {
+            return Err(KilnError::Internal(format!("ranks failed {restarts} times, the last: {err}")));
+        }
+        let t0 = Instant::now();
+        let (from, why) = match st.restore() {
+            Ok(l) => {
+                restored = Some(l);
+                ("memory", None)
+            }
+            Err(why) => {
+                let dir = ckpt_dir(&ctx.run_dir);
+                restored = if checkpoint::list(&dir).is_empty() { None } else { Some(checkpoint::latest_valid(&dir)?) };
+                ("disk", Some(why))
+            }
+        };
+        let at = restored.as_ref().map_or(0, |l| l.state.step);
+        eprintln!("restoring every rank from {} at step {at}{}", if from == "memory" { "in-memory snapshots" } else { "disk" }, why.as_ref().map_or(String::new(), |w| format!(" ({w})")));
+        let mut line = serde_json::json!({"kind": "fault", "step": step, "event": "restored", "from": from, "restored_step": at, "lost_steps": step.saturating_sub(at + 1), "restore_s": t0.elapsed().as_secs_f64()});
+        if let Some(w) = why {
+            line["why_not_memory"] = w.into();
+        }
+        log(line)?;
+        // A LoRA run needs its base model again.
+        if ctx.cfg.lora.rank > 0 {
+            *ctx.init.lock().unwrap() = Some(run::load_base(Path::new(&ctx.cfg.model.init_from))?);
+        }
+    }
+}
+
+#[cfg(not(feature = "mpi"))]
+fn run_mpi(_ctx: &Ctx, _stop: &AtomicBool) -> Result<Summary> {
+    user("parallel.backend = mpi: this kiln was built without MPI support; rebuild with `cargo build --release --features mpi` (needs OpenMPI: apt-get install libopenmpi-dev openmpi-bin libclang-dev clang) and run it under mpirun")
+}
+
+#[cfg(feature = "mpi")]
+fn run_mpi(ctx: &Ctx, stop: &AtomicBool) -> Result<Summary> {
+    let world = parallel::mpi::init().map_err(KilnError::User)?;
+    let comm = world.world();
+    let n = comm.size();
+    let (tp, pp, ep) = (ctx.cfg.parallel.tp, ctx.cfg.parallel.pp, ctx.cfg.parallel.ep);
+    let dp = ctx.cfg.parallel.dp;
+    let other = tp * pp * ep;
+    if n % other != 0 || (dp != 0 && dp * other != n) {
+        let want = if dp == 0 { format!("a multiple of parallel.tp × parallel.pp × parallel.ep = {other}") } else { format!("pp {pp} × dp {dp} × ep {ep} × tp {tp} = {}", dp * other) };
+        return user(format!("parallel.dp = {dp} but mpirun started {n} processes, not {want}: pass --dp {} (or --dp 0 to take the MPI world size)", n / other.max(1)));
+    }
+    ctx.cfg.check_dp(n / other)?;
+    // Every process has checked the run directory before rank 0 creates it.
+    comm.barrier();
+    let out = run_rank(ctx, &comm, stop, None, ctx.resume_from.as_ref());
+    drop(comm);
+    drop(world);
+    out
+}
+
+/// One rank's training run, from `resume_from` (a checkpoint, or in-memory snapshots) when
+/// given; with `replicas`, snapshots are also kept in memory.
+fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool, replicas: Option<&std::sync::Arc<checkpoint::ReplicaStore>>, resume_from: Option<&checkpoint::Loaded>) -> Result<Summary> {
+    Rank::setup(ctx, comm, stop, replicas, resume_from)?.run()
+}
+
+/// Prompt plus generated continuation, decoded.
+pub fn sample_text(model: &Gpt, tok: &Tokenizer, prompt: &str, n: usize, temperature: f32, top_k: usize, seed: u64) -> String {
+    let ids = tok.encode(prompt);
+    let out = model.generate(&ids, n, &Sampler { temperature, top_k, seed });
+    let mut all = ids;
+    all.extend(out);
+    tok.decode(&all)
+}

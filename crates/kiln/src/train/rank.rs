@@ -1,0 +1,559 @@
+//! One rank's training run, top to bottom: [`Rank::setup`] (the model, resumed state, this
+//! rank's parts of it through `parallel::apply::parallelize`, the optimizer, the run
+//! directory), then [`Rank::run`]'s loop — a step, its faults, its metrics line, evaluation,
+//! the checkpoint request — and [`Rank::finish`] (the whole model again, the plot, a sample).
+//!
+//! Rank 0 owns the run directory, metrics, progress, checkpoints and the sample; every rank
+//! computes, and every collective runs on every rank in the same order.
+
+use super::ckpt::Checkpoints;
+use super::data::{fill_windows, sample_offsets};
+use super::eval::{eval_sums, eval_sums_pipeline, EvalBatches};
+use super::faults::{Faults, Verdict};
+use super::metrics::{add_comm, add_memory, add_moe_stats, reset_peak_rss};
+use super::{sample_text, Ctx, Summary};
+use crate::checkpoint::{self, Loaded, ReplicaStore};
+use crate::config::RunConfig;
+use crate::error::{io_err, KilnError, Result};
+use crate::progress::{fmt_duration, Progress, StepInfo};
+use crate::run::{self, ckpt_dir, write_atomic};
+use crate::step::{hardware_flops_per_token, model_flops_per_token, train_step, trainable, trainable_layout, Chunk, LossScaler, Moments, Optimizer, PipeTrace, Pipeline, StepOut};
+use data::Dataset;
+use model::gpt::Recompute;
+use model::Gpt;
+use parallel::apply::Applied;
+use parallel::Comm;
+use std::fs;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+use tensor::rng::mix64;
+use tensor::Rng;
+
+/// Everything one rank's run holds between steps.
+pub(super) struct Rank<'a> {
+    pub cfg: &'a RunConfig,
+    pub ds: &'a Dataset,
+    pub run_dir: &'a Path,
+    pub comm: &'a dyn Comm,
+    stop: &'a AtomicBool,
+    quiet: bool,
+    pub rank: usize,
+    pub world: usize,
+    pub lead: bool,
+    /// This rank's model chunks (behind their data-parallel stores, with their optimizers) and
+    /// how they were cut from the whole model.
+    pub chunks: Vec<Chunk>,
+    pub applied: Applied,
+    /// Sequences per data-parallel rank per micro-batch, and the sequence length.
+    rows: usize,
+    t: usize,
+    sched: parallel::pp::Schedule,
+    /// The first and last pipeline stages share a tied embedding.
+    tied: bool,
+    pipe_trace: Option<PipeTrace>,
+    sampler: Rng,
+    pub step: u64,
+    pub tokens_seen: u64,
+    elapsed_prev: f64,
+    started: Instant,
+    /// Training time at the end of the last step, over every resumed part of the run.
+    pub elapsed_s: f64,
+    /// fp16's dynamic loss scale (restored with the checkpoint).
+    pub scaler: Option<LossScaler>,
+    flops_per_token: f64,
+    hw_flops_per_token: f64,
+    /// The matmul peak MFU is stated against (rank 0's measurement).
+    peak: f64,
+    recompute: Recompute,
+    pub metrics: Option<crate::obs::MetricsWriter>,
+    progress: Progress,
+    last_val: Option<f64>,
+    pub interrupted: bool,
+    trace_until: Option<u64>,
+    profile: Option<u64>,
+    faults: Faults,
+    pub ckpt: Checkpoints,
+}
+
+/// What one step measured, for its metrics line and progress.
+struct Measured {
+    out: StepOut,
+    lr: f64,
+    dt: f64,
+    comm_bytes: parallel::CommTotals,
+    bubble: Option<f64>,
+}
+
+impl<'a> Rank<'a> {
+    /// One rank's set-up, from `resume_from` (a checkpoint, or in-memory snapshots) when given;
+    /// with `replicas`, snapshots are also kept in memory.
+    pub fn setup(ctx: &'a Ctx, comm: &'a dyn Comm, stop: &'a AtomicBool, replicas: Option<&Arc<ReplicaStore>>, resume_from: Option<&Loaded>) -> Result<Rank<'a>> {
+        let (args, cfg, ds) = (ctx.args, &ctx.cfg, ctx.ds);
+        let run_dir = &ctx.run_dir;
+        let (rank, world) = (comm.rank(), comm.size());
+        let lead = rank == 0;
+        let (t, mb) = (cfg.model.block_size, cfg.micro_batch());
+        let (tpn, ppn, vn, epn) = (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.virtual_stages, cfg.parallel.ep);
+        let stages = cfg.stage_layers(ds.tokenizer.vocab_size())?;
+        let strategy = parallel::apply::Strategy {
+            pp: ppn, dp: world / (tpn * ppn * epn), ep: epn, tp: tpn, virtual_stages: vn, stages: stages.clone(),
+            sequence_parallel: cfg.parallel.sequence_parallel, zero: cfg.parallel.zero as u8,
+            bucket_elems: ((cfg.parallel.bucket_mb * 1024.0 * 1024.0 / 4.0) as usize).max(1),
+            micro_batch: mb, recompute: cfg.recompute(), recompute_every: cfg.model.recompute_every,
+            precision: cfg.precision(), fp8_amax_history: cfg.train.fp8_amax_history,
+        };
+        let mut model = whole_model(ctx, lead, stages.len() > 1)?;
+        let (n, n_train) = (model.num_params(), trainable_layout(&model).total);
+        // MFU is stated against the same peak `kiln bench --peak` reports (one rank's share of
+        // the machine's cores is what in-process ranks split, so the peak is the machine's), for
+        // the whole model's FLOPs.
+        let peak = if lead { crate::bench::peak_flops() } else { f64::NAN };
+        let (flops_per_token, hw_flops_per_token, recompute) = (model_flops_per_token(&model), hardware_flops_per_token(&model), model.recompute);
+        let mut resumed = resume_from.map(|l| read_resumed(l, &mut model)).transpose()?;
+        // This rank's chunks: its pipeline stages' layers (the whole model without a pipeline),
+        // each cut to this rank's tensor- or expert-parallel shard, behind its data-parallel
+        // store (`parallel::apply`); the moments are cut the same way.
+        let (parts, applied) = parallel::apply::parallelize(model, &strategy, comm).map_err(KilnError::User)?;
+        let moments: Vec<Option<(Vec<f32>, Vec<f32>)>> = match resumed.as_mut().and_then(|r| r.moments.take()) {
+            Some((m, v)) => applied.cut(m).into_iter().zip(applied.cut(v)).map(Some).collect(),
+            None => parts.iter().map(|_| None).collect(),
+        };
+        let mut chunks = Vec::new();
+        for (c, (part, mv)) in parts.into_iter().zip(moments).enumerate() {
+            let offload = (cfg.memory.offload == "optimizer").then(|| run_dir.join("offload").join(if vn > 1 { format!("rank{rank}-chunk{c}") } else { format!("rank{rank}") }));
+            chunks.push(chunk(part, mv, resume_from, cfg.parallel.zero > 0, offload.as_deref())?);
+        }
+        // memory: charge the model state to its tracking categories (issue 7).
+        chunks.iter_mut().for_each(|ch| crate::memory::attribute(&ch.model, &mut ch.dp, &ch.opt));
+        let step = resumed.as_ref().map_or(0, |r| r.step);
+        let metrics = if lead { Some(open_run_dir(ctx, step, args.resume || replicas.is_some())?) } else { None };
+        let groups = &applied.groups;
+        let tied = applied.whole.tied_embeddings && ppn > 1 && groups.tie.size() > 1;
+        let rows = mb / groups.dp_size;
+        let sched = parallel::pp::Schedule::new(parallel::pp::Kind::parse(&cfg.parallel.schedule).map_err(KilnError::User)?, ppn, cfg.train.grad_accum, vn).map_err(KilnError::User)?;
+        let pipe_trace = (cfg.parallel.pp_trace != "off").then(|| PipeTrace { tasks: Vec::new(), exclusive: cfg.parallel.pp_trace == "device" });
+        if pipe_trace.is_some() {
+            let dir = run_dir.join("pipeline");
+            fs::create_dir_all(&dir).map_err(|e| io_err(&dir, e))?;
+        }
+        // Checkpoints hold the whole model (or the adapters alone).
+        let layout = chunks[0].model.lora.as_ref().map_or(&applied.full_layout, |lo| &lo.layout).clone();
+        let ckpt = Checkpoints::new(cfg, run_dir, replicas, rank, step, layout, ds.tokenizer.to_json());
+        let (scaler, sampler) = match &resumed {
+            Some(r) => (r.scaler.or_else(|| fresh_scaler(cfg)), Rng::from_state(r.sampler)),
+            None => (fresh_scaler(cfg), Rng::new(mix64(cfg.train.seed ^ 0x5EED_DA7A))),
+        };
+        let mut r = Rank {
+            cfg, ds, run_dir, comm, stop, quiet: args.quiet, rank, world, lead, chunks, applied, rows, t, sched, tied, pipe_trace, sampler, step,
+            tokens_seen: resumed.as_ref().map_or(0, |r| r.tokens_seen), elapsed_prev: resumed.as_ref().map_or(0.0, |r| r.elapsed_s), started: Instant::now(), elapsed_s: 0.0,
+            scaler, flops_per_token, hw_flops_per_token, peak, recompute, metrics,
+            progress: Progress::new(step, cfg.train.max_steps, args.quiet || !lead),
+            last_val: None, interrupted: false, trace_until: None, profile: args.profile, faults: Faults::new(&cfg.faults, run_dir), ckpt,
+        };
+        r.announce(n, n_train, resume_from)?;
+        r.started = Instant::now();
+        reset_peak_rss();
+        crate::memory::track::reset_peaks();
+        r.start_trace();
+        Ok(r)
+    }
+
+    /// A line on the console (rank 0, unless quiet).
+    pub fn say(&self, s: &str) {
+        if !self.quiet && self.lead {
+            self.progress.println(s);
+        }
+    }
+
+    /// A line in `metrics.jsonl` (rank 0's).
+    pub fn log(&mut self, line: serde_json::Value) -> Result<()> {
+        match self.metrics.as_mut() {
+            Some(m) => m.log(&line).map_err(KilnError::User),
+            None => Ok(()),
+        }
+    }
+
+    /// The run's first lines: the model, the layout, the memory plan, the pipeline, the resume.
+    fn announce(&mut self, n: usize, n_train: usize, resume_from: Option<&Loaded>) -> Result<()> {
+        let (cfg, ds) = (self.cfg, self.ds);
+        self.say(&format!(
+            "kiln: {} | {:.2}M parameters{} | {} | run dir {}",
+            cfg.preset, n as f64 / 1e6,
+            if n_train < n { format!(" ({:.3}M trainable, {:.2}%: LoRA rank {})", n_train as f64 / 1e6, 100.0 * n_train as f64 / n as f64, cfg.lora.rank) } else { String::new() },
+            ds.description, self.run_dir.display()
+        ));
+        let p = &cfg.parallel;
+        if self.world > 1 {
+            self.say(&format!("parallel: {} ranks ({}): pp {} × dp {} × ep {} × tp {}, ZeRO stage {}, {} sequences per data-parallel rank per micro-batch", self.world, p.backend, p.pp, self.applied.groups.dp_size / p.ep, p.ep, p.tp, p.zero, self.rows));
+        }
+        // memory: the plan, before step 0 (issue 7).
+        self.say(crate::memory::plan_run(cfg, &self.applied.whole, ds)?.table().trim_end());
+        if self.applied.stages.len() > 1 {
+            let layers: Vec<usize> = self.applied.stages.iter().map(|r| r.len()).collect();
+            self.say(&format!("pipeline: {} schedule, {} micro-batches, {} chunk(s) per rank; layers per stage {layers:?}", p.schedule, cfg.train.grad_accum, p.virtual_stages));
+        }
+        if let Some(l) = resume_from {
+            self.say(&format!("resuming from {} (step {})", l.dir.display(), self.step));
+            // Where the run continues from (after a failure: the work lost is the steps done past it).
+            self.log(serde_json::json!({"kind": "resume", "step": self.step, "from": l.dir.display().to_string()}))?;
+        }
+        Ok(())
+    }
+
+    /// `--profile N`: trace the next N steps.
+    fn start_trace(&mut self) {
+        self.trace_until = self.profile.map(|n| self.step + n);
+        if self.trace_until.is_some() {
+            if self.lead {
+                tensor::profile::trace(true);
+            }
+            // The other ranks start their first traced step only once rank 0 has turned tracing on.
+            if self.world > 1 {
+                parallel::comm::sum_f64(self.comm, 0.0);
+            }
+        }
+    }
+
+    /// The training loop, to `train.max_steps` or a Ctrl-C.
+    pub fn run(mut self) -> Result<Summary> {
+        while self.step < self.cfg.train.max_steps {
+            self.faults.injected_failure(self.rank, self.step + 1)?;
+            let t0 = Instant::now();
+            let step_span = tensor::profile::scope("step");
+            let m = self.train_one()?;
+            self.step += 1;
+            drop(step_span);
+            self.after_step(m, t0)?;
+            super::ckpt::request(&mut self)?;
+            self.end_trace()?;
+            if self.interrupted {
+                break;
+            }
+        }
+        self.finish()
+    }
+
+    /// One optimizer step over the global batch (or, for a batch a rollback marked, only its
+    /// draw, so the sampler stays in step with the uninterrupted run).
+    fn train_one(&mut self) -> Result<Measured> {
+        let (cfg, ds, t, rows) = (self.cfg, self.ds, self.t, self.rows);
+        let lr = cfg.lr_at(self.step);
+        let offsets = sample_offsets(&mut self.sampler, ds.train.len(), t, cfg.train.batch_size);
+        let counters = self.comm.counters();
+        let before = counters.snapshot();
+        // memory: the activation buffers, allocated under their tracking category (a no-op once they fit).
+        self.chunks.iter_mut().for_each(|ch| crate::memory::track::scope(crate::memory::track::Category::Activations, || ch.model.reserve_activations(rows, t)));
+        let out = if self.faults.marked.contains(&(self.step + 1)) {
+            StepOut { loss: f32::NAN, grad_norm: f64::NAN, overlap: Default::default(), skipped: Some("batch marked by a rollback"), peak_activation_bytes: 0, peak_in_flight: 0 }
+        } else {
+            let groups = &self.applied.groups;
+            let (mb, dp_rank) = (cfg.micro_batch(), groups.dp_rank);
+            let gate = self.ckpt.writer.gate();
+            let wait_for_snapshot = || gate.wait();
+            let mut pipe = Pipeline {
+                sched: self.sched.clone(),
+                rank: groups.pp_rank,
+                comm: (cfg.parallel.pp > 1).then_some(&*groups.pp),
+                tp: (cfg.parallel.tp > 1).then_some(&*groups.tp),
+                tie: self.tied.then_some(&*groups.tie),
+                trace: self.pipe_trace.as_mut(),
+                before_update: Some(&wait_for_snapshot),
+                scaler: self.scaler.as_mut(),
+            };
+            let faults = &self.faults;
+            train_step(&mut self.chunks, &mut pipe, cfg, self.step, |micro, x, y| {
+                let first = micro * mb + dp_rank * rows;
+                fill_windows(&ds.train, &offsets[first..first + rows], t, x, y);
+            }, |loss, _| faults.spike(loss))
+        };
+        let comm_bytes = counters.snapshot().since(&before);
+        // The update waited for a background checkpoint still copying the training state.
+        let blocked = self.ckpt.writer.gate().take_waited();
+        if blocked > 0.0 {
+            self.log(serde_json::json!({"kind": "checkpoint", "step": self.step + 1, "update_blocked_s": blocked}))?;
+        }
+        let bubble = self.pipeline_trace(&out)?;
+        Ok(Measured { out, lr, dt: 0.0, comm_bytes, bubble })
+    }
+
+    /// The pipeline trace: this rank's tasks, and the bubble against the step's makespan over
+    /// every stage (collective over the pipeline group).
+    fn pipeline_trace(&mut self, out: &StepOut) -> Result<Option<f64>> {
+        let Some(tr) = self.pipe_trace.as_mut().filter(|_| out.peak_in_flight > 0) else { return Ok(None) };
+        let (cfg, pp) = (self.cfg, &*self.applied.groups.pp);
+        let end = if cfg.parallel.pp > 1 { parallel::comm::all_gather_f64(pp, &[tr.dev_end()]).into_iter().fold(0.0, f64::max) } else { tr.dev_end() };
+        let b = tr.bubble(end);
+        let line = serde_json::json!({
+            "step": self.step + 1, "rank": self.rank, "pp_rank": self.applied.groups.pp_rank, "schedule": cfg.parallel.schedule, "pp": cfg.parallel.pp, "micro_batches": self.sched.m, "virtual_stages": cfg.parallel.virtual_stages,
+            "clock": cfg.parallel.pp_trace, "bubble": b, "makespan_s": end,
+            "peak_activation_bytes": out.peak_activation_bytes, "peak_in_flight": out.peak_in_flight, "tasks": tr.tasks,
+        });
+        let path = self.run_dir.join("pipeline").join(format!("rank-{:03}.jsonl", self.rank));
+        let mut f = fs::OpenOptions::new().create(true).append(true).open(&path).map_err(|e| io_err(&path, e))?;
+        use std::io::Write;
+        writeln!(f, "{line}").map_err(|e| io_err(&path, e))?;
+        Ok(Some(b))
+    }
+
+    /// After step `self.step`: its faults, the Ctrl-C vote, its metrics line, the heartbeat,
+    /// progress and evaluation.
+    fn after_step(&mut self, mut m: Measured, t0: Instant) -> Result<()> {
+        let step = self.step;
+        let verdict = {
+            let (faults, metrics, progress) = (&mut self.faults, &mut self.metrics, &self.progress);
+            let mut log = |line: serde_json::Value| metrics.as_mut().map_or(Ok(()), |w| w.log(&line).map_err(KilnError::User));
+            let (quiet, lead) = (self.quiet, self.lead);
+            faults.record(step, &m.out, lead, &mut log, &|s| if !quiet && lead { progress.println(s) })?
+        };
+        if let (Verdict::LossScaleBackoff, Some(sc)) = (&verdict, self.scaler) {
+            // fp16 loss scaling at work: not a fault of the run, never a reason to roll back.
+            self.log(serde_json::json!({"kind": "fault", "step": step, "event": "loss_scale_backoff", "loss_scale": sc.scale}))?;
+        }
+        let step_tokens = (self.cfg.train.batch_size * self.t) as u64;
+        self.tokens_seen += step_tokens;
+        m.dt = t0.elapsed().as_secs_f64();
+        let tps = step_tokens as f64 / m.dt;
+        let mfu = self.flops_per_token * tps / self.peak;
+        self.elapsed_s = self.elapsed_prev + self.started.elapsed().as_secs_f64();
+        // Every rank stops at the same step: any rank's Ctrl-C stops them all.
+        let stop_here = self.stop.load(Ordering::SeqCst) as u8 as f64;
+        self.interrupted = if self.world > 1 { parallel::comm::sum_f64(self.comm, stop_here) > 0.0 } else { stop_here > 0.0 };
+        if m.out.skipped.is_none() && self.metrics.is_some() {
+            let line = self.train_line(&m, tps, mfu);
+            self.log(line)?;
+        }
+        if self.lead {
+            // For `kiln train --supervise`: proof of life, with the step reached.
+            // (Renamed into place, so a reader never sees a half-written file; not synced: a
+            // heartbeat only matters while this process lives.)
+            let hb = self.run_dir.join("heartbeat");
+            let _ = fs::write(hb.with_extension("tmp"), step.to_string()).and_then(|_| fs::rename(hb.with_extension("tmp"), &hb));
+        }
+        let max_steps = self.cfg.train.max_steps;
+        let log_now = step % self.cfg.train.log_interval.max(1) == 0 || step == max_steps;
+        if m.out.skipped.is_none() {
+            self.progress.step(&StepInfo { step, loss: m.out.loss, lr: m.lr, tokens_per_sec: tps, mfu }, log_now);
+        }
+        let every = |k: u64| k > 0 && step % k == 0;
+        if every(self.cfg.eval.interval) || step == max_steps {
+            self.evaluate(m.out.loss)?;
+        }
+        self.ckpt.step_times.push(m.dt);
+        Ok(())
+    }
+
+    /// The step's `"kind": "train"` line.
+    fn train_line(&self, m: &Measured, tps: f64, mfu: f64) -> serde_json::Value {
+        let out = &m.out;
+        let elapsed = self.elapsed_s;
+        let mut line = serde_json::json!({
+            "kind": "train", "step": self.step, "loss": out.loss, "lr": m.lr, "grad_norm": out.grad_norm,
+            "tokens_per_sec": tps, "mfu": mfu, "elapsed_s": elapsed,
+        });
+        if self.recompute != Recompute::None {
+            line["hfu"] = (self.hw_flops_per_token * tps / self.peak).into();
+        }
+        add_moe_stats(&mut line, self.chunks[0].model.moe_stats());
+        if let Some(b) = m.bubble {
+            line["pp_bubble"] = b.into();
+        }
+        if self.world > 1 {
+            add_comm(&mut line, &m.comm_bytes, out);
+        }
+        add_memory(&mut line, &self.chunks, out, self.applied.stages.len() > 1);
+        line
+    }
+
+    /// The batch sampler's state (the data cursor), for checkpoints.
+    pub fn sampler_state(&self) -> [u64; 4] {
+        self.sampler.state()
+    }
+
+    /// The held-out loss (collective over every rank).
+    fn evaluate(&mut self, train_loss: f32) -> Result<()> {
+        let _p = tensor::profile::scope("eval");
+        let (cfg, t) = (self.cfg, self.t);
+        let eb = if cfg.eval.batch_size == 0 { cfg.micro_batch() } else { cfg.eval.batch_size };
+        self.chunks.iter_mut().for_each(|ch| crate::memory::track::scope(crate::memory::track::Category::Activations, || ch.model.reserve_activations(eb, t)));
+        let groups = &self.applied.groups;
+        let (dpn, ppn) = (groups.dp_size, cfg.parallel.pp);
+        let batches = EvalBatches { t, batch: eb, max_batches: cfg.eval.iters, rank: groups.dp_rank, ranks: dpn };
+        let (sum, count) = if self.applied.stages.len() > 1 {
+            eval_sums_pipeline(&mut self.chunks, &*groups.pp, groups.pp_rank, &self.ds.val, batches)
+        } else {
+            let ch = &mut self.chunks[0];
+            eval_sums(&mut ch.model, Some(&mut ch.dp), &self.ds.val, batches)
+        };
+        let (sum, count) = if dpn > 1 {
+            let r = self.chunks[cfg.parallel.virtual_stages - 1].dp.all_reduce_f64(&[sum, count as f64]);
+            (r[0], r[1] as usize)
+        } else {
+            (sum, count)
+        };
+        // The losses are the last stage's.
+        let sum = if ppn > 1 { parallel::comm::all_gather_f64(&*groups.pp, &[sum])[ppn - 1] } else { sum };
+        let vl = sum / count.max(1) as f64;
+        self.last_val = Some(vl);
+        let step = self.step;
+        self.log(serde_json::json!({"kind": "eval", "step": step, "val_loss": vl}))?;
+        self.say(&format!("step {step}: train loss {train_loss:.4}, val loss {vl:.4}"));
+        Ok(())
+    }
+
+    /// `--profile`: the trace of the traced steps, once they are done.
+    fn end_trace(&mut self) -> Result<()> {
+        let step = self.step;
+        if self.lead && self.trace_until.is_some_and(|u| step >= u || step == self.cfg.train.max_steps || self.interrupted) {
+            self.trace_until = None;
+            tensor::profile::trace(false);
+            crate::obs::trace::write_trace(self.run_dir, &tensor::profile::take_trace(), 0).map_err(KilnError::Internal)?;
+            self.say(&format!("trace of steps {}..={step}: {}", step + 1 - self.profile.unwrap().min(step), self.run_dir.join("trace.json").display()));
+        }
+        Ok(())
+    }
+
+    /// After the loop: the last checkpoint write, the whole model again (for the sample), the
+    /// loss plot and a sample of what the model learned.
+    fn finish(mut self) -> Result<Summary> {
+        self.progress.finish();
+        self.ckpt.writer.finish()?;
+        let (step, interrupted, last_val) = (self.step, self.interrupted, self.last_val);
+        let summary = |run_dir: &Path| Summary { run_dir: run_dir.to_path_buf(), step, val_loss: last_val, interrupted };
+        let mut bufs = Vec::new();
+        for Chunk { mut model, dp, .. } in std::mem::take(&mut self.chunks) {
+            dp.restore(&mut model);
+            bufs.push(model);
+        }
+        let (cfg, ds) = (self.cfg, self.ds);
+        let model = if self.applied.is_part() {
+            let mut full = Gpt::zeroed(cfg.gpt_config(ds.tokenizer.vocab_size()), bufs[0].real_vocab);
+            let params = bufs.iter_mut().map(|m| std::mem::take(&mut m.params)).collect();
+            full.params = self.applied.gather_whole(params);
+            full
+        } else {
+            bufs.pop().unwrap()
+        };
+        if !self.lead {
+            return Ok(summary(self.run_dir));
+        }
+        if let Err(e) = crate::obs::write_loss_png(self.run_dir) {
+            eprintln!("warning: loss.png: {e}");
+        }
+        let total = self.started.elapsed().as_secs_f64();
+        if interrupted {
+            eprintln!("interrupted: stopped cleanly at step {step}; continue with: kiln train --resume --out {}", self.run_dir.display());
+        } else if !self.quiet {
+            eprintln!("trained to step {step} in {}", fmt_duration(total));
+        }
+        if !interrupted && cfg.sample.tokens > 0 {
+            let plain;
+            let sampler_model = if model.lora.is_some() {
+                plain = run::merged(&model);
+                &plain
+            } else {
+                &model
+            };
+            let text = sample_text(sampler_model, &ds.tokenizer, &cfg.sample.prompt, cfg.sample.tokens, cfg.sample.temperature as f32, cfg.sample.top_k, cfg.train.seed);
+            write_atomic(&self.run_dir.join("sample.txt"), text.as_bytes())?;
+            // The sample is the run's product, so it goes to stdout even with --quiet.
+            println!("--- sample (step {step}) ---\n{text}\n---");
+        }
+        Ok(summary(self.run_dir))
+    }
+}
+
+/// The whole model this rank starts from: a fresh initialisation, or the base model
+/// (`model.init_from`: rank 0's copy, which the others receive when the data-parallel store
+/// starts, unless each rank cuts its own part of it), with recomputation and LoRA adapters.
+fn whole_model(ctx: &Ctx, lead: bool, pipelined: bool) -> Result<Gpt> {
+    let (cfg, ds) = (&ctx.cfg, ctx.ds);
+    let gcfg = cfg.gpt_config(ds.tokenizer.vocab_size());
+    let init = if lead { ctx.init.lock().unwrap().take() } else { None };
+    let from_base = |mut m: Gpt| {
+        m.cfg.dropout = gcfg.dropout;
+        m.real_vocab = ds.tokenizer.vocab_size();
+        m
+    };
+    let mut model = match init {
+        Some(m) => from_base(m),
+        // Tensor-parallel, expert-parallel and pipeline ranks each cut their part from the base.
+        None if !cfg.model.init_from.is_empty() && (cfg.parallel.tp > 1 || pipelined || cfg.parallel.ep > 1) => from_base(run::load_base(Path::new(&cfg.model.init_from))?),
+        // Other ranks receive rank 0's weights when the data-parallel store starts.
+        None if !cfg.model.init_from.is_empty() => Gpt::zeroed(gcfg.clone(), ds.tokenizer.vocab_size()),
+        None => Gpt::new(gcfg.clone(), ds.tokenizer.vocab_size(), cfg.train.seed),
+    };
+    model.recompute = cfg.recompute();
+    model.recompute_every = cfg.model.recompute_every;
+    if cfg.lora.rank > 0 {
+        let l = &cfg.lora;
+        model.lora = Some(model::lora::Lora::new(&model.cfg, l.rank, l.alpha as f32, &l.targets, cfg.train.seed).map_err(KilnError::User)?);
+    }
+    Ok(model)
+}
+
+/// What a resumed run restores besides the parameters (which go straight into the model).
+struct Resumed {
+    moments: Option<(Vec<f32>, Vec<f32>)>,
+    scaler: Option<LossScaler>,
+    sampler: [u64; 4],
+    step: u64,
+    tokens_seen: u64,
+    elapsed_s: f64,
+}
+
+/// Reads checkpoint `l` into `model`'s trainable parameters and returns the rest of its state:
+/// the moments (laid out as the trainable parameters), the loss scale, the sampler, the counters.
+fn read_resumed(l: &Loaded, model: &mut Gpt) -> Result<Resumed> {
+    let layout = trainable_layout(model).clone();
+    checkpoint::read_into(&l.model, "", &layout, trainable(model).0, &l.dir.join("model.safetensors"))?;
+    let (mut m, mut v) = (vec![0.0; layout.total], vec![0.0; layout.total]);
+    checkpoint::read_into(&l.optim, "exp_avg.", &layout, &mut m, &l.dir.join("optimizer.safetensors"))?;
+    checkpoint::read_into(&l.optim, "exp_avg_sq.", &layout, &mut v, &l.dir.join("optimizer.safetensors"))?;
+    let st = &l.state;
+    Ok(Resumed { moments: Some((m, v)), scaler: st.loss_scale, sampler: st.sampler_rng, step: st.step, tokens_seen: st.tokens_seen, elapsed_s: st.elapsed_s })
+}
+
+/// fp16's dynamic loss scaler, fresh from the config.
+fn fresh_scaler(cfg: &RunConfig) -> Option<LossScaler> {
+    (cfg.precision() == model::gpt::Precision::Fp16).then_some(LossScaler { scale: cfg.train.loss_scale, good: 0, window: cfg.train.loss_scale_window })
+}
+
+/// A chunk from its part: the optimizer (its moments from the checkpoint, sharded for ZeRO),
+/// mixed precision's master copy, FP8's resumed histories, offload.
+fn chunk(part: parallel::apply::Part, moments: Option<(Vec<f32>, Vec<f32>)>, resume_from: Option<&Loaded>, zero: bool, offload: Option<&Path>) -> Result<Chunk> {
+    let parallel::apply::Part { model: m, mut dp, replicated, seq_partial } = part;
+    let mut opt = if m.lora.is_some() { Optimizer::new(trainable_layout(&m)) } else { Optimizer::with_len(&m.layout, dp.moments_len()) };
+    if let Some((mm, vv)) = moments {
+        let sharded = m.lora.is_none() && zero;
+        let (mm, vv) = if sharded { (dp.shards.take(&mm), dp.shards.take(&vv)) } else { (mm, vv) };
+        (opt.m, opt.v) = (Moments::Mem(mm), Moments::Mem(vv));
+    }
+    // Mixed precision: the fp32 weights (fresh or from the checkpoint) become the master copy
+    // and the working parameters are rounded.
+    if let Some(fmt) = m.precision.storage() {
+        opt.mixed(&mut dp, fmt);
+    }
+    if let (Some(st), Some(h)) = (m.fp8.as_ref(), resume_from.and_then(|l| l.state.fp8_amax.as_ref())) {
+        // The checkpoint holds the whole model's histories; a stage takes its layers'.
+        st.borrow_mut().set_history_from_layer(h, m.cfg.first_layer());
+    }
+    if let Some(dir) = offload {
+        opt.offload(dir).map_err(|e| io_err(dir, e))?;
+    }
+    Ok(Chunk { model: m, dp, opt, replicated, seq_partial, pool: Vec::new() })
+}
+
+/// Rank 0's run directory: checkpoints (partial ones a dead writer left removed), the resolved
+/// config, the tokenizer, and the metrics writer (a resumed run drops the lines past `step`).
+fn open_run_dir(ctx: &Ctx, step: u64, resumed: bool) -> Result<crate::obs::MetricsWriter> {
+    let (run_dir, cfg) = (&ctx.run_dir, &ctx.cfg);
+    fs::create_dir_all(ckpt_dir(run_dir)).map_err(|e| io_err(run_dir, e))?;
+    for p in checkpoint::remove_partial(&ckpt_dir(run_dir)) {
+        eprintln!("removed a partial checkpoint a stopped writer left: {}", p.display());
+    }
+    write_atomic(&ctx.saved_cfg_path, cfg.to_toml().as_bytes())?;
+    write_atomic(&run_dir.join("tokenizer.json"), ctx.ds.tokenizer.to_json().as_bytes())?;
+    crate::obs::MetricsWriter::open(run_dir, resumed.then_some(step)).map_err(KilnError::User)
+}
