@@ -259,7 +259,7 @@ pub static KILL_IN_WRITE: std::sync::Mutex<Option<(u64, PathBuf)>> = std::sync::
 fn crash_point(step: u64) {
     let armed = KILL_IN_WRITE.lock().unwrap().clone();
     if let Some((s, marker)) = armed.filter(|(s, _)| *s == step) {
-        if crate::run::fire_once(&marker) {
+        if crate::util::fire_once(&marker) {
             eprintln!("faults.kill_in_write_step = {s}: killing this process in the middle of the checkpoint write");
             #[cfg(unix)]
             unsafe {

@@ -2,6 +2,7 @@
 
 use crate::error::{user, KilnError, Result};
 use crate::run;
+use crate::util::init_threads;
 use crate::train::{self, TrainArgs};
 use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
@@ -365,16 +366,6 @@ pub fn main() -> i32 {
     }
 }
 
-/// Sizes the one rayon pool: `n` threads, or with 0 `RAYON_NUM_THREADS` / all cores. Only the
-/// first call in a process has an effect.
-pub fn init_threads(n: usize) {
-    let mut b = rayon::ThreadPoolBuilder::new().thread_name(|i| format!("rayon{i}"));
-    if n > 0 {
-        b = b.num_threads(n);
-    }
-    let _ = b.build_global();
-}
-
 fn dispatch(cmd: Cmd) -> Result<()> {
     match cmd {
         Cmd::Train(a) => {
@@ -402,7 +393,7 @@ fn dispatch(cmd: Cmd) -> Result<()> {
             if m.train.supervise {
                 return user("kiln memory: --supervise applies to `kiln train` only");
             }
-            crate::memory::cmd(&m.train.args(), m.json)
+            crate::cmd_memory::cmd(&m.train.args(), m.json)
         }
         Cmd::Plot(a) => crate::obs::cmd::plot(&a).map_err(KilnError::User),
         Cmd::Runs(a) => crate::obs::cmd::runs(&a).map_err(KilnError::User),

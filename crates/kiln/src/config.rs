@@ -558,7 +558,7 @@ impl RunConfig {
         if self.memory.offload != "none" && self.memory.offload != "optimizer" {
             return user(format!("memory.offload must be `none` or `optimizer`, got `{}`", self.memory.offload));
         }
-        crate::memory::parse_size(&self.memory.limit).map_err(|e| crate::error::KilnError::User(format!("memory.limit: {e}")))?;
+        crate::util::parse_size(&self.memory.limit).map_err(|e| crate::error::KilnError::User(format!("memory.limit: {e}")))?;
         let p = &self.parallel;
         if p.backend != "inproc" && p.backend != "mpi" {
             return user(format!("parallel.backend must be `inproc` or `mpi`, got `{}`", p.backend));
@@ -749,7 +749,7 @@ impl RunConfig {
 
     /// `memory.limit` in bytes (0 = none); checked by `validate`.
     pub fn memory_limit(&self) -> u64 {
-        crate::memory::parse_size(&self.memory.limit).unwrap_or(0)
+        crate::util::parse_size(&self.memory.limit).unwrap_or(0)
     }
 
     /// The storage precision of `train.precision`.

@@ -4,6 +4,7 @@
 pub mod bench;
 pub mod checkpoint;
 pub mod cmd_checkpoint;
+pub mod cmd_memory;
 pub mod cmd_plan;
 pub mod cli;
 pub mod config;
@@ -16,3 +17,4 @@ pub mod run;
 pub mod step;
 pub mod supervise;
 pub mod train;
+pub mod util;

@@ -599,28 +599,6 @@ impl MemoryPlan {
     }
 }
 
-/// Parses a size: bytes (`1500000`), or a number with a unit (`1500MB`, `2GiB`, `1.5 GB`; k/K,
-/// M, G, T in powers of 1000, KiB/MiB/GiB/TiB in powers of 1024). `0` means no limit.
-pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
-    let s = s.trim();
-    let split = s.find(|ch: char| !(ch.is_ascii_digit() || ch == '.')).unwrap_or(s.len());
-    let (num, unit) = (s[..split].trim(), s[split..].trim());
-    let x: f64 = num.parse().map_err(|_| format!("`{s}` is not a size (expected e.g. 2GiB, 1500MB or a number of bytes)"))?;
-    let scale = match unit.to_ascii_lowercase().as_str() {
-        "" | "b" => 1.0,
-        "k" | "kb" => 1e3,
-        "m" | "mb" => 1e6,
-        "g" | "gb" => 1e9,
-        "t" | "tb" => 1e12,
-        "kib" => 1024.0,
-        "mib" => 1024.0 * 1024.0,
-        "gib" => 1024.0 * 1024.0 * 1024.0,
-        "tib" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
-        _ => return Err(format!("`{s}`: unknown unit `{unit}` (use B, KB, MB, GB, TB, KiB, MiB, GiB or TiB)")),
-    };
-    Ok((x * scale).round() as u64)
-}
-
 /// `1.23 GiB`, `456.7 MiB`, `12.0 KiB`, `512 B`.
 pub fn fmt_bytes(b: u64) -> String {
     let x = b as f64;
@@ -674,28 +652,3 @@ pub fn attribute(model: &model::Gpt, dp: &mut parallel::DataParallel, opt: &crat
     }
 }
 
-/// `kiln memory`: the plan of the run `kiln train` would start with the same flags.
-pub fn cmd(args: &crate::config::TrainArgs, as_json: bool) -> Result<()> {
-    if args.resume {
-        return user("kiln memory plans a new run: for an existing one pass --config RUN/config.toml (its resolved config) instead of --resume");
-    }
-    let name = args.preset.clone().unwrap_or_else(|| "tiny".into());
-    let mut cfg = crate::config::layered(&crate::presets::preset(&name)?, args)?;
-    // A base model fixes the shape (and the vocabulary), as in `kiln train --init-from`.
-    let base = (!cfg.model.init_from.is_empty()).then(|| crate::run::load_base(std::path::Path::new(&cfg.model.init_from))).transpose()?;
-    let ds = crate::train::load_data(&cfg, None)?;
-    let gpt = match base {
-        Some(m) => {
-            cfg.model.block_size = m.cfg.block_size;
-            GptConfig { dropout: cfg.model.dropout as f32, ..m.cfg }
-        }
-        None => cfg.gpt_config(ds.tokenizer.vocab_size()),
-    };
-    let plan = plan_run(&cfg, &gpt, &ds)?;
-    if as_json {
-        println!("{}", plan.to_json());
-    } else {
-        print!("{}", plan.table());
-    }
-    plan.check_limit()
-}

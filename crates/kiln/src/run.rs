@@ -11,30 +11,12 @@
 
 use crate::checkpoint;
 use crate::config::RunConfig;
-use crate::error::{io_err, user, KilnError, Result};
+use crate::error::{user, KilnError, Result};
 use std::fs;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 pub fn ckpt_dir(run: &Path) -> PathBuf {
     run.join("checkpoints")
-}
-
-/// A debug fault armed once per run: true the first time it is asked for `marker` (the file is
-/// created then), false ever after, in this process or a restarted one.
-pub fn fire_once(marker: &Path) -> bool {
-    fs::OpenOptions::new().write(true).create_new(true).open(marker).is_ok()
-}
-
-/// Writes `bytes` to `path` through a temporary file and a rename.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let tmp = path.with_extension("tmp");
-    {
-        let mut f = fs::File::create(&tmp).map_err(|e| io_err(&tmp, e))?;
-        f.write_all(bytes).map_err(|e| io_err(&tmp, e))?;
-        f.sync_all().map_err(|e| io_err(&tmp, e))?;
-    }
-    fs::rename(&tmp, path).map_err(|e| io_err(path, e))
 }
 
 /// `runs/<preset>-YYYYMMDD-HHMMSS` in UTC.

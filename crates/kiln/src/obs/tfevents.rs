@@ -444,5 +444,5 @@ fn truncate_metrics(path: &Path, step: u64) -> Result<(), String> {
             kept.push('\n');
         }
     }
-    crate::run::write_atomic(path, kept.as_bytes()).map_err(|e| e.to_string())
+    crate::util::write_atomic(path, kept.as_bytes()).map_err(|e| e.to_string())
 }

@@ -62,5 +62,5 @@ pub fn trace_json(spans: &[Span], names: &[(u64, String)], rank: usize) -> Value
 pub fn write_trace(run_dir: &Path, spans: &[Span], rank: usize) -> Result<(), String> {
     let path = run_dir.join("trace.json");
     let text = serde_json::to_string(&trace_json(spans, &tensor::profile::thread_names(), rank)).expect("trace serializes");
-    crate::run::write_atomic(&path, text.as_bytes()).map_err(|e| e.to_string())
+    crate::util::write_atomic(&path, text.as_bytes()).map_err(|e| e.to_string())
 }

@@ -5,7 +5,7 @@
 
 use crate::config::FaultSection;
 use crate::error::{KilnError, Result};
-use crate::run::{self, write_atomic};
+use crate::util::{fire_once, write_atomic};
 use crate::step::StepOut;
 use std::collections::{BTreeSet, VecDeque};
 use std::fs;
@@ -42,7 +42,7 @@ impl Faults {
     pub fn injected_failure(&self, rank: usize, next: u64) -> Result<()> {
         if self.cfg.fail_step == next && self.cfg.fail_ranks.contains(&rank) {
             let marker = self.run_dir.join(format!("faults-fired-rank{rank}-step{next}"));
-            if run::fire_once(&marker) {
+            if fire_once(&marker) {
                 return Err(KilnError::RankFailed { rank, step: next });
             }
         }

@@ -127,7 +127,7 @@ fn train_once(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
         None
     };
 
-    crate::cli::init_threads(cfg.train.threads);
+    crate::util::init_threads(cfg.train.threads);
 
     // 2. Data.
     // A resumed run keeps its tokenizer; a run started from another kiln run keeps that run's

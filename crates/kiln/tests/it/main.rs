@@ -1,4 +1,5 @@
 //! Integration tests for the kiln binary: one test binary, modules per concern.
+mod architecture;
 mod bench;
 mod common;
 mod errors;

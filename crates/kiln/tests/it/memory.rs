@@ -147,7 +147,7 @@ fn tracked_peaks_are_logged_and_the_plan_predicts_them() {
 
 #[test]
 fn sizes_parse_with_decimal_and_binary_units() {
-    use kiln::memory::parse_size;
+    use kiln::util::parse_size;
     assert_eq!(parse_size("0"), Ok(0));
     assert_eq!(parse_size("1500MB"), Ok(1_500_000_000));
     assert_eq!(parse_size("2GiB"), Ok(2 << 30));

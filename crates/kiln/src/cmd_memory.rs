@@ -1,0 +1,32 @@
+//! `kiln memory`: the memory plan of a run, before it runs (issue 7).
+
+use crate::config::TrainArgs;
+use crate::error::{user, Result};
+use crate::memory::plan_run;
+use model::GptConfig;
+
+/// `kiln memory`: the plan of the run `kiln train` would start with the same flags.
+pub fn cmd(args: &TrainArgs, as_json: bool) -> Result<()> {
+    if args.resume {
+        return user("kiln memory plans a new run: for an existing one pass --config RUN/config.toml (its resolved config) instead of --resume");
+    }
+    let name = args.preset.clone().unwrap_or_else(|| "tiny".into());
+    let mut cfg = crate::config::layered(&crate::presets::preset(&name)?, args)?;
+    // A base model fixes the shape (and the vocabulary), as in `kiln train --init-from`.
+    let base = (!cfg.model.init_from.is_empty()).then(|| crate::run::load_base(std::path::Path::new(&cfg.model.init_from))).transpose()?;
+    let ds = crate::train::load_data(&cfg, None)?;
+    let gpt = match base {
+        Some(m) => {
+            cfg.model.block_size = m.cfg.block_size;
+            GptConfig { dropout: cfg.model.dropout as f32, ..m.cfg }
+        }
+        None => cfg.gpt_config(ds.tokenizer.vocab_size()),
+    };
+    let plan = plan_run(&cfg, &gpt, &ds)?;
+    if as_json {
+        println!("{}", plan.to_json());
+    } else {
+        print!("{}", plan.table());
+    }
+    plan.check_limit()
+}
