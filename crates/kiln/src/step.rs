@@ -360,57 +360,188 @@ fn from_stamp(s: [f32; 2]) -> f64 {
 /// their sum over ranks is the gradient of the global batch's mean loss (divided by the
 /// micro-batch count); then the reductions, the tied embedding's two copies summed, clipping by
 /// the global norm, and the AdamW update of the pieces this rank owns.
-#[allow(clippy::too_many_arguments)]
 pub fn train_step(
     chunks: &mut [Chunk],
     pipe: &mut Pipeline,
     cfg: &RunConfig,
     step: u64,
-    mut fill: impl FnMut(usize, &mut [u32], &mut [i32]),
+    fill: impl FnMut(usize, &mut [u32], &mut [i32]),
     mut veto: impl FnMut(f32, f64) -> Option<&'static str>,
 ) -> StepOut {
-    let t = cfg.model.block_size;
-    let (p, m, v, me) = (pipe.sched.p, pipe.sched.m, pipe.sched.v, pipe.rank);
-    assert_eq!(chunks.len(), v, "one chunk per virtual stage");
-    let dpn = chunks[0].dp.n();
-    let rows = cfg.micro_batch() / dpn;
+    assert_eq!(chunks.len(), pipe.sched.v, "one chunk per virtual stage");
     for ch in chunks.iter_mut() {
         ch.dp.zero_grad();
         if let Some(lo) = ch.model.lora.as_mut() {
             lo.grads.fill(0.0);
         }
     }
-    // The step's micro-batches (this rank's rows) and the global count of targets in each.
-    let data: Vec<(Vec<u32>, Vec<i32>)> = {
-        let _p = profile::scope("data");
-        (0..m).map(|micro| {
-            let (mut x, mut y) = (vec![0u32; rows * t], vec![0i32; rows * t]);
-            fill(micro, &mut x, &mut y);
-            (x, y)
-        }).collect()
+    // Forward and backward of every micro-batch, in the schedule's order.
+    let batch = MicroBatches::draw(chunks, cfg, pipe.sched.m, fill);
+    let mut ex = Executor::new(chunks, pipe, cfg, step, &batch);
+    for task in pipe.sched.tasks(pipe.rank) {
+        ex.run(chunks, pipe, task);
+    }
+    let (sums, peak_bytes, peak_in_flight) = ex.finish(chunks, pipe);
+    // The gradients' reductions, FP8's amaxes, the loss.
+    let mut overlap = parallel::Overlap::default();
+    {
+        let _p = profile::scope("grad_sync");
+        for ch in chunks.iter_mut() {
+            let o = ch.dp.finish_backward();
+            (overlap.comm, overlap.exposed) = (overlap.comm + o.comm, overlap.exposed + o.exposed);
+        }
+    }
+    fp8_amaxes(chunks, pipe.tp);
+    let _p = profile::scope("optimizer");
+    let loss = global_loss(chunks, pipe, sums) as f32;
+    let out = |grad_norm: f64, skipped: Option<&'static str>| StepOut { loss, grad_norm, overlap, skipped, peak_activation_bytes: peak_bytes, peak_in_flight };
+    if cfg.faults.inject_nan_steps.contains(&(step + 1)) {
+        match chunks[0].model.lora.as_mut() {
+            Some(lo) => lo.grads[0] = f32::NAN,
+            None => chunks[0].dp.for_each_piece(|p, _, g| if p.flat.start == 0 && !g.is_empty() { g[0] = f32::NAN }),
+        }
+    }
+    // The update is decided from the global loss and gradient norm, so every rank agrees.
+    let mut check = |norm: f64| if !(loss.is_finite() && norm.is_finite()) { Some("non-finite loss or gradient norm") } else { veto(loss, norm) };
+    let (lr, clip) = (cfg.lr_at(step), cfg.train.grad_clip);
+    if chunks[0].model.lora.is_some() {
+        let ch = &mut chunks[0];
+        let lo = ch.model.lora.as_mut().unwrap();
+        ch.dp.reduce_adapters(&mut lo.grads);
+        let norm = sum_squares(&lo.grads).sqrt();
+        if let Some(why) = check(norm) {
+            return out(norm, Some(why));
+        }
+        if let Some(wait) = pipe.before_update {
+            wait();
+        }
+        if clip > 0.0 && norm > clip {
+            scale_in_place(&mut lo.grads, (clip / (norm + 1e-6)) as f32);
+        }
+        ch.opt.update(&mut lo.params, &lo.grads, cfg, lr, step + 1);
+        return out(norm, None);
+    }
+    let tied = sum_tied_embedding(chunks, pipe);
+    // Sequence parallelism: each tensor-parallel shard's norm gradients cover its positions.
+    if let Some(tp) = pipe.tp {
+        for ch in chunks.iter_mut().filter(|c| !c.seq_partial.is_empty()) {
+            let _p = profile::scope("sp norm gradients");
+            sum_grads_over(&mut ch.dp, tp, &ch.seq_partial);
+        }
+    }
+    let norm = global_grad_norm(chunks, pipe, &tied);
+    // fp16: the gradients carry the loss scale; an overflow skips the update.
+    let unscale = match pipe.scaler.as_deref_mut() {
+        Some(sc) if !norm.is_finite() && loss.is_finite() => {
+            sc.scale = (sc.scale / 2.0).max(1.0);
+            sc.good = 0;
+            return out(norm, Some(FP16_OVERFLOW));
+        }
+        Some(sc) => 1.0 / sc.scale,
+        None => 1.0,
     };
-    let counts: Vec<f64> = data.iter().map(|(_, y)| y.iter().filter(|&&v| v != model::gpt::IGNORE_INDEX).count() as f64).collect();
-    let global = if dpn > 1 { chunks[0].dp.all_reduce_f64(&counts) } else { counts.clone() };
+    let norm = norm * unscale;
+    if let Some(why) = check(norm) {
+        return out(norm, Some(why));
+    }
+    if let Some(sc) = pipe.scaler.as_deref_mut() {
+        sc.good += 1;
+        if sc.good >= sc.window {
+            (sc.scale, sc.good) = (sc.scale * 2.0, 0);
+        }
+    }
+    if let Some(wait) = pipe.before_update {
+        wait();
+    }
+    let clip_scale = if clip > 0.0 && norm > clip { clip / (norm + 1e-6) } else { 1.0 };
+    for ch in chunks.iter_mut() {
+        if clip_scale * unscale != 1.0 {
+            ch.dp.scale_grads((clip_scale * unscale) as f32);
+        }
+        let opt = &mut ch.opt;
+        ch.dp.for_each_piece(|piece, params, grads| opt.update_piece(params, grads, piece, cfg, lr, step + 1));
+        ch.dp.after_update();
+    }
+    out(norm, None)
+}
 
-    let t0 = Instant::now();
-    let exclusive = pipe.trace.as_ref().is_some_and(|tr| tr.exclusive);
-    let mut clock = 0.0f64;
-    let mut traced = Vec::new();
-    let mut sums = vec![0.0f64; 2 * m];
-    // Activations of micro-batches between their forward and backward, per chunk; sets free
-    // for reuse.
-    let mut live: Vec<Vec<Option<Activations>>> = (0..v).map(|_| (0..m).map(|_| None).collect()).collect();
-    let mut free: Vec<Vec<Activations>> = chunks.iter_mut().map(|ch| std::mem::take(&mut ch.pool)).collect();
-    let (mut held, mut peak_bytes, mut in_flight, mut peak_in_flight) = (0usize, 0usize, 0usize, 0usize);
-    let last_vs = p * v - 1;
-    for task in pipe.sched.tasks(me) {
-        let c = task.chunk;
+/// A step's micro-batches on this rank (its rows of each) and the global count of targets in
+/// each (over the data-parallel group).
+struct MicroBatches {
+    data: Vec<(Vec<u32>, Vec<i32>)>,
+    counts: Vec<f64>,
+    global: Vec<f64>,
+    rows: usize,
+}
+
+impl MicroBatches {
+    fn draw(chunks: &mut [Chunk], cfg: &RunConfig, m: usize, mut fill: impl FnMut(usize, &mut [u32], &mut [i32])) -> MicroBatches {
+        let t = cfg.model.block_size;
+        let dpn = chunks[0].dp.n();
+        let rows = cfg.micro_batch() / dpn;
+        let data: Vec<(Vec<u32>, Vec<i32>)> = {
+            let _p = profile::scope("data");
+            (0..m).map(|micro| {
+                let (mut x, mut y) = (vec![0u32; rows * t], vec![0i32; rows * t]);
+                fill(micro, &mut x, &mut y);
+                (x, y)
+            }).collect()
+        };
+        let counts: Vec<f64> = data.iter().map(|(_, y)| y.iter().filter(|&&v| v != model::gpt::IGNORE_INDEX).count() as f64).collect();
+        let global = if dpn > 1 { chunks[0].dp.all_reduce_f64(&counts) } else { counts.clone() };
+        MicroBatches { data, counts, global, rows }
+    }
+}
+
+/// The pipeline executor of one step: runs this rank's tasks of the schedule, moving
+/// activations (and their gradients) between stages, keeping each micro-batch's activations
+/// from its forward to its backward, and measuring the step's clock and memory.
+struct Executor<'b> {
+    batch: &'b MicroBatches,
+    cfg: &'b RunConfig,
+    step: u64,
+    t: usize,
+    t0: Instant,
+    /// `--pp-trace device`: compute serialised across in-process ranks.
+    exclusive: bool,
+    /// This rank's device clock: when its last task ended.
+    clock: f64,
+    traced: Vec<TracedTask>,
+    /// Per micro-batch: the last stage's sum of losses and count of targets.
+    sums: Vec<f64>,
+    /// Activations of micro-batches between their forward and backward, per chunk; sets free
+    /// for reuse.
+    live: Vec<Vec<Option<Activations>>>,
+    free: Vec<Vec<Activations>>,
+    held: usize,
+    peak_bytes: usize,
+    in_flight: usize,
+    peak_in_flight: usize,
+}
+
+impl<'b> Executor<'b> {
+    fn new(chunks: &mut [Chunk], pipe: &Pipeline, cfg: &'b RunConfig, step: u64, batch: &'b MicroBatches) -> Executor<'b> {
+        let (m, v) = (pipe.sched.m, pipe.sched.v);
+        Executor {
+            batch, cfg, step, t: cfg.model.block_size, t0: Instant::now(),
+            exclusive: pipe.trace.as_ref().is_some_and(|tr| tr.exclusive), clock: 0.0, traced: Vec::new(), sums: vec![0.0; 2 * m],
+            live: (0..v).map(|_| (0..m).map(|_| None).collect()).collect(),
+            free: chunks.iter_mut().map(|ch| std::mem::take(&mut ch.pool)).collect(),
+            held: 0, peak_bytes: 0, in_flight: 0, peak_in_flight: 0,
+        }
+    }
+
+    /// One task: receive its input (activations, or the output's gradient) from the
+    /// neighbouring stage, compute, send its output on.
+    fn run(&mut self, chunks: &mut [Chunk], pipe: &mut Pipeline, task: pp::Task) {
+        let (p, m, me) = (pipe.sched.p, pipe.sched.m, pipe.rank);
+        let (c, rows, t) = (task.chunk, self.batch.rows, self.t);
         let vs = c * p + me;
-        let (first, last) = (vs == 0, vs == last_vs);
+        let (first, last) = (vs == 0, vs == p * pipe.sched.v - 1);
         let ch = &mut chunks[c];
-        let (x, y) = &data[task.mb];
-        let w0 = t0.elapsed().as_secs_f64();
-        let mut ready = clock;
+        let (x, y) = &self.batch.data[task.mb];
+        let w0 = self.t0.elapsed().as_secs_f64();
+        let mut ready = self.clock;
         let recv_stamp = |comm: &dyn parallel::Comm, from: usize, tg: u32| {
             let mut st = [0f32; 2];
             comm.recv(&mut st, from, tg);
@@ -418,7 +549,7 @@ pub fn train_step(
         };
         let traced_on = pipe.trace.is_some();
         if task.forward {
-            if let Some(a) = free[c].pop() {
+            if let Some(a) = self.free[c].pop() {
                 ch.model.put_activations(a);
             }
             if !first {
@@ -430,7 +561,7 @@ pub fn train_step(
                 }
             }
         } else {
-            ch.model.put_activations(live[c][task.mb].take().expect("forward before backward"));
+            ch.model.put_activations(self.live[c][task.mb].take().expect("forward before backward"));
             if !last {
                 let comm = pipe.comm.expect("pipeline group");
                 let _p = profile::scope("pp recv");
@@ -440,14 +571,15 @@ pub fn train_step(
                 }
             }
         }
-        let w1 = t0.elapsed().as_secs_f64();
+        let w1 = self.t0.elapsed().as_secs_f64();
         let (c0, c1) = {
-            let _lock = exclusive.then(|| EXCLUSIVE.lock().unwrap_or_else(|e| e.into_inner()));
+            let _lock = self.exclusive.then(|| EXCLUSIVE.lock().unwrap_or_else(|e| e.into_inner()));
             let c0 = Instant::now();
             if task.forward {
+                let (counts, global) = (&self.batch.counts, &self.batch.global);
                 let s = pipe.scaler.as_ref().map_or(1.0, |x| x.scale);
                 let loss_scale = if global[task.mb] > 0.0 { (s * counts[task.mb] / global[task.mb] / m as f64) as f32 } else { 0.0 };
-                let pass = Pass::Train { dropout_seed: dropout_seed(cfg.train.seed, step, task.mb), loss_scale };
+                let pass = Pass::Train { dropout_seed: dropout_seed(self.cfg.train.seed, self.step, task.mb), loss_scale };
                 let _p = profile::scope("forward");
                 ch.model.forward_with(&mut ch.dp, x, y, rows, t, pass);
             } else {
@@ -458,60 +590,61 @@ pub fn train_step(
             (c0, Instant::now())
         };
         let dev_start = ready;
-        clock = ready + (c1 - c0).as_secs_f64();
+        self.clock = ready + (c1 - c0).as_secs_f64();
         if task.forward {
             if last {
-                sums[2 * task.mb] = ch.model.losses().iter().map(|&l| l as f64).sum::<f64>();
-                sums[2 * task.mb + 1] = counts[task.mb];
+                self.sums[2 * task.mb] = ch.model.losses().iter().map(|&l| l as f64).sum::<f64>();
+                self.sums[2 * task.mb + 1] = self.batch.counts[task.mb];
             } else {
                 let comm = pipe.comm.expect("pipeline group");
                 comm.send(ch.model.stage_output(), (vs + 1) % p, tag(vs, false, false));
                 if traced_on {
-                    comm.send(&stamp_bits(clock), (vs + 1) % p, tag(vs, false, true));
+                    comm.send(&stamp_bits(self.clock), (vs + 1) % p, tag(vs, false, true));
                 }
             }
             let a = ch.model.take_activations().expect("forward made activations");
-            (held, in_flight) = (held + a.bytes(), in_flight + 1);
-            (peak_bytes, peak_in_flight) = (peak_bytes.max(held), peak_in_flight.max(in_flight));
-            live[c][task.mb] = Some(a);
+            (self.held, self.in_flight) = (self.held + a.bytes(), self.in_flight + 1);
+            (self.peak_bytes, self.peak_in_flight) = (self.peak_bytes.max(self.held), self.peak_in_flight.max(self.in_flight));
+            self.live[c][task.mb] = Some(a);
         } else {
             if !first {
                 let comm = pipe.comm.expect("pipeline group");
                 comm.send(ch.model.stage_input_grad(), (vs - 1) % p, tag(vs - 1, true, false));
                 if traced_on {
-                    comm.send(&stamp_bits(clock), (vs - 1) % p, tag(vs - 1, true, true));
+                    comm.send(&stamp_bits(self.clock), (vs - 1) % p, tag(vs - 1, true, true));
                 }
             }
             let a = ch.model.take_activations().expect("backward keeps its activations");
-            (held, in_flight) = (held - a.bytes(), in_flight - 1);
-            free[c].push(a);
+            (self.held, self.in_flight) = (self.held - a.bytes(), self.in_flight - 1);
+            self.free[c].push(a);
         }
         if traced_on {
-            traced.push(TracedTask { forward: task.forward, mb: task.mb, chunk: c, wall_start: w0, wall_end: t0.elapsed().as_secs_f64(), wall_wait: w1 - w0, dev_start, dev_end: clock });
+            self.traced.push(TracedTask { forward: task.forward, mb: task.mb, chunk: c, wall_start: w0, wall_end: self.t0.elapsed().as_secs_f64(), wall_wait: w1 - w0, dev_start, dev_end: self.clock });
         }
     }
-    // Each model keeps its last activations (for its statistics), the pool the others.
-    for (ch, mut f) in chunks.iter_mut().zip(free) {
-        if let Some(a) = f.pop() {
-            ch.model.put_activations(a);
+
+    /// After the last task: each model keeps its last activations (for its statistics), the
+    /// pool the others; the trace gets the tasks. Returns the loss sums and the peaks.
+    fn finish(self, chunks: &mut [Chunk], pipe: &mut Pipeline) -> (Vec<f64>, usize, usize) {
+        for (ch, mut f) in chunks.iter_mut().zip(self.free) {
+            if let Some(a) = f.pop() {
+                ch.model.put_activations(a);
+            }
+            ch.pool = f;
         }
-        ch.pool = f;
-    }
-    if let Some(tr) = pipe.trace.as_deref_mut() {
-        tr.tasks = traced;
-    }
-    let mut overlap = parallel::Overlap::default();
-    {
-        let _p = profile::scope("grad_sync");
-        for ch in chunks.iter_mut() {
-            let o = ch.dp.finish_backward();
-            (overlap.comm, overlap.exposed) = (overlap.comm + o.comm, overlap.exposed + o.exposed);
+        if let Some(tr) = pipe.trace.as_deref_mut() {
+            tr.tasks = self.traced;
         }
+        (self.sums, self.peak_bytes, self.peak_in_flight)
     }
-    // FP8: this step's amaxes, the same on every data-parallel rank (elementwise max) and, over
-    // the tensor-parallel shards of each tensor, the whole tensor's (the max of the shards'),
-    // join the scaling histories (whether or not the update happens).
+}
+
+/// FP8: this step's amaxes, the same on every data-parallel rank (elementwise max) and, over
+/// the tensor-parallel shards of each tensor, the whole tensor's (the max of the shards'), join
+/// the scaling histories (whether or not the update happens).
+fn fp8_amaxes(chunks: &mut [Chunk], tp: Option<&dyn parallel::Comm>) {
     for ch in chunks.iter_mut() {
+        let dpn = ch.dp.n();
         if let Some(st) = ch.model.fp8.as_mut() {
             let pending = st.get_mut().pending_mut();
             let mut max_over = |n: usize, gather: &mut dyn FnMut(&[f64]) -> Vec<f64>| {
@@ -524,55 +657,32 @@ pub fn train_step(
             if dpn > 1 {
                 max_over(dpn, &mut |x| ch.dp.all_gather_f64(x));
             }
-            if let Some(tp) = pipe.tp.filter(|c| c.size() > 1) {
+            if let Some(tp) = tp.filter(|c| c.size() > 1) {
                 max_over(tp.size(), &mut |x| parallel::comm::all_gather_f64(tp, x));
             }
             ch.model.fp8_commit();
         }
     }
-    let _p = profile::scope("optimizer");
-    // The loss lives on the last stage: summed over its data-parallel group, then taken from
-    // it by every stage.
-    let sums = if dpn > 1 { chunks[v - 1].dp.all_reduce_f64(&sums) } else { sums };
+}
+
+/// The step's mean loss: the last stage's sums over its data-parallel group, taken from it by
+/// every stage; the mean over micro-batches of each one's mean.
+fn global_loss(chunks: &mut [Chunk], pipe: &Pipeline, sums: Vec<f64>) -> f64 {
+    let (p, m, v) = (pipe.sched.p, pipe.sched.m, pipe.sched.v);
+    let sums = if chunks[0].dp.n() > 1 { chunks[v - 1].dp.all_reduce_f64(&sums) } else { sums };
     let sums = match pipe.comm {
         Some(comm) => parallel::comm::all_gather_f64(comm, &sums)[(p - 1) * 2 * m..].to_vec(),
         None => sums,
     };
-    let loss = (0..m).map(|k| if sums[2 * k + 1] > 0.0 { sums[2 * k] / sums[2 * k + 1] } else { 0.0 }).sum::<f64>() / m as f64;
-    let out = |grad_norm: f64, skipped: Option<&'static str>, overlap: parallel::Overlap| StepOut { loss: loss as f32, grad_norm, overlap, skipped, peak_activation_bytes: peak_bytes, peak_in_flight };
-    let (lr, clip) = (cfg.lr_at(step), cfg.train.grad_clip);
-    if cfg.faults.inject_nan_steps.contains(&(step + 1)) {
-        match chunks[0].model.lora.as_mut() {
-            Some(lo) => lo.grads[0] = f32::NAN,
-            None => chunks[0].dp.for_each_piece(|p, _, g| if p.flat.start == 0 && !g.is_empty() { g[0] = f32::NAN }),
-        }
-    }
-    // The update is decided from the global loss and gradient norm, so every rank agrees.
-    let check = |loss: f32, norm: f64, veto: &mut dyn FnMut(f32, f64) -> Option<&'static str>| {
-        if !(loss.is_finite() && norm.is_finite()) {
-            return Some("non-finite loss or gradient norm");
-        }
-        veto(loss, norm)
-    };
-    if chunks[0].model.lora.is_some() {
-        let ch = &mut chunks[0];
-        let lo = ch.model.lora.as_mut().unwrap();
-        ch.dp.reduce_adapters(&mut lo.grads);
-        let norm = sum_squares(&lo.grads).sqrt();
-        if let Some(why) = check(loss as f32, norm, &mut veto) {
-            return out(norm, Some(why), overlap);
-        }
-        if let Some(wait) = pipe.before_update {
-            wait();
-        }
-        if clip > 0.0 && norm > clip {
-            scale_in_place(&mut lo.grads, (clip / (norm + 1e-6)) as f32);
-        }
-        ch.opt.update(&mut lo.params, &lo.grads, cfg, lr, step + 1);
-        return out(norm, None, overlap);
-    }
-    // The tied embedding: the first stage's gradient (from the embedding) and the last
-    // stage's (from the head) are two parts of one gradient; both copies get the sum.
+    (0..m).map(|k| if sums[2 * k + 1] > 0.0 { sums[2 * k] / sums[2 * k + 1] } else { 0.0 }).sum::<f64>() / m as f64
+}
+
+/// The tied embedding: the first stage's gradient (from the embedding) and the last stage's
+/// (from the head) are two parts of one gradient; both copies get the sum. Returns this
+/// rank's chunks that hold a tied copy.
+fn sum_tied_embedding(chunks: &mut [Chunk], pipe: &Pipeline) -> Vec<usize> {
+    let (p, v, me) = (pipe.sched.p, pipe.sched.v, pipe.rank);
+    let last_vs = p * v - 1;
     let tied: Vec<usize> = (0..v)
         .filter(|&c| {
             let vs = c * p + me;
@@ -594,16 +704,14 @@ pub fn train_step(
             chunks[c].dp.unit_grads_mut(0).copy_from_slice(&sum);
         }
     }
-    // Sequence parallelism: each tensor-parallel shard's norm gradients cover its positions.
-    if let Some(tp) = pipe.tp {
-        for ch in chunks.iter_mut().filter(|c| !c.seq_partial.is_empty()) {
-            let _p = profile::scope("sp norm gradients");
-            sum_grads_over(&mut ch.dp, tp, &ch.seq_partial);
-        }
-    }
-    // Global norm: per chunk over its data-parallel group, tensor-parallel shards added
-    // (replicated parameters once), then the pipeline's stages added (the tied embedding once:
-    // not on the last stage).
+    tied
+}
+
+/// The global gradient norm: per chunk over its data-parallel group, tensor-parallel shards
+/// added (replicated parameters once), then the pipeline's stages added (the tied embedding
+/// once: not on the last stage).
+fn global_grad_norm(chunks: &mut [Chunk], pipe: &Pipeline, tied: &[usize]) -> f64 {
+    let (p, me, last_vs) = (pipe.sched.p, pipe.rank, pipe.sched.p * pipe.sched.v - 1);
     let (mut sharded, mut repl) = (0.0, 0.0);
     for (c, ch) in chunks.iter_mut().enumerate() {
         let vs = c * p + me;
@@ -615,44 +723,11 @@ pub fn train_step(
         Some(comm) => parallel::comm::sum_f64(comm, sharded) + repl,
         None => sharded + repl,
     };
-    let norm = match pipe.comm {
+    match pipe.comm {
         Some(comm) => parallel::comm::sum_f64(comm, sq),
         None => sq,
     }
-    .sqrt();
-    // fp16: the gradients carry the loss scale; an overflow skips the update.
-    let unscale = match pipe.scaler.as_deref_mut() {
-        Some(sc) if !norm.is_finite() && loss.is_finite() => {
-            sc.scale = (sc.scale / 2.0).max(1.0);
-            sc.good = 0;
-            return out(norm, Some(FP16_OVERFLOW), overlap);
-        }
-        Some(sc) => 1.0 / sc.scale,
-        None => 1.0,
-    };
-    let norm = norm * unscale;
-    if let Some(why) = check(loss as f32, norm, &mut veto) {
-        return out(norm, Some(why), overlap);
-    }
-    if let Some(sc) = pipe.scaler.as_deref_mut() {
-        sc.good += 1;
-        if sc.good >= sc.window {
-            (sc.scale, sc.good) = (sc.scale * 2.0, 0);
-        }
-    }
-    if let Some(wait) = pipe.before_update {
-        wait();
-    }
-    let clip_scale = if clip > 0.0 && norm > clip { clip / (norm + 1e-6) } else { 1.0 };
-    for ch in chunks.iter_mut() {
-        if clip_scale * unscale != 1.0 {
-            ch.dp.scale_grads((clip_scale * unscale) as f32);
-        }
-        let opt = &mut ch.opt;
-        ch.dp.for_each_piece(|piece, params, grads| opt.update_piece(params, grads, piece, cfg, lr, step + 1));
-        ch.dp.after_update();
-    }
-    out(norm, None, overlap)
+    .sqrt()
 }
 
 /// A single-rank [`DataParallel`] over `model` (its own communication thread does nothing).
