@@ -3,7 +3,7 @@
 //! `block_size`, the cache is rebuilt from the most recent half-context (as nanoGPT crops).
 
 use crate::gpt::{Gpt, Ops};
-use tensor::llama::rope_forward;
+use tensor::llama::{rope_forward, GqaDims};
 use tensor::*;
 
 /// Sampling settings: `temperature == 0` is greedy; `top_k == 0` means the full vocabulary.
@@ -58,6 +58,8 @@ impl Gpt {
         let (qw, fw, f, kw) = (cfg.qkv_width(), cfg.fc_width(), cfg.ffn_hidden, cfg.n_kv_head * cfg.head_size());
         assert!(cache.len < bs, "KV cache full");
         let pos = cache.len;
+        // One sequence: the new token (for RoPE); attention reads `t: pos + 1` cached positions.
+        let one = GqaDims { b: 1, t: 1, nh, nkv, hs, ..GqaDims::default() };
         let w = &self.params;
         let pv = &self.views;
         let ops = Ops::decode(cfg, self.rope.as_ref());
@@ -72,7 +74,7 @@ impl Gpt {
             ops.norm_forward(&mut s.ln, &mut s.mean, &mut s.rstd, &s.x, &w[bp.ln_1_w.clone()], opt(&bp.ln_1_b));
             matmul_forward(&mut s.qkv, &s.ln, &w[bp.c_attn_w.clone()], opt(&bp.c_attn_b), 1, c, qw);
             if let Some((cos, sin)) = &self.rope {
-                rope_forward(&mut s.qkv, cos, sin, 1, 1, nh, nkv, hs, pos);
+                rope_forward(&mut s.qkv, cos, sin, &one, pos);
             }
             let base = l * bs * kw;
             let qc = nh * hs;
@@ -80,13 +82,14 @@ impl Gpt {
             cache.v[base + pos * kw..base + (pos + 1) * kw].copy_from_slice(&s.qkv[qc + kw..]);
             let kc = &cache.k[base..base + (pos + 1) * kw];
             let vc = &cache.v[base..base + (pos + 1) * kw];
-            attention_decode(&mut s.atty, &s.qkv[..qc], kc, vc, pos + 1, nh, nkv, hs);
+            attention_decode(&mut s.atty, &s.qkv[..qc], kc, vc, &GqaDims { t: pos + 1, ..one });
             matmul_forward(&mut s.proj, &s.atty, &w[bp.attn_proj_w.clone()], opt(&bp.attn_proj_b), 1, c, c);
             residual_forward(&mut s.res, &s.x, &s.proj);
             ops.norm_forward(&mut s.ln, &mut s.mean, &mut s.rstd, &s.res, &w[bp.ln_2_w.clone()], opt(&bp.ln_2_b));
             if let (Some(mp), Some(cache)) = (&bp.moe, s.moe.as_mut()) {
                 let dims = cfg.moe_dims(1);
-                tensor::moe::moe_forward(&mut s.proj, cache, &s.ln, &w[mp.router.clone()], &w[mp.experts.clone()], &w[mp.shared.clone()], &dims, 0.0, 0.0, None);
+                let inp = tensor::moe::MoeInputs { x: &s.ln, router_w: &w[mp.router.clone()], experts_w: &w[mp.experts.clone()], shared_w: &w[mp.shared.clone()] };
+                tensor::moe::moe_forward(&mut s.proj, cache, inp, &dims, tensor::moe::MoeLossWeights::default(), None);
             } else {
                 matmul_forward(&mut s.fch, &s.ln, &w[bp.c_fc_w.clone()], opt(&bp.c_fc_b), 1, c, fw);
                 ops.act_forward(&mut s.fch_gelu, &s.fch);

@@ -15,13 +15,13 @@
 
 use crate::config::{Arch, GptConfig};
 use crate::lora::{Lora, Site};
-use tensor::moe::{moe_backward, moe_forward, MoeCache, MoeExchange, MoeStats};
+use tensor::moe::{moe_backward, moe_forward, MoeCache, MoeExchange, MoeGrads, MoeInputs, MoeLossWeights, MoeStats};
 use crate::layout::{gpt_layout, BlockParams, GptParams, Init, ParamLayout};
 use crate::units::{Access, Local, TpHooks, UnitStore};
 use std::cell::RefCell;
 use std::ops::Range;
 use tensor::attention::AttnDims;
-use tensor::classifier::{chunk_rows, lm_head_crossentropy, lm_head_crossentropy_vocab_parallel};
+use tensor::classifier::{chunk_rows, lm_head_crossentropy, lm_head_crossentropy_vocab_parallel, HeadDims};
 use tensor::ops::{dropout_backward_rows, dropout_inplace_rows, RowMap};
 use tensor::flash::{flash_attention_backward, flash_attention_forward, flash_gqa_backward, flash_gqa_forward};
 use tensor::llama::{rmsnorm_backward, rmsnorm_forward, rope_backward, rope_forward, rope_table, swiglu_backward, swiglu_forward, GqaDims};
@@ -515,7 +515,8 @@ impl Gpt {
                 }
                 let (x, dx) = if sp { (&a.full[..], &mut a.dln_f_full[..]) } else { (&a.ln_f[..], &mut a.dln_f[..]) };
                 let grads = scale.map(|s| (dx, &mut dw[r.clone()], s));
-                lm_head_crossentropy_vocab_parallel(&mut a.losses, grads, x, &w[r], targets, &mut a.head_scratch, c, v_local, vp, off, IGNORE_INDEX, &mut |x| h.all_gather(x));
+                let dims = HeadDims { c, v: v_local, vp, offset: off, ignore_index: IGNORE_INDEX };
+                lm_head_crossentropy_vocab_parallel(&mut a.losses, grads, x, &w[r], targets, &mut a.head_scratch, &dims, &mut |x| h.all_gather(x));
                 // `f` backward at the head's input: the vocabulary slices' partial sums.
                 match (scale.is_some(), sp) {
                     (true, true) => h.scatter_seq(&mut a.dln_f_full, &mut a.dln_f, None, b, t),
@@ -525,7 +526,8 @@ impl Gpt {
             }
             _ => {
                 let grads = scale.map(|s| (&mut a.dln_f[..], &mut dw[r.clone()], s));
-                lm_head_crossentropy(&mut a.losses, grads, &a.ln_f, &w[r], targets, &mut a.head_scratch, c, v, vp, IGNORE_INDEX);
+                let dims = HeadDims { c, v, vp, offset: 0, ignore_index: IGNORE_INDEX };
+                lm_head_crossentropy(&mut a.losses, grads, &a.ln_f, &w[r], targets, &mut a.head_scratch, &dims);
             }
         }
         store.release(hu, head_access);
@@ -649,7 +651,7 @@ impl Gpt {
         if !skip && head {
             let (dlnf_w, dlnf_b) = split_two(dw, &pv.ln_f_w, &pv.ln_f_b);
             ops.store(&mut a.dln_f);
-            ops.norm_backward(&mut g.dres, dlnf_w, dlnf_b, &a.dln_f, x_last, &w[pv.ln_f_w.clone()], &a.ln_f_mean, &a.ln_f_rstd);
+            ops.norm_backward(&mut g.dres, (dlnf_w, dlnf_b), &a.dln_f, x_last, &w[pv.ln_f_w.clone()], (&a.ln_f_mean, &a.ln_f_rstd));
             ops.store(&mut g.dres);
         }
         store.release(last, bwd);
@@ -1027,7 +1029,9 @@ impl<'o, 'a> Block<'o, 'a> {
         if let (Some(mp), Some(cache)) = (&self.bp.moe, i.moe.as_mut()) {
             let (cfg, w) = (ops.cfg, self.w);
             let mut ep = ops.ep.borrow_mut();
-            return Some(moe_forward(branch, cache, &k.ln_2, &w[mp.router.clone()], &w[mp.experts.clone()], &w[mp.shared.clone()], &cfg.moe_dims(ops.b * ops.t), cfg.moe_aux_weight, cfg.moe_z_weight, ep.as_deref_mut().map(|h| h as &mut dyn MoeExchange)));
+            let inp = MoeInputs { x: &k.ln_2, router_w: &w[mp.router.clone()], experts_w: &w[mp.experts.clone()], shared_w: &w[mp.shared.clone()] };
+            let loss = MoeLossWeights { aux: cfg.moe_aux_weight, z: cfg.moe_z_weight };
+            return Some(moe_forward(branch, cache, inp, &cfg.moe_dims(ops.b * ops.t), loss, ep.as_deref_mut().map(|h| h as &mut dyn MoeExchange)));
         }
         self.linear(Site::Fc).forward_column(&mut i.fch, &k.ln_2, &mut i.ln_2_full);
         ops.act_forward(&mut i.fch_gelu, &i.fch);
@@ -1050,7 +1054,9 @@ impl<'o, 'a> Block<'o, 'a> {
             let (dr, rest_w) = dw[mp.router.start..mp.shared.end].split_at_mut(mp.router.len());
             let (de, ds) = rest_w.split_at_mut(mp.experts.len());
             let mut ep = ops.ep.borrow_mut();
-            moe_backward(g.dln, dr, de, ds, dout, cache, &k.ln_2, &w[mp.router.clone()], &w[mp.experts.clone()], &w[mp.shared.clone()], &cfg.moe_dims(ops.b * ops.t), aux, z, ep.as_deref_mut().map(|h| h as &mut dyn MoeExchange));
+            let grads = MoeGrads { dx: g.dln, drouter_w: dr, dexperts_w: de, dshared_w: ds };
+            let inp = MoeInputs { x: &k.ln_2, router_w: &w[mp.router.clone()], experts_w: &w[mp.experts.clone()], shared_w: &w[mp.shared.clone()] };
+            moe_backward(grads, dout, cache, inp, &cfg.moe_dims(ops.b * ops.t), MoeLossWeights { aux, z }, ep.as_deref_mut().map(|h| h as &mut dyn MoeExchange));
             return;
         }
         self.linear(Site::MlpProj).backward_row(g.dfch_gelu, g.dfull, dw, dout, &i.fch_gelu);
@@ -1117,7 +1123,7 @@ fn block_backward(blk: &Block, dw: &mut [f32], x: &[f32], acts: BlockActs, g: &m
     blk.mlp_backward(dw, dmlp, k, i, &mut mg);
     let (dw2, db2) = split_two(dw, &bp.ln_2_w, &bp.ln_2_b);
     ops.store(&mut g.dln);
-    ops.norm_backward(&mut g.dres, dw2, db2, &g.dln, &k.res_2, &blk.w[bp.ln_2_w.clone()], &k.ln_2_mean, &k.ln_2_rstd);
+    ops.norm_backward(&mut g.dres, (dw2, db2), &g.dln, &k.res_2, &blk.w[bp.ln_2_w.clone()], (&k.ln_2_mean, &k.ln_2_rstd));
     ops.store(&mut g.dres);
     // Attention branch: res_2 = x + drop(attn(ln_1)); d x = d res_2 + ln_1ᵀ(…)
     let dattn = ops.dropout_grad(&mut g.dbranch, &g.dres, DropSite::AttnResidual(l));
@@ -1130,7 +1136,7 @@ fn block_backward(blk: &Block, dw: &mut [f32], x: &[f32], acts: BlockActs, g: &m
     blk.linear(Site::Qkv).backward_column(&mut g.dln, &mut g.dln_full, dw, &g.dqkv, xin);
     let (dw1, db1) = split_two(dw, &bp.ln_1_w, &bp.ln_1_b);
     ops.store(&mut g.dln);
-    ops.norm_backward(&mut g.dres, dw1, db1, &g.dln, x, &blk.w[bp.ln_1_w.clone()], &k.ln_1_mean, &k.ln_1_rstd);
+    ops.norm_backward(&mut g.dres, (dw1, db1), &g.dln, x, &blk.w[bp.ln_1_w.clone()], (&k.ln_1_mean, &k.ln_1_rstd));
     ops.store(&mut g.dres);
 }
 
@@ -1338,8 +1344,8 @@ impl<'a> Ops<'a> {
         }
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn norm_backward(&self, dinp: &mut [f32], dw: &mut [f32], db: Option<&mut [f32]>, dout: &[f32], x: &[f32], w: &[f32], mean: &[f32], rstd: &[f32]) {
+    /// `(dw, db)`: the weight's and bias's gradients; `(mean, rstd)`: the forward's statistics.
+    fn norm_backward(&self, dinp: &mut [f32], (dw, db): (&mut [f32], Option<&mut [f32]>), dout: &[f32], x: &[f32], w: &[f32], (mean, rstd): (&[f32], &[f32])) {
         let c = self.cfg.n_embd;
         match self.cfg.arch {
             Arch::Gpt2 => layernorm_backward(dinp, dw, db, dout, x, w, mean, rstd, c),
@@ -1363,37 +1369,37 @@ impl<'a> Ops<'a> {
     fn rope_forward(&self, qkv: &mut [f32]) {
         if self.cfg.arch == Arch::Llama {
             let (cos, sin) = self.rope.expect("llama has rotary tables");
-            rope_forward(qkv, cos, sin, self.b, self.t, self.cfg.n_head, self.cfg.n_kv_head, self.cfg.head_size(), 0);
+            rope_forward(qkv, cos, sin, &self.gqa(), 0);
         }
     }
 
     fn attn_forward(&self, out: &mut [f32], state: &mut [f32], qkv: &[f32], site: DropSite) {
-        let (cfg, p_drop, seed) = (self.cfg, self.drop.p, self.site_seed(site));
+        let (cfg, drop) = (self.cfg, AttnDropout { p: self.drop.p, seed: self.site_seed(site) });
         match cfg.arch {
             Arch::Gpt2 => {
                 let (head0, heads) = self.mask_heads();
                 let dims = AttnDims { b: self.b, t: self.t, c: cfg.attn_width(), nh: cfg.n_head, head0, heads, b0: self.b0 };
-                flash_attention_forward(out, state, qkv, &dims, p_drop, seed);
+                flash_attention_forward(out, state, qkv, &dims, drop);
             }
-            Arch::Llama => flash_gqa_forward(out, state, qkv, &self.gqa(), p_drop, seed),
+            Arch::Llama => flash_gqa_forward(out, state, qkv, &self.gqa(), drop),
         }
     }
 
     /// Accumulates into `dqkv` (with respect to the un-rotated q and k for LLaMA).
     fn attn_backward(&self, dqkv: &mut [f32], dout: &[f32], qkv: &[f32], out: &[f32], state: &[f32], site: DropSite) {
-        let (cfg, p_drop, seed) = (self.cfg, self.drop.p, self.site_seed(site));
+        let (cfg, drop) = (self.cfg, AttnDropout { p: self.drop.p, seed: self.site_seed(site) });
         match cfg.arch {
             Arch::Gpt2 => {
                 let (head0, heads) = self.mask_heads();
                 let dims = AttnDims { b: self.b, t: self.t, c: cfg.attn_width(), nh: cfg.n_head, head0, heads, b0: self.b0 };
-                flash_attention_backward(dqkv, dout, qkv, out, state, &dims, p_drop, seed);
+                flash_attention_backward(dqkv, dout, qkv, out, state, &dims, drop);
             }
             Arch::Llama => {
                 // dqkv is zero on entry (the caller clears it), so the in-place inverse rotation
                 // after the accumulation is still an accumulation into zero.
-                flash_gqa_backward(dqkv, dout, qkv, out, state, &self.gqa(), p_drop, seed);
+                flash_gqa_backward(dqkv, dout, qkv, out, state, &self.gqa(), drop);
                 let (cos, sin) = self.rope.expect("llama has rotary tables");
-                rope_backward(dqkv, cos, sin, self.b, self.t, cfg.n_head, cfg.n_kv_head, cfg.head_size(), 0);
+                rope_backward(dqkv, cos, sin, &self.gqa(), 0);
             }
         }
     }

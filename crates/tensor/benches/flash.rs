@@ -81,12 +81,12 @@ fn main() {
                     best[i] = best[i].min(t0.elapsed().as_secs_f64());
                 };
                 if !skip_ref {
-                    time(0, &mut || attention_forward(&mut out, &mut att, &qkv, &d, p, 3));
-                    time(1, &mut || attention_backward(&mut dqkv, &dout, &qkv, &att, &d, p, 3));
+                    time(0, &mut || attention_forward(&mut out, &mut att, &qkv, &d, AttnDropout { p, seed: 3 }));
+                    time(1, &mut || attention_backward(&mut dqkv, &dout, &qkv, &att, &d, AttnDropout { p, seed: 3 }));
                 }
-                time(2, &mut || flash_attention_forward_tiled(&mut out, &mut lse, &qkv, &d, p, 3, tl));
-                time(3, &mut || flash_attention_backward_with(&mut dqkv, &dout, &qkv, &out, &lse, &d, p, 3, tl, Schedule::Auto));
-                time(4, &mut || flash_attention_backward_with(&mut dqkv, &dout, &qkv, &out, &lse, &d, p, 3, tl, Schedule::TwoPass));
+                time(2, &mut || flash_attention_forward_tiled(&mut out, &mut lse, &qkv, &d, AttnDropout { p, seed: 3 }, tl));
+                time(3, &mut || flash_attention_backward_with(&mut dqkv, &dout, &qkv, &out, &lse, &d, BwdOpts { dropout: AttnDropout { p, seed: 3 }, tiles: tl, schedule: Schedule::Auto }));
+                time(4, &mut || flash_attention_backward_with(&mut dqkv, &dout, &qkv, &out, &lse, &d, BwdOpts { dropout: AttnDropout { p, seed: 3 }, tiles: tl, schedule: Schedule::TwoPass }));
             }
             let [ref_f, ref_b, f, bw, bw2] = if skip_ref { [f64::NAN, f64::NAN, best[2], best[3], best[4]] } else { best };
             let bws = [bw, bw2];
@@ -134,11 +134,11 @@ fn bench_gqa(d: GqaDims, p: f32, threads: usize, skip_ref: bool) {
             time(0, &mut || gqa_attention_forward(&mut out, &mut att, &qkv, &d));
             time(1, &mut || gqa_attention_backward(&mut dqkv, &dout, &qkv, &att, &d));
         }
-        time(2, &mut || flash_gqa_forward_tiled(&mut out, &mut lse, &qkv, &d, p, 3, tl));
-        time(3, &mut || flash_gqa_backward_with(&mut dqkv, &dout, &qkv, &out, &lse, &d, p, 3, tl, Schedule::PerHead));
-        time(4, &mut || flash_gqa_backward_with(&mut dqkv, &dout, &qkv, &out, &lse, &d, p, 3, tl, Schedule::TwoPass));
-        time(5, &mut || flash_gqa_backward_with(&mut dqkv, &dout, &qkv, &out, &lse, &d, p, 3, tl, Schedule::PerQueryHead));
-        time(6, &mut || flash_gqa_backward_with(&mut dqkv, &dout, &qkv, &out, &lse, &d, p, 3, tl, Schedule::Auto));
+        time(2, &mut || flash_gqa_forward_tiled(&mut out, &mut lse, &qkv, &d, AttnDropout { p, seed: 3 }, tl));
+        time(3, &mut || flash_gqa_backward_with(&mut dqkv, &dout, &qkv, &out, &lse, &d, BwdOpts { dropout: AttnDropout { p, seed: 3 }, tiles: tl, schedule: Schedule::PerHead }));
+        time(4, &mut || flash_gqa_backward_with(&mut dqkv, &dout, &qkv, &out, &lse, &d, BwdOpts { dropout: AttnDropout { p, seed: 3 }, tiles: tl, schedule: Schedule::TwoPass }));
+        time(5, &mut || flash_gqa_backward_with(&mut dqkv, &dout, &qkv, &out, &lse, &d, BwdOpts { dropout: AttnDropout { p, seed: 3 }, tiles: tl, schedule: Schedule::PerQueryHead }));
+        time(6, &mut || flash_gqa_backward_with(&mut dqkv, &dout, &qkv, &out, &lse, &d, BwdOpts { dropout: AttnDropout { p, seed: 3 }, tiles: tl, schedule: Schedule::Auto }));
     }
     if skip_ref {
         best[0] = f64::NAN;

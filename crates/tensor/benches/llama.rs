@@ -53,13 +53,13 @@ fn main() {
     let (cos, sin) = rope_table(10_000.0, d.hs, d.t);
     let mut qkv = randn(&mut rng, n * d.qkv_width(), 1.0);
     let rot = 8 * n * (d.nh + d.nkv) * d.hs;
-    time("rope_forward", rot, || rope_forward(&mut qkv, &cos, &sin, d.b, d.t, d.nh, d.nkv, d.hs, 0));
-    time("rope_backward", rot, || rope_backward(&mut qkv, &cos, &sin, d.b, d.t, d.nh, d.nkv, d.hs, 0));
+    time("rope_forward", rot, || rope_forward(&mut qkv, &cos, &sin, &d, 0));
+    time("rope_backward", rot, || rope_backward(&mut qkv, &cos, &sin, &d, 0));
     let (mut o, mut a) = (vec![0.0; n * d.c()], vec![0.0; d.nh * n * n]);
     time("gqa_attention_forward", 0, || gqa_attention_forward(&mut o, &mut a, &qkv, &d));
     let mut dq = vec![0.0; qkv.len()];
     time("gqa_attention_backward", 0, || gqa_attention_backward(&mut dq, &o, &qkv, &a, &d));
     let ad = AttnDims { b: 1, t: n, c: 768, nh: 12, ..Default::default() };
     let qkv3 = randn(&mut rng, n * 3 * 768, 1.0);
-    time("attention_forward (MHA, for comparison)", 0, || attention_forward(&mut o, &mut a, &qkv3, &ad, 0.0, 0));
+    time("attention_forward (MHA, for comparison)", 0, || attention_forward(&mut o, &mut a, &qkv3, &ad, AttnDropout::NONE));
 }

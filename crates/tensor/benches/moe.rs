@@ -46,8 +46,8 @@ fn main() {
                 best[i] = best[i].min(t0.elapsed().as_secs_f64());
             }
         };
-        time(0, &mut || stats = Some(moe_forward(&mut y, &mut cache, &x, &router, &experts, &[], &d, 0.01, 0.001, None)));
-        time(1, &mut || moe_backward(&mut gx, &mut grouter, &mut gexperts, &mut [], &dy, &mut cache, &x, &router, &experts, &[], &d, 0.01, 0.001, None));
+        time(0, &mut || stats = Some(moe_forward(&mut y, &mut cache, MoeInputs { x: &x, router_w: &router, experts_w: &experts, shared_w: &[] }, &d, MoeLossWeights { aux: 0.01, z: 0.001 }, None)));
+        time(1, &mut || moe_backward(MoeGrads { dx: &mut gx, drouter_w: &mut grouter, dexperts_w: &mut gexperts, dshared_w: &mut [] }, &dy, &mut cache, MoeInputs { x: &x, router_w: &router, experts_w: &experts, shared_w: &[] }, &d, MoeLossWeights { aux: 0.01, z: 0.001 }, None));
         time(2, &mut || {
             matmul_forward(&mut gu, &x, &wgu, None, n, c, 2 * fd);
             swiglu_forward(&mut h, &gu, fd);

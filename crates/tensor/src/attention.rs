@@ -3,13 +3,28 @@
 //! products run through gemm single-threaded, so threads never oversubscribe.
 //!
 //! This version keeps the post-softmax probabilities `att[B, NH, T, T]` for backward (the llm.c
-//! layout). Attention-probability dropout uses a counter-based mask keyed by
+//! layout). Attention-probability dropout ([`AttnDropout`]) uses a counter-based mask keyed by
 //! `(seed, ((b·NH + h)·T + i)·T + j)` and is regenerated in backward.
 
+use crate::llama::GqaDims;
 use crate::matmul::{gemm_raw, View, Threads};
 use crate::ops::dropout_keep;
 use crate::par::SyncPtr;
 use rayon::prelude::*;
+
+/// Attention-probability dropout: probability `p` in `[0, 1)` (0 = none) and the seed of its
+/// counter-based mask. The same value goes to a forward and its backward, which regenerates the
+/// mask. Shared by this module's kernels and [`crate::flash`]'s.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct AttnDropout {
+    pub p: f32,
+    pub seed: u64,
+}
+
+impl AttnDropout {
+    /// No dropout.
+    pub const NONE: AttnDropout = AttnDropout { p: 0.0, seed: 0 };
+}
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct AttnDims {
@@ -27,9 +42,9 @@ pub struct AttnDims {
 
 impl AttnDims {
     /// The MHA shape as the GQA shape with one query head per kv head: the layouts coincide.
-    pub(crate) fn as_gqa(&self) -> crate::llama::GqaDims {
+    pub(crate) fn as_gqa(&self) -> GqaDims {
         assert!(self.nh > 0 && self.c.is_multiple_of(self.nh), "C must be a multiple of NH");
-        crate::llama::GqaDims { b: self.b, t: self.t, nh: self.nh, nkv: self.nh, hs: self.c / self.nh, head0: self.head0, heads: self.heads, b0: self.b0 }
+        GqaDims { b: self.b, t: self.t, nh: self.nh, nkv: self.nh, hs: self.c / self.nh, head0: self.head0, heads: self.heads, b0: self.b0 }
     }
 
     /// The whole-model `(batch, head)` index of `bh = b·NH + h` (`GqaDims::mask_bh`).
@@ -49,10 +64,10 @@ pub fn attention_forward(
     att: &mut [f32],   // [B, NH, T, T]  softmax probabilities (before dropout)
     qkv: &[f32],       // [B, T, 3C]
     dims: &AttnDims,
-    dropout: f32,
-    seed: u64,
+    dropout: AttnDropout,
 ) {
     let _p = crate::profile::scope("attention_forward");
+    let AttnDropout { p: dropout, seed } = dropout;
     let AttnDims { b, t, c, nh, .. } = *dims;
     let hs = dims.hs();
     assert_eq!(out.len(), b * t * c);
@@ -115,10 +130,10 @@ pub fn attention_backward(
     qkv: &[f32],       // [B, T, 3C]
     att: &[f32],       // [B, NH, T, T]
     dims: &AttnDims,
-    dropout: f32,
-    seed: u64,
+    dropout: AttnDropout,
 ) {
     let _p = crate::profile::scope("attention_backward");
+    let AttnDropout { p: dropout, seed } = dropout;
     let AttnDims { b, t, c, nh, .. } = *dims;
     let hs = dims.hs();
     assert_eq!(dqkv.len(), b * t * 3 * c);
@@ -177,20 +192,18 @@ pub fn attention_backward(
     });
 }
 
-/// One decoding step with a KV cache: query `q[NH·HS]` for position `T_cur - 1` attends over
-/// the cached keys and values of positions `0..T_cur`; query head `h` reads kv head
-/// `h / (NH/NKV)` (grouped-query attention; `NKV == NH` is plain multi-head). Overwrites `out`.
-#[allow(clippy::too_many_arguments)]
+/// One decoding step with a KV cache: query `q[NH·HS]` for position `T - 1` attends over
+/// the cached keys and values of positions `0..T` (`T = dims.t`, one sequence: `dims.b` and the
+/// dropout placement are unused); query head `h` reads kv head `h / (NH/NKV)` (grouped-query
+/// attention; `NKV == NH` is plain multi-head). Overwrites `out`.
 pub fn attention_decode(
     out: &mut [f32],      // [NH·HS]
     q: &[f32],            // [NH·HS]
-    k_cache: &[f32],      // [T_cur, NKV·HS]
-    v_cache: &[f32],      // [T_cur, NKV·HS]
-    t_cur: usize,
-    nh: usize,
-    nkv: usize,
-    hs: usize,
+    k_cache: &[f32],      // [T, NKV·HS]
+    v_cache: &[f32],      // [T, NKV·HS]
+    dims: &GqaDims,
 ) {
+    let GqaDims { t: t_cur, nh, nkv, hs, .. } = *dims;
     let kw = nkv * hs;
     let group = nh / nkv;
     let scale = 1.0 / (hs as f32).sqrt();

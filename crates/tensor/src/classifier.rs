@@ -12,6 +12,23 @@ use crate::matmul::{gemm, Threads, View};
 use crate::simd;
 use rayon::prelude::*;
 
+/// The head's shape: `weight` holds rows `offset .. offset + vp` of the whole head (`offset` is
+/// 0 unless the vocabulary is split over ranks), of which the first `v` are real tokens and the
+/// rest padding; targets equal to `ignore_index` count for nothing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HeadDims {
+    /// channels `C`
+    pub c: usize,
+    /// real vocabulary rows of `weight`: `V` (vocab-parallel: this rank's)
+    pub v: usize,
+    /// rows of `weight`: `Vp` (vocab-parallel: this rank's slice)
+    pub vp: usize,
+    /// the whole head's row index of `weight`'s first row
+    pub offset: usize,
+    /// the target of rows that count for nothing (loss 0, no gradient)
+    pub ignore_index: i32,
+}
+
 /// Rows per chunk: as many as fit in about 8M floats (32 MB) of logits, at least one.
 pub fn chunk_rows(n: usize, vp: usize) -> usize {
     ((8 << 20) / vp.max(1)).clamp(1, n.max(1))
@@ -21,8 +38,7 @@ pub fn chunk_rows(n: usize, vp: usize) -> usize {
 /// `grads = Some((dinp, dweight, dloss))`, also overwrites `dinp[N, C]` with the input gradient
 /// and accumulates `dweight[Vp, C]`, where `dloss` is the weight of each counted row's loss
 /// (`loss_scale / count` for a mean). `scratch` holds one chunk of logits: at least
-/// `chunk_rows(N, Vp) · Vp` floats.
-#[allow(clippy::too_many_arguments)]
+/// `chunk_rows(N, Vp) · Vp` floats. The whole head: `dims.offset` is 0.
 pub fn lm_head_crossentropy(
     losses: &mut [f32],                                  // [N]
     grads: Option<(&mut [f32], &mut [f32], f32)>,        // dinp [N, C], dweight [Vp, C], dloss
@@ -30,12 +46,11 @@ pub fn lm_head_crossentropy(
     weight: &[f32],                                      // [Vp, C]
     targets: &[i32],                                     // [N]
     scratch: &mut [f32],                                 // [R, Vp]
-    c: usize,
-    v: usize,
-    vp: usize,
-    ignore_index: i32,
+    dims: &HeadDims,
 ) -> usize {
     let _p = crate::profile::scope("lm_head_crossentropy");
+    let HeadDims { c, v, vp, offset, ignore_index } = *dims;
+    assert_eq!(offset, 0, "a vocabulary slice needs lm_head_crossentropy_vocab_parallel");
     let n = targets.len();
     assert_eq!(inp.len(), n * c);
     assert_eq!(weight.len(), vp * c);
@@ -66,16 +81,16 @@ pub fn lm_head_crossentropy(
             }
         });
         if let Some((dinp, dweight, _)) = grads.as_mut() {
-            chunk_grads(&mut dinp[r0 * c..(r0 + rows) * c], dweight, lg, x, weight, rows, vp, c);
+            chunk_grads(&mut dinp[r0 * c..(r0 + rows) * c], dweight, lg, x, weight, rows, dims);
         }
     }
     targets.iter().filter(|&&t| t != ignore_index).count()
 }
 
 /// One chunk's backward through the head: `dinp = dlogits · weight` (overwritten) and
-/// `dweight += dlogitsᵀ · inp`, with `dlogits` `[rows, vp]`.
-#[allow(clippy::too_many_arguments)]
-fn chunk_grads(dinp: &mut [f32], dweight: &mut [f32], dlogits: &[f32], inp: &[f32], weight: &[f32], rows: usize, vp: usize, c: usize) {
+/// `dweight += dlogitsᵀ · inp`, with `dlogits` `[rows, Vp]`.
+fn chunk_grads(dinp: &mut [f32], dweight: &mut [f32], dlogits: &[f32], inp: &[f32], weight: &[f32], rows: usize, dims: &HeadDims) {
+    let HeadDims { c, vp, .. } = *dims;
     let dl = View::rows(dlogits, rows, vp);
     gemm(dinp, false, dl, View::rows(weight, vp, c), 1.0, Threads::All);
     gemm(dweight, true, dl.t(), View::rows(inp, rows, c), 1.0, Threads::All);
@@ -121,7 +136,8 @@ fn exp_sub_sum(x: &mut [f32], max: f32) -> f32 {
 
 /// [`lm_head_crossentropy`] with the vocabulary split over ranks (Megatron-LM's
 /// vocab-parallel cross-entropy): `weight` holds rows `offset .. offset + vl` of the whole
-/// head, of which the first `v_local` are real tokens (the rest padding). Per chunk of rows,
+/// head, of which the first `v_local` are real tokens (the rest padding): `dims` is
+/// `HeadDims { v: v_local, vp: vl, offset, .. }`. Per chunk of rows,
 /// each rank computes its logits, its log-sum-exp over its columns and its target logit (0
 /// where another rank owns the target); `gather` all-gathers `[lse | target logit]` of the
 /// chunk's rows across the ranks (rank order), and every rank combines them into the global
@@ -129,6 +145,8 @@ fn exp_sub_sum(x: &mut [f32], max: f32) -> f32 {
 /// Gradients: `dlogits = dloss·(exp(z − lse) − onehot)` on this rank's columns; `dweight`
 /// (this rank's rows) accumulates, `dinp` is overwritten with this rank's *partial* input
 /// gradient, which the caller sums over the ranks. The `[N, V]` logits never exist anywhere.
+// Eight arguments, kept: `lm_head_crossentropy`'s seven and the collective; no two of them
+// belong together (outputs, gradients, input, weight, targets, scratch, dims, communicator).
 #[allow(clippy::too_many_arguments)]
 pub fn lm_head_crossentropy_vocab_parallel(
     losses: &mut [f32],                                  // [N]
@@ -137,14 +155,11 @@ pub fn lm_head_crossentropy_vocab_parallel(
     weight: &[f32],                                      // [vl, C]
     targets: &[i32],                                     // [N], global ids
     scratch: &mut [f32],                                 // [R, vl]
-    c: usize,
-    v_local: usize,
-    vl: usize,
-    offset: usize,
-    ignore_index: i32,
+    dims: &HeadDims,
     gather: &mut dyn FnMut(&[f32]) -> Vec<f32>,
 ) -> usize {
     let _p = crate::profile::scope("lm_head_crossentropy_vocab_parallel");
+    let HeadDims { c, v: v_local, vp: vl, offset, ignore_index } = *dims;
     let n = targets.len();
     assert_eq!(inp.len(), n * c);
     assert_eq!(weight.len(), vl * c);
@@ -196,7 +211,7 @@ pub fn lm_head_crossentropy_vocab_parallel(
             }
         });
         if let Some((dinp, dweight, _)) = grads.as_mut() {
-            chunk_grads(&mut dinp[r0 * c..(r0 + rows) * c], dweight, lg, x, weight, rows, vl, c);
+            chunk_grads(&mut dinp[r0 * c..(r0 + rows) * c], dweight, lg, x, weight, rows, dims);
         }
     }
     targets.iter().filter(|&&t| t != ignore_index).count()

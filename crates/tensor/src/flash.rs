@@ -15,8 +15,8 @@
 //! the buffers that grow with `T` are backward's `D[B, NH, T]` and, only for the GQA schedule
 //! [`Schedule::PerQueryHead`], per-query-head partial `dk`, `dv` (`2·B·NH·T·HS`, twice `out`).
 //!
-//! Attention-probability dropout uses exactly the reference kernel's counter-based mask, indexed
-//! by the *query* head: element `(b·NH + h, i, j)` is kept iff
+//! Attention-probability dropout ([`AttnDropout`]) uses exactly the reference kernel's
+//! counter-based mask, indexed by the *query* head: element `(b·NH + h, i, j)` is kept iff
 //! `dropout_keep(seed, ((b·NH + h)·T + i)·T + j, p)` (NH and h the whole model's under tensor parallelism: [`GqaDims::mask_bh`]), scaled by `1/(1-p)`, so this kernel and
 //! [`crate::attention`] agree with dropout on.
 //!
@@ -25,7 +25,7 @@
 //! key tile for `out` and `dq`; for the `dk`, `dv` of a kv head, the group's query heads in
 //! ascending order and, within each, ascending query tile.
 
-use crate::attention::AttnDims;
+use crate::attention::{AttnDims, AttnDropout};
 use crate::llama::GqaDims;
 use crate::matmul::{gemm_raw, Threads, View};
 use crate::ops::dropout_keep;
@@ -60,10 +60,11 @@ impl Default for Tiles {
 /// products, so they agree bit for bit. With `NKV == NH` there is one head per group and the
 /// products accumulate straight into `dqkv`, as the MHA kernel always did.
 #[doc(hidden)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Schedule {
     /// The schedule with the least estimated time for this shape and pool size: `PerHead` when
     /// the (batch, kv head) tasks fill the pool evenly, else (GQA) `PerQueryHead` or `TwoPass`.
+    #[default]
     Auto,
     /// One task per (batch, kv head): key tiles outer, then the group's query heads, then query
     /// tiles; `dq`, `dk` and `dv` all accumulated in that task. Least work (every score tile is
@@ -79,6 +80,17 @@ pub enum Schedule {
     PerQueryHead,
 }
 
+/// How [`flash_attention_backward_with`] / [`flash_gqa_backward_with`] run: the public
+/// backward's dropout, plus the tile sizes (the forward's) and the schedule. The public kernels
+/// use `BwdOpts { dropout, ..BwdOpts::default() }`.
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct BwdOpts {
+    pub dropout: AttnDropout,
+    pub tiles: Tiles,
+    pub schedule: Schedule,
+}
+
 /// Causal multi-head attention, FlashAttention-2 forward:
 /// `out[b,t,h·HS..] = Σ_j dropout(softmax_j(q·kᵀ/√HS))·v_j` and
 /// `lse[b,h,t] = ln Σ_{j≤t} exp(q_t·k_j/√HS)`. Overwrites `out` and `lse`.
@@ -88,15 +100,13 @@ pub fn flash_attention_forward(
     lse: &mut [f32],   // [B, NH, T]  log-sum-exp of each row's scaled scores
     qkv: &[f32],       // [B, T, 3C]  q, k, v; head h at columns h·HS..
     dims: &AttnDims,
-    dropout: f32,
-    seed: u64,
+    dropout: AttnDropout,
 ) {
-    flash_attention_forward_tiled(out, lse, qkv, dims, dropout, seed, Tiles::default());
+    flash_attention_forward_tiled(out, lse, qkv, dims, dropout, Tiles::default());
 }
 
 /// Backward of [`flash_attention_forward`], FlashAttention-2 style. Accumulates into `dqkv`.
 /// `out` and `lse` are the forward's outputs. [`flash_gqa_backward`] with `NKV == NH`.
-#[allow(clippy::too_many_arguments)]
 pub fn flash_attention_backward(
     dqkv: &mut [f32],  // [B, T, 3C]
     dout: &[f32],      // [B, T, C]
@@ -104,10 +114,9 @@ pub fn flash_attention_backward(
     out: &[f32],       // [B, T, C]
     lse: &[f32],       // [B, NH, T]
     dims: &AttnDims,
-    dropout: f32,
-    seed: u64,
+    dropout: AttnDropout,
 ) {
-    flash_attention_backward_with(dqkv, dout, qkv, out, lse, dims, dropout, seed, Tiles::default(), Schedule::Auto);
+    flash_attention_backward_with(dqkv, dout, qkv, out, lse, dims, BwdOpts { dropout, ..BwdOpts::default() });
 }
 
 /// Causal grouped-query attention, FlashAttention-2 forward: for query head `h` and its kv head
@@ -118,16 +127,14 @@ pub fn flash_gqa_forward(
     lse: &mut [f32],   // [B, NH, T]  log-sum-exp of each row's scaled scores
     qkv: &[f32],       // [B, T, W]   W = (NH + 2·NKV)·HS: [q heads | k heads | v heads]
     dims: &GqaDims,
-    dropout: f32,
-    seed: u64,
+    dropout: AttnDropout,
 ) {
-    flash_gqa_forward_tiled(out, lse, qkv, dims, dropout, seed, Tiles::default());
+    flash_gqa_forward_tiled(out, lse, qkv, dims, dropout, Tiles::default());
 }
 
 /// Backward of [`flash_gqa_forward`]. Accumulates into `dqkv`; `out` and `lse` are the
 /// forward's outputs. A kv head's `dk`, `dv` sum over its group's query heads in ascending
 /// order, whatever the thread count.
-#[allow(clippy::too_many_arguments)]
 pub fn flash_gqa_backward(
     dqkv: &mut [f32],  // [B, T, W]
     dout: &[f32],      // [B, T, C]
@@ -135,10 +142,9 @@ pub fn flash_gqa_backward(
     out: &[f32],       // [B, T, C]
     lse: &[f32],       // [B, NH, T]
     dims: &GqaDims,
-    dropout: f32,
-    seed: u64,
+    dropout: AttnDropout,
 ) {
-    flash_gqa_backward_with(dqkv, dout, qkv, out, lse, dims, dropout, seed, Tiles::default(), Schedule::Auto);
+    flash_gqa_backward_with(dqkv, dout, qkv, out, lse, dims, BwdOpts { dropout, ..BwdOpts::default() });
 }
 
 fn check_dims(dims: &GqaDims, tiles: Tiles, dropout: f32) {
@@ -240,11 +246,10 @@ pub fn flash_attention_forward_tiled(
     lse: &mut [f32],   // [B, NH, T]
     qkv: &[f32],       // [B, T, 3C]
     dims: &AttnDims,
-    dropout: f32,
-    seed: u64,
+    dropout: AttnDropout,
     tiles: Tiles,
 ) {
-    flash_gqa_forward_tiled(out, lse, qkv, &dims.as_gqa(), dropout, seed, tiles);
+    flash_gqa_forward_tiled(out, lse, qkv, &dims.as_gqa(), dropout, tiles);
 }
 
 #[doc(hidden)]
@@ -253,11 +258,11 @@ pub fn flash_gqa_forward_tiled(
     lse: &mut [f32],   // [B, NH, T]
     qkv: &[f32],       // [B, T, W]
     dims: &GqaDims,
-    dropout: f32,
-    seed: u64,
+    dropout: AttnDropout,
     tiles: Tiles,
 ) {
     let _p = crate::profile::scope("flash_attention_forward");
+    let AttnDropout { p: dropout, seed } = dropout;
     check_dims(dims, tiles, dropout);
     let GqaDims { b, t, nh, nkv, hs, .. } = *dims;
     let (c, w, group) = (nh * hs, (nh + 2 * nkv) * hs, nh / nkv);
@@ -300,7 +305,7 @@ pub fn flash_gqa_forward_tiled(
             let v = View { off: base + j0 * w + cols.v(g), ..k };
             // S = q·kᵀ·scale   [rows, ncols], row stride bc
             unsafe { gemm_raw(s.as_mut_ptr(), bc, false, q, k.t(), scale, Threads::One) };
-            online_softmax_tile(s, bc, rows, ncols, i0, j0, m, l, alpha);
+            online_softmax_tile(s, bc, Tile { i0, rows, j0, ncols }, m, l, alpha);
             for r in 0..rows {
                 if alpha[r] != 1.0 {
                     let a = alpha[r];
@@ -335,14 +340,22 @@ pub fn flash_gqa_forward_tiled(
     });
 }
 
+/// A score tile: query rows `i0 .. i0 + rows` against key columns `j0 .. j0 + ncols`.
+#[derive(Clone, Copy)]
+struct Tile {
+    i0: usize,
+    rows: usize,
+    j0: usize,
+    ncols: usize,
+}
+
 crate::multiversion! {
-    /// One online-softmax step over a score tile: for each row, new max, `s ← exp(s − m_new)`
-    /// on the causal part (0 elsewhere), `l ← l·α + Σ s` with `α = exp(m_old − m_new)`.
-    #[allow(clippy::too_many_arguments)]
-    fn online_softmax_tile(
-        s: &mut [f32], bc: usize, rows: usize, ncols: usize, i0: usize, j0: usize,
-        m: &mut [f32], l: &mut [f32], alpha: &mut [f32],
-    ) {
+    /// One online-softmax step over a score tile `s` (row stride `bc`): for each row, new max,
+    /// `s ← exp(s − m_new)` on the causal part (0 elsewhere), `l ← l·α + Σ s` with
+    /// `α = exp(m_old − m_new)`; `m`, `l`, `alpha` are the tile's rows' running max, running sum
+    /// and rescale factor.
+    fn online_softmax_tile(s: &mut [f32], bc: usize, tile: Tile, m: &mut [f32], l: &mut [f32], alpha: &mut [f32]) {
+        let Tile { i0, rows, j0, ncols } = tile;
         for r in 0..rows {
             let vr = valid_cols(i0 + r, j0, ncols);
             let row = &mut s[r * bc..r * bc + ncols];
@@ -397,7 +410,6 @@ struct Ctx<'a> {
 }
 
 #[doc(hidden)]
-#[allow(clippy::too_many_arguments)]
 pub fn flash_attention_backward_with(
     dqkv: &mut [f32],  // [B, T, 3C]
     dout: &[f32],      // [B, T, C]
@@ -405,16 +417,12 @@ pub fn flash_attention_backward_with(
     out: &[f32],       // [B, T, C]
     lse: &[f32],       // [B, NH, T]
     dims: &AttnDims,
-    dropout: f32,
-    seed: u64,
-    tiles: Tiles,
-    schedule: Schedule,
+    opts: BwdOpts,
 ) {
-    flash_gqa_backward_with(dqkv, dout, qkv, out, lse, &dims.as_gqa(), dropout, seed, tiles, schedule);
+    flash_gqa_backward_with(dqkv, dout, qkv, out, lse, &dims.as_gqa(), opts);
 }
 
 #[doc(hidden)]
-#[allow(clippy::too_many_arguments)]
 pub fn flash_gqa_backward_with(
     dqkv: &mut [f32],  // [B, T, W]
     dout: &[f32],      // [B, T, C]
@@ -422,12 +430,10 @@ pub fn flash_gqa_backward_with(
     out: &[f32],       // [B, T, C]
     lse: &[f32],       // [B, NH, T]
     dims: &GqaDims,
-    dropout: f32,
-    seed: u64,
-    tiles: Tiles,
-    schedule: Schedule,
+    opts: BwdOpts,
 ) {
     let _p = crate::profile::scope("flash_attention_backward");
+    let BwdOpts { dropout: AttnDropout { p: dropout, seed }, tiles, schedule } = opts;
     check_dims(dims, tiles, dropout);
     let GqaDims { b, t, nh, nkv, hs, .. } = *dims;
     let (c, w, group) = (nh * hs, (nh + 2 * nkv) * hs, nh / nkv);
@@ -488,7 +494,7 @@ pub fn flash_gqa_backward_with(
                 // Safety: task bh alone writes rows bh·T.. of the partials, and the q columns
                 // of head h of batch bi in dqkv.
                 let (dk, dv) = unsafe { (kpp.0.add((bh * t + j0) * hs), vpp.0.add((bh * t + j0) * hs)) };
-                head_key_tile(&ctx, sc, bi, h, jt, dk, dv, hs, true);
+                head_key_tile(&ctx, sc, bi, h, jt, DkDv { dk, dv, ld: hs }, true);
             }
         });
         // dk_g += Σ_h partial_h, ascending h (the order `key_tile` adds them in).
@@ -566,14 +572,14 @@ fn key_tile(x: &Ctx, sc: &mut BwdScratch, bg: usize, jt: usize, with_dq: bool) {
         (r.add(cols.k(g)), r.add(cols.v(g)))
     };
     if x.group == 1 {
-        head_key_tile(x, sc, bi, g, jt, dk, dv, w, with_dq);
+        head_key_tile(x, sc, bi, g, jt, DkDv { dk, dv, ld: w }, with_dq);
         return;
     }
     let (mut kp, mut vp) = (std::mem::take(&mut sc.kp), std::mem::take(&mut sc.vp));
     for h in g * x.group..(g + 1) * x.group {
         kp[..ncols * hs].fill(0.0);
         vp[..ncols * hs].fill(0.0);
-        head_key_tile(x, sc, bi, h, jt, kp.as_mut_ptr(), vp.as_mut_ptr(), hs, with_dq);
+        head_key_tile(x, sc, bi, h, jt, DkDv { dk: kp.as_mut_ptr(), dv: vp.as_mut_ptr(), ld: hs }, with_dq);
         for r in 0..ncols {
             // Safety: as above.
             unsafe {
@@ -585,12 +591,20 @@ fn key_tile(x: &Ctx, sc: &mut BwdScratch, bg: usize, jt: usize, with_dq: bool) {
     (sc.kp, sc.vp) = (kp, vp);
 }
 
+/// Where one key tile's `dk`, `dv` accumulate: two `[ncols, HS]` blocks, row stride `ld`.
+#[derive(Clone, Copy)]
+struct DkDv {
+    dk: *mut f32,
+    dv: *mut f32,
+    ld: usize,
+}
+
 /// Query head `h` of batch `bi` against key tile `jt` of its kv head, query tiles ascending:
-/// `dk += dSᵀ·q·scale`, `dv += Pdᵀ·dO` into the `[ncols, HS]` blocks at `dk`, `dv` (row stride
-/// `ld`), and `dq += dS·k·scale` in `dqkv` when `with_dq`. The caller must own those blocks
-/// (and, with `with_dq`, head h's q columns of batch bi).
-#[allow(clippy::too_many_arguments)]
-fn head_key_tile(x: &Ctx, sc: &mut BwdScratch, bi: usize, h: usize, jt: usize, dk: *mut f32, dv: *mut f32, ld: usize, with_dq: bool) {
+/// `dk += dSᵀ·q·scale`, `dv += Pdᵀ·dO` into the blocks of `dkdv`, and `dq += dS·k·scale` in
+/// `dqkv` when `with_dq`. The caller must own those blocks (and, with `with_dq`, head h's q
+/// columns of batch bi).
+fn head_key_tile(x: &Ctx, sc: &mut BwdScratch, bi: usize, h: usize, jt: usize, dkdv: DkDv, with_dq: bool) {
+    let DkDv { dk, dv, ld } = dkdv;
     let (t, c, w, hs, cols) = (x.t, x.c, x.w, x.hs, x.cols);
     let g = h / x.group;
     let bh = bi * x.nh + h;

@@ -126,57 +126,44 @@ pub fn rope_table(theta: f32, hs: usize, max_t: usize) -> (Vec<f32>, Vec<f32>) {
 }
 
 /// Rotates the q and k heads of every token of `qkv` in place, token `(b, t)` by position
-/// `pos_offset + t` (`pos_offset > 0` when decoding with a KV cache). v is untouched.
+/// `pos_offset + t` (`pos_offset > 0` when decoding with a KV cache). v is untouched. Reads
+/// `B, T, NH, NKV, HS` of `dims` (not the dropout placement).
 /// "Forward overwrites": the rotated values replace the inputs.
-#[allow(clippy::too_many_arguments)]
 pub fn rope_forward(
     qkv: &mut [f32],   // [B, T, W]
     cos: &[f32],       // [maxT, HS/2]
     sin: &[f32],       // [maxT, HS/2]
-    b: usize,
-    t: usize,
-    nh: usize,
-    nkv: usize,
-    hs: usize,
+    dims: &GqaDims,
     pos_offset: usize,
 ) {
     let _p = crate::profile::scope("rope_forward");
-    rope_apply(qkv, cos, sin, b, t, nh, nkv, hs, pos_offset, false);
+    rope_apply(qkv, cos, sin, dims, pos_offset, false);
 }
 
 /// Backward of [`rope_forward`], in place: `dqkv` holds the gradient with respect to the
 /// *rotated* q and k (and v) and is replaced by the gradient with respect to the unrotated
 /// ones — the inverse (transposed) rotation, since the map is linear and orthogonal. Not an
 /// accumulation: call it on the finished `dqkv` of attention's backward, before the qkv matmul's.
-#[allow(clippy::too_many_arguments)]
 pub fn rope_backward(
     dqkv: &mut [f32],  // [B, T, W]
     cos: &[f32],       // [maxT, HS/2]
     sin: &[f32],       // [maxT, HS/2]
-    b: usize,
-    t: usize,
-    nh: usize,
-    nkv: usize,
-    hs: usize,
+    dims: &GqaDims,
     pos_offset: usize,
 ) {
     let _p = crate::profile::scope("rope_backward");
-    rope_apply(dqkv, cos, sin, b, t, nh, nkv, hs, pos_offset, true);
+    rope_apply(dqkv, cos, sin, dims, pos_offset, true);
 }
 
-#[allow(clippy::too_many_arguments)]
 fn rope_apply(
     x: &mut [f32],     // [B, T, W]
     cos: &[f32],       // [maxT, HS/2]
     sin: &[f32],       // [maxT, HS/2]
-    b: usize,
-    t: usize,
-    nh: usize,
-    nkv: usize,
-    hs: usize,
+    dims: &GqaDims,
     pos_offset: usize,
     inverse: bool,
 ) {
+    let GqaDims { b, t, nh, nkv, hs, .. } = *dims;
     assert!(hs.is_multiple_of(2), "rotary head size must be even");
     let half = hs / 2;
     let w = (nh + 2 * nkv) * hs;

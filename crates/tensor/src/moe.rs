@@ -151,6 +151,36 @@ impl MoeDims {
     }
 }
 
+/// What [`moe_forward`] reads and [`moe_backward`] differentiates: the tokens and the three
+/// weight blocks (their layouts in the module docs).
+#[derive(Clone, Copy, Debug)]
+pub struct MoeInputs<'a> {
+    /// tokens                                          [N, C]
+    pub x: &'a [f32],
+    /// router                                          [E, C]
+    pub router_w: &'a [f32],
+    /// this rank's routed experts (all `E` without expert parallelism)   [E/P, 3FC]
+    pub experts_w: &'a [f32],
+    /// shared experts                                  [S, 3FC]
+    pub shared_w: &'a [f32],
+}
+
+/// The gradients of [`MoeInputs`], field for field; [`moe_backward`] accumulates into them.
+#[derive(Debug)]
+pub struct MoeGrads<'a> {
+    pub dx: &'a mut [f32],
+    pub drouter_w: &'a mut [f32],
+    pub dexperts_w: &'a mut [f32],
+    pub dshared_w: &'a mut [f32],
+}
+
+/// The weights of the routing losses in the objective: `aux·aux_loss + z·z_loss`.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct MoeLossWeights {
+    pub aux: f32,
+    pub z: f32,
+}
+
 /// Routing statistics of one forward call.
 #[derive(Clone, Debug, PartialEq)]
 pub struct MoeStats {
@@ -356,22 +386,19 @@ fn expert_views(w: &[f32], c: usize, f: usize) -> (&[f32], &[f32]) {
 
 /// The MoE layer: `y = Σ_shared s(x) + Σ_selected gate·expert(x)`. Overwrites `y` and `cache`;
 /// returns the routing losses (see the module docs) and statistics. With `ep` the routed
-/// experts are spread over its ranks and `experts_w` holds this rank's `E/P` of them (see the
-/// module docs); collective over `ep`'s group.
-#[allow(clippy::too_many_arguments)]
+/// experts are spread over its ranks and `inp.experts_w` holds this rank's `E/P` of them (see
+/// the module docs); collective over `ep`'s group.
 pub fn moe_forward(
     y: &mut [f32],           // [N, C]
     cache: &mut MoeCache,
-    x: &[f32],               // [N, C]
-    router_w: &[f32],        // [E, C]
-    experts_w: &[f32],       // [E/P, 3FC]  per expert [w1 (gate) F×C | w3 (up) F×C | w2 (down) C×F]
-    shared_w: &[f32],        // [S, 3FC]  same layout
+    inp: MoeInputs,          // x [N, C], router_w [E, C], experts_w [E/P, 3FC], shared_w [S, 3FC]
     dims: &MoeDims,
-    aux_weight: f32,
-    z_weight: f32,
+    loss: MoeLossWeights,
     ep: Option<&mut dyn MoeExchange>,
 ) -> MoeStats {
     let _p = crate::profile::scope("moe_forward");
+    let MoeInputs { x, router_w, experts_w, shared_w } = inp;
+    let MoeLossWeights { aux: aux_weight, z: z_weight } = loss;
     assert_eq!(*dims, cache.dims, "MoeCache built for other dims");
     let MoeDims { n, c, f, e, k, n_shared: s, renormalize, .. } = *dims;
     assert_eq!(y.len(), n * c);
@@ -417,7 +444,7 @@ pub fn moe_forward(
     let (ep_rows_sent, ep_rows_received) = match ep {
         Some(ex) if ex.size() > 1 => ep_experts_forward(cache, experts_w, ex, rows),
         _ => {
-            experts_forward(&mut cache.eo, &mut cache.gu, &mut cache.h, &cache.xe, &cache.offsets, experts_w, c, f);
+            experts_forward(&mut cache.eo, &mut cache.gu, &mut cache.h, &cache.xe, &cache.offsets, experts_w, dims);
             (0, 0)
         }
     };
@@ -465,7 +492,6 @@ fn ep_size(ep: &Option<&mut dyn MoeExchange>, e: usize) -> usize {
 }
 
 /// Experts `0..El` over their packed rows (`offsets[j]..offsets[j+1]`, `[El + 1]`), in order.
-#[allow(clippy::too_many_arguments)]
 fn experts_forward(
     eo: &mut [f32],        // [R, C]
     gu: &mut [f32],        // [R, 2F]
@@ -473,9 +499,9 @@ fn experts_forward(
     xe: &[f32],            // [R, C]
     offsets: &[usize],     // [El + 1]
     experts_w: &[f32],     // [El, 3FC]
-    c: usize,
-    f: usize,
+    dims: &MoeDims,
 ) {
+    let MoeDims { c, f, .. } = *dims;
     let es = 3 * f * c;
     for ex in 0..offsets.len() - 1 {
         let (r0, r1) = (offsets[ex], offsets[ex + 1]);
@@ -487,7 +513,8 @@ fn experts_forward(
 /// this rank's experts on what it received, and the outputs back into `eo` (packed order).
 /// Returns the rows sent to and received from other ranks.
 fn ep_experts_forward(cache: &mut MoeCache, experts_w: &[f32], ex: &mut dyn MoeExchange, rows: usize) -> (usize, usize) {
-    let MoeDims { c, f, e, .. } = cache.dims;
+    let dims = cache.dims;
+    let MoeDims { c, f, e, .. } = dims;
     let p = ex.size();
     let el = e / p;
     let MoeCache { offsets, xe, eo, ep, .. } = cache;
@@ -504,7 +531,7 @@ fn ep_experts_forward(cache: &mut MoeCache, experts_w: &[f32], ex: &mut dyn MoeE
     let runs = ep_runs(&ep.recv, p, el);
     ep_permute(&mut ep.xl, &ep.buf, &runs, c, true);
     let lo = local_offsets(&ep.recv, p, el);
-    experts_forward(&mut ep.eol, &mut ep.gul, &mut ep.hl, &ep.xl, &lo, experts_w, c, f);
+    experts_forward(&mut ep.eol, &mut ep.gul, &mut ep.hl, &ep.xl, &lo, experts_w, &dims);
     ep_permute(&mut ep.buf, &ep.eol, &runs, c, false);
     ex.exchange_rows(&ep.buf[..rl * c], &recv_rows, &mut eo[..rows * c], &send_rows, c);
     (rows - send_rows[ex.rank()], rl - recv_rows[ex.rank()])
@@ -656,29 +683,24 @@ fn expert_forward(
 // ---------------------------------------------------------------------------------------------
 // Backward
 
-/// Backward of [`moe_forward`] for the total `L = ⟨dy, y⟩ + aux_weight·aux + z_weight·z`.
-/// Accumulates into `dx`, `drouter_w`, `dexperts_w` and `dshared_w`; `cache` must hold the
-/// forward of the same inputs (its scratch is overwritten). With `ep` (the forward's group),
-/// `dexperts_w` and `experts_w` are this rank's experts, whose gradient collects the rows every
-/// rank of the group sent them; collective over `ep`'s group.
-#[allow(clippy::too_many_arguments)]
+/// Backward of [`moe_forward`] for the total `L = ⟨dy, y⟩ + loss.aux·aux + loss.z·z`.
+/// Accumulates into every field of `grads`; `cache` must hold the forward of the same inputs
+/// (its scratch is overwritten). With `ep` (the forward's group), `dexperts_w` and `experts_w`
+/// are this rank's experts, whose gradient collects the rows every rank of the group sent
+/// them; collective over `ep`'s group.
 pub fn moe_backward(
-    dx: &mut [f32],          // [N, C]
-    drouter_w: &mut [f32],   // [E, C]
-    dexperts_w: &mut [f32],  // [E/P, 3FC]
-    dshared_w: &mut [f32],   // [S, 3FC]
+    grads: MoeGrads,         // dx [N, C], drouter_w [E, C], dexperts_w [E/P, 3FC], dshared_w [S, 3FC]
     dy: &[f32],              // [N, C]
     cache: &mut MoeCache,
-    x: &[f32],               // [N, C]
-    router_w: &[f32],        // [E, C]
-    experts_w: &[f32],       // [E/P, 3FC]
-    shared_w: &[f32],        // [S, 3FC]
+    inp: MoeInputs,          // x [N, C], router_w [E, C], experts_w [E/P, 3FC], shared_w [S, 3FC]
     dims: &MoeDims,
-    aux_weight: f32,
-    z_weight: f32,
+    loss: MoeLossWeights,
     ep: Option<&mut dyn MoeExchange>,
 ) {
     let _p = crate::profile::scope("moe_backward");
+    let MoeGrads { dx, drouter_w, dexperts_w, dshared_w } = grads;
+    let MoeInputs { x, router_w, experts_w, shared_w } = inp;
+    let MoeLossWeights { aux: aux_weight, z: z_weight } = loss;
     assert_eq!(*dims, cache.dims, "MoeCache built for other dims");
     let MoeDims { n, c, f, e, k, n_shared: s, renormalize, .. } = *dims;
     assert_eq!(dx.len(), n * c);
@@ -726,11 +748,12 @@ pub fn moe_backward(
             let runs = ep_runs(&epc.recv, p, el);
             ep_permute(&mut epc.dl, &epc.buf, &runs, c, true);
             let lo = local_offsets(&epc.recv, p, el);
-            experts_backward(&mut epc.dl, dh, dgu, dexperts_w, &epc.xl, &epc.gul, &epc.hl, &lo, experts_w, c, f);
+            let acts = ExpertActs { xe: &epc.xl, gu: &epc.gul, h: &epc.hl };
+            experts_backward(ExpertGrads { deo: &mut epc.dl, dh, dgu }, dexperts_w, acts, &lo, experts_w, dims);
             ep_permute(&mut epc.buf, &epc.dl, &runs, c, false);
             ex.exchange_rows(&epc.buf[..rl * c], &recv_rows, &mut deo[..rows * c], &send_rows, c);
         }
-        _ => experts_backward(deo, dh, dgu, dexperts_w, xe, gu, h, offsets, experts_w, c, f),
+        _ => experts_backward(ExpertGrads { deo, dh, dgu }, dexperts_w, ExpertActs { xe, gu, h }, offsets, experts_w, dims),
     }
     // Dispatch backward: dx[t] += Σ_j dxe[slot[t, j]] in rank order.
     let dxe = &deo[..rows * c];
@@ -797,33 +820,48 @@ pub fn moe_backward(
     gemm(drouter_w, true, View::rows(dlogits, n, e).t(), View::rows(x, n, c), 1.0, Threads::All);
 }
 
-/// Backward of [`experts_forward`]: accumulates into `dexperts_w`; replaces `deo` (d(output)
-/// in) with d(xe) (out). `dh`, `dgu` are scratch of at least `R` rows.
-#[allow(clippy::too_many_arguments)]
+/// What forward saved of the experts over `M` packed rows: their inputs and activations.
+#[derive(Clone, Copy)]
+struct ExpertActs<'a> {
+    xe: &'a [f32],  // [M, C]   dispatched tokens
+    gu: &'a [f32],  // [M, 2F]  pre-activations [gate | up]
+    h: &'a [f32],   // [M, F]   activations
+}
+
+impl<'a> ExpertActs<'a> {
+    /// Packed rows `r0..r1`.
+    fn rows(self, r0: usize, r1: usize, c: usize, f: usize) -> ExpertActs<'a> {
+        ExpertActs { xe: &self.xe[r0 * c..r1 * c], gu: &self.gu[r0 * 2 * f..r1 * 2 * f], h: &self.h[r0 * f..r1 * f] }
+    }
+}
+
+/// The experts' backward buffers over `M` packed rows: `deo` holds d(output) on entry and
+/// d(xe) on return; `dh`, `dgu` are scratch.
+struct ExpertGrads<'a> {
+    deo: &'a mut [f32],  // [M, C]
+    dh: &'a mut [f32],   // [≥ M, F]
+    dgu: &'a mut [f32],  // [≥ M, 2F]
+}
+
+/// Backward of [`experts_forward`]: accumulates into `dexperts_w`; replaces `g.deo` (d(output)
+/// in) with d(xe) (out). `g.dh`, `g.dgu` are scratch of at least `R` rows.
 fn experts_backward(
-    deo: &mut [f32],        // [R, C]
-    dh: &mut [f32],         // [≥ R, F]
-    dgu: &mut [f32],        // [≥ R, 2F]
+    g: ExpertGrads,         // deo [R, C], dh [≥ R, F], dgu [≥ R, 2F]
     dexperts_w: &mut [f32], // [El, 3FC]
-    xe: &[f32],             // [R, C]
-    gu: &[f32],             // [R, 2F]
-    h: &[f32],              // [R, F]
+    acts: ExpertActs,       // xe [R, C], gu [R, 2F], h [R, F]
     offsets: &[usize],      // [El + 1]
     experts_w: &[f32],      // [El, 3FC]
-    c: usize,
-    f: usize,
+    dims: &MoeDims,
 ) {
+    let MoeDims { c, f, .. } = *dims;
+    let ExpertGrads { deo, dh, dgu } = g;
     let es = 3 * f * c;
     for ex in 0..offsets.len() - 1 {
         let (r0, r1) = (offsets[ex], offsets[ex + 1]);
         expert_backward(
-            &mut deo[r0 * c..r1 * c],
-            &mut dh[r0 * f..r1 * f],
-            &mut dgu[r0 * 2 * f..r1 * 2 * f],
+            ExpertGrads { deo: &mut deo[r0 * c..r1 * c], dh: &mut dh[r0 * f..r1 * f], dgu: &mut dgu[r0 * 2 * f..r1 * 2 * f] },
             &mut dexperts_w[ex * es..(ex + 1) * es],
-            &xe[r0 * c..r1 * c],
-            &gu[r0 * 2 * f..r1 * 2 * f],
-            &h[r0 * f..r1 * f],
+            acts.rows(r0, r1, c, f),
             &experts_w[ex * es..(ex + 1) * es],
             c,
             f,
@@ -831,21 +869,18 @@ fn experts_backward(
     }
 }
 
-/// Backward of [`expert_forward`]: accumulates into `dw`; replaces `deo` (d(output) in) with
-/// d(xe) (out). `dh`, `dgu` are scratch.
-#[allow(clippy::too_many_arguments)]
+/// Backward of [`expert_forward`]: accumulates into `dw`; replaces `g.deo` (d(output) in) with
+/// d(xe) (out). `g.dh`, `g.dgu` are scratch.
 fn expert_backward(
-    deo: &mut [f32],  // [M, C]  in: d(eo); out: d(xe)
-    dh: &mut [f32],   // [M, F]
-    dgu: &mut [f32],  // [M, 2F]
+    g: ExpertGrads,   // deo [M, C] (in: d(eo); out: d(xe)), dh [M, F], dgu [M, 2F]
     dw: &mut [f32],   // [3FC]
-    xe: &[f32],       // [M, C]
-    gu: &[f32],       // [M, 2F]
-    h: &[f32],        // [M, F]
+    acts: ExpertActs, // xe [M, C], gu [M, 2F], h [M, F]
     w: &[f32],        // [3FC]
     c: usize,
     f: usize,
 ) {
+    let ExpertGrads { deo, dh, dgu } = g;
+    let ExpertActs { xe, gu, h } = acts;
     let m = xe.len() / c;
     if m == 0 {
         return;

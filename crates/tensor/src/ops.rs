@@ -160,6 +160,8 @@ crate::multiversion! {
 }
 
 /// Backward of [`layernorm_forward`]. Accumulates into `dinp`, `dweight`, `dbias`.
+// Nine arguments, kept: llm.c's `layernorm_backward` signature, the example the kernel
+// conventions are written from.
 #[allow(clippy::too_many_arguments)]
 pub fn layernorm_backward(
     dinp: &mut [f32],            // [N, C]

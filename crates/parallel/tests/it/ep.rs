@@ -52,13 +52,12 @@ struct Out {
 
 /// Forward + backward of tokens `x`, `dy` (`d.n` of them) with `experts` (all, or this rank's
 /// block with `ep`).
-#[allow(clippy::too_many_arguments)]
 fn pass(d: &MoeDims, x: &[f32], dy: &[f32], l: &Layer, experts: &[f32], z: f32, mut ep: Option<&mut EpComm>) -> Out {
     let mut cache = MoeCache::new(*d);
     let mut y = vec![0.0; d.n * d.c];
-    let stats = moe_forward(&mut y, &mut cache, x, &l.router, experts, &l.shared, d, 0.0, z, ep.as_deref_mut().map(|e| e as &mut dyn MoeExchange));
+    let stats = moe_forward(&mut y, &mut cache, MoeInputs { x, router_w: &l.router, experts_w: experts, shared_w: &l.shared }, d, MoeLossWeights { aux: 0.0, z }, ep.as_deref_mut().map(|e| e as &mut dyn MoeExchange));
     let (mut dx, mut drouter, mut dexperts, mut dshared) = (vec![0.0; x.len()], vec![0.0; l.router.len()], vec![0.0; experts.len()], vec![0.0; l.shared.len()]);
-    moe_backward(&mut dx, &mut drouter, &mut dexperts, &mut dshared, dy, &mut cache, x, &l.router, experts, &l.shared, d, 0.0, z, ep.map(|e| e as &mut dyn MoeExchange));
+    moe_backward(MoeGrads { dx: &mut dx, drouter_w: &mut drouter, dexperts_w: &mut dexperts, dshared_w: &mut dshared }, dy, &mut cache, MoeInputs { x, router_w: &l.router, experts_w: experts, shared_w: &l.shared }, d, MoeLossWeights { aux: 0.0, z }, ep.map(|e| e as &mut dyn MoeExchange));
     Out { y, dx, drouter, dexperts, dshared, stats, a2a: (0, 0) }
 }
 
@@ -271,17 +270,17 @@ fn routing_statistics_over_the_batch_give_the_whole_layers_load_balancing_loss()
             let mut cache = MoeCache::new(local);
             let mut y = vec![0.0; n * local.c];
             let experts = &l.experts[r * el * es..(r + 1) * el * es];
-            let st = moe_forward(&mut y, &mut cache, &l.x[tok.clone()], &l.router, experts, &l.shared, &local, aux / p as f32, 0.0, Some(&mut ex));
+            let st = moe_forward(&mut y, &mut cache, MoeInputs { x: &l.x[tok.clone()], router_w: &l.router, experts_w: experts, shared_w: &l.shared }, &local, MoeLossWeights { aux: aux / p as f32, z: 0.0 }, Some(&mut ex));
             let (mut dx, mut dr, mut de, mut ds) = (vec![0.0; n * local.c], vec![0.0; l.router.len()], vec![0.0; experts.len()], vec![0.0; 0]);
-            moe_backward(&mut dx, &mut dr, &mut de, &mut ds, &l.dy[tok.clone()], &mut cache, &l.x[tok], &l.router, experts, &l.shared, &local, aux / p as f32, 0.0, Some(&mut ex));
+            moe_backward(MoeGrads { dx: &mut dx, drouter_w: &mut dr, dexperts_w: &mut de, dshared_w: &mut ds }, &l.dy[tok.clone()], &mut cache, MoeInputs { x: &l.x[tok], router_w: &l.router, experts_w: experts, shared_w: &l.shared }, &local, MoeLossWeights { aux: aux / p as f32, z: 0.0 }, Some(&mut ex));
             (st.aux_loss, dx, dr)
         })
     };
     let mut cache = MoeCache::new(whole_d);
     let mut y = vec![0.0; p * n * local.c];
-    let st = moe_forward(&mut y, &mut cache, &l.x, &l.router, &l.experts, &l.shared, &whole_d, aux, 0.0, None);
+    let st = moe_forward(&mut y, &mut cache, MoeInputs { x: &l.x, router_w: &l.router, experts_w: &l.experts, shared_w: &l.shared }, &whole_d, MoeLossWeights { aux, z: 0.0 }, None);
     let (mut dx, mut dr, mut de, mut ds) = (vec![0.0; l.x.len()], vec![0.0; l.router.len()], vec![0.0; l.experts.len()], vec![0.0; 0]);
-    moe_backward(&mut dx, &mut dr, &mut de, &mut ds, &l.dy, &mut cache, &l.x, &l.router, &l.experts, &l.shared, &whole_d, aux, 0.0, None);
+    moe_backward(MoeGrads { dx: &mut dx, drouter_w: &mut dr, dexperts_w: &mut de, dshared_w: &mut ds }, &l.dy, &mut cache, MoeInputs { x: &l.x, router_w: &l.router, experts_w: &l.experts, shared_w: &l.shared }, &whole_d, MoeLossWeights { aux, z: 0.0 }, None);
     let grouped = run(true);
     let mut drouter = vec![0.0f32; dr.len()];
     for (r, (a, g, d)) in grouped.iter().enumerate() {

@@ -94,7 +94,7 @@ pub fn hf_attention_residual(x: &mut [f32], st: &SafeTensors, l: usize, d: &tens
     rmsnorm_forward(&mut h, &mut rstd, x, &p("input_layernorm.weight", &[c]), 1e-5, c);
     let wqkv = [p("self_attn.q_proj.weight", &[nh * hs, c]), p("self_attn.k_proj.weight", &[nkv * hs, c]), p("self_attn.v_proj.weight", &[nkv * hs, c])].concat();
     matmul_forward(&mut qkv, &h, &wqkv, None, n, c, w);
-    rope_forward(&mut qkv, cos, sin, b, t, nh, nkv, hs, 0);
+    rope_forward(&mut qkv, cos, sin, d, 0);
     gqa_attention_forward(&mut y, &mut att, &qkv, d);
     matmul_forward(&mut h, &y, &p("self_attn.o_proj.weight", &[c, c]), None, n, c, c);
     add_into(x, &h);

@@ -15,22 +15,22 @@ fn dims(b: usize, t: usize, nh: usize, hs: usize) -> AttnDims {
 
 fn flash_fwd(qkv: &[f32], d: &AttnDims, p: f32, seed: u64, tiles: Tiles) -> (Vec<f32>, Vec<f32>) {
     let (mut o, mut l) = (vec![f32::NAN; d.b * d.t * d.c], vec![f32::NAN; d.b * d.nh * d.t]);
-    flash_attention_forward_tiled(&mut o, &mut l, qkv, d, p, seed, tiles);
+    flash_attention_forward_tiled(&mut o, &mut l, qkv, d, AttnDropout { p, seed }, tiles);
     (o, l)
 }
 
 fn flash_bwd(dout: &[f32], qkv: &[f32], d: &AttnDims, p: f32, seed: u64, tiles: Tiles, sched: Schedule) -> Vec<f32> {
     let (o, l) = flash_fwd(qkv, d, p, seed, tiles);
     let mut dqkv = vec![0.0; qkv.len()];
-    flash_attention_backward_with(&mut dqkv, dout, qkv, &o, &l, d, p, seed, tiles, sched);
+    flash_attention_backward_with(&mut dqkv, dout, qkv, &o, &l, d, BwdOpts { dropout: AttnDropout { p, seed }, tiles, schedule: sched });
     dqkv
 }
 
 fn reference(qkv: &[f32], dout: &[f32], d: &AttnDims, p: f32, seed: u64) -> (Vec<f32>, Vec<f32>) {
     let (mut o, mut a) = (vec![0.0; d.b * d.t * d.c], vec![0.0; d.b * d.nh * d.t * d.t]);
-    attention_forward(&mut o, &mut a, qkv, d, p, seed);
+    attention_forward(&mut o, &mut a, qkv, d, AttnDropout { p, seed });
     let mut dqkv = vec![0.0; qkv.len()];
-    attention_backward(&mut dqkv, dout, qkv, &a, d, p, seed);
+    attention_backward(&mut dqkv, dout, qkv, &a, d, AttnDropout { p, seed });
     (o, dqkv)
 }
 
@@ -73,7 +73,7 @@ fn forward_matches_reference() {
                 let (o, l) = flash_fwd(&qkv, &d, p, 77, Tiles::default());
                 let mut ro = vec![0.0; o.len()];
                 let mut att = vec![0.0; d.b * d.nh * t * t];
-                attention_forward(&mut ro, &mut att, &qkv, &d, p, 77);
+                attention_forward(&mut ro, &mut att, &qkv, &d, AttnDropout { p, seed: 77 });
                 let (eo, el) = (max_err(&o, &ro), max_err(&l, &reference_lse(&qkv, &d)));
                 assert!(eo < 1e-5, "out T={t} HS={hs} p={p}: err {eo}");
                 assert!(el < 1e-5, "lse T={t} HS={hs} p={p}: err {el}");
@@ -163,9 +163,9 @@ fn deterministic_across_thread_counts_and_schedules() {
         let dout = randn(&mut rng, b * d.t * d.c, 1.0);
         let run = || {
             let (mut o, mut l) = (vec![0.0; b * d.t * d.c], vec![0.0; b * nh * d.t]);
-            flash_attention_forward(&mut o, &mut l, &qkv, &d, p, 8);
+            flash_attention_forward(&mut o, &mut l, &qkv, &d, AttnDropout { p, seed: 8 });
             let mut g = vec![0.0; qkv.len()];
-            flash_attention_backward(&mut g, &dout, &qkv, &o, &l, &d, p, 8);
+            flash_attention_backward(&mut g, &dout, &qkv, &o, &l, &d, AttnDropout { p, seed: 8 });
             (o, l, g)
         };
         let one = in_pool(1, run);
@@ -187,9 +187,9 @@ fn backward_accumulates() {
     for p in [0.0f32, 0.2] {
         let (o, l) = flash_fwd(&qkv, &d, p, 2, Tiles::default());
         let mut g = vec![0.0; qkv.len()];
-        flash_attention_backward(&mut g, &dout, &qkv, &o, &l, &d, p, 2);
+        flash_attention_backward(&mut g, &dout, &qkv, &o, &l, &d, AttnDropout { p, seed: 2 });
         let once = g.clone();
-        flash_attention_backward(&mut g, &dout, &qkv, &o, &l, &d, p, 2);
+        flash_attention_backward(&mut g, &dout, &qkv, &o, &l, &d, AttnDropout { p, seed: 2 });
         let twice: Vec<f32> = once.iter().map(|x| 2.0 * x).collect();
         assert!(max_err(&g, &twice) < 1e-6, "p={p}: second call did not add");
         assert!(once.iter().any(|&x| x != 0.0));
@@ -258,7 +258,7 @@ fn long_sequence_matches_direct_rows() {
     }
     let dout = randn(&mut rng, t * c, 1.0);
     let mut g = vec![0.0; qkv.len()];
-    flash_attention_backward(&mut g, &dout, &qkv, &o, &l, &d, 0.1, 0);
+    flash_attention_backward(&mut g, &dout, &qkv, &o, &l, &d, AttnDropout { p: 0.1, seed: 0 });
     assert!(g.iter().all(|x| x.is_finite()));
 }
 
@@ -269,15 +269,14 @@ const SCHEDULES: [Schedule; 4] = [Schedule::Auto, Schedule::PerHead, Schedule::T
 
 fn gqa_flash_fwd(qkv: &[f32], d: &GqaDims, p: f32, seed: u64, tiles: Tiles) -> (Vec<f32>, Vec<f32>) {
     let (mut o, mut l) = (vec![f32::NAN; d.b * d.t * d.c()], vec![f32::NAN; d.b * d.nh * d.t]);
-    flash_gqa_forward_tiled(&mut o, &mut l, qkv, d, p, seed, tiles);
+    flash_gqa_forward_tiled(&mut o, &mut l, qkv, d, AttnDropout { p, seed }, tiles);
     (o, l)
 }
 
-#[allow(clippy::too_many_arguments)]
 fn gqa_flash_bwd(dout: &[f32], qkv: &[f32], d: &GqaDims, p: f32, seed: u64, tiles: Tiles, sched: Schedule) -> Vec<f32> {
     let (o, l) = gqa_flash_fwd(qkv, d, p, seed, tiles);
     let mut dqkv = vec![0.0; qkv.len()];
-    flash_gqa_backward_with(&mut dqkv, dout, qkv, &o, &l, d, p, seed, tiles, sched);
+    flash_gqa_backward_with(&mut dqkv, dout, qkv, &o, &l, d, BwdOpts { dropout: AttnDropout { p, seed }, tiles, schedule: sched });
     dqkv
 }
 
@@ -420,19 +419,19 @@ fn gqa_with_nkv_equal_nh_is_the_mha_kernel_bit_for_bit() {
         assert!(o == mo && l == ml, "forward T={t} p={p}");
         for sched in SCHEDULES {
             let (mut g, mut mg) = (init.clone(), init.clone());
-            flash_gqa_backward_with(&mut g, &dout, &qkv, &o, &l, &d, p, 21, tiles, sched);
-            flash_attention_backward_with(&mut mg, &dout, &qkv, &mo, &ml, &md, p, 21, tiles, sched);
+            flash_gqa_backward_with(&mut g, &dout, &qkv, &o, &l, &d, BwdOpts { dropout: AttnDropout { p, seed: 21 }, tiles, schedule: sched });
+            flash_attention_backward_with(&mut mg, &dout, &qkv, &mo, &ml, &md, BwdOpts { dropout: AttnDropout { p, seed: 21 }, tiles, schedule: sched });
             assert!(g == mg, "backward T={t} p={p} {sched:?}");
         }
         // The public entry points too.
         let (mut o2, mut l2) = (vec![0.0; o.len()], vec![0.0; l.len()]);
-        flash_gqa_forward(&mut o2, &mut l2, &qkv, &d, p, 21);
+        flash_gqa_forward(&mut o2, &mut l2, &qkv, &d, AttnDropout { p, seed: 21 });
         let (mut mo2, mut ml2) = (vec![0.0; o.len()], vec![0.0; l.len()]);
-        flash_attention_forward(&mut mo2, &mut ml2, &qkv, &md, p, 21);
+        flash_attention_forward(&mut mo2, &mut ml2, &qkv, &md, AttnDropout { p, seed: 21 });
         assert!(o2 == mo2 && l2 == ml2);
         let (mut g, mut mg) = (init.clone(), init.clone());
-        flash_gqa_backward(&mut g, &dout, &qkv, &o2, &l2, &d, p, 21);
-        flash_attention_backward(&mut mg, &dout, &qkv, &mo2, &ml2, &md, p, 21);
+        flash_gqa_backward(&mut g, &dout, &qkv, &o2, &l2, &d, AttnDropout { p, seed: 21 });
+        flash_attention_backward(&mut mg, &dout, &qkv, &mo2, &ml2, &md, AttnDropout { p, seed: 21 });
         assert!(g == mg);
     }
 }
@@ -469,9 +468,9 @@ fn gqa_deterministic_across_thread_counts_and_schedules() {
         let dout = randn(&mut rng, b * d.t * d.c(), 1.0);
         let run = || {
             let (mut o, mut l) = (vec![0.0; b * d.t * d.c()], vec![0.0; b * nh * d.t]);
-            flash_gqa_forward(&mut o, &mut l, &qkv, &d, p, 8);
+            flash_gqa_forward(&mut o, &mut l, &qkv, &d, AttnDropout { p, seed: 8 });
             let mut g = vec![0.0; qkv.len()];
-            flash_gqa_backward(&mut g, &dout, &qkv, &o, &l, &d, p, 8);
+            flash_gqa_backward(&mut g, &dout, &qkv, &o, &l, &d, AttnDropout { p, seed: 8 });
             (o, l, g)
         };
         let one = in_pool(1, run);
@@ -493,9 +492,9 @@ fn gqa_backward_accumulates() {
     for p in [0.0f32, 0.2] {
         let (o, l) = gqa_flash_fwd(&qkv, &d, p, 2, Tiles::default());
         let mut g = vec![0.0; qkv.len()];
-        flash_gqa_backward(&mut g, &dout, &qkv, &o, &l, &d, p, 2);
+        flash_gqa_backward(&mut g, &dout, &qkv, &o, &l, &d, AttnDropout { p, seed: 2 });
         let once = g.clone();
-        flash_gqa_backward(&mut g, &dout, &qkv, &o, &l, &d, p, 2);
+        flash_gqa_backward(&mut g, &dout, &qkv, &o, &l, &d, AttnDropout { p, seed: 2 });
         let twice: Vec<f32> = once.iter().map(|x| 2.0 * x).collect();
         assert!(max_err(&g, &twice) < 1e-6, "p={p}: second call did not add");
         assert!(once.iter().any(|&x| x != 0.0));

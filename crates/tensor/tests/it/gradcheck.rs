@@ -185,13 +185,13 @@ fn attention_check(dropout: f32) {
     let seed = 5;
     let fwd = |x: &[f32]| {
         let (mut o, mut a) = (vec![0.0; b * t * c], vec![0.0; b * nh * t * t]);
-        attention_forward(&mut o, &mut a, x, &dims, dropout, seed);
+        attention_forward(&mut o, &mut a, x, &dims, AttnDropout { p: dropout, seed });
         dot(&o, &dout)
     };
     let (mut o, mut a) = (vec![0.0; b * t * c], vec![0.0; b * nh * t * t]);
-    attention_forward(&mut o, &mut a, &qkv, &dims, dropout, seed);
+    attention_forward(&mut o, &mut a, &qkv, &dims, AttnDropout { p: dropout, seed });
     let mut dqkv = vec![0.0; qkv.len()];
-    attention_backward(&mut dqkv, &dout, &qkv, &a, &dims, dropout, seed);
+    attention_backward(&mut dqkv, &dout, &qkv, &a, &dims, AttnDropout { p: dropout, seed });
     check(&format!("attention(dropout={dropout}).dqkv"), &qkv, &dqkv, fwd);
 }
 
@@ -212,19 +212,19 @@ fn attention_is_causal() {
     let mut rng = Rng::new(10);
     let mut qkv = randn(&mut rng, 6 * 12, 1.0);
     let (mut o1, mut a) = (vec![0.0; 24], vec![0.0; 2 * 36]);
-    attention_forward(&mut o1, &mut a, &qkv, &dims, 0.0, 0);
+    attention_forward(&mut o1, &mut a, &qkv, &dims, AttnDropout::NONE);
     for j in 4..12 {
         qkv[5 * 12 + j] += 1.0;
     }
     let mut o2 = vec![0.0; 24];
-    attention_forward(&mut o2, &mut a, &qkv, &dims, 0.0, 0);
+    attention_forward(&mut o2, &mut a, &qkv, &dims, AttnDropout::NONE);
     assert_eq!(o1[..20], o2[..20]);
     assert_ne!(o1[20..], o2[20..]);
 }
 
 #[test]
 fn fused_lm_head_matches_unfused_and_finite_differences() {
-    use tensor::classifier::lm_head_crossentropy;
+    use tensor::classifier::{lm_head_crossentropy, HeadDims};
     // Vp = 5000 > the 8M-float chunk budget / n? No: force several chunks with many rows.
     let (n, c, v, vp) = (2100, 6, 3990, 4000);
     let mut rng = Rng::new(13);
@@ -235,7 +235,7 @@ fn fused_lm_head_matches_unfused_and_finite_differences() {
     assert!(rows < n, "the test must cross chunk boundaries");
     let mut scratch = vec![0.0; rows * vp];
     let (mut losses, mut dinp, mut dw) = (vec![0.0; n], vec![0.0; n * c], vec![0.0; vp * c]);
-    let cnt = lm_head_crossentropy(&mut losses, Some((&mut dinp, &mut dw, 0.5)), &inp, &w, &targets, &mut scratch, c, v, vp, -100);
+    let cnt = lm_head_crossentropy(&mut losses, Some((&mut dinp, &mut dw, 0.5)), &inp, &w, &targets, &mut scratch, &HeadDims { c, v, vp, offset: 0, ignore_index: -100 });
     // Unfused reference: matmul, cross-entropy forward and backward, matmul backward.
     let mut logits = vec![0.0; n * vp];
     matmul_forward(&mut logits, &inp, &w, None, n, c, vp);
@@ -256,13 +256,13 @@ fn fused_lm_head_matches_unfused_and_finite_differences() {
     close(&dw, &dw2, "dweight");
     // Without gradients: same losses, nothing else touched.
     let mut l3 = vec![0.0; n];
-    lm_head_crossentropy(&mut l3, None, &inp, &w, &targets, &mut scratch, c, v, vp, -100);
+    lm_head_crossentropy(&mut l3, None, &inp, &w, &targets, &mut scratch, &HeadDims { c, v, vp, offset: 0, ignore_index: -100 });
     assert_eq!(l3, losses);
 }
 
 #[test]
 fn fused_lm_head_gradients() {
-    use tensor::classifier::lm_head_crossentropy;
+    use tensor::classifier::{lm_head_crossentropy, HeadDims};
     let (n, c, v, vp) = (5, 4, 6, 8);
     let mut rng = Rng::new(14);
     let inp = randn(&mut rng, n * c, 1.0);
@@ -272,11 +272,11 @@ fn fused_lm_head_gradients() {
     let loss = |x: &[f32], w: &[f32]| {
         let mut l = vec![0.0; n];
         let mut s = vec![0.0; n * vp];
-        lm_head_crossentropy(&mut l, None, x, w, &targets, &mut s, c, v, vp, -100);
+        lm_head_crossentropy(&mut l, None, x, w, &targets, &mut s, &HeadDims { c, v, vp, offset: 0, ignore_index: -100 });
         l.iter().map(|&a| a as f64).sum::<f64>()
     };
     let (mut losses, mut dinp, mut dw) = (vec![0.0; n], vec![0.0; n * c], vec![0.0; vp * c]);
-    lm_head_crossentropy(&mut losses, Some((&mut dinp, &mut dw, 1.0)), &inp, &w, &targets, &mut scratch, c, v, vp, -100);
+    lm_head_crossentropy(&mut losses, Some((&mut dinp, &mut dw, 1.0)), &inp, &w, &targets, &mut scratch, &HeadDims { c, v, vp, offset: 0, ignore_index: -100 });
     check("lm_head.dinp", &inp, &dinp, |x| loss(x, &w));
     check("lm_head.dweight", &w, &dw, |x| loss(&inp, x));
     assert!(dw[v * c..].iter().all(|&g| g == 0.0), "padded rows get no gradient");

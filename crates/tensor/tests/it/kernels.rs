@@ -2,6 +2,7 @@
 
 use tensor::*;
 use tensor::attention::AttnDims;
+use tensor::llama::GqaDims;
 
 #[test]
 fn decode_attention_matches_full_attention_last_row() {
@@ -10,14 +11,14 @@ fn decode_attention_matches_full_attention_last_row() {
     let mut qkv = vec![0.0; 7 * 24];
     rng.fill_normal(&mut qkv, 1.0);
     let (mut o, mut a) = (vec![0.0; 7 * 8], vec![0.0; 2 * 49]);
-    attention_forward(&mut o, &mut a, &qkv, &dims, 0.0, 0);
+    attention_forward(&mut o, &mut a, &qkv, &dims, AttnDropout::NONE);
     let (mut k, mut v) = (vec![], vec![]);
     for t in 0..7 {
         k.extend_from_slice(&qkv[t * 24 + 8..t * 24 + 16]);
         v.extend_from_slice(&qkv[t * 24 + 16..t * 24 + 24]);
     }
     let mut out = vec![0.0; 8];
-    attention_decode(&mut out, &qkv[6 * 24..6 * 24 + 8], &k, &v, 7, 2, 2, 4);
+    attention_decode(&mut out, &qkv[6 * 24..6 * 24 + 8], &k, &v, &GqaDims { b: 1, t: 7, nh: 2, nkv: 2, hs: 4, ..Default::default() });
     for (x, y) in out.iter().zip(&o[48..56]) {
         assert!((x - y).abs() < 1e-5);
     }

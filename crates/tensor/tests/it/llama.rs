@@ -82,11 +82,14 @@ impl Rope {
     fn w(&self) -> usize {
         (self.nh + 2 * self.nkv) * self.hs
     }
+    fn dims(&self) -> GqaDims {
+        GqaDims { b: self.b, t: self.t, nh: self.nh, nkv: self.nkv, hs: self.hs, ..Default::default() }
+    }
     fn fwd(&self, x: &mut [f32], cs: &(Vec<f32>, Vec<f32>), off: usize) {
-        rope_forward(x, &cs.0, &cs.1, self.b, self.t, self.nh, self.nkv, self.hs, off);
+        rope_forward(x, &cs.0, &cs.1, &self.dims(), off);
     }
     fn bwd(&self, x: &mut [f32], cs: &(Vec<f32>, Vec<f32>), off: usize) {
-        rope_backward(x, &cs.0, &cs.1, self.b, self.t, self.nh, self.nkv, self.hs, off);
+        rope_backward(x, &cs.0, &cs.1, &self.dims(), off);
     }
 }
 
@@ -289,11 +292,11 @@ fn gqa_with_nkv_equal_nh_matches_attention_kernel() {
     let dout = randn(&mut rng, d.b * d.t * d.c(), 1.0);
     let (o, a) = gqa_fwd(&qkv, &d);
     let (mut o2, mut a2) = (vec![0.0; o.len()], vec![0.0; a.len()]);
-    attention_forward(&mut o2, &mut a2, &qkv, &ad, 0.0, 0);
+    attention_forward(&mut o2, &mut a2, &qkv, &ad, AttnDropout::NONE);
     assert!(max_err(&o, &o2) < 1e-6 && max_err(&a, &a2) < 1e-6, "out {} att {}", max_err(&o, &o2), max_err(&a, &a2));
     let (mut dq, mut dq2) = (vec![0.0; qkv.len()], vec![0.0; qkv.len()]);
     gqa_attention_backward(&mut dq, &dout, &qkv, &a, &d);
-    attention_backward(&mut dq2, &dout, &qkv, &a2, &ad, 0.0, 0);
+    attention_backward(&mut dq2, &dout, &qkv, &a2, &ad, AttnDropout::NONE);
     assert!(max_err(&dq, &dq2) < 1e-5, "dqkv {}", max_err(&dq, &dq2));
 }
 
@@ -321,11 +324,11 @@ fn gqa_matches_multi_head_attention_with_repeated_kv() {
     }
     let (o, a) = gqa_fwd(&qkv, &d);
     let (mut o2, mut a2) = (vec![0.0; o.len()], vec![0.0; a.len()]);
-    attention_forward(&mut o2, &mut a2, &big, &ad, 0.0, 0);
+    attention_forward(&mut o2, &mut a2, &big, &ad, AttnDropout::NONE);
     assert!(max_err(&o, &o2) < 1e-6, "out {}", max_err(&o, &o2));
     let (mut dq, mut dbig) = (vec![0.0; qkv.len()], vec![0.0; big.len()]);
     gqa_attention_backward(&mut dq, &dout, &qkv, &a, &d);
-    attention_backward(&mut dbig, &dout, &big, &a2, &ad, 0.0, 0);
+    attention_backward(&mut dbig, &dout, &big, &a2, &ad, AttnDropout::NONE);
     let mut want = vec![0.0; qkv.len()];
     for r in 0..rows {
         let (src, dst) = (&dbig[r * 3 * c..(r + 1) * 3 * c], &mut want[r * w..(r + 1) * w]);

@@ -9,8 +9,8 @@ use tensor::moe::*;
 use tensor::*;
 use crate::common::*;
 
-#[allow(clippy::too_many_arguments)]
-fn dims(n: usize, c: usize, f: usize, e: usize, k: usize, n_shared: usize, capacity_factor: f32, renormalize: bool) -> MoeDims {
+/// `MoeDims` from its sizes `[N, C, F, E, K, S]` and routing policy.
+fn dims([n, c, f, e, k, n_shared]: [usize; 6], capacity_factor: f32, renormalize: bool) -> MoeDims {
     MoeDims { n, c, f, e, k, n_shared, capacity_factor, renormalize }
 }
 
@@ -29,6 +29,9 @@ impl Weights {
             experts: randn(rng, d.experts_size(), 0.4),
             shared: randn(rng, d.shared_size(), 0.4),
         }
+    }
+    fn inputs(&self) -> MoeInputs<'_> {
+        MoeInputs { x: &self.x, router_w: &self.router, experts_w: &self.experts, shared_w: &self.shared }
     }
 }
 
@@ -60,7 +63,7 @@ fn untied(d: &MoeDims, seed: u64) -> Weights {
 fn forward(d: &MoeDims, w: &Weights, aux_w: f32, z_w: f32) -> (Vec<f32>, MoeStats, MoeCache) {
     let mut cache = MoeCache::new(*d);
     let mut y = vec![f32::NAN; d.n * d.c];
-    let st = moe_forward(&mut y, &mut cache, &w.x, &w.router, &w.experts, &w.shared, d, aux_w, z_w, None);
+    let st = moe_forward(&mut y, &mut cache, w.inputs(), d, MoeLossWeights { aux: aux_w, z: z_w }, None);
     (y, st, cache)
 }
 
@@ -71,6 +74,12 @@ struct Grads {
     shared: Vec<f32>,
 }
 
+impl Grads {
+    fn views(&mut self) -> MoeGrads<'_> {
+        MoeGrads { dx: &mut self.x, drouter_w: &mut self.router, dexperts_w: &mut self.experts, dshared_w: &mut self.shared }
+    }
+}
+
 fn backward(d: &MoeDims, w: &Weights, dy: &[f32], cache: &mut MoeCache, aux_w: f32, z_w: f32) -> Grads {
     let mut g = Grads {
         x: vec![0.0; w.x.len()],
@@ -78,7 +87,7 @@ fn backward(d: &MoeDims, w: &Weights, dy: &[f32], cache: &mut MoeCache, aux_w: f
         experts: vec![0.0; w.experts.len()],
         shared: vec![0.0; w.shared.len()],
     };
-    moe_backward(&mut g.x, &mut g.router, &mut g.experts, &mut g.shared, dy, cache, &w.x, &w.router, &w.experts, &w.shared, d, aux_w, z_w, None);
+    moe_backward(g.views(), dy, cache, w.inputs(), d, MoeLossWeights { aux: aux_w, z: z_w }, None);
     g
 }
 
@@ -107,29 +116,29 @@ fn clone(w: &Weights) -> Weights {
 
 #[test]
 fn gradients_dropless_topk_renormalized_with_shared_expert() {
-    let st = gradcheck(dims(7, 8, 5, 4, 2, 1, 0.0, true), 1, 0.3, 0.2);
+    let st = gradcheck(dims([7, 8, 5, 4, 2, 1], 0.0, true), 1, 0.3, 0.2);
     assert_eq!(st.dropped_fraction, 0.0);
 }
 
 #[test]
 fn gradients_switch_top1_raw_gate() {
-    gradcheck(dims(9, 6, 4, 3, 1, 0, 0.0, false), 2, 0.5, 0.1);
+    gradcheck(dims([9, 6, 4, 3, 1, 0], 0.0, false), 2, 0.5, 0.1);
 }
 
 #[test]
 fn gradients_topk_without_renormalization() {
-    gradcheck(dims(6, 6, 4, 5, 3, 0, 0.0, false), 3, 0.2, 0.3);
+    gradcheck(dims([6, 6, 4, 5, 3, 0], 0.0, false), 3, 0.2, 0.3);
 }
 
 #[test]
 fn gradients_with_dropped_tokens() {
     // capacity = ceil(0.5·12·2/4) = 3 slots per expert for 24 assignments: some must drop.
-    let d = dims(12, 6, 4, 4, 2, 1, 0.5, true);
+    let d = dims([12, 6, 4, 4, 2, 1], 0.5, true);
     assert_eq!(d.capacity(), 3);
     let st = gradcheck(d, 4, 0.4, 0.2);
     assert!(st.dropped_fraction > 0.0, "no token dropped: {st:?}");
     // and without renormalisation or shared experts, aux-weighted only.
-    gradcheck(dims(12, 6, 4, 4, 2, 0, 0.75, false), 5, 1.0, 0.0);
+    gradcheck(dims([12, 6, 4, 4, 2, 0], 0.75, false), 5, 1.0, 0.0);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -189,7 +198,7 @@ fn moe_ref(d: &MoeDims, w: &Weights) -> (Vec<f32>, f64, f64) {
 
 #[test]
 fn dropless_matches_per_token_reference() {
-    for (d, seed) in [(dims(37, 16, 12, 6, 3, 2, 0.0, true), 11), (dims(40, 12, 8, 8, 2, 0, 0.0, false), 12), (dims(33, 8, 6, 4, 1, 1, 0.0, false), 13)] {
+    for (d, seed) in [(dims([37, 16, 12, 6, 3, 2], 0.0, true), 11), (dims([40, 12, 8, 8, 2, 0], 0.0, false), 12), (dims([33, 8, 6, 4, 1, 1], 0.0, false), 13)] {
         let w = untied(&d, seed);
         let (y, st, cache) = forward(&d, &w, 0.01, 0.001);
         let (want, aux, z) = moe_ref(&d, &w);
@@ -210,7 +219,7 @@ fn dropless_matches_per_token_reference() {
 #[test]
 fn single_expert_is_a_swiglu_mlp() {
     for renormalize in [false, true] {
-        let d = dims(10, 8, 6, 1, 1, 0, 0.0, renormalize);
+        let d = dims([10, 8, 6, 1, 1, 0], 0.0, renormalize);
         let w = Weights::random(&d, &mut Rng::new(20));
         let (n, c, f) = (d.n, d.c, d.f);
         let (wgu, w2) = w.experts.split_at(2 * f * c);
@@ -260,7 +269,7 @@ fn capacity_counts_drops_in_token_order() {
     // top-1, E = 4, N = 8, capacity = ceil(1.0·8·1/4) = 2.
     let route = [0, 0, 1, 0, 0, 2, 1, 0];
     let (x, router) = crafted(&route, None, 4);
-    let d = dims(8, 4, 3, 4, 1, 0, 1.0, false);
+    let d = dims([8, 4, 3, 4, 1, 0], 1.0, false);
     assert_eq!(d.capacity(), 2);
     let mut rng = Rng::new(30);
     let w = Weights { x, router, experts: randn(&mut rng, d.experts_size(), 0.5), shared: vec![] };
@@ -287,7 +296,7 @@ fn capacity_counts_drops_in_token_order() {
     // Assignments in token order then rank: (0:e0)(0:e1)(1:e0)(1:e1)(2:e0 dropped)(2:e2)
     // (3:e1 dropped)(3:e0 dropped).
     let (x, router) = crafted(&[0, 0, 0, 1], Some(&[1, 1, 2, 0]), 3);
-    let d = dims(4, 3, 2, 3, 2, 0, 0.5, true);
+    let d = dims([4, 3, 2, 3, 2, 0], 0.5, true);
     assert_eq!(d.capacity(), 2);
     let w = Weights { x, router, experts: randn(&mut rng, d.experts_size(), 0.5), shared: vec![] };
     let (_, st, cache) = forward(&d, &w, 0.0, 0.0);
@@ -300,13 +309,13 @@ fn capacity_counts_drops_in_token_order() {
 #[test]
 fn capacity_formula() {
     // ceil(cf·N·K/E); f32 factors that are not exact binary fractions still land on the integer.
-    assert_eq!(dims(1024, 8, 8, 8, 2, 0, 1.25, true).capacity(), 320);
-    assert_eq!(dims(40, 8, 8, 8, 2, 0, 1.1, true).capacity(), 11);
-    assert_eq!(dims(40, 8, 8, 8, 2, 0, 1.2, true).capacity(), 12);
-    assert_eq!(dims(41, 8, 8, 8, 2, 0, 1.0, true).capacity(), 11);
-    assert_eq!(dims(8, 8, 8, 64, 1, 0, 1.0, true).capacity(), 1);
-    assert_eq!(dims(10, 8, 8, 2, 2, 0, 4.0, true).capacity(), 10, "at most N");
-    assert_eq!(dims(10, 8, 8, 2, 2, 0, 0.0, true).capacity(), 10, "dropless");
+    assert_eq!(dims([1024, 8, 8, 8, 2, 0], 1.25, true).capacity(), 320);
+    assert_eq!(dims([40, 8, 8, 8, 2, 0], 1.1, true).capacity(), 11);
+    assert_eq!(dims([40, 8, 8, 8, 2, 0], 1.2, true).capacity(), 12);
+    assert_eq!(dims([41, 8, 8, 8, 2, 0], 1.0, true).capacity(), 11);
+    assert_eq!(dims([8, 8, 8, 64, 1, 0], 1.0, true).capacity(), 1);
+    assert_eq!(dims([10, 8, 8, 2, 2, 0], 4.0, true).capacity(), 10, "at most N");
+    assert_eq!(dims([10, 8, 8, 2, 2, 0], 0.0, true).capacity(), 10, "dropless");
 }
 
 #[test]
@@ -315,7 +324,7 @@ fn aux_loss_is_one_for_uniform_routing_and_z_loss_by_hand() {
     let (e, n) = (4, 12);
     let route: Vec<usize> = (0..n).map(|t| t % e).collect();
     let (x, router) = crafted(&route, None, e);
-    let d = dims(n, e, 3, e, 1, 0, 0.0, false);
+    let d = dims([n, e, 3, e, 1, 0], 0.0, false);
     let w = Weights { x, router, experts: vec![0.1; d.experts_size()], shared: vec![] };
     let (_, st, _) = forward(&d, &w, 0.0, 0.0);
     assert_eq!(st.counts, vec![3; 4]);
@@ -351,7 +360,7 @@ fn in_pool<R: Send>(threads: usize, f: impl FnOnce() -> R + Send) -> R {
 fn deterministic_across_thread_counts() {
     for cf in [0.0f32, 1.25] {
         // Big enough that each expert's gemms split across threads.
-        let d = dims(400, 64, 96, 8, 2, 1, cf, true);
+        let d = dims([400, 64, 96, 8, 2, 1], cf, true);
         let w = Weights::random(&d, &mut Rng::new(40));
         let dy = randn(&mut Rng::new(41), d.n * d.c, 1.0);
         let run = || {
@@ -370,7 +379,7 @@ fn deterministic_across_thread_counts() {
 
 #[test]
 fn backward_accumulates_and_cache_is_reusable() {
-    let d = dims(20, 8, 6, 4, 2, 1, 1.0, true);
+    let d = dims([20, 8, 6, 4, 2, 1], 1.0, true);
     let w = Weights::random(&d, &mut Rng::new(50));
     let dy = randn(&mut Rng::new(51), d.n * d.c, 1.0);
     let (y0, _, mut cache) = forward(&d, &w, 0.1, 0.1);
@@ -378,11 +387,11 @@ fn backward_accumulates_and_cache_is_reusable() {
     // A forward on other inputs, then the original again into the same cache.
     let other = Weights::random(&d, &mut Rng::new(52));
     let mut y = vec![0.0; y0.len()];
-    moe_forward(&mut y, &mut cache, &other.x, &other.router, &other.experts, &other.shared, &d, 0.1, 0.1, None);
-    moe_forward(&mut y, &mut cache, &w.x, &w.router, &w.experts, &w.shared, &d, 0.1, 0.1, None);
+    moe_forward(&mut y, &mut cache, other.inputs(), &d, MoeLossWeights { aux: 0.1, z: 0.1 }, None);
+    moe_forward(&mut y, &mut cache, w.inputs(), &d, MoeLossWeights { aux: 0.1, z: 0.1 }, None);
     assert_eq!(y, y0);
     let mut g = backward(&d, &w, &dy, &mut cache, 0.1, 0.1);
-    moe_backward(&mut g.x, &mut g.router, &mut g.experts, &mut g.shared, &dy, &mut cache, &w.x, &w.router, &w.experts, &w.shared, &d, 0.1, 0.1, None);
+    moe_backward(g.views(), &dy, &mut cache, w.inputs(), &d, MoeLossWeights { aux: 0.1, z: 0.1 }, None);
     for (name, a, b) in [("dx", &g.x, &g1.x), ("drouter", &g.router, &g1.router), ("dexperts", &g.experts, &g1.experts), ("dshared", &g.shared, &g1.shared)] {
         let twice: Vec<f32> = b.iter().map(|v| 2.0 * v).collect();
         assert!(max_err(a, &twice) < 1e-6, "{name} does not accumulate");
@@ -421,7 +430,7 @@ fn mixtral_tiny_fixture_logits_match_transformers() {
             })
             .collect();
         let router = p("block_sparse_moe.gate.weight", &[e, c]);
-        let stats = moe_forward(&mut y, &mut cache, &h, &router, &experts, &[], &md, 0.0, 0.0, None);
+        let stats = moe_forward(&mut y, &mut cache, MoeInputs { x: &h, router_w: &router, experts_w: &experts, shared_w: &[] }, &md, MoeLossWeights::default(), None);
         eprintln!("mixtral-tiny layer {l}: counts {:?}, aux {}", stats.counts, stats.aux_loss);
         add_into(&mut x, &y);
     }
