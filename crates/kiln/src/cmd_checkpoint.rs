@@ -8,6 +8,8 @@ use crate::error::{user, KilnError, Result};
 use crate::run::ckpt_dir;
 use sha2::{Digest, Sha256};
 use std::path::Path;
+use clap::Subcommand;
+use std::path::PathBuf;
 
 /// The newest valid checkpoint of a run directory, or the checkpoint directory itself.
 pub fn resolve(path: &Path) -> Result<Loaded> {
@@ -117,4 +119,36 @@ pub fn convert(path: &Path, out: &Path, shards: usize) -> Result<std::path::Path
         dir = crate::checkpoint::save_part(out, &part, &l.state, &view(&model, Some((r, shards))), &view(&optim, Some((r, shards))), &l.tokenizer_json)?;
     }
     Ok(dir.expect("rank 0 returns the directory"))
+}
+
+#[derive(Subcommand)]
+pub enum CheckpointCmd {
+    /// Print a checkpoint's manifest as JSON: step, params_sha256, optimizer_sha256, files,
+    /// tensors. PATH is a checkpoint directory, or a run directory (its newest valid one).
+    Inspect { path: PathBuf },
+    /// Rewrite a checkpoint (or a run's newest valid one) under OUT/step-N as one file per
+    /// kind (--shards 1) or N per-rank parts; any layout loads either. For Hugging Face
+    /// safetensors use `kiln export`.
+    Convert {
+        path: PathBuf,
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, default_value_t = 1)]
+        shards: usize,
+    },
+}
+
+/// Runs `kiln checkpoint …`.
+pub fn run(cmd: CheckpointCmd) -> Result<()> {
+    match cmd {
+        CheckpointCmd::Convert { path, out, shards } => {
+            let dir = crate::cmd_checkpoint::convert(&path, &out, shards)?;
+            println!("wrote {}", dir.display());
+            Ok(())
+        }
+        CheckpointCmd::Inspect { path } => {
+            println!("{}", serde_json::to_string_pretty(&crate::cmd_checkpoint::inspect(&path)?).unwrap());
+            Ok(())
+        }
+    }
 }

@@ -1,6 +1,8 @@
 //! `kiln memory`: the memory plan of a run, before it runs (issue 7).
 
+use crate::cmd_train::TrainCli;
 use crate::config::TrainArgs;
+use clap::Args;
 use crate::error::{user, Result};
 use crate::memory::plan_run;
 use model::GptConfig;
@@ -30,3 +32,20 @@ pub fn cmd(args: &TrainArgs, as_json: bool) -> Result<()> {
     }
     plan.check_limit()
 }
+
+#[derive(Args)]
+pub struct MemoryCli {
+    #[command(flatten)]
+    pub train: TrainCli,
+    /// Print the plan as one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Runs `kiln memory`.
+pub fn run(m: MemoryCli) -> Result<()> {
+            if m.train.supervise {
+                return user("kiln memory: --supervise applies to `kiln train` only");
+            }
+            crate::cmd_memory::cmd(&m.train.args(), m.json)
+        }

@@ -3,9 +3,13 @@
 
 pub mod bench;
 pub mod checkpoint;
+pub mod cmd_bench;
 pub mod cmd_checkpoint;
+pub mod cmd_data;
 pub mod cmd_memory;
+pub mod cmd_model;
 pub mod cmd_plan;
+pub mod cmd_train;
 pub mod cli;
 pub mod config;
 pub mod error;
