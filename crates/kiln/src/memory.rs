@@ -336,105 +336,143 @@ pub fn plan(cfg: &RunConfig, gpt: &GptConfig, data_bytes: u64) -> Result<MemoryP
     Ok(p)
 }
 
-/// The plan of pipeline rank `s` (with no pipeline, every rank's).
-fn plan_rank(cfg: &RunConfig, gpt: &GptConfig, data_bytes: u64, s: usize) -> Result<MemoryPlan> {
-    let p = if cfg.train.precision == "fp32" { FP32 } else { SIMULATED_16 };
-    let par = &cfg.parallel;
-    let (dp, tp, pp, zero) = (par.dp.max(1), par.tp, par.pp, par.zero);
-    let world = dp * tp * pp;
-    let b4 = |elems: usize, bytes: usize| (elems * bytes) as u64;
-    // This rank's model: with a pipeline, rank 0's stage (its layers, the embeddings; the
-    // stage that keeps the most micro-batches in flight), then its tensor-parallel shard.
-    let stages = cfg.stage_layers(gpt.vocab_size)?;
-    let (v, sched) = (par.virtual_stages, parallel::pp::Kind::parse(&par.schedule).map_err(KilnError::User)?);
-    let stage = if stages.len() > 1 { parallel::pp::stage_config(gpt, stages[s].clone()) } else { gpt.clone() };
-    let local = if tp > 1 {
-        parallel::tp::local_config(&stage, tp, 0, par.sequence_parallel).map_err(KilnError::User)?
-    } else {
-        stage
-    };
-    // Activation sets held at once: one, or the schedule's peak on stage 0 (1F1B: p, GPipe: m;
-    // interleaved counts each chunk's sets, planned at the first chunk's size).
-    let in_flight = if stages.len() > 1 { parallel::pp::Schedule::new(sched, pp, cfg.train.grad_accum, v).map_err(KilnError::User)?.peak_in_flight(s) } else { 1 };
-    // Interleaved: rank 0 holds v chunks, planned as v copies of the first one's state.
-    let chunks = if stages.len() > 1 { v } else { 1 };
-    let (layout, views) = model::layout::gpt_layout(&local);
-    let total = layout.total;
-    let units = views.units(total);
-    let shards = parallel::Shards::new(&units, dp, 0);
-    let chunk = &shards.chunk;
-    let padded: Vec<usize> = chunk.iter().map(|c| c * dp).collect();
-    let lora = if cfg.lora.rank > 0 {
-        let l = &cfg.lora;
-        Some(model::lora::Lora::new(&local, l.rank, l.alpha as f32, &l.targets, 0).map_err(KilnError::User)?)
-    } else {
-        None
-    };
-    let (t, mb) = (cfg.model.block_size, cfg.micro_batch());
-    let rows = mb / dp;
-    let n = rows * t;
-    let recompute = cfg.recompute();
-    let mut out = Vec::new();
-    let mut row = |kind, phase, name, bytes: u64, detail: String| out.push(Row { kind, phase, name, bytes, detail });
-    let held = Phase::Held;
+/// What one rank holds, as `kiln train` builds it: its part of the model (with a pipeline,
+/// stage `s`'s layers, then its tensor-parallel shard), the layout's units and their ZeRO
+/// shards, the LoRA adapters, and the step's shapes.
+struct RankShape {
+    p: Precision,
+    local: GptConfig,
+    stages: Vec<std::ops::Range<usize>>,
+    /// Activation sets held at once: one, or the schedule's peak on this stage.
+    in_flight: usize,
+    /// Model chunks on this rank (interleaved: v copies of the first one's state).
+    chunks: usize,
+    total: usize,
+    units: Vec<std::ops::Range<usize>>,
+    shards: parallel::Shards,
+    padded: Vec<usize>,
+    head_unit: usize,
+    lora: Option<model::lora::Lora>,
+    rows: usize,
+    n: usize,
+}
 
-    // Model state, as DataParallel keeps it.
-    let (pe, ge) = (if zero == 3 { shards.len } else { total }, if zero >= 2 { shards.len } else { total });
+impl RankShape {
+    fn new(cfg: &RunConfig, gpt: &GptConfig, s: usize) -> Result<RankShape> {
+        let p = if cfg.train.precision == "fp32" { FP32 } else { SIMULATED_16 };
+        let par = &cfg.parallel;
+        let (dp, tp) = (par.dp.max(1), par.tp);
+        // With a pipeline: rank 0's stage (its layers, the embeddings; the stage that keeps the
+        // most micro-batches in flight), then its tensor-parallel shard.
+        let stages = cfg.stage_layers(gpt.vocab_size)?;
+        let (v, sched) = (par.virtual_stages, parallel::pp::Kind::parse(&par.schedule).map_err(KilnError::User)?);
+        let stage = if stages.len() > 1 { parallel::pp::stage_config(gpt, stages[s].clone()) } else { gpt.clone() };
+        let local = if tp > 1 { parallel::tp::local_config(&stage, tp, 0, par.sequence_parallel).map_err(KilnError::User)? } else { stage };
+        // 1F1B: p, GPipe: m; interleaved counts each chunk's sets, planned at the first chunk's size.
+        let in_flight = if stages.len() > 1 { parallel::pp::Schedule::new(sched, par.pp, cfg.train.grad_accum, v).map_err(KilnError::User)?.peak_in_flight(s) } else { 1 };
+        let chunks = if stages.len() > 1 { v } else { 1 };
+        let (layout, views) = model::layout::gpt_layout(&local);
+        let total = layout.total;
+        let units = views.units(total);
+        let shards = parallel::Shards::new(&units, dp, 0);
+        let padded: Vec<usize> = shards.chunk.iter().map(|c| c * dp).collect();
+        let lora = if cfg.lora.rank > 0 {
+            let l = &cfg.lora;
+            Some(model::lora::Lora::new(&local, l.rank, l.alpha as f32, &l.targets, 0).map_err(KilnError::User)?)
+        } else {
+            None
+        };
+        let rows = cfg.micro_batch() / dp;
+        let n = rows * cfg.model.block_size;
+        Ok(RankShape { p, local, stages, in_flight, chunks, total, units, shards, padded, head_unit: views.head_unit(), lora, rows, n })
+    }
+}
+
+/// The plan's rows, in order.
+struct Rows(Vec<Row>);
+
+impl Rows {
+    fn add(&mut self, kind: Kind, phase: Phase, name: &'static str, bytes: u64, detail: String) {
+        self.0.push(Row { kind, phase, name, bytes, detail });
+    }
+}
+
+fn b4(elems: usize, bytes: usize) -> u64 {
+    (elems * bytes) as u64
+}
+
+/// Model state, as `DataParallel` keeps it: parameters, gradients, adapters, moments, master
+/// weights.
+fn model_state_rows(out: &mut Rows, cfg: &RunConfig, r: &RankShape, s: usize) {
+    let (p, total, chunks, held) = (&r.p, r.total, r.chunks, Phase::Held);
+    let (zero, tp) = (cfg.parallel.zero, cfg.parallel.tp);
+    let (pe, ge) = (if zero == 3 { r.shards.len } else { total }, if zero >= 2 { r.shards.len } else { total });
     let sharded = |e: usize| if e == total { format!("{e} elements") } else { format!("{e} elements: this rank's ZeRO shard of {total} (padded)") };
     let tp_note = if tp > 1 { format!(", a tensor-parallel shard (1/{tp} of the heads and MLP columns)") } else { String::new() };
-    let pp_note = if chunks > 1 { format!(", × {chunks} model chunks") } else if stages.len() > 1 { format!(", pipeline stage {s} (layers {:?})", stages[s]) } else { String::new() };
-    row(Kind::Parameters, held, "parameters", b4(pe * chunks, p.param), format!("{}{tp_note}{pp_note}", sharded(pe)));
-    row(Kind::Gradients, held, "gradients", b4(ge * chunks, p.grad), sharded(ge) + if lora.is_some() { " (the frozen base's buffer, unused)" } else { "" });
-    let moments = match &lora {
+    let pp_note = if chunks > 1 { format!(", × {chunks} model chunks") } else if r.stages.len() > 1 { format!(", pipeline stage {s} (layers {:?})", r.stages[s]) } else { String::new() };
+    out.add(Kind::Parameters, held, "parameters", b4(pe * chunks, p.param), format!("{}{tp_note}{pp_note}", sharded(pe)));
+    out.add(Kind::Gradients, held, "gradients", b4(ge * chunks, p.grad), sharded(ge) + if r.lora.is_some() { " (the frozen base's buffer, unused)" } else { "" });
+    let moments = match &r.lora {
         Some(lo) => lo.layout.total,
         None if zero == 0 => total,
-        None => shards.len,
+        None => r.shards.len,
     };
-    if let Some(lo) = &lora {
-        row(Kind::Parameters, held, "LoRA adapters", b4(lo.layout.total, p.param), format!("{} adapters of rank {}", lo.adapters.len(), lo.rank));
-        row(Kind::Gradients, held, "LoRA adapter gradients", b4(lo.layout.total, p.grad), String::new());
+    if let Some(lo) = &r.lora {
+        out.add(Kind::Parameters, held, "LoRA adapters", b4(lo.layout.total, p.param), format!("{} adapters of rank {}", lo.adapters.len(), lo.rank));
+        out.add(Kind::Gradients, held, "LoRA adapter gradients", b4(lo.layout.total, p.grad), String::new());
     }
     let optim = b4(2 * moments * chunks, p.optim);
-    if cfg.memory.offload == "optimizer" {
-        row(Kind::Optimizer, held, "AdamW m, v (offloaded)", 0, format!("{} in memory-mapped files under the run directory (memory.offload), streamed through the update in 4 MiB chunks", fmt_bytes(optim)));
+    let offload = cfg.memory.offload == "optimizer";
+    if offload {
+        out.add(Kind::Optimizer, held, "AdamW m, v (offloaded)", 0, format!("{} in memory-mapped files under the run directory (memory.offload), streamed through the update in 4 MiB chunks", fmt_bytes(optim)));
     } else {
-        row(Kind::Optimizer, held, "AdamW m, v", optim, format!("2 × {moments} elements"));
+        out.add(Kind::Optimizer, held, "AdamW m, v", optim, format!("2 × {moments} elements"));
     }
     if p.master > 0 {
-        if cfg.memory.offload == "optimizer" {
-            row(Kind::Optimizer, held, "master weights (offloaded)", 0, format!("{} in a memory-mapped file beside the moments", fmt_bytes(b4(moments * chunks, p.master))));
+        if offload {
+            out.add(Kind::Optimizer, held, "master weights (offloaded)", 0, format!("{} in a memory-mapped file beside the moments", fmt_bytes(b4(moments * chunks, p.master))));
         } else {
-            row(Kind::Optimizer, held, "master weights", b4(moments * chunks, p.master), String::new());
+            out.add(Kind::Optimizer, held, "master weights", b4(moments * chunks, p.master), String::new());
         }
     }
+}
 
-    // Activations (one set per micro-batch in flight).
-    let every = cfg.model.recompute_every;
-    let acts = activation_set_every(&local, rows, t, recompute, every, &p).times(in_flight as u64);
+/// Activations (one set per micro-batch in flight) and the backward scratch; returns the sets'
+/// bytes.
+fn activation_rows(out: &mut Rows, cfg: &RunConfig, r: &RankShape) -> Activations {
+    let (local, p, rows, n, held) = (&r.local, &r.p, r.rows, r.n, Phase::Held);
+    let (t, recompute) = (cfg.model.block_size, cfg.recompute());
+    let acts = activation_set_every(local, rows, t, recompute, cfg.model.recompute_every, p).times(r.in_flight as u64);
     let policy = match recompute {
         Recompute::None => "every block's",
         Recompute::Selective => "kept per block; attention and MLP internals in one shared set",
         Recompute::Full => "block inputs only; one shared set for the block being recomputed",
     };
     let shape = format!("B {rows} × T {t}");
-    row(Kind::Activations, held, "residual stream", acts.residual, format!("{shape}; {} + 1 block boundaries", local.n_layer));
-    row(Kind::Activations, held, "attention", acts.attention, format!("q|k|v, output, log-sum-exp ({policy})"));
-    row(Kind::Activations, held, if local.is_moe() { "MoE layers" } else { "MLP" }, acts.mlp, if local.is_moe() { format!("routing, dispatch, experts, backward scratch ({policy})") } else { format!("hidden activations ({policy})") });
-    row(Kind::Activations, held, "norms", acts.norms, "outputs and statistics".into());
-    row(Kind::Activations, held, "head (logits chunk)", acts.head, format!("{} rows × {} logits at a time, and d ln_f", tensor::classifier::chunk_rows(n, local.vocab_size), local.vocab_size));
-    row(Kind::Activations, held, "losses, tokens", acts.losses, String::new());
-    row(Kind::Temporary, held, "backward gradient scratch", grad_scratch(&local, n, &p), "one set shared by every block".into());
-    if let Some(lo) = &lora {
-        row(Kind::Temporary, held, "LoRA saved x·Aᵀ", b4((lo.adapters.len() + 1) * n * lo.rank, p.act), "[B·T, r] per adapter, and one for its gradient".into());
+    out.add(Kind::Activations, held, "residual stream", acts.residual, format!("{shape}; {} + 1 block boundaries", local.n_layer));
+    out.add(Kind::Activations, held, "attention", acts.attention, format!("q|k|v, output, log-sum-exp ({policy})"));
+    out.add(Kind::Activations, held, if local.is_moe() { "MoE layers" } else { "MLP" }, acts.mlp, if local.is_moe() { format!("routing, dispatch, experts, backward scratch ({policy})") } else { format!("hidden activations ({policy})") });
+    out.add(Kind::Activations, held, "norms", acts.norms, "outputs and statistics".into());
+    out.add(Kind::Activations, held, "head (logits chunk)", acts.head, format!("{} rows × {} logits at a time, and d ln_f", tensor::classifier::chunk_rows(n, local.vocab_size), local.vocab_size));
+    out.add(Kind::Activations, held, "losses, tokens", acts.losses, String::new());
+    out.add(Kind::Temporary, held, "backward gradient scratch", grad_scratch(local, n, p), "one set shared by every block".into());
+    if let Some(lo) = &r.lora {
+        out.add(Kind::Temporary, held, "LoRA saved x·Aᵀ", b4((lo.adapters.len() + 1) * n * lo.rank, p.act), "[B·T, r] per adapter, and one for its gradient".into());
     }
     let rope = if local.arch == model::config::Arch::Llama { 2 * local.block_size * (local.head_size() / 2) } else { 0 };
-    row(Kind::Other, held, "token batch, rotary tables", b4(2 * n, 4) + b4(rope, 4), String::new());
+    out.add(Kind::Other, held, "token batch, rotary tables", b4(2 * n, 4) + b4(rope, 4), String::new());
+    acts
+}
 
-    // What a step holds for a moment.
-    let zt = zero_transient(&padded, chunk, zero, views.head_unit(), true);
+/// What a step holds for a moment: ZeRO's unit buffers, the data-parallel communication
+/// buffers.
+fn step_rows(out: &mut Rows, cfg: &RunConfig, r: &RankShape) {
+    let (dp, zero, p) = (cfg.parallel.dp.max(1), cfg.parallel.zero, &r.p);
+    let (chunk, padded, units, shards) = (&r.shards.chunk, &r.padded, &r.units, &r.shards);
+    let zt = zero_transient(padded, chunk, zero, r.head_unit, true);
     if zero >= 2 {
         let what = if zero == 3 { "gathered units (with the prefetched next) and unit gradient buffers" } else { "unit gradient buffers" };
-        row(Kind::Temporary, Phase::Step, "ZeRO unit buffers", b4(zt, p.param.max(p.grad)), format!("{what}, at most at once"));
+        out.add(Kind::Temporary, Phase::Step, "ZeRO unit buffers", b4(zt, p.param.max(p.grad)), format!("{what}, at most at once"));
     }
     let max_pad = padded.iter().copied().max().unwrap_or(0);
     let comm = if dp == 1 {
@@ -459,65 +497,97 @@ fn plan_rank(cfg: &RunConfig, gpt: &GptConfig, data_bytes: u64, s: usize) -> Res
             1 | 2 => format!("the parameter all-gather after the update: {} chunk copies and one padded unit", shards.len),
             _ => "gathers land in the ZeRO unit buffers".to_string(),
         };
-        row(Kind::Communication, Phase::Step, "data-parallel buffers", b4(comm, p.param), what);
+        out.add(Kind::Communication, Phase::Step, "data-parallel buffers", b4(comm, p.param), what);
     }
+}
 
-    // Evaluation: a batch of eval.batch_size sequences (default the micro-batch) per rank.
+/// Evaluation: a batch of eval.batch_size sequences (default the micro-batch) per rank.
+/// Returns (its activations when they replace the training set's, the extra bytes).
+fn eval_rows(out: &mut Rows, cfg: &RunConfig, r: &RankShape) -> (Option<u64>, u64) {
+    let (t, mb, zero, p) = (cfg.model.block_size, cfg.micro_batch(), cfg.parallel.zero, &r.p);
     let eb = if cfg.eval.batch_size == 0 { mb } else { cfg.eval.batch_size };
-    let realloc = eb != rows;
-    let eval_acts = if realloc { activation_set_every(&local, eb, t, recompute, every, &p).total() } else { 0 };
-    let eval_zero = zero_transient(&padded, chunk, zero, views.head_unit(), false);
+    let realloc = eb != r.rows;
+    let eval_acts = realloc.then(|| activation_set_every(&r.local, eb, t, cfg.recompute(), cfg.model.recompute_every, p).total());
+    let eval_zero = zero_transient(&r.padded, &r.shards.chunk, zero, r.head_unit, false);
     let eval_extra = b4(2 * eb * t, 4) + if zero == 3 { b4(eval_zero, p.param) } else { 0 };
-    if realloc {
-        row(Kind::Activations, Phase::Eval, "evaluation activations", eval_acts, format!("B {eb} × T {t} (eval.batch_size), in place of the training set and scratch"));
+    if let Some(a) = eval_acts {
+        out.add(Kind::Activations, Phase::Eval, "evaluation activations", a, format!("B {eb} × T {t} (eval.batch_size), in place of the training set and scratch"));
     }
-    row(Kind::Other, Phase::Eval, "evaluation batch, gathers", eval_extra, String::new());
+    out.add(Kind::Other, Phase::Eval, "evaluation batch, gathers", eval_extra, String::new());
+    (eval_acts, eval_extra)
+}
 
-    // Checkpoints: rank 0 (and every rank when the run is sharded over ranks) copies the
-    // trainable parameters and both moments into snapshot buffers, kept for the next one; with
-    // ZeRO or tensor parallelism the whole tensors are first gathered on every rank.
-    let lora_run = lora.is_some();
+/// Checkpoints: rank 0 (and every rank when the run is sharded over ranks) copies the
+/// trainable parameters and both moments into snapshot buffers, kept for the next one; with
+/// ZeRO or tensor parallelism the whole tensors are first gathered on every rank. Returns (the
+/// snapshot's elements, how many are kept, the gathers' elements).
+fn checkpoint_rows(out: &mut Rows, cfg: &RunConfig, gpt: &GptConfig, r: &RankShape) -> (usize, usize, usize) {
+    let par = &cfg.parallel;
+    let (dp, tp, zero, p) = (par.dp.max(1), par.tp, par.zero, &r.p);
+    let world = dp * tp * par.pp;
+    let lora_run = r.lora.is_some();
     let (whole_layout, _) = model::layout::gpt_layout(gpt);
     let parts = world > 1 && !lora_run;
-    let snap = match &lora {
+    let snap = match &r.lora {
         Some(lo) => 3 * lo.layout.total,
         None if parts => 3 * whole_layout.params.iter().map(|q| crate::checkpoint::part_range(q.len(), 0, world).len()).sum::<usize>(),
         None => 3 * whole_layout.total,
     };
     let snapshots = if cfg.checkpoint.memory_interval > 0 { 3 } else { 1 };
-    row(Kind::Other, Phase::Checkpoint, "checkpoint snapshot", snapshots * b4(snap, p.param), format!("parameters and both moments{}; kept from the first checkpoint on{}", if parts { format!(", this rank's 1/{world} part") } else { String::new() }, if cfg.checkpoint.memory_interval > 0 { " (×3 with in-memory checkpoints: latest, previous, the peer's copy)" } else { "" }));
+    out.add(Kind::Other, Phase::Checkpoint, "checkpoint snapshot", snapshots as u64 * b4(snap, p.param), format!("parameters and both moments{}; kept from the first checkpoint on{}", if parts { format!(", this rank's 1/{world} part") } else { String::new() }, if cfg.checkpoint.memory_interval > 0 { " (×3 with in-memory checkpoints: latest, previous, the peer's copy)" } else { "" }));
     let plain = tp == 1 && zero == 0;
     let gather = if lora_run || plain {
         0
     } else {
-        let one = if zero > 0 { shards.len * (dp + 1) } else { 0 } + if tp > 1 { tp * total } else { 0 };
+        let one = if zero > 0 { r.shards.len * (dp + 1) } else { 0 } + if tp > 1 { tp * r.total } else { 0 };
         3 * whole_layout.total + one
     };
     if gather > 0 {
-        row(Kind::Communication, Phase::Checkpoint, "checkpoint gathers", b4(gather, p.param), "whole parameters and moments, gathered from the shards".into());
+        out.add(Kind::Communication, Phase::Checkpoint, "checkpoint gathers", b4(gather, p.param), "whole parameters and moments, gathered from the shards".into());
     }
+    (snap, snapshots, gather)
+}
+
+/// The plan of pipeline rank `s` (with no pipeline, every rank's).
+fn plan_rank(cfg: &RunConfig, gpt: &GptConfig, data_bytes: u64, s: usize) -> Result<MemoryPlan> {
+    let r = RankShape::new(cfg, gpt, s)?;
+    let p = r.p;
+    let par = &cfg.parallel;
+    let (dp, tp, pp, zero) = (par.dp.max(1), par.tp, par.pp, par.zero);
+    let world = dp * tp * pp;
+    let mut out = Rows(Vec::new());
+    model_state_rows(&mut out, cfg, &r, s);
+    let acts = activation_rows(&mut out, cfg, &r);
+    step_rows(&mut out, cfg, &r);
+    let (eval_acts, eval_extra) = eval_rows(&mut out, cfg, &r);
+    let (snap, snapshots, gather) = checkpoint_rows(&mut out, cfg, gpt, &r);
+    let out = out.0;
 
     let sum = |f: &dyn Fn(&Row) -> bool| out.iter().filter(|r| f(r)).map(|r| r.bytes).sum::<u64>();
     let held_bytes = sum(&|r| r.phase == Phase::Held);
     // The step's transients come at different moments (ZeRO-2's unit buffers are gone by the
     // time the parameters are gathered after the update): the largest, not their sum.
     let step_peak = held_bytes + out.iter().filter(|r| r.phase == Phase::Step).map(|r| r.bytes).max().unwrap_or(0);
-    let scratch = grad_scratch(&local, n, &p);
-    let eval_peak = if realloc { held_bytes - acts.total() - scratch + eval_acts } else { held_bytes } + eval_extra;
+    let scratch = grad_scratch(&r.local, r.n, &p);
+    let eval_peak = match eval_acts {
+        Some(a) => held_bytes - acts.total() - scratch + a,
+        None => held_bytes,
+    } + eval_extra;
     let snapshot = b4(snap, p.param);
-    let checkpoint_peak = held_bytes + snapshots * snapshot + b4(gather, p.param);
+    let checkpoint_peak = held_bytes + snapshots as u64 * snapshot + b4(gather, p.param);
     // Snapshot buffers are kept for the next checkpoint: from a checkpoint before the last step
     // on, steps and evaluations hold them too.
     let ck = &cfg.checkpoint;
     let mid_run = (ck.interval > 0 && ck.interval < cfg.train.max_steps) || ck.mtbf_s > 0.0;
     // In-memory checkpoints keep three: the latest (this rank's in-memory copy), the one
     // before (the next snapshot's buffers) and the previous rank's copy.
-    let kept = if mid_run || ck.memory_interval > 0 { snapshots * snapshot } else { 0 };
+    let kept = if mid_run || ck.memory_interval > 0 { snapshots as u64 * snapshot } else { 0 };
     let total_peak = (step_peak + kept).max(eval_peak + kept).max(checkpoint_peak);
+    let (whole_layout, _) = model::layout::gpt_layout(gpt);
     let layout_line = format!(
-        "{} | {} layers, {} params{} | dp {dp} × tp {tp}{}, ZeRO {zero} | recompute {} | micro-batch {rows} × {t} per rank | {}{}",
-        cfg.preset, gpt.n_layer, fmt_count(whole_layout.total), if lora_run { " (LoRA)" } else { "" },
-        if pp > 1 { format!(" × pp {pp} (rank {s}: stage layers {:?}, {in_flight} micro-batch activation sets in flight, {})", stages[s], par.schedule) } else { String::new() }, cfg.model.recompute, p.name,
+        "{} | {} layers, {} params{} | dp {dp} × tp {tp}{}, ZeRO {zero} | recompute {} | micro-batch {} × {} per rank | {}{}",
+        cfg.preset, gpt.n_layer, fmt_count(whole_layout.total), if r.lora.is_some() { " (LoRA)" } else { "" },
+        if pp > 1 { format!(" × pp {pp} (rank {s}: stage layers {:?}, {} micro-batch activation sets in flight, {})", r.stages[s], r.in_flight, par.schedule) } else { String::new() }, cfg.model.recompute, r.rows, cfg.model.block_size, p.name,
         if cfg.memory.offload == "optimizer" { " | optimizer offloaded" } else { "" },
     );
     let ranks_per_process = if par.backend == "mpi" { 1 } else { world };
