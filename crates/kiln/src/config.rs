@@ -493,6 +493,16 @@ impl RunConfig {
     }
 
     fn validate(&self) -> Result<()> {
+        self.validate_model()?;
+        self.validate_train()?;
+        self.validate_data_and_checkpoints()?;
+        self.validate_precision_and_memory()?;
+        self.validate_parallel()?;
+        self.validate_pipeline()
+    }
+
+    /// The model section (and the decoder config it resolves to).
+    fn validate_model(&self) -> Result<()> {
         let m = &self.model;
         if m.arch != "gpt2" && m.arch != "llama" {
             return user(format!("model.arch must be `gpt2` or `llama`, got `{}`", m.arch));
@@ -507,6 +517,11 @@ impl RunConfig {
             return user("model.bias must be false for model.arch = llama (LLaMA has no biases)");
         }
         self.gpt_config(m.vocab_size.max(1)).validate().or_else(user)?;
+        Ok(())
+    }
+
+    /// The training hyperparameters.
+    fn validate_train(&self) -> Result<()> {
         let t = &self.train;
         let positive = [("train.batch_size", t.batch_size as f64), ("train.grad_accum", t.grad_accum as f64), ("train.max_steps", t.max_steps as f64), ("train.lr", t.lr)];
         for (k, v) in positive {
@@ -531,6 +546,11 @@ impl RunConfig {
         if t.min_lr > t.lr {
             return user(format!("train.min_lr ({}) must not exceed train.lr ({})", t.min_lr, t.lr));
         }
+        Ok(())
+    }
+
+    /// The data split, LoRA's base, checkpoint retention and intervals.
+    fn validate_data_and_checkpoints(&self) -> Result<()> {
         if !(self.data.val_fraction > 0.0 && self.data.val_fraction < 1.0) {
             return user(format!("data.val_fraction must be in (0, 1), got {}", self.data.val_fraction));
         }
@@ -543,6 +563,12 @@ impl RunConfig {
         if !(self.checkpoint.mtbf_s >= 0.0 && self.checkpoint.mtbf_s.is_finite()) {
             return user(format!("checkpoint.mtbf_s must be a non-negative number of seconds, got {}", self.checkpoint.mtbf_s));
         }
+        Ok(())
+    }
+
+    /// Mixed precision, fp16 loss scaling, offload and the memory limit.
+    fn validate_precision_and_memory(&self) -> Result<()> {
+        let t = &self.train;
         if !["fp32", "bf16", "fp16", "fp8"].contains(&t.precision.as_str()) {
             return user(format!("train.precision must be fp32, bf16, fp16 or fp8, got `{}`", t.precision));
         }
@@ -559,6 +585,11 @@ impl RunConfig {
             return user(format!("memory.offload must be `none` or `optimizer`, got `{}`", self.memory.offload));
         }
         crate::util::parse_size(&self.memory.limit).map_err(|e| crate::error::KilnError::User(format!("memory.limit: {e}")))?;
+        Ok(())
+    }
+
+    /// The parallel layout: backend, degrees, ZeRO, tensor, expert and sequence parallelism, in-memory checkpoints and injected rank failures.
+    fn validate_parallel(&self) -> Result<()> {
         let p = &self.parallel;
         if p.backend != "inproc" && p.backend != "mpi" {
             return user(format!("parallel.backend must be `inproc` or `mpi`, got `{}`", p.backend));
@@ -616,6 +647,12 @@ impl RunConfig {
         if p.sequence_parallel && self.model.block_size % p.tp != 0 {
             return user(format!("parallel.sequence_parallel: parallel.tp = {} does not divide the sequence length model.block_size = {}", p.tp, self.model.block_size));
         }
+        Ok(())
+    }
+
+    /// The pipeline: stages, virtual stages, the schedule, the layer split, the trace.
+    fn validate_pipeline(&self) -> Result<()> {
+        let (p, t) = (&self.parallel, &self.train);
         if p.pp == 0 {
             return user("parallel.pp must be positive, got 0");
         }
