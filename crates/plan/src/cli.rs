@@ -3,9 +3,10 @@
 
 use std::fmt::Write as _;
 
-use crate::cost::{Attention, Estimate, Recompute, Schedule};
+use crate::cost::{Attention, Estimate, Recompute};
 use crate::hardware::{Cluster, HardwareCatalog, Precision};
 use crate::models::{find_model, parse_models, Mlp, ModelShape, RawModel};
+use crate::schedule::{self, Kind};
 use crate::search::{explain, mesh_name, search, Constraints, SearchResult};
 use crate::validate::{parse_table, validate, Report};
 use crate::PlanError;
@@ -163,8 +164,8 @@ pub fn resolve_layout(a: &LayoutArgs, model: &ModelShape) -> Result<(Constraints
         ep: a.ep,
         micro_batch: a.micro_batch,
         schedule: match (&a.schedule, a.virtual_stages) {
-            (Some(s), _) => Some(Schedule::parse(s)?),
-            (None, Some(v)) if v > 1 => Some(Schedule::Interleaved),
+            (Some(s), _) => Some(schedule::parse_flag(s)?),
+            (None, Some(v)) if v > 1 => Some(Kind::Interleaved),
             _ => None,
         },
         virtual_stages: a.virtual_stages,

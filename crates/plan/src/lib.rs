@@ -4,6 +4,7 @@
 //! - [`hardware`]: accelerator and interconnect catalogues (`catalog/hardware.json`), the `cpu-local` bench file.
 //! - [`models`]: `ModelShape` and the model catalogue (`catalog/models.json`).
 //! - [`cost`]: FLOPs, memory, communication and time (every formula cites its source).
+//! - [`schedule`]: the pipeline schedule kinds, shared with `parallel::pp`.
 //! - [`search`]: enumerate, prune, rank layouts.
 //! - [`validate`]: predicted vs published runs.
 //! - [`cli`]: the `kiln plan` subcommands as plain structs, compile-checked here; `kiln`'s `cmd_plan.rs` maps
@@ -13,6 +14,7 @@ pub mod cli;
 pub mod cost;
 pub mod hardware;
 pub mod models;
+pub mod schedule;
 pub mod search;
 pub mod validate;
 
