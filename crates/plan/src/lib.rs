@@ -7,8 +7,8 @@
 //! - [`schedule`]: the pipeline schedule kinds, shared with `parallel::pp`.
 //! - [`search`]: enumerate, prune, rank layouts.
 //! - [`validate`]: predicted vs published runs.
-//! - [`cli`]: the `kiln plan` subcommands as plain structs, compile-checked here; `kiln`'s `cmd_plan.rs` maps
-//!   clap flags onto them.
+//! - [`cli`]: the `kiln plan` subcommands as plain structs, compile-checked here, which are also the clap flags
+//!   `kiln`'s `cmd_plan.rs` flattens (feature `clap`).
 
 pub mod cli;
 pub mod cost;
