@@ -22,12 +22,13 @@ pub struct BenchArgs {
     pub breakdown: bool,
 }
 
-/// Peak resident set size of this process (Linux `VmHWM`), in bytes.
-pub fn peak_rss_bytes() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok()))
-        .map_or(0, |kb| kb * 1024)
+/// This process's peak resident set in bytes: Linux's `VmHWM` (`/proc/self/status`), counted from the
+/// process's start or from the last write of `5` to `/proc/self/clear_refs` (the trainer's reset); `None` where
+/// `/proc` does not say. The one reading of it, for `kiln bench` and the trainer's `mem_rss_peak_bytes`.
+pub fn peak_rss() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kb: u64 = s.lines().find_map(|l| l.strip_prefix("VmHWM:"))?.split_whitespace().next()?.parse().ok()?;
+    Some(kb * 1024)
 }
 
 /// Best-of-`reps` FLOP/s of an `m × k · k × n` product (B·T × C · C × OC, as in a Linear).
@@ -158,7 +159,7 @@ pub fn bench(args: &BenchArgs) -> Result<serde_json::Value> {
         "achieved_gflops": flops / median / 1e9,
         "peak_gflops": peak / 1e9,
         "mfu": flops / median / peak,
-        "peak_rss_bytes": peak_rss_bytes(),
+        "peak_rss_bytes": peak_rss().unwrap_or(0),
         "activation_bytes": model.activation_bytes(),
         "parameters": model.num_params(),
         "config": {"model": serde_json::to_value(&cfg.model).unwrap(), "train": {"batch_size": cfg.train.batch_size, "grad_accum": cfg.train.grad_accum}, "vocab_size": vp},
