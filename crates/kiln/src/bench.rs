@@ -22,14 +22,6 @@ pub struct BenchArgs {
     pub breakdown: bool,
 }
 
-/// Peak resident set size of this process (Linux `VmHWM`), in bytes.
-pub fn peak_rss_bytes() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok()))
-        .map_or(0, |kb| kb * 1024)
-}
-
 /// Best-of-`reps` FLOP/s of an `m × k · k × n` product (B·T × C · C × OC, as in a Linear).
 fn product_flops(m: usize, n: usize, k: usize, reps: usize) -> f64 {
     let a: Vec<f32> = (0..m * k).map(|i| ((i % 7) as f32 - 3.0) * 0.01).collect();
@@ -158,7 +150,7 @@ pub fn bench(args: &BenchArgs) -> Result<serde_json::Value> {
         "achieved_gflops": flops / median / 1e9,
         "peak_gflops": peak / 1e9,
         "mfu": flops / median / peak,
-        "peak_rss_bytes": peak_rss_bytes(),
+        "peak_rss_bytes": crate::util::peak_rss().unwrap_or(0),
         "activation_bytes": model.activation_bytes(),
         "parameters": model.num_params(),
         "config": {"model": serde_json::to_value(&cfg.model).unwrap(), "train": {"batch_size": cfg.train.batch_size, "grad_accum": cfg.train.grad_accum}, "vocab_size": vp},

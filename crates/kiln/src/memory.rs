@@ -46,6 +46,17 @@ pub const FP32: Precision = Precision { name: "fp32", param: 4, grad: 4, act: 4,
 /// buffers stay f32, and fp32 master weights sit beside the working parameters.
 pub const SIMULATED_16: Precision = Precision { name: "bf16/fp16 (simulated in f32 buffers)", param: 4, grad: 4, act: 4, optim: 4, master: 4 };
 
+impl Precision {
+    /// The bytes per element kiln allocates when it trains in `p` (`train.precision`): [`FP32`], or for every
+    /// lower format [`SIMULATED_16`] (the CPU path keeps f32 buffers and adds the master weights).
+    pub fn of(p: model::gpt::Precision) -> Precision {
+        match p {
+            model::gpt::Precision::Fp32 => FP32,
+            model::gpt::Precision::Bf16 | model::gpt::Precision::Fp16 | model::gpt::Precision::Fp8 => SIMULATED_16,
+        }
+    }
+}
+
 /// Where a row's bytes sit in a rank's timeline.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Phase {
@@ -359,7 +370,7 @@ struct RankShape {
 
 impl RankShape {
     fn new(cfg: &RunConfig, gpt: &GptConfig, s: usize) -> Result<RankShape> {
-        let p = if cfg.train.precision == "fp32" { FP32 } else { SIMULATED_16 };
+        let p = Precision::of(cfg.precision());
         let par = &cfg.parallel;
         let (dp, tp) = (par.dp.max(1), par.tp);
         // With a pipeline: rank 0's stage (its layers, the embeddings; the stage that keeps the

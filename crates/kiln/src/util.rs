@@ -54,3 +54,18 @@ pub fn init_threads(n: usize) {
     }
     let _ = b.build_global();
 }
+
+/// This process's peak resident set in bytes: Linux's `VmHWM` (`/proc/self/status`), counted from the
+/// process's start or from the last write of `5` to `/proc/self/clear_refs` (the trainer's reset); `None` where
+/// `/proc` does not say. The one reading of it, for `kiln bench` and the trainer's `mem_rss_peak_bytes`.
+pub fn peak_rss() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kb: u64 = s.lines().find_map(|l| l.strip_prefix("VmHWM:"))?.split_whitespace().next()?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// Restarts the peak-resident-set count (Linux `clear_refs` 5), so the training loop's peak is
+/// not the start-up's (the matmul peak probe's large products).
+pub fn reset_peak_rss() {
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+}

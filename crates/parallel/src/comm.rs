@@ -12,6 +12,10 @@
 //! - At group size 1 every collective is the identity (a copy where input and output differ).
 //! - Ranks passed to and returned from a communicator are ranks *within its group*
 //!   (`0..size()`); [`InProcessComm::world_ranks`] maps them back to world ranks.
+//! - Every backend starts each collective with the same code, `preamble` (shape checks, the
+//!   call's [`Signature`] and sequence number, the byte [`Counters`], the size-1 identity), and
+//!   `send`/`recv`/`split` with `p2p_preamble` / `split_preamble`; only the rendezvous and
+//!   the data phase are the backend's own.
 //!
 //! Hang diagnostics: a rank that waits longer than the communicator's timeout (default
 //! [`DEFAULT_TIMEOUT`], overridable with `KILN_COMM_TIMEOUT_S` or
@@ -216,6 +220,13 @@ impl<S> Signature<S> {
     }
 }
 
+impl<S: std::fmt::Display> Signature<S> {
+    /// The same signature with its call site as text (what crosses a process boundary).
+    pub fn with_site_text(&self) -> Signature<String> {
+        Signature { seq: self.seq, op: self.op, dtype: self.dtype, counts: self.counts, site: self.site.to_string() }
+    }
+}
+
 impl<S: std::fmt::Display> std::fmt::Display for Signature<S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let (a, b, x) = self.counts;
@@ -270,8 +281,122 @@ pub fn sum_f64(comm: &dyn Comm, x: f64) -> f64 {
     all_gather_f64(comm, &[x]).iter().fold(0.0, |a, v| a + v)
 }
 
-/// The shape checks of `all_to_all_v`, shared by the backends.
-pub(crate) fn check_v(what: &str, n: usize, me: usize, input: &[f32], send: &[usize], out: &[f32], recv: &[usize]) {
+/// One collective call as its [`preamble`] sees it: which collective, with the lengths or buffers whose shapes it
+/// checks (and, at group size 1, copies).
+pub(crate) enum Call<'a> {
+    AllReduce { len: usize },
+    ReduceScatter { input: &'a [f32], out: &'a mut [f32] },
+    AllGather { input: &'a [f32], out: &'a mut [f32] },
+    Broadcast { len: usize, root: usize },
+    AllToAll { input: &'a [f32], out: &'a mut [f32] },
+    AllToAllV { input: &'a [f32], send: &'a [usize], out: &'a mut [f32], recv: &'a [usize] },
+    Barrier,
+}
+
+/// What every backend does first in every collective, written once: checks the shapes, takes this rank's
+/// [`Signature`] of the call (sequence number from `seq`, which advances; the caller's site), records the bytes in
+/// `counters` under the shared byte model, and at group size `n == 1` performs the call (the identity: a copy where
+/// input and output differ). Returns the signature for the backend to check across the group before its data
+/// phase, or `None` when the group has one rank and the call is done.
+#[track_caller]
+pub(crate) fn preamble(seq: &std::cell::Cell<u64>, counters: &Counters, n: usize, me: usize, call: Call<'_>) -> Option<Signature> {
+    // (op name, signature counts, counted op, counted per-rank elements, root)
+    let (name, counts, op, len, root) = match &call {
+        Call::AllReduce { len } => ("all_reduce_sum", (*len, 0, 0), Op::AllReduce, *len, 0),
+        Call::ReduceScatter { input, out } => {
+            let c = out.len();
+            assert_eq!(input.len(), n * c, "reduce_scatter_sum: input length {} is not size {n} × output length {c}", input.len());
+            ("reduce_scatter_sum", (input.len(), c, 0), Op::ReduceScatter, c, 0)
+        }
+        Call::AllGather { input, out } => {
+            let c = input.len();
+            assert_eq!(out.len(), n * c, "all_gather: output length {} is not size {n} × input length {c}", out.len());
+            ("all_gather", (c, out.len(), 0), Op::AllGather, c, 0)
+        }
+        Call::Broadcast { len, root } => {
+            assert!(*root < n, "broadcast: root {root} outside group of size {n}");
+            ("broadcast", (*len, 0, *root), Op::Broadcast, *len, *root)
+        }
+        Call::AllToAll { input, out } => {
+            assert_eq!(input.len() % n, 0, "all_to_all: input length {} not divisible by size {n}", input.len());
+            assert_eq!(out.len(), input.len(), "all_to_all: output length {} != input length {}", out.len(), input.len());
+            ("all_to_all", (input.len(), 0, 0), Op::AllToAll, input.len() / n, 0)
+        }
+        Call::AllToAllV { input, send, out, recv } => {
+            check_v("all_to_all_v", n, me, input, send, out, recv);
+            ("all_to_all_v", (n, 0, 0), Op::AllToAll, 0, 0)
+        }
+        Call::Barrier => ("barrier", (0, 0, 0), Op::Barrier, 0, 0),
+    };
+    let s = seq.get();
+    seq.set(s + 1);
+    let sig = Signature { seq: s, op: name, dtype: "f32", counts, site: std::panic::Location::caller() };
+    match &call {
+        Call::AllToAllV { send, recv, .. } => counters.record_v(op, me, send, recv),
+        _ => counters.record(op, n, me, len, root),
+    }
+    if n > 1 {
+        return Some(sig);
+    }
+    if let Call::ReduceScatter { input, out } | Call::AllGather { input, out } | Call::AllToAll { input, out } | Call::AllToAllV { input, out, .. } = call {
+        out.copy_from_slice(input);
+    }
+    None
+}
+
+/// The preamble of `send` (`sending`) and `recv` on every backend: the peer is in the group of `n`; the message's
+/// `len` elements are counted.
+pub(crate) fn p2p_preamble(counters: &Counters, n: usize, peer: usize, len: usize, sending: bool) {
+    let bytes = (len * 4) as u64;
+    if sending {
+        assert!(peer < n, "send: destination rank {peer} outside group of size {n}");
+        counters.add(Op::SendRecv, bytes, 0);
+    } else {
+        assert!(peer < n, "recv: source rank {peer} outside group of size {n}");
+        counters.add(Op::SendRecv, 0, bytes);
+    }
+}
+
+/// The preamble of `split` on every backend: takes the split's number from `splits` (which advances) and checks
+/// this rank's list (`ranks` of a group of `n`, containing this rank `me`, each once). Returns the split's number.
+pub(crate) fn split_preamble(splits: &std::cell::Cell<u64>, n: usize, me: usize, ranks: &[usize]) -> u64 {
+    let s = splits.get();
+    splits.set(s + 1);
+    assert!(ranks.contains(&me), "split on rank {me}: the group {ranks:?} does not contain this rank");
+    for (i, &r) in ranks.iter().enumerate() {
+        assert!(r < n, "split on rank {me}: rank {r} outside group of size {n}");
+        assert!(!ranks[..i].contains(&r), "split on rank {me}: rank {r} listed twice in {ranks:?}");
+    }
+    s
+}
+
+/// The error of a `split` of `group` (`n` ranks) whose requested lists (`list(k)`: rank `k`'s) do not partition it,
+/// or `None` when they do; every rank computes the same.
+pub(crate) fn partition_error(group: &str, n: usize, list: impl Fn(usize) -> Vec<usize>) -> Option<String> {
+    for k in 0..n {
+        for j in list(k) {
+            if j >= n || list(j) != list(k) {
+                let theirs = if j < n { list(j) } else { vec![] };
+                return Some(format!("split on {group}: groups do not partition the parent: rank {k} asked for {:?} but rank {j} asked for {theirs:?}", list(k)));
+            }
+        }
+    }
+    None
+}
+
+/// The hang timeout from `KILN_COMM_TIMEOUT_S` (seconds), else [`DEFAULT_TIMEOUT`]; every backend reads it so.
+pub(crate) fn timeout_from_env() -> Result<Duration, String> {
+    match std::env::var("KILN_COMM_TIMEOUT_S") {
+        Ok(s) => match s.trim().parse::<f64>() {
+            Ok(t) if t > 0.0 && t.is_finite() => Ok(Duration::from_secs_f64(t)),
+            _ => Err(format!("KILN_COMM_TIMEOUT_S must be a positive number of seconds, got {s:?}")),
+        },
+        Err(_) => Ok(DEFAULT_TIMEOUT),
+    }
+}
+
+/// The shape checks of `all_to_all_v`.
+fn check_v(what: &str, n: usize, me: usize, input: &[f32], send: &[usize], out: &[f32], recv: &[usize]) {
     assert!(send.len() == n && recv.len() == n, "{what} on rank {me}: {} send and {} receive counts for a group of {n}", send.len(), recv.len());
     assert_eq!(input.len(), send.iter().sum::<usize>(), "{what} on rank {me}: input length is not the sum of the send counts {send:?}");
     assert_eq!(out.len(), recv.iter().sum::<usize>(), "{what} on rank {me}: output length is not the sum of the receive counts {recv:?}");
@@ -301,14 +426,7 @@ pub struct InProcess;
 impl InProcess {
     /// `n` connected communicators, one per rank; move each to its own thread.
     pub fn world(n: usize) -> Vec<InProcessComm> {
-        let timeout = match std::env::var("KILN_COMM_TIMEOUT_S") {
-            Ok(s) => match s.trim().parse::<f64>() {
-                Ok(t) if t > 0.0 && t.is_finite() => Duration::from_secs_f64(t),
-                _ => panic!("KILN_COMM_TIMEOUT_S must be a positive number of seconds, got {s:?}"),
-            },
-            Err(_) => DEFAULT_TIMEOUT,
-        };
-        Self::world_with_timeout(n, timeout)
+        Self::world_with_timeout(n, timeout_from_env().unwrap_or_else(|e| panic!("{e}")))
     }
 
     pub fn world_with_timeout(n: usize, timeout: Duration) -> Vec<InProcessComm> {
@@ -601,12 +719,10 @@ impl InProcessComm {
         None
     }
 
-    /// The signature of this rank's next collective (and advances the sequence number).
+    /// [`preamble`] on this communicator.
     #[track_caller]
-    fn sig(&self, op: &'static str, counts: (usize, usize, usize)) -> Signature {
-        let seq = self.seq.get();
-        self.seq.set(seq + 1);
-        Signature { seq, op, dtype: "f32", counts, site: std::panic::Location::caller() }
+    fn preamble(&self, call: Call<'_>) -> Option<Signature> {
+        preamble(&self.seq, &self.counters, self.n(), self.rank, call)
     }
 
     fn hang_message(&self, st: &State, what: &str, elapsed: Duration) -> String {
@@ -647,11 +763,7 @@ impl Comm for InProcessComm {
         let n = self.n();
         let me = self.rank;
         let len = buf.len();
-        let sig = self.sig("all_reduce_sum", (len, 0, 0));
-        self.counters.record(Op::AllReduce, n, me, len, 0);
-        if n == 1 {
-            return;
-        }
+        let Some(sig) = self.preamble(Call::AllReduce { len }) else { return };
         let p = buf.as_mut_ptr();
         // From here until the last rendezvous, `buf` is touched only through `p`.
         let slots = self.rendezvous("all_reduce_sum", Some(Slot { a: p, a_len: len, ..Slot::default() }), Some(sig));
@@ -702,15 +814,8 @@ impl Comm for InProcessComm {
 
     #[track_caller]
     fn reduce_scatter_sum(&self, input: &[f32], out: &mut [f32]) {
-        let n = self.n();
         let c = out.len();
-        assert_eq!(input.len(), n * c, "reduce_scatter_sum: input length {} is not size {n} × output length {c}", input.len());
-        let sig = self.sig("reduce_scatter_sum", (input.len(), c, 0));
-        self.counters.record(Op::ReduceScatter, n, self.rank, c, 0);
-        if n == 1 {
-            out.copy_from_slice(input);
-            return;
-        }
+        let Some(sig) = self.preamble(Call::ReduceScatter { input, out: &mut *out }) else { return };
         let slot = Slot { a: input.as_ptr() as *mut f32, a_len: input.len(), b_len: c, ..Slot::default() };
         let slots = self.rendezvous("reduce_scatter_sum", Some(slot), Some(sig));
         let off = self.rank * c;
@@ -727,15 +832,8 @@ impl Comm for InProcessComm {
 
     #[track_caller]
     fn all_gather(&self, input: &[f32], out: &mut [f32]) {
-        let n = self.n();
         let c = input.len();
-        assert_eq!(out.len(), n * c, "all_gather: output length {} is not size {n} × input length {c}", out.len());
-        let sig = self.sig("all_gather", (c, out.len(), 0));
-        self.counters.record(Op::AllGather, n, self.rank, c, 0);
-        if n == 1 {
-            out.copy_from_slice(input);
-            return;
-        }
+        let Some(sig) = self.preamble(Call::AllGather { input, out: &mut *out }) else { return };
         let slot = Slot { a: input.as_ptr() as *mut f32, a_len: c, ..Slot::default() };
         let slots = self.rendezvous("all_gather", Some(slot), Some(sig));
         for (k, s) in slots.iter().enumerate() {
@@ -746,14 +844,8 @@ impl Comm for InProcessComm {
 
     #[track_caller]
     fn broadcast(&self, buf: &mut [f32], root: usize) {
-        let n = self.n();
-        assert!(root < n, "broadcast: root {root} outside group of size {n}");
         let len = buf.len();
-        let sig = self.sig("broadcast", (len, 0, root));
-        self.counters.record(Op::Broadcast, n, self.rank, len, root);
-        if n == 1 {
-            return;
-        }
+        let Some(sig) = self.preamble(Call::Broadcast { len, root }) else { return };
         let p = buf.as_mut_ptr();
         let slots = self.rendezvous("broadcast", Some(Slot { a: p, a_len: len, x: root, ..Slot::default() }), Some(sig));
         if self.rank != root {
@@ -764,9 +856,7 @@ impl Comm for InProcessComm {
 
     #[track_caller]
     fn send(&self, buf: &[f32], to: usize, tag: u32) {
-        let n = self.n();
-        assert!(to < n, "send: destination rank {to} outside group of size {n}");
-        self.counters.add(Op::SendRecv, (buf.len() * 4) as u64, 0);
+        p2p_preamble(&self.counters, self.n(), to, buf.len(), true);
         let key = (self.group.id, self.group.ranks[self.rank], self.group.ranks[to], tag);
         self.lock_mail().entry(key).or_default().push_back(buf.to_vec());
         self.world.mail_cv.notify_all();
@@ -774,9 +864,7 @@ impl Comm for InProcessComm {
 
     #[track_caller]
     fn recv(&self, buf: &mut [f32], from: usize, tag: u32) {
-        let n = self.n();
-        assert!(from < n, "recv: source rank {from} outside group of size {n}");
-        self.counters.add(Op::SendRecv, 0, (buf.len() * 4) as u64);
+        p2p_preamble(&self.counters, self.n(), from, buf.len(), false);
         let site = std::panic::Location::caller();
         let me_w = self.group.ranks[self.rank];
         let key = (self.group.id, self.group.ranks[from], me_w, tag);
@@ -832,16 +920,8 @@ impl Comm for InProcessComm {
 
     #[track_caller]
     fn all_to_all(&self, input: &[f32], out: &mut [f32]) {
-        let n = self.n();
-        assert_eq!(input.len() % n, 0, "all_to_all: input length {} not divisible by size {n}", input.len());
-        assert_eq!(out.len(), input.len(), "all_to_all: output length {} != input length {}", out.len(), input.len());
-        let sig = self.sig("all_to_all", (input.len(), 0, 0));
-        let c = input.len() / n;
-        self.counters.record(Op::AllToAll, n, self.rank, c, 0);
-        if n == 1 {
-            out.copy_from_slice(input);
-            return;
-        }
+        let Some(sig) = self.preamble(Call::AllToAll { input, out: &mut *out }) else { return };
+        let c = input.len() / self.n();
         let slot = Slot { a: input.as_ptr() as *mut f32, a_len: input.len(), ..Slot::default() };
         let slots = self.rendezvous("all_to_all", Some(slot), Some(sig));
         for (k, s) in slots.iter().enumerate() {
@@ -852,15 +932,8 @@ impl Comm for InProcessComm {
 
     #[track_caller]
     fn all_to_all_v(&self, input: &[f32], send: &[usize], out: &mut [f32], recv: &[usize]) {
-        let n = self.n();
-        let me = self.rank;
-        check_v("all_to_all_v", n, me, input, send, out, recv);
-        let sig = self.sig("all_to_all_v", (n, 0, 0));
-        self.counters.record_v(Op::AllToAll, me, send, recv);
-        if n == 1 {
-            out.copy_from_slice(input);
-            return;
-        }
+        let (n, me) = (self.n(), self.rank);
+        let Some(sig) = self.preamble(Call::AllToAllV { input, send, out: &mut *out, recv }) else { return };
         let slot = Slot { a: input.as_ptr() as *mut f32, a_len: input.len(), v: send.as_ptr(), ..Slot::default() };
         let slots = self.rendezvous("all_to_all_v", Some(slot), Some(sig));
         let mut at = 0;
@@ -878,9 +951,7 @@ impl Comm for InProcessComm {
 
     #[track_caller]
     fn barrier(&self) {
-        let sig = self.sig("barrier", (0, 0, 0));
-        self.counters.record(Op::Barrier, self.n(), self.rank, 0, 0);
-        if self.n() > 1 {
+        if let Some(sig) = self.preamble(Call::Barrier) {
             self.rendezvous("barrier", None, Some(sig));
         }
     }
@@ -890,32 +961,17 @@ impl Comm for InProcessComm {
     }
 
     fn split(&self, ranks: &[usize]) -> Box<dyn Comm> {
-        let n = self.n();
-        let me = self.rank;
-        let seq = self.splits.get();
-        self.splits.set(seq + 1);
-        assert!(ranks.contains(&me), "split on rank {me}: the group {ranks:?} does not contain this rank");
-        for (i, &r) in ranks.iter().enumerate() {
-            assert!(r < n, "split on rank {me}: rank {r} outside group of size {n}");
-            assert!(!ranks[..i].contains(&r), "split on rank {me}: rank {r} listed twice in {ranks:?}");
-        }
+        let (n, me) = (self.n(), self.rank);
+        let seq = split_preamble(&self.splits, n, me, ranks);
         // Every rank checks that the requested groups partition this group consistently.
         if n > 1 {
             let slot = Slot { a: ranks.as_ptr() as *mut f32, a_len: ranks.len(), ..Slot::default() };
             let slots = self.rendezvous("split", Some(slot), None);
-            let list = |k: usize| unsafe { std::slice::from_raw_parts(slots[k].a as *const usize, slots[k].a_len) };
-            let mut bad = None;
-            'outer: for k in 0..n {
-                for &j in list(k) {
-                    if list(j) != list(k) {
-                        bad = Some(format!("rank {k} asked for {:?} but rank {j} asked for {:?}", list(k), list(j)));
-                        break 'outer;
-                    }
-                }
-            }
+            let list = |k: usize| unsafe { std::slice::from_raw_parts(slots[k].a as *const usize, slots[k].a_len) }.to_vec();
+            let bad = partition_error(&self.describe_group(), n, list);
             self.rendezvous("split/checked", None, None);
-            if let Some(b) = bad {
-                panic!("split on {}: groups do not partition the parent: {b}", self.describe_group());
+            if let Some(e) = bad {
+                panic!("{e}");
             }
         }
         let world_ranks: Vec<usize> = ranks.iter().map(|&r| self.group.ranks[r]).collect();

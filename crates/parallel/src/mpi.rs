@@ -20,7 +20,7 @@
 //!   and a [`Signature`] (seq, op, dtype, counts, the caller's `file:line:col`). Before its data
 //!   phase, each rank non-blocking-sends a fixed-size record of its signature to every other
 //!   rank of the group and non-blocking-receives theirs, polling until a deadline (the timeout:
-//!   `KILN_COMM_TIMEOUT_S`, default [`DEFAULT_TIMEOUT`]). The exchange is also the barrier.
+//!   `KILN_COMM_TIMEOUT_S`, default [`DEFAULT_TIMEOUT`](crate::comm::DEFAULT_TIMEOUT)). The exchange is also the barrier.
 //!   - A rank whose record has not arrived by the deadline is named:
 //!     `collective all_reduce_sum timed out after 2.0s on rank 0 of group 0 (world ranks [0, 1,
 //!     2, 3]): ranks [1] (world ranks [1]) have not arrived; arrived: [rank 0 in all_reduce_sum
@@ -75,7 +75,7 @@ use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::*;
 use mpi::Threading;
 
-use crate::comm::{chunk_bounds, signature_mismatch, Comm, Counters, Op, Signature, DEFAULT_TIMEOUT, SMALL_ALL_REDUCE};
+use crate::comm::{chunk_bounds, p2p_preamble, partition_error, preamble, signature_mismatch, split_preamble, timeout_from_env, Call, Comm, Counters, Signature, SMALL_ALL_REDUCE};
 
 /// All-reduces up to this many elements take the all-gather path (as in-process).
 /// Bytes of one signature record.
@@ -98,17 +98,11 @@ pub struct MpiWorld {
 }
 
 /// Initialises MPI (`MPI_THREAD_MULTIPLE` requested, `MPI_THREAD_SERIALIZED` accepted) and
-/// reads the hang timeout from `KILN_COMM_TIMEOUT_S` (seconds; default [`DEFAULT_TIMEOUT`]).
+/// reads the hang timeout from `KILN_COMM_TIMEOUT_S` (seconds; default [`DEFAULT_TIMEOUT`](crate::comm::DEFAULT_TIMEOUT)).
 /// Errors if MPI was already initialised, provides less than `Serialized`, or the timeout is
 /// malformed.
 pub fn init() -> Result<MpiWorld, String> {
-    let timeout = match std::env::var("KILN_COMM_TIMEOUT_S") {
-        Ok(s) => match s.trim().parse::<f64>() {
-            Ok(t) if t > 0.0 && t.is_finite() => Duration::from_secs_f64(t),
-            _ => return Err(format!("KILN_COMM_TIMEOUT_S must be a positive number of seconds, got {s:?}")),
-        },
-        Err(_) => DEFAULT_TIMEOUT,
-    };
+    let timeout = timeout_from_env()?;
     let (universe, threading) = mpi::initialize_with_threading(Threading::Multiple).ok_or("MPI is already initialised in this process")?;
     match threading {
         Threading::Multiple | Threading::Serialized => {}
@@ -275,22 +269,21 @@ impl MpiComm {
         format!("group {} (world ranks {:?})", self.id, self.world_ranks)
     }
 
-    /// The signature of this rank's next collective (and advances the sequence number).
+    /// [`preamble`] on this communicator.
     #[track_caller]
-    fn sig(&self, op: &'static str, counts: (usize, usize, usize)) -> Signature<String> {
-        let seq = self.seq.get();
-        self.seq.set(seq + 1);
-        Signature { seq, op, dtype: "f32", counts, site: std::panic::Location::caller().to_string() }
+    fn preamble(&self, call: Call<'_>) -> Option<Signature> {
+        preamble(&self.seq, &self.counters, self.n(), self.rank, call)
     }
 
     /// Exchanges signatures with every other rank of the group (and so waits until all have
     /// arrived); panics on a timeout or a mismatch.
-    fn exchange(&self, sig: Signature<String>) {
+    fn exchange(&self, sig: Signature) {
         let n = self.n();
         let me = self.rank;
         if n == 1 {
             return;
         }
+        let sig = sig.with_site_text();
         self.reap();
         let rec = encode(&sig);
         let mut inbox = vec![0u8; REC * n];
@@ -425,11 +418,7 @@ impl Comm for MpiComm {
         let n = self.n();
         let me = self.rank;
         let len = buf.len();
-        let sig = self.sig("all_reduce_sum", (len, 0, 0));
-        self.counters.record(Op::AllReduce, n, me, len, 0);
-        if n == 1 {
-            return;
-        }
+        let Some(sig) = self.preamble(Call::AllReduce { len }) else { return };
         count(len, "all_reduce_sum");
         self.exchange(sig);
         if len <= SMALL_ALL_REDUCE {
@@ -471,15 +460,8 @@ impl Comm for MpiComm {
 
     #[track_caller]
     fn reduce_scatter_sum(&self, input: &[f32], out: &mut [f32]) {
-        let n = self.n();
-        let c = out.len();
-        assert_eq!(input.len(), n * c, "reduce_scatter_sum: input length {} is not size {n} × output length {c}", input.len());
-        let sig = self.sig("reduce_scatter_sum", (input.len(), c, 0));
-        self.counters.record(Op::ReduceScatter, n, self.rank, c, 0);
-        if n == 1 {
-            out.copy_from_slice(input);
-            return;
-        }
+        let (n, c) = (self.n(), out.len());
+        let Some(sig) = self.preamble(Call::ReduceScatter { input, out: &mut *out }) else { return };
         count(input.len(), "reduce_scatter_sum");
         self.exchange(sig);
         self.with_scratch(n * c, |parts| {
@@ -495,15 +477,7 @@ impl Comm for MpiComm {
 
     #[track_caller]
     fn all_gather(&self, input: &[f32], out: &mut [f32]) {
-        let n = self.n();
-        let c = input.len();
-        assert_eq!(out.len(), n * c, "all_gather: output length {} is not size {n} × input length {c}", out.len());
-        let sig = self.sig("all_gather", (c, out.len(), 0));
-        self.counters.record(Op::AllGather, n, self.rank, c, 0);
-        if n == 1 {
-            out.copy_from_slice(input);
-            return;
-        }
+        let Some(sig) = self.preamble(Call::AllGather { input, out: &mut *out }) else { return };
         count(out.len(), "all_gather");
         self.exchange(sig);
         self.coll.all_gather_into(input, out);
@@ -511,14 +485,8 @@ impl Comm for MpiComm {
 
     #[track_caller]
     fn broadcast(&self, buf: &mut [f32], root: usize) {
-        let n = self.n();
-        assert!(root < n, "broadcast: root {root} outside group of size {n}");
         let len = buf.len();
-        let sig = self.sig("broadcast", (len, 0, root));
-        self.counters.record(Op::Broadcast, n, self.rank, len, root);
-        if n == 1 {
-            return;
-        }
+        let Some(sig) = self.preamble(Call::Broadcast { len, root }) else { return };
         count(len, "broadcast");
         self.exchange(sig);
         self.coll.process_at_rank(root as i32).broadcast_into(buf);
@@ -526,10 +494,8 @@ impl Comm for MpiComm {
 
     #[track_caller]
     fn send(&self, buf: &[f32], to: usize, tag: u32) {
-        let n = self.n();
-        assert!(to < n, "send: destination rank {to} outside group of size {n}");
+        p2p_preamble(&self.counters, self.n(), to, buf.len(), true);
         let tag = Self::tag(tag);
-        self.counters.add(Op::SendRecv, (buf.len() * 4) as u64, 0);
         self.reap();
         let buf = buf.to_vec();
         let mut req: ffi::MPI_Request = unsafe { ffi::RSMPI_REQUEST_NULL };
@@ -549,10 +515,8 @@ impl Comm for MpiComm {
 
     #[track_caller]
     fn recv(&self, buf: &mut [f32], from: usize, tag: u32) {
-        let n = self.n();
-        assert!(from < n, "recv: source rank {from} outside group of size {n}");
+        p2p_preamble(&self.counters, self.n(), from, buf.len(), false);
         let tag_c = Self::tag(tag);
-        self.counters.add(Op::SendRecv, 0, (buf.len() * 4) as u64);
         let site = std::panic::Location::caller();
         let start = Instant::now();
         let mut polls = 0;
@@ -592,16 +556,7 @@ impl Comm for MpiComm {
 
     #[track_caller]
     fn all_to_all(&self, input: &[f32], out: &mut [f32]) {
-        let n = self.n();
-        assert_eq!(input.len() % n, 0, "all_to_all: input length {} not divisible by size {n}", input.len());
-        assert_eq!(out.len(), input.len(), "all_to_all: output length {} != input length {}", out.len(), input.len());
-        let sig = self.sig("all_to_all", (input.len(), 0, 0));
-        let c = input.len() / n;
-        self.counters.record(Op::AllToAll, n, self.rank, c, 0);
-        if n == 1 {
-            out.copy_from_slice(input);
-            return;
-        }
+        let Some(sig) = self.preamble(Call::AllToAll { input, out: &mut *out }) else { return };
         count(input.len(), "all_to_all");
         self.exchange(sig);
         self.coll.all_to_all_into(input, out);
@@ -609,15 +564,7 @@ impl Comm for MpiComm {
 
     #[track_caller]
     fn all_to_all_v(&self, input: &[f32], send: &[usize], out: &mut [f32], recv: &[usize]) {
-        let n = self.n();
-        let me = self.rank;
-        crate::comm::check_v("all_to_all_v", n, me, input, send, out, recv);
-        let sig = self.sig("all_to_all_v", (n, 0, 0));
-        self.counters.record_v(Op::AllToAll, me, send, recv);
-        if n == 1 {
-            out.copy_from_slice(input);
-            return;
-        }
+        let Some(sig) = self.preamble(Call::AllToAllV { input, send, out: &mut *out, recv }) else { return };
         count(input.len(), "all_to_all_v");
         count(out.len(), "all_to_all_v");
         self.exchange(sig);
@@ -631,26 +578,19 @@ impl Comm for MpiComm {
 
     #[track_caller]
     fn barrier(&self) {
-        let sig = self.sig("barrier", (0, 0, 0));
-        self.counters.record(Op::Barrier, self.n(), self.rank, 0, 0);
         // Every rank has arrived once every rank's signature has.
-        self.exchange(sig);
+        if let Some(sig) = self.preamble(Call::Barrier) {
+            self.exchange(sig);
+        }
     }
 
     #[track_caller]
     fn split(&self, ranks: &[usize]) -> Box<dyn Comm> {
-        let n = self.n();
-        let me = self.rank;
-        let split_no = self.splits.get();
-        self.splits.set(split_no + 1);
-        assert!(ranks.contains(&me), "split on rank {me}: the group {ranks:?} does not contain this rank");
-        for (i, &r) in ranks.iter().enumerate() {
-            assert!(r < n, "split on rank {me}: rank {r} outside group of size {n}");
-            assert!(!ranks[..i].contains(&r), "split on rank {me}: rank {r} listed twice in {ranks:?}");
-        }
+        let (n, me) = (self.n(), self.rank);
+        let split_no = split_preamble(&self.splits, n, me, ranks);
         if n > 1 {
             // Not a numbered collective (as in-process): carries the current number unchanged.
-            let sig = Signature { seq: self.seq.get(), op: "split", dtype: "f32", counts: (0, 0, 0), site: std::panic::Location::caller().to_string() };
+            let sig = Signature { seq: self.seq.get(), op: "split", dtype: "f32", counts: (0, 0, 0), site: std::panic::Location::caller() };
             self.exchange(sig);
             let mut mine = vec![u64::MAX; n];
             for (m, &r) in mine.iter_mut().zip(ranks) {
@@ -659,17 +599,8 @@ impl Comm for MpiComm {
             let mut all = vec![0u64; n * n];
             self.coll.all_gather_into(&mine[..], &mut all[..]);
             let list = |k: usize| -> Vec<usize> { all[k * n..(k + 1) * n].iter().take_while(|&&r| r != u64::MAX).map(|&r| r as usize).collect() };
-            let mut bad = None;
-            'outer: for k in 0..n {
-                for j in list(k) {
-                    if j >= n || list(j) != list(k) {
-                        bad = Some(format!("rank {k} asked for {:?} but rank {j} asked for {:?}", list(k), if j < n { list(j) } else { vec![] }));
-                        break 'outer;
-                    }
-                }
-            }
-            if let Some(b) = bad {
-                panic!("split on {}: groups do not partition the parent: {b}", self.describe_group());
+            if let Some(e) = partition_error(&self.describe_group(), n, list) {
+                panic!("{e}");
             }
         }
         let color = *ranks.iter().min().unwrap() as c_int;

@@ -9,23 +9,9 @@
 
 use std::fmt::Write;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Kind {
-    Gpipe,
-    OneFOneB,
-    Interleaved,
-}
-
-impl Kind {
-    pub fn parse(s: &str) -> Result<Kind, String> {
-        match s {
-            "gpipe" => Ok(Kind::Gpipe),
-            "1f1b" => Ok(Kind::OneFOneB),
-            "interleaved" => Ok(Kind::Interleaved),
-            _ => Err(format!("schedule must be gpipe, 1f1b or interleaved, got `{s}`")),
-        }
-    }
-}
+/// Which schedule: defined once, in the planner (`plan::schedule::Kind`, whose bubble and memory formulas
+/// take it too), with its parsing from `parallel.schedule` / `--schedule` and its name.
+pub use plan::schedule::Kind;
 
 /// One unit of work on a stage: forward or backward of micro-batch `mb` through the rank's
 /// model chunk `chunk` (0 unless interleaved).

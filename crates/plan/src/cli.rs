@@ -1,67 +1,120 @@
 //! The `kiln plan` commands as plain structs (raw flags) and functions that return the text to print.
-//! `crates/kiln/src/cmd_plan.rs` only maps clap's parsed flags onto these and prints the result.
+//! The flags are declared here once: with the `clap` feature (which `kiln` turns on) the structs are clap
+//! `Args` that `crates/kiln/src/cmd_plan.rs` flattens into its subcommands; without it the crate needs no clap.
 
 use std::fmt::Write as _;
 
-use crate::cost::{Attention, Estimate, Recompute, Schedule};
+use crate::cost::{Attention, Estimate, Recompute};
 use crate::hardware::{Cluster, HardwareCatalog, Precision};
 use crate::models::{find_model, parse_models, Mlp, ModelShape, RawModel};
+use crate::schedule::{self, Kind};
 use crate::search::{explain, mesh_name, search, Constraints, SearchResult};
 use crate::validate::{parse_table, validate, Report};
 use crate::PlanError;
 
 /// Model flags: `--model NAME|FILE` or an inline shape.
 #[derive(Clone, Debug, Default)]
+#[cfg_attr(feature = "clap", derive(clap::Args))]
 pub struct ModelArgs {
+    /// Catalogue name (e.g. llama3-70b, megatron-1t) or a model JSON file.
+    #[cfg_attr(feature = "clap", arg(long))]
     pub model: Option<String>,
-    /// Extra model catalogue entries (JSON).
+    /// Extra model catalogue entries (JSON: {"models":[...]}).
+    #[cfg_attr(feature = "clap", arg(long))]
     pub models_file: Option<String>,
+    #[cfg_attr(feature = "clap", arg(long))]
     pub layers: Option<u64>,
+    #[cfg_attr(feature = "clap", arg(long))]
     pub hidden: Option<u64>,
+    #[cfg_attr(feature = "clap", arg(long))]
     pub heads: Option<u64>,
+    #[cfg_attr(feature = "clap", arg(long))]
     pub kv_heads: Option<u64>,
+    #[cfg_attr(feature = "clap", arg(long))]
     pub ffn_hidden: Option<u64>,
+    #[cfg_attr(feature = "clap", arg(long))]
     pub vocab: Option<u64>,
+    /// gelu|swiglu
+    #[cfg_attr(feature = "clap", arg(long))]
     pub mlp: Option<String>,
+    #[cfg_attr(feature = "clap", arg(long))]
     pub experts: Option<u64>,
+    #[cfg_attr(feature = "clap", arg(long))]
     pub top_k: Option<u64>,
-    /// Linear/LayerNorm biases (override; nanoGPT's shakespeare-char has none).
+    /// Linear/LayerNorm biases (true|false; overrides the catalogue entry).
+    #[cfg_attr(feature = "clap", arg(long))]
     pub biases: Option<bool>,
-    /// Dropout masks (override; kiln's presets train without dropout).
+    /// Dropout (true|false; overrides the catalogue entry; kiln's presets use none).
+    #[cfg_attr(feature = "clap", arg(long))]
     pub dropout: Option<bool>,
 }
 
 /// Cluster flags.
 #[derive(Clone, Debug, Default)]
+#[cfg_attr(feature = "clap", derive(clap::Args))]
 pub struct ClusterArgs {
-    /// Catalogue name, or a JSON file (a `cpu-local` bench file or a hardware catalogue with one accelerator).
+    /// Accelerator name (a100-80gb, h100-sxm, h200, b200, mi300x, tpu-v4, ...) or a JSON file such as the
+    /// cpu-local file `kiln bench --peak` writes.
+    #[cfg_attr(feature = "clap", arg(long))]
     pub gpu: String,
+    #[cfg_attr(feature = "clap", arg(long))]
     pub gpus: u64,
+    #[cfg_attr(feature = "clap", arg(long))]
     pub gpus_per_node: Option<u64>,
-    /// Extra hardware catalogue entries (JSON).
+    /// Extra hardware catalogue entries (JSON: {"accelerators":[...],"links":[...]}) or a cpu-local file.
+    #[cfg_attr(feature = "clap", arg(long))]
     pub hardware_file: Option<String>,
 }
 
 /// Layout flags; `None` = choose the best feasible value.
 #[derive(Clone, Debug, Default)]
+#[cfg_attr(feature = "clap", derive(clap::Args))]
 pub struct LayoutArgs {
+    #[cfg_attr(feature = "clap", arg(long))]
     pub tp: Option<u64>,
+    #[cfg_attr(feature = "clap", arg(long))]
     pub pp: Option<u64>,
+    #[cfg_attr(feature = "clap", arg(long))]
     pub dp: Option<u64>,
+    #[cfg_attr(feature = "clap", arg(long))]
     pub cp: Option<u64>,
+    #[cfg_attr(feature = "clap", arg(long))]
     pub ep: Option<u64>,
+    #[cfg_attr(feature = "clap", arg(long))]
     pub global_batch: u64,
+    /// Sequence length (default: the model's).
+    #[cfg_attr(feature = "clap", arg(long))]
     pub seq: Option<u64>,
+    #[cfg_attr(feature = "clap", arg(long))]
     pub micro_batch: Option<u64>,
+    /// gpipe|1f1b|interleaved
+    #[cfg_attr(feature = "clap", arg(long))]
     pub schedule: Option<String>,
+    #[cfg_attr(feature = "clap", arg(long))]
     pub virtual_stages: Option<u64>,
+    /// none|selective|full
+    #[cfg_attr(feature = "clap", arg(long))]
     pub recompute: Option<String>,
+    /// Sequence parallelism (bare flag = true; omitted = choose).
+    #[cfg_attr(feature = "clap", arg(long, num_args = 0..=1, default_missing_value = "true"))]
     pub sequence_parallel: Option<bool>,
+    /// 0|1|2|3
+    #[cfg_attr(feature = "clap", arg(long))]
     pub zero: Option<u8>,
+    /// bf16|fp16|fp8|fp32
+    #[cfg_attr(feature = "clap", arg(long))]
     pub precision: Option<String>,
+    /// unfused|flash
+    #[cfg_attr(feature = "clap", arg(long))]
     pub attention: Option<String>,
+    /// Overlap DP gradient reduction with backward (default true).
+    #[cfg_attr(feature = "clap", arg(long = "dp-overlap", value_name = "DP_OVERLAP"))]
     pub overlap_dp: Option<bool>,
+    /// Overlap TP backward collectives and interleaved-pipeline p2p with compute (default true).
+    #[cfg_attr(feature = "clap", arg(long = "comm-overlap", value_name = "COMM_OVERLAP"))]
     pub overlap_comm: Option<bool>,
+    /// Keep and reduce gradients in fp32 (default true).
+    #[cfg_attr(feature = "clap", arg(long))]
     pub fp32_grads: Option<bool>,
 }
 
@@ -163,8 +216,8 @@ pub fn resolve_layout(a: &LayoutArgs, model: &ModelShape) -> Result<(Constraints
         ep: a.ep,
         micro_batch: a.micro_batch,
         schedule: match (&a.schedule, a.virtual_stages) {
-            (Some(s), _) => Some(Schedule::parse(s)?),
-            (None, Some(v)) if v > 1 => Some(Schedule::Interleaved),
+            (Some(s), _) => Some(schedule::parse_flag(s)?),
+            (None, Some(v)) if v > 1 => Some(Kind::Interleaved),
             _ => None,
         },
         virtual_stages: a.virtual_stages,

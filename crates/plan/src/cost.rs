@@ -10,36 +10,8 @@ use serde::Serialize;
 
 use crate::hardware::{Cluster, GemmCurve, Precision};
 use crate::models::{Mlp, ModelShape};
+use crate::schedule::Kind;
 use crate::PlanError;
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, PartialOrd, Ord)]
-#[serde(rename_all = "lowercase")]
-pub enum Schedule {
-    Gpipe,
-    #[serde(rename = "1f1b")]
-    OneFOneB,
-    Interleaved,
-}
-
-impl Schedule {
-    pub fn parse(s: &str) -> Result<Schedule, PlanError> {
-        match s.to_ascii_lowercase().as_str() {
-            "gpipe" => Ok(Schedule::Gpipe),
-            "1f1b" => Ok(Schedule::OneFOneB),
-            "interleaved" | "interleaved-1f1b" => Ok(Schedule::Interleaved),
-            o => Err(PlanError(format!(
-                "--schedule: unknown schedule '{o}' (expected gpipe|1f1b|interleaved)"
-            ))),
-        }
-    }
-    pub fn name(self) -> &'static str {
-        match self {
-            Schedule::Gpipe => "gpipe",
-            Schedule::OneFOneB => "1f1b",
-            Schedule::Interleaved => "interleaved",
-        }
-    }
-}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, PartialOrd, Ord)]
 #[serde(rename_all = "lowercase")]
@@ -102,7 +74,7 @@ pub struct Layout {
     pub micro_batch: u64,
     pub global_batch: u64,
     pub seq: u64,
-    pub schedule: Schedule,
+    pub schedule: Kind,
     pub virtual_stages: u64,
     pub recompute: Recompute,
     pub sequence_parallel: bool,
@@ -195,7 +167,7 @@ pub fn check_layout(model: &ModelShape, cluster: &Cluster, l: &Layout) -> Result
             l.zero, l.pp
         ));
     }
-    if l.schedule == Schedule::Interleaved {
+    if l.schedule == Kind::Interleaved {
         if l.pp == 1 {
             return e("--schedule interleaved needs --pp > 1".into());
         }
@@ -396,12 +368,12 @@ pub fn activation_bytes_per_layer(m: &ModelShape, moe_layer: bool, c: &ActConfig
 /// Micro-batches whose activations the first pipeline stage holds at its peak, as a multiple of one micro-batch
 /// of all L/p of its layers. Narayanan et al. §2.2: GPipe holds m micro-batches, 1F1B at most p; Korthikanti et al.
 /// §4.2.3: interleaving with v chunks multiplies the 1F1B figure by `1 + (p−1)/(p·v)`.
-pub fn inflight_microbatches(schedule: Schedule, p: u64, m: u64, v: u64) -> f64 {
+pub fn inflight_microbatches(schedule: Kind, p: u64, m: u64, v: u64) -> f64 {
     let (p, m, v) = (p as f64, m as f64, v as f64);
     match schedule {
-        Schedule::Gpipe => m,
-        Schedule::OneFOneB => p.min(m),
-        Schedule::Interleaved => p.min(m) * (1.0 + (p - 1.0) / (p * v)),
+        Kind::Gpipe => m,
+        Kind::OneFOneB => p.min(m),
+        Kind::Interleaved => p.min(m) * (1.0 + (p - 1.0) / (p * v)),
     }
 }
 
@@ -503,7 +475,7 @@ pub fn memory(m: &ModelShape, cl: &Cluster, l: &Layout) -> MemoryBreakdown {
         // Stage s of 1F1B holds p − s micro-batches (Narayanan §2.2); the last runs each backward right after its
         // forward. Stage 0 gets the closed forms of `inflight_microbatches`.
         let inflight = match (st, l.schedule) {
-            (0, _) | (_, Schedule::Gpipe) => inflight_microbatches(l.schedule, l.pp, mb, l.virtual_stages),
+            (0, _) | (_, Kind::Gpipe) => inflight_microbatches(l.schedule, l.pp, mb, l.virtual_stages),
             _ => inflight_microbatches(l.schedule, l.pp - st, mb, l.virtual_stages),
         };
         let mut act = layer_sum * inflight;
@@ -1067,7 +1039,7 @@ pub fn device_time(m: &ModelShape, cl: &Cluster, l: &Layout, stage: u64) -> Devi
     if l.pp > 1 {
         let gl = p2p_link(group_link(cl, l.pp, l.tp * l.cp * l.dp));
         let bytes = l.precision.act_bytes() * (l.micro_batch * l.seq / l.cp) as f64 * m.hidden as f64 / l.tp as f64;
-        let one = if l.overlap_comm && l.schedule == Schedule::Interleaved {
+        let one = if l.overlap_comm && l.schedule == Kind::Interleaved {
             gl.latency
         } else {
             p2p_time(gl, bytes)
@@ -1090,7 +1062,7 @@ pub fn single_device_layout(batch: u64, seq: u64, attention: Attention) -> Layou
         micro_batch: batch,
         global_batch: batch,
         seq,
-        schedule: Schedule::OneFOneB,
+        schedule: Kind::OneFOneB,
         virtual_stages: 1,
         recompute: Recompute::None,
         sequence_parallel: false,

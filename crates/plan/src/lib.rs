@@ -4,15 +4,17 @@
 //! - [`hardware`]: accelerator and interconnect catalogues (`catalog/hardware.json`), the `cpu-local` bench file.
 //! - [`models`]: `ModelShape` and the model catalogue (`catalog/models.json`).
 //! - [`cost`]: FLOPs, memory, communication and time (every formula cites its source).
+//! - [`schedule`]: the pipeline schedule kinds, shared with `parallel::pp`.
 //! - [`search`]: enumerate, prune, rank layouts.
 //! - [`validate`]: predicted vs published runs.
-//! - [`cli`]: the `kiln plan` subcommands as plain structs, compile-checked here; `kiln`'s `cmd_plan.rs` maps
-//!   clap flags onto them.
+//! - [`cli`]: the `kiln plan` subcommands as plain structs, compile-checked here, which are also the clap flags
+//!   `kiln`'s `cmd_plan.rs` flattens (feature `clap`).
 
 pub mod cli;
 pub mod cost;
 pub mod hardware;
 pub mod models;
+pub mod schedule;
 pub mod search;
 pub mod validate;
 

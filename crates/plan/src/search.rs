@@ -6,9 +6,10 @@ use std::collections::HashMap;
 
 use serde::Serialize;
 
-use crate::cost::{check_layout, estimate, memory, Attention, Estimate, Layout, Recompute, Schedule};
+use crate::cost::{check_layout, estimate, memory, Attention, Estimate, Layout, Recompute};
 use crate::hardware::{Cluster, Precision};
 use crate::models::ModelShape;
+use crate::schedule::Kind;
 use crate::PlanError;
 
 /// Values the user fixed; `None` means "choose the best feasible".
@@ -20,7 +21,7 @@ pub struct Constraints {
     pub cp: Option<u64>,
     pub ep: Option<u64>,
     pub micro_batch: Option<u64>,
-    pub schedule: Option<Schedule>,
+    pub schedule: Option<Kind>,
     pub virtual_stages: Option<u64>,
     pub recompute: Option<Recompute>,
     pub sequence_parallel: Option<bool>,
@@ -186,24 +187,24 @@ pub fn candidates(m: &ModelShape, cl: &Cluster, global_batch: u64, seq: u64, c: 
                     c.micro_batch,
                     divisors(per_rank).into_iter().filter(|&b| b <= 16).collect(),
                 );
-                let mut scheds: Vec<(Schedule, u64)> = Vec::new();
+                let mut scheds: Vec<(Kind, u64)> = Vec::new();
                 if pp == 1 {
-                    scheds.push((Schedule::OneFOneB, 1));
+                    scheds.push((Kind::OneFOneB, 1));
                 } else {
                     let per = m.layers / pp;
-                    let want = |s: Schedule| c.schedule.is_none_or(|x| x == s);
+                    let want = |s: Kind| c.schedule.is_none_or(|x| x == s);
                     if c.virtual_stages.is_none_or(|v| v == 1) {
-                        if want(Schedule::Gpipe) {
-                            scheds.push((Schedule::Gpipe, 1));
+                        if want(Kind::Gpipe) {
+                            scheds.push((Kind::Gpipe, 1));
                         }
-                        if want(Schedule::OneFOneB) {
-                            scheds.push((Schedule::OneFOneB, 1));
+                        if want(Kind::OneFOneB) {
+                            scheds.push((Kind::OneFOneB, 1));
                         }
                     }
-                    if want(Schedule::Interleaved) {
+                    if want(Kind::Interleaved) {
                         for v in divisors(per).into_iter().filter(|&v| (2..=8).contains(&v)) {
                             if c.virtual_stages.is_none_or(|x| x == v) {
-                                scheds.push((Schedule::Interleaved, v));
+                                scheds.push((Kind::Interleaved, v));
                             }
                         }
                     }

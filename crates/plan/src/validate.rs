@@ -14,9 +14,10 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
-use crate::cost::{hardware_flops, model_flops, Attention, Layout, Recompute, Schedule};
+use crate::cost::{hardware_flops, model_flops, Attention, Layout, Recompute};
 use crate::hardware::{Cluster, HardwareCatalog, Precision};
 use crate::models::{Mlp, RawModel};
+use crate::schedule::{self, Kind};
 use crate::search::{search, Constraints};
 use crate::PlanError;
 
@@ -249,11 +250,11 @@ pub fn predict_row(row: &Row, cat: &HardwareCatalog, origin: &str) -> Result<Row
     // Without a `schedule` column the planner picks the best feasible one (Table 1's interleaved 1F1B wins
     // wherever it fits).
     let schedule = match row.get("schedule") {
-        Some(s) => Some(Schedule::parse(s).map_err(ctx)?),
+        Some(s) => Some(schedule::parse_flag(s).map_err(ctx)?),
         None => None,
     };
     let schedule = if row.pp == 1 {
-        Some(Schedule::OneFOneB)
+        Some(Kind::OneFOneB)
     } else {
         schedule
     };

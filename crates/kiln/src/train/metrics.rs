@@ -2,20 +2,7 @@
 //! mixture-of-experts routing, communication, and memory (see docs/metrics.md).
 
 use crate::step::{Chunk, Moments, StepOut};
-use std::fs;
 
-/// This process's peak resident set (`VmHWM`) since [`reset_peak_rss`], in bytes (Linux).
-pub(super) fn peak_rss() -> Option<u64> {
-    let s = fs::read_to_string("/proc/self/status").ok()?;
-    let kb: u64 = s.lines().find_map(|l| l.strip_prefix("VmHWM:"))?.trim().trim_end_matches("kB").trim().parse().ok()?;
-    Some(kb * 1024)
-}
-
-/// Restarts the peak-resident-set count (Linux `clear_refs` 5), so the training loop's peak is
-/// not the start-up's (the matmul peak probe's large products).
-pub(super) fn reset_peak_rss() {
-    let _ = fs::write("/proc/self/clear_refs", "5");
-}
 
 /// MoE routing figures of the last micro-batch, summed or worst over layers: the router
 /// losses, the dropped-token fraction, max/mean tokens per expert, and per-expert load.
@@ -78,7 +65,7 @@ pub(super) fn add_memory(line: &mut serde_json::Value, chunks: &[Chunk], out: &S
     if offloaded {
         line["mem_optim_offloaded_bytes"] = optim.into();
     }
-    if let Some(hwm) = peak_rss() {
+    if let Some(hwm) = crate::util::peak_rss() {
         line["mem_rss_peak_bytes"] = hwm.into();
     }
     line["mem_activations_bytes"] = out.peak_activation_bytes.into();

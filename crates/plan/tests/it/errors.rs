@@ -118,3 +118,21 @@ fn layout_that_does_not_fit_is_reported_not_hidden() {
     let v: serde_json::Value = serde_json::from_str(&j).unwrap();
     assert_eq!(v["fits"], false);
 }
+
+#[test]
+fn unknown_schedule_is_named_and_names_read_back() {
+    let l = LayoutArgs {
+        pp: Some(2),
+        schedule: Some("zigzag".into()),
+        global_batch: 64,
+        ..Default::default()
+    };
+    let e = estimate_cmd(&gpt(), &cluster("a100-80gb", 8), &l, false).unwrap_err();
+    assert!(e.0.contains("--schedule") && e.0.contains("zigzag") && e.0.contains("gpipe, 1f1b or interleaved"), "{e}");
+    // The one definition `parallel::pp` re-exports: every name parses back; the planner's spellings too.
+    use plan::schedule::Kind;
+    for k in [Kind::Gpipe, Kind::OneFOneB, Kind::Interleaved] {
+        assert_eq!(Kind::parse(k.name()), Ok(k));
+    }
+    assert_eq!(Kind::parse("Interleaved-1F1B"), Ok(Kind::Interleaved));
+}

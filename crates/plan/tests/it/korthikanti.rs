@@ -1,7 +1,8 @@
 //! Issue 9, done-when (2b): activation bytes per layer equal Korthikanti et al.'s closed forms for each
 //! configuration of their Table 2, at every Table 1 shape (s, h, a, t), and the pipeline totals follow §4.2.3.
 
-use plan::cost::{activation_bytes_per_layer, inflight_microbatches, ActConfig, Attention, Recompute, Schedule};
+use plan::cost::{activation_bytes_per_layer, inflight_microbatches, ActConfig, Attention, Recompute};
+use plan::schedule::Kind;
 
 fn cfg(s: f64, b: f64, t: f64, sp: bool, recompute: Recompute) -> ActConfig {
     ActConfig {
@@ -63,11 +64,11 @@ fn per_layer_activations_match_korthikanti_for_every_table1_configuration() {
 fn pipeline_totals_follow_korthikanti() {
     // 1F1B: the first stage holds p micro-batches of L/p layers = L layers' worth.
     for (p, m) in [(2u64, 8u64), (8, 64), (35, 280), (64, 512)] {
-        assert_eq!(inflight_microbatches(Schedule::OneFOneB, p, m, 1), p as f64);
-        assert_eq!(inflight_microbatches(Schedule::Gpipe, p, m, 1), m as f64);
+        assert_eq!(inflight_microbatches(Kind::OneFOneB, p, m, 1), p as f64);
+        assert_eq!(inflight_microbatches(Kind::Gpipe, p, m, 1), m as f64);
         for v in [2u64, 4] {
             let want = p as f64 * (1.0 + (p as f64 - 1.0) / (p as f64 * v as f64));
-            assert_eq!(inflight_microbatches(Schedule::Interleaved, p, m, v), want);
+            assert_eq!(inflight_microbatches(Kind::Interleaved, p, m, v), want);
         }
     }
 }

@@ -4,6 +4,8 @@ mod catalog;
 mod comm;
 mod cpu;
 mod errors;
+#[cfg(feature = "clap")]
+mod flags;
 mod flops;
 mod korthikanti;
 mod ranking;

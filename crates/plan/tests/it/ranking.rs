@@ -2,7 +2,8 @@
 //! setup: fp16, full recomputation, interleaved schedule, no SP, unfused attention, no communication overlap) ranks the
 //! published (TP, PP) in its top 3, or the planner's explanation names the assumption that makes another better.
 
-use plan::cost::{Attention, Recompute, Schedule};
+use plan::cost::{Attention, Recompute};
+use plan::schedule::Kind;
 use plan::hardware::Precision;
 use plan::search::{explain, search, Constraints};
 
@@ -13,7 +14,7 @@ fn published_tp_pp_in_top3_or_explained() {
         let m = super::gpt_of(&r);
         let cl = super::a100(r.gpus);
         let c = Constraints {
-            schedule: Some(Schedule::Interleaved),
+            schedule: Some(Kind::Interleaved),
             recompute: Some(Recompute::Full),
             sequence_parallel: Some(false),
             zero: Some(0),
