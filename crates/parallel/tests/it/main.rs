@@ -1,3 +1,4 @@
+mod apply;
 mod comm;
 mod ep;
 mod mpi;
