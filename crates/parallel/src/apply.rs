@@ -196,14 +196,15 @@ impl Applied {
         (0..self.locals.len())
             .map(|c| {
                 let stage = &self.stage_layouts[c];
-                let buf = if self.stages.len() > 1 { pp::cut(&self.full_layout, &whole, stage) } else { whole.clone() };
+                let cut = (self.stages.len() > 1).then(|| pp::cut(&self.full_layout, &whole, stage));
+                let buf = cut.as_deref().unwrap_or(&whole);
                 let local = model::layout::gpt_layout(&self.locals[c]).0;
                 if s.tp > 1 {
-                    tp::shard(stage, &buf, &local, self.groups.tp_rank, s.tp)
+                    tp::shard(stage, buf, &local, self.groups.tp_rank, s.tp)
                 } else if s.ep > 1 {
-                    ep::shard(stage, &buf, &local)
+                    ep::shard(stage, buf, &local)
                 } else {
-                    buf
+                    buf.to_vec()
                 }
             })
             .collect()

@@ -99,6 +99,10 @@ fn save(r: &mut Rank, to_disk: bool, last: bool) -> Result<()> {
     // (a LoRA run's tiny adapters are written whole by rank 0).
     let sharded = world > 1 && r.chunks[0].model.lora.is_none();
     let writes = lead || sharded;
+    if !writes {
+        // A LoRA run's other ranks: rank 0 writes the adapters whole (nothing to gather).
+        return Ok(());
+    }
     let part = if sharded {
         // Rank 0 empties the shared temporary directory before anyone writes into it.
         let tmp = if lead && to_disk { Some(checkpoint::prepare_sharded(&ckpt_dir(r.run_dir), step)?) } else { None };
@@ -114,19 +118,14 @@ fn save(r: &mut Rank, to_disk: bool, last: bool) -> Result<()> {
     // The writer copies all of each tensor, or this rank's part of it, into the previous
     // snapshot's buffers — from the live training buffers when this rank holds them (the next
     // update waits for the copy at the writer's gate), else from the gathers.
-    let snap = if writes {
+    let snap = {
         let src = |c: Cow<[f32]>| match c {
             Cow::Borrowed(x) => checkpoint::Source::live(x),
             Cow::Owned(v) => checkpoint::Source::Owned(v),
         };
         let [fp, fm, fv] = whole_state(&mut r.chunks, &r.applied, cfg.parallel.zero > 0);
-        Some(checkpoint::Job { part, state, layout: r.ckpt.layout.clone(), sources: [src(fp), src(fm), src(fv)], tokenizer_json: r.ckpt.tokenizer_json.clone(), to_disk })
-    } else {
-        // Every rank takes part in the gathers.
-        let _ = whole_state(&mut r.chunks, &r.applied, cfg.parallel.zero > 0);
-        None
+        checkpoint::Job { part, state, layout: r.ckpt.layout.clone(), sources: [src(fp), src(fm), src(fv)], tokenizer_json: r.ckpt.tokenizer_json.clone(), to_disk }
     };
-    let Some(snap) = snap else { return Ok(()) };
     if !lead {
         r.ckpt.writer.submit(snap)?;
         if done_at_end {

@@ -83,7 +83,6 @@ pub(super) struct Rank<'a> {
 struct Measured {
     out: StepOut,
     lr: f64,
-    dt: f64,
     comm_bytes: parallel::CommTotals,
     bubble: Option<f64>,
 }
@@ -118,7 +117,7 @@ impl<'a> Rank<'a> {
         // each cut to this rank's tensor- or expert-parallel shard, behind its data-parallel
         // store (`parallel::apply`); the moments are cut the same way.
         let (parts, applied) = parallel::apply::parallelize(model, &strategy, comm).map_err(KilnError::User)?;
-        let moments: Vec<Option<(Vec<f32>, Vec<f32>)>> = match resumed.as_mut().and_then(|r| r.moments.take()) {
+        let moments: Vec<Option<(Vec<f32>, Vec<f32>)>> = match resumed.as_mut().map(|r| std::mem::take(&mut r.moments)) {
             Some((m, v)) => applied.cut(m).into_iter().zip(applied.cut(v)).map(Some).collect(),
             None => parts.iter().map(|_| None).collect(),
         };
@@ -277,7 +276,7 @@ impl<'a> Rank<'a> {
             self.log(serde_json::json!({"kind": "checkpoint", "step": self.step + 1, "update_blocked_s": blocked}))?;
         }
         let bubble = self.pipeline_trace(&out)?;
-        Ok(Measured { out, lr, dt: 0.0, comm_bytes, bubble })
+        Ok(Measured { out, lr, comm_bytes, bubble })
     }
 
     /// The pipeline trace: this rank's tasks, and the bubble against the step's makespan over
@@ -301,7 +300,7 @@ impl<'a> Rank<'a> {
 
     /// After step `self.step`: its faults, the Ctrl-C vote, its metrics line, the heartbeat,
     /// progress and evaluation.
-    fn after_step(&mut self, mut m: Measured, t0: Instant) -> Result<()> {
+    fn after_step(&mut self, m: Measured, t0: Instant) -> Result<()> {
         let step = self.step;
         let verdict = {
             let (faults, metrics, progress) = (&mut self.faults, &mut self.metrics, &self.progress);
@@ -315,8 +314,8 @@ impl<'a> Rank<'a> {
         }
         let step_tokens = (self.cfg.train.batch_size * self.t) as u64;
         self.tokens_seen += step_tokens;
-        m.dt = t0.elapsed().as_secs_f64();
-        let tps = step_tokens as f64 / m.dt;
+        let dt = t0.elapsed().as_secs_f64();
+        let tps = step_tokens as f64 / dt;
         let mfu = self.flops_per_token * tps / self.peak;
         self.elapsed_s = self.elapsed_prev + self.started.elapsed().as_secs_f64();
         // Every rank stops at the same step: any rank's Ctrl-C stops them all.
@@ -342,7 +341,7 @@ impl<'a> Rank<'a> {
         if every(self.cfg.eval.interval) || step == max_steps {
             self.evaluate(m.out.loss)?;
         }
-        self.ckpt.step_times.push(m.dt);
+        self.ckpt.step_times.push(dt);
         Ok(())
     }
 
@@ -497,7 +496,7 @@ fn whole_model(ctx: &Ctx, lead: bool, pipelined: bool) -> Result<Gpt> {
 
 /// What a resumed run restores besides the parameters (which go straight into the model).
 struct Resumed {
-    moments: Option<(Vec<f32>, Vec<f32>)>,
+    moments: (Vec<f32>, Vec<f32>),
     scaler: Option<LossScaler>,
     sampler: [u64; 4],
     step: u64,
@@ -514,7 +513,7 @@ fn read_resumed(l: &Loaded, model: &mut Gpt) -> Result<Resumed> {
     checkpoint::read_into(&l.optim, "exp_avg.", &layout, &mut m, &l.dir.join("optimizer.safetensors"))?;
     checkpoint::read_into(&l.optim, "exp_avg_sq.", &layout, &mut v, &l.dir.join("optimizer.safetensors"))?;
     let st = &l.state;
-    Ok(Resumed { moments: Some((m, v)), scaler: st.loss_scale, sampler: st.sampler_rng, step: st.step, tokens_seen: st.tokens_seen, elapsed_s: st.elapsed_s })
+    Ok(Resumed { moments: (m, v), scaler: st.loss_scale, sampler: st.sampler_rng, step: st.step, tokens_seen: st.tokens_seen, elapsed_s: st.elapsed_s })
 }
 
 /// fp16's dynamic loss scaler, fresh from the config.
