@@ -99,19 +99,19 @@ pub fn bench(args: &BenchArgs) -> Result<serde_json::Value> {
     let peak = peak_flops();
 
     let mut model = Gpt::new(gcfg, real_vocab.min(vp), cfg.train.seed);
-    model.recompute = cfg.recompute();
+    model.recompute = cfg.model.recompute;
     model.recompute_every = cfg.model.recompute_every;
     let mut opt = Optimizer::new(&model.layout);
-    model.precision = cfg.precision();
+    model.precision = cfg.train.precision;
     if model.precision == model::gpt::Precision::Fp8 {
         model.fp8 = Some(std::cell::RefCell::new(model::gpt::Fp8State::new(model.cfg.n_layer, cfg.train.fp8_amax_history)));
     }
     let mut dp = single_rank(&mut model);
-    if let Some(fmt) = model.precision.storage() {
+    if let Some(fmt) = model::gpt::storage(model.precision) {
         opt.mixed(&mut dp, fmt);
     }
     let mut chunks = vec![Chunk { model, dp, opt, replicated: Vec::new(), seq_partial: Vec::new(), pool: Vec::new() }];
-    let mut scaler = (cfg.precision() == model::gpt::Precision::Fp16).then_some(crate::step::LossScaler { scale: cfg.train.loss_scale, good: 0, window: cfg.train.loss_scale_window });
+    let mut scaler = (cfg.train.precision == model::gpt::Precision::Fp16).then_some(crate::step::LossScaler { scale: cfg.train.loss_scale, good: 0, window: cfg.train.loss_scale_window });
     let mut pipe = Pipeline::single(cfg.train.grad_accum, None);
     pipe.scaler = scaler.as_mut();
     let mut rng = Rng::new(cfg.train.seed);

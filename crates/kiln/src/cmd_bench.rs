@@ -68,7 +68,7 @@ pub fn bench(b: BenchCli) -> Result<()> {
 
 /// Runs `kiln pp-schedule`.
 pub fn pp_schedule(a: PpScheduleCli) -> Result<()> {
-            let kind = parallel::pp::Kind::parse(&a.schedule).map_err(KilnError::User)?;
+            let kind = <parallel::pp::Kind as plan::policy::Names>::parse(&a.schedule).map_err(|e| KilnError::User(format!("--schedule {e}")))?;
             let sch = parallel::pp::Schedule::new(kind, a.pp, a.micro_batches, a.r#virtual).map_err(KilnError::User)?;
             if !(a.backward_ratio > 0.0) {
                 return user(format!("--backward-ratio must be positive, got {}", a.backward_ratio));

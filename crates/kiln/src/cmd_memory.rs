@@ -47,5 +47,5 @@ pub fn run(m: MemoryCli) -> Result<()> {
             if m.train.supervise {
                 return user("kiln memory: --supervise applies to `kiln train` only");
             }
-            crate::cmd_memory::cmd(&m.train.args(), m.json)
+            crate::cmd_memory::cmd(&m.train.args()?, m.json)
         }

@@ -1,6 +1,6 @@
 //! `kiln train`: its flags, Ctrl-C handling, and the supervised mode.
 
-use crate::config::TrainArgs;
+use crate::config::{Flag, TrainArgs};
 use crate::error::{user, Result};
 use clap::Args;
 use std::path::PathBuf;
@@ -116,29 +116,61 @@ pub struct TrainCli {
 }
 
 impl TrainCli {
-    /// The trainer's arguments (shared by `kiln train` and `kiln memory`). `--memory-limit`
-    /// becomes the last `--set memory.limit=…`, so it wins over the config file and `--set`.
-    pub fn args(&self) -> TrainArgs {
-        let mut set = self.set.clone();
-        if let Some(p) = &self.precision {
-            set.push(format!("train.precision={}", toml::Value::String(p.clone())));
-        }
-        if let Some(r) = &self.recompute {
-            set.push(format!("model.recompute={}", toml::Value::String(r.clone())));
-        }
-        if let Some(k) = self.recompute_every {
-            set.push(format!("model.recompute_every={k}"));
-        }
-        if let Some(l) = &self.memory_limit {
-            set.push(format!("memory.limit={}", toml::Value::String(l.clone())));
-        }
-        TrainArgs { preset: self.preset.clone(), config: self.config.clone(), data: self.data.clone(), out: self.out.clone(), set, max_steps: self.max_steps, resume: self.resume, seed: self.seed, init_from: self.init_from.clone(), lora_rank: self.lora_rank, lora_alpha: self.lora_alpha, lora_targets: self.lora_targets.clone(), profile: self.profile, dp: self.dp, zero: self.zero, tp: self.tp, ep: self.ep, pp: self.pp, sequence_parallel: self.sequence_parallel, micro_batches: self.micro_batches, schedule: self.schedule.clone(), virtual_stages: self.virtual_stages, pp_layers: self.pp_layers.clone(), pp_trace: self.pp_trace.clone(), offload: self.offload.clone(), backend: self.backend.clone(), quiet: self.quiet }
+    /// The trainer's arguments (shared by `kiln train` and `kiln memory`).
+    pub fn args(&self) -> Result<TrainArgs> {
+        Ok(TrainArgs {
+            preset: self.preset.clone(), config: self.config.clone(), out: self.out.clone(), set: self.set.clone(), flags: self.flags()?,
+            resume: self.resume, profile: self.profile, quiet: self.quiet,
+        })
+    }
+
+    /// Every flag that sets a config key, in one table: the flag, its key, its value (if given).
+    fn flags(&self) -> Result<Vec<Flag>> {
+        use toml::Value as V;
+        let int = |x: Option<usize>| x.map(|x| V::Integer(x as i64));
+        let long = |x: Option<u64>| x.map(|x| V::Integer(x as i64));
+        let text = |x: &Option<String>| x.clone().map(V::String);
+        let path = |x: &Option<PathBuf>| x.as_ref().map(|p| V::String(p.display().to_string()));
+        let items = |x: &str| x.split(',').map(str::trim).filter(|x| !x.is_empty()).map(str::to_string).collect::<Vec<_>>();
+        let layers = match &self.pp_layers {
+            Some(l) => Some(V::Array(
+                items(l).iter().map(|x| x.parse::<i64>().map(V::Integer).or_else(|_| user(format!("--pp-layers: `{x}` is not a layer count (expected e.g. 3,3,2)")))).collect::<Result<_>>()?,
+            )),
+            None => None,
+        };
+        let table: [(&'static str, &'static str, Option<V>); 24] = [
+            ("--data", "data.paths", (!self.data.is_empty()).then(|| V::Array(self.data.iter().map(|p| V::String(p.display().to_string())).collect()))),
+            ("--max-steps", "train.max_steps", long(self.max_steps)),
+            ("--seed", "train.seed", long(self.seed)),
+            ("--precision", "train.precision", text(&self.precision)),
+            ("--micro-batches", "train.grad_accum", int(self.micro_batches)),
+            ("--init-from", "model.init_from", path(&self.init_from)),
+            ("--recompute", "model.recompute", text(&self.recompute)),
+            ("--recompute-every", "model.recompute_every", int(self.recompute_every)),
+            ("--lora-rank", "lora.rank", int(self.lora_rank)),
+            ("--lora-alpha", "lora.alpha", self.lora_alpha.map(V::Float)),
+            ("--lora-targets", "lora.targets", self.lora_targets.as_deref().map(|t| V::Array(items(t).into_iter().map(V::String).collect()))),
+            ("--dp", "parallel.dp", int(self.dp)),
+            ("--zero", "parallel.zero", int(self.zero)),
+            ("--tp", "parallel.tp", int(self.tp)),
+            ("--ep", "parallel.ep", int(self.ep)),
+            ("--sequence-parallel", "parallel.sequence_parallel", self.sequence_parallel.then_some(V::Boolean(true))),
+            ("--pp", "parallel.pp", int(self.pp)),
+            ("--schedule", "parallel.schedule", text(&self.schedule)),
+            ("--virtual", "parallel.virtual_stages", int(self.virtual_stages)),
+            ("--pp-layers", "parallel.pp_layers", layers),
+            ("--pp-trace", "parallel.pp_trace", text(&self.pp_trace)),
+            ("--backend", "parallel.backend", text(&self.backend)),
+            ("--offload", "memory.offload", text(&self.offload)),
+            ("--memory-limit", "memory.limit", text(&self.memory_limit)),
+        ];
+        Ok(table.into_iter().filter_map(|(flag, key, v)| v.map(|value| Flag { flag, key, value })).collect())
     }
 }
 
 /// Runs `kiln train` (or, with `--supervise`, a supervisor that restarts it).
 pub fn run(a: TrainCli) -> Result<()> {
-            let args = a.args();
+            let args = a.args()?;
             let stop = Arc::new(AtomicBool::new(false));
             let s2 = stop.clone();
             let _ = ctrlc::set_handler(move || {

@@ -3,29 +3,26 @@
 //! types), then a resolved, validated [`RunConfig`] (`RunConfig::resolve`). Errors name the key
 //! and, for files, the path.
 
-use crate::error::{user, KilnError, Result};
+use crate::error::{user, Result};
 use serde::{Deserialize, Serialize};
+use plan::policy::Names;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct ModelSection {
     /// `gpt2` (LayerNorm, learned positions, GELU) or `llama` (RMSNorm, RoPE, SwiGLU, GQA).
-    #[serde(default = "default_arch")]
-    pub arch: String,
+    #[serde(with = "named")]
+    pub arch: model::config::Arch,
     pub n_layer: usize,
     pub n_head: usize,
     /// Key/value heads for grouped-query attention (llama); 0 = n_head.
-    #[serde(default)]
     pub n_kv_head: usize,
     pub n_embd: usize,
     /// MLP width; 0 = 4·n_embd (gpt2) or 8/3·n_embd rounded up to a multiple of 64 (llama).
-    #[serde(default)]
     pub ffn_hidden: usize,
-    #[serde(default = "default_theta")]
     pub rope_theta: f64,
-    #[serde(default = "default_eps")]
     pub norm_eps: f64,
     pub block_size: usize,
     /// 0 = from the tokenizer (rounded up to a multiple of 64 above 256 tokens: 50257 → 50304).
@@ -35,37 +32,29 @@ pub struct ModelSection {
     pub tied_embeddings: bool,
     /// A Hugging Face GPT-2 directory to start from ("" = fresh initialisation). Its
     /// `config.json` fixes the shape keys above; its weights replace the initialisation.
-    #[serde(default)]
     pub init_from: String,
     /// Mixture of experts (llama arch): routed experts per layer, 0 = dense MLP; `ffn_hidden`
     /// is then each expert's width.
-    #[serde(default)]
     pub n_expert: usize,
-    #[serde(default = "default_top_k")]
     pub top_k: usize,
     /// Always-on shared experts (DeepSeekMoE).
-    #[serde(default)]
     pub n_shared_expert: usize,
     /// Expert capacity factor; 0 = dropless.
-    #[serde(default)]
     pub capacity_factor: f64,
     /// Weight of the Switch load-balancing loss.
-    #[serde(default = "default_aux")]
     pub moe_aux_weight: f64,
     /// Weight of the ST-MoE router z-loss.
-    #[serde(default = "default_z")]
     pub moe_z_weight: f64,
     /// Activation recomputation: `none`, `selective` (Korthikanti et al.: re-run the attention
     /// core) or `full` (keep block inputs only). Results are bit-identical to `none`.
-    #[serde(default = "default_recompute")]
-    pub recompute: String,
+    #[serde(with = "named")]
+    pub recompute: model::Recompute,
     /// With `full`: recompute every k-th layer only (1 = all), keeping the others' activations.
-    #[serde(default = "one")]
     pub recompute_every: usize,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct TrainSection {
     /// Sequences per optimizer step (the global batch), split into `grad_accum` micro-batches.
     pub batch_size: usize,
@@ -91,36 +80,21 @@ pub struct TrainSection {
     /// Storage precision: `fp32`, or mixed precision `bf16` / `fp16` (parameters, activations
     /// and activation gradients rounded to it, fp32 master weights, moments and weight-gradient
     /// accumulation; simulated on CPU — the buffers stay f32).
-    #[serde(default = "fp32")]
-    pub precision: String,
+    #[serde(with = "named")]
+    pub precision: model::Precision,
     /// fp16: the initial dynamic loss scale, and the overflow-free updates after which it doubles.
-    #[serde(default = "loss_scale_init")]
     pub loss_scale: f64,
-    #[serde(default = "loss_scale_window")]
     pub loss_scale_window: u64,
     /// fp8: steps of amax history behind each tensor's delayed scale.
-    #[serde(default = "fp8_history")]
     pub fp8_amax_history: usize,
 }
 
-fn fp8_history() -> usize {
-    16
-}
 
-fn fp32() -> String {
-    "fp32".into()
-}
 
-fn loss_scale_init() -> f64 {
-    65536.0
-}
 
-fn loss_scale_window() -> u64 {
-    1000
-}
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct EvalSection {
     /// Evaluate on the held-out split every this many steps (0 = only at the end).
     pub interval: u64,
@@ -131,37 +105,30 @@ pub struct EvalSection {
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct CheckpointSection {
     /// Save every this many steps (0 = only at the end).
     pub interval: u64,
     /// Valid checkpoints kept (older ones are removed after a newer one is safely written).
     pub keep: usize,
     /// Also keep every checkpoint whose step is a multiple of this (0 = none).
-    #[serde(default)]
     pub keep_every: u64,
     /// Write checkpoints on a background thread while training continues.
-    #[serde(default = "yes")]
     pub background: bool,
     /// Mean time between failures, seconds: when positive the interval is chosen automatically,
     /// `sqrt(2 · cost · MTBF)` (Young 1974, Daly 2006) from each checkpoint's measured cost, the
     /// first at `interval` (or step 10). 0 = the fixed `interval`.
-    #[serde(default)]
     pub mtbf_s: f64,
     /// In-memory checkpoints (Gemini): every this many steps (0 = off) each rank snapshots
     /// its state into its memory and a copy into the next rank's, and a failed rank is
     /// restored from there without reading disk. Disk checkpoints are kept in memory too.
     /// Needs at least two in-process ranks.
-    #[serde(default)]
     pub memory_interval: u64,
 }
 
-fn yes() -> bool {
-    true
-}
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct DataSection {
     /// `byte`, `char`, `gpt2`, or a tokenizer JSON file.
     pub tokenizer: String,
@@ -171,7 +138,7 @@ pub struct DataSection {
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct SampleSection {
     /// Tokens generated at the end of training (0 = none).
     pub tokens: usize,
@@ -180,33 +147,9 @@ pub struct SampleSection {
     pub top_k: usize,
 }
 
-// Defaults for keys added after the first release, so run directories written before them
-// still load (a saved config.toml is read back on --resume, eval, generate and export).
-fn default_arch() -> String {
-    "gpt2".into()
-}
-fn default_theta() -> f64 {
-    10000.0
-}
-fn default_eps() -> f64 {
-    1e-5
-}
-fn default_recompute() -> String {
-    "none".into()
-}
-fn default_top_k() -> usize {
-    2
-}
-fn default_aux() -> f64 {
-    0.01
-}
-fn default_z() -> f64 {
-    0.001
-}
-
 /// LoRA fine-tuning (Hu et al. 2021): off while `rank` is 0.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct LoraSection {
     pub rank: usize,
     pub alpha: f64,
@@ -217,7 +160,7 @@ pub struct LoraSection {
 /// Data parallelism and ZeRO (`parallel` crate). Changing these changes speed and memory,
 /// not the result: `train.batch_size` stays the global batch.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct ParallelSection {
     /// Data-parallel ranks. With `backend = "inproc"`, one thread per rank in this process;
     /// with `"mpi"`, must equal the number of MPI processes (0 = take it from MPI).
@@ -227,84 +170,62 @@ pub struct ParallelSection {
     pub zero: usize,
     /// Tensor-parallel ranks (Megatron column/row split of attention heads and MLP columns);
     /// the world is `dp × tp` ranks.
-    #[serde(default = "one")]
     pub tp: usize,
     /// Expert-parallel ranks: each MoE layer's routed experts spread over them, the batch split
     /// over `dp × ep` (see `parallel::ep`); the world is `pp × dp × ep × tp` ranks.
-    #[serde(default = "one")]
     pub ep: usize,
     /// `inproc` or `mpi` (a build with `--features mpi`, run under `mpirun`).
-    pub backend: String,
+    #[serde(with = "named")]
+    pub backend: Backend,
     /// Gradient all-reduce bucket size in MiB (stages 0 and 1).
     pub bucket_mb: f64,
     /// With `tp > 1`: sequence parallelism (Korthikanti et al.): norms, dropout and the
     /// residual stream split along the sequence over the tensor-parallel ranks.
-    #[serde(default)]
     pub sequence_parallel: bool,
     /// Pipeline stages (consecutive layers each; the world is `pp × dp × tp` ranks). The
     /// step's micro-batches are `train.grad_accum` (`--micro-batches`).
-    #[serde(default = "one")]
     pub pp: usize,
     /// Pipeline schedule: `gpipe`, `1f1b` or `interleaved`.
-    #[serde(default = "one_f_one_b")]
-    pub schedule: String,
+    #[serde(with = "named")]
+    pub schedule: parallel::pp::Kind,
     /// Model chunks per pipeline rank (`interleaved` only).
-    #[serde(default = "one")]
     pub virtual_stages: usize,
     /// Layers per pipeline stage (`pp × virtual_stages` counts, adding up to `model.n_layer`);
     /// empty: balanced by cost (the last stage also pays for the head).
-    #[serde(default)]
     pub pp_layers: Vec<usize>,
     /// Record each rank's pipeline tasks per step in `RUN/pipeline/rank-R.jsonl`: `off`,
     /// `wall` (as they ran), or `device` (also compute one task at a time across the process,
     /// so each task's time is uncontended; for measuring schedules on a machine with fewer
     /// cores than ranks; needs dp = tp = 1).
-    #[serde(default = "off")]
-    pub pp_trace: String,
+    #[serde(with = "named")]
+    pub pp_trace: PpTrace,
 }
 
-fn one_f_one_b() -> String {
-    "1f1b".into()
-}
 
-fn off() -> String {
-    "off".into()
-}
 
-fn one() -> usize {
-    1
-}
 
 /// Memory tiers.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct MemorySection {
     /// `none`, or `optimizer`: AdamW's moments in memory-mapped files under the run directory
     /// (`offload/`), streamed through the update in chunks (ZeRO-Infinity's NVMe tier).
-    pub offload: String,
+    #[serde(with = "named")]
+    pub offload: Offload,
     /// The most one rank may hold, as planned before step 0 (`kiln memory`): a number of bytes
     /// or a size such as `2GiB` or `1500MB`; `0` = no limit. A run whose plan exceeds it is
     /// refused before anything is written.
-    #[serde(default = "no_limit")]
     pub limit: String,
 }
 
-fn no_limit() -> String {
-    "0".into()
-}
 
 /// String keys that also take a plain integer (a number of bytes).
 const SIZE_KEYS: &[&str] = &["memory.limit"];
 
-impl Default for MemorySection {
-    fn default() -> Self {
-        MemorySection { offload: "none".into(), limit: no_limit() }
-    }
-}
 
 /// Numerical faults: what a step with a non-finite or spiking loss does.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct FaultSection {
     /// Skip the update of a step whose loss or gradient norm is not finite (else stop).
     pub skip_nonfinite: bool,
@@ -319,38 +240,157 @@ pub struct FaultSection {
     pub inject_nan_steps: Vec<u64>,
     /// Debug: these ranks fail (lose their state and memory) at the start of step
     /// `fail_step` (1-based; 0 = never), once per run.
-    #[serde(default)]
     pub fail_ranks: Vec<usize>,
-    #[serde(default)]
     pub fail_step: u64,
     /// Debug: SIGKILL this process in the middle of writing the checkpoint of this step
     /// (0 = never), once per run.
-    #[serde(default)]
     pub kill_in_write_step: u64,
     /// In-process restarts after a rank fails (from in-memory snapshots, else from disk)
     /// before the run gives up.
-    #[serde(default = "three")]
     pub max_rank_restarts: u32,
 }
 
-fn three() -> u32 {
-    3
+/// `parallel.backend`: how ranks talk.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Backend {
+    /// One thread per rank in this process.
+    #[default]
+    Inproc,
+    /// One process per rank under `mpirun` (a build with `--features mpi`).
+    Mpi,
 }
 
-impl Default for FaultSection {
+impl Names for Backend {
+    const NAMES: &'static [(&'static str, Backend)] = &[("inproc", Backend::Inproc), ("mpi", Backend::Mpi)];
+}
+
+/// `parallel.pp_trace`: whether and how pipeline tasks are recorded.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum PpTrace {
+    #[default]
+    Off,
+    /// As the tasks ran.
+    Wall,
+    /// One task at a time across the process, so each task's time is uncontended.
+    Device,
+}
+
+impl Names for PpTrace {
+    const NAMES: &'static [(&'static str, PpTrace)] = &[("off", PpTrace::Off), ("wall", PpTrace::Wall), ("device", PpTrace::Device)];
+}
+
+/// `memory.offload`: what leaves memory.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Offload {
+    #[default]
+    None,
+    /// AdamW's moments, to memory-mapped files.
+    Optimizer,
+}
+
+impl Names for Offload {
+    const NAMES: &'static [(&'static str, Offload)] = &[("none", Offload::None), ("optimizer", Offload::Optimizer)];
+}
+
+/// Serde for a key whose value is one of a fixed set of names ([`Names`]): written as its name,
+/// read from any accepted spelling, and the error lists them ("must be a, b or c, got `x`";
+/// [`serde_message`] puts the key first).
+mod named {
+    use plan::policy::Names;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<T: Names, S: Serializer>(v: &T, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(v.name())
+    }
+
+    pub fn deserialize<'de, T: Names, D: Deserializer<'de>>(d: D) -> Result<T, D::Error> {
+        let s = String::deserialize(d)?;
+        T::parse(&s).map_err(serde::de::Error::custom)
+    }
+}
+
+/// The one default of every key: the `tiny` preset's base (presets override some), and the
+/// value a saved run directory's `config.toml` gets for a key it predates.
+impl Default for ModelSection {
     fn default() -> Self {
-        FaultSection { skip_nonfinite: true, spike_zscore: 0.0, spike_window: 50, max_consecutive_skips: 3, inject_nan_steps: vec![], fail_ranks: vec![], fail_step: 0, kill_in_write_step: 0, max_rank_restarts: 3 }
+        use model::config::defaults;
+        ModelSection {
+            arch: model::config::Arch::Gpt2, n_layer: 4, n_head: 4, n_kv_head: 0, n_embd: 128, ffn_hidden: 0,
+            rope_theta: defaults::ROPE_THETA, norm_eps: defaults::NORM_EPS, block_size: 128, vocab_size: 0, bias: false,
+            dropout: 0.0, tied_embeddings: true, init_from: String::new(), n_expert: 0, top_k: defaults::TOP_K,
+            n_shared_expert: 0, capacity_factor: 0.0, moe_aux_weight: defaults::MOE_AUX_WEIGHT, moe_z_weight: defaults::MOE_Z_WEIGHT,
+            recompute: model::Recompute::None, recompute_every: 1,
+        }
+    }
+}
+
+impl Default for TrainSection {
+    fn default() -> Self {
+        TrainSection {
+            batch_size: 16, grad_accum: 1, lr: 1e-3, min_lr: 1e-4, warmup_steps: 100, lr_decay_steps: 0, max_steps: 1000,
+            weight_decay: 0.1, beta1: 0.9, beta2: 0.99, eps: 1e-8, grad_clip: 1.0, seed: 1337, threads: 0, log_interval: 10,
+            precision: model::Precision::Fp32, loss_scale: 65536.0, loss_scale_window: 1000, fp8_amax_history: 16,
+        }
+    }
+}
+
+impl Default for EvalSection {
+    fn default() -> Self {
+        EvalSection { interval: 250, iters: 20, batch_size: 0 }
+    }
+}
+
+impl Default for CheckpointSection {
+    fn default() -> Self {
+        CheckpointSection { interval: 500, keep: 3, keep_every: 0, background: true, mtbf_s: 0.0, memory_interval: 0 }
+    }
+}
+
+impl Default for DataSection {
+    fn default() -> Self {
+        DataSection { tokenizer: "byte".into(), paths: vec![], val_fraction: 0.1 }
+    }
+}
+
+impl Default for SampleSection {
+    fn default() -> Self {
+        SampleSection { tokens: 300, prompt: "\n".into(), temperature: 0.8, top_k: 200 }
+    }
+}
+
+impl Default for LoraSection {
+    fn default() -> Self {
+        LoraSection { rank: 0, alpha: 16.0, targets: vec!["q".into(), "v".into()] }
     }
 }
 
 impl Default for ParallelSection {
     fn default() -> Self {
-        ParallelSection { dp: 1, zero: 0, tp: 1, ep: 1, backend: "inproc".into(), bucket_mb: 25.0, sequence_parallel: false, pp: 1, schedule: one_f_one_b(), virtual_stages: 1, pp_layers: Vec::new(), pp_trace: off() }
+        ParallelSection {
+            dp: 1, zero: 0, tp: 1, ep: 1, backend: Backend::Inproc, bucket_mb: 25.0, sequence_parallel: false, pp: 1,
+            schedule: parallel::pp::Kind::OneFOneB, virtual_stages: 1, pp_layers: Vec::new(), pp_trace: PpTrace::Off,
+        }
     }
 }
 
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+impl Default for MemorySection {
+    fn default() -> Self {
+        MemorySection { offload: Offload::None, limit: "0".into() }
+    }
+}
+
+impl Default for FaultSection {
+    fn default() -> Self {
+        FaultSection {
+            skip_nonfinite: true, spike_zscore: 0.0, spike_window: 50, max_consecutive_skips: 3, inject_nan_steps: vec![],
+            fail_ranks: vec![], fail_step: 0, kill_in_write_step: 0, max_rank_restarts: 3,
+        }
+    }
+}
+
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct RunConfig {
     pub preset: String,
     pub model: ModelSection,
@@ -359,13 +399,9 @@ pub struct RunConfig {
     pub checkpoint: CheckpointSection,
     pub data: DataSection,
     pub sample: SampleSection,
-    #[serde(default)]
     pub lora: LoraSection,
-    #[serde(default)]
     pub parallel: ParallelSection,
-    #[serde(default)]
     pub faults: FaultSection,
-    #[serde(default)]
     pub memory: MemorySection,
 }
 
@@ -459,6 +495,18 @@ pub fn apply_set(raw: &mut Raw, kv: &str) -> Result<()> {
     set_key(raw, k, value, "--set")
 }
 
+/// A deserialization error as one line, its key first: "model.recompute must be none, selective
+/// or full, got `x`".
+fn serde_message(e: &str) -> String {
+    match e.rsplit_once("\nin `") {
+        Some((msg, key)) => {
+            let (key, msg) = (key.trim_end().trim_end_matches('`'), one_line(msg));
+            if msg.starts_with("must be") { format!("{key} {msg}") } else { format!("{key}: {msg}") }
+        }
+        None => format!("config: {}", one_line(e)),
+    }
+}
+
 fn one_line(s: &str) -> String {
     s.split_whitespace().collect::<Vec<_>>().join(" ")
 }
@@ -466,9 +514,7 @@ fn one_line(s: &str) -> String {
 impl RunConfig {
     /// Builds and validates the config from the raw table.
     pub fn resolve(raw: &Raw) -> Result<RunConfig> {
-        let cfg: RunConfig = toml::Value::Table(unflatten(raw))
-            .try_into()
-            .or_else(|e: toml::de::Error| user(format!("config: {}", one_line(&e.to_string()))))?;
+        let cfg: RunConfig = toml::Value::Table(unflatten(raw)).try_into().or_else(|e: toml::de::Error| user(serde_message(&e.to_string())))?;
         cfg.validate()?;
         Ok(cfg)
     }
@@ -504,16 +550,10 @@ impl RunConfig {
     /// The model section (and the decoder config it resolves to).
     fn validate_model(&self) -> Result<()> {
         let m = &self.model;
-        if m.arch != "gpt2" && m.arch != "llama" {
-            return user(format!("model.arch must be `gpt2` or `llama`, got `{}`", m.arch));
+        if m.recompute_every == 0 || (m.recompute_every > 1 && m.recompute != model::Recompute::Full) {
+            return user(format!("model.recompute_every must be positive and applies to model.recompute = full (got {} with `{}`)", m.recompute_every, m.recompute.name()));
         }
-        if !["none", "selective", "full"].contains(&m.recompute.as_str()) {
-            return user(format!("model.recompute must be `none`, `selective` or `full`, got `{}`", m.recompute));
-        }
-        if m.recompute_every == 0 || (m.recompute_every > 1 && m.recompute != "full") {
-            return user(format!("model.recompute_every must be positive and applies to model.recompute = full (got {} with `{}`)", m.recompute_every, m.recompute));
-        }
-        if m.arch == "llama" && m.bias {
+        if m.arch == model::config::Arch::Llama && m.bias {
             return user("model.bias must be false for model.arch = llama (LLaMA has no biases)");
         }
         self.gpt_config(m.vocab_size.max(1)).validate().or_else(user)?;
@@ -569,20 +609,14 @@ impl RunConfig {
     /// Mixed precision, fp16 loss scaling, offload and the memory limit.
     fn validate_precision_and_memory(&self) -> Result<()> {
         let t = &self.train;
-        if !["fp32", "bf16", "fp16", "fp8"].contains(&t.precision.as_str()) {
-            return user(format!("train.precision must be fp32, bf16, fp16 or fp8, got `{}`", t.precision));
-        }
         if t.fp8_amax_history == 0 {
             return user("train.fp8_amax_history must be positive, got 0");
         }
         if !(t.loss_scale >= 1.0 && t.loss_scale.is_finite()) || t.loss_scale_window == 0 {
             return user(format!("train.loss_scale must be a finite number ≥ 1 and train.loss_scale_window positive, got {} and {}", t.loss_scale, t.loss_scale_window));
         }
-        if t.precision != "fp32" && self.lora.rank > 0 {
-            return user(format!("train.precision = {} with LoRA is not supported: the adapters train in fp32", t.precision));
-        }
-        if self.memory.offload != "none" && self.memory.offload != "optimizer" {
-            return user(format!("memory.offload must be `none` or `optimizer`, got `{}`", self.memory.offload));
+        if t.precision != model::Precision::Fp32 && self.lora.rank > 0 {
+            return user(format!("train.precision = {} with LoRA is not supported: the adapters train in fp32", t.precision.name()));
         }
         crate::util::parse_size(&self.memory.limit).map_err(|e| crate::error::KilnError::User(format!("memory.limit: {e}")))?;
         Ok(())
@@ -591,20 +625,17 @@ impl RunConfig {
     /// The parallel layout: backend, degrees, ZeRO, tensor, expert and sequence parallelism, in-memory checkpoints and injected rank failures.
     fn validate_parallel(&self) -> Result<()> {
         let p = &self.parallel;
-        if p.backend != "inproc" && p.backend != "mpi" {
-            return user(format!("parallel.backend must be `inproc` or `mpi`, got `{}`", p.backend));
-        }
         let world = p.dp * p.tp * p.pp * p.ep;
-        if self.checkpoint.memory_interval > 0 && (p.backend == "mpi" || world < 2) {
+        if self.checkpoint.memory_interval > 0 && (p.backend == Backend::Mpi || world < 2) {
             return user(format!(
                 "checkpoint.memory_interval = {} needs at least two in-process ranks (a peer to keep each rank's copy), got parallel.backend = {} with {world} rank(s): under MPI a failed rank takes the whole job, and the peers' memory, with it",
-                self.checkpoint.memory_interval, p.backend
+                self.checkpoint.memory_interval, p.backend.name()
             ));
         }
-        if let Some(r) = self.faults.fail_ranks.iter().find(|&&r| p.backend != "mpi" && r >= world) {
+        if let Some(r) = self.faults.fail_ranks.iter().find(|&&r| p.backend != Backend::Mpi && r >= world) {
             return user(format!("faults.fail_ranks names rank {r}, but the run has {world} rank(s)"));
         }
-        if p.dp == 0 && p.backend != "mpi" {
+        if p.dp == 0 && p.backend != Backend::Mpi {
             return user("parallel.dp must be positive, got 0 (0 means `all MPI processes` and needs parallel.backend = mpi)");
         }
         if p.zero > 3 {
@@ -659,16 +690,12 @@ impl RunConfig {
         if p.virtual_stages == 0 {
             return user("parallel.virtual_stages must be positive, got 0");
         }
-        let kind = parallel::pp::Kind::parse(&p.schedule).map_err(|e| crate::error::KilnError::User(format!("parallel.schedule: {e}")))?;
-        parallel::pp::Schedule::new(kind, p.pp, t.grad_accum, p.virtual_stages).map_err(|e| crate::error::KilnError::User(format!("parallel.schedule = {}: {e} (micro-batches are train.grad_accum, --micro-batches)", p.schedule)))?;
+        parallel::pp::Schedule::new(p.schedule, p.pp, t.grad_accum, p.virtual_stages).map_err(|e| crate::error::KilnError::User(format!("parallel.schedule = {}: {e} (micro-batches are train.grad_accum, --micro-batches)", p.schedule.name())))?;
         self.stage_layers(256)?;
         if p.pp > 1 && self.lora.rank > 0 {
             return user(format!("parallel.pp = {} with LoRA is not supported: the adapters are tiny; use data parallelism (parallel.dp)", p.pp));
         }
-        if !["off", "wall", "device"].contains(&p.pp_trace.as_str()) {
-            return user(format!("parallel.pp_trace must be `off`, `wall` or `device`, got `{}`", p.pp_trace));
-        }
-        if p.pp_trace == "device" && (p.dp != 1 || p.tp != 1 || p.ep != 1) {
+        if p.pp_trace == PpTrace::Device && (p.dp != 1 || p.tp != 1 || p.ep != 1) {
             return user(format!("parallel.pp_trace = device serialises compute across ranks, which needs parallel.dp = 1, parallel.tp = 1 and parallel.ep = 1 (got dp {} × tp {} × ep {}); use `wall`", p.dp, p.tp, p.ep));
         }
         Ok(())
@@ -677,7 +704,7 @@ impl RunConfig {
     /// The model config for a tokenizer vocabulary of `vocab` tokens.
     pub fn gpt_config(&self, vocab: usize) -> model::GptConfig {
         let m = &self.model;
-        let arch = if m.arch == "llama" { model::config::Arch::Llama } else { model::config::Arch::Gpt2 };
+        let arch = m.arch;
         model::GptConfig {
             arch,
             n_layer: m.n_layer,
@@ -788,67 +815,35 @@ impl RunConfig {
     pub fn memory_limit(&self) -> u64 {
         crate::util::parse_size(&self.memory.limit).unwrap_or(0)
     }
-
-    /// The storage precision of `train.precision`.
-    pub fn precision(&self) -> model::gpt::Precision {
-        match self.train.precision.as_str() {
-            "bf16" => model::gpt::Precision::Bf16,
-            "fp16" => model::gpt::Precision::Fp16,
-            "fp8" => model::gpt::Precision::Fp8,
-            _ => model::gpt::Precision::Fp32,
-        }
-    }
-
-    /// The activation recomputation policy of `model.recompute`.
-    pub fn recompute(&self) -> model::gpt::Recompute {
-        match self.model.recompute.as_str() {
-            "full" => model::gpt::Recompute::Full,
-            "selective" => model::gpt::Recompute::Selective,
-            _ => model::gpt::Recompute::None,
-        }
-    }
 }
 
-/// The user's overrides of `kiln train` (and `kiln memory`): the dedicated flags, layered over
-/// a preset or a saved run's config by [`layered`].
+/// The user's overrides of `kiln train` (and `kiln memory`), layered over a preset or a saved
+/// run's config by [`layered`].
 #[derive(Clone, Debug, Default)]
 pub struct TrainArgs {
     pub preset: Option<String>,
     pub config: Option<PathBuf>,
-    pub data: Vec<PathBuf>,
     pub out: Option<PathBuf>,
     pub set: Vec<String>,
-    pub max_steps: Option<u64>,
+    /// The dedicated flags that set a config key (`--dp 2` sets `parallel.dp = 2`), from the
+    /// one table in `cmd_train`; applied after `--set`, so they win.
+    pub flags: Vec<Flag>,
     pub resume: bool,
-    pub seed: Option<u64>,
-    pub init_from: Option<PathBuf>,
-    pub lora_rank: Option<usize>,
-    pub lora_alpha: Option<f64>,
-    pub lora_targets: Option<String>,
     /// Record a trace of this many steps into `trace.json`.
     pub profile: Option<u64>,
-    pub dp: Option<usize>,
-    pub zero: Option<usize>,
-    pub tp: Option<usize>,
-    /// Expert-parallel ranks (`parallel.ep`).
-    pub ep: Option<usize>,
-    /// Pipeline flags: `parallel.pp`, `train.grad_accum` (the micro-batches),
-    /// `parallel.schedule`, `parallel.virtual_stages`, `parallel.pp_layers` (comma-separated),
-    /// `parallel.pp_trace`.
-    pub pp: Option<usize>,
-    pub sequence_parallel: bool,
-    pub micro_batches: Option<usize>,
-    pub schedule: Option<String>,
-    pub virtual_stages: Option<usize>,
-    pub pp_layers: Option<String>,
-    pub pp_trace: Option<String>,
-    pub offload: Option<String>,
-    pub backend: Option<String>,
     pub quiet: bool,
 }
 
-/// Builds the raw config from a base and the user's overrides, in order: file, `--set`,
-/// then the dedicated flags (`--data`, `--max-steps`, `--seed`).
+/// A flag's value for its config key.
+#[derive(Clone, Debug)]
+pub struct Flag {
+    pub flag: &'static str,
+    pub key: &'static str,
+    pub value: toml::Value,
+}
+
+/// Builds the config from a base and the user's overrides, in order: the file, `--set`, then
+/// the dedicated flags; each is checked against the key's type, and the error names its origin.
 pub fn layered(base: &RunConfig, args: &TrainArgs) -> Result<RunConfig> {
     let mut raw: Raw = base.to_raw();
     if let Some(p) = &args.config {
@@ -857,65 +852,8 @@ pub fn layered(base: &RunConfig, args: &TrainArgs) -> Result<RunConfig> {
     for kv in &args.set {
         apply_set(&mut raw, kv)?;
     }
-    if !args.data.is_empty() {
-        let paths = args.data.iter().map(|p| toml::Value::String(p.display().to_string())).collect();
-        raw.insert("data.paths".into(), toml::Value::Array(paths));
-    }
-    if let Some(n) = args.max_steps {
-        raw.insert("train.max_steps".into(), toml::Value::Integer(n as i64));
-    }
-    if let Some(s) = args.seed {
-        raw.insert("train.seed".into(), toml::Value::Integer(s as i64));
-    }
-    if let Some(p) = &args.init_from {
-        raw.insert("model.init_from".into(), toml::Value::String(p.display().to_string()));
-    }
-    if let Some(d) = args.dp {
-        raw.insert("parallel.dp".into(), toml::Value::Integer(d as i64));
-    }
-    if let Some(z) = args.zero {
-        raw.insert("parallel.zero".into(), toml::Value::Integer(z as i64));
-    }
-    if let Some(o) = &args.offload {
-        raw.insert("memory.offload".into(), toml::Value::String(o.clone()));
-    }
-    if let Some(t) = args.tp {
-        raw.insert("parallel.tp".into(), toml::Value::Integer(t as i64));
-    }
-    if args.sequence_parallel {
-        raw.insert("parallel.sequence_parallel".into(), toml::Value::Boolean(true));
-    }
-    let int = |x: usize| toml::Value::Integer(x as i64);
-    for (key, v) in [("parallel.pp", args.pp), ("parallel.ep", args.ep), ("train.grad_accum", args.micro_batches), ("parallel.virtual_stages", args.virtual_stages)] {
-        if let Some(v) = v {
-            raw.insert(key.into(), int(v));
-        }
-    }
-    for (key, v) in [("parallel.schedule", &args.schedule), ("parallel.pp_trace", &args.pp_trace)] {
-        if let Some(v) = v {
-            raw.insert(key.into(), toml::Value::String(v.clone()));
-        }
-    }
-    if let Some(l) = &args.pp_layers {
-        let mut list = Vec::new();
-        for x in l.split(',').map(str::trim).filter(|x| !x.is_empty()) {
-            let n: usize = x.parse().map_err(|_| KilnError::User(format!("--pp-layers: `{x}` is not a layer count (expected e.g. 3,3,2)")))?;
-            list.push(int(n));
-        }
-        raw.insert("parallel.pp_layers".into(), toml::Value::Array(list));
-    }
-    if let Some(b) = &args.backend {
-        raw.insert("parallel.backend".into(), toml::Value::String(b.clone()));
-    }
-    if let Some(r) = args.lora_rank {
-        raw.insert("lora.rank".into(), toml::Value::Integer(r as i64));
-    }
-    if let Some(a) = args.lora_alpha {
-        raw.insert("lora.alpha".into(), toml::Value::Float(a));
-    }
-    if let Some(t) = &args.lora_targets {
-        let list = t.split(',').map(|s| toml::Value::String(s.trim().to_string())).filter(|v| v.as_str() != Some("")).collect();
-        raw.insert("lora.targets".into(), toml::Value::Array(list));
+    for f in &args.flags {
+        set_key(&mut raw, f.key, f.value.clone(), f.flag)?;
     }
     RunConfig::resolve(&raw)
 }

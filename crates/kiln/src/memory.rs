@@ -10,7 +10,7 @@
 //! (by replaying the acquire/release sequence of a step against the store's rules), the
 //! data-parallel communication temporaries, LoRA's adapters, and the checkpoint snapshot.
 //!
-//! Bytes per element are a [`Precision`], so bf16 / fp16 / fp8 storage (issue 7) only adds a
+//! Bytes per element are an [`ElementBytes`], so bf16 / fp16 / fp8 storage (issue 7) only adds a
 //! constant; kiln trains in fp32 today.
 //!
 //! Not modelled (each at most a few MiB): per-thread kernel scratch pools, gemm's packing
@@ -23,11 +23,12 @@ use crate::config::RunConfig;
 use crate::error::{user, KilnError, Result};
 use model::gpt::Recompute;
 use model::{Access, GptConfig};
+use plan::policy::Names;
 use serde_json::json;
 
 /// Bytes per element of each kind of buffer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Precision {
+pub struct ElementBytes {
     pub name: &'static str,
     pub param: usize,
     pub grad: usize,
@@ -40,16 +41,16 @@ pub struct Precision {
 }
 
 /// Everything in fp32, the parameters are their own master copy.
-pub const FP32: Precision = Precision { name: "fp32", param: 4, grad: 4, act: 4, optim: 4, master: 0 };
+pub const FP32: ElementBytes = ElementBytes { name: "fp32", param: 4, grad: 4, act: 4, optim: 4, master: 0 };
 
 /// bf16 / fp16 as kiln simulates them on a CPU: the values are rounded to the format but the
 /// buffers stay f32, and fp32 master weights sit beside the working parameters.
-pub const SIMULATED_16: Precision = Precision { name: "bf16/fp16 (simulated in f32 buffers)", param: 4, grad: 4, act: 4, optim: 4, master: 4 };
+pub const SIMULATED_16: ElementBytes = ElementBytes { name: "bf16/fp16 (simulated in f32 buffers)", param: 4, grad: 4, act: 4, optim: 4, master: 4 };
 
-impl Precision {
+impl ElementBytes {
     /// The bytes per element kiln allocates when it trains in `p` (`train.precision`): [`FP32`], or for every
     /// lower format [`SIMULATED_16`] (the CPU path keeps f32 buffers and adds the master weights).
-    pub fn of(p: model::gpt::Precision) -> Precision {
+    pub fn of(p: model::gpt::Precision) -> ElementBytes {
         match p {
             model::gpt::Precision::Fp32 => FP32,
             model::gpt::Precision::Bf16 | model::gpt::Precision::Fp16 | model::gpt::Precision::Fp8 => SIMULATED_16,
@@ -119,7 +120,7 @@ pub struct Row {
 /// One rank's plan, plus what its process adds.
 #[derive(Clone, Debug)]
 pub struct MemoryPlan {
-    pub precision: Precision,
+    pub precision: ElementBytes,
     /// Per rank (every rank of a run holds the same, up to rank 0's checkpoint duties, which
     /// are counted).
     pub rows: Vec<Row>,
@@ -178,13 +179,13 @@ impl Activations {
 /// The activation buffers `Gpt::ensure_acts` allocates for a model `cfg` (this rank's: a
 /// tensor-parallel shard, a pipeline stage's layers) at `(b, t)` under `recompute`, for one
 /// micro-batch. A pipeline stage holds one such set per micro-batch in flight.
-pub fn activation_set(cfg: &GptConfig, b: usize, t: usize, recompute: Recompute, p: &Precision) -> Activations {
+pub fn activation_set(cfg: &GptConfig, b: usize, t: usize, recompute: Recompute, p: &ElementBytes) -> Activations {
     activation_set_every(cfg, b, t, recompute, 1, p)
 }
 
 /// [`activation_set`] with `Full` recomputation of every `every`-th layer only (by whole-model
 /// index; the others keep their sets).
-pub fn activation_set_every(cfg: &GptConfig, b: usize, t: usize, recompute: Recompute, every: usize, p: &Precision) -> Activations {
+pub fn activation_set_every(cfg: &GptConfig, b: usize, t: usize, recompute: Recompute, every: usize, p: &ElementBytes) -> Activations {
     let (c, nh, vp) = (cfg.n_embd, cfg.n_head, cfg.vocab_size);
     let (qw, aw) = (cfg.qkv_width(), cfg.attn_width());
     let n = b * t;
@@ -221,7 +222,7 @@ pub fn activation_set_every(cfg: &GptConfig, b: usize, t: usize, recompute: Reco
 
 /// One MoE layer's cache (`tensor::moe::MoeCache::new`): forward's saved tensors and
 /// backward's scratch, with `R = N·K` rows allocated for the kept token-assignments.
-fn moe_cache_bytes(cfg: &GptConfig, n: usize, p: &Precision) -> u64 {
+fn moe_cache_bytes(cfg: &GptConfig, n: usize, p: &ElementBytes) -> u64 {
     let tensor::moe::MoeDims { c, f, e, k, n_shared: s, .. } = cfg.moe_dims(n);
     let (r, big) = (n * k, (n * k).max(n));
     let floats = 2 * n * e + n + n * k + r * c + r * 2 * f + r * f + r * c + s * n * 2 * f + s * n * f  // logits, probs, lse, gates, xe, gu, h, eo, sgu, sh
@@ -233,7 +234,7 @@ fn moe_cache_bytes(cfg: &GptConfig, n: usize, p: &Precision) -> u64 {
 
 /// Backward's gradient scratch (`GradScratch`): one set for all blocks, sized by the dense
 /// widths even for an MoE model (whose layer keeps its own scratch in its cache).
-pub fn grad_scratch(cfg: &GptConfig, n: usize, p: &Precision) -> u64 {
+pub fn grad_scratch(cfg: &GptConfig, n: usize, p: &ElementBytes) -> u64 {
     let elems = 3 * n * cfg.n_embd + n * cfg.attn_width() + n * cfg.qkv_width() + n * cfg.fc_width() + n * cfg.ffn_hidden;
     elems as u64 * p.act as u64
 }
@@ -333,7 +334,7 @@ fn zero_transient(padded: &[usize], chunk: &[usize], zero: usize, head_unit: usi
 pub fn plan(cfg: &RunConfig, gpt: &GptConfig, data_bytes: u64) -> Result<MemoryPlan> {
     let mut p = plan_rank(cfg, gpt, data_bytes, 0)?;
     let par = &cfg.parallel;
-    if par.pp > 1 && par.backend != "mpi" {
+    if par.pp > 1 && par.backend != crate::config::Backend::Mpi {
         // In-process pipeline ranks hold different stages: the process holds each stage's plan
         // once per (dp × ep × tp) rank of it.
         let per_stage = (par.dp.max(1) * par.tp * par.ep) as u64;
@@ -351,7 +352,7 @@ pub fn plan(cfg: &RunConfig, gpt: &GptConfig, data_bytes: u64) -> Result<MemoryP
 /// stage `s`'s layers, then its tensor-parallel shard), the layout's units and their ZeRO
 /// shards, the LoRA adapters, and the step's shapes.
 struct RankShape {
-    p: Precision,
+    p: ElementBytes,
     local: GptConfig,
     stages: Vec<std::ops::Range<usize>>,
     /// Activation sets held at once: one, or the schedule's peak on this stage.
@@ -370,13 +371,13 @@ struct RankShape {
 
 impl RankShape {
     fn new(cfg: &RunConfig, gpt: &GptConfig, s: usize) -> Result<RankShape> {
-        let p = Precision::of(cfg.precision());
+        let p = ElementBytes::of(cfg.train.precision);
         let par = &cfg.parallel;
         let (dp, tp) = (par.dp.max(1), par.tp);
         // With a pipeline: rank 0's stage (its layers, the embeddings; the stage that keeps the
         // most micro-batches in flight), then its tensor-parallel shard.
         let stages = cfg.stage_layers(gpt.vocab_size)?;
-        let (v, sched) = (par.virtual_stages, parallel::pp::Kind::parse(&par.schedule).map_err(KilnError::User)?);
+        let (v, sched) = (par.virtual_stages, par.schedule);
         let stage = if stages.len() > 1 { parallel::pp::stage_config(gpt, stages[s].clone()) } else { gpt.clone() };
         let local = if tp > 1 { parallel::tp::local_config(&stage, tp, 0, par.sequence_parallel).map_err(KilnError::User)? } else { stage };
         // 1F1B: p, GPipe: m; interleaved counts each chunk's sets, planned at the first chunk's size.
@@ -433,7 +434,7 @@ fn model_state_rows(out: &mut Rows, cfg: &RunConfig, r: &RankShape, s: usize) {
         out.add(Kind::Gradients, held, "LoRA adapter gradients", b4(lo.layout.total, p.grad), String::new());
     }
     let optim = b4(2 * moments * chunks, p.optim);
-    let offload = cfg.memory.offload == "optimizer";
+    let offload = cfg.memory.offload == crate::config::Offload::Optimizer;
     if offload {
         out.add(Kind::Optimizer, held, "AdamW m, v (offloaded)", 0, format!("{} in memory-mapped files under the run directory (memory.offload), streamed through the update in 4 MiB chunks", fmt_bytes(optim)));
     } else {
@@ -452,7 +453,7 @@ fn model_state_rows(out: &mut Rows, cfg: &RunConfig, r: &RankShape, s: usize) {
 /// bytes.
 fn activation_rows(out: &mut Rows, cfg: &RunConfig, r: &RankShape) -> Activations {
     let (local, p, rows, n, held) = (&r.local, &r.p, r.rows, r.n, Phase::Held);
-    let (t, recompute) = (cfg.model.block_size, cfg.recompute());
+    let (t, recompute) = (cfg.model.block_size, cfg.model.recompute);
     let acts = activation_set_every(local, rows, t, recompute, cfg.model.recompute_every, p).times(r.in_flight as u64);
     let policy = match recompute {
         Recompute::None => "every block's",
@@ -518,7 +519,7 @@ fn eval_rows(out: &mut Rows, cfg: &RunConfig, r: &RankShape) -> (Option<u64>, u6
     let (t, mb, zero, p) = (cfg.model.block_size, cfg.micro_batch(), cfg.parallel.zero, &r.p);
     let eb = if cfg.eval.batch_size == 0 { mb } else { cfg.eval.batch_size };
     let realloc = eb != r.rows;
-    let eval_acts = realloc.then(|| activation_set_every(&r.local, eb, t, cfg.recompute(), cfg.model.recompute_every, p).total());
+    let eval_acts = realloc.then(|| activation_set_every(&r.local, eb, t, cfg.model.recompute, cfg.model.recompute_every, p).total());
     let eval_zero = zero_transient(&r.padded, &r.shards.chunk, zero, r.head_unit, false);
     let eval_extra = b4(2 * eb * t, 4) + if zero == 3 { b4(eval_zero, p.param) } else { 0 };
     if let Some(a) = eval_acts {
@@ -598,10 +599,10 @@ fn plan_rank(cfg: &RunConfig, gpt: &GptConfig, data_bytes: u64, s: usize) -> Res
     let layout_line = format!(
         "{} | {} layers, {} params{} | dp {dp} × tp {tp}{}, ZeRO {zero} | recompute {} | micro-batch {} × {} per rank | {}{}",
         cfg.preset, gpt.n_layer, fmt_count(whole_layout.total), if r.lora.is_some() { " (LoRA)" } else { "" },
-        if pp > 1 { format!(" × pp {pp} (rank {s}: stage layers {:?}, {} micro-batch activation sets in flight, {})", r.stages[s], r.in_flight, par.schedule) } else { String::new() }, cfg.model.recompute, r.rows, cfg.model.block_size, p.name,
-        if cfg.memory.offload == "optimizer" { " | optimizer offloaded" } else { "" },
+        if pp > 1 { format!(" × pp {pp} (rank {s}: stage layers {:?}, {} micro-batch activation sets in flight, {})", r.stages[s], r.in_flight, par.schedule.name()) } else { String::new() }, cfg.model.recompute.name(), r.rows, cfg.model.block_size, p.name,
+        if cfg.memory.offload == crate::config::Offload::Optimizer { " | optimizer offloaded" } else { "" },
     );
-    let ranks_per_process = if par.backend == "mpi" { 1 } else { world };
+    let ranks_per_process = if par.backend == crate::config::Backend::Mpi { 1 } else { world };
     Ok(MemoryPlan { precision: p, rows: out, step_peak, eval_peak, checkpoint_peak, total: total_peak, ranks_per_process, ranks_sum: None, data_bytes, limit: cfg.memory_limit(), layout: layout_line })
 }
 

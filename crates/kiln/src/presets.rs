@@ -14,40 +14,15 @@ pub const PRESETS: &[&str] = &[
 #[allow(clippy::too_many_arguments)]
 fn llama_shape(c: &mut RunConfig, n_layer: usize, n_embd: usize, n_head: usize, n_kv_head: usize, ffn: usize, block: usize, vocab: usize, theta: f64) {
     c.model = ModelSection {
-        arch: "llama".into(), n_layer, n_head, n_kv_head, n_embd, ffn_hidden: ffn, rope_theta: theta, norm_eps: 1e-5,
+        arch: model::config::Arch::Llama, n_layer, n_head, n_kv_head, n_embd, ffn_hidden: ffn, rope_theta: theta,
         block_size: block, vocab_size: vocab, bias: false, dropout: 0.0, tied_embeddings: false, ..c.model.clone()
     };
     c.train.batch_size = 1;
     c.data.tokenizer = "byte".into();
 }
 
-fn base() -> RunConfig {
-    RunConfig {
-        preset: String::new(),
-        model: ModelSection {
-            arch: "gpt2".into(), n_layer: 4, n_head: 4, n_kv_head: 0, n_embd: 128, ffn_hidden: 0, rope_theta: 10000.0, norm_eps: 1e-5,
-            block_size: 128, vocab_size: 0, bias: false, dropout: 0.0, tied_embeddings: true, init_from: String::new(),
-            n_expert: 0, top_k: 2, n_shared_expert: 0, capacity_factor: 0.0, moe_aux_weight: 0.01, moe_z_weight: 0.001,
-            recompute: "none".into(),
-            recompute_every: 1,
-        },
-        train: TrainSection {
-            batch_size: 16, grad_accum: 1, lr: 1e-3, min_lr: 1e-4, warmup_steps: 100, lr_decay_steps: 0, max_steps: 1000,
-            weight_decay: 0.1, beta1: 0.9, beta2: 0.99, eps: 1e-8, grad_clip: 1.0, seed: 1337, threads: 0, log_interval: 10, precision: "fp32".into(), loss_scale: 65536.0, loss_scale_window: 1000, fp8_amax_history: 16,
-        },
-        eval: EvalSection { interval: 250, iters: 20, batch_size: 0 },
-        checkpoint: CheckpointSection { interval: 500, keep: 3, keep_every: 0, background: true, mtbf_s: 0.0, memory_interval: 0 },
-        data: DataSection { tokenizer: "byte".into(), paths: vec![], val_fraction: 0.1 },
-        sample: SampleSection { tokens: 300, prompt: "\n".into(), temperature: 0.8, top_k: 200 },
-        lora: LoraSection { rank: 0, alpha: 16.0, targets: vec!["q".into(), "v".into()] },
-        parallel: Default::default(),
-        faults: Default::default(),
-        memory: Default::default(),
-    }
-}
-
 pub fn preset(name: &str) -> Result<RunConfig> {
-    let mut c = base();
+    let mut c = RunConfig::default();
     c.preset = name.to_string();
     match name {
         // The default: a byte-level model on the Rust books, about 1.5 minutes on 2 cores.
@@ -84,7 +59,7 @@ pub fn preset(name: &str) -> Result<RunConfig> {
         "llama-tiny" => {
             c = preset("shakespeare-char")?;
             c.preset = name.to_string();
-            c.model.arch = "llama".into();
+            c.model.arch = model::config::Arch::Llama;
             c.model.n_kv_head = 2;
             c.model.ffn_hidden = 341;
             c.model.tied_embeddings = false;

@@ -13,6 +13,20 @@ pub enum Arch {
     Llama,
 }
 
+impl plan::policy::Names for Arch {
+    const NAMES: &'static [(&'static str, Arch)] = &[("gpt2", Arch::Gpt2), ("llama", Arch::Llama)];
+}
+
+/// The defaults of the optional shape and MoE values, for [`GptConfig::gpt2`] and kiln's
+/// `model.*` keys alike.
+pub mod defaults {
+    pub const ROPE_THETA: f64 = 10000.0;
+    pub const NORM_EPS: f64 = 1e-5;
+    pub const TOP_K: usize = 2;
+    pub const MOE_AUX_WEIGHT: f64 = 0.01;
+    pub const MOE_Z_WEIGHT: f64 = 0.001;
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct GptConfig {
     pub arch: Arch,
@@ -64,8 +78,9 @@ impl GptConfig {
     pub fn gpt2(n_layer: usize, n_head: usize, n_embd: usize, block_size: usize, vocab_size: usize, bias: bool, dropout: f32, tied: bool) -> GptConfig {
         GptConfig {
             arch: Arch::Gpt2, n_layer, n_head, n_kv_head: n_head, n_embd, ffn_hidden: 4 * n_embd, block_size, vocab_size,
-            bias, dropout, tied_embeddings: tied, rope_theta: 10000.0, norm_eps: 1e-5,
-            n_expert: 0, top_k: 2, n_shared_expert: 0, capacity_factor: 0.0, moe_aux_weight: 0.01, moe_z_weight: 0.001, place: Placement::default(),
+            bias, dropout, tied_embeddings: tied, rope_theta: defaults::ROPE_THETA as f32, norm_eps: defaults::NORM_EPS as f32,
+            n_expert: 0, top_k: defaults::TOP_K, n_shared_expert: 0, capacity_factor: 0.0, moe_aux_weight: defaults::MOE_AUX_WEIGHT as f32,
+            moe_z_weight: defaults::MOE_Z_WEIGHT as f32, place: Placement::default(),
         }
     }
 

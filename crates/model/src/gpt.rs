@@ -42,56 +42,37 @@ pub enum Pass {
     Train { dropout_seed: u64, loss_scale: f32 },
 }
 
-/// Activation recomputation ("gradient checkpointing"; Chen et al. 2016, "Training Deep Nets
-/// with Sublinear Memory Cost"; Megatron-LM's `--recompute-granularity full`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Recompute {
-    /// Forward keeps every block's activations.
-    #[default]
-    None,
-    /// Korthikanti et al.'s selective recomputation: forward keeps everything but the attention
-    /// core's outputs (the attention output and its log-sum-exp); backward re-runs the
-    /// attention core (FlashAttention's forward) from the kept q|k|v into one shared set.
-    /// Costs one attention forward per layer, no matmul. (With FlashAttention the core keeps no
-    /// `T×T` scores anyway, so this saves `C` floats per token and layer of `None`'s `16C`.)
-    Selective,
-    /// Forward keeps only each block's input (the residual stream entering it) and the final
-    /// norm's; backward re-runs each block's forward from its saved input into one shared set of
-    /// block buffers, then differentiates it. The same kernels run in the same order on the same
-    /// inputs, and dropout masks are counter-based, so the loss and every gradient are
-    /// bit-identical to [`Recompute::None`] (for `Selective` too); the price is one more block
-    /// forward per step (less the MLP output projection, whose result backward does not read).
-    /// LoRA adapters keep their `x·Aᵀ` per layer and site, so re-running re-saves the same
-    /// values; the MoE routing statistics reported are those of the forward pass.
-    Full,
-}
+/// Activation recomputation, the one definition in `plan::policy`. Here: `Selective` keeps
+/// everything but the attention core's outputs (the attention output and its log-sum-exp) and
+/// backward re-runs the attention core (FlashAttention's forward) from the kept q|k|v into one
+/// shared set (with FlashAttention the core keeps no `T×T` scores anyway, so this saves `C`
+/// floats per token and layer of `None`'s `16C`). `Full` keeps only each block's input (the
+/// residual stream entering it) and the final norm's; backward re-runs each block's forward from
+/// its saved input into one shared set of block buffers, then differentiates it. The same kernels
+/// run in the same order on the same inputs, and dropout masks are counter-based, so the loss and
+/// every gradient are bit-identical to `None` (for `Selective` too); the price is one more block
+/// forward per step (less the MLP output projection, whose result backward does not read). LoRA
+/// adapters keep their `x·Aᵀ` per layer and site, so re-running re-saves the same values; the
+/// MoE routing statistics reported are those of the forward pass.
+pub use plan::policy::Recompute;
 
-/// The number format tensors are stored in (mixed precision; Micikevicius et al. 2018): the
-/// parameters the passes read (the optimizer keeps fp32 master weights and rounds them into
-/// the working copy), every stored activation and activation gradient are rounded to it, while
-/// matmuls and reductions accumulate in fp32 and weight gradients accumulate in fp32 (Megatron's
-/// main gradients). `Fp8` stores in bf16 and casts each block matmul's inputs to FP8 (E4M3
-/// for activations and weights, E5M2 for gradients) with per-tensor delayed scaling
-/// ([`Fp8State`]). Simulated on CPU: the buffers stay `f32`, the values are exactly the
-/// format's.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Precision {
-    #[default]
-    Fp32,
-    Bf16,
-    Fp16,
-    Fp8,
-}
+/// The number format tensors are stored in (mixed precision; Micikevicius et al. 2018), the one
+/// definition in `plan::policy`: the parameters the passes read (the optimizer keeps fp32 master
+/// weights and rounds them into the working copy), every stored activation and activation
+/// gradient are rounded to it ([`storage`]), while matmuls and reductions accumulate in fp32 and
+/// weight gradients accumulate in fp32 (Megatron's main gradients). `Fp8` stores in bf16 and
+/// casts each block matmul's inputs to FP8 (E4M3 for activations and weights, E5M2 for
+/// gradients) with per-tensor delayed scaling ([`Fp8State`]). Simulated on CPU: the buffers stay
+/// `f32`, the values are exactly the format's.
+pub use plan::policy::Precision;
 
-impl Precision {
-    /// The storage format of parameters, activations and their gradients.
-    pub fn storage(self) -> Option<tensor::precision::Format> {
-        use tensor::precision::Format;
-        match self {
-            Precision::Fp32 => None,
-            Precision::Bf16 | Precision::Fp8 => Some(Format::Bf16),
-            Precision::Fp16 => Some(Format::Fp16),
-        }
+/// The storage format of parameters, activations and their gradients when training in `p`.
+pub fn storage(p: Precision) -> Option<tensor::precision::Format> {
+    use tensor::precision::Format;
+    match p {
+        Precision::Fp32 => None,
+        Precision::Bf16 | Precision::Fp8 => Some(Format::Bf16),
+        Precision::Fp16 => Some(Format::Fp16),
     }
 }
 
@@ -567,7 +548,7 @@ impl Gpt {
         let ops = Ops {
             cfg: &self.cfg, rope: self.rope.as_ref(), b, t, drop, loss_scale: a.loss_scale,
             tp: RefCell::new(self.hooks.tensor.as_deref_mut()), ep: RefCell::new(self.hooks.experts.as_deref_mut()), lora: RefCell::new(self.lora.as_mut()),
-            store: self.precision.storage(), fp8: self.fp8.as_ref(), b0: self.cfg.place.batch_offset,
+            store: storage(self.precision), fp8: self.fp8.as_ref(), b0: self.cfg.place.batch_offset,
         };
 
         // A later pipeline stage starts from the activations put in `xs[0]` (`stage_input_mut`).
@@ -634,7 +615,7 @@ impl Gpt {
         let ops = Ops {
             cfg: &self.cfg, rope: self.rope.as_ref(), b, t, drop: Dropout { p: a.p_drop, seed: a.dropout_seed }, loss_scale: a.loss_scale,
             tp: RefCell::new(self.hooks.tensor.as_deref_mut()), ep: RefCell::new(self.hooks.experts.as_deref_mut()), lora: RefCell::new(self.lora.as_mut()),
-            store: self.precision.storage(), fp8: self.fp8.as_ref(), b0: self.cfg.place.batch_offset,
+            store: storage(self.precision), fp8: self.fp8.as_ref(), b0: self.cfg.place.batch_offset,
         };
         // Every unit is acquired and released even when no target counted (the gradients are
         // then zero): a store's collectives must run the same on every rank.

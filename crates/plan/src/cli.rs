@@ -6,6 +6,7 @@ use std::fmt::Write as _;
 
 use crate::cost::{Attention, Estimate, Recompute};
 use crate::hardware::{Cluster, HardwareCatalog, Precision};
+use crate::policy::Names;
 use crate::models::{find_model, parse_models, Mlp, ModelShape, RawModel};
 use crate::schedule::{self, Kind};
 use crate::search::{explain, mesh_name, search, Constraints, SearchResult};
@@ -221,10 +222,10 @@ pub fn resolve_layout(a: &LayoutArgs, model: &ModelShape) -> Result<(Constraints
             _ => None,
         },
         virtual_stages: a.virtual_stages,
-        recompute: a.recompute.as_deref().map(Recompute::parse).transpose()?,
+        recompute: a.recompute.as_deref().map(|v| Recompute::parse(v).map_err(|e| PlanError(format!("--recompute {e}")))).transpose()?,
         sequence_parallel: a.sequence_parallel,
         zero: a.zero,
-        precision: a.precision.as_deref().map(Precision::parse).transpose()?,
+        precision: a.precision.as_deref().map(|v| Precision::parse(v).map_err(|e| PlanError(format!("--precision {e}")))).transpose()?,
         attention: a.attention.as_deref().map(Attention::parse).transpose()?,
         overlap_dp: a.overlap_dp,
         overlap_comm: a.overlap_comm,

@@ -13,33 +13,7 @@ use crate::models::{Mlp, ModelShape};
 use crate::schedule::Kind;
 use crate::PlanError;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, PartialOrd, Ord)]
-#[serde(rename_all = "lowercase")]
-pub enum Recompute {
-    None,
-    Selective,
-    Full,
-}
-
-impl Recompute {
-    pub fn parse(s: &str) -> Result<Recompute, PlanError> {
-        match s.to_ascii_lowercase().as_str() {
-            "none" => Ok(Recompute::None),
-            "selective" => Ok(Recompute::Selective),
-            "full" => Ok(Recompute::Full),
-            o => Err(PlanError(format!(
-                "--recompute: unknown policy '{o}' (expected none|selective|full)"
-            ))),
-        }
-    }
-    pub fn name(self) -> &'static str {
-        match self {
-            Recompute::None => "none",
-            Recompute::Selective => "selective",
-            Recompute::Full => "full",
-        }
-    }
-}
+pub use crate::policy::Recompute;
 
 /// Attention kernel: Megatron's unfused QKᵀ / softmax / dropout / AV (stores the s² tensors, streams them through
 /// HBM), or a flash-style fused kernel (Dao et al. 2022: no s² tensor in HBM, recomputes it in backward, skips the

@@ -6,46 +6,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::PlanError;
 
-/// Arithmetic precision of the matmuls (and of stored weights/activations where it matters).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, PartialOrd, Ord)]
-#[serde(rename_all = "lowercase")]
-pub enum Precision {
-    Bf16,
-    /// fp16 with loss scaling, Megatron-LM's `Float16Optimizer` (2021): its optimizer also keeps an fp32 copy of the
-    /// gradients. Same tensor-core peak as bf16.
-    Fp16,
-    Fp8,
-    Fp32,
-}
-
-impl Precision {
-    pub fn parse(s: &str) -> Result<Precision, PlanError> {
-        match s.to_ascii_lowercase().as_str() {
-            "bf16" => Ok(Precision::Bf16),
-            "fp16" => Ok(Precision::Fp16),
-            "fp8" => Ok(Precision::Fp8),
-            "fp32" => Ok(Precision::Fp32),
-            other => Err(PlanError(format!(
-                "--precision: unknown precision '{other}' (expected bf16|fp16|fp8|fp32)"
-            ))),
-        }
-    }
-    pub fn key(self) -> &'static str {
-        match self {
-            Precision::Bf16 => "bf16",
-            Precision::Fp16 => "fp16",
-            Precision::Fp8 => "fp8",
-            Precision::Fp32 => "fp32",
-        }
-    }
-    /// Bytes of one activation element as stored between kernels (fp8 training keeps activations in bf16).
-    pub fn act_bytes(self) -> f64 {
-        match self {
-            Precision::Fp32 => 4.0,
-            _ => 2.0,
-        }
-    }
-}
+pub use crate::policy::Precision;
+use crate::policy::Names;
 
 /// One interconnect level: per-GPU, per-direction bandwidth and a per-message latency (the α–β model).
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -137,11 +99,11 @@ impl Accelerator {
         } else {
             None
         };
-        self.peak_flops.get(p.key()).or(alt).copied().ok_or_else(|| {
+        self.peak_flops.get(p.name()).or(alt).copied().ok_or_else(|| {
             PlanError(format!(
                 "--precision: accelerator '{}' has no {} peak in the catalogue",
                 self.name,
-                p.key()
+                p.name()
             ))
         })
     }

@@ -4,6 +4,7 @@
 //! - [`hardware`]: accelerator and interconnect catalogues (`catalog/hardware.json`), the `cpu-local` bench file.
 //! - [`models`]: `ModelShape` and the model catalogue (`catalog/models.json`).
 //! - [`cost`]: FLOPs, memory, communication and time (every formula cites its source).
+//! - [`policy`]: the storage precision and recomputation policies, shared by every crate.
 //! - [`schedule`]: the pipeline schedule kinds, shared with `parallel::pp`.
 //! - [`search`]: enumerate, prune, rank layouts.
 //! - [`validate`]: predicted vs published runs.
@@ -14,6 +15,7 @@ pub mod cli;
 pub mod cost;
 pub mod hardware;
 pub mod models;
+pub mod policy;
 pub mod schedule;
 pub mod search;
 pub mod validate;

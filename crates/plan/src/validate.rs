@@ -16,6 +16,7 @@ use serde::Serialize;
 
 use crate::cost::{hardware_flops, model_flops, Attention, Layout, Recompute};
 use crate::hardware::{Cluster, HardwareCatalog, Precision};
+use crate::policy::Names;
 use crate::models::{Mlp, RawModel};
 use crate::schedule::{self, Kind};
 use crate::search::{search, Constraints};
@@ -243,7 +244,7 @@ pub fn predict_row(row: &Row, cat: &HardwareCatalog, origin: &str) -> Result<Row
     let cluster = Cluster::new(cat, gpu, row.gpus, row.int("gpus_per_node", origin)?).map_err(ctx)?;
     let recompute = row
         .get("recompute")
-        .map(Recompute::parse)
+        .map(|v| Recompute::parse(v).map_err(|e| PlanError(format!("recompute {e}"))))
         .transpose()
         .map_err(ctx)?
         .unwrap_or(Recompute::Full);
@@ -279,7 +280,7 @@ pub fn predict_row(row: &Row, cat: &HardwareCatalog, origin: &str) -> Result<Row
         zero: Some(row.int("zero", origin)?.unwrap_or(0) as u8),
         precision: Some(
             row.get("precision")
-                .map(Precision::parse)
+                .map(|v| Precision::parse(v).map_err(|e| PlanError(format!("precision {e}"))))
                 .transpose()
                 .map_err(ctx)?
                 .unwrap_or(Precision::Fp16),

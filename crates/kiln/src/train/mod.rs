@@ -22,7 +22,7 @@ pub use crate::config::TrainArgs;
 use self::data::check_data_fits;
 use self::rank::Rank;
 use crate::checkpoint;
-use crate::config::{layered, RunConfig, STRUCTURAL_KEYS};
+use crate::config::{layered, Backend, RunConfig, STRUCTURAL_KEYS};
 use crate::error::{user, KilnError, Result};
 use crate::presets;
 use crate::run::{self, ckpt_dir};
@@ -118,7 +118,7 @@ fn train_once(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
         let m = run::load_base(Path::new(&cfg.model.init_from))?;
         let (mc, hc) = (&mut cfg.model, &m.cfg);
         (mc.n_expert, mc.top_k, mc.n_shared_expert) = (hc.n_expert, hc.top_k, hc.n_shared_expert);
-        mc.arch = if hc.arch == model::config::Arch::Llama { "llama".into() } else { "gpt2".into() };
+        mc.arch = hc.arch;
         (mc.n_layer, mc.n_head, mc.n_kv_head, mc.n_embd, mc.ffn_hidden, mc.block_size, mc.vocab_size, mc.bias, mc.tied_embeddings) =
             (hc.n_layer, hc.n_head, hc.n_kv_head, hc.n_embd, hc.ffn_hidden, hc.block_size, hc.vocab_size, hc.bias, hc.tied_embeddings);
         (mc.rope_theta, mc.norm_eps) = (hc.rope_theta as f64, hc.norm_eps as f64);
@@ -148,8 +148,8 @@ fn train_once(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
     // 3. The ranks: this process alone, threads in it, or MPI processes.
     let world = cfg.parallel.dp * cfg.parallel.ep * cfg.parallel.tp * cfg.parallel.pp;
     let ctx = Ctx { args, cfg, ds: &ds, run_dir, saved_cfg_path, resume_from, init: std::sync::Mutex::new(init) };
-    match ctx.cfg.parallel.backend.as_str() {
-        "mpi" => run_mpi(&ctx, stop),
+    match ctx.cfg.parallel.backend {
+        Backend::Mpi => run_mpi(&ctx, stop),
         _ if world == 1 => {
             let comm = parallel::InProcess::world(1).pop().unwrap();
             run_rank(&ctx, &comm, stop, None, ctx.resume_from.as_ref())

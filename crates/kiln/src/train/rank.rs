@@ -14,7 +14,8 @@ use super::metrics::{add_comm, add_memory, add_moe_stats};
 use crate::util::reset_peak_rss;
 use super::{sample_text, Ctx, Summary};
 use crate::checkpoint::{self, Loaded, ReplicaStore};
-use crate::config::RunConfig;
+use crate::config::{PpTrace, RunConfig};
+use plan::policy::Names;
 use crate::error::{io_err, KilnError, Result};
 use crate::progress::{fmt_duration, Progress, StepInfo};
 use crate::run::{self, ckpt_dir};
@@ -102,8 +103,8 @@ impl<'a> Rank<'a> {
             pp: ppn, dp: world / (tpn * ppn * epn), ep: epn, tp: tpn, virtual_stages: vn, stages: stages.clone(),
             sequence_parallel: cfg.parallel.sequence_parallel, zero: cfg.parallel.zero as u8,
             bucket_elems: ((cfg.parallel.bucket_mb * 1024.0 * 1024.0 / 4.0) as usize).max(1),
-            micro_batch: mb, recompute: cfg.recompute(), recompute_every: cfg.model.recompute_every,
-            precision: cfg.precision(), fp8_amax_history: cfg.train.fp8_amax_history,
+            micro_batch: mb, recompute: cfg.model.recompute, recompute_every: cfg.model.recompute_every,
+            precision: cfg.train.precision, fp8_amax_history: cfg.train.fp8_amax_history,
         };
         let mut model = whole_model(ctx, lead, stages.len() > 1)?;
         let (n, n_train) = (model.num_params(), trainable_layout(&model).total);
@@ -123,7 +124,7 @@ impl<'a> Rank<'a> {
         };
         let mut chunks = Vec::new();
         for (c, (part, mv)) in parts.into_iter().zip(moments).enumerate() {
-            let offload = (cfg.memory.offload == "optimizer").then(|| run_dir.join("offload").join(if vn > 1 { format!("rank{rank}-chunk{c}") } else { format!("rank{rank}") }));
+            let offload = (cfg.memory.offload == crate::config::Offload::Optimizer).then(|| run_dir.join("offload").join(if vn > 1 { format!("rank{rank}-chunk{c}") } else { format!("rank{rank}") }));
             chunks.push(chunk(part, mv, resume_from, cfg.parallel.zero > 0, offload.as_deref())?);
         }
         // memory: charge the model state to its tracking categories (issue 7).
@@ -133,8 +134,8 @@ impl<'a> Rank<'a> {
         let groups = &applied.groups;
         let tied = applied.whole.tied_embeddings && ppn > 1 && groups.tie.size() > 1;
         let rows = mb / groups.dp_size;
-        let sched = parallel::pp::Schedule::new(parallel::pp::Kind::parse(&cfg.parallel.schedule).map_err(KilnError::User)?, ppn, cfg.train.grad_accum, vn).map_err(KilnError::User)?;
-        let pipe_trace = (cfg.parallel.pp_trace != "off").then(|| PipeTrace { tasks: Vec::new(), exclusive: cfg.parallel.pp_trace == "device" });
+        let sched = parallel::pp::Schedule::new(cfg.parallel.schedule, ppn, cfg.train.grad_accum, vn).map_err(KilnError::User)?;
+        let pipe_trace = (cfg.parallel.pp_trace != PpTrace::Off).then(|| PipeTrace { tasks: Vec::new(), exclusive: cfg.parallel.pp_trace == PpTrace::Device });
         if pipe_trace.is_some() {
             let dir = run_dir.join("pipeline");
             fs::create_dir_all(&dir).map_err(|e| io_err(&dir, e))?;
@@ -187,13 +188,13 @@ impl<'a> Rank<'a> {
         ));
         let p = &cfg.parallel;
         if self.world > 1 {
-            self.say(&format!("parallel: {} ranks ({}): pp {} × dp {} × ep {} × tp {}, ZeRO stage {}, {} sequences per data-parallel rank per micro-batch", self.world, p.backend, p.pp, self.applied.groups.dp_size / p.ep, p.ep, p.tp, p.zero, self.rows));
+            self.say(&format!("parallel: {} ranks ({}): pp {} × dp {} × ep {} × tp {}, ZeRO stage {}, {} sequences per data-parallel rank per micro-batch", self.world, p.backend.name(), p.pp, self.applied.groups.dp_size / p.ep, p.ep, p.tp, p.zero, self.rows));
         }
         // memory: the plan, before step 0 (issue 7).
         self.say(crate::memory::plan_run(cfg, &self.applied.whole, ds)?.table().trim_end());
         if self.applied.stages.len() > 1 {
             let layers: Vec<usize> = self.applied.stages.iter().map(|r| r.len()).collect();
-            self.say(&format!("pipeline: {} schedule, {} micro-batches, {} chunk(s) per rank; layers per stage {layers:?}", p.schedule, cfg.train.grad_accum, p.virtual_stages));
+            self.say(&format!("pipeline: {} schedule, {} micro-batches, {} chunk(s) per rank; layers per stage {layers:?}", p.schedule.name(), cfg.train.grad_accum, p.virtual_stages));
         }
         if let Some(l) = resume_from {
             self.say(&format!("resuming from {} (step {})", l.dir.display(), self.step));
@@ -287,8 +288,8 @@ impl<'a> Rank<'a> {
         let end = if cfg.parallel.pp > 1 { parallel::comm::all_gather_f64(pp, &[tr.dev_end()]).into_iter().fold(0.0, f64::max) } else { tr.dev_end() };
         let b = tr.bubble(end);
         let line = serde_json::json!({
-            "step": self.step + 1, "rank": self.rank, "pp_rank": self.applied.groups.pp_rank, "schedule": cfg.parallel.schedule, "pp": cfg.parallel.pp, "micro_batches": self.sched.m, "virtual_stages": cfg.parallel.virtual_stages,
-            "clock": cfg.parallel.pp_trace, "bubble": b, "makespan_s": end,
+            "step": self.step + 1, "rank": self.rank, "pp_rank": self.applied.groups.pp_rank, "schedule": cfg.parallel.schedule.name(), "pp": cfg.parallel.pp, "micro_batches": self.sched.m, "virtual_stages": cfg.parallel.virtual_stages,
+            "clock": cfg.parallel.pp_trace.name(), "bubble": b, "makespan_s": end,
             "peak_activation_bytes": out.peak_activation_bytes, "peak_in_flight": out.peak_in_flight, "tasks": tr.tasks,
         });
         let path = self.run_dir.join("pipeline").join(format!("rank-{:03}.jsonl", self.rank));
@@ -485,7 +486,7 @@ fn whole_model(ctx: &Ctx, lead: bool, pipelined: bool) -> Result<Gpt> {
         None if !cfg.model.init_from.is_empty() => Gpt::zeroed(gcfg.clone(), ds.tokenizer.vocab_size()),
         None => Gpt::new(gcfg.clone(), ds.tokenizer.vocab_size(), cfg.train.seed),
     };
-    model.recompute = cfg.recompute();
+    model.recompute = cfg.model.recompute;
     model.recompute_every = cfg.model.recompute_every;
     if cfg.lora.rank > 0 {
         let l = &cfg.lora;
@@ -518,7 +519,7 @@ fn read_resumed(l: &Loaded, model: &mut Gpt) -> Result<Resumed> {
 
 /// fp16's dynamic loss scaler, fresh from the config.
 fn fresh_scaler(cfg: &RunConfig) -> Option<LossScaler> {
-    (cfg.precision() == model::gpt::Precision::Fp16).then_some(LossScaler { scale: cfg.train.loss_scale, good: 0, window: cfg.train.loss_scale_window })
+    (cfg.train.precision == model::gpt::Precision::Fp16).then_some(LossScaler { scale: cfg.train.loss_scale, good: 0, window: cfg.train.loss_scale_window })
 }
 
 /// A chunk from its part: the optimizer (its moments from the checkpoint, sharded for ZeRO),
@@ -533,7 +534,7 @@ fn chunk(part: parallel::apply::Part, moments: Option<(Vec<f32>, Vec<f32>)>, res
     }
     // Mixed precision: the fp32 weights (fresh or from the checkpoint) become the master copy
     // and the working parameters are rounded.
-    if let Some(fmt) = m.precision.storage() {
+    if let Some(fmt) = model::gpt::storage(m.precision) {
         opt.mixed(&mut dp, fmt);
     }
     if let (Some(st), Some(h)) = (m.fp8.as_ref(), resume_from.and_then(|l| l.state.fp8_amax.as_ref())) {

@@ -215,7 +215,7 @@ fn recompute_flags_are_checked() {
     let d = scratch("recompute-flags");
     let data = corpus(&d);
     let o = train(&data, &d.join("a"), &["--recompute", "sometimes"]);
-    assert_user_error(&o, &["model.recompute must be `none`, `selective` or `full`, got `sometimes`"]);
+    assert_user_error(&o, &["model.recompute must be none, selective or full, got `sometimes`"]);
     let o = train(&data, &d.join("b"), &["--recompute", "selective", "--recompute-every", "2"]);
     assert_user_error(&o, &["model.recompute_every must be positive and applies to model.recompute = full"]);
     assert!(!d.join("a").exists() && !d.join("b").exists());

@@ -300,7 +300,7 @@ fn optimizer_offload_keeps_losses_and_frees_resident_memory() {
     assert!(saved >= 0.8 * optim, "peak RSS fell by {saved} bytes, the moments are {optim}");
     assert!(out.join("offload/rank0/exp_avg.bin").exists());
     let o = train(&data, &d.join("bad"), &["--offload", "disk"]);
-    assert_user_error(&o, &["memory.offload must be `none` or `optimizer`, got `disk`"]);
+    assert_user_error(&o, &["memory.offload must be none or optimizer, got `disk`"]);
 }
 
 #[test]

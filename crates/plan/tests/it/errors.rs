@@ -130,6 +130,7 @@ fn unknown_schedule_is_named_and_names_read_back() {
     let e = estimate_cmd(&gpt(), &cluster("a100-80gb", 8), &l, false).unwrap_err();
     assert!(e.0.contains("--schedule") && e.0.contains("zigzag") && e.0.contains("gpipe, 1f1b or interleaved"), "{e}");
     // The one definition `parallel::pp` re-exports: every name parses back; the planner's spellings too.
+    use plan::policy::Names;
     use plan::schedule::Kind;
     for k in [Kind::Gpipe, Kind::OneFOneB, Kind::Interleaved] {
         assert_eq!(Kind::parse(k.name()), Ok(k));

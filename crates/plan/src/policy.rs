@@ -1,0 +1,92 @@
+//! The training policies every crate names: the storage [`Precision`], activation [`Recompute`] and (in
+//! [`crate::schedule`]) the pipeline schedule [`Kind`](crate::schedule::Kind). One definition each, shared by the
+//! planner, `parallel`, `model` (which re-exports them) and `kiln`'s config, with one table of spellings per
+//! enum ([`Names`]), so a flag, a config key and a validation table accept the same words.
+
+use serde::{Deserialize, Serialize};
+
+/// A value's accepted spellings, any case; the first spelling of each value is its name.
+pub trait Names: Copy + PartialEq + 'static {
+    const NAMES: &'static [(&'static str, Self)];
+
+    /// The value `s` spells (ASCII case-insensitive).
+    fn from_name(s: &str) -> Option<Self> {
+        Self::NAMES.iter().find(|(n, _)| n.eq_ignore_ascii_case(s)).map(|&(_, v)| v)
+    }
+
+    /// [`Names::from_name`], or an error that lists the accepted names and the value, to follow the flag or
+    /// key the caller puts first: "must be a, b or c, got `x`".
+    fn parse(s: &str) -> Result<Self, String> {
+        Self::from_name(s).ok_or_else(|| format!("must be {}, got `{s}`", Self::expected()))
+    }
+
+    /// The canonical spelling, which [`Names::from_name`] reads back.
+    fn name(self) -> &'static str {
+        Self::NAMES.iter().find(|(_, v)| *v == self).map(|&(n, _)| n).expect("every value has a name")
+    }
+
+    /// The canonical spellings as a list for an error message: "a, b or c".
+    fn expected() -> String {
+        let mut names: Vec<String> = Vec::new();
+        for (i, &(n, v)) in Self::NAMES.iter().enumerate() {
+            if Self::NAMES[..i].iter().all(|&(_, w)| w != v) {
+                names.push(n.to_string());
+            }
+        }
+        match names.split_last() {
+            Some((last, rest)) if !rest.is_empty() => format!("{} or {last}", rest.join(", ")),
+            _ => names.join(""),
+        }
+    }
+}
+
+/// Arithmetic precision of the matmuls and of stored weights, activations and their gradients. Training in a
+/// 16-bit format keeps fp32 master weights, moments and weight-gradient accumulation; fp8 computes the block
+/// matmuls in FP8 with delayed scaling and stores in bf16.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, PartialOrd, Ord, Hash)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    Bf16,
+    /// fp16 with loss scaling, Megatron-LM's `Float16Optimizer` (2021): its optimizer also keeps an fp32 copy of the
+    /// gradients. Same tensor-core peak as bf16.
+    Fp16,
+    Fp8,
+    #[default]
+    Fp32,
+}
+
+impl Names for Precision {
+    const NAMES: &'static [(&'static str, Precision)] =
+        &[("fp32", Precision::Fp32), ("bf16", Precision::Bf16), ("fp16", Precision::Fp16), ("fp8", Precision::Fp8)];
+}
+
+impl Precision {
+    /// Bytes of one activation element as stored between kernels (fp8 training keeps activations in bf16).
+    pub fn act_bytes(self) -> f64 {
+        match self {
+            Precision::Fp32 => 4.0,
+            _ => 2.0,
+        }
+    }
+}
+
+/// Activation recomputation ("gradient checkpointing"; Chen et al. 2016, "Training Deep Nets with Sublinear
+/// Memory Cost"; Megatron-LM's `--recompute-granularity`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, PartialOrd, Ord, Hash)]
+#[serde(rename_all = "lowercase")]
+pub enum Recompute {
+    /// Forward keeps every block's activations.
+    #[default]
+    None,
+    /// Korthikanti et al.'s selective recomputation: forward keeps everything but the attention core's outputs;
+    /// backward re-runs the attention core. Costs one attention forward per layer, no matmul.
+    Selective,
+    /// Forward keeps only each block's input; backward re-runs each block's forward from it, then differentiates
+    /// it: one more forward per step.
+    Full,
+}
+
+impl Names for Recompute {
+    const NAMES: &'static [(&'static str, Recompute)] =
+        &[("none", Recompute::None), ("selective", Recompute::Selective), ("full", Recompute::Full)];
+}
