@@ -39,7 +39,6 @@ pub struct PrepareReport {
 
 /// The file name of a prepared directory's metadata (its presence marks the directory).
 pub const META_FILE: &str = "meta.json";
-pub const TOKENIZER_FILE: &str = "tokenizer.json";
 pub const TRAIN_FILE: &str = "train.tok";
 pub const VAL_FILE: &str = "val.tok";
 const META_FORMAT: &str = "kiln-prepared";
@@ -144,11 +143,12 @@ fn load_impl(paths: &[PathBuf], choice: Choice, val_fraction: f64) -> Result<Dat
     } else {
         let mut out: Vec<u32> = Vec::new();
         let mut pending = String::new();
-        let flush = |pending: &mut String, out: &mut Vec<u32>| {
+        let flush = |pending: &mut String, out: &mut Vec<u32>| -> Result<(), DataError> {
             if !pending.is_empty() {
-                out.extend(tokenizer.encode(pending));
+                out.extend(tokenizer.encode(pending)?);
                 pending.clear();
             }
+            Ok(())
         };
         for item in &items {
             match item {
@@ -180,14 +180,14 @@ fn load_impl(paths: &[PathBuf], choice: Choice, val_fraction: f64) -> Result<Dat
                 }
                 Item::TokenFile { path, tokens } => {
                     check_ids(path, tokens, vocab, &whose)?;
-                    flush(&mut pending, &mut out);
+                    flush(&mut pending, &mut out)?;
                     out.extend(tokens.to_vec());
                     files.push(path.clone());
                 }
                 Item::Split { .. } => unreachable!("a split directory is the only item"),
             }
         }
-        flush(&mut pending, &mut out);
+        flush(&mut pending, &mut out)?;
         Tokens::from_vec(out)
     };
     if all.is_empty() {
@@ -229,7 +229,7 @@ fn resolve_tokenizer(choice: Choice, items: &[Item]) -> Result<Tokenizer, DataEr
     });
     let disagree = |dir: &Path, have: &Tokenizer, given: &str| {
         DataError::at(
-            &dir.join(TOKENIZER_FILE),
+            &dir.join(have.file_name()),
             format!(
                 "this prepared dataset uses tokenizer {} ({}), but tokenizer {given} was given",
                 have.kind(),
@@ -391,7 +391,7 @@ fn read_prepared(dir: &Path) -> Result<Item, DataError> {
     if meta.get("version").and_then(|v| v.as_u64()) != Some(1) {
         return Err(DataError::at(&meta_path, format!("\"version\" is {:?}, expected 1", meta.get("version"))));
     }
-    let tokenizer = Tokenizer::load(&dir.join(TOKENIZER_FILE))?;
+    let tokenizer = Tokenizer::find_in(dir)?.ok_or_else(|| DataError::at(dir, "prepared directory holds no tokenizer (tokenizer.json or kiln-tokenizer.json)"))?;
     let mut splits = Vec::new();
     for (name, key) in [(TRAIN_FILE, "train_tokens"), (VAL_FILE, "val_tokens")] {
         let path = dir.join(name);
@@ -399,7 +399,7 @@ fn read_prepared(dir: &Path) -> Result<Item, DataError> {
         if vocab != tokenizer.vocab_size() {
             return Err(DataError::at(
                 &path,
-                format!("shard vocab size {vocab} differs from {TOKENIZER_FILE}'s {}", tokenizer.describe()),
+                format!("shard vocab size {vocab} differs from {}'s {}", tokenizer.file_name(), tokenizer.describe()),
             ));
         }
         if let Some(n) = meta.get(key).and_then(|v| v.as_u64()) {
@@ -415,12 +415,13 @@ fn read_prepared(dir: &Path) -> Result<Item, DataError> {
 }
 
 /// `kiln data prepare`: loads `inputs` as [`load`] does and writes `out/train.tok`,
-/// `out/val.tok` (shards), `out/tokenizer.json` and `out/meta.json`.
+/// `out/val.tok` (shards), the tokenizer (`tokenizer.json` for a Hugging Face one, else
+/// `kiln-tokenizer.json`) and `out/meta.json`.
 pub fn prepare(inputs: &[PathBuf], tokenizer_spec: &str, out: &Path, val_fraction: f64) -> Result<PrepareReport, DataError> {
     if let Ok(o) = out.canonicalize() {
         for i in inputs {
             let Ok(c) = i.canonicalize() else { continue };
-            let ours = [TRAIN_FILE, VAL_FILE, META_FILE, TOKENIZER_FILE].map(|f| o.join(f));
+            let ours = [TRAIN_FILE, VAL_FILE, META_FILE, crate::HF_TOKENIZER_FILE, crate::KILN_TOKENIZER_FILE].map(|f| o.join(f));
             if c == o || ours.contains(&c) {
                 return Err(DataError::at(out, "the output directory is also an input"));
             }
@@ -431,7 +432,7 @@ pub fn prepare(inputs: &[PathBuf], tokenizer_spec: &str, out: &Path, val_fractio
     let vocab = ds.tokenizer.vocab_size();
     write_shard_tokens(&out.join(TRAIN_FILE), &ds.train, vocab)?;
     write_shard_tokens(&out.join(VAL_FILE), &ds.val, vocab)?;
-    ds.tokenizer.save(&out.join(TOKENIZER_FILE))?;
+    ds.tokenizer.save_in(out)?;
     let meta = serde_json::json!({
         "format": META_FORMAT,
         "version": 1,

@@ -1,7 +1,12 @@
-//! The tokenizer enum: `byte`, `char`, `gpt2` (tiktoken's r50k_base) and trained byte-level `bpe`.
+//! The tokenizer enum: kiln's own `byte`, `char` and `gpt2` (tiktoken's r50k_base), and any
+//! Hugging Face `tokenizer.json` ([`HfTokenizer`]: a model's own, or a byte-level BPE trained
+//! with `bpe:N`).
 //!
-//! A tokenizer serialises to a self-describing JSON object (`{"kind":"char","chars":"..."}`),
-//! so a run directory or a prepared dataset can store the exact tokenizer it was built with.
+//! Every tokenizer serialises to JSON, so a run directory, a checkpoint or a prepared dataset
+//! stores the exact tokenizer it was built with: a Hugging Face tokenizer as its
+//! `tokenizer.json`, kiln's own kinds as a self-describing object (`{"kind":"char","chars":"..."}`)
+//! in `kiln-tokenizer.json` ([`Tokenizer::file_name`]), so no file named `tokenizer.json` is
+//! ever in a format transformers cannot read.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -9,8 +14,8 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use crate::bpe::Bpe;
 use crate::error::DataError;
+use crate::hf::HfTokenizer;
 
 /// GPT-2's vocabulary size: 50000 merges + 256 bytes + `<|endoftext|>`.
 pub const GPT2_VOCAB: usize = 50257;
@@ -94,16 +99,21 @@ pub enum Tokenizer {
     Char(CharVocab),
     /// GPT-2's BPE, vocab 50257; `<|endoftext|>` in the text encodes to 50256.
     Gpt2(Gpt2),
-    /// Byte-level BPE trained by [`crate::train_bpe`].
-    Bpe(Bpe),
+    /// A Hugging Face `tokenizer.json`.
+    Hf(HfTokenizer),
 }
+
+/// The file a Hugging Face tokenizer is stored in (and read from in a model directory).
+pub const HF_TOKENIZER_FILE: &str = "tokenizer.json";
+/// The file kiln's own tokenizer kinds are stored in.
+pub const KILN_TOKENIZER_FILE: &str = "kiln-tokenizer.json";
 
 impl PartialEq for Tokenizer {
     fn eq(&self, other: &Tokenizer) -> bool {
         match (self, other) {
             (Tokenizer::Byte, Tokenizer::Byte) | (Tokenizer::Gpt2(_), Tokenizer::Gpt2(_)) => true,
             (Tokenizer::Char(a), Tokenizer::Char(b)) => a == b,
-            (Tokenizer::Bpe(a), Tokenizer::Bpe(b)) => a == b,
+            (Tokenizer::Hf(a), Tokenizer::Hf(b)) => a == b,
             _ => false,
         }
     }
@@ -116,14 +126,14 @@ enum TokenizerJson {
     Byte,
     Char { chars: String },
     Gpt2,
-    Bpe { pattern: String, merges: Vec<[u32; 2]>, specials: Vec<String> },
 }
 
 impl Tokenizer {
-    /// `spec`: `"byte"` | `"char"` | `"gpt2"` | `"bpe:N"` | a path to a tokenizer JSON file
-    /// written by [`Tokenizer::save`] (or a directory holding `tokenizer.json`, such as a
-    /// prepared dataset or a run directory). `char` builds its vocabulary from `corpus`, and
-    /// `bpe:N` trains a BPE of vocab `N` on it ([`crate::train_bpe`]); both fail without one.
+    /// `spec`: `"byte"` | `"char"` | `"gpt2"` | `"bpe:N"` | a tokenizer file (a Hugging Face
+    /// `tokenizer.json`, or kiln's own JSON) | a directory holding one (a Hugging Face model, a
+    /// prepared dataset, a run directory). `char` builds its vocabulary from `corpus`, and
+    /// `bpe:N` trains a byte-level BPE of vocab `N` on it ([`crate::train_bpe`]); both fail
+    /// without one.
     pub fn from_spec(spec: &str, corpus: Option<&str>) -> Result<Tokenizer, DataError> {
         match spec {
             "byte" => Ok(Tokenizer::Byte),
@@ -136,19 +146,19 @@ impl Tokenizer {
             _ if spec.starts_with("bpe:") => {
                 let n = Tokenizer::bpe_spec_vocab(spec)?;
                 match corpus {
-                    Some(text) if !text.is_empty() => crate::bpe::train_bpe(text, n),
+                    Some(text) if !text.is_empty() => crate::hf::train_bpe(text, n, &["<|endoftext|>"]).map(Tokenizer::Hf),
                     _ => Err(DataError::new(format!("tokenizer \"{spec}\" trains on the corpus text, and there is none"))),
                 }
             }
             path => {
                 let p = Path::new(path);
-                if p.is_dir() && p.join("tokenizer.json").is_file() {
-                    Tokenizer::load(&p.join("tokenizer.json"))
+                if p.is_dir() {
+                    Tokenizer::find_in(p)?.ok_or_else(|| DataError::at(p, format!("holds no tokenizer ({HF_TOKENIZER_FILE} or {KILN_TOKENIZER_FILE})")))
                 } else if p.is_file() {
                     Tokenizer::load(p)
                 } else {
                     Err(DataError::new(format!(
-                        "unknown tokenizer \"{path}\": expected byte, char, gpt2, bpe:N or the path of a tokenizer JSON file (no such file)"
+                        "unknown tokenizer \"{path}\": expected byte, char, gpt2, bpe:N, or a tokenizer.json file or a directory holding one (no such file)"
                     )))
                 }
             }
@@ -172,7 +182,7 @@ impl Tokenizer {
     pub(crate) fn matches_corpus_spec(&self, spec: &str) -> bool {
         match self {
             Tokenizer::Char(_) => spec == "char",
-            Tokenizer::Bpe(_) => Tokenizer::bpe_spec_vocab(spec).is_ok_and(|n| n == self.vocab_size()),
+            Tokenizer::Hf(_) => Tokenizer::bpe_spec_vocab(spec).is_ok_and(|n| n == self.vocab_size()),
             _ => false,
         }
     }
@@ -182,7 +192,7 @@ impl Tokenizer {
             Tokenizer::Byte => 256,
             Tokenizer::Char(v) => v.chars.len(),
             Tokenizer::Gpt2(_) => GPT2_VOCAB,
-            Tokenizer::Bpe(b) => b.vocab_size(),
+            Tokenizer::Hf(h) => h.vocab_size(),
         }
     }
 
@@ -191,19 +201,21 @@ impl Tokenizer {
             Tokenizer::Byte => "byte",
             Tokenizer::Char(_) => "char",
             Tokenizer::Gpt2(_) => "gpt2",
-            Tokenizer::Bpe(_) => "bpe",
+            Tokenizer::Hf(_) => "hf",
         }
     }
 
-    /// Encodes `text`. For `char`, characters outside the vocabulary are dropped (use
-    /// [`CharVocab::first_unknown`] to check first); every other kind encodes any text.
-    pub fn encode(&self, text: &str) -> Vec<u32> {
-        match self {
+    /// Encodes `text` (no special tokens added; special-token text such as `<|endoftext|>`
+    /// becomes its id). For `char`, characters outside the vocabulary are dropped (use
+    /// [`CharVocab::first_unknown`] to check first). kiln's own kinds encode any text; a
+    /// Hugging Face tokenizer can fail (say, a WordPiece model without an unknown token).
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, DataError> {
+        Ok(match self {
             Tokenizer::Byte => text.bytes().map(u32::from).collect(),
             Tokenizer::Char(v) => text.chars().filter_map(|c| v.id(c)).collect(),
             Tokenizer::Gpt2(g) => g.bpe.encode_with_special_tokens(text),
-            Tokenizer::Bpe(b) => b.encode(text),
-        }
+            Tokenizer::Hf(h) => h.encode(text)?,
+        })
     }
 
     /// Decodes `ids`; invalid UTF-8 and unknown ids become U+FFFD. Never panics.
@@ -248,30 +260,46 @@ impl Tokenizer {
                 out.push_str(&String::from_utf8_lossy(&bytes));
                 out
             }
-            Tokenizer::Bpe(b) => b.decode(ids),
+            Tokenizer::Hf(h) => h.decode(ids),
         }
     }
 
-    /// Self-describing JSON: `{"kind":"byte"}`, `{"kind":"gpt2"}`, `{"kind":"char","chars":"..."}`,
-    /// `{"kind":"bpe","pattern":"gpt2","merges":[[a,b],...],"specials":[...]}`.
+    /// The JSON form: a Hugging Face tokenizer's `tokenizer.json`, or kiln's self-describing
+    /// `{"kind":"byte"}`, `{"kind":"gpt2"}`, `{"kind":"char","chars":"..."}`.
     pub fn to_json(&self) -> String {
         let j = match self {
+            Tokenizer::Hf(h) => return h.json().to_string(),
             Tokenizer::Byte => TokenizerJson::Byte,
             Tokenizer::Gpt2(_) => TokenizerJson::Gpt2,
             Tokenizer::Char(v) => TokenizerJson::Char { chars: v.chars.iter().collect() },
-            Tokenizer::Bpe(b) => TokenizerJson::Bpe {
-                pattern: crate::bpe::PATTERN_NAME.to_string(),
-                merges: b.merges().iter().map(|&(a, b)| [a, b]).collect(),
-                specials: b.specials().to_vec(),
-            },
         };
         serde_json::to_string(&j).expect("tokenizer JSON serialisation cannot fail")
     }
 
-    /// Parses [`Tokenizer::to_json`]'s output; `origin` names the source in errors.
+    /// The file name [`Tokenizer::save_in`] uses: [`HF_TOKENIZER_FILE`] for a Hugging Face
+    /// tokenizer, [`KILN_TOKENIZER_FILE`] for kiln's own kinds.
+    pub fn file_name(&self) -> &'static str {
+        match self {
+            Tokenizer::Hf(_) => HF_TOKENIZER_FILE,
+            _ => KILN_TOKENIZER_FILE,
+        }
+    }
+
+    /// [`Tokenizer::file_name`] of the tokenizer whose [`Tokenizer::to_json`] is `json`, without
+    /// parsing it (kiln's own form always begins with its `"kind"` tag).
+    pub fn file_name_of_json(json: &str) -> &'static str {
+        if json.starts_with("{\"kind\"") { KILN_TOKENIZER_FILE } else { HF_TOKENIZER_FILE }
+    }
+
+    /// Parses either JSON form of [`Tokenizer::to_json`] (told apart by kiln's leading `"kind"`);
+    /// `origin` names the source in errors.
     pub fn from_json(s: &str, origin: &Path) -> Result<Tokenizer, DataError> {
-        let j: TokenizerJson = serde_json::from_str(s)
-            .map_err(|e| DataError::at(origin, format!("not a kiln tokenizer JSON: {e}")))?;
+        if Tokenizer::file_name_of_json(s) == HF_TOKENIZER_FILE {
+            // Parsed once, by `tokenizers` (a model's file can be megabytes).
+            return HfTokenizer::from_json(s, origin).map(Tokenizer::Hf);
+        }
+        let v: serde_json::Value = serde_json::from_str(s).map_err(|e| DataError::at(origin, format!("not valid JSON: {e}")))?;
+        let j: TokenizerJson = serde_json::from_value(v).map_err(|e| DataError::at(origin, format!("not a kiln tokenizer JSON: {e}")))?;
         match j {
             TokenizerJson::Byte => Ok(Tokenizer::Byte),
             TokenizerJson::Gpt2 => Ok(Tokenizer::Gpt2(Gpt2::new())),
@@ -288,26 +316,41 @@ impl Tokenizer {
                 }
                 Ok(Tokenizer::Char(CharVocab::from_chars(list)))
             }
-            TokenizerJson::Bpe { pattern, merges, specials } => {
-                if pattern != crate::bpe::PATTERN_NAME {
-                    return Err(DataError::at(
-                        origin,
-                        format!("bpe tokenizer has \"pattern\": {pattern:?}, only {:?} is known", crate::bpe::PATTERN_NAME),
-                    ));
-                }
-                let merges: Vec<(u32, u32)> = merges.into_iter().map(|[a, b]| (a, b)).collect();
-                Bpe::from_parts(merges, specials).map(Tokenizer::Bpe).map_err(|m| DataError::at(origin, m))
-            }
         }
     }
 
+    /// Writes the tokenizer to `path`.
     pub fn save(&self, path: &Path) -> Result<(), DataError> {
-        std::fs::write(path, self.to_json() + "\n").map_err(|e| DataError::io(path, "cannot write tokenizer", e))
+        let mut text = self.to_json();
+        if !text.ends_with('\n') {
+            text.push('\n');
+        }
+        std::fs::write(path, text).map_err(|e| DataError::io(path, "cannot write tokenizer", e))
+    }
+
+    /// Writes the tokenizer into directory `dir` under [`Tokenizer::file_name`]; returns the path.
+    pub fn save_in(&self, dir: &Path) -> Result<std::path::PathBuf, DataError> {
+        let path = dir.join(self.file_name());
+        self.save(&path)?;
+        Ok(path)
     }
 
     pub fn load(path: &Path) -> Result<Tokenizer, DataError> {
         let s = std::fs::read_to_string(path).map_err(|e| DataError::io(path, "cannot read tokenizer", e))?;
         Tokenizer::from_json(&s, path)
+    }
+
+    /// The tokenizer stored in directory `dir`: its `tokenizer.json` (a Hugging Face model's, or
+    /// kiln's own format as run directories before `kiln-tokenizer.json` stored it), else its
+    /// `kiln-tokenizer.json`; `None` when it has neither.
+    pub fn find_in(dir: &Path) -> Result<Option<Tokenizer>, DataError> {
+        for name in [HF_TOKENIZER_FILE, KILN_TOKENIZER_FILE] {
+            let p = dir.join(name);
+            if p.is_file() {
+                return Tokenizer::load(&p).map(Some);
+            }
+        }
+        Ok(None)
     }
 
     /// `"char, vocab 65"`: for descriptions and error messages.

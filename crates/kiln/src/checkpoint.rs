@@ -287,7 +287,7 @@ pub fn save(ckpt_dir: &Path, state: &TrainState, model: &Tensors, optim: &Tensor
     crash_point(state.step);
     let files: Vec<(&str, Vec<u8>)> = vec![
         ("state.json", serde_json::to_vec_pretty(state).expect("state serializes")),
-        ("tokenizer.json", tokenizer_json.as_bytes().to_vec()),
+        (data::Tokenizer::file_name_of_json(tokenizer_json), tokenizer_json.as_bytes().to_vec()),
     ];
     for (name, bytes) in &files {
         write_synced(&tmp.join(name), bytes)?;
@@ -363,7 +363,7 @@ pub fn save_part(ckpt_dir: &Path, part: &Part, state: &TrainState, model: &Tenso
             std::thread::sleep(std::time::Duration::from_millis(20));
         }
     }
-    for (name, bytes) in [("state.json", serde_json::to_vec_pretty(state).expect("state serializes")), ("tokenizer.json", tokenizer_json.as_bytes().to_vec())] {
+    for (name, bytes) in [("state.json", serde_json::to_vec_pretty(state).expect("state serializes")), (data::Tokenizer::file_name_of_json(tokenizer_json), tokenizer_json.as_bytes().to_vec())] {
         write_synced(&tmp.join(name), &bytes)?;
         manifest.files.insert(name.to_string(), FileSum { bytes: bytes.len() as u64, crc32: crc32fast::hash(&bytes) });
     }
@@ -430,7 +430,9 @@ pub fn verify_and_load(dir: &Path) -> Result<Loaded> {
     if crc32fast::hash(&serde_json::to_vec(&manifest).unwrap()) != claimed {
         return Err(bad("manifest.json fails its checksum".into()));
     }
-    let mut names: Vec<String> = ["state.json", "tokenizer.json"].iter().map(|s| s.to_string()).collect();
+    // The tokenizer under its format's name (checkpoints before kiln-tokenizer.json: tokenizer.json).
+    let tok_name = [data::KILN_TOKENIZER_FILE, data::HF_TOKENIZER_FILE].into_iter().find(|n| manifest.files.contains_key(*n)).unwrap_or(data::HF_TOKENIZER_FILE);
+    let mut names: Vec<String> = ["state.json", tok_name].iter().map(|s| s.to_string()).collect();
     if manifest.format == 2 {
         for r in 0..manifest.shards {
             names.push(part_name("model", r, manifest.shards));
@@ -463,7 +465,7 @@ pub fn verify_and_load(dir: &Path) -> Result<Loaded> {
         state,
         model,
         optim,
-        tokenizer_json: String::from_utf8_lossy(&contents["tokenizer.json"]).into_owned(),
+        tokenizer_json: String::from_utf8_lossy(&contents[tok_name]).into_owned(),
     })
 }
 

@@ -14,7 +14,7 @@ pub struct Source {
     /// A kiln run directory (its newest valid checkpoint).
     #[arg(long)]
     pub run: Option<PathBuf>,
-    /// A Hugging Face GPT-2 directory (config.json + model.safetensors).
+    /// A Hugging Face model directory (config.json + safetensors, and its tokenizer.json).
     #[arg(long)]
     pub checkpoint: Option<PathBuf>,
 }
@@ -23,7 +23,8 @@ pub struct Source {
 pub struct GenerateCli {
     #[command(flatten)]
     pub source: Source,
-    /// Tokenizer for --checkpoint (byte, char, gpt2, or a JSON file); default gpt2.
+    /// Tokenizer for --checkpoint: byte, char, gpt2, a tokenizer.json, or a directory holding
+    /// one (default: the checkpoint directory's own tokenizer.json, else gpt2).
     #[arg(long)]
     pub tokenizer: Option<String>,
     #[arg(long, default_value = "")]
@@ -49,7 +50,8 @@ pub struct EvalCli {
     /// Window length: non-overlapping windows of N+1 tokens (default the model's context).
     #[arg(long)]
     pub seq_len: Option<usize>,
-    /// Tokenizer for --checkpoint (byte, char, gpt2, or a JSON file); default gpt2.
+    /// Tokenizer for --checkpoint: byte, char, gpt2, a tokenizer.json, or a directory holding
+    /// one (default: the checkpoint directory's own tokenizer.json, else gpt2).
     #[arg(long)]
     pub tokenizer: Option<String>,
 }
@@ -72,7 +74,7 @@ pub struct ExportCli {
 pub fn generate(g: GenerateCli) -> Result<()> {
             init_threads(0);
             let (m, tok, _) = load_source(&g.source, g.tokenizer.as_deref())?;
-            let text = train::sample_text(&m, &tok, &g.prompt, g.max_new_tokens, g.temperature, g.top_k, g.seed);
+            let text = train::sample_text(&m, &tok, &g.prompt, g.max_new_tokens, g.temperature, g.top_k, g.seed)?;
             println!("{text}");
             Ok(())
         }
@@ -141,7 +143,14 @@ fn load_source(src: &Source, tokenizer: Option<&str>) -> Result<(model::Gpt, dat
     }
     let dir = src.checkpoint.as_ref().expect("clap requires --run or --checkpoint");
     let mut m = model::hf::import_hf(dir).map_err(KilnError::User)?;
-    let tok = data::Tokenizer::from_spec(tokenizer.unwrap_or("gpt2"), None)?;
+    // --tokenizer, else the directory's own tokenizer.json, else GPT-2's.
+    let tok = match tokenizer {
+        Some(spec) => data::Tokenizer::from_spec(spec, None)?,
+        None => match data::Tokenizer::find_in(dir)? {
+            Some(t) => t,
+            None => data::Tokenizer::from_spec("gpt2", None)?,
+        },
+    };
     if tok.vocab_size() > m.cfg.vocab_size {
         return user(format!("{}: the {} tokenizer has {} tokens but the model only {}; pass --tokenizer", dir.display(), tok.kind(), tok.vocab_size(), m.cfg.vocab_size));
     }

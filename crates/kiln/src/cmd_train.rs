@@ -18,6 +18,10 @@ pub struct TrainCli {
     /// Text files, directories, .bin/.npy token files, or a `kiln data prepare` directory.
     #[arg(long)]
     pub data: Vec<PathBuf>,
+    /// byte, char, gpt2, bpe:N (trained on the data), a Hugging Face tokenizer.json or a
+    /// directory holding one (data.tokenizer; with --init-from a model's own is the default).
+    #[arg(long)]
+    pub tokenizer: Option<String>,
     /// Run directory (default runs/<preset>-<time>).
     #[arg(long)]
     pub out: Option<PathBuf>,
@@ -138,8 +142,9 @@ impl TrainCli {
             )),
             None => None,
         };
-        let table: [(&'static str, &'static str, Option<V>); 24] = [
+        let table: [(&'static str, &'static str, Option<V>); 25] = [
             ("--data", "data.paths", (!self.data.is_empty()).then(|| V::Array(self.data.iter().map(|p| V::String(p.display().to_string())).collect()))),
+            ("--tokenizer", "data.tokenizer", text(&self.tokenizer)),
             ("--max-steps", "train.max_steps", long(self.max_steps)),
             ("--seed", "train.seed", long(self.seed)),
             ("--precision", "train.precision", text(&self.precision)),

@@ -75,7 +75,7 @@ pub fn load_run(dir: &Path) -> Result<SavedRun> {
     }
     let config = RunConfig::load(&cfg_path)?;
     let ckpt = checkpoint::latest_valid(&ckpt_dir(dir))?;
-    let tokenizer = data::Tokenizer::from_json(&ckpt.tokenizer_json, &ckpt.dir.join("tokenizer.json"))?;
+    let tokenizer = data::Tokenizer::from_json(&ckpt.tokenizer_json, &ckpt.dir.join(data::Tokenizer::file_name_of_json(&ckpt.tokenizer_json)))?;
     Ok(SavedRun { dir: dir.to_path_buf(), config, ckpt, tokenizer })
 }
 

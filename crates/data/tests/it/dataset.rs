@@ -98,7 +98,7 @@ fn prepare_then_load_round_trips() {
     let rep = prepare(&[src.clone()], "char", &out, 0.1).unwrap();
     assert_eq!(rep.train_tokens + rep.val_tokens, text.chars().count());
     assert_eq!(rep.tokenizer, "char");
-    for f in ["train.tok", "val.tok", "tokenizer.json", "meta.json"] {
+    for f in ["train.tok", "val.tok", "kiln-tokenizer.json", "meta.json"] {
         assert!(out.join(f).is_file(), "{f} missing");
     }
     let meta: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("meta.json")).unwrap()).unwrap();
@@ -107,7 +107,8 @@ fn prepare_then_load_round_trips() {
     assert_eq!(meta["sources"][0], s(&src));
 
     let direct = load(&[src.clone()], "char", 0.1).unwrap();
-    for spec in ["auto", "char", s(&out.join("tokenizer.json"))] {
+    assert!(!out.join("tokenizer.json").exists(), "kiln's own kinds never write tokenizer.json");
+    for spec in ["auto", "char", s(&out.join("kiln-tokenizer.json"))] {
         let ds = load(&[out.clone()], spec, 0.5).unwrap();
         assert_eq!(ds.tokenizer, direct.tokenizer, "{spec}");
         assert_eq!(ds.train.to_vec(), direct.train.to_vec(), "{spec}: own split wins over val_fraction");
@@ -228,7 +229,7 @@ fn bpe_spec_trains_on_the_text_and_round_trips_through_prepare() {
     let src = dir.join("c.txt");
     std::fs::write(&src, crate::sample_text(50_000)).unwrap();
     let ds = load(&[src.clone()], "bpe:400", 0.1).unwrap();
-    assert_eq!((ds.tokenizer.kind(), ds.tokenizer.vocab_size()), ("bpe", 400));
+    assert_eq!((ds.tokenizer.kind(), ds.tokenizer.vocab_size()), ("hf", 400));
     assert!(ds.train.len() + ds.val.len() < 50_000 * 2 / 3);
     let out = dir.join("prep");
     prepare(&[src.clone()], "bpe:400", &out, 0.1).unwrap();

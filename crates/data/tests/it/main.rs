@@ -7,6 +7,7 @@ mod bpe;
 mod corpus;
 mod dataset;
 mod files;
+mod hf_tokenizers;
 mod tokenizer;
 
 use std::path::PathBuf;

@@ -18,7 +18,7 @@ pub fn load_data(cfg: &RunConfig, tokenizer: Option<Tokenizer>) -> Result<Datase
             Some(t) => t,
             None => Tokenizer::from_spec(&cfg.data.tokenizer, Some(&text))?,
         };
-        let ids = tok.encode(&text);
+        let ids = tok.encode(&text)?;
         let n_train = ((ids.len() as f64) * (1.0 - frac)) as usize;
         let description = format!("the Rust books ({} files, {} tokens, {} tokenizer, vocab {})", files.len(), ids.len(), tok.kind(), tok.vocab_size());
         return Ok(Dataset { val: Tokens::from_vec(ids[n_train..].to_vec()), train: Tokens::from_vec(ids[..n_train].to_vec()), tokenizer: tok, description, files, skipped: 0 });

@@ -132,10 +132,9 @@ fn train_once(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
     // 2. Data.
     // A resumed run keeps its tokenizer; a run started from another kiln run keeps that run's
     // (its token ids are what the base model knows).
-    let base_tok = Path::new(&cfg.model.init_from).join("tokenizer.json");
     let tokenizer = match &resume_from {
-        Some(l) => Some(Tokenizer::from_json(&l.tokenizer_json, &l.dir.join("tokenizer.json"))?),
-        None if !cfg.model.init_from.is_empty() && base_tok.exists() => Some(Tokenizer::load(&base_tok)?),
+        Some(l) => Some(Tokenizer::from_json(&l.tokenizer_json, &l.dir.join(Tokenizer::file_name_of_json(&l.tokenizer_json)))?),
+        None if !cfg.model.init_from.is_empty() => Tokenizer::find_in(Path::new(&cfg.model.init_from))?,
         None => None,
     };
     let ds = load_data(&cfg, tokenizer)?;
@@ -287,10 +286,10 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool, replicas: O
 }
 
 /// Prompt plus generated continuation, decoded.
-pub fn sample_text(model: &Gpt, tok: &Tokenizer, prompt: &str, n: usize, temperature: f32, top_k: usize, seed: u64) -> String {
-    let ids = tok.encode(prompt);
+pub fn sample_text(model: &Gpt, tok: &Tokenizer, prompt: &str, n: usize, temperature: f32, top_k: usize, seed: u64) -> Result<String> {
+    let ids = tok.encode(prompt)?;
     let out = model.generate(&ids, n, &Sampler { temperature, top_k, seed });
     let mut all = ids;
     all.extend(out);
-    tok.decode(&all)
+    Ok(tok.decode(&all))
 }

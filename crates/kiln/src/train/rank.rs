@@ -457,7 +457,7 @@ impl<'a> Rank<'a> {
             } else {
                 &model
             };
-            let text = sample_text(sampler_model, &ds.tokenizer, &cfg.sample.prompt, cfg.sample.tokens, cfg.sample.temperature as f32, cfg.sample.top_k, cfg.train.seed);
+            let text = sample_text(sampler_model, &ds.tokenizer, &cfg.sample.prompt, cfg.sample.tokens, cfg.sample.temperature as f32, cfg.sample.top_k, cfg.train.seed)?;
             write_atomic(&self.run_dir.join("sample.txt"), text.as_bytes())?;
             // The sample is the run's product, so it goes to stdout even with --quiet.
             println!("--- sample (step {step}) ---\n{text}\n---");
@@ -556,6 +556,6 @@ fn open_run_dir(ctx: &Ctx, step: u64, resumed: bool) -> Result<crate::obs::Metri
         eprintln!("removed a partial checkpoint a stopped writer left: {}", p.display());
     }
     write_atomic(&ctx.saved_cfg_path, cfg.to_toml().as_bytes())?;
-    write_atomic(&run_dir.join("tokenizer.json"), ctx.ds.tokenizer.to_json().as_bytes())?;
+    write_atomic(&run_dir.join(ctx.ds.tokenizer.file_name()), ctx.ds.tokenizer.to_json().as_bytes())?;
     crate::obs::MetricsWriter::open(run_dir, resumed.then_some(step)).map_err(KilnError::User)
 }

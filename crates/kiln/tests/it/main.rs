@@ -8,4 +8,5 @@ mod memory;
 mod obs;
 mod parallel;
 mod reliability;
+mod tokenizers;
 mod training;

@@ -11,9 +11,11 @@ fn a_run_writes_its_directory_and_learns() {
     let out = d.join("run");
     let o = train(&data, &out, &["--max-steps", "30", "--set", "train.lr=3e-3"]);
     assert!(o.status.success(), "{}", stderr(&o));
-    for f in ["config.toml", "tokenizer.json", "metrics.jsonl", "sample.txt", "checkpoints/step-00000030/manifest.json"] {
+    for f in ["config.toml", "kiln-tokenizer.json", "metrics.jsonl", "sample.txt", "checkpoints/step-00000030/manifest.json", "checkpoints/step-00000030/kiln-tokenizer.json"] {
         assert!(out.join(f).exists(), "{f}");
     }
+    // Only a Hugging Face tokenizer is stored as tokenizer.json.
+    assert!(!out.join("tokenizer.json").exists());
     let cfg = fs::read_to_string(out.join("config.toml")).unwrap();
     assert!(cfg.contains("n_embd = 16") && cfg.contains("vocab_size = 256"), "resolved config: {cfg}");
     let l = losses(&out);
@@ -129,6 +131,18 @@ fn prepared_data_and_trained_tokenizer() {
     let tokf = d.join("bpe.json");
     let o = kiln(&["tokenizer", "train", "--input", data.to_str().unwrap(), "--vocab-size", "300", "--out", tokf.to_str().unwrap()]);
     assert!(o.status.success(), "{}", stderr(&o));
+    // A Hugging Face tokenizer.json: encode and decode through it round-trip.
+    let j: serde_json::Value = serde_json::from_str(&fs::read_to_string(&tokf).unwrap()).unwrap();
+    assert_eq!(j["model"]["type"], "BPE");
+    let o = kiln(&["tokenizer", "encode", "--tokenizer", tokf.to_str().unwrap(), "--text", "the cat<|endoftext|>"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let ids: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert_eq!(ids["ids"].as_array().unwrap().last().unwrap(), 0, "<|endoftext|> is id 0: {ids}");
+    let o = kiln(&["tokenizer", "decode", "--tokenizer", tokf.to_str().unwrap(), "--ids", &ids["ids"].to_string()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert_eq!(text["text"], "the cat<|endoftext|>");
+    assert_user_error(&kiln(&["tokenizer", "decode", "--tokenizer", tokf.to_str().unwrap(), "--ids", "1,x"]), &["--ids", "`x`"]);
     let prep = d.join("prep");
     let o = kiln(&["data", "prepare", "--input", data.to_str().unwrap(), "--tokenizer", tokf.to_str().unwrap(), "--out", prep.to_str().unwrap()]);
     assert!(o.status.success(), "{}", stderr(&o));
@@ -157,7 +171,7 @@ fn hf_init_export_and_checkpoint_commands() {
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(exp.join("config.json").exists() && exp.join("model.safetensors").exists());
     // The export evaluates like the run itself on the same data.
-    let tok = out.join("tokenizer.json");
+    let tok = out.join("kiln-tokenizer.json");
     let a = kiln(&["eval", "--run", out.to_str().unwrap(), "--data", data.to_str().unwrap(), "--seq-len", "32"]);
     let b = kiln(&["eval", "--checkpoint", exp.to_str().unwrap(), "--tokenizer", tok.to_str().unwrap(), "--data", data.to_str().unwrap(), "--seq-len", "32"]);
     assert!(a.status.success() && b.status.success(), "{} {}", stderr(&a), stderr(&b));

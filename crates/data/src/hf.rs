@@ -1,0 +1,153 @@
+//! Hugging Face tokenizers: any `tokenizer.json` (byte-level BPE as GPT-2, Llama 3 and Qwen2 use;
+//! SentencePiece-style BPE with byte fallback as Llama 2 and Mistral; WordPiece; Unigram) with
+//! its added and special tokens, through the `tokenizers` crate; and training a GPT-2-style
+//! byte-level BPE that transformers' `AutoTokenizer` loads.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use tokenizers::models::bpe::{BpeTrainerBuilder, BPE};
+use tokenizers::models::TrainerWrapper;
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::AddedToken;
+
+use crate::error::DataError;
+
+/// A loaded `tokenizer.json`: the tokenizer, and the JSON it came from (written back verbatim,
+/// so an export carries exactly the file the user brought).
+#[derive(Clone)]
+pub struct HfTokenizer {
+    inner: Arc<tokenizers::Tokenizer>,
+    json: Arc<str>,
+    vocab: usize,
+}
+
+impl HfTokenizer {
+    /// Parses a `tokenizer.json`; `origin` names the file in errors.
+    pub fn from_json(json: &str, origin: &Path) -> Result<HfTokenizer, DataError> {
+        let inner: tokenizers::Tokenizer =
+            json.parse().map_err(|e: tokenizers::Error| DataError::at(origin, format!("not a Hugging Face tokenizer.json: {}", one_line(&e.to_string()))))?;
+        Ok(HfTokenizer::wrap(inner, json.trim_end().into()))
+    }
+
+    fn wrap(inner: tokenizers::Tokenizer, json: Arc<str>) -> HfTokenizer {
+        // Ids run from 0 to the largest id of the model's vocabulary or the added tokens.
+        let added = inner.get_added_tokens_decoder().keys().map(|&id| id as usize + 1).max().unwrap_or(0);
+        let vocab = inner.get_vocab_size(false).max(added);
+        HfTokenizer { inner: Arc::new(inner), json, vocab }
+    }
+
+    /// The `tokenizer.json` text.
+    pub fn json(&self) -> &str {
+        &self.json
+    }
+
+    /// One more than the largest id (the rows an embedding needs).
+    pub fn vocab_size(&self) -> usize {
+        self.vocab
+    }
+
+    /// The model type (`BPE`, `WordPiece`, `Unigram`, `WordLevel`).
+    pub fn model_type(&self) -> &'static str {
+        use tokenizers::ModelWrapper as M;
+        match self.inner.get_model() {
+            M::BPE(_) => "BPE",
+            M::WordPiece(_) => "WordPiece",
+            M::WordLevel(_) => "WordLevel",
+            M::Unigram(_) => "Unigram",
+        }
+    }
+
+    /// `text`'s ids without the special tokens a post-processor would add (`add_special_tokens
+    /// = False`); special-token text in `text` (`<|endoftext|>`) becomes its id.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, DataError> {
+        self.inner
+            .encode(text, false)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| DataError::new(format!("tokenizer cannot encode the text: {}", one_line(&e.to_string()))))
+    }
+
+    /// Decodes `ids`, special tokens included; an id outside the vocabulary becomes U+FFFD.
+    pub fn decode(&self, ids: &[u32]) -> String {
+        let known = |id: u32| (id as usize) < self.vocab && self.inner.id_to_token(id).is_some();
+        let mut out = String::new();
+        for (i, run) in ids.split(|&id| !known(id)).enumerate() {
+            if i > 0 {
+                out.push(char::REPLACEMENT_CHARACTER);
+            }
+            if !run.is_empty() {
+                out.push_str(&self.inner.decode(run, false).unwrap_or_else(|_| char::REPLACEMENT_CHARACTER.to_string()));
+            }
+        }
+        out
+    }
+
+    /// The id of `token` (a vocabulary entry or an added token).
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    /// The special added tokens, by id.
+    pub fn special_tokens(&self) -> Vec<(u32, String)> {
+        let mut v: Vec<(u32, String)> =
+            self.inner.get_added_tokens_decoder().into_iter().filter(|(_, t)| t.special).map(|(id, t)| (id, t.content)).collect();
+        v.sort();
+        v
+    }
+}
+
+impl PartialEq for HfTokenizer {
+    /// The same tokenizer: the same file, or files that parse to the same tokenizer.
+    fn eq(&self, other: &HfTokenizer) -> bool {
+        self.vocab == other.vocab && (self.json == other.json || self.inner.to_string(false).ok() == other.inner.to_string(false).ok())
+    }
+}
+
+impl std::fmt::Debug for HfTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "HfTokenizer({}, vocab {})", self.model_type(), self.vocab)
+    }
+}
+
+/// Trains a byte-level BPE (GPT-2's pre-tokenizer and decoder; ids: `specials` first, as the
+/// `tokenizers` trainer orders them, then the 256 byte symbols, then the merges) of at most
+/// `vocab_size` ids on `text`. Special strings in `text`
+/// are kept out of the merges. The result is deterministic and loads in transformers.
+pub fn train_bpe(text: &str, vocab_size: usize, specials: &[&str]) -> Result<HfTokenizer, DataError> {
+    let min = 256 + specials.len();
+    if vocab_size < min {
+        return Err(DataError::new(format!(
+            "bpe vocab size {vocab_size} is too small: it must be at least {min} (256 bytes + {} specials)",
+            specials.len()
+        )));
+    }
+    if vocab_size > u32::MAX as usize / 2 {
+        return Err(DataError::new(format!("bpe vocab size {vocab_size} is too large")));
+    }
+    if text.is_empty() {
+        return Err(DataError::new("bpe training text is empty"));
+    }
+    let mut tok = tokenizers::Tokenizer::new(BPE::default());
+    tok.with_pre_tokenizer(Some(ByteLevel::new(false, true, true)));
+    tok.with_decoder(Some(ByteLevel::default()));
+    tok.with_post_processor(Some(ByteLevel::new(false, true, true)));
+    let specials: Vec<AddedToken> = specials.iter().map(|s| AddedToken::from(s.to_string(), true)).collect();
+    // Before training, so special strings in the text stay out of the merges.
+    tok.add_special_tokens(specials.clone()).map_err(|e| DataError::new(format!("bpe special tokens: {e}")))?;
+    let mut trainer: TrainerWrapper = BpeTrainerBuilder::new()
+        .vocab_size(vocab_size)
+        .min_frequency(0)
+        .show_progress(false)
+        .special_tokens(specials)
+        .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
+        .build()
+        .into();
+    // Paragraphs as training sequences: the pre-tokenizer splits words within each.
+    tok.train(&mut trainer, text.split_inclusive("\n\n")).map_err(|e| DataError::new(format!("bpe training failed: {e}")))?;
+    let json = tok.to_string(true).map_err(|e| DataError::new(format!("cannot serialise the trained tokenizer: {e}")))?;
+    Ok(HfTokenizer::wrap(tok, json.into()))
+}
+
+fn one_line(s: &str) -> String {
+    s.split_whitespace().collect::<Vec<_>>().join(" ")
+}
