@@ -349,6 +349,31 @@ fn walk(dir: &Path, out: &mut Vec<PathBuf>, depth: usize) -> Result<(), DataErro
     Ok(())
 }
 
+/// Whether `path` names a token file (`.bin`, `.npy`, `.tok` or a kiln shard) rather than text.
+pub fn is_token_file(path: &Path) -> bool {
+    let ext = path.extension().map(|e| e.to_string_lossy().to_ascii_lowercase()).unwrap_or_default();
+    matches!(ext.as_str(), "bin" | "npy" | "tok") || (path.is_file() && is_shard(path))
+}
+
+/// The tokens of `paths` (token files, see [`is_token_file`]), back to back, every id checked
+/// below `vocab` (`whose` names it in the error: "the model's vocabulary"). No tokenizer is
+/// involved.
+pub fn load_token_files(paths: &[PathBuf], vocab: usize, whose: &str) -> Result<Tokens, DataError> {
+    let mut all: Vec<u32> = Vec::new();
+    for p in paths {
+        match read_file(p, true)? {
+            Some(Item::TokenFile { path, tokens }) => {
+                check_ids(&path, &tokens, vocab, whose)?;
+                let start = all.len();
+                all.resize(start + tokens.len(), 0);
+                tokens.copy_to(0, &mut all[start..]);
+            }
+            _ => return Err(DataError::at(p, "not a token file (.bin, .npy or .tok)")),
+        }
+    }
+    Ok(Tokens::from_vec(all))
+}
+
 /// One file. `explicit`: named by the user (errors) rather than found in a directory (skipped
 /// when empty or not UTF-8: `Ok(None)`).
 fn read_file(path: &Path, explicit: bool) -> Result<Option<Item>, DataError> {

@@ -16,7 +16,7 @@ mod tokens;
 
 pub use hf::{train_bpe, HfTokenizer};
 pub use corpus::{default_corpus, default_corpus_files, strip_html, DEFAULT_BOOKS};
-pub use dataset::{load, load_with, prepare, Dataset, PrepareReport};
+pub use dataset::{is_token_file, load, load_token_files, load_with, prepare, Dataset, PrepareReport};
 pub use error::DataError;
 pub use npy::read_npy;
 pub use shard::{read_bin, read_shard, write_bin, write_shard, write_shard_tokens};

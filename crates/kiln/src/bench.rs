@@ -95,7 +95,7 @@ pub fn bench(args: &BenchArgs) -> Result<serde_json::Value> {
     let gcfg = cfg.gpt_config(real_vocab);
     let vp = if cfg.model.vocab_size > 0 { gcfg.vocab_size } else { padded_vocab(real_vocab) };
     let gcfg = model::GptConfig { vocab_size: vp, ..gcfg };
-    let t = cfg.model.block_size;
+    let t = cfg.seq_len();
     let peak = peak_flops();
 
     let mut model = Gpt::new(gcfg, real_vocab.min(vp), cfg.train.seed);
@@ -138,7 +138,7 @@ pub fn bench(args: &BenchArgs) -> Result<serde_json::Value> {
     let median = sorted[sorted.len() / 2];
     let tokens = (cfg.train.batch_size * t) as f64;
     let model = &chunks[0].model;
-    let flops = model_flops_per_token(model) * tokens;
+    let flops = model_flops_per_token(model, t) * tokens;
     let mut out = json!({
         "preset": name,
         "threads": rayon::current_num_threads(),

@@ -60,20 +60,29 @@ pub struct EvalCli {
 pub struct ExportCli {
     #[command(flatten)]
     pub source: Source,
-    /// Output format; `hf` (Hugging Face GPT2LMHeadModel) is the one supported.
+    /// `hf`: a Hugging Face model directory (config.json, safetensors, tokenizer.json,
+    /// tokenizer_config.json, generation_config.json); `peft`: a LoRA run's adapters as PEFT
+    /// loads them onto the base (adapter_config.json, adapter_model.safetensors).
     #[arg(long, default_value = "hf")]
     pub format: String,
     #[arg(long)]
     pub out: PathBuf,
-    /// Fold a LoRA run's adapters into the base weights (required for LoRA runs).
+    /// Fold a LoRA run's adapters into the base weights (needed for --format hf of a LoRA run).
     #[arg(long)]
     pub merge: bool,
+    /// Weight dtype: fp32, bf16 or fp16 (rounded to nearest even).
+    #[arg(long, default_value = "fp32")]
+    pub dtype: String,
+    /// Shard the weights above this size (e.g. 5GB, 500MB), with a model.safetensors.index.json.
+    #[arg(long, default_value = "5GB")]
+    pub max_shard_size: String,
 }
 
 /// Runs `kiln generate`.
 pub fn generate(g: GenerateCli) -> Result<()> {
             init_threads(0);
-            let (m, tok, _) = load_source(&g.source, g.tokenizer.as_deref())?;
+            let (m, tok, _) = load_source(&g.source, g.tokenizer.as_deref(), true)?;
+            let tok = tok.expect("a tokenizer was asked for");
             let text = train::sample_text(&m, &tok, &g.prompt, g.max_new_tokens, g.temperature, g.top_k, g.seed)?;
             println!("{text}");
             Ok(())
@@ -81,69 +90,105 @@ pub fn generate(g: GenerateCli) -> Result<()> {
 
 /// Runs `kiln eval`.
 pub fn eval(e: EvalCli) -> Result<()> {
-            init_threads(0);
-            let (mut m, tok, run) = load_source(&e.source, e.tokenizer.as_deref())?;
-            let t = e.seq_len.unwrap_or(m.cfg.block_size);
-            if t == 0 || t > m.cfg.block_size {
-                return user(format!("--seq-len {t}: must be between 1 and the model's context ({})", m.cfg.block_size));
-            }
-            let (toks, what) = match (&run, e.data.is_empty()) {
-                (Some(r), true) => (train::load_data(&r.config, Some(tok.clone()))?.val, "validation split".to_string()),
-                (None, true) => return user("eval --checkpoint needs --data FILE"),
-                (_, false) => {
-                    let ds = data::load_with(&e.data, tok.clone(), 0.5)?;
-                    // Evaluate on everything given: the two halves, back to back.
-                    let mut all = vec![0u32; ds.train.len() + ds.val.len()];
-                    ds.train.copy_to(0, &mut all[..ds.train.len()]);
-                    ds.val.copy_to(0, &mut all[ds.train.len()..]);
-                    (data::Tokens::from_vec(all), e.data.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", "))
-                }
-            };
-            if toks.len() <= t + 1 {
-                return user(format!("{what}: {} tokens, fewer than one window of {t} + 1", toks.len()));
-            }
-            let batch = run.as_ref().map_or(4, |r| r.config.micro_batch());
-            let (vl, n) = train::evaluate(&mut m, &toks, t, batch, 0);
-            let mut out = serde_json::json!({"val_loss": vl, "tokens": n, "seq_len": t, "data": what});
-            if let Some(r) = &run {
-                out["step"] = r.ckpt.state.step.into();
-                out["checkpoint"] = r.ckpt.dir.display().to_string().into();
-            }
-            println!("{out}");
-            Ok(())
+    init_threads(0);
+    // Token files need no tokenizer: their ids are checked against the model's vocabulary.
+    let token_files = !e.data.is_empty() && e.data.iter().all(|p| data::is_token_file(p));
+    let (mut m, tok, run) = load_source(&e.source, e.tokenizer.as_deref(), !token_files)?;
+    let t = e.seq_len.unwrap_or(run.as_ref().map_or(m.cfg.block_size, |r| r.config.seq_len()));
+    if t == 0 || t > m.cfg.block_size {
+        return user(format!("--seq-len {t}: must be between 1 and the model's context ({})", m.cfg.block_size));
+    }
+    let (toks, what) = match (&run, e.data.is_empty(), &tok) {
+        (Some(r), true, Some(tok)) => (train::load_data(&r.config, Some(tok.clone()))?.val, "validation split".to_string()),
+        (_, true, _) => return user("eval --checkpoint needs --data FILE"),
+        (_, false, None) => (data::load_token_files(&e.data, m.cfg.vocab_size, "the model's vocabulary")?, names(&e.data)),
+        (_, false, Some(tok)) => {
+            let ds = data::load_with(&e.data, tok.clone(), 0.5)?;
+            // Evaluate on everything given: the two halves, back to back.
+            let mut all = vec![0u32; ds.train.len() + ds.val.len()];
+            ds.train.copy_to(0, &mut all[..ds.train.len()]);
+            ds.val.copy_to(0, &mut all[ds.train.len()..]);
+            (data::Tokens::from_vec(all), names(&e.data))
         }
+    };
+    // One window is t + 1 tokens (t inputs, each predicting the next).
+    if toks.len() < t + 1 {
+        return user(format!("{what}: {} tokens, fewer than one window of {t} + 1", toks.len()));
+    }
+    let batch = run.as_ref().map_or(4, |r| r.config.micro_batch());
+    let (vl, n) = train::evaluate(&mut m, &toks, t, batch, 0);
+    let mut out = serde_json::json!({"val_loss": vl, "tokens": n, "seq_len": t, "data": what, "loss_vocab": m.real_vocab});
+    if let Some(r) = &run {
+        out["step"] = r.ckpt.state.step.into();
+        out["checkpoint"] = r.ckpt.dir.display().to_string().into();
+    }
+    println!("{out}");
+    Ok(())
+}
+
+fn names(paths: &[PathBuf]) -> String {
+    paths.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
+}
 
 /// Runs `kiln export`.
 pub fn export(x: ExportCli) -> Result<()> {
-            if x.format != "hf" {
-                return user(format!("--format `{}`: supported formats: hf", x.format));
+    let dtype = match x.dtype.as_str() {
+        "fp32" => safetensors::Dtype::F32,
+        "bf16" => safetensors::Dtype::BF16,
+        "fp16" => safetensors::Dtype::F16,
+        other => return user(format!("--dtype `{other}`: expected fp32, bf16 or fp16")),
+    };
+    let max_shard_bytes = crate::util::parse_size(&x.max_shard_size).map_err(|e| KilnError::User(format!("--max-shard-size: {e}")))?;
+    if max_shard_bytes == 0 {
+        return user("--max-shard-size must be positive");
+    }
+    if x.format == "peft" {
+        let dir = x.source.run.as_ref().ok_or_else(|| KilnError::User("--format peft exports a LoRA run's adapters: pass --run".into()))?;
+        let r = run::load_run(dir)?;
+        crate::export::peft(&r, &x.out, dtype)?;
+        println!("exported the LoRA adapters of {} (step {}) for PEFT to {}", r.ckpt.dir.display(), r.ckpt.state.step, x.out.display());
+        return Ok(());
+    }
+    if x.format != "hf" {
+        return user(format!("--format `{}`: supported formats: hf, peft", x.format));
+    }
+    // The model, its tokenizer, and the directory that may hold its Hugging Face side files.
+    let (m, tok, side, from) = match (&x.source.run, &x.source.checkpoint) {
+        (Some(dir), _) => {
+            let r = run::load_run(dir)?;
+            if r.config.lora.rank > 0 && !x.merge {
+                return user(format!("{} trained LoRA adapters: pass --merge to fold them into the base weights, or --format peft", dir.display()));
             }
-            let (m, from) = match (&x.source.run, &x.source.checkpoint) {
-                (Some(dir), _) => {
-                    let r = run::load_run(dir)?;
-                    if r.config.lora.rank > 0 && !x.merge {
-                        return user(format!("{} trained LoRA adapters: pass --merge to fold them into the base weights", dir.display()));
-                    }
-                    (run::load_model(&r)?, format!("{} (step {})", r.ckpt.dir.display(), r.ckpt.state.step))
-                }
-                (None, Some(dir)) => (model::hf::import_hf(dir).map_err(KilnError::User)?, dir.display().to_string()),
-                (None, None) => unreachable!("clap requires --run or --checkpoint"),
-            };
-            model::hf::export_hf(&m, &x.out).map_err(KilnError::User)?;
-            println!("exported {from} to {}", x.out.display());
-            Ok(())
+            let side = (!r.config.model.init_from.is_empty()).then(|| PathBuf::from(&r.config.model.init_from));
+            (run::load_model(&r)?, Some(r.tokenizer.clone()), side, format!("{} (step {})", r.ckpt.dir.display(), r.ckpt.state.step))
         }
+        (None, Some(dir)) => {
+            let m = model::hf::import_hf(dir).map_err(KilnError::User)?;
+            (m, data::Tokenizer::find_in(dir)?, Some(dir.clone()), dir.display().to_string())
+        }
+        (None, None) => unreachable!("clap requires --run or --checkpoint"),
+    };
+    model::hf::export_hf_with(&m, &x.out, model::hf::ExportOpts { dtype, max_shard_bytes }).map_err(KilnError::User)?;
+    let note = crate::export::side_files(&m, tok.as_ref(), side.as_deref(), &x.out)?;
+    println!("exported {from} to {}{note}", x.out.display());
+    Ok(())
+}
 
-/// Loads the model (and tokenizer) for `generate` / `eval` from a run or an HF directory.
-fn load_source(src: &Source, tokenizer: Option<&str>) -> Result<(model::Gpt, data::Tokenizer, Option<run::SavedRun>)> {
+/// Loads the model (and tokenizer) for `generate` / `eval` from a run or an HF directory. A
+/// Hugging Face model's loss covers its whole vocabulary, as transformers computes it; its
+/// tokenizer (`--tokenizer`, else the directory's own tokenizer.json, else GPT-2's) is resolved
+/// only when `need_tokenizer`.
+fn load_source(src: &Source, tokenizer: Option<&str>, need_tokenizer: bool) -> Result<(model::Gpt, Option<data::Tokenizer>, Option<run::SavedRun>)> {
     if let Some(dir) = &src.run {
         let r = run::load_run(dir)?;
         let m = run::load_model(&r)?;
-        return Ok((m, r.tokenizer.clone(), Some(r)));
+        return Ok((m, Some(r.tokenizer.clone()), Some(r)));
     }
     let dir = src.checkpoint.as_ref().expect("clap requires --run or --checkpoint");
-    let mut m = model::hf::import_hf(dir).map_err(KilnError::User)?;
-    // --tokenizer, else the directory's own tokenizer.json, else GPT-2's.
+    let m = model::hf::import_hf(dir).map_err(KilnError::User)?;
+    if !need_tokenizer {
+        return Ok((m, None, None));
+    }
     let tok = match tokenizer {
         Some(spec) => data::Tokenizer::from_spec(spec, None)?,
         None => match data::Tokenizer::find_in(dir)? {
@@ -154,6 +199,5 @@ fn load_source(src: &Source, tokenizer: Option<&str>) -> Result<(model::Gpt, dat
     if tok.vocab_size() > m.cfg.vocab_size {
         return user(format!("{}: the {} tokenizer has {} tokens but the model only {}; pass --tokenizer", dir.display(), tok.kind(), tok.vocab_size(), m.cfg.vocab_size));
     }
-    m.real_vocab = tok.vocab_size();
-    Ok((m, tok, None))
+    Ok((m, Some(tok), None))
 }

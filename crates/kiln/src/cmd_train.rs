@@ -30,6 +30,10 @@ pub struct TrainCli {
     pub set: Vec<String>,
     #[arg(long)]
     pub max_steps: Option<u64>,
+    /// Tokens per training sequence (train.seq_len; default the model's positions, at most
+    /// 1024 for an --init-from model).
+    #[arg(long)]
+    pub seq_len: Option<usize>,
     /// Continue the run in --out (or the newest under runs/) from its newest valid checkpoint.
     #[arg(long)]
     pub resume: bool,
@@ -142,10 +146,11 @@ impl TrainCli {
             )),
             None => None,
         };
-        let table: [(&'static str, &'static str, Option<V>); 25] = [
+        let table: [(&'static str, &'static str, Option<V>); 26] = [
             ("--data", "data.paths", (!self.data.is_empty()).then(|| V::Array(self.data.iter().map(|p| V::String(p.display().to_string())).collect()))),
             ("--tokenizer", "data.tokenizer", text(&self.tokenizer)),
             ("--max-steps", "train.max_steps", long(self.max_steps)),
+            ("--seq-len", "train.seq_len", int(self.seq_len)),
             ("--seed", "train.seed", long(self.seed)),
             ("--precision", "train.precision", text(&self.precision)),
             ("--micro-batches", "train.grad_accum", int(self.micro_batches)),

@@ -23,10 +23,28 @@ pub struct ModelSection {
     /// MLP width; 0 = 4·n_embd (gpt2) or 8/3·n_embd rounded up to a multiple of 64 (llama).
     pub ffn_hidden: usize,
     pub rope_theta: f64,
+    /// Rope scaling (llama arch): `none`, `linear` (positions over `rope_factor`) or `llama3`
+    /// (Llama 3.1: `rope_factor`, `rope_low_freq_factor`, `rope_high_freq_factor`,
+    /// `rope_original_max_positions`). `--init-from` sets them from a Hugging Face config.
+    #[serde(with = "named")]
+    pub rope_scaling: RopeKind,
+    pub rope_factor: f64,
+    pub rope_low_freq_factor: f64,
+    pub rope_high_freq_factor: f64,
+    pub rope_original_max_positions: usize,
+    /// Biases on the q, k and v projections only (Qwen2; llama arch).
+    pub qkv_bias: bool,
+    /// Sliding-window attention (Mistral; llama arch): each position attends to itself and the
+    /// `sliding_window - 1` before it; 0 = every earlier position.
+    pub sliding_window: usize,
     pub norm_eps: f64,
     pub block_size: usize,
     /// 0 = from the tokenizer (rounded up to a multiple of 64 above 256 tokens: 50257 → 50304).
     pub vocab_size: usize,
+    /// The rows the loss is a softmax over: 0 = the tokenizer's vocabulary (the rows kiln pads
+    /// the embedding with are never predicted); `--init-from` a Hugging Face model sets its
+    /// whole vocabulary, the loss transformers computes.
+    pub loss_vocab: usize,
     pub bias: bool,
     pub dropout: f64,
     pub tied_embeddings: bool,
@@ -58,6 +76,11 @@ pub struct ModelSection {
 pub struct TrainSection {
     /// Sequences per optimizer step (the global batch), split into `grad_accum` micro-batches.
     pub batch_size: usize,
+    /// Tokens per training sequence, at most `model.block_size` (the model's positions); 0 =
+    /// `model.block_size`, or for a model started with `--init-from` the smaller of its
+    /// positions and 1024 (a base model's context can be 131072). The run's `config.toml`
+    /// records the length used.
+    pub seq_len: usize,
     pub grad_accum: usize,
     pub lr: f64,
     pub min_lr: f64,
@@ -250,6 +273,90 @@ pub struct FaultSection {
     pub max_rank_restarts: u32,
 }
 
+/// The keys the user set (in the config file, with `--set` or a dedicated flag), as opposed to
+/// those that come from the preset or a saved run.
+pub fn user_keys(args: &TrainArgs) -> Result<std::collections::BTreeSet<String>> {
+    let mut keys = std::collections::BTreeSet::new();
+    if let Some(p) = &args.config {
+        let mut raw = Raw::new();
+        let text = std::fs::read_to_string(p).or_else(|e| user(format!("{}: cannot read config: {e}", p.display())))?;
+        let table: toml::Table = toml::from_str(&text).or_else(|e| user(format!("{}: invalid TOML: {}", p.display(), one_line(&e.to_string()))))?;
+        flatten("", &table, &mut raw);
+        keys.extend(raw.into_keys());
+    }
+    keys.extend(args.set.iter().filter_map(|kv| kv.split_once('=')).map(|(k, _)| k.trim().to_string()));
+    keys.extend(args.flags.iter().map(|f| f.key.to_string()));
+    Ok(keys)
+}
+
+/// Model settings a base model brings but the user may change (training settings, not shape):
+/// the base's value unless the user set one.
+const BASE_SETTINGS: &[&str] = &["model.capacity_factor", "model.moe_aux_weight", "model.moe_z_weight"];
+
+/// `cfg` on top of a base model (`--init-from`) whose config is `base`: every model key the base
+/// fixes takes its value (a user's different value is refused, naming the key), the
+/// [`BASE_SETTINGS`] take it unless the user set them, and with a Hugging Face base
+/// (`hf`) the loss covers its whole vocabulary. `explicit` is [`user_keys`]; `origin` names the
+/// base in errors.
+pub fn adopt_base(cfg: &RunConfig, base: &model::GptConfig, hf: bool, explicit: &std::collections::BTreeSet<String>, origin: &str) -> Result<RunConfig> {
+    let mut based = cfg.clone();
+    let (mc, hc) = (&mut based.model, base);
+    mc.arch = hc.arch;
+    (mc.n_layer, mc.n_head, mc.n_kv_head, mc.n_embd, mc.ffn_hidden, mc.block_size, mc.vocab_size, mc.bias, mc.tied_embeddings) =
+        (hc.n_layer, hc.n_head, hc.n_kv_head, hc.n_embd, hc.ffn_hidden, hc.block_size, hc.vocab_size, hc.bias, hc.tied_embeddings);
+    (mc.rope_theta, mc.norm_eps, mc.qkv_bias, mc.sliding_window) = (hc.rope_theta as f64, hc.norm_eps as f64, hc.qkv_bias, hc.sliding_window);
+    set_rope_scaling(mc, hc.rope_scaling);
+    (mc.n_expert, mc.top_k, mc.n_shared_expert) = (hc.n_expert, hc.top_k, hc.n_shared_expert);
+    (mc.capacity_factor, mc.moe_aux_weight, mc.moe_z_weight) = (hc.capacity_factor as f64, hc.moe_aux_weight as f64, hc.moe_z_weight as f64);
+    if hf {
+        mc.loss_vocab = hc.vocab_size;
+    }
+    let (mut raw, theirs) = (cfg.to_raw(), based.to_raw());
+    for (key, v) in theirs.iter().filter(|(k, _)| k.starts_with("model.")) {
+        if raw.get(key) == Some(v) {
+            continue;
+        }
+        let set_by_user = explicit.contains(key);
+        if BASE_SETTINGS.contains(&key.as_str()) {
+            if !set_by_user {
+                raw.insert(key.clone(), v.clone());
+            }
+        } else if set_by_user && key != "model.loss_vocab" {
+            let hint = if key == "model.block_size" { "; to train on shorter sequences set train.seq_len (--seq-len)" } else { "" };
+            return user(format!("{key} = {} was given, but the base model {origin} has {key} = {v}: --init-from fixes the model's shape (drop the setting{hint})", raw[key]));
+        } else {
+            raw.insert(key.clone(), v.clone());
+        }
+    }
+    RunConfig::resolve(&raw)
+}
+
+/// Sets the `model.rope_*` keys to a model's rope scaling.
+pub fn set_rope_scaling(m: &mut ModelSection, r: Option<model::config::RopeScaling>) {
+    use model::config::RopeScaling as R;
+    match r {
+        None => m.rope_scaling = RopeKind::None,
+        Some(R::Linear { factor }) => (m.rope_scaling, m.rope_factor) = (RopeKind::Linear, factor as f64),
+        Some(R::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings }) => {
+            (m.rope_scaling, m.rope_factor, m.rope_low_freq_factor, m.rope_high_freq_factor, m.rope_original_max_positions) =
+                (RopeKind::Llama3, factor as f64, low_freq_factor as f64, high_freq_factor as f64, original_max_position_embeddings);
+        }
+    }
+}
+
+/// `model.rope_scaling`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum RopeKind {
+    #[default]
+    None,
+    Linear,
+    Llama3,
+}
+
+impl Names for RopeKind {
+    const NAMES: &'static [(&'static str, RopeKind)] = &[("none", RopeKind::None), ("linear", RopeKind::Linear), ("llama3", RopeKind::Llama3)];
+}
+
 /// `parallel.backend`: how ranks talk.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Backend {
@@ -316,7 +423,8 @@ impl Default for ModelSection {
         use model::config::defaults;
         ModelSection {
             arch: model::config::Arch::Gpt2, n_layer: 4, n_head: 4, n_kv_head: 0, n_embd: 128, ffn_hidden: 0,
-            rope_theta: defaults::ROPE_THETA, norm_eps: defaults::NORM_EPS, block_size: 128, vocab_size: 0, bias: false,
+            rope_theta: defaults::ROPE_THETA, rope_scaling: RopeKind::None, rope_factor: 1.0, rope_low_freq_factor: 1.0,
+            rope_high_freq_factor: 4.0, rope_original_max_positions: 8192, qkv_bias: false, sliding_window: 0, norm_eps: defaults::NORM_EPS, block_size: 128, vocab_size: 0, loss_vocab: 0, bias: false,
             dropout: 0.0, tied_embeddings: true, init_from: String::new(), n_expert: 0, top_k: defaults::TOP_K,
             n_shared_expert: 0, capacity_factor: 0.0, moe_aux_weight: defaults::MOE_AUX_WEIGHT, moe_z_weight: defaults::MOE_Z_WEIGHT,
             recompute: model::Recompute::None, recompute_every: 1,
@@ -327,7 +435,7 @@ impl Default for ModelSection {
 impl Default for TrainSection {
     fn default() -> Self {
         TrainSection {
-            batch_size: 16, grad_accum: 1, lr: 1e-3, min_lr: 1e-4, warmup_steps: 100, lr_decay_steps: 0, max_steps: 1000,
+            batch_size: 16, seq_len: 0, grad_accum: 1, lr: 1e-3, min_lr: 1e-4, warmup_steps: 100, lr_decay_steps: 0, max_steps: 1000,
             weight_decay: 0.1, beta1: 0.9, beta2: 0.99, eps: 1e-8, grad_clip: 1.0, seed: 1337, threads: 0, log_interval: 10,
             precision: model::Precision::Fp32, loss_scale: 65536.0, loss_scale_window: 1000, fp8_amax_history: 16,
         }
@@ -583,6 +691,9 @@ impl RunConfig {
                 return user(format!("{k} must be in [0, 1), got {v}"));
             }
         }
+        if t.seq_len > self.model.block_size && self.model.init_from.is_empty() {
+            return user(format!("train.seq_len ({}) exceeds the model's positions, model.block_size ({})", t.seq_len, self.model.block_size));
+        }
         if t.min_lr > t.lr {
             return user(format!("train.min_lr ({}) must not exceed train.lr ({})", t.min_lr, t.lr));
         }
@@ -675,8 +786,8 @@ impl RunConfig {
         if p.sequence_parallel && p.tp < 2 {
             return user(format!("parallel.sequence_parallel needs tensor parallelism (parallel.tp > 1, got {})", p.tp));
         }
-        if p.sequence_parallel && self.model.block_size % p.tp != 0 {
-            return user(format!("parallel.sequence_parallel: parallel.tp = {} does not divide the sequence length model.block_size = {}", p.tp, self.model.block_size));
+        if p.sequence_parallel && self.seq_len() % p.tp != 0 {
+            return user(format!("parallel.sequence_parallel: parallel.tp = {} does not divide the sequence length train.seq_len = {}", p.tp, self.seq_len()));
         }
         Ok(())
     }
@@ -722,6 +833,18 @@ impl RunConfig {
             dropout: m.dropout as f32,
             tied_embeddings: m.tied_embeddings,
             rope_theta: m.rope_theta as f32,
+            rope_scaling: match m.rope_scaling {
+                RopeKind::None => None,
+                RopeKind::Linear => Some(model::config::RopeScaling::Linear { factor: m.rope_factor as f32 }),
+                RopeKind::Llama3 => Some(model::config::RopeScaling::Llama3 {
+                    factor: m.rope_factor as f32,
+                    low_freq_factor: m.rope_low_freq_factor as f32,
+                    high_freq_factor: m.rope_high_freq_factor as f32,
+                    original_max_position_embeddings: m.rope_original_max_positions,
+                }),
+            },
+            qkv_bias: m.qkv_bias,
+            sliding_window: m.sliding_window,
             norm_eps: m.norm_eps as f32,
             n_expert: m.n_expert,
             top_k: m.top_k,
@@ -731,6 +854,16 @@ impl RunConfig {
             moe_z_weight: m.moe_z_weight as f32,
             place: model::Placement::default(),
         }
+    }
+
+    /// The rows the loss predicts for a tokenizer of `tokenizer_vocab` ids (`model.loss_vocab`).
+    pub fn loss_vocab(&self, tokenizer_vocab: usize) -> usize {
+        if self.model.loss_vocab == 0 { tokenizer_vocab } else { self.model.loss_vocab }
+    }
+
+    /// Tokens per training sequence: `train.seq_len`, or `model.block_size` while it is 0.
+    pub fn seq_len(&self) -> usize {
+        if self.train.seq_len == 0 { self.model.block_size } else { self.train.seq_len }
     }
 
     pub fn micro_batch(&self) -> usize {
@@ -770,6 +903,8 @@ pub fn padded_vocab(vocab: usize) -> usize {
 pub const STRUCTURAL_KEYS: &[&str] = &[
     "model.arch", "model.n_layer", "model.n_head", "model.n_kv_head", "model.n_embd", "model.ffn_hidden", "model.block_size",
     "model.vocab_size", "model.bias", "model.tied_embeddings", "model.rope_theta", "model.norm_eps", "model.init_from",
+    "model.rope_scaling", "model.rope_factor", "model.rope_low_freq_factor", "model.rope_high_freq_factor",
+    "model.rope_original_max_positions", "model.qkv_bias", "model.sliding_window", "model.loss_vocab",
     "model.n_expert", "model.top_k", "model.n_shared_expert",
     "lora.rank", "lora.targets", "data.tokenizer", "data.paths", "data.val_fraction",
 ];

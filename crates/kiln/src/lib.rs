@@ -13,6 +13,7 @@ pub mod cmd_train;
 pub mod cli;
 pub mod config;
 pub mod error;
+pub mod export;
 pub mod memory;
 pub mod obs;
 pub mod presets;

@@ -395,7 +395,7 @@ impl RankShape {
             None
         };
         let rows = cfg.micro_batch() / dp;
-        let n = rows * cfg.model.block_size;
+        let n = rows * cfg.seq_len();
         Ok(RankShape { p, local, stages, in_flight, chunks, total, units, shards, padded, head_unit: views.head_unit(), lora, rows, n })
     }
 }
@@ -453,7 +453,7 @@ fn model_state_rows(out: &mut Rows, cfg: &RunConfig, r: &RankShape, s: usize) {
 /// bytes.
 fn activation_rows(out: &mut Rows, cfg: &RunConfig, r: &RankShape) -> Activations {
     let (local, p, rows, n, held) = (&r.local, &r.p, r.rows, r.n, Phase::Held);
-    let (t, recompute) = (cfg.model.block_size, cfg.model.recompute);
+    let (t, recompute) = (cfg.seq_len(), cfg.model.recompute);
     let acts = activation_set_every(local, rows, t, recompute, cfg.model.recompute_every, p).times(r.in_flight as u64);
     let policy = match recompute {
         Recompute::None => "every block's",
@@ -516,7 +516,7 @@ fn step_rows(out: &mut Rows, cfg: &RunConfig, r: &RankShape) {
 /// Evaluation: a batch of eval.batch_size sequences (default the micro-batch) per rank.
 /// Returns (its activations when they replace the training set's, the extra bytes).
 fn eval_rows(out: &mut Rows, cfg: &RunConfig, r: &RankShape) -> (Option<u64>, u64) {
-    let (t, mb, zero, p) = (cfg.model.block_size, cfg.micro_batch(), cfg.parallel.zero, &r.p);
+    let (t, mb, zero, p) = (cfg.seq_len(), cfg.micro_batch(), cfg.parallel.zero, &r.p);
     let eb = if cfg.eval.batch_size == 0 { mb } else { cfg.eval.batch_size };
     let realloc = eb != r.rows;
     let eval_acts = realloc.then(|| activation_set_every(&r.local, eb, t, cfg.model.recompute, cfg.model.recompute_every, p).total());
@@ -599,7 +599,7 @@ fn plan_rank(cfg: &RunConfig, gpt: &GptConfig, data_bytes: u64, s: usize) -> Res
     let layout_line = format!(
         "{} | {} layers, {} params{} | dp {dp} × tp {tp}{}, ZeRO {zero} | recompute {} | micro-batch {} × {} per rank | {}{}",
         cfg.preset, gpt.n_layer, fmt_count(whole_layout.total), if r.lora.is_some() { " (LoRA)" } else { "" },
-        if pp > 1 { format!(" × pp {pp} (rank {s}: stage layers {:?}, {} micro-batch activation sets in flight, {})", r.stages[s], r.in_flight, par.schedule.name()) } else { String::new() }, cfg.model.recompute.name(), r.rows, cfg.model.block_size, p.name,
+        if pp > 1 { format!(" × pp {pp} (rank {s}: stage layers {:?}, {} micro-batch activation sets in flight, {})", r.stages[s], r.in_flight, par.schedule.name()) } else { String::new() }, cfg.model.recompute.name(), r.rows, cfg.seq_len(), p.name,
         if cfg.memory.offload == crate::config::Offload::Optimizer { " | optimizer offloaded" } else { "" },
     );
     let ranks_per_process = if par.backend == crate::config::Backend::Mpi { 1 } else { world };

@@ -83,8 +83,8 @@ pub fn load_run(dir: &Path) -> Result<SavedRun> {
 /// checkpoint holds only its adapters: they are loaded over its base (`model.init_from`) and
 /// merged, so the result is a plain model.
 pub fn load_model(run: &SavedRun) -> Result<model::Gpt> {
-    let vocab = run.tokenizer.vocab_size();
-    let cfg = run.config.gpt_config(vocab);
+    let vocab = run.config.loss_vocab(run.tokenizer.vocab_size());
+    let cfg = run.config.gpt_config(run.tokenizer.vocab_size());
     let origin = run.ckpt.dir.join("model.safetensors");
     if run.config.lora.rank > 0 {
         let mut m = load_base(Path::new(&run.config.model.init_from))?;

@@ -476,7 +476,7 @@ struct MicroBatches {
 
 impl MicroBatches {
     fn draw(chunks: &mut [Chunk], cfg: &RunConfig, m: usize, mut fill: impl FnMut(usize, &mut [u32], &mut [i32])) -> MicroBatches {
-        let t = cfg.model.block_size;
+        let t = cfg.seq_len();
         let dpn = chunks[0].dp.n();
         let rows = cfg.micro_batch() / dpn;
         let data: Vec<(Vec<u32>, Vec<i32>)> = {
@@ -523,7 +523,7 @@ impl<'b> Executor<'b> {
     fn new(chunks: &mut [Chunk], pipe: &Pipeline, cfg: &'b RunConfig, step: u64, batch: &'b MicroBatches) -> Executor<'b> {
         let (m, v) = (pipe.sched.m, pipe.sched.v);
         Executor {
-            batch, cfg, step, t: cfg.model.block_size, t0: Instant::now(),
+            batch, cfg, step, t: cfg.seq_len(), t0: Instant::now(),
             exclusive: pipe.trace.as_ref().is_some_and(|tr| tr.exclusive), clock: 0.0, traced: Vec::new(), sums: vec![0.0; 2 * m],
             live: (0..v).map(|_| (0..m).map(|_| None).collect()).collect(),
             free: chunks.iter_mut().map(|ch| std::mem::take(&mut ch.pool)).collect(),
@@ -740,14 +740,14 @@ pub fn single_rank(model: &mut Gpt) -> DataParallel {
 /// (Chowdhery et al. 2022, appendix B) as the planner states it.
 /// With mixture-of-experts layers N counts the parameters a token uses: the routed experts'
 /// weights only `top_k / n_expert` of them.
-pub fn model_flops_per_token(model: &Gpt) -> f64 {
+pub fn model_flops_per_token(model: &Gpt, t: usize) -> f64 {
     let mut n = model.layout.count_without("transformer.wpe.weight") as f64;
     let c = &model.cfg;
     if c.is_moe() {
         let routed: usize = model.views.blocks.iter().filter_map(|b| b.moe.as_ref()).map(|m| m.experts.len()).sum();
         n -= routed as f64 * (1.0 - c.top_k as f64 / c.n_expert as f64);
     }
-    plan::palm_flops_per_token(n, c.n_layer as f64, c.n_embd as f64, c.block_size as f64)
+    plan::palm_flops_per_token(n, c.n_layer as f64, c.n_embd as f64, t as f64)
 }
 
 /// The parameters and gradients that train: the LoRA adapters when the model has them, else
@@ -769,9 +769,9 @@ pub fn trainable_layout(model: &Gpt) -> &model::ParamLayout {
 /// recomputation). Full reruns each block's forward, `2·N_blocks + 4·L·C·T` (its matmuls and
 /// attention, as in PaLM's split of `6N + 12·L·C·T` into forward and backward) — for the
 /// recomputed share of the layers; selective reruns the attention core.
-pub fn hardware_flops_per_token(model: &Gpt) -> f64 {
+pub fn hardware_flops_per_token(model: &Gpt, t: usize) -> f64 {
     let c = &model.cfg;
-    let attn_fwd = 4.0 * (c.n_layer * c.n_embd * c.block_size) as f64;
+    let attn_fwd = 4.0 * (c.n_layer * c.n_embd * t) as f64;
     let sum = |f: &dyn Fn(&model::layout::BlockParams) -> usize| model.views.blocks.iter().map(f).sum::<usize>() as f64;
     let extra = match model.recompute {
         model::gpt::Recompute::None => 0.0,
@@ -784,5 +784,5 @@ pub fn hardware_flops_per_token(model: &Gpt) -> f64 {
         // Korthikanti's selective recomputation re-runs the attention core alone.
         model::gpt::Recompute::Selective => attn_fwd,
     };
-    model_flops_per_token(model) + extra
+    model_flops_per_token(model, t) + extra
 }

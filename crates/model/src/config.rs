@@ -27,6 +27,63 @@ pub mod defaults {
     pub const MOE_Z_WEIGHT: f64 = 0.001;
 }
 
+/// Rope scaling (transformers' `rope_type`): how the inverse frequencies of plain RoPE are
+/// rescaled to stretch a model's context.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "rope_type", rename_all = "lowercase")]
+pub enum RopeScaling {
+    /// Positions divided by `factor` (every inverse frequency over `factor`).
+    Linear { factor: f32 },
+    /// Llama 3.1: wavelengths above `original_max_position_embeddings / low_freq_factor` are
+    /// stretched by `factor`, those below `… / high_freq_factor` kept, the band between
+    /// interpolated smoothly.
+    Llama3 { factor: f32, low_freq_factor: f32, high_freq_factor: f32, original_max_position_embeddings: usize },
+}
+
+impl RopeScaling {
+    /// Rescales plain RoPE's inverse frequencies in place, in fp32 as transformers'
+    /// `_compute_linear_scaling_rope_parameters` / `_compute_llama3_parameters` do.
+    pub fn apply(&self, inv_freq: &mut [f32]) {
+        match *self {
+            RopeScaling::Linear { factor } => inv_freq.iter_mut().for_each(|f| *f /= factor),
+            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
+                let old = original_max_position_embeddings as f32;
+                let (low_wavelen, high_wavelen) = (old / low_freq_factor, old / high_freq_factor);
+                for f in inv_freq.iter_mut() {
+                    let wavelen = 2.0 * std::f32::consts::PI / *f;
+                    let scaled = if wavelen > low_wavelen { *f / factor } else { *f };
+                    let medium = !(wavelen < high_wavelen) && !(wavelen > low_wavelen);
+                    *f = if medium {
+                        let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                        (1.0 - smooth) * scaled / factor + smooth * scaled
+                    } else {
+                        scaled
+                    };
+                }
+            }
+        }
+    }
+
+    /// Checks the factors; the error names the key.
+    fn validate(&self) -> Result<(), String> {
+        let factor = match *self {
+            RopeScaling::Linear { factor } => factor,
+            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
+                if !(low_freq_factor > 0.0 && high_freq_factor > low_freq_factor) || original_max_position_embeddings == 0 {
+                    return Err(format!(
+                        "rope scaling llama3 needs 0 < low_freq_factor < high_freq_factor and original_max_position_embeddings > 0, got {low_freq_factor}, {high_freq_factor}, {original_max_position_embeddings}"
+                    ));
+                }
+                factor
+            }
+        };
+        if !(factor >= 1.0 && factor.is_finite()) {
+            return Err(format!("model.rope_factor must be a finite number ≥ 1, got {factor}"));
+        }
+        Ok(())
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct GptConfig {
     pub arch: Arch,
@@ -51,6 +108,16 @@ pub struct GptConfig {
     pub tied_embeddings: bool,
     /// Rotary embedding base (LLaMA-2: 10000, LLaMA-3: 500000).
     pub rope_theta: f32,
+    /// Rope scaling of the rotary frequencies (Llama 3.1's `llama3`, `linear`); `None` = plain.
+    #[serde(default)]
+    pub rope_scaling: Option<RopeScaling>,
+    /// Biases on the q, k and v projections only (Qwen2; llama arch).
+    #[serde(default)]
+    pub qkv_bias: bool,
+    /// Sliding-window attention (Mistral; llama arch): each position attends to itself and the
+    /// `sliding_window - 1` before it; 0 = all earlier positions.
+    #[serde(default)]
+    pub sliding_window: usize,
     /// Epsilon of LayerNorm / RMSNorm.
     pub norm_eps: f32,
     /// Routed experts per MoE layer (0 = dense MLP). With experts, `ffn_hidden` is each
@@ -78,7 +145,7 @@ impl GptConfig {
     pub fn gpt2(n_layer: usize, n_head: usize, n_embd: usize, block_size: usize, vocab_size: usize, bias: bool, dropout: f32, tied: bool) -> GptConfig {
         GptConfig {
             arch: Arch::Gpt2, n_layer, n_head, n_kv_head: n_head, n_embd, ffn_hidden: 4 * n_embd, block_size, vocab_size,
-            bias, dropout, tied_embeddings: tied, rope_theta: defaults::ROPE_THETA as f32, norm_eps: defaults::NORM_EPS as f32,
+            bias, dropout, tied_embeddings: tied, rope_theta: defaults::ROPE_THETA as f32, rope_scaling: None, qkv_bias: false, sliding_window: 0, norm_eps: defaults::NORM_EPS as f32,
             n_expert: 0, top_k: defaults::TOP_K, n_shared_expert: 0, capacity_factor: 0.0, moe_aux_weight: defaults::MOE_AUX_WEIGHT as f32,
             moe_z_weight: defaults::MOE_Z_WEIGHT as f32, place: Placement::default(),
         }
@@ -128,7 +195,28 @@ impl GptConfig {
         if !(self.rope_theta > 0.0) {
             return Err(format!("model.rope_theta must be positive, got {}", self.rope_theta));
         }
+        if let Some(r) = &self.rope_scaling {
+            if self.arch != Arch::Llama {
+                return Err("model.rope_scaling needs model.arch = llama (rotary embeddings)".into());
+            }
+            r.validate()?;
+        }
+        if self.sliding_window > 0 && self.arch != Arch::Llama {
+            return Err("model.sliding_window needs model.arch = llama (GPT-2 attends to every earlier position)".into());
+        }
+        if self.qkv_bias && self.arch != Arch::Llama {
+            return Err("model.qkv_bias is a llama-arch setting (Qwen2); GPT-2's biases are model.bias".into());
+        }
         Ok(())
+    }
+
+    /// The rotary inverse frequencies, rope scaling applied.
+    pub fn rope_inv_freq(&self) -> Vec<f32> {
+        let mut f = tensor::llama::rope_inv_freq(self.rope_theta, self.head_size());
+        if let Some(r) = &self.rope_scaling {
+            r.apply(&mut f);
+        }
+        f
     }
 
     pub fn head_size(&self) -> usize {

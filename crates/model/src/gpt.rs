@@ -24,7 +24,7 @@ use tensor::attention::AttnDims;
 use tensor::classifier::{chunk_rows, lm_head_crossentropy, lm_head_crossentropy_vocab_parallel, HeadDims};
 use tensor::ops::{dropout_backward_rows, dropout_inplace_rows, RowMap};
 use tensor::flash::{flash_attention_backward, flash_attention_forward, flash_gqa_backward, flash_gqa_forward};
-use tensor::llama::{rmsnorm_backward, rmsnorm_forward, rope_backward, rope_forward, rope_table, swiglu_backward, swiglu_forward, GqaDims};
+use tensor::llama::{rmsnorm_backward, rmsnorm_forward, rope_backward, rope_forward, rope_table_from, swiglu_backward, swiglu_forward, GqaDims};
 use tensor::rng::mix64;
 use tensor::*;
 
@@ -357,7 +357,7 @@ impl Gpt {
         assert!(real_vocab <= cfg.place.vocab.map_or(cfg.vocab_size, |v| v.total), "real vocabulary {real_vocab} exceeds the (padded) vocabulary");
         let (layout, views) = gpt_layout(&cfg);
         let n = layout.total;
-        let rope = (cfg.arch == Arch::Llama).then(|| rope_table(cfg.rope_theta, cfg.head_size(), cfg.block_size));
+        let rope = (cfg.arch == Arch::Llama).then(|| rope_table_from(&cfg.rope_inv_freq(), cfg.block_size));
         let units = views.units(n);
         let unit_views = views.rebased(n);
         Gpt { cfg, layout, views, units, unit_views, real_vocab, params: zeros(n), grads: zeros(n), rope, lora: None, hooks: Hooks::default(), recompute: Recompute::None, recompute_every: 1, precision: Precision::Fp32, fp8: None, acts: None, scratch: None }
@@ -1336,7 +1336,7 @@ impl<'a> Ops<'a> {
 
     fn gqa(&self) -> GqaDims {
         let (head0, heads) = self.mask_heads();
-        GqaDims { b: self.b, t: self.t, nh: self.cfg.n_head, nkv: self.cfg.n_kv_head, hs: self.cfg.head_size(), head0, heads, b0: self.b0 }
+        GqaDims { b: self.b, t: self.t, nh: self.cfg.n_head, nkv: self.cfg.n_kv_head, hs: self.cfg.head_size(), head0, heads, b0: self.b0, window: self.cfg.sliding_window }
     }
 
     /// A tensor-parallel shard's first head and the whole model's head count ((0, 0) without

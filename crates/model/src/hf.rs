@@ -1,13 +1,14 @@
 //! Hugging Face interoperability: `config.json` + `model.safetensors` (one file, or shards
-//! listed in `model.safetensors.index.json`) for `GPT2LMHeadModel` and `LlamaForCausalLM`, in
-//! and out. kiln's layout uses HF's parameter names, so import and export are by name.
+//! listed in `model.safetensors.index.json`; F32, BF16 or F16) for `GPT2LMHeadModel`,
+//! `LlamaForCausalLM` (with `linear` / `llama3` rope scaling), `Qwen2ForCausalLM`,
+//! `MistralForCausalLM` (sliding-window attention) and `MixtralForCausalLM`, in and out. kiln's layout uses HF's parameter names, so import and export are by name.
 //!
 //! HF GPT-2 stores its four projection matrices as `Conv1D`, `[in, out]`; kiln stores every
 //! Linear as `[out, in]`, so those four are transposed on the way in and out. LLaMA's Linears
 //! are `[out, in]` already. A tied head has no tensor of its own; an untied one is
 //! `lm_head.weight`.
 
-use crate::config::{Arch, GptConfig};
+use crate::config::{Arch, GptConfig, RopeScaling};
 use crate::gpt::Gpt;
 use safetensors::tensor::{Dtype, TensorView};
 use serde_json::{json, Value};
@@ -28,9 +29,25 @@ pub fn hf_config(cfg: &Value, origin: &Path) -> Result<GptConfig, String> {
     let arch = cfg.get("architectures").and_then(|a| a.get(0)).and_then(Value::as_str).unwrap_or("");
     match arch {
         "GPT2LMHeadModel" => gpt2_config(cfg, origin),
-        "LlamaForCausalLM" => llama_config(cfg, origin),
+        "LlamaForCausalLM" => llama_config(cfg, origin, false),
+        // Qwen2: LLaMA with biases on q, k and v.
+        "Qwen2ForCausalLM" => {
+            if cfg.get("use_sliding_window").and_then(Value::as_bool).unwrap_or(false) {
+                return Err(format!("{}: `use_sliding_window` = true is not supported yet (sliding-window attention)", origin.display()));
+            }
+            llama_config(cfg, origin, true)
+        }
+        "MistralForCausalLM" => {
+            let mut c = llama_config(cfg, origin, false)?;
+            // A window no shorter than the context changes nothing.
+            c.sliding_window = cfg.get("sliding_window").and_then(Value::as_u64).map_or(0, |w| w as usize);
+            if c.sliding_window >= c.block_size {
+                c.sliding_window = 0;
+            }
+            Ok(c)
+        }
         "MixtralForCausalLM" => {
-            let mut c = llama_config(cfg, origin)?;
+            let mut c = llama_config(cfg, origin, false)?;
             c.n_expert = get_usize(cfg, "num_local_experts", origin)?;
             c.top_k = get_usize(cfg, "num_experts_per_tok", origin)?;
             // HF Mixtral routes without capacity (dropless); its aux coefficient multiplies a
@@ -41,7 +58,7 @@ pub fn hf_config(cfg: &Value, origin: &Path) -> Result<GptConfig, String> {
             c.validate().map_err(|e| format!("{}: {e}", origin.display()))?;
             Ok(c)
         }
-        _ => Err(format!("{}: architecture `{arch}` is not supported for import (supported: GPT2LMHeadModel, LlamaForCausalLM, MixtralForCausalLM)", origin.display())),
+        _ => Err(format!("{}: architecture `{arch}` is not supported for import (supported: GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, MixtralForCausalLM)", origin.display())),
     }
 }
 
@@ -49,7 +66,8 @@ fn get_f32(cfg: &Value, key: &str, default: f32) -> f32 {
     cfg.get(key).and_then(Value::as_f64).map_or(default, |v| v as f32)
 }
 
-fn llama_config(cfg: &Value, origin: &Path) -> Result<GptConfig, String> {
+/// A LLaMA-family config (`qkv_bias`: Qwen2's q/k/v biases).
+fn llama_config(cfg: &Value, origin: &Path, qkv_bias: bool) -> Result<GptConfig, String> {
     let act = cfg.get("hidden_act").and_then(Value::as_str).unwrap_or("silu");
     if act != "silu" {
         return Err(format!("{}: hidden_act `{act}` is not supported (LLaMA's SwiGLU uses silu)", origin.display()));
@@ -66,12 +84,7 @@ fn llama_config(cfg: &Value, origin: &Path) -> Result<GptConfig, String> {
             return Err(format!("{}: head_dim {hd} × num_attention_heads {n_head} ≠ hidden_size {n_embd}; kiln needs them equal", origin.display()));
         }
     }
-    // transformers ≥ 4.5x nests the base in `rope_parameters`; older files have `rope_theta`.
-    let theta = cfg.get("rope_parameters").and_then(|r| r.get("rope_theta")).and_then(Value::as_f64).map_or(get_f32(cfg, "rope_theta", 10000.0), |v| v as f32);
-    let rope_type = cfg.get("rope_parameters").and_then(|r| r.get("rope_type")).and_then(Value::as_str).unwrap_or("default");
-    if rope_type != "default" || cfg.get("rope_scaling").is_some_and(|v| !v.is_null()) {
-        return Err(format!("{}: rope scaling `{rope_type}` is not supported (plain RoPE only)", origin.display()));
-    }
+    let (theta, rope_scaling) = rope_of(cfg, origin)?;
     let c = GptConfig {
         arch: Arch::Llama,
         n_layer: get_usize(cfg, "num_hidden_layers", origin)?,
@@ -85,11 +98,40 @@ fn llama_config(cfg: &Value, origin: &Path) -> Result<GptConfig, String> {
         dropout: 0.0,
         tied_embeddings: cfg.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(false),
         rope_theta: theta,
+        rope_scaling,
+        qkv_bias,
         norm_eps: get_f32(cfg, "rms_norm_eps", 1e-6),
         ..GptConfig::gpt2(1, 1, 1, 1, 1, false, 0.0, false)
     };
     c.validate().map_err(|e| format!("{}: {e}", origin.display()))?;
     Ok(c)
+}
+
+/// The rotary base and scaling: transformers 5's `rope_parameters` (`rope_theta`, `rope_type`
+/// and its factors), or the older top-level `rope_theta` with `rope_scaling` (`type` or
+/// `rope_type`). Supported types: `default`, `linear`, `llama3`; others are refused by name.
+fn rope_of(cfg: &Value, origin: &Path) -> Result<(f32, Option<RopeScaling>), String> {
+    let params = cfg.get("rope_parameters").filter(|v| v.is_object());
+    let scaling = cfg.get("rope_scaling").filter(|v| v.is_object());
+    let theta = params.and_then(|r| r.get("rope_theta")).and_then(Value::as_f64).map_or(get_f32(cfg, "rope_theta", 10000.0), |v| v as f32);
+    let Some(r) = scaling.or(params) else { return Ok((theta, None)) };
+    let key = if scaling.is_some() { "rope_scaling" } else { "rope_parameters" };
+    let ty = r.get("rope_type").or_else(|| r.get("type")).and_then(Value::as_str).unwrap_or("default");
+    let num = |k: &str| r.get(k).and_then(Value::as_f64).map(|v| v as f32).ok_or_else(|| format!("{}: `{key}.{k}` is missing or not a number", origin.display()));
+    let scaling = match ty {
+        "default" => None,
+        "linear" => Some(RopeScaling::Linear { factor: num("factor")? }),
+        "llama3" => Some(RopeScaling::Llama3 {
+            factor: num("factor")?,
+            low_freq_factor: num("low_freq_factor")?,
+            high_freq_factor: num("high_freq_factor")?,
+            original_max_position_embeddings: num("original_max_position_embeddings")? as usize,
+        }),
+        other => {
+            return Err(format!("{}: `{key}` type `{other}` is not supported (supported: default, linear, llama3)", origin.display()));
+        }
+    };
+    Ok((theta, scaling))
 }
 
 fn gpt2_config(cfg: &Value, origin: &Path) -> Result<GptConfig, String> {
@@ -154,10 +196,10 @@ pub fn import_hf(dir: &Path) -> Result<Gpt, String> {
         for (i, p) in m.layout.params.iter().enumerate() {
             let Ok(t) = st.tensor(&p.name) else { continue };
             let want: Vec<usize> = if is_conv1d(&p.name) { vec![p.shape[1], p.shape[0]] } else { p.shape.clone() };
-            if t.dtype() != Dtype::F32 || t.shape() != want.as_slice() {
-                return Err(format!("{}: tensor `{}` is {:?} {:?}, expected F32 {:?}", file.display(), p.name, t.dtype(), t.shape(), want));
+            if t.shape() != want.as_slice() {
+                return Err(format!("{}: tensor `{}` has shape {:?}, expected {:?}", file.display(), p.name, t.shape(), want));
             }
-            let src: Vec<f32> = t.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+            let src = to_f32(&t).map_err(|e| format!("{}: tensor `{}`: {e}", file.display(), p.name))?;
             let dst = &mut m.params[p.range()];
             if is_conv1d(&p.name) {
                 transpose(dst, &src, want[0], want[1]);
@@ -173,6 +215,28 @@ pub fn import_hf(dir: &Path) -> Result<Gpt, String> {
     Ok(m)
 }
 
+/// Little-endian f32 bytes stored as `dtype` (bf16 / f16 rounded to nearest even).
+fn narrow(f32_bytes: &[u8], dtype: Dtype) -> Vec<u8> {
+    let vals = f32_bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+    match dtype {
+        Dtype::BF16 => vals.flat_map(|x| half::bf16::from_f32(x).to_le_bytes()).collect(),
+        Dtype::F16 => vals.flat_map(|x| half::f16::from_f32(x).to_le_bytes()).collect(),
+        _ => f32_bytes.to_vec(),
+    }
+}
+
+/// A tensor's values as f32: F32 as stored, BF16 and F16 widened exactly.
+fn to_f32(t: &TensorView) -> Result<Vec<f32>, String> {
+    let d = t.data();
+    let halves = || d.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]]));
+    Ok(match t.dtype() {
+        Dtype::F32 => d.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+        Dtype::BF16 => halves().map(|h| half::bf16::from_bits(h).to_f32()).collect(),
+        Dtype::F16 => halves().map(|h| half::f16::from_bits(h).to_f32()).collect(),
+        other => return Err(format!("dtype {other:?} is not supported (F32, BF16 or F16)")),
+    })
+}
+
 /// `dst[cols, rows] = srcᵀ` for `src[rows, cols]`.
 fn transpose(dst: &mut [f32], src: &[f32], rows: usize, cols: usize) {
     for r in 0..rows {
@@ -182,25 +246,80 @@ fn transpose(dst: &mut [f32], src: &[f32], rows: usize, cols: usize) {
     }
 }
 
-/// Writes `config.json` and `model.safetensors` in HF's format (`GPT2LMHeadModel` or
-/// `LlamaForCausalLM`) into `dir`.
+/// How [`export_hf_with`] stores the weights.
+#[derive(Clone, Copy, Debug)]
+pub struct ExportOpts {
+    /// `F32`, `BF16` (round to nearest even) or `F16`.
+    pub dtype: Dtype,
+    /// Above this many bytes of tensors, the weights go into shards
+    /// `model-0000K-of-0000N.safetensors` with a `model.safetensors.index.json`, as
+    /// `save_pretrained(max_shard_size=…)` writes them.
+    pub max_shard_bytes: u64,
+}
+
+impl Default for ExportOpts {
+    fn default() -> Self {
+        ExportOpts { dtype: Dtype::F32, max_shard_bytes: 5_000_000_000 }
+    }
+}
+
+/// [`export_hf_with`] in f32, unsharded up to 5 GB.
 pub fn export_hf(m: &Gpt, dir: &Path) -> Result<(), String> {
+    export_hf_with(m, dir, ExportOpts::default())
+}
+
+/// Writes `config.json` and the weights in HF's format (`GPT2LMHeadModel`, `LlamaForCausalLM`,
+/// `Qwen2ForCausalLM`, `MistralForCausalLM` or `MixtralForCausalLM`) into `dir`.
+pub fn export_hf_with(m: &Gpt, dir: &Path, opts: ExportOpts) -> Result<(), String> {
     std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let c = &m.cfg;
     if c.n_shared_expert > 0 {
         return Err("export: shared experts have no Hugging Face Mixtral equivalent".into());
     }
     let config = if c.arch == Arch::Llama {
-        let (arch, ty) = if c.is_moe() { ("MixtralForCausalLM", "mixtral") } else { ("LlamaForCausalLM", "llama") };
+        if c.qkv_bias && c.is_moe() {
+            return Err("export: q/k/v biases with experts have no Hugging Face equivalent".into());
+        }
+        if c.sliding_window > 0 && (c.qkv_bias || c.is_moe()) {
+            return Err("export: a sliding window with q/k/v biases or experts has no Hugging Face equivalent kiln writes".into());
+        }
+        let (arch, ty) = match (c.is_moe(), c.qkv_bias, c.sliding_window > 0) {
+            (true, _, _) => ("MixtralForCausalLM", "mixtral"),
+            (false, true, _) => ("Qwen2ForCausalLM", "qwen2"),
+            (false, false, true) => ("MistralForCausalLM", "mistral"),
+            (false, false, false) => ("LlamaForCausalLM", "llama"),
+        };
+        let mut rope = json!({"rope_theta": c.rope_theta, "rope_type": "default"});
+        match c.rope_scaling {
+            None => {}
+            Some(RopeScaling::Linear { factor }) => rope = json!({"rope_theta": c.rope_theta, "rope_type": "linear", "factor": factor}),
+            Some(RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings }) => {
+                rope = json!({"rope_theta": c.rope_theta, "rope_type": "llama3", "factor": factor, "low_freq_factor": low_freq_factor,
+                    "high_freq_factor": high_freq_factor, "original_max_position_embeddings": original_max_position_embeddings});
+            }
+        }
         let mut v = json!({
             "architectures": [arch], "model_type": ty, "hidden_act": "silu",
             "hidden_size": c.n_embd, "intermediate_size": c.ffn_hidden, "num_hidden_layers": c.n_layer,
             "num_attention_heads": c.n_head, "num_key_value_heads": c.n_kv_head, "head_dim": c.head_size(),
             "max_position_embeddings": c.block_size, "vocab_size": c.vocab_size, "rms_norm_eps": c.norm_eps,
-            "rope_theta": c.rope_theta, "rope_parameters": {"rope_theta": c.rope_theta, "rope_type": "default"},
+            "rope_theta": c.rope_theta, "rope_parameters": rope,
             "tie_word_embeddings": c.tied_embeddings, "attention_bias": false, "mlp_bias": false,
             "attention_dropout": 0.0, "dtype": "float32",
         });
+        if c.sliding_window > 0 {
+            let o = v.as_object_mut().unwrap();
+            o.remove("attention_bias");
+            o.remove("mlp_bias");
+            o.insert("sliding_window".into(), c.sliding_window.into());
+        }
+        if c.qkv_bias {
+            // Qwen2's biases are implied by the class; it has no attention_bias key.
+            let o = v.as_object_mut().unwrap();
+            o.remove("attention_bias");
+            o.remove("mlp_bias");
+            o.insert("use_sliding_window".into(), false.into());
+        }
         if c.is_moe() {
             v["num_local_experts"] = c.n_expert.into();
             v["num_experts_per_tok"] = c.top_k.into();
@@ -240,12 +359,49 @@ pub fn export_hf(m: &Gpt, dir: &Path) -> Result<(), String> {
         }
         data.insert("transformer.ln_f.bias".into(), zeros(cc));
     }
-    let views: Vec<(String, TensorView)> =
-        data.iter().map(|(n, (s, b))| (n.clone(), TensorView::new(Dtype::F32, s.clone(), b).expect("shape matches"))).collect();
+    let dtype_name = match opts.dtype {
+        Dtype::F32 => "float32",
+        Dtype::BF16 => "bfloat16",
+        Dtype::F16 => "float16",
+        other => return Err(format!("export: dtype {other:?} is not supported (F32, BF16 or F16)")),
+    };
+    let mut config = config;
+    config["dtype"] = dtype_name.into();
+    // Each tensor in the chosen dtype, then packed into shards in name order.
+    let data: BTreeMap<String, (Vec<usize>, Vec<u8>)> = data.into_iter().map(|(n, (shape, b))| (n, (shape, narrow(&b, opts.dtype)))).collect();
+    let mut shards: Vec<Vec<&String>> = vec![Vec::new()];
+    let mut size = 0u64;
+    for (name, (_, b)) in &data {
+        if size > 0 && size + b.len() as u64 > opts.max_shard_bytes {
+            shards.push(Vec::new());
+            size = 0;
+        }
+        size += b.len() as u64;
+        shards.last_mut().unwrap().push(name);
+    }
     let meta = Some(std::collections::HashMap::from([("format".to_string(), "pt".to_string())]));
-    let bytes = safetensors::tensor::serialize(views, meta).map_err(|e| format!("export: {e}"))?;
     let write = |name: &str, b: &[u8]| std::fs::write(dir.join(name), b).map_err(|e| format!("{}: {e}", dir.join(name).display()));
-    write("model.safetensors", &bytes)?;
+    let n = shards.len();
+    let mut weight_map = serde_json::Map::new();
+    for (k, names) in shards.iter().enumerate() {
+        let file = if n == 1 { "model.safetensors".to_string() } else { format!("model-{:05}-of-{n:05}.safetensors", k + 1) };
+        let views: Vec<(String, TensorView)> =
+            names.iter().map(|&nm| (nm.clone(), TensorView::new(opts.dtype, data[nm].0.clone(), &data[nm].1).expect("shape matches"))).collect();
+        let bytes = safetensors::tensor::serialize(views, meta.clone()).map_err(|e| format!("export: {e}"))?;
+        write(&file, &bytes)?;
+        for &nm in names {
+            weight_map.insert(nm.clone(), file.clone().into());
+        }
+    }
+    let stale = ["model.safetensors", "model.safetensors.index.json"];
+    if n > 1 {
+        let total: usize = data.values().map(|(_, b)| b.len()).sum();
+        let index = json!({"metadata": {"total_size": total}, "weight_map": weight_map});
+        write("model.safetensors.index.json", serde_json::to_string_pretty(&index).unwrap().as_bytes())?;
+        let _ = std::fs::remove_file(dir.join(stale[0]));
+    } else {
+        let _ = std::fs::remove_file(dir.join(stale[1]));
+    }
     write("config.json", serde_json::to_string_pretty(&config).unwrap().as_bytes())?;
     Ok(())
 }

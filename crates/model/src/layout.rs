@@ -175,7 +175,8 @@ fn gpt2_layout(cfg: &GptConfig) -> (ParamLayout, GptParams) {
     (l, GptParams { wte, wpe, blocks, ln_f_w, ln_f_b, lm_head })
 }
 
-/// LLaMA (Touvron et al. 2023) with Hugging Face `LlamaForCausalLM` names. No biases.
+/// LLaMA (Touvron et al. 2023) with Hugging Face `LlamaForCausalLM` names. No biases but
+/// Qwen2's on q, k and v (`qkv_bias`).
 fn llama_layout(cfg: &GptConfig) -> (ParamLayout, GptParams) {
     let (c, hs, f) = (cfg.n_embd, cfg.head_size(), cfg.ffn_hidden);
     let std = 0.02f32;
@@ -189,6 +190,13 @@ fn llama_layout(cfg: &GptConfig) -> (ParamLayout, GptParams) {
         let q = l.push(format!("{p}self_attn.q_proj.weight"), vec![cfg.n_head * hs, c], Init::Normal(std), true);
         l.push(format!("{p}self_attn.k_proj.weight"), vec![cfg.n_kv_head * hs, c], Init::Normal(std), true);
         let v = l.push(format!("{p}self_attn.v_proj.weight"), vec![cfg.n_kv_head * hs, c], Init::Normal(std), true);
+        // Qwen2's q/k/v biases, adjacent like the weights: one `[(NH+2·NKV)·HS]` bias.
+        let c_attn_b = cfg.qkv_bias.then(|| {
+            let qb = l.push(format!("{p}self_attn.q_proj.bias"), vec![cfg.n_head * hs], Init::Zeros, false);
+            l.push(format!("{p}self_attn.k_proj.bias"), vec![cfg.n_kv_head * hs], Init::Zeros, false);
+            let vb = l.push(format!("{p}self_attn.v_proj.bias"), vec![cfg.n_kv_head * hs], Init::Zeros, false);
+            qb.start..vb.end
+        });
         let attn_proj_w = l.push(format!("{p}self_attn.o_proj.weight"), vec![c, cfg.n_head * hs], Init::Normal(proj_std), true);
         let ln_2_w = l.push(format!("{p}post_attention_layernorm.weight"), vec![c], Init::Ones, false);
         let (c_fc_w, mlp_proj_w, moe) = if cfg.is_moe() {
@@ -218,7 +226,7 @@ fn llama_layout(cfg: &GptConfig) -> (ParamLayout, GptParams) {
             (gate.start..up.end, down, None)
         };
         blocks.push(BlockParams {
-            ln_1_w, ln_1_b: None, c_attn_w: q.start..v.end, c_attn_b: None, attn_proj_w, attn_proj_b: None,
+            ln_1_w, ln_1_b: None, c_attn_w: q.start..v.end, c_attn_b, attn_proj_w, attn_proj_b: None,
             ln_2_w, ln_2_b: None, c_fc_w, c_fc_b: None, mlp_proj_w, mlp_proj_b: None, moe,
         });
     }

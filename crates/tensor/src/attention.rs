@@ -44,7 +44,7 @@ impl AttnDims {
     /// The MHA shape as the GQA shape with one query head per kv head: the layouts coincide.
     pub(crate) fn as_gqa(&self) -> GqaDims {
         assert!(self.nh > 0 && self.c.is_multiple_of(self.nh), "C must be a multiple of NH");
-        GqaDims { b: self.b, t: self.t, nh: self.nh, nkv: self.nh, hs: self.c / self.nh, head0: self.head0, heads: self.heads, b0: self.b0 }
+        GqaDims { b: self.b, t: self.t, nh: self.nh, nkv: self.nh, hs: self.c / self.nh, head0: self.head0, heads: self.heads, b0: self.b0, window: 0 }
     }
 
     /// The whole-model `(batch, head)` index of `bh = b·NH + h` (`GqaDims::mask_bh`).
@@ -193,7 +193,8 @@ pub fn attention_backward(
 }
 
 /// One decoding step with a KV cache: query `q[NH·HS]` for position `T - 1` attends over
-/// the cached keys and values of positions `0..T` (`T = dims.t`, one sequence: `dims.b` and the
+/// the cached keys and values of positions `0..T` (the last `window` of them under a sliding
+/// window) (`T = dims.t`, one sequence: `dims.b` and the
 /// dropout placement are unused); query head `h` reads kv head `h / (NH/NKV)` (grouped-query
 /// attention; `NKV == NH` is plain multi-head). Overwrites `out`.
 pub fn attention_decode(
@@ -207,7 +208,10 @@ pub fn attention_decode(
     let kw = nkv * hs;
     let group = nh / nkv;
     let scale = 1.0 / (hs as f32).sqrt();
-    let mut w = vec![0.0f32; t_cur];
+    // Under a sliding window only the last `window` positions are seen.
+    let lo = dims.first_key(t_cur - 1);
+    let (k_cache, v_cache) = (&k_cache[lo * kw..], &v_cache[lo * kw..]);
+    let mut w = vec![0.0f32; t_cur - lo];
     for h in 0..nh {
         let kh = h / group;
         let qh = &q[h * hs..(h + 1) * hs];

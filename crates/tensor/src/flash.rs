@@ -10,7 +10,8 @@
 //! No `T×T` matrix exists anywhere: forward walks key tiles with an online softmax and saves
 //! only the per-row log-sum-exp `lse[B, NH, T]`; backward recomputes each score tile from
 //! `q`, `k` and `lse`. Tiles entirely above the causal diagonal are skipped, only tiles that
-//! cross it are masked. Every tile product runs through gemm single-threaded inside a rayon
+//! cross it are masked; under a sliding window (`GqaDims::window`, Mistral) so are the tiles
+//! wholly before it, and the rows' first valid key moves up, with no `T×T` mask either. Every tile product runs through gemm single-threaded inside a rayon
 //! task, so the pool never oversubscribes. Scratch is a few `TILE_Q × TILE_K` blocks per task;
 //! the buffers that grow with `T` are backward's `D[B, NH, T]` and, only for the GQA schedule
 //! [`Schedule::PerQueryHead`], per-query-head partial `dk`, `dv` (`2·B·NH·T·HS`, twice `out`).
@@ -182,6 +183,15 @@ fn valid_cols(gi: usize, j0: usize, ncols: usize) -> usize {
     if gi >= j0 { (gi - j0 + 1).min(ncols) } else { 0 }
 }
 
+/// The valid key columns `lo..hi` of query row `gi` in a key tile starting at `j0`: causal, and
+/// under a sliding window (`window > 0`) not before `gi + 1 - window`.
+#[inline]
+fn valid_range(gi: usize, j0: usize, ncols: usize, window: usize) -> (usize, usize) {
+    let hi = valid_cols(gi, j0, ncols);
+    let first = if window == 0 { 0 } else { (gi + 1).saturating_sub(window) };
+    (first.saturating_sub(j0).min(hi), hi)
+}
+
 /// Writes `mk[jj] = keep ? 1/(1-p) : 0` for the first `n` columns of a score row whose first
 /// column is mask element `base` ([`mask_base`]).
 /// Pure integer hashing, so the vector versions give the same mask bit for bit. (Dispatched by
@@ -297,7 +307,8 @@ pub fn flash_gqa_forward_tiled(
         o[..rows * hs].fill(0.0);
         m[..rows].fill(f32::NEG_INFINITY);
         l[..rows].fill(0.0);
-        let mut j0 = 0;
+        // Key tiles wholly before the first row's sliding window are skipped.
+        let mut j0 = dims.first_key(i0) / bc * bc;
         while j0 < i0 + rows {
             // Key columns past the tile's last query row are all masked: trim them.
             let ncols = bc.min(i0 + rows - j0);
@@ -305,7 +316,7 @@ pub fn flash_gqa_forward_tiled(
             let v = View { off: base + j0 * w + cols.v(g), ..k };
             // S = q·kᵀ·scale   [rows, ncols], row stride bc
             unsafe { gemm_raw(s.as_mut_ptr(), bc, false, q, k.t(), scale, Threads::One) };
-            online_softmax_tile(s, bc, Tile { i0, rows, j0, ncols }, m, l, alpha);
+            online_softmax_tile(s, bc, Tile { i0, rows, j0, ncols, window: dims.window }, m, l, alpha);
             for r in 0..rows {
                 if alpha[r] != 1.0 {
                     let a = alpha[r];
@@ -314,9 +325,9 @@ pub fn flash_gqa_forward_tiled(
             }
             if dropout > 0.0 {
                 for r in 0..rows {
-                    let vr = valid_cols(i0 + r, j0, ncols);
-                    dropout_row(mk, mask_base(dims.mask_bh(bh), t, i0 + r, j0), vr, dropout, seed);
-                    mul_into(&mut s[r * bc..r * bc + vr], &mk[..vr]);
+                    let (lo, hi) = valid_range(i0 + r, j0, ncols, dims.window);
+                    dropout_row(mk, mask_base(dims.mask_bh(bh), t, i0 + r, j0 + lo), hi - lo, dropout, seed);
+                    mul_into(&mut s[r * bc + lo..r * bc + hi], &mk[..hi - lo]);
                 }
             }
             let p = View { data: s, off: 0, rows, cols: ncols, rs: bc, cs: 1 };
@@ -340,33 +351,36 @@ pub fn flash_gqa_forward_tiled(
     });
 }
 
-/// A score tile: query rows `i0 .. i0 + rows` against key columns `j0 .. j0 + ncols`.
+/// A score tile: query rows `i0 .. i0 + rows` against key columns `j0 .. j0 + ncols`, under
+/// a sliding window of `window` keys (0 = none).
 #[derive(Clone, Copy)]
 struct Tile {
     i0: usize,
     rows: usize,
     j0: usize,
     ncols: usize,
+    window: usize,
 }
 
 crate::multiversion! {
     /// One online-softmax step over a score tile `s` (row stride `bc`): for each row, new max,
-    /// `s ← exp(s − m_new)` on the causal part (0 elsewhere), `l ← l·α + Σ s` with
+    /// `s ← exp(s − m_new)` on the causal (and windowed) part (0 elsewhere), `l ← l·α + Σ s` with
     /// `α = exp(m_old − m_new)`; `m`, `l`, `alpha` are the tile's rows' running max, running sum
     /// and rescale factor.
     fn online_softmax_tile(s: &mut [f32], bc: usize, tile: Tile, m: &mut [f32], l: &mut [f32], alpha: &mut [f32]) {
-        let Tile { i0, rows, j0, ncols } = tile;
+        let Tile { i0, rows, j0, ncols, window } = tile;
         for r in 0..rows {
-            let vr = valid_cols(i0 + r, j0, ncols);
+            let (lo, vr) = valid_range(i0 + r, j0, ncols, window);
             let row = &mut s[r * bc..r * bc + ncols];
-            if vr == 0 {
+            if vr == lo {
                 row.fill(0.0);
                 alpha[r] = 1.0;
                 continue;
             }
-            let m_new = m[r].max(row_max(&row[..vr]));
+            let m_new = m[r].max(row_max(&row[lo..vr]));
             let a = if m[r] == f32::NEG_INFINITY { 0.0 } else { (m[r] - m_new).exp() };
-            let sum = exp_sub_sum(&mut row[..vr], m_new);
+            let sum = exp_sub_sum(&mut row[lo..vr], m_new);
+            row[..lo].fill(0.0);
             row[vr..].fill(0.0);
             l[r] = l[r] * a + sum;
             m[r] = m_new;
@@ -612,8 +626,10 @@ fn head_key_tile(x: &Ctx, sc: &mut BwdScratch, bi: usize, h: usize, jt: usize, d
     let j0 = jt * x.bc;
     let ncols = x.bc.min(t - j0);
     let k = View { data: x.qkv, off: base + j0 * w + cols.k(g), rows: ncols, cols: hs, rs: w, cs: 1 };
+    let window = x.dims.window;
     let mut it = j0 / x.br;
-    while it * x.br < t {
+    // Under a sliding window, query tiles wholly past this key tile's reach are skipped.
+    while it * x.br < t && (window == 0 || it * x.br + 1 < j0 + ncols + window) {
         let i0 = it * x.br;
         let rows = x.br.min(t - i0);
         tile_grads(x, sc, bh, i0, rows, j0, ncols);
@@ -660,7 +676,7 @@ fn query_tile(x: &Ctx, sc: &mut BwdScratch, bh: usize, it: usize) {
     // Safety: query tile (bh, it) is handled by exactly one task, the only writer of rows
     // i0..i0+rows of the q columns of head h of batch bi.
     let dq = unsafe { x.dqkv.0.add(base + i0 * w + cols.q(h)) };
-    let mut j0 = 0;
+    let mut j0 = x.dims.first_key(i0) / x.bc * x.bc;
     while j0 < i0 + rows {
         let ncols = x.bc.min(t - j0);
         tile_grads(x, sc, bh, i0, rows, j0, ncols);
@@ -693,15 +709,19 @@ fn tile_grads(x: &Ctx, sc: &mut BwdScratch, bh: usize, i0: usize, rows: usize, j
     let d = &x.d[bh * t + i0..bh * t + i0 + rows];
     for r in 0..rows {
         let gi = i0 + r;
-        let vr = valid_cols(gi, j0, ncols);
+        // Columns lo..vr are valid: the row functions see the tile from `lo` on.
+        let (lo, vr) = valid_range(gi, j0, ncols, x.dims.window);
         let pr = &mut p[r * x.bc..r * x.bc + ncols];
         let dr = &mut ds[r * x.bc..r * x.bc + ncols];
+        pr[..lo].fill(0.0);
+        dr[..lo].fill(0.0);
         if x.dropout > 0.0 {
-            dropout_row(mk, mask_base(x.dims.mask_bh(bh), t, gi, j0), vr, x.dropout, x.seed);
+            dropout_row(mk, mask_base(x.dims.mask_bh(bh), t, gi, j0 + lo), vr - lo, x.dropout, x.seed);
             let pdr = &mut pd[r * x.bc..r * x.bc + ncols];
-            bwd_row_dropout(pr, pdr, dr, &mk[..vr], vr, lse[r], d[r]);
+            pdr[..lo].fill(0.0);
+            bwd_row_dropout(&mut pr[lo..], &mut pdr[lo..], &mut dr[lo..], &mk[..vr - lo], vr - lo, lse[r], d[r]);
         } else {
-            bwd_row(pr, dr, vr, lse[r], d[r]);
+            bwd_row(&mut pr[lo..], &mut dr[lo..], vr - lo, lse[r], d[r]);
         }
     }
 }

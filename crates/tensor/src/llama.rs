@@ -99,21 +99,26 @@ crate::multiversion! {
 // Rotary position embeddings, HF convention: for pair i < HS/2 of a head,
 // (x_i, x_{i+HS/2}) ↦ (x_i·cos − x_{i+HS/2}·sin, x_{i+HS/2}·cos + x_i·sin), angle = pos·inv_freq_i.
 
-/// Tables `(cos, sin)`, each `[max_t, HS/2]`: entry `(p, i)` is the cos / sin of
-/// `p · θ^(−2i/HS)`. Computed as HF's `LlamaRotaryEmbedding` (default rope type) does, in fp32:
-/// `inv_freq = 1.0 / (θ ** (arange(0, HS, 2).float() / HS))`, `freqs = pos.float() · inv_freq`,
-/// then cos / sin of that fp32 angle (here evaluated in f64 and rounded, so each entry is
-/// within an ulp of torch's). An f64 angle would be more "exact" but would drift from HF by up to
-/// `pos · 2⁻²⁴` radians at long context.
-pub fn rope_table(theta: f32, hs: usize, max_t: usize) -> (Vec<f32>, Vec<f32>) {
+/// RoPE's inverse frequencies `θ^(−2i/HS)`, `i < HS/2`, computed as HF's
+/// `LlamaRotaryEmbedding` (default rope type) does in fp32:
+/// `inv_freq = 1.0 / (θ ** (arange(0, HS, 2).float() / HS))` (the power evaluated in f64 and
+/// rounded, so each entry is within an ulp of torch's). Rope scaling rescales these.
+pub fn rope_inv_freq(theta: f32, hs: usize) -> Vec<f32> {
     assert!(hs.is_multiple_of(2), "rotary head size must be even");
-    let half = hs / 2;
-    let inv_freq: Vec<f32> = (0..half)
+    (0..hs / 2)
         .map(|i| {
             let e = (2 * i) as f32 / hs as f32;
             1.0f32 / ((theta as f64).powf(e as f64) as f32)
         })
-        .collect();
+        .collect()
+}
+
+/// Tables `(cos, sin)`, each `[max_t, HS/2]`: entry `(p, i)` is the cos / sin of
+/// `p · inv_freq_i`, as HF computes them: `freqs = pos.float() · inv_freq` in fp32, then cos /
+/// sin of that fp32 angle (evaluated in f64 and rounded). An f64 angle would be more "exact" but
+/// would drift from HF by up to `pos · 2⁻²⁴` radians at long context.
+pub fn rope_table_from(inv_freq: &[f32], max_t: usize) -> (Vec<f32>, Vec<f32>) {
+    let half = inv_freq.len();
     let (mut cos, mut sin) = (vec![0.0f32; max_t * half], vec![0.0f32; max_t * half]);
     for p in 0..max_t {
         for (i, &f) in inv_freq.iter().enumerate() {
@@ -123,6 +128,12 @@ pub fn rope_table(theta: f32, hs: usize, max_t: usize) -> (Vec<f32>, Vec<f32>) {
         }
     }
     (cos, sin)
+}
+
+/// [`rope_table_from`] of the plain [`rope_inv_freq`]: entry `(p, i)` is the cos / sin of
+/// `p · θ^(−2i/HS)`.
+pub fn rope_table(theta: f32, hs: usize, max_t: usize) -> (Vec<f32>, Vec<f32>) {
+    rope_table_from(&rope_inv_freq(theta, hs), max_t)
 }
 
 /// Rotates the q and k heads of every token of `qkv` in place, token `(b, t)` by position
@@ -286,9 +297,18 @@ pub struct GqaDims {
     /// The first sequence's index in the global batch (a data-parallel rank's share), for the
     /// dropout mask too.
     pub b0: usize,
+    /// Sliding-window attention (Mistral): query `i` sees keys `i+1-window ..= i`; 0 = every
+    /// earlier key (plain causal).
+    pub window: usize,
 }
 
 impl GqaDims {
+    /// The first key query `i` attends to: `i + 1 - window` under a sliding window, else 0.
+    #[inline]
+    pub fn first_key(&self, i: usize) -> usize {
+        if self.window == 0 { 0 } else { (i + 1).saturating_sub(self.window) }
+    }
+
     /// The whole-model, whole-batch `(batch, head)` index of this shard's `bh = b·NH + h`,
     /// which keys the dropout mask.
     pub fn mask_bh(&self, bh: usize) -> usize {
@@ -321,7 +341,9 @@ impl GqaDims {
     }
 }
 
-/// `out[b,t,h·HS..] = Σ_j softmax_j(q_h·k_gᵀ/√HS, causal)·v_g` with `g = h / (NH/NKV)`.
+/// `out[b,t,h·HS..] = Σ_j softmax_j(q_h·k_gᵀ/√HS, causal)·v_g` with `g = h / (NH/NKV)`, over
+/// keys `j ≤ t` (and `j > t - window` under a sliding window; its backward needs nothing more,
+/// since the probabilities outside are 0).
 /// Overwrites `out` and `att`. One rayon task per (batch, head), gemm single-threaded inside.
 pub fn gqa_attention_forward(
     out: &mut [f32],   // [B, T, C]        C = NH·HS
@@ -349,7 +371,7 @@ pub fn gqa_attention_forward(
         // S = q·kᵀ·scale   [T, T]
         unsafe { gemm_raw(a.as_mut_ptr(), t, false, q, k.t(), scale, Threads::One) };
         for i in 0..t {
-            causal_softmax_row(&mut a[i * t..(i + 1) * t], i);
+            causal_softmax_row(&mut a[i * t..(i + 1) * t], dims.first_key(i), i);
         }
         // Safety: task (bi, h) writes only rows of batch bi, columns h·HS..(h+1)·HS of `out`.
         let dst = unsafe { outp.0.add(bi * t * c + h * hs) };
@@ -358,9 +380,12 @@ pub fn gqa_attention_forward(
 }
 
 crate::multiversion! {
-    /// Softmax over `row[..=i]`; `row[i+1..]` (the future) is set to 0.
-    fn causal_softmax_row(row: &mut [f32], i: usize) {
+    /// Softmax over `row[lo..=i]`; the rest (the future, and keys before a sliding window) is
+    /// set to 0.
+    fn causal_softmax_row(row: &mut [f32], lo: usize, i: usize) {
         let (live, future) = row.split_at_mut(i + 1);
+        let (before, live) = live.split_at_mut(lo);
+        before.fill(0.0);
         let max = live.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
         for x in live.iter_mut() {
             *x = simd::exp(*x - max);

@@ -34,20 +34,29 @@ fn data_name(cfg: &RunConfig) -> String {
     if cfg.data.paths.is_empty() { "the default corpus".into() } else { cfg.data.paths.join(", ") }
 }
 
-/// Checks the data against the model: enough tokens for one window in each split, and a
-/// model vocabulary that covers the tokenizer's.
+/// Checks the data against the model: a training length within the model's positions, enough
+/// tokens for one window (`train.seq_len + 1` tokens) in each split, a model vocabulary that
+/// covers the tokenizer's, and a loss vocabulary between the two.
 pub(super) fn check_data_fits(cfg: &RunConfig, ds: &Dataset) -> Result<()> {
-    let bs = cfg.model.block_size;
+    let (t, bs) = (cfg.seq_len(), cfg.model.block_size);
+    if t > bs {
+        return user(format!("train.seq_len ({t}) exceeds the model's positions, model.block_size ({bs})"));
+    }
     for (split, toks) in [("training", &ds.train), ("validation", &ds.val)] {
-        if toks.len() <= bs + 1 {
+        if toks.len() < t + 1 {
             return user(format!(
-                "model.block_size ({bs}) is larger than the {split} split of {} ({} tokens): use a smaller block_size or more data",
-                data_name(cfg), toks.len()
+                "train.seq_len ({t}) needs windows of {} tokens, but the {split} split of {} has {}: use a shorter --seq-len or more data",
+                t + 1, data_name(cfg), toks.len()
             ));
         }
     }
-    if cfg.model.vocab_size != 0 && cfg.model.vocab_size < ds.tokenizer.vocab_size() {
-        return user(format!("model.vocab_size ({}) is smaller than the {} tokenizer's vocabulary ({})", cfg.model.vocab_size, ds.tokenizer.kind(), ds.tokenizer.vocab_size()));
+    let vocab = ds.tokenizer.vocab_size();
+    if cfg.model.vocab_size != 0 && cfg.model.vocab_size < vocab {
+        return user(format!("model.vocab_size ({}) is smaller than the {} tokenizer's vocabulary ({vocab})", cfg.model.vocab_size, ds.tokenizer.kind()));
+    }
+    let lv = cfg.model.loss_vocab;
+    if lv != 0 && (lv < vocab || (cfg.model.vocab_size != 0 && lv > cfg.model.vocab_size)) {
+        return user(format!("model.loss_vocab ({lv}) must lie between the tokenizer's vocabulary ({vocab}) and model.vocab_size ({})", cfg.model.vocab_size));
     }
     Ok(())
 }

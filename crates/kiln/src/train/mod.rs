@@ -114,27 +114,33 @@ fn train_once(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
     // Starting from a base model (a kiln run or a Hugging Face directory): its config fixes the
     // model's shape. A resumed full fine-tune reloads everything from its checkpoint; a LoRA
     // run always needs its base.
+    let explicit = crate::config::user_keys(args)?;
     let init = if !cfg.model.init_from.is_empty() && (resume_from.is_none() || cfg.lora.rank > 0) {
-        let m = run::load_base(Path::new(&cfg.model.init_from))?;
-        let (mc, hc) = (&mut cfg.model, &m.cfg);
-        (mc.n_expert, mc.top_k, mc.n_shared_expert) = (hc.n_expert, hc.top_k, hc.n_shared_expert);
-        mc.arch = hc.arch;
-        (mc.n_layer, mc.n_head, mc.n_kv_head, mc.n_embd, mc.ffn_hidden, mc.block_size, mc.vocab_size, mc.bias, mc.tied_embeddings) =
-            (hc.n_layer, hc.n_head, hc.n_kv_head, hc.n_embd, hc.ffn_hidden, hc.block_size, hc.vocab_size, hc.bias, hc.tied_embeddings);
-        (mc.rope_theta, mc.norm_eps) = (hc.rope_theta as f64, hc.norm_eps as f64);
+        let base_dir = Path::new(&cfg.model.init_from);
+        let m = run::load_base(base_dir)?;
+        let hf = !base_dir.join("config.toml").exists();
+        cfg = crate::config::adopt_base(&cfg, &m.cfg, hf, &explicit, &cfg.model.init_from)?;
+        // A base's context can be 131072 positions: train at most 1024 unless told.
+        if cfg.train.seq_len == 0 {
+            cfg.train.seq_len = cfg.model.block_size.min(1024);
+        }
         Some(m)
     } else {
         None
     };
+    if cfg.train.seq_len == 0 {
+        cfg.train.seq_len = cfg.model.block_size;
+    }
 
     crate::util::init_threads(cfg.train.threads);
 
     // 2. Data.
     // A resumed run keeps its tokenizer; a run started from another kiln run keeps that run's
     // (its token ids are what the base model knows).
+    // A base model's own tokenizer is the default; --tokenizer (data.tokenizer) overrides it.
     let tokenizer = match &resume_from {
         Some(l) => Some(Tokenizer::from_json(&l.tokenizer_json, &l.dir.join(Tokenizer::file_name_of_json(&l.tokenizer_json)))?),
-        None if !cfg.model.init_from.is_empty() => Tokenizer::find_in(Path::new(&cfg.model.init_from))?,
+        None if !cfg.model.init_from.is_empty() && !explicit.contains("data.tokenizer") => Tokenizer::find_in(Path::new(&cfg.model.init_from))?,
         None => None,
     };
     let ds = load_data(&cfg, tokenizer)?;

@@ -96,7 +96,7 @@ impl<'a> Rank<'a> {
         let run_dir = &ctx.run_dir;
         let (rank, world) = (comm.rank(), comm.size());
         let lead = rank == 0;
-        let (t, mb) = (cfg.model.block_size, cfg.micro_batch());
+        let (t, mb) = (cfg.seq_len(), cfg.micro_batch());
         let (tpn, ppn, vn, epn) = (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.virtual_stages, cfg.parallel.ep);
         let stages = cfg.stage_layers(ds.tokenizer.vocab_size())?;
         let strategy = parallel::apply::Strategy {
@@ -112,7 +112,7 @@ impl<'a> Rank<'a> {
         // the machine's cores is what in-process ranks split, so the peak is the machine's), for
         // the whole model's FLOPs.
         let peak = if lead { crate::bench::peak_flops() } else { f64::NAN };
-        let (flops_per_token, hw_flops_per_token, recompute) = (model_flops_per_token(&model), hardware_flops_per_token(&model), model.recompute);
+        let (flops_per_token, hw_flops_per_token, recompute) = (model_flops_per_token(&model, t), hardware_flops_per_token(&model, t), model.recompute);
         let mut resumed = resume_from.map(|l| read_resumed(l, &mut model)).transpose()?;
         // This rank's chunks: its pipeline stages' layers (the whole model without a pipeline),
         // each cut to this rank's tensor- or expert-parallel shard, behind its data-parallel
@@ -473,9 +473,10 @@ fn whole_model(ctx: &Ctx, lead: bool, pipelined: bool) -> Result<Gpt> {
     let (cfg, ds) = (&ctx.cfg, ctx.ds);
     let gcfg = cfg.gpt_config(ds.tokenizer.vocab_size());
     let init = if lead { ctx.init.lock().unwrap().take() } else { None };
+    let real_vocab = cfg.loss_vocab(ds.tokenizer.vocab_size());
     let from_base = |mut m: Gpt| {
         m.cfg.dropout = gcfg.dropout;
-        m.real_vocab = ds.tokenizer.vocab_size();
+        m.real_vocab = real_vocab;
         m
     };
     let mut model = match init {
@@ -483,8 +484,8 @@ fn whole_model(ctx: &Ctx, lead: bool, pipelined: bool) -> Result<Gpt> {
         // Tensor-parallel, expert-parallel and pipeline ranks each cut their part from the base.
         None if !cfg.model.init_from.is_empty() && (cfg.parallel.tp > 1 || pipelined || cfg.parallel.ep > 1) => from_base(run::load_base(Path::new(&cfg.model.init_from))?),
         // Other ranks receive rank 0's weights when the data-parallel store starts.
-        None if !cfg.model.init_from.is_empty() => Gpt::zeroed(gcfg.clone(), ds.tokenizer.vocab_size()),
-        None => Gpt::new(gcfg.clone(), ds.tokenizer.vocab_size(), cfg.train.seed),
+        None if !cfg.model.init_from.is_empty() => Gpt::zeroed(gcfg.clone(), real_vocab),
+        None => Gpt::new(gcfg.clone(), real_vocab, cfg.train.seed),
     };
     model.recompute = cfg.model.recompute;
     model.recompute_every = cfg.model.recompute_every;

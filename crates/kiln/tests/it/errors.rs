@@ -52,13 +52,13 @@ fn zero_and_negative_sizes() {
 }
 
 #[test]
-fn block_size_larger_than_the_data() {
+fn sequence_longer_than_the_data() {
     let d = scratch("block");
     let data = d.join("small.txt");
     fs::write(&data, "a very short text, only a few dozen bytes long at most.").unwrap();
     let out = d.join("run");
     let o = train(&data, &out, &[]);
-    assert_user_error(&o, &["model.block_size (16)", "small.txt"]);
+    assert_user_error(&o, &["train.seq_len (16)", "17 tokens", "small.txt"]);
     assert!(!out.exists());
 }
 

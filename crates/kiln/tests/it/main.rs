@@ -4,6 +4,7 @@ mod bench;
 mod common;
 mod errors;
 mod expert;
+mod hf_models;
 mod memory;
 mod obs;
 mod parallel;

@@ -500,3 +500,51 @@ fn gqa_backward_accumulates() {
         assert!(once.iter().any(|&x| x != 0.0));
     }
 }
+
+/// Sliding-window attention (Mistral): the flash kernel against the materialised reference
+/// with the same window, over tile shapes that put the window's edge inside, across and
+/// between tiles, every backward schedule; a window at least T long is plain causal attention,
+/// bit for bit.
+#[test]
+fn sliding_window_matches_materialised_reference() {
+    for &(t, window) in &[(24usize, 8usize), (23, 1), (23, 5), (65, 16), (40, 39)] {
+        for &(br, bc) in &[(4usize, 3usize), (8, 8), (64, 64), (1, 7)] {
+            for &nkv in &[1usize, 2] {
+                let d = GqaDims { window, ..gqa(2, t, 4, nkv, 8) };
+                let mut rng = Rng::new(t as u64 * 7 + window as u64 + br as u64 * 13 + nkv as u64);
+                let qkv = randn(&mut rng, d.b * t * d.qkv_width(), 1.5);
+                let dout = randn(&mut rng, d.b * t * d.c(), 1.0);
+                let tl = Tiles { br, bc };
+                let (o, _) = gqa_flash_fwd(&qkv, &d, 0.0, 0, tl);
+                let (ro, rg) = gqa_reference(&qkv, &dout, &d);
+                let eo = max_err(&o, &ro);
+                assert!(eo < 1e-5, "out T={t} W={window} tiles {br}x{bc} NKV={nkv}: err {eo}");
+                for sched in SCHEDULES {
+                    let e = max_err(&gqa_flash_bwd(&dout, &qkv, &d, 0.0, 0, tl, sched), &rg);
+                    assert!(e < 1e-5, "dqkv T={t} W={window} tiles {br}x{bc} NKV={nkv} {sched:?}: err {e}");
+                }
+            }
+        }
+    }
+    // The window changes the answer, and one of at least T positions does not.
+    let d = gqa(1, 20, 2, 1, 8);
+    let mut rng = Rng::new(77);
+    let qkv = randn(&mut rng, d.t * d.qkv_width(), 1.0);
+    let plain = gqa_flash_fwd(&qkv, &d, 0.0, 0, Tiles::default());
+    assert_eq!(plain, gqa_flash_fwd(&qkv, &GqaDims { window: 20, ..d }, 0.0, 0, Tiles::default()));
+    assert_ne!(plain.0, gqa_flash_fwd(&qkv, &GqaDims { window: 4, ..d }, 0.0, 0, Tiles::default()).0);
+}
+
+/// Finite differences through the windowed flash kernel, with and without dropout.
+#[test]
+fn sliding_window_gradients() {
+    for &(p, tiles) in &[(0.0f32, Tiles { br: 2, bc: 3 }), (0.25, Tiles { br: 3, bc: 2 }), (0.25, Tiles::default())] {
+        let d = GqaDims { window: 3, ..gqa(1, 7, 2, 1, 4) };
+        let mut rng = Rng::new(19);
+        let qkv = randn(&mut rng, d.b * d.t * d.qkv_width(), 1.0);
+        let dout = randn(&mut rng, d.b * d.t * d.c(), 1.0);
+        let fwd = |x: &[f32]| dot(&gqa_flash_fwd(x, &d, p, 5, tiles).0, &dout);
+        let g = gqa_flash_bwd(&dout, &qkv, &d, p, 5, tiles, Schedule::Auto);
+        check(&format!("flash window 3 (dropout={p}, {tiles:?}).dqkv"), &qkv, &g, fwd);
+    }
+}

@@ -281,6 +281,7 @@ fn gqa_attention_gradients() {
     gqa_check(GqaDims { b: 2, t: 5, nh: 4, nkv: 2, hs: 3, ..Default::default() }, 29); // groups of two
     gqa_check(GqaDims { b: 1, t: 6, nh: 3, nkv: 1, hs: 4, ..Default::default() }, 30); // multi-query
     gqa_check(GqaDims { b: 2, t: 4, nh: 2, nkv: 2, hs: 4, ..Default::default() }, 31); // multi-head
+    gqa_check(GqaDims { b: 1, t: 7, nh: 2, nkv: 1, hs: 4, window: 3, ..Default::default() }, 32); // sliding window
 }
 
 #[test]

@@ -1,0 +1,142 @@
+//! Real Hugging Face models in and out through the binary: a bf16 Qwen2 with its own
+//! tokenizer.json, `train.seq_len`, an honest `--init-from`, the loss over the model's whole
+//! vocabulary, and exports that carry the tokenizer and side files.
+
+use crate::common::*;
+use std::fs;
+use std::path::PathBuf;
+
+fn fixture(name: &str) -> PathBuf {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared").join(name);
+    assert!(p.exists(), "fixture {} not found", p.display());
+    p
+}
+
+#[test]
+fn qwen2_fine_tunes_with_its_own_tokenizer_and_exports_everything() {
+    let fx = fixture("fixtures/qwen2-tiny");
+    let text = fixture("data/tinyshakespeare.txt");
+    let d = scratch("qwen2");
+    let data = d.join("shakespeare.txt");
+    fs::write(&data, &fs::read_to_string(&text).unwrap()[..60_000]).unwrap();
+    let out = d.join("run");
+    let o = kiln(&["train", "--init-from", fx.to_str().unwrap(), "--data", data.to_str().unwrap(), "--out", out.to_str().unwrap(),
+        "--seq-len", "32", "--set", "train.batch_size=2", "--max-steps", "3", "--set", "eval.iters=1", "--set", "sample.tokens=4",
+        "--set", "model.dropout=0.0", "--quiet"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let cfg = fs::read_to_string(out.join("config.toml")).unwrap();
+    // The base's shape, its whole vocabulary in the loss, the sequence length asked for.
+    for want in ["qkv_bias = true", "vocab_size = 151936", "loss_vocab = 151936", "block_size = 128", "seq_len = 32", "tied_embeddings = true"] {
+        assert!(cfg.contains(want), "{want} missing: {cfg}");
+    }
+    // The run keeps the model's Hugging Face tokenizer under its own name.
+    let tok = fs::read_to_string(out.join("tokenizer.json")).unwrap();
+    assert_eq!(tok.trim_end(), fs::read_to_string(fx.join("tokenizer.json")).unwrap().trim_end());
+    // Export in bf16: weights, tokenizer, the source's tokenizer_config (chat template) and generation config.
+    let exp = d.join("export");
+    let o = kiln(&["export", "--run", out.to_str().unwrap(), "--out", exp.to_str().unwrap(), "--dtype", "bf16"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    for f in ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"] {
+        assert!(exp.join(f).exists(), "{f}");
+    }
+    let tc = fs::read_to_string(exp.join("tokenizer_config.json")).unwrap();
+    assert!(tc.contains("chat_template"), "{tc}");
+    let cj: serde_json::Value = serde_json::from_str(&fs::read_to_string(exp.join("config.json")).unwrap()).unwrap();
+    assert_eq!((cj["architectures"][0].as_str(), cj["dtype"].as_str()), (Some("Qwen2ForCausalLM"), Some("bfloat16")));
+    // The export evaluates like the run, on the same text through the same tokenizer, over the whole vocabulary.
+    let a = kiln(&["eval", "--run", out.to_str().unwrap(), "--data", data.to_str().unwrap(), "--seq-len", "32"]);
+    let e32 = d.join("export32");
+    assert!(kiln(&["export", "--run", out.to_str().unwrap(), "--out", e32.to_str().unwrap()]).status.success());
+    let b = kiln(&["eval", "--checkpoint", e32.to_str().unwrap(), "--data", data.to_str().unwrap(), "--seq-len", "32"]);
+    assert!(a.status.success() && b.status.success(), "{} {}", stderr(&a), stderr(&b));
+    let va: serde_json::Value = serde_json::from_str(stdout(&a).trim()).unwrap();
+    let vb: serde_json::Value = serde_json::from_str(stdout(&b).trim()).unwrap();
+    assert_eq!(va["val_loss"], vb["val_loss"]);
+    // Sharded: a 1 MB limit splits the 10 MB of weights, with an index; it loads back the same.
+    let sh = d.join("sharded");
+    let o = kiln(&["export", "--checkpoint", e32.to_str().unwrap(), "--out", sh.to_str().unwrap(), "--max-shard-size", "1MB"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(sh.join("model.safetensors.index.json").exists() && !sh.join("model.safetensors").exists());
+    let c = kiln(&["eval", "--checkpoint", sh.to_str().unwrap(), "--data", data.to_str().unwrap(), "--seq-len", "32"]);
+    let vc: serde_json::Value = serde_json::from_str(stdout(&c).trim()).unwrap();
+    assert_eq!(vb["val_loss"], vc["val_loss"]);
+}
+
+#[test]
+fn init_from_is_honest_about_the_base_models_settings() {
+    let fx = fixture("fixtures/gpt2-tiny");
+    let d = scratch("honest");
+    let data = corpus(&d);
+    let base = ["train", "--init-from", fx.to_str().unwrap(), "--data", data.to_str().unwrap(), "--set", "data.tokenizer=char",
+        "--set", "train.batch_size=2", "--max-steps", "2", "--set", "eval.iters=1", "--set", "sample.tokens=0", "--quiet"];
+    let run = |extra: &[&str], name: &str| {
+        let out = d.join(name);
+        let mut a = base.to_vec();
+        a.extend_from_slice(&["--out", out.to_str().unwrap()]);
+        a.extend_from_slice(extra);
+        (kiln(&a), out)
+    };
+    // A shape key set to something else than the base: refused, naming the key; nothing written.
+    let (o, out) = run(&["--set", "model.n_embd=32"], "shape");
+    assert_user_error(&o, &["model.n_embd = 32", "model.n_embd = 64", "--init-from"]);
+    assert!(!out.exists());
+    let (o, _) = run(&["--set", "model.block_size=32"], "block");
+    assert_user_error(&o, &["model.block_size", "train.seq_len"]);
+    // The same value as the base is fine; a sequence longer than its positions is not.
+    let (o, _) = run(&["--set", "model.n_embd=64", "--seq-len", "65"], "long");
+    assert_user_error(&o, &["train.seq_len (65)", "model.block_size (64)"]);
+    // A setting the base does not fix applies, and config.toml records what ran.
+    let (o, out) = run(&["--set", "model.n_embd=64", "--seq-len", "16"], "ok");
+    assert!(o.status.success(), "{}", stderr(&o));
+    let cfg = fs::read_to_string(out.join("config.toml")).unwrap();
+    assert!(cfg.contains("seq_len = 16") && cfg.contains("loss_vocab = 101"), "{cfg}");
+}
+
+#[test]
+fn bad_hugging_face_configs_are_refused_by_key() {
+    let d = scratch("hfbad");
+    let data = corpus(&d);
+    let fx = fixture("fixtures/llama31-tiny");
+    let bad = d.join("yarn");
+    fs::create_dir_all(&bad).unwrap();
+    for f in ["model.safetensors", "generation_config.json"] {
+        fs::copy(fx.join(f), bad.join(f)).unwrap();
+    }
+    let cfg = fs::read_to_string(fx.join("config.json")).unwrap().replace("\"llama3\"", "\"yarn\"");
+    fs::write(bad.join("config.json"), cfg).unwrap();
+    let out = d.join("run");
+    let o = kiln(&["train", "--init-from", bad.to_str().unwrap(), "--data", data.to_str().unwrap(), "--out", out.to_str().unwrap(), "--quiet"]);
+    assert_user_error(&o, &["config.json", "yarn", "rope_parameters"]);
+    assert!(!out.exists());
+    // A dtype kiln cannot read: the tensor and the dtype are named.
+    let cfg = fs::read_to_string(fx.join("config.json")).unwrap();
+    fs::write(bad.join("config.json"), cfg).unwrap();
+    let st = fs::read(fx.join("model.safetensors")).unwrap();
+    let header_len = u64::from_le_bytes(st[..8].try_into().unwrap()) as usize;
+    let header = String::from_utf8(st[8..8 + header_len].to_vec()).unwrap();
+    let mut patched = st.clone();
+    let h2 = header.replacen("\"BF16\"", "\"I16\" ", 1);
+    assert_eq!(h2.len(), header.len());
+    patched[8..8 + header_len].copy_from_slice(h2.as_bytes());
+    fs::write(bad.join("model.safetensors"), patched).unwrap();
+    let o = kiln(&["eval", "--checkpoint", bad.to_str().unwrap(), "--data", data.to_str().unwrap()]);
+    assert_user_error(&o, &["model.safetensors", "I16"]);
+}
+
+#[test]
+fn eval_of_a_token_file_of_exactly_one_window() {
+    let fx = fixture("fixtures/llama31-tiny");
+    let d = scratch("onewindow");
+    // 25 tokens: one window of 24 + 1, ids below the model's 211-row vocabulary, no tokenizer.
+    let toks: Vec<u16> = (0..25u16).map(|i| (i * 7) % 211).collect();
+    let f = d.join("tokens.bin");
+    fs::write(&f, toks.iter().flat_map(|t| t.to_le_bytes()).collect::<Vec<u8>>()).unwrap();
+    let o = kiln(&["eval", "--checkpoint", fx.to_str().unwrap(), "--data", f.to_str().unwrap(), "--seq-len", "24"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert_eq!((v["tokens"].as_u64(), v["loss_vocab"].as_u64()), (Some(24), Some(211)));
+    // An id the model has no row for is refused, naming the file.
+    fs::write(&f, [5u16, 300, 7].iter().flat_map(|t| t.to_le_bytes()).collect::<Vec<u8>>()).unwrap();
+    let o = kiln(&["eval", "--checkpoint", fx.to_str().unwrap(), "--data", f.to_str().unwrap(), "--seq-len", "1"]);
+    assert_user_error(&o, &[f.to_str().unwrap(), "300", "211"]);
+}
