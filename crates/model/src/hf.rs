@@ -272,11 +272,66 @@ pub fn export_hf(m: &Gpt, dir: &Path) -> Result<(), String> {
 /// `Qwen2ForCausalLM`, `MistralForCausalLM` or `MixtralForCausalLM`) into `dir`.
 pub fn export_hf_with(m: &Gpt, dir: &Path, opts: ExportOpts) -> Result<(), String> {
     std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    let c = &m.cfg;
+    let mut config = export_config(&m.cfg)?;
+    let dtype_name = match opts.dtype {
+        Dtype::F32 => "float32",
+        Dtype::BF16 => "bfloat16",
+        Dtype::F16 => "float16",
+        other => return Err(format!("export: dtype {other:?} is not supported (F32, BF16 or F16)")),
+    };
+    config["dtype"] = dtype_name.into();
+    write_weights(dir, export_tensors(m), opts)?;
+    let path = dir.join("config.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&config).unwrap()).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// Writes `data` (f32 bytes) in `opts.dtype` as `model.safetensors`, or as shards with an index
+/// above `opts.max_shard_bytes` (removing the other form's stale file).
+fn write_weights(dir: &Path, data: BTreeMap<String, (Vec<usize>, Vec<u8>)>, opts: ExportOpts) -> Result<(), String> {
+    // Each tensor in the chosen dtype, then packed into shards in name order.
+    let data: BTreeMap<String, (Vec<usize>, Vec<u8>)> = data.into_iter().map(|(n, (shape, b))| (n, (shape, narrow(&b, opts.dtype)))).collect();
+    let mut shards: Vec<Vec<&String>> = vec![Vec::new()];
+    let mut size = 0u64;
+    for (name, (_, b)) in &data {
+        if size > 0 && size + b.len() as u64 > opts.max_shard_bytes {
+            shards.push(Vec::new());
+            size = 0;
+        }
+        size += b.len() as u64;
+        shards.last_mut().unwrap().push(name);
+    }
+    let meta = Some(std::collections::HashMap::from([("format".to_string(), "pt".to_string())]));
+    let write = |name: &str, b: &[u8]| std::fs::write(dir.join(name), b).map_err(|e| format!("{}: {e}", dir.join(name).display()));
+    let n = shards.len();
+    let mut weight_map = serde_json::Map::new();
+    for (k, names) in shards.iter().enumerate() {
+        let file = if n == 1 { "model.safetensors".to_string() } else { format!("model-{:05}-of-{n:05}.safetensors", k + 1) };
+        let views: Vec<(String, TensorView)> =
+            names.iter().map(|&nm| (nm.clone(), TensorView::new(opts.dtype, data[nm].0.clone(), &data[nm].1).expect("shape matches"))).collect();
+        let bytes = safetensors::tensor::serialize(views, meta.clone()).map_err(|e| format!("export: {e}"))?;
+        write(&file, &bytes)?;
+        for &nm in names {
+            weight_map.insert(nm.clone(), file.clone().into());
+        }
+    }
+    let stale = ["model.safetensors", "model.safetensors.index.json"];
+    if n > 1 {
+        let total: usize = data.values().map(|(_, b)| b.len()).sum();
+        let index = json!({"metadata": {"total_size": total}, "weight_map": weight_map});
+        write("model.safetensors.index.json", serde_json::to_string_pretty(&index).unwrap().as_bytes())?;
+        let _ = std::fs::remove_file(dir.join(stale[0]));
+    } else {
+        let _ = std::fs::remove_file(dir.join(stale[1]));
+    }
+    Ok(())
+}
+
+/// The `config.json` of a model of config `c` (the class its features need).
+fn export_config(c: &GptConfig) -> Result<Value, String> {
     if c.n_shared_expert > 0 {
         return Err("export: shared experts have no Hugging Face Mixtral equivalent".into());
     }
-    let config = if c.arch == Arch::Llama {
+    Ok(if c.arch == Arch::Llama {
         if c.qkv_bias && c.is_moe() {
             return Err("export: q/k/v biases with experts have no Hugging Face equivalent".into());
         }
@@ -335,7 +390,12 @@ pub fn export_hf_with(m: &Gpt, dir: &Path, opts: ExportOpts) -> Result<(), Strin
         "attn_pdrop": 0.0, "embd_pdrop": 0.0, "resid_pdrop": 0.0, "scale_attn_weights": true,
         "bos_token_id": 50256, "eos_token_id": 50256, "dtype": "float32",
         })
-    };
+    })
+}
+
+/// Every tensor of `m` under its HF name, as little-endian f32 bytes with its HF shape.
+fn export_tensors(m: &Gpt) -> BTreeMap<String, (Vec<usize>, Vec<u8>)> {
+    let c = &m.cfg;
     let mut data: BTreeMap<String, (Vec<usize>, Vec<u8>)> = BTreeMap::new();
     for p in &m.layout.params {
         let src = &m.params[p.range()];
@@ -359,49 +419,6 @@ pub fn export_hf_with(m: &Gpt, dir: &Path, opts: ExportOpts) -> Result<(), Strin
         }
         data.insert("transformer.ln_f.bias".into(), zeros(cc));
     }
-    let dtype_name = match opts.dtype {
-        Dtype::F32 => "float32",
-        Dtype::BF16 => "bfloat16",
-        Dtype::F16 => "float16",
-        other => return Err(format!("export: dtype {other:?} is not supported (F32, BF16 or F16)")),
-    };
-    let mut config = config;
-    config["dtype"] = dtype_name.into();
-    // Each tensor in the chosen dtype, then packed into shards in name order.
-    let data: BTreeMap<String, (Vec<usize>, Vec<u8>)> = data.into_iter().map(|(n, (shape, b))| (n, (shape, narrow(&b, opts.dtype)))).collect();
-    let mut shards: Vec<Vec<&String>> = vec![Vec::new()];
-    let mut size = 0u64;
-    for (name, (_, b)) in &data {
-        if size > 0 && size + b.len() as u64 > opts.max_shard_bytes {
-            shards.push(Vec::new());
-            size = 0;
-        }
-        size += b.len() as u64;
-        shards.last_mut().unwrap().push(name);
-    }
-    let meta = Some(std::collections::HashMap::from([("format".to_string(), "pt".to_string())]));
-    let write = |name: &str, b: &[u8]| std::fs::write(dir.join(name), b).map_err(|e| format!("{}: {e}", dir.join(name).display()));
-    let n = shards.len();
-    let mut weight_map = serde_json::Map::new();
-    for (k, names) in shards.iter().enumerate() {
-        let file = if n == 1 { "model.safetensors".to_string() } else { format!("model-{:05}-of-{n:05}.safetensors", k + 1) };
-        let views: Vec<(String, TensorView)> =
-            names.iter().map(|&nm| (nm.clone(), TensorView::new(opts.dtype, data[nm].0.clone(), &data[nm].1).expect("shape matches"))).collect();
-        let bytes = safetensors::tensor::serialize(views, meta.clone()).map_err(|e| format!("export: {e}"))?;
-        write(&file, &bytes)?;
-        for &nm in names {
-            weight_map.insert(nm.clone(), file.clone().into());
-        }
-    }
-    let stale = ["model.safetensors", "model.safetensors.index.json"];
-    if n > 1 {
-        let total: usize = data.values().map(|(_, b)| b.len()).sum();
-        let index = json!({"metadata": {"total_size": total}, "weight_map": weight_map});
-        write("model.safetensors.index.json", serde_json::to_string_pretty(&index).unwrap().as_bytes())?;
-        let _ = std::fs::remove_file(dir.join(stale[0]));
-    } else {
-        let _ = std::fs::remove_file(dir.join(stale[1]));
-    }
-    write("config.json", serde_json::to_string_pretty(&config).unwrap().as_bytes())?;
-    Ok(())
+    data
 }
+

@@ -44,6 +44,9 @@ fn qwen2_fine_tunes_with_its_own_tokenizer_and_exports_everything() {
     let cj: serde_json::Value = serde_json::from_str(&fs::read_to_string(exp.join("config.json")).unwrap()).unwrap();
     assert_eq!((cj["architectures"][0].as_str(), cj["dtype"].as_str()), (Some("Qwen2ForCausalLM"), Some("bfloat16")));
     // The export evaluates like the run, on the same text through the same tokenizer, over the whole vocabulary.
+    let held = d.join("held.txt");
+    fs::write(&held, &fs::read_to_string(&text).unwrap()[100_000..103_000]).unwrap();
+    let data = held;
     let a = kiln(&["eval", "--run", out.to_str().unwrap(), "--data", data.to_str().unwrap(), "--seq-len", "32"]);
     let e32 = d.join("export32");
     assert!(kiln(&["export", "--run", out.to_str().unwrap(), "--out", e32.to_str().unwrap()]).status.success());

@@ -567,6 +567,6 @@ fn sequence_parallel_matches_one_rank_and_moves_what_tensor_parallel_moves() {
     let o = train(&data, &d.join("bad1"), &["--sequence-parallel"]);
     assert_user_error(&o, &["parallel.sequence_parallel needs tensor parallelism"]);
     let o = train(&data, &d.join("bad2"), &[&["--tp", "2", "--sequence-parallel", "--set", "model.block_size=15"], TP].concat());
-    assert_user_error(&o, &["parallel.tp = 2 does not divide the sequence length model.block_size = 15"]);
+    assert_user_error(&o, &["parallel.tp = 2 does not divide the sequence length train.seq_len = 15"]);
     assert!(!d.join("bad1").exists() && !d.join("bad2").exists());
 }
