@@ -37,6 +37,9 @@ pub struct ModelSection {
     /// Sliding-window attention (Mistral; llama arch): each position attends to itself and the
     /// `sliding_window - 1` before it; 0 = every earlier position.
     pub sliding_window: usize,
+    /// Width of each attention head when it is not `n_embd / n_head` (llama arch, transformers'
+    /// `head_dim`); 0 = `n_embd / n_head`.
+    pub head_dim: usize,
     pub norm_eps: f64,
     pub block_size: usize,
     /// 0 = from the tokenizer (rounded up to a multiple of 64 above 256 tokens: 50257 → 50304).
@@ -110,6 +113,9 @@ pub struct TrainSection {
     pub loss_scale_window: u64,
     /// fp8: steps of amax history behind each tensor's delayed scale.
     pub fp8_amax_history: usize,
+    /// Append each step's global batch (its token windows, `train.seq_len + 1` ids each) to
+    /// `RUN/batches.jsonl`, to replay the run elsewhere (`bench/compare_hf.py` does, in PyTorch).
+    pub record_batches: bool,
 }
 
 
@@ -305,6 +311,7 @@ pub fn adopt_base(cfg: &RunConfig, base: &model::GptConfig, hf: bool, explicit: 
     (mc.n_layer, mc.n_head, mc.n_kv_head, mc.n_embd, mc.ffn_hidden, mc.block_size, mc.vocab_size, mc.bias, mc.tied_embeddings) =
         (hc.n_layer, hc.n_head, hc.n_kv_head, hc.n_embd, hc.ffn_hidden, hc.block_size, hc.vocab_size, hc.bias, hc.tied_embeddings);
     (mc.rope_theta, mc.norm_eps, mc.qkv_bias, mc.sliding_window) = (hc.rope_theta as f64, hc.norm_eps as f64, hc.qkv_bias, hc.sliding_window);
+    mc.head_dim = hc.head_dim;
     set_rope_scaling(mc, hc.rope_scaling);
     (mc.n_expert, mc.top_k, mc.n_shared_expert) = (hc.n_expert, hc.top_k, hc.n_shared_expert);
     (mc.capacity_factor, mc.moe_aux_weight, mc.moe_z_weight) = (hc.capacity_factor as f64, hc.moe_aux_weight as f64, hc.moe_z_weight as f64);
@@ -424,7 +431,7 @@ impl Default for ModelSection {
         ModelSection {
             arch: model::config::Arch::Gpt2, n_layer: 4, n_head: 4, n_kv_head: 0, n_embd: 128, ffn_hidden: 0,
             rope_theta: defaults::ROPE_THETA, rope_scaling: RopeKind::None, rope_factor: 1.0, rope_low_freq_factor: 1.0,
-            rope_high_freq_factor: 4.0, rope_original_max_positions: 8192, qkv_bias: false, sliding_window: 0, norm_eps: defaults::NORM_EPS, block_size: 128, vocab_size: 0, loss_vocab: 0, bias: false,
+            rope_high_freq_factor: 4.0, rope_original_max_positions: 8192, qkv_bias: false, sliding_window: 0, head_dim: 0, norm_eps: defaults::NORM_EPS, block_size: 128, vocab_size: 0, loss_vocab: 0, bias: false,
             dropout: 0.0, tied_embeddings: true, init_from: String::new(), n_expert: 0, top_k: defaults::TOP_K,
             n_shared_expert: 0, capacity_factor: 0.0, moe_aux_weight: defaults::MOE_AUX_WEIGHT, moe_z_weight: defaults::MOE_Z_WEIGHT,
             recompute: model::Recompute::None, recompute_every: 1,
@@ -437,7 +444,7 @@ impl Default for TrainSection {
         TrainSection {
             batch_size: 16, seq_len: 0, grad_accum: 1, lr: 1e-3, min_lr: 1e-4, warmup_steps: 100, lr_decay_steps: 0, max_steps: 1000,
             weight_decay: 0.1, beta1: 0.9, beta2: 0.99, eps: 1e-8, grad_clip: 1.0, seed: 1337, threads: 0, log_interval: 10,
-            precision: model::Precision::Fp32, loss_scale: 65536.0, loss_scale_window: 1000, fp8_amax_history: 16,
+            precision: model::Precision::Fp32, loss_scale: 65536.0, loss_scale_window: 1000, fp8_amax_history: 16, record_batches: false,
         }
     }
 }
@@ -845,6 +852,7 @@ impl RunConfig {
             },
             qkv_bias: m.qkv_bias,
             sliding_window: m.sliding_window,
+            head_dim: m.head_dim,
             norm_eps: m.norm_eps as f32,
             n_expert: m.n_expert,
             top_k: m.top_k,
@@ -904,7 +912,7 @@ pub const STRUCTURAL_KEYS: &[&str] = &[
     "model.arch", "model.n_layer", "model.n_head", "model.n_kv_head", "model.n_embd", "model.ffn_hidden", "model.block_size",
     "model.vocab_size", "model.bias", "model.tied_embeddings", "model.rope_theta", "model.norm_eps", "model.init_from",
     "model.rope_scaling", "model.rope_factor", "model.rope_low_freq_factor", "model.rope_high_freq_factor",
-    "model.rope_original_max_positions", "model.qkv_bias", "model.sliding_window", "model.loss_vocab",
+    "model.rope_original_max_positions", "model.qkv_bias", "model.sliding_window", "model.loss_vocab", "model.head_dim",
     "model.n_expert", "model.top_k", "model.n_shared_expert",
     "lora.rank", "lora.targets", "data.tokenizer", "data.paths", "data.val_fraction",
 ];

@@ -118,6 +118,10 @@ pub struct GptConfig {
     /// `sliding_window - 1` before it; 0 = all earlier positions.
     #[serde(default)]
     pub sliding_window: usize,
+    /// Width of each attention head when it is not `n_embd / n_head` (llama arch, as
+    /// transformers' `head_dim`); 0 = `n_embd / n_head`.
+    #[serde(default)]
+    pub head_dim: usize,
     /// Epsilon of LayerNorm / RMSNorm.
     pub norm_eps: f32,
     /// Routed experts per MoE layer (0 = dense MLP). With experts, `ffn_hidden` is each
@@ -145,7 +149,7 @@ impl GptConfig {
     pub fn gpt2(n_layer: usize, n_head: usize, n_embd: usize, block_size: usize, vocab_size: usize, bias: bool, dropout: f32, tied: bool) -> GptConfig {
         GptConfig {
             arch: Arch::Gpt2, n_layer, n_head, n_kv_head: n_head, n_embd, ffn_hidden: 4 * n_embd, block_size, vocab_size,
-            bias, dropout, tied_embeddings: tied, rope_theta: defaults::ROPE_THETA as f32, rope_scaling: None, qkv_bias: false, sliding_window: 0, norm_eps: defaults::NORM_EPS as f32,
+            bias, dropout, tied_embeddings: tied, rope_theta: defaults::ROPE_THETA as f32, rope_scaling: None, qkv_bias: false, sliding_window: 0, head_dim: 0, norm_eps: defaults::NORM_EPS as f32,
             n_expert: 0, top_k: defaults::TOP_K, n_shared_expert: 0, capacity_factor: 0.0, moe_aux_weight: defaults::MOE_AUX_WEIGHT as f32,
             moe_z_weight: defaults::MOE_Z_WEIGHT as f32, place: Placement::default(),
         }
@@ -169,7 +173,10 @@ impl GptConfig {
                 return Err(format!("model.{key} must be positive, got 0"));
             }
         }
-        if self.n_embd % self.n_head != 0 {
+        if self.head_dim > 0 && self.arch != Arch::Llama {
+            return Err("model.head_dim needs model.arch = llama (GPT-2's heads are n_embd / n_head wide)".into());
+        }
+        if self.head_dim == 0 && self.n_embd % self.n_head != 0 {
             return Err(format!("model.n_embd ({}) must be divisible by model.n_head ({})", self.n_embd, self.n_head));
         }
         if self.n_head % self.n_kv_head != 0 {
@@ -179,7 +186,7 @@ impl GptConfig {
             return Err(format!("model.n_kv_head ({}) must equal model.n_head ({}) for arch gpt2 (grouped-query attention is a llama feature)", self.n_kv_head, self.n_head));
         }
         if self.arch == Arch::Llama && self.head_size() % 2 != 0 {
-            return Err(format!("model.n_embd / model.n_head = {} must be even for rotary embeddings", self.head_size()));
+            return Err(format!("the head width (model.head_dim, or model.n_embd / model.n_head) = {} must be even for rotary embeddings", self.head_size()));
         }
         if !(0.0..1.0).contains(&self.dropout) || self.dropout.is_nan() {
             return Err(format!("model.dropout must be in [0, 1), got {}", self.dropout));
@@ -220,6 +227,9 @@ impl GptConfig {
     }
 
     pub fn head_size(&self) -> usize {
+        if self.head_dim > 0 {
+            return self.head_dim;
+        }
         self.n_embd / self.place.heads.map_or(self.n_head, |h| h.total)
     }
 

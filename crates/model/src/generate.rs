@@ -45,7 +45,7 @@ impl Gpt {
         let c = self.cfg.n_embd;
         let f = self.cfg.ffn_hidden;
         Scratch {
-            x: vec![0.0; c], ln: vec![0.0; c], qkv: vec![0.0; self.cfg.qkv_width()], atty: vec![0.0; c], proj: vec![0.0; c], res: vec![0.0; c],
+            x: vec![0.0; c], ln: vec![0.0; c], qkv: vec![0.0; self.cfg.qkv_width()], atty: vec![0.0; self.cfg.attn_width()], proj: vec![0.0; c], res: vec![0.0; c],
             fch: vec![0.0; self.cfg.fc_width()], fch_gelu: vec![0.0; f], logits: vec![0.0; self.cfg.vocab_size], mean: [0.0], rstd: [0.0],
             moe: self.cfg.is_moe().then(|| tensor::moe::MoeCache::new(self.cfg.moe_dims(1))),
         }
@@ -83,7 +83,7 @@ impl Gpt {
             let kc = &cache.k[base..base + (pos + 1) * kw];
             let vc = &cache.v[base..base + (pos + 1) * kw];
             attention_decode(&mut s.atty, &s.qkv[..qc], kc, vc, &GqaDims { t: pos + 1, ..one });
-            matmul_forward(&mut s.proj, &s.atty, &w[bp.attn_proj_w.clone()], opt(&bp.attn_proj_b), 1, c, c);
+            matmul_forward(&mut s.proj, &s.atty, &w[bp.attn_proj_w.clone()], opt(&bp.attn_proj_b), 1, cfg.attn_width(), c);
             residual_forward(&mut s.res, &s.x, &s.proj);
             ops.norm_forward(&mut s.ln, &mut s.mean, &mut s.rstd, &s.res, &w[bp.ln_2_w.clone()], opt(&bp.ln_2_b));
             if let (Some(mp), Some(cache)) = (&bp.moe, s.moe.as_mut()) {

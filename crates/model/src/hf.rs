@@ -79,11 +79,11 @@ fn llama_config(cfg: &Value, origin: &Path, qkv_bias: bool) -> Result<GptConfig,
     }
     let n_embd = get_usize(cfg, "hidden_size", origin)?;
     let n_head = get_usize(cfg, "num_attention_heads", origin)?;
-    if let Some(hd) = cfg.get("head_dim").and_then(Value::as_u64) {
-        if hd as usize * n_head != n_embd {
-            return Err(format!("{}: head_dim {hd} × num_attention_heads {n_head} ≠ hidden_size {n_embd}; kiln needs them equal", origin.display()));
-        }
-    }
+    // transformers' head_dim; kiln keeps 0 when it is hidden_size / num_attention_heads.
+    let head_dim = match cfg.get("head_dim").and_then(Value::as_u64) {
+        Some(hd) if hd as usize * n_head != n_embd => hd as usize,
+        _ => 0,
+    };
     let (theta, rope_scaling) = rope_of(cfg, origin)?;
     let c = GptConfig {
         arch: Arch::Llama,
@@ -100,6 +100,7 @@ fn llama_config(cfg: &Value, origin: &Path, qkv_bias: bool) -> Result<GptConfig,
         rope_theta: theta,
         rope_scaling,
         qkv_bias,
+        head_dim,
         norm_eps: get_f32(cfg, "rms_norm_eps", 1e-6),
         ..GptConfig::gpt2(1, 1, 1, 1, 1, false, 0.0, false)
     };

@@ -237,12 +237,29 @@ impl<'a> Rank<'a> {
         self.finish()
     }
 
+    /// Appends step `self.step + 1`'s windows to `RUN/batches.jsonl` (`train.record_batches`).
+    fn record_batch(&self, offsets: &[usize]) -> Result<()> {
+        use std::io::Write;
+        let mut buf = vec![0u32; self.t + 1];
+        let windows: Vec<Vec<u32>> = offsets.iter().map(|&o| {
+            self.ds.train.copy_to(o, &mut buf);
+            buf.clone()
+        }).collect();
+        let path = self.run_dir.join("batches.jsonl");
+        let line = serde_json::json!({"step": self.step + 1, "lr": self.cfg.lr_at(self.step), "tokens": windows}).to_string() + "\n";
+        let mut f = std::fs::OpenOptions::new().create(true).append(true).open(&path).map_err(|e| io_err(&path, e))?;
+        f.write_all(line.as_bytes()).map_err(|e| io_err(&path, e))
+    }
+
     /// One optimizer step over the global batch (or, for a batch a rollback marked, only its
     /// draw, so the sampler stays in step with the uninterrupted run).
     fn train_one(&mut self) -> Result<Measured> {
         let (cfg, ds, t, rows) = (self.cfg, self.ds, self.t, self.rows);
         let lr = cfg.lr_at(self.step);
         let offsets = sample_offsets(&mut self.sampler, ds.train.len(), t, cfg.train.batch_size);
+        if cfg.train.record_batches && self.lead {
+            self.record_batch(&offsets)?;
+        }
         let counters = self.comm.counters();
         let before = counters.snapshot();
         // memory: the activation buffers, allocated under their tracking category (a no-op once they fit).

@@ -143,3 +143,16 @@ fn eval_of_a_token_file_of_exactly_one_window() {
     let o = kiln(&["eval", "--checkpoint", fx.to_str().unwrap(), "--data", f.to_str().unwrap(), "--seq-len", "1"]);
     assert_user_error(&o, &[f.to_str().unwrap(), "300", "211"]);
 }
+
+#[test]
+fn bad_export_flags_are_refused_before_anything_is_written() {
+    let fx = fixture("fixtures/gpt2-tiny");
+    let d = scratch("badexport");
+    let out = d.join("out");
+    let c = fx.to_str().unwrap();
+    let o = out.to_str().unwrap();
+    assert_user_error(&kiln(&["export", "--checkpoint", c, "--out", o, "--dtype", "fp8"]), &["--dtype", "fp8"]);
+    assert_user_error(&kiln(&["export", "--checkpoint", c, "--out", o, "--max-shard-size", "lots"]), &["--max-shard-size"]);
+    assert_user_error(&kiln(&["export", "--checkpoint", c, "--out", o, "--format", "peft"]), &["--format peft", "--run"]);
+    assert!(!out.exists());
+}

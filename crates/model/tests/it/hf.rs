@@ -5,8 +5,13 @@ use model::hf::{export_hf, import_hf};
 use model::Pass;
 use std::path::{Path, PathBuf};
 
-/// A `../shared/fixtures` directory; a missing one fails the test, naming its path.
+/// A `../shared/fixtures` directory (or one of this crate's own, `tests/fixtures`); a missing one
+/// fails the test, naming its path.
 fn fixture(name: &str) -> PathBuf {
+    let own = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name);
+    if own.exists() {
+        return own;
+    }
     let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/fixtures").join(name);
     assert!(p.exists(), "fixture {} not found", p.display());
     p
@@ -55,6 +60,26 @@ fn llama31_fixture_logits_and_loss_match_transformers() {
 #[test]
 fn mistral_fixture_logits_and_loss_match_transformers() {
     fixture_matches("mistral-tiny");
+}
+
+/// head_dim 12 with hidden_size 32 and 4 heads (tests/fixtures/llama-head-dim, made by its
+/// make.py with transformers).
+#[test]
+fn head_dim_other_than_hidden_over_heads_matches_transformers() {
+    fixture_matches("llama-head-dim");
+    export_reimport("llama-head-dim");
+    let mut m = import_hf(&fixture("llama-head-dim")).unwrap();
+    assert_eq!((m.cfg.head_size(), m.cfg.attn_width()), (12, 48));
+    // Decoding with the KV cache agrees with the full forward.
+    let row = tokens(&fixture("llama-head-dim"))[0].clone();
+    let full = m.forward_logits(&row, 1, row.len());
+    let mut cache = m.new_cache();
+    let vp = m.cfg.vocab_size;
+    for (i, &tok) in row.iter().enumerate() {
+        let step = m.decode_step(&mut cache, tok);
+        let err = step.iter().zip(&full[i * vp..(i + 1) * vp]).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        assert!(err < 1e-4, "position {i}: {err}");
+    }
 }
 
 #[test]
