@@ -284,11 +284,7 @@ pub struct FaultSection {
 pub fn user_keys(args: &TrainArgs) -> Result<std::collections::BTreeSet<String>> {
     let mut keys = std::collections::BTreeSet::new();
     if let Some(p) = &args.config {
-        let mut raw = Raw::new();
-        let text = std::fs::read_to_string(p).or_else(|e| user(format!("{}: cannot read config: {e}", p.display())))?;
-        let table: toml::Table = toml::from_str(&text).or_else(|e| user(format!("{}: invalid TOML: {}", p.display(), one_line(&e.to_string()))))?;
-        flatten("", &table, &mut raw);
-        keys.extend(raw.into_keys());
+        keys.extend(read_file(p)?.into_keys());
     }
     keys.extend(args.set.iter().filter_map(|kv| kv.split_once('=')).map(|(k, _)| k.trim().to_string()));
     keys.extend(args.flags.iter().map(|f| f.key.to_string()));
@@ -584,13 +580,18 @@ pub fn set_key(raw: &mut Raw, key: &str, value: toml::Value, origin: &str) -> Re
     Ok(())
 }
 
-/// Applies a TOML file's keys over `raw`.
-pub fn apply_file(raw: &mut Raw, path: &Path) -> Result<()> {
+/// A TOML config file's keys, flattened (not yet checked against the known keys).
+fn read_file(path: &Path) -> Result<Raw> {
     let text = std::fs::read_to_string(path).or_else(|e| user(format!("{}: cannot read config: {e}", path.display())))?;
     let table: toml::Table = toml::from_str(&text).or_else(|e| user(format!("{}: invalid TOML: {}", path.display(), one_line(&e.to_string()))))?;
     let mut flat = Raw::new();
     flatten("", &table, &mut flat);
-    for (k, v) in flat {
+    Ok(flat)
+}
+
+/// Applies a TOML file's keys over `raw`.
+pub fn apply_file(raw: &mut Raw, path: &Path) -> Result<()> {
+    for (k, v) in read_file(path)? {
         set_key(raw, &k, v, &path.display().to_string())?;
     }
     Ok(())

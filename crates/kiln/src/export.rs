@@ -99,12 +99,8 @@ pub fn peft(r: &SavedRun, out: &Path, dtype: safetensors::Dtype) -> Result<()> {
     std::fs::create_dir_all(out).map_err(|e| io_err(out, e))?;
     let mut data = Vec::new();
     for p in &layout.params {
-        let vals = &lo.params[p.range()];
-        let bytes: Vec<u8> = match dtype {
-            safetensors::Dtype::BF16 => vals.iter().flat_map(|&x| half::bf16::from_f32(x).to_le_bytes()).collect(),
-            safetensors::Dtype::F16 => vals.iter().flat_map(|&x| half::f16::from_f32(x).to_le_bytes()).collect(),
-            _ => vals.iter().flat_map(|x| x.to_le_bytes()).collect(),
-        };
+        let f32_bytes: Vec<u8> = lo.params[p.range()].iter().flat_map(|x| x.to_le_bytes()).collect();
+        let bytes = model::hf::narrow(&f32_bytes, dtype);
         data.push((format!("base_model.model.{}", p.name), p.shape.clone(), bytes));
     }
     let views: Vec<(String, safetensors::tensor::TensorView)> =

@@ -216,8 +216,8 @@ pub fn import_hf(dir: &Path) -> Result<Gpt, String> {
     Ok(m)
 }
 
-/// Little-endian f32 bytes stored as `dtype` (bf16 / f16 rounded to nearest even).
-fn narrow(f32_bytes: &[u8], dtype: Dtype) -> Vec<u8> {
+/// Little-endian f32 bytes stored as `dtype` (bf16 / f16 rounded to nearest even; F32 as is).
+pub fn narrow(f32_bytes: &[u8], dtype: Dtype) -> Vec<u8> {
     let vals = f32_bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
     match dtype {
         Dtype::BF16 => vals.flat_map(|x| half::bf16::from_f32(x).to_le_bytes()).collect(),
