@@ -66,7 +66,23 @@ pub fn attention_forward(
     dims: &AttnDims,
     dropout: AttnDropout,
 ) {
+    attention_forward_docs(out, att, qkv, dims, &[], dropout);
+}
+
+/// [`attention_forward`] over packed documents (see [`crate::flash`]): query `i` of row `b`
+/// attends keys `start[b·T + i] ..= i` only; [`attention_backward`] needs nothing more (the
+/// probabilities outside are 0). An empty `starts` is [`attention_forward`]. Overwrites `out`
+/// and `att`.
+pub fn attention_forward_docs(
+    out: &mut [f32],   // [B, T, C]
+    att: &mut [f32],   // [B, NH, T, T]  softmax probabilities (before dropout)
+    qkv: &[f32],       // [B, T, 3C]
+    dims: &AttnDims,
+    starts: &[u32],    // [B, T] or empty: each token's document start within its row
+    dropout: AttnDropout,
+) {
     let _p = crate::profile::scope("attention_forward");
+    crate::flash::check_starts(starts, dims.b, dims.t);
     let AttnDropout { p: dropout, seed } = dropout;
     let AttnDims { b, t, c, nh, .. } = *dims;
     let hs = dims.hs();
@@ -85,15 +101,18 @@ pub fn attention_forward(
         // S = q·kᵀ·scale   [T, T]
         unsafe { gemm_raw(a.as_mut_ptr(), t, false, q, k.t(), scale, Threads::One) };
         for i in 0..t {
+            let lo = if starts.is_empty() { 0 } else { starts[bi * t + i] as usize };
             let row = &mut a[i * t..(i + 1) * t];
-            let max = row[..=i].iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+            row[..lo].fill(0.0);
+            let live = &mut row[lo..=i];
+            let max = live.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
             let mut sum = 0.0f32;
-            for x in row[..=i].iter_mut() {
+            for x in live.iter_mut() {
                 *x = crate::simd::exp(*x - max);
                 sum += *x;
             }
             let inv = 1.0 / sum;
-            for x in row[..=i].iter_mut() {
+            for x in live.iter_mut() {
                 *x *= inv;
             }
             for x in row[i + 1..].iter_mut() {

@@ -12,7 +12,16 @@
 //! `q`, `k` and `lse`. Tiles entirely above the causal diagonal are skipped, only tiles that
 //! cross it are masked; under a sliding window (`GqaDims::window`, Mistral) so are the tiles
 //! wholly before it, and the rows' first valid key moves up, with no `T×T` mask either. Every tile product runs through gemm single-threaded inside a rayon
-//! task, so the pool never oversubscribes. Scratch is a few `TILE_Q × TILE_K` blocks per task;
+//! task, so the pool never oversubscribes.
+//!
+//! Packed documents (the `_docs` entry points): a row of `T` tokens may hold several documents
+//! back to back, given per token as `start[b·T + i]`, the index within row `b` of the first
+//! token of token `i`'s document (non-decreasing within a row, `start[i] ≤ i`). Query `i` then
+//! attends keys `max(first_key(i), start[i]) ..= i` (`first_key` the sliding window's). Since the
+//! first key is non-decreasing in `i`, a tile's first row bounds all of its rows: key tiles
+//! wholly before it are skipped in forward (and query tiles wholly past a key tile's document in
+//! backward), only crossing tiles are masked, row by row, with no `T×T` mask. No documents
+//! (an empty `start`) is exactly the kernel without them, bit for bit. Scratch is a few `TILE_Q × TILE_K` blocks per task;
 //! the buffers that grow with `T` are backward's `D[B, NH, T]` and, only for the GQA schedule
 //! [`Schedule::PerQueryHead`], per-query-head partial `dk`, `dv` (`2·B·NH·T·HS`, twice `out`).
 //!
@@ -106,6 +115,20 @@ pub fn flash_attention_forward(
     flash_attention_forward_tiled(out, lse, qkv, dims, dropout, Tiles::default());
 }
 
+/// [`flash_attention_forward`] over packed documents: query `i` of row `b` attends keys
+/// `start[b·T + i] ..= i` only, so `lse[b,h,i] = ln Σ_{start[i] ≤ j ≤ i} exp(q_i·k_j/√HS)`.
+/// An empty `starts` is [`flash_attention_forward`]. Overwrites `out` and `lse`.
+pub fn flash_attention_forward_docs(
+    out: &mut [f32],   // [B, T, C]
+    lse: &mut [f32],   // [B, NH, T]
+    qkv: &[f32],       // [B, T, 3C]
+    dims: &AttnDims,
+    starts: &[u32],    // [B, T] or empty: each token's document start within its row
+    dropout: AttnDropout,
+) {
+    flash_attention_forward_docs_tiled(out, lse, qkv, dims, starts, dropout, Tiles::default());
+}
+
 /// Backward of [`flash_attention_forward`], FlashAttention-2 style. Accumulates into `dqkv`.
 /// `out` and `lse` are the forward's outputs. [`flash_gqa_backward`] with `NKV == NH`.
 pub fn flash_attention_backward(
@@ -120,6 +143,22 @@ pub fn flash_attention_backward(
     flash_attention_backward_with(dqkv, dout, qkv, out, lse, dims, BwdOpts { dropout, ..BwdOpts::default() });
 }
 
+/// Backward of [`flash_attention_forward_docs`] (the same `starts`). Accumulates into `dqkv`.
+// Eight arguments: the backward's seven plus the document layout, kept flat like the others.
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attention_backward_docs(
+    dqkv: &mut [f32],  // [B, T, 3C]
+    dout: &[f32],      // [B, T, C]
+    qkv: &[f32],       // [B, T, 3C]
+    out: &[f32],       // [B, T, C]
+    lse: &[f32],       // [B, NH, T]
+    dims: &AttnDims,
+    starts: &[u32],    // [B, T] or empty
+    dropout: AttnDropout,
+) {
+    flash_attention_backward_docs_with(dqkv, dout, qkv, out, lse, dims, starts, BwdOpts { dropout, ..BwdOpts::default() });
+}
+
 /// Causal grouped-query attention, FlashAttention-2 forward: for query head `h` and its kv head
 /// `g = h / (NH/NKV)`, `out[b,t,h·HS..] = Σ_j dropout(softmax_j(q_h·k_gᵀ/√HS))·v_g,j` and
 /// `lse[b,h,t] = ln Σ_{j≤t} exp(q_h,t·k_g,j/√HS)`. Overwrites `out` and `lse`.
@@ -131,6 +170,21 @@ pub fn flash_gqa_forward(
     dropout: AttnDropout,
 ) {
     flash_gqa_forward_tiled(out, lse, qkv, dims, dropout, Tiles::default());
+}
+
+/// [`flash_gqa_forward`] over packed documents: query `i` of row `b` attends keys
+/// `max(first_key(i), start[b·T + i]) ..= i` (`first_key` of the sliding window, 0 without),
+/// and `lse` sums over those keys. An empty `starts` is [`flash_gqa_forward`]. Overwrites `out`
+/// and `lse`.
+pub fn flash_gqa_forward_docs(
+    out: &mut [f32],   // [B, T, C]
+    lse: &mut [f32],   // [B, NH, T]
+    qkv: &[f32],       // [B, T, W]
+    dims: &GqaDims,
+    starts: &[u32],    // [B, T] or empty: each token's document start within its row
+    dropout: AttnDropout,
+) {
+    flash_gqa_forward_docs_tiled(out, lse, qkv, dims, starts, dropout, Tiles::default());
 }
 
 /// Backward of [`flash_gqa_forward`]. Accumulates into `dqkv`; `out` and `lse` are the
@@ -148,10 +202,65 @@ pub fn flash_gqa_backward(
     flash_gqa_backward_with(dqkv, dout, qkv, out, lse, dims, BwdOpts { dropout, ..BwdOpts::default() });
 }
 
+/// Backward of [`flash_gqa_forward_docs`] (the same `starts`). Accumulates into `dqkv`, in the
+/// order [`flash_gqa_backward`] does.
+#[allow(clippy::too_many_arguments)] // as flash_attention_backward_docs
+pub fn flash_gqa_backward_docs(
+    dqkv: &mut [f32],  // [B, T, W]
+    dout: &[f32],      // [B, T, C]
+    qkv: &[f32],       // [B, T, W]
+    out: &[f32],       // [B, T, C]
+    lse: &[f32],       // [B, NH, T]
+    dims: &GqaDims,
+    starts: &[u32],    // [B, T] or empty
+    dropout: AttnDropout,
+) {
+    flash_gqa_backward_docs_with(dqkv, dout, qkv, out, lse, dims, starts, BwdOpts { dropout, ..BwdOpts::default() });
+}
+
 fn check_dims(dims: &GqaDims, tiles: Tiles, dropout: f32) {
     assert!(dims.nh > 0 && dims.nkv > 0 && dims.nh.is_multiple_of(dims.nkv), "NH must be a multiple of NKV");
     assert!(tiles.br > 0 && tiles.bc > 0, "tile sizes must be positive");
     assert!((0.0..1.0).contains(&dropout), "dropout p must be in [0, 1)");
+}
+
+/// Document starts are empty, or `[B, T]` with `start[i] ≤ i` and non-decreasing along each
+/// row (the tile skipping relies on it).
+pub(crate) fn check_starts(starts: &[u32], b: usize, t: usize) {
+    if starts.is_empty() {
+        return;
+    }
+    assert_eq!(starts.len(), b * t, "document starts must be [B, T] (or empty)");
+    for (bi, row) in starts.chunks(t).enumerate() {
+        let mut prev = 0;
+        for (i, &s) in row.iter().enumerate() {
+            assert!(s as usize <= i && s >= prev, "document start {s} of token {i} in row {bi}: starts must satisfy start[i] <= i and be non-decreasing along a row");
+            prev = s;
+        }
+    }
+}
+
+/// What a query row may see beyond causality: the keys of a sliding window (`window`, 0 = all)
+/// and of its own document (`starts`: the row's `[T]` document starts, empty = one document).
+#[derive(Clone, Copy)]
+struct Mask<'a> {
+    window: usize,
+    starts: &'a [u32],
+}
+
+impl<'a> Mask<'a> {
+    /// Batch row `bi`'s mask: `starts` is `[B, T]` or empty.
+    fn of(dims: &GqaDims, starts: &'a [u32], bi: usize) -> Mask<'a> {
+        let t = dims.t;
+        Mask { window: dims.window, starts: if starts.is_empty() { &[] } else { &starts[bi * t..(bi + 1) * t] } }
+    }
+
+    /// The first key query `gi` attends: `max(gi + 1 − window, start[gi])`, non-decreasing in `gi`.
+    #[inline]
+    fn first(self, gi: usize) -> usize {
+        let w = if self.window == 0 { 0 } else { (gi + 1).saturating_sub(self.window) };
+        self.starts.get(gi).map_or(w, |&s| w.max(s as usize))
+    }
 }
 
 /// Column offsets within one token's qkv row: query head `h`, and kv head `g`'s k and v.
@@ -184,12 +293,11 @@ fn valid_cols(gi: usize, j0: usize, ncols: usize) -> usize {
 }
 
 /// The valid key columns `lo..hi` of query row `gi` in a key tile starting at `j0`: causal, and
-/// under a sliding window (`window > 0`) not before `gi + 1 - window`.
+/// not before the row's first key ([`Mask::first`]: its sliding window's and its document's).
 #[inline]
-fn valid_range(gi: usize, j0: usize, ncols: usize, window: usize) -> (usize, usize) {
+fn valid_range(gi: usize, j0: usize, ncols: usize, mask: Mask) -> (usize, usize) {
     let hi = valid_cols(gi, j0, ncols);
-    let first = if window == 0 { 0 } else { (gi + 1).saturating_sub(window) };
-    (first.saturating_sub(j0).min(hi), hi)
+    (mask.first(gi).saturating_sub(j0).min(hi), hi)
 }
 
 /// Writes `mk[jj] = keep ? 1/(1-p) : 0` for the first `n` columns of a score row whose first
@@ -259,7 +367,20 @@ pub fn flash_attention_forward_tiled(
     dropout: AttnDropout,
     tiles: Tiles,
 ) {
-    flash_gqa_forward_tiled(out, lse, qkv, &dims.as_gqa(), dropout, tiles);
+    flash_gqa_forward_docs_tiled(out, lse, qkv, &dims.as_gqa(), &[], dropout, tiles);
+}
+
+#[doc(hidden)]
+pub fn flash_attention_forward_docs_tiled(
+    out: &mut [f32],   // [B, T, C]
+    lse: &mut [f32],   // [B, NH, T]
+    qkv: &[f32],       // [B, T, 3C]
+    dims: &AttnDims,
+    starts: &[u32],    // [B, T] or empty
+    dropout: AttnDropout,
+    tiles: Tiles,
+) {
+    flash_gqa_forward_docs_tiled(out, lse, qkv, &dims.as_gqa(), starts, dropout, tiles);
 }
 
 #[doc(hidden)]
@@ -271,9 +392,23 @@ pub fn flash_gqa_forward_tiled(
     dropout: AttnDropout,
     tiles: Tiles,
 ) {
+    flash_gqa_forward_docs_tiled(out, lse, qkv, dims, &[], dropout, tiles);
+}
+
+#[doc(hidden)]
+pub fn flash_gqa_forward_docs_tiled(
+    out: &mut [f32],   // [B, T, C]
+    lse: &mut [f32],   // [B, NH, T]
+    qkv: &[f32],       // [B, T, W]
+    dims: &GqaDims,
+    starts: &[u32],    // [B, T] or empty
+    dropout: AttnDropout,
+    tiles: Tiles,
+) {
     let _p = crate::profile::scope("flash_attention_forward");
     let AttnDropout { p: dropout, seed } = dropout;
     check_dims(dims, tiles, dropout);
+    check_starts(starts, dims.b, dims.t);
     let GqaDims { b, t, nh, nkv, hs, .. } = *dims;
     let (c, w, group) = (nh * hs, (nh + 2 * nkv) * hs, nh / nkv);
     let cols = Cols { nh, nkv, hs };
@@ -307,8 +442,9 @@ pub fn flash_gqa_forward_tiled(
         o[..rows * hs].fill(0.0);
         m[..rows].fill(f32::NEG_INFINITY);
         l[..rows].fill(0.0);
-        // Key tiles wholly before the first row's sliding window are skipped.
-        let mut j0 = dims.first_key(i0) / bc * bc;
+        // Key tiles wholly before the first row's sliding window or document are skipped.
+        let mask = Mask::of(dims, starts, bi);
+        let mut j0 = mask.first(i0) / bc * bc;
         while j0 < i0 + rows {
             // Key columns past the tile's last query row are all masked: trim them.
             let ncols = bc.min(i0 + rows - j0);
@@ -316,7 +452,7 @@ pub fn flash_gqa_forward_tiled(
             let v = View { off: base + j0 * w + cols.v(g), ..k };
             // S = q·kᵀ·scale   [rows, ncols], row stride bc
             unsafe { gemm_raw(s.as_mut_ptr(), bc, false, q, k.t(), scale, Threads::One) };
-            online_softmax_tile(s, bc, Tile { i0, rows, j0, ncols, window: dims.window }, m, l, alpha);
+            online_softmax_tile(s, bc, Tile { i0, rows, j0, ncols, mask }, m, l, alpha);
             for r in 0..rows {
                 if alpha[r] != 1.0 {
                     let a = alpha[r];
@@ -325,7 +461,7 @@ pub fn flash_gqa_forward_tiled(
             }
             if dropout > 0.0 {
                 for r in 0..rows {
-                    let (lo, hi) = valid_range(i0 + r, j0, ncols, dims.window);
+                    let (lo, hi) = valid_range(i0 + r, j0, ncols, mask);
                     dropout_row(mk, mask_base(dims.mask_bh(bh), t, i0 + r, j0 + lo), hi - lo, dropout, seed);
                     mul_into(&mut s[r * bc + lo..r * bc + hi], &mk[..hi - lo]);
                 }
@@ -352,25 +488,25 @@ pub fn flash_gqa_forward_tiled(
 }
 
 /// A score tile: query rows `i0 .. i0 + rows` against key columns `j0 .. j0 + ncols`, under
-/// a sliding window of `window` keys (0 = none).
+/// the row's sliding window and documents.
 #[derive(Clone, Copy)]
-struct Tile {
+struct Tile<'a> {
     i0: usize,
     rows: usize,
     j0: usize,
     ncols: usize,
-    window: usize,
+    mask: Mask<'a>,
 }
 
 crate::multiversion! {
     /// One online-softmax step over a score tile `s` (row stride `bc`): for each row, new max,
-    /// `s ← exp(s − m_new)` on the causal (and windowed) part (0 elsewhere), `l ← l·α + Σ s` with
+    /// `s ← exp(s − m_new)` on the causal (windowed, own-document) part (0 elsewhere), `l ← l·α + Σ s` with
     /// `α = exp(m_old − m_new)`; `m`, `l`, `alpha` are the tile's rows' running max, running sum
     /// and rescale factor.
-    fn online_softmax_tile(s: &mut [f32], bc: usize, tile: Tile, m: &mut [f32], l: &mut [f32], alpha: &mut [f32]) {
-        let Tile { i0, rows, j0, ncols, window } = tile;
+    fn online_softmax_tile(s: &mut [f32], bc: usize, tile: Tile<'_>, m: &mut [f32], l: &mut [f32], alpha: &mut [f32]) {
+        let Tile { i0, rows, j0, ncols, mask } = tile;
         for r in 0..rows {
-            let (lo, vr) = valid_range(i0 + r, j0, ncols, window);
+            let (lo, vr) = valid_range(i0 + r, j0, ncols, mask);
             let row = &mut s[r * bc..r * bc + ncols];
             if vr == lo {
                 row.fill(0.0);
@@ -403,6 +539,7 @@ struct BwdScratch {
 
 struct Ctx<'a> {
     dims: GqaDims,
+    starts: &'a [u32], // [B, T] document starts, or empty
     qkv: &'a [f32],
     dout: &'a [f32],
     lse: &'a [f32],
@@ -423,6 +560,12 @@ struct Ctx<'a> {
     seed: u64,
 }
 
+impl<'a> Ctx<'a> {
+    fn mask(&self, bi: usize) -> Mask<'a> {
+        Mask::of(&self.dims, self.starts, bi)
+    }
+}
+
 #[doc(hidden)]
 pub fn flash_attention_backward_with(
     dqkv: &mut [f32],  // [B, T, 3C]
@@ -433,7 +576,22 @@ pub fn flash_attention_backward_with(
     dims: &AttnDims,
     opts: BwdOpts,
 ) {
-    flash_gqa_backward_with(dqkv, dout, qkv, out, lse, &dims.as_gqa(), opts);
+    flash_gqa_backward_docs_with(dqkv, dout, qkv, out, lse, &dims.as_gqa(), &[], opts);
+}
+
+#[doc(hidden)]
+#[allow(clippy::too_many_arguments)] // as flash_attention_backward_docs
+pub fn flash_attention_backward_docs_with(
+    dqkv: &mut [f32],  // [B, T, 3C]
+    dout: &[f32],      // [B, T, C]
+    qkv: &[f32],       // [B, T, 3C]
+    out: &[f32],       // [B, T, C]
+    lse: &[f32],       // [B, NH, T]
+    dims: &AttnDims,
+    starts: &[u32],    // [B, T] or empty
+    opts: BwdOpts,
+) {
+    flash_gqa_backward_docs_with(dqkv, dout, qkv, out, lse, &dims.as_gqa(), starts, opts);
 }
 
 #[doc(hidden)]
@@ -446,9 +604,25 @@ pub fn flash_gqa_backward_with(
     dims: &GqaDims,
     opts: BwdOpts,
 ) {
+    flash_gqa_backward_docs_with(dqkv, dout, qkv, out, lse, dims, &[], opts);
+}
+
+#[doc(hidden)]
+#[allow(clippy::too_many_arguments)] // as flash_attention_backward_docs
+pub fn flash_gqa_backward_docs_with(
+    dqkv: &mut [f32],  // [B, T, W]
+    dout: &[f32],      // [B, T, C]
+    qkv: &[f32],       // [B, T, W]
+    out: &[f32],       // [B, T, C]
+    lse: &[f32],       // [B, NH, T]
+    dims: &GqaDims,
+    starts: &[u32],    // [B, T] or empty
+    opts: BwdOpts,
+) {
     let _p = crate::profile::scope("flash_attention_backward");
     let BwdOpts { dropout: AttnDropout { p: dropout, seed }, tiles, schedule } = opts;
     check_dims(dims, tiles, dropout);
+    check_starts(starts, dims.b, dims.t);
     let GqaDims { b, t, nh, nkv, hs, .. } = *dims;
     let (c, w, group) = (nh * hs, (nh + 2 * nkv) * hs, nh / nkv);
     assert_eq!(dqkv.len(), b * t * w);
@@ -470,7 +644,7 @@ pub fn flash_gqa_backward_with(
         }
     });
     let ctx = Ctx {
-        dims: *dims,
+        dims: *dims, starts,
         qkv, dout, lse, d: &d, dqkv: SyncPtr(dqkv.as_mut_ptr()),
         t, c, w, nh, nkv, group, hs, cols: Cols { nh, nkv, hs },
         br, bc, scale: 1.0 / (hs as f32).sqrt(), dropout, seed,
@@ -626,10 +800,11 @@ fn head_key_tile(x: &Ctx, sc: &mut BwdScratch, bi: usize, h: usize, jt: usize, d
     let j0 = jt * x.bc;
     let ncols = x.bc.min(t - j0);
     let k = View { data: x.qkv, off: base + j0 * w + cols.k(g), rows: ncols, cols: hs, rs: w, cs: 1 };
-    let window = x.dims.window;
+    let mask = x.mask(bi);
     let mut it = j0 / x.br;
-    // Under a sliding window, query tiles wholly past this key tile's reach are skipped.
-    while it * x.br < t && (window == 0 || it * x.br + 1 < j0 + ncols + window) {
+    // Query tiles whose first row's first key (sliding window, document) is past this key tile
+    // are skipped, and so are all later ones: the first key never decreases.
+    while it * x.br < t && mask.first(it * x.br) < j0 + ncols {
         let i0 = it * x.br;
         let rows = x.br.min(t - i0);
         tile_grads(x, sc, bh, i0, rows, j0, ncols);
@@ -676,7 +851,7 @@ fn query_tile(x: &Ctx, sc: &mut BwdScratch, bh: usize, it: usize) {
     // Safety: query tile (bh, it) is handled by exactly one task, the only writer of rows
     // i0..i0+rows of the q columns of head h of batch bi.
     let dq = unsafe { x.dqkv.0.add(base + i0 * w + cols.q(h)) };
-    let mut j0 = x.dims.first_key(i0) / x.bc * x.bc;
+    let mut j0 = x.mask(bi).first(i0) / x.bc * x.bc;
     while j0 < i0 + rows {
         let ncols = x.bc.min(t - j0);
         tile_grads(x, sc, bh, i0, rows, j0, ncols);
@@ -707,10 +882,11 @@ fn tile_grads(x: &Ctx, sc: &mut BwdScratch, bh: usize, i0: usize, rows: usize, j
     }
     let lse = &x.lse[bh * t + i0..bh * t + i0 + rows];
     let d = &x.d[bh * t + i0..bh * t + i0 + rows];
+    let mask = x.mask(bi);
     for r in 0..rows {
         let gi = i0 + r;
         // Columns lo..vr are valid: the row functions see the tile from `lo` on.
-        let (lo, vr) = valid_range(gi, j0, ncols, x.dims.window);
+        let (lo, vr) = valid_range(gi, j0, ncols, mask);
         let pr = &mut p[r * x.bc..r * x.bc + ncols];
         let dr = &mut ds[r * x.bc..r * x.bc + ncols];
         pr[..lo].fill(0.0);

@@ -24,7 +24,7 @@ pub mod profile;
 pub mod rng;
 pub mod simd;
 
-pub use attention::{attention_backward, attention_decode, attention_forward, AttnDims, AttnDropout};
+pub use attention::{attention_backward, attention_decode, attention_forward, attention_forward_docs, AttnDims, AttnDropout};
 pub use matmul::{matmul_backward, matmul_forward};
 pub use ops::*;
 pub use optim::{adamw_update, scale_in_place, sum_squares, AdamW};

@@ -148,7 +148,20 @@ pub fn rope_forward(
     pos_offset: usize,
 ) {
     let _p = crate::profile::scope("rope_forward");
-    rope_apply(qkv, cos, sin, dims, pos_offset, false);
+    rope_apply(qkv, cos, sin, dims, Positions::Offset(pos_offset), false);
+}
+
+/// [`rope_forward`] with explicit positions: token `(b, t)` rotated by position `pos[b·T + t]`
+/// (packed documents whose positions restart, or any ids below the table's `maxT`). In place.
+pub fn rope_forward_pos(
+    qkv: &mut [f32],   // [B, T, W]
+    cos: &[f32],       // [maxT, HS/2]
+    sin: &[f32],       // [maxT, HS/2]
+    dims: &GqaDims,
+    pos: &[u32],       // [B, T]  position id of each token, < maxT
+) {
+    let _p = crate::profile::scope("rope_forward");
+    rope_apply(qkv, cos, sin, dims, Positions::Ids(pos), false);
 }
 
 /// Backward of [`rope_forward`], in place: `dqkv` holds the gradient with respect to the
@@ -163,7 +176,28 @@ pub fn rope_backward(
     pos_offset: usize,
 ) {
     let _p = crate::profile::scope("rope_backward");
-    rope_apply(dqkv, cos, sin, dims, pos_offset, true);
+    rope_apply(dqkv, cos, sin, dims, Positions::Offset(pos_offset), true);
+}
+
+/// Backward of [`rope_forward_pos`] (the same `pos`), in place as [`rope_backward`].
+pub fn rope_backward_pos(
+    dqkv: &mut [f32],  // [B, T, W]
+    cos: &[f32],       // [maxT, HS/2]
+    sin: &[f32],       // [maxT, HS/2]
+    dims: &GqaDims,
+    pos: &[u32],       // [B, T]
+) {
+    let _p = crate::profile::scope("rope_backward");
+    rope_apply(dqkv, cos, sin, dims, Positions::Ids(pos), true);
+}
+
+/// Where each token's rotation angle comes from.
+#[derive(Clone, Copy)]
+enum Positions<'a> {
+    /// Token `(b, t)` at `offset + t`.
+    Offset(usize),
+    /// Token `(b, t)` at `ids[b·T + t]`.
+    Ids(&'a [u32]),
 }
 
 fn rope_apply(
@@ -171,7 +205,7 @@ fn rope_apply(
     cos: &[f32],       // [maxT, HS/2]
     sin: &[f32],       // [maxT, HS/2]
     dims: &GqaDims,
-    pos_offset: usize,
+    positions: Positions,
     inverse: bool,
 ) {
     let GqaDims { b, t, nh, nkv, hs, .. } = *dims;
@@ -180,12 +214,23 @@ fn rope_apply(
     let w = (nh + 2 * nkv) * hs;
     assert_eq!(x.len(), b * t * w);
     assert_eq!(cos.len(), sin.len());
-    assert!((pos_offset + t) * half <= cos.len(), "rope table shorter than pos_offset + T");
+    match positions {
+        Positions::Offset(off) => assert!((off + t) * half <= cos.len(), "rope table shorter than pos_offset + T"),
+        Positions::Ids(ids) => {
+            assert_eq!(ids.len(), b * t, "rope positions must be [B, T]");
+            let max_t = cos.len() / half.max(1);
+            assert!(ids.iter().all(|&p| (p as usize) < max_t), "a rope position is not below the table's {max_t} rows");
+        }
+    }
     // Rows of about ELEMS/4 floats per task: a row alone is too little work to schedule.
     let rows_per_task = (ELEMS / 4 / w.max(1)).max(1);
     x.par_chunks_mut(w * rows_per_task).enumerate().for_each(|(ci, rows)| {
         for (k, row) in rows.chunks_mut(w).enumerate() {
-            let pos = pos_offset + (ci * rows_per_task + k) % t;
+            let r = ci * rows_per_task + k;
+            let pos = match positions {
+                Positions::Offset(off) => off + r % t,
+                Positions::Ids(ids) => ids[r] as usize,
+            };
             let (c, s) = (&cos[pos * half..(pos + 1) * half], &sin[pos * half..(pos + 1) * half]);
             // q and k heads are contiguous: the first NH + NKV heads of the row.
             rope_row(&mut row[..(nh + nkv) * hs], c, s, hs, inverse);
@@ -351,7 +396,22 @@ pub fn gqa_attention_forward(
     qkv: &[f32],       // [B, T, W]
     dims: &GqaDims,
 ) {
+    gqa_attention_forward_docs(out, att, qkv, dims, &[]);
+}
+
+/// [`gqa_attention_forward`] over packed documents (see [`crate::flash`]): query `i` of row `b`
+/// attends keys `max(first_key(i), start[b·T + i]) ..= i` only. [`gqa_attention_backward`] needs
+/// nothing more (the probabilities outside are 0). An empty `starts` is
+/// [`gqa_attention_forward`]. Overwrites `out` and `att`.
+pub fn gqa_attention_forward_docs(
+    out: &mut [f32],   // [B, T, C]
+    att: &mut [f32],   // [B, NH, T, T]
+    qkv: &[f32],       // [B, T, W]
+    dims: &GqaDims,
+    starts: &[u32],    // [B, T] or empty: each token's document start within its row
+) {
     let _p = crate::profile::scope("gqa_attention_forward");
+    crate::flash::check_starts(starts, dims.b, dims.t);
     let GqaDims { b, t, nh, hs, .. } = *dims;
     let (c, w, group) = (dims.c(), dims.qkv_width(), dims.group());
     assert_eq!(out.len(), b * t * c);
@@ -370,8 +430,10 @@ pub fn gqa_attention_forward(
         let v = View { off: base + dims.v_off(g), ..q };
         // S = q·kᵀ·scale   [T, T]
         unsafe { gemm_raw(a.as_mut_ptr(), t, false, q, k.t(), scale, Threads::One) };
+        let starts = if starts.is_empty() { &[][..] } else { &starts[bi * t..(bi + 1) * t] };
         for i in 0..t {
-            causal_softmax_row(&mut a[i * t..(i + 1) * t], dims.first_key(i), i);
+            let lo = starts.get(i).map_or(dims.first_key(i), |&s| dims.first_key(i).max(s as usize));
+            causal_softmax_row(&mut a[i * t..(i + 1) * t], lo, i);
         }
         // Safety: task (bi, h) writes only rows of batch bi, columns h·HS..(h+1)·HS of `out`.
         let dst = unsafe { outp.0.add(bi * t * c + h * hs) };

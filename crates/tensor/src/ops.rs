@@ -20,7 +20,7 @@ pub fn embedding_forward(
 ) {
     let vp = wte.len() / c;
     assert!(tokens.iter().all(|&x| (x as usize) < vp), "token outside the vocabulary of {vp}");
-    embedding_forward_rows(out, tokens, wte, wpe, t, c, 0..vp);
+    embedding_forward_rows(out, tokens, wte, wpe, None, t, c, 0..vp);
 }
 
 /// Backward of [`embedding_forward`]. Accumulates into `dwte` and `dwpe`.
@@ -36,30 +36,63 @@ pub fn embedding_backward(
 ) {
     let vp = dwte.len() / c;
     assert!(tokens.iter().all(|&x| (x as usize) < vp), "token outside the vocabulary of {vp}");
-    embedding_backward_rows(dwte, dwpe, dout, tokens, t, c, 0..vp);
+    embedding_backward_rows(dwte, dwpe, dout, tokens, None, t, c, 0..vp);
 }
 
-/// `dwpe[pos] += Σ_b dout[b, pos]`, parallel over positions (each summed in batch order).
-fn position_backward(dwpe: &mut [f32], dout: &[f32], b: usize, t: usize, c: usize) {
-    dwpe[..t * c].par_chunks_mut(c).enumerate().for_each(|(pos, w)| {
-        for bi in 0..b {
-            let d = &dout[(bi * t + pos) * c..(bi * t + pos + 1) * c];
-            for (w, d) in w.iter_mut().zip(d) {
-                *w += d;
-            }
+/// `dwpe[p] += Σ dout[i]` over the tokens `i` at position `p` (`pos[i]`, or `i mod T`: then
+/// `Σ_b dout[b, p]`), parallel over positions, each position's sum in ascending token order
+/// (batch order), so the result depends neither on the thread count nor on `pos` being given
+/// when it equals `i mod T`.
+fn position_backward(dwpe: &mut [f32], dout: &[f32], pos: Option<&[u32]>, t: usize, c: usize) {
+    let add = |w: &mut [f32], i: usize| {
+        for (w, d) in w.iter_mut().zip(&dout[i * c..(i + 1) * c]) {
+            *w += d;
         }
-    });
+    };
+    let n = dout.len() / c;
+    let Some(pos) = pos else {
+        dwpe[..t * c].par_chunks_mut(c).enumerate().for_each(|(p, w)| (p..n).step_by(t).for_each(|i| add(w, i)));
+        return;
+    };
+    // The tokens grouped by position, ascending within each group (a counting sort).
+    let max_t = dwpe.len() / c;
+    let mut first = vec![0usize; max_t + 1];
+    for &p in pos {
+        first[p as usize + 1] += 1;
+    }
+    for k in 0..max_t {
+        first[k + 1] += first[k];
+    }
+    let (mut next, mut order) = (first.clone(), vec![0usize; n]);
+    for (i, &p) in pos.iter().enumerate() {
+        order[next[p as usize]] = i;
+        next[p as usize] += 1;
+    }
+    dwpe.par_chunks_mut(c).enumerate().for_each(|(p, w)| order[first[p]..first[p + 1]].iter().for_each(|&i| add(w, i)));
+}
+
+/// Explicit positions are one per token and index the positions table.
+fn check_positions(pos: Option<&[u32]>, n: usize, wpe_rows: usize) {
+    if let Some(pos) = pos {
+        assert_eq!(pos.len(), n, "positions must be [B, T]");
+        assert!(pos.iter().all(|&p| (p as usize) < wpe_rows), "a position is not below the positions table's {wpe_rows} rows");
+    }
 }
 
 /// [`embedding_forward`] with the vocabulary split over ranks (Megatron-LM's vocab-parallel
 /// embedding): `wte` holds rows `rows.start .. rows.end` of the whole table. A token in the
 /// range gets its embedding (plus the position's); any other token gets 0 — another rank
 /// writes it — so the sum over ranks is the whole embedding, exactly (adding zeros).
+/// Token `i` of the flat `[B, T]` takes position `pos[i]` when given (packed documents whose
+/// positions restart), else `i mod T`: `out[i] = wte[tokens[i]] + wpe[pos[i]]`.
+// Eight arguments: embedding_forward's six, the vocabulary rows and the optional positions.
+#[allow(clippy::too_many_arguments)]
 pub fn embedding_forward_rows(
-    out: &mut [f32],        // [B, T, C]
-    tokens: &[u32],         // [B, T]
-    wte: &[f32],            // [rows, C]
-    wpe: Option<&[f32]>,    // [maxT, C]
+    out: &mut [f32],          // [B, T, C]
+    tokens: &[u32],           // [B, T]
+    wte: &[f32],              // [rows, C]
+    wpe: Option<&[f32]>,      // [maxT, C]
+    pos: Option<&[u32]>,      // [B, T]  each token's position (< maxT); None: i mod T
     t: usize,
     c: usize,
     rows: std::ops::Range<usize>,
@@ -67,6 +100,9 @@ pub fn embedding_forward_rows(
     let _p = crate::profile::scope("embedding_forward");
     assert_eq!(out.len(), tokens.len() * c);
     assert_eq!(wte.len(), rows.len() * c);
+    if let Some(p) = wpe {
+        check_positions(pos, tokens.len(), p.len() / c);
+    }
     out.par_chunks_mut(c).enumerate().for_each(|(i, o)| {
         let tok = tokens[i] as usize;
         if !rows.contains(&tok) {
@@ -76,7 +112,7 @@ pub fn embedding_forward_rows(
         let e = &wte[(tok - rows.start) * c..(tok - rows.start + 1) * c];
         match wpe {
             Some(p) => {
-                let pos = i % t;
+                let pos = pos.map_or(i % t, |p| p[i] as usize);
                 for ((o, e), p) in o.iter_mut().zip(e).zip(&p[pos * c..(pos + 1) * c]) {
                     *o = e + p;
                 }
@@ -88,12 +124,15 @@ pub fn embedding_forward_rows(
 
 /// Backward of [`embedding_forward_rows`] for this rank's rows: `dwte` (`[rows, C]`)
 /// accumulates the gradients of the tokens in `rows`; `dwpe` every position's (the positions
-/// table is replicated, and `dout` is the whole gradient on every rank).
+/// table is replicated, and `dout` is the whole gradient on every rank), at positions `pos`
+/// (or `i mod T`) as forward. Accumulates; deterministic (see `position_backward`).
+#[allow(clippy::too_many_arguments)] // as embedding_forward_rows
 pub fn embedding_backward_rows(
     dwte: &mut [f32],            // [rows, C]
     dwpe: Option<&mut [f32]>,    // [maxT, C]
     dout: &[f32],                // [B, T, C]
     tokens: &[u32],              // [B, T]
+    pos: Option<&[u32]>,         // [B, T]  as forward's
     t: usize,
     c: usize,
     rows: std::ops::Range<usize>,
@@ -110,7 +149,8 @@ pub fn embedding_backward_rows(
         }
     }
     if let Some(dwpe) = dwpe {
-        position_backward(dwpe, dout, tokens.len() / t, t, c);
+        check_positions(pos, tokens.len(), dwpe.len() / c);
+        position_backward(dwpe, dout, pos, t, c);
     }
 }
 

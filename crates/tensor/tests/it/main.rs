@@ -1,5 +1,6 @@
 //! Integration tests for the kernels: one binary, modules per concern.
 mod common;
+mod docs;
 mod gradcheck;
 mod kernels;
 mod llama;
