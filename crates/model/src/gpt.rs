@@ -1,10 +1,13 @@
 //! The GPT-2 decoder (Radford et al. 2019; nanoGPT's `model.py`), pre-LayerNorm:
 //!
 //! ```text
-//! x = drop(wte[tokens] + wpe[0..T])
+//! x = drop(wte[tokens] + wpe[pos])          pos = 0..T, or per token (packed documents)
 //! for each block:  x = x + drop(attn(ln_1(x)));  x = x + drop(mlp(ln_2(x)))
 //! logits = ln_f(x) · headᵀ;   loss = mean cross-entropy(logits, targets)
 //! ```
+//!
+//! A row may pack several documents ([`Docs`]): attention then never crosses a document
+//! boundary and positions (`wpe`, rope) may restart per document.
 //!
 //! Forward keeps every activation backward needs, in buffers sized once per `(B, T)` — or,
 //! under a [`Recompute`] policy, only part of them (each block's input, for `Full`), and
@@ -23,13 +26,39 @@ use std::ops::Range;
 use tensor::attention::AttnDims;
 use tensor::classifier::{chunk_rows, lm_head_crossentropy, lm_head_crossentropy_vocab_parallel, HeadDims};
 use tensor::ops::{dropout_backward_rows, dropout_inplace_rows, RowMap};
-use tensor::flash::{flash_attention_backward, flash_attention_forward, flash_gqa_backward, flash_gqa_forward};
-use tensor::llama::{rmsnorm_backward, rmsnorm_forward, rope_backward, rope_forward, rope_table_from, swiglu_backward, swiglu_forward, GqaDims};
+use tensor::flash::{flash_attention_backward_docs, flash_attention_forward_docs, flash_gqa_backward_docs, flash_gqa_forward_docs};
+use tensor::llama::{rmsnorm_backward, rmsnorm_forward, rope_backward, rope_backward_pos, rope_forward, rope_forward_pos, rope_table_from, swiglu_backward, swiglu_forward, GqaDims};
 use tensor::rng::mix64;
 use tensor::*;
 
 /// Targets equal to this are ignored by the loss (PyTorch's default `ignore_index`).
 pub const IGNORE_INDEX: i32 = -100;
+
+/// The documents packed into a batch's rows, per token of the flat `[B, T]`: `start[b·T + i]`
+/// is the index within row `b` of the first token of token `i`'s document (non-decreasing along
+/// a row, `start[i] ≤ i`), `pos[b·T + i]` its position id, which rope or GPT-2's `wpe` use
+/// instead of `i` (`i − start[i]` when positions restart per document, `i` when not; any value
+/// below `block_size`). Attention (FlashAttention's tile loops, see `tensor::flash`) never
+/// crosses a document boundary: query `i` attends keys `start[i] ..= i` (within its sliding
+/// window, if any).
+#[derive(Clone, Copy, Debug)]
+pub struct Docs<'a> {
+    pub start: &'a [u32], // [B, T]
+    pub pos: &'a [u32],   // [B, T]
+}
+
+impl Docs<'_> {
+    /// Panics, naming the token, unless the layout fits `[B, T]` and `block_size`.
+    fn check(&self, b: usize, t: usize, block_size: usize) {
+        assert!(self.start.len() == b * t && self.pos.len() == b * t, "docs.start ({}) and docs.pos ({}) must have B·T = {} entries", self.start.len(), self.pos.len(), b * t);
+        for (k, (&s, &p)) in self.start.iter().zip(self.pos).enumerate() {
+            let (row, i) = (k / t, k % t);
+            assert!((p as usize) < block_size, "docs.pos of token {i} in row {row} is {p}, not below block_size {block_size}");
+            let prev = if i == 0 { 0 } else { self.start[k - 1] };
+            assert!(s as usize <= i && s >= prev, "docs.start of token {i} in row {row} is {s}: starts must satisfy start[i] <= i and be non-decreasing along a row");
+        }
+    }
+}
 
 /// What a forward pass is for.
 #[derive(Clone, Copy, Debug)]
@@ -233,6 +262,10 @@ struct Acts {
     losses: Vec<f32>,       // [B, T]
     tokens: Vec<u32>,
     targets: Vec<i32>,
+    /// The forward's [`Docs`] (`[B, T]` each; empty without documents), for backward and its
+    /// recomputation: a pipeline runs other micro-batches' forwards in between.
+    doc_start: Vec<u32>,
+    doc_pos: Vec<u32>,
     count: usize,
     dropout_seed: u64,
     /// The dropout probability of the last forward (0 for `Pass::Eval`).
@@ -439,7 +472,7 @@ impl Gpt {
             // The final norm and the head's buffers only where the head is (pipeline stages).
             ln_f: zeros(hl * c), ln_f_mean: zeros(hl), ln_f_rstd: zeros(hl),
             dln_f: zeros(hl * c), head_scratch: zeros(chunk_rows(hn, vp) * vp), losses: zeros(n),
-            tokens: vec![0; n], targets: vec![0; n], count: 0, dropout_seed: 0, p_drop: 0.0, loss_scale: 1.0, moe_stats: Vec::new(),
+            tokens: vec![0; n], targets: vec![0; n], doc_start: Vec::new(), doc_pos: Vec::new(), count: 0, dropout_seed: 0, p_drop: 0.0, loss_scale: 1.0, moe_stats: Vec::new(),
         });
         self.scratch = None;
     }
@@ -447,15 +480,27 @@ impl Gpt {
     /// Forward pass over `tokens[B, T]` with `targets[B, T]` (`IGNORE_INDEX` to skip a
     /// position). Returns the mean loss over counted targets.
     pub fn forward(&mut self, tokens: &[u32], targets: &[i32], b: usize, t: usize, pass: Pass) -> f32 {
+        self.forward_local(tokens, targets, None, b, t, pass)
+    }
+
+    /// [`Gpt::forward`] over rows of packed documents ([`Docs`]); the following backward uses
+    /// the same layout.
+    pub fn forward_docs(&mut self, tokens: &[u32], targets: &[i32], docs: Docs, b: usize, t: usize, pass: Pass) -> f32 {
+        self.forward_local(tokens, targets, Some(docs), b, t, pass)
+    }
+
+    fn forward_local(&mut self, tokens: &[u32], targets: &[i32], docs: Option<Docs>, b: usize, t: usize, pass: Pass) -> f32 {
         let (params, mut grads, units) = (std::mem::take(&mut self.params), std::mem::take(&mut self.grads), std::mem::take(&mut self.units));
-        let loss = self.forward_with(&mut Local { params: &params, grads: &mut grads, units: &units }, tokens, targets, b, t, pass);
+        let loss = self.forward_with(&mut Local { params: &params, grads: &mut grads, units: &units }, tokens, targets, docs, b, t, pass);
         (self.params, self.grads, self.units) = (params, grads, units);
         loss
     }
 
-    /// [`Gpt::forward`] reaching the parameters (and the head's gradients) through `store`;
-    /// the model's own `params` and `grads` are not touched.
-    pub fn forward_with(&mut self, store: &mut dyn UnitStore, tokens: &[u32], targets: &[i32], b: usize, t: usize, pass: Pass) -> f32 {
+    /// [`Gpt::forward`] (with `docs`: [`Gpt::forward_docs`]) reaching the parameters (and the
+    /// head's gradients) through `store`; the model's own `params` and `grads` are not touched.
+    /// The document layout is kept with the activations for the backward.
+    #[allow(clippy::too_many_arguments)] // the pass's inputs, its shape and kind: all needed
+    pub fn forward_with(&mut self, store: &mut dyn UnitStore, tokens: &[u32], targets: &[i32], docs: Option<Docs>, b: usize, t: usize, pass: Pass) -> f32 {
         assert_eq!(targets.len(), b * t);
         let (p_drop, seed, loss_scale) = match pass {
             Pass::Eval => (0.0, 0, None),
@@ -464,7 +509,7 @@ impl Gpt {
         let hu = self.unit_views.head_unit();
         let head_access = Access::Head { train: loss_scale.is_some() };
         let head = self.cfg.has_head();
-        self.trunk_forward(store, tokens, b, t, Dropout { p: p_drop, seed }, head.then_some((hu, head_access)));
+        self.trunk_forward(store, tokens, docs, b, t, Dropout { p: p_drop, seed }, head.then_some((hu, head_access)));
         let (c, vp, v) = (self.cfg.n_embd, self.cfg.vocab_size, self.real_vocab);
         let a = self.acts.as_mut().unwrap();
         a.loss_scale = loss_scale.unwrap_or(1.0);
@@ -522,7 +567,7 @@ impl Gpt {
     /// inference and tests, not for training.
     pub fn forward_logits(&mut self, tokens: &[u32], b: usize, t: usize) -> Vec<f32> {
         let (params, mut grads, units) = (std::mem::take(&mut self.params), std::mem::take(&mut self.grads), std::mem::take(&mut self.units));
-        self.trunk_forward(&mut Local { params: &params, grads: &mut grads, units: &units }, tokens, b, t, Dropout { p: 0.0, seed: 0 }, None);
+        self.trunk_forward(&mut Local { params: &params, grads: &mut grads, units: &units }, tokens, None, b, t, Dropout { p: 0.0, seed: 0 }, None);
         (self.params, self.grads, self.units) = (params, grads, units);
         let (c, vp) = (self.cfg.n_embd, self.cfg.vocab_size);
         let mut logits = vec![0.0; b * t * vp];
@@ -532,21 +577,32 @@ impl Gpt {
     }
 
     /// Embedding, blocks and the final norm; leaves `ln_f` in the activations. `then` is the
-    /// unit the caller acquires next (the head), for the store's prefetch.
-    fn trunk_forward(&mut self, store: &mut dyn UnitStore, tokens: &[u32], b: usize, t: usize, drop: Dropout, then: Option<(usize, Access)>) {
+    /// unit the caller acquires next (the head), for the store's prefetch. `docs` is kept in the
+    /// activations.
+    #[allow(clippy::too_many_arguments)] // forward_with's, less the targets, plus the dropout and prefetch
+    fn trunk_forward(&mut self, store: &mut dyn UnitStore, tokens: &[u32], docs: Option<Docs>, b: usize, t: usize, drop: Dropout, then: Option<(usize, Access)>) {
         assert!(t <= self.cfg.block_size, "sequence length {t} exceeds block_size");
         assert_eq!(tokens.len(), b * t);
+        if let Some(d) = &docs {
+            d.check(b, t, self.cfg.block_size);
+        }
         self.ensure_acts(b, t);
         let c = self.cfg.n_embd;
         let pv = &self.unit_views;
         let last = pv.blocks.len() + 1;
         let a = self.acts.as_mut().unwrap();
         a.tokens.copy_from_slice(tokens);
+        a.doc_start.clear();
+        a.doc_pos.clear();
+        if let Some(d) = &docs {
+            a.doc_start.extend_from_slice(d.start);
+            a.doc_pos.extend_from_slice(d.pos);
+        }
         a.dropout_seed = drop.seed;
         a.p_drop = drop.p;
         a.moe_stats.clear();
         let ops = Ops {
-            cfg: &self.cfg, rope: self.rope.as_ref(), b, t, drop, loss_scale: a.loss_scale,
+            cfg: &self.cfg, rope: self.rope.as_ref(), b, t, docs, drop, loss_scale: a.loss_scale,
             tp: RefCell::new(self.hooks.tensor.as_deref_mut()), ep: RefCell::new(self.hooks.experts.as_deref_mut()), lora: RefCell::new(self.lora.as_mut()),
             store: storage(self.precision), fp8: self.fp8.as_ref(), b0: self.cfg.place.batch_offset,
         };
@@ -555,16 +611,23 @@ impl Gpt {
         if self.cfg.has_embed() {
             let (w, _) = store.acquire(0, Access::Forward, Some((1, Access::Forward)));
             let wpe = pv.wpe.as_ref().map(|r| &w[r.clone()]);
+            let pos = docs.map(|d| d.pos);
             match ops.vocab_rows() {
                 // Vocab-parallel: this shard's rows' lookups, summed over the shards (`g`).
-                // Under sequence parallelism, reduce-scattered to this shard's positions.
+                // Under sequence parallelism, reduce-scattered to this shard's positions (the
+                // lookups cover the whole sequence, so do the positions).
                 Some(rows) if ops.sp() => {
-                    embedding_forward_rows(&mut a.full, tokens, &w[pv.wte.clone()], wpe, t, c, rows);
+                    embedding_forward_rows(&mut a.full, tokens, &w[pv.wte.clone()], wpe, pos, t, c, rows);
                     ops.scatter_seq(&mut a.full, &mut a.xs[0], None);
                 }
                 Some(rows) => {
-                    embedding_forward_rows(&mut a.xs[0], tokens, &w[pv.wte.clone()], wpe, t, c, rows);
+                    embedding_forward_rows(&mut a.xs[0], tokens, &w[pv.wte.clone()], wpe, pos, t, c, rows);
                     ops.tp_reduce_output(&mut a.xs[0], None);
+                }
+                None if pos.is_some() => {
+                    let vp = self.cfg.vocab_size;
+                    assert!(tokens.iter().all(|&x| (x as usize) < vp), "token outside the vocabulary of {vp}");
+                    embedding_forward_rows(&mut a.xs[0], tokens, &w[pv.wte.clone()], wpe, pos, t, c, 0..vp);
                 }
                 None => embedding_forward(&mut a.xs[0], tokens, &w[pv.wte.clone()], wpe, t, c),
             }
@@ -612,8 +675,10 @@ impl Gpt {
         let pv = &self.unit_views;
         let last = pv.blocks.len() + 1;
         let bwd = Access::Backward { params: true };
+        // The forward's document layout, for the attention (and rope) backward and recomputation.
+        let docs = (!a.doc_start.is_empty()).then_some(Docs { start: &a.doc_start, pos: &a.doc_pos });
         let ops = Ops {
-            cfg: &self.cfg, rope: self.rope.as_ref(), b, t, drop: Dropout { p: a.p_drop, seed: a.dropout_seed }, loss_scale: a.loss_scale,
+            cfg: &self.cfg, rope: self.rope.as_ref(), b, t, docs, drop: Dropout { p: a.p_drop, seed: a.dropout_seed }, loss_scale: a.loss_scale,
             tp: RefCell::new(self.hooks.tensor.as_deref_mut()), ep: RefCell::new(self.hooks.experts.as_deref_mut()), lora: RefCell::new(self.lora.as_mut()),
             store: storage(self.precision), fp8: self.fp8.as_ref(), b0: self.cfg.place.batch_offset,
         };
@@ -676,8 +741,10 @@ impl Gpt {
                 }
                 None => (&mut dw[pv.wte.clone()], None),
             };
+            let pos = docs.map(|d| d.pos);
             match ops.vocab_rows() {
-                Some(rows) => embedding_backward_rows(dwte, dwpe, demb, &a.tokens, t, c, rows),
+                Some(rows) => embedding_backward_rows(dwte, dwpe, demb, &a.tokens, pos, t, c, rows),
+                None if pos.is_some() => embedding_backward_rows(dwte, dwpe, demb, &a.tokens, pos, t, c, 0..self.cfg.vocab_size),
                 None => embedding_backward(dwte, dwpe, demb, &a.tokens, t, c),
             }
         }
@@ -693,7 +760,7 @@ impl Gpt {
     /// Bytes held by the forward activation buffers (0 before the first forward or
     /// [`Gpt::reserve_activations`]): the residual stream between blocks, the block activations
     /// (with their MoE caches, backward scratch included), the branch buffer, the final norm,
-    /// the head's logits chunk and `dln_f`, losses, tokens and targets. Not counted: backward's
+    /// the head's logits chunk and `dln_f`, losses, tokens, targets and the document layout. Not counted: backward's
     /// gradient scratch (one set, shared by all blocks in every policy) and LoRA's saved `x·Aᵀ`
     /// (`[B·T, r]` per adapter).
     pub fn activation_bytes(&self) -> usize {
@@ -807,6 +874,7 @@ fn acts_bytes(a: &Acts) -> usize {
         + [&a.ln_f, &a.ln_f_mean, &a.ln_f_rstd, &a.dln_f, &a.head_scratch, &a.losses].iter().map(|x| v(x)).sum::<usize>()
         + a.tokens.len() * 4
         + a.targets.len() * 4
+        + (a.doc_start.len() + a.doc_pos.len()) * 4
 }
 
 /// Where dropout applies. Each site draws its own mask stream from the step's seed, numbered
@@ -1152,6 +1220,8 @@ pub(crate) struct Ops<'a> {
     pub rope: Option<&'a (Vec<f32>, Vec<f32>)>,
     pub b: usize,
     pub t: usize,
+    /// The pass's packed documents (`None`: one document per row, positions `0..T`).
+    docs: Option<Docs<'a>>,
     /// The pass's dropout.
     drop: Dropout,
     /// The training pass's loss-gradient scale (the MoE router losses' weights use it).
@@ -1174,7 +1244,7 @@ impl<'a> Ops<'a> {
     /// The operators of single-token decoding on a whole model (no dropout, no precision).
     pub(crate) fn decode(cfg: &'a GptConfig, rope: Option<&'a (Vec<f32>, Vec<f32>)>) -> Ops<'a> {
         Ops {
-            cfg, rope, b: 1, t: 1, drop: Dropout { p: 0.0, seed: 0 }, loss_scale: 1.0,
+            cfg, rope, b: 1, t: 1, docs: None, drop: Dropout { p: 0.0, seed: 0 }, loss_scale: 1.0,
             tp: RefCell::new(None), ep: RefCell::new(None), lora: RefCell::new(None), store: None, fp8: None, b0: 0,
         }
     }
@@ -1346,12 +1416,21 @@ impl<'a> Ops<'a> {
         self.cfg.place.heads.map_or((0, 0), |h| (h.first, h.total))
     }
 
-    /// LLaMA: the rotary embedding of q and k, in place (nothing for GPT-2).
+    /// LLaMA: the rotary embedding of q and k, in place (nothing for GPT-2), at positions
+    /// `0..T` or the documents' `pos`.
     fn rope_forward(&self, qkv: &mut [f32]) {
         if self.cfg.arch == Arch::Llama {
             let (cos, sin) = self.rope.expect("llama has rotary tables");
-            rope_forward(qkv, cos, sin, &self.gqa(), 0);
+            match self.docs {
+                Some(d) => rope_forward_pos(qkv, cos, sin, &self.gqa(), d.pos),
+                None => rope_forward(qkv, cos, sin, &self.gqa(), 0),
+            }
         }
+    }
+
+    /// The documents' per-token starts for the attention kernels (empty: none).
+    fn doc_starts(&self) -> &'a [u32] {
+        self.docs.map_or(&[], |d| d.start)
     }
 
     fn attn_forward(&self, out: &mut [f32], state: &mut [f32], qkv: &[f32], site: DropSite) {
@@ -1360,9 +1439,9 @@ impl<'a> Ops<'a> {
             Arch::Gpt2 => {
                 let (head0, heads) = self.mask_heads();
                 let dims = AttnDims { b: self.b, t: self.t, c: cfg.attn_width(), nh: cfg.n_head, head0, heads, b0: self.b0 };
-                flash_attention_forward(out, state, qkv, &dims, drop);
+                flash_attention_forward_docs(out, state, qkv, &dims, self.doc_starts(), drop);
             }
-            Arch::Llama => flash_gqa_forward(out, state, qkv, &self.gqa(), drop),
+            Arch::Llama => flash_gqa_forward_docs(out, state, qkv, &self.gqa(), self.doc_starts(), drop),
         }
     }
 
@@ -1373,14 +1452,17 @@ impl<'a> Ops<'a> {
             Arch::Gpt2 => {
                 let (head0, heads) = self.mask_heads();
                 let dims = AttnDims { b: self.b, t: self.t, c: cfg.attn_width(), nh: cfg.n_head, head0, heads, b0: self.b0 };
-                flash_attention_backward(dqkv, dout, qkv, out, state, &dims, drop);
+                flash_attention_backward_docs(dqkv, dout, qkv, out, state, &dims, self.doc_starts(), drop);
             }
             Arch::Llama => {
                 // dqkv is zero on entry (the caller clears it), so the in-place inverse rotation
                 // after the accumulation is still an accumulation into zero.
-                flash_gqa_backward(dqkv, dout, qkv, out, state, &self.gqa(), drop);
+                flash_gqa_backward_docs(dqkv, dout, qkv, out, state, &self.gqa(), self.doc_starts(), drop);
                 let (cos, sin) = self.rope.expect("llama has rotary tables");
-                rope_backward(dqkv, cos, sin, &self.gqa(), 0);
+                match self.docs {
+                    Some(d) => rope_backward_pos(dqkv, cos, sin, &self.gqa(), d.pos),
+                    None => rope_backward(dqkv, cos, sin, &self.gqa(), 0),
+                }
             }
         }
     }
