@@ -1,4 +1,5 @@
 //! Integration tests for the model crate.
+mod docs;
 mod gpt;
 mod hf;
 mod lora;
