@@ -581,7 +581,7 @@ impl<'b> Executor<'b> {
                 let loss_scale = if global[task.mb] > 0.0 { (s * counts[task.mb] / global[task.mb] / m as f64) as f32 } else { 0.0 };
                 let pass = Pass::Train { dropout_seed: dropout_seed(self.cfg.train.seed, self.step, task.mb), loss_scale };
                 let _p = profile::scope("forward");
-                ch.model.forward_with(&mut ch.dp, x, y, rows, t, pass);
+                ch.model.forward_with(&mut ch.dp, x, y, None, rows, t, pass);
             } else {
                 ch.dp.begin_micro(task.mb + 1 == m);
                 let _p = profile::scope("backward");

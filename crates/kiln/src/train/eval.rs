@@ -34,7 +34,7 @@ pub fn evaluate(m: &mut Gpt, toks: &Tokens, t: usize, batch: usize, max_batches:
 pub fn eval_sums(m: &mut Gpt, mut store: Option<&mut dyn model::UnitStore>, toks: &Tokens, eb: EvalBatches) -> (f64, usize) {
     eval_batches(toks, eb, |x, y| {
         match store.as_deref_mut() {
-            Some(s) => m.forward_with(s, x, y, eb.batch, eb.t, Pass::Eval),
+            Some(s) => m.forward_with(s, x, y, None, eb.batch, eb.t, Pass::Eval),
             None => m.forward(x, y, eb.batch, eb.t, Pass::Eval),
         };
         m.losses().iter().map(|&l| l as f64).sum::<f64>()
@@ -54,7 +54,7 @@ pub(super) fn eval_sums_pipeline(chunks: &mut [Chunk], pp: &dyn Comm, me: usize,
             if vs > 0 {
                 pp.recv(ch.model.stage_input_mut(batch, t), (vs - 1) % p, (1 << 20) + vs as u32);
             }
-            ch.model.forward_with(&mut ch.dp, x, y, batch, t, Pass::Eval);
+            ch.model.forward_with(&mut ch.dp, x, y, None, batch, t, Pass::Eval);
             if vs + 1 < p * v {
                 pp.send(ch.model.stage_output(), (vs + 1) % p, (1 << 20) + vs as u32 + 1);
             } else {

@@ -48,7 +48,7 @@ fn parts(s: Strategy) -> Vec<(f32, Vec<f32>)> {
         let r = rank * rows * T..(rank + 1) * rows * T;
         // Each data-parallel rank's share of the mean loss's gradient (equal target counts).
         let pass = Pass::Train { dropout_seed: 1, loss_scale: 1.0 / dp as f32 };
-        let loss = part.model.forward_with(&mut part.dp, &x[r.clone()], &y[r], rows, T, pass);
+        let loss = part.model.forward_with(&mut part.dp, &x[r.clone()], &y[r], None, rows, T, pass);
         part.dp.begin_micro(true);
         part.model.backward_with(&mut part.dp);
         part.dp.finish_backward();
