@@ -12,6 +12,7 @@ use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::AddedToken;
 
 use crate::error::DataError;
+use crate::template::ChatTemplate;
 
 /// A loaded `tokenizer.json`: the tokenizer, and the JSON it came from (written back verbatim,
 /// so an export carries exactly the file the user brought).
@@ -20,7 +21,27 @@ pub struct HfTokenizer {
     inner: Arc<tokenizers::Tokenizer>,
     json: Arc<str>,
     vocab: usize,
+    config: TokConfig,
 }
+
+/// The file beside `tokenizer.json` that names its special tokens and chat template.
+pub const HF_TOKENIZER_CONFIG_FILE: &str = "tokenizer_config.json";
+
+/// What a `tokenizer_config.json` says about documents: the BOS a document starts with (when
+/// `add_bos_token`), the EOS it ends with, and the chat template. Without the file, the EOS is
+/// the first special token among the usual end-of-text names.
+#[derive(Clone, Debug, Default)]
+pub struct TokConfig {
+    /// The file's text, written back verbatim beside `tokenizer.json`.
+    pub json: Option<Arc<str>>,
+    pub bos: Option<u32>,
+    pub eos: Option<u32>,
+    pub add_bos: bool,
+    pub template: Option<ChatTemplate>,
+}
+
+/// End-of-text tokens, by the names models use, when no config names one.
+const EOS_NAMES: [&str; 5] = ["<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>"];
 
 impl HfTokenizer {
     /// Parses a `tokenizer.json`; `origin` names the file in errors.
@@ -34,7 +55,64 @@ impl HfTokenizer {
         // Ids run from 0 to the largest id of the model's vocabulary or the added tokens.
         let added = inner.get_added_tokens_decoder().keys().map(|&id| id as usize + 1).max().unwrap_or(0);
         let vocab = inner.get_vocab_size(false).max(added);
-        HfTokenizer { inner: Arc::new(inner), json, vocab }
+        let mut t = HfTokenizer { inner: Arc::new(inner), json, vocab, config: TokConfig::default() };
+        t.config.eos = EOS_NAMES.iter().find_map(|n| t.special_id(n));
+        t
+    }
+
+    fn special_id(&self, name: &str) -> Option<u32> {
+        self.special_tokens().into_iter().find(|(_, s)| s == name).map(|(id, _)| id)
+    }
+
+    /// This tokenizer with the `tokenizer_config.json` text `json` (`origin` names it in errors):
+    /// its `bos_token`, `eos_token`, `add_bos_token` and `chat_template` (a string, or a list of
+    /// `{name, template}` of which `default` is taken).
+    pub fn with_config(mut self, json: &str, origin: &Path) -> Result<HfTokenizer, DataError> {
+        let v: serde_json::Value = serde_json::from_str(json).map_err(|e| DataError::at(origin, format!("not valid JSON: {e}")))?;
+        let token = |key: &str| -> Result<Option<(String, u32)>, DataError> {
+            let name = match &v[key] {
+                serde_json::Value::String(s) => s.clone(),
+                serde_json::Value::Object(o) => match o.get("content") {
+                    Some(serde_json::Value::String(s)) => s.clone(),
+                    _ => return Err(DataError::at(origin, format!("`{key}` has no string \"content\""))),
+                },
+                serde_json::Value::Null => return Ok(None),
+                x => return Err(DataError::at(origin, format!("`{key}` is {x}, not a token string"))),
+            };
+            let id = self.token_to_id(&name).ok_or_else(|| DataError::at(origin, format!("`{key}` is {name:?}, which is not in the tokenizer's vocabulary")))?;
+            Ok(Some((name, id)))
+        };
+        let (bos, eos) = (token("bos_token")?, token("eos_token")?);
+        let add_bos = match &v["add_bos_token"] {
+            serde_json::Value::Bool(b) => *b,
+            serde_json::Value::Null => false,
+            x => return Err(DataError::at(origin, format!("`add_bos_token` is {x}, not true or false"))),
+        };
+        if add_bos && bos.is_none() {
+            return Err(DataError::at(origin, "`add_bos_token` is true but there is no `bos_token`"));
+        }
+        let source = match &v["chat_template"] {
+            serde_json::Value::String(s) => Some(s.clone()),
+            serde_json::Value::Array(list) => list.iter().find(|t| t["name"] == "default").and_then(|t| t["template"].as_str()).map(str::to_string),
+            _ => None,
+        };
+        let name = |t: &Option<(String, u32)>| t.as_ref().map_or(String::new(), |(n, _)| n.clone());
+        let template = match source {
+            Some(src) => Some(ChatTemplate::new(&src, &name(&bos), &name(&eos)).map_err(|e| DataError::at(origin, e))?),
+            None => None,
+        };
+        self.config = TokConfig {
+            json: Some(json.trim_end().into()),
+            bos: bos.map(|b| b.1),
+            eos: eos.map(|e| e.1).or(self.config.eos),
+            add_bos,
+            template,
+        };
+        Ok(self)
+    }
+
+    pub fn config(&self) -> &TokConfig {
+        &self.config
     }
 
     /// The `tokenizer.json` text.
@@ -64,6 +142,15 @@ impl HfTokenizer {
         self.inner
             .encode(text, false)
             .map(|e| e.get_ids().to_vec())
+            .map_err(|e| DataError::new(format!("tokenizer cannot encode the text: {}", one_line(&e.to_string()))))
+    }
+
+    /// `text`'s ids with the special tokens its post-processor adds (a Llama 3 BOS), and each
+    /// token's byte range in `text` (when `offsets`).
+    pub fn encode_full(&self, text: &str, special: bool) -> Result<(Vec<u32>, Vec<(usize, usize)>), DataError> {
+        self.inner
+            .encode(text, special)
+            .map(|e| (e.get_ids().to_vec(), e.get_offsets().to_vec()))
             .map_err(|e| DataError::new(format!("tokenizer cannot encode the text: {}", one_line(&e.to_string()))))
     }
 

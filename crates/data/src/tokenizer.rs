@@ -329,15 +329,44 @@ impl Tokenizer {
     }
 
     /// Writes the tokenizer into directory `dir` under [`Tokenizer::file_name`]; returns the path.
+    /// (A Hugging Face tokenizer's `tokenizer_config.json` beside it, when it came with one.)
     pub fn save_in(&self, dir: &Path) -> Result<std::path::PathBuf, DataError> {
         let path = dir.join(self.file_name());
         self.save(&path)?;
+        if let Tokenizer::Hf(h) = self {
+            if let Some(json) = &h.config().json {
+                let p = dir.join(crate::hf::HF_TOKENIZER_CONFIG_FILE);
+                std::fs::write(&p, format!("{json}\n")).map_err(|e| DataError::io(&p, "cannot write", e))?;
+            }
+        }
         Ok(path)
     }
 
+    /// Reads a tokenizer file; a Hugging Face one with the `tokenizer_config.json` beside it, when
+    /// there is one (its BOS/EOS and chat template).
     pub fn load(path: &Path) -> Result<Tokenizer, DataError> {
         let s = std::fs::read_to_string(path).map_err(|e| DataError::io(path, "cannot read tokenizer", e))?;
-        Tokenizer::from_json(&s, path)
+        Tokenizer::from_json(&s, path)?.with_config_in(path.parent().unwrap_or(Path::new(".")))
+    }
+
+    /// A Hugging Face tokenizer with the `tokenizer_config.json` of `dir`, when there is one.
+    pub fn with_config_in(self, dir: &Path) -> Result<Tokenizer, DataError> {
+        let cfg = dir.join(crate::hf::HF_TOKENIZER_CONFIG_FILE);
+        match self {
+            Tokenizer::Hf(h) if cfg.is_file() => {
+                let text = std::fs::read_to_string(&cfg).map_err(|e| DataError::io(&cfg, "cannot read", e))?;
+                h.with_config(&text, &cfg).map(Tokenizer::Hf)
+            }
+            t => Ok(t),
+        }
+    }
+
+    /// The `tokenizer_config.json` text a Hugging Face tokenizer came with.
+    pub fn config_json(&self) -> Option<&str> {
+        match self {
+            Tokenizer::Hf(h) => h.config().json.as_deref(),
+            _ => None,
+        }
     }
 
     /// The tokenizer stored in directory `dir`: its `tokenizer.json` (a Hugging Face model's, or
@@ -356,5 +385,110 @@ impl Tokenizer {
     /// `"char, vocab 65"`: for descriptions and error messages.
     pub fn describe(&self) -> String {
         format!("{}, vocab {}", self.kind(), self.vocab_size())
+    }
+}
+
+/// A document's tokens, and which of them carry loss.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Encoded {
+    pub ids: Vec<u32>,
+    /// `mask[i] = 1` when token `i` carries loss as a prediction target (SFT: assistant and
+    /// completion tokens); `None`: every token does.
+    pub mask: Option<Vec<u8>>,
+}
+
+/// What separates documents when the tokenizer has no end-of-text token (`byte`, `char`): the
+/// text kiln always joined files with.
+pub const SEPARATOR: &str = "\n\n";
+
+impl Tokenizer {
+    /// The end-of-text token a document ends with: GPT-2's `<|endoftext|>`, a Hugging Face
+    /// tokenizer's `eos_token`; `None` for `byte` and `char`.
+    pub fn eos_id(&self) -> Option<u32> {
+        match self {
+            Tokenizer::Gpt2(_) => Some(GPT2_VOCAB as u32 - 1),
+            Tokenizer::Hf(h) => h.config().eos,
+            _ => None,
+        }
+    }
+
+    /// The BOS a document starts with, when the tokenizer's config adds one.
+    pub fn bos_id(&self) -> Option<u32> {
+        match self {
+            Tokenizer::Hf(h) if h.config().add_bos => h.config().bos,
+            _ => None,
+        }
+    }
+
+    /// Tokenizes one document on its own. Text and prompt/completion documents get the
+    /// tokenizer's BOS (when its config adds one, or its post-processor does) and EOS; with no
+    /// EOS (`byte`, `char`) a document after the first starts with [`SEPARATOR`] instead, so the
+    /// stream is the files joined as before. A chat is exactly `apply_chat_template`'s ids (the
+    /// template writes its own BOS and end-of-turn tokens), with loss on the assistant turns;
+    /// prompt/completion is `prompt`'s ids then `completion`'s, with loss on the completion and
+    /// the EOS.
+    pub fn encode_doc(&self, doc: &crate::docs::Doc, first: bool) -> Result<Encoded, DataError> {
+        use crate::docs::Doc;
+        let (bos, eos) = (self.bos_id(), self.eos_id());
+        let sep = |ids: &mut Vec<u32>, mask: Option<&mut Vec<u8>>| -> Result<(), DataError> {
+            if eos.is_none() && !first {
+                let s = self.encode(SEPARATOR)?;
+                if let Some(m) = mask {
+                    m.extend(std::iter::repeat_n(0, s.len()));
+                }
+                ids.extend(s);
+            }
+            Ok(())
+        };
+        let body = |text: &str| -> Result<Vec<u32>, DataError> {
+            let mut ids = match self {
+                Tokenizer::Hf(h) => h.encode_full(text, true)?.0,
+                _ => self.encode(text)?,
+            };
+            if let Some(b) = bos {
+                if ids.first() != Some(&b) {
+                    ids.insert(0, b);
+                }
+            }
+            Ok(ids)
+        };
+        match doc {
+            Doc::Text(text) => {
+                let mut ids = Vec::new();
+                sep(&mut ids, None)?;
+                ids.extend(body(text)?);
+                if let Some(e) = eos {
+                    if ids.last() != Some(&e) {
+                        ids.push(e);
+                    }
+                }
+                Ok(Encoded { ids, mask: None })
+            }
+            Doc::Pair { prompt, completion } => {
+                let (mut ids, mut mask) = (Vec::new(), Vec::new());
+                sep(&mut ids, Some(&mut mask))?;
+                let p = body(prompt)?;
+                mask.extend(std::iter::repeat_n(0, p.len()));
+                ids.extend(p);
+                let c = self.encode(completion)?;
+                mask.extend(std::iter::repeat_n(1, c.len()));
+                ids.extend(c);
+                if let Some(e) = eos {
+                    ids.push(e);
+                    mask.push(1);
+                }
+                Ok(Encoded { ids, mask: Some(mask) })
+            }
+            Doc::Chat(messages) => {
+                let Tokenizer::Hf(h) = self else {
+                    return Err(DataError::new(format!("data.format = \"chat\" needs a Hugging Face tokenizer with a chat_template, not {}", self.kind())));
+                };
+                let t = h.config().template.as_ref().ok_or_else(|| DataError::new("data.format = \"chat\": the tokenizer has no chat_template (tokenizer_config.json)"))?;
+                let (text, spans) = t.render_spans(messages).map_err(DataError::new)?;
+                let (ids, offsets) = h.encode_full(&text, false)?;
+                let mask = offsets.iter().map(|&(s, e)| spans.iter().any(|r| s < r.end && e > r.start) as u8).collect();
+                Ok(Encoded { ids, mask: Some(mask) })
+            }
+        }
     }
 }

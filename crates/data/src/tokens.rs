@@ -9,7 +9,8 @@ use memmap2::Mmap;
 #[derive(Clone)]
 enum Backing {
     Owned(Arc<Vec<u32>>),
-    /// `width` bytes per token (2 or 4), little endian, starting at byte `offset` of the map.
+    /// `width` bytes per token (1, 2 or 4), little endian, starting at byte `offset` of the map
+    /// (width 1: a loss mask).
     Mapped { map: Arc<Mmap>, offset: usize, width: usize },
 }
 
@@ -29,7 +30,7 @@ impl Tokens {
 
     /// `len` tokens of `width` (2 or 4) bytes at `offset` in `map`. The caller has checked the size.
     pub(crate) fn mapped(map: Arc<Mmap>, offset: usize, width: usize, len: usize) -> Tokens {
-        assert!(width == 2 || width == 4, "token width must be 2 or 4, got {width}");
+        assert!(width == 1 || width == 2 || width == 4, "token width must be 1, 2 or 4, got {width}");
         assert!(offset + width * len <= map.len(), "mapped token range exceeds the file");
         Tokens { backing: Backing::Mapped { map, offset, width }, start: 0, len }
     }
@@ -54,6 +55,7 @@ impl Tokens {
         let j = self.start + i;
         match &self.backing {
             Backing::Owned(v) => v[j],
+            Backing::Mapped { map, offset, width: 1 } => map[offset + j] as u32,
             Backing::Mapped { map, offset, width: 2 } => {
                 let o = offset + 2 * j;
                 u16::from_le_bytes([map[o], map[o + 1]]) as u32
@@ -76,6 +78,12 @@ impl Tokens {
         let j = self.start + start;
         match &self.backing {
             Backing::Owned(v) => out.copy_from_slice(&v[j..j + out.len()]),
+            Backing::Mapped { map, offset, width: 1 } => {
+                let n = out.len();
+                for (o, &b) in out.iter_mut().zip(&map[offset + j..offset + j + n]) {
+                    *o = b as u32;
+                }
+            }
             Backing::Mapped { map, offset, width: 2 } => {
                 let bytes = &map[offset + 2 * j..offset + 2 * (j + out.len())];
                 for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
@@ -146,6 +154,7 @@ impl fmt::Debug for Tokens {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let kind = match &self.backing {
             Backing::Owned(_) => "in memory",
+            Backing::Mapped { width: 1, .. } => "mapped u8",
             Backing::Mapped { width: 2, .. } => "mapped u16",
             Backing::Mapped { .. } => "mapped u32",
         };

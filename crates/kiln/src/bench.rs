@@ -122,8 +122,8 @@ pub fn bench(args: &BenchArgs) -> Result<serde_json::Value> {
             let _ = tensor::profile::take();
         }
         let t0 = Instant::now();
-        train_step(&mut chunks, &mut pipe, &cfg, s as u64, |_, x, y| {
-            for (xi, yi) in x.iter_mut().zip(y.iter_mut()) {
+        train_step(&mut chunks, &mut pipe, &cfg, s as u64, |_, b| {
+            for (xi, yi) in b.x.iter_mut().zip(b.y.iter_mut()) {
                 *xi = rng.below(real_vocab as u64) as u32;
                 *yi = rng.below(real_vocab as u64) as i32;
             }

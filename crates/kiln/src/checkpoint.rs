@@ -37,6 +37,9 @@ pub struct TrainState {
     /// fp8's amax histories (one per block matmul tensor).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fp8_amax: Option<Vec<Vec<f32>>>,
+    /// The data loader's cursors (packed documents: where each source's stream stands).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loader: Option<crate::train::LoaderState>,
 }
 
 #[derive(Serialize, Deserialize)]

@@ -1,12 +1,14 @@
-//! `kiln data prepare` and `kiln tokenizer train | encode | decode`.
+//! `kiln data prepare | inspect` and `kiln tokenizer train | encode | decode`.
 
 use crate::error::{KilnError, Result};
 use clap::Subcommand;
+use std::io::IsTerminal;
 use std::path::PathBuf;
 
 #[derive(Subcommand)]
 pub enum DataCmd {
-    /// Tokenize inputs into memory-mapped token shards with a train/val split.
+    /// Tokenize text, jsonl(.gz/.zst) or parquet documents in parallel into memory-mapped
+    /// token shards with document boundaries (and SFT loss masks) and a train/val split.
     Prepare {
         #[arg(long, required = true)]
         input: Vec<PathBuf>,
@@ -18,6 +20,26 @@ pub enum DataCmd {
         out: PathBuf,
         #[arg(long, default_value_t = 0.1)]
         val_fraction: f64,
+        /// The JSON field / parquet column holding a text document.
+        #[arg(long, default_value = "text")]
+        text_field: String,
+        /// text, chat (`messages`, rendered by the tokenizer's chat template) or
+        /// prompt_completion.
+        #[arg(long, default_value = "text")]
+        format: String,
+        /// No progress bar.
+        #[arg(long)]
+        quiet: bool,
+    },
+    /// Print a prepared directory's first documents' ids, one {"doc", "split", "ids"} JSON line
+    /// each (with "loss_mask" when it has one).
+    Inspect {
+        dir: PathBuf,
+        #[arg(long, default_value_t = 3)]
+        docs: usize,
+        /// train or val.
+        #[arg(long, default_value = "train")]
+        split: String,
     },
 }
 
@@ -64,9 +86,63 @@ pub struct TextInput {
 /// Runs `kiln data …`.
 pub fn data_cmd(cmd: DataCmd) -> Result<()> {
     match cmd {
-        DataCmd::Prepare { input, tokenizer, out, val_fraction } => {
-            let rep = data::prepare(&input, &tokenizer, &out, val_fraction)?;
-            println!("{}", rep.description);
+        DataCmd::Prepare { input, tokenizer, out, val_fraction, text_field, format, quiet } => {
+            let format = <crate::config::Format as plan::policy::Names>::parse(&format).map_err(|m| KilnError::User(format!("--format: {m}")))?.0;
+            let opts = data::DocOpts { text_field, format };
+            let bar = (!quiet && std::io::stderr().is_terminal()).then(|| {
+                let b = indicatif::ProgressBar::new(0);
+                b.set_style(indicatif::ProgressStyle::with_template("{bar:30.cyan/blue} {bytes}/{total_bytes} {binary_bytes_per_sec} | {msg} | ETA {eta}").unwrap().progress_chars("=> "));
+                b
+            });
+            let started = std::time::Instant::now();
+            let mut last = 0.0;
+            let rep = data::prepare_with(&input, &tokenizer, &out, val_fraction, &opts, &mut |p| {
+                match &bar {
+                    Some(b) => {
+                        b.set_length(p.total_bytes);
+                        b.set_position(p.bytes);
+                        b.set_message(format!("{} documents", p.docs));
+                    }
+                    None if !quiet => {
+                        // Not a terminal: a plain line every 10 s.
+                        let s = started.elapsed().as_secs_f64();
+                        if s - last >= 10.0 {
+                            last = s;
+                            let rate = p.bytes as f64 / s.max(1e-9);
+                            let eta = (p.total_bytes.saturating_sub(p.bytes)) as f64 / rate.max(1.0);
+                            eprintln!("prepare: {} documents, {:.1} MB of {:.1} MB, {:.1} MB/s, ETA {}", p.docs, p.bytes as f64 / 1e6, p.total_bytes as f64 / 1e6, rate / 1e6, crate::progress::fmt_duration(eta));
+                        }
+                    }
+                    None => {}
+                }
+            });
+            if let Some(b) = &bar {
+                b.finish_and_clear();
+            }
+            let rep = rep?;
+            let s = started.elapsed().as_secs_f64();
+            println!("{} -> {} ({} train / {} val tokens, {:.1} s)", rep.description, rep.out.display(), rep.train_tokens, rep.val_tokens, s);
+            Ok(())
+        }
+        DataCmd::Inspect { dir, docs, split } => {
+            let ds = data::load_docs(&[dir.clone()], data::TokenizerChoice::Spec("auto"), 0.0, &data::DocOpts::default())?;
+            let s = match split.as_str() {
+                "train" => &ds.train,
+                "val" => &ds.val,
+                x => return Err(KilnError::User(format!("--split must be train or val, got `{x}`"))),
+            };
+            for d in 0..docs.min(s.docs.len()) {
+                let r = s.docs.range(d);
+                let mut ids = vec![0u32; r.len()];
+                s.tokens.copy_to(r.start, &mut ids);
+                let mut line = serde_json::json!({"doc": d, "split": split, "ids": ids});
+                if let Some(m) = &s.mask {
+                    let mut v = vec![0u32; r.len()];
+                    m.copy_to(r.start, &mut v);
+                    line["loss_mask"] = serde_json::json!(v);
+                }
+                println!("{line}");
+            }
             Ok(())
         }
     }

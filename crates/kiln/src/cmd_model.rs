@@ -54,6 +54,10 @@ pub struct EvalCli {
     /// one (default: the checkpoint directory's own tokenizer.json, else gpt2).
     #[arg(long)]
     pub tokenizer: Option<String>,
+    /// What the --data documents are: text, chat or prompt_completion (loss on the assistant
+    /// turns / completions only); default the run's data.format, else text.
+    #[arg(long)]
+    pub format: Option<String>,
 }
 
 #[derive(Args)]
@@ -98,25 +102,26 @@ pub fn eval(e: EvalCli) -> Result<()> {
     if t == 0 || t > m.cfg.block_size {
         return user(format!("--seq-len {t}: must be between 1 and the model's context ({})", m.cfg.block_size));
     }
+    // The run's documents, packing and loss masks, unless --format says otherwise.
+    let mut dcfg = run.as_ref().map_or_else(crate::config::RunConfig::default, |r| r.config.clone());
+    if let Some(f) = &e.format {
+        dcfg.data.format = <crate::config::Format as plan::policy::Names>::parse(f).map_err(|m| crate::error::KilnError::User(format!("--format: {m}")))?;
+    }
     let (toks, what) = match (&run, e.data.is_empty(), &tok) {
-        (Some(r), true, Some(tok)) => (train::load_data(&r.config, Some(tok.clone()))?.val, "validation split".to_string()),
+        (Some(r), true, Some(tok)) => (train::load_data(&r.config, Some(tok.clone()))?.val().clone(), "validation split".to_string()),
         (_, true, _) => return user("eval --checkpoint needs --data FILE"),
-        (_, false, None) => (data::load_token_files(&e.data, m.cfg.vocab_size, "the model's vocabulary")?, names(&e.data)),
-        (_, false, Some(tok)) => {
-            let ds = data::load_with(&e.data, tok.clone(), 0.5)?;
-            // Evaluate on everything given: the two halves, back to back.
-            let mut all = vec![0u32; ds.train.len() + ds.val.len()];
-            ds.train.copy_to(0, &mut all[..ds.train.len()]);
-            ds.val.copy_to(0, &mut all[ds.train.len()..]);
-            (data::Tokens::from_vec(all), names(&e.data))
-        }
+        (_, false, None) => (data::Split::plain(data::load_token_files(&e.data, m.cfg.vocab_size, "the model's vocabulary")?), names(&e.data)),
+        // Everything given is evaluated.
+        (_, false, Some(tok)) => (data::load_docs(&e.data, data::TokenizerChoice::Given(tok.clone()), 0.0, &train::doc_opts(&dcfg))?.train, names(&e.data)),
     };
     // One window is t + 1 tokens (t inputs, each predicting the next).
     if toks.len() < t + 1 {
         return user(format!("{what}: {} tokens, fewer than one window of {t} + 1", toks.len()));
     }
     let batch = run.as_ref().map_or(4, |r| r.config.micro_batch());
-    let (vl, n) = train::evaluate(&mut m, &toks, t, batch, 0);
+    let packed = dcfg.data.packing == crate::config::Packing::Documents;
+    let eb = train::EvalBatches { packed, reset_positions: dcfg.data.reset_positions, ..train::EvalBatches::windows(t, batch, 0) };
+    let (vl, n) = train::evaluate(&mut m, &toks, eb);
     let mut out = serde_json::json!({"val_loss": vl, "tokens": n, "seq_len": t, "data": what, "loss_vocab": m.real_vocab});
     if let Some(r) = &run {
         out["step"] = r.ckpt.state.step.into();

@@ -15,9 +15,20 @@ pub struct TrainCli {
     /// A TOML file of config keys (sections [model], [train], [eval], [checkpoint], [data], [sample]).
     #[arg(long)]
     pub config: Option<PathBuf>,
-    /// Text files, directories, .bin/.npy token files, or a `kiln data prepare` directory.
+    /// Text, jsonl(.gz/.zst) or parquet files, directories, .bin/.npy token files, or a `kiln
+    /// data prepare` directory.
     #[arg(long)]
     pub data: Vec<PathBuf>,
+    /// What the documents are: text, chat or prompt_completion (data.format).
+    #[arg(long)]
+    pub format: Option<String>,
+    /// windows or documents (data.packing): whole documents packed into rows, attention kept
+    /// inside each.
+    #[arg(long)]
+    pub packing: Option<String>,
+    /// Positions restart in every packed document (data.reset_positions).
+    #[arg(long)]
+    pub reset_positions: bool,
     /// byte, char, gpt2, bpe:N (trained on the data), a Hugging Face tokenizer.json or a
     /// directory holding one (data.tokenizer; with --init-from a model's own is the default).
     #[arg(long)]
@@ -146,9 +157,12 @@ impl TrainCli {
             )),
             None => None,
         };
-        let table: [(&'static str, &'static str, Option<V>); 26] = [
+        let table: [(&'static str, &'static str, Option<V>); 29] = [
             ("--data", "data.paths", (!self.data.is_empty()).then(|| V::Array(self.data.iter().map(|p| V::String(p.display().to_string())).collect()))),
             ("--tokenizer", "data.tokenizer", text(&self.tokenizer)),
+            ("--format", "data.format", text(&self.format)),
+            ("--packing", "data.packing", text(&self.packing)),
+            ("--reset-positions", "data.reset_positions", self.reset_positions.then_some(V::Boolean(true))),
             ("--max-steps", "train.max_steps", long(self.max_steps)),
             ("--seq-len", "train.seq_len", int(self.seq_len)),
             ("--seed", "train.seed", long(self.seed)),

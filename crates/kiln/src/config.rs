@@ -164,6 +164,58 @@ pub struct DataSection {
     /// Files or directories; empty = the Rust books of the local Rust install.
     pub paths: Vec<String>,
     pub val_fraction: f64,
+    /// The JSON field / parquet column holding a text document.
+    pub text_field: String,
+    /// What a document is: `text`, `chat` (messages rendered by the chat template, loss on the
+    /// assistant turns) or `prompt_completion` (loss on the completion).
+    #[serde(with = "named")]
+    pub format: Format,
+    /// How rows are drawn: `windows` (random windows of the stream, nanoGPT) or `documents`
+    /// (whole documents packed into rows, attention kept inside each).
+    #[serde(with = "named")]
+    pub packing: Packing,
+    /// With `packing = "documents"`: positions restart at 0 in every document.
+    pub reset_positions: bool,
+    /// Several corpora mixed by weight (instead of `paths`): each row comes from source `i`
+    /// with probability `weight_i / Σ weight`.
+    pub sources: Vec<SourceSpec>,
+}
+
+/// One corpus of a mixture (`data.sources`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SourceSpec {
+    pub path: String,
+    #[serde(default = "one")]
+    pub weight: f64,
+}
+
+fn one() -> f64 {
+    1.0
+}
+
+/// `data.format`: the data crate's document formats, by name.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Format(pub data::DocFormat);
+
+impl Names for Format {
+    const NAMES: &'static [(&'static str, Format)] = &[
+        ("text", Format(data::DocFormat::Text)),
+        ("chat", Format(data::DocFormat::Chat)),
+        ("prompt_completion", Format(data::DocFormat::PromptCompletion)),
+    ];
+}
+
+/// `data.packing`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Packing {
+    #[default]
+    Windows,
+    Documents,
+}
+
+impl Names for Packing {
+    const NAMES: &'static [(&'static str, Packing)] = &[("windows", Packing::Windows), ("documents", Packing::Documents)];
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -459,7 +511,10 @@ impl Default for CheckpointSection {
 
 impl Default for DataSection {
     fn default() -> Self {
-        DataSection { tokenizer: "byte".into(), paths: vec![], val_fraction: 0.1 }
+        DataSection {
+            tokenizer: "byte".into(), paths: vec![], val_fraction: 0.1, text_field: "text".into(), format: Format::default(),
+            packing: Packing::Windows, reset_positions: false, sources: vec![],
+        }
     }
 }
 
@@ -710,8 +765,26 @@ impl RunConfig {
 
     /// The data split, LoRA's base, checkpoint retention and intervals.
     fn validate_data_and_checkpoints(&self) -> Result<()> {
-        if !(self.data.val_fraction > 0.0 && self.data.val_fraction < 1.0) {
-            return user(format!("data.val_fraction must be in (0, 1), got {}", self.data.val_fraction));
+        let d = &self.data;
+        if !(d.val_fraction > 0.0 && d.val_fraction < 1.0) {
+            return user(format!("data.val_fraction must be in (0, 1), got {}", d.val_fraction));
+        }
+        if !d.sources.is_empty() && !d.paths.is_empty() {
+            return user("data.sources and data.paths (--data) both name the data: give one of them");
+        }
+        for (i, s) in d.sources.iter().enumerate() {
+            if !(s.weight.is_finite() && s.weight > 0.0) {
+                return user(format!("data.sources[{i}].weight must be a positive number, got {}", s.weight));
+            }
+            if s.path.is_empty() {
+                return user(format!("data.sources[{i}].path is empty"));
+            }
+        }
+        if d.text_field.is_empty() {
+            return user("data.text_field is empty");
+        }
+        if d.reset_positions && d.packing != Packing::Documents {
+            return user("data.reset_positions needs data.packing = \"documents\" (windows have no document starts)");
         }
         if self.lora.rank > 0 && self.model.init_from.is_empty() {
             return user("lora.rank needs a base model to adapt: pass --init-from (a kiln run directory or a Hugging Face directory)");
@@ -915,7 +988,8 @@ pub const STRUCTURAL_KEYS: &[&str] = &[
     "model.rope_scaling", "model.rope_factor", "model.rope_low_freq_factor", "model.rope_high_freq_factor",
     "model.rope_original_max_positions", "model.qkv_bias", "model.sliding_window", "model.loss_vocab", "model.head_dim",
     "model.n_expert", "model.top_k", "model.n_shared_expert",
-    "lora.rank", "lora.targets", "data.tokenizer", "data.paths", "data.val_fraction",
+    "lora.rank", "lora.targets", "data.tokenizer", "data.paths", "data.val_fraction", "data.text_field", "data.format",
+    "data.packing", "data.reset_positions", "data.sources",
 ];
 
 impl RunConfig {

@@ -608,9 +608,8 @@ fn plan_rank(cfg: &RunConfig, gpt: &GptConfig, data_bytes: u64, s: usize) -> Res
 
 /// The plan of a training run over `ds`: the model as `kiln train` builds it (its vocabulary
 /// from the tokenizer) and the data it holds.
-pub fn plan_run(cfg: &RunConfig, gpt: &GptConfig, ds: &data::Dataset) -> Result<MemoryPlan> {
-    let in_memory = |t: &data::Tokens| if t.is_mapped() { 0 } else { 4 * t.len() as u64 };
-    plan(cfg, gpt, in_memory(&ds.train) + in_memory(&ds.val))
+pub fn plan_run(cfg: &RunConfig, gpt: &GptConfig, ds: &crate::train::TrainData) -> Result<MemoryPlan> {
+    plan(cfg, gpt, ds.in_memory_bytes())
 }
 
 impl MemoryPlan {

@@ -19,6 +19,9 @@ pub struct StepInfo {
     pub lr: f64,
     pub tokens_per_sec: f64,
     pub mfu: f64,
+    /// The fraction of the batch's tokens that carried loss, shown when below 1 (SFT masks,
+    /// packed documents).
+    pub loss_fraction: f64,
 }
 
 pub fn fmt_duration(s: f64) -> String {
@@ -43,7 +46,10 @@ impl Progress {
     }
 
     pub fn step(&self, info: &StepInfo, log_now: bool) {
-        let msg = format!("| loss {:.4} | lr {:.2e} | {:.0} tok/s | MFU {:.1}%", info.loss, info.lr, info.tokens_per_sec, 100.0 * info.mfu);
+        let mut msg = format!("| loss {:.4} | lr {:.2e} | {:.0} tok/s | MFU {:.1}%", info.loss, info.lr, info.tokens_per_sec, 100.0 * info.mfu);
+        if info.loss_fraction < 1.0 {
+            msg += &format!(" | loss on {:.1}% of tokens", 100.0 * info.loss_fraction);
+        }
         if let Some(b) = &self.bar {
             b.set_position(info.step);
             b.set_message(msg);

@@ -3,6 +3,7 @@
 //! stage), global-norm clipping, and AdamW over the pieces this rank owns.
 
 use crate::config::RunConfig;
+use crate::train::RowBuf;
 use model::gpt::Activations;
 use model::{Gpt, Pass};
 use parallel::pp;
@@ -207,6 +208,9 @@ pub struct StepOut {
     /// micro-batch in flight), and the most micro-batches in flight.
     pub peak_activation_bytes: usize,
     pub peak_in_flight: usize,
+    /// Targets that carried loss in the global batch (fewer than its tokens under SFT masks,
+    /// packed documents' boundaries and padding).
+    pub loss_tokens: f64,
 }
 
 /// fp16's dynamic loss scaling (Micikevicius et al. 2018): the loss gradient is multiplied by
@@ -365,7 +369,7 @@ pub fn train_step(
     pipe: &mut Pipeline,
     cfg: &RunConfig,
     step: u64,
-    fill: impl FnMut(usize, &mut [u32], &mut [i32]),
+    fill: impl FnMut(usize, &mut RowBuf),
     mut veto: impl FnMut(f32, f64) -> Option<&'static str>,
 ) -> StepOut {
     assert_eq!(chunks.len(), pipe.sched.v, "one chunk per virtual stage");
@@ -394,7 +398,8 @@ pub fn train_step(
     fp8_amaxes(chunks, pipe.tp);
     let _p = profile::scope("optimizer");
     let loss = global_loss(chunks, pipe, sums) as f32;
-    let out = |grad_norm: f64, skipped: Option<&'static str>| StepOut { loss, grad_norm, overlap, skipped, peak_activation_bytes: peak_bytes, peak_in_flight };
+    let loss_tokens = batch.global.iter().sum::<f64>();
+    let out = |grad_norm: f64, skipped: Option<&'static str>| StepOut { loss, grad_norm, overlap, skipped, peak_activation_bytes: peak_bytes, peak_in_flight, loss_tokens };
     if cfg.faults.inject_nan_steps.contains(&(step + 1)) {
         match chunks[0].model.lora.as_mut() {
             Some(lo) => lo.grads[0] = f32::NAN,
@@ -468,26 +473,27 @@ pub fn train_step(
 /// A step's micro-batches on this rank (its rows of each) and the global count of targets in
 /// each (over the data-parallel group).
 struct MicroBatches {
-    data: Vec<(Vec<u32>, Vec<i32>)>,
+    data: Vec<RowBuf>,
     counts: Vec<f64>,
     global: Vec<f64>,
     rows: usize,
 }
 
 impl MicroBatches {
-    fn draw(chunks: &mut [Chunk], cfg: &RunConfig, m: usize, mut fill: impl FnMut(usize, &mut [u32], &mut [i32])) -> MicroBatches {
+    fn draw(chunks: &mut [Chunk], cfg: &RunConfig, m: usize, mut fill: impl FnMut(usize, &mut RowBuf)) -> MicroBatches {
         let t = cfg.seq_len();
         let dpn = chunks[0].dp.n();
         let rows = cfg.micro_batch() / dpn;
-        let data: Vec<(Vec<u32>, Vec<i32>)> = {
+        let packed = cfg.data.packing == crate::config::Packing::Documents;
+        let data: Vec<RowBuf> = {
             let _p = profile::scope("data");
             (0..m).map(|micro| {
-                let (mut x, mut y) = (vec![0u32; rows * t], vec![0i32; rows * t]);
-                fill(micro, &mut x, &mut y);
-                (x, y)
+                let mut b = RowBuf::new(rows, t, packed);
+                fill(micro, &mut b);
+                b
             }).collect()
         };
-        let counts: Vec<f64> = data.iter().map(|(_, y)| y.iter().filter(|&&v| v != model::gpt::IGNORE_INDEX).count() as f64).collect();
+        let counts: Vec<f64> = data.iter().map(|b| b.y.iter().filter(|&&v| v != model::gpt::IGNORE_INDEX).count() as f64).collect();
         let global = if dpn > 1 { chunks[0].dp.all_reduce_f64(&counts) } else { counts.clone() };
         MicroBatches { data, counts, global, rows }
     }
@@ -539,7 +545,7 @@ impl<'b> Executor<'b> {
         let vs = c * p + me;
         let (first, last) = (vs == 0, vs == p * pipe.sched.v - 1);
         let ch = &mut chunks[c];
-        let (x, y) = &self.batch.data[task.mb];
+        let rb = &self.batch.data[task.mb];
         let w0 = self.t0.elapsed().as_secs_f64();
         let mut ready = self.clock;
         let recv_stamp = |comm: &dyn parallel::Comm, from: usize, tg: u32| {
@@ -581,7 +587,7 @@ impl<'b> Executor<'b> {
                 let loss_scale = if global[task.mb] > 0.0 { (s * counts[task.mb] / global[task.mb] / m as f64) as f32 } else { 0.0 };
                 let pass = Pass::Train { dropout_seed: dropout_seed(self.cfg.train.seed, self.step, task.mb), loss_scale };
                 let _p = profile::scope("forward");
-                ch.model.forward_with(&mut ch.dp, x, y, None, rows, t, pass);
+                ch.model.forward_with(&mut ch.dp, &rb.x, &rb.y, rb.docs(), rows, t, pass);
             } else {
                 ch.dp.begin_micro(task.mb + 1 == m);
                 let _p = profile::scope("backward");

@@ -20,9 +20,12 @@ fn text_files_join_and_split_like_nanogpt() {
     let all: Vec<u32> = "hello\n\nworld".bytes().map(u32::from).collect();
     let n = all.len(); // 12
     let n_train = (n as f64 * 0.75) as usize;
-    assert_eq!(ds.train.to_vec(), all[..n_train]);
-    assert_eq!(ds.val.to_vec(), all[n_train..]);
-    assert_eq!(ds.description, "2 files, 12 tokens (byte, vocab 256)");
+    assert_eq!(ds.train.tokens.to_vec(), all[..n_train]);
+    assert_eq!(ds.val.tokens.to_vec(), all[n_train..]);
+    assert_eq!(ds.description, "2 files, 2 documents, 12 tokens (byte, vocab 256)");
+    // Byte has no end-of-text token: the second document starts with the separator.
+    assert_eq!(ds.train.docs.to_vec(), vec![0, 5, 9]);
+    assert_eq!(ds.val.docs.to_vec(), vec![0, 3]);
     assert_eq!(ds.files, paths);
 }
 
@@ -34,7 +37,7 @@ fn tinyshakespeare_char_matches_nanogpt() {
     // nanoGPT shakespeare_char: train has 1,003,854 tokens, val has 111,540.
     assert_eq!(text.len(), 1_115_394);
     assert_eq!((ds.train.len(), ds.val.len()), (1_003_854, 111_540));
-    assert_eq!(ds.description, "1 file, 1115394 tokens (char, vocab 65)");
+    assert_eq!(ds.description, "1 file, 1 document, 1115394 tokens (char, vocab 65)");
 }
 
 #[test]
@@ -50,11 +53,11 @@ fn directories_walk_sorted_skip_hidden_and_binary() {
     std::fs::write(dir.join("image.png"), [0x89u8, 0x50, 0xff, 0xfe]).unwrap();
     std::fs::write(dir.join("empty.txt"), "").unwrap();
     let ds = load(&[dir.clone()], "byte", 0.0).unwrap();
-    assert_eq!(Tokenizer::Byte.decode(&ds.train.to_vec()), "A0\n\nB\n\nA");
+    assert_eq!(Tokenizer::Byte.decode(&ds.train.tokens.to_vec()), "A0\n\nB\n\nA");
     assert_eq!(ds.val.len(), 0);
     assert_eq!(ds.skipped, 2);
     assert_eq!(ds.files, vec![dir.join("a.txt"), dir.join("b.txt"), dir.join("sub/a.md")]);
-    assert!(ds.description.contains("2 empty or non-UTF-8 files skipped"), "{}", ds.description);
+    assert!(ds.description.contains("2 files skipped"), "{}", ds.description);
 }
 
 #[test]
@@ -66,23 +69,25 @@ fn token_files_bin_pair_and_mixed_inputs() {
     write_bin(&d.join("val.bin"), &[11]).unwrap();
     std::fs::write(d.join("meta.pkl"), [0x80u8, 4]).unwrap();
     let ds = load(&[d.clone()], "gpt2", 0.1).unwrap();
-    assert_eq!((ds.train.to_vec(), ds.val.to_vec()), (vec![15496, 995, 50256], vec![11]));
-    assert!(ds.train.is_mapped());
+    assert_eq!((ds.train.tokens.to_vec(), ds.val.tokens.to_vec()), (vec![15496, 995, 50256], vec![11]));
+    assert!(ds.train.tokens.is_mapped());
     // `auto` on token files means gpt2.
     assert_eq!(load(&[d.clone()], "auto", 0.1).unwrap().tokenizer.kind(), "gpt2");
 
     // A single .bin with no split: mapped, split by views.
     let one = d.join("train.bin");
     let ds = load(&[one.clone()], "gpt2", 0.34).unwrap();
-    assert!(ds.train.is_mapped());
+    assert!(ds.train.tokens.is_mapped());
     assert_eq!((ds.train.len(), ds.val.len()), (1, 2));
 
     // Text + token file: stream order follows the paths.
     let txt = dir.join("t.txt");
     std::fs::write(&txt, "Hello world").unwrap();
     let ds = load(&[txt.clone(), one.clone()], "gpt2", 0.0).unwrap();
-    assert_eq!(ds.train.to_vec(), vec![15496, 995, 15496, 995, 50256]);
-    assert_eq!(ds.description, "2 files, 5 tokens (gpt2, vocab 50257)");
+    // The text document ends with GPT-2's end-of-text; the token file is taken as it is.
+    assert_eq!(ds.train.tokens.to_vec(), vec![15496, 995, 50256, 15496, 995, 50256]);
+    assert_eq!(ds.train.docs.to_vec(), vec![0, 3, 6]);
+    assert_eq!(ds.description, "2 files, 2 documents, 6 tokens (gpt2, vocab 50257)");
 
     // A split directory cannot be mixed with other inputs.
     assert_names(load(&[d.clone(), txt], "gpt2", 0.1).unwrap_err(), s(&d));
@@ -111,9 +116,9 @@ fn prepare_then_load_round_trips() {
     for spec in ["auto", "char", s(&out.join("kiln-tokenizer.json"))] {
         let ds = load(&[out.clone()], spec, 0.5).unwrap();
         assert_eq!(ds.tokenizer, direct.tokenizer, "{spec}");
-        assert_eq!(ds.train.to_vec(), direct.train.to_vec(), "{spec}: own split wins over val_fraction");
-        assert_eq!(ds.val.to_vec(), direct.val.to_vec());
-        assert!(ds.train.is_mapped());
+        assert_eq!(ds.train.tokens.to_vec(), direct.train.tokens.to_vec(), "{spec}: own split wins over val_fraction");
+        assert_eq!(ds.val.tokens.to_vec(), direct.val.tokens.to_vec());
+        assert!(ds.train.tokens.is_mapped());
     }
     let again = load_with(&[out.clone()], direct.tokenizer.clone(), 0.1).unwrap();
     assert_eq!(again.val.len(), rep.val_tokens);
@@ -142,7 +147,7 @@ fn load_with_checks_char_vocab_and_ids() {
     let bin = dir.join("t.bin");
     write_bin(&bin, &[0, 1, 2, 2]).unwrap();
     let ds = load_with(&[bin.clone()], tok.clone(), 0.25).unwrap();
-    assert_eq!(ds.tokenizer.decode(&ds.train.to_vec()), "abc");
+    assert_eq!(ds.tokenizer.decode(&ds.train.tokens.to_vec()), "abc");
     write_bin(&bin, &[0, 1, 7]).unwrap();
     let msg = assert_names(load_with(&[bin.clone()], tok, 0.25).unwrap_err(), s(&bin));
     assert!(msg.contains("index 2") && msg.contains(" 7,") || msg.contains("is 7"), "{msg}");
@@ -220,7 +225,7 @@ fn char_vocab_covers_the_join_separator() {
     std::fs::write(&b, "cd").unwrap();
     let ds = load(&[a, b], "char", 0.0).unwrap();
     assert_eq!(ds.tokenizer.vocab_size(), 5);
-    assert_eq!(ds.tokenizer.decode(&ds.train.to_vec()), "ab\n\ncd");
+    assert_eq!(ds.tokenizer.decode(&ds.train.tokens.to_vec()), "ab\n\ncd");
 }
 
 #[test]
@@ -236,7 +241,7 @@ fn bpe_spec_trains_on_the_text_and_round_trips_through_prepare() {
     for spec in ["bpe:400", "auto", s(&out)] {
         let again = load(&[out.clone()], spec, 0.1).unwrap();
         assert_eq!(again.tokenizer, ds.tokenizer, "{spec}");
-        assert_eq!(again.train.to_vec(), ds.train.to_vec());
+        assert_eq!(again.train.tokens.to_vec(), ds.train.tokens.to_vec());
     }
     let msg = assert_names(load(&[out.clone()], "bpe:512", 0.1).unwrap_err(), s(&out));
     assert!(msg.contains("bpe:512"), "{msg}");

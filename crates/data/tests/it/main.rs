@@ -6,6 +6,7 @@
 mod bpe;
 mod corpus;
 mod dataset;
+mod docs;
 mod files;
 mod hf_tokenizers;
 mod tokenizer;

@@ -1,53 +1,113 @@
-//! The training data: loading a run's corpus, checking it against the model, and drawing the
-//! global batch's windows (one seeded sampler, drawn in a fixed order, so every layout sees the
-//! same sequences).
+//! The training data: loading a run's corpora, checking them against the model, and drawing
+//! the global batch's rows — one seeded draw per step, in a fixed order, so every layout sees
+//! the same sequences, and a loader state small enough for the checkpoint, so a resumed run
+//! draws exactly what the uninterrupted one would have.
+//!
+//! Rows are drawn one of two ways (`data.packing`): `windows`, nanoGPT's random windows of
+//! `T + 1` tokens of the stream; or `documents`, whole documents packed into rows of `T`
+//! tokens in a seeded order per epoch, a document longer than a row cut into row-sized
+//! pieces, and the rest of a row that the next document does not fit padded (ignored). A packed
+//! row carries each token's document start and position, so attention stays inside documents
+//! and no token predicts across a boundary. With several sources (`data.sources`), each row
+//! comes from source `i` with probability `weight_i / Σ weight`.
 
-use crate::config::RunConfig;
+use crate::config::{Packing, RunConfig};
 use crate::error::{user, Result};
-use data::{Dataset, Tokenizer, Tokens};
+use data::{DocOpts, Split, Tokenizer, TokenizerChoice};
+use model::gpt::IGNORE_INDEX;
+use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 use tensor::Rng;
 
-/// Loads the training data for `cfg` (its paths, or the Rust books) with `tokenizer` when the
-/// run already has one (resume), else the configured tokenizer spec.
-pub fn load_data(cfg: &RunConfig, tokenizer: Option<Tokenizer>) -> Result<Dataset> {
-    let frac = cfg.data.val_fraction;
-    if cfg.data.paths.is_empty() {
-        let (text, files) = data::default_corpus()?;
-        let tok = match tokenizer {
-            Some(t) => t,
-            None => Tokenizer::from_spec(&cfg.data.tokenizer, Some(&text))?,
-        };
-        let ids = tok.encode(&text)?;
-        let n_train = ((ids.len() as f64) * (1.0 - frac)) as usize;
-        let description = format!("the Rust books ({} files, {} tokens, {} tokenizer, vocab {})", files.len(), ids.len(), tok.kind(), tok.vocab_size());
-        return Ok(Dataset { val: Tokens::from_vec(ids[n_train..].to_vec()), train: Tokens::from_vec(ids[..n_train].to_vec()), tokenizer: tok, description, files, skipped: 0 });
-    }
-    let paths: Vec<PathBuf> = cfg.data.paths.iter().map(PathBuf::from).collect();
-    Ok(match tokenizer {
-        Some(t) => data::load_with(&paths, t, frac)?,
-        None => data::load(&paths, &cfg.data.tokenizer, frac)?,
-    })
+/// One corpus of the run.
+#[derive(Debug, Clone)]
+pub struct Source {
+    pub name: String,
+    pub weight: f64,
+    pub train: Split,
+    pub val: Split,
 }
 
-fn data_name(cfg: &RunConfig) -> String {
-    if cfg.data.paths.is_empty() { "the default corpus".into() } else { cfg.data.paths.join(", ") }
+/// The run's corpora (one unless `data.sources` mixes several) and their tokenizer.
+#[derive(Debug, Clone)]
+pub struct TrainData {
+    pub sources: Vec<Source>,
+    pub tokenizer: Tokenizer,
+    pub description: String,
+    pub files: Vec<PathBuf>,
+}
+
+impl TrainData {
+    /// The first source's validation split (what `kiln eval` of a run reads).
+    pub fn val(&self) -> &Split {
+        &self.sources[0].val
+    }
+
+    /// Bytes of tokens held in memory (not memory-mapped).
+    pub fn in_memory_bytes(&self) -> u64 {
+        let mem = |s: &Split| if s.tokens.is_mapped() { 0 } else { 4 * s.len() as u64 * (1 + s.mask.is_some() as u64) };
+        self.sources.iter().map(|s| mem(&s.train) + mem(&s.val)).sum()
+    }
+}
+
+pub fn doc_opts(cfg: &RunConfig) -> DocOpts {
+    DocOpts { text_field: cfg.data.text_field.clone(), format: cfg.data.format.0 }
+}
+
+/// Loads the training data for `cfg` (its paths or sources, or the Rust books) with `tokenizer`
+/// when the run already has one (resume), else the configured tokenizer spec. Every source
+/// after the first uses the first one's tokenizer.
+pub fn load_data(cfg: &RunConfig, tokenizer: Option<Tokenizer>) -> Result<TrainData> {
+    let (frac, opts) = (cfg.data.val_fraction, doc_opts(cfg));
+    let choice = |t: Option<Tokenizer>| match t {
+        Some(t) => TokenizerChoice::Given(t),
+        None => TokenizerChoice::Spec(&cfg.data.tokenizer),
+    };
+    let specs: Vec<(String, f64)> = if cfg.data.sources.is_empty() {
+        vec![(cfg.data.paths.join(", "), 1.0)]
+    } else {
+        cfg.data.sources.iter().map(|s| (s.path.clone(), s.weight)).collect()
+    };
+    let mut sources = Vec::new();
+    let (mut tok, mut files, mut descs) = (tokenizer, Vec::new(), Vec::new());
+    for (i, (name, weight)) in specs.into_iter().enumerate() {
+        let ds = if cfg.data.paths.is_empty() && cfg.data.sources.is_empty() {
+            if opts.format.masked() {
+                return user(format!("data.format = \"{}\" needs --data: jsonl or parquet files of chats or prompt/completion pairs", opts.format.name()));
+            }
+            data::load_default_corpus(choice(tok.take()), frac)?
+        } else {
+            let paths: Vec<PathBuf> = if cfg.data.sources.is_empty() { cfg.data.paths.iter().map(PathBuf::from).collect() } else { vec![PathBuf::from(&name)] };
+            data::load_docs(&paths, choice(tok.take()), frac, &opts)?
+        };
+        tok = Some(ds.tokenizer.clone());
+        files.extend(ds.files.iter().cloned());
+        descs.push(if cfg.data.sources.is_empty() { ds.description.clone() } else { format!("source {i} ({name}, weight {weight}): {}", ds.description) });
+        sources.push(Source { name, weight, train: ds.train, val: ds.val });
+    }
+    Ok(TrainData { sources, tokenizer: tok.expect("at least one source"), description: descs.join("; "), files })
+}
+
+fn data_name(cfg: &RunConfig, s: &Source) -> String {
+    if cfg.data.paths.is_empty() && cfg.data.sources.is_empty() { "the default corpus".into() } else { s.name.clone() }
 }
 
 /// Checks the data against the model: a training length within the model's positions, enough
 /// tokens for one window (`train.seq_len + 1` tokens) in each split, a model vocabulary that
 /// covers the tokenizer's, and a loss vocabulary between the two.
-pub(super) fn check_data_fits(cfg: &RunConfig, ds: &Dataset) -> Result<()> {
+pub(super) fn check_data_fits(cfg: &RunConfig, ds: &TrainData) -> Result<()> {
     let (t, bs) = (cfg.seq_len(), cfg.model.block_size);
     if t > bs {
         return user(format!("train.seq_len ({t}) exceeds the model's positions, model.block_size ({bs})"));
     }
-    for (split, toks) in [("training", &ds.train), ("validation", &ds.val)] {
-        if toks.len() < t + 1 {
-            return user(format!(
-                "train.seq_len ({t}) needs windows of {} tokens, but the {split} split of {} has {}: use a shorter --seq-len or more data",
-                t + 1, data_name(cfg), toks.len()
-            ));
+    for s in &ds.sources {
+        for (split, sp) in [("training", &s.train), ("validation", &s.val)] {
+            if sp.len() < t + 1 {
+                return user(format!(
+                    "train.seq_len ({t}) needs windows of {} tokens, but the {split} split of {} has {}: use a shorter --seq-len or more data",
+                    t + 1, data_name(cfg, s), sp.len()
+                ));
+            }
         }
     }
     let vocab = ds.tokenizer.vocab_size();
@@ -61,18 +121,269 @@ pub(super) fn check_data_fits(cfg: &RunConfig, ds: &Dataset) -> Result<()> {
     Ok(())
 }
 
-/// Draws the sequence start offsets of one global batch.
-pub(super) fn sample_offsets(rng: &mut Rng, n_tokens: usize, t: usize, count: usize) -> Vec<usize> {
-    (0..count).map(|_| rng.below((n_tokens - t) as u64) as usize).collect()
+/// Where a source's document stream stands: epoch, the next document of the epoch's order,
+/// and how far into it (a document longer than a row is taken a row at a time).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Cursor {
+    pub epoch: u64,
+    pub next: u64,
+    pub offset: u64,
 }
 
-pub(super) fn fill_windows(toks: &Tokens, offsets: &[usize], t: usize, x: &mut [u32], y: &mut [i32]) {
-    let mut buf = vec![0u32; t + 1];
-    for (i, &o) in offsets.iter().enumerate() {
-        toks.copy_to(o, &mut buf);
-        x[i * t..(i + 1) * t].copy_from_slice(&buf[..t]);
-        for j in 0..t {
-            y[i * t + j] = buf[j + 1] as i32;
+/// The loader's state beyond the sampler's RNG (checkpointed): one cursor per source.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LoaderState {
+    pub cursors: Vec<Cursor>,
+}
+
+/// `len` tokens of source `src` from token `start`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Piece {
+    pub src: usize,
+    pub start: usize,
+    pub len: usize,
+}
+
+/// How one row is made.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Row {
+    /// Tokens `offset ..= offset + T` of source `src`'s training split.
+    Window { src: usize, offset: usize },
+    /// Documents (or pieces of one) back to back, the rest padding.
+    Packed(Vec<Piece>),
+}
+
+/// One micro-batch's rows: inputs, targets and, for packed documents, each token's document
+/// start and position (empty otherwise).
+#[derive(Clone, Debug, Default)]
+pub struct RowBuf {
+    pub x: Vec<u32>,
+    pub y: Vec<i32>,
+    pub start: Vec<u32>,
+    pub pos: Vec<u32>,
+}
+
+impl RowBuf {
+    pub fn new(rows: usize, t: usize, packed: bool) -> RowBuf {
+        let n = rows * t;
+        let docs = if packed { n } else { 0 };
+        RowBuf { x: vec![0; n], y: vec![IGNORE_INDEX; n], start: vec![0; docs], pos: vec![0; docs] }
+    }
+
+    /// The document layout for the model (`None`: plain causal rows).
+    pub fn docs(&self) -> Option<model::Docs<'_>> {
+        (!self.start.is_empty()).then_some(model::Docs { start: &self.start, pos: &self.pos })
+    }
+}
+
+/// Draws rows from a run's training splits (see the module comment).
+pub struct Loader<'a> {
+    sources: &'a [Source],
+    packing: Packing,
+    reset_positions: bool,
+    t: usize,
+    seed: u64,
+    state: LoaderState,
+    /// Each source's document order for its current epoch.
+    orders: Vec<(u64, Vec<u32>)>,
+}
+
+impl<'a> Loader<'a> {
+    pub fn new(cfg: &RunConfig, data: &'a TrainData, state: Option<LoaderState>) -> Loader<'a> {
+        let n = data.sources.len();
+        let state = state.filter(|s| s.cursors.len() == n).unwrap_or(LoaderState { cursors: vec![Cursor::default(); n] });
+        Loader {
+            sources: &data.sources, packing: cfg.data.packing, reset_positions: cfg.data.reset_positions, t: cfg.seq_len(),
+            seed: cfg.train.seed, state, orders: vec![(u64::MAX, Vec::new()); n],
         }
     }
+
+    pub fn state(&self) -> &LoaderState {
+        &self.state
+    }
+
+    pub fn packed(&self) -> bool {
+        self.packing == Packing::Documents
+    }
+
+    /// The source of the next row: by weight (no draw with one source, so a single-corpus run
+    /// draws exactly as before sources existed).
+    fn pick(&self, rng: &mut Rng) -> usize {
+        if self.sources.len() == 1 {
+            return 0;
+        }
+        let total: f64 = self.sources.iter().map(|s| s.weight).sum();
+        let mut u = rng.uniform() * total;
+        for (i, s) in self.sources.iter().enumerate() {
+            if u < s.weight {
+                return i;
+            }
+            u -= s.weight;
+        }
+        self.sources.len() - 1
+    }
+
+    /// The global batch's `count` rows.
+    pub fn draw(&mut self, rng: &mut Rng, count: usize) -> Vec<Row> {
+        (0..count).map(|_| {
+            let src = self.pick(rng);
+            match self.packing {
+                Packing::Windows => Row::Window { src, offset: rng.below((self.sources[src].train.len() - self.t) as u64) as usize },
+                Packing::Documents => Row::Packed(self.pack(src)),
+            }
+        }).collect()
+    }
+
+    /// Document `k` of source `src`'s order for `epoch` (a seeded shuffle per epoch).
+    fn doc(&mut self, src: usize, epoch: u64, k: u64) -> usize {
+        if self.orders[src].0 != epoch {
+            let n = self.sources[src].train.docs.len();
+            let mut order: Vec<u32> = (0..n as u32).collect();
+            let mut r = Rng::new(tensor::rng::mix64(self.seed ^ tensor::rng::mix64(((src as u64) << 32) ^ epoch ^ 0x5eed_d0c5)));
+            for i in (1..n).rev() {
+                order.swap(i, r.below(i as u64 + 1) as usize);
+            }
+            self.orders[src] = (epoch, order);
+        }
+        self.orders[src].1[k as usize] as usize
+    }
+
+    /// One row of whole documents from source `src`'s stream.
+    fn pack(&mut self, src: usize) -> Vec<Piece> {
+        let (t, n_docs) = (self.t, self.sources[src].train.docs.len() as u64);
+        let mut pieces = Vec::new();
+        let mut used = 0;
+        loop {
+            let c = self.state.cursors[src];
+            let d = self.doc(src, c.epoch, c.next);
+            let r = self.sources[src].train.docs.range(d);
+            let rest = r.len() - c.offset as usize;
+            let advance = |c: &mut Cursor| {
+                c.next += 1;
+                c.offset = 0;
+                if c.next == n_docs {
+                    (c.epoch, c.next) = (c.epoch + 1, 0);
+                }
+            };
+            if rest <= t - used {
+                if rest > 0 {
+                    pieces.push(Piece { src, start: r.start + c.offset as usize, len: rest });
+                }
+                used += rest;
+                advance(&mut self.state.cursors[src]);
+                if used == t {
+                    break;
+                }
+            } else if used == 0 {
+                // Longer than a row: a row's worth now, the rest in the next rows.
+                pieces.push(Piece { src, start: r.start + c.offset as usize, len: t });
+                self.state.cursors[src].offset += t as u64;
+                break;
+            } else {
+                break;
+            }
+        }
+        pieces
+    }
+
+    /// Writes `rows` of the training splits into `buf` ([`fill_rows`]).
+    pub fn fill(&self, rows: &[Row], buf: &mut RowBuf) {
+        let splits: Vec<&Split> = self.sources.iter().map(|s| &s.train).collect();
+        fill_rows(&splits, rows, self.t, self.reset_positions, buf);
+    }
+}
+
+/// Writes `rows` (their sources indexing `splits`) into `buf`, row `i` at `i·T`: inputs,
+/// targets (ignored where the loss mask says so, at each piece's last token, and on padding)
+/// and, when `buf` has room for them, the document starts and positions (restarting per
+/// document with `reset_positions`).
+pub fn fill_rows(splits: &[&Split], rows: &[Row], t: usize, reset_positions: bool, buf: &mut RowBuf) {
+    let mut tmp = vec![0u32; t + 1];
+    let mut mask = vec![1u32; t + 1];
+    for (i, row) in rows.iter().enumerate() {
+        let (x, y) = (&mut buf.x[i * t..(i + 1) * t], &mut buf.y[i * t..(i + 1) * t]);
+        match row {
+            Row::Window { src, offset } => {
+                let s = splits[*src];
+                s.tokens.copy_to(*offset, &mut tmp);
+                if let Some(m) = &s.mask {
+                    m.copy_to(*offset, &mut mask);
+                }
+                x.copy_from_slice(&tmp[..t]);
+                for j in 0..t {
+                    y[j] = if mask[j + 1] == 0 { IGNORE_INDEX } else { tmp[j + 1] as i32 };
+                }
+            }
+            Row::Packed(pieces) => {
+                let packed = !buf.start.is_empty();
+                let mut k = 0;
+                for p in pieces {
+                    let s = splits[p.src];
+                    s.tokens.copy_to(p.start, &mut x[k..k + p.len]);
+                    if let Some(m) = &s.mask {
+                        m.copy_to(p.start, &mut mask[..p.len]);
+                    }
+                    for j in 0..p.len {
+                        y[k + j] = if j + 1 == p.len || (s.mask.is_some() && mask[j + 1] == 0) { IGNORE_INDEX } else { x[k + j + 1] as i32 };
+                        if packed {
+                            buf.start[i * t + k + j] = k as u32;
+                            buf.pos[i * t + k + j] = if reset_positions { j } else { k + j } as u32;
+                        }
+                    }
+                    k += p.len;
+                }
+                // Padding: its own segment, never a target.
+                for j in k..t {
+                    x[j] = 0;
+                    y[j] = IGNORE_INDEX;
+                    if packed {
+                        buf.start[i * t + j] = k as u32;
+                        buf.pos[i * t + j] = if reset_positions { j - k } else { j } as u32;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The evaluation rows of a split: non-overlapping windows, or (`packed`) its documents packed
+/// in order, at most `max_rows` (0 = all).
+pub(super) fn eval_rows(split: &Split, t: usize, packed: bool, max_rows: usize) -> Vec<Row> {
+    let mut rows = Vec::new();
+    match if packed { Packing::Documents } else { Packing::Windows } {
+        Packing::Windows => {
+            let n = (split.len() - 1) / t;
+            rows.extend((0..n).map(|k| Row::Window { src: 0, offset: k * t }));
+        }
+        Packing::Documents => {
+            let (mut d, mut off, mut cur, mut used) = (0, 0, Vec::new(), 0);
+            while d < split.docs.len() {
+                let r = split.docs.range(d);
+                let rest = r.len() - off;
+                if rest <= t - used {
+                    cur.push(Piece { src: 0, start: r.start + off, len: rest });
+                    (used, d, off) = (used + rest, d + 1, 0);
+                } else if used == 0 {
+                    cur.push(Piece { src: 0, start: r.start + off, len: t });
+                    (used, off) = (t, off + t);
+                } else {
+                    used = t;
+                }
+                if used == t {
+                    rows.push(Row::Packed(std::mem::take(&mut cur)));
+                    used = 0;
+                }
+                if max_rows > 0 && rows.len() >= max_rows {
+                    break;
+                }
+            }
+            if !cur.is_empty() {
+                rows.push(Row::Packed(cur));
+            }
+        }
+    }
+    if max_rows > 0 {
+        rows.truncate(max_rows);
+    }
+    rows
 }

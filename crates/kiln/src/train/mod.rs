@@ -15,7 +15,7 @@ mod faults;
 mod metrics;
 mod rank;
 
-pub use self::data::load_data;
+pub use self::data::{doc_opts, load_data, LoaderState, RowBuf, TrainData};
 pub use self::eval::{eval_sums, evaluate, EvalBatches};
 pub use crate::config::TrainArgs;
 
@@ -26,7 +26,7 @@ use crate::config::{layered, Backend, RunConfig, STRUCTURAL_KEYS};
 use crate::error::{user, KilnError, Result};
 use crate::presets;
 use crate::run::{self, ckpt_dir};
-use ::data::{Dataset, Tokenizer};
+use ::data::Tokenizer;
 use parallel::Comm;
 use model::{Gpt, Sampler};
 use std::fs;
@@ -139,7 +139,7 @@ fn train_once(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
     // (its token ids are what the base model knows).
     // A base model's own tokenizer is the default; --tokenizer (data.tokenizer) overrides it.
     let tokenizer = match &resume_from {
-        Some(l) => Some(Tokenizer::from_json(&l.tokenizer_json, &l.dir.join(Tokenizer::file_name_of_json(&l.tokenizer_json)))?),
+        Some(l) => Some(Tokenizer::from_json(&l.tokenizer_json, &l.dir.join(Tokenizer::file_name_of_json(&l.tokenizer_json)))?.with_config_in(&run_dir)?),
         None if !cfg.model.init_from.is_empty() && !explicit.contains("data.tokenizer") => Tokenizer::find_in(Path::new(&cfg.model.init_from))?,
         None => None,
     };
@@ -167,7 +167,7 @@ fn train_once(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
 pub(crate) struct Ctx<'a> {
     args: &'a TrainArgs,
     cfg: RunConfig,
-    ds: &'a Dataset,
+    ds: &'a TrainData,
     run_dir: PathBuf,
     saved_cfg_path: PathBuf,
     resume_from: Option<checkpoint::Loaded>,

@@ -7,7 +7,7 @@
 //! computes, and every collective runs on every rank in the same order.
 
 use super::ckpt::Checkpoints;
-use super::data::{fill_windows, sample_offsets};
+use super::data::{Loader, Row, RowBuf};
 use super::eval::{eval_sums, eval_sums_pipeline, EvalBatches};
 use super::faults::{Faults, Verdict};
 use super::metrics::{add_comm, add_memory, add_moe_stats};
@@ -21,7 +21,7 @@ use crate::progress::{fmt_duration, Progress, StepInfo};
 use crate::run::{self, ckpt_dir};
 use crate::util::write_atomic;
 use crate::step::{hardware_flops_per_token, model_flops_per_token, train_step, trainable, trainable_layout, Chunk, LossScaler, Moments, Optimizer, PipeTrace, Pipeline, StepOut};
-use data::Dataset;
+use super::data::TrainData;
 use model::gpt::Recompute;
 use model::Gpt;
 use parallel::apply::Applied;
@@ -37,7 +37,7 @@ use tensor::Rng;
 /// Everything one rank's run holds between steps.
 pub(super) struct Rank<'a> {
     pub cfg: &'a RunConfig,
-    pub ds: &'a Dataset,
+    pub ds: &'a TrainData,
     pub run_dir: &'a Path,
     pub comm: &'a dyn Comm,
     stop: &'a AtomicBool,
@@ -57,6 +57,8 @@ pub(super) struct Rank<'a> {
     tied: bool,
     pipe_trace: Option<PipeTrace>,
     sampler: Rng,
+    /// Draws each step's rows (its cursors are checkpointed with the sampler).
+    pub loader: Loader<'a>,
     pub step: u64,
     pub tokens_seen: u64,
     elapsed_prev: f64,
@@ -148,6 +150,7 @@ impl<'a> Rank<'a> {
             None => (fresh_scaler(cfg), Rng::new(mix64(cfg.train.seed ^ 0x5EED_DA7A))),
         };
         let mut r = Rank {
+            loader: Loader::new(cfg, ds, resumed.as_ref().and_then(|r| r.loader.clone())),
             cfg, ds, run_dir, comm, stop, quiet: args.quiet, rank, world, lead, chunks, applied, rows, t, sched, tied, pipe_trace, sampler, step,
             tokens_seen: resumed.as_ref().map_or(0, |r| r.tokens_seen), elapsed_prev: resumed.as_ref().map_or(0.0, |r| r.elapsed_s), started: Instant::now(), elapsed_s: 0.0,
             scaler, flops_per_token, hw_flops_per_token, peak, recompute, metrics,
@@ -238,15 +241,19 @@ impl<'a> Rank<'a> {
     }
 
     /// Appends step `self.step + 1`'s windows to `RUN/batches.jsonl` (`train.record_batches`).
-    fn record_batch(&self, offsets: &[usize]) -> Result<()> {
+    fn record_batch(&self, rows: &[Row]) -> Result<()> {
         use std::io::Write;
-        let mut buf = vec![0u32; self.t + 1];
-        let windows: Vec<Vec<u32>> = offsets.iter().map(|&o| {
-            self.ds.train.copy_to(o, &mut buf);
-            buf.clone()
-        }).collect();
+        let mut b = RowBuf::new(rows.len(), self.t, self.loader.packed());
+        self.loader.fill(rows, &mut b);
+        let t = self.t;
+        let list = |v: &[u32]| -> Vec<Vec<u32>> { v.chunks(t).map(|c| c.to_vec()).collect() };
+        let mut line = serde_json::json!({"step": self.step + 1, "lr": self.cfg.lr_at(self.step), "inputs": list(&b.x), "targets": b.y.chunks(t).collect::<Vec<_>>()});
+        if self.loader.packed() {
+            line["doc_start"] = serde_json::json!(list(&b.start));
+            line["positions"] = serde_json::json!(list(&b.pos));
+        }
         let path = self.run_dir.join("batches.jsonl");
-        let line = serde_json::json!({"step": self.step + 1, "lr": self.cfg.lr_at(self.step), "tokens": windows}).to_string() + "\n";
+        let line = line.to_string() + "\n";
         let mut f = std::fs::OpenOptions::new().create(true).append(true).open(&path).map_err(|e| io_err(&path, e))?;
         f.write_all(line.as_bytes()).map_err(|e| io_err(&path, e))
     }
@@ -254,18 +261,18 @@ impl<'a> Rank<'a> {
     /// One optimizer step over the global batch (or, for a batch a rollback marked, only its
     /// draw, so the sampler stays in step with the uninterrupted run).
     fn train_one(&mut self) -> Result<Measured> {
-        let (cfg, ds, t, rows) = (self.cfg, self.ds, self.t, self.rows);
+        let (cfg, t, rows) = (self.cfg, self.t, self.rows);
         let lr = cfg.lr_at(self.step);
-        let offsets = sample_offsets(&mut self.sampler, ds.train.len(), t, cfg.train.batch_size);
+        let rows_all = self.loader.draw(&mut self.sampler, cfg.train.batch_size);
         if cfg.train.record_batches && self.lead {
-            self.record_batch(&offsets)?;
+            self.record_batch(&rows_all)?;
         }
         let counters = self.comm.counters();
         let before = counters.snapshot();
         // memory: the activation buffers, allocated under their tracking category (a no-op once they fit).
         self.chunks.iter_mut().for_each(|ch| crate::memory::track::scope(crate::memory::track::Category::Activations, || ch.model.reserve_activations(rows, t)));
         let out = if self.faults.marked.contains(&(self.step + 1)) {
-            StepOut { loss: f32::NAN, grad_norm: f64::NAN, overlap: Default::default(), skipped: Some("batch marked by a rollback"), peak_activation_bytes: 0, peak_in_flight: 0 }
+            StepOut { loss: f32::NAN, grad_norm: f64::NAN, overlap: Default::default(), skipped: Some("batch marked by a rollback"), peak_activation_bytes: 0, peak_in_flight: 0, loss_tokens: 0.0 }
         } else {
             let groups = &self.applied.groups;
             let (mb, dp_rank) = (cfg.micro_batch(), groups.dp_rank);
@@ -282,9 +289,10 @@ impl<'a> Rank<'a> {
                 scaler: self.scaler.as_mut(),
             };
             let faults = &self.faults;
-            train_step(&mut self.chunks, &mut pipe, cfg, self.step, |micro, x, y| {
+            let loader = &self.loader;
+            train_step(&mut self.chunks, &mut pipe, cfg, self.step, |micro, b| {
                 let first = micro * mb + dp_rank * rows;
-                fill_windows(&ds.train, &offsets[first..first + rows], t, x, y);
+                loader.fill(&rows_all[first..first + rows], b);
             }, |loss, _| faults.spike(loss))
         };
         let comm_bytes = counters.snapshot().since(&before);
@@ -353,7 +361,8 @@ impl<'a> Rank<'a> {
         let max_steps = self.cfg.train.max_steps;
         let log_now = step % self.cfg.train.log_interval.max(1) == 0 || step == max_steps;
         if m.out.skipped.is_none() {
-            self.progress.step(&StepInfo { step, loss: m.out.loss, lr: m.lr, tokens_per_sec: tps, mfu }, log_now);
+            let loss_fraction = m.out.loss_tokens / step_tokens as f64;
+            self.progress.step(&StepInfo { step, loss: m.out.loss, lr: m.lr, tokens_per_sec: tps, mfu, loss_fraction }, log_now);
         }
         let every = |k: u64| k > 0 && step % k == 0;
         if every(self.cfg.eval.interval) || step == max_steps {
@@ -370,6 +379,7 @@ impl<'a> Rank<'a> {
         let mut line = serde_json::json!({
             "kind": "train", "step": self.step, "loss": out.loss, "lr": m.lr, "grad_norm": out.grad_norm,
             "tokens_per_sec": tps, "mfu": mfu, "elapsed_s": elapsed,
+            "loss_fraction": out.loss_tokens / (self.cfg.train.batch_size * self.t) as f64,
         });
         if self.recompute != Recompute::None {
             line["hfu"] = (self.hw_flops_per_token * tps / self.peak).into();
@@ -398,13 +408,19 @@ impl<'a> Rank<'a> {
         self.chunks.iter_mut().for_each(|ch| crate::memory::track::scope(crate::memory::track::Category::Activations, || ch.model.reserve_activations(eb, t)));
         let groups = &self.applied.groups;
         let (dpn, ppn) = (groups.dp_size, cfg.parallel.pp);
-        let batches = EvalBatches { t, batch: eb, max_batches: cfg.eval.iters, rank: groups.dp_rank, ranks: dpn };
-        let (sum, count) = if self.applied.stages.len() > 1 {
-            eval_sums_pipeline(&mut self.chunks, &*groups.pp, groups.pp_rank, &self.ds.val, batches)
-        } else {
-            let ch = &mut self.chunks[0];
-            eval_sums(&mut ch.model, Some(&mut ch.dp), &self.ds.val, batches)
-        };
+        let packed = self.loader.packed();
+        let batches = EvalBatches { t, batch: eb, max_batches: cfg.eval.iters, rank: groups.dp_rank, ranks: dpn, packed, reset_positions: cfg.data.reset_positions };
+        // Every source's held-out split, each up to eval.iters batches.
+        let (mut sum, mut count) = (0.0, 0);
+        for s in &self.ds.sources {
+            let (a, b) = if self.applied.stages.len() > 1 {
+                eval_sums_pipeline(&mut self.chunks, &*groups.pp, groups.pp_rank, &s.val, batches)
+            } else {
+                let ch = &mut self.chunks[0];
+                eval_sums(&mut ch.model, Some(&mut ch.dp), &s.val, batches)
+            };
+            (sum, count) = (sum + a, count + b);
+        }
         let (sum, count) = if dpn > 1 {
             let r = self.chunks[cfg.parallel.virtual_stages - 1].dp.all_reduce_f64(&[sum, count as f64]);
             (r[0], r[1] as usize)
@@ -518,6 +534,7 @@ struct Resumed {
     moments: (Vec<f32>, Vec<f32>),
     scaler: Option<LossScaler>,
     sampler: [u64; 4],
+    loader: Option<super::data::LoaderState>,
     step: u64,
     tokens_seen: u64,
     elapsed_s: f64,
@@ -532,7 +549,7 @@ fn read_resumed(l: &Loaded, model: &mut Gpt) -> Result<Resumed> {
     checkpoint::read_into(&l.optim, "exp_avg.", &layout, &mut m, &l.dir.join("optimizer.safetensors"))?;
     checkpoint::read_into(&l.optim, "exp_avg_sq.", &layout, &mut v, &l.dir.join("optimizer.safetensors"))?;
     let st = &l.state;
-    Ok(Resumed { moments: (m, v), scaler: st.loss_scale, sampler: st.sampler_rng, step: st.step, tokens_seen: st.tokens_seen, elapsed_s: st.elapsed_s })
+    Ok(Resumed { moments: (m, v), scaler: st.loss_scale, sampler: st.sampler_rng, loader: st.loader.clone(), step: st.step, tokens_seen: st.tokens_seen, elapsed_s: st.elapsed_s })
 }
 
 /// fp16's dynamic loss scaler, fresh from the config.
@@ -575,5 +592,9 @@ fn open_run_dir(ctx: &Ctx, step: u64, resumed: bool) -> Result<crate::obs::Metri
     }
     write_atomic(&ctx.saved_cfg_path, cfg.to_toml().as_bytes())?;
     write_atomic(&run_dir.join(ctx.ds.tokenizer.file_name()), ctx.ds.tokenizer.to_json().as_bytes())?;
+    // Its BOS/EOS and chat template: a resumed run tokenizes its documents as this one did.
+    if let Some(c) = ctx.ds.tokenizer.config_json() {
+        write_atomic(&run_dir.join(data::HF_TOKENIZER_CONFIG_FILE), format!("{c}\n").as_bytes())?;
+    }
     crate::obs::MetricsWriter::open(run_dir, resumed.then_some(step)).map_err(KilnError::User)
 }

@@ -322,7 +322,7 @@ fn direct_io_checkpoints_of_any_size_read_back_exactly() {
     let sizes = [1usize, 3, 1023, 1024, 1025, (1 << 20) + 7, 3 << 20];
     let bufs: Vec<Vec<f32>> = sizes.iter().enumerate().map(|(k, &n)| (0..n).map(|i| (i as f32 * 0.37 + k as f32).sin()).collect()).collect();
     let t = |pre: &str| Tensors { items: bufs.iter().enumerate().map(|(k, b)| (format!("{pre}t{k}"), vec![b.len()], &b[..])).collect() };
-    let state = TrainState { step: 7, sampler_rng: [1, 2, 3, 4], tokens_seen: 9, elapsed_s: 1.5, config: String::new(), loss_scale: None, fp8_amax: None };
+    let state = TrainState { step: 7, sampler_rng: [1, 2, 3, 4], tokens_seen: 9, elapsed_s: 1.5, config: String::new(), loss_scale: None, fp8_amax: None, loader: None };
     let dir = save(&d.join("checkpoints"), &state, &t(""), &t("exp_avg."), "{}").unwrap();
     let l = verify_and_load(&dir).unwrap();
     assert_eq!(l.state, state);

@@ -1,0 +1,267 @@
+//! Documents: reading a corpus file as a stream of documents. Plain text is one document per
+//! file; `.jsonl` (also `.jsonl.gz`, `.jsonl.zst`) one per line; `.parquet` one per row (a
+//! Hugging Face datasets `data/*.parquet` directory is a directory of such files). What a
+//! document holds depends on the [`DocFormat`]: a text field, a chat (`messages`), or a
+//! `prompt`/`completion` pair. Files are read in batches, so a corpus is never held in memory.
+
+use std::fs::File;
+use std::io::{BufRead, BufReader, Read};
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use serde_json::Value;
+
+use crate::error::DataError;
+
+/// What a document is made of (`data.format`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DocFormat {
+    /// Pretraining text: every token carries loss.
+    #[default]
+    Text,
+    /// `messages: [{role, content}, ...]`, rendered by the tokenizer's chat template; the loss
+    /// is on the assistant turns only.
+    Chat,
+    /// `prompt` and `completion` strings; the loss is on the completion (and the EOS) only.
+    PromptCompletion,
+}
+
+impl DocFormat {
+    pub const NAMES: [(&'static str, DocFormat); 3] =
+        [("text", DocFormat::Text), ("chat", DocFormat::Chat), ("prompt_completion", DocFormat::PromptCompletion)];
+
+    pub fn name(self) -> &'static str {
+        DocFormat::NAMES.iter().find(|(_, f)| *f == self).map(|(n, _)| *n).expect("every format is named")
+    }
+
+    pub fn from_name(s: &str) -> Option<DocFormat> {
+        DocFormat::NAMES.iter().find(|(n, _)| *n == s).map(|(_, f)| *f)
+    }
+
+    /// Whether documents of this format carry a loss mask (supervised fine-tuning).
+    pub fn masked(self) -> bool {
+        self != DocFormat::Text
+    }
+}
+
+/// How documents are read from structured files.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DocOpts {
+    /// The JSON field / parquet column holding a text document (`data.text_field`).
+    pub text_field: String,
+    pub format: DocFormat,
+}
+
+impl Default for DocOpts {
+    fn default() -> DocOpts {
+        DocOpts { text_field: "text".into(), format: DocFormat::Text }
+    }
+}
+
+/// One document, as read.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Doc {
+    Text(String),
+    /// The `messages` array (each an object with string `role` and `content`, other fields kept
+    /// for the template).
+    Chat(Value),
+    Pair { prompt: String, completion: String },
+}
+
+impl Doc {
+    /// The document's own text (for building a `char` / `bpe:N` vocabulary from the corpus).
+    pub fn text(&self) -> String {
+        match self {
+            Doc::Text(t) => t.clone(),
+            Doc::Pair { prompt, completion } => format!("{prompt}{completion}"),
+            Doc::Chat(m) => m.as_array().map(|a| a.iter().filter_map(|x| x["content"].as_str()).collect::<Vec<_>>().join("\n")).unwrap_or_default(),
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        match self {
+            Doc::Text(t) => t.len(),
+            Doc::Pair { prompt, completion } => prompt.len() + completion.len(),
+            Doc::Chat(m) => m.to_string().len(),
+        }
+    }
+}
+
+/// The kind of a corpus file, by name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FileKind {
+    Text,
+    Jsonl(Compression),
+    Parquet,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Compression {
+    None,
+    Gzip,
+    Zstd,
+}
+
+impl FileKind {
+    pub fn of(path: &Path) -> FileKind {
+        let name = path.file_name().map(|n| n.to_string_lossy().to_ascii_lowercase()).unwrap_or_default();
+        if name.ends_with(".jsonl") || name.ends_with(".ndjson") {
+            FileKind::Jsonl(Compression::None)
+        } else if name.ends_with(".jsonl.gz") || name.ends_with(".ndjson.gz") {
+            FileKind::Jsonl(Compression::Gzip)
+        } else if name.ends_with(".jsonl.zst") || name.ends_with(".ndjson.zst") {
+            FileKind::Jsonl(Compression::Zstd)
+        } else if name.ends_with(".parquet") {
+            FileKind::Parquet
+        } else {
+            FileKind::Text
+        }
+    }
+}
+
+/// Counts the bytes read from a file (for progress: MB/s and ETA over the input's size on disk).
+pub(crate) struct Counting<R> {
+    inner: R,
+    read: Arc<AtomicU64>,
+}
+
+pub(crate) type CountingFile = Counting<File>;
+
+impl<R> Counting<R> {
+    /// The reader and its counter, for readers that count by other means (parquet: row groups).
+    pub(crate) fn into_parts(self) -> (R, Arc<AtomicU64>) {
+        (self.inner, self.read)
+    }
+}
+
+impl<R: Read> Read for Counting<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.read.fetch_add(n as u64, Ordering::Relaxed);
+        Ok(n)
+    }
+}
+
+/// Documents per batch handed to the callback, and the text bytes that end a batch early.
+pub const BATCH_DOCS: usize = 4096;
+pub const BATCH_BYTES: usize = 8 << 20;
+
+/// Reads the documents of `path` in batches of up to [`BATCH_DOCS`] documents (or about
+/// [`BATCH_BYTES`] of text), calling `f` with each batch in file order; `read` counts the file
+/// bytes consumed. An error names the file and the line (jsonl) or row (parquet).
+pub fn read_docs(path: &Path, opts: &DocOpts, read: &Arc<AtomicU64>, f: &mut dyn FnMut(Vec<Doc>) -> Result<(), DataError>) -> Result<(), DataError> {
+    let open = || -> Result<Counting<File>, DataError> {
+        let file = File::open(path).map_err(|e| DataError::io(path, "cannot open", e))?;
+        Ok(Counting { inner: file, read: read.clone() })
+    };
+    match FileKind::of(path) {
+        FileKind::Text => {
+            if opts.format != DocFormat::Text {
+                return Err(DataError::at(path, format!("data.format = \"{}\" needs .jsonl or .parquet files, not plain text", opts.format.name())));
+            }
+            let mut bytes = Vec::new();
+            open()?.read_to_end(&mut bytes).map_err(|e| DataError::io(path, "cannot read", e))?;
+            let text = String::from_utf8(bytes).map_err(|e| {
+                DataError::at(path, format!("not UTF-8 text (invalid byte at offset {}); token files must end in .bin, .npy or .tok", e.utf8_error().valid_up_to()))
+            })?;
+            f(vec![Doc::Text(text)])
+        }
+        FileKind::Jsonl(c) => {
+            let raw = open()?;
+            let reader: Box<dyn Read> = match c {
+                Compression::None => Box::new(raw),
+                Compression::Gzip => Box::new(flate2::read::MultiGzDecoder::new(raw)),
+                Compression::Zstd => Box::new(zstd::stream::read::Decoder::new(raw).map_err(|e| DataError::io(path, "cannot start zstd decoding", e))?),
+            };
+            read_jsonl(path, BufReader::with_capacity(1 << 20, reader), opts, f)
+        }
+        FileKind::Parquet => crate::parquet::read_parquet(path, open()?, opts, f),
+    }
+}
+
+fn read_jsonl(path: &Path, mut r: impl BufRead, opts: &DocOpts, f: &mut dyn FnMut(Vec<Doc>) -> Result<(), DataError>) -> Result<(), DataError> {
+    let mut line = Vec::new();
+    let mut batch = Vec::new();
+    let mut bytes = 0;
+    let mut n = 0u64;
+    loop {
+        line.clear();
+        let got = r.read_until(b'\n', &mut line).map_err(|e| DataError::io(path, &format!("cannot read line {}", n + 1), e))?;
+        if got == 0 {
+            break;
+        }
+        n += 1;
+        let s = std::str::from_utf8(&line).map_err(|e| DataError::at(path, format!("line {n}: not UTF-8 (invalid byte at column {})", e.valid_up_to() + 1)))?;
+        let s = s.trim();
+        if s.is_empty() {
+            continue;
+        }
+        let v: Value = serde_json::from_str(s).map_err(|e| DataError::at(path, format!("line {n}: not valid JSON: {e}")))?;
+        let doc = doc_of(&v, opts).map_err(|m| DataError::at(path, format!("line {n}: {m}")))?;
+        bytes += doc.bytes();
+        batch.push(doc);
+        if batch.len() >= BATCH_DOCS || bytes >= BATCH_BYTES {
+            f(std::mem::take(&mut batch))?;
+            bytes = 0;
+        }
+    }
+    if !batch.is_empty() {
+        f(batch)?;
+    }
+    Ok(())
+}
+
+/// A JSON name for a value's type, for error messages.
+fn kind_of(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+fn string_field(v: &Value, key: &str) -> Result<String, String> {
+    let Some(obj) = v.as_object() else { return Err(format!("is {}, not a JSON object", kind_of(v))) };
+    match obj.get(key) {
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(x) => Err(format!("field `{key}` is {}, not a string", kind_of(x))),
+        None => {
+            let keys: Vec<&str> = obj.keys().map(|k| k.as_str()).take(8).collect();
+            Err(format!("no field `{key}` (fields: {}); set data.text_field or data.format", if keys.is_empty() { "none".into() } else { keys.join(", ") }))
+        }
+    }
+}
+
+/// The document a JSON object (a jsonl line, a parquet row) holds under `opts`; the error is
+/// the message without its location.
+pub(crate) fn doc_of(v: &Value, opts: &DocOpts) -> Result<Doc, String> {
+    match opts.format {
+        DocFormat::Text => string_field(v, &opts.text_field).map(Doc::Text),
+        DocFormat::PromptCompletion => Ok(Doc::Pair { prompt: string_field(v, "prompt")?, completion: string_field(v, "completion")? }),
+        DocFormat::Chat => {
+            let Some(obj) = v.as_object() else { return Err(format!("is {}, not a JSON object", kind_of(v))) };
+            let m = obj.get("messages").ok_or("no field `messages` (a chat needs messages: [{role, content}, ...])")?;
+            let list = m.as_array().ok_or_else(|| format!("field `messages` is {}, not an array", kind_of(m)))?;
+            if list.is_empty() {
+                return Err("field `messages` is empty".into());
+            }
+            for (i, msg) in list.iter().enumerate() {
+                for key in ["role", "content"] {
+                    match msg.get(key) {
+                        Some(Value::String(_)) => {}
+                        Some(x) => return Err(format!("messages[{i}].{key} is {}, not a string", kind_of(x))),
+                        None => return Err(format!("messages[{i}] has no `{key}`")),
+                    }
+                }
+            }
+            if !list.iter().any(|m| m["role"] == "assistant") {
+                return Err("no message has role \"assistant\", so nothing would carry loss".into());
+            }
+            Ok(Doc::Chat(m.clone()))
+        }
+    }
+}

@@ -1,0 +1,73 @@
+//! Parquet corpora (Hugging Face datasets' `data/*.parquet`), through the `parquet` crate's row
+//! API without Arrow: only the columns the document format needs are read, row group by row
+//! group, each row turned into the JSON object a jsonl line would be.
+
+use std::path::Path;
+use std::sync::atomic::Ordering;
+
+use parquet::file::reader::{FileReader, RowGroupReader, SerializedFileReader};
+use parquet::schema::types::Type;
+
+use crate::docs::{doc_of, Doc, DocFormat, DocOpts, BATCH_BYTES, BATCH_DOCS};
+use crate::error::DataError;
+
+/// The top-level columns `opts` reads.
+fn columns(opts: &DocOpts) -> Vec<&str> {
+    match opts.format {
+        DocFormat::Text => vec![opts.text_field.as_str()],
+        DocFormat::Chat => vec!["messages"],
+        DocFormat::PromptCompletion => vec!["prompt", "completion"],
+    }
+}
+
+fn perr(path: &Path, e: parquet::errors::ParquetError) -> DataError {
+    DataError::at(path, format!("not a readable parquet file: {e}"))
+}
+
+pub(crate) fn read_parquet(
+    path: &Path,
+    counting: crate::docs::CountingFile,
+    opts: &DocOpts,
+    f: &mut dyn FnMut(Vec<Doc>) -> Result<(), DataError>,
+) -> Result<(), DataError> {
+    let (file, read) = counting.into_parts();
+    let reader = SerializedFileReader::new(file).map_err(|e| perr(path, e))?;
+    let schema = reader.metadata().file_metadata().schema_descr();
+    let fields = schema.root_schema().get_fields();
+    let mut picked = Vec::new();
+    for name in columns(opts) {
+        match fields.iter().find(|t| t.name() == name) {
+            Some(t) => picked.push(t.clone()),
+            None => {
+                let have: Vec<&str> = fields.iter().map(|t| t.name()).collect();
+                return Err(DataError::at(path, format!("no column `{name}` (columns: {}); set data.text_field or data.format", have.join(", "))));
+            }
+        }
+    }
+    let proj = Type::group_type_builder("schema").with_fields(picked).build().map_err(|e| perr(path, e))?;
+    let (mut batch, mut bytes, mut row) = (Vec::new(), 0usize, 0u64);
+    for g in 0..reader.num_row_groups() {
+        let rg: Box<dyn RowGroupReader + '_> = reader.get_row_group(g).map_err(|e| perr(path, e))?;
+        let size = rg.metadata().compressed_size().max(0) as u64;
+        for r in rg.get_row_iter(Some(proj.clone())).map_err(|e| perr(path, e))? {
+            row += 1;
+            let r = r.map_err(|e| DataError::at(path, format!("row {row}: cannot decode: {e}")))?;
+            let doc = doc_of(&r.to_json_value(), opts).map_err(|m| DataError::at(path, format!("row {row}: {m}")))?;
+            bytes += match &doc {
+                Doc::Text(t) => t.len(),
+                _ => 256,
+            };
+            batch.push(doc);
+            if batch.len() >= BATCH_DOCS || bytes >= BATCH_BYTES {
+                f(std::mem::take(&mut batch))?;
+                bytes = 0;
+            }
+        }
+        read.fetch_add(size, Ordering::Relaxed);
+    }
+    if !batch.is_empty() {
+        f(batch)?;
+    }
+    Ok(())
+}
+
