@@ -280,25 +280,41 @@ fn stream(
     for item in items {
         match item {
             Item::Docs { path } => {
-                let mut in_file = 0u64;
-                read_docs(path, opts, &read, &mut |batch: Vec<Doc>| {
-                    if let Tokenizer::Char(v) = tok {
-                        for d in &batch {
-                            check_chars(path, v, &d.text(), docs > 0)?;
+                // One thread reads and parses the next batch while the pool encodes this one.
+                let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<Doc>>(1);
+                let consumed: Result<(), DataError> = std::thread::scope(|s| {
+                    let reader = s.spawn(|| {
+                        let tx = tx;
+                        read_docs(path, opts, &read, &mut |batch| tx.send(batch).map_err(|_| DataError::new("stopped")))
+                    });
+                    let mut in_file = 0u64;
+                    let mut consume = || -> Result<(), DataError> {
+                        for batch in rx.iter() {
+                            if let Tokenizer::Char(v) = tok {
+                                for d in &batch {
+                                    check_chars(path, v, &d.text(), docs > 0)?;
+                                }
+                            }
+                            let first = docs;
+                            let enc: Vec<Result<Encoded, DataError>> =
+                                batch.par_iter().enumerate().map(|(k, d)| tok.encode_doc(d, first + k as u64 == 0)).collect();
+                            for e in enc {
+                                in_file += 1;
+                                let e = e.map_err(|e| DataError::at(path, format!("document {in_file}: {e}")))?;
+                                sink.push(&e)?;
+                                docs += 1;
+                            }
+                            progress(Progress { docs, bytes: read.load(Ordering::Relaxed), total_bytes });
                         }
-                    }
-                    let first = docs;
-                    let enc: Vec<Result<Encoded, DataError>> =
-                        batch.par_iter().enumerate().map(|(k, d)| tok.encode_doc(d, first + k as u64 == 0)).collect();
-                    for e in enc {
-                        in_file += 1;
-                        let e = e.map_err(|e| DataError::at(path, format!("document {in_file}: {e}")))?;
-                        sink.push(&e)?;
-                        docs += 1;
-                    }
-                    progress(Progress { docs, bytes: read.load(Ordering::Relaxed), total_bytes });
-                    Ok(())
-                })?;
+                        Ok(())
+                    };
+                    let mine = consume();
+                    // (Dropping the receiver stops a reader that is still sending.)
+                    drop(rx);
+                    let theirs = reader.join().expect("the document reader does not panic");
+                    mine.and(theirs)
+                });
+                consumed?;
                 files.push(path.clone());
             }
             Item::TokenFile { path, tokens } => {
@@ -660,24 +676,13 @@ fn prepare_into(
     let mut sink = SplitSink::files(out, "all", vocab, masked)?;
     let mut files = Vec::new();
     stream(&items, &tokenizer, opts, &mut sink, &mut files, progress)?;
-    let all = sink.finish()?;
-    if all.is_empty() {
+    let (n, docs) = sink.close()?;
+    if n == 0 {
         return Err(DataError::new(format!("{}: no tokens after tokenizing", show_paths(&files))));
     }
-    let (n, docs) = (all.len(), all.docs.len());
-    let (train, val) = split_views(&all, n_train(n, val_fraction));
-    for (stem, split) in [("train", &train), ("val", &val)] {
-        let mut w = SplitSink::files(out, stem, vocab, masked)?;
-        copy_split(split, &mut w)?;
-        w.finish()?;
-    }
-    drop((all, train, val));
-    for ext in ["tok", "docs", "mask"] {
-        let p = out.join(format!("all.{ext}"));
-        if p.exists() {
-            fs::remove_file(&p).map_err(|e| DataError::io(&p, "cannot remove", e))?;
-        }
-    }
+    // The stream's tail becomes val: copied out by buffered reads and cut off train (no map of
+    // the stream, so resident memory stays a batch's).
+    crate::store::cut_files(out, "all", n as u64, n_train(n, val_fraction) as u64, masked)?;
     let (train_tokens, val_tokens) = (n_train(n, val_fraction), n - n_train(n, val_fraction));
     let description = describe(&files, docs, n, &tokenizer, skipped);
     tokenizer.save_in(out)?;
@@ -714,31 +719,3 @@ fn prepare_into(
     })
 }
 
-/// Streams `split`'s documents into `w` (in chunks, so a mapped split is never read whole).
-fn copy_split(split: &Split, w: &mut SplitSink) -> Result<(), DataError> {
-    const CHUNK: usize = 1 << 20;
-    let mut ids = Vec::new();
-    let mut mask = Vec::new();
-    for d in 0..split.docs.len() {
-        let r = split.docs.range(d);
-        // A long document in pieces would become several documents: copy it whole, by chunks
-        // of ids into one Encoded (documents are far below the corpus size).
-        ids.resize(r.len(), 0);
-        let mut o = 0;
-        while o < r.len() {
-            let k = CHUNK.min(r.len() - o);
-            split.tokens.copy_to(r.start + o, &mut ids[o..o + k]);
-            o += k;
-        }
-        let m = match &split.mask {
-            Some(m) => {
-                mask.resize(r.len(), 0);
-                m.copy_to(r.start, &mut mask);
-                Some(mask.iter().map(|&x| x as u8).collect())
-            }
-            None => None,
-        };
-        w.push(&Encoded { ids: ids.clone(), mask: m })?;
-    }
-    Ok(())
-}

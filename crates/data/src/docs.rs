@@ -144,8 +144,8 @@ impl<R: Read> Read for Counting<R> {
 }
 
 /// Documents per batch handed to the callback, and the text bytes that end a batch early.
-pub const BATCH_DOCS: usize = 4096;
-pub const BATCH_BYTES: usize = 8 << 20;
+pub const BATCH_DOCS: usize = 1024;
+pub const BATCH_BYTES: usize = 2 << 20;
 
 /// Reads the documents of `path` in batches of up to [`BATCH_DOCS`] documents (or about
 /// [`BATCH_BYTES`] of text), calling `f` with each batch in file order; `read` counts the file

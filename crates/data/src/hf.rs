@@ -154,6 +154,15 @@ impl HfTokenizer {
             .map_err(|e| DataError::new(format!("tokenizer cannot encode the text: {}", one_line(&e.to_string()))))
     }
 
+    /// `text`'s ids with the special tokens its post-processor adds, without computing offsets
+    /// (the fast path for pretraining documents).
+    pub fn encode_ids(&self, text: &str, special: bool) -> Result<Vec<u32>, DataError> {
+        self.inner
+            .encode_fast(text, special)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| DataError::new(format!("tokenizer cannot encode the text: {}", one_line(&e.to_string()))))
+    }
+
     /// Decodes `ids`, special tokens included; an id outside the vocabulary becomes U+FFFD.
     pub fn decode(&self, ids: &[u32]) -> String {
         let known = |id: u32| (id as usize) < self.vocab && self.inner.id_to_token(id).is_some();

@@ -103,45 +103,13 @@ pub(crate) fn is_shard(path: &Path) -> bool {
 /// Reads a shard by memory map: returns its tokens and the vocab size in its header. Checks
 /// the magic, version, dtype, reserved field, the file size against the count, and every id.
 pub fn read_shard(path: &Path) -> Result<(Tokens, usize), DataError> {
-    let map = map_file(path)?;
-    if map.len() < HEADER_BYTES {
-        return Err(DataError::at(
-            path,
-            format!("truncated shard: {} bytes, shorter than the {HEADER_BYTES}-byte header", map.len()),
-        ));
-    }
-    if &map[0..8] != MAGIC {
-        return Err(DataError::at(path, "not a kiln token shard (bad magic, expected \"KILNTOK\\0\")"));
-    }
-    let u32_at = |o: usize| u32::from_le_bytes(map[o..o + 4].try_into().unwrap());
-    let version = u32_at(8);
-    if version != VERSION {
-        return Err(DataError::at(path, format!("shard format version {version} is not supported (expected {VERSION})")));
-    }
-    let width = u32_at(12) as usize;
-    if width != 2 && width != 4 {
-        return Err(DataError::at(path, format!("shard dtype {width} is not supported (expected 2 = u16 or 4 = u32)")));
-    }
-    let count = u64::from_le_bytes(map[16..24].try_into().unwrap());
-    let vocab = u32_at(24) as usize;
-    if u32_at(28) != 0 {
-        return Err(DataError::at(path, format!("shard reserved field is {}, expected 0", u32_at(28))));
-    }
+    let (map, count, width, vocab) = crate::store::map_array(path, MAGIC, &[2, 4], "token shard")?;
     if vocab == 0 {
         return Err(DataError::at(path, "shard header has vocab size 0"));
     }
-    let expected = count.checked_mul(width as u64).and_then(|b| b.checked_add(HEADER_BYTES as u64));
-    if expected != Some(map.len() as u64) {
-        let exp = expected.map(|e| e.to_string()).unwrap_or_else(|| "an impossible number of".into());
-        let what = if expected.is_some_and(|e| e > map.len() as u64) { "truncated shard" } else { "shard size mismatch" };
-        return Err(DataError::at(
-            path,
-            format!("{what}: header says {count} tokens of {width} bytes, so {exp} bytes expected, but the file has {} bytes", map.len()),
-        ));
-    }
-    let tokens = Tokens::mapped(map, HEADER_BYTES, width, count as usize);
-    check_ids(path, &tokens, vocab, "the vocab size in its header")?;
-    Ok((tokens, vocab))
+    let tokens = Tokens::mapped(map, HEADER_BYTES, width, count);
+    check_ids(path, &tokens, vocab as usize, "the vocab size in its header")?;
+    Ok((tokens, vocab as usize))
 }
 
 /// Error if any id is `>= vocab`, naming the file, the index and the id.

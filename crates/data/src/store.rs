@@ -179,6 +179,12 @@ impl ArrayWriter {
         self.w.write_all(&buf).map_err(|e| DataError::io(&self.path, "cannot write", e))
     }
 
+    /// Appends `bytes`, which hold `count` elements already in the file's encoding.
+    fn push_raw(&mut self, bytes: &[u8], count: u64) -> Result<(), DataError> {
+        self.count += count;
+        self.w.write_all(bytes).map_err(|e| DataError::io(&self.path, "cannot write", e))
+    }
+
     /// Patches the header's count and closes the file.
     pub(crate) fn finish(self) -> Result<PathBuf, DataError> {
         let h = self.header();
@@ -205,7 +211,7 @@ pub(crate) fn map_array(path: &Path, magic: &[u8; 8], widths: &[usize], what: &s
     }
     let width = u32_at(12) as usize;
     if !widths.contains(&width) {
-        return Err(DataError::at(path, format!("{what} element width {width} is not supported (expected {widths:?})")));
+        return Err(DataError::at(path, format!("{what} dtype {width} (bytes per element) is not supported (expected {widths:?})")));
     }
     if u32_at(28) != 0 {
         return Err(DataError::at(path, format!("{what} reserved field is {}, expected 0", u32_at(28))));
@@ -302,6 +308,20 @@ impl SplitSink {
         Ok(())
     }
 
+    /// Closes a file sink: its token and document counts (nothing is read back).
+    pub(crate) fn close(self) -> Result<(usize, usize), DataError> {
+        match self {
+            SplitSink::Files { tok, docs, mask, tokens } => {
+                let n_docs = docs.count as usize - 1;
+                tok.finish()?;
+                docs.finish()?;
+                mask.map(|m| m.finish()).transpose()?;
+                Ok((tokens as usize, n_docs))
+            }
+            SplitSink::Memory { ids, starts, .. } => Ok((ids.len(), starts.len() - 1)),
+        }
+    }
+
     /// The split (files: closed, then read back by memory map).
     pub(crate) fn finish(self) -> Result<Split, DataError> {
         match self {
@@ -321,4 +341,67 @@ impl SplitSink {
             }
         }
     }
+}
+
+/// Cuts the file set `{stem}.*` in `dir` (a stream of `n` tokens) at token `cut` into `train.*`
+/// (the first `cut` tokens) and `val.*` (the rest), a document the cut falls inside becoming
+/// one on each side. The tail is copied by buffered reads and the head truncated in place, so
+/// no more than a buffer of the stream is ever resident.
+pub(crate) fn cut_files(dir: &Path, stem: &str, n: u64, cut: u64, masked: bool) -> Result<(), DataError> {
+    use std::io::{BufReader, Read};
+    let mut arrays: Vec<(&str, &[u8; 8])> = vec![("tok", MAGIC)];
+    if masked {
+        arrays.push(("mask", MASK_MAGIC));
+    }
+    for (ext, magic) in arrays {
+        let from = dir.join(format!("{stem}.{ext}"));
+        let io = |e| DataError::io(&from, "cannot cut", e);
+        let mut f = std::fs::OpenOptions::new().read(true).write(true).open(&from).map_err(io)?;
+        let mut h = [0u8; HEADER_BYTES];
+        f.read_exact(&mut h).map_err(io)?;
+        let width = u32::from_le_bytes(h[12..16].try_into().unwrap()) as u64;
+        let extra = u32::from_le_bytes(h[24..28].try_into().unwrap());
+        let mut val = ArrayWriter::create(&dir.join(format!("val.{ext}")), magic, width as usize, extra)?;
+        f.seek(SeekFrom::Start(HEADER_BYTES as u64 + cut * width)).map_err(io)?;
+        let mut left = (n - cut) * width;
+        let mut buf = vec![0u8; 1 << 20];
+        while left > 0 {
+            let k = left.min(buf.len() as u64) as usize;
+            f.read_exact(&mut buf[..k]).map_err(io)?;
+            val.push_raw(&buf[..k], k as u64 / width)?;
+            left -= k as u64;
+        }
+        val.finish()?;
+        f.set_len(HEADER_BYTES as u64 + cut * width).map_err(io)?;
+        f.seek(SeekFrom::Start(16)).and_then(|_| f.write_all(&cut.to_le_bytes())).and_then(|_| f.sync_data()).map_err(io)?;
+        drop(f);
+        let to = dir.join(format!("train.{ext}"));
+        std::fs::rename(&from, &to).map_err(|e| DataError::io(&to, "cannot write", e))?;
+    }
+    let from = dir.join(format!("{stem}.docs"));
+    let io = |e| DataError::io(&from, "cannot cut", e);
+    let mut r = BufReader::with_capacity(1 << 20, File::open(&from).map_err(io)?);
+    let mut h = [0u8; HEADER_BYTES];
+    r.read_exact(&mut h).map_err(io)?;
+    let count = u64::from_le_bytes(h[16..24].try_into().unwrap());
+    let mut train = ArrayWriter::create(&dir.join("train.docs"), DOCS_MAGIC, 8, 0)?;
+    let mut val = ArrayWriter::create(&dir.join("val.docs"), DOCS_MAGIC, 8, 0)?;
+    val.push(std::iter::once(0))?;
+    let mut e = [0u8; 8];
+    for _ in 0..count {
+        r.read_exact(&mut e).map_err(io)?;
+        let s = u64::from_le_bytes(e);
+        if s < cut || s == 0 {
+            train.push(std::iter::once(s))?;
+        }
+        if s > cut {
+            val.push(std::iter::once(s - cut))?;
+        }
+    }
+    if cut > 0 {
+        train.push(std::iter::once(cut))?;
+    }
+    train.finish()?;
+    val.finish()?;
+    std::fs::remove_file(&from).map_err(io)
 }

@@ -442,7 +442,7 @@ impl Tokenizer {
         };
         let body = |text: &str| -> Result<Vec<u32>, DataError> {
             let mut ids = match self {
-                Tokenizer::Hf(h) => h.encode_full(text, true)?.0,
+                Tokenizer::Hf(h) => h.encode_ids(text, true)?,
                 _ => self.encode(text)?,
             };
             if let Some(b) = bos {

@@ -39,7 +39,22 @@ pub struct TrainState {
     pub fp8_amax: Option<Vec<Vec<f32>>>,
     /// The data loader's cursors (packed documents: where each source's stream stands).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub loader: Option<crate::train::LoaderState>,
+    pub loader: Option<LoaderState>,
+}
+
+/// Where a source's document stream stands: epoch, the next document of the epoch's order,
+/// and how far into it (a document longer than a row is taken a row at a time).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Cursor {
+    pub epoch: u64,
+    pub next: u64,
+    pub offset: u64,
+}
+
+/// The loader's state beyond the sampler's RNG (checkpointed): one cursor per source.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LoaderState {
+    pub cursors: Vec<Cursor>,
 }
 
 #[derive(Serialize, Deserialize)]

@@ -24,7 +24,7 @@ pub fn cmd(args: &TrainArgs, as_json: bool) -> Result<()> {
         }
         None => cfg.gpt_config(ds.tokenizer.vocab_size()),
     };
-    let plan = plan_run(&cfg, &gpt, &ds)?;
+    let plan = plan_run(&cfg, &gpt, ds.in_memory_bytes())?;
     if as_json {
         println!("{}", plan.to_json());
     } else {

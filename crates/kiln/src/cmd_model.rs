@@ -58,6 +58,13 @@ pub struct EvalCli {
     /// turns / completions only); default the run's data.format, else text.
     #[arg(long)]
     pub format: Option<String>,
+    /// windows or documents (each document in its own segment of a packed row); default the
+    /// run's data.packing, else windows.
+    #[arg(long)]
+    pub packing: Option<String>,
+    /// With --packing documents: positions restart in every document.
+    #[arg(long)]
+    pub reset_positions: bool,
 }
 
 #[derive(Args)]
@@ -106,6 +113,15 @@ pub fn eval(e: EvalCli) -> Result<()> {
     let mut dcfg = run.as_ref().map_or_else(crate::config::RunConfig::default, |r| r.config.clone());
     if let Some(f) = &e.format {
         dcfg.data.format = <crate::config::Format as plan::policy::Names>::parse(f).map_err(|m| crate::error::KilnError::User(format!("--format: {m}")))?;
+    }
+    if let Some(p) = &e.packing {
+        dcfg.data.packing = <crate::config::Packing as plan::policy::Names>::parse(p).map_err(|m| crate::error::KilnError::User(format!("--packing: {m}")))?;
+    }
+    if e.reset_positions {
+        if dcfg.data.packing != crate::config::Packing::Documents {
+            return user("--reset-positions needs --packing documents");
+        }
+        dcfg.data.reset_positions = true;
     }
     let (toks, what) = match (&run, e.data.is_empty(), &tok) {
         (Some(r), true, Some(tok)) => (train::load_data(&r.config, Some(tok.clone()))?.val().clone(), "validation split".to_string()),

@@ -606,10 +606,10 @@ fn plan_rank(cfg: &RunConfig, gpt: &GptConfig, data_bytes: u64, s: usize) -> Res
     Ok(MemoryPlan { precision: p, rows: out, step_peak, eval_peak, checkpoint_peak, total: total_peak, ranks_per_process, ranks_sum: None, data_bytes, limit: cfg.memory_limit(), layout: layout_line })
 }
 
-/// The plan of a training run over `ds`: the model as `kiln train` builds it (its vocabulary
-/// from the tokenizer) and the data it holds.
-pub fn plan_run(cfg: &RunConfig, gpt: &GptConfig, ds: &crate::train::TrainData) -> Result<MemoryPlan> {
-    plan(cfg, gpt, ds.in_memory_bytes())
+/// The plan of a training run: the model as `kiln train` builds it (its vocabulary from the
+/// tokenizer) and the `data_bytes` of tokens it holds in memory (`TrainData::in_memory_bytes`).
+pub fn plan_run(cfg: &RunConfig, gpt: &GptConfig, data_bytes: u64) -> Result<MemoryPlan> {
+    plan(cfg, gpt, data_bytes)
 }
 
 impl MemoryPlan {

@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! RUN/config.toml        the fully resolved config
-//! RUN/tokenizer.json     the tokenizer (char vocabularies live here)
+//! RUN/tokenizer.json     the tokenizer (char vocabularies live here), with its tokenizer_config.json
 //! RUN/metrics.jsonl      one JSON object per line ("kind": "train" | "eval")
 //! RUN/checkpoints/step-NNNNNNNN/
 //! RUN/sample.txt         text generated at the end of training
@@ -75,7 +75,7 @@ pub fn load_run(dir: &Path) -> Result<SavedRun> {
     }
     let config = RunConfig::load(&cfg_path)?;
     let ckpt = checkpoint::latest_valid(&ckpt_dir(dir))?;
-    let tokenizer = data::Tokenizer::from_json(&ckpt.tokenizer_json, &ckpt.dir.join(data::Tokenizer::file_name_of_json(&ckpt.tokenizer_json)))?;
+    let tokenizer = data::Tokenizer::from_json(&ckpt.tokenizer_json, &ckpt.dir.join(data::Tokenizer::file_name_of_json(&ckpt.tokenizer_json)))?.with_config_in(dir)?;
     Ok(SavedRun { dir: dir.to_path_buf(), config, ckpt, tokenizer })
 }
 

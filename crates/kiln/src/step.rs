@@ -3,7 +3,6 @@
 //! stage), global-norm clipping, and AdamW over the pieces this rank owns.
 
 use crate::config::RunConfig;
-use crate::train::RowBuf;
 use model::gpt::Activations;
 use model::{Gpt, Pass};
 use parallel::pp;
@@ -468,6 +467,29 @@ pub fn train_step(
         ch.dp.after_update();
     }
     out(norm, None)
+}
+
+/// One micro-batch's rows: inputs, targets and, for packed documents, each token's document
+/// start and position (empty otherwise).
+#[derive(Clone, Debug, Default)]
+pub struct RowBuf {
+    pub x: Vec<u32>,
+    pub y: Vec<i32>,
+    pub start: Vec<u32>,
+    pub pos: Vec<u32>,
+}
+
+impl RowBuf {
+    pub fn new(rows: usize, t: usize, packed: bool) -> RowBuf {
+        let n = rows * t;
+        let docs = if packed { n } else { 0 };
+        RowBuf { x: vec![0; n], y: vec![model::gpt::IGNORE_INDEX; n], start: vec![0; docs], pos: vec![0; docs] }
+    }
+
+    /// The document layout for the model (`None`: plain causal rows).
+    pub fn docs(&self) -> Option<model::Docs<'_>> {
+        (!self.start.is_empty()).then_some(model::Docs { start: &self.start, pos: &self.pos })
+    }
 }
 
 /// A step's micro-batches on this rank (its rows of each) and the global count of targets in

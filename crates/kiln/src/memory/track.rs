@@ -1,9 +1,12 @@
 //! A counting global allocator: the bytes live now and at their peak, in total and per category
 //! (`params`, `grads`, `optimizer`, `activations`, `other`), for `metrics.jsonl`.
 //!
-//! Cost: every allocation and free is two relaxed atomic additions (its category and the
-//! total) plus a relaxed load of each peak (a `fetch_max` only when a peak rises); no locks and
-//! no per-thread state beyond one byte. kiln's kernels take their scratch from per-thread pools
+//! Cost: a large allocation or free is two relaxed atomic additions (its category and the
+//! total) plus a relaxed load of each peak (a `fetch_max` only when a peak rises); a small one
+//! adds to a per-thread count that reaches the shared counters only when it has moved by
+//! [`SMALL_FLUSH`] bytes (code that allocates small objects on every thread, as a tokenizer
+//! does, would otherwise bounce the counters' cache line between cores on every call). So
+//! `other` and the total are exact to within `SMALL_FLUSH` per thread. No locks. kiln's kernels take their scratch from per-thread pools
 //! and its activation buffers are sized once per `(B, T)`, so a training step makes few
 //! allocations and the counting is far below the noise of a step time.
 //!
@@ -23,7 +26,7 @@
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicIsize, AtomicUsize, Ordering::Relaxed};
 
 /// What a buffer holds, as far as the tracker can tell.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -63,13 +66,19 @@ const HEADER: usize = 16;
 const MAGIC: u64 = 0x6b69_6c6e_6d65_6d00;
 
 static ACTIVE: AtomicBool = AtomicBool::new(false);
-static CURRENT: [AtomicUsize; 5] = [const { AtomicUsize::new(0) }; 5];
+/// Live bytes, signed: a thread's batched small frees may reach the counters before another
+/// thread's batched allocations of the same bytes.
+static CURRENT: [AtomicIsize; 5] = [const { AtomicIsize::new(0) }; 5];
 static PEAK: [AtomicUsize; 5] = [const { AtomicUsize::new(0) }; 5];
-static TOTAL: AtomicUsize = AtomicUsize::new(0);
+static TOTAL: AtomicIsize = AtomicIsize::new(0);
 static TOTAL_PEAK: AtomicUsize = AtomicUsize::new(0);
+
+/// Bytes of small allocations a thread counts on its own before adding them to the totals.
+pub const SMALL_FLUSH: isize = 256 << 10;
 
 thread_local! {
     static SCOPE: Cell<u8> = const { Cell::new(Category::Other as u8) };
+    static SMALL: Cell<isize> = const { Cell::new(0) };
 }
 
 /// The counting allocator over the system allocator.
@@ -86,15 +95,39 @@ fn raise(peak: &AtomicUsize, now: usize) {
     }
 }
 
-fn add(cat: Category, bytes: usize) {
+fn add_signed(cat: Category, bytes: isize) {
     let i = cat as usize;
-    raise(&PEAK[i], CURRENT[i].fetch_add(bytes, Relaxed) + bytes);
-    raise(&TOTAL_PEAK, TOTAL.fetch_add(bytes, Relaxed) + bytes);
+    raise(&PEAK[i], (CURRENT[i].fetch_add(bytes, Relaxed) + bytes).max(0) as usize);
+    raise(&TOTAL_PEAK, (TOTAL.fetch_add(bytes, Relaxed) + bytes).max(0) as usize);
+}
+
+fn add(cat: Category, bytes: usize) {
+    add_signed(cat, bytes as isize);
 }
 
 fn sub(cat: Category, bytes: usize) {
-    CURRENT[cat as usize].fetch_sub(bytes, Relaxed);
-    TOTAL.fetch_sub(bytes, Relaxed);
+    CURRENT[cat as usize].fetch_sub(bytes as isize, Relaxed);
+    TOTAL.fetch_sub(bytes as isize, Relaxed);
+}
+
+/// A small allocation's (or free's, negative) bytes: counted per thread, added to `other` and
+/// the total once they have moved by [`SMALL_FLUSH`] (directly while the thread is exiting).
+fn small(delta: isize) {
+    let flush = SMALL.try_with(|c| {
+        let v = c.get() + delta;
+        if v.abs() >= SMALL_FLUSH {
+            c.set(0);
+            v
+        } else {
+            c.set(v);
+            0
+        }
+    });
+    match flush {
+        Ok(0) => {}
+        Ok(v) => add_signed(Category::Other, v),
+        Err(_) => add_signed(Category::Other, delta),
+    }
 }
 
 fn current_scope() -> Category {
@@ -127,7 +160,7 @@ impl Tracking {
         if l.size() < LARGE {
             let p = if zeroed { System.alloc_zeroed(l) } else { System.alloc(l) };
             if !p.is_null() {
-                add(Category::Other, l.size());
+                small(l.size() as isize);
             }
             return p;
         }
@@ -155,7 +188,7 @@ unsafe impl GlobalAlloc for Tracking {
 
     unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
         if l.size() < LARGE {
-            sub(Category::Other, l.size());
+            small(-(l.size() as isize));
             return System.dealloc(p, l);
         }
         let [magic, cat] = header(p).read();
@@ -169,8 +202,7 @@ unsafe impl GlobalAlloc for Tracking {
         if !was_large && !large {
             let q = System.realloc(p, l, new_size);
             if !q.is_null() {
-                add(Category::Other, new_size);
-                sub(Category::Other, l.size());
+                small(new_size as isize - l.size() as isize);
             }
             return q;
         }
@@ -237,7 +269,7 @@ pub unsafe fn retag_raw(ptr: *const u8, size: usize, cat: Category) {
 
 /// Bytes live now: the total and each category (in [`CATEGORIES`] order).
 pub fn current() -> (usize, [usize; 5]) {
-    (TOTAL.load(Relaxed), std::array::from_fn(|i| CURRENT[i].load(Relaxed)))
+    (TOTAL.load(Relaxed).max(0) as usize, std::array::from_fn(|i| CURRENT[i].load(Relaxed).max(0) as usize))
 }
 
 /// The peaks since the last [`reset_peaks`]: the total's, and each category's own (reached at
@@ -248,9 +280,9 @@ pub fn peaks() -> (usize, [usize; 5]) {
 
 /// Restarts the peaks from the bytes live now.
 pub fn reset_peaks() {
-    TOTAL_PEAK.store(TOTAL.load(Relaxed), Relaxed);
+    TOTAL_PEAK.store(TOTAL.load(Relaxed).max(0) as usize, Relaxed);
     for i in 0..CATEGORIES.len() {
-        PEAK[i].store(CURRENT[i].load(Relaxed), Relaxed);
+        PEAK[i].store(CURRENT[i].load(Relaxed).max(0) as usize, Relaxed);
     }
 }
 

@@ -14,8 +14,9 @@
 use crate::config::{Packing, RunConfig};
 use crate::error::{user, Result};
 use data::{DocOpts, Split, Tokenizer, TokenizerChoice};
+use crate::checkpoint::{Cursor, LoaderState};
+use crate::step::RowBuf;
 use model::gpt::IGNORE_INDEX;
-use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 use tensor::Rng;
 
@@ -121,21 +122,6 @@ pub(super) fn check_data_fits(cfg: &RunConfig, ds: &TrainData) -> Result<()> {
     Ok(())
 }
 
-/// Where a source's document stream stands: epoch, the next document of the epoch's order,
-/// and how far into it (a document longer than a row is taken a row at a time).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Cursor {
-    pub epoch: u64,
-    pub next: u64,
-    pub offset: u64,
-}
-
-/// The loader's state beyond the sampler's RNG (checkpointed): one cursor per source.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct LoaderState {
-    pub cursors: Vec<Cursor>,
-}
-
 /// `len` tokens of source `src` from token `start`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Piece {
@@ -151,29 +137,6 @@ pub enum Row {
     Window { src: usize, offset: usize },
     /// Documents (or pieces of one) back to back, the rest padding.
     Packed(Vec<Piece>),
-}
-
-/// One micro-batch's rows: inputs, targets and, for packed documents, each token's document
-/// start and position (empty otherwise).
-#[derive(Clone, Debug, Default)]
-pub struct RowBuf {
-    pub x: Vec<u32>,
-    pub y: Vec<i32>,
-    pub start: Vec<u32>,
-    pub pos: Vec<u32>,
-}
-
-impl RowBuf {
-    pub fn new(rows: usize, t: usize, packed: bool) -> RowBuf {
-        let n = rows * t;
-        let docs = if packed { n } else { 0 };
-        RowBuf { x: vec![0; n], y: vec![IGNORE_INDEX; n], start: vec![0; docs], pos: vec![0; docs] }
-    }
-
-    /// The document layout for the model (`None`: plain causal rows).
-    pub fn docs(&self) -> Option<model::Docs<'_>> {
-        (!self.start.is_empty()).then_some(model::Docs { start: &self.start, pos: &self.pos })
-    }
 }
 
 /// Draws rows from a run's training splits (see the module comment).

@@ -4,7 +4,8 @@
 //! windows or, with packed documents, its documents packed in order; targets the loss mask
 //! excludes are not counted.
 
-use super::data::{eval_rows, fill_rows, RowBuf};
+use super::data::{eval_rows, fill_rows};
+use crate::step::RowBuf;
 use crate::step::Chunk;
 use data::Split;
 use model::{Gpt, Pass};

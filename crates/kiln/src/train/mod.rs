@@ -15,7 +15,9 @@ mod faults;
 mod metrics;
 mod rank;
 
-pub use self::data::{doc_opts, load_data, LoaderState, RowBuf, TrainData};
+pub use self::data::{doc_opts, fill_rows, load_data, Loader, Piece, Row, Source, TrainData};
+pub use crate::checkpoint::{Cursor, LoaderState};
+pub use crate::step::RowBuf;
 pub use self::eval::{eval_sums, evaluate, EvalBatches};
 pub use crate::config::TrainArgs;
 
@@ -148,7 +150,7 @@ fn train_once(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
     let gcfg = cfg.gpt_config(ds.tokenizer.vocab_size());
     cfg.model.vocab_size = gcfg.vocab_size;
     // memory: refuse a run whose plan exceeds memory.limit, before anything is written (issue 7).
-    crate::memory::plan_run(&cfg, &gcfg, &ds)?.check_limit()?;
+    crate::memory::plan_run(&cfg, &gcfg, ds.in_memory_bytes())?.check_limit()?;
 
     // 3. The ranks: this process alone, threads in it, or MPI processes.
     let world = cfg.parallel.dp * cfg.parallel.ep * cfg.parallel.tp * cfg.parallel.pp;

@@ -7,7 +7,8 @@
 //! computes, and every collective runs on every rank in the same order.
 
 use super::ckpt::Checkpoints;
-use super::data::{Loader, Row, RowBuf};
+use super::data::{Loader, Row};
+use crate::step::RowBuf;
 use super::eval::{eval_sums, eval_sums_pipeline, EvalBatches};
 use super::faults::{Faults, Verdict};
 use super::metrics::{add_comm, add_memory, add_moe_stats};
@@ -194,7 +195,7 @@ impl<'a> Rank<'a> {
             self.say(&format!("parallel: {} ranks ({}): pp {} × dp {} × ep {} × tp {}, ZeRO stage {}, {} sequences per data-parallel rank per micro-batch", self.world, p.backend.name(), p.pp, self.applied.groups.dp_size / p.ep, p.ep, p.tp, p.zero, self.rows));
         }
         // memory: the plan, before step 0 (issue 7).
-        self.say(crate::memory::plan_run(cfg, &self.applied.whole, ds)?.table().trim_end());
+        self.say(crate::memory::plan_run(cfg, &self.applied.whole, ds.in_memory_bytes())?.table().trim_end());
         if self.applied.stages.len() > 1 {
             let layers: Vec<usize> = self.applied.stages.iter().map(|r| r.len()).collect();
             self.say(&format!("pipeline: {} schedule, {} micro-batches, {} chunk(s) per rank; layers per stage {layers:?}", p.schedule.name(), cfg.train.grad_accum, p.virtual_stages));
@@ -534,7 +535,7 @@ struct Resumed {
     moments: (Vec<f32>, Vec<f32>),
     scaler: Option<LossScaler>,
     sampler: [u64; 4],
-    loader: Option<super::data::LoaderState>,
+    loader: Option<crate::checkpoint::LoaderState>,
     step: u64,
     tokens_seen: u64,
     elapsed_s: f64,

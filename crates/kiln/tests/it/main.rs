@@ -9,5 +9,6 @@ mod memory;
 mod obs;
 mod parallel;
 mod reliability;
+mod sft;
 mod tokenizers;
 mod training;
