@@ -130,12 +130,15 @@ pub fn eval(e: EvalCli) -> Result<()> {
         // Everything given is evaluated.
         (_, false, Some(tok)) => (data::load_docs(&e.data, data::TokenizerChoice::Given(tok.clone()), 0.0, &train::doc_opts(&dcfg))?.train, names(&e.data)),
     };
-    // One window is t + 1 tokens (t inputs, each predicting the next).
-    if toks.len() < t + 1 {
+    let packed = dcfg.data.packing == crate::config::Packing::Documents;
+    // One window is t + 1 tokens (t inputs, each predicting the next); packed rows are padded.
+    if packed && toks.len() < 2 {
+        return user(format!("{what}: {} tokens, nothing to predict", toks.len()));
+    }
+    if !packed && toks.len() < t + 1 {
         return user(format!("{what}: {} tokens, fewer than one window of {t} + 1", toks.len()));
     }
     let batch = run.as_ref().map_or(4, |r| r.config.micro_batch());
-    let packed = dcfg.data.packing == crate::config::Packing::Documents;
     let eb = train::EvalBatches { packed, reset_positions: dcfg.data.reset_positions, ..train::EvalBatches::windows(t, batch, 0) };
     let (vl, n) = train::evaluate(&mut m, &toks, eb);
     let mut out = serde_json::json!({"val_loss": vl, "tokens": n, "seq_len": t, "data": what, "loss_vocab": m.real_vocab});

@@ -27,15 +27,21 @@ fn chat_loss_on_qwen2_equals_transformers_with_labels_outside_assistant_turns_ig
     let fx = shared("fixtures/qwen2-tiny");
     let chats = here("../data/tests/fixtures/docs/chat.jsonl");
     let want: serde_json::Value = serde_json::from_str(&fs::read_to_string(here("tests/fixtures/sft/expected.json")).unwrap()).unwrap();
-    // Each chat in its own segment with positions from 0: as transformers runs them one by one.
-    let v = eval_json(&kiln(&["eval", "--checkpoint", fx.to_str().unwrap(), "--data", chats.to_str().unwrap(), "--format", "chat",
-        "--packing", "documents", "--reset-positions", "--seq-len", "64"]));
+    // Rows of 128 tokens hold all three chats; each in its own segment, positions from 0: as
+    // transformers runs them one by one.
+    let eval = |extra: &[&str]| {
+        let mut args = vec!["eval", "--checkpoint", fx.to_str().unwrap(), "--data", chats.to_str().unwrap(), "--format", "chat", "--packing", "documents", "--seq-len", "128"];
+        args.extend_from_slice(extra);
+        eval_json(&kiln(&args))
+    };
+    let v = eval(&["--reset-positions"]);
     assert_eq!(v["tokens"].as_u64(), want["targets"].as_u64(), "{v}");
     let (got, hf) = (v["val_loss"].as_f64().unwrap(), want["loss"].as_f64().unwrap());
     assert!((got - hf).abs() <= 1e-5 * hf.abs(), "kiln {got} vs transformers {hf}");
-    // As text, every token counts: a different loss over more targets.
-    let t = eval_json(&kiln(&["eval", "--checkpoint", fx.to_str().unwrap(), "--data", chats.to_str().unwrap(), "--packing", "documents", "--seq-len", "64"]));
-    assert!(t["tokens"].as_u64().unwrap() > 2 * want["targets"].as_u64().unwrap(), "{t}");
+    // RoPE sees only position differences, so inside document masks positions running on
+    // through the row give the same loss (to rounding); the masks are what matter.
+    let w = eval(&[]);
+    assert!((w["val_loss"].as_f64().unwrap() - hf).abs() <= 1e-5 * hf.abs(), "{w}");
 }
 
 /// `n` chats of sums (`op` "plus") or differences, deterministic.
@@ -71,7 +77,7 @@ fn a_packed_sft_run_on_qwen2_lowers_its_held_out_loss() {
     let before = held_eval("--checkpoint", fx.to_str().unwrap());
     let out = d.join("run");
     let o = kiln(&["train", "--init-from", fx.to_str().unwrap(), "--data", prep.to_str().unwrap(), "--out", out.to_str().unwrap(),
-        "--packing", "documents", "--reset-positions", "--seq-len", "64", "--max-steps", "200", "--set", "train.batch_size=4",
+        "--packing", "documents", "--reset-positions", "--seq-len", "64", "--max-steps", "200", "--set", "train.batch_size=2",
         "--set", "train.lr=1e-3", "--set", "eval.interval=200", "--set", "sample.tokens=0", "--set", "checkpoint.interval=200", "--quiet"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let lines: Vec<serde_json::Value> = fs::read_to_string(out.join("metrics.jsonl")).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
@@ -148,6 +154,7 @@ fn mixing_realises_the_weights_and_packed_rows_keep_documents_apart() {
             kiln::train::Row::Packed(p) => p[0].src == 0,
         }).count();
         let share = from_first as f64 / rows.len() as f64;
+        eprintln!("{packing}: first source's share over {} rows: {share:.4} (weight 0.7)", rows.len());
         assert!((share - 0.7).abs() < 0.02, "{packing}: first source's share {share}");
         if packing == "documents" {
             let mut b = kiln::train::RowBuf::new(64, 32, true);
