@@ -7,6 +7,7 @@
 //! RUN/metrics.jsonl      one JSON object per line ("kind": "train" | "eval")
 //! RUN/checkpoints/step-NNNNNNNN/
 //! RUN/sample.txt         text generated at the end of training
+//! RUN/lock               flock-ed by the one process training in the run ({"pid", "since"})
 //! ```
 
 use crate::checkpoint;
@@ -120,4 +121,75 @@ pub fn merged(m: &model::Gpt) -> model::Gpt {
         lo.merge_into(&mut out.params, &out.views);
     }
     out
+}
+
+/// The lock file whose `flock` marks a run directory's one writer.
+pub const LOCK_FILE: &str = "lock";
+/// Set by a supervisor for its worker: the supervisor's PID, which holds the run's lock for it.
+pub const LOCK_HELD_ENV: &str = "KILN_RUN_LOCK_HELD_BY";
+
+/// A run directory's ownership: an exclusive `flock` on `RUN/lock`, held for as long as this
+/// value lives and released by the kernel when the process dies (a crash leaves no stale lock).
+/// The file names its holder (`{"pid", "since"}`) for the refusal message. Dropped without a
+/// run started in it, a directory this lock created is removed again.
+pub struct RunLock {
+    _file: Option<fs::File>,
+    dir: PathBuf,
+    created: bool,
+}
+
+impl Drop for RunLock {
+    fn drop(&mut self) {
+        let only_lock = fs::read_dir(&self.dir).map(|d| d.flatten().all(|e| e.file_name() == LOCK_FILE)).unwrap_or(false);
+        if self.created && only_lock {
+            let _ = fs::remove_dir_all(&self.dir);
+        }
+    }
+}
+
+fn flock(f: &fs::File, op: i32) -> bool {
+    use std::os::fd::AsRawFd;
+    // SAFETY: flock on a file descriptor this process owns.
+    unsafe { libc::flock(f.as_raw_fd(), op | libc::LOCK_NB) == 0 }
+}
+
+/// Who holds `dir`'s lock, if anyone: `(pid, since)` from the lock file, when it is locked.
+pub fn holder(dir: &Path) -> Option<(u64, String)> {
+    let f = fs::File::open(dir.join(LOCK_FILE)).ok()?;
+    if flock(&f, libc::LOCK_SH) {
+        flock(&f, libc::LOCK_UN);
+        return None;
+    }
+    let v: serde_json::Value = fs::read_to_string(dir.join(LOCK_FILE)).ok().and_then(|s| serde_json::from_str(&s).ok()).unwrap_or_default();
+    Some((v["pid"].as_u64().unwrap_or(0), v["since"].as_str().unwrap_or("?").to_string()))
+}
+
+/// Takes `dir` for this process (creating it), or refuses: "DIR is in use by process PID (since
+/// TIME, step N)". A supervisor's worker (the supervisor's PID in [`LOCK_HELD_ENV`]) works under
+/// its parent's lock, and MPI ranks other than 0 under rank 0's.
+pub fn lock(dir: &Path) -> Result<RunLock> {
+    // MPI ranks other than 0 write nothing in the run directory: rank 0 holds it for them.
+    let mpi_rank = ["OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"].iter().find_map(|k| std::env::var(k).ok());
+    if mpi_rank.is_some_and(|r| r.trim() != "0") {
+        return Ok(RunLock { _file: None, dir: dir.to_path_buf(), created: false });
+    }
+    if let Ok(pid) = std::env::var(LOCK_HELD_ENV) {
+        if pid.parse::<u32>().ok() == Some(std::os::unix::process::parent_id()) {
+            return Ok(RunLock { _file: None, dir: dir.to_path_buf(), created: false });
+        }
+    }
+    let created = !dir.exists();
+    fs::create_dir_all(dir).map_err(|e| crate::error::io_err(dir, e))?;
+    let path = dir.join(LOCK_FILE);
+    let f = fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&path).map_err(|e| crate::error::io_err(&path, e))?;
+    if !flock(&f, libc::LOCK_EX) {
+        let (pid, since) = holder(dir).unwrap_or((0, "?".into()));
+        let step = fs::read_to_string(dir.join("heartbeat")).ok().map(|s| s.trim().to_string()).unwrap_or_else(|| "0".into());
+        return user(format!("{} is in use by process {pid} (since {since}, step {step}): one training process per run directory", dir.display()));
+    }
+    let since = default_run_dir("").file_name().map(|n| n.to_string_lossy().trim_start_matches('-').to_string()).unwrap_or_default();
+    let me = serde_json::json!({"pid": std::process::id(), "since": since}).to_string() + "\n";
+    use std::io::Write;
+    f.set_len(0).and_then(|_| (&f).write_all(me.as_bytes())).map_err(|e| crate::error::io_err(&path, e))?;
+    Ok(RunLock { _file: Some(f), dir: dir.to_path_buf(), created })
 }

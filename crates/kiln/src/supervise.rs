@@ -66,9 +66,12 @@ pub fn run(argv: &[String], preset: Option<&str>, sv: &Supervise, stop: &AtomicB
     let exe = std::env::current_exe().map_err(|e| KilnError::Internal(format!("cannot find the kiln executable: {e}")))?;
     let (args, run_dir) = child_args(argv, preset);
     let resumed = argv.iter().any(|a| a == "--resume");
+    // The supervisor owns the run directory; its workers train under its lock.
+    let _lock = crate::run::lock(&run_dir)?;
     let mut restarts = 0u32;
     loop {
         let mut cmd = Command::new(&exe);
+        cmd.env(crate::run::LOCK_HELD_ENV, std::process::id().to_string());
         cmd.arg("train").args(&args).arg("--out").arg(&run_dir);
         // Resume once the run exists (a process killed before writing its config starts over).
         if (restarts > 0 || resumed) && run_dir.join("config.toml").exists() && !args.iter().any(|a| a == "--resume") {

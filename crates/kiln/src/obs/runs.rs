@@ -97,7 +97,8 @@ fn table(rows: &[Vec<String>]) -> String {
     out
 }
 
-/// A table of the runs under `dir`: name, preset, steps done, final and best val loss, and one
+/// A table of the runs under `dir`: name (marked live while a process trains in it), preset,
+/// steps done, final and best val loss, and one
 /// column per config key that differs between the runs.
 pub fn list_runs(dir: &Path) -> Result<String, String> {
     let dirs = run_dirs(dir)?;
@@ -108,9 +109,11 @@ pub fn list_runs(dir: &Path) -> Result<String, String> {
     let diff = if runs.len() > 1 { differing_keys(&runs) } else { Vec::new() };
     let f = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{v:.4}"));
     let mut rows = vec![["run", "preset", "steps", "final val", "best val"].iter().map(|s| s.to_string()).chain(diff.iter().cloned()).collect::<Vec<_>>()];
-    for r in &runs {
+    for (r, d) in runs.iter().zip(&dirs) {
+        // A run a process is training in now (its lock is held).
+        let live = crate::run::holder(d).map_or(String::new(), |(pid, _)| format!(" (live, pid {pid})"));
         let mut row = vec![
-            r.name.clone(),
+            format!("{}{live}", r.name),
             r.preset.clone().unwrap_or_else(|| "-".into()),
             r.steps.map_or("-".to_string(), |s| s.to_string()),
             f(r.final_val),

@@ -82,6 +82,8 @@ fn train_once(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
         (None, false) => run::default_run_dir(&preset_name),
     };
     let saved_cfg_path = run_dir.join("config.toml");
+    // One writer per run directory, from before anything in it is read (issue 27).
+    let _lock = run::lock(&run_dir)?;
     let mut resume_from = None;
     let mut cfg = if args.resume {
         if !saved_cfg_path.exists() {

@@ -383,3 +383,53 @@ fn a_failed_rank_restores_from_its_peers_memory_or_from_disk_when_the_peer_is_go
     let o = train(&data, &d.join("nobody"), &["--set", "parallel.dp=2", "--set", "faults.fail_ranks=[2]", "--set", "faults.fail_step=3"]);
     assert_user_error(&o, &["faults.fail_ranks names rank 2, but the run has 2 rank(s)"]);
 }
+
+#[test]
+fn a_live_run_directory_has_one_writer_and_read_only_commands_still_work() {
+    let d = scratch("lock");
+    let data = corpus(&d);
+    let (full, live) = (d.join("full"), d.join("live"));
+    let args = |out: &Path, extra: &[&str]| -> Vec<String> {
+        let base = ["train", "--out", out.to_str().unwrap(), "--data", data.to_str().unwrap()];
+        let every_step: &[&str] = &["--set", "checkpoint.interval=1", "--set", "sample.tokens=0"];
+        base.iter().chain(SMALL).chain(every_step).chain(extra).map(|s| s.to_string()).collect()
+    };
+    let run = |v: Vec<String>| kiln(&v.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(run(args(&full, &["--max-steps", "30"])).status.success());
+    // A run writing a checkpoint every step, frozen (SIGSTOP) once it is under way.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kiln")).args(args(&live, &["--max-steps", "100000"])).stderr(Stdio::null()).spawn().unwrap();
+    let pid = child.id().to_string();
+    let t0 = Instant::now();
+    while std::fs::read_to_string(live.join("heartbeat")).ok().and_then(|s| s.trim().parse::<u64>().ok()).unwrap_or(0) < 5 {
+        assert!(t0.elapsed() < Duration::from_secs(120));
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    Command::new("kill").args(["-STOP", &pid]).status().unwrap();
+    let lines_before = std::fs::read_to_string(live.join("metrics.jsonl")).unwrap();
+    // A second writer, new or resuming, is refused at once and writes nothing.
+    for extra in [&["--max-steps", "30"][..], &["--resume", "--max-steps", "30"]] {
+        let t = Instant::now();
+        let o = run(args(&live, extra));
+        assert!(t.elapsed() < Duration::from_secs(1), "took {:?}", t.elapsed());
+        eprintln!("refused in {:?}", t.elapsed());
+        assert_user_error(&o, &[live.to_str().unwrap(), "in use by process", &pid]);
+    }
+    assert_eq!(std::fs::read_to_string(live.join("metrics.jsonl")).unwrap(), lines_before);
+    // Read-only commands work on the live run, on complete checkpoints only.
+    let o = kiln(&["checkpoint", "inspect", live.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = kiln(&["eval", "--run", live.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = kiln(&["runs", d.to_str().unwrap()]);
+    assert!(stdout(&o).contains(&format!("live (live, pid {pid})")), "{}", stdout(&o));
+    // Killed, its lock goes with it: --resume takes the directory over and continues exactly.
+    Command::new("kill").args(["-KILL", &pid]).status().unwrap();
+    child.wait().unwrap();
+    let o = run(args(&live, &["--resume", "--max-steps", "30"]));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let bits = |r: &Path| losses(r).into_iter().map(|(s, l)| (s, l.to_bits())).collect::<Vec<_>>();
+    assert_eq!(bits(&live), bits(&full));
+    assert!(!stdout(&kiln(&["runs", d.to_str().unwrap()])).contains("(live"));
+    let dup: Vec<String> = std::fs::read_dir(live.join("checkpoints")).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).filter(|n| n.contains(".1")).collect();
+    assert!(dup.is_empty(), "{dup:?}");
+}
