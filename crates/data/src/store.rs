@@ -318,27 +318,17 @@ impl SplitSink {
                 mask.map(|m| m.finish()).transpose()?;
                 Ok((tokens as usize, n_docs))
             }
-            SplitSink::Memory { ids, starts, .. } => Ok((ids.len(), starts.len() - 1)),
+            SplitSink::Memory { .. } => Err(DataError::new("internal: an in-memory sink is finished, not closed")),
         }
     }
 
-    /// The split (files: closed, then read back by memory map).
+    /// The in-memory split (a file sink is [`SplitSink::close`]d, then cut by [`cut_files`]).
     pub(crate) fn finish(self) -> Result<Split, DataError> {
         match self {
             SplitSink::Memory { ids, starts, mask } => {
                 Ok(Split { tokens: Tokens::from_vec(ids), docs: DocIndex::from_starts(starts), mask: mask.map(Tokens::from_vec) })
             }
-            SplitSink::Files { tok, docs, mask, tokens } => {
-                let tok = tok.finish()?;
-                let docs = docs.finish()?;
-                let mask = mask.map(|m| m.finish()).transpose()?;
-                let (t, _) = crate::shard::read_shard(&tok)?;
-                Ok(Split {
-                    docs: read_docs_file(&docs, tokens as usize)?,
-                    mask: mask.map(|m| read_mask_file(&m, tokens as usize)).transpose()?,
-                    tokens: t,
-                })
-            }
+            SplitSink::Files { .. } => Err(DataError::new("internal: a file sink is closed, not finished")),
         }
     }
 }
