@@ -235,12 +235,13 @@ def ensure_python(args):
 
 # ---------------------------------------------------------------- the runs
 
-def kiln_cmd(args, cfg):
+def kiln_cmd(args, cfg, precision=None):
     c = cfg
     sets = {
         "model.n_layer": c["n_layer"], "model.n_head": c["n_head"], "model.n_embd": c["n_embd"],
         "model.block_size": c["seq"], "model.vocab_size": c["vocab"],
         "model.bias": "true" if c["bias"] else "false", "train.batch_size": c["batch"],
+        "train.precision": precision or args.precision,
     }
     cmd = [args.kiln, "bench", "--preset", c["preset"]]
     for k, v in sets.items():
@@ -255,7 +256,7 @@ def torch_cmd(py, args, cfg):
             "--n-embd", str(c["n_embd"]), "--block-size", str(c["seq"]), "--vocab", str(c["vocab"]),
             "--bias" if c["bias"] else "--no-bias", "--batch", str(c["batch"]),
             "--beta2", str(c["beta2"]), "--steps", str(c["steps"]), "--warmup", str(c["warmup"]),
-            "--threads", str(args.threads)]
+            "--threads", str(args.threads), "--autocast", "bf16" if args.precision == "bf16" else "none"]
 
 
 def thread_env(threads):
@@ -341,6 +342,9 @@ def main():
     ap.add_argument("--max-others", type=float, default=0.10, metavar="FRACTION",
                     help="rerun a run during which other processes used more than this share of the CPUs")
     ap.add_argument("--retries", type=int, default=2, help="reruns allowed per run for --max-others (the least contended is kept)")
+    ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                    help="bf16: kiln --precision bf16 against PyTorch under torch.autocast('cpu', "
+                         "dtype=torch.bfloat16), with kiln fp32 run alongside (kiln_fp32_*)")
     ap.add_argument("--out", help="also write the JSON summary here")
     args = ap.parse_args()
 
@@ -358,7 +362,7 @@ def main():
         sys.exit(f"{args.kiln} not found (build kiln or pass --kiln)")
     env = thread_env(args.threads)
 
-    summary = {"threads": args.threads, "repeats": args.repeats, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    summary = {"threads": args.threads, "repeats": args.repeats, "precision": args.precision, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                "cpus": os.cpu_count(), "configs": {}, "peak": {}}
 
     # Peaks first, alternating the two probes like the runs.
@@ -389,12 +393,14 @@ def main():
         f"({(npk_env['blas'] or [{}])[0].get('architecture')})")
 
     for name, cfg in configs.items():
-        runs = {"kiln": [], "torch": []}
+        impls = ("kiln", "torch") + (("kiln-fp32",) if args.precision != "fp32" else ())
+        runs = {i: [] for i in impls}
         for r in range(args.repeats):
-            for impl in ("kiln", "torch"):
-                if (impl == "kiln" and args.no_kiln) or (impl == "torch" and args.no_torch):
+            for impl in impls:
+                if (impl.startswith("kiln") and args.no_kiln) or (impl == "torch" and args.no_torch):
                     continue
-                cmd = kiln_cmd(args, cfg) if impl == "kiln" else torch_cmd(py, args, cfg)
+                cmd = {"kiln": lambda: kiln_cmd(args, cfg), "torch": lambda: torch_cmd(py, args, cfg),
+                       "kiln-fp32": lambda: kiln_cmd(args, cfg, "fp32")}[impl]()
                 best = None
                 for attempt in range(1 + args.retries):
                     busy, waited = wait_idle(args.wait_idle, args.max_wait) if args.wait_idle < 1 else (None, 0)
@@ -435,6 +441,11 @@ def main():
             "max_others_cpu_share": max([x.get("_others_cpu_share") or 0 for x in k + t], default=None),
             "runs": runs,
         }
+        if runs.get("kiln-fp32"):
+            f = runs["kiln-fp32"]
+            entry["kiln_fp32_tokens_per_sec"] = med([x["tokens_per_sec"] for x in f])
+            entry["ratio_kiln_over_kiln_fp32"] = med([a["tokens_per_sec"] / b["tokens_per_sec"] for a, b in zip(k, f)])
+            entry["kiln_fp32_peak_rss_bytes"] = max([x.get("peak_rss_bytes") or 0 for x in f], default=None)
         if entry["torch_achieved_gflops"] and summary["peak"]["numpy_sgemm_gflops"]:
             entry["torch_mfu_vs_numpy_peak"] = entry["torch_achieved_gflops"] / summary["peak"]["numpy_sgemm_gflops"]
         summary["configs"][name] = entry
@@ -462,7 +473,8 @@ def fmt(x, spec):
 
 def print_table(s):
     p = s["peak"]
-    print(f"threads {s['threads']}, {s['repeats']} repeats, medians; fp32 peak: kiln {fmt(p['kiln_peak_gflops'], '.1f')} "
+    print(f"precision {s['precision']} (torch: {'bf16 autocast' if s['precision'] == 'bf16' else 'fp32 eager'}); "
+          f"threads {s['threads']}, {s['repeats']} repeats, medians; fp32 peak: kiln {fmt(p['kiln_peak_gflops'], '.1f')} "
           f"GFLOP/s, numpy sgemm {fmt(p['numpy_sgemm_gflops'], '.1f')} GFLOP/s")
     hdr = f"{'config':<4} {'shape':<26} {'kiln ms':>10} {'torch ms':>10} {'kiln tok/s':>11} {'torch tok/s':>11} {'kiln/torch':>10} {'others':>6}  {'pairs'}"
     print(hdr)
@@ -472,6 +484,10 @@ def print_table(s):
         print(f"{name:<4} {e['label']:<26} {fmt(e['kiln_step_ms'], '10.1f')} {fmt(e['torch_step_ms'], '10.1f')} "
               f"{fmt(e['kiln_tokens_per_sec'], '11.0f')} {fmt(e['torch_tokens_per_sec'], '11.0f')} "
               f"{fmt(e['ratio_kiln_over_torch'], '10.2f')} {fmt(e['max_others_cpu_share'], '6.0%')}  {pairs}")
+        if e.get("kiln_fp32_tokens_per_sec"):
+            print(f"     kiln fp32 {e['kiln_fp32_tokens_per_sec']:.0f} tok/s: kiln {s['precision']} / kiln fp32 "
+                  f"{e['ratio_kiln_over_kiln_fp32']:.2f}; peak RSS kiln {s['precision']} {(e['kiln_peak_rss_bytes'] or 0) / 2**20:.0f} MiB, "
+                  f"kiln fp32 {(e['kiln_fp32_peak_rss_bytes'] or 0) / 2**20:.0f} MiB, torch {(e['torch_peak_rss_bytes'] or 0) / 2**20:.0f} MiB")
         for w in e["warnings"]:
             print(f"     WARNING: {w}")
 

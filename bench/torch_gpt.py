@@ -42,6 +42,9 @@ def parse_args(argv=None):
     p.add_argument("--eps", type=float, default=1e-8)
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--autocast", choices=["none", "bf16"], default="none",
+                   help="bf16: forward and loss under torch.autocast('cpu', dtype=torch.bfloat16) "
+                        "(fp32 master weights, moments and gradients; oneDNN's BF16 kernels)")
     a = p.parse_args(argv)
     if a.seq == 0:
         a.seq = a.block_size
@@ -157,7 +160,8 @@ def main(argv=None):
 
     def step(x, y):
         opt.zero_grad(set_to_none=True)
-        loss = model(x, y)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.autocast == "bf16"):
+            loss = model(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, a.grad_clip)
         opt.step()

@@ -1,5 +1,5 @@
 //! `kiln bench`: timed training steps of a preset or config on synthetic tokens, and
-//! `kiln bench --peak`, this machine's fp32 matmul peak through the same gemm kernels.
+//! `kiln bench --peak`, this machine's fp32 and bf16 matmul peaks through the same kernels.
 //! Prints JSON so scripts (bench/compare.py) can compare runs.
 
 use crate::config::{self, padded_vocab, Raw, RunConfig};
@@ -10,7 +10,8 @@ use model::Gpt;
 use serde_json::json;
 use std::path::PathBuf;
 use std::time::Instant;
-use tensor::matmul::{gemm, Threads, View};
+use tensor::bf16::{gemm_bf16, to_bf16, Mat};
+use tensor::matmul::{gemm, Arith, Threads, View};
 use tensor::Rng;
 
 pub struct BenchArgs {
@@ -22,48 +23,71 @@ pub struct BenchArgs {
     pub breakdown: bool,
 }
 
-/// Best-of-`reps` FLOP/s of an `m × k · k × n` product (B·T × C · C × OC, as in a Linear).
-fn product_flops(m: usize, n: usize, k: usize, reps: usize) -> f64 {
+/// Best-of-`reps` FLOP/s of an `m × k · k × n` product (B·T × C · C × OC, as in a Linear) in
+/// `arith` (bf16: the inputs stored as bf16, as the peak's denominator assumes).
+fn product_flops(arith: Arith, m: usize, n: usize, k: usize, reps: usize) -> f64 {
     let a: Vec<f32> = (0..m * k).map(|i| ((i % 7) as f32 - 3.0) * 0.01).collect();
     let b: Vec<f32> = (0..n * k).map(|i| ((i % 5) as f32 - 2.0) * 0.01).collect();
+    let (ah, bh): (Vec<u16>, Vec<u16>) = match arith {
+        Arith::Bf16 => (a.iter().map(|&x| to_bf16(x)).collect(), b.iter().map(|&x| to_bf16(x)).collect()),
+        Arith::F32 => (Vec::new(), Vec::new()),
+    };
     let mut c = vec![0.0f32; m * n];
     let mut best = f64::INFINITY;
     for _ in 0..reps {
         let t0 = Instant::now();
         // The Linear layout: weights [OC, C] read transposed through strides.
-        gemm(&mut c, false, View::rows(&a, m, k), View::rows(&b, n, k).t(), 1.0, Threads::All);
+        match arith {
+            Arith::F32 => gemm(&mut c, false, View::rows(&a, m, k), View::rows(&b, n, k).t(), 1.0, Threads::All),
+            Arith::Bf16 => gemm_bf16(&mut c, false, Mat::rows(&ah, m, k), Mat::rows(&bh, n, k).t(), 1.0, Threads::All),
+        }
         best = best.min(t0.elapsed().as_secs_f64());
     }
     std::hint::black_box(&c);
     2.0 * (m * n * k) as f64 / best
 }
 
-/// The fp32 matmul peak in FLOP/s: the best product of [`peak`]. Training and `kiln bench`
-/// state MFU against this figure.
-pub fn peak_flops() -> f64 {
-    // Measured once per process (an in-process restart of the ranks does not measure again).
-    static PEAK: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
-    *PEAK.get_or_init(|| peak()["peak_gflops"].as_f64().unwrap_or(f64::NAN) * 1e9)
+/// The matmul peak in FLOP/s of the arithmetic `precision` trains in: the best product of
+/// [`peak`] (bf16 products for bf16, fp32 otherwise). Training and `kiln bench` state MFU
+/// against this figure.
+pub fn peak_flops(precision: model::Precision) -> f64 {
+    peak_of(model::gpt::arith(precision)).0 * 1e9
 }
 
-/// `kiln bench --peak`: large square and transformer-shaped products on all threads.
+/// The best GFLOP/s and the per-shape rows of [`peak`]'s products in `arith`, measured once per
+/// process (an in-process restart of the ranks does not measure again; training measures only
+/// its own arithmetic's).
+fn peak_of(arith: Arith) -> &'static (f64, Vec<serde_json::Value>) {
+    static PEAK: [std::sync::OnceLock<(f64, Vec<serde_json::Value>)>; 2] = [std::sync::OnceLock::new(), std::sync::OnceLock::new()];
+    PEAK[arith as usize].get_or_init(|| {
+        let shapes: &[(&str, usize, usize, usize)] = &[
+            ("square 2048", 2048, 2048, 2048),
+            ("square 1024", 1024, 1024, 1024),
+            ("gpt2 qkv B4T256", 1024, 2304, 768),
+            ("gpt2 mlp up B4T256", 1024, 3072, 768),
+            ("gpt2 mlp down B4T256", 1024, 768, 3072),
+            ("gpt2 lm head B4T256", 1024, 50304, 768),
+        ];
+        let mut rows = Vec::new();
+        let mut best = 0.0f64;
+        for &(name, m, n, k) in shapes {
+            let f = product_flops(arith, m, n, k, if m * n * k > 1 << 31 { 3 } else { 6 });
+            best = best.max(f);
+            rows.push(json!({"shape": name, "m": m, "n": n, "k": k, "gflops": f / 1e9}));
+        }
+        (best / 1e9, rows)
+    })
+}
+
+/// `kiln bench --peak`: large square and transformer-shaped products on all threads, in fp32
+/// and in bf16 (fp32 accumulation) on the path this machine runs.
 pub fn peak() -> serde_json::Value {
-    let shapes: &[(&str, usize, usize, usize)] = &[
-        ("square 2048", 2048, 2048, 2048),
-        ("square 1024", 1024, 1024, 1024),
-        ("gpt2 qkv B4T256", 1024, 2304, 768),
-        ("gpt2 mlp up B4T256", 1024, 3072, 768),
-        ("gpt2 mlp down B4T256", 1024, 768, 3072),
-        ("gpt2 lm head B4T256", 1024, 50304, 768),
-    ];
-    let mut rows = Vec::new();
-    let mut best = 0.0f64;
-    for &(name, m, n, k) in shapes {
-        let f = product_flops(m, n, k, if m * n * k > 1 << 31 { 3 } else { 6 });
-        best = best.max(f);
-        rows.push(json!({"shape": name, "m": m, "n": n, "k": k, "gflops": f / 1e9}));
-    }
-    json!({"peak_gflops": best / 1e9, "threads": rayon::current_num_threads(), "products": rows})
+    let (f, fr) = peak_of(Arith::F32);
+    let (b, br) = peak_of(Arith::Bf16);
+    json!({
+        "peak_gflops": f, "products": fr, "bf16_peak_gflops": b, "bf16_products": br, "bf16_over_fp32": b / f,
+        "bf16_path": tensor::bf16::path().name(), "threads": rayon::current_num_threads(),
+    })
 }
 
 /// The tokenizer vocabulary a bench config implies without reading data.
@@ -96,7 +120,7 @@ pub fn bench(args: &BenchArgs) -> Result<serde_json::Value> {
     let vp = if cfg.model.vocab_size > 0 { gcfg.vocab_size } else { padded_vocab(real_vocab) };
     let gcfg = model::GptConfig { vocab_size: vp, ..gcfg };
     let t = cfg.seq_len();
-    let peak = peak_flops();
+    let peak = peak_flops(cfg.train.precision);
 
     let mut model = Gpt::new(gcfg, real_vocab.min(vp), cfg.train.seed);
     model.recompute = cfg.model.recompute;
@@ -149,6 +173,7 @@ pub fn bench(args: &BenchArgs) -> Result<serde_json::Value> {
         "model_flops_per_step": flops,
         "achieved_gflops": flops / median / 1e9,
         "peak_gflops": peak / 1e9,
+        "peak_arith": format!("{:?}", model::gpt::arith(cfg.train.precision)).to_lowercase(),
         "mfu": flops / median / peak,
         "peak_rss_bytes": crate::util::peak_rss().unwrap_or(0),
         "activation_bytes": model.activation_bytes(),

@@ -25,7 +25,7 @@ pub struct BenchCli {
     /// Print the JSON on one line (default: pretty-printed).
     #[arg(long)]
     pub json: bool,
-    /// Measure the fp32 matmul peak instead.
+    /// Measure the fp32 and bf16 matmul peaks instead.
     #[arg(long)]
     pub peak: bool,
     /// Add per-kernel time per step.

@@ -105,7 +105,8 @@ pub struct TrainSection {
     pub log_interval: u64,
     /// Storage precision: `fp32`, or mixed precision `bf16` / `fp16` (parameters, activations
     /// and activation gradients rounded to it, fp32 master weights, moments and weight-gradient
-    /// accumulation; simulated on CPU — the buffers stay f32).
+    /// accumulation). Stored activations are kept in 16 bits between forward and backward;
+    /// bf16 matmuls run on BF16 instructions where the CPU has them (`kiln doctor`).
     #[serde(with = "named")]
     pub precision: model::Precision,
     /// fp16: the initial dynamic loss scale, and the overflow-free updates after which it doubles.

@@ -32,6 +32,8 @@ pub struct ElementBytes {
     pub name: &'static str,
     pub param: usize,
     pub grad: usize,
+    /// Stored activations between forward and backward (2: the 16-bit stash, `Gpt::stash16`;
+    /// working buffers, statistics and scratch are fp32 either way).
     pub act: usize,
     /// Each AdamW moment.
     pub optim: usize,
@@ -43,17 +45,18 @@ pub struct ElementBytes {
 /// Everything in fp32, the parameters are their own master copy.
 pub const FP32: ElementBytes = ElementBytes { name: "fp32", param: 4, grad: 4, act: 4, optim: 4, master: 0 };
 
-/// bf16 / fp16 as kiln simulates them on a CPU: the values are rounded to the format but the
-/// buffers stay f32, and fp32 master weights sit beside the working parameters.
-pub const SIMULATED_16: ElementBytes = ElementBytes { name: "bf16/fp16 (simulated in f32 buffers)", param: 4, grad: 4, act: 4, optim: 4, master: 4 };
+/// bf16 / fp16 (and FP8, which stores in bf16): activations stored in 16 bits between forward
+/// and backward, fp32 working parameters (rounded to the format) with fp32 master weights beside
+/// them, fp32 gradients and moments.
+pub const MIXED_16: ElementBytes = ElementBytes { name: "bf16/fp16 (16-bit stored activations, fp32 master weights)", param: 4, grad: 4, act: 2, optim: 4, master: 4 };
 
 impl ElementBytes {
     /// The bytes per element kiln allocates when it trains in `p` (`train.precision`): [`FP32`], or for every
-    /// lower format [`SIMULATED_16`] (the CPU path keeps f32 buffers and adds the master weights).
+    /// lower format [`MIXED_16`].
     pub fn of(p: model::gpt::Precision) -> ElementBytes {
         match p {
             model::gpt::Precision::Fp32 => FP32,
-            model::gpt::Precision::Bf16 | model::gpt::Precision::Fp16 | model::gpt::Precision::Fp8 => SIMULATED_16,
+            model::gpt::Precision::Bf16 | model::gpt::Precision::Fp16 | model::gpt::Precision::Fp8 => MIXED_16,
         }
     }
 }
@@ -206,37 +209,46 @@ pub fn activation_set_every(cfg: &GptConfig, b: usize, t: usize, recompute: Reco
         Recompute::Selective => (l, l, 1),
         Recompute::Full => (own, own, own),
     };
-    let a = p.act as u64;
-    let f = |elems: usize| elems as u64 * a;
-    let mlp_inner = if cfg.is_moe() { moe_cache_bytes(cfg, n, p) } else { f(n * cfg.fc_width() + n * cfg.ffn_hidden) };
+    // The 16-bit stash (`Gpt::stash_format`): each layer's rounded activations in `p.act`
+    // bytes plus one fp32 working set; the fp32 statistics per layer plus the working set.
+    let stash = p.act < 4 && recompute != Recompute::Full && !cfg.is_moe();
+    let f = |elems: usize| elems as u64 * 4;
+    let bulk = |sets: usize, e: usize| if stash { sets as u64 * p.act as u64 * e as u64 + f(e) } else { sets as u64 * f(e) };
+    let stat = |sets: usize, e: usize| if stash { (sets as u64 + 1) * f(e) } else { sets as u64 * f(e) };
+    let mlp_inner = if cfg.is_moe() { n_inner as u64 * moe_cache_bytes(cfg, n) } else { bulk(n_inner, n * cfg.fc_width() + n * cfg.ffn_hidden) };
+    let core = match recompute {
+        // One shared fp32 set, recomputed per layer.
+        Recompute::Selective => f(n * aw + b * nh * t),
+        _ => bulk(n_core, n * aw) + stat(n_core, b * nh * t),
+    };
     Activations {
-        residual: f((l + 1) * nl * c) + n_kept as u64 * f(nl * c) + f(nl * c) + f(nf * c),
-        attention: n_inner as u64 * f(n * qw) + n_core as u64 * f(n * aw + b * nh * t),
-        mlp: n_inner as u64 * mlp_inner,
-        norms: n_kept as u64 * f(2 * (nl * c + 2 * nl)) + f(hl * c + 2 * hl) + n_inner as u64 * f(2 * nf * c),
+        residual: f((l + 1) * nl * c) + bulk(n_kept, nl * c) + f(nl * c) + f(nf * c),
+        attention: bulk(n_inner, n * qw) + core,
+        mlp: mlp_inner,
+        norms: bulk(n_kept, 2 * nl * c) + stat(n_kept, 4 * nl) + f(hl * c + 2 * hl) + bulk(n_inner, 2 * nf * c),
         head: f(hl * c) + f(if head { nf * c } else { 0 }) + f(tensor::classifier::chunk_rows(hn, vp) * vp),
-        // losses are activations; tokens (u32) and targets (i32) are 4 bytes whatever the precision
+        // losses are fp32; tokens (u32) and targets (i32) are 4 bytes
         losses: f(n) + 8 * n as u64,
     }
 }
 
 /// One MoE layer's cache (`tensor::moe::MoeCache::new`): forward's saved tensors and
 /// backward's scratch, with `R = N·K` rows allocated for the kept token-assignments.
-fn moe_cache_bytes(cfg: &GptConfig, n: usize, p: &ElementBytes) -> u64 {
+fn moe_cache_bytes(cfg: &GptConfig, n: usize) -> u64 {
     let tensor::moe::MoeDims { c, f, e, k, n_shared: s, .. } = cfg.moe_dims(n);
     let (r, big) = (n * k, (n * k).max(n));
     let floats = 2 * n * e + n + n * k + r * c + r * 2 * f + r * f + r * c + s * n * 2 * f + s * n * f  // logits, probs, lse, gates, xe, gu, h, eo, sgu, sh
         + r * c + big * f + big * 2 * f + n * k + n * e; // deo, dh, dgu, dgate, dlogits
     let u32s = n * k + n * k + r; // idx, slot, row_token
     let usizes = (e + 1) + e; // offsets, counts
-    floats as u64 * p.act as u64 + u32s as u64 * 4 + (usizes * std::mem::size_of::<usize>()) as u64
+    floats as u64 * 4 + u32s as u64 * 4 + (usizes * std::mem::size_of::<usize>()) as u64
 }
 
 /// Backward's gradient scratch (`GradScratch`): one set for all blocks, sized by the dense
 /// widths even for an MoE model (whose layer keeps its own scratch in its cache).
-pub fn grad_scratch(cfg: &GptConfig, n: usize, p: &ElementBytes) -> u64 {
+pub fn grad_scratch(cfg: &GptConfig, n: usize) -> u64 {
     let elems = 3 * n * cfg.n_embd + n * cfg.attn_width() + n * cfg.qkv_width() + n * cfg.fc_width() + n * cfg.ffn_hidden;
-    elems as u64 * p.act as u64
+    elems as u64 * 4
 }
 
 /// The elements ZeRO-2/3's transient unit buffers hold at most at once during a step (forward
@@ -467,9 +479,9 @@ fn activation_rows(out: &mut Rows, cfg: &RunConfig, r: &RankShape) -> Activation
     out.add(Kind::Activations, held, "norms", acts.norms, "outputs and statistics".into());
     out.add(Kind::Activations, held, "head (logits chunk)", acts.head, format!("{} rows × {} logits at a time, and d ln_f", tensor::classifier::chunk_rows(n, local.vocab_size), local.vocab_size));
     out.add(Kind::Activations, held, "losses, tokens", acts.losses, String::new());
-    out.add(Kind::Temporary, held, "backward gradient scratch", grad_scratch(local, n, p), "one set shared by every block".into());
+    out.add(Kind::Temporary, held, "backward gradient scratch", grad_scratch(local, n), "one set shared by every block".into());
     if let Some(lo) = &r.lora {
-        out.add(Kind::Temporary, held, "LoRA saved x·Aᵀ", b4((lo.adapters.len() + 1) * n * lo.rank, p.act), "[B·T, r] per adapter, and one for its gradient".into());
+        out.add(Kind::Temporary, held, "LoRA saved x·Aᵀ", b4((lo.adapters.len() + 1) * n * lo.rank, 4), "[B·T, r] per adapter, and one for its gradient".into());
     }
     let rope = if local.arch == model::config::Arch::Llama { 2 * local.block_size * (local.head_size() / 2) } else { 0 };
     out.add(Kind::Other, held, "token batch, rotary tables", b4(2 * n, 4) + b4(rope, 4), String::new());
@@ -580,7 +592,7 @@ fn plan_rank(cfg: &RunConfig, gpt: &GptConfig, data_bytes: u64, s: usize) -> Res
     // The step's transients come at different moments (ZeRO-2's unit buffers are gone by the
     // time the parameters are gathered after the update): the largest, not their sum.
     let step_peak = held_bytes + out.iter().filter(|r| r.phase == Phase::Step).map(|r| r.bytes).max().unwrap_or(0);
-    let scratch = grad_scratch(&r.local, r.n, &p);
+    let scratch = grad_scratch(&r.local, r.n);
     let eval_peak = match eval_acts {
         Some(a) => held_bytes - acts.total() - scratch + a,
         None => held_bytes,

@@ -105,6 +105,16 @@ pub fn storage(p: Precision) -> Option<tensor::precision::Format> {
     }
 }
 
+/// The arithmetic of the block projections and the LM head when training in `p`: bf16 products
+/// (fp32 accumulation) for bf16; fp32 for fp16 (this CPU has no fp16 products) and for FP8,
+/// whose scaled casts are not bf16 values.
+pub fn arith(p: Precision) -> tensor::matmul::Arith {
+    match p {
+        Precision::Bf16 => tensor::matmul::Arith::Bf16,
+        _ => tensor::matmul::Arith::F32,
+    }
+}
+
 /// Block matmuls: q|k|v, attention output, MLP up (and gate), MLP down.
 const FP8_SITES: usize = 4;
 
@@ -224,6 +234,83 @@ struct BlockInner {
     ln_2_full: Vec<f32>,
 }
 
+impl BlockKept {
+    /// The buffers holding values rounded to the storage format, and the fp32 statistics.
+    fn parts(&mut self) -> ([&mut Vec<f32>; 3], [&mut Vec<f32>; 4]) {
+        ([&mut self.ln_1, &mut self.res_2, &mut self.ln_2], [&mut self.ln_1_mean, &mut self.ln_1_rstd, &mut self.ln_2_mean, &mut self.ln_2_rstd])
+    }
+}
+
+impl BlockInner {
+    /// As [`BlockKept::parts`] (the MoE cache is never stashed).
+    fn parts(&mut self) -> ([&mut Vec<f32>; 6], [&mut Vec<f32>; 1]) {
+        ([&mut self.qkv, &mut self.core.atty, &mut self.fch, &mut self.fch_gelu, &mut self.ln_1_full, &mut self.ln_2_full], [&mut self.core.state])
+    }
+}
+
+/// 16-bit activation storage (bf16 and fp16 training without full recomputation): every block
+/// computes in one fp32 working set (slot 0 of `Acts::kept` / `Acts::inner`) and, after its
+/// forward, leaves its activations here — the rounded ones as their 16 bits, the norms' and
+/// attention's fp32 statistics as they are — to be put back before its backward. Lossless (the
+/// values are already rounded to the format), so a run is bit for bit the run without it.
+struct Stash {
+    fmt: tensor::precision::Format,
+    /// Per layer: the 16-bit values and the fp32 statistics, in [`BlockKept::parts`] then
+    /// [`BlockInner::parts`] order.
+    half: Vec<Vec<u16>>,
+    full: Vec<Vec<f32>>,
+}
+
+impl Stash {
+    fn new(fmt: tensor::precision::Format, layers: usize, k: &mut BlockKept, i: &mut BlockInner) -> Stash {
+        let (kh, kf) = k.parts();
+        let (ih, if_) = i.parts();
+        let nh: usize = kh.iter().map(|v| v.len()).sum::<usize>() + ih.iter().map(|v| v.len()).sum::<usize>();
+        let nf: usize = kf.iter().map(|v| v.len()).sum::<usize>() + if_.iter().map(|v| v.len()).sum::<usize>();
+        Stash { fmt, half: (0..layers).map(|_| vec![0; nh]).collect(), full: (0..layers).map(|_| zeros(nf)).collect() }
+    }
+
+    /// Layer `l`'s working set → its storage.
+    fn put(&mut self, l: usize, k: &mut BlockKept, i: &mut BlockInner) {
+        let _p = tensor::profile::scope("stash_put");
+        let (kh, kf) = k.parts();
+        let (ih, if_) = i.parts();
+        let (mut h, mut f) = (&mut self.half[l][..], &mut self.full[l][..]);
+        for v in kh.into_iter().chain(ih) {
+            let (dst, rest) = h.split_at_mut(v.len());
+            tensor::precision::pack16(dst, v, self.fmt);
+            h = rest;
+        }
+        for v in kf.into_iter().chain(if_) {
+            let (dst, rest) = f.split_at_mut(v.len());
+            dst.copy_from_slice(v);
+            f = rest;
+        }
+    }
+
+    /// Layer `l`'s storage → the working set.
+    fn take(&self, l: usize, k: &mut BlockKept, i: &mut BlockInner) {
+        let _p = tensor::profile::scope("stash_take");
+        let (kh, kf) = k.parts();
+        let (ih, if_) = i.parts();
+        let (mut h, mut f) = (&self.half[l][..], &self.full[l][..]);
+        for v in kh.into_iter().chain(ih) {
+            let (src, rest) = h.split_at(v.len());
+            tensor::precision::unpack16(v, src, self.fmt);
+            h = rest;
+        }
+        for v in kf.into_iter().chain(if_) {
+            let (src, rest) = f.split_at(v.len());
+            v.copy_from_slice(src);
+            f = rest;
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        self.half.iter().map(|v| v.len() * 2).sum::<usize>() + self.full.iter().map(|v| v.len() * 4).sum::<usize>()
+    }
+}
+
 struct Acts {
     b: usize,
     t: usize,
@@ -244,6 +331,8 @@ struct Acts {
     inner: Vec<BlockInner>,
     /// `Selective`: the attention core's outputs, shared by all layers (empty otherwise).
     core: AttnCore,
+    /// 16-bit storage of every block's activations ([`Stash`]); then every block shares slot 0.
+    stash: Option<Stash>,
     /// A branch's output (attention or MLP projection, after dropout) before its residual add,
     /// `[B, T, C]`: forward-only, so one for all blocks and both branches.
     branch: Vec<f32>,
@@ -325,6 +414,10 @@ pub struct Gpt {
     /// With `Recompute::Full`: recompute every this-many-th layer (by whole-model index; 1 =
     /// all), keeping the others' activations.
     pub recompute_every: usize,
+    /// 16-bit activation storage when training in bf16, fp16 or FP8 without full
+    /// recomputation ([`Gpt::stash_format`]; default on). Off, the same values stay in fp32
+    /// buffers — bit for bit the same run, twice the activation memory.
+    pub stash16: bool,
     /// Storage precision of activations and their gradients (the caller keeps the parameters
     /// rounded to it).
     pub precision: Precision,
@@ -393,7 +486,7 @@ impl Gpt {
         let rope = (cfg.arch == Arch::Llama).then(|| rope_table_from(&cfg.rope_inv_freq(), cfg.block_size));
         let units = views.units(n);
         let unit_views = views.rebased(n);
-        Gpt { cfg, layout, views, units, unit_views, real_vocab, params: zeros(n), grads: zeros(n), rope, lora: None, hooks: Hooks::default(), recompute: Recompute::None, recompute_every: 1, precision: Precision::Fp32, fp8: None, acts: None, scratch: None }
+        Gpt { cfg, layout, views, units, unit_views, real_vocab, params: zeros(n), grads: zeros(n), rope, lora: None, hooks: Hooks::default(), recompute: Recompute::None, recompute_every: 1, stash16: true, precision: Precision::Fp32, fp8: None, acts: None, scratch: None }
     }
 
     pub fn num_params(&self) -> usize {
@@ -407,8 +500,17 @@ impl Gpt {
         }
     }
 
+    /// The format activations are stored in between forward and backward, when 16-bit: the
+    /// storage precision, unless full recomputation (which keeps only block inputs) or a
+    /// mixture-of-experts layer (whose cache is its own) is in use, or [`Gpt::stash16`] is off.
+    pub fn stash_format(&self) -> Option<tensor::precision::Format> {
+        let on = self.stash16 && self.recompute != Recompute::Full && !self.cfg.is_moe();
+        storage(self.precision).filter(|_| on)
+    }
+
     fn ensure_acts(&mut self, b: usize, t: usize) {
-        if self.acts.as_ref().is_some_and(|a| a.b == b && a.t == t && a.recompute == self.recompute && a.every == self.recompute_every) {
+        let stash_fmt = self.stash_format();
+        if self.acts.as_ref().is_some_and(|a| a.b == b && a.t == t && a.recompute == self.recompute && a.every == self.recompute_every && a.stash.as_ref().map(|s| s.fmt) == stash_fmt) {
             return;
         }
         let (c, nh, vp) = (self.cfg.n_embd, self.cfg.n_head, self.cfg.vocab_size);
@@ -453,9 +555,16 @@ impl Gpt {
                 next += 1;
             }
         }
+        // 16-bit storage: every block computes in slot 0 and stashes.
+        if stash_fmt.is_some() {
+            next = 1;
+            slot.fill(0);
+        }
         let (n_kept, n_inner) = (next, next);
         // Drop the old buffers before allocating the new ones (peak memory).
         self.acts = None;
+        let (mut kept, mut inner): (Vec<BlockKept>, Vec<BlockInner>) = ((0..n_kept).map(|_| kept()).collect(), (0..n_inner).map(|_| inner()).collect());
+        let stash = stash_fmt.map(|f| Stash::new(f, l, &mut kept[0], &mut inner[0]));
         self.acts = Some(Acts {
             b, t,
             recompute: self.recompute,
@@ -463,8 +572,9 @@ impl Gpt {
             slot,
             recomputed,
             xs: (0..=self.cfg.n_layer).map(|_| zeros(nl * c)).collect(),
-            kept: (0..n_kept).map(|_| kept()).collect(),
-            inner: (0..n_inner).map(|_| inner()).collect(),
+            kept,
+            inner,
+            stash,
             core: if own_core { AttnCore { atty: Vec::new(), state: Vec::new() } } else { AttnCore { atty: zeros(n * aw), state: zeros(state) } },
             branch: zeros(nl * c),
             full: zeros(nf * c),
@@ -541,7 +651,7 @@ impl Gpt {
                 }
                 let (x, dx) = if sp { (&a.full[..], &mut a.dln_f_full[..]) } else { (&a.ln_f[..], &mut a.dln_f[..]) };
                 let grads = scale.map(|s| (dx, &mut dw[r.clone()], s));
-                let dims = HeadDims { c, v: v_local, vp, offset: off, ignore_index: IGNORE_INDEX };
+                let dims = HeadDims { c, v: v_local, vp, offset: off, ignore_index: IGNORE_INDEX, arith: arith(self.precision) };
                 lm_head_crossentropy_vocab_parallel(&mut a.losses, grads, x, &w[r], targets, &mut a.head_scratch, &dims, &mut |x| h.all_gather(x));
                 // `f` backward at the head's input: the vocabulary slices' partial sums.
                 match (scale.is_some(), sp) {
@@ -552,7 +662,7 @@ impl Gpt {
             }
             _ => {
                 let grads = scale.map(|s| (&mut a.dln_f[..], &mut dw[r.clone()], s));
-                let dims = HeadDims { c, v, vp, offset: 0, ignore_index: IGNORE_INDEX };
+                let dims = HeadDims { c, v, vp, offset: 0, ignore_index: IGNORE_INDEX, arith: arith(self.precision) };
                 lm_head_crossentropy(&mut a.losses, grads, &a.ln_f, &w[r], targets, &mut a.head_scratch, &dims);
             }
         }
@@ -604,7 +714,7 @@ impl Gpt {
         let ops = Ops {
             cfg: &self.cfg, rope: self.rope.as_ref(), b, t, docs, drop, loss_scale: a.loss_scale,
             tp: RefCell::new(self.hooks.tensor.as_deref_mut()), ep: RefCell::new(self.hooks.experts.as_deref_mut()), lora: RefCell::new(self.lora.as_mut()),
-            store: storage(self.precision), fp8: self.fp8.as_ref(), b0: self.cfg.place.batch_offset,
+            store: storage(self.precision), arith: arith(self.precision), fp8: self.fp8.as_ref(), b0: self.cfg.place.batch_offset,
         };
 
         // A later pipeline stage starts from the activations put in `xs[0]` (`stage_input_mut`).
@@ -644,6 +754,9 @@ impl Gpt {
             if let Some(st) = block_forward(&Block { ops: &ops, l, w, bp }, &inp[l], acts, &mut a.branch, &mut a.full, Some(&mut out[0])) {
                 a.moe_stats.push(st);
             }
+            if let Some(st) = a.stash.as_mut() {
+                st.put(l, &mut a.kept[0], &mut a.inner[0]);
+            }
             store.release(l + 1, Access::Forward);
         }
         if !self.cfg.has_head() {
@@ -680,7 +793,7 @@ impl Gpt {
         let ops = Ops {
             cfg: &self.cfg, rope: self.rope.as_ref(), b, t, docs, drop: Dropout { p: a.p_drop, seed: a.dropout_seed }, loss_scale: a.loss_scale,
             tp: RefCell::new(self.hooks.tensor.as_deref_mut()), ep: RefCell::new(self.hooks.experts.as_deref_mut()), lora: RefCell::new(self.lora.as_mut()),
-            store: storage(self.precision), fp8: self.fp8.as_ref(), b0: self.cfg.place.batch_offset,
+            store: storage(self.precision), arith: arith(self.precision), fp8: self.fp8.as_ref(), b0: self.cfg.place.batch_offset,
         };
         // Every unit is acquired and released even when no target counted (the gradients are
         // then zero): a store's collectives must run the same on every rank.
@@ -708,6 +821,9 @@ impl Gpt {
             let (w, dw) = store.acquire(l + 1, bwd, Some(next));
             if !skip {
                 let (blk, x) = (Block { ops: &ops, l, w, bp }, &a.xs[l][..]);
+                if let Some(st) = &a.stash {
+                    st.take(l, &mut a.kept[0], &mut a.inner[0]);
+                }
                 // Re-run what forward did not keep, from what it kept (same kernels, same masks).
                 match a.recompute {
                     Recompute::Selective => {
@@ -868,6 +984,7 @@ fn acts_bytes(a: &Acts) -> usize {
         + a.inner.iter().map(inner).sum::<usize>()
         + v(&a.core.atty)
         + v(&a.core.state)
+        + a.stash.as_ref().map_or(0, Stash::bytes)
         + v(&a.branch)
         + v(&a.full)
         + v(&a.dln_f_full)
@@ -957,9 +1074,9 @@ impl Linear<'_, '_> {
                 let wq = st.cast(self.fp8_slot(Fp8Role::Weight), Fp8Role::Weight as usize, w, E4m3, &whole);
                 // SAFETY: scratch buffers 0 and 1 are distinct and not resized until the next cast.
                 let xq = unsafe { std::slice::from_raw_parts(xq, x.len()) };
-                matmul_forward(out, xq, wq, b, n, self.n_in, self.n_out);
+                tensor::matmul::matmul_forward_as(ops.arith, out, xq, wq, b, n, self.n_in, self.n_out);
             }
-            None => matmul_forward(out, x, w, b, n, self.n_in, self.n_out),
+            None => tensor::matmul::matmul_forward_as(ops.arith, out, x, w, b, n, self.n_in, self.n_out),
         }
         if let Some(lo) = ops.lora.borrow_mut().as_deref_mut() {
             lo.forward(self.l, self.site, out, x, n, self.n_out);
@@ -991,9 +1108,9 @@ impl Linear<'_, '_> {
             None => (x, w, dout),
         };
         if frozen {
-            tensor::matmul::matmul_backward_input(dinp, gq, wq, n, c, oc);
+            tensor::matmul::matmul_backward_input_as(ops.arith, dinp, gq, wq, n, c, oc);
         } else {
-            matmul_backward(dinp, dw, db, gq, xq, wq, n, c, oc);
+            tensor::matmul::matmul_backward_as(ops.arith, dinp, dw, db, gq, xq, wq, n, c, oc);
         }
         drop(st);
         if let Some(lo) = ops.lora.borrow_mut().as_deref_mut() {
@@ -1058,7 +1175,10 @@ impl<'o, 'a> Block<'o, 'a> {
     /// rotated).
     fn qkv_forward(&self, k: &BlockKept, i: &mut BlockInner) {
         self.linear(Site::Qkv).forward_column(&mut i.qkv, &k.ln_1, &mut i.ln_1_full);
-        self.ops.rope_forward(&mut i.qkv);
+        if self.ops.rope_forward(&mut i.qkv) {
+            // The rotated q and k are what is kept: stored in the format too.
+            self.ops.store(&mut i.qkv);
+        }
     }
 
     /// The attention core: attention over the kept (rotated) q|k|v into `core`'s output and
@@ -1234,6 +1354,8 @@ pub(crate) struct Ops<'a> {
     pub ep: RefCell<Option<&'a mut (dyn MoeExchange + Send + 'static)>>,
     /// Where stored activations and gradients are rounded to (mixed precision).
     pub store: Option<tensor::precision::Format>,
+    /// The block projections' arithmetic ([`arith`]).
+    pub arith: tensor::matmul::Arith,
     /// FP8 matmul inputs' scaling state.
     pub fp8: Option<&'a std::cell::RefCell<Fp8State>>,
     /// [`crate::Placement::batch_offset`].
@@ -1245,7 +1367,7 @@ impl<'a> Ops<'a> {
     pub(crate) fn decode(cfg: &'a GptConfig, rope: Option<&'a (Vec<f32>, Vec<f32>)>) -> Ops<'a> {
         Ops {
             cfg, rope, b: 1, t: 1, docs: None, drop: Dropout { p: 0.0, seed: 0 }, loss_scale: 1.0,
-            tp: RefCell::new(None), ep: RefCell::new(None), lora: RefCell::new(None), store: None, fp8: None, b0: 0,
+            tp: RefCell::new(None), ep: RefCell::new(None), lora: RefCell::new(None), store: None, arith: Default::default(), fp8: None, b0: 0,
         }
     }
 
@@ -1418,14 +1540,17 @@ impl<'a> Ops<'a> {
 
     /// LLaMA: the rotary embedding of q and k, in place (nothing for GPT-2), at positions
     /// `0..T` or the documents' `pos`.
-    fn rope_forward(&self, qkv: &mut [f32]) {
+    /// Rotates q and k in place (LLaMA); whether anything was rotated.
+    fn rope_forward(&self, qkv: &mut [f32]) -> bool {
         if self.cfg.arch == Arch::Llama {
             let (cos, sin) = self.rope.expect("llama has rotary tables");
             match self.docs {
                 Some(d) => rope_forward_pos(qkv, cos, sin, &self.gqa(), d.pos),
                 None => rope_forward(qkv, cos, sin, &self.gqa(), 0),
             }
+            return true;
         }
+        false
     }
 
     /// The documents' per-token starts for the attention kernels (empty: none).

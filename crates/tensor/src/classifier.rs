@@ -8,7 +8,7 @@
 //! gradient needs nothing but the logits themselves: keeping them until a separate backward
 //! would mean holding all of them, which is what this kernel exists to avoid.
 
-use crate::matmul::{gemm, Threads, View};
+use crate::matmul::{gemm_as, Arith, Threads, View};
 use crate::simd;
 use rayon::prelude::*;
 
@@ -27,6 +27,8 @@ pub struct HeadDims {
     pub offset: usize,
     /// the target of rows that count for nothing (loss 0, no gradient)
     pub ignore_index: i32,
+    /// the products' arithmetic (bf16 training: bf16 inputs, fp32 logits and gradients)
+    pub arith: Arith,
 }
 
 /// Rows per chunk: as many as fit in about 8M floats (32 MB) of logits, at least one.
@@ -49,7 +51,7 @@ pub fn lm_head_crossentropy(
     dims: &HeadDims,
 ) -> usize {
     let _p = crate::profile::scope("lm_head_crossentropy");
-    let HeadDims { c, v, vp, offset, ignore_index } = *dims;
+    let HeadDims { c, v, vp, offset, ignore_index, .. } = *dims;
     assert_eq!(offset, 0, "a vocabulary slice needs lm_head_crossentropy_vocab_parallel");
     let n = targets.len();
     assert_eq!(inp.len(), n * c);
@@ -61,7 +63,7 @@ pub fn lm_head_crossentropy(
         let rows = r.min(n - r0);
         let lg = &mut scratch[..rows * vp];
         let x = &inp[r0 * c..(r0 + rows) * c];
-        gemm(lg, false, View::rows(x, rows, c), View::rows(weight, vp, c).t(), 1.0, Threads::All);
+        gemm_as(dims.arith, lg, false, View::rows(x, rows, c), View::rows(weight, vp, c).t(), 1.0, Threads::All);
         let dloss = grads.as_ref().map(|g| g.2);
         let tg = &targets[r0..r0 + rows];
         lg.par_chunks_mut(vp).zip(losses[r0..r0 + rows].par_iter_mut()).zip(tg.par_iter()).for_each(|((row, loss), &tgt)| {
@@ -92,8 +94,8 @@ pub fn lm_head_crossentropy(
 fn chunk_grads(dinp: &mut [f32], dweight: &mut [f32], dlogits: &[f32], inp: &[f32], weight: &[f32], rows: usize, dims: &HeadDims) {
     let HeadDims { c, vp, .. } = *dims;
     let dl = View::rows(dlogits, rows, vp);
-    gemm(dinp, false, dl, View::rows(weight, vp, c), 1.0, Threads::All);
-    gemm(dweight, true, dl.t(), View::rows(inp, rows, c), 1.0, Threads::All);
+    gemm_as(dims.arith, dinp, false, dl, View::rows(weight, vp, c), 1.0, Threads::All);
+    gemm_as(dims.arith, dweight, true, dl.t(), View::rows(inp, rows, c), 1.0, Threads::All);
 }
 
 /// In-place softmax over the first `v` entries of `row`; the rest (padding) become 0.
@@ -159,7 +161,7 @@ pub fn lm_head_crossentropy_vocab_parallel(
     gather: &mut dyn FnMut(&[f32]) -> Vec<f32>,
 ) -> usize {
     let _p = crate::profile::scope("lm_head_crossentropy_vocab_parallel");
-    let HeadDims { c, v: v_local, vp: vl, offset, ignore_index } = *dims;
+    let HeadDims { c, v: v_local, vp: vl, offset, ignore_index, .. } = *dims;
     let n = targets.len();
     assert_eq!(inp.len(), n * c);
     assert_eq!(weight.len(), vl * c);
@@ -172,7 +174,7 @@ pub fn lm_head_crossentropy_vocab_parallel(
         let rows = r.min(n - r0);
         let lg = &mut scratch[..rows * vl];
         let x = &inp[r0 * c..(r0 + rows) * c];
-        gemm(lg, false, View::rows(x, rows, c), View::rows(weight, vl, c).t(), 1.0, Threads::All);
+        gemm_as(dims.arith, lg, false, View::rows(x, rows, c), View::rows(weight, vl, c).t(), 1.0, Threads::All);
         let tg = &targets[r0..r0 + rows];
         // This rank's [lse | target logit] per row.
         let mut mine = vec![0.0f32; 2 * rows];

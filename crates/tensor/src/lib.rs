@@ -11,6 +11,7 @@
 //! in a fixed order over fixed-size chunks, so results do not depend on thread timing.
 
 pub mod attention;
+pub mod bf16;
 pub mod classifier;
 pub mod flash;
 pub mod llama;

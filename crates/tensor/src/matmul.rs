@@ -3,31 +3,24 @@
 
 use rayon::prelude::*;
 
-/// A strided matrix view: element (i, j) lives at `data[off + i·rs + j·cs]`.
-#[derive(Clone, Copy)]
-pub struct View<'a> {
-    pub data: &'a [f32],
-    pub off: usize,
-    pub rows: usize,
-    pub cols: usize,
-    pub rs: usize,
-    pub cs: usize,
+/// A strided f32 matrix view: element (i, j) lives at `data[off + i·rs + j·cs]`; `t()` is the
+/// transpose, free.
+pub type View<'a> = crate::bf16::Mat<'a, f32>;
+
+/// The arithmetic of a product: fp32, or bf16-rounded inputs with fp32 accumulation
+/// ([`crate::bf16`]: `vdpbf16ps` where the CPU has it).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Arith {
+    #[default]
+    F32,
+    Bf16,
 }
 
-impl<'a> View<'a> {
-    /// A dense row-major `rows × cols` matrix.
-    pub fn rows(data: &'a [f32], rows: usize, cols: usize) -> View<'a> {
-        View { data, off: 0, rows, cols, rs: cols, cs: 1 }
-    }
-    /// The transpose of this view (no copy).
-    pub fn t(self) -> View<'a> {
-        View { rows: self.cols, cols: self.rows, rs: self.cs, cs: self.rs, ..self }
-    }
-    fn check(&self) {
-        if self.rows > 0 && self.cols > 0 {
-            let last = self.off + (self.rows - 1) * self.rs + (self.cols - 1) * self.cs;
-            assert!(last < self.data.len(), "matrix view out of bounds");
-        }
+/// [`gemm`] in the given arithmetic.
+pub fn gemm_as(arith: Arith, dst: &mut [f32], accumulate: bool, lhs: View, rhs: View, alpha: f32, threads: Threads) {
+    match arith {
+        Arith::F32 => gemm(dst, accumulate, lhs, rhs, alpha, threads),
+        Arith::Bf16 => crate::bf16::gemm_bf16(dst, accumulate, lhs, rhs, alpha, threads),
     }
 }
 
@@ -50,7 +43,26 @@ pub unsafe fn gemm_raw(dst_ptr: *mut f32, dst_rs: usize, accumulate: bool, lhs: 
     assert_eq!(lhs.cols, rhs.rows, "inner dimensions differ");
     lhs.check();
     rhs.check();
-    let (m, n, k) = (lhs.rows, rhs.cols, lhs.cols);
+    let one = |d: *mut f32, rows: (usize, usize), cols: (usize, usize)| {
+        gemm_one(d, dst_rs, accumulate, lhs.sub_rows(rows.0, rows.1), rhs.sub_cols(cols.0, cols.1), alpha);
+    };
+    split_blocks(dst_ptr, dst_rs, accumulate, lhs.rows, rhs.cols, lhs.cols, threads, &one);
+}
+
+/// Runs an `m × n × k` product as single-threaded blocks: `one(dst, rows, cols)` computes the
+/// destination block `rows × cols` whose first element is at `dst`. Small products, and any
+/// with [`Threads::One`], are one block; an empty one does nothing, and one with `k = 0` only
+/// zeroes the destination (unless it accumulates).
+///
+/// The output is split into one block per thread along its longer side: measured faster here
+/// than gemm's own threading (which splits small-M weight-gradient products poorly), and every
+/// output element is still computed by one call with the same k order, so the split only
+/// depends on the thread count.
+///
+/// # Safety
+/// As [`gemm_raw`]; `one` must write only its own block.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn split_blocks(dst_ptr: *mut f32, dst_rs: usize, accumulate: bool, m: usize, n: usize, k: usize, threads: Threads, one: &(dyn Fn(*mut f32, (usize, usize), (usize, usize)) + Sync)) {
     if m == 0 || n == 0 {
         return;
     }
@@ -64,13 +76,9 @@ pub unsafe fn gemm_raw(dst_ptr: *mut f32, dst_rs: usize, accumulate: bool, lhs: 
     }
     let t = rayon::current_num_threads();
     if threads == Threads::One || t <= 1 || (m * n * k) < (1 << 15) {
-        gemm_one(dst_ptr, dst_rs, accumulate, lhs, rhs, alpha);
+        one(dst_ptr, (0, m), (0, n));
         return;
     }
-    // Split the output into one block per thread along its longer side and run each block as
-    // a single-threaded product: measured faster here than gemm's own threading (which splits
-    // small-M weight-gradient products poorly), and every output element is still computed by
-    // one call with the same k order, so the split only depends on the thread count.
     let (split_rows, len) = if m >= n { (true, m) } else { (false, n) };
     let parts = t.min(len.div_ceil(16)).max(1);
     let dst = crate::par::SyncPtr(dst_ptr);
@@ -84,11 +92,9 @@ pub unsafe fn gemm_raw(dst_ptr: *mut f32, dst_rs: usize, accumulate: bool, lhs: 
         // other blocks'.
         unsafe {
             if split_rows {
-                let l = View { off: lhs.off + a * lhs.rs, rows: b - a, ..lhs };
-                gemm_one(dst.0.add(a * dst_rs), dst_rs, accumulate, l, rhs, alpha);
+                one(dst.0.add(a * dst_rs), (a, b), (0, n));
             } else {
-                let r = View { off: rhs.off + a * rhs.cs, cols: b - a, ..rhs };
-                gemm_one(dst.0.add(a), dst_rs, accumulate, lhs, r, alpha);
+                one(dst.0.add(a), (0, m), (a, b));
             }
         }
     });
@@ -114,7 +120,14 @@ pub fn gemm(dst: &mut [f32], accumulate: bool, lhs: View, rhs: View, alpha: f32,
 
 /// Linear layer, PyTorch layout (weights `[OC, C]`):
 /// `out[BT, OC] = inp[BT, C] · weight[OC, C]ᵀ + bias[OC]`. Overwrites `out`.
-pub fn matmul_forward(
+pub fn matmul_forward(out: &mut [f32], inp: &[f32], weight: &[f32], bias: Option<&[f32]>, bt: usize, c: usize, oc: usize) {
+    matmul_forward_as(Arith::F32, out, inp, weight, bias, bt, c, oc)
+}
+
+/// [`matmul_forward`] in the given arithmetic.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_forward_as(
+    arith: Arith,
     out: &mut [f32],         // [BT, OC]
     inp: &[f32],             // [BT, C]
     weight: &[f32],          // [OC, C]
@@ -135,11 +148,19 @@ pub fn matmul_forward(
         }
         None => false,
     };
-    gemm(out, accumulate, View::rows(inp, bt, c), View::rows(weight, oc, c).t(), 1.0, Threads::All);
+    gemm_as(arith, out, accumulate, View::rows(inp, bt, c), View::rows(weight, oc, c).t(), 1.0, Threads::All);
 }
 
 /// Backward of [`matmul_forward`]. Accumulates into `dinp`, `dweight` and `dbias`.
-pub fn matmul_backward(
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_backward(dinp: &mut [f32], dweight: &mut [f32], dbias: Option<&mut [f32]>, dout: &[f32], inp: &[f32], weight: &[f32], bt: usize, c: usize, oc: usize) {
+    matmul_backward_as(Arith::F32, dinp, dweight, dbias, dout, inp, weight, bt, c, oc)
+}
+
+/// [`matmul_backward`] in the given arithmetic (the bias gradient is an fp32 sum either way).
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_backward_as(
+    arith: Arith,
     dinp: &mut [f32],             // [BT, C]
     dweight: &mut [f32],          // [OC, C]
     dbias: Option<&mut [f32]>,    // [OC]
@@ -158,10 +179,10 @@ pub fn matmul_backward(
     // tiles, so the results do not depend on the scheduling.
     rayon::join(
         // dinp += dout · weight
-        || gemm(dinp, true, View::rows(dout, bt, oc), View::rows(weight, oc, c), 1.0, Threads::All),
+        || gemm_as(arith, dinp, true, View::rows(dout, bt, oc), View::rows(weight, oc, c), 1.0, Threads::All),
         || {
             // dweight += doutᵀ · inp
-            gemm(dweight, true, View::rows(dout, bt, oc).t(), View::rows(inp, bt, c), 1.0, Threads::All);
+            gemm_as(arith, dweight, true, View::rows(dout, bt, oc).t(), View::rows(inp, bt, c), 1.0, Threads::All);
             if let Some(db) = dbias {
                 bias_backward(db, dout, bt, oc);
             }
@@ -170,7 +191,13 @@ pub fn matmul_backward(
 }
 
 /// The input gradient alone, `dinp += dout · weight` (for frozen weights: LoRA's base).
-pub fn matmul_backward_input(
+pub fn matmul_backward_input(dinp: &mut [f32], dout: &[f32], weight: &[f32], bt: usize, c: usize, oc: usize) {
+    matmul_backward_input_as(Arith::F32, dinp, dout, weight, bt, c, oc)
+}
+
+/// [`matmul_backward_input`] in the given arithmetic.
+pub fn matmul_backward_input_as(
+    arith: Arith,
     dinp: &mut [f32],   // [BT, C]
     dout: &[f32],       // [BT, OC]
     weight: &[f32],     // [OC, C]
@@ -179,7 +206,7 @@ pub fn matmul_backward_input(
     oc: usize,
 ) {
     let _p = crate::profile::scope("matmul_backward");
-    gemm(dinp, true, View::rows(dout, bt, oc), View::rows(weight, oc, c), 1.0, Threads::All);
+    gemm_as(arith, dinp, true, View::rows(dout, bt, oc), View::rows(weight, oc, c), 1.0, Threads::All);
 }
 
 /// `dbias[OC] += Σ_rows dout[BT, OC]`. Parallel over blocks of columns; each column is summed

@@ -220,3 +220,87 @@ pub fn amax(x: &[f32]) -> f32 {
         r
     }))
 }
+
+/// f32 → fp16 bits for a value `fmt`-exact in fp16 (what [`round`] to [`Format::Fp16`] gives):
+/// normal and subnormal values, ±0, ±∞ and NaN, all without rounding.
+#[inline(always)]
+fn fp16_bits(x: f32) -> u16 {
+    let b = x.to_bits();
+    let sign = ((b >> 16) & 0x8000) as u16;
+    let e = ((b >> 23) & 0xFF) as i32;
+    let a = f32::from_bits(b & 0x7FFF_FFFF);
+    // Normal: rebias the exponent, keep the top 10 mantissa bits. Subnormal (|x| < 2^-14):
+    // an integer count of 2^-24.
+    let normal = ((((e - 127 + 15) as u32) << 10) | ((b >> 13) & 0x3FF)) as u16;
+    let sub = (a * 16_777_216.0) as u16;
+    let special = if a.is_nan() { 0x7E00 } else { 0x7C00 };
+    sign | if e == 0xFF { special } else if e >= 127 - 14 { normal } else { sub }
+}
+
+/// fp16 bits → f32 (exact).
+#[inline(always)]
+fn fp16_value(h: u16) -> f32 {
+    let sign = ((h as u32) & 0x8000) << 16;
+    let e = ((h >> 10) & 0x1F) as u32;
+    let m = (h & 0x3FF) as u32;
+    let normal = f32::from_bits(sign | ((e + 127 - 15) << 23) | (m << 13));
+    let sub = f32::from_bits(sign | (m as f32 * (1.0 / 16_777_216.0)).to_bits());
+    let special = f32::from_bits(sign | 0x7F80_0000 | (m << 13));
+    if e == 0x1F { special } else if e == 0 { sub } else { normal }
+}
+
+/// The 16 bits of `x`, a value exact in `fmt` (bf16 or fp16: what [`round`] gives), without
+/// rounding.
+#[inline(always)]
+pub fn to_bits16(x: f32, fmt: Format) -> u16 {
+    match fmt {
+        Format::Fp16 => fp16_bits(x),
+        _ => (x.to_bits() >> 16) as u16,
+    }
+}
+
+/// The value of 16 bits in `fmt` (bf16 or fp16), exactly.
+#[inline(always)]
+pub fn from_bits16(h: u16, fmt: Format) -> f32 {
+    match fmt {
+        Format::Fp16 => fp16_value(h),
+        _ => f32::from_bits((h as u32) << 16),
+    }
+}
+
+crate::multiversion! {
+    fn pack16_chunk(o: &mut [u16], x: &[f32], fp16: bool) {
+        if fp16 {
+            o.iter_mut().zip(x).for_each(|(o, &x)| *o = to_bits16(x, Format::Fp16));
+        } else {
+            o.iter_mut().zip(x).for_each(|(o, &x)| *o = to_bits16(x, Format::Bf16));
+        }
+    }
+}
+
+crate::multiversion! {
+    fn unpack16_chunk(o: &mut [f32], h: &[u16], fp16: bool) {
+        if fp16 {
+            o.iter_mut().zip(h).for_each(|(o, &h)| *o = from_bits16(h, Format::Fp16));
+        } else {
+            o.iter_mut().zip(h).for_each(|(o, &h)| *o = from_bits16(h, Format::Bf16));
+        }
+    }
+}
+
+/// Stores `x` (every element exact in `fmt`, bf16 or fp16) as 16 bits: `out[i] = bits(x[i])`.
+/// Lossless: [`unpack16`] gives `x` back bit for bit.
+pub fn pack16(out: &mut [u16], x: &[f32], fmt: Format) {
+    let _p = crate::profile::scope("pack16");
+    assert_eq!(out.len(), x.len());
+    let fp16 = fmt == Format::Fp16;
+    out.par_chunks_mut(1 << 14).zip(x.par_chunks(1 << 14)).for_each(|(o, x)| pack16_chunk(o, x, fp16));
+}
+
+/// The inverse of [`pack16`].
+pub fn unpack16(out: &mut [f32], h: &[u16], fmt: Format) {
+    let _p = crate::profile::scope("unpack16");
+    assert_eq!(out.len(), h.len());
+    let fp16 = fmt == Format::Fp16;
+    out.par_chunks_mut(1 << 14).zip(h.par_chunks(1 << 14)).for_each(|(o, h)| unpack16_chunk(o, h, fp16));
+}

@@ -111,10 +111,11 @@ impl<'a> Rank<'a> {
         };
         let mut model = whole_model(ctx, lead, stages.len() > 1)?;
         let (n, n_train) = (model.num_params(), trainable_layout(&model).total);
-        // MFU is stated against the same peak `kiln bench --peak` reports (one rank's share of
+        // MFU is stated against the same peak `kiln bench --peak` reports for the run's arithmetic
+        // (bf16 products for bf16 training; one rank's share of
         // the machine's cores is what in-process ranks split, so the peak is the machine's), for
         // the whole model's FLOPs.
-        let peak = if lead { crate::bench::peak_flops() } else { f64::NAN };
+        let peak = if lead { crate::bench::peak_flops(ctx.cfg.train.precision) } else { f64::NAN };
         let (flops_per_token, hw_flops_per_token, recompute) = (model_flops_per_token(&model, t), hardware_flops_per_token(&model, t), model.recompute);
         let mut resumed = resume_from.map(|l| read_resumed(l, &mut model)).transpose()?;
         // This rank's chunks: its pipeline stages' layers (the whole model without a pipeline),

@@ -29,6 +29,11 @@ fn bench_peak_and_bad_bench_input() {
     let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
     assert!(v["peak_gflops"].as_f64().unwrap() > 1.0);
     assert!(v["products"].as_array().unwrap().len() >= 4);
+    // The bf16 products on this machine's path (issue 20).
+    assert!(v["bf16_peak_gflops"].as_f64().unwrap() > 1.0, "{v}");
+    assert_eq!(v["bf16_products"].as_array().unwrap().len(), v["products"].as_array().unwrap().len());
+    let path = v["bf16_path"].as_str().unwrap();
+    assert!(path.starts_with("avx512_bf16") || path.starts_with("fp32 fallback"), "{path}");
     let o = kiln(&["bench", "--preset", "shakespeare-char"]);
     assert_user_error(&o, &["model.vocab_size"]);
     let o = kiln(&["bench", "--set", "train.nope=1"]);

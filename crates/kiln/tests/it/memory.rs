@@ -2,7 +2,7 @@
 //! `kiln memory` command, and the plan against what a run's tracking allocator measures.
 
 use crate::common::*;
-use kiln::memory::{activation_set, activation_set_every, FP32};
+use kiln::memory::{activation_set, activation_set_every, FP32, MIXED_16};
 use model::gpt::Recompute;
 use model::{Gpt, GptConfig};
 
@@ -11,12 +11,15 @@ const POLICIES: [Recompute; 3] = [Recompute::None, Recompute::Selective, Recompu
 /// `activation_set` against `Gpt::reserve_activations` + `activation_bytes` (no forward needed).
 fn check(name: &str, cfg: &GptConfig, shapes: &[(usize, usize)]) {
     for &(b, t) in shapes {
-        for r in POLICIES {
-            let mut m = Gpt::zeroed(cfg.clone(), cfg.vocab_size.min(256));
-            m.recompute = r;
-            m.reserve_activations(b, t);
-            let planned = activation_set(cfg, b, t, r, &FP32).total();
-            assert_eq!(planned as usize, m.activation_bytes(), "{name} B {b} T {t} {r:?}");
+        // fp32, and bf16 with its 16-bit activation storage.
+        for (precision, bytes) in [(model::Precision::Fp32, FP32), (model::Precision::Bf16, MIXED_16)] {
+            for r in POLICIES {
+                let mut m = Gpt::zeroed(cfg.clone(), cfg.vocab_size.min(256));
+                (m.recompute, m.precision) = (r, precision);
+                m.reserve_activations(b, t);
+                let planned = activation_set(cfg, b, t, r, &bytes).total();
+                assert_eq!(planned as usize, m.activation_bytes(), "{name} B {b} T {t} {r:?} {precision:?}");
+            }
         }
         for every in [2, 3] {
             let mut m = Gpt::zeroed(cfg.clone(), cfg.vocab_size.min(256));

@@ -308,6 +308,8 @@ fn doctor_reports_machine_and_fails_without_the_corpus() {
     assert!(!ok, "{r}");
     assert!(r.contains("MISSING") && r.contains("/nowhere"), "{r}");
     assert!(r.contains("42.0 GFLOP/s"), "{r}");
+    // Which bf16 product path this machine runs, and its measured peak.
+    assert!(r.contains("bf16:     avx512_bf16") || r.contains("bf16:     fp32 fallback"), "{r}");
     assert!(r.contains("CUDA not built") && r.contains("CPU yes") && r.contains("in-process ranks yes"), "{r}");
     let mpi = if cfg!(feature = "mpi") { "MPI built" } else { "MPI not built (rebuild with --features mpi" };
     assert!(r.contains(mpi), "{r}");

@@ -235,7 +235,7 @@ fn fused_lm_head_matches_unfused_and_finite_differences() {
     assert!(rows < n, "the test must cross chunk boundaries");
     let mut scratch = vec![0.0; rows * vp];
     let (mut losses, mut dinp, mut dw) = (vec![0.0; n], vec![0.0; n * c], vec![0.0; vp * c]);
-    let cnt = lm_head_crossentropy(&mut losses, Some((&mut dinp, &mut dw, 0.5)), &inp, &w, &targets, &mut scratch, &HeadDims { c, v, vp, offset: 0, ignore_index: -100 });
+    let cnt = lm_head_crossentropy(&mut losses, Some((&mut dinp, &mut dw, 0.5)), &inp, &w, &targets, &mut scratch, &HeadDims { c, v, vp, offset: 0, ignore_index: -100, arith: Default::default() });
     // Unfused reference: matmul, cross-entropy forward and backward, matmul backward.
     let mut logits = vec![0.0; n * vp];
     matmul_forward(&mut logits, &inp, &w, None, n, c, vp);
@@ -256,7 +256,7 @@ fn fused_lm_head_matches_unfused_and_finite_differences() {
     close(&dw, &dw2, "dweight");
     // Without gradients: same losses, nothing else touched.
     let mut l3 = vec![0.0; n];
-    lm_head_crossentropy(&mut l3, None, &inp, &w, &targets, &mut scratch, &HeadDims { c, v, vp, offset: 0, ignore_index: -100 });
+    lm_head_crossentropy(&mut l3, None, &inp, &w, &targets, &mut scratch, &HeadDims { c, v, vp, offset: 0, ignore_index: -100, arith: Default::default() });
     assert_eq!(l3, losses);
 }
 
@@ -272,11 +272,11 @@ fn fused_lm_head_gradients() {
     let loss = |x: &[f32], w: &[f32]| {
         let mut l = vec![0.0; n];
         let mut s = vec![0.0; n * vp];
-        lm_head_crossentropy(&mut l, None, x, w, &targets, &mut s, &HeadDims { c, v, vp, offset: 0, ignore_index: -100 });
+        lm_head_crossentropy(&mut l, None, x, w, &targets, &mut s, &HeadDims { c, v, vp, offset: 0, ignore_index: -100, arith: Default::default() });
         l.iter().map(|&a| a as f64).sum::<f64>()
     };
     let (mut losses, mut dinp, mut dw) = (vec![0.0; n], vec![0.0; n * c], vec![0.0; vp * c]);
-    lm_head_crossentropy(&mut losses, Some((&mut dinp, &mut dw, 1.0)), &inp, &w, &targets, &mut scratch, &HeadDims { c, v, vp, offset: 0, ignore_index: -100 });
+    lm_head_crossentropy(&mut losses, Some((&mut dinp, &mut dw, 1.0)), &inp, &w, &targets, &mut scratch, &HeadDims { c, v, vp, offset: 0, ignore_index: -100, arith: Default::default() });
     check("lm_head.dinp", &inp, &dinp, |x| loss(x, &w));
     check("lm_head.dweight", &w, &dw, |x| loss(&inp, x));
     assert!(dw[v * c..].iter().all(|&g| g == 0.0), "padded rows get no gradient");

@@ -1,4 +1,5 @@
 //! Integration tests for the kernels: one binary, modules per concern.
+mod bf16;
 mod common;
 mod docs;
 mod gradcheck;

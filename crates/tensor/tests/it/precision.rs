@@ -120,3 +120,28 @@ fn scaled_quantisation_and_amax() {
     assert!(amax(&big).is_nan() && quantize_into(&mut vec![0.0; big.len()], &big, Format::E5m2, 1.0).is_nan());
     assert_eq!(amax(&[]), 0.0);
 }
+
+#[test]
+fn sixteen_bit_packing_is_lossless_for_rounded_values_in_both_formats() {
+    use tensor::precision::{pack16, round, unpack16, Format};
+    let mut r = tensor::Rng::new(5);
+    // Normal values over a wide range, fp16 subnormals, zeros, infinities, NaN.
+    let mut x: Vec<f32> = (0..40_000).map(|i| (r.normal() as f32) * 2f32.powi((i % 40) - 20)).collect();
+    x.extend([0.0, -0.0, f32::INFINITY, f32::NEG_INFINITY, 6e-8, -3e-6, 65504.0, 1e-30]);
+    for fmt in [Format::Bf16, Format::Fp16] {
+        let v: Vec<f32> = x.iter().map(|&a| round(a, fmt)).collect();
+        let mut h = vec![0u16; v.len()];
+        pack16(&mut h, &v, fmt);
+        let mut back = vec![0.0f32; v.len()];
+        unpack16(&mut back, &h, fmt);
+        for (i, (a, b)) in v.iter().zip(&back).enumerate() {
+            assert_eq!(a.to_bits(), b.to_bits(), "{fmt:?} [{i}]: {a:e} came back as {b:e}");
+        }
+        // NaN survives as a NaN.
+        let mut h1 = [0u16; 1];
+        pack16(&mut h1, &[f32::NAN], fmt);
+        let mut b1 = [0.0f32; 1];
+        unpack16(&mut b1, &h1, fmt);
+        assert!(b1[0].is_nan(), "{fmt:?}");
+    }
+}
