@@ -40,15 +40,23 @@ pub struct ElementBytes {
     /// fp32 master weights kept beside lower-precision parameters (0 when the parameters are
     /// the master copy).
     pub master: usize,
+    /// The products' arithmetic (bf16 products chunk the LM head in larger row blocks).
+    pub arith: tensor::matmul::Arith,
 }
 
 /// Everything in fp32, the parameters are their own master copy.
-pub const FP32: ElementBytes = ElementBytes { name: "fp32", param: 4, grad: 4, act: 4, optim: 4, master: 0 };
+pub const FP32: ElementBytes = ElementBytes { name: "fp32", param: 4, grad: 4, act: 4, optim: 4, master: 0, arith: tensor::matmul::Arith::F32 };
 
 /// bf16 / fp16 (and FP8, which stores in bf16): activations stored in 16 bits between forward
 /// and backward, fp32 working parameters (rounded to the format) with fp32 master weights beside
 /// them, fp32 gradients and moments.
-pub const MIXED_16: ElementBytes = ElementBytes { name: "bf16/fp16 (16-bit stored activations, fp32 master weights)", param: 4, grad: 4, act: 2, optim: 4, master: 4 };
+pub const MIXED_16: ElementBytes = ElementBytes { name: "fp16 (16-bit stored activations, fp32 master weights)", param: 4, grad: 4, act: 2, optim: 4, master: 4, arith: tensor::matmul::Arith::F32 };
+
+/// bf16: [`MIXED_16`] with bf16 products.
+pub const BF16: ElementBytes = ElementBytes { name: "bf16 (16-bit stored activations, bf16 products, fp32 master weights)", arith: tensor::matmul::Arith::Bf16, ..MIXED_16 };
+
+/// FP8: [`MIXED_16`] (it stores in bf16; its products are fp32 over scaled FP8 values).
+pub const FP8: ElementBytes = ElementBytes { name: "fp8 (E4M3/E5M2 products, bf16 stored activations, fp32 master weights)", ..MIXED_16 };
 
 impl ElementBytes {
     /// The bytes per element kiln allocates when it trains in `p` (`train.precision`): [`FP32`], or for every
@@ -56,7 +64,9 @@ impl ElementBytes {
     pub fn of(p: model::gpt::Precision) -> ElementBytes {
         match p {
             model::gpt::Precision::Fp32 => FP32,
-            model::gpt::Precision::Bf16 | model::gpt::Precision::Fp16 | model::gpt::Precision::Fp8 => MIXED_16,
+            model::gpt::Precision::Bf16 => BF16,
+            model::gpt::Precision::Fp16 => MIXED_16,
+            model::gpt::Precision::Fp8 => FP8,
         }
     }
 }
@@ -226,7 +236,7 @@ pub fn activation_set_every(cfg: &GptConfig, b: usize, t: usize, recompute: Reco
         attention: bulk(n_inner, n * qw) + core,
         mlp: mlp_inner,
         norms: bulk(n_kept, 2 * nl * c) + stat(n_kept, 4 * nl) + f(hl * c + 2 * hl) + bulk(n_inner, 2 * nf * c),
-        head: f(hl * c) + f(if head { nf * c } else { 0 }) + f(tensor::classifier::chunk_rows(hn, vp) * vp),
+        head: f(hl * c) + f(if head { nf * c } else { 0 }) + f(tensor::classifier::chunk_rows(hn, vp, p.arith) * vp),
         // losses are fp32; tokens (u32) and targets (i32) are 4 bytes
         losses: f(n) + 8 * n as u64,
     }
@@ -477,7 +487,7 @@ fn activation_rows(out: &mut Rows, cfg: &RunConfig, r: &RankShape) -> Activation
     out.add(Kind::Activations, held, "attention", acts.attention, format!("q|k|v, output, log-sum-exp ({policy})"));
     out.add(Kind::Activations, held, if local.is_moe() { "MoE layers" } else { "MLP" }, acts.mlp, if local.is_moe() { format!("routing, dispatch, experts, backward scratch ({policy})") } else { format!("hidden activations ({policy})") });
     out.add(Kind::Activations, held, "norms", acts.norms, "outputs and statistics".into());
-    out.add(Kind::Activations, held, "head (logits chunk)", acts.head, format!("{} rows × {} logits at a time, and d ln_f", tensor::classifier::chunk_rows(n, local.vocab_size), local.vocab_size));
+    out.add(Kind::Activations, held, "head (logits chunk)", acts.head, format!("{} rows × {} logits at a time, and d ln_f", tensor::classifier::chunk_rows(n, local.vocab_size, p.arith), local.vocab_size));
     out.add(Kind::Activations, held, "losses, tokens", acts.losses, String::new());
     out.add(Kind::Temporary, held, "backward gradient scratch", grad_scratch(local, n), "one set shared by every block".into());
     if let Some(lo) = &r.lora {

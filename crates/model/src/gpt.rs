@@ -581,7 +581,7 @@ impl Gpt {
             dln_f_full: zeros(if self.cfg.has_head() { nf * c } else { 0 }),
             // The final norm and the head's buffers only where the head is (pipeline stages).
             ln_f: zeros(hl * c), ln_f_mean: zeros(hl), ln_f_rstd: zeros(hl),
-            dln_f: zeros(hl * c), head_scratch: zeros(chunk_rows(hn, vp) * vp), losses: zeros(n),
+            dln_f: zeros(hl * c), head_scratch: zeros(chunk_rows(hn, vp, arith(self.precision)) * vp), losses: zeros(n),
             tokens: vec![0; n], targets: vec![0; n], doc_start: Vec::new(), doc_pos: Vec::new(), count: 0, dropout_seed: 0, p_drop: 0.0, loss_scale: 1.0, moe_stats: Vec::new(),
         });
         self.scratch = None;

@@ -231,7 +231,7 @@ fn fused_lm_head_matches_unfused_and_finite_differences() {
     let inp = randn(&mut rng, n * c, 1.0);
     let w = randn(&mut rng, vp * c, 0.5);
     let targets: Vec<i32> = (0..n).map(|i| if i % 17 == 3 { -100 } else { (i * 7919 % v) as i32 }).collect();
-    let rows = tensor::classifier::chunk_rows(n, vp);
+    let rows = tensor::classifier::chunk_rows(n, vp, Default::default());
     assert!(rows < n, "the test must cross chunk boundaries");
     let mut scratch = vec![0.0; rows * vp];
     let (mut losses, mut dinp, mut dw) = (vec![0.0; n], vec![0.0; n * c], vec![0.0; vp * c]);
