@@ -9,9 +9,9 @@
 //!   summed into each fp32 lane per instruction: twice the arithmetic of an fp32 FMA), BLIS
 //!   blocking (a `KC × NR` panel of the right operand stays near the core, an `MC × KC` block of
 //!   the left one in L2, a `KC × NC` block of the right one in L3).
-//! - **fallback** (no BF16 instructions): both operands converted to bf16-rounded `f32` while
-//!   packed into scratch, then the fp32 product of [`crate::matmul`] (AVX-512F/AVX2 through
-//!   `gemm`); same values up to the order of fp32 additions.
+//! - **fallback** (no BF16 instructions): blocks of both operands converted to bf16-rounded
+//!   `f32` while copied into scratch, then the fp32 product of [`crate::matmul`] (AVX-512F/AVX2
+//!   through `gemm`); same values up to the order of fp32 additions.
 //!
 //! AMX tiles are not used (no AMX machine to test on); see README.
 //!
@@ -138,12 +138,21 @@ pub fn path() -> Path {
 /// As [`crate::matmul::gemm_raw`]: `dst_ptr` covers `(m-1)·dst_rs + n` floats that no one else
 /// reads or writes during the call.
 pub unsafe fn gemm_bf16_raw<A: Elem, B: Elem>(dst_ptr: *mut f32, dst_rs: usize, accumulate: bool, lhs: Mat<A>, rhs: Mat<B>, alpha: f32, threads: Threads) {
+    gemm_bf16_raw_on(path(), dst_ptr, dst_rs, accumulate, lhs, rhs, alpha, threads)
+}
+
+/// [`gemm_bf16_raw`] on the given path.
+///
+/// # Safety
+/// As [`gemm_bf16_raw`], and `on` is this machine's [`path`] or the fallback.
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_bf16_raw_on<A: Elem, B: Elem>(on: Path, dst_ptr: *mut f32, dst_rs: usize, accumulate: bool, lhs: Mat<A>, rhs: Mat<B>, alpha: f32, threads: Threads) {
     assert_eq!(lhs.cols, rhs.rows, "inner dimensions differ");
     lhs.check();
     rhs.check();
     let one = |d: *mut f32, rows: (usize, usize), cols: (usize, usize)| {
         let (l, r) = (lhs.sub_rows(rows.0, rows.1), rhs.sub_cols(cols.0, cols.1));
-        match path() {
+        match on {
             #[cfg(target_arch = "x86_64")]
             Path::Avx512Bf16 => avx512::gemm(d, dst_rs, accumulate, l, r, alpha),
             _ => fallback(d, dst_rs, accumulate, l, r, alpha),
@@ -154,41 +163,67 @@ pub unsafe fn gemm_bf16_raw<A: Elem, B: Elem>(dst_ptr: *mut f32, dst_rs: usize, 
 
 /// Safe form of [`gemm_bf16_raw`] for a dense row-major destination `dst[m × n]`.
 pub fn gemm_bf16<A: Elem, B: Elem>(dst: &mut [f32], accumulate: bool, lhs: Mat<A>, rhs: Mat<B>, alpha: f32, threads: Threads) {
-    assert_eq!(dst.len(), lhs.rows * rhs.cols, "destination size");
-    unsafe { gemm_bf16_raw(dst.as_mut_ptr(), rhs.cols, accumulate, lhs, rhs, alpha, threads) }
+    gemm_bf16_on(path(), dst, accumulate, lhs, rhs, alpha, threads)
 }
 
-/// The fallback: both operands rounded to bf16 into dense fp32 scratch, then one single-threaded
-/// fp32 product.
+/// The paths this machine can run: the fallback, and `vdpbf16ps` where the CPU has it (even
+/// when `KILN_BF16_PATH` forces the fallback), for tests that check each.
+pub fn available_paths() -> Vec<Path> {
+    let mut v = vec![Path::Fp32Fallback];
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bf16") {
+        v.push(Path::Avx512Bf16);
+    }
+    v
+}
+
+/// [`gemm_bf16`] on a path of [`available_paths`] (panics on another).
+pub fn gemm_bf16_on<A: Elem, B: Elem>(on: Path, dst: &mut [f32], accumulate: bool, lhs: Mat<A>, rhs: Mat<B>, alpha: f32, threads: Threads) {
+    assert_eq!(dst.len(), lhs.rows * rhs.cols, "destination size");
+    assert!(on == path() || available_paths().contains(&on), "bf16 path {on:?} is not available here");
+    unsafe { gemm_bf16_raw_on(on, dst.as_mut_ptr(), rhs.cols, accumulate, lhs, rhs, alpha, threads) }
+}
+
+/// The fallback: blocks of both operands rounded to bf16 into dense fp32 scratch (at most
+/// `MB × KB + KB × NB` floats, whatever the product's size), each pair of blocks one
+/// single-threaded fp32 product accumulating in k order.
 unsafe fn fallback<A: Elem, B: Elem>(dst: *mut f32, dst_rs: usize, accumulate: bool, lhs: Mat<A>, rhs: Mat<B>, alpha: f32) {
     use crate::matmul::View;
+    const MB: usize = 512;
+    const KB: usize = 512;
+    const NB: usize = 4096;
     let (m, n, k) = (lhs.rows, rhs.cols, lhs.cols);
-    let mut a = crate::par::pooled(m * k);
-    let mut b = crate::par::pooled(k * n);
-    // Read each operand along its contiguous direction.
-    if lhs.cs == 1 {
-        for i in 0..m {
-            a[i * k..(i + 1) * k].iter_mut().enumerate().for_each(|(j, v)| *v = lhs.at(i, j).rounded());
-        }
-    } else {
-        for j in 0..k {
-            for i in 0..m {
-                a[i * k + j] = lhs.at(i, j).rounded();
+    let mut a = crate::par::pooled(MB.min(m) * KB.min(k));
+    let mut b = crate::par::pooled(KB.min(k) * NB.min(n));
+    for i0 in (0..m).step_by(MB) {
+        let mb = MB.min(m - i0);
+        for j0 in (0..n).step_by(NB) {
+            let nb = NB.min(n - j0);
+            for k0 in (0..k).step_by(KB) {
+                let kb = KB.min(k - k0);
+                round_block(&mut a[..mb * kb], &lhs, i0, mb, k0, kb);
+                round_block(&mut b[..kb * nb], &rhs, k0, kb, j0, nb);
+                let acc = accumulate || k0 > 0;
+                crate::matmul::gemm_raw(dst.add(i0 * dst_rs + j0), dst_rs, acc, View::rows(&a[..mb * kb], mb, kb), View::rows(&b[..kb * nb], kb, nb), alpha, Threads::One);
             }
         }
     }
-    if rhs.cs == 1 {
-        for i in 0..k {
-            b[i * n..(i + 1) * n].iter_mut().enumerate().for_each(|(j, v)| *v = rhs.at(i, j).rounded());
+}
+
+/// `out[rows × cols]` (dense) = `m[r0.., c0..]` rounded to bf16, read along its contiguous
+/// direction.
+fn round_block<E: Elem>(out: &mut [f32], m: &Mat<E>, r0: usize, rows: usize, c0: usize, cols: usize) {
+    if m.cs == 1 {
+        for i in 0..rows {
+            out[i * cols..(i + 1) * cols].iter_mut().enumerate().for_each(|(j, v)| *v = m.at(r0 + i, c0 + j).rounded());
         }
     } else {
-        for j in 0..n {
-            for i in 0..k {
-                b[i * n + j] = rhs.at(i, j).rounded();
+        for j in 0..cols {
+            for i in 0..rows {
+                out[i * cols + j] = m.at(r0 + i, c0 + j).rounded();
             }
         }
     }
-    crate::matmul::gemm_raw(dst, dst_rs, accumulate, View::rows(&a, m, k), View::rows(&b, k, n), alpha, Threads::One);
 }
 
 /// Measures this machine's bf16 matmul peak in FLOP/s (all threads, bf16 inputs): the best of

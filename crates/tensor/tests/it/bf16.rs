@@ -1,7 +1,7 @@
 //! The bf16 products against an f64 reference of the bf16-rounded inputs, on every path this
 //! machine has, over the shapes and strides training uses and the edges of the register tile.
 
-use tensor::bf16::{from_bf16, gemm_bf16, to_bf16, Elem, Mat};
+use tensor::bf16::{available_paths, from_bf16, gemm_bf16, gemm_bf16_on, to_bf16, Elem, Mat};
 use tensor::matmul::Threads;
 
 fn data(n: usize, seed: u64) -> Vec<f32> {
@@ -35,7 +35,8 @@ fn reference(a: &Mat<f32>, b: &Mat<f32>, init: &[f32], alpha: f64) -> Vec<f64> {
 #[test]
 fn bf16_products_match_an_f64_reference_over_shapes_strides_and_tile_edges() {
     // Tile edges (12 × 32), k blocks (256) and odd k, transposed operands, accumulation.
-    let shapes = [(1, 1, 1), (12, 32, 2), (13, 33, 3), (25, 70, 257), (40, 31, 600), (130, 65, 513), (7, 300, 64)];
+    // The fallback's blocks (512 rows, 512 k, 4096 columns) too.
+    let shapes = [(1, 1, 1), (12, 32, 2), (13, 33, 3), (25, 70, 257), (40, 31, 600), (130, 65, 513), (7, 300, 64), (600, 20, 9), (2, 4100, 5)];
     for &(m, n, k) in &shapes {
         for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
             for accumulate in [false, true] {
@@ -48,13 +49,13 @@ fn bf16_products_match_an_f64_reference_over_shapes_strides_and_tile_edges() {
                 let init = if accumulate { data(m * n, 3) } else { vec![0.0; m * n] };
                 let alpha = if accumulate { 0.5 } else { 1.0 };
                 let want = reference(&a, &b, &init, alpha as f64);
-                for threads in [Threads::One, Threads::All] {
+                for (path, threads) in available_paths().into_iter().flat_map(|p| [(p, Threads::One), (p, Threads::All)]) {
                     let mut got = init.clone();
-                    gemm_bf16(&mut got, accumulate, a, b, alpha, threads);
+                    gemm_bf16_on(path, &mut got, accumulate, a, b, alpha, threads);
                     for (idx, (g, w)) in got.iter().zip(&want).enumerate() {
                         // fp32 accumulation of k exact products: error ≲ k·eps·Σ|terms|.
                         let bound = 1e-6 * (k as f64) * 2.0 + 1e-6;
-                        assert!((*g as f64 - w).abs() <= bound * (1.0 + w.abs()), "{m}x{n}x{k} ta={ta} tb={tb} acc={accumulate} [{idx}]: {g} vs {w}");
+                        assert!((*g as f64 - w).abs() <= bound * (1.0 + w.abs()), "{path:?} {m}x{n}x{k} ta={ta} tb={tb} acc={accumulate} [{idx}]: {g} vs {w}");
                     }
                 }
             }
