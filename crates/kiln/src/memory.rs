@@ -52,7 +52,8 @@ pub const FP32: ElementBytes = ElementBytes { name: "fp32", param: 4, grad: 4, a
 /// them, fp32 gradients and moments.
 pub const MIXED_16: ElementBytes = ElementBytes { name: "fp16 (16-bit stored activations, fp32 master weights)", param: 4, grad: 4, act: 2, optim: 4, master: 4, arith: tensor::matmul::Arith::F32 };
 
-/// bf16: [`MIXED_16`] with bf16 products.
+/// bf16: [`MIXED_16`] with bf16 products (fp32 products on a CPU without BF16 instructions:
+/// [`ElementBytes::of`] says which).
 pub const BF16: ElementBytes = ElementBytes { name: "bf16 (16-bit stored activations, bf16 products, fp32 master weights)", arith: tensor::matmul::Arith::Bf16, ..MIXED_16 };
 
 /// FP8: [`MIXED_16`] (it stores in bf16; its products are fp32 over scaled FP8 values).
@@ -64,7 +65,7 @@ impl ElementBytes {
     pub fn of(p: model::gpt::Precision) -> ElementBytes {
         match p {
             model::gpt::Precision::Fp32 => FP32,
-            model::gpt::Precision::Bf16 => BF16,
+            model::gpt::Precision::Bf16 => ElementBytes { arith: model::gpt::arith(p), ..BF16 },
             model::gpt::Precision::Fp16 => MIXED_16,
             model::gpt::Precision::Fp8 => FP8,
         }

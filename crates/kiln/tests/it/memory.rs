@@ -2,7 +2,7 @@
 //! `kiln memory` command, and the plan against what a run's tracking allocator measures.
 
 use crate::common::*;
-use kiln::memory::{activation_set, activation_set_every, BF16, FP32, MIXED_16};
+use kiln::memory::{activation_set, activation_set_every, ElementBytes, FP32};
 use model::gpt::Recompute;
 use model::{Gpt, GptConfig};
 
@@ -12,7 +12,8 @@ const POLICIES: [Recompute; 3] = [Recompute::None, Recompute::Selective, Recompu
 fn check(name: &str, cfg: &GptConfig, shapes: &[(usize, usize)]) {
     for &(b, t) in shapes {
         // fp32, and bf16 with its 16-bit activation storage.
-        for (precision, bytes) in [(model::Precision::Fp32, FP32), (model::Precision::Bf16, BF16), (model::Precision::Fp16, MIXED_16)] {
+        for precision in [model::Precision::Fp32, model::Precision::Bf16, model::Precision::Fp16] {
+            let bytes = ElementBytes::of(precision);
             for r in POLICIES {
                 let mut m = Gpt::zeroed(cfg.clone(), cfg.vocab_size.min(256));
                 (m.recompute, m.precision) = (r, precision);
