@@ -172,9 +172,7 @@ impl Optimizer {
                     (Some(mw), Some(fmt)) => {
                         let w = &mut mw[off + i..off + j];
                         adamw_update(w, &grads[i..j], &mut self.m[off + i..off + j], &mut self.v[off + i..off + j], &h);
-                        for (p, &x) in params[i..j].iter_mut().zip(w.iter()) {
-                            *p = tensor::precision::round(x, fmt);
-                        }
+                        tensor::precision::round_into(&mut params[i..j], w, fmt);
                         mw.release(off + i..off + j);
                     }
                     _ => adamw_update(&mut params[i..j], &grads[i..j], &mut self.m[off + i..off + j], &mut self.v[off + i..off + j], &h),

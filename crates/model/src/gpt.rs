@@ -497,7 +497,7 @@ impl Gpt {
     }
 
     pub fn zero_grad(&mut self) {
-        self.grads.fill(0.0);
+        tensor::par::zero(&mut self.grads);
         if let Some(lo) = self.lora.as_mut() {
             lo.grads.fill(0.0);
         }

@@ -351,8 +351,8 @@ impl DataParallel {
     /// Clears the gradient accumulators for a new step.
     pub fn zero_grad(&mut self) {
         self.worker.wait_all();
-        self.grads.fill(0.0);
-        self.shard_grads.fill(0.0);
+        tensor::par::zero(&mut self.grads);
+        tensor::par::zero(&mut self.shard_grads);
         self.peak_transient = 0;
         self.busy_at_start = self.worker.busy();
     }

@@ -3,7 +3,7 @@ use tensor::bf16::{gemm_bf16, Mat, to_bf16};
 use tensor::matmul::{gemm, View, Threads};
 fn time<F: FnMut()>(mut f: F) -> f64 { let mut best = f64::INFINITY; for _ in 0..10 { let t = Instant::now(); f(); best = best.min(t.elapsed().as_secs_f64()); } best }
 fn main() {
-    for &(m, n, k, tr) in &[(166usize, 50304usize, 768usize, 1u8), (166, 768, 50304, 0), (50304, 768, 166, 2), (512, 768, 50304, 0), (50304, 768, 512, 2)] {
+    for &(m, n, k, tr) in &[(1024usize, 2304usize, 768usize, 1u8), (1024, 768, 3072, 1), (1024, 768, 3072, 0), (768, 3072, 1024, 2), (3072, 768, 1024, 2), (667, 50304, 768, 1), (667, 768, 50304, 0), (50304, 768, 667, 2)] {
         let a = vec![0.5f32; m * k]; let b = vec![0.25f32; n * k]; let mut c = vec![0.0f32; m * n];
         let ah: Vec<u16> = a.iter().map(|&x| to_bf16(x)).collect(); let bh: Vec<u16> = b.iter().map(|&x| to_bf16(x)).collect();
         let fl = 2.0 * (m * n * k) as f64;

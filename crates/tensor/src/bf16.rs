@@ -261,7 +261,7 @@ mod avx512 {
     const NC: usize = 64 * NR;
 
     thread_local! {
-        static PACK: std::cell::RefCell<(Vec<u32>, Vec<u32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+        static PACK: std::cell::RefCell<(Vec<u32>, Vec<u32>, Vec<u32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
     }
 
     /// `(lo, hi)` as one u32 pair (low half first), the order `vdpbf16ps` multiplies.
@@ -303,7 +303,8 @@ mod avx512 {
     /// zero past the edges. The left operand packs with `w = MR`; the right one, transposed,
     /// with `w = NR`.
     #[inline(always)]
-    fn pack<E: Elem>(out: &mut [u32], m: &Mat<E>, i0: usize, rows: usize, k0: usize, kc: usize, w: usize) {
+    #[allow(clippy::too_many_arguments)]
+    fn pack<E: Elem>(out: &mut [u32], row: &mut Vec<u32>, m: &Mat<E>, i0: usize, rows: usize, k0: usize, kc: usize, w: usize) {
         let kp = kc.div_ceil(2);
         let panels = rows.div_ceil(w);
         let even = kc / 2;
@@ -311,19 +312,24 @@ mod avx512 {
             // Rows are contiguous along i: interleave two k's, reading each source row segment
             // once, whole (reading it panel by panel strides by the row length, which maps
             // every read of a panel to the same cache sets when it is a multiple of 4 KB).
-            for p in 0..kp {
-                let k = k0 + 2 * p;
-                let s0 = &m.data[m.off + i0 + k * m.cs..][..rows];
-                let s1 = (2 * p + 1 < kc).then(|| &m.data[m.off + i0 + (k + 1) * m.cs..][..rows]);
-                for ip in 0..panels {
-                    let h = w.min(rows - ip * w);
-                    let d = &mut out[(ip * kp + p) * w..][..w];
-                    let a = &s0[ip * w..ip * w + h];
-                    match s1 {
-                        Some(s1) => interleave(&mut d[..h], a, &s1[ip * w..ip * w + h]),
-                        None => d[..h].iter_mut().zip(a).for_each(|(o, &x)| *o = x.bf16() as u32),
+            // The whole segment is interleaved into one row of pairs first (vectorised even
+            // for the left operand's 6-row panels), then copied out panel by panel. (No
+            // closure here: intrinsics inside one are not compiled with the caller's features.)
+            row.resize(rows, 0);
+            {
+                for p in 0..kp {
+                    let k = k0 + 2 * p;
+                    let s0 = &m.data[m.off + i0 + k * m.cs..][..rows];
+                    match (2 * p + 1 < kc).then(|| &m.data[m.off + i0 + (k + 1) * m.cs..][..rows]) {
+                        Some(s1) => interleave(&mut row[..], s0, s1),
+                        None => row.iter_mut().zip(s0).for_each(|(o, &x)| *o = x.bf16() as u32),
                     }
-                    d[h..].fill(0);
+                    for ip in 0..panels {
+                        let h = w.min(rows - ip * w);
+                        let d = &mut out[(ip * kp + p) * w..][..w];
+                        d[..h].copy_from_slice(&row[ip * w..ip * w + h]);
+                        d[h..].fill(0);
+                    }
                 }
             }
             return;
@@ -432,53 +438,62 @@ mod avx512 {
     }
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")]
-    unsafe fn pack_a<E: Elem>(out: &mut [u32], a: &Mat<E>, i0: usize, mc: usize, k0: usize, kc: usize) {
-        pack(out, a, i0, mc, k0, kc, MR)
+    unsafe fn pack_a<E: Elem>(out: &mut [u32], row: &mut Vec<u32>, a: &Mat<E>, i0: usize, mc: usize, k0: usize, kc: usize) {
+        pack(out, row, a, i0, mc, k0, kc, MR)
     }
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")]
-    unsafe fn pack_b<E: Elem>(out: &mut [u32], b: &Mat<E>, k0: usize, kc: usize, j0: usize, nc: usize) {
-        pack(out, &b.t(), j0, nc, k0, kc, NR)
+    unsafe fn pack_b<E: Elem>(out: &mut [u32], row: &mut Vec<u32>, b: &Mat<E>, k0: usize, kc: usize, j0: usize, nc: usize) {
+        pack(out, row, &b.t(), j0, nc, k0, kc, NR)
     }
 
     /// One single-threaded product (see [`super::gemm_bf16_raw`] for the contract).
     pub unsafe fn gemm<A: Elem, B: Elem>(dst: *mut f32, dst_rs: usize, accumulate: bool, lhs: Mat<A>, rhs: Mat<B>, alpha: f32) {
-        let (m, n, k) = (lhs.rows, rhs.cols, lhs.cols);
         PACK.with(|cell| {
             let mut bufs = cell.borrow_mut();
-            let (pa, pb) = &mut *bufs;
-            let kcap = KC.min(k).div_ceil(2);
-            pa.resize(kcap * MC.min(m).div_ceil(MR) * MR, 0);
-            pb.resize(kcap * NC.min(n).div_ceil(NR) * NR, 0);
-            let mut tile = [0.0f32; MR * NR];
-            for j0 in (0..n).step_by(NC) {
-                let nc = NC.min(n - j0);
-                for k0 in (0..k).step_by(KC) {
-                    let kc = KC.min(k - k0);
-                    let kp = kc.div_ceil(2);
-                    // The first k block overwrites unless the caller accumulates.
-                    let add = accumulate || k0 > 0;
-                    pack_b(pb, &rhs, k0, kc, j0, nc);
-                    for i0 in (0..m).step_by(MC) {
-                        let mc = MC.min(m - i0);
-                        pack_a(pa, &lhs, i0, mc, k0, kc);
-                        for jp in 0..nc.div_ceil(NR) {
-                            let w = NR.min(nc - jp * NR);
-                            let bp = pb.as_ptr().add(jp * kp * NR);
-                            for ip in 0..mc.div_ceil(MR) {
-                                let h = MR.min(mc - ip * MR);
-                                let ap = pa.as_ptr().add(ip * kp * MR);
-                                let c = dst.add((i0 + ip * MR) * dst_rs + j0 + jp * NR);
-                                if h == MR && w == NR {
-                                    kernel(kp, ap, bp, c, dst_rs, add, alpha);
-                                } else {
-                                    // An edge tile: computed whole into scratch, the valid part added.
-                                    kernel(kp, ap, bp, tile.as_mut_ptr(), NR, false, alpha);
-                                    for r in 0..h {
-                                        for j in 0..w {
-                                            let d = c.add(r * dst_rs + j);
-                                            *d = if add { *d + tile[r * NR + j] } else { tile[r * NR + j] };
-                                        }
+            let (pa, pb, row) = &mut *bufs;
+            // Safety: the caller checked the features (`super::path`).
+            unsafe { drive(pa, pb, row, dst, dst_rs, accumulate, lhs, rhs, alpha) }
+        });
+    }
+
+    /// The blocked loops of [`gemm`], compiled with the kernel's features (so the packers'
+    /// intrinsics inline: inside the thread-local's closure they were calls).
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")]
+    unsafe fn drive<A: Elem, B: Elem>(pa: &mut Vec<u32>, pb: &mut Vec<u32>, row: &mut Vec<u32>, dst: *mut f32, dst_rs: usize, accumulate: bool, lhs: Mat<A>, rhs: Mat<B>, alpha: f32) {
+        let (m, n, k) = (lhs.rows, rhs.cols, lhs.cols);
+        let kcap = KC.min(k).div_ceil(2);
+        pa.resize(kcap * MC.min(m).div_ceil(MR) * MR, 0);
+        pb.resize(kcap * NC.min(n).div_ceil(NR) * NR, 0);
+        let mut tile = [0.0f32; MR * NR];
+        for j0 in (0..n).step_by(NC) {
+            let nc = NC.min(n - j0);
+            for k0 in (0..k).step_by(KC) {
+                let kc = KC.min(k - k0);
+                let kp = kc.div_ceil(2);
+                // The first k block overwrites unless the caller accumulates.
+                let add = accumulate || k0 > 0;
+                pack_b(pb, row, &rhs, k0, kc, j0, nc);
+                for i0 in (0..m).step_by(MC) {
+                    let mc = MC.min(m - i0);
+                    pack_a(pa, row, &lhs, i0, mc, k0, kc);
+                    for jp in 0..nc.div_ceil(NR) {
+                        let w = NR.min(nc - jp * NR);
+                        let bp = pb.as_ptr().add(jp * kp * NR);
+                        for ip in 0..mc.div_ceil(MR) {
+                            let h = MR.min(mc - ip * MR);
+                            let ap = pa.as_ptr().add(ip * kp * MR);
+                            let c = dst.add((i0 + ip * MR) * dst_rs + j0 + jp * NR);
+                            if h == MR && w == NR {
+                                kernel(kp, ap, bp, c, dst_rs, add, alpha);
+                            } else {
+                                // An edge tile: computed whole into scratch, the valid part added.
+                                kernel(kp, ap, bp, tile.as_mut_ptr(), NR, false, alpha);
+                                for r in 0..h {
+                                    for j in 0..w {
+                                        let d = c.add(r * dst_rs + j);
+                                        *d = if add { *d + tile[r * NR + j] } else { tile[r * NR + j] };
                                     }
                                 }
                             }
@@ -486,7 +501,7 @@ mod avx512 {
                     }
                 }
             }
-        });
+        }
     }
 
     /// The register tile: `C[MR × NR] (+)= alpha · Σ_p A_p ⊗ B_p` over `kp` packed pairs.

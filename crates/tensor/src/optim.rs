@@ -29,15 +29,22 @@ pub fn adamw_update(params: &mut [f32], grads: &[f32], m: &mut [f32], v: &mut [f
         .par_chunks_mut(ELEMS)
         .zip(grads.par_chunks(ELEMS))
         .zip(m.par_chunks_mut(ELEMS).zip(v.par_chunks_mut(ELEMS)))
-        .for_each(|((p, g), (m, v))| {
-            for i in 0..p.len() {
-                let gi = g[i];
-                m[i] = h.beta1 * m[i] + (1.0 - h.beta1) * gi;
-                v[i] = h.beta2 * v[i] + (1.0 - h.beta2) * gi * gi;
-                let denom = v[i].sqrt() * rbc2 + h.eps;
-                p[i] = p[i] * decay - step * m[i] / denom;
-            }
-        });
+        .for_each(|((p, g), (m, v))| adamw_chunk(p, g, m, v, h, step, rbc2, decay));
+}
+
+crate::multiversion! {
+    /// One chunk of [`adamw_update`] (vectorised square roots and divisions: the small models'
+    /// optimizer step is compute-bound).
+    fn adamw_chunk(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], h: &AdamW, step: f32, rbc2: f32, decay: f32) {
+        let n = p.len().min(g.len()).min(m.len()).min(v.len());
+        for i in 0..n {
+            let gi = g[i];
+            m[i] = h.beta1 * m[i] + (1.0 - h.beta1) * gi;
+            v[i] = h.beta2 * v[i] + (1.0 - h.beta2) * gi * gi;
+            let denom = v[i].sqrt() * rbc2 + h.eps;
+            p[i] = p[i] * decay - step * m[i] / denom;
+        }
+    }
 }
 
 /// `Σ x²` in f64, over fixed chunks combined in order (deterministic).
@@ -51,11 +58,25 @@ pub fn sum_squares(x: &[f32]) -> f64 {
         let mut parts = cell.borrow_mut();
         parts.clear();
         parts.resize(x.len().div_ceil(ELEMS), 0.0);
-        parts.par_iter_mut().zip(x.par_chunks(ELEMS)).for_each(|(p, c)| {
-            *p = c.iter().map(|&a| (a as f64) * (a as f64)).sum::<f64>();
-        });
+        parts.par_iter_mut().zip(x.par_chunks(ELEMS)).for_each(|(p, c)| sum_squares_chunk(c, p));
         parts.iter().sum()
     })
+}
+
+crate::multiversion! {
+    /// `Σ x²` of one chunk in f64: eight running sums (a fixed order, so deterministic) that
+    /// vectorise, combined pairwise.
+    fn sum_squares_chunk(c: &[f32], out: &mut f64) {
+        let mut acc = [0.0f64; 8];
+        let mut it = c.chunks_exact(8);
+        for ch in &mut it {
+            for (a, &x) in acc.iter_mut().zip(ch) {
+                *a += (x as f64) * (x as f64);
+            }
+        }
+        let tail: f64 = it.remainder().iter().map(|&a| (a as f64) * (a as f64)).sum();
+        *out = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail;
+    }
 }
 
 pub fn scale_in_place(x: &mut [f32], s: f32) {

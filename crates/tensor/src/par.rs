@@ -100,3 +100,9 @@ impl Drop for PoolBuf {
         }
     }
 }
+
+/// `x.fill(0.0)` over the pool (gradient buffers are hundreds of MB: one thread's memset was
+/// a visible share of a step).
+pub fn zero(x: &mut [f32]) {
+    x.par_chunks_mut(ELEMS * 16).for_each(|c| c.fill(0.0));
+}

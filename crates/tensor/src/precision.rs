@@ -175,6 +175,19 @@ crate::multiversion! {
     }
 }
 
+crate::multiversion! {
+    fn round_into_chunk(o: &mut [f32], x: &[f32], fmt: Format) {
+        per_format!(fmt, F => o.iter_mut().zip(x).for_each(|(o, &v)| *o = round(v, F)))
+    }
+}
+
+/// `out[i] = round(x[i], fmt)` (mixed precision's working weights from the master weights).
+pub fn round_into(out: &mut [f32], x: &[f32], fmt: Format) {
+    let _p = crate::profile::scope("round_precision");
+    assert_eq!(out.len(), x.len());
+    out.par_chunks_mut(1 << 14).zip(x.par_chunks(1 << 14)).for_each(|(o, x)| round_into_chunk(o, x, fmt));
+}
+
 /// Rounds every element of `x` to `fmt`, in place.
 pub fn round_slice(x: &mut [f32], fmt: Format) {
     let _p = crate::profile::scope("round_precision");
