@@ -122,12 +122,8 @@ pub fn path() -> Path {
     static PATH: std::sync::OnceLock<Path> = std::sync::OnceLock::new();
     *PATH.get_or_init(|| {
         let forced = std::env::var("KILN_BF16_PATH").map(|v| v == "fallback").unwrap_or(false);
-        #[cfg(target_arch = "x86_64")]
-        if !forced && std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bf16") {
-            return Path::Avx512Bf16;
-        }
-        let _ = forced;
-        Path::Fp32Fallback
+        // The fastest path available, last in the list.
+        if forced { Path::Fp32Fallback } else { *available_paths().last().unwrap() }
     })
 }
 
