@@ -46,8 +46,11 @@ const EOS_NAMES: [&str; 5] = ["<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>
 impl HfTokenizer {
     /// Parses a `tokenizer.json`; `origin` names the file in errors.
     pub fn from_json(json: &str, origin: &Path) -> Result<HfTokenizer, DataError> {
-        let inner: tokenizers::Tokenizer =
-            json.parse().map_err(|e: tokenizers::Error| DataError::at(origin, format!("not a Hugging Face tokenizer.json: {}", one_line(&e.to_string()))))?;
+        // The tokenizers crate panics on some malformed files (a decoder that is not an object:
+        // found by fuzzing, fuzz/regressions/tokenizer/): a panic is the file's error too.
+        let parsed = std::panic::catch_unwind(|| json.parse::<tokenizers::Tokenizer>())
+            .map_err(|_| DataError::at(origin, "not a Hugging Face tokenizer.json: the tokenizers crate cannot read it (malformed component)"))?;
+        let inner = parsed.map_err(|e: tokenizers::Error| DataError::at(origin, format!("not a Hugging Face tokenizer.json: {}", one_line(&e.to_string()))))?;
         Ok(HfTokenizer::wrap(inner, json.trim_end().into()))
     }
 

@@ -24,7 +24,22 @@ fn perr(path: &Path, e: parquet::errors::ParquetError) -> DataError {
     DataError::at(path, format!("not a readable parquet file: {e}"))
 }
 
+/// Reads `path`'s documents. The `parquet` crate panics on some corrupt files (e.g. a data
+/// page whose dictionary is missing: found by fuzzing, `fuzz/regressions/parquet/`), so a
+/// panic while reading is caught and reported as the file's error.
 pub(crate) fn read_parquet(
+    path: &Path,
+    counting: crate::docs::CountingFile,
+    opts: &DocOpts,
+    f: &mut dyn FnMut(Vec<Doc>) -> Result<(), DataError>,
+) -> Result<(), DataError> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| read_unguarded(path, counting, opts, f))).unwrap_or_else(|p| {
+        let why = p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned()).unwrap_or_default();
+        Err(DataError::at(path, format!("not a readable parquet file: the parquet reader failed ({why})")))
+    })
+}
+
+fn read_unguarded(
     path: &Path,
     counting: crate::docs::CountingFile,
     opts: &DocOpts,

@@ -120,6 +120,11 @@ pub fn bench(args: &BenchArgs) -> Result<serde_json::Value> {
     let vp = if cfg.model.vocab_size > 0 { gcfg.vocab_size } else { padded_vocab(real_vocab) };
     let gcfg = model::GptConfig { vocab_size: vp, ..gcfg };
     let t = cfg.seq_len();
+    // One rank in this process, whatever the config's layout: refused before it allocates when
+    // its plan exceeds the memory available (issue 26).
+    let mut one = cfg.clone();
+    one.parallel = Default::default();
+    crate::memory::plan_checked(&one, &gcfg, 0)?;
     let peak = peak_flops(cfg.train.precision);
 
     let mut model = Gpt::new(gcfg, real_vocab.min(vp), cfg.train.seed);

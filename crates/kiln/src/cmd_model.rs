@@ -187,7 +187,7 @@ pub fn export(x: ExportCli) -> Result<()> {
             (run::load_model(&r)?, Some(r.tokenizer.clone()), side, format!("{} (step {})", r.ckpt.dir.display(), r.ckpt.state.step))
         }
         (None, Some(dir)) => {
-            let m = model::hf::import_hf(dir).map_err(KilnError::User)?;
+            let m = run::import_hf(dir)?;
             (m, data::Tokenizer::find_in(dir)?, Some(dir.clone()), dir.display().to_string())
         }
         (None, None) => unreachable!("clap requires --run or --checkpoint"),
@@ -209,7 +209,7 @@ fn load_source(src: &Source, tokenizer: Option<&str>, need_tokenizer: bool) -> R
         return Ok((m, Some(r.tokenizer.clone()), Some(r)));
     }
     let dir = src.checkpoint.as_ref().expect("clap requires --run or --checkpoint");
-    let m = model::hf::import_hf(dir).map_err(KilnError::User)?;
+    let m = run::import_hf(dir)?;
     if !need_tokenizer {
         return Ok((m, None, None));
     }

@@ -14,6 +14,7 @@ pub mod cli;
 pub mod config;
 pub mod error;
 pub mod export;
+pub mod fuzz;
 pub mod memory;
 pub mod obs;
 pub mod presets;

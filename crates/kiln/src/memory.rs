@@ -17,6 +17,7 @@
 //! buffers, the tokenizer, thread stacks, allocator slack; with `memory.offload = optimizer`
 //! the moments' pages being updated (4 MiB of each at a time, mapped file pages, not heap).
 
+pub mod guard;
 pub mod track;
 
 use crate::config::RunConfig;
@@ -633,6 +634,43 @@ fn plan_rank(cfg: &RunConfig, gpt: &GptConfig, data_bytes: u64, s: usize) -> Res
 /// tokenizer) and the `data_bytes` of tokens it holds in memory (`TrainData::in_memory_bytes`).
 pub fn plan_run(cfg: &RunConfig, gpt: &GptConfig, data_bytes: u64) -> Result<MemoryPlan> {
     plan(cfg, gpt, data_bytes)
+}
+
+/// Refuses (exit 2) a config too large even to plan — building its layout would itself
+/// exhaust memory — from its sizes alone: the fp32 weights and one batch's residual stream
+/// through every layer, spread over the ranks, are a floor under any plan. Against the
+/// machine's available memory for this process's ranks and data, or a `memory.limit` above it
+/// per rank (a smaller limit is left to the plan, whose refusal prints the table). Returns the
+/// budget the plan is held to.
+pub fn check_sizes(cfg: &RunConfig, gpt: &GptConfig, data_bytes: u64) -> Result<guard::Budget> {
+    let budget = guard::Budget::of(cfg.memory_limit());
+    let machine = if budget.explicit { guard::Budget::of(0) } else { budget.clone() };
+    let par = &cfg.parallel;
+    let world = (par.dp.max(1) * par.tp * par.pp * par.ep) as u128;
+    let in_process = if par.backend == crate::config::Backend::Mpi { 1 } else { world };
+    let floor = (guard::weight_bytes(gpt) + guard::activation_floor(gpt, cfg.micro_batch(), cfg.seq_len())) / world;
+    let cause = format!("{}; one batch of {} rows × {} positions: train.batch_size / train.grad_accum, train.seq_len", guard::shape_keys(gpt), cfg.micro_batch(), cfg.seq_len());
+    if budget.explicit && budget.bytes > machine.bytes {
+        budget.check("one rank of this run (its weights and activations alone)", floor, &cause)?;
+    } else {
+        machine.check("this run (its weights and activations alone)", floor * in_process + data_bytes as u128, &cause)?;
+    }
+    Ok(budget)
+}
+
+/// The plan of a run, refused (exit 2) when it exceeds what the process may use (issue 26):
+/// `memory.limit` per rank when set, else the machine's available memory for this process's
+/// ranks and data. Sizes are checked first ([`check_sizes`]).
+pub fn plan_checked(cfg: &RunConfig, gpt: &GptConfig, data_bytes: u64) -> Result<MemoryPlan> {
+    let budget = check_sizes(cfg, gpt, data_bytes)?;
+    let plan = plan_run(cfg, gpt, data_bytes)?;
+    if budget.explicit {
+        plan.check_limit()?;
+    } else {
+        let cause = format!("the memory plan: {} rank(s) of {} each, data {}; `kiln memory` prints it", plan.ranks_per_process, fmt_bytes(plan.total), fmt_bytes(plan.data_bytes));
+        budget.check("this run", plan.process_total() as u128, &cause)?;
+    }
+    Ok(plan)
 }
 
 impl MemoryPlan {

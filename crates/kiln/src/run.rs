@@ -12,6 +12,7 @@
 
 use crate::checkpoint;
 use crate::config::RunConfig;
+use crate::memory::guard;
 use crate::error::{user, KilnError, Result};
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -97,6 +98,8 @@ pub fn load_model(run: &SavedRun) -> Result<model::Gpt> {
         lo.merge_into(&mut m.params, &m.views);
         return Ok(m);
     }
+    let cause = format!("{}: {}", run.dir.join("config.toml").display(), guard::shape_keys(&cfg));
+    guard::Budget::of(0).check(&format!("loading {}", run.ckpt.dir.display()), guard::weight_bytes(&cfg) * 2, &cause)?;
     let mut m = model::Gpt::zeroed(cfg, vocab);
     let layout = m.layout.clone();
     checkpoint::read_into(&run.ckpt.model, "", &layout, &mut m.params, &origin)?;
@@ -110,7 +113,17 @@ pub fn load_base(path: &Path) -> Result<model::Gpt> {
         let r = load_run(path)?;
         return load_model(&r);
     }
-    model::hf::import_hf(path).map_err(KilnError::User)
+    import_hf(path)
+}
+
+/// Loads a Hugging Face directory, once its config shows the model fits: its fp32 weights, and
+/// the largest weight file read whole and widened (bf16 → f32 doubles it).
+pub fn import_hf(dir: &Path) -> Result<model::Gpt> {
+    let (g, v) = model::hf::read_config(dir).map_err(KilnError::User)?;
+    let largest = model::hf::weight_file_sizes(dir).map_err(KilnError::User)?.into_iter().max().unwrap_or(0);
+    let cause = guard::hf_shape_keys(&g, &v, &dir.join("config.json"));
+    guard::Budget::of(0).check(&format!("loading {}", dir.display()), guard::weight_bytes(&g) + 3 * largest as u128, &cause)?;
+    model::hf::import_hf(dir).map_err(KilnError::User)
 }
 
 /// A plain copy of `m` with its LoRA adapters (if any) folded into the weights.

@@ -84,6 +84,12 @@ impl RopeScaling {
     }
 }
 
+/// The largest model `validate` accepts: 2^60 parameters, so a parameter count times four
+/// bytes stays within u64 / usize. (Anything near it is refused by a memory check first.)
+pub const MAX_PARAMS: u128 = 1 << 60;
+/// The longest context `validate` accepts (2^32 positions).
+pub const MAX_CONTEXT: usize = 1 << 32;
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct GptConfig {
     pub arch: Arch,
@@ -173,6 +179,15 @@ impl GptConfig {
                 return Err(format!("model.{key} must be positive, got 0"));
             }
         }
+        // Sizes whose products would overflow 64-bit byte counts are refused before anything
+        // multiplies them in usize; sizes that merely exceed a machine are the caller's to refuse
+        // against its memory (kiln's plan), with `param_count` computed without overflow.
+        if self.param_count() > MAX_PARAMS || self.block_size > MAX_CONTEXT {
+            return Err(format!(
+                "model sizes overflow 64-bit arithmetic: {:.3e} parameters ({:.3e} bytes of fp32 weights), {} positions (model.n_layer = {}, model.n_embd = {}, model.ffn_hidden = {}, model.vocab_size = {}, model.n_expert = {}, model.block_size = {}); at most 2^60 parameters and 2^32 positions",
+                self.param_count() as f64, self.param_count() as f64 * 4.0, self.block_size, self.n_layer, self.n_embd, self.ffn_hidden, self.vocab_size, self.n_expert, self.block_size
+            ));
+        }
         if self.head_dim > 0 && self.arch != Arch::Llama {
             return Err("model.head_dim needs model.arch = llama (GPT-2's heads are n_embd / n_head wide)".into());
         }
@@ -215,6 +230,44 @@ impl GptConfig {
             return Err("model.qkv_bias is a llama-arch setting (Qwen2); GPT-2's biases are model.bias".into());
         }
         Ok(())
+    }
+
+    /// Parameters of the whole model (every layer, every expert), computed from the sizes
+    /// alone in u128, so absurd configs neither overflow nor build a layout first: what a
+    /// command checks against the memory it has before it allocates anything.
+    pub fn param_count(&self) -> u128 {
+        // In f64 first: every term is part of the sum, so when the sum is below 2^100 no
+        // product in the exact u128 count can overflow; above it the count saturates.
+        if self.count_in(|x| x as f64) > 2f64.powi(100) {
+            return u128::MAX;
+        }
+        self.count_in(|x| x as u128)
+    }
+
+    /// The parameter count in the number type `u` converts sizes to.
+    fn count_in<T: Copy + std::ops::Add<Output = T> + std::ops::Mul<Output = T>>(&self, u: impl Fn(usize) -> T) -> T {
+        let (c, f, v, zero) = (u(self.n_embd), u(self.ffn_hidden), u(self.vocab_size), u(0));
+        let (two, three) = (u(2), u(3));
+        let hs = u(if self.head_dim > 0 { self.head_dim } else { self.n_embd / self.n_head.max(1) });
+        let (q, kv) = (u(self.n_head) * hs, u(self.n_kv_head) * hs);
+        let bias = |n: T| if self.bias { n } else { zero };
+        let (block, embed) = match self.arch {
+            Arch::Gpt2 => {
+                let norms = two * (c + bias(c));
+                let attn = three * q * c + bias(three * q) + c * q + bias(c);
+                let mlp = two * f * c + bias(f) + bias(c);
+                (norms + attn + mlp, v * c + u(self.block_size) * c)
+            }
+            Arch::Llama => {
+                let attn = (q + two * kv) * c + if self.qkv_bias { q + two * kv } else { zero } + c * q;
+                let expert = three * f * c;
+                let mlp = if self.n_expert > 0 { u(self.n_expert) * c + (u(self.n_expert) + u(self.n_shared_expert)) * expert } else { expert };
+                (two * c + attn + mlp, v * c)
+            }
+        };
+        let head = if self.tied_embeddings { zero } else { v * c };
+        let final_norm = c + if self.arch == Arch::Gpt2 { bias(c) } else { zero };
+        embed + u(self.n_layer) * block + final_norm + head
     }
 
     /// The rotary inverse frequencies, rope scaling applied.

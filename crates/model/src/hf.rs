@@ -81,7 +81,7 @@ fn llama_config(cfg: &Value, origin: &Path, qkv_bias: bool) -> Result<GptConfig,
     let n_head = get_usize(cfg, "num_attention_heads", origin)?;
     // transformers' head_dim; kiln keeps 0 when it is hidden_size / num_attention_heads.
     let head_dim = match cfg.get("head_dim").and_then(Value::as_u64) {
-        Some(hd) if hd as usize * n_head != n_embd => hd as usize,
+        Some(hd) if (hd as usize).checked_mul(n_head) != Some(n_embd) => hd as usize,
         _ => 0,
     };
     let (theta, rope_scaling) = rope_of(cfg, origin)?;
@@ -168,7 +168,14 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, String> {
         let text = std::fs::read_to_string(&index).map_err(|e| format!("{}: {e}", index.display()))?;
         let v: Value = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", index.display()))?;
         let map = v.get("weight_map").and_then(Value::as_object).ok_or_else(|| format!("{}: no weight_map", index.display()))?;
-        let mut files: Vec<PathBuf> = map.values().filter_map(Value::as_str).map(|f| dir.join(f)).collect();
+        let mut files = Vec::new();
+        for f in map.values() {
+            // A shard is a file of this directory: no paths out of it.
+            match f.as_str() {
+                Some(name) if !name.is_empty() && !name.contains(['/', '\\']) && name != ".." => files.push(dir.join(name)),
+                _ => return Err(format!("{}: weight_map entry {f} is not a file name in this directory", index.display())),
+            }
+        }
         files.sort();
         files.dedup();
         return Ok(files);
@@ -181,13 +188,24 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, String> {
     }
 }
 
-/// Loads an HF directory into a kiln model. Every kiln parameter must be present with the
-/// right shape; tensors kiln does not use (e.g. `attn.bias` masks, rotary caches) are ignored.
-pub fn import_hf(dir: &Path) -> Result<Gpt, String> {
+/// An HF directory's `config.json`: the kiln config it resolves to, and the JSON itself. Reads
+/// nothing else, so a caller can size the model before `import_hf` allocates it.
+pub fn read_config(dir: &Path) -> Result<(GptConfig, Value), String> {
     let cfg_path = dir.join("config.json");
     let text = std::fs::read_to_string(&cfg_path).map_err(|e| format!("{}: {e}", cfg_path.display()))?;
     let v: Value = serde_json::from_str(&text).map_err(|e| format!("{}: invalid JSON: {e}", cfg_path.display()))?;
-    let cfg = hf_config(&v, &cfg_path)?;
+    Ok((hf_config(&v, &cfg_path)?, v))
+}
+
+/// The bytes of an HF directory's weight files (`import_hf` reads one at a time).
+pub fn weight_file_sizes(dir: &Path) -> Result<Vec<u64>, String> {
+    weight_files(dir)?.iter().map(|f| std::fs::metadata(f).map(|m| m.len()).map_err(|e| format!("{}: {e}", f.display()))).collect()
+}
+
+/// Loads an HF directory into a kiln model. Every kiln parameter must be present with the
+/// right shape; tensors kiln does not use (e.g. `attn.bias` masks, rotary caches) are ignored.
+pub fn import_hf(dir: &Path) -> Result<Gpt, String> {
+    let (cfg, _) = read_config(dir)?;
     let vocab = cfg.vocab_size;
     let mut m = Gpt::zeroed(cfg, vocab);
     let mut found = vec![false; m.layout.params.len()];

@@ -199,6 +199,12 @@ pub fn split_layers(n_layer: usize, k: usize, explicit: &[usize], layer_cost: f6
             ));
         }
         explicit.to_vec()
+    } else if k == 1 {
+        vec![n_layer]
+    } else if n_layer > 4096 {
+        // Beyond any real model's depth the O(k·L²) search below would take minutes (the config
+        // is then refused by the memory check anyway): an even split, extra layers first.
+        (0..k).map(|j| n_layer / k + usize::from(j < n_layer % k)).collect()
     } else {
         // Minimise the largest stage cost over contiguous splits, then the sum of squared
         // stage costs (so the remainder spreads out); O(k·L²), L is small.

@@ -167,13 +167,45 @@ impl Tracking {
         let b = big(l);
         let base = if zeroed { System.alloc_zeroed(b) } else { System.alloc(b) };
         if base.is_null() {
-            return base;
+            out_of_memory(l.size());
         }
         let p = base.add(offset(l.align()));
         let cat = current_scope();
         header(p).write([MAGIC ^ l.size() as u64, cat as u64]);
         add(cat, l.size());
         p
+    }
+}
+
+/// A large allocation the system refused (kiln never asks fallibly): one line on stderr and
+/// exit code 1, instead of std's abort. Writes with `write(2)` from a stack buffer: nothing here
+/// may allocate.
+#[cold]
+fn out_of_memory(size: usize) -> ! {
+    let mut buf = [0u8; 160];
+    let mut n = 0;
+    let mut put = |b: &[u8]| {
+        let k = b.len().min(buf.len() - n);
+        buf[n..n + k].copy_from_slice(&b[..k]);
+        n += k;
+    };
+    put(b"kiln: out of memory: the system refused ");
+    let mut digits = [0u8; 20];
+    let (mut i, mut v) = (digits.len(), size);
+    loop {
+        i -= 1;
+        digits[i] = b'0' + (v % 10) as u8;
+        v /= 10;
+        if v == 0 {
+            break;
+        }
+    }
+    put(&digits[i..]);
+    put(b" bytes (set memory.limit, or lower the batch or the model)\n");
+    // SAFETY: writes initialised bytes to stderr, then ends the process without unwinding.
+    unsafe {
+        libc::write(2, buf.as_ptr().cast(), n);
+        libc::_exit(1)
     }
 }
 
@@ -211,7 +243,7 @@ unsafe impl GlobalAlloc for Tracking {
             let [_, cat] = header(p).read();
             let base = System.realloc(p.sub(off), big(l), new_size + off);
             if base.is_null() {
-                return base;
+                out_of_memory(new_size);
             }
             let q = base.add(off);
             header(q).write([MAGIC ^ new_size as u64, cat]);

@@ -151,8 +151,9 @@ fn train_once(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
     check_data_fits(&cfg, &ds)?;
     let gcfg = cfg.gpt_config(ds.tokenizer.vocab_size());
     cfg.model.vocab_size = gcfg.vocab_size;
-    // memory: refuse a run whose plan exceeds memory.limit, before anything is written (issue 7).
-    crate::memory::plan_run(&cfg, &gcfg, ds.in_memory_bytes())?.check_limit()?;
+    // memory: refuse a run whose plan exceeds memory.limit or the memory available, before
+    // anything is written (issues 7, 26).
+    crate::memory::plan_checked(&cfg, &gcfg, ds.in_memory_bytes())?;
 
     // 3. The ranks: this process alone, threads in it, or MPI processes.
     let world = cfg.parallel.dp * cfg.parallel.ep * cfg.parallel.tp * cfg.parallel.pp;

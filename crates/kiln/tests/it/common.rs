@@ -95,3 +95,24 @@ pub fn assert_user_error(o: &Output, needles: &[&str]) {
     }
     assert!(!err.contains("panicked"), "a user error must not panic: {err}");
 }
+
+/// `kiln args` with its peak resident set (KiB, `ru_maxrss` of this child alone, from wait4)
+/// and wall time.
+pub fn kiln_measured(args: &[&str], scratch: &Path) -> (i32, String, String, u64, std::time::Duration) {
+    use std::os::unix::process::ExitStatusExt;
+    let (out, err) = (scratch.join("measured.stdout"), scratch.join("measured.stderr"));
+    let t0 = std::time::Instant::now();
+    let child = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(args)
+        .env("RAYON_NUM_THREADS", "2")
+        .stdout(std::fs::File::create(&out).unwrap())
+        .stderr(std::fs::File::create(&err).unwrap())
+        .spawn()
+        .expect("run kiln");
+    let (mut status, mut usage) = (0i32, unsafe { std::mem::zeroed::<libc::rusage>() });
+    // SAFETY: waits for the child this function spawned; `usage` is written by the kernel.
+    let pid = unsafe { libc::wait4(child.id() as i32, &mut status, 0, &mut usage) };
+    assert_eq!(pid, child.id() as i32, "wait4");
+    let code = std::process::ExitStatus::from_raw(status).code().unwrap_or(-1);
+    (code, std::fs::read_to_string(&out).unwrap(), std::fs::read_to_string(&err).unwrap(), usage.ru_maxrss as u64, t0.elapsed())
+}

@@ -224,3 +224,51 @@ fn recompute_flags_are_checked() {
     let o = train(&data, &d.join("c"), &["--recompute", "full", "--recompute-every", "2", "--set", "model.n_layer=4", "--max-steps", "3"]);
     assert!(o.status.success(), "{}", stderr(&o));
 }
+
+/// Issue 26: models and batches larger than the machine are refused from their sizes before
+/// anything large is allocated — one line naming the key and the bytes needed vs available,
+/// exit 2, nothing written, a small peak RSS (the three cases the issue reported, and every
+/// other command that builds a model).
+#[test]
+fn oversized_configs_are_refused_before_allocating() {
+    let dir = scratch("oversized");
+    let data = corpus(&dir);
+    let fx = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/fixtures/qwen2-tiny");
+    let hf = dir.join("hf");
+    fs::create_dir_all(&hf).unwrap();
+    fs::copy(fx.join("model.safetensors"), hf.join("model.safetensors")).unwrap();
+    let mut cfg: serde_json::Value = serde_json::from_str(&fs::read_to_string(fx.join("config.json")).unwrap()).unwrap();
+    cfg["num_hidden_layers"] = 1_000_000_000u64.into();
+    fs::write(hf.join("config.json"), cfg.to_string()).unwrap();
+    let (hf, data, out) = (hf.to_str().unwrap(), data.to_str().unwrap(), dir.join("out"));
+    let o = out.to_str().unwrap();
+    let cases: &[(&[&str], &str)] = &[
+        (&["eval", "--checkpoint", hf], "num_hidden_layers = 1000000000"),
+        (&["generate", "--checkpoint", hf, "--prompt", "x"], "num_hidden_layers = 1000000000"),
+        (&["export", "--checkpoint", hf, "--out", o], "num_hidden_layers = 1000000000"),
+        (&["train", "--data", data, "--out", o, "--set", "model.n_embd=100000000", "--set", "model.n_head=1"], "model.n_embd = 100000000"),
+        (&["train", "--data", data, "--out", o, "--set", "model.n_layer=100000"], "model.n_layer = 100000"),
+        (&["train", "--data", data, "--out", o, "--set", "train.batch_size=10000000000"], "train.batch_size"),
+        (&["memory", "--data", data, "--set", "model.n_layer=100000"], "model.n_layer = 100000"),
+        (&["bench", "--steps", "1", "--set", "model.n_layer=100000"], "model.n_layer = 100000"),
+    ];
+    for (args, key) in cases {
+        let (code, _, err, rss_kib, took) = kiln_measured(args, &dir);
+        assert_eq!(code, 2, "{args:?}: {err}");
+        assert_eq!(err.trim_end().lines().count(), 1, "{args:?}: not one line: {err}");
+        assert!(err.contains(key) && err.contains("more than the") && err.contains("available") && err.contains("refused before allocating"), "{args:?}: {err}");
+        assert!(rss_kib < 100 * 1024, "{args:?}: peak RSS {rss_kib} KiB");
+        assert!(took < std::time::Duration::from_secs(30), "{args:?}: took {took:?}");
+        assert!(!out.exists(), "{args:?} wrote {}", out.display());
+    }
+    // Sizes that overflow 64-bit arithmetic are errors, not wraps.
+    let (code, _, err, _, _) = kiln_measured(&["train", "--data", data, "--out", o, "--set", "model.n_embd=1000000000000", "--set", "model.n_head=1"], &dir);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("overflow") && err.contains("model.n_embd = 1000000000000"), "{err}");
+    // An allocation the system still refuses (a memory.limit far above the machine; weights of
+    // 190 TB exceed even the 128 TiB address space, whatever the overcommit policy) ends with
+    // one line and exit 1, no abort and no backtrace.
+    let (code, _, err, _, _) = kiln_measured(&["train", "--data", data, "--out", o, "--memory-limit", "1000000TB", "--set", "model.n_layer=1", "--set", "model.n_embd=2000000", "--set", "model.n_head=1"], &dir);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("kiln: out of memory: the system refused") && !err.contains("backtrace"), "{err}");
+}

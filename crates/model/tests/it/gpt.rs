@@ -218,3 +218,21 @@ fn gradients_match_finite_differences_with_recompute() {
     model_gradcheck_with(GptConfig { moe_aux_weight: 0.0, moe_z_weight: 0.0, ..tiny_moe(1, 0.0) }, Recompute::Full);
     model_gradcheck_with(GptConfig { moe_aux_weight: 0.5, moe_z_weight: 0.1, ..tiny_moe(0, 0.0) }, Recompute::Full);
 }
+
+/// `param_count` (sizes only, no layout: what memory checks use before allocating) equals the
+/// layout's total for every family, and saturates instead of overflowing.
+#[test]
+fn param_count_equals_the_layout_and_never_overflows() {
+    let mut cfgs = vec![tiny(true, 0.0, true), tiny(false, 0.0, false), tiny_llama(2, 0.0), tiny_llama(1, 0.0), tiny_moe(1, 1.25), tiny_moe(0, 0.0)];
+    cfgs.push(GptConfig { qkv_bias: true, ..tiny_llama(2, 0.0) });
+    cfgs.push(GptConfig { head_dim: 6, ..tiny_llama(2, 0.0) });
+    cfgs.push(GptConfig { tied_embeddings: true, ..tiny_llama(4, 0.0) });
+    for cfg in cfgs {
+        let m = Gpt::zeroed(cfg.clone(), cfg.vocab_size);
+        assert_eq!(cfg.param_count(), m.layout.total as u128, "{cfg:?}");
+    }
+    let huge = GptConfig { n_embd: usize::MAX / 2, n_head: 1, ffn_hidden: usize::MAX / 2, ..tiny(true, 0.0, false) };
+    assert_eq!(huge.param_count(), u128::MAX);
+    let e = huge.validate().unwrap_err();
+    assert!(e.contains("overflow") && e.contains("model.n_embd"), "{e}");
+}
