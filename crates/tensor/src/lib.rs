@@ -22,6 +22,7 @@ pub mod optim;
 pub mod par;
 pub mod precision;
 pub mod profile;
+pub mod quant;
 pub mod rng;
 pub mod simd;
 

@@ -8,3 +8,4 @@ mod llama;
 mod moe;
 mod flash;
 mod precision;
+mod quant;
