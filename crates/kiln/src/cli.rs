@@ -60,6 +60,12 @@ enum Cmd {
 
 /// Parses the arguments, runs the command, and returns the exit code.
 pub fn main() -> i32 {
+    // A closed stdout (`kiln data inspect … | head`) ends the process quietly, as it does any
+    // Unix tool, instead of a "failed printing to stdout" panic: Rust ignores SIGPIPE by default.
+    // SAFETY: restores the default disposition of one signal before any thread starts.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let cli = match Cli::try_parse() {
         Ok(c) => c,
         Err(e) => {

@@ -62,6 +62,9 @@ pub struct TrainCli {
     /// Comma-separated: q,k,v,o,gate,up,down
     #[arg(long)]
     pub lora_targets: Option<String>,
+    /// QLoRA: store the frozen base's matrices as nf4 or int8 (lora.quantize_base)
+    #[arg(long, value_name = "none|nf4|int8")]
+    pub quantize_base: Option<String>,
     /// Record a Chrome trace (trace.json in the run directory) of the first N steps.
     #[arg(long, value_name = "STEPS")]
     pub profile: Option<u64>,
@@ -157,7 +160,7 @@ impl TrainCli {
             )),
             None => None,
         };
-        let table: [(&'static str, &'static str, Option<V>); 29] = [
+        let table: [(&'static str, &'static str, Option<V>); 30] = [
             ("--data", "data.paths", (!self.data.is_empty()).then(|| V::Array(self.data.iter().map(|p| V::String(p.display().to_string())).collect()))),
             ("--tokenizer", "data.tokenizer", text(&self.tokenizer)),
             ("--format", "data.format", text(&self.format)),
@@ -173,6 +176,7 @@ impl TrainCli {
             ("--recompute-every", "model.recompute_every", int(self.recompute_every)),
             ("--lora-rank", "lora.rank", int(self.lora_rank)),
             ("--lora-alpha", "lora.alpha", self.lora_alpha.map(V::Float)),
+            ("--quantize-base", "lora.quantize_base", text(&self.quantize_base)),
             ("--lora-targets", "lora.targets", self.lora_targets.as_deref().map(|t| V::Array(items(t).into_iter().map(V::String).collect()))),
             ("--dp", "parallel.dp", int(self.dp)),
             ("--zero", "parallel.zero", int(self.zero)),

@@ -237,6 +237,10 @@ pub struct LoraSection {
     pub alpha: f64,
     /// Any of q, k, v, o, gate, up, down.
     pub targets: Vec<String>,
+    /// QLoRA: the frozen base's matrices stored as `nf4` (4-bit NormalFloat, blocks of 64,
+    /// double-quantized scales) or `int8` (per output channel), dequantized a unit at a time in
+    /// the passes; `none` keeps them fp32.
+    pub quantize_base: model::BaseQuant,
 }
 
 /// Data parallelism and ZeRO (`parallel` crate). Changing these changes speed and memory,
@@ -527,7 +531,7 @@ impl Default for SampleSection {
 
 impl Default for LoraSection {
     fn default() -> Self {
-        LoraSection { rank: 0, alpha: 16.0, targets: vec!["q".into(), "v".into()] }
+        LoraSection { rank: 0, alpha: 16.0, targets: vec!["q".into(), "v".into()], quantize_base: model::BaseQuant::None }
     }
 }
 
@@ -786,6 +790,9 @@ impl RunConfig {
         }
         if d.reset_positions && d.packing != Packing::Documents {
             return user("data.reset_positions needs data.packing = \"documents\" (windows have no document starts)");
+        }
+        if self.lora.quantize_base != model::BaseQuant::None && self.lora.rank == 0 {
+            return user(format!("lora.quantize_base = \"{}\" quantizes a frozen base: it needs LoRA adapters (lora.rank > 0, --lora-rank)", plan::policy::Names::name(self.lora.quantize_base)));
         }
         if self.lora.rank > 0 && self.model.init_from.is_empty() {
             return user("lora.rank needs a base model to adapt: pass --init-from (a kiln run directory or a Hugging Face directory)");

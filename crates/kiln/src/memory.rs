@@ -446,8 +446,19 @@ fn model_state_rows(out: &mut Rows, cfg: &RunConfig, r: &RankShape, s: usize) {
     let sharded = |e: usize| if e == total { format!("{e} elements") } else { format!("{e} elements: this rank's ZeRO shard of {total} (padded)") };
     let tp_note = if tp > 1 { format!(", a tensor-parallel shard (1/{tp} of the heads and MLP columns)") } else { String::new() };
     let pp_note = if chunks > 1 { format!(", × {chunks} model chunks") } else if r.stages.len() > 1 { format!(", pipeline stage {s} (layers {:?})", r.stages[s]) } else { String::new() };
-    out.add(Kind::Parameters, held, "parameters", b4(pe * chunks, p.param), format!("{}{tp_note}{pp_note}", sharded(pe)));
-    out.add(Kind::Gradients, held, "gradients", b4(ge * chunks, p.grad), sharded(ge) + if r.lora.is_some() { " (the frozen base's buffer, unused)" } else { "" });
+    let quant = cfg.lora.quantize_base;
+    if quant != model::BaseQuant::None {
+        // QLoRA: the base's matrices quantized, the rest fp32; a pass holds one unit in fp32
+        // with a gradient scratch for it (parallel::qbase).
+        let (layout, _) = model::layout::gpt_layout(&r.local);
+        let bytes = parallel::qbase::planned_bytes(&layout, quant) as u64;
+        out.add(Kind::Parameters, held, "parameters (quantized base)", bytes, format!("{total} elements, the blocks' matrices as {} (lora.quantize_base), the rest fp32", plan::policy::Names::name(quant)));
+        let unit = r.units.iter().map(|u| u.len()).max().unwrap_or(0);
+        out.add(Kind::Temporary, held, "dequantized unit and its gradient scratch", b4(2 * unit, 4), format!("the largest unit, {unit} elements"));
+    } else {
+        out.add(Kind::Parameters, held, "parameters", b4(pe * chunks, p.param), format!("{}{tp_note}{pp_note}", sharded(pe)));
+        out.add(Kind::Gradients, held, "gradients", b4(ge * chunks, p.grad), sharded(ge) + if r.lora.is_some() { " (the frozen base's buffer, unused)" } else { "" });
+    }
     let moments = match &r.lora {
         Some(lo) => lo.layout.total,
         None if zero == 0 => total,

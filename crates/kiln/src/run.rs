@@ -91,6 +91,9 @@ pub fn load_model(run: &SavedRun) -> Result<model::Gpt> {
     if run.config.lora.rank > 0 {
         let mut m = load_base(Path::new(&run.config.model.init_from))?;
         m.real_vocab = vocab;
+        // A QLoRA run trained against the dequantized base: merge into that.
+        let layout = m.layout.clone();
+        parallel::qbase::round_trip(&layout, &mut m.params, run.config.lora.quantize_base);
         let l = &run.config.lora;
         let mut lo = model::lora::Lora::new(&m.cfg, l.rank, l.alpha as f32, &l.targets, 0).map_err(KilnError::User)?;
         let layout = lo.layout.clone();
@@ -114,6 +117,17 @@ pub fn load_base(path: &Path) -> Result<model::Gpt> {
         return load_model(&r);
     }
     import_hf(path)
+}
+
+/// A Hugging Face directory's model with untouched zero parameters (its shape, checked against
+/// the memory available for the quantized base's working set): for a QLoRA run, which reads the
+/// weights itself, tensor by tensor.
+pub fn hf_shell(dir: &Path) -> Result<model::Gpt> {
+    let (g, v) = model::hf::read_config(dir).map_err(KilnError::User)?;
+    let cause = guard::hf_shape_keys(&g, &v, &dir.join("config.json"));
+    guard::Budget::of(0).check(&format!("loading {}", dir.display()), guard::weight_bytes(&g) / 4, &cause)?;
+    let vocab = g.vocab_size;
+    Ok(model::Gpt::zeroed(g, vocab))
 }
 
 /// Loads a Hugging Face directory, once its config shows the model fits: its fp32 weights, and

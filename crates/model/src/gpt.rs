@@ -94,6 +94,7 @@ pub use plan::policy::Recompute;
 /// gradients) with per-tensor delayed scaling ([`Fp8State`]). Simulated on CPU: the buffers stay
 /// `f32`, the values are exactly the format's.
 pub use plan::policy::Precision;
+pub use plan::policy::BaseQuant;
 
 /// The storage format of parameters, activations and their gradients when training in `p`.
 pub fn storage(p: Precision) -> Option<tensor::precision::Format> {
@@ -465,18 +466,24 @@ impl Activations {
     }
 }
 
+/// Parameter `p`'s initial values into `dst`, drawing from `rng`: [`Gpt::new`] calls it for
+/// every parameter in layout order from `Rng::new(seed)`, so a caller that does the same (a
+/// quantized base built tensor by tensor) gets the same weights without the full buffer.
+pub fn init_tensor(rng: &mut Rng, p: &crate::layout::ParamSpec, dst: &mut [f32]) {
+    match p.init {
+        Init::Normal(std) => rng.fill_normal(dst, std),
+        Init::Zeros => dst.fill(0.0),
+        Init::Ones => dst.fill(1.0),
+    }
+}
+
 impl Gpt {
     /// A freshly initialised model (GPT-2 initialisation, see `layout`), deterministic in `seed`.
     pub fn new(cfg: GptConfig, real_vocab: usize, seed: u64) -> Gpt {
         let mut m = Gpt::zeroed(cfg, real_vocab);
         let mut rng = Rng::new(seed);
         for p in &m.layout.params {
-            let dst = &mut m.params[p.range()];
-            match p.init {
-                Init::Normal(std) => rng.fill_normal(dst, std),
-                Init::Zeros => dst.fill(0.0),
-                Init::Ones => dst.fill(1.0),
-            }
+            init_tensor(&mut rng, p, &mut m.params[p.range()]);
         }
         m
     }

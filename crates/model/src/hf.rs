@@ -234,6 +234,82 @@ pub fn import_hf(dir: &Path) -> Result<Gpt, String> {
     Ok(m)
 }
 
+/// Reads an HF directory's tensors one at a time, by name, without loading a weight file
+/// whole: each file's safetensors header is parsed once, then a tensor's bytes are read at its
+/// offset (what a quantized base is built from, so only one tensor exists in fp32 at a time).
+pub struct TensorReader {
+    /// name → (file, dtype, shape, byte range in the file)
+    tensors: BTreeMap<String, (PathBuf, Dtype, Vec<usize>, std::ops::Range<u64>)>,
+}
+
+impl TensorReader {
+    pub fn open(dir: &Path) -> Result<TensorReader, String> {
+        use std::io::Read;
+        let mut tensors = BTreeMap::new();
+        for file in weight_files(dir)? {
+            let bad = |e: String| format!("{}: {e}", file.display());
+            let mut f = std::fs::File::open(&file).map_err(|e| bad(e.to_string()))?;
+            let size = f.metadata().map_err(|e| bad(e.to_string()))?.len();
+            let mut n = [0u8; 8];
+            f.read_exact(&mut n).map_err(|e| bad(format!("no safetensors header: {e}")))?;
+            let n = u64::from_le_bytes(n);
+            if n > size.saturating_sub(8) || n > 100 << 20 {
+                return Err(bad(format!("safetensors header of {n} bytes does not fit the file's {size}")));
+            }
+            let mut head = vec![0u8; n as usize];
+            f.read_exact(&mut head).map_err(|e| bad(e.to_string()))?;
+            // The header alone (safetensors' own parser wants the whole file in memory).
+            let meta: BTreeMap<String, Value> = serde_json::from_slice(&head).map_err(|e| bad(format!("safetensors header: {e}")))?;
+            let start = 8 + n;
+            for (name, info) in meta.iter().filter(|(k, _)| *k != "__metadata__") {
+                let dtype = match info.get("dtype").and_then(Value::as_str) {
+                    Some("F32") => Dtype::F32,
+                    Some("BF16") => Dtype::BF16,
+                    Some("F16") => Dtype::F16,
+                    other => return Err(bad(format!("tensor `{name}`: dtype {other:?} is not supported (F32, BF16 or F16)"))),
+                };
+                let nums = |k: &str| -> Option<Vec<u64>> { info.get(k)?.as_array()?.iter().map(Value::as_u64).collect() };
+                let (Some(shape), Some(off)) = (nums("shape"), nums("data_offsets")) else {
+                    return Err(bad(format!("tensor `{name}`: no shape or data_offsets")));
+                };
+                let elems = shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
+                let width = if dtype == Dtype::F32 { 4 } else { 2 };
+                let (a, b) = match off[..] {
+                    [a, b] if a <= b && elems.and_then(|e| e.checked_mul(width)) == Some(b - a) => (start + a, start + b),
+                    _ => return Err(bad(format!("tensor `{name}`: data_offsets {off:?} do not hold shape {shape:?}"))),
+                };
+                if b > size {
+                    return Err(bad(format!("tensor `{name}` runs past the end of the file")));
+                }
+                tensors.insert(name.to_string(), (file.clone(), dtype, shape.iter().map(|&d| d as usize).collect(), a..b));
+            }
+        }
+        Ok(TensorReader { tensors })
+    }
+
+    /// Parameter `name` of kiln's layout (shape `shape`, kiln's `[out, in]`) in fp32 into `dst`:
+    /// converted from the file's dtype and, for GPT-2's Conv1D matrices, transposed.
+    pub fn read_into(&self, name: &str, shape: &[usize], dst: &mut [f32]) -> Result<(), String> {
+        use std::os::unix::fs::FileExt;
+        let (file, dtype, have, range) = self.tensors.get(name).ok_or_else(|| format!("checkpoint has no tensor `{name}`"))?;
+        let want: Vec<usize> = if is_conv1d(name) { vec![shape[1], shape[0]] } else { shape.to_vec() };
+        if *have != want {
+            return Err(format!("{}: tensor `{name}` has shape {have:?}, expected {want:?}", file.display()));
+        }
+        let mut bytes = vec![0u8; (range.end - range.start) as usize];
+        let f = std::fs::File::open(file).map_err(|e| format!("{}: {e}", file.display()))?;
+        f.read_exact_at(&mut bytes, range.start).map_err(|e| format!("{}: {e}", file.display()))?;
+        let view = TensorView::new(*dtype, have.clone(), &bytes).map_err(|e| format!("{}: tensor `{name}`: {e}", file.display()))?;
+        let src = to_f32(&view).map_err(|e| format!("{}: tensor `{name}`: {e}", file.display()))?;
+        if is_conv1d(name) {
+            transpose(dst, &src, want[0], want[1]);
+        } else {
+            dst.copy_from_slice(&src);
+        }
+        Ok(())
+    }
+}
+
 /// Little-endian f32 bytes stored as `dtype` (bf16 / f16 rounded to nearest even; F32 as is).
 pub fn narrow(f32_bytes: &[u8], dtype: Dtype) -> Vec<u8> {
     let vals = f32_bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]));

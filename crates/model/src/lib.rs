@@ -14,7 +14,7 @@ pub mod units;
 
 pub use config::GptConfig;
 pub use generate::{Sampler, KvCache};
-pub use gpt::{Docs, Gpt, Pass, Precision, Recompute};
+pub use gpt::{BaseQuant, Docs, Gpt, Pass, Precision, Recompute};
 pub use layout::{ParamLayout, ParamSpec, Init};
 pub use placement::Placement;
 pub use units::{Access, Local, TpHooks, UnitStore};

@@ -189,6 +189,12 @@ pub struct DataParallel {
     peak_transient: usize,
     backward_started: bool,
     busy_at_start: Duration,
+    /// QLoRA: the frozen base, quantized (then `params` and `grads` are empty), with each
+    /// acquired unit's dequantized parameters and its gradient scratch (the base's gradients
+    /// are never used, but the passes write norm and bias gradients).
+    base: Option<crate::qbase::QuantBase>,
+    dequantized: Vec<Option<Vec<f32>>>,
+    base_grads: Vec<Option<Vec<f32>>>,
 }
 
 /// `len` elements at `p + off`. (A function, so closures capture the whole `SyncPtr`.)
@@ -312,7 +318,30 @@ impl DataParallel {
             gathered: (0..u).map(|_| None).collect(),
             unit_grads: (0..u).map(|_| None).collect(),
             transient: 0, peak_transient: 0, backward_started: false, busy_at_start: Duration::ZERO,
+            base: None, dequantized: (0..u).map(|_| None).collect(), base_grads: (0..u).map(|_| None).collect(),
         }
+    }
+
+    /// QLoRA: holds the frozen base quantized as `kind` from now on, built tensor by tensor by
+    /// `fill` (see [`crate::qbase::QuantBase::build`]; `None`: from the parameters this store
+    /// holds), and frees the fp32 parameters and gradients. LoRA runs at ZeRO stage 0 only.
+    pub fn quantize_base(&mut self, layout: &model::ParamLayout, kind: model::BaseQuant, fill: Option<&mut dyn FnMut(&model::ParamSpec, &mut [f32])>) {
+        assert!(self.frozen && self.zero == 0 && self.experts.is_none(), "a quantized base needs LoRA (a frozen base) at ZeRO stage 0 without experts");
+        self.worker.wait_all();
+        let params = std::mem::take(&mut self.params);
+        let base = match fill {
+            Some(f) => crate::qbase::QuantBase::build(layout, &self.shards.units, kind, f),
+            None => crate::qbase::QuantBase::build(layout, &self.shards.units, kind, |p, dst| dst.copy_from_slice(&params[p.range()])),
+        };
+        drop(params);
+        self.grads = Vec::new();
+        self.grads_ptr = SyncPtr(self.grads.as_mut_ptr());
+        self.base = Some(base);
+    }
+
+    /// The quantized base, if this store holds one.
+    pub fn quantized_base(&self) -> Option<&crate::qbase::QuantBase> {
+        self.base.as_ref()
     }
 
     pub fn n(&self) -> usize {
@@ -368,6 +397,10 @@ impl DataParallel {
     /// Runs `f` with each piece's parameters and (reduced) gradients.
     pub fn for_each_piece(&mut self, mut f: impl FnMut(&Piece, &mut [f32], &mut [f32])) {
         self.worker.wait_all();
+        if self.base.is_some() {
+            // A quantized base has no fp32 pieces (and, frozen, is never updated).
+            return;
+        }
         for p in self.pieces() {
             let (params, grads): (&mut [f32], &mut [f32]) = match self.zero {
                 0 | 1 => (&mut self.params[p.flat.clone()], &mut self.grads[p.flat.clone()]),
@@ -539,6 +572,7 @@ impl DataParallel {
     /// The full parameters this rank holds (stages 0–2).
     pub fn local_params(&mut self) -> &[f32] {
         assert!(self.zero < 3, "ZeRO-3 holds no full parameters: use full_params");
+        assert!(self.base.is_none(), "a quantized base holds no fp32 parameters: use full_params");
         self.worker.wait_all();
         &self.params
     }
@@ -546,6 +580,11 @@ impl DataParallel {
     /// The full parameters copied into `out` (its allocation reused); stages 0–2 only.
     pub fn copy_params_into(&mut self, mut out: Vec<f32>) -> Vec<f32> {
         assert!(self.zero < 3, "ZeRO-3 holds no full parameters: use full_params");
+        if let Some(b) = &self.base {
+            out.clear();
+            out.extend_from_slice(&b.dequantize_all());
+            return out;
+        }
         self.worker.wait_all();
         out.clear();
         out.extend_from_slice(&self.params);
@@ -554,6 +593,9 @@ impl DataParallel {
 
     /// The full parameters (collective at stage 3, where they are gathered).
     pub fn full_params(&mut self) -> Vec<f32> {
+        if let Some(b) = &self.base {
+            return b.dequantize_all();
+        }
         if self.zero < 3 {
             self.worker.wait_all();
             return self.params.clone();
@@ -601,7 +643,7 @@ impl DataParallel {
     pub fn state_bytes(&self) -> StateBytes {
         let f = std::mem::size_of::<f32>();
         StateBytes {
-            params: (self.params.len() + self.shard_params.len()) * f,
+            params: (self.params.len() + self.shard_params.len()) * f + self.base.as_ref().map_or(0, |b| b.bytes()),
             grads: (self.grads.len() + self.shard_grads.len()) * f,
             peak_transient: self.peak_transient * f,
         }
@@ -696,8 +738,46 @@ impl DataParallel {
     }
 }
 
+impl DataParallel {
+    /// [`UnitStore::acquire`] with a quantized base: the unit dequantized (once per
+    /// acquisition), and a zeroed gradient scratch the passes may write and nothing reads.
+    fn acquire_quantized(&mut self, u: usize, access: Access) -> (&[f32], &mut [f32]) {
+        let base = self.base.as_ref().unwrap();
+        let len = base.unit_len(u);
+        if access.params() && self.dequantized[u].is_none() {
+            let mut buf = vec![0.0; len];
+            base.dequantize_unit(u, &mut buf);
+            self.dequantized[u] = Some(buf);
+            self.track(len as isize);
+        }
+        if access.grads() && self.base_grads[u].is_none() {
+            self.base_grads[u] = Some(vec![0.0; len]);
+            self.track(len as isize);
+        }
+        let params: &[f32] = if access.params() { self.dequantized[u].as_ref().unwrap() } else { &[] };
+        let grads: &mut [f32] = if access.grads() { self.base_grads[u].as_mut().unwrap() } else { &mut [] };
+        (params, grads)
+    }
+
+    fn release_quantized(&mut self, u: usize, access: Access) {
+        if access.params() {
+            if let Some(b) = self.dequantized[u].take() {
+                self.track(-(b.len() as isize));
+            }
+        }
+        if matches!(access, Access::Backward { .. }) {
+            if let Some(b) = self.base_grads[u].take() {
+                self.track(-(b.len() as isize));
+            }
+        }
+    }
+}
+
 impl UnitStore for DataParallel {
     fn acquire(&mut self, u: usize, access: Access, next: Option<(usize, Access)>) -> (&[f32], &mut [f32]) {
+        if self.base.is_some() {
+            return self.acquire_quantized(u, access);
+        }
         if matches!(access, Access::Backward { .. }) && !self.backward_started {
             self.backward_started = true;
         }
@@ -739,6 +819,9 @@ impl UnitStore for DataParallel {
     }
 
     fn release(&mut self, u: usize, access: Access) {
+        if self.base.is_some() {
+            return self.release_quantized(u, access);
+        }
         if self.zero == 3 && access.params() {
             if let Some((t, buf)) = self.gathered[u].take() {
                 self.worker.wait(t);

@@ -90,3 +90,20 @@ impl Names for Recompute {
     const NAMES: &'static [(&'static str, Recompute)] =
         &[("none", Recompute::None), ("selective", Recompute::Selective), ("full", Recompute::Full)];
 }
+
+/// How a LoRA run stores its frozen base weights (QLoRA, Dettmers et al. 2023): fp32 as trained,
+/// 4-bit NormalFloat in blocks of 64 with double-quantized scales, or int8 per output channel.
+/// Only the matrices of the blocks are quantized; embeddings, norms, biases and an untied head
+/// stay fp32 (as QLoRA and bitsandbytes keep them).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, Hash)]
+#[serde(rename_all = "lowercase")]
+pub enum BaseQuant {
+    #[default]
+    None,
+    Nf4,
+    Int8,
+}
+
+impl Names for BaseQuant {
+    const NAMES: &'static [(&'static str, BaseQuant)] = &[("none", BaseQuant::None), ("nf4", BaseQuant::Nf4), ("int8", BaseQuant::Int8)];
+}

@@ -121,8 +121,15 @@ fn train_once(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
     let explicit = crate::config::user_keys(args)?;
     let init = if !cfg.model.init_from.is_empty() && (resume_from.is_none() || cfg.lora.rank > 0) {
         let base_dir = Path::new(&cfg.model.init_from);
-        let m = run::load_base(base_dir)?;
         let hf = !base_dir.join("config.toml").exists();
+        // QLoRA from a Hugging Face directory: the shape now, the weights later, read tensor by
+        // tensor straight into the quantized store (`rank::quantize_base`), so the fp32 base
+        // never exists whole.
+        let m = if hf && cfg.lora.quantize_base != model::BaseQuant::None {
+            run::hf_shell(base_dir)?
+        } else {
+            run::load_base(base_dir)?
+        };
         cfg = crate::config::adopt_base(&cfg, &m.cfg, hf, &explicit, &cfg.model.init_from)?;
         // A base's context can be 131072 positions: train at most 1024 unless told.
         if cfg.train.seq_len == 0 {

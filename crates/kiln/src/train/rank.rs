@@ -131,6 +131,11 @@ impl<'a> Rank<'a> {
             let offload = (cfg.memory.offload == crate::config::Offload::Optimizer).then(|| run_dir.join("offload").join(if vn > 1 { format!("rank{rank}-chunk{c}") } else { format!("rank{rank}") }));
             chunks.push(chunk(part, mv, resume_from, cfg.parallel.zero > 0, offload.as_deref())?);
         }
+        if cfg.lora.quantize_base != model::BaseQuant::None {
+            for ch in chunks.iter_mut() {
+                quantize_base(cfg, ch)?;
+            }
+        }
         // memory: charge the model state to its tracking categories (issue 7).
         chunks.iter_mut().for_each(|ch| crate::memory::attribute(&ch.model, &mut ch.dp, &ch.opt));
         let step = resumed.as_ref().map_or(0, |r| r.step);
@@ -458,19 +463,25 @@ impl<'a> Rank<'a> {
         self.ckpt.writer.finish()?;
         let (step, interrupted, last_val) = (self.step, self.interrupted, self.last_val);
         let summary = |run_dir: &Path| Summary { run_dir: run_dir.to_path_buf(), step, val_loss: last_val, interrupted };
-        let mut bufs = Vec::new();
-        for Chunk { mut model, dp, .. } in std::mem::take(&mut self.chunks) {
-            dp.restore(&mut model);
-            bufs.push(model);
-        }
         let (cfg, ds) = (self.cfg, self.ds);
-        let model = if self.applied.is_part() {
-            let mut full = Gpt::zeroed(cfg.gpt_config(ds.tokenizer.vocab_size()), bufs[0].real_vocab);
-            let params = bufs.iter_mut().map(|m| std::mem::take(&mut m.params)).collect();
-            full.params = self.applied.gather_whole(params);
-            full
+        // The whole model, for the sample; a quantized base is not dequantized whole without one.
+        let wanted = cfg.sample.tokens > 0 && !interrupted;
+        let model = if cfg.lora.quantize_base != model::BaseQuant::None && !wanted {
+            None
         } else {
-            bufs.pop().unwrap()
+            let mut bufs = Vec::new();
+            for Chunk { mut model, dp, .. } in std::mem::take(&mut self.chunks) {
+                dp.restore(&mut model);
+                bufs.push(model);
+            }
+            Some(if self.applied.is_part() {
+                let mut full = Gpt::zeroed(cfg.gpt_config(ds.tokenizer.vocab_size()), bufs[0].real_vocab);
+                let params = bufs.iter_mut().map(|m| std::mem::take(&mut m.params)).collect();
+                full.params = self.applied.gather_whole(params);
+                full
+            } else {
+                bufs.pop().unwrap()
+            })
         };
         if !self.lead {
             return Ok(summary(self.run_dir));
@@ -484,7 +495,7 @@ impl<'a> Rank<'a> {
         } else if !self.quiet {
             eprintln!("trained to step {step} in {}", fmt_duration(total));
         }
-        if !interrupted && cfg.sample.tokens > 0 {
+        if let Some(model) = model.filter(|_| wanted) {
             let plain;
             let sampler_model = if model.lora.is_some() {
                 plain = run::merged(&model);
@@ -529,6 +540,27 @@ fn whole_model(ctx: &Ctx, lead: bool, pipelined: bool) -> Result<Gpt> {
         model.lora = Some(model::lora::Lora::new(&model.cfg, l.rank, l.alpha as f32, &l.targets, cfg.train.seed).map_err(KilnError::User)?);
     }
     Ok(model)
+}
+
+/// QLoRA: the chunk's frozen base, quantized in its store. From a Hugging Face directory every
+/// rank reads the tensors itself, one at a time (the model holds untouched zeros: `run::hf_shell`);
+/// from a kiln run, the fp32 base this rank holds (rank 0's, broadcast) is quantized.
+fn quantize_base(cfg: &RunConfig, ch: &mut Chunk) -> Result<()> {
+    let dir = Path::new(&cfg.model.init_from);
+    let layout = ch.model.layout.clone();
+    if dir.join("config.toml").exists() {
+        ch.dp.quantize_base(&layout, cfg.lora.quantize_base, None);
+        return Ok(());
+    }
+    let reader = model::hf::TensorReader::open(dir).map_err(KilnError::User)?;
+    let mut failed = None;
+    let mut fill = |p: &model::ParamSpec, dst: &mut [f32]| {
+        if let Err(e) = reader.read_into(&p.name, &p.shape, dst) {
+            failed.get_or_insert(e);
+        }
+    };
+    ch.dp.quantize_base(&layout, cfg.lora.quantize_base, Some(&mut fill));
+    failed.map_or(Ok(()), |e| Err(KilnError::User(e)))
 }
 
 /// What a resumed run restores besides the parameters (which go straight into the model).

@@ -272,3 +272,25 @@ fn oversized_configs_are_refused_before_allocating() {
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("kiln: out of memory: the system refused") && !err.contains("backtrace"), "{err}");
 }
+
+/// A closed stdout (`kiln … | head`) ends kiln quietly (SIGPIPE), not with a panic.
+#[test]
+fn a_closed_stdout_is_not_a_panic() {
+    use std::os::unix::process::ExitStatusExt;
+    let mut args = vec!["tokenizer", "encode", "--tokenizer", "byte"];
+    let texts = vec!["x".repeat(4000); 200];
+    for t in &texts {
+        args.extend(["--text", t.as_str()]);
+    }
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(&args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("panicked") && !err.contains("Broken pipe"), "{err}");
+    assert!(out.status.signal() == Some(libc::SIGPIPE) || out.status.success(), "{:?}: {err}", out.status);
+}
