@@ -406,7 +406,12 @@ fn assemble(dir: &Path, kind: &str, m: &Manifest, contents: &BTreeMap<String, Ve
     let mut whole: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
     for name in parts[0].names() {
         let shape = m.shapes.get(name).ok_or_else(|| bad(format!("manifest.json has no shape for `{name}`")))?.clone();
-        let len: usize = shape.iter().product();
+        // The shape is the manifest's claim: checked against the parts' bytes before allocating.
+        let len = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or_else(|| bad(format!("manifest.json: the shape {shape:?} of `{name}` overflows")))?;
+        let held: usize = parts.iter().map(|p| p.tensor(name).map_or(0, |t| t.data().len())).sum();
+        if len.checked_mul(4) != Some(held) {
+            return Err(bad(format!("manifest.json: `{name}` has shape {shape:?}, but its parts hold {held} bytes")));
+        }
         let mut data = Vec::with_capacity(len);
         for (r, p) in parts.iter().enumerate() {
             let t = p.tensor(name).map_err(|_| bad(format!("{} lacks `{name}`", part_name(kind, r, m.shards))))?;
@@ -460,6 +465,14 @@ pub fn verify_and_load(dir: &Path) -> Result<Loaded> {
     manifest.self_crc32 = 0;
     if crc32fast::hash(&serde_json::to_vec(&manifest).unwrap()) != claimed {
         return Err(bad("manifest.json fails its checksum".into()));
+    }
+    // A manifest that passes its checksum may still be hostile (found by fuzzing): a format
+    // kiln does not write, or a part count its file list cannot hold.
+    match manifest.format {
+        1 => {}
+        2 if manifest.shards >= 1 && manifest.shards.saturating_mul(2) <= manifest.files.len() => {}
+        2 => return Err(bad(format!("manifest.json: format 2 with {} parts but {} files listed", manifest.shards, manifest.files.len()))),
+        f => return Err(bad(format!("manifest.json: format {f} is not supported (1 or 2)"))),
     }
     // The tokenizer under its format's name (checkpoints before kiln-tokenizer.json: tokenizer.json).
     let tok_name = [data::KILN_TOKENIZER_FILE, data::HF_TOKENIZER_FILE].into_iter().find(|n| manifest.files.contains_key(*n)).unwrap_or(data::HF_TOKENIZER_FILE);

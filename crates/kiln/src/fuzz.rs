@@ -103,6 +103,14 @@ fn safetensors(data: &[u8]) {
     write(&dir, "config.json", TINY_HF_CONFIG.as_bytes());
     write(&dir, "model.safetensors", data);
     let _ = crate::run::import_hf(&dir);
+    // QLoRA's reader: headers parsed alone, tensors read at their offsets.
+    if let (Ok(r), Ok((g, _))) = (model::hf::TensorReader::open(&dir), model::hf::read_config(&dir)) {
+        let (layout, _) = model::layout::gpt_layout(&g);
+        for p in &layout.params {
+            let mut dst = vec![0.0; p.len()];
+            let _ = r.read_into(&p.name, &p.shape, &mut dst);
+        }
+    }
 }
 
 /// A kiln run directory: `config.toml` and one checkpoint's manifest, state, tensors and
@@ -193,11 +201,19 @@ fn prepared(data: &[u8]) {
     }
 }
 
-/// A `.jsonl` corpus, read as text, chat and prompt/completion documents.
+/// A `.jsonl` corpus, read as text, chat and prompt/completion documents; the same bytes as a
+/// `.jsonl.gz` and a `.jsonl.zst` stream (the decompressors' input), and compressed, so the
+/// JSON behind each decompressor is fuzzed too.
 fn jsonl(data: &[u8]) {
+    use std::io::Write;
     let dir = scratch("jsonl");
-    let p = write(&dir, "x.jsonl", data);
-    read_all(&p);
+    read_all(&write(&dir, "x.jsonl", data));
+    read_all(&write(&dir, "raw.jsonl.gz", data));
+    read_all(&write(&dir, "raw.jsonl.zst", data));
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+    gz.write_all(data).expect("in memory");
+    read_all(&write(&dir, "x.jsonl.gz", &gz.finish().expect("in memory")));
+    read_all(&write(&dir, "x.jsonl.zst", &zstd::encode_all(data, 1).expect("in memory")));
 }
 
 /// A `.parquet` corpus, read as text, chat and prompt/completion documents.

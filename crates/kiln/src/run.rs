@@ -88,6 +88,13 @@ pub fn load_model(run: &SavedRun) -> Result<model::Gpt> {
     let vocab = run.config.loss_vocab(run.tokenizer.vocab_size());
     let cfg = run.config.gpt_config(run.tokenizer.vocab_size());
     let origin = run.ckpt.dir.join("model.safetensors");
+    // A run directory whose parts disagree (found by fuzzing): more predicted tokens than rows.
+    if vocab > cfg.vocab_size {
+        return user(format!(
+            "{}: the model predicts {vocab} tokens (its tokenizer, or model.loss_vocab) but has {} vocabulary rows (model.vocab_size in {})",
+            run.dir.display(), cfg.vocab_size, run.dir.join("config.toml").display()
+        ));
+    }
     if run.config.lora.rank > 0 {
         let mut m = load_base(Path::new(&run.config.model.init_from))?;
         m.real_vocab = vocab;
