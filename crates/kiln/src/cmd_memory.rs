@@ -26,14 +26,14 @@ pub fn cmd(args: &TrainArgs, as_json: bool) -> Result<()> {
     };
     // Sizes too large to plan at all are refused first; a plan is printed, then refused if it
     // exceeds memory.limit (or, without one, what this machine has available).
-    crate::memory::check_sizes(&cfg, &gpt, ds.in_memory_bytes())?;
+    let budget = crate::memory::check_sizes(&cfg, &gpt, ds.in_memory_bytes())?;
     let plan = plan_run(&cfg, &gpt, ds.in_memory_bytes())?;
     if as_json {
         println!("{}", plan.to_json());
     } else {
         print!("{}", plan.table());
     }
-    crate::memory::plan_checked(&cfg, &gpt, ds.in_memory_bytes()).map(|_| ())
+    plan.check_budget(&budget)
 }
 
 #[derive(Args)]

@@ -675,16 +675,21 @@ pub fn check_sizes(cfg: &RunConfig, gpt: &GptConfig, data_bytes: u64) -> Result<
 pub fn plan_checked(cfg: &RunConfig, gpt: &GptConfig, data_bytes: u64) -> Result<MemoryPlan> {
     let budget = check_sizes(cfg, gpt, data_bytes)?;
     let plan = plan_run(cfg, gpt, data_bytes)?;
-    if budget.explicit {
-        plan.check_limit()?;
-    } else {
-        let cause = format!("the memory plan: {} rank(s) of {} each, data {}; `kiln memory` prints it", plan.ranks_per_process, fmt_bytes(plan.total), fmt_bytes(plan.data_bytes));
-        budget.check("this run", plan.process_total() as u128, &cause)?;
-    }
+    plan.check_budget(&budget)?;
     Ok(plan)
 }
 
 impl MemoryPlan {
+    /// Refuses the plan past `budget`: per rank against `memory.limit` (with the table), else
+    /// the process's ranks and data against the memory available.
+    pub fn check_budget(&self, budget: &guard::Budget) -> Result<()> {
+        if budget.explicit {
+            return self.check_limit();
+        }
+        let cause = format!("the memory plan: {} rank(s) of {} each, data {}; `kiln memory` prints it", self.ranks_per_process, fmt_bytes(self.total), fmt_bytes(self.data_bytes));
+        budget.check("this run", self.process_total() as u128, &cause)
+    }
+
     /// What the process holds: its ranks and the data once.
     pub fn process_total(&self) -> u64 {
         self.ranks_sum.map_or(self.ranks_per_process as u64 * self.total, |s| s.0) + self.data_bytes
