@@ -240,49 +240,108 @@ pub(crate) fn check_starts(starts: &[u32], b: usize, t: usize) {
     }
 }
 
+/// One side of a [`Block`] of attention: in a buffer of `rows` rows per batch row, rows
+/// `row0 .. row0 + len`, which hold the sequence's positions `pos0 .. pos0 + len`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Span {
+    pub rows: usize,
+    pub row0: usize,
+    pub len: usize,
+    pub pos0: usize,
+}
+
+impl Span {
+    /// All `t` rows of a buffer, holding positions `0..t`.
+    pub fn whole(t: usize) -> Span {
+        Span { rows: t, row0: 0, len: t, pos0: 0 }
+    }
+
+    /// The buffer row of this side's row `i` in batch row `bi`.
+    #[inline]
+    fn row(&self, bi: usize, i: usize) -> usize {
+        bi * self.rows + self.row0 + i
+    }
+}
+
+/// A block of causal attention, for context parallelism: the queries of `q` (rows of a
+/// `[B, q.rows, W]` qkv buffer, `W = (NH + 2·NKV)·HS`, query head `h` at columns `h·HS`) against
+/// the keys and values of `k` (rows of `kv`, `[B, k.rows, kw]`, kv head `g`'s key at columns
+/// `kc + g·HS` and its value at `vc + g·HS`), masked by *global* position: causal, the sliding
+/// window, and the documents (`starts`, `[B, q.rows]`: each query's document start as a global
+/// position; empty for none). The whole sequence is `dims.t` positions long (dropout masks are
+/// indexed in it). [`Block::whole`] is the whole sequence against itself: the kernel of
+/// [`flash_gqa_forward_docs`] and [`flash_gqa_backward_docs`].
+#[derive(Clone, Copy)]
+pub struct Block<'a> {
+    pub qkv: &'a [f32],
+    pub q: Span,
+    pub kv: &'a [f32],
+    pub kw: usize,
+    pub kc: usize,
+    pub vc: usize,
+    pub k: Span,
+    pub starts: &'a [u32],
+}
+
+impl<'a> Block<'a> {
+    /// Every query of `qkv` (`[B, T, W]`) against every key of the same buffer.
+    pub fn whole(qkv: &'a [f32], dims: &GqaDims, starts: &'a [u32]) -> Block<'a> {
+        let (t, hs, nh, nkv) = (dims.t, dims.hs, dims.nh, dims.nkv);
+        Block { qkv, q: Span::whole(t), kv: qkv, kw: (nh + 2 * nkv) * hs, kc: nh * hs, vc: (nh + nkv) * hs, k: Span::whole(t), starts }
+    }
+
+    /// Panics unless the buffers hold the spans, the spans fit the sequence and `starts` is
+    /// empty or a valid global layout of the query rows (`start ≤ position`, non-decreasing).
+    fn check(&self, dims: &GqaDims) {
+        let (q, k) = (self.q, self.k);
+        assert!(q.row0 + q.len <= q.rows && k.row0 + k.len <= k.rows, "block spans exceed their buffers");
+        assert!(q.pos0 + q.len <= dims.t && k.pos0 + k.len <= dims.t, "block spans exceed the sequence of {}", dims.t);
+        assert_eq!(self.qkv.len(), dims.b * q.rows * dims.qkv_width(), "q buffer must be [B, q.rows, W]");
+        assert_eq!(self.kv.len(), dims.b * k.rows * self.kw, "kv buffer must be [B, k.rows, kw]");
+        assert!(self.kc + dims.nkv * dims.hs <= self.kw && self.vc + dims.nkv * dims.hs <= self.kw, "k and v columns exceed the kv rows");
+        if self.starts.is_empty() {
+            return;
+        }
+        assert_eq!(self.starts.len(), dims.b * q.rows, "document starts must be [B, q.rows] (or empty)");
+        for bi in 0..dims.b {
+            let mut prev = 0;
+            for i in 0..q.len {
+                let (s, gi) = (self.starts[q.row(bi, i)], q.pos0 + i);
+                assert!(s as usize <= gi && s >= prev, "document start {s} of position {gi} in row {bi}: starts must satisfy start[i] <= i and be non-decreasing along a row");
+                prev = s;
+            }
+        }
+    }
+}
+
 /// What a query row may see beyond causality: the keys of a sliding window (`window`, 0 = all)
-/// and of its own document (`starts`: the row's `[T]` document starts, empty = one document).
+/// and of its own document (`starts`: the batch row's query starts, empty = one document; the
+/// query at global position `gi` is entry `gi − pos0 + row0`).
 #[derive(Clone, Copy)]
 struct Mask<'a> {
     window: usize,
     starts: &'a [u32],
+    pos0: usize,
+    row0: usize,
 }
 
 impl<'a> Mask<'a> {
-    /// Batch row `bi`'s mask: `starts` is `[B, T]` or empty.
-    fn of(dims: &GqaDims, starts: &'a [u32], bi: usize) -> Mask<'a> {
-        let t = dims.t;
-        Mask { window: dims.window, starts: if starts.is_empty() { &[] } else { &starts[bi * t..(bi + 1) * t] } }
+    /// Batch row `bi`'s mask in block `blk`.
+    fn of(dims: &GqaDims, blk: &Block<'a>, bi: usize) -> Mask<'a> {
+        let q = blk.q;
+        let starts = if blk.starts.is_empty() { &[][..] } else { &blk.starts[bi * q.rows..(bi + 1) * q.rows] };
+        Mask { window: dims.window, starts, pos0: q.pos0, row0: q.row0 }
     }
 
-    /// The first key query `gi` attends: `max(gi + 1 − window, start[gi])`, non-decreasing in `gi`.
+    /// The first key the query at global position `gi` attends: `max(gi + 1 − window, start)`,
+    /// non-decreasing in `gi`.
     #[inline]
     fn first(self, gi: usize) -> usize {
         let w = if self.window == 0 { 0 } else { (gi + 1).saturating_sub(self.window) };
-        self.starts.get(gi).map_or(w, |&s| w.max(s as usize))
-    }
-}
-
-/// Column offsets within one token's qkv row: query head `h`, and kv head `g`'s k and v.
-#[derive(Clone, Copy)]
-struct Cols {
-    nh: usize,
-    nkv: usize,
-    hs: usize,
-}
-
-impl Cols {
-    #[inline]
-    fn q(self, h: usize) -> usize {
-        h * self.hs
-    }
-    #[inline]
-    fn k(self, g: usize) -> usize {
-        (self.nh + g) * self.hs
-    }
-    #[inline]
-    fn v(self, g: usize) -> usize {
-        (self.nh + self.nkv + g) * self.hs
+        if self.starts.is_empty() {
+            return w;
+        }
+        w.max(self.starts[gi - self.pos0 + self.row0] as usize)
     }
 }
 
@@ -405,18 +464,49 @@ pub fn flash_gqa_forward_docs_tiled(
     dropout: AttnDropout,
     tiles: Tiles,
 ) {
+    check_starts(starts, dims.b, dims.t);
+    flash_gqa_block_forward_tiled(out, lse, &Block::whole(qkv, dims, starts), dims, true, dropout, tiles);
+}
+
+/// FlashAttention-2 forward over one [`Block`]: `out` (`[B, q.rows, C]`) and `lse`
+/// (`[B, NH, q.rows]`) at the query rows get the attention of those queries over the block's
+/// keys. `fresh`: overwrite them; otherwise they hold the attention over other keys so far
+/// (as a previous call left them) and the result is the attention over both — the online
+/// softmax continues from `m = lse`, `l = 1`, `o = out`, which is log-sum-exp merging without a
+/// second pass. A row that sees no key of the block is left as it was; in a fresh block every
+/// row must see one (its own position, say). Other rows are untouched.
+pub fn flash_gqa_block_forward(
+    out: &mut [f32],   // [B, q.rows, C]
+    lse: &mut [f32],   // [B, NH, q.rows]
+    blk: &Block,
+    dims: &GqaDims,
+    fresh: bool,
+    dropout: AttnDropout,
+) {
+    flash_gqa_block_forward_tiled(out, lse, blk, dims, fresh, dropout, Tiles::default());
+}
+
+#[doc(hidden)]
+pub fn flash_gqa_block_forward_tiled(
+    out: &mut [f32],
+    lse: &mut [f32],
+    blk: &Block,
+    dims: &GqaDims,
+    fresh: bool,
+    dropout: AttnDropout,
+    tiles: Tiles,
+) {
     let _p = crate::profile::scope("flash_attention_forward");
     let AttnDropout { p: dropout, seed } = dropout;
     check_dims(dims, tiles, dropout);
-    check_starts(starts, dims.b, dims.t);
+    blk.check(dims);
     let GqaDims { b, t, nh, nkv, hs, .. } = *dims;
     let (c, w, group) = (nh * hs, (nh + 2 * nkv) * hs, nh / nkv);
-    let cols = Cols { nh, nkv, hs };
-    assert_eq!(out.len(), b * t * c);
-    assert_eq!(lse.len(), b * nh * t);
-    assert_eq!(qkv.len(), b * t * w);
+    let (qs, ks, kw) = (blk.q, blk.k, blk.kw);
+    assert_eq!(out.len(), b * qs.rows * c);
+    assert_eq!(lse.len(), b * nh * qs.rows);
     let Tiles { br, bc } = tiles;
-    let ntq = t.div_ceil(br);
+    let ntq = qs.len.div_ceil(br);
     let scale = 1.0 / (hs as f32).sqrt();
     let outp = SyncPtr(out.as_mut_ptr());
     let lsep = SyncPtr(lse.as_mut_ptr());
@@ -434,25 +524,41 @@ pub fn flash_gqa_forward_docs_tiled(
         let (bh, it) = (task / ntq, ntq - 1 - task % ntq);
         let (bi, h) = (bh / nh, bh % nh);
         let g = h / group;
-        let base = bi * t * w;
         let i0 = it * br;
-        let rows = br.min(t - i0);
-        let q = View { data: qkv, off: base + i0 * w + cols.q(h), rows, cols: hs, rs: w, cs: 1 };
+        let rows = br.min(qs.len - i0);
+        // Global positions from here on: the tile's first query, and its key columns'.
+        let gi0 = qs.pos0 + i0;
+        let q = View { data: blk.qkv, off: qs.row(bi, i0) * w + h * hs, rows, cols: hs, rs: w, cs: 1 };
         let FwdScratch { s, o, m, l, alpha, mk } = sc;
-        o[..rows * hs].fill(0.0);
-        m[..rows].fill(f32::NEG_INFINITY);
-        l[..rows].fill(0.0);
-        // Key tiles wholly before the first row's sliding window or document are skipped.
-        let mask = Mask::of(dims, starts, bi);
-        let mut j0 = mask.first(i0) / bc * bc;
-        while j0 < i0 + rows {
+        let lrow = bh * qs.rows + qs.row0 + i0;
+        // Safety (reads and writes below): task (bh, it) alone touches query rows i0..i0+rows
+        // of batch bi, head h's columns of `out`, and their lse entries.
+        let out_row = |r: usize| unsafe { std::slice::from_raw_parts_mut(outp.0.add(qs.row(bi, i0 + r) * c + h * hs), hs) };
+        if fresh {
+            o[..rows * hs].fill(0.0);
+            m[..rows].fill(f32::NEG_INFINITY);
+            l[..rows].fill(0.0);
+        } else {
+            for r in 0..rows {
+                o[r * hs..(r + 1) * hs].copy_from_slice(out_row(r));
+                m[r] = unsafe { *lsep.0.add(lrow + r) };
+                l[r] = 1.0;
+            }
+        }
+        // Key tiles wholly before the first row's sliding window or document are skipped, and
+        // so are keys after the last row.
+        let mask = Mask::of(dims, blk, bi);
+        let end = (gi0 + rows).saturating_sub(ks.pos0).min(ks.len);
+        let mut j0 = mask.first(gi0).saturating_sub(ks.pos0) / bc * bc;
+        while j0 < end {
             // Key columns past the tile's last query row are all masked: trim them.
-            let ncols = bc.min(i0 + rows - j0);
-            let k = View { data: qkv, off: base + j0 * w + cols.k(g), rows: ncols, cols: hs, rs: w, cs: 1 };
-            let v = View { off: base + j0 * w + cols.v(g), ..k };
+            let ncols = bc.min(end - j0);
+            let jg0 = ks.pos0 + j0;
+            let k = View { data: blk.kv, off: ks.row(bi, j0) * kw + blk.kc + g * hs, rows: ncols, cols: hs, rs: kw, cs: 1 };
+            let v = View { off: ks.row(bi, j0) * kw + blk.vc + g * hs, ..k };
             // S = q·kᵀ·scale   [rows, ncols], row stride bc
             unsafe { gemm_raw(s.as_mut_ptr(), bc, false, q, k.t(), scale, Threads::One) };
-            online_softmax_tile(s, bc, Tile { i0, rows, j0, ncols, mask }, m, l, alpha);
+            online_softmax_tile(s, bc, Tile { i0: gi0, rows, j0: jg0, ncols, mask }, m, l, alpha);
             for r in 0..rows {
                 if alpha[r] != 1.0 {
                     let a = alpha[r];
@@ -461,8 +567,8 @@ pub fn flash_gqa_forward_docs_tiled(
             }
             if dropout > 0.0 {
                 for r in 0..rows {
-                    let (lo, hi) = valid_range(i0 + r, j0, ncols, mask);
-                    dropout_row(mk, mask_base(dims.mask_bh(bh), t, i0 + r, j0 + lo), hi - lo, dropout, seed);
+                    let (lo, hi) = valid_range(gi0 + r, jg0, ncols, mask);
+                    dropout_row(mk, mask_base(dims.mask_bh(bh), t, gi0 + r, jg0 + lo), hi - lo, dropout, seed);
                     mul_into(&mut s[r * bc + lo..r * bc + hi], &mk[..hi - lo]);
                 }
             }
@@ -472,20 +578,15 @@ pub fn flash_gqa_forward_docs_tiled(
             j0 += bc;
         }
         for r in 0..rows {
-            let gi = i0 + r;
             let inv = 1.0 / l[r];
-            // Safety: task (bh, it) alone writes rows i0..i0+rows of batch bi, columns of head h
-            // of `out`, and lse[bh, i0..i0+rows].
-            unsafe {
-                let dst = std::slice::from_raw_parts_mut(outp.0.add(bi * t * c + gi * c + h * hs), hs);
-                for (d, x) in dst.iter_mut().zip(&o[r * hs..(r + 1) * hs]) {
-                    *d = x * inv;
-                }
-                *lsep.0.add(bh * t + gi) = m[r] + l[r].ln();
+            for (d, x) in out_row(r).iter_mut().zip(&o[r * hs..(r + 1) * hs]) {
+                *d = x * inv;
             }
+            unsafe { *lsep.0.add(lrow + r) = m[r] + l[r].ln() };
         }
     });
 }
+
 
 /// A score tile: query rows `i0 .. i0 + rows` against key columns `j0 .. j0 + ncols`, under
 /// the row's sliding window and documents.
@@ -539,20 +640,21 @@ struct BwdScratch {
 
 struct Ctx<'a> {
     dims: GqaDims,
-    starts: &'a [u32], // [B, T] document starts, or empty
-    qkv: &'a [f32],
+    blk: Block<'a>,
     dout: &'a [f32],
     lse: &'a [f32],
     d: &'a [f32],
-    dqkv: SyncPtr,
-    t: usize,
+    /// Where `dq` (the q columns of a `[B, q.rows, W]` buffer) and `dk`, `dv` (the block's kv
+    /// columns of a `[B, k.rows, kw]` buffer) accumulate: two buffers, or one for both.
+    dq: SyncPtr,
+    dkv: SyncPtr,
+    t: usize,     // the whole sequence (dropout mask indices)
     c: usize,     // NH·HS, the row width of `out` / `dout`
-    w: usize,     // (NH + 2·NKV)·HS, the row width of `qkv` / `dqkv`
+    w: usize,     // (NH + 2·NKV)·HS, the row width of the q buffer
     nh: usize,
     nkv: usize,
     group: usize, // NH / NKV
     hs: usize,
-    cols: Cols,
     br: usize,
     bc: usize,
     scale: f32,
@@ -562,7 +664,25 @@ struct Ctx<'a> {
 
 impl<'a> Ctx<'a> {
     fn mask(&self, bi: usize) -> Mask<'a> {
-        Mask::of(&self.dims, self.starts, bi)
+        Mask::of(&self.dims, &self.blk, bi)
+    }
+    /// Offsets of query head `h`'s row `i` in the q buffer (and `dq`), of kv head `g`'s key
+    /// and value row `j` in the kv buffer (and `dkv`), and of head `h`'s row `i` in `dout`.
+    fn q_at(&self, bi: usize, i: usize, h: usize) -> usize {
+        self.blk.q.row(bi, i) * self.w + h * self.hs
+    }
+    fn k_at(&self, bi: usize, j: usize, g: usize) -> usize {
+        self.blk.k.row(bi, j) * self.blk.kw + self.blk.kc + g * self.hs
+    }
+    fn v_at(&self, bi: usize, j: usize, g: usize) -> usize {
+        self.blk.k.row(bi, j) * self.blk.kw + self.blk.vc + g * self.hs
+    }
+    fn o_at(&self, bi: usize, i: usize, h: usize) -> usize {
+        self.blk.q.row(bi, i) * self.c + h * self.hs
+    }
+    /// The key tile starting at kv-local `j0`: its columns.
+    fn key_cols(&self, j0: usize) -> usize {
+        self.bc.min(self.blk.k.len - j0)
     }
 }
 
@@ -619,37 +739,100 @@ pub fn flash_gqa_backward_docs_with(
     starts: &[u32],    // [B, T] or empty
     opts: BwdOpts,
 ) {
-    let _p = crate::profile::scope("flash_attention_backward");
-    let BwdOpts { dropout: AttnDropout { p: dropout, seed }, tiles, schedule } = opts;
-    check_dims(dims, tiles, dropout);
     check_starts(starts, dims.b, dims.t);
-    let GqaDims { b, t, nh, nkv, hs, .. } = *dims;
-    let (c, w, group) = (nh * hs, (nh + 2 * nkv) * hs, nh / nkv);
-    assert_eq!(dqkv.len(), b * t * w);
-    assert_eq!(dout.len(), b * t * c);
-    assert_eq!(qkv.len(), b * t * w);
-    assert_eq!(out.len(), b * t * c);
-    assert_eq!(lse.len(), b * nh * t);
-    if b * nh * t == 0 {
+    let (b, t, nh) = (dims.b, dims.t, dims.nh);
+    assert_eq!(out.len(), b * t * dims.c());
+    let mut d = pooled(b * nh * t);
+    flash_d(&mut d, dout, out, dims, t);
+    flash_gqa_block_backward_with(dqkv, None, dout, lse, &d, &Block::whole(qkv, dims, starts), dims, opts);
+}
+
+/// FlashAttention-2's `D[bh, i] = dO_i · O_i` (`[B, NH, rows]`) of `rows` rows per batch row of
+/// `dout` and `out` (`[B, rows, C]`): backward's per-row term, equal to `Σ_j P_ij·dP_ij` (with
+/// dropout too). Over a context-parallel rank's rows it is computed once and serves every
+/// [`Block`] of its queries.
+pub fn flash_d(d: &mut [f32], dout: &[f32], out: &[f32], dims: &GqaDims, rows: usize) {
+    let (nh, hs) = (dims.nh, dims.hs);
+    let c = nh * hs;
+    assert_eq!(dout.len(), dims.b * rows * c);
+    assert_eq!(out.len(), dims.b * rows * c);
+    assert_eq!(d.len(), dims.b * nh * rows);
+    if rows == 0 {
         return;
     }
-    let Tiles { br, bc } = tiles;
-    // D[bh, i] = dO_i · O_i  (FA-2: equals Σ_j P_ij·dP_ij, with dropout too)
-    let mut d = pooled(b * nh * t);
-    d.par_chunks_mut(t).enumerate().for_each(|(bh, d)| {
+    d.par_chunks_mut(rows).enumerate().for_each(|(bh, d)| {
         let (bi, h) = (bh / nh, bh % nh);
         for (i, di) in d.iter_mut().enumerate() {
-            let o = bi * t * c + i * c + h * hs;
+            let o = (bi * rows + i) * c + h * hs;
             *di = dot(&dout[o..o + hs], &out[o..o + hs]);
         }
     });
+}
+
+/// Backward of [`flash_gqa_block_forward`] over the block's queries and keys, given the
+/// attention's final `lse` and [`flash_d`]'s `d` at the query rows (for a context-parallel rank:
+/// after every block's forward). Accumulates `dq` into the q columns of `dq` (`[B, q.rows, W]`)
+/// and `dk`, `dv` into the kv columns of `dkv` (`[B, k.rows, kw]`); `dkv = None`: into `dq`'s
+/// buffer, whose layout the kv buffer then shares (the whole-sequence kernel). Contributions
+/// are added in the order [`flash_gqa_backward`] documents.
+#[allow(clippy::too_many_arguments)] // the gradients, the forward's three, the block and shape
+pub fn flash_gqa_block_backward(
+    dq: &mut [f32],
+    dkv: Option<&mut [f32]>,
+    dout: &[f32],      // [B, q.rows, C]
+    lse: &[f32],       // [B, NH, q.rows]
+    d: &[f32],         // [B, NH, q.rows]
+    blk: &Block,
+    dims: &GqaDims,
+    dropout: AttnDropout,
+) {
+    flash_gqa_block_backward_with(dq, dkv, dout, lse, d, blk, dims, BwdOpts { dropout, ..BwdOpts::default() });
+}
+
+#[doc(hidden)]
+#[allow(clippy::too_many_arguments)] // as flash_gqa_block_backward
+pub fn flash_gqa_block_backward_with(
+    dq: &mut [f32],
+    dkv: Option<&mut [f32]>,
+    dout: &[f32],
+    lse: &[f32],
+    d: &[f32],
+    blk: &Block,
+    dims: &GqaDims,
+    opts: BwdOpts,
+) {
+    let _p = crate::profile::scope("flash_attention_backward");
+    let BwdOpts { dropout: AttnDropout { p: dropout, seed }, tiles, schedule } = opts;
+    check_dims(dims, tiles, dropout);
+    blk.check(dims);
+    let GqaDims { b, t, nh, nkv, hs, .. } = *dims;
+    let (c, w, group) = (nh * hs, (nh + 2 * nkv) * hs, nh / nkv);
+    let (qs, ks) = (blk.q, blk.k);
+    assert_eq!(dq.len(), b * qs.rows * w);
+    assert_eq!(dout.len(), b * qs.rows * c);
+    assert_eq!(lse.len(), b * nh * qs.rows);
+    assert_eq!(d.len(), b * nh * qs.rows);
+    let dqp = SyncPtr(dq.as_mut_ptr());
+    let dkvp = match dkv {
+        Some(x) => {
+            assert_eq!(x.len(), b * ks.rows * blk.kw, "dkv must be [B, k.rows, kw]");
+            SyncPtr(x.as_mut_ptr())
+        }
+        None => {
+            assert!(blk.kw == w && ks.rows == qs.rows, "dk and dv in dq's buffer need the kv buffer laid out as it");
+            dqp
+        }
+    };
+    if b * nh * qs.len == 0 || ks.len == 0 {
+        return;
+    }
+    let Tiles { br, bc } = tiles;
     let ctx = Ctx {
-        dims: *dims, starts,
-        qkv, dout, lse, d: &d, dqkv: SyncPtr(dqkv.as_mut_ptr()),
-        t, c, w, nh, nkv, group, hs, cols: Cols { nh, nkv, hs },
+        dims: *dims, blk: *blk, dout, lse, d, dq: dqp, dkv: dkvp,
+        t, c, w, nh, nkv, group, hs,
         br, bc, scale: 1.0 / (hs as f32).sqrt(), dropout, seed,
     };
-    let (ntq, ntk) = (t.div_ceil(br), t.div_ceil(bc));
+    let (ntq, ntk) = (qs.len.div_ceil(br), ks.len.div_ceil(bc));
     let schedule = match schedule {
         Schedule::Auto => auto_schedule(b, nh, nkv, rayon::current_num_threads()),
         Schedule::PerQueryHead if group == 1 => Schedule::PerHead,
@@ -670,38 +853,36 @@ pub fn flash_gqa_backward_docs_with(
             }
         });
     } else if schedule == Schedule::PerQueryHead {
-        // Partial dk, dv of every (batch, query head): [B, NH, T, HS] each.
-        let mut kp = pooled(b * nh * t * hs);
-        let mut vp = pooled(b * nh * t * hs);
+        // Partial dk, dv of every (batch, query head): [B, NH, k.len, HS] each.
+        let kl = ks.len;
+        let mut kp = pooled(b * nh * kl * hs);
+        let mut vp = pooled(b * nh * kl * hs);
         let (kpp, vpp) = (SyncPtr(kp.as_mut_ptr()), SyncPtr(vp.as_mut_ptr()));
         (0..b * nh).into_par_iter().for_each_init(init, |sc, bh| {
             let (kpp, vpp) = (kpp, vpp);
             let (bi, h) = (bh / nh, bh % nh);
             for jt in 0..ntk {
                 let j0 = jt * bc;
-                // Safety: task bh alone writes rows bh·T.. of the partials, and the q columns
-                // of head h of batch bi in dqkv.
-                let (dk, dv) = unsafe { (kpp.0.add((bh * t + j0) * hs), vpp.0.add((bh * t + j0) * hs)) };
+                // Safety: task bh alone writes rows bh·k.len.. of the partials, and the q
+                // columns of head h of batch bi in dq.
+                let (dk, dv) = unsafe { (kpp.0.add((bh * kl + j0) * hs), vpp.0.add((bh * kl + j0) * hs)) };
                 head_key_tile(&ctx, sc, bi, h, jt, DkDv { dk, dv, ld: hs }, true);
             }
         });
         // dk_g += Σ_h partial_h, ascending h (the order `key_tile` adds them in).
-        let dqp = ctx.dqkv;
+        let x = &ctx;
         (0..b * nkv * ntk).into_par_iter().for_each(|task| {
-            #[allow(clippy::redundant_locals)] // capture the whole (Send) SyncPtr, not its field
-            let dqp = dqp;
             let (bg, jt) = (task / ntk, task % ntk);
             let (bi, g) = (bg / nkv, bg % nkv);
-            let (j0, cols) = (jt * bc, Cols { nh, nkv, hs });
-            let ncols = bc.min(t - j0);
+            let j0 = jt * bc;
+            let ncols = x.key_cols(j0);
             for h in g * group..(g + 1) * group {
-                let src = ((bi * nh + h) * t + j0) * hs;
+                let src = ((bi * nh + h) * kl + j0) * hs;
                 for r in 0..ncols {
-                    let row = (bi * t + j0 + r) * w;
                     // Safety: task (bg, jt) alone writes rows j0..j0+ncols of kv head g's k, v.
                     unsafe {
-                        add_into(dqp.0.add(row + cols.k(g)), &kp[src + r * hs..src + (r + 1) * hs]);
-                        add_into(dqp.0.add(row + cols.v(g)), &vp[src + r * hs..src + (r + 1) * hs]);
+                        add_into(x.dkv.0.add(x.k_at(bi, j0 + r, g)), &kp[src + r * hs..src + (r + 1) * hs]);
+                        add_into(x.dkv.0.add(x.v_at(bi, j0 + r, g)), &vp[src + r * hs..src + (r + 1) * hs]);
                     }
                 }
             }
@@ -745,22 +926,20 @@ fn auto_schedule(b: usize, nh: usize, nkv: usize, threads: usize) -> Schedule {
 
 /// Key tile `jt` of kv head `g` (`bg = b·NKV + g`): `dk_j += Σ_h Σ_i dSᵀ·q_h,i·scale`,
 /// `dv_j += Σ_h Σ_i Pdᵀ·dO_h,i` (and `dq_h,i += dS·k_j·scale` when `with_dq`). With one head
-/// per group the products accumulate straight into `dqkv`; with GQA each head's sum over
+/// per group the products accumulate straight into `dkv`; with GQA each head's sum over
 /// ascending query tiles is formed from zero in scratch, then added, heads ascending.
 fn key_tile(x: &Ctx, sc: &mut BwdScratch, bg: usize, jt: usize, with_dq: bool) {
-    let (t, w, hs, cols) = (x.t, x.w, x.hs, x.cols);
+    let hs = x.hs;
     let (bi, g) = (bg / x.nkv, bg % x.nkv);
     let j0 = jt * x.bc;
-    let ncols = x.bc.min(t - j0);
+    let ncols = x.key_cols(j0);
+    let kw = x.blk.kw;
     // Safety: key tile (bg, jt) is handled by exactly one task, the only writer of rows
     // j0..j0+ncols of the k and v columns of kv head g of batch bi; with `with_dq` the task
     // owns all of (bi, g), so also the q columns of the group's query heads.
-    let (dk, dv) = unsafe {
-        let r = x.dqkv.0.add(bi * t * w + j0 * w);
-        (r.add(cols.k(g)), r.add(cols.v(g)))
-    };
+    let (dk, dv) = unsafe { (x.dkv.0.add(x.k_at(bi, j0, g)), x.dkv.0.add(x.v_at(bi, j0, g))) };
     if x.group == 1 {
-        head_key_tile(x, sc, bi, g, jt, DkDv { dk, dv, ld: w }, with_dq);
+        head_key_tile(x, sc, bi, g, jt, DkDv { dk, dv, ld: kw }, with_dq);
         return;
     }
     let (mut kp, mut vp) = (std::mem::take(&mut sc.kp), std::mem::take(&mut sc.vp));
@@ -771,8 +950,8 @@ fn key_tile(x: &Ctx, sc: &mut BwdScratch, bg: usize, jt: usize, with_dq: bool) {
         for r in 0..ncols {
             // Safety: as above.
             unsafe {
-                add_into(dk.add(r * w), &kp[r * hs..(r + 1) * hs]);
-                add_into(dv.add(r * w), &vp[r * hs..(r + 1) * hs]);
+                add_into(dk.add(r * kw), &kp[r * hs..(r + 1) * hs]);
+                add_into(dv.add(r * kw), &vp[r * hs..(r + 1) * hs]);
             }
         }
     }
@@ -789,27 +968,29 @@ struct DkDv {
 
 /// Query head `h` of batch `bi` against key tile `jt` of its kv head, query tiles ascending:
 /// `dk += dSᵀ·q·scale`, `dv += Pdᵀ·dO` into the blocks of `dkdv`, and `dq += dS·k·scale` in
-/// `dqkv` when `with_dq`. The caller must own those blocks (and, with `with_dq`, head h's q
+/// `dq` when `with_dq`. The caller must own those blocks (and, with `with_dq`, head h's q
 /// columns of batch bi).
 fn head_key_tile(x: &Ctx, sc: &mut BwdScratch, bi: usize, h: usize, jt: usize, dkdv: DkDv, with_dq: bool) {
     let DkDv { dk, dv, ld } = dkdv;
-    let (t, c, w, hs, cols) = (x.t, x.c, x.w, x.hs, x.cols);
+    let (c, w, hs) = (x.c, x.w, x.hs);
+    let (qs, ks) = (x.blk.q, x.blk.k);
     let g = h / x.group;
     let bh = bi * x.nh + h;
-    let base = bi * t * w;
     let j0 = jt * x.bc;
-    let ncols = x.bc.min(t - j0);
-    let k = View { data: x.qkv, off: base + j0 * w + cols.k(g), rows: ncols, cols: hs, rs: w, cs: 1 };
+    let ncols = x.key_cols(j0);
+    let jg0 = ks.pos0 + j0;
+    let k = View { data: x.blk.kv, off: x.k_at(bi, j0, g), rows: ncols, cols: hs, rs: x.blk.kw, cs: 1 };
     let mask = x.mask(bi);
-    let mut it = j0 / x.br;
+    // The first query tile that holds a position at or after the key tile's first.
+    let mut it = jg0.saturating_sub(qs.pos0) / x.br;
     // Query tiles whose first row's first key (sliding window, document) is past this key tile
     // are skipped, and so are all later ones: the first key never decreases.
-    while it * x.br < t && mask.first(it * x.br) < j0 + ncols {
+    while it * x.br < qs.len && mask.first(qs.pos0 + it * x.br) < jg0 + ncols {
         let i0 = it * x.br;
-        let rows = x.br.min(t - i0);
+        let rows = x.br.min(qs.len - i0);
         tile_grads(x, sc, bh, i0, rows, j0, ncols);
-        let q = View { data: x.qkv, off: base + i0 * w + cols.q(h), rows, cols: hs, rs: w, cs: 1 };
-        let d_o = View { data: x.dout, off: bi * t * c + i0 * c + h * hs, rows, cols: hs, rs: c, cs: 1 };
+        let q = View { data: x.blk.qkv, off: x.q_at(bi, i0, h), rows, cols: hs, rs: w, cs: 1 };
+        let d_o = View { data: x.dout, off: x.o_at(bi, i0, h), rows, cols: hs, rs: c, cs: 1 };
         let pd = if x.dropout > 0.0 { &sc.pd } else { &sc.p };
         let pd = View { data: pd, off: 0, rows, cols: ncols, rs: x.bc, cs: 1 };
         let ds = View { data: &sc.ds, off: 0, rows, cols: ncols, rs: x.bc, cs: 1 };
@@ -819,8 +1000,7 @@ fn head_key_tile(x: &Ctx, sc: &mut BwdScratch, bi: usize, h: usize, jt: usize, d
             gemm_raw(dk, ld, true, ds.t(), q, x.scale, Threads::One);
             if with_dq {
                 // dq += dS·k·scale
-                let dq = x.dqkv.0.add(base + i0 * w + cols.q(h));
-                gemm_raw(dq, w, true, ds, k, x.scale, Threads::One);
+                gemm_raw(x.dq.0.add(x.q_at(bi, i0, h)), w, true, ds, k, x.scale, Threads::One);
             }
         }
         it += 1;
@@ -842,57 +1022,61 @@ unsafe fn add_into(dst: *mut f32, src: &[f32]) {
 /// `dq_i += Σ_j dS·k_j·scale` over key tiles `j` in ascending order (the same order, tiles and
 /// products as [`key_tile`] with `with_dq`, so both schedules agree bit for bit).
 fn query_tile(x: &Ctx, sc: &mut BwdScratch, bh: usize, it: usize) {
-    let (t, w, hs, cols) = (x.t, x.w, x.hs, x.cols);
+    let (w, hs) = (x.w, x.hs);
+    let (qs, ks) = (x.blk.q, x.blk.k);
     let (bi, h) = (bh / x.nh, bh % x.nh);
     let g = h / x.group;
-    let base = bi * t * w;
     let i0 = it * x.br;
-    let rows = x.br.min(t - i0);
+    let rows = x.br.min(qs.len - i0);
+    let gi0 = qs.pos0 + i0;
     // Safety: query tile (bh, it) is handled by exactly one task, the only writer of rows
     // i0..i0+rows of the q columns of head h of batch bi.
-    let dq = unsafe { x.dqkv.0.add(base + i0 * w + cols.q(h)) };
-    let mut j0 = x.mask(bi).first(i0) / x.bc * x.bc;
-    while j0 < i0 + rows {
-        let ncols = x.bc.min(t - j0);
+    let dq = unsafe { x.dq.0.add(x.q_at(bi, i0, h)) };
+    let end = (gi0 + rows).saturating_sub(ks.pos0).min(ks.len);
+    let mut j0 = x.mask(bi).first(gi0).saturating_sub(ks.pos0) / x.bc * x.bc;
+    while j0 < end {
+        let ncols = x.key_cols(j0);
         tile_grads(x, sc, bh, i0, rows, j0, ncols);
-        let k = View { data: x.qkv, off: base + j0 * w + cols.k(g), rows: ncols, cols: hs, rs: w, cs: 1 };
+        let k = View { data: x.blk.kv, off: x.k_at(bi, j0, g), rows: ncols, cols: hs, rs: x.blk.kw, cs: 1 };
         let ds = View { data: &sc.ds, off: 0, rows, cols: ncols, rs: x.bc, cs: 1 };
         unsafe { gemm_raw(dq, w, true, ds, k, x.scale, Threads::One) };
         j0 += x.bc;
     }
 }
 
-/// Recomputes one tile of query head `bh = b·NH + h` against its kv head: `P = exp(q·kᵀ·scale −
-/// lse)` (causal part, 0 elsewhere), the dropped `Pd` (with dropout), and `dS = P ∘ (dP − D)`
-/// where `dP = mask ∘ (dO·vᵀ)`.
+/// Recomputes one tile of query head `bh = b·NH + h` against its kv head (block-local query
+/// rows `i0..`, key rows `j0..`): `P = exp(q·kᵀ·scale − lse)` (causal part, 0 elsewhere), the
+/// dropped `Pd` (with dropout), and `dS = P ∘ (dP − D)` where `dP = mask ∘ (dO·vᵀ)`.
 fn tile_grads(x: &Ctx, sc: &mut BwdScratch, bh: usize, i0: usize, rows: usize, j0: usize, ncols: usize) {
-    let (t, c, w, hs, cols) = (x.t, x.c, x.w, x.hs, x.cols);
+    let (c, w, hs) = (x.c, x.w, x.hs);
+    let (qs, ks) = (x.blk.q, x.blk.k);
     let (bi, h) = (bh / x.nh, bh % x.nh);
     let g = h / x.group;
-    let base = bi * t * w;
-    let q = View { data: x.qkv, off: base + i0 * w + cols.q(h), rows, cols: hs, rs: w, cs: 1 };
-    let k = View { data: x.qkv, off: base + j0 * w + cols.k(g), rows: ncols, cols: hs, rs: w, cs: 1 };
-    let v = View { off: base + j0 * w + cols.v(g), ..k };
-    let d_o = View { data: x.dout, off: bi * t * c + i0 * c + h * hs, rows, cols: hs, rs: c, cs: 1 };
+    let q = View { data: x.blk.qkv, off: x.q_at(bi, i0, h), rows, cols: hs, rs: w, cs: 1 };
+    let k = View { data: x.blk.kv, off: x.k_at(bi, j0, g), rows: ncols, cols: hs, rs: x.blk.kw, cs: 1 };
+    let v = View { off: x.v_at(bi, j0, g), ..k };
+    let d_o = View { data: x.dout, off: x.o_at(bi, i0, h), rows, cols: hs, rs: c, cs: 1 };
     let BwdScratch { p, pd, ds, mk, .. } = sc;
     unsafe {
         // S = q·kᵀ·scale ; dPd = dO·vᵀ   [rows, ncols], row stride bc
         gemm_raw(p.as_mut_ptr(), x.bc, false, q, k.t(), x.scale, Threads::One);
         gemm_raw(ds.as_mut_ptr(), x.bc, false, d_o, v.t(), 1.0, Threads::One);
     }
-    let lse = &x.lse[bh * t + i0..bh * t + i0 + rows];
-    let d = &x.d[bh * t + i0..bh * t + i0 + rows];
+    let l0 = bh * qs.rows + qs.row0 + i0;
+    let lse = &x.lse[l0..l0 + rows];
+    let d = &x.d[l0..l0 + rows];
     let mask = x.mask(bi);
+    let jg0 = ks.pos0 + j0;
     for r in 0..rows {
-        let gi = i0 + r;
+        let gi = qs.pos0 + i0 + r;
         // Columns lo..vr are valid: the row functions see the tile from `lo` on.
-        let (lo, vr) = valid_range(gi, j0, ncols, mask);
+        let (lo, vr) = valid_range(gi, jg0, ncols, mask);
         let pr = &mut p[r * x.bc..r * x.bc + ncols];
         let dr = &mut ds[r * x.bc..r * x.bc + ncols];
         pr[..lo].fill(0.0);
         dr[..lo].fill(0.0);
         if x.dropout > 0.0 {
-            dropout_row(mk, mask_base(x.dims.mask_bh(bh), t, gi, j0 + lo), vr - lo, x.dropout, x.seed);
+            dropout_row(mk, mask_base(x.dims.mask_bh(bh), x.t, gi, jg0 + lo), vr - lo, x.dropout, x.seed);
             let pdr = &mut pd[r * x.bc..r * x.bc + ncols];
             pdr[..lo].fill(0.0);
             bwd_row_dropout(&mut pr[lo..], &mut pdr[lo..], &mut dr[lo..], &mk[..vr - lo], vr - lo, lse[r], d[r]);
@@ -901,6 +1085,7 @@ fn tile_grads(x: &Ctx, sc: &mut BwdScratch, bh: usize, i0: usize, rows: usize, j
         }
     }
 }
+
 
 crate::multiversion! {
     /// `p ← exp(s − lse)`, `ds ← p ∘ (dP − D)` on the first `vr` columns, 0 after.

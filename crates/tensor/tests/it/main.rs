@@ -9,3 +9,4 @@ mod moe;
 mod flash;
 mod precision;
 mod quant;
+mod ring;
