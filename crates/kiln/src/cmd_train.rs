@@ -84,6 +84,15 @@ pub struct TrainCli {
     /// Sequence parallelism within the tensor-parallel group (parallel.sequence_parallel).
     #[arg(long)]
     pub sequence_parallel: bool,
+    /// Context-parallel ranks (parallel.cp): every sequence split along its positions.
+    #[arg(long)]
+    pub cp: Option<usize>,
+    /// Context-parallel attention (parallel.cp_mode): ring or ulysses.
+    #[arg(long, value_name = "MODE")]
+    pub cp_mode: Option<String>,
+    /// Context-parallel chunks (parallel.cp_balance): zigzag or none.
+    #[arg(long, value_name = "BALANCE")]
+    pub cp_balance: Option<String>,
     /// Storage precision: fp32, bf16, fp16 or fp8 (train.precision).
     #[arg(long)]
     pub precision: Option<String>,
@@ -160,7 +169,7 @@ impl TrainCli {
             )),
             None => None,
         };
-        let table: [(&'static str, &'static str, Option<V>); 30] = [
+        let table: [(&'static str, &'static str, Option<V>); 33] = [
             ("--data", "data.paths", (!self.data.is_empty()).then(|| V::Array(self.data.iter().map(|p| V::String(p.display().to_string())).collect()))),
             ("--tokenizer", "data.tokenizer", text(&self.tokenizer)),
             ("--format", "data.format", text(&self.format)),
@@ -183,6 +192,9 @@ impl TrainCli {
             ("--tp", "parallel.tp", int(self.tp)),
             ("--ep", "parallel.ep", int(self.ep)),
             ("--sequence-parallel", "parallel.sequence_parallel", self.sequence_parallel.then_some(V::Boolean(true))),
+            ("--cp", "parallel.cp", int(self.cp)),
+            ("--cp-mode", "parallel.cp_mode", text(&self.cp_mode)),
+            ("--cp-balance", "parallel.cp_balance", text(&self.cp_balance)),
             ("--pp", "parallel.pp", int(self.pp)),
             ("--schedule", "parallel.schedule", text(&self.schedule)),
             ("--virtual", "parallel.virtual_stages", int(self.virtual_stages)),

@@ -260,6 +260,17 @@ pub struct ParallelSection {
     /// Expert-parallel ranks: each MoE layer's routed experts spread over them, the batch split
     /// over `dp × ep` (see `parallel::ep`); the world is `pp × dp × ep × tp` ranks.
     pub ep: usize,
+    /// Context-parallel ranks: every sequence's positions split over them, attention computed
+    /// across them (`parallel::cp`); the world is `pp × dp × ep × cp × tp` ranks.
+    pub cp: usize,
+    /// How context-parallel ranks compute attention: `ring` (key/value blocks passed around)
+    /// or `ulysses` (all-to-all to a head split and back).
+    #[serde(with = "named")]
+    pub cp_mode: plan::policy::CpMode,
+    /// Which positions a context-parallel rank holds: `zigzag` (chunks `r` and `2·cp − 1 − r`
+    /// of `2·cp`: equal causal-attention work) or `none` (the `r`-th of `cp` chunks).
+    #[serde(with = "named")]
+    pub cp_balance: plan::policy::CpBalance,
     /// `inproc` or `mpi` (a build with `--features mpi`, run under `mpirun`).
     #[serde(with = "named")]
     pub backend: Backend,
@@ -535,10 +546,22 @@ impl Default for LoraSection {
     }
 }
 
+impl ParallelSection {
+    /// Ranks in the world with `dp` data-parallel ranks: `pp × dp × ep × cp × tp`.
+    pub fn world(&self, dp: usize) -> usize {
+        self.pp * dp * self.ep * self.cp * self.tp
+    }
+
+    /// Ranks per data-parallel rank: `pp × ep × cp × tp`.
+    pub fn per_dp(&self) -> usize {
+        self.pp * self.ep * self.cp * self.tp
+    }
+}
+
 impl Default for ParallelSection {
     fn default() -> Self {
         ParallelSection {
-            dp: 1, zero: 0, tp: 1, ep: 1, backend: Backend::Inproc, bucket_mb: 25.0, sequence_parallel: false, pp: 1,
+            dp: 1, zero: 0, tp: 1, ep: 1, cp: 1, cp_mode: plan::policy::CpMode::Ring, cp_balance: plan::policy::CpBalance::Zigzag, backend: Backend::Inproc, bucket_mb: 25.0, sequence_parallel: false, pp: 1,
             schedule: parallel::pp::Kind::OneFOneB, virtual_stages: 1, pp_layers: Vec::new(), pp_trace: PpTrace::Off,
         }
     }
@@ -825,7 +848,7 @@ impl RunConfig {
     /// The parallel layout: backend, degrees, ZeRO, tensor, expert and sequence parallelism, in-memory checkpoints and injected rank failures.
     fn validate_parallel(&self) -> Result<()> {
         let p = &self.parallel;
-        let world = p.dp * p.tp * p.pp * p.ep;
+        let world = p.world(p.dp);
         if self.checkpoint.memory_interval > 0 && (p.backend == Backend::Mpi || world < 2) {
             return user(format!(
                 "checkpoint.memory_interval = {} needs at least two in-process ranks (a peer to keep each rank's copy), got parallel.backend = {} with {world} rank(s): under MPI a failed rank takes the whole job, and the peers' memory, with it",
@@ -875,8 +898,25 @@ impl RunConfig {
         if p.sequence_parallel && p.tp < 2 {
             return user(format!("parallel.sequence_parallel needs tensor parallelism (parallel.tp > 1, got {})", p.tp));
         }
-        if p.sequence_parallel && self.seq_len() % p.tp != 0 {
-            return user(format!("parallel.sequence_parallel: parallel.tp = {} does not divide the sequence length train.seq_len = {}", p.tp, self.seq_len()));
+        if p.cp == 0 {
+            return user("parallel.cp must be positive, got 0");
+        }
+        if p.cp > 1 {
+            let g = self.gpt_config(256);
+            let (heads, kv) = if p.tp > 1 {
+                let l = parallel::tp::local_config(&g, p.tp, 0, false).map_err(crate::error::KilnError::User)?;
+                (l.n_head, l.n_kv_head)
+            } else {
+                (g.n_head, g.n_kv_head)
+            };
+            if let Some(e) = parallel::cp::check(self.seq_len(), heads, kv, p.cp, p.cp_mode, p.cp_balance == plan::policy::CpBalance::Zigzag) {
+                return user(e);
+            }
+        }
+        let seq_local = self.seq_len() / p.cp.max(1);
+        if p.sequence_parallel && seq_local % p.tp != 0 {
+            let what = if p.cp > 1 { format!("each context-parallel rank's {seq_local} positions (train.seq_len = {} over parallel.cp = {})", self.seq_len(), p.cp) } else { format!("the sequence length train.seq_len = {}", self.seq_len()) };
+            return user(format!("parallel.sequence_parallel: parallel.tp = {} does not divide {what}", p.tp));
         }
         Ok(())
     }
@@ -895,8 +935,8 @@ impl RunConfig {
         if p.pp > 1 && self.lora.rank > 0 {
             return user(format!("parallel.pp = {} with LoRA is not supported: the adapters are tiny; use data parallelism (parallel.dp)", p.pp));
         }
-        if p.pp_trace == PpTrace::Device && (p.dp != 1 || p.tp != 1 || p.ep != 1) {
-            return user(format!("parallel.pp_trace = device serialises compute across ranks, which needs parallel.dp = 1, parallel.tp = 1 and parallel.ep = 1 (got dp {} × tp {} × ep {}); use `wall`", p.dp, p.tp, p.ep));
+        if p.pp_trace == PpTrace::Device && (p.dp != 1 || p.tp != 1 || p.ep != 1 || p.cp != 1) {
+            return user(format!("parallel.pp_trace = device serialises compute across ranks, which needs parallel.dp, parallel.tp, parallel.ep and parallel.cp = 1 (got dp {} × tp {} × ep {} × cp {}); use `wall`", p.dp, p.tp, p.ep, p.cp));
         }
         Ok(())
     }

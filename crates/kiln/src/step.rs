@@ -502,8 +502,10 @@ struct MicroBatches {
 impl MicroBatches {
     fn draw(chunks: &mut [Chunk], cfg: &RunConfig, m: usize, mut fill: impl FnMut(usize, &mut RowBuf)) -> MicroBatches {
         let t = cfg.seq_len();
+        // The store's group spans the context-parallel ranks, which share their rows.
         let dpn = chunks[0].dp.n();
-        let rows = cfg.micro_batch() / dpn;
+        let rows = cfg.micro_batch() / (dpn / cfg.parallel.cp);
+        let context = chunks[0].model.cfg.place.context;
         let packed = cfg.data.packing == crate::config::Packing::Documents;
         let data: Vec<RowBuf> = {
             let _p = profile::scope("data");
@@ -513,7 +515,9 @@ impl MicroBatches {
                 b
             }).collect()
         };
-        let counts: Vec<f64> = data.iter().map(|b| b.y.iter().filter(|&&v| v != model::gpt::IGNORE_INDEX).count() as f64).collect();
+        // A context-parallel rank counts the targets at its positions.
+        let counted = |y: &[i32]| y.iter().filter(|&&v| v != model::gpt::IGNORE_INDEX).count() as f64;
+        let counts: Vec<f64> = data.iter().map(|b| context.map_or_else(|| counted(&b.y), |cx| counted(&cx.rows(&b.y, rows, t)))).collect();
         let global = if dpn > 1 { chunks[0].dp.all_reduce_f64(&counts) } else { counts.clone() };
         MicroBatches { data, counts, global, rows }
     }

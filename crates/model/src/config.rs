@@ -1,7 +1,7 @@
 //! The decoder config. Field names are the `model.*` config keys.
 
 use serde::{Deserialize, Serialize};
-pub use crate::placement::{Part, Placement, SeqSlice, Stage};
+pub use crate::placement::{ContextSlice, Part, Placement, SeqSlice, Stage};
 
 /// The block family. GPT-2: LayerNorm, learned positions, GELU MLP, multi-head attention,
 /// biases optional. LLaMA: RMSNorm, rotary positions, SwiGLU MLP, grouped-query attention,

@@ -20,12 +20,12 @@ use crate::config::{Arch, GptConfig};
 use crate::lora::{Lora, Site};
 use tensor::moe::{moe_backward, moe_forward, MoeCache, MoeExchange, MoeGrads, MoeInputs, MoeLossWeights, MoeStats};
 use crate::layout::{gpt_layout, BlockParams, GptParams, Init, ParamLayout};
-use crate::units::{Access, Local, TpHooks, UnitStore};
+use crate::units::{Access, CpHooks, Local, TpHooks, UnitStore};
 use std::cell::RefCell;
 use std::ops::Range;
 use tensor::attention::AttnDims;
 use tensor::classifier::{chunk_rows, lm_head_crossentropy, lm_head_crossentropy_vocab_parallel, HeadDims};
-use tensor::ops::{dropout_backward_rows, dropout_inplace_rows, RowMap};
+use tensor::ops::{dropout_backward_rows, dropout_inplace_rows, Chunks, RowMap};
 use tensor::flash::{flash_attention_backward_docs, flash_attention_forward_docs, flash_gqa_backward_docs, flash_gqa_forward_docs};
 use tensor::llama::{rmsnorm_backward, rmsnorm_forward, rope_backward, rope_backward_pos, rope_forward, rope_forward_pos, rope_table_from, swiglu_backward, swiglu_forward, GqaDims};
 use tensor::rng::mix64;
@@ -443,6 +443,8 @@ pub struct Hooks {
     /// MoE layer's dispatched rows to the experts' owners and back, and sums the routing
     /// statistics over the ranks that split the batch.
     pub experts: Option<Box<dyn MoeExchange + Send>>,
+    /// A context-parallel part (`place.context` set): attention over the other parts' keys.
+    pub context: Option<Box<dyn CpHooks>>,
 }
 
 fn zeros(n: usize) -> Vec<f32> {
@@ -619,8 +621,35 @@ impl Gpt {
     /// [`Gpt::forward`] (with `docs`: [`Gpt::forward_docs`]) reaching the parameters (and the
     /// head's gradients) through `store`; the model's own `params` and `grads` are not touched.
     /// The document layout is kept with the activations for the backward.
+    ///
+    /// A context-parallel part (`place.context`) is given the whole rows and runs on its
+    /// positions of them: its activations, losses and `stage_*` buffers are `[B, T/cp, ·]`.
     #[allow(clippy::too_many_arguments)] // the pass's inputs, its shape and kind: all needed
     pub fn forward_with(&mut self, store: &mut dyn UnitStore, tokens: &[u32], targets: &[i32], docs: Option<Docs>, b: usize, t: usize, pass: Pass) -> f32 {
+        let Some(cx) = self.cfg.place.context else {
+            return self.forward_rows(store, tokens, targets, docs, b, t, pass);
+        };
+        assert!(tokens.len() == b * t && targets.len() == b * t, "tokens and targets must be [B, T]");
+        if let Some(d) = &docs {
+            d.check(b, t, self.cfg.block_size);
+        }
+        // This part's rows, each with its global position and (global) document start: plain
+        // causal rows are one document starting at 0.
+        let (tk, tg) = (cx.rows(tokens, b, t), cx.rows(targets, b, t));
+        let (start, pos) = match docs {
+            Some(d) => (cx.rows(d.start, b, t), cx.rows(d.pos, b, t)),
+            None => {
+                let p: Vec<u32> = cx.positions(t).into_iter().map(|p| p as u32).collect();
+                (vec![0; tk.len()], (0..b).flat_map(|_| p.iter().copied()).collect())
+            }
+        };
+        self.forward_rows(store, &tk, &tg, Some(Docs { start: &start, pos: &pos }), b, t / cx.count, pass)
+    }
+
+    /// [`Gpt::forward_with`] on rows this part holds whole (under context parallelism, its
+    /// positions, `docs` then in global positions).
+    #[allow(clippy::too_many_arguments)] // forward_with's
+    fn forward_rows(&mut self, store: &mut dyn UnitStore, tokens: &[u32], targets: &[i32], docs: Option<Docs>, b: usize, t: usize, pass: Pass) -> f32 {
         assert_eq!(targets.len(), b * t);
         let (p_drop, seed, loss_scale) = match pass {
             Pass::Eval => (0.0, 0, None),
@@ -703,7 +732,7 @@ impl Gpt {
     fn trunk_forward(&mut self, store: &mut dyn UnitStore, tokens: &[u32], docs: Option<Docs>, b: usize, t: usize, drop: Dropout, then: Option<(usize, Access)>) {
         assert!(t <= self.cfg.block_size, "sequence length {t} exceeds block_size");
         assert_eq!(tokens.len(), b * t);
-        if let Some(d) = &docs {
+        if let Some(d) = docs.as_ref().filter(|_| self.cfg.place.context.is_none()) {
             d.check(b, t, self.cfg.block_size);
         }
         self.ensure_acts(b, t);
@@ -723,7 +752,7 @@ impl Gpt {
         a.moe_stats.clear();
         let ops = Ops {
             cfg: &self.cfg, rope: self.rope.as_ref(), b, t, docs, drop, loss_scale: a.loss_scale,
-            tp: RefCell::new(self.hooks.tensor.as_deref_mut()), ep: RefCell::new(self.hooks.experts.as_deref_mut()), lora: RefCell::new(self.lora.as_mut()),
+            tp: RefCell::new(self.hooks.tensor.as_deref_mut()), ep: RefCell::new(self.hooks.experts.as_deref_mut()), cp: RefCell::new(self.hooks.context.as_deref_mut()), lora: RefCell::new(self.lora.as_mut()),
             store: storage(self.precision), arith: arith(self.precision), fp8: self.fp8.as_ref(), b0: self.cfg.place.batch_offset,
         };
 
@@ -802,7 +831,7 @@ impl Gpt {
         let docs = (!a.doc_start.is_empty()).then_some(Docs { start: &a.doc_start, pos: &a.doc_pos });
         let ops = Ops {
             cfg: &self.cfg, rope: self.rope.as_ref(), b, t, docs, drop: Dropout { p: a.p_drop, seed: a.dropout_seed }, loss_scale: a.loss_scale,
-            tp: RefCell::new(self.hooks.tensor.as_deref_mut()), ep: RefCell::new(self.hooks.experts.as_deref_mut()), lora: RefCell::new(self.lora.as_mut()),
+            tp: RefCell::new(self.hooks.tensor.as_deref_mut()), ep: RefCell::new(self.hooks.experts.as_deref_mut()), cp: RefCell::new(self.hooks.context.as_deref_mut()), lora: RefCell::new(self.lora.as_mut()),
             store: storage(self.precision), arith: arith(self.precision), fp8: self.fp8.as_ref(), b0: self.cfg.place.batch_offset,
         };
         // Every unit is acquired and released even when no target counted (the gradients are
@@ -908,6 +937,8 @@ impl Gpt {
     /// Pipeline stage without the embedding: the buffer of its input activations `[B, T, C]`
     /// for the next forward at `(B, T)` (write the previous stage's output here).
     pub fn stage_input_mut(&mut self, b: usize, t: usize) -> &mut [f32] {
+        // A context-parallel part holds its T/cp positions of each row.
+        let t = self.cfg.place.context.map_or(t, |cx| t / cx.count);
         self.ensure_acts(b, t);
         &mut self.acts.as_mut().unwrap().xs[0]
     }
@@ -962,6 +993,12 @@ impl Gpt {
     /// Routing statistics of each MoE layer in the last forward (empty for dense models).
     pub fn moe_stats(&self) -> &[MoeStats] {
         self.acts.as_ref().map_or(&[], |a| &a.moe_stats)
+    }
+
+    /// The targets the last forward counted (not `IGNORE_INDEX`; a context-parallel part's:
+    /// at its positions).
+    pub fn counted(&self) -> usize {
+        self.acts.as_ref().map_or(0, |a| a.count)
     }
 
     /// Per-position losses of the last forward (0 at ignored positions).
@@ -1362,6 +1399,8 @@ pub(crate) struct Ops<'a> {
     pub tp: RefCell<Option<&'a mut (dyn TpHooks + 'static)>>,
     /// The expert-parallel exchange of a shard (`None`: every expert is local).
     pub ep: RefCell<Option<&'a mut (dyn MoeExchange + Send + 'static)>>,
+    /// The context-parallel attention of a part (`None`: every position is local).
+    pub cp: RefCell<Option<&'a mut (dyn CpHooks + 'static)>>,
     /// Where stored activations and gradients are rounded to (mixed precision).
     pub store: Option<tensor::precision::Format>,
     /// The block projections' arithmetic ([`arith`]).
@@ -1377,7 +1416,7 @@ impl<'a> Ops<'a> {
     pub(crate) fn decode(cfg: &'a GptConfig, rope: Option<&'a (Vec<f32>, Vec<f32>)>) -> Ops<'a> {
         Ops {
             cfg, rope, b: 1, t: 1, docs: None, drop: Dropout { p: 0.0, seed: 0 }, loss_scale: 1.0,
-            tp: RefCell::new(None), ep: RefCell::new(None), lora: RefCell::new(None), store: None, arith: Default::default(), fp8: None, b0: 0,
+            tp: RefCell::new(None), ep: RefCell::new(None), cp: RefCell::new(None), lora: RefCell::new(None), store: None, arith: Default::default(), fp8: None, b0: 0,
         }
     }
 
@@ -1433,13 +1472,22 @@ impl<'a> Ops<'a> {
     }
 
     /// Where the residual stream's rows sit in the whole `[B, T]` (for dropout masks).
+    /// Under context parallelism `t` is the part's rows per sequence, of `t·cp` positions.
     fn row_map(&self) -> RowMap {
+        let (t, chunks) = match self.cfg.place.context {
+            Some(cx) => {
+                let tg = self.t * cx.count;
+                let ch = cx.chunks(tg);
+                (tg, Some(Chunks { len: ch[0].1, first: ch[0].0, second: ch.get(1).map_or(0, |c| c.0) }))
+            }
+            None => (self.t, None),
+        };
         match self.cfg.place.seq {
             Some(s) => {
                 let p = s.positions(self.t);
-                RowMap { t_local: p.len(), t: self.t, offset: p.start, b0: self.b0 }
+                RowMap { t_local: p.len(), t, offset: p.start, b0: self.b0, chunks }
             }
-            None => RowMap { b0: self.b0, ..RowMap::whole(self.t) },
+            None => RowMap { t_local: self.t, t, offset: 0, b0: self.b0, chunks },
         }
     }
 
@@ -1568,14 +1616,26 @@ impl<'a> Ops<'a> {
         self.docs.map_or(&[], |d| d.start)
     }
 
+    /// This part's attention dims as GQA (MHA is `NKV = NH`).
+    fn attn_gqa(&self) -> GqaDims {
+        match self.cfg.arch {
+            Arch::Gpt2 => self.mha().as_gqa(),
+            Arch::Llama => self.gqa(),
+        }
+    }
+
+    fn mha(&self) -> AttnDims {
+        let (head0, heads) = self.mask_heads();
+        AttnDims { b: self.b, t: self.t, c: self.cfg.attn_width(), nh: self.cfg.n_head, head0, heads, b0: self.b0 }
+    }
+
     fn attn_forward(&self, out: &mut [f32], state: &mut [f32], qkv: &[f32], site: DropSite) {
         let (cfg, drop) = (self.cfg, AttnDropout { p: self.drop.p, seed: self.site_seed(site) });
+        if let Some(h) = self.cp.borrow_mut().as_mut() {
+            return h.attention_forward(out, state, qkv, &self.attn_gqa(), self.doc_starts(), drop);
+        }
         match cfg.arch {
-            Arch::Gpt2 => {
-                let (head0, heads) = self.mask_heads();
-                let dims = AttnDims { b: self.b, t: self.t, c: cfg.attn_width(), nh: cfg.n_head, head0, heads, b0: self.b0 };
-                flash_attention_forward_docs(out, state, qkv, &dims, self.doc_starts(), drop);
-            }
+            Arch::Gpt2 => flash_attention_forward_docs(out, state, qkv, &self.mha(), self.doc_starts(), drop),
             Arch::Llama => flash_gqa_forward_docs(out, state, qkv, &self.gqa(), self.doc_starts(), drop),
         }
     }
@@ -1583,16 +1643,19 @@ impl<'a> Ops<'a> {
     /// Accumulates into `dqkv` (with respect to the un-rotated q and k for LLaMA).
     fn attn_backward(&self, dqkv: &mut [f32], dout: &[f32], qkv: &[f32], out: &[f32], state: &[f32], site: DropSite) {
         let (cfg, drop) = (self.cfg, AttnDropout { p: self.drop.p, seed: self.site_seed(site) });
+        let mut cp = self.cp.borrow_mut();
         match cfg.arch {
-            Arch::Gpt2 => {
-                let (head0, heads) = self.mask_heads();
-                let dims = AttnDims { b: self.b, t: self.t, c: cfg.attn_width(), nh: cfg.n_head, head0, heads, b0: self.b0 };
-                flash_attention_backward_docs(dqkv, dout, qkv, out, state, &dims, self.doc_starts(), drop);
-            }
+            Arch::Gpt2 => match cp.as_mut() {
+                Some(h) => h.attention_backward(dqkv, dout, qkv, out, state, &self.attn_gqa(), self.doc_starts(), drop),
+                None => flash_attention_backward_docs(dqkv, dout, qkv, out, state, &self.mha(), self.doc_starts(), drop),
+            },
             Arch::Llama => {
                 // dqkv is zero on entry (the caller clears it), so the in-place inverse rotation
                 // after the accumulation is still an accumulation into zero.
-                flash_gqa_backward_docs(dqkv, dout, qkv, out, state, &self.gqa(), self.doc_starts(), drop);
+                match cp.as_mut() {
+                    Some(h) => h.attention_backward(dqkv, dout, qkv, out, state, &self.gqa(), self.doc_starts(), drop),
+                    None => flash_gqa_backward_docs(dqkv, dout, qkv, out, state, &self.gqa(), self.doc_starts(), drop),
+                }
                 let (cos, sin) = self.rope.expect("llama has rotary tables");
                 match self.docs {
                     Some(d) => rope_backward_pos(dqkv, cos, sin, &self.gqa(), d.pos),

@@ -24,6 +24,11 @@ pub struct Placement {
     /// Sequence parallel: the residual stream, the norms and dropout hold slice `index` of
     /// `count` equal slices of every sequence's positions. `None`: every position.
     pub seq: Option<SeqSlice>,
+    /// Context parallel: every sequence's positions are split over `count` parts and this part
+    /// holds part `index`'s ([`ContextSlice::chunks`]); the model is given whole rows and runs
+    /// on its positions only, attention reaching the other parts' keys through
+    /// [`crate::units::CpHooks`]. `None`: every position.
+    pub context: Option<ContextSlice>,
     /// A pipeline stage: its config's `n_layer` layers start at whole-model layer
     /// `first_layer`. `None`: every layer, the embedding and the head.
     pub stage: Option<Stage>,
@@ -55,6 +60,61 @@ impl SeqSlice {
         assert!(t % self.count == 0, "sequence parallel: T = {t} is not divisible into {} slices", self.count);
         let tl = t / self.count;
         self.index * tl..(self.index + 1) * tl
+    }
+}
+
+/// Part `index` of `count` context-parallel parts of every sequence: one contiguous chunk of
+/// `T/count` positions, or (`zigzag`) chunks `index` and `2·count − 1 − index` of `2·count`, which
+/// balances causal attention's work.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ContextSlice {
+    pub index: usize,
+    pub count: usize,
+    pub zigzag: bool,
+}
+
+impl ContextSlice {
+    /// The chunks `(first position, length)` of a length-`t` sequence this part holds, in the
+    /// order its rows hold them (`t` divisible by `count`, or `2·count` with zig-zag).
+    pub fn chunks(&self, t: usize) -> Vec<(usize, usize)> {
+        let (r, n) = (self.index, self.count);
+        if self.zigzag {
+            assert!(t % (2 * n) == 0, "context parallel (zig-zag): T = {t} is not divisible into {} chunks", 2 * n);
+            let h = t / (2 * n);
+            vec![(r * h, h), ((2 * n - 1 - r) * h, h)]
+        } else {
+            assert!(t % n == 0, "context parallel: T = {t} is not divisible into {n} chunks");
+            vec![(r * (t / n), t / n)]
+        }
+    }
+
+    /// The global position of local row `i` of a length-`t` sequence.
+    pub fn position(&self, i: usize, t: usize) -> usize {
+        let mut i = i;
+        for (p0, len) in self.chunks(t) {
+            if i < len {
+                return p0 + i;
+            }
+            i -= len;
+        }
+        panic!("row {i} is past this context-parallel part of T = {t}")
+    }
+
+    /// Every local row's global position, in row order.
+    pub fn positions(&self, t: usize) -> Vec<usize> {
+        self.chunks(t).into_iter().flat_map(|(p0, len)| p0..p0 + len).collect()
+    }
+
+    /// This part's rows of `x` (`[B, T]` per-token values): `[B, T/count]`.
+    pub fn rows<X: Copy>(&self, x: &[X], b: usize, t: usize) -> Vec<X> {
+        assert_eq!(x.len(), b * t);
+        let mut out = Vec::with_capacity(x.len() / self.count);
+        for bi in 0..b {
+            for (p0, len) in self.chunks(t) {
+                out.extend_from_slice(&x[bi * t + p0..bi * t + p0 + len]);
+            }
+        }
+        out
     }
 }
 

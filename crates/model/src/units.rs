@@ -6,6 +6,8 @@
 //! [`GptParams::units`]: crate::layout::GptParams::units
 
 use std::ops::Range;
+use tensor::attention::AttnDropout;
+use tensor::llama::GqaDims;
 
 /// What a pass does with a unit it acquires.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -84,4 +86,21 @@ pub trait TpHooks: Send {
     /// Every rank's `x` (equal lengths), concatenated in rank order (the vocab-parallel
     /// cross-entropy's exchange of per-row log-sum-exps and target logits).
     fn all_gather(&mut self, x: &[f32]) -> Vec<f32>;
+}
+
+/// The attention of a context-parallel part (`Placement::context` set): the model holds its
+/// positions of every sequence ([`crate::placement::ContextSlice::chunks`]) and calls these in
+/// place of the attention kernel; `parallel` implements them (ring attention, or the Ulysses
+/// all-to-alls). `dims` is the part's (its `t` the part's rows per sequence, its heads those
+/// of a tensor-parallel shard); `starts` (`[B, t]`) gives each local query's document start as
+/// a *global* position (0 for plain causal rows); dropout masks are drawn by global position,
+/// so a part drops what one rank drops.
+pub trait CpHooks: Send {
+    /// `out` (`[B, t, C]`) and `state` (`B·NH·t` floats the hook may lay out as it needs: the
+    /// log-sum-exps backward reads) from this part's `qkv` (`[B, t, W]`, rotated).
+    fn attention_forward(&mut self, out: &mut [f32], state: &mut [f32], qkv: &[f32], dims: &GqaDims, starts: &[u32], dropout: AttnDropout);
+    /// Accumulates this part's `dqkv` (`[B, t, W]`, zero on entry) from `dout`, given the
+    /// forward's `qkv`, `out` and `state`.
+    #[allow(clippy::too_many_arguments)] // the flash backward's, plus the documents
+    fn attention_backward(&mut self, dqkv: &mut [f32], dout: &[f32], qkv: &[f32], out: &[f32], state: &[f32], dims: &GqaDims, starts: &[u32], dropout: AttnDropout);
 }

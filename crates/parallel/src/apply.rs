@@ -1,7 +1,7 @@
 //! Parallelism applied in one place (torchtitan's `parallelize_llama`): [`parallelize`] turns
 //! the whole model into this rank's parts, in a fixed order, each step the identity at degree 1:
 //!
-//! 1. the mesh's groups (`pp × dp × ep × tp`, tp fastest: tensor-parallel peers are
+//! 1. the mesh's groups (`pp × dp × ep × cp × tp`, tp fastest: tensor-parallel peers are
 //!    neighbours, pipeline stages farthest apart);
 //! 2. the pipeline stage: this rank's chunks' layers, cut by name (`pp::stage_config`, `cut`);
 //! 3. the tensor-parallel or expert-parallel shard of each chunk (`tp::local_config` + `shard`,
@@ -29,6 +29,10 @@ pub struct Strategy {
     pub dp: usize,
     pub ep: usize,
     pub tp: usize,
+    /// Context-parallel ranks, how they compute attention, and whether they hold zig-zag chunks.
+    pub cp: usize,
+    pub cp_mode: plan::policy::CpMode,
+    pub cp_zigzag: bool,
     /// Model chunks per pipeline rank (1 unless interleaved).
     pub virtual_stages: usize,
     /// Each pipeline stage's layers (`pp · virtual_stages` of them; one for no pipeline).
@@ -67,14 +71,19 @@ pub struct Groups {
     pub ep: Box<dyn Comm>,
     /// The pipeline group.
     pub pp: Box<dyn Comm>,
+    /// The context-parallel group.
+    pub cp: Box<dyn Comm>,
     /// The first and last pipeline stages, which share a tied embedding.
     pub tie: Box<dyn Comm>,
-    /// This rank's place among the `dp × ep` ranks that split the batch, and their count.
+    /// This rank's place among the `dp × ep` ranks that split the batch, and their count
+    /// (context-parallel ranks share their rows; they are in the data-parallel store's group,
+    /// which reduces gradients over `dp × ep × cp`).
     pub dp_rank: usize,
     pub dp_size: usize,
     pub tp_rank: usize,
     pub pp_rank: usize,
     pub ep_rank: usize,
+    pub cp_rank: usize,
 }
 
 /// What [`parallelize`] did, kept for its inverse.
@@ -100,21 +109,28 @@ pub fn parallelize(whole: Gpt, s: &Strategy, comm: &dyn Comm) -> Result<(Vec<Par
     // tensor-parallel and one ep group for whole-model gathers and the gradient norm; the
     // pipeline group. (The order of the splits is the same on every rank.)
     let (world, rank, vn) = (comm.size(), comm.rank(), s.virtual_stages);
-    let mesh = DeviceMesh::new(&[(Axis::Pp, s.pp), (Axis::Dp, s.dp), (Axis::Ep, s.ep), (Axis::Tp, s.tp)], world)?;
-    let data_group = mesh.group_axes(&[Axis::Dp, Axis::Ep], rank);
+    let mesh = DeviceMesh::new(&[(Axis::Pp, s.pp), (Axis::Dp, s.dp), (Axis::Ep, s.ep), (Axis::Cp, s.cp), (Axis::Tp, s.tp)], world)?;
+    // Context-parallel ranks reduce gradients with the data-parallel ones (each holds partial
+    // sums over its positions), so the store's group, the experts' (dp × cp) and the MoE
+    // statistics' span them too.
+    let data_group = mesh.group_axes(&[Axis::Dp, Axis::Ep, Axis::Cp], rank);
+    let expert_group = mesh.group_axes(&[Axis::Dp, Axis::Cp], rank);
     let dp_comms: Vec<Box<dyn Comm>> = (0..vn).map(|_| comm.split(&data_group)).collect();
     let ep_comms: Vec<(Box<dyn Comm>, Box<dyn Comm>, Box<dyn Comm>)> =
-        (0..vn).map(|_| (mesh_group(comm, &mesh, Axis::Dp), mesh_group(comm, &mesh, Axis::Ep), comm.split(&data_group))).collect();
+        (0..vn).map(|_| (comm.split(&expert_group), mesh_group(comm, &mesh, Axis::Ep), comm.split(&data_group))).collect();
+    let cp_hooks_comms: Vec<Box<dyn Comm>> = (0..vn).map(|_| mesh_group(comm, &mesh, Axis::Cp)).collect();
+    let cp_comm = mesh_group(comm, &mesh, Axis::Cp);
     let ep_comm = mesh_group(comm, &mesh, Axis::Ep);
     let tp_hooks_comms: Vec<Box<dyn Comm>> = (0..vn).map(|_| mesh_group(comm, &mesh, Axis::Tp)).collect();
     let tp_comm = mesh_group(comm, &mesh, Axis::Tp);
     let pp_comm = mesh_group(comm, &mesh, Axis::Pp);
-    let (dp_rank, tp_rank, pp_rank, ep_rank) = (dp_comms[0].rank(), tp_comm.rank(), pp_comm.rank(), ep_comm.rank());
+    let (cp_rank, tp_rank, pp_rank, ep_rank) = (cp_comm.rank(), tp_comm.rank(), pp_comm.rank(), ep_comm.rank());
+    let dp_rank = dp_comms[0].rank() / s.cp;
     let dp_size = s.dp * s.ep;
     let mut tie_group = if pp_rank == 0 || pp_rank + 1 == s.pp { vec![0, s.pp - 1] } else { vec![pp_rank] };
     tie_group.dedup();
     let tie_comm = pp_comm.split(&tie_group);
-    let groups = Groups { tp: tp_comm, ep: ep_comm, pp: pp_comm, tie: tie_comm, dp_rank, dp_size, tp_rank, pp_rank, ep_rank };
+    let groups = Groups { tp: tp_comm, ep: ep_comm, pp: pp_comm, cp: cp_comm, tie: tie_comm, dp_rank, dp_size, tp_rank, pp_rank, ep_rank, cp_rank };
 
     // 2. The pipeline stage: this rank's chunks (the whole model without a pipeline).
     let (whole_cfg, full_layout, real_vocab) = (whole.cfg.clone(), whole.layout.clone(), whole.real_vocab);
@@ -132,7 +148,7 @@ pub fn parallelize(whole: Gpt, s: &Strategy, comm: &dyn Comm) -> Result<(Vec<Par
     let mut applied = Applied { groups, whole: whole_cfg, full_layout, stages: s.stages.clone(), stage_layouts: Vec::new(), locals: Vec::new(), strategy: s.clone() };
     let rows = s.micro_batch / dp_size;
     let mut parts = Vec::new();
-    for (((mut m, dp_comm), tp_hooks), (expert_comm, ep_hooks, batch)) in chunks.into_iter().zip(dp_comms).zip(tp_hooks_comms).zip(ep_comms) {
+    for ((((mut m, dp_comm), tp_hooks), (expert_comm, ep_hooks, batch)), cp_hooks) in chunks.into_iter().zip(dp_comms).zip(tp_hooks_comms).zip(ep_comms).zip(cp_hooks_comms) {
         applied.stage_layouts.push(m.layout.clone());
         // 3. The tensor-parallel shard: its heads, MLP columns and vocabulary rows.
         let (mut replicated, mut seq_partial) = (Vec::new(), Vec::new());
@@ -157,6 +173,13 @@ pub fn parallelize(whole: Gpt, s: &Strategy, comm: &dyn Comm) -> Result<(Vec<Par
             m = local;
         } else if route.is_some() {
             m.hooks.experts = Some(Box::new(ep::EpComm { comm: ep_hooks, batch: route }));
+        }
+        // ... and the context-parallel part: this rank's positions of every sequence, attention
+        // across the cp group.
+        if s.cp > 1 {
+            let slice = model::config::ContextSlice { index: cp_rank, count: s.cp, zigzag: s.cp_zigzag };
+            m.cfg.place.context = Some(slice);
+            m.hooks.context = Some(Box::new(crate::cp::CpComm::new(cp_hooks, slice, s.cp_mode)));
         }
         // 4. Recomputation, precision, and where this rank's sequences start in each
         // micro-batch (dropout masks are drawn by global sequence).

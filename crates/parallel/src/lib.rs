@@ -11,6 +11,7 @@
 
 pub mod apply;
 pub mod comm;
+pub mod cp;
 pub mod dp;
 pub mod ep;
 pub mod mesh;

@@ -107,3 +107,36 @@ pub enum BaseQuant {
 impl Names for BaseQuant {
     const NAMES: &'static [(&'static str, BaseQuant)] = &[("none", BaseQuant::None), ("nf4", BaseQuant::Nf4), ("int8", BaseQuant::Int8)];
 }
+
+/// How context parallelism computes attention over a sequence split along its positions
+/// (`parallel.cp_mode`): `Ring` passes key/value blocks around the cp group while each rank
+/// accumulates its own queries' attention (Liu et al. 2023, ring attention; Megatron's
+/// `p2p`); `Ulysses` exchanges the sequence split for a head split with an all-to-all before
+/// attention and back after (Jacobs et al. 2023, DeepSpeed-Ulysses).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, Hash)]
+#[serde(rename_all = "lowercase")]
+pub enum CpMode {
+    #[default]
+    Ring,
+    Ulysses,
+}
+
+impl Names for CpMode {
+    const NAMES: &'static [(&'static str, CpMode)] = &[("ring", CpMode::Ring), ("p2p", CpMode::Ring), ("ulysses", CpMode::Ulysses), ("a2a", CpMode::Ulysses)];
+}
+
+/// Which positions a context-parallel rank holds (`parallel.cp_balance`): `Zigzag` cuts the
+/// sequence into `2·cp` chunks and gives rank `r` chunks `r` and `2·cp − 1 − r`, so every rank
+/// does the same causal-attention work; `None` gives rank `r` the `r`-th of `cp` contiguous
+/// chunks (the last rank then attends to the most keys).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, Hash)]
+#[serde(rename_all = "lowercase")]
+pub enum CpBalance {
+    #[default]
+    Zigzag,
+    None,
+}
+
+impl Names for CpBalance {
+    const NAMES: &'static [(&'static str, CpBalance)] = &[("zigzag", CpBalance::Zigzag), ("none", CpBalance::None)];
+}

@@ -42,7 +42,7 @@ pub struct AttnDims {
 
 impl AttnDims {
     /// The MHA shape as the GQA shape with one query head per kv head: the layouts coincide.
-    pub(crate) fn as_gqa(&self) -> GqaDims {
+    pub fn as_gqa(&self) -> GqaDims {
         assert!(self.nh > 0 && self.c.is_multiple_of(self.nh), "C must be a multiple of NH");
         GqaDims { b: self.b, t: self.t, nh: self.nh, nkv: self.nh, hs: self.c / self.nh, head0: self.head0, heads: self.heads, b0: self.b0, window: 0 }
     }

@@ -342,9 +342,11 @@ pub fn dropout_forward(out: &mut [f32], inp: &[f32], p: f32, seed: u64) {
 }
 
 /// Where a buffer's rows sit in the whole `[B, T, ·]` tensor: local row `b·t_local + j` is
-/// global row `b·t + offset + j` (a sequence-parallel shard holds positions
-/// `offset .. offset + t_local` of every sequence; the whole tensor has `t_local = t`). Dropout
-/// masks are drawn by global element index, so a shard drops exactly what the whole model does.
+/// global row `b·t + at(offset + j)` (a sequence-parallel shard holds positions
+/// `offset .. offset + t_local` of every sequence; the whole tensor has `t_local = t`), where
+/// `at` is the identity, or under context parallelism the part's positions ([`Chunks`]).
+/// Dropout masks are drawn by global element index, so a shard drops exactly what the whole
+/// model does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RowMap {
     pub t_local: usize,
@@ -352,16 +354,35 @@ pub struct RowMap {
     pub offset: usize,
     /// The first sequence's index in the global batch (a data-parallel rank's share).
     pub b0: usize,
+    /// A context-parallel part's positions (`None`: position `i` is `i`).
+    pub chunks: Option<Chunks>,
+}
+
+/// A context-parallel part's positions of a sequence: index `i < len` is position `first + i`,
+/// a later one `second + i − len` (one contiguous chunk never reaches the second).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Chunks {
+    pub len: usize,
+    pub first: usize,
+    pub second: usize,
+}
+
+impl Chunks {
+    #[inline]
+    pub fn at(&self, i: usize) -> usize {
+        if i < self.len { self.first + i } else { self.second + i - self.len }
+    }
 }
 
 impl RowMap {
     /// The whole tensor: every row is its own.
     pub fn whole(t: usize) -> RowMap {
-        RowMap { t_local: t, t, offset: 0, b0: 0 }
+        RowMap { t_local: t, t, offset: 0, b0: 0, chunks: None }
     }
 
     pub fn global(&self, row: usize) -> usize {
-        (self.b0 + row / self.t_local) * self.t + self.offset + row % self.t_local
+        let i = self.offset + row % self.t_local;
+        (self.b0 + row / self.t_local) * self.t + self.chunks.map_or(i, |c| c.at(i))
     }
 }
 

@@ -52,7 +52,7 @@ pub fn eval_sums(m: &mut Gpt, mut store: Option<&mut dyn model::UnitStore>, spli
                 None => m.forward(&b.x, &b.y, eb.batch, eb.t, Pass::Eval),
             },
         };
-        m.losses().iter().map(|&l| l as f64).sum::<f64>()
+        (m.losses().iter().map(|&l| l as f64).sum::<f64>(), m.counted())
     })
 }
 
@@ -63,26 +63,28 @@ pub(super) fn eval_sums_pipeline(chunks: &mut [Chunk], pp: &dyn Comm, me: usize,
     let (p, v) = (pp.size(), chunks.len());
     let (batch, t) = (eb.batch, eb.t);
     eval_batches(split, eb, |b| {
-        let mut sum = 0.0;
+        let (mut sum, mut count) = (0.0, 0);
         for vs in (0..p * v).filter(|vs| vs % p == me) {
             let ch = &mut chunks[vs / p];
             if vs > 0 {
                 pp.recv(ch.model.stage_input_mut(batch, t), (vs - 1) % p, (1 << 20) + vs as u32);
             }
             ch.model.forward_with(&mut ch.dp, &b.x, &b.y, b.docs(), batch, t, Pass::Eval);
+            count = ch.model.counted();
             if vs + 1 < p * v {
                 pp.send(ch.model.stage_output(), (vs + 1) % p, (1 << 20) + vs as u32 + 1);
             } else {
                 sum = ch.model.losses().iter().map(|&l| l as f64).sum::<f64>();
             }
         }
-        sum
+        (sum, count)
     })
 }
 
 /// The evaluation batches `eb` of `split`, each given to `forward` (which returns its sum of
-/// losses). Returns (sum of losses, targets counted).
-fn eval_batches(split: &Split, eb: EvalBatches, mut forward: impl FnMut(&RowBuf) -> f64) -> (f64, usize) {
+/// losses and the targets the model counted: a context-parallel part counts its positions').
+/// Returns (sum of losses, targets counted).
+fn eval_batches(split: &Split, eb: EvalBatches, mut forward: impl FnMut(&RowBuf) -> (f64, usize)) -> (f64, usize) {
     let EvalBatches { t, batch, max_batches, rank, ranks: n, packed, reset_positions } = eb;
     let rows = eval_rows(split, t, packed, max_batches * batch);
     let batches: Vec<&[super::data::Row]> = rows.chunks(batch).collect();
@@ -92,8 +94,8 @@ fn eval_batches(split: &Split, eb: EvalBatches, mut forward: impl FnMut(&RowBuf)
         let chunk = batches.get(k * n + rank).copied().unwrap_or(&[]);
         let mut b = RowBuf::new(batch, t, packed);
         fill_rows(&[split], chunk, t, reset_positions, &mut b);
-        sum += forward(&b);
-        count += b.y.iter().filter(|&&y| y != model::gpt::IGNORE_INDEX).count();
+        let (s, c) = forward(&b);
+        (sum, count) = (sum + s, count + c);
     }
     (sum, count)
 }

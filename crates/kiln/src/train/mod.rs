@@ -163,7 +163,7 @@ fn train_once(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
     crate::memory::plan_checked(&cfg, &gcfg, ds.in_memory_bytes())?;
 
     // 3. The ranks: this process alone, threads in it, or MPI processes.
-    let world = cfg.parallel.dp * cfg.parallel.ep * cfg.parallel.tp * cfg.parallel.pp;
+    let world = cfg.parallel.world(cfg.parallel.dp);
     let ctx = Ctx { args, cfg, ds: &ds, run_dir, saved_cfg_path, resume_from, init: std::sync::Mutex::new(init) };
     match ctx.cfg.parallel.backend {
         Backend::Mpi => run_mpi(&ctx, stop),
@@ -281,11 +281,11 @@ fn run_mpi(ctx: &Ctx, stop: &AtomicBool) -> Result<Summary> {
     let world = parallel::mpi::init().map_err(KilnError::User)?;
     let comm = world.world();
     let n = comm.size();
-    let (tp, pp, ep) = (ctx.cfg.parallel.tp, ctx.cfg.parallel.pp, ctx.cfg.parallel.ep);
+    let (tp, pp, ep, cp) = (ctx.cfg.parallel.tp, ctx.cfg.parallel.pp, ctx.cfg.parallel.ep, ctx.cfg.parallel.cp);
     let dp = ctx.cfg.parallel.dp;
-    let other = tp * pp * ep;
+    let other = ctx.cfg.parallel.per_dp();
     if n % other != 0 || (dp != 0 && dp * other != n) {
-        let want = if dp == 0 { format!("a multiple of parallel.tp × parallel.pp × parallel.ep = {other}") } else { format!("pp {pp} × dp {dp} × ep {ep} × tp {tp} = {}", dp * other) };
+        let want = if dp == 0 { format!("a multiple of parallel.tp × parallel.pp × parallel.ep × parallel.cp = {other}") } else { format!("pp {pp} × dp {dp} × ep {ep} × cp {cp} × tp {tp} = {}", dp * other) };
         return user(format!("parallel.dp = {dp} but mpirun started {n} processes, not {want}: pass --dp {} (or --dp 0 to take the MPI world size)", n / other.max(1)));
     }
     ctx.cfg.check_dp(n / other)?;

@@ -100,10 +100,11 @@ impl<'a> Rank<'a> {
         let (rank, world) = (comm.rank(), comm.size());
         let lead = rank == 0;
         let (t, mb) = (cfg.seq_len(), cfg.micro_batch());
-        let (tpn, ppn, vn, epn) = (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.virtual_stages, cfg.parallel.ep);
+        let (tpn, ppn, vn, epn, cpn) = (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.virtual_stages, cfg.parallel.ep, cfg.parallel.cp);
         let stages = cfg.stage_layers(ds.tokenizer.vocab_size())?;
         let strategy = parallel::apply::Strategy {
-            pp: ppn, dp: world / (tpn * ppn * epn), ep: epn, tp: tpn, virtual_stages: vn, stages: stages.clone(),
+            pp: ppn, dp: world / cfg.parallel.per_dp(), ep: epn, tp: tpn, virtual_stages: vn, stages: stages.clone(),
+            cp: cpn, cp_mode: cfg.parallel.cp_mode, cp_zigzag: cfg.parallel.cp_balance == plan::policy::CpBalance::Zigzag,
             sequence_parallel: cfg.parallel.sequence_parallel, zero: cfg.parallel.zero as u8,
             bucket_elems: ((cfg.parallel.bucket_mb * 1024.0 * 1024.0 / 4.0) as usize).max(1),
             micro_batch: mb, recompute: cfg.model.recompute, recompute_every: cfg.model.recompute_every,
@@ -198,7 +199,8 @@ impl<'a> Rank<'a> {
         ));
         let p = &cfg.parallel;
         if self.world > 1 {
-            self.say(&format!("parallel: {} ranks ({}): pp {} × dp {} × ep {} × tp {}, ZeRO stage {}, {} sequences per data-parallel rank per micro-batch", self.world, p.backend.name(), p.pp, self.applied.groups.dp_size / p.ep, p.ep, p.tp, p.zero, self.rows));
+            let cp = if p.cp > 1 { format!(" × cp {} ({}, {})", p.cp, p.cp_mode.name(), p.cp_balance.name()) } else { String::new() };
+            self.say(&format!("parallel: {} ranks ({}): pp {} × dp {} × ep {}{cp} × tp {}, ZeRO stage {}, {} sequences per data-parallel rank per micro-batch", self.world, p.backend.name(), p.pp, self.applied.groups.dp_size / p.ep, p.ep, p.tp, p.zero, self.rows));
         }
         // memory: the plan, before step 0 (issue 7).
         self.say(crate::memory::plan_run(cfg, &self.applied.whole, ds.in_memory_bytes())?.table().trim_end());
@@ -428,7 +430,9 @@ impl<'a> Rank<'a> {
             };
             (sum, count) = (sum + a, count + b);
         }
-        let (sum, count) = if dpn > 1 {
+        // Over the store's group: the data-parallel ranks and, each with its positions, the
+        // context-parallel ones.
+        let (sum, count) = if self.chunks[0].dp.n() > 1 {
             let r = self.chunks[cfg.parallel.virtual_stages - 1].dp.all_reduce_f64(&[sum, count as f64]);
             (r[0], r[1] as usize)
         } else {

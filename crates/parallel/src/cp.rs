@@ -1,0 +1,357 @@
+//! Context parallelism: every sequence's positions split over a `cp`-way group, attention
+//! computed across it (Megatron-LM's context parallelism, Liu et al.'s ring attention,
+//! DeepSpeed-Ulysses), applied without editing the model: a part's config says which
+//! positions it holds (`Placement::context`, contiguous or zig-zag chunks) and its attention
+//! calls [`CpComm`] through `model::CpHooks`. Everything else in a block is per position, so
+//! it runs on the part's rows unchanged; the weights are whole on every cp rank and their
+//! gradients are partial sums over the rank's positions, reduced with the data-parallel ones
+//! (the trainer's data group spans `dp × ep × cp`).
+//!
+//! **Ring** (`CpMode::Ring`): each rank packs its keys and values (`[B, T/cp, 2·NKV·HS]`) and
+//! passes them around the group while it attends its queries to the block it holds
+//! (`tensor::flash::Block`), merging through the running log-sum-exp: its own block first,
+//! then ranks `r−1, r−2, …`; each block is sent on before it is used, so the next block's
+//! transfer overlaps this block's compute (sends are buffered). Blocks a query chunk cannot see
+//! (keys after it, or before its sliding window) are skipped. Backward passes the keys and
+//! values around again with their gradient accumulator, which arrives home after one more hop.
+//! Bytes per layer and micro-batch, per rank: forward `(cp−1)·KV`, backward `(cp−1)·KV + cp·KV`
+//! (`KV = B·(T/cp)·2·NKV·HS·4`).
+//!
+//! **Ulysses** (`CpMode::Ulysses`): an all-to-all turns the sequence split into a head split
+//! (rank `c` gets heads `c·NH/cp ..` of every position, and their kv heads: `NKV/cp` of them,
+//! or with `NKV < cp` the one its query heads share), the whole-sequence kernel runs on them,
+//! and an all-to-all turns the output back. Backward exchanges q|k|v again, the output
+//! gradient and `D`, and returns `dq|dk|dv` (a kv head shared by several ranks gets their
+//! gradients summed in rank order).
+
+use crate::comm::Comm;
+use model::config::ContextSlice;
+use model::CpHooks;
+use plan::policy::CpMode;
+use std::ops::Range;
+use tensor::attention::AttnDropout;
+use tensor::flash::{flash_d, flash_gqa_block_backward, flash_gqa_block_forward, flash_gqa_forward_docs, Block, Span};
+use tensor::llama::GqaDims;
+
+/// The attention hooks of a context-parallel part.
+pub struct CpComm {
+    pub comm: Box<dyn Comm>,
+    pub slice: ContextSlice,
+    pub mode: CpMode,
+}
+
+const TAG_KV: u32 = 0x6370_0001;
+const TAG_DKV: u32 = 0x6370_0002;
+
+impl CpComm {
+    pub fn new(comm: Box<dyn Comm>, slice: ContextSlice, mode: CpMode) -> CpComm {
+        assert_eq!(comm.size(), slice.count, "context-parallel group size");
+        assert_eq!(comm.rank(), slice.index, "context-parallel rank");
+        CpComm { comm, slice, mode }
+    }
+
+    /// Rank `r`'s slice of the group.
+    fn of(&self, r: usize) -> ContextSlice {
+        ContextSlice { index: r, ..self.slice }
+    }
+
+    /// Rank `r`'s chunks as spans of its `[B, tl, ·]` buffers.
+    fn spans(&self, r: usize, t: usize) -> Vec<Span> {
+        let tl = t / self.slice.count;
+        let mut row0 = 0;
+        self.of(r)
+            .chunks(t)
+            .into_iter()
+            .map(|(pos0, len)| {
+                let s = Span { rows: tl, row0, len, pos0 };
+                row0 += len;
+                s
+            })
+            .collect()
+    }
+
+    /// The blocks of ring step `s` on this rank: its query chunks against the chunks of rank
+    /// `r − s`, those no query can see left out (keys after the chunk, or wholly before its
+    /// sliding window); on the own step each chunk's diagonal block first (it starts the state).
+    fn ring_blocks(&self, s: usize, t: usize, window: usize) -> Vec<(Span, Span)> {
+        let (r, n) = (self.slice.index, self.slice.count);
+        let owner = (r + n - s) % n;
+        let mut v = Vec::new();
+        for q in self.spans(r, t) {
+            for k in self.spans(owner, t) {
+                let before_window = window > 0 && k.pos0 + k.len + window <= q.pos0 + 1;
+                if k.pos0 < q.pos0 + q.len && !before_window {
+                    v.push((q, k));
+                }
+            }
+        }
+        v.sort_by_key(|(q, k)| q != k);
+        v
+    }
+
+    fn ring_forward(&mut self, out: &mut [f32], lse: &mut [f32], qkv: &[f32], dims: &GqaDims, starts: &[u32], dropout: AttnDropout) {
+        let (n, r) = (self.slice.count, self.slice.index);
+        let gd = GqaDims { t: dims.t * n, ..*dims };
+        let kw = 2 * dims.nkv * dims.hs;
+        let mut cur = pack_kv(qkv, dims);
+        let mut next = vec![0.0; cur.len()];
+        for s in 0..n {
+            if s + 1 < n {
+                self.comm.send(&cur, (r + 1) % n, TAG_KV);
+            }
+            for (q, k) in self.ring_blocks(s, gd.t, dims.window) {
+                let blk = Block { qkv, q, kv: &cur, kw, kc: 0, vc: kw / 2, k, starts };
+                flash_gqa_block_forward(out, lse, &blk, &gd, s == 0 && q == k, dropout);
+            }
+            if s + 1 < n {
+                self.comm.recv(&mut next, (r + n - 1) % n, TAG_KV);
+                std::mem::swap(&mut cur, &mut next);
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)] // CpHooks::attention_backward's
+    fn ring_backward(&mut self, dqkv: &mut [f32], dout: &[f32], qkv: &[f32], out: &[f32], lse: &[f32], dims: &GqaDims, starts: &[u32], dropout: AttnDropout) {
+        let (n, r) = (self.slice.count, self.slice.index);
+        let gd = GqaDims { t: dims.t * n, ..*dims };
+        let kw = 2 * dims.nkv * dims.hs;
+        let mut d = vec![0.0; dims.b * dims.nh * dims.t];
+        flash_d(&mut d, dout, out, dims, dims.t);
+        let mut cur = pack_kv(qkv, dims);
+        let mut dcur = vec![0.0; cur.len()];
+        let (mut next, mut dnext) = (vec![0.0; cur.len()], vec![0.0; cur.len()]);
+        for s in 0..n {
+            if s + 1 < n {
+                self.comm.send(&cur, (r + 1) % n, TAG_KV);
+            }
+            for (q, k) in self.ring_blocks(s, gd.t, dims.window) {
+                let blk = Block { qkv, q, kv: &cur, kw, kc: 0, vc: kw / 2, k, starts };
+                flash_gqa_block_backward(dqkv, Some(&mut dcur), dout, lse, &d, &blk, &gd, dropout);
+            }
+            // The gradient of the keys just used travels on with them (after the last step:
+            // home, to the next rank, whose keys they are).
+            self.comm.send(&dcur, (r + 1) % n, TAG_DKV);
+            self.comm.recv(&mut dnext, (r + n - 1) % n, TAG_DKV);
+            std::mem::swap(&mut dcur, &mut dnext);
+            if s + 1 < n {
+                self.comm.recv(&mut next, (r + n - 1) % n, TAG_KV);
+                std::mem::swap(&mut cur, &mut next);
+            }
+        }
+        unpack_kv_add(dqkv, &dcur, dims);
+    }
+
+    /// Ulysses: rank `c`'s query heads and kv heads.
+    fn heads(&self, dims: &GqaDims, c: usize) -> (Range<usize>, Range<usize>) {
+        let n = self.slice.count;
+        let hq = dims.nh / n;
+        let group = dims.nh / dims.nkv;
+        let q = c * hq..(c + 1) * hq;
+        let kv = q.start / group..(q.end - 1) / group + 1;
+        (q, kv)
+    }
+
+    /// Ulysses: the column ranges of a local qkv row that rank `c` gets (its q, k and v heads).
+    fn qkv_cols(&self, dims: &GqaDims, c: usize) -> Vec<Range<usize>> {
+        let (q, kv) = self.heads(dims, c);
+        let (hs, nh, nkv) = (dims.hs, dims.nh, dims.nkv);
+        vec![q.start * hs..q.end * hs, (nh + kv.start) * hs..(nh + kv.end) * hs, (nh + nkv + kv.start) * hs..(nh + nkv + kv.end) * hs]
+    }
+
+    /// Ulysses: the columns of an attention output row (`[.., C]`) that are rank `c`'s heads.
+    fn q_cols(&self, dims: &GqaDims, c: usize) -> Vec<Range<usize>> {
+        let q = self.heads(dims, c).0;
+        vec![q.start * dims.hs..q.end * dims.hs]
+    }
+
+    /// Ulysses: the head-split dims on this rank (the whole sequence, its heads; dropout masks
+    /// by whole-model head).
+    fn head_dims(&self, dims: &GqaDims) -> GqaDims {
+        let n = self.slice.count;
+        let (q, kv) = self.heads(dims, self.slice.index);
+        let heads = if dims.heads == 0 { dims.nh } else { dims.heads };
+        GqaDims { t: dims.t * n, nh: q.len(), nkv: kv.len(), head0: dims.head0 + q.start, heads, ..*dims }
+    }
+
+    /// Ulysses' first all-to-all: `x` (`[B, tl, w]`, this rank's positions) → `[B, T, wc]`
+    /// (every position, the columns `cols(c)` of this rank `c`).
+    fn seq_to_heads(&self, x: &[f32], b: usize, tl: usize, cols: &dyn Fn(usize) -> Vec<Range<usize>>) -> Vec<f32> {
+        let n = self.slice.count;
+        let w = x.len() / (b * tl);
+        let wc: usize = cols(self.slice.index).iter().map(|r| r.len()).sum();
+        let mut send = Vec::with_capacity(b * tl * wc * n);
+        for c in 0..n {
+            let rc = cols(c);
+            for row in x.chunks(w) {
+                for r in &rc {
+                    send.extend_from_slice(&row[r.clone()]);
+                }
+            }
+        }
+        let mut recv = vec![0.0; send.len()];
+        self.comm.all_to_all(&send, &mut recv);
+        let t = tl * n;
+        let mut full = vec![0.0; b * t * wc];
+        for (src, chunk) in recv.chunks(b * tl * wc).enumerate() {
+            let pos = self.of(src).positions(t);
+            for bi in 0..b {
+                for (i, &p) in pos.iter().enumerate() {
+                    full[(bi * t + p) * wc..(bi * t + p + 1) * wc].copy_from_slice(&chunk[(bi * tl + i) * wc..(bi * tl + i + 1) * wc]);
+                }
+            }
+        }
+        full
+    }
+
+    /// Ulysses' second all-to-all, [`CpComm::seq_to_heads`]'s inverse: `full` (`[B, T, wc]`,
+    /// this rank's columns of every position) → this rank's positions, each rank `c`'s part
+    /// added into columns `cols(c)` of `x` (`[B, tl, w]`), ranks in ascending order.
+    fn heads_to_seq_add(&self, full: &[f32], x: &mut [f32], b: usize, tl: usize, cols: &dyn Fn(usize) -> Vec<Range<usize>>) {
+        let n = self.slice.count;
+        let t = tl * n;
+        let wc = full.len() / (b * t);
+        let w = x.len() / (b * tl);
+        let mut send = Vec::with_capacity(full.len());
+        for dst in 0..n {
+            let pos = self.of(dst).positions(t);
+            for bi in 0..b {
+                for &p in &pos {
+                    send.extend_from_slice(&full[(bi * t + p) * wc..(bi * t + p + 1) * wc]);
+                }
+            }
+        }
+        let mut recv = vec![0.0; send.len()];
+        self.comm.all_to_all(&send, &mut recv);
+        for (c, chunk) in recv.chunks(b * tl * wc).enumerate() {
+            let rc = cols(c);
+            for (row, part) in x.chunks_mut(w).zip(chunk.chunks(wc)) {
+                let mut at = 0;
+                for r in &rc {
+                    row[r.clone()].iter_mut().zip(&part[at..at + r.len()]).for_each(|(a, b)| *a += b);
+                    at += r.len();
+                }
+            }
+        }
+    }
+
+    /// Ulysses: every position's document start (the parts' `starts` gathered), `[B, T]`.
+    fn all_starts(&self, starts: &[u32], b: usize, tl: usize) -> Vec<u32> {
+        let n = self.slice.count;
+        let t = tl * n;
+        assert!(t < 1 << 24, "document starts travel as exact f32 values");
+        let mine: Vec<f32> = starts.iter().map(|&s| s as f32).collect();
+        let mut all = vec![0.0; mine.len() * n];
+        self.comm.all_gather(&mine, &mut all);
+        let mut full = vec![0; b * t];
+        for (src, chunk) in all.chunks(b * tl).enumerate() {
+            let pos = self.of(src).positions(t);
+            for bi in 0..b {
+                for (i, &p) in pos.iter().enumerate() {
+                    full[bi * t + p] = chunk[bi * tl + i] as u32;
+                }
+            }
+        }
+        full
+    }
+
+    fn ulysses_forward(&mut self, out: &mut [f32], lse: &mut [f32], qkv: &[f32], dims: &GqaDims, starts: &[u32], dropout: AttnDropout) {
+        let (b, tl, hs) = (dims.b, dims.t, dims.hs);
+        let hd = self.head_dims(dims);
+        let qkv_h = self.seq_to_heads(qkv, b, tl, &|c| self.qkv_cols(dims, c));
+        let starts_h = if starts.is_empty() { Vec::new() } else { self.all_starts(starts, b, tl) };
+        let mut out_h = vec![0.0; b * hd.t * hd.nh * hs];
+        flash_gqa_forward_docs(&mut out_h, lse, &qkv_h, &hd, &starts_h, dropout);
+        out.fill(0.0);
+        self.heads_to_seq_add(&out_h, out, b, tl, &|c| self.q_cols(dims, c));
+    }
+
+    #[allow(clippy::too_many_arguments)] // CpHooks::attention_backward's
+    fn ulysses_backward(&mut self, dqkv: &mut [f32], dout: &[f32], qkv: &[f32], out: &[f32], lse: &[f32], dims: &GqaDims, starts: &[u32], dropout: AttnDropout) {
+        let (b, tl, nh) = (dims.b, dims.t, dims.nh);
+        let hd = self.head_dims(dims);
+        let qkv_h = self.seq_to_heads(qkv, b, tl, &|c| self.qkv_cols(dims, c));
+        let dout_h = self.seq_to_heads(dout, b, tl, &|c| self.q_cols(dims, c));
+        // D per local position and head ([B, tl, NH]), then to the head split ([B, T, hq]) and
+        // the kernel's [B, hq, T].
+        let mut d = vec![0.0; b * nh * tl];
+        flash_d(&mut d, dout, out, dims, tl);
+        let mut d_rows = vec![0.0; b * tl * nh];
+        for bi in 0..b {
+            for h in 0..nh {
+                for i in 0..tl {
+                    d_rows[(bi * tl + i) * nh + h] = d[(bi * nh + h) * tl + i];
+                }
+            }
+        }
+        let d_h_rows = self.seq_to_heads(&d_rows, b, tl, &|c| vec![self.heads(dims, c).0]);
+        let (t, hq) = (hd.t, hd.nh);
+        let mut d_h = vec![0.0; b * hq * t];
+        for bi in 0..b {
+            for h in 0..hq {
+                for i in 0..t {
+                    d_h[(bi * hq + h) * t + i] = d_h_rows[(bi * t + i) * hq + h];
+                }
+            }
+        }
+        let starts_h = if starts.is_empty() { Vec::new() } else { self.all_starts(starts, b, tl) };
+        let mut dqkv_h = vec![0.0; qkv_h.len()];
+        flash_gqa_block_backward(&mut dqkv_h, None, &dout_h, lse, &d_h, &Block::whole(&qkv_h, &hd, &starts_h), &hd, dropout);
+        self.heads_to_seq_add(&dqkv_h, dqkv, b, tl, &|c| self.qkv_cols(dims, c));
+    }
+}
+
+/// The k|v columns of every row of `qkv` (`[B, t, W]`): `[B, t, 2·NKV·HS]`.
+fn pack_kv(qkv: &[f32], dims: &GqaDims) -> Vec<f32> {
+    let (w, k0) = (dims.qkv_width(), dims.nh * dims.hs);
+    qkv.chunks(w).flat_map(|row| row[k0..].iter().copied()).collect()
+}
+
+/// `dqkv`'s k|v columns `+= dkv` (`[B, t, 2·NKV·HS]`).
+fn unpack_kv_add(dqkv: &mut [f32], dkv: &[f32], dims: &GqaDims) {
+    let (w, k0) = (dims.qkv_width(), dims.nh * dims.hs);
+    let kw = w - k0;
+    for (row, g) in dqkv.chunks_mut(w).zip(dkv.chunks(kw)) {
+        row[k0..].iter_mut().zip(g).for_each(|(a, b)| *a += b);
+    }
+}
+
+impl CpHooks for CpComm {
+    fn attention_forward(&mut self, out: &mut [f32], state: &mut [f32], qkv: &[f32], dims: &GqaDims, starts: &[u32], dropout: AttnDropout) {
+        let _p = tensor::profile::scope("cp attention forward");
+        match self.mode {
+            CpMode::Ring => self.ring_forward(out, state, qkv, dims, starts, dropout),
+            CpMode::Ulysses => self.ulysses_forward(out, state, qkv, dims, starts, dropout),
+        }
+    }
+
+    fn attention_backward(&mut self, dqkv: &mut [f32], dout: &[f32], qkv: &[f32], out: &[f32], state: &[f32], dims: &GqaDims, starts: &[u32], dropout: AttnDropout) {
+        let _p = tensor::profile::scope("cp attention backward");
+        match self.mode {
+            CpMode::Ring => self.ring_backward(dqkv, dout, qkv, out, state, dims, starts, dropout),
+            CpMode::Ulysses => self.ulysses_backward(dqkv, dout, qkv, out, state, dims, starts, dropout),
+        }
+    }
+}
+
+/// Why `cp`-way context parallelism cannot split this shape, or `None`: the sequence into `cp`
+/// (zig-zag: `2·cp`) equal chunks; for Ulysses the (tensor-parallel shard's) query heads into
+/// `cp` equal parts, with kv heads that split evenly or that whole groups of parts share.
+pub fn check(seq_len: usize, n_head: usize, n_kv_head: usize, cp: usize, mode: CpMode, zigzag: bool) -> Option<String> {
+    if cp <= 1 {
+        return None;
+    }
+    let chunks = if zigzag { 2 * cp } else { cp };
+    if !seq_len.is_multiple_of(chunks) {
+        let how = if zigzag { format!("2 × parallel.cp = {chunks} zig-zag chunks") } else { format!("parallel.cp = {cp} chunks") };
+        return Some(format!("train.seq_len = {seq_len} does not split into {how}"));
+    }
+    if mode == CpMode::Ulysses {
+        if !n_head.is_multiple_of(cp) {
+            return Some(format!("parallel.cp_mode = ulysses needs the attention heads of each tensor-parallel rank ({n_head}) divisible by parallel.cp = {cp}"));
+        }
+        if !(n_kv_head.is_multiple_of(cp) || cp.is_multiple_of(n_kv_head)) {
+            return Some(format!("parallel.cp_mode = ulysses needs the key/value heads of each tensor-parallel rank ({n_kv_head}) to divide or be divisible by parallel.cp = {cp}"));
+        }
+    }
+    None
+}
