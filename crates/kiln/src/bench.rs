@@ -51,15 +51,23 @@ fn product_flops(arith: Arith, m: usize, n: usize, k: usize, reps: usize) -> f64
 /// [`peak`] (bf16 products for bf16, fp32 otherwise). Training and `kiln bench` state MFU
 /// against this figure.
 pub fn peak_flops(precision: model::Precision) -> f64 {
-    peak_of(model::gpt::arith(precision)).0 * 1e9
+    peak_of(model::gpt::arith(precision), false).0 * 1e9
 }
 
 /// The best GFLOP/s and the per-shape rows of [`peak`]'s products in `arith`, measured once per
 /// process (an in-process restart of the ranks does not measure again; training measures only
-/// its own arithmetic's).
-fn peak_of(arith: Arith) -> &'static (f64, Vec<serde_json::Value>) {
+/// its own arithmetic's) and kept in the peak cache ([`PeakCache`]) for later processes on the
+/// same machine: the products take seconds, which every short run would otherwise pay.
+/// `fresh` (`kiln bench --peak`) measures again and replaces the cached figure.
+fn peak_of(arith: Arith, fresh: bool) -> &'static (f64, Vec<serde_json::Value>) {
     static PEAK: [std::sync::OnceLock<(f64, Vec<serde_json::Value>)>; 2] = [std::sync::OnceLock::new(), std::sync::OnceLock::new()];
     PEAK[arith as usize].get_or_init(|| {
+        let cache = PeakCache::new(arith);
+        if !fresh {
+            if let Some(hit) = cache.get() {
+                return hit;
+            }
+        }
         let shapes: &[(&str, usize, usize, usize)] = &[
             ("square 2048", 2048, 2048, 2048),
             ("square 1024", 1024, 1024, 1024),
@@ -75,15 +83,60 @@ fn peak_of(arith: Arith) -> &'static (f64, Vec<serde_json::Value>) {
             best = best.max(f);
             rows.push(json!({"shape": name, "m": m, "n": n, "k": k, "gflops": f / 1e9}));
         }
-        (best / 1e9, rows)
+        let got = (best / 1e9, rows);
+        cache.put(&got);
+        got
     })
+}
+
+/// The matmul peak measured on this machine before: `peak.json` in `$KILN_CACHE_DIR` (else
+/// `$XDG_CACHE_HOME/kiln`, else `~/.cache/kiln`), one entry per CPU model, ISA path, thread
+/// count, arithmetic, kiln version and build profile, so a different machine, pool size or build measures
+/// afresh. A missing, unreadable or corrupt cache is a miss; a failed write is ignored (the
+/// figure is then measured again next time).
+struct PeakCache {
+    path: Option<PathBuf>,
+    key: String,
+}
+
+impl PeakCache {
+    fn new(arith: Arith) -> PeakCache {
+        let dir = std::env::var_os("KILN_CACHE_DIR").map(PathBuf::from).or_else(|| {
+            std::env::var_os("XDG_CACHE_HOME").map(|d| PathBuf::from(d).join("kiln")).or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/kiln")))
+        });
+        let cpu = std::fs::read_to_string("/proc/cpuinfo").ok().and_then(|s| s.lines().find(|l| l.starts_with("model name")).map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())).unwrap_or_default();
+        let build = if cfg!(debug_assertions) { "debug" } else { "release" };
+        let key = format!("{cpu} | {} | {} threads | {arith:?} | kiln {} {build}", tensor::bf16::path().name(), rayon::current_num_threads(), env!("CARGO_PKG_VERSION"));
+        PeakCache { path: dir.map(|d| d.join("peak.json")), key }
+    }
+
+    fn read(&self) -> serde_json::Map<String, serde_json::Value> {
+        let text = self.path.as_ref().and_then(|p| std::fs::read_to_string(p).ok());
+        text.and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok()).and_then(|v| v.as_object().cloned()).unwrap_or_default()
+    }
+
+    fn get(&self) -> Option<(f64, Vec<serde_json::Value>)> {
+        let e = self.read().get(&self.key)?.clone();
+        let best = e["peak_gflops"].as_f64().filter(|x| x.is_finite() && *x > 0.0)?;
+        Some((best, e["products"].as_array()?.clone()))
+    }
+
+    fn put(&self, got: &(f64, Vec<serde_json::Value>)) {
+        let Some(path) = &self.path else { return };
+        let mut all = self.read();
+        all.insert(self.key.clone(), json!({"peak_gflops": got.0, "products": got.1}));
+        if let Some(d) = path.parent() {
+            let _ = std::fs::create_dir_all(d);
+        }
+        let _ = crate::util::write_atomic(path, serde_json::to_string_pretty(&all).unwrap_or_default().as_bytes());
+    }
 }
 
 /// `kiln bench --peak`: large square and transformer-shaped products on all threads, in fp32
 /// and in bf16 (fp32 accumulation) on the path this machine runs.
 pub fn peak() -> serde_json::Value {
-    let (f, fr) = peak_of(Arith::F32);
-    let (b, br) = peak_of(Arith::Bf16);
+    let (f, fr) = peak_of(Arith::F32, true);
+    let (b, br) = peak_of(Arith::Bf16, true);
     json!({
         "peak_gflops": f, "products": fr, "bf16_peak_gflops": b, "bf16_products": br, "bf16_over_fp32": b / f,
         "bf16_path": tensor::bf16::path().name(), "threads": rayon::current_num_threads(),

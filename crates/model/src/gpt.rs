@@ -43,7 +43,7 @@ pub const IGNORE_INDEX: i32 = -100;
 /// window, if any).
 #[derive(Clone, Copy, Debug)]
 pub struct Docs<'a> {
-    pub start: &'a [u32], // [B, T]
+    pub start: &'a [u32], // [B, T] (empty only inside a context-parallel part: plain causal rows)
     pub pos: &'a [u32],   // [B, T]
 }
 
@@ -633,14 +633,14 @@ impl Gpt {
         if let Some(d) = &docs {
             d.check(b, t, self.cfg.block_size);
         }
-        // This part's rows, each with its global position and (global) document start: plain
-        // causal rows are one document starting at 0.
+        // This part's rows, each with its global position and (global) document start; plain
+        // causal rows have positions and no starts (the attention's masks are by position).
         let (tk, tg) = (cx.rows(tokens, b, t), cx.rows(targets, b, t));
         let (start, pos) = match docs {
             Some(d) => (cx.rows(d.start, b, t), cx.rows(d.pos, b, t)),
             None => {
                 let p: Vec<u32> = cx.positions(t).into_iter().map(|p| p as u32).collect();
-                (vec![0; tk.len()], (0..b).flat_map(|_| p.iter().copied()).collect())
+                (Vec::new(), (0..b).flat_map(|_| p.iter().copied()).collect())
             }
         };
         self.forward_rows(store, &tk, &tg, Some(Docs { start: &start, pos: &pos }), b, t / cx.count, pass)
@@ -828,7 +828,7 @@ impl Gpt {
         let last = pv.blocks.len() + 1;
         let bwd = Access::Backward { params: true };
         // The forward's document layout, for the attention (and rope) backward and recomputation.
-        let docs = (!a.doc_start.is_empty()).then_some(Docs { start: &a.doc_start, pos: &a.doc_pos });
+        let docs = (!a.doc_pos.is_empty()).then_some(Docs { start: &a.doc_start, pos: &a.doc_pos });
         let ops = Ops {
             cfg: &self.cfg, rope: self.rope.as_ref(), b, t, docs, drop: Dropout { p: a.p_drop, seed: a.dropout_seed }, loss_scale: a.loss_scale,
             tp: RefCell::new(self.hooks.tensor.as_deref_mut()), ep: RefCell::new(self.hooks.experts.as_deref_mut()), cp: RefCell::new(self.hooks.context.as_deref_mut()), lora: RefCell::new(self.lora.as_mut()),
