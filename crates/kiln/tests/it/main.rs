@@ -8,6 +8,7 @@ static ALLOC: kiln::fuzz::Capped = kiln::fuzz::Capped;
 mod architecture;
 mod bench;
 mod common;
+mod context;
 mod errors;
 mod expert;
 mod fuzz;

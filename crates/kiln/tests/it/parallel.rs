@@ -180,12 +180,13 @@ fn bad_parallel_settings_are_user_errors() {
 fn mpi_processes_match_in_process_ranks() {
     let d = scratch("dp-mpi");
     let data = corpus(&d);
-    // (processes, dp, tp, zero): plain dp, ZeRO-3, and a composed dp 2 × tp 2 layout.
-    for (n, dp, tp, zero) in [(2, 2, 1, 0), (4, 4, 1, 3), (4, 2, 2, 1)] {
-        let tp_args: Vec<&str> = if tp > 1 { [&["--tp", "2"], TP].concat() } else { vec![] };
-        let inproc = d.join(format!("inproc{n}-tp{tp}"));
+    // (processes, dp, tp, zero, more): plain dp, ZeRO-3, a composed dp 2 × tp 2 layout, and
+    // context parallelism (ring attention's point-to-point blocks) beside dp.
+    for (n, dp, tp, zero, more) in [(2, 2, 1, 0, &[][..]), (4, 4, 1, 3, &[]), (4, 2, 2, 1, &[]), (4, 2, 1, 0, &["--cp", "2", "--set", "model.dropout=0.1"])] {
+        let tp_args: Vec<&str> = if tp > 1 { [&["--tp", "2"], TP].concat() } else { more.to_vec() };
+        let inproc = d.join(format!("inproc{n}-tp{tp}{}", more.join("")));
         run_dp(&data, &inproc, dp, zero, &tp_args);
-        let mpi = d.join(format!("mpi{n}-tp{tp}"));
+        let mpi = d.join(format!("mpi{n}-tp{tp}{}", more.join("")));
         let mut args: Vec<String> = ["--allow-run-as-root", "--oversubscribe", "-n", &n.to_string(), env!("CARGO_BIN_EXE_kiln"), "train", "--data"]
             .iter()
             .map(|s| s.to_string())
