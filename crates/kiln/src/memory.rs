@@ -361,7 +361,7 @@ pub fn plan(cfg: &RunConfig, gpt: &GptConfig, data_bytes: u64) -> Result<MemoryP
     if par.pp > 1 && par.backend != crate::config::Backend::Mpi {
         // In-process pipeline ranks hold different stages: the process holds each stage's plan
         // once per (dp × ep × tp) rank of it.
-        let per_stage = (par.dp.max(1) * par.tp * par.ep) as u64;
+        let per_stage = (par.dp.max(1) * par.tp * par.ep * par.cp) as u64;
         let (mut total, mut step) = (0, 0);
         for s in 0..par.pp {
             let r = plan_rank(cfg, gpt, data_bytes, s)?;
@@ -390,6 +390,8 @@ struct RankShape {
     head_unit: usize,
     lora: Option<model::lora::Lora>,
     rows: usize,
+    /// Positions of each sequence this rank holds: `train.seq_len`, or over `parallel.cp`.
+    t: usize,
     n: usize,
 }
 
@@ -419,8 +421,9 @@ impl RankShape {
             None
         };
         let rows = cfg.micro_batch() / dp;
-        let n = rows * cfg.seq_len();
-        Ok(RankShape { p, local, stages, in_flight, chunks, total, units, shards, padded, head_unit: views.head_unit(), lora, rows, n })
+        let t = cfg.seq_len() / par.cp.max(1);
+        let n = rows * t;
+        Ok(RankShape { p, local, stages, in_flight, chunks, total, units, shards, padded, head_unit: views.head_unit(), lora, rows, t, n })
     }
 }
 
@@ -488,14 +491,14 @@ fn model_state_rows(out: &mut Rows, cfg: &RunConfig, r: &RankShape, s: usize) {
 /// bytes.
 fn activation_rows(out: &mut Rows, cfg: &RunConfig, r: &RankShape) -> Activations {
     let (local, p, rows, n, held) = (&r.local, &r.p, r.rows, r.n, Phase::Held);
-    let (t, recompute) = (cfg.seq_len(), cfg.model.recompute);
+    let (t, recompute, par) = (r.t, cfg.model.recompute, &cfg.parallel);
     let acts = activation_set_every(local, rows, t, recompute, cfg.model.recompute_every, p).times(r.in_flight as u64);
     let policy = match recompute {
         Recompute::None => "every block's",
         Recompute::Selective => "kept per block; attention and MLP internals in one shared set",
         Recompute::Full => "block inputs only; one shared set for the block being recomputed",
     };
-    let shape = format!("B {rows} × T {t}");
+    let shape = if par.cp > 1 { format!("B {rows} × T {t} (this rank's positions of {}, parallel.cp = {})", cfg.seq_len(), par.cp) } else { format!("B {rows} × T {t}") };
     out.add(Kind::Activations, held, "residual stream", acts.residual, format!("{shape}; {} + 1 block boundaries", local.n_layer));
     out.add(Kind::Activations, held, "attention", acts.attention, format!("q|k|v, output, log-sum-exp ({policy})"));
     out.add(Kind::Activations, held, if local.is_moe() { "MoE layers" } else { "MLP" }, acts.mlp, if local.is_moe() { format!("routing, dispatch, experts, backward scratch ({policy})") } else { format!("hidden activations ({policy})") });
@@ -507,7 +510,19 @@ fn activation_rows(out: &mut Rows, cfg: &RunConfig, r: &RankShape) -> Activation
         out.add(Kind::Temporary, held, "LoRA saved x·Aᵀ", b4((lo.adapters.len() + 1) * n * lo.rank, 4), "[B·T, r] per adapter, and one for its gradient".into());
     }
     let rope = if local.arch == model::config::Arch::Llama { 2 * local.block_size * (local.head_size() / 2) } else { 0 };
-    out.add(Kind::Other, held, "token batch, rotary tables", b4(2 * n, 4) + b4(rope, 4), String::new());
+    // The batch's whole rows (a context-parallel rank picks its positions, with their position
+    // ids, out of them).
+    let batch = 2 * rows * cfg.seq_len() + if par.cp > 1 { 3 * n } else { 0 };
+    out.add(Kind::Other, held, "token batch, rotary tables", b4(batch, 4) + b4(rope, 4), String::new());
+    if par.cp > 1 {
+        let docs = cfg.data.packing == crate::config::Packing::Documents;
+        let x = parallel::cp::exchange_floats(local.n_head, local.n_kv_head, local.head_size(), rows, t, par.cp, par.cp_mode, docs);
+        let what = match par.cp_mode {
+            plan::policy::CpMode::Ring => "ring attention: the held and the arriving key/value blocks and their gradients",
+            plan::policy::CpMode::Ulysses => "Ulysses: an all-to-all's send, receive and reassembled q|k|v",
+        };
+        out.add(Kind::Communication, held, "context-parallel exchange", b4(x, 4), format!("{what}, during a layer's attention"));
+    }
     acts
 }
 
@@ -551,12 +566,12 @@ fn step_rows(out: &mut Rows, cfg: &RunConfig, r: &RankShape) {
 /// Evaluation: a batch of eval.batch_size sequences (default the micro-batch) per rank.
 /// Returns (its activations when they replace the training set's, the extra bytes).
 fn eval_rows(out: &mut Rows, cfg: &RunConfig, r: &RankShape) -> (Option<u64>, u64) {
-    let (t, mb, zero, p) = (cfg.seq_len(), cfg.micro_batch(), cfg.parallel.zero, &r.p);
+    let (t, mb, zero, p) = (r.t, cfg.micro_batch(), cfg.parallel.zero, &r.p);
     let eb = if cfg.eval.batch_size == 0 { mb } else { cfg.eval.batch_size };
     let realloc = eb != r.rows;
     let eval_acts = realloc.then(|| activation_set_every(&r.local, eb, t, cfg.model.recompute, cfg.model.recompute_every, p).total());
     let eval_zero = zero_transient(&r.padded, &r.shards.chunk, zero, r.head_unit, false);
-    let eval_extra = b4(2 * eb * t, 4) + if zero == 3 { b4(eval_zero, p.param) } else { 0 };
+    let eval_extra = b4(2 * eb * cfg.seq_len(), 4) + if zero == 3 { b4(eval_zero, p.param) } else { 0 };
     if let Some(a) = eval_acts {
         out.add(Kind::Activations, Phase::Eval, "evaluation activations", a, format!("B {eb} × T {t} (eval.batch_size), in place of the training set and scratch"));
     }
@@ -571,7 +586,7 @@ fn eval_rows(out: &mut Rows, cfg: &RunConfig, r: &RankShape) -> (Option<u64>, u6
 fn checkpoint_rows(out: &mut Rows, cfg: &RunConfig, gpt: &GptConfig, r: &RankShape) -> (usize, usize, usize) {
     let par = &cfg.parallel;
     let (dp, tp, zero, p) = (par.dp.max(1), par.tp, par.zero, &r.p);
-    let world = dp * tp * par.pp;
+    let world = par.world(dp);
     let lora_run = r.lora.is_some();
     let (whole_layout, _) = model::layout::gpt_layout(gpt);
     let parts = world > 1 && !lora_run;
@@ -601,7 +616,7 @@ fn plan_rank(cfg: &RunConfig, gpt: &GptConfig, data_bytes: u64, s: usize) -> Res
     let p = r.p;
     let par = &cfg.parallel;
     let (dp, tp, pp, zero) = (par.dp.max(1), par.tp, par.pp, par.zero);
-    let world = dp * tp * pp;
+    let world = par.world(dp);
     let mut out = Rows(Vec::new());
     model_state_rows(&mut out, cfg, &r, s);
     let acts = activation_rows(&mut out, cfg, &r);
@@ -632,9 +647,10 @@ fn plan_rank(cfg: &RunConfig, gpt: &GptConfig, data_bytes: u64, s: usize) -> Res
     let total_peak = (step_peak + kept).max(eval_peak + kept).max(checkpoint_peak);
     let (whole_layout, _) = model::layout::gpt_layout(gpt);
     let layout_line = format!(
-        "{} | {} layers, {} params{} | dp {dp} × tp {tp}{}, ZeRO {zero} | recompute {} | micro-batch {} × {} per rank | {}{}",
+        "{} | {} layers, {} params{} | dp {dp} × tp {tp}{}{}, ZeRO {zero} | recompute {} | micro-batch {} × {} per rank | {}{}",
         cfg.preset, gpt.n_layer, fmt_count(whole_layout.total), if r.lora.is_some() { " (LoRA)" } else { "" },
-        if pp > 1 { format!(" × pp {pp} (rank {s}: stage layers {:?}, {} micro-batch activation sets in flight, {})", r.stages[s], r.in_flight, par.schedule.name()) } else { String::new() }, cfg.model.recompute.name(), r.rows, cfg.seq_len(), p.name,
+        if par.cp > 1 { format!(" × cp {} ({}, {})", par.cp, plan::policy::Names::name(par.cp_mode), plan::policy::Names::name(par.cp_balance)) } else { String::new() },
+        if pp > 1 { format!(" × pp {pp} (rank {s}: stage layers {:?}, {} micro-batch activation sets in flight, {})", r.stages[s], r.in_flight, par.schedule.name()) } else { String::new() }, cfg.model.recompute.name(), r.rows, r.t, p.name,
         if cfg.memory.offload == crate::config::Offload::Optimizer { " | optimizer offloaded" } else { "" },
     );
     let ranks_per_process = if par.backend == crate::config::Backend::Mpi { 1 } else { world };
@@ -657,7 +673,7 @@ pub fn check_sizes(cfg: &RunConfig, gpt: &GptConfig, data_bytes: u64) -> Result<
     let budget = guard::Budget::of(cfg.memory_limit());
     let machine = if budget.explicit { guard::Budget::of(0) } else { budget.clone() };
     let par = &cfg.parallel;
-    let world = (par.dp.max(1) * par.tp * par.pp * par.ep) as u128;
+    let world = par.world(par.dp.max(1)) as u128;
     let in_process = if par.backend == crate::config::Backend::Mpi { 1 } else { world };
     let floor = (guard::weight_bytes(gpt) + guard::activation_floor(gpt, cfg.micro_batch(), cfg.seq_len())) / world;
     let cause = format!("{}; one batch of {} rows × {} positions: train.batch_size / train.grad_accum, train.seq_len", guard::shape_keys(gpt), cfg.micro_batch(), cfg.seq_len());

@@ -909,6 +909,8 @@ impl Gpt {
     /// Allocates the activation buffers for `(B, T)` under the current [`Recompute`] policy, as
     /// the next forward would (a no-op when they already fit).
     pub fn reserve_activations(&mut self, b: usize, t: usize) {
+        // A context-parallel part holds its T/cp positions of each row.
+        let t = self.cfg.place.context.map_or(t, |cx| t / cx.count);
         self.ensure_acts(b, t);
     }
 

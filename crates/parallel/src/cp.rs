@@ -261,6 +261,7 @@ impl CpComm {
         let starts_h = if starts.is_empty() { Vec::new() } else { self.all_starts(starts, b, tl) };
         let mut out_h = vec![0.0; b * hd.t * hd.nh * hs];
         flash_gqa_forward_docs(&mut out_h, lse, &qkv_h, &hd, &starts_h, dropout);
+        drop((qkv_h, starts_h));
         out.fill(0.0);
         self.heads_to_seq_add(&out_h, out, b, tl, &|c| self.q_cols(dims, c));
     }
@@ -293,9 +294,12 @@ impl CpComm {
                 }
             }
         }
+        drop((d, d_rows, d_h_rows));
         let starts_h = if starts.is_empty() { Vec::new() } else { self.all_starts(starts, b, tl) };
         let mut dqkv_h = vec![0.0; qkv_h.len()];
         flash_gqa_block_backward(&mut dqkv_h, None, &dout_h, lse, &d_h, &Block::whole(&qkv_h, &hd, &starts_h), &hd, dropout);
+        // Only the gradient travels back: the rest is freed first (the plan counts the peak).
+        drop((qkv_h, dout_h, d_h, starts_h));
         self.heads_to_seq_add(&dqkv_h, dqkv, b, tl, &|c| self.qkv_cols(dims, c));
     }
 }
@@ -354,4 +358,27 @@ pub fn check(seq_len: usize, n_head: usize, n_kv_head: usize, cp: usize, mode: C
         }
     }
     None
+}
+
+/// The most floats [`CpComm`] holds at once during a layer's attention (forward or backward),
+/// for a part with `nh` query and `nkv` key/value heads of `hs`, `rows` sequences of `tl`
+/// positions each, on `cp` ranks (`docs`: packed documents' starts travel too). Ring: the held
+/// and the arriving key/value block and, in backward, their gradients, and `D`. Ulysses: an
+/// all-to-all's send, receive and reassembled buffers of q|k|v (`Q`, the largest exchanged).
+pub fn exchange_floats(nh: usize, nkv: usize, hs: usize, rows: usize, tl: usize, cp: usize, mode: CpMode, docs: bool) -> usize {
+    if cp <= 1 {
+        return 0;
+    }
+    let d = rows * nh * tl;
+    match mode {
+        CpMode::Ring => 4 * rows * tl * 2 * nkv * hs + d,
+        CpMode::Ulysses => {
+            let (hq, group) = (nh / cp, nh / nkv);
+            let hkv = (hq - 1) / group + 1;
+            let q = rows * tl * cp * (hq + 2 * hkv) * hs;
+            let o = rows * tl * cp * hq * hs;
+            let starts = if docs { 3 * rows * tl * cp } else { 0 };
+            (3 * q).max(2 * q + o + d / cp + starts).max(q + 3 * o)
+        }
+    }
 }

@@ -135,3 +135,49 @@ fn context_parallel_shapes_it_cannot_split_are_refused() {
         assert!(!out.exists(), "{extra:?}: a refused config must not create the run directory");
     }
 }
+
+#[test]
+fn context_parallel_divides_activations_and_the_plan_predicts_what_it_holds() {
+    let d = scratch("cp-memory");
+    let data = corpus(&d);
+    // LLaMA-shaped (GQA, SwiGLU, RMSNorm), one sequence of 2048 positions.
+    let shape: Vec<String> = ["model.arch=llama", "model.bias=false", "model.n_layer=4", "model.n_head=8", "model.n_kv_head=2", "model.n_embd=256", "model.block_size=2048", "train.batch_size=1", "eval.iters=1", "eval.interval=0", "checkpoint.interval=0", "sample.tokens=0"]
+        .iter()
+        .flat_map(|kv| ["--set".to_string(), kv.to_string()])
+        .collect();
+    let shape: Vec<&str> = shape.iter().map(String::as_str).collect();
+    let plan = |extra: &[&str]| -> serde_json::Value {
+        let o = kiln(&[&["memory", "--data", data.to_str().unwrap(), "--json"][..], &shape, extra].concat());
+        assert!(o.status.success(), "{}", stderr(&o));
+        serde_json::from_str(&stdout(&o)).unwrap()
+    };
+    let rows = |v: &serde_json::Value, f: &dyn Fn(&serde_json::Value) -> bool| v["rows"].as_array().unwrap().iter().filter(|r| f(r)).map(|r| r["bytes"].as_u64().unwrap()).sum::<u64>();
+    let one = plan(&[]);
+    let one_acts = rows(&one, &|r| r["kind"] == "activations");
+    for mode in ["ring", "ulysses"] {
+        let p = plan(&["--cp", "4", "--cp-mode", mode]);
+        // A rank's activations and its attention exchange buffers, against one rank's.
+        let mine = rows(&p, &|r| r["kind"] == "activations" || r["name"] == "context-parallel exchange");
+        let ratio = mine as f64 / one_acts as f64;
+        assert!(ratio <= 0.3, "cp 4 {mode}: {mine} bytes per rank vs {one_acts} on one rank ({ratio:.3})");
+        assert!(rows(&p, &|r| r["name"] == "context-parallel exchange") > 0, "cp 4 {mode}: the exchange is planned");
+    }
+    // The tracked allocator's peak over a step of 4 in-process ranks, against the plan.
+    let ring = plan(&["--cp", "4"]);
+    let out = d.join("cp4");
+    let o = kiln(&[&["train", "--data", data.to_str().unwrap(), "--out", out.to_str().unwrap(), "--quiet", "--max-steps", "1", "--cp", "4"][..], &shape].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let last = lines(&out, "train").pop().unwrap();
+    let tracked = last["mem_tracked_peak_bytes"].as_f64().unwrap();
+    let planned = ring["ranks_per_process"].as_f64().unwrap() * ring["step_peak_bytes"].as_f64().unwrap() + ring["data_bytes"].as_f64().unwrap();
+    let err = (planned - tracked).abs() / tracked;
+    assert!(err < 0.05, "cp 4: planned {planned} vs tracked peak {tracked} ({:.1}%)", 100.0 * err);
+    // A limit between the two: one rank is refused before it writes anything, four train.
+    let limit = ((one["total_bytes"].as_u64().unwrap() + ring["total_bytes"].as_u64().unwrap()) / 2).to_string();
+    let refused = d.join("one-limited");
+    let o = kiln(&[&["train", "--data", data.to_str().unwrap(), "--out", refused.to_str().unwrap(), "--quiet", "--max-steps", "1", "--memory-limit", &limit][..], &shape].concat());
+    assert_user_error(&o, &["memory.limit"]);
+    assert!(!refused.exists());
+    let o = kiln(&[&["train", "--data", data.to_str().unwrap(), "--out", d.join("cp4-limited").to_str().unwrap(), "--quiet", "--max-steps", "1", "--cp", "4", "--memory-limit", &limit][..], &shape].concat());
+    assert!(o.status.success(), "cp 4 under --memory-limit {limit}: {}", stderr(&o));
+}
