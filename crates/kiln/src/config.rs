@@ -37,6 +37,9 @@ pub struct ModelSection {
     /// Sliding-window attention (Mistral; llama arch): each position attends to itself and the
     /// `sliding_window - 1` before it; 0 = every earlier position.
     pub sliding_window: usize,
+    /// Attention sinks under the sliding window (StreamingLLM): the first `attn_sinks`
+    /// positions of each document stay visible to every later position; 0 = none.
+    pub attn_sinks: usize,
     /// Width of each attention head when it is not `n_embd / n_head` (llama arch, transformers'
     /// `head_dim`); 0 = `n_embd / n_head`.
     pub head_dim: usize,
@@ -495,7 +498,7 @@ impl Default for ModelSection {
         ModelSection {
             arch: model::config::Arch::Gpt2, n_layer: 4, n_head: 4, n_kv_head: 0, n_embd: 128, ffn_hidden: 0,
             rope_theta: defaults::ROPE_THETA, rope_scaling: RopeKind::None, rope_factor: 1.0, rope_low_freq_factor: 1.0,
-            rope_high_freq_factor: 4.0, rope_original_max_positions: 8192, qkv_bias: false, sliding_window: 0, head_dim: 0, norm_eps: defaults::NORM_EPS, block_size: 128, vocab_size: 0, loss_vocab: 0, bias: false,
+            rope_high_freq_factor: 4.0, rope_original_max_positions: 8192, qkv_bias: false, sliding_window: 0, attn_sinks: 0, head_dim: 0, norm_eps: defaults::NORM_EPS, block_size: 128, vocab_size: 0, loss_vocab: 0, bias: false,
             dropout: 0.0, tied_embeddings: true, init_from: String::new(), n_expert: 0, top_k: defaults::TOP_K,
             n_shared_expert: 0, capacity_factor: 0.0, moe_aux_weight: defaults::MOE_AUX_WEIGHT, moe_z_weight: defaults::MOE_Z_WEIGHT,
             recompute: model::Recompute::None, recompute_every: 1,
@@ -974,6 +977,7 @@ impl RunConfig {
             },
             qkv_bias: m.qkv_bias,
             sliding_window: m.sliding_window,
+            attn_sinks: m.attn_sinks,
             head_dim: m.head_dim,
             norm_eps: m.norm_eps as f32,
             n_expert: m.n_expert,
@@ -1034,7 +1038,7 @@ pub const STRUCTURAL_KEYS: &[&str] = &[
     "model.arch", "model.n_layer", "model.n_head", "model.n_kv_head", "model.n_embd", "model.ffn_hidden", "model.block_size",
     "model.vocab_size", "model.bias", "model.tied_embeddings", "model.rope_theta", "model.norm_eps", "model.init_from",
     "model.rope_scaling", "model.rope_factor", "model.rope_low_freq_factor", "model.rope_high_freq_factor",
-    "model.rope_original_max_positions", "model.qkv_bias", "model.sliding_window", "model.loss_vocab", "model.head_dim",
+    "model.rope_original_max_positions", "model.qkv_bias", "model.sliding_window", "model.attn_sinks", "model.loss_vocab", "model.head_dim",
     "model.n_expert", "model.top_k", "model.n_shared_expert",
     "lora.rank", "lora.targets", "data.tokenizer", "data.paths", "data.val_fraction", "data.text_field", "data.format",
     "data.packing", "data.reset_positions", "data.sources",

@@ -124,6 +124,10 @@ pub struct GptConfig {
     /// `sliding_window - 1` before it; 0 = all earlier positions.
     #[serde(default)]
     pub sliding_window: usize,
+    /// Attention sinks under the sliding window (StreamingLLM): the first `attn_sinks`
+    /// positions of each document stay visible to every later position; 0 = none.
+    #[serde(default)]
+    pub attn_sinks: usize,
     /// Width of each attention head when it is not `n_embd / n_head` (llama arch, as
     /// transformers' `head_dim`); 0 = `n_embd / n_head`.
     #[serde(default)]
@@ -155,7 +159,7 @@ impl GptConfig {
     pub fn gpt2(n_layer: usize, n_head: usize, n_embd: usize, block_size: usize, vocab_size: usize, bias: bool, dropout: f32, tied: bool) -> GptConfig {
         GptConfig {
             arch: Arch::Gpt2, n_layer, n_head, n_kv_head: n_head, n_embd, ffn_hidden: 4 * n_embd, block_size, vocab_size,
-            bias, dropout, tied_embeddings: tied, rope_theta: defaults::ROPE_THETA as f32, rope_scaling: None, qkv_bias: false, sliding_window: 0, head_dim: 0, norm_eps: defaults::NORM_EPS as f32,
+            bias, dropout, tied_embeddings: tied, rope_theta: defaults::ROPE_THETA as f32, rope_scaling: None, qkv_bias: false, sliding_window: 0, attn_sinks: 0, head_dim: 0, norm_eps: defaults::NORM_EPS as f32,
             n_expert: 0, top_k: defaults::TOP_K, n_shared_expert: 0, capacity_factor: 0.0, moe_aux_weight: defaults::MOE_AUX_WEIGHT as f32,
             moe_z_weight: defaults::MOE_Z_WEIGHT as f32, place: Placement::default(),
         }
@@ -225,6 +229,9 @@ impl GptConfig {
         }
         if self.sliding_window > 0 && self.arch != Arch::Llama {
             return Err("model.sliding_window needs model.arch = llama (GPT-2 attends to every earlier position)".into());
+        }
+        if self.attn_sinks > 0 && self.sliding_window == 0 {
+            return Err(format!("model.attn_sinks = {} needs a sliding window (model.sliding_window): without one every earlier position is visible already", self.attn_sinks));
         }
         if self.qkv_bias && self.arch != Arch::Llama {
             return Err("model.qkv_bias is a llama-arch setting (Qwen2); GPT-2's biases are model.bias".into());

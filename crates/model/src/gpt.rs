@@ -1588,7 +1588,7 @@ impl<'a> Ops<'a> {
 
     fn gqa(&self) -> GqaDims {
         let (head0, heads) = self.mask_heads();
-        GqaDims { b: self.b, t: self.t, nh: self.cfg.n_head, nkv: self.cfg.n_kv_head, hs: self.cfg.head_size(), head0, heads, b0: self.b0, window: self.cfg.sliding_window }
+        GqaDims { b: self.b, t: self.t, nh: self.cfg.n_head, nkv: self.cfg.n_kv_head, hs: self.cfg.head_size(), head0, heads, b0: self.b0, window: self.cfg.sliding_window, sinks: self.cfg.attn_sinks }
     }
 
     /// A tensor-parallel shard's first head and the whole model's head count ((0, 0) without

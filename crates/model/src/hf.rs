@@ -426,6 +426,9 @@ fn export_config(c: &GptConfig) -> Result<Value, String> {
     if c.n_shared_expert > 0 {
         return Err("export: shared experts have no Hugging Face Mixtral equivalent".into());
     }
+    if c.attn_sinks > 0 {
+        return Err(format!("export: attention sinks (model.attn_sinks = {}) have no Hugging Face equivalent: transformers' sliding window would drop them", c.attn_sinks));
+    }
     Ok(if c.arch == Arch::Llama {
         if c.qkv_bias && c.is_moe() {
             return Err("export: q/k/v biases with experts have no Hugging Face equivalent".into());

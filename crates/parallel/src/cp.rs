@@ -73,13 +73,15 @@ impl CpComm {
     /// The blocks of ring step `s` on this rank: its query chunks against the chunks of rank
     /// `r − s`, those no query can see left out (keys after the chunk, or wholly before its
     /// sliding window); on the own step each chunk's diagonal block first (it starts the state).
-    fn ring_blocks(&self, s: usize, t: usize, window: usize) -> Vec<(Span, Span)> {
+    fn ring_blocks(&self, s: usize, t: usize, window: usize, sinks: usize) -> Vec<(Span, Span)> {
         let (r, n) = (self.slice.index, self.slice.count);
         let owner = (r + n - s) % n;
         let mut v = Vec::new();
         for q in self.spans(r, t) {
             for k in self.spans(owner, t) {
-                let before_window = window > 0 && k.pos0 + k.len + window <= q.pos0 + 1;
+                // (With attention sinks a far block may hold a document's first keys: the
+                // kernel skips its invisible tiles instead.)
+                let before_window = window > 0 && sinks == 0 && k.pos0 + k.len + window <= q.pos0 + 1;
                 if k.pos0 < q.pos0 + q.len && !before_window {
                     v.push((q, k));
                 }
@@ -99,7 +101,7 @@ impl CpComm {
             if s + 1 < n {
                 self.comm.send(&cur, (r + 1) % n, TAG_KV);
             }
-            for (q, k) in self.ring_blocks(s, gd.t, dims.window) {
+            for (q, k) in self.ring_blocks(s, gd.t, dims.window, dims.sinks) {
                 let blk = Block { qkv, q, kv: &cur, kw, kc: 0, vc: kw / 2, k, starts };
                 flash_gqa_block_forward(out, lse, &blk, &gd, s == 0 && q == k, dropout);
             }
@@ -124,7 +126,7 @@ impl CpComm {
             if s + 1 < n {
                 self.comm.send(&cur, (r + 1) % n, TAG_KV);
             }
-            for (q, k) in self.ring_blocks(s, gd.t, dims.window) {
+            for (q, k) in self.ring_blocks(s, gd.t, dims.window, dims.sinks) {
                 let blk = Block { qkv, q, kv: &cur, kw, kc: 0, vc: kw / 2, k, starts };
                 flash_gqa_block_backward(dqkv, Some(&mut dcur), dout, lse, &d, &blk, &gd, dropout);
             }

@@ -44,7 +44,7 @@ impl AttnDims {
     /// The MHA shape as the GQA shape with one query head per kv head: the layouts coincide.
     pub fn as_gqa(&self) -> GqaDims {
         assert!(self.nh > 0 && self.c.is_multiple_of(self.nh), "C must be a multiple of NH");
-        GqaDims { b: self.b, t: self.t, nh: self.nh, nkv: self.nh, hs: self.c / self.nh, head0: self.head0, heads: self.heads, b0: self.b0, window: 0 }
+        GqaDims { b: self.b, t: self.t, nh: self.nh, nkv: self.nh, hs: self.c / self.nh, head0: self.head0, heads: self.heads, b0: self.b0, window: 0, sinks: 0 }
     }
 
     /// The whole-model `(batch, head)` index of `bh = b·NH + h` (`GqaDims::mask_bh`).
@@ -213,7 +213,7 @@ pub fn attention_backward(
 
 /// One decoding step with a KV cache: query `q[NH·HS]` for position `T - 1` attends over
 /// the cached keys and values of positions `0..T` (the last `window` of them under a sliding
-/// window) (`T = dims.t`, one sequence: `dims.b` and the
+/// window, and the first `sinks`) (`T = dims.t`, one sequence: `dims.b` and the
 /// dropout placement are unused); query head `h` reads kv head `h / (NH/NKV)` (grouped-query
 /// attention; `NKV == NH` is plain multi-head). Overwrites `out`.
 pub fn attention_decode(
@@ -227,15 +227,15 @@ pub fn attention_decode(
     let kw = nkv * hs;
     let group = nh / nkv;
     let scale = 1.0 / (hs as f32).sqrt();
-    // Under a sliding window only the last `window` positions are seen.
+    // Under a sliding window only the last `window` positions are seen, and the sinks.
     let lo = dims.first_key(t_cur - 1);
-    let (k_cache, v_cache) = (&k_cache[lo * kw..], &v_cache[lo * kw..]);
-    let mut w = vec![0.0f32; t_cur - lo];
+    let keys: Vec<usize> = (0..dims.sink_end(t_cur - 1, 0)).chain(lo..t_cur).collect();
+    let mut w = vec![0.0f32; keys.len()];
     for h in 0..nh {
         let kh = h / group;
         let qh = &q[h * hs..(h + 1) * hs];
         let mut max = f32::NEG_INFINITY;
-        for (j, wj) in w.iter_mut().enumerate() {
+        for (&j, wj) in keys.iter().zip(w.iter_mut()) {
             let kj = &k_cache[j * kw + kh * hs..j * kw + (kh + 1) * hs];
             *wj = qh.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>() * scale;
             max = max.max(*wj);
@@ -247,7 +247,7 @@ pub fn attention_decode(
         }
         let oh = &mut out[h * hs..(h + 1) * hs];
         oh.fill(0.0);
-        for (j, wj) in w.iter().enumerate() {
+        for (&j, wj) in keys.iter().zip(&w) {
             let vj = &v_cache[j * kw + kh * hs..j * kw + (kh + 1) * hs];
             let a = wj / sum;
             for (o, v) in oh.iter_mut().zip(vj) {

@@ -320,6 +320,7 @@ impl<'a> Block<'a> {
 #[derive(Clone, Copy)]
 struct Mask<'a> {
     window: usize,
+    sinks: usize,
     starts: &'a [u32],
     pos0: usize,
     row0: usize,
@@ -330,7 +331,38 @@ impl<'a> Mask<'a> {
     fn of(dims: &GqaDims, blk: &Block<'a>, bi: usize) -> Mask<'a> {
         let q = blk.q;
         let starts = if blk.starts.is_empty() { &[][..] } else { &blk.starts[bi * q.rows..(bi + 1) * q.rows] };
-        Mask { window: dims.window, starts, pos0: q.pos0, row0: q.row0 }
+        Mask { window: dims.window, sinks: if dims.window > 0 { dims.sinks } else { 0 }, starts, pos0: q.pos0, row0: q.row0 }
+    }
+
+    /// The first key of the document of the query at `gi` (0 without documents).
+    #[inline]
+    fn start(self, gi: usize) -> usize {
+        if self.starts.is_empty() { 0 } else { self.starts[gi - self.pos0 + self.row0] as usize }
+    }
+
+    /// The end of the query's sink keys, `start .. sink_end` (empty without sinks; never past
+    /// [`Mask::first`]); non-decreasing in `gi` within a document.
+    #[inline]
+    fn sink_end(self, gi: usize) -> usize {
+        let s = self.start(gi);
+        if self.sinks == 0 { s } else { (s + self.sinks).min(self.first(gi)) }
+    }
+
+    /// Whether a tile of queries `gi0 .. gi0 + rows` and keys `jg0 .. jg0 + ncols` may hold a
+    /// visible score (with sinks, the tiles between a document's sinks and a window are not).
+    #[inline]
+    fn tile_visible(self, gi0: usize, rows: usize, jg0: usize, ncols: usize) -> bool {
+        let last = gi0 + rows - 1;
+        let window = self.first(gi0) < jg0 + ncols && jg0 <= last;
+        window || (self.start(gi0) < jg0 + ncols && self.sink_end(last) > jg0)
+    }
+
+    /// The first key tile (in keys from `k0`, tiles of `bc`) a query tile starting at `gi0`
+    /// visits: its first row's window's, or with sinks its document's first.
+    #[inline]
+    fn first_tile(self, gi0: usize, k0: usize, bc: usize) -> usize {
+        let first = if self.sinks > 0 { self.start(gi0) } else { self.first(gi0) };
+        first.saturating_sub(k0) / bc * bc
     }
 
     /// The first key the query at global position `gi` attends: `max(gi + 1 − window, start)`,
@@ -357,6 +389,18 @@ fn valid_cols(gi: usize, j0: usize, ncols: usize) -> usize {
 fn valid_range(gi: usize, j0: usize, ncols: usize, mask: Mask) -> (usize, usize) {
     let hi = valid_cols(gi, j0, ncols);
     (mask.first(gi).saturating_sub(j0).min(hi), hi)
+}
+
+/// The valid key columns of query row `gi` in a key tile starting at `j0`, as two ranges in
+/// order: its sink keys' (empty without sinks), then [`valid_range`]'s.
+#[inline]
+fn segments(gi: usize, j0: usize, ncols: usize, mask: Mask) -> [(usize, usize); 2] {
+    let (lo, hi) = valid_range(gi, j0, ncols, mask);
+    if mask.sinks == 0 {
+        return [(lo, lo), (lo, hi)];
+    }
+    let clamp = |x: usize| x.saturating_sub(j0).min(lo);
+    [(clamp(mask.start(gi)), clamp(mask.sink_end(gi))), (lo, hi)]
 }
 
 /// Writes `mk[jj] = keep ? 1/(1-p) : 0` for the first `n` columns of a score row whose first
@@ -549,11 +593,15 @@ pub fn flash_gqa_block_forward_tiled(
         // so are keys after the last row.
         let mask = Mask::of(dims, blk, bi);
         let end = (gi0 + rows).saturating_sub(ks.pos0).min(ks.len);
-        let mut j0 = mask.first(gi0).saturating_sub(ks.pos0) / bc * bc;
+        let mut j0 = mask.first_tile(gi0, ks.pos0, bc);
         while j0 < end {
             // Key columns past the tile's last query row are all masked: trim them.
             let ncols = bc.min(end - j0);
             let jg0 = ks.pos0 + j0;
+            if mask.sinks > 0 && !mask.tile_visible(gi0, rows, jg0, ncols) {
+                j0 += bc;
+                continue;
+            }
             let k = View { data: blk.kv, off: ks.row(bi, j0) * kw + blk.kc + g * hs, rows: ncols, cols: hs, rs: kw, cs: 1 };
             let v = View { off: ks.row(bi, j0) * kw + blk.vc + g * hs, ..k };
             // S = q·kᵀ·scale   [rows, ncols], row stride bc
@@ -567,9 +615,10 @@ pub fn flash_gqa_block_forward_tiled(
             }
             if dropout > 0.0 {
                 for r in 0..rows {
-                    let (lo, hi) = valid_range(gi0 + r, jg0, ncols, mask);
-                    dropout_row(mk, mask_base(dims.mask_bh(bh), t, gi0 + r, jg0 + lo), hi - lo, dropout, seed);
-                    mul_into(&mut s[r * bc + lo..r * bc + hi], &mk[..hi - lo]);
+                    for (lo, hi) in segments(gi0 + r, jg0, ncols, mask) {
+                        dropout_row(mk, mask_base(dims.mask_bh(bh), t, gi0 + r, jg0 + lo), hi - lo, dropout, seed);
+                        mul_into(&mut s[r * bc + lo..r * bc + hi], &mk[..hi - lo]);
+                    }
                 }
             }
             let p = View { data: s, off: 0, rows, cols: ncols, rs: bc, cs: 1 };
@@ -607,17 +656,18 @@ crate::multiversion! {
     fn online_softmax_tile(s: &mut [f32], bc: usize, tile: Tile<'_>, m: &mut [f32], l: &mut [f32], alpha: &mut [f32]) {
         let Tile { i0, rows, j0, ncols, mask } = tile;
         for r in 0..rows {
-            let (lo, vr) = valid_range(i0 + r, j0, ncols, mask);
+            let [(s0, s1), (lo, vr)] = segments(i0 + r, j0, ncols, mask);
             let row = &mut s[r * bc..r * bc + ncols];
-            if vr == lo {
+            if vr == lo && s1 == s0 {
                 row.fill(0.0);
                 alpha[r] = 1.0;
                 continue;
             }
-            let m_new = m[r].max(row_max(&row[lo..vr]));
+            let m_new = m[r].max(row_max(&row[lo..vr])).max(row_max(&row[s0..s1]));
             let a = if m[r] == f32::NEG_INFINITY { 0.0 } else { (m[r] - m_new).exp() };
-            let sum = exp_sub_sum(&mut row[lo..vr], m_new);
-            row[..lo].fill(0.0);
+            let sum = exp_sub_sum(&mut row[s0..s1], m_new) + exp_sub_sum(&mut row[lo..vr], m_new);
+            row[..s0].fill(0.0);
+            row[s1..lo].fill(0.0);
             row[vr..].fill(0.0);
             l[r] = l[r] * a + sum;
             m[r] = m_new;
@@ -985,9 +1035,16 @@ fn head_key_tile(x: &Ctx, sc: &mut BwdScratch, bi: usize, h: usize, jt: usize, d
     let mut it = jg0.saturating_sub(qs.pos0) / x.br;
     // Query tiles whose first row's first key (sliding window, document) is past this key tile
     // are skipped, and so are all later ones: the first key never decreases.
-    while it * x.br < qs.len && mask.first(qs.pos0 + it * x.br) < jg0 + ncols {
+    // With sinks, queries see a document's first keys however far on they are: the loop runs
+    // to the document's end, skipping the tiles no row sees.
+    let reach = |gi: usize| if mask.sinks > 0 { mask.start(gi) } else { mask.first(gi) };
+    while it * x.br < qs.len && reach(qs.pos0 + it * x.br) < jg0 + ncols {
         let i0 = it * x.br;
         let rows = x.br.min(qs.len - i0);
+        if mask.sinks > 0 && !mask.tile_visible(qs.pos0 + i0, rows, jg0, ncols) {
+            it += 1;
+            continue;
+        }
         tile_grads(x, sc, bh, i0, rows, j0, ncols);
         let q = View { data: x.blk.qkv, off: x.q_at(bi, i0, h), rows, cols: hs, rs: w, cs: 1 };
         let d_o = View { data: x.dout, off: x.o_at(bi, i0, h), rows, cols: hs, rs: c, cs: 1 };
@@ -1033,9 +1090,14 @@ fn query_tile(x: &Ctx, sc: &mut BwdScratch, bh: usize, it: usize) {
     // i0..i0+rows of the q columns of head h of batch bi.
     let dq = unsafe { x.dq.0.add(x.q_at(bi, i0, h)) };
     let end = (gi0 + rows).saturating_sub(ks.pos0).min(ks.len);
-    let mut j0 = x.mask(bi).first(gi0).saturating_sub(ks.pos0) / x.bc * x.bc;
+    let mask = x.mask(bi);
+    let mut j0 = mask.first_tile(gi0, ks.pos0, x.bc);
     while j0 < end {
         let ncols = x.key_cols(j0);
+        if mask.sinks > 0 && !mask.tile_visible(gi0, rows, ks.pos0 + j0, ncols) {
+            j0 += x.bc;
+            continue;
+        }
         tile_grads(x, sc, bh, i0, rows, j0, ncols);
         let k = View { data: x.blk.kv, off: x.k_at(bi, j0, g), rows: ncols, cols: hs, rs: x.blk.kw, cs: 1 };
         let ds = View { data: &sc.ds, off: 0, rows, cols: ncols, rs: x.bc, cs: 1 };
@@ -1069,18 +1131,30 @@ fn tile_grads(x: &Ctx, sc: &mut BwdScratch, bh: usize, i0: usize, rows: usize, j
     let jg0 = ks.pos0 + j0;
     for r in 0..rows {
         let gi = qs.pos0 + i0 + r;
-        // Columns lo..vr are valid: the row functions see the tile from `lo` on.
-        let (lo, vr) = valid_range(gi, jg0, ncols, mask);
+        // Columns lo..vr are valid (and the sinks' s0..s1): the row functions see the tile
+        // from `lo` on, and the sinks' columns alone.
+        let [(s0, s1), (lo, vr)] = segments(gi, jg0, ncols, mask);
         let pr = &mut p[r * x.bc..r * x.bc + ncols];
         let dr = &mut ds[r * x.bc..r * x.bc + ncols];
-        pr[..lo].fill(0.0);
-        dr[..lo].fill(0.0);
+        for (a, b) in [(0, s0), (s1, lo)] {
+            pr[a..b].fill(0.0);
+            dr[a..b].fill(0.0);
+        }
         if x.dropout > 0.0 {
-            dropout_row(mk, mask_base(x.dims.mask_bh(bh), x.t, gi, jg0 + lo), vr - lo, x.dropout, x.seed);
             let pdr = &mut pd[r * x.bc..r * x.bc + ncols];
-            pdr[..lo].fill(0.0);
+            for (a, b) in [(0, s0), (s1, lo)] {
+                pdr[a..b].fill(0.0);
+            }
+            if s1 > s0 {
+                dropout_row(mk, mask_base(x.dims.mask_bh(bh), x.t, gi, jg0 + s0), s1 - s0, x.dropout, x.seed);
+                bwd_row_dropout(&mut pr[s0..s1], &mut pdr[s0..s1], &mut dr[s0..s1], &mk[..s1 - s0], s1 - s0, lse[r], d[r]);
+            }
+            dropout_row(mk, mask_base(x.dims.mask_bh(bh), x.t, gi, jg0 + lo), vr - lo, x.dropout, x.seed);
             bwd_row_dropout(&mut pr[lo..], &mut pdr[lo..], &mut dr[lo..], &mk[..vr - lo], vr - lo, lse[r], d[r]);
         } else {
+            if s1 > s0 {
+                bwd_row(&mut pr[s0..s1], &mut dr[s0..s1], s1 - s0, lse[r], d[r]);
+            }
             bwd_row(&mut pr[lo..], &mut dr[lo..], vr - lo, lse[r], d[r]);
         }
     }

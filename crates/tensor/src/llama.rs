@@ -345,6 +345,9 @@ pub struct GqaDims {
     /// Sliding-window attention (Mistral): query `i` sees keys `i+1-window ..= i`; 0 = every
     /// earlier key (plain causal).
     pub window: usize,
+    /// Attention sinks under a sliding window (StreamingLLM, Xiao et al. 2023): the first
+    /// `sinks` positions of a query's document stay visible however far back they are; 0 = none.
+    pub sinks: usize,
 }
 
 impl GqaDims {
@@ -352,6 +355,14 @@ impl GqaDims {
     #[inline]
     pub fn first_key(&self, i: usize) -> usize {
         if self.window == 0 { 0 } else { (i + 1).saturating_sub(self.window) }
+    }
+
+    /// The end of the sink keys of query `i` whose document starts at `start`: it sees
+    /// `start .. sink_end` besides its window (empty without sinks or without a window; never
+    /// past the window's first key).
+    #[inline]
+    pub fn sink_end(&self, i: usize, start: usize) -> usize {
+        if self.sinks == 0 || self.window == 0 { start } else { (start + self.sinks).min(self.first_key(i).max(start)) }
     }
 
     /// The whole-model, whole-batch `(batch, head)` index of this shard's `bh = b·NH + h`,
@@ -432,8 +443,17 @@ pub fn gqa_attention_forward_docs(
         unsafe { gemm_raw(a.as_mut_ptr(), t, false, q, k.t(), scale, Threads::One) };
         let starts = if starts.is_empty() { &[][..] } else { &starts[bi * t..(bi + 1) * t] };
         for i in 0..t {
-            let lo = starts.get(i).map_or(dims.first_key(i), |&s| dims.first_key(i).max(s as usize));
-            causal_softmax_row(&mut a[i * t..(i + 1) * t], lo, i);
+            let start = starts.get(i).map_or(0, |&s| s as usize);
+            let lo = dims.first_key(i).max(start);
+            let row = &mut a[i * t..(i + 1) * t];
+            // Sinks: keys start..sink_end stay, as scores shifted out of the way of the
+            // window's softmax and shifted back (the reference materialises the mask).
+            let sink = start..dims.sink_end(i, start);
+            if sink.is_empty() {
+                causal_softmax_row(row, lo, i);
+            } else {
+                masked_softmax_row(row, &[sink, lo..i + 1]);
+            }
         }
         // Safety: task (bi, h) writes only rows of batch bi, columns h·HS..(h+1)·HS of `out`.
         let dst = unsafe { outp.0.add(bi * t * c + h * hs) };
@@ -458,6 +478,18 @@ crate::multiversion! {
         }
         future.fill(0.0);
     }
+}
+
+/// Softmax over the keys in `ranges` of `row`; every other entry is set to 0.
+fn masked_softmax_row(row: &mut [f32], ranges: &[std::ops::Range<usize>]) {
+    let keep = |j: usize| ranges.iter().any(|r| r.contains(&j));
+    let max = (0..row.len()).filter(|&j| keep(j)).fold(f32::NEG_INFINITY, |m, j| m.max(row[j]));
+    let mut sum = 0.0;
+    for (j, x) in row.iter_mut().enumerate() {
+        *x = if keep(j) { (*x - max).exp() } else { 0.0 };
+        sum += *x;
+    }
+    row.iter_mut().for_each(|x| *x /= sum);
 }
 
 crate::multiversion! {

@@ -12,6 +12,8 @@ const CP: &[&str] = &[
     "--set", "model.dropout=0.1", "--set", "eval.interval=10", "--set", "checkpoint.interval=0", "--set", "sample.tokens=0",
 ];
 const LLAMA: &[&str] = &["--set", "model.arch=llama", "--set", "model.bias=false", "--set", "model.n_kv_head=2", "--set", "model.sliding_window=6"];
+/// Attention sinks: the first 2 positions stay visible beyond the window.
+const SINKS: &[&str] = &["--set", "model.attn_sinks=2"];
 
 fn run(data: &Path, out: &Path, extra: &[&str]) {
     let o = train(data, out, &[CP, extra].concat());
@@ -88,6 +90,15 @@ fn context_parallel_matches_one_rank() {
         run(&data, &out, &[LLAMA, extra].concat());
         assert_matches(&out, &one, &format!("llama {extra:?}"));
     }
+    // With attention sinks no ring block is skipped for the window (a far block may hold a
+    // document's first keys): the kernel skips the tiles no query sees.
+    let one = d.join("llama-sinks-one");
+    run(&data, &one, &[LLAMA, SINKS].concat());
+    for extra in [&["--cp", "4"][..], &["--cp", "2", "--cp-mode", "ulysses"]] {
+        let out = d.join(format!("llama-sinks{}", extra.join("")));
+        run(&data, &out, &[LLAMA, SINKS, extra].concat());
+        assert_matches(&out, &one, &format!("llama with sinks {extra:?}"));
+    }
     // Data parallel × pipeline × context parallel on 8 in-process ranks, against one rank
     // accumulating the same two micro-batches.
     let acc = ["--set", "train.batch_size=8", "--micro-batches", "2"];
@@ -119,7 +130,7 @@ fn context_parallel_matches_one_rank() {
 }
 
 #[test]
-fn context_parallel_shapes_it_cannot_split_are_refused() {
+fn context_parallel_shapes_it_cannot_split_and_sinks_without_a_window_are_refused() {
     let d = scratch("cp-errors");
     let data = corpus(&d);
     for (extra, needle) in [
@@ -128,6 +139,7 @@ fn context_parallel_shapes_it_cannot_split_are_refused() {
         (&["--cp", "4", "--cp-mode", "ulysses"], "parallel.cp_mode = ulysses needs the attention heads of each tensor-parallel rank (2) divisible by parallel.cp = 4"),
         (&["--cp", "0"], "parallel.cp must be positive, got 0"),
         (&["--cp", "2", "--cp-mode", "stripes"], "parallel.cp_mode"),
+        (&["--set", "model.attn_sinks=2"], "model.attn_sinks = 2 needs a sliding window (model.sliding_window)"),
     ] {
         let out = d.join("bad");
         let o = train(&data, &out, extra);

@@ -233,12 +233,18 @@ fn sliding_window_decode_matches_forward() {
     assert_eq!(m.cfg.sliding_window, 8);
     let row = tokens(&dir)[0].clone();
     let t = row.len();
-    let full = m.forward_logits(&row, 1, t);
-    let vp = m.cfg.vocab_size;
-    let mut cache = m.new_cache();
-    for (i, &tok) in row.iter().enumerate() {
-        let step = m.decode_step(&mut cache, tok);
-        let err = step.iter().zip(&full[i * vp..(i + 1) * vp]).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
-        assert!(err < 1e-4, "position {i}: max |logit difference| {err}");
+    // With attention sinks too (the first 3 positions beyond the window), whose logits differ.
+    let plain = m.forward_logits(&row, 1, t);
+    for sinks in [0, 3] {
+        m.cfg.attn_sinks = sinks;
+        let full = m.forward_logits(&row, 1, t);
+        assert_eq!(sinks == 0, full == plain, "sinks {sinks} change the logits past the window");
+        let vp = m.cfg.vocab_size;
+        let mut cache = m.new_cache();
+        for (i, &tok) in row.iter().enumerate() {
+            let step = m.decode_step(&mut cache, tok);
+            let err = step.iter().zip(&full[i * vp..(i + 1) * vp]).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+            assert!(err < 1e-4, "sinks {sinks} position {i}: max |logit difference| {err}");
+        }
     }
 }

@@ -548,3 +548,68 @@ fn sliding_window_gradients() {
         check(&format!("flash window 3 (dropout={p}, {tiles:?}).dqkv"), &qkv, &g, fwd);
     }
 }
+
+/// Rows of `T` tokens packed with documents of the given lengths: each token's document start.
+fn starts_of(t: usize, lens: &[usize]) -> Vec<u32> {
+    let mut s = Vec::new();
+    let mut at = 0;
+    for &n in lens {
+        s.extend(std::iter::repeat_n(at as u32, n));
+        at += n;
+    }
+    assert_eq!(s.len(), t);
+    s
+}
+
+/// Attention sinks (the first keys of a query's document stay visible beyond its sliding
+/// window) against the materialised reference, with and without packed documents, every tile
+/// shape and backward schedule.
+#[test]
+fn attention_sinks_match_materialised_reference() {
+    for &(t, window, sinks, docs) in &[(24usize, 8usize, 2usize, &[][..]), (23, 5, 4, &[][..]), (65, 16, 3, &[][..]), (40, 6, 1, &[10, 25, 5][..]), (30, 4, 10, &[3, 27][..]), (33, 2, 3, &[33][..])] {
+        for &(br, bc) in &[(4usize, 3usize), (8, 8), (64, 64), (1, 7)] {
+            for &nkv in &[1usize, 2] {
+                let d = GqaDims { window, sinks, ..gqa(2, t, 4, nkv, 8) };
+                let starts: Vec<u32> = if docs.is_empty() { Vec::new() } else { [starts_of(t, docs), starts_of(t, docs)].concat() };
+                let mut rng = Rng::new(t as u64 * 7 + sinks as u64 + br as u64 * 13 + nkv as u64);
+                let qkv = randn(&mut rng, d.b * t * d.qkv_width(), 1.5);
+                let dout = randn(&mut rng, d.b * t * d.c(), 1.0);
+                let tl = Tiles { br, bc };
+                let (mut o, mut l) = (vec![0.0; d.b * t * d.c()], vec![0.0; d.b * d.nh * t]);
+                flash_gqa_forward_docs_tiled(&mut o, &mut l, &qkv, &d, &starts, AttnDropout::default(), tl);
+                let (mut ro, mut att) = (vec![0.0; o.len()], vec![0.0; d.b * d.nh * t * t]);
+                tensor::llama::gqa_attention_forward_docs(&mut ro, &mut att, &qkv, &d, &starts);
+                let mut rg = vec![0.0; qkv.len()];
+                gqa_attention_backward(&mut rg, &dout, &qkv, &att, &d);
+                let what = format!("T={t} W={window} S={sinks} docs {docs:?} tiles {br}x{bc} NKV={nkv}");
+                assert!(max_err(&o, &ro) < 1e-5, "out {what}: err {}", max_err(&o, &ro));
+                for sched in SCHEDULES {
+                    let mut g = vec![0.0; qkv.len()];
+                    flash_gqa_backward_docs_with(&mut g, &dout, &qkv, &o, &l, &d, &starts, BwdOpts { tiles: tl, schedule: sched, ..Default::default() });
+                    assert!(max_err(&g, &rg) < 1e-5, "dqkv {what} {sched:?}: err {}", max_err(&g, &rg));
+                }
+            }
+        }
+    }
+    // Sinks change a windowed answer; without a window (every key visible) they change nothing.
+    let d = GqaDims { window: 4, ..gqa(1, 20, 2, 1, 8) };
+    let mut rng = Rng::new(78);
+    let qkv = randn(&mut rng, d.t * d.qkv_width(), 1.0);
+    assert_ne!(gqa_flash_fwd(&qkv, &d, 0.0, 0, Tiles::default()).0, gqa_flash_fwd(&qkv, &GqaDims { sinks: 2, ..d }, 0.0, 0, Tiles::default()).0);
+    let plain = GqaDims { window: 0, ..d };
+    assert_eq!(gqa_flash_fwd(&qkv, &plain, 0.0, 0, Tiles::default()), gqa_flash_fwd(&qkv, &GqaDims { sinks: 2, ..plain }, 0.0, 0, Tiles::default()));
+}
+
+/// Finite differences through sinks and a window, with dropout.
+#[test]
+fn attention_sink_gradients() {
+    for &(p, tiles) in &[(0.0f32, Tiles { br: 2, bc: 3 }), (0.25, Tiles { br: 3, bc: 2 }), (0.25, Tiles::default())] {
+        let d = GqaDims { window: 3, sinks: 2, ..gqa(1, 9, 2, 1, 4) };
+        let mut rng = Rng::new(23);
+        let qkv = randn(&mut rng, d.b * d.t * d.qkv_width(), 1.0);
+        let dout = randn(&mut rng, d.b * d.t * d.c(), 1.0);
+        let fwd = |x: &[f32]| dot(&gqa_flash_fwd(x, &d, p, 5, tiles).0, &dout);
+        let g = gqa_flash_bwd(&dout, &qkv, &d, p, 5, tiles, Schedule::Auto);
+        check(&format!("flash window 3 sinks 2 (dropout={p}, {tiles:?}).dqkv"), &qkv, &g, fwd);
+    }
+}

@@ -153,10 +153,10 @@ fn ring_blocks_match_the_whole_sequence_kernel() {
     for &(nh, nkv) in &[(4usize, 4usize), (4, 2), (4, 1)] {
         for &n in &[2usize, 4] {
             for &zigzag in &[false, true] {
-                for &(p, window, docs) in &[(0.0f32, 0usize, false), (0.2, 0, false), (0.0, 7, false), (0.1, 0, true), (0.0, 5, true)] {
+                for &(p, window, sinks, docs) in &[(0.0f32, 0usize, 0usize, false), (0.2, 0, 0, false), (0.0, 7, 0, false), (0.1, 0, 0, true), (0.0, 5, 0, true), (0.1, 5, 3, false), (0.0, 4, 2, true)] {
                     k += 1;
                     let t = 48;
-                    let d = GqaDims { b: 2, t, nh, nkv, hs: 8, window, b0: 1, head0: 0, heads: 0 };
+                    let d = GqaDims { b: 2, t, nh, nkv, hs: 8, window, b0: 1, head0: 0, heads: 0, sinks };
                     let cs = Case { d, n, zigzag, p, tiles: tiles[k % tiles.len()], docs };
                     let mut rng = Rng::new(k as u64);
                     let qkv = randn(&mut rng, d.b * t * d.qkv_width(), 1.0);
@@ -173,7 +173,7 @@ fn ring_blocks_match_the_whole_sequence_kernel() {
                     let mut wg = vec![0.0; qkv.len()];
                     flash_gqa_backward_docs_with(&mut wg, &dout, &qkv, &wo, &wl, &d, st, BwdOpts { dropout: drop, tiles: cs.tiles, ..Default::default() });
                     let (o, l, g) = ring(&qkv, &dout, &starts, &cs);
-                    let what = format!("nh {nh} nkv {nkv} cp {n} zigzag {zigzag} p {p} window {window} docs {docs}");
+                    let what = format!("nh {nh} nkv {nkv} cp {n} zigzag {zigzag} p {p} window {window} sinks {sinks} docs {docs}");
                     let scale = |x: &[f32]| x.iter().fold(1.0f32, |m, v| m.max(v.abs()));
                     assert!(max_err(&o, &wo) < 2e-6 * scale(&wo), "out, {what}: {}", max_err(&o, &wo));
                     assert!(max_err(&l, &wl) < 2e-6 * scale(&wl), "lse, {what}: {}", max_err(&l, &wl));
