@@ -79,6 +79,9 @@ pub struct LayoutArgs {
     pub dp: Option<u64>,
     #[cfg_attr(feature = "clap", arg(long))]
     pub cp: Option<u64>,
+    /// Context-parallel attention: ring or ulysses (default: both searched)
+    #[cfg_attr(feature = "clap", arg(long))]
+    pub cp_mode: Option<String>,
     #[cfg_attr(feature = "clap", arg(long))]
     pub ep: Option<u64>,
     #[cfg_attr(feature = "clap", arg(long))]
@@ -214,6 +217,7 @@ pub fn resolve_layout(a: &LayoutArgs, model: &ModelShape) -> Result<(Constraints
         pp: a.pp,
         dp: a.dp,
         cp: a.cp,
+        cp_mode: a.cp_mode.as_deref().map(|v| crate::policy::CpMode::parse(v).map_err(|e| PlanError(format!("--cp-mode {e}")))).transpose()?,
         ep: a.ep,
         micro_batch: a.micro_batch,
         schedule: match (&a.schedule, a.virtual_stages) {

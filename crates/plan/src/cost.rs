@@ -44,6 +44,9 @@ pub struct Layout {
     pub pp: u64,
     pub dp: u64,
     pub cp: u64,
+    /// How context-parallel ranks compute attention: ring (K/V blocks passed around, overlapped
+    /// with the blocks' attention) or Ulysses (all-to-alls to a head split and back, exposed).
+    pub cp_mode: crate::policy::CpMode,
     pub ep: u64,
     pub micro_batch: u64,
     pub global_batch: u64,
@@ -116,6 +119,12 @@ pub fn check_layout(model: &ModelShape, cluster: &Cluster, l: &Layout) -> Result
             "--seq {} is not divisible by --cp {} (x --tp with --sequence-parallel)",
             l.seq, l.cp
         ));
+    }
+    if l.cp > 1 && l.cp_mode == crate::policy::CpMode::Ulysses {
+        let (h, kv) = (model.heads / l.tp.max(1), model.kv_heads / l.tp.max(1));
+        if !h.is_multiple_of(l.cp) || !(kv.is_multiple_of(l.cp) || l.cp.is_multiple_of(kv.max(1))) {
+            return e(format!("--cp-mode ulysses needs the heads per tensor-parallel rank ({h}, kv {kv}) to split over --cp {}", l.cp));
+        }
     }
     if l.ep > 1 {
         if !model.is_moe() {
@@ -905,7 +914,14 @@ fn layer_time(m: &ModelShape, cl: &Cluster, l: &Layout, moe: bool) -> LayerFwd {
     }
     // Context parallelism (ring attention, Liu et al. 2023; Megatron CP): K and V blocks travel the ring,
     // (cp−1) steps of 2·e·b·(s/cp)·kv·d/t bytes, overlapped with the attention blocks; backward also sends dK, dV.
-    if l.cp > 1 {
+    // Ulysses (Jacobs et al. 2023): all-to-alls of q|k|v and of the output forward, of the output
+    // gradient and dq|dk|dv backward, each rank holding its s/cp positions' share, on the critical path.
+    if l.cp > 1 && l.cp_mode == crate::policy::CpMode::Ulysses {
+        let gl = group_link(cl, l.cp, l.tp);
+        let (qkv, out) = (e * tok * (qd + 2.0 * kvd) / t, e * tok * qd / t);
+        r.cp = all_to_all_time(gl, qkv) + all_to_all_time(gl, out);
+        r.cp_b = r.cp;
+    } else if l.cp > 1 {
         let gl = p2p_link(group_link(cl, l.cp, l.tp));
         let step = 2.0 * e * tok * kvd / t;
         let comm = (l.cp as f64 - 1.0) * p2p_time(gl, step);
@@ -1032,6 +1048,7 @@ pub fn single_device_layout(batch: u64, seq: u64, attention: Attention) -> Layou
         pp: 1,
         dp: 1,
         cp: 1,
+        cp_mode: Default::default(),
         ep: 1,
         micro_batch: batch,
         global_batch: batch,

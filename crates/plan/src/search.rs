@@ -19,6 +19,7 @@ pub struct Constraints {
     pub pp: Option<u64>,
     pub dp: Option<u64>,
     pub cp: Option<u64>,
+    pub cp_mode: Option<crate::policy::CpMode>,
     pub ep: Option<u64>,
     pub micro_batch: Option<u64>,
     pub schedule: Option<Kind>,
@@ -224,7 +225,12 @@ pub fn candidates(m: &ModelShape, cl: &Cluster, global_batch: u64, seq: u64, c: 
                     None if pp > 1 => vec![0, 1],
                     None => vec![0, 1, 2, 3],
                 };
-                for &ep in &eps {
+                let modes: Vec<crate::policy::CpMode> = match (c.cp_mode, cp) {
+                    (Some(x), _) => vec![x],
+                    (None, 1) => vec![crate::policy::CpMode::Ring],
+                    (None, _) => vec![crate::policy::CpMode::Ring, crate::policy::CpMode::Ulysses],
+                };
+                for (&ep, &cp_mode) in eps.iter().flat_map(|e| modes.iter().map(move |m| (e, m))) {
                     for &b in &bs {
                         for &(schedule, v) in &scheds {
                             for &recompute in &recs {
@@ -235,6 +241,7 @@ pub fn candidates(m: &ModelShape, cl: &Cluster, global_batch: u64, seq: u64, c: 
                                             pp,
                                             dp,
                                             cp,
+                                            cp_mode,
                                             ep,
                                             micro_batch: b,
                                             global_batch,
@@ -365,6 +372,9 @@ pub fn mesh_name(l: &Layout) -> String {
     let mut s = format!("tp{} pp{} dp{}", l.tp, l.pp, l.dp);
     if l.cp > 1 {
         s += &format!(" cp{}", l.cp);
+        if l.cp_mode == crate::policy::CpMode::Ulysses {
+            s += " ulysses";
+        }
     }
     if l.ep > 1 {
         s += &format!(" ep{}", l.ep);

@@ -264,6 +264,8 @@ pub fn predict_row(row: &Row, cat: &HardwareCatalog, origin: &str) -> Result<Row
         pp: Some(row.pp),
         dp: None,
         cp: Some(row.int("cp", origin)?.unwrap_or(1)),
+        // Published context-parallel runs (Llama 3, Megatron) use ring attention.
+        cp_mode: Some(crate::policy::CpMode::Ring),
         ep: row.int("ep", origin)?,
         micro_batch: row.int("micro_batch", origin)?,
         schedule,

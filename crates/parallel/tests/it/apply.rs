@@ -22,7 +22,7 @@ fn batch() -> (Vec<u32>, Vec<i32>) {
 
 fn strategy(dp: usize, tp: usize, sequence_parallel: bool) -> Strategy {
     Strategy {
-        pp: 1, dp, ep: 1, tp, virtual_stages: 1, stages: vec![0..2], sequence_parallel, zero: 0, bucket_elems: 1 << 20, micro_batch: B,
+        pp: 1, dp, ep: 1, tp, cp: 1, cp_mode: Default::default(), cp_zigzag: true, virtual_stages: 1, stages: vec![0..2], sequence_parallel, zero: 0, bucket_elems: 1 << 20, micro_batch: B,
         recompute: Default::default(), recompute_every: 1, precision: Default::default(), fp8_amax_history: 1,
     }
 }
@@ -38,7 +38,7 @@ fn one_rank() -> (f32, Vec<f32>) {
 
 /// Every rank's (loss of its rows, whole-model gradients) under `s`.
 fn parts(s: Strategy) -> Vec<(f32, Vec<f32>)> {
-    let world = s.dp * s.tp;
+    let world = s.dp * s.tp * s.cp;
     run_ranks(world, |comm| {
         let (x, y) = batch();
         let (mut parts, applied) = parallelize(Gpt::new(cfg(), V, 7), &s, comm).unwrap();
@@ -46,8 +46,9 @@ fn parts(s: Strategy) -> Vec<(f32, Vec<f32>)> {
         let (dp, rank) = (applied.groups.dp_size, applied.groups.dp_rank);
         let rows = B / dp;
         let r = rank * rows * T..(rank + 1) * rows * T;
-        // Each data-parallel rank's share of the mean loss's gradient (equal target counts).
-        let pass = Pass::Train { dropout_seed: 1, loss_scale: 1.0 / dp as f32 };
+        // Each data-parallel (and context-parallel) rank's share of the mean loss's gradient
+        // (equal target counts).
+        let pass = Pass::Train { dropout_seed: 1, loss_scale: 1.0 / (dp * s.cp) as f32 };
         let loss = part.model.forward_with(&mut part.dp, &x[r.clone()], &y[r], None, rows, T, pass);
         part.dp.begin_micro(true);
         part.model.backward_with(&mut part.dp);
@@ -90,6 +91,20 @@ fn tensor_and_sequence_parallel_parts_match_one_rank() {
         for (r, (l, g)) in out.iter().enumerate() {
             assert!((l - loss).abs() <= 1e-5 * loss.abs(), "tp rank {r} (sp {sp}): {l} vs {loss}");
             assert_close(&format!("tp rank {r} (sp {sp})"), g, &grads, 1e-5);
+        }
+    }
+}
+
+#[test]
+fn context_parallel_parts_match_one_rank() {
+    let (loss, grads) = one_rank();
+    for (cp, cp_mode, cp_zigzag) in [(2, plan::policy::CpMode::Ring, true), (4, plan::policy::CpMode::Ring, false), (2, plan::policy::CpMode::Ulysses, true)] {
+        let out = parts(Strategy { cp, cp_mode, cp_zigzag, ..strategy(1, 1, false) });
+        // Each rank's loss is its positions' mean; their mean is the whole model's.
+        let mean = out.iter().map(|(l, _)| *l).sum::<f32>() / out.len() as f32;
+        assert!((mean - loss).abs() <= 1e-5 * loss.abs(), "cp {cp} {cp_mode:?}: {mean} vs {loss}");
+        for (r, (_, g)) in out.iter().enumerate() {
+            assert_close(&format!("cp {cp} {cp_mode:?} rank {r}"), g, &grads, 1e-5);
         }
     }
 }

@@ -2,6 +2,7 @@
 
 mod catalog;
 mod comm;
+mod context;
 mod cpu;
 mod errors;
 #[cfg(feature = "clap")]
