@@ -40,6 +40,9 @@ pub struct ModelSection {
     /// Attention sinks under the sliding window (StreamingLLM): the first `attn_sinks`
     /// positions of each document stay visible to every later position; 0 = none.
     pub attn_sinks: usize,
+    /// The layers the sliding window applies to (Hugging Face configs name them per layer:
+    /// Qwen2's `max_window_layers`, `layer_types`); empty = every layer.
+    pub window_layers: Vec<usize>,
     /// Width of each attention head when it is not `n_embd / n_head` (llama arch, transformers'
     /// `head_dim`); 0 = `n_embd / n_head`.
     pub head_dim: usize,
@@ -274,6 +277,11 @@ pub struct ParallelSection {
     /// of `2·cp`: equal causal-attention work) or `none` (the `r`-th of `cp` chunks).
     #[serde(with = "named")]
     pub cp_balance: plan::policy::CpBalance,
+    /// How each step's context-parallel attention time is measured for its metrics line:
+    /// `wall` (as it ran) or `device` (attention kernels one at a time across the process, so
+    /// each rank's time is uncontended: for measuring balance on fewer cores than ranks).
+    #[serde(with = "named")]
+    pub cp_clock: CpClock,
     /// `inproc` or `mpi` (a build with `--features mpi`, run under `mpirun`).
     #[serde(with = "named")]
     pub backend: Backend,
@@ -378,7 +386,7 @@ pub fn adopt_base(cfg: &RunConfig, base: &model::GptConfig, hf: bool, explicit: 
     (mc.n_layer, mc.n_head, mc.n_kv_head, mc.n_embd, mc.ffn_hidden, mc.block_size, mc.vocab_size, mc.bias, mc.tied_embeddings) =
         (hc.n_layer, hc.n_head, hc.n_kv_head, hc.n_embd, hc.ffn_hidden, hc.block_size, hc.vocab_size, hc.bias, hc.tied_embeddings);
     (mc.rope_theta, mc.norm_eps, mc.qkv_bias, mc.sliding_window) = (hc.rope_theta as f64, hc.norm_eps as f64, hc.qkv_bias, hc.sliding_window);
-    mc.head_dim = hc.head_dim;
+    (mc.head_dim, mc.window_layers) = (hc.head_dim, hc.window_layers.clone());
     set_rope_scaling(mc, hc.rope_scaling);
     (mc.n_expert, mc.top_k, mc.n_shared_expert) = (hc.n_expert, hc.top_k, hc.n_shared_expert);
     (mc.capacity_factor, mc.moe_aux_weight, mc.moe_z_weight) = (hc.capacity_factor as f64, hc.moe_aux_weight as f64, hc.moe_z_weight as f64);
@@ -460,6 +468,18 @@ impl Names for PpTrace {
     const NAMES: &'static [(&'static str, PpTrace)] = &[("off", PpTrace::Off), ("wall", PpTrace::Wall), ("device", PpTrace::Device)];
 }
 
+/// `parallel.cp_clock`: how context-parallel attention is timed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum CpClock {
+    #[default]
+    Wall,
+    Device,
+}
+
+impl Names for CpClock {
+    const NAMES: &'static [(&'static str, CpClock)] = &[("wall", CpClock::Wall), ("device", CpClock::Device)];
+}
+
 /// `memory.offload`: what leaves memory.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Offload {
@@ -498,7 +518,7 @@ impl Default for ModelSection {
         ModelSection {
             arch: model::config::Arch::Gpt2, n_layer: 4, n_head: 4, n_kv_head: 0, n_embd: 128, ffn_hidden: 0,
             rope_theta: defaults::ROPE_THETA, rope_scaling: RopeKind::None, rope_factor: 1.0, rope_low_freq_factor: 1.0,
-            rope_high_freq_factor: 4.0, rope_original_max_positions: 8192, qkv_bias: false, sliding_window: 0, attn_sinks: 0, head_dim: 0, norm_eps: defaults::NORM_EPS, block_size: 128, vocab_size: 0, loss_vocab: 0, bias: false,
+            rope_high_freq_factor: 4.0, rope_original_max_positions: 8192, qkv_bias: false, sliding_window: 0, attn_sinks: 0, window_layers: Vec::new(), head_dim: 0, norm_eps: defaults::NORM_EPS, block_size: 128, vocab_size: 0, loss_vocab: 0, bias: false,
             dropout: 0.0, tied_embeddings: true, init_from: String::new(), n_expert: 0, top_k: defaults::TOP_K,
             n_shared_expert: 0, capacity_factor: 0.0, moe_aux_weight: defaults::MOE_AUX_WEIGHT, moe_z_weight: defaults::MOE_Z_WEIGHT,
             recompute: model::Recompute::None, recompute_every: 1,
@@ -564,7 +584,7 @@ impl ParallelSection {
 impl Default for ParallelSection {
     fn default() -> Self {
         ParallelSection {
-            dp: 1, zero: 0, tp: 1, ep: 1, cp: 1, cp_mode: plan::policy::CpMode::Ring, cp_balance: plan::policy::CpBalance::Zigzag, backend: Backend::Inproc, bucket_mb: 25.0, sequence_parallel: false, pp: 1,
+            dp: 1, zero: 0, tp: 1, ep: 1, cp: 1, cp_mode: plan::policy::CpMode::Ring, cp_balance: plan::policy::CpBalance::Zigzag, cp_clock: CpClock::Wall, backend: Backend::Inproc, bucket_mb: 25.0, sequence_parallel: false, pp: 1,
             schedule: parallel::pp::Kind::OneFOneB, virtual_stages: 1, pp_layers: Vec::new(), pp_trace: PpTrace::Off,
         }
     }
@@ -939,7 +959,7 @@ impl RunConfig {
             return user(format!("parallel.pp = {} with LoRA is not supported: the adapters are tiny; use data parallelism (parallel.dp)", p.pp));
         }
         if p.pp_trace == PpTrace::Device && (p.dp != 1 || p.tp != 1 || p.ep != 1 || p.cp != 1) {
-            return user(format!("parallel.pp_trace = device serialises compute across ranks, which needs parallel.dp, parallel.tp, parallel.ep and parallel.cp = 1 (got dp {} × tp {} × ep {} × cp {}); use `wall`", p.dp, p.tp, p.ep, p.cp));
+            return user(format!("parallel.pp_trace = device serialises compute across ranks, which needs parallel.dp = 1, parallel.tp = 1, parallel.ep = 1 and parallel.cp = 1 (got dp {} × tp {} × ep {} × cp {}); use `wall`", p.dp, p.tp, p.ep, p.cp));
         }
         Ok(())
     }
@@ -978,6 +998,7 @@ impl RunConfig {
             qkv_bias: m.qkv_bias,
             sliding_window: m.sliding_window,
             attn_sinks: m.attn_sinks,
+            window_layers: m.window_layers.clone(),
             head_dim: m.head_dim,
             norm_eps: m.norm_eps as f32,
             n_expert: m.n_expert,
@@ -1038,7 +1059,7 @@ pub const STRUCTURAL_KEYS: &[&str] = &[
     "model.arch", "model.n_layer", "model.n_head", "model.n_kv_head", "model.n_embd", "model.ffn_hidden", "model.block_size",
     "model.vocab_size", "model.bias", "model.tied_embeddings", "model.rope_theta", "model.norm_eps", "model.init_from",
     "model.rope_scaling", "model.rope_factor", "model.rope_low_freq_factor", "model.rope_high_freq_factor",
-    "model.rope_original_max_positions", "model.qkv_bias", "model.sliding_window", "model.attn_sinks", "model.loss_vocab", "model.head_dim",
+    "model.rope_original_max_positions", "model.qkv_bias", "model.sliding_window", "model.attn_sinks", "model.window_layers", "model.loss_vocab", "model.head_dim",
     "model.n_expert", "model.top_k", "model.n_shared_expert",
     "lora.rank", "lora.targets", "data.tokenizer", "data.paths", "data.val_fraction", "data.text_field", "data.format",
     "data.packing", "data.reset_positions", "data.sources",

@@ -128,6 +128,11 @@ pub struct GptConfig {
     /// positions of each document stay visible to every later position; 0 = none.
     #[serde(default)]
     pub attn_sinks: usize,
+    /// The (whole-model) layers the sliding window applies to, as Hugging Face configs name
+    /// them per layer (Qwen2's `max_window_layers`, `layer_types`); empty = every layer. The
+    /// others attend to every earlier position.
+    #[serde(default)]
+    pub window_layers: Vec<usize>,
     /// Width of each attention head when it is not `n_embd / n_head` (llama arch, as
     /// transformers' `head_dim`); 0 = `n_embd / n_head`.
     #[serde(default)]
@@ -159,7 +164,7 @@ impl GptConfig {
     pub fn gpt2(n_layer: usize, n_head: usize, n_embd: usize, block_size: usize, vocab_size: usize, bias: bool, dropout: f32, tied: bool) -> GptConfig {
         GptConfig {
             arch: Arch::Gpt2, n_layer, n_head, n_kv_head: n_head, n_embd, ffn_hidden: 4 * n_embd, block_size, vocab_size,
-            bias, dropout, tied_embeddings: tied, rope_theta: defaults::ROPE_THETA as f32, rope_scaling: None, qkv_bias: false, sliding_window: 0, attn_sinks: 0, head_dim: 0, norm_eps: defaults::NORM_EPS as f32,
+            bias, dropout, tied_embeddings: tied, rope_theta: defaults::ROPE_THETA as f32, rope_scaling: None, qkv_bias: false, sliding_window: 0, attn_sinks: 0, window_layers: Vec::new(), head_dim: 0, norm_eps: defaults::NORM_EPS as f32,
             n_expert: 0, top_k: defaults::TOP_K, n_shared_expert: 0, capacity_factor: 0.0, moe_aux_weight: defaults::MOE_AUX_WEIGHT as f32,
             moe_z_weight: defaults::MOE_Z_WEIGHT as f32, place: Placement::default(),
         }
@@ -229,6 +234,12 @@ impl GptConfig {
         }
         if self.sliding_window > 0 && self.arch != Arch::Llama {
             return Err("model.sliding_window needs model.arch = llama (GPT-2 attends to every earlier position)".into());
+        }
+        if !self.window_layers.is_empty() && self.sliding_window == 0 {
+            return Err("model.window_layers needs a sliding window (model.sliding_window)".into());
+        }
+        if let Some(&l) = self.window_layers.iter().find(|&&l| l >= self.total_layers()) {
+            return Err(format!("model.window_layers names layer {l}, but the model has {} (model.n_layer)", self.total_layers()));
         }
         if self.attn_sinks > 0 && self.sliding_window == 0 {
             return Err(format!("model.attn_sinks = {} needs a sliding window (model.sliding_window): without one every earlier position is visible already", self.attn_sinks));
@@ -305,6 +316,11 @@ impl GptConfig {
     }
 
     /// Global index of this config's first block (0 unless a pipeline stage).
+    /// The sliding window of whole-model layer `l` (0: every earlier position).
+    pub fn window_of(&self, l: usize) -> usize {
+        if self.window_layers.is_empty() || self.window_layers.contains(&l) { self.sliding_window } else { 0 }
+    }
+
     pub fn first_layer(&self) -> usize {
         self.place.stage.map_or(0, |s| s.first_layer)
     }

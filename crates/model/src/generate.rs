@@ -82,7 +82,7 @@ impl Gpt {
             cache.v[base + pos * kw..base + (pos + 1) * kw].copy_from_slice(&s.qkv[qc + kw..]);
             let kc = &cache.k[base..base + (pos + 1) * kw];
             let vc = &cache.v[base..base + (pos + 1) * kw];
-            attention_decode(&mut s.atty, &s.qkv[..qc], kc, vc, &GqaDims { t: pos + 1, ..one });
+            attention_decode(&mut s.atty, &s.qkv[..qc], kc, vc, &GqaDims { t: pos + 1, window: cfg.window_of(l), ..one });
             matmul_forward(&mut s.proj, &s.atty, &w[bp.attn_proj_w.clone()], opt(&bp.attn_proj_b), 1, cfg.attn_width(), c);
             residual_forward(&mut s.res, &s.x, &s.proj);
             ops.norm_forward(&mut s.ln, &mut s.mean, &mut s.rstd, &s.res, &w[bp.ln_2_w.clone()], opt(&bp.ln_2_b));

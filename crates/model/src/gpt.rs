@@ -1057,6 +1057,16 @@ enum DropSite {
     MlpResidual(usize),
 }
 
+impl DropSite {
+    /// The layer (this part's numbering) an attention site belongs to.
+    fn layer(self) -> usize {
+        match self {
+            DropSite::AttnProbs(l) | DropSite::AttnResidual(l) | DropSite::MlpResidual(l) => l,
+            DropSite::Embedding => unreachable!("attention sites belong to a layer"),
+        }
+    }
+}
+
 /// A pass's dropout: the probability (0 for evaluation) and the step's seed.
 #[derive(Clone, Copy, Debug)]
 struct Dropout {
@@ -1586,9 +1596,17 @@ impl<'a> Ops<'a> {
         }
     }
 
+    /// The attention dims of this part (the window of the whole model's first layer: RoPE and
+    /// shapes need no more; [`Ops::gqa_at`] is a layer's).
     fn gqa(&self) -> GqaDims {
+        self.gqa_at(0)
+    }
+
+    /// [`Ops::gqa`] for this part's layer `l`, with that layer's sliding window.
+    fn gqa_at(&self, l: usize) -> GqaDims {
         let (head0, heads) = self.mask_heads();
-        GqaDims { b: self.b, t: self.t, nh: self.cfg.n_head, nkv: self.cfg.n_kv_head, hs: self.cfg.head_size(), head0, heads, b0: self.b0, window: self.cfg.sliding_window, sinks: self.cfg.attn_sinks }
+        let window = self.cfg.window_of(self.cfg.first_layer() + l);
+        GqaDims { b: self.b, t: self.t, nh: self.cfg.n_head, nkv: self.cfg.n_kv_head, hs: self.cfg.head_size(), head0, heads, b0: self.b0, window, sinks: self.cfg.attn_sinks }
     }
 
     /// A tensor-parallel shard's first head and the whole model's head count ((0, 0) without
@@ -1619,10 +1637,10 @@ impl<'a> Ops<'a> {
     }
 
     /// This part's attention dims as GQA (MHA is `NKV = NH`).
-    fn attn_gqa(&self) -> GqaDims {
+    fn attn_gqa(&self, l: usize) -> GqaDims {
         match self.cfg.arch {
             Arch::Gpt2 => self.mha().as_gqa(),
-            Arch::Llama => self.gqa(),
+            Arch::Llama => self.gqa_at(l),
         }
     }
 
@@ -1632,31 +1650,31 @@ impl<'a> Ops<'a> {
     }
 
     fn attn_forward(&self, out: &mut [f32], state: &mut [f32], qkv: &[f32], site: DropSite) {
-        let (cfg, drop) = (self.cfg, AttnDropout { p: self.drop.p, seed: self.site_seed(site) });
+        let (cfg, drop, l) = (self.cfg, AttnDropout { p: self.drop.p, seed: self.site_seed(site) }, site.layer());
         if let Some(h) = self.cp.borrow_mut().as_mut() {
-            return h.attention_forward(out, state, qkv, &self.attn_gqa(), self.doc_starts(), drop);
+            return h.attention_forward(out, state, qkv, &self.attn_gqa(l), self.doc_starts(), drop);
         }
         match cfg.arch {
             Arch::Gpt2 => flash_attention_forward_docs(out, state, qkv, &self.mha(), self.doc_starts(), drop),
-            Arch::Llama => flash_gqa_forward_docs(out, state, qkv, &self.gqa(), self.doc_starts(), drop),
+            Arch::Llama => flash_gqa_forward_docs(out, state, qkv, &self.gqa_at(l), self.doc_starts(), drop),
         }
     }
 
     /// Accumulates into `dqkv` (with respect to the un-rotated q and k for LLaMA).
     fn attn_backward(&self, dqkv: &mut [f32], dout: &[f32], qkv: &[f32], out: &[f32], state: &[f32], site: DropSite) {
-        let (cfg, drop) = (self.cfg, AttnDropout { p: self.drop.p, seed: self.site_seed(site) });
+        let (cfg, drop, l) = (self.cfg, AttnDropout { p: self.drop.p, seed: self.site_seed(site) }, site.layer());
         let mut cp = self.cp.borrow_mut();
         match cfg.arch {
             Arch::Gpt2 => match cp.as_mut() {
-                Some(h) => h.attention_backward(dqkv, dout, qkv, out, state, &self.attn_gqa(), self.doc_starts(), drop),
+                Some(h) => h.attention_backward(dqkv, dout, qkv, out, state, &self.attn_gqa(l), self.doc_starts(), drop),
                 None => flash_attention_backward_docs(dqkv, dout, qkv, out, state, &self.mha(), self.doc_starts(), drop),
             },
             Arch::Llama => {
                 // dqkv is zero on entry (the caller clears it), so the in-place inverse rotation
                 // after the accumulation is still an accumulation into zero.
                 match cp.as_mut() {
-                    Some(h) => h.attention_backward(dqkv, dout, qkv, out, state, &self.gqa(), self.doc_starts(), drop),
-                    None => flash_gqa_backward_docs(dqkv, dout, qkv, out, state, &self.gqa(), self.doc_starts(), drop),
+                    Some(h) => h.attention_backward(dqkv, dout, qkv, out, state, &self.gqa_at(l), self.doc_starts(), drop),
+                    None => flash_gqa_backward_docs(dqkv, dout, qkv, out, state, &self.gqa_at(l), self.doc_starts(), drop),
                 }
                 let (cos, sin) = self.rope.expect("llama has rotary tables");
                 match self.docs {

@@ -31,19 +31,18 @@ pub fn hf_config(cfg: &Value, origin: &Path) -> Result<GptConfig, String> {
         "GPT2LMHeadModel" => gpt2_config(cfg, origin),
         "LlamaForCausalLM" => llama_config(cfg, origin, false),
         // Qwen2: LLaMA with biases on q, k and v.
+        // Qwen2's window applies from layer `max_window_layers` on, when `use_sliding_window`.
         "Qwen2ForCausalLM" => {
+            let mut c = llama_config(cfg, origin, true)?;
             if cfg.get("use_sliding_window").and_then(Value::as_bool).unwrap_or(false) {
-                return Err(format!("{}: `use_sliding_window` = true is not supported yet (sliding-window attention)", origin.display()));
+                let from = cfg.get("max_window_layers").and_then(Value::as_u64).map_or(0, |m| m as usize);
+                windows(&mut c, cfg, origin, &|l| l >= from)?;
             }
-            llama_config(cfg, origin, true)
+            Ok(c)
         }
         "MistralForCausalLM" => {
             let mut c = llama_config(cfg, origin, false)?;
-            // A window no shorter than the context changes nothing.
-            c.sliding_window = cfg.get("sliding_window").and_then(Value::as_u64).map_or(0, |w| w as usize);
-            if c.sliding_window >= c.block_size {
-                c.sliding_window = 0;
-            }
+            windows(&mut c, cfg, origin, &|_| true)?;
             Ok(c)
         }
         "MixtralForCausalLM" => {
@@ -60,6 +59,41 @@ pub fn hf_config(cfg: &Value, origin: &Path) -> Result<GptConfig, String> {
         }
         _ => Err(format!("{}: architecture `{arch}` is not supported for import (supported: GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, MixtralForCausalLM)", origin.display())),
     }
+}
+
+/// The sliding window of `cfg` and the layers it applies to: per `layer_types`
+/// (`"sliding_attention"` / `"full_attention"`, transformers' per-layer form) when the config
+/// has it, else those `class_rule` says (Mistral: all; Qwen2: from `max_window_layers` on). A
+/// window no shorter than the context changes nothing, and is dropped.
+fn windows(c: &mut GptConfig, cfg: &Value, origin: &Path, class_rule: &dyn Fn(usize) -> bool) -> Result<(), String> {
+    let w = cfg.get("sliding_window").and_then(Value::as_u64).map_or(0, |w| w as usize);
+    if w == 0 || w >= c.block_size {
+        return Ok(());
+    }
+    let layers: Vec<usize> = match cfg.get("layer_types").and_then(Value::as_array) {
+        Some(types) => {
+            if types.len() != c.n_layer {
+                return Err(format!("{}: `layer_types` lists {} layers, but `num_hidden_layers` is {}", origin.display(), types.len(), c.n_layer));
+            }
+            let mut v = Vec::new();
+            for (l, t) in types.iter().enumerate() {
+                match t.as_str() {
+                    Some("sliding_attention") => v.push(l),
+                    Some("full_attention") => {}
+                    _ => return Err(format!("{}: `layer_types`[{l}] = {t} is not `sliding_attention` or `full_attention`", origin.display())),
+                }
+            }
+            v
+        }
+        None => (0..c.n_layer).filter(|&l| class_rule(l)).collect(),
+    };
+    if layers.is_empty() {
+        return Ok(());
+    }
+    c.sliding_window = w;
+    // Every layer windowed is the plain form.
+    c.window_layers = if layers.len() == c.n_layer { Vec::new() } else { layers };
+    Ok(())
 }
 
 fn get_f32(cfg: &Value, key: &str, default: f32) -> f32 {
@@ -426,6 +460,15 @@ fn export_config(c: &GptConfig) -> Result<Value, String> {
     if c.n_shared_expert > 0 {
         return Err("export: shared experts have no Hugging Face Mixtral equivalent".into());
     }
+    if !c.window_layers.is_empty() {
+        // Qwen2 windows a suffix of the layers; layer_types says any set, but only for the
+        // classes that read it.
+        let from = c.window_layers[0];
+        let suffix = c.window_layers.iter().copied().eq(from..c.n_layer);
+        if !c.qkv_bias || !suffix {
+            return Err(format!("export: a sliding window on some layers (model.window_layers = {:?}) has a Hugging Face form only as Qwen2's (q/k/v biases, the window from one layer to the last)", c.window_layers));
+        }
+    }
     if c.attn_sinks > 0 {
         return Err(format!("export: attention sinks (model.attn_sinks = {}) have no Hugging Face equivalent: transformers' sliding window would drop them", c.attn_sinks));
     }
@@ -433,8 +476,8 @@ fn export_config(c: &GptConfig) -> Result<Value, String> {
         if c.qkv_bias && c.is_moe() {
             return Err("export: q/k/v biases with experts have no Hugging Face equivalent".into());
         }
-        if c.sliding_window > 0 && (c.qkv_bias || c.is_moe()) {
-            return Err("export: a sliding window with q/k/v biases or experts has no Hugging Face equivalent kiln writes".into());
+        if c.sliding_window > 0 && c.is_moe() {
+            return Err("export: a sliding window with experts has no Hugging Face equivalent kiln writes".into());
         }
         let (arch, ty) = match (c.is_moe(), c.qkv_bias, c.sliding_window > 0) {
             (true, _, _) => ("MixtralForCausalLM", "mixtral"),
@@ -467,11 +510,21 @@ fn export_config(c: &GptConfig) -> Result<Value, String> {
             o.insert("sliding_window".into(), c.sliding_window.into());
         }
         if c.qkv_bias {
-            // Qwen2's biases are implied by the class; it has no attention_bias key.
+            // Qwen2's biases are implied by the class; it has no attention_bias key. Its window
+            // applies from `max_window_layers` on.
             let o = v.as_object_mut().unwrap();
             o.remove("attention_bias");
             o.remove("mlp_bias");
-            o.insert("use_sliding_window".into(), false.into());
+            o.insert("use_sliding_window".into(), (c.sliding_window > 0).into());
+            if c.sliding_window > 0 {
+                let from = c.window_layers.first().copied().unwrap_or(0);
+                o.insert("max_window_layers".into(), from.into());
+            }
+        }
+        if c.sliding_window > 0 {
+            // transformers' per-layer form, which the classes read before their own rule.
+            let types: Vec<&str> = (0..c.n_layer).map(|l| if c.window_of(l) > 0 { "sliding_attention" } else { "full_attention" }).collect();
+            v["layer_types"] = types.into();
         }
         if c.is_moe() {
             v["num_local_experts"] = c.n_expert.into();

@@ -28,10 +28,71 @@ use crate::comm::Comm;
 use model::config::ContextSlice;
 use model::CpHooks;
 use plan::policy::CpMode;
+use std::cell::Cell;
 use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+use std::time::Instant;
 use tensor::attention::AttnDropout;
 use tensor::flash::{flash_d, flash_gqa_block_backward, flash_gqa_block_forward, flash_gqa_forward_docs, Block, Span};
 use tensor::llama::GqaDims;
+
+/// What this thread's context-parallel attention did since the last [`take_times`]: seconds
+/// in the attention kernels, seconds blocked waiting for other ranks (ring blocks not yet
+/// arrived, Ulysses' all-to-alls), and ring blocks computed and skipped as invisible.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct CpTimes {
+    pub compute_s: f64,
+    pub wait_s: f64,
+    pub blocks: u64,
+    pub skipped: u64,
+}
+
+thread_local! {
+    static TIMES: Cell<CpTimes> = const { Cell::new(CpTimes { compute_s: 0.0, wait_s: 0.0, blocks: 0, skipped: 0 }) };
+}
+
+/// This thread's (a rank's) [`CpTimes`] since the last call, and a fresh start.
+pub fn take_times() -> CpTimes {
+    TIMES.with(|t| t.replace(CpTimes::default()))
+}
+
+fn add_times(f: impl FnOnce(&mut CpTimes)) {
+    TIMES.with(|t| {
+        let mut x = t.get();
+        f(&mut x);
+        t.set(x);
+    });
+}
+
+/// The device clock (`parallel.cp_clock = device`): attention kernels run one at a time across
+/// the process, so each rank's kernel time is what a processor of its own would take (for
+/// measuring balance on a machine with fewer cores than ranks). Waits are not serialised.
+static DEVICE_CLOCK: AtomicBool = AtomicBool::new(false);
+static DEVICE: Mutex<()> = Mutex::new(());
+
+pub fn set_device_clock(on: bool) {
+    DEVICE_CLOCK.store(on, Ordering::Relaxed);
+}
+
+/// Runs an attention kernel, timed (alone in the process under the device clock).
+fn compute<R>(f: impl FnOnce() -> R) -> R {
+    let _one = DEVICE_CLOCK.load(Ordering::Relaxed).then(|| DEVICE.lock().unwrap_or_else(|e| e.into_inner()));
+    let t0 = Instant::now();
+    let r = f();
+    let dt = t0.elapsed().as_secs_f64();
+    add_times(|t| t.compute_s += dt);
+    r
+}
+
+/// Runs a blocking exchange, timed as waiting.
+fn wait<R>(f: impl FnOnce() -> R) -> R {
+    let t0 = Instant::now();
+    let r = f();
+    let dt = t0.elapsed().as_secs_f64();
+    add_times(|t| t.wait_s += dt);
+    r
+}
 
 /// The attention hooks of a context-parallel part.
 pub struct CpComm {
@@ -88,6 +149,8 @@ impl CpComm {
             }
         }
         v.sort_by_key(|(q, k)| q != k);
+        let all = self.spans(r, t).len() * self.spans(owner, t).len();
+        add_times(|x| (x.blocks, x.skipped) = (x.blocks + v.len() as u64, x.skipped + (all - v.len()) as u64));
         v
     }
 
@@ -103,10 +166,10 @@ impl CpComm {
             }
             for (q, k) in self.ring_blocks(s, gd.t, dims.window, dims.sinks) {
                 let blk = Block { qkv, q, kv: &cur, kw, kc: 0, vc: kw / 2, k, starts };
-                flash_gqa_block_forward(out, lse, &blk, &gd, s == 0 && q == k, dropout);
+                compute(|| flash_gqa_block_forward(out, lse, &blk, &gd, s == 0 && q == k, dropout));
             }
             if s + 1 < n {
-                self.comm.recv(&mut next, (r + n - 1) % n, TAG_KV);
+                wait(|| self.comm.recv(&mut next, (r + n - 1) % n, TAG_KV));
                 std::mem::swap(&mut cur, &mut next);
             }
         }
@@ -128,15 +191,15 @@ impl CpComm {
             }
             for (q, k) in self.ring_blocks(s, gd.t, dims.window, dims.sinks) {
                 let blk = Block { qkv, q, kv: &cur, kw, kc: 0, vc: kw / 2, k, starts };
-                flash_gqa_block_backward(dqkv, Some(&mut dcur), dout, lse, &d, &blk, &gd, dropout);
+                compute(|| flash_gqa_block_backward(dqkv, Some(&mut dcur), dout, lse, &d, &blk, &gd, dropout));
             }
             // The gradient of the keys just used travels on with them (after the last step:
             // home, to the next rank, whose keys they are).
             self.comm.send(&dcur, (r + 1) % n, TAG_DKV);
-            self.comm.recv(&mut dnext, (r + n - 1) % n, TAG_DKV);
+            wait(|| self.comm.recv(&mut dnext, (r + n - 1) % n, TAG_DKV));
             std::mem::swap(&mut dcur, &mut dnext);
             if s + 1 < n {
-                self.comm.recv(&mut next, (r + n - 1) % n, TAG_KV);
+                wait(|| self.comm.recv(&mut next, (r + n - 1) % n, TAG_KV));
                 std::mem::swap(&mut cur, &mut next);
             }
         }
@@ -191,7 +254,7 @@ impl CpComm {
             }
         }
         let mut recv = vec![0.0; send.len()];
-        self.comm.all_to_all(&send, &mut recv);
+        wait(|| self.comm.all_to_all(&send, &mut recv));
         let t = tl * n;
         let mut full = vec![0.0; b * t * wc];
         for (src, chunk) in recv.chunks(b * tl * wc).enumerate() {
@@ -223,7 +286,7 @@ impl CpComm {
             }
         }
         let mut recv = vec![0.0; send.len()];
-        self.comm.all_to_all(&send, &mut recv);
+        wait(|| self.comm.all_to_all(&send, &mut recv));
         for (c, chunk) in recv.chunks(b * tl * wc).enumerate() {
             let rc = cols(c);
             for (row, part) in x.chunks_mut(w).zip(chunk.chunks(wc)) {
@@ -262,7 +325,7 @@ impl CpComm {
         let qkv_h = self.seq_to_heads(qkv, b, tl, &|c| self.qkv_cols(dims, c));
         let starts_h = if starts.is_empty() { Vec::new() } else { self.all_starts(starts, b, tl) };
         let mut out_h = vec![0.0; b * hd.t * hd.nh * hs];
-        flash_gqa_forward_docs(&mut out_h, lse, &qkv_h, &hd, &starts_h, dropout);
+        compute(|| flash_gqa_forward_docs(&mut out_h, lse, &qkv_h, &hd, &starts_h, dropout));
         drop((qkv_h, starts_h));
         out.fill(0.0);
         self.heads_to_seq_add(&out_h, out, b, tl, &|c| self.q_cols(dims, c));
@@ -299,7 +362,7 @@ impl CpComm {
         drop((d, d_rows, d_h_rows));
         let starts_h = if starts.is_empty() { Vec::new() } else { self.all_starts(starts, b, tl) };
         let mut dqkv_h = vec![0.0; qkv_h.len()];
-        flash_gqa_block_backward(&mut dqkv_h, None, &dout_h, lse, &d_h, &Block::whole(&qkv_h, &hd, &starts_h), &hd, dropout);
+        compute(|| flash_gqa_block_backward(&mut dqkv_h, None, &dout_h, lse, &d_h, &Block::whole(&qkv_h, &hd, &starts_h), &hd, dropout));
         // Only the gradient travels back: the rest is freed first (the plan counts the peak).
         drop((qkv_h, dout_h, d_h, starts_h));
         self.heads_to_seq_add(&dqkv_h, dqkv, b, tl, &|c| self.qkv_cols(dims, c));

@@ -144,6 +144,7 @@ fn train_once(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
     }
 
     crate::util::init_threads(cfg.train.threads);
+    parallel::cp::set_device_clock(cfg.parallel.cp_clock == crate::config::CpClock::Device);
 
     // 2. Data.
     // A resumed run keeps its tokenizer; a run started from another kiln run keeps that run's

@@ -89,6 +89,8 @@ struct Measured {
     lr: f64,
     comm_bytes: parallel::CommTotals,
     bubble: Option<f64>,
+    /// Context parallelism: `[compute s, wait s, blocks, skipped]` of each cp rank.
+    cp_times: Option<Vec<f64>>,
 }
 
 impl<'a> Rank<'a> {
@@ -278,6 +280,7 @@ impl<'a> Rank<'a> {
         }
         let counters = self.comm.counters();
         let before = counters.snapshot();
+        parallel::cp::take_times();
         // memory: the activation buffers, allocated under their tracking category (a no-op once they fit).
         self.chunks.iter_mut().for_each(|ch| crate::memory::track::scope(crate::memory::track::Category::Activations, || ch.model.reserve_activations(rows, t)));
         let out = if self.faults.marked.contains(&(self.step + 1)) {
@@ -305,13 +308,18 @@ impl<'a> Rank<'a> {
             }, |loss, _| faults.spike(loss))
         };
         let comm_bytes = counters.snapshot().since(&before);
+        // Every context-parallel rank's attention compute and waits, for rank 0's line.
+        let cp_times = (cfg.parallel.cp > 1).then(|| {
+            let t = parallel::cp::take_times();
+            parallel::comm::all_gather_f64(&*self.applied.groups.cp, &[t.compute_s, t.wait_s, t.blocks as f64, t.skipped as f64])
+        });
         // The update waited for a background checkpoint still copying the training state.
         let blocked = self.ckpt.writer.gate().take_waited();
         if blocked > 0.0 {
             self.log(serde_json::json!({"kind": "checkpoint", "step": self.step + 1, "update_blocked_s": blocked}))?;
         }
         let bubble = self.pipeline_trace(&out)?;
-        Ok(Measured { out, lr, comm_bytes, bubble })
+        Ok(Measured { out, lr, comm_bytes, bubble, cp_times })
     }
 
     /// The pipeline trace: this rank's tasks, and the bubble against the step's makespan over
@@ -399,6 +407,9 @@ impl<'a> Rank<'a> {
         }
         if self.world > 1 {
             add_comm(&mut line, &m.comm_bytes, out);
+        }
+        if let Some(t) = &m.cp_times {
+            super::metrics::add_cp(&mut line, t);
         }
         add_memory(&mut line, &self.chunks, out, self.applied.stages.len() > 1);
         line

@@ -11,7 +11,7 @@ const CP: &[&str] = &[
     "--max-steps", "20", "--set", "model.n_layer=2", "--set", "model.n_head=4", "--set", "model.n_embd=32", "--set", "model.block_size=32",
     "--set", "model.dropout=0.1", "--set", "eval.interval=10", "--set", "checkpoint.interval=0", "--set", "sample.tokens=0",
 ];
-const LLAMA: &[&str] = &["--set", "model.arch=llama", "--set", "model.bias=false", "--set", "model.n_kv_head=2", "--set", "model.sliding_window=6"];
+const LLAMA: &[&str] = &["--set", "model.arch=llama", "--set", "model.bias=false", "--set", "model.n_kv_head=2", "--set", "model.sliding_window=6", "--set", "model.window_layers=[1]"];
 /// Attention sinks: the first 2 positions stay visible beyond the window.
 const SINKS: &[&str] = &["--set", "model.attn_sinks=2"];
 
@@ -82,7 +82,8 @@ fn context_parallel_matches_one_rank() {
         assert_eq!(if mode == "ring" { (p2p, a2a) } else { (a2a, p2p) }, (want, 0.0), "gpt2 cp {cp} {mode}: bytes per step");
     }
     // LLaMA with grouped-query attention (2 kv heads: split 2 ways, shared by pairs of 4
-    // Ulysses ranks) and a 6-token sliding window (most ring blocks of 4 ranks are skipped).
+    // Ulysses ranks) and a 6-token sliding window on its second layer (there most ring blocks of
+    // 4 ranks are skipped; the first attends to every earlier position).
     let one = d.join("llama-one");
     run(&data, &one, LLAMA);
     for extra in [&["--cp", "2", "--cp-balance", "none"][..], &["--cp", "4"], &["--cp", "4", "--cp-mode", "ulysses"], &["--cp", "2", "--tp", "2", "--sequence-parallel"]] {

@@ -62,6 +62,28 @@ fn mistral_fixture_logits_and_loss_match_transformers() {
     fixture_matches("mistral-tiny");
 }
 
+/// A sliding window on some layers only: Qwen2's `use_sliding_window` with `max_window_layers`
+/// 1 of 3 (tests/fixtures/qwen2-layer-windows, made by its make.py with transformers), q/k/v
+/// biases, GQA; the export writes Qwen2's form back (and `layer_types`).
+#[test]
+fn per_layer_sliding_windows_match_transformers() {
+    fixture_matches("qwen2-layer-windows");
+    export_reimport("qwen2-layer-windows");
+    let mut m = import_hf(&fixture("qwen2-layer-windows")).unwrap();
+    assert_eq!((m.cfg.sliding_window, m.cfg.window_layers.clone()), (6, vec![1, 2]));
+    assert_eq!((0..3).map(|l| m.cfg.window_of(l)).collect::<Vec<_>>(), [0, 6, 6]);
+    // KV-cached decoding sees each layer's window too.
+    let row = tokens(&fixture("qwen2-layer-windows"))[0].clone();
+    let full = m.forward_logits(&row, 1, row.len());
+    let mut cache = m.new_cache();
+    let vp = m.cfg.vocab_size;
+    for (i, &tok) in row.iter().enumerate() {
+        let step = m.decode_step(&mut cache, tok);
+        let err = step.iter().zip(&full[i * vp..(i + 1) * vp]).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        assert!(err < 1e-4, "position {i}: max |logit difference| {err}");
+    }
+}
+
 /// head_dim 12 with hidden_size 32 and 4 heads (tests/fixtures/llama-head-dim, made by its
 /// make.py with transformers).
 #[test]
