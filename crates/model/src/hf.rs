@@ -36,13 +36,13 @@ pub fn hf_config(cfg: &Value, origin: &Path) -> Result<GptConfig, String> {
             let mut c = llama_config(cfg, origin, true)?;
             if cfg.get("use_sliding_window").and_then(Value::as_bool).unwrap_or(false) {
                 let from = cfg.get("max_window_layers").and_then(Value::as_u64).map_or(0, |m| m as usize);
-                windows(&mut c, cfg, origin, &|l| l >= from)?;
+                windows(&mut c, cfg, origin, from)?;
             }
             Ok(c)
         }
         "MistralForCausalLM" => {
             let mut c = llama_config(cfg, origin, false)?;
-            windows(&mut c, cfg, origin, &|_| true)?;
+            windows(&mut c, cfg, origin, 0)?;
             Ok(c)
         }
         "MixtralForCausalLM" => {
@@ -63,14 +63,20 @@ pub fn hf_config(cfg: &Value, origin: &Path) -> Result<GptConfig, String> {
 
 /// The sliding window of `cfg` and the layers it applies to: per `layer_types`
 /// (`"sliding_attention"` / `"full_attention"`, transformers' per-layer form) when the config
-/// has it, else those `class_rule` says (Mistral: all; Qwen2: from `max_window_layers` on). A
+/// has it, else from layer `from` on (Mistral: 0, every layer; Qwen2: `max_window_layers`). A
 /// window no shorter than the context changes nothing, and is dropped.
-fn windows(c: &mut GptConfig, cfg: &Value, origin: &Path, class_rule: &dyn Fn(usize) -> bool) -> Result<(), String> {
+fn windows(c: &mut GptConfig, cfg: &Value, origin: &Path, from: usize) -> Result<(), String> {
     let w = cfg.get("sliding_window").and_then(Value::as_u64).map_or(0, |w| w as usize);
     if w == 0 || w >= c.block_size {
         return Ok(());
     }
-    let layers: Vec<usize> = match cfg.get("layer_types").and_then(Value::as_array) {
+    let types = cfg.get("layer_types").and_then(Value::as_array);
+    if types.is_none() && from == 0 {
+        // Every layer: the plain form.
+        c.sliding_window = w;
+        return Ok(());
+    }
+    let layers: Vec<usize> = match types {
         Some(types) => {
             if types.len() != c.n_layer {
                 return Err(format!("{}: `layer_types` lists {} layers, but `num_hidden_layers` is {}", origin.display(), types.len(), c.n_layer));
@@ -85,16 +91,24 @@ fn windows(c: &mut GptConfig, cfg: &Value, origin: &Path, class_rule: &dyn Fn(us
             }
             v
         }
-        None => (0..c.n_layer).filter(|&l| class_rule(l)).collect(),
+        None if from >= c.n_layer => Vec::new(),
+        // Listed one by one: a (hostile) config's layer count must not size the list.
+        None if c.n_layer > MAX_LISTED_LAYERS => {
+            return Err(format!("{}: `num_hidden_layers` = {} with a sliding window from layer {from} on: more layers than kiln lists ({MAX_LISTED_LAYERS})", origin.display(), c.n_layer));
+        }
+        None => (from..c.n_layer).collect(),
     };
     if layers.is_empty() {
         return Ok(());
     }
     c.sliding_window = w;
-    // Every layer windowed is the plain form.
+    // Every layer windowed is the plain form (an empty list).
     c.window_layers = if layers.len() == c.n_layer { Vec::new() } else { layers };
     Ok(())
 }
+
+/// The most layers a per-layer window list is built for.
+const MAX_LISTED_LAYERS: usize = 1 << 16;
 
 fn get_f32(cfg: &Value, key: &str, default: f32) -> f32 {
     cfg.get(key).and_then(Value::as_f64).map_or(default, |v| v as f32)
