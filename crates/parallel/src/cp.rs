@@ -46,10 +46,13 @@ pub struct CpTimes {
     pub wait_s: f64,
     pub blocks: u64,
     pub skipped: u64,
+    /// Visible (query, key) score pairs of the blocks computed, per head: the attention's work,
+    /// which a balanced split shares equally whatever the clock says.
+    pub pairs: u64,
 }
 
 thread_local! {
-    static TIMES: Cell<CpTimes> = const { Cell::new(CpTimes { compute_s: 0.0, wait_s: 0.0, blocks: 0, skipped: 0 }) };
+    static TIMES: Cell<CpTimes> = const { Cell::new(CpTimes { compute_s: 0.0, wait_s: 0.0, blocks: 0, skipped: 0, pairs: 0 }) };
 }
 
 /// This thread's (a rank's) [`CpTimes`] since the last call, and a fresh start.
@@ -166,6 +169,7 @@ impl CpComm {
             }
             for (q, k) in self.ring_blocks(s, gd.t, dims.window, dims.sinks) {
                 let blk = Block { qkv, q, kv: &cur, kw, kc: 0, vc: kw / 2, k, starts };
+                add_times(|x| x.pairs += visible_pairs(&gd, q, k, starts));
                 compute(|| flash_gqa_block_forward(out, lse, &blk, &gd, s == 0 && q == k, dropout));
             }
             if s + 1 < n {
@@ -325,6 +329,7 @@ impl CpComm {
         let qkv_h = self.seq_to_heads(qkv, b, tl, &|c| self.qkv_cols(dims, c));
         let starts_h = if starts.is_empty() { Vec::new() } else { self.all_starts(starts, b, tl) };
         let mut out_h = vec![0.0; b * hd.t * hd.nh * hs];
+        add_times(|x| x.pairs += visible_pairs(&hd, tensor::flash::Span::whole(hd.t), tensor::flash::Span::whole(hd.t), &starts_h));
         compute(|| flash_gqa_forward_docs(&mut out_h, lse, &qkv_h, &hd, &starts_h, dropout));
         drop((qkv_h, starts_h));
         out.fill(0.0);
@@ -367,6 +372,23 @@ impl CpComm {
         drop((qkv_h, dout_h, d_h, starts_h));
         self.heads_to_seq_add(&dqkv_h, dqkv, b, tl, &|c| self.qkv_cols(dims, c));
     }
+}
+
+/// The (query, key) pairs of block `q` × `k` that the causal, window, sink and document masks
+/// leave visible, summed over the batch rows, times the heads (`dims`'; forward work).
+fn visible_pairs(dims: &GqaDims, q: Span, k: Span, starts: &[u32]) -> u64 {
+    let mut n = 0u64;
+    for bi in 0..dims.b {
+        for i in 0..q.len {
+            let gi = q.pos0 + i;
+            let start = if starts.is_empty() { 0 } else { starts[bi * q.rows + q.row0 + i] as usize };
+            let first = dims.first_key(gi).max(start);
+            let sink_end = dims.sink_end(gi, start);
+            let count = |lo: usize, hi: usize| (hi.min(k.pos0 + k.len)).saturating_sub(lo.max(k.pos0)) as u64;
+            n += count(first, gi + 1) + count(start, sink_end);
+        }
+    }
+    n * dims.nh as u64
 }
 
 /// The k|v columns of every row of `qkv` (`[B, t, W]`): `[B, t, 2·NKV·HS]`.

@@ -47,22 +47,28 @@ pub(super) fn add_comm(line: &mut serde_json::Value, bytes: &parallel::CommTotal
     line["comm_hidden_fraction"] = out.overlap.hidden_fraction().into();
 }
 
-/// Context parallelism, from every cp rank's `[compute s, wait s, blocks, skipped]`: each
-/// rank's attention kernel time and time blocked on the others (ring blocks not yet arrived,
-/// Ulysses' all-to-alls), the slowest rank's attention over the mean (1 = balanced), the
-/// fraction of the ring exchange hidden behind compute, and blocks computed and skipped.
+/// Context parallelism, from every cp rank's `[compute s, wait s, blocks, skipped, pairs]`:
+/// each rank's attention kernel time and time blocked on the others (ring blocks not yet
+/// arrived, Ulysses' all-to-alls), the slowest rank's attention time and work (visible score
+/// pairs) over the mean (1 = balanced), the fraction of the ring exchange hidden behind
+/// compute, and blocks computed and skipped.
 pub(super) fn add_cp(line: &mut serde_json::Value, t: &[f64]) {
-    let (compute, wait): (Vec<f64>, Vec<f64>) = t.chunks(4).map(|r| (r[0], r[1])).unzip();
-    let mean = compute.iter().sum::<f64>() / compute.len() as f64;
-    let max = compute.iter().copied().fold(0.0, f64::max);
+    let (compute, wait): (Vec<f64>, Vec<f64>) = t.chunks(5).map(|r| (r[0], r[1])).unzip();
+    let pairs: Vec<f64> = t.chunks(5).map(|r| r[4]).collect();
+    let max_over_mean = |x: &[f64]| {
+        let mean = x.iter().sum::<f64>() / x.len() as f64;
+        if mean > 0.0 { x.iter().copied().fold(0.0, f64::max) / mean } else { 1.0 }
+    };
     line["cp_attention_s"] = compute.clone().into();
     line["cp_wait_s"] = wait.clone().into();
-    line["cp_attention_max_over_mean"] = (if mean > 0.0 { max / mean } else { 1.0 }).into();
+    line["cp_attention_max_over_mean"] = max_over_mean(&compute).into();
+    line["cp_attention_pairs"] = pairs.clone().into();
+    line["cp_pairs_max_over_mean"] = max_over_mean(&pairs).into();
     // Waiting is the exchange not hidden (and imbalance): the busy share of attention time.
     let (c, w): (f64, f64) = (compute.iter().sum(), wait.iter().sum());
     line["cp_compute_fraction"] = (if c + w > 0.0 { c / (c + w) } else { 1.0 }).into();
-    line["cp_blocks"] = t.chunks(4).map(|r| r[2]).sum::<f64>().into();
-    line["cp_blocks_skipped"] = t.chunks(4).map(|r| r[3]).sum::<f64>().into();
+    line["cp_blocks"] = t.chunks(5).map(|r| r[2]).sum::<f64>().into();
+    line["cp_blocks_skipped"] = t.chunks(5).map(|r| r[3]).sum::<f64>().into();
 }
 
 /// This rank's memory: model state by kind (parameters, gradients, optimizer moments, in

@@ -89,7 +89,7 @@ struct Measured {
     lr: f64,
     comm_bytes: parallel::CommTotals,
     bubble: Option<f64>,
-    /// Context parallelism: `[compute s, wait s, blocks, skipped]` of each cp rank.
+    /// Context parallelism: `[compute s, wait s, blocks, skipped, pairs]` of each cp rank.
     cp_times: Option<Vec<f64>>,
 }
 
@@ -311,7 +311,7 @@ impl<'a> Rank<'a> {
         // Every context-parallel rank's attention compute and waits, for rank 0's line.
         let cp_times = (cfg.parallel.cp > 1).then(|| {
             let t = parallel::cp::take_times();
-            parallel::comm::all_gather_f64(&*self.applied.groups.cp, &[t.compute_s, t.wait_s, t.blocks as f64, t.skipped as f64])
+            parallel::comm::all_gather_f64(&*self.applied.groups.cp, &[t.compute_s, t.wait_s, t.blocks as f64, t.skipped as f64, t.pairs as f64])
         });
         // The update waited for a background checkpoint still copying the training state.
         let blocked = self.ckpt.writer.gate().take_waited();

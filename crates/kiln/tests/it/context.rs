@@ -80,6 +80,15 @@ fn context_parallel_matches_one_rank() {
         let want = formula(mode == "ring", n, 2.0, 4.0, 32.0, 32.0, 4.0);
         let (p2p, a2a) = sent(&out);
         assert_eq!(if mode == "ring" { (p2p, a2a) } else { (a2a, p2p) }, (want, 0.0), "gpt2 cp {cp} {mode}: bytes per step");
+        // Zig-zag chunks give every rank the same attention work (visible score pairs); with
+        // contiguous chunks causal attention costs the last ring rank most. (Ulysses splits
+        // heads: balanced either way.)
+        let line = &lines(&out, "train")[2];
+        let skew = line["cp_pairs_max_over_mean"].as_f64().unwrap();
+        match (mode, balance) {
+            ("ring", "none") => assert!(skew > 1.5, "gpt2 cp {cp} ring, contiguous: work skew {skew}"),
+            _ => assert_eq!(skew, 1.0, "gpt2 cp {cp} {mode} {balance}: work skew"),
+        }
     }
     // LLaMA with grouped-query attention (2 kv heads: split 2 ways, shared by pairs of 4
     // Ulysses ranks) and a 6-token sliding window on its second layer (there most ring blocks of
