@@ -164,8 +164,8 @@ pub fn parallelize(whole: Gpt, s: &Strategy, comm: &dyn Comm) -> Result<(Vec<Par
         }
         // ... or the expert-parallel shard: this rank's block of experts, by name, the exchange
         // over the ep group. MoE layers sum their load-balancing statistics over the ranks that
-        // split the batch (so the loss is one rank's), through the same hooks.
-        let route = (m.cfg.is_moe() && dp_size > 1).then_some(batch);
+        // split the batch or its positions (so the loss is one rank's), through the same hooks.
+        let route = (m.cfg.is_moe() && dp_size * s.cp > 1).then_some(batch);
         if s.ep > 1 {
             let mut local = Gpt::zeroed(ep::local_config(&m.cfg, s.ep, ep_rank)?, m.real_vocab);
             local.params = ep::shard(&m.layout, &m.params, &local.layout);

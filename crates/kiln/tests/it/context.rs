@@ -109,6 +109,14 @@ fn context_parallel_matches_one_rank() {
         run(&data, &out, &[LLAMA, SINKS, extra].concat());
         assert_matches(&out, &one, &format!("llama with sinks {extra:?}"));
     }
+    // A mixture-of-experts model (dropless routing): the load-balancing statistics are summed
+    // over the ranks that hold the sequence's positions, as over data-parallel ranks.
+    let moe = ["--set", "model.arch=llama", "--set", "model.bias=false", "--set", "model.n_expert=4", "--set", "model.top_k=2"];
+    let one = d.join("moe-one");
+    run(&data, &one, &moe);
+    let out = d.join("moe-cp2");
+    run(&data, &out, &[&moe[..], &["--cp", "2"]].concat());
+    assert_matches(&out, &one, "MoE cp 2");
     // Data parallel × pipeline × context parallel on 8 in-process ranks, against one rank
     // accumulating the same two micro-batches.
     let acc = ["--set", "train.batch_size=8", "--micro-batches", "2"];
