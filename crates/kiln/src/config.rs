@@ -324,6 +324,13 @@ pub struct MemorySection {
     /// or a size such as `2GiB` or `1500MB`; `0` = no limit. A run whose plan exceeds it is
     /// refused before anything is written.
     pub limit: String,
+    /// `none`, `int8` or `int4`: the activations each block keeps for backward stored as 8- or
+    /// 4-bit codes per group of 64 with fp32 scales (GACT), expanded before its backward.
+    #[serde(with = "named")]
+    pub activation_compression: plan::policy::ActCompression,
+    /// `nearest` or `stochastic` rounding of the compressed activations.
+    #[serde(with = "named")]
+    pub activation_rounding: plan::policy::ActRounding,
 }
 
 
@@ -592,7 +599,7 @@ impl Default for ParallelSection {
 
 impl Default for MemorySection {
     fn default() -> Self {
-        MemorySection { offload: Offload::None, limit: "0".into() }
+        MemorySection { offload: Offload::None, limit: "0".into(), activation_compression: Default::default(), activation_rounding: Default::default() }
     }
 }
 
@@ -865,6 +872,15 @@ impl RunConfig {
             return user(format!("train.precision = {} with LoRA is not supported: the adapters train in fp32", t.precision.name()));
         }
         crate::util::parse_size(&self.memory.limit).map_err(|e| crate::error::KilnError::User(format!("memory.limit: {e}")))?;
+        let ac = self.memory.activation_compression;
+        if ac != plan::policy::ActCompression::None {
+            if self.model.recompute == model::Recompute::Full {
+                return user(format!("memory.activation_compression = {} needs model.recompute = none or selective: full recomputation keeps no block activations to compress", plan::policy::Names::name(ac)));
+            }
+            if self.model.n_expert > 0 {
+                return user(format!("memory.activation_compression = {} with mixture-of-experts layers (model.n_expert = {}) is not supported: their cache is their own", plan::policy::Names::name(ac), self.model.n_expert));
+            }
+        }
         Ok(())
     }
 

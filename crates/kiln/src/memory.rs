@@ -43,15 +43,18 @@ pub struct ElementBytes {
     pub master: usize,
     /// The products' arithmetic (bf16 products chunk the LM head in larger row blocks).
     pub arith: tensor::matmul::Arith,
+    /// Activation compression's code bits (`memory.activation_compression`): the stored
+    /// activations are then `tensor::quant::compressed_bytes` each, whatever `act` says.
+    pub compress: Option<u32>,
 }
 
 /// Everything in fp32, the parameters are their own master copy.
-pub const FP32: ElementBytes = ElementBytes { name: "fp32", param: 4, grad: 4, act: 4, optim: 4, master: 0, arith: tensor::matmul::Arith::F32 };
+pub const FP32: ElementBytes = ElementBytes { name: "fp32", param: 4, grad: 4, act: 4, optim: 4, master: 0, arith: tensor::matmul::Arith::F32, compress: None };
 
 /// bf16 / fp16 (and FP8, which stores in bf16): activations stored in 16 bits between forward
 /// and backward, fp32 working parameters (rounded to the format) with fp32 master weights beside
 /// them, fp32 gradients and moments.
-pub const MIXED_16: ElementBytes = ElementBytes { name: "fp16 (16-bit stored activations, fp32 master weights)", param: 4, grad: 4, act: 2, optim: 4, master: 4, arith: tensor::matmul::Arith::F32 };
+pub const MIXED_16: ElementBytes = ElementBytes { name: "fp16 (16-bit stored activations, fp32 master weights)", param: 4, grad: 4, act: 2, optim: 4, master: 4, arith: tensor::matmul::Arith::F32, compress: None };
 
 /// bf16: [`MIXED_16`] with bf16 products (fp32 products on a CPU without BF16 instructions:
 /// [`ElementBytes::of`] says which).
@@ -221,13 +224,18 @@ pub fn activation_set_every(cfg: &GptConfig, b: usize, t: usize, recompute: Reco
         Recompute::Selective => (l, l, 1),
         Recompute::Full => (own, own, own),
     };
-    // The 16-bit stash (`Gpt::stash_format`): each layer's rounded activations in `p.act`
-    // bytes plus one fp32 working set; the fp32 statistics per layer plus the working set.
-    let stash = p.act < 4 && recompute != Recompute::Full && !cfg.is_moe();
+    // The stash (`Gpt::stash_format`): each layer's rounded activations in `p.act` bytes, or
+    // compressed (each tensor in its own groups), plus one fp32 working set; the fp32
+    // statistics per layer plus the working set.
+    let stash = (p.act < 4 || p.compress.is_some()) && recompute != Recompute::Full && !cfg.is_moe();
     let f = |elems: usize| elems as u64 * 4;
-    let bulk = |sets: usize, e: usize| if stash { sets as u64 * p.act as u64 * e as u64 + f(e) } else { sets as u64 * f(e) };
+    let stored = |e: usize| match p.compress {
+        Some(bits) => tensor::quant::compressed_bytes(e, bits) as u64,
+        None => p.act as u64 * e as u64,
+    };
+    let bulk = |sets: usize, e: usize| if stash { sets as u64 * stored(e) + f(e) } else { sets as u64 * f(e) };
     let stat = |sets: usize, e: usize| if stash { (sets as u64 + 1) * f(e) } else { sets as u64 * f(e) };
-    let mlp_inner = if cfg.is_moe() { n_inner as u64 * moe_cache_bytes(cfg, n) } else { bulk(n_inner, n * cfg.fc_width() + n * cfg.ffn_hidden) };
+    let mlp_inner = if cfg.is_moe() { n_inner as u64 * moe_cache_bytes(cfg, n) } else { bulk(n_inner, n * cfg.fc_width()) + bulk(n_inner, n * cfg.ffn_hidden) };
     let core = match recompute {
         // One shared fp32 set, recomputed per layer.
         Recompute::Selective => f(n * aw + b * nh * t),
@@ -237,7 +245,7 @@ pub fn activation_set_every(cfg: &GptConfig, b: usize, t: usize, recompute: Reco
         residual: f((l + 1) * nl * c) + bulk(n_kept, nl * c) + f(nl * c) + f(nf * c),
         attention: bulk(n_inner, n * qw) + core,
         mlp: mlp_inner,
-        norms: bulk(n_kept, 2 * nl * c) + stat(n_kept, 4 * nl) + f(hl * c + 2 * hl) + bulk(n_inner, 2 * nf * c),
+        norms: 2 * bulk(n_kept, nl * c) + stat(n_kept, 4 * nl) + f(hl * c + 2 * hl) + 2 * bulk(n_inner, nf * c),
         head: f(hl * c) + f(if head { nf * c } else { 0 }) + f(tensor::classifier::chunk_rows(hn, vp, p.arith) * vp),
         // losses are fp32; tokens (u32) and targets (i32) are 4 bytes
         losses: f(n) + 8 * n as u64,
@@ -397,7 +405,7 @@ struct RankShape {
 
 impl RankShape {
     fn new(cfg: &RunConfig, gpt: &GptConfig, s: usize) -> Result<RankShape> {
-        let p = ElementBytes::of(cfg.train.precision);
+        let p = ElementBytes { compress: cfg.memory.activation_compression.bits(), ..ElementBytes::of(cfg.train.precision) };
         let par = &cfg.parallel;
         let (dp, tp) = (par.dp.max(1), par.tp);
         // With a pipeline: rank 0's stage (its layers, the embeddings; the stage that keeps the

@@ -252,39 +252,79 @@ impl BlockInner {
     }
 }
 
-/// 16-bit activation storage (bf16 and fp16 training without full recomputation): every block
-/// computes in one fp32 working set (slot 0 of `Acts::kept` / `Acts::inner`) and, after its
-/// forward, leaves its activations here — the rounded ones as their 16 bits, the norms' and
-/// attention's fp32 statistics as they are — to be put back before its backward. Lossless (the
-/// values are already rounded to the format), so a run is bit for bit the run without it.
+/// How a block's kept activations are stored between its forward and backward.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StashFormat {
+    /// As 16 bits (bf16 or fp16 training): lossless, the values are already rounded to it.
+    Half(tensor::precision::Format),
+    /// Compressed to `bits`-bit integers per group with scales (`tensor::quant`), rounded to
+    /// the nearest code or stochastically: lossy.
+    Int { bits: u32, stochastic: bool },
+}
+
+/// Stored activations (16-bit training or activation compression, without full
+/// recomputation): every block computes in one fp32 working set (slot 0 of `Acts::kept` /
+/// `Acts::inner`) and, after its forward, leaves its activations here — the bulk ones as 16
+/// bits or compressed codes, the norms' and attention's fp32 statistics as they are — to be
+/// put back before its backward. 16 bits are lossless (the values are already rounded to the
+/// format), so a run is bit for bit the run without it; compressed codes are not.
 struct Stash {
-    fmt: tensor::precision::Format,
-    /// Per layer: the 16-bit values and the fp32 statistics, in [`BlockKept::parts`] then
+    fmt: StashFormat,
+    /// Per layer: the 16-bit values, or the compressed codes and their group scales (each part
+    /// compressed on its own), and the fp32 statistics, in [`BlockKept::parts`] then
     /// [`BlockInner::parts`] order.
     half: Vec<Vec<u16>>,
+    codes: Vec<Vec<u8>>,
+    scales: Vec<Vec<f32>>,
     full: Vec<Vec<f32>>,
 }
 
 impl Stash {
-    fn new(fmt: tensor::precision::Format, layers: usize, k: &mut BlockKept, i: &mut BlockInner) -> Stash {
+    fn new(fmt: StashFormat, layers: usize, k: &mut BlockKept, i: &mut BlockInner) -> Stash {
         let (kh, kf) = k.parts();
         let (ih, if_) = i.parts();
-        let nh: usize = kh.iter().map(|v| v.len()).sum::<usize>() + ih.iter().map(|v| v.len()).sum::<usize>();
+        let lens: Vec<usize> = kh.iter().chain(ih.iter()).map(|v| v.len()).collect();
         let nf: usize = kf.iter().map(|v| v.len()).sum::<usize>() + if_.iter().map(|v| v.len()).sum::<usize>();
-        Stash { fmt, half: (0..layers).map(|_| vec![0; nh]).collect(), full: (0..layers).map(|_| zeros(nf)).collect() }
+        let (nh, nc, ns) = match fmt {
+            StashFormat::Half(_) => (lens.iter().sum(), 0, 0),
+            StashFormat::Int { bits, .. } => (0, lens.iter().map(|&n| n.div_ceil(if bits == 4 { 2 } else { 1 })).sum(), lens.iter().map(|&n| n.div_ceil(tensor::quant::ACT_GROUP)).sum()),
+        };
+        let per = |n: usize| -> Vec<usize> { if n == 0 { Vec::new() } else { vec![n; layers] } };
+        Stash {
+            fmt,
+            half: per(nh).into_iter().map(|n| vec![0; n]).collect(),
+            codes: per(nc).into_iter().map(|n| vec![0; n]).collect(),
+            scales: per(ns).into_iter().map(zeros).collect(),
+            full: (0..layers).map(|_| zeros(nf)).collect(),
+        }
     }
 
-    /// Layer `l`'s working set → its storage.
-    fn put(&mut self, l: usize, k: &mut BlockKept, i: &mut BlockInner) {
+    /// Layer `l`'s working set → its storage (`seed`: stochastic rounding's stream).
+    fn put(&mut self, l: usize, k: &mut BlockKept, i: &mut BlockInner, seed: u64) {
         let _p = tensor::profile::scope("stash_put");
         let (kh, kf) = k.parts();
         let (ih, if_) = i.parts();
-        let (mut h, mut f) = (&mut self.half[l][..], &mut self.full[l][..]);
-        for v in kh.into_iter().chain(ih) {
-            let (dst, rest) = h.split_at_mut(v.len());
-            tensor::precision::pack16(dst, v, self.fmt);
-            h = rest;
+        match self.fmt {
+            StashFormat::Half(fmt) => {
+                let mut h = &mut self.half[l][..];
+                for v in kh.into_iter().chain(ih) {
+                    let (dst, rest) = h.split_at_mut(v.len());
+                    tensor::precision::pack16(dst, v, fmt);
+                    h = rest;
+                }
+            }
+            StashFormat::Int { bits, stochastic } => {
+                let (mut c, mut s) = (&mut self.codes[l][..], &mut self.scales[l][..]);
+                for (part, v) in kh.into_iter().chain(ih).enumerate() {
+                    let (dc, rc) = c.split_at_mut(v.len().div_ceil(if bits == 4 { 2 } else { 1 }));
+                    let (ds, rs) = s.split_at_mut(v.len().div_ceil(tensor::quant::ACT_GROUP));
+                    let stream = stochastic.then(|| mix64(seed ^ mix64(((l as u64) << 8 | part as u64).wrapping_add(0xAC7C_0DE5))));
+                    tensor::quant::compress_groups(dc, ds, v, bits, stream);
+                    (c, s) = (rc, rs);
+                }
+            }
         }
+        let mut f = &mut self.full[l][..];
         for v in kf.into_iter().chain(if_) {
             let (dst, rest) = f.split_at_mut(v.len());
             dst.copy_from_slice(v);
@@ -297,12 +337,26 @@ impl Stash {
         let _p = tensor::profile::scope("stash_take");
         let (kh, kf) = k.parts();
         let (ih, if_) = i.parts();
-        let (mut h, mut f) = (&self.half[l][..], &self.full[l][..]);
-        for v in kh.into_iter().chain(ih) {
-            let (src, rest) = h.split_at(v.len());
-            tensor::precision::unpack16(v, src, self.fmt);
-            h = rest;
+        match self.fmt {
+            StashFormat::Half(fmt) => {
+                let mut h = &self.half[l][..];
+                for v in kh.into_iter().chain(ih) {
+                    let (src, rest) = h.split_at(v.len());
+                    tensor::precision::unpack16(v, src, fmt);
+                    h = rest;
+                }
+            }
+            StashFormat::Int { bits, .. } => {
+                let (mut c, mut s) = (&self.codes[l][..], &self.scales[l][..]);
+                for v in kh.into_iter().chain(ih) {
+                    let (sc, rc) = c.split_at(v.len().div_ceil(if bits == 4 { 2 } else { 1 }));
+                    let (ss, rs) = s.split_at(v.len().div_ceil(tensor::quant::ACT_GROUP));
+                    tensor::quant::decompress_groups(v, sc, ss, bits);
+                    (c, s) = (rc, rs);
+                }
+            }
         }
+        let mut f = &self.full[l][..];
         for v in kf.into_iter().chain(if_) {
             let (src, rest) = f.split_at(v.len());
             v.copy_from_slice(src);
@@ -311,7 +365,10 @@ impl Stash {
     }
 
     fn bytes(&self) -> usize {
-        self.half.iter().map(|v| v.len() * 2).sum::<usize>() + self.full.iter().map(|v| v.len() * 4).sum::<usize>()
+        self.half.iter().map(|v| v.len() * 2).sum::<usize>()
+            + self.codes.iter().map(|v| v.len()).sum::<usize>()
+            + self.scales.iter().map(|v| v.len() * 4).sum::<usize>()
+            + self.full.iter().map(|v| v.len() * 4).sum::<usize>()
     }
 }
 
@@ -422,6 +479,10 @@ pub struct Gpt {
     /// recomputation ([`Gpt::stash_format`]; default on). Off, the same values stay in fp32
     /// buffers — bit for bit the same run, twice the activation memory.
     pub stash16: bool,
+    /// Activation compression (`memory.activation_compression`): the kept activations stored
+    /// as 8- or 4-bit codes per group ([`StashFormat::Int`]), with this rounding; without full
+    /// recomputation or MoE layers. Takes precedence over 16-bit storage.
+    pub act_compression: (plan::policy::ActCompression, plan::policy::ActRounding),
     /// Storage precision of activations and their gradients (the caller keeps the parameters
     /// rounded to it).
     pub precision: Precision,
@@ -498,7 +559,7 @@ impl Gpt {
         let rope = (cfg.arch == Arch::Llama).then(|| rope_table_from(&cfg.rope_inv_freq(), cfg.block_size));
         let units = views.units(n);
         let unit_views = views.rebased(n);
-        Gpt { cfg, layout, views, units, unit_views, real_vocab, params: zeros(n), grads: zeros(n), rope, lora: None, hooks: Hooks::default(), recompute: Recompute::None, recompute_every: 1, stash16: true, precision: Precision::Fp32, fp8: None, acts: None, scratch: None }
+        Gpt { cfg, layout, views, units, unit_views, real_vocab, params: zeros(n), grads: zeros(n), rope, lora: None, hooks: Hooks::default(), recompute: Recompute::None, recompute_every: 1, stash16: true, act_compression: Default::default(), precision: Precision::Fp32, fp8: None, acts: None, scratch: None }
     }
 
     pub fn num_params(&self) -> usize {
@@ -512,12 +573,19 @@ impl Gpt {
         }
     }
 
-    /// The format activations are stored in between forward and backward, when 16-bit: the
-    /// storage precision, unless full recomputation (which keeps only block inputs) or a
-    /// mixture-of-experts layer (whose cache is its own) is in use, or [`Gpt::stash16`] is off.
-    pub fn stash_format(&self) -> Option<tensor::precision::Format> {
-        let on = self.stash16 && self.recompute != Recompute::Full && !self.cfg.is_moe();
-        storage(self.precision).filter(|_| on)
+    /// The format a block's kept activations are stored in between forward and backward:
+    /// compressed codes under [`Gpt::act_compression`], else 16 bits when training in a 16-bit
+    /// precision (unless [`Gpt::stash16`] is off); none under full recomputation (which keeps
+    /// only block inputs) or with mixture-of-experts layers (whose cache is their own).
+    pub fn stash_format(&self) -> Option<StashFormat> {
+        if self.recompute == Recompute::Full || self.cfg.is_moe() {
+            return None;
+        }
+        let (compression, rounding) = self.act_compression;
+        if let Some(bits) = compression.bits() {
+            return Some(StashFormat::Int { bits, stochastic: rounding == plan::policy::ActRounding::Stochastic });
+        }
+        storage(self.precision).filter(|_| self.stash16).map(StashFormat::Half)
     }
 
     fn ensure_acts(&mut self, b: usize, t: usize) {
@@ -794,7 +862,7 @@ impl Gpt {
                 a.moe_stats.push(st);
             }
             if let Some(st) = a.stash.as_mut() {
-                st.put(l, &mut a.kept[0], &mut a.inner[0]);
+                st.put(l, &mut a.kept[0], &mut a.inner[0], a.dropout_seed);
             }
             store.release(l + 1, Access::Forward);
         }

@@ -49,6 +49,8 @@ pub struct Strategy {
     pub precision: Precision,
     /// FP8's amax history length (with `Precision::Fp8`).
     pub fp8_amax_history: usize,
+    /// Activation compression of the kept activations, and its rounding.
+    pub act_compression: (plan::policy::ActCompression, plan::policy::ActRounding),
 }
 
 /// One model chunk of this rank: the part of the whole model it holds, behind its data-parallel
@@ -185,6 +187,7 @@ pub fn parallelize(whole: Gpt, s: &Strategy, comm: &dyn Comm) -> Result<(Vec<Par
         // micro-batch (dropout masks are drawn by global sequence).
         (m.recompute, m.recompute_every) = (s.recompute, s.recompute_every);
         m.precision = s.precision;
+        m.act_compression = s.act_compression;
         if s.precision == Precision::Fp8 {
             m.fp8 = Some(std::cell::RefCell::new(Fp8State::new(m.cfg.n_layer, s.fp8_amax_history)));
         }

@@ -140,3 +140,45 @@ pub enum CpBalance {
 impl Names for CpBalance {
     const NAMES: &'static [(&'static str, CpBalance)] = &[("zigzag", CpBalance::Zigzag), ("none", CpBalance::None)];
 }
+
+/// Activation compression (`memory.activation_compression`; GACT, Liu et al. 2022; Mesa, Pan
+/// et al. 2021): the activations a block keeps for backward are stored as 8- or 4-bit integers
+/// per group of 64 with an fp32 scale, and expanded before backward (lossy: backward sees the
+/// expanded values; the forward's own are exact).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, Hash)]
+#[serde(rename_all = "lowercase")]
+pub enum ActCompression {
+    #[default]
+    None,
+    Int8,
+    Int4,
+}
+
+impl ActCompression {
+    /// The codes' bits (None: not compressed).
+    pub fn bits(self) -> Option<u32> {
+        match self {
+            ActCompression::None => None,
+            ActCompression::Int8 => Some(8),
+            ActCompression::Int4 => Some(4),
+        }
+    }
+}
+
+impl Names for ActCompression {
+    const NAMES: &'static [(&'static str, ActCompression)] = &[("none", ActCompression::None), ("int8", ActCompression::Int8), ("int4", ActCompression::Int4)];
+}
+
+/// How compressed activations round (`memory.activation_rounding`): to the nearest code, or
+/// stochastically (unbiased; deterministic from the step's seed), as GACT compares.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, Hash)]
+#[serde(rename_all = "lowercase")]
+pub enum ActRounding {
+    #[default]
+    Nearest,
+    Stochastic,
+}
+
+impl Names for ActRounding {
+    const NAMES: &'static [(&'static str, ActRounding)] = &[("nearest", ActRounding::Nearest), ("stochastic", ActRounding::Stochastic)];
+}

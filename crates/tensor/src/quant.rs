@@ -252,3 +252,82 @@ impl Int8Rows {
         self.codes.len() + 4 * self.scales.len()
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Activation compression (GACT, Liu et al. 2022; Mesa, Pan et al. 2021): a tensor saved for
+// backward is kept as `bits`-bit integers in groups of [`ACT_GROUP`] consecutive elements, each
+// group with an fp32 scale `absmax / (2^(bits−1) − 1)`, and expanded back before backward.
+
+/// Elements per activation-compression group.
+pub const ACT_GROUP: usize = 64;
+
+/// Bytes of `n` elements compressed to `bits` (8 or 4) bits: the codes and one f32 scale per
+/// group.
+pub fn compressed_bytes(n: usize, bits: u32) -> usize {
+    n.div_ceil(if bits == 4 { 2 } else { 1 }) + 4 * n.div_ceil(ACT_GROUP)
+}
+
+/// Compresses `x` into `codes` (`n` bytes for 8 bits; two 4-bit codes per byte, low nibble
+/// first) and `scales` (one per group): symmetric, `q = round(x / s)` clamped to
+/// `±(2^(bits−1) − 1)`. Nearest rounding, or with `stochastic = Some(seed)` unbiased stochastic
+/// rounding (`floor(x/s + u)`, `u` uniform from a counter-based hash of `(seed, element)`, so a
+/// run is deterministic). A group of zeros gets scale 0.
+pub fn compress_groups(codes: &mut [u8], scales: &mut [f32], x: &[f32], bits: u32, stochastic: Option<u64>) {
+    let _p = crate::profile::scope("compress_activations");
+    assert!(bits == 8 || bits == 4, "activation compression is 8 or 4 bits");
+    let per_byte = if bits == 4 { 2 } else { 1 };
+    assert_eq!(codes.len(), x.len().div_ceil(per_byte));
+    assert_eq!(scales.len(), x.len().div_ceil(ACT_GROUP));
+    let qmax = ((1i32 << (bits - 1)) - 1) as f32;
+    let group_bytes = ACT_GROUP / per_byte;
+    use rayon::prelude::*;
+    codes.par_chunks_mut(group_bytes).zip(scales.par_iter_mut()).zip(x.par_chunks(ACT_GROUP)).enumerate().for_each(|(gi, ((c, s), x))| {
+        let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        *s = amax / qmax;
+        let inv = if amax > 0.0 { qmax / amax } else { 0.0 };
+        let q = |j: usize, v: f32| -> i32 {
+            let y = v * inv;
+            let r = match stochastic {
+                None => y.round(),
+                Some(seed) => {
+                    let h = crate::rng::mix64(seed ^ crate::rng::mix64((gi * ACT_GROUP + j) as u64));
+                    (y + (h >> 40) as f32 / (1u64 << 24) as f32).floor()
+                }
+            };
+            r.clamp(-qmax, qmax) as i32
+        };
+        if bits == 8 {
+            for (j, (c, &v)) in c.iter_mut().zip(x).enumerate() {
+                *c = q(j, v) as i8 as u8;
+            }
+        } else {
+            for (k, c) in c.iter_mut().enumerate() {
+                let lo = x.get(2 * k).map_or(0, |&v| q(2 * k, v)) & 0xF;
+                let hi = x.get(2 * k + 1).map_or(0, |&v| q(2 * k + 1, v)) & 0xF;
+                *c = (lo | (hi << 4)) as u8;
+            }
+        }
+    });
+}
+
+/// Expands [`compress_groups`]'s codes and scales into `out` (`q · s`).
+pub fn decompress_groups(out: &mut [f32], codes: &[u8], scales: &[f32], bits: u32) {
+    let _p = crate::profile::scope("decompress_activations");
+    let per_byte = if bits == 4 { 2 } else { 1 };
+    assert_eq!(codes.len(), out.len().div_ceil(per_byte));
+    assert_eq!(scales.len(), out.len().div_ceil(ACT_GROUP));
+    use rayon::prelude::*;
+    out.par_chunks_mut(ACT_GROUP).zip(codes.par_chunks(ACT_GROUP / per_byte)).zip(scales.par_iter()).for_each(|((o, c), &s)| {
+        if bits == 8 {
+            for (o, &c) in o.iter_mut().zip(c) {
+                *o = (c as i8) as f32 * s;
+            }
+        } else {
+            for (j, o) in o.iter_mut().enumerate() {
+                let nib = (c[j / 2] >> (4 * (j % 2))) & 0xF;
+                // Sign-extend the nibble.
+                *o = (((nib << 4) as i8) >> 4) as f32 * s;
+            }
+        }
+    });
+}

@@ -22,6 +22,17 @@ fn check(name: &str, cfg: &GptConfig, shapes: &[(usize, usize)]) {
                 assert_eq!(planned as usize, m.activation_bytes(), "{name} B {b} T {t} {r:?} {precision:?}");
             }
         }
+        // Activation compression: the kept activations as 8- or 4-bit codes with group scales.
+        for compression in [plan::policy::ActCompression::Int8, plan::policy::ActCompression::Int4] {
+            let bytes = ElementBytes { compress: compression.bits(), ..FP32 };
+            for r in POLICIES {
+                let mut m = Gpt::zeroed(cfg.clone(), cfg.vocab_size.min(256));
+                (m.recompute, m.act_compression) = (r, (compression, Default::default()));
+                m.reserve_activations(b, t);
+                let planned = activation_set(cfg, b, t, r, &bytes).total();
+                assert_eq!(planned as usize, m.activation_bytes(), "{name} B {b} T {t} {r:?} {compression:?}");
+            }
+        }
         for every in [2, 3] {
             let mut m = Gpt::zeroed(cfg.clone(), cfg.vocab_size.min(256));
             (m.recompute, m.recompute_every) = (Recompute::Full, every);
@@ -186,3 +197,46 @@ fn the_plan_knows_pipeline_stages_and_their_micro_batches_in_flight() {
 
 /// `kiln memory` with `SMALL`'s model (the flags `train` gets from `common::train`).
 const SMALL_MEMORY: &[&str] = &["--set", "model.n_layer=1", "--set", "model.n_head=2", "--set", "model.n_embd=16", "--set", "model.block_size=16", "--set", "train.batch_size=4"];
+
+/// Activation compression (`memory.activation_compression`): int8 and int4 kept activations
+/// train close to the uncompressed run and hold fewer activation bytes; stochastic rounding is
+/// deterministic from the seed; it composes with tensor and context parallelism and selective
+/// recomputation; full recomputation and MoE layers are refused by name.
+#[test]
+fn activation_compression_trains_close_to_uncompressed_and_holds_less() {
+    let d = scratch("act-compression");
+    let data = corpus(&d);
+    let shape = ["--max-steps", "12", "--set", "model.n_layer=2", "--set", "model.n_head=4", "--set", "model.n_embd=64", "--set", "model.block_size=64", "--set", "model.dropout=0.1", "--set", "eval.interval=12", "--set", "checkpoint.interval=0", "--set", "sample.tokens=0"];
+    let run = |name: &str, extra: &[&str]| -> (f64, u64) {
+        let out = d.join(name);
+        let o = train(&data, &out, &[&shape[..], extra].concat());
+        assert!(o.status.success(), "{name}: {}", stderr(&o));
+        let lines: Vec<serde_json::Value> = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        let val = lines.iter().filter(|v| v["kind"] == "eval").last().unwrap()["val_loss"].as_f64().unwrap();
+        let acts = lines.iter().filter(|v| v["kind"] == "train").last().unwrap()["mem_activations_bytes"].as_u64().unwrap();
+        (val, acts)
+    };
+    let (v0, a0) = run("none", &[]);
+    for (name, extra, tol) in [
+        ("int8", &["--set", "memory.activation_compression=int8"][..], 1e-4),
+        ("int4", &["--set", "memory.activation_compression=int4"], 1e-3),
+        ("int8-stochastic", &["--set", "memory.activation_compression=int8", "--set", "memory.activation_rounding=stochastic"], 1e-4),
+        ("int8-tp2-cp2-selective", &["--set", "memory.activation_compression=int8", "--tp", "2", "--cp", "2", "--set", "model.recompute=selective"], 1e-4),
+    ] {
+        let (v, a) = run(name, extra);
+        assert!(((v - v0) / v0).abs() < tol, "{name}: val loss {v} vs uncompressed {v0}");
+        assert!(a < a0, "{name}: {a} activation bytes vs {a0}");
+        if name == "int8-stochastic" {
+            assert_eq!(run("int8-stochastic-again", extra).0, v, "stochastic rounding is deterministic from the seed");
+        }
+    }
+    for (extra, needle) in [
+        (&["--set", "memory.activation_compression=int8", "--recompute", "full"][..], "needs model.recompute = none or selective"),
+        (&["--set", "memory.activation_compression=int4", "--set", "model.arch=llama", "--set", "model.n_expert=4"], "mixture-of-experts"),
+        (&["--set", "memory.activation_compression=int2"], "memory.activation_compression"),
+    ] {
+        let out = d.join("bad");
+        assert_user_error(&train(&data, &out, extra), &[needle]);
+        assert!(!out.exists());
+    }
+}

@@ -80,3 +80,52 @@ fn int8_rows_equal_the_numpy_reference() {
     assert_eq!(out, floats(&e["dequantized"]));
     assert_eq!(q.bytes(), rows * cols + 4 * rows);
 }
+
+/// Activation compression: codes and scales as `compressed_bytes` says; nearest rounding within
+/// half a step of every value, stochastic rounding within one step and unbiased; zero groups
+/// and tails shorter than a group; 4-bit codes sign-extend.
+#[test]
+fn activation_compression_rounds_within_a_step_and_stochastic_rounding_is_unbiased() {
+    use tensor::quant::{compress_groups, compressed_bytes, decompress_groups, ACT_GROUP};
+    let mut rng = tensor::Rng::new(9);
+    for &n in &[1usize, 63, 64, 65, 200, 1000] {
+        let mut x = vec![0.0f32; n];
+        rng.fill_normal(&mut x, 2.0);
+        if n > 64 {
+            x[64..128.min(n)].fill(0.0); // a group of zeros
+        }
+        for bits in [8u32, 4] {
+            let per = if bits == 4 { 2 } else { 1 };
+            let (mut c, mut s) = (vec![0u8; n.div_ceil(per)], vec![0f32; n.div_ceil(ACT_GROUP)]);
+            assert_eq!(c.len() + 4 * s.len(), compressed_bytes(n, bits));
+            let qmax = ((1 << (bits - 1)) - 1) as f32;
+            for stochastic in [None, Some(5u64)] {
+                compress_groups(&mut c, &mut s, &x, bits, stochastic);
+                let mut y = vec![0.0f32; n];
+                decompress_groups(&mut y, &c, &s, bits);
+                for (g, (xg, yg)) in x.chunks(ACT_GROUP).zip(y.chunks(ACT_GROUP)).enumerate() {
+                    let amax = xg.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                    assert_eq!(s[g], amax / qmax);
+                    let step = s[g];
+                    let bound = if stochastic.is_some() { step * 1.0001 } else { step * 0.5001 };
+                    for (a, b) in xg.iter().zip(yg) {
+                        assert!((a - b).abs() <= bound + 1e-12, "n {n} bits {bits} {stochastic:?}: {a} -> {b} (step {step})");
+                    }
+                }
+            }
+        }
+    }
+    // Stochastic rounding is unbiased: the mean over many streams approaches the value.
+    let x = vec![0.3f32, -0.71, 1.0, 0.05];
+    let mut mean = [0.0f64; 4];
+    for seed in 0..4000u64 {
+        let (mut c, mut s) = (vec![0u8; 2], vec![0f32; 1]);
+        compress_groups(&mut c, &mut s, &x, 4, Some(seed));
+        let mut y = vec![0.0f32; 4];
+        decompress_groups(&mut y, &c, &s, 4);
+        y.iter().enumerate().for_each(|(i, v)| mean[i] += *v as f64 / 4000.0);
+    }
+    for (m, v) in mean.iter().zip(&x) {
+        assert!((m - *v as f64).abs() < 0.01, "stochastic mean {m} vs {v}");
+    }
+}
