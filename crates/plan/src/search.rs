@@ -88,6 +88,15 @@ fn check_fixed(m: &ModelShape, cl: &Cluster, c: &Constraints) -> Result<(), Plan
             return Err(PlanError(format!("--pp {pp} exceeds layers {}", m.layers)));
         }
     }
+    if let (Some(v), pp) = (c.virtual_stages.filter(|&v| v > 1), c.pp.unwrap_or(1)) {
+        // Interleaving gives every pipeline rank v chunks of equal layers.
+        if pp < 2 {
+            return Err(PlanError(format!("--virtual-stages {v} needs --pp > 1 (interleaved pipeline chunks)")));
+        }
+        if !m.layers.is_multiple_of(pp * v) {
+            return Err(PlanError(format!("--pp {pp} x --virtual-stages {v} = {} chunks do not divide the model's {} layers", pp * v, m.layers)));
+        }
+    }
     let given: Vec<(&str, u64)> = [("--tp", c.tp), ("--pp", c.pp), ("--dp", c.dp), ("--cp", c.cp)]
         .iter()
         .filter_map(|(f, v)| v.map(|v| (*f, v)))

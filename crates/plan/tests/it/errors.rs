@@ -137,3 +137,14 @@ fn unknown_schedule_is_named_and_names_read_back() {
     }
     assert_eq!(Kind::parse("Interleaved-1F1B"), Ok(Kind::Interleaved));
 }
+
+#[test]
+fn impossible_virtual_stages_name_the_layers() {
+    // megatron-7.5b has 36 layers: 4 stages x 5 chunks cannot split them.
+    let l = LayoutArgs { global_batch: 64, tp: Some(2), pp: Some(4), virtual_stages: Some(5), ..Default::default() };
+    let e = estimate_cmd(&gpt(), &cluster("a100-80gb", 64), &l, false).unwrap_err().to_string();
+    assert!(e.contains("--pp 4 x --virtual-stages 5 = 20 chunks do not divide the model's 36 layers"), "{e}");
+    let l = LayoutArgs { global_batch: 64, pp: Some(1), virtual_stages: Some(2), ..Default::default() };
+    let e = estimate_cmd(&gpt(), &cluster("a100-80gb", 64), &l, false).unwrap_err().to_string();
+    assert!(e.contains("--virtual-stages 2 needs --pp > 1"), "{e}");
+}
