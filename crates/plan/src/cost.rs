@@ -142,14 +142,6 @@ pub fn check_layout(model: &ModelShape, cluster: &Cluster, l: &Layout) -> Result
     if l.zero > 3 {
         return e(format!("--zero {} (expected 0|1|2|3)", l.zero));
     }
-    if l.zero >= 2 && l.pp > 1 {
-        // DeepSpeed and Megatron both refuse ZeRO-2/3 with pipeline parallelism (gradients of all micro-batches
-        // would be reduce-scattered per micro-batch).
-        return e(format!(
-            "--zero {} is not supported with --pp {} (use --zero 0 or 1)",
-            l.zero, l.pp
-        ));
-    }
     if l.schedule == Kind::Interleaved {
         if l.pp == 1 {
             return e("--schedule interleaved needs --pp > 1".into());
@@ -1120,6 +1112,15 @@ pub fn dp_comm_time(m: &ModelShape, cl: &Cluster, l: &Layout, stage: u64) -> f64
     one(dense, l.dp * l.cp) + one(expert, l.dp * l.cp / l.ep)
 }
 
+/// The gradient reduce-scatter alone of one stage's data-parallel synchronisation (ZeRO-2's per-micro-batch
+/// traffic).
+fn dp_reduce_scatter_time(m: &ModelShape, cl: &Cluster, l: &Layout, stage: u64) -> f64 {
+    let (dense, expert) = stage_params(m, l, stage);
+    let gbytes = state_bytes_per_param(l.precision, l.fp32_grads).1;
+    let one = |psi: f64, n: u64| reduce_scatter_time(group_link(cl, n, l.tp), gbytes * psi);
+    one(dense, l.dp * l.cp) + one(expert, l.dp * l.cp / l.ep)
+}
+
 /// Predict one iteration of `l`. The layout must pass `check_layout`.
 ///
 /// Pipeline: `T = (m + (p−1)/v) · T_dev` where `T_dev` is one micro-batch's forward+backward on the slowest
@@ -1154,9 +1155,13 @@ pub fn estimate(m: &ModelShape, cl: &Cluster, l: &Layout) -> Estimate {
     let d0 = device_time(m, cl, l, 0);
     let window = if l.overlap_dp { d0.backward } else { 0.0 };
     let mut dp_exposed = (dp_total - window).max(0.0);
-    if l.zero == 3 && mb > 1.0 {
-        // Per-micro-batch parameter all-gathers (fwd + bwd) and gradient reduce-scatter, prefetched under compute.
-        let per_mb = dp_total * (mb - 1.0);
+    // With several micro-batches per step (accumulation, or a pipeline's), ZeRO-2 reduce-scatters each
+    // micro-batch's gradients as backward releases them (its gradient buffers are unit-sized, so nothing
+    // accumulates across micro-batches: DeepSpeed's stage 2, and kiln's `DataParallel`), and ZeRO-3 also
+    // all-gathers every unit for each micro-batch's forward and backward (FSDP with a pipeline): the earlier
+    // micro-batches' traffic is hidden behind their compute where it fits, the rest exposed.
+    if l.zero >= 2 && mb > 1.0 {
+        let per_mb = if l.zero == 3 { dp_total } else { stages.iter().map(|&st| dp_reduce_scatter_time(m, cl, l, st)).fold(0.0, f64::max) } * (mb - 1.0);
         dp_exposed += (per_mb - (mb - 1.0) * t_dev).max(0.0);
     }
     let mem = memory(m, cl, l);

@@ -231,7 +231,6 @@ pub fn candidates(m: &ModelShape, cl: &Cluster, global_batch: u64, seq: u64, c: 
                 let zeros = match c.zero {
                     Some(z) => vec![z],
                     None if dp * cp == 1 => vec![0],
-                    None if pp > 1 => vec![0, 1],
                     None => vec![0, 1, 2, 3],
                 };
                 let modes: Vec<crate::policy::CpMode> = match (c.cp_mode, cp) {
