@@ -242,7 +242,12 @@ pub fn activation_set_every(cfg: &GptConfig, b: usize, t: usize, recompute: Reco
         _ => bulk(n_core, n * aw) + stat(n_core, b * nh * t),
     };
     Activations {
-        residual: f((l + 1) * nl * c) + bulk(n_kept, nl * c) + f(nl * c) + f(nf * c),
+        // Compressed stashes keep each block's input as codes, the stream in two buffers and one
+        // to expand an input into for backward.
+        residual: match (stash, p.compress) {
+            (true, Some(bits)) => f(3 * nl * c) + l as u64 * tensor::quant::compressed_bytes(nl * c, bits) as u64,
+            _ => f((l + 1) * nl * c),
+        } + bulk(n_kept, nl * c) + f(nl * c) + f(nf * c),
         attention: bulk(n_inner, n * qw) + core,
         mlp: mlp_inner,
         norms: 2 * bulk(n_kept, nl * c) + stat(n_kept, 4 * nl) + f(hl * c + 2 * hl) + 2 * bulk(n_inner, nf * c),

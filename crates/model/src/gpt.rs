@@ -277,6 +277,10 @@ struct Stash {
     codes: Vec<Vec<u8>>,
     scales: Vec<Vec<f32>>,
     full: Vec<Vec<f32>>,
+    /// Compressed formats also keep each block's input (the residual stream entering it) as
+    /// codes and scales; the stream then runs through two fp32 buffers (`Acts::xs`).
+    res_codes: Vec<Vec<u8>>,
+    res_scales: Vec<Vec<f32>>,
 }
 
 impl Stash {
@@ -296,6 +300,37 @@ impl Stash {
             codes: per(nc).into_iter().map(|n| vec![0; n]).collect(),
             scales: per(ns).into_iter().map(zeros).collect(),
             full: (0..layers).map(|_| zeros(nf)).collect(),
+            res_codes: Vec::new(),
+            res_scales: Vec::new(),
+        }
+    }
+
+    /// Room for every block's input of `n` floats, compressed (compressed formats only).
+    fn with_residual(mut self, layers: usize, n: usize) -> Stash {
+        if let StashFormat::Int { bits, .. } = self.fmt {
+            self.res_codes = (0..layers).map(|_| vec![0; n.div_ceil(if bits == 4 { 2 } else { 1 })]).collect();
+            self.res_scales = (0..layers).map(|_| zeros(n.div_ceil(tensor::quant::ACT_GROUP))).collect();
+        }
+        self
+    }
+
+    /// Whether block inputs are kept here (the residual stream then runs through two buffers).
+    fn keeps_inputs(&self) -> bool {
+        !self.res_codes.is_empty()
+    }
+
+    /// Block `l`'s input → its codes.
+    fn put_input(&mut self, l: usize, x: &[f32], seed: u64) {
+        if let StashFormat::Int { bits, stochastic } = self.fmt {
+            let stream = stochastic.then(|| mix64(seed ^ mix64((l as u64) << 8 | 0xFF)));
+            tensor::quant::compress_groups(&mut self.res_codes[l], &mut self.res_scales[l], x, bits, stream);
+        }
+    }
+
+    /// Block `l`'s input, expanded into `x`.
+    fn take_input(&self, l: usize, x: &mut [f32]) {
+        if let StashFormat::Int { bits, .. } = self.fmt {
+            tensor::quant::decompress_groups(x, &self.res_codes[l], &self.res_scales[l], bits);
         }
     }
 
@@ -369,6 +404,8 @@ impl Stash {
             + self.codes.iter().map(|v| v.len()).sum::<usize>()
             + self.scales.iter().map(|v| v.len() * 4).sum::<usize>()
             + self.full.iter().map(|v| v.len() * 4).sum::<usize>()
+            + self.res_codes.iter().map(|v| v.len()).sum::<usize>()
+            + self.res_scales.iter().map(|v| v.len() * 4).sum::<usize>()
     }
 }
 
@@ -383,8 +420,12 @@ struct Acts {
     slot: Vec<usize>,
     recomputed: Vec<bool>,
     /// The residual stream between blocks, `L + 1` of `[B, T, C]`: `xs[0]` the (dropped-out)
-    /// embedding, `xs[l + 1]` block `l`'s output (`res_3`); `xs[L]` feeds the final norm.
+    /// embedding, `xs[l + 1]` block `l`'s output (`res_3`); `xs[L]` feeds the final norm. When
+    /// the stash keeps the block inputs compressed, two buffers in turn: block `l` reads
+    /// `xs[l % 2]` and writes `xs[(l + 1) % 2]` ([`Acts::x_index`]), and backward expands its
+    /// input into `x_work`.
     xs: Vec<Vec<f32>>,
+    x_work: Vec<f32>,
     /// Kept block activations: one per layer, except one shared with `Recompute::Full`.
     kept: Vec<BlockKept>,
     /// Attention internals and MLP hidden activations: one per layer with `Recompute::None` and
@@ -427,6 +468,12 @@ struct Acts {
 }
 
 impl Acts {
+    /// The buffer of `xs` holding the residual stream entering block `l` (`l = L`: the last
+    /// block's output).
+    fn x_index(&self, l: usize) -> usize {
+        if self.x_work.is_empty() { l } else { l % 2 }
+    }
+
     /// The `kept` and `inner` slot of block `l`: its own, or the shared one.
     fn slots(&self) -> (impl Fn(usize) -> usize, impl Fn(usize) -> usize) {
         let (a, b) = (self.slot.clone(), self.slot.clone());
@@ -644,14 +691,16 @@ impl Gpt {
         // Drop the old buffers before allocating the new ones (peak memory).
         self.acts = None;
         let (mut kept, mut inner): (Vec<BlockKept>, Vec<BlockInner>) = ((0..n_kept).map(|_| kept()).collect(), (0..n_inner).map(|_| inner()).collect());
-        let stash = stash_fmt.map(|f| Stash::new(f, l, &mut kept[0], &mut inner[0]));
+        let stash = stash_fmt.map(|f| Stash::new(f, l, &mut kept[0], &mut inner[0]).with_residual(l, nl * c));
+        let ping = stash.as_ref().is_some_and(Stash::keeps_inputs);
         self.acts = Some(Acts {
             b, t,
             recompute: self.recompute,
             every,
             slot,
             recomputed,
-            xs: (0..=self.cfg.n_layer).map(|_| zeros(nl * c)).collect(),
+            xs: (0..if ping { 2 } else { self.cfg.n_layer + 1 }).map(|_| zeros(nl * c)).collect(),
+            x_work: if ping { zeros(nl * c) } else { Vec::new() },
             kept,
             inner,
             stash,
@@ -854,22 +903,34 @@ impl Gpt {
         ops.store(&mut a.xs[0]);
         let (kl, il) = a.slots();
         for (l, bp) in pv.blocks.iter().enumerate() {
-            let (inp, out) = a.xs.split_at_mut(l + 1);
+            let (i, o) = (a.x_index(l), a.x_index(l + 1));
+            let (inp, out) = if i < o {
+                let (lo, hi) = a.xs.split_at_mut(o);
+                (&lo[i], &mut hi[0])
+            } else {
+                let (lo, hi) = a.xs.split_at_mut(i);
+                (&hi[0], &mut lo[o])
+            };
             let _span = tensor::profile::layer_scope("block_forward", l);
             let (w, _) = store.acquire(l + 1, Access::Forward, Some((l + 2, Access::Forward)));
             let acts = BlockActs { k: &mut a.kept[kl(l)], i: &mut a.inner[il(l)], shared: &mut a.core };
-            if let Some(st) = block_forward(&Block { ops: &ops, l, w, bp }, &inp[l], acts, &mut a.branch, &mut a.full, Some(&mut out[0])) {
+            if let Some(st) = block_forward(&Block { ops: &ops, l, w, bp }, inp, acts, &mut a.branch, &mut a.full, Some(out)) {
                 a.moe_stats.push(st);
             }
             if let Some(st) = a.stash.as_mut() {
                 st.put(l, &mut a.kept[0], &mut a.inner[0], a.dropout_seed);
+                if st.keeps_inputs() {
+                    // The next block overwrites this one's input buffer: backward gets it back
+                    // from its codes.
+                    st.put_input(l, inp, a.dropout_seed);
+                }
             }
             store.release(l + 1, Access::Forward);
         }
         if !self.cfg.has_head() {
             return;
         }
-        let x: &[f32] = a.xs.last().unwrap();
+        let x: &[f32] = &a.xs[a.x_index(self.cfg.n_layer)];
         let (w, _) = store.acquire(last, Access::Forward, then);
         ops.norm_forward(&mut a.ln_f, &mut a.ln_f_mean, &mut a.ln_f_rstd, x, &w[pv.ln_f_w.clone()], pv.ln_f_b.as_ref().map(|r| &w[r.clone()]));
         ops.store(&mut a.ln_f);
@@ -912,7 +973,7 @@ impl Gpt {
         if head {
             g.dres.fill(0.0);
         }
-        let x_last: &[f32] = a.xs.last().unwrap();
+        let x_last: &[f32] = &a.xs[a.x_index(self.cfg.n_layer)];
         let (w, dw) = store.acquire(last, bwd, Some((last - 1, bwd)));
         if !skip && head {
             let (dlnf_w, dlnf_b) = split_two(dw, &pv.ln_f_w, &pv.ln_f_b);
@@ -927,10 +988,14 @@ impl Gpt {
             let next = if l == 0 { (0, Access::Backward { params: false }) } else { (l, bwd) };
             let (w, dw) = store.acquire(l + 1, bwd, Some(next));
             if !skip {
-                let (blk, x) = (Block { ops: &ops, l, w, bp }, &a.xs[l][..]);
                 if let Some(st) = &a.stash {
                     st.take(l, &mut a.kept[0], &mut a.inner[0]);
+                    if st.keeps_inputs() {
+                        st.take_input(l, &mut a.x_work);
+                    }
                 }
+                let x: &[f32] = if a.x_work.is_empty() { &a.xs[l] } else { &a.x_work };
+                let blk = Block { ops: &ops, l, w, bp };
                 // Re-run what forward did not keep, from what it kept (same kernels, same masks).
                 match a.recompute {
                     Recompute::Selective => {
@@ -1016,7 +1081,8 @@ impl Gpt {
     /// Pipeline stage without the head: its output activations `[B, T, C]` from the last
     /// forward (the next stage's input).
     pub fn stage_output(&self) -> &[f32] {
-        self.acts.as_ref().expect("forward first").xs.last().unwrap()
+        let a = self.acts.as_ref().expect("forward first");
+        &a.xs[a.x_index(self.cfg.n_layer)]
     }
 
     /// Pipeline stage without the head: the buffer for the gradient of its output, to be
@@ -1096,7 +1162,7 @@ fn acts_bytes(a: &Acts) -> usize {
     let inner = |i: &BlockInner| {
         [&i.qkv, &i.core.atty, &i.core.state, &i.fch, &i.fch_gelu, &i.ln_1_full, &i.ln_2_full].iter().map(|x| v(x)).sum::<usize>() + i.moe.as_ref().map_or(0, moe_bytes)
     };
-    a.xs.iter().map(v).sum::<usize>()
+    a.xs.iter().map(v).sum::<usize>() + v(&a.x_work)
         + a.kept.iter().map(kept).sum::<usize>()
         + a.inner.iter().map(inner).sum::<usize>()
         + v(&a.core.atty)
