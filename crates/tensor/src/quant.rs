@@ -149,7 +149,7 @@ impl Nf4 {
             for (j, &w) in b.iter().enumerate() {
                 let i = bi * NF4_BLOCK + j;
                 let code = nf4_code(w / c, &mids);
-                q.codes[i / 2] |= if i % 2 == 0 { code << 4 } else { code };
+                q.codes[i / 2] |= if i.is_multiple_of(2) { code << 4 } else { code };
             }
         }
         q
@@ -167,13 +167,13 @@ impl Nf4 {
     #[inline]
     pub fn code(&self, i: usize) -> u8 {
         let b = self.codes[i / 2];
-        if i % 2 == 0 { b >> 4 } else { b & 0xF }
+        if i.is_multiple_of(2) { b >> 4 } else { b & 0xF }
     }
 
     /// Weights `start .. start + out.len()` dequantized into `out`; `start` is a multiple of
     /// [`NF4_BLOCK`] (a tile of whole blocks).
     pub fn dequantize_into(&self, out: &mut [f32], start: usize) {
-        assert!(start % NF4_BLOCK == 0 && start + out.len() <= self.len, "NF4 tile {start}+{} of {}", out.len(), self.len);
+        assert!(start.is_multiple_of(NF4_BLOCK) && start + out.len() <= self.len, "NF4 tile {start}+{} of {}", out.len(), self.len);
         for (k, chunk) in out.chunks_mut(NF4_BLOCK).enumerate() {
             let b = start / NF4_BLOCK + k;
             let c = self.block_max(b);
