@@ -775,7 +775,7 @@ impl Gpt {
         let hu = self.unit_views.head_unit();
         let head_access = Access::Head { train: loss_scale.is_some() };
         let head = self.cfg.has_head();
-        self.trunk_forward(store, tokens, docs, b, t, Dropout { p: p_drop, seed }, head.then_some((hu, head_access)));
+        self.trunk_forward(store, tokens, docs, b, t, Dropout { p: p_drop, seed }, head.then_some((hu, head_access)), loss_scale.is_some());
         let (c, vp, v) = (self.cfg.n_embd, self.cfg.vocab_size, self.real_vocab);
         let a = self.acts.as_mut().unwrap();
         a.loss_scale = loss_scale.unwrap_or(1.0);
@@ -833,7 +833,7 @@ impl Gpt {
     /// inference and tests, not for training.
     pub fn forward_logits(&mut self, tokens: &[u32], b: usize, t: usize) -> Vec<f32> {
         let (params, mut grads, units) = (std::mem::take(&mut self.params), std::mem::take(&mut self.grads), std::mem::take(&mut self.units));
-        self.trunk_forward(&mut Local { params: &params, grads: &mut grads, units: &units }, tokens, None, b, t, Dropout { p: 0.0, seed: 0 }, None);
+        self.trunk_forward(&mut Local { params: &params, grads: &mut grads, units: &units }, tokens, None, b, t, Dropout { p: 0.0, seed: 0 }, None, false);
         (self.params, self.grads, self.units) = (params, grads, units);
         let (c, vp) = (self.cfg.n_embd, self.cfg.vocab_size);
         let mut logits = vec![0.0; b * t * vp];
@@ -844,9 +844,10 @@ impl Gpt {
 
     /// Embedding, blocks and the final norm; leaves `ln_f` in the activations. `then` is the
     /// unit the caller acquires next (the head), for the store's prefetch. `docs` is kept in the
-    /// activations.
-    #[allow(clippy::too_many_arguments)] // forward_with's, less the targets, plus the dropout and prefetch
-    fn trunk_forward(&mut self, store: &mut dyn UnitStore, tokens: &[u32], docs: Option<Docs>, b: usize, t: usize, drop: Dropout, then: Option<(usize, Access)>) {
+    /// activations. `train`: a training pass (an evaluation's blocks stash nothing: no backward
+    /// reads them).
+    #[allow(clippy::too_many_arguments)] // forward_with's, less the targets, plus the dropout, prefetch and pass kind
+    fn trunk_forward(&mut self, store: &mut dyn UnitStore, tokens: &[u32], docs: Option<Docs>, b: usize, t: usize, drop: Dropout, then: Option<(usize, Access)>, train: bool) {
         assert!(t <= self.cfg.block_size, "sequence length {t} exceeds block_size");
         assert_eq!(tokens.len(), b * t);
         if let Some(d) = docs.as_ref().filter(|_| self.cfg.place.context.is_none()) {
@@ -917,7 +918,8 @@ impl Gpt {
             if let Some(st) = block_forward(&Block { ops: &ops, l, w, bp }, inp, acts, &mut a.branch, &mut a.full, Some(out)) {
                 a.moe_stats.push(st);
             }
-            if let Some(st) = a.stash.as_mut() {
+            // (An evaluation's activations are never read back: nothing is stashed.)
+            if let Some(st) = a.stash.as_mut().filter(|_| train) {
                 st.put(l, &mut a.kept[0], &mut a.inner[0], a.dropout_seed);
                 if st.keeps_inputs() {
                     // The next block overwrites this one's input buffer: backward gets it back
