@@ -88,18 +88,6 @@ impl ContextSlice {
         }
     }
 
-    /// The global position of local row `i` of a length-`t` sequence.
-    pub fn position(&self, i: usize, t: usize) -> usize {
-        let mut i = i;
-        for (p0, len) in self.chunks(t) {
-            if i < len {
-                return p0 + i;
-            }
-            i -= len;
-        }
-        panic!("row {i} is past this context-parallel part of T = {t}")
-    }
-
     /// Every local row's global position, in row order.
     pub fn positions(&self, t: usize) -> Vec<usize> {
         self.chunks(t).into_iter().flat_map(|(p0, len)| p0..p0 + len).collect()

@@ -259,13 +259,19 @@ impl CpComm {
         }
         let mut recv = vec![0.0; send.len()];
         wait(|| self.comm.all_to_all(&send, &mut recv));
-        let t = tl * n;
-        let mut full = vec![0.0; b * t * wc];
-        for (src, chunk) in recv.chunks(b * tl * wc).enumerate() {
+        self.place_rows(&recv, b, tl, wc)
+    }
+
+    /// Every rank's `[B, tl, w]` rows (`parts`, in rank order) placed at that rank's positions
+    /// of the whole sequence: `[B, T, w]`.
+    fn place_rows(&self, parts: &[f32], b: usize, tl: usize, w: usize) -> Vec<f32> {
+        let t = tl * self.slice.count;
+        let mut full = vec![0.0; b * t * w];
+        for (src, chunk) in parts.chunks(b * tl * w).enumerate() {
             let pos = self.of(src).positions(t);
             for bi in 0..b {
                 for (i, &p) in pos.iter().enumerate() {
-                    full[(bi * t + p) * wc..(bi * t + p + 1) * wc].copy_from_slice(&chunk[(bi * tl + i) * wc..(bi * tl + i + 1) * wc]);
+                    full[(bi * t + p) * w..(bi * t + p + 1) * w].copy_from_slice(&chunk[(bi * tl + i) * w..(bi * tl + i + 1) * w]);
                 }
             }
         }
@@ -311,16 +317,7 @@ impl CpComm {
         let mine: Vec<f32> = starts.iter().map(|&s| s as f32).collect();
         let mut all = vec![0.0; mine.len() * n];
         self.comm.all_gather(&mine, &mut all);
-        let mut full = vec![0; b * t];
-        for (src, chunk) in all.chunks(b * tl).enumerate() {
-            let pos = self.of(src).positions(t);
-            for bi in 0..b {
-                for (i, &p) in pos.iter().enumerate() {
-                    full[bi * t + p] = chunk[bi * tl + i] as u32;
-                }
-            }
-        }
-        full
+        self.place_rows(&all, b, tl, 1).into_iter().map(|s| s as u32).collect()
     }
 
     fn ulysses_forward(&mut self, out: &mut [f32], lse: &mut [f32], qkv: &[f32], dims: &GqaDims, starts: &[u32], dropout: AttnDropout) {
