@@ -130,6 +130,10 @@ pub struct TrainCli {
     /// crashes or stops sending heartbeats.
     #[arg(long)]
     pub supervise: bool,
+    /// Elastic data parallelism, MIN:MAX data-parallel replicas (faults.elastic_min,
+    /// faults.elastic_max): a rank lost for good shrinks the run, a returning one grows it back.
+    #[arg(long, value_name = "MIN:MAX")]
+    pub elastic: Option<String>,
     /// With --supervise: restarts before giving up.
     #[arg(long, default_value_t = 3)]
     pub max_restarts: u32,
@@ -169,7 +173,14 @@ impl TrainCli {
             )),
             None => None,
         };
-        let table: [(&'static str, &'static str, Option<V>); 33] = [
+        let elastic = match &self.elastic {
+            Some(e) => match e.split_once(':').map(|(a, b)| (a.trim().parse::<usize>(), b.trim().parse::<usize>())) {
+                Some((Ok(lo), Ok(hi))) if lo >= 1 && lo <= hi => (Some(V::Integer(lo as i64)), Some(V::Integer(hi as i64))),
+                _ => return user(format!("--elastic: `{e}` is not MIN:MAX data-parallel replicas with 1 ≤ MIN ≤ MAX (e.g. 2:4)")),
+            },
+            None => (None, None),
+        };
+        let table: [(&'static str, &'static str, Option<V>); 35] = [
             ("--data", "data.paths", (!self.data.is_empty()).then(|| V::Array(self.data.iter().map(|p| V::String(p.display().to_string())).collect()))),
             ("--tokenizer", "data.tokenizer", text(&self.tokenizer)),
             ("--format", "data.format", text(&self.format)),
@@ -203,6 +214,8 @@ impl TrainCli {
             ("--backend", "parallel.backend", text(&self.backend)),
             ("--offload", "memory.offload", text(&self.offload)),
             ("--memory-limit", "memory.limit", text(&self.memory_limit)),
+            ("--elastic", "faults.elastic_min", elastic.0),
+            ("--elastic", "faults.elastic_max", elastic.1),
         ];
         Ok(table.into_iter().filter_map(|(flag, key, v)| v.map(|value| Flag { flag, key, value })).collect())
     }

@@ -363,6 +363,30 @@ pub struct FaultSection {
     /// In-process restarts after a rank fails (from in-memory snapshots, else from disk)
     /// before the run gives up.
     pub max_rank_restarts: u32,
+    /// Debug: the ranks of `fail_ranks` never come back (until `rejoin_step`): the run goes on
+    /// without them when it is elastic (`elastic_min` > 0), else stops.
+    pub fail_permanent: bool,
+    /// Debug, in process: the permanently failed ranks are back from this step (0 = never);
+    /// the first disk checkpoint at or after it takes them in again.
+    pub rejoin_step: u64,
+    /// Under MPI (`kiln train --supervise --elastic`): seconds the supervisor waits for a
+    /// restarted world's every rank to report before it relaunches without the missing ones.
+    pub rejoin_timeout_s: f64,
+    /// Elastic data parallelism (`--elastic MIN:MAX`): after a rank is lost for good the run
+    /// goes on with the data-parallel replicas left, down to `elastic_min`, and takes returning
+    /// ones back, up to `elastic_max`, keeping the global batch (0 = not elastic).
+    pub elastic_min: usize,
+    pub elastic_max: usize,
+    /// The most sequences a rank may take per micro-batch after a resize (0: those of the
+    /// layout the elastic run started with; resolved then and saved with the run).
+    pub elastic_rows: usize,
+    /// Stragglers: a rank whose step compute time exceeds the median rank's by this factor for
+    /// `straggler_steps` steps in a row is reported (0 = off).
+    pub straggler_ratio: f64,
+    pub straggler_steps: u64,
+    /// Debug: these ranks run each step's compute `slow_factor` times as long (they sleep).
+    pub slow_ranks: Vec<usize>,
+    pub slow_factor: f64,
 }
 
 /// The keys the user set (in the config file, with `--set` or a dedicated flag), as opposed to
@@ -607,7 +631,9 @@ impl Default for FaultSection {
     fn default() -> Self {
         FaultSection {
             skip_nonfinite: true, spike_zscore: 0.0, spike_window: 50, max_consecutive_skips: 3, inject_nan_steps: vec![],
-            fail_ranks: vec![], fail_step: 0, kill_in_write_step: 0, max_rank_restarts: 3,
+            fail_ranks: vec![], fail_step: 0, kill_in_write_step: 0, max_rank_restarts: 3, fail_permanent: false, rejoin_step: 0,
+            rejoin_timeout_s: 30.0, elastic_min: 0, elastic_max: 0, elastic_rows: 0, straggler_ratio: 1.3, straggler_steps: 10,
+            slow_ranks: vec![], slow_factor: 1.0,
         }
     }
 }
@@ -767,13 +793,43 @@ impl RunConfig {
         Ok(cfg)
     }
 
-    fn validate(&self) -> Result<()> {
+    pub(crate) fn validate(&self) -> Result<()> {
         self.validate_model()?;
         self.validate_train()?;
         self.validate_data_and_checkpoints()?;
         self.validate_precision_and_memory()?;
         self.validate_parallel()?;
+        self.validate_faults()?;
         self.validate_pipeline()
+    }
+
+    /// Elasticity and stragglers.
+    fn validate_faults(&self) -> Result<()> {
+        let f = &self.faults;
+        if f.elastic_min > f.elastic_max || (f.elastic_min == 0) != (f.elastic_max == 0) {
+            return user(format!("faults.elastic_min = {} and faults.elastic_max = {}: an elastic run needs 1 ≤ MIN ≤ MAX (--elastic MIN:MAX), or both 0", f.elastic_min, f.elastic_max));
+        }
+        let dp = self.parallel.dp;
+        if f.elastic_min > 0 && dp > 0 && !(f.elastic_min..=f.elastic_max).contains(&dp) {
+            return user(format!("--elastic {}:{}: parallel.dp = {dp} is outside it", f.elastic_min, f.elastic_max));
+        }
+        if f.elastic_min > 0 && self.lora.quantize_base != model::BaseQuant::None {
+            return user("--elastic with lora.quantize_base is not supported: a resize would quantize the base again");
+        }
+        if !(f.slow_factor >= 1.0 && f.slow_factor.is_finite()) {
+            return user(format!("faults.slow_factor must be a finite number ≥ 1, got {}", f.slow_factor));
+        }
+        if !(f.straggler_ratio == 0.0 || (f.straggler_ratio > 1.0 && f.straggler_ratio.is_finite())) || f.straggler_steps == 0 {
+            return user(format!("faults.straggler_ratio must be 0 (off) or above 1, and faults.straggler_steps positive; got {} and {}", f.straggler_ratio, f.straggler_steps));
+        }
+        if !(f.rejoin_timeout_s > 0.0 && f.rejoin_timeout_s.is_finite()) {
+            return user(format!("faults.rejoin_timeout_s must be positive, got {}", f.rejoin_timeout_s));
+        }
+        let world = self.parallel.world(dp);
+        if let Some(r) = f.slow_ranks.iter().find(|&&r| self.parallel.backend != Backend::Mpi && r >= world) {
+            return user(format!("faults.slow_ranks names rank {r}, but the run has {world} rank(s)"));
+        }
+        Ok(())
     }
 
     /// The model section (and the decoder config it resolves to).

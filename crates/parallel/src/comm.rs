@@ -120,6 +120,9 @@ pub struct Counters {
     calls: [AtomicU64; 7],
     sent: [AtomicU64; 7],
     recv: [AtomicU64; 7],
+    /// Nanoseconds this rank spent blocked waiting for other ranks: at each collective's
+    /// rendezvous and in `recv` (what a straggler costs the others).
+    wait_ns: AtomicU64,
 }
 
 /// A snapshot of [`Counters`]: `(calls, bytes sent, bytes received)` per op, in [`OPS`] order.
@@ -163,6 +166,16 @@ impl Counters {
     pub fn record_v(&self, op: Op, rank: usize, send: &[usize], recv: &[usize]) {
         let others = |c: &[usize]| c.iter().enumerate().filter(|&(j, _)| j != rank).map(|(_, &x)| x).sum::<usize>() as u64 * 4;
         self.add(op, others(send), others(recv));
+    }
+
+    /// Adds time spent blocked on other ranks.
+    pub fn add_wait(&self, d: Duration) {
+        self.wait_ns.fetch_add(d.as_nanos() as u64, Ordering::Relaxed);
+    }
+
+    /// Seconds blocked on other ranks so far (see [`Counters::add_wait`]).
+    pub fn wait_s(&self) -> f64 {
+        self.wait_ns.load(Ordering::Relaxed) as f64 * 1e-9
     }
 
     pub fn snapshot(&self) -> CommTotals {
@@ -687,6 +700,7 @@ impl InProcessComm {
                 st = self.group.cv.wait_timeout(st, wait).unwrap_or_else(|e| e.into_inner()).0;
             }
         }
+        self.counters.add_wait(start.elapsed());
         if let Some(e) = &st.error {
             let e = e.clone();
             drop(st);
@@ -876,6 +890,7 @@ impl Comm for InProcessComm {
                     mail.remove(&key);
                 }
                 drop(mail);
+                self.counters.add_wait(start.elapsed());
                 assert_eq!(
                     msg.len(),
                     buf.len(),

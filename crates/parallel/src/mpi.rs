@@ -340,6 +340,7 @@ impl MpiComm {
             }
             backoff(&mut polls);
         }
+        self.counters.add_wait(start.elapsed());
         let sigs: Vec<Signature<String>> = (0..n).map(|r| if r == me { sig.clone() } else { decode(&inbox[r * REC..(r + 1) * REC]) }).collect();
         if let Some(e) = signature_mismatch(&self.describe_group(), &sigs) {
             panic!("{e}");
@@ -535,6 +536,7 @@ impl Comm for MpiComm {
                     );
                 }
                 msg.matched_receive_into(buf);
+                self.counters.add_wait(start.elapsed());
                 return;
             }
             let elapsed = start.elapsed();

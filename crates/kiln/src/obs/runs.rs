@@ -18,11 +18,13 @@ pub struct RunSummary {
     pub config: Raw,
     /// Why config.toml could not be read, if it could not.
     pub config_error: Option<String>,
+    /// Its elastic and straggler events, one phrase each (`straggler rank 2 (1.52×) at step 14`).
+    pub events: Vec<String>,
 }
 
 pub fn summarize(dir: &Path) -> RunSummary {
     let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| dir.display().to_string());
-    let mut s = RunSummary { dir: dir.to_path_buf(), name, preset: None, steps: None, final_val: None, best_val: None, config: Raw::new(), config_error: None };
+    let mut s = RunSummary { dir: dir.to_path_buf(), name, preset: None, steps: None, final_val: None, best_val: None, config: Raw::new(), config_error: None, events: Vec::new() };
     let cpath = dir.join("config.toml");
     match fs::read_to_string(&cpath).map_err(|e| e.to_string()).and_then(|t| t.parse::<toml::Table>().map_err(|e| e.to_string())) {
         // Resolved, so keys a run's (older) config.toml lacks read as their defaults and do
@@ -38,6 +40,9 @@ pub fn summarize(dir: &Path) -> RunSummary {
         for line in text.lines() {
             let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else { continue };
             let Some(step) = v.get("step").and_then(|x| x.as_u64()) else { continue };
+            if let Some(e) = event_phrase(&v, step) {
+                s.events.push(e);
+            }
             s.steps = Some(s.steps.map_or(step, |m| m.max(step)));
             if let Some(vl) = v.get("val_loss").and_then(|x| x.as_f64()) {
                 s.final_val = Some(vl);
@@ -46,6 +51,21 @@ pub fn summarize(dir: &Path) -> RunSummary {
         }
     }
     s
+}
+
+/// A fault line's phrase for `kiln runs`: stragglers and elastic resizes.
+fn event_phrase(v: &serde_json::Value, step: u64) -> Option<String> {
+    if v["kind"] != "fault" {
+        return None;
+    }
+    let n = |k: &str| v[k].as_u64().map_or("?".to_string(), |x| x.to_string());
+    Some(match v["event"].as_str()? {
+        "straggler" => format!("straggler rank {} ({:.2}×) at step {step}", n("rank"), v["ratio"].as_f64().unwrap_or(f64::NAN)),
+        "rank_lost" => format!("rank {} lost at step {step}", n("rank")),
+        "world_resized" => format!("{} → {} ranks at step {step} (from step {}, {} steps lost)", n("from"), n("to"), n("restored_step"), n("lost_steps")),
+        "rank_rejoined" => format!("ranks {} rejoined at step {step}", v["ranks"]),
+        _ => return None,
+    })
 }
 
 fn value_str(v: Option<&toml::Value>) -> String {
@@ -125,6 +145,9 @@ pub fn list_runs(dir: &Path) -> Result<String, String> {
     let mut out = table(&rows);
     for r in runs.iter().filter(|r| r.config_error.is_some()) {
         out.push_str(&format!("note: {}: config.toml unreadable: {}\n", r.name, r.config_error.as_deref().unwrap_or("")));
+    }
+    for r in runs.iter().filter(|r| !r.events.is_empty()) {
+        out.push_str(&format!("events: {}: {}\n", r.name, r.events.join("; ")));
     }
     if runs.len() > 1 && diff.is_empty() {
         out.push_str("(all runs have the same config)\n");

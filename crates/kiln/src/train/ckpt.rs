@@ -50,8 +50,8 @@ impl Checkpoints {
 }
 
 /// After step `r.step`: a disk checkpoint or an in-memory snapshot if one is due (collective:
-/// every rank decides the same).
-pub(super) fn request(r: &mut Rank) -> Result<()> {
+/// every rank decides the same). Whether a disk checkpoint was taken.
+pub(super) fn request(r: &mut Rank) -> Result<bool> {
     let (cfg, step, world) = (r.cfg, r.step, r.world);
     let last = step == cfg.train.max_steps;
     let every = |k: u64| k > 0 && step % k == 0;
@@ -79,7 +79,7 @@ pub(super) fn request(r: &mut Rank) -> Result<()> {
             *next = step + i.max(1);
         }
     }
-    Ok(())
+    Ok(to_disk)
 }
 
 /// One checkpoint (to disk, or only into memory): the snapshot of the training state handed to

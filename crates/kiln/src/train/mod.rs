@@ -10,6 +10,7 @@
 
 mod ckpt;
 mod data;
+mod elastic;
 mod eval;
 mod faults;
 mod metrics;
@@ -41,6 +42,8 @@ pub struct Summary {
     pub step: u64,
     pub val_loss: Option<f64>,
     pub interrupted: bool,
+    /// Stopped at a checkpoint for an elastic resize (ranks came back): not the run's end.
+    pub regrow: bool,
 }
 
 /// The structural keys on which two configs differ.
@@ -165,14 +168,18 @@ fn train_once(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
 
     // 3. The ranks: this process alone, threads in it, or MPI processes.
     let world = cfg.parallel.world(cfg.parallel.dp);
-    let ctx = Ctx { args, cfg, ds: &ds, run_dir, saved_cfg_path, resume_from, init: std::sync::Mutex::new(init) };
+    if cfg.faults.elastic_min > 0 {
+        // The per-rank share a resize may not exceed is fixed now, and saved with the run.
+        cfg.faults.elastic_rows = elastic::rows_cap(&cfg);
+    }
+    let mut ctx = Ctx { args, cfg, ds: &ds, run_dir, saved_cfg_path, resume_from, init: std::sync::Mutex::new(init), slots: Vec::new(), grow_at: None };
     match ctx.cfg.parallel.backend {
-        Backend::Mpi => run_mpi(&ctx, stop),
-        _ if world == 1 => {
+        Backend::Mpi => run_mpi(&mut ctx, stop),
+        _ if world == 1 && ctx.cfg.faults.elastic_max <= 1 => {
             let comm = parallel::InProcess::world(1).pop().unwrap();
             run_rank(&ctx, &comm, stop, None, ctx.resume_from.as_ref())
         }
-        _ => run_inproc(&ctx, world, stop),
+        _ => run_inproc(&mut ctx, world, stop),
     }
 }
 
@@ -186,6 +193,11 @@ pub(crate) struct Ctx<'a> {
     resume_from: Option<checkpoint::Loaded>,
     /// The base model (`model.init_from`), for rank 0; the others receive its weights.
     init: std::sync::Mutex<Option<Gpt>>,
+    /// Each rank's original number, by rank (empty: the ranks are their own): an elastic
+    /// resize renumbers the live ranks.
+    slots: Vec<usize>,
+    /// Elastic growth: the step from which lost ranks are back (`faults.rejoin_step`).
+    grow_at: Option<u64>,
 }
 
 /// `world` ranks as threads of this process. A rank that fails makes the others' collectives
@@ -193,42 +205,87 @@ pub(crate) struct Ctx<'a> {
 /// checkpoints (`checkpoint.memory_interval`), a failed run restarts here, every rank from
 /// the newest step whose parts are all still in memory (a failed rank's from its peer's),
 /// else from the newest valid checkpoint on disk, up to `faults.max_rank_restarts` times.
-fn run_inproc(ctx: &Ctx, world: usize, stop: &AtomicBool) -> Result<Summary> {
-    let store = (ctx.cfg.checkpoint.memory_interval > 0).then(|| checkpoint::ReplicaStore::new(world));
+/// Elastic (`faults.elastic_min` > 0): a rank lost for good (`faults.fail_permanent`) is left
+/// out and the live ranks go on at the largest layout they can run ([`elastic::layout_for`]);
+/// lost ranks that come back (`faults.rejoin_step`) rejoin at the next disk checkpoint.
+fn run_inproc(ctx: &mut Ctx, world: usize, stop: &AtomicBool) -> Result<Summary> {
+    let mut world = world;
+    let mut store = (ctx.cfg.checkpoint.memory_interval > 0).then(|| checkpoint::ReplicaStore::new(world));
     let mut restored: Option<checkpoint::Loaded> = None;
     let mut restarts = 0;
+    // Original rank numbers: live (by current rank) and lost for good.
+    ctx.slots = (0..world).collect();
+    let mut lost: Vec<usize> = Vec::new();
+    let log = |run_dir: &Path, line: serde_json::Value| match crate::obs::MetricsWriter::open(run_dir, None) {
+        Ok(mut m) => m.log(&line).map_err(KilnError::User),
+        Err(e) => Err(KilnError::User(e)),
+    };
     loop {
         let resume = restored.as_ref().or(ctx.resume_from.as_ref());
         let failed: std::sync::Mutex<Option<KilnError>> = std::sync::Mutex::new(None);
-        let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            parallel::run_ranks(world, |c| {
-                match run_rank(ctx, c, stop, store.as_ref(), resume) {
-                    Ok(s) => s,
-                    Err(e) => {
-                        let msg = e.to_string();
-                        // A failed rank's memory is gone (its writer has finished: dropped).
-                        if let (KilnError::RankFailed { rank, .. }, Some(st)) = (&e, &store) {
-                            st.lose(*rank);
+        let res = {
+            let ctx = &*ctx;
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                parallel::run_ranks(world, |c| {
+                    match run_rank(ctx, c, stop, store.as_ref(), resume) {
+                        Ok(s) => s,
+                        Err(e) => {
+                            let msg = e.to_string();
+                            // A failed rank's memory is gone (its writer has finished: dropped).
+                            if let (KilnError::RankFailed { .. }, Some(st)) = (&e, &store) {
+                                st.lose(c.rank());
+                            }
+                            failed.lock().unwrap().get_or_insert(e);
+                            panic!("rank {} stopped: {msg}", c.rank());
                         }
-                        failed.lock().unwrap().get_or_insert(e);
-                        panic!("rank {} stopped: {msg}", c.rank());
                     }
-                }
-            })
-        }));
+                })
+            }))
+        };
         let err = match (failed.into_inner().unwrap(), res) {
-            (None, Ok(mut v)) => return Ok(v.swap_remove(0)),
+            (None, Ok(mut v)) => {
+                let s = v.swap_remove(0);
+                if !s.regrow {
+                    return Ok(s);
+                }
+                // Lost ranks are back: every rank resumes from the checkpoint just written,
+                // at the layout the ranks now live can run.
+                let back = std::mem::take(&mut lost);
+                let mut slots = std::mem::take(&mut ctx.slots);
+                slots.extend(&back);
+                slots.sort_unstable();
+                let layout = elastic::layout_for(&ctx.cfg, slots.len())?;
+                let to = ctx.cfg.parallel.world(layout.dp);
+                // Ranks beyond the layout wait as spares.
+                lost = slots.split_off(to);
+                log(&ctx.run_dir, serde_json::json!({"kind": "fault", "step": s.step, "event": "rank_rejoined", "ranks": back}))?;
+                resize(ctx, layout, world, s.step, s.step, 0.0, "disk")?;
+                eprintln!("ranks {back:?} rejoined: {world} → {to} ranks (dp {}, {} micro-batches) from the checkpoint of step {}", layout.dp, layout.grad_accum, s.step);
+                ctx.slots = slots;
+                ctx.grow_at = None;
+                world = to;
+                store = store.map(|_| checkpoint::ReplicaStore::new(world));
+                restored = Some(checkpoint::latest_valid(&ckpt_dir(&ctx.run_dir))?);
+                reload_base(ctx)?;
+                continue;
+            }
             (Some(e), _) => e,
             (None, Err(p)) => {
                 let msg = p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default();
                 KilnError::Internal(format!("a data-parallel rank failed: {msg}"))
             }
         };
+        let permanent = ctx.cfg.faults.fail_permanent && matches!(err, KilnError::RankFailed { .. });
+        let elastic = ctx.cfg.faults.elastic_min > 0;
         // User errors and rollbacks are not rank failures; without in-memory checkpoints a
-        // failure ends the process (a supervisor restarts it from disk).
-        let (Some(st), KilnError::Internal(_) | KilnError::RankFailed { .. }) = (&store, &err) else { return Err(err) };
-        if stop.load(Ordering::SeqCst) {
+        // failure ends the process (a supervisor restarts it from disk), unless the run is
+        // elastic (it goes on without the lost rank, from disk).
+        let recoverable = matches!(err, KilnError::Internal(_) | KilnError::RankFailed { .. }) && (store.is_some() || (elastic && permanent));
+        if !recoverable || stop.load(Ordering::SeqCst) {
             return Err(err);
+        }
+        if permanent && !elastic {
+            return Err(KilnError::Internal(format!("{err}, for good (faults.fail_permanent), and the run is not elastic (--elastic MIN:MAX): stopping; the newest valid checkpoint is intact")));
         }
         restarts += 1;
         let give_up = restarts > ctx.cfg.faults.max_rank_restarts;
@@ -237,48 +294,83 @@ fn run_inproc(ctx: &Ctx, world: usize, stop: &AtomicBool) -> Result<Summary> {
             _ => fs::read_to_string(ctx.run_dir.join("heartbeat")).ok().and_then(|s| s.trim().parse().ok()).unwrap_or(0),
         };
         let rank = if let KilnError::RankFailed { rank, .. } = &err { serde_json::json!(rank) } else { serde_json::Value::Null };
-        eprintln!("{err}{}", if give_up { ": no restarts left" } else { ": restarting the ranks" });
-        let log = |line: serde_json::Value| match crate::obs::MetricsWriter::open(&ctx.run_dir, None) {
-            Ok(mut m) => m.log(&line).map_err(KilnError::User),
-            Err(e) => Err(KilnError::User(e)),
-        };
-        log(serde_json::json!({"kind": "fault", "step": step, "event": "rank_failed", "rank": rank, "detail": err.to_string(), "restart": restarts, "gave_up": give_up}))?;
+        eprintln!("{err}{}", if give_up { ": no restarts left" } else if permanent { ": lost for good, going on without it" } else { ": restarting the ranks" });
+        let event = if permanent { "rank_lost" } else { "rank_failed" };
+        log(&ctx.run_dir, serde_json::json!({"kind": "fault", "step": step, "event": event, "rank": rank, "detail": err.to_string(), "restart": restarts, "gave_up": give_up}))?;
         if give_up {
             return Err(KilnError::Internal(format!("ranks failed {restarts} times, the last: {err}")));
         }
         let t0 = Instant::now();
-        let (from, why) = match st.restore() {
-            Ok(l) => {
+        let (from, why) = match store.as_ref().map(|st| st.restore()) {
+            Some(Ok(l)) => {
                 restored = Some(l);
                 ("memory", None)
             }
-            Err(why) => {
+            other => {
                 let dir = ckpt_dir(&ctx.run_dir);
                 restored = if checkpoint::list(&dir).is_empty() { None } else { Some(checkpoint::latest_valid(&dir)?) };
-                ("disk", Some(why))
+                ("disk", other.and_then(|r| r.err()))
             }
         };
         let at = restored.as_ref().map_or(0, |l| l.state.step);
-        eprintln!("restoring every rank from {} at step {at}{}", if from == "memory" { "in-memory snapshots" } else { "disk" }, why.as_ref().map_or(String::new(), |w| format!(" ({w})")));
-        let mut line = serde_json::json!({"kind": "fault", "step": step, "event": "restored", "from": from, "restored_step": at, "lost_steps": step.saturating_sub(at + 1), "restore_s": t0.elapsed().as_secs_f64()});
-        if let Some(w) = why {
-            line["why_not_memory"] = w.into();
+        if permanent {
+            let KilnError::RankFailed { rank, .. } = err else { unreachable!() };
+            ctx.slots.retain(|&s| s != rank);
+            lost.push(rank);
+            let layout = elastic::layout_for(&ctx.cfg, ctx.slots.len())?;
+            let to = ctx.cfg.parallel.world(layout.dp);
+            // Live ranks beyond the new layout (the rest of a broken replica) wait as spares.
+            lost.extend(ctx.slots.split_off(to));
+            eprintln!("elastic: {world} → {to} ranks (dp {}, {} micro-batches per step) from {from} at step {at}", layout.dp, layout.grad_accum);
+            resize(ctx, layout, world, step, at, t0.elapsed().as_secs_f64(), from)?;
+            world = to;
+            store = store.map(|_| checkpoint::ReplicaStore::new(world));
+            let f = &ctx.cfg.faults;
+            ctx.grow_at = (f.rejoin_step > 0 && layout.dp < f.elastic_max).then_some(f.rejoin_step);
+        } else {
+            eprintln!("restoring every rank from {} at step {at}{}", if from == "memory" { "in-memory snapshots" } else { "disk" }, why.as_ref().map_or(String::new(), |w| format!(" ({w})")));
+            let mut line = serde_json::json!({"kind": "fault", "step": step, "event": "restored", "from": from, "restored_step": at, "lost_steps": step.saturating_sub(at + 1), "restore_s": t0.elapsed().as_secs_f64()});
+            if let Some(w) = why {
+                line["why_not_memory"] = w.into();
+            }
+            log(&ctx.run_dir, line)?;
         }
-        log(line)?;
-        // A LoRA run needs its base model again.
-        if ctx.cfg.lora.rank > 0 {
-            *ctx.init.lock().unwrap() = Some(run::load_base(Path::new(&ctx.cfg.model.init_from))?);
-        }
+        reload_base(ctx)?;
     }
 }
 
+/// An elastic resize: `ctx`'s config at `layout`, and its `world_resized` line (`step`: where
+/// the old world stopped; `at`: the state the new one starts from).
+fn resize(ctx: &mut Ctx, layout: elastic::Layout, from: usize, step: u64, at: u64, restore_s: f64, source: &str) -> Result<()> {
+    let old = (ctx.cfg.parallel.dp, ctx.cfg.train.grad_accum);
+    ctx.cfg = elastic::resized(&ctx.cfg, layout);
+    ctx.cfg.validate()?;
+    let line = serde_json::json!({
+        "kind": "fault", "step": step, "event": "world_resized", "from": from, "to": ctx.cfg.parallel.world(layout.dp),
+        "dp_from": old.0, "dp_to": layout.dp, "grad_accum_from": old.1, "grad_accum_to": layout.grad_accum,
+        "restored_step": at, "lost_steps": step.saturating_sub(at + 1), "from_state": source, "restore_s": restore_s,
+    });
+    match crate::obs::MetricsWriter::open(&ctx.run_dir, None) {
+        Ok(mut m) => m.log(&line).map_err(KilnError::User),
+        Err(e) => Err(KilnError::User(e)),
+    }
+}
+
+/// A LoRA run needs its base model again after a restart.
+fn reload_base(ctx: &Ctx) -> Result<()> {
+    if ctx.cfg.lora.rank > 0 {
+        *ctx.init.lock().unwrap() = Some(run::load_base(Path::new(&ctx.cfg.model.init_from))?);
+    }
+    Ok(())
+}
+
 #[cfg(not(feature = "mpi"))]
-fn run_mpi(_ctx: &Ctx, _stop: &AtomicBool) -> Result<Summary> {
+fn run_mpi(_ctx: &mut Ctx, _stop: &AtomicBool) -> Result<Summary> {
     user("parallel.backend = mpi: this kiln was built without MPI support; rebuild with `cargo build --release --features mpi` (needs OpenMPI: apt-get install libopenmpi-dev openmpi-bin libclang-dev clang) and run it under mpirun")
 }
 
 #[cfg(feature = "mpi")]
-fn run_mpi(ctx: &Ctx, stop: &AtomicBool) -> Result<Summary> {
+fn run_mpi(ctx: &mut Ctx, stop: &AtomicBool) -> Result<Summary> {
     let world = parallel::mpi::init().map_err(KilnError::User)?;
     let comm = world.world();
     let n = comm.size();

@@ -46,6 +46,15 @@ pub(super) struct Rank<'a> {
     pub rank: usize,
     pub world: usize,
     pub lead: bool,
+    /// Each rank's original number (`faults.fail_ranks`, `faults.slow_ranks` and the reports
+    /// name these): after an elastic resize the live ranks are renumbered.
+    slots: Vec<usize>,
+    /// Elastic growth: lost ranks are back from this step; the next disk checkpoint takes them in.
+    grow_at: Option<u64>,
+    /// This rank's last step's compute seconds (what `faults.slow_factor` stretches).
+    last_compute_s: f64,
+    /// Rank 0's straggler detector.
+    stragglers: super::elastic::Stragglers,
     /// This rank's model chunks (behind their data-parallel stores, with their optimizers) and
     /// how they were cut from the whole model.
     pub chunks: Vec<Chunk>,
@@ -91,6 +100,8 @@ struct Measured {
     bubble: Option<f64>,
     /// Context parallelism: `[compute s, wait s, blocks, skipped, pairs]` of each cp rank.
     cp_times: Option<Vec<f64>>,
+    /// Every rank's `[compute s, wait s]` this step (several ranks).
+    rank_times: Option<Vec<f64>>,
 }
 
 impl<'a> Rank<'a> {
@@ -163,6 +174,8 @@ impl<'a> Rank<'a> {
         let mut r = Rank {
             loader: Loader::new(cfg, ds, resumed.as_ref().and_then(|r| r.loader.clone())),
             cfg, ds, run_dir, comm, stop, quiet: args.quiet, rank, world, lead, chunks, applied, rows, t, sched, tied, pipe_trace, sampler, step,
+            slots: if ctx.slots.len() == world { ctx.slots.clone() } else { (0..world).collect() }, grow_at: ctx.grow_at, last_compute_s: 0.0,
+            stragglers: super::elastic::Stragglers::new(cfg, world),
             tokens_seen: resumed.as_ref().map_or(0, |r| r.tokens_seen), elapsed_prev: resumed.as_ref().map_or(0.0, |r| r.elapsed_s), started: Instant::now(), elapsed_s: 0.0,
             scaler, flops_per_token, hw_flops_per_token, peak, recompute, metrics,
             progress: Progress::new(step, cfg.train.max_steps, args.quiet || !lead),
@@ -236,17 +249,24 @@ impl<'a> Rank<'a> {
     /// The training loop, to `train.max_steps` or a Ctrl-C.
     pub fn run(mut self) -> Result<Summary> {
         while self.step < self.cfg.train.max_steps {
-            self.faults.injected_failure(self.rank, self.step + 1)?;
+            self.faults.injected_failure(self.slots[self.rank], self.step + 1)?;
             let t0 = Instant::now();
             let step_span = tensor::profile::scope("step");
             let m = self.train_one()?;
             self.step += 1;
             drop(step_span);
             self.after_step(m, t0)?;
-            super::ckpt::request(&mut self)?;
+            let on_disk = super::ckpt::request(&mut self)?;
             self.end_trace()?;
             if self.interrupted {
                 break;
+            }
+            // Elastic growth: ranks that came back join at this checkpoint (every rank decides
+            // the same from the config and the step).
+            if on_disk && self.grow_at.is_some_and(|g| self.step >= g) && self.step < self.cfg.train.max_steps {
+                self.progress.finish();
+                self.ckpt.writer.finish()?;
+                return Ok(Summary { run_dir: self.run_dir.to_path_buf(), step: self.step, val_loss: self.last_val, interrupted: false, regrow: true });
             }
         }
         self.finish()
@@ -281,6 +301,12 @@ impl<'a> Rank<'a> {
         }
         let counters = self.comm.counters();
         let before = counters.snapshot();
+        let (t0, wait0) = (Instant::now(), counters.wait_s());
+        // Debug: a slow rank (`faults.slow_ranks`) stretches its compute by `faults.slow_factor`.
+        let f = &cfg.faults;
+        if f.slow_factor > 1.0 && f.slow_ranks.contains(&self.slots[self.rank]) {
+            std::thread::sleep(std::time::Duration::from_secs_f64((f.slow_factor - 1.0) * self.last_compute_s));
+        }
         parallel::cp::take_times();
         // memory: the activation buffers, allocated under their tracking category (a no-op once they fit).
         self.chunks.iter_mut().for_each(|ch| crate::memory::track::scope(crate::memory::track::Category::Activations, || ch.model.reserve_activations(rows, t)));
@@ -309,6 +335,15 @@ impl<'a> Rank<'a> {
             }, |loss, _| faults.spike(loss))
         };
         let comm_bytes = counters.snapshot().since(&before);
+        // This rank's compute: the step less the time it waited for others.
+        let wait_s = counters.wait_s() - wait0;
+        let compute_s = (t0.elapsed().as_secs_f64() - wait_s).max(0.0);
+        if !(f.slow_factor > 1.0 && f.slow_ranks.contains(&self.slots[self.rank])) {
+            self.last_compute_s = compute_s;
+        } else {
+            self.last_compute_s = compute_s / f.slow_factor;
+        }
+        let rank_times = (self.world > 1).then(|| parallel::comm::all_gather_f64(self.comm, &[compute_s, wait_s]));
         // Every context-parallel rank's attention compute and waits, for rank 0's line.
         let cp_times = (cfg.parallel.cp > 1).then(|| {
             let t = parallel::cp::take_times();
@@ -320,7 +355,7 @@ impl<'a> Rank<'a> {
             self.log(serde_json::json!({"kind": "checkpoint", "step": self.step + 1, "update_blocked_s": blocked}))?;
         }
         let bubble = self.pipeline_trace(&out)?;
-        Ok(Measured { out, lr, comm_bytes, bubble, cp_times })
+        Ok(Measured { out, lr, comm_bytes, bubble, cp_times, rank_times })
     }
 
     /// The pipeline trace: this rank's tasks, and the bubble against the step's makespan over
@@ -369,6 +404,14 @@ impl<'a> Rank<'a> {
             let line = self.train_line(&m, tps, mfu);
             self.log(line)?;
         }
+        if let (Some(t), true) = (&m.rank_times, self.lead) {
+            let compute: Vec<f64> = t.chunks(2).map(|c| c[0]).collect();
+            for s in self.stragglers.observe(&compute) {
+                let rank = self.slots[s.rank];
+                self.log(serde_json::json!({"kind": "fault", "step": step, "event": "straggler", "rank": rank, "ratio": s.ratio, "steps": s.steps, "compute_s": compute[s.rank]}))?;
+                self.say(&format!("step {step}: rank {rank} is a straggler: its compute took {:.2}× the median rank's for {} steps", s.ratio, s.steps));
+            }
+        }
         if self.lead {
             // For `kiln train --supervise`: proof of life, with the step reached.
             // (Renamed into place, so a reader never sees a half-written file; not synced: a
@@ -411,6 +454,10 @@ impl<'a> Rank<'a> {
         }
         if let Some(t) = &m.cp_times {
             super::metrics::add_cp(&mut line, t);
+        }
+        if let Some(t) = &m.rank_times {
+            line["rank_compute_s"] = t.chunks(2).map(|c| c[0]).collect::<Vec<_>>().into();
+            line["rank_wait_s"] = t.chunks(2).map(|c| c[1]).collect::<Vec<_>>().into();
         }
         add_memory(&mut line, &self.chunks, out, self.applied.stages.len() > 1);
         line
@@ -478,7 +525,7 @@ impl<'a> Rank<'a> {
         self.progress.finish();
         self.ckpt.writer.finish()?;
         let (step, interrupted, last_val) = (self.step, self.interrupted, self.last_val);
-        let summary = |run_dir: &Path| Summary { run_dir: run_dir.to_path_buf(), step, val_loss: last_val, interrupted };
+        let summary = |run_dir: &Path| Summary { run_dir: run_dir.to_path_buf(), step, val_loss: last_val, interrupted, regrow: false };
         let (cfg, ds) = (self.cfg, self.ds);
         // The whole model, for the sample; a quantized base is not dequantized whole without one.
         let wanted = cfg.sample.tokens > 0 && !interrupted;

@@ -65,6 +65,8 @@ pub const SMALL: &[&str] = &[
     "--set", "model.n_layer=1", "--set", "model.n_head=2", "--set", "model.n_embd=16", "--set", "model.block_size=16",
     "--set", "train.batch_size=4", "--set", "train.warmup_steps=2", "--set", "train.lr_decay_steps=40",
     "--set", "eval.interval=5", "--set", "eval.iters=2", "--set", "checkpoint.interval=5", "--set", "sample.tokens=20", "--quiet",
+    // In-process ranks time-share two cores: no straggler reports unless a test asks.
+    "--set", "faults.straggler_ratio=0",
 ];
 
 /// `kiln train` on the small model with extra args; returns the output.

@@ -200,8 +200,8 @@ const SMALL_MEMORY: &[&str] = &["--set", "model.n_layer=1", "--set", "model.n_he
 
 /// Activation compression (`memory.activation_compression`): int8 and int4 kept activations
 /// train close to the uncompressed run and hold fewer activation bytes; stochastic rounding is
-/// deterministic from the seed; it composes with tensor and context parallelism and selective
-/// recomputation; full recomputation and MoE layers are refused by name.
+/// deterministic from the seed; it composes with tensor, context, pipeline and data parallelism
+/// (ZeRO-3) and selective recomputation; full recomputation and MoE layers are refused by name.
 #[test]
 fn activation_compression_trains_close_to_uncompressed_and_holds_less() {
     let d = scratch("act-compression");
@@ -222,6 +222,7 @@ fn activation_compression_trains_close_to_uncompressed_and_holds_less() {
         ("int4", &["--set", "memory.activation_compression=int4"], 1e-3),
         ("int8-stochastic", &["--set", "memory.activation_compression=int8", "--set", "memory.activation_rounding=stochastic"], 1e-4),
         ("int8-tp2-cp2-selective", &["--set", "memory.activation_compression=int8", "--tp", "2", "--cp", "2", "--set", "model.recompute=selective"], 1e-4),
+        ("int8-pp2-dp2-zero3", &["--set", "memory.activation_compression=int8", "--pp", "2", "--dp", "2", "--zero", "3"], 1e-4),
     ] {
         let (v, a) = run(name, extra);
         assert!(((v - v0) / v0).abs() < tol, "{name}: val loss {v} vs uncompressed {v0}");

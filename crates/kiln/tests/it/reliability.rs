@@ -433,3 +433,62 @@ fn a_live_run_directory_has_one_writer_and_read_only_commands_still_work() {
     let dup: Vec<String> = std::fs::read_dir(live.join("checkpoints")).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).filter(|n| n.contains(".1")).collect();
     assert!(dup.is_empty(), "{dup:?}");
 }
+
+/// Elastic data parallelism (issue 24): of four ranks, rank 1 is lost for good at step 11 and
+/// the run goes on with three from the in-memory snapshot of step 8, at the same global batch
+/// (two micro-batches of two sequences per rank); rank 1 is back from step 20 and rejoins at
+/// the checkpoint of step 24. Each stretch equals a run resumed at that layout from the same
+/// state, bit for bit. A slowed rank is named as a straggler.
+#[test]
+fn an_elastic_run_shrinks_past_a_lost_rank_grows_back_and_names_a_straggler() {
+    let d = scratch("elastic");
+    let data = corpus(&d);
+    let batch = ["--set", "train.batch_size=12", "--set", "sample.tokens=0", "--set", "checkpoint.interval=8"];
+    let run = |out: &Path, extra: &[&str]| {
+        let o = train(&data, out, &[&batch[..], extra].concat());
+        assert!(o.status.success(), "{}: {}", out.display(), stderr(&o));
+    };
+    let el = d.join("elastic");
+    let lose = ["--dp", "4", "--elastic", "3:4", "--set", "checkpoint.memory_interval=4", "--set", "faults.fail_ranks=[1]", "--set", "faults.fail_step=11", "--set", "faults.fail_permanent=true"];
+    run(&el, &[&lose[..], &["--max-steps", "30", "--set", "faults.rejoin_step=20"]].concat());
+    let f: Vec<serde_json::Value> = lines_of(&el, "fault");
+    let events: Vec<&str> = f.iter().map(|v| v["event"].as_str().unwrap()).collect();
+    assert_eq!(events, ["rank_lost", "world_resized", "rank_rejoined", "world_resized"], "{f:?}");
+    assert_eq!((f[0]["rank"].as_u64(), f[0]["step"].as_u64()), (Some(1), Some(11)));
+    let r = &f[1];
+    assert_eq!((r["from"].as_u64(), r["to"].as_u64(), r["grad_accum_to"].as_u64(), r["restored_step"].as_u64(), r["lost_steps"].as_u64(), r["from_state"].as_str()), (Some(4), Some(3), Some(2), Some(8), Some(2), Some("memory")), "{r}");
+    assert!(r["lost_steps"].as_u64().unwrap() < 4, "at most the in-memory snapshot interval is lost");
+    assert_eq!((f[2]["ranks"].clone(), f[2]["step"].as_u64()), (serde_json::json!([1]), Some(24)));
+    assert_eq!((f[3]["from"].as_u64(), f[3]["to"].as_u64(), f[3]["grad_accum_to"].as_u64(), f[3]["restored_step"].as_u64()), (Some(3), Some(4), Some(1), Some(24)), "{}", f[3]);
+    // The same stretches as plain resumes: dp 4 to step 8, dp 3 (2 micro-batches) to 24, dp 4 to 30.
+    let re = d.join("resumed");
+    run(&re, &["--dp", "4", "--max-steps", "8"]);
+    run(&re, &["--resume", "--dp", "3", "--micro-batches", "2", "--max-steps", "24"]);
+    run(&re, &["--resume", "--dp", "4", "--micro-batches", "1", "--max-steps", "30"]);
+    assert_eq!(losses(&el), losses(&re), "the elastic run's losses equal the resumed runs' bit for bit");
+    assert_eq!(losses(&el).len(), 30);
+    assert_eq!(digests(&el), digests(&re));
+    let o = kiln(&["runs", d.to_str().unwrap()]);
+    assert!(stdout(&o).contains("events: elastic: rank 1 lost at step 11; 4 → 3 ranks at step 11 (from step 8, 2 steps lost); ranks [1] rejoined at step 24"), "{}", stdout(&o));
+    // Lost for good without elasticity, or below the minimum: the run stops, naming why.
+    for (extra, needle) in [
+        (&["--dp", "4", "--set", "faults.fail_ranks=[1]", "--set", "faults.fail_step=3", "--set", "faults.fail_permanent=true", "--set", "checkpoint.memory_interval=2"][..], "the run is not elastic (--elastic MIN:MAX)"),
+        (&["--dp", "4", "--elastic", "4:4", "--set", "faults.fail_ranks=[1]", "--set", "faults.fail_step=3", "--set", "faults.fail_permanent=true"], "no layout from 3 down to the minimum 4"),
+    ] {
+        let o = train(&data, &d.join("stops"), &[&batch[..], extra, &["--max-steps", "6"]].concat());
+        assert!(!o.status.success() && stderr(&o).contains(needle), "{}", stderr(&o));
+        std::fs::remove_dir_all(d.join("stops")).unwrap();
+    }
+    for (extra, needle) in [(&["--elastic", "0:2"][..], "--elastic: `0:2`"), (&["--dp", "4", "--elastic", "1:2"], "parallel.dp = 4 is outside it")] {
+        assert_user_error(&train(&data, &d.join("bad"), &[&batch[..], extra].concat()), &[needle]);
+        assert!(!d.join("bad").exists());
+    }
+    // A rank whose compute takes 3× as long is named within the window (5 steps).
+    let slow = d.join("slow");
+    run(&slow, &["--dp", "2", "--max-steps", "12", "--set", "faults.straggler_ratio=1.3", "--set", "faults.straggler_steps=5", "--set", "faults.slow_ranks=[1]", "--set", "faults.slow_factor=3"]);
+    let s = lines_of(&slow, "fault");
+    assert!(s.iter().any(|v| v["event"] == "straggler" && v["rank"] == 1 && v["step"].as_u64().unwrap() <= 10), "{s:?}");
+    assert!(s.iter().all(|v| v["rank"] == 1), "only the slowed rank: {s:?}");
+    let line = &lines_of(&slow, "train")[0];
+    assert_eq!(line["rank_compute_s"].as_array().unwrap().len(), 2, "{line}");
+}
