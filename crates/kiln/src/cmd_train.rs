@@ -134,6 +134,13 @@ pub struct TrainCli {
     /// faults.elastic_max): a rank lost for good shrinks the run, a returning one grows it back.
     #[arg(long, value_name = "MIN:MAX")]
     pub elastic: Option<String>,
+    /// Set by an elastic supervisor for its MPI workers: each rank's original number.
+    #[arg(long, hide = true, value_delimiter = ',')]
+    pub elastic_slots: Vec<usize>,
+    /// With --supervise and --backend mpi: the MPI launcher and its options, split at spaces
+    /// (the supervisor runs `LAUNCHER -n N kiln train …`).
+    #[arg(long, default_value = "mpirun")]
+    pub launcher: String,
     /// With --supervise: restarts before giving up.
     #[arg(long, default_value_t = 3)]
     pub max_restarts: u32,
@@ -155,7 +162,7 @@ impl TrainCli {
     pub fn args(&self) -> Result<TrainArgs> {
         Ok(TrainArgs {
             preset: self.preset.clone(), config: self.config.clone(), out: self.out.clone(), set: self.set.clone(), flags: self.flags()?,
-            resume: self.resume, profile: self.profile, quiet: self.quiet,
+            resume: self.resume, profile: self.profile, quiet: self.quiet, slots: self.elastic_slots.clone(),
         })
     }
 
@@ -238,8 +245,14 @@ pub fn run(a: TrainCli) -> Result<()> {
                 if !(a.heartbeat_timeout > 0.0) {
                     return user(format!("--heartbeat-timeout must be positive, got {}", a.heartbeat_timeout));
                 }
-                let sv = crate::supervise::Supervise { max_restarts: a.max_restarts, heartbeat_timeout: std::time::Duration::from_secs_f64(a.heartbeat_timeout) };
-                return crate::supervise::run(&argv, args.preset.as_deref(), &sv, &stop);
+                let sv = crate::supervise::Supervise { max_restarts: a.max_restarts, heartbeat_timeout: std::time::Duration::from_secs_f64(a.heartbeat_timeout), launcher: a.launcher.split_whitespace().map(str::to_string).collect() };
+                return crate::supervise::run(&argv, &args, &sv, &stop);
             }
-            crate::train::train(&args, &stop).map(|_| ())
+            let s = crate::train::train(&args, &stop)?;
+            if s.regrow {
+                // An elastic MPI worker stopped at a checkpoint for lost ranks to rejoin: its
+                // supervisor relaunches the larger world.
+                std::process::exit(crate::supervise::EXIT_REGROW);
+            }
+            Ok(())
         }

@@ -1195,6 +1195,8 @@ pub struct TrainArgs {
     /// Record a trace of this many steps into `trace.json`.
     pub profile: Option<u64>,
     pub quiet: bool,
+    /// Under an elastic supervisor (`--elastic-slots`): each MPI rank's original number.
+    pub slots: Vec<usize>,
 }
 
 /// A flag's value for its config key.

@@ -198,6 +198,24 @@ pub fn holder(dir: &Path) -> Option<(u64, String)> {
     Some((v["pid"].as_u64().unwrap_or(0), v["since"].as_str().unwrap_or("?").to_string()))
 }
 
+/// Whether process `pid` is this process's parent, or its parent's (under `mpirun` a
+/// supervisor's workers are its grandchildren or further down), up the chain in `/proc`.
+fn is_ancestor(pid: u32) -> bool {
+    let mut p = std::os::unix::process::parent_id();
+    for _ in 0..8 {
+        if p == pid {
+            return true;
+        }
+        // /proc/P/stat: "P (comm) S PPID ...": the parent follows the closing parenthesis.
+        let Some(ppid) = fs::read_to_string(format!("/proc/{p}/stat")).ok().and_then(|s| s.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(1).and_then(|x| x.parse().ok()))) else { return false };
+        if ppid <= 1 {
+            return false;
+        }
+        p = ppid;
+    }
+    false
+}
+
 /// Takes `dir` for this process (creating it), or refuses: "DIR is in use by process PID (since
 /// TIME, step N)". A supervisor's worker (the supervisor's PID in [`LOCK_HELD_ENV`]) works under
 /// its parent's lock, and MPI ranks other than 0 under rank 0's.
@@ -208,7 +226,7 @@ pub fn lock(dir: &Path) -> Result<RunLock> {
         return Ok(RunLock { _file: None, dir: dir.to_path_buf(), created: false });
     }
     if let Ok(pid) = std::env::var(LOCK_HELD_ENV) {
-        if pid.parse::<u32>().ok() == Some(std::os::unix::process::parent_id()) {
+        if pid.parse::<u32>().is_ok_and(is_ancestor) {
             return Ok(RunLock { _file: None, dir: dir.to_path_buf(), created: false });
         }
     }

@@ -4,6 +4,14 @@
 //! or for 120 s before the first one while it starts up),
 //! up to `--max-restarts` times. Each event is a `"kind": "fault"` line in `metrics.jsonl`.
 //! With in-process ranks the process is the failure unit: all ranks restart together.
+//!
+//! Under MPI (`parallel.backend = mpi`) the supervisor launches the world itself
+//! (`--launcher … -n N kiln train`). Elastic (`--elastic MIN:MAX`): after a failure it relaunches
+//! the same world and waits `faults.rejoin_timeout_s` for every rank's host to report
+//! (`RUN/slot-up-S`); the ranks that do not are lost for good, and the world is relaunched
+//! without them at the largest layout the others can run (`train::elastic`), resumed from the
+//! newest valid checkpoint. A worker that exits with [`EXIT_REGROW`] stopped at a checkpoint for
+//! lost ranks to rejoin: the full world is relaunched.
 
 use crate::error::{KilnError, Result};
 use std::path::{Path, PathBuf};
@@ -17,7 +25,16 @@ const STARTUP_GRACE: Duration = Duration::from_secs(120);
 pub struct Supervise {
     pub max_restarts: u32,
     pub heartbeat_timeout: Duration,
+    /// The MPI launcher and its options (`mpirun`).
+    pub launcher: Vec<String>,
 }
+
+/// An elastic MPI worker's exit code when it stopped at a checkpoint for lost ranks to rejoin
+/// (BSD's `EX_TEMPFAIL`).
+pub const EXIT_REGROW: i32 = 75;
+
+/// `RUN/slot-up-S`: rank S's host has started (an elastic MPI world's roll call).
+pub const SLOT_BEAT: &str = "slot-up-";
 
 /// The arguments of `kiln train` without the supervisor's own flags, and the run directory
 /// (`--out`, chosen here when absent so every restart uses the same one).
@@ -28,10 +45,10 @@ fn child_args(argv: &[String], preset: Option<&str>) -> (Vec<String>, PathBuf) {
     while let Some(a) = it.next() {
         match a.as_str() {
             "--supervise" => {}
-            "--max-restarts" | "--heartbeat-timeout" => {
+            "--max-restarts" | "--heartbeat-timeout" | "--launcher" => {
                 it.next();
             }
-            s if s.starts_with("--max-restarts=") || s.starts_with("--heartbeat-timeout=") => {}
+            s if s.starts_with("--max-restarts=") || s.starts_with("--heartbeat-timeout=") || s.starts_with("--launcher=") => {}
             "--out" => {
                 dir = it.next().map(PathBuf::from);
             }
@@ -41,6 +58,20 @@ fn child_args(argv: &[String], preset: Option<&str>) -> (Vec<String>, PathBuf) {
     }
     let dir = dir.unwrap_or_else(|| crate::run::default_run_dir(preset.unwrap_or("tiny")));
     (out, dir)
+}
+
+/// `args` less the flags `drop` (with their values, as `--flag V` or `--flag=V`).
+fn without(args: &[String], drop: &[&str]) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        if drop.contains(&a.as_str()) {
+            it.next();
+        } else if !drop.iter().any(|d| a.starts_with(&format!("{d}="))) {
+            out.push(a.clone());
+        }
+    }
+    out
 }
 
 fn heartbeat(run_dir: &Path) -> Option<(SystemTime, u64)> {
@@ -61,31 +92,99 @@ fn log_fault(run_dir: &Path, line: serde_json::Value) {
     }
 }
 
-/// `argv` is the `train` subcommand's arguments as given (after `train`).
-pub fn run(argv: &[String], preset: Option<&str>, sv: &Supervise, stop: &AtomicBool) -> Result<()> {
+/// The run's config as its worker will resolve it: the saved run's (resumed) or the preset's,
+/// with the command line's keys on top.
+fn resolved(args: &crate::config::TrainArgs, run_dir: &Path) -> Result<crate::config::RunConfig> {
+    let saved = run_dir.join("config.toml");
+    if saved.exists() {
+        crate::config::layered(&crate::config::RunConfig::load(&saved)?, &crate::config::TrainArgs { preset: None, ..args.clone() })
+    } else {
+        crate::config::layered(&crate::presets::preset(args.preset.as_deref().unwrap_or("tiny"))?, args)
+    }
+}
+
+/// Kills the process group `pgid` (a launcher and every rank it started).
+fn kill_group(child: &mut Child) {
+    unsafe {
+        libc::kill(-(child.id() as i32), libc::SIGKILL);
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+/// `argv` is the `train` subcommand's arguments as given (after `train`); `targs` the same,
+/// parsed.
+pub fn run(argv: &[String], targs: &crate::config::TrainArgs, sv: &Supervise, stop: &AtomicBool) -> Result<()> {
     let exe = std::env::current_exe().map_err(|e| KilnError::Internal(format!("cannot find the kiln executable: {e}")))?;
-    let (args, run_dir) = child_args(argv, preset);
+    let (args, run_dir) = child_args(argv, targs.preset.as_deref());
     let resumed = argv.iter().any(|a| a == "--resume");
+    let cfg0 = resolved(targs, &run_dir)?;
+    let mpi = cfg0.parallel.backend == crate::config::Backend::Mpi;
+    let elastic = cfg0.faults.elastic_min > 0;
+    // An elastic MPI world's layout is the supervisor's to give.
+    let args = if mpi && elastic { without(&args, &["--dp", "--micro-batches"]) } else { args };
+    // After a resize the saved run's layout is the current one, not the command line's.
+    let targs = &crate::config::TrainArgs { flags: targs.flags.iter().filter(|f| f.key != "parallel.dp" && f.key != "train.grad_accum").cloned().collect(), ..targs.clone() };
+    if mpi && cfg0.parallel.dp == 0 {
+        return crate::error::user("kiln train --supervise with parallel.backend = mpi launches the world itself: give its size with --dp N");
+    }
+    if mpi && sv.launcher.is_empty() {
+        return crate::error::user("--launcher is empty: give the MPI launcher, e.g. --launcher mpirun");
+    }
     // The supervisor owns the run directory; its workers train under its lock.
     let _lock = crate::run::lock(&run_dir)?;
     let mut restarts = 0u32;
+    let mut launched = false;
+    // An MPI world: its ranks' original numbers (live), and those lost for good.
+    let mut slots: Vec<usize> = (0..cfg0.parallel.world(cfg0.parallel.dp)).collect();
+    let mut lost: Vec<usize> = Vec::new();
+    let mut layout = crate::train::elastic::Layout { dp: cfg0.parallel.dp, grad_accum: cfg0.train.grad_accum };
+    // The step the world last reached before it failed.
+    let mut failed_at = 0u64;
     loop {
-        let mut cmd = Command::new(&exe);
+        let mut cmd = if mpi {
+            let mut c = Command::new(&sv.launcher[0]);
+            c.args(&sv.launcher[1..]).arg("-n").arg(slots.len().to_string()).arg(&exe);
+            // Its own process group, so a hung world is killed whole.
+            std::os::unix::process::CommandExt::process_group(&mut c, 0);
+            c
+        } else {
+            Command::new(&exe)
+        };
         cmd.env(crate::run::LOCK_HELD_ENV, std::process::id().to_string());
         cmd.arg("train").args(&args).arg("--out").arg(&run_dir);
         // Resume once the run exists (a process killed before writing its config starts over).
-        if (restarts > 0 || resumed) && run_dir.join("config.toml").exists() && !args.iter().any(|a| a == "--resume") {
+        if (launched || resumed) && run_dir.join("config.toml").exists() && !args.iter().any(|a| a == "--resume") {
             cmd.arg("--resume");
+        }
+        if mpi && elastic {
+            let list: Vec<String> = slots.iter().map(|s| s.to_string()).collect();
+            cmd.args(["--dp", &layout.dp.to_string(), "--micro-batches", &layout.grad_accum.to_string(), "--elastic-slots", &list.join(",")]);
+            for s in 0..cfg0.parallel.world(cfg0.faults.elastic_max) {
+                let _ = std::fs::remove_file(run_dir.join(format!("{SLOT_BEAT}{s}")));
+            }
         }
         let started = Instant::now();
         let before = heartbeat(&run_dir).map(|h| h.0);
         let mut step = 0u64;
         let mut child: Child = cmd.spawn().map_err(|e| KilnError::Internal(format!("cannot start the training process: {e}")))?;
+        launched = true;
         eprintln!("supervisor: training process {} started{}", child.id(), if restarts > 0 { format!(" (restart {restarts} of {})", sv.max_restarts) } else { String::new() });
-        // Wait for it to exit, or to stop beating.
+        // Wait for it to exit, or to stop beating; an elastic MPI world's every rank reports
+        // within faults.rejoin_timeout_s, or those that do not are lost.
+        let mut roll_call = mpi && elastic;
         let outcome = loop {
             if let Some(status) = child.try_wait().map_err(|e| KilnError::Internal(format!("waiting for the training process: {e}")))? {
                 break Ok(status);
+            }
+            if roll_call {
+                let missing: Vec<usize> = slots.iter().copied().filter(|s| !run_dir.join(format!("{SLOT_BEAT}{s}")).exists()).collect();
+                if missing.is_empty() {
+                    roll_call = false;
+                } else if started.elapsed().as_secs_f64() > cfg0.faults.rejoin_timeout_s {
+                    kill_group(&mut child);
+                    break Err(Absent::Ranks(missing));
+                }
             }
             let beat = heartbeat(&run_dir).filter(|h| Some(h.0) != before);
             if let Some((_, s)) = beat {
@@ -98,9 +197,13 @@ pub fn run(argv: &[String], preset: Option<&str>, sv: &Supervise, stop: &AtomicB
                 None => (started.elapsed(), sv.heartbeat_timeout.max(STARTUP_GRACE)),
             };
             if quiet_for > limit && !stop.load(Ordering::SeqCst) {
-                let _ = child.kill();
-                let _ = child.wait();
-                break Err(quiet_for);
+                if mpi {
+                    kill_group(&mut child);
+                } else {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                }
+                break Err(Absent::Heartbeat(quiet_for));
             }
             std::thread::sleep(Duration::from_millis(200));
         };
@@ -109,13 +212,45 @@ pub fn run(argv: &[String], preset: Option<&str>, sv: &Supervise, stop: &AtomicB
         }
         let (event, detail) = match outcome {
             Ok(s) if s.success() => return Ok(()),
+            Ok(s) if mpi && elastic && s.code() == Some(EXIT_REGROW) => {
+                // Lost ranks are back (those that answer the roll call stay): the full world.
+                let back = std::mem::take(&mut lost);
+                slots.extend(&back);
+                slots.sort_unstable();
+                let cfg = resolved(targs, &run_dir)?;
+                let from = slots.len() - back.len();
+                layout = crate::train::elastic::layout_for(&cfg, slots.len())?;
+                lost = slots.split_off(cfg.parallel.world(layout.dp));
+                log_fault(&run_dir, serde_json::json!({"kind": "fault", "step": step, "event": "rank_rejoined", "ranks": back}));
+                log_fault(&run_dir, serde_json::json!({"kind": "fault", "step": step, "event": "world_resized", "from": from, "to": slots.len(), "dp_to": layout.dp, "grad_accum_to": layout.grad_accum, "restored_step": step, "lost_steps": 0, "from_state": "disk"}));
+                eprintln!("supervisor: ranks {back:?} rejoin at the checkpoint of step {step}: relaunching {} ranks", slots.len());
+                continue;
+            }
+            Err(Absent::Ranks(missing)) => {
+                // Lost for good: relaunch without them, from the newest valid checkpoint.
+                let cfg = resolved(targs, &run_dir)?;
+                let from = slots.len();
+                slots.retain(|s| !missing.contains(s));
+                lost.extend(&missing);
+                layout = crate::train::elastic::layout_for(&cfg, slots.len())?;
+                lost.extend(slots.split_off(cfg.parallel.world(layout.dp)));
+                let ck = crate::checkpoint::latest_valid(&crate::run::ckpt_dir(&run_dir)).ok().map_or(0, |l| l.state.step);
+                let failed_at = failed_at.max(step).max(ck);
+                for r in &missing {
+                    log_fault(&run_dir, serde_json::json!({"kind": "fault", "step": failed_at, "event": "rank_lost", "rank": r, "detail": format!("no report within faults.rejoin_timeout_s = {} s", cfg.faults.rejoin_timeout_s)}));
+                }
+                log_fault(&run_dir, serde_json::json!({"kind": "fault", "step": failed_at, "event": "world_resized", "from": from, "to": slots.len(), "dp_from": cfg.parallel.dp, "dp_to": layout.dp, "grad_accum_from": cfg.train.grad_accum, "grad_accum_to": layout.grad_accum, "restored_step": ck, "lost_steps": failed_at.saturating_sub(ck), "from_state": "disk"}));
+                eprintln!("supervisor: ranks {missing:?} did not come back within {} s: relaunching {} ranks (dp {}, {} micro-batches) from step {ck}", cfg.faults.rejoin_timeout_s, slots.len(), layout.dp, layout.grad_accum);
+                continue;
+            }
             // A user error (bad config, data, checkpoint) will not go away by restarting.
             Ok(s) if s.code() == Some(2) => return Err(KilnError::User(format!("training stopped with a user error (exit 2) in {}", run_dir.display()))),
             Ok(_) if stop.load(Ordering::SeqCst) => return Err(KilnError::Internal("interrupted".into())),
             Ok(s) => ("worker_crashed", describe(&s)),
-            Err(q) => ("worker_hung", format!("no heartbeat for {:.1} s", q.as_secs_f64())),
+            Err(Absent::Heartbeat(q)) => ("worker_hung", format!("no heartbeat for {:.1} s", q.as_secs_f64())),
         };
         restarts += 1;
+        failed_at = step;
         let give_up = restarts > sv.max_restarts;
         eprintln!("supervisor: training process {event} at step {step} ({detail}){}", if give_up { "; no restarts left" } else { "; restarting from the newest valid checkpoint" });
         log_fault(&run_dir, serde_json::json!({"kind": "fault", "step": step, "event": event, "detail": detail, "restart": restarts, "gave_up": give_up}));
@@ -123,6 +258,12 @@ pub fn run(argv: &[String], preset: Option<&str>, sv: &Supervise, stop: &AtomicB
             return Err(KilnError::Internal(format!("training failed {} times ({event} at step {step}: {detail}); the newest valid checkpoint in {} is intact", restarts, run_dir.display())));
         }
     }
+}
+
+/// Why a worker was stopped: no heartbeat for so long, or ranks missing from the roll call.
+enum Absent {
+    Heartbeat(Duration),
+    Ranks(Vec<usize>),
 }
 
 fn describe(s: &std::process::ExitStatus) -> String {

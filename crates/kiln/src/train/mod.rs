@@ -10,7 +10,7 @@
 
 mod ckpt;
 mod data;
-mod elastic;
+pub(crate) mod elastic;
 mod eval;
 mod faults;
 mod metrics;
@@ -382,9 +382,36 @@ fn run_mpi(ctx: &mut Ctx, stop: &AtomicBool) -> Result<Summary> {
         return user(format!("parallel.dp = {dp} but mpirun started {n} processes, not {want}: pass --dp {} (or --dp 0 to take the MPI world size)", n / other.max(1)));
     }
     ctx.cfg.check_dp(n / other)?;
+    let me = comm.rank();
+    if !ctx.args.slots.is_empty() {
+        if ctx.args.slots.len() != n {
+            return Err(KilnError::Internal(format!("--elastic-slots lists {} ranks, but mpirun started {n}", ctx.args.slots.len())));
+        }
+        ctx.slots = ctx.args.slots.clone();
+        let f = &ctx.cfg.faults;
+        ctx.grow_at = (f.elastic_min > 0 && f.rejoin_step > 0 && n / other < f.elastic_max).then_some(f.rejoin_step);
+        let slot = ctx.slots[me];
+        // Debug (`faults.fail_permanent`): a failed rank's host never answers again (until
+        // `faults.rejoin_step`): its process joins no collective, so the others wait.
+        let fired = ctx.run_dir.join(format!("faults-fired-rank{slot}-step{}", f.fail_step)).exists();
+        let at = ctx.resume_from.as_ref().map_or(0, |l| l.state.step);
+        if f.fail_permanent && f.fail_ranks.contains(&slot) && fired && (f.rejoin_step == 0 || at < f.rejoin_step) {
+            loop {
+                std::thread::sleep(std::time::Duration::from_secs(1));
+            }
+        }
+        // For the supervisor: this rank's host is up.
+        crate::util::write_atomic(&ctx.run_dir.join(format!("{}{slot}", crate::supervise::SLOT_BEAT)), b"up")?;
+    }
     // Every process has checked the run directory before rank 0 creates it.
     comm.barrier();
     let out = run_rank(ctx, &comm, stop, None, ctx.resume_from.as_ref());
+    if let Err(e @ KilnError::RankFailed { .. }) = &out {
+        // An injected failure is a crash: the process goes without finalizing MPI (which would
+        // wait for the others), and the launcher takes the world down.
+        eprintln!("{e}");
+        std::process::exit(1);
+    }
     drop(comm);
     drop(world);
     out

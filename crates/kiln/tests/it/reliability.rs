@@ -468,6 +468,23 @@ fn an_elastic_run_shrinks_past_a_lost_rank_grows_back_and_names_a_straggler() {
     assert_eq!(losses(&el), losses(&re), "the elastic run's losses equal the resumed runs' bit for bit");
     assert_eq!(losses(&el).len(), 30);
     assert_eq!(digests(&el), digests(&re));
+    // Under MPI the supervisor launches the four processes; rank 1's crash takes the world
+    // down, its host does not answer the relaunch (8 s), and three processes go on from the
+    // disk checkpoint of step 8; at step 24 the worker exits for rank 1 to rejoin and four go
+    // on: the in-process run's losses, bit for bit.
+    let mpi = d.join("mpi");
+    let mut args = vec!["train", "--supervise", "--launcher", "mpirun --allow-run-as-root --oversubscribe", "--backend", "mpi", "--data", data.to_str().unwrap(), "--out", mpi.to_str().unwrap()];
+    args.extend(SMALL);
+    args.extend(batch);
+    args.extend(["--dp", "4", "--elastic", "3:4", "--max-steps", "30", "--set", "faults.fail_ranks=[1]", "--set", "faults.fail_step=11", "--set", "faults.fail_permanent=true", "--set", "faults.rejoin_step=20", "--set", "faults.rejoin_timeout_s=8"]);
+    let o = Command::new(env!("CARGO_BIN_EXE_kiln")).args(&args).env("RAYON_NUM_THREADS", "2").output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let f = lines_of(&mpi, "fault");
+    let events: Vec<&str> = f.iter().map(|v| v["event"].as_str().unwrap()).collect();
+    assert_eq!(events, ["worker_crashed", "rank_lost", "world_resized", "rank_rejoined", "world_resized"], "{f:?}");
+    assert_eq!((f[2]["to"].as_u64(), f[2]["restored_step"].as_u64(), f[2]["lost_steps"].as_u64()), (Some(3), Some(8), Some(2)), "{}", f[2]);
+    assert_eq!(losses(&mpi), losses(&el), "MPI elastic equals in-process elastic");
+    assert_eq!(digests(&mpi), digests(&el));
     let o = kiln(&["runs", d.to_str().unwrap()]);
     assert!(stdout(&o).contains("events: elastic: rank 1 lost at step 11; 4 → 3 ranks at step 11 (from step 8, 2 steps lost); ranks [1] rejoined at step 24"), "{}", stdout(&o));
     // Lost for good without elasticity, or below the minimum: the run stops, naming why.
