@@ -33,8 +33,7 @@ pub struct Supervise {
 /// (BSD's `EX_TEMPFAIL`).
 pub const EXIT_REGROW: i32 = 75;
 
-/// `RUN/slot-up-S`: rank S's host has started (an elastic MPI world's roll call).
-pub const SLOT_BEAT: &str = "slot-up-";
+use crate::train::elastic::SLOT_BEAT;
 
 /// The arguments of `kiln train` without the supervisor's own flags, and the run directory
 /// (`--out`, chosen here when absent so every restart uses the same one).

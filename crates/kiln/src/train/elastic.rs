@@ -17,6 +17,10 @@
 use crate::config::RunConfig;
 use crate::error::{user, Result};
 
+/// `RUN/slot-up-S`: rank S's host has started (an elastic MPI world's roll call, which the
+/// supervisor takes after each launch).
+pub const SLOT_BEAT: &str = "slot-up-";
+
 /// A data-parallel layout: replicas and micro-batches per step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Layout {

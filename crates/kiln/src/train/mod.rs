@@ -401,7 +401,7 @@ fn run_mpi(ctx: &mut Ctx, stop: &AtomicBool) -> Result<Summary> {
             }
         }
         // For the supervisor: this rank's host is up.
-        crate::util::write_atomic(&ctx.run_dir.join(format!("{}{slot}", crate::supervise::SLOT_BEAT)), b"up")?;
+        crate::util::write_atomic(&ctx.run_dir.join(format!("{}{slot}", elastic::SLOT_BEAT)), b"up")?;
     }
     // Every process has checked the run directory before rank 0 creates it.
     comm.barrier();

@@ -98,23 +98,31 @@ pub fn assert_user_error(o: &Output, needles: &[&str]) {
     assert!(!err.contains("panicked"), "a user error must not panic: {err}");
 }
 
-/// `kiln args` with its peak resident set (KiB, `ru_maxrss` of this child alone, from wait4)
-/// and wall time.
-pub fn kiln_measured(args: &[&str], scratch: &Path) -> (i32, String, String, u64, std::time::Duration) {
-    use std::os::unix::process::ExitStatusExt;
-    let (out, err) = (scratch.join("measured.stdout"), scratch.join("measured.stderr"));
-    let t0 = std::time::Instant::now();
-    let child = Command::new(env!("CARGO_BIN_EXE_kiln"))
-        .args(args)
-        .env("RAYON_NUM_THREADS", "2")
-        .stdout(std::fs::File::create(&out).unwrap())
-        .stderr(std::fs::File::create(&err).unwrap())
-        .spawn()
-        .expect("run kiln");
+/// Spawns `cmd` and waits for it: its exit status word and `ru_maxrss` (KiB, from wait4).
+fn wait_measured(mut cmd: Command) -> (i32, u64) {
+    let child = cmd.spawn().expect("spawn");
     let (mut status, mut usage) = (0i32, unsafe { std::mem::zeroed::<libc::rusage>() });
     // SAFETY: waits for the child this function spawned; `usage` is written by the kernel.
     let pid = unsafe { libc::wait4(child.id() as i32, &mut status, 0, &mut usage) };
     assert_eq!(pid, child.id() as i32, "wait4");
+    (status, usage.ru_maxrss as u64)
+}
+
+/// `kiln args` with its peak resident set (KiB: `ru_maxrss` of this child from wait4, less what
+/// a trivial child spawned beside it reports — Linux carries the spawning test process's own
+/// resident set into a child's `ru_maxrss` at exec, and the test process grows as other tests
+/// run) and wall time.
+pub fn kiln_measured(args: &[&str], scratch: &Path) -> (i32, String, String, u64, std::time::Duration) {
+    use std::os::unix::process::ExitStatusExt;
+    let (out, err) = (scratch.join("measured.stdout"), scratch.join("measured.stderr"));
+    let baseline = || wait_measured(Command::new("true")).1;
+    let before = baseline();
+    let t0 = std::time::Instant::now();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kiln"));
+    cmd.args(args).env("RAYON_NUM_THREADS", "2").stdout(std::fs::File::create(&out).unwrap()).stderr(std::fs::File::create(&err).unwrap());
+    let (status, rss) = wait_measured(cmd);
+    let took = t0.elapsed();
+    let inherited = before.max(baseline());
     let code = std::process::ExitStatus::from_raw(status).code().unwrap_or(-1);
-    (code, std::fs::read_to_string(&out).unwrap(), std::fs::read_to_string(&err).unwrap(), usage.ru_maxrss as u64, t0.elapsed())
+    (code, std::fs::read_to_string(&out).unwrap(), std::fs::read_to_string(&err).unwrap(), rss.saturating_sub(inherited), took)
 }
