@@ -231,7 +231,7 @@ pub fn run(argv: &[String], targs: &crate::config::TrainArgs, sv: &Supervise, st
                 let from = slots.len();
                 slots.retain(|s| !missing.contains(s));
                 lost.extend(&missing);
-                layout = crate::train::elastic::layout_for(&cfg, slots.len())?;
+                layout = crate::train::elastic::layout_for(&cfg, slots.len()).map_err(|e| KilnError::User(format!("ranks {missing:?} lost for good: {e}")))?;
                 lost.extend(slots.split_off(cfg.parallel.world(layout.dp)));
                 let ck = crate::checkpoint::latest_valid(&crate::run::ckpt_dir(&run_dir)).ok().map_or(0, |l| l.state.step);
                 let failed_at = failed_at.max(step).max(ck);

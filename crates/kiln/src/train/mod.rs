@@ -317,7 +317,7 @@ fn run_inproc(ctx: &mut Ctx, world: usize, stop: &AtomicBool) -> Result<Summary>
             let KilnError::RankFailed { rank, .. } = err else { unreachable!() };
             ctx.slots.retain(|&s| s != rank);
             lost.push(rank);
-            let layout = elastic::layout_for(&ctx.cfg, ctx.slots.len())?;
+            let layout = elastic::layout_for(&ctx.cfg, ctx.slots.len()).map_err(|e| KilnError::User(format!("rank {rank} lost for good at step {step}: {e}")))?;
             let to = ctx.cfg.parallel.world(layout.dp);
             // Live ranks beyond the new layout (the rest of a broken replica) wait as spares.
             lost.extend(ctx.slots.split_off(to));

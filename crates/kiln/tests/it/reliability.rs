@@ -490,7 +490,7 @@ fn an_elastic_run_shrinks_past_a_lost_rank_grows_back_and_names_a_straggler() {
     // Lost for good without elasticity, or below the minimum: the run stops, naming why.
     for (extra, needle) in [
         (&["--dp", "4", "--set", "faults.fail_ranks=[1]", "--set", "faults.fail_step=3", "--set", "faults.fail_permanent=true", "--set", "checkpoint.memory_interval=2"][..], "the run is not elastic (--elastic MIN:MAX)"),
-        (&["--dp", "4", "--elastic", "4:4", "--set", "faults.fail_ranks=[1]", "--set", "faults.fail_step=3", "--set", "faults.fail_permanent=true"], "no layout from 3 down to the minimum 4"),
+        (&["--dp", "4", "--elastic", "4:4", "--set", "faults.fail_ranks=[1]", "--set", "faults.fail_step=3", "--set", "faults.fail_permanent=true"], "rank 1 lost for good at step 3: elastic: 3 live rank(s) hold 3 data-parallel replica(s), and no layout from 3 down to the minimum 4"),
     ] {
         let o = train(&data, &d.join("stops"), &[&batch[..], extra, &["--max-steps", "6"]].concat());
         assert!(!o.status.success() && stderr(&o).contains(needle), "{}", stderr(&o));
