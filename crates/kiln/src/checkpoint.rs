@@ -616,8 +616,14 @@ pub struct Snapshot {
     pub params: Vec<f32>,
     pub m: Vec<f32>,
     pub v: Vec<f32>,
+    /// 1-bit Adam: this rank's error-feedback state (empty without it): row `rank` of the
+    /// optimizer tensor [`ONEBIT_ERROR`], `[world, len]`.
+    pub onebit: Vec<f32>,
     pub tokenizer_json: String,
 }
+
+/// The optimizer tensor holding every rank's 1-bit Adam error-feedback state, one row each.
+pub const ONEBIT_ERROR: &str = "onebit_error";
 
 /// One of the buffers a snapshot copies: gathered for it (owned), or the live training buffer
 /// itself, which the training loop leaves untouched until the snapshot's [`Gate`] opens.
@@ -653,6 +659,8 @@ pub struct Job {
     pub state: TrainState,
     pub layout: model::ParamLayout,
     pub sources: [Source; 3],
+    /// 1-bit Adam: this rank's error-feedback state.
+    pub onebit: Option<Vec<f32>>,
     pub tokenizer_json: String,
     /// Written to disk; else an in-memory snapshot only (kept by the [`ReplicaStore`]).
     pub to_disk: bool,
@@ -716,7 +724,7 @@ fn copy_job(job: Job, spare: Option<Snapshot>) -> Snapshot {
         sm.extend_from_slice(&fm[a..b]);
         sv.extend_from_slice(&fv[a..b]);
     }
-    Snapshot { part: job.part, state: job.state, layout: part_layout, params: sp, m: sm, v: sv, tokenizer_json: job.tokenizer_json }
+    Snapshot { part: job.part, state: job.state, layout: part_layout, params: sp, m: sm, v: sv, onebit: job.onebit.unwrap_or_default(), tokenizer_json: job.tokenizer_json }
 }
 
 /// A finished save.
@@ -732,6 +740,9 @@ fn write_snapshot(ckpt_dir: &Path, snap: &Snapshot, keep: usize, keep_every: u64
     let mt = Tensors { items: named(&snap.layout, "", &snap.params) };
     let mut ot = named(&snap.layout, "exp_avg.", &snap.m);
     ot.extend(named(&snap.layout, "exp_avg_sq.", &snap.v));
+    if !snap.onebit.is_empty() {
+        ot.push((ONEBIT_ERROR.to_string(), vec![snap.onebit.len()], &snap.onebit[..]));
+    }
     let dir = match &snap.part {
         None => save(ckpt_dir, &snap.state, &mt, &Tensors { items: ot }, &snap.tokenizer_json)?,
         Some(p) => match save_part(ckpt_dir, p, &snap.state, &mt, &Tensors { items: ot }, &snap.tokenizer_json)? {
@@ -766,7 +777,7 @@ struct Host {
 
 /// A snapshot's bytes of tensor data.
 fn snapshot_bytes(s: &Snapshot) -> usize {
-    4 * (s.params.len() + s.m.len() + s.v.len())
+    4 * (s.params.len() + s.m.len() + s.v.len() + s.onebit.len())
 }
 
 impl ReplicaStore {
@@ -790,7 +801,7 @@ impl ReplicaStore {
                 dst.clear();
                 dst.extend_from_slice(src);
             }
-            let copy = Snapshot { part: snap.part.clone(), state: snap.state.clone(), layout: snap.layout.clone(), params: p, m, v, tokenizer_json: snap.tokenizer_json.clone() };
+            let copy = Snapshot { part: snap.part.clone(), state: snap.state.clone(), layout: snap.layout.clone(), params: p, m, v, onebit: snap.onebit.clone(), tokenizer_json: snap.tokenizer_json.clone() };
             self.hosts[peer].lock().unwrap().guest = Some(copy);
         }
         self.hosts[rank].lock().unwrap().own.replace(snap)
@@ -854,6 +865,9 @@ impl ReplicaStore {
         let model = encode_owned(&whole("", &|s| &s.params));
         let mut ot = whole("exp_avg.", &|s| &s.m);
         ot.extend(whole("exp_avg_sq.", &|s| &s.v));
+        if let (false, Some(pt)) = (first.onebit.is_empty(), &first.part) {
+            ot.push((ONEBIT_ERROR.to_string(), pt.shapes[ONEBIT_ERROR].clone(), chosen.iter().flat_map(|s| s.onebit.iter().copied()).collect()));
+        }
         Ok(Loaded { dir: PathBuf::from(format!("<in-memory snapshot of step {step}>")), state: first.state.clone(), model, optim: encode_owned(&ot), tokenizer_json: first.tokenizer_json.clone() })
     }
 }
@@ -988,6 +1002,17 @@ pub fn read_into(bytes: &[u8], prefix: &str, layout: &model::ParamLayout, dst: &
         }
     }
     Ok(())
+}
+
+/// Row `rank` of a `[world, len]` tensor `name` of `bytes` (a checkpoint's optimizer file), if
+/// it holds one of `world` rows of `len`; `None` when absent or of another shape.
+pub fn read_row(bytes: &[u8], name: &str, rank: usize, world: usize, len: usize) -> Option<Vec<f32>> {
+    let st = safetensors::SafeTensors::deserialize(bytes).ok()?;
+    let t = st.tensor(name).ok()?;
+    if t.shape() != [world, len] || t.dtype() != Dtype::F32 {
+        return None;
+    }
+    Some(t.data()[rank * len * 4..(rank + 1) * len * 4].chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
 }
 
 /// Gives the calling thread the lowest scheduling priority (Linux: `SCHED_IDLE`, and `nice` 19,

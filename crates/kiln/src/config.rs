@@ -285,6 +285,13 @@ pub struct ParallelSection {
     /// `inproc` or `mpi` (a build with `--features mpi`, run under `mpirun`).
     #[serde(with = "named")]
     pub backend: Backend,
+    /// Data-parallel communication compression: `none`, or `onebit_adam` (Tang et al. 2021:
+    /// after `compression_warmup` steps of plain AdamW the variance is frozen and the momentum
+    /// is all-reduced as signs with scales and error feedback).
+    #[serde(with = "named")]
+    pub compression: Compression,
+    /// Steps of uncompressed AdamW before compression starts (1-bit Adam's warm-up).
+    pub compression_warmup: u64,
     /// Gradient all-reduce bucket size in MiB (stages 0 and 1).
     pub bucket_mb: f64,
     /// With `tp > 1`: sequence parallelism (Korthikanti et al.): norms, dropout and the
@@ -511,6 +518,19 @@ impl Names for CpClock {
     const NAMES: &'static [(&'static str, CpClock)] = &[("wall", CpClock::Wall), ("device", CpClock::Device)];
 }
 
+/// `parallel.compression`: how data-parallel ranks compress what they communicate.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Compression {
+    #[default]
+    None,
+    /// 1-bit Adam: the momentum as signs with per-chunk scales and error feedback.
+    OnebitAdam,
+}
+
+impl Names for Compression {
+    const NAMES: &'static [(&'static str, Compression)] = &[("none", Compression::None), ("onebit_adam", Compression::OnebitAdam)];
+}
+
 /// `memory.offload`: what leaves memory.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Offload {
@@ -615,7 +635,7 @@ impl ParallelSection {
 impl Default for ParallelSection {
     fn default() -> Self {
         ParallelSection {
-            dp: 1, zero: 0, tp: 1, ep: 1, cp: 1, cp_mode: plan::policy::CpMode::Ring, cp_balance: plan::policy::CpBalance::Zigzag, cp_clock: CpClock::Wall, backend: Backend::Inproc, bucket_mb: 25.0, sequence_parallel: false, pp: 1,
+            dp: 1, zero: 0, tp: 1, ep: 1, cp: 1, cp_mode: plan::policy::CpMode::Ring, cp_balance: plan::policy::CpBalance::Zigzag, cp_clock: CpClock::Wall, backend: Backend::Inproc, compression: Compression::None, compression_warmup: 100, bucket_mb: 25.0, sequence_parallel: false, pp: 1,
             schedule: parallel::pp::Kind::OneFOneB, virtual_stages: 1, pp_layers: Vec::new(), pp_trace: PpTrace::Off,
         }
     }
@@ -800,7 +820,36 @@ impl RunConfig {
         self.validate_precision_and_memory()?;
         self.validate_parallel()?;
         self.validate_faults()?;
+        self.validate_compression()?;
         self.validate_pipeline()
+    }
+
+    /// Communication compression (`parallel.compression`).
+    fn validate_compression(&self) -> Result<()> {
+        let p = &self.parallel;
+        if p.compression == Compression::None {
+            return Ok(());
+        }
+        let name = p.compression.name();
+        if p.dp < 2 && p.dp != 0 {
+            return user(format!("parallel.compression = {name} compresses data-parallel traffic: it needs parallel.dp > 1, got {}", p.dp));
+        }
+        if p.zero != 0 || p.tp > 1 || p.pp > 1 || p.cp > 1 || p.ep > 1 {
+            return user(format!("parallel.compression = {name} is data parallelism alone: it needs parallel.zero = 0 and tp = pp = cp = ep = 1 (got zero {}, tp {}, pp {}, cp {}, ep {})", p.zero, p.tp, p.pp, p.cp, p.ep));
+        }
+        if self.lora.rank > 0 {
+            return user(format!("parallel.compression = {name} with LoRA: the adapters are tiny; use parallel.compression = none"));
+        }
+        if !matches!(self.train.precision, model::Precision::Fp32 | model::Precision::Bf16) {
+            return user(format!("parallel.compression = {name} needs train.precision = fp32 or bf16, got {}", self.train.precision.name()));
+        }
+        if p.compression_warmup == 0 {
+            return user(format!("parallel.compression_warmup must be at least 1 (1-bit Adam's variance comes from uncompressed steps), got 0"));
+        }
+        if self.memory.offload != Offload::None {
+            return user(format!("parallel.compression = {name} with memory.offload = optimizer is not supported"));
+        }
+        Ok(())
     }
 
     /// Elasticity and stragglers.

@@ -498,6 +498,14 @@ fn model_state_rows(out: &mut Rows, cfg: &RunConfig, r: &RankShape, s: usize) {
             out.add(Kind::Optimizer, held, "master weights", b4(moments * chunks, p.master), String::new());
         }
     }
+    if cfg.parallel.compression == crate::config::Compression::OnebitAdam {
+        // 1-bit Adam (parallel::compress): the error feedback, and in the update the rank's
+        // momentum before its compressed average.
+        let n = cfg.parallel.dp.max(1);
+        let state = parallel::compress::OneBit::state_len(moments, n);
+        out.add(Kind::Optimizer, held, "1-bit Adam error feedback", b4(state, 4), format!("worker error {moments} + server error {} elements (parallel.compression)", state - moments));
+        out.add(Kind::Temporary, Phase::Step, "1-bit Adam momentum", b4(moments, 4), "this rank's momentum, averaged compressed in the update".into());
+    }
 }
 
 /// Activations (one set per micro-batch in flight) and the backward scratch; returns the sets'
@@ -608,6 +616,8 @@ fn checkpoint_rows(out: &mut Rows, cfg: &RunConfig, gpt: &GptConfig, r: &RankSha
         None if parts => 3 * whole_layout.params.iter().map(|q| crate::checkpoint::part_range(q.len(), 0, world).len()).sum::<usize>(),
         None => 3 * whole_layout.total,
     };
+    // 1-bit Adam: each rank's error feedback too.
+    let snap = snap + if par.compression == crate::config::Compression::OnebitAdam { parallel::compress::OneBit::state_len(whole_layout.total, dp) } else { 0 };
     let snapshots = if cfg.checkpoint.memory_interval > 0 { 3 } else { 1 };
     out.add(Kind::Other, Phase::Checkpoint, "checkpoint snapshot", snapshots as u64 * b4(snap, p.param), format!("parameters and both moments{}; kept from the first checkpoint on{}", if parts { format!(", this rank's 1/{world} part") } else { String::new() }, if cfg.checkpoint.memory_interval > 0 { " (×3 with in-memory checkpoints: latest, previous, the peer's copy)" } else { "" }));
     let plain = tp == 1 && zero == 0;

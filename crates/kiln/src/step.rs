@@ -80,6 +80,9 @@ pub struct Optimizer {
     pub master: Option<Moments>,
     pub round: Option<tensor::precision::Format>,
     segs: Vec<(Range<usize>, bool)>,
+    /// 1-bit Adam (`parallel.compression = onebit_adam`): this rank's error-feedback state,
+    /// from the first compressed step on (restored with a checkpoint).
+    pub onebit: Option<parallel::compress::OneBit>,
 }
 
 /// Elements per chunk of an offloaded update (4 MiB of each moment).
@@ -100,7 +103,7 @@ impl Optimizer {
                 _ => segs.push((p.range(), p.decay)),
             }
         }
-        Optimizer { m: Moments::Mem(vec![0.0; len]), v: Moments::Mem(vec![0.0; len]), master: None, round: None, segs }
+        Optimizer { m: Moments::Mem(vec![0.0; len]), v: Moments::Mem(vec![0.0; len]), master: None, round: None, segs, onebit: None }
     }
 
     /// Mixed precision: keeps fp32 master weights, taken from the fp32 parameters of `dp`'s
@@ -183,6 +186,79 @@ impl Optimizer {
             }
         }
     }
+}
+
+impl Optimizer {
+    /// 1-bit Adam's update of one piece in the compression stage: the momentum `m` is given
+    /// (already averaged over the ranks) and stored; the variance stays as the warm-up left it,
+    /// with its bias correction frozen at step `frozen_at`.
+    pub fn update_piece_frozen(&mut self, params: &mut [f32], m: &[f32], piece: &parallel::Piece, cfg: &RunConfig, lr: f64, t: u64, frozen_at: u64) {
+        let tc = &cfg.train;
+        let f = &piece.flat;
+        let rbc2 = (1.0 / (1.0 - tc.beta2.powi(frozen_at as i32)).sqrt()) as f32;
+        for (r, decay) in &self.segs {
+            let (a, b) = (r.start.max(f.start), r.end.min(f.end));
+            if a >= b {
+                continue;
+            }
+            let h = AdamW { lr: lr as f32, beta1: tc.beta1 as f32, beta2: tc.beta2 as f32, eps: tc.eps as f32, weight_decay: if *decay { tc.weight_decay as f32 } else { 0.0 }, t };
+            let (lo, hi) = (a - f.start, b - f.start);
+            let off = piece.shard.start;
+            let (ms, vs) = (&m[off + lo..off + hi], &self.v[off + lo..off + hi]);
+            match (&mut self.master, self.round) {
+                (Some(mw), Some(fmt)) => {
+                    let w = &mut mw[off + lo..off + hi];
+                    tensor::optim::adam_frozen_update(w, ms, vs, &h, rbc2);
+                    tensor::precision::round_into(&mut params[lo..hi], w, fmt);
+                }
+                _ => tensor::optim::adam_frozen_update(&mut params[lo..hi], ms, vs, &h, rbc2),
+            }
+            self.m[off + lo..off + hi].copy_from_slice(ms);
+        }
+    }
+}
+
+/// 1-bit Adam's compression stage (`parallel.compression = onebit_adam`, past
+/// `parallel.compression_warmup`): the gradients stayed on their ranks (no reduction). Each
+/// rank clips its own gradient (of its share of the batch, `n ×` what it accumulated) by the
+/// root mean square of the ranks' norms, forms its momentum `β1·m + (1−β1)·g`, and the ranks
+/// average the momenta through the compressed all-reduce (`parallel::compress`); the update
+/// divides by the frozen variance. Every rank applies the same update. Returns the gradient
+/// norm reported (the ranks' RMS norm) or why the update was skipped.
+fn onebit_step(ch: &mut Chunk, cfg: &RunConfig, step: u64, lr: f64, check: &mut dyn FnMut(f64) -> Option<&'static str>) -> (f64, Option<&'static str>) {
+    let n = ch.dp.n();
+    let share = n as f32;
+    let mut sq = 0.0;
+    ch.dp.for_each_piece(|_, _, g| sq += sum_squares(g));
+    let norm = (ch.dp.all_reduce_f64(&[sq])[0] / n as f64).sqrt() * share as f64;
+    if let Some(why) = check(norm) {
+        return (norm, Some(why));
+    }
+    let clip = cfg.train.grad_clip;
+    let scale = share * if clip > 0.0 && norm > clip { (clip / (norm + 1e-6)) as f32 } else { 1.0 };
+    let (b1, opt) = (cfg.train.beta1 as f32, &mut ch.opt);
+    let mut mom = vec![0.0f32; opt.m.len()];
+    ch.dp.for_each_piece(|piece, _, g| {
+        for ((o, &m), &gi) in mom[piece.shard.clone()].iter_mut().zip(&opt.m[piece.shard.clone()]).zip(g.iter()) {
+            *o = b1 * m + (1.0 - b1) * gi * scale;
+        }
+    });
+    let len = mom.len();
+    let mut st = opt.onebit.take().unwrap_or_else(|| parallel::compress::OneBit::new(len, n, ch.dp.rank()));
+    let (st, mom) = ch.dp.run("onebit_adam", move |comm| {
+        st.all_reduce_mean(comm, &mut mom);
+        (st, mom)
+    });
+    opt.onebit = Some(st);
+    let frozen_at = cfg.parallel.compression_warmup;
+    ch.dp.for_each_piece(|piece, params, _| opt.update_piece_frozen(params, &mom, piece, cfg, lr, step + 1, frozen_at));
+    ch.dp.after_update();
+    (norm, None)
+}
+
+/// Whether step `step` (0-based) is in 1-bit Adam's compression stage.
+pub fn compressing(cfg: &RunConfig, step: u64) -> bool {
+    cfg.parallel.compression == crate::config::Compression::OnebitAdam && step >= cfg.parallel.compression_warmup
 }
 
 /// The dropout seed of micro-batch `micro` of step `step`.
@@ -370,7 +446,9 @@ pub fn train_step(
     mut veto: impl FnMut(f32, f64) -> Option<&'static str>,
 ) -> StepOut {
     assert_eq!(chunks.len(), pipe.sched.v, "one chunk per virtual stage");
+    let onebit = compressing(cfg, step) && chunks[0].dp.n() > 1;
     for ch in chunks.iter_mut() {
+        ch.dp.set_local(onebit);
         ch.dp.zero_grad();
         if let Some(lo) = ch.model.lora.as_mut() {
             lo.grads.fill(0.0);
@@ -422,6 +500,13 @@ pub fn train_step(
         }
         ch.opt.update(&mut lo.params, &lo.grads, cfg, lr, step + 1);
         return out(norm, None);
+    }
+    if onebit {
+        if let Some(wait) = pipe.before_update {
+            wait();
+        }
+        let (norm, skipped) = onebit_step(&mut chunks[0], cfg, step, lr, &mut check);
+        return out(norm, skipped);
     }
     let tied = sum_tied_embedding(chunks, pipe);
     // Sequence parallelism: each tensor-parallel shard's norm gradients cover its positions.

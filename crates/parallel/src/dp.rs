@@ -170,6 +170,9 @@ pub struct DataParallel {
     remaining: Vec<usize>,
     /// Reduce the gradients of this micro-batch (the last of a step; every one at stage 2/3).
     sync: bool,
+    /// No gradient reduction at all (1-bit Adam's compression stage: each rank keeps its own
+    /// gradients, and the optimizer communicates the momentum instead).
+    local: bool,
     /// Full parameters (stages 0–2; empty at stage 3).
     params: Vec<f32>,
     /// Full gradients (stages 0–1; empty at stages 2–3), reached only through `grads_ptr`
@@ -313,7 +316,7 @@ impl DataParallel {
         let grads_ptr = SyncPtr(grads.as_mut_ptr());
         let shard_grads_ptr = SyncPtr(shard_grads.as_mut_ptr());
         DataParallel {
-            zero, experts, shards, worker, frozen, buckets, bucket_of, remaining, sync: true,
+            zero, experts, shards, worker, frozen, buckets, bucket_of, remaining, sync: true, local: false,
             params, grads, grads_ptr, shard_params, shard_grads, shard_grads_ptr,
             gathered: (0..u).map(|_| None).collect(),
             unit_grads: (0..u).map(|_| None).collect(),
@@ -370,11 +373,18 @@ impl DataParallel {
     /// Whether this micro-batch's gradients are reduced (stages 0–1 reduce only on the last
     /// micro-batch of a step; stages 2–3 always).
     pub fn begin_micro(&mut self, last: bool) {
-        self.sync = last || self.zero >= 2;
+        self.sync = !self.local && (last || self.zero >= 2);
         self.grads_ptr = SyncPtr(self.grads.as_mut_ptr());
         self.shard_grads_ptr = SyncPtr(self.shard_grads.as_mut_ptr());
         self.remaining = self.buckets.iter().map(|b| b.len()).collect();
         self.backward_started = false;
+    }
+
+    /// With `local`, this step's gradients stay on each rank unreduced (stage 0 only): the
+    /// sum over ranks is still the global batch's gradient.
+    pub fn set_local(&mut self, local: bool) {
+        assert!(!local || self.zero == 0, "local gradients need ZeRO stage 0");
+        self.local = local;
     }
 
     /// Clears the gradient accumulators for a new step.

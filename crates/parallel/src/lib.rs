@@ -11,6 +11,7 @@
 
 pub mod apply;
 pub mod comm;
+pub mod compress;
 pub mod cp;
 pub mod dp;
 pub mod ep;

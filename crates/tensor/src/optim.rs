@@ -47,6 +47,20 @@ crate::multiversion! {
     }
 }
 
+/// 1-bit Adam's update in its compression stage (Tang et al. 2021): the momentum `m` is given
+/// (the ranks' compressed average) and the variance `v` frozen, with its bias correction
+/// `rbc2 = 1/√(1 − β2^t_freeze)`: `p = p·(1 − lr·wd) − lr/(1 − β1^t) · m / (√v·rbc2 + ε)`.
+pub fn adam_frozen_update(params: &mut [f32], m: &[f32], v: &[f32], h: &AdamW, rbc2: f32) {
+    let _p = crate::profile::scope("adam_frozen_update");
+    let step = (h.lr as f64 / (1.0 - (h.beta1 as f64).powi(h.t as i32))) as f32;
+    let decay = 1.0 - h.lr * h.weight_decay;
+    params.par_chunks_mut(ELEMS).zip(m.par_chunks(ELEMS).zip(v.par_chunks(ELEMS))).for_each(|(p, (m, v))| {
+        for ((p, &m), &v) in p.iter_mut().zip(m).zip(v) {
+            *p = *p * decay - step * m / (v.sqrt() * rbc2 + h.eps);
+        }
+    });
+}
+
 /// `Σ x²` in f64, over fixed chunks combined in order (deterministic).
 pub fn sum_squares(x: &[f32]) -> f64 {
     // Partials per fixed chunk, in a buffer kept per calling thread (a top-level kernel, never a

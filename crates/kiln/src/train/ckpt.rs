@@ -109,7 +109,10 @@ fn save(r: &mut Rank, to_disk: bool, last: bool) -> Result<()> {
         if to_disk {
             parallel::comm::sum_f64(r.comm, 0.0);
         }
-        let shapes = r.ckpt.layout.params.iter().flat_map(|p| ["", "exp_avg.", "exp_avg_sq."].map(|pre| (format!("{pre}{}", p.name), p.shape.clone()))).collect();
+        let mut shapes: std::collections::BTreeMap<String, Vec<usize>> = r.ckpt.layout.params.iter().flat_map(|p| ["", "exp_avg.", "exp_avg_sq."].map(|pre| (format!("{pre}{}", p.name), p.shape.clone()))).collect();
+        if let Some(st) = &r.chunks[0].opt.onebit {
+            shapes.insert(checkpoint::ONEBIT_ERROR.to_string(), vec![world, st.state().len()]);
+        }
         Some(checkpoint::Part { rank, world, tmp: tmp.unwrap_or_else(|| ckpt_dir(r.run_dir).join(format!(".tmp-step-{step:08}-sharded"))), shapes })
     } else {
         None
@@ -123,8 +126,9 @@ fn save(r: &mut Rank, to_disk: bool, last: bool) -> Result<()> {
             Cow::Borrowed(x) => checkpoint::Source::live(x),
             Cow::Owned(v) => checkpoint::Source::Owned(v),
         };
+        let onebit = r.chunks[0].opt.onebit.as_ref().map(|o| o.state());
         let [fp, fm, fv] = whole_state(&mut r.chunks, &r.applied, cfg.parallel.zero > 0);
-        checkpoint::Job { part, state, layout: r.ckpt.layout.clone(), sources: [src(fp), src(fm), src(fv)], tokenizer_json: r.ckpt.tokenizer_json.clone(), to_disk }
+        checkpoint::Job { part, state, layout: r.ckpt.layout.clone(), sources: [src(fp), src(fm), src(fv)], onebit, tokenizer_json: r.ckpt.tokenizer_json.clone(), to_disk }
     };
     if !lead {
         r.ckpt.writer.submit(snap)?;

@@ -151,6 +151,19 @@ impl<'a> Rank<'a> {
                 quantize_base(cfg, ch)?;
             }
         }
+        // 1-bit Adam past its warm-up: this rank's error feedback, as the checkpoint left it
+        // (a checkpoint of another data-parallel degree restarts it at zero).
+        if let (Some(l), true) = (resume_from, crate::step::compressing(cfg, resumed.as_ref().map_or(0, |r| r.step))) {
+            let ch = &mut chunks[0];
+            let (len, n, me) = (ch.opt.m.len(), ch.dp.n(), ch.dp.rank());
+            let mut st = parallel::compress::OneBit::new(len, n, me);
+            match checkpoint::read_row(&l.optim, checkpoint::ONEBIT_ERROR, me, n, parallel::compress::OneBit::state_len(len, n)) {
+                Some(row) => st.set_state(&row),
+                None if lead => eprintln!("{}: no 1-bit Adam error state for {n} data-parallel ranks: its error feedback restarts from zero", l.dir.display()),
+                None => {}
+            }
+            ch.opt.onebit = Some(st);
+        }
         // memory: charge the model state to its tracking categories (issue 7).
         chunks.iter_mut().for_each(|ch| crate::memory::attribute(&ch.model, &mut ch.dp, &ch.opt));
         let step = resumed.as_ref().map_or(0, |r| r.step);
