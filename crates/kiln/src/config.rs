@@ -518,18 +518,9 @@ impl Names for CpClock {
     const NAMES: &'static [(&'static str, CpClock)] = &[("wall", CpClock::Wall), ("device", CpClock::Device)];
 }
 
-/// `parallel.compression`: how data-parallel ranks compress what they communicate.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Compression {
-    #[default]
-    None,
-    /// 1-bit Adam: the momentum as signs with per-chunk scales and error feedback.
-    OnebitAdam,
-}
-
-impl Names for Compression {
-    const NAMES: &'static [(&'static str, Compression)] = &[("none", Compression::None), ("onebit_adam", Compression::OnebitAdam)];
-}
+/// `parallel.compression`: how data-parallel ranks compress what they communicate (the
+/// planner's policy enum, so `kiln plan --compression` and the run share one set of names).
+pub use plan::policy::Compression;
 
 /// `memory.offload`: what leaves memory.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -62,6 +62,12 @@ pub struct ClusterArgs {
     pub gpus: u64,
     #[cfg_attr(feature = "clap", arg(long))]
     pub gpus_per_node: Option<u64>,
+    /// The link between nodes (a catalogue link name, e.g. eth-100g), instead of the accelerator's own.
+    #[cfg_attr(feature = "clap", arg(long))]
+    pub inter_link: Option<String>,
+    /// NICs per node with --inter-link (default: the accelerator's).
+    #[cfg_attr(feature = "clap", arg(long))]
+    pub nics_per_node: Option<u64>,
     /// Extra hardware catalogue entries (JSON: {"accelerators":[...],"links":[...]}) or a cpu-local file.
     #[cfg_attr(feature = "clap", arg(long))]
     pub hardware_file: Option<String>,
@@ -120,6 +126,9 @@ pub struct LayoutArgs {
     /// Keep and reduce gradients in fp32 (default true).
     #[cfg_attr(feature = "clap", arg(long))]
     pub fp32_grads: Option<bool>,
+    /// Data-parallel compression: none|onebit_adam (1-bit Adam after its warm-up; default none).
+    #[cfg_attr(feature = "clap", arg(long))]
+    pub compression: Option<String>,
 }
 
 fn read_file(path: &str, what: &str) -> Result<String, PlanError> {
@@ -207,6 +216,21 @@ pub fn resolve_cluster(a: &ClusterArgs) -> Result<Cluster, PlanError> {
         name = extra.accelerators[0].name.clone();
         cat.extend(extra);
     }
+    if a.inter_link.is_some() || a.nics_per_node.is_some() {
+        if let Some(l) = &a.inter_link {
+            cat.link(l)?;
+        }
+        let acc = cat.accelerators.iter_mut().find(|x| x.name == name).ok_or_else(|| PlanError(format!("--gpu {name}: not in the catalogue")))?;
+        if let Some(l) = &a.inter_link {
+            acc.node.inter = l.clone();
+        }
+        if let Some(n) = a.nics_per_node {
+            if n == 0 {
+                return Err(PlanError("--nics-per-node must be at least 1".into()));
+            }
+            acc.node.nics_per_node = n;
+        }
+    }
     Cluster::new(&cat, &name, a.gpus, a.gpus_per_node)
 }
 
@@ -234,6 +258,7 @@ pub fn resolve_layout(a: &LayoutArgs, model: &ModelShape) -> Result<(Constraints
         overlap_dp: a.overlap_dp,
         overlap_comm: a.overlap_comm,
         fp32_grads: a.fp32_grads,
+        compression: a.compression.as_deref().map(|v| crate::policy::Compression::parse(v).map_err(|e| PlanError(format!("--compression {e}")))).transpose()?,
     };
     if let Some(z) = a.zero {
         if z > 3 {
@@ -338,6 +363,16 @@ fn estimate_text(model: &ModelShape, cl: &Cluster, e: &Estimate) -> String {
         o,
         "            TP {:.3}, CP {:.3}, EP {:.3}, PP p2p {:.3}, bubble {:.3}, DP exposed {:.3} (of {:.3}), optimizer {:.3} s",
         b.tp_comm_s, b.cp_comm_s, b.ep_comm_s, b.pp_p2p_s, b.pp_bubble_s, b.dp_comm_exposed_s, b.dp_comm_total_s, b.optimizer_s
+    );
+    let _ = writeln!(
+        o,
+        "DP traffic  {:.1} MB sent per GPU per step ({}), over {} between nodes",
+        b.dp_bytes_per_gpu / 1e6,
+        match e.chosen.compression {
+            crate::policy::Compression::None => "gradients".to_string(),
+            crate::policy::Compression::OnebitAdam => "1-bit Adam momentum, after its warm-up".to_string(),
+        },
+        cl.inter.name
     );
     o
 }

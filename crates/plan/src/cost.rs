@@ -67,6 +67,8 @@ pub struct Layout {
     /// Keep (and reduce) gradients in fp32, as Megatron's `main_grad` buffer and FSDP's fp32 `reduce_dtype` do:
     /// 4 bytes per gradient instead of the ZeRO paper's 2 (18 bytes of model state per parameter, not 16).
     pub fp32_grads: bool,
+    /// Data-parallel communication compression (1-bit Adam after its warm-up).
+    pub compression: crate::policy::Compression,
 }
 
 impl Layout {
@@ -84,6 +86,9 @@ pub fn check_layout(model: &ModelShape, cluster: &Cluster, l: &Layout) -> Result
     let e = |s: String| Err(PlanError(s));
     if l.tp == 0 || l.pp == 0 || l.dp == 0 || l.cp == 0 || l.ep == 0 || l.micro_batch == 0 {
         return e("--tp/--pp/--dp/--cp/--ep/--micro-batch must all be at least 1".into());
+    }
+    if l.compression == crate::policy::Compression::OnebitAdam && l.zero != 0 {
+        return e(format!("--compression onebit_adam communicates the momentum of whole replicas: it needs --zero 0, got {}", l.zero));
     }
     if l.gpus() != cluster.gpus {
         return e(format!(
@@ -1055,6 +1060,7 @@ pub fn single_device_layout(batch: u64, seq: u64, attention: Attention) -> Layou
         overlap_dp: false,
         overlap_comm: false,
         fp32_grads: true,
+        compression: Default::default(),
     }
 }
 
@@ -1075,6 +1081,8 @@ pub struct Breakdown {
     pub optimizer_s: f64,
     /// Not in the sum: data-parallel gradient traffic before overlap.
     pub dp_comm_total_s: f64,
+    /// Bytes one GPU of the first stage sends per step in data-parallel synchronisation.
+    pub dp_bytes_per_gpu: f64,
     /// Micro-batches per pipeline per iteration.
     pub micro_batches: u64,
     /// FLOPs the hardware executes per GPU per second (Narayanan Table 1 convention: counts recomputation).
@@ -1104,9 +1112,41 @@ pub fn dp_comm_time(m: &ModelShape, cl: &Cluster, l: &Layout, stage: u64) -> f64
         let gl = group_link(cl, n, stride);
         let bytes = gbytes * psi;
         match l.zero {
+            // 1-bit Adam: an all-to-all of the signed chunks and an all-gather of the averaged
+            // ones, each rank's buffer `n` messages of ⌈Ψ/n⌉/32 + 1 words.
+            0 if l.compression == crate::policy::Compression::OnebitAdam => {
+                let buf = onebit_buffer_bytes(psi, n);
+                all_to_all_time(gl, buf) + all_gather_time(gl, buf)
+            }
             0 => all_reduce_time(gl, bytes),
             1 | 2 => reduce_scatter_time(gl, bytes) + all_gather_time(gl, bytes),
             _ => reduce_scatter_time(gl, bytes) + 2.0 * all_gather_time(gl, bytes),
+        }
+    };
+    one(dense, l.dp * l.cp) + one(expert, l.dp * l.cp / l.ep)
+}
+
+/// 1-bit Adam's per-rank message buffer for `psi` parameters over `n` ranks: `n` messages of
+/// the chunk's signs (`⌈⌈Ψ/n⌉/32⌉` words, the chunk rounded up to whole words) and a scale
+/// (`parallel::compress`).
+pub fn onebit_buffer_bytes(psi: f64, n: u64) -> f64 {
+    let chunk = (psi / n as f64).ceil();
+    n as f64 * ((chunk / 32.0).ceil() + 1.0) * 4.0
+}
+
+/// Bytes one rank sends per step in its data-parallel synchronisation of stage `stage`: a ring
+/// all-reduce, or reduce-scatter + all-gather, `2(n−1)/n` of the gradient bytes (ZeRO-3 `3(n−1)/n`);
+/// 1-bit Adam `2(n−1)/n` of its message buffer.
+pub fn dp_bytes_sent(m: &ModelShape, l: &Layout, stage: u64) -> f64 {
+    let (dense, expert) = stage_params(m, l, stage);
+    let gbytes = state_bytes_per_param(l.precision, l.fp32_grads).1;
+    let one = |psi: f64, n: u64| -> f64 {
+        let f = (n as f64 - 1.0) / n as f64;
+        match l.zero {
+            _ if n <= 1 => 0.0,
+            0 if l.compression == crate::policy::Compression::OnebitAdam => 2.0 * f * onebit_buffer_bytes(psi, n),
+            0..=2 => 2.0 * f * gbytes * psi,
+            _ => 3.0 * f * gbytes * psi,
         }
     };
     one(dense, l.dp * l.cp) + one(expert, l.dp * l.cp / l.ep)
@@ -1153,7 +1193,8 @@ pub fn estimate(m: &ModelShape, cl: &Cluster, l: &Layout) -> Estimate {
     // Data parallel on the first stage (finishes last) and on the critical one.
     let dp_total = stages.iter().map(|&st| dp_comm_time(m, cl, l, st)).fold(0.0, f64::max);
     let d0 = device_time(m, cl, l, 0);
-    let window = if l.overlap_dp { d0.backward } else { 0.0 };
+    // 1-bit Adam communicates at the optimizer step, after backward: nothing hides it.
+    let window = if l.overlap_dp && l.compression == crate::policy::Compression::None { d0.backward } else { 0.0 };
     let mut dp_exposed = (dp_total - window).max(0.0);
     // With several micro-batches per step (accumulation, or a pipeline's), ZeRO-2 reduce-scatters each
     // micro-batch's gradients as backward releases them (its gradient buffers are unit-sized, so nothing
@@ -1205,6 +1246,7 @@ pub fn estimate(m: &ModelShape, cl: &Cluster, l: &Layout) -> Estimate {
             dp_comm_exposed_s: dp_exposed,
             optimizer_s: optimizer,
             dp_comm_total_s: dp_total,
+            dp_bytes_per_gpu: dp_bytes_sent(m, l, 0),
             micro_batches: l.micro_batches(),
             hardware_tflops_per_gpu: hf / step / n / 1e12,
             memory: mem,

@@ -125,6 +125,21 @@ impl Names for CpMode {
     const NAMES: &'static [(&'static str, CpMode)] = &[("ring", CpMode::Ring), ("p2p", CpMode::Ring), ("ulysses", CpMode::Ulysses), ("a2a", CpMode::Ulysses)];
 }
 
+/// Data-parallel communication compression (`parallel.compression`; `kiln plan --compression`):
+/// `OnebitAdam` (Tang et al. 2021) averages the momentum as one sign bit per element with a
+/// scale per chunk, at the optimizer step, instead of all-reducing the gradients.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, Hash)]
+#[serde(rename_all = "snake_case")]
+pub enum Compression {
+    #[default]
+    None,
+    OnebitAdam,
+}
+
+impl Names for Compression {
+    const NAMES: &'static [(&'static str, Compression)] = &[("none", Compression::None), ("onebit_adam", Compression::OnebitAdam)];
+}
+
 /// Which positions a context-parallel rank holds (`parallel.cp_balance`): `Zigzag` cuts the
 /// sequence into `2·cp` chunks and gives rank `r` chunks `r` and `2·cp − 1 − r`, so every rank
 /// does the same causal-attention work; `None` gives rank `r` the `r`-th of `cp` contiguous

@@ -35,6 +35,8 @@ pub struct Constraints {
     pub overlap_comm: Option<bool>,
     /// fp32 gradients (default true).
     pub fp32_grads: Option<bool>,
+    /// Data-parallel compression (default none).
+    pub compression: Option<crate::policy::Compression>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -264,6 +266,7 @@ pub fn candidates(m: &ModelShape, cl: &Cluster, global_batch: u64, seq: u64, c: 
                                             overlap_dp: c.overlap_dp.unwrap_or(true),
                                             overlap_comm: c.overlap_comm.unwrap_or(true),
                                             fp32_grads: c.fp32_grads.unwrap_or(true),
+                                            compression: c.compression.unwrap_or_default(),
                                         });
                                     }
                                 }

@@ -266,6 +266,7 @@ pub fn predict_row(row: &Row, cat: &HardwareCatalog, origin: &str) -> Result<Row
         cp: Some(row.int("cp", origin)?.unwrap_or(1)),
         // Published context-parallel runs (Llama 3, Megatron) use ring attention.
         cp_mode: Some(crate::policy::CpMode::Ring),
+        compression: None,
         ep: row.int("ep", origin)?,
         micro_batch: row.int("micro_batch", origin)?,
         schedule,

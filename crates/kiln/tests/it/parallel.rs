@@ -590,6 +590,14 @@ fn one_bit_adam_sends_a_thirtieth_of_the_bytes_and_resumes_exactly() {
     let lines = train_lines(&straight);
     let bytes = |s: usize| lines[s - 1]["comm_bytes_sent"].as_u64().unwrap();
     assert!(bytes(3) > 20 * bytes(10), "warm-up step {} bytes, compressed step {}", bytes(3), bytes(10));
+    // The planner's model of the compressed traffic is what the counters measure.
+    let l = &lines[9];
+    let psi = l["mem_params_bytes"].as_f64().unwrap() / 4.0;
+    let op = |k: &str| l[format!("comm_bytes_sent_{k}")].as_f64().unwrap_or(0.0);
+    // (The all-gathers also carry the step's few scalar reductions: loss, target counts, norm.)
+    let phase = 3.0 / 4.0 * plan::cost::onebit_buffer_bytes(psi, 4);
+    assert_eq!(op("all_to_all"), phase, "{l}");
+    assert!(op("all_gather") >= phase && op("all_gather") <= phase + 128.0, "{l}");
     assert!(lines.iter().all(|l| l["loss"].as_f64().unwrap().is_finite()));
     // Resumed from the checkpoint of step 12 (past the warm-up: the error state matters).
     let resumed = d.join("resumed");
