@@ -220,11 +220,12 @@ impl Optimizer {
 
 /// 1-bit Adam's compression stage (`parallel.compression = onebit_adam`, past
 /// `parallel.compression_warmup`): the gradients stayed on their ranks (no reduction). Each
-/// rank clips its own gradient (of its share of the batch, `n ×` what it accumulated) by the
-/// root mean square of the ranks' norms, forms its momentum `β1·m + (1−β1)·g`, and the ranks
-/// average the momenta through the compressed all-reduce (`parallel::compress`); the update
-/// divides by the frozen variance. Every rank applies the same update. Returns the gradient
-/// norm reported (the ranks' RMS norm) or why the update was skipped.
+/// rank forms its momentum `β1·m + (1−β1)·g` from its own gradient (of its share of the batch,
+/// `n ×` what it accumulated; not clipped), and the ranks average the momenta through the
+/// compressed all-reduce (`parallel::compress`); the update divides by the frozen variance.
+/// Every rank applies the same update. Returns the gradient norm reported (the root mean
+/// square of the ranks' own norms, which the non-finite and spike vetoes read) or why the
+/// update was skipped.
 fn onebit_step(ch: &mut Chunk, cfg: &RunConfig, step: u64, lr: f64, check: &mut dyn FnMut(f64) -> Option<&'static str>) -> (f64, Option<&'static str>) {
     let n = ch.dp.n();
     let share = n as f32;
@@ -234,8 +235,10 @@ fn onebit_step(ch: &mut Chunk, cfg: &RunConfig, step: u64, lr: f64, check: &mut 
     if let Some(why) = check(norm) {
         return (norm, Some(why));
     }
-    let clip = cfg.train.grad_clip;
-    let scale = share * if clip > 0.0 && norm > clip { (clip / (norm + 1e-6)) as f32 } else { 1.0 };
+    // No clipping here: no rank sees the global gradient, and clipping each rank's by the
+    // ranks' norms (which its share of the batch inflates) shrinks every step (measured on
+    // shakespeare-char at dp 4: val loss 1.9309 against 1.8914 uncompressed; unclipped 1.8348).
+    let scale = share;
     let (b1, opt) = (cfg.train.beta1 as f32, &mut ch.opt);
     let mut mom = vec![0.0f32; opt.m.len()];
     ch.dp.for_each_piece(|piece, _, g| {
