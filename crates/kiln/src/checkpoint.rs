@@ -616,14 +616,15 @@ pub struct Snapshot {
     pub params: Vec<f32>,
     pub m: Vec<f32>,
     pub v: Vec<f32>,
-    /// 1-bit Adam: this rank's error-feedback state (empty without it): row `rank` of the
-    /// optimizer tensor [`ONEBIT_ERROR`], `[world, len]`.
-    pub onebit: Vec<f32>,
+    /// Communication compression: this rank's state (empty without it): row `rank` of the
+    /// optimizer tensor [`COMPRESSION_STATE`], `[world, len]`.
+    pub compression: Vec<f32>,
     pub tokenizer_json: String,
 }
 
-/// The optimizer tensor holding every rank's 1-bit Adam error-feedback state, one row each.
-pub const ONEBIT_ERROR: &str = "onebit_error";
+/// The optimizer tensor holding every rank's communication-compression state (1-bit Adam's
+/// error feedback; PowerSGD's error and `Q`), one row each.
+pub const COMPRESSION_STATE: &str = "compression_state";
 
 /// One of the buffers a snapshot copies: gathered for it (owned), or the live training buffer
 /// itself, which the training loop leaves untouched until the snapshot's [`Gate`] opens.
@@ -659,8 +660,8 @@ pub struct Job {
     pub state: TrainState,
     pub layout: model::ParamLayout,
     pub sources: [Source; 3],
-    /// 1-bit Adam: this rank's error-feedback state.
-    pub onebit: Option<Vec<f32>>,
+    /// Communication compression: this rank's state.
+    pub compression: Option<Vec<f32>>,
     pub tokenizer_json: String,
     /// Written to disk; else an in-memory snapshot only (kept by the [`ReplicaStore`]).
     pub to_disk: bool,
@@ -724,7 +725,7 @@ fn copy_job(job: Job, spare: Option<Snapshot>) -> Snapshot {
         sm.extend_from_slice(&fm[a..b]);
         sv.extend_from_slice(&fv[a..b]);
     }
-    Snapshot { part: job.part, state: job.state, layout: part_layout, params: sp, m: sm, v: sv, onebit: job.onebit.unwrap_or_default(), tokenizer_json: job.tokenizer_json }
+    Snapshot { part: job.part, state: job.state, layout: part_layout, params: sp, m: sm, v: sv, compression: job.compression.unwrap_or_default(), tokenizer_json: job.tokenizer_json }
 }
 
 /// A finished save.
@@ -740,8 +741,8 @@ fn write_snapshot(ckpt_dir: &Path, snap: &Snapshot, keep: usize, keep_every: u64
     let mt = Tensors { items: named(&snap.layout, "", &snap.params) };
     let mut ot = named(&snap.layout, "exp_avg.", &snap.m);
     ot.extend(named(&snap.layout, "exp_avg_sq.", &snap.v));
-    if !snap.onebit.is_empty() {
-        ot.push((ONEBIT_ERROR.to_string(), vec![snap.onebit.len()], &snap.onebit[..]));
+    if !snap.compression.is_empty() {
+        ot.push((COMPRESSION_STATE.to_string(), vec![snap.compression.len()], &snap.compression[..]));
     }
     let dir = match &snap.part {
         None => save(ckpt_dir, &snap.state, &mt, &Tensors { items: ot }, &snap.tokenizer_json)?,
@@ -777,7 +778,7 @@ struct Host {
 
 /// A snapshot's bytes of tensor data.
 fn snapshot_bytes(s: &Snapshot) -> usize {
-    4 * (s.params.len() + s.m.len() + s.v.len() + s.onebit.len())
+    4 * (s.params.len() + s.m.len() + s.v.len() + s.compression.len())
 }
 
 impl ReplicaStore {
@@ -801,7 +802,7 @@ impl ReplicaStore {
                 dst.clear();
                 dst.extend_from_slice(src);
             }
-            let copy = Snapshot { part: snap.part.clone(), state: snap.state.clone(), layout: snap.layout.clone(), params: p, m, v, onebit: snap.onebit.clone(), tokenizer_json: snap.tokenizer_json.clone() };
+            let copy = Snapshot { part: snap.part.clone(), state: snap.state.clone(), layout: snap.layout.clone(), params: p, m, v, compression: snap.compression.clone(), tokenizer_json: snap.tokenizer_json.clone() };
             self.hosts[peer].lock().unwrap().guest = Some(copy);
         }
         self.hosts[rank].lock().unwrap().own.replace(snap)
@@ -865,8 +866,8 @@ impl ReplicaStore {
         let model = encode_owned(&whole("", &|s| &s.params));
         let mut ot = whole("exp_avg.", &|s| &s.m);
         ot.extend(whole("exp_avg_sq.", &|s| &s.v));
-        if let (false, Some(pt)) = (first.onebit.is_empty(), &first.part) {
-            ot.push((ONEBIT_ERROR.to_string(), pt.shapes[ONEBIT_ERROR].clone(), chosen.iter().flat_map(|s| s.onebit.iter().copied()).collect()));
+        if let (false, Some(pt)) = (first.compression.is_empty(), &first.part) {
+            ot.push((COMPRESSION_STATE.to_string(), pt.shapes[COMPRESSION_STATE].clone(), chosen.iter().flat_map(|s| s.compression.iter().copied()).collect()));
         }
         Ok(Loaded { dir: PathBuf::from(format!("<in-memory snapshot of step {step}>")), state: first.state.clone(), model, optim: encode_owned(&ot), tokenizer_json: first.tokenizer_json.clone() })
     }

@@ -290,8 +290,11 @@ pub struct ParallelSection {
     /// is all-reduced as signs with scales and error feedback).
     #[serde(with = "named")]
     pub compression: Compression,
-    /// Steps of uncompressed AdamW before compression starts (1-bit Adam's warm-up).
+    /// Steps of uncompressed training before compression starts (1-bit Adam's warm-up, after
+    /// which its variance is frozen; PowerSGD's uncompressed start).
     pub compression_warmup: u64,
+    /// PowerSGD's rank: each gradient matrix travels as `(rows + cols) · rank` numbers.
+    pub powersgd_rank: usize,
     /// Gradient all-reduce bucket size in MiB (stages 0 and 1).
     pub bucket_mb: f64,
     /// With `tp > 1`: sequence parallelism (Korthikanti et al.): norms, dropout and the
@@ -626,7 +629,7 @@ impl ParallelSection {
 impl Default for ParallelSection {
     fn default() -> Self {
         ParallelSection {
-            dp: 1, zero: 0, tp: 1, ep: 1, cp: 1, cp_mode: plan::policy::CpMode::Ring, cp_balance: plan::policy::CpBalance::Zigzag, cp_clock: CpClock::Wall, backend: Backend::Inproc, compression: Compression::None, compression_warmup: 100, bucket_mb: 25.0, sequence_parallel: false, pp: 1,
+            dp: 1, zero: 0, tp: 1, ep: 1, cp: 1, cp_mode: plan::policy::CpMode::Ring, cp_balance: plan::policy::CpBalance::Zigzag, cp_clock: CpClock::Wall, backend: Backend::Inproc, compression: Compression::None, compression_warmup: 100, powersgd_rank: 4, bucket_mb: 25.0, sequence_parallel: false, pp: 1,
             schedule: parallel::pp::Kind::OneFOneB, virtual_stages: 1, pp_layers: Vec::new(), pp_trace: PpTrace::Off,
         }
     }
@@ -834,8 +837,11 @@ impl RunConfig {
         if !matches!(self.train.precision, model::Precision::Fp32 | model::Precision::Bf16) {
             return user(format!("parallel.compression = {name} needs train.precision = fp32 or bf16, got {}", self.train.precision.name()));
         }
-        if p.compression_warmup == 0 {
-            return user(format!("parallel.compression_warmup must be at least 1 (1-bit Adam's variance comes from uncompressed steps), got 0"));
+        if p.compression_warmup == 0 && p.compression == Compression::OnebitAdam {
+            return user("parallel.compression_warmup must be at least 1 (1-bit Adam's variance comes from uncompressed steps), got 0");
+        }
+        if p.compression == Compression::PowerSgd && p.powersgd_rank == 0 {
+            return user("parallel.powersgd_rank must be at least 1, got 0");
         }
         if self.memory.offload != Offload::None {
             return user(format!("parallel.compression = {name} with memory.offload = optimizer is not supported"));

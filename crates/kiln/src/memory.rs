@@ -498,6 +498,17 @@ fn model_state_rows(out: &mut Rows, cfg: &RunConfig, r: &RankShape, s: usize) {
             out.add(Kind::Optimizer, held, "master weights", b4(moments * chunks, p.master), String::new());
         }
     }
+    if cfg.parallel.compression == crate::config::Compression::PowerSgd {
+        // PowerSGD (parallel::compress::PowerSgd): the error and Q held; in the step the
+        // gradient's copy, the first all-reduce (the Ps and the uncompressed tensors) and the
+        // largest matrix's reconstruction.
+        let (layout, _) = model::layout::gpt_layout(&r.local);
+        let tensors: Vec<(usize, Vec<usize>)> = layout.params.iter().map(|q| (q.offset, q.shape.clone())).collect();
+        let (err, q, pbuf) = parallel::compress::PowerSgd::sizes(&tensors, cfg.parallel.powersgd_rank);
+        let biggest = layout.params.iter().filter(|q| q.shape.len() == 2).map(|q| q.len()).max().unwrap_or(0);
+        out.add(Kind::Optimizer, held, "PowerSGD error feedback and Q", b4(err + q, 4), format!("error {err} + Q {q} elements (parallel.compression, rank {})", cfg.parallel.powersgd_rank));
+        out.add(Kind::Temporary, Phase::Step, "PowerSGD buffers", b4(moments + pbuf + biggest, 4), format!("the gradient's copy, {pbuf} elements all-reduced with the Ps, one matrix's reconstruction"));
+    }
     if cfg.parallel.compression == crate::config::Compression::OnebitAdam {
         // 1-bit Adam (parallel::compress): the error feedback, and in the update the rank's
         // momentum before its compressed average.
@@ -617,7 +628,15 @@ fn checkpoint_rows(out: &mut Rows, cfg: &RunConfig, gpt: &GptConfig, r: &RankSha
         None => 3 * whole_layout.total,
     };
     // 1-bit Adam: each rank's error feedback too.
-    let snap = snap + if par.compression == crate::config::Compression::OnebitAdam { parallel::compress::OneBit::state_len(whole_layout.total, dp) } else { 0 };
+    let snap = snap + match par.compression {
+        crate::config::Compression::OnebitAdam => parallel::compress::OneBit::state_len(whole_layout.total, dp),
+        crate::config::Compression::PowerSgd => {
+            let tensors: Vec<(usize, Vec<usize>)> = whole_layout.params.iter().map(|q| (q.offset, q.shape.clone())).collect();
+            let (err, q, _) = parallel::compress::PowerSgd::sizes(&tensors, par.powersgd_rank);
+            err + q
+        }
+        crate::config::Compression::None => 0,
+    };
     let snapshots = if cfg.checkpoint.memory_interval > 0 { 3 } else { 1 };
     out.add(Kind::Other, Phase::Checkpoint, "checkpoint snapshot", snapshots as u64 * b4(snap, p.param), format!("parameters and both moments{}; kept from the first checkpoint on{}", if parts { format!(", this rank's 1/{world} part") } else { String::new() }, if cfg.checkpoint.memory_interval > 0 { " (×3 with in-memory checkpoints: latest, previous, the peer's copy)" } else { "" }));
     let plain = tp == 1 && zero == 0;

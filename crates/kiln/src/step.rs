@@ -80,9 +80,52 @@ pub struct Optimizer {
     pub master: Option<Moments>,
     pub round: Option<tensor::precision::Format>,
     segs: Vec<(Range<usize>, bool)>,
-    /// 1-bit Adam (`parallel.compression = onebit_adam`): this rank's error-feedback state,
-    /// from the first compressed step on (restored with a checkpoint).
-    pub onebit: Option<parallel::compress::OneBit>,
+    /// Communication compression's state (`parallel.compression`), from the first compressed
+    /// step on (restored with a checkpoint).
+    pub compression: Option<CompressionState>,
+}
+
+/// What a compressor keeps between steps on one rank.
+#[derive(Clone, Debug)]
+pub enum CompressionState {
+    OneBit(parallel::compress::OneBit),
+    PowerSgd(parallel::compress::PowerSgd),
+}
+
+impl CompressionState {
+    /// Fresh state for `cfg`'s compressor over a store of `len` elements laid out as `layout`
+    /// (rank `rank` of `n`).
+    pub fn new(cfg: &RunConfig, layout: &model::ParamLayout, len: usize, n: usize, rank: usize) -> CompressionState {
+        match cfg.parallel.compression {
+            crate::config::Compression::PowerSgd => {
+                let tensors: Vec<(usize, Vec<usize>)> = layout.params.iter().map(|p| (p.offset, p.shape.clone())).collect();
+                CompressionState::PowerSgd(parallel::compress::PowerSgd::new(&tensors, len, cfg.parallel.powersgd_rank, cfg.train.seed))
+            }
+            _ => CompressionState::OneBit(parallel::compress::OneBit::new(len, n, rank)),
+        }
+    }
+
+    /// As one buffer (for checkpoints: row `rank` of `checkpoint::COMPRESSION_STATE`).
+    pub fn state(&self) -> Vec<f32> {
+        match self {
+            CompressionState::OneBit(o) => o.state(),
+            CompressionState::PowerSgd(p) => p.state(),
+        }
+    }
+
+    pub fn state_len(&self) -> usize {
+        match self {
+            CompressionState::OneBit(o) => o.worker.len() + o.server.len(),
+            CompressionState::PowerSgd(p) => p.err.len() + p.q.len(),
+        }
+    }
+
+    pub fn set_state(&mut self, s: &[f32]) {
+        match self {
+            CompressionState::OneBit(o) => o.set_state(s),
+            CompressionState::PowerSgd(p) => p.set_state(s),
+        }
+    }
 }
 
 /// Elements per chunk of an offloaded update (4 MiB of each moment).
@@ -103,7 +146,7 @@ impl Optimizer {
                 _ => segs.push((p.range(), p.decay)),
             }
         }
-        Optimizer { m: Moments::Mem(vec![0.0; len]), v: Moments::Mem(vec![0.0; len]), master: None, round: None, segs, onebit: None }
+        Optimizer { m: Moments::Mem(vec![0.0; len]), v: Moments::Mem(vec![0.0; len]), master: None, round: None, segs, compression: None }
     }
 
     /// Mixed precision: keeps fp32 master weights, taken from the fp32 parameters of `dp`'s
@@ -247,21 +290,52 @@ fn onebit_step(ch: &mut Chunk, cfg: &RunConfig, step: u64, lr: f64, check: &mut 
         }
     });
     let len = mom.len();
-    let mut st = opt.onebit.take().unwrap_or_else(|| parallel::compress::OneBit::new(len, n, ch.dp.rank()));
+    let mut st = match opt.compression.take() {
+        Some(CompressionState::OneBit(o)) => o,
+        _ => parallel::compress::OneBit::new(len, n, ch.dp.rank()),
+    };
     let (st, mom) = ch.dp.run("onebit_adam", move |comm| {
         st.all_reduce_mean(comm, &mut mom);
         (st, mom)
     });
-    opt.onebit = Some(st);
+    opt.compression = Some(CompressionState::OneBit(st));
     let frozen_at = cfg.parallel.compression_warmup;
     ch.dp.for_each_piece(|piece, params, _| opt.update_piece_frozen(params, &mom, piece, cfg, lr, step + 1, frozen_at));
     ch.dp.after_update();
     (norm, None)
 }
 
-/// Whether step `step` (0-based) is in 1-bit Adam's compression stage.
+/// PowerSGD (`parallel.compression = powersgd`, past `parallel.compression_warmup`): the
+/// gradients stayed on their ranks; each rank's (`n ×` what it accumulated, its share of the
+/// batch's gradient) goes through the low-rank all-reduce (`parallel::compress::PowerSgd`),
+/// which leaves every rank the same approximate mean, scaled back to the store's convention
+/// (its sum over ranks is the gradient): the update then runs as without compression.
+fn powersgd_reduce(ch: &mut Chunk, cfg: &RunConfig) {
+    let n = ch.dp.n();
+    let mut g = vec![0.0f32; ch.opt.m.len()];
+    ch.dp.for_each_piece(|piece, _, grads| g[piece.shard.clone()].copy_from_slice(grads));
+    let mut st = match ch.opt.compression.take() {
+        Some(CompressionState::PowerSgd(p)) => p,
+        _ => match CompressionState::new(cfg, &ch.model.layout, g.len(), n, ch.dp.rank()) {
+            CompressionState::PowerSgd(p) => p,
+            CompressionState::OneBit(_) => unreachable!(),
+        },
+    };
+    // The sum over ranks is the gradient, so the mean of n × each is too.
+    let share = n as f32;
+    g.iter_mut().for_each(|x| *x *= share);
+    let (st, g) = ch.dp.run("powersgd", move |comm| {
+        st.all_reduce_mean(comm, &mut g);
+        (st, g)
+    });
+    ch.opt.compression = Some(CompressionState::PowerSgd(st));
+    // Every rank now holds the whole gradient: the store's reduced-gradient convention.
+    ch.dp.for_each_piece(|piece, _, grads| grads.copy_from_slice(&g[piece.shard.clone()]));
+}
+
+/// Whether step `step` (0-based) is in the compression stage of `parallel.compression`.
 pub fn compressing(cfg: &RunConfig, step: u64) -> bool {
-    cfg.parallel.compression == crate::config::Compression::OnebitAdam && step >= cfg.parallel.compression_warmup
+    cfg.parallel.compression != crate::config::Compression::None && step >= cfg.parallel.compression_warmup
 }
 
 /// The dropout seed of micro-batch `micro` of step `step`.
@@ -449,9 +523,10 @@ pub fn train_step(
     mut veto: impl FnMut(f32, f64) -> Option<&'static str>,
 ) -> StepOut {
     assert_eq!(chunks.len(), pipe.sched.v, "one chunk per virtual stage");
-    let onebit = compressing(cfg, step) && chunks[0].dp.n() > 1;
+    let compress = compressing(cfg, step) && chunks[0].dp.n() > 1;
+    let onebit = compress && cfg.parallel.compression == crate::config::Compression::OnebitAdam;
     for ch in chunks.iter_mut() {
-        ch.dp.set_local(onebit);
+        ch.dp.set_local(compress);
         ch.dp.zero_grad();
         if let Some(lo) = ch.model.lora.as_mut() {
             lo.grads.fill(0.0);
@@ -503,6 +578,10 @@ pub fn train_step(
         }
         ch.opt.update(&mut lo.params, &lo.grads, cfg, lr, step + 1);
         return out(norm, None);
+    }
+    if compress && !onebit {
+        let _p = profile::scope("powersgd");
+        powersgd_reduce(&mut chunks[0], cfg);
     }
     if onebit {
         if let Some(wait) = pipe.before_update {

@@ -371,6 +371,7 @@ fn estimate_text(model: &ModelShape, cl: &Cluster, e: &Estimate) -> String {
         match e.chosen.compression {
             crate::policy::Compression::None => "gradients".to_string(),
             crate::policy::Compression::OnebitAdam => "1-bit Adam momentum, after its warm-up".to_string(),
+            crate::policy::Compression::PowerSgd => "PowerSGD factors".to_string(),
         },
         cl.inter.name
     );

@@ -127,17 +127,20 @@ impl Names for CpMode {
 
 /// Data-parallel communication compression (`parallel.compression`; `kiln plan --compression`):
 /// `OnebitAdam` (Tang et al. 2021) averages the momentum as one sign bit per element with a
-/// scale per chunk, at the optimizer step, instead of all-reducing the gradients.
+/// scale per chunk, at the optimizer step, instead of all-reducing the gradients; `PowerSgd`
+/// (Vogels et al. 2019) all-reduces each gradient matrix as a rank-`r` factor pair.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, Hash)]
 #[serde(rename_all = "snake_case")]
 pub enum Compression {
     #[default]
     None,
     OnebitAdam,
+    #[serde(rename = "powersgd")]
+    PowerSgd,
 }
 
 impl Names for Compression {
-    const NAMES: &'static [(&'static str, Compression)] = &[("none", Compression::None), ("onebit_adam", Compression::OnebitAdam)];
+    const NAMES: &'static [(&'static str, Compression)] = &[("none", Compression::None), ("onebit_adam", Compression::OnebitAdam), ("powersgd", Compression::PowerSgd)];
 }
 
 /// Which positions a context-parallel rank holds (`parallel.cp_balance`): `Zigzag` cuts the

@@ -49,6 +49,20 @@ impl Faults {
         Ok(())
     }
 
+    /// `faults.fail_ranks` fail together at `faults.fail_step`: when one of them has failed at
+    /// `step`, all of them count as failed, even those the first failure stopped before they
+    /// reached that step's start (their markers are set, so none fails again after the
+    /// restore). The ranks, by original number.
+    pub fn failed_together(cfg: &FaultSection, run_dir: &Path, step: u64) -> Vec<usize> {
+        if cfg.fail_step != step {
+            return Vec::new();
+        }
+        for r in &cfg.fail_ranks {
+            fire_once(&run_dir.join(format!("faults-fired-rank{r}-step{step}")));
+        }
+        cfg.fail_ranks.clone()
+    }
+
     /// The loss-spike veto: a loss more than `faults.spike_zscore` standard deviations above
     /// the recent applied losses' mean.
     pub fn spike(&self, loss: f32) -> Option<&'static str> {

@@ -300,6 +300,19 @@ fn run_inproc(ctx: &mut Ctx, world: usize, stop: &AtomicBool) -> Result<Summary>
         if give_up {
             return Err(KilnError::Internal(format!("ranks failed {restarts} times, the last: {err}")));
         }
+        // Every rank injected to fail at this step has failed (and lost its memory), whether or
+        // not it reached the step before the first failure stopped the world.
+        let together = match &err {
+            KilnError::RankFailed { step, .. } => faults::Faults::failed_together(&ctx.cfg.faults, &ctx.run_dir, *step),
+            _ => Vec::new(),
+        };
+        if let Some(st) = &store {
+            for s in &together {
+                if let Some(i) = ctx.slots.iter().position(|x| x == s) {
+                    st.lose(i);
+                }
+            }
+        }
         let t0 = Instant::now();
         let (from, why) = match store.as_ref().map(|st| st.restore()) {
             Some(Ok(l)) => {
@@ -315,8 +328,9 @@ fn run_inproc(ctx: &mut Ctx, world: usize, stop: &AtomicBool) -> Result<Summary>
         let at = restored.as_ref().map_or(0, |l| l.state.step);
         if permanent {
             let KilnError::RankFailed { rank, .. } = err else { unreachable!() };
-            ctx.slots.retain(|&s| s != rank);
-            lost.push(rank);
+            let gone: Vec<usize> = ctx.slots.iter().copied().filter(|s| *s == rank || together.contains(s)).collect();
+            ctx.slots.retain(|s| !gone.contains(s));
+            lost.extend(&gone);
             let layout = elastic::layout_for(&ctx.cfg, ctx.slots.len()).map_err(|e| KilnError::User(format!("rank {rank} lost for good at step {step}: {e}")))?;
             let to = ctx.cfg.parallel.world(layout.dp);
             // Live ranks beyond the new layout (the rest of a broken replica) wait as spares.

@@ -151,18 +151,18 @@ impl<'a> Rank<'a> {
                 quantize_base(cfg, ch)?;
             }
         }
-        // 1-bit Adam past its warm-up: this rank's error feedback, as the checkpoint left it
-        // (a checkpoint of another data-parallel degree restarts it at zero).
+        // Communication compression past its warm-up: this rank's state, as the checkpoint
+        // left it (a checkpoint of another data-parallel degree restarts it).
         if let (Some(l), true) = (resume_from, crate::step::compressing(cfg, resumed.as_ref().map_or(0, |r| r.step))) {
             let ch = &mut chunks[0];
             let (len, n, me) = (ch.opt.m.len(), ch.dp.n(), ch.dp.rank());
-            let mut st = parallel::compress::OneBit::new(len, n, me);
-            match checkpoint::read_row(&l.optim, checkpoint::ONEBIT_ERROR, me, n, parallel::compress::OneBit::state_len(len, n)) {
+            let mut st = crate::step::CompressionState::new(cfg, &ch.model.layout, len, n, me);
+            match checkpoint::read_row(&l.optim, checkpoint::COMPRESSION_STATE, me, n, st.state_len()) {
                 Some(row) => st.set_state(&row),
-                None if lead => eprintln!("{}: no 1-bit Adam error state for {n} data-parallel ranks: its error feedback restarts from zero", l.dir.display()),
+                None if lead => eprintln!("{}: no {} state for {n} data-parallel ranks: it restarts from zero", l.dir.display(), cfg.parallel.compression.name()),
                 None => {}
             }
-            ch.opt.onebit = Some(st);
+            ch.opt.compression = Some(st);
         }
         // memory: charge the model state to its tracking categories (issue 7).
         chunks.iter_mut().for_each(|ch| crate::memory::attribute(&ch.model, &mut ch.dp, &ch.opt));

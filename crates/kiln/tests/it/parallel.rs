@@ -572,51 +572,60 @@ fn sequence_parallel_matches_one_rank_and_moves_what_tensor_parallel_moves() {
     assert!(!d.join("bad1").exists() && !d.join("bad2").exists());
 }
 
-/// 1-bit Adam (`parallel.compression = onebit_adam`, issue 23): after the warm-up, a step's data-
-/// parallel traffic is the momentum's signs (about 32× fewer bytes than the gradients'
-/// all-reduce); the error-feedback state is checkpointed, so a resumed run continues bit for
-/// bit, in process and under MPI (which equals the in-process run).
+/// Communication compression (issue 23). 1-bit Adam (`parallel.compression = onebit_adam`):
+/// after the warm-up, a step's data-parallel traffic is the momentum's signs (about 32× fewer
+/// bytes than the gradients' all-reduce, as the planner models it). PowerSGD (`powersgd`): the
+/// gradient matrices travel as rank-2 factors. Each compressor's state is checkpointed, so a
+/// resumed run continues bit for bit, in process and under MPI (which equals the in-process run).
 #[test]
-fn one_bit_adam_sends_a_thirtieth_of_the_bytes_and_resumes_exactly() {
+fn compressed_data_parallel_sends_fewer_bytes_and_resumes_exactly() {
     let d = scratch("onebit");
     let data = corpus(&d);
-    let ob = ["--set", "train.batch_size=8", "--set", "sample.tokens=0", "--dp", "4", "--set", "parallel.compression=onebit_adam", "--set", "parallel.compression_warmup=5"];
-    let run = |out: &Path, extra: &[&str]| {
-        let o = train(&data, out, &[&ob[..], extra].concat());
-        assert!(o.status.success(), "{}", stderr(&o));
-    };
-    let straight = d.join("straight");
-    run(&straight, &["--max-steps", "20", "--set", "checkpoint.interval=0"]);
-    let lines = train_lines(&straight);
-    let bytes = |s: usize| lines[s - 1]["comm_bytes_sent"].as_u64().unwrap();
-    assert!(bytes(3) > 20 * bytes(10), "warm-up step {} bytes, compressed step {}", bytes(3), bytes(10));
-    // The planner's model of the compressed traffic is what the counters measure.
-    let l = &lines[9];
-    let psi = l["mem_params_bytes"].as_f64().unwrap() / 4.0;
-    let op = |k: &str| l[format!("comm_bytes_sent_{k}")].as_f64().unwrap_or(0.0);
-    // (The all-gathers also carry the step's few scalar reductions: loss, target counts, norm.)
-    let phase = 3.0 / 4.0 * plan::cost::onebit_buffer_bytes(psi, 4);
-    assert_eq!(op("all_to_all"), phase, "{l}");
-    assert!(op("all_gather") >= phase && op("all_gather") <= phase + 128.0, "{l}");
-    assert!(lines.iter().all(|l| l["loss"].as_f64().unwrap().is_finite()));
-    // Resumed from the checkpoint of step 12 (past the warm-up: the error state matters).
-    let resumed = d.join("resumed");
-    run(&resumed, &["--max-steps", "12", "--set", "checkpoint.interval=12"]);
-    run(&resumed, &["--resume", "--max-steps", "20", "--set", "checkpoint.interval=0"]);
-    assert_eq!(losses(&resumed), losses(&straight), "resumed with its error feedback, bit for bit");
-    // Under MPI, resumed there too.
-    let mpi = d.join("mpi");
-    for extra in [&["--max-steps", "12", "--set", "checkpoint.interval=12"][..], &["--resume", "--max-steps", "20", "--set", "checkpoint.interval=0"]] {
-        let mut args: Vec<&str> = vec!["--allow-run-as-root", "--oversubscribe", "-n", "4", env!("CARGO_BIN_EXE_kiln"), "train", "--data", data.to_str().unwrap(), "--out", mpi.to_str().unwrap(), "--backend", "mpi"];
-        args.extend(SMALL.iter().chain(&ob).chain(extra));
-        let o = std::process::Command::new("mpirun").args(&args).env("RAYON_NUM_THREADS", "2").output().expect("mpirun");
-        assert!(o.status.success(), "{}", stderr(&o));
+    for (name, how) in [("onebit", &["--set", "parallel.compression=onebit_adam"][..]), ("powersgd", &["--set", "parallel.compression=powersgd", "--set", "parallel.powersgd_rank=2"])] {
+        let ob = [&["--set", "train.batch_size=8", "--set", "sample.tokens=0", "--dp", "4", "--set", "parallel.compression_warmup=5"][..], how].concat();
+        let run = |out: &Path, extra: &[&str]| {
+            let o = train(&data, out, &[&ob[..], extra].concat());
+            assert!(o.status.success(), "{name}: {}", stderr(&o));
+        };
+        let straight = d.join(format!("{name}-straight"));
+        run(&straight, &["--max-steps", "20", "--set", "checkpoint.interval=0"]);
+        let lines = train_lines(&straight);
+        let bytes = |s: usize| lines[s - 1]["comm_bytes_sent"].as_u64().unwrap();
+        assert!(lines.iter().all(|l| l["loss"].as_f64().unwrap().is_finite()), "{name}");
+        if name == "onebit" {
+            assert!(bytes(3) > 20 * bytes(10), "warm-up step {} bytes, compressed step {}", bytes(3), bytes(10));
+            // The planner's model of the compressed traffic is what the counters measure
+            // (the all-gathers also carry the step's few scalar reductions: loss, counts, norm).
+            let l = &lines[9];
+            let psi = l["mem_params_bytes"].as_f64().unwrap() / 4.0;
+            let op = |k: &str| l[format!("comm_bytes_sent_{k}")].as_f64().unwrap_or(0.0);
+            let phase = 3.0 / 4.0 * plan::cost::onebit_buffer_bytes(psi, 4);
+            assert_eq!(op("all_to_all"), phase, "{l}");
+            assert!(op("all_gather") >= phase && op("all_gather") <= phase + 128.0, "{l}");
+        } else {
+            assert!(bytes(3) > 2 * bytes(10), "{name}: warm-up step {} bytes, compressed step {}", bytes(3), bytes(10));
+        }
+        // Resumed from the checkpoint of step 12 (past the warm-up: the state matters).
+        let resumed = d.join(format!("{name}-resumed"));
+        run(&resumed, &["--max-steps", "12", "--set", "checkpoint.interval=12"]);
+        run(&resumed, &["--resume", "--max-steps", "20", "--set", "checkpoint.interval=0"]);
+        assert_eq!(losses(&resumed), losses(&straight), "{name}: resumed with its state, bit for bit");
+        // Under MPI, resumed there too.
+        let mpi = d.join(format!("{name}-mpi"));
+        for extra in [&["--max-steps", "12", "--set", "checkpoint.interval=12"][..], &["--resume", "--max-steps", "20", "--set", "checkpoint.interval=0"]] {
+            let mut args: Vec<&str> = vec!["--allow-run-as-root", "--oversubscribe", "-n", "4", env!("CARGO_BIN_EXE_kiln"), "train", "--data", data.to_str().unwrap(), "--out", mpi.to_str().unwrap(), "--backend", "mpi"];
+            args.extend(SMALL.iter().chain(&ob).chain(extra));
+            let o = std::process::Command::new("mpirun").args(&args).env("RAYON_NUM_THREADS", "2").output().expect("mpirun");
+            assert!(o.status.success(), "{name}: {}", stderr(&o));
+        }
+        assert_eq!(losses(&mpi), losses(&straight), "{name}: MPI equals in process");
     }
-    assert_eq!(losses(&mpi), losses(&straight), "MPI equals in process");
+    let ob = ["--set", "train.batch_size=8", "--set", "sample.tokens=0", "--dp", "4", "--set", "parallel.compression=onebit_adam"];
     for (extra, needle) in [
         (&["--zero", "1"][..], "needs parallel.zero = 0"),
         (&["--set", "parallel.compression_warmup=0"], "compression_warmup must be at least 1"),
         (&["--set", "parallel.compression=twobit"], "parallel.compression"),
+        (&["--set", "parallel.compression=powersgd", "--set", "parallel.powersgd_rank=0"], "parallel.powersgd_rank must be at least 1"),
     ] {
         assert_user_error(&train(&data, &d.join("bad"), &[&ob[..], extra].concat()), &[needle]);
         assert!(!d.join("bad").exists());
