@@ -126,9 +126,12 @@ pub struct LayoutArgs {
     /// Keep and reduce gradients in fp32 (default true).
     #[cfg_attr(feature = "clap", arg(long))]
     pub fp32_grads: Option<bool>,
-    /// Data-parallel compression: none|onebit_adam (1-bit Adam after its warm-up; default none).
+    /// Data-parallel compression: none|onebit_adam|powersgd (after its warm-up; default none).
     #[cfg_attr(feature = "clap", arg(long))]
     pub compression: Option<String>,
+    /// PowerSGD's rank (default 4).
+    #[cfg_attr(feature = "clap", arg(long))]
+    pub powersgd_rank: Option<u64>,
 }
 
 fn read_file(path: &str, what: &str) -> Result<String, PlanError> {
@@ -259,6 +262,7 @@ pub fn resolve_layout(a: &LayoutArgs, model: &ModelShape) -> Result<(Constraints
         overlap_comm: a.overlap_comm,
         fp32_grads: a.fp32_grads,
         compression: a.compression.as_deref().map(|v| crate::policy::Compression::parse(v).map_err(|e| PlanError(format!("--compression {e}")))).transpose()?,
+        powersgd_rank: a.powersgd_rank,
     };
     if let Some(z) = a.zero {
         if z > 3 {
@@ -371,7 +375,7 @@ fn estimate_text(model: &ModelShape, cl: &Cluster, e: &Estimate) -> String {
         match e.chosen.compression {
             crate::policy::Compression::None => "gradients".to_string(),
             crate::policy::Compression::OnebitAdam => "1-bit Adam momentum, after its warm-up".to_string(),
-            crate::policy::Compression::PowerSgd => "PowerSGD factors".to_string(),
+            crate::policy::Compression::PowerSgd => format!("PowerSGD rank-{} factors", e.chosen.powersgd_rank),
         },
         cl.inter.name
     );

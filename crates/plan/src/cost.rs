@@ -69,6 +69,8 @@ pub struct Layout {
     pub fp32_grads: bool,
     /// Data-parallel communication compression (1-bit Adam after its warm-up).
     pub compression: crate::policy::Compression,
+    /// PowerSGD's rank.
+    pub powersgd_rank: u64,
 }
 
 impl Layout {
@@ -87,8 +89,11 @@ pub fn check_layout(model: &ModelShape, cluster: &Cluster, l: &Layout) -> Result
     if l.tp == 0 || l.pp == 0 || l.dp == 0 || l.cp == 0 || l.ep == 0 || l.micro_batch == 0 {
         return e("--tp/--pp/--dp/--cp/--ep/--micro-batch must all be at least 1".into());
     }
-    if l.compression == crate::policy::Compression::PowerSgd {
-        return e("--compression powersgd is not modelled by the planner yet (its traffic depends on each matrix's shape): use none or onebit_adam".into());
+    if l.compression == crate::policy::Compression::PowerSgd && l.powersgd_rank == 0 {
+        return e("--powersgd-rank must be at least 1".into());
+    }
+    if l.compression == crate::policy::Compression::PowerSgd && (l.tp > 1 || l.pp > 1 || l.zero != 0 || model.experts > 1) {
+        return e(format!("--compression powersgd is modelled for a dense model's whole replicas: it needs --tp 1 --pp 1 --zero 0 (got tp {}, pp {}, zero {}, {} experts)", l.tp, l.pp, l.zero, model.experts));
     }
     if l.compression == crate::policy::Compression::OnebitAdam && l.zero != 0 {
         return e(format!("--compression onebit_adam communicates the momentum of whole replicas: it needs --zero 0, got {}", l.zero));
@@ -1064,6 +1069,7 @@ pub fn single_device_layout(batch: u64, seq: u64, attention: Attention) -> Layou
         overlap_comm: false,
         fp32_grads: true,
         compression: Default::default(),
+        powersgd_rank: 4,
     }
 }
 
@@ -1121,6 +1127,11 @@ pub fn dp_comm_time(m: &ModelShape, cl: &Cluster, l: &Layout, stage: u64) -> f64
                 let buf = onebit_buffer_bytes(psi, n);
                 all_to_all_time(gl, buf) + all_gather_time(gl, buf)
             }
+            // PowerSGD: two all-reduces, the Ps with the uncompressed tensors, then the Qs.
+            0 if l.compression == crate::policy::Compression::PowerSgd => {
+                let (p, q) = powersgd_elements(m, l.seq, l.powersgd_rank);
+                all_reduce_time(gl, 4.0 * p) + all_reduce_time(gl, 4.0 * q)
+            }
             0 => all_reduce_time(gl, bytes),
             1 | 2 => reduce_scatter_time(gl, bytes) + all_gather_time(gl, bytes),
             _ => reduce_scatter_time(gl, bytes) + 2.0 * all_gather_time(gl, bytes),
@@ -1137,6 +1148,42 @@ pub fn onebit_buffer_bytes(psi: f64, n: u64) -> f64 {
     n as f64 * ((chunk / 32.0).ceil() + 1.0) * 4.0
 }
 
+/// PowerSGD's elements all-reduced per step for a whole dense replica at rank `r`: the `P`s
+/// (`rows·r`) with every tensor it does not compress, and the `Q`s (`cols·r`). A matrix is
+/// compressed when `(rows + cols)·r < rows·cols` (`parallel::compress::PowerSgd`); the matrices
+/// are the fused `W_qkv` (`(a + 2·kv)·d × h`), `W_o`, the MLP's, and the embeddings (`V × h`,
+/// the position table, an untied head).
+pub fn powersgd_elements(m: &ModelShape, seq: u64, r: u64) -> (f64, f64) {
+    let (h, f) = (m.hidden, m.ffn_hidden);
+    let (mut p, mut q, mut mats) = (0u64, 0u64, 0u64);
+    let mut mat = |rows: u64, cols: u64| {
+        mats += rows * cols;
+        if (rows + cols) * r < rows * cols {
+            (p, q) = (p + rows * r, q + cols * r);
+        } else {
+            p += rows * cols;
+        }
+    };
+    for _ in 0..m.layers {
+        mat(m.q_dim() + 2 * m.kv_dim(), h);
+        mat(h, m.q_dim());
+        for _ in 0..m.mlp.matrices() - 1 {
+            mat(f, h);
+        }
+        mat(h, f);
+    }
+    mat(m.vocab, h);
+    if m.learned_pos_emb {
+        mat(seq, h);
+    }
+    if !m.tied_embeddings {
+        mat(m.vocab, h);
+    }
+    let total = (0..m.layers).map(|i| m.layer_params(i)).sum::<u64>() + m.embedding_params(seq);
+    // Biases and norms travel uncompressed with the Ps.
+    ((p + total.saturating_sub(mats)) as f64, q as f64)
+}
+
 /// Bytes one rank sends per step in its data-parallel synchronisation of stage `stage`: a ring
 /// all-reduce, or reduce-scatter + all-gather, `2(n−1)/n` of the gradient bytes (ZeRO-3 `3(n−1)/n`);
 /// 1-bit Adam `2(n−1)/n` of its message buffer.
@@ -1148,6 +1195,10 @@ pub fn dp_bytes_sent(m: &ModelShape, l: &Layout, stage: u64) -> f64 {
         match l.zero {
             _ if n <= 1 => 0.0,
             0 if l.compression == crate::policy::Compression::OnebitAdam => 2.0 * f * onebit_buffer_bytes(psi, n),
+            0 if l.compression == crate::policy::Compression::PowerSgd => {
+                let (p, q) = powersgd_elements(m, l.seq, l.powersgd_rank);
+                2.0 * f * 4.0 * (p + q)
+            }
             0..=2 => 2.0 * f * gbytes * psi,
             _ => 3.0 * f * gbytes * psi,
         }
@@ -1198,6 +1249,7 @@ pub fn estimate(m: &ModelShape, cl: &Cluster, l: &Layout) -> Estimate {
     let d0 = device_time(m, cl, l, 0);
     // 1-bit Adam communicates at the optimizer step, after backward: nothing hides it.
     let window = if l.overlap_dp && l.compression == crate::policy::Compression::None { d0.backward } else { 0.0 };
+    // (PowerSGD too: its power iteration needs the whole accumulated gradient.)
     let mut dp_exposed = (dp_total - window).max(0.0);
     // With several micro-batches per step (accumulation, or a pipeline's), ZeRO-2 reduce-scatters each
     // micro-batch's gradients as backward releases them (its gradient buffers are unit-sized, so nothing

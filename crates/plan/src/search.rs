@@ -35,8 +35,9 @@ pub struct Constraints {
     pub overlap_comm: Option<bool>,
     /// fp32 gradients (default true).
     pub fp32_grads: Option<bool>,
-    /// Data-parallel compression (default none).
+    /// Data-parallel compression (default none) and PowerSGD's rank (default 4).
     pub compression: Option<crate::policy::Compression>,
+    pub powersgd_rank: Option<u64>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -267,6 +268,7 @@ pub fn candidates(m: &ModelShape, cl: &Cluster, global_batch: u64, seq: u64, c: 
                                             overlap_comm: c.overlap_comm.unwrap_or(true),
                                             fp32_grads: c.fp32_grads.unwrap_or(true),
                                             compression: c.compression.unwrap_or_default(),
+                                            powersgd_rank: c.powersgd_rank.unwrap_or(4),
                                         });
                                     }
                                 }

@@ -267,6 +267,7 @@ pub fn predict_row(row: &Row, cat: &HardwareCatalog, origin: &str) -> Result<Row
         // Published context-parallel runs (Llama 3, Megatron) use ring attention.
         cp_mode: Some(crate::policy::CpMode::Ring),
         compression: None,
+        powersgd_rank: None,
         ep: row.int("ep", origin)?,
         micro_batch: row.int("micro_batch", origin)?,
         schedule,

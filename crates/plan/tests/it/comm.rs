@@ -52,4 +52,12 @@ fn one_bit_adam_pays_on_ethernet() {
     assert_eq!(e1.breakdown.dp_comm_exposed_s, e1.breakdown.dp_comm_total_s, "nothing hides the compressed momentum");
     // n messages of ⌈⌈Ψ/n⌉/32⌉ + 1 words.
     assert_eq!(onebit_buffer_bytes(7488.0, 4), 4.0 * 60.0 * 4.0);
+    // PowerSGD rank 4: every matrix as (rows + cols)·4 numbers, all-reduced after backward.
+    let ps = plan::cost::Layout { compression: Compression::PowerSgd, powersgd_rank: 4, ..base.clone() };
+    let e2 = estimate(&m, &cl, &ps);
+    let r2 = e0.breakdown.dp_bytes_per_gpu / e2.breakdown.dp_bytes_per_gpu;
+    assert!(r2 > 50.0, "PowerSGD rank 4 bytes ratio {r2}");
+    assert!(e0.step_time_s > 2.0 * e2.step_time_s, "{} s vs {} s", e0.step_time_s, e2.step_time_s);
+    let (p, q) = plan::cost::powersgd_elements(&m, 1024, 4);
+    assert!(p + q < m.params(1024) as f64 / 50.0, "{p} + {q}");
 }
