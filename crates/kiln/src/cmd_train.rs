@@ -137,6 +137,9 @@ pub struct TrainCli {
     /// Set by an elastic supervisor for its MPI workers: each rank's original number.
     #[arg(long, hide = true, value_delimiter = ',')]
     pub elastic_slots: Vec<usize>,
+    /// Set by an elastic supervisor: the ranks lost for good (they may come back).
+    #[arg(long, hide = true, value_delimiter = ',')]
+    pub elastic_lost: Vec<usize>,
     /// With --supervise and --backend mpi: the MPI launcher and its options, split at spaces
     /// (the supervisor runs `LAUNCHER -n N kiln train …`).
     #[arg(long, default_value = "mpirun")]
@@ -162,7 +165,7 @@ impl TrainCli {
     pub fn args(&self) -> Result<TrainArgs> {
         Ok(TrainArgs {
             preset: self.preset.clone(), config: self.config.clone(), out: self.out.clone(), set: self.set.clone(), flags: self.flags()?,
-            resume: self.resume, profile: self.profile, quiet: self.quiet, slots: self.elastic_slots.clone(),
+            resume: self.resume, profile: self.profile, quiet: self.quiet, slots: self.elastic_slots.clone(), lost: self.elastic_lost.clone(),
         })
     }
 

@@ -390,8 +390,8 @@ pub struct FaultSection {
     /// The most sequences a rank may take per micro-batch after a resize (0: those of the
     /// layout the elastic run started with; resolved then and saved with the run).
     pub elastic_rows: usize,
-    /// Stragglers: a rank whose step compute time exceeds the median rank's by this factor for
-    /// `straggler_steps` steps in a row is reported (0 = off).
+    /// Stragglers: a rank whose median step compute time over the last `straggler_steps` steps
+    /// exceeds the median rank's by this factor is reported (0 = off).
     pub straggler_ratio: f64,
     pub straggler_steps: u64,
     /// Debug: these ranks run each step's compute `slow_factor` times as long (they sleep).
@@ -872,7 +872,7 @@ impl RunConfig {
             return user(format!("faults.rejoin_timeout_s must be positive, got {}", f.rejoin_timeout_s));
         }
         let world = self.parallel.world(dp);
-        if let Some(r) = f.slow_ranks.iter().find(|&&r| self.parallel.backend != Backend::Mpi && r >= world) {
+        if let Some(r) = f.slow_ranks.iter().find(|&&r| self.parallel.backend != Backend::Mpi && r >= world && f.elastic_rows == 0) {
             return user(format!("faults.slow_ranks names rank {r}, but the run has {world} rank(s)"));
         }
         Ok(())
@@ -996,7 +996,8 @@ impl RunConfig {
                 self.checkpoint.memory_interval, p.backend.name()
             ));
         }
-        if let Some(r) = self.faults.fail_ranks.iter().find(|&&r| p.backend != Backend::Mpi && r >= world) {
+        // (An elastic run's lists name original ranks, which a shrunk world no longer has.)
+        if let Some(r) = self.faults.fail_ranks.iter().find(|&&r| p.backend != Backend::Mpi && r >= world && self.faults.elastic_rows == 0) {
             return user(format!("faults.fail_ranks names rank {r}, but the run has {world} rank(s)"));
         }
         if p.dp == 0 && p.backend != Backend::Mpi {
@@ -1241,8 +1242,10 @@ pub struct TrainArgs {
     /// Record a trace of this many steps into `trace.json`.
     pub profile: Option<u64>,
     pub quiet: bool,
-    /// Under an elastic supervisor (`--elastic-slots`): each MPI rank's original number.
+    /// Under an elastic supervisor (`--elastic-slots`): each MPI rank's original number, and
+    /// the ranks lost for good (`--elastic-lost`), which may come back.
     pub slots: Vec<usize>,
+    pub lost: Vec<usize>,
 }
 
 /// A flag's value for its config key.

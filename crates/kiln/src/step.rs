@@ -580,8 +580,18 @@ pub fn train_step(
         return out(norm, None);
     }
     if compress && !onebit {
+        // The vetoes first, on the ranks' own gradients (RMS norm, as 1-bit Adam's): a skipped
+        // step must leave PowerSGD's error and Q as they were.
+        let ch = &mut chunks[0];
+        let mut sq = 0.0;
+        ch.dp.for_each_piece(|_, _, g| sq += sum_squares(g));
+        let n = ch.dp.n() as f64;
+        let local = (ch.dp.all_reduce_f64(&[sq])[0] / n).sqrt() * n;
+        if let Some(why) = check(local) {
+            return out(local, Some(why));
+        }
         let _p = profile::scope("powersgd");
-        powersgd_reduce(&mut chunks[0], cfg);
+        powersgd_reduce(ch, cfg);
     }
     if onebit {
         if let Some(wait) = pipe.before_update {

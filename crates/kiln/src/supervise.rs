@@ -102,6 +102,16 @@ fn resolved(args: &crate::config::TrainArgs, run_dir: &Path) -> Result<crate::co
     }
 }
 
+/// The run's config at the world's current layout: the saved run's, or (a world that never got
+/// as far as saving it) the command line's at `layout`.
+fn current(args: &crate::config::TrainArgs, run_dir: &Path, cfg0: &crate::config::RunConfig, layout: crate::train::elastic::Layout) -> Result<crate::config::RunConfig> {
+    if run_dir.join("config.toml").exists() {
+        resolved(args, run_dir)
+    } else {
+        Ok(crate::train::elastic::resized(cfg0, layout))
+    }
+}
+
 /// Kills the process group `pgid` (a launcher and every rank it started).
 fn kill_group(child: &mut Child) {
     unsafe {
@@ -157,8 +167,11 @@ pub fn run(argv: &[String], targs: &crate::config::TrainArgs, sv: &Supervise, st
             cmd.arg("--resume");
         }
         if mpi && elastic {
-            let list: Vec<String> = slots.iter().map(|s| s.to_string()).collect();
-            cmd.args(["--dp", &layout.dp.to_string(), "--micro-batches", &layout.grad_accum.to_string(), "--elastic-slots", &list.join(",")]);
+            let list = |v: &[usize]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(",");
+            cmd.args(["--dp", &layout.dp.to_string(), "--micro-batches", &layout.grad_accum.to_string(), "--elastic-slots", &list(&slots)]);
+            if !lost.is_empty() {
+                cmd.args(["--elastic-lost", &list(&lost)]);
+            }
             for s in 0..cfg0.parallel.world(cfg0.faults.elastic_max) {
                 let _ = std::fs::remove_file(run_dir.join(format!("{SLOT_BEAT}{s}")));
             }
@@ -172,15 +185,30 @@ pub fn run(argv: &[String], targs: &crate::config::TrainArgs, sv: &Supervise, st
         // Wait for it to exit, or to stop beating; an elastic MPI world's every rank reports
         // within faults.rejoin_timeout_s, or those that do not are lost.
         let mut roll_call = mpi && elastic;
+        // The roll call's clock starts at the first rank's report (every rank loads the data and
+        // plans its memory first); with none, after the start-up grace.
+        let mut first_report: Option<Instant> = None;
+        let mut forwarded = false;
         let outcome = loop {
             if let Some(status) = child.try_wait().map_err(|e| KilnError::Internal(format!("waiting for the training process: {e}")))? {
                 break Ok(status);
             }
+            // Ctrl-C: the launcher has its own process group, so pass it on (once).
+            if mpi && !forwarded && stop.load(Ordering::SeqCst) {
+                unsafe {
+                    libc::kill(-(child.id() as i32), libc::SIGINT);
+                }
+                forwarded = true;
+            }
             if roll_call {
                 let missing: Vec<usize> = slots.iter().copied().filter(|s| !run_dir.join(format!("{SLOT_BEAT}{s}")).exists()).collect();
+                if missing.len() < slots.len() {
+                    first_report.get_or_insert_with(Instant::now);
+                }
+                let waited = first_report.map_or(started.elapsed().as_secs_f64() - STARTUP_GRACE.as_secs_f64(), |t| t.elapsed().as_secs_f64());
                 if missing.is_empty() {
                     roll_call = false;
-                } else if started.elapsed().as_secs_f64() > cfg0.faults.rejoin_timeout_s {
+                } else if waited > cfg0.faults.rejoin_timeout_s {
                     kill_group(&mut child);
                     break Err(Absent::Ranks(missing));
                 }
@@ -216,7 +244,7 @@ pub fn run(argv: &[String], targs: &crate::config::TrainArgs, sv: &Supervise, st
                 let back = std::mem::take(&mut lost);
                 slots.extend(&back);
                 slots.sort_unstable();
-                let cfg = resolved(targs, &run_dir)?;
+                let cfg = current(targs, &run_dir, &cfg0, layout)?;
                 let from = slots.len() - back.len();
                 layout = crate::train::elastic::layout_for(&cfg, slots.len())?;
                 lost = slots.split_off(cfg.parallel.world(layout.dp));
@@ -227,7 +255,7 @@ pub fn run(argv: &[String], targs: &crate::config::TrainArgs, sv: &Supervise, st
             }
             Err(Absent::Ranks(missing)) => {
                 // Lost for good: relaunch without them, from the newest valid checkpoint.
-                let cfg = resolved(targs, &run_dir)?;
+                let cfg = current(targs, &run_dir, &cfg0, layout)?;
                 let from = slots.len();
                 slots.retain(|s| !missing.contains(s));
                 lost.extend(&missing);

@@ -1121,6 +1121,8 @@ pub fn dp_comm_time(m: &ModelShape, cl: &Cluster, l: &Layout, stage: u64) -> f64
         let gl = group_link(cl, n, stride);
         let bytes = gbytes * psi;
         match l.zero {
+            // (No parameters of this kind, e.g. experts in a dense model: nothing to send.)
+            _ if psi <= 0.0 => 0.0,
             // 1-bit Adam: an all-to-all of the signed chunks and an all-gather of the averaged
             // ones, each rank's buffer `n` messages of ⌈Ψ/n⌉/32 + 1 words.
             0 if l.compression == crate::policy::Compression::OnebitAdam => {
@@ -1193,7 +1195,7 @@ pub fn dp_bytes_sent(m: &ModelShape, l: &Layout, stage: u64) -> f64 {
     let one = |psi: f64, n: u64| -> f64 {
         let f = (n as f64 - 1.0) / n as f64;
         match l.zero {
-            _ if n <= 1 => 0.0,
+            _ if n <= 1 || psi <= 0.0 => 0.0,
             0 if l.compression == crate::policy::Compression::OnebitAdam => 2.0 * f * onebit_buffer_bytes(psi, n),
             0 if l.compression == crate::policy::Compression::PowerSgd => {
                 let (p, q) = powersgd_elements(m, l.seq, l.powersgd_rank);

@@ -10,9 +10,9 @@
 //! starting layout's share, so a rank's activations never outgrow what it was planned for).
 //!
 //! **Stragglers.** Each rank's step compute time is its step's wall time less the time it spent
-//! blocked on other ranks (`parallel::Counters::wait_s`). [`Stragglers`] flags a rank whose compute
-//! exceeds the median rank's by `faults.straggler_ratio` for `faults.straggler_steps` steps in a
-//! row, once per episode.
+//! blocked on other ranks (`parallel::Counters::wait_s`). [`Stragglers`] flags a rank whose median
+//! compute over the last `faults.straggler_steps` steps exceeds the median rank's by
+//! `faults.straggler_ratio`, once per episode.
 
 use crate::config::RunConfig;
 use crate::error::{user, Result};
@@ -56,15 +56,21 @@ pub fn layout_for(cfg: &RunConfig, live: usize) -> Result<Layout> {
     let f = &cfg.faults;
     let per = cfg.parallel.per_dp();
     let most = (live / per).min(f.elastic_max);
+    let mut refused = None;
     for dp in (f.elastic_min.max(1)..=most).rev() {
         if let Some(grad_accum) = accumulation(cfg, dp) {
-            return Ok(Layout { dp, grad_accum });
+            // The rest of the config must hold at that size too (in-memory checkpoints need a
+            // peer, compression data parallelism).
+            match resized(cfg, Layout { dp, grad_accum }).validate() {
+                Ok(()) => return Ok(Layout { dp, grad_accum }),
+                Err(e) => refused = refused.or(Some(format!(" (dp {dp}: {e})"))),
+            }
         }
     }
     let inner = if per > 1 { format!(" (a replica is pp × tp × ep × cp = {per} ranks)") } else { String::new() };
     user(format!(
-        "elastic: {live} live rank(s) hold {} data-parallel replica(s){inner}, and no layout from {} down to the minimum {} (--elastic {}:{}) splits train.batch_size = {} evenly with at most {} sequence(s) per rank per micro-batch (faults.elastic_rows)",
-        live / per, most, f.elastic_min, f.elastic_min, f.elastic_max, cfg.train.batch_size, rows_cap(cfg)
+        "elastic: {live} live rank(s) hold {} data-parallel replica(s){inner}, and no layout from {} down to the minimum {} (--elastic {}:{}) splits train.batch_size = {} evenly with at most {} sequence(s) per rank per micro-batch (faults.elastic_rows){}",
+        live / per, most, f.elastic_min, f.elastic_min, f.elastic_max, cfg.train.batch_size, rows_cap(cfg), refused.unwrap_or_default()
     ))
 }
 
@@ -184,6 +190,11 @@ mod tests {
         // A batch that 3 ranks cannot split falls back to 2.
         cfg.train.batch_size = 8;
         assert_eq!(layout_for(&cfg, 3).unwrap(), Layout { dp: 2, grad_accum: 2 });
+        // In-memory checkpoints need a peer: one rank left is no layout, and the error says why.
+        let mut mem = cfg.clone();
+        (mem.checkpoint.memory_interval, mem.faults.elastic_min, mem.train.batch_size) = (2, 1, 8);
+        let e = layout_for(&mem, 1).unwrap_err().to_string();
+        assert!(e.contains("checkpoint.memory_interval"), "{e}");
         // A replica of tp 2 needs two live ranks.
         (cfg.parallel.tp, cfg.train.batch_size) = (2, 12);
         assert_eq!(layout_for(&cfg, 7).unwrap().dp, 3);

@@ -172,7 +172,7 @@ fn train_once(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
         // The per-rank share a resize may not exceed is fixed now, and saved with the run.
         cfg.faults.elastic_rows = elastic::rows_cap(&cfg);
     }
-    let mut ctx = Ctx { args, cfg, ds: &ds, run_dir, saved_cfg_path, resume_from, init: std::sync::Mutex::new(init), slots: Vec::new(), grow_at: None };
+    let mut ctx = Ctx { args, cfg, ds: &ds, run_dir, saved_cfg_path, resume_from, init: std::sync::Mutex::new(init), slots: Vec::new(), grow_at: None, restarted: false };
     match ctx.cfg.parallel.backend {
         Backend::Mpi => run_mpi(&mut ctx, stop),
         _ if world == 1 && ctx.cfg.faults.elastic_max <= 1 => {
@@ -198,6 +198,9 @@ pub(crate) struct Ctx<'a> {
     slots: Vec<usize>,
     /// Elastic growth: the step from which lost ranks are back (`faults.rejoin_step`).
     grow_at: Option<u64>,
+    /// A restart in process (after a failure or a resize): the metrics past the restored step
+    /// are dropped, even when it starts over from step 0.
+    restarted: bool,
 }
 
 /// `world` ranks as threads of this process. A rank that fails makes the others' collectives
@@ -267,6 +270,7 @@ fn run_inproc(ctx: &mut Ctx, world: usize, stop: &AtomicBool) -> Result<Summary>
                 store = store.map(|_| checkpoint::ReplicaStore::new(world));
                 restored = Some(checkpoint::latest_valid(&ckpt_dir(&ctx.run_dir))?);
                 reload_base(ctx)?;
+                ctx.restarted = true;
                 continue;
             }
             (Some(e), _) => e,
@@ -350,6 +354,7 @@ fn run_inproc(ctx: &mut Ctx, world: usize, stop: &AtomicBool) -> Result<Summary>
             log(&ctx.run_dir, line)?;
         }
         reload_base(ctx)?;
+        ctx.restarted = true;
     }
 }
 
@@ -403,7 +408,8 @@ fn run_mpi(ctx: &mut Ctx, stop: &AtomicBool) -> Result<Summary> {
         }
         ctx.slots = ctx.args.slots.clone();
         let f = &ctx.cfg.faults;
-        ctx.grow_at = (f.elastic_min > 0 && f.rejoin_step > 0 && n / other < f.elastic_max).then_some(f.rejoin_step);
+        // Growth only brings back ranks that were lost.
+        ctx.grow_at = (f.elastic_min > 0 && f.rejoin_step > 0 && n / other < f.elastic_max && !ctx.args.lost.is_empty()).then_some(f.rejoin_step);
         let slot = ctx.slots[me];
         // Debug (`faults.fail_permanent`): a failed rank's host never answers again (until
         // `faults.rejoin_step`): its process joins no collective, so the others wait.

@@ -153,7 +153,8 @@ impl<'a> Rank<'a> {
         }
         // Communication compression past its warm-up: this rank's state, as the checkpoint
         // left it (a checkpoint of another data-parallel degree restarts it).
-        if let (Some(l), true) = (resume_from, crate::step::compressing(cfg, resumed.as_ref().map_or(0, |r| r.step))) {
+        // (A checkpoint of the warm-up's last step has none yet: the state starts at zero.)
+        if let (Some(l), true) = (resume_from, crate::step::compressing(cfg, resumed.as_ref().map_or(0, |r| r.step).saturating_sub(1))) {
             let ch = &mut chunks[0];
             let (len, n, me) = (ch.opt.m.len(), ch.dp.n(), ch.dp.rank());
             let mut st = crate::step::CompressionState::new(cfg, &ch.model.layout, len, n, me);
@@ -167,7 +168,7 @@ impl<'a> Rank<'a> {
         // memory: charge the model state to its tracking categories (issue 7).
         chunks.iter_mut().for_each(|ch| crate::memory::attribute(&ch.model, &mut ch.dp, &ch.opt));
         let step = resumed.as_ref().map_or(0, |r| r.step);
-        let metrics = if lead { Some(open_run_dir(ctx, step, args.resume || replicas.is_some())?) } else { None };
+        let metrics = if lead { Some(open_run_dir(ctx, step, args.resume || replicas.is_some() || ctx.restarted)?) } else { None };
         let groups = &applied.groups;
         let tied = applied.whole.tied_embeddings && ppn > 1 && groups.tie.size() > 1;
         let rows = mb / groups.dp_size;

@@ -487,6 +487,11 @@ fn an_elastic_run_shrinks_past_a_lost_rank_grows_back_and_names_a_straggler() {
     assert_eq!(digests(&mpi), digests(&el));
     let o = kiln(&["runs", d.to_str().unwrap()]);
     assert!(stdout(&o).contains("events: elastic: rank 1 lost at step 11; 4 → 3 ranks at step 11 (from step 8, 2 steps lost); ranks [1] rejoined at step 24"), "{}", stdout(&o));
+    // The highest-numbered rank lost: the shrunk world no longer has that number, and the
+    // run goes on.
+    let last = d.join("last");
+    run(&last, &["--dp", "4", "--elastic", "3:4", "--max-steps", "6", "--set", "faults.fail_ranks=[3]", "--set", "faults.fail_step=3", "--set", "faults.fail_permanent=true"]);
+    assert_eq!(losses(&last).len(), 6);
     // Lost for good without elasticity, or below the minimum: the run stops, naming why.
     for (extra, needle) in [
         (&["--dp", "4", "--set", "faults.fail_ranks=[1]", "--set", "faults.fail_step=3", "--set", "faults.fail_permanent=true", "--set", "checkpoint.memory_interval=2"][..], "the run is not elastic (--elastic MIN:MAX)"),
