@@ -492,6 +492,13 @@ fn an_elastic_run_shrinks_past_a_lost_rank_grows_back_and_names_a_straggler() {
     let last = d.join("last");
     run(&last, &["--dp", "4", "--elastic", "3:4", "--max-steps", "6", "--set", "faults.fail_ranks=[3]", "--set", "faults.fail_step=3", "--set", "faults.fail_permanent=true"]);
     assert_eq!(losses(&last).len(), 6);
+    // A tensor-parallel replica that loses a member is dropped whole: dp 2 × tp 2 goes on as
+    // dp 1 × tp 2 (its live rank waits as a spare).
+    let tp = d.join("tp");
+    run(&tp, &["--dp", "2", "--tp", "2", "--set", "model.n_head=4", "--elastic", "1:2", "--max-steps", "8", "--set", "faults.fail_ranks=[3]", "--set", "faults.fail_step=6", "--set", "faults.fail_permanent=true"]);
+    let r = lines_of(&tp, "fault").into_iter().find(|v| v["event"] == "world_resized").unwrap();
+    assert_eq!((r["from"].as_u64(), r["to"].as_u64(), r["dp_to"].as_u64()), (Some(4), Some(2), Some(1)), "{r}");
+    assert_eq!(losses(&tp).len(), 8);
     // Lost for good without elasticity, or below the minimum: the run stops, naming why.
     for (extra, needle) in [
         (&["--dp", "4", "--set", "faults.fail_ranks=[1]", "--set", "faults.fail_step=3", "--set", "faults.fail_permanent=true", "--set", "checkpoint.memory_interval=2"][..], "the run is not elastic (--elastic MIN:MAX)"),
