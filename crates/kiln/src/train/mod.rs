@@ -299,17 +299,23 @@ fn run_inproc(ctx: &mut Ctx, world: usize, stop: &AtomicBool) -> Result<Summary>
         };
         let rank = if let KilnError::RankFailed { rank, .. } = &err { serde_json::json!(rank) } else { serde_json::Value::Null };
         eprintln!("{err}{}", if give_up { ": no restarts left" } else if permanent { ": lost for good, going on without it" } else { ": restarting the ranks" });
-        let event = if permanent { "rank_lost" } else { "rank_failed" };
-        log(&ctx.run_dir, serde_json::json!({"kind": "fault", "step": step, "event": event, "rank": rank, "detail": err.to_string(), "restart": restarts, "gave_up": give_up}))?;
-        if give_up {
-            return Err(KilnError::Internal(format!("ranks failed {restarts} times, the last: {err}")));
-        }
         // Every rank injected to fail at this step has failed (and lost its memory), whether or
         // not it reached the step before the first failure stopped the world.
         let together = match &err {
             KilnError::RankFailed { step, .. } => faults::Faults::failed_together(&ctx.cfg.faults, &ctx.run_dir, *step),
             _ => Vec::new(),
         };
+        let mut ranks: Vec<usize> = together.clone();
+        if let KilnError::RankFailed { rank, .. } = &err {
+            ranks.push(*rank);
+        }
+        ranks.sort_unstable();
+        ranks.dedup();
+        let event = if permanent { "rank_lost" } else { "rank_failed" };
+        log(&ctx.run_dir, serde_json::json!({"kind": "fault", "step": step, "event": event, "rank": rank, "ranks": ranks, "detail": err.to_string(), "restart": restarts, "gave_up": give_up}))?;
+        if give_up {
+            return Err(KilnError::Internal(format!("ranks failed {restarts} times, the last: {err}")));
+        }
         if let Some(st) = &store {
             for s in &together {
                 if let Some(i) = ctx.slots.iter().position(|x| x == s) {

@@ -374,6 +374,7 @@ fn a_failed_rank_restores_from_its_peers_memory_or_from_disk_when_the_peer_is_go
     let whole = run("whole-dp4", &["--set", "parallel.dp=4", "--set", "checkpoint.interval=0"]);
     let both = run("both", &["--set", "parallel.dp=4", "--set", "checkpoint.interval=4", "--set", "checkpoint.memory_interval=2", "--set", "faults.fail_ranks=[1, 2]", "--set", "faults.fail_step=11"]);
     let f = faults(&both);
+    assert_eq!(f[0].1["ranks"], serde_json::json!([1, 2]), "both injected ranks count as failed: {f:?}");
     assert_eq!((f[1].0.as_str(), f[1].1["from"].as_str(), f[1].1["restored_step"].as_u64()), ("restored", Some("disk"), Some(8)), "{f:?}");
     assert!(f[1].1["why_not_memory"].as_str().unwrap().contains("rank 1's snapshot is in neither its memory nor its peer's (rank 2)"), "{f:?}");
     assert_eq!(digests(&both), digests(&whole));
