@@ -543,5 +543,23 @@ pub fn report_text(rep: &Report) -> String {
         "mean absolute percentage error {:.2}%, worst {:.2}% ({})",
         rep.mape_pct, rep.worst_pct, rep.worst_row
     );
+    for h in &rep.halves {
+        let _ = writeln!(
+            o,
+            "{:<8} {} rows: MAPE {:.2}%, worst {:.2}% ({}){}",
+            h.split,
+            h.rows,
+            h.mape_pct,
+            h.worst_pct,
+            h.worst_row,
+            if h.split == "fit" { "  (the planner's constants were fitted on these)" } else { "  (kept out of every fit)" }
+        );
+    }
+    if !rep.skipped.is_empty() {
+        let _ = writeln!(o, "skipped {} rows kiln cannot evaluate:", rep.skipped.len());
+        for (n, why) in &rep.skipped {
+            let _ = writeln!(o, "  {n}: {why}");
+        }
+    }
     o
 }

@@ -36,6 +36,8 @@ pub struct Row {
     pub global_batch: u64,
     pub published_tflops: f64,
     fields: BTreeMap<String, String>,
+    /// A catalogue row lacking a required column: which (it is skipped, not evaluated).
+    missing: Option<String>,
 }
 
 impl Row {
@@ -67,6 +69,12 @@ fn norm_key(k: &str) -> String {
         "gpu_count" | "n_gpus" => "gpus".into(),
         "tensor_parallel" | "t" => "tp".into(),
         "pipeline_parallel" | "p" => "pp".into(),
+        // The published-runs catalogue's names.
+        "id" => "name".into(),
+        "accelerator" => "gpu".into(),
+        "global_batch_seqs" => "global_batch".into(),
+        "seq_len" => "seq".into(),
+        "zero_stage" => "zero".into(),
         _ => k,
     }
 }
@@ -83,12 +91,25 @@ const REQUIRED: [&str; 9] = [
     "tflops_per_gpu",
 ];
 
+/// A table with a `split` column (`fit` | `holdout`) is a catalogue of published runs: a row
+/// kiln cannot evaluate (no throughput published, an accelerator it does not know) is listed
+/// as skipped with its reason instead of failing the table, and the report gives each half.
+fn is_catalogue(maps: &[BTreeMap<String, String>]) -> bool {
+    maps.first().is_some_and(|m| m.contains_key("split"))
+}
+
 fn rows_from_maps(maps: Vec<BTreeMap<String, String>>, origin: &str) -> Result<Vec<Row>, PlanError> {
     let mut rows = Vec::new();
+    let catalogue = is_catalogue(&maps);
     for (i, f) in maps.into_iter().enumerate() {
+        let mut missing = None;
         for k in REQUIRED {
-            if f.get(k).is_none_or(|v| v.is_empty()) {
-                return Err(PlanError(format!("{origin}: row {}: missing column '{k}'", i + 1)));
+            // (A catalogue row may publish MFU instead of TFLOP/s, or neither: `validate` says.)
+            if f.get(k).is_none_or(|v| v.is_empty()) && !(catalogue && k == "tflops_per_gpu") {
+                if !catalogue {
+                    return Err(PlanError(format!("{origin}: row {}: missing column '{k}'", i + 1)));
+                }
+                missing.get_or_insert(format!("the catalogue gives no '{k}'"));
             }
         }
         let name = f.get("name").cloned().unwrap_or_else(|| format!("{}B", f["params"]));
@@ -104,7 +125,12 @@ fn rows_from_maps(maps: Vec<BTreeMap<String, String>>, origin: &str) -> Result<V
             global_batch: 0,
             published_tflops: 0.0,
             fields: f,
+            missing,
         };
+        if row.missing.is_some() {
+            rows.push(row);
+            continue;
+        }
         let need = |r: &Row, k: &str| -> Result<f64, PlanError> { Ok(r.num(k, origin)?.unwrap_or(0.0)) };
         row.params_b = need(&row, "params")?;
         row.heads = need(&row, "heads")? as u64;
@@ -135,7 +161,7 @@ pub fn parse_csv(text: &str, origin: &str) -> Result<Vec<Row>, PlanError> {
     };
     let mut maps = Vec::new();
     for (i, line) in lines.enumerate() {
-        let cells: Vec<&str> = line.split(',').map(|c| c.trim().trim_matches('"')).collect();
+        let cells = split_csv_line(line);
         if cells.len() != header.len() {
             return Err(PlanError(format!(
                 "{origin}: line {}: {} cells but the header has {}",
@@ -148,11 +174,30 @@ pub fn parse_csv(text: &str, origin: &str) -> Result<Vec<Row>, PlanError> {
             header
                 .iter()
                 .cloned()
-                .zip(cells.iter().map(|c| c.to_string()))
+                .zip(cells.iter().cloned())
                 .collect(),
         );
     }
     rows_from_maps(maps, origin)
+}
+
+/// One CSV line's cells: commas inside double quotes stay in the cell, `""` is a quote.
+fn split_csv_line(line: &str) -> Vec<String> {
+    let (mut cells, mut cur, mut quoted) = (Vec::new(), String::new(), false);
+    let mut chars = line.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            '"' if quoted && chars.peek() == Some(&'"') => {
+                cur.push('"');
+                chars.next();
+            }
+            '"' => quoted = !quoted,
+            ',' if !quoted => cells.push(std::mem::take(&mut cur).trim().to_string()),
+            _ => cur.push(c),
+        }
+    }
+    cells.push(cur.trim().to_string());
+    cells
 }
 
 /// Parse a JSON array of objects with the same keys as the CSV header.
@@ -203,6 +248,18 @@ pub struct RowResult {
     /// Parameters the planner counts for this shape, billions (vs the table's `params`).
     pub params_b: f64,
     pub chosen: Layout,
+    /// A catalogue's `split`: `fit` (rows the planner's constants were fitted on) or `holdout`.
+    pub split: Option<String>,
+}
+
+/// One half of a catalogue: its rows' mean absolute percentage error and worst row.
+#[derive(Clone, Debug, Serialize)]
+pub struct Half {
+    pub split: String,
+    pub rows: usize,
+    pub mape_pct: f64,
+    pub worst_pct: f64,
+    pub worst_row: String,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -211,6 +268,9 @@ pub struct Report {
     pub mape_pct: f64,
     pub worst_pct: f64,
     pub worst_row: String,
+    /// A catalogue's halves (`fit`, then `holdout`), and the rows it could not evaluate.
+    pub halves: Vec<Half>,
+    pub skipped: Vec<(String, String)>,
 }
 
 fn parse_bool(s: &str, col: &str, origin: &str) -> Result<bool, PlanError> {
@@ -343,26 +403,69 @@ pub fn predict_row(row: &Row, cat: &HardwareCatalog, origin: &str) -> Result<Row
         fits,
         params_b: model.params(seq) as f64 / 1e9,
         chosen: est.chosen,
+        split: row.get("split").map(str::to_string),
     })
 }
 
-/// Validate every row of a table.
+/// A catalogue row as `predict_row` takes it: its published TFLOP/s per GPU, or, where only
+/// MFU is published, MFU × the accelerator's dense bf16 peak under the model-FLOPs convention
+/// (how MFU is defined: 6·N·tokens, no recomputation). An error says why it cannot be.
+fn catalogue_row(row: &Row, cat: &HardwareCatalog) -> Result<Row, String> {
+    if let Some(m) = &row.missing {
+        return Err(m.clone());
+    }
+    let mut r = row.clone();
+    if r.published_tflops > 0.0 {
+        return Ok(r);
+    }
+    let gpu = row.get("gpu").unwrap_or("a100-80gb");
+    let acc = cat.accelerator(gpu).map_err(|e| e.0)?;
+    let mfu = row.get("mfu_percent").and_then(|v| v.trim_end_matches('%').parse::<f64>().ok()).ok_or("no TFLOP/s or MFU published (tokens/s only)")?;
+    let peak = acc.peak_flops.get("bf16").ok_or(format!("{gpu} has no bf16 peak for its MFU"))?;
+    r.published_tflops = mfu / 100.0 * peak / 1e12;
+    r.fields.insert("convention".into(), "model".into());
+    Ok(r)
+}
+
+/// The mean absolute percentage error of `rows` and the worst of them.
+fn summary(rows: &[&RowResult]) -> (f64, f64, String) {
+    let mape = rows.iter().map(|r| r.error_pct.abs()).sum::<f64>() / rows.len().max(1) as f64;
+    let worst = rows.iter().max_by(|a, b| a.error_pct.abs().total_cmp(&b.error_pct.abs()));
+    (mape, worst.map_or(0.0, |w| w.error_pct.abs()), worst.map_or_else(String::new, |w| w.name.clone()))
+}
+
+/// Validate every row of a table. A catalogue (a `split` column) reports its halves apart and
+/// lists the rows it cannot evaluate; any other table fails on its first bad row.
 pub fn validate(rows: &[Row], cat: &HardwareCatalog, origin: &str) -> Result<Report, PlanError> {
-    let results: Vec<RowResult> = rows
-        .iter()
-        .map(|r| predict_row(r, cat, origin))
-        .collect::<Result<_, _>>()?;
-    let mape = results.iter().map(|r| r.error_pct.abs()).sum::<f64>() / results.len() as f64;
-    let worst = results
-        .iter()
-        .max_by(|a, b| a.error_pct.abs().total_cmp(&b.error_pct.abs()))
-        .unwrap();
-    Ok(Report {
-        mape_pct: mape,
-        worst_pct: worst.error_pct.abs(),
-        worst_row: worst.name.clone(),
-        rows: results,
-    })
+    let catalogue = rows.first().is_some_and(|r| r.fields.contains_key("split"));
+    let (mut results, mut skipped) = (Vec::new(), Vec::new());
+    for r in rows {
+        if !catalogue {
+            results.push(predict_row(r, cat, origin)?);
+            continue;
+        }
+        match catalogue_row(r, cat).map_err(PlanError).and_then(|c| predict_row(&c, cat, origin)) {
+            Ok(x) => results.push(x),
+            Err(e) => skipped.push((r.name.clone(), e.0)),
+        }
+    }
+    if results.is_empty() {
+        return Err(PlanError(format!("{origin}: no row could be evaluated")));
+    }
+    let (mape, worst_pct, worst_row) = summary(&results.iter().collect::<Vec<_>>());
+    let halves = if catalogue {
+        ["fit", "holdout"]
+            .iter()
+            .map(|h| {
+                let part: Vec<&RowResult> = results.iter().filter(|r| r.split.as_deref() == Some(*h)).collect();
+                let (m, w, wr) = summary(&part);
+                Half { split: h.to_string(), rows: part.len(), mape_pct: m, worst_pct: w, worst_row: wr }
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
+    Ok(Report { mape_pct: mape, worst_pct, worst_row, rows: results, halves, skipped })
 }
 
 /// The built-in copy of Narayanan et al. 2021 Table 1.
