@@ -503,7 +503,7 @@ fn model_state_rows(out: &mut Rows, cfg: &RunConfig, r: &RankShape, s: usize) {
         // gradient's copy, the first all-reduce (the Ps and the uncompressed tensors) and the
         // largest matrix's reconstruction.
         let (layout, _) = model::layout::gpt_layout(&r.local);
-        let tensors: Vec<(usize, Vec<usize>)> = layout.params.iter().map(|q| (q.offset, q.shape.clone())).collect();
+        let tensors = parallel::compress::PowerSgd::tensors(&layout);
         let (err, q, pbuf) = parallel::compress::PowerSgd::sizes(&tensors, cfg.parallel.powersgd_rank);
         let biggest = layout.params.iter().filter(|q| q.shape.len() == 2).map(|q| q.len()).max().unwrap_or(0);
         out.add(Kind::Optimizer, held, "PowerSGD error feedback and Q", b4(err + q, 4), format!("error {err} + Q {q} elements (parallel.compression, rank {})", cfg.parallel.powersgd_rank));
@@ -631,7 +631,7 @@ fn checkpoint_rows(out: &mut Rows, cfg: &RunConfig, gpt: &GptConfig, r: &RankSha
     let snap = snap + match par.compression {
         crate::config::Compression::OnebitAdam => parallel::compress::OneBit::state_len(whole_layout.total, dp),
         crate::config::Compression::PowerSgd => {
-            let tensors: Vec<(usize, Vec<usize>)> = whole_layout.params.iter().map(|q| (q.offset, q.shape.clone())).collect();
+            let tensors = parallel::compress::PowerSgd::tensors(&whole_layout);
             let (err, q, _) = parallel::compress::PowerSgd::sizes(&tensors, par.powersgd_rank);
             err + q
         }

@@ -97,10 +97,7 @@ impl CompressionState {
     /// (rank `rank` of `n`).
     pub fn new(cfg: &RunConfig, layout: &model::ParamLayout, len: usize, n: usize, rank: usize) -> CompressionState {
         match cfg.parallel.compression {
-            crate::config::Compression::PowerSgd => {
-                let tensors: Vec<(usize, Vec<usize>)> = layout.params.iter().map(|p| (p.offset, p.shape.clone())).collect();
-                CompressionState::PowerSgd(parallel::compress::PowerSgd::new(&tensors, len, cfg.parallel.powersgd_rank, cfg.train.seed))
-            }
+            crate::config::Compression::PowerSgd => CompressionState::PowerSgd(powersgd_state(cfg, layout, len)),
             _ => CompressionState::OneBit(parallel::compress::OneBit::new(len, n, rank)),
         }
     }
@@ -316,10 +313,7 @@ fn powersgd_reduce(ch: &mut Chunk, cfg: &RunConfig) {
     ch.dp.for_each_piece(|piece, _, grads| g[piece.shard.clone()].copy_from_slice(grads));
     let mut st = match ch.opt.compression.take() {
         Some(CompressionState::PowerSgd(p)) => p,
-        _ => match CompressionState::new(cfg, &ch.model.layout, g.len(), n, ch.dp.rank()) {
-            CompressionState::PowerSgd(p) => p,
-            CompressionState::OneBit(_) => unreachable!(),
-        },
+        _ => powersgd_state(cfg, &ch.model.layout, g.len()),
     };
     // The sum over ranks is the gradient, so the mean of n × each is too.
     let share = n as f32;
@@ -331,6 +325,12 @@ fn powersgd_reduce(ch: &mut Chunk, cfg: &RunConfig) {
     ch.opt.compression = Some(CompressionState::PowerSgd(st));
     // Every rank now holds the whole gradient: the store's reduced-gradient convention.
     ch.dp.for_each_piece(|piece, _, grads| grads.copy_from_slice(&g[piece.shard.clone()]));
+}
+
+/// Fresh PowerSGD state over a `len`-element store laid out as `layout`.
+fn powersgd_state(cfg: &RunConfig, layout: &model::ParamLayout, len: usize) -> parallel::compress::PowerSgd {
+    let tensors = parallel::compress::PowerSgd::tensors(layout);
+    parallel::compress::PowerSgd::new(&tensors, len, cfg.parallel.powersgd_rank, cfg.train.seed)
 }
 
 /// Whether step `step` (0-based) is in the compression stage of `parallel.compression`.

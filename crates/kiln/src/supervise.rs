@@ -33,7 +33,7 @@ pub struct Supervise {
 /// (BSD's `EX_TEMPFAIL`).
 pub const EXIT_REGROW: i32 = 75;
 
-use crate::train::elastic::SLOT_BEAT;
+use crate::train::elastic::{Layout, Ranks, SLOT_BEAT};
 
 /// The arguments of `kiln train` without the supervisor's own flags, and the run directory
 /// (`--out`, chosen here when absent so every restart uses the same one).
@@ -81,13 +81,8 @@ fn heartbeat(run_dir: &Path) -> Option<(SystemTime, u64)> {
 }
 
 fn log_fault(run_dir: &Path, line: serde_json::Value) {
-    match crate::obs::MetricsWriter::open(run_dir, None) {
-        Ok(mut m) => {
-            if let Err(e) = m.log(&line) {
-                eprintln!("supervisor: cannot log to metrics.jsonl: {e}");
-            }
-        }
-        Err(e) => eprintln!("supervisor: cannot open metrics.jsonl: {e}"),
+    if let Err(e) = crate::obs::append_line(run_dir, &line) {
+        eprintln!("supervisor: cannot log to metrics.jsonl: {e}");
     }
 }
 
@@ -104,7 +99,7 @@ fn resolved(args: &crate::config::TrainArgs, run_dir: &Path) -> Result<crate::co
 
 /// The run's config at the world's current layout: the saved run's, or (a world that never got
 /// as far as saving it) the command line's at `layout`.
-fn current(args: &crate::config::TrainArgs, run_dir: &Path, cfg0: &crate::config::RunConfig, layout: crate::train::elastic::Layout) -> Result<crate::config::RunConfig> {
+fn current(args: &crate::config::TrainArgs, run_dir: &Path, cfg0: &crate::config::RunConfig, layout: Layout) -> Result<crate::config::RunConfig> {
     if run_dir.join("config.toml").exists() {
         resolved(args, run_dir)
     } else {
@@ -144,16 +139,15 @@ pub fn run(argv: &[String], targs: &crate::config::TrainArgs, sv: &Supervise, st
     let _lock = crate::run::lock(&run_dir)?;
     let mut restarts = 0u32;
     let mut launched = false;
-    // An MPI world: its ranks' original numbers (live), and those lost for good.
-    let mut slots: Vec<usize> = (0..cfg0.parallel.world(cfg0.parallel.dp)).collect();
-    let mut lost: Vec<usize> = Vec::new();
-    let mut layout = crate::train::elastic::Layout { dp: cfg0.parallel.dp, grad_accum: cfg0.train.grad_accum };
-    // The step the world last reached before it failed.
-    let mut failed_at = 0u64;
+    let mut world = World {
+        pool: Ranks::new(cfg0.parallel.world(cfg0.parallel.dp)),
+        layout: Layout { dp: cfg0.parallel.dp, grad_accum: cfg0.train.grad_accum },
+        failed_at: 0,
+    };
     loop {
         let mut cmd = if mpi {
             let mut c = Command::new(&sv.launcher[0]);
-            c.args(&sv.launcher[1..]).arg("-n").arg(slots.len().to_string()).arg(&exe);
+            c.args(&sv.launcher[1..]).arg("-n").arg(world.pool.live.len().to_string()).arg(&exe);
             // Its own process group, so a hung world is killed whole.
             std::os::unix::process::CommandExt::process_group(&mut c, 0);
             c
@@ -167,11 +161,7 @@ pub fn run(argv: &[String], targs: &crate::config::TrainArgs, sv: &Supervise, st
             cmd.arg("--resume");
         }
         if mpi && elastic {
-            let list = |v: &[usize]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(",");
-            cmd.args(["--dp", &layout.dp.to_string(), "--micro-batches", &layout.grad_accum.to_string(), "--elastic-slots", &list(&slots)]);
-            if !lost.is_empty() {
-                cmd.args(["--elastic-lost", &list(&lost)]);
-            }
+            world.args(&mut cmd);
             for s in 0..cfg0.parallel.world(cfg0.faults.elastic_max) {
                 let _ = std::fs::remove_file(run_dir.join(format!("{SLOT_BEAT}{s}")));
             }
@@ -201,8 +191,9 @@ pub fn run(argv: &[String], targs: &crate::config::TrainArgs, sv: &Supervise, st
                 forwarded = true;
             }
             if roll_call {
-                let missing: Vec<usize> = slots.iter().copied().filter(|s| !run_dir.join(format!("{SLOT_BEAT}{s}")).exists()).collect();
-                if missing.len() < slots.len() {
+                let live = &world.pool.live;
+                let missing: Vec<usize> = live.iter().copied().filter(|s| !run_dir.join(format!("{SLOT_BEAT}{s}")).exists()).collect();
+                if missing.len() < live.len() {
                     first_report.get_or_insert_with(Instant::now);
                 }
                 let waited = first_report.map_or(started.elapsed().as_secs_f64() - STARTUP_GRACE.as_secs_f64(), |t| t.elapsed().as_secs_f64());
@@ -240,34 +231,11 @@ pub fn run(argv: &[String], targs: &crate::config::TrainArgs, sv: &Supervise, st
         let (event, detail) = match outcome {
             Ok(s) if s.success() => return Ok(()),
             Ok(s) if mpi && elastic && s.code() == Some(EXIT_REGROW) => {
-                // Lost ranks are back (those that answer the roll call stay): the full world.
-                let back = std::mem::take(&mut lost);
-                slots.extend(&back);
-                slots.sort_unstable();
-                let cfg = current(targs, &run_dir, &cfg0, layout)?;
-                let from = slots.len() - back.len();
-                layout = crate::train::elastic::layout_for(&cfg, slots.len())?;
-                lost = slots.split_off(cfg.parallel.world(layout.dp));
-                log_fault(&run_dir, serde_json::json!({"kind": "fault", "step": step, "event": "rank_rejoined", "ranks": back}));
-                log_fault(&run_dir, serde_json::json!({"kind": "fault", "step": step, "event": "world_resized", "from": from, "to": slots.len(), "dp_to": layout.dp, "grad_accum_to": layout.grad_accum, "restored_step": step, "lost_steps": 0, "from_state": "disk"}));
-                eprintln!("supervisor: ranks {back:?} rejoin at the checkpoint of step {step}: relaunching {} ranks", slots.len());
+                world.regrow(&current(targs, &run_dir, &cfg0, world.layout)?, &run_dir, step)?;
                 continue;
             }
             Err(Absent::Ranks(missing)) => {
-                // Lost for good: relaunch without them, from the newest valid checkpoint.
-                let cfg = current(targs, &run_dir, &cfg0, layout)?;
-                let from = slots.len();
-                slots.retain(|s| !missing.contains(s));
-                lost.extend(&missing);
-                layout = crate::train::elastic::layout_for(&cfg, slots.len()).map_err(|e| KilnError::User(format!("ranks {missing:?} lost for good: {e}")))?;
-                lost.extend(slots.split_off(cfg.parallel.world(layout.dp)));
-                let ck = crate::checkpoint::latest_valid(&crate::run::ckpt_dir(&run_dir)).ok().map_or(0, |l| l.state.step);
-                let failed_at = failed_at.max(step).max(ck);
-                for r in &missing {
-                    log_fault(&run_dir, serde_json::json!({"kind": "fault", "step": failed_at, "event": "rank_lost", "rank": r, "detail": format!("no report within faults.rejoin_timeout_s = {} s", cfg.faults.rejoin_timeout_s)}));
-                }
-                log_fault(&run_dir, serde_json::json!({"kind": "fault", "step": failed_at, "event": "world_resized", "from": from, "to": slots.len(), "dp_from": cfg.parallel.dp, "dp_to": layout.dp, "grad_accum_from": cfg.train.grad_accum, "grad_accum_to": layout.grad_accum, "restored_step": ck, "lost_steps": failed_at.saturating_sub(ck), "from_state": "disk"}));
-                eprintln!("supervisor: ranks {missing:?} did not come back within {} s: relaunching {} ranks (dp {}, {} micro-batches) from step {ck}", cfg.faults.rejoin_timeout_s, slots.len(), layout.dp, layout.grad_accum);
+                world.shrink(&current(targs, &run_dir, &cfg0, world.layout)?, &run_dir, step, &missing)?;
                 continue;
             }
             // A user error (bad config, data, checkpoint) will not go away by restarting.
@@ -277,13 +245,61 @@ pub fn run(argv: &[String], targs: &crate::config::TrainArgs, sv: &Supervise, st
             Err(Absent::Heartbeat(q)) => ("worker_hung", format!("no heartbeat for {:.1} s", q.as_secs_f64())),
         };
         restarts += 1;
-        failed_at = step;
+        world.failed_at = step;
         let give_up = restarts > sv.max_restarts;
         eprintln!("supervisor: training process {event} at step {step} ({detail}){}", if give_up { "; no restarts left" } else { "; restarting from the newest valid checkpoint" });
         log_fault(&run_dir, serde_json::json!({"kind": "fault", "step": step, "event": event, "detail": detail, "restart": restarts, "gave_up": give_up}));
         if give_up {
             return Err(KilnError::Internal(format!("training failed {} times ({event} at step {step}: {detail}); the newest valid checkpoint in {} is intact", restarts, run_dir.display())));
         }
+    }
+}
+
+/// An elastic MPI world across launches: its ranks, its layout, and the step it last reached
+/// before it failed.
+struct World {
+    pool: Ranks,
+    layout: Layout,
+    failed_at: u64,
+}
+
+impl World {
+    /// The worker's layout and ranks, for the next launch.
+    fn args(&self, cmd: &mut Command) {
+        let list = |v: &[usize]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(",");
+        cmd.args(["--dp", &self.layout.dp.to_string(), "--micro-batches", &self.layout.grad_accum.to_string(), "--elastic-slots", &list(&self.pool.live)]);
+        if !self.pool.out.is_empty() {
+            cmd.args(["--elastic-lost", &list(&self.pool.out)]);
+        }
+    }
+
+    /// The worker stopped at the checkpoint of `step` for lost ranks to rejoin (those that
+    /// answer the next roll call stay): the full world.
+    fn regrow(&mut self, cfg: &crate::config::RunConfig, run_dir: &Path, step: u64) -> Result<()> {
+        let from = self.pool.live.len();
+        let (back, layout) = self.pool.rejoin(cfg)?;
+        self.layout = layout;
+        let to = self.pool.live.len();
+        log_fault(run_dir, serde_json::json!({"kind": "fault", "step": step, "event": "rank_rejoined", "ranks": back}));
+        log_fault(run_dir, serde_json::json!({"kind": "fault", "step": step, "event": "world_resized", "from": from, "to": to, "dp_to": layout.dp, "grad_accum_to": layout.grad_accum, "restored_step": step, "lost_steps": 0, "from_state": "disk"}));
+        eprintln!("supervisor: ranks {back:?} rejoin at the checkpoint of step {step}: relaunching {to} ranks");
+        Ok(())
+    }
+
+    /// Ranks `missing` did not answer the roll call: lost for good; relaunch without them,
+    /// from the newest valid checkpoint.
+    fn shrink(&mut self, cfg: &crate::config::RunConfig, run_dir: &Path, step: u64, missing: &[usize]) -> Result<()> {
+        let from = self.pool.live.len();
+        self.layout = self.pool.lose(cfg, missing).map_err(|e| KilnError::User(format!("ranks {missing:?} lost for good: {e}")))?;
+        let layout = self.layout;
+        let ck = crate::checkpoint::latest_valid(&crate::run::ckpt_dir(run_dir)).ok().map_or(0, |l| l.state.step);
+        let failed_at = self.failed_at.max(step).max(ck);
+        for r in missing {
+            log_fault(run_dir, serde_json::json!({"kind": "fault", "step": failed_at, "event": "rank_lost", "rank": r, "ranks": missing, "detail": format!("no report within faults.rejoin_timeout_s = {} s", cfg.faults.rejoin_timeout_s)}));
+        }
+        log_fault(run_dir, serde_json::json!({"kind": "fault", "step": failed_at, "event": "world_resized", "from": from, "to": self.pool.live.len(), "dp_from": cfg.parallel.dp, "dp_to": layout.dp, "grad_accum_from": cfg.train.grad_accum, "grad_accum_to": layout.grad_accum, "restored_step": ck, "lost_steps": failed_at.saturating_sub(ck), "from_state": "disk"}));
+        eprintln!("supervisor: ranks {missing:?} did not come back within {} s: relaunching {} ranks (dp {}, {} micro-batches) from step {ck}", cfg.faults.rejoin_timeout_s, self.pool.live.len(), layout.dp, layout.grad_accum);
+        Ok(())
     }
 }
 

@@ -236,6 +236,11 @@ impl PowerSgd {
         self.q.copy_from_slice(q);
     }
 
+    /// `layout`'s tensors as `new` and `sizes` take them: (flat offset, shape).
+    pub fn tensors(layout: &model::ParamLayout) -> Vec<(usize, Vec<usize>)> {
+        layout.params.iter().map(|p| (p.offset, p.shape.clone())).collect()
+    }
+
     /// Elements all-reduced per step: the `P`s and the uncompressed tensors, then the `Q`s.
     pub fn sent_elements(&self) -> (usize, usize) {
         let p: usize = self.mats.iter().map(|&(_, rows, _)| rows * self.r).sum::<usize>() + self.plain.iter().map(|x| x.len()).sum::<usize>();

@@ -20,3 +20,9 @@ pub use doctor::{doctor, doctor_with};
 pub use plot::{plot_runs, write_loss_png};
 pub use runs::list_runs;
 pub use tfevents::MetricsWriter;
+
+/// Appends one line to `run_dir/metrics.jsonl` (and its event file) from outside a run's own
+/// writer: the supervisor's and the in-process restarts' fault lines.
+pub fn append_line(run_dir: &std::path::Path, line: &serde_json::Value) -> Result<(), String> {
+    MetricsWriter::open(run_dir, None)?.log(line)
+}

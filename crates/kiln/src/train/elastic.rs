@@ -74,6 +74,44 @@ pub fn layout_for(cfg: &RunConfig, live: usize) -> Result<Layout> {
     ))
 }
 
+/// An elastic run's ranks by original number: those in the world (by current rank) and those
+/// out of it (lost for good, or spares a broken replica left). Both the in-process restarts
+/// and the MPI supervisor resize through it.
+#[derive(Clone, Debug, Default)]
+pub struct Ranks {
+    pub live: Vec<usize>,
+    pub out: Vec<usize>,
+}
+
+impl Ranks {
+    pub fn new(world: usize) -> Ranks {
+        Ranks { live: (0..world).collect(), out: Vec::new() }
+    }
+
+    /// `gone` leave for good; the live ranks re-form at the largest layout they can run, and
+    /// those beyond it wait out of the world as spares.
+    pub fn lose(&mut self, cfg: &RunConfig, gone: &[usize]) -> Result<Layout> {
+        self.live.retain(|s| !gone.contains(s));
+        self.out.extend(gone);
+        self.refit(cfg)
+    }
+
+    /// Every rank out of the world comes back (in its old place); returns them.
+    pub fn rejoin(&mut self, cfg: &RunConfig) -> Result<(Vec<usize>, Layout)> {
+        let back = std::mem::take(&mut self.out);
+        self.live.extend(&back);
+        self.live.sort_unstable();
+        Ok((back, self.refit(cfg)?))
+    }
+
+    fn refit(&mut self, cfg: &RunConfig) -> Result<Layout> {
+        let layout = layout_for(cfg, self.live.len())?;
+        let spare = self.live.split_off(cfg.parallel.world(layout.dp));
+        self.out.extend(spare);
+        Ok(layout)
+    }
+}
+
 /// `cfg` at `layout` (the data-parallel degree and the accumulation), its rows cap fixed.
 pub fn resized(cfg: &RunConfig, layout: Layout) -> RunConfig {
     let mut c = cfg.clone();

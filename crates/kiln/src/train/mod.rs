@@ -216,13 +216,10 @@ fn run_inproc(ctx: &mut Ctx, world: usize, stop: &AtomicBool) -> Result<Summary>
     let mut store = (ctx.cfg.checkpoint.memory_interval > 0).then(|| checkpoint::ReplicaStore::new(world));
     let mut restored: Option<checkpoint::Loaded> = None;
     let mut restarts = 0;
-    // Original rank numbers: live (by current rank) and lost for good.
-    ctx.slots = (0..world).collect();
-    let mut lost: Vec<usize> = Vec::new();
-    let log = |run_dir: &Path, line: serde_json::Value| match crate::obs::MetricsWriter::open(run_dir, None) {
-        Ok(mut m) => m.log(&line).map_err(KilnError::User),
-        Err(e) => Err(KilnError::User(e)),
-    };
+    // Original rank numbers: live (by current rank) and out of the world.
+    let mut pool = elastic::Ranks::new(world);
+    ctx.slots = pool.live.clone();
+    let log = |run_dir: &Path, line: serde_json::Value| crate::obs::append_line(run_dir, &line).map_err(KilnError::User);
     loop {
         let resume = restored.as_ref().or(ctx.resume_from.as_ref());
         let failed: std::sync::Mutex<Option<KilnError>> = std::sync::Mutex::new(None);
@@ -253,18 +250,12 @@ fn run_inproc(ctx: &mut Ctx, world: usize, stop: &AtomicBool) -> Result<Summary>
                 }
                 // Lost ranks are back: every rank resumes from the checkpoint just written,
                 // at the layout the ranks now live can run.
-                let back = std::mem::take(&mut lost);
-                let mut slots = std::mem::take(&mut ctx.slots);
-                slots.extend(&back);
-                slots.sort_unstable();
-                let layout = elastic::layout_for(&ctx.cfg, slots.len())?;
-                let to = ctx.cfg.parallel.world(layout.dp);
-                // Ranks beyond the layout wait as spares.
-                lost = slots.split_off(to);
+                let (back, layout) = pool.rejoin(&ctx.cfg)?;
+                let to = pool.live.len();
                 log(&ctx.run_dir, serde_json::json!({"kind": "fault", "step": s.step, "event": "rank_rejoined", "ranks": back}))?;
                 resize(ctx, layout, world, s.step, s.step, 0.0, "disk")?;
                 eprintln!("ranks {back:?} rejoined: {world} → {to} ranks (dp {}, {} micro-batches) from the checkpoint of step {}", layout.dp, layout.grad_accum, s.step);
-                ctx.slots = slots;
+                ctx.slots = pool.live.clone();
                 ctx.grow_at = None;
                 world = to;
                 store = store.map(|_| checkpoint::ReplicaStore::new(world));
@@ -339,12 +330,9 @@ fn run_inproc(ctx: &mut Ctx, world: usize, stop: &AtomicBool) -> Result<Summary>
         if permanent {
             let KilnError::RankFailed { rank, .. } = err else { unreachable!() };
             let gone: Vec<usize> = ctx.slots.iter().copied().filter(|s| *s == rank || together.contains(s)).collect();
-            ctx.slots.retain(|s| !gone.contains(s));
-            lost.extend(&gone);
-            let layout = elastic::layout_for(&ctx.cfg, ctx.slots.len()).map_err(|e| KilnError::User(format!("rank {rank} lost for good at step {step}: {e}")))?;
-            let to = ctx.cfg.parallel.world(layout.dp);
-            // Live ranks beyond the new layout (the rest of a broken replica) wait as spares.
-            lost.extend(ctx.slots.split_off(to));
+            let layout = pool.lose(&ctx.cfg, &gone).map_err(|e| KilnError::User(format!("rank {rank} lost for good at step {step}: {e}")))?;
+            ctx.slots = pool.live.clone();
+            let to = pool.live.len();
             eprintln!("elastic: {world} → {to} ranks (dp {}, {} micro-batches per step) from {from} at step {at}", layout.dp, layout.grad_accum);
             resize(ctx, layout, world, step, at, t0.elapsed().as_secs_f64(), from)?;
             world = to;
@@ -375,10 +363,7 @@ fn resize(ctx: &mut Ctx, layout: elastic::Layout, from: usize, step: u64, at: u6
         "dp_from": old.0, "dp_to": layout.dp, "grad_accum_from": old.1, "grad_accum_to": layout.grad_accum,
         "restored_step": at, "lost_steps": step.saturating_sub(at + 1), "from_state": source, "restore_s": restore_s,
     });
-    match crate::obs::MetricsWriter::open(&ctx.run_dir, None) {
-        Ok(mut m) => m.log(&line).map_err(KilnError::User),
-        Err(e) => Err(KilnError::User(e)),
-    }
+    crate::obs::append_line(&ctx.run_dir, &line).map_err(KilnError::User)
 }
 
 /// A LoRA run needs its base model again after a restart.

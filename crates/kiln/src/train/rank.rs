@@ -352,11 +352,8 @@ impl<'a> Rank<'a> {
         // This rank's compute: the step less the time it waited for others.
         let wait_s = counters.wait_s() - wait0;
         let compute_s = (t0.elapsed().as_secs_f64() - wait_s).max(0.0);
-        if !(f.slow_factor > 1.0 && f.slow_ranks.contains(&self.slots[self.rank])) {
-            self.last_compute_s = compute_s;
-        } else {
-            self.last_compute_s = compute_s / f.slow_factor;
-        }
+        // (What the slowing stretches is the compute without it.)
+        self.last_compute_s = compute_s / if f.slow_ranks.contains(&self.slots[self.rank]) { f.slow_factor } else { 1.0 };
         let rank_times = (self.world > 1).then(|| parallel::comm::all_gather_f64(self.comm, &[compute_s, wait_s]));
         // Every context-parallel rank's attention compute and waits, for rank 0's line.
         let cp_times = (cfg.parallel.cp > 1).then(|| {
