@@ -17,12 +17,7 @@ OUT=${OUT:-/tmp/kiln-memory}
 mkdir -p "$OUT"
 export RAYON_NUM_THREADS=${RAYON_NUM_THREADS:-2}
 # A small corpus: the data's share of memory stays negligible, and tokenizing it is instant.
-python3 - "$OUT/corpus.txt" <<'PY'
-import random, sys
-random.seed(7)
-w = "the quick brown fox jumps over a lazy dog and then runs far away from home while birds sing".split()
-open(sys.argv[1], "w").write(" ".join(random.choice(w) for _ in range(60000)))
-PY
+python3 scripts/corpus.py "$OUT/corpus.txt"
 COMMON=(--data "$OUT/corpus.txt" --set data.tokenizer=byte --set sample.tokens=0 --set checkpoint.interval=0
         --set eval.interval=0 --set eval.iters=1 --set eval.batch_size=1 --set train.warmup_steps=1)
 

@@ -970,17 +970,14 @@ impl RunConfig {
         if !(t.loss_scale >= 1.0 && t.loss_scale.is_finite()) || t.loss_scale_window == 0 {
             return user(format!("train.loss_scale must be a finite number ≥ 1 and train.loss_scale_window positive, got {} and {}", t.loss_scale, t.loss_scale_window));
         }
-        if t.precision != model::Precision::Fp32 && self.lora.rank > 0 {
-            return user(format!("train.precision = {} with LoRA is not supported: the adapters train in fp32", t.precision.name()));
+        if !matches!(t.precision, model::Precision::Fp32 | model::Precision::Bf16) && self.lora.rank > 0 {
+            return user(format!("train.precision = {} with LoRA is not supported: LoRA runs in fp32 or bf16 (a bf16 base and bf16 products, the adapters fp32)", t.precision.name()));
         }
         crate::util::parse_size(&self.memory.limit).map_err(|e| crate::error::KilnError::User(format!("memory.limit: {e}")))?;
         let ac = self.memory.activation_compression;
         if ac != plan::policy::ActCompression::None {
             if self.model.recompute == model::Recompute::Full {
                 return user(format!("memory.activation_compression = {} needs model.recompute = none or selective: full recomputation keeps no block activations to compress", plan::policy::Names::name(ac)));
-            }
-            if self.model.n_expert > 0 {
-                return user(format!("memory.activation_compression = {} with mixture-of-experts layers (model.n_expert = {}) is not supported: their cache is their own", plan::policy::Names::name(ac), self.model.n_expert));
             }
         }
         Ok(())

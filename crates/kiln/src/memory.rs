@@ -227,7 +227,9 @@ pub fn activation_set_every(cfg: &GptConfig, b: usize, t: usize, recompute: Reco
     // The stash (`Gpt::stash_format`): each layer's rounded activations in `p.act` bytes, or
     // compressed (each tensor in its own groups), plus one fp32 working set; the fp32
     // statistics per layer plus the working set.
-    let stash = (p.act < 4 || p.compress.is_some()) && recompute != Recompute::Full && !cfg.is_moe();
+    // (MoE layers: only compressed, their routing state exact and their experts'
+    // activations as codes, sized for every assignment kept.)
+    let stash = recompute != Recompute::Full && (p.compress.is_some() || (p.act < 4 && !cfg.is_moe()));
     let f = |elems: usize| elems as u64 * 4;
     let stored = |e: usize| match p.compress {
         Some(bits) => tensor::quant::compressed_bytes(e, bits) as u64,
@@ -235,7 +237,11 @@ pub fn activation_set_every(cfg: &GptConfig, b: usize, t: usize, recompute: Reco
     };
     let bulk = |sets: usize, e: usize| if stash { sets as u64 * stored(e) + f(e) } else { sets as u64 * f(e) };
     let stat = |sets: usize, e: usize| if stash { (sets as u64 + 1) * f(e) } else { sets as u64 * f(e) };
-    let mlp_inner = if cfg.is_moe() { n_inner as u64 * moe_cache_bytes(cfg, n) } else { bulk(n_inner, n * cfg.fc_width()) + bulk(n_inner, n * cfg.ffn_hidden) };
+    let mlp_inner = match (cfg.is_moe(), stash) {
+        (true, true) => moe_cache_bytes(cfg, n) + l as u64 * moe_stash_bytes(cfg, n, &stored),
+        (true, false) => n_inner as u64 * moe_cache_bytes(cfg, n),
+        _ => bulk(n_inner, n * cfg.fc_width()) + bulk(n_inner, n * cfg.ffn_hidden),
+    };
     let core = match recompute {
         // One shared fp32 set, recomputed per layer.
         Recompute::Selective => f(n * aw + b * nh * t),
@@ -267,6 +273,20 @@ fn moe_cache_bytes(cfg: &GptConfig, n: usize) -> u64 {
     let u32s = n * k + n * k + r; // idx, slot, row_token
     let usizes = (e + 1) + e; // offsets, counts
     floats as u64 * 4 + u32s as u64 * 4 + (usizes * std::mem::size_of::<usize>()) as u64
+}
+
+/// One MoE layer's share of a compressed stash (`Gpt`'s `MoeStash`): its routing state exact
+/// (`tensor::moe::MoeRouting`) and what `MoeCache::kept_activations` returns, each part
+/// `stored`, room for every token-assignment kept (`R = N·K` rows: a capacity that drops some
+/// leaves room unused; an expert owner that receives more than `R` rows grows it, and its
+/// 2E exchange counts are not counted).
+fn moe_stash_bytes(cfg: &GptConfig, n: usize, stored: &dyn Fn(usize) -> u64) -> u64 {
+    let dims = cfg.moe_dims(n);
+    let tensor::moe::MoeDims { e, k, .. } = dims;
+    let r = n * k;
+    // logits, probs, lse, idx, gates, slot, row_token; offsets, counts, route
+    let routing = 4 * (2 * n * e + n + n * k + n * k + n * k + r) + 8 * ((e + 1) + e);
+    routing as u64 + tensor::moe::MoeCache::kept_lens(&dims).iter().map(|&x| stored(x)).sum::<u64>()
 }
 
 /// Backward's gradient scratch (`GradScratch`): one set for all blocks, sized by the dense
@@ -464,16 +484,43 @@ fn model_state_rows(out: &mut Rows, cfg: &RunConfig, r: &RankShape, s: usize) {
     let pp_note = if chunks > 1 { format!(", × {chunks} model chunks") } else if r.stages.len() > 1 { format!(", pipeline stage {s} (layers {:?})", r.stages[s]) } else { String::new() };
     let quant = cfg.lora.quantize_base;
     if quant != model::BaseQuant::None {
-        // QLoRA: the base's matrices quantized, the rest fp32; a pass holds one unit in fp32
-        // with a gradient scratch for it (parallel::qbase).
+        // QLoRA: the base's matrices quantized, the rest fp32; a pass holds one unit's fp32
+        // tensors packed, with a gradient scratch for them, and each thread one dequantized
+        // tile of a matrix inside a product (model::qbase, tensor::quant::qmatmul_forward).
         let (layout, _) = model::layout::gpt_layout(&r.local);
-        let bytes = parallel::qbase::planned_bytes(&layout, quant) as u64;
+        let bytes = model::qbase::planned_bytes(&layout, quant) as u64;
         out.add(Kind::Parameters, held, "parameters (quantized base)", bytes, format!("{total} elements, the blocks' matrices as {} (lora.quantize_base), the rest fp32", plan::policy::Names::name(quant)));
-        let unit = r.units.iter().map(|u| u.len()).max().unwrap_or(0);
-        out.add(Kind::Temporary, held, "dequantized unit and its gradient scratch", b4(2 * unit, 4), format!("the largest unit, {unit} elements"));
+        // Per unit: its packed elements, and its gradient scratch (none for the embeddings,
+        // the final norm's for the head's unit: a frozen model computes no gradient there).
+        let last = r.units.len() - 1;
+        let packed = |u: usize, only: &dyn Fn(&model::ParamSpec) -> bool| -> usize {
+            let ru = &r.units[u];
+            layout.params.iter().filter(|p| ru.start <= p.range().start && p.range().end <= ru.end && !model::qbase::read_quantized(p) && only(p)).map(|p| p.len()).sum()
+        };
+        let (unit, with_grads) = (0..=last)
+            .map(|u| {
+                let n = packed(u, &|_| true);
+                let g = match u {
+                    0 => 0,
+                    u if u == last => packed(u, &|p| !p.decay),
+                    _ => n,
+                };
+                (n, n + g)
+            })
+            .fold((0, 0), |(a, b), (n, ng)| (a.max(n), b.max(ng)));
+        out.add(Kind::Temporary, held, "a unit's packed tensors and their gradient scratch", b4(with_grads, 4), format!("the largest unit (packed) {unit} elements; with its gradient scratch {with_grads}"));
+        let k = r.local.n_embd.max(r.local.ffn_hidden).max(r.local.qkv_width());
+        let threads = rayon::current_num_threads();
+        out.add(Kind::Temporary, held, "dequantized tiles", b4(threads * k * tensor::quant::QTILE, 4), format!("{threads} threads × one {k} × {} tile of a quantized matrix", tensor::quant::QTILE));
     } else {
         out.add(Kind::Parameters, held, "parameters", b4(pe * chunks, p.param), format!("{}{tp_note}{pp_note}", sharded(pe)));
-        out.add(Kind::Gradients, held, "gradients", b4(ge * chunks, p.grad), sharded(ge) + if r.lora.is_some() { " (the frozen base's buffer, unused)" } else { "" });
+        if r.lora.is_some() {
+            // A frozen base: a gradient scratch per unit (none for the embeddings), one at a time.
+            let unit = r.units.iter().skip(1).map(|u| u.len()).max().unwrap_or(0);
+            out.add(Kind::Temporary, held, "a unit's gradient scratch (frozen base)", b4(unit, 4), format!("the largest unit's, {unit} elements: the passes write its norms' and biases' gradients, nothing reads them"));
+        } else {
+            out.add(Kind::Gradients, held, "gradients", b4(ge * chunks, p.grad), sharded(ge));
+        }
     }
     let moments = match &r.lora {
         Some(lo) => lo.layout.total,
@@ -854,7 +901,10 @@ pub fn attribute(model: &model::Gpt, dp: &mut parallel::DataParallel, opt: &crat
         // SAFETY: each base is the start of the store's buffer of that many elements.
         unsafe {
             retag_raw(base(params, zero == 3), 4 * if zero == 3 { len } else { total }, Category::Params);
-            retag_raw(base(grads, zero >= 2), 4 * if zero >= 2 { len } else { total }, Category::Grads);
+            // (A frozen base, LoRA, holds no gradient buffer.)
+            if !grads.is_empty() {
+                retag_raw(base(grads, zero >= 2), 4 * if zero >= 2 { len } else { total }, Category::Grads);
+            }
         }
     });
     if let Some(lo) = &model.lora {

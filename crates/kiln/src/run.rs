@@ -100,7 +100,7 @@ pub fn load_model(run: &SavedRun) -> Result<model::Gpt> {
         m.real_vocab = vocab;
         // A QLoRA run trained against the dequantized base: merge into that.
         let layout = m.layout.clone();
-        parallel::qbase::round_trip(&layout, &mut m.params, run.config.lora.quantize_base);
+        model::qbase::round_trip(&layout, &mut m.params, run.config.lora.quantize_base);
         let l = &run.config.lora;
         let mut lo = model::lora::Lora::new(&m.cfg, l.rank, l.alpha as f32, &l.targets, 0).map_err(KilnError::User)?;
         let layout = lo.layout.clone();

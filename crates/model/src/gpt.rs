@@ -246,7 +246,7 @@ impl BlockKept {
 }
 
 impl BlockInner {
-    /// As [`BlockKept::parts`] (the MoE cache is never stashed).
+    /// As [`BlockKept::parts`] (an MoE layer's cache is stashed on its own, see [`Stash::put`]).
     fn parts(&mut self) -> ([&mut Vec<f32>; 6], [&mut Vec<f32>; 1]) {
         ([&mut self.qkv, &mut self.core.atty, &mut self.fch, &mut self.fch_gelu, &mut self.ln_1_full, &mut self.ln_2_full], [&mut self.core.state])
     }
@@ -281,6 +281,34 @@ struct Stash {
     /// codes and scales; the stream then runs through two fp32 buffers (`Acts::xs`).
     res_codes: Vec<Vec<u8>>,
     res_scales: Vec<Vec<f32>>,
+    /// Mixture-of-experts layers (compressed formats only): per layer its routing state,
+    /// exact, and the expert activations backward reads as codes and scales (their sizes
+    /// follow each step's routing).
+    moe: Vec<MoeStash>,
+}
+
+/// One MoE layer's share of a [`Stash`].
+struct MoeStash {
+    routing: tensor::moe::MoeRouting,
+    codes: Vec<u8>,
+    scales: Vec<f32>,
+}
+
+impl MoeStash {
+    /// Room for a layer with every token-assignment kept (what the memory plan counts; a
+    /// step that keeps more rows on an expert owner grows it).
+    fn sized(cache: &MoeCache, bits: u32) -> MoeStash {
+        let mut routing = tensor::moe::MoeRouting::default();
+        cache.save_routing(&mut routing);
+        let lens = MoeCache::kept_lens(&cache.dims);
+        let codes = lens.iter().map(|&n| n.div_ceil(if bits == 4 { 2 } else { 1 })).sum();
+        let scales = lens.iter().map(|&n| n.div_ceil(tensor::quant::ACT_GROUP)).sum();
+        MoeStash { routing, codes: vec![0; codes], scales: zeros(scales) }
+    }
+
+    fn bytes(&self) -> usize {
+        self.routing.bytes() + self.codes.capacity() + 4 * self.scales.capacity()
+    }
 }
 
 impl Stash {
@@ -302,6 +330,10 @@ impl Stash {
             full: (0..layers).map(|_| zeros(nf)).collect(),
             res_codes: Vec::new(),
             res_scales: Vec::new(),
+            moe: match (&i.moe, fmt) {
+                (Some(cache), StashFormat::Int { bits, .. }) => (0..layers).map(|_| MoeStash::sized(cache, bits)).collect(),
+                _ => Vec::new(),
+            },
         }
     }
 
@@ -365,6 +397,22 @@ impl Stash {
             dst.copy_from_slice(v);
             f = rest;
         }
+        if let (Some(cache), StashFormat::Int { bits, stochastic }) = (i.moe.as_mut(), self.fmt) {
+            let st = &mut self.moe[l];
+            cache.save_routing(&mut st.routing);
+            let parts = cache.kept_activations();
+            let code_len = |n: usize| n.div_ceil(if bits == 4 { 2 } else { 1 });
+            st.codes.resize(parts.iter().map(|v| code_len(v.len())).sum(), 0);
+            st.scales.resize(parts.iter().map(|v| v.len().div_ceil(tensor::quant::ACT_GROUP)).sum(), 0.0);
+            let (mut c, mut s) = (&mut st.codes[..], &mut st.scales[..]);
+            for (part, v) in parts.into_iter().enumerate() {
+                let (dc, rc) = c.split_at_mut(code_len(v.len()));
+                let (ds, rs) = s.split_at_mut(v.len().div_ceil(tensor::quant::ACT_GROUP));
+                let stream = stochastic.then(|| mix64(seed ^ mix64(((l as u64) << 8 | (0x80 + part) as u64).wrapping_add(0xAC7C_0DE5))));
+                tensor::quant::compress_groups(dc, ds, v, bits, stream);
+                (c, s) = (rc, rs);
+            }
+        }
     }
 
     /// Layer `l`'s storage → the working set.
@@ -397,6 +445,17 @@ impl Stash {
             v.copy_from_slice(src);
             f = rest;
         }
+        if let (Some(cache), StashFormat::Int { bits, .. }) = (i.moe.as_mut(), self.fmt) {
+            let st = &self.moe[l];
+            cache.restore_routing(&st.routing);
+            let (mut c, mut s) = (&st.codes[..], &st.scales[..]);
+            for v in cache.kept_activations() {
+                let (sc, rc) = c.split_at(v.len().div_ceil(if bits == 4 { 2 } else { 1 }));
+                let (ss, rs) = s.split_at(v.len().div_ceil(tensor::quant::ACT_GROUP));
+                tensor::quant::decompress_groups(v, sc, ss, bits);
+                (c, s) = (rc, rs);
+            }
+        }
     }
 
     fn bytes(&self) -> usize {
@@ -406,6 +465,7 @@ impl Stash {
             + self.full.iter().map(|v| v.len() * 4).sum::<usize>()
             + self.res_codes.iter().map(|v| v.len()).sum::<usize>()
             + self.res_scales.iter().map(|v| v.len() * 4).sum::<usize>()
+            + self.moe.iter().map(MoeStash::bytes).sum::<usize>()
     }
 }
 
@@ -527,14 +587,18 @@ pub struct Gpt {
     /// buffers — bit for bit the same run, twice the activation memory.
     pub stash16: bool,
     /// Activation compression (`memory.activation_compression`): the kept activations stored
-    /// as 8- or 4-bit codes per group ([`StashFormat::Int`]), with this rounding; without full
-    /// recomputation or MoE layers. Takes precedence over 16-bit storage.
+    /// as 8- or 4-bit codes per group ([`StashFormat::Int`]), with this rounding (MoE layers:
+    /// their experts' activations too); without full recomputation. Takes precedence over
+    /// 16-bit storage.
     pub act_compression: (plan::policy::ActCompression, plan::policy::ActRounding),
     /// Storage precision of activations and their gradients (the caller keeps the parameters
     /// rounded to it).
     pub precision: Precision,
     /// FP8 scaling state (with `Precision::Fp8`).
     pub fp8: Option<std::cell::RefCell<Fp8State>>,
+    /// QLoRA: the frozen base, quantized ([`Gpt::set_quantized_base`]); the projections read
+    /// its matrices, the store hands out the rest packed.
+    base: Option<std::sync::Arc<crate::qbase::QuantBase>>,
     acts: Option<Acts>,
     scratch: Option<GradScratch>,
 }
@@ -606,7 +670,7 @@ impl Gpt {
         let rope = (cfg.arch == Arch::Llama).then(|| rope_table_from(&cfg.rope_inv_freq(), cfg.block_size));
         let units = views.units(n);
         let unit_views = views.rebased(n);
-        Gpt { cfg, layout, views, units, unit_views, real_vocab, params: zeros(n), grads: zeros(n), rope, lora: None, hooks: Hooks::default(), recompute: Recompute::None, recompute_every: 1, stash16: true, act_compression: Default::default(), precision: Precision::Fp32, fp8: None, acts: None, scratch: None }
+        Gpt { cfg, layout, views, units, unit_views, real_vocab, params: zeros(n), grads: zeros(n), rope, lora: None, hooks: Hooks::default(), recompute: Recompute::None, recompute_every: 1, stash16: true, act_compression: Default::default(), precision: Precision::Fp32, fp8: None, base: None, acts: None, scratch: None }
     }
 
     pub fn num_params(&self) -> usize {
@@ -620,19 +684,31 @@ impl Gpt {
         }
     }
 
+    /// QLoRA: from now on the block projections read their matrices from `base` (dequantized
+    /// a tile at a time inside each product), and passes index units with the base's compact
+    /// views — the store must hand out [`QuantBase::compact_unit`]s, as `DataParallel` does
+    /// once it holds the same base.
+    ///
+    /// [`QuantBase::compact_unit`]: crate::qbase::QuantBase::compact_unit
+    pub fn set_quantized_base(&mut self, base: std::sync::Arc<crate::qbase::QuantBase>) {
+        self.unit_views = base.compact_views(&self.views.rebased(self.layout.total));
+        self.base = Some(base);
+    }
+
     /// The format a block's kept activations are stored in between forward and backward:
     /// compressed codes under [`Gpt::act_compression`], else 16 bits when training in a 16-bit
-    /// precision (unless [`Gpt::stash16`] is off); none under full recomputation (which keeps
-    /// only block inputs) or with mixture-of-experts layers (whose cache is their own).
+    /// precision (unless [`Gpt::stash16`] is off, or the layers are mixtures of experts, whose
+    /// expert activations are fp32); none under full recomputation (which keeps only block
+    /// inputs).
     pub fn stash_format(&self) -> Option<StashFormat> {
-        if self.recompute == Recompute::Full || self.cfg.is_moe() {
+        if self.recompute == Recompute::Full {
             return None;
         }
         let (compression, rounding) = self.act_compression;
         if let Some(bits) = compression.bits() {
             return Some(StashFormat::Int { bits, stochastic: rounding == plan::policy::ActRounding::Stochastic });
         }
-        storage(self.precision).filter(|_| self.stash16).map(StashFormat::Half)
+        storage(self.precision).filter(|_| self.stash16 && !self.cfg.is_moe()).map(StashFormat::Half)
     }
 
     fn ensure_acts(&mut self, b: usize, t: usize) {
@@ -789,11 +865,14 @@ impl Gpt {
         }
         // logits = ln_f(x) · headᵀ ; loss — fused, in row chunks (and its gradient, when training)
         let r = self.unit_views.lm_head.clone();
+        // A frozen base (LoRA) has no head gradient to compute: the store may hand out none.
+        let frozen = self.lora.is_some();
         let (w, dw) = store.acquire(hu, head_access, None);
         let scale = match loss_scale {
             Some(s) if count > 0 => Some(s / count as f32),
             _ => None,
         };
+        let dw: &mut [f32] = if frozen || scale.is_none() { &mut [] } else { &mut dw[r.clone()] };
         match (self.hooks.tensor.as_deref_mut(), self.cfg.place.vocab) {
             // A vocabulary-parallel part holds rows `first ..` of the head, for every
             // position: under sequence parallelism the final norm's output is gathered first
@@ -806,7 +885,7 @@ impl Gpt {
                     h.gather_seq(&a.ln_f, &mut a.full, b, t);
                 }
                 let (x, dx) = if sp { (&a.full[..], &mut a.dln_f_full[..]) } else { (&a.ln_f[..], &mut a.dln_f[..]) };
-                let grads = scale.map(|s| (dx, &mut dw[r.clone()], s));
+                let grads = scale.map(|s| (dx, dw, s));
                 let dims = HeadDims { c, v: v_local, vp, offset: off, ignore_index: IGNORE_INDEX, arith: arith(self.precision) };
                 lm_head_crossentropy_vocab_parallel(&mut a.losses, grads, x, &w[r], targets, &mut a.head_scratch, &dims, &mut |x| h.all_gather(x));
                 // `f` backward at the head's input: the vocabulary slices' partial sums.
@@ -817,7 +896,7 @@ impl Gpt {
                 }
             }
             _ => {
-                let grads = scale.map(|s| (&mut a.dln_f[..], &mut dw[r.clone()], s));
+                let grads = scale.map(|s| (&mut a.dln_f[..], dw, s));
                 let dims = HeadDims { c, v, vp, offset: 0, ignore_index: IGNORE_INDEX, arith: arith(self.precision) };
                 lm_head_crossentropy(&mut a.losses, grads, &a.ln_f, &w[r], targets, &mut a.head_scratch, &dims);
             }
@@ -871,7 +950,7 @@ impl Gpt {
         let ops = Ops {
             cfg: &self.cfg, rope: self.rope.as_ref(), b, t, docs, drop, loss_scale: a.loss_scale,
             tp: RefCell::new(self.hooks.tensor.as_deref_mut()), ep: RefCell::new(self.hooks.experts.as_deref_mut()), cp: RefCell::new(self.hooks.context.as_deref_mut()), lora: RefCell::new(self.lora.as_mut()),
-            store: storage(self.precision), arith: arith(self.precision), fp8: self.fp8.as_ref(), b0: self.cfg.place.batch_offset,
+            store: storage(self.precision), arith: arith(self.precision), fp8: self.fp8.as_ref(), b0: self.cfg.place.batch_offset, base: self.base.as_deref(),
         };
 
         // A later pipeline stage starts from the activations put in `xs[0]` (`stage_input_mut`).
@@ -963,7 +1042,7 @@ impl Gpt {
         let ops = Ops {
             cfg: &self.cfg, rope: self.rope.as_ref(), b, t, docs, drop: Dropout { p: a.p_drop, seed: a.dropout_seed }, loss_scale: a.loss_scale,
             tp: RefCell::new(self.hooks.tensor.as_deref_mut()), ep: RefCell::new(self.hooks.experts.as_deref_mut()), cp: RefCell::new(self.hooks.context.as_deref_mut()), lora: RefCell::new(self.lora.as_mut()),
-            store: storage(self.precision), arith: arith(self.precision), fp8: self.fp8.as_ref(), b0: self.cfg.place.batch_offset,
+            store: storage(self.precision), arith: arith(self.precision), fp8: self.fp8.as_ref(), b0: self.cfg.place.batch_offset, base: self.base.as_deref(),
         };
         // Every unit is acquired and released even when no target counted (the gradients are
         // then zero): a store's collectives must run the same on every rank.
@@ -1019,8 +1098,9 @@ impl Gpt {
         // x = drop(wte[tokens] + wpe)
         let emb = Access::Backward { params: false };
         let (_, dw) = store.acquire(0, emb, None);
-        // A later pipeline stage leaves its input's gradient in `dres` (`stage_input_grad`).
-        if !skip && self.cfg.has_embed() {
+        // A later pipeline stage leaves its input's gradient in `dres` (`stage_input_grad`). A
+        // frozen base (LoRA) has no embedding gradient to compute.
+        if !skip && self.cfg.has_embed() && ops.lora.borrow().is_none() {
             let demb = ops.dropout_grad(&mut g.dbranch, &g.dres, DropSite::Embedding);
             // Under sequence parallelism the embedding's output was reduce-scattered: gather.
             let demb = ops.row_parallel_grad(demb, &mut g.dfull);
@@ -1237,6 +1317,8 @@ struct Linear<'o, 'a> {
     /// The unit's parameters, and this projection's weight `[n_out, n_in]` and bias in it.
     unit: &'o [f32],
     w: Range<usize>,
+    /// The weight when QLoRA's base holds it quantized (then `w` is empty).
+    q: Option<tensor::quant::QMat<'o>>,
     b: Option<Range<usize>>,
     n_in: usize,
     n_out: usize,
@@ -1260,8 +1342,9 @@ impl Linear<'_, '_> {
     fn forward(&self, out: &mut [f32], x: &[f32]) {
         let ops = self.ops;
         let (n, w, b) = (ops.b * ops.t, &self.unit[self.w.clone()], self.b.as_ref().map(|r| &self.unit[r.clone()]));
-        match ops.fp8 {
-            Some(st) => {
+        match (ops.fp8, self.q.as_ref()) {
+            (_, Some(q)) => tensor::quant::qmatmul_forward(ops.arith, ops.store, out, x, q, b, n, self.n_in, self.n_out),
+            (Some(st), None) => {
                 use tensor::precision::Format::E4m3;
                 let whole = |a: f32| ops.amax_over_shards(a);
                 let mut st = st.borrow_mut();
@@ -1271,7 +1354,7 @@ impl Linear<'_, '_> {
                 let xq = unsafe { std::slice::from_raw_parts(xq, x.len()) };
                 tensor::matmul::matmul_forward_as(ops.arith, out, xq, wq, b, n, self.n_in, self.n_out);
             }
-            None => tensor::matmul::matmul_forward_as(ops.arith, out, x, w, b, n, self.n_in, self.n_out),
+            (None, None) => tensor::matmul::matmul_forward_as(ops.arith, out, x, w, b, n, self.n_in, self.n_out),
         }
         if let Some(lo) = ops.lora.borrow_mut().as_deref_mut() {
             lo.forward(self.l, self.site, out, x, n, self.n_out);
@@ -1302,7 +1385,9 @@ impl Linear<'_, '_> {
             }
             None => (x, w, dout),
         };
-        if frozen {
+        if let Some(q) = &self.q {
+            tensor::quant::qmatmul_backward_input(ops.arith, ops.store, dinp, gq, q, n, c, oc);
+        } else if frozen {
             tensor::matmul::matmul_backward_input_as(ops.arith, dinp, gq, wq, n, c, oc);
         } else {
             tensor::matmul::matmul_backward_as(ops.arith, dinp, dw, db, gq, xq, wq, n, c, oc);
@@ -1358,7 +1443,8 @@ impl<'o, 'a> Block<'o, 'a> {
             Site::Fc => (&bp.c_fc_w, &bp.c_fc_b, c, cfg.fc_width()),
             Site::MlpProj => (&bp.mlp_proj_w, &bp.mlp_proj_b, cfg.ffn_hidden, c),
         };
-        Linear { ops: self.ops, l: self.l, site, unit: self.w, w: w.clone(), b: b.clone(), n_in, n_out }
+        let q = self.ops.base.and_then(|qb| qb.matrix(self.l, site));
+        Linear { ops: self.ops, l: self.l, site, unit: self.w, w: w.clone(), q, b: b.clone(), n_in, n_out }
     }
 
     /// A norm's weight and bias.
@@ -1557,6 +1643,8 @@ pub(crate) struct Ops<'a> {
     pub fp8: Option<&'a std::cell::RefCell<Fp8State>>,
     /// [`crate::Placement::batch_offset`].
     pub b0: usize,
+    /// QLoRA's quantized base, whose matrices the projections read.
+    base: Option<&'a crate::qbase::QuantBase>,
 }
 
 impl<'a> Ops<'a> {
@@ -1564,7 +1652,7 @@ impl<'a> Ops<'a> {
     pub(crate) fn decode(cfg: &'a GptConfig, rope: Option<&'a (Vec<f32>, Vec<f32>)>) -> Ops<'a> {
         Ops {
             cfg, rope, b: 1, t: 1, docs: None, drop: Dropout { p: 0.0, seed: 0 }, loss_scale: 1.0,
-            tp: RefCell::new(None), ep: RefCell::new(None), cp: RefCell::new(None), lora: RefCell::new(None), store: None, arith: Default::default(), fp8: None, b0: 0,
+            tp: RefCell::new(None), ep: RefCell::new(None), cp: RefCell::new(None), lora: RefCell::new(None), store: None, arith: Default::default(), fp8: None, b0: 0, base: None,
         }
     }
 

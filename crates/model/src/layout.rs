@@ -265,14 +265,18 @@ impl GptParams {
     /// unit's own parameter and gradient slices with).
     pub fn rebased(&self, total: usize) -> GptParams {
         let units = self.units(total);
-        let sh = |r: &Range<usize>, u: usize| {
+        self.map_units(|r, u| {
             let s = units[u].start;
             let inside = r.start >= s && r.end <= units[u].end;
             assert!(inside || r.is_empty(), "range {r:?} outside unit {u}");
             // Empty ranges outside the unit are the `0..0` placeholders of absent weights.
             if inside { r.start - s..r.end - s } else { 0..0 }
-        };
-        let sho = |r: &Option<Range<usize>>, u: usize| r.as_ref().map(|r| sh(r, u));
+        })
+    }
+
+    /// These views with every range `r` of unit `u` replaced by `f(r, u)`.
+    pub fn map_units(&self, f: impl Fn(&Range<usize>, usize) -> Range<usize>) -> GptParams {
+        let fo = |r: &Option<Range<usize>>, u: usize| r.as_ref().map(|r| f(r, u));
         let last = self.blocks.len() + 1;
         let blocks = self
             .blocks
@@ -281,29 +285,29 @@ impl GptParams {
             .map(|(l, b)| {
                 let u = l + 1;
                 BlockParams {
-                    ln_1_w: sh(&b.ln_1_w, u),
-                    ln_1_b: sho(&b.ln_1_b, u),
-                    c_attn_w: sh(&b.c_attn_w, u),
-                    c_attn_b: sho(&b.c_attn_b, u),
-                    attn_proj_w: sh(&b.attn_proj_w, u),
-                    attn_proj_b: sho(&b.attn_proj_b, u),
-                    ln_2_w: sh(&b.ln_2_w, u),
-                    ln_2_b: sho(&b.ln_2_b, u),
-                    c_fc_w: sh(&b.c_fc_w, u),
-                    c_fc_b: sho(&b.c_fc_b, u),
-                    mlp_proj_w: sh(&b.mlp_proj_w, u),
-                    mlp_proj_b: sho(&b.mlp_proj_b, u),
-                    moe: b.moe.as_ref().map(|m| MoeParams { router: sh(&m.router, u), experts: sh(&m.experts, u), shared: sh(&m.shared, u) }),
+                    ln_1_w: f(&b.ln_1_w, u),
+                    ln_1_b: fo(&b.ln_1_b, u),
+                    c_attn_w: f(&b.c_attn_w, u),
+                    c_attn_b: fo(&b.c_attn_b, u),
+                    attn_proj_w: f(&b.attn_proj_w, u),
+                    attn_proj_b: fo(&b.attn_proj_b, u),
+                    ln_2_w: f(&b.ln_2_w, u),
+                    ln_2_b: fo(&b.ln_2_b, u),
+                    c_fc_w: f(&b.c_fc_w, u),
+                    c_fc_b: fo(&b.c_fc_b, u),
+                    mlp_proj_w: f(&b.mlp_proj_w, u),
+                    mlp_proj_b: fo(&b.mlp_proj_b, u),
+                    moe: b.moe.as_ref().map(|m| MoeParams { router: f(&m.router, u), experts: f(&m.experts, u), shared: f(&m.shared, u) }),
                 }
             })
             .collect();
         GptParams {
-            wte: sh(&self.wte, 0),
-            wpe: sho(&self.wpe, 0),
+            wte: f(&self.wte, 0),
+            wpe: fo(&self.wpe, 0),
             blocks,
-            ln_f_w: sh(&self.ln_f_w, last),
-            ln_f_b: sho(&self.ln_f_b, last),
-            lm_head: sh(&self.lm_head, self.head_unit()),
+            ln_f_w: f(&self.ln_f_w, last),
+            ln_f_b: fo(&self.ln_f_b, last),
+            lm_head: f(&self.lm_head, self.head_unit()),
         }
     }
 }

@@ -10,6 +10,7 @@ pub mod gpt;
 pub mod layout;
 pub mod lora;
 pub mod placement;
+pub mod qbase;
 pub mod units;
 
 pub use config::GptConfig;

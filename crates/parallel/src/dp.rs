@@ -192,11 +192,12 @@ pub struct DataParallel {
     peak_transient: usize,
     backward_started: bool,
     busy_at_start: Duration,
-    /// QLoRA: the frozen base, quantized (then `params` and `grads` are empty), with each
-    /// acquired unit's dequantized parameters and its gradient scratch (the base's gradients
-    /// are never used, but the passes write norm and bias gradients).
-    base: Option<crate::qbase::QuantBase>,
-    dequantized: Vec<Option<Vec<f32>>>,
+    /// QLoRA: the frozen base, quantized (then `params` and `grads` are empty; the model
+    /// shares it, to read its matrices), with each acquired unit's fp32 tensors packed; and
+    /// with any frozen base (LoRA; then `grads` is empty) each unit's gradient scratch (the
+    /// base's gradients are never used, but the passes write norm and bias gradients).
+    base: Option<std::sync::Arc<model::qbase::QuantBase>>,
+    packed: Vec<Option<Vec<f32>>>,
     base_grads: Vec<Option<Vec<f32>>>,
 }
 
@@ -277,6 +278,10 @@ impl DataParallel {
         let mut worker = CommWorker::spawn(comm);
         let mut params = std::mem::take(&mut model.params);
         let mut grads = std::mem::take(&mut model.grads);
+        if frozen {
+            // A frozen base's gradients are never used: the passes get a scratch per unit.
+            grads = Vec::new();
+        }
         if n > 1 || experts.is_some() {
             let p = SyncPtr(params.as_mut_ptr());
             let len = params.len();
@@ -321,30 +326,34 @@ impl DataParallel {
             gathered: (0..u).map(|_| None).collect(),
             unit_grads: (0..u).map(|_| None).collect(),
             transient: 0, peak_transient: 0, backward_started: false, busy_at_start: Duration::ZERO,
-            base: None, dequantized: (0..u).map(|_| None).collect(), base_grads: (0..u).map(|_| None).collect(),
+            base: None, packed: (0..u).map(|_| None).collect(), base_grads: (0..u).map(|_| None).collect(),
         }
     }
 
     /// QLoRA: holds the frozen base quantized as `kind` from now on, built tensor by tensor by
-    /// `fill` (see [`crate::qbase::QuantBase::build`]; `None`: from the parameters this store
-    /// holds), and frees the fp32 parameters and gradients. LoRA runs at ZeRO stage 0 only.
-    pub fn quantize_base(&mut self, layout: &model::ParamLayout, kind: model::BaseQuant, fill: Option<&mut dyn FnMut(&model::ParamSpec, &mut [f32])>) {
+    /// `fill` (see [`model::qbase::QuantBase::build`]; `None`: from the parameters this store
+    /// holds), and frees the fp32 parameters and gradients; returns the base, which the model
+    /// must be given (`Gpt::set_quantized_base`) before its next pass through this store.
+    /// LoRA runs at ZeRO stage 0 only.
+    pub fn quantize_base(&mut self, m: &model::Gpt, kind: model::BaseQuant, fill: Option<&mut dyn FnMut(&model::ParamSpec, &mut [f32])>) -> std::sync::Arc<model::qbase::QuantBase> {
         assert!(self.frozen && self.zero == 0 && self.experts.is_none(), "a quantized base needs LoRA (a frozen base) at ZeRO stage 0 without experts");
         self.worker.wait_all();
         let params = std::mem::take(&mut self.params);
         let base = match fill {
-            Some(f) => crate::qbase::QuantBase::build(layout, &self.shards.units, kind, f),
-            None => crate::qbase::QuantBase::build(layout, &self.shards.units, kind, |p, dst| dst.copy_from_slice(&params[p.range()])),
+            Some(f) => model::qbase::QuantBase::build(&m.layout, &m.views, &self.shards.units, kind, f),
+            None => model::qbase::QuantBase::build(&m.layout, &m.views, &self.shards.units, kind, |p, dst| dst.copy_from_slice(&params[p.range()])),
         };
         drop(params);
         self.grads = Vec::new();
         self.grads_ptr = SyncPtr(self.grads.as_mut_ptr());
-        self.base = Some(base);
+        let base = std::sync::Arc::new(base);
+        self.base = Some(base.clone());
+        base
     }
 
     /// The quantized base, if this store holds one.
-    pub fn quantized_base(&self) -> Option<&crate::qbase::QuantBase> {
-        self.base.as_ref()
+    pub fn quantized_base(&self) -> Option<&model::qbase::QuantBase> {
+        self.base.as_deref()
     }
 
     pub fn n(&self) -> usize {
@@ -413,6 +422,7 @@ impl DataParallel {
         }
         for p in self.pieces() {
             let (params, grads): (&mut [f32], &mut [f32]) = match self.zero {
+                0 if self.frozen => (&mut self.params[p.flat.clone()], &mut []),
                 0 | 1 => (&mut self.params[p.flat.clone()], &mut self.grads[p.flat.clone()]),
                 2 => (&mut self.params[p.flat.clone()], &mut self.shard_grads[p.shard.clone()]),
                 _ => (&mut self.shard_params[p.shard.clone()], &mut self.shard_grads[p.shard.clone()]),
@@ -749,29 +759,32 @@ impl DataParallel {
 }
 
 impl DataParallel {
-    /// [`UnitStore::acquire`] with a quantized base: the unit dequantized (once per
-    /// acquisition), and a zeroed gradient scratch the passes may write and nothing reads.
+    /// [`UnitStore::acquire`] with a quantized base: the unit's fp32 tensors packed (once per
+    /// acquisition; the model reads its matrices from the base), and a zeroed gradient scratch
+    /// the passes may write and nothing reads (as far as a frozen model writes,
+    /// `QuantBase::grad_len`).
     fn acquire_quantized(&mut self, u: usize, access: Access) -> (&[f32], &mut [f32]) {
-        let base = self.base.as_ref().unwrap();
-        let len = base.unit_len(u);
-        if access.params() && self.dequantized[u].is_none() {
+        let base = self.base.clone().unwrap();
+        let len = base.compact_len(u);
+        if access.params() && self.packed[u].is_none() {
             let mut buf = vec![0.0; len];
-            base.dequantize_unit(u, &mut buf);
-            self.dequantized[u] = Some(buf);
+            base.compact_unit(u, &mut buf);
+            self.packed[u] = Some(buf);
             self.track(len as isize);
         }
+        let grads_len = base.grad_len(u);
         if access.grads() && self.base_grads[u].is_none() {
-            self.base_grads[u] = Some(vec![0.0; len]);
-            self.track(len as isize);
+            self.base_grads[u] = Some(vec![0.0; grads_len]);
+            self.track(grads_len as isize);
         }
-        let params: &[f32] = if access.params() { self.dequantized[u].as_ref().unwrap() } else { &[] };
+        let params: &[f32] = if access.params() { self.packed[u].as_ref().unwrap() } else { &[] };
         let grads: &mut [f32] = if access.grads() { self.base_grads[u].as_mut().unwrap() } else { &mut [] };
         (params, grads)
     }
 
     fn release_quantized(&mut self, u: usize, access: Access) {
         if access.params() {
-            if let Some(b) = self.dequantized[u].take() {
+            if let Some(b) = self.packed[u].take() {
                 self.track(-(b.len() as isize));
             }
         }
@@ -802,6 +815,13 @@ impl UnitStore for DataParallel {
                 }
             }
         }
+        if access.grads() && self.frozen && self.base_grads[u].is_none() {
+            // LoRA: a scratch per unit the passes write (norms, biases) and nothing reads;
+            // none for the embeddings, whose gradient a frozen model does not compute.
+            let len = if u == 0 { 0 } else { range.len() };
+            self.base_grads[u] = Some(vec![0.0; len]);
+            self.track(len as isize);
+        }
         if access.grads() && self.zero >= 2 && self.unit_grads[u].is_none() {
             let len = self.shards.n * self.shards.chunk[u];
             self.unit_grads[u] = Some(vec![0.0; len]);
@@ -818,6 +838,8 @@ impl UnitStore for DataParallel {
         };
         let grads: &mut [f32] = if !access.grads() {
             &mut []
+        } else if self.frozen {
+            self.base_grads[u].as_mut().unwrap()
         } else if self.zero >= 2 {
             &mut self.unit_grads[u].as_mut().unwrap()[..range.len()]
         } else {
@@ -839,6 +861,9 @@ impl UnitStore for DataParallel {
             }
         }
         if matches!(access, Access::Backward { .. }) {
+            if let Some(b) = self.base_grads[u].take() {
+                self.track(-(b.len() as isize));
+            }
             self.unit_done(u);
         }
     }

@@ -17,7 +17,6 @@ pub mod dp;
 pub mod ep;
 pub mod mesh;
 pub mod pp;
-pub mod qbase;
 pub mod tp;
 pub mod worker;
 #[cfg(feature = "mpi")]

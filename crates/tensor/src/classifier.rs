@@ -97,12 +97,15 @@ pub fn lm_head_crossentropy(
 }
 
 /// One chunk's backward through the head: `dinp = dlogits · weight` (overwritten) and
-/// `dweight += dlogitsᵀ · inp`, with `dlogits` `[rows, Vp]`.
+/// `dweight += dlogitsᵀ · inp`, with `dlogits` `[rows, Vp]`; an empty `dweight` skips the
+/// weight's gradient (a frozen head: LoRA).
 fn chunk_grads(dinp: &mut [f32], dweight: &mut [f32], dlogits: &[f32], inp: &[f32], weight: &[f32], rows: usize, dims: &HeadDims) {
     let HeadDims { c, vp, .. } = *dims;
     let dl = View::rows(dlogits, rows, vp);
     gemm_as(dims.arith, dinp, false, dl, View::rows(weight, vp, c), 1.0, Threads::All);
-    gemm_as(dims.arith, dweight, true, dl.t(), View::rows(inp, rows, c), 1.0, Threads::All);
+    if !dweight.is_empty() {
+        gemm_as(dims.arith, dweight, true, dl.t(), View::rows(inp, rows, c), 1.0, Threads::All);
+    }
 }
 
 /// In-place softmax over the first `v` entries of `row`; the rest (padding) become 0.

@@ -24,6 +24,18 @@ pub fn gemm_as(arith: Arith, dst: &mut [f32], accumulate: bool, lhs: View, rhs: 
     }
 }
 
+/// [`gemm_raw`] in the given arithmetic.
+///
+/// # Safety
+/// As [`gemm_raw`].
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn gemm_raw_as(arith: Arith, dst_ptr: *mut f32, dst_rs: usize, accumulate: bool, lhs: View, rhs: View, alpha: f32, threads: Threads) {
+    match arith {
+        Arith::F32 => gemm_raw(dst_ptr, dst_rs, accumulate, lhs, rhs, alpha, threads),
+        Arith::Bf16 => crate::bf16::gemm_bf16_raw(dst_ptr, dst_rs, accumulate, lhs, rhs, alpha, threads),
+    }
+}
+
 /// How many threads one product may use: all of rayon's pool, or one when already inside a
 /// parallel task (attention heads), so matmul and elementwise threads never oversubscribe.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -140,15 +152,21 @@ pub fn matmul_forward_as(
     assert_eq!(out.len(), bt * oc);
     assert_eq!(inp.len(), bt * c);
     assert_eq!(weight.len(), oc * c);
-    let accumulate = match bias {
+    let accumulate = bias_rows(out, bias, oc);
+    gemm_as(arith, out, accumulate, View::rows(inp, bt, c), View::rows(weight, oc, c).t(), 1.0, Threads::All);
+}
+
+/// A linear layer's output before its product: every row of `out` (`[·, OC]`) the bias, and
+/// then the product accumulates (`true`); without a bias nothing (it overwrites).
+pub(crate) fn bias_rows(out: &mut [f32], bias: Option<&[f32]>, oc: usize) -> bool {
+    match bias {
         Some(b) => {
             assert_eq!(b.len(), oc);
             out.par_chunks_mut(oc).for_each(|row| row.copy_from_slice(b));
             true
         }
         None => false,
-    };
-    gemm_as(arith, out, accumulate, View::rows(inp, bt, c), View::rows(weight, oc, c).t(), 1.0, Threads::All);
+    }
 }
 
 /// Backward of [`matmul_forward`]. Accumulates into `dinp`, `dweight` and `dbias`.

@@ -291,6 +291,91 @@ impl MoeCache {
     }
 }
 
+/// A layer's routing state saved out of a [`MoeCache`] that several layers share as their
+/// working set (activation compression keeps one layer's buffers in fp32 and the others'
+/// activations compressed): the small index maps and statistics, exact.
+#[derive(Default)]
+pub struct MoeRouting {
+    logits: Vec<f32>,
+    probs: Vec<f32>,
+    lse: Vec<f32>,
+    idx: Vec<u32>,
+    gates: Vec<f32>,
+    slot: Vec<u32>,
+    row_token: Vec<u32>,
+    offsets: Vec<usize>,
+    counts: Vec<usize>,
+    route: Vec<f64>,
+    send: Vec<usize>,
+    recv: Vec<usize>,
+}
+
+impl MoeRouting {
+    pub fn bytes(&self) -> usize {
+        4 * (self.logits.len() + self.probs.len() + self.lse.len() + self.idx.len() + self.gates.len() + self.slot.len() + self.row_token.len())
+            + 8 * (self.offsets.len() + self.counts.len() + self.route.len() + self.send.len() + self.recv.len())
+    }
+}
+
+impl MoeCache {
+    /// Copies the last forward's routing state into `out` (its allocations reused).
+    pub fn save_routing(&self, out: &mut MoeRouting) {
+        out.logits.clone_from(&self.logits);
+        out.probs.clone_from(&self.probs);
+        out.lse.clone_from(&self.lse);
+        out.idx.clone_from(&self.idx);
+        out.gates.clone_from(&self.gates);
+        out.slot.clone_from(&self.slot);
+        out.row_token.clone_from(&self.row_token);
+        out.offsets.clone_from(&self.offsets);
+        out.counts.clone_from(&self.counts);
+        out.route.clone_from(&self.route);
+        out.send.clone_from(&self.ep.send);
+        out.recv.clone_from(&self.ep.recv);
+    }
+
+    /// Puts a saved routing state back (before the layer's backward).
+    pub fn restore_routing(&mut self, from: &MoeRouting) {
+        self.logits.clone_from(&from.logits);
+        self.probs.clone_from(&from.probs);
+        self.lse.clone_from(&from.lse);
+        self.idx.clone_from(&from.idx);
+        self.gates.clone_from(&from.gates);
+        self.slot.clone_from(&from.slot);
+        self.row_token.clone_from(&from.row_token);
+        self.offsets.clone_from(&from.offsets);
+        self.counts.clone_from(&from.counts);
+        self.route.clone_from(&from.route);
+        self.ep.send.clone_from(&from.send);
+        self.ep.recv.clone_from(&from.recv);
+    }
+
+    /// The lengths of [`MoeCache::kept_activations`] with every token-assignment kept
+    /// (`R = N·K` rows, or `R` rows received by an expert owner).
+    pub fn kept_lens(dims: &MoeDims) -> [usize; 6] {
+        let MoeDims { n, c, f, k, n_shared: s, .. } = *dims;
+        let r = n * k;
+        [r * c, s * n * 2 * f, s * n * f, r * c, r * 2 * f, r * f]
+    }
+
+    /// The activations [`moe_backward`] reads, at the lengths the last forward (or the routing
+    /// restored) gives them: the expert outputs and the shared experts' activations, and the
+    /// routed experts' inputs and activations — on this rank's experts' owners' buffers under
+    /// expert parallelism, else the local ones.
+    pub fn kept_activations(&mut self) -> [&mut [f32]; 6] {
+        let MoeDims { c, f, .. } = self.dims;
+        let rows = self.rows();
+        let ep = &mut self.ep;
+        let rl = ep.rows();
+        let (eo, sgu, sh) = (&mut self.eo[..rows * c], &mut self.sgu[..], &mut self.sh[..]);
+        if !ep.recv.is_empty() {
+            [eo, sgu, sh, &mut ep.xl[..rl * c], &mut ep.gul[..rl * 2 * f], &mut ep.hl[..rl * f]]
+        } else {
+            [eo, sgu, sh, &mut self.xe[..rows * c], &mut self.gu[..rows * 2 * f], &mut self.h[..rows * f]]
+        }
+    }
+}
+
 /// What an expert owner keeps from an expert-parallel forward (`P` ranks, `El = E/P` local
 /// experts, `Rl` rows received), grown to the largest `Rl` seen and reused.
 #[derive(Default)]

@@ -253,6 +253,148 @@ impl Int8Rows {
     }
 }
 
+/// One quantized tensor, flat.
+#[derive(Clone, Copy)]
+pub enum QPart<'a> {
+    Nf4(&'a Nf4),
+    Int8(&'a Int8Rows),
+}
+
+impl QPart<'_> {
+    pub fn len(&self) -> usize {
+        match self {
+            QPart::Nf4(q) => q.len,
+            QPart::Int8(q) => q.codes.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Elements `start .. start + out.len()` dequantized into `out` (any start).
+    fn decode(&self, out: &mut [f32], start: usize) {
+        assert!(start + out.len() <= self.len(), "quantized range {start}+{} of {}", out.len(), self.len());
+        match self {
+            QPart::Nf4(q) => {
+                let mut i = start;
+                let mut rest = &mut out[..];
+                while !rest.is_empty() {
+                    let b = i / NF4_BLOCK;
+                    let n = ((b + 1) * NF4_BLOCK - i).min(rest.len());
+                    let c = q.block_max(b);
+                    let (now, later) = rest.split_at_mut(n);
+                    for (j, o) in now.iter_mut().enumerate() {
+                        *o = NF4[q.code(i + j) as usize] * c;
+                    }
+                    (i, rest) = (i + n, later);
+                }
+            }
+            QPart::Int8(q) => {
+                for (j, o) in out.iter_mut().enumerate() {
+                    let i = start + j;
+                    *o = q.codes[i] as f32 * q.scales[i / q.cols];
+                }
+            }
+        }
+    }
+}
+
+/// A quantized `[rows, cols]` weight matrix (row-major) as a product reads it: one tensor, or
+/// several stacked along the rows (LLaMA's q|k|v and gate|up projections are separate tensors
+/// quantized on their own) — row-major, that is their flat concatenation.
+#[derive(Clone)]
+pub struct QMat<'a> {
+    pub parts: Vec<QPart<'a>>,
+}
+
+impl QMat<'_> {
+    /// Weights `start .. start + out.len()` of the flat row-major matrix, dequantized into
+    /// `out` (any start: a tile's part of a row).
+    pub fn decode(&self, mut out: &mut [f32], mut start: usize) {
+        for p in &self.parts {
+            if out.is_empty() {
+                return;
+            }
+            let n = p.len();
+            if start >= n {
+                start -= n;
+                continue;
+            }
+            let k = (n - start).min(out.len());
+            let (now, later) = out.split_at_mut(k);
+            p.decode(now, start);
+            (out, start) = (later, 0);
+        }
+        assert!(out.is_empty(), "quantized matrix range past its end");
+    }
+}
+
+/// Output columns per dequantized tile of a quantized product.
+pub const QTILE: usize = 128;
+
+/// `dst[m × n] (+)= lhs[m × k] · rhs` where the right operand is produced a tile of [`QTILE`]
+/// columns at a time: `fill(scratch, j0, nb)` dequantizes columns `j0..j0+nb` into
+/// `scratch` (`k · nb` floats), stored `[nb, k]` when `transposed`, else `[k, nb]`. Tiles run in parallel,
+/// each a single-threaded product over the whole `k`, so an output element's additions do not
+/// depend on the tiling or the thread count; at most one tile per thread exists in fp32.
+#[allow(clippy::too_many_arguments)]
+fn tiled(arith: crate::matmul::Arith, dst: &mut [f32], accumulate: bool, lhs: crate::matmul::View, k: usize, n: usize, transposed: bool, fill: &(dyn Fn(&mut [f32], usize, usize) + Sync)) {
+    use crate::matmul::View;
+    use rayon::prelude::*;
+    let m = lhs.rows;
+    assert_eq!(lhs.cols, k, "inner dimensions differ");
+    assert_eq!(dst.len(), m * n, "destination size");
+    let ptr = crate::par::SyncPtr(dst.as_mut_ptr());
+    (0..n.div_ceil(QTILE)).into_par_iter().for_each(|t| {
+        let ptr = ptr;
+        let (j0, nb) = (t * QTILE, QTILE.min(n - t * QTILE));
+        let mut scratch = crate::par::pooled(k * nb);
+        fill(&mut scratch, j0, nb);
+        let rhs = if transposed { View::rows(&scratch, nb, k).t() } else { View::rows(&scratch, k, nb) };
+        // SAFETY: tile t writes columns j0..j0+nb of every row, disjoint from the others'.
+        unsafe { crate::matmul::gemm_raw_as(arith, ptr.0.add(j0), n, accumulate, lhs, rhs, 1.0, crate::matmul::Threads::One) }
+    });
+}
+
+/// A linear layer over a quantized weight (QLoRA's base product): `out[BT, OC] = inp[BT, C] ·
+/// deq(W)ᵀ (+ bias)`, `W` `[OC, C]`, dequantized [`QTILE`] rows at a time inside the product
+/// — the same values as [`crate::matmul::matmul_forward_as`] over the dequantized matrix,
+/// without it ever existing whole; with `round`, each tile rounded to that format first (a
+/// bf16 base). Overwrites `out`.
+#[allow(clippy::too_many_arguments)]
+pub fn qmatmul_forward(arith: crate::matmul::Arith, round: Option<Format>, out: &mut [f32], inp: &[f32], w: &QMat, bias: Option<&[f32]>, bt: usize, c: usize, oc: usize) {
+    let _p = crate::profile::scope("qmatmul_forward");
+    assert_eq!(inp.len(), bt * c);
+    let accumulate = crate::matmul::bias_rows(out, bias, oc);
+    // Tile = rows j0..j0+nb of W, contiguous: [nb, C], read transposed.
+    let fill = |s: &mut [f32], j0: usize, nb: usize| {
+        w.decode(&mut s[..nb * c], j0 * c);
+        if let Some(f) = round {
+            crate::precision::round_slice(&mut s[..nb * c], f);
+        }
+    };
+    tiled(arith, out, accumulate, crate::matmul::View::rows(inp, bt, c), c, oc, true, &fill);
+}
+
+/// The input gradient through a quantized frozen weight: `dinp[BT, C] += dout[BT, OC] ·
+/// deq(W)`, `W` `[OC, C]` dequantized [`QTILE`] columns at a time.
+#[allow(clippy::too_many_arguments)]
+pub fn qmatmul_backward_input(arith: crate::matmul::Arith, round: Option<Format>, dinp: &mut [f32], dout: &[f32], w: &QMat, bt: usize, c: usize, oc: usize) {
+    let _p = crate::profile::scope("qmatmul_backward");
+    assert_eq!(dout.len(), bt * oc);
+    // Tile = columns j0..j0+nb of every row of W: [OC, nb].
+    let fill = |s: &mut [f32], j0: usize, nb: usize| {
+        for r in 0..oc {
+            w.decode(&mut s[r * nb..(r + 1) * nb], r * c + j0);
+        }
+        if let Some(f) = round {
+            crate::precision::round_slice(&mut s[..oc * nb], f);
+        }
+    };
+    tiled(arith, dinp, true, crate::matmul::View::rows(dout, bt, oc), oc, c, false, &fill);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Activation compression (GACT, Liu et al. 2022; Mesa, Pan et al. 2021): a tensor saved for
 // backward is kept as `bits`-bit integers in groups of [`ACT_GROUP`] consecutive elements, each

@@ -621,19 +621,26 @@ fn whole_model(ctx: &Ctx, lead: bool, pipelined: bool) -> Result<Gpt> {
 /// from a kiln run, the fp32 base this rank holds (rank 0's, broadcast) is quantized.
 fn quantize_base(cfg: &RunConfig, ch: &mut Chunk) -> Result<()> {
     let dir = Path::new(&cfg.model.init_from);
-    let layout = ch.model.layout.clone();
     if dir.join("config.toml").exists() {
-        ch.dp.quantize_base(&layout, cfg.lora.quantize_base, None);
+        let base = ch.dp.quantize_base(&ch.model, cfg.lora.quantize_base, None);
+        ch.model.set_quantized_base(base);
         return Ok(());
     }
     let reader = model::hf::TensorReader::open(dir).map_err(KilnError::User)?;
     let mut failed = None;
+    // bf16 LoRA trains over a bf16 base: each tensor rounded before it is quantized (as
+    // `chunk` rounds a base it holds).
+    let round = model::gpt::storage(cfg.train.precision);
     let mut fill = |p: &model::ParamSpec, dst: &mut [f32]| {
         if let Err(e) = reader.read_into(&p.name, &p.shape, dst) {
             failed.get_or_insert(e);
         }
+        if let Some(fmt) = round {
+            tensor::precision::round_slice(dst, fmt);
+        }
     };
-    ch.dp.quantize_base(&layout, cfg.lora.quantize_base, Some(&mut fill));
+    let base = ch.dp.quantize_base(&ch.model, cfg.lora.quantize_base, Some(&mut fill));
+    ch.model.set_quantized_base(base);
     failed.map_or(Ok(()), |e| Err(KilnError::User(e)))
 }
 
@@ -677,8 +684,14 @@ fn chunk(part: parallel::apply::Part, moments: Option<(Vec<f32>, Vec<f32>)>, res
     }
     // Mixed precision: the fp32 weights (fresh or from the checkpoint) become the master copy
     // and the working parameters are rounded.
-    if let Some(fmt) = model::gpt::storage(m.precision) {
-        opt.mixed(&mut dp, fmt);
+    // With LoRA (bf16 only) the frozen base is what is rounded, once; the adapters stay fp32.
+    match (model::gpt::storage(m.precision), m.lora.is_some()) {
+        (Some(fmt), false) => opt.mixed(&mut dp, fmt),
+        (Some(fmt), true) => {
+            dp.for_each_piece(|_, params, _| tensor::precision::round_slice(params, fmt));
+            dp.after_update();
+        }
+        (None, _) => {}
     }
     if let (Some(st), Some(h)) = (m.fp8.as_ref(), resume_from.and_then(|l| l.state.fp8_amax.as_ref())) {
         // The checkpoint holds the whole model's histories; a stage takes its layers'.

@@ -397,7 +397,8 @@ fn cargo_run_at_the_root_means_the_kiln_program() {
 /// QLoRA (issue 25): a LoRA fine-tune over a base stored as NF4 (or int8) gives, bit for bit,
 /// the losses of plain LoRA over the dequantized base written out in fp32 — the passes see
 /// exactly the dequantized weights — on llama31-tiny from its bf16 files (read tensor by tensor);
-/// `export --merge` writes that merged model; dp 2 matches dp 1; bad settings are refused.
+/// `export --merge` writes that merged model; so does bf16 QLoRA against bf16 LoRA; dp 2 matches
+/// dp 1; bad settings are refused.
 #[test]
 fn qlora_trains_exactly_against_its_dequantized_base() {
     let d = scratch("qlora");
@@ -416,7 +417,7 @@ fn qlora_trains_exactly_against_its_dequantized_base() {
         let name = plan::policy::Names::name(kind);
         let mut m = kiln::run::import_hf(&fx).unwrap();
         let layout = m.layout.clone();
-        parallel::qbase::round_trip(&layout, &mut m.params, kind);
+        model::qbase::round_trip(&layout, &mut m.params, kind);
         let rt = d.join(format!("base-{name}"));
         model::hf::export_hf(&m, &rt).unwrap();
         let (q, qe) = run(&fx, &d.join(format!("q-{name}")), &["--quantize-base", name]);
@@ -428,6 +429,12 @@ fn qlora_trains_exactly_against_its_dequantized_base() {
         if kind != model::BaseQuant::Nf4 {
             continue;
         }
+        // bf16 compute: a bf16 base (each dequantized tile rounded) and bf16 products, the
+        // adapters fp32 — again plain bf16 LoRA over the dequantized base, bit for bit.
+        let (qb, _) = run(&fx, &d.join("q-bf16"), &["--quantize-base", name, "--precision", "bf16"]);
+        let (lb, _) = run(&rt, &d.join("l-bf16"), &["--precision", "bf16"]);
+        assert_eq!(qb, lb, "bf16 QLoRA vs bf16 LoRA over the dequantized base");
+        assert_ne!(qb, q, "bf16 differs from fp32");
         // The merged export is the dequantized base plus the adapters.
         let (eq, el) = (d.join(format!("xq-{name}")), d.join(format!("xl-{name}")));
         for (r, x) in [(d.join(format!("q-{name}")), &eq), (d.join(format!("l-{name}")), &el)] {
@@ -442,7 +449,8 @@ fn qlora_trains_exactly_against_its_dequantized_base() {
     for ((s, a), (_, b)) in one.iter().zip(&two) {
         assert!(((a - b) / b).abs() <= 1e-5, "step {s}: {a} vs {b}");
     }
-    // Refused: a quantized base without adapters, an unknown kind.
+    // Refused: a quantized base without adapters, an unknown kind, LoRA in fp16.
+    assert_user_error(&kiln(&["train", "--init-from", fx.to_str().unwrap(), "--data", data.to_str().unwrap(), "--out", d.join("x3").to_str().unwrap(), "--lora-rank", "2", "--precision", "fp16"]), &["train.precision", "fp16", "LoRA"]);
     assert_user_error(&kiln(&["train", "--data", data.to_str().unwrap(), "--out", d.join("x1").to_str().unwrap(), "--quantize-base", "nf4"]), &["lora.quantize_base", "lora.rank"]);
     assert_user_error(&kiln(&["train", "--init-from", fx.to_str().unwrap(), "--data", data.to_str().unwrap(), "--out", d.join("x2").to_str().unwrap(), "--lora-rank", "2", "--quantize-base", "fp4"]), &["lora.quantize_base", "fp4"]);
 }

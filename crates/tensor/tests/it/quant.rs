@@ -129,3 +129,57 @@ fn activation_compression_rounds_within_a_step_and_stochastic_rounding_is_unbias
         assert!((m - *v as f64).abs() < 0.01, "stochastic mean {m} vs {v}");
     }
 }
+
+/// A product over a quantized weight, dequantized tile by tile inside it, equals the product
+/// over the whole dequantized matrix bit for bit — forward and the input gradient, NF4 and int8, fp32 and
+/// bf16 arithmetic, an fp32 or a bf16-rounded base, one tensor or three stacked, with shapes that split into uneven tiles and
+/// unaligned NF4 blocks.
+#[test]
+fn quantized_products_dequantize_tile_by_tile_and_equal_the_dequantized_product() {
+    use tensor::matmul::{matmul_backward_input_as, matmul_forward_as, Arith};
+    use tensor::quant::{qmatmul_backward_input, qmatmul_forward, QMat, QPart};
+    let (bt, c, oc) = (37, 200, 300);
+    let mut rng = tensor::Rng::new(7);
+    let mut w = vec![0.0f32; oc * c];
+    rng.fill_normal(&mut w, 0.05);
+    let mut x = vec![0.0f32; bt * c];
+    rng.fill_normal(&mut x, 1.0);
+    let mut g = vec![0.0f32; bt * oc];
+    rng.fill_normal(&mut g, 1.0);
+    let bias: Vec<f32> = (0..oc).map(|i| i as f32 * 1e-3).collect();
+    let nf4 = Nf4::quantize(&w, true);
+    let int8 = Int8Rows::quantize(&w, oc, c);
+    let mut int8_deq = vec![0.0; w.len()];
+    int8.dequantize_rows(&mut int8_deq, 0);
+    // Stacked: three tensors of 100 rows each (q|k|v), quantized on their own.
+    let thirds: Vec<Nf4> = w.chunks(100 * c).map(|t| Nf4::quantize(t, true)).collect();
+    let stacked_deq: Vec<f32> = thirds.iter().flat_map(|t| t.dequantize()).collect();
+    let cases = [
+        (QMat { parts: vec![QPart::Nf4(&nf4)] }, nf4.dequantize()),
+        (QMat { parts: vec![QPart::Int8(&int8)] }, int8_deq),
+        (QMat { parts: thirds.iter().map(QPart::Nf4).collect() }, stacked_deq),
+    ];
+    for (q, deq) in &cases {
+        for arith in [Arith::F32, Arith::Bf16] {
+            let (mut want, mut got) = (vec![0.0; bt * oc], vec![1.0; bt * oc]);
+            matmul_forward_as(arith, &mut want, &x, deq, Some(&bias), bt, c, oc);
+            qmatmul_forward(arith, None, &mut got, &x, q, Some(&bias), bt, c, oc);
+            assert!(want == got, "{arith:?} forward differs");
+            let (mut want, mut got) = (vec![0.5; bt * c], vec![0.5; bt * c]);
+            matmul_backward_input_as(arith, &mut want, &g, deq, bt, c, oc);
+            qmatmul_backward_input(arith, None, &mut got, &g, q, bt, c, oc);
+            assert!(want == got, "{arith:?} input gradient differs");
+            // A bf16 base: each tile rounded, as the whole matrix rounded.
+            let mut rounded = deq.clone();
+            tensor::precision::round_slice(&mut rounded, tensor::precision::Format::Bf16);
+            let (mut want, mut got) = (vec![0.0; bt * oc], vec![1.0; bt * oc]);
+            matmul_forward_as(arith, &mut want, &x, &rounded, None, bt, c, oc);
+            qmatmul_forward(arith, Some(tensor::precision::Format::Bf16), &mut got, &x, q, None, bt, c, oc);
+            assert!(want == got, "{arith:?} rounded forward differs");
+            let (mut want, mut got) = (vec![0.5; bt * c], vec![0.5; bt * c]);
+            matmul_backward_input_as(arith, &mut want, &g, &rounded, bt, c, oc);
+            qmatmul_backward_input(arith, Some(tensor::precision::Format::Bf16), &mut got, &g, q, bt, c, oc);
+            assert!(want == got, "{arith:?} rounded input gradient differs");
+        }
+    }
+}
