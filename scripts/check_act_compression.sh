@@ -32,7 +32,7 @@ if [[ $what == *a* ]]; then
 import json, sys
 out = sys.argv[1]
 def last(n): return [json.loads(l) for l in open(f"{out}/{n}/metrics.jsonl") if '"train"' in l][-1]
-def plan(n): return sum(r["bytes"] for r in json.load(open(f"{out}/{n}.plan.json"))["rows"] if r["kind"] == "activations")
+def plan(n): return sum(r["bytes"] for r in json.load(open(f"{out}/{n}.plan.json"))["rows"] if r["kind"] == "activations" and r["phase"] != "eval")
 base = last("gpt2-none")["mem_activations_bytes"]
 for c in ["none", "int8", "int4"]:
     m, p = last(f"gpt2-{c}"), plan(f"gpt2-{c}")

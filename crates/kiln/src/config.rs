@@ -317,6 +317,44 @@ pub struct ParallelSection {
     /// cores than ranks; needs dp = tp = 1).
     #[serde(with = "named")]
     pub pp_trace: PpTrace,
+    /// ZeRO++ on ZeRO-3's collectives (`parallel::zeropp`).
+    pub zeropp: ZeroPpSection,
+}
+
+/// ZeRO++ (Wang et al. 2023; `parallel::zeropp`), with `parallel.zero = 3` and data
+/// parallelism alone.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ZeroPpSection {
+    /// qwZ: parameter all-gathers as int8 blocks of 64 with fp32 scales.
+    pub qwz: bool,
+    /// qgZ: the gradient reduce-scatter as hierarchical all-to-alls of `qgz_bits`-bit blocks.
+    pub qgz: bool,
+    /// qgZ's code bits: 4 (the paper's) or 8.
+    pub qgz_bits: u32,
+    /// hpZ: each rank keeps its node's share of every unit gathered in forward, and backward
+    /// gathers inside the node.
+    pub hpz: bool,
+    /// Ranks per node for qgZ's and hpZ's hierarchy (0: every data-parallel rank on one node).
+    pub node_size: usize,
+}
+
+impl Default for ZeroPpSection {
+    fn default() -> Self {
+        ZeroPpSection { qwz: false, qgz: false, qgz_bits: 4, hpz: false, node_size: 0 }
+    }
+}
+
+impl ZeroPpSection {
+    pub fn any(&self) -> bool {
+        self.qwz || self.qgz || self.hpz
+    }
+
+    /// The switches for a data-parallel degree of `dp`.
+    pub fn resolve(&self, dp: usize) -> parallel::zeropp::ZeroPp {
+        let node = if self.node_size == 0 { dp } else { self.node_size };
+        parallel::zeropp::ZeroPp { qwz: self.qwz, qgz: self.qgz.then_some(self.qgz_bits), hpz: self.hpz, node }
+    }
 }
 
 
@@ -630,7 +668,7 @@ impl Default for ParallelSection {
     fn default() -> Self {
         ParallelSection {
             dp: 1, zero: 0, tp: 1, ep: 1, cp: 1, cp_mode: plan::policy::CpMode::Ring, cp_balance: plan::policy::CpBalance::Zigzag, cp_clock: CpClock::Wall, backend: Backend::Inproc, compression: Compression::None, compression_warmup: 100, powersgd_rank: 4, bucket_mb: 25.0, sequence_parallel: false, pp: 1,
-            schedule: parallel::pp::Kind::OneFOneB, virtual_stages: 1, pp_layers: Vec::new(), pp_trace: PpTrace::Off,
+            schedule: parallel::pp::Kind::OneFOneB, virtual_stages: 1, pp_layers: Vec::new(), pp_trace: PpTrace::Off, zeropp: Default::default(),
         }
     }
 }
@@ -818,9 +856,27 @@ impl RunConfig {
         self.validate_pipeline()
     }
 
-    /// Communication compression (`parallel.compression`).
+    /// Communication compression (`parallel.compression`, `parallel.zeropp`).
     fn validate_compression(&self) -> Result<()> {
         let p = &self.parallel;
+        let z = &p.zeropp;
+        if z.any() {
+            if p.zero != 3 || p.tp > 1 || p.pp > 1 || p.cp > 1 || p.ep > 1 {
+                return user(format!("parallel.zeropp works on ZeRO-3's collectives with data parallelism alone: it needs parallel.zero = 3 and tp = pp = cp = ep = 1 (got zero {}, tp {}, pp {}, cp {}, ep {})", p.zero, p.tp, p.pp, p.cp, p.ep));
+            }
+            if p.compression != Compression::None {
+                return user(format!("parallel.zeropp with parallel.compression = {}: choose one", p.compression.name()));
+            }
+            if z.qgz && !matches!(z.qgz_bits, 4 | 8) {
+                return user(format!("parallel.zeropp.qgz_bits must be 4 or 8, got {}", z.qgz_bits));
+            }
+            if p.dp > 0 && z.node_size > 0 && p.dp % z.node_size != 0 {
+                return user(format!("parallel.zeropp.node_size = {} does not divide parallel.dp = {}", z.node_size, p.dp));
+            }
+            if self.lora.rank > 0 {
+                return user("parallel.zeropp with LoRA: LoRA runs at ZeRO stage 0");
+            }
+        }
         if p.compression == Compression::None {
             return Ok(());
         }

@@ -615,6 +615,20 @@ fn step_rows(out: &mut Rows, cfg: &RunConfig, r: &RankShape) {
         let what = if zero == 3 { "gathered units (with the prefetched next) and unit gradient buffers" } else { "unit gradient buffers" };
         out.add(Kind::Temporary, Phase::Step, "ZeRO unit buffers", b4(zt, p.param.max(p.grad)), format!("{what}, at most at once"));
     }
+    let z = cfg.parallel.zeropp.resolve(dp);
+    if zero == 3 && z.any() && dp > 1 {
+        // ZeRO++ (parallel::zeropp): hpZ keeps 1/G of every unit gathered in forward until its
+        // backward (as int8 packets with qwZ); each quantized collective holds its packets.
+        let words = |c: usize| if z.qwz { parallel::zeropp::packet_words(c, 8) } else { c };
+        if z.hpz {
+            let held: usize = chunk.iter().map(|&c| dp / z.node * words(c)).sum();
+            out.add(Kind::Temporary, Phase::Step, "hpZ secondary partitions", b4(held, 4), format!("1/{} of every unit (node size {}), {}", z.node, z.node, if z.qwz { "int8 packets" } else { "fp32" }));
+        }
+        let c = chunk.iter().copied().max().unwrap_or(0);
+        let gather = if z.qwz { 2 * dp * words(c) } else { 0 };
+        let reduce = z.qgz.map_or(0, |bits| 2 * z.node * parallel::zeropp::packet_words(dp / z.node * c, bits) + 2 * (dp / z.node) * c);
+        out.add(Kind::Temporary, Phase::Step, "ZeRO++ packets", b4(gather.max(reduce), 4), "the largest unit's quantized all-gather or reduce-scatter buffers".into());
+    }
     let max_pad = padded.iter().copied().max().unwrap_or(0);
     let comm = if dp == 1 {
         0

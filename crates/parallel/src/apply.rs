@@ -51,6 +51,8 @@ pub struct Strategy {
     pub fp8_amax_history: usize,
     /// Activation compression of the kept activations, and its rounding.
     pub act_compression: (plan::policy::ActCompression, plan::policy::ActRounding),
+    /// ZeRO++ on the data-parallel group's ZeRO-3 collectives.
+    pub zeropp: crate::zeropp::ZeroPp,
 }
 
 /// One model chunk of this rank: the part of the whole model it holds, behind its data-parallel
@@ -197,7 +199,9 @@ pub fn parallelize(whole: Gpt, s: &Strategy, comm: &dyn Comm) -> Result<(Vec<Par
         let dp = if s.ep > 1 {
             DataParallel::new_ep(dp_comm, expert_comm, ep::expert_ranges(&m.layout), &mut m, s.bucket_elems)
         } else {
-            DataParallel::new(dp_comm, &mut m, s.zero, s.bucket_elems)
+            let mut dp = DataParallel::new(dp_comm, &mut m, s.zero, s.bucket_elems);
+            dp.set_zeropp(s.zeropp);
+            dp
         };
         parts.push(Part { model: m, dp, replicated, seq_partial });
     }

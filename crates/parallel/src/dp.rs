@@ -198,6 +198,12 @@ pub struct DataParallel {
     /// base's gradients are never used, but the passes write norm and bias gradients).
     base: Option<std::sync::Arc<model::qbase::QuantBase>>,
     packed: Vec<Option<Vec<f32>>>,
+    /// ZeRO++ (stage 3): its switches, the node and cross-node groups (rank order as in
+    /// [`crate::zeropp`]), and hpZ's secondary partition of each unit gathered in forward (with
+    /// the ticket of that gather).
+    zpp: crate::zeropp::ZeroPp,
+    zcomms: Option<(Arc<Mutex<Box<dyn Comm>>>, Arc<Mutex<Box<dyn Comm>>>)>,
+    secondary: Vec<Option<(u64, Vec<f32>)>>,
     base_grads: Vec<Option<Vec<f32>>>,
 }
 
@@ -327,7 +333,23 @@ impl DataParallel {
             unit_grads: (0..u).map(|_| None).collect(),
             transient: 0, peak_transient: 0, backward_started: false, busy_at_start: Duration::ZERO,
             base: None, packed: (0..u).map(|_| None).collect(), base_grads: (0..u).map(|_| None).collect(),
+            zpp: Default::default(), zcomms: None, secondary: (0..u).map(|_| None).collect(),
         }
+    }
+
+    /// ZeRO++ from now on (stage 3, `z.node` dividing the data-parallel degree): makes the
+    /// node and cross-node groups (collective over the data-parallel group).
+    pub fn set_zeropp(&mut self, z: crate::zeropp::ZeroPp) {
+        if !z.any() {
+            return;
+        }
+        let (n, me, g) = (self.shards.n, self.shards.rank, z.node);
+        assert!(self.zero == 3 && g >= 1 && n % g == 0, "ZeRO++ needs ZeRO-3 and a node size dividing the data-parallel degree ({g} of {n})");
+        let node: Vec<usize> = (me / g * g..me / g * g + g).collect();
+        let cross: Vec<usize> = (0..n / g).map(|b| b * g + me % g).collect();
+        let (a, b) = self.worker.run("split zeropp", move |c| (c.split(&node), c.split(&cross)));
+        self.zcomms = Some((Arc::new(Mutex::new(a)), Arc::new(Mutex::new(b))));
+        self.zpp = z;
     }
 
     /// QLoRA: holds the frozen base quantized as `kind` from now on, built tensor by tensor by
@@ -569,6 +591,9 @@ impl DataParallel {
 
     /// After the optimizer updated this rank's pieces: stages 1–2 all-gather the parameters.
     pub fn after_update(&mut self) {
+        // hpZ's secondary partitions hold the parameters before the update.
+        self.drop_secondary();
+        self.backward_started = false;
         if self.zero == 0 || self.zero == 3 || self.shards.n == 1 {
             return;
         }
@@ -688,6 +713,9 @@ impl DataParallel {
         let off = self.shards.offset[u];
         let mut buf = vec![0.0f32; n * c];
         self.track((n * c) as isize);
+        if self.zpp.any() {
+            return self.start_gather_zeropp(u, buf);
+        }
         let out = SyncPtr(buf.as_mut_ptr());
         let input = SyncPtr(self.shard_params[off..off + c].as_ptr() as *mut f32);
         // SAFETY: the shard is read-only during passes; `buf` is not read before the ticket is
@@ -695,6 +723,82 @@ impl DataParallel {
         let t = self.worker.submit("all_gather unit", layer_of(&self.shards, u), move |comm| unsafe {
             comm.all_gather(region(input, 0, c), region(out, 0, n * c))
         });
+        self.gathered[u] = Some((t, buf));
+    }
+
+    /// hpZ: forgets every secondary partition (the parameters changed).
+    fn drop_secondary(&mut self) {
+        for u in 0..self.secondary.len() {
+            if let Some((t, v)) = self.secondary[u].take() {
+                self.worker.wait(t);
+                self.track(-(v.len() as isize));
+            }
+        }
+    }
+
+    /// [`DataParallel::start_gather`] under ZeRO++: in backward with hpZ, from the node's
+    /// secondary partition (kept by the forward gather); else from every rank (qwZ: as int8
+    /// packets), keeping this rank's secondary share when hpZ is on.
+    fn start_gather_zeropp(&mut self, u: usize, mut buf: Vec<f32>) {
+        let (n, c, off) = (self.shards.n, self.shards.chunk[u], self.shards.offset[u]);
+        let z = self.zpp;
+        let (node, _) = self.zcomms.clone().expect("ZeRO++ groups");
+        let (g, me) = (z.node, self.shards.rank);
+        let out = SyncPtr(buf.as_mut_ptr());
+        let input = SyncPtr(self.shard_params[off..off + c].as_ptr() as *mut f32);
+        // The secondary share: this rank's 1/G of the gathered unit (as packets with qwZ).
+        let (per, words) = (n / g * c, if z.qwz { n / g * crate::zeropp::packet_words(c, 8) } else { n / g * c });
+        if z.hpz && self.backward_started {
+            if let Some((t0, sec)) = self.secondary[u].take() {
+                self.worker.wait(t0);
+                let sec_ptr = SyncPtr(sec.as_ptr() as *mut f32);
+                let qwz = z.qwz;
+                // SAFETY: `sec` moves into the job (its heap storage stays put); `buf` as in
+                // `start_gather`.
+                let t = self.worker.submit("all_gather unit (node)", layer_of(&self.shards, u), move |_| unsafe {
+                    let node = node.lock().unwrap();
+                    if qwz {
+                        let mut packets = vec![0.0f32; g * words];
+                        node.all_gather(region(sec_ptr, 0, words), &mut packets);
+                        crate::zeropp::dequantize_packets(&packets, c, 8, region(out, 0, n * c));
+                    } else {
+                        node.all_gather(region(sec_ptr, 0, words), region(out, 0, n * c));
+                    }
+                    drop(sec);
+                });
+                self.track(-(words as isize));
+                self.gathered[u] = Some((t, buf));
+                return;
+            }
+        }
+        let mut sec = if z.hpz && !self.backward_started { Some(vec![0.0f32; words]) } else { None };
+        if sec.is_some() {
+            self.track(words as isize);
+        }
+        let sec_ptr = sec.as_mut().map(|v| SyncPtr(v.as_mut_ptr()));
+        let (qwz, local) = (z.qwz, me % g);
+        // SAFETY: as in `start_gather`; `sec` is not read before the ticket is waited for.
+        let t = self.worker.submit("all_gather unit", layer_of(&self.shards, u), move |comm| unsafe {
+            let full = region(out, 0, n * c);
+            if qwz {
+                let w = crate::zeropp::packet_words(c, 8);
+                let mut packets = vec![0.0f32; n * w];
+                crate::zeropp::all_gather_quantized(comm, region(input, 0, c), &mut packets, full);
+                if let Some(s) = sec_ptr {
+                    region(s, 0, words).copy_from_slice(&packets[local * words..(local + 1) * words]);
+                }
+            } else {
+                comm.all_gather(region(input, 0, c), full);
+                if let Some(s) = sec_ptr {
+                    region(s, 0, words).copy_from_slice(&full[local * per..(local + 1) * per]);
+                }
+            }
+        });
+        if let Some(v) = sec {
+            if let Some((_, old)) = self.secondary[u].replace((t, v)) {
+                self.track(-(old.len() as isize));
+            }
+        }
         self.gathered[u] = Some((t, buf));
     }
 
@@ -709,9 +813,13 @@ impl DataParallel {
             let c = self.shards.chunk[u];
             let out = SyncPtr(unsafe { self.shard_grads_ptr.0.add(self.shards.offset[u]) });
             let len = buf.len();
+            let qgz = self.zpp.qgz.zip(self.zcomms.clone());
             self.worker.submit("reduce_scatter unit", layer_of(&self.shards, u), move |comm| {
                 let mut tmp = vec![0.0; c];
-                comm.reduce_scatter_sum(&buf, &mut tmp);
+                match &qgz {
+                    Some((bits, (node, cross))) => crate::zeropp::reduce_scatter_quantized(&**node.lock().unwrap(), &**cross.lock().unwrap(), &buf, &mut tmp, *bits),
+                    None => comm.reduce_scatter_sum(&buf, &mut tmp),
+                }
                 // SAFETY: only this thread writes the gradient shard during a pass.
                 let dst = unsafe { region(out, 0, c) };
                 for (d, x) in dst.iter_mut().zip(&tmp) {

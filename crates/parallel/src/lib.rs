@@ -19,6 +19,7 @@ pub mod mesh;
 pub mod pp;
 pub mod tp;
 pub mod worker;
+pub mod zeropp;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 pub use comm::{mesh_group, run_ranks, run_ranks_with_timeout, Comm, CommTotals, Counters, InProcess, InProcessComm, Op, Signature, OPS};

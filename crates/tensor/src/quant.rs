@@ -291,9 +291,15 @@ impl QPart<'_> {
                 }
             }
             QPart::Int8(q) => {
-                for (j, o) in out.iter_mut().enumerate() {
-                    let i = start + j;
-                    *o = q.codes[i] as f32 * q.scales[i / q.cols];
+                // Row by row: one scale per run.
+                let (mut i, mut rest) = (start, &mut out[..]);
+                while !rest.is_empty() {
+                    let r = i / q.cols;
+                    let n = ((r + 1) * q.cols - i).min(rest.len());
+                    let s = q.scales[r];
+                    let (now, later) = rest.split_at_mut(n);
+                    now.iter_mut().zip(&q.codes[i..i + n]).for_each(|(o, &c)| *o = c as f32 * s);
+                    (i, rest) = (i + n, later);
                 }
             }
         }

@@ -123,6 +123,7 @@ impl<'a> Rank<'a> {
             micro_batch: mb, recompute: cfg.model.recompute, recompute_every: cfg.model.recompute_every,
             precision: cfg.train.precision, fp8_amax_history: cfg.train.fp8_amax_history,
             act_compression: (cfg.memory.activation_compression, cfg.memory.activation_rounding),
+            zeropp: cfg.parallel.zeropp.resolve(world / cfg.parallel.per_dp()),
         };
         let mut model = whole_model(ctx, lead, stages.len() > 1)?;
         let (n, n_train) = (model.num_params(), trainable_layout(&model).total);

@@ -632,3 +632,55 @@ fn compressed_data_parallel_sends_fewer_bytes_and_resumes_exactly() {
     }
     assert_user_error(&train(&data, &d.join("bad"), &["--set", "parallel.compression=onebit_adam"]), &["needs parallel.dp > 1"]);
 }
+
+/// ZeRO++ (issue 23; `parallel.zeropp`) on ZeRO-3 over dp 4 as two nodes of two: qwZ + qgZ
+/// send at least 3.5× fewer bytes than ZeRO-3 and train close to it; hpZ changes no value (its
+/// backward gathers the forward's values from the node) and sends fewer bytes still; resume is
+/// exact (ZeRO++ keeps no state across steps); MPI equals in process; bad settings are refused.
+#[test]
+fn zeropp_cuts_zero3_traffic_and_resumes_exactly() {
+    let d = scratch("zeropp");
+    let data = corpus(&d);
+    let base = ["--set", "train.batch_size=8", "--set", "sample.tokens=0", "--dp", "4", "--zero", "3", "--set", "checkpoint.interval=0"];
+    let zpp = ["--set", "parallel.zeropp.qwz=true", "--set", "parallel.zeropp.qgz=true", "--set", "parallel.zeropp.node_size=2"];
+    let run = |name: &str, extra: &[&str]| -> std::path::PathBuf {
+        let out = d.join(name);
+        let o = train(&data, &out, &[&base[..], extra].concat());
+        assert!(o.status.success(), "{name}: {}", stderr(&o));
+        out
+    };
+    let zero3 = run("zero3", &["--max-steps", "10"]);
+    let q = run("qwz-qgz", &[&zpp[..], &["--max-steps", "10"]].concat());
+    let h = run("hpz", &[&zpp[..], &["--set", "parallel.zeropp.hpz=true", "--max-steps", "10"]].concat());
+    let bytes = |p: &std::path::Path| train_lines(p)[5]["comm_bytes_sent"].as_f64().unwrap();
+    let (b3, bq, bh) = (bytes(&zero3), bytes(&q), bytes(&h));
+    assert!(b3 >= 3.5 * bq, "ZeRO-3 {b3} bytes vs qwZ + qgZ {bq}");
+    assert!(bh < bq, "hpZ {bh} bytes vs {bq}");
+    assert_eq!(losses(&h), losses(&q), "hpZ gathers the forward's values");
+    for ((s, a), (_, b)) in losses(&q).iter().zip(&losses(&zero3)) {
+        assert!(((a - b) / b).abs() < 0.02, "step {s}: ZeRO++ {a} vs ZeRO-3 {b}");
+    }
+    // Resumed from step 6.
+    let hz = [&zpp[..], &["--set", "parallel.zeropp.hpz=true"]].concat();
+    let resumed = d.join("resumed");
+    for extra in [&["--max-steps", "6", "--set", "checkpoint.interval=6"][..], &["--resume", "--max-steps", "10"]] {
+        let o = train(&data, &resumed, &[&base[..], &hz, extra].concat());
+        assert!(o.status.success(), "{}", stderr(&o));
+    }
+    assert_eq!(losses(&resumed), losses(&h), "resumed, bit for bit");
+    // Under MPI.
+    let mpi = d.join("mpi");
+    let mut args: Vec<&str> = vec!["--allow-run-as-root", "--oversubscribe", "-n", "4", env!("CARGO_BIN_EXE_kiln"), "train", "--data", data.to_str().unwrap(), "--out", mpi.to_str().unwrap(), "--backend", "mpi", "--max-steps", "10"];
+    args.extend(SMALL.iter().chain(&base).chain(&hz));
+    let o = std::process::Command::new("mpirun").args(&args).env("RAYON_NUM_THREADS", "2").output().expect("mpirun");
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(losses(&mpi), losses(&h), "MPI equals in process");
+    for (extra, needle) in [
+        (&["--zero", "2"][..], "needs parallel.zero = 3"),
+        (&["--zero", "3", "--set", "parallel.zeropp.node_size=3"], "node_size = 3 does not divide parallel.dp = 4"),
+        (&["--zero", "3", "--set", "parallel.zeropp.qgz_bits=2"], "qgz_bits must be 4 or 8"),
+    ] {
+        assert_user_error(&train(&data, &d.join("bad"), &[&["--dp", "4"][..], &zpp, extra].concat()), &[needle]);
+        assert!(!d.join("bad").exists());
+    }
+}

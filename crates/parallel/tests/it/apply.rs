@@ -23,7 +23,7 @@ fn batch() -> (Vec<u32>, Vec<i32>) {
 fn strategy(dp: usize, tp: usize, sequence_parallel: bool) -> Strategy {
     Strategy {
         pp: 1, dp, ep: 1, tp, cp: 1, cp_mode: Default::default(), cp_zigzag: true, virtual_stages: 1, stages: vec![0..2], sequence_parallel, zero: 0, bucket_elems: 1 << 20, micro_batch: B,
-        recompute: Default::default(), recompute_every: 1, precision: Default::default(), fp8_amax_history: 1, act_compression: Default::default(),
+        recompute: Default::default(), recompute_every: 1, precision: Default::default(), fp8_amax_history: 1, act_compression: Default::default(), zeropp: Default::default(),
     }
 }
 
