@@ -132,6 +132,10 @@ pub struct LayoutArgs {
     /// PowerSGD's rank (default 4).
     #[cfg_attr(feature = "clap", arg(long))]
     pub powersgd_rank: Option<u64>,
+    /// ZeRO++ on ZeRO-3: int8 parameter gathers, hierarchical int4 gradient reduce-scatter,
+    /// backward gathers inside a node (default false).
+    #[cfg_attr(feature = "clap", arg(long))]
+    pub zeropp: Option<bool>,
 }
 
 fn read_file(path: &str, what: &str) -> Result<String, PlanError> {
@@ -263,6 +267,7 @@ pub fn resolve_layout(a: &LayoutArgs, model: &ModelShape) -> Result<(Constraints
         fp32_grads: a.fp32_grads,
         compression: a.compression.as_deref().map(|v| crate::policy::Compression::parse(v).map_err(|e| PlanError(format!("--compression {e}")))).transpose()?,
         powersgd_rank: a.powersgd_rank,
+        zeropp: a.zeropp,
     };
     if let Some(z) = a.zero {
         if z > 3 {
@@ -373,6 +378,7 @@ fn estimate_text(model: &ModelShape, cl: &Cluster, e: &Estimate) -> String {
         "DP traffic  {:.1} MB sent per GPU per step ({}), over {} between nodes",
         b.dp_bytes_per_gpu / 1e6,
         match e.chosen.compression {
+            crate::policy::Compression::None if e.chosen.zeropp => "ZeRO++: int8 parameter gathers, the backward's inside the node, int4 gradients".to_string(),
             crate::policy::Compression::None => "gradients".to_string(),
             crate::policy::Compression::OnebitAdam => "1-bit Adam momentum, after its warm-up".to_string(),
             crate::policy::Compression::PowerSgd => format!("PowerSGD rank-{} factors", e.chosen.powersgd_rank),

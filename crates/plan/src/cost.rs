@@ -71,6 +71,10 @@ pub struct Layout {
     pub compression: crate::policy::Compression,
     /// PowerSGD's rank.
     pub powersgd_rank: u64,
+    /// ZeRO++ (Wang et al. 2023) on ZeRO-3: qwZ int8 parameter gathers, qgZ hierarchical int4
+    /// gradient reduce-scatter, hpZ backward gathers inside the node (`parallel::zeropp`).
+    #[serde(default)]
+    pub zeropp: bool,
 }
 
 impl Layout {
@@ -94,6 +98,9 @@ pub fn check_layout(model: &ModelShape, cluster: &Cluster, l: &Layout) -> Result
     }
     if l.compression == crate::policy::Compression::PowerSgd && (l.tp > 1 || l.pp > 1 || l.zero != 0 || model.experts > 1) {
         return e(format!("--compression powersgd is modelled for a dense model's whole replicas: it needs --tp 1 --pp 1 --zero 0 (got tp {}, pp {}, zero {}, {} experts)", l.tp, l.pp, l.zero, model.experts));
+    }
+    if l.zeropp && (l.zero != 3 || l.compression != crate::policy::Compression::None) {
+        return e(format!("--zeropp works on ZeRO-3's collectives: it needs --zero 3 and no --compression (got zero {}, compression {})", l.zero, crate::policy::Names::name(l.compression)));
     }
     if l.compression == crate::policy::Compression::OnebitAdam && l.zero != 0 {
         return e(format!("--compression onebit_adam communicates the momentum of whole replicas: it needs --zero 0, got {}", l.zero));
@@ -1070,6 +1077,7 @@ pub fn single_device_layout(batch: u64, seq: u64, attention: Attention) -> Layou
         fp32_grads: true,
         compression: Default::default(),
         powersgd_rank: 4,
+        zeropp: false,
     }
 }
 
@@ -1136,10 +1144,34 @@ pub fn dp_comm_time(m: &ModelShape, cl: &Cluster, l: &Layout, stage: u64) -> f64
             }
             0 => all_reduce_time(gl, bytes),
             1 | 2 => reduce_scatter_time(gl, bytes) + all_gather_time(gl, bytes),
+            // ZeRO++: the forward gather over every rank as int8, backward's inside the node
+            // (hpZ), the gradients as two int4 all-to-alls, inside the node then across.
+            _ if l.zeropp => {
+                let z = zeropp_bytes(psi, n, cl.gpus_per_node);
+                let (node, cross) = (group_link(cl, z.node, stride), group_link(cl, n / z.node, stride * z.node));
+                all_gather_time(gl, z.gather) + all_gather_time(node, z.gather) + all_to_all_time(node, z.grad_node) + all_to_all_time(cross, z.grad_cross)
+            }
             _ => reduce_scatter_time(gl, bytes) + 2.0 * all_gather_time(gl, bytes),
         }
     };
     one(dense, l.dp * l.cp) + one(expert, l.dp * l.cp / l.ep)
+}
+
+/// ZeRO++'s messages for `psi` parameters over `n` data-parallel ranks, `per_node` of them to a
+/// node (`parallel::zeropp`: blocks of 64 with an fp32 scale each): the int8 shards every rank
+/// gathers (`Ψ · 1.0625` bytes in all), and each rank's int4 gradient buffers, `Ψ · 0.5625`
+/// inside the node and `1/G` of that across.
+pub struct ZeroPpBytes {
+    pub node: u64,
+    pub gather: f64,
+    pub grad_node: f64,
+    pub grad_cross: f64,
+}
+
+pub fn zeropp_bytes(psi: f64, n: u64, per_node: u64) -> ZeroPpBytes {
+    let node = per_node.clamp(1, n.max(1));
+    let (q8, q4) = (1.0 + 4.0 / 64.0, 0.5 + 4.0 / 64.0);
+    ZeroPpBytes { node, gather: q8 * psi, grad_node: q4 * psi, grad_cross: q4 * psi / node as f64 }
 }
 
 /// 1-bit Adam's per-rank message buffer for `psi` parameters over `n` ranks: `n` messages of
@@ -1188,8 +1220,9 @@ pub fn powersgd_elements(m: &ModelShape, seq: u64, r: u64) -> (f64, f64) {
 
 /// Bytes one rank sends per step in its data-parallel synchronisation of stage `stage`: a ring
 /// all-reduce, or reduce-scatter + all-gather, `2(n−1)/n` of the gradient bytes (ZeRO-3 `3(n−1)/n`);
-/// 1-bit Adam `2(n−1)/n` of its message buffer.
-pub fn dp_bytes_sent(m: &ModelShape, l: &Layout, stage: u64) -> f64 {
+/// 1-bit Adam `2(n−1)/n` of its message buffer; ZeRO++ its int8 gathers (the backward's inside a
+/// node of `per_node`) and int4 all-to-alls ([`zeropp_bytes`]).
+pub fn dp_bytes_sent(m: &ModelShape, l: &Layout, stage: u64, per_node: u64) -> f64 {
     let (dense, expert) = stage_params(m, l, stage);
     let gbytes = state_bytes_per_param(l.precision, l.fp32_grads).1;
     let one = |psi: f64, n: u64| -> f64 {
@@ -1202,6 +1235,11 @@ pub fn dp_bytes_sent(m: &ModelShape, l: &Layout, stage: u64) -> f64 {
                 2.0 * f * 4.0 * (p + q)
             }
             0..=2 => 2.0 * f * gbytes * psi,
+            _ if l.zeropp => {
+                let z = zeropp_bytes(psi, n, per_node);
+                let (g, c) = (z.node as f64, (n / z.node) as f64);
+                f * z.gather + (g - 1.0) / g * (z.gather + z.grad_node) + (c - 1.0) / c * z.grad_cross
+            }
             _ => 3.0 * f * gbytes * psi,
         }
     };
@@ -1303,7 +1341,7 @@ pub fn estimate(m: &ModelShape, cl: &Cluster, l: &Layout) -> Estimate {
             dp_comm_exposed_s: dp_exposed,
             optimizer_s: optimizer,
             dp_comm_total_s: dp_total,
-            dp_bytes_per_gpu: dp_bytes_sent(m, l, 0),
+            dp_bytes_per_gpu: dp_bytes_sent(m, l, 0, cl.gpus_per_node),
             micro_batches: l.micro_batches(),
             hardware_tflops_per_gpu: hf / step / n / 1e12,
             memory: mem,

@@ -38,6 +38,8 @@ pub struct Constraints {
     /// Data-parallel compression (default none) and PowerSGD's rank (default 4).
     pub compression: Option<crate::policy::Compression>,
     pub powersgd_rank: Option<u64>,
+    /// ZeRO++ on ZeRO-3 (default off).
+    pub zeropp: Option<bool>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -269,6 +271,7 @@ pub fn candidates(m: &ModelShape, cl: &Cluster, global_batch: u64, seq: u64, c: 
                                             fp32_grads: c.fp32_grads.unwrap_or(true),
                                             compression: c.compression.unwrap_or_default(),
                                             powersgd_rank: c.powersgd_rank.unwrap_or(4),
+                                            zeropp: c.zeropp.unwrap_or(false),
                                         });
                                     }
                                 }

@@ -328,6 +328,7 @@ pub fn predict_row(row: &Row, cat: &HardwareCatalog, origin: &str) -> Result<Row
         cp_mode: Some(crate::policy::CpMode::Ring),
         compression: None,
         powersgd_rank: None,
+        zeropp: None,
         ep: row.int("ep", origin)?,
         micro_batch: row.int("micro_batch", origin)?,
         schedule,

@@ -657,6 +657,17 @@ fn zeropp_cuts_zero3_traffic_and_resumes_exactly() {
     assert!(b3 >= 3.5 * bq, "ZeRO-3 {b3} bytes vs qwZ + qgZ {bq}");
     assert!(bh < bq, "hpZ {bh} bytes vs {bq}");
     assert_eq!(losses(&h), losses(&q), "hpZ gathers the forward's values");
+    // The planner's model of ZeRO++'s traffic is what the counters measure (a training step's
+    // gathers, the backward's inside the node, and the two all-to-alls; within the units'
+    // padding, the packets' rounding and the step's scalar reductions), on a larger model.
+    let wide = ["--set", "model.n_layer=2", "--set", "model.n_embd=64", "--set", "model.n_head=4", "--set", "parallel.zeropp.hpz=true", "--max-steps", "2"];
+    let l = &train_lines(&run("wide", &[&zpp[..], &wide].concat()))[1];
+    let psi = 4.0 * l["mem_params_bytes"].as_f64().unwrap() / 4.0;
+    let z = plan::cost::zeropp_bytes(psi, 4, 2);
+    let op = |k: &str| l[format!("comm_bytes_sent_{k}")].as_f64().unwrap_or(0.0);
+    let (gather, a2a) = (0.75 * z.gather + 0.5 * z.gather, 0.5 * z.grad_node + 0.5 * z.grad_cross);
+    assert!((op("all_gather") / gather - 1.0).abs() < 0.05, "all-gather {} bytes, planned {gather}: {l}", op("all_gather"));
+    assert!((op("all_to_all") / a2a - 1.0).abs() < 0.05, "all-to-all {} bytes, planned {a2a}: {l}", op("all_to_all"));
     for ((s, a), (_, b)) in losses(&q).iter().zip(&losses(&zero3)) {
         assert!(((a - b) / b).abs() < 0.02, "step {s}: ZeRO++ {a} vs ZeRO-3 {b}");
     }
