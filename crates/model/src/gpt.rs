@@ -297,7 +297,7 @@ struct MoeStash {
 impl MoeStash {
     /// Room for a layer with every token-assignment kept (what the memory plan counts; a
     /// step that keeps more rows on an expert owner grows it).
-    fn sized(cache: &MoeCache, bits: u32) -> MoeStash {
+    fn with_room(cache: &MoeCache, bits: u32) -> MoeStash {
         let mut routing = tensor::moe::MoeRouting::default();
         cache.save_routing(&mut routing);
         let lens = MoeCache::kept_lens(&cache.dims);
@@ -331,7 +331,7 @@ impl Stash {
             res_codes: Vec::new(),
             res_scales: Vec::new(),
             moe: match (&i.moe, fmt) {
-                (Some(cache), StashFormat::Int { bits, .. }) => (0..layers).map(|_| MoeStash::sized(cache, bits)).collect(),
+                (Some(cache), StashFormat::Int { bits, .. }) => (0..layers).map(|_| MoeStash::with_room(cache, bits)).collect(),
                 _ => Vec::new(),
             },
         }
