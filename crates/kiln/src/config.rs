@@ -915,6 +915,9 @@ impl RunConfig {
         if f.elastic_min > 0 && dp > 0 && !(f.elastic_min..=f.elastic_max).contains(&dp) {
             return user(format!("--elastic {}:{}: parallel.dp = {dp} is outside it", f.elastic_min, f.elastic_max));
         }
+        if f.elastic_min > 0 && self.parallel.zeropp.any() && self.parallel.zeropp.node_size > 0 {
+            return user(format!("--elastic with parallel.zeropp.node_size = {}: a resized world need not split into nodes of that size (leave node_size = 0: one node)", self.parallel.zeropp.node_size));
+        }
         if f.elastic_min > 0 && self.lora.quantize_base != model::BaseQuant::None {
             return user("--elastic with lora.quantize_base is not supported: a resize would quantize the base again");
         }

@@ -690,6 +690,7 @@ fn zeropp_cuts_zero3_traffic_and_resumes_exactly() {
         (&["--zero", "2"][..], "needs parallel.zero = 3"),
         (&["--zero", "3", "--set", "parallel.zeropp.node_size=3"], "node_size = 3 does not divide parallel.dp = 4"),
         (&["--zero", "3", "--set", "parallel.zeropp.qgz_bits=2"], "qgz_bits must be 4 or 8"),
+        (&["--zero", "3", "--elastic", "2:4"], "--elastic with parallel.zeropp.node_size = 2"),
     ] {
         assert_user_error(&train(&data, &d.join("bad"), &[&["--dp", "4"][..], &zpp, extra].concat()), &[needle]);
         assert!(!d.join("bad").exists());
