@@ -153,14 +153,19 @@ impl QuantBase {
             if let Some((s, p)) = self.units[u].iter().find_map(|s| s.packed.as_ref().filter(|_| s.at.start <= r.start && r.end <= s.at.end).map(|p| (s, p))) {
                 return p.start + (r.start - s.at.start)..p.start + (r.end - s.at.start);
             }
-            // A matrix view over quantized tensors (one, or q|k|v stacked): nothing of it is
-            // packed.
+            // A view over whole tensors (q|k|v's weights or biases, gate|up): all read
+            // quantized (nothing of it is packed), or all packed, side by side.
             let inside: Vec<&Segment> = self.units[u].iter().filter(|s| r.start <= s.at.start && s.at.end <= r.end).collect();
+            let whole = inside.iter().map(|s| s.at.len()).sum::<usize>() == r.len();
+            if whole && inside.iter().all(|s| s.packed.is_none()) {
+                return 0..0;
+            }
+            let packed: Vec<&Range<usize>> = inside.iter().filter_map(|s| s.packed.as_ref()).collect();
             assert!(
-                inside.iter().map(|s| s.at.len()).sum::<usize>() == r.len() && inside.iter().all(|s| s.packed.is_none()),
-                "range {r:?} of unit {u} is neither one packed tensor nor tensors read quantized"
+                whole && packed.len() == inside.len() && packed.windows(2).all(|w| w[0].end == w[1].start),
+                "range {r:?} of unit {u} is neither packed tensors side by side nor tensors read quantized"
             );
-            0..0
+            packed[0].start..packed[packed.len() - 1].end
         })
     }
 
