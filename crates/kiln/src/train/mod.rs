@@ -158,6 +158,11 @@ fn train_once(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
         None if !cfg.model.init_from.is_empty() && !explicit.contains("data.tokenizer") => Tokenizer::find_in(Path::new(&cfg.model.init_from))?,
         None => None,
     };
+    // The resolved config names the tokenizer that ran: the base model's, when it was taken
+    // (replaying `config.toml` then tokenizes the same way).
+    if resume_from.is_none() && tokenizer.is_some() && !explicit.contains("data.tokenizer") && Path::new(&cfg.model.init_from).join("tokenizer.json").is_file() {
+        cfg.data.tokenizer = cfg.model.init_from.clone();
+    }
     let ds = load_data(&cfg, tokenizer)?;
     check_data_fits(&cfg, &ds)?;
     let gcfg = cfg.gpt_config(ds.tokenizer.vocab_size());

@@ -29,6 +29,10 @@ fn qwen2_fine_tunes_with_its_own_tokenizer_and_exports_everything() {
     for want in ["qkv_bias = true", "vocab_size = 151936", "loss_vocab = 151936", "block_size = 128", "seq_len = 32", "tied_embeddings = true"] {
         assert!(cfg.contains(want), "{want} missing: {cfg}");
     }
+    // The resolved config names the tokenizer that ran (the base model's), so replaying it
+    // tokenizes the same way.
+    let named: toml::Value = toml::from_str(&cfg).unwrap();
+    assert_eq!(named["data"]["tokenizer"].as_str(), fx.to_str(), "{cfg}");
     // The run keeps the model's Hugging Face tokenizer under its own name.
     let tok = fs::read_to_string(out.join("tokenizer.json")).unwrap();
     assert_eq!(tok.trim_end(), fs::read_to_string(fx.join("tokenizer.json")).unwrap().trim_end());
