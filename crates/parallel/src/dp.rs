@@ -795,7 +795,9 @@ impl DataParallel {
             }
         });
         if let Some(v) = sec {
-            if let Some((_, old)) = self.secondary[u].replace((t, v)) {
+            if let Some((t_old, old)) = self.secondary[u].replace((t, v)) {
+                // (The gather that filled it was waited for by its pass; waiting again is free.)
+                self.worker.wait(t_old);
                 self.track(-(old.len() as isize));
             }
         }
