@@ -139,7 +139,8 @@ pub fn peak() -> serde_json::Value {
     let (b, br) = peak_of(Arith::Bf16, true);
     json!({
         "peak_gflops": f, "products": fr, "bf16_peak_gflops": b, "bf16_products": br, "bf16_over_fp32": b / f,
-        "bf16_path": tensor::bf16::path().name(), "threads": rayon::current_num_threads(),
+        "bf16_path": tensor::bf16::path().name(), "bf16_choice": tensor::bf16::choice().describe(),
+        "bf16_dot_over_fma": tensor::bf16::dot_over_fma(), "cpu_vendor": tensor::bf16::vendor(), "threads": rayon::current_num_threads(),
     })
 }
 

@@ -13,6 +13,9 @@
 //!   `f32` while copied into scratch, then the fp32 product of [`crate::matmul`] (AVX-512F/AVX2
 //!   through `gemm`); same values up to the order of fp32 additions.
 //!
+//! The instruction is used only where it is faster than fp32 FMAs ([`path`]): some CPUs have
+//! it at a quarter of the FMA's instruction rate.
+//!
 //! AMX tiles are not used (no AMX machine to test on); see README.
 //!
 //! Each output element is computed by one thread in a fixed order over `k`, so results do not
@@ -116,15 +119,86 @@ impl Path {
     }
 }
 
-/// The path [`gemm_bf16`] takes here. `KILN_BF16_PATH=fallback` forces the fallback (to test
-/// and measure it on a machine that has the instructions).
+/// Why [`path`] is what it is.
+#[derive(Clone, Debug)]
+pub struct Choice {
+    pub path: Path,
+    /// What decided it, in a few words.
+    pub why: &'static str,
+}
+
+impl Choice {
+    /// One line: the path and why.
+    pub fn describe(&self) -> String {
+        format!("{} ({})", self.path.name(), self.why)
+    }
+}
+
+/// The CPU's vendor string (`GenuineIntel`, `AuthenticAMD`, …; empty off x86-64).
+pub fn vendor() -> String {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // CPUID leaf 0 exists on every x86-64 CPU.
+        let r = std::arch::x86_64::__cpuid(0);
+        let b: Vec<u8> = [r.ebx, r.edx, r.ecx].iter().flat_map(|w| w.to_le_bytes()).collect();
+        return String::from_utf8_lossy(&b).into_owned();
+    }
+    #[allow(unreachable_code)]
+    String::new()
+}
+
+/// The path [`gemm_bf16`] takes here: `vdpbf16ps` where the CPU has AVX512_BF16 and runs it
+/// faster than fp32 FMAs, else the fallback. The instruction exists where it is not faster: on
+/// AMD Zen 4 bf16 products ran 1.8× its fp32 peak (`kiln bench --peak`); on the
+/// Intel Xeon measured here (Emerald Rapids, family 6 model 207) 0.5–0.8×, where it would make
+/// bf16 training slower than fp32. The choice orders a product's additions, so it is made from
+/// the CPU's vendor, not from a timing that a busy machine could flip: Intel's AVX512_BF16
+/// takes the fallback. `KILN_BF16_PATH=fallback` or `=avx512_bf16` forces one (to test and
+/// measure both on one machine).
 pub fn path() -> Path {
-    static PATH: std::sync::OnceLock<Path> = std::sync::OnceLock::new();
-    *PATH.get_or_init(|| {
-        let forced = std::env::var("KILN_BF16_PATH").map(|v| v == "fallback").unwrap_or(false);
-        // The fastest path available, last in the list.
-        if forced { Path::Fp32Fallback } else { *available_paths().last().unwrap() }
+    choice().path
+}
+
+/// [`path`] with its reason, decided once per process.
+pub fn choice() -> &'static Choice {
+    static CHOICE: std::sync::OnceLock<Choice> = std::sync::OnceLock::new();
+    CHOICE.get_or_init(|| {
+        let has = available_paths().contains(&Path::Avx512Bf16);
+        let forced = std::env::var("KILN_BF16_PATH").ok();
+        let (path, why) = match (forced.as_deref(), has) {
+            (Some("fallback"), _) => (Path::Fp32Fallback, "forced by KILN_BF16_PATH=fallback"),
+            (Some("avx512_bf16"), true) => (Path::Avx512Bf16, "forced by KILN_BF16_PATH=avx512_bf16"),
+            (_, false) => (Path::Fp32Fallback, "no AVX512_BF16 on this CPU"),
+            _ if vendor() == "GenuineIntel" => (Path::Fp32Fallback, "Intel's vdpbf16ps is no faster than its fp32 FMAs"),
+            _ => (Path::Avx512Bf16, "AVX512_BF16"),
+        };
+        Choice { path, why }
     })
+}
+
+/// `vdpbf16ps`'s arithmetic rate over fp32 FMA's on this core (best of three short timed runs
+/// each); 0 without AVX512_BF16.
+pub fn dot_over_fma() -> f64 {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bf16") && std::is_x86_feature_detected!("fma") {
+        // Both loops run about 2 ms here (the FMA's four times as many iterations), alternating,
+        // the best of five each: the AVX-512 clock settles and a noisy neighbour's slice falls out.
+        const ITERS: usize = 100_000;
+        let time = |f: &dyn Fn() -> f32| {
+            let t = std::time::Instant::now();
+            std::hint::black_box(f());
+            t.elapsed().as_secs_f64()
+        };
+        let (mut dot, mut fma) = (f64::INFINITY, f64::INFINITY);
+        for _ in 0..5 {
+            // Safety: the features were checked above.
+            dot = dot.min(time(&|| unsafe { avx512::dot_chains(ITERS) }));
+            fma = fma.min(time(&|| unsafe { avx512::fma_chains(4 * ITERS) }) / 4.0);
+        }
+        // A `vdpbf16ps` does two products per lane, an FMA one.
+        return 2.0 * fma / dot;
+    }
+    0.0
 }
 
 /// `dst = (accumulate ? dst : 0) + alpha · bf16(lhs) · bf16(rhs)`, fp32 accumulation, with the
@@ -498,6 +572,35 @@ mod avx512 {
                 }
             }
         }
+    }
+
+    /// Independent accumulators in the rate measurements: more than latency × throughput.
+    const CHAINS: usize = 24;
+
+    /// `iters × CHAINS` independent `vdpbf16ps` (see [`super::dot_over_fma`]).
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub unsafe fn dot_chains(iters: usize) -> f32 {
+        let x: __m512bh = std::mem::transmute(_mm512_set1_epi32(std::hint::black_box(0x3F80_3F80)));
+        let mut acc = [_mm512_setzero_ps(); CHAINS];
+        for _ in 0..iters {
+            for v in acc.iter_mut() {
+                *v = _mm512_dpbf16_ps(*v, x, x);
+            }
+        }
+        acc.iter().map(|v| _mm512_reduce_add_ps(*v)).sum()
+    }
+
+    /// `iters × CHAINS` independent `vfmadd…ps` on zmm registers.
+    #[target_feature(enable = "avx512f,fma")]
+    pub unsafe fn fma_chains(iters: usize) -> f32 {
+        let x = _mm512_set1_ps(std::hint::black_box(1.0));
+        let mut acc = [_mm512_setzero_ps(); CHAINS];
+        for _ in 0..iters {
+            for v in acc.iter_mut() {
+                *v = _mm512_fmadd_ps(x, x, *v);
+            }
+        }
+        acc.iter().map(|v| _mm512_reduce_add_ps(*v)).sum()
     }
 
     /// The register tile: `C[MR × NR] (+)= alpha · Σ_p A_p ⊗ B_p` over `kp` packed pairs.

@@ -69,11 +69,15 @@ pub fn doctor_with(corpus: Result<Vec<PathBuf>, String>, peak_flops: Option<f64>
         Some(p) => {
             let _ = writeln!(r, "matmul:   {:.1} GFLOP/s fp32 peak (1024³ gemm, best of 5; the MFU denominator)", p / 1e9);
             let b = tensor::bf16::measure_peak_flops(1024, 5);
-            let _ = writeln!(r, "bf16:     {}; {:.1} GFLOP/s peak (1024³, best of 5; bf16 training's MFU denominator)", tensor::bf16::path().name(), b / 1e9);
+            let _ = writeln!(r, "bf16:     {}; {:.1} GFLOP/s peak (1024³, best of 5; bf16 training's MFU denominator)", tensor::bf16::choice().describe(), b / 1e9);
+            let d = tensor::bf16::dot_over_fma();
+            if d > 0.0 {
+                let _ = writeln!(r, "          vdpbf16ps measured {d:.2}× the fp32 FMA's arithmetic rate on one core");
+            }
         }
         None => {
             let _ = writeln!(r, "matmul:   not measured");
-            let _ = writeln!(r, "bf16:     {}", tensor::bf16::path().name());
+            let _ = writeln!(r, "bf16:     {}", tensor::bf16::choice().describe());
         }
     }
     let _ = writeln!(r, "backends: CPU yes; in-process ranks yes (kiln train --dp N); MPI {}; CUDA not built", mpi_status());

@@ -94,3 +94,22 @@ fn bf16_conversion_rounds_to_nearest_even_and_keeps_nan_and_infinity() {
         assert_eq!(from_bf16(to_bf16(x)), tensor::precision::round(x, tensor::precision::Format::Bf16));
     }
 }
+
+/// `vdpbf16ps` runs where the CPU has it, except on Intel (where it measured slower than fp32
+/// FMAs), and the choice says why; the rate probe runs and gives a plausible ratio.
+#[test]
+fn the_bf16_path_follows_the_cpu() {
+    use tensor::bf16::{choice, dot_over_fma, vendor, Path};
+    let c = choice();
+    let has = available_paths().contains(&Path::Avx512Bf16);
+    if std::env::var("KILN_BF16_PATH").is_err() {
+        assert_eq!(c.path == Path::Avx512Bf16, has && vendor() != "GenuineIntel", "{} on {}", c.describe(), vendor());
+    }
+    assert!(c.describe().starts_with(c.path.name()));
+    let r = dot_over_fma();
+    if has {
+        assert!(r > 0.05 && r < 10.0, "{r}");
+    } else {
+        assert_eq!(r, 0.0);
+    }
+}
