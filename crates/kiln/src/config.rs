@@ -285,9 +285,10 @@ pub struct ParallelSection {
     /// `inproc` or `mpi` (a build with `--features mpi`, run under `mpirun`).
     #[serde(with = "named")]
     pub backend: Backend,
-    /// Data-parallel communication compression: `none`, or `onebit_adam` (Tang et al. 2021:
+    /// Data-parallel communication compression: `none`; `onebit_adam` (Tang et al. 2021:
     /// after `compression_warmup` steps of plain AdamW the variance is frozen and the momentum
-    /// is all-reduced as signs with scales and error feedback).
+    /// is all-reduced as signs with scales and error feedback); `powersgd`; `zero_one_adam`
+    /// (Lu et al. 2023, on `parallel.zeroone`'s schedule).
     #[serde(with = "named")]
     pub compression: Compression,
     /// Steps of uncompressed training before compression starts (1-bit Adam's warm-up, after
@@ -319,6 +320,43 @@ pub struct ParallelSection {
     pub pp_trace: PpTrace,
     /// ZeRO++ on ZeRO-3's collectives (`parallel::zeropp`).
     pub zeropp: ZeroPpSection,
+    /// 0/1 Adam's schedule (`parallel.compression = zero_one_adam`).
+    pub zeroone: ZeroOneSection,
+}
+
+/// 0/1 Adam's schedule (`parallel::compress::ZeroOneSchedule`; DeepSpeed's `ZeroOneAdam`
+/// names). Steps before `parallel.compression_warmup` are plain AdamW.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ZeroOneSection {
+    /// The step after which the variance is frozen and local steps begin.
+    pub var_freeze_step: u64,
+    /// Variance updates per interval before the interval between them doubles (κ).
+    pub var_update_scaler: u64,
+    /// Local steps per sync interval before the interval doubles.
+    pub local_step_scaler: u64,
+    /// The largest sync interval (H): at most this many local steps between averages.
+    pub local_step_clipper: u64,
+}
+
+impl Default for ZeroOneSection {
+    fn default() -> Self {
+        // DeepSpeed's κ and H; its freeze step (100000) and local scaler (32678) are for runs of
+        // hundreds of thousands of steps, scaled here to a few thousand.
+        ZeroOneSection { var_freeze_step: 1000, var_update_scaler: 16, local_step_scaler: 1000, local_step_clipper: 16 }
+    }
+}
+
+impl ZeroOneSection {
+    pub fn schedule(&self, warmup: u64) -> parallel::compress::ZeroOneSchedule {
+        parallel::compress::ZeroOneSchedule {
+            warmup,
+            var_freeze_step: self.var_freeze_step,
+            var_update_scaler: self.var_update_scaler,
+            local_step_scaler: self.local_step_scaler,
+            local_step_clipper: self.local_step_clipper,
+        }
+    }
 }
 
 /// ZeRO++ (Wang et al. 2023; `parallel::zeropp`), with `parallel.zero = 3` and data
@@ -668,7 +706,7 @@ impl Default for ParallelSection {
     fn default() -> Self {
         ParallelSection {
             dp: 1, zero: 0, tp: 1, ep: 1, cp: 1, cp_mode: plan::policy::CpMode::Ring, cp_balance: plan::policy::CpBalance::Zigzag, cp_clock: CpClock::Wall, backend: Backend::Inproc, compression: Compression::None, compression_warmup: 100, powersgd_rank: 4, bucket_mb: 25.0, sequence_parallel: false, pp: 1,
-            schedule: parallel::pp::Kind::OneFOneB, virtual_stages: 1, pp_layers: Vec::new(), pp_trace: PpTrace::Off, zeropp: Default::default(),
+            schedule: parallel::pp::Kind::OneFOneB, virtual_stages: 1, pp_layers: Vec::new(), pp_trace: PpTrace::Off, zeropp: Default::default(), zeroone: Default::default(),
         }
     }
 }
@@ -895,6 +933,20 @@ impl RunConfig {
         }
         if p.compression_warmup == 0 && p.compression == Compression::OnebitAdam {
             return user("parallel.compression_warmup must be at least 1 (1-bit Adam's variance comes from uncompressed steps), got 0");
+        }
+        if p.compression == Compression::ZerooneAdam {
+            let z = &p.zeroone;
+            for (k, v) in [("var_update_scaler", z.var_update_scaler), ("local_step_scaler", z.local_step_scaler), ("local_step_clipper", z.local_step_clipper)] {
+                if v == 0 {
+                    return user(format!("parallel.zeroone.{k} must be at least 1, got 0"));
+                }
+            }
+            if z.var_freeze_step < p.compression_warmup {
+                return user(format!("parallel.zeroone.var_freeze_step = {} is before parallel.compression_warmup = {}: the variance freezes after the warm-up", z.var_freeze_step, p.compression_warmup));
+            }
+            if self.train.precision != model::Precision::Fp32 {
+                return user(format!("parallel.compression = zero_one_adam needs train.precision = fp32, got {} (its local steps move fp32 parameters)", self.train.precision.name()));
+            }
         }
         if p.compression == Compression::PowerSgd && p.powersgd_rank == 0 {
             return user("parallel.powersgd_rank must be at least 1, got 0");

@@ -564,6 +564,14 @@ fn model_state_rows(out: &mut Rows, cfg: &RunConfig, r: &RankShape, s: usize) {
         out.add(Kind::Optimizer, held, "1-bit Adam error feedback", b4(state, 4), format!("worker error {moments} + server error {} elements (parallel.compression)", state - moments));
         out.add(Kind::Temporary, Phase::Step, "1-bit Adam momentum", b4(moments, 4), "this rank's momentum, averaged compressed in the update".into());
     }
+    if cfg.parallel.compression == crate::config::Compression::ZerooneAdam {
+        // 0/1 Adam (step::zeroone_step): the error feedback, the anchor and the accumulated
+        // moves; in the update the rank's scaled gradient and, at a sync, the moves to average.
+        let n = cfg.parallel.dp.max(1);
+        let state = crate::step::ZeroOneState::state_len(moments, n);
+        out.add(Kind::Optimizer, held, "0/1 Adam state", b4(state, 4), format!("error feedback {} + anchor {moments} + accumulated moves {moments} elements (parallel.compression)", state - 2 * moments - 2));
+        out.add(Kind::Temporary, Phase::Step, "0/1 Adam buffers", b4(2 * moments, 4), "this rank's scaled gradient, and at a sync its moves in momentum units".into());
+    }
 }
 
 /// Activations (one set per micro-batch in flight) and the backward scratch; returns the sets'
@@ -691,6 +699,8 @@ fn checkpoint_rows(out: &mut Rows, cfg: &RunConfig, gpt: &GptConfig, r: &RankSha
     // 1-bit Adam: each rank's error feedback too.
     let snap = snap + match par.compression {
         crate::config::Compression::OnebitAdam => parallel::compress::OneBit::state_len(whole_layout.total, dp),
+        // Its row also carries the rank's momentum.
+        crate::config::Compression::ZerooneAdam => crate::step::ZeroOneState::state_len(whole_layout.total, dp) + whole_layout.total,
         crate::config::Compression::PowerSgd => {
             let tensors = parallel::compress::PowerSgd::tensors(&whole_layout);
             let (err, q, _) = parallel::compress::PowerSgd::sizes(&tensors, par.powersgd_rank);

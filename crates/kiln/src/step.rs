@@ -90,6 +90,32 @@ pub struct Optimizer {
 pub enum CompressionState {
     OneBit(parallel::compress::OneBit),
     PowerSgd(parallel::compress::PowerSgd),
+    ZeroOne(ZeroOneState),
+}
+
+/// 0/1 Adam's state on one rank (`parallel.compression = zero_one_adam`): the 1-bit
+/// all-reduce's error feedback (of gradients before the variance freezes, of accumulated moves
+/// after), and for the local steps the parameters at the last sync (`anchor`, the same on every
+/// rank), this rank's moves since (`acc`; its parameters are `anchor − acc`) and the sum of the
+/// learning rates since (`lrs`). The checkpoint row adds the rank's own momentum
+/// ([`Optimizer::compression_row`]).
+#[derive(Clone, Debug)]
+pub struct ZeroOneState {
+    pub onebit: parallel::compress::OneBit,
+    pub acc: Vec<f32>,
+    pub anchor: Vec<f32>,
+    pub lrs: f64,
+}
+
+impl ZeroOneState {
+    fn new(len: usize, n: usize, rank: usize) -> ZeroOneState {
+        ZeroOneState { onebit: parallel::compress::OneBit::new(len, n, rank), acc: vec![0.0; len], anchor: vec![0.0; len], lrs: 0.0 }
+    }
+
+    /// Elements of [`CompressionState::state`] for a `len`-element store over `n` ranks.
+    pub fn state_len(len: usize, n: usize) -> usize {
+        parallel::compress::OneBit::state_len(len, n) + 2 * len + 2
+    }
 }
 
 impl CompressionState {
@@ -98,6 +124,7 @@ impl CompressionState {
     pub fn new(cfg: &RunConfig, layout: &model::ParamLayout, len: usize, n: usize, rank: usize) -> CompressionState {
         match cfg.parallel.compression {
             crate::config::Compression::PowerSgd => CompressionState::PowerSgd(powersgd_state(cfg, layout, len)),
+            crate::config::Compression::ZerooneAdam => CompressionState::ZeroOne(ZeroOneState::new(len, n, rank)),
             _ => CompressionState::OneBit(parallel::compress::OneBit::new(len, n, rank)),
         }
     }
@@ -107,6 +134,14 @@ impl CompressionState {
         match self {
             CompressionState::OneBit(o) => o.state(),
             CompressionState::PowerSgd(p) => p.state(),
+            CompressionState::ZeroOne(z) => {
+                let mut v = z.onebit.state();
+                v.extend_from_slice(&z.acc);
+                v.extend_from_slice(&z.anchor);
+                let b = z.lrs.to_bits();
+                v.extend([f32::from_bits(b as u32), f32::from_bits((b >> 32) as u32)]);
+                v
+            }
         }
     }
 
@@ -114,6 +149,7 @@ impl CompressionState {
         match self {
             CompressionState::OneBit(o) => o.worker.len() + o.server.len(),
             CompressionState::PowerSgd(p) => p.err.len() + p.q.len(),
+            CompressionState::ZeroOne(z) => z.onebit.worker.len() + z.onebit.server.len() + z.acc.len() + z.anchor.len() + 2,
         }
     }
 
@@ -121,6 +157,15 @@ impl CompressionState {
         match self {
             CompressionState::OneBit(o) => o.set_state(s),
             CompressionState::PowerSgd(p) => p.set_state(s),
+            CompressionState::ZeroOne(z) => {
+                let e = z.onebit.worker.len() + z.onebit.server.len();
+                let len = z.acc.len();
+                z.onebit.set_state(&s[..e]);
+                z.acc.copy_from_slice(&s[e..e + len]);
+                z.anchor.copy_from_slice(&s[e + len..e + 2 * len]);
+                let (lo, hi) = (s[e + 2 * len].to_bits() as u64, s[e + 2 * len + 1].to_bits() as u64);
+                z.lrs = f64::from_bits(lo | hi << 32);
+            }
         }
     }
 }
@@ -229,21 +274,71 @@ impl Optimizer {
 }
 
 impl Optimizer {
+    /// This rank's row of `checkpoint::COMPRESSION_STATE`: the compressor's state, and for 0/1
+    /// Adam the rank's own momentum after it (its local steps make it differ between ranks).
+    pub fn compression_row(&self) -> Option<Vec<f32>> {
+        let mut row = self.compression.as_ref()?.state();
+        if let Some(CompressionState::ZeroOne(_)) = &self.compression {
+            row.extend_from_slice(&self.m);
+        }
+        Some(row)
+    }
+
+    pub fn compression_row_len(&self) -> Option<usize> {
+        let st = self.compression.as_ref()?;
+        Some(st.state_len() + if matches!(st, CompressionState::ZeroOne(_)) { self.m.len() } else { 0 })
+    }
+
+    /// Restores [`Optimizer::compression_row`] into `st`, and for 0/1 Adam the rank's momentum;
+    /// returns the parameters the rank had (`anchor − acc`) when its last step was a local one.
+    pub fn restore_compression(&mut self, mut st: CompressionState, row: &[f32], local: bool) -> Option<Vec<f32>> {
+        let k = st.state_len();
+        st.set_state(&row[..k]);
+        let params = match &st {
+            CompressionState::ZeroOne(z) => {
+                let len = self.m.len();
+                self.m.copy_from_slice(&row[k..k + len]);
+                local.then(|| z.anchor.iter().zip(&z.acc).map(|(a, d)| a - d).collect())
+            }
+            _ => None,
+        };
+        self.compression = Some(st);
+        params
+    }
+
+    /// The AdamW hyper-parameters of each weight-decay segment inside `piece`: (the segment's
+    /// range relative to the piece, the piece's offset in the moments, hyper-parameters).
+    fn segments(&self, piece: &parallel::Piece, cfg: &RunConfig, lr: f64, t: u64) -> Vec<(Range<usize>, usize, AdamW)> {
+        let tc = &cfg.train;
+        let f = &piece.flat;
+        self.segs
+            .iter()
+            .filter_map(|(r, decay)| {
+                let (a, b) = (r.start.max(f.start), r.end.min(f.end));
+                let h = AdamW { lr: lr as f32, beta1: tc.beta1 as f32, beta2: tc.beta2 as f32, eps: tc.eps as f32, weight_decay: if *decay { tc.weight_decay as f32 } else { 0.0 }, t };
+                (a < b).then(|| (a - f.start..b - f.start, piece.shard.start, h))
+            })
+            .collect()
+    }
+
+    /// 0/1 Adam's update of one piece on the ranks' averaged gradient (`grads`, the piece's),
+    /// updating the variance only with `update_v` (`tensor::optim::zeroone_update`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn update_piece_zeroone(&mut self, params: &mut [f32], grads: &[f32], piece: &parallel::Piece, cfg: &RunConfig, lr: f64, t: u64, var_updates: u64, update_v: bool) {
+        for (r, off, h) in self.segments(piece, cfg, lr, t) {
+            let moments = off + r.start..off + r.end;
+            let (m, v) = (&mut self.m[moments.clone()], &mut self.v[moments]);
+            tensor::optim::zeroone_update(&mut params[r.clone()], &grads[r], m, v, &h, var_updates, update_v);
+        }
+    }
+
     /// 1-bit Adam's update of one piece in the compression stage: the momentum `m` is given
     /// (already averaged over the ranks) and stored; the variance stays as the warm-up left it,
     /// with its bias correction frozen at step `frozen_at`.
     pub fn update_piece_frozen(&mut self, params: &mut [f32], m: &[f32], piece: &parallel::Piece, cfg: &RunConfig, lr: f64, t: u64, frozen_at: u64) {
-        let tc = &cfg.train;
-        let f = &piece.flat;
-        let rbc2 = (1.0 / (1.0 - tc.beta2.powi(frozen_at as i32)).sqrt()) as f32;
-        for (r, decay) in &self.segs {
-            let (a, b) = (r.start.max(f.start), r.end.min(f.end));
-            if a >= b {
-                continue;
-            }
-            let h = AdamW { lr: lr as f32, beta1: tc.beta1 as f32, beta2: tc.beta2 as f32, eps: tc.eps as f32, weight_decay: if *decay { tc.weight_decay as f32 } else { 0.0 }, t };
-            let (lo, hi) = (a - f.start, b - f.start);
-            let off = piece.shard.start;
+        let rbc2 = (1.0 / (1.0 - cfg.train.beta2.powi(frozen_at as i32)).sqrt()) as f32;
+        for (r, off, h) in self.segments(piece, cfg, lr, t) {
+            let (lo, hi) = (r.start, r.end);
             let (ms, vs) = (&m[off + lo..off + hi], &self.v[off + lo..off + hi]);
             match (&mut self.master, self.round) {
                 (Some(mw), Some(fmt)) => {
@@ -258,6 +353,15 @@ impl Optimizer {
     }
 }
 
+/// The gradient norm a step with unreduced gradients reports: the root mean square of the
+/// ranks' own norms, each rank's gradient taken as `n ×` its share of the batch's.
+fn ranks_norm(ch: &mut Chunk) -> f64 {
+    let n = ch.dp.n();
+    let mut sq = 0.0;
+    ch.dp.for_each_piece(|_, _, g| sq += sum_squares(g));
+    (ch.dp.all_reduce_f64(&[sq])[0] / n as f64).sqrt() * n as f64
+}
+
 /// 1-bit Adam's compression stage (`parallel.compression = onebit_adam`, past
 /// `parallel.compression_warmup`): the gradients stayed on their ranks (no reduction). Each
 /// rank forms its momentum `β1·m + (1−β1)·g` from its own gradient (of its share of the batch,
@@ -269,9 +373,7 @@ impl Optimizer {
 fn onebit_step(ch: &mut Chunk, cfg: &RunConfig, step: u64, lr: f64, check: &mut dyn FnMut(f64) -> Option<&'static str>) -> (f64, Option<&'static str>) {
     let n = ch.dp.n();
     let share = n as f32;
-    let mut sq = 0.0;
-    ch.dp.for_each_piece(|_, _, g| sq += sum_squares(g));
-    let norm = (ch.dp.all_reduce_f64(&[sq])[0] / n as f64).sqrt() * share as f64;
+    let norm = ranks_norm(ch);
     if let Some(why) = check(norm) {
         return (norm, Some(why));
     }
@@ -300,6 +402,90 @@ fn onebit_step(ch: &mut Chunk, cfg: &RunConfig, step: u64, lr: f64, check: &mut 
     ch.dp.for_each_piece(|piece, params, _| opt.update_piece_frozen(params, &mom, piece, cfg, lr, step + 1, frozen_at));
     ch.dp.after_update();
     (norm, None)
+}
+
+/// 0/1 Adam (`parallel.compression = zero_one_adam`) on a step of its schedule that does not
+/// all-reduce the gradients in full precision (`parallel::compress::ZeroOneSchedule`). The
+/// gradients stayed on their ranks; each rank's (`n ×` what it accumulated, as 1-bit Adam's; not
+/// clipped) either goes through the 1-bit all-reduce, the momentum and parameters then updated
+/// as AdamW with the variance as it was, or, once the variance is frozen, drives a local step
+/// (`tensor::optim::zeroone_local`). At a sync step every rank sends its accumulated moves
+/// scaled by the denominator `√v̂ + ε` (momentum units, the same scale on every element) through
+/// the 1-bit all-reduce; the average `ū` gives every rank the same parameters, `anchor −
+/// ū / (√v̂ + ε)`, and momentum, `ū / Σ lr`. Returns the reported gradient norm (as 1-bit Adam's)
+/// or why the update was skipped.
+fn zeroone_step(ch: &mut Chunk, cfg: &RunConfig, step: u64, lr: f64, kind: parallel::compress::ZeroOneKind, check: &mut dyn FnMut(f64) -> Option<&'static str>) -> (f64, Option<&'static str>) {
+    use parallel::compress::{OneBit, ZeroOneKind};
+    let (n, rank) = (ch.dp.n(), ch.dp.rank());
+    let share = n as f32;
+    let norm = ranks_norm(ch);
+    if let Some(why) = check(norm) {
+        return (norm, Some(why));
+    }
+    let len = ch.opt.m.len();
+    let mut st = match ch.opt.compression.take() {
+        Some(CompressionState::ZeroOne(z)) => z,
+        _ => ZeroOneState::new(len, n, rank),
+    };
+    let mut g = vec![0.0f32; len];
+    ch.dp.for_each_piece(|piece, _, grads| g[piece.shard.clone()].iter_mut().zip(grads.iter()).for_each(|(o, &x)| *o = x * share));
+    let (t, opt) = (step + 1, &mut ch.opt);
+    let onebit_mean = |dp: &mut DataParallel, ob: OneBit, x: Vec<f32>| dp.run("zeroone_adam", move |comm| {
+        let (mut ob, mut x) = (ob, x);
+        ob.all_reduce_mean(comm, &mut x);
+        (ob, x)
+    });
+    match kind {
+        ZeroOneKind::Variance { .. } => unreachable!("a variance step all-reduces its gradients in full precision"),
+        ZeroOneKind::OneBitGrad { var_updates } => {
+            let ob = std::mem::replace(&mut st.onebit, OneBit::new(0, n, rank));
+            let (ob, g) = onebit_mean(&mut ch.dp, ob, g);
+            st.onebit = ob;
+            ch.dp.for_each_piece(|piece, params, _| opt.update_piece_zeroone(params, &g[piece.shard.clone()], piece, cfg, lr, t, var_updates, false));
+        }
+        ZeroOneKind::Local { var_updates, first, sync } => {
+            if first {
+                // The error feedback held gradients; from here it holds moves.
+                st.onebit = OneBit::new(len, n, rank);
+                ch.dp.for_each_piece(|piece, params, _| st.anchor[piece.shard.clone()].copy_from_slice(params));
+                st.acc.fill(0.0);
+                st.lrs = 0.0;
+            }
+            ch.dp.for_each_piece(|piece, params, _| {
+                for (r, off, h) in opt.segments(piece, cfg, lr, t) {
+                    let e = off + r.start..off + r.end;
+                    let (m, v) = (&mut opt.m[e.clone()], &opt.v[e.clone()]);
+                    tensor::optim::zeroone_local(&mut params[r], &g[e.clone()], m, v, &mut st.acc[e.clone()], &st.anchor[e], &h, var_updates);
+                }
+            });
+            st.lrs += lr;
+            if sync {
+                let tc = &cfg.train;
+                let rbc2 = (1.0 / (1.0 - tc.beta2.powi(var_updates as i32)).sqrt()) as f32;
+                let denom = |v: f32| v.sqrt() * rbc2 + tc.eps as f32;
+                let u: Vec<f32> = st.acc.iter().zip(opt.v.iter()).map(|(&a, &v)| a * denom(v)).collect();
+                let ob = std::mem::replace(&mut st.onebit, OneBit::new(0, n, rank));
+                let (ob, u) = onebit_mean(&mut ch.dp, ob, u);
+                st.onebit = ob;
+                let inv = (1.0 / st.lrs) as f32;
+                for (i, &ui) in u.iter().enumerate() {
+                    st.anchor[i] -= ui / denom(opt.v[i]);
+                    opt.m[i] = ui * inv;
+                }
+                ch.dp.for_each_piece(|piece, params, _| params.copy_from_slice(&st.anchor[piece.shard.clone()]));
+                st.acc.fill(0.0);
+                st.lrs = 0.0;
+            }
+        }
+    }
+    ch.dp.after_update();
+    ch.opt.compression = Some(CompressionState::ZeroOne(st));
+    (norm, None)
+}
+
+/// 0/1 Adam's schedule for `cfg` (its warm-up is `parallel.compression_warmup`).
+pub fn zeroone_schedule(cfg: &RunConfig) -> parallel::compress::ZeroOneSchedule {
+    cfg.parallel.zeroone.schedule(cfg.parallel.compression_warmup)
 }
 
 /// PowerSGD (`parallel.compression = powersgd`, past `parallel.compression_warmup`): the
@@ -525,8 +711,15 @@ pub fn train_step(
     assert_eq!(chunks.len(), pipe.sched.v, "one chunk per virtual stage");
     let compress = compressing(cfg, step) && chunks[0].dp.n() > 1;
     let onebit = compress && cfg.parallel.compression == crate::config::Compression::OnebitAdam;
+    // 0/1 Adam: its variance steps all-reduce the gradients in full precision.
+    let zeroone = (compress && cfg.parallel.compression == crate::config::Compression::ZerooneAdam).then(|| zeroone_schedule(cfg).kind(step + 1));
+    let variance_step = match zeroone {
+        Some(parallel::compress::ZeroOneKind::Variance { var_updates }) => Some(var_updates),
+        _ => None,
+    };
+    let local = compress && variance_step.is_none();
     for ch in chunks.iter_mut() {
-        ch.dp.set_local(compress);
+        ch.dp.set_local(local);
         ch.dp.zero_grad();
         if let Some(lo) = ch.model.lora.as_mut() {
             lo.grads.fill(0.0);
@@ -579,14 +772,24 @@ pub fn train_step(
         ch.opt.update(&mut lo.params, &lo.grads, cfg, lr, step + 1);
         return out(norm, None);
     }
-    if compress && !onebit {
+    if let (Some(kind), None) = (zeroone, variance_step) {
+        if let Some(wait) = pipe.before_update {
+            wait();
+        }
+        let (norm, skipped) = zeroone_step(&mut chunks[0], cfg, step, lr, kind, &mut check);
+        return out(norm, skipped);
+    }
+    if zeroone.is_some() && chunks[0].opt.compression.is_none() {
+        // (A variance step first: the state exists from the first compressed step on.)
+        let ch = &mut chunks[0];
+        let (len, n, me) = (ch.opt.m.len(), ch.dp.n(), ch.dp.rank());
+        ch.opt.compression = Some(CompressionState::ZeroOne(ZeroOneState::new(len, n, me)));
+    }
+    if compress && !onebit && zeroone.is_none() {
         // The vetoes first, on the ranks' own gradients (RMS norm, as 1-bit Adam's): a skipped
         // step must leave PowerSGD's error and Q as they were.
         let ch = &mut chunks[0];
-        let mut sq = 0.0;
-        ch.dp.for_each_piece(|_, _, g| sq += sum_squares(g));
-        let n = ch.dp.n() as f64;
-        let local = (ch.dp.all_reduce_f64(&[sq])[0] / n).sqrt() * n;
+        let local = ranks_norm(ch);
         if let Some(why) = check(local) {
             return out(local, Some(why));
         }
@@ -638,7 +841,10 @@ pub fn train_step(
             ch.dp.scale_grads((clip_scale * unscale) as f32);
         }
         let opt = &mut ch.opt;
-        ch.dp.for_each_piece(|piece, params, grads| opt.update_piece(params, grads, piece, cfg, lr, step + 1));
+        match variance_step {
+            Some(cv) => ch.dp.for_each_piece(|piece, params, grads| opt.update_piece_zeroone(params, grads, piece, cfg, lr, step + 1, cv, true)),
+            None => ch.dp.for_each_piece(|piece, params, grads| opt.update_piece(params, grads, piece, cfg, lr, step + 1)),
+        }
         ch.dp.after_update();
     }
     out(norm, None)

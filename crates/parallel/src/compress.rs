@@ -1,6 +1,7 @@
 //! Communication compression (issue 23): 1-bit Adam's compressed all-reduce (Tang et al.,
-//! "1-bit Adam", ICML 2021, Algorithm 1; DeepSpeed's `compressed_allreduce`), and PowerSGD's
-//! low-rank gradient all-reduce ([`PowerSgd`]).
+//! "1-bit Adam", ICML 2021, Algorithm 1; DeepSpeed's `compressed_allreduce`), which 0/1 Adam
+//! reuses on its own schedule ([`ZeroOneSchedule`]), and PowerSGD's low-rank gradient
+//! all-reduce ([`PowerSgd`]).
 //!
 //! A buffer is averaged over the group as signs with scales, in two phases, each with
 //! **error feedback** so that what compression drops is added back next time:
@@ -161,6 +162,87 @@ impl OneBit {
             let block = &all[j * msg..(j + 1) * msg];
             unpack_signs(&block[..msg - 1], block[msg - 1], &mut x[r]);
         }
+    }
+}
+
+/// 0/1 Adam's schedule (Lu et al., "Maximizing Communication Efficiency for Large-scale
+/// Training via 0/1 Adam", ICLR 2023; DeepSpeed's `ZeroOneAdam`): what step `t` (1-based) does.
+///
+/// - Steps `t ≤ warmup` are plain AdamW steps ([`ZeroOneKind::Variance`]).
+/// - Up to `var_freeze_step`, the variance is updated at intervals that start at 1 and double
+///   after every `var_update_scaler` updates (counted from the warm-up's end); those steps
+///   all-reduce the gradient in full precision, the others send it as 1 bit with error feedback
+///   ([`ZeroOneKind::OneBitGrad`]) and leave the variance as it was.
+/// - Past `var_freeze_step` the variance is frozen and each rank steps on its own gradient
+///   ([`ZeroOneKind::Local`]), accumulating its moves; every `interval`-th local step the ranks
+///   average the accumulated moves as 1 bit. The interval starts at 1 and doubles after every
+///   `local_step_scaler` local steps, up to `local_step_clipper`.
+///
+/// The kind of a step is a function of `t` alone (replayed from step 1: microseconds per step
+/// even at a million steps), so resuming needs no schedule state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ZeroOneSchedule {
+    pub warmup: u64,
+    pub var_freeze_step: u64,
+    pub var_update_scaler: u64,
+    pub local_step_scaler: u64,
+    pub local_step_clipper: u64,
+}
+
+/// One step of [`ZeroOneSchedule`]; `var_updates` counts the variance updates so far,
+/// including this step's (the variance's bias correction is `1 − β2^var_updates`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ZeroOneKind {
+    /// Full-precision gradient all-reduce; momentum and variance updated.
+    Variance { var_updates: u64 },
+    /// 1-bit gradient all-reduce; momentum updated, variance as it was.
+    OneBitGrad { var_updates: u64 },
+    /// A local step on the rank's own gradient with the variance frozen; `first`: the first
+    /// such step (the error feedback restarts: it held gradients, now it holds moves); `sync`:
+    /// the accumulated moves are then averaged.
+    Local { var_updates: u64, first: bool, sync: bool },
+}
+
+impl ZeroOneKind {
+    pub fn var_updates(self) -> u64 {
+        match self {
+            ZeroOneKind::Variance { var_updates } | ZeroOneKind::OneBitGrad { var_updates } | ZeroOneKind::Local { var_updates, .. } => var_updates,
+        }
+    }
+}
+
+impl ZeroOneSchedule {
+    /// What step `t` (1-based) does.
+    pub fn kind(&self, t: u64) -> ZeroOneKind {
+        let (mut cv, mut vi, mut vc) = (0u64, 1u64, 0u64);
+        let (mut li, mut lc) = (1u64, 0u64);
+        let freeze = self.var_freeze_step.max(self.warmup);
+        let mut kind = ZeroOneKind::Variance { var_updates: 0 };
+        for s in 1..=t.max(1) {
+            kind = if s <= self.warmup {
+                cv += 1;
+                ZeroOneKind::Variance { var_updates: cv }
+            } else if s <= freeze {
+                if (s - self.warmup) % vi == 0 {
+                    cv += 1;
+                    vc += 1;
+                    if vc == self.var_update_scaler.max(1) {
+                        (vc, vi) = (0, vi * 2);
+                    }
+                    ZeroOneKind::Variance { var_updates: cv }
+                } else {
+                    ZeroOneKind::OneBitGrad { var_updates: cv }
+                }
+            } else {
+                let sync = (s - freeze) % li == 0;
+                lc += 1;
+                if lc == self.local_step_scaler.max(1) {
+                    (lc, li) = (0, (li * 2).min(self.local_step_clipper.max(1)));
+                }
+                ZeroOneKind::Local { var_updates: cv, first: s == freeze + 1, sync }
+            };
+        }
+        kind
     }
 }
 
@@ -370,6 +452,23 @@ mod tests {
                 assert!((d - if i == j { 1.0 } else { 0.0 }).abs() < 1e-5, "{i} {j}: {d}");
             }
         }
+    }
+
+    #[test]
+    fn zeroone_schedule_doubles_its_intervals_and_freezes() {
+        let s = ZeroOneSchedule { warmup: 2, var_freeze_step: 20, var_update_scaler: 3, local_step_scaler: 4, local_step_clipper: 4 };
+        let kinds: Vec<ZeroOneKind> = (1..=40).map(|t| s.kind(t)).collect();
+        let var: Vec<u64> = (1..=20).filter(|&t| matches!(kinds[t as usize - 1], ZeroOneKind::Variance { .. })).collect();
+        // Warm-up 1, 2; then interval 1 for three updates (3, 4, 5), 2 for three (6, 8, 10:
+        // counted from the warm-up's end), 4 (14, 18), frozen past 20.
+        assert_eq!(var, vec![1, 2, 3, 4, 5, 6, 8, 10, 14, 18]);
+        assert_eq!(kinds[19], ZeroOneKind::OneBitGrad { var_updates: 10 });
+        assert!((21..=40).all(|t| kinds[t as usize - 1].var_updates() == 10));
+        // Local steps from 21: syncing every step for 4, every 2nd for 4, then every 4th.
+        let sync: Vec<u64> = (21..=40).filter(|&t| matches!(kinds[t as usize - 1], ZeroOneKind::Local { sync: true, .. })).collect();
+        assert_eq!(sync, vec![21, 22, 23, 24, 26, 28, 32, 36, 40]);
+        assert_eq!(kinds[20], ZeroOneKind::Local { var_updates: 10, first: true, sync: true });
+        assert!((22..=40).all(|t| matches!(kinds[t as usize - 1], ZeroOneKind::Local { first: false, .. })));
     }
 
     #[test]

@@ -126,7 +126,7 @@ pub struct LayoutArgs {
     /// Keep and reduce gradients in fp32 (default true).
     #[cfg_attr(feature = "clap", arg(long))]
     pub fp32_grads: Option<bool>,
-    /// Data-parallel compression: none|onebit_adam|powersgd (after its warm-up; default none).
+    /// Data-parallel compression: none|onebit_adam|powersgd|zero_one_adam (after its warm-up; default none).
     #[cfg_attr(feature = "clap", arg(long))]
     pub compression: Option<String>,
     /// PowerSGD's rank (default 4).
@@ -382,6 +382,7 @@ fn estimate_text(model: &ModelShape, cl: &Cluster, e: &Estimate) -> String {
             crate::policy::Compression::None => "gradients".to_string(),
             crate::policy::Compression::OnebitAdam => "1-bit Adam momentum, after its warm-up".to_string(),
             crate::policy::Compression::PowerSgd => format!("PowerSGD rank-{} factors", e.chosen.powersgd_rank),
+            crate::policy::Compression::ZerooneAdam => "0/1 Adam's 1-bit sync every 16 steps, past its variance freeze".to_string(),
         },
         cl.inter.name
     );

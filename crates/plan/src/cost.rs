@@ -102,8 +102,8 @@ pub fn check_layout(model: &ModelShape, cluster: &Cluster, l: &Layout) -> Result
     if l.zeropp && (l.zero != 3 || l.compression != crate::policy::Compression::None) {
         return e(format!("--zeropp works on ZeRO-3's collectives: it needs --zero 3 and no --compression (got zero {}, compression {})", l.zero, crate::policy::Names::name(l.compression)));
     }
-    if l.compression == crate::policy::Compression::OnebitAdam && l.zero != 0 {
-        return e(format!("--compression onebit_adam communicates the momentum of whole replicas: it needs --zero 0, got {}", l.zero));
+    if matches!(l.compression, crate::policy::Compression::OnebitAdam | crate::policy::Compression::ZerooneAdam) && l.zero != 0 {
+        return e(format!("--compression {} communicates the momentum of whole replicas: it needs --zero 0, got {}", crate::policy::Names::name(l.compression), l.zero));
     }
     if l.gpus() != cluster.gpus {
         return e(format!(
@@ -1137,6 +1137,12 @@ pub fn dp_comm_time(m: &ModelShape, cl: &Cluster, l: &Layout, stage: u64) -> f64
                 let buf = onebit_buffer_bytes(psi, n);
                 all_to_all_time(gl, buf) + all_gather_time(gl, buf)
             }
+            // 0/1 Adam past its variance freeze: the same 1-bit exchange once every
+            // `ZEROONE_SYNC_INTERVAL` steps (its steady state), local steps in between.
+            0 if l.compression == crate::policy::Compression::ZerooneAdam => {
+                let buf = onebit_buffer_bytes(psi, n);
+                (all_to_all_time(gl, buf) + all_gather_time(gl, buf)) / ZEROONE_SYNC_INTERVAL
+            }
             // PowerSGD: two all-reduces, the Ps with the uncompressed tensors, then the Qs.
             0 if l.compression == crate::policy::Compression::PowerSgd => {
                 let (p, q) = powersgd_elements(m, l.seq, l.powersgd_rank);
@@ -1177,6 +1183,10 @@ pub fn zeropp_bytes(psi: f64, n: u64, per_node: u64) -> ZeroPpBytes {
 /// 1-bit Adam's per-rank message buffer for `psi` parameters over `n` ranks: `n` messages of
 /// the chunk's signs (`⌈⌈Ψ/n⌉/32⌉` words, the chunk rounded up to whole words) and a scale
 /// (`parallel::compress`).
+/// Steps per 1-bit sync in 0/1 Adam's steady state: its largest interval, DeepSpeed's
+/// `local_step_clipper` default and kiln's `parallel.zeroone.local_step_clipper`.
+pub const ZEROONE_SYNC_INTERVAL: f64 = 16.0;
+
 pub fn onebit_buffer_bytes(psi: f64, n: u64) -> f64 {
     let chunk = (psi / n as f64).ceil();
     n as f64 * ((chunk / 32.0).ceil() + 1.0) * 4.0
@@ -1230,6 +1240,7 @@ pub fn dp_bytes_sent(m: &ModelShape, l: &Layout, stage: u64, per_node: u64) -> f
         match l.zero {
             _ if n <= 1 || psi <= 0.0 => 0.0,
             0 if l.compression == crate::policy::Compression::OnebitAdam => 2.0 * f * onebit_buffer_bytes(psi, n),
+            0 if l.compression == crate::policy::Compression::ZerooneAdam => 2.0 * f * onebit_buffer_bytes(psi, n) / ZEROONE_SYNC_INTERVAL,
             0 if l.compression == crate::policy::Compression::PowerSgd => {
                 let (p, q) = powersgd_elements(m, l.seq, l.powersgd_rank);
                 2.0 * f * 4.0 * (p + q)

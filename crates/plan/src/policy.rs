@@ -128,7 +128,10 @@ impl Names for CpMode {
 /// Data-parallel communication compression (`parallel.compression`; `kiln plan --compression`):
 /// `OnebitAdam` (Tang et al. 2021) averages the momentum as one sign bit per element with a
 /// scale per chunk, at the optimizer step, instead of all-reducing the gradients; `PowerSgd`
-/// (Vogels et al. 2019) all-reduces each gradient matrix as a rank-`r` factor pair.
+/// (Vogels et al. 2019) all-reduces each gradient matrix as a rank-`r` factor pair;
+/// `ZerooneAdam` (0/1 Adam, Lu et al. 2023) updates the variance at doubling intervals, sends
+/// 1-bit gradients in between, then, its variance frozen, takes local steps and averages the
+/// accumulated moves as 1 bit at intervals that double up to 16 steps.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, Hash)]
 #[serde(rename_all = "snake_case")]
 pub enum Compression {
@@ -137,10 +140,12 @@ pub enum Compression {
     OnebitAdam,
     #[serde(rename = "powersgd")]
     PowerSgd,
+    #[serde(rename = "zero_one_adam")]
+    ZerooneAdam,
 }
 
 impl Names for Compression {
-    const NAMES: &'static [(&'static str, Compression)] = &[("none", Compression::None), ("onebit_adam", Compression::OnebitAdam), ("powersgd", Compression::PowerSgd)];
+    const NAMES: &'static [(&'static str, Compression)] = &[("none", Compression::None), ("onebit_adam", Compression::OnebitAdam), ("powersgd", Compression::PowerSgd), ("zero_one_adam", Compression::ZerooneAdam), ("zeroone_adam", Compression::ZerooneAdam)];
 }
 
 /// Which positions a context-parallel rank holds (`parallel.cp_balance`): `Zigzag` cuts the

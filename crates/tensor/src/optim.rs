@@ -61,6 +61,45 @@ pub fn adam_frozen_update(params: &mut [f32], m: &[f32], v: &[f32], h: &AdamW, r
     });
 }
 
+/// 0/1 Adam's update on the ranks' averaged gradient `g` (Lu et al. 2023): `m = β1·m + (1−β1)·g`;
+/// with `update_v`, `v = β2·v + (1−β2)·g²` (else `v` as it was); `p = p·(1 − lr·wd) −
+/// lr/(1 − β1^t) · m / (√v·rbc2 + ε)`, where `rbc2 = 1/√(1 − β2^var_updates)` counts the
+/// variance's own updates. With `update_v` at every step it is [`adamw_update`].
+pub fn zeroone_update(params: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], h: &AdamW, var_updates: u64, update_v: bool) {
+    let _p = crate::profile::scope("zeroone_update");
+    let step = (h.lr as f64 / (1.0 - (h.beta1 as f64).powi(h.t as i32))) as f32;
+    let rbc2 = (1.0 / (1.0 - (h.beta2 as f64).powi(var_updates as i32)).sqrt()) as f32;
+    let decay = 1.0 - h.lr * h.weight_decay;
+    params.par_chunks_mut(ELEMS).zip(g.par_chunks(ELEMS)).zip(m.par_chunks_mut(ELEMS).zip(v.par_chunks_mut(ELEMS))).for_each(|((p, g), (m, v))| {
+        for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+            *m = h.beta1 * *m + (1.0 - h.beta1) * g;
+            if update_v {
+                *v = h.beta2 * *v + (1.0 - h.beta2) * g * g;
+            }
+            *p = *p * decay - step * *m / (v.sqrt() * rbc2 + h.eps);
+        }
+    });
+}
+
+/// 0/1 Adam's local step on this rank's own gradient `g`, the variance `v` frozen: `m = β1·m +
+/// (1−β1)·g`; the move `δ = lr·wd·p + lr/(1 − β1^t) · m / (√v·rbc2 + ε)` is added to `acc`,
+/// and `p = anchor − acc` (the parameters are always the last synchronised ones less the
+/// moves since, so a checkpoint of `anchor` and `acc` restores them bit for bit).
+#[allow(clippy::too_many_arguments)]
+pub fn zeroone_local(params: &mut [f32], g: &[f32], m: &mut [f32], v: &[f32], acc: &mut [f32], anchor: &[f32], h: &AdamW, var_updates: u64) {
+    let _p = crate::profile::scope("zeroone_local");
+    let step = (h.lr as f64 / (1.0 - (h.beta1 as f64).powi(h.t as i32))) as f32;
+    let rbc2 = (1.0 / (1.0 - (h.beta2 as f64).powi(var_updates as i32)).sqrt()) as f32;
+    let wd = h.lr * h.weight_decay;
+    params.par_chunks_mut(ELEMS).zip(g.par_chunks(ELEMS).zip(m.par_chunks_mut(ELEMS))).zip(v.par_chunks(ELEMS).zip(acc.par_chunks_mut(ELEMS).zip(anchor.par_chunks(ELEMS)))).for_each(|((p, (g, m)), (v, (acc, anchor)))| {
+        for i in 0..p.len() {
+            m[i] = h.beta1 * m[i] + (1.0 - h.beta1) * g[i];
+            acc[i] += wd * p[i] + step * m[i] / (v[i].sqrt() * rbc2 + h.eps);
+            p[i] = anchor[i] - acc[i];
+        }
+    });
+}
+
 /// `Σ x²` in f64, over fixed chunks combined in order (deterministic).
 pub fn sum_squares(x: &[f32]) -> f64 {
     // Partials per fixed chunk, in a buffer kept per calling thread (a top-level kernel, never a

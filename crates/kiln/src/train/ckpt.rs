@@ -110,8 +110,8 @@ fn save(r: &mut Rank, to_disk: bool, last: bool) -> Result<()> {
             parallel::comm::sum_f64(r.comm, 0.0);
         }
         let mut shapes: std::collections::BTreeMap<String, Vec<usize>> = r.ckpt.layout.params.iter().flat_map(|p| ["", "exp_avg.", "exp_avg_sq."].map(|pre| (format!("{pre}{}", p.name), p.shape.clone()))).collect();
-        if let Some(st) = &r.chunks[0].opt.compression {
-            shapes.insert(checkpoint::COMPRESSION_STATE.to_string(), vec![world, st.state_len()]);
+        if let Some(k) = r.chunks[0].opt.compression_row_len() {
+            shapes.insert(checkpoint::COMPRESSION_STATE.to_string(), vec![world, k]);
         }
         Some(checkpoint::Part { rank, world, tmp: tmp.unwrap_or_else(|| ckpt_dir(r.run_dir).join(format!(".tmp-step-{step:08}-sharded"))), shapes })
     } else {
@@ -126,7 +126,7 @@ fn save(r: &mut Rank, to_disk: bool, last: bool) -> Result<()> {
             Cow::Borrowed(x) => checkpoint::Source::live(x),
             Cow::Owned(v) => checkpoint::Source::Owned(v),
         };
-        let compression = r.chunks[0].opt.compression.as_ref().map(|o| o.state());
+        let compression = r.chunks[0].opt.compression_row();
         let [fp, fm, fv] = whole_state(&mut r.chunks, &r.applied, cfg.parallel.zero > 0);
         checkpoint::Job { part, state, layout: r.ckpt.layout.clone(), sources: [src(fp), src(fm), src(fv)], compression, tokenizer_json: r.ckpt.tokenizer_json.clone(), to_disk }
     };

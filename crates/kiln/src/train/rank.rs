@@ -158,13 +158,22 @@ impl<'a> Rank<'a> {
         if let (Some(l), true) = (resume_from, crate::step::compressing(cfg, resumed.as_ref().map_or(0, |r| r.step).saturating_sub(1))) {
             let ch = &mut chunks[0];
             let (len, n, me) = (ch.opt.m.len(), ch.dp.n(), ch.dp.rank());
-            let mut st = crate::step::CompressionState::new(cfg, &ch.model.layout, len, n, me);
-            match checkpoint::read_row(&l.optim, checkpoint::COMPRESSION_STATE, me, n, st.state_len()) {
-                Some(row) => st.set_state(&row),
+            let st = crate::step::CompressionState::new(cfg, &ch.model.layout, len, n, me);
+            ch.opt.compression = Some(st.clone());
+            let row_len = ch.opt.compression_row_len().unwrap_or(0);
+            // 0/1 Adam's local steps leave each rank its own parameters and momentum.
+            let last = resumed.as_ref().map_or(0, |r| r.step);
+            let local = matches!(crate::step::zeroone_schedule(cfg).kind(last), parallel::compress::ZeroOneKind::Local { .. }) && cfg.parallel.compression == crate::config::Compression::ZerooneAdam;
+            match checkpoint::read_row(&l.optim, checkpoint::COMPRESSION_STATE, me, n, row_len) {
+                Some(row) => {
+                    if let Some(p) = ch.opt.restore_compression(st, &row, local) {
+                        ch.dp.for_each_piece(|piece, params, _| params.copy_from_slice(&p[piece.shard.clone()]));
+                        ch.dp.after_update();
+                    }
+                }
                 None if lead => eprintln!("{}: no {} state for {n} data-parallel ranks: it restarts from zero", l.dir.display(), cfg.parallel.compression.name()),
                 None => {}
             }
-            ch.opt.compression = Some(st);
         }
         // memory: charge the model state to its tracking categories (issue 7).
         chunks.iter_mut().for_each(|ch| crate::memory::attribute(&ch.model, &mut ch.dp, &ch.opt));

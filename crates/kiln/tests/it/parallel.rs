@@ -575,14 +575,21 @@ fn sequence_parallel_matches_one_rank_and_moves_what_tensor_parallel_moves() {
 /// Communication compression (issue 23). 1-bit Adam (`parallel.compression = onebit_adam`):
 /// after the warm-up, a step's data-parallel traffic is the momentum's signs (about 32× fewer
 /// bytes than the gradients' all-reduce, as the planner models it). PowerSGD (`powersgd`): the
-/// gradient matrices travel as rank-2 factors. Each compressor's state is checkpointed, so a
+/// gradient matrices travel as rank-2 factors. 0/1 Adam (`zero_one_adam`): its 1-bit steps and
+/// syncs send a fraction of a variance step's bytes and its local steps next to nothing. Each
+/// compressor's state is checkpointed (0/1 Adam's with each rank's own parameters and
+/// momentum), so a
 /// resumed run continues bit for bit, in process and under MPI (which equals the in-process run).
 #[test]
 fn compressed_data_parallel_sends_fewer_bytes_and_resumes_exactly() {
     let d = scratch("onebit");
     let data = corpus(&d);
-    for (name, how) in [("onebit", &["--set", "parallel.compression=onebit_adam"][..]), ("powersgd", &["--set", "parallel.compression=powersgd", "--set", "parallel.powersgd_rank=2"])] {
-        let ob = [&["--set", "train.batch_size=8", "--set", "sample.tokens=0", "--dp", "4", "--set", "parallel.compression_warmup=5"][..], how].concat();
+    // 0/1 Adam: warm-up 3, then variance steps at 4, 5, 7, 9 with 1-bit gradients at 6 and 8,
+    // local steps from 10 syncing at 10, 11, 13, 17 (step 12, where it resumes, is unsynced:
+    // each rank has its own parameters and momentum).
+    let zeroone = ["--set", "parallel.compression=zero_one_adam", "--set", "parallel.compression_warmup=3", "--set", "parallel.zeroone.var_freeze_step=9", "--set", "parallel.zeroone.var_update_scaler=2", "--set", "parallel.zeroone.local_step_scaler=2", "--set", "parallel.zeroone.local_step_clipper=4"];
+    for (name, how) in [("onebit", &["--set", "parallel.compression=onebit_adam", "--set", "parallel.compression_warmup=5"][..]), ("powersgd", &["--set", "parallel.compression=powersgd", "--set", "parallel.powersgd_rank=2", "--set", "parallel.compression_warmup=5"]), ("zeroone", &zeroone)] {
+        let ob = [&["--set", "train.batch_size=8", "--set", "sample.tokens=0", "--dp", "4"][..], how].concat();
         let run = |out: &Path, extra: &[&str]| {
             let o = train(&data, out, &[&ob[..], extra].concat());
             assert!(o.status.success(), "{name}: {}", stderr(&o));
@@ -602,6 +609,21 @@ fn compressed_data_parallel_sends_fewer_bytes_and_resumes_exactly() {
             let phase = 3.0 / 4.0 * plan::cost::onebit_buffer_bytes(psi, 4);
             assert_eq!(op("all_to_all"), phase, "{l}");
             assert!(op("all_gather") >= phase && op("all_gather") <= phase + 128.0, "{l}");
+        } else if name == "zeroone" {
+            // A 1-bit gradient step and a sync send about 32× fewer bytes than a variance step;
+            // an unsynced local step sends only the step's scalar reductions.
+            for s in [6, 8, 10, 13] {
+                assert!(bytes(2) > 20 * bytes(s), "variance step {} bytes, step {s} {}", bytes(2), bytes(s));
+            }
+            assert!(bytes(7) > bytes(2) / 2, "variance step 7 sends in full: {} vs {}", bytes(7), bytes(2));
+            // A sync is 1-bit Adam's exchange, as the planner charges it (every 16th step in
+            // its steady state, `plan::cost::ZEROONE_SYNC_INTERVAL`).
+            let l = &lines[12];
+            let psi = l["mem_params_bytes"].as_f64().unwrap() / 4.0;
+            assert_eq!(l["comm_bytes_sent_all_to_all"].as_f64().unwrap(), 3.0 / 4.0 * plan::cost::onebit_buffer_bytes(psi, 4), "{l}");
+            for s in [12, 14, 15, 16] {
+                assert!(bytes(s) == bytes(12) && bytes(s) <= 128 && bytes(10) > 8 * bytes(s), "sync {} bytes, local step {s} {}", bytes(10), bytes(s));
+            }
         } else {
             assert!(bytes(3) > 2 * bytes(10), "{name}: warm-up step {} bytes, compressed step {}", bytes(3), bytes(10));
         }
@@ -626,6 +648,9 @@ fn compressed_data_parallel_sends_fewer_bytes_and_resumes_exactly() {
         (&["--set", "parallel.compression_warmup=0"], "compression_warmup must be at least 1"),
         (&["--set", "parallel.compression=twobit"], "parallel.compression"),
         (&["--set", "parallel.compression=powersgd", "--set", "parallel.powersgd_rank=0"], "parallel.powersgd_rank must be at least 1"),
+        (&["--set", "parallel.compression=zero_one_adam", "--set", "parallel.zeroone.local_step_clipper=0"], "parallel.zeroone.local_step_clipper must be at least 1"),
+        (&["--set", "parallel.compression=zero_one_adam", "--set", "parallel.zeroone.var_freeze_step=50"], "parallel.zeroone.var_freeze_step = 50 is before parallel.compression_warmup = 100"),
+        (&["--set", "parallel.compression=zero_one_adam", "--precision", "bf16"], "zero_one_adam needs train.precision = fp32"),
     ] {
         assert_user_error(&train(&data, &d.join("bad"), &[&ob[..], extra].concat()), &[needle]);
         assert!(!d.join("bad").exists());

@@ -60,6 +60,15 @@ fn one_bit_adam_pays_on_ethernet() {
     assert!(e0.step_time_s > 2.0 * e2.step_time_s, "{} s vs {} s", e0.step_time_s, e2.step_time_s);
     let (p, q) = plan::cost::powersgd_elements(&m, 1024, 4);
     assert!(p + q < m.params(1024) as f64 / 50.0, "{p} + {q}");
+    // 0/1 Adam in its steady state: 1-bit Adam's exchange once every 16 steps.
+    let zo = plan::cost::Layout { compression: Compression::ZerooneAdam, ..base.clone() };
+    let e3 = estimate(&m, &cl, &zo);
+    let r3 = e1.breakdown.dp_bytes_per_gpu / e3.breakdown.dp_bytes_per_gpu;
+    assert!((r3 - plan::cost::ZEROONE_SYNC_INTERVAL).abs() < 1e-9, "0/1 Adam against 1-bit Adam {r3}");
+    assert!(e1.step_time_s > e3.step_time_s, "{} s vs {} s", e1.step_time_s, e3.step_time_s);
+    let zero1 = plan::cost::Layout { zero: 1, ..zo.clone() };
+    let err = plan::cost::check_layout(&m, &cl, &zero1).unwrap_err();
+    assert!(err.0.contains("--compression zero_one_adam") && err.0.contains("--zero 0"), "{}", err.0);
 }
 
 /// Issue 23: ZeRO++ on the same Ethernet cluster. Against ZeRO-3 in bf16 it sends int8 gathers
