@@ -528,11 +528,12 @@ pub fn report_text(rep: &Report) -> String {
         "{:<10} {:>3} {:>3} {:>5} {:>10} {:>10} {:>8}  chosen",
         "run", "TP", "PP", "GPUs", "published", "predicted", "error"
     );
+    let split = |r: &crate::validate::RowResult| r.split.as_deref().map_or(String::new(), |s| format!("  [{s}]"));
     for r in &rep.rows {
         let l = &r.chosen;
         let _ = writeln!(
             o,
-            "{:<10} {:>3} {:>3} {:>5} {:>10.1} {:>10.1} {:>+7.1}%  b{} v{}{}",
+            "{:<10} {:>3} {:>3} {:>5} {:>10.1} {:>10.1} {:>+7.1}%  b{} v{}{}{}",
             r.name,
             r.tp,
             r.pp,
@@ -542,7 +543,8 @@ pub fn report_text(rep: &Report) -> String {
             r.error_pct,
             l.micro_batch,
             l.virtual_stages,
-            if r.fits { "" } else { " (does not fit)" }
+            if r.fits { "" } else { " (does not fit)" },
+            split(r)
         );
     }
     let _ = writeln!(
@@ -559,7 +561,11 @@ pub fn report_text(rep: &Report) -> String {
             h.mape_pct,
             h.worst_pct,
             h.worst_row,
-            if h.split == "fit" { "  (the planner's constants were fitted on these)" } else { "  (kept out of every fit)" }
+            if h.split == "fit" {
+                "  (constants may be fitted on these: narayanan2021, and row k mod 3 == 1 of each other source)"
+            } else {
+                "  (kept out of every fit)"
+            }
         );
     }
     if !rep.skipped.is_empty() {

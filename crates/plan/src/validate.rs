@@ -91,17 +91,42 @@ const REQUIRED: [&str; 9] = [
     "tflops_per_gpu",
 ];
 
-/// A table with a `split` column (`fit` | `holdout`) is a catalogue of published runs: a row
-/// kiln cannot evaluate (no throughput published, an accelerator it does not know) is listed
-/// as skipped with its reason instead of failing the table, and the report gives each half.
+/// A table with a `source` column is a catalogue of published runs: a row kiln cannot evaluate
+/// (no throughput published, an accelerator it does not know) is listed as skipped with its
+/// reason instead of failing the table, and the report gives each half of [`split_of`].
 fn is_catalogue(maps: &[BTreeMap<String, String>]) -> bool {
-    maps.first().is_some_and(|m| m.contains_key("split"))
+    maps.first().is_some_and(|m| m.contains_key("source"))
+}
+
+/// The source whose rows every constant of the planner was fitted on before issue 22 (Narayanan et al.
+/// 2021 Table 1): always in the fit half, never evidence of generalisation.
+pub const FITTED_SOURCE: &str = "narayanan2021";
+
+/// The fit / hold-out split of the published-runs catalogue, a fixed rule decided before any constant of
+/// issue 22 was fitted and independent of every value in the row (throughput, shape, error):
+/// the rows of [`FITTED_SOURCE`] are `fit`; every other source's rows are numbered 0, 1, 2, … in
+/// catalogue order within the source, and row `k` is `fit` when `k mod 3 == 1`, else `holdout`.
+/// So at most a third (rounded up) of each other source is fitted on, a one-row source is held out, every source
+/// with two rows or more lands in both halves, and appending rows never moves an existing one.
+pub fn split_of(source: &str, index_in_source: usize) -> &'static str {
+    if source == FITTED_SOURCE || index_in_source % 3 == 1 {
+        "fit"
+    } else {
+        "holdout"
+    }
 }
 
 fn rows_from_maps(maps: Vec<BTreeMap<String, String>>, origin: &str) -> Result<Vec<Row>, PlanError> {
     let mut rows = Vec::new();
     let catalogue = is_catalogue(&maps);
-    for (i, f) in maps.into_iter().enumerate() {
+    let mut per_source: BTreeMap<String, usize> = BTreeMap::new();
+    for (i, mut f) in maps.into_iter().enumerate() {
+        if catalogue {
+            let src = f.get("source").cloned().unwrap_or_default();
+            let k = per_source.entry(src.clone()).or_insert(0);
+            f.insert("split".into(), split_of(&src, *k).into());
+            *k += 1;
+        }
         let mut missing = None;
         for k in REQUIRED {
             // (A catalogue row may publish MFU instead of TFLOP/s, or neither: `validate` says.)
@@ -248,7 +273,7 @@ pub struct RowResult {
     /// Parameters the planner counts for this shape, billions (vs the table's `params`).
     pub params_b: f64,
     pub chosen: Layout,
-    /// A catalogue's `split`: `fit` (rows the planner's constants were fitted on) or `holdout`.
+    /// A catalogue's `split` ([`split_of`]): `fit` (rows the planner's constants may be fitted on) or `holdout`.
     pub split: Option<String>,
 }
 
@@ -438,7 +463,7 @@ fn summary(rows: &[&RowResult]) -> (f64, f64, String) {
 /// Validate every row of a table. A catalogue (a `split` column) reports its halves apart and
 /// lists the rows it cannot evaluate; any other table fails on its first bad row.
 pub fn validate(rows: &[Row], cat: &HardwareCatalog, origin: &str) -> Result<Report, PlanError> {
-    let catalogue = rows.first().is_some_and(|r| r.fields.contains_key("split"));
+    let catalogue = rows.first().is_some_and(|r| r.fields.contains_key("source"));
     let (mut results, mut skipped) = (Vec::new(), Vec::new());
     for r in rows {
         if !catalogue {
