@@ -136,6 +136,10 @@ pub struct LayoutArgs {
     /// backward gathers inside a node (default false).
     #[cfg_attr(feature = "clap", arg(long))]
     pub zeropp: Option<bool>,
+    /// Software setup preset: kiln|megatron-2021|megatron-2022|megatron-2023|megatron-2024|deepspeed-zero|fsdp
+    /// (default kiln); the flags above override its fields.
+    #[cfg_attr(feature = "clap", arg(long))]
+    pub setup: Option<String>,
 }
 
 fn read_file(path: &str, what: &str) -> Result<String, PlanError> {
@@ -243,7 +247,7 @@ pub fn resolve_cluster(a: &ClusterArgs) -> Result<Cluster, PlanError> {
 
 /// Resolve the layout flags into constraints, the global batch and the sequence length.
 pub fn resolve_layout(a: &LayoutArgs, model: &ModelShape) -> Result<(Constraints, u64, u64), PlanError> {
-    let c = Constraints {
+    let mut c = Constraints {
         tp: a.tp,
         pp: a.pp,
         dp: a.dp,
@@ -269,6 +273,15 @@ pub fn resolve_layout(a: &LayoutArgs, model: &ModelShape) -> Result<(Constraints
         powersgd_rank: a.powersgd_rank,
         zeropp: a.zeropp,
     };
+    let setup = crate::setup::Setup::preset(a.setup.as_deref().unwrap_or("kiln"))?;
+    c.precision = c.precision.or(setup.precision);
+    c.attention = c.attention.or(setup.attention);
+    c.overlap_dp = c.overlap_dp.or(Some(setup.overlap_dp));
+    c.overlap_comm = c.overlap_comm.or(Some(setup.overlap_comm));
+    c.fp32_grads = c.fp32_grads.or(Some(setup.fp32_grads));
+    c.zero = c.zero.or(setup.zero);
+    c.recompute = c.recompute.or(setup.recompute);
+    c.sequence_parallel = c.sequence_parallel.or(setup.sequence_parallel);
     if let Some(z) = a.zero {
         if z > 3 {
             return Err(PlanError(format!("--zero {z}: expected 0|1|2|3")));
@@ -399,10 +412,13 @@ pub fn estimate_cmd(m: &ModelArgs, c: &ClusterArgs, l: &LayoutArgs, json: bool) 
             .clone()
             .ok_or_else(|| PlanError("no valid layout".into()))?,
     };
+    let setup = crate::setup::Setup::of_layout(l.setup.as_deref().unwrap_or("kiln"), &e.chosen);
     if json {
-        return serde_json::to_string_pretty(&e).map_err(|x| PlanError(x.to_string()));
+        let mut v = serde_json::to_value(&e).map_err(|x| PlanError(x.to_string()))?;
+        v["setup"] = serde_json::to_value(&setup).map_err(|x| PlanError(x.to_string()))?;
+        return serde_json::to_string_pretty(&v).map_err(|x| PlanError(x.to_string()));
     }
-    Ok(estimate_text(&model, &cluster, &e))
+    Ok(format!("{}setup       {}\n", estimate_text(&model, &cluster, &e), setup.describe()))
 }
 
 /// `kiln plan search`: the top `top` plans as a table and why the best wins.

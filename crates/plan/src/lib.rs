@@ -7,6 +7,7 @@
 //! - [`policy`]: the storage precision and recomputation policies, shared by every crate.
 //! - [`schedule`]: the pipeline schedule kinds, shared with `parallel::pp`.
 //! - [`search`]: enumerate, prune, rank layouts.
+//! - [`setup`]: the software setup presets (`--setup`) estimate and validate share.
 //! - [`validate`]: predicted vs published runs.
 //! - [`cli`]: the `kiln plan` subcommands as plain structs, compile-checked here, which are also the clap flags
 //!   `kiln`'s `cmd_plan.rs` flattens (feature `clap`).
@@ -18,6 +19,7 @@ pub mod models;
 pub mod policy;
 pub mod schedule;
 pub mod search;
+pub mod setup;
 pub mod validate;
 
 pub use cost::palm_flops_per_token;

@@ -217,7 +217,8 @@ pub fn candidates(m: &ModelShape, cl: &Cluster, global_batch: u64, seq: u64, c: 
                         }
                     }
                     if want(Kind::Interleaved) {
-                        for v in divisors(per).into_iter().filter(|&v| (2..=8).contains(&v)) {
+                        // The search proposes 2..=8 chunks per stage; a fixed --virtual-stages is taken as given.
+                        for v in divisors(per).into_iter().filter(|&v| (2..=8).contains(&v) || c.virtual_stages == Some(v)) {
                             if c.virtual_stages.is_none_or(|x| x == v) {
                                 scheds.push((Kind::Interleaved, v));
                             }

@@ -4,9 +4,11 @@
 //! tflops_per_gpu` are required. Optional, defaulting to the setup of Narayanan et al. 2021 Table 1 (Megatron-LM,
 //! 2021): `name`; `gpu` (a100-80gb); `gpus_per_node`; `seq` (2048); `vocab` (51200); `kv_heads`, `ffn_hidden`,
 //! `mlp` (gelu), `experts`, `top_k`; `micro_batch` and `virtual_stages` (chosen, as Megatron would: best feasible);
-//! `recompute` (full); `schedule` (chosen; Table 1 used interleaved, which wins where it fits); `sequence_parallel` (false); `attention` (unfused);
-//! `precision` (fp16, Megatron's fp16 optimizer); `fp32_grads` (false); `zero` (0); `cp` (1); `ep`;
-//! `overlap_comm` (false: no TP/p2p overlap); `overlap_dp` (false: gradients reduced after the backward pass);
+//! `setup` (a `plan::setup` preset, default `megatron-2021`, which sets the defaults of the software columns:
+//! `recompute` (full); `sequence_parallel` (false); `attention` (unfused); `precision` (fp16, Megatron's fp16
+//! optimizer); `fp32_grads` (false); `zero` (0); `overlap_comm` (false: no TP/p2p overlap); `overlap_dp` (false:
+//! gradients reduced after the backward pass)); `schedule` (chosen; Table 1 used interleaved, which wins where it
+//! fits); `cp` (1); `ep`;
 //! `convention`: `hardware` (the default: counts recomputation, Table 1's convention) or `model` (72·… model FLOPs,
 //! i.e. MFU × peak).
 
@@ -20,6 +22,7 @@ use crate::policy::Names;
 use crate::models::{Mlp, RawModel};
 use crate::schedule::{self, Kind};
 use crate::search::{search, Constraints};
+use crate::setup::Setup;
 use crate::PlanError;
 
 /// One published run, resolved.
@@ -275,6 +278,8 @@ pub struct RowResult {
     pub chosen: Layout,
     /// A catalogue's `split` ([`split_of`]): `fit` (rows the planner's constants may be fitted on) or `holdout`.
     pub split: Option<String>,
+    /// The software setup the prediction assumed (the row's preset and overrides, as the search resolved them).
+    pub setup: Setup,
 }
 
 /// One half of a catalogue: its rows' mean absolute percentage error and worst row.
@@ -327,12 +332,18 @@ pub fn predict_row(row: &Row, cat: &HardwareCatalog, origin: &str) -> Result<Row
     let model = raw.resolve().map_err(ctx)?;
     let gpu = row.get("gpu").unwrap_or("a100-80gb");
     let cluster = Cluster::new(cat, gpu, row.gpus, row.int("gpus_per_node", origin)?).map_err(ctx)?;
+    // The row's software setup: its `setup` preset (Megatron-LM 2021, Table 1's, when the table names none), each
+    // field overridden by the row's own column where it has one.
+    let setup = Setup::preset(row.get("setup").unwrap_or("megatron-2021")).map_err(ctx)?;
     let recompute = row
         .get("recompute")
         .map(|v| Recompute::parse(v).map_err(|e| PlanError(format!("recompute {e}"))))
         .transpose()
         .map_err(ctx)?
-        .unwrap_or(Recompute::Full);
+        .or(setup.recompute);
+    let flag = |k: &str, default: bool| -> Result<bool, PlanError> {
+        row.get(k).map_or(Ok(default), |s| parse_bool(s, k, origin))
+    };
     // Without a `schedule` column the planner picks the best feasible one (Table 1's interleaved 1F1B wins
     // wherever it fits).
     let schedule = match row.get("schedule") {
@@ -362,38 +373,26 @@ pub fn predict_row(row: &Row, cat: &HardwareCatalog, origin: &str) -> Result<Row
         } else {
             row.int("virtual_stages", origin)?
         },
-        recompute: Some(recompute),
-        sequence_parallel: Some(match row.get("sequence_parallel") {
-            Some(s) => parse_bool(s, "sequence_parallel", origin)?,
-            None => false,
-        }),
-        zero: Some(row.int("zero", origin)?.unwrap_or(0) as u8),
+        recompute,
+        sequence_parallel: match row.get("sequence_parallel") {
+            Some(s) => Some(parse_bool(s, "sequence_parallel", origin)?),
+            None => setup.sequence_parallel,
+        },
+        zero: match row.int("zero", origin)? {
+            Some(z) => Some(z as u8),
+            None => setup.zero,
+        },
         precision: Some(
             row.get("precision")
                 .map(|v| Precision::parse(v).map_err(|e| PlanError(format!("precision {e}"))))
                 .transpose()
                 .map_err(ctx)?
-                .unwrap_or(Precision::Fp16),
+                .unwrap_or(setup.precision_on(&cluster.acc)),
         ),
-        attention: Some(
-            row.get("attention")
-                .map(Attention::parse)
-                .transpose()
-                .map_err(ctx)?
-                .unwrap_or(Attention::Unfused),
-        ),
-        overlap_dp: Some(match row.get("overlap_dp") {
-            Some(s) => parse_bool(s, "overlap_dp", origin)?,
-            None => false,
-        }),
-        overlap_comm: Some(match row.get("overlap_comm") {
-            Some(s) => parse_bool(s, "overlap_comm", origin)?,
-            None => false,
-        }),
-        fp32_grads: Some(match row.get("fp32_grads") {
-            Some(s) => parse_bool(s, "fp32_grads", origin)?,
-            None => false,
-        }),
+        attention: row.get("attention").map(Attention::parse).transpose().map_err(ctx)?.or(setup.attention),
+        overlap_dp: Some(flag("overlap_dp", setup.overlap_dp)?),
+        overlap_comm: Some(flag("overlap_comm", setup.overlap_comm)?),
+        fp32_grads: Some(flag("fp32_grads", setup.fp32_grads)?),
     };
     let res = search(&model, &cluster, row.global_batch, seq, &c).map_err(ctx)?;
     let (est, fits) = match res.plans.first() {
@@ -418,6 +417,7 @@ pub fn predict_row(row: &Row, cat: &HardwareCatalog, origin: &str) -> Result<Row
         model_flops(&model, row.global_batch, seq)
     };
     let predicted = flops / est.step_time_s / row.gpus as f64 / 1e12;
+    let used = Setup::of_layout(&setup.name, &est.chosen);
     Ok(RowResult {
         name: row.name.clone(),
         tp: row.tp,
@@ -430,6 +430,7 @@ pub fn predict_row(row: &Row, cat: &HardwareCatalog, origin: &str) -> Result<Row
         params_b: model.params(seq) as f64 / 1e9,
         chosen: est.chosen,
         split: row.get("split").map(str::to_string),
+        setup: used,
     })
 }
 
@@ -439,6 +440,9 @@ pub fn predict_row(row: &Row, cat: &HardwareCatalog, origin: &str) -> Result<Row
 fn catalogue_row(row: &Row, cat: &HardwareCatalog) -> Result<Row, String> {
     if let Some(m) = &row.missing {
         return Err(m.clone());
+    }
+    if row.get("setup") == Some("unmodelled") {
+        return Err("the run changes the model or optimizer in ways the planner does not model (setup 'unmodelled'; see its notes)".into());
     }
     let mut r = row.clone();
     if r.published_tflops > 0.0 {
