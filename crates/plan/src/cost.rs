@@ -774,7 +774,16 @@ fn layer_time(m: &ModelShape, cl: &Cluster, l: &Layout, moe: bool) -> LayerFwd {
 
     // Weight GEMMs. Forward [M,N,K]; backward: data gradient [M,K,N] and weight gradient [K,N,M]
     // (Narayanan et al. §5.1: backward = 2 × forward FLOPs).
+    // FP8 (Transformer Engine / torchao Float8 with per-tensor scaling): each FP8 GEMM's operands are cast from
+    // bf16 first (read 2 bytes, write 1, plus the amax reduction over the same tensor): the input and the weight in
+    // forward, the output gradient in backward. Memory-bound kernels, counted at the streaming rate with one launch
+    // each (Micikevicius et al. 2022 §4; TE's fused cast_transpose writes the transposed copy backward needs in the
+    // same pass). The weights' FP8 copies are cast once per step and reused by every micro-batch (TE's
+    // `is_first_microbatch`, which Megatron-Core passes), so they are not charged per micro-batch.
+    let fp8_cast = |elems: f64| if pr == Precision::Fp8 { stream_time(cl, 5.0 * elems, 1.0) } else { 0.0 };
     let mut gemm = |mm: f64, nn: f64, kk: f64, batch: f64, r: &mut LayerFwd| {
+        r.elem += fp8_cast(batch * mm * kk);
+        r.elem_b += fp8_cast(batch * mm * nn);
         r.gemm += gemm_time(cl, pr, mm, nn, kk, batch);
         // kiln's CPU Linear stores W as [N, K] and forms dW = doutᵀ·inp as an N×K×M product; the GPU model
         // counts the transposed K×N×M product (the same under its symmetric tile model up to tile shape).
@@ -838,7 +847,11 @@ fn layer_time(m: &ModelShape, cl: &Cluster, l: &Layout, moe: bool) -> LayerFwd {
         elem_bytes_b += b1;
     }
 
-    // Attention core.
+    // Attention core. Under FP8 training only the linear layers' GEMMs run in FP8: Transformer Engine's recipe
+    // (Micikevicius et al. 2022, "FP8 Formats for Deep Learning"; TE `fp8_autocast` covers Linear /
+    // LayerNormLinear / LayerNormMLP, and its DotProductAttention stays bf16 unless `fp8_dpa` is set, which NeMo
+    // 24.07 and torchtitan's Float8 do not), so the attention core runs at the bf16 rate.
+    let pr = if pr == Precision::Fp8 { Precision::Bf16 } else { pr };
     let batch = b * heads_local;
     let s2 = batch * s_loc * s_kv; // elements of one score tensor
     match l.attention {
@@ -896,8 +909,8 @@ fn layer_time(m: &ModelShape, cl: &Cluster, l: &Layout, moe: bool) -> LayerFwd {
     let mask = if m.dropout { 1.0 } else { 0.0 };
     elem_bytes += (2.0 * 2.0 * e + 2.0 * (3.0 * e + mask)) * x * rep;
     elem_bytes_b += (2.0 * 3.0 * e + 2.0 * (2.0 * e + mask) + 2.0 * 3.0 * e) * x * rep;
-    r.elem = elem_time(cl, elem_bytes, 8.0);
-    r.elem_b = elem_time(cl, elem_bytes_b, 12.0);
+    r.elem += elem_time(cl, elem_bytes, 8.0);
+    r.elem_b += elem_time(cl, elem_bytes_b, 12.0);
 
     // Tensor parallelism (Shoeybi et al. 2019): 2 all-reduces of the sbh activation in forward, 2 in backward;
     // with SP each becomes a reduce-scatter + all-gather pair of the same volume (Korthikanti §4.2.2).
@@ -946,7 +959,8 @@ fn layer_time(m: &ModelShape, cl: &Cluster, l: &Layout, moe: bool) -> LayerFwd {
 /// Output layer and loss, one micro-batch: logits GEMM [tok, V/t, h], vocab-parallel cross entropy in fp32
 /// (Megatron: ≈ 5 passes over the fp32 logits forward, 5 backward), and TP's all-reduces of the loss statistics.
 fn logits_time(m: &ModelShape, cl: &Cluster, l: &Layout) -> (f64, f64, f64) {
-    let pr = l.precision;
+    // The output layer stays bf16 under FP8 training (TE recipe: only the transformer layers' linears are FP8).
+    let pr = if l.precision == Precision::Fp8 { Precision::Bf16 } else { l.precision };
     let t = l.tp as f64;
     let tok = (l.micro_batch * l.seq / l.cp) as f64;
     let h = m.hidden as f64;

@@ -280,6 +280,9 @@ pub struct RowResult {
     pub split: Option<String>,
     /// The software setup the prediction assumed (the row's preset and overrides, as the search resolved them).
     pub setup: Setup,
+    /// The predicted iteration's time breakdown (seconds on the critical stage).
+    pub breakdown: crate::cost::Breakdown,
+    pub step_time_s: f64,
 }
 
 /// One half of a catalogue: its rows' mean absolute percentage error and worst row.
@@ -428,9 +431,11 @@ pub fn predict_row(row: &Row, cat: &HardwareCatalog, origin: &str) -> Result<Row
         error_pct: (predicted - row.published_tflops) / row.published_tflops * 100.0,
         fits,
         params_b: model.params(seq) as f64 / 1e9,
-        chosen: est.chosen,
+        chosen: est.chosen.clone(),
         split: row.get("split").map(str::to_string),
         setup: used,
+        breakdown: est.breakdown.clone(),
+        step_time_s: est.step_time_s,
     })
 }
 
