@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 25, figures 3 and 4 (activation compression, `memory.activation_compression`):
-#  (a) GPT-2 124M, B 4, T 1024, one step: the activation bytes the model holds
+#  (a) GPT-2 124M, B 4, T 1024, one step: the activation bytes the model holds, what one block keeps for backward,
 #      (`mem_activations_bytes`) and the tracking allocator's activation peak against the
 #      plan (`kiln memory --json`), for none / int8 / int4;
 #  (b) shakespeare-char and moe-tiny (8 experts, top 2: the experts' activations compressed,
@@ -27,6 +27,13 @@ if [[ $what == *a* ]]; then
         # shellcheck disable=SC2046
         "$KILN" train "${G[@]}" $(ac $c) --max-steps 1 --out "$OUT/gpt2-$c" --quiet > "$OUT/gpt2-$c.log" 2>&1
         rm -rf "${OUT:?}/gpt2-$c/checkpoints"
+        # What one block keeps for backward: the plan at 24 layers less the plan at 12 (the
+        # plan equals the held buffers, checked above), per block; the fixed working buffers
+        # (the fp32 residual stream in flight, the head's logits chunk) cancel.
+        for L in 12 24; do
+            # shellcheck disable=SC2046
+            "$KILN" memory "${G[@]}" --set model.n_layer=$L $(ac $c) --json > "$OUT/gpt2-$c.L$L.plan.json"
+        done
     done
     python3 - "$OUT" <<'PY'
 import json, sys
@@ -38,6 +45,9 @@ for c in ["none", "int8", "int4"]:
     m, p = last(f"gpt2-{c}"), plan(f"gpt2-{c}")
     held, tr = m["mem_activations_bytes"], m["mem_tracked_peak_activations_bytes"]
     print(f"gpt2-124m B4 T1024 {c:5}: activations {held / 2**20:8.1f} MiB ({held / base:.3f} of none), plan {p / 2**20:8.1f} MiB (plan/held {p / held:.4f}), tracked peak {tr / 2**20:8.1f} MiB (plan/tracked {p / tr:.4f})")
+def block(n): return (plan(f"{n}.L24") - plan(f"{n}.L12")) / 12
+for c in ["none", "int8", "int4"]:
+    print(f"gpt2-124m B4 T1024 {c:5}: kept for backward per block {block(f'gpt2-{c}') / 2**20:7.2f} MiB ({block(f'gpt2-{c}') / block('gpt2-none'):.3f} of none)")
 PY
 fi
 if [[ $what == *b* ]]; then

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 23 (0/1 Adam): shakespeare-char on dp 4, 2000 steps, uncompressed against 1-bit Adam
-# and 0/1 Adam: bytes sent per rank per step (`comm_bytes_sent`: median over the run, and the
+# and 0/1 Adam (and none_noclip: uncompressed without gradient clipping, which the compressed
+# stages do not apply): bytes sent per rank per step (`comm_bytes_sent`: median over the run, and the
 # mean, which counts the warm-up and 0/1 Adam's full-precision variance steps), final val loss.
 # 0/1 Adam: warm-up 100, variance frozen after step 400 (κ 16), local steps syncing at
 # intervals that double every 100 local steps up to 16.
@@ -16,6 +17,8 @@ names=("$@")
 for name in "${names[@]}"; do
     case $name in
         none) extra=() ;;
+        # The compressed stages do not clip gradients; the same baseline without clipping.
+        none_noclip) extra=(--set train.grad_clip=0) ;;
         onebit) extra=(--set parallel.compression=onebit_adam --set parallel.compression_warmup=400) ;;
         zero_one) extra=(--set parallel.compression=zero_one_adam --set parallel.compression_warmup=100 --set parallel.zeroone.var_freeze_step=400
                          --set parallel.zeroone.local_step_scaler=100 --set parallel.zeroone.local_step_clipper=16) ;;
@@ -28,7 +31,7 @@ python3 - "$OUT" "${names[@]}" <<'PY'
 import json, os, statistics, sys
 out = sys.argv[1]
 base = None
-for name in ["none", "onebit", "zero_one"]:
+for name in ["none", "none_noclip", "onebit", "zero_one"]:
     if not os.path.exists(f"{out}/{name}/metrics.jsonl"):
         continue
     lines = [json.loads(l) for l in open(f"{out}/{name}/metrics.jsonl")]
