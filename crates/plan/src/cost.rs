@@ -544,7 +544,8 @@ pub fn gemm_time(cl: &Cluster, prec: Precision, m: f64, n: f64, k: f64, batch: f
         let waves = (tiles / units).ceil();
         wave = wave.max(rate * tiles / (waves * units));
     }
-    let eff = acc.gemm_efficiency * wave * k / (k + acc.k_half);
+    let size = if acc.mn_half > 0.0 { m / (m + acc.mn_half) * n / (n + acc.mn_half) } else { 1.0 };
+    let eff = acc.gemm_efficiency * wave * size * k / (k + acc.k_half);
     let t_compute = flops / (peak * eff);
     let e = prec.act_bytes().min(2.0) * if prec == Precision::Fp8 { 0.5 } else { 1.0 };
     let bytes = e * (m * k + k * n + m * n) * batch;
@@ -598,6 +599,8 @@ pub struct GroupLink {
     pub ranks_per_node: f64,
     pub nic_bw: f64,
     pub intra_bw: f64,
+    /// Latency of a step between two ranks of the same node.
+    pub intra_latency: f64,
 }
 
 pub fn group_link(cl: &Cluster, n: u64, stride: u64) -> GroupLink {
@@ -612,6 +615,7 @@ pub fn group_link(cl: &Cluster, n: u64, stride: u64) -> GroupLink {
             ranks_per_node: 1.0,
             nic_bw: cl.inter_bw_per_gpu,
             intra_bw: intra,
+            intra_latency: cl.intra.latency,
         };
     }
     let span = n * stride;
@@ -625,6 +629,7 @@ pub fn group_link(cl: &Cluster, n: u64, stride: u64) -> GroupLink {
             ranks_per_node: n as f64,
             nic_bw: cl.inter_bw_per_gpu,
             intra_bw: intra,
+            intra_latency: cl.intra.latency,
         };
     }
     let g = if stride >= g_node {
@@ -640,6 +645,7 @@ pub fn group_link(cl: &Cluster, n: u64, stride: u64) -> GroupLink {
         ranks_per_node: g as f64,
         nic_bw: cl.inter_bw_per_gpu,
         intra_bw: intra,
+        intra_latency: cl.intra.latency,
     }
 }
 
@@ -663,19 +669,41 @@ pub fn all_reduce_time(gl: GroupLink, bytes: f64) -> f64 {
     if n <= 1.0 || bytes <= 0.0 {
         return 0.0;
     }
-    let ring = 2.0 * (n - 1.0) * gl.latency + 2.0 * (n - 1.0) / n * bytes / gl.bw;
+    let ring = 2.0 * collective_latency(gl) + 2.0 * (n - 1.0) / n * bytes / gl.bw;
     let tree = 2.0 * n.log2().ceil() * gl.latency + 2.0 * bytes / gl.bw;
     ring.min(tree)
 }
 
 /// Reduce-scatter (or all-gather) of a `bytes` buffer (each rank ends with/starts from bytes/n):
-/// ring `(n−1)·α + (n−1)/n · S/β` (Thakur et al. 2005).
+/// ring `(n−1)·α + (n−1)/n · S/β` (Thakur et al. 2005). Across nodes the latency term does not grow linearly with
+/// the ranks: with one rank of the group per node NCCL (≥ 2.23) runs PAT, "Parallel Aggregated Trees", a
+/// Bruck-style algorithm with `⌈log₂n⌉` network steps (NCCL 2.23 release notes, 2024); with `g` ranks per node the
+/// ring's steps between node-mates cost the intra-node latency and only `n/g` of them cross the network
+/// (NCCL's rings enter and leave each node once).
 pub fn reduce_scatter_time(gl: GroupLink, bytes: f64) -> f64 {
     let n = gl.n;
     if n <= 1.0 || bytes <= 0.0 {
         return 0.0;
     }
-    (n - 1.0) * gl.latency + (n - 1.0) / n * bytes / gl.bw
+    (n - 1.0) / n * bytes / gl.bw + collective_latency(gl)
+}
+
+/// The latency part of a reduce-scatter / all-gather over `gl` (see [`reduce_scatter_time`]).
+pub fn collective_latency(gl: GroupLink) -> f64 {
+    let n = gl.n;
+    if n <= 1.0 {
+        return 0.0;
+    }
+    let ring = (n - 1.0) * gl.latency;
+    if !gl.inter_node {
+        return ring;
+    }
+    let g = gl.ranks_per_node.max(1.0);
+    if g <= 1.0 {
+        return ring.min(n.log2().ceil() * gl.latency);
+    }
+    let nodes = (n / g).ceil();
+    nodes * gl.latency + (n - nodes) * gl.intra_latency
 }
 
 /// All-gather: same cost as reduce-scatter (Thakur et al. 2005).
@@ -1280,6 +1308,56 @@ fn dp_reduce_scatter_time(m: &ModelShape, cl: &Cluster, l: &Layout, stage: u64) 
     one(dense, l.dp * l.cp) + one(expert, l.dp * l.cp / l.ep)
 }
 
+/// ZeRO's data-parallel traffic of stage `stage` by phase, and how much of it compute hides (seconds per step:
+/// exposed, total). `d` is one micro-batch on that stage.
+///
+/// - Parameters are gathered in their 16-bit storage type (2 bytes; fp32 runs 4), gradients reduce-scattered in
+///   theirs (ZeRO paper §5–7: stage 1/2 = reduce-scatter of gradients + all-gather of updated parameters, stage 3
+///   adds a parameter all-gather before each unit's forward and again before its backward).
+/// - Stages 1 and 2 reduce the last micro-batch's gradients under its backward (bucketed, Li et al. 2020) and
+///   gather the updated parameters under the next step's first forward (Megatron-Core `--overlap-param-gather`,
+///   FSDP SHARD_GRAD_OP's prefetch); stage 2 also reduce-scatters every earlier micro-batch's gradients as
+///   backward releases them (DeepSpeed stage 2, kiln's `DataParallel`).
+/// - Stage 3 (FSDP FULL_SHARD, DeepSpeed ZeRO-3; Zhao et al. 2023 §3.3) gathers every unit for every micro-batch's
+///   forward and backward and reduce-scatters its gradients per micro-batch; prefetching overlaps unit i+1's
+///   gather with unit i's compute, so per micro-batch `max(0, AG − forward) + max(0, AG + RS − backward)` is
+///   exposed, plus the first unit's gather, which nothing precedes. When compute per micro-batch is small (few
+///   tokens per GPU: a fixed global batch over more GPUs) the collectives, whose size does not shrink with the
+///   batch, stop hiding: throughput falls with GPU count.
+/// - Without `overlap_dp` everything is exposed.
+pub fn zero_exposure(m: &ModelShape, cl: &Cluster, l: &Layout, stage: u64, d: &DeviceTime) -> (f64, f64) {
+    let (dense, expert) = stage_params(m, l, stage);
+    let gbytes = state_bytes_per_param(l.precision, l.fp32_grads).1;
+    let pbytes = l.precision.act_bytes();
+    let coll = |psi: f64, n: u64, bytes_per: f64, rs: bool| -> f64 {
+        if psi <= 0.0 {
+            return 0.0;
+        }
+        let gl = group_link(cl, n, l.tp);
+        if rs { reduce_scatter_time(gl, bytes_per * psi) } else { all_gather_time(gl, bytes_per * psi) }
+    };
+    let (nd, ne) = (l.dp * l.cp, l.dp * l.cp / l.ep);
+    let rs = coll(dense, nd, gbytes, true) + coll(expert, ne, gbytes, true);
+    let ag = coll(dense, nd, pbytes, false) + coll(expert, ne, pbytes, false);
+    let mb = l.micro_batches() as f64;
+    let bwd = d.backward;
+    let fwd = (d.total() - d.backward).max(0.0);
+    let ov = l.overlap_dp;
+    let hide = |comm: f64, window: f64| if ov { (comm - window).max(0.0) } else { comm };
+    match l.zero {
+        3 => {
+            let units = stage_layers(m, l, stage).len().max(1) as f64;
+            let per_mb = hide(ag, fwd) + hide(ag + rs, bwd);
+            (mb * per_mb + if ov { ag / units } else { 0.0 }, mb * (2.0 * ag + rs))
+        }
+        2 if mb > 1.0 => {
+            let earlier = hide((mb - 1.0) * rs, (mb - 1.0) * (fwd + bwd));
+            (earlier + hide(rs, bwd) + hide(ag, fwd), mb * rs + ag)
+        }
+        _ => (hide(rs, bwd) + hide(ag, fwd), rs + ag),
+    }
+}
+
 /// Predict one iteration of `l`. The layout must pass `check_layout`.
 ///
 /// Pipeline: `T = (m + (p−1)/v) · T_dev` where `T_dev` is one micro-batch's forward+backward on the slowest
@@ -1310,18 +1388,24 @@ pub fn estimate(m: &ModelShape, cl: &Cluster, l: &Layout) -> Estimate {
     let bubble = bubble_chunks * t_dev;
 
     // Data parallel on the first stage (finishes last) and on the critical one.
-    let dp_total = stages.iter().map(|&st| dp_comm_time(m, cl, l, st)).fold(0.0, f64::max);
+    let mut dp_total = stages.iter().map(|&st| dp_comm_time(m, cl, l, st)).fold(0.0, f64::max);
     let d0 = device_time(m, cl, l, 0);
+    let phased = l.compression == crate::policy::Compression::None && !l.zeropp && l.zero >= 1;
     // 1-bit Adam communicates at the optimizer step, after backward: nothing hides it.
     let window = if l.overlap_dp && l.compression == crate::policy::Compression::None { d0.backward } else { 0.0 };
     // (PowerSGD too: its power iteration needs the whole accumulated gradient.)
     let mut dp_exposed = (dp_total - window).max(0.0);
+    if phased {
+        let (e, t) = stages.iter().map(|&st| zero_exposure(m, cl, l, st, &device_time(m, cl, l, st))).fold((0.0, 0.0), |a, b| (f64::max(a.0, b.0), f64::max(a.1, b.1)));
+        dp_exposed = e;
+        dp_total = t;
+    }
     // With several micro-batches per step (accumulation, or a pipeline's), ZeRO-2 reduce-scatters each
     // micro-batch's gradients as backward releases them (its gradient buffers are unit-sized, so nothing
     // accumulates across micro-batches: DeepSpeed's stage 2, and kiln's `DataParallel`), and ZeRO-3 also
     // all-gathers every unit for each micro-batch's forward and backward (FSDP with a pipeline): the earlier
     // micro-batches' traffic is hidden behind their compute where it fits, the rest exposed.
-    if l.zero >= 2 && mb > 1.0 {
+    if !phased && l.zero >= 2 && mb > 1.0 {
         let per_mb = if l.zero == 3 { dp_total } else { stages.iter().map(|&st| dp_reduce_scatter_time(m, cl, l, st)).fold(0.0, f64::max) } * (mb - 1.0);
         dp_exposed += (per_mb - (mb - 1.0) * t_dev).max(0.0);
     }

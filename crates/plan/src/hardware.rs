@@ -87,6 +87,13 @@ pub struct Accelerator {
     /// `stream_bw`.
     #[serde(default)]
     pub elementwise_bw: Option<f64>,
+    /// Size dependence of GEMM efficiency in the output dimensions: a factor `x/(x + mn_half)` for each of M and N
+    /// (0: none). Small products keep fewer tiles in flight per SM than the pipelined main loop needs to hide
+    /// memory latency, and the faster an SM, the more work it needs in flight: H100's warp-group MMA runs 2.5× an
+    /// A100 SM's rate (989/132 vs 312/108 TFLOP/s), so its products reach their plateau only at larger sizes.
+    /// FITTED on the fit half of the published-runs catalogue (issue 22), not measured.
+    #[serde(default)]
+    pub mn_half: f64,
     #[serde(default)]
     pub note: Option<String>,
 }
@@ -263,6 +270,7 @@ impl CpuLocal {
             gemm_curve: curve,
             attention_curve,
             elementwise_bw: self.elementwise_bw,
+            mn_half: 0.0,
             note: Some("measured on this machine (kiln plan calibrate)".into()),
         }
     }
