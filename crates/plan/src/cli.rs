@@ -272,6 +272,7 @@ pub fn resolve_layout(a: &LayoutArgs, model: &ModelShape) -> Result<(Constraints
         compression: a.compression.as_deref().map(|v| crate::policy::Compression::parse(v).map_err(|e| PlanError(format!("--compression {e}")))).transpose()?,
         powersgd_rank: a.powersgd_rank,
         zeropp: a.zeropp,
+        uneven_pipeline: None,
     };
     let setup = crate::setup::Setup::preset(a.setup.as_deref().unwrap_or("kiln"))?;
     c.precision = c.precision.or(setup.precision);
@@ -282,6 +283,7 @@ pub fn resolve_layout(a: &LayoutArgs, model: &ModelShape) -> Result<(Constraints
     c.zero = c.zero.or(setup.zero);
     c.recompute = c.recompute.or(setup.recompute);
     c.sequence_parallel = c.sequence_parallel.or(setup.sequence_parallel);
+    c.uneven_pipeline = Some(setup.uneven_pipeline);
     if let Some(z) = a.zero {
         if z > 3 {
             return Err(PlanError(format!("--zero {z}: expected 0|1|2|3")));
@@ -412,7 +414,7 @@ pub fn estimate_cmd(m: &ModelArgs, c: &ClusterArgs, l: &LayoutArgs, json: bool) 
             .clone()
             .ok_or_else(|| PlanError("no valid layout".into()))?,
     };
-    let setup = crate::setup::Setup::of_layout(l.setup.as_deref().unwrap_or("kiln"), &e.chosen);
+    let setup = crate::setup::Setup::of_layout(&crate::setup::Setup::preset(l.setup.as_deref().unwrap_or("kiln"))?, &e.chosen);
     if json {
         let mut v = serde_json::to_value(&e).map_err(|x| PlanError(x.to_string()))?;
         v["setup"] = serde_json::to_value(&setup).map_err(|x| PlanError(x.to_string()))?;

@@ -122,10 +122,13 @@ pub fn check_layout(model: &ModelShape, cluster: &Cluster, l: &Layout) -> Result
     if !model.kv_heads.is_multiple_of(l.tp) {
         return e(format!("--tp {} does not divide kv_heads {}", l.tp, model.kv_heads));
     }
-    if l.pp > model.layers || (l.virtual_stages > 1 && !model.layers.is_multiple_of(l.pp * l.virtual_stages)) {
+    if l.pp * l.virtual_stages > model.layers {
         return e(format!(
-            "--pp {} x --virtual-stages {} does not divide layers {}",
-            l.pp, l.virtual_stages, model.layers
+            "--pp {} x --virtual-stages {} = {} chunks but the model has only {} layers",
+            l.pp,
+            l.virtual_stages,
+            l.pp * l.virtual_stages,
+            model.layers
         ));
     }
     if !l.global_batch.is_multiple_of(l.dp * l.micro_batch) {
@@ -394,9 +397,26 @@ pub struct MemoryBreakdown {
 pub fn stage_layers(m: &ModelShape, l: &Layout, stage: u64) -> Vec<u64> {
     let (nl, p, v) = (m.layers, l.pp, l.virtual_stages);
     if v > 1 {
-        let per_chunk = nl / (p * v);
+        // When pv ∤ L the chunks differ by one layer, and the short ones are the model's first and last chunks
+        // (stage 0's first, stage p−1's last: they also hold the embeddings and the output layer), then the next
+        // ones inward: Llama 3 §3.3.2 ("we reduce one Transformer layer each from the first and the last stages"),
+        // Megatron-Core's `--account-for-embedding-in-pipeline-split` / `--decoder-first-pipeline-num-layers`.
+        let chunks = p * v;
+        let (base, extra) = (nl / chunks, nl % chunks);
+        let short = if extra == 0 { 0 } else { chunks - extra };
+        let is_short = |k: u64| {
+            let inward = k.min(chunks - 1 - k);
+            // Order 0, C−1, 1, C−2, …: position of chunk k in that order.
+            let pos = 2 * inward + u64::from(k > chunks - 1 - k);
+            pos < short
+        };
+        let size = |k: u64| if extra == 0 { base } else { base + 1 - u64::from(is_short(k)) };
+        let start = |k: u64| (0..k).map(size).sum::<u64>();
         return (0..v)
-            .flat_map(|c| (0..per_chunk).map(move |j| (c * p + stage) * per_chunk + j))
+            .flat_map(|c| {
+                let k = c * p + stage;
+                start(k)..start(k) + size(k)
+            })
             .collect();
     }
     let (base, extra) = (nl / p, nl % p);

@@ -40,6 +40,9 @@ pub struct Constraints {
     pub powersgd_rank: Option<u64>,
     /// ZeRO++ on ZeRO-3 (default off).
     pub zeropp: Option<bool>,
+    /// Interleaved chunks of unequal layer counts when stages × virtual stages do not divide the layers (the
+    /// setup's `uneven_pipeline`; default false: Megatron-LM before Megatron-Core needs pv | L).
+    pub uneven_pipeline: Option<bool>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -98,8 +101,11 @@ fn check_fixed(m: &ModelShape, cl: &Cluster, c: &Constraints) -> Result<(), Plan
         if pp < 2 {
             return Err(PlanError(format!("--virtual-stages {v} needs --pp > 1 (interleaved pipeline chunks)")));
         }
-        if !m.layers.is_multiple_of(pp * v) {
-            return Err(PlanError(format!("--pp {pp} x --virtual-stages {v} = {} chunks do not divide the model's {} layers", pp * v, m.layers)));
+        if pp * v > m.layers {
+            return Err(PlanError(format!("--pp {pp} x --virtual-stages {v} = {} chunks but the model has only {} layers", pp * v, m.layers)));
+        }
+        if !m.layers.is_multiple_of(pp * v) && !c.uneven_pipeline.unwrap_or(false) {
+            return Err(PlanError(format!("--pp {pp} x --virtual-stages {v} = {} chunks do not divide the model's {} layers (chunks of unequal size need a setup with uneven pipeline stages, e.g. --setup megatron-2024)", pp * v, m.layers)));
         }
     }
     let given: Vec<(&str, u64)> = [("--tp", c.tp), ("--pp", c.pp), ("--dp", c.dp), ("--cp", c.cp)]
@@ -207,6 +213,7 @@ pub fn candidates(m: &ModelShape, cl: &Cluster, global_batch: u64, seq: u64, c: 
                     scheds.push((Kind::OneFOneB, 1));
                 } else {
                     let per = m.layers / pp;
+                    let uneven = c.uneven_pipeline.unwrap_or(false);
                     let want = |s: Kind| c.schedule.is_none_or(|x| x == s);
                     if c.virtual_stages.is_none_or(|v| v == 1) {
                         if want(Kind::Gpipe) {
@@ -218,7 +225,8 @@ pub fn candidates(m: &ModelShape, cl: &Cluster, global_batch: u64, seq: u64, c: 
                     }
                     if want(Kind::Interleaved) {
                         // The search proposes 2..=8 chunks per stage; a fixed --virtual-stages is taken as given.
-                        for v in divisors(per).into_iter().filter(|&v| (2..=8).contains(&v) || c.virtual_stages == Some(v)) {
+                        let vs: Vec<u64> = if uneven { (2..=per).collect() } else { divisors(per) };
+                        for v in vs.into_iter().filter(|&v| (2..=8).contains(&v) || c.virtual_stages == Some(v)) {
                             if c.virtual_stages.is_none_or(|x| x == v) {
                                 scheds.push((Kind::Interleaved, v));
                             }

@@ -396,6 +396,7 @@ pub fn predict_row(row: &Row, cat: &HardwareCatalog, origin: &str) -> Result<Row
         overlap_dp: Some(flag("overlap_dp", setup.overlap_dp)?),
         overlap_comm: Some(flag("overlap_comm", setup.overlap_comm)?),
         fp32_grads: Some(flag("fp32_grads", setup.fp32_grads)?),
+        uneven_pipeline: Some(setup.uneven_pipeline),
     };
     let res = search(&model, &cluster, row.global_batch, seq, &c).map_err(ctx)?;
     let (est, fits) = match res.plans.first() {
@@ -420,7 +421,7 @@ pub fn predict_row(row: &Row, cat: &HardwareCatalog, origin: &str) -> Result<Row
         model_flops(&model, row.global_batch, seq)
     };
     let predicted = flops / est.step_time_s / row.gpus as f64 / 1e12;
-    let used = Setup::of_layout(&setup.name, &est.chosen);
+    let used = Setup::of_layout(&setup, &est.chosen);
     Ok(RowResult {
         name: row.name.clone(),
         tp: row.tp,
