@@ -9,6 +9,7 @@ mod errors;
 mod flags;
 mod flops;
 mod korthikanti;
+mod phenomena;
 mod ranking;
 mod search_speed;
 mod table1;
