@@ -10,8 +10,14 @@ pub fn exp(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_359_4;
     const LN2_LO: f32 = -2.121_944_4e-4;
+    // 1.5 · 2^23: adding it rounds `x · log2 e` to an integer (to nearest, even on ties) and
+    // leaves that integer in the low mantissa bits, so neither the rounding nor `2^n` below
+    // needs a float-to-int conversion (Rust's `as i32` saturates and checks for NaN lane by
+    // lane, which kept this loop from vectorising).
+    const SHIFT: f32 = 12_582_912.0;
     let x = x.clamp(-87.3, 88.3);
-    let n = (x * LOG2E).round();
+    let j = x * LOG2E + SHIFT;
+    let n = j - SHIFT;
     let r = x - n * LN2_HI - n * LN2_LO;
     let r2 = r * r;
     let mut p = 1.987_569_1e-4f32;
@@ -21,7 +27,9 @@ pub fn exp(x: f32) -> f32 {
     p = p * r + 1.666_666_5e-1;
     p = p * r + 5.000_000_1e-1;
     let e = p * r2 + r + 1.0;
-    e * f32::from_bits(((n as i32 + 127) as u32) << 23)
+    // `2^n`: the integer sits in `j`'s low bits, offset by SHIFT's bit pattern (0x4B40_0000);
+    // a NaN `x` stays NaN through `e`.
+    e * f32::from_bits(j.to_bits().wrapping_sub(0x4B40_0000).wrapping_add(127) << 23)
 }
 
 /// tanh through `exp`: `tanh(u) = sign(u)·(1 − e^{−2|u|}) / (1 + e^{−2|u|})`.

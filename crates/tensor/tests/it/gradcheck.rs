@@ -291,4 +291,13 @@ fn fast_exp_and_tanh_are_accurate() {
         let (t, tt) = (tensor::simd::tanh(x), x.tanh());
         assert!((t - tt).abs() <= 2e-7, "tanh({x}) = {t} vs {tt}");
     }
+    // The ends of the clamped range (2^n from the rounding's bits: n = -126 and 127), ties of
+    // x·log2 e, NaN through, and what lies beyond the clamp.
+    for x in [-87.3f32, 88.3, -87.0, 88.0, 0.5 * std::f32::consts::LN_2, -1.5 * std::f32::consts::LN_2, 0.0, -0.0] {
+        let (e, te) = (tensor::simd::exp(x), (x as f64).exp());
+        assert!(((e as f64 - te) / te).abs() <= 3e-7, "exp({x}) = {e} vs {te}");
+    }
+    assert!(tensor::simd::exp(f32::NAN).is_nan());
+    assert!(tensor::simd::exp(-1e4) > 0.0 && tensor::simd::exp(-1e4) < 1e-37);
+    assert!(tensor::simd::exp(f32::INFINITY).is_finite() && tensor::simd::exp(1e4) > 1e38);
 }
