@@ -339,12 +339,7 @@ pub fn search(
         }
     }
     if evaluated == 0 {
-        return Err(first_err.unwrap_or_else(|| {
-            PlanError(format!(
-                "no layout of {} GPUs fits the fixed flags (global batch {global_batch} must split over data parallel ranks)",
-                cl.gpus
-            ))
-        }));
+        return Err(first_err.unwrap_or_else(|| no_candidates(m, cl, global_batch, c)));
     }
     let mut plans: Vec<Estimate> = best.into_values().collect();
     plans.sort_by(|a, b| a.step_time_s.total_cmp(&b.step_time_s));
@@ -354,6 +349,37 @@ pub fn search(
         pruned_unfit: pruned,
         smallest_unfit: smallest,
     })
+}
+
+/// Why no layout is consistent with the fixed flags: the first constraint that empties the candidate set, named.
+fn no_candidates(m: &ModelShape, cl: &Cluster, global_batch: u64, c: &Constraints) -> PlanError {
+    let n = cl.gpus;
+    let e = |s: String| PlanError(s);
+    if let (Some(tp), Some(pp), cp) = (c.tp, c.pp, c.cp.unwrap_or(1)) {
+        let dp = n / (tp * pp * cp).max(1);
+        if c.dp.is_some_and(|d| d != dp) {
+            return e(format!("--dp {} but --gpus {n} / (--tp {tp} x --pp {pp} x --cp {cp}) = {dp}", c.dp.unwrap_or(0)));
+        }
+        if !global_batch.is_multiple_of(dp) {
+            return e(format!("--global-batch {global_batch} is not a multiple of the data-parallel degree {dp} (--gpus {n} / (--tp {tp} x --pp {pp} x --cp {cp}))"));
+        }
+        let per_rank = global_batch / dp;
+        if let Some(b) = c.micro_batch {
+            if !per_rank.is_multiple_of(b) {
+                return e(format!("--micro-batch {b} does not divide the {per_rank} sequences per data-parallel rank (--global-batch {global_batch} / dp {dp})"));
+            }
+        }
+        if let Some(v) = c.virtual_stages.filter(|&v| v > 1) {
+            if pp * v > m.layers {
+                return e(format!("--pp {pp} x --virtual-stages {v} = {} chunks but the model has only {} layers", pp * v, m.layers));
+            }
+        }
+    }
+    e(format!(
+        "no layout of {n} GPUs satisfies the fixed flags: tp must divide heads {} and kv heads {}, pp the layers {} \
+         (unless given), cp the sequence, and --global-batch {global_batch} must be a multiple of the data-parallel degree",
+        m.heads, m.kv_heads, m.layers
+    ))
 }
 
 /// Why the best plan beats the runner-up: the breakdown terms that differ most.

@@ -147,4 +147,21 @@ fn impossible_virtual_stages_name_the_layers() {
     let l = LayoutArgs { global_batch: 64, pp: Some(1), virtual_stages: Some(2), ..Default::default() };
     let e = estimate_cmd(&gpt(), &cluster("a100-80gb", 64), &l, false).unwrap_err().to_string();
     assert!(e.contains("--virtual-stages 2 needs --pp > 1"), "{e}");
+    // A setup with uneven chunks takes 4 x 5 over 36 layers, but not more chunks than layers.
+    let l = LayoutArgs { global_batch: 64, tp: Some(2), pp: Some(4), virtual_stages: Some(10), setup: Some("megatron-2024".into()), ..Default::default() };
+    let e = estimate_cmd(&gpt(), &cluster("a100-80gb", 64), &l, false).unwrap_err().to_string();
+    assert!(e.contains("--pp 4 x --virtual-stages 10 = 40 chunks but the model has only 36 layers"), "{e}");
+    let l = LayoutArgs { global_batch: 64, tp: Some(2), pp: Some(4), virtual_stages: Some(5), setup: Some("megatron-2024".into()), ..Default::default() };
+    assert!(estimate_cmd(&gpt(), &cluster("a100-80gb", 64), &l, false).is_ok());
+}
+
+/// Issue 22: a batch that cannot split is named as such, with the degrees that make the data-parallel size.
+#[test]
+fn batch_not_splitting_names_the_degrees() {
+    let l = LayoutArgs { global_batch: 60, tp: Some(2), pp: Some(4), ..Default::default() };
+    let e = estimate_cmd(&gpt(), &cluster("a100-80gb", 64), &l, false).unwrap_err().to_string();
+    assert!(e.contains("--global-batch 60 is not a multiple of the data-parallel degree 8"), "{e}");
+    let l = LayoutArgs { global_batch: 64, tp: Some(2), pp: Some(4), micro_batch: Some(3), ..Default::default() };
+    let e = estimate_cmd(&gpt(), &cluster("a100-80gb", 64), &l, false).unwrap_err().to_string();
+    assert!(e.contains("--global-batch 64 is not a multiple of --dp 8 x --micro-batch 3"), "{e}");
 }
