@@ -136,7 +136,7 @@ pub struct LayoutArgs {
     /// backward gathers inside a node (default false).
     #[cfg_attr(feature = "clap", arg(long))]
     pub zeropp: Option<bool>,
-    /// Software setup preset: kiln|megatron-2021|megatron-2022|megatron-2023|megatron-2024|deepspeed-zero|fsdp
+    /// Software setup preset: kiln|megatron-2021|megatron-2022|megatron-deepspeed|megatron-2023|megatron-2024|deepspeed-zero|fsdp
     /// (default kiln); the flags above override its fields.
     #[cfg_attr(feature = "clap", arg(long))]
     pub setup: Option<String>,
@@ -273,6 +273,7 @@ pub fn resolve_layout(a: &LayoutArgs, model: &ModelShape) -> Result<(Constraints
         powersgd_rank: a.powersgd_rank,
         zeropp: a.zeropp,
         uneven_pipeline: None,
+        pp_blocking_p2p: None,
     };
     let setup = crate::setup::Setup::preset(a.setup.as_deref().unwrap_or("kiln"))?;
     c.precision = c.precision.or(setup.precision);
@@ -284,6 +285,7 @@ pub fn resolve_layout(a: &LayoutArgs, model: &ModelShape) -> Result<(Constraints
     c.recompute = c.recompute.or(setup.recompute);
     c.sequence_parallel = c.sequence_parallel.or(setup.sequence_parallel);
     c.uneven_pipeline = Some(setup.uneven_pipeline);
+    c.pp_blocking_p2p = Some(setup.pp_blocking_p2p);
     if let Some(z) = a.zero {
         if z > 3 {
             return Err(PlanError(format!("--zero {z}: expected 0|1|2|3")));

@@ -75,6 +75,13 @@ pub struct Layout {
     /// gradient reduce-scatter, hpZ backward gathers inside the node (`parallel::zeropp`).
     #[serde(default)]
     pub zeropp: bool,
+    /// DeepSpeed's pipeline engine (Megatron-DeepSpeed: BLOOM, MT-NLG): each stage boundary moves the full b·s·h
+    /// activation from every tensor-parallel rank (Megatron's scatter/gather split of it, Narayanan §4.1, is
+    /// Megatron-LM's own) with blocking send/recv, so forward's receive and send and backward's receive and send
+    /// are four exposed transfers per micro-batch (`deepspeed/runtime/pipe/engine.py` `_exec_send_activations`,
+    /// `_exec_recv_activations`, `_exec_send_grads`, `_exec_recv_grads`), not Megatron's two.
+    #[serde(default)]
+    pub pp_blocking_p2p: bool,
 }
 
 impl Layout {
@@ -1102,13 +1109,17 @@ pub fn device_time(m: &ModelShape, cl: &Cluster, l: &Layout, stage: u64) -> Devi
     // (Megatron `--overlap-p2p-communication`): only the latency α remains.
     if l.pp > 1 {
         let gl = p2p_link(group_link(cl, l.pp, l.tp * l.cp * l.dp));
-        let bytes = l.precision.act_bytes() * (l.micro_batch * l.seq / l.cp) as f64 * m.hidden as f64 / l.tp as f64;
-        let one = if l.overlap_comm && l.schedule == Kind::Interleaved {
-            gl.latency
+        let full = l.precision.act_bytes() * (l.micro_batch * l.seq / l.cp) as f64 * m.hidden as f64;
+        if l.pp_blocking_p2p {
+            d.pp_p2p = 4.0 * l.virtual_stages as f64 * p2p_time(gl, full);
         } else {
-            p2p_time(gl, bytes)
-        };
-        d.pp_p2p = 2.0 * l.virtual_stages as f64 * one;
+            let one = if l.overlap_comm && l.schedule == Kind::Interleaved {
+                gl.latency
+            } else {
+                p2p_time(gl, full / l.tp as f64)
+            };
+            d.pp_p2p = 2.0 * l.virtual_stages as f64 * one;
+        }
     }
     d
 }
@@ -1140,6 +1151,7 @@ pub fn single_device_layout(batch: u64, seq: u64, attention: Attention) -> Layou
         compression: Default::default(),
         powersgd_rank: 4,
         zeropp: false,
+        pp_blocking_p2p: false,
     }
 }
 

@@ -43,6 +43,8 @@ pub struct Constraints {
     /// Interleaved chunks of unequal layer counts when stages × virtual stages do not divide the layers (the
     /// setup's `uneven_pipeline`; default false: Megatron-LM before Megatron-Core needs pv | L).
     pub uneven_pipeline: Option<bool>,
+    /// DeepSpeed's pipeline engine's blocking full-activation p2p (the setup's; default false).
+    pub pp_blocking_p2p: Option<bool>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -281,6 +283,7 @@ pub fn candidates(m: &ModelShape, cl: &Cluster, global_batch: u64, seq: u64, c: 
                                             compression: c.compression.unwrap_or_default(),
                                             powersgd_rank: c.powersgd_rank.unwrap_or(4),
                                             zeropp: c.zeropp.unwrap_or(false),
+                                            pp_blocking_p2p: c.pp_blocking_p2p.unwrap_or(false),
                                         });
                                     }
                                 }

@@ -397,6 +397,7 @@ pub fn predict_row(row: &Row, cat: &HardwareCatalog, origin: &str) -> Result<Row
         overlap_comm: Some(flag("overlap_comm", setup.overlap_comm)?),
         fp32_grads: Some(flag("fp32_grads", setup.fp32_grads)?),
         uneven_pipeline: Some(setup.uneven_pipeline),
+        pp_blocking_p2p: Some(setup.pp_blocking_p2p),
     };
     let res = search(&model, &cluster, row.global_batch, seq, &c).map_err(ctx)?;
     let (est, fits) = match res.plans.first() {
