@@ -569,7 +569,7 @@ fn model_state_rows(out: &mut Rows, cfg: &RunConfig, r: &RankShape, s: usize) {
         // moves; in the update the rank's scaled gradient and, at a sync, the moves to average.
         let n = cfg.parallel.dp.max(1);
         let state = crate::step::ZeroOneState::state_len(moments, n);
-        out.add(Kind::Optimizer, held, "0/1 Adam state", b4(state, 4), format!("error feedback {} + anchor {moments} + accumulated moves {moments} elements (parallel.compression)", state - 2 * moments - 2));
+        out.add(Kind::Optimizer, held, "0/1 Adam state", b4(state, 4), format!("error feedback {} + anchor {moments} + accumulated moves {moments} elements (parallel.compression)", state - 2 * moments - 5));
         out.add(Kind::Temporary, Phase::Step, "0/1 Adam buffers", b4(2 * moments, 4), "this rank's scaled gradient, and at a sync its moves in momentum units".into());
     }
 }

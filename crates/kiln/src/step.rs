@@ -96,26 +96,54 @@ pub enum CompressionState {
 /// 0/1 Adam's state on one rank (`parallel.compression = zero_one_adam`): the 1-bit
 /// all-reduce's error feedback (of gradients before the variance freezes, of accumulated moves
 /// after), and for the local steps the parameters at the last sync (`anchor`, the same on every
-/// rank), this rank's moves since (`acc`; its parameters are `anchor − acc`) and the sum of the
-/// learning rates since (`lrs`). The checkpoint row adds the rank's own momentum
-/// ([`Optimizer::compression_row`]).
+/// rank), this rank's moves since (`acc`), the product of the weight-decay factors `1 − lr·wd`
+/// since (`decay`: a decayed parameter is `anchor·decay − acc`, any other `anchor − acc`), the
+/// sum of the bias-corrected learning rates since (`lrs`), and whether the anchor was taken
+/// (`anchored`: the first local step that runs takes it, whichever step that is). The
+/// checkpoint row adds the rank's own momentum ([`Optimizer::compression_row`]).
+///
+/// Weight decay stays out of the moves: DeepSpeed's `ZeroOneAdam` adds `lr·wd·p` to them, so
+/// every sync folds the decay into the momentum, which then applies it again (about `1/(1 −
+/// β1)` times the decay at a sync interval of 1). Here the decay scales the anchor instead,
+/// the same on every rank, which is AdamW's decoupled decay exactly.
 #[derive(Clone, Debug)]
 pub struct ZeroOneState {
     pub onebit: parallel::compress::OneBit,
     pub acc: Vec<f32>,
     pub anchor: Vec<f32>,
     pub lrs: f64,
+    pub decay: f64,
+    pub anchored: bool,
 }
 
 impl ZeroOneState {
     fn new(len: usize, n: usize, rank: usize) -> ZeroOneState {
-        ZeroOneState { onebit: parallel::compress::OneBit::new(len, n, rank), acc: vec![0.0; len], anchor: vec![0.0; len], lrs: 0.0 }
+        ZeroOneState { onebit: parallel::compress::OneBit::new(len, n, rank), acc: vec![0.0; len], anchor: vec![0.0; len], lrs: 0.0, decay: 1.0, anchored: false }
     }
 
     /// Elements of [`CompressionState::state`] for a `len`-element store over `n` ranks.
     pub fn state_len(len: usize, n: usize) -> usize {
-        parallel::compress::OneBit::state_len(len, n) + 2 * len + 2
+        parallel::compress::OneBit::state_len(len, n) + 2 * len + 5
     }
+
+    /// The anchor's factor for a segment: the decay since the sync where weight decay applies.
+    fn decay_for(&self, h: &AdamW) -> f32 {
+        if h.weight_decay != 0.0 {
+            self.decay as f32
+        } else {
+            1.0
+        }
+    }
+}
+
+/// An f64 as two f32 bit patterns (a checkpoint row is f32; never computed with).
+fn f64_words(x: f64) -> [f32; 2] {
+    let b = x.to_bits();
+    [f32::from_bits(b as u32), f32::from_bits((b >> 32) as u32)]
+}
+
+fn words_f64(w: &[f32]) -> f64 {
+    f64::from_bits(w[0].to_bits() as u64 | (w[1].to_bits() as u64) << 32)
 }
 
 impl CompressionState {
@@ -138,8 +166,9 @@ impl CompressionState {
                 let mut v = z.onebit.state();
                 v.extend_from_slice(&z.acc);
                 v.extend_from_slice(&z.anchor);
-                let b = z.lrs.to_bits();
-                v.extend([f32::from_bits(b as u32), f32::from_bits((b >> 32) as u32)]);
+                v.extend(f64_words(z.lrs));
+                v.extend(f64_words(z.decay));
+                v.push(if z.anchored { 1.0 } else { 0.0 });
                 v
             }
         }
@@ -149,7 +178,7 @@ impl CompressionState {
         match self {
             CompressionState::OneBit(o) => o.worker.len() + o.server.len(),
             CompressionState::PowerSgd(p) => p.err.len() + p.q.len(),
-            CompressionState::ZeroOne(z) => z.onebit.worker.len() + z.onebit.server.len() + z.acc.len() + z.anchor.len() + 2,
+            CompressionState::ZeroOne(z) => z.onebit.worker.len() + z.onebit.server.len() + z.acc.len() + z.anchor.len() + 5,
         }
     }
 
@@ -163,8 +192,8 @@ impl CompressionState {
                 z.onebit.set_state(&s[..e]);
                 z.acc.copy_from_slice(&s[e..e + len]);
                 z.anchor.copy_from_slice(&s[e + len..e + 2 * len]);
-                let (lo, hi) = (s[e + 2 * len].to_bits() as u64, s[e + 2 * len + 1].to_bits() as u64);
-                z.lrs = f64::from_bits(lo | hi << 32);
+                let w = &s[e + 2 * len..];
+                (z.lrs, z.decay, z.anchored) = (words_f64(&w[0..2]), words_f64(&w[2..4]), w[4] != 0.0);
             }
         }
     }
@@ -289,21 +318,31 @@ impl Optimizer {
         Some(st.state_len() + if matches!(st, CompressionState::ZeroOne(_)) { self.m.len() } else { 0 })
     }
 
-    /// Restores [`Optimizer::compression_row`] into `st`, and for 0/1 Adam the rank's momentum;
-    /// returns the parameters the rank had (`anchor − acc`) when its last step was a local one.
-    pub fn restore_compression(&mut self, mut st: CompressionState, row: &[f32], local: bool) -> Option<Vec<f32>> {
+    /// Restores [`Optimizer::compression_row`] into `st`, and for 0/1 Adam the rank's momentum.
+    pub fn restore_compression(&mut self, mut st: CompressionState, row: &[f32]) {
         let k = st.state_len();
         st.set_state(&row[..k]);
-        let params = match &st {
-            CompressionState::ZeroOne(z) => {
-                let len = self.m.len();
-                self.m.copy_from_slice(&row[k..k + len]);
-                local.then(|| z.anchor.iter().zip(&z.acc).map(|(a, d)| a - d).collect())
-            }
-            _ => None,
-        };
+        if let CompressionState::ZeroOne(_) = &st {
+            let len = self.m.len();
+            self.m.copy_from_slice(&row[k..k + len]);
+        }
         self.compression = Some(st);
-        params
+    }
+
+    /// 0/1 Adam past its freeze: this rank's own parameters of `piece` (`anchor·decay − acc`,
+    /// as [`tensor::optim::zeroone_local`] computes them; the anchor itself right after a
+    /// sync). Returns false, touching nothing, before the first local step took the anchor.
+    pub fn zeroone_local_params(&self, params: &mut [f32], piece: &parallel::Piece, cfg: &RunConfig) -> bool {
+        let Some(CompressionState::ZeroOne(z)) = &self.compression else { return false };
+        if !z.anchored {
+            return false;
+        }
+        for (r, off, h) in self.segments(piece, cfg, 0.0, 1) {
+            let d = z.decay_for(&h);
+            let e = off + r.start..off + r.end;
+            params[r].iter_mut().zip(&z.anchor[e.clone()]).zip(&z.acc[e]).for_each(|((p, &a), &m)| *p = a * d - m);
+        }
+        true
     }
 
     /// The AdamW hyper-parameters of each weight-decay segment inside `piece`: (the segment's
@@ -443,30 +482,43 @@ fn zeroone_step(ch: &mut Chunk, cfg: &RunConfig, step: u64, lr: f64, kind: paral
             st.onebit = ob;
             ch.dp.for_each_piece(|piece, params, _| opt.update_piece_zeroone(params, &g[piece.shard.clone()], piece, cfg, lr, t, var_updates, false));
         }
-        ZeroOneKind::Local { var_updates, first, sync } => {
-            if first {
-                // The error feedback held gradients; from here it holds moves.
+        ZeroOneKind::Local { var_updates, sync, .. } => {
+            if !st.anchored {
+                // The first local step that runs (not the schedule's first: a vetoed or
+                // rolled-back step, or a resume without this rank's state, takes none). The
+                // error feedback held gradients; from here it holds moves.
                 st.onebit = OneBit::new(len, n, rank);
                 ch.dp.for_each_piece(|piece, params, _| st.anchor[piece.shard.clone()].copy_from_slice(params));
                 st.acc.fill(0.0);
-                st.lrs = 0.0;
+                (st.lrs, st.decay, st.anchored) = (0.0, 1.0, true);
             }
+            st.decay *= 1.0 - lr * cfg.train.weight_decay;
             ch.dp.for_each_piece(|piece, params, _| {
                 for (r, off, h) in opt.segments(piece, cfg, lr, t) {
+                    let d = st.decay_for(&h);
                     let e = off + r.start..off + r.end;
                     let (m, v) = (&mut opt.m[e.clone()], &opt.v[e.clone()]);
-                    tensor::optim::zeroone_local(&mut params[r], &g[e.clone()], m, v, &mut st.acc[e.clone()], &st.anchor[e], &h, var_updates);
+                    tensor::optim::zeroone_local(&mut params[r], &g[e.clone()], m, v, &mut st.acc[e.clone()], &st.anchor[e], &h, var_updates, d);
                 }
             });
-            st.lrs += lr;
+            // The momentum after a sync is the moves' average per unit of step size, which
+            // carries the bias correction the moves did.
+            st.lrs += lr / (1.0 - cfg.train.beta1.powi(t as i32));
             if sync {
                 let tc = &cfg.train;
-                let rbc2 = (1.0 / (1.0 - tc.beta2.powi(var_updates as i32)).sqrt()) as f32;
+                let rbc2 = (1.0 / (1.0 - (tc.beta2 as f32 as f64).powi(var_updates as i32)).sqrt()) as f32;
                 let denom = |v: f32| v.sqrt() * rbc2 + tc.eps as f32;
                 let u: Vec<f32> = st.acc.iter().zip(opt.v.iter()).map(|(&a, &v)| a * denom(v)).collect();
                 let ob = std::mem::replace(&mut st.onebit, OneBit::new(0, n, rank));
                 let (ob, u) = onebit_mean(&mut ch.dp, ob, u);
                 st.onebit = ob;
+                // The decay since the last sync, folded into the anchor where it applies.
+                ch.dp.for_each_piece(|piece, _, _| {
+                    for (r, off, h) in opt.segments(piece, cfg, lr, t) {
+                        let d = st.decay_for(&h);
+                        st.anchor[off + r.start..off + r.end].iter_mut().for_each(|a| *a *= d);
+                    }
+                });
                 let inv = (1.0 / st.lrs) as f32;
                 for (i, &ui) in u.iter().enumerate() {
                     st.anchor[i] -= ui / denom(opt.v[i]);
@@ -474,7 +526,7 @@ fn zeroone_step(ch: &mut Chunk, cfg: &RunConfig, step: u64, lr: f64, kind: paral
                 }
                 ch.dp.for_each_piece(|piece, params, _| params.copy_from_slice(&st.anchor[piece.shard.clone()]));
                 st.acc.fill(0.0);
-                st.lrs = 0.0;
+                (st.lrs, st.decay) = (0.0, 1.0);
             }
         }
     }

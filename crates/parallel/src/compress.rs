@@ -197,10 +197,10 @@ pub enum ZeroOneKind {
     Variance { var_updates: u64 },
     /// 1-bit gradient all-reduce; momentum updated, variance as it was.
     OneBitGrad { var_updates: u64 },
-    /// A local step on the rank's own gradient with the variance frozen; `first`: the first
-    /// such step (the error feedback restarts: it held gradients, now it holds moves); `sync`:
-    /// the accumulated moves are then averaged.
-    Local { var_updates: u64, first: bool, sync: bool },
+    /// A local step on the rank's own gradient with the variance frozen; `sync`: the
+    /// accumulated moves are then averaged. (The first local step that runs restarts the error
+    /// feedback, which held gradients and from then on holds moves.)
+    Local { var_updates: u64, sync: bool },
 }
 
 impl ZeroOneKind {
@@ -239,7 +239,7 @@ impl ZeroOneSchedule {
                 if lc == self.local_step_scaler.max(1) {
                     (lc, li) = (0, (li * 2).min(self.local_step_clipper.max(1)));
                 }
-                ZeroOneKind::Local { var_updates: cv, first: s == freeze + 1, sync }
+                ZeroOneKind::Local { var_updates: cv, sync }
             };
         }
         kind
@@ -467,8 +467,7 @@ mod tests {
         // Local steps from 21: syncing every step for 4, every 2nd for 4, then every 4th.
         let sync: Vec<u64> = (21..=40).filter(|&t| matches!(kinds[t as usize - 1], ZeroOneKind::Local { sync: true, .. })).collect();
         assert_eq!(sync, vec![21, 22, 23, 24, 26, 28, 32, 36, 40]);
-        assert_eq!(kinds[20], ZeroOneKind::Local { var_updates: 10, first: true, sync: true });
-        assert!((22..=40).all(|t| matches!(kinds[t as usize - 1], ZeroOneKind::Local { first: false, .. })));
+        assert_eq!(kinds[20], ZeroOneKind::Local { var_updates: 10, sync: true });
     }
 
     #[test]

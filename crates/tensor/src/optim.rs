@@ -82,20 +82,22 @@ pub fn zeroone_update(params: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32
 }
 
 /// 0/1 Adam's local step on this rank's own gradient `g`, the variance `v` frozen: `m = β1·m +
-/// (1−β1)·g`; the move `δ = lr·wd·p + lr/(1 − β1^t) · m / (√v·rbc2 + ε)` is added to `acc`,
-/// and `p = anchor − acc` (the parameters are always the last synchronised ones less the
-/// moves since, so a checkpoint of `anchor` and `acc` restores them bit for bit).
+/// (1−β1)·g`; the moves decay and grow, `acc = acc·(1 − lr·wd) + lr/(1 − β1^t) · m / (√v·rbc2 +
+/// ε)`, and `p = anchor·decay − acc`, where `decay` is the product of the factors `1 − lr·wd`
+/// since the anchor was taken, this step's included. That is AdamW's step `p·(1 − lr·wd) − …`
+/// exactly, with the decay kept out of the moves (so out of the momentum a sync rebuilds from
+/// them); a checkpoint of `anchor`, `acc` and `decay` restores the parameters bit for bit.
 #[allow(clippy::too_many_arguments)]
-pub fn zeroone_local(params: &mut [f32], g: &[f32], m: &mut [f32], v: &[f32], acc: &mut [f32], anchor: &[f32], h: &AdamW, var_updates: u64) {
+pub fn zeroone_local(params: &mut [f32], g: &[f32], m: &mut [f32], v: &[f32], acc: &mut [f32], anchor: &[f32], h: &AdamW, var_updates: u64, decay: f32) {
     let _p = crate::profile::scope("zeroone_local");
     let step = (h.lr as f64 / (1.0 - (h.beta1 as f64).powi(h.t as i32))) as f32;
     let rbc2 = (1.0 / (1.0 - (h.beta2 as f64).powi(var_updates as i32)).sqrt()) as f32;
-    let wd = h.lr * h.weight_decay;
+    let keep = 1.0 - h.lr * h.weight_decay;
     params.par_chunks_mut(ELEMS).zip(g.par_chunks(ELEMS).zip(m.par_chunks_mut(ELEMS))).zip(v.par_chunks(ELEMS).zip(acc.par_chunks_mut(ELEMS).zip(anchor.par_chunks(ELEMS)))).for_each(|((p, (g, m)), (v, (acc, anchor)))| {
         for i in 0..p.len() {
             m[i] = h.beta1 * m[i] + (1.0 - h.beta1) * g[i];
-            acc[i] += wd * p[i] + step * m[i] / (v[i].sqrt() * rbc2 + h.eps);
-            p[i] = anchor[i] - acc[i];
+            acc[i] = acc[i] * keep + step * m[i] / (v[i].sqrt() * rbc2 + h.eps);
+            p[i] = anchor[i] * decay - acc[i];
         }
     });
 }

@@ -161,13 +161,13 @@ impl<'a> Rank<'a> {
             let st = crate::step::CompressionState::new(cfg, &ch.model.layout, len, n, me);
             ch.opt.compression = Some(st.clone());
             let row_len = ch.opt.compression_row_len().unwrap_or(0);
-            // 0/1 Adam's local steps leave each rank its own parameters and momentum.
-            let last = resumed.as_ref().map_or(0, |r| r.step);
-            let local = matches!(crate::step::zeroone_schedule(cfg).kind(last), parallel::compress::ZeroOneKind::Local { .. }) && cfg.parallel.compression == crate::config::Compression::ZerooneAdam;
             match checkpoint::read_row(&l.optim, checkpoint::COMPRESSION_STATE, me, n, row_len) {
                 Some(row) => {
-                    if let Some(p) = ch.opt.restore_compression(st, &row, local) {
-                        ch.dp.for_each_piece(|piece, params, _| params.copy_from_slice(&p[piece.shard.clone()]));
+                    ch.opt.restore_compression(st, &row);
+                    // 0/1 Adam's local steps leave each rank its own parameters.
+                    let (opt, mut own) = (&ch.opt, false);
+                    ch.dp.for_each_piece(|piece, params, _| own |= opt.zeroone_local_params(params, piece, cfg));
+                    if own {
                         ch.dp.after_update();
                     }
                 }

@@ -624,6 +624,14 @@ fn compressed_data_parallel_sends_fewer_bytes_and_resumes_exactly() {
             for s in [12, 14, 15, 16] {
                 assert!(bytes(s) == bytes(12) && bytes(s) <= 128 && bytes(10) > 8 * bytes(s), "sync {} bytes, local step {s} {}", bytes(10), bytes(s));
             }
+            // The schedule's first local step skipped (a non-finite loss): the next one takes
+            // the anchor. (An anchor never taken leaves the parameters at minus the moves, near
+            // zero: a uniform prediction, the loss of step 1.)
+            let vetoed = d.join("zeroone-vetoed");
+            run(&vetoed, &["--max-steps", "12", "--set", "checkpoint.interval=0", "--set", "faults.inject_nan_steps=[10]"]);
+            let a = losses(&vetoed);
+            assert_eq!(a.iter().map(|l| l.0).collect::<Vec<_>>(), [1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12]);
+            assert!(a[10].1 < a[0].1 - 0.2, "after a vetoed first local step: step 12 loss {} against step 1 {}", a[10].1, a[0].1);
         } else {
             assert!(bytes(3) > 2 * bytes(10), "{name}: warm-up step {} bytes, compressed step {}", bytes(3), bytes(10));
         }
