@@ -387,8 +387,8 @@ fn estimate_text(model: &ModelShape, cl: &Cluster, e: &Estimate) -> String {
     );
     let _ = writeln!(
         o,
-        "            TP {:.3}, CP {:.3}, EP {:.3}, PP p2p {:.3}, bubble {:.3}, DP exposed {:.3} (of {:.3}), optimizer {:.3} s",
-        b.tp_comm_s, b.cp_comm_s, b.ep_comm_s, b.pp_p2p_s, b.pp_bubble_s, b.dp_comm_exposed_s, b.dp_comm_total_s, b.optimizer_s
+        "            TP {:.3}, CP {:.3}, EP {:.3}, PP p2p {:.3}, bubble {:.3}, DP exposed {:.3} (of {:.3}), overlap contention {:.3}, optimizer {:.3} s",
+        b.tp_comm_s, b.cp_comm_s, b.ep_comm_s, b.pp_p2p_s, b.pp_bubble_s, b.dp_comm_exposed_s, b.dp_comm_total_s, b.overlap_contention_s, b.optimizer_s
     );
     let _ = writeln!(
         o,
@@ -505,14 +505,14 @@ pub fn search_cmd(m: &ModelArgs, c: &ClusterArgs, l: &LayoutArgs, top: usize, js
             b.ep_comm_s,
             b.pp_p2p_s,
             b.pp_bubble_s,
-            b.dp_comm_exposed_s,
+            b.dp_comm_exposed_s + b.overlap_contention_s,
             b.optimizer_s,
             gib(e.memory_bytes_per_gpu)
         );
     }
     let _ = writeln!(
         o,
-        "(seconds per iteration on the slowest pipeline stage; compute includes recomputation; DP = exposed part)"
+        "(seconds per iteration on the slowest pipeline stage; compute includes recomputation; DP = exposed part + the compute its hidden part slows)"
     );
     if r.plans.len() > 1 {
         let _ = writeln!(o, "why: {}", explain(&r.plans[0], &r.plans[1]));

@@ -1169,6 +1169,8 @@ pub struct Breakdown {
     pub pp_p2p_s: f64,
     pub pp_bubble_s: f64,
     pub dp_comm_exposed_s: f64,
+    /// Compute slowed by the data-parallel traffic hidden under it ([`OVERLAP_CONTENTION`] × the hidden part).
+    pub overlap_contention_s: f64,
     pub optimizer_s: f64,
     /// Not in the sum: data-parallel gradient traffic before overlap.
     pub dp_comm_total_s: f64,
@@ -1356,17 +1358,27 @@ fn dp_reduce_scatter_time(m: &ModelShape, cl: &Cluster, l: &Layout, stage: u64) 
 ///   exposed, plus the first unit's gather, which nothing precedes. When compute per micro-batch is small (few
 ///   tokens per GPU: a fixed global batch over more GPUs) the collectives, whose size does not shrink with the
 ///   batch, stop hiding: throughput falls with GPU count.
+/// - Stages 2 and 3 communicate per wrapped unit, one transformer layer, not once per model: FSDP wraps each block
+///   and issues one all-gather (and, in backward, one reduce-scatter) per unit (Zhao et al. 2023, VLDB, §3.2–3.3:
+///   "FSDP units", one `FlatParameter` and one collective each; llm-foundry wraps every `MPTBlock`), DeepSpeed
+///   ZeRO-3 gathers per submodule, and kiln's ZeRO-2 buffers are unit-sized. Each collective pays its own
+///   latency ([`collective_latency`]: `(n/g)·α_net + (n − n/g)·α_NVLink` for a ring over nodes of g ranks), so a
+///   step carries units × latency per phase: across 64 nodes about 3 ms per collective, which grows with the
+///   ranks while the bandwidth term does not. (DeepSpeed ZeRO-2 reduces in 5·10⁸-element buckets, so for it
+///   this overcounts the latency; no evaluated row runs it.)
 /// - Without `overlap_dp` everything is exposed.
 pub fn zero_exposure(m: &ModelShape, cl: &Cluster, l: &Layout, stage: u64, d: &DeviceTime) -> (f64, f64) {
     let (dense, expert) = stage_params(m, l, stage);
     let gbytes = state_bytes_per_param(l.precision, l.fp32_grads).1;
     let pbytes = l.precision.act_bytes();
+    let units = if l.zero >= 2 { stage_layers(m, l, stage).len().max(1) as f64 } else { 1.0 };
     let coll = |psi: f64, n: u64, bytes_per: f64, rs: bool| -> f64 {
         if psi <= 0.0 {
             return 0.0;
         }
         let gl = group_link(cl, n, l.tp);
-        if rs { reduce_scatter_time(gl, bytes_per * psi) } else { all_gather_time(gl, bytes_per * psi) }
+        let unit = bytes_per * psi / units;
+        units * if rs { reduce_scatter_time(gl, unit) } else { all_gather_time(gl, unit) }
     };
     let (nd, ne) = (l.dp * l.cp, l.dp * l.cp / l.ep);
     let rs = coll(dense, nd, gbytes, true) + coll(expert, ne, gbytes, true);
@@ -1378,7 +1390,6 @@ pub fn zero_exposure(m: &ModelShape, cl: &Cluster, l: &Layout, stage: u64, d: &D
     let hide = |comm: f64, window: f64| if ov { (comm - window).max(0.0) } else { comm };
     match l.zero {
         3 => {
-            let units = stage_layers(m, l, stage).len().max(1) as f64;
             let per_mb = hide(ag, fwd) + hide(ag + rs, bwd);
             (mb * per_mb + if ov { ag / units } else { 0.0 }, mb * (2.0 * ag + rs))
         }
@@ -1389,6 +1400,22 @@ pub fn zero_exposure(m: &ModelShape, cl: &Cluster, l: &Layout, stage: u64, d: &D
         _ => (hide(rs, bwd) + hide(ag, fwd), rs + ag),
     }
 }
+
+/// Seconds of compute lost per second of data-parallel collective running concurrently with it (the part of the DP /
+/// ZeRO traffic the schedule hides). An overlapped collective is not free: NCCL runs each channel as a CUDA block
+/// that stays resident on an SM for the whole collective, its latency-bound steps included, and streams its buffers
+/// through the same HBM, so the GEMMs under it run on fewer SMs and less bandwidth (NCCL user guide,
+/// `NCCL_MIN_NCHANNELS` / `NCCL_MAX_NCHANNELS`: fewer channels, fewer CUDA blocks taken from compute; Rashidi et al.
+/// 2021, ISCA, "Enabling Compute-Communication Overlap in Distributed Deep Learning Training Platforms": overlapped
+/// collectives slow the concurrent compute through SM and memory-bandwidth contention; the reason Megatron's
+/// `--tp-comm-overlap` caps the SMs its communication may take). The order of magnitude is channels / SMs (16–32
+/// blocks on 108–132 SMs: 0.12–0.3). Charged on DP / ZeRO traffic only (TP collectives are charged exposed; CP's
+/// ring is not charged). With ZeRO-3's per-unit collectives across many nodes the hidden time, and so this charge,
+/// grows with the ranks through the latency terms (llm-foundry's MPT at 128 → 512 H100s).
+/// FITTED, once, for every accelerator: the argmin of the fit half's MAPE over 0..0.5 in steps of 0.025 (5.07 % at 0,
+/// 4.75 % at 0.15–0.2, minimum 4.746 % at 0.175, 5.35 % at 0.5), with the per-unit ZeRO-2/3 collectives of
+/// [`zero_exposure`] in place. `validate` prints the held-out half too, but the choice used the fit half only.
+pub const OVERLAP_CONTENTION: f64 = 0.175;
 
 /// Predict one iteration of `l`. The layout must pass `check_layout`.
 ///
@@ -1441,6 +1468,8 @@ pub fn estimate(m: &ModelShape, cl: &Cluster, l: &Layout) -> Estimate {
         let per_mb = if l.zero == 3 { dp_total } else { stages.iter().map(|&st| dp_reduce_scatter_time(m, cl, l, st)).fold(0.0, f64::max) } * (mb - 1.0);
         dp_exposed += (per_mb - (mb - 1.0) * t_dev).max(0.0);
     }
+    // Hidden is not free: the overlapped part of the traffic slows the compute it runs under.
+    let contention = OVERLAP_CONTENTION * (dp_total - dp_exposed).max(0.0);
     let mem = memory(m, cl, l);
     let (dense0, expert0) = stage_params(m, l, crit_stage.min(p - 1));
     let opt_params = if l.zero >= 1 {
@@ -1456,7 +1485,7 @@ pub fn estimate(m: &ModelShape, cl: &Cluster, l: &Layout) -> Estimate {
         _ => 26.0 + state_bytes_per_param(l.precision, l.fp32_grads).1,
     };
     let optimizer = stream_time(cl, opt_bytes * opt_params, 4.0);
-    let step = pipe + dp_exposed + optimizer;
+    let step = pipe + dp_exposed + contention + optimizer;
 
     let n = cl.gpus as f64;
     let mf = model_flops(m, l.global_batch, l.seq);
@@ -1480,6 +1509,7 @@ pub fn estimate(m: &ModelShape, cl: &Cluster, l: &Layout) -> Estimate {
             pp_p2p_s: mb * crit.pp_p2p,
             pp_bubble_s: bubble,
             dp_comm_exposed_s: dp_exposed,
+            overlap_contention_s: contention,
             optimizer_s: optimizer,
             dp_comm_total_s: dp_total,
             dp_bytes_per_gpu: dp_bytes_sent(m, l, 0, cl.gpus_per_node),

@@ -400,6 +400,7 @@ pub fn explain(best: &Estimate, other: &Estimate) -> String {
         ("PP point-to-point", a.pp_p2p_s, b.pp_p2p_s),
         ("pipeline bubble", a.pp_bubble_s, b.pp_bubble_s),
         ("exposed DP communication", a.dp_comm_exposed_s, b.dp_comm_exposed_s),
+        ("compute slowed by hidden DP traffic", a.overlap_contention_s, b.overlap_contention_s),
         ("optimizer step", a.optimizer_s, b.optimizer_s),
     ];
     let mut diffs: Vec<(&str, f64)> = terms

@@ -162,3 +162,44 @@ fn validate_and_estimate_agree_on_a_row() {
     assert!((a - b).abs() < 1e-9 * b, "estimate {a} s vs validate {b} s");
     assert_eq!(e["setup"], row["setup"]);
 }
+
+/// Issue 22 (llm-foundry MPT, H100, 128 → 512 GPUs at a fixed batch per GPU): FSDP issues one all-gather and one
+/// reduce-scatter per wrapped block, each paying the ring latency across the nodes, so the hidden traffic grows with
+/// the ranks even though the bytes per GPU do not, and the compute under it slows (`OVERLAP_CONTENTION`): weak
+/// scaling loses per-GPU throughput. The charge is exactly the constant times the hidden part.
+#[test]
+fn fsdp_weak_scaling_loses_throughput_through_per_unit_collective_latency() {
+    // MPT-7B (llm-foundry `mpt-7b.yaml`): 32 layers, d 4096, 32 heads, vocab 50368; 6 sequences of 2048 per GPU.
+    let m = plan::models::ModelShape::gpt("mpt-7b", 32, 4096, 32, 50368, 2048).unwrap();
+    let setup = plan::setup::Setup::preset("fsdp").unwrap();
+    let est = |gpus: u64| {
+        let c = Constraints {
+            tp: Some(1),
+            pp: Some(1),
+            cp: Some(1),
+            micro_batch: Some(6),
+            zero: Some(3),
+            recompute: Some(plan::policy::Recompute::None),
+            precision: setup.precision,
+            attention: setup.attention,
+            overlap_dp: Some(true),
+            fp32_grads: Some(false),
+            ..Default::default()
+        };
+        let r = search(&m, &h100(gpus), 6 * gpus, 2048, &c).unwrap();
+        r.plans.first().or(r.smallest_unfit.as_ref()).unwrap().clone()
+    };
+    let (e128, e512) = (est(128), est(512));
+    let (b128, b512) = (&e128.breakdown, &e512.breakdown);
+    // Same bytes per GPU, more latency: 3 collectives × 32 units per micro-batch.
+    let lat = |n: u64| collective_latency(group_link(&h100(n), n, 1));
+    let extra = 96.0 * (lat(512) - lat(128));
+    assert!(extra > 0.1, "per-unit latency across 64 vs 16 nodes: {extra} s");
+    let grown = b512.dp_comm_total_s - b128.dp_comm_total_s;
+    assert!((grown - extra).abs() < 0.02 * extra, "ZeRO-3 traffic grows by the units' latency: {grown} vs {extra}");
+    for b in [b128, b512] {
+        let hidden = b.dp_comm_total_s - b.dp_comm_exposed_s;
+        assert!((b.overlap_contention_s - plan::cost::OVERLAP_CONTENTION * hidden).abs() < 1e-12);
+    }
+    assert!(e512.model_tflops_per_gpu < 0.97 * e128.model_tflops_per_gpu, "{} vs {}", e512.model_tflops_per_gpu, e128.model_tflops_per_gpu);
+}
