@@ -6,7 +6,7 @@
 # (`mem_rss_peak_bytes`), the memory plan's per-process peak (`kiln memory --json`), and
 # tokens/s (the median over steps 3.. of each run; the runs alternate, REPEAT times).
 #
-# Usage: scripts/check_qlora.sh   (KILN=path/to/kiln, OUT=dir, REPEAT=n, QUANTS="none nf4 int8";
+# Usage: scripts/check_qlora.sh   (KILN=path/to/kiln, OUT=dir, REPEAT=n, QUANTS="none nf4 int8", STEPS=12;
 # a release build)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,12 +26,12 @@ BASE="$OUT/base-$SHAPE-v$VOCAB"
 if [ ! -f "$BASE/model.safetensors" ]; then
     "$KILN" train --preset llama-tiny --set model.n_layer="$NL" --set model.n_embd="$NE" --set model.n_head="$NH" --set model.n_kv_head="$NKV" \
         --set model.ffn_hidden="$FF" --set model.block_size=256 --set model.vocab_size="$VOCAB" --set model.tied_embeddings=false \
-        --data "$OUT/corpus.txt" --set data.tokenizer=byte --max-steps 1 --set sample.tokens=0 --set eval.interval=0 \
+        --data "$OUT/corpus.txt" --set data.tokenizer=byte --max-steps 1 --set train.batch_size=1 --recompute full --set sample.tokens=0 --set eval.interval=0 \
         --set eval.iters=1 --out "$BASE-run" --quiet
     "$KILN" export --run "$BASE-run" --dtype bf16 --out "$BASE"
 fi
 COMMON=(--init-from "$BASE" --data "$OUT/corpus.txt" --tokenizer char --lora-rank 8 --seq-len 256 --set train.batch_size=4
-        --recompute full --set sample.tokens=0 --set checkpoint.interval=0 --set eval.interval=0 --set eval.iters=1 --max-steps 12)
+        --recompute full --set sample.tokens=0 --set checkpoint.interval=0 --set eval.interval=0 --set eval.iters=1 --max-steps "${STEPS:-12}")
 for i in $(seq "$REPEAT"); do
     for q in ${QUANTS:-none nf4 int8}; do
         extra=(); [ "$q" != none ] && extra=(--quantize-base "$q")
