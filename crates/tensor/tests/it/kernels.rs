@@ -37,6 +37,40 @@ fn adamw_matches_hand_computed_step() {
     assert!((m[0] - 0.05).abs() < 1e-7 && (v[0] - 0.05 * 0.25).abs() < 1e-7);
 }
 
+/// 0/1 Adam's local steps keep the parameters as `anchor·Π(1 − lr·wd) − moves`; over several
+/// steps with changing learning rates that is AdamW with the variance frozen (the momentum from
+/// each step's gradient, decoupled decay included), step for step.
+#[test]
+fn zeroone_local_steps_are_frozen_variance_adamw_steps() {
+    let n = 37;
+    let mut rng = Rng::new(7);
+    let anchor: Vec<f32> = (0..n).map(|_| rng.normal() as f32).collect();
+    let v: Vec<f32> = (0..n).map(|_| (rng.normal() as f32).powi(2) * 1e-2 + 1e-4).collect();
+    let m0: Vec<f32> = (0..n).map(|_| rng.normal() as f32 * 0.1).collect();
+    let (mut m_ref, mut m) = (m0.clone(), m0);
+    let (mut p_ref, mut p, mut acc) = (anchor.clone(), anchor.clone(), vec![0.0f32; n]);
+    let (var_updates, mut decay) = (12, 1.0f64);
+    let rbc2 = (1.0 / (1.0 - (0.99f32 as f64).powi(var_updates as i32)).sqrt()) as f32;
+    for k in 0..5u64 {
+        let g: Vec<f32> = (0..n).map(|_| rng.normal() as f32).collect();
+        let h = AdamW { lr: 0.01 * (k + 1) as f32, beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.1, t: 20 + k };
+        m_ref.iter_mut().zip(&g).for_each(|(m, &g)| *m = h.beta1 * *m + (1.0 - h.beta1) * g);
+        tensor::optim::adam_frozen_update(&mut p_ref, &m_ref, &v, &h, rbc2);
+        decay *= 1.0 - (h.lr * h.weight_decay) as f64;
+        tensor::optim::zeroone_local(&mut p, &g, &mut m, &v, &mut acc, &anchor, &h, var_updates, decay as f32);
+        assert_eq!(m, m_ref, "step {k}: the momentum");
+        for i in 0..n {
+            assert!((p[i] - p_ref[i]).abs() <= 2e-6 * (1.0 + p_ref[i].abs()), "step {k}, element {i}: {} vs {}", p[i], p_ref[i]);
+        }
+    }
+    // The moves carry no decay term: with zero gradients and momentum the parameters only decay.
+    let (mut m, mut acc, mut q) = (vec![0.0f32; n], vec![0.0f32; n], anchor.clone());
+    let h = AdamW { lr: 0.1, beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.1, t: 30 };
+    tensor::optim::zeroone_local(&mut q, &vec![0.0; n], &mut m, &v, &mut acc, &anchor, &h, var_updates, 0.99);
+    assert!(acc.iter().all(|&a| a == 0.0));
+    assert!(q.iter().zip(&anchor).all(|(q, a)| *q == a * 0.99));
+}
+
 #[test]
 fn rng_is_reproducible_and_restorable() {
     let mut a = Rng::new(42);
