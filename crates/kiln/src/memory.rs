@@ -798,6 +798,12 @@ pub fn check_sizes(cfg: &RunConfig, gpt: &GptConfig, data_bytes: u64) -> Result<
     Ok(budget)
 }
 
+/// Headroom over the plan when it is held to the machine's available memory (not to an explicit
+/// `memory.limit`): what the plan does not count (the allocator's slack, the program and its
+/// libraries, thread stacks) is a few percent of a large run's peak RSS; a 620M-parameter
+/// LLaMA run planned at 22.6 GiB, let through at 22.9 GiB available, was killed for memory.
+pub const HEADROOM_PERCENT: u64 = 5;
+
 /// The plan of a run, refused (exit 2) when it exceeds what the process may use (issue 26):
 /// `memory.limit` per rank when set, else the machine's available memory for this process's
 /// ranks and data. Sizes are checked first ([`check_sizes`]).
@@ -810,13 +816,20 @@ pub fn plan_checked(cfg: &RunConfig, gpt: &GptConfig, data_bytes: u64) -> Result
 
 impl MemoryPlan {
     /// Refuses the plan past `budget`: per rank against `memory.limit` (with the table), else
-    /// the process's ranks and data against the memory available.
+    /// the process's ranks and data, with [`HEADROOM`] over the plan, against the memory
+    /// available.
     pub fn check_budget(&self, budget: &guard::Budget) -> Result<()> {
         if budget.explicit {
             return self.check_limit();
         }
-        let cause = format!("the memory plan: {} rank(s) of {} each, data {}; `kiln memory` prints it", self.ranks_per_process, fmt_bytes(self.total), fmt_bytes(self.data_bytes));
-        budget.check("this run", self.process_total() as u128, &cause)
+        let cause = format!(
+            "the memory plan: {} rank(s) of {} each, data {}, and {} % headroom for what it does not count; `kiln memory` prints it",
+            self.ranks_per_process,
+            fmt_bytes(self.total),
+            fmt_bytes(self.data_bytes),
+            HEADROOM_PERCENT
+        );
+        budget.check("this run", self.process_total() as u128 * (100 + HEADROOM_PERCENT) as u128 / 100, &cause)
     }
 
     /// What the process holds: its ranks and the data once.

@@ -118,6 +118,23 @@ fn memory_command_prints_the_plan_and_json() {
     assert!(v["total_bytes"].as_u64().unwrap() >= v["step_peak_bytes"].as_u64().unwrap());
 }
 
+/// Held to the machine's available memory, a plan needs `HEADROOM_PERCENT` over itself: a
+/// budget just above the plan refuses the run (naming the headroom), one above the plan and its
+/// headroom lets it through; an explicit `memory.limit` is held to the plan alone.
+#[test]
+fn the_machine_budget_keeps_headroom_over_the_plan() {
+    use kiln::memory::{guard, HEADROOM_PERCENT};
+    let cfg = kiln::config::RunConfig::resolve(&kiln::presets::preset("tiny").unwrap().to_raw()).unwrap();
+    let plan = kiln::memory::plan_run(&cfg, &cfg.gpt_config(256), 0).unwrap();
+    let need = plan.process_total();
+    guard::cap(need + need / 100);
+    let err = plan.check_budget(&guard::Budget::of(0)).unwrap_err().to_string();
+    assert!(err.contains(&format!("{HEADROOM_PERCENT} % headroom")) && err.contains("refused before allocating"), "{err}");
+    guard::cap(need + need * (HEADROOM_PERCENT + 1) / 100);
+    plan.check_budget(&guard::Budget::of(0)).unwrap();
+    guard::cap(0);
+}
+
 #[test]
 fn tracked_peaks_are_logged_and_the_plan_predicts_them() {
     let d = scratch("memory-tracked");
