@@ -374,6 +374,7 @@ impl Optimizer {
     /// 1-bit Adam's update of one piece in the compression stage: the momentum `m` is given
     /// (already averaged over the ranks) and stored; the variance stays as the warm-up left it,
     /// with its bias correction frozen at step `frozen_at`.
+    #[allow(clippy::too_many_arguments)]
     pub fn update_piece_frozen(&mut self, params: &mut [f32], m: &[f32], piece: &parallel::Piece, cfg: &RunConfig, lr: f64, t: u64, frozen_at: u64) {
         let rbc2 = (1.0 / (1.0 - cfg.train.beta2.powi(frozen_at as i32)).sqrt()) as f32;
         for (r, off, h) in self.segments(piece, cfg, lr, t) {

@@ -223,7 +223,7 @@ impl ZeroOneSchedule {
                 cv += 1;
                 ZeroOneKind::Variance { var_updates: cv }
             } else if s <= freeze {
-                if (s - self.warmup) % vi == 0 {
+                if (s - self.warmup).is_multiple_of(vi) {
                     cv += 1;
                     vc += 1;
                     if vc == self.var_update_scaler.max(1) {
@@ -234,7 +234,7 @@ impl ZeroOneSchedule {
                     ZeroOneKind::OneBitGrad { var_updates: cv }
                 }
             } else {
-                let sync = (s - freeze) % li == 0;
+                let sync = (s - freeze).is_multiple_of(li);
                 lc += 1;
                 if lc == self.local_step_scaler.max(1) {
                     (lc, li) = (0, (li * 2).min(self.local_step_clipper.max(1)));

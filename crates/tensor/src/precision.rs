@@ -139,7 +139,7 @@ impl Amax {
     fn add(&mut self, l: usize, v: f32) {
         let a = v.abs();
         self.m[l] = if a > self.m[l] { a } else { self.m[l] };
-        self.nan[l] |= v != v;
+        self.nan[l] |= v.is_nan();
     }
 
     fn lanes(&self) -> (f32, bool) {
