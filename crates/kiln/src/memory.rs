@@ -569,7 +569,7 @@ fn model_state_rows(out: &mut Rows, cfg: &RunConfig, r: &RankShape, s: usize) {
         // moves; in the update the rank's scaled gradient and, at a sync, the moves to average.
         let n = cfg.parallel.dp.max(1);
         let state = crate::step::ZeroOneState::state_len(moments, n);
-        out.add(Kind::Optimizer, held, "0/1 Adam state", b4(state, 4), format!("error feedback {} + anchor {moments} + accumulated moves {moments} elements (parallel.compression)", state - 2 * moments - 5));
+        out.add(Kind::Optimizer, held, "0/1 Adam state", b4(state, 4), format!("error feedback {} + anchor {moments} + accumulated moves {moments} elements (parallel.compression)", parallel::compress::OneBit::state_len(moments, n)));
         out.add(Kind::Temporary, Phase::Step, "0/1 Adam buffers", b4(2 * moments, 4), "this rank's scaled gradient, and at a sync its moves in momentum units".into());
     }
 }
@@ -816,7 +816,7 @@ pub fn plan_checked(cfg: &RunConfig, gpt: &GptConfig, data_bytes: u64) -> Result
 
 impl MemoryPlan {
     /// Refuses the plan past `budget`: per rank against `memory.limit` (with the table), else
-    /// the process's ranks and data, with [`HEADROOM`] over the plan, against the memory
+    /// the process's ranks and data, with [`HEADROOM_PERCENT`] over the plan, against the memory
     /// available.
     pub fn check_budget(&self, budget: &guard::Budget) -> Result<()> {
         if budget.explicit {

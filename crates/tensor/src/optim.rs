@@ -20,29 +20,45 @@ pub struct AdamW {
 /// `p -= lr · m̂ / (√v̂ + ε)`.
 pub fn adamw_update(params: &mut [f32], grads: &[f32], m: &mut [f32], v: &mut [f32], h: &AdamW) {
     let _p = crate::profile::scope("adamw_update");
+    adam_pieces(params, grads, m, v, h, h.t, true);
+}
+
+/// The step's scalars of [`adam_chunk`]: `lr/(1 − β1^t)`, `1/√(1 − β2^var_updates)`,
+/// `1 − lr·wd`, and whether the variance takes this step's gradient.
+#[derive(Clone, Copy)]
+struct Coefs {
+    step: f32,
+    rbc2: f32,
+    decay: f32,
+    update_v: bool,
+}
+
+/// [`adamw_update`] and [`zeroone_update`]: the variance's bias correction counts
+/// `var_updates` updates, and with `update_v` false the variance stays as it was.
+fn adam_pieces(params: &mut [f32], grads: &[f32], m: &mut [f32], v: &mut [f32], h: &AdamW, var_updates: u64, update_v: bool) {
     let bc1 = 1.0 - (h.beta1 as f64).powi(h.t as i32);
-    let bc2 = 1.0 - (h.beta2 as f64).powi(h.t as i32);
-    let step = (h.lr as f64 / bc1) as f32;
-    let rbc2 = (1.0 / bc2.sqrt()) as f32;
-    let decay = 1.0 - h.lr * h.weight_decay;
+    let bc2 = 1.0 - (h.beta2 as f64).powi(var_updates as i32);
+    let c = Coefs { step: (h.lr as f64 / bc1) as f32, rbc2: (1.0 / bc2.sqrt()) as f32, decay: 1.0 - h.lr * h.weight_decay, update_v };
     params
         .par_chunks_mut(ELEMS)
         .zip(grads.par_chunks(ELEMS))
         .zip(m.par_chunks_mut(ELEMS).zip(v.par_chunks_mut(ELEMS)))
-        .for_each(|((p, g), (m, v))| adamw_chunk(p, g, m, v, h, step, rbc2, decay));
+        .for_each(|((p, g), (m, v))| adam_chunk(p, g, m, v, h, c));
 }
 
 crate::multiversion! {
-    /// One chunk of [`adamw_update`] (vectorised square roots and divisions: the small models'
+    /// One chunk of [`adam_pieces`] (vectorised square roots and divisions: the small models'
     /// optimizer step is compute-bound).
-    fn adamw_chunk(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], h: &AdamW, step: f32, rbc2: f32, decay: f32) {
+    fn adam_chunk(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], h: &AdamW, c: Coefs) {
         let n = p.len().min(g.len()).min(m.len()).min(v.len());
         for i in 0..n {
             let gi = g[i];
             m[i] = h.beta1 * m[i] + (1.0 - h.beta1) * gi;
-            v[i] = h.beta2 * v[i] + (1.0 - h.beta2) * gi * gi;
-            let denom = v[i].sqrt() * rbc2 + h.eps;
-            p[i] = p[i] * decay - step * m[i] / denom;
+            if c.update_v {
+                v[i] = h.beta2 * v[i] + (1.0 - h.beta2) * gi * gi;
+            }
+            let denom = v[i].sqrt() * c.rbc2 + h.eps;
+            p[i] = p[i] * c.decay - c.step * m[i] / denom;
         }
     }
 }
@@ -67,18 +83,7 @@ pub fn adam_frozen_update(params: &mut [f32], m: &[f32], v: &[f32], h: &AdamW, r
 /// variance's own updates. With `update_v` at every step it is [`adamw_update`].
 pub fn zeroone_update(params: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], h: &AdamW, var_updates: u64, update_v: bool) {
     let _p = crate::profile::scope("zeroone_update");
-    let step = (h.lr as f64 / (1.0 - (h.beta1 as f64).powi(h.t as i32))) as f32;
-    let rbc2 = (1.0 / (1.0 - (h.beta2 as f64).powi(var_updates as i32)).sqrt()) as f32;
-    let decay = 1.0 - h.lr * h.weight_decay;
-    params.par_chunks_mut(ELEMS).zip(g.par_chunks(ELEMS)).zip(m.par_chunks_mut(ELEMS).zip(v.par_chunks_mut(ELEMS))).for_each(|((p, g), (m, v))| {
-        for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
-            *m = h.beta1 * *m + (1.0 - h.beta1) * g;
-            if update_v {
-                *v = h.beta2 * *v + (1.0 - h.beta2) * g * g;
-            }
-            *p = *p * decay - step * *m / (v.sqrt() * rbc2 + h.eps);
-        }
-    });
+    adam_pieces(params, g, m, v, h, var_updates, update_v);
 }
 
 /// 0/1 Adam's local step on this rank's own gradient `g`, the variance `v` frozen: `m = β1·m +
