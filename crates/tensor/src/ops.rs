@@ -1,7 +1,7 @@
 //! Elementwise and row-wise kernels: embedding, LayerNorm, GELU, residual, dropout, softmax
 //! cross-entropy. Forward overwrites, backward accumulates (see the crate docs).
 
-use crate::par::{column_reduce, ELEMS};
+use crate::par::{ELEMS, REDUCE_ROWS};
 use crate::rng::hash_uniform;
 use crate::simd;
 use rayon::prelude::*;
@@ -170,33 +170,47 @@ pub fn layernorm_forward(
     c: usize,
 ) {
     let _p = crate::profile::scope("layernorm_forward");
-    out.par_chunks_mut(c)
-        .zip(mean.par_iter_mut().zip(rstd.par_iter_mut()))
+    // Blocks of whole rows, ~ELEMS elements each: one task (and one ISA dispatch) per block,
+    // not per row.
+    let rows = (ELEMS / c.max(1)).max(1);
+    out.par_chunks_mut(rows * c)
+        .zip(mean.par_chunks_mut(rows).zip(rstd.par_chunks_mut(rows)))
         .enumerate()
-        .for_each(|(r, (o, (m, s)))| layernorm_row(o, m, s, &inp[r * c..(r + 1) * c], weight, bias));
+        .for_each(|(bi, (o, (m, s)))| {
+            let r0 = bi * rows;
+            layernorm_rows(o, m, s, &inp[r0 * c..r0 * c + o.len()], weight, bias);
+        });
 }
 
 crate::multiversion! {
-    fn layernorm_row(o: &mut [f32], m: &mut f32, s: &mut f32, x: &[f32], weight: &[f32], bias: Option<&[f32]>) {
-        let c = x.len();
-        let mu = simd::sum_by(c, |j| x[j]) / c as f32;
-        let var = simd::sum_by(c, |j| (x[j] - mu) * (x[j] - mu)) / c as f32;
-        let rs = 1.0 / (var + LN_EPS).sqrt();
-        match bias {
-            Some(b) => {
-                for j in 0..c {
-                    o[j] = (x[j] - mu) * rs * weight[j] + b[j];
-                }
-            }
-            None => {
-                for j in 0..c {
-                    o[j] = (x[j] - mu) * rs * weight[j];
-                }
+    fn layernorm_rows(o: &mut [f32], m: &mut [f32], s: &mut [f32], x: &[f32], weight: &[f32], bias: Option<&[f32]>) {
+        let c = weight.len();
+        for (r, (m, s)) in m.iter_mut().zip(s.iter_mut()).enumerate() {
+            layernorm_row(&mut o[r * c..(r + 1) * c], m, s, &x[r * c..(r + 1) * c], weight, bias);
+        }
+    }
+}
+
+#[inline(always)]
+fn layernorm_row(o: &mut [f32], m: &mut f32, s: &mut f32, x: &[f32], weight: &[f32], bias: Option<&[f32]>) {
+    let c = x.len();
+    let mu = simd::sum_by(c, |j| x[j]) / c as f32;
+    let var = simd::sum_by(c, |j| (x[j] - mu) * (x[j] - mu)) / c as f32;
+    let rs = 1.0 / (var + LN_EPS).sqrt();
+    match bias {
+        Some(b) => {
+            for j in 0..c {
+                o[j] = (x[j] - mu) * rs * weight[j] + b[j];
             }
         }
-        *m = mu;
-        *s = rs;
+        None => {
+            for j in 0..c {
+                o[j] = (x[j] - mu) * rs * weight[j];
+            }
+        }
     }
+    *m = mu;
+    *s = rs;
 }
 
 /// Backward of [`layernorm_forward`]. Accumulates into `dinp`, `dweight`, `dbias`.
@@ -206,7 +220,7 @@ crate::multiversion! {
 pub fn layernorm_backward(
     dinp: &mut [f32],            // [N, C]
     dweight: &mut [f32],         // [C]
-    dbias: Option<&mut [f32]>,   // [C]
+    mut dbias: Option<&mut [f32]>, // [C]
     dout: &[f32],                // [N, C]
     inp: &[f32],                 // [N, C]
     weight: &[f32],              // [C]
@@ -216,34 +230,51 @@ pub fn layernorm_backward(
 ) {
     let _p = crate::profile::scope("layernorm_backward");
     let n = mean.len();
-    dinp.par_chunks_mut(c).enumerate().for_each(|(r, di)| {
-        layernorm_backward_row(di, &dout[r * c..(r + 1) * c], &inp[r * c..(r + 1) * c], weight, mean[r], rstd[r])
+    assert_eq!(dinp.len(), n * c);
+    // One pass: each block of REDUCE_ROWS rows writes its rows' input gradients and its own
+    // partial sums of the weight (and bias) gradient, which are then added block by block —
+    // the order `column_reduce` uses, so the sums do not depend on the thread count.
+    let width = if dbias.is_some() { 2 * c } else { c };
+    let mut partial = crate::par::pooled(n.div_ceil(REDUCE_ROWS) * width);
+    dinp.par_chunks_mut(REDUCE_ROWS * c).zip(partial.par_chunks_mut(width)).enumerate().for_each(|(bi, (di, part))| {
+        let (r0, r1) = (bi * REDUCE_ROWS, bi * REDUCE_ROWS + di.len() / c);
+        let (pw, pb) = part.split_at_mut(c);
+        layernorm_backward_rows(di, pw, pb, &dout[r0 * c..r1 * c], &inp[r0 * c..r1 * c], weight, &mean[r0..r1], &rstd[r0..r1]);
     });
-    column_reduce(dweight, n, c, |r, acc| {
-        let x = &inp[r * c..(r + 1) * c];
-        let d = &dout[r * c..(r + 1) * c];
-        let (mu, rs) = (mean[r], rstd[r]);
-        for j in 0..c {
-            acc[j] += (x[j] - mu) * rs * d[j];
+    for part in partial.chunks(width) {
+        let (pw, pb) = part.split_at(c);
+        for (a, p) in dweight.iter_mut().zip(pw) {
+            *a += *p;
         }
-    });
-    if let Some(db) = dbias {
-        column_reduce(db, n, c, |r, acc| {
-            for (a, d) in acc.iter_mut().zip(&dout[r * c..(r + 1) * c]) {
-                *a += d;
+        if let Some(db) = dbias.as_deref_mut() {
+            for (a, p) in db.iter_mut().zip(pb) {
+                *a += *p;
             }
-        });
+        }
     }
 }
 
 crate::multiversion! {
-    fn layernorm_backward_row(di: &mut [f32], d: &[f32], x: &[f32], weight: &[f32], mu: f32, rs: f32) {
-        let c = x.len();
-        let dnorm_mean = simd::sum_by(c, |j| weight[j] * d[j]) / c as f32;
-        let dnorm_norm_mean = simd::sum_by(c, |j| weight[j] * d[j] * (x[j] - mu) * rs) / c as f32;
-        for j in 0..c {
-            let norm = (x[j] - mu) * rs;
-            di[j] += (weight[j] * d[j] - dnorm_mean - norm * dnorm_norm_mean) * rs;
+    /// Rows `mean.len()` of the layer norm's backward: `di += …`, and the rows' weight gradient
+    /// `Σ_r norm·d` into `pw` and bias gradient `Σ_r d` into `pb` (when not empty), rows in
+    /// order.
+    #[allow(clippy::too_many_arguments)]
+    fn layernorm_backward_rows(di: &mut [f32], pw: &mut [f32], pb: &mut [f32], d: &[f32], x: &[f32], weight: &[f32], mean: &[f32], rstd: &[f32]) {
+        let c = weight.len();
+        for (r, (&mu, &rs)) in mean.iter().zip(rstd).enumerate() {
+            let (d, x, di) = (&d[r * c..(r + 1) * c], &x[r * c..(r + 1) * c], &mut di[r * c..(r + 1) * c]);
+            let dnorm_mean = simd::sum_by(c, |j| weight[j] * d[j]) / c as f32;
+            let dnorm_norm_mean = simd::sum_by(c, |j| weight[j] * d[j] * (x[j] - mu) * rs) / c as f32;
+            for j in 0..c {
+                let norm = (x[j] - mu) * rs;
+                di[j] += (weight[j] * d[j] - dnorm_mean - norm * dnorm_norm_mean) * rs;
+            }
+            for j in 0..c {
+                pw[j] += (x[j] - mu) * rs * d[j];
+            }
+            for (a, d) in pb.iter_mut().zip(d) {
+                *a += d;
+            }
         }
     }
 }
