@@ -12,7 +12,7 @@
 //! gradients — except the rotary pair, which rotates its buffer *in place* (see [`rope_forward`]).
 
 use crate::matmul::{gemm_raw, Threads, View};
-use crate::par::{column_reduce, SyncPtr, ELEMS};
+use crate::par::{SyncPtr, ELEMS, REDUCE_ROWS};
 use crate::simd;
 use rayon::prelude::*;
 
@@ -32,22 +32,27 @@ pub fn rmsnorm_forward(
     assert_eq!(weight.len(), c);
     assert_eq!(inp.len(), rstd.len() * c);
     assert_eq!(out.len(), inp.len());
-    out.par_chunks_mut(c)
-        .zip(rstd.par_iter_mut())
-        .enumerate()
-        .for_each(|(r, (o, s))| rmsnorm_row(o, s, &inp[r * c..(r + 1) * c], weight, eps));
+    // Blocks of whole rows, ~ELEMS elements each: one task and one ISA dispatch per block.
+    let rows = (ELEMS / c.max(1)).max(1);
+    out.par_chunks_mut(rows * c).zip(rstd.par_chunks_mut(rows)).enumerate().for_each(|(bi, (o, s))| {
+        let r0 = bi * rows;
+        rmsnorm_rows(o, s, &inp[r0 * c..r0 * c + o.len()], weight, eps)
+    });
 }
 
 crate::multiversion! {
-    fn rmsnorm_row(o: &mut [f32], s: &mut f32, x: &[f32], weight: &[f32], eps: f32) {
-        let c = x.len();
-        let ms = simd::sum_by(c, |j| x[j] * x[j]) / c as f32;
-        let rs = 1.0 / (ms + eps).sqrt();
-        // HF order: `hidden * rsqrt(var + eps)`, then `weight * hidden`.
-        for j in 0..c {
-            o[j] = weight[j] * (x[j] * rs);
+    fn rmsnorm_rows(o: &mut [f32], s: &mut [f32], x: &[f32], weight: &[f32], eps: f32) {
+        let c = weight.len();
+        for (r, s) in s.iter_mut().enumerate() {
+            let (o, x) = (&mut o[r * c..(r + 1) * c], &x[r * c..(r + 1) * c]);
+            let ms = simd::sum_by(c, |j| x[j] * x[j]) / c as f32;
+            let rs = 1.0 / (ms + eps).sqrt();
+            // HF order: `hidden * rsqrt(var + eps)`, then `weight * hidden`.
+            for j in 0..c {
+                o[j] = weight[j] * (x[j] * rs);
+            }
+            *s = rs;
         }
-        *s = rs;
     }
 }
 
@@ -67,30 +72,34 @@ pub fn rmsnorm_backward(
     assert_eq!(inp.len(), n * c);
     assert_eq!(dout.len(), n * c);
     assert_eq!(dinp.len(), n * c);
-    dinp.par_chunks_mut(c).enumerate().for_each(|(r, di)| {
-        rmsnorm_backward_row(di, &dout[r * c..(r + 1) * c], &inp[r * c..(r + 1) * c], weight, rstd[r])
+    // One pass per block of REDUCE_ROWS rows: its input gradients and its partial weight
+    // gradient, the partials then added block by block (`REDUCE_ROWS`).
+    let mut partial = crate::par::pooled(n.div_ceil(REDUCE_ROWS) * c);
+    dinp.par_chunks_mut(REDUCE_ROWS * c).zip(partial.par_chunks_mut(c)).enumerate().for_each(|(bi, (di, pw))| {
+        let (r0, r1) = (bi * REDUCE_ROWS, bi * REDUCE_ROWS + di.len() / c);
+        rmsnorm_backward_rows(di, pw, &dout[r0 * c..r1 * c], &inp[r0 * c..r1 * c], weight, &rstd[r0..r1]);
     });
-    column_reduce(dweight, n, c, |r, acc| {
-        add_scaled_product(acc, &dout[r * c..(r + 1) * c], &inp[r * c..(r + 1) * c], rstd[r])
-    });
-}
-
-crate::multiversion! {
-    fn rmsnorm_backward_row(di: &mut [f32], d: &[f32], x: &[f32], weight: &[f32], rs: f32) {
-        let c = x.len();
-        // mean(w·d·n) with n = x·rs
-        let m = simd::sum_by(c, |j| weight[j] * d[j] * x[j]) * rs / c as f32;
-        for j in 0..c {
-            di[j] += rs * (weight[j] * d[j] - x[j] * rs * m);
+    for pw in partial.chunks(c) {
+        for (a, p) in dweight.iter_mut().zip(pw) {
+            *a += *p;
         }
     }
 }
 
 crate::multiversion! {
-    /// `acc += a · b · s`.
-    fn add_scaled_product(acc: &mut [f32], a: &[f32], b: &[f32], s: f32) {
-        for ((acc, a), b) in acc.iter_mut().zip(a).zip(b) {
-            *acc += a * b * s;
+    /// Rows `rstd.len()`: `di += …`, and `pw += Σ_r d·x·rstd`, rows in order.
+    fn rmsnorm_backward_rows(di: &mut [f32], pw: &mut [f32], d: &[f32], x: &[f32], weight: &[f32], rstd: &[f32]) {
+        let c = weight.len();
+        for (r, &rs) in rstd.iter().enumerate() {
+            let (di, d, x) = (&mut di[r * c..(r + 1) * c], &d[r * c..(r + 1) * c], &x[r * c..(r + 1) * c]);
+            // mean(w·d·n) with n = x·rs
+            let m = simd::sum_by(c, |j| weight[j] * d[j] * x[j]) * rs / c as f32;
+            for j in 0..c {
+                di[j] += rs * (weight[j] * d[j] - x[j] * rs * m);
+            }
+            for j in 0..c {
+                pw[j] += d[j] * x[j] * rs;
+            }
         }
     }
 }

@@ -232,8 +232,8 @@ pub fn layernorm_backward(
     let n = mean.len();
     assert_eq!(dinp.len(), n * c);
     // One pass: each block of REDUCE_ROWS rows writes its rows' input gradients and its own
-    // partial sums of the weight (and bias) gradient, which are then added block by block —
-    // the order `column_reduce` uses, so the sums do not depend on the thread count.
+    // partial sums of the weight (and bias) gradient, which are then added block by block
+    // (`REDUCE_ROWS`), so the sums do not depend on the thread count.
     let width = if dbias.is_some() { 2 * c } else { c };
     let mut partial = crate::par::pooled(n.div_ceil(REDUCE_ROWS) * width);
     dinp.par_chunks_mut(REDUCE_ROWS * c).zip(partial.par_chunks_mut(width)).enumerate().for_each(|(bi, (di, part))| {
