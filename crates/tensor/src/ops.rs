@@ -280,7 +280,9 @@ crate::multiversion! {
 }
 
 // ---------------------------------------------------------------------------------------------
-// GELU, tanh approximation (GPT-2): 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))
+// GELU, tanh approximation (GPT-2): 0.5·x·(1 + tanh(u)), u = √(2/π)·(x + 0.044715·x³),
+// computed as x·σ(2u) = x / (1 + e^{−2u}) (1 + tanh u = 2σ(2u)): one exp and one division, and
+// no cancellation in 1 + tanh u where u ≪ 0.
 
 const GELU_K: f32 = 0.797_884_6; // √(2/π)
 
@@ -294,7 +296,7 @@ crate::multiversion! {
     fn gelu_forward_chunk(o: &mut [f32], x: &[f32]) {
         for (o, &x) in o.iter_mut().zip(x) {
             let u = GELU_K * (x + 0.044715 * x * x * x);
-            *o = 0.5 * x * (1.0 + simd::tanh(u));
+            *o = x / (1.0 + simd::exp(-2.0 * u));
         }
     }
 }
@@ -311,10 +313,10 @@ pub fn gelu_backward(dinp: &mut [f32], dout: &[f32], inp: &[f32]) {
 crate::multiversion! {
     fn gelu_backward_chunk(di: &mut [f32], x: &[f32], d: &[f32]) {
         for ((di, &x), &d) in di.iter_mut().zip(x).zip(d) {
+            // With s = σ(2u): GELU' = s + 2x·s(1−s)·du/dx (as 0.5(1 + tanh u) + 0.5x·sech²u·du/dx).
             let u = GELU_K * (x + 0.044715 * x * x * x);
-            let th = simd::tanh(u);
-            let sech2 = 1.0 - th * th;
-            let local = 0.5 * (1.0 + th) + 0.5 * x * sech2 * GELU_K * (1.0 + 3.0 * 0.044715 * x * x);
+            let s = 1.0 / (1.0 + simd::exp(-2.0 * u));
+            let local = s + 2.0 * x * s * (1.0 - s) * GELU_K * (1.0 + 3.0 * 0.044715 * x * x);
             *di += local * d;
         }
     }

@@ -1,4 +1,4 @@
-//! Branch-free transcendental functions that the compiler vectorises, and runtime dispatch of
+//! A branch-free `exp` that the compiler vectorises, and runtime dispatch of
 //! hot elementwise loops to an AVX2+FMA build of the same code where the CPU has it.
 //!
 //! `exp` uses Cody–Waite range reduction and a degree-6 polynomial (Cephes `expf`
@@ -30,13 +30,6 @@ pub fn exp(x: f32) -> f32 {
     // `2^n`: the integer sits in `j`'s low bits, offset by SHIFT's bit pattern (0x4B40_0000);
     // a NaN `x` stays NaN through `e`.
     e * f32::from_bits(j.to_bits().wrapping_sub(0x4B40_0000).wrapping_add(127) << 23)
-}
-
-/// tanh through `exp`: `tanh(u) = sign(u)·(1 − e^{−2|u|}) / (1 + e^{−2|u|})`.
-#[inline(always)]
-pub fn tanh(u: f32) -> f32 {
-    let e = exp(-2.0 * u.abs());
-    ((1.0 - e) / (1.0 + e)).copysign(u)
 }
 
 /// Defines `fn name(args) { body }` compiled three times — AVX-512, AVX2+FMA and the baseline —

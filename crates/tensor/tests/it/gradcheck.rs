@@ -283,13 +283,11 @@ fn fused_lm_head_gradients() {
 }
 
 #[test]
-fn fast_exp_and_tanh_are_accurate() {
+fn fast_exp_is_accurate() {
     for i in -2000..2000 {
         let x = i as f32 * 0.04;
         let (e, te) = (tensor::simd::exp(x), x.exp());
         assert!((e - te).abs() <= 3e-7 * te.max(f32::MIN_POSITIVE), "exp({x}) = {e} vs {te}");
-        let (t, tt) = (tensor::simd::tanh(x), x.tanh());
-        assert!((t - tt).abs() <= 2e-7, "tanh({x}) = {t} vs {tt}");
     }
     // The ends of the clamped range (2^n from the rounding's bits: n = -126 and 127), ties of
     // x·log2 e, NaN through, and what lies beyond the clamp.
