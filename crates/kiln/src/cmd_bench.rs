@@ -2,7 +2,7 @@
 //! (a pipeline schedule's timeline and bubble).
 
 use crate::error::{user, KilnError, Result};
-use crate::util::init_threads_joining;
+use crate::util::init_threads;
 use clap::Args;
 use std::path::PathBuf;
 
@@ -56,7 +56,7 @@ pub struct PpScheduleCli {
 
 /// Runs `kiln bench`.
 pub fn bench(b: BenchCli) -> Result<()> {
-            init_threads_joining(b.threads.unwrap_or(0));
+            init_threads(b.threads.unwrap_or(0));
             let v = if b.peak {
                 crate::bench::peak()
             } else {

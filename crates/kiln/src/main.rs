@@ -3,6 +3,5 @@
 static ALLOC: kiln::memory::track::Tracking = kiln::memory::track::Tracking;
 
 fn main() {
-    kiln::util::mark_main_thread();
     std::process::exit(kiln::cli::main());
 }

@@ -48,42 +48,9 @@ pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
 /// Sizes the one rayon pool: `n` threads, or with 0 `RAYON_NUM_THREADS` / all cores. Only the
 /// first call in a process has an effect.
 pub fn init_threads(n: usize) {
-    build_pool(n, false);
-}
-
-/// The binary's main thread (set by [`mark_main_thread`]): the one thread that may become a
-/// worker of the pool.
-static MAIN_THREAD: std::sync::OnceLock<std::thread::ThreadId> = std::sync::OnceLock::new();
-
-/// Called first thing by the `kiln` binary's `main`: marks this thread as the process's main
-/// thread, which [`init_threads_joining`] may make one of the pool's workers. (Library callers,
-/// the tests among them, never mark theirs, so their threads stay outside the pool.)
-pub fn mark_main_thread() {
-    let _ = MAIN_THREAD.set(std::thread::current().id());
-}
-
-/// [`init_threads`] where the caller runs every kernel of a single rank from this thread and
-/// never blocks it waiting for work that needs the pool: if this is the binary's main thread
-/// and the pool has at least two threads, it becomes the pool's worker 0 (one fewer thread is
-/// spawned). Each parallel loop then starts here and the other workers steal from it, instead
-/// of being handed to a sleeping worker while this thread waits — a cross-thread wake-up and a
-/// sleep per kernel, ~10 µs each, about 4 % of a shakespeare-char step on 2 cores.
-pub fn init_threads_joining(n: usize) {
-    build_pool(n, true);
-}
-
-fn build_pool(n: usize, join: bool) {
     let mut b = rayon::ThreadPoolBuilder::new().thread_name(|i| format!("rayon{i}"));
     if n > 0 {
         b = b.num_threads(n);
-    }
-    // The count rayon will take: `n`, else `RAYON_NUM_THREADS`, else the cores.
-    let env = std::env::var("RAYON_NUM_THREADS").ok().and_then(|s| s.parse::<usize>().ok()).filter(|&t| t > 0);
-    let threads = if n > 0 { n } else { env.unwrap_or_else(|| std::thread::available_parallelism().map(|c| c.get()).unwrap_or(1)) };
-    // With one thread the main thread would be the whole pool, and a parallel loop started by
-    // another thread (the checkpoint writer's) would wait until this one next ran a kernel.
-    if join && threads >= 2 && MAIN_THREAD.get() == Some(&std::thread::current().id()) {
-        b = b.use_current_thread();
     }
     let _ = b.build_global();
 }

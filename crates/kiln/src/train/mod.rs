@@ -146,14 +146,7 @@ fn train_once(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
         cfg.train.seq_len = cfg.model.block_size;
     }
 
-    // One rank in this process (the `world == 1` arm below): its thread runs every kernel and
-    // never waits on the pool's work, so it may be one of the pool's workers.
-    let single = cfg.parallel.backend != Backend::Mpi && cfg.parallel.world(cfg.parallel.dp) == 1 && cfg.faults.elastic_max <= 1;
-    if single {
-        crate::util::init_threads_joining(cfg.train.threads);
-    } else {
-        crate::util::init_threads(cfg.train.threads);
-    }
+    crate::util::init_threads(cfg.train.threads);
     parallel::cp::set_device_clock(cfg.parallel.cp_clock == crate::config::CpClock::Device);
 
     // 2. Data.
