@@ -57,6 +57,7 @@ pub const META_FILE: &str = "meta.json";
 const META_FORMAT: &str = "kiln-prepared";
 const META_VERSION: u64 = 2;
 
+#[allow(clippy::large_enum_variant)] // a few per load, short-lived: boxing would buy nothing
 enum Item {
     /// Text, jsonl or parquet: read when tokenized.
     Docs { path: PathBuf },

@@ -14,6 +14,9 @@ use tokenizers::AddedToken;
 use crate::error::DataError;
 use crate::template::ChatTemplate;
 
+/// Token ids and each token's byte range `(start, end)` in the encoded text.
+type IdsOffsets = (Vec<u32>, Vec<(usize, usize)>);
+
 /// A loaded `tokenizer.json`: the tokenizer, and the JSON it came from (written back verbatim,
 /// so an export carries exactly the file the user brought).
 #[derive(Clone)]
@@ -150,7 +153,7 @@ impl HfTokenizer {
 
     /// `text`'s ids with the special tokens its post-processor adds (a Llama 3 BOS), and each
     /// token's byte range in `text` (when `offsets`).
-    pub fn encode_full(&self, text: &str, special: bool) -> Result<(Vec<u32>, Vec<(usize, usize)>), DataError> {
+    pub fn encode_full(&self, text: &str, special: bool) -> Result<IdsOffsets, DataError> {
         self.inner
             .encode(text, special)
             .map(|e| (e.get_ids().to_vec(), e.get_offsets().to_vec()))

@@ -238,7 +238,7 @@ fn encode_tensors(w: &mut impl Write, t: &Tensors) -> std::io::Result<(u64, u32)
     }
     let mut h = serde_json::to_vec(&serde_json::Value::Object(header)).expect("header serializes");
     // The data section starts 8-byte aligned, as safetensors writes it.
-    while (8 + h.len()) % 8 != 0 {
+    while !(8 + h.len()).is_multiple_of(8) {
         h.push(b' ');
     }
     let mut crc = crc32fast::Hasher::new();
@@ -526,7 +526,7 @@ pub fn list(ckpt_dir: &Path) -> Vec<(u64, PathBuf)> {
             }
         }
     }
-    out.sort_by(|a, b| (b.0, b.1).cmp(&(a.0, a.1)));
+    out.sort_by_key(|x| std::cmp::Reverse((x.0, x.1)));
     out.into_iter().map(|(s, _, p)| (s, p)).collect()
 }
 
@@ -873,6 +873,10 @@ impl ReplicaStore {
     }
 }
 
+/// What a save gives back: the write's result (the checkpoint, when it went to disk) and the
+/// snapshot it replaced in memory, to reuse as the next copy's buffers.
+type SaveOutcome = (Result<Option<Saved>>, Option<Snapshot>);
+
 /// Writes snapshots on a background thread, at most one in flight: a new one waits for the
 /// previous to finish (a write is never abandoned or interleaved with another). Synchronous
 /// when `background` is false.
@@ -883,7 +887,7 @@ pub struct Writer {
     background: bool,
     /// In-memory checkpoints: the store and this rank.
     replicas: Option<(std::sync::Arc<ReplicaStore>, usize)>,
-    inflight: Option<std::thread::JoinHandle<(Result<Option<Saved>>, Option<Snapshot>)>>,
+    inflight: Option<std::thread::JoinHandle<SaveOutcome>>,
     /// The job in flight writes to disk (else it is an in-memory snapshot only).
     inflight_to_disk: bool,
     /// A finished write whose result has not been reported yet.

@@ -70,6 +70,7 @@ pub fn bench(b: BenchCli) -> Result<()> {
 pub fn pp_schedule(a: PpScheduleCli) -> Result<()> {
             let kind = <parallel::pp::Kind as plan::policy::Names>::parse(&a.schedule).map_err(|e| KilnError::User(format!("--schedule {e}")))?;
             let sch = parallel::pp::Schedule::new(kind, a.pp, a.micro_batches, a.r#virtual).map_err(KilnError::User)?;
+            #[allow(clippy::neg_cmp_op_on_partial_ord)] // a NaN ratio must be refused too
             if !(a.backward_ratio > 0.0) {
                 return user(format!("--backward-ratio must be positive, got {}", a.backward_ratio));
             }

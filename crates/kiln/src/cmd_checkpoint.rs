@@ -63,8 +63,11 @@ pub fn inspect(path: &Path) -> Result<serde_json::Value> {
     }))
 }
 
+/// A decoded tensor: its name, shape and data.
+type NamedTensor = (String, Vec<usize>, Vec<f32>);
+
 /// Every tensor of a safetensors buffer, decoded: (name, shape, data), in name order.
-fn tensors_of(bytes: &[u8], origin: &Path) -> Result<Vec<(String, Vec<usize>, Vec<f32>)>> {
+fn tensors_of(bytes: &[u8], origin: &Path) -> Result<Vec<NamedTensor>> {
     let st = safetensors::SafeTensors::deserialize(bytes).map_err(|e| KilnError::User(format!("{}: {e}", origin.display())))?;
     let mut names: Vec<String> = st.names().into_iter().map(|n| n.to_string()).collect();
     names.sort();

@@ -125,7 +125,7 @@ pub fn data_cmd(cmd: DataCmd) -> Result<()> {
             Ok(())
         }
         DataCmd::Inspect { dir, docs, split } => {
-            let ds = data::load_docs(&[dir.clone()], data::TokenizerChoice::Spec("auto"), 0.0, &data::DocOpts::default())?;
+            let ds = data::load_docs(std::slice::from_ref(&dir), data::TokenizerChoice::Spec("auto"), 0.0, &data::DocOpts::default())?;
             let s = match split.as_str() {
                 "train" => &ds.train,
                 "val" => &ds.val,

@@ -245,6 +245,7 @@ pub fn run(a: TrainCli) -> Result<()> {
             });
             if a.supervise {
                 let argv: Vec<String> = std::env::args().skip_while(|x| x != "train").skip(1).collect();
+                #[allow(clippy::neg_cmp_op_on_partial_ord)] // a NaN timeout must be refused too
                 if !(a.heartbeat_timeout > 0.0) {
                     return user(format!("--heartbeat-timeout must be positive, got {}", a.heartbeat_timeout));
                 }

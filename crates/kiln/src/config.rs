@@ -908,7 +908,7 @@ impl RunConfig {
             if z.qgz && !matches!(z.qgz_bits, 4 | 8) {
                 return user(format!("parallel.zeropp.qgz_bits must be 4 or 8, got {}", z.qgz_bits));
             }
-            if p.dp > 0 && z.node_size > 0 && p.dp % z.node_size != 0 {
+            if p.dp > 0 && z.node_size > 0 && !p.dp.is_multiple_of(z.node_size) {
                 return user(format!("parallel.zeropp.node_size = {} does not divide parallel.dp = {}", z.node_size, p.dp));
             }
             if self.lora.rank > 0 {
@@ -1007,15 +1007,17 @@ impl RunConfig {
         let t = &self.train;
         let positive = [("train.batch_size", t.batch_size as f64), ("train.grad_accum", t.grad_accum as f64), ("train.max_steps", t.max_steps as f64), ("train.lr", t.lr)];
         for (k, v) in positive {
+            #[allow(clippy::neg_cmp_op_on_partial_ord)] // a NaN must be refused too
             if !(v > 0.0) {
                 return user(format!("{k} must be positive, got {v}"));
             }
         }
-        if t.batch_size % t.grad_accum != 0 {
+        if !t.batch_size.is_multiple_of(t.grad_accum) {
             return user(format!("train.batch_size ({}) must be divisible by train.grad_accum ({})", t.batch_size, t.grad_accum));
         }
         let nonneg = [("train.min_lr", t.min_lr), ("train.weight_decay", t.weight_decay), ("train.grad_clip", t.grad_clip), ("train.eps", t.eps), ("sample.temperature", self.sample.temperature)];
         for (k, v) in nonneg {
+            #[allow(clippy::neg_cmp_op_on_partial_ord)] // NaN takes this branch, as ±∞ do
             if !(v >= 0.0) || !v.is_finite() {
                 return user(format!("{k} must be a non-negative number, got {v}"));
             }
@@ -1086,10 +1088,8 @@ impl RunConfig {
         }
         crate::util::parse_size(&self.memory.limit).map_err(|e| crate::error::KilnError::User(format!("memory.limit: {e}")))?;
         let ac = self.memory.activation_compression;
-        if ac != plan::policy::ActCompression::None {
-            if self.model.recompute == model::Recompute::Full {
-                return user(format!("memory.activation_compression = {} needs model.recompute = none or selective: full recomputation keeps no block activations to compress", plan::policy::Names::name(ac)));
-            }
+        if ac != plan::policy::ActCompression::None && self.model.recompute == model::Recompute::Full {
+            return user(format!("memory.activation_compression = {} needs model.recompute = none or selective: full recomputation keeps no block activations to compress", plan::policy::Names::name(ac)));
         }
         Ok(())
     }
@@ -1139,6 +1139,7 @@ impl RunConfig {
         if p.zero > 0 && self.lora.rank > 0 {
             return user(format!("parallel.zero = {} with LoRA: the adapters are tiny and the base is frozen; use parallel.zero = 0", p.zero));
         }
+        #[allow(clippy::neg_cmp_op_on_partial_ord)] // a NaN must be refused too
         if !(p.bucket_mb > 0.0) {
             return user(format!("parallel.bucket_mb must be positive, got {}", p.bucket_mb));
         }
@@ -1164,7 +1165,7 @@ impl RunConfig {
             }
         }
         let seq_local = self.seq_len() / p.cp.max(1);
-        if p.sequence_parallel && seq_local % p.tp != 0 {
+        if p.sequence_parallel && !seq_local.is_multiple_of(p.tp) {
             let what = if p.cp > 1 { format!("each context-parallel rank's {seq_local} positions (train.seq_len = {} over parallel.cp = {})", self.seq_len(), p.cp) } else { format!("the sequence length train.seq_len = {}", self.seq_len()) };
             return user(format!("parallel.sequence_parallel: parallel.tp = {} does not divide {what}", p.tp));
         }
@@ -1299,13 +1300,13 @@ impl RunConfig {
     pub fn check_dp(&self, dp: usize) -> Result<()> {
         let mb = self.micro_batch();
         let ep = self.parallel.ep;
-        if ep > 1 && mb % (dp * ep) != 0 {
+        if ep > 1 && !mb.is_multiple_of(dp * ep) {
             return user(format!(
                 "parallel.dp = {dp} × parallel.ep = {ep} = {} ranks split the batch, but they do not divide the micro-batch: train.batch_size {} / train.grad_accum {} = {mb} sequences per micro-batch",
                 dp * ep, self.train.batch_size, self.train.grad_accum
             ));
         }
-        if mb % dp != 0 {
+        if !mb.is_multiple_of(dp) {
             return user(format!(
                 "parallel.dp = {dp} does not divide the micro-batch: train.batch_size {} / train.grad_accum {} = {mb} sequences per micro-batch must split evenly over {dp} ranks",
                 self.train.batch_size, self.train.grad_accum

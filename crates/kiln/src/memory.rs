@@ -217,7 +217,7 @@ pub fn activation_set_every(cfg: &GptConfig, b: usize, t: usize, recompute: Reco
     let (hn, hl) = if head { (n, nl) } else { (0, 0) };
     let l = cfg.n_layer;
     // Sets per layer: kept (norms, residual), inner (q|k|v, MLP hidden), attention core.
-    let recomputed = (0..l).filter(|i| (cfg.first_layer() + i) % every.max(1) == 0).count();
+    let recomputed = (0..l).filter(|i| (cfg.first_layer() + i).is_multiple_of(every.max(1))).count();
     let own = l - recomputed + usize::from(recomputed > 0);
     let (n_kept, n_inner, n_core) = match recompute {
         Recompute::None => (l, l, l),

@@ -22,8 +22,7 @@ fn llama_shape(c: &mut RunConfig, n_layer: usize, n_embd: usize, n_head: usize, 
 }
 
 pub fn preset(name: &str) -> Result<RunConfig> {
-    let mut c = RunConfig::default();
-    c.preset = name.to_string();
+    let mut c = RunConfig { preset: name.to_string(), ..Default::default() };
     match name {
         // The default: a byte-level model on the Rust books, about 1.5 minutes on 2 cores.
         "tiny" => {

@@ -1244,7 +1244,7 @@ pub fn hardware_flops_per_token(model: &Gpt, t: usize) -> f64 {
         model::gpt::Recompute::Full => {
             // Every `recompute_every`-th layer only.
             let k = model.recompute_every.max(1);
-            let share = (0..c.n_layer).filter(|i| (c.first_layer() + i) % k == 0).count() as f64 / c.n_layer as f64;
+            let share = (0..c.n_layer).filter(|i| (c.first_layer() + i).is_multiple_of(k)).count() as f64 / c.n_layer as f64;
             share * (2.0 * sum(&|b| b.c_attn_w.len() + b.attn_proj_w.len() + b.c_fc_w.len() + b.mlp_proj_w.len() + b.moe.as_ref().map_or(0, |m| m.router.len() + m.shared.len() + m.experts.len() * c.top_k / c.n_expert.max(1))) + attn_fwd)
         }
         // Korthikanti's selective recomputation re-runs the attention core alone.

@@ -52,6 +52,8 @@ impl RopeScaling {
                 for f in inv_freq.iter_mut() {
                     let wavelen = 2.0 * std::f32::consts::PI / *f;
                     let scaled = if wavelen > low_wavelen { *f / factor } else { *f };
+                    // As transformers' `~(wavelen < high) * ~(wavelen > low)`: a NaN wavelength must count as medium.
+                    #[allow(clippy::neg_cmp_op_on_partial_ord)]
                     let medium = !(wavelen < high_wavelen) && !(wavelen > low_wavelen);
                     *f = if medium {
                         let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
@@ -200,16 +202,16 @@ impl GptConfig {
         if self.head_dim > 0 && self.arch != Arch::Llama {
             return Err("model.head_dim needs model.arch = llama (GPT-2's heads are n_embd / n_head wide)".into());
         }
-        if self.head_dim == 0 && self.n_embd % self.n_head != 0 {
+        if self.head_dim == 0 && !self.n_embd.is_multiple_of(self.n_head) {
             return Err(format!("model.n_embd ({}) must be divisible by model.n_head ({})", self.n_embd, self.n_head));
         }
-        if self.n_head % self.n_kv_head != 0 {
+        if !self.n_head.is_multiple_of(self.n_kv_head) {
             return Err(format!("model.n_head ({}) must be divisible by model.n_kv_head ({})", self.n_head, self.n_kv_head));
         }
         if self.arch == Arch::Gpt2 && self.n_kv_head != self.n_head {
             return Err(format!("model.n_kv_head ({}) must equal model.n_head ({}) for arch gpt2 (grouped-query attention is a llama feature)", self.n_kv_head, self.n_head));
         }
-        if self.arch == Arch::Llama && self.head_size() % 2 != 0 {
+        if self.arch == Arch::Llama && !self.head_size().is_multiple_of(2) {
             return Err(format!("the head width (model.head_dim, or model.n_embd / model.n_head) = {} must be even for rotary embeddings", self.head_size()));
         }
         if !(0.0..1.0).contains(&self.dropout) || self.dropout.is_nan() {
@@ -223,6 +225,7 @@ impl GptConfig {
                 return Err(format!("model.top_k ({}) must be between 1 and model.n_expert ({})", self.top_k, self.n_expert));
             }
         }
+        #[allow(clippy::neg_cmp_op_on_partial_ord)] // a NaN rope_theta must be refused too
         if !(self.rope_theta > 0.0) {
             return Err(format!("model.rope_theta must be positive, got {}", self.rope_theta));
         }

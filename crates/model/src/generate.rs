@@ -129,8 +129,8 @@ impl Gpt {
                 let keep = bs / 2;
                 let start = ctx.len() - keep;
                 cache.len = 0;
-                for j in start..ctx.len() - 1 {
-                    self.decode_into(&mut cache, ctx[j], &mut s);
+                for &tok in ctx.iter().take(ctx.len() - 1).skip(start) {
+                    self.decode_into(&mut cache, tok, &mut s);
                 }
             }
             self.decode_into(&mut cache, next, &mut s);

@@ -749,7 +749,7 @@ impl Gpt {
         // Full recomputation of every k-th layer (k = 1: all): those layers share one set,
         // the others keep their own.
         let every = self.recompute_every.max(1);
-        let recomputed: Vec<bool> = (0..l).map(|i| self.recompute == Recompute::Full && (self.cfg.first_layer() + i) % every == 0).collect();
+        let recomputed: Vec<bool> = (0..l).map(|i| self.recompute == Recompute::Full && (self.cfg.first_layer() + i).is_multiple_of(every)).collect();
         let mut slot = vec![0; l];
         let mut next = usize::from(recomputed.iter().any(|&r| r));
         for (i, r) in recomputed.iter().enumerate() {

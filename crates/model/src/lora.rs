@@ -140,6 +140,7 @@ impl Lora {
 
     /// Given `dout[N, W]` of the site's output, accumulates the adapters' gradients and adds
     /// their contribution to `dx[N, in]`.
+    #[allow(clippy::too_many_arguments)] // llm.c-style flat buffers and their shape, as `forward`
     pub fn backward(&mut self, layer: usize, site: Site, dx: &mut [f32], dout: &[f32], x: &[f32], n: usize, width: usize) {
         let scale = self.scale();
         let r = self.rank;

@@ -57,7 +57,7 @@ pub struct SeqSlice {
 impl SeqSlice {
     /// This slice's positions of a length-`t` sequence (`t` divisible by `count`).
     pub fn positions(&self, t: usize) -> Range<usize> {
-        assert!(t % self.count == 0, "sequence parallel: T = {t} is not divisible into {} slices", self.count);
+        assert!(t.is_multiple_of(self.count), "sequence parallel: T = {t} is not divisible into {} slices", self.count);
         let tl = t / self.count;
         self.index * tl..(self.index + 1) * tl
     }
@@ -79,11 +79,11 @@ impl ContextSlice {
     pub fn chunks(&self, t: usize) -> Vec<(usize, usize)> {
         let (r, n) = (self.index, self.count);
         if self.zigzag {
-            assert!(t % (2 * n) == 0, "context parallel (zig-zag): T = {t} is not divisible into {} chunks", 2 * n);
+            assert!(t.is_multiple_of(2 * n), "context parallel (zig-zag): T = {t} is not divisible into {} chunks", 2 * n);
             let h = t / (2 * n);
             vec![(r * h, h), ((2 * n - 1 - r) * h, h)]
         } else {
-            assert!(t % n == 0, "context parallel: T = {t} is not divisible into {n} chunks");
+            assert!(t.is_multiple_of(n), "context parallel: T = {t} is not divisible into {n} chunks");
             vec![(r * (t / n), t / n)]
         }
     }

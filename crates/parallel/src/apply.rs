@@ -103,6 +103,10 @@ pub struct Applied {
     strategy: Strategy,
 }
 
+/// One virtual stage's expert communicators: the experts' gradient group (dp × cp), the
+/// expert-parallel hooks' group (ep) and the group that splits the batch (dp × ep × cp).
+type ExpertComms = (Box<dyn Comm>, Box<dyn Comm>, Box<dyn Comm>);
+
 /// This rank's parts of `whole` under `s` (see the module comment for the order), over the
 /// world communicator `comm` (collective: every rank calls it). The error names the config key
 /// that does not fit.
@@ -120,7 +124,7 @@ pub fn parallelize(whole: Gpt, s: &Strategy, comm: &dyn Comm) -> Result<(Vec<Par
     let data_group = mesh.group_axes(&[Axis::Dp, Axis::Ep, Axis::Cp], rank);
     let expert_group = mesh.group_axes(&[Axis::Dp, Axis::Cp], rank);
     let dp_comms: Vec<Box<dyn Comm>> = (0..vn).map(|_| comm.split(&data_group)).collect();
-    let ep_comms: Vec<(Box<dyn Comm>, Box<dyn Comm>, Box<dyn Comm>)> =
+    let ep_comms: Vec<ExpertComms> =
         (0..vn).map(|_| (comm.split(&expert_group), mesh_group(comm, &mesh, Axis::Ep), comm.split(&data_group))).collect();
     let cp_hooks_comms: Vec<Box<dyn Comm>> = (0..vn).map(|_| mesh_group(comm, &mesh, Axis::Cp)).collect();
     let cp_comm = mesh_group(comm, &mesh, Axis::Cp);

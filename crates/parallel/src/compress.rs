@@ -276,7 +276,7 @@ impl PowerSgd {
         assert_eq!(covered, len, "PowerSGD: the tensors must cover the buffer");
         let qn: usize = mats.iter().map(|&(_, _, c)| c * r).sum();
         let en: usize = mats.iter().map(|&(_, rows, c)| rows * c).sum();
-        let mut rng = tensor::Rng::new(tensor::rng::mix64(seed ^ 0x90E5_5D));
+        let mut rng = tensor::Rng::new(tensor::rng::mix64(seed ^ 0x0090_E55D));
         let q = (0..qn).map(|_| rng.normal() as f32).collect();
         PowerSgd { r, mats, plain, q, err: vec![0.0; en] }
     }

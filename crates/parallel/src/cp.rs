@@ -228,6 +228,7 @@ impl CpComm {
     }
 
     /// Ulysses: the columns of an attention output row (`[.., C]`) that are rank `c`'s heads.
+    #[allow(clippy::single_range_in_vec_init)] // one column range (qkv_cols' has three), not 0..n's elements
     fn q_cols(&self, dims: &GqaDims, c: usize) -> Vec<Range<usize>> {
         let q = self.heads(dims, c).0;
         vec![q.start * dims.hs..q.end * dims.hs]
@@ -449,6 +450,7 @@ pub fn check(seq_len: usize, n_head: usize, n_kv_head: usize, cp: usize, mode: C
 /// positions each, on `cp` ranks (`docs`: packed documents' starts travel too). Ring: the held
 /// and the arriving key/value block and, in backward, their gradients, and `D`. Ulysses: an
 /// all-to-all's send, receive and reassembled buffers of q|k|v (`Q`, the largest exchanged).
+#[allow(clippy::too_many_arguments)] // the part's flat sizes, as the attention kernels take them
 pub fn exchange_floats(nh: usize, nkv: usize, hs: usize, rows: usize, tl: usize, cp: usize, mode: CpMode, docs: bool) -> usize {
     if cp <= 1 {
         return 0;

@@ -43,6 +43,12 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tensor::par::SyncPtr;
 
+/// A communicator shared between the store and its communication thread's jobs.
+type SharedComm = Arc<Mutex<Box<dyn Comm>>>;
+
+/// [`DataParallel::quantize_base`]'s source of each frozen tensor's fp32 values.
+type BaseFill<'a> = &'a mut dyn FnMut(&model::ParamSpec, &mut [f32]);
+
 /// Default bucket size: PyTorch DDP's 25 MiB of fp32 gradients.
 pub const DEFAULT_BUCKET_ELEMS: usize = 25 * 1024 * 1024 / 4;
 
@@ -151,7 +157,7 @@ pub struct StateBytes {
 /// (the mutex makes it shareable with the jobs; it is never contended).
 struct Experts {
     ranges: Vec<Range<usize>>,
-    comm: Arc<Mutex<Box<dyn Comm>>>,
+    comm: SharedComm,
     /// This rank's position in that group: rank 0 of each counts its experts in the norm.
     rank: usize,
 }
@@ -202,7 +208,7 @@ pub struct DataParallel {
     /// [`crate::zeropp`]), and hpZ's secondary partition of each unit gathered in forward (with
     /// the ticket of that gather).
     zpp: crate::zeropp::ZeroPp,
-    zcomms: Option<(Arc<Mutex<Box<dyn Comm>>>, Arc<Mutex<Box<dyn Comm>>>)>,
+    zcomms: Option<(SharedComm, SharedComm)>,
     secondary: Vec<Option<(u64, Vec<f32>)>>,
     base_grads: Vec<Option<Vec<f32>>>,
 }
@@ -223,7 +229,7 @@ fn layer_of(shards: &Shards, u: usize) -> Option<usize> {
 /// Calls `f(range, comm)` for the runs of `all` in order: `comm` is the experts' communicator
 /// (locked) on their ranges, `None` (the store's own) elsewhere; one call for `all` without
 /// experts. A run on a single-rank communicator is skipped (its collectives are the identity).
-fn for_split(all: Range<usize>, experts: Option<&(Vec<Range<usize>>, Arc<Mutex<Box<dyn Comm>>>)>, mut f: impl FnMut(Range<usize>, Option<&dyn Comm>)) {
+fn for_split(all: Range<usize>, experts: Option<&(Vec<Range<usize>>, SharedComm)>, mut f: impl FnMut(Range<usize>, Option<&dyn Comm>)) {
     let Some((ranges, ec)) = experts else {
         return f(all, None);
     };
@@ -357,7 +363,7 @@ impl DataParallel {
     /// holds), and frees the fp32 parameters and gradients; returns the base, which the model
     /// must be given (`Gpt::set_quantized_base`) before its next pass through this store.
     /// LoRA runs at ZeRO stage 0 only.
-    pub fn quantize_base(&mut self, m: &model::Gpt, kind: model::BaseQuant, fill: Option<&mut dyn FnMut(&model::ParamSpec, &mut [f32])>) -> std::sync::Arc<model::qbase::QuantBase> {
+    pub fn quantize_base(&mut self, m: &model::Gpt, kind: model::BaseQuant, fill: Option<BaseFill<'_>>) -> std::sync::Arc<model::qbase::QuantBase> {
         assert!(self.frozen && self.zero == 0 && self.experts.is_none(), "a quantized base needs LoRA (a frozen base) at ZeRO stage 0 without experts");
         self.worker.wait_all();
         let params = std::mem::take(&mut self.params);

@@ -44,7 +44,7 @@ pub fn local_config(cfg: &GptConfig, ep: usize, rank: usize) -> Result<GptConfig
     if !cfg.is_moe() {
         return Err(format!("parallel.ep = {ep} needs a mixture-of-experts model (model.n_expert > 0, e.g. --preset moe-tiny); this model is dense"));
     }
-    if cfg.n_expert % ep != 0 {
+    if !cfg.n_expert.is_multiple_of(ep) {
         return Err(format!("parallel.ep = {ep} does not divide model.n_expert = {}", cfg.n_expert));
     }
     assert!(rank < ep);

@@ -39,7 +39,7 @@ impl Schedule {
             return Err(format!("pipeline degree, micro-batches and virtual stages must be positive (got {p}, {m}, {v})"));
         }
         match kind {
-            Kind::Interleaved if m % p != 0 => Err(format!("the interleaved schedule needs micro-batches ({m}) divisible by the pipeline degree ({p})")),
+            Kind::Interleaved if !m.is_multiple_of(p) => Err(format!("the interleaved schedule needs micro-batches ({m}) divisible by the pipeline degree ({p})")),
             Kind::Gpipe | Kind::OneFOneB if v != 1 => Err(format!("--virtual {v} needs the interleaved schedule")),
             _ => Ok(Schedule { kind, p, m, v }),
         }

@@ -92,6 +92,8 @@ pub fn attention_forward_docs(
     let scale = 1.0 / (hs as f32).sqrt();
     let outp = SyncPtr(out.as_mut_ptr());
     att.par_chunks_mut(t * t).enumerate().for_each(|(bh, a)| {
+        // Whole-wrapper capture: edition 2021 would otherwise capture only the raw pointer field (not Send/Sync).
+        #[allow(clippy::redundant_locals)]
         let outp = outp;
         let (bi, h) = (bh / nh, bh % nh);
         let base = bi * t * 3 * c;
@@ -159,6 +161,8 @@ pub fn attention_backward(
     let scale = 1.0 / (hs as f32).sqrt();
     let dp = SyncPtr(dqkv.as_mut_ptr());
     (0..b * nh).into_par_iter().for_each(|bh| {
+        // Whole-wrapper capture: edition 2021 would otherwise capture only the raw pointer field (not Send/Sync).
+        #[allow(clippy::redundant_locals)]
         let dp = dp;
         let (bi, h) = (bh / nh, bh % nh);
         let base = bi * t * 3 * c;

@@ -95,6 +95,8 @@ pub(crate) unsafe fn split_blocks(dst_ptr: *mut f32, dst_rs: usize, accumulate: 
     let parts = t.min(len.div_ceil(16)).max(1);
     let dst = crate::par::SyncPtr(dst_ptr);
     (0..parts).into_par_iter().for_each(|i| {
+        // Whole-wrapper capture: edition 2021 would otherwise capture only the raw pointer field (not Send/Sync).
+        #[allow(clippy::redundant_locals)]
         let dst = dst;
         let (a, b) = (len * i / parts, len * (i + 1) / parts);
         if a == b {

@@ -572,7 +572,7 @@ pub fn moe_forward(
 /// `E` evenly.
 fn ep_size(ep: &Option<&mut dyn MoeExchange>, e: usize) -> usize {
     let p = ep.as_ref().map_or(1, |x| x.size());
-    assert!(p > 0 && e % p == 0, "{p} expert-parallel ranks do not split {e} experts evenly");
+    assert!(p > 0 && e.is_multiple_of(p), "{p} expert-parallel ranks do not split {e} experts evenly");
     p
 }
 
@@ -875,7 +875,7 @@ pub fn moe_backward(
     // one-rank coefficient `aux_weight·E·f_e / N_group`.
     let nt = route[2 * e];
     let aux_coef: Vec<f32> =
-        route[..e].iter().map(|&cnt| (aux_weight as f64 * e as f64 * cnt as f64 / ((nt * k as f64) * n as f64)) as f32).collect();
+        route[..e].iter().map(|&cnt| (aux_weight as f64 * e as f64 * cnt / ((nt * k as f64) * n as f64)) as f32).collect();
     let z_coef = 2.0 * z_weight / n as f32;
     dlogits.par_chunks_mut(e).enumerate().with_min_len(64).for_each(|(t, dl)| {
         let p = &probs[t * e..(t + 1) * e];

@@ -353,6 +353,8 @@ fn tiled(arith: crate::matmul::Arith, dst: &mut [f32], accumulate: bool, lhs: cr
     assert_eq!(dst.len(), m * n, "destination size");
     let ptr = crate::par::SyncPtr(dst.as_mut_ptr());
     (0..n.div_ceil(QTILE)).into_par_iter().for_each(|t| {
+        // Whole-wrapper capture: edition 2021 would otherwise capture only the raw pointer field (not Send/Sync).
+        #[allow(clippy::redundant_locals)]
         let ptr = ptr;
         let (j0, nb) = (t * QTILE, QTILE.min(n - t * QTILE));
         let mut scratch = crate::par::pooled(k * nb);

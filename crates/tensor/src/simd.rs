@@ -25,7 +25,7 @@ pub fn exp(x: f32) -> f32 {
     p = p * r + 8.333_452e-3;
     p = p * r + 4.166_579_6e-2;
     p = p * r + 1.666_666_5e-1;
-    p = p * r + 5.000_000_1e-1;
+    p = p * r + 0.5; // Cephes' 5.000_000_1e-1, which is 0.5 in f32
     let e = p * r2 + r + 1.0;
     // `2^n`: the integer sits in `j`'s low bits, offset by SHIFT's bit pattern (0x4B40_0000);
     // a NaN `x` stays NaN through `e`.

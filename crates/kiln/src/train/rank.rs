@@ -441,12 +441,12 @@ impl<'a> Rank<'a> {
             let _ = fs::write(hb.with_extension("tmp"), step.to_string()).and_then(|_| fs::rename(hb.with_extension("tmp"), &hb));
         }
         let max_steps = self.cfg.train.max_steps;
-        let log_now = step % self.cfg.train.log_interval.max(1) == 0 || step == max_steps;
+        let log_now = step.is_multiple_of(self.cfg.train.log_interval.max(1)) || step == max_steps;
         if m.out.skipped.is_none() {
             let loss_fraction = m.out.loss_tokens / step_tokens as f64;
             self.progress.step(&StepInfo { step, loss: m.out.loss, lr: m.lr, tokens_per_sec: tps, mfu, loss_fraction }, log_now);
         }
-        let every = |k: u64| k > 0 && step % k == 0;
+        let every = |k: u64| k > 0 && step.is_multiple_of(k);
         if every(self.cfg.eval.interval) || step == max_steps {
             self.evaluate(m.out.loss)?;
         }

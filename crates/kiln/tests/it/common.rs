@@ -100,6 +100,7 @@ pub fn assert_user_error(o: &Output, needles: &[&str]) {
 
 /// Spawns `cmd` and waits for it: its exit status word and `ru_maxrss` (KiB, from wait4).
 fn wait_measured(mut cmd: Command) -> (i32, u64) {
+    #[allow(clippy::zombie_processes)] // reaped by the wait4 below, which also gives its rusage
     let child = cmd.spawn().expect("spawn");
     let (mut status, mut usage) = (0i32, unsafe { std::mem::zeroed::<libc::rusage>() });
     // SAFETY: waits for the child this function spawned; `usage` is written by the kernel.

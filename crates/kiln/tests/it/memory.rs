@@ -155,7 +155,7 @@ fn tracked_peaks_are_logged_and_the_plan_predicts_them() {
         let o = kiln(&args);
         assert!(o.status.success(), "{name}: {}", stderr(&o));
         let lines = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
-        let last: serde_json::Value = lines.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()).filter(|v| v["kind"] == "train").next_back().unwrap();
+        let last: serde_json::Value = lines.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()).rfind(|v| v["kind"] == "train").unwrap();
         let tracked = last["mem_tracked_peak_bytes"].as_f64().unwrap();
         for c in ["params", "grads", "optimizer", "activations", "other"] {
             assert!(last[format!("mem_tracked_peak_{c}_bytes")].as_u64().is_some(), "{name}: no {c} peak in {last}");
@@ -230,8 +230,8 @@ fn activation_compression_trains_close_to_uncompressed_and_holds_less() {
         let o = train(&data, &out, &[&shape[..], extra].concat());
         assert!(o.status.success(), "{name}: {}", stderr(&o));
         let lines: Vec<serde_json::Value> = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
-        let val = lines.iter().filter(|v| v["kind"] == "eval").last().unwrap()["val_loss"].as_f64().unwrap();
-        let acts = lines.iter().filter(|v| v["kind"] == "train").last().unwrap()["mem_activations_bytes"].as_u64().unwrap();
+        let val = lines.iter().rfind(|v| v["kind"] == "eval").unwrap()["val_loss"].as_f64().unwrap();
+        let acts = lines.iter().rfind(|v| v["kind"] == "train").unwrap()["mem_activations_bytes"].as_u64().unwrap();
         (val, acts)
     };
     let (v0, a0) = run("none", &[]);

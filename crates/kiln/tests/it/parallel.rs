@@ -28,6 +28,10 @@ fn train_lines(run: &Path) -> Vec<serde_json::Value> {
         .collect()
 }
 
+/// A run's train losses by step ([`losses`]) and its final checkpoint's digests
+/// ([`final_checkpoint`]).
+type LossesAndDigests = (Vec<(u64, f64)>, (String, String));
+
 /// The final checkpoint's layout-independent digests (parameters, optimizer state); with
 /// several ranks it is written in per-rank parts.
 fn final_checkpoint(run: &Path) -> (String, String) {
@@ -51,7 +55,7 @@ fn every_dp_and_zero_stage_matches_one_rank() {
     for dp in [1, 2, 4] {
         // Stages 0–1 accumulate micro-batches in one full gradient buffer, stages 2–3 reduce
         // each micro-batch and add the reduced shards: the same order within each pair.
-        let mut first: [Option<(Vec<(u64, f64)>, (String, String))>; 2] = [None, None];
+        let mut first: [Option<LossesAndDigests>; 2] = [None, None];
         for zero in 0..=3 {
             let out = d.join(format!("dp{dp}z{zero}"));
             if !(dp == 1 && zero == 0) {
@@ -263,7 +267,7 @@ fn tensor_parallel_matches_one_rank_for_gpt2_and_llama() {
     let d = scratch("tp-equiv");
     let data = corpus(&d);
     for arch in [&["--set", "model.arch=gpt2", "--set", "model.bias=true"][..], &["--set", "model.arch=llama", "--set", "model.bias=false", "--set", "model.n_kv_head=2", "--set", "model.tied_embeddings=false"][..]] {
-        let name = arch[1].replace('=', "-").replace('.', "-");
+        let name = arch[1].replace(['=', '.'], "-");
         let extra = [TP, arch].concat();
         let one = d.join(format!("{name}-one"));
         run_dp(&data, &one, 1, 0, &extra);

@@ -302,7 +302,7 @@ fn optimizer_offload_keeps_losses_and_frees_resident_memory() {
         let out = d.join(name);
         let o = train(&data, &out, &[&wide[..], &["--offload", offload]].concat());
         assert!(o.status.success(), "{}", stderr(&o));
-        let last: serde_json::Value = fs::read_to_string(out.join("metrics.jsonl")).unwrap().lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()).filter(|v| v["kind"] == "train").last().unwrap();
+        let last: serde_json::Value = fs::read_to_string(out.join("metrics.jsonl")).unwrap().lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()).rfind(|v| v["kind"] == "train").unwrap();
         (losses(&out), last, out)
     };
     let (a, la, _) = run("mem", "none");

@@ -20,6 +20,7 @@ fn batch() -> (Vec<u32>, Vec<i32>) {
     (x, y)
 }
 
+#[allow(clippy::single_range_in_vec_init)] // `stages`: one stage holding layers 0..2
 fn strategy(dp: usize, tp: usize, sequence_parallel: bool) -> Strategy {
     Strategy {
         pp: 1, dp, ep: 1, tp, cp: 1, cp_mode: Default::default(), cp_zigzag: true, virtual_stages: 1, stages: vec![0..2], sequence_parallel, zero: 0, bucket_elems: 1 << 20, micro_batch: B,
