@@ -12,7 +12,7 @@
 //! gradients — except the rotary pair, which rotates its buffer *in place* (see [`rope_forward`]).
 
 use crate::matmul::{gemm_raw, Threads, View};
-use crate::par::{SyncPtr, ELEMS, REDUCE_ROWS};
+use crate::par::{row_blocks_reduce, rows_per_block, SyncPtr, ELEMS};
 use crate::simd;
 use rayon::prelude::*;
 
@@ -32,8 +32,7 @@ pub fn rmsnorm_forward(
     assert_eq!(weight.len(), c);
     assert_eq!(inp.len(), rstd.len() * c);
     assert_eq!(out.len(), inp.len());
-    // Blocks of whole rows, ~ELEMS elements each: one task and one ISA dispatch per block.
-    let rows = (ELEMS / c.max(1)).max(1);
+    let rows = rows_per_block(c);
     out.par_chunks_mut(rows * c).zip(rstd.par_chunks_mut(rows)).enumerate().for_each(|(bi, (o, s))| {
         let r0 = bi * rows;
         rmsnorm_rows(o, s, &inp[r0 * c..r0 * c + o.len()], weight, eps)
@@ -72,18 +71,11 @@ pub fn rmsnorm_backward(
     assert_eq!(inp.len(), n * c);
     assert_eq!(dout.len(), n * c);
     assert_eq!(dinp.len(), n * c);
-    // One pass per block of REDUCE_ROWS rows: its input gradients and its partial weight
-    // gradient, the partials then added block by block (`REDUCE_ROWS`).
-    let mut partial = crate::par::pooled(n.div_ceil(REDUCE_ROWS) * c);
-    dinp.par_chunks_mut(REDUCE_ROWS * c).zip(partial.par_chunks_mut(c)).enumerate().for_each(|(bi, (di, pw))| {
-        let (r0, r1) = (bi * REDUCE_ROWS, bi * REDUCE_ROWS + di.len() / c);
+    // One pass per block of rows: the input gradients and the weight gradient's partial sums.
+    row_blocks_reduce(dinp, c, &mut [dweight], |r0, di, pw| {
+        let r1 = r0 + di.len() / c;
         rmsnorm_backward_rows(di, pw, &dout[r0 * c..r1 * c], &inp[r0 * c..r1 * c], weight, &rstd[r0..r1]);
     });
-    for pw in partial.chunks(c) {
-        for (a, p) in dweight.iter_mut().zip(pw) {
-            *a += *p;
-        }
-    }
 }
 
 crate::multiversion! {

@@ -1,7 +1,7 @@
 //! Elementwise and row-wise kernels: embedding, LayerNorm, GELU, residual, dropout, softmax
 //! cross-entropy. Forward overwrites, backward accumulates (see the crate docs).
 
-use crate::par::{ELEMS, REDUCE_ROWS};
+use crate::par::{row_blocks_reduce, rows_per_block, ELEMS};
 use crate::rng::hash_uniform;
 use crate::simd;
 use rayon::prelude::*;
@@ -170,9 +170,7 @@ pub fn layernorm_forward(
     c: usize,
 ) {
     let _p = crate::profile::scope("layernorm_forward");
-    // Blocks of whole rows, ~ELEMS elements each: one task (and one ISA dispatch) per block,
-    // not per row.
-    let rows = (ELEMS / c.max(1)).max(1);
+    let rows = rows_per_block(c);
     out.par_chunks_mut(rows * c)
         .zip(mean.par_chunks_mut(rows).zip(rstd.par_chunks_mut(rows)))
         .enumerate()
@@ -220,7 +218,7 @@ fn layernorm_row(o: &mut [f32], m: &mut f32, s: &mut f32, x: &[f32], weight: &[f
 pub fn layernorm_backward(
     dinp: &mut [f32],            // [N, C]
     dweight: &mut [f32],         // [C]
-    mut dbias: Option<&mut [f32]>, // [C]
+    dbias: Option<&mut [f32]>,   // [C]
     dout: &[f32],                // [N, C]
     inp: &[f32],                 // [N, C]
     weight: &[f32],              // [C]
@@ -229,29 +227,15 @@ pub fn layernorm_backward(
     c: usize,
 ) {
     let _p = crate::profile::scope("layernorm_backward");
-    let n = mean.len();
-    assert_eq!(dinp.len(), n * c);
-    // One pass: each block of REDUCE_ROWS rows writes its rows' input gradients and its own
-    // partial sums of the weight (and bias) gradient, which are then added block by block
-    // (`REDUCE_ROWS`), so the sums do not depend on the thread count.
-    let width = if dbias.is_some() { 2 * c } else { c };
-    let mut partial = crate::par::pooled(n.div_ceil(REDUCE_ROWS) * width);
-    dinp.par_chunks_mut(REDUCE_ROWS * c).zip(partial.par_chunks_mut(width)).enumerate().for_each(|(bi, (di, part))| {
-        let (r0, r1) = (bi * REDUCE_ROWS, bi * REDUCE_ROWS + di.len() / c);
+    assert_eq!(dinp.len(), mean.len() * c);
+    // One pass per block of rows: the input gradients, and the weight (and bias) gradient's
+    // partial sums.
+    let mut acc: Vec<&mut [f32]> = std::iter::once(dweight).chain(dbias).collect();
+    row_blocks_reduce(dinp, c, &mut acc, |r0, di, part| {
+        let r1 = r0 + di.len() / c;
         let (pw, pb) = part.split_at_mut(c);
         layernorm_backward_rows(di, pw, pb, &dout[r0 * c..r1 * c], &inp[r0 * c..r1 * c], weight, &mean[r0..r1], &rstd[r0..r1]);
     });
-    for part in partial.chunks(width) {
-        let (pw, pb) = part.split_at(c);
-        for (a, p) in dweight.iter_mut().zip(pw) {
-            *a += *p;
-        }
-        if let Some(db) = dbias.as_deref_mut() {
-            for (a, p) in db.iter_mut().zip(pb) {
-                *a += *p;
-            }
-        }
-    }
 }
 
 crate::multiversion! {

@@ -14,6 +14,33 @@ unsafe impl Sync for SyncPtr {}
 /// additions never depends on the thread count.
 pub const REDUCE_ROWS: usize = 64;
 
+/// A row-wise kernel with column reductions, in blocks of [`REDUCE_ROWS`] rows of width `c`:
+/// `f(r0, out_rows, partial)` handles rows `r0 ..` (its block of `out`) and adds those rows'
+/// contributions to each of `acc`'s reductions into `partial` (`acc.len()` zeroed `c`-wide
+/// slices, back to back); blocks run in parallel, then each block's partials are added to
+/// `acc` in block order, so the sums do not depend on the thread count.
+pub fn row_blocks_reduce<F>(out: &mut [f32], c: usize, acc: &mut [&mut [f32]], f: F)
+where
+    F: Fn(usize, &mut [f32], &mut [f32]) + Sync,
+{
+    let width = c * acc.len();
+    let mut partial = pooled(out.len().div_ceil(c).div_ceil(REDUCE_ROWS) * width);
+    out.par_chunks_mut(REDUCE_ROWS * c).zip(partial.par_chunks_mut(width)).enumerate().for_each(|(bi, (o, part))| f(bi * REDUCE_ROWS, o, part));
+    for part in partial.chunks(width) {
+        for (a, p) in acc.iter_mut().zip(part.chunks(c)) {
+            for (a, p) in a.iter_mut().zip(p) {
+                *a += *p;
+            }
+        }
+    }
+}
+
+/// Rows per block of a row-wise kernel over rows of width `c`: about [`ELEMS`] elements, so one
+/// task (and one ISA dispatch) handles many short rows.
+pub fn rows_per_block(c: usize) -> usize {
+    (ELEMS / c.max(1)).max(1)
+}
+
 /// Elements per chunk for elementwise parallel loops.
 pub const ELEMS: usize = 1 << 14;
 
