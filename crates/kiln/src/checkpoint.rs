@@ -631,6 +631,9 @@ pub const COMPRESSION_STATE: &str = "compression_state";
 pub enum Source {
     Owned(Vec<f32>),
     Live { ptr: *const f32, len: usize },
+    /// Live bf16-split master weights (`tensor::precision::split_bf16`): the working weights
+    /// and the low halves, joined into fp32 as they are copied.
+    LiveSplit { work: *const f32, low: *const u16, len: usize },
 }
 
 // SAFETY: a `Live` source is only read, on the writer thread, while the gate is held; the
@@ -644,11 +647,25 @@ impl Source {
         Source::Live { ptr: x.as_ptr(), len: x.len() }
     }
 
-    fn as_slice(&self) -> &[f32] {
+    /// Live split master weights: `work` and `low` as for [`Source::live`].
+    pub fn live_split(work: &[f32], low: &[u16]) -> Source {
+        assert_eq!(work.len(), low.len());
+        Source::LiveSplit { work: work.as_ptr(), low: low.as_ptr(), len: work.len() }
+    }
+
+    /// Appends elements `r` (as fp32) to `out`.
+    fn extend(&self, out: &mut Vec<f32>, r: std::ops::Range<usize>) {
         match self {
-            Source::Owned(v) => v,
+            Source::Owned(v) => out.extend_from_slice(&v[r]),
             // SAFETY: see `Source::live`.
-            Source::Live { ptr, len } => unsafe { std::slice::from_raw_parts(*ptr, *len) },
+            Source::Live { ptr, len } => out.extend_from_slice(&unsafe { std::slice::from_raw_parts(*ptr, *len) }[r]),
+            Source::LiveSplit { work, low, len } => {
+                // SAFETY: see `Source::live`.
+                let (w, l) = unsafe { (std::slice::from_raw_parts(*work, *len), std::slice::from_raw_parts(*low, *len)) };
+                let at = out.len();
+                out.resize(at + r.len(), 0.0);
+                tensor::precision::join_bf16_into(&mut out[at..], &w[r.clone()], &l[r]);
+            }
         }
     }
 }
@@ -711,7 +728,6 @@ fn copy_job(job: Job, spare: Option<Snapshot>) -> Snapshot {
         b.clear();
     }
     let [fp, fm, fv] = &job.sources;
-    let (fp, fm, fv) = (fp.as_slice(), fm.as_slice(), fv.as_slice());
     let mut part_layout = model::ParamLayout::default();
     for p in &job.layout.params {
         let r = match &job.part {
@@ -721,9 +737,9 @@ fn copy_job(job: Job, spare: Option<Snapshot>) -> Snapshot {
         let shape = if job.part.is_some() { vec![r.len()] } else { p.shape.clone() };
         part_layout.push_named(p.name.clone(), shape, model::Init::Zeros, false);
         let (a, b) = (p.offset + r.start, p.offset + r.end);
-        sp.extend_from_slice(&fp[a..b]);
-        sm.extend_from_slice(&fm[a..b]);
-        sv.extend_from_slice(&fv[a..b]);
+        fp.extend(&mut sp, a..b);
+        fm.extend(&mut sm, a..b);
+        fv.extend(&mut sv, a..b);
     }
     Snapshot { part: job.part, state: job.state, layout: part_layout, params: sp, m: sm, v: sv, compression: job.compression.unwrap_or_default(), tokenizer_json: job.tokenizer_json }
 }

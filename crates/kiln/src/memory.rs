@@ -38,8 +38,9 @@ pub struct ElementBytes {
     pub act: usize,
     /// Each AdamW moment.
     pub optim: usize,
-    /// fp32 master weights kept beside lower-precision parameters (0 when the parameters are
-    /// the master copy).
+    /// The master weights' bytes kept beside lower-precision parameters (0 when the parameters
+    /// are the master copy; 2 for bf16's split master weights, `step::Master::Low`; an
+    /// offloaded master is whole fp32, 4, in its file).
     pub master: usize,
     /// The products' arithmetic (bf16 products chunk the LM head in larger row blocks).
     pub arith: tensor::matmul::Arith,
@@ -57,11 +58,13 @@ pub const FP32: ElementBytes = ElementBytes { name: "fp32", param: 4, grad: 4, a
 pub const MIXED_16: ElementBytes = ElementBytes { name: "fp16 (16-bit stored activations, fp32 master weights)", param: 4, grad: 4, act: 2, optim: 4, master: 4, arith: tensor::matmul::Arith::F32, compress: None };
 
 /// bf16: [`MIXED_16`] with bf16 products (fp32 products on a CPU without BF16 instructions:
-/// [`ElementBytes::of`] says which).
-pub const BF16: ElementBytes = ElementBytes { name: "bf16 (16-bit stored activations, bf16 products, fp32 master weights)", arith: tensor::matmul::Arith::Bf16, ..MIXED_16 };
+/// [`ElementBytes::of`] says which) and the fp32 master weights split: the working weight and
+/// 16 low bits beside it.
+pub const BF16: ElementBytes = ElementBytes { name: "bf16 (16-bit stored activations, bf16 products, fp32 master weights as working weights + low halves)", arith: tensor::matmul::Arith::Bf16, master: 2, ..MIXED_16 };
 
-/// FP8: [`MIXED_16`] (it stores in bf16; its products are fp32 over scaled FP8 values).
-pub const FP8: ElementBytes = ElementBytes { name: "fp8 (E4M3/E5M2 products, bf16 stored activations, fp32 master weights)", ..MIXED_16 };
+/// FP8: [`MIXED_16`] (it stores in bf16, so its master weights split as bf16's; its products
+/// are fp32 over scaled FP8 values).
+pub const FP8: ElementBytes = ElementBytes { name: "fp8 (E4M3/E5M2 products, bf16 stored activations, fp32 master weights as working weights + low halves)", master: 2, ..MIXED_16 };
 
 impl ElementBytes {
     /// The bytes per element kiln allocates when it trains in `p` (`train.precision`): [`FP32`], or for every
@@ -540,7 +543,9 @@ fn model_state_rows(out: &mut Rows, cfg: &RunConfig, r: &RankShape, s: usize) {
     }
     if p.master > 0 {
         if offload {
-            out.add(Kind::Optimizer, held, "master weights (offloaded)", 0, format!("{} in a memory-mapped file beside the moments", fmt_bytes(b4(moments * chunks, p.master))));
+            out.add(Kind::Optimizer, held, "master weights (offloaded)", 0, format!("{} of fp32 in a memory-mapped file beside the moments", fmt_bytes(b4(moments * chunks, 4))));
+        } else if p.master == 2 {
+            out.add(Kind::Optimizer, held, "master weights", b4(moments * chunks, p.master), "fp32 as the bf16 working weights and these low 16 bits".to_string());
         } else {
             out.add(Kind::Optimizer, held, "master weights", b4(moments * chunks, p.master), String::new());
         }

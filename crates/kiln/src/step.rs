@@ -77,12 +77,37 @@ pub struct Optimizer {
     /// Mixed precision: the fp32 master weights (laid out like the moments); the working
     /// parameters the passes read are these rounded to `round`. `None`: the parameters are the
     /// fp32 weights themselves.
-    pub master: Option<Moments>,
+    pub master: Option<Master>,
     pub round: Option<tensor::precision::Format>,
     segs: Vec<(Range<usize>, bool)>,
     /// Communication compression's state (`parallel.compression`), from the first compressed
     /// step on (restored with a checkpoint).
     pub compression: Option<CompressionState>,
+}
+
+/// Mixed precision's fp32 master weights, laid out like the moments.
+pub enum Master {
+    /// Whole fp32 weights (fp16's, and any offloaded to a file).
+    F32(Moments),
+    /// bf16: each master weight is its working weight (the parameter the passes read, rounded
+    /// with ties away from zero) and these low 16 bits (`tensor::precision::split_bf16`):
+    /// 2 bytes beside the working weight instead of 4, and exactly the fp32 master weight.
+    Low(Vec<u16>),
+}
+
+impl Master {
+    /// The fp32 master weights of `dp`'s pieces (what a checkpoint stores), laid out like the
+    /// moments.
+    pub fn whole(&self, dp: &mut DataParallel) -> Vec<f32> {
+        match self {
+            Master::F32(mw) => mw.to_vec(),
+            Master::Low(low) => {
+                let mut x = vec![0.0; low.len()];
+                dp.for_each_piece(|piece, params, _| tensor::precision::join_bf16_into(&mut x[piece.shard.clone()], params, &low[piece.shard.clone()]));
+                x
+            }
+        }
+    }
 }
 
 /// What a compressor keeps between steps on one rank.
@@ -221,22 +246,25 @@ impl Optimizer {
     }
 
     /// Mixed precision: keeps fp32 master weights, taken from the fp32 parameters of `dp`'s
-    /// pieces (fresh, or a checkpoint's), and rounds the working parameters to `fmt`.
+    /// pieces (fresh, or a checkpoint's), and rounds the working parameters to `fmt`. bf16's
+    /// master weights are split ([`Master::Low`]), fp16's whole.
     pub fn mixed(&mut self, dp: &mut DataParallel, fmt: tensor::precision::Format) {
-        let mut mw = vec![0.0; self.m.len()];
-        dp.for_each_piece(|piece, params, _| {
-            mw[piece.shard.clone()].copy_from_slice(params);
-            for (p, &w) in params.iter_mut().zip(&mw[piece.shard.clone()]) {
-                *p = tensor::precision::round(w, fmt);
+        let len = self.m.len();
+        let mut master = if fmt == tensor::precision::Format::Bf16 { Master::Low(vec![0; len]) } else { Master::F32(Moments::Mem(vec![0.0; len])) };
+        dp.for_each_piece(|piece, params, _| match &mut master {
+            Master::Low(low) => tensor::precision::split_bf16_in_place(params, &mut low[piece.shard.clone()]),
+            Master::F32(mw) => {
+                mw[piece.shard.clone()].copy_from_slice(params);
+                tensor::precision::master_round_into(params, &mw[piece.shard.clone()], fmt);
             }
         });
         dp.after_update();
-        (self.master, self.round) = (Some(Moments::Mem(mw)), Some(fmt));
+        (self.master, self.round) = (Some(master), Some(fmt));
     }
 
-    /// Moves the moments (and mixed precision's master weights) to memory-mapped files
-    /// `dir/exp_avg.bin`, `dir/exp_avg_sq.bin` (and `dir/master.bin`).
-    pub fn offload(&mut self, dir: &std::path::Path) -> std::io::Result<()> {
+    /// Moves the moments (and mixed precision's master weights, whole fp32) to memory-mapped
+    /// files `dir/exp_avg.bin`, `dir/exp_avg_sq.bin` (and `dir/master.bin`).
+    pub fn offload(&mut self, dir: &std::path::Path, dp: &mut DataParallel) -> std::io::Result<()> {
         std::fs::create_dir_all(dir)?;
         let len = self.m.len();
         let (mut m, mut v) = (Moments::file(&dir.join("exp_avg.bin"), len)?, Moments::file(&dir.join("exp_avg_sq.bin"), len)?);
@@ -245,8 +273,8 @@ impl Optimizer {
         (self.m, self.v) = (m, v);
         if let Some(mw) = self.master.as_mut() {
             let mut f = Moments::file(&dir.join("master.bin"), len)?;
-            f.load(mw);
-            *mw = f;
+            f.load(&mw.whole(dp));
+            *mw = Master::F32(f);
         }
         Ok(())
     }
@@ -286,12 +314,13 @@ impl Optimizer {
                 let j = (i + step.max(1)).min(hi);
                 match (&mut self.master, self.round) {
                     // Mixed precision: AdamW on the fp32 master weights, then the working copy.
-                    (Some(mw), Some(fmt)) => {
+                    (Some(Master::F32(mw)), Some(fmt)) => {
                         let w = &mut mw[off + i..off + j];
                         adamw_update(w, &grads[i..j], &mut self.m[off + i..off + j], &mut self.v[off + i..off + j], &h);
-                        tensor::precision::round_into(&mut params[i..j], w, fmt);
+                        tensor::precision::master_round_into(&mut params[i..j], w, fmt);
                         mw.release(off + i..off + j);
                     }
+                    (Some(Master::Low(low)), _) => tensor::optim::adamw_update_split(&mut params[i..j], &mut low[off + i..off + j], &grads[i..j], &mut self.m[off + i..off + j], &mut self.v[off + i..off + j], &h),
                     _ => adamw_update(&mut params[i..j], &grads[i..j], &mut self.m[off + i..off + j], &mut self.v[off + i..off + j], &h),
                 }
                 self.m.release(off + i..off + j);
@@ -381,12 +410,13 @@ impl Optimizer {
             let (lo, hi) = (r.start, r.end);
             let (ms, vs) = (&m[off + lo..off + hi], &self.v[off + lo..off + hi]);
             match (&mut self.master, self.round) {
-                (Some(mw), Some(fmt)) => {
+                (Some(Master::F32(mw)), Some(fmt)) => {
                     let w = &mut mw[off + lo..off + hi];
-                    tensor::optim::adam_frozen_update(w, ms, vs, &h, rbc2);
-                    tensor::precision::round_into(&mut params[lo..hi], w, fmt);
+                    tensor::optim::adam_frozen_update(w, None, ms, vs, &h, rbc2);
+                    tensor::precision::master_round_into(&mut params[lo..hi], w, fmt);
                 }
-                _ => tensor::optim::adam_frozen_update(&mut params[lo..hi], ms, vs, &h, rbc2),
+                (Some(Master::Low(low)), _) => tensor::optim::adam_frozen_update(&mut params[lo..hi], Some(&mut low[off + lo..off + hi]), ms, vs, &h, rbc2),
+                _ => tensor::optim::adam_frozen_update(&mut params[lo..hi], None, ms, vs, &h, rbc2),
             }
             self.m[off + lo..off + hi].copy_from_slice(ms);
         }

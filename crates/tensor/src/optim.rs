@@ -20,7 +20,26 @@ pub struct AdamW {
 /// `p -= lr · m̂ / (√v̂ + ε)`.
 pub fn adamw_update(params: &mut [f32], grads: &[f32], m: &mut [f32], v: &mut [f32], h: &AdamW) {
     let _p = crate::profile::scope("adamw_update");
-    adam_pieces(params, grads, m, v, h, h.t, true);
+    adam_pieces(params, None, grads, m, v, h, h.t, true);
+}
+
+/// [`adamw_update`] on bf16-split master weights ([`crate::precision::split_bf16`]): `work`,
+/// the working weights the passes read, and `low`, the master weights' low halves. Each chunk
+/// is joined into fp32, updated exactly as [`adamw_update`] updates fp32 weights, and split
+/// again, so the master weights follow the fp32 update bit for bit.
+pub fn adamw_update_split(work: &mut [f32], low: &mut [u16], grads: &[f32], m: &mut [f32], v: &mut [f32], h: &AdamW) {
+    let _p = crate::profile::scope("adamw_update");
+    adam_pieces(work, Some(low), grads, m, v, h, h.t, true);
+}
+
+/// `f` on the fp32 master weights of one chunk of split ones (at most [`ELEMS`]), joined on
+/// the stack and split back after.
+fn on_joined(work: &mut [f32], low: &mut [u16], f: impl FnOnce(&mut [f32])) {
+    let mut buf = [0.0f32; ELEMS];
+    let x = &mut buf[..work.len()];
+    crate::precision::join_bf16_chunk(x, work, low);
+    f(x);
+    crate::precision::split_bf16_chunk(work, low, x);
 }
 
 /// The step's scalars of [`adam_chunk`]: `lr/(1 − β1^t)`, `1/√(1 − β2^var_updates)`,
@@ -35,15 +54,20 @@ struct Coefs {
 
 /// [`adamw_update`] and [`zeroone_update`]: the variance's bias correction counts
 /// `var_updates` updates, and with `update_v` false the variance stays as it was.
-fn adam_pieces(params: &mut [f32], grads: &[f32], m: &mut [f32], v: &mut [f32], h: &AdamW, var_updates: u64, update_v: bool) {
+/// With `low`, `params` are split master weights ([`adamw_update_split`]).
+#[allow(clippy::too_many_arguments)]
+fn adam_pieces(params: &mut [f32], low: Option<&mut [u16]>, grads: &[f32], m: &mut [f32], v: &mut [f32], h: &AdamW, var_updates: u64, update_v: bool) {
     let bc1 = 1.0 - (h.beta1 as f64).powi(h.t as i32);
     let bc2 = 1.0 - (h.beta2 as f64).powi(var_updates as i32);
     let c = Coefs { step: (h.lr as f64 / bc1) as f32, rbc2: (1.0 / bc2.sqrt()) as f32, decay: 1.0 - h.lr * h.weight_decay, update_v };
-    params
-        .par_chunks_mut(ELEMS)
-        .zip(grads.par_chunks(ELEMS))
-        .zip(m.par_chunks_mut(ELEMS).zip(v.par_chunks_mut(ELEMS)))
-        .for_each(|((p, g), (m, v))| adam_chunk(p, g, m, v, h, c));
+    let gmv = grads.par_chunks(ELEMS).zip(m.par_chunks_mut(ELEMS).zip(v.par_chunks_mut(ELEMS)));
+    match low {
+        None => params.par_chunks_mut(ELEMS).zip(gmv).for_each(|(p, (g, (m, v)))| adam_chunk(p, g, m, v, h, c)),
+        Some(low) => {
+            assert_eq!(low.len(), params.len());
+            params.par_chunks_mut(ELEMS).zip(low.par_chunks_mut(ELEMS)).zip(gmv).for_each(|((p, lo), (g, (m, v)))| on_joined(p, lo, |x| adam_chunk(x, g, m, v, h, c)))
+        }
+    }
 }
 
 crate::multiversion! {
@@ -66,15 +90,24 @@ crate::multiversion! {
 /// 1-bit Adam's update in its compression stage (Tang et al. 2021): the momentum `m` is given
 /// (the ranks' compressed average) and the variance `v` frozen, with its bias correction
 /// `rbc2 = 1/√(1 − β2^t_freeze)`: `p = p·(1 − lr·wd) − lr/(1 − β1^t) · m / (√v·rbc2 + ε)`.
-pub fn adam_frozen_update(params: &mut [f32], m: &[f32], v: &[f32], h: &AdamW, rbc2: f32) {
+/// With `low`, `params` are split master weights (as in [`adamw_update_split`]).
+pub fn adam_frozen_update(params: &mut [f32], low: Option<&mut [u16]>, m: &[f32], v: &[f32], h: &AdamW, rbc2: f32) {
     let _p = crate::profile::scope("adam_frozen_update");
     let step = (h.lr as f64 / (1.0 - (h.beta1 as f64).powi(h.t as i32))) as f32;
     let decay = 1.0 - h.lr * h.weight_decay;
-    params.par_chunks_mut(ELEMS).zip(m.par_chunks(ELEMS).zip(v.par_chunks(ELEMS))).for_each(|(p, (m, v))| {
+    let chunk = |p: &mut [f32], m: &[f32], v: &[f32]| {
         for ((p, &m), &v) in p.iter_mut().zip(m).zip(v) {
             *p = *p * decay - step * m / (v.sqrt() * rbc2 + h.eps);
         }
-    });
+    };
+    let mv = m.par_chunks(ELEMS).zip(v.par_chunks(ELEMS));
+    match low {
+        None => params.par_chunks_mut(ELEMS).zip(mv).for_each(|(p, (m, v))| chunk(p, m, v)),
+        Some(low) => {
+            assert_eq!(low.len(), params.len());
+            params.par_chunks_mut(ELEMS).zip(low.par_chunks_mut(ELEMS)).zip(mv).for_each(|((p, lo), (m, v))| on_joined(p, lo, |x| chunk(x, m, v)))
+        }
+    }
 }
 
 /// 0/1 Adam's update on the ranks' averaged gradient `g` (Lu et al. 2023): `m = β1·m + (1−β1)·g`;
@@ -83,7 +116,7 @@ pub fn adam_frozen_update(params: &mut [f32], m: &[f32], v: &[f32], h: &AdamW, r
 /// variance's own updates. With `update_v` at every step it is [`adamw_update`].
 pub fn zeroone_update(params: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], h: &AdamW, var_updates: u64, update_v: bool) {
     let _p = crate::profile::scope("zeroone_update");
-    adam_pieces(params, g, m, v, h, var_updates, update_v);
+    adam_pieces(params, None, g, m, v, h, var_updates, update_v);
 }
 
 /// 0/1 Adam's local step on this rank's own gradient `g`, the variance `v` frozen: `m = β1·m +

@@ -188,6 +188,85 @@ pub fn round_into(out: &mut [f32], x: &[f32], fmt: Format) {
     out.par_chunks_mut(1 << 14).zip(x.par_chunks(1 << 14)).for_each(|(o, x)| round_into_chunk(o, x, fmt));
 }
 
+/// Mixed precision's working weights from fp32 master weights `x`: [`round`], except that bf16
+/// rounds ties away from zero ([`split_bf16`]'s working half), so a run gives the same weights
+/// whether its master weights are whole fp32 or split.
+pub fn master_round_into(out: &mut [f32], x: &[f32], fmt: Format) {
+    if fmt != Format::Bf16 {
+        return round_into(out, x, fmt);
+    }
+    let _p = crate::profile::scope("round_precision");
+    assert_eq!(out.len(), x.len());
+    out.par_chunks_mut(1 << 14).zip(x.par_chunks(1 << 14)).for_each(|(o, x)| split_work_chunk(o, x));
+}
+
+/// An fp32 master weight `x` as its bf16 working weight `w` (a bf16 value, held in the fp32
+/// parameters the passes read) and `x`'s low 16 bits: 2 bytes of master state beside the
+/// working weight instead of 4, and [`join_bf16`] gives `x` back bit for bit. `w` is `x`
+/// rounded to nearest with ties away from zero: `x`'s upper half is `w`'s when the low half is
+/// below 0x8000 and one less (in magnitude) when it is not. With ties to even the tie 0x8000
+/// would come from two upper halves. NaN stays a NaN (its payload is not kept).
+#[inline(always)]
+pub fn split_bf16(x: f32) -> (f32, u16) {
+    let b = x.to_bits();
+    let lo = b as u16;
+    let up = (b >> 16).wrapping_add((lo >> 15) as u32);
+    let hi = if x.is_nan() { (b >> 16) | 0x40 } else { up };
+    (f32::from_bits(hi << 16), lo)
+}
+
+/// The inverse of [`split_bf16`]: the fp32 master weight of working weight `w` and low half `lo`.
+#[inline(always)]
+pub fn join_bf16(w: f32, lo: u16) -> f32 {
+    let hi = (w.to_bits() >> 16).wrapping_sub((lo >> 15) as u32);
+    f32::from_bits((hi << 16) | lo as u32)
+}
+
+crate::multiversion! {
+    fn split_work_chunk(w: &mut [f32], x: &[f32]) {
+        w.iter_mut().zip(x).for_each(|(w, &x)| *w = split_bf16(x).0)
+    }
+}
+
+crate::multiversion! {
+    /// `(w[i], lo[i]) = split_bf16(x[i])` over one chunk.
+    pub fn split_bf16_chunk(w: &mut [f32], lo: &mut [u16], x: &[f32]) {
+        w.iter_mut().zip(lo.iter_mut()).zip(x).for_each(|((w, lo), &x)| (*w, *lo) = split_bf16(x))
+    }
+}
+
+crate::multiversion! {
+    /// `x[i] = join_bf16(w[i], lo[i])` over one chunk.
+    pub fn join_bf16_chunk(x: &mut [f32], w: &[f32], lo: &[u16]) {
+        x.iter_mut().zip(w).zip(lo).for_each(|((x, &w), &lo)| *x = join_bf16(w, lo))
+    }
+}
+
+crate::multiversion! {
+    fn split_in_place_chunk(w: &mut [f32], lo: &mut [u16]) {
+        w.iter_mut().zip(lo.iter_mut()).for_each(|(w, lo)| (*w, *lo) = split_bf16(*w))
+    }
+}
+
+/// [`split_bf16`] in place: `w` holds the fp32 master weights on entry and their working
+/// weights on return, `lo` their low halves.
+pub fn split_bf16_in_place(w: &mut [f32], lo: &mut [u16]) {
+    assert_eq!(w.len(), lo.len());
+    w.par_chunks_mut(1 << 14).zip(lo.par_chunks_mut(1 << 14)).for_each(|(w, lo)| split_in_place_chunk(w, lo));
+}
+
+/// Master weights split as [`split_bf16`]: `(w, lo)` from `x`.
+pub fn split_bf16_into(w: &mut [f32], lo: &mut [u16], x: &[f32]) {
+    assert!(w.len() == x.len() && lo.len() == x.len());
+    w.par_chunks_mut(1 << 14).zip(lo.par_chunks_mut(1 << 14)).zip(x.par_chunks(1 << 14)).for_each(|((w, lo), x)| split_bf16_chunk(w, lo, x));
+}
+
+/// The fp32 master weights of split pairs: `x` from `(w, lo)`.
+pub fn join_bf16_into(x: &mut [f32], w: &[f32], lo: &[u16]) {
+    assert!(w.len() == x.len() && lo.len() == x.len());
+    x.par_chunks_mut(1 << 14).zip(w.par_chunks(1 << 14)).zip(lo.par_chunks(1 << 14)).for_each(|((x, w), lo)| join_bf16_chunk(x, w, lo));
+}
+
 /// Rounds every element of `x` to `fmt`, in place.
 pub fn round_slice(x: &mut [f32], fmt: Format) {
     let _p = crate::profile::scope("round_precision");

@@ -9,10 +9,9 @@ use crate::checkpoint::{self, ReplicaStore, TrainState};
 use crate::config::RunConfig;
 use crate::error::Result;
 use crate::run::ckpt_dir;
-use crate::step::Chunk;
+use crate::step::{Chunk, Master};
 use model::ParamLayout;
 use parallel::apply::Applied;
-use std::borrow::Cow;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
@@ -122,13 +121,9 @@ fn save(r: &mut Rank, to_disk: bool, last: bool) -> Result<()> {
     // snapshot's buffers — from the live training buffers when this rank holds them (the next
     // update waits for the copy at the writer's gate), else from the gathers.
     let snap = {
-        let src = |c: Cow<[f32]>| match c {
-            Cow::Borrowed(x) => checkpoint::Source::live(x),
-            Cow::Owned(v) => checkpoint::Source::Owned(v),
-        };
         let compression = r.chunks[0].opt.compression_row();
-        let [fp, fm, fv] = whole_state(&mut r.chunks, &r.applied, cfg.parallel.zero > 0);
-        checkpoint::Job { part, state, layout: r.ckpt.layout.clone(), sources: [src(fp), src(fm), src(fv)], compression, tokenizer_json: r.ckpt.tokenizer_json.clone(), to_disk }
+        let sources = whole_state(&mut r.chunks, &r.applied, cfg.parallel.zero > 0);
+        checkpoint::Job { part, state, layout: r.ckpt.layout.clone(), sources, compression, tokenizer_json: r.ckpt.tokenizer_json.clone(), to_disk }
     };
     if !lead {
         r.ckpt.writer.submit(snap)?;
@@ -175,28 +170,34 @@ fn save(r: &mut Rank, to_disk: bool, last: bool) -> Result<()> {
 /// The whole parameters and moments (mixed precision: the fp32 master weights; LoRA: the
 /// adapters): borrowed when this rank holds them, else gathered from the ZeRO shards, the
 /// tensor- and expert-parallel ranks and the pipeline stages (collective).
-fn whole_state<'r>(chunks: &'r mut [Chunk], applied: &Applied, zero: bool) -> [Cow<'r, [f32]>; 3] {
+/// The live buffers are read by the checkpoint writer behind its gate (`checkpoint::Source`).
+fn whole_state(chunks: &mut [Chunk], applied: &Applied, zero: bool) -> [checkpoint::Source; 3] {
+    use checkpoint::Source;
     let plain = !zero && !applied.is_part();
     if chunks[0].model.lora.is_some() || plain {
         let ch = &mut chunks[0];
         let p = match (&ch.model.lora, &ch.opt.master) {
-            (Some(lo), _) => &lo.params[..],
-            (None, Some(mw)) => &mw[..],
-            (None, None) => ch.dp.local_params(),
+            (Some(lo), _) => Source::live(&lo.params),
+            (None, Some(Master::F32(mw))) => Source::live(mw),
+            (None, Some(Master::Low(low))) => Source::live_split(ch.dp.local_params(), low),
+            (None, None) => Source::live(ch.dp.local_params()),
         };
-        return [Cow::Borrowed(p), Cow::Borrowed(&ch.opt.m[..]), Cow::Borrowed(&ch.opt.v[..])];
+        return [p, Source::live(&ch.opt.m), Source::live(&ch.opt.v)];
     }
     let (mut ps, mut ms, mut vs) = (Vec::new(), Vec::new(), Vec::new());
     for ch in chunks.iter_mut() {
         ps.push(match &ch.opt.master {
-            Some(mw) if zero => ch.dp.gather_shards(&mw[..]),
-            Some(mw) => mw.to_vec(),
+            Some(mw) if zero => {
+                let whole = mw.whole(&mut ch.dp);
+                ch.dp.gather_shards(&whole)
+            }
+            Some(mw) => mw.whole(&mut ch.dp),
             None => ch.dp.full_params(),
         });
         let (m, v) = if zero { (ch.dp.gather_shards(&ch.opt.m), ch.dp.gather_shards(&ch.opt.v)) } else { (ch.opt.m.to_vec(), ch.opt.v.to_vec()) };
         ms.push(m);
         vs.push(v);
     }
-    let w = |bufs| applied.gather_whole(bufs);
-    [Cow::Owned(w(ps)), Cow::Owned(w(ms)), Cow::Owned(w(vs))]
+    let w = |bufs| Source::Owned(applied.gather_whole(bufs));
+    [w(ps), w(ms), w(vs)]
 }

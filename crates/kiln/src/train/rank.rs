@@ -708,7 +708,7 @@ fn chunk(part: parallel::apply::Part, moments: Option<(Vec<f32>, Vec<f32>)>, res
         st.borrow_mut().set_history_from_layer(h, m.cfg.first_layer());
     }
     if let Some(dir) = offload {
-        opt.offload(dir).map_err(|e| io_err(dir, e))?;
+        opt.offload(dir, &mut dp).map_err(|e| io_err(dir, e))?;
     }
     Ok(Chunk { model: m, dp, opt, replicated, seq_partial, pool: Vec::new() })
 }

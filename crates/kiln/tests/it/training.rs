@@ -340,6 +340,16 @@ fn mixed_precision_and_fp8_track_fp32_resume_bit_exactly_and_fp16_scales_its_los
         let o = train(&data, &split, &["--resume", "--max-steps", "20"]);
         assert!(o.status.success(), "{}", stderr(&o));
         assert_eq!(losses(&split), losses(&full), "{p}: resumed run differs");
+        if p == "bf16" {
+            // bf16's master weights are split (the working weights and their low halves); an
+            // offloaded master is whole fp32 in a file, and ZeRO splits its own shard: the same
+            // weights every step.
+            let off = run("bf16-offload", &["--max-steps", "20", "--precision", p, "--offload", "optimizer"]);
+            assert_eq!(losses(&off), losses(&full), "bf16: offloaded fp32 master weights against split ones");
+            let z = |zero: &str| losses(&run(&format!("bf16-dp2-zero{zero}"), &["--max-steps", "20", "--precision", p, "--dp", "2", "--zero", zero]));
+            assert_eq!(z("1"), z("0"), "bf16 dp 2: ZeRO-1's sharded master weights against whole ones");
+            assert_eq!(z("3"), z("2"), "bf16 dp 2: ZeRO-3 against ZeRO-2");
+        }
         if p == "fp8" {
             // Tensor parallel: each tensor's amax is the max over its shards (collective before
             // the first step has a history, then folded into the step's amax exchange), so the

@@ -55,7 +55,7 @@ fn zeroone_local_steps_are_frozen_variance_adamw_steps() {
         let g: Vec<f32> = (0..n).map(|_| rng.normal() as f32).collect();
         let h = AdamW { lr: 0.01 * (k + 1) as f32, beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.1, t: 20 + k };
         m_ref.iter_mut().zip(&g).for_each(|(m, &g)| *m = h.beta1 * *m + (1.0 - h.beta1) * g);
-        tensor::optim::adam_frozen_update(&mut p_ref, &m_ref, &v, &h, rbc2);
+        tensor::optim::adam_frozen_update(&mut p_ref, None, &m_ref, &v, &h, rbc2);
         decay *= 1.0 - (h.lr * h.weight_decay) as f64;
         tensor::optim::zeroone_local(&mut p, &g, &mut m, &v, &mut acc, &anchor, &h, var_updates, decay as f32);
         assert_eq!(m, m_ref, "step {k}: the momentum");

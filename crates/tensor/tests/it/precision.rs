@@ -145,3 +145,68 @@ fn sixteen_bit_packing_is_lossless_for_rounded_values_in_both_formats() {
         assert!(b1[0].is_nan(), "{fmt:?}");
     }
 }
+
+/// bf16's split master weights (`split_bf16`): the working weight is the nearest bf16 value
+/// (ties away from zero, where round-to-nearest-even may go the other way), and the pair gives
+/// the fp32 master weight back bit for bit — every 16-bit low half over upper halves spread
+/// over the whole range, both signs, the largest finite value and infinities. AdamW on split
+/// weights is AdamW on fp32 weights, then the split.
+#[test]
+fn split_bf16_master_weights_are_exact_and_round_to_nearest() {
+    use tensor::precision::{join_bf16, split_bf16, split_bf16_in_place};
+    let mut his: Vec<u32> = (0..0x7F80u32).step_by(997).collect();
+    his.extend([0, 1, 0x3F80, 0x7F7F]);
+    let mut ties = 0;
+    for &hi in &his {
+        for lo in 0..=0xFFFFu32 {
+            for sign in [0, 0x8000_0000u32] {
+                let x = f32::from_bits(sign | hi << 16 | lo);
+                let (w, l) = split_bf16(x);
+                assert_eq!(join_bf16(w, l).to_bits(), x.to_bits(), "{:#x}", x.to_bits());
+                assert_eq!(w.to_bits() & 0xFFFF, 0, "{:#x}: the working weight is a bf16 value", x.to_bits());
+                let (rne, wd, xd) = (round(x, Format::Bf16), w as f64, x as f64);
+                if lo == 0x8000 {
+                    ties += 1;
+                    assert_eq!(w.abs(), f32::from_bits((x.abs().to_bits() & 0xFFFF_0000) + 0x1_0000), "a tie goes away from zero");
+                } else {
+                    assert_eq!(w.to_bits(), rne.to_bits(), "{:#x}: off a tie, the nearest value", x.to_bits());
+                }
+                assert!(w.is_infinite() || (wd - xd).abs() <= (wd - f32::from_bits(w.to_bits() ^ 0x1_0000) as f64).abs(), "{:#x}", x.to_bits());
+            }
+        }
+    }
+    assert!(ties > 0);
+    for x in [f32::INFINITY, f32::NEG_INFINITY, f32::MAX, f32::MIN, 0.0, -0.0] {
+        let (w, l) = split_bf16(x);
+        assert_eq!(join_bf16(w, l).to_bits(), x.to_bits());
+    }
+    let (w, l) = split_bf16(f32::NAN);
+    assert!(w.is_nan() && join_bf16(w, l).is_nan());
+
+    // AdamW: one update of split weights equals the fp32 update followed by the split, bit for bit.
+    let n = 3 * tensor::par::ELEMS + 123;
+    let mut r = tensor::Rng::new(7);
+    let x: Vec<f32> = (0..n).map(|_| r.normal() as f32 * 0.02).collect();
+    let g: Vec<f32> = (0..n).map(|_| r.normal() as f32 * 1e-3).collect();
+    let h = tensor::AdamW { lr: 1e-3, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, t: 3 };
+    let (mut xf, mut mf, mut vf) = (x.clone(), vec![1e-4f32; n], vec![1e-7f32; n]);
+    let (mut w, mut lo, mut ms, mut vs) = (x.clone(), vec![0u16; n], mf.clone(), vf.clone());
+    split_bf16_in_place(&mut w, &mut lo);
+    for _ in 0..3 {
+        tensor::adamw_update(&mut xf, &g, &mut mf, &mut vf, &h);
+        tensor::optim::adamw_update_split(&mut w, &mut lo, &g, &mut ms, &mut vs, &h);
+    }
+    assert!(xf != x);
+    for i in 0..n {
+        assert_eq!(join_bf16(w[i], lo[i]).to_bits(), xf[i].to_bits(), "element {i}");
+        assert_eq!(w[i].to_bits(), split_bf16(xf[i]).0.to_bits());
+    }
+    assert!(ms == mf && vs == vf);
+    let (mut wf, mut lof) = (x.clone(), lo.clone());
+    let (mut xs, mut ls) = (x.clone(), vec![0u16; n]);
+    split_bf16_in_place(&mut xs, &mut ls);
+    tensor::optim::adam_frozen_update(&mut wf, None, &mf, &vf, &h, 1.5);
+    tensor::optim::adam_frozen_update(&mut xs, Some(&mut ls), &mf, &vf, &h, 1.5);
+    lof.iter_mut().zip(&wf).for_each(|(l, &x)| *l = split_bf16(x).1);
+    assert!((0..n).all(|i| join_bf16(xs[i], ls[i]).to_bits() == wf[i].to_bits() && ls[i] == lof[i]));
+}
