@@ -662,9 +662,10 @@ impl Source {
             Source::LiveSplit { work, low, len } => {
                 // SAFETY: see `Source::live`.
                 let (w, l) = unsafe { (std::slice::from_raw_parts(*work, *len), std::slice::from_raw_parts(*low, *len)) };
+                // On the writer thread alone, as a copy would be (not on the training pool).
                 let at = out.len();
                 out.resize(at + r.len(), 0.0);
-                tensor::precision::join_bf16_into(&mut out[at..], &w[r.clone()], &l[r]);
+                tensor::precision::join_bf16_chunk(&mut out[at..], &w[r.clone()], &l[r]);
             }
         }
     }

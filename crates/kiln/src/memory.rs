@@ -541,7 +541,8 @@ fn model_state_rows(out: &mut Rows, cfg: &RunConfig, r: &RankShape, s: usize) {
     } else {
         out.add(Kind::Optimizer, held, "AdamW m, v", optim, format!("2 × {moments} elements"));
     }
-    if p.master > 0 {
+    // LoRA rounds its frozen base once and keeps no master weights.
+    if p.master > 0 && r.lora.is_none() {
         if offload {
             out.add(Kind::Optimizer, held, "master weights (offloaded)", 0, format!("{} of fp32 in a memory-mapped file beside the moments", fmt_bytes(b4(moments * chunks, 4))));
         } else if p.master == 2 {

@@ -273,7 +273,14 @@ impl Optimizer {
         (self.m, self.v) = (m, v);
         if let Some(mw) = self.master.as_mut() {
             let mut f = Moments::file(&dir.join("master.bin"), len)?;
-            f.load(&mw.whole(dp));
+            match mw {
+                Master::F32(x) => f.load(x),
+                // Joined piece by piece straight into the file.
+                Master::Low(low) => {
+                    dp.for_each_piece(|piece, params, _| tensor::precision::join_bf16_into(&mut f[piece.shard.clone()], params, &low[piece.shard.clone()]));
+                    f.release(0..len);
+                }
+            }
             *mw = Master::F32(f);
         }
         Ok(())
@@ -362,6 +369,7 @@ impl Optimizer {
     /// as [`tensor::optim::zeroone_local`] computes them; the anchor itself right after a
     /// sync). Returns false, touching nothing, before the first local step took the anchor.
     pub fn zeroone_local_params(&self, params: &mut [f32], piece: &parallel::Piece, cfg: &RunConfig) -> bool {
+        assert!(self.master.is_none(), "0/1 Adam runs in fp32 only");
         let Some(CompressionState::ZeroOne(z)) = &self.compression else { return false };
         if !z.anchored {
             return false;
@@ -393,6 +401,7 @@ impl Optimizer {
     /// updating the variance only with `update_v` (`tensor::optim::zeroone_update`).
     #[allow(clippy::too_many_arguments)]
     pub fn update_piece_zeroone(&mut self, params: &mut [f32], grads: &[f32], piece: &parallel::Piece, cfg: &RunConfig, lr: f64, t: u64, var_updates: u64, update_v: bool) {
+        assert!(self.master.is_none(), "0/1 Adam runs in fp32 only (config validation refuses mixed precision)");
         for (r, off, h) in self.segments(piece, cfg, lr, t) {
             let moments = off + r.start..off + r.end;
             let (m, v) = (&mut self.m[moments.clone()], &mut self.v[moments]);

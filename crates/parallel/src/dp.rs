@@ -656,9 +656,13 @@ impl DataParallel {
 
     /// The full buffer whose shards the ranks hold in `shard` (collective).
     pub fn gather_shards(&mut self, shard: &[f32]) -> Vec<f32> {
+        self.gather_shards_owned(shard.to_vec())
+    }
+
+    /// [`DataParallel::gather_shards`] of a shard the caller hands over (no copy of it).
+    pub fn gather_shards_owned(&mut self, mine: Vec<f32>) -> Vec<f32> {
         let shards = self.shards.clone();
         let total = shards.units.last().map_or(0, |u| u.end);
-        let mine = shard.to_vec();
         let all = self.worker.run("all_gather shards", move |c| {
             let mut out = vec![0f32; mine.len() * c.size()];
             c.all_gather(&mine, &mut out);

@@ -32,10 +32,10 @@ pub fn adamw_update_split(work: &mut [f32], low: &mut [u16], grads: &[f32], m: &
     adam_pieces(work, Some(low), grads, m, v, h, h.t, true);
 }
 
-/// `f` on the fp32 master weights of one chunk of split ones (at most [`ELEMS`]), joined on
-/// the stack and split back after.
-fn on_joined(work: &mut [f32], low: &mut [u16], f: impl FnOnce(&mut [f32])) {
-    let mut buf = [0.0f32; ELEMS];
+/// `f` on the fp32 master weights of one chunk of split ones (at most [`ELEMS`]), joined into
+/// `buf` (a task's, reused across its chunks) and split back after.
+fn on_joined(buf: &mut Vec<f32>, work: &mut [f32], low: &mut [u16], f: impl FnOnce(&mut [f32])) {
+    buf.resize(ELEMS, 0.0);
     let x = &mut buf[..work.len()];
     crate::precision::join_bf16_chunk(x, work, low);
     f(x);
@@ -65,7 +65,7 @@ fn adam_pieces(params: &mut [f32], low: Option<&mut [u16]>, grads: &[f32], m: &m
         None => params.par_chunks_mut(ELEMS).zip(gmv).for_each(|(p, (g, (m, v)))| adam_chunk(p, g, m, v, h, c)),
         Some(low) => {
             assert_eq!(low.len(), params.len());
-            params.par_chunks_mut(ELEMS).zip(low.par_chunks_mut(ELEMS)).zip(gmv).for_each(|((p, lo), (g, (m, v)))| on_joined(p, lo, |x| adam_chunk(x, g, m, v, h, c)))
+            params.par_chunks_mut(ELEMS).zip(low.par_chunks_mut(ELEMS)).zip(gmv).for_each_init(Vec::new, |buf, ((p, lo), (g, (m, v)))| on_joined(buf, p, lo, |x| adam_chunk(x, g, m, v, h, c)))
         }
     }
 }
@@ -105,7 +105,7 @@ pub fn adam_frozen_update(params: &mut [f32], low: Option<&mut [u16]>, m: &[f32]
         None => params.par_chunks_mut(ELEMS).zip(mv).for_each(|(p, (m, v))| chunk(p, m, v)),
         Some(low) => {
             assert_eq!(low.len(), params.len());
-            params.par_chunks_mut(ELEMS).zip(low.par_chunks_mut(ELEMS)).zip(mv).for_each(|((p, lo), (m, v))| on_joined(p, lo, |x| chunk(x, m, v)))
+            params.par_chunks_mut(ELEMS).zip(low.par_chunks_mut(ELEMS)).zip(mv).for_each_init(Vec::new, |buf, ((p, lo), (m, v))| on_joined(buf, p, lo, |x| chunk(x, m, v)))
         }
     }
 }

@@ -188,8 +188,8 @@ fn whole_state(chunks: &mut [Chunk], applied: &Applied, zero: bool) -> [checkpoi
     for ch in chunks.iter_mut() {
         ps.push(match &ch.opt.master {
             Some(mw) if zero => {
-                let whole = mw.whole(&mut ch.dp);
-                ch.dp.gather_shards(&whole)
+                let shard = mw.whole(&mut ch.dp);
+                ch.dp.gather_shards_owned(shard)
             }
             Some(mw) => mw.whole(&mut ch.dp),
             None => ch.dp.full_params(),

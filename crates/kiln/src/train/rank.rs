@@ -37,6 +37,9 @@ use tensor::Rng;
 
 /// Everything one rank's run holds between steps.
 pub(super) struct Rank<'a> {
+    /// First, so it drops first: its writer joins a copy in flight, which may still be reading
+    /// the chunks' live buffers (`checkpoint::Source::Live`), before the chunks are freed.
+    pub ckpt: Checkpoints,
     pub cfg: &'a RunConfig,
     pub ds: &'a TrainData,
     pub run_dir: &'a Path,
@@ -89,7 +92,6 @@ pub(super) struct Rank<'a> {
     trace_until: Option<u64>,
     profile: Option<u64>,
     faults: Faults,
-    pub ckpt: Checkpoints,
 }
 
 /// What one step measured, for its metrics line and progress.
