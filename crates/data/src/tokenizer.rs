@@ -77,6 +77,24 @@ impl Gpt2 {
     pub fn core(&self) -> &'static tiktoken_rs::CoreBPE {
         self.bpe
     }
+    /// The byte-level vocabulary (each token's bytes through [`byte_chars`], id = rank) and
+    /// merges of the r50k ranks, as transformers' `TikTokenConverter` builds them: for each
+    /// token in rank order, every split into two tokens, ordered by the ranks of the left then
+    /// the right part.
+    fn hf_vocab_and_merges(&self) -> (Vec<(String, u32)>, Vec<[String; 2]>) {
+        let n = GPT2_VOCAB as u32 - 1;
+        let tokens: Vec<Vec<u8>> = (0..n).map(|r| self.bpe.decode_bytes(&[r]).expect("every r50k rank decodes")).collect();
+        let rank: HashMap<&[u8], u32> = tokens.iter().enumerate().map(|(r, t)| (&t[..], r as u32)).collect();
+        let chars = byte_chars();
+        let s = |b: &[u8]| -> String { b.iter().map(|&x| chars[x as usize]).collect() };
+        let mut merges = Vec::new();
+        for t in &tokens {
+            let mut local: Vec<(u32, u32, usize)> = (1..t.len()).filter_map(|i| Some((*rank.get(&t[..i])?, *rank.get(&t[i..])?, i))).collect();
+            local.sort_unstable();
+            merges.extend(local.into_iter().map(|(_, _, i)| [s(&t[..i]), s(&t[i..])]));
+        }
+        (tokens.iter().enumerate().map(|(r, t)| (s(t), r as u32)).collect(), merges)
+    }
 }
 
 impl Default for Gpt2 {
@@ -89,6 +107,44 @@ impl fmt::Debug for Gpt2 {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("Gpt2(r50k_base)")
     }
+}
+
+/// The parts of a `tokenizer.json` that [`Tokenizer::to_hf`] fills for kiln's own kinds (a BPE
+/// model in every case).
+struct HfForm {
+    vocab: Vec<(String, u32)>,
+    merges: Vec<[String; 2]>,
+    pre: serde_json::Value,
+    decoder: serde_json::Value,
+    added: Vec<(u32, &'static str)>,
+    ignore_merges: bool,
+}
+
+/// GPT-2's pre-tokenizer split (as transformers writes it for r50k: tiktoken's pattern without
+/// possessive quantifiers, which the `tokenizers` regex engine lacks).
+const GPT2_SPLIT: &str = r"'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
+
+/// The byte-level pre-tokenizer (bytes as GPT-2's printable characters, [`byte_chars`]), with or
+/// without its own GPT-2 split.
+fn byte_level(use_regex: bool) -> serde_json::Value {
+    serde_json::json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": use_regex})
+}
+
+/// GPT-2's byte → character map (`bytes_to_unicode` of openai/gpt-2's `encoder.py`): printable
+/// Latin-1 bytes are themselves, the other 68 become U+0100 onwards in byte order.
+pub fn byte_chars() -> [char; 256] {
+    let printable = |b: u8| (b'!'..=b'~').contains(&b) || (0xA1..=0xAC).contains(&b) || b >= 0xAE;
+    let mut out = ['\0'; 256];
+    let mut n = 0;
+    for b in 0..=255u8 {
+        out[b as usize] = if printable(b) {
+            b as char
+        } else {
+            n += 1;
+            char::from_u32(255 + n).expect("U+0100..U+0143 are characters")
+        };
+    }
+    out
 }
 
 #[derive(Clone, Debug)]
@@ -262,6 +318,67 @@ impl Tokenizer {
             }
             Tokenizer::Hf(h) => h.decode(ids),
         }
+    }
+
+    /// The Hugging Face form of this tokenizer (what `kiln export` writes as `tokenizer.json`),
+    /// giving the same ids for every text and decoding them to the same string:
+    /// - `byte`: a byte-level BPE without merges, each byte's id its value;
+    /// - `char`: a BPE over the vocabulary's characters without merges or pre-tokenizer (a
+    ///   character outside the vocabulary is dropped, as `encode` drops it), decoded by `Fuse`;
+    /// - `gpt2`: tiktoken's r50k ranks as a byte-level BPE, converted as transformers'
+    ///   `TikTokenConverter` does (every split of a token into two tokens is a merge, ordered by
+    ///   the token's rank), with GPT-2's split pattern and `<|endoftext|>` as a special token.
+    pub fn to_hf(&self) -> HfTokenizer {
+        let f = match self {
+            Tokenizer::Hf(h) => return h.clone(),
+            Tokenizer::Byte => {
+                let map = byte_chars();
+                HfForm {
+                    vocab: (0..=255u8).map(|b| (map[b as usize].to_string(), b as u32)).collect(),
+                    merges: Vec::new(),
+                    pre: byte_level(false),
+                    decoder: serde_json::json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false}),
+                    added: Vec::new(),
+                    ignore_merges: false,
+                }
+            }
+            Tokenizer::Char(v) => HfForm {
+                vocab: v.chars.iter().enumerate().map(|(i, c)| (c.to_string(), i as u32)).collect(),
+                merges: Vec::new(),
+                pre: serde_json::Value::Null,
+                decoder: serde_json::json!({"type": "Fuse"}),
+                added: Vec::new(),
+                ignore_merges: false,
+            },
+            Tokenizer::Gpt2(g) => {
+                let (vocab, merges) = g.hf_vocab_and_merges();
+                HfForm {
+                    vocab,
+                    merges,
+                    pre: serde_json::json!({"type": "Sequence", "pretokenizers": [
+                        {"type": "Split", "pattern": {"Regex": GPT2_SPLIT}, "behavior": "Isolated", "invert": false},
+                        byte_level(false),
+                    ]}),
+                    decoder: serde_json::json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true}),
+                    added: vec![(GPT2_VOCAB as u32 - 1, "<|endoftext|>")],
+                    ignore_merges: true,
+                }
+            }
+        };
+        let HfForm { vocab, merges, pre, decoder, added, ignore_merges } = f;
+        let vocab: serde_json::Map<String, serde_json::Value> = vocab.into_iter().map(|(k, id)| (k, id.into())).collect();
+        let added: Vec<serde_json::Value> = added
+            .into_iter()
+            .map(|(id, t)| serde_json::json!({"id": id, "content": t, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}))
+            .collect();
+        let j = serde_json::json!({
+            "version": "1.0", "truncation": null, "padding": null, "added_tokens": added, "normalizer": null,
+            "pre_tokenizer": pre, "post_processor": null, "decoder": decoder,
+            "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null, "end_of_word_suffix": null,
+                      "fuse_unk": false, "byte_fallback": false, "ignore_merges": ignore_merges, "vocab": vocab, "merges": merges},
+        });
+        let json = serde_json::to_string(&j).expect("tokenizer JSON serialisation cannot fail");
+        HfTokenizer::from_json(&json, Path::new("<kiln's tokenizer in Hugging Face form>")).expect("kiln writes a tokenizer.json the tokenizers crate reads")
     }
 
     /// The JSON form: a Hugging Face tokenizer's `tokenizer.json`, or kiln's self-describing

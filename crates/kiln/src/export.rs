@@ -7,7 +7,7 @@ use crate::run::SavedRun;
 use serde_json::json;
 use std::path::Path;
 
-/// Writes the tokenizer (`tokenizer.json`, when it has a Hugging Face form), its
+/// Writes the tokenizer (`tokenizer.json`: kiln's own kinds in their Hugging Face form), its
 /// `tokenizer_config.json` and a `generation_config.json` into `out`: the source directory's
 /// own side files when `side` (the base model or the imported checkpoint) has them, else ones
 /// made from the tokenizer's special tokens. Returns a note for the user on what was left out.
@@ -22,16 +22,12 @@ pub fn side_files(m: &model::Gpt, tok: Option<&data::Tokenizer>, side: Option<&P
         let p = out.join(name);
         std::fs::write(&p, serde_json::to_string_pretty(v).expect("json") + "\n").map_err(|e| io_err(&p, e))
     };
-    let hf = match tok {
-        Some(data::Tokenizer::Hf(h)) => Some(h),
-        _ => None,
-    };
-    let Some(h) = hf else {
-        let what = tok.map_or("no tokenizer".to_string(), |t| format!("kiln's {} tokenizer", t.kind()));
+    // kiln's own byte, char and GPT-2 tokenizers go out in their Hugging Face form.
+    let Some(h) = tok.map(data::Tokenizer::to_hf) else {
         if !copy("generation_config.json")? {
             write("generation_config.json", &json!({"_from_model_config": true}))?;
         }
-        return Ok(format!(" (no tokenizer.json: {what} has no Hugging Face form; train with a Hugging Face tokenizer to export one)"));
+        return Ok(" (no tokenizer.json: the run has no tokenizer)".to_string());
     };
     data::Tokenizer::Hf(h.clone()).save_in(out)?;
     // Special tokens by their usual names.
@@ -52,8 +48,19 @@ pub fn side_files(m: &model::Gpt, tok: Option<&data::Tokenizer>, side: Option<&P
         }
         write("tokenizer_config.json", &cfg)?;
     }
+    let id = |t: &Option<String>| t.as_deref().and_then(|t| h.token_to_id(t));
+    // GPT-2's config.json names 50256 (its own `<|endoftext|>`); with another tokenizer the ids
+    // are that tokenizer's, or none (a byte or char vocabulary has no such token).
+    let cfg_path = out.join("config.json");
+    if let Ok(text) = std::fs::read_to_string(&cfg_path) {
+        let mut c: serde_json::Value = serde_json::from_str(&text).map_err(|e| KilnError::User(format!("{}: {e}", cfg_path.display())))?;
+        if c.get("bos_token_id").is_some() || c.get("eos_token_id").is_some() {
+            c["bos_token_id"] = id(&bos).into();
+            c["eos_token_id"] = id(&eos).into();
+            write("config.json", &c)?;
+        }
+    }
     if !copy("generation_config.json")? {
-        let id = |t: &Option<String>| t.as_deref().and_then(|t| h.token_to_id(t));
         let mut g = json!({"_from_model_config": true});
         if let Some(b) = id(&bos) {
             g["bos_token_id"] = b.into();

@@ -90,3 +90,41 @@ fn a_file_that_is_no_tokenizer_is_refused_by_name() {
     let empty = crate::temp_dir("hfnone");
     crate::assert_names(Tokenizer::from_spec(empty.to_str().unwrap(), None).unwrap_err(), empty.to_str().unwrap());
 }
+
+/// kiln's own tokenizers in Hugging Face form (`Tokenizer::to_hf`, what `kiln export` writes):
+/// GPT-2's is the fixture's converted r50k tokenizer (the same vocabulary, the same merges in
+/// the same order, the same pre-tokenizer and special token), so the library gives the
+/// fixture's ids; byte and char give kiln's ids and decodings for every hard case and for a
+/// text with characters outside a char vocabulary (dropped by both).
+#[test]
+fn kiln_tokenizers_have_a_hugging_face_form_with_the_same_ids() {
+    let fx: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fixture("gpt2").join("tokenizer.json")).unwrap()).unwrap();
+    let gpt2 = Tokenizer::from_spec("gpt2", None).unwrap();
+    let h = gpt2.to_hf();
+    let ours: serde_json::Value = serde_json::from_str(h.json()).unwrap();
+    for key in ["pre_tokenizer", "added_tokens", "normalizer", "post_processor"] {
+        assert_eq!(ours[key], fx[key], "gpt2: {key}");
+    }
+    for key in ["vocab", "merges", "ignore_merges", "byte_fallback", "unk_token"] {
+        assert_eq!(ours["model"][key], fx["model"][key], "gpt2: model.{key}");
+    }
+    let hf = Tokenizer::Hf(h);
+    let mut texts: Vec<String> = cases("gpt2").into_iter().map(|c| c.text).collect();
+    texts.push("naïve café — 東京 🦀 <|endoftext|> x\r\n\tq".to_string());
+    for t in &texts {
+        assert_eq!(hf.encode(t).unwrap(), gpt2.encode(t).unwrap(), "gpt2 in HF form: ids of {t:?}");
+        let ids = gpt2.encode(t).unwrap();
+        assert_eq!(hf.decode(&ids), gpt2.decode(&ids), "gpt2 in HF form: decoding {t:?}");
+    }
+    let corpus = texts.concat();
+    let char_tok = Tokenizer::from_spec("char", Some(&texts[..texts.len() / 2].concat())).unwrap();
+    for kiln in [Tokenizer::from_spec("byte", None).unwrap(), char_tok] {
+        let hf = Tokenizer::Hf(kiln.to_hf());
+        assert_eq!(hf.vocab_size(), kiln.vocab_size(), "{}", kiln.kind());
+        for t in texts.iter().chain([&corpus]) {
+            let ids = kiln.encode(t).unwrap();
+            assert_eq!(hf.encode(t).unwrap(), ids, "{} in HF form: ids of {t:?}", kiln.kind());
+            assert_eq!(hf.decode(&ids), kiln.decode(&ids), "{} in HF form: decoding {t:?}", kiln.kind());
+        }
+    }
+}

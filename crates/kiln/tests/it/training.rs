@@ -179,11 +179,18 @@ fn hf_init_export_and_checkpoint_commands() {
     let vb: serde_json::Value = serde_json::from_str(stdout(&b).trim()).unwrap();
     assert_eq!(va["val_loss"], vb["val_loss"]);
     assert_eq!(va["tokens"], vb["tokens"]);
+    // The char tokenizer went out in its Hugging Face form: the export alone evaluates the same.
+    let c = kiln(&["eval", "--checkpoint", exp.to_str().unwrap(), "--data", data.to_str().unwrap(), "--seq-len", "32"]);
+    assert!(c.status.success(), "{}", stderr(&c));
+    let vc: serde_json::Value = serde_json::from_str(stdout(&c).trim()).unwrap();
+    assert_eq!((&va["val_loss"], &va["tokens"]), (&vc["val_loss"], &vc["tokens"]), "the exported tokenizer.json");
+    let cfg: serde_json::Value = serde_json::from_str(&fs::read_to_string(exp.join("tokenizer_config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["tokenizer_class"], "PreTrainedTokenizerFast");
     let g = kiln(&["generate", "--checkpoint", exp.to_str().unwrap(), "--tokenizer", tok.to_str().unwrap(), "--prompt", "the", "--max-new-tokens", "8"]);
     assert!(g.status.success(), "{}", stderr(&g));
     // Errors: --checkpoint without --data, a tokenizer larger than the model, a bad format.
     assert_user_error(&kiln(&["eval", "--checkpoint", exp.to_str().unwrap(), "--tokenizer", tok.to_str().unwrap()]), &["--data"]);
-    assert_user_error(&kiln(&["eval", "--checkpoint", exp.to_str().unwrap(), "--data", data.to_str().unwrap()]), &["gpt2 tokenizer has 50257 tokens", "--tokenizer"]);
+    assert_user_error(&kiln(&["eval", "--checkpoint", exp.to_str().unwrap(), "--tokenizer", "gpt2", "--data", data.to_str().unwrap()]), &["gpt2 tokenizer has 50257 tokens", "--tokenizer"]);
     assert_user_error(&kiln(&["export", "--run", out.to_str().unwrap(), "--format", "onnx", "--out", exp.to_str().unwrap()]), &["onnx"]);
     // Re-saving an HF directory through kiln keeps every tensor's bytes.
     let resaved = d.join("resaved");
