@@ -23,15 +23,21 @@ pub struct ModelSection {
     /// MLP width; 0 = 4·n_embd (gpt2) or 8/3·n_embd rounded up to a multiple of 64 (llama).
     pub ffn_hidden: usize,
     pub rope_theta: f64,
-    /// Rope scaling (llama arch): `none`, `linear` (positions over `rope_factor`) or `llama3`
+    /// Rope scaling (llama arch): `none`, `linear` (positions over `rope_factor`), `llama3`
     /// (Llama 3.1: `rope_factor`, `rope_low_freq_factor`, `rope_high_freq_factor`,
-    /// `rope_original_max_positions`). `--init-from` sets them from a Hugging Face config.
+    /// `rope_original_max_positions`) or `yarn` (`rope_factor`, `rope_original_max_positions`,
+    /// `rope_beta_fast`, `rope_beta_slow`, `rope_attention_factor` (0: YaRN's `0.1·ln(factor) +
+    /// 1`), `rope_truncate`). `--init-from` sets them from a Hugging Face config.
     #[serde(with = "named")]
     pub rope_scaling: RopeKind,
     pub rope_factor: f64,
     pub rope_low_freq_factor: f64,
     pub rope_high_freq_factor: f64,
     pub rope_original_max_positions: usize,
+    pub rope_beta_fast: f64,
+    pub rope_beta_slow: f64,
+    pub rope_attention_factor: f64,
+    pub rope_truncate: bool,
     /// Biases on the q, k and v projections only (Qwen2; llama arch).
     pub qkv_bias: bool,
     /// Sliding-window attention (Mistral; llama arch): each position attends to itself and the
@@ -530,6 +536,11 @@ pub fn adopt_base(cfg: &RunConfig, base: &model::GptConfig, hf: bool, explicit: 
     RunConfig::resolve(&raw)
 }
 
+/// YaRN's default attention factor for `factor` (its paper's mscale, `0.1·ln(factor) + 1`).
+fn yarn_mscale(factor: f64) -> f64 {
+    if factor <= 1.0 { 1.0 } else { 0.1 * factor.ln() + 1.0 }
+}
+
 /// Sets the `model.rope_*` keys to a model's rope scaling.
 pub fn set_rope_scaling(m: &mut ModelSection, r: Option<model::config::RopeScaling>) {
     use model::config::RopeScaling as R;
@@ -539,6 +550,10 @@ pub fn set_rope_scaling(m: &mut ModelSection, r: Option<model::config::RopeScali
         Some(R::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings }) => {
             (m.rope_scaling, m.rope_factor, m.rope_low_freq_factor, m.rope_high_freq_factor, m.rope_original_max_positions) =
                 (RopeKind::Llama3, factor as f64, low_freq_factor as f64, high_freq_factor as f64, original_max_position_embeddings);
+        }
+        Some(R::Yarn { factor, original_max_position_embeddings, beta_fast, beta_slow, attention_factor, truncate }) => {
+            (m.rope_scaling, m.rope_factor, m.rope_original_max_positions) = (RopeKind::Yarn, factor as f64, original_max_position_embeddings);
+            (m.rope_beta_fast, m.rope_beta_slow, m.rope_attention_factor, m.rope_truncate) = (beta_fast as f64, beta_slow as f64, attention_factor as f64, truncate);
         }
     }
 }
@@ -550,10 +565,11 @@ pub enum RopeKind {
     None,
     Linear,
     Llama3,
+    Yarn,
 }
 
 impl Names for RopeKind {
-    const NAMES: &'static [(&'static str, RopeKind)] = &[("none", RopeKind::None), ("linear", RopeKind::Linear), ("llama3", RopeKind::Llama3)];
+    const NAMES: &'static [(&'static str, RopeKind)] = &[("none", RopeKind::None), ("linear", RopeKind::Linear), ("llama3", RopeKind::Llama3), ("yarn", RopeKind::Yarn)];
 }
 
 /// `parallel.backend`: how ranks talk.
@@ -639,7 +655,7 @@ impl Default for ModelSection {
         ModelSection {
             arch: model::config::Arch::Gpt2, n_layer: 4, n_head: 4, n_kv_head: 0, n_embd: 128, ffn_hidden: 0,
             rope_theta: defaults::ROPE_THETA, rope_scaling: RopeKind::None, rope_factor: 1.0, rope_low_freq_factor: 1.0,
-            rope_high_freq_factor: 4.0, rope_original_max_positions: 8192, qkv_bias: false, sliding_window: 0, attn_sinks: 0, window_layers: Vec::new(), head_dim: 0, norm_eps: defaults::NORM_EPS, block_size: 128, vocab_size: 0, loss_vocab: 0, bias: false,
+            rope_high_freq_factor: 4.0, rope_original_max_positions: 8192, rope_beta_fast: 32.0, rope_beta_slow: 1.0, rope_attention_factor: 0.0, rope_truncate: true, qkv_bias: false, sliding_window: 0, attn_sinks: 0, window_layers: Vec::new(), head_dim: 0, norm_eps: defaults::NORM_EPS, block_size: 128, vocab_size: 0, loss_vocab: 0, bias: false,
             dropout: 0.0, tied_embeddings: true, init_from: String::new(), n_expert: 0, top_k: defaults::TOP_K,
             n_shared_expert: 0, capacity_factor: 0.0, moe_aux_weight: defaults::MOE_AUX_WEIGHT, moe_z_weight: defaults::MOE_Z_WEIGHT,
             recompute: model::Recompute::None, recompute_every: 1,
@@ -1222,6 +1238,15 @@ impl RunConfig {
                     high_freq_factor: m.rope_high_freq_factor as f32,
                     original_max_position_embeddings: m.rope_original_max_positions,
                 }),
+                RopeKind::Yarn => Some(model::config::RopeScaling::Yarn {
+                    factor: m.rope_factor as f32,
+                    original_max_position_embeddings: m.rope_original_max_positions,
+                    beta_fast: m.rope_beta_fast as f32,
+                    beta_slow: m.rope_beta_slow as f32,
+                    // 0: YaRN's own, from the factor.
+                    attention_factor: if m.rope_attention_factor == 0.0 { yarn_mscale(m.rope_factor) as f32 } else { m.rope_attention_factor as f32 },
+                    truncate: m.rope_truncate,
+                }),
             },
             qkv_bias: m.qkv_bias,
             sliding_window: m.sliding_window,
@@ -1287,7 +1312,7 @@ pub const STRUCTURAL_KEYS: &[&str] = &[
     "model.arch", "model.n_layer", "model.n_head", "model.n_kv_head", "model.n_embd", "model.ffn_hidden", "model.block_size",
     "model.vocab_size", "model.bias", "model.tied_embeddings", "model.rope_theta", "model.norm_eps", "model.init_from",
     "model.rope_scaling", "model.rope_factor", "model.rope_low_freq_factor", "model.rope_high_freq_factor",
-    "model.rope_original_max_positions", "model.qkv_bias", "model.sliding_window", "model.attn_sinks", "model.window_layers", "model.loss_vocab", "model.head_dim",
+    "model.rope_original_max_positions", "model.rope_beta_fast", "model.rope_beta_slow", "model.rope_attention_factor", "model.rope_truncate", "model.qkv_bias", "model.sliding_window", "model.attn_sinks", "model.window_layers", "model.loss_vocab", "model.head_dim",
     "model.n_expert", "model.top_k", "model.n_shared_expert",
     "lora.rank", "lora.targets", "data.tokenizer", "data.paths", "data.val_fraction", "data.text_field", "data.format",
     "data.packing", "data.reset_positions", "data.sources",

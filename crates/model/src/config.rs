@@ -38,12 +38,33 @@ pub enum RopeScaling {
     /// stretched by `factor`, those below `… / high_freq_factor` kept, the band between
     /// interpolated smoothly.
     Llama3 { factor: f32, low_freq_factor: f32, high_freq_factor: f32, original_max_position_embeddings: usize },
+    /// YaRN (Peng et al. 2023, transformers' `_compute_yarn_parameters`): each frequency blends
+    /// its value over `factor` (interpolated) and its own (extrapolated) by a linear ramp over
+    /// the dimensions between `beta_fast` and `beta_slow` rotations in
+    /// `original_max_position_embeddings` (the ramp's ends rounded out when `truncate`), and
+    /// cos / sin are scaled by `attention_factor` (the logits by its square).
+    Yarn { factor: f32, original_max_position_embeddings: usize, beta_fast: f32, beta_slow: f32, attention_factor: f32, truncate: bool },
 }
 
 impl RopeScaling {
-    /// Rescales plain RoPE's inverse frequencies in place, in fp32 as transformers'
-    /// `_compute_linear_scaling_rope_parameters` / `_compute_llama3_parameters` do.
-    pub fn apply(&self, inv_freq: &mut [f32]) {
+    /// The inverse frequencies of RoPE with base `theta` over head size `hs`, rescaled, in fp32
+    /// as transformers' `_compute_linear_scaling_rope_parameters` / `_compute_llama3_parameters`
+    /// / `_compute_yarn_parameters` compute them.
+    pub fn inv_freq(&self, theta: f32, hs: usize) -> Vec<f32> {
+        let mut f = tensor::llama::rope_inv_freq(theta, hs);
+        self.apply(&mut f, theta, hs);
+        f
+    }
+
+    /// What cos and sin are multiplied by (YaRN's attention factor; 1 otherwise).
+    pub fn attention_factor(&self) -> f32 {
+        match *self {
+            RopeScaling::Yarn { attention_factor, .. } => attention_factor,
+            _ => 1.0,
+        }
+    }
+
+    fn apply(&self, inv_freq: &mut [f32], theta: f32, hs: usize) {
         match *self {
             RopeScaling::Linear { factor } => inv_freq.iter_mut().for_each(|f| *f /= factor),
             RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
@@ -63,6 +84,26 @@ impl RopeScaling {
                     };
                 }
             }
+            RopeScaling::Yarn { factor, original_max_position_embeddings, beta_fast, beta_slow, truncate, .. } => {
+                // The ramp's ends in f64 (Python floats), the frequencies in fp32 (torch's).
+                let (dim, base) = (hs as f64, theta as f64);
+                let dim_of = |rotations: f64| dim * (original_max_position_embeddings as f64 / (rotations * 2.0 * std::f64::consts::PI)).ln() / (2.0 * base.ln());
+                let (mut low, mut high) = (dim_of(beta_fast as f64), dim_of(beta_slow as f64));
+                if truncate {
+                    (low, high) = (low.floor(), high.ceil());
+                }
+                let (low, mut high) = (low.max(0.0), high.min(dim - 1.0));
+                if low == high {
+                    high += 0.001;
+                }
+                let pos = tensor::llama::rope_pos_freq(theta, hs);
+                for (i, (f, &p)) in inv_freq.iter_mut().zip(&pos).enumerate() {
+                    let ramp = ((i as f32 - low as f32) / (high - low) as f32).clamp(0.0, 1.0);
+                    let extrapolated = 1.0 - ramp;
+                    let interpolated = 1.0 / (factor * p);
+                    *f = interpolated * (1.0 - extrapolated) + *f * extrapolated;
+                }
+            }
         }
     }
 
@@ -74,6 +115,14 @@ impl RopeScaling {
                 if !(low_freq_factor > 0.0 && high_freq_factor > low_freq_factor) || original_max_position_embeddings == 0 {
                     return Err(format!(
                         "rope scaling llama3 needs 0 < low_freq_factor < high_freq_factor and original_max_position_embeddings > 0, got {low_freq_factor}, {high_freq_factor}, {original_max_position_embeddings}"
+                    ));
+                }
+                factor
+            }
+            RopeScaling::Yarn { factor, original_max_position_embeddings, beta_fast, beta_slow, attention_factor, .. } => {
+                if original_max_position_embeddings == 0 || !(beta_fast > 0.0 && beta_slow > 0.0 && attention_factor > 0.0 && attention_factor.is_finite()) {
+                    return Err(format!(
+                        "rope scaling yarn needs original_max_position_embeddings > 0 and positive beta_fast, beta_slow and attention_factor, got {original_max_position_embeddings}, {beta_fast}, {beta_slow}, {attention_factor}"
                     ));
                 }
                 factor
@@ -293,11 +342,21 @@ impl GptConfig {
 
     /// The rotary inverse frequencies, rope scaling applied.
     pub fn rope_inv_freq(&self) -> Vec<f32> {
-        let mut f = tensor::llama::rope_inv_freq(self.rope_theta, self.head_size());
-        if let Some(r) = &self.rope_scaling {
-            r.apply(&mut f);
+        match &self.rope_scaling {
+            Some(r) => r.inv_freq(self.rope_theta, self.head_size()),
+            None => tensor::llama::rope_inv_freq(self.rope_theta, self.head_size()),
         }
-        f
+    }
+
+    /// The rotary tables `(cos, sin)` for `block_size` positions (`tensor::llama::rope_table_from`),
+    /// scaled by the rope scaling's attention factor (YaRN's).
+    pub fn rope_tables(&self) -> (Vec<f32>, Vec<f32>) {
+        let (mut cos, mut sin) = tensor::llama::rope_table_from(&self.rope_inv_freq(), self.block_size);
+        let a = self.rope_scaling.as_ref().map_or(1.0, RopeScaling::attention_factor);
+        if a != 1.0 {
+            cos.iter_mut().chain(sin.iter_mut()).for_each(|x| *x *= a);
+        }
+        (cos, sin)
     }
 
     pub fn head_size(&self) -> usize {

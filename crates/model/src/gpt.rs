@@ -27,7 +27,7 @@ use tensor::attention::AttnDims;
 use tensor::classifier::{chunk_rows, lm_head_crossentropy, lm_head_crossentropy_vocab_parallel, HeadDims};
 use tensor::ops::{dropout_backward_rows, dropout_inplace_rows, Chunks, RowMap};
 use tensor::flash::{flash_attention_backward_docs, flash_attention_forward_docs, flash_gqa_backward_docs, flash_gqa_forward_docs};
-use tensor::llama::{rmsnorm_backward, rmsnorm_forward, rope_backward, rope_backward_pos, rope_forward, rope_forward_pos, rope_table_from, swiglu_backward, swiglu_forward, GqaDims};
+use tensor::llama::{rmsnorm_backward, rmsnorm_forward, rope_backward, rope_backward_pos, rope_forward, rope_forward_pos, swiglu_backward, swiglu_forward, GqaDims};
 use tensor::rng::mix64;
 use tensor::*;
 
@@ -667,7 +667,7 @@ impl Gpt {
         assert!(real_vocab <= cfg.place.vocab.map_or(cfg.vocab_size, |v| v.total), "real vocabulary {real_vocab} exceeds the (padded) vocabulary");
         let (layout, views) = gpt_layout(&cfg);
         let n = layout.total;
-        let rope = (cfg.arch == Arch::Llama).then(|| rope_table_from(&cfg.rope_inv_freq(), cfg.block_size));
+        let rope = (cfg.arch == Arch::Llama).then(|| cfg.rope_tables());
         let units = views.units(n);
         let unit_views = views.rebased(n);
         Gpt { cfg, layout, views, units, unit_views, real_vocab, params: zeros(n), grads: zeros(n), rope, lora: None, hooks: Hooks::default(), recompute: Recompute::None, recompute_every: 1, stash16: true, act_compression: Default::default(), precision: Precision::Fp32, fp8: None, base: None, acts: None, scratch: None }

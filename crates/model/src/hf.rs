@@ -1,6 +1,6 @@
 //! Hugging Face interoperability: `config.json` + `model.safetensors` (one file, or shards
 //! listed in `model.safetensors.index.json`; F32, BF16 or F16) for `GPT2LMHeadModel`,
-//! `LlamaForCausalLM` (with `linear` / `llama3` rope scaling), `Qwen2ForCausalLM`,
+//! `LlamaForCausalLM` (with `linear` / `llama3` / `yarn` rope scaling), `Qwen2ForCausalLM`,
 //! `MistralForCausalLM` (sliding-window attention) and `MixtralForCausalLM`, in and out. kiln's layout uses HF's parameter names, so import and export are by name.
 //!
 //! HF GPT-2 stores its four projection matrices as `Conv1D`, `[in, out]`; kiln stores every
@@ -158,7 +158,7 @@ fn llama_config(cfg: &Value, origin: &Path, qkv_bias: bool) -> Result<GptConfig,
 
 /// The rotary base and scaling: transformers 5's `rope_parameters` (`rope_theta`, `rope_type`
 /// and its factors), or the older top-level `rope_theta` with `rope_scaling` (`type` or
-/// `rope_type`). Supported types: `default`, `linear`, `llama3`; others are refused by name.
+/// `rope_type`). Supported types: `default`, `linear`, `llama3`, `yarn`; others are refused by name.
 fn rope_of(cfg: &Value, origin: &Path) -> Result<(f32, Option<RopeScaling>), String> {
     let params = cfg.get("rope_parameters").filter(|v| v.is_object());
     let scaling = cfg.get("rope_scaling").filter(|v| v.is_object());
@@ -176,11 +176,54 @@ fn rope_of(cfg: &Value, origin: &Path) -> Result<(f32, Option<RopeScaling>), Str
             high_freq_factor: num("high_freq_factor")?,
             original_max_position_embeddings: num("original_max_position_embeddings")? as usize,
         }),
+        "yarn" => Some(yarn_of(cfg, r, key, origin)?),
         other => {
-            return Err(format!("{}: `{key}` type `{other}` is not supported (supported: default, linear, llama3)", origin.display()));
+            return Err(format!("{}: `{key}` type `{other}` is not supported (supported: default, linear, llama3, yarn)", origin.display()));
         }
     };
     Ok((theta, scaling))
+}
+
+/// YaRN's parameters as transformers resolves them: `original_max_position_embeddings` from the
+/// config's top level (Phi-3's), else the rope dictionary, else `max_position_embeddings`;
+/// `factor` if given, else the ratio of the two lengths; `beta_fast` / `beta_slow` 32 / 1 when
+/// absent or zero; `attention_factor` if given, else `0.1·ln(factor) + 1` (YaRN's mscale), or
+/// with both `mscale` and `mscale_all_dim` (DeepSeek's) the ratio of the two mscales.
+fn yarn_of(cfg: &Value, r: &Value, key: &str, origin: &Path) -> Result<RopeScaling, String> {
+    let max_pos = cfg.get("max_position_embeddings").and_then(Value::as_f64);
+    let opt = |k: &str| r.get(k).filter(|v| !v.is_null());
+    let num = |k: &str| opt(k).map(|v| v.as_f64().ok_or_else(|| format!("{}: `{key}.{k}` is not a number", origin.display()))).transpose();
+    let orig = match cfg.get("original_max_position_embeddings").and_then(Value::as_f64) {
+        Some(o) => Some(o),
+        None => num("original_max_position_embeddings")?,
+    }
+    .or(max_pos)
+    .ok_or_else(|| format!("{}: `{key}` yarn needs original_max_position_embeddings (or max_position_embeddings)", origin.display()))?;
+    let factor = match num("factor")? {
+        Some(f) => f,
+        None => max_pos.ok_or_else(|| format!("{}: `{key}.factor` is missing and there is no max_position_embeddings to derive it", origin.display()))? / orig,
+    };
+    let mscale = |scale: f64, m: f64| if scale <= 1.0 { 1.0 } else { 0.1 * m * scale.ln() + 1.0 };
+    let attention_factor = match num("attention_factor")? {
+        Some(a) => a,
+        None => match (num("mscale")?.filter(|m| *m != 0.0), num("mscale_all_dim")?.filter(|m| *m != 0.0)) {
+            (Some(m), Some(all)) => mscale(factor, m) / mscale(factor, all),
+            _ => mscale(factor, 1.0),
+        },
+    };
+    let beta = |k: &str, default: f64| -> Result<f32, String> { Ok(num(k)?.filter(|b| *b != 0.0).unwrap_or(default) as f32) };
+    let truncate = match opt("truncate") {
+        None => true,
+        Some(v) => v.as_bool().ok_or_else(|| format!("{}: `{key}.truncate` is not true or false", origin.display()))?,
+    };
+    Ok(RopeScaling::Yarn {
+        factor: factor as f32,
+        original_max_position_embeddings: orig as usize,
+        beta_fast: beta("beta_fast", 32.0)?,
+        beta_slow: beta("beta_slow", 1.0)?,
+        attention_factor: attention_factor as f32,
+        truncate,
+    })
 }
 
 fn gpt2_config(cfg: &Value, origin: &Path) -> Result<GptConfig, String> {
@@ -506,6 +549,10 @@ fn export_config(c: &GptConfig) -> Result<Value, String> {
             Some(RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings }) => {
                 rope = json!({"rope_theta": c.rope_theta, "rope_type": "llama3", "factor": factor, "low_freq_factor": low_freq_factor,
                     "high_freq_factor": high_freq_factor, "original_max_position_embeddings": original_max_position_embeddings});
+            }
+            Some(RopeScaling::Yarn { factor, original_max_position_embeddings, beta_fast, beta_slow, attention_factor, truncate }) => {
+                rope = json!({"rope_theta": c.rope_theta, "rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original_max_position_embeddings,
+                    "beta_fast": beta_fast, "beta_slow": beta_slow, "attention_factor": attention_factor, "truncate": truncate});
             }
         }
         let mut v = json!({

@@ -105,13 +105,14 @@ crate::multiversion! {
 /// `inv_freq = 1.0 / (θ ** (arange(0, HS, 2).float() / HS))` (the power evaluated in f64 and
 /// rounded, so each entry is within an ulp of torch's). Rope scaling rescales these.
 pub fn rope_inv_freq(theta: f32, hs: usize) -> Vec<f32> {
+    rope_pos_freq(theta, hs).into_iter().map(|p| 1.0f32 / p).collect()
+}
+
+/// `θ^(2i/HS)`, `i < HS/2`, in fp32 (what [`rope_inv_freq`] inverts; YaRN also divides
+/// `factor ×` these).
+pub fn rope_pos_freq(theta: f32, hs: usize) -> Vec<f32> {
     assert!(hs.is_multiple_of(2), "rotary head size must be even");
-    (0..hs / 2)
-        .map(|i| {
-            let e = (2 * i) as f32 / hs as f32;
-            1.0f32 / ((theta as f64).powf(e as f64) as f32)
-        })
-        .collect()
+    (0..hs / 2).map(|i| (theta as f64).powf(((2 * i) as f32 / hs as f32) as f64) as f32).collect()
 }
 
 /// Tables `(cos, sin)`, each `[max_t, HS/2]`: entry `(p, i)` is the cos / sin of

@@ -104,16 +104,16 @@ fn bad_hugging_face_configs_are_refused_by_key() {
     let d = scratch("hfbad");
     let data = corpus(&d);
     let fx = fixture("fixtures/llama31-tiny");
-    let bad = d.join("yarn");
+    let bad = d.join("longrope");
     fs::create_dir_all(&bad).unwrap();
     for f in ["model.safetensors", "generation_config.json"] {
         fs::copy(fx.join(f), bad.join(f)).unwrap();
     }
-    let cfg = fs::read_to_string(fx.join("config.json")).unwrap().replace("\"llama3\"", "\"yarn\"");
+    let cfg = fs::read_to_string(fx.join("config.json")).unwrap().replace("\"llama3\"", "\"longrope\"");
     fs::write(bad.join("config.json"), cfg).unwrap();
     let out = d.join("run");
     let o = kiln(&["train", "--init-from", bad.to_str().unwrap(), "--data", data.to_str().unwrap(), "--out", out.to_str().unwrap(), "--quiet"]);
-    assert_user_error(&o, &["config.json", "yarn", "rope_parameters"]);
+    assert_user_error(&o, &["config.json", "longrope", "rope_parameters"]);
     assert!(!out.exists());
     // A dtype kiln cannot read: the tensor and the dtype are named.
     let cfg = fs::read_to_string(fx.join("config.json")).unwrap();
@@ -159,4 +159,34 @@ fn bad_export_flags_are_refused_before_anything_is_written() {
     assert_user_error(&kiln(&["export", "--checkpoint", c, "--out", o, "--max-shard-size", "lots"]), &["--max-shard-size"]);
     assert_user_error(&kiln(&["export", "--checkpoint", c, "--out", o, "--format", "peft"]), &["--format peft", "--run"]);
     assert!(!out.exists());
+}
+
+/// A YaRN model (the model crate's qwen2-yarn fixture) through the binary: `--init-from` sets
+/// `model.rope_scaling = "yarn"` and its keys, the run's model (rebuilt from those keys) and its
+/// export (YaRN in `rope_parameters`) evaluate alike.
+#[test]
+fn yarn_model_trains_and_exports_its_rope_scaling() {
+    let fx = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../model/tests/fixtures/qwen2-yarn");
+    let d = scratch("yarn");
+    let data = corpus(&d);
+    let out = d.join("run");
+    let o = kiln(&["train", "--init-from", fx.to_str().unwrap(), "--data", data.to_str().unwrap(), "--out", out.to_str().unwrap(),
+        "--set", "data.tokenizer=char", "--set", "train.batch_size=2", "--seq-len", "24", "--max-steps", "3", "--set", "eval.iters=1",
+        "--set", "sample.tokens=0", "--quiet"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let cfg: toml::Value = toml::from_str(&fs::read_to_string(out.join("config.toml")).unwrap()).unwrap();
+    let m = &cfg["model"];
+    assert_eq!((m["rope_scaling"].as_str(), m["rope_factor"].as_float(), m["rope_original_max_positions"].as_integer()), (Some("yarn"), Some(4.0), Some(8)));
+    let af = m["rope_attention_factor"].as_float().unwrap();
+    assert!((af - (0.1 * 4f64.ln() + 1.0)).abs() < 1e-6, "{af}");
+    let exp = d.join("export");
+    assert!(kiln(&["export", "--run", out.to_str().unwrap(), "--out", exp.to_str().unwrap()]).status.success());
+    let cj: serde_json::Value = serde_json::from_str(&fs::read_to_string(exp.join("config.json")).unwrap()).unwrap();
+    assert_eq!(cj["rope_parameters"]["rope_type"], "yarn", "{cj}");
+    let a = kiln(&["eval", "--run", out.to_str().unwrap(), "--data", data.to_str().unwrap(), "--seq-len", "24"]);
+    let b = kiln(&["eval", "--checkpoint", exp.to_str().unwrap(), "--data", data.to_str().unwrap(), "--seq-len", "24"]);
+    assert!(a.status.success() && b.status.success(), "{} {}", stderr(&a), stderr(&b));
+    let va: serde_json::Value = serde_json::from_str(stdout(&a).trim()).unwrap();
+    let vb: serde_json::Value = serde_json::from_str(stdout(&b).trim()).unwrap();
+    assert_eq!(va["val_loss"], vb["val_loss"]);
 }

@@ -76,6 +76,38 @@ fn per_layer_sliding_windows_match_transformers() {
     decode_matches_forward(&mut m, &tokens(&fixture("qwen2-layer-windows"))[0]);
 }
 
+/// YaRN rope scaling (tests/fixtures/qwen2-yarn, made by its make.py with transformers): a
+/// Qwen2 whose config gives `rope_scaling` in the older form Qwen2.5's model cards show (factor 4
+/// over an original 8 positions, 24-token rows), matching transformers' logits and loss, with
+/// KV-cached decoding and export (as `rope_parameters`) giving the same model back; and the
+/// inverse frequencies and attention factor of a DeepSeek-style parameter set (mscale,
+/// mscale_all_dim, beta_fast, beta_slow, truncate false) equal to transformers'.
+#[test]
+fn yarn_rope_scaling_matches_transformers() {
+    fixture_matches("qwen2-yarn");
+    export_reimport("qwen2-yarn");
+    let mut m = import_hf(&fixture("qwen2-yarn")).unwrap();
+    assert!(matches!(m.cfg.rope_scaling, Some(model::config::RopeScaling::Yarn { factor: 4.0, original_max_position_embeddings: 8, truncate: true, .. })), "{:?}", m.cfg.rope_scaling);
+    decode_matches_forward(&mut m, &tokens(&fixture("qwen2-yarn"))[1]);
+    let ej: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fixture("qwen2-yarn").join("expected.json")).unwrap()).unwrap();
+    let ds = &ej["deepseek_style"];
+    let cfg = serde_json::json!({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 32, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+        "rope_parameters": ds["rope_parameters"],
+    });
+    let c = model::hf::hf_config(&cfg, Path::new("deepseek-style")).unwrap();
+    assert_eq!(c.head_size(), ds["head_dim"].as_u64().unwrap() as usize);
+    let want: Vec<f64> = ds["inv_freq"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
+    let got = c.rope_inv_freq();
+    assert_eq!(got.len(), want.len());
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert!(((*g as f64 - w) / w).abs() <= 2.0 * f32::EPSILON as f64, "inv_freq[{i}] {g} vs transformers {w}");
+    }
+    let a = c.rope_scaling.unwrap().attention_factor();
+    assert!((a as f64 - ds["attention_factor"].as_f64().unwrap()).abs() <= 1e-6, "attention factor {a} vs {}", ds["attention_factor"]);
+}
+
 /// KV-cached decoding of `row`, token by token, gives the full forward's logits.
 fn decode_matches_forward(m: &mut model::Gpt, row: &[u32]) {
     let full = m.forward_logits(row, 1, row.len());
@@ -123,9 +155,9 @@ fn rope_scaling_config_forms() {
     scaling.as_object_mut().unwrap().remove("rope_theta");
     old["rope_scaling"] = scaling;
     assert_eq!(model::hf::hf_config(&old, &origin).unwrap(), new);
-    old["rope_scaling"]["rope_type"] = "yarn".into();
+    old["rope_scaling"]["rope_type"] = "dynamic".into();
     let e = model::hf::hf_config(&old, &origin).unwrap_err();
-    assert!(e.contains("yarn") && e.contains("rope_scaling") && e.contains("config.json"), "{e}");
+    assert!(e.contains("dynamic") && e.contains("rope_scaling") && e.contains("config.json"), "{e}");
     // Linear scaling divides every frequency by its factor.
     let mut lin = new.clone();
     lin.rope_scaling = Some(model::config::RopeScaling::Linear { factor: 4.0 });
