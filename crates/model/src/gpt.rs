@@ -1052,7 +1052,7 @@ impl Gpt {
         // `stage_output_grad_mut()`.
         let head = self.cfg.has_head();
         if head {
-            g.dres.fill(0.0);
+            tensor::par::zero(&mut g.dres);
         }
         let x_last: &[f32] = &a.xs[a.x_index(self.cfg.n_layer)];
         let (w, dw) = store.acquire(last, bwd, Some((last - 1, bwd)));
@@ -1426,7 +1426,7 @@ impl Linear<'_, '_> {
     /// storage precision.
     fn backward_row(&self, dinp: &mut [f32], dfull: &mut [f32], dunit: &mut [f32], dbranch: &[f32], x: &[f32]) {
         let d = self.ops.row_parallel_grad(dbranch, dfull);
-        dinp.fill(0.0);
+        tensor::par::zero(dinp);
         self.backward(dinp, dunit, d, x);
         self.ops.store(dinp);
     }
@@ -1500,7 +1500,7 @@ impl<'o, 'a> Block<'o, 'a> {
             // The router's losses join the objective with the same scale as the main loss.
             let (cfg, w) = (ops.cfg, self.w);
             let (aux, z) = (cfg.moe_aux_weight * ops.loss_scale, cfg.moe_z_weight * ops.loss_scale);
-            g.dln.fill(0.0);
+            tensor::par::zero(&mut g.dln);
             let (dr, rest_w) = dw[mp.router.start..mp.shared.end].split_at_mut(mp.router.len());
             let (de, ds) = rest_w.split_at_mut(mp.experts.len());
             let mut ep = ops.ep.borrow_mut();
@@ -1510,7 +1510,7 @@ impl<'o, 'a> Block<'o, 'a> {
             return;
         }
         self.linear(Site::MlpProj).backward_row(g.dfch_gelu, g.dfull, dw, dout, &i.fch_gelu);
-        g.dfch.fill(0.0);
+        tensor::par::zero(&mut g.dfch);
         ops.act_backward(g.dfch, g.dfch_gelu, &i.fch);
         ops.store(g.dfch);
         let x: &[f32] = if ops.sp() { &i.ln_2_full } else { &k.ln_2 };
@@ -1579,7 +1579,7 @@ fn block_backward(blk: &Block, dw: &mut [f32], x: &[f32], acts: BlockActs, g: &m
     let dattn = ops.dropout_grad(&mut g.dbranch, &g.dres, DropSite::AttnResidual(l));
     let core: &AttnCore = if i.core.atty.is_empty() { shared } else { &i.core };
     blk.linear(Site::AttnProj).backward_row(&mut g.datty, &mut g.dfull, dw, dattn, &core.atty);
-    g.dqkv.fill(0.0);
+    tensor::par::zero(&mut g.dqkv);
     ops.attn_backward(&mut g.dqkv, &g.datty, &i.qkv, &core.atty, &core.state, DropSite::AttnProbs(l));
     ops.store(&mut g.dqkv);
     let xin: &[f32] = if ops.sp() { &i.ln_1_full } else { &k.ln_1 };
@@ -1774,11 +1774,11 @@ impl<'a> Ops<'a> {
     /// positions).
     fn column_input_grad(&self, dln: &mut [f32], dfull: &mut [f32], product: impl FnOnce(&mut [f32])) {
         if self.sp() {
-            dfull.fill(0.0);
+            tensor::par::zero(dfull);
             product(dfull);
             self.scatter_seq(dfull, dln, None);
         } else {
-            dln.fill(0.0);
+            tensor::par::zero(dln);
             product(dln);
             self.tp_reduce_input_grad(dln);
         }
