@@ -27,7 +27,7 @@ use tensor::attention::AttnDims;
 use tensor::classifier::{chunk_rows, lm_head_crossentropy, lm_head_crossentropy_vocab_parallel, HeadDims};
 use tensor::ops::{dropout_backward_rows, dropout_inplace_rows, Chunks, RowMap};
 use tensor::flash::{flash_attention_backward_docs, flash_attention_forward_docs, flash_gqa_backward_docs, flash_gqa_forward_docs};
-use tensor::llama::{rmsnorm_backward, rmsnorm_forward, rope_backward, rope_backward_pos, rope_forward, rope_forward_pos, swiglu_backward, swiglu_forward, GqaDims};
+use tensor::llama::{rmsnorm_backward, rmsnorm_forward, rope_backward, rope_backward_pos, rope_forward, rope_forward_pos, swiglu_backward_into, swiglu_forward, GqaDims};
 use tensor::rng::mix64;
 use tensor::*;
 
@@ -1361,9 +1361,9 @@ impl Linear<'_, '_> {
         }
     }
 
-    /// The backward of [`Linear::forward`]: accumulates `dinp[N, n_in]`, the adapters'
-    /// gradients and, unless the base weights are frozen (LoRA), the weight's and bias's in the
-    /// unit's gradients `dunit`. Under FP8 the inputs are re-cast as forward cast them (the same
+    /// The backward of [`Linear::forward`]: writes `dinp[N, n_in]` (overwriting it), and
+    /// accumulates the adapters' gradients and, unless the base weights are frozen (LoRA), the
+    /// weight's and bias's in the unit's gradients `dunit`. Under FP8 the inputs are re-cast as forward cast them (the same
     /// scales within a step).
     fn backward(&self, dinp: &mut [f32], dunit: &mut [f32], dout: &[f32], x: &[f32]) {
         let ops = self.ops;
@@ -1386,11 +1386,13 @@ impl Linear<'_, '_> {
             None => (x, w, dout),
         };
         if let Some(q) = &self.q {
+            tensor::par::zero(dinp);
             tensor::quant::qmatmul_backward_input(ops.arith, ops.store, dinp, gq, q, n, c, oc);
         } else if frozen {
+            tensor::par::zero(dinp);
             tensor::matmul::matmul_backward_input_as(ops.arith, dinp, gq, wq, n, c, oc);
         } else {
-            tensor::matmul::matmul_backward_as(ops.arith, dinp, dw, db, gq, xq, wq, n, c, oc);
+            tensor::matmul::matmul_backward_into_as(ops.arith, dinp, dw, db, gq, xq, wq, n, c, oc);
         }
         drop(st);
         if let Some(lo) = ops.lora.borrow_mut().as_deref_mut() {
@@ -1421,12 +1423,11 @@ impl Linear<'_, '_> {
         self.ops.column_input_grad(dln, dfull, |d| self.backward(d, dunit, dout, x));
     }
 
-    /// The backward of [`Linear::forward_row`]: `dinp` (zeroed here) from the branch's
+    /// The backward of [`Linear::forward_row`]: `dinp` (overwritten) from the branch's
     /// gradient, gathered along the sequence first under sequence parallelism; rounded to the
     /// storage precision.
     fn backward_row(&self, dinp: &mut [f32], dfull: &mut [f32], dunit: &mut [f32], dbranch: &[f32], x: &[f32]) {
         let d = self.ops.row_parallel_grad(dbranch, dfull);
-        tensor::par::zero(dinp);
         self.backward(dinp, dunit, d, x);
         self.ops.store(dinp);
     }
@@ -1500,7 +1501,7 @@ impl<'o, 'a> Block<'o, 'a> {
             // The router's losses join the objective with the same scale as the main loss.
             let (cfg, w) = (ops.cfg, self.w);
             let (aux, z) = (cfg.moe_aux_weight * ops.loss_scale, cfg.moe_z_weight * ops.loss_scale);
-            tensor::par::zero(&mut g.dln);
+            tensor::par::zero(g.dln);
             let (dr, rest_w) = dw[mp.router.start..mp.shared.end].split_at_mut(mp.router.len());
             let (de, ds) = rest_w.split_at_mut(mp.experts.len());
             let mut ep = ops.ep.borrow_mut();
@@ -1510,7 +1511,6 @@ impl<'o, 'a> Block<'o, 'a> {
             return;
         }
         self.linear(Site::MlpProj).backward_row(g.dfch_gelu, g.dfull, dw, dout, &i.fch_gelu);
-        tensor::par::zero(&mut g.dfch);
         ops.act_backward(g.dfch, g.dfch_gelu, &i.fch);
         ops.store(g.dfch);
         let x: &[f32] = if ops.sp() { &i.ln_2_full } else { &k.ln_2 };
@@ -1768,17 +1768,14 @@ impl<'a> Ops<'a> {
         self.column_input(d, full)
     }
 
-    /// A column-parallel product's input gradient, computed by `product` (which accumulates
-    /// into a zeroed buffer): summed over the shards into `dln` (all-reduce), or under sequence
-    /// parallelism reduce-scattered from the whole-sequence `dfull` into `dln` (this shard's
-    /// positions).
+    /// A column-parallel product's input gradient, computed by `product` (which overwrites its
+    /// buffer): summed over the shards into `dln` (all-reduce), or under sequence parallelism
+    /// reduce-scattered from the whole-sequence `dfull` into `dln` (this shard's positions).
     fn column_input_grad(&self, dln: &mut [f32], dfull: &mut [f32], product: impl FnOnce(&mut [f32])) {
         if self.sp() {
-            tensor::par::zero(dfull);
             product(dfull);
             self.scatter_seq(dfull, dln, None);
         } else {
-            tensor::par::zero(dln);
             product(dln);
             self.tp_reduce_input_grad(dln);
         }
@@ -1916,10 +1913,11 @@ impl<'a> Ops<'a> {
         }
     }
 
+    /// The activation's backward, overwriting `dfch`.
     fn act_backward(&self, dfch: &mut [f32], dout: &[f32], fch: &[f32]) {
         match self.cfg.arch {
-            Arch::Gpt2 => gelu_backward(dfch, dout, fch),
-            Arch::Llama => swiglu_backward(dfch, dout, fch, self.cfg.ffn_hidden),
+            Arch::Gpt2 => gelu_backward_into(dfch, dout, fch),
+            Arch::Llama => swiglu_backward_into(dfch, dout, fch, self.cfg.ffn_hidden),
         }
     }
 }

@@ -300,6 +300,15 @@ pub fn swiglu_backward(
     gu: &[f32],        // [N, 2F]
     f: usize,
 ) {
+    swiglu_backward_with(dgu, dout, gu, f, true)
+}
+
+/// [`swiglu_backward`] overwriting `dgu`, for a caller that would zero it first.
+pub fn swiglu_backward_into(dgu: &mut [f32], dout: &[f32], gu: &[f32], f: usize) {
+    swiglu_backward_with(dgu, dout, gu, f, false)
+}
+
+fn swiglu_backward_with(dgu: &mut [f32], dout: &[f32], gu: &[f32], f: usize, accumulate: bool) {
     let _p = crate::profile::scope("swiglu_backward");
     assert!(f > 0);
     assert_eq!(gu.len(), 2 * dout.len());
@@ -310,18 +319,18 @@ pub fn swiglu_backward(
         .for_each(|(dg, (d, g))| {
             for (dg, (d, g)) in dg.chunks_mut(2 * f).zip(d.chunks(f).zip(g.chunks(2 * f))) {
                 let (dgate, dup) = dg.split_at_mut(f);
-                swiglu_backward_row(dgate, dup, d, &g[..f], &g[f..]);
+                swiglu_backward_row(dgate, dup, d, &g[..f], &g[f..], accumulate);
             }
         });
 }
 
 crate::multiversion! {
-    fn swiglu_backward_row(dgate: &mut [f32], dup: &mut [f32], d: &[f32], g: &[f32], u: &[f32]) {
+    fn swiglu_backward_row(dgate: &mut [f32], dup: &mut [f32], d: &[f32], g: &[f32], u: &[f32], accumulate: bool) {
         for j in 0..d.len() {
             let x = g[j];
             let sig = 1.0 / (1.0 + simd::exp(-x));
-            dgate[j] += d[j] * u[j] * sig * (1.0 + x * (1.0 - sig));
-            dup[j] += d[j] * x * sig;
+            let (dg, du) = (d[j] * u[j] * sig * (1.0 + x * (1.0 - sig)), d[j] * x * sig);
+            (dgate[j], dup[j]) = if accumulate { (dgate[j] + dg, dup[j] + du) } else { (dg, du) };
         }
     }
 }

@@ -191,6 +191,18 @@ pub fn matmul_backward_as(
     c: usize,
     oc: usize,
 ) {
+    matmul_backward_with(arith, true, dinp, dweight, dbias, dout, inp, weight, bt, c, oc)
+}
+
+/// [`matmul_backward_as`] overwriting `dinp` (`dinp = dout · weight`) for a caller that would
+/// zero it first; the weight's and bias's gradients still accumulate.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_backward_into_as(arith: Arith, dinp: &mut [f32], dweight: &mut [f32], dbias: Option<&mut [f32]>, dout: &[f32], inp: &[f32], weight: &[f32], bt: usize, c: usize, oc: usize) {
+    matmul_backward_with(arith, false, dinp, dweight, dbias, dout, inp, weight, bt, c, oc)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn matmul_backward_with(arith: Arith, accumulate: bool, dinp: &mut [f32], dweight: &mut [f32], dbias: Option<&mut [f32]>, dout: &[f32], inp: &[f32], weight: &[f32], bt: usize, c: usize, oc: usize) {
     let _p = crate::profile::scope("matmul_backward");
     assert_eq!(dout.len(), bt * oc);
     // The two products are independent and equally large: run them side by side, each on the
@@ -198,8 +210,8 @@ pub fn matmul_backward_as(
     // products (few tiles each) still keep every core busy. Each gemm splits only output
     // tiles, so the results do not depend on the scheduling.
     rayon::join(
-        // dinp += dout · weight
-        || gemm_as(arith, dinp, true, View::rows(dout, bt, oc), View::rows(weight, oc, c), 1.0, Threads::All),
+        // dinp (+)= dout · weight
+        || gemm_as(arith, dinp, accumulate, View::rows(dout, bt, oc), View::rows(weight, oc, c), 1.0, Threads::All),
         || {
             // dweight += doutᵀ · inp
             gemm_as(arith, dweight, true, View::rows(dout, bt, oc).t(), View::rows(inp, bt, c), 1.0, Threads::All);

@@ -288,20 +288,31 @@ crate::multiversion! {
 /// `dinp += GELU'(inp) ⊙ dout` (accumulates into `dinp`). Outputs, then the output gradient,
 /// then the forward's input, as every backward kernel.
 pub fn gelu_backward(dinp: &mut [f32], dout: &[f32], inp: &[f32]) {
+    gelu_backward_with(dinp, dout, inp, true)
+}
+
+/// [`gelu_backward`] overwriting `dinp` (`dinp = GELU'(inp) ⊙ dout`), for a caller that would
+/// zero it first: no zero fill, no read of `dinp`.
+pub fn gelu_backward_into(dinp: &mut [f32], dout: &[f32], inp: &[f32]) {
+    gelu_backward_with(dinp, dout, inp, false)
+}
+
+fn gelu_backward_with(dinp: &mut [f32], dout: &[f32], inp: &[f32], accumulate: bool) {
     let _p = crate::profile::scope("gelu_backward");
+    assert!(dinp.len() == inp.len() && dout.len() == inp.len());
     dinp.par_chunks_mut(ELEMS)
         .zip(inp.par_chunks(ELEMS).zip(dout.par_chunks(ELEMS)))
-        .for_each(|(di, (x, d))| gelu_backward_chunk(di, x, d));
+        .for_each(|(di, (x, d))| gelu_backward_chunk(di, x, d, accumulate));
 }
 
 crate::multiversion! {
-    fn gelu_backward_chunk(di: &mut [f32], x: &[f32], d: &[f32]) {
+    fn gelu_backward_chunk(di: &mut [f32], x: &[f32], d: &[f32], accumulate: bool) {
         for ((di, &x), &d) in di.iter_mut().zip(x).zip(d) {
             // With s = σ(2u): GELU' = s + 2x·s(1−s)·du/dx (as 0.5(1 + tanh u) + 0.5x·sech²u·du/dx).
             let u = GELU_K * (x + 0.044715 * x * x * x);
             let s = 1.0 / (1.0 + simd::exp(-2.0 * u));
             let local = s + 2.0 * x * s * (1.0 - s) * GELU_K * (1.0 + 3.0 * 0.044715 * x * x);
-            *di += local * d;
+            *di = if accumulate { *di + local * d } else { local * d };
         }
     }
 }

@@ -130,3 +130,39 @@ fn pooled_scratch_is_reused_not_reallocated() {
     assert!(b.iter().all(|&x| x == 0.0));
     assert_eq!(b.len(), 900);
 }
+
+/// The overwriting backwards (`gelu_backward_into`, `swiglu_backward_into`,
+/// `matmul_backward_into_as`) give, over a buffer of garbage, exactly what the accumulating
+/// ones give over zeros, bit for bit; the weight gradient still accumulates.
+#[test]
+fn overwriting_backwards_equal_accumulating_into_zeros() {
+    let mut rng = Rng::new(5);
+    let (n, f) = (37, 24);
+    let mut x = vec![0.0; n * 2 * f];
+    let mut d = vec![0.0; n * 2 * f];
+    rng.fill_normal(&mut x, 1.5);
+    rng.fill_normal(&mut d, 1.0);
+    let garbage = |len: usize| (0..len).map(|i| if i % 3 == 0 { f32::NAN } else { 1e30 }).collect::<Vec<f32>>();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+    let (mut acc, mut over) = (vec![0.0; n * f], garbage(n * f));
+    gelu_backward(&mut acc, &d[..n * f], &x[..n * f]);
+    gelu_backward_into(&mut over, &d[..n * f], &x[..n * f]);
+    assert_eq!(bits(&acc), bits(&over), "gelu");
+    let (mut acc, mut over) = (vec![0.0; n * 2 * f], garbage(n * 2 * f));
+    tensor::llama::swiglu_backward(&mut acc, &d[..n * f], &x, f);
+    tensor::llama::swiglu_backward_into(&mut over, &d[..n * f], &x, f);
+    assert_eq!(bits(&acc), bits(&over), "swiglu");
+    let (bt, c, oc) = (70, 48, 40);
+    let (mut inp, mut w, mut dout) = (vec![0.0; bt * c], vec![0.0; oc * c], vec![0.0; bt * oc]);
+    rng.fill_normal(&mut inp, 1.0);
+    rng.fill_normal(&mut w, 0.5);
+    rng.fill_normal(&mut dout, 1.0);
+    for arith in [tensor::matmul::Arith::F32, tensor::matmul::Arith::Bf16] {
+        let (mut di_a, mut dw_a, mut db_a) = (vec![0.0; bt * c], vec![0.25; oc * c], vec![0.5; oc]);
+        let (mut di_o, mut dw_o, mut db_o) = (garbage(bt * c), vec![0.25; oc * c], vec![0.5; oc]);
+        tensor::matmul::matmul_backward_as(arith, &mut di_a, &mut dw_a, Some(&mut db_a), &dout, &inp, &w, bt, c, oc);
+        tensor::matmul::matmul_backward_into_as(arith, &mut di_o, &mut dw_o, Some(&mut db_o), &dout, &inp, &w, bt, c, oc);
+        assert_eq!((bits(&di_a), bits(&dw_a), bits(&db_a)), (bits(&di_o), bits(&dw_o), bits(&db_o)), "{arith:?}");
+        assert!(dw_o.iter().any(|&v| v != 0.25) && db_o[0] != 0.5);
+    }
+}
