@@ -3,7 +3,8 @@
 //!
 //! `cargo bench -p tensor --bench flash` (threads: `RAYON_NUM_THREADS`, default 2; tile sweep:
 //! `FLASH_TILES=32x32,64x64,128x64`; shapes: `FLASH_SHAPES=4x256,1x1024,1x2048`; dropout:
-//! `FLASH_DROPOUT=0.1`; repetitions, best taken: `FLASH_REPS`).
+//! `FLASH_DROPOUT=0.1`; repetitions, best taken: `FLASH_REPS`; heads and head size: `FLASH_NH`,
+//! `FLASH_HS`, default 12 and 64).
 //!
 //! Grouped-query attention: `FLASH_NKV=4` (a list: `1,2,4`) times the GQA flash kernels against
 //! the materialised `tensor::llama::gqa_attention_*` (no dropout there, so `FLASH_DROPOUT` is
@@ -31,7 +32,8 @@ fn main() {
     let tiles = parse_pairs(&std::env::var("FLASH_TILES").unwrap_or(format!("{TILE_Q}x{TILE_K}")));
     let p: f32 = std::env::var("FLASH_DROPOUT").ok().and_then(|s| s.parse().ok()).unwrap_or(0.0);
     let skip_ref = std::env::var("FLASH_NO_REF").is_ok();
-    let (nh, hs) = (12, 64);
+    let env = |k: &str, d: usize| std::env::var(k).ok().and_then(|s| s.parse().ok()).unwrap_or(d);
+    let (nh, hs) = (env("FLASH_NH", 12), env("FLASH_HS", 64));
     {
         // Context: single-thread gemm rate on one 64×64×64 tile product (the kernel's unit).
         let a = vec![0.5f32; 64 * 64];
