@@ -124,10 +124,10 @@ struct HfForm {
 /// possessive quantifiers, which the `tokenizers` regex engine lacks).
 const GPT2_SPLIT: &str = r"'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
 
-/// The byte-level pre-tokenizer (bytes as GPT-2's printable characters, [`byte_chars`]), with or
-/// without its own GPT-2 split.
-fn byte_level(use_regex: bool) -> serde_json::Value {
-    serde_json::json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": use_regex})
+/// The byte-level pre-tokenizer and decoder (bytes as GPT-2's printable characters,
+/// [`byte_chars`]), without GPT-2's own split.
+fn byte_level() -> serde_json::Value {
+    serde_json::json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false})
 }
 
 /// GPT-2's byte → character map (`bytes_to_unicode` of openai/gpt-2's `encoder.py`): printable
@@ -336,8 +336,8 @@ impl Tokenizer {
                 HfForm {
                     vocab: (0..=255u8).map(|b| (map[b as usize].to_string(), b as u32)).collect(),
                     merges: Vec::new(),
-                    pre: byte_level(false),
-                    decoder: serde_json::json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false}),
+                    pre: byte_level(),
+                    decoder: byte_level(),
                     added: Vec::new(),
                     ignore_merges: false,
                 }
@@ -357,7 +357,7 @@ impl Tokenizer {
                     merges,
                     pre: serde_json::json!({"type": "Sequence", "pretokenizers": [
                         {"type": "Split", "pattern": {"Regex": GPT2_SPLIT}, "behavior": "Isolated", "invert": false},
-                        byte_level(false),
+                        byte_level(),
                     ]}),
                     decoder: serde_json::json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true}),
                     added: vec![(GPT2_VOCAB as u32 - 1, "<|endoftext|>")],

@@ -536,11 +536,6 @@ pub fn adopt_base(cfg: &RunConfig, base: &model::GptConfig, hf: bool, explicit: 
     RunConfig::resolve(&raw)
 }
 
-/// YaRN's default attention factor for `factor` (its paper's mscale, `0.1·ln(factor) + 1`).
-fn yarn_mscale(factor: f64) -> f64 {
-    if factor <= 1.0 { 1.0 } else { 0.1 * factor.ln() + 1.0 }
-}
-
 /// Sets the `model.rope_*` keys to a model's rope scaling.
 pub fn set_rope_scaling(m: &mut ModelSection, r: Option<model::config::RopeScaling>) {
     use model::config::RopeScaling as R;
@@ -1244,7 +1239,7 @@ impl RunConfig {
                     beta_fast: m.rope_beta_fast as f32,
                     beta_slow: m.rope_beta_slow as f32,
                     // 0: YaRN's own, from the factor.
-                    attention_factor: if m.rope_attention_factor == 0.0 { yarn_mscale(m.rope_factor) as f32 } else { m.rope_attention_factor as f32 },
+                    attention_factor: if m.rope_attention_factor == 0.0 { model::config::yarn_mscale(m.rope_factor, 1.0) as f32 } else { m.rope_attention_factor as f32 },
                     truncate: m.rope_truncate,
                 }),
             },

@@ -545,10 +545,9 @@ fn model_state_rows(out: &mut Rows, cfg: &RunConfig, r: &RankShape, s: usize) {
     if p.master > 0 && r.lora.is_none() {
         if offload {
             out.add(Kind::Optimizer, held, "master weights (offloaded)", 0, format!("{} of fp32 in a memory-mapped file beside the moments", fmt_bytes(b4(moments * chunks, 4))));
-        } else if p.master == 2 {
-            out.add(Kind::Optimizer, held, "master weights", b4(moments * chunks, p.master), "fp32 as the bf16 working weights and these low 16 bits".to_string());
         } else {
-            out.add(Kind::Optimizer, held, "master weights", b4(moments * chunks, p.master), String::new());
+            let note = if p.master == 2 { "fp32 as the bf16 working weights and these low 16 bits" } else { "" };
+            out.add(Kind::Optimizer, held, "master weights", b4(moments * chunks, p.master), note.to_string());
         }
     }
     if cfg.parallel.compression == crate::config::Compression::PowerSgd {

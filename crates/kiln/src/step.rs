@@ -103,9 +103,17 @@ impl Master {
             Master::F32(mw) => mw.to_vec(),
             Master::Low(low) => {
                 let mut x = vec![0.0; low.len()];
-                dp.for_each_piece(|piece, params, _| tensor::precision::join_bf16_into(&mut x[piece.shard.clone()], params, &low[piece.shard.clone()]));
+                self.join_into(&mut x, dp);
                 x
             }
+        }
+    }
+
+    /// [`Master::whole`] into `dst` (laid out like the moments).
+    fn join_into(&self, dst: &mut [f32], dp: &mut DataParallel) {
+        match self {
+            Master::F32(mw) => dst.copy_from_slice(mw),
+            Master::Low(low) => dp.for_each_piece(|piece, params, _| tensor::precision::join_bf16_into(&mut dst[piece.shard.clone()], params, &low[piece.shard.clone()])),
         }
     }
 }
@@ -272,15 +280,10 @@ impl Optimizer {
         v.load(&self.v);
         (self.m, self.v) = (m, v);
         if let Some(mw) = self.master.as_mut() {
+            // Joined (or copied) straight into the file.
             let mut f = Moments::file(&dir.join("master.bin"), len)?;
-            match mw {
-                Master::F32(x) => f.load(x),
-                // Joined piece by piece straight into the file.
-                Master::Low(low) => {
-                    dp.for_each_piece(|piece, params, _| tensor::precision::join_bf16_into(&mut f[piece.shard.clone()], params, &low[piece.shard.clone()]));
-                    f.release(0..len);
-                }
-            }
+            mw.join_into(&mut f, dp);
+            f.release(0..len);
             *mw = Master::F32(f);
         }
         Ok(())

@@ -46,6 +46,12 @@ pub enum RopeScaling {
     Yarn { factor: f32, original_max_position_embeddings: usize, beta_fast: f32, beta_slow: f32, attention_factor: f32, truncate: bool },
 }
 
+/// YaRN's mscale (its paper's Eq. 21, transformers' `yarn_get_mscale`): `0.1·m·ln(scale) + 1`,
+/// 1 for `scale ≤ 1`. The default attention factor is `yarn_mscale(factor, 1)`.
+pub fn yarn_mscale(scale: f64, m: f64) -> f64 {
+    if scale <= 1.0 { 1.0 } else { 0.1 * m * scale.ln() + 1.0 }
+}
+
 impl RopeScaling {
     /// The inverse frequencies of RoPE with base `theta` over head size `hs`, rescaled, in fp32
     /// as transformers' `_compute_linear_scaling_rope_parameters` / `_compute_llama3_parameters`

@@ -1385,11 +1385,13 @@ impl Linear<'_, '_> {
             }
             None => (x, w, dout),
         };
-        if let Some(q) = &self.q {
+        if self.q.is_some() || frozen {
+            // Their input-gradient products accumulate.
             tensor::par::zero(dinp);
+        }
+        if let Some(q) = &self.q {
             tensor::quant::qmatmul_backward_input(ops.arith, ops.store, dinp, gq, q, n, c, oc);
         } else if frozen {
-            tensor::par::zero(dinp);
             tensor::matmul::matmul_backward_input_as(ops.arith, dinp, gq, wq, n, c, oc);
         } else {
             tensor::matmul::matmul_backward_into_as(ops.arith, dinp, dw, db, gq, xq, wq, n, c, oc);

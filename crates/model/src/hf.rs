@@ -8,7 +8,7 @@
 //! are `[out, in]` already. A tied head has no tensor of its own; an untied one is
 //! `lm_head.weight`.
 
-use crate::config::{Arch, GptConfig, RopeScaling};
+use crate::config::{yarn_mscale, Arch, GptConfig, RopeScaling};
 use crate::gpt::Gpt;
 use safetensors::tensor::{Dtype, TensorView};
 use serde_json::{json, Value};
@@ -203,12 +203,11 @@ fn yarn_of(cfg: &Value, r: &Value, key: &str, origin: &Path) -> Result<RopeScali
         Some(f) => f,
         None => max_pos.ok_or_else(|| format!("{}: `{key}.factor` is missing and there is no max_position_embeddings to derive it", origin.display()))? / orig,
     };
-    let mscale = |scale: f64, m: f64| if scale <= 1.0 { 1.0 } else { 0.1 * m * scale.ln() + 1.0 };
     let attention_factor = match num("attention_factor")? {
         Some(a) => a,
         None => match (num("mscale")?.filter(|m| *m != 0.0), num("mscale_all_dim")?.filter(|m| *m != 0.0)) {
-            (Some(m), Some(all)) => mscale(factor, m) / mscale(factor, all),
-            _ => mscale(factor, 1.0),
+            (Some(m), Some(all)) => yarn_mscale(factor, m) / yarn_mscale(factor, all),
+            _ => yarn_mscale(factor, 1.0),
         },
     };
     let beta = |k: &str, default: f64| -> Result<f32, String> { Ok(num(k)?.filter(|b| *b != 0.0).unwrap_or(default) as f32) };

@@ -95,8 +95,8 @@ impl Drop for PoolBuf {
 }
 
 /// `x.fill(0.0)` over the pool (gradient buffers are hundreds of MB: one thread's memset was
-/// a visible share of a step; a small model's activation gradients, ~100K–400K floats, are
-/// zeroed before every accumulating kernel), in 256 KiB pieces.
+/// a visible share of a step; a small model's accumulated activation gradients, ~100K–400K
+/// floats, split too), in 256 KiB pieces.
 pub fn zero(x: &mut [f32]) {
     x.par_chunks_mut(ELEMS * 4).for_each(|c| c.fill(0.0));
 }

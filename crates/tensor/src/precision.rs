@@ -255,12 +255,6 @@ pub fn split_bf16_in_place(w: &mut [f32], lo: &mut [u16]) {
     w.par_chunks_mut(1 << 14).zip(lo.par_chunks_mut(1 << 14)).for_each(|(w, lo)| split_in_place_chunk(w, lo));
 }
 
-/// Master weights split as [`split_bf16`]: `(w, lo)` from `x`.
-pub fn split_bf16_into(w: &mut [f32], lo: &mut [u16], x: &[f32]) {
-    assert!(w.len() == x.len() && lo.len() == x.len());
-    w.par_chunks_mut(1 << 14).zip(lo.par_chunks_mut(1 << 14)).zip(x.par_chunks(1 << 14)).for_each(|((w, lo), x)| split_bf16_chunk(w, lo, x));
-}
-
 /// The fp32 master weights of split pairs: `x` from `(w, lo)`.
 pub fn join_bf16_into(x: &mut [f32], w: &[f32], lo: &[u16]) {
     assert!(w.len() == x.len() && lo.len() == x.len());
