@@ -285,10 +285,12 @@ pub fn swiglu_forward(
 
 crate::multiversion! {
     fn swiglu_row(o: &mut [f32], g: &[f32], u: &[f32]) {
-        for j in 0..o.len() {
-            let x = g[j];
-            o[j] = x / (1.0 + simd::exp(-x)) * u[j];
-        }
+        simd::exp_blocks(g, |x| -x, |i0, len, g, e| {
+            let (o, u) = (&mut o[i0..i0 + len], &u[i0..i0 + len]);
+            for l in 0..len {
+                o[l] = g[l] / (1.0 + e[l]) * u[l];
+            }
+        });
     }
 }
 
@@ -326,12 +328,15 @@ fn swiglu_backward_with(dgu: &mut [f32], dout: &[f32], gu: &[f32], f: usize, acc
 
 crate::multiversion! {
     fn swiglu_backward_row(dgate: &mut [f32], dup: &mut [f32], d: &[f32], g: &[f32], u: &[f32], accumulate: bool) {
-        for j in 0..d.len() {
-            let x = g[j];
-            let sig = 1.0 / (1.0 + simd::exp(-x));
-            let (dg, du) = (d[j] * u[j] * sig * (1.0 + x * (1.0 - sig)), d[j] * x * sig);
-            (dgate[j], dup[j]) = if accumulate { (dgate[j] + dg, dup[j] + du) } else { (dg, du) };
-        }
+        simd::exp_blocks(g, |x| -x, |i0, len, g, e| {
+            let (dgate, dup) = (&mut dgate[i0..i0 + len], &mut dup[i0..i0 + len]);
+            let (d, u) = (&d[i0..i0 + len], &u[i0..i0 + len]);
+            for l in 0..len {
+                let (x, sig) = (g[l], 1.0 / (1.0 + e[l]));
+                let (dg, du) = (d[l] * u[l] * sig * (1.0 + x * (1.0 - sig)), d[l] * x * sig);
+                (dgate[l], dup[l]) = if accumulate { (dgate[l] + dg, dup[l] + du) } else { (dg, du) };
+            }
+        });
     }
 }
 

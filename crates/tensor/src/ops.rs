@@ -278,11 +278,19 @@ pub fn gelu_forward(out: &mut [f32], inp: &[f32]) {
 
 crate::multiversion! {
     fn gelu_forward_chunk(o: &mut [f32], x: &[f32]) {
-        for (o, &x) in o.iter_mut().zip(x) {
-            let u = GELU_K * (x + 0.044715 * x * x * x);
-            *o = x / (1.0 + simd::exp(-2.0 * u));
-        }
+        simd::exp_blocks(x, gelu_exp_arg, |i0, len, x, e| {
+            let o = &mut o[i0..i0 + len];
+            for l in 0..len {
+                o[l] = x[l] / (1.0 + e[l]);
+            }
+        });
     }
+}
+
+/// −2u, GELU's argument of `exp`: u = √(2/π)·(x + 0.044715·x³).
+#[inline(always)]
+fn gelu_exp_arg(x: f32) -> f32 {
+    -2.0 * (GELU_K * (x + 0.044715 * x * x * x))
 }
 
 /// `dinp += GELU'(inp) ⊙ dout` (accumulates into `dinp`). Outputs, then the output gradient,
@@ -307,13 +315,15 @@ fn gelu_backward_with(dinp: &mut [f32], dout: &[f32], inp: &[f32], accumulate: b
 
 crate::multiversion! {
     fn gelu_backward_chunk(di: &mut [f32], x: &[f32], d: &[f32], accumulate: bool) {
-        for ((di, &x), &d) in di.iter_mut().zip(x).zip(d) {
-            // With s = σ(2u): GELU' = s + 2x·s(1−s)·du/dx (as 0.5(1 + tanh u) + 0.5x·sech²u·du/dx).
-            let u = GELU_K * (x + 0.044715 * x * x * x);
-            let s = 1.0 / (1.0 + simd::exp(-2.0 * u));
-            let local = s + 2.0 * x * s * (1.0 - s) * GELU_K * (1.0 + 3.0 * 0.044715 * x * x);
-            *di = if accumulate { *di + local * d } else { local * d };
-        }
+        simd::exp_blocks(x, gelu_exp_arg, |i0, len, x, e| {
+            let (di, d) = (&mut di[i0..i0 + len], &d[i0..i0 + len]);
+            for l in 0..len {
+                // With s = σ(2u): GELU' = s + 2x·s(1−s)·du/dx (as 0.5(1 + tanh u) + 0.5x·sech²u·du/dx).
+                let (x, s) = (x[l], 1.0 / (1.0 + e[l]));
+                let g = (s + 2.0 * x * s * (1.0 - s) * GELU_K * (1.0 + 3.0 * 0.044715 * x * x)) * d[l];
+                di[l] = if accumulate { di[l] + g } else { g };
+            }
+        });
     }
 }
 

@@ -282,20 +282,31 @@ fn fused_lm_head_gradients() {
     assert!(dw[v * c..].iter().all(|&g| g == 0.0), "padded rows get no gradient");
 }
 
+/// `simd::exp` and `simd::exp_lanes` (the blocked form with fused multiply-adds that GELU and
+/// SwiGLU use; each lane checked in a different position of the block).
 #[test]
 fn fast_exp_is_accurate() {
-    for i in -2000..2000 {
-        let x = i as f32 * 0.04;
-        let (e, te) = (tensor::simd::exp(x), x.exp());
-        assert!((e - te).abs() <= 3e-7 * te.max(f32::MIN_POSITIVE), "exp({x}) = {e} vs {te}");
+    let lanes = |x: f32| {
+        let mut v = [0.5f32; tensor::simd::LANES];
+        let l = x.to_bits() as usize % tensor::simd::LANES;
+        v[l] = x;
+        tensor::simd::exp_lanes(&mut v);
+        v[l]
+    };
+    for exp in [tensor::simd::exp as fn(f32) -> f32, lanes] {
+        for i in -2000..2000 {
+            let x = i as f32 * 0.04;
+            let (e, te) = (exp(x), x.exp());
+            assert!((e - te).abs() <= 3e-7 * te.max(f32::MIN_POSITIVE), "exp({x}) = {e} vs {te}");
+        }
+        // The ends of the clamped range (2^n from the rounding's bits: n = -126 and 127), ties of
+        // x·log2 e, NaN through, and what lies beyond the clamp.
+        for x in [-87.3f32, 88.3, -87.0, 88.0, 0.5 * std::f32::consts::LN_2, -1.5 * std::f32::consts::LN_2, 0.0, -0.0] {
+            let (e, te) = (exp(x), (x as f64).exp());
+            assert!(((e as f64 - te) / te).abs() <= 3e-7, "exp({x}) = {e} vs {te}");
+        }
+        assert!(exp(f32::NAN).is_nan());
+        assert!(exp(-1e4) > 0.0 && exp(-1e4) < 1e-37);
+        assert!(exp(f32::INFINITY).is_finite() && exp(1e4) > 1e38);
     }
-    // The ends of the clamped range (2^n from the rounding's bits: n = -126 and 127), ties of
-    // x·log2 e, NaN through, and what lies beyond the clamp.
-    for x in [-87.3f32, 88.3, -87.0, 88.0, 0.5 * std::f32::consts::LN_2, -1.5 * std::f32::consts::LN_2, 0.0, -0.0] {
-        let (e, te) = (tensor::simd::exp(x), (x as f64).exp());
-        assert!(((e as f64 - te) / te).abs() <= 3e-7, "exp({x}) = {e} vs {te}");
-    }
-    assert!(tensor::simd::exp(f32::NAN).is_nan());
-    assert!(tensor::simd::exp(-1e4) > 0.0 && tensor::simd::exp(-1e4) < 1e-37);
-    assert!(tensor::simd::exp(f32::INFINITY).is_finite() && tensor::simd::exp(1e4) > 1e38);
 }
