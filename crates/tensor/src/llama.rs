@@ -44,7 +44,7 @@ crate::multiversion! {
         let c = weight.len();
         for (r, s) in s.iter_mut().enumerate() {
             let (o, x) = (&mut o[r * c..(r + 1) * c], &x[r * c..(r + 1) * c]);
-            let ms = simd::sum_by(c, |j| x[j] * x[j]) / c as f32;
+            let ms = simd::sum_by([x], |[x]| x * x) / c as f32;
             let rs = 1.0 / (ms + eps).sqrt();
             // HF order: `hidden * rsqrt(var + eps)`, then `weight * hidden`.
             for j in 0..c {
@@ -85,7 +85,7 @@ crate::multiversion! {
         for (r, &rs) in rstd.iter().enumerate() {
             let (di, d, x) = (&mut di[r * c..(r + 1) * c], &d[r * c..(r + 1) * c], &x[r * c..(r + 1) * c]);
             // mean(w·d·n) with n = x·rs
-            let m = simd::sum_by(c, |j| weight[j] * d[j] * x[j]) * rs / c as f32;
+            let m = simd::sum_by([weight, d, x], |[w, d, x]| w * d * x) * rs / c as f32;
             for j in 0..c {
                 di[j] += rs * (weight[j] * d[j] - x[j] * rs * m);
             }
@@ -488,7 +488,7 @@ crate::multiversion! {
         for x in live.iter_mut() {
             *x = simd::exp(*x - max);
         }
-        let inv = 1.0 / simd::sum_by(live.len(), |j| live[j]);
+        let inv = 1.0 / simd::sum_by([live], |[v]| v);
         for x in live.iter_mut() {
             *x *= inv;
         }
@@ -512,7 +512,7 @@ crate::multiversion! {
     /// Softmax backward on one causal row: `ds = p ∘ (dp − Σ_j p·dp)` in place of `dp`.
     fn causal_softmax_backward_row(ds: &mut [f32], p: &[f32], i: usize) {
         let (live, future) = ds.split_at_mut(i + 1);
-        let dot = simd::sum_by(live.len(), |j| p[j] * live[j]);
+        let dot = simd::sum_by([&p[..live.len()], live], |[p, v]| p * v);
         for (d, &p) in live.iter_mut().zip(p) {
             *d = p * (*d - dot);
         }

@@ -742,7 +742,7 @@ crate::multiversion! {
 }
 
 fn dot(a: &[f32], b: &[f32]) -> f32 {
-    crate::simd::sum_by(a.len(), |i| a[i] * b[i])
+    crate::simd::sum_by([a, &b[..a.len()]], |[a, b]| a * b)
 }
 
 /// One SwiGLU expert over its `M` tokens: `gu = xe·w_guᵀ`, `h = silu(gate)·up`, `eo = h·w2ᵀ`.

@@ -192,8 +192,8 @@ crate::multiversion! {
 #[inline(always)]
 fn layernorm_row(o: &mut [f32], m: &mut f32, s: &mut f32, x: &[f32], weight: &[f32], bias: Option<&[f32]>) {
     let c = x.len();
-    let mu = simd::sum_by(c, |j| x[j]) / c as f32;
-    let var = simd::sum_by(c, |j| (x[j] - mu) * (x[j] - mu)) / c as f32;
+    let mu = simd::sum_by([x], |[x]| x) / c as f32;
+    let var = simd::sum_by([x], |[x]| (x - mu) * (x - mu)) / c as f32;
     let rs = 1.0 / (var + LN_EPS).sqrt();
     match bias {
         Some(b) => {
@@ -247,8 +247,8 @@ crate::multiversion! {
         let c = weight.len();
         for (r, (&mu, &rs)) in mean.iter().zip(rstd).enumerate() {
             let (d, x, di) = (&d[r * c..(r + 1) * c], &x[r * c..(r + 1) * c], &mut di[r * c..(r + 1) * c]);
-            let dnorm_mean = simd::sum_by(c, |j| weight[j] * d[j]) / c as f32;
-            let dnorm_norm_mean = simd::sum_by(c, |j| weight[j] * d[j] * (x[j] - mu) * rs) / c as f32;
+            let dnorm_mean = simd::sum_by([weight, d], |[w, d]| w * d) / c as f32;
+            let dnorm_norm_mean = simd::sum_by([weight, d, x], |[w, d, x]| w * d * (x - mu) * rs) / c as f32;
             for j in 0..c {
                 let norm = (x[j] - mu) * rs;
                 di[j] += (weight[j] * d[j] - dnorm_mean - norm * dnorm_norm_mean) * rs;
