@@ -107,14 +107,16 @@ pub fn exp_lanes<const N: usize>(v: &mut [f32; N]) {
 macro_rules! multiversion {
     ($(#[$m:meta])* $vis:vis fn $name:ident($($arg:ident : $ty:ty),* $(,)?) $body:block) => {
         $(#[$m])* $vis fn $name($($arg: $ty),*) {
-            #[inline(always)]
-            fn inner($($arg: $ty),*) $body
+            // The body is written into each version (not called through one shared function),
+            // so that closures in it are compiled with the version's features as well: a
+            // closure LLVM did not inline otherwise stayed baseline code (scalar, and `mul_add`
+            // a library call).
             #[cfg(target_arch = "x86_64")]
             {
                 #[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
-                unsafe fn avx512($($arg: $ty),*) { inner($($arg),*) }
+                unsafe fn avx512($($arg: $ty),*) $body
                 #[target_feature(enable = "avx2,fma")]
-                unsafe fn avx2($($arg: $ty),*) { inner($($arg),*) }
+                unsafe fn avx2($($arg: $ty),*) $body
                 if std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bw") {
                     // Safety: the features were detected at run time.
                     return unsafe { avx512($($arg),*) };
@@ -124,12 +126,12 @@ macro_rules! multiversion {
                     return unsafe { avx2($($arg),*) };
                 }
             }
-            inner($($arg),*)
+            $body
         }
     };
 }
 
-/// `Σ f([x₀[i], x₁[i], …])` over the slices' common length, with eight interleaved partial sums
+/// `Σ f([x₀[i], x₁[i], …])` over the slices (of equal lengths, asserted), with eight interleaved partial sums
 /// combined in a fixed order, so the loop vectorises and the result does not depend on anything
 /// but the input. The slices are read eight elements at a time (one bounds check a block): an
 /// index closure instead kept a check on every element, and LLVM left the loop scalar.
