@@ -37,7 +37,8 @@ pub unsafe fn gemm_raw_as(arith: Arith, dst_ptr: *mut f32, dst_rs: usize, accumu
 }
 
 /// How many threads one product may use: all of rayon's pool, or one when already inside a
-/// parallel task (attention heads; each of a linear backward's two products in a pool of two),
+/// parallel task (attention heads; each of a small linear backward's two products in a pool
+/// of two),
 /// so matmul and elementwise threads never oversubscribe.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum Threads {
@@ -209,10 +210,12 @@ fn matmul_backward_with(arith: Arith, accumulate: bool, dinp: &mut [f32], dweigh
     // The two products are independent and equally large: run them side by side, each on the
     // whole pool (work stealing balances them), instead of one after the other, so small
     // products (few tiles each) still keep every core busy. Each gemm splits only output
-    // tiles, so the results do not depend on the scheduling. With two threads each product
-    // takes one whole (they are equally large): 2% faster per layer at shakespeare-char's shapes
-    // than both split over the pool.
-    let each = if rayon::current_num_threads() == 2 { Threads::One } else { Threads::All };
+    // tiles, so the results do not depend on the scheduling. With two threads and small
+    // products, each takes one thread whole (they are equally large): 2% faster per layer at
+    // shakespeare-char's shapes (under 2^26 multiply-adds each) than both split over the pool,
+    // 2% slower at GPT-2 124M's (2^29 and more).
+    let small = bt * c * oc < 1 << 27;
+    let each = if rayon::current_num_threads() == 2 && small { Threads::One } else { Threads::All };
     rayon::join(
         // dinp (+)= dout · weight
         || gemm_as(arith, dinp, accumulate, View::rows(dout, bt, oc), View::rows(weight, oc, c), 1.0, each),
