@@ -325,7 +325,9 @@ fn fp16_bits(x: f32) -> u16 {
     // Normal: rebias the exponent, keep the top 10 mantissa bits. Subnormal (|x| < 2^-14):
     // an integer count of 2^-24.
     let normal = ((((e - 127 + 15) as u32) << 10) | ((b >> 13) & 0x3FF)) as u16;
-    let sub = (a * 16_777_216.0) as u16;
+    // a·2^24 is an integer below 1024 here; added to 2^23 it sits in the low mantissa bits
+    // (no float-to-int `as`, which saturates lane by lane and kept the loop scalar).
+    let sub = ((a * 16_777_216.0 + 8_388_608.0).to_bits().wrapping_sub(0x4B00_0000) & 0x3FF) as u16;
     let special = if a.is_nan() { 0x7E00 } else { 0x7C00 };
     sign | if e == 0xFF { special } else if e >= 127 - 14 { normal } else { sub }
 }
@@ -337,7 +339,7 @@ fn fp16_value(h: u16) -> f32 {
     let e = ((h >> 10) & 0x1F) as u32;
     let m = (h & 0x3FF) as u32;
     let normal = f32::from_bits(sign | ((e + 127 - 15) << 23) | (m << 13));
-    let sub = f32::from_bits(sign | (m as f32 * (1.0 / 16_777_216.0)).to_bits());
+    let sub = f32::from_bits(sign | ((m as i32) as f32 * (1.0 / 16_777_216.0)).to_bits());
     let special = f32::from_bits(sign | 0x7F80_0000 | (m << 13));
     if e == 0x1F { special } else if e == 0 { sub } else { normal }
 }
