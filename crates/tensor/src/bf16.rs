@@ -27,10 +27,18 @@ use crate::matmul::{split_blocks, Threads};
 /// loops over it vectorise.
 #[inline(always)]
 pub fn to_bf16(x: f32) -> u16 {
+    (rounded_bits(x) >> 16) as u16
+}
+
+/// `x` rounded to bf16 as f32 bits (low half zero): nearest even, a NaN quieted (never `x`'s
+/// own bits for a NaN, so rounding a slice in place stays a plain vector store). What
+/// [`to_bf16`] and `precision::round` share.
+#[inline(always)]
+pub(crate) fn rounded_bits(x: f32) -> u32 {
     let b = x.to_bits();
-    let r = (b.wrapping_add(0x7FFF + ((b >> 16) & 1)) >> 16) as u16;
+    let r = b.wrapping_add(0x7FFF + ((b >> 16) & 1));
     let nan = (b & 0x7FFF_FFFF) > 0x7F80_0000;
-    if nan { ((b >> 16) as u16) | 0x40 } else { r }
+    (if nan { b | 0x0040_0000 } else { r }) & 0xFFFF_0000
 }
 
 /// bf16 bits → f32 (exact).

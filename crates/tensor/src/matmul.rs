@@ -37,9 +37,8 @@ pub unsafe fn gemm_raw_as(arith: Arith, dst_ptr: *mut f32, dst_rs: usize, accumu
 }
 
 /// How many threads one product may use: all of rayon's pool, or one when already inside a
-/// parallel task (attention heads; each of a small linear backward's two products in a pool
-/// of two),
-/// so matmul and elementwise threads never oversubscribe.
+/// parallel task (attention heads; each of a small linear backward's two products in a pool of
+/// two), so matmul and elementwise threads never oversubscribe.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum Threads {
     All,

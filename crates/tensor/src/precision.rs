@@ -59,11 +59,9 @@ fn rne_int(y: f32) -> f32 {
 #[inline]
 pub fn round(x: f32, fmt: Format) -> f32 {
     if fmt == Format::Bf16 {
-        // Round to nearest even on the upper 16 bits; a NaN stays NaN (quieted, its upper bits
-        // kept: see `nonfinite`).
-        let b = x.to_bits();
-        let r = b.wrapping_add(0x7FFF + ((b >> 16) & 1));
-        return f32::from_bits(if x.is_nan() { b | 0x0040_0000 } else { r } & 0xFFFF_0000);
+        // The bf16 products' own conversion: nearest even, a NaN quieted (not `x` itself: see
+        // `nonfinite`).
+        return f32::from_bits(crate::bf16::rounded_bits(x));
     }
     if fmt == Format::Fp16 {
         // Branch-free (selects only), so slices of it vectorise.

@@ -6,31 +6,40 @@
 //! coefficients): relative error ≈ 2e-7 over the f32 range, far below what training notices,
 //! and 10–20× faster than calling libm once per element.
 
+// exp's constants, shared by `exp` and `exp_lanes`: Cody–Waite ln 2 in two parts, and 1.5 · 2^23:
+// adding it rounds `x · log2 e` to an integer (to nearest, even on ties) and leaves that integer
+// in the low mantissa bits, so neither the rounding nor `2^n` needs a float-to-int conversion
+// (Rust's `as i32` saturates and checks for NaN lane by lane, which kept loops from vectorising).
+const LOG2E: f32 = std::f32::consts::LOG2_E;
+const LN2_HI: f32 = 0.693_359_4;
+const LN2_LO: f32 = -2.121_944_4e-4;
+const SHIFT: f32 = 12_582_912.0;
+/// The polynomial's coefficients after the leading 1.987_569_1e-4, highest degree first (Cephes'
+/// last, 5.000_000_1e-1, is 0.5 in f32).
+const POLY: [f32; 5] = [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 0.5];
+const POLY_LEAD: f32 = 1.987_569_1e-4;
+
+/// `2^n` from `j = n + SHIFT`: the integer sits in `j`'s low bits, offset by SHIFT's bit pattern
+/// (0x4B40_0000).
+#[inline(always)]
+fn pow2_shifted(j: f32) -> f32 {
+    f32::from_bits(j.to_bits().wrapping_sub(0x4B40_0000).wrapping_add(127) << 23)
+}
+
 #[inline(always)]
 pub fn exp(x: f32) -> f32 {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_359_4;
-    const LN2_LO: f32 = -2.121_944_4e-4;
-    // 1.5 · 2^23: adding it rounds `x · log2 e` to an integer (to nearest, even on ties) and
-    // leaves that integer in the low mantissa bits, so neither the rounding nor `2^n` below
-    // needs a float-to-int conversion (Rust's `as i32` saturates and checks for NaN lane by
-    // lane, which kept this loop from vectorising).
-    const SHIFT: f32 = 12_582_912.0;
     let x = x.clamp(-87.3, 88.3);
     let j = x * LOG2E + SHIFT;
     let n = j - SHIFT;
     let r = x - n * LN2_HI - n * LN2_LO;
     let r2 = r * r;
-    let mut p = 1.987_569_1e-4f32;
-    p = p * r + 1.398_199_9e-3;
-    p = p * r + 8.333_452e-3;
-    p = p * r + 4.166_579_6e-2;
-    p = p * r + 1.666_666_5e-1;
-    p = p * r + 0.5; // Cephes' 5.000_000_1e-1, which is 0.5 in f32
+    let mut p = POLY_LEAD;
+    for c in POLY {
+        p = p * r + c;
+    }
     let e = p * r2 + r + 1.0;
-    // `2^n`: the integer sits in `j`'s low bits, offset by SHIFT's bit pattern (0x4B40_0000);
-    // a NaN `x` stays NaN through `e`.
-    e * f32::from_bits(j.to_bits().wrapping_sub(0x4B40_0000).wrapping_add(127) << 23)
+    // A NaN `x` stays NaN through `e`.
+    e * pow2_shifted(j)
 }
 
 /// `f(i0, len, x, e)` for each block of [`LANES`] elements `i0..i0 + len` of `x` (the last one
@@ -39,28 +48,30 @@ pub fn exp(x: f32) -> f32 {
 /// elementwise kernel in vectorised blocks, every element by the same code.
 #[inline(always)]
 pub fn exp_blocks(x: &[f32], arg: impl Fn(f32) -> f32, mut f: impl FnMut(usize, usize, &[f32; LANES], &[f32; LANES])) {
+    let blocks = x.chunks_exact(LANES);
+    let rest = blocks.remainder();
     let mut i0 = 0;
-    for xb in x.chunks_exact(LANES) {
+    for xb in blocks {
         let xb: &[f32; LANES] = xb.try_into().unwrap();
-        let mut e = [0f32; LANES];
-        for l in 0..LANES {
-            e[l] = arg(xb[l]);
-        }
-        exp_lanes(&mut e);
-        f(i0, LANES, xb, &e);
+        f(i0, LANES, xb, &exp_block(xb, &arg));
         i0 += LANES;
     }
-    let rest = x.chunks_exact(LANES).remainder();
     if !rest.is_empty() {
         let mut xb = [0f32; LANES];
         xb[..rest.len()].copy_from_slice(rest);
-        let mut e = [0f32; LANES];
-        for l in 0..LANES {
-            e[l] = arg(xb[l]);
-        }
-        exp_lanes(&mut e);
-        f(i0, rest.len(), &xb, &e);
+        f(i0, rest.len(), &xb, &exp_block(&xb, &arg));
     }
+}
+
+/// `exp(arg(x))` of one block of [`exp_blocks`].
+#[inline(always)]
+fn exp_block(xb: &[f32; LANES], arg: &impl Fn(f32) -> f32) -> [f32; LANES] {
+    let mut e = [0f32; LANES];
+    for l in 0..LANES {
+        e[l] = arg(xb[l]);
+    }
+    exp_lanes(&mut e);
+    e
 }
 
 /// Lanes a caller of [`exp_lanes`] processes at a time: four AVX2 vectors, two AVX-512 ones.
@@ -75,10 +86,6 @@ pub const LANES: usize = 32;
 /// library call for each.
 #[inline(always)]
 pub fn exp_lanes<const N: usize>(v: &mut [f32; N]) {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_359_4;
-    const LN2_LO: f32 = -2.121_944_4e-4;
-    const SHIFT: f32 = 12_582_912.0;
     let mut j = [0f32; N];
     for l in 0..N {
         v[l] = v[l].clamp(-87.3, 88.3);
@@ -89,15 +96,14 @@ pub fn exp_lanes<const N: usize>(v: &mut [f32; N]) {
         let n = j[l] - SHIFT;
         r[l] = (-n).mul_add(LN2_LO, (-n).mul_add(LN2_HI, v[l]));
     }
-    let mut p = [1.987_569_1e-4f32; N];
-    for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 0.5] {
+    let mut p = [POLY_LEAD; N];
+    for c in POLY {
         for l in 0..N {
             p[l] = p[l].mul_add(r[l], c);
         }
     }
     for l in 0..N {
-        let e = p[l].mul_add(r[l] * r[l], r[l]) + 1.0;
-        v[l] = e * f32::from_bits(j[l].to_bits().wrapping_sub(0x4B40_0000).wrapping_add(127) << 23);
+        v[l] = (p[l].mul_add(r[l] * r[l], r[l]) + 1.0) * pow2_shifted(j[l]);
     }
 }
 
@@ -131,9 +137,9 @@ macro_rules! multiversion {
     };
 }
 
-/// `Σ f([x₀[i], x₁[i], …])` over the slices (of equal lengths, asserted), with eight interleaved partial sums
-/// combined in a fixed order, so the loop vectorises and the result does not depend on anything
-/// but the input. The slices are read eight elements at a time (one bounds check a block): an
+/// `Σ f([x₀[i], x₁[i], …])` over the slices (of equal lengths, asserted), with eight interleaved
+/// partial sums combined in a fixed order, so the loop vectorises and the result does not depend
+/// on anything but the input. The slices are read eight elements at a time (one bounds check a block): an
 /// index closure instead kept a check on every element, and LLVM left the loop scalar.
 #[inline(always)]
 pub fn sum_by<const K: usize>(xs: [&[f32]; K], f: impl Fn([f32; K]) -> f32) -> f32 {
