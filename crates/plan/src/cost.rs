@@ -311,6 +311,11 @@ pub struct ActConfig {
     pub attention: Attention,
     /// Bytes per stored activation element (2 for 16-bit).
     pub e: f64,
+    /// Bytes per stored element of a linear layer's input (the QKV, projection, fc1 and fc2 inputs): `e`, or 1
+    /// under FP8, where Transformer Engine's linears keep the FP8 cast they multiplied for the weight gradient
+    /// (`_Linear.forward` saves `inputmat`, the cast, instead of `inputmat_no_fp8`; LayerNormLinear and
+    /// LayerNormMLP save their FP8 `ln_out` and `gelu_out` the same way).
+    pub gemm_in: f64,
 }
 
 /// Activation bytes one layer keeps for backward, per micro-batch. Korthikanti et al. 2023 §4.1–4.2, term by term
@@ -339,10 +344,11 @@ pub fn activation_bytes_per_layer(m: &ModelShape, moe_layer: bool, c: &ActConfig
     let kvd = m.kv_dim() as f64;
     let a = m.heads as f64;
     // Attention block.
-    let mut attn = e * sbh * rep // QKV input
+    let gi = c.gemm_in;
+    let mut attn = gi * sbh * rep // QKV input
         + e * s * b * (qd + kvd) / t // Q, K
         + e * s * b * kvd / t // V
-        + e * s * b * qd / t // projection input
+        + gi * s * b * qd / t // projection input
         + mask * sbh * rep; // output dropout mask
     let keep_s2 = c.recompute == Recompute::None && c.attention == Attention::Unfused;
     if keep_s2 {
@@ -353,18 +359,18 @@ pub fn activation_bytes_per_layer(m: &ModelShape, moe_layer: bool, c: &ActConfig
     }
     // MLP block.
     let mlp_inner = |f: f64| match m.mlp {
-        Mlp::Gelu => 2.0 * e * s * b * f / t,   // GeLU input, fc2 input
-        Mlp::Swiglu => 3.0 * e * s * b * f / t, // w1·x, w3·x, their product
+        Mlp::Gelu => (e + gi) * s * b * f / t,         // GeLU input, fc2 input
+        Mlp::Swiglu => (2.0 * e + gi) * s * b * f / t, // w1·x, w3·x, their product (fc2 input)
     };
     let mlp = if moe_layer {
         let k = m.top_k as f64 * m.capacity_factor;
         let fe = m.expert_ffn_hidden as f64;
-        e * sbh * rep // router/fc1 input
-            + k * (e * sbh / t + mlp_inner(fe)) // dispatched token copies and their expert activations
+        gi * sbh * rep // router/fc1 input
+            + k * (gi * sbh / t + mlp_inner(fe)) // dispatched token copies and their expert activations
             + m.shared_experts as f64 * mlp_inner(fe)
             + mask * sbh * rep
     } else {
-        e * sbh * rep + mlp_inner(m.ffn_hidden as f64) + mask * sbh * rep
+        gi * sbh * rep + mlp_inner(m.ffn_hidden as f64) + mask * sbh * rep
     };
     let norms = 2.0 * e * sbh * rep;
     attn + mlp + norms
@@ -488,6 +494,7 @@ pub fn memory(m: &ModelShape, cl: &Cluster, l: &Layout) -> MemoryBreakdown {
             recompute: l.recompute,
             attention: l.attention,
             e: l.precision.act_bytes(),
+            gemm_in: if l.precision == Precision::Fp8 { 1.0 } else { l.precision.act_bytes() },
         };
         let layer_sum: f64 = layers
             .iter()

@@ -14,6 +14,7 @@ fn cfg(s: f64, b: f64, t: f64, sp: bool, recompute: Recompute) -> ActConfig {
         recompute,
         attention: Attention::Unfused,
         e: 2.0,
+        gemm_in: 2.0,
     }
 }
 
@@ -56,6 +57,29 @@ fn per_layer_activations_match_korthikanti_for_every_table1_configuration() {
                     );
                 }
             }
+        }
+    }
+}
+
+#[test]
+fn fp8_linears_keep_their_inputs_in_one_byte() {
+    // Transformer Engine saves the FP8 cast of each linear's input: the QKV input sbh, the projection input sbh/t,
+    // the fc1 input sbh and the fc2 input 4sbh/t drop from 2 bytes to 1 (sbh(2 + 5/t) less; with SP all are /t).
+    for r in super::table1_rows() {
+        let m = super::gpt_of(&r);
+        let (s, b, h, t) = (2048.0, 2.0, r.hidden as f64, r.tp as f64);
+        let sbh = s * b * h;
+        for (sp, rc, want) in [
+            (false, Recompute::Selective, sbh * (8.0 + 19.0 / t)),
+            (true, Recompute::Selective, sbh * (27.0 / t)),
+            (false, Recompute::Full, 2.0 * sbh),
+        ] {
+            if sp && t == 1.0 {
+                continue;
+            }
+            let c = ActConfig { gemm_in: 1.0, ..cfg(s, b, t, sp, rc) };
+            let got = activation_bytes_per_layer(&m, false, &c);
+            assert!(close(got, want), "{} t={t} sp={sp} {rc:?}: {got} vs {want}", r.name);
         }
     }
 }
