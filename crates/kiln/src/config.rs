@@ -27,7 +27,10 @@ pub struct ModelSection {
     /// (Llama 3.1: `rope_factor`, `rope_low_freq_factor`, `rope_high_freq_factor`,
     /// `rope_original_max_positions`) or `yarn` (`rope_factor`, `rope_original_max_positions`,
     /// `rope_beta_fast`, `rope_beta_slow`, `rope_attention_factor` (0: YaRN's `0.1·ln(factor) +
-    /// 1`), `rope_truncate`). `--init-from` sets them from a Hugging Face config.
+    /// 1`), `rope_truncate`) or `longrope` (Phi-3: `rope_short_factor`, `rope_long_factor`,
+    /// `rope_original_max_positions`, `rope_attention_factor` (0: `sqrt(1 + ln(s)/ln(o))` with
+    /// `s = block_size / o`, `o` the original positions)). `--init-from` sets them from a
+    /// Hugging Face config.
     #[serde(with = "named")]
     pub rope_scaling: RopeKind,
     pub rope_factor: f64,
@@ -38,8 +41,14 @@ pub struct ModelSection {
     pub rope_beta_slow: f64,
     pub rope_attention_factor: f64,
     pub rope_truncate: bool,
+    /// LongRoPE's per-frequency factors (head width / 2 each): passes over at most
+    /// `rope_original_max_positions` positions divide by the short ones, longer passes by the long.
+    pub rope_short_factor: Vec<f64>,
+    pub rope_long_factor: Vec<f64>,
     /// Biases on the q, k and v projections only (Qwen2; llama arch).
     pub qkv_bias: bool,
+    /// Phi-3's Hugging Face form (one `qkv_proj`, one `gate_up_proj`) for import and export.
+    pub fused_proj: bool,
     /// Sliding-window attention (Mistral; llama arch): each position attends to itself and the
     /// `sliding_window - 1` before it; 0 = every earlier position.
     pub sliding_window: usize,
@@ -509,8 +518,8 @@ pub fn adopt_base(cfg: &RunConfig, base: &model::GptConfig, hf: bool, explicit: 
     (mc.n_layer, mc.n_head, mc.n_kv_head, mc.n_embd, mc.ffn_hidden, mc.block_size, mc.vocab_size, mc.bias, mc.tied_embeddings) =
         (hc.n_layer, hc.n_head, hc.n_kv_head, hc.n_embd, hc.ffn_hidden, hc.block_size, hc.vocab_size, hc.bias, hc.tied_embeddings);
     (mc.rope_theta, mc.norm_eps, mc.qkv_bias, mc.sliding_window) = (hc.rope_theta as f64, hc.norm_eps as f64, hc.qkv_bias, hc.sliding_window);
-    (mc.head_dim, mc.window_layers) = (hc.head_dim, hc.window_layers.clone());
-    set_rope_scaling(mc, hc.rope_scaling);
+    (mc.head_dim, mc.window_layers, mc.fused_proj) = (hc.head_dim, hc.window_layers.clone(), hc.fused_proj);
+    set_rope_scaling(mc, hc.rope_scaling.clone());
     (mc.n_expert, mc.top_k, mc.n_shared_expert) = (hc.n_expert, hc.top_k, hc.n_shared_expert);
     (mc.capacity_factor, mc.moe_aux_weight, mc.moe_z_weight) = (hc.capacity_factor as f64, hc.moe_aux_weight as f64, hc.moe_z_weight as f64);
     if hf {
@@ -550,6 +559,11 @@ pub fn set_rope_scaling(m: &mut ModelSection, r: Option<model::config::RopeScali
             (m.rope_scaling, m.rope_factor, m.rope_original_max_positions) = (RopeKind::Yarn, factor as f64, original_max_position_embeddings);
             (m.rope_beta_fast, m.rope_beta_slow, m.rope_attention_factor, m.rope_truncate) = (beta_fast as f64, beta_slow as f64, attention_factor as f64, truncate);
         }
+        Some(R::LongRope { short_factor, long_factor, original_max_position_embeddings, attention_factor }) => {
+            (m.rope_scaling, m.rope_original_max_positions, m.rope_attention_factor) = (RopeKind::LongRope, original_max_position_embeddings, attention_factor as f64);
+            let wide = |f: Vec<f32>| f.into_iter().map(f64::from).collect();
+            (m.rope_short_factor, m.rope_long_factor) = (wide(short_factor), wide(long_factor));
+        }
     }
 }
 
@@ -561,10 +575,12 @@ pub enum RopeKind {
     Linear,
     Llama3,
     Yarn,
+    LongRope,
 }
 
 impl Names for RopeKind {
-    const NAMES: &'static [(&'static str, RopeKind)] = &[("none", RopeKind::None), ("linear", RopeKind::Linear), ("llama3", RopeKind::Llama3), ("yarn", RopeKind::Yarn)];
+    const NAMES: &'static [(&'static str, RopeKind)] =
+        &[("none", RopeKind::None), ("linear", RopeKind::Linear), ("llama3", RopeKind::Llama3), ("yarn", RopeKind::Yarn), ("longrope", RopeKind::LongRope)];
 }
 
 /// `parallel.backend`: how ranks talk.
@@ -650,7 +666,8 @@ impl Default for ModelSection {
         ModelSection {
             arch: model::config::Arch::Gpt2, n_layer: 4, n_head: 4, n_kv_head: 0, n_embd: 128, ffn_hidden: 0,
             rope_theta: defaults::ROPE_THETA, rope_scaling: RopeKind::None, rope_factor: 1.0, rope_low_freq_factor: 1.0,
-            rope_high_freq_factor: 4.0, rope_original_max_positions: 8192, rope_beta_fast: 32.0, rope_beta_slow: 1.0, rope_attention_factor: 0.0, rope_truncate: true, qkv_bias: false, sliding_window: 0, attn_sinks: 0, window_layers: Vec::new(), head_dim: 0, norm_eps: defaults::NORM_EPS, block_size: 128, vocab_size: 0, loss_vocab: 0, bias: false,
+            rope_high_freq_factor: 4.0, rope_original_max_positions: 8192, rope_beta_fast: 32.0, rope_beta_slow: 1.0, rope_attention_factor: 0.0, rope_truncate: true,
+            rope_short_factor: Vec::new(), rope_long_factor: Vec::new(), qkv_bias: false, fused_proj: false, sliding_window: 0, attn_sinks: 0, window_layers: Vec::new(), head_dim: 0, norm_eps: defaults::NORM_EPS, block_size: 128, vocab_size: 0, loss_vocab: 0, bias: false,
             dropout: 0.0, tied_embeddings: true, init_from: String::new(), n_expert: 0, top_k: defaults::TOP_K,
             n_shared_expert: 0, capacity_factor: 0.0, moe_aux_weight: defaults::MOE_AUX_WEIGHT, moe_z_weight: defaults::MOE_Z_WEIGHT,
             recompute: model::Recompute::None, recompute_every: 1,
@@ -1242,8 +1259,20 @@ impl RunConfig {
                     attention_factor: if m.rope_attention_factor == 0.0 { model::config::yarn_mscale(m.rope_factor, 1.0) as f32 } else { m.rope_attention_factor as f32 },
                     truncate: m.rope_truncate,
                 }),
+                RopeKind::LongRope => Some(model::config::RopeScaling::LongRope {
+                    short_factor: m.rope_short_factor.iter().map(|&f| f as f32).collect(),
+                    long_factor: m.rope_long_factor.iter().map(|&f| f as f32).collect(),
+                    original_max_position_embeddings: m.rope_original_max_positions,
+                    // 0: LongRoPE's own, from the context's stretch.
+                    attention_factor: if m.rope_attention_factor == 0.0 {
+                        model::config::longrope_attention_factor(m.block_size as f64 / m.rope_original_max_positions.max(1) as f64, m.rope_original_max_positions) as f32
+                    } else {
+                        m.rope_attention_factor as f32
+                    },
+                }),
             },
             qkv_bias: m.qkv_bias,
+            fused_proj: m.fused_proj,
             sliding_window: m.sliding_window,
             attn_sinks: m.attn_sinks,
             window_layers: m.window_layers.clone(),
@@ -1307,7 +1336,8 @@ pub const STRUCTURAL_KEYS: &[&str] = &[
     "model.arch", "model.n_layer", "model.n_head", "model.n_kv_head", "model.n_embd", "model.ffn_hidden", "model.block_size",
     "model.vocab_size", "model.bias", "model.tied_embeddings", "model.rope_theta", "model.norm_eps", "model.init_from",
     "model.rope_scaling", "model.rope_factor", "model.rope_low_freq_factor", "model.rope_high_freq_factor",
-    "model.rope_original_max_positions", "model.rope_beta_fast", "model.rope_beta_slow", "model.rope_attention_factor", "model.rope_truncate", "model.qkv_bias", "model.sliding_window", "model.attn_sinks", "model.window_layers", "model.loss_vocab", "model.head_dim",
+    "model.rope_original_max_positions", "model.rope_beta_fast", "model.rope_beta_slow", "model.rope_attention_factor", "model.rope_truncate",
+    "model.rope_short_factor", "model.rope_long_factor", "model.fused_proj", "model.qkv_bias", "model.sliding_window", "model.attn_sinks", "model.window_layers", "model.loss_vocab", "model.head_dim",
     "model.n_expert", "model.top_k", "model.n_shared_expert",
     "lora.rank", "lora.targets", "data.tokenizer", "data.paths", "data.val_fraction", "data.text_field", "data.format",
     "data.packing", "data.reset_positions", "data.sources",

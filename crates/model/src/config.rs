@@ -29,7 +29,7 @@ pub mod defaults {
 
 /// Rope scaling (transformers' `rope_type`): how the inverse frequencies of plain RoPE are
 /// rescaled to stretch a model's context.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "rope_type", rename_all = "lowercase")]
 pub enum RopeScaling {
     /// Positions divided by `factor` (every inverse frequency over `factor`).
@@ -44,6 +44,18 @@ pub enum RopeScaling {
     /// `original_max_position_embeddings` (the ramp's ends rounded out when `truncate`), and
     /// cos / sin are scaled by `attention_factor` (the logits by its square).
     Yarn { factor: f32, original_max_position_embeddings: usize, beta_fast: f32, beta_slow: f32, attention_factor: f32, truncate: bool },
+    /// LongRoPE (Phi-3; transformers' `_compute_longrope_parameters`): inverse frequency `i`
+    /// divided by its own factor, `short_factor[i]` in a pass over at most
+    /// `original_max_position_embeddings` positions and `long_factor[i]` in a longer one (the
+    /// whole pass switches, as transformers' `longrope_frequency_update` does), and cos / sin
+    /// scaled by `attention_factor`.
+    LongRope { short_factor: Vec<f32>, long_factor: Vec<f32>, original_max_position_embeddings: usize, attention_factor: f32 },
+}
+
+/// LongRoPE's default attention factor (transformers): `sqrt(1 + ln(factor) / ln(original))`
+/// for `factor = max positions / original max positions` above 1, else 1.
+pub fn longrope_attention_factor(factor: f64, original: usize) -> f64 {
+    if factor <= 1.0 { 1.0 } else { (1.0 + factor.ln() / (original as f64).ln()).sqrt() }
 }
 
 /// YaRN's mscale (its paper's Eq. 21, transformers' `yarn_get_mscale`): `0.1·m·ln(scale) + 1`,
@@ -56,22 +68,49 @@ impl RopeScaling {
     /// The inverse frequencies of RoPE with base `theta` over head size `hs`, rescaled, in fp32
     /// as transformers' `_compute_linear_scaling_rope_parameters` / `_compute_llama3_parameters`
     /// / `_compute_yarn_parameters` compute them.
+    /// In a pass over more than [`RopeScaling::long_after`] positions LongRoPE uses
+    /// [`RopeScaling::inv_freq_long`] instead.
     pub fn inv_freq(&self, theta: f32, hs: usize) -> Vec<f32> {
         let mut f = tensor::llama::rope_inv_freq(theta, hs);
-        self.apply(&mut f, theta, hs);
+        self.apply(&mut f, theta, hs, false);
         f
     }
 
-    /// What cos and sin are multiplied by (YaRN's attention factor; 1 otherwise).
+    /// LongRoPE's inverse frequencies for a pass longer than [`RopeScaling::long_after`]
+    /// positions (the others' are [`RopeScaling::inv_freq`]'s).
+    pub fn inv_freq_long(&self, theta: f32, hs: usize) -> Vec<f32> {
+        let mut f = tensor::llama::rope_inv_freq(theta, hs);
+        self.apply(&mut f, theta, hs, true);
+        f
+    }
+
+    /// The pass length above which the frequencies change (LongRoPE's original context); `None`
+    /// for the scalings whose frequencies do not depend on it.
+    pub fn long_after(&self) -> Option<usize> {
+        match self {
+            RopeScaling::LongRope { original_max_position_embeddings, .. } => Some(*original_max_position_embeddings),
+            _ => None,
+        }
+    }
+
+    /// What cos and sin are multiplied by (YaRN's and LongRoPE's attention factor; 1 otherwise).
     pub fn attention_factor(&self) -> f32 {
         match *self {
-            RopeScaling::Yarn { attention_factor, .. } => attention_factor,
+            RopeScaling::Yarn { attention_factor, .. } | RopeScaling::LongRope { attention_factor, .. } => attention_factor,
             _ => 1.0,
         }
     }
 
-    fn apply(&self, inv_freq: &mut [f32], theta: f32, hs: usize) {
+    fn apply(&self, inv_freq: &mut [f32], theta: f32, hs: usize, long: bool) {
         match *self {
+            RopeScaling::LongRope { ref short_factor, ref long_factor, .. } => {
+                // transformers: 1 / (ext · base^(2i/d)), the product in fp32.
+                let ext = if long { long_factor } else { short_factor };
+                let pos = tensor::llama::rope_pos_freq(theta, hs);
+                for ((f, &p), &e) in inv_freq.iter_mut().zip(&pos).zip(ext) {
+                    *f = 1.0 / (e * p);
+                }
+            }
             RopeScaling::Linear { factor } => inv_freq.iter_mut().for_each(|f| *f /= factor),
             RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
                 let old = original_max_position_embeddings as f32;
@@ -113,9 +152,25 @@ impl RopeScaling {
         }
     }
 
-    /// Checks the factors; the error names the key.
-    fn validate(&self) -> Result<(), String> {
+    /// Checks the factors (`hs`: the head width); the error names the key.
+    fn validate(&self, hs: usize) -> Result<(), String> {
         let factor = match *self {
+            RopeScaling::LongRope { ref short_factor, ref long_factor, original_max_position_embeddings, attention_factor } => {
+                for (key, f) in [("rope_short_factor", short_factor), ("rope_long_factor", long_factor)] {
+                    if f.len() != hs / 2 {
+                        return Err(format!("model.{key} has {} factors; rope scaling longrope needs one per rotary frequency, head width / 2 = {}", f.len(), hs / 2));
+                    }
+                    if let Some(x) = f.iter().find(|x| !(x.is_finite() && **x > 0.0)) {
+                        return Err(format!("model.{key} must hold finite positive factors, got {x}"));
+                    }
+                }
+                if original_max_position_embeddings == 0 || !(attention_factor > 0.0 && attention_factor.is_finite()) {
+                    return Err(format!(
+                        "rope scaling longrope needs original_max_position_embeddings > 0 and a positive attention_factor, got {original_max_position_embeddings}, {attention_factor}"
+                    ));
+                }
+                1.0
+            }
             RopeScaling::Linear { factor } => factor,
             RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
                 if !(low_freq_factor > 0.0 && high_freq_factor > low_freq_factor) || original_max_position_embeddings == 0 {
@@ -177,6 +232,10 @@ pub struct GptConfig {
     /// Biases on the q, k and v projections only (Qwen2; llama arch).
     #[serde(default)]
     pub qkv_bias: bool,
+    /// Hugging Face files hold q, k and v as one `qkv_proj` and gate and up as one
+    /// `gate_up_proj` (Phi-3's `Phi3ForCausalLM`); the model itself is LLaMA's.
+    #[serde(default)]
+    pub fused_proj: bool,
     /// Sliding-window attention (Mistral; llama arch): each position attends to itself and the
     /// `sliding_window - 1` before it; 0 = all earlier positions.
     #[serde(default)]
@@ -221,7 +280,7 @@ impl GptConfig {
     pub fn gpt2(n_layer: usize, n_head: usize, n_embd: usize, block_size: usize, vocab_size: usize, bias: bool, dropout: f32, tied: bool) -> GptConfig {
         GptConfig {
             arch: Arch::Gpt2, n_layer, n_head, n_kv_head: n_head, n_embd, ffn_hidden: 4 * n_embd, block_size, vocab_size,
-            bias, dropout, tied_embeddings: tied, rope_theta: defaults::ROPE_THETA as f32, rope_scaling: None, qkv_bias: false, sliding_window: 0, attn_sinks: 0, window_layers: Vec::new(), head_dim: 0, norm_eps: defaults::NORM_EPS as f32,
+            bias, dropout, tied_embeddings: tied, rope_theta: defaults::ROPE_THETA as f32, rope_scaling: None, qkv_bias: false, fused_proj: false, sliding_window: 0, attn_sinks: 0, window_layers: Vec::new(), head_dim: 0, norm_eps: defaults::NORM_EPS as f32,
             n_expert: 0, top_k: defaults::TOP_K, n_shared_expert: 0, capacity_factor: 0.0, moe_aux_weight: defaults::MOE_AUX_WEIGHT as f32,
             moe_z_weight: defaults::MOE_Z_WEIGHT as f32, place: Placement::default(),
         }
@@ -288,7 +347,7 @@ impl GptConfig {
             if self.arch != Arch::Llama {
                 return Err("model.rope_scaling needs model.arch = llama (rotary embeddings)".into());
             }
-            r.validate()?;
+            r.validate(self.head_size())?;
         }
         if self.sliding_window > 0 && self.arch != Arch::Llama {
             return Err("model.sliding_window needs model.arch = llama (GPT-2 attends to every earlier position)".into());
@@ -301,6 +360,9 @@ impl GptConfig {
         }
         if self.attn_sinks > 0 && self.sliding_window == 0 {
             return Err(format!("model.attn_sinks = {} needs a sliding window (model.sliding_window): without one every earlier position is visible already", self.attn_sinks));
+        }
+        if self.fused_proj && (self.arch != Arch::Llama || self.qkv_bias || self.n_expert > 0) {
+            return Err("model.fused_proj is Phi-3's form of a llama-arch model without q/k/v biases or experts".into());
         }
         if self.qkv_bias && self.arch != Arch::Llama {
             return Err("model.qkv_bias is a llama-arch setting (Qwen2); GPT-2's biases are model.bias".into());
@@ -347,17 +409,26 @@ impl GptConfig {
     }
 
     /// The rotary inverse frequencies, rope scaling applied.
+    /// (LongRoPE's in a pass over at most `original_max_position_embeddings` positions.)
     pub fn rope_inv_freq(&self) -> Vec<f32> {
+        self.rope_inv_freq_for(false)
+    }
+
+    /// The rotary inverse frequencies; `long`: LongRoPE's for a pass longer than its original
+    /// context (the same as `rope_inv_freq` for every other scaling).
+    pub fn rope_inv_freq_for(&self, long: bool) -> Vec<f32> {
         match &self.rope_scaling {
+            Some(r) if long => r.inv_freq_long(self.rope_theta, self.head_size()),
             Some(r) => r.inv_freq(self.rope_theta, self.head_size()),
             None => tensor::llama::rope_inv_freq(self.rope_theta, self.head_size()),
         }
     }
 
     /// The rotary tables `(cos, sin)` for `block_size` positions (`tensor::llama::rope_table_from`),
-    /// scaled by the rope scaling's attention factor (YaRN's).
-    pub fn rope_tables(&self) -> (Vec<f32>, Vec<f32>) {
-        let (mut cos, mut sin) = tensor::llama::rope_table_from(&self.rope_inv_freq(), self.block_size);
+    /// scaled by the rope scaling's attention factor (YaRN's, LongRoPE's); `long` as for
+    /// [`GptConfig::rope_inv_freq_for`].
+    pub fn rope_tables(&self, long: bool) -> (Vec<f32>, Vec<f32>) {
+        let (mut cos, mut sin) = tensor::llama::rope_table_from(&self.rope_inv_freq_for(long), self.block_size);
         let a = self.rope_scaling.as_ref().map_or(1.0, RopeScaling::attention_factor);
         if a != 1.0 {
             cos.iter_mut().chain(sin.iter_mut()).for_each(|x| *x *= a);

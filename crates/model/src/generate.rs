@@ -37,7 +37,8 @@ impl Gpt {
     /// logits `[Vp]` for the next token.
     pub fn decode_step(&self, cache: &mut KvCache, token: u32) -> Vec<f32> {
         let mut s = self.scratch_1();
-        self.decode_into(cache, token, &mut s);
+        let pass = cache.len + 1;
+        self.decode_into(cache, token, pass, &mut s);
         s.logits
     }
 
@@ -51,7 +52,10 @@ impl Gpt {
         }
     }
 
-    fn decode_into(&self, cache: &mut KvCache, token: u32, s: &mut Scratch) {
+    /// `pass`: the length of the pass this token belongs to, as transformers would run it (a
+    /// prompt's tokens: the prompt's length; a generated token: its position + 1), which picks
+    /// LongRoPE's tables.
+    fn decode_into(&self, cache: &mut KvCache, token: u32, pass: usize, s: &mut Scratch) {
         let cfg = &self.cfg;
         assert!(cfg.place.heads.is_none(), "decoding needs the whole model, not a tensor-parallel shard");
         let (c, nh, nkv, hs, bs, vp) = (cfg.n_embd, cfg.n_head, cfg.n_kv_head, cfg.head_size(), cfg.block_size, cfg.vocab_size);
@@ -62,7 +66,8 @@ impl Gpt {
         let one = GqaDims { b: 1, t: 1, nh, nkv, hs, window: self.cfg.sliding_window, sinks: self.cfg.attn_sinks, ..GqaDims::default() };
         let w = &self.params;
         let pv = &self.views;
-        let ops = Ops::decode(cfg, self.rope.as_ref());
+        let rope = self.rope.as_ref().map(|r| r.for_pass(pass));
+        let ops = Ops::decode(cfg, rope);
         let opt = |r: &Option<std::ops::Range<usize>>| r.as_ref().map(|r| &w[r.clone()]);
         s.x.copy_from_slice(&w[pv.wte.clone()][token as usize * c..(token as usize + 1) * c]);
         if let Some(wpe) = &pv.wpe {
@@ -73,7 +78,7 @@ impl Gpt {
         for (l, bp) in pv.blocks.iter().enumerate() {
             ops.norm_forward(&mut s.ln, &mut s.mean, &mut s.rstd, &s.x, &w[bp.ln_1_w.clone()], opt(&bp.ln_1_b));
             matmul_forward(&mut s.qkv, &s.ln, &w[bp.c_attn_w.clone()], opt(&bp.c_attn_b), 1, c, qw);
-            if let Some((cos, sin)) = &self.rope {
+            if let Some((cos, sin)) = rope {
                 rope_forward(&mut s.qkv, cos, sin, &one, pos);
             }
             let base = l * bs * kw;
@@ -114,7 +119,7 @@ impl Gpt {
             ctx.drain(..ctx.len() - bs);
         }
         for &tok in &ctx {
-            self.decode_into(&mut cache, tok, &mut s);
+            self.decode_into(&mut cache, tok, ctx.len(), &mut s);
         }
         let mut out = Vec::with_capacity(max_new);
         for i in 0..max_new {
@@ -130,10 +135,11 @@ impl Gpt {
                 let start = ctx.len() - keep;
                 cache.len = 0;
                 for &tok in ctx.iter().take(ctx.len() - 1).skip(start) {
-                    self.decode_into(&mut cache, tok, &mut s);
+                    self.decode_into(&mut cache, tok, keep - 1, &mut s);
                 }
             }
-            self.decode_into(&mut cache, next, &mut s);
+            let pass = cache.len + 1;
+            self.decode_into(&mut cache, next, pass, &mut s);
         }
         out
     }

@@ -569,8 +569,8 @@ pub struct Gpt {
     pub real_vocab: usize,
     pub params: Vec<f32>,
     pub grads: Vec<f32>,
-    /// Rotary tables `(cos, sin)`, `[block_size, HS/2]` each (LLaMA only).
-    pub(crate) rope: Option<(Vec<f32>, Vec<f32>)>,
+    /// Rotary tables (LLaMA only).
+    pub(crate) rope: Option<RopeTables>,
     /// LoRA adapters; when present the base parameters are frozen (no gradients computed for
     /// its matrices) and only the adapters train.
     pub lora: Option<Lora>,
@@ -667,7 +667,7 @@ impl Gpt {
         assert!(real_vocab <= cfg.place.vocab.map_or(cfg.vocab_size, |v| v.total), "real vocabulary {real_vocab} exceeds the (padded) vocabulary");
         let (layout, views) = gpt_layout(&cfg);
         let n = layout.total;
-        let rope = (cfg.arch == Arch::Llama).then(|| cfg.rope_tables());
+        let rope = (cfg.arch == Arch::Llama).then(|| RopeTables::new(&cfg));
         let units = views.units(n);
         let unit_views = views.rebased(n);
         Gpt { cfg, layout, views, units, unit_views, real_vocab, params: zeros(n), grads: zeros(n), rope, lora: None, hooks: Hooks::default(), recompute: Recompute::None, recompute_every: 1, stash16: true, act_compression: Default::default(), precision: Precision::Fp32, fp8: None, base: None, acts: None, scratch: None }
@@ -948,7 +948,7 @@ impl Gpt {
         a.p_drop = drop.p;
         a.moe_stats.clear();
         let ops = Ops {
-            cfg: &self.cfg, rope: self.rope.as_ref(), b, t, docs, drop, loss_scale: a.loss_scale,
+            cfg: &self.cfg, rope: self.rope.as_ref().map(|r| r.for_pass(pass_len(&docs, t))), b, t, docs, drop, loss_scale: a.loss_scale,
             tp: RefCell::new(self.hooks.tensor.as_deref_mut()), ep: RefCell::new(self.hooks.experts.as_deref_mut()), cp: RefCell::new(self.hooks.context.as_deref_mut()), lora: RefCell::new(self.lora.as_mut()),
             store: storage(self.precision), arith: arith(self.precision), fp8: self.fp8.as_ref(), b0: self.cfg.place.batch_offset, base: self.base.as_deref(),
         };
@@ -1040,7 +1040,7 @@ impl Gpt {
         // The forward's document layout, for the attention (and rope) backward and recomputation.
         let docs = (!a.doc_pos.is_empty()).then_some(Docs { start: &a.doc_start, pos: &a.doc_pos });
         let ops = Ops {
-            cfg: &self.cfg, rope: self.rope.as_ref(), b, t, docs, drop: Dropout { p: a.p_drop, seed: a.dropout_seed }, loss_scale: a.loss_scale,
+            cfg: &self.cfg, rope: self.rope.as_ref().map(|r| r.for_pass(pass_len(&docs, t))), b, t, docs, drop: Dropout { p: a.p_drop, seed: a.dropout_seed }, loss_scale: a.loss_scale,
             tp: RefCell::new(self.hooks.tensor.as_deref_mut()), ep: RefCell::new(self.hooks.experts.as_deref_mut()), cp: RefCell::new(self.hooks.context.as_deref_mut()), lora: RefCell::new(self.lora.as_mut()),
             store: storage(self.precision), arith: arith(self.precision), fp8: self.fp8.as_ref(), b0: self.cfg.place.batch_offset, base: self.base.as_deref(),
         };
@@ -1613,6 +1613,39 @@ fn split_pair<'a>(g: &'a mut [f32], r1: &std::ops::Range<usize>, r2: &std::ops::
         let (lo, hi) = g.split_at_mut(r1.start);
         (&mut hi[..r1.len()], &mut lo[r2.clone()])
     }
+}
+
+/// A model's rotary tables `(cos, sin)`, `[block_size, HS/2]` each: one pair, or with LongRoPE
+/// a second pair for passes longer than its original context.
+pub(crate) struct RopeTables {
+    short: CosSin,
+    /// `(original context, tables)`, built only when `block_size` exceeds that context.
+    long: Option<(usize, CosSin)>,
+}
+
+/// Rotary tables `(cos, sin)`, `[block_size, HS/2]` each.
+type CosSin = (Vec<f32>, Vec<f32>);
+
+impl RopeTables {
+    fn new(cfg: &GptConfig) -> RopeTables {
+        let after = cfg.rope_scaling.as_ref().and_then(|r| r.long_after()).filter(|&n| cfg.block_size > n);
+        RopeTables { short: cfg.rope_tables(false), long: after.map(|n| (n, cfg.rope_tables(true))) }
+    }
+
+    /// The tables of a pass over `len` positions (transformers picks LongRoPE's set per pass,
+    /// by its largest position + 1).
+    pub(crate) fn for_pass(&self, len: usize) -> &CosSin {
+        match &self.long {
+            Some((after, t)) if len > *after => t,
+            _ => &self.short,
+        }
+    }
+}
+
+/// A pass's length as transformers' rotary update sees it: its largest position + 1 (`t`
+/// unless packed documents restart their positions).
+fn pass_len(docs: &Option<Docs>, t: usize) -> usize {
+    docs.as_ref().and_then(|d| d.pos.iter().max()).map_or(t, |&p| p as usize + 1)
 }
 
 /// The operators whose kernels depend on the architecture: normalisation, attention (with the

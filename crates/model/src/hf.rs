@@ -1,14 +1,17 @@
 //! Hugging Face interoperability: `config.json` + `model.safetensors` (one file, or shards
 //! listed in `model.safetensors.index.json`; F32, BF16 or F16) for `GPT2LMHeadModel`,
-//! `LlamaForCausalLM` (with `linear` / `llama3` / `yarn` rope scaling), `Qwen2ForCausalLM`,
-//! `MistralForCausalLM` (sliding-window attention) and `MixtralForCausalLM`, in and out. kiln's layout uses HF's parameter names, so import and export are by name.
+//! `LlamaForCausalLM` (with `linear` / `llama3` / `yarn` / `longrope` rope scaling), `Qwen2ForCausalLM`,
+//! `MistralForCausalLM` (sliding-window attention), `MixtralForCausalLM` and `Phi3ForCausalLM`, in and out.
+//! kiln's layout uses HF's parameter names, so import and export are by name; Phi-3's fused
+//! `qkv_proj` and `gate_up_proj` are the concatenations of parameters kiln's layout holds
+//! adjacent in the same order (`fused_of`).
 //!
 //! HF GPT-2 stores its four projection matrices as `Conv1D`, `[in, out]`; kiln stores every
 //! Linear as `[out, in]`, so those four are transposed on the way in and out. LLaMA's Linears
 //! are `[out, in]` already. A tied head has no tensor of its own; an untied one is
 //! `lm_head.weight`.
 
-use crate::config::{yarn_mscale, Arch, GptConfig, RopeScaling};
+use crate::config::{longrope_attention_factor, yarn_mscale, Arch, GptConfig, RopeScaling};
 use crate::gpt::Gpt;
 use safetensors::tensor::{Dtype, TensorView};
 use serde_json::{json, Value};
@@ -40,6 +43,14 @@ pub fn hf_config(cfg: &Value, origin: &Path) -> Result<GptConfig, String> {
             }
             Ok(c)
         }
+        // Phi-3: LLaMA with q|k|v and gate|up each stored as one tensor, a window on every
+        // layer when `sliding_window` is below the context.
+        "Phi3ForCausalLM" => {
+            let mut c = llama_config(cfg, origin, false)?;
+            c.fused_proj = true;
+            windows(&mut c, cfg, origin, 0)?;
+            Ok(c)
+        }
         "MistralForCausalLM" => {
             let mut c = llama_config(cfg, origin, false)?;
             windows(&mut c, cfg, origin, 0)?;
@@ -57,7 +68,7 @@ pub fn hf_config(cfg: &Value, origin: &Path) -> Result<GptConfig, String> {
             c.validate().map_err(|e| format!("{}: {e}", origin.display()))?;
             Ok(c)
         }
-        _ => Err(format!("{}: architecture `{arch}` is not supported for import (supported: GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, MixtralForCausalLM)", origin.display())),
+        _ => Err(format!("{}: architecture `{arch}` is not supported for import (supported: GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, MixtralForCausalLM, Phi3ForCausalLM)", origin.display())),
     }
 }
 
@@ -158,10 +169,18 @@ fn llama_config(cfg: &Value, origin: &Path, qkv_bias: bool) -> Result<GptConfig,
 
 /// The rotary base and scaling: transformers 5's `rope_parameters` (`rope_theta`, `rope_type`
 /// and its factors), or the older top-level `rope_theta` with `rope_scaling` (`type` or
-/// `rope_type`). Supported types: `default`, `linear`, `llama3`, `yarn`; others are refused by name.
+/// `rope_type`). Supported types: `default`, `linear`, `llama3`, `yarn`, `longrope`; others are
+/// refused by name, as is a partial rotary factor other than 1.
 fn rope_of(cfg: &Value, origin: &Path) -> Result<(f32, Option<RopeScaling>), String> {
     let params = cfg.get("rope_parameters").filter(|v| v.is_object());
     let scaling = cfg.get("rope_scaling").filter(|v| v.is_object());
+    for (key, v) in [("partial_rotary_factor", cfg.get("partial_rotary_factor")), ("rope_parameters.partial_rotary_factor", params.and_then(|r| r.get("partial_rotary_factor")))] {
+        if let Some(f) = v.filter(|v| !v.is_null()) {
+            if f.as_f64() != Some(1.0) {
+                return Err(format!("{}: `{key}` = {f} is not supported (kiln rotates the whole head)", origin.display()));
+            }
+        }
+    }
     let theta = params.and_then(|r| r.get("rope_theta")).and_then(Value::as_f64).map_or(get_f32(cfg, "rope_theta", 10000.0), |v| v as f32);
     let Some(r) = scaling.or(params) else { return Ok((theta, None)) };
     let key = if scaling.is_some() { "rope_scaling" } else { "rope_parameters" };
@@ -177,8 +196,9 @@ fn rope_of(cfg: &Value, origin: &Path) -> Result<(f32, Option<RopeScaling>), Str
             original_max_position_embeddings: num("original_max_position_embeddings")? as usize,
         }),
         "yarn" => Some(yarn_of(cfg, r, key, origin)?),
+        "longrope" => Some(longrope_of(cfg, r, key, origin)?),
         other => {
-            return Err(format!("{}: `{key}` type `{other}` is not supported (supported: default, linear, llama3, yarn)", origin.display()));
+            return Err(format!("{}: `{key}` type `{other}` is not supported (supported: default, linear, llama3, yarn, longrope)", origin.display()));
         }
     };
     Ok((theta, scaling))
@@ -193,12 +213,7 @@ fn yarn_of(cfg: &Value, r: &Value, key: &str, origin: &Path) -> Result<RopeScali
     let max_pos = cfg.get("max_position_embeddings").and_then(Value::as_f64);
     let opt = |k: &str| r.get(k).filter(|v| !v.is_null());
     let num = |k: &str| opt(k).map(|v| v.as_f64().ok_or_else(|| format!("{}: `{key}.{k}` is not a number", origin.display()))).transpose();
-    let orig = match cfg.get("original_max_position_embeddings").and_then(Value::as_f64) {
-        Some(o) => Some(o),
-        None => num("original_max_position_embeddings")?,
-    }
-    .or(max_pos)
-    .ok_or_else(|| format!("{}: `{key}` yarn needs original_max_position_embeddings (or max_position_embeddings)", origin.display()))?;
+    let orig = original_context(cfg, r, key, origin)?;
     let factor = match num("factor")? {
         Some(f) => f,
         None => max_pos.ok_or_else(|| format!("{}: `{key}.factor` is missing and there is no max_position_embeddings to derive it", origin.display()))? / orig,
@@ -222,6 +237,43 @@ fn yarn_of(cfg: &Value, r: &Value, key: &str, origin: &Path) -> Result<RopeScali
         beta_slow: beta("beta_slow", 1.0)?,
         attention_factor: attention_factor as f32,
         truncate,
+    })
+}
+
+/// The original context of YaRN or LongRoPE as transformers resolves it: the config's top level
+/// (Phi-3's), else the rope dictionary's, else `max_position_embeddings`.
+fn original_context(cfg: &Value, r: &Value, key: &str, origin: &Path) -> Result<f64, String> {
+    let at = |v: &Value, k: &str| v.get(k).filter(|v| !v.is_null()).map(|v| v.as_f64().ok_or_else(|| format!("{}: `{k}` is not a number", origin.display())));
+    match at(cfg, "original_max_position_embeddings").or_else(|| at(r, "original_max_position_embeddings")) {
+        Some(o) => o,
+        None => cfg
+            .get("max_position_embeddings")
+            .and_then(Value::as_f64)
+            .ok_or_else(|| format!("{}: `{key}` needs original_max_position_embeddings (or max_position_embeddings)", origin.display())),
+    }
+}
+
+/// LongRoPE's parameters as transformers resolves them (`_compute_longrope_parameters`): the two
+/// factor lists, the original context ([`original_context`]), and `attention_factor` if given,
+/// else `sqrt(1 + ln(factor) / ln(original))` with `factor` the dictionary's or the ratio of
+/// `max_position_embeddings` to the original context.
+fn longrope_of(cfg: &Value, r: &Value, key: &str, origin: &Path) -> Result<RopeScaling, String> {
+    let list = |k: &str| -> Result<Vec<f32>, String> {
+        let bad = || format!("{}: `{key}.{k}` is missing or not a list of numbers", origin.display());
+        r.get(k).and_then(Value::as_array).ok_or_else(bad)?.iter().map(|v| v.as_f64().map(|x| x as f32).ok_or_else(bad)).collect()
+    };
+    let orig = original_context(cfg, r, key, origin)?;
+    let num = |k: &str| r.get(k).filter(|v| !v.is_null()).map(|v| v.as_f64().ok_or_else(|| format!("{}: `{key}.{k}` is not a number", origin.display()))).transpose();
+    let factor = match num("factor")? {
+        Some(f) => f,
+        None => cfg.get("max_position_embeddings").and_then(Value::as_f64).unwrap_or(orig) / orig,
+    };
+    let attention_factor = num("attention_factor")?.unwrap_or_else(|| longrope_attention_factor(factor, orig as usize));
+    Ok(RopeScaling::LongRope {
+        short_factor: list("short_factor")?,
+        long_factor: list("long_factor")?,
+        original_max_position_embeddings: orig as usize,
+        attention_factor: attention_factor as f32,
     })
 }
 
@@ -292,6 +344,45 @@ pub fn weight_file_sizes(dir: &Path) -> Result<Vec<u64>, String> {
     weight_files(dir)?.iter().map(|f| std::fs::metadata(f).map(|m| m.len()).map_err(|e| format!("{}: {e}", f.display()))).collect()
 }
 
+/// Where Phi-3 stores kiln parameter `name` (`[rows, cols]`): its fused tensor's name, and the
+/// first row and row count of that tensor (q|k|v in `qkv_proj`, gate|up in `gate_up_proj`).
+fn fused_of(cfg: &GptConfig, name: &str) -> Option<(String, usize, usize)> {
+    if !cfg.fused_proj {
+        return None;
+    }
+    let (q, kv, f) = (cfg.n_head * cfg.head_size(), cfg.n_kv_head * cfg.head_size(), cfg.ffn_hidden);
+    let parts = [
+        ("self_attn.q_proj.weight", "self_attn.qkv_proj.weight", 0, q + 2 * kv),
+        ("self_attn.k_proj.weight", "self_attn.qkv_proj.weight", q, q + 2 * kv),
+        ("self_attn.v_proj.weight", "self_attn.qkv_proj.weight", q + kv, q + 2 * kv),
+        ("mlp.gate_proj.weight", "mlp.gate_up_proj.weight", 0, 2 * f),
+        ("mlp.up_proj.weight", "mlp.gate_up_proj.weight", f, 2 * f),
+    ];
+    parts.iter().find_map(|&(own, fused, first, rows)| name.strip_suffix(own).map(|stem| (format!("{stem}{fused}"), first, rows)))
+}
+
+/// Parameter `p` (kiln's `[out, in]`) in fp32 into `dst` from tensor `t`, stored under `name` as
+/// `p` itself (GPT-2's Conv1D matrices transposed) or, with `fused`, as rows `first..` of a
+/// Phi-3 tensor of `rows` rows.
+fn fill(dst: &mut [f32], t: &TensorView, name: &str, p: (&str, &[usize]), fused: Option<(usize, usize)>, origin: &Path) -> Result<(), String> {
+    let (pname, shape) = p;
+    let want: Vec<usize> = match fused {
+        Some((_, rows)) => vec![rows, shape[1]],
+        None if is_conv1d(pname) => vec![shape[1], shape[0]],
+        None => shape.to_vec(),
+    };
+    if t.shape() != want.as_slice() {
+        return Err(format!("{}: tensor `{name}` has shape {:?}, expected {want:?}", origin.display(), t.shape()));
+    }
+    let src = to_f32(t).map_err(|e| format!("{}: tensor `{name}`: {e}", origin.display()))?;
+    match fused {
+        Some((first, _)) => dst.copy_from_slice(&src[first * shape[1]..(first + shape[0]) * shape[1]]),
+        None if is_conv1d(pname) => transpose(dst, &src, want[0], want[1]),
+        None => dst.copy_from_slice(&src),
+    }
+    Ok(())
+}
+
 /// Loads an HF directory into a kiln model. Every kiln parameter must be present with the
 /// right shape; tensors kiln does not use (e.g. `attn.bias` masks, rotary caches) are ignored.
 pub fn import_hf(dir: &Path) -> Result<Gpt, String> {
@@ -303,23 +394,19 @@ pub fn import_hf(dir: &Path) -> Result<Gpt, String> {
         let bytes = std::fs::read(&file).map_err(|e| format!("{}: {e}", file.display()))?;
         let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| format!("{}: {e}", file.display()))?;
         for (i, p) in m.layout.params.iter().enumerate() {
-            let Ok(t) = st.tensor(&p.name) else { continue };
-            let want: Vec<usize> = if is_conv1d(&p.name) { vec![p.shape[1], p.shape[0]] } else { p.shape.clone() };
-            if t.shape() != want.as_slice() {
-                return Err(format!("{}: tensor `{}` has shape {:?}, expected {:?}", file.display(), p.name, t.shape(), want));
-            }
-            let src = to_f32(&t).map_err(|e| format!("{}: tensor `{}`: {e}", file.display(), p.name))?;
-            let dst = &mut m.params[p.range()];
-            if is_conv1d(&p.name) {
-                transpose(dst, &src, want[0], want[1]);
-            } else {
-                dst.copy_from_slice(&src);
-            }
+            let (name, fused) = match fused_of(&m.cfg, &p.name) {
+                Some((f, first, rows)) => (f, Some((first, rows))),
+                None => (p.name.clone(), None),
+            };
+            let Ok(t) = st.tensor(&name) else { continue };
+            fill(&mut m.params[p.range()], &t, &name, (&p.name, &p.shape), fused, &file)?;
             found[i] = true;
         }
     }
     if let Some(i) = found.iter().position(|f| !f) {
-        return Err(format!("{}: checkpoint has no tensor `{}`", dir.display(), m.layout.params[i].name));
+        let name = &m.layout.params[i].name;
+        let stored = fused_of(&m.cfg, name).map_or(name.clone(), |(f, _, _)| f);
+        return Err(format!("{}: checkpoint has no tensor `{stored}`", dir.display()));
     }
     Ok(m)
 }
@@ -330,6 +417,8 @@ pub fn import_hf(dir: &Path) -> Result<Gpt, String> {
 pub struct TensorReader {
     /// name → (file, dtype, shape, byte range in the file)
     tensors: BTreeMap<String, (PathBuf, Dtype, Vec<usize>, std::ops::Range<u64>)>,
+    /// The directory's config, where it has one kiln reads (it says whether tensors are fused).
+    cfg: Option<GptConfig>,
 }
 
 impl TensorReader {
@@ -374,29 +463,27 @@ impl TensorReader {
                 tensors.insert(name.to_string(), (file.clone(), dtype, shape.iter().map(|&d| d as usize).collect(), a..b));
             }
         }
-        Ok(TensorReader { tensors })
+        Ok(TensorReader { tensors, cfg: read_config(dir).ok().map(|(c, _)| c) })
     }
 
     /// Parameter `name` of kiln's layout (shape `shape`, kiln's `[out, in]`) in fp32 into `dst`:
     /// converted from the file's dtype and, for GPT-2's Conv1D matrices, transposed.
+    /// (Phi-3's rows of its fused `qkv_proj` / `gate_up_proj`.)
     pub fn read_into(&self, name: &str, shape: &[usize], dst: &mut [f32]) -> Result<(), String> {
         use std::os::unix::fs::FileExt;
-        let (file, dtype, have, range) = self.tensors.get(name).ok_or_else(|| format!("checkpoint has no tensor `{name}`"))?;
-        let want: Vec<usize> = if is_conv1d(name) { vec![shape[1], shape[0]] } else { shape.to_vec() };
-        if *have != want {
-            return Err(format!("{}: tensor `{name}` has shape {have:?}, expected {want:?}", file.display()));
+        let (stored, fused) = match self.cfg.as_ref().and_then(|c| fused_of(c, name)) {
+            Some((f, first, rows)) => (f, Some((first, rows))),
+            None => (name.to_string(), None),
+        };
+        let (file, dtype, have, range) = self.tensors.get(&stored).ok_or_else(|| format!("checkpoint has no tensor `{stored}`"))?;
+        if have.iter().try_fold(1usize, |a, &d| a.checked_mul(d)) != Some(fused.map_or(dst.len(), |(_, rows)| rows * shape[1])) {
+            return Err(format!("{}: tensor `{stored}` has shape {have:?}, which does not hold parameter `{name}` {shape:?}", file.display()));
         }
         let mut bytes = vec![0u8; (range.end - range.start) as usize];
         let f = std::fs::File::open(file).map_err(|e| format!("{}: {e}", file.display()))?;
         f.read_exact_at(&mut bytes, range.start).map_err(|e| format!("{}: {e}", file.display()))?;
-        let view = TensorView::new(*dtype, have.clone(), &bytes).map_err(|e| format!("{}: tensor `{name}`: {e}", file.display()))?;
-        let src = to_f32(&view).map_err(|e| format!("{}: tensor `{name}`: {e}", file.display()))?;
-        if is_conv1d(name) {
-            transpose(dst, &src, want[0], want[1]);
-        } else {
-            dst.copy_from_slice(&src);
-        }
-        Ok(())
+        let view = TensorView::new(*dtype, have.clone(), &bytes).map_err(|e| format!("{}: tensor `{stored}`: {e}", file.display()))?;
+        fill(dst, &view, &stored, (name, shape), fused, file)
     }
 }
 
@@ -454,7 +541,7 @@ pub fn export_hf(m: &Gpt, dir: &Path) -> Result<(), String> {
 }
 
 /// Writes `config.json` and the weights in HF's format (`GPT2LMHeadModel`, `LlamaForCausalLM`,
-/// `Qwen2ForCausalLM`, `MistralForCausalLM` or `MixtralForCausalLM`) into `dir`.
+/// `Qwen2ForCausalLM`, `MistralForCausalLM`, `MixtralForCausalLM` or `Phi3ForCausalLM`) into `dir`.
 pub fn export_hf_with(m: &Gpt, dir: &Path, opts: ExportOpts) -> Result<(), String> {
     std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let mut config = export_config(&m.cfg)?;
@@ -536,20 +623,25 @@ fn export_config(c: &GptConfig) -> Result<Value, String> {
             return Err("export: a sliding window with experts has no Hugging Face equivalent kiln writes".into());
         }
         let (arch, ty) = match (c.is_moe(), c.qkv_bias, c.sliding_window > 0) {
+            _ if c.fused_proj => ("Phi3ForCausalLM", "phi3"),
             (true, _, _) => ("MixtralForCausalLM", "mixtral"),
             (false, true, _) => ("Qwen2ForCausalLM", "qwen2"),
             (false, false, true) => ("MistralForCausalLM", "mistral"),
             (false, false, false) => ("LlamaForCausalLM", "llama"),
         };
         let mut rope = json!({"rope_theta": c.rope_theta, "rope_type": "default"});
-        match c.rope_scaling {
+        match &c.rope_scaling {
             None => {}
-            Some(RopeScaling::Linear { factor }) => rope = json!({"rope_theta": c.rope_theta, "rope_type": "linear", "factor": factor}),
-            Some(RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings }) => {
+            Some(RopeScaling::LongRope { short_factor, long_factor, original_max_position_embeddings, attention_factor }) => {
+                rope = json!({"rope_theta": c.rope_theta, "rope_type": "longrope", "short_factor": short_factor, "long_factor": long_factor,
+                    "original_max_position_embeddings": original_max_position_embeddings, "attention_factor": attention_factor});
+            }
+            &Some(RopeScaling::Linear { factor }) => rope = json!({"rope_theta": c.rope_theta, "rope_type": "linear", "factor": factor}),
+            &Some(RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings }) => {
                 rope = json!({"rope_theta": c.rope_theta, "rope_type": "llama3", "factor": factor, "low_freq_factor": low_freq_factor,
                     "high_freq_factor": high_freq_factor, "original_max_position_embeddings": original_max_position_embeddings});
             }
-            Some(RopeScaling::Yarn { factor, original_max_position_embeddings, beta_fast, beta_slow, attention_factor, truncate }) => {
+            &Some(RopeScaling::Yarn { factor, original_max_position_embeddings, beta_fast, beta_slow, attention_factor, truncate }) => {
                 rope = json!({"rope_theta": c.rope_theta, "rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original_max_position_embeddings,
                     "beta_fast": beta_fast, "beta_slow": beta_slow, "attention_factor": attention_factor, "truncate": truncate});
             }
@@ -568,6 +660,23 @@ fn export_config(c: &GptConfig) -> Result<Value, String> {
             o.remove("attention_bias");
             o.remove("mlp_bias");
             o.insert("sliding_window".into(), c.sliding_window.into());
+        }
+        if c.fused_proj {
+            // Phi-3's class has neither bias key; no window is `null` there.
+            let o = v.as_object_mut().unwrap();
+            o.remove("attention_bias");
+            o.remove("mlp_bias");
+            o.insert("sliding_window".into(), if c.sliding_window > 0 { c.sliding_window.into() } else { Value::Null });
+            o.insert("resid_pdrop".into(), 0.0.into());
+            o.insert("embd_pdrop".into(), 0.0.into());
+            // Phi3Config's default pad id is Phi-3's 32000: kept where the vocabulary has that
+            // row, none otherwise (an embedding's padding row must exist).
+            o.insert("pad_token_id".into(), if c.vocab_size > 32000 { 32000.into() } else { Value::Null });
+            // Phi3Config's top-level original context (default 4096) overrides the rope
+            // dictionary's, so it is written there too.
+            if let Some(orig) = rope.get("original_max_position_embeddings") {
+                o.insert("original_max_position_embeddings".into(), orig.clone());
+            }
         }
         if c.qkv_bias {
             // Qwen2's biases are implied by the class; it has no attention_bias key. Its window
@@ -618,6 +727,25 @@ fn export_tensors(m: &Gpt) -> BTreeMap<String, (Vec<usize>, Vec<u8>)> {
             (p.shape.clone(), src.to_vec())
         };
         data.insert(p.name.clone(), (shape, vals.iter().flat_map(|x| x.to_le_bytes()).collect()));
+    }
+    // Phi-3: q|k|v and gate|up as one tensor each, their rows in that order (kiln's layout
+    // holds them adjacent in the same order).
+    if c.fused_proj {
+        let names: Vec<String> = data.keys().filter(|n| n.ends_with("self_attn.q_proj.weight") || n.ends_with("mlp.gate_proj.weight")).cloned().collect();
+        for name in names {
+            let (stem, parts, fused) = match name.strip_suffix("self_attn.q_proj.weight") {
+                Some(stem) => (stem.to_string(), &["q_proj", "k_proj", "v_proj"][..], "self_attn.qkv_proj.weight"),
+                None => (name.strip_suffix("mlp.gate_proj.weight").unwrap().to_string(), &["gate_proj", "up_proj"][..], "mlp.gate_up_proj.weight"),
+            };
+            let dir = if parts.len() == 3 { "self_attn" } else { "mlp" };
+            let (mut rows, mut cols, mut bytes) = (0, 0, Vec::new());
+            for part in parts {
+                let (shape, b) = data.remove(&format!("{stem}{dir}.{part}.weight")).expect("adjacent projections");
+                (rows, cols) = (rows + shape[0], shape[1]);
+                bytes.extend(b);
+            }
+            data.insert(format!("{stem}{fused}"), (vec![rows, cols], bytes));
+        }
     }
     // HF's GPT-2 always has biases: a bias-free model is exactly one whose biases are zero.
     if c.arch == Arch::Gpt2 && !c.bias {

@@ -164,6 +164,17 @@ fn model_family_config_errors_name_the_key() {
     a.extend(["--set", "model.n_expert=4", "--set", "model.top_k=5"]);
     assert_user_error(&train(&data, &out, &a), &["model.top_k (5)", "model.n_expert (4)"]);
     assert_user_error(&train(&data, &out, &["--set", "model.arch=mamba"]), &["model.arch", "mamba"]);
+    // LongRoPE needs one factor per rotary frequency (head width 4 / 2 = 2), each positive;
+    // Phi-3's fused form has no q/k/v biases.
+    let mut a = llama.to_vec();
+    a.extend(["--set", "model.rope_scaling=longrope", "--set", "model.rope_short_factor=[1.0, 2.0, 3.0]", "--set", "model.rope_long_factor=[1.0, 2.0]"]);
+    assert_user_error(&train(&data, &out, &a), &["model.rope_short_factor", "3 factors", "= 2"]);
+    let mut a = llama.to_vec();
+    a.extend(["--set", "model.rope_scaling=longrope", "--set", "model.rope_short_factor=[1.0, 2.0]", "--set", "model.rope_long_factor=[1.0, -2.0]"]);
+    assert_user_error(&train(&data, &out, &a), &["model.rope_long_factor", "-2"]);
+    let mut a = llama.to_vec();
+    a.extend(["--set", "model.fused_proj=true", "--set", "model.qkv_bias=true"]);
+    assert_user_error(&train(&data, &out, &a), &["model.fused_proj"]);
     assert!(!out.exists());
 }
 

@@ -4,7 +4,7 @@
 
 use crate::common::*;
 use std::fs;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 fn fixture(name: &str) -> PathBuf {
     let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared").join(name);
@@ -104,16 +104,16 @@ fn bad_hugging_face_configs_are_refused_by_key() {
     let d = scratch("hfbad");
     let data = corpus(&d);
     let fx = fixture("fixtures/llama31-tiny");
-    let bad = d.join("longrope");
+    let bad = d.join("dynamic");
     fs::create_dir_all(&bad).unwrap();
     for f in ["model.safetensors", "generation_config.json"] {
         fs::copy(fx.join(f), bad.join(f)).unwrap();
     }
-    let cfg = fs::read_to_string(fx.join("config.json")).unwrap().replace("\"llama3\"", "\"longrope\"");
+    let cfg = fs::read_to_string(fx.join("config.json")).unwrap().replace("\"llama3\"", "\"dynamic\"");
     fs::write(bad.join("config.json"), cfg).unwrap();
     let out = d.join("run");
     let o = kiln(&["train", "--init-from", bad.to_str().unwrap(), "--data", data.to_str().unwrap(), "--out", out.to_str().unwrap(), "--quiet"]);
-    assert_user_error(&o, &["config.json", "longrope", "rope_parameters"]);
+    assert_user_error(&o, &["config.json", "dynamic", "rope_parameters"]);
     assert!(!out.exists());
     // A dtype kiln cannot read: the tensor and the dtype are named.
     let cfg = fs::read_to_string(fx.join("config.json")).unwrap();
@@ -161,13 +161,12 @@ fn bad_export_flags_are_refused_before_anything_is_written() {
     assert!(!out.exists());
 }
 
-/// A YaRN model (the model crate's qwen2-yarn fixture) through the binary: `--init-from` sets
-/// `model.rope_scaling = "yarn"` and its keys, the run's model (rebuilt from those keys) and its
-/// export (YaRN in `rope_parameters`) evaluate alike.
-#[test]
-fn yarn_model_trains_and_exports_its_rope_scaling() {
-    let fx = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../model/tests/fixtures/qwen2-yarn");
-    let d = scratch("yarn");
+/// A fixture of the model crate through the binary: `--init-from` trains 3 steps at 24
+/// positions, and the run and its export evaluate alike. Returns the run's `[model]` keys, the
+/// export's directory and the scratch directory holding it.
+fn trains_exports_and_evaluates_alike(name: &str) -> (toml::Value, PathBuf, Scratch) {
+    let fx = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../model/tests/fixtures").join(name);
+    let d = scratch(name);
     let data = corpus(&d);
     let out = d.join("run");
     let o = kiln(&["train", "--init-from", fx.to_str().unwrap(), "--data", data.to_str().unwrap(), "--out", out.to_str().unwrap(),
@@ -175,18 +174,46 @@ fn yarn_model_trains_and_exports_its_rope_scaling() {
         "--set", "sample.tokens=0", "--quiet"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let cfg: toml::Value = toml::from_str(&fs::read_to_string(out.join("config.toml")).unwrap()).unwrap();
-    let m = &cfg["model"];
-    assert_eq!((m["rope_scaling"].as_str(), m["rope_factor"].as_float(), m["rope_original_max_positions"].as_integer()), (Some("yarn"), Some(4.0), Some(8)));
-    let af = m["rope_attention_factor"].as_float().unwrap();
-    assert!((af - (0.1 * 4f64.ln() + 1.0)).abs() < 1e-6, "{af}");
     let exp = d.join("export");
     assert!(kiln(&["export", "--run", out.to_str().unwrap(), "--out", exp.to_str().unwrap()]).status.success());
-    let cj: serde_json::Value = serde_json::from_str(&fs::read_to_string(exp.join("config.json")).unwrap()).unwrap();
-    assert_eq!(cj["rope_parameters"]["rope_type"], "yarn", "{cj}");
     let a = kiln(&["eval", "--run", out.to_str().unwrap(), "--data", data.to_str().unwrap(), "--seq-len", "24"]);
     let b = kiln(&["eval", "--checkpoint", exp.to_str().unwrap(), "--data", data.to_str().unwrap(), "--seq-len", "24"]);
     assert!(a.status.success() && b.status.success(), "{} {}", stderr(&a), stderr(&b));
     let va: serde_json::Value = serde_json::from_str(stdout(&a).trim()).unwrap();
     let vb: serde_json::Value = serde_json::from_str(stdout(&b).trim()).unwrap();
     assert_eq!(va["val_loss"], vb["val_loss"]);
+    (cfg["model"].clone(), exp, d)
+}
+
+fn exported_config(exp: &Path) -> serde_json::Value {
+    serde_json::from_str(&fs::read_to_string(exp.join("config.json")).unwrap()).unwrap()
+}
+
+/// A YaRN model (the model crate's qwen2-yarn fixture): `--init-from` sets
+/// `model.rope_scaling = "yarn"` and its keys, and the export has YaRN in `rope_parameters`.
+#[test]
+fn yarn_model_trains_and_exports_its_rope_scaling() {
+    let (m, exp, _d) = trains_exports_and_evaluates_alike("qwen2-yarn");
+    assert_eq!((m["rope_scaling"].as_str(), m["rope_factor"].as_float(), m["rope_original_max_positions"].as_integer()), (Some("yarn"), Some(4.0), Some(8)));
+    let af = m["rope_attention_factor"].as_float().unwrap();
+    assert!((af - (0.1 * 4f64.ln() + 1.0)).abs() < 1e-6, "{af}");
+    let cj = exported_config(&exp);
+    assert_eq!(cj["rope_parameters"]["rope_type"], "yarn", "{cj}");
+}
+
+/// A Phi-3 with LongRoPE (the model crate's phi3-longrope fixture): `--init-from` sets
+/// `model.fused_proj` and the `longrope` keys with both factor lists, the run trains at 24
+/// positions (the long factors), and its export is Phi-3 again (fused tensors, `rope_parameters`
+/// longrope).
+#[test]
+fn phi3_longrope_model_trains_and_exports_as_phi3() {
+    let (m, exp, _d) = trains_exports_and_evaluates_alike("phi3-longrope");
+    assert_eq!((m["rope_scaling"].as_str(), m["fused_proj"].as_bool(), m["rope_original_max_positions"].as_integer()), (Some("longrope"), Some(true), Some(8)));
+    let long: Vec<f64> = m["rope_long_factor"].as_array().unwrap().iter().map(|v| v.as_float().unwrap()).collect();
+    assert_eq!(long, [1.0, 1.4f32 as f64, 3.5, 9.0]);
+    let cj = exported_config(&exp);
+    assert_eq!((cj["architectures"][0].as_str(), cj["rope_parameters"]["rope_type"].as_str()), (Some("Phi3ForCausalLM"), Some("longrope")), "{cj}");
+    let st = fs::read(exp.join("model.safetensors")).unwrap();
+    let names = safetensors::SafeTensors::deserialize(&st).unwrap().names().into_iter().map(String::from).collect::<Vec<_>>();
+    assert!(names.iter().any(|n| n.ends_with("qkv_proj.weight")) && !names.iter().any(|n| n.ends_with("q_proj.weight")), "{names:?}");
 }

@@ -108,6 +108,61 @@ fn yarn_rope_scaling_matches_transformers() {
     assert!((a as f64 - ds["attention_factor"].as_f64().unwrap()).abs() <= 1e-6, "attention factor {a} vs {}", ds["attention_factor"]);
 }
 
+/// Phi-3 with LongRoPE (tests/fixtures/phi3-longrope, made by its make.py with transformers):
+/// fused `qkv_proj` / `gate_up_proj` tensors, Phi-3.5's config form (top-level
+/// `original_max_position_embeddings` 8, short and long factors), a window of 16. Rows of 24
+/// tokens (the long factors) match transformers' logits and loss, their first 6 tokens alone
+/// (the short factors) its logits of that pass; the export writes Phi-3's fused tensors back
+/// bit for bit; decoding switches to the long tables where transformers' generation would.
+#[test]
+fn phi3_longrope_matches_transformers() {
+    fixture_matches("phi3-longrope");
+    export_reimport("phi3-longrope");
+    let dir = fixture("phi3-longrope");
+    let mut m = import_hf(&dir).unwrap();
+    assert!(m.cfg.fused_proj && m.cfg.sliding_window == 16, "{:?}", m.cfg);
+    let Some(model::config::RopeScaling::LongRope { original_max_position_embeddings: 8, attention_factor, .. }) = m.cfg.rope_scaling.clone() else {
+        panic!("{:?}", m.cfg.rope_scaling)
+    };
+    // transformers' default: sqrt(1 + ln(32 / 8) / ln 8).
+    assert!((attention_factor as f64 - (1.0 + 4f64.ln() / 8f64.ln()).sqrt()).abs() < 1e-6, "{attention_factor}");
+    let rows = tokens(&dir);
+    let short: Vec<u32> = rows.iter().flat_map(|r| r[..6].iter().copied()).collect();
+    let got = m.forward_logits(&short, rows.len(), 6);
+    let bytes = std::fs::read(dir.join("expected.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let t = st.tensor("logits_short").unwrap();
+    assert_eq!(t.shape(), [rows.len(), 6, m.cfg.vocab_size]);
+    let want: Vec<f32> = t.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+    let err = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    assert!(err <= 1e-4, "short pass: max |logit error| {err}");
+    // Token-by-token decoding of the first 6 tokens is a pass of ≤ 8 positions at every step
+    // (the short tables, as transformers' generation): it gives the short pass's logits.
+    let mut cache = m.new_cache();
+    let vp = m.cfg.vocab_size;
+    for (i, &tok) in rows[0][..6].iter().enumerate() {
+        let step = m.decode_step(&mut cache, tok);
+        let err = step.iter().zip(&got[i * vp..(i + 1) * vp]).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        assert!(err < 1e-4, "decode position {i}: {err}");
+    }
+    // A config whose heads do not fit the fused tensor is refused, naming it and both shapes.
+    let bad = std::env::temp_dir().join(format!("kiln-phi3-bad-{}", std::process::id()));
+    std::fs::create_dir_all(&bad).unwrap();
+    std::fs::copy(dir.join("model.safetensors"), bad.join("model.safetensors")).unwrap();
+    let cfg = std::fs::read_to_string(dir.join("config.json")).unwrap().replace("\"num_key_value_heads\": 2", "\"num_key_value_heads\": 4");
+    std::fs::write(bad.join("config.json"), cfg).unwrap();
+    let e = import_hf(&bad).err().expect("4 key/value heads do not fit");
+    assert!(e.contains("self_attn.qkv_proj.weight") && e.contains("[64, 32]") && e.contains("[96, 32]"), "{e}");
+    let _ = std::fs::remove_dir_all(&bad);
+    // The fused tensors are read by name through the one-at-a-time reader too (QLoRA's path).
+    let r = model::hf::TensorReader::open(&dir).unwrap();
+    for p in &m.layout.params {
+        let mut dst = vec![0.0f32; p.shape.iter().product()];
+        r.read_into(&p.name, &p.shape, &mut dst).unwrap();
+        assert!(dst.iter().zip(&m.params[p.range()]).all(|(a, b)| a.to_bits() == b.to_bits()), "{}", p.name);
+    }
+}
+
 /// KV-cached decoding of `row`, token by token, gives the full forward's logits.
 fn decode_matches_forward(m: &mut model::Gpt, row: &[u32]) {
     let full = m.forward_logits(row, 1, row.len());
