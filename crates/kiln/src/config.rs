@@ -29,8 +29,9 @@ pub struct ModelSection {
     /// `rope_beta_fast`, `rope_beta_slow`, `rope_attention_factor` (0: YaRN's `0.1·ln(factor) +
     /// 1`), `rope_truncate`) or `longrope` (Phi-3: `rope_short_factor`, `rope_long_factor`,
     /// `rope_original_max_positions`, `rope_attention_factor` (0: `sqrt(1 + ln(s)/ln(o))` with
-    /// `s = block_size / o`, `o` the original positions)). `--init-from` sets them from a
-    /// Hugging Face config.
+    /// `s = block_size / o`, `o` the original positions)) or `dynamic` (dynamic NTK:
+    /// `rope_factor`, `rope_original_max_positions` ≥ `block_size`: plain RoPE in every pass kiln
+    /// runs). `--init-from` sets them from a Hugging Face config.
     #[serde(with = "named")]
     pub rope_scaling: RopeKind,
     pub rope_factor: f64,
@@ -559,6 +560,9 @@ pub fn set_rope_scaling(m: &mut ModelSection, r: Option<model::config::RopeScali
             (m.rope_scaling, m.rope_factor, m.rope_original_max_positions) = (RopeKind::Yarn, factor as f64, original_max_position_embeddings);
             (m.rope_beta_fast, m.rope_beta_slow, m.rope_attention_factor, m.rope_truncate) = (beta_fast as f64, beta_slow as f64, attention_factor as f64, truncate);
         }
+        Some(R::Dynamic { factor, original_max_position_embeddings }) => {
+            (m.rope_scaling, m.rope_factor, m.rope_original_max_positions) = (RopeKind::Dynamic, factor as f64, original_max_position_embeddings);
+        }
         Some(R::LongRope { short_factor, long_factor, original_max_position_embeddings, attention_factor }) => {
             (m.rope_scaling, m.rope_original_max_positions, m.rope_attention_factor) = (RopeKind::LongRope, original_max_position_embeddings, attention_factor as f64);
             let wide = |f: Vec<f32>| f.into_iter().map(f64::from).collect();
@@ -576,11 +580,12 @@ pub enum RopeKind {
     Llama3,
     Yarn,
     LongRope,
+    Dynamic,
 }
 
 impl Names for RopeKind {
     const NAMES: &'static [(&'static str, RopeKind)] =
-        &[("none", RopeKind::None), ("linear", RopeKind::Linear), ("llama3", RopeKind::Llama3), ("yarn", RopeKind::Yarn), ("longrope", RopeKind::LongRope)];
+        &[("none", RopeKind::None), ("linear", RopeKind::Linear), ("llama3", RopeKind::Llama3), ("yarn", RopeKind::Yarn), ("longrope", RopeKind::LongRope), ("dynamic", RopeKind::Dynamic)];
 }
 
 /// `parallel.backend`: how ranks talk.
@@ -1259,6 +1264,7 @@ impl RunConfig {
                     attention_factor: if m.rope_attention_factor == 0.0 { model::config::yarn_mscale(m.rope_factor, 1.0) as f32 } else { m.rope_attention_factor as f32 },
                     truncate: m.rope_truncate,
                 }),
+                RopeKind::Dynamic => Some(model::config::RopeScaling::Dynamic { factor: m.rope_factor as f32, original_max_position_embeddings: m.rope_original_max_positions }),
                 RopeKind::LongRope => Some(model::config::RopeScaling::LongRope {
                     short_factor: m.rope_short_factor.iter().map(|&f| f as f32).collect(),
                     long_factor: m.rope_long_factor.iter().map(|&f| f as f32).collect(),

@@ -50,6 +50,11 @@ pub enum RopeScaling {
     /// whole pass switches, as transformers' `longrope_frequency_update` does), and cos / sin
     /// scaled by `attention_factor`.
     LongRope { short_factor: Vec<f32>, long_factor: Vec<f32>, original_max_position_embeddings: usize, attention_factor: f32 },
+    /// Dynamic NTK (transformers' `_compute_dynamic_ntk_parameters`): plain RoPE in every pass
+    /// over at most `original_max_position_embeddings` positions (the Hugging Face config's
+    /// `max_position_embeddings`); only longer passes rescale the base, and a model's
+    /// `block_size` may not exceed that length, so kiln never runs one.
+    Dynamic { factor: f32, original_max_position_embeddings: usize },
 }
 
 /// LongRoPE's default attention factor (transformers): `sqrt(1 + ln(factor) / ln(original))`
@@ -103,6 +108,8 @@ impl RopeScaling {
 
     fn apply(&self, inv_freq: &mut [f32], theta: f32, hs: usize, long: bool) {
         match *self {
+            // Plain RoPE in every pass kiln runs (validate).
+            RopeScaling::Dynamic { .. } => {}
             RopeScaling::LongRope { ref short_factor, ref long_factor, .. } => {
                 // transformers: 1 / (ext · base^(2i/d)), the product in fp32.
                 let ext = if long { long_factor } else { short_factor };
@@ -153,8 +160,16 @@ impl RopeScaling {
     }
 
     /// Checks the factors (`hs`: the head width); the error names the key.
-    fn validate(&self, hs: usize) -> Result<(), String> {
+    fn validate(&self, hs: usize, block_size: usize) -> Result<(), String> {
         let factor = match *self {
+            RopeScaling::Dynamic { factor, original_max_position_embeddings } => {
+                if block_size > original_max_position_embeddings {
+                    return Err(format!(
+                        "rope scaling dynamic rescales only passes longer than its original context (model.rope_original_max_positions = {original_max_position_embeddings}), which kiln does not run: model.block_size = {block_size} must not exceed it"
+                    ));
+                }
+                factor
+            }
             RopeScaling::LongRope { ref short_factor, ref long_factor, original_max_position_embeddings, attention_factor } => {
                 for (key, f) in [("rope_short_factor", short_factor), ("rope_long_factor", long_factor)] {
                     if f.len() != hs / 2 {
@@ -347,7 +362,7 @@ impl GptConfig {
             if self.arch != Arch::Llama {
                 return Err("model.rope_scaling needs model.arch = llama (rotary embeddings)".into());
             }
-            r.validate(self.head_size())?;
+            r.validate(self.head_size(), self.block_size)?;
         }
         if self.sliding_window > 0 && self.arch != Arch::Llama {
             return Err("model.sliding_window needs model.arch = llama (GPT-2 attends to every earlier position)".into());

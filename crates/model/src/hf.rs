@@ -1,6 +1,6 @@
 //! Hugging Face interoperability: `config.json` + `model.safetensors` (one file, or shards
 //! listed in `model.safetensors.index.json`; F32, BF16 or F16) for `GPT2LMHeadModel`,
-//! `LlamaForCausalLM` (with `linear` / `llama3` / `yarn` / `longrope` rope scaling), `Qwen2ForCausalLM`,
+//! `LlamaForCausalLM` (with `linear` / `llama3` / `yarn` / `longrope` / `dynamic` rope scaling), `Qwen2ForCausalLM`,
 //! `MistralForCausalLM` (sliding-window attention), `MixtralForCausalLM` and `Phi3ForCausalLM`, in and out.
 //! kiln's layout uses HF's parameter names, so import and export are by name; Phi-3's fused
 //! `qkv_proj` and `gate_up_proj` are the concatenations of parameters kiln's layout holds
@@ -169,7 +169,7 @@ fn llama_config(cfg: &Value, origin: &Path, qkv_bias: bool) -> Result<GptConfig,
 
 /// The rotary base and scaling: transformers 5's `rope_parameters` (`rope_theta`, `rope_type`
 /// and its factors), or the older top-level `rope_theta` with `rope_scaling` (`type` or
-/// `rope_type`). Supported types: `default`, `linear`, `llama3`, `yarn`, `longrope`; others are
+/// `rope_type`). Supported types: `default`, `linear`, `llama3`, `yarn`, `longrope`, `dynamic`; others are
 /// refused by name, as is a partial rotary factor other than 1.
 fn rope_of(cfg: &Value, origin: &Path) -> Result<(f32, Option<RopeScaling>), String> {
     let params = cfg.get("rope_parameters").filter(|v| v.is_object());
@@ -197,8 +197,13 @@ fn rope_of(cfg: &Value, origin: &Path) -> Result<(f32, Option<RopeScaling>), Str
         }),
         "yarn" => Some(yarn_of(cfg, r, key, origin)?),
         "longrope" => Some(longrope_of(cfg, r, key, origin)?),
+        // transformers' original context for dynamic NTK is max_position_embeddings.
+        "dynamic" => Some(RopeScaling::Dynamic {
+            factor: num("factor")?,
+            original_max_position_embeddings: cfg.get("max_position_embeddings").and_then(Value::as_u64).unwrap_or(0) as usize,
+        }),
         other => {
-            return Err(format!("{}: `{key}` type `{other}` is not supported (supported: default, linear, llama3, yarn, longrope)", origin.display()));
+            return Err(format!("{}: `{key}` type `{other}` is not supported (supported: default, linear, llama3, yarn, longrope, dynamic)", origin.display()));
         }
     };
     Ok((theta, scaling))
@@ -637,6 +642,7 @@ fn export_config(c: &GptConfig) -> Result<Value, String> {
                     "original_max_position_embeddings": original_max_position_embeddings, "attention_factor": attention_factor});
             }
             &Some(RopeScaling::Linear { factor }) => rope = json!({"rope_theta": c.rope_theta, "rope_type": "linear", "factor": factor}),
+            &Some(RopeScaling::Dynamic { factor, .. }) => rope = json!({"rope_theta": c.rope_theta, "rope_type": "dynamic", "factor": factor}),
             &Some(RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings }) => {
                 rope = json!({"rope_theta": c.rope_theta, "rope_type": "llama3", "factor": factor, "low_freq_factor": low_freq_factor,
                     "high_freq_factor": high_freq_factor, "original_max_position_embeddings": original_max_position_embeddings});

@@ -104,16 +104,16 @@ fn bad_hugging_face_configs_are_refused_by_key() {
     let d = scratch("hfbad");
     let data = corpus(&d);
     let fx = fixture("fixtures/llama31-tiny");
-    let bad = d.join("dynamic");
+    let bad = d.join("mrope");
     fs::create_dir_all(&bad).unwrap();
     for f in ["model.safetensors", "generation_config.json"] {
         fs::copy(fx.join(f), bad.join(f)).unwrap();
     }
-    let cfg = fs::read_to_string(fx.join("config.json")).unwrap().replace("\"llama3\"", "\"dynamic\"");
+    let cfg = fs::read_to_string(fx.join("config.json")).unwrap().replace("\"llama3\"", "\"mrope\"");
     fs::write(bad.join("config.json"), cfg).unwrap();
     let out = d.join("run");
     let o = kiln(&["train", "--init-from", bad.to_str().unwrap(), "--data", data.to_str().unwrap(), "--out", out.to_str().unwrap(), "--quiet"]);
-    assert_user_error(&o, &["config.json", "dynamic", "rope_parameters"]);
+    assert_user_error(&o, &["config.json", "mrope", "rope_parameters"]);
     assert!(!out.exists());
     // A dtype kiln cannot read: the tensor and the dtype are named.
     let cfg = fs::read_to_string(fx.join("config.json")).unwrap();

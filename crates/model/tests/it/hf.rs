@@ -163,6 +163,25 @@ fn phi3_longrope_matches_transformers() {
     }
 }
 
+/// Dynamic NTK rope scaling (tests/fixtures/llama-dynamic, made by its make.py with
+/// transformers): in passes up to `max_position_embeddings` transformers keeps plain RoPE's
+/// frequencies, and so does kiln (whose context may not exceed that length); logits, loss and the
+/// frequencies transformers used match, and the export writes `dynamic` back.
+#[test]
+fn dynamic_rope_scaling_matches_transformers() {
+    fixture_matches("llama-dynamic");
+    export_reimport("llama-dynamic");
+    let dir = fixture("llama-dynamic");
+    let m = import_hf(&dir).unwrap();
+    assert_eq!(m.cfg.rope_scaling, Some(model::config::RopeScaling::Dynamic { factor: 2.0, original_max_position_embeddings: 32 }));
+    let ej: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
+    let want: Vec<f32> = ej["inv_freq_after_forward"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32).collect();
+    assert_eq!(m.cfg.rope_inv_freq(), want);
+    // A context past the original length is refused, naming both keys.
+    let e = model::GptConfig { block_size: 33, ..m.cfg.clone() }.validate().unwrap_err();
+    assert!(e.contains("model.block_size = 33") && e.contains("model.rope_original_max_positions = 32"), "{e}");
+}
+
 /// KV-cached decoding of `row`, token by token, gives the full forward's logits.
 fn decode_matches_forward(m: &mut model::Gpt, row: &[u32]) {
     let full = m.forward_logits(row, 1, row.len());
@@ -210,9 +229,9 @@ fn rope_scaling_config_forms() {
     scaling.as_object_mut().unwrap().remove("rope_theta");
     old["rope_scaling"] = scaling;
     assert_eq!(model::hf::hf_config(&old, &origin).unwrap(), new);
-    old["rope_scaling"]["rope_type"] = "dynamic".into();
+    old["rope_scaling"]["rope_type"] = "mrope".into();
     let e = model::hf::hf_config(&old, &origin).unwrap_err();
-    assert!(e.contains("dynamic") && e.contains("rope_scaling") && e.contains("config.json"), "{e}");
+    assert!(e.contains("mrope") && e.contains("rope_scaling") && e.contains("config.json"), "{e}");
     // Linear scaling divides every frequency by its factor.
     let mut lin = new.clone();
     lin.rope_scaling = Some(model::config::RopeScaling::Linear { factor: 4.0 });
