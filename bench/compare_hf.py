@@ -60,10 +60,11 @@ def torch_run(model_dir, batches, cfg):
     params = [p for p in model.parameters()]
     out = []
     for b in batches:
-        toks = torch.tensor(b["tokens"], dtype=torch.long)
-        x, y = toks[:, :-1], toks[:, 1:]
+        # RUN/batches.jsonl: each row's input window and its targets (-100 where none counts).
+        x = torch.tensor(b["inputs"], dtype=torch.long)
+        y = torch.tensor(b["targets"], dtype=torch.long)
         logits = model(input_ids=x).logits
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         # The global norm in float64 (torch's clip_grad_norm_ sums squares in fp32, which over a

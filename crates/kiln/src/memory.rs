@@ -245,6 +245,7 @@ pub fn activation_set_every(cfg: &GptConfig, b: usize, t: usize, recompute: Reco
         (true, false) => n_inner as u64 * moe_cache_bytes(cfg, n),
         _ => bulk(n_inner, n * cfg.fc_width()) + bulk(n_inner, n * cfg.ffn_hidden),
     };
+    let qk_heads = n * (cfg.n_head + cfg.n_kv_head);
     let core = match recompute {
         // One shared fp32 set, recomputed per layer.
         Recompute::Selective => f(n * aw + b * nh * t),
@@ -257,7 +258,8 @@ pub fn activation_set_every(cfg: &GptConfig, b: usize, t: usize, recompute: Reco
             (true, Some(bits)) => f(3 * nl * c) + l as u64 * tensor::quant::compressed_bytes(nl * c, bits) as u64,
             _ => f((l + 1) * nl * c),
         } + bulk(n_kept, nl * c) + f(nl * c) + f(nf * c),
-        attention: bulk(n_inner, n * qw) + core,
+        // Qwen3's per-head norms keep their inputs (rounded like q|k|v) and an fp32 rstd per head.
+        attention: bulk(n_inner, n * qw) + core + if cfg.qk_norm { bulk(n_inner, qk_heads * cfg.head_size()) + stat(n_inner, qk_heads) } else { 0 },
         mlp: mlp_inner,
         norms: 2 * bulk(n_kept, nl * c) + stat(n_kept, 4 * nl) + f(hl * c + 2 * hl) + 2 * bulk(n_inner, nf * c),
         head: f(hl * c) + f(if head { nf * c } else { 0 }) + f(tensor::classifier::chunk_rows(hn, vp, p.arith) * vp),

@@ -247,6 +247,14 @@ pub struct GptConfig {
     /// Biases on the q, k and v projections only (Qwen2; llama arch).
     #[serde(default)]
     pub qkv_bias: bool,
+    /// The token whose embedding row the lookup gives no gradient (transformers' `padding_idx`,
+    /// its config's `pad_token_id`; llama arch). `None`: every row.
+    #[serde(default)]
+    pub pad_token_id: Option<usize>,
+    /// RMSNorm over each head of q and of k before the rotary embedding (Qwen3's `q_norm`,
+    /// `k_norm`; llama arch).
+    #[serde(default)]
+    pub qk_norm: bool,
     /// Hugging Face files hold q, k and v as one `qkv_proj` and gate and up as one
     /// `gate_up_proj` (Phi-3's `Phi3ForCausalLM`); the model itself is LLaMA's.
     #[serde(default)]
@@ -295,7 +303,7 @@ impl GptConfig {
     pub fn gpt2(n_layer: usize, n_head: usize, n_embd: usize, block_size: usize, vocab_size: usize, bias: bool, dropout: f32, tied: bool) -> GptConfig {
         GptConfig {
             arch: Arch::Gpt2, n_layer, n_head, n_kv_head: n_head, n_embd, ffn_hidden: 4 * n_embd, block_size, vocab_size,
-            bias, dropout, tied_embeddings: tied, rope_theta: defaults::ROPE_THETA as f32, rope_scaling: None, qkv_bias: false, fused_proj: false, sliding_window: 0, attn_sinks: 0, window_layers: Vec::new(), head_dim: 0, norm_eps: defaults::NORM_EPS as f32,
+            bias, dropout, tied_embeddings: tied, rope_theta: defaults::ROPE_THETA as f32, rope_scaling: None, qkv_bias: false, pad_token_id: None, qk_norm: false, fused_proj: false, sliding_window: 0, attn_sinks: 0, window_layers: Vec::new(), head_dim: 0, norm_eps: defaults::NORM_EPS as f32,
             n_expert: 0, top_k: defaults::TOP_K, n_shared_expert: 0, capacity_factor: 0.0, moe_aux_weight: defaults::MOE_AUX_WEIGHT as f32,
             moe_z_weight: defaults::MOE_Z_WEIGHT as f32, place: Placement::default(),
         }
@@ -379,6 +387,14 @@ impl GptConfig {
         if self.fused_proj && (self.arch != Arch::Llama || self.qkv_bias || self.n_expert > 0) {
             return Err("model.fused_proj is Phi-3's form of a llama-arch model without q/k/v biases or experts".into());
         }
+        if let Some(pad) = self.pad_token_id {
+            if self.arch != Arch::Llama || pad >= self.vocab_size {
+                return Err(format!("model.pad_token_id = {pad} must be a row of a llama-arch model's vocabulary (model.vocab_size = {})", self.vocab_size));
+            }
+        }
+        if self.qk_norm && self.arch != Arch::Llama {
+            return Err("model.qk_norm is a llama-arch setting (Qwen3's per-head q and k norms)".into());
+        }
         if self.qkv_bias && self.arch != Arch::Llama {
             return Err("model.qkv_bias is a llama-arch setting (Qwen2); GPT-2's biases are model.bias".into());
         }
@@ -412,7 +428,7 @@ impl GptConfig {
                 (norms + attn + mlp, v * c + u(self.block_size) * c)
             }
             Arch::Llama => {
-                let attn = (q + two * kv) * c + if self.qkv_bias { q + two * kv } else { zero } + c * q;
+                let attn = (q + two * kv) * c + if self.qkv_bias { q + two * kv } else { zero } + c * q + if self.qk_norm { two * hs } else { zero };
                 let expert = three * f * c;
                 let mlp = if self.n_expert > 0 { u(self.n_expert) * c + (u(self.n_expert) + u(self.n_shared_expert)) * expert } else { expert };
                 (two * c + attn + mlp, v * c)

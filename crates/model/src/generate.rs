@@ -3,7 +3,7 @@
 //! `block_size`, the cache is rebuilt from the most recent half-context (as nanoGPT crops).
 
 use crate::gpt::{Gpt, Ops};
-use tensor::llama::{rope_forward, GqaDims};
+use tensor::llama::{head_rmsnorm_forward, rope_forward, GqaDims};
 use tensor::*;
 
 /// Sampling settings: `temperature == 0` is greedy; `top_k == 0` means the full vocabulary.
@@ -24,6 +24,8 @@ pub struct KvCache {
 struct Scratch {
     x: Vec<f32>, ln: Vec<f32>, qkv: Vec<f32>, atty: Vec<f32>, proj: Vec<f32>, res: Vec<f32>,
     fch: Vec<f32>, fch_gelu: Vec<f32>, logits: Vec<f32>, mean: [f32; 1], rstd: [f32; 1],
+    /// Qwen3's per-head norms: their inputs and `rstd` (unused after the step).
+    qk_pre: Vec<f32>, qk_rstd: Vec<f32>,
     moe: Option<tensor::moe::MoeCache>,
 }
 
@@ -48,6 +50,7 @@ impl Gpt {
         Scratch {
             x: vec![0.0; c], ln: vec![0.0; c], qkv: vec![0.0; self.cfg.qkv_width()], atty: vec![0.0; self.cfg.attn_width()], proj: vec![0.0; c], res: vec![0.0; c],
             fch: vec![0.0; self.cfg.fc_width()], fch_gelu: vec![0.0; f], logits: vec![0.0; self.cfg.vocab_size], mean: [0.0], rstd: [0.0],
+            qk_pre: vec![0.0; (self.cfg.n_head + self.cfg.n_kv_head) * self.cfg.head_size()], qk_rstd: vec![0.0; self.cfg.n_head + self.cfg.n_kv_head],
             moe: self.cfg.is_moe().then(|| tensor::moe::MoeCache::new(self.cfg.moe_dims(1))),
         }
     }
@@ -78,6 +81,12 @@ impl Gpt {
         for (l, bp) in pv.blocks.iter().enumerate() {
             ops.norm_forward(&mut s.ln, &mut s.mean, &mut s.rstd, &s.x, &w[bp.ln_1_w.clone()], opt(&bp.ln_1_b));
             matmul_forward(&mut s.qkv, &s.ln, &w[bp.c_attn_w.clone()], opt(&bp.c_attn_b), 1, c, qw);
+            if let Some(r) = &bp.qk_norm_w {
+                let (qn, rq) = (&mut s.qk_pre[..nh * hs], &mut s.qk_rstd[..nh]);
+                head_rmsnorm_forward(&mut s.qkv, qn, rq, &w[r.start..r.start + hs], cfg.norm_eps, qw, 0, nh);
+                let (kn, rk) = (&mut s.qk_pre[nh * hs..], &mut s.qk_rstd[nh..]);
+                head_rmsnorm_forward(&mut s.qkv, kn, rk, &w[r.start + hs..r.end], cfg.norm_eps, qw, nh * hs, nkv);
+            }
             if let Some((cos, sin)) = rope {
                 rope_forward(&mut s.qkv, cos, sin, &one, pos);
             }

@@ -27,7 +27,7 @@ use tensor::attention::AttnDims;
 use tensor::classifier::{chunk_rows, lm_head_crossentropy, lm_head_crossentropy_vocab_parallel, HeadDims};
 use tensor::ops::{dropout_backward_rows, dropout_inplace_rows, Chunks, RowMap};
 use tensor::flash::{flash_attention_backward_docs, flash_attention_forward_docs, flash_gqa_backward_docs, flash_gqa_forward_docs};
-use tensor::llama::{rmsnorm_backward, rmsnorm_forward, rope_backward, rope_backward_pos, rope_forward, rope_forward_pos, swiglu_backward_into, swiglu_forward, GqaDims};
+use tensor::llama::{head_rmsnorm_backward, head_rmsnorm_forward, rmsnorm_backward, rmsnorm_forward, rope_backward, rope_backward_pos, rope_forward, rope_forward_pos, swiglu_backward_into, swiglu_forward, GqaDims};
 use tensor::rng::mix64;
 use tensor::*;
 
@@ -236,6 +236,10 @@ struct BlockInner {
     /// column-parallel products' inputs); empty otherwise.
     ln_1_full: Vec<f32>,
     ln_2_full: Vec<f32>,
+    /// Qwen3's per-head norms (`qk_norm`): their inputs `[q: N·NH·HS | k: N·NKV·HS]` and
+    /// `rstd` `[q: N·NH | k: N·NKV]`; empty otherwise.
+    qk_pre: Vec<f32>,
+    qk_rstd: Vec<f32>,
 }
 
 impl BlockKept {
@@ -247,8 +251,11 @@ impl BlockKept {
 
 impl BlockInner {
     /// As [`BlockKept::parts`] (an MoE layer's cache is stashed on its own, see [`Stash::put`]).
-    fn parts(&mut self) -> ([&mut Vec<f32>; 6], [&mut Vec<f32>; 1]) {
-        ([&mut self.qkv, &mut self.core.atty, &mut self.fch, &mut self.fch_gelu, &mut self.ln_1_full, &mut self.ln_2_full], [&mut self.core.state])
+    fn parts(&mut self) -> ([&mut Vec<f32>; 7], [&mut Vec<f32>; 2]) {
+        (
+            [&mut self.qkv, &mut self.core.atty, &mut self.fch, &mut self.fch_gelu, &mut self.ln_1_full, &mut self.ln_2_full, &mut self.qk_pre],
+            [&mut self.core.state, &mut self.qk_rstd],
+        )
     }
 }
 
@@ -735,6 +742,7 @@ impl Gpt {
         let cfg = &self.cfg;
         // Selective recomputation keeps everything but the attention core's outputs.
         let own_core = self.recompute != Recompute::Selective;
+        let qk_heads = if cfg.qk_norm { n * (cfg.n_head + cfg.n_kv_head) } else { 0 };
         let kept = || BlockKept {
             ln_1: zeros(nl * c), ln_1_mean: zeros(nl), ln_1_rstd: zeros(nl), res_2: zeros(nl * c),
             ln_2: zeros(nl * c), ln_2_mean: zeros(nl), ln_2_rstd: zeros(nl),
@@ -744,6 +752,7 @@ impl Gpt {
             fch: zeros(n * fw), fch_gelu: zeros(n * f),
             moe: moe.then(|| MoeCache::new(cfg.moe_dims(n))),
             ln_1_full: zeros(nf * c), ln_2_full: zeros(nf * c),
+            qk_pre: zeros(qk_heads * cfg.head_size()), qk_rstd: zeros(qk_heads),
         };
         let l = self.cfg.n_layer;
         // Full recomputation of every k-th layer (k = 1: all): those layers share one set,
@@ -1112,10 +1121,20 @@ impl Gpt {
                 None => (&mut dw[pv.wte.clone()], None),
             };
             let pos = docs.map(|d| d.pos);
-            match ops.vocab_rows() {
-                Some(rows) => embedding_backward_rows(dwte, dwpe, demb, &a.tokens, pos, t, c, rows),
-                None if pos.is_some() => embedding_backward_rows(dwte, dwpe, demb, &a.tokens, pos, t, c, 0..self.cfg.vocab_size),
-                None => embedding_backward(dwte, dwpe, demb, &a.tokens, t, c),
+            match (ops.vocab_rows(), self.cfg.pad_token_id) {
+                // transformers' `padding_idx`: the pad token's row gets no gradient from the
+                // lookup (the rows on either side of it accumulate as usual; llama: no `dwpe`).
+                (rows, Some(pad)) => {
+                    let rows = rows.unwrap_or(0..self.cfg.vocab_size);
+                    let cut = pad.clamp(rows.start, rows.end);
+                    let (below, above) = dwte.split_at_mut((cut - rows.start) * c);
+                    embedding_backward_rows(below, None, demb, &a.tokens, pos, t, c, rows.start..cut);
+                    let skip = if rows.contains(&pad) { c } else { 0 };
+                    embedding_backward_rows(&mut above[skip..], dwpe, demb, &a.tokens, pos, t, c, cut + skip / c..rows.end);
+                }
+                (Some(rows), None) => embedding_backward_rows(dwte, dwpe, demb, &a.tokens, pos, t, c, rows),
+                (None, None) if pos.is_some() => embedding_backward_rows(dwte, dwpe, demb, &a.tokens, pos, t, c, 0..self.cfg.vocab_size),
+                (None, None) => embedding_backward(dwte, dwpe, demb, &a.tokens, t, c),
             }
         }
         store.release(0, emb);
@@ -1242,7 +1261,8 @@ fn acts_bytes(a: &Acts) -> usize {
     };
     let kept = |k: &BlockKept| [&k.ln_1, &k.ln_1_mean, &k.ln_1_rstd, &k.res_2, &k.ln_2, &k.ln_2_mean, &k.ln_2_rstd].iter().map(|x| v(x)).sum::<usize>();
     let inner = |i: &BlockInner| {
-        [&i.qkv, &i.core.atty, &i.core.state, &i.fch, &i.fch_gelu, &i.ln_1_full, &i.ln_2_full].iter().map(|x| v(x)).sum::<usize>() + i.moe.as_ref().map_or(0, moe_bytes)
+        [&i.qkv, &i.core.atty, &i.core.state, &i.fch, &i.fch_gelu, &i.ln_1_full, &i.ln_2_full, &i.qk_pre, &i.qk_rstd].iter().map(|x| v(x)).sum::<usize>()
+            + i.moe.as_ref().map_or(0, moe_bytes)
     };
     a.xs.iter().map(v).sum::<usize>() + v(&a.x_work)
         + a.kept.iter().map(kept).sum::<usize>()
@@ -1459,6 +1479,15 @@ impl<'o, 'a> Block<'o, 'a> {
     /// rotated).
     fn qkv_forward(&self, k: &BlockKept, i: &mut BlockInner) {
         self.linear(Site::Qkv).forward_column(&mut i.qkv, &k.ln_1, &mut i.ln_1_full);
+        if let Some(r) = &self.bp.qk_norm_w {
+            let (cfg, hs) = (self.ops.cfg, self.ops.cfg.head_size());
+            let (w, qw, nh, nkv) = (&self.w[r.clone()], cfg.qkv_width(), cfg.n_head, cfg.n_kv_head);
+            let tokens = i.qk_rstd.len() / (nh + nkv);
+            let (pq, pk) = i.qk_pre.split_at_mut(tokens * nh * hs);
+            let (rq, rk) = i.qk_rstd.split_at_mut(tokens * nh);
+            head_rmsnorm_forward(&mut i.qkv, pq, rq, &w[..hs], cfg.norm_eps, qw, 0, nh);
+            head_rmsnorm_forward(&mut i.qkv, pk, rk, &w[hs..], cfg.norm_eps, qw, nh * hs, nkv);
+        }
         if self.ops.rope_forward(&mut i.qkv) {
             // The rotated q and k are what is kept: stored in the format too.
             self.ops.store(&mut i.qkv);
@@ -1583,6 +1612,17 @@ fn block_backward(blk: &Block, dw: &mut [f32], x: &[f32], acts: BlockActs, g: &m
     blk.linear(Site::AttnProj).backward_row(&mut g.datty, &mut g.dfull, dw, dattn, &core.atty);
     tensor::par::zero(&mut g.dqkv);
     ops.attn_backward(&mut g.dqkv, &g.datty, &i.qkv, &core.atty, &core.state, DropSite::AttnProbs(l));
+    if let Some(r) = &bp.qk_norm_w {
+        // Qwen3's per-head norms: d(normed q, k) → d(projected q, k), in place.
+        let (cfg, hs) = (ops.cfg, ops.cfg.head_size());
+        let (nh, nkv, qw) = (cfg.n_head, cfg.n_kv_head, cfg.qkv_width());
+        let (w, (dwq, dwk)) = (&blk.w[r.clone()], dw[r.clone()].split_at_mut(hs));
+        let tokens = i.qk_rstd.len() / (nh + nkv);
+        let (pq, pk) = i.qk_pre.split_at(tokens * nh * hs);
+        let (rq, rk) = i.qk_rstd.split_at(tokens * nh);
+        head_rmsnorm_backward(&mut g.dqkv, dwq, pq, &w[..hs], rq, qw, 0, nh);
+        head_rmsnorm_backward(&mut g.dqkv, dwk, pk, &w[hs..], rk, qw, nh * hs, nkv);
+    }
     ops.store(&mut g.dqkv);
     let xin: &[f32] = if ops.sp() { &i.ln_1_full } else { &k.ln_1 };
     blk.linear(Site::Qkv).backward_column(&mut g.dln, &mut g.dln_full, dw, &g.dqkv, xin);

@@ -1,7 +1,8 @@
 //! Hugging Face interoperability: `config.json` + `model.safetensors` (one file, or shards
 //! listed in `model.safetensors.index.json`; F32, BF16 or F16) for `GPT2LMHeadModel`,
 //! `LlamaForCausalLM` (with `linear` / `llama3` / `yarn` / `longrope` / `dynamic` rope scaling), `Qwen2ForCausalLM`,
-//! `MistralForCausalLM` (sliding-window attention), `MixtralForCausalLM` and `Phi3ForCausalLM`, in and out.
+//! `Qwen3ForCausalLM` (per-head q and k norms), `MistralForCausalLM` (sliding-window attention),
+//! `MixtralForCausalLM` and `Phi3ForCausalLM`, in and out.
 //! kiln's layout uses HF's parameter names, so import and export are by name; Phi-3's fused
 //! `qkv_proj` and `gate_up_proj` are the concatenations of parameters kiln's layout holds
 //! adjacent in the same order (`fused_of`).
@@ -33,10 +34,12 @@ pub fn hf_config(cfg: &Value, origin: &Path) -> Result<GptConfig, String> {
     match arch {
         "GPT2LMHeadModel" => gpt2_config(cfg, origin),
         "LlamaForCausalLM" => llama_config(cfg, origin, false),
-        // Qwen2: LLaMA with biases on q, k and v.
-        // Qwen2's window applies from layer `max_window_layers` on, when `use_sliding_window`.
-        "Qwen2ForCausalLM" => {
-            let mut c = llama_config(cfg, origin, true)?;
+        // Qwen2: LLaMA with biases on q, k and v; Qwen3: with per-head q and k norms instead.
+        // Their window applies from layer `max_window_layers` on, when `use_sliding_window`.
+        "Qwen2ForCausalLM" | "Qwen3ForCausalLM" => {
+            let qwen3 = arch == "Qwen3ForCausalLM";
+            let mut c = llama_config(cfg, origin, !qwen3)?;
+            c.qk_norm = qwen3;
             if cfg.get("use_sliding_window").and_then(Value::as_bool).unwrap_or(false) {
                 let from = cfg.get("max_window_layers").and_then(Value::as_u64).map_or(0, |m| m as usize);
                 windows(&mut c, cfg, origin, from)?;
@@ -48,6 +51,10 @@ pub fn hf_config(cfg: &Value, origin: &Path) -> Result<GptConfig, String> {
         "Phi3ForCausalLM" => {
             let mut c = llama_config(cfg, origin, false)?;
             c.fused_proj = true;
+            // Phi3Config's pad_token_id defaults to 32000 when the file has none.
+            if cfg.get("pad_token_id").is_none() && c.vocab_size > 32000 {
+                c.pad_token_id = Some(32000);
+            }
             windows(&mut c, cfg, origin, 0)?;
             Ok(c)
         }
@@ -68,7 +75,7 @@ pub fn hf_config(cfg: &Value, origin: &Path) -> Result<GptConfig, String> {
             c.validate().map_err(|e| format!("{}: {e}", origin.display()))?;
             Ok(c)
         }
-        _ => Err(format!("{}: architecture `{arch}` is not supported for import (supported: GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, MixtralForCausalLM, Phi3ForCausalLM)", origin.display())),
+        _ => Err(format!("{}: architecture `{arch}` is not supported for import (supported: GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, MixtralForCausalLM, Phi3ForCausalLM)", origin.display())),
     }
 }
 
@@ -159,6 +166,11 @@ fn llama_config(cfg: &Value, origin: &Path, qkv_bias: bool) -> Result<GptConfig,
         rope_theta: theta,
         rope_scaling,
         qkv_bias,
+        // The embedding's `padding_idx` (a row of the vocabulary; `null` or absent: none).
+        pad_token_id: match cfg.get("pad_token_id").filter(|v| !v.is_null()) {
+            None => None,
+            Some(v) => Some(v.as_u64().map(|p| p as usize).ok_or_else(|| format!("{}: `pad_token_id` = {v} is not a token id", origin.display()))?),
+        },
         head_dim,
         norm_eps: get_f32(cfg, "rms_norm_eps", 1e-6),
         ..GptConfig::gpt2(1, 1, 1, 1, 1, false, 0.0, false)
@@ -546,7 +558,8 @@ pub fn export_hf(m: &Gpt, dir: &Path) -> Result<(), String> {
 }
 
 /// Writes `config.json` and the weights in HF's format (`GPT2LMHeadModel`, `LlamaForCausalLM`,
-/// `Qwen2ForCausalLM`, `MistralForCausalLM`, `MixtralForCausalLM` or `Phi3ForCausalLM`) into `dir`.
+/// `Qwen2ForCausalLM`, `Qwen3ForCausalLM`, `MistralForCausalLM`, `MixtralForCausalLM` or
+/// `Phi3ForCausalLM`) into `dir`.
 pub fn export_hf_with(m: &Gpt, dir: &Path, opts: ExportOpts) -> Result<(), String> {
     std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let mut config = export_config(&m.cfg)?;
@@ -613,7 +626,7 @@ fn export_config(c: &GptConfig) -> Result<Value, String> {
         // classes that read it.
         let from = c.window_layers[0];
         let suffix = c.window_layers.iter().copied().eq(from..c.n_layer);
-        if !c.qkv_bias || !suffix {
+        if !(c.qkv_bias || c.qk_norm) || !suffix {
             return Err(format!("export: a sliding window on some layers (model.window_layers = {:?}) has a Hugging Face form only as Qwen2's (q/k/v biases, the window from one layer to the last)", c.window_layers));
         }
     }
@@ -627,8 +640,12 @@ fn export_config(c: &GptConfig) -> Result<Value, String> {
         if c.sliding_window > 0 && c.is_moe() {
             return Err("export: a sliding window with experts has no Hugging Face equivalent kiln writes".into());
         }
+        if c.qk_norm && (c.qkv_bias || c.is_moe() || c.fused_proj) {
+            return Err("export: per-head q/k norms (model.qk_norm) have a Hugging Face form only as Qwen3's: no q/k/v biases, experts or fused projections".into());
+        }
         let (arch, ty) = match (c.is_moe(), c.qkv_bias, c.sliding_window > 0) {
             _ if c.fused_proj => ("Phi3ForCausalLM", "phi3"),
+            _ if c.qk_norm => ("Qwen3ForCausalLM", "qwen3"),
             (true, _, _) => ("MixtralForCausalLM", "mixtral"),
             (false, true, _) => ("Qwen2ForCausalLM", "qwen2"),
             (false, false, true) => ("MistralForCausalLM", "mistral"),
@@ -675,18 +692,18 @@ fn export_config(c: &GptConfig) -> Result<Value, String> {
             o.insert("sliding_window".into(), if c.sliding_window > 0 { c.sliding_window.into() } else { Value::Null });
             o.insert("resid_pdrop".into(), 0.0.into());
             o.insert("embd_pdrop".into(), 0.0.into());
-            // Phi3Config's default pad id is Phi-3's 32000: kept where the vocabulary has that
-            // row, none otherwise (an embedding's padding row must exist).
-            o.insert("pad_token_id".into(), if c.vocab_size > 32000 { 32000.into() } else { Value::Null });
+            // An absent pad_token_id would read as Phi3Config's default, 32000.
+            o.insert("pad_token_id".into(), c.pad_token_id.map_or(Value::Null, Value::from));
             // Phi3Config's top-level original context (default 4096) overrides the rope
             // dictionary's, so it is written there too.
             if let Some(orig) = rope.get("original_max_position_embeddings") {
                 o.insert("original_max_position_embeddings".into(), orig.clone());
             }
         }
-        if c.qkv_bias {
-            // Qwen2's biases are implied by the class; it has no attention_bias key. Its window
-            // applies from `max_window_layers` on.
+        if c.qkv_bias || c.qk_norm {
+            // Qwen2's biases and Qwen3's norms are implied by the class (Qwen2 has no
+            // attention_bias key; Qwen3's false is its default). The window applies from
+            // `max_window_layers` on.
             let o = v.as_object_mut().unwrap();
             o.remove("attention_bias");
             o.remove("mlp_bias");
@@ -695,6 +712,9 @@ fn export_config(c: &GptConfig) -> Result<Value, String> {
                 let from = c.window_layers.first().copied().unwrap_or(0);
                 o.insert("max_window_layers".into(), from.into());
             }
+        }
+        if let Some(pad) = c.pad_token_id {
+            v["pad_token_id"] = pad.into();
         }
         if c.sliding_window > 0 {
             // transformers' per-layer form, which the classes read before their own rule.

@@ -82,6 +82,8 @@ pub struct BlockParams {
     pub ln_1_b: Option<Range<usize>>,
     pub c_attn_w: Range<usize>,
     pub c_attn_b: Option<Range<usize>>,
+    /// Qwen3's per-head norms, `[q_norm: HS | k_norm: HS]` (`model.qk_norm`).
+    pub qk_norm_w: Option<Range<usize>>,
     pub attn_proj_w: Range<usize>,
     pub attn_proj_b: Option<Range<usize>>,
     pub ln_2_w: Range<usize>,
@@ -159,7 +161,7 @@ fn gpt2_layout(cfg: &GptConfig) -> (ParamLayout, GptParams) {
         let c_fc_b = bias(&mut l, "mlp.c_fc", f);
         let mlp_proj_w = l.push(format!("{p}mlp.c_proj.weight"), vec![c, f], Init::Normal(proj_std), true);
         let mlp_proj_b = bias(&mut l, "mlp.c_proj", c);
-        blocks.push(BlockParams { ln_1_w, ln_1_b, c_attn_w, c_attn_b, attn_proj_w, attn_proj_b, ln_2_w, ln_2_b, c_fc_w, c_fc_b, mlp_proj_w, mlp_proj_b, moe: None });
+        blocks.push(BlockParams { ln_1_w, ln_1_b, c_attn_w, c_attn_b, qk_norm_w: None, attn_proj_w, attn_proj_b, ln_2_w, ln_2_b, c_fc_w, c_fc_b, mlp_proj_w, mlp_proj_b, moe: None });
     }
     if !cfg.has_head() {
         let end = l.total;
@@ -197,6 +199,12 @@ fn llama_layout(cfg: &GptConfig) -> (ParamLayout, GptParams) {
             let vb = l.push(format!("{p}self_attn.v_proj.bias"), vec![cfg.n_kv_head * hs], Init::Zeros, false);
             qb.start..vb.end
         });
+        // Qwen3's per-head norms of q and k, adjacent: one `[2·HS]` range.
+        let qk_norm_w = cfg.qk_norm.then(|| {
+            let qn = l.push(format!("{p}self_attn.q_norm.weight"), vec![hs], Init::Ones, false);
+            let kn = l.push(format!("{p}self_attn.k_norm.weight"), vec![hs], Init::Ones, false);
+            qn.start..kn.end
+        });
         let attn_proj_w = l.push(format!("{p}self_attn.o_proj.weight"), vec![c, cfg.n_head * hs], Init::Normal(proj_std), true);
         let ln_2_w = l.push(format!("{p}post_attention_layernorm.weight"), vec![c], Init::Ones, false);
         let (c_fc_w, mlp_proj_w, moe) = if cfg.is_moe() {
@@ -226,7 +234,7 @@ fn llama_layout(cfg: &GptConfig) -> (ParamLayout, GptParams) {
             (gate.start..up.end, down, None)
         };
         blocks.push(BlockParams {
-            ln_1_w, ln_1_b: None, c_attn_w: q.start..v.end, c_attn_b, attn_proj_w, attn_proj_b: None,
+            ln_1_w, ln_1_b: None, c_attn_w: q.start..v.end, c_attn_b, qk_norm_w, attn_proj_w, attn_proj_b: None,
             ln_2_w, ln_2_b: None, c_fc_w, c_fc_b: None, mlp_proj_w, mlp_proj_b: None, moe,
         });
     }
@@ -289,6 +297,7 @@ impl GptParams {
                     ln_1_b: fo(&b.ln_1_b, u),
                     c_attn_w: f(&b.c_attn_w, u),
                     c_attn_b: fo(&b.c_attn_b, u),
+                    qk_norm_w: fo(&b.qk_norm_w, u),
                     attn_proj_w: f(&b.attn_proj_w, u),
                     attn_proj_b: fo(&b.attn_proj_b, u),
                     ln_2_w: f(&b.ln_2_w, u),

@@ -63,7 +63,8 @@ pub struct Part {
     /// Tensor parallelism: ranges whose gradients are identical on every tp rank (counted once
     /// in the norm).
     pub replicated: Vec<Range<usize>>,
-    /// Sequence parallelism: the norms' ranges, whose gradients are partial per tp rank.
+    /// Tensor parallelism: the ranges whose gradients are partial per tp rank
+    /// (`tp::partial_gradient_ranges`: per-head norms; with sequence parallelism, the norms).
     pub seq_partial: Vec<Range<usize>>,
 }
 
@@ -165,9 +166,7 @@ pub fn parallelize(whole: Gpt, s: &Strategy, comm: &dyn Comm) -> Result<(Vec<Par
             local.params = tp::shard(&m.layout, &m.params, &local.layout, tp_rank, s.tp);
             local.hooks.tensor = Some(Box::new(tp::TpComm { comm: tp_hooks, c: m.cfg.n_embd }));
             replicated = tp::replicated_ranges(&local.layout);
-            if local.cfg.place.seq.is_some() {
-                seq_partial = tp::sequence_parallel_ranges(&local.layout);
-            }
+            seq_partial = tp::partial_gradient_ranges(&local.layout, local.cfg.place.seq.is_some());
             m = local;
         }
         // ... or the expert-parallel shard: this rank's block of experts, by name, the exchange

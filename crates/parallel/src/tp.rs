@@ -14,7 +14,9 @@
 //!
 //! Replicated parameters get identical gradients on every rank (their inputs and output
 //! gradients are the full, summed tensors), so they stay identical with no extra traffic; the
-//! global gradient norm counts them once ([`replicated_ranges`]).
+//! global gradient norm counts them once ([`replicated_ranges`]). The exceptions are summed over
+//! the group before the update ([`partial_gradient_ranges`]): per-head norms (each shard sees
+//! its heads) and, with sequence parallelism, the norms (each shard sees its positions).
 //!
 //! The vocabulary is split too (Megatron's vocab-parallel embedding and cross-entropy): each
 //! rank holds rows `r·V/t ..` of the token embedding and head; the embedding's partial
@@ -173,10 +175,17 @@ pub const SEQUENCE_PARALLEL_PARAMS: &[&str] = &[
     "input_layernorm.weight", "post_attention_layernorm.weight", "model.norm.weight",
 ];
 
-/// The ranges of a shard's layout whose gradients sequence parallelism leaves partial (the
-/// norms'), to be summed over the tensor-parallel group before the update.
-pub fn sequence_parallel_ranges(local: &ParamLayout) -> Vec<Range<usize>> {
-    local.params.iter().filter(|p| SEQUENCE_PARALLEL_PARAMS.iter().any(|s| p.name.ends_with(s))).map(|p| p.range()).collect()
+/// Per-head norm parameters (Qwen3's `q_norm`, `k_norm`), by name suffix: replicated, but each
+/// shard normalises only its own heads, so their gradients are partial sums over the
+/// tensor-parallel group with or without sequence parallelism.
+pub const PER_HEAD_PARAMS: &[&str] = &["self_attn.q_norm.weight", "self_attn.k_norm.weight"];
+
+/// The ranges of a shard's layout whose gradients are partial over the tensor-parallel group,
+/// to be summed before the update: the per-head norms', and with sequence parallelism (`sp`)
+/// the norms'.
+pub fn partial_gradient_ranges(local: &ParamLayout, sp: bool) -> Vec<Range<usize>> {
+    let partial = |name: &str| PER_HEAD_PARAMS.iter().any(|s| name.ends_with(s)) || (sp && SEQUENCE_PARALLEL_PARAMS.iter().any(|s| name.ends_with(s)));
+    local.params.iter().filter(|p| partial(&p.name)).map(|p| p.range()).collect()
 }
 
 /// The model's tensor-parallel hooks over the `tp` group.

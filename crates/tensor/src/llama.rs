@@ -97,6 +97,77 @@ crate::multiversion! {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Per-head RMSNorm (Qwen3's `q_norm` / `k_norm`): RMSNorm over each head vector of q or k.
+
+/// In every token's `[W]` row of `qkv`, the `heads` head vectors of width `HS = weight.len()`
+/// starting at column `off` are RMS-normalised in place, `x ↦ weight · (x · rstd)` (HF
+/// `Qwen3RMSNorm` on `q_proj(x).view(…, HS)`); their inputs are saved in `pre`
+/// (`[N, heads·HS]`) and each head's `rstd` in `rstd` (`[N, heads]`).
+#[allow(clippy::too_many_arguments)]
+pub fn head_rmsnorm_forward(
+    qkv: &mut [f32],  // [N, W]
+    pre: &mut [f32],  // [N, heads·HS]
+    rstd: &mut [f32], // [N, heads]
+    weight: &[f32],   // [HS]
+    eps: f32,
+    w: usize,
+    off: usize,
+    heads: usize,
+) {
+    let _p = crate::profile::scope("head_rmsnorm_forward");
+    let hw = heads * weight.len();
+    let n = qkv.len() / w;
+    assert!(off + hw <= w && qkv.len() == n * w && pre.len() == n * hw && rstd.len() == n * heads);
+    let rows = rows_per_block(w);
+    qkv.par_chunks_mut(rows * w).zip(pre.par_chunks_mut(rows * hw)).zip(rstd.par_chunks_mut(rows * heads)).for_each(|((q, p), s)| {
+        for ((row, p), s) in q.chunks_mut(w).zip(p.chunks_mut(hw)).zip(s.chunks_mut(heads)) {
+            let seg = &mut row[off..off + hw];
+            p.copy_from_slice(seg);
+            rmsnorm_rows(seg, s, p, weight, eps);
+        }
+    });
+}
+
+/// Backward of [`head_rmsnorm_forward`]: the gradient with respect to the normalised heads in
+/// `dqkv`'s columns `off..off + heads·HS` becomes, in place, the gradient with respect to their
+/// inputs; the weight's gradient accumulates into `dweight`, summed in blocks of
+/// [`crate::par::REDUCE_ROWS`] tokens in order (the same sums at any thread count).
+#[allow(clippy::too_many_arguments)]
+pub fn head_rmsnorm_backward(
+    dqkv: &mut [f32],    // [N, W]
+    dweight: &mut [f32], // [HS]
+    pre: &[f32],         // [N, heads·HS]
+    weight: &[f32],      // [HS]
+    rstd: &[f32],        // [N, heads]
+    w: usize,
+    off: usize,
+    heads: usize,
+) {
+    let _p = crate::profile::scope("head_rmsnorm_backward");
+    let hs = weight.len();
+    let hw = heads * hs;
+    let n = dqkv.len() / w;
+    assert!(off + hw <= w && dqkv.len() == n * w && pre.len() == n * hw && rstd.len() == n * heads && dweight.len() == hs);
+    let rows = crate::par::REDUCE_ROWS;
+    let mut partial = crate::par::pooled(n.div_ceil(rows) * hs);
+    dqkv.par_chunks_mut(rows * w).zip(partial.par_chunks_mut(hs)).enumerate().for_each(|(bi, (block, pw))| {
+        let mut d = crate::par::pooled(hw);
+        for (k, row) in block.chunks_mut(w).enumerate() {
+            let t = bi * rows + k;
+            let seg = &mut row[off..off + hw];
+            d.copy_from_slice(seg);
+            seg.fill(0.0);
+            rmsnorm_backward_rows(seg, pw, &d, &pre[t * hw..(t + 1) * hw], weight, &rstd[t * heads..(t + 1) * heads]);
+        }
+    });
+    for p in partial.chunks(hs) {
+        for (a, b) in dweight.iter_mut().zip(p) {
+            *a += *b;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Rotary position embeddings, HF convention: for pair i < HS/2 of a head,
 // (x_i, x_{i+HS/2}) ↦ (x_i·cos − x_{i+HS/2}·sin, x_{i+HS/2}·cos + x_i·sin), angle = pos·inv_freq_i.
 

@@ -201,6 +201,19 @@ fn yarn_model_trains_and_exports_its_rope_scaling() {
     assert_eq!(cj["rope_parameters"]["rope_type"], "yarn", "{cj}");
 }
 
+/// A Qwen3 (the model crate's qwen3-tiny fixture): `--init-from` sets `model.qk_norm`, and the
+/// export is Qwen3 again with its per-head norms.
+#[test]
+fn qwen3_model_trains_and_exports_as_qwen3() {
+    let (m, exp, _d) = trains_exports_and_evaluates_alike("qwen3-tiny");
+    assert_eq!((m["qk_norm"].as_bool(), m["head_dim"].as_integer()), (Some(true), Some(12)));
+    let cj = exported_config(&exp);
+    assert_eq!(cj["architectures"][0].as_str(), Some("Qwen3ForCausalLM"), "{cj}");
+    let st = fs::read(exp.join("model.safetensors")).unwrap();
+    let names = safetensors::SafeTensors::deserialize(&st).unwrap().names().into_iter().map(String::from).collect::<Vec<_>>();
+    assert!(names.iter().any(|n| n == "model.layers.1.self_attn.k_norm.weight"), "{names:?}");
+}
+
 /// A Phi-3 with LongRoPE (the model crate's phi3-longrope fixture): `--init-from` sets
 /// `model.fused_proj` and the `longrope` keys with both factor lists, the run trains at 24
 /// positions (the long factors), and its export is Phi-3 again (fused tensors, `rope_parameters`

@@ -52,6 +52,8 @@ fn planned_activations_equal_the_models_buffers_for_every_policy() {
     let mut llama = GptConfig::gpt2(2, 4, 64, 32, 300, false, 0.0, false);
     (llama.arch, llama.n_kv_head, llama.ffn_hidden) = (model::config::Arch::Llama, 2, GptConfig::llama_ffn(64));
     check("llama", &llama, &[(2, 32), (1, 5)]);
+    // Qwen3's per-head q and k norms keep their inputs and statistics.
+    check("qwen3", &GptConfig { qk_norm: true, head_dim: 24, ..llama.clone() }, &[(2, 32)]);
     // MoE: routed and shared experts, with and without a capacity limit.
     let mut moe = llama.clone();
     (moe.n_expert, moe.top_k, moe.n_shared_expert, moe.ffn_hidden, moe.capacity_factor) = (4, 2, 1, 48, 1.25);

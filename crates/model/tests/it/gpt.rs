@@ -89,6 +89,15 @@ fn gradients_match_finite_differences_llama_mqa_with_dropout() {
     model_gradcheck(tiny_llama(1, 0.2));
 }
 
+/// Qwen3's per-head q and k norms (their weights probed like every other parameter), with
+/// full recomputation re-running them too.
+#[test]
+fn gradients_match_finite_differences_qk_norm() {
+    let cfg = GptConfig { qk_norm: true, ..tiny_llama(2, 0.0) };
+    model_gradcheck(cfg.clone());
+    model_gradcheck_with(cfg, Recompute::Full);
+}
+
 #[test]
 fn llama_decode_logits_match_full_forward() {
     let mut m = Gpt::new(tiny_llama(2, 0.0), 12, 5);
@@ -235,4 +244,31 @@ fn param_count_equals_the_layout_and_never_overflows() {
     assert_eq!(huge.param_count(), u128::MAX);
     let e = huge.validate().unwrap_err();
     assert!(e.contains("overflow") && e.contains("model.n_embd"), "{e}");
+}
+
+/// transformers' `padding_idx`: with `pad_token_id` set, the pad token's embedding row gets no
+/// gradient from the lookup (token 3 appears twice in the batch); every other gradient is the
+/// same bits as without it.
+#[test]
+fn pad_token_row_gets_no_lookup_gradient() {
+    let (tokens, targets) = batch();
+    let grads = |pad: Option<usize>| {
+        let mut m = Gpt::new(GptConfig { pad_token_id: pad, ..tiny_llama(2, 0.0) }, 12, 3);
+        m.zero_grad();
+        m.forward(&tokens, &targets, 2, 6, train(1));
+        m.backward();
+        let wte = m.layout.get("model.embed_tokens.weight").unwrap().range();
+        (m.grads.clone(), wte)
+    };
+    let (plain, wte) = grads(None);
+    let (padded, _) = grads(Some(3));
+    let c = 8;
+    let row = wte.start + 3 * c..wte.start + 4 * c;
+    assert!(plain[row.clone()].iter().any(|g| *g != 0.0));
+    assert!(padded[row.clone()].iter().all(|g| *g == 0.0));
+    for (i, (a, b)) in plain.iter().zip(&padded).enumerate() {
+        if !row.contains(&i) {
+            assert_eq!(a.to_bits(), b.to_bits(), "gradient {i}");
+        }
+    }
 }

@@ -163,6 +163,20 @@ fn phi3_longrope_matches_transformers() {
     }
 }
 
+/// Qwen3 (tests/fixtures/qwen3-tiny, made by its make.py with transformers): RMSNorm over each
+/// head of q and k before the rotary embedding (weights away from one), head_dim 12 over hidden
+/// 32, GQA 4:2, a tied head; logits and loss match transformers, the export writes Qwen3 back bit
+/// for bit, and KV-cached decoding agrees with the full forward.
+#[test]
+fn qwen3_fixture_logits_and_loss_match_transformers() {
+    fixture_matches("qwen3-tiny");
+    export_reimport("qwen3-tiny");
+    let dir = fixture("qwen3-tiny");
+    let mut m = import_hf(&dir).unwrap();
+    assert!(m.cfg.qk_norm && m.cfg.tied_embeddings && m.cfg.head_size() == 12, "{:?}", m.cfg);
+    decode_matches_forward(&mut m, &tokens(&dir)[0]);
+}
+
 /// Dynamic NTK rope scaling (tests/fixtures/llama-dynamic, made by its make.py with
 /// transformers): in passes up to `max_position_embeddings` transformers keeps plain RoPE's
 /// frequencies, and so does kiln (whose context may not exceed that length); logits, loss and the

@@ -28,10 +28,29 @@ fn strategy(dp: usize, tp: usize, sequence_parallel: bool) -> Strategy {
     }
 }
 
+/// A Qwen3-style llama: per-head q and k norms (weights away from one), GQA 4:2.
+fn qk_norm_cfg() -> GptConfig {
+    GptConfig { arch: model::config::Arch::Llama, qk_norm: true, n_kv_head: 2, ffn_hidden: 24, ..GptConfig::gpt2(2, 4, 16, T, V, false, 0.0, false) }
+}
+
+/// The model every rank starts from: `cfg`'s, seed 7, per-head norm weights drawn away from one.
+fn model(cfg: GptConfig) -> Gpt {
+    let mut m = Gpt::new(cfg, V, 7);
+    let mut rng = tensor::Rng::new(9);
+    for p in m.layout.params.clone().iter().filter(|p| p.name.ends_with("_norm.weight")) {
+        m.params[p.range()].iter_mut().for_each(|w| *w += 0.5 * rng.normal() as f32);
+    }
+    m
+}
+
 /// The whole model's loss and gradients on one rank.
 fn one_rank() -> (f32, Vec<f32>) {
+    one_rank_of(cfg())
+}
+
+fn one_rank_of(cfg: GptConfig) -> (f32, Vec<f32>) {
     let (x, y) = batch();
-    let mut m = Gpt::new(cfg(), V, 7);
+    let mut m = model(cfg);
     let loss = m.forward(&x, &y, B, T, Pass::Train { dropout_seed: 1, loss_scale: 1.0 });
     m.backward();
     (loss, m.grads.clone())
@@ -39,10 +58,14 @@ fn one_rank() -> (f32, Vec<f32>) {
 
 /// Every rank's (loss of its rows, whole-model gradients) under `s`.
 fn parts(s: Strategy) -> Vec<(f32, Vec<f32>)> {
+    parts_of(cfg(), s)
+}
+
+fn parts_of(cfg: GptConfig, s: Strategy) -> Vec<(f32, Vec<f32>)> {
     let world = s.dp * s.tp * s.cp;
     run_ranks(world, |comm| {
         let (x, y) = batch();
-        let (mut parts, applied) = parallelize(Gpt::new(cfg(), V, 7), &s, comm).unwrap();
+        let (mut parts, applied) = parallelize(model(cfg.clone()), &s, comm).unwrap();
         let part = &mut parts[0];
         let (dp, rank) = (applied.groups.dp_size, applied.groups.dp_rank);
         let rows = B / dp;
@@ -56,8 +79,9 @@ fn parts(s: Strategy) -> Vec<(f32, Vec<f32>)> {
         part.dp.finish_backward();
         let mut grads = vec![0.0; part.model.layout.total];
         part.dp.for_each_piece(|p, _, g| grads[p.flat.clone()].copy_from_slice(g));
-        // Sequence parallelism leaves the norms' gradients partial per shard: the step sums them
-        // over the tensor-parallel group (kiln's `step::train_step`), as here.
+        // Per-head norms, and with sequence parallelism the norms, leave their gradients partial
+        // per shard: the step sums them over the tensor-parallel group (kiln's
+        // `step::train_step`), as here.
         for r in &part.seq_partial {
             applied.groups.tp.all_reduce_sum(&mut grads[r.clone()]);
         }
@@ -92,6 +116,22 @@ fn tensor_and_sequence_parallel_parts_match_one_rank() {
         for (r, (l, g)) in out.iter().enumerate() {
             assert!((l - loss).abs() <= 1e-5 * loss.abs(), "tp rank {r} (sp {sp}): {l} vs {loss}");
             assert_close(&format!("tp rank {r} (sp {sp})"), g, &grads, 1e-5);
+        }
+    }
+}
+
+/// Qwen3's per-head q and k norms under tensor parallelism (each shard normalises its own
+/// heads and holds a partial gradient of the shared weights), with and without sequence
+/// parallelism, and under context parallelism.
+#[test]
+fn per_head_norms_split_by_tensor_and_context_parallelism_match_one_rank() {
+    let (loss, grads) = one_rank_of(qk_norm_cfg());
+    for (tp, cp, sp) in [(2, 1, false), (2, 1, true), (1, 2, false)] {
+        let out = parts_of(qk_norm_cfg(), Strategy { cp, ..strategy(1, tp, sp) });
+        let mean = out.iter().map(|(l, _)| *l).sum::<f32>() / out.len() as f32;
+        assert!((mean - loss).abs() <= 1e-5 * loss.abs(), "tp {tp} cp {cp} sp {sp}: {mean} vs {loss}");
+        for (r, (_, g)) in out.iter().enumerate() {
+            assert_close(&format!("tp {tp} cp {cp} sp {sp} rank {r}"), g, &grads, 1e-5);
         }
     }
 }
