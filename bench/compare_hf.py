@@ -6,8 +6,8 @@ usage: python bench/compare_hf.py FIXTURE_DIR [FIXTURE_DIR ...] [--steps 30] [--
 For each model directory: `kiln train --init-from DIR` runs N steps with `train.record_batches` (each step's
 token windows and learning rate go to RUN/batches.jsonl) and a loss/grad-norm line every step. The same
 model is then loaded with transformers in fp32 (eager attention) and trained on exactly those windows and
-learning rates with torch.optim.AdamW and the same decay groups (2-D weights decay, embeddings, norms and
-biases do not), betas, eps, weight decay and global-norm clipping. Prints one JSON line per model and exits
+learning rates with torch.optim.AdamW and the same decay groups (matrices decay; embeddings, the MoE router,
+norms and biases do not), betas, eps, weight decay and global-norm clipping. Prints one JSON line per model and exits
 1 if any step's loss or gradient norm differs by more than --tol relative.
 
 The tokenizer is the directory's own tokenizer.json, else `char` (tinyshakespeare's 65 characters fit every
@@ -52,7 +52,10 @@ def torch_run(model_dir, batches, cfg):
     model.train()
     decay, no_decay = [], []
     for name, p in model.named_parameters():
-        (decay if p.ndim == 2 and "embed" not in name and "wte" not in name and "wpe" not in name else no_decay).append(p)
+        # Matrices decay (transformers 5 stores Mixtral's experts as one 3-D tensor each) but
+        # embeddings and, as in kiln's layout, the MoE router.
+        router = name.endswith("block_sparse_moe.gate.weight") or name.endswith("mlp.gate.weight")
+        (decay if p.ndim >= 2 and not router and "embed" not in name and "wte" not in name and "wpe" not in name else no_decay).append(p)
     get = lambda k: toml_value(cfg, "train", k)
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": get("weight_decay")}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=get("lr"), betas=(get("beta1"), get("beta2")), eps=get("eps"), foreach=False)

@@ -68,9 +68,12 @@ pub fn hf_config(cfg: &Value, origin: &Path) -> Result<GptConfig, String> {
             c.n_expert = get_usize(cfg, "num_local_experts", origin)?;
             c.top_k = get_usize(cfg, "num_experts_per_tok", origin)?;
             // HF Mixtral routes without capacity (dropless); its aux coefficient multiplies a
-            // loss K times kiln's (see tensor::moe), so the weight is scaled to match.
+            // loss K times kiln's (see tensor::moe), so the weight is scaled to match. transformers
+            // adds that loss only with `output_router_logits` (false in Mixtral's own configs);
+            // `--set model.moe_aux_weight` turns it on.
             c.capacity_factor = 0.0;
-            c.moe_aux_weight = get_f32(cfg, "router_aux_loss_coef", 0.001) * c.top_k as f32;
+            let aux = cfg.get("output_router_logits").and_then(Value::as_bool).unwrap_or(false);
+            c.moe_aux_weight = if aux { get_f32(cfg, "router_aux_loss_coef", 0.001) * c.top_k as f32 } else { 0.0 };
             c.moe_z_weight = 0.0;
             c.validate().map_err(|e| format!("{}: {e}", origin.display()))?;
             Ok(c)
@@ -724,8 +727,9 @@ fn export_config(c: &GptConfig) -> Result<Value, String> {
         if c.is_moe() {
             v["num_local_experts"] = c.n_expert.into();
             v["num_experts_per_tok"] = c.top_k.into();
-            v["router_aux_loss_coef"] = (c.moe_aux_weight / c.top_k as f32).into();
-            v["output_router_logits"] = false.into();
+            // transformers adds the aux loss in training only with output_router_logits.
+            v["router_aux_loss_coef"] = (if c.moe_aux_weight > 0.0 { c.moe_aux_weight / c.top_k as f32 } else { 0.001 }).into();
+            v["output_router_logits"] = (c.moe_aux_weight > 0.0).into();
         }
         v
     } else {

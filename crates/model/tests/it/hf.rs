@@ -253,9 +253,24 @@ fn rope_scaling_config_forms() {
     assert!(lin.rope_inv_freq().iter().zip(&plain).all(|(a, b)| *a == b / 4.0));
 }
 
+/// transformers trains Mixtral with its load-balancing loss only under `output_router_logits`
+/// (false in the fixture, as in Mixtral's own configs): the import follows, and the export's
+/// flag says whether the model has one.
 #[test]
 fn mixtral_export_reimport_is_bit_identical() {
     export_reimport("mixtral-tiny");
+    let dir = fixture("mixtral-tiny");
+    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let origin = dir.join("config.json");
+    assert_eq!(model::hf::hf_config(&v, &origin).unwrap().moe_aux_weight, 0.0);
+    v["output_router_logits"] = true.into();
+    let c = model::hf::hf_config(&v, &origin).unwrap();
+    assert_eq!(c.moe_aux_weight, v["router_aux_loss_coef"].as_f64().unwrap() as f32 * c.top_k as f32);
+    let m = model::Gpt::zeroed(c, 32);
+    let out = std::env::temp_dir().join(format!("kiln-mixtral-aux-{}", std::process::id()));
+    export_hf(&m, &out).unwrap();
+    assert_eq!(import_hf(&out).unwrap().cfg, m.cfg);
+    let _ = std::fs::remove_dir_all(&out);
 }
 
 #[test]
