@@ -1,7 +1,8 @@
 //! Hugging Face interoperability: `config.json` + `model.safetensors` (one file, or shards
 //! listed in `model.safetensors.index.json`; F32, BF16 or F16) for `GPT2LMHeadModel`,
 //! `LlamaForCausalLM` (with `linear` / `llama3` / `yarn` / `longrope` / `dynamic` rope scaling), `Qwen2ForCausalLM`,
-//! `Qwen3ForCausalLM` (per-head q and k norms), `MistralForCausalLM` (sliding-window attention),
+//! `Qwen3ForCausalLM` (per-head q and k norms), `Qwen3MoeForCausalLM` (and routed experts),
+//! `MistralForCausalLM` (sliding-window attention),
 //! `MixtralForCausalLM` and `Phi3ForCausalLM`, in and out.
 //! kiln's layout uses HF's parameter names, so import and export are by name; Phi-3's fused
 //! `qkv_proj` and `gate_up_proj` are the concatenations of parameters kiln's layout holds
@@ -63,23 +64,52 @@ pub fn hf_config(cfg: &Value, origin: &Path) -> Result<GptConfig, String> {
             windows(&mut c, cfg, origin, 0)?;
             Ok(c)
         }
-        "MixtralForCausalLM" => {
+        // Qwen3-MoE: Qwen3's attention, every layer's MLP routed experts with Mixtral's routing
+        // (softmax, top-k, the top-k weights renormalised: `norm_topk_prob`).
+        "Qwen3MoeForCausalLM" => {
             let mut c = llama_config(cfg, origin, false)?;
-            c.n_expert = get_usize(cfg, "num_local_experts", origin)?;
-            c.top_k = get_usize(cfg, "num_experts_per_tok", origin)?;
-            // HF Mixtral routes without capacity (dropless); its aux coefficient multiplies a
-            // loss K times kiln's (see tensor::moe), so the weight is scaled to match. transformers
-            // adds that loss only with `output_router_logits` (false in Mixtral's own configs);
-            // `--set model.moe_aux_weight` turns it on.
-            c.capacity_factor = 0.0;
-            let aux = cfg.get("output_router_logits").and_then(Value::as_bool).unwrap_or(false);
-            c.moe_aux_weight = if aux { get_f32(cfg, "router_aux_loss_coef", 0.001) * c.top_k as f32 } else { 0.0 };
-            c.moe_z_weight = 0.0;
+            c.qk_norm = true;
+            if cfg.get("norm_topk_prob").and_then(Value::as_bool) != Some(true) {
+                return Err(format!("{}: `norm_topk_prob` must be true (kiln renormalises the top-k routing weights, as Mixtral)", origin.display()));
+            }
+            let sparse_step = cfg.get("decoder_sparse_step").and_then(Value::as_u64).unwrap_or(1);
+            let dense = cfg.get("mlp_only_layers").and_then(Value::as_array).is_some_and(|a| !a.is_empty());
+            if sparse_step != 1 || dense {
+                return Err(format!("{}: `decoder_sparse_step` = {sparse_step} / `mlp_only_layers` dense layers are not supported (every layer routed)", origin.display()));
+            }
+            let experts = cfg.get("num_experts").or_else(|| cfg.get("num_local_experts")).and_then(Value::as_u64);
+            c.n_expert = experts.ok_or_else(|| format!("{}: missing or invalid `num_experts`", origin.display()))? as usize;
+            c.ffn_hidden = get_usize(cfg, "moe_intermediate_size", origin)?;
+            moe_routing(&mut c, cfg, origin)?;
+            if cfg.get("use_sliding_window").and_then(Value::as_bool).unwrap_or(false) {
+                let from = cfg.get("max_window_layers").and_then(Value::as_u64).map_or(0, |m| m as usize);
+                windows(&mut c, cfg, origin, from)?;
+            }
             c.validate().map_err(|e| format!("{}: {e}", origin.display()))?;
             Ok(c)
         }
-        _ => Err(format!("{}: architecture `{arch}` is not supported for import (supported: GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, MixtralForCausalLM, Phi3ForCausalLM)", origin.display())),
+        "MixtralForCausalLM" => {
+            let mut c = llama_config(cfg, origin, false)?;
+            c.n_expert = get_usize(cfg, "num_local_experts", origin)?;
+            moe_routing(&mut c, cfg, origin)?;
+            c.validate().map_err(|e| format!("{}: {e}", origin.display()))?;
+            Ok(c)
+        }
+        _ => Err(format!("{}: architecture `{arch}` is not supported for import (supported: GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, MistralForCausalLM, MixtralForCausalLM, Phi3ForCausalLM)", origin.display())),
     }
+}
+
+/// Mixtral's and Qwen3-MoE's routing: top `num_experts_per_tok`, without capacity (dropless);
+/// their aux coefficient multiplies a loss K times kiln's (see tensor::moe), so the weight is
+/// scaled to match. transformers adds that loss only with `output_router_logits` (false in their
+/// own configs); `--set model.moe_aux_weight` turns it on.
+fn moe_routing(c: &mut GptConfig, cfg: &Value, origin: &Path) -> Result<(), String> {
+    c.top_k = get_usize(cfg, "num_experts_per_tok", origin)?;
+    c.capacity_factor = 0.0;
+    let aux = cfg.get("output_router_logits").and_then(Value::as_bool).unwrap_or(false);
+    c.moe_aux_weight = if aux { get_f32(cfg, "router_aux_loss_coef", 0.001) * c.top_k as f32 } else { 0.0 };
+    c.moe_z_weight = 0.0;
+    Ok(())
 }
 
 /// The sliding window of `cfg` and the layers it applies to: per `layer_types`
@@ -364,6 +394,40 @@ pub fn weight_file_sizes(dir: &Path) -> Result<Vec<u64>, String> {
     weight_files(dir)?.iter().map(|f| std::fs::metadata(f).map(|m| m.len()).map_err(|e| format!("{}: {e}", f.display()))).collect()
 }
 
+/// Qwen3-MoE's name of a kiln MoE parameter (Mixtral's names in kiln's layout): the router
+/// `mlp.gate`, expert `e`'s `w1` / `w3` / `w2` as `mlp.experts.e.gate_proj` / `up_proj` /
+/// `down_proj`.
+fn qwen3_moe_name(name: &str) -> Option<String> {
+    let (stem, rest) = name.split_once("block_sparse_moe.")?;
+    if rest == "gate.weight" {
+        return Some(format!("{stem}mlp.gate.weight"));
+    }
+    let (e, w) = rest.strip_prefix("experts.")?.split_once('.')?;
+    let hf = match w {
+        "w1.weight" => "gate_proj",
+        "w3.weight" => "up_proj",
+        "w2.weight" => "down_proj",
+        _ => return None,
+    };
+    Some(format!("{stem}mlp.experts.{e}.{hf}.weight"))
+}
+
+/// Whether `cfg`'s Hugging Face form is Qwen3-MoE's (per-head norms and experts).
+fn is_qwen3_moe(cfg: &GptConfig) -> bool {
+    cfg.qk_norm && cfg.is_moe()
+}
+
+/// Where a Hugging Face file of a model `cfg` stores kiln parameter `name` (`rows` rows) when
+/// not under its own name: the stored tensor's name, and the first row and row count of that
+/// tensor — Phi-3's q|k|v in `qkv_proj` and gate|up in `gate_up_proj`, or Qwen3-MoE's names for
+/// the experts and router (the whole tensor).
+fn stored_of(cfg: &GptConfig, name: &str, rows: usize) -> Option<(String, usize, usize)> {
+    if is_qwen3_moe(cfg) {
+        return qwen3_moe_name(name).map(|n| (n, 0, rows));
+    }
+    fused_of(cfg, name)
+}
+
 /// Where Phi-3 stores kiln parameter `name` (`[rows, cols]`): its fused tensor's name, and the
 /// first row and row count of that tensor (q|k|v in `qkv_proj`, gate|up in `gate_up_proj`).
 fn fused_of(cfg: &GptConfig, name: &str) -> Option<(String, usize, usize)> {
@@ -414,7 +478,7 @@ pub fn import_hf(dir: &Path) -> Result<Gpt, String> {
         let bytes = std::fs::read(&file).map_err(|e| format!("{}: {e}", file.display()))?;
         let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| format!("{}: {e}", file.display()))?;
         for (i, p) in m.layout.params.iter().enumerate() {
-            let (name, fused) = match fused_of(&m.cfg, &p.name) {
+            let (name, fused) = match stored_of(&m.cfg, &p.name, p.shape[0]) {
                 Some((f, first, rows)) => (f, Some((first, rows))),
                 None => (p.name.clone(), None),
             };
@@ -425,7 +489,7 @@ pub fn import_hf(dir: &Path) -> Result<Gpt, String> {
     }
     if let Some(i) = found.iter().position(|f| !f) {
         let name = &m.layout.params[i].name;
-        let stored = fused_of(&m.cfg, name).map_or(name.clone(), |(f, _, _)| f);
+        let stored = stored_of(&m.cfg, name, 0).map_or(name.clone(), |(f, _, _)| f);
         return Err(format!("{}: checkpoint has no tensor `{stored}`", dir.display()));
     }
     Ok(m)
@@ -491,7 +555,7 @@ impl TensorReader {
     /// (Phi-3's rows of its fused `qkv_proj` / `gate_up_proj`.)
     pub fn read_into(&self, name: &str, shape: &[usize], dst: &mut [f32]) -> Result<(), String> {
         use std::os::unix::fs::FileExt;
-        let (stored, fused) = match self.cfg.as_ref().and_then(|c| fused_of(c, name)) {
+        let (stored, fused) = match self.cfg.as_ref().and_then(|c| stored_of(c, name, shape[0])) {
             Some((f, first, rows)) => (f, Some((first, rows))),
             None => (name.to_string(), None),
         };
@@ -561,8 +625,8 @@ pub fn export_hf(m: &Gpt, dir: &Path) -> Result<(), String> {
 }
 
 /// Writes `config.json` and the weights in HF's format (`GPT2LMHeadModel`, `LlamaForCausalLM`,
-/// `Qwen2ForCausalLM`, `Qwen3ForCausalLM`, `MistralForCausalLM`, `MixtralForCausalLM` or
-/// `Phi3ForCausalLM`) into `dir`.
+/// `Qwen2ForCausalLM`, `Qwen3ForCausalLM`, `Qwen3MoeForCausalLM`, `MistralForCausalLM`,
+/// `MixtralForCausalLM` or `Phi3ForCausalLM`) into `dir`.
 pub fn export_hf_with(m: &Gpt, dir: &Path, opts: ExportOpts) -> Result<(), String> {
     std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let mut config = export_config(&m.cfg)?;
@@ -640,14 +704,15 @@ fn export_config(c: &GptConfig) -> Result<Value, String> {
         if c.qkv_bias && c.is_moe() {
             return Err("export: q/k/v biases with experts have no Hugging Face equivalent".into());
         }
-        if c.sliding_window > 0 && c.is_moe() {
+        if c.sliding_window > 0 && c.is_moe() && !c.qk_norm {
             return Err("export: a sliding window with experts has no Hugging Face equivalent kiln writes".into());
         }
-        if c.qk_norm && (c.qkv_bias || c.is_moe() || c.fused_proj) {
-            return Err("export: per-head q/k norms (model.qk_norm) have a Hugging Face form only as Qwen3's: no q/k/v biases, experts or fused projections".into());
+        if c.qk_norm && (c.qkv_bias || c.fused_proj) {
+            return Err("export: per-head q/k norms (model.qk_norm) have a Hugging Face form only as Qwen3's and Qwen3-MoE's: no q/k/v biases or fused projections".into());
         }
         let (arch, ty) = match (c.is_moe(), c.qkv_bias, c.sliding_window > 0) {
             _ if c.fused_proj => ("Phi3ForCausalLM", "phi3"),
+            _ if is_qwen3_moe(c) => ("Qwen3MoeForCausalLM", "qwen3_moe"),
             _ if c.qk_norm => ("Qwen3ForCausalLM", "qwen3"),
             (true, _, _) => ("MixtralForCausalLM", "mixtral"),
             (false, true, _) => ("Qwen2ForCausalLM", "qwen2"),
@@ -730,6 +795,13 @@ fn export_config(c: &GptConfig) -> Result<Value, String> {
             // transformers adds the aux loss in training only with output_router_logits.
             v["router_aux_loss_coef"] = (if c.moe_aux_weight > 0.0 { c.moe_aux_weight / c.top_k as f32 } else { 0.001 }).into();
             v["output_router_logits"] = (c.moe_aux_weight > 0.0).into();
+            if is_qwen3_moe(c) {
+                // Every layer routed, Mixtral's renormalised top-k.
+                v["moe_intermediate_size"] = c.ffn_hidden.into();
+                v["norm_topk_prob"] = true.into();
+                v["decoder_sparse_step"] = 1.into();
+                v["mlp_only_layers"] = json!([]);
+            }
         }
         v
     } else {
@@ -776,6 +848,9 @@ fn export_tensors(m: &Gpt) -> BTreeMap<String, (Vec<usize>, Vec<u8>)> {
             }
             data.insert(format!("{stem}{fused}"), (vec![rows, cols], bytes));
         }
+    }
+    if is_qwen3_moe(c) {
+        data = data.into_iter().map(|(n, t)| (qwen3_moe_name(&n).unwrap_or(n), t)).collect();
     }
     // HF's GPT-2 always has biases: a bias-free model is exactly one whose biases are zero.
     if c.arch == Arch::Gpt2 && !c.bias {

@@ -162,7 +162,9 @@ fn bad_export_flags_are_refused_before_anything_is_written() {
 }
 
 /// A fixture of the model crate through the binary: `--init-from` trains 3 steps at 24
-/// positions, and the run and its export evaluate alike. Returns the run's `[model]` keys, the
+/// positions, and the run and its export evaluate alike (both at 4 rows a batch: `eval --run`
+/// takes the run's, `--checkpoint` 4; an MoE layer's expert products group a batch's tokens,
+/// so their bits depend on it). Returns the run's `[model]` keys, the
 /// export's directory and the scratch directory holding it.
 fn trains_exports_and_evaluates_alike(name: &str) -> (toml::Value, PathBuf, Scratch) {
     let fx = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../model/tests/fixtures").join(name);
@@ -170,7 +172,7 @@ fn trains_exports_and_evaluates_alike(name: &str) -> (toml::Value, PathBuf, Scra
     let data = corpus(&d);
     let out = d.join("run");
     let o = kiln(&["train", "--init-from", fx.to_str().unwrap(), "--data", data.to_str().unwrap(), "--out", out.to_str().unwrap(),
-        "--set", "data.tokenizer=char", "--set", "train.batch_size=2", "--seq-len", "24", "--max-steps", "3", "--set", "eval.iters=1",
+        "--set", "data.tokenizer=char", "--set", "train.batch_size=4", "--seq-len", "24", "--max-steps", "3", "--set", "eval.iters=1",
         "--set", "sample.tokens=0", "--quiet"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let cfg: toml::Value = toml::from_str(&fs::read_to_string(out.join("config.toml")).unwrap()).unwrap();
@@ -201,17 +203,23 @@ fn yarn_model_trains_and_exports_its_rope_scaling() {
     assert_eq!(cj["rope_parameters"]["rope_type"], "yarn", "{cj}");
 }
 
-/// A Qwen3 (the model crate's qwen3-tiny fixture): `--init-from` sets `model.qk_norm`, and the
-/// export is Qwen3 again with its per-head norms.
+/// A Qwen3 and a Qwen3-MoE (the model crate's qwen3-tiny and qwen3-moe-tiny fixtures):
+/// `--init-from` sets `model.qk_norm` (and the experts), and the exports are Qwen3 / Qwen3-MoE
+/// again with their per-head norms and Qwen3-MoE's expert names.
 #[test]
-fn qwen3_model_trains_and_exports_as_qwen3() {
-    let (m, exp, _d) = trains_exports_and_evaluates_alike("qwen3-tiny");
-    assert_eq!((m["qk_norm"].as_bool(), m["head_dim"].as_integer()), (Some(true), Some(12)));
-    let cj = exported_config(&exp);
-    assert_eq!(cj["architectures"][0].as_str(), Some("Qwen3ForCausalLM"), "{cj}");
-    let st = fs::read(exp.join("model.safetensors")).unwrap();
-    let names = safetensors::SafeTensors::deserialize(&st).unwrap().names().into_iter().map(String::from).collect::<Vec<_>>();
-    assert!(names.iter().any(|n| n == "model.layers.1.self_attn.k_norm.weight"), "{names:?}");
+fn qwen3_models_train_and_export_as_qwen3() {
+    for (fixture, arch, tensor) in [
+        ("qwen3-tiny", "Qwen3ForCausalLM", "model.layers.1.self_attn.k_norm.weight"),
+        ("qwen3-moe-tiny", "Qwen3MoeForCausalLM", "model.layers.1.mlp.experts.3.down_proj.weight"),
+    ] {
+        let (m, exp, _d) = trains_exports_and_evaluates_alike(fixture);
+        assert_eq!((m["qk_norm"].as_bool(), m["head_dim"].as_integer()), (Some(true), Some(12)));
+        let cj = exported_config(&exp);
+        assert_eq!(cj["architectures"][0].as_str(), Some(arch), "{cj}");
+        let st = fs::read(exp.join("model.safetensors")).unwrap();
+        let names = safetensors::SafeTensors::deserialize(&st).unwrap().names().into_iter().map(String::from).collect::<Vec<_>>();
+        assert!(names.iter().any(|n| n == tensor), "{names:?}");
+    }
 }
 
 /// A Phi-3 with LongRoPE (the model crate's phi3-longrope fixture): `--init-from` sets

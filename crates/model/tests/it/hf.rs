@@ -177,6 +177,24 @@ fn qwen3_fixture_logits_and_loss_match_transformers() {
     decode_matches_forward(&mut m, &tokens(&dir)[0]);
 }
 
+/// Qwen3-MoE (tests/fixtures/qwen3-moe-tiny, made by its make.py with transformers): Qwen3's
+/// per-head norms with every layer's MLP 4 routed experts (top 2, renormalised), read from and
+/// written back to Qwen3-MoE's tensor names; logits and loss match transformers, the export is
+/// bit for bit, KV-cached decoding agrees with the forward. Dense layers mixed in are refused.
+#[test]
+fn qwen3_moe_fixture_logits_and_loss_match_transformers() {
+    fixture_matches("qwen3-moe-tiny");
+    export_reimport("qwen3-moe-tiny");
+    let dir = fixture("qwen3-moe-tiny");
+    let mut m = import_hf(&dir).unwrap();
+    assert!(m.cfg.qk_norm && m.cfg.n_expert == 4 && m.cfg.top_k == 2 && m.cfg.ffn_hidden == 24 && m.cfg.moe_aux_weight == 0.0, "{:?}", m.cfg);
+    decode_matches_forward(&mut m, &tokens(&dir)[0]);
+    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    v["mlp_only_layers"] = serde_json::json!([1]);
+    let e = model::hf::hf_config(&v, &dir.join("config.json")).unwrap_err();
+    assert!(e.contains("mlp_only_layers"), "{e}");
+}
+
 /// Dynamic NTK rope scaling (tests/fixtures/llama-dynamic, made by its make.py with
 /// transformers): in passes up to `max_position_embeddings` transformers keeps plain RoPE's
 /// frequencies, and so does kiln (whose context may not exceed that length); logits, loss and the
