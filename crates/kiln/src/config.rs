@@ -1040,7 +1040,12 @@ impl RunConfig {
         if m.pad_token_id < -1 {
             return user(format!("model.pad_token_id must be a token id, or -1 for none (got {})", m.pad_token_id));
         }
-        self.gpt_config(m.vocab_size.max(1)).validate().or_else(user)?;
+        let mut g = self.gpt_config(m.vocab_size.max(1));
+        if m.vocab_size == 0 {
+            // The vocabulary comes from the tokenizer: the pad row is bounded once it is known.
+            g.pad_token_id = None;
+        }
+        g.validate().or_else(user)?;
         Ok(())
     }
 

@@ -96,6 +96,9 @@ pub fn peft(r: &SavedRun, out: &Path, dtype: safetensors::Dtype) -> Result<()> {
         return user(format!("{}: not a LoRA run (lora.rank = 0): export it with --format hf", r.dir.display()));
     }
     let gcfg = c.gpt_config(r.tokenizer.vocab_size());
+    if gcfg.fused_proj {
+        return user("--format peft: Phi-3's q, k and v (and gate and up) are one Linear each (qkv_proj, gate_up_proj), which has no per-projection PEFT module; export --format hf --merge");
+    }
     if gcfg.arch != model::config::Arch::Llama {
         return user("--format peft: GPT-2's q, k and v share one Conv1D (c_attn), which has no per-projection PEFT module; export --format hf --merge");
     }

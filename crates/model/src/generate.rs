@@ -36,7 +36,9 @@ impl Gpt {
     }
 
     /// Feeds one token at position `cache.len`, appends its keys/values, and returns the
-    /// logits `[Vp]` for the next token.
+    /// logits `[Vp]` for the next token. Each call is a pass of `cache.len + 1` positions, as a
+    /// generated token is in transformers: a prompt fed through it token by token gets
+    /// LongRoPE's short tables where one prefill pass ([`Gpt::generate`]) would get the long.
     pub fn decode_step(&self, cache: &mut KvCache, token: u32) -> Vec<f32> {
         let mut s = self.scratch_1();
         let pass = cache.len + 1;

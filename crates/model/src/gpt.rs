@@ -479,6 +479,9 @@ impl Stash {
 struct Acts {
     b: usize,
     t: usize,
+    /// The pass's length as transformers' rotary update sees it (its largest position + 1 over
+    /// the whole rows, under context parallelism too), which picks LongRoPE's tables.
+    span: usize,
     /// The policy these buffers were laid out for (with `Full`, every `every`-th layer).
     recompute: Recompute,
     every: usize,
@@ -666,6 +669,12 @@ impl Gpt {
         for p in &m.layout.params {
             init_tensor(&mut rng, p, &mut m.params[p.range()]);
         }
+        // transformers' `_init_weights` zeroes the `padding_idx` row of a fresh embedding.
+        if let (Some(pad), true, None) = (m.cfg.pad_token_id, m.cfg.has_embedding_unit(), m.cfg.place.vocab) {
+            let c = m.cfg.n_embd;
+            let wte = m.views.wte.clone();
+            m.params[wte.start + pad * c..wte.start + (pad + 1) * c].fill(0.0);
+        }
         m
     }
 
@@ -796,7 +805,7 @@ impl Gpt {
             // The final norm and the head's buffers only where the head is (pipeline stages).
             ln_f: zeros(hl * c), ln_f_mean: zeros(hl), ln_f_rstd: zeros(hl),
             dln_f: zeros(hl * c), head_scratch: zeros(chunk_rows(hn, vp, arith(self.precision)) * vp), losses: zeros(n),
-            tokens: vec![0; n], targets: vec![0; n], doc_start: Vec::new(), doc_pos: Vec::new(), count: 0, dropout_seed: 0, p_drop: 0.0, loss_scale: 1.0, moe_stats: Vec::new(),
+            tokens: vec![0; n], targets: vec![0; n], doc_start: Vec::new(), doc_pos: Vec::new(), count: 0, dropout_seed: 0, p_drop: 0.0, loss_scale: 1.0, moe_stats: Vec::new(), span: t,
         });
         self.scratch = None;
     }
@@ -828,8 +837,10 @@ impl Gpt {
     /// positions of them: its activations, losses and `stage_*` buffers are `[B, T/cp, ·]`.
     #[allow(clippy::too_many_arguments)] // the pass's inputs, its shape and kind: all needed
     pub fn forward_with(&mut self, store: &mut dyn UnitStore, tokens: &[u32], targets: &[i32], docs: Option<Docs>, b: usize, t: usize, pass: Pass) -> f32 {
+        // transformers picks LongRoPE's tables by the whole rows' largest position + 1.
+        let span = pass_len(&docs, t);
         let Some(cx) = self.cfg.place.context else {
-            return self.forward_rows(store, tokens, targets, docs, b, t, pass);
+            return self.forward_rows(store, tokens, targets, docs, b, t, pass, span);
         };
         assert!(tokens.len() == b * t && targets.len() == b * t, "tokens and targets must be [B, T]");
         if let Some(d) = &docs {
@@ -845,13 +856,14 @@ impl Gpt {
                 (Vec::new(), (0..b).flat_map(|_| p.iter().copied()).collect())
             }
         };
-        self.forward_rows(store, &tk, &tg, Some(Docs { start: &start, pos: &pos }), b, t / cx.count, pass)
+        self.forward_rows(store, &tk, &tg, Some(Docs { start: &start, pos: &pos }), b, t / cx.count, pass, span)
     }
 
     /// [`Gpt::forward_with`] on rows this part holds whole (under context parallelism, its
     /// positions, `docs` then in global positions).
     #[allow(clippy::too_many_arguments)] // forward_with's
-    fn forward_rows(&mut self, store: &mut dyn UnitStore, tokens: &[u32], targets: &[i32], docs: Option<Docs>, b: usize, t: usize, pass: Pass) -> f32 {
+    /// `span`: the whole rows' pass length ([`Acts::span`]).
+    fn forward_rows(&mut self, store: &mut dyn UnitStore, tokens: &[u32], targets: &[i32], docs: Option<Docs>, b: usize, t: usize, pass: Pass, span: usize) -> f32 {
         assert_eq!(targets.len(), b * t);
         let (p_drop, seed, loss_scale) = match pass {
             Pass::Eval => (0.0, 0, None),
@@ -860,7 +872,7 @@ impl Gpt {
         let hu = self.unit_views.head_unit();
         let head_access = Access::Head { train: loss_scale.is_some() };
         let head = self.cfg.has_head();
-        self.trunk_forward(store, tokens, docs, b, t, Dropout { p: p_drop, seed }, head.then_some((hu, head_access)), loss_scale.is_some());
+        self.trunk_forward(store, tokens, docs, b, t, span, Dropout { p: p_drop, seed }, head.then_some((hu, head_access)), loss_scale.is_some());
         let (c, vp, v) = (self.cfg.n_embd, self.cfg.vocab_size, self.real_vocab);
         let a = self.acts.as_mut().unwrap();
         a.loss_scale = loss_scale.unwrap_or(1.0);
@@ -921,7 +933,7 @@ impl Gpt {
     /// inference and tests, not for training.
     pub fn forward_logits(&mut self, tokens: &[u32], b: usize, t: usize) -> Vec<f32> {
         let (params, mut grads, units) = (std::mem::take(&mut self.params), std::mem::take(&mut self.grads), std::mem::take(&mut self.units));
-        self.trunk_forward(&mut Local { params: &params, grads: &mut grads, units: &units }, tokens, None, b, t, Dropout { p: 0.0, seed: 0 }, None, false);
+        self.trunk_forward(&mut Local { params: &params, grads: &mut grads, units: &units }, tokens, None, b, t, t, Dropout { p: 0.0, seed: 0 }, None, false);
         (self.params, self.grads, self.units) = (params, grads, units);
         let (c, vp) = (self.cfg.n_embd, self.cfg.vocab_size);
         let mut logits = vec![0.0; b * t * vp];
@@ -935,7 +947,7 @@ impl Gpt {
     /// activations. `train`: a training pass (an evaluation's blocks stash nothing: no backward
     /// reads them).
     #[allow(clippy::too_many_arguments)] // forward_with's, less the targets, plus the dropout, prefetch and pass kind
-    fn trunk_forward(&mut self, store: &mut dyn UnitStore, tokens: &[u32], docs: Option<Docs>, b: usize, t: usize, drop: Dropout, then: Option<(usize, Access)>, train: bool) {
+    fn trunk_forward(&mut self, store: &mut dyn UnitStore, tokens: &[u32], docs: Option<Docs>, b: usize, t: usize, span: usize, drop: Dropout, then: Option<(usize, Access)>, train: bool) {
         assert!(t <= self.cfg.block_size, "sequence length {t} exceeds block_size");
         assert_eq!(tokens.len(), b * t);
         if let Some(d) = docs.as_ref().filter(|_| self.cfg.place.context.is_none()) {
@@ -955,9 +967,10 @@ impl Gpt {
         }
         a.dropout_seed = drop.seed;
         a.p_drop = drop.p;
+        a.span = span;
         a.moe_stats.clear();
         let ops = Ops {
-            cfg: &self.cfg, rope: self.rope.as_ref().map(|r| r.for_pass(pass_len(&docs, t))), b, t, docs, drop, loss_scale: a.loss_scale,
+            cfg: &self.cfg, rope: self.rope.as_ref().map(|r| r.for_pass(span)), b, t, docs, drop, loss_scale: a.loss_scale,
             tp: RefCell::new(self.hooks.tensor.as_deref_mut()), ep: RefCell::new(self.hooks.experts.as_deref_mut()), cp: RefCell::new(self.hooks.context.as_deref_mut()), lora: RefCell::new(self.lora.as_mut()),
             store: storage(self.precision), arith: arith(self.precision), fp8: self.fp8.as_ref(), b0: self.cfg.place.batch_offset, base: self.base.as_deref(),
         };
@@ -1049,7 +1062,7 @@ impl Gpt {
         // The forward's document layout, for the attention (and rope) backward and recomputation.
         let docs = (!a.doc_pos.is_empty()).then_some(Docs { start: &a.doc_start, pos: &a.doc_pos });
         let ops = Ops {
-            cfg: &self.cfg, rope: self.rope.as_ref().map(|r| r.for_pass(pass_len(&docs, t))), b, t, docs, drop: Dropout { p: a.p_drop, seed: a.dropout_seed }, loss_scale: a.loss_scale,
+            cfg: &self.cfg, rope: self.rope.as_ref().map(|r| r.for_pass(a.span)), b, t, docs, drop: Dropout { p: a.p_drop, seed: a.dropout_seed }, loss_scale: a.loss_scale,
             tp: RefCell::new(self.hooks.tensor.as_deref_mut()), ep: RefCell::new(self.hooks.experts.as_deref_mut()), cp: RefCell::new(self.hooks.context.as_deref_mut()), lora: RefCell::new(self.lora.as_mut()),
             store: storage(self.precision), arith: arith(self.precision), fp8: self.fp8.as_ref(), b0: self.cfg.place.batch_offset, base: self.base.as_deref(),
         };
@@ -1683,7 +1696,7 @@ impl RopeTables {
 }
 
 /// A pass's length as transformers' rotary update sees it: its largest position + 1 (`t`
-/// unless packed documents restart their positions).
+/// unless packed documents restart their positions), over the whole rows.
 fn pass_len(docs: &Option<Docs>, t: usize) -> usize {
     docs.as_ref().and_then(|d| d.pos.iter().max()).map_or(t, |&p| p as usize + 1)
 }

@@ -199,10 +199,16 @@ fn llama_config(cfg: &Value, origin: &Path, qkv_bias: bool) -> Result<GptConfig,
         rope_theta: theta,
         rope_scaling,
         qkv_bias,
-        // The embedding's `padding_idx` (a row of the vocabulary; `null` or absent: none).
+        // The embedding's `padding_idx` (a row of the vocabulary; `null` or absent: none; a
+        // negative one counts from the end, as `nn.Embedding` takes it).
         pad_token_id: match cfg.get("pad_token_id").filter(|v| !v.is_null()) {
             None => None,
-            Some(v) => Some(v.as_u64().map(|p| p as usize).ok_or_else(|| format!("{}: `pad_token_id` = {v} is not a token id", origin.display()))?),
+            Some(v) => {
+                let bad = || format!("{}: `pad_token_id` = {v} is not a token id", origin.display());
+                let p = v.as_i64().ok_or_else(bad)?;
+                let vocab = get_usize(cfg, "vocab_size", origin)? as i64;
+                Some(usize::try_from(if p < 0 { vocab + p } else { p }).map_err(|_| bad())?)
+            }
         },
         head_dim,
         norm_eps: get_f32(cfg, "rms_norm_eps", 1e-6),
@@ -230,6 +236,9 @@ fn rope_of(cfg: &Value, origin: &Path) -> Result<(f32, Option<RopeScaling>), Str
     let Some(r) = scaling.or(params) else { return Ok((theta, None)) };
     let key = if scaling.is_some() { "rope_scaling" } else { "rope_parameters" };
     let ty = r.get("rope_type").or_else(|| r.get("type")).and_then(Value::as_str).unwrap_or("default");
+    // Phi3Config reads its older names `su` and `yarn` as LongRoPE.
+    let phi3 = cfg.get("architectures").and_then(|a| a.get(0)).and_then(Value::as_str) == Some("Phi3ForCausalLM");
+    let ty = if phi3 && (ty == "su" || ty == "yarn") { "longrope" } else { ty };
     let num = |k: &str| r.get(k).and_then(Value::as_f64).map(|v| v as f32).ok_or_else(|| format!("{}: `{key}.{k}` is missing or not a number", origin.display()));
     let scaling = match ty {
         "default" => None,

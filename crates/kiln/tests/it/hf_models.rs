@@ -237,4 +237,14 @@ fn phi3_longrope_model_trains_and_exports_as_phi3() {
     let st = fs::read(exp.join("model.safetensors")).unwrap();
     let names = safetensors::SafeTensors::deserialize(&st).unwrap().names().into_iter().map(String::from).collect::<Vec<_>>();
     assert!(names.iter().any(|n| n.ends_with("qkv_proj.weight")) && !names.iter().any(|n| n.ends_with("q_proj.weight")), "{names:?}");
+    // A LoRA run's adapters have no PEFT form on Phi-3's fused projections: refused, naming them.
+    let fx = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../model/tests/fixtures/phi3-longrope");
+    let d = scratch("phi3-lora");
+    let (data, lora) = (corpus(&d), d.join("lora"));
+    let o = kiln(&["train", "--init-from", fx.to_str().unwrap(), "--data", data.to_str().unwrap(), "--out", lora.to_str().unwrap(), "--set", "data.tokenizer=char",
+        "--lora-rank", "2", "--seq-len", "8", "--max-steps", "1", "--set", "eval.iters=1", "--set", "sample.tokens=0", "--quiet"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = d.join("peft");
+    assert_user_error(&kiln(&["export", "--run", lora.to_str().unwrap(), "--out", out.to_str().unwrap(), "--format", "peft"]), &["--format peft", "qkv_proj", "--merge"]);
+    assert!(!out.exists());
 }

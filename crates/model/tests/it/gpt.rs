@@ -253,7 +253,9 @@ fn param_count_equals_the_layout_and_never_overflows() {
 fn pad_token_row_gets_no_lookup_gradient() {
     let (tokens, targets) = batch();
     let grads = |pad: Option<usize>| {
+        // The same weights either way (a fresh padded model's pad row would be zero).
         let mut m = Gpt::new(GptConfig { pad_token_id: pad, ..tiny_llama(2, 0.0) }, 12, 3);
+        m.params = Gpt::new(tiny_llama(2, 0.0), 12, 3).params;
         m.zero_grad();
         m.forward(&tokens, &targets, 2, 6, train(1));
         m.backward();
@@ -266,6 +268,10 @@ fn pad_token_row_gets_no_lookup_gradient() {
     let row = wte.start + 3 * c..wte.start + 4 * c;
     assert!(plain[row.clone()].iter().any(|g| *g != 0.0));
     assert!(padded[row.clone()].iter().all(|g| *g == 0.0));
+    // A fresh model's pad row is zero (transformers' init), the rest as drawn.
+    let (a, b) = (Gpt::new(tiny_llama(2, 0.0), 12, 3), Gpt::new(GptConfig { pad_token_id: Some(3), ..tiny_llama(2, 0.0) }, 12, 3));
+    assert!(b.params[row.clone()].iter().all(|w| *w == 0.0) && a.params[row.clone()].iter().any(|w| *w != 0.0));
+    assert!(a.params.iter().zip(&b.params).enumerate().all(|(i, (x, y))| row.contains(&i) || x == y));
     for (i, (a, b)) in plain.iter().zip(&padded).enumerate() {
         if !row.contains(&i) {
             assert_eq!(a.to_bits(), b.to_bits(), "gradient {i}");

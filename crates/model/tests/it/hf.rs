@@ -154,6 +154,15 @@ fn phi3_longrope_matches_transformers() {
     let e = import_hf(&bad).err().expect("4 key/value heads do not fit");
     assert!(e.contains("self_attn.qkv_proj.weight") && e.contains("[64, 32]") && e.contains("[96, 32]"), "{e}");
     let _ = std::fs::remove_dir_all(&bad);
+    // Phi3Config's older rope type names `su` and `yarn` are LongRoPE; a negative pad id counts
+    // from the end of the vocabulary, as nn.Embedding takes it.
+    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    for ty in ["su", "yarn"] {
+        v["rope_scaling"]["type"] = ty.into();
+        v["pad_token_id"] = (-1).into();
+        let c = model::hf::hf_config(&v, &dir.join("config.json")).unwrap();
+        assert_eq!((c.rope_scaling.as_ref(), c.pad_token_id), (m.cfg.rope_scaling.as_ref(), Some(100)), "{ty}");
+    }
     // The fused tensors are read by name through the one-at-a-time reader too (QLoRA's path).
     let r = model::hf::TensorReader::open(&dir).unwrap();
     for p in &m.layout.params {

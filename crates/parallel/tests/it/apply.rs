@@ -136,6 +136,24 @@ fn per_head_norms_split_by_tensor_and_context_parallelism_match_one_rank() {
     }
 }
 
+/// LongRoPE under context parallelism: the whole rows (8 positions) are longer than the
+/// original context (4) but each part's chunk is not, and every part still rotates with the
+/// long tables, as one rank does.
+#[test]
+fn longrope_tables_follow_the_whole_rows_under_context_parallelism() {
+    let scaling = model::config::RopeScaling::LongRope { short_factor: vec![1.0, 1.5], long_factor: vec![2.0, 7.0], original_max_position_embeddings: 4, attention_factor: 1.2 };
+    let cfg = GptConfig { rope_scaling: Some(scaling), ..qk_norm_cfg() };
+    let (loss, grads) = one_rank_of(cfg.clone());
+    for zigzag in [false, true] {
+        let out = parts_of(cfg.clone(), Strategy { cp: 2, cp_zigzag: zigzag, ..strategy(1, 1, false) });
+        let mean = out.iter().map(|(l, _)| *l).sum::<f32>() / out.len() as f32;
+        assert!((mean - loss).abs() <= 1e-5 * loss.abs(), "zigzag {zigzag}: {mean} vs {loss}");
+        for (r, (_, g)) in out.iter().enumerate() {
+            assert_close(&format!("zigzag {zigzag} rank {r}"), g, &grads, 1e-5);
+        }
+    }
+}
+
 #[test]
 fn context_parallel_parts_match_one_rank() {
     let (loss, grads) = one_rank();
