@@ -1142,6 +1142,31 @@ impl RunConfig {
     }
 
     /// The parallel layout: backend, degrees, ZeRO, tensor, expert and sequence parallelism, in-memory checkpoints and injected rank failures.
+    /// The layout against the model: tensor parallelism's split of heads and MLP columns, expert
+    /// parallelism's of experts, context parallelism's of positions and heads.
+    pub(crate) fn validate_parallel_model(&self) -> Result<()> {
+        let p = &self.parallel;
+        let g = self.gpt_config(256);
+        if p.tp > 1 {
+            parallel::tp::local_config(&g, p.tp, 0, false).map_err(crate::error::KilnError::User)?;
+        }
+        if p.ep > 1 {
+            parallel::ep::local_config(&g, p.ep, 0).map_err(crate::error::KilnError::User)?;
+        }
+        if p.cp > 1 {
+            let (heads, kv) = if p.tp > 1 {
+                let l = parallel::tp::local_config(&g, p.tp, 0, false).map_err(crate::error::KilnError::User)?;
+                (l.n_head, l.n_kv_head)
+            } else {
+                (g.n_head, g.n_kv_head)
+            };
+            if let Some(e) = parallel::cp::check(self.seq_len(), heads, kv, p.cp, p.cp_mode, p.cp_balance == plan::policy::CpBalance::Zigzag) {
+                return user(e);
+            }
+        }
+        Ok(())
+    }
+
     fn validate_parallel(&self) -> Result<()> {
         let p = &self.parallel;
         let world = p.world(p.dp);
@@ -1167,15 +1192,15 @@ impl RunConfig {
         if p.tp > 1 && self.lora.rank > 0 {
             return user(format!("parallel.tp = {} with LoRA is not supported: the adapters are tiny; use data parallelism (parallel.dp)", p.tp));
         }
-        if p.tp > 1 {
-            let g = self.gpt_config(256);
-            parallel::tp::local_config(&g, p.tp, 0, false).map_err(crate::error::KilnError::User)?;
+        // The model's own limits on the layout: with --init-from they are checked once the
+        // base's keys are adopted (`adopt_base`), not against the preset's model.
+        if self.model.init_from.is_empty() {
+            self.validate_parallel_model()?;
         }
         if p.ep == 0 {
             return user("parallel.ep must be positive, got 0");
         }
         if p.ep > 1 {
-            parallel::ep::local_config(&self.gpt_config(256), p.ep, 0).map_err(crate::error::KilnError::User)?;
             if p.zero > 0 {
                 return user(format!("parallel.ep = {} with parallel.zero = {}: ZeRO stages 1-3 are not supported with expert parallelism (their per-unit shards would cut across the expert blocks); use parallel.zero = 0", p.ep, p.zero));
             }
@@ -1198,18 +1223,6 @@ impl RunConfig {
         }
         if p.cp == 0 {
             return user("parallel.cp must be positive, got 0");
-        }
-        if p.cp > 1 {
-            let g = self.gpt_config(256);
-            let (heads, kv) = if p.tp > 1 {
-                let l = parallel::tp::local_config(&g, p.tp, 0, false).map_err(crate::error::KilnError::User)?;
-                (l.n_head, l.n_kv_head)
-            } else {
-                (g.n_head, g.n_kv_head)
-            };
-            if let Some(e) = parallel::cp::check(self.seq_len(), heads, kv, p.cp, p.cp_mode, p.cp_balance == plan::policy::CpBalance::Zigzag) {
-                return user(e);
-            }
         }
         let seq_local = self.seq_len() / p.cp.max(1);
         if p.sequence_parallel && !seq_local.is_multiple_of(p.tp) {

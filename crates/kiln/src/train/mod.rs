@@ -138,6 +138,8 @@ fn train_once(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
         if cfg.train.seq_len == 0 {
             cfg.train.seq_len = cfg.model.block_size.min(1024);
         }
+        // The layout against the base's model (`validate` could not know it).
+        cfg.validate_parallel_model()?;
         Some(m)
     } else {
         None

@@ -127,3 +127,10 @@ pub fn kiln_measured(args: &[&str], scratch: &Path) -> (i32, String, String, u64
     let code = std::process::ExitStatus::from_raw(status).code().unwrap_or(-1);
     (code, std::fs::read_to_string(&out).unwrap(), std::fs::read_to_string(&err).unwrap(), rss.saturating_sub(inherited), took)
 }
+
+/// A path under `../shared` (e.g. `fixtures/mixtral-tiny`); a missing one fails the test, naming it.
+pub fn fixture(name: &str) -> PathBuf {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared").join(name);
+    assert!(p.exists(), "fixture {} not found", p.display());
+    p
+}

@@ -70,4 +70,18 @@ fn expert_parallel_errors_name_the_key() {
         assert_user_error(&o, &[needle]);
         assert!(!out.exists(), "{extra:?}: a bad config must not create the run directory");
     }
+    // With --init-from the layout is checked against the base's model, not the preset's: a
+    // Mixtral base splits over two expert-parallel ranks; a dense base is refused, writing nothing.
+    let mixtral = fixture("fixtures/mixtral-tiny");
+    let dense = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../model/tests/fixtures/qwen3-tiny");
+    let run = |base: &std::path::Path, out: &std::path::Path| {
+        kiln(&["train", "--init-from", base.to_str().unwrap(), "--ep", "2", "--data", data.to_str().unwrap(), "--out", out.to_str().unwrap(), "--set", "data.tokenizer=char",
+            "--seq-len", "16", "--max-steps", "1", "--set", "eval.iters=1", "--set", "sample.tokens=0", "--quiet"])
+    };
+    let o = run(&mixtral, &out);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out2 = d.join("dense");
+    let o = run(&dense, &out2);
+    assert_user_error(&o, &["parallel.ep = 2 needs a mixture-of-experts model"]);
+    assert!(!out2.exists());
 }

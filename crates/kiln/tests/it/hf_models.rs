@@ -6,12 +6,6 @@ use crate::common::*;
 use std::fs;
 use std::path::{Path, PathBuf};
 
-fn fixture(name: &str) -> PathBuf {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared").join(name);
-    assert!(p.exists(), "fixture {} not found", p.display());
-    p
-}
-
 #[test]
 fn qwen2_fine_tunes_with_its_own_tokenizer_and_exports_everything() {
     let fx = fixture("fixtures/qwen2-tiny");
