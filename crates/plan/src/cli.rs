@@ -147,7 +147,7 @@ fn read_file(path: &str, what: &str) -> Result<String, PlanError> {
 }
 
 fn looks_like_file(s: &str) -> bool {
-    s.ends_with(".json") || s.contains('/') || std::path::Path::new(s).is_file()
+    s.ends_with(".json") || s.contains('/') || std::path::Path::new(s).exists()
 }
 
 /// Resolve the model flags.
@@ -175,6 +175,9 @@ fn resolve_model_shape(a: &ModelArgs) -> Result<ModelShape, PlanError> {
     match (&a.model, inline) {
         (Some(_), true) => Err(PlanError("--model and --layers/--hidden/--heads are exclusive".into())),
         (Some(name), false) if looks_like_file(name) => {
+            // A Hugging Face model directory: its config.json.
+            let dir_cfg = std::path::Path::new(name).join("config.json");
+            let name = &if std::path::Path::new(name).is_dir() { dir_cfg.display().to_string() } else { name.clone() };
             let models = parse_models(&read_file(name, "--model")?, name)?;
             match models.len() {
                 1 => Ok(models.into_iter().next().unwrap()),

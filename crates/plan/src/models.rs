@@ -322,8 +322,75 @@ struct ModelFile {
     models: Vec<RawModel>,
 }
 
-/// Parse a model catalogue (`{"models":[...]}`), a JSON array of models, or a single model object.
+/// A Hugging Face `config.json` as a model entry: GPT-2 (`n_layer`, `n_embd`, … : GeLU, biases,
+/// learned positions) or a LLaMA-family config (`num_hidden_layers`, `hidden_size`, … : SwiGLU),
+/// with its experts when it has them (Mixtral's `num_local_experts`, Qwen-MoE's `num_experts`
+/// and `moe_intermediate_size`, DeepSeek's `n_routed_experts`, `n_shared_experts`,
+/// `first_k_dense_replace`, `moe_layer_freq`). The training length defaults to
+/// `max_position_embeddings` capped at 4096 (`--seq` sets it). `None` when `v` is not one.
+pub fn hf_config_model(v: &serde_json::Value, name: &str) -> Option<Result<RawModel, PlanError>> {
+    let arch = v.get("architectures").and_then(|a| a.get(0)).and_then(|a| a.as_str());
+    let ty = v.get("model_type").and_then(|t| t.as_str());
+    if arch.is_none() && ty.is_none() {
+        return None;
+    }
+    let u = |k: &str| v.get(k).and_then(|x| x.as_u64());
+    let need = |k: &str| u(k).ok_or_else(|| PlanError(format!("{name}: Hugging Face config has no `{k}`")));
+    let gpt2 = ty == Some("gpt2") || arch == Some("GPT2LMHeadModel");
+    let tied = v.get("tie_word_embeddings").and_then(|x| x.as_bool());
+    Some((|| {
+        if gpt2 {
+            return Ok(RawModel {
+                name: name.into(),
+                layers: need("n_layer")?,
+                hidden: need("n_embd")?,
+                heads: need("n_head")?,
+                ffn_hidden: u("n_inner"),
+                vocab: need("vocab_size")?,
+                seq: u("n_positions").map(|s| s.min(4096)),
+                mlp: Some(Mlp::Gelu),
+                tied_embeddings: Some(tied.unwrap_or(true)),
+                ..RawModel::default()
+            });
+        }
+        let experts = u("num_local_experts").or_else(|| u("num_experts")).or_else(|| u("n_routed_experts")).filter(|&e| e > 1);
+        Ok(RawModel {
+            name: name.into(),
+            layers: need("num_hidden_layers")?,
+            hidden: need("hidden_size")?,
+            heads: need("num_attention_heads")?,
+            kv_heads: u("num_key_value_heads"),
+            head_dim: u("head_dim"),
+            ffn_hidden: u("intermediate_size"),
+            vocab: need("vocab_size")?,
+            seq: u("max_position_embeddings").map(|s| s.min(4096)),
+            mlp: Some(Mlp::Swiglu),
+            experts,
+            top_k: experts.and(u("num_experts_per_tok")),
+            shared_experts: experts.and(u("n_shared_experts")),
+            expert_ffn_hidden: experts.and(u("moe_intermediate_size").or_else(|| u("intermediate_size"))),
+            moe_layer_freq: experts.and(u("moe_layer_freq").or_else(|| u("decoder_sparse_step"))),
+            first_dense_layers: experts.and(u("first_k_dense_replace")),
+            // Hugging Face's routers drop nothing (dropless).
+            capacity_factor: experts.map(|_| 1.0),
+            tied_embeddings: Some(tied.unwrap_or(false)),
+            learned_pos_emb: Some(false),
+            biases: Some(false),
+            dropout: Some(false),
+            ..RawModel::default()
+        })
+    })())
+}
+
+/// Parse a model catalogue (`{"models":[...]}`), a JSON array of models, a single model object,
+/// or a Hugging Face `config.json` ([`hf_config_model`]).
 pub fn parse_models(text: &str, origin: &str) -> Result<Vec<ModelShape>, PlanError> {
+    if let Ok(v) = serde_json::from_str::<serde_json::Value>(text) {
+        let name = std::path::Path::new(origin).parent().and_then(|d| d.file_name()).and_then(|n| n.to_str()).filter(|n| !n.is_empty()).unwrap_or(origin);
+        if let Some(raw) = hf_config_model(&v, name) {
+            return Ok(vec![raw?.resolve().map_err(|e| PlanError(format!("{origin}: {}", e.0)))?]);
+        }
+    }
     let raws: Vec<RawModel> = if let Ok(f) = serde_json::from_str::<ModelFile>(text) {
         f.models
     } else if let Ok(v) = serde_json::from_str::<Vec<RawModel>>(text) {

@@ -116,3 +116,38 @@ fn the_split_rule_is_by_position_within_each_source() {
     let halves: Vec<&str> = (0..7).map(|k| split_of("megascale2024", k)).collect();
     assert_eq!(halves, ["holdout", "fit", "holdout", "holdout", "fit", "holdout", "holdout"]);
 }
+
+/// A Hugging Face `config.json` (or its directory, through `--model`) is a model entry: the
+/// shared fixtures' parameter counts equal their safetensors' element counts (the planner leaves
+/// out the final norm, as Narayanan's eq. (1) does), GPT-2's learned positions and tied head
+/// included, Mixtral's experts and router too.
+#[test]
+fn hugging_face_configs_resolve_to_their_checkpoints_parameter_counts() {
+    let shared = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/fixtures");
+    for name in ["gpt2-tiny", "llama-tiny", "llama31-tiny", "mistral-tiny", "mixtral-tiny"] {
+        let dir = shared.join(name);
+        let cfg = dir.join("config.json");
+        let models = plan::models::parse_models(&std::fs::read_to_string(&cfg).unwrap(), cfg.to_str().unwrap()).unwrap();
+        let m = &models[0];
+        assert_eq!(m.name, name);
+        let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+        let stored: u64 = header
+            .as_object()
+            .unwrap()
+            .iter()
+            .filter(|(k, _)| *k != "__metadata__" && !k.ends_with(".attn.bias") && !k.ends_with(".attn.masked_bias"))
+            .map(|(_, t)| t["shape"].as_array().unwrap().iter().map(|d| d.as_u64().unwrap()).product::<u64>())
+            .sum();
+        let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
+        let (seq, final_norm) = match v["n_positions"].as_u64() {
+            Some(s) => (s, 2 * m.hidden),
+            None => (m.seq, m.hidden),
+        };
+        assert_eq!(m.params(seq) + final_norm, stored, "{name}: {m:?}");
+        // The same through `--model DIR`.
+        let args = ModelArgs { model: Some(dir.to_str().unwrap().into()), ..Default::default() };
+        assert_eq!(&plan::cli::resolve_model(&args).unwrap(), m);
+    }
+}
