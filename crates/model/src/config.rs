@@ -276,6 +276,10 @@ pub struct GptConfig {
     /// transformers' `head_dim`); 0 = `n_embd / n_head`.
     #[serde(default)]
     pub head_dim: usize,
+    /// Dimensions of each head the rotary embedding turns when not all of them (transformers'
+    /// `head_dim · partial_rotary_factor`, Phi-4-mini's 0.75); 0 = the whole head.
+    #[serde(default)]
+    pub rotary_dim: usize,
     /// Epsilon of LayerNorm / RMSNorm.
     pub norm_eps: f32,
     /// Routed experts per MoE layer (0 = dense MLP). With experts, `ffn_hidden` is each
@@ -303,7 +307,7 @@ impl GptConfig {
     pub fn gpt2(n_layer: usize, n_head: usize, n_embd: usize, block_size: usize, vocab_size: usize, bias: bool, dropout: f32, tied: bool) -> GptConfig {
         GptConfig {
             arch: Arch::Gpt2, n_layer, n_head, n_kv_head: n_head, n_embd, ffn_hidden: 4 * n_embd, block_size, vocab_size,
-            bias, dropout, tied_embeddings: tied, rope_theta: defaults::ROPE_THETA as f32, rope_scaling: None, qkv_bias: false, pad_token_id: None, qk_norm: false, fused_proj: false, sliding_window: 0, attn_sinks: 0, window_layers: Vec::new(), head_dim: 0, norm_eps: defaults::NORM_EPS as f32,
+            bias, dropout, tied_embeddings: tied, rope_theta: defaults::ROPE_THETA as f32, rope_scaling: None, qkv_bias: false, pad_token_id: None, qk_norm: false, fused_proj: false, sliding_window: 0, attn_sinks: 0, window_layers: Vec::new(), head_dim: 0, rotary_dim: 0, norm_eps: defaults::NORM_EPS as f32,
             n_expert: 0, top_k: defaults::TOP_K, n_shared_expert: 0, capacity_factor: 0.0, moe_aux_weight: defaults::MOE_AUX_WEIGHT as f32,
             moe_z_weight: defaults::MOE_Z_WEIGHT as f32, place: Placement::default(),
         }
@@ -366,11 +370,14 @@ impl GptConfig {
         if !(self.rope_theta > 0.0) {
             return Err(format!("model.rope_theta must be positive, got {}", self.rope_theta));
         }
+        if self.rotary_dim > 0 && (self.arch != Arch::Llama || !self.rotary_dim.is_multiple_of(2) || self.rotary_dim > self.head_size()) {
+            return Err(format!("model.rotary_dim = {} must be even and at most the head width ({}) of a llama-arch model", self.rotary_dim, self.head_size()));
+        }
         if let Some(r) = &self.rope_scaling {
             if self.arch != Arch::Llama {
                 return Err("model.rope_scaling needs model.arch = llama (rotary embeddings)".into());
             }
-            r.validate(self.head_size(), self.block_size)?;
+            r.validate(self.rotary_size(), self.block_size)?;
         }
         if self.sliding_window > 0 && self.arch != Arch::Llama {
             return Err("model.sliding_window needs model.arch = llama (GPT-2 attends to every earlier position)".into());
@@ -448,11 +455,17 @@ impl GptConfig {
     /// The rotary inverse frequencies; `long`: LongRoPE's for a pass longer than its original
     /// context (the same as `rope_inv_freq` for every other scaling).
     pub fn rope_inv_freq_for(&self, long: bool) -> Vec<f32> {
+        let rot = self.rotary_size();
         match &self.rope_scaling {
-            Some(r) if long => r.inv_freq_long(self.rope_theta, self.head_size()),
-            Some(r) => r.inv_freq(self.rope_theta, self.head_size()),
-            None => tensor::llama::rope_inv_freq(self.rope_theta, self.head_size()),
+            Some(r) if long => r.inv_freq_long(self.rope_theta, rot),
+            Some(r) => r.inv_freq(self.rope_theta, rot),
+            None => tensor::llama::rope_inv_freq(self.rope_theta, rot),
         }
+    }
+
+    /// The dimensions of each head the rotary embedding turns (`rotary_dim`, else all).
+    pub fn rotary_size(&self) -> usize {
+        if self.rotary_dim > 0 { self.rotary_dim } else { self.head_size() }
     }
 
     /// The rotary tables `(cos, sin)` for `block_size` positions (`tensor::llama::rope_table_from`),

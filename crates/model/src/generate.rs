@@ -68,7 +68,7 @@ impl Gpt {
         assert!(cache.len < bs, "KV cache full");
         let pos = cache.len;
         // One sequence: the new token (for RoPE); attention reads `t: pos + 1` cached positions.
-        let one = GqaDims { b: 1, t: 1, nh, nkv, hs, window: self.cfg.sliding_window, sinks: self.cfg.attn_sinks, ..GqaDims::default() };
+        let one = GqaDims { b: 1, t: 1, nh, nkv, hs, window: self.cfg.sliding_window, sinks: self.cfg.attn_sinks, rotary: self.cfg.rotary_dim, ..GqaDims::default() };
         let w = &self.params;
         let pv = &self.views;
         let rope = self.rope.as_ref().map(|r| r.for_pass(pass));

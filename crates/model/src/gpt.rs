@@ -1915,7 +1915,7 @@ impl<'a> Ops<'a> {
     fn gqa_at(&self, l: usize) -> GqaDims {
         let (head0, heads) = self.mask_heads();
         let window = self.cfg.window_of(self.cfg.first_layer() + l);
-        GqaDims { b: self.b, t: self.t, nh: self.cfg.n_head, nkv: self.cfg.n_kv_head, hs: self.cfg.head_size(), head0, heads, b0: self.b0, window, sinks: self.cfg.attn_sinks }
+        GqaDims { b: self.b, t: self.t, nh: self.cfg.n_head, nkv: self.cfg.n_kv_head, hs: self.cfg.head_size(), head0, heads, b0: self.b0, window, sinks: self.cfg.attn_sinks, rotary: self.cfg.rotary_dim }
     }
 
     /// A tensor-parallel shard's first head and the whole model's head count ((0, 0) without

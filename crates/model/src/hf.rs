@@ -184,6 +184,18 @@ fn llama_config(cfg: &Value, origin: &Path, qkv_bias: bool) -> Result<GptConfig,
         _ => 0,
     };
     let (theta, rope_scaling) = rope_of(cfg, origin)?;
+    // transformers turns the first `int(head_dim · partial_rotary_factor)` dimensions of a head
+    // (the factor at the top level or in `rope_parameters`).
+    let hs = if head_dim > 0 { head_dim } else { n_embd / n_head.max(1) };
+    let partial = cfg.get("partial_rotary_factor").or_else(|| cfg.get("rope_parameters").and_then(|r| r.get("partial_rotary_factor"))).filter(|v| !v.is_null());
+    let rotary_dim = match partial {
+        None => 0,
+        Some(f) => {
+            let f = f.as_f64().filter(|f| *f > 0.0 && *f <= 1.0).ok_or_else(|| format!("{}: `partial_rotary_factor` = {f} is not in (0, 1]", origin.display()))?;
+            let rot = (hs as f64 * f) as usize;
+            if rot == hs { 0 } else { rot }
+        }
+    };
     let c = GptConfig {
         arch: Arch::Llama,
         n_layer: get_usize(cfg, "num_hidden_layers", origin)?,
@@ -211,6 +223,7 @@ fn llama_config(cfg: &Value, origin: &Path, qkv_bias: bool) -> Result<GptConfig,
             }
         },
         head_dim,
+        rotary_dim,
         norm_eps: get_f32(cfg, "rms_norm_eps", 1e-6),
         ..GptConfig::gpt2(1, 1, 1, 1, 1, false, 0.0, false)
     };
@@ -221,17 +234,11 @@ fn llama_config(cfg: &Value, origin: &Path, qkv_bias: bool) -> Result<GptConfig,
 /// The rotary base and scaling: transformers 5's `rope_parameters` (`rope_theta`, `rope_type`
 /// and its factors), or the older top-level `rope_theta` with `rope_scaling` (`type` or
 /// `rope_type`). Supported types: `default`, `linear`, `llama3`, `yarn`, `longrope`, `dynamic`; others are
-/// refused by name, as is a partial rotary factor other than 1.
+/// refused by name.
 fn rope_of(cfg: &Value, origin: &Path) -> Result<(f32, Option<RopeScaling>), String> {
     let params = cfg.get("rope_parameters").filter(|v| v.is_object());
     let scaling = cfg.get("rope_scaling").filter(|v| v.is_object());
-    for (key, v) in [("partial_rotary_factor", cfg.get("partial_rotary_factor")), ("rope_parameters.partial_rotary_factor", params.and_then(|r| r.get("partial_rotary_factor")))] {
-        if let Some(f) = v.filter(|v| !v.is_null()) {
-            if f.as_f64() != Some(1.0) {
-                return Err(format!("{}: `{key}` = {f} is not supported (kiln rotates the whole head)", origin.display()));
-            }
-        }
-    }
+
     let theta = params.and_then(|r| r.get("rope_theta")).and_then(Value::as_f64).map_or(get_f32(cfg, "rope_theta", 10000.0), |v| v as f32);
     let Some(r) = scaling.or(params) else { return Ok((theta, None)) };
     let key = if scaling.is_some() { "rope_scaling" } else { "rope_parameters" };
@@ -792,6 +799,11 @@ fn export_config(c: &GptConfig) -> Result<Value, String> {
         }
         if let Some(pad) = c.pad_token_id {
             v["pad_token_id"] = pad.into();
+        }
+        if c.rotary_dim > 0 {
+            let f = c.rotary_dim as f64 / c.head_size() as f64;
+            v["partial_rotary_factor"] = f.into();
+            v["rope_parameters"]["partial_rotary_factor"] = f.into();
         }
         if c.sliding_window > 0 {
             // transformers' per-layer form, which the classes read before their own rule.

@@ -281,9 +281,10 @@ fn rope_apply(
     positions: Positions,
     inverse: bool,
 ) {
-    let GqaDims { b, t, nh, nkv, hs, .. } = *dims;
-    assert!(hs.is_multiple_of(2), "rotary head size must be even");
-    let half = hs / 2;
+    let GqaDims { b, t, nh, nkv, hs, rotary, .. } = *dims;
+    let rot = if rotary == 0 { hs } else { rotary };
+    assert!(rot.is_multiple_of(2) && rot <= hs, "rotary dimensions must be even and at most the head size");
+    let half = rot / 2;
     let w = (nh + 2 * nkv) * hs;
     assert_eq!(x.len(), b * t * w);
     assert_eq!(cos.len(), sin.len());
@@ -306,16 +307,18 @@ fn rope_apply(
             };
             let (c, s) = (&cos[pos * half..(pos + 1) * half], &sin[pos * half..(pos + 1) * half]);
             // q and k heads are contiguous: the first NH + NKV heads of the row.
-            rope_row(&mut row[..(nh + nkv) * hs], c, s, hs, inverse);
+            rope_row(&mut row[..(nh + nkv) * hs], c, s, hs, rot, inverse);
         }
     });
 }
 
 crate::multiversion! {
-    fn rope_row(x: &mut [f32], c: &[f32], s: &[f32], hs: usize, inverse: bool) {
-        let half = hs / 2;
+    /// Each `hs`-wide head's first `rot` dimensions turned (HF's partial rotary: `q[..., :rot]`,
+    /// the rest passed through).
+    fn rope_row(x: &mut [f32], c: &[f32], s: &[f32], hs: usize, rot: usize, inverse: bool) {
+        let half = rot / 2;
         for head in x.chunks_exact_mut(hs) {
-            let (x1, x2) = head.split_at_mut(half);
+            let (x1, x2) = head[..rot].split_at_mut(half);
             if inverse {
                 for i in 0..half {
                     let (a, b) = (x1[i], x2[i]);
@@ -435,6 +438,9 @@ pub struct GqaDims {
     /// Attention sinks under a sliding window (StreamingLLM, Xiao et al. 2023): the first
     /// `sinks` positions of a query's document stay visible however far back they are; 0 = none.
     pub sinks: usize,
+    /// Dimensions of each head the rotary embedding turns (the first `rotary`; a partial rotary
+    /// factor below 1, as Phi-4-mini's 0.75); 0 = all `hs`.
+    pub rotary: usize,
 }
 
 impl GqaDims {

@@ -231,6 +231,10 @@ fn phi3_longrope_model_trains_and_exports_as_phi3() {
     let st = fs::read(exp.join("model.safetensors")).unwrap();
     let names = safetensors::SafeTensors::deserialize(&st).unwrap().names().into_iter().map(String::from).collect::<Vec<_>>();
     assert!(names.iter().any(|n| n.ends_with("qkv_proj.weight")) && !names.iter().any(|n| n.ends_with("q_proj.weight")), "{names:?}");
+    // Phi-4-mini's form: a partial rotary factor (model.rotary_dim) and a tied head.
+    let (m4, exp4, _d4) = trains_exports_and_evaluates_alike("phi4mini-partial");
+    assert_eq!((m4["rotary_dim"].as_integer(), m4["tied_embeddings"].as_bool()), (Some(6), Some(true)));
+    assert_eq!(exported_config(&exp4)["partial_rotary_factor"].as_f64(), Some(0.75));
     // A LoRA run's adapters have no PEFT form on Phi-3's fused projections: refused, naming them.
     let fx = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../model/tests/fixtures/phi3-longrope");
     let d = scratch("phi3-lora");

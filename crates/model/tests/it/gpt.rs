@@ -98,6 +98,12 @@ fn gradients_match_finite_differences_qk_norm() {
     model_gradcheck_with(cfg, Recompute::Full);
 }
 
+/// A partial rotary embedding (2 of each head's 4 dimensions), through the whole model.
+#[test]
+fn gradients_match_finite_differences_partial_rotary() {
+    model_gradcheck(GptConfig { n_head: 2, rotary_dim: 2, ..tiny_llama(1, 0.0) });
+}
+
 #[test]
 fn llama_decode_logits_match_full_forward() {
     let mut m = Gpt::new(tiny_llama(2, 0.0), 12, 5);

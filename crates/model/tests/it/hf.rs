@@ -204,6 +204,23 @@ fn qwen3_moe_fixture_logits_and_loss_match_transformers() {
     assert!(e.contains("mlp_only_layers"), "{e}");
 }
 
+/// A partial rotary factor (tests/fixtures/phi4mini-partial, made by its make.py with
+/// transformers): Phi-4-mini's form, `Phi3ForCausalLM` with `partial_rotary_factor` 0.75 (6 of 8
+/// dimensions turned), LongRoPE with 3 factors, a tied head; logits, loss and the inverse
+/// frequencies match transformers, export and decoding agree.
+#[test]
+fn partial_rotary_factor_matches_transformers() {
+    fixture_matches("phi4mini-partial");
+    export_reimport("phi4mini-partial");
+    let dir = fixture("phi4mini-partial");
+    let mut m = import_hf(&dir).unwrap();
+    assert_eq!((m.cfg.rotary_dim, m.cfg.head_size(), m.cfg.tied_embeddings), (6, 8, true));
+    let ej: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
+    let want: Vec<f32> = ej["inv_freq"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32).collect();
+    assert_eq!(m.cfg.rope_inv_freq_for(true), want);
+    decode_matches_forward(&mut m, &tokens(&dir)[0][..8]);
+}
+
 /// Dynamic NTK rope scaling (tests/fixtures/llama-dynamic, made by its make.py with
 /// transformers): in passes up to `max_position_embeddings` transformers keeps plain RoPE's
 /// frequencies, and so does kiln (whose context may not exceed that length); logits, loss and the

@@ -147,6 +147,39 @@ fn rope_gradients() {
     }
 }
 
+/// Partial rotary (Phi-4-mini's factor 0.75): the first 6 of 8 dimensions of every q and k head
+/// turn exactly as a 6-wide head would; the last 2 and all of v pass through; finite
+/// differences check the backward.
+#[test]
+fn partial_rotary_turns_the_first_dimensions_only() {
+    let (b, t, nh, nkv, hs, rot) = (2, 5, 2, 1, 8, 6);
+    let w = (nh + 2 * nkv) * hs;
+    let dims = GqaDims { b, t, nh, nkv, hs, rotary: rot, ..Default::default() };
+    let cs = rope_table(10_000.0, rot, 16);
+    let mut rng = Rng::new(25);
+    let qkv = randn(&mut rng, b * t * w, 1.0);
+    let mut x = qkv.clone();
+    rope_forward(&mut x, &cs.0, &cs.1, &dims, 2);
+    // The same rows cut to 6-wide heads, rotated whole.
+    let narrow = GqaDims { hs: rot, rotary: 0, ..dims };
+    let wn = (nh + 2 * nkv) * rot;
+    let mut y: Vec<f32> = qkv.chunks(hs).flat_map(|h| h[..rot].to_vec()).collect();
+    rope_forward(&mut y, &cs.0, &cs.1, &narrow, 2);
+    for (k, head) in x.chunks(hs).enumerate() {
+        assert_eq!(&head[..rot], &y[k * rot..(k + 1) * rot], "head {k}");
+        assert_eq!(&head[rot..], &qkv[k * hs + rot..(k + 1) * hs], "head {k}: the unrotated part");
+    }
+    assert_eq!(y.len(), b * t * wn);
+    let dout = randn(&mut rng, qkv.len(), 1.0);
+    let mut g = dout.clone();
+    rope_backward(&mut g, &cs.0, &cs.1, &dims, 2);
+    check("rope(partial).dqkv", &qkv, &g, |q| {
+        let mut z = q.to_vec();
+        rope_forward(&mut z, &cs.0, &cs.1, &dims, 2);
+        dot(&z, &dout)
+    });
+}
+
 #[test]
 fn rope_inverse_is_identity_and_v_is_untouched() {
     let r = Rope { b: 2, t: 9, nh: 4, nkv: 1, hs: 8 };
