@@ -20,6 +20,10 @@ pub fn cmd(args: &TrainArgs, as_json: bool) -> Result<()> {
     let gpt = match base {
         Some(m) => {
             cfg.model.block_size = m.cfg.block_size;
+            // The layout against the base's model, as `kiln train` checks it.
+            let mut based = cfg.clone();
+            crate::config::set_model_shape(&mut based.model, &m.cfg);
+            based.validate_against_base()?;
             GptConfig { dropout: cfg.model.dropout as f32, ..m.cfg }
         }
         None => cfg.gpt_config(ds.tokenizer.vocab_size()),

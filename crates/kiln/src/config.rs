@@ -522,17 +522,8 @@ const BASE_SETTINGS: &[&str] = &["model.capacity_factor", "model.moe_aux_weight"
 /// base in errors.
 pub fn adopt_base(cfg: &RunConfig, base: &model::GptConfig, hf: bool, explicit: &std::collections::BTreeSet<String>, origin: &str) -> Result<RunConfig> {
     let mut based = cfg.clone();
+    set_model_shape(&mut based.model, base);
     let (mc, hc) = (&mut based.model, base);
-    mc.arch = hc.arch;
-    (mc.n_layer, mc.n_head, mc.n_kv_head, mc.n_embd, mc.ffn_hidden, mc.block_size, mc.vocab_size, mc.bias, mc.tied_embeddings) =
-        (hc.n_layer, hc.n_head, hc.n_kv_head, hc.n_embd, hc.ffn_hidden, hc.block_size, hc.vocab_size, hc.bias, hc.tied_embeddings);
-    (mc.rope_theta, mc.norm_eps, mc.qkv_bias, mc.sliding_window) = (hc.rope_theta as f64, hc.norm_eps as f64, hc.qkv_bias, hc.sliding_window);
-    (mc.head_dim, mc.window_layers, mc.fused_proj, mc.qk_norm) = (hc.head_dim, hc.window_layers.clone(), hc.fused_proj, hc.qk_norm);
-    mc.pad_token_id = hc.pad_token_id.map_or(-1, |p| p as i64);
-    mc.rotary_dim = hc.rotary_dim;
-    set_rope_scaling(mc, hc.rope_scaling.clone());
-    (mc.n_expert, mc.top_k, mc.n_shared_expert) = (hc.n_expert, hc.top_k, hc.n_shared_expert);
-    (mc.capacity_factor, mc.moe_aux_weight, mc.moe_z_weight) = (hc.capacity_factor as f64, hc.moe_aux_weight as f64, hc.moe_z_weight as f64);
     if hf {
         mc.loss_vocab = hc.vocab_size;
     }
@@ -554,6 +545,21 @@ pub fn adopt_base(cfg: &RunConfig, base: &model::GptConfig, hf: bool, explicit: 
         }
     }
     RunConfig::resolve(&raw)
+}
+
+/// Sets every `model.*` key a model config fixes (its shape, rope, attention and MoE keys) to
+/// `hc`'s.
+pub fn set_model_shape(mc: &mut ModelSection, hc: &model::GptConfig) {
+    mc.arch = hc.arch;
+    (mc.n_layer, mc.n_head, mc.n_kv_head, mc.n_embd, mc.ffn_hidden, mc.block_size, mc.vocab_size, mc.bias, mc.tied_embeddings) =
+        (hc.n_layer, hc.n_head, hc.n_kv_head, hc.n_embd, hc.ffn_hidden, hc.block_size, hc.vocab_size, hc.bias, hc.tied_embeddings);
+    (mc.rope_theta, mc.norm_eps, mc.qkv_bias, mc.sliding_window) = (hc.rope_theta as f64, hc.norm_eps as f64, hc.qkv_bias, hc.sliding_window);
+    (mc.head_dim, mc.window_layers, mc.fused_proj, mc.qk_norm) = (hc.head_dim, hc.window_layers.clone(), hc.fused_proj, hc.qk_norm);
+    mc.pad_token_id = hc.pad_token_id.map_or(-1, |p| p as i64);
+    mc.rotary_dim = hc.rotary_dim;
+    set_rope_scaling(mc, hc.rope_scaling.clone());
+    (mc.n_expert, mc.top_k, mc.n_shared_expert) = (hc.n_expert, hc.top_k, hc.n_shared_expert);
+    (mc.capacity_factor, mc.moe_aux_weight, mc.moe_z_weight) = (hc.capacity_factor as f64, hc.moe_aux_weight as f64, hc.moe_z_weight as f64);
 }
 
 /// Sets the `model.rope_*` keys to a model's rope scaling.
@@ -1145,10 +1151,16 @@ impl RunConfig {
         Ok(())
     }
 
-    /// The parallel layout: backend, degrees, ZeRO, tensor, expert and sequence parallelism, in-memory checkpoints and injected rank failures.
+    /// The layout against a base model's keys (`--init-from`), which `validate` skips: the
+    /// checks of [`RunConfig::validate_parallel_model`] and the pipeline's split of layers.
+    pub(crate) fn validate_against_base(&self) -> Result<()> {
+        self.validate_parallel_model()?;
+        self.stage_layers(256).map(|_| ())
+    }
+
     /// The layout against the model: tensor parallelism's split of heads and MLP columns, expert
     /// parallelism's of experts, context parallelism's of positions and heads.
-    pub(crate) fn validate_parallel_model(&self) -> Result<()> {
+    fn validate_parallel_model(&self) -> Result<()> {
         let p = &self.parallel;
         let g = self.gpt_config(256);
         if p.tp > 1 {
@@ -1171,6 +1183,8 @@ impl RunConfig {
         Ok(())
     }
 
+    /// The parallel layout: backend, degrees, ZeRO, tensor, expert and sequence parallelism,
+    /// in-memory checkpoints and injected rank failures.
     fn validate_parallel(&self) -> Result<()> {
         let p = &self.parallel;
         let world = p.world(p.dp);
@@ -1246,7 +1260,10 @@ impl RunConfig {
             return user("parallel.virtual_stages must be positive, got 0");
         }
         parallel::pp::Schedule::new(p.schedule, p.pp, t.grad_accum, p.virtual_stages).map_err(|e| crate::error::KilnError::User(format!("parallel.schedule = {}: {e} (micro-batches are train.grad_accum, --micro-batches)", p.schedule.name())))?;
-        self.stage_layers(256)?;
+        // With --init-from the layers are the base's: `validate_against_base`.
+        if self.model.init_from.is_empty() {
+            self.stage_layers(256)?;
+        }
         if p.pp > 1 && self.lora.rank > 0 {
             return user(format!("parallel.pp = {} with LoRA is not supported: the adapters are tiny; use data parallelism (parallel.dp)", p.pp));
         }

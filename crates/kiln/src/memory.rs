@@ -603,7 +603,7 @@ fn activation_rows(out: &mut Rows, cfg: &RunConfig, r: &RankShape) -> Activation
     if let Some(lo) = &r.lora {
         out.add(Kind::Temporary, held, "LoRA saved x·Aᵀ", b4((lo.adapters.len() + 1) * n * lo.rank, 4), "[B·T, r] per adapter, and one for its gradient".into());
     }
-    let rope = if local.arch == model::config::Arch::Llama { 2 * local.block_size * (local.head_size() / 2) } else { 0 };
+    let rope = if local.arch == model::config::Arch::Llama { 2 * local.block_size * (local.rotary_size() / 2) } else { 0 };
     // The batch's whole rows (a context-parallel rank picks its positions, with their position
     // ids, out of them).
     let batch = 2 * rows * cfg.seq_len() + if par.cp > 1 { 3 * n } else { 0 };

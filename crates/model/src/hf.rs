@@ -81,9 +81,9 @@ pub fn hf_config(cfg: &Value, origin: &Path) -> Result<GptConfig, String> {
             c.n_expert = experts.ok_or_else(|| format!("{}: missing or invalid `num_experts`", origin.display()))? as usize;
             c.ffn_hidden = get_usize(cfg, "moe_intermediate_size", origin)?;
             moe_routing(&mut c, cfg, origin)?;
+            // transformers' Qwen3-MoE windows every layer under `use_sliding_window`.
             if cfg.get("use_sliding_window").and_then(Value::as_bool).unwrap_or(false) {
-                let from = cfg.get("max_window_layers").and_then(Value::as_u64).map_or(0, |m| m as usize);
-                windows(&mut c, cfg, origin, from)?;
+                windows(&mut c, cfg, origin, 0)?;
             }
             c.validate().map_err(|e| format!("{}: {e}", origin.display()))?;
             Ok(c)
@@ -193,6 +193,11 @@ fn llama_config(cfg: &Value, origin: &Path, qkv_bias: bool) -> Result<GptConfig,
         Some(f) => {
             let f = f.as_f64().filter(|f| *f > 0.0 && *f <= 1.0).ok_or_else(|| format!("{}: `partial_rotary_factor` = {f} is not in (0, 1]", origin.display()))?;
             let rot = (hs as f64 * f) as usize;
+            // Of the classes kiln reads, only Phi-3's passes the unturned dimensions through.
+            let phi3 = cfg.get("architectures").and_then(|a| a.get(0)).and_then(Value::as_str) == Some("Phi3ForCausalLM");
+            if rot < hs && (!phi3 || rot == 0) {
+                return Err(format!("{}: `partial_rotary_factor` = {f} turns {rot} of {hs} dimensions: supported for Phi3ForCausalLM only, and on at least one pair", origin.display()));
+            }
             if rot == hs { 0 } else { rot }
         }
     };
@@ -709,7 +714,7 @@ fn export_config(c: &GptConfig) -> Result<Value, String> {
         // classes that read it.
         let from = c.window_layers[0];
         let suffix = c.window_layers.iter().copied().eq(from..c.n_layer);
-        if !(c.qkv_bias || c.qk_norm) || !suffix {
+        if !(c.qkv_bias || c.qk_norm) || !suffix || is_qwen3_moe(c) {
             return Err(format!("export: a sliding window on some layers (model.window_layers = {:?}) has a Hugging Face form only as Qwen2's (q/k/v biases, the window from one layer to the last)", c.window_layers));
         }
     }
@@ -801,7 +806,11 @@ fn export_config(c: &GptConfig) -> Result<Value, String> {
             v["pad_token_id"] = pad.into();
         }
         if c.rotary_dim > 0 {
+            // transformers turns int(head_dim · factor) dimensions, in Phi-3's class only.
             let f = c.rotary_dim as f64 / c.head_size() as f64;
+            if !c.fused_proj || (c.head_size() as f64 * f) as usize != c.rotary_dim {
+                return Err(format!("export: a partial rotary embedding (model.rotary_dim = {} of {}) has a Hugging Face form only as Phi-3's, with a factor that gives it back", c.rotary_dim, c.head_size()));
+            }
             v["partial_rotary_factor"] = f.into();
             v["rope_parameters"]["partial_rotary_factor"] = f.into();
         }
@@ -817,7 +826,9 @@ fn export_config(c: &GptConfig) -> Result<Value, String> {
             v["router_aux_loss_coef"] = (if c.moe_aux_weight > 0.0 { c.moe_aux_weight / c.top_k as f32 } else { 0.001 }).into();
             v["output_router_logits"] = (c.moe_aux_weight > 0.0).into();
             if is_qwen3_moe(c) {
-                // Every layer routed, Mixtral's renormalised top-k.
+                // Every layer routed, Mixtral's renormalised top-k; `num_experts` as Qwen's own
+                // configs (and readers before transformers 5) name it.
+                v["num_experts"] = c.n_expert.into();
                 v["moe_intermediate_size"] = c.ffn_hidden.into();
                 v["norm_topk_prob"] = true.into();
                 v["decoder_sparse_step"] = 1.into();

@@ -324,9 +324,10 @@ struct ModelFile {
 
 /// A Hugging Face `config.json` as a model entry: GPT-2 (`n_layer`, `n_embd`, … : GeLU, biases,
 /// learned positions) or a LLaMA-family config (`num_hidden_layers`, `hidden_size`, … : SwiGLU),
-/// with its experts when it has them (Mixtral's `num_local_experts`, Qwen-MoE's `num_experts`
-/// and `moe_intermediate_size`, DeepSeek's `n_routed_experts`, `n_shared_experts`,
-/// `first_k_dense_replace`, `moe_layer_freq`). The training length defaults to
+/// with its experts when it has them (Mixtral's `num_local_experts`, Qwen3-MoE's `num_experts`
+/// and `moe_intermediate_size`, `n_routed_experts`, `n_shared_experts`, `first_k_dense_replace`,
+/// `moe_layer_freq`). Activations other than SiLU, Qwen2-MoE's shared expert, DeepSeek's MLA and
+/// dense layers among experts are refused by key. The training length defaults to
 /// `max_position_embeddings` capped at 4096 (`--seq` sets it). `None` when `v` is not one.
 pub fn hf_config_model(v: &serde_json::Value, name: &str) -> Option<Result<RawModel, PlanError>> {
     let arch = v.get("architectures").and_then(|a| a.get(0)).and_then(|a| a.as_str());
@@ -353,6 +354,19 @@ pub fn hf_config_model(v: &serde_json::Value, name: &str) -> Option<Result<RawMo
                 ..RawModel::default()
             });
         }
+        // What the planner cannot express is refused by key rather than misread.
+        let act = v.get("hidden_act").or_else(|| v.get("hidden_activation")).and_then(|a| a.as_str()).unwrap_or("silu");
+        if act != "silu" {
+            return Err(PlanError(format!("{name}: `hidden_act` = {act}: the planner reads GPT-2 and SwiGLU (silu) models")));
+        }
+        for key in ["shared_expert_intermediate_size", "kv_lora_rank"] {
+            if v.get(key).is_some_and(|x| !x.is_null()) {
+                return Err(PlanError(format!("{name}: `{key}` (Qwen2-MoE's shared expert / DeepSeek's MLA) is not read; use the catalogue's entries or --layers/--hidden/... flags")));
+            }
+        }
+        if v.get("mlp_only_layers").and_then(|x| x.as_array()).is_some_and(|a| !a.is_empty()) || u("decoder_sparse_step").is_some_and(|s| s > 1) {
+            return Err(PlanError(format!("{name}: dense layers among the experts (`mlp_only_layers`, `decoder_sparse_step`) are not read")));
+        }
         let experts = u("num_local_experts").or_else(|| u("num_experts")).or_else(|| u("n_routed_experts")).filter(|&e| e > 1);
         Ok(RawModel {
             name: name.into(),
@@ -369,7 +383,7 @@ pub fn hf_config_model(v: &serde_json::Value, name: &str) -> Option<Result<RawMo
             top_k: experts.and(u("num_experts_per_tok")),
             shared_experts: experts.and(u("n_shared_experts")),
             expert_ffn_hidden: experts.and(u("moe_intermediate_size").or_else(|| u("intermediate_size"))),
-            moe_layer_freq: experts.and(u("moe_layer_freq").or_else(|| u("decoder_sparse_step"))),
+            moe_layer_freq: experts.and(u("moe_layer_freq")),
             first_dense_layers: experts.and(u("first_k_dense_replace")),
             // Hugging Face's routers drop nothing (dropless).
             capacity_factor: experts.map(|_| 1.0),

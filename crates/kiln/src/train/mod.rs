@@ -138,14 +138,17 @@ fn train_once(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
         if cfg.train.seq_len == 0 {
             cfg.train.seq_len = cfg.model.block_size.min(1024);
         }
-        // The layout against the base's model (`validate` could not know it).
-        cfg.validate_parallel_model()?;
         Some(m)
     } else {
         None
     };
     if cfg.train.seq_len == 0 {
         cfg.train.seq_len = cfg.model.block_size;
+    }
+    // The layout against the base's model (`validate` could not know it), for a new run and a
+    // resumed one alike.
+    if !cfg.model.init_from.is_empty() {
+        cfg.validate_against_base()?;
     }
 
     crate::util::init_threads(cfg.train.threads);

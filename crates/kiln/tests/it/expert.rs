@@ -84,4 +84,8 @@ fn expert_parallel_errors_name_the_key() {
     let o = run(&dense, &out2);
     assert_user_error(&o, &["parallel.ep = 2 needs a mixture-of-experts model"]);
     assert!(!out2.exists());
+    // The pipeline too: the base's 2 layers, not the preset's, bound the stages.
+    let o = kiln(&["train", "--init-from", dense.to_str().unwrap(), "--pp", "3", "--data", data.to_str().unwrap(), "--out", out2.to_str().unwrap(), "--quiet"]);
+    assert_user_error(&o, &["3 pipeline stages need at least 3 layers, the model has 2"]);
+    assert!(!out2.exists());
 }

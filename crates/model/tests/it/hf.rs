@@ -219,6 +219,15 @@ fn partial_rotary_factor_matches_transformers() {
     let want: Vec<f32> = ej["inv_freq"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32).collect();
     assert_eq!(m.cfg.rope_inv_freq_for(true), want);
     decode_matches_forward(&mut m, &tokens(&dir)[0][..8]);
+    // Only Phi-3's class passes unturned dimensions through: elsewhere the factor is refused on
+    // import, and a llama-family model with model.rotary_dim is refused on export.
+    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fixture("qwen3-tiny").join("config.json")).unwrap()).unwrap();
+    v["partial_rotary_factor"] = 0.5.into();
+    let e = model::hf::hf_config(&v, Path::new("qwen3/config.json")).unwrap_err();
+    assert!(e.contains("partial_rotary_factor") && e.contains("Phi3ForCausalLM"), "{e}");
+    let llama = model::Gpt::zeroed(model::GptConfig { fused_proj: false, ..m.cfg.clone() }, 101);
+    let e = export_hf(&llama, &std::env::temp_dir().join(format!("kiln-partial-{}", std::process::id()))).unwrap_err();
+    assert!(e.contains("model.rotary_dim"), "{e}");
 }
 
 /// Dynamic NTK rope scaling (tests/fixtures/llama-dynamic, made by its make.py with

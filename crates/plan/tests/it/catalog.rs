@@ -150,4 +150,13 @@ fn hugging_face_configs_resolve_to_their_checkpoints_parameter_counts() {
         let args = ModelArgs { model: Some(dir.to_str().unwrap().into()), ..Default::default() };
         assert_eq!(&plan::cli::resolve_model(&args).unwrap(), m);
     }
+    // What the planner cannot express is refused by key: another activation, Qwen2-MoE's shared
+    // expert, dense layers among experts.
+    let base = serde_json::json!({"architectures": ["X"], "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 100});
+    for (key, value) in [("hidden_act", serde_json::json!("gelu")), ("shared_expert_intermediate_size", serde_json::json!(64)), ("mlp_only_layers", serde_json::json!([1]))] {
+        let mut v = base.clone();
+        v[key] = value;
+        let e = plan::models::parse_models(&v.to_string(), "x/config.json").unwrap_err();
+        assert!(e.0.contains(key), "{key}: {}", e.0);
+    }
 }
