@@ -3,7 +3,7 @@
 //! `block_size`, the cache is rebuilt from the most recent half-context (as nanoGPT crops).
 
 use crate::gpt::{Gpt, Ops};
-use tensor::llama::{head_rmsnorm_forward, rope_forward, GqaDims};
+use tensor::llama::{qk_rmsnorm_forward, rope_forward, GqaDims};
 use tensor::*;
 
 /// Sampling settings: `temperature == 0` is greedy; `top_k == 0` means the full vocabulary.
@@ -84,10 +84,7 @@ impl Gpt {
             ops.norm_forward(&mut s.ln, &mut s.mean, &mut s.rstd, &s.x, &w[bp.ln_1_w.clone()], opt(&bp.ln_1_b));
             matmul_forward(&mut s.qkv, &s.ln, &w[bp.c_attn_w.clone()], opt(&bp.c_attn_b), 1, c, qw);
             if let Some(r) = &bp.qk_norm_w {
-                let (qn, rq) = (&mut s.qk_pre[..nh * hs], &mut s.qk_rstd[..nh]);
-                head_rmsnorm_forward(&mut s.qkv, qn, rq, &w[r.start..r.start + hs], cfg.norm_eps, qw, 0, nh);
-                let (kn, rk) = (&mut s.qk_pre[nh * hs..], &mut s.qk_rstd[nh..]);
-                head_rmsnorm_forward(&mut s.qkv, kn, rk, &w[r.start + hs..r.end], cfg.norm_eps, qw, nh * hs, nkv);
+                qk_rmsnorm_forward(&mut s.qkv, &mut s.qk_pre, &mut s.qk_rstd, &w[r.clone()], cfg.norm_eps, nh, nkv);
             }
             if let Some((cos, sin)) = rope {
                 rope_forward(&mut s.qkv, cos, sin, &one, pos);

@@ -27,7 +27,7 @@ use tensor::attention::AttnDims;
 use tensor::classifier::{chunk_rows, lm_head_crossentropy, lm_head_crossentropy_vocab_parallel, HeadDims};
 use tensor::ops::{dropout_backward_rows, dropout_inplace_rows, Chunks, RowMap};
 use tensor::flash::{flash_attention_backward_docs, flash_attention_forward_docs, flash_gqa_backward_docs, flash_gqa_forward_docs};
-use tensor::llama::{head_rmsnorm_backward, head_rmsnorm_forward, rmsnorm_backward, rmsnorm_forward, rope_backward, rope_backward_pos, rope_forward, rope_forward_pos, swiglu_backward_into, swiglu_forward, GqaDims};
+use tensor::llama::{qk_rmsnorm_backward, qk_rmsnorm_forward, rmsnorm_backward, rmsnorm_forward, rope_backward, rope_backward_pos, rope_forward, rope_forward_pos, swiglu_backward_into, swiglu_forward, GqaDims};
 use tensor::rng::mix64;
 use tensor::*;
 
@@ -1493,13 +1493,8 @@ impl<'o, 'a> Block<'o, 'a> {
     fn qkv_forward(&self, k: &BlockKept, i: &mut BlockInner) {
         self.linear(Site::Qkv).forward_column(&mut i.qkv, &k.ln_1, &mut i.ln_1_full);
         if let Some(r) = &self.bp.qk_norm_w {
-            let (cfg, hs) = (self.ops.cfg, self.ops.cfg.head_size());
-            let (w, qw, nh, nkv) = (&self.w[r.clone()], cfg.qkv_width(), cfg.n_head, cfg.n_kv_head);
-            let tokens = i.qk_rstd.len() / (nh + nkv);
-            let (pq, pk) = i.qk_pre.split_at_mut(tokens * nh * hs);
-            let (rq, rk) = i.qk_rstd.split_at_mut(tokens * nh);
-            head_rmsnorm_forward(&mut i.qkv, pq, rq, &w[..hs], cfg.norm_eps, qw, 0, nh);
-            head_rmsnorm_forward(&mut i.qkv, pk, rk, &w[hs..], cfg.norm_eps, qw, nh * hs, nkv);
+            let cfg = self.ops.cfg;
+            qk_rmsnorm_forward(&mut i.qkv, &mut i.qk_pre, &mut i.qk_rstd, &self.w[r.clone()], cfg.norm_eps, cfg.n_head, cfg.n_kv_head);
         }
         if self.ops.rope_forward(&mut i.qkv) {
             // The rotated q and k are what is kept: stored in the format too.
@@ -1627,14 +1622,7 @@ fn block_backward(blk: &Block, dw: &mut [f32], x: &[f32], acts: BlockActs, g: &m
     ops.attn_backward(&mut g.dqkv, &g.datty, &i.qkv, &core.atty, &core.state, DropSite::AttnProbs(l));
     if let Some(r) = &bp.qk_norm_w {
         // Qwen3's per-head norms: d(normed q, k) → d(projected q, k), in place.
-        let (cfg, hs) = (ops.cfg, ops.cfg.head_size());
-        let (nh, nkv, qw) = (cfg.n_head, cfg.n_kv_head, cfg.qkv_width());
-        let (w, (dwq, dwk)) = (&blk.w[r.clone()], dw[r.clone()].split_at_mut(hs));
-        let tokens = i.qk_rstd.len() / (nh + nkv);
-        let (pq, pk) = i.qk_pre.split_at(tokens * nh * hs);
-        let (rq, rk) = i.qk_rstd.split_at(tokens * nh);
-        head_rmsnorm_backward(&mut g.dqkv, dwq, pq, &w[..hs], rq, qw, 0, nh);
-        head_rmsnorm_backward(&mut g.dqkv, dwk, pk, &w[hs..], rk, qw, nh * hs, nkv);
+        qk_rmsnorm_backward(&mut g.dqkv, &mut dw[r.clone()], &i.qk_pre, &blk.w[r.clone()], &i.qk_rstd, ops.cfg.n_head, ops.cfg.n_kv_head);
     }
     ops.store(&mut g.dqkv);
     let xin: &[f32] = if ops.sp() { &i.ln_1_full } else { &k.ln_1 };

@@ -29,9 +29,14 @@ fn get_usize(cfg: &Value, key: &str, origin: &Path) -> Result<usize, String> {
     cfg.get(key).and_then(Value::as_u64).map(|v| v as usize).ok_or_else(|| format!("{}: missing or invalid `{key}`", origin.display()))
 }
 
+/// A `config.json`'s model class (its first `architectures` entry; empty when none).
+fn arch_of(cfg: &Value) -> &str {
+    cfg.get("architectures").and_then(|a| a.get(0)).and_then(Value::as_str).unwrap_or("")
+}
+
 /// The kiln config of an HF `config.json`.
 pub fn hf_config(cfg: &Value, origin: &Path) -> Result<GptConfig, String> {
-    let arch = cfg.get("architectures").and_then(|a| a.get(0)).and_then(Value::as_str).unwrap_or("");
+    let arch = arch_of(cfg);
     match arch {
         "GPT2LMHeadModel" => gpt2_config(cfg, origin),
         "LlamaForCausalLM" => llama_config(cfg, origin, false),
@@ -194,7 +199,7 @@ fn llama_config(cfg: &Value, origin: &Path, qkv_bias: bool) -> Result<GptConfig,
             let f = f.as_f64().filter(|f| *f > 0.0 && *f <= 1.0).ok_or_else(|| format!("{}: `partial_rotary_factor` = {f} is not in (0, 1]", origin.display()))?;
             let rot = (hs as f64 * f) as usize;
             // Of the classes kiln reads, only Phi-3's passes the unturned dimensions through.
-            let phi3 = cfg.get("architectures").and_then(|a| a.get(0)).and_then(Value::as_str) == Some("Phi3ForCausalLM");
+            let phi3 = arch_of(cfg) == "Phi3ForCausalLM";
             if rot < hs && (!phi3 || rot == 0) {
                 return Err(format!("{}: `partial_rotary_factor` = {f} turns {rot} of {hs} dimensions: supported for Phi3ForCausalLM only, and on at least one pair", origin.display()));
             }
@@ -249,7 +254,7 @@ fn rope_of(cfg: &Value, origin: &Path) -> Result<(f32, Option<RopeScaling>), Str
     let key = if scaling.is_some() { "rope_scaling" } else { "rope_parameters" };
     let ty = r.get("rope_type").or_else(|| r.get("type")).and_then(Value::as_str).unwrap_or("default");
     // Phi3Config reads its older names `su` and `yarn` as LongRoPE.
-    let phi3 = cfg.get("architectures").and_then(|a| a.get(0)).and_then(Value::as_str) == Some("Phi3ForCausalLM");
+    let phi3 = arch_of(cfg) == "Phi3ForCausalLM";
     let ty = if phi3 && (ty == "su" || ty == "yarn") { "longrope" } else { ty };
     let num = |k: &str| r.get(k).and_then(Value::as_f64).map(|v| v as f32).ok_or_else(|| format!("{}: `{key}.{k}` is missing or not a number", origin.display()));
     let scaling = match ty {

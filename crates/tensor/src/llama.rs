@@ -97,14 +97,56 @@ crate::multiversion! {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Per-head RMSNorm (Qwen3's `q_norm` / `k_norm`): RMSNorm over each head vector of q or k.
+// Per-head RMSNorm (Qwen3's `q_norm` / `k_norm`): RMSNorm over each head vector of q and of k.
+
+/// In every token's fused `[W]` row of `qkv`, each of the `NH` q heads is RMS-normalised with
+/// `weight[..HS]` and each of the `NKV` k heads with `weight[HS..]`, in place,
+/// `x ↦ w · (x · rstd)` (HF `Qwen3RMSNorm` on `q_proj(x).view(…, HS)`, likewise k); v is
+/// untouched. Saves the inputs in `pre` (`[q: N·NH·HS | k: N·NKV·HS]`) and each head's `rstd` in
+/// `rstd` (`[q: N·NH | k: N·NKV]`).
+pub fn qk_rmsnorm_forward(
+    qkv: &mut [f32],  // [N, W]
+    pre: &mut [f32],  // [N·(NH + NKV)·HS]
+    rstd: &mut [f32], // [N·(NH + NKV)]
+    weight: &[f32],   // [2·HS]: q_norm | k_norm
+    eps: f32,
+    nh: usize,
+    nkv: usize,
+) {
+    let hs = weight.len() / 2;
+    let (w, n) = ((nh + 2 * nkv) * hs, rstd.len() / (nh + nkv));
+    let (pq, pk) = pre.split_at_mut(n * nh * hs);
+    let (rq, rk) = rstd.split_at_mut(n * nh);
+    head_rmsnorm_forward(qkv, pq, rq, &weight[..hs], eps, w, 0, nh);
+    head_rmsnorm_forward(qkv, pk, rk, &weight[hs..], eps, w, nh * hs, nkv);
+}
+
+/// Backward of [`qk_rmsnorm_forward`]: the gradient with respect to the normalised q and k
+/// heads in `dqkv` becomes, in place, the gradient with respect to their inputs; the weights'
+/// gradient accumulates into `dweight` (`[2·HS]`).
+pub fn qk_rmsnorm_backward(
+    dqkv: &mut [f32],    // [N, W]
+    dweight: &mut [f32], // [2·HS]
+    pre: &[f32],
+    weight: &[f32],
+    rstd: &[f32],
+    nh: usize,
+    nkv: usize,
+) {
+    let hs = weight.len() / 2;
+    let (w, n) = ((nh + 2 * nkv) * hs, rstd.len() / (nh + nkv));
+    let (pq, pk) = pre.split_at(n * nh * hs);
+    let (rq, rk) = rstd.split_at(n * nh);
+    let (dwq, dwk) = dweight.split_at_mut(hs);
+    head_rmsnorm_backward(dqkv, dwq, pq, &weight[..hs], rq, w, 0, nh);
+    head_rmsnorm_backward(dqkv, dwk, pk, &weight[hs..], rk, w, nh * hs, nkv);
+}
 
 /// In every token's `[W]` row of `qkv`, the `heads` head vectors of width `HS = weight.len()`
-/// starting at column `off` are RMS-normalised in place, `x ↦ weight · (x · rstd)` (HF
-/// `Qwen3RMSNorm` on `q_proj(x).view(…, HS)`); their inputs are saved in `pre`
+/// starting at column `off` are RMS-normalised in place; their inputs are saved in `pre`
 /// (`[N, heads·HS]`) and each head's `rstd` in `rstd` (`[N, heads]`).
 #[allow(clippy::too_many_arguments)]
-pub fn head_rmsnorm_forward(
+fn head_rmsnorm_forward(
     qkv: &mut [f32],  // [N, W]
     pre: &mut [f32],  // [N, heads·HS]
     rstd: &mut [f32], // [N, heads]
@@ -133,7 +175,7 @@ pub fn head_rmsnorm_forward(
 /// inputs; the weight's gradient accumulates into `dweight`, summed in blocks of
 /// [`crate::par::REDUCE_ROWS`] tokens in order (the same sums at any thread count).
 #[allow(clippy::too_many_arguments)]
-pub fn head_rmsnorm_backward(
+fn head_rmsnorm_backward(
     dqkv: &mut [f32],    // [N, W]
     dweight: &mut [f32], // [HS]
     pre: &[f32],         // [N, heads·HS]

@@ -39,31 +39,29 @@ fn head_rmsnorm_gradients() {
     let w = (nh + 2 * nkv) * hs;
     let mut rng = Rng::new(23);
     let qkv = randn(&mut rng, n * w, 1.0);
-    let (wq, wk) = (randn(&mut rng, hs, 1.0), randn(&mut rng, hs, 1.0));
+    let wqk = randn(&mut rng, 2 * hs, 1.0); // q_norm | k_norm
     let dout = randn(&mut rng, n * w, 1.0);
-    let fwd = |qkv: &[f32], wq: &[f32], wk: &[f32]| {
+    let fwd = |qkv: &[f32], wqk: &[f32]| {
         let mut x = qkv.to_vec();
-        let (mut pq, mut rq, mut pk, mut rk) = (vec![0.0; n * nh * hs], vec![0.0; n * nh], vec![0.0; n * nkv * hs], vec![0.0; n * nkv]);
-        head_rmsnorm_forward(&mut x, &mut pq, &mut rq, wq, 1e-6, w, 0, nh);
-        head_rmsnorm_forward(&mut x, &mut pk, &mut rk, wk, 1e-6, w, nh * hs, nkv);
-        (x, pq, rq, pk, rk)
+        let (mut pre, mut r) = (vec![0.0; n * (nh + nkv) * hs], vec![0.0; n * (nh + nkv)]);
+        qk_rmsnorm_forward(&mut x, &mut pre, &mut r, wqk, 1e-6, nh, nkv);
+        (x, pre, r)
     };
-    let (x, pq, rq, pk, rk) = fwd(&qkv, &wq, &wk);
+    let (x, pre, r) = fwd(&qkv, &wqk);
     for t in 0..n {
         for h in 0..nh + nkv {
-            let (o, wt) = if h < nh { (h * hs, &wq) } else { (h * hs, &wk) };
-            let (mut one, mut r) = (vec![0.0; hs], [0.0f32]);
-            rmsnorm_forward(&mut one, &mut r, &qkv[t * w + o..t * w + o + hs], wt, 1e-6, hs);
+            let (o, wt) = if h < nh { (h * hs, &wqk[..hs]) } else { (h * hs, &wqk[hs..]) };
+            let (mut one, mut rs) = (vec![0.0; hs], [0.0f32]);
+            rmsnorm_forward(&mut one, &mut rs, &qkv[t * w + o..t * w + o + hs], wt, 1e-6, hs);
             assert_eq!(&x[t * w + o..t * w + o + hs], &one[..], "token {t} head {h}");
         }
         assert_eq!(&x[t * w + (nh + nkv) * hs..(t + 1) * w], &qkv[t * w + (nh + nkv) * hs..(t + 1) * w], "v of token {t}");
     }
-    let (mut d, mut dwq, mut dwk) = (dout.clone(), vec![0.0; hs], vec![0.0; hs]);
-    head_rmsnorm_backward(&mut d, &mut dwk, &pk, &wk, &rk, w, nh * hs, nkv);
-    head_rmsnorm_backward(&mut d, &mut dwq, &pq, &wq, &rq, w, 0, nh);
-    check("head_rmsnorm.dqkv", &qkv, &d, |q| dot(&fwd(q, &wq, &wk).0, &dout));
-    check("head_rmsnorm.dq_weight", &wq, &dwq, |x| dot(&fwd(&qkv, x, &wk).0, &dout));
-    check("head_rmsnorm.dk_weight", &wk, &dwk, |x| dot(&fwd(&qkv, &wq, x).0, &dout));
+    let (mut d, mut dw) = (dout.clone(), vec![0.0; 2 * hs]);
+    qk_rmsnorm_backward(&mut d, &mut dw, &pre, &wqk, &r, nh, nkv);
+    check("head_rmsnorm.dqkv", &qkv, &d, |q| dot(&fwd(q, &wqk).0, &dout));
+    check("head_rmsnorm.dq_weight", &wqk[..hs], &dw[..hs], |x| dot(&fwd(&qkv, &[x, &wqk[hs..]].concat()).0, &dout));
+    check("head_rmsnorm.dk_weight", &wqk[hs..], &dw[hs..], |x| dot(&fwd(&qkv, &[&wqk[..hs], x].concat()).0, &dout));
 }
 
 #[test]
