@@ -66,6 +66,12 @@ pub fn main() -> i32 {
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
+    // Mesa's Vulkan drivers print "XDG_RUNTIME_DIR is invalid" on stderr when it is unset, a
+    // line of noise in every device command's output: give them the temporary directory.
+    // SAFETY: no other thread exists yet to read the environment.
+    if std::env::var_os("XDG_RUNTIME_DIR").is_none() {
+        unsafe { std::env::set_var("XDG_RUNTIME_DIR", std::env::temp_dir()) };
+    }
     let cli = match Cli::try_parse() {
         Ok(c) => c,
         Err(e) => {

@@ -31,6 +31,14 @@ pub struct BenchCli {
     /// Add per-kernel time per step.
     #[arg(long)]
     pub breakdown: bool,
+    /// Time each kernel (forward and backward) on --device beside the CPU, checking the two
+    /// agree: GFLOP/s or GB/s for both.
+    #[arg(long)]
+    pub kernels: bool,
+    /// Where the kernels run: cpu (default), vulkan or vulkan:N. Training steps run on the CPU
+    /// only for now, so a device needs --kernels.
+    #[arg(long, default_value = "cpu", value_name = "cpu|vulkan[:N]")]
+    pub device: crate::device::DeviceArg,
 }
 
 #[derive(Args)]
@@ -57,9 +65,13 @@ pub struct PpScheduleCli {
 /// Runs `kiln bench`.
 pub fn bench(b: BenchCli) -> Result<()> {
             init_threads(b.threads.unwrap_or(0));
-            let v = if b.peak {
+            let v = if b.kernels {
+                crate::bench_kernels::run(b.device, b.steps.max(1))?
+            } else if b.peak {
+                crate::device::refuse_model_on_device(b.device, "bench --peak")?;
                 crate::bench::peak()
             } else {
+                crate::device::refuse_model_on_device(b.device, "bench")?;
                 crate::bench::bench(&crate::bench::BenchArgs { preset: b.preset, config: b.config, set: b.set, steps: b.steps, warmup: b.warmup, breakdown: b.breakdown })?
             };
             println!("{}", if b.json { v.to_string() } else { serde_json::to_string_pretty(&v).unwrap() });

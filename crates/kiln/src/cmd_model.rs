@@ -37,6 +37,9 @@ pub struct GenerateCli {
     pub top_k: usize,
     #[arg(long, default_value_t = 1337)]
     pub seed: u64,
+    /// Where the kernels run: cpu (default), vulkan or vulkan:N.
+    #[arg(long, default_value = "cpu", value_name = "cpu|vulkan[:N]")]
+    pub device: crate::device::DeviceArg,
 }
 
 #[derive(Args)]
@@ -65,6 +68,9 @@ pub struct EvalCli {
     /// With --packing documents: positions restart in every document.
     #[arg(long)]
     pub reset_positions: bool,
+    /// Where the kernels run: cpu (default), vulkan or vulkan:N.
+    #[arg(long, default_value = "cpu", value_name = "cpu|vulkan[:N]")]
+    pub device: crate::device::DeviceArg,
 }
 
 #[derive(Args)]
@@ -91,6 +97,7 @@ pub struct ExportCli {
 
 /// Runs `kiln generate`.
 pub fn generate(g: GenerateCli) -> Result<()> {
+            crate::device::refuse_model_on_device(g.device, "generate")?;
             init_threads(0);
             let (m, tok, _) = load_source(&g.source, g.tokenizer.as_deref(), true)?;
             let tok = tok.expect("a tokenizer was asked for");
@@ -101,6 +108,7 @@ pub fn generate(g: GenerateCli) -> Result<()> {
 
 /// Runs `kiln eval`.
 pub fn eval(e: EvalCli) -> Result<()> {
+    crate::device::refuse_model_on_device(e.device, "eval")?;
     init_threads(0);
     // Token files need no tokenizer: their ids are checked against the model's vocabulary.
     let token_files = !e.data.is_empty() && e.data.iter().all(|p| data::is_token_file(p));

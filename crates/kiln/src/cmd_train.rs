@@ -50,6 +50,9 @@ pub struct TrainCli {
     pub resume: bool,
     #[arg(long)]
     pub seed: Option<u64>,
+    /// Where the kernels run: cpu (default), vulkan or vulkan:N (`kiln doctor` lists the GPUs).
+    #[arg(long, default_value = "cpu", value_name = "cpu|vulkan[:N]")]
+    pub device: crate::device::DeviceArg,
     /// Start from a base model: a kiln run directory or a Hugging Face directory
     /// (GPT2LMHeadModel / LlamaForCausalLM: config.json + model.safetensors).
     #[arg(long)]
@@ -233,6 +236,7 @@ impl TrainCli {
 
 /// Runs `kiln train` (or, with `--supervise`, a supervisor that restarts it).
 pub fn run(a: TrainCli) -> Result<()> {
+            crate::device::refuse_model_on_device(a.device, "train")?;
             let args = a.args()?;
             let stop = Arc::new(AtomicBool::new(false));
             let s2 = stop.clone();

@@ -2,6 +2,7 @@
 //! here: everything numeric is a call into `tensor` through `model`.
 
 pub mod bench;
+pub mod bench_kernels;
 pub mod checkpoint;
 pub mod cmd_bench;
 pub mod cmd_checkpoint;
@@ -12,6 +13,7 @@ pub mod cmd_plan;
 pub mod cmd_train;
 pub mod cli;
 pub mod config;
+pub mod device;
 pub mod error;
 pub mod export;
 pub mod fuzz;

@@ -80,7 +80,10 @@ pub fn doctor_with(corpus: Result<Vec<PathBuf>, String>, peak_flops: Option<f64>
             let _ = writeln!(r, "bf16:     {}", tensor::bf16::choice().describe());
         }
     }
-    let _ = writeln!(r, "backends: CPU yes; in-process ranks yes (kiln train --dp N); MPI {}; CUDA not built", mpi_status());
+    let _ = writeln!(r, "backends: CPU yes; in-process ranks yes (kiln train --dp N); MPI {}; Vulkan {}; CUDA not built", mpi_status(), if cfg!(feature = "vulkan") { "built" } else { "not built" });
+    for line in crate::device::doctor_lines() {
+        let _ = writeln!(r, "{line}");
+    }
     match corpus {
         Ok(files) if !files.is_empty() => {
             let bytes: u64 = files.iter().filter_map(|f| std::fs::metadata(f).ok()).map(|m| m.len()).sum();

@@ -9,6 +9,7 @@ mod architecture;
 mod bench;
 mod common;
 mod context;
+mod device;
 mod errors;
 mod expert;
 mod fuzz;
