@@ -2,7 +2,7 @@
 //! about the GPUs it finds. The kernels live in the `device` crate (feature `vulkan`, on by
 //! default); a build without it still parses the flag and refuses a device plainly.
 
-use crate::error::{user, KilnError, Result};
+use crate::error::{user, Result};
 use std::str::FromStr;
 
 /// Where a command's kernels run.
@@ -45,7 +45,7 @@ impl std::fmt::Display for DeviceArg {
 pub fn open(d: DeviceArg) -> Result<Option<device::Gpu>> {
     match d {
         DeviceArg::Cpu => Ok(None),
-        DeviceArg::Vulkan(n) => device::Gpu::open(n).map(Some).map_err(|e| KilnError::User(e.0)),
+        DeviceArg::Vulkan(n) => device::Gpu::open(n).map(Some).map_err(|e| crate::error::KilnError::User(e.0)),
     }
 }
 
