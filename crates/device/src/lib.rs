@@ -16,7 +16,9 @@
 //! Host↔device traffic is counted ([`Gpu::traffic`]), and a kernel's shape arguments are
 //! uploaded once per distinct list and cached.
 
+mod attention;
 mod kernels;
+mod ops;
 mod shader;
 
 use std::collections::HashMap;
@@ -24,7 +26,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use tensor::precision::{from_bits16, round, to_bits16, Format};
 
+pub use attention::MAX_HEAD_SIZE;
 pub use kernels::{Gemm, MatSpec};
+pub use ops::RopePos;
 
 /// Why a device could not be opened or used: one line, naming what to do.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -429,14 +433,14 @@ impl Gpu {
     }
 
     fn flush(&self) {
-        if let Some(e) = self.encoder.lock().unwrap().take() {
+        if let Some(e) = self.encoder.lock().unwrap_or_else(|e| e.into_inner()).take() {
             self.queue.submit(Some(e.finish()));
             self.submissions.fetch_add(1, Ordering::Relaxed);
         }
     }
 
     fn with_encoder<R>(&self, f: impl FnOnce(&mut wgpu::CommandEncoder) -> R) -> R {
-        let mut g = self.encoder.lock().unwrap();
+        let mut g = self.encoder.lock().unwrap_or_else(|e| e.into_inner());
         let e = g.get_or_insert_with(|| self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None }));
         f(e)
     }
@@ -444,7 +448,7 @@ impl Gpu {
     /// The uniform argument buffer for `args` (uploaded the first time this list is seen).
     fn args(&self, args: &[u32]) -> Arc<wgpu::Buffer> {
         assert!(args.len() <= shader::MAX_ARGS, "a kernel takes at most {} arguments", shader::MAX_ARGS);
-        let mut cache = self.args.lock().unwrap();
+        let mut cache = self.args.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(b) = cache.get(args) {
             return b.clone();
         }
@@ -495,7 +499,7 @@ impl Gpu {
     /// Kernel `k` compiled for its buffers' types (once per combination).
     fn pipeline(&self, k: &shader::Kernel, dtypes: &[DType]) -> (wgpu::ComputePipeline, wgpu::BindGroupLayout) {
         let key = format!("{}:{dtypes:?}", k.name);
-        let mut cache = self.pipelines.lock().unwrap();
+        let mut cache = self.pipelines.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(p) = cache.get(&key) {
             return p.clone();
         }

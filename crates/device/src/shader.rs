@@ -16,6 +16,8 @@ pub(crate) const MAX_ARGS: usize = 32;
 pub(crate) struct Kernel {
     pub name: &'static str,
     pub body: &'static str,
+    /// WGSL function libraries (`wgsl/lib_*.wgsl`) put before the body.
+    pub libs: &'static [&'static str],
     pub bindings: &'static [&'static str],
     /// Buffers it writes through `st_X` (so they must be fp32 or u32).
     pub writes: &'static [&'static str],
@@ -44,15 +46,22 @@ pub(crate) fn source(k: &Kernel, dtypes: &[DType]) -> String {
             DType::U32 => String::new(),
         };
     }
+    for lib in k.libs {
+        s += lib;
+    }
     s += k.body;
     s
 }
 
 macro_rules! kernel {
     ($name:literal, [$($b:literal),*], writes [$($w:literal),*]) => {
+        crate::shader::kernel!($name, libs [], [$($b),*], writes [$($w),*])
+    };
+    ($name:literal, libs [$($l:literal),*], [$($b:literal),*], writes [$($w:literal),*]) => {
         crate::shader::Kernel {
             name: $name,
             body: include_str!(concat!("wgsl/", $name, ".wgsl")),
+            libs: &[$(include_str!(concat!("wgsl/lib_", $l, ".wgsl"))),*],
             bindings: &[$($b),*],
             writes: &[$($w),*],
         }

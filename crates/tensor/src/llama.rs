@@ -380,6 +380,32 @@ crate::multiversion! {
 }
 
 // ---------------------------------------------------------------------------------------------
+// SiLU: silu(x) = x·σ(x), elementwise (SwiGLU's gate activation, alone).
+
+/// `out = inp·σ(inp)`. Overwrites `out`.
+pub fn silu_forward(out: &mut [f32], inp: &[f32]) {
+    let _p = crate::profile::scope("silu_forward");
+    assert_eq!(out.len(), inp.len());
+    out.par_chunks_mut(ELEMS).zip(inp.par_chunks(ELEMS)).for_each(|(o, x)| {
+        for (o, &x) in o.iter_mut().zip(x) {
+            *o = x / (1.0 + (-x).exp());
+        }
+    });
+}
+
+/// Backward of [`silu_forward`]: `dinp += dout·σ(x)·(1 + x·(1 − σ(x)))`.
+pub fn silu_backward(dinp: &mut [f32], dout: &[f32], inp: &[f32]) {
+    let _p = crate::profile::scope("silu_backward");
+    assert!(dinp.len() == inp.len() && dout.len() == inp.len());
+    dinp.par_chunks_mut(ELEMS).zip(inp.par_chunks(ELEMS).zip(dout.par_chunks(ELEMS))).for_each(|(di, (x, d))| {
+        for ((di, &x), &d) in di.iter_mut().zip(x).zip(d) {
+            let s = 1.0 / (1.0 + (-x).exp());
+            *di += d * s * (1.0 + x * (1.0 - s));
+        }
+    });
+}
+
+// ---------------------------------------------------------------------------------------------
 // SwiGLU: h = silu(gate) ⊙ up, silu(x) = x·sigmoid(x), over a fused [gate | up] buffer.
 
 /// `out[n, j] = silu(gu[n, j]) · gu[n, F + j]`. Overwrites `out`.

@@ -4,6 +4,8 @@
 //!
 //! Tolerances are the backend's contract, as max |device − CPU| over max |CPU|: 1e-5 for fp32,
 //! 1e-2 where the inputs are bf16 or f16.
+mod attention;
 mod buffers;
 mod common;
 mod matmul;
+mod ops;

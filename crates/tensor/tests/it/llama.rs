@@ -294,6 +294,26 @@ fn rope_table_matches_hf_formula() {
 // SwiGLU
 
 #[test]
+fn silu_gradients_and_values() {
+    let mut rng = Rng::new(29);
+    let x = randn(&mut rng, 101, 2.0);
+    let dout = randn(&mut rng, 101, 1.0);
+    let mut dx = vec![0.0; 101];
+    silu_backward(&mut dx, &dout, &x);
+    check("silu.dx", &x, &dx, |x| {
+        let mut o = vec![0.0; x.len()];
+        silu_forward(&mut o, x);
+        dot(&o, &dout)
+    });
+    // torch: F.silu([-2, 0, 1, 3])
+    let mut o = [0.0; 4];
+    silu_forward(&mut o, &[-2.0, 0.0, 1.0, 3.0]);
+    for (a, b) in o.iter().zip([-0.238_405_84, 0.0, 0.731_058_6, 2.857_722_5]) {
+        assert!((a - b).abs() < 1e-6, "{a} vs {b}");
+    }
+}
+
+#[test]
 fn swiglu_gradients() {
     let (n, f) = (3, 37); // a row is one block of 32 lanes and a tail
     let mut rng = Rng::new(28);

@@ -1,0 +1,68 @@
+//! Causal attention on the device in the FlashAttention-2 style (`tensor::flash`'s twin):
+//! tiled, an online softmax, only the per-row log-sum-exp saved, no `T×T` matrix in memory;
+//! grouped-query heads, a sliding window, packed documents and attention dropout with the CPU's
+//! masks.
+
+use crate::kernels::u;
+use crate::shader::{kernel, Kernel};
+use crate::{Buf, Gpu};
+use tensor::attention::AttnDropout;
+use tensor::llama::GqaDims;
+
+const FORWARD: Kernel = kernel!("flash_forward", libs ["rng", "attn"], ["OUT", "LSE", "QKV", "STARTS"], writes ["OUT", "LSE"]);
+const D: Kernel = kernel!("flash_d", ["DD", "DY", "Y"], writes ["DD"]);
+const BACKWARD_DQ: Kernel = kernel!("flash_backward_dq", libs ["rng", "attn"], ["DQKV", "DY", "QKV", "LSE", "DD", "STARTS"], writes ["DQKV"]);
+const BACKWARD_DKV: Kernel = kernel!("flash_backward_dkv", libs ["rng", "attn"], ["DQKV", "DY", "QKV", "LSE", "DD", "STARTS"], writes ["DQKV"]);
+
+/// The largest head size the attention kernels hold in registers.
+pub const MAX_HEAD_SIZE: usize = 128;
+
+/// The shared argument list (`wgsl/lib_attn.wgsl`).
+fn args(d: &GqaDims, starts: Option<&Buf>, dropout: AttnDropout) -> Vec<u32> {
+    assert!(d.hs <= MAX_HEAD_SIZE, "device attention holds heads of at most {MAX_HEAD_SIZE}, not {}", d.hs);
+    assert!(d.sinks == 0, "attention sinks do not run on the device yet");
+    assert!((0.0..1.0).contains(&dropout.p), "attention dropout p must be in [0, 1)");
+    let heads = if d.heads == 0 { d.nh } else { d.heads };
+    #[rustfmt::skip]
+    let a = vec![
+        u(d.b), u(d.t), u(d.nh), u(d.nkv), u(d.hs), u(d.window), starts.is_some() as u32,
+        dropout.p.to_bits(), (1.0 / (1.0 - dropout.p)).to_bits(), dropout.seed as u32, (dropout.seed >> 32) as u32,
+        u(heads), u(d.head0), u(d.b0), (1.0 / (d.hs as f32).sqrt()).to_bits(),
+    ];
+    a
+}
+
+fn check(d: &GqaDims, qkv: &Buf, starts: Option<&Buf>) {
+    assert!(d.nkv > 0 && d.nh.is_multiple_of(d.nkv), "NH must be a multiple of NKV");
+    assert!(qkv.len() >= d.b * d.t * d.qkv_width(), "attention: qkv is shorter than [B, T, W]");
+    assert!(starts.is_none_or(|s| s.len() == d.b * d.t), "attention: document starts must be [B, T]");
+}
+
+impl Gpu {
+    /// `out[b, i, h·HS..] = Σ_j dropout(softmax_j(q_h,i·k_g,j/√HS))·v_g,j` over the keys query
+    /// `i` sees (causal, the sliding window, its document), and `lse[b·NH + h, i]`, the log-sum-exp
+    /// of its scores: `tensor::flash::flash_gqa_forward_docs`. Overwrites `out` and `lse`.
+    pub fn flash_forward(&self, out: &Buf, lse: &Buf, qkv: &Buf, d: &GqaDims, starts: Option<&Buf>, dropout: AttnDropout) {
+        check(d, qkv, starts);
+        assert!(out.len() >= d.b * d.t * d.c() && lse.len() >= d.b * d.nh * d.t, "flash_forward: shapes");
+        let groups = [u(d.t.div_ceil(64)), u(d.b * d.nh), 1];
+        self.launch(&FORWARD, groups, &args(d, starts, dropout), &[Some(out), Some(lse), Some(qkv), starts]);
+    }
+
+    /// Backward of [`Gpu::flash_forward`] (`tensor::flash::flash_gqa_backward_docs`):
+    /// accumulates into `dqkv`; `out` and `lse` are the forward's, `scratch` holds `[B, NH, T]`
+    /// (FlashAttention-2's `D = rowsum(dO ⊙ O)`). A kv head's `dk`, `dv` sum over its group's
+    /// query heads in ascending order.
+    #[allow(clippy::too_many_arguments)]
+    pub fn flash_backward(&self, dqkv: &Buf, scratch: &Buf, dout: &Buf, saved: (&Buf, &Buf, &Buf), d: &GqaDims, starts: Option<&Buf>, dropout: AttnDropout) {
+        let (qkv, out, lse) = saved;
+        check(d, qkv, starts);
+        let n = d.b * d.nh * d.t;
+        assert!(dqkv.len() >= d.b * d.t * d.qkv_width() && scratch.len() >= n && dout.len() >= d.b * d.t * d.c(), "flash_backward: shapes");
+        self.launch(&D, Gpu::grid(n, 64), &[u(d.b), u(d.t), u(d.nh), u(d.hs)], &[Some(scratch), Some(dout), Some(out)]);
+        let a = args(d, starts, dropout);
+        let bufs = [Some(dqkv), Some(dout), Some(qkv), Some(lse), Some(scratch), starts];
+        self.launch(&BACKWARD_DQ, [u(d.t.div_ceil(64)), u(d.b * d.nh), 1], &a, &bufs);
+        self.launch(&BACKWARD_DKV, [u(d.t.div_ceil(64)), u(d.b * d.nkv), 1], &a, &bufs);
+    }
+}

@@ -1,0 +1,45 @@
+// Inverted dropout with tensor's counter-based mask: element (row, k) is kept iff
+// hash_uniform(seed, global(row)·C + k) ≥ p, where hash_uniform(s, i) = (mix64(s ^ mix64(i))
+// >> 40)·2⁻²⁴ and mix64 is SplitMix64's finaliser: the CPU's masks, bit for bit. 64-bit
+// integers are (lo, hi) pairs of u32, so no SHADER_INT64 is needed (lib_rng.wgsl).
+// mode 0: OUT = keep ? IN·scale : 0; mode 1: OUT += keep ? IN·scale : 0; mode 2, in place:
+// OUT = keep ? OUT·scale : 0.
+// args: rows c p scale seed_lo seed_hi mode t_local t offset b0 chunked len first second
+
+// tensor::RowMap::global: the whole tensor's row of local row `row`.
+fn global_row(row: u32) -> u32 {
+    let t_local = arg(7u);
+    let i = arg(9u) + row % t_local;
+    var at = i;
+    if (arg(11u) != 0u) {
+        at = select(arg(14u) + i - arg(12u), arg(13u) + i, i < arg(12u));
+    }
+    return (arg(10u) + row / t_local) * arg(8u) + at;
+}
+
+@compute @workgroup_size(256)
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
+    let e = flat_id(wg, lid, 256u);
+    let c = arg(1u);
+    if (e >= arg(0u) * c) {
+        return;
+    }
+    let row = e / c;
+    let k = e % c;
+    let index = add64(mul32(global_row(row), c), vec2<u32>(k, 0u));
+    let p = argf(2u);
+    let mode = arg(6u);
+    var v = 0.0;
+    if (p == 0.0 || hash_uniform(vec2<u32>(arg(4u), arg(5u)), index) >= p) {
+        if (mode == 2u) {
+            v = ld_OUT(e) * argf(3u);
+        } else {
+            v = ld_IN(e) * argf(3u);
+        }
+    }
+    if (mode == 1u) {
+        st_OUT(e, ld_OUT(e) + v);
+    } else {
+        st_OUT(e, v);
+    }
+}

@@ -1,0 +1,32 @@
+// Embedding gradients, accumulated, each element's sum in token order (the CPU's order).
+// mode 0 (token table): one thread per column j, DP[wte + TOK[i]·C + j] += D[i, j] for i in order;
+// mode 1 (position table): one thread per (p, j), DP[wpe + p·C + j] += Σ_b D[b·T + p, j].
+// args: n c t off mode
+@compute @workgroup_size(64)
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
+    let e = flat_id(wg, lid, 64u);
+    let n = arg(0u);
+    let c = arg(1u);
+    let t = arg(2u);
+    let off = arg(3u);
+    if (arg(4u) == 0u) {
+        if (e >= c) {
+            return;
+        }
+        for (var i = 0u; i < n; i++) {
+            let at = off + TOK[i] * c + e;
+            st_DP(at, ld_DP(at) + ld_D(i * c + e));
+        }
+        return;
+    }
+    if (e >= t * c) {
+        return;
+    }
+    let p = e / c;
+    let j = e % c;
+    var s = ld_DP(off + e);
+    for (var i = p; i < n; i += t) {
+        s += ld_D(i * c + j);
+    }
+    st_DP(off + e, s);
+}

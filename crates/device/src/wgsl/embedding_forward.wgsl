@@ -1,0 +1,18 @@
+// OUT[i, j] = P[wte + TOK[i]·C + j] (+ P[wpe + (i mod T)·C + j]): the token and position
+// tables are views of one parameter buffer.
+// args: n c t wte_off wpe_off has_wpe
+@compute @workgroup_size(256)
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
+    let e = flat_id(wg, lid, 256u);
+    let c = arg(1u);
+    if (e >= arg(0u) * c) {
+        return;
+    }
+    let i = e / c;
+    let j = e % c;
+    var v = ld_P(arg(3u) + TOK[i] * c + j);
+    if (arg(5u) != 0u) {
+        v += ld_P(arg(4u) + (i % arg(2u)) * c + j);
+    }
+    st_OUT(e, v);
+}
