@@ -17,7 +17,9 @@
 //! uploaded once per distinct list and cached.
 
 mod attention;
+mod head;
 mod kernels;
+mod moe;
 mod ops;
 mod shader;
 
@@ -27,7 +29,9 @@ use std::sync::{Arc, Mutex};
 use tensor::precision::{from_bits16, round, to_bits16, Format};
 
 pub use attention::MAX_HEAD_SIZE;
+pub use head::slot;
 pub use kernels::{Gemm, MatSpec};
+pub use moe::Routing;
 pub use ops::RopePos;
 
 /// Why a device could not be opened or used: one line, naming what to do.

@@ -495,14 +495,7 @@ pub fn moe_forward(
 
     // Router: logits = x · Wrᵀ, then per token softmax, logsumexp, top-k and gates.
     gemm(&mut cache.logits, false, View::rows(x, n, c), View::rows(router_w, e, c).t(), 1.0, Threads::All);
-    cache
-        .probs
-        .par_chunks_mut(e)
-        .zip(cache.lse.par_iter_mut())
-        .zip(cache.idx.par_chunks_mut(k).zip(cache.gates.par_chunks_mut(k)))
-        .zip(cache.logits.par_chunks(e))
-        .with_min_len(64)
-        .for_each(|(((p, lse), (idx, g)), l)| route_row(p, lse, idx, g, l, renormalize));
+    moe_route(MoeRoute { probs: &mut cache.probs, lse: &mut cache.lse, idx: &mut cache.idx, gates: &mut cache.gates }, &cache.logits, e, renormalize);
 
     // Assign slots (sequential, O(N·K): the index maps never depend on threads).
     moe_assign(&mut cache.slot, &mut cache.row_token, &mut cache.offsets, &mut cache.counts, &cache.idx, k, dims.capacity());
@@ -622,6 +615,28 @@ fn ep_experts_forward(cache: &mut MoeCache, experts_w: &[f32], ex: &mut dyn MoeE
     (rows - send_rows[ex.rank()], rl - recv_rows[ex.rank()])
 }
 
+/// The router's outputs per token: softmax, logsumexp, the top-k experts and their gates.
+pub struct MoeRoute<'a> {
+    pub probs: &'a mut [f32],  // [N, E]
+    pub lse: &'a mut [f32],    // [N]
+    pub idx: &'a mut [u32],    // [N, K]
+    pub gates: &'a mut [f32],  // [N, K]
+}
+
+/// Routing from the router's `logits[N, E]`: per token the softmax, its logsumexp, the top-k
+/// experts (ties → lower id, by logit) and their gates (renormalised over the k when
+/// `renormalize`). Overwrites every output.
+pub fn moe_route(out: MoeRoute, logits: &[f32], e: usize, renormalize: bool) {
+    let k = out.idx.len() / out.lse.len().max(1);
+    out.probs
+        .par_chunks_mut(e)
+        .zip(out.lse.par_iter_mut())
+        .zip(out.idx.par_chunks_mut(k).zip(out.gates.par_chunks_mut(k)))
+        .zip(logits.par_chunks(e))
+        .with_min_len(64)
+        .for_each(|(((p, lse), (idx, g)), l)| route_row(p, lse, idx, g, l, renormalize));
+}
+
 /// Softmax, logsumexp, top-k (ties → lower id, by logit) and gates of one token.
 fn route_row(p: &mut [f32], lse: &mut f32, idx: &mut [u32], g: &mut [f32], l: &[f32], renormalize: bool) {
     let max = l.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
@@ -732,6 +747,58 @@ pub fn moe_combine(
     });
 }
 
+/// Backward of [`moe_combine`] (without accumulation): `dgate[t, j] = ⟨dy[t], eo[slot[t, j]]⟩`
+/// (0 for a dropped assignment) and `deo[r] = gate[t, j]·dy[t]` for the assignment `(t, j)`
+/// that row `r` holds. Overwrites both.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_combine_backward(
+    grads: (&mut [f32], &mut [f32]),  // dgate [N, K], deo [R, C]
+    dy: &[f32],                       // [N, C]
+    eo: &[f32],                       // [R, C]
+    gates: &[f32],                    // [N, K]
+    slot: &[u32],                     // [N, K]
+    row_token: &[u32],                // [≥ R]
+    c: usize,
+    k: usize,
+) {
+    let (dgate, deo) = grads;
+    dgate.par_chunks_mut(k).enumerate().with_min_len(16).for_each(|(t, dg)| {
+        for j in 0..k {
+            let r = slot[t * k + j];
+            dg[j] = if r == DROPPED { 0.0 } else { dot(&dy[t * c..(t + 1) * c], &eo[r as usize * c..(r as usize + 1) * c]) };
+        }
+    });
+    deo.par_chunks_mut(c).enumerate().with_min_len(16).for_each(|(r, d)| {
+        let t = row_token[r] as usize;
+        // the rank j of row r within its token
+        let j = (0..k).find(|&j| slot[t * k + j] == r as u32).unwrap();
+        let g = gates[t * k + j];
+        for (d, &v) in d.iter_mut().zip(&dy[t * c..(t + 1) * c]) {
+            *d = g * v;
+        }
+    });
+}
+
+/// Backward of [`moe_dispatch`]: `dx[t] += Σ_j dxe[slot[t, j]]` over the kept assignments, in
+/// rank order.
+pub fn moe_dispatch_backward(
+    dx: &mut [f32],     // [N, C]
+    dxe: &[f32],        // [R, C]
+    slot: &[u32],       // [N, K]
+    c: usize,
+    k: usize,
+) {
+    dx.par_chunks_mut(c).enumerate().with_min_len(16).for_each(|(t, d)| {
+        for j in 0..k {
+            let r = slot[t * k + j];
+            if r != DROPPED {
+                axpy(d, 1.0, &dxe[r as usize * c..(r as usize + 1) * c]);
+            }
+        }
+    });
+
+}
+
 crate::multiversion! {
     /// `y += a · x`.
     fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
@@ -802,22 +869,7 @@ pub fn moe_backward(
     let rows = cache.rows();
     let MoeCache { probs, lse, idx, gates, slot, row_token, offsets, route, xe, gu, h, eo, sgu, sh, ep: epc, deo, dh, dgu, dgate, dlogits, .. } = cache;
 
-    // Combine backward: d(gate) = ⟨dy[t], eo[r]⟩ per assignment, d(eo[r]) = gate · dy[t].
-    dgate.par_chunks_mut(k).enumerate().with_min_len(16).for_each(|(t, dg)| {
-        for j in 0..k {
-            let r = slot[t * k + j];
-            dg[j] = if r == DROPPED { 0.0 } else { dot(&dy[t * c..(t + 1) * c], &eo[r as usize * c..(r as usize + 1) * c]) };
-        }
-    });
-    deo[..rows * c].par_chunks_mut(c).enumerate().with_min_len(16).for_each(|(r, d)| {
-        let t = row_token[r] as usize;
-        // the rank j of row r within its token
-        let j = (0..k).find(|&j| slot[t * k + j] == r as u32).unwrap();
-        let g = gates[t * k + j];
-        for (d, &v) in d.iter_mut().zip(&dy[t * c..(t + 1) * c]) {
-            *d = g * v;
-        }
-    });
+    moe_combine_backward((dgate, &mut deo[..rows * c]), dy, &eo[..rows * c], gates, slot, row_token, c, k);
 
     // Routed experts' backward in order; `deo` is replaced by d(dispatched tokens). Under
     // expert parallelism the d(eo) rows go to the experts' owners and d(xe) rows come back.
@@ -840,16 +892,7 @@ pub fn moe_backward(
         }
         _ => experts_backward(ExpertGrads { deo, dh, dgu }, dexperts_w, ExpertActs { xe, gu, h }, offsets, experts_w, dims),
     }
-    // Dispatch backward: dx[t] += Σ_j dxe[slot[t, j]] in rank order.
-    let dxe = &deo[..rows * c];
-    dx.par_chunks_mut(c).enumerate().with_min_len(16).for_each(|(t, d)| {
-        for j in 0..k {
-            let r = slot[t * k + j];
-            if r != DROPPED {
-                axpy(d, 1.0, &dxe[r as usize * c..(r as usize + 1) * c]);
-            }
-        }
-    });
+    moe_dispatch_backward(dx, &deo[..rows * c], slot, c, k);
 
     // Shared experts, in order.
     for si in 0..s {
@@ -877,6 +920,25 @@ pub fn moe_backward(
     let aux_coef: Vec<f32> =
         route[..e].iter().map(|&cnt| (aux_weight as f64 * e as f64 * cnt / ((nt * k as f64) * n as f64)) as f32).collect();
     let z_coef = 2.0 * z_weight / n as f32;
+    moe_router_backward(dlogits, (probs, lse, idx, gates), dgate, (&aux_coef, z_coef), e, renormalize);
+    gemm(dx, true, View::rows(dlogits, n, e), View::rows(router_w, e, c), 1.0, Threads::All);
+    gemm(drouter_w, true, View::rows(dlogits, n, e).t(), View::rows(x, n, c), 1.0, Threads::All);
+}
+
+/// The router's backward from the gates' gradient `dgate[N, K]` to the logits': through the
+/// gates (and their renormalisation), the load-balancing loss (`aux_coef[e]`, the gradient of
+/// the weighted aux loss with respect to `probs[t, e]`) and the z-loss (`z_coef·lse[t]·p`), then
+/// the softmax. Overwrites `dlogits[N, E]`.
+pub fn moe_router_backward(
+    dlogits: &mut [f32],                          // [N, E]
+    route: (&[f32], &[f32], &[u32], &[f32]),      // probs [N, E], lse [N], idx [N, K], gates [N, K]
+    dgate: &[f32],                                // [N, K]
+    (aux_coef, z_coef): (&[f32], f32),            // [E], z
+    e: usize,
+    renormalize: bool,
+) {
+    let (probs, lse, idx, gates) = route;
+    let k = idx.len() / lse.len().max(1);
     dlogits.par_chunks_mut(e).enumerate().with_min_len(64).for_each(|(t, dl)| {
         let p = &probs[t * e..(t + 1) * e];
         let (ix, g, dg) = (&idx[t * k..(t + 1) * k], &gates[t * k..(t + 1) * k], &dgate[t * k..(t + 1) * k]);
@@ -901,8 +963,6 @@ pub fn moe_backward(
             *d = p * (*d - pd) + zc * p;
         }
     });
-    gemm(dx, true, View::rows(dlogits, n, e), View::rows(router_w, e, c), 1.0, Threads::All);
-    gemm(drouter_w, true, View::rows(dlogits, n, e).t(), View::rows(x, n, c), 1.0, Threads::All);
 }
 
 /// What forward saved of the experts over `M` packed rows: their inputs and activations.

@@ -42,6 +42,15 @@ fn on_joined(buf: &mut Vec<f32>, work: &mut [f32], low: &mut [u16], f: impl FnOn
     crate::precision::split_bf16_chunk(work, low, x);
 }
 
+/// An AdamW step's scalars, `[lr/(1 − β1^t), 1/√(1 − β2^var_updates), 1 − lr·wd]`, computed in
+/// f64 and rounded once: what every element's update multiplies by (a device's update reads
+/// the same three numbers).
+pub fn adamw_scalars(h: &AdamW, var_updates: u64) -> [f32; 3] {
+    let bc1 = 1.0 - (h.beta1 as f64).powi(h.t as i32);
+    let bc2 = 1.0 - (h.beta2 as f64).powi(var_updates as i32);
+    [(h.lr as f64 / bc1) as f32, (1.0 / bc2.sqrt()) as f32, 1.0 - h.lr * h.weight_decay]
+}
+
 /// The step's scalars of [`adam_chunk`]: `lr/(1 − β1^t)`, `1/√(1 − β2^var_updates)`,
 /// `1 − lr·wd`, and whether the variance takes this step's gradient.
 #[derive(Clone, Copy)]
@@ -57,9 +66,8 @@ struct Coefs {
 /// With `low`, `params` are split master weights ([`adamw_update_split`]).
 #[allow(clippy::too_many_arguments)]
 fn adam_pieces(params: &mut [f32], low: Option<&mut [u16]>, grads: &[f32], m: &mut [f32], v: &mut [f32], h: &AdamW, var_updates: u64, update_v: bool) {
-    let bc1 = 1.0 - (h.beta1 as f64).powi(h.t as i32);
-    let bc2 = 1.0 - (h.beta2 as f64).powi(var_updates as i32);
-    let c = Coefs { step: (h.lr as f64 / bc1) as f32, rbc2: (1.0 / bc2.sqrt()) as f32, decay: 1.0 - h.lr * h.weight_decay, update_v };
+    let [step, rbc2, decay] = adamw_scalars(h, var_updates);
+    let c = Coefs { step, rbc2, decay, update_v };
     let gmv = grads.par_chunks(ELEMS).zip(m.par_chunks_mut(ELEMS).zip(v.par_chunks_mut(ELEMS)));
     match low {
         None => params.par_chunks_mut(ELEMS).zip(gmv).for_each(|(p, (g, (m, v)))| adam_chunk(p, g, m, v, h, c)),

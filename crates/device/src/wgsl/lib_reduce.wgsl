@@ -15,3 +15,18 @@ fn wg_sum(v: f32, lid: u32) -> f32 {
     return total;
 }
 
+
+// The largest of every thread's `v` over the workgroup.
+fn wg_max(v: f32, lid: u32) -> f32 {
+    part[lid] = v;
+    workgroupBarrier();
+    for (var s = 128u; s > 0u; s >>= 1u) {
+        if (lid < s) {
+            part[lid] = max(part[lid], part[lid + s]);
+        }
+        workgroupBarrier();
+    }
+    let m = part[0];
+    workgroupBarrier();
+    return m;
+}

@@ -9,3 +9,4 @@ mod buffers;
 mod common;
 mod matmul;
 mod ops;
+mod train_ops;

@@ -1,0 +1,114 @@
+//! The LM head fused with softmax cross-entropy (`tensor::classifier::lm_head_crossentropy`'s
+//! twin), and the optimizer's device side: the global gradient norm, clipping and AdamW
+//! (`tensor::optim`'s twins). The step's changing scalars (the loss weight, the learning rate's
+//! AdamW factors, the clipping factor) live in a small device buffer, never in a kernel's
+//! arguments, so a step records the same launches every time.
+
+use crate::kernels::u;
+use crate::shader::{kernel, Kernel};
+use crate::{At, Buf, DType, Gemm, Gpu, MatSpec};
+use tensor::classifier::HeadDims;
+use tensor::optim::AdamW;
+
+const CROSSENTROPY: Kernel = kernel!("crossentropy", libs ["reduce"], ["L", "LOSSES", "TGT", "S"], writes ["L", "LOSSES"]);
+const SUM_SQUARES: Kernel = kernel!("sum_squares", libs ["reduce"], ["OUT", "PART", "X"], writes ["OUT", "PART"]);
+const CLIP: Kernel = kernel!("clip", ["S"], writes ["S"]);
+const ADAMW: Kernel = kernel!("adamw", ["P", "G", "M", "V", "S"], writes ["P", "M", "V"]);
+
+/// Workgroups the first stage of [`Gpu::sum_squares`] uses at most (its partial sums).
+const PARTS: usize = 1024;
+
+/// Where the optimizer's scalars sit in the step's scalar buffer: `[0..3]` AdamW's
+/// `(step, rbc2, decay)` (`tensor::optim::adamw_scalars`), then the gradients' sum of squares,
+/// their norm, and the factor clipping scales them by.
+pub mod slot {
+    pub const SUMSQ: usize = 3;
+    pub const NORM: usize = 4;
+    pub const CLIP_SCALE: usize = 5;
+    /// Slots the optimizer uses; a step's own scalars (the loss weight) follow.
+    pub const OPTIM: usize = 6;
+}
+
+impl Gpu {
+    /// Rows of the fused head processed at once: `[R, Vp]` fp32 logits within 64 MiB and within
+    /// the adapter's largest binding.
+    pub fn head_rows(&self, n: usize, vp: usize) -> usize {
+        let bytes = (64usize << 20).min(self.info.max_binding as usize);
+        (bytes / 4 / vp.max(1)).clamp(1, n.max(1))
+    }
+
+    /// The LM head and its loss, fused, in chunks of [`Gpu::head_rows`] rows: `logits = inp ·
+    /// weightᵀ`, `losses[i] = −ln softmax(logits[i, :V])[targets[i]]` (0 for the ignore index;
+    /// `targets` holds the `i32` bits), and with `grads = (dinp, dweight, (scalars, at))`
+    /// `dinp = dlogits·weight` (overwritten) and `dweight += dlogitsᵀ·inp`, `dlogits =
+    /// dloss·(p − onehot)` with `dloss = scalars[at]`. `scratch` holds at least one `[Vp]` fp32 row; it
+    /// sets the chunk's rows `R`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn lm_head_crossentropy(&self, losses: &Buf, grads: Option<(&Buf, At, (&Buf, usize))>, inp: &Buf, weight: At, targets: &Buf, scratch: &Buf, d: &HeadDims) {
+        let HeadDims { c, v, vp, offset, ignore_index, .. } = *d;
+        assert_eq!(offset, 0, "a vocabulary slice does not run on the device yet");
+        let n = targets.len();
+        // As many rows as the scratch holds, within [`Gpu::head_rows`].
+        let r = self.head_rows(n, vp).min(scratch.len() / vp.max(1));
+        assert!(r >= 1 && losses.len() >= n && inp.len() >= n * c && weight.fits(vp * c), "lm_head_crossentropy: shapes");
+        for r0 in (0..n).step_by(r) {
+            let rows = r.min(n - r0);
+            let (lg, x) = ((scratch, MatSpec::rows(0, vp)), (inp, MatSpec::rows(r0 * c, c)));
+            self.gemm(Gemm::new(rows, vp, c), lg, x, (weight.buf, MatSpec::rows(weight.off, c).t()), None);
+            let (scal, at) = grads.map_or((None, 0), |g| (Some(g.2 .0), g.2 .1));
+            let args = [u(rows), u(v), u(vp), ignore_index as u32, u(r0), grads.is_some() as u32, u(at)];
+            self.launch(&CROSSENTROPY, Gpu::grid(rows, 1), &args, &[Some(scratch), Some(losses), Some(targets), scal]);
+            if let Some((dinp, dw, _)) = grads {
+                self.gemm(Gemm::new(rows, c, vp), (dinp, MatSpec::rows(r0 * c, c)), lg, (weight.buf, MatSpec::rows(weight.off, c)), None);
+                self.gemm(Gemm::new(vp, c, rows).acc(), (dw.buf, MatSpec::rows(dw.off, c)), (scratch, MatSpec::rows(0, vp).t()), x, None);
+            }
+        }
+    }
+
+    /// `out[at] (=|+=) Σ x[..n]²` in a fixed order (two stages through `parts`, at least
+    /// [`Gpu::parts_len`] fp32 elements): the global norm's sum of squares, one parameter piece
+    /// at a time with `accumulate` (`tensor::sum_squares`, in fp32).
+    pub fn sum_squares(&self, out: (&Buf, usize), x: At, n: usize, parts: &Buf, accumulate: bool) {
+        assert!(x.fits(n) && out.1 < out.0.len() && parts.len() >= PARTS && parts.dtype() == DType::F32, "sum_squares: shapes");
+        let per = n.div_ceil(PARTS).next_multiple_of(256).max(256);
+        let groups = n.div_ceil(per).max(1);
+        self.launch(&SUM_SQUARES, Gpu::grid(groups, 1), &[u(n), u(x.off), u(per), 0, 0, 0], &[None, Some(parts), Some(x.buf)]);
+        self.launch(&SUM_SQUARES, [1, 1, 1], &[u(groups), 0, 0, 1, u(out.1), accumulate as u32], &[Some(out.0), Some(parts), None]);
+    }
+
+    /// The scratch [`Gpu::sum_squares`] needs.
+    pub fn parts_len() -> usize {
+        PARTS
+    }
+
+    /// From the sum of squares at [`slot::SUMSQ`] of `scalars`: the norm into [`slot::NORM`]
+    /// and the clipping factor (`clip / (norm + 1e-6)` past `clip > 0`, else 1) into
+    /// [`slot::CLIP_SCALE`].
+    pub fn clip_scale(&self, scalars: &Buf, clip: f32) {
+        assert!(scalars.len() >= slot::OPTIM, "clip_scale: the scalar buffer holds {} slots", scalars.len());
+        self.launch(&CLIP, [1, 1, 1], &[u(slot::SUMSQ), u(slot::NORM), u(slot::CLIP_SCALE), clip.to_bits()], &[Some(scalars)]);
+    }
+
+    /// Writes AdamW's step scalars for `h` into `scalars[0..3]` (what [`Gpu::adamw_update`]
+    /// reads), ordered with the kernels around it.
+    pub fn set_adamw_scalars(&self, scalars: &Buf, h: &AdamW) {
+        let s = tensor::optim::adamw_scalars(h, h.t);
+        self.write_words(scalars, 0, &s.map(f32::to_bits));
+    }
+
+    /// AdamW over `n` elements from `at` of `params`, `grads`, `m`, `v` (fp32, one layout),
+    /// the gradients scaled by the clipping factor at [`slot::CLIP_SCALE`] (write 1 there to
+    /// leave them), `decay` whether weight decay applies: `tensor::adamw_update`'s arithmetic
+    /// with `scalars` from [`Gpu::set_adamw_scalars`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn adamw_update(&self, state: (&Buf, &Buf, &Buf, &Buf), at: usize, n: usize, h: &AdamW, decay: bool, scalars: &Buf) {
+        let (p, g, m, v) = state;
+        assert!(at + n <= p.len() && g.len() >= at + n && m.len() >= at + n && v.len() >= at + n && scalars.len() >= slot::OPTIM, "adamw_update: shapes");
+        #[rustfmt::skip]
+        let args = [
+            u(n), u(at), h.beta1.to_bits(), (1.0 - h.beta1).to_bits(), h.beta2.to_bits(), (1.0 - h.beta2).to_bits(),
+            h.eps.to_bits(), decay as u32, u(slot::CLIP_SCALE),
+        ];
+        self.launch(&ADAMW, Gpu::grid(n, 256), &args, &[Some(p), Some(g), Some(m), Some(v), Some(scalars)]);
+    }
+}
