@@ -66,7 +66,7 @@ pub struct PpScheduleCli {
 pub fn bench(b: BenchCli) -> Result<()> {
             init_threads(b.threads.unwrap_or(0));
             let v = if b.kernels {
-                crate::bench_kernels::run(b.device, b.steps.max(1))?
+                kernels(b.device, b.steps.max(1))?
             } else if b.peak {
                 crate::device::refuse_model_on_device(b.device, "bench --peak")?;
                 crate::bench::peak()
@@ -77,6 +77,17 @@ pub fn bench(b: BenchCli) -> Result<()> {
             println!("{}", if b.json { v.to_string() } else { serde_json::to_string_pretty(&v).unwrap() });
             Ok(())
         }
+
+/// `kiln bench --kernels`: the device kernels beside their CPU twins.
+#[cfg(feature = "vulkan")]
+fn kernels(d: crate::device::DeviceArg, reps: usize) -> Result<serde_json::Value> {
+    crate::bench_kernels::run(d, reps)
+}
+
+#[cfg(not(feature = "vulkan"))]
+fn kernels(_: crate::device::DeviceArg, _: usize) -> Result<serde_json::Value> {
+    user("bench --kernels: this kiln was built without the device backend (rebuild with the default features, or `--features vulkan`)")
+}
 
 /// Runs `kiln pp-schedule`.
 pub fn pp_schedule(a: PpScheduleCli) -> Result<()> {

@@ -2,6 +2,7 @@
 //! here: everything numeric is a call into `tensor` through `model`.
 
 pub mod bench;
+#[cfg(feature = "vulkan")]
 pub mod bench_kernels;
 pub mod checkpoint;
 pub mod cmd_bench;
