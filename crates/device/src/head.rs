@@ -69,11 +69,20 @@ impl Gpu {
     /// [`Gpu::parts_len`] fp32 elements): the global norm's sum of squares, one parameter piece
     /// at a time with `accumulate` (`tensor::sum_squares`, in fp32).
     pub fn sum_squares(&self, out: (&Buf, usize), x: At, n: usize, parts: &Buf, accumulate: bool) {
+        self.reduce(out, x, n, parts, accumulate, true);
+    }
+
+    /// `out[at] (=|+=) Σ x[..n]` in a fixed order, as [`Gpu::sum_squares`] (a step's loss sum).
+    pub fn sum(&self, out: (&Buf, usize), x: At, n: usize, parts: &Buf, accumulate: bool) {
+        self.reduce(out, x, n, parts, accumulate, false);
+    }
+
+    fn reduce(&self, out: (&Buf, usize), x: At, n: usize, parts: &Buf, accumulate: bool, squares: bool) {
         assert!(x.fits(n) && out.1 < out.0.len() && parts.len() >= PARTS && parts.dtype() == DType::F32, "sum_squares: shapes");
         let per = n.div_ceil(PARTS).next_multiple_of(256).max(256);
         let groups = n.div_ceil(per).max(1);
-        self.launch(&SUM_SQUARES, Gpu::grid(groups, 1), &[u(n), u(x.off), u(per), 0, 0, 0], &[None, Some(parts), Some(x.buf)]);
-        self.launch(&SUM_SQUARES, [1, 1, 1], &[u(groups), 0, 0, 1, u(out.1), accumulate as u32], &[Some(out.0), Some(parts), None]);
+        self.launch(&SUM_SQUARES, Gpu::grid(groups, 1), &[u(n), u(x.off), u(per), 0, 0, 0, squares as u32], &[None, Some(parts), Some(x.buf)]);
+        self.launch(&SUM_SQUARES, [1, 1, 1], &[u(groups), 0, 0, 1, u(out.1), accumulate as u32, 0], &[Some(out.0), Some(parts), None]);
     }
 
     /// The scratch [`Gpu::sum_squares`] needs.

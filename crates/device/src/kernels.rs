@@ -116,6 +116,19 @@ impl Gpu {
         }
     }
 
+    /// [`Gpu::matmul_backward`] overwriting `dinp` instead of accumulating into it
+    /// (`tensor::matmul::matmul_backward_into_as`'s twin); the weight's and bias's gradients
+    /// accumulate.
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul_backward_into(&self, grads: (&Buf, At, Option<At>), dout: &Buf, inp: &Buf, weight: At, bt: usize, c: usize, oc: usize) {
+        let (dinp, dweight, dbias) = grads;
+        self.gemm(Gemm::new(bt, c, oc), (dinp, MatSpec::rows(0, c)), (dout, MatSpec::rows(0, oc)), (weight.buf, MatSpec::rows(weight.off, c)), None);
+        self.gemm(Gemm::new(oc, c, bt).acc(), (dweight.buf, MatSpec::rows(dweight.off, c)), (dout, MatSpec::rows(0, oc).t()), (inp, MatSpec::rows(0, c)), None);
+        if let Some(db) = dbias {
+            self.bias_backward(db, dout, bt, oc);
+        }
+    }
+
     /// `dbias[OC] += Σ_rows dout[BT, OC]`, rows in order.
     pub fn bias_backward(&self, dbias: At, dout: &Buf, bt: usize, oc: usize) {
         assert!(dbias.fits(oc) && dout.len >= bt * oc);

@@ -4,6 +4,8 @@
 //! of the model where it sits through its [`Placement`].
 
 pub mod config;
+#[cfg(feature = "device")]
+pub mod device;
 pub mod generate;
 pub mod hf;
 pub mod gpt;

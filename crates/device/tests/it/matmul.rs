@@ -1,6 +1,7 @@
 //! matmul forward and backward (both gradients and the bias), and the strided batched gemm.
 use crate::common::{close, gpu, randn, stored, tol};
 use device::{DType, Gemm, MatSpec};
+use tensor::matmul::Arith;
 use tensor::Rng;
 
 #[test]
@@ -29,6 +30,13 @@ fn matmul_matches_cpu_on_odd_shapes_in_every_type() {
             close(&format!("{name} dinp"), &g.download(&dgi), &gi, tol(DType::F32));
             close(&format!("{name} dweight"), &g.download(&dgw), &gw, tol(DType::F32));
             close(&format!("{name} dbias"), &g.download(&dgb), &gb, tol(DType::F32));
+            // The overwriting form: dinp replaced, the weight's gradient accumulated.
+            let (mut gi2, mut gw2) = (gi0.clone(), gw0.clone());
+            tensor::matmul::matmul_backward_into_as(Arith::F32, &mut gi2, &mut gw2, None, &dout, &inp_s, &w_s, bt, c, oc);
+            let (dgi2, dgw2) = (g.upload(&gi0), g.upload(&gw0));
+            g.matmul_backward_into((&dgi2, dgw2.at(0), None), &g.upload(&dout), &di, dw.at(0), bt, c, oc);
+            close(&format!("{name} dinp (overwritten)"), &g.download(&dgi2), &gi2, tol(DType::F32));
+            close(&format!("{name} dweight (with dinp overwritten)"), &g.download(&dgw2), &gw2, tol(DType::F32));
         }
     }
 }

@@ -146,4 +146,10 @@ fn global_norm_clipping_and_adamw_match_cpu() {
     close("adamw params", &g.download(&gp), &p, 1e-5);
     close("adamw m", &g.download(&gm), &m, 1e-5);
     close("adamw v", &g.download(&gv), &v, 1e-5);
+    let sums = g.zeros(2);
+    g.sum((&sums, 1), gg.at(3), n - 3, &parts, false);
+    let want: f64 = grads[3..].iter().map(|&x| x as f64).sum();
+    let scale: f64 = grads[3..].iter().map(|&x| x.abs() as f64).sum();
+    let got = g.download(&sums)[1] as f64;
+    assert!((got - want).abs() <= 1e-6 * scale, "sum {got} against {want}");
 }

@@ -1,4 +1,6 @@
 //! Integration tests for the model crate.
+#[cfg(feature = "device")]
+mod device;
 mod docs;
 mod gpt;
 mod hf;

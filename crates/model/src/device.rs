@@ -1,0 +1,414 @@
+//! The decoder on a GPU (feature `device`): [`DeviceGpt`] holds a whole model's parameters,
+//! gradients and activations in device buffers and runs [`crate::Gpt`]'s forward and backward
+//! with the `device` crate's kernels, step for step as the CPU runs them: the same block
+//! (`x = x + drop(attn(norm_1(x))); x = x + drop(mlp(norm_2(x)))`), the same dropout sites and
+//! masks, the same fused head. Per pass only the token ids and targets go to the device.
+//!
+//! It covers a whole model on one device, GPT-2 and LLaMA families with dense MLPs, in fp32;
+//! [`DeviceGpt::new`] refuses the rest by name (mixture-of-experts layers, LoRA, quantized bases,
+//! Qwen3's q/k norms, attention sinks, a padding token's frozen row, 16-bit storage).
+
+use crate::config::Arch;
+use crate::gpt::{Pass, IGNORE_INDEX};
+use crate::layout::{BlockParams, GptParams};
+use crate::{Gpt, GptConfig};
+use device::{At, Buf, DType, Gpu, RopePos};
+use std::sync::Arc;
+use tensor::attention::AttnDropout;
+use tensor::classifier::HeadDims;
+use tensor::llama::GqaDims;
+use tensor::matmul::Arith;
+use tensor::ops::RowMap;
+use tensor::rng::mix64;
+
+/// Where a pass's loss weight sits in [`DeviceGpt::scalars`] (after the optimizer's slots).
+pub const LOSS_WEIGHT: usize = device::slot::OPTIM;
+/// Slots of [`DeviceGpt::scalars`].
+pub const SCALARS: usize = LOSS_WEIGHT + 1;
+
+/// One block's activations, kept from forward for backward.
+struct LayerActs {
+    ln_1: Buf,
+    ln_1_mean: Buf,
+    ln_1_rstd: Buf,
+    qkv: Buf,
+    atty: Buf,
+    lse: Buf,
+    res_2: Buf,
+    ln_2: Buf,
+    ln_2_mean: Buf,
+    ln_2_rstd: Buf,
+    fch: Buf,
+    fch_act: Buf,
+}
+
+/// A pass's buffers for `(B, T)`: the residual stream between blocks, each block's kept
+/// activations, the head's, and backward's scratch.
+struct Acts {
+    b: usize,
+    t: usize,
+    xs: Vec<Buf>,
+    layers: Vec<LayerActs>,
+    ln_f: Buf,
+    ln_f_mean: Buf,
+    ln_f_rstd: Buf,
+    dln_f: Buf,
+    losses: Buf,
+    tokens: Buf,
+    targets: Buf,
+    head_scratch: Buf,
+    branch: Buf,
+    dres: Buf,
+    dbranch: Buf,
+    dln: Buf,
+    datty: Buf,
+    dqkv: Buf,
+    dfch: Buf,
+    dfch_act: Buf,
+    /// FlashAttention-2's `D` in backward.
+    dd: Buf,
+}
+
+impl Acts {
+    fn new(g: &Gpu, cfg: &GptConfig, b: usize, t: usize) -> Acts {
+        let (n, c, nh) = (b * t, cfg.n_embd, cfg.n_head);
+        let z = |len: usize| g.zeros(len);
+        let layer = |_| LayerActs {
+            ln_1: z(n * c),
+            ln_1_mean: z(n),
+            ln_1_rstd: z(n),
+            qkv: z(n * cfg.qkv_width()),
+            atty: z(n * cfg.attn_width()),
+            lse: z(b * nh * t),
+            res_2: z(n * c),
+            ln_2: z(n * c),
+            ln_2_mean: z(n),
+            ln_2_rstd: z(n),
+            fch: z(n * cfg.fc_width()),
+            fch_act: z(n * cfg.ffn_hidden),
+        };
+        let head_rows = g.head_rows(n, cfg.vocab_size);
+        Acts {
+            b,
+            t,
+            xs: (0..=cfg.n_layer).map(|_| z(n * c)).collect(),
+            layers: (0..cfg.n_layer).map(layer).collect(),
+            ln_f: z(n * c),
+            ln_f_mean: z(n),
+            ln_f_rstd: z(n),
+            dln_f: z(n * c),
+            losses: z(n),
+            tokens: g.zeros_of(n, DType::U32),
+            targets: g.zeros_of(n, DType::U32),
+            head_scratch: z(head_rows * cfg.vocab_size),
+            branch: z(n * c),
+            dres: z(n * c),
+            dbranch: z(n * c),
+            dln: z(n * c),
+            datty: z(n * cfg.attn_width()),
+            dqkv: z(n * cfg.qkv_width()),
+            dfch: z(n * cfg.fc_width()),
+            dfch_act: z(n * cfg.ffn_hidden),
+            dd: z(b * nh * t),
+        }
+    }
+}
+
+/// A whole model resident on a device: parameters and gradients in [`crate::ParamLayout`]'s
+/// flat order (so a checkpoint is a download), activations for one `(B, T)` at a time.
+pub struct DeviceGpt {
+    pub gpu: Arc<Gpu>,
+    pub cfg: GptConfig,
+    views: GptParams,
+    real_vocab: usize,
+    pub params: Buf,
+    pub grads: Buf,
+    /// The step's scalars: `device::slot`'s, then [`LOSS_WEIGHT`].
+    pub scalars: Buf,
+    rope: Option<(Buf, Buf)>,
+    acts: Option<Acts>,
+    /// The last training pass's dropout `(p, seed)`, targets counted, and whether it trained.
+    drop: (f32, u64),
+    count: usize,
+}
+
+/// The mask seed of dropout site `n` (the CPU model's numbering: 0 the embedding, then three
+/// per block) from the pass's seed.
+fn site_seed(seed: u64, n: u64) -> u64 {
+    mix64(seed ^ mix64(n.wrapping_add(0xD1B5_4A32_D192_ED03)))
+}
+
+/// What the device model cannot run yet, by name; `None` when it can.
+pub fn unsupported(m: &Gpt) -> Option<String> {
+    let cfg = &m.cfg;
+    let why = if cfg.is_moe() {
+        "mixture-of-experts layers"
+    } else if m.lora.is_some() {
+        "LoRA adapters"
+    } else if m.precision != crate::Precision::Fp32 {
+        "16-bit or FP8 storage (train.precision other than fp32)"
+    } else if cfg.qk_norm {
+        "Qwen3's q/k norms (model.qk_norm)"
+    } else if cfg.attn_sinks > 0 {
+        "attention sinks (model.attn_sinks)"
+    } else if cfg.pad_token_id.is_some() {
+        "a padding token's frozen embedding row (model.pad_token_id)"
+    } else if cfg.place != crate::Placement::default() {
+        "a part of a model (parallel layouts)"
+    } else if cfg.head_size() > device::MAX_HEAD_SIZE {
+        "heads larger than 128"
+    } else if m.rope.as_ref().is_some_and(|r| r.has_long()) {
+        "LongRoPE's second table"
+    } else {
+        return None;
+    };
+    Some(format!("the device does not run {why} yet"))
+}
+
+impl DeviceGpt {
+    /// `m`'s parameters uploaded to `gpu`, gradients zeroed; refuses what the device cannot run
+    /// ([`unsupported`]).
+    pub fn new(gpu: Arc<Gpu>, m: &Gpt) -> Result<DeviceGpt, String> {
+        if let Some(why) = unsupported(m) {
+            return Err(why);
+        }
+        let params = gpu.alloc(m.params.len(), DType::F32).map_err(|e| e.0)?;
+        gpu.write(&params, &m.params);
+        let grads = gpu.alloc(m.params.len(), DType::F32).map_err(|e| e.0)?;
+        let rope = m.rope.as_ref().map(|r| {
+            let (cos, sin) = r.for_pass(0);
+            (gpu.upload(cos), gpu.upload(sin))
+        });
+        let scalars = gpu.zeros(SCALARS);
+        Ok(DeviceGpt { cfg: m.cfg.clone(), views: m.views.clone(), real_vocab: m.real_vocab, params, grads, scalars, rope, acts: None, drop: (0.0, 0), count: 0, gpu })
+    }
+
+    /// Overwrites the device parameters with `params` (a resumed checkpoint's).
+    pub fn upload_params(&self, params: &[f32]) {
+        self.gpu.write(&self.params, params);
+    }
+
+    /// The parameters, downloaded.
+    pub fn download_params(&self) -> Vec<f32> {
+        self.gpu.download(&self.params)
+    }
+
+    /// Zeroes the gradients.
+    pub fn zero_grad(&self) {
+        self.gpu.clear(&self.grads);
+    }
+
+    fn acts(&mut self, b: usize, t: usize) -> &mut Acts {
+        if self.acts.as_ref().is_none_or(|a| a.b != b || a.t != t) {
+            self.acts = Some(Acts::new(&self.gpu, &self.cfg, b, t));
+        }
+        self.acts.as_mut().unwrap()
+    }
+
+    /// The forward pass over `tokens` `[B, T]` with `targets` (`IGNORE_INDEX` counts for
+    /// nothing): [`crate::Gpt::forward`] on the device. Writes each position's loss on the
+    /// device ([`DeviceGpt::loss_sum_into`]) and, training, the head's weight gradient and
+    /// `d ln_f` (the loss weight `loss_scale / count` is written to [`LOSS_WEIGHT`]). Returns
+    /// the targets counted.
+    pub fn forward(&mut self, tokens: &[u32], targets: &[i32], b: usize, t: usize, pass: Pass) -> usize {
+        assert!(t <= self.cfg.block_size && tokens.len() == b * t && targets.len() == b * t, "forward: tokens and targets must be [B, T], T ≤ block_size");
+        let vp = self.cfg.vocab_size;
+        assert!(tokens.iter().all(|&x| (x as usize) < vp), "token outside the vocabulary of {vp}");
+        let (p, seed, loss_scale) = match pass {
+            Pass::Eval => (0.0, 0, None),
+            Pass::Train { dropout_seed, loss_scale } => (self.cfg.dropout, dropout_seed, Some(loss_scale)),
+        };
+        self.drop = (p, seed);
+        let count = targets.iter().filter(|&&x| x != IGNORE_INDEX).count();
+        self.count = count;
+        let weight = match loss_scale {
+            Some(s) if count > 0 => Some(s / count as f32),
+            _ => None,
+        };
+        let g = self.gpu.clone();
+        if let Some(w) = weight {
+            g.write_words(&self.scalars, LOSS_WEIGHT, &[w.to_bits()]);
+        }
+        self.acts(b, t);
+        let a = self.acts.as_ref().unwrap();
+        g.write_words(&a.tokens, 0, tokens);
+        let tg: Vec<u32> = targets.iter().map(|&x| x as u32).collect();
+        g.write_words(&a.targets, 0, &tg);
+        self.embed(a);
+        for l in 0..self.cfg.n_layer {
+            self.block_forward(l, a);
+        }
+        let v = &self.views;
+        let x = &a.xs[self.cfg.n_layer];
+        self.norm_forward((&a.ln_f, &a.ln_f_mean, &a.ln_f_rstd), x, &v.ln_f_w, &v.ln_f_b);
+        let dims = HeadDims { c: self.cfg.n_embd, v: self.real_vocab, vp, offset: 0, ignore_index: IGNORE_INDEX, arith: Arith::F32 };
+        let grads = weight.map(|_| (&a.dln_f, self.grads.at(v.lm_head.start), (&self.scalars, LOSS_WEIGHT)));
+        g.lm_head_crossentropy(&a.losses, grads, &a.ln_f, self.params.at(v.lm_head.start), &a.targets, &a.head_scratch, &dims);
+        count
+    }
+
+    /// `out[at] (=|+=) Σ` of the last forward's per-position losses, on the device.
+    pub fn loss_sum_into(&self, out: (&Buf, usize), parts: &Buf, accumulate: bool) {
+        let a = self.acts.as_ref().expect("forward first");
+        self.gpu.sum(out, a.losses.at(0), a.b * a.t, parts, accumulate);
+    }
+
+    /// The per-position losses of the last forward, downloaded.
+    pub fn losses(&self) -> Vec<f32> {
+        self.gpu.download(&self.acts.as_ref().expect("forward first").losses)
+    }
+
+    fn row_map(&self, a: &Acts) -> RowMap {
+        RowMap::whole(a.t)
+    }
+
+    /// Dropout at site `n` on the residual stream's rows, in place.
+    fn dropout(&self, x: &Buf, site: u64, a: &Acts) {
+        let (p, seed) = self.drop;
+        if p > 0.0 {
+            self.gpu.dropout_inplace_rows(x, p, site_seed(seed, site), self.cfg.n_embd, self.row_map(a));
+        }
+    }
+
+    /// The gradient through dropout at site `n`: `dout` itself without dropout, else the masked
+    /// copy in `buf`.
+    fn dropout_grad<'x>(&self, buf: &'x Buf, dout: &'x Buf, site: u64, a: &Acts) -> &'x Buf {
+        let (p, seed) = self.drop;
+        if p == 0.0 {
+            return dout;
+        }
+        self.gpu.clear(buf);
+        self.gpu.dropout_backward_rows(buf, dout, p, site_seed(seed, site), self.cfg.n_embd, self.row_map(a));
+        buf
+    }
+
+    fn embed(&self, a: &Acts) {
+        let v = &self.views;
+        let wpe = v.wpe.as_ref().map(|r| self.params.at(r.start));
+        self.gpu.embedding_forward(&a.xs[0], &a.tokens, self.params.at(v.wte.start), wpe, a.t, self.cfg.n_embd);
+        self.dropout(&a.xs[0], 0, a);
+    }
+
+    fn norm_forward(&self, out: (&Buf, &Buf, &Buf), x: &Buf, w: &std::ops::Range<usize>, b: &Option<std::ops::Range<usize>>) {
+        let (o, mean, rstd) = out;
+        let (w, b) = (self.params.at(w.start), b.as_ref().map(|r| self.params.at(r.start)));
+        match self.cfg.arch {
+            Arch::Gpt2 => self.gpu.layernorm_forward(o, mean, rstd, x, w, b, self.cfg.n_embd),
+            Arch::Llama => self.gpu.rmsnorm_forward(o, rstd, x, w, self.cfg.norm_eps, self.cfg.n_embd),
+        }
+    }
+
+    /// `dinp += normᵀ(dout)`, the norm's parameters' gradients accumulated.
+    fn norm_backward(&self, dinp: &Buf, dout: &Buf, x: &Buf, stats: (&Buf, &Buf), (w, b): (&std::ops::Range<usize>, &Option<std::ops::Range<usize>>)) {
+        let (dw, db) = (self.grads.at(w.start), b.as_ref().map(|r| self.grads.at(r.start)));
+        let w = self.params.at(w.start);
+        match self.cfg.arch {
+            Arch::Gpt2 => self.gpu.layernorm_backward((dinp, dw, db), dout, x, w, stats, self.cfg.n_embd),
+            Arch::Llama => self.gpu.rmsnorm_backward((dinp, dw), dout, x, w, stats.1, self.cfg.n_embd),
+        }
+    }
+
+    /// Layer `l`'s attention dims (MHA is `NKV = NH`).
+    fn gqa(&self, l: usize, a: &Acts) -> GqaDims {
+        let cfg = &self.cfg;
+        let (nkv, window) = match cfg.arch {
+            Arch::Gpt2 => (cfg.n_head, 0),
+            Arch::Llama => (cfg.n_kv_head, cfg.window_of(l)),
+        };
+        GqaDims { b: a.b, t: a.t, nh: cfg.n_head, nkv, hs: cfg.head_size(), window, rotary: cfg.rotary_dim, ..Default::default() }
+    }
+
+    /// `y = x·Wᵀ (+ b)` for the projection with weight `w` and bias `b`.
+    fn linear(&self, y: &Buf, x: &Buf, (w, b): (&std::ops::Range<usize>, &Option<std::ops::Range<usize>>), n_in: usize, n_out: usize, a: &Acts) {
+        let bias = b.as_ref().map(|r| self.params.at(r.start));
+        self.gpu.matmul_forward(y, x, self.params.at(w.start), bias, a.b * a.t, n_in, n_out);
+    }
+
+    /// The backward of [`DeviceGpt::linear`]: `dx` overwritten, the weight's and bias's
+    /// gradients accumulated.
+    #[allow(clippy::too_many_arguments)]
+    fn linear_backward(&self, dx: &Buf, dy: &Buf, x: &Buf, (w, b): (&std::ops::Range<usize>, &Option<std::ops::Range<usize>>), n_in: usize, n_out: usize, a: &Acts) {
+        let db = b.as_ref().map(|r| self.grads.at(r.start));
+        self.gpu.matmul_backward_into((dx, self.grads.at(w.start), db), dy, x, self.params.at(w.start), a.b * a.t, n_in, n_out);
+    }
+
+    fn block_forward(&self, l: usize, a: &Acts) {
+        let (g, cfg, bp) = (&*self.gpu, &self.cfg, &self.views.blocks[l]);
+        let (la, x, out) = (&a.layers[l], &a.xs[l], &a.xs[l + 1]);
+        let c = cfg.n_embd;
+        let (p, seed) = self.drop;
+        let site = 1 + 3 * l as u64;
+        // res_2 = x + drop(attn(norm_1(x)))
+        self.norm_forward((&la.ln_1, &la.ln_1_mean, &la.ln_1_rstd), x, &bp.ln_1_w, &bp.ln_1_b);
+        self.linear(&la.qkv, &la.ln_1, (&bp.c_attn_w, &bp.c_attn_b), c, cfg.qkv_width(), a);
+        let d = self.gqa(l, a);
+        if let Some((cos, sin)) = &self.rope {
+            g.rope(&la.qkv, (cos, sin), &d, RopePos::Offset(0), false);
+        }
+        g.flash_forward(&la.atty, &la.lse, &la.qkv, &d, None, AttnDropout { p, seed: site_seed(seed, site) });
+        self.linear(&a.branch, &la.atty, (&bp.attn_proj_w, &bp.attn_proj_b), cfg.attn_width(), c, a);
+        self.dropout(&a.branch, site + 1, a);
+        g.residual_forward(&la.res_2, x, &a.branch);
+        // out = res_2 + drop(mlp(norm_2(res_2)))
+        self.norm_forward((&la.ln_2, &la.ln_2_mean, &la.ln_2_rstd), &la.res_2, &bp.ln_2_w, &bp.ln_2_b);
+        self.linear(&la.fch, &la.ln_2, (&bp.c_fc_w, &bp.c_fc_b), c, cfg.fc_width(), a);
+        match cfg.arch {
+            Arch::Gpt2 => g.gelu_forward(&la.fch_act, &la.fch),
+            Arch::Llama => g.swiglu_forward(&la.fch_act, &la.fch, cfg.ffn_hidden),
+        }
+        self.linear(&a.branch, &la.fch_act, (&bp.mlp_proj_w, &bp.mlp_proj_b), cfg.ffn_hidden, c, a);
+        self.dropout(&a.branch, site + 2, a);
+        g.residual_forward(out, &la.res_2, &a.branch);
+    }
+
+    /// The backward of the last training forward: [`crate::Gpt::backward`] on the device.
+    /// Accumulates into [`DeviceGpt::grads`].
+    pub fn backward(&mut self) {
+        let a = self.acts.as_ref().expect("backward before forward");
+        if self.count == 0 {
+            return;
+        }
+        let (g, v) = (&*self.gpu, &self.views);
+        g.clear(&a.dres);
+        let stats = (&a.ln_f_mean, &a.ln_f_rstd);
+        self.norm_backward(&a.dres, &a.dln_f, &a.xs[self.cfg.n_layer], stats, (&v.ln_f_w, &v.ln_f_b));
+        for l in (0..self.cfg.n_layer).rev() {
+            self.block_backward(l, &v.blocks[l], a);
+        }
+        let demb = self.dropout_grad(&a.dbranch, &a.dres, 0, a);
+        let dwpe = v.wpe.as_ref().map(|r| self.grads.at(r.start));
+        g.embedding_backward(self.grads.at(v.wte.start), dwpe, demb, &a.tokens, a.t, self.cfg.n_embd);
+    }
+
+    fn block_backward(&self, l: usize, bp: &BlockParams, a: &Acts) {
+        let (g, cfg, la) = (&*self.gpu, &self.cfg, &a.layers[l]);
+        let c = cfg.n_embd;
+        let site = 1 + 3 * l as u64;
+        // d res_2 = d out + norm_2ᵀ(mlpᵀ(dropᵀ(d out)))
+        let dmlp = self.dropout_grad(&a.dbranch, &a.dres, site + 2, a);
+        self.linear_backward(&a.dfch_act, dmlp, &la.fch_act, (&bp.mlp_proj_w, &bp.mlp_proj_b), cfg.ffn_hidden, c, a);
+        match cfg.arch {
+            Arch::Gpt2 => g.gelu_backward_into(&a.dfch, &a.dfch_act, &la.fch),
+            Arch::Llama => g.swiglu_backward(&a.dfch, &a.dfch_act, &la.fch, cfg.ffn_hidden, false),
+        }
+        self.linear_backward(&a.dln, &a.dfch, &la.ln_2, (&bp.c_fc_w, &bp.c_fc_b), c, cfg.fc_width(), a);
+        self.norm_backward(&a.dres, &a.dln, &la.res_2, (&la.ln_2_mean, &la.ln_2_rstd), (&bp.ln_2_w, &bp.ln_2_b));
+        // d x = d res_2 + norm_1ᵀ(attnᵀ(dropᵀ(d res_2)))
+        let dattn = self.dropout_grad(&a.dbranch, &a.dres, site + 1, a);
+        self.linear_backward(&a.datty, dattn, &la.atty, (&bp.attn_proj_w, &bp.attn_proj_b), cfg.attn_width(), c, a);
+        g.clear(&a.dqkv);
+        let d = self.gqa(l, a);
+        let drop = AttnDropout { p: self.drop.0, seed: site_seed(self.drop.1, site) };
+        g.flash_backward(&a.dqkv, &a.dd, &a.datty, (&la.qkv, &la.atty, &la.lse), &d, None, drop);
+        if let Some((cos, sin)) = &self.rope {
+            g.rope(&a.dqkv, (cos, sin), &d, RopePos::Offset(0), true);
+        }
+        self.linear_backward(&a.dln, &a.dqkv, &la.ln_1, (&bp.c_attn_w, &bp.c_attn_b), c, cfg.qkv_width(), a);
+        self.norm_backward(&a.dres, &a.dln, &a.xs[l], (&la.ln_1_mean, &la.ln_1_rstd), (&bp.ln_1_w, &bp.ln_1_b));
+    }
+
+    /// The view of parameter range `r` in the gradients.
+    pub fn grad_at(&self, r: &std::ops::Range<usize>) -> At<'_> {
+        self.grads.at(r.start)
+    }
+}

@@ -1,0 +1,71 @@
+//! `DeviceGpt` against `Gpt`: the same forward losses and backward gradients on the first
+//! Vulkan adapter (lavapipe in CI), with dropout on, for GPT-2 (biases, tied and untied heads)
+//! and LLaMA (GQA, RoPE, SwiGLU, a sliding window), at shapes that are multiples of no tile.
+use model::config::Arch;
+use model::device::DeviceGpt;
+use model::gpt::IGNORE_INDEX;
+use model::{Gpt, GptConfig, Pass};
+use std::sync::Arc;
+use tensor::Rng;
+
+fn gpu() -> Arc<device::Gpu> {
+    Arc::new(device::Gpu::open(0).unwrap_or_else(|e| panic!("the device tests need a Vulkan adapter: {e}")))
+}
+
+/// max |a − b| over max |b|.
+fn rel(a: &[f32], b: &[f32]) -> f32 {
+    let scale = b.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+    a.iter().zip(b).fold(0.0f32, |m, (x, y)| m.max((x - y).abs())) / scale
+}
+
+fn check(cfg: GptConfig, name: &str) {
+    let g = gpu();
+    let (b, t, vocab) = (3, cfg.block_size - 1, cfg.vocab_size);
+    let mut cpu = Gpt::new(cfg, vocab - 1, 5);
+    let mut dev = DeviceGpt::new(g.clone(), &cpu).unwrap();
+    let mut rng = Rng::new(9);
+    let tokens: Vec<u32> = (0..b * t).map(|_| rng.below(vocab as u64 - 1) as u32).collect();
+    let mut targets: Vec<i32> = (0..b * t).map(|_| rng.below(vocab as u64 - 1) as i32).collect();
+    targets[4] = IGNORE_INDEX;
+    // Two passes accumulate into the gradients, with different masks.
+    cpu.zero_grad();
+    dev.zero_grad();
+    for seed in [11, 12] {
+        let pass = Pass::Train { dropout_seed: seed, loss_scale: 0.5 };
+        cpu.forward(&tokens, &targets, b, t, pass);
+        cpu.backward();
+        let count = dev.forward(&tokens, &targets, b, t, pass);
+        dev.backward();
+        assert_eq!(count, b * t - 1);
+        let e = rel(&dev.losses(), cpu.losses());
+        assert!(e < 1e-5, "{name}: losses differ by {e:e}");
+    }
+    let e = rel(&g.download(&dev.grads), &cpu.grads);
+    assert!(e < 1e-5, "{name}: gradients differ by {e:e}");
+    // Evaluation: no dropout, no gradients.
+    cpu.forward(&tokens, &targets, b, t, Pass::Eval);
+    dev.forward(&tokens, &targets, b, t, Pass::Eval);
+    let e = rel(&dev.losses(), cpu.losses());
+    assert!(e < 1e-5, "{name}: eval losses differ by {e:e}");
+}
+
+#[test]
+fn device_gpt2_matches_the_cpu_model() {
+    check(GptConfig::gpt2(2, 3, 24, 19, 37, true, 0.1, true), "gpt2 tied, biases");
+    check(GptConfig::gpt2(2, 2, 16, 14, 29, false, 0.2, false), "gpt2 untied, no biases");
+}
+
+#[test]
+fn device_llama_matches_the_cpu_model() {
+    let llama = GptConfig { arch: Arch::Llama, n_head: 4, n_kv_head: 2, ffn_hidden: 20, tied_embeddings: false, bias: false, ..GptConfig::gpt2(2, 4, 32, 19, 37, false, 0.1, false) };
+    check(llama.clone(), "llama gqa");
+    check(GptConfig { sliding_window: 5, ..llama }, "llama sliding window");
+}
+
+#[test]
+fn unsupported_models_are_refused_by_name() {
+    let g = gpu();
+    let moe = GptConfig { n_expert: 4, top_k: 2, ..GptConfig::gpt2(1, 2, 8, 6, 12, false, 0.0, false) };
+    let e = DeviceGpt::new(g, &Gpt::new(moe, 12, 0)).err().expect("an MoE model on the device");
+    assert!(e.contains("mixture-of-experts"), "{e}");
+}
