@@ -135,6 +135,25 @@ impl Gpu {
         self.launch(&BIAS_BACKWARD, Gpu::grid(oc, 64), &[u(bt), u(oc), u(dbias.off)], &[Some(dbias.buf), Some(dout)]);
     }
 
+    /// The adapter's fp32 matmul rate in FLOP/s: the best of `reps` timed `n³` products (after
+    /// one untimed), each submitted and waited for alone. The MFU denominator of a device run.
+    pub fn measure_peak_flops(&self, n: usize, reps: usize) -> f64 {
+        let (a, b, c) = (self.zeros(n * n), self.zeros(n * n), self.zeros(n * n));
+        let run = || {
+            self.gemm(Gemm::new(n, n, n), (&c, MatSpec::rows(0, n)), (&a, MatSpec::rows(0, n)), (&b, MatSpec::rows(0, n)), None);
+            self.sync();
+        };
+        run();
+        let best = (0..reps.max(1))
+            .map(|_| {
+                let t = std::time::Instant::now();
+                run();
+                t.elapsed().as_secs_f64()
+            })
+            .fold(f64::INFINITY, f64::min);
+        2.0 * (n * n * n) as f64 / best
+    }
+
     /// `dst = src` converted to `dst`'s type (rounded to nearest, ties to even, for bf16; f16 as
     /// the device's `pack2x16float` rounds): how fp32 master weights become a step's bf16 or f16
     /// copy.

@@ -415,6 +415,15 @@ impl Gpu {
         out
     }
 
+    /// `dst` words `dst_at..dst_at + len` = `src` words `src_at..`, on the device, in order with
+    /// the kernels around it.
+    pub fn copy_words(&self, dst: &Buf, dst_at: usize, src: &Buf, src_at: usize, len: usize) {
+        assert!(dst_at + len <= dst.dtype.words(dst.len) && src_at + len <= src.dtype.words(src.len), "copy past a buffer");
+        if len > 0 {
+            self.with_encoder(|e| e.copy_buffer_to_buffer(&src.raw, (src_at * 4) as u64, &dst.raw, (dst_at * 4) as u64, (len * 4) as u64));
+        }
+    }
+
     /// Sets every element to zero, on the device.
     pub fn clear(&self, b: &Buf) {
         self.with_encoder(|e| e.clear_buffer(&b.raw, 0, None));

@@ -51,8 +51,8 @@ pub struct TrainCli {
     #[arg(long)]
     pub seed: Option<u64>,
     /// Where the kernels run: cpu (default), vulkan or vulkan:N (`kiln doctor` lists the GPUs).
-    #[arg(long, default_value = "cpu", value_name = "cpu|vulkan[:N]")]
-    pub device: crate::device::DeviceArg,
+    #[arg(long, value_name = "cpu|vulkan[:N]")]
+    pub device: Option<crate::device::DeviceArg>,
     /// Start from a base model: a kiln run directory or a Hugging Face directory
     /// (GPT2LMHeadModel / LlamaForCausalLM: config.json + model.safetensors).
     #[arg(long)]
@@ -193,7 +193,7 @@ impl TrainCli {
             },
             None => (None, None),
         };
-        let table: [(&'static str, &'static str, Option<V>); 35] = [
+        let table: [(&'static str, &'static str, Option<V>); 36] = [
             ("--data", "data.paths", (!self.data.is_empty()).then(|| V::Array(self.data.iter().map(|p| V::String(p.display().to_string())).collect()))),
             ("--tokenizer", "data.tokenizer", text(&self.tokenizer)),
             ("--format", "data.format", text(&self.format)),
@@ -203,6 +203,7 @@ impl TrainCli {
             ("--seq-len", "train.seq_len", int(self.seq_len)),
             ("--seed", "train.seed", long(self.seed)),
             ("--precision", "train.precision", text(&self.precision)),
+            ("--device", "train.device", self.device.map(|d| V::String(d.to_string()))),
             ("--micro-batches", "train.grad_accum", int(self.micro_batches)),
             ("--init-from", "model.init_from", path(&self.init_from)),
             ("--recompute", "model.recompute", text(&self.recompute)),
@@ -236,7 +237,10 @@ impl TrainCli {
 
 /// Runs `kiln train` (or, with `--supervise`, a supervisor that restarts it).
 pub fn run(a: TrainCli) -> Result<()> {
-            crate::device::refuse_model_on_device(a.device, "train")?;
+            // A device that is not there is refused before anything is written.
+            if let Some(d) = a.device {
+                crate::device::open(d)?;
+            }
             let args = a.args()?;
             let stop = Arc::new(AtomicBool::new(false));
             let s2 = stop.clone();

@@ -147,6 +147,9 @@ pub struct TrainSection {
     /// Append each step's global batch (its token windows, `train.seq_len + 1` ids each) to
     /// `RUN/batches.jsonl`, to replay the run elsewhere (`bench/compare_hf.py` does, in PyTorch).
     pub record_batches: bool,
+    /// Where the step runs: `cpu`, or `vulkan` / `vulkan:N` (a GPU through Vulkan: `kiln doctor`
+    /// lists them). A device run is one rank; what it does not run yet is refused by name.
+    pub device: String,
 }
 
 
@@ -701,7 +704,7 @@ impl Default for TrainSection {
         TrainSection {
             batch_size: 16, seq_len: 0, grad_accum: 1, lr: 1e-3, min_lr: 1e-4, warmup_steps: 100, lr_decay_steps: 0, max_steps: 1000,
             weight_decay: 0.1, beta1: 0.9, beta2: 0.99, eps: 1e-8, grad_clip: 1.0, seed: 1337, threads: 0, log_interval: 10,
-            precision: model::Precision::Fp32, loss_scale: 65536.0, loss_scale_window: 1000, fp8_amax_history: 16, record_batches: false,
+            precision: model::Precision::Fp32, loss_scale: 65536.0, loss_scale_window: 1000, fp8_amax_history: 16, record_batches: false, device: "cpu".into(),
         }
     }
 }
@@ -1068,6 +1071,9 @@ impl RunConfig {
             if !(v > 0.0) {
                 return user(format!("{k} must be positive, got {v}"));
             }
+        }
+        if let Err(e) = t.device.parse::<crate::device::DeviceArg>() {
+            return user(format!("train.device: {e}"));
         }
         if !t.batch_size.is_multiple_of(t.grad_accum) {
             return user(format!("train.batch_size ({}) must be divisible by train.grad_accum ({})", t.batch_size, t.grad_accum));

@@ -253,6 +253,11 @@ impl Optimizer {
         Optimizer { m: Moments::Mem(vec![0.0; len]), v: Moments::Mem(vec![0.0; len]), master: None, round: None, segs, compression: None }
     }
 
+    /// The layout's contiguous ranges, each with whether weight decay applies to it.
+    pub fn decay_groups(&self) -> &[(Range<usize>, bool)] {
+        &self.segs
+    }
+
     /// Mixed precision: keeps fp32 master weights, taken from the fp32 parameters of `dp`'s
     /// pieces (fresh, or a checkpoint's), and rounds the working parameters to `fmt`. bf16's
     /// master weights are split ([`Master::Low`]), fp16's whole.

@@ -138,15 +138,10 @@ fn site_seed(seed: u64, n: u64) -> u64 {
     mix64(seed ^ mix64(n.wrapping_add(0xD1B5_4A32_D192_ED03)))
 }
 
-/// What the device model cannot run yet, by name; `None` when it can.
-pub fn unsupported(m: &Gpt) -> Option<String> {
-    let cfg = &m.cfg;
+/// What the device model cannot run yet of a model shaped `cfg`, by name; `None` when it can.
+pub fn unsupported_config(cfg: &GptConfig) -> Option<String> {
     let why = if cfg.is_moe() {
         "mixture-of-experts layers"
-    } else if m.lora.is_some() {
-        "LoRA adapters"
-    } else if m.precision != crate::Precision::Fp32 {
-        "16-bit or FP8 storage (train.precision other than fp32)"
     } else if cfg.qk_norm {
         "Qwen3's q/k norms (model.qk_norm)"
     } else if cfg.attn_sinks > 0 {
@@ -157,12 +152,24 @@ pub fn unsupported(m: &Gpt) -> Option<String> {
         "a part of a model (parallel layouts)"
     } else if cfg.head_size() > device::MAX_HEAD_SIZE {
         "heads larger than 128"
-    } else if m.rope.as_ref().is_some_and(|r| r.has_long()) {
+    } else if cfg.rope_scaling.as_ref().and_then(|r| r.long_after()).is_some_and(|n| cfg.block_size > n) {
         "LongRoPE's second table"
     } else {
         return None;
     };
     Some(format!("the device does not run {why} yet"))
+}
+
+/// [`unsupported_config`], and what the model itself holds: LoRA adapters, a quantized base,
+/// storage other than fp32.
+pub fn unsupported(m: &Gpt) -> Option<String> {
+    if m.lora.is_some() {
+        return Some("the device does not run LoRA adapters yet".into());
+    }
+    if m.precision != crate::Precision::Fp32 {
+        return Some("the device does not run 16-bit or FP8 storage (train.precision other than fp32) yet".into());
+    }
+    unsupported_config(&m.cfg)
 }
 
 impl DeviceGpt {

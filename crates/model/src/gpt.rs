@@ -1673,11 +1673,6 @@ impl RopeTables {
         RopeTables { short: cfg.rope_tables(false), long: after.map(|n| (n, cfg.rope_tables(true))) }
     }
 
-    /// Whether LongRoPE's second pair of tables exists.
-    pub(crate) fn has_long(&self) -> bool {
-        self.long.is_some()
-    }
-
     /// The tables of a pass over `len` positions (transformers picks LongRoPE's set per pass,
     /// by its largest position + 1).
     pub(crate) fn for_pass(&self, len: usize) -> &CosSin {

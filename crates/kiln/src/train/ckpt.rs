@@ -85,6 +85,7 @@ pub(super) fn request(r: &mut Rank) -> Result<bool> {
 /// the writer, rank 0's report of it.
 fn save(r: &mut Rank, to_disk: bool, last: bool) -> Result<()> {
     let _p = tensor::profile::scope("checkpoint");
+    r.pull_from_device();
     let ck0 = Instant::now();
     let (cfg, step, rank, world, lead) = (r.cfg, r.step, r.rank, r.world, r.lead);
     let done_at_end = r.interrupted || last;

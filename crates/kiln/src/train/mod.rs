@@ -10,6 +10,8 @@
 
 mod ckpt;
 mod data;
+#[cfg(feature = "vulkan")]
+mod device;
 pub(crate) mod elastic;
 mod eval;
 mod faults;
@@ -172,6 +174,14 @@ fn train_once(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
     check_data_fits(&cfg, &ds)?;
     let gcfg = cfg.gpt_config(ds.tokenizer.vocab_size());
     cfg.model.vocab_size = gcfg.vocab_size;
+    if cfg.train.device != "cpu" {
+        #[cfg(feature = "vulkan")]
+        if let Some(why) = device::refusal(&cfg).or_else(|| model::device::unsupported_config(&gcfg)) {
+            return user(why);
+        }
+        #[cfg(not(feature = "vulkan"))]
+        return user(format!("train.device = {}: this kiln was built without the device backend (rebuild with the default features, or `--features vulkan`)", cfg.train.device));
+    }
     // memory: refuse a run whose plan exceeds memory.limit or the memory available, before
     // anything is written (issues 7, 26).
     crate::memory::plan_checked(&cfg, &gcfg, ds.in_memory_bytes())?;

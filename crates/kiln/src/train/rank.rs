@@ -40,6 +40,9 @@ pub(super) struct Rank<'a> {
     /// First, so it drops first: its writer joins a copy in flight, which may still be reading
     /// the chunks' live buffers (`checkpoint::Source::Live`), before the chunks are freed.
     pub ckpt: Checkpoints,
+    /// `train.device`: the step runs on a GPU, the chunk holds the host's copy of its state.
+    #[cfg(feature = "vulkan")]
+    device: Option<super::device::DeviceRun>,
     pub cfg: &'a RunConfig,
     pub ds: &'a TrainData,
     pub run_dir: &'a Path,
@@ -180,6 +183,14 @@ impl<'a> Rank<'a> {
         // memory: charge the model state to its tracking categories (issue 7).
         chunks.iter_mut().for_each(|ch| crate::memory::attribute(&ch.model, &mut ch.dp, &ch.opt));
         let step = resumed.as_ref().map_or(0, |r| r.step);
+        #[cfg(feature = "vulkan")]
+        let device = match cfg.train.device.parse::<crate::device::DeviceArg>().map_err(KilnError::User)? {
+            crate::device::DeviceArg::Cpu => None,
+            d => Some(super::device::DeviceRun::new(d, &mut chunks[0])?),
+        };
+        // A device's MFU is against the device's measured matmul peak.
+        #[cfg(feature = "vulkan")]
+        let peak = device.as_ref().map_or(peak, |d| d.peak_flops());
         let metrics = if lead { Some(open_run_dir(ctx, step, args.resume || replicas.is_some() || ctx.restarted)?) } else { None };
         let groups = &applied.groups;
         let tied = applied.whole.tied_embeddings && ppn > 1 && groups.tie.size() > 1;
@@ -198,6 +209,8 @@ impl<'a> Rank<'a> {
             None => (fresh_scaler(cfg), Rng::new(mix64(cfg.train.seed ^ 0x5EED_DA7A))),
         };
         let mut r = Rank {
+            #[cfg(feature = "vulkan")]
+            device,
             loader: Loader::new(cfg, ds, resumed.as_ref().and_then(|r| r.loader.clone())),
             cfg, ds, run_dir, comm, stop, quiet: args.quiet, rank, world, lead, chunks, applied, rows, t, sched, tied, pipe_trace, sampler, step,
             slots: if ctx.slots.len() == world { ctx.slots.clone() } else { (0..world).collect() }, grow_at: ctx.grow_at, last_compute_s: 0.0,
@@ -213,6 +226,15 @@ impl<'a> Rank<'a> {
         crate::memory::track::reset_peaks();
         r.start_trace();
         Ok(r)
+    }
+
+    /// A device run: brings the host's copy of the training state up to the device's (before
+    /// anything reads it: evaluation, a checkpoint, the sample).
+    pub fn pull_from_device(&mut self) {
+        #[cfg(feature = "vulkan")]
+        if let Some(d) = self.device.as_mut() {
+            d.pull(&mut self.chunks[0]);
+        }
     }
 
     /// A line on the console (rank 0, unless quiet).
@@ -249,6 +271,10 @@ impl<'a> Rank<'a> {
         if self.applied.stages.len() > 1 {
             let layers: Vec<usize> = self.applied.stages.iter().map(|r| r.len()).collect();
             self.say(&format!("pipeline: {} schedule, {} micro-batches, {} chunk(s) per rank; layers per stage {layers:?}", p.schedule.name(), cfg.train.grad_accum, p.virtual_stages));
+        }
+        #[cfg(feature = "vulkan")]
+        if let Some(d) = &self.device {
+            self.say(&format!("device: {} (model, gradients and AdamW moments resident)", d.describe()));
         }
         if let Some(l) = resume_from {
             self.say(&format!("resuming from {} (step {})", l.dir.display(), self.step));
@@ -355,10 +381,18 @@ impl<'a> Rank<'a> {
             };
             let faults = &self.faults;
             let loader = &self.loader;
-            train_step(&mut self.chunks, &mut pipe, cfg, self.step, |micro, b| {
+            let fill = |micro: usize, b: &mut RowBuf| {
                 let first = micro * mb + dp_rank * rows;
                 loader.fill(&rows_all[first..first + rows], b);
-            }, |loss, _| faults.spike(loss))
+            };
+            #[cfg(feature = "vulkan")]
+            if let Some(d) = self.device.as_mut() {
+                d.step(cfg, self.step, rows, fill, |loss, _| faults.spike(loss))?
+            } else {
+                train_step(&mut self.chunks, &mut pipe, cfg, self.step, fill, |loss, _| faults.spike(loss))
+            }
+            #[cfg(not(feature = "vulkan"))]
+            train_step(&mut self.chunks, &mut pipe, cfg, self.step, fill, |loss, _| faults.spike(loss))
         };
         let comm_bytes = counters.snapshot().since(&before);
         // This rank's compute: the step less the time it waited for others.
@@ -494,6 +528,7 @@ impl<'a> Rank<'a> {
     /// The held-out loss (collective over every rank).
     fn evaluate(&mut self, train_loss: f32) -> Result<()> {
         let _p = tensor::profile::scope("eval");
+        self.pull_from_device();
         let (cfg, t) = (self.cfg, self.t);
         let eb = if cfg.eval.batch_size == 0 { cfg.micro_batch() } else { cfg.eval.batch_size };
         self.chunks.iter_mut().for_each(|ch| crate::memory::track::scope(crate::memory::track::Category::Activations, || ch.model.reserve_activations(eb, t)));
@@ -545,6 +580,7 @@ impl<'a> Rank<'a> {
     /// After the loop: the last checkpoint write, the whole model again (for the sample), the
     /// loss plot and a sample of what the model learned.
     fn finish(mut self) -> Result<Summary> {
+        self.pull_from_device();
         self.progress.finish();
         self.ckpt.writer.finish()?;
         let (step, interrupted, last_val) = (self.step, self.interrupted, self.last_val);

@@ -1,7 +1,10 @@
-//! `--device`: parsing, the refusals (a device that is not there; a model that does not run on
-//! a device yet), `kiln doctor`'s GPU lines and `kiln bench --kernels` on the first adapter
+//! `--device`: parsing, the refusals (a device that is not there; what does not run on a device
+//! yet), `kiln doctor`'s GPU lines, `kiln bench --kernels`, and training on the device against
+//! the CPU (losses step for step, checkpoints moving between the two) on the first adapter
 //! (lavapipe in CI).
-use crate::common::{corpus, kiln, scratch, stderr, stdout};
+use crate::common::{corpus, fixture, kiln, scratch, stderr, stdout};
+use std::collections::BTreeMap;
+use std::path::Path;
 
 #[test]
 fn device_flags_are_checked_and_refusals_are_one_line_with_exit_2() {
@@ -12,9 +15,9 @@ fn device_flags_are_checked_and_refusals_are_one_line_with_exit_2() {
     for (device, says) in [
         ("gpu", "expected cpu, vulkan or vulkan:N, got `gpu`"),
         ("vulkan:99", "--device vulkan:99: no such adapter; found vulkan:0 "),
-        ("vulkan", "the model does not run on a device yet"),
+        ("vulkan", "the device does not run mixture-of-experts layers yet"),
     ] {
-        let o = kiln(&[&base[..], &["--device", device]].concat());
+        let o = kiln(&[&base[..], &["--preset", "moe-tiny", "--device", device]].concat());
         assert_eq!(o.status.code(), Some(2), "--device {device}: {}", stderr(&o));
         assert!(stderr(&o).contains(says), "--device {device}: {}", stderr(&o));
         assert!(!out.exists(), "--device {device} wrote a run directory");
@@ -47,5 +50,58 @@ fn doctor_lists_gpus_and_the_kernel_bench_runs_on_the_device() {
     for r in rows {
         assert!(r["device_rate"].as_f64().unwrap() > 0.0 && r["cpu_rate"].as_f64().unwrap() > 0.0, "{r}");
         assert!(r["max_err_over_max_ref"].as_f64().unwrap() <= 1e-2, "{r}");
+    }
+}
+
+/// Each logged step's loss in a run's metrics.
+fn losses(run: &Path) -> BTreeMap<u64, f64> {
+    let text = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    text.lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|j| j["kind"] == "train")
+        .map(|j| (j["step"].as_u64().unwrap(), j["loss"].as_f64().unwrap()))
+        .collect()
+}
+
+/// Trains `preset` to `steps` on `device` into `out` (resuming it with `resume`): batch 4 of
+/// 64 tokens, dropout 0.1, every step logged.
+fn train(preset: &str, out: &Path, steps: u64, device: &str, resume: bool) {
+    let data = fixture("data/tinyshakespeare.txt");
+    let steps = steps.to_string();
+    let mut args = vec!["train", "--preset", preset, "--data", data.to_str().unwrap(), "--out", out.to_str().unwrap(), "--max-steps", &steps, "--device", device, "--quiet"];
+    args.extend(["--set", "train.batch_size=4", "--set", "model.block_size=64", "--set", "model.dropout=0.1", "--set", "train.log_interval=1", "--set", "eval.interval=0", "--set", "sample.tokens=0"]);
+    if resume {
+        args.push("--resume");
+    }
+    let o = kiln(&args);
+    assert_eq!(o.status.code(), Some(0), "{preset} on {device}: {}", stderr(&o));
+}
+
+/// The largest relative difference between the two runs' losses at `steps`.
+fn worst(a: &BTreeMap<u64, f64>, b: &BTreeMap<u64, f64>, steps: std::ops::RangeInclusive<u64>) -> f64 {
+    steps.map(|s| ((a[&s] - b[&s]) / a[&s]).abs()).fold(0.0, f64::max)
+}
+
+#[test]
+fn training_on_the_device_follows_the_cpu_and_checkpoints_move_between_them() {
+    let dir = scratch("device-train");
+    for preset in ["shakespeare-char", "llama-tiny"] {
+        let (cpu, dev) = (dir.join(format!("{preset}-cpu")), dir.join(format!("{preset}-vulkan")));
+        train(preset, &cpu, 30, "cpu", false);
+        train(preset, &dev, 30, "vulkan", false);
+        let (a, b) = (losses(&cpu), losses(&dev));
+        let e = worst(&a, &b, 1..=30);
+        assert!(e <= 1e-4, "{preset}: the device's losses differ from the CPU's by {e:e}");
+        if preset != "shakespeare-char" {
+            continue;
+        }
+        // A device checkpoint at step 20 continues on the CPU, and the reverse.
+        for (first, then) in [("vulkan", "cpu"), ("cpu", "vulkan")] {
+            let run = dir.join(format!("{first}-then-{then}"));
+            train(preset, &run, 20, first, false);
+            train(preset, &run, 30, then, true);
+            let e = worst(&a, &losses(&run), 21..=30);
+            assert!(e <= 1e-4, "{first} to step 20, then {then}: losses differ from the CPU run's by {e:e}");
+        }
     }
 }

@@ -1,0 +1,159 @@
+//! Training on a GPU (`train.device = vulkan[:N]`): one rank whose model, gradients and AdamW
+//! moments stay on the device ([`model::device::DeviceGpt`]). Per step the batch's ids and
+//! targets go up and the loss sums and the gradient norm come back; everything else stays. The
+//! step is [`crate::step::train_step`]'s for one rank: the micro-batches' forward and backward
+//! with the same dropout seeds and loss weights, the global norm, the same vetoes, clipping,
+//! and AdamW over the same decay groups. The host's copy of the state (the chunk's parameters
+//! and moments) is brought up to date only when something reads it: evaluation, a checkpoint,
+//! the sample at the end ([`DeviceRun::pull`]).
+
+use crate::config::RunConfig;
+use crate::device::DeviceArg;
+use crate::error::{user, KilnError, Result};
+use crate::step::{dropout_seed, Chunk, RowBuf, StepOut};
+use device::{slot, Buf, Gpu};
+use model::device::DeviceGpt;
+use model::Pass;
+use std::sync::Arc;
+
+/// The device side of a run.
+pub(crate) struct DeviceRun {
+    gpu: Arc<Gpu>,
+    model: DeviceGpt,
+    m: Buf,
+    v: Buf,
+    /// The layout's ranges with whether weight decay applies (the host optimizer's).
+    segments: Vec<(std::ops::Range<usize>, bool)>,
+    /// `sum_squares`' partial sums, and each micro-batch's loss sum.
+    parts: Buf,
+    sums: Buf,
+    /// The host's copy is older than the device's.
+    stale: bool,
+}
+
+/// What the config asks that the device cannot do yet, by key; checked before anything runs.
+pub(crate) fn refusal(cfg: &RunConfig) -> Option<String> {
+    let p = &cfg.parallel;
+    let d = &cfg.train.device;
+    if p.world(p.dp) > 1 || p.pp > 1 || p.tp > 1 || p.cp > 1 || p.ep > 1 || p.dp > 1 {
+        return Some(format!("train.device = {d} trains on one device: parallel layouts on devices are not done yet (got dp {}, tp {}, pp {}, cp {}, ep {})", p.dp, p.tp, p.pp, p.cp, p.ep));
+    }
+    let why = if cfg.lora.rank > 0 {
+        "LoRA (lora.rank)"
+    } else if cfg.train.precision != model::Precision::Fp32 {
+        "16-bit or FP8 storage (train.precision)"
+    } else if cfg.memory.offload != crate::config::Offload::None {
+        "optimizer offload (memory.offload)"
+    } else if cfg.parallel.compression != crate::config::Compression::None {
+        "communication compression (parallel.compression)"
+    } else if cfg.data.packing == crate::config::Packing::Documents {
+        "packed documents (data.packing = documents)"
+    } else {
+        return None;
+    };
+    Some(format!("train.device = {d}: the device does not run {why} yet; use train.device = cpu"))
+}
+
+impl DeviceRun {
+    /// Opens the device and uploads the chunk's parameters and moments.
+    pub fn new(d: DeviceArg, ch: &mut Chunk) -> Result<DeviceRun> {
+        let gpu = match crate::device::open(d)? {
+            Some(g) => Arc::new(g),
+            None => return Err(KilnError::Internal("a device run on the CPU".into())),
+        };
+        let params = host_params(ch);
+        let mut host = model::Gpt::zeroed(ch.model.cfg.clone(), ch.model.real_vocab);
+        host.params = params;
+        let model = DeviceGpt::new(gpu.clone(), &host).map_err(|e| KilnError::User(format!("train.device = {d}: {e}; use train.device = cpu")))?;
+        let alloc = |len| gpu.alloc(len, device::DType::F32).map_err(|e| KilnError::User(format!("train.device = {d}: {e}")));
+        let (m, v) = (alloc(ch.opt.m.len())?, alloc(ch.opt.v.len())?);
+        gpu.write(&m, &ch.opt.m);
+        gpu.write(&v, &ch.opt.v);
+        let (parts, sums) = (gpu.zeros(Gpu::parts_len()), gpu.zeros(slot::OPTIM + 2 * 64));
+        Ok(DeviceRun { gpu, model, m, v, segments: ch.opt.decay_groups().to_vec(), parts, sums, stale: false })
+    }
+
+    /// The adapter's one-line description.
+    pub fn describe(&self) -> String {
+        self.gpu.info.describe()
+    }
+
+    /// The device's fp32 matmul rate (GFLOP/s ·1e9), measured now: the MFU denominator.
+    pub fn peak_flops(&self) -> f64 {
+        self.gpu.measure_peak_flops(1024, 3)
+    }
+
+    /// One optimizer step (see the module docs); `fill` draws micro-batch `k`'s rows.
+    pub fn step(&mut self, cfg: &RunConfig, step: u64, rows: usize, mut fill: impl FnMut(usize, &mut RowBuf), mut veto: impl FnMut(f32, f64) -> Option<&'static str>) -> Result<StepOut> {
+        let (g, t, m) = (self.gpu.clone(), cfg.seq_len(), cfg.train.grad_accum);
+        if m > 64 {
+            return user(format!("train.device: at most 64 micro-batches a step (train.grad_accum = {m})"));
+        }
+        self.model.zero_grad();
+        let mut counts = Vec::with_capacity(m);
+        for micro in 0..m {
+            let mut b = RowBuf::new(rows, t, false);
+            fill(micro, &mut b);
+            let count = b.y.iter().filter(|&&y| y != model::gpt::IGNORE_INDEX).count();
+            let loss_scale = if count > 0 { 1.0 / m as f32 } else { 0.0 };
+            let pass = Pass::Train { dropout_seed: dropout_seed(cfg.train.seed, step, micro), loss_scale };
+            self.model.forward(&b.x, &b.y, rows, t, pass);
+            self.model.loss_sum_into((&self.sums, slot::OPTIM + micro), &self.parts, false);
+            self.model.backward();
+            counts.push(count as f64);
+        }
+        g.sum_squares((&self.model.scalars, slot::SUMSQ), self.model.grads.at(0), self.model.grads.len(), &self.parts, false);
+        g.clip_scale(&self.model.scalars, cfg.train.grad_clip as f32);
+        g.copy_words(&self.sums, slot::NORM, &self.model.scalars, slot::NORM, 1);
+        // The loss sums and the norm: the step's only download.
+        let back = g.download_words(&self.sums, 0, slot::OPTIM + m);
+        let f = |i: usize| f32::from_bits(back[i]) as f64;
+        let loss = ((0..m).map(|k| if counts[k] > 0.0 { f(slot::OPTIM + k) / counts[k] } else { 0.0 }).sum::<f64>() / m as f64) as f32;
+        let norm = f(slot::NORM);
+        let out = |skipped| StepOut { loss, grad_norm: norm, overlap: Default::default(), skipped, peak_activation_bytes: 0, peak_in_flight: 0, loss_tokens: counts.iter().sum() };
+        if !(loss.is_finite() && norm.is_finite()) {
+            return Ok(out(Some("non-finite loss or gradient norm")));
+        }
+        if let Some(why) = veto(loss, norm) {
+            return Ok(out(Some(why)));
+        }
+        self.update(cfg, step, &g);
+        self.stale = true;
+        Ok(out(None))
+    }
+
+    /// AdamW over the decay groups, the gradients scaled by the clipping factor on the device.
+    fn update(&self, cfg: &RunConfig, step: u64, g: &Gpu) {
+        let tc = &cfg.train;
+        let h = tensor::AdamW { lr: cfg.lr_at(step) as f32, beta1: tc.beta1 as f32, beta2: tc.beta2 as f32, eps: tc.eps as f32, weight_decay: tc.weight_decay as f32, t: step + 1 };
+        g.set_adamw_scalars(&self.model.scalars, &h);
+        let state = (&self.model.params, &self.model.grads, &self.m, &self.v);
+        for (r, decay) in &self.segments {
+            g.adamw_update(state, r.start, r.len(), &h, *decay, &self.model.scalars);
+        }
+    }
+}
+
+impl DeviceRun {
+    /// Brings the host's copy of the state (the chunk's parameters and AdamW moments) up to
+    /// the device's, when it is older: before evaluation, a checkpoint or the sample.
+    pub fn pull(&mut self, ch: &mut Chunk) {
+        if !self.stale {
+            return;
+        }
+        let params = self.model.download_params();
+        ch.dp.for_each_piece(|piece, p, _| p.copy_from_slice(&params[piece.flat.clone()]));
+        ch.dp.after_update();
+        let (m, v) = (self.gpu.download(&self.m), self.gpu.download(&self.v));
+        ch.opt.m.copy_from_slice(&m);
+        ch.opt.v.copy_from_slice(&v);
+        self.stale = false;
+    }
+}
+
+/// The chunk's parameters in layout order (one rank: its pieces cover the layout).
+fn host_params(ch: &mut Chunk) -> Vec<f32> {
+    let mut out = vec![0.0; ch.model.layout.total];
+    ch.dp.for_each_piece(|piece, p, _| out[piece.flat.clone()].copy_from_slice(p));
+    out
+}
