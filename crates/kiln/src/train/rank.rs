@@ -87,6 +87,8 @@ pub(super) struct Rank<'a> {
     hw_flops_per_token: f64,
     /// The matmul peak MFU is stated against (rank 0's measurement).
     peak: f64,
+    /// Whether the peak was measured again after a step beat it.
+    peak_remeasured: bool,
     recompute: Recompute,
     pub metrics: Option<crate::obs::MetricsWriter>,
     progress: Progress,
@@ -216,7 +218,7 @@ impl<'a> Rank<'a> {
             slots: if ctx.slots.len() == world { ctx.slots.clone() } else { (0..world).collect() }, grow_at: ctx.grow_at, last_compute_s: 0.0,
             stragglers: super::elastic::Stragglers::new(cfg, world),
             tokens_seen: resumed.as_ref().map_or(0, |r| r.tokens_seen), elapsed_prev: resumed.as_ref().map_or(0.0, |r| r.elapsed_s), started: Instant::now(), elapsed_s: 0.0,
-            scaler, flops_per_token, hw_flops_per_token, peak, recompute, metrics,
+            scaler, flops_per_token, hw_flops_per_token, peak, peak_remeasured: false, recompute, metrics,
             progress: Progress::new(step, cfg.train.max_steps, args.quiet || !lead),
             last_val: None, interrupted: false, trace_until: None, profile: args.profile, faults: Faults::new(&cfg.faults, run_dir), ckpt,
         };
@@ -226,6 +228,16 @@ impl<'a> Rank<'a> {
         crate::memory::track::reset_peaks();
         r.start_trace();
         Ok(r)
+    }
+
+    /// The matmul peak measured again: the device's on a device run, else the CPU's (which
+    /// replaces the cached figure).
+    fn remeasure_peak(&self, precision: model::Precision) -> f64 {
+        #[cfg(feature = "vulkan")]
+        if let Some(d) = &self.device {
+            return d.peak_flops();
+        }
+        crate::bench::remeasured_peak_flops(precision)
     }
 
     /// A device run: brings the host's copy of the training state up to the device's (before
@@ -452,7 +464,11 @@ impl<'a> Rank<'a> {
         self.tokens_seen += step_tokens;
         let dt = t0.elapsed().as_secs_f64();
         let tps = step_tokens as f64 / dt;
-        let mfu = self.flops_per_token * tps / self.peak;
+        // A peak this step beat is out of date: measured again once, else raised to the rate.
+        let precision = self.cfg.train.precision;
+        let mut remeasured = self.peak_remeasured;
+        let (mfu, peak) = crate::bench::honest_utilisation(self.flops_per_token * tps, self.peak, &mut remeasured, || self.remeasure_peak(precision));
+        (self.peak, self.peak_remeasured) = (peak, remeasured);
         self.elapsed_s = self.elapsed_prev + self.started.elapsed().as_secs_f64();
         // Every rank stops at the same step: any rank's Ctrl-C stops them all.
         let stop_here = self.stop.load(Ordering::SeqCst) as u8 as f64;

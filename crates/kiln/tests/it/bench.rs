@@ -39,3 +39,35 @@ fn bench_peak_and_bad_bench_input() {
     let o = kiln(&["bench", "--set", "train.nope=1"]);
     assert_user_error(&o, &["train.nope"]);
 }
+
+/// A cached matmul peak far below what the machine does (measured on a busy machine, say):
+/// training and `kiln bench` measure it again rather than print an MFU above 100 %, and the
+/// fresh figure replaces the cached one.
+#[test]
+fn a_stale_peak_never_gives_an_mfu_above_100_percent() {
+    let dir = scratch("stale-peak");
+    let cache = dir.join("cache");
+    let data = corpus(&dir);
+    let run = |out: &str, steps: &str| {
+        let out = dir.join(out);
+        let args = ["train", "--preset", "shakespeare-char", "--data", data.to_str().unwrap(), "--out", out.to_str().unwrap(), "--max-steps", steps,
+            "--set", "model.n_layer=1", "--set", "train.batch_size=2", "--set", "model.block_size=32", "--set", "train.log_interval=1", "--set", "eval.interval=0", "--set", "sample.tokens=0", "--quiet"];
+        let o = std::process::Command::new(env!("CARGO_BIN_EXE_kiln")).args(args).env("KILN_CACHE_DIR", &cache).env("RAYON_NUM_THREADS", "2").output().unwrap();
+        assert!(o.status.success(), "{}", stderr(&o));
+    };
+    run("fresh", "1");
+    // Every cached figure made stale: a thousandth of a GFLOP/s.
+    let path = cache.join("peak.json");
+    let mut all: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    for (_, e) in all.as_object_mut().unwrap().iter_mut() {
+        e["peak_gflops"] = serde_json::json!(0.001);
+    }
+    std::fs::write(&path, all.to_string()).unwrap();
+    run("stale", "3");
+    let text = std::fs::read_to_string(dir.join("stale/metrics.jsonl")).unwrap();
+    let mfus: Vec<f64> = text.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()).filter(|j| j["kind"] == "train").map(|j| j["mfu"].as_f64().unwrap()).collect();
+    assert_eq!(mfus.len(), 3);
+    assert!(mfus.iter().all(|&m| m > 0.0 && m <= 1.0), "MFU above 100 % against a stale peak: {mfus:?}");
+    let fresh: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    assert!(fresh.as_object().unwrap().values().any(|e| e["peak_gflops"].as_f64().unwrap() > 0.001), "the stale figure was not replaced: {fresh}");
+}
