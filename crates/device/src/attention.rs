@@ -5,29 +5,29 @@
 
 use crate::kernels::u;
 use crate::shader::{kernel, Kernel};
-use crate::{Buf, Gpu};
+use crate::{Buf, Gpu, Seed};
 use tensor::attention::AttnDropout;
 use tensor::llama::GqaDims;
 
-const FORWARD: Kernel = kernel!("flash_forward", libs ["rng", "attn"], ["OUT", "LSE", "QKV", "STARTS"], writes ["OUT", "LSE"]);
+const FORWARD: Kernel = kernel!("flash_forward", libs ["rng", "attn"], ["OUT", "LSE", "QKV", "STARTS", "SEED"], writes ["OUT", "LSE"]);
 const D: Kernel = kernel!("flash_d", ["DD", "DY", "Y"], writes ["DD"]);
-const BACKWARD_DQ: Kernel = kernel!("flash_backward_dq", libs ["rng", "attn"], ["DQKV", "DY", "QKV", "LSE", "DD", "STARTS"], writes ["DQKV"]);
-const BACKWARD_DKV: Kernel = kernel!("flash_backward_dkv", libs ["rng", "attn"], ["DQKV", "DY", "QKV", "LSE", "DD", "STARTS"], writes ["DQKV"]);
+const BACKWARD_DQ: Kernel = kernel!("flash_backward_dq", libs ["rng", "attn"], ["DQKV", "DY", "QKV", "LSE", "DD", "STARTS", "SEED"], writes ["DQKV"]);
+const BACKWARD_DKV: Kernel = kernel!("flash_backward_dkv", libs ["rng", "attn"], ["DQKV", "DY", "QKV", "LSE", "DD", "STARTS", "SEED"], writes ["DQKV"]);
 
 /// The largest head size the attention kernels hold in registers.
 pub const MAX_HEAD_SIZE: usize = 128;
 
 /// The shared argument list (`wgsl/lib_attn.wgsl`).
-fn args(d: &GqaDims, starts: Option<&Buf>, dropout: AttnDropout) -> Vec<u32> {
+fn args(d: &GqaDims, starts: Option<&Buf>, p: f32, seed: Seed) -> Vec<u32> {
     assert!(d.hs <= MAX_HEAD_SIZE, "device attention holds heads of at most {MAX_HEAD_SIZE}, not {}", d.hs);
     assert!(d.sinks == 0, "attention sinks do not run on the device yet");
-    assert!((0.0..1.0).contains(&dropout.p), "attention dropout p must be in [0, 1)");
+    assert!((0.0..1.0).contains(&p), "attention dropout p must be in [0, 1)");
     let heads = if d.heads == 0 { d.nh } else { d.heads };
     #[rustfmt::skip]
     let a = vec![
         u(d.b), u(d.t), u(d.nh), u(d.nkv), u(d.hs), u(d.window), starts.is_some() as u32,
-        dropout.p.to_bits(), (1.0 / (1.0 - dropout.p)).to_bits(), dropout.seed as u32, (dropout.seed >> 32) as u32,
-        u(heads), u(d.head0), u(d.b0), (1.0 / (d.hs as f32).sqrt()).to_bits(),
+        p.to_bits(), (1.0 / (1.0 - p)).to_bits(), u(seed.at), seed.site.unwrap_or(0),
+        u(heads), u(d.head0), u(d.b0), (1.0 / (d.hs as f32).sqrt()).to_bits(), seed.site.is_some() as u32,
     ];
     a
 }
@@ -43,10 +43,15 @@ impl Gpu {
     /// `i` sees (causal, the sliding window, its document), and `lse[b·NH + h, i]`, the log-sum-exp
     /// of its scores: `tensor::flash::flash_gqa_forward_docs`. Overwrites `out` and `lse`.
     pub fn flash_forward(&self, out: &Buf, lse: &Buf, qkv: &Buf, d: &GqaDims, starts: Option<&Buf>, dropout: AttnDropout) {
+        self.flash_forward_seeded(out, lse, qkv, d, starts, (dropout.p, self.direct_seed(dropout.seed)));
+    }
+
+    /// [`Gpu::flash_forward`] with the dropout seed read on the device.
+    pub fn flash_forward_seeded(&self, out: &Buf, lse: &Buf, qkv: &Buf, d: &GqaDims, starts: Option<&Buf>, (p, seed): (f32, Seed)) {
         check(d, qkv, starts);
         assert!(out.len() >= d.b * d.t * d.c() && lse.len() >= d.b * d.nh * d.t, "flash_forward: shapes");
         let groups = [u(d.t.div_ceil(64)), u(d.b * d.nh), 1];
-        self.launch(&FORWARD, groups, &args(d, starts, dropout), &[Some(out), Some(lse), Some(qkv), starts]);
+        self.launch(&FORWARD, groups, &args(d, starts, p, seed), &[Some(out), Some(lse), Some(qkv), starts, Some(seed.buf)]);
     }
 
     /// Backward of [`Gpu::flash_forward`] (`tensor::flash::flash_gqa_backward_docs`):
@@ -55,13 +60,19 @@ impl Gpu {
     /// query heads in ascending order.
     #[allow(clippy::too_many_arguments)]
     pub fn flash_backward(&self, dqkv: &Buf, scratch: &Buf, dout: &Buf, saved: (&Buf, &Buf, &Buf), d: &GqaDims, starts: Option<&Buf>, dropout: AttnDropout) {
+        self.flash_backward_seeded(dqkv, scratch, dout, saved, d, starts, (dropout.p, self.direct_seed(dropout.seed)));
+    }
+
+    /// [`Gpu::flash_backward`] with the dropout seed read on the device.
+    #[allow(clippy::too_many_arguments)]
+    pub fn flash_backward_seeded(&self, dqkv: &Buf, scratch: &Buf, dout: &Buf, saved: (&Buf, &Buf, &Buf), d: &GqaDims, starts: Option<&Buf>, (p, seed): (f32, Seed)) {
         let (qkv, out, lse) = saved;
         check(d, qkv, starts);
         let n = d.b * d.nh * d.t;
         assert!(dqkv.len() >= d.b * d.t * d.qkv_width() && scratch.len() >= n && dout.len() >= d.b * d.t * d.c(), "flash_backward: shapes");
         self.launch(&D, Gpu::grid(n, 64), &[u(d.b), u(d.t), u(d.nh), u(d.hs)], &[Some(scratch), Some(dout), Some(out)]);
-        let a = args(d, starts, dropout);
-        let bufs = [Some(dqkv), Some(dout), Some(qkv), Some(lse), Some(scratch), starts];
+        let a = args(d, starts, p, seed);
+        let bufs = [Some(dqkv), Some(dout), Some(qkv), Some(lse), Some(scratch), starts, Some(seed.buf)];
         self.launch(&BACKWARD_DQ, [u(d.t.div_ceil(64)), u(d.b * d.nh), 1], &a, &bufs);
         self.launch(&BACKWARD_DKV, [u(d.t.div_ceil(64)), u(d.b * d.nkv), 1], &a, &bufs);
     }

@@ -220,6 +220,16 @@ impl<'a> From<&'a Buf> for At<'a> {
     }
 }
 
+/// Where a kernel reads its dropout mask's seed: the `u64` at words `at, at + 1` of `buf` (low
+/// word first), turned into site `site`'s seed on the device when given (the CPU model's
+/// per-site seeds). A training step writes its pass's seed once; its launches never change.
+#[derive(Clone, Copy)]
+pub struct Seed<'a> {
+    pub buf: &'a Buf,
+    pub at: usize,
+    pub site: Option<u32>,
+}
+
 /// Bytes moved between host and device since the device was opened.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Traffic {
@@ -243,6 +253,8 @@ pub struct Gpu {
     to_host: AtomicU64,
     /// Bound where a kernel's optional buffer is absent.
     dummy: Buf,
+    /// The seed of a kernel called with one directly (written in stream order before it).
+    seeds: Buf,
 }
 
 /// `Gpu::open`'s answer when the adapter asked for is not there: the adapters found, and what
@@ -282,6 +294,7 @@ impl Gpu {
         let (device, queue) = pollster::block_on(adapter.request_device(&desc))
             .map_err(|e| DeviceError(format!("Vulkan adapter vulkan:{index} ({}) refused to open: {e}", info.name)))?;
         let dummy = Buf { raw: storage(&device, 4), len: 1, dtype: DType::F32 };
+        let seeds = Buf { raw: storage(&device, 8), len: 2, dtype: DType::U32 };
         Ok(Gpu {
             info,
             device,
@@ -294,6 +307,7 @@ impl Gpu {
             to_device: AtomicU64::new(0),
             to_host: AtomicU64::new(0),
             dummy,
+            seeds,
         })
     }
 
@@ -422,6 +436,19 @@ impl Gpu {
         if len > 0 {
             self.with_encoder(|e| e.copy_buffer_to_buffer(&src.raw, (src_at * 4) as u64, &dst.raw, (dst_at * 4) as u64, (len * 4) as u64));
         }
+    }
+
+    /// `seed` written to the device's own seed slot, in stream order: for the kernels called
+    /// with a seed value (each such call uploads its 8 bytes).
+    fn direct_seed(&self, seed: u64) -> Seed<'_> {
+        self.write_words(&self.seeds, 0, &[seed as u32, (seed >> 32) as u32]);
+        Seed { buf: &self.seeds, at: 0, site: None }
+    }
+
+    /// Distinct kernel argument lists uploaded so far (each one a small uniform buffer): a
+    /// training step that adds none after its first records the same launches every time.
+    pub fn arg_lists(&self) -> usize {
+        self.args.lock().unwrap_or_else(|e| e.into_inner()).len()
     }
 
     /// Sets every element to zero, on the device.

@@ -5,7 +5,7 @@
 
 use crate::kernels::u;
 use crate::shader::{kernel, Kernel};
-use crate::{At, Buf, Gpu};
+use crate::{At, Buf, Gpu, Seed};
 use tensor::llama::GqaDims;
 use tensor::ops::RowMap;
 
@@ -19,7 +19,7 @@ const SILU: Kernel = kernel!("silu", ["OUT", "X", "D"], writes ["OUT"]);
 const SWIGLU: Kernel = kernel!("swiglu", ["OUT", "GU", "D"], writes ["OUT"]);
 const ADD: Kernel = kernel!("add", ["OUT", "A", "B"], writes ["OUT"]);
 const ROPE: Kernel = kernel!("rope", ["X", "COS", "SIN", "POS"], writes ["X"]);
-const DROPOUT: Kernel = kernel!("dropout", libs ["rng"], ["OUT", "IN"], writes ["OUT"]);
+const DROPOUT: Kernel = kernel!("dropout", libs ["rng"], ["OUT", "IN", "SEED"], writes ["OUT"]);
 
 /// Forward, backward overwriting, or backward accumulating: the elementwise kernels' modes.
 #[derive(Clone, Copy)]
@@ -201,18 +201,26 @@ impl Gpu {
     /// i)` (`tensor::dropout_forward`).
     pub fn dropout_forward(&self, out: &Buf, inp: &Buf, p: f32, seed: u64) {
         let n = inp.len();
-        self.dropout(out, Some(inp), (p, seed), (1, n), RowMap::whole(1), 0);
+        self.dropout(out, Some(inp), (p, self.direct_seed(seed)), (1, n), RowMap::whole(1), 0);
     }
 
     /// Backward of [`Gpu::dropout_forward`]: accumulates into `dinp` (`tensor::dropout_backward`).
     pub fn dropout_backward(&self, dinp: &Buf, dout: &Buf, p: f32, seed: u64) {
         let n = dout.len();
-        self.dropout(dinp, Some(dout), (p, seed), (1, n), RowMap::whole(1), 1);
+        self.dropout(dinp, Some(dout), (p, self.direct_seed(seed)), (1, n), RowMap::whole(1), 1);
     }
 
     /// In-place dropout over rows of `c` laid out as `map` says: element `(row, k)` uses the
     /// mask of global element `map.global(row)·c + k` (`tensor::dropout_inplace_rows`).
     pub fn dropout_inplace_rows(&self, x: &Buf, p: f32, seed: u64, c: usize, map: RowMap) {
+        if p != 0.0 {
+            self.dropout_inplace_rows_seeded(x, p, self.direct_seed(seed), c, map);
+        }
+    }
+
+    /// [`Gpu::dropout_inplace_rows`] with the seed read on the device (a pass's seed, per site):
+    /// a training step records the same launches every time.
+    pub fn dropout_inplace_rows_seeded(&self, x: &Buf, p: f32, seed: Seed, c: usize, map: RowMap) {
         if p != 0.0 {
             self.dropout(x, None, (p, seed), (x.len() / c, c), map, 2);
         }
@@ -220,19 +228,25 @@ impl Gpu {
 
     /// Backward of [`Gpu::dropout_inplace_rows`], accumulating (`tensor::dropout_backward_rows`).
     pub fn dropout_backward_rows(&self, dinp: &Buf, dout: &Buf, p: f32, seed: u64, c: usize, map: RowMap) {
+        self.dropout_backward_rows_seeded(dinp, dout, p, self.direct_seed(seed), c, map);
+    }
+
+    /// [`Gpu::dropout_backward_rows`] with the seed read on the device.
+    pub fn dropout_backward_rows_seeded(&self, dinp: &Buf, dout: &Buf, p: f32, seed: Seed, c: usize, map: RowMap) {
         self.dropout(dinp, Some(dout), (p, seed), (dout.len() / c, c), map, 1);
     }
 
-    fn dropout(&self, out: &Buf, inp: Option<&Buf>, (p, seed): (f32, u64), (rows, c): (usize, usize), map: RowMap, mode: u32) {
+    fn dropout(&self, out: &Buf, inp: Option<&Buf>, (p, seed): (f32, Seed), (rows, c): (usize, usize), map: RowMap, mode: u32) {
         assert!((0.0..1.0).contains(&p), "dropout p must be in [0, 1)");
         assert!(out.len() >= rows * c && inp.is_none_or(|i| i.len() >= rows * c), "dropout: shapes");
         let ch = map.chunks;
         #[rustfmt::skip]
         let args = [
-            u(rows), u(c), p.to_bits(), (1.0 / (1.0 - p)).to_bits(), seed as u32, (seed >> 32) as u32, mode,
+            u(rows), u(c), p.to_bits(), (1.0 / (1.0 - p)).to_bits(), u(seed.at), seed.site.unwrap_or(0), mode,
             u(map.t_local), u(map.t), u(map.offset), u(map.b0),
             ch.is_some() as u32, u(ch.map_or(0, |c| c.len)), u(ch.map_or(0, |c| c.first)), u(ch.map_or(0, |c| c.second)),
+            seed.site.is_some() as u32,
         ];
-        self.launch(&DROPOUT, Gpu::grid(rows * c, 256), &args, &[Some(out), inp]);
+        self.launch(&DROPOUT, Gpu::grid(rows * c, 256), &args, &[Some(out), inp, Some(seed.buf)]);
     }
 }

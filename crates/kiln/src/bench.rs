@@ -21,6 +21,8 @@ pub struct BenchArgs {
     pub steps: usize,
     pub warmup: usize,
     pub breakdown: bool,
+    /// Where the steps run (a device: `train.device`'s step, [`crate::train`]'s `DeviceRun`).
+    pub device: crate::device::DeviceArg,
 }
 
 /// Best-of-`reps` FLOP/s of an `m × k · k × n` product (B·T × C · C × OC, as in a Linear) in
@@ -177,6 +179,56 @@ pub fn peak() -> serde_json::Value {
     })
 }
 
+/// Seconds of each timed step (after `args.warmup` untimed ones) of `step(s)`.
+fn time_steps(args: &BenchArgs, mut step: impl FnMut(usize) -> Result<()>) -> Result<Vec<f64>> {
+    let mut times = Vec::new();
+    for s in 0..args.warmup + args.steps {
+        if s == args.warmup {
+            tensor::profile::enable(args.breakdown);
+            let _ = tensor::profile::take();
+        }
+        let t0 = Instant::now();
+        step(s)?;
+        if s >= args.warmup {
+            times.push(t0.elapsed().as_secs_f64());
+        }
+    }
+    tensor::profile::enable(false);
+    Ok(times)
+}
+
+/// What a device bench adds: the adapter, its measured matmul peak (the MFU denominator) and
+/// the host↔device bytes of each timed step, most first.
+struct DeviceFigures {
+    adapter: String,
+    peak: f64,
+    bytes_per_step: Vec<u64>,
+}
+
+/// The timed steps on the device: `train.device`'s step over the chunk's model.
+#[cfg(feature = "vulkan")]
+fn device_steps(args: &BenchArgs, cfg: &RunConfig, ch: &mut Chunk, fill: &mut impl FnMut(usize, &mut crate::step::RowBuf)) -> Result<(Vec<f64>, DeviceFigures)> {
+    let mut dev = crate::train::DeviceRun::new(args.device, ch)?;
+    let rows = cfg.micro_batch();
+    let mut bytes = Vec::new();
+    let times = time_steps(args, |s| {
+        let before = dev.traffic();
+        dev.step(cfg, s as u64, rows, &mut *fill, |_, _| None)?;
+        let after = dev.traffic();
+        if s >= args.warmup {
+            bytes.push(after.to_device - before.to_device + after.to_host - before.to_host);
+        }
+        Ok(())
+    })?;
+    bytes.sort_unstable_by(|a, b| b.cmp(a));
+    Ok((times, DeviceFigures { adapter: dev.describe(), peak: dev.peak_flops(), bytes_per_step: bytes }))
+}
+
+#[cfg(not(feature = "vulkan"))]
+fn device_steps(args: &BenchArgs, _: &RunConfig, _: &mut Chunk, _: &mut impl FnMut(usize, &mut crate::step::RowBuf)) -> Result<(Vec<f64>, DeviceFigures)> {
+    user(format!("bench --device {}: this kiln was built without the device backend (rebuild with the default features, or `--features vulkan`)", args.device))
+}
+
 /// The tokenizer vocabulary a bench config implies without reading data.
 fn bench_vocab(cfg: &RunConfig) -> Result<usize> {
     if cfg.model.vocab_size > 0 {
@@ -231,24 +283,24 @@ pub fn bench(args: &BenchArgs) -> Result<serde_json::Value> {
     let mut pipe = Pipeline::single(cfg.train.grad_accum, None);
     pipe.scaler = scaler.as_mut();
     let mut rng = Rng::new(cfg.train.seed);
-    let mut times = Vec::new();
-    for s in 0..args.warmup + args.steps {
-        if s == args.warmup {
-            tensor::profile::enable(args.breakdown);
-            let _ = tensor::profile::take();
+    let mut fill = move |_: usize, b: &mut crate::step::RowBuf| {
+        for (xi, yi) in b.x.iter_mut().zip(b.y.iter_mut()) {
+            *xi = rng.below(real_vocab as u64) as u32;
+            *yi = rng.below(real_vocab as u64) as i32;
         }
-        let t0 = Instant::now();
-        train_step(&mut chunks, &mut pipe, &cfg, s as u64, |_, b| {
-            for (xi, yi) in b.x.iter_mut().zip(b.y.iter_mut()) {
-                *xi = rng.below(real_vocab as u64) as u32;
-                *yi = rng.below(real_vocab as u64) as i32;
-            }
-        }, |_, _| None);
-        if s >= args.warmup {
-            times.push(t0.elapsed().as_secs_f64());
-        }
-    }
-    tensor::profile::enable(false);
+    };
+    let mut on_device = None;
+    let times = if args.device == crate::device::DeviceArg::Cpu {
+        time_steps(args, |s| {
+            train_step(&mut chunks, &mut pipe, &cfg, s as u64, &mut fill, |_, _| None);
+            Ok(())
+        })?
+    } else {
+        let (times, dev) = device_steps(args, &cfg, &mut chunks[0], &mut fill)?;
+        on_device = Some(dev);
+        times
+    };
+    let peak = on_device.as_ref().map_or(peak, |d: &DeviceFigures| d.peak);
     let mut sorted = times.clone();
     sorted.sort_by(f64::total_cmp);
     let median = sorted[sorted.len() / 2];
@@ -273,6 +325,12 @@ pub fn bench(args: &BenchArgs) -> Result<serde_json::Value> {
         "parameters": model.num_params(),
         "config": {"model": serde_json::to_value(&cfg.model).unwrap(), "train": {"batch_size": cfg.train.batch_size, "grad_accum": cfg.train.grad_accum}, "vocab_size": vp},
     });
+    if let Some(d) = on_device {
+        out["device"] = json!(args.device.to_string());
+        out["adapter"] = json!(d.adapter);
+        out["host_device_bytes_per_step"] = json!(d.bytes_per_step);
+        out["batch_bytes_per_step"] = json!(2 * 4 * cfg.train.batch_size * t);
+    }
     if args.breakdown {
         let steps = args.steps as f64;
         let rows: Vec<serde_json::Value> = tensor::profile::take()

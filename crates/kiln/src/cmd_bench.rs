@@ -71,8 +71,7 @@ pub fn bench(b: BenchCli) -> Result<()> {
                 crate::device::refuse_model_on_device(b.device, "bench --peak")?;
                 crate::bench::peak()
             } else {
-                crate::device::refuse_model_on_device(b.device, "bench")?;
-                crate::bench::bench(&crate::bench::BenchArgs { preset: b.preset, config: b.config, set: b.set, steps: b.steps, warmup: b.warmup, breakdown: b.breakdown })?
+                crate::bench::bench(&crate::bench::BenchArgs { preset: b.preset, config: b.config, set: b.set, steps: b.steps, warmup: b.warmup, breakdown: b.breakdown, device: b.device })?
             };
             println!("{}", if b.json { v.to_string() } else { serde_json::to_string_pretty(&v).unwrap() });
             Ok(())

@@ -12,19 +12,20 @@ use crate::config::Arch;
 use crate::gpt::{Pass, IGNORE_INDEX};
 use crate::layout::{BlockParams, GptParams};
 use crate::{Gpt, GptConfig};
-use device::{At, Buf, DType, Gpu, RopePos};
+use device::{At, Buf, DType, Gpu, RopePos, Seed};
 use std::sync::Arc;
-use tensor::attention::AttnDropout;
 use tensor::classifier::HeadDims;
 use tensor::llama::GqaDims;
 use tensor::matmul::Arith;
 use tensor::ops::RowMap;
-use tensor::rng::mix64;
 
 /// Where a pass's loss weight sits in [`DeviceGpt::scalars`] (after the optimizer's slots).
 pub const LOSS_WEIGHT: usize = device::slot::OPTIM;
+/// Where a training pass's dropout seed sits (two words, low first): the kernels derive each
+/// site's seed from it on the device.
+pub const DROPOUT_SEED: usize = LOSS_WEIGHT + 1;
 /// Slots of [`DeviceGpt::scalars`].
-pub const SCALARS: usize = LOSS_WEIGHT + 1;
+pub const SCALARS: usize = DROPOUT_SEED + 2;
 
 /// One block's activations, kept from forward for backward.
 struct LayerActs {
@@ -132,12 +133,6 @@ pub struct DeviceGpt {
     count: usize,
 }
 
-/// The mask seed of dropout site `n` (the CPU model's numbering: 0 the embedding, then three
-/// per block) from the pass's seed.
-fn site_seed(seed: u64, n: u64) -> u64 {
-    mix64(seed ^ mix64(n.wrapping_add(0xD1B5_4A32_D192_ED03)))
-}
-
 /// What the device model cannot run yet of a model shaped `cfg`, by name; `None` when it can.
 pub fn unsupported_config(cfg: &GptConfig) -> Option<String> {
     let why = if cfg.is_moe() {
@@ -236,6 +231,9 @@ impl DeviceGpt {
         if let Some(w) = weight {
             g.write_words(&self.scalars, LOSS_WEIGHT, &[w.to_bits()]);
         }
+        if p > 0.0 {
+            g.write_words(&self.scalars, DROPOUT_SEED, &[seed as u32, (seed >> 32) as u32]);
+        }
         self.acts(b, t);
         let a = self.acts.as_ref().unwrap();
         g.write_words(&a.tokens, 0, tokens);
@@ -269,23 +267,29 @@ impl DeviceGpt {
         RowMap::whole(a.t)
     }
 
-    /// Dropout at site `n` on the residual stream's rows, in place.
+    /// Dropout site `site`'s mask seed, derived on the device from the pass's (the CPU model's
+    /// numbering: 0 the embedding, then three per block).
+    fn seed(&self, site: u64) -> Seed<'_> {
+        Seed { buf: &self.scalars, at: DROPOUT_SEED, site: Some(site as u32) }
+    }
+
+    /// Dropout at site `site` on the residual stream's rows, in place.
     fn dropout(&self, x: &Buf, site: u64, a: &Acts) {
-        let (p, seed) = self.drop;
+        let p = self.drop.0;
         if p > 0.0 {
-            self.gpu.dropout_inplace_rows(x, p, site_seed(seed, site), self.cfg.n_embd, self.row_map(a));
+            self.gpu.dropout_inplace_rows_seeded(x, p, self.seed(site), self.cfg.n_embd, self.row_map(a));
         }
     }
 
     /// The gradient through dropout at site `n`: `dout` itself without dropout, else the masked
     /// copy in `buf`.
     fn dropout_grad<'x>(&self, buf: &'x Buf, dout: &'x Buf, site: u64, a: &Acts) -> &'x Buf {
-        let (p, seed) = self.drop;
+        let p = self.drop.0;
         if p == 0.0 {
             return dout;
         }
         self.gpu.clear(buf);
-        self.gpu.dropout_backward_rows(buf, dout, p, site_seed(seed, site), self.cfg.n_embd, self.row_map(a));
+        self.gpu.dropout_backward_rows_seeded(buf, dout, p, self.seed(site), self.cfg.n_embd, self.row_map(a));
         buf
     }
 
@@ -343,7 +347,7 @@ impl DeviceGpt {
         let (g, cfg, bp) = (&*self.gpu, &self.cfg, &self.views.blocks[l]);
         let (la, x, out) = (&a.layers[l], &a.xs[l], &a.xs[l + 1]);
         let c = cfg.n_embd;
-        let (p, seed) = self.drop;
+        let p = self.drop.0;
         let site = 1 + 3 * l as u64;
         // res_2 = x + drop(attn(norm_1(x)))
         self.norm_forward((&la.ln_1, &la.ln_1_mean, &la.ln_1_rstd), x, &bp.ln_1_w, &bp.ln_1_b);
@@ -352,7 +356,7 @@ impl DeviceGpt {
         if let Some((cos, sin)) = &self.rope {
             g.rope(&la.qkv, (cos, sin), &d, RopePos::Offset(0), false);
         }
-        g.flash_forward(&la.atty, &la.lse, &la.qkv, &d, None, AttnDropout { p, seed: site_seed(seed, site) });
+        g.flash_forward_seeded(&la.atty, &la.lse, &la.qkv, &d, None, (p, self.seed(site)));
         self.linear(&a.branch, &la.atty, (&bp.attn_proj_w, &bp.attn_proj_b), cfg.attn_width(), c, a);
         self.dropout(&a.branch, site + 1, a);
         g.residual_forward(&la.res_2, x, &a.branch);
@@ -405,8 +409,7 @@ impl DeviceGpt {
         self.linear_backward(&a.datty, dattn, &la.atty, (&bp.attn_proj_w, &bp.attn_proj_b), cfg.attn_width(), c, a);
         g.clear(&a.dqkv);
         let d = self.gqa(l, a);
-        let drop = AttnDropout { p: self.drop.0, seed: site_seed(self.drop.1, site) };
-        g.flash_backward(&a.dqkv, &a.dd, &a.datty, (&la.qkv, &la.atty, &la.lse), &d, None, drop);
+        g.flash_backward_seeded(&a.dqkv, &a.dd, &a.datty, (&la.qkv, &la.atty, &la.lse), &d, None, (self.drop.0, self.seed(site)));
         if let Some((cos, sin)) = &self.rope {
             g.rope(&a.dqkv, (cos, sin), &d, RopePos::Offset(0), true);
         }

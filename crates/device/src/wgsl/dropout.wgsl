@@ -4,7 +4,8 @@
 // integers are (lo, hi) pairs of u32, so no SHADER_INT64 is needed (lib_rng.wgsl).
 // mode 0: OUT = keep ? IN·scale : 0; mode 1: OUT += keep ? IN·scale : 0; mode 2, in place:
 // OUT = keep ? OUT·scale : 0.
-// args: rows c p scale seed_lo seed_hi mode t_local t offset b0 chunked len first second
+// The seed: read_seed(seed_at, has_site, site) (lib_rng.wgsl).
+// args: rows c p scale seed_at site mode t_local t offset b0 chunked len first second has_site
 
 // tensor::RowMap::global: the whole tensor's row of local row `row`.
 fn global_row(row: u32) -> u32 {
@@ -30,7 +31,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid:
     let p = argf(2u);
     let mode = arg(6u);
     var v = 0.0;
-    if (p == 0.0 || hash_uniform(vec2<u32>(arg(4u), arg(5u)), index) >= p) {
+    if (p == 0.0 || hash_uniform(read_seed(arg(4u), arg(15u), arg(5u)), index) >= p) {
         if (mode == 2u) {
             v = ld_OUT(e) * argf(3u);
         } else {

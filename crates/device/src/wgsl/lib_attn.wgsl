@@ -1,5 +1,5 @@
 // What the attention kernels share. Their args: b t nh nkv hs window has_starts p drop_scale
-// seed_lo seed_hi heads head0 b0 softmax_scale.
+// seed_at site heads head0 b0 softmax_scale has_site (the mask seed: read_seed, lib_rng.wgsl).
 const MAX_HS: u32 = 128u;
 const TILE: u32 = 16u;
 // A score that is not there (masked); real scores are finite.
@@ -22,6 +22,10 @@ fn first_key(b: u32, i: u32) -> u32 {
     return first;
 }
 
+// The layer's mask seed, read once per thread.
+var<private> mask_seed: vec2<u32>;
+var<private> mask_seed_read: bool = false;
+
 // The dropout factor of probability (b, h, i, j): 1/(1 − p) if kept, else 0 (1 without
 // dropout). The mask is the CPU's: keep iff hash_uniform(seed, ((bh')·T + i)·T + j) ≥ p, bh' the
 // whole model's (batch, head) (tensor::llama::GqaDims::mask_bh).
@@ -30,10 +34,14 @@ fn drop_factor(b: u32, h: u32, i: u32, j: u32) -> f32 {
     if (p == 0.0) {
         return 1.0;
     }
+    if (!mask_seed_read) {
+        mask_seed = read_seed(arg(9u), arg(15u), arg(10u));
+        mask_seed_read = true;
+    }
     let t = arg(1u);
     let mask_bh = (arg(13u) + b) * arg(11u) + arg(12u) + h;
     let index = add64(mul32(mask_bh * t + i, t), vec2<u32>(j, 0u));
-    if (hash_uniform(vec2<u32>(arg(9u), arg(10u)), index) >= p) {
+    if (hash_uniform(mask_seed, index) >= p) {
         return argf(8u);
     }
     return 0.0;

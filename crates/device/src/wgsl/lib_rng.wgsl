@@ -44,3 +44,18 @@ fn hash_uniform(seed: vec2<u32>, index: vec2<u32>) -> f32 {
     return f32(h.y >> 8u) * (1.0 / 16777216.0);
 }
 
+
+// The seed of dropout site `site` from a pass's seed (the CPU model's
+// mix64(seed ^ mix64(site + 0xD1B54A32D192ED03))).
+fn site_seed(seed: vec2<u32>, site: u32) -> vec2<u32> {
+    return mix64(seed ^ mix64(add64(vec2<u32>(site, 0u), vec2<u32>(0xd192ed03u, 0xd1b54a32u))));
+}
+
+// A kernel's mask seed: the u64 at SEED[at], through site_seed when `has_site`.
+fn read_seed(at: u32, has_site: u32, site: u32) -> vec2<u32> {
+    let s = vec2<u32>(SEED[at], SEED[at + 1u]);
+    if (has_site != 0u) {
+        return site_seed(s, site);
+    }
+    return s;
+}

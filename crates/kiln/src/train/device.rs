@@ -17,7 +17,7 @@ use model::Pass;
 use std::sync::Arc;
 
 /// The device side of a run.
-pub(crate) struct DeviceRun {
+pub struct DeviceRun {
     gpu: Arc<Gpu>,
     model: DeviceGpt,
     m: Buf,
@@ -76,6 +76,11 @@ impl DeviceRun {
     /// The adapter's one-line description.
     pub fn describe(&self) -> String {
         self.gpu.info.describe()
+    }
+
+    /// Host↔device bytes so far.
+    pub fn traffic(&self) -> device::Traffic {
+        self.gpu.traffic()
     }
 
     /// The device's fp32 matmul rate (GFLOP/s ·1e9), measured now: the MFU denominator.

@@ -12,6 +12,8 @@ mod ckpt;
 mod data;
 #[cfg(feature = "vulkan")]
 mod device;
+#[cfg(feature = "vulkan")]
+pub use device::DeviceRun;
 pub(crate) mod elastic;
 mod eval;
 mod faults;

@@ -51,6 +51,19 @@ fn doctor_lists_gpus_and_the_kernel_bench_runs_on_the_device() {
         assert!(r["device_rate"].as_f64().unwrap() > 0.0 && r["cpu_rate"].as_f64().unwrap() > 0.0, "{r}");
         assert!(r["max_err_over_max_ref"].as_f64().unwrap() <= 1e-2, "{r}");
     }
+    // Training steps on the device: only the batch's ids and targets go up, the loss and the
+    // norm come back (within 1 KiB of the batch), MFU against the device's own peak.
+    let o = kiln(&["bench", "--preset", "llama-tiny", "--set", "model.vocab_size=65", "--set", "train.batch_size=4", "--set", "model.block_size=64", "--set", "model.dropout=0.1", "--steps", "2", "--warmup", "1", "--device", "vulkan", "--json"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    let batch = v["batch_bytes_per_step"].as_u64().unwrap();
+    assert_eq!(batch, 2 * 4 * 4 * 64);
+    for b in v["host_device_bytes_per_step"].as_array().unwrap() {
+        let b = b.as_u64().unwrap();
+        assert!(b >= batch && b <= batch + 1024, "{b} bytes a step for a {batch}-byte batch: {v}");
+    }
+    let mfu = v["mfu"].as_f64().unwrap();
+    assert!(mfu > 0.0 && mfu <= 1.0, "{v}");
 }
 
 /// Each logged step's loss in a run's metrics.

@@ -30,6 +30,7 @@ fn check(cfg: GptConfig, name: &str) {
     // Two passes accumulate into the gradients, with different masks.
     cpu.zero_grad();
     dev.zero_grad();
+    let mut lists = None;
     for seed in [11, 12] {
         let pass = Pass::Train { dropout_seed: seed, loss_scale: 0.5 };
         cpu.forward(&tokens, &targets, b, t, pass);
@@ -39,6 +40,10 @@ fn check(cfg: GptConfig, name: &str) {
         assert_eq!(count, b * t - 1);
         let e = rel(&dev.losses(), cpu.losses());
         assert!(e < 1e-5, "{name}: losses differ by {e:e}");
+        // A pass with another seed records the same launches: no new argument lists.
+        let now = g.arg_lists();
+        assert!(lists.is_none_or(|n| n == now), "{name}: the second pass added {} kernel argument lists", now - lists.unwrap());
+        lists = Some(now);
     }
     let e = rel(&g.download(&dev.grads), &cpu.grads);
     assert!(e < 1e-5, "{name}: gradients differ by {e:e}");
