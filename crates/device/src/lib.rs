@@ -251,6 +251,8 @@ pub struct Gpu {
     submissions: AtomicU64,
     to_device: AtomicU64,
     to_host: AtomicU64,
+    /// Bytes of the buffers [`Gpu::alloc`] made (kiln's, not the driver's own).
+    allocated: AtomicU64,
     /// Bound where a kernel's optional buffer is absent.
     dummy: Buf,
     /// The seed of a kernel called with one directly (written in stream order before it).
@@ -306,6 +308,7 @@ impl Gpu {
             submissions: AtomicU64::new(0),
             to_device: AtomicU64::new(0),
             to_host: AtomicU64::new(0),
+            allocated: AtomicU64::new(0),
             dummy,
             seeds,
         })
@@ -323,6 +326,7 @@ impl Gpu {
                 self.info.max_buffer
             )));
         }
+        self.allocated.fetch_add(bytes, Ordering::Relaxed);
         Ok(Buf { raw: storage(&self.device, bytes), len, dtype })
     }
 
@@ -465,6 +469,11 @@ impl Gpu {
     /// Host↔device bytes so far.
     pub fn traffic(&self) -> Traffic {
         Traffic { to_device: self.to_device.load(Ordering::Relaxed), to_host: self.to_host.load(Ordering::Relaxed) }
+    }
+
+    /// Bytes of every buffer allocated so far (freed ones included).
+    pub fn allocated_bytes(&self) -> u64 {
+        self.allocated.load(Ordering::Relaxed)
     }
 
     /// (dispatches recorded, command buffers submitted) so far.

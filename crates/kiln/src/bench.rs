@@ -208,7 +208,7 @@ struct DeviceFigures {
 /// The timed steps on the device: `train.device`'s step over the chunk's model.
 #[cfg(feature = "vulkan")]
 fn device_steps(args: &BenchArgs, cfg: &RunConfig, ch: &mut Chunk, fill: &mut impl FnMut(usize, &mut crate::step::RowBuf)) -> Result<(Vec<f64>, DeviceFigures)> {
-    let mut dev = crate::train::DeviceRun::new(args.device, ch)?;
+    let mut dev = crate::train::DeviceRun::new(args.device, cfg, ch)?;
     let rows = cfg.micro_batch();
     let mut bytes = Vec::new();
     let times = time_steps(args, |s| {

@@ -437,6 +437,10 @@ pub struct MemorySection {
     /// or a size such as `2GiB` or `1500MB`; `0` = no limit. A run whose plan exceeds it is
     /// refused before anything is written.
     pub limit: String,
+    /// The most a device run (`train.device`) may allocate on the device, as planned before it
+    /// allocates: a size such as `8GiB`; `0` = the adapter's own limits only (no buffer past its
+    /// largest, which is all Vulkan reports).
+    pub device_limit: String,
     /// `none`, `int8` or `int4`: the activations each block keeps for backward stored as 8- or
     /// 4-bit codes per group of 64 with fp32 scales (GACT), expanded before its backward.
     #[serde(with = "named")]
@@ -448,7 +452,7 @@ pub struct MemorySection {
 
 
 /// String keys that also take a plain integer (a number of bytes).
-const SIZE_KEYS: &[&str] = &["memory.limit"];
+const SIZE_KEYS: &[&str] = &["memory.limit", "memory.device_limit"];
 
 
 /// Numerical faults: what a step with a non-finite or spiking loss does.
@@ -765,7 +769,7 @@ impl Default for ParallelSection {
 
 impl Default for MemorySection {
     fn default() -> Self {
-        MemorySection { offload: Offload::None, limit: "0".into(), activation_compression: Default::default(), activation_rounding: Default::default() }
+        MemorySection { offload: Offload::None, limit: "0".into(), device_limit: "0".into(), activation_compression: Default::default(), activation_rounding: Default::default() }
     }
 }
 
@@ -1150,6 +1154,7 @@ impl RunConfig {
             return user(format!("train.precision = {} with LoRA is not supported: LoRA runs in fp32 or bf16 (a bf16 base and bf16 products, the adapters fp32)", t.precision.name()));
         }
         crate::util::parse_size(&self.memory.limit).map_err(|e| crate::error::KilnError::User(format!("memory.limit: {e}")))?;
+        crate::util::parse_size(&self.memory.device_limit).map_err(|e| crate::error::KilnError::User(format!("memory.device_limit: {e}")))?;
         let ac = self.memory.activation_compression;
         if ac != plan::policy::ActCompression::None && self.model.recompute == model::Recompute::Full {
             return user(format!("memory.activation_compression = {} needs model.recompute = none or selective: full recomputation keeps no block activations to compress", plan::policy::Names::name(ac)));
@@ -1441,6 +1446,11 @@ impl RunConfig {
         let layer = 2.0 * (c * g.qkv_width() as f64 + g.attn_width() as f64 * c + g.fc_width() as f64 * c + g.ffn_hidden as f64 * c) + 4.0 * c * g.block_size as f64;
         let head = 2.0 * c * g.vocab_size as f64;
         parallel::pp::split_layers(g.n_layer, k, &p.pp_layers, layer, head).map_err(crate::error::KilnError::User)
+    }
+
+    /// `memory.device_limit` in bytes (0 = none); checked by `validate`.
+    pub fn device_memory_limit(&self) -> u64 {
+        crate::util::parse_size(&self.memory.device_limit).unwrap_or(0)
     }
 
     /// `memory.limit` in bytes (0 = none); checked by `validate`.

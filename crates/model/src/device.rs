@@ -71,6 +71,16 @@ struct Acts {
 }
 
 impl Acts {
+    /// The elements of each buffer [`Acts::new`] allocates, in order (`u32` ids included).
+    fn sizes(cfg: &GptConfig, b: usize, t: usize, head_rows: usize) -> Vec<usize> {
+        let (n, c, nh) = (b * t, cfg.n_embd, cfg.n_head);
+        let layer = [n * c, n, n, n * cfg.qkv_width(), n * cfg.attn_width(), b * nh * t, n * c, n * c, n, n, n * cfg.fc_width(), n * cfg.ffn_hidden];
+        let mut v: Vec<usize> = (0..=cfg.n_layer).map(|_| n * c).collect();
+        (0..cfg.n_layer).for_each(|_| v.extend(layer));
+        v.extend([n * c, n, n, n * c, n, n, n, head_rows * cfg.vocab_size, n * c, n * c, n * c, n * c, n * cfg.attn_width(), n * cfg.qkv_width(), n * cfg.fc_width(), n * cfg.ffn_hidden, b * nh * t]);
+        v
+    }
+
     fn new(g: &Gpu, cfg: &GptConfig, b: usize, t: usize) -> Acts {
         let (n, c, nh) = (b * t, cfg.n_embd, cfg.n_head);
         let z = |len: usize| g.zeros(len);
@@ -165,6 +175,25 @@ pub fn unsupported(m: &Gpt) -> Option<String> {
         return Some("the device does not run 16-bit or FP8 storage (train.precision other than fp32) yet".into());
     }
     unsupported_config(&m.cfg)
+}
+
+/// What a device model allocates: its largest buffer and the total, in bytes, for `(B, T)`
+/// with `extra` more parameter-sized buffers (an optimizer's moments).
+#[derive(Clone, Copy, Debug)]
+pub struct DevicePlan {
+    pub params: usize,
+    pub total_bytes: u64,
+    pub largest_bytes: u64,
+}
+
+/// [`DevicePlan`] of a model shaped `cfg` with `params` parameters, on `gpu`: parameters,
+/// gradients and `extra` more parameter-sized buffers, the activations and scratch of one
+/// `(B, T)` pass.
+pub fn plan(gpu: &Gpu, cfg: &GptConfig, params: usize, (b, t): (usize, usize), extra: usize) -> DevicePlan {
+    let mut sizes = Acts::sizes(cfg, b, t, gpu.head_rows(b * t, cfg.vocab_size));
+    sizes.extend(std::iter::repeat_n(params, 2 + extra));
+    let bytes = |n: usize| (n.max(1) * 4) as u64;
+    DevicePlan { params, total_bytes: sizes.iter().map(|&n| bytes(n)).sum(), largest_bytes: sizes.iter().map(|&n| bytes(n)).max().unwrap_or(0) }
 }
 
 impl DeviceGpt {

@@ -55,12 +55,14 @@ pub(crate) fn refusal(cfg: &RunConfig) -> Option<String> {
 }
 
 impl DeviceRun {
-    /// Opens the device and uploads the chunk's parameters and moments.
-    pub fn new(d: DeviceArg, ch: &mut Chunk) -> Result<DeviceRun> {
+    /// Opens the device, checks the run's device plan against what it may allocate
+    /// ([`check_plan`]), and uploads the chunk's parameters and moments.
+    pub fn new(d: DeviceArg, cfg: &RunConfig, ch: &mut Chunk) -> Result<DeviceRun> {
         let gpu = match crate::device::open(d)? {
             Some(g) => Arc::new(g),
             None => return Err(KilnError::Internal("a device run on the CPU".into())),
         };
+        check_plan(&gpu, d, cfg, &ch.model)?;
         let params = host_params(ch);
         let mut host = model::Gpt::zeroed(ch.model.cfg.clone(), ch.model.real_vocab);
         host.params = params;
@@ -154,6 +156,26 @@ impl DeviceRun {
         ch.opt.v.copy_from_slice(&v);
         self.stale = false;
     }
+}
+
+/// Refuses, before anything is allocated on the device, a run whose device plan (parameters,
+/// gradients, AdamW's moments, one micro-batch's activations) exceeds `memory.device_limit`, or
+/// whose largest buffer exceeds the adapter's; the message gives the plan's figures.
+fn check_plan(gpu: &Gpu, d: DeviceArg, cfg: &RunConfig, m: &model::Gpt) -> Result<()> {
+    let p = model::device::plan(gpu, &m.cfg, m.layout.total, (cfg.micro_batch(), cfg.seq_len()), 2);
+    let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+    let figures = format!(
+        "the run needs {:.1} MiB on the device ({} parameters × 4 buffers of fp32 (weights, gradients, AdamW's two moments) and the activations of {} × {} tokens), its largest buffer {:.1} MiB",
+        mib(p.total_bytes), p.params, cfg.micro_batch(), cfg.seq_len(), mib(p.largest_bytes)
+    );
+    let limit = cfg.device_memory_limit();
+    if limit > 0 && p.total_bytes > limit {
+        return user(format!("train.device = {d}: {figures}: over memory.device_limit = {} ({:.1} MiB)", cfg.memory.device_limit, mib(limit)));
+    }
+    if p.largest_bytes > gpu.info.max_buffer {
+        return user(format!("train.device = {d}: {figures}: over {}'s largest buffer, {:.1} MiB", gpu.info.name, mib(gpu.info.max_buffer)));
+    }
+    Ok(())
 }
 
 /// The chunk's parameters in layout order (one rank: its pieces cover the layout).

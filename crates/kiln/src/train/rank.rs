@@ -188,7 +188,7 @@ impl<'a> Rank<'a> {
         #[cfg(feature = "vulkan")]
         let device = match cfg.train.device.parse::<crate::device::DeviceArg>().map_err(KilnError::User)? {
             crate::device::DeviceArg::Cpu => None,
-            d => Some(super::device::DeviceRun::new(d, &mut chunks[0])?),
+            d => Some(super::device::DeviceRun::new(d, cfg, &mut chunks[0])?),
         };
         // A device's MFU is against the device's measured matmul peak.
         #[cfg(feature = "vulkan")]

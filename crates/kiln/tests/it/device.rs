@@ -22,6 +22,11 @@ fn device_flags_are_checked_and_refusals_are_one_line_with_exit_2() {
         assert!(stderr(&o).contains(says), "--device {device}: {}", stderr(&o));
         assert!(!out.exists(), "--device {device} wrote a run directory");
     }
+    // A run larger than the device may hold is refused with the plan, before it allocates.
+    let o = kiln(&[&base[..], &["--device", "vulkan", "--set", "memory.device_limit=1MiB"]].concat());
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("MiB on the device") && stderr(&o).contains("over memory.device_limit = 1MiB"), "{}", stderr(&o));
+    assert!(!out.exists(), "a refused device run wrote its run directory");
     for cmd in ["eval", "generate"] {
         let o = kiln(&[cmd, "--run", out.to_str().unwrap(), "--device", "vulkan"]);
         assert_eq!(o.status.code(), Some(2), "{cmd}: {}", stderr(&o));

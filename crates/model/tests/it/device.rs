@@ -67,6 +67,23 @@ fn device_llama_matches_the_cpu_model() {
     check(GptConfig { sliding_window: 5, ..llama }, "llama sliding window");
 }
 
+/// The plan a device run is checked against before it allocates is what the model allocates.
+#[test]
+fn the_device_plan_is_what_the_model_allocates() {
+    let g = gpu();
+    let cfg = GptConfig { arch: Arch::Llama, n_head: 4, n_kv_head: 2, ffn_hidden: 20, tied_embeddings: false, bias: false, ..GptConfig::gpt2(2, 4, 32, 19, 37, false, 0.1, false) };
+    let cpu = Gpt::new(cfg.clone(), 36, 5);
+    let before = g.allocated_bytes();
+    let mut dev = DeviceGpt::new(g.clone(), &cpu).unwrap();
+    let (b, t) = (3, 18);
+    dev.forward(&vec![1; b * t], &vec![2; b * t], b, t, Pass::Eval);
+    let used = g.allocated_bytes() - before;
+    let plan = model::device::plan(&g, &cfg, cpu.params.len(), (b, t), 0);
+    // The plan leaves out only the few small buffers (rotary tables, the step's scalars).
+    let small = 2 * 4 * (cfg.block_size * cfg.head_size()) as u64 + 4 * 64;
+    assert!(plan.total_bytes <= used && used <= plan.total_bytes + small, "plan {plan:?} against {used} bytes allocated");
+}
+
 #[test]
 fn unsupported_models_are_refused_by_name() {
     let g = gpu();
