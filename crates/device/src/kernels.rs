@@ -4,7 +4,7 @@
 use crate::shader::{kernel, Kernel};
 use crate::{At, Buf, DType, DeviceError, Gpu};
 
-const MATMUL: Kernel = kernel!("matmul", ["A", "B", "C", "BIAS"], writes ["C"]);
+const MATMUL: Kernel = kernel!("matmul", ["A", "B", "C", "BIAS", "OFFS"], writes ["C"]);
 const BIAS_BACKWARD: Kernel = kernel!("bias_backward", ["DB", "DOUT"], writes ["DB"]);
 const CAST: Kernel = kernel!("cast", ["DST", "SRC"], writes []);
 
@@ -74,10 +74,32 @@ fn extent(s: MatSpec, rows: usize, cols: usize, g: &Gemm) -> usize {
     s.off + last_batch + (rows - 1) * s.rs + (cols - 1) * s.cs + 1
 }
 
+/// Which dimension of a product is one expert's packed rows ([`Gpu::gemm_ragged`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Ragged {
+    /// The output's rows (and A's): an expert's forward, or its input gradient.
+    Rows = 1,
+    /// The inner dimension (A's columns, B's rows): an expert's weight gradient.
+    Inner = 2,
+}
+
 impl Gpu {
     /// The strided batched product every matmul here is made of (fp32 accumulation, inputs of
     /// any floating type, fp32 output): `tensor::matmul::gemm`'s twin.
     pub fn gemm(&self, g: Gemm, c: (&Buf, MatSpec), a: (&Buf, MatSpec), b: (&Buf, MatSpec), bias: Option<At>) {
+        self.gemm_with(g, c, a, b, bias, None);
+    }
+
+    /// [`Gpu::gemm`] over expert `e`'s packed rows `offsets[e] .. offsets[e + 1]` (u32, on the
+    /// device): along `ragged`, `g.m` or `g.k` is an upper bound and the views start at row 0
+    /// of the packed buffers. No count comes back to the host.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_ragged(&self, g: Gemm, c: (&Buf, MatSpec), a: (&Buf, MatSpec), b: (&Buf, MatSpec), ragged: Ragged, (offsets, e): (&Buf, usize)) {
+        assert!(offsets.dtype() == DType::U32 && e + 1 < offsets.len(), "gemm_ragged: expert {e} of {} offsets", offsets.len());
+        self.gemm_with(g, c, a, b, None, Some((ragged, offsets, e)));
+    }
+
+    fn gemm_with(&self, g: Gemm, c: (&Buf, MatSpec), a: (&Buf, MatSpec), b: (&Buf, MatSpec), bias: Option<At>, rag: Option<(Ragged, &Buf, usize)>) {
         let (cs, asp, bsp) = (c.1, a.1, b.1);
         assert_eq!(cs.cs, 1, "the output of a device gemm is row-major");
         assert!(extent(asp, g.m, g.k, &g) <= a.0.len, "gemm: A's view runs past its buffer");
@@ -91,10 +113,11 @@ impl Gpu {
             u(bsp.off), u(bsp.rs), u(bsp.cs), u(bsp.b0), u(bsp.b1),
             u(cs.off), u(cs.rs), u(cs.b0), u(cs.b1),
             g.alpha.to_bits(), g.accumulate as u32, bias.is_some() as u32, u(bias.map_or(0, |b| b.off)),
+            rag.map_or(0, |r| r.0 as u32), u(rag.map_or(0, |r| r.2)),
         ];
         let groups = [u(g.n.div_ceil(64)), u(g.m.div_ceil(64)), u(g.outer * g.inner)];
         assert!(groups.iter().all(|&x| x <= 65535), "gemm: {g:?} needs over 65535 workgroups along one axis");
-        self.launch(&MATMUL, groups, &args, &[Some(a.0), Some(b.0), Some(c.0), bias.map(|b| b.buf)]);
+        self.launch(&MATMUL, groups, &args, &[Some(a.0), Some(b.0), Some(c.0), bias.map(|b| b.buf), rag.map(|r| r.1)]);
     }
 
     /// `out[BT, OC] = inp[BT, C] · weight[OC, C]ᵀ (+ bias[OC])`: `tensor::matmul_forward`'s

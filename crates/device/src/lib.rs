@@ -30,7 +30,7 @@ use tensor::precision::{from_bits16, round, to_bits16, Format};
 
 pub use attention::MAX_HEAD_SIZE;
 pub use head::slot;
-pub use kernels::{Gemm, MatSpec};
+pub use kernels::{Gemm, MatSpec, Ragged};
 pub use moe::Routing;
 pub use ops::RopePos;
 

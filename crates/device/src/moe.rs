@@ -11,6 +11,7 @@ const ASSIGN: Kernel = kernel!("moe_assign", ["SLOT", "ROWTOK", "OFFSETS", "COUN
 const DISPATCH: Kernel = kernel!("moe_dispatch", ["A", "B", "ROWTOK", "SLOT", "OFFSETS"], writes ["A"]);
 const COMBINE: Kernel = kernel!("moe_combine", ["Y", "EO", "G", "SLOT"], writes ["Y"]);
 const COMBINE_BACKWARD: Kernel = kernel!("moe_combine_backward", ["DG", "DEO", "DY", "EO", "G", "SLOT", "ROWTOK", "OFFSETS"], writes ["DG", "DEO"]);
+const AUX_COEF: Kernel = kernel!("moe_aux_coef", ["AUX", "COUNTS"], writes ["AUX"]);
 const ROUTER_BACKWARD: Kernel = kernel!("moe_router_backward", ["DL", "P", "LSE", "IDX", "G", "DG", "AUX"], writes ["DL"]);
 
 /// One MoE layer's routing state on the device: `N` tokens, `E` experts, `K` per token.
@@ -91,6 +92,14 @@ impl Gpu {
         let bufs = [Some(dgate), Some(deo), Some(dy), Some(eo), Some(&r.gates), Some(&r.slot), Some(&r.row_token), Some(&r.offsets)];
         self.launch(&COMBINE_BACKWARD, Gpu::grid(r.n * r.k, 256), &[u(r.n), u(c), u(r.k), u(r.e), 0], &bufs);
         self.launch(&COMBINE_BACKWARD, Gpu::grid(r.n * r.k * c, 256), &[u(r.n), u(c), u(r.k), u(r.e), 1], &bufs);
+    }
+
+    /// The load-balancing loss's gradient with respect to each expert's mean probability,
+    /// `aux_coef[e] = aux_weight·E·counts[e] / (N·K·N)`, from the routing's counts on the device
+    /// (the batch is the routing group).
+    pub fn moe_aux_coef(&self, aux_coef: &Buf, r: &Routing, aux_weight: f32) {
+        let coef = (aux_weight as f64 * r.e as f64 / ((r.n * r.k) as f64 * r.n as f64)) as f32;
+        self.launch(&AUX_COEF, Gpu::grid(r.e, 64), &[u(r.e), coef.to_bits()], &[Some(aux_coef), Some(&r.counts)]);
     }
 
     /// The router's backward into `dlogits[N, E]` (overwritten) from the gates' gradient, the

@@ -10,9 +10,9 @@
 
 use crate::config::Arch;
 use crate::gpt::{Pass, IGNORE_INDEX};
-use crate::layout::{BlockParams, GptParams};
+use crate::layout::{BlockParams, GptParams, MoeParams};
 use crate::{Gpt, GptConfig};
-use device::{At, Buf, DType, Gpu, RopePos, Seed};
+use device::{At, Buf, DType, Gemm, Gpu, MatSpec, Ragged, RopePos, Seed};
 use std::sync::Arc;
 use tensor::classifier::HeadDims;
 use tensor::llama::GqaDims;
@@ -41,6 +41,66 @@ struct LayerActs {
     ln_2_rstd: Buf,
     fch: Buf,
     fch_act: Buf,
+    moe: Option<MoeActs>,
+}
+
+/// An MoE layer's activations (`tensor::moe`'s names): the router's logits and routing, the
+/// dispatched rows and each routed expert's `[gate | up]`, activation and output over its packed
+/// rows (upper bound `N·K`), the shared experts' over every token; and the routing statistics
+/// `[Σ_t probs (E) | Σ_t lse²]` the step's line reports.
+struct MoeActs {
+    logits: Buf,
+    routing: device::Routing,
+    xe: Buf,
+    gu: Buf,
+    h: Buf,
+    eo: Buf,
+    sgu: Vec<Buf>,
+    sh: Vec<Buf>,
+    stats: Buf,
+}
+
+/// An MoE layer's backward scratch, shared by the layers.
+struct MoeScratch {
+    deo: Buf,
+    dh: Buf,
+    dgu: Buf,
+    dgate: Buf,
+    dlogits: Buf,
+    aux_coef: Buf,
+}
+
+/// The element counts of an MoE layer's buffers ([`MoeActs`], then [`MoeScratch`]'s once).
+fn moe_sizes(cfg: &GptConfig, n: usize) -> (Vec<usize>, Vec<usize>) {
+    let (c, f, e, k, s) = (cfg.n_embd, cfg.ffn_hidden, cfg.n_expert, cfg.top_k, cfg.n_shared_expert);
+    let nk = n * k;
+    let mut acts = vec![n * e, n * e, n, nk, nk, nk, nk, e + 1, e, nk * c, nk * 2 * f, nk * f, nk * c, e + 1];
+    acts.extend(std::iter::repeat_n(n * 2 * f, s).chain(std::iter::repeat_n(n * f, s)));
+    (acts, vec![nk * c, nk.max(n) * f, nk.max(n) * 2 * f, nk, n * e, e])
+}
+
+impl MoeActs {
+    fn new(g: &Gpu, cfg: &GptConfig, n: usize) -> MoeActs {
+        let (c, f, e, k, s) = (cfg.n_embd, cfg.ffn_hidden, cfg.n_expert, cfg.top_k, cfg.n_shared_expert);
+        MoeActs {
+            logits: g.zeros(n * e),
+            routing: g.routing(n, e, k),
+            xe: g.zeros(n * k * c),
+            gu: g.zeros(n * k * 2 * f),
+            h: g.zeros(n * k * f),
+            eo: g.zeros(n * k * c),
+            sgu: (0..s).map(|_| g.zeros(n * 2 * f)).collect(),
+            sh: (0..s).map(|_| g.zeros(n * f)).collect(),
+            stats: g.zeros(e + 1),
+        }
+    }
+}
+
+impl MoeScratch {
+    fn new(g: &Gpu, cfg: &GptConfig, n: usize) -> MoeScratch {
+        let (_, z) = moe_sizes(cfg, n);
+        MoeScratch { deo: g.zeros(z[0]), dh: g.zeros(z[1]), dgu: g.zeros(z[2]), dgate: g.zeros(z[3]), dlogits: g.zeros(z[4]), aux_coef: g.zeros(z[5]) }
+    }
 }
 
 /// A pass's buffers for `(B, T)`: the residual stream between blocks, each block's kept
@@ -68,16 +128,27 @@ struct Acts {
     dfch_act: Buf,
     /// FlashAttention-2's `D` in backward.
     dd: Buf,
+    moe: Option<MoeScratch>,
 }
 
 impl Acts {
     /// The elements of each buffer [`Acts::new`] allocates, in order (`u32` ids included).
     fn sizes(cfg: &GptConfig, b: usize, t: usize, head_rows: usize) -> Vec<usize> {
         let (n, c, nh) = (b * t, cfg.n_embd, cfg.n_head);
-        let layer = [n * c, n, n, n * cfg.qkv_width(), n * cfg.attn_width(), b * nh * t, n * c, n * c, n, n, n * cfg.fc_width(), n * cfg.ffn_hidden];
+        let (fc, act) = if cfg.is_moe() { (0, 0) } else { (n * cfg.fc_width(), n * cfg.ffn_hidden) };
+        let layer = [n * c, n, n, n * cfg.qkv_width(), n * cfg.attn_width(), b * nh * t, n * c, n * c, n, n, fc, act];
         let mut v: Vec<usize> = (0..=cfg.n_layer).map(|_| n * c).collect();
-        (0..cfg.n_layer).for_each(|_| v.extend(layer));
-        v.extend([n * c, n, n, n * c, n, n, n, head_rows * cfg.vocab_size, n * c, n * c, n * c, n * c, n * cfg.attn_width(), n * cfg.qkv_width(), n * cfg.fc_width(), n * cfg.ffn_hidden, b * nh * t]);
+        let (moe, scratch) = moe_sizes(cfg, n);
+        for _ in 0..cfg.n_layer {
+            v.extend(layer);
+            if cfg.is_moe() {
+                v.extend(&moe);
+            }
+        }
+        if cfg.is_moe() {
+            v.extend(scratch);
+        }
+        v.extend([n * c, n, n, n * c, n, n, n, head_rows * cfg.vocab_size, n * c, n * c, n * c, n * c, n * cfg.attn_width(), n * cfg.qkv_width(), fc, act, b * nh * t]);
         v
     }
 
@@ -95,8 +166,9 @@ impl Acts {
             ln_2: z(n * c),
             ln_2_mean: z(n),
             ln_2_rstd: z(n),
-            fch: z(n * cfg.fc_width()),
-            fch_act: z(n * cfg.ffn_hidden),
+            fch: z(if cfg.is_moe() { 0 } else { n * cfg.fc_width() }),
+            fch_act: z(if cfg.is_moe() { 0 } else { n * cfg.ffn_hidden }),
+            moe: cfg.is_moe().then(|| MoeActs::new(g, cfg, n)),
         };
         let head_rows = g.head_rows(n, cfg.vocab_size);
         Acts {
@@ -118,9 +190,10 @@ impl Acts {
             dln: z(n * c),
             datty: z(n * cfg.attn_width()),
             dqkv: z(n * cfg.qkv_width()),
-            dfch: z(n * cfg.fc_width()),
-            dfch_act: z(n * cfg.ffn_hidden),
+            dfch: z(if cfg.is_moe() { 0 } else { n * cfg.fc_width() }),
+            dfch_act: z(if cfg.is_moe() { 0 } else { n * cfg.ffn_hidden }),
             dd: z(b * nh * t),
+            moe: cfg.is_moe().then(|| MoeScratch::new(g, cfg, n)),
         }
     }
 }
@@ -141,13 +214,15 @@ pub struct DeviceGpt {
     /// The last training pass's dropout `(p, seed)`, targets counted, and whether it trained.
     drop: (f32, u64),
     count: usize,
+    /// The last training pass's loss scale (the MoE losses' weights take it too).
+    loss_scale: f32,
+    /// Reductions' partial sums.
+    parts: Buf,
 }
 
 /// What the device model cannot run yet of a model shaped `cfg`, by name; `None` when it can.
 pub fn unsupported_config(cfg: &GptConfig) -> Option<String> {
-    let why = if cfg.is_moe() {
-        "mixture-of-experts layers"
-    } else if cfg.qk_norm {
+    let why = if cfg.qk_norm {
         "Qwen3's q/k norms (model.qk_norm)"
     } else if cfg.attn_sinks > 0 {
         "attention sinks (model.attn_sinks)"
@@ -192,6 +267,7 @@ pub struct DevicePlan {
 pub fn plan(gpu: &Gpu, cfg: &GptConfig, params: usize, (b, t): (usize, usize), extra: usize) -> DevicePlan {
     let mut sizes = Acts::sizes(cfg, b, t, gpu.head_rows(b * t, cfg.vocab_size));
     sizes.extend(std::iter::repeat_n(params, 2 + extra));
+    sizes.extend([Gpu::parts_len(), SCALARS]);
     let bytes = |n: usize| (n.max(1) * 4) as u64;
     DevicePlan { params, total_bytes: sizes.iter().map(|&n| bytes(n)).sum(), largest_bytes: sizes.iter().map(|&n| bytes(n)).max().unwrap_or(0) }
 }
@@ -210,8 +286,8 @@ impl DeviceGpt {
             let (cos, sin) = r.for_pass(0);
             (gpu.upload(cos), gpu.upload(sin))
         });
-        let scalars = gpu.zeros(SCALARS);
-        Ok(DeviceGpt { cfg: m.cfg.clone(), views: m.views.clone(), real_vocab: m.real_vocab, params, grads, scalars, rope, acts: None, drop: (0.0, 0), count: 0, gpu })
+        let (scalars, parts) = (gpu.zeros(SCALARS), gpu.zeros(Gpu::parts_len()));
+        Ok(DeviceGpt { cfg: m.cfg.clone(), views: m.views.clone(), real_vocab: m.real_vocab, params, grads, scalars, rope, acts: None, drop: (0.0, 0), count: 0, loss_scale: 1.0, parts, gpu })
     }
 
     /// Overwrites the device parameters with `params` (a resumed checkpoint's).
@@ -250,6 +326,7 @@ impl DeviceGpt {
             Pass::Train { dropout_seed, loss_scale } => (self.cfg.dropout, dropout_seed, Some(loss_scale)),
         };
         self.drop = (p, seed);
+        self.loss_scale = loss_scale.unwrap_or(1.0);
         let count = targets.iter().filter(|&&x| x != IGNORE_INDEX).count();
         self.count = count;
         let weight = match loss_scale {
@@ -391,12 +468,17 @@ impl DeviceGpt {
         g.residual_forward(&la.res_2, x, &a.branch);
         // out = res_2 + drop(mlp(norm_2(res_2)))
         self.norm_forward((&la.ln_2, &la.ln_2_mean, &la.ln_2_rstd), &la.res_2, &bp.ln_2_w, &bp.ln_2_b);
-        self.linear(&la.fch, &la.ln_2, (&bp.c_fc_w, &bp.c_fc_b), c, cfg.fc_width(), a);
-        match cfg.arch {
-            Arch::Gpt2 => g.gelu_forward(&la.fch_act, &la.fch),
-            Arch::Llama => g.swiglu_forward(&la.fch_act, &la.fch, cfg.ffn_hidden),
+        match (&bp.moe, &la.moe) {
+            (Some(mp), Some(ma)) => self.moe_forward(mp, ma, &la.ln_2, &a.branch),
+            _ => {
+                self.linear(&la.fch, &la.ln_2, (&bp.c_fc_w, &bp.c_fc_b), c, cfg.fc_width(), a);
+                match cfg.arch {
+                    Arch::Gpt2 => g.gelu_forward(&la.fch_act, &la.fch),
+                    Arch::Llama => g.swiglu_forward(&la.fch_act, &la.fch, cfg.ffn_hidden),
+                }
+                self.linear(&a.branch, &la.fch_act, (&bp.mlp_proj_w, &bp.mlp_proj_b), cfg.ffn_hidden, c, a);
+            }
         }
-        self.linear(&a.branch, &la.fch_act, (&bp.mlp_proj_w, &bp.mlp_proj_b), cfg.ffn_hidden, c, a);
         self.dropout(&a.branch, site + 2, a);
         g.residual_forward(out, &la.res_2, &a.branch);
     }
@@ -426,12 +508,17 @@ impl DeviceGpt {
         let site = 1 + 3 * l as u64;
         // d res_2 = d out + norm_2ᵀ(mlpᵀ(dropᵀ(d out)))
         let dmlp = self.dropout_grad(&a.dbranch, &a.dres, site + 2, a);
-        self.linear_backward(&a.dfch_act, dmlp, &la.fch_act, (&bp.mlp_proj_w, &bp.mlp_proj_b), cfg.ffn_hidden, c, a);
-        match cfg.arch {
-            Arch::Gpt2 => g.gelu_backward_into(&a.dfch, &a.dfch_act, &la.fch),
-            Arch::Llama => g.swiglu_backward(&a.dfch, &a.dfch_act, &la.fch, cfg.ffn_hidden, false),
+        match (&bp.moe, &la.moe, &a.moe) {
+            (Some(mp), Some(ma), Some(ms)) => self.moe_backward(mp, (ma, ms), dmlp, &la.ln_2, &a.dln),
+            _ => {
+                self.linear_backward(&a.dfch_act, dmlp, &la.fch_act, (&bp.mlp_proj_w, &bp.mlp_proj_b), cfg.ffn_hidden, c, a);
+                match cfg.arch {
+                    Arch::Gpt2 => g.gelu_backward_into(&a.dfch, &a.dfch_act, &la.fch),
+                    Arch::Llama => g.swiglu_backward(&a.dfch, &a.dfch_act, &la.fch, cfg.ffn_hidden, false),
+                }
+                self.linear_backward(&a.dln, &a.dfch, &la.ln_2, (&bp.c_fc_w, &bp.c_fc_b), c, cfg.fc_width(), a);
+            }
         }
-        self.linear_backward(&a.dln, &a.dfch, &la.ln_2, (&bp.c_fc_w, &bp.c_fc_b), c, cfg.fc_width(), a);
         self.norm_backward(&a.dres, &a.dln, &la.res_2, (&la.ln_2_mean, &la.ln_2_rstd), (&bp.ln_2_w, &bp.ln_2_b));
         // d x = d res_2 + norm_1ᵀ(attnᵀ(dropᵀ(d res_2)))
         let dattn = self.dropout_grad(&a.dbranch, &a.dres, site + 1, a);
@@ -444,6 +531,115 @@ impl DeviceGpt {
         }
         self.linear_backward(&a.dln, &a.dqkv, &la.ln_1, (&bp.c_attn_w, &bp.c_attn_b), c, cfg.qkv_width(), a);
         self.norm_backward(&a.dres, &a.dln, &a.xs[l], (&la.ln_1_mean, &la.ln_1_rstd), (&bp.ln_1_w, &bp.ln_1_b));
+    }
+
+    /// An MoE layer's forward from `x` (`ln_2`) into `y`: `tensor::moe::moe_forward` on the
+    /// device: the router, top-k routing with capacity, dispatch, each routed expert over its
+    /// packed rows (the counts stay on the device), the shared experts, the combine; and the
+    /// routing statistics.
+    fn moe_forward(&self, mp: &MoeParams, ma: &MoeActs, x: &Buf, y: &Buf) {
+        let (g, cfg) = (&*self.gpu, &self.cfg);
+        let (c, f, e) = (cfg.n_embd, cfg.ffn_hidden, cfg.n_expert);
+        let r = &ma.routing;
+        let n = r.n;
+        let dims = cfg.moe_dims(n);
+        let cap = dims.capacity().min(n);
+        g.matmul_forward(&ma.logits, x, self.params.at(mp.router.start), None, n, c, e);
+        g.moe_route(r, &ma.logits, dims.renormalize, dims.capacity());
+        g.moe_dispatch(&ma.xe, x, r, c);
+        let (es, off) = (3 * f * c, (&r.offsets, 0));
+        for ex in 0..e {
+            let w = mp.experts.start + ex * es;
+            let rows = |cols: usize| MatSpec::rows(0, cols);
+            g.gemm_ragged(Gemm::new(cap, 2 * f, c), (&ma.gu, rows(2 * f)), (&ma.xe, rows(c)), (&self.params, MatSpec::rows(w, c).t()), Ragged::Rows, (off.0, ex));
+        }
+        g.swiglu_forward(&ma.h, &ma.gu, f);
+        for ex in 0..e {
+            let w2 = mp.experts.start + ex * es + 2 * f * c;
+            g.gemm_ragged(Gemm::new(cap, c, f), (&ma.eo, MatSpec::rows(0, c)), (&ma.h, MatSpec::rows(0, f)), (&self.params, MatSpec::rows(w2, f).t()), Ragged::Rows, (off.0, ex));
+        }
+        for (si, (sgu, sh)) in ma.sgu.iter().zip(&ma.sh).enumerate() {
+            let w = mp.shared.start + si * es;
+            g.matmul_forward(sgu, x, self.params.at(w), None, n, c, 2 * f);
+            g.swiglu_forward(sh, sgu, f);
+            let acc = Gemm { accumulate: si > 0, ..Gemm::new(n, c, f) };
+            g.gemm(acc, (y, MatSpec::rows(0, c)), (sh, MatSpec::rows(0, f)), (&self.params, MatSpec::rows(w + 2 * f * c, f).t()), None);
+        }
+        g.moe_combine(y, &ma.eo, r, c, !ma.sgu.is_empty());
+        // Statistics: Σ_t probs per expert (a column sum) and Σ_t lse².
+        g.clear(&ma.stats);
+        g.bias_backward(ma.stats.at(0), &r.probs, n, e);
+        g.sum_squares((&ma.stats, e), r.lse.at(0), n, &self.parts, false);
+    }
+
+    /// The backward of [`DeviceGpt::moe_forward`] from `dy` into `dx` (overwritten), the
+    /// router's, experts' and shared experts' gradients accumulated: `tensor::moe::moe_backward`
+    /// on the device, with the load-balancing and z losses weighted by the pass's loss scale.
+    fn moe_backward(&self, mp: &MoeParams, (ma, ms): (&MoeActs, &MoeScratch), dy: &Buf, x: &Buf, dx: &Buf) {
+        let (g, cfg) = (&*self.gpu, &self.cfg);
+        let (c, f, e) = (cfg.n_embd, cfg.ffn_hidden, cfg.n_expert);
+        let r = &ma.routing;
+        let (n, nk) = (r.n, r.n * r.k);
+        let cap = cfg.moe_dims(n).capacity().min(n);
+        let es = 3 * f * c;
+        let rows = |cols: usize| MatSpec::rows(0, cols);
+        g.moe_combine_backward((&ms.dgate, &ms.deo), dy, &ma.eo, r, c);
+        for ex in 0..e {
+            let w2 = mp.experts.start + ex * es + 2 * f * c;
+            g.gemm_ragged(Gemm::new(cap, f, c), (&ms.dh, rows(f)), (&ms.deo, rows(c)), (&self.params, MatSpec::rows(w2, f)), Ragged::Rows, (&r.offsets, ex));
+            g.gemm_ragged(Gemm::new(c, f, nk).acc(), (&self.grads, MatSpec::rows(w2, f)), (&ms.deo, rows(c).t()), (&ma.h, rows(f)), Ragged::Inner, (&r.offsets, ex));
+        }
+        g.swiglu_backward(&ms.dgu, &ms.dh, &ma.gu, f, false);
+        for ex in 0..e {
+            let w = mp.experts.start + ex * es;
+            g.gemm_ragged(Gemm::new(2 * f, c, nk).acc(), (&self.grads, MatSpec::rows(w, c)), (&ms.dgu, rows(2 * f).t()), (&ma.xe, rows(c)), Ragged::Inner, (&r.offsets, ex));
+            g.gemm_ragged(Gemm::new(cap, c, 2 * f), (&ms.deo, rows(c)), (&ms.dgu, rows(2 * f)), (&self.params, MatSpec::rows(w, c)), Ragged::Rows, (&r.offsets, ex));
+        }
+        g.clear(dx);
+        g.moe_dispatch_backward(dx, &ms.deo, r, c);
+        for (si, (sgu, sh)) in ma.sgu.iter().zip(&ma.sh).enumerate() {
+            let w = mp.shared.start + si * es;
+            g.gemm(Gemm::new(n, f, c), (&ms.dh, rows(f)), (dy, rows(c)), (&self.params, MatSpec::rows(w + 2 * f * c, f)), None);
+            g.gemm(Gemm::new(c, f, n).acc(), (&self.grads, MatSpec::rows(w + 2 * f * c, f)), (dy, rows(c).t()), (sh, rows(f)), None);
+            g.swiglu_backward(&ms.dgu, &ms.dh, sgu, f, false);
+            g.gemm(Gemm::new(2 * f, c, n).acc(), (&self.grads, MatSpec::rows(w, c)), (&ms.dgu, rows(2 * f).t()), (x, rows(c)), None);
+            g.gemm(Gemm::new(n, c, 2 * f).acc(), (dx, rows(c)), (&ms.dgu, rows(2 * f)), (&self.params, MatSpec::rows(w, c)), None);
+        }
+        // The router: the gates' gradient, the aux and z losses (weighted as the main loss).
+        g.moe_aux_coef(&ms.aux_coef, r, cfg.moe_aux_weight * self.loss_scale);
+        let z_coef = 2.0 * (cfg.moe_z_weight * self.loss_scale) / n as f32;
+        g.moe_router_backward(&ms.dlogits, r, &ms.dgate, &ms.aux_coef, z_coef, cfg.moe_dims(n).renormalize);
+        let wr = mp.router.start;
+        g.gemm(Gemm::new(n, c, e).acc(), (dx, rows(c)), (&ms.dlogits, rows(e)), (&self.params, MatSpec::rows(wr, c)), None);
+        g.gemm(Gemm::new(e, c, n).acc(), (&self.grads, MatSpec::rows(wr, c)), (&ms.dlogits, rows(e).t()), (x, rows(c)), None);
+    }
+
+    /// Each MoE layer's routing statistics from the last forward (`tensor::moe::MoeStats`),
+    /// downloaded: per layer its counts, Σ_t probs and Σ_t lse² (`2E + 1` words).
+    pub fn moe_stats(&self) -> Vec<tensor::moe::MoeStats> {
+        let Some(a) = self.acts.as_ref() else { return Vec::new() };
+        let cfg = &self.cfg;
+        a.layers.iter().filter_map(|l| l.moe.as_ref()).map(|ma| {
+            let r = &ma.routing;
+            let (n, e, k) = (r.n, r.e, r.k);
+            let counts: Vec<usize> = self.gpu.download_u32(&r.counts).into_iter().map(|c| c as usize).collect();
+            let kept = self.gpu.download_u32(&r.offsets)[e] as usize;
+            let st = self.gpu.download(&ma.stats);
+            let aux = (0..e).map(|x| counts[x] as f64 / (n * k) as f64 * (st[x] as f64 / n as f64)).sum::<f64>() * e as f64;
+            let z = st[e] as f64 / n as f64;
+            let (aux, z) = (aux as f32, z as f32);
+            tensor::moe::MoeStats {
+                aux_loss: aux,
+                z_loss: z,
+                loss: cfg.moe_aux_weight * aux + cfg.moe_z_weight * z,
+                max_load: counts.iter().copied().max().unwrap_or(0),
+                mean_load: (n * k) as f32 / e as f32,
+                dropped_fraction: (n * k - kept) as f32 / (n * k) as f32,
+                counts,
+                ep_rows_sent: 0,
+                ep_rows_received: 0,
+            }
+        }).collect()
     }
 
     /// The view of parameter range `r` in the gradients.

@@ -22,6 +22,8 @@ pub struct DeviceRun {
     model: DeviceGpt,
     m: Buf,
     v: Buf,
+    /// The last step's MoE routing statistics (its last micro-batch's, as the CPU's).
+    moe_stats: Vec<tensor::moe::MoeStats>,
     /// The layout's ranges with whether weight decay applies (the host optimizer's).
     segments: Vec<(std::ops::Range<usize>, bool)>,
     /// `sum_squares`' partial sums, and each micro-batch's loss sum.
@@ -72,12 +74,17 @@ impl DeviceRun {
         gpu.write(&m, &ch.opt.m);
         gpu.write(&v, &ch.opt.v);
         let (parts, sums) = (gpu.zeros(Gpu::parts_len()), gpu.zeros(slot::OPTIM + 2 * 64));
-        Ok(DeviceRun { gpu, model, m, v, segments: ch.opt.decay_groups().to_vec(), parts, sums, stale: false })
+        Ok(DeviceRun { gpu, model, m, v, moe_stats: Vec::new(), segments: ch.opt.decay_groups().to_vec(), parts, sums, stale: false })
     }
 
     /// The adapter's one-line description.
     pub fn describe(&self) -> String {
         self.gpu.info.describe()
+    }
+
+    /// The last step's MoE routing statistics.
+    pub fn moe_stats(&self) -> &[tensor::moe::MoeStats] {
+        &self.moe_stats
     }
 
     /// Host↔device bytes so far.
@@ -117,6 +124,9 @@ impl DeviceRun {
         let f = |i: usize| f32::from_bits(back[i]) as f64;
         let loss = ((0..m).map(|k| if counts[k] > 0.0 { f(slot::OPTIM + k) / counts[k] } else { 0.0 }).sum::<f64>() / m as f64) as f32;
         let norm = f(slot::NORM);
+        if self.model.cfg.is_moe() {
+            self.moe_stats = self.model.moe_stats();
+        }
         let out = |skipped| StepOut { loss, grad_norm: norm, overlap: Default::default(), skipped, peak_activation_bytes: 0, peak_in_flight: 0, loss_tokens: counts.iter().sum() };
         if !(loss.is_finite() && norm.is_finite()) {
             return Ok(out(Some("non-finite loss or gradient norm")));

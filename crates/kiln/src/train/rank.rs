@@ -240,6 +240,15 @@ impl<'a> Rank<'a> {
         crate::bench::remeasured_peak_flops(precision)
     }
 
+    /// The last step's MoE routing statistics (the device's, on a device run).
+    fn moe_stats(&self) -> &[tensor::moe::MoeStats] {
+        #[cfg(feature = "vulkan")]
+        if let Some(d) = &self.device {
+            return d.moe_stats();
+        }
+        self.chunks[0].model.moe_stats()
+    }
+
     /// A device run: brings the host's copy of the training state up to the device's (before
     /// anything reads it: evaluation, a checkpoint, the sample).
     pub fn pull_from_device(&mut self) {
@@ -518,7 +527,7 @@ impl<'a> Rank<'a> {
         if self.recompute != Recompute::None {
             line["hfu"] = (self.hw_flops_per_token * tps / self.peak).into();
         }
-        add_moe_stats(&mut line, self.chunks[0].model.moe_stats());
+        add_moe_stats(&mut line, self.moe_stats());
         if let Some(b) = m.bubble {
             line["pp_bubble"] = b.into();
         }

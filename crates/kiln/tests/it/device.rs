@@ -103,7 +103,7 @@ fn worst(a: &BTreeMap<u64, f64>, b: &BTreeMap<u64, f64>, steps: std::ops::RangeI
 #[test]
 fn training_on_the_device_follows_the_cpu_and_checkpoints_move_between_them() {
     let dir = scratch("device-train");
-    for preset in ["shakespeare-char", "llama-tiny"] {
+    for preset in ["shakespeare-char", "llama-tiny", "moe-tiny"] {
         let (cpu, dev) = (dir.join(format!("{preset}-cpu")), dir.join(format!("{preset}-vulkan")));
         train(preset, &cpu, 30, "cpu", false);
         train(preset, &dev, 30, "vulkan", false);
