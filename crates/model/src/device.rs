@@ -205,7 +205,11 @@ pub struct DeviceGpt {
     pub cfg: GptConfig,
     views: GptParams,
     real_vocab: usize,
+    /// The fp32 (master) weights.
     pub params: Buf,
+    /// Mixed precision: the weights the passes read, `params` rounded to bf16 or f16 after
+    /// every update ([`DeviceGpt::refresh_working`]); `None` in fp32.
+    work: Option<Buf>,
     pub grads: Buf,
     /// The step's scalars: `device::slot`'s, then [`LOSS_WEIGHT`].
     pub scalars: Buf,
@@ -246,8 +250,8 @@ pub fn unsupported(m: &Gpt) -> Option<String> {
     if m.lora.is_some() {
         return Some("the device does not run LoRA adapters yet".into());
     }
-    if m.precision != crate::Precision::Fp32 {
-        return Some("the device does not run 16-bit or FP8 storage (train.precision other than fp32) yet".into());
+    if m.precision == crate::Precision::Fp8 {
+        return Some("the device does not run FP8 storage (train.precision = fp8) yet".into());
     }
     unsupported_config(&m.cfg)
 }
@@ -262,11 +266,14 @@ pub struct DevicePlan {
 }
 
 /// [`DevicePlan`] of a model shaped `cfg` with `params` parameters, on `gpu`: parameters,
-/// gradients and `extra` more parameter-sized buffers, the activations and scratch of one
-/// `(B, T)` pass.
-pub fn plan(gpu: &Gpu, cfg: &GptConfig, params: usize, (b, t): (usize, usize), extra: usize) -> DevicePlan {
+/// gradients and `extra` more parameter-sized buffers (and the 16-bit working copy under mixed
+/// `precision`), the activations and scratch of one `(B, T)` pass.
+pub fn plan(gpu: &Gpu, cfg: &GptConfig, params: usize, (b, t): (usize, usize), extra: usize, precision: crate::Precision) -> DevicePlan {
     let mut sizes = Acts::sizes(cfg, b, t, gpu.head_rows(b * t, cfg.vocab_size));
     sizes.extend(std::iter::repeat_n(params, 2 + extra));
+    if matches!(precision, crate::Precision::Bf16 | crate::Precision::Fp16) {
+        sizes.push(params.div_ceil(2));
+    }
     sizes.extend([Gpu::parts_len(), SCALARS]);
     let bytes = |n: usize| (n.max(1) * 4) as u64;
     DevicePlan { params, total_bytes: sizes.iter().map(|&n| bytes(n)).sum(), largest_bytes: sizes.iter().map(|&n| bytes(n)).max().unwrap_or(0) }
@@ -287,12 +294,34 @@ impl DeviceGpt {
             (gpu.upload(cos), gpu.upload(sin))
         });
         let (scalars, parts) = (gpu.zeros(SCALARS), gpu.zeros(Gpu::parts_len()));
-        Ok(DeviceGpt { cfg: m.cfg.clone(), views: m.views.clone(), real_vocab: m.real_vocab, params, grads, scalars, rope, acts: None, drop: (0.0, 0), count: 0, loss_scale: 1.0, parts, gpu })
+        let dtype = match m.precision {
+            crate::Precision::Bf16 => Some(DType::Bf16),
+            crate::Precision::Fp16 => Some(DType::F16),
+            _ => None,
+        };
+        let work = dtype.map(|d| gpu.alloc(m.params.len(), d)).transpose().map_err(|e| e.0)?;
+        let dev = DeviceGpt { cfg: m.cfg.clone(), views: m.views.clone(), real_vocab: m.real_vocab, params, work, grads, scalars, rope, acts: None, drop: (0.0, 0), count: 0, loss_scale: 1.0, parts, gpu };
+        dev.refresh_working();
+        Ok(dev)
     }
 
     /// Overwrites the device parameters with `params` (a resumed checkpoint's).
     pub fn upload_params(&self, params: &[f32]) {
         self.gpu.write(&self.params, params);
+        self.refresh_working();
+    }
+
+    /// Mixed precision: the working weights rounded from the fp32 weights again (after an
+    /// update), on the device; nothing in fp32.
+    pub fn refresh_working(&self) {
+        if let Some(w) = &self.work {
+            self.gpu.cast(w, &self.params).expect("the working copy has the weights' length");
+        }
+    }
+
+    /// The weights the passes read: the working copy under mixed precision, else the fp32 ones.
+    fn w(&self) -> &Buf {
+        self.work.as_ref().unwrap_or(&self.params)
     }
 
     /// The parameters, downloaded.
@@ -354,7 +383,7 @@ impl DeviceGpt {
         self.norm_forward((&a.ln_f, &a.ln_f_mean, &a.ln_f_rstd), x, &v.ln_f_w, &v.ln_f_b);
         let dims = HeadDims { c: self.cfg.n_embd, v: self.real_vocab, vp, offset: 0, ignore_index: IGNORE_INDEX, arith: Arith::F32 };
         let grads = weight.map(|_| (&a.dln_f, self.grads.at(v.lm_head.start), (&self.scalars, LOSS_WEIGHT)));
-        g.lm_head_crossentropy(&a.losses, grads, &a.ln_f, self.params.at(v.lm_head.start), &a.targets, &a.head_scratch, &dims);
+        g.lm_head_crossentropy(&a.losses, grads, &a.ln_f, self.w().at(v.lm_head.start), &a.targets, &a.head_scratch, &dims);
         count
     }
 
@@ -401,14 +430,14 @@ impl DeviceGpt {
 
     fn embed(&self, a: &Acts) {
         let v = &self.views;
-        let wpe = v.wpe.as_ref().map(|r| self.params.at(r.start));
-        self.gpu.embedding_forward(&a.xs[0], &a.tokens, self.params.at(v.wte.start), wpe, a.t, self.cfg.n_embd);
+        let wpe = v.wpe.as_ref().map(|r| self.w().at(r.start));
+        self.gpu.embedding_forward(&a.xs[0], &a.tokens, self.w().at(v.wte.start), wpe, a.t, self.cfg.n_embd);
         self.dropout(&a.xs[0], 0, a);
     }
 
     fn norm_forward(&self, out: (&Buf, &Buf, &Buf), x: &Buf, w: &std::ops::Range<usize>, b: &Option<std::ops::Range<usize>>) {
         let (o, mean, rstd) = out;
-        let (w, b) = (self.params.at(w.start), b.as_ref().map(|r| self.params.at(r.start)));
+        let (w, b) = (self.w().at(w.start), b.as_ref().map(|r| self.w().at(r.start)));
         match self.cfg.arch {
             Arch::Gpt2 => self.gpu.layernorm_forward(o, mean, rstd, x, w, b, self.cfg.n_embd),
             Arch::Llama => self.gpu.rmsnorm_forward(o, rstd, x, w, self.cfg.norm_eps, self.cfg.n_embd),
@@ -418,7 +447,7 @@ impl DeviceGpt {
     /// `dinp += normᵀ(dout)`, the norm's parameters' gradients accumulated.
     fn norm_backward(&self, dinp: &Buf, dout: &Buf, x: &Buf, stats: (&Buf, &Buf), (w, b): (&std::ops::Range<usize>, &Option<std::ops::Range<usize>>)) {
         let (dw, db) = (self.grads.at(w.start), b.as_ref().map(|r| self.grads.at(r.start)));
-        let w = self.params.at(w.start);
+        let w = self.w().at(w.start);
         match self.cfg.arch {
             Arch::Gpt2 => self.gpu.layernorm_backward((dinp, dw, db), dout, x, w, stats, self.cfg.n_embd),
             Arch::Llama => self.gpu.rmsnorm_backward((dinp, dw), dout, x, w, stats.1, self.cfg.n_embd),
@@ -437,8 +466,8 @@ impl DeviceGpt {
 
     /// `y = x·Wᵀ (+ b)` for the projection with weight `w` and bias `b`.
     fn linear(&self, y: &Buf, x: &Buf, (w, b): (&std::ops::Range<usize>, &Option<std::ops::Range<usize>>), n_in: usize, n_out: usize, a: &Acts) {
-        let bias = b.as_ref().map(|r| self.params.at(r.start));
-        self.gpu.matmul_forward(y, x, self.params.at(w.start), bias, a.b * a.t, n_in, n_out);
+        let bias = b.as_ref().map(|r| self.w().at(r.start));
+        self.gpu.matmul_forward(y, x, self.w().at(w.start), bias, a.b * a.t, n_in, n_out);
     }
 
     /// The backward of [`DeviceGpt::linear`]: `dx` overwritten, the weight's and bias's
@@ -446,7 +475,7 @@ impl DeviceGpt {
     #[allow(clippy::too_many_arguments)]
     fn linear_backward(&self, dx: &Buf, dy: &Buf, x: &Buf, (w, b): (&std::ops::Range<usize>, &Option<std::ops::Range<usize>>), n_in: usize, n_out: usize, a: &Acts) {
         let db = b.as_ref().map(|r| self.grads.at(r.start));
-        self.gpu.matmul_backward_into((dx, self.grads.at(w.start), db), dy, x, self.params.at(w.start), a.b * a.t, n_in, n_out);
+        self.gpu.matmul_backward_into((dx, self.grads.at(w.start), db), dy, x, self.w().at(w.start), a.b * a.t, n_in, n_out);
     }
 
     fn block_forward(&self, l: usize, a: &Acts) {
@@ -544,26 +573,26 @@ impl DeviceGpt {
         let n = r.n;
         let dims = cfg.moe_dims(n);
         let cap = dims.capacity().min(n);
-        g.matmul_forward(&ma.logits, x, self.params.at(mp.router.start), None, n, c, e);
+        g.matmul_forward(&ma.logits, x, self.w().at(mp.router.start), None, n, c, e);
         g.moe_route(r, &ma.logits, dims.renormalize, dims.capacity());
         g.moe_dispatch(&ma.xe, x, r, c);
         let (es, off) = (3 * f * c, (&r.offsets, 0));
         for ex in 0..e {
             let w = mp.experts.start + ex * es;
             let rows = |cols: usize| MatSpec::rows(0, cols);
-            g.gemm_ragged(Gemm::new(cap, 2 * f, c), (&ma.gu, rows(2 * f)), (&ma.xe, rows(c)), (&self.params, MatSpec::rows(w, c).t()), Ragged::Rows, (off.0, ex));
+            g.gemm_ragged(Gemm::new(cap, 2 * f, c), (&ma.gu, rows(2 * f)), (&ma.xe, rows(c)), (self.w(), MatSpec::rows(w, c).t()), Ragged::Rows, (off.0, ex));
         }
         g.swiglu_forward(&ma.h, &ma.gu, f);
         for ex in 0..e {
             let w2 = mp.experts.start + ex * es + 2 * f * c;
-            g.gemm_ragged(Gemm::new(cap, c, f), (&ma.eo, MatSpec::rows(0, c)), (&ma.h, MatSpec::rows(0, f)), (&self.params, MatSpec::rows(w2, f).t()), Ragged::Rows, (off.0, ex));
+            g.gemm_ragged(Gemm::new(cap, c, f), (&ma.eo, MatSpec::rows(0, c)), (&ma.h, MatSpec::rows(0, f)), (self.w(), MatSpec::rows(w2, f).t()), Ragged::Rows, (off.0, ex));
         }
         for (si, (sgu, sh)) in ma.sgu.iter().zip(&ma.sh).enumerate() {
             let w = mp.shared.start + si * es;
-            g.matmul_forward(sgu, x, self.params.at(w), None, n, c, 2 * f);
+            g.matmul_forward(sgu, x, self.w().at(w), None, n, c, 2 * f);
             g.swiglu_forward(sh, sgu, f);
             let acc = Gemm { accumulate: si > 0, ..Gemm::new(n, c, f) };
-            g.gemm(acc, (y, MatSpec::rows(0, c)), (sh, MatSpec::rows(0, f)), (&self.params, MatSpec::rows(w + 2 * f * c, f).t()), None);
+            g.gemm(acc, (y, MatSpec::rows(0, c)), (sh, MatSpec::rows(0, f)), (self.w(), MatSpec::rows(w + 2 * f * c, f).t()), None);
         }
         g.moe_combine(y, &ma.eo, r, c, !ma.sgu.is_empty());
         // Statistics: Σ_t probs per expert (a column sum) and Σ_t lse².
@@ -586,31 +615,31 @@ impl DeviceGpt {
         g.moe_combine_backward((&ms.dgate, &ms.deo), dy, &ma.eo, r, c);
         for ex in 0..e {
             let w2 = mp.experts.start + ex * es + 2 * f * c;
-            g.gemm_ragged(Gemm::new(cap, f, c), (&ms.dh, rows(f)), (&ms.deo, rows(c)), (&self.params, MatSpec::rows(w2, f)), Ragged::Rows, (&r.offsets, ex));
+            g.gemm_ragged(Gemm::new(cap, f, c), (&ms.dh, rows(f)), (&ms.deo, rows(c)), (self.w(), MatSpec::rows(w2, f)), Ragged::Rows, (&r.offsets, ex));
             g.gemm_ragged(Gemm::new(c, f, nk).acc(), (&self.grads, MatSpec::rows(w2, f)), (&ms.deo, rows(c).t()), (&ma.h, rows(f)), Ragged::Inner, (&r.offsets, ex));
         }
         g.swiglu_backward(&ms.dgu, &ms.dh, &ma.gu, f, false);
         for ex in 0..e {
             let w = mp.experts.start + ex * es;
             g.gemm_ragged(Gemm::new(2 * f, c, nk).acc(), (&self.grads, MatSpec::rows(w, c)), (&ms.dgu, rows(2 * f).t()), (&ma.xe, rows(c)), Ragged::Inner, (&r.offsets, ex));
-            g.gemm_ragged(Gemm::new(cap, c, 2 * f), (&ms.deo, rows(c)), (&ms.dgu, rows(2 * f)), (&self.params, MatSpec::rows(w, c)), Ragged::Rows, (&r.offsets, ex));
+            g.gemm_ragged(Gemm::new(cap, c, 2 * f), (&ms.deo, rows(c)), (&ms.dgu, rows(2 * f)), (self.w(), MatSpec::rows(w, c)), Ragged::Rows, (&r.offsets, ex));
         }
         g.clear(dx);
         g.moe_dispatch_backward(dx, &ms.deo, r, c);
         for (si, (sgu, sh)) in ma.sgu.iter().zip(&ma.sh).enumerate() {
             let w = mp.shared.start + si * es;
-            g.gemm(Gemm::new(n, f, c), (&ms.dh, rows(f)), (dy, rows(c)), (&self.params, MatSpec::rows(w + 2 * f * c, f)), None);
+            g.gemm(Gemm::new(n, f, c), (&ms.dh, rows(f)), (dy, rows(c)), (self.w(), MatSpec::rows(w + 2 * f * c, f)), None);
             g.gemm(Gemm::new(c, f, n).acc(), (&self.grads, MatSpec::rows(w + 2 * f * c, f)), (dy, rows(c).t()), (sh, rows(f)), None);
             g.swiglu_backward(&ms.dgu, &ms.dh, sgu, f, false);
             g.gemm(Gemm::new(2 * f, c, n).acc(), (&self.grads, MatSpec::rows(w, c)), (&ms.dgu, rows(2 * f).t()), (x, rows(c)), None);
-            g.gemm(Gemm::new(n, c, 2 * f).acc(), (dx, rows(c)), (&ms.dgu, rows(2 * f)), (&self.params, MatSpec::rows(w, c)), None);
+            g.gemm(Gemm::new(n, c, 2 * f).acc(), (dx, rows(c)), (&ms.dgu, rows(2 * f)), (self.w(), MatSpec::rows(w, c)), None);
         }
         // The router: the gates' gradient, the aux and z losses (weighted as the main loss).
         g.moe_aux_coef(&ms.aux_coef, r, cfg.moe_aux_weight * self.loss_scale);
         let z_coef = 2.0 * (cfg.moe_z_weight * self.loss_scale) / n as f32;
         g.moe_router_backward(&ms.dlogits, r, &ms.dgate, &ms.aux_coef, z_coef, cfg.moe_dims(n).renormalize);
         let wr = mp.router.start;
-        g.gemm(Gemm::new(n, c, e).acc(), (dx, rows(c)), (&ms.dlogits, rows(e)), (&self.params, MatSpec::rows(wr, c)), None);
+        g.gemm(Gemm::new(n, c, e).acc(), (dx, rows(c)), (&ms.dlogits, rows(e)), (self.w(), MatSpec::rows(wr, c)), None);
         g.gemm(Gemm::new(e, c, n).acc(), (&self.grads, MatSpec::rows(wr, c)), (&ms.dlogits, rows(e).t()), (x, rows(c)), None);
     }
 

@@ -10,7 +10,7 @@
 use crate::config::RunConfig;
 use crate::device::DeviceArg;
 use crate::error::{user, KilnError, Result};
-use crate::step::{dropout_seed, Chunk, RowBuf, StepOut};
+use crate::step::{dropout_seed, Chunk, Master, RowBuf, StepOut};
 use device::{slot, Buf, Gpu};
 use model::device::DeviceGpt;
 use model::Pass;
@@ -42,8 +42,8 @@ pub(crate) fn refusal(cfg: &RunConfig) -> Option<String> {
     }
     let why = if cfg.lora.rank > 0 {
         "LoRA (lora.rank)"
-    } else if cfg.train.precision != model::Precision::Fp32 {
-        "16-bit or FP8 storage (train.precision)"
+    } else if cfg.train.precision == model::Precision::Fp8 {
+        "FP8 storage (train.precision = fp8)"
     } else if cfg.memory.offload != crate::config::Offload::None {
         "optimizer offload (memory.offload)"
     } else if cfg.parallel.compression != crate::config::Compression::None {
@@ -65,9 +65,9 @@ impl DeviceRun {
             None => return Err(KilnError::Internal("a device run on the CPU".into())),
         };
         check_plan(&gpu, d, cfg, &ch.model)?;
-        let params = host_params(ch);
         let mut host = model::Gpt::zeroed(ch.model.cfg.clone(), ch.model.real_vocab);
-        host.params = params;
+        host.params = host_master(ch);
+        host.precision = ch.model.precision;
         let model = DeviceGpt::new(gpu.clone(), &host).map_err(|e| KilnError::User(format!("train.device = {d}: {e}; use train.device = cpu")))?;
         let alloc = |len| gpu.alloc(len, device::DType::F32).map_err(|e| KilnError::User(format!("train.device = {d}: {e}")));
         let (m, v) = (alloc(ch.opt.m.len())?, alloc(ch.opt.v.len())?);
@@ -148,6 +148,7 @@ impl DeviceRun {
         for (r, decay) in &self.segments {
             g.adamw_update(state, r.start, r.len(), &h, *decay, &self.model.scalars);
         }
+        self.model.refresh_working();
     }
 }
 
@@ -158,9 +159,7 @@ impl DeviceRun {
         if !self.stale {
             return;
         }
-        let params = self.model.download_params();
-        ch.dp.for_each_piece(|piece, p, _| p.copy_from_slice(&params[piece.flat.clone()]));
-        ch.dp.after_update();
+        put_master(ch, &self.model.download_params());
         let (m, v) = (self.gpu.download(&self.m), self.gpu.download(&self.v));
         ch.opt.m.copy_from_slice(&m);
         ch.opt.v.copy_from_slice(&v);
@@ -172,7 +171,7 @@ impl DeviceRun {
 /// gradients, AdamW's moments, one micro-batch's activations) exceeds `memory.device_limit`, or
 /// whose largest buffer exceeds the adapter's; the message gives the plan's figures.
 fn check_plan(gpu: &Gpu, d: DeviceArg, cfg: &RunConfig, m: &model::Gpt) -> Result<()> {
-    let p = model::device::plan(gpu, &m.cfg, m.layout.total, (cfg.micro_batch(), cfg.seq_len()), 2);
+    let p = model::device::plan(gpu, &m.cfg, m.layout.total, (cfg.micro_batch(), cfg.seq_len()), 2, m.precision);
     let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
     let figures = format!(
         "the run needs {:.1} MiB on the device ({} parameters × 4 buffers of fp32 (weights, gradients, AdamW's two moments) and the activations of {} × {} tokens), its largest buffer {:.1} MiB",
@@ -188,9 +187,38 @@ fn check_plan(gpu: &Gpu, d: DeviceArg, cfg: &RunConfig, m: &model::Gpt) -> Resul
     Ok(())
 }
 
-/// The chunk's parameters in layout order (one rank: its pieces cover the layout).
-fn host_params(ch: &mut Chunk) -> Vec<f32> {
+/// The chunk's fp32 weights in layout order (one rank: its pieces cover the layout): the
+/// parameters, or under mixed precision the master weights (bf16's joined from the working
+/// weights and their low halves).
+fn host_master(ch: &mut Chunk) -> Vec<f32> {
     let mut out = vec![0.0; ch.model.layout.total];
-    ch.dp.for_each_piece(|piece, p, _| out[piece.flat.clone()].copy_from_slice(p));
+    let master = &ch.opt.master;
+    ch.dp.for_each_piece(|piece, p, _| {
+        let (o, s) = (&mut out[piece.flat.clone()], piece.shard.clone());
+        match master {
+            Some(Master::Low(low)) => tensor::precision::join_bf16_into(o, p, &low[s]),
+            Some(Master::F32(mw)) => o.copy_from_slice(&mw[s]),
+            None => o.copy_from_slice(p),
+        }
+    });
     out
+}
+
+/// The inverse of [`host_master`]: the chunk's state from fp32 weights (the working weights
+/// rounded from them under mixed precision, as the CPU optimizer leaves them).
+fn put_master(ch: &mut Chunk, w: &[f32]) {
+    let (master, round) = (&mut ch.opt.master, ch.opt.round);
+    ch.dp.for_each_piece(|piece, p, _| {
+        let (x, s) = (&w[piece.flat.clone()], piece.shard.clone());
+        p.copy_from_slice(x);
+        match (master.as_mut(), round) {
+            (Some(Master::Low(low)), _) => tensor::precision::split_bf16_in_place(p, &mut low[s]),
+            (Some(Master::F32(mw)), Some(fmt)) => {
+                mw[s].copy_from_slice(x);
+                tensor::precision::master_round_into(p, x, fmt);
+            }
+            _ => {}
+        }
+    });
+    ch.dp.after_update();
 }

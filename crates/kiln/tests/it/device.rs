@@ -84,9 +84,13 @@ fn losses(run: &Path) -> BTreeMap<u64, f64> {
 /// Trains `preset` to `steps` on `device` into `out` (resuming it with `resume`): batch 4 of
 /// 64 tokens, dropout 0.1, every step logged.
 fn train(preset: &str, out: &Path, steps: u64, device: &str, resume: bool) {
+    train_in(preset, out, steps, device, resume, "fp32");
+}
+
+fn train_in(preset: &str, out: &Path, steps: u64, device: &str, resume: bool, precision: &str) {
     let data = fixture("data/tinyshakespeare.txt");
     let steps = steps.to_string();
-    let mut args = vec!["train", "--preset", preset, "--data", data.to_str().unwrap(), "--out", out.to_str().unwrap(), "--max-steps", &steps, "--device", device, "--quiet"];
+    let mut args = vec!["train", "--preset", preset, "--data", data.to_str().unwrap(), "--out", out.to_str().unwrap(), "--max-steps", &steps, "--device", device, "--precision", precision, "--quiet"];
     args.extend(["--set", "train.batch_size=4", "--set", "model.block_size=64", "--set", "model.dropout=0.1", "--set", "train.log_interval=1", "--set", "eval.interval=0", "--set", "sample.tokens=0"]);
     if resume {
         args.push("--resume");
@@ -110,6 +114,13 @@ fn training_on_the_device_follows_the_cpu_and_checkpoints_move_between_them() {
         let (a, b) = (losses(&cpu), losses(&dev));
         let e = worst(&a, &b, 1..=30);
         assert!(e <= 1e-4, "{preset}: the device's losses differ from the CPU's by {e:e}");
+        if preset == "llama-tiny" {
+            // 16-bit working weights on the device (fp32 master weights, moments, gradients).
+            let half = dir.join("llama-tiny-vulkan-bf16");
+            train_in(preset, &half, 30, "vulkan", false, "bf16");
+            let e = worst(&b, &losses(&half), 1..=30);
+            assert!(e <= 2e-2, "llama-tiny in bf16 on the device: losses differ from fp32's by {e:e}");
+        }
         if preset != "shakespeare-char" {
             continue;
         }

@@ -85,7 +85,7 @@ fn the_device_plan_is_what_the_model_allocates() {
     let (b, t) = (3, 18);
     dev.forward(&vec![1; b * t], &vec![2; b * t], b, t, Pass::Eval);
     let used = g.allocated_bytes() - before;
-    let plan = model::device::plan(&g, &cfg, cpu.params.len(), (b, t), 0);
+    let plan = model::device::plan(&g, &cfg, cpu.params.len(), (b, t), 0, model::Precision::Fp32);
     // The plan leaves out only the rotary tables.
     let small = 2 * 4 * (cfg.block_size * cfg.head_size() / 2) as u64;
     assert!(plan.total_bytes <= used && used <= plan.total_bytes + small, "plan {plan:?} against {used} bytes allocated");
