@@ -14,6 +14,8 @@ const D: Kernel = kernel!("flash_d", ["DD", "DY", "Y"], writes ["DD"]);
 const BACKWARD_DQ: Kernel = kernel!("flash_backward_dq", libs ["rng", "attn"], ["DQKV", "DY", "QKV", "LSE", "DD", "STARTS", "SEED"], writes ["DQKV"]);
 const BACKWARD_DKV: Kernel = kernel!("flash_backward_dkv", libs ["rng", "attn"], ["DQKV", "DY", "QKV", "LSE", "DD", "STARTS", "SEED"], writes ["DQKV"]);
 
+const DECODE: Kernel = kernel!("attention_decode", ["OUT", "Q", "K", "V"], writes ["OUT"]);
+
 /// The largest head size the attention kernels hold in registers.
 pub const MAX_HEAD_SIZE: usize = 128;
 
@@ -75,5 +77,20 @@ impl Gpu {
         let bufs = [Some(dqkv), Some(dout), Some(qkv), Some(lse), Some(scratch), starts, Some(seed.buf)];
         self.launch(&BACKWARD_DQ, [u(d.t.div_ceil(64)), u(d.b * d.nh), 1], &a, &bufs);
         self.launch(&BACKWARD_DKV, [u(d.t.div_ceil(64)), u(d.b * d.nkv), 1], &a, &bufs);
+    }
+}
+
+impl Gpu {
+    /// One token's attention over a KV cache (`tensor::attention::attention_decode`'s twin):
+    /// `q` `[NH·HS]` against the cached rows `0 .. d.t` of `k`, `v` (`[max_t, NKV·HS]` from
+    /// element `at`: one layer's slice), the sliding window's (`d.window`) only. Overwrites
+    /// `out` `[NH·HS]`.
+    pub fn attention_decode(&self, out: &Buf, q: &Buf, kv: (&Buf, &Buf), at: usize, d: &GqaDims) {
+        assert!(d.sinks == 0, "attention sinks do not run on the device yet");
+        assert!(d.t >= 1 && d.nkv > 0 && d.nh.is_multiple_of(d.nkv), "attention_decode: dims");
+        assert!(kv.0.len() >= at + d.t * d.nkv * d.hs && out.len() >= d.c() && q.len() >= d.c(), "attention_decode: shapes");
+        let first = d.first_key(d.t - 1);
+        let args = [u(d.nh), u(d.nkv), u(d.hs), u(d.t), u(first), u(at), (1.0 / (d.hs as f32).sqrt()).to_bits()];
+        self.launch(&DECODE, Gpu::grid(d.nh, 32), &args, &[Some(out), Some(q), Some(kv.0), Some(kv.1)]);
     }
 }

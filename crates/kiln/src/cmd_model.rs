@@ -97,11 +97,24 @@ pub struct ExportCli {
 
 /// Runs `kiln generate`.
 pub fn generate(g: GenerateCli) -> Result<()> {
-            crate::device::refuse_model_on_device(g.device, "generate")?;
+            // A device that is not there is refused before the model is read.
+            let gpu = crate::device::open(g.device)?;
             init_threads(0);
             let (m, tok, _) = load_source(&g.source, g.tokenizer.as_deref(), true)?;
             let tok = tok.expect("a tokenizer was asked for");
-            let text = train::sample_text(&m, &tok, &g.prompt, g.max_new_tokens, g.temperature, g.top_k, g.seed)?;
+            let text = match gpu {
+                None => train::sample_text(&m, &tok, &g.prompt, g.max_new_tokens, g.temperature, g.top_k, g.seed)?,
+                #[cfg(feature = "vulkan")]
+                Some(gpu) => {
+                    // The KV cache on the device; only each step's logits come back.
+                    let mut dev = model::device::DeviceGpt::new(std::sync::Arc::new(gpu), &m).map_err(|e| crate::error::KilnError::User(format!("kiln generate --device {}: {e}; pass --device cpu", g.device)))?;
+                    let ids = tok.encode(&g.prompt)?;
+                    let out = dev.generate(&ids, g.max_new_tokens, &model::Sampler { temperature: g.temperature, top_k: g.top_k, seed: g.seed });
+                    tok.decode(&[ids, out].concat())
+                }
+                #[cfg(not(feature = "vulkan"))]
+                Some(never) => match never {},
+            };
             println!("{text}");
             Ok(())
         }

@@ -222,6 +222,16 @@ pub struct DeviceGpt {
     loss_scale: f32,
     /// Reductions' partial sums.
     parts: Buf,
+    /// Decoding's logits `[Vp]` (allocated by the first decoded token).
+    logits: Option<Buf>,
+}
+
+/// Keys and values of every layer on the device, `[L, block_size, NKV·HS]` each: what
+/// [`DeviceGpt::generate`] decodes against.
+pub struct DeviceKvCache {
+    k: Buf,
+    v: Buf,
+    pub len: usize,
 }
 
 /// What the device model cannot run yet of a model shaped `cfg`, by name; `None` when it can.
@@ -300,7 +310,7 @@ impl DeviceGpt {
             _ => None,
         };
         let work = dtype.map(|d| gpu.alloc(m.params.len(), d)).transpose().map_err(|e| e.0)?;
-        let dev = DeviceGpt { cfg: m.cfg.clone(), views: m.views.clone(), real_vocab: m.real_vocab, params, work, grads, scalars, rope, acts: None, drop: (0.0, 0), count: 0, loss_scale: 1.0, parts, gpu };
+        let dev = DeviceGpt { cfg: m.cfg.clone(), views: m.views.clone(), real_vocab: m.real_vocab, params, work, grads, scalars, rope, acts: None, drop: (0.0, 0), count: 0, loss_scale: 1.0, parts, logits: None, gpu };
         dev.refresh_working();
         Ok(dev)
     }
@@ -669,6 +679,112 @@ impl DeviceGpt {
                 ep_rows_received: 0,
             }
         }).collect()
+    }
+
+    /// An empty KV cache for [`DeviceGpt::decode_step`].
+    pub fn new_cache(&self) -> DeviceKvCache {
+        let n = self.cfg.n_layer * self.cfg.block_size * self.cfg.n_kv_head * self.cfg.head_size();
+        DeviceKvCache { k: self.gpu.zeros(n), v: self.gpu.zeros(n), len: 0 }
+    }
+
+    /// Feeds one token at position `cache.len`, appends its keys and values to the cache on the
+    /// device, and returns the logits `[Vp]` for the next token: `Gpt::decode_step` on the
+    /// device (the logits are the only download).
+    pub fn decode_step(&mut self, cache: &mut DeviceKvCache, token: u32) -> Vec<f32> {
+        self.decode_into(cache, token);
+        self.gpu.download(self.logits.as_ref().expect("decoded"))
+    }
+
+    fn decode_into(&mut self, cache: &mut DeviceKvCache, token: u32) {
+        let (c, bs, vp) = (self.cfg.n_embd, self.cfg.block_size, self.cfg.vocab_size);
+        assert!(cache.len < bs, "KV cache full");
+        assert!((token as usize) < vp, "token outside the vocabulary of {vp}");
+        let pos = cache.len;
+        self.drop = (0.0, 0);
+        if self.logits.is_none() {
+            self.logits = Some(self.gpu.zeros(vp));
+        }
+        self.acts(1, 1);
+        let (g, a, v) = (&*self.gpu, self.acts.as_ref().unwrap(), &self.views);
+        g.write_words(&a.tokens, 0, &[token]);
+        let wpe = v.wpe.as_ref().map(|r| self.w().at(r.start + pos * c));
+        g.embedding_forward(&a.xs[0], &a.tokens, self.w().at(v.wte.start), wpe, 1, c);
+        for l in 0..self.cfg.n_layer {
+            self.decode_block(l, a, cache);
+        }
+        let x = &a.xs[self.cfg.n_layer];
+        self.norm_forward((&a.ln_f, &a.ln_f_mean, &a.ln_f_rstd), x, &v.ln_f_w, &v.ln_f_b);
+        g.matmul_forward(self.logits.as_ref().unwrap(), &a.ln_f, self.w().at(v.lm_head.start), None, 1, c, vp);
+        cache.len += 1;
+    }
+
+    /// One block of [`DeviceGpt::decode_step`]: the token's keys and values into the cache,
+    /// attention over the cache, the MLP.
+    fn decode_block(&self, l: usize, a: &Acts, cache: &DeviceKvCache) {
+        let (g, cfg, bp) = (&*self.gpu, &self.cfg, &self.views.blocks[l]);
+        let (la, x, out) = (&a.layers[l], &a.xs[l], &a.xs[l + 1]);
+        let (c, pos) = (cfg.n_embd, cache.len);
+        let (qc, kw) = (cfg.n_head * cfg.head_size(), cfg.n_kv_head * cfg.head_size());
+        self.norm_forward((&la.ln_1, &la.ln_1_mean, &la.ln_1_rstd), x, &bp.ln_1_w, &bp.ln_1_b);
+        self.linear(&la.qkv, &la.ln_1, (&bp.c_attn_w, &bp.c_attn_b), c, cfg.qkv_width(), a);
+        let d = self.gqa(l, a);
+        if let Some((cos, sin)) = &self.rope {
+            g.rope(&la.qkv, (cos, sin), &d, RopePos::Offset(pos), false);
+        }
+        let at = l * cfg.block_size * kw;
+        g.copy_words(&cache.k, at + pos * kw, &la.qkv, qc, kw);
+        g.copy_words(&cache.v, at + pos * kw, &la.qkv, qc + kw, kw);
+        g.attention_decode(&la.atty, &la.qkv, (&cache.k, &cache.v), at, &GqaDims { t: pos + 1, ..d });
+        self.linear(&a.branch, &la.atty, (&bp.attn_proj_w, &bp.attn_proj_b), cfg.attn_width(), c, a);
+        g.residual_forward(&la.res_2, x, &a.branch);
+        self.norm_forward((&la.ln_2, &la.ln_2_mean, &la.ln_2_rstd), &la.res_2, &bp.ln_2_w, &bp.ln_2_b);
+        match (&bp.moe, &la.moe) {
+            (Some(mp), Some(ma)) => self.moe_forward(mp, ma, &la.ln_2, &a.branch),
+            _ => {
+                self.linear(&la.fch, &la.ln_2, (&bp.c_fc_w, &bp.c_fc_b), c, cfg.fc_width(), a);
+                match cfg.arch {
+                    Arch::Gpt2 => g.gelu_forward(&la.fch_act, &la.fch),
+                    Arch::Llama => g.swiglu_forward(&la.fch_act, &la.fch, cfg.ffn_hidden),
+                }
+                self.linear(&a.branch, &la.fch_act, (&bp.mlp_proj_w, &bp.mlp_proj_b), cfg.ffn_hidden, c, a);
+            }
+        }
+        g.residual_forward(out, &la.res_2, &a.branch);
+    }
+
+    /// Continues `prompt` by `max_new` tokens with the KV cache on the device: `Gpt::generate`
+    /// (the same sampler, the same cache rebuild from the last half-context when it fills).
+    pub fn generate(&mut self, prompt: &[u32], max_new: usize, sampler: &crate::Sampler) -> Vec<u32> {
+        let bs = self.cfg.block_size;
+        let mut rng = tensor::Rng::new(sampler.seed);
+        let mut cache = self.new_cache();
+        let mut ctx: Vec<u32> = if prompt.is_empty() { vec![0] } else { prompt.to_vec() };
+        if ctx.len() > bs {
+            ctx.drain(..ctx.len() - bs);
+        }
+        let mut logits = Vec::new();
+        for &tok in &ctx {
+            logits = self.decode_step(&mut cache, tok);
+        }
+        let mut out = Vec::with_capacity(max_new);
+        for i in 0..max_new {
+            let next = crate::generate::sample(&logits[..self.real_vocab], sampler, &mut rng);
+            out.push(next);
+            ctx.push(next);
+            if i + 1 == max_new {
+                break;
+            }
+            if cache.len == bs {
+                let keep = bs / 2;
+                let start = ctx.len() - keep;
+                cache.len = 0;
+                for &tok in ctx.iter().take(ctx.len() - 1).skip(start) {
+                    self.decode_into(&mut cache, tok);
+                }
+            }
+            logits = self.decode_step(&mut cache, next);
+        }
+        out
     }
 
     /// The view of parameter range `r` in the gradients.

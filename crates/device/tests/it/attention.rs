@@ -57,3 +57,23 @@ fn flash_attention_matches_cpu() {
         close(&format!("flash dqkv {name}"), &g.download(&gd), &dqkv, 1e-5);
     }
 }
+
+#[test]
+fn attention_decode_matches_cpu() {
+    let g = gpu();
+    let mut rng = Rng::new(33);
+    let (max_t, nh, nkv, hs) = (29, 6, 2, 16);
+    let kw = nkv * hs;
+    // Two layers' caches in one buffer: the second's from element `at`.
+    let at = max_t * kw;
+    let (k, v) = (randn(&mut rng, 2 * max_t * kw, 1.0), randn(&mut rng, 2 * max_t * kw, 1.0));
+    let q = randn(&mut rng, nh * hs, 1.0);
+    let (gk, gv, gq, o) = (g.upload(&k), g.upload(&v), g.upload(&q), g.zeros(nh * hs));
+    for (t, window) in [(1, 0), (17, 0), (29, 0), (23, 6)] {
+        let d = GqaDims { b: 1, t, nh, nkv, hs, window, ..Default::default() };
+        let mut want = vec![0.0; nh * hs];
+        tensor::attention::attention_decode(&mut want, &q, &k[at..at + t * kw], &v[at..at + t * kw], &d);
+        g.attention_decode(&o, &gq, (&gk, &gv), at, &d);
+        close(&format!("attention_decode t{t} window{window}"), &g.download(&o), &want, 1e-5);
+    }
+}

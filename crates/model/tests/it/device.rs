@@ -107,3 +107,28 @@ fn unsupported_models_are_refused_by_name() {
     let e = DeviceGpt::new(g, &Gpt::new(qwen3, 12, 0)).err().expect("a q/k-norm model on the device");
     assert!(e.contains("q/k norms"), "{e}");
 }
+
+/// Greedy generation with the KV cache on the device gives the CPU's tokens, through a cache
+/// rebuild (more tokens than the context), for GPT-2, LLaMA with a sliding window, and MoE.
+#[test]
+fn device_generation_gives_the_cpu_tokens() {
+    let g = gpu();
+    let llama = GptConfig { arch: Arch::Llama, n_head: 4, n_kv_head: 2, ffn_hidden: 20, tied_embeddings: false, bias: false, ..GptConfig::gpt2(2, 4, 32, 13, 37, false, 0.0, false) };
+    for (name, cfg) in [
+        ("gpt2", GptConfig::gpt2(2, 3, 24, 13, 37, true, 0.0, true)),
+        ("llama window", GptConfig { sliding_window: 5, ..llama.clone() }),
+        ("moe", GptConfig { n_expert: 4, top_k: 2, n_shared_expert: 1, ..llama }),
+    ] {
+        let cpu = Gpt::new(cfg, 36, 3);
+        let mut dev = DeviceGpt::new(g.clone(), &cpu).unwrap();
+        let greedy = model::Sampler { temperature: 0.0, top_k: 0, seed: 1 };
+        let prompt = [3, 1, 4, 1, 5];
+        let (want, got) = (cpu.generate(&prompt, 20, &greedy), dev.generate(&prompt, 20, &greedy));
+        assert_eq!(got, want, "{name}: device tokens against the CPU's");
+        // And the logits of one step.
+        let (mut cc, mut dc) = (cpu.new_cache(), dev.new_cache());
+        let (a, b) = (cpu.decode_step(&mut cc, 7), dev.decode_step(&mut dc, 7));
+        let e = rel(&b, &a);
+        assert!(e < 1e-5, "{name}: decode logits differ by {e:e}");
+    }
+}
