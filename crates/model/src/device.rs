@@ -9,6 +9,7 @@
 //! Qwen3's q/k norms, attention sinks, a padding token's frozen row, 16-bit storage).
 
 use crate::config::Arch;
+use crate::generate::Feed;
 use crate::gpt::{Pass, IGNORE_INDEX};
 use crate::layout::{BlockParams, GptParams, MoeParams};
 use crate::{Gpt, GptConfig};
@@ -507,19 +508,23 @@ impl DeviceGpt {
         g.residual_forward(&la.res_2, x, &a.branch);
         // out = res_2 + drop(mlp(norm_2(res_2)))
         self.norm_forward((&la.ln_2, &la.ln_2_mean, &la.ln_2_rstd), &la.res_2, &bp.ln_2_w, &bp.ln_2_b);
-        match (&bp.moe, &la.moe) {
-            (Some(mp), Some(ma)) => self.moe_forward(mp, ma, &la.ln_2, &a.branch),
-            _ => {
-                self.linear(&la.fch, &la.ln_2, (&bp.c_fc_w, &bp.c_fc_b), c, cfg.fc_width(), a);
-                match cfg.arch {
-                    Arch::Gpt2 => g.gelu_forward(&la.fch_act, &la.fch),
-                    Arch::Llama => g.swiglu_forward(&la.fch_act, &la.fch, cfg.ffn_hidden),
-                }
-                self.linear(&a.branch, &la.fch_act, (&bp.mlp_proj_w, &bp.mlp_proj_b), cfg.ffn_hidden, c, a);
-            }
-        }
+        self.mlp_forward(bp, la, a);
         self.dropout(&a.branch, site + 2, a);
         g.residual_forward(out, &la.res_2, &a.branch);
+    }
+
+    /// The MLP from `ln_2` into `a.branch`: dense, or the MoE layer.
+    fn mlp_forward(&self, bp: &BlockParams, la: &LayerActs, a: &Acts) {
+        let (g, cfg, c) = (&*self.gpu, &self.cfg, self.cfg.n_embd);
+        if let (Some(mp), Some(ma)) = (&bp.moe, &la.moe) {
+            return self.moe_forward(mp, ma, &la.ln_2, &a.branch);
+        }
+        self.linear(&la.fch, &la.ln_2, (&bp.c_fc_w, &bp.c_fc_b), c, cfg.fc_width(), a);
+        match cfg.arch {
+            Arch::Gpt2 => g.gelu_forward(&la.fch_act, &la.fch),
+            Arch::Llama => g.swiglu_forward(&la.fch_act, &la.fch, cfg.ffn_hidden),
+        }
+        self.linear(&a.branch, &la.fch_act, (&bp.mlp_proj_w, &bp.mlp_proj_b), cfg.ffn_hidden, c, a);
     }
 
     /// The backward of the last training forward: [`crate::Gpt::backward`] on the device.
@@ -738,53 +743,23 @@ impl DeviceGpt {
         self.linear(&a.branch, &la.atty, (&bp.attn_proj_w, &bp.attn_proj_b), cfg.attn_width(), c, a);
         g.residual_forward(&la.res_2, x, &a.branch);
         self.norm_forward((&la.ln_2, &la.ln_2_mean, &la.ln_2_rstd), &la.res_2, &bp.ln_2_w, &bp.ln_2_b);
-        match (&bp.moe, &la.moe) {
-            (Some(mp), Some(ma)) => self.moe_forward(mp, ma, &la.ln_2, &a.branch),
-            _ => {
-                self.linear(&la.fch, &la.ln_2, (&bp.c_fc_w, &bp.c_fc_b), c, cfg.fc_width(), a);
-                match cfg.arch {
-                    Arch::Gpt2 => g.gelu_forward(&la.fch_act, &la.fch),
-                    Arch::Llama => g.swiglu_forward(&la.fch_act, &la.fch, cfg.ffn_hidden),
-                }
-                self.linear(&a.branch, &la.fch_act, (&bp.mlp_proj_w, &bp.mlp_proj_b), cfg.ffn_hidden, c, a);
-            }
-        }
+        self.mlp_forward(bp, la, a);
         g.residual_forward(out, &la.res_2, &a.branch);
     }
 
     /// Continues `prompt` by `max_new` tokens with the KV cache on the device: `Gpt::generate`
-    /// (the same sampler, the same cache rebuild from the last half-context when it fills).
+    /// (the same sampling loop and cache rebuild), only each step's logits downloaded.
     pub fn generate(&mut self, prompt: &[u32], max_new: usize, sampler: &crate::Sampler) -> Vec<u32> {
-        let bs = self.cfg.block_size;
-        let mut rng = tensor::Rng::new(sampler.seed);
         let mut cache = self.new_cache();
-        let mut ctx: Vec<u32> = if prompt.is_empty() { vec![0] } else { prompt.to_vec() };
-        if ctx.len() > bs {
-            ctx.drain(..ctx.len() - bs);
-        }
-        let mut logits = Vec::new();
-        for &tok in &ctx {
-            logits = self.decode_step(&mut cache, tok);
-        }
-        let mut out = Vec::with_capacity(max_new);
-        for i in 0..max_new {
-            let next = crate::generate::sample(&logits[..self.real_vocab], sampler, &mut rng);
-            out.push(next);
-            ctx.push(next);
-            if i + 1 == max_new {
-                break;
+        let (bs, real_vocab) = (self.cfg.block_size, self.real_vocab);
+        crate::generate::sampling_loop(prompt, max_new, sampler, (bs, real_vocab), |feed| {
+            match feed {
+                Feed::Reset => cache.len = 0,
+                Feed::Token { token, .. } => self.decode_into(&mut cache, token),
+                Feed::Logits => return self.gpu.download(self.logits.as_ref().expect("a token was fed")),
             }
-            if cache.len == bs {
-                let keep = bs / 2;
-                let start = ctx.len() - keep;
-                cache.len = 0;
-                for &tok in ctx.iter().take(ctx.len() - 1).skip(start) {
-                    self.decode_into(&mut cache, tok);
-                }
-            }
-            logits = self.decode_step(&mut cache, next);
-        }
-        out
+            Vec::new()
+        })
     }
 
     /// The view of parameter range `r` in the gradients.

@@ -118,39 +118,73 @@ impl Gpt {
     /// Continues `prompt` by `max_new` tokens. Returns only the new tokens. Deterministic in
     /// `sampler.seed`.
     pub fn generate(&self, prompt: &[u32], max_new: usize, sampler: &Sampler) -> Vec<u32> {
-        let bs = self.cfg.block_size;
-        let mut rng = Rng::new(sampler.seed);
         let mut cache = self.new_cache();
         let mut s = self.scratch_1();
-        let mut ctx: Vec<u32> = if prompt.is_empty() { vec![0] } else { prompt.to_vec() };
-        if ctx.len() > bs {
-            ctx.drain(..ctx.len() - bs);
-        }
-        for &tok in &ctx {
-            self.decode_into(&mut cache, tok, ctx.len(), &mut s);
-        }
-        let mut out = Vec::with_capacity(max_new);
-        for i in 0..max_new {
-            let next = sample(&s.logits[..self.real_vocab], sampler, &mut rng);
-            out.push(next);
-            ctx.push(next);
-            if i + 1 == max_new {
-                break;
-            }
-            if cache.len == bs {
-                // Rebuild the cache from the last half-context.
-                let keep = bs / 2;
-                let start = ctx.len() - keep;
-                cache.len = 0;
-                for &tok in ctx.iter().take(ctx.len() - 1).skip(start) {
-                    self.decode_into(&mut cache, tok, keep - 1, &mut s);
+        let (bs, real_vocab) = (self.cfg.block_size, self.real_vocab);
+        sampling_loop(prompt, max_new, sampler, (bs, real_vocab), |feed| {
+            match feed {
+                Feed::Reset => cache.len = 0,
+                Feed::Token { token, pass } => {
+                    let pass = pass.unwrap_or(cache.len + 1);
+                    self.decode_into(&mut cache, token, pass, &mut s);
                 }
+                Feed::Logits => return s.logits.clone(),
             }
-            let pass = cache.len + 1;
-            self.decode_into(&mut cache, next, pass, &mut s);
-        }
-        out
+            Vec::new()
+        })
     }
+}
+
+/// What [`sampling_loop`] asks of a decoder.
+pub enum Feed {
+    /// Empty the KV cache.
+    Reset,
+    /// Feed one token; `pass` is the length of the pass it belongs to (`None`: a generated
+    /// token's, its position + 1).
+    Token { token: u32, pass: Option<usize> },
+    /// The logits of the last token fed.
+    Logits,
+}
+
+/// The sampling loop every decoder shares (the CPU model's and the device's): the prompt (its
+/// last `block_size` tokens) fed whole, then each sampled token; when the cache fills
+/// `block_size`, it is rebuilt from the last half-context (as nanoGPT crops). Returns the new
+/// tokens.
+pub fn sampling_loop(prompt: &[u32], max_new: usize, sampler: &Sampler, (bs, real_vocab): (usize, usize), mut decoder: impl FnMut(Feed) -> Vec<f32>) -> Vec<u32> {
+    let mut rng = Rng::new(sampler.seed);
+    let mut ctx: Vec<u32> = if prompt.is_empty() { vec![0] } else { prompt.to_vec() };
+    if ctx.len() > bs {
+        ctx.drain(..ctx.len() - bs);
+    }
+    let (mut len, n) = (0, ctx.len());
+    for &token in &ctx {
+        decoder(Feed::Token { token, pass: Some(n) });
+        len += 1;
+    }
+    let mut out = Vec::with_capacity(max_new);
+    for i in 0..max_new {
+        let logits = decoder(Feed::Logits);
+        let next = sample(&logits[..real_vocab], sampler, &mut rng);
+        out.push(next);
+        ctx.push(next);
+        if i + 1 == max_new {
+            break;
+        }
+        if len == bs {
+            // Rebuild the cache from the last half-context.
+            let keep = bs / 2;
+            let start = ctx.len() - keep;
+            decoder(Feed::Reset);
+            len = 0;
+            for &token in ctx.iter().take(ctx.len() - 1).skip(start) {
+                decoder(Feed::Token { token, pass: Some(keep - 1) });
+                len += 1;
+            }
+        }
+        decoder(Feed::Token { token: next, pass: None });
+        len += 1;
+    }
+    out
 }
 
 /// Draws a token id from `logits` (temperature, then top-k, then softmax).
