@@ -121,7 +121,8 @@ pub fn generate(g: GenerateCli) -> Result<()> {
 
 /// Runs `kiln eval`.
 pub fn eval(e: EvalCli) -> Result<()> {
-    crate::device::refuse_model_on_device(e.device, "eval")?;
+    // A device that is not there is refused before the model is read.
+    let gpu = crate::device::open(e.device)?;
     init_threads(0);
     // Token files need no tokenizer: their ids are checked against the model's vocabulary.
     let token_files = !e.data.is_empty() && e.data.iter().all(|p| data::is_token_file(p));
@@ -161,7 +162,16 @@ pub fn eval(e: EvalCli) -> Result<()> {
     }
     let batch = run.as_ref().map_or(4, |r| r.config.micro_batch());
     let eb = train::EvalBatches { packed, reset_positions: dcfg.data.reset_positions, ..train::EvalBatches::windows(t, batch, 0) };
-    let (vl, n) = train::evaluate(&mut m, &toks, eb);
+    let (vl, n) = match gpu {
+        None => train::evaluate(&mut m, &toks, eb),
+        #[cfg(feature = "vulkan")]
+        Some(gpu) => {
+            let mut dev = model::device::DeviceGpt::new(std::sync::Arc::new(gpu), &m).map_err(|err| KilnError::User(format!("kiln eval --device {}: {err}; pass --device cpu", e.device)))?;
+            train::evaluate_on_device(&mut dev, &toks, eb)?
+        }
+        #[cfg(not(feature = "vulkan"))]
+        Some(never) => match never {},
+    };
     let mut out = serde_json::json!({"val_loss": vl, "tokens": n, "seq_len": t, "data": what, "loss_vocab": m.real_vocab});
     if let Some(r) = &run {
         out["step"] = r.ckpt.state.step.into();

@@ -41,6 +41,20 @@ pub fn evaluate(m: &mut Gpt, split: &Split, eb: EvalBatches) -> (f64, usize) {
     (sum / count.max(1) as f64, count)
 }
 
+/// [`evaluate`] on a GPU (`kiln eval --device`): each batch's forward on the device, its
+/// per-position losses downloaded. Packed documents do not run on the device yet.
+#[cfg(feature = "vulkan")]
+pub fn evaluate_on_device(m: &mut model::device::DeviceGpt, split: &Split, eb: EvalBatches) -> crate::error::Result<(f64, usize)> {
+    if eb.packed {
+        return crate::error::user("kiln eval --device: packed documents (--packing documents) do not run on the device yet; pass --device cpu");
+    }
+    let (sum, count) = eval_batches(split, eb, |b| {
+        let count = m.forward(&b.x, &b.y, eb.batch, eb.t, Pass::Eval);
+        (m.losses().iter().map(|&l| l as f64).sum::<f64>(), count)
+    });
+    Ok((sum / count.max(1) as f64, count))
+}
+
 /// This rank's share of [`evaluate`]. Returns (sum of losses, targets counted), to be summed
 /// over ranks.
 pub fn eval_sums(m: &mut Gpt, mut store: Option<&mut dyn model::UnitStore>, split: &Split, eb: EvalBatches) -> (f64, usize) {

@@ -24,6 +24,8 @@ pub use self::data::{doc_opts, fill_rows, load_data, Loader, Piece, Row, Source,
 pub use crate::checkpoint::{Cursor, LoaderState};
 pub use crate::step::RowBuf;
 pub use self::eval::{eval_sums, evaluate, EvalBatches};
+#[cfg(feature = "vulkan")]
+pub use self::eval::evaluate_on_device;
 pub use crate::config::TrainArgs;
 
 use self::data::check_data_fits;

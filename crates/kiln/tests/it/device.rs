@@ -122,6 +122,16 @@ fn training_on_the_device_follows_the_cpu_and_checkpoints_move_between_them() {
         if preset != "shakespeare-char" {
             continue;
         }
+        // `kiln eval --device` on the device run's checkpoint gives the CPU's loss.
+        let text = dir.join("eval.txt");
+        std::fs::write(&text, &std::fs::read_to_string(fixture("data/tinyshakespeare.txt")).unwrap()[..20_000]).unwrap();
+        let eval = |device: &str| {
+            let o = kiln(&["eval", "--run", dev.to_str().unwrap(), "--data", text.to_str().unwrap(), "--device", device]);
+            assert_eq!(o.status.code(), Some(0), "eval on {device}: {}", stderr(&o));
+            serde_json::from_str::<serde_json::Value>(&stdout(&o)).unwrap()["val_loss"].as_f64().unwrap()
+        };
+        let (ec, ed) = (eval("cpu"), eval("vulkan"));
+        assert!(((ec - ed) / ec).abs() <= 1e-5, "eval: {ed} on the device against {ec} on the CPU");
         // A device checkpoint at step 20 continues on the CPU, and the reverse.
         for (first, then) in [("vulkan", "cpu"), ("cpu", "vulkan")] {
             let run = dir.join(format!("{first}-then-{then}"));
