@@ -21,7 +21,7 @@ pub struct BenchArgs {
     pub steps: usize,
     pub warmup: usize,
     pub breakdown: bool,
-    /// Where the steps run (a device: `train.device`'s step, [`crate::train`]'s `DeviceRun`).
+    /// Where the steps run (a device: `train.device`'s step, `device_step::DeviceRun`).
     pub device: crate::device::DeviceArg,
 }
 
@@ -208,7 +208,7 @@ struct DeviceFigures {
 /// The timed steps on the device: `train.device`'s step over the chunk's model.
 #[cfg(feature = "vulkan")]
 fn device_steps(args: &BenchArgs, cfg: &RunConfig, ch: &mut Chunk, fill: &mut impl FnMut(usize, &mut crate::step::RowBuf)) -> Result<(Vec<f64>, DeviceFigures)> {
-    let mut dev = crate::train::DeviceRun::new(args.device, cfg, ch)?;
+    let mut dev = crate::device_step::DeviceRun::new(args.device, cfg, ch)?;
     let rows = cfg.micro_batch();
     let mut bytes = Vec::new();
     let times = time_steps(args, |s| {

@@ -15,6 +15,8 @@ pub mod cmd_train;
 pub mod cli;
 pub mod config;
 pub mod device;
+#[cfg(feature = "vulkan")]
+pub mod device_step;
 pub mod error;
 pub mod export;
 pub mod fuzz;

@@ -118,6 +118,9 @@ struct Acts {
     losses: Buf,
     tokens: Buf,
     targets: Buf,
+    /// Packed documents: each token's document start and position (`[B, T]`, u32).
+    starts: Buf,
+    pos: Buf,
     head_scratch: Buf,
     branch: Buf,
     dres: Buf,
@@ -134,7 +137,7 @@ struct Acts {
 
 impl Acts {
     /// The elements of each buffer [`Acts::new`] allocates, in order (`u32` ids included).
-    fn sizes(cfg: &GptConfig, b: usize, t: usize, head_rows: usize) -> Vec<usize> {
+    fn lens(cfg: &GptConfig, b: usize, t: usize, head_rows: usize) -> Vec<usize> {
         let (n, c, nh) = (b * t, cfg.n_embd, cfg.n_head);
         let (fc, act) = if cfg.is_moe() { (0, 0) } else { (n * cfg.fc_width(), n * cfg.ffn_hidden) };
         let layer = [n * c, n, n, n * cfg.qkv_width(), n * cfg.attn_width(), b * nh * t, n * c, n * c, n, n, fc, act];
@@ -149,7 +152,7 @@ impl Acts {
         if cfg.is_moe() {
             v.extend(scratch);
         }
-        v.extend([n * c, n, n, n * c, n, n, n, head_rows * cfg.vocab_size, n * c, n * c, n * c, n * c, n * cfg.attn_width(), n * cfg.qkv_width(), fc, act, b * nh * t]);
+        v.extend([n * c, n, n, n * c, n, n, n, n, n, head_rows * cfg.vocab_size, n * c, n * c, n * c, n * c, n * cfg.attn_width(), n * cfg.qkv_width(), fc, act, b * nh * t]);
         v
     }
 
@@ -184,6 +187,8 @@ impl Acts {
             losses: z(n),
             tokens: g.zeros_of(n, DType::U32),
             targets: g.zeros_of(n, DType::U32),
+            starts: g.zeros_of(n, DType::U32),
+            pos: g.zeros_of(n, DType::U32),
             head_scratch: z(head_rows * cfg.vocab_size),
             branch: z(n * c),
             dres: z(n * c),
@@ -219,6 +224,8 @@ pub struct DeviceGpt {
     /// The last training pass's dropout `(p, seed)`, targets counted, and whether it trained.
     drop: (f32, u64),
     count: usize,
+    /// Whether the last pass ran over packed documents (`Acts::starts`, `Acts::pos`).
+    docs: bool,
     /// The last training pass's loss scale (the MoE losses' weights take it too).
     loss_scale: f32,
     /// Reductions' partial sums.
@@ -280,7 +287,7 @@ pub struct DevicePlan {
 /// gradients and `extra` more parameter-sized buffers (and the 16-bit working copy under mixed
 /// `precision`), the activations and scratch of one `(B, T)` pass.
 pub fn plan(gpu: &Gpu, cfg: &GptConfig, params: usize, (b, t): (usize, usize), extra: usize, precision: crate::Precision) -> DevicePlan {
-    let mut sizes = Acts::sizes(cfg, b, t, gpu.head_rows(b * t, cfg.vocab_size));
+    let mut sizes = Acts::lens(cfg, b, t, gpu.head_rows(b * t, cfg.vocab_size));
     sizes.extend(std::iter::repeat_n(params, 2 + extra));
     if matches!(precision, crate::Precision::Bf16 | crate::Precision::Fp16) {
         sizes.push(params.div_ceil(2));
@@ -311,7 +318,7 @@ impl DeviceGpt {
             _ => None,
         };
         let work = dtype.map(|d| gpu.alloc(m.params.len(), d)).transpose().map_err(|e| e.0)?;
-        let dev = DeviceGpt { cfg: m.cfg.clone(), views: m.views.clone(), real_vocab: m.real_vocab, params, work, grads, scalars, rope, acts: None, drop: (0.0, 0), count: 0, loss_scale: 1.0, parts, logits: None, gpu };
+        let dev = DeviceGpt { cfg: m.cfg.clone(), views: m.views.clone(), real_vocab: m.real_vocab, params, work, grads, scalars, rope, acts: None, drop: (0.0, 0), count: 0, loss_scale: 1.0, parts, logits: None, docs: false, gpu };
         dev.refresh_working();
         Ok(dev)
     }
@@ -358,6 +365,16 @@ impl DeviceGpt {
     /// `d ln_f` (the loss weight `loss_scale / count` is written to [`LOSS_WEIGHT`]). Returns
     /// the targets counted.
     pub fn forward(&mut self, tokens: &[u32], targets: &[i32], b: usize, t: usize, pass: Pass) -> usize {
+        self.forward_docs(tokens, targets, None, b, t, pass)
+    }
+
+    /// [`DeviceGpt::forward`] over rows of packed documents (`crate::Gpt::forward_docs`): each
+    /// token's document start bounds its attention, and its position turns RoPE and indexes
+    /// GPT-2's position table. The following backward uses the same layout.
+    pub fn forward_docs(&mut self, tokens: &[u32], targets: &[i32], docs: Option<crate::Docs>, b: usize, t: usize, pass: Pass) -> usize {
+        if let Some(d) = &docs {
+            d.check(b, t, self.cfg.block_size);
+        }
         assert!(t <= self.cfg.block_size && tokens.len() == b * t && targets.len() == b * t, "forward: tokens and targets must be [B, T], T ≤ block_size");
         let vp = self.cfg.vocab_size;
         assert!(tokens.iter().all(|&x| (x as usize) < vp), "token outside the vocabulary of {vp}");
@@ -385,6 +402,11 @@ impl DeviceGpt {
         g.write_words(&a.tokens, 0, tokens);
         let tg: Vec<u32> = targets.iter().map(|&x| x as u32).collect();
         g.write_words(&a.targets, 0, &tg);
+        self.docs = docs.is_some();
+        if let Some(d) = &docs {
+            g.write_words(&a.starts, 0, d.start);
+            g.write_words(&a.pos, 0, d.pos);
+        }
         self.embed(a);
         for l in 0..self.cfg.n_layer {
             self.block_forward(l, a);
@@ -411,6 +433,15 @@ impl DeviceGpt {
 
     fn row_map(&self, a: &Acts) -> RowMap {
         RowMap::whole(a.t)
+    }
+
+    /// Where the pass's tokens sit for RoPE: `0..T` in every row, or the documents' positions.
+    fn positions<'s>(&self, a: &'s Acts) -> RopePos<'s> {
+        if self.docs {
+            RopePos::Ids(&a.pos)
+        } else {
+            RopePos::Offset(0)
+        }
     }
 
     /// Dropout site `site`'s mask seed, derived on the device from the pass's (the CPU model's
@@ -442,7 +473,7 @@ impl DeviceGpt {
     fn embed(&self, a: &Acts) {
         let v = &self.views;
         let wpe = v.wpe.as_ref().map(|r| self.w().at(r.start));
-        self.gpu.embedding_forward(&a.xs[0], &a.tokens, self.w().at(v.wte.start), wpe, a.t, self.cfg.n_embd);
+        self.gpu.embedding_forward_pos(&a.xs[0], &a.tokens, (self.w().at(v.wte.start), wpe), self.docs.then_some(&a.pos), a.t, self.cfg.n_embd);
         self.dropout(&a.xs[0], 0, a);
     }
 
@@ -500,9 +531,9 @@ impl DeviceGpt {
         self.linear(&la.qkv, &la.ln_1, (&bp.c_attn_w, &bp.c_attn_b), c, cfg.qkv_width(), a);
         let d = self.gqa(l, a);
         if let Some((cos, sin)) = &self.rope {
-            g.rope(&la.qkv, (cos, sin), &d, RopePos::Offset(0), false);
+            g.rope(&la.qkv, (cos, sin), &d, self.positions(a), false);
         }
-        g.flash_forward_seeded(&la.atty, &la.lse, &la.qkv, &d, None, (p, self.seed(site)));
+        g.flash_forward_seeded(&la.atty, &la.lse, &la.qkv, &d, self.docs.then_some(&a.starts), (p, self.seed(site)));
         self.linear(&a.branch, &la.atty, (&bp.attn_proj_w, &bp.attn_proj_b), cfg.attn_width(), c, a);
         self.dropout(&a.branch, site + 1, a);
         g.residual_forward(&la.res_2, x, &a.branch);
@@ -542,8 +573,10 @@ impl DeviceGpt {
             self.block_backward(l, &v.blocks[l], a);
         }
         let demb = self.dropout_grad(&a.dbranch, &a.dres, 0, a);
+        let c = self.cfg.n_embd;
         let dwpe = v.wpe.as_ref().map(|r| self.grads.at(r.start));
-        g.embedding_backward(self.grads.at(v.wte.start), dwpe, demb, &a.tokens, a.t, self.cfg.n_embd);
+        let pos = v.wpe.as_ref().filter(|_| self.docs).map(|r| (&a.pos, r.len() / c));
+        g.embedding_backward_pos((self.grads.at(v.wte.start), dwpe), demb, &a.tokens, pos, a.t, c);
     }
 
     fn block_backward(&self, l: usize, bp: &BlockParams, a: &Acts) {
@@ -569,9 +602,9 @@ impl DeviceGpt {
         self.linear_backward(&a.datty, dattn, &la.atty, (&bp.attn_proj_w, &bp.attn_proj_b), cfg.attn_width(), c, a);
         g.clear(&a.dqkv);
         let d = self.gqa(l, a);
-        g.flash_backward_seeded(&a.dqkv, &a.dd, &a.datty, (&la.qkv, &la.atty, &la.lse), &d, None, (self.drop.0, self.seed(site)));
+        g.flash_backward_seeded(&a.dqkv, &a.dd, &a.datty, (&la.qkv, &la.atty, &la.lse), &d, self.docs.then_some(&a.starts), (self.drop.0, self.seed(site)));
         if let Some((cos, sin)) = &self.rope {
-            g.rope(&a.dqkv, (cos, sin), &d, RopePos::Offset(0), true);
+            g.rope(&a.dqkv, (cos, sin), &d, self.positions(a), true);
         }
         self.linear_backward(&a.dln, &a.dqkv, &la.ln_1, (&bp.c_attn_w, &bp.c_attn_b), c, cfg.qkv_width(), a);
         self.norm_backward(&a.dres, &a.dln, &a.xs[l], (&la.ln_1_mean, &la.ln_1_rstd), (&bp.ln_1_w, &bp.ln_1_b));
@@ -706,6 +739,7 @@ impl DeviceGpt {
         assert!((token as usize) < vp, "token outside the vocabulary of {vp}");
         let pos = cache.len;
         self.drop = (0.0, 0);
+        self.docs = false;
         if self.logits.is_none() {
             self.logits = Some(self.gpu.zeros(vp));
         }

@@ -49,7 +49,7 @@ pub struct Docs<'a> {
 
 impl Docs<'_> {
     /// Panics, naming the token, unless the layout fits `[B, T]` and `block_size`.
-    fn check(&self, b: usize, t: usize, block_size: usize) {
+    pub(crate) fn check(&self, b: usize, t: usize, block_size: usize) {
         assert!(self.start.len() == b * t && self.pos.len() == b * t, "docs.start ({}) and docs.pos ({}) must have B·T = {} entries", self.start.len(), self.pos.len(), b * t);
         for (k, (&s, &p)) in self.start.iter().zip(self.pos).enumerate() {
             let (row, i) = (k / t, k % t);

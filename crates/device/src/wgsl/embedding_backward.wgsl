@@ -1,7 +1,8 @@
 // Embedding gradients, accumulated, each element's sum in token order (the CPU's order).
 // mode 0 (token table): one thread per column j, DP[wte + TOK[i]·C + j] += D[i, j] for i in order;
-// mode 1 (position table): one thread per (p, j), DP[wpe + p·C + j] += Σ_b D[b·T + p, j].
-// args: n c t off mode
+// mode 1 (position table): one thread per (p, j), DP[wpe + p·C + j] += Σ_b D[b·T + p, j], or
+// with has_pos the sum over the tokens i with POS[i] = p, in token order (the CPU's).
+// args: n c t off mode has_pos rows
 @compute @workgroup_size(64)
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
     let e = flat_id(wg, lid, 64u);
@@ -19,14 +20,22 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid:
         }
         return;
     }
-    if (e >= t * c) {
+    if (e >= arg(6u) * c) {
         return;
     }
     let p = e / c;
     let j = e % c;
     var s = ld_DP(off + e);
-    for (var i = p; i < n; i += t) {
-        s += ld_D(i * c + j);
+    if (arg(5u) != 0u) {
+        for (var i = 0u; i < n; i++) {
+            if (POS[i] == p) {
+                s += ld_D(i * c + j);
+            }
+        }
+    } else {
+        for (var i = p; i < n; i += t) {
+            s += ld_D(i * c + j);
+        }
     }
     st_DP(off + e, s);
 }

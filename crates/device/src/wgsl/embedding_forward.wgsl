@@ -1,6 +1,6 @@
-// OUT[i, j] = P[wte + TOK[i]·C + j] (+ P[wpe + (i mod T)·C + j]): the token and position
-// tables are views of one parameter buffer.
-// args: n c t wte_off wpe_off has_wpe
+// OUT[i, j] = P[wte + TOK[i]·C + j] (+ P[wpe + pos·C + j], pos = POS[i] with has_pos, else
+// i mod T): the token and position tables are views of one parameter buffer.
+// args: n c t wte_off wpe_off has_wpe has_pos
 @compute @workgroup_size(256)
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
     let e = flat_id(wg, lid, 256u);
@@ -12,7 +12,11 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid:
     let j = e % c;
     var v = ld_P(arg(3u) + TOK[i] * c + j);
     if (arg(5u) != 0u) {
-        v += ld_P(arg(4u) + (i % arg(2u)) * c + j);
+        var pos = i % arg(2u);
+        if (arg(6u) != 0u) {
+            pos = POS[i];
+        }
+        v += ld_P(arg(4u) + pos * c + j);
     }
     st_OUT(e, v);
 }

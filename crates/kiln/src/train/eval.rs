@@ -42,14 +42,11 @@ pub fn evaluate(m: &mut Gpt, split: &Split, eb: EvalBatches) -> (f64, usize) {
 }
 
 /// [`evaluate`] on a GPU (`kiln eval --device`): each batch's forward on the device, its
-/// per-position losses downloaded. Packed documents do not run on the device yet.
+/// per-position losses downloaded.
 #[cfg(feature = "vulkan")]
 pub fn evaluate_on_device(m: &mut model::device::DeviceGpt, split: &Split, eb: EvalBatches) -> crate::error::Result<(f64, usize)> {
-    if eb.packed {
-        return crate::error::user("kiln eval --device: packed documents (--packing documents) do not run on the device yet; pass --device cpu");
-    }
     let (sum, count) = eval_batches(split, eb, |b| {
-        let count = m.forward(&b.x, &b.y, eb.batch, eb.t, Pass::Eval);
+        let count = m.forward_docs(&b.x, &b.y, b.docs(), eb.batch, eb.t, Pass::Eval);
         (m.losses().iter().map(|&l| l as f64).sum::<f64>(), count)
     });
     Ok((sum / count.max(1) as f64, count))

@@ -10,10 +10,6 @@
 
 mod ckpt;
 mod data;
-#[cfg(feature = "vulkan")]
-mod device;
-#[cfg(feature = "vulkan")]
-pub use device::DeviceRun;
 pub(crate) mod elastic;
 mod eval;
 mod faults;
@@ -180,7 +176,7 @@ fn train_once(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
     cfg.model.vocab_size = gcfg.vocab_size;
     if cfg.train.device != "cpu" {
         #[cfg(feature = "vulkan")]
-        if let Some(why) = device::refusal(&cfg).or_else(|| model::device::unsupported_config(&gcfg)) {
+        if let Some(why) = crate::device_step::refusal(&cfg).or_else(|| model::device::unsupported_config(&gcfg)) {
             return user(why);
         }
         #[cfg(not(feature = "vulkan"))]

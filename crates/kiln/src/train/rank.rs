@@ -42,7 +42,7 @@ pub(super) struct Rank<'a> {
     pub ckpt: Checkpoints,
     /// `train.device`: the step runs on a GPU, the chunk holds the host's copy of its state.
     #[cfg(feature = "vulkan")]
-    device: Option<super::device::DeviceRun>,
+    device: Option<crate::device_step::DeviceRun>,
     pub cfg: &'a RunConfig,
     pub ds: &'a TrainData,
     pub run_dir: &'a Path,
@@ -87,8 +87,6 @@ pub(super) struct Rank<'a> {
     hw_flops_per_token: f64,
     /// The matmul peak MFU is stated against (rank 0's measurement).
     peak: f64,
-    /// Whether the peak was measured again after a step beat it.
-    peak_remeasured: bool,
     recompute: Recompute,
     pub metrics: Option<crate::obs::MetricsWriter>,
     progress: Progress,
@@ -188,7 +186,7 @@ impl<'a> Rank<'a> {
         #[cfg(feature = "vulkan")]
         let device = match cfg.train.device.parse::<crate::device::DeviceArg>().map_err(KilnError::User)? {
             crate::device::DeviceArg::Cpu => None,
-            d => Some(super::device::DeviceRun::new(d, cfg, &mut chunks[0])?),
+            d => Some(crate::device_step::DeviceRun::new(d, cfg, &mut chunks[0])?),
         };
         // A device's MFU is against the device's measured matmul peak.
         #[cfg(feature = "vulkan")]
@@ -218,7 +216,7 @@ impl<'a> Rank<'a> {
             slots: if ctx.slots.len() == world { ctx.slots.clone() } else { (0..world).collect() }, grow_at: ctx.grow_at, last_compute_s: 0.0,
             stragglers: super::elastic::Stragglers::new(cfg, world),
             tokens_seen: resumed.as_ref().map_or(0, |r| r.tokens_seen), elapsed_prev: resumed.as_ref().map_or(0.0, |r| r.elapsed_s), started: Instant::now(), elapsed_s: 0.0,
-            scaler, flops_per_token, hw_flops_per_token, peak, peak_remeasured: false, recompute, metrics,
+            scaler, flops_per_token, hw_flops_per_token, peak, recompute, metrics,
             progress: Progress::new(step, cfg.train.max_steps, args.quiet || !lead),
             last_val: None, interrupted: false, trace_until: None, profile: args.profile, faults: Faults::new(&cfg.faults, run_dir), ckpt,
         };
@@ -228,16 +226,6 @@ impl<'a> Rank<'a> {
         crate::memory::track::reset_peaks();
         r.start_trace();
         Ok(r)
-    }
-
-    /// The matmul peak measured again: the device's on a device run, else the CPU's (which
-    /// replaces the cached figure).
-    fn remeasure_peak(&self, precision: model::Precision) -> f64 {
-        #[cfg(feature = "vulkan")]
-        if let Some(d) = &self.device {
-            return d.peak_flops();
-        }
-        crate::bench::remeasured_peak_flops(precision)
     }
 
     /// The last step's MoE routing statistics (the device's, on a device run).
@@ -473,11 +461,15 @@ impl<'a> Rank<'a> {
         self.tokens_seen += step_tokens;
         let dt = t0.elapsed().as_secs_f64();
         let tps = step_tokens as f64 / dt;
-        // A peak this step beat is out of date: measured again once, else raised to the rate.
-        let precision = self.cfg.train.precision;
-        let mut remeasured = self.peak_remeasured;
-        let (mfu, peak) = crate::bench::honest_utilisation(self.flops_per_token * tps, self.peak, &mut remeasured, || self.remeasure_peak(precision));
-        (self.peak, self.peak_remeasured) = (peak, remeasured);
+        // A peak this step beat is out of date (measured on a busy machine): the step's rate is
+        // the best this machine is known to do, and becomes the peak (measuring again here would
+        // stall the step and allocate its products' buffers mid-run).
+        let rate = self.flops_per_token * tps;
+        if rate > self.peak && rate.is_finite() {
+            self.log(serde_json::json!({"kind": "peak", "step": step, "stale_peak_gflops": self.peak / 1e9, "peak_gflops": rate / 1e9}))?;
+            self.peak = rate;
+        }
+        let mfu = rate / self.peak;
         self.elapsed_s = self.elapsed_prev + self.started.elapsed().as_secs_f64();
         // Every rank stops at the same step: any rank's Ctrl-C stops them all.
         let stop_here = self.stop.load(Ordering::SeqCst) as u8 as f64;

@@ -27,9 +27,12 @@ fn device_flags_are_checked_and_refusals_are_one_line_with_exit_2() {
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(stderr(&o).contains("MiB on the device") && stderr(&o).contains("over memory.device_limit = 1MiB"), "{}", stderr(&o));
     assert!(!out.exists(), "a refused device run wrote its run directory");
-    let o = kiln(&["eval", "--run", out.to_str().unwrap(), "--device", "vulkan"]);
-    assert_eq!(o.status.code(), Some(2), "eval: {}", stderr(&o));
-    assert!(stderr(&o).contains("kiln eval --device vulkan:0"), "eval: {}", stderr(&o));
+    // eval and generate refuse a missing adapter before reading anything.
+    for cmd in ["eval", "generate"] {
+        let o = kiln(&[cmd, "--run", out.to_str().unwrap(), "--device", "vulkan:99"]);
+        assert_eq!(o.status.code(), Some(2), "{cmd}: {}", stderr(&o));
+        assert!(stderr(&o).contains("--device vulkan:99: no such adapter"), "{cmd}: {}", stderr(&o));
+    }
     // No Vulkan driver at all: the line names what to install.
     let o = std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
         .args(["bench", "--kernels", "--device", "vulkan"])

@@ -19,6 +19,26 @@ fn rel(a: &[f32], b: &[f32]) -> f32 {
 }
 
 fn check(cfg: GptConfig, name: &str) {
+    check_in(cfg, name, false);
+}
+
+/// Each row of `b × t` tokens as packed documents of lengths 5, 7, 4, … (positions restarting).
+fn documents(b: usize, t: usize) -> (Vec<u32>, Vec<u32>) {
+    let (mut start, mut pos) = (Vec::new(), Vec::new());
+    for _ in 0..b {
+        let (mut s, mut len) = (0, 5);
+        for i in 0..t {
+            if i - s == len {
+                (s, len) = (i, 4 + (len + 3) % 5);
+            }
+            start.push(s as u32);
+            pos.push((i - s) as u32);
+        }
+    }
+    (start, pos)
+}
+
+fn check_in(cfg: GptConfig, name: &str, packed: bool) {
     let g = gpu();
     let (b, t, vocab) = (3, cfg.block_size - 1, cfg.vocab_size);
     let mut cpu = Gpt::new(cfg, vocab - 1, 5);
@@ -27,15 +47,20 @@ fn check(cfg: GptConfig, name: &str) {
     let tokens: Vec<u32> = (0..b * t).map(|_| rng.below(vocab as u64 - 1) as u32).collect();
     let mut targets: Vec<i32> = (0..b * t).map(|_| rng.below(vocab as u64 - 1) as i32).collect();
     targets[4] = IGNORE_INDEX;
+    let (start, pos) = documents(b, t);
+    let docs = packed.then_some(model::Docs { start: &start, pos: &pos });
     // Two passes accumulate into the gradients, with different masks.
     cpu.zero_grad();
     dev.zero_grad();
     let mut lists = None;
     for seed in [11, 12] {
         let pass = Pass::Train { dropout_seed: seed, loss_scale: 0.5 };
-        cpu.forward(&tokens, &targets, b, t, pass);
+        match docs {
+            Some(d) => cpu.forward_docs(&tokens, &targets, d, b, t, pass),
+            None => cpu.forward(&tokens, &targets, b, t, pass),
+        };
         cpu.backward();
-        let count = dev.forward(&tokens, &targets, b, t, pass);
+        let count = dev.forward_docs(&tokens, &targets, docs, b, t, pass);
         dev.backward();
         assert_eq!(count, b * t - 1);
         let e = rel(&dev.losses(), cpu.losses());
@@ -89,6 +114,15 @@ fn the_device_plan_is_what_the_model_allocates() {
     // The plan leaves out only the rotary tables.
     let small = 2 * 4 * (cfg.block_size * cfg.head_size() / 2) as u64;
     assert!(plan.total_bytes <= used && used <= plan.total_bytes + small, "plan {plan:?} against {used} bytes allocated");
+}
+
+/// Rows of packed documents: attention within each, positions restarting (RoPE, GPT-2's
+/// position table and its gradient).
+#[test]
+fn device_packed_documents_match_the_cpu_model() {
+    check_in(GptConfig::gpt2(2, 3, 24, 19, 37, true, 0.1, true), "gpt2 documents", true);
+    let llama = GptConfig { arch: Arch::Llama, n_head: 4, n_kv_head: 2, ffn_hidden: 20, tied_embeddings: false, bias: false, ..GptConfig::gpt2(2, 4, 32, 19, 37, false, 0.1, false) };
+    check_in(llama, "llama documents", true);
 }
 
 #[test]

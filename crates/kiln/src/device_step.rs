@@ -34,7 +34,7 @@ pub struct DeviceRun {
 }
 
 /// What the config asks that the device cannot do yet, by key; checked before anything runs.
-pub(crate) fn refusal(cfg: &RunConfig) -> Option<String> {
+pub fn refusal(cfg: &RunConfig) -> Option<String> {
     let p = &cfg.parallel;
     let d = &cfg.train.device;
     if p.world(p.dp) > 1 || p.pp > 1 || p.tp > 1 || p.cp > 1 || p.ep > 1 || p.dp > 1 {
@@ -48,8 +48,6 @@ pub(crate) fn refusal(cfg: &RunConfig) -> Option<String> {
         "optimizer offload (memory.offload)"
     } else if cfg.parallel.compression != crate::config::Compression::None {
         "communication compression (parallel.compression)"
-    } else if cfg.data.packing == crate::config::Packing::Documents {
-        "packed documents (data.packing = documents)"
     } else {
         return None;
     };
@@ -106,12 +104,12 @@ impl DeviceRun {
         self.model.zero_grad();
         let mut counts = Vec::with_capacity(m);
         for micro in 0..m {
-            let mut b = RowBuf::new(rows, t, false);
+            let mut b = RowBuf::new(rows, t, cfg.data.packing == crate::config::Packing::Documents);
             fill(micro, &mut b);
             let count = b.y.iter().filter(|&&y| y != model::gpt::IGNORE_INDEX).count();
             let loss_scale = if count > 0 { 1.0 / m as f32 } else { 0.0 };
             let pass = Pass::Train { dropout_seed: dropout_seed(cfg.train.seed, step, micro), loss_scale };
-            self.model.forward(&b.x, &b.y, rows, t, pass);
+            self.model.forward_docs(&b.x, &b.y, b.docs(), rows, t, pass);
             self.model.loss_sum_into((&self.sums, slot::OPTIM + micro), &self.parts, false);
             self.model.backward();
             counts.push(count as f64);
