@@ -66,6 +66,7 @@ impl DeviceRun {
         let mut host = model::Gpt::zeroed(ch.model.cfg.clone(), ch.model.real_vocab);
         host.params = host_master(ch);
         host.precision = ch.model.precision;
+        host.recompute = ch.model.recompute;
         let model = DeviceGpt::new(gpu.clone(), &host).map_err(|e| KilnError::User(format!("train.device = {d}: {e}; use train.device = cpu")))?;
         let alloc = |len| gpu.alloc(len, device::DType::F32).map_err(|e| KilnError::User(format!("train.device = {d}: {e}")));
         let (m, v) = (alloc(ch.opt.m.len())?, alloc(ch.opt.v.len())?);
@@ -169,7 +170,7 @@ impl DeviceRun {
 /// gradients, AdamW's moments, one micro-batch's activations) exceeds `memory.device_limit`, or
 /// whose largest buffer exceeds the adapter's; the message gives the plan's figures.
 fn check_plan(gpu: &Gpu, d: DeviceArg, cfg: &RunConfig, m: &model::Gpt) -> Result<()> {
-    let p = model::device::plan(gpu, &m.cfg, m.layout.total, (cfg.micro_batch(), cfg.seq_len()), 2, m.precision);
+    let p = model::device::plan(gpu, &m.cfg, m.layout.total, (cfg.micro_batch(), cfg.seq_len()), 2, (m.precision, m.recompute));
     let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
     let figures = format!(
         "the run needs {:.1} MiB on the device ({} parameters × 4 buffers of fp32 (weights, gradients, AdamW's two moments) and the activations of {} × {} tokens), its largest buffer {:.1} MiB",

@@ -110,6 +110,8 @@ struct Acts {
     b: usize,
     t: usize,
     xs: Vec<Buf>,
+    /// Each block's kept activations, or under full recomputation one set that every block's
+    /// forward overwrites and backward re-runs it into ([`Acts::layer`]).
     layers: Vec<LayerActs>,
     ln_f: Buf,
     ln_f_mean: Buf,
@@ -135,15 +137,26 @@ struct Acts {
     moe: Option<MoeScratch>,
 }
 
+/// Whether the blocks share one set of activations, re-run in backward (full recomputation;
+/// MoE layers keep theirs, whose routing statistics the step reports).
+fn shared_blocks(cfg: &GptConfig, recompute: crate::Recompute) -> bool {
+    recompute == crate::Recompute::Full && !cfg.is_moe()
+}
+
 impl Acts {
+    /// Block `l`'s activations.
+    fn layer(&self, l: usize) -> &LayerActs {
+        &self.layers[l.min(self.layers.len() - 1)]
+    }
+
     /// The elements of each buffer [`Acts::new`] allocates, in order (`u32` ids included).
-    fn lens(cfg: &GptConfig, b: usize, t: usize, head_rows: usize) -> Vec<usize> {
+    fn lens(cfg: &GptConfig, (b, t): (usize, usize), head_rows: usize, shared: bool) -> Vec<usize> {
         let (n, c, nh) = (b * t, cfg.n_embd, cfg.n_head);
         let (fc, act) = if cfg.is_moe() { (0, 0) } else { (n * cfg.fc_width(), n * cfg.ffn_hidden) };
         let layer = [n * c, n, n, n * cfg.qkv_width(), n * cfg.attn_width(), b * nh * t, n * c, n * c, n, n, fc, act];
         let mut v: Vec<usize> = (0..=cfg.n_layer).map(|_| n * c).collect();
         let (moe, scratch) = moe_sizes(cfg, n);
-        for _ in 0..cfg.n_layer {
+        for _ in 0..if shared { 1 } else { cfg.n_layer } {
             v.extend(layer);
             if cfg.is_moe() {
                 v.extend(&moe);
@@ -156,7 +169,7 @@ impl Acts {
         v
     }
 
-    fn new(g: &Gpu, cfg: &GptConfig, b: usize, t: usize) -> Acts {
+    fn new(g: &Gpu, cfg: &GptConfig, (b, t): (usize, usize), shared: bool) -> Acts {
         let (n, c, nh) = (b * t, cfg.n_embd, cfg.n_head);
         let z = |len: usize| g.zeros(len);
         let layer = |_| LayerActs {
@@ -179,7 +192,7 @@ impl Acts {
             b,
             t,
             xs: (0..=cfg.n_layer).map(|_| z(n * c)).collect(),
-            layers: (0..cfg.n_layer).map(layer).collect(),
+            layers: (0..if shared { 1 } else { cfg.n_layer }).map(layer).collect(),
             ln_f: z(n * c),
             ln_f_mean: z(n),
             ln_f_rstd: z(n),
@@ -226,6 +239,9 @@ pub struct DeviceGpt {
     count: usize,
     /// Whether the last pass ran over packed documents (`Acts::starts`, `Acts::pos`).
     docs: bool,
+    /// `Recompute::Full`: the blocks share one set of activations, re-run in backward (MoE
+    /// models keep theirs); otherwise every block's are kept.
+    recompute: crate::Recompute,
     /// The last training pass's loss scale (the MoE losses' weights take it too).
     loss_scale: f32,
     /// Reductions' partial sums.
@@ -285,9 +301,11 @@ pub struct DevicePlan {
 
 /// [`DevicePlan`] of a model shaped `cfg` with `params` parameters, on `gpu`: parameters,
 /// gradients and `extra` more parameter-sized buffers (and the 16-bit working copy under mixed
-/// `precision`), the activations and scratch of one `(B, T)` pass.
-pub fn plan(gpu: &Gpu, cfg: &GptConfig, params: usize, (b, t): (usize, usize), extra: usize, precision: crate::Precision) -> DevicePlan {
-    let mut sizes = Acts::lens(cfg, b, t, gpu.head_rows(b * t, cfg.vocab_size));
+/// precision), the activations and scratch of one `(B, T)` pass (one block's under full
+/// recomputation).
+pub fn plan(gpu: &Gpu, cfg: &GptConfig, params: usize, (b, t): (usize, usize), extra: usize, policy: (crate::Precision, crate::Recompute)) -> DevicePlan {
+    let (precision, recompute) = policy;
+    let mut sizes = Acts::lens(cfg, (b, t), gpu.head_rows(b * t, cfg.vocab_size), shared_blocks(cfg, recompute));
     sizes.extend(std::iter::repeat_n(params, 2 + extra));
     if matches!(precision, crate::Precision::Bf16 | crate::Precision::Fp16) {
         sizes.push(params.div_ceil(2));
@@ -318,7 +336,7 @@ impl DeviceGpt {
             _ => None,
         };
         let work = dtype.map(|d| gpu.alloc(m.params.len(), d)).transpose().map_err(|e| e.0)?;
-        let dev = DeviceGpt { cfg: m.cfg.clone(), views: m.views.clone(), real_vocab: m.real_vocab, params, work, grads, scalars, rope, acts: None, drop: (0.0, 0), count: 0, loss_scale: 1.0, parts, logits: None, docs: false, gpu };
+        let dev = DeviceGpt { cfg: m.cfg.clone(), views: m.views.clone(), real_vocab: m.real_vocab, params, work, grads, scalars, rope, acts: None, drop: (0.0, 0), count: 0, loss_scale: 1.0, parts, logits: None, docs: false, recompute: m.recompute, gpu };
         dev.refresh_working();
         Ok(dev)
     }
@@ -354,7 +372,7 @@ impl DeviceGpt {
 
     fn acts(&mut self, b: usize, t: usize) -> &mut Acts {
         if self.acts.as_ref().is_none_or(|a| a.b != b || a.t != t) {
-            self.acts = Some(Acts::new(&self.gpu, &self.cfg, b, t));
+            self.acts = Some(Acts::new(&self.gpu, &self.cfg, (b, t), shared_blocks(&self.cfg, self.recompute)));
         }
         self.acts.as_mut().unwrap()
     }
@@ -522,7 +540,7 @@ impl DeviceGpt {
 
     fn block_forward(&self, l: usize, a: &Acts) {
         let (g, cfg, bp) = (&*self.gpu, &self.cfg, &self.views.blocks[l]);
-        let (la, x, out) = (&a.layers[l], &a.xs[l], &a.xs[l + 1]);
+        let (la, x, out) = (a.layer(l), &a.xs[l], &a.xs[l + 1]);
         let c = cfg.n_embd;
         let p = self.drop.0;
         let site = 1 + 3 * l as u64;
@@ -580,7 +598,12 @@ impl DeviceGpt {
     }
 
     fn block_backward(&self, l: usize, bp: &BlockParams, a: &Acts) {
-        let (g, cfg, la) = (&*self.gpu, &self.cfg, &a.layers[l]);
+        if a.layers.len() < self.cfg.n_layer {
+            // Full recomputation: re-run the block's forward from its kept input, the same
+            // kernels and masks, into the shared set.
+            self.block_forward(l, a);
+        }
+        let (g, cfg, la) = (&*self.gpu, &self.cfg, a.layer(l));
         let c = cfg.n_embd;
         let site = 1 + 3 * l as u64;
         // d res_2 = d out + norm_2ᵀ(mlpᵀ(dropᵀ(d out)))
@@ -761,7 +784,7 @@ impl DeviceGpt {
     /// attention over the cache, the MLP.
     fn decode_block(&self, l: usize, a: &Acts, cache: &DeviceKvCache) {
         let (g, cfg, bp) = (&*self.gpu, &self.cfg, &self.views.blocks[l]);
-        let (la, x, out) = (&a.layers[l], &a.xs[l], &a.xs[l + 1]);
+        let (la, x, out) = (a.layer(l), &a.xs[l], &a.xs[l + 1]);
         let (c, pos) = (cfg.n_embd, cache.len);
         let (qc, kw) = (cfg.n_head * cfg.head_size(), cfg.n_kv_head * cfg.head_size());
         self.norm_forward((&la.ln_1, &la.ln_1_mean, &la.ln_1_rstd), x, &bp.ln_1_w, &bp.ln_1_b);

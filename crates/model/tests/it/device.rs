@@ -19,7 +19,7 @@ fn rel(a: &[f32], b: &[f32]) -> f32 {
 }
 
 fn check(cfg: GptConfig, name: &str) {
-    check_in(cfg, name, false);
+    check_in(cfg, name, false, model::Recompute::None);
 }
 
 /// Each row of `b × t` tokens as packed documents of lengths 5, 7, 4, … (positions restarting).
@@ -38,10 +38,11 @@ fn documents(b: usize, t: usize) -> (Vec<u32>, Vec<u32>) {
     (start, pos)
 }
 
-fn check_in(cfg: GptConfig, name: &str, packed: bool) {
+fn check_in(cfg: GptConfig, name: &str, packed: bool, recompute: model::Recompute) {
     let g = gpu();
     let (b, t, vocab) = (3, cfg.block_size - 1, cfg.vocab_size);
     let mut cpu = Gpt::new(cfg, vocab - 1, 5);
+    cpu.recompute = recompute;
     let mut dev = DeviceGpt::new(g.clone(), &cpu).unwrap();
     let mut rng = Rng::new(9);
     let tokens: Vec<u32> = (0..b * t).map(|_| rng.below(vocab as u64 - 1) as u32).collect();
@@ -110,19 +111,32 @@ fn the_device_plan_is_what_the_model_allocates() {
     let (b, t) = (3, 18);
     dev.forward(&vec![1; b * t], &vec![2; b * t], b, t, Pass::Eval);
     let used = g.allocated_bytes() - before;
-    let plan = model::device::plan(&g, &cfg, cpu.params.len(), (b, t), 0, model::Precision::Fp32);
+    let plan = model::device::plan(&g, &cfg, cpu.params.len(), (b, t), 0, (model::Precision::Fp32, model::Recompute::None));
     // The plan leaves out only the rotary tables.
     let small = 2 * 4 * (cfg.block_size * cfg.head_size() / 2) as u64;
     assert!(plan.total_bytes <= used && used <= plan.total_bytes + small, "plan {plan:?} against {used} bytes allocated");
+    // Full recomputation keeps one block's activations: the plan says so, and so does the
+    // allocation.
+    let mut full = Gpt::new(cfg.clone(), 36, 5);
+    full.recompute = model::Recompute::Full;
+    let before = g.allocated_bytes();
+    let mut dev = DeviceGpt::new(g.clone(), &full).unwrap();
+    dev.forward(&vec![1; b * t], &vec![2; b * t], b, t, Pass::Eval);
+    let used_full = g.allocated_bytes() - before;
+    let plan_full = model::device::plan(&g, &cfg, full.params.len(), (b, t), 0, (model::Precision::Fp32, model::Recompute::Full));
+    assert!(plan_full.total_bytes < plan.total_bytes && plan_full.total_bytes <= used_full && used_full <= plan_full.total_bytes + small, "full recomputation: plan {plan_full:?} against {used_full} bytes");
 }
 
 /// Rows of packed documents: attention within each, positions restarting (RoPE, GPT-2's
 /// position table and its gradient).
 #[test]
 fn device_packed_documents_match_the_cpu_model() {
-    check_in(GptConfig::gpt2(2, 3, 24, 19, 37, true, 0.1, true), "gpt2 documents", true);
+    check_in(GptConfig::gpt2(2, 3, 24, 19, 37, true, 0.1, true), "gpt2 documents", true, model::Recompute::None);
     let llama = GptConfig { arch: Arch::Llama, n_head: 4, n_kv_head: 2, ffn_hidden: 20, tied_embeddings: false, bias: false, ..GptConfig::gpt2(2, 4, 32, 19, 37, false, 0.1, false) };
-    check_in(llama, "llama documents", true);
+    check_in(llama.clone(), "llama documents", true, model::Recompute::None);
+    // Full recomputation: one set of block activations, each block re-run in backward.
+    check_in(llama, "llama documents, full recomputation", true, model::Recompute::Full);
+    check_in(GptConfig::gpt2(3, 3, 24, 19, 37, true, 0.1, true), "gpt2 full recomputation", false, model::Recompute::Full);
 }
 
 #[test]
