@@ -32,12 +32,48 @@ pub fn cmd(args: &TrainArgs, as_json: bool) -> Result<()> {
     // exceeds memory.limit (or, without one, what this machine has available).
     let budget = crate::memory::check_sizes(&cfg, &gpt, ds.in_memory_bytes())?;
     let plan = plan_run(&cfg, &gpt, ds.in_memory_bytes())?;
+    // A device run: what it allocates on the device, refused past memory.device_limit or the
+    // adapter's largest buffer (as `kiln train --device` refuses it).
+    let device = device_plan(&cfg, &gpt)?;
     if as_json {
-        println!("{}", plan.to_json());
+        let mut v = plan.to_json();
+        if let Some(d) = &device {
+            v["device"] = serde_json::json!({"device": d.device, "total_bytes": d.total_bytes, "largest_buffer_bytes": d.largest_bytes, "limit_bytes": cfg.device_memory_limit()});
+        }
+        println!("{v}");
     } else {
         print!("{}", plan.table());
+        if let Some(d) = &device {
+            println!("device {}: {}", d.device, d.figures);
+        }
     }
     plan.check_budget(&budget)
+}
+
+/// A device run's plan on its device.
+struct DevicePlanned {
+    device: String,
+    total_bytes: u64,
+    largest_bytes: u64,
+    figures: String,
+}
+
+/// The device plan of a `train.device` run; `None` on the CPU.
+#[cfg(feature = "vulkan")]
+fn device_plan(cfg: &crate::config::RunConfig, gpt: &GptConfig) -> Result<Option<DevicePlanned>> {
+    let d: crate::device::DeviceArg = cfg.train.device.parse().map_err(crate::error::KilnError::User)?;
+    let Some(gpu) = crate::device::open(d)? else { return Ok(None) };
+    let params = model::layout::gpt_layout(gpt).0.total;
+    let (p, figures) = crate::device_step::check_plan(&gpu, d, cfg, (gpt, params))?;
+    Ok(Some(DevicePlanned { device: format!("{d} ({})", gpu.info.name), total_bytes: p.total_bytes, largest_bytes: p.largest_bytes, figures }))
+}
+
+#[cfg(not(feature = "vulkan"))]
+fn device_plan(cfg: &crate::config::RunConfig, _: &GptConfig) -> Result<Option<DevicePlanned>> {
+    match cfg.train.device.as_str() {
+        "cpu" => Ok(None),
+        d => user(format!("train.device = {d}: this kiln was built without the device backend (rebuild with the default features, or `--features vulkan`)")),
+    }
 }
 
 #[derive(Args)]

@@ -62,7 +62,7 @@ impl DeviceRun {
             Some(g) => Arc::new(g),
             None => return Err(KilnError::Internal("a device run on the CPU".into())),
         };
-        check_plan(&gpu, d, cfg, &ch.model)?;
+        check_plan(&gpu, d, cfg, (&ch.model.cfg, ch.model.layout.total))?;
         let mut host = model::Gpt::zeroed(ch.model.cfg.clone(), ch.model.real_vocab);
         host.params = host_master(ch);
         host.precision = ch.model.precision;
@@ -169,8 +169,9 @@ impl DeviceRun {
 /// Refuses, before anything is allocated on the device, a run whose device plan (parameters,
 /// gradients, AdamW's moments, one micro-batch's activations) exceeds `memory.device_limit`, or
 /// whose largest buffer exceeds the adapter's; the message gives the plan's figures.
-fn check_plan(gpu: &Gpu, d: DeviceArg, cfg: &RunConfig, m: &model::Gpt) -> Result<()> {
-    let p = model::device::plan(gpu, &m.cfg, m.layout.total, (cfg.micro_batch(), cfg.seq_len()), 2, (m.precision, m.recompute));
+/// Returns the plan and a line of its figures (`kiln memory --device` prints both).
+pub fn check_plan(gpu: &Gpu, d: DeviceArg, cfg: &RunConfig, (gpt, params): (&model::GptConfig, usize)) -> Result<(model::device::DevicePlan, String)> {
+    let p = model::device::plan(gpu, gpt, params, (cfg.micro_batch(), cfg.seq_len()), 2, (cfg.train.precision, cfg.model.recompute));
     let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
     let figures = format!(
         "the run needs {:.1} MiB on the device ({} parameters × 4 buffers of fp32 (weights, gradients, AdamW's two moments) and the activations of {} × {} tokens), its largest buffer {:.1} MiB",
@@ -183,7 +184,7 @@ fn check_plan(gpu: &Gpu, d: DeviceArg, cfg: &RunConfig, m: &model::Gpt) -> Resul
     if p.largest_bytes > gpu.info.max_buffer {
         return user(format!("train.device = {d}: {figures}: over {}'s largest buffer, {:.1} MiB", gpu.info.name, mib(gpu.info.max_buffer)));
     }
-    Ok(())
+    Ok((p, figures))
 }
 
 /// The chunk's fp32 weights in layout order (one rank: its pieces cover the layout): the

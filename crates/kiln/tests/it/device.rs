@@ -27,6 +27,14 @@ fn device_flags_are_checked_and_refusals_are_one_line_with_exit_2() {
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(stderr(&o).contains("MiB on the device") && stderr(&o).contains("over memory.device_limit = 1MiB"), "{}", stderr(&o));
     assert!(!out.exists(), "a refused device run wrote its run directory");
+    // `kiln memory --device` plans the device too, and refuses past the device's limit.
+    let o = kiln(&["memory", "--data", data.to_str().unwrap(), "--device", "vulkan", "--json"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert!(v["device"]["total_bytes"].as_u64().unwrap() > v["device"]["largest_buffer_bytes"].as_u64().unwrap(), "{v}");
+    let o = kiln(&["memory", "--data", data.to_str().unwrap(), "--device", "vulkan", "--set", "memory.device_limit=1MiB"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("over memory.device_limit"), "{}", stderr(&o));
     // eval and generate refuse a missing adapter before reading anything.
     for cmd in ["eval", "generate"] {
         let o = kiln(&[cmd, "--run", out.to_str().unwrap(), "--device", "vulkan:99"]);
