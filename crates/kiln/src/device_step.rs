@@ -3,9 +3,9 @@
 //! targets go up and the loss sums and the gradient norm come back; everything else stays. The
 //! step is [`crate::step::train_step`]'s for one rank: the micro-batches' forward and backward
 //! with the same dropout seeds and loss weights, the global norm, the same vetoes, clipping,
-//! and AdamW over the same decay groups. The host's copy of the state (the chunk's parameters
-//! and moments) is brought up to date only when something reads it: evaluation, a checkpoint,
-//! the sample at the end ([`DeviceRun::pull`]).
+//! and AdamW over the same decay groups. Evaluation runs on the device too. The host's copy of
+//! the state (the chunk's parameters and moments) is brought up to date only when something
+//! reads it: a checkpoint, the sample at the end ([`DeviceRun::pull`]).
 
 use crate::config::RunConfig;
 use crate::device::DeviceArg;
@@ -81,6 +81,11 @@ impl DeviceRun {
         self.gpu.info.describe()
     }
 
+    /// The resident model (evaluation runs on it).
+    pub fn model_mut(&mut self) -> &mut DeviceGpt {
+        &mut self.model
+    }
+
     /// The last step's MoE routing statistics.
     pub fn moe_stats(&self) -> &[tensor::moe::MoeStats] {
         &self.moe_stats
@@ -153,7 +158,7 @@ impl DeviceRun {
 
 impl DeviceRun {
     /// Brings the host's copy of the state (the chunk's parameters and AdamW moments) up to
-    /// the device's, when it is older: before evaluation, a checkpoint or the sample.
+    /// the device's, when it is older: before a checkpoint or the sample.
     pub fn pull(&mut self, ch: &mut Chunk) {
         if !self.stale {
             return;

@@ -45,11 +45,17 @@ pub fn evaluate(m: &mut Gpt, split: &Split, eb: EvalBatches) -> (f64, usize) {
 /// per-position losses downloaded.
 #[cfg(feature = "vulkan")]
 pub fn evaluate_on_device(m: &mut model::device::DeviceGpt, split: &Split, eb: EvalBatches) -> crate::error::Result<(f64, usize)> {
-    let (sum, count) = eval_batches(split, eb, |b| {
+    let (sum, count) = eval_sums_on_device(m, split, eb);
+    Ok((sum / count.max(1) as f64, count))
+}
+
+/// [`eval_sums`] on a GPU: (sum of losses, targets counted).
+#[cfg(feature = "vulkan")]
+pub fn eval_sums_on_device(m: &mut model::device::DeviceGpt, split: &Split, eb: EvalBatches) -> (f64, usize) {
+    eval_batches(split, eb, |b| {
         let count = m.forward_docs(&b.x, &b.y, b.docs(), eb.batch, eb.t, Pass::Eval);
         (m.losses().iter().map(|&l| l as f64).sum::<f64>(), count)
-    });
-    Ok((sum / count.max(1) as f64, count))
+    })
 }
 
 /// This rank's share of [`evaluate`]. Returns (sum of losses, targets counted), to be summed

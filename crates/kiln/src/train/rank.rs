@@ -238,7 +238,7 @@ impl<'a> Rank<'a> {
     }
 
     /// A device run: brings the host's copy of the training state up to the device's (before
-    /// anything reads it: evaluation, a checkpoint, the sample).
+    /// anything reads it: a checkpoint, the sample).
     pub fn pull_from_device(&mut self) {
         #[cfg(feature = "vulkan")]
         if let Some(d) = self.device.as_mut() {
@@ -545,14 +545,23 @@ impl<'a> Rank<'a> {
     /// The held-out loss (collective over every rank).
     fn evaluate(&mut self, train_loss: f32) -> Result<()> {
         let _p = tensor::profile::scope("eval");
-        self.pull_from_device();
         let (cfg, t) = (self.cfg, self.t);
         let eb = if cfg.eval.batch_size == 0 { cfg.micro_batch() } else { cfg.eval.batch_size };
-        self.chunks.iter_mut().for_each(|ch| crate::memory::track::scope(crate::memory::track::Category::Activations, || ch.model.reserve_activations(eb, t)));
         let groups = &self.applied.groups;
         let (dpn, ppn) = (groups.dp_size, cfg.parallel.pp);
         let packed = self.loader.packed();
         let batches = EvalBatches { t, batch: eb, max_batches: cfg.eval.iters, rank: groups.dp_rank, ranks: dpn, packed, reset_positions: cfg.data.reset_positions };
+        // A device run evaluates on the device: nothing is pulled to the host.
+        #[cfg(feature = "vulkan")]
+        if let Some(d) = self.device.as_mut() {
+            let (mut sum, mut count) = (0.0, 0);
+            for s in &self.ds.sources {
+                let (a, b) = super::eval::eval_sums_on_device(d.model_mut(), &s.val, batches);
+                (sum, count) = (sum + a, count + b);
+            }
+            return self.log_eval(train_loss, sum / count.max(1) as f64);
+        }
+        self.chunks.iter_mut().for_each(|ch| crate::memory::track::scope(crate::memory::track::Category::Activations, || ch.model.reserve_activations(eb, t)));
         // Every source's held-out split, each up to eval.iters batches.
         let (mut sum, mut count) = (0.0, 0);
         for s in &self.ds.sources {
@@ -574,7 +583,11 @@ impl<'a> Rank<'a> {
         };
         // The losses are the last stage's.
         let sum = if ppn > 1 { parallel::comm::all_gather_f64(&*groups.pp, &[sum])[ppn - 1] } else { sum };
-        let vl = sum / count.max(1) as f64;
+        self.log_eval(train_loss, sum / count.max(1) as f64)
+    }
+
+    /// The evaluation's line and console message.
+    fn log_eval(&mut self, train_loss: f32, vl: f64) -> Result<()> {
         self.last_val = Some(vl);
         let step = self.step;
         self.log(serde_json::json!({"kind": "eval", "step": step, "val_loss": vl}))?;

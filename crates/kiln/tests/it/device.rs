@@ -82,11 +82,16 @@ fn doctor_lists_gpus_and_the_kernel_bench_runs_on_the_device() {
 
 /// Each logged step's loss in a run's metrics.
 fn losses(run: &Path) -> BTreeMap<u64, f64> {
+    lines(run, "train", "loss")
+}
+
+/// `key` of each `kind` line in a run's metrics, by step.
+fn lines(run: &Path, kind: &str, key: &str) -> BTreeMap<u64, f64> {
     let text = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
     text.lines()
         .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-        .filter(|j| j["kind"] == "train")
-        .map(|j| (j["step"].as_u64().unwrap(), j["loss"].as_f64().unwrap()))
+        .filter(|j| j["kind"] == kind)
+        .map(|j| (j["step"].as_u64().unwrap(), j[key].as_f64().unwrap()))
         .collect()
 }
 
@@ -100,7 +105,7 @@ fn train_in(preset: &str, out: &Path, steps: u64, device: &str, resume: bool, pr
     let data = fixture("data/tinyshakespeare.txt");
     let steps = steps.to_string();
     let mut args = vec!["train", "--preset", preset, "--data", data.to_str().unwrap(), "--out", out.to_str().unwrap(), "--max-steps", &steps, "--device", device, "--precision", precision, "--quiet"];
-    args.extend(["--set", "train.batch_size=4", "--set", "model.block_size=64", "--set", "model.dropout=0.1", "--set", "train.log_interval=1", "--set", "eval.interval=0", "--set", "sample.tokens=0"]);
+    args.extend(["--set", "train.batch_size=4", "--set", "model.block_size=64", "--set", "model.dropout=0.1", "--set", "train.log_interval=1", "--set", "eval.interval=0", "--set", "eval.iters=2", "--set", "sample.tokens=0"]);
     if resume {
         args.push("--resume");
     }
@@ -123,6 +128,9 @@ fn training_on_the_device_follows_the_cpu_and_checkpoints_move_between_them() {
         let (a, b) = (losses(&cpu), losses(&dev));
         let e = worst(&a, &b, 1..=30);
         assert!(e <= 1e-4, "{preset}: the device's losses differ from the CPU's by {e:e}");
+        // The last step's evaluation ran on the device: the CPU's validation loss.
+        let (vc, vd) = (lines(&cpu, "eval", "val_loss"), lines(&dev, "eval", "val_loss"));
+        assert!(!vd.is_empty() && worst(&vc, &vd, 30..=30) <= 1e-4, "{preset}: validation losses {vd:?} against {vc:?}");
         if preset == "llama-tiny" {
             // 16-bit working weights on the device (fp32 master weights, moments, gradients).
             let half = dir.join("llama-tiny-vulkan-bf16");
@@ -135,7 +143,7 @@ fn training_on_the_device_follows_the_cpu_and_checkpoints_move_between_them() {
         }
         // `kiln eval --device` on the device run's checkpoint gives the CPU's loss.
         let text = dir.join("eval.txt");
-        std::fs::write(&text, &std::fs::read_to_string(fixture("data/tinyshakespeare.txt")).unwrap()[..20_000]).unwrap();
+        std::fs::write(&text, &std::fs::read_to_string(fixture("data/tinyshakespeare.txt")).unwrap()[..6_000]).unwrap();
         let eval = |device: &str| {
             let o = kiln(&["eval", "--run", dev.to_str().unwrap(), "--data", text.to_str().unwrap(), "--device", device]);
             assert_eq!(o.status.code(), Some(0), "eval on {device}: {}", stderr(&o));
