@@ -140,7 +140,7 @@ fn info(index: usize, a: &wgpu::Adapter) -> AdapterInfo {
         kind: kind.into(),
         driver: format!("{} {}", i.driver, i.driver_info).trim().to_string(),
         max_buffer: a.limits().max_buffer_size,
-        max_binding: a.limits().max_storage_buffer_binding_size as u64,
+        max_binding: a.limits().max_storage_buffer_binding_size,
         shader_f16: a.features().contains(wgpu::Features::SHADER_F16),
     }
 }

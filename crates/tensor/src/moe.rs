@@ -943,7 +943,7 @@ pub fn moe_router_backward(
         let p = &probs[t * e..(t + 1) * e];
         let (ix, g, dg) = (&idx[t * k..(t + 1) * k], &gates[t * k..(t + 1) * k], &dgate[t * k..(t + 1) * k]);
         // dl holds d(probs) first.
-        dl.copy_from_slice(&aux_coef);
+        dl.copy_from_slice(aux_coef);
         if renormalize {
             // g_j = p_j / S  ⇒  dp_i = (dg_i − Σ_j dg_j·g_j) / S for the selected i
             let ssum: f32 = ix.iter().map(|&i| p[i as usize]).sum();
