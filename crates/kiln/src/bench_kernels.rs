@@ -348,7 +348,26 @@ fn attention<'a>(x: &'a Inputs, g: Option<&'a Gpu>) -> Vec<Case<'a>> {
         })
     });
     cases.push(case("flash_backward", "f32", true, 2.5 * flops, cpu, dev));
+    // One token's attention over a full KV cache of T positions (decoding).
+    let kw = NH * HS;
+    let (k, v) = (&x.qkv[..T * kw], &x.qkv[T * kw..2 * T * kw]);
+    let q = &x.dout[..kw];
+    let mut o = vec![0.0; kw];
+    let cpu: Run = Box::new(move |get| {
+        tensor::attention::attention_decode(&mut o, q, k, v, &d1(T));
+        out(get, || o.clone())
+    });
+    let dev = g.map(|g| on(g, (g.upload(q), g.upload(k), g.upload(v), g.zeros(kw)), move |g, (q, k, v, o)| {
+        g.attention_decode(o, q, (k, v), 0, &d1(T));
+        o
+    }));
+    cases.push(case("attention_decode", "f32", true, 4.0 * (NH * T * HS) as f64, cpu, dev));
     cases
+}
+
+/// One sequence of `t` cached positions, for decoding.
+fn d1(t: usize) -> GqaDims {
+    GqaDims { b: 1, t, nh: NH, nkv: NH, hs: HS, ..Default::default() }
 }
 
 fn optimizer<'a>(x: &'a Inputs, g: Option<&'a Gpu>) -> Vec<Case<'a>> {
