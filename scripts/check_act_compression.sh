@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 25, figures 3 and 4 (activation compression, `memory.activation_compression`):
+# Activation compression (`memory.activation_compression`):
 #  (a) GPT-2 124M, B 4, T 1024, one step: the activation bytes the model holds, what one block keeps for backward,
 #      (`mem_activations_bytes`) and the tracking allocator's activation peak against the
 #      plan (`kiln memory --json`), for none / int8 / int4;

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 8, figure 3: the cost of background checkpointing of GPT-2 124M every 10 steps,
+# The cost of background checkpointing of GPT-2 124M every 10 steps,
 # against the same run without checkpoints (elapsed training time at step 40, which includes
 # the snapshots of steps 10, 20 and 30 and the writer competing for the cores). Alternates the
 # two configurations ${ROUNDS:-2} times and prints each run and the median overhead.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 21's figures: context parallelism's memory at T = 16384, its balance and overlap.
+# Context parallelism's memory at T = 16384, its balance and overlap.
 #   scripts/check_cp.sh memory    LLaMA-shaped 4 × 256 (8 heads, 2 kv), one sequence of 16384: per-rank activations
 #                                 and exchange at cp 4 (ring, Ulysses) vs one rank; one cp 4 step's tracked peak vs
 #                                 the plan; a --memory-limit that refuses one rank lets cp 4 train

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 5's figures: data parallel / ZeRO equivalence, memory, volume and overlap.
+# Data parallel / ZeRO equivalence, memory, volume and overlap.
 #   scripts/check_dp.sh equiv   shakespeare-char, 50 steps: dp ∈ {1,2,4} × zero ∈ {0..3} vs one rank
 #   scripts/check_dp.sh memory  GPT-2 124M shapes, dp 4: model-state bytes and bytes sent per stage
 #   scripts/check_dp.sh overlap GPT-2 124M shapes, dp 2: gradient-reduction time hidden behind backward

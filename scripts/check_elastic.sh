@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 24: elastic training and stragglers. Needs a release build with MPI
+# Elastic training and stragglers. Needs a release build with MPI
 # (cargo build --release --features mpi) and mpirun.
 #   shrink+grow   dp 4 in process; rank 1 lost for good at step 100 of 300 (in-memory snapshots
 #                 every 10 steps), back from step 200 (rejoins at the disk checkpoint of 210);

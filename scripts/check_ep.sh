@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Expert-parallel figures (issue 6): `kiln train --preset moe-tiny` on 1 rank against --ep 2,
+# Expert-parallel figures: `kiln train --preset moe-tiny` on 1 rank against --ep 2,
 # --ep 4 and --dp 2 --ep 2 (in-process ranks), 20 steps, same global batch, dropout 0:
 #   1. dropless (model.capacity_factor=0), moe-tiny's load-balancing loss (0.01) on: max
 #      relative per-step loss difference vs one rank (required ≤ 1e-5), and --dp 2 alongside

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 8: in-memory checkpoints (Gemini) on GPT-2 124M at dp 2 (in-process ranks). Three runs
+# In-memory checkpoints (Gemini) on GPT-2 124M at dp 2 (in-process ranks). Three runs
 # of 30 steps: uninterrupted; rank 1 failing at step 18 with snapshots in memory every 5 steps
 # (restored from memory, step 15); both ranks failing at step 18 (neither copy survives:
 # restored from the disk checkpoint of step 10). Prints each restore's source, time and lost

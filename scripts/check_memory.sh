@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 7, figures 1 and 2: the memory plan (`kiln memory`) against what training runs measure.
+# The memory plan (`kiln memory`) against what training runs measure.
 #
 # (a) Activation memory of GPT-2 124M (B 4, T 1024) and a LLaMA shape under recompute
 #     none / selective / full: planned vs measured (`mem_activations_bytes`, the model's own

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 7, figure 4: AdamW-state offload (memory-mapped files) for GPT-2 124M, B4 T256:
+# AdamW-state offload (memory-mapped files) for GPT-2 124M, B4 T256:
 # peak resident memory of the training loop and median step time, with and without.
 set -euo pipefail
 cd "$(dirname "$0")/.."

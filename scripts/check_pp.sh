@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 6's figures: pipeline / tensor / composed parallelism against one rank, the measured
+# Pipeline / tensor / composed parallelism against one rank, the measured
 # pipeline bubble, stage 0's activation memory per schedule, and bytes sent per step.
 #   scripts/check_pp.sh equiv    shakespeare-char (8 layers, 8 heads, batch 16 = 8 micro-batches), 20 steps:
 #                                pp 2/4 × gpipe/1f1b/interleaved (v 2), tp 2/4, dp2 × tp2 × pp2 vs one rank

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 7, figure 3: shakespeare-char to step 2000 in fp32, bf16, fp16 (loss scaling) and fp8
+# Shakespeare-char to step 2000 in fp32, bf16, fp16 (loss scaling) and fp8
 # (simulated on CPU): final val loss against fp32 (targets: within 0.03 for bf16/fp16, 0.08
 # for fp8), median tokens/s, and the memory plan's per-rank total for each precision.
 # Needs target/release/kiln. Runs go to ${OUT:-/tmp/kiln-precision}.

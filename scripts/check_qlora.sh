@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 25, figures 1 and 4 (QLoRA): a LoRA fine-tune of a LLaMA-shaped model (SHAPE = layers ×
+# A LoRA fine-tune of a LLaMA-shaped model (SHAPE = layers ×
 # width × heads × kv heads × MLP hidden, default 8 × 768 × 12 × 4 × 2048; GQA, SwiGLU, untied
 # head; the base exported as a bf16 Hugging Face directory) with its frozen base
 # in fp32, NF4 and int8 (`--quantize-base`). For each: peak RSS of the training loop

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 23 (0/1 Adam): shakespeare-char on dp 4, 2000 steps, uncompressed against 1-bit Adam
+# 0/1 Adam: shakespeare-char on dp 4, 2000 steps, uncompressed against 1-bit Adam
 # and 0/1 Adam (and none_noclip: uncompressed without gradient clipping, which the compressed
 # stages do not apply): bytes sent per rank per step (`comm_bytes_sent`: median over the run, and the
 # mean, which counts the warm-up and 0/1 Adam's full-precision variance steps), final val loss.

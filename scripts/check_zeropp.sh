@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 23 (ZeRO++): shakespeare-char on dp 4 as two nodes of two, 2000 steps, ZeRO-3 against
+# ZeRO++: shakespeare-char on dp 4 as two nodes of two, 2000 steps, ZeRO-3 against
 # ZeRO++ (qwZ + qgZ, and with hpZ): bytes sent per rank per step (`comm_bytes_sent`, median
 # over the run's training steps), final val loss; then the planner's prediction for GPT-2 1.5B
 # on 64 nodes of eight A100s with one 100 Gb/s Ethernet NIC each.

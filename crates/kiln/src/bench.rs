@@ -260,7 +260,7 @@ pub fn bench(args: &BenchArgs) -> Result<serde_json::Value> {
     let gcfg = model::GptConfig { vocab_size: vp, ..gcfg };
     let t = cfg.seq_len();
     // One rank in this process, whatever the config's layout: refused before it allocates when
-    // its plan exceeds the memory available (issue 26).
+    // its plan exceeds the memory available.
     let mut one = cfg.clone();
     one.parallel = Default::default();
     crate::memory::plan_checked(&one, &gcfg, 0)?;

@@ -1,4 +1,4 @@
-//! `kiln memory`: the memory plan of a run, before it runs (issue 7).
+//! `kiln memory`: the memory plan of a run, before it runs.
 
 use crate::cmd_train::TrainCli;
 use crate::config::TrainArgs;

@@ -1,4 +1,4 @@
-//! Fuzz targets (issue 26): one per parser of user input, each taking arbitrary bytes and
+//! Fuzz targets: one per parser of user input, each taking arbitrary bytes and
 //! feeding them to the same code `kiln` runs on a user's files. A target may return any error;
 //! it must never panic, abort, hang or allocate beyond [`MEMORY_CAP`] (the memory check's budget
 //! is capped to it, so a fuzzed config that plans a large model is refused, not built).

@@ -10,7 +10,7 @@
 //! (by replaying the acquire/release sequence of a step against the store's rules), the
 //! data-parallel communication temporaries, LoRA's adapters, and the checkpoint snapshot.
 //!
-//! Bytes per element are an [`ElementBytes`], so bf16 / fp16 / fp8 storage (issue 7) only adds a
+//! Bytes per element are an [`ElementBytes`], so bf16 / fp16 / fp8 storage only adds a
 //! constant; kiln trains in fp32 today.
 //!
 //! Not modelled (each at most a few MiB): per-thread kernel scratch pools, gemm's packing
@@ -811,7 +811,7 @@ pub fn check_sizes(cfg: &RunConfig, gpt: &GptConfig, data_bytes: u64) -> Result<
 /// LLaMA run planned at 22.6 GiB, let through at 22.9 GiB available, was killed for memory.
 pub const HEADROOM_PERCENT: u64 = 5;
 
-/// The plan of a run, refused (exit 2) when it exceeds what the process may use (issue 26):
+/// The plan of a run, refused (exit 2) when it exceeds what the process may use:
 /// `memory.limit` per rank when set, else the machine's available memory for this process's
 /// ranks and data. Sizes are checked first ([`check_sizes`]).
 pub fn plan_checked(cfg: &RunConfig, gpt: &GptConfig, data_bytes: u64) -> Result<MemoryPlan> {

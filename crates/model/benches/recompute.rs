@@ -1,4 +1,4 @@
-//! Activation recomputation's cost (issue 7): step time of forward + backward under each
+//! Activation recomputation's cost: step time of forward + backward under each
 //! `Recompute` policy on shakespeare-char's shape (4 layers, 4 heads, 128 channels, B 12, T 64;
 //! median of 20 steps after 5 warm-up), and GPT-2 124M's activation bytes at B 4, T 256 under
 //! each policy. Prints one JSON object per line.

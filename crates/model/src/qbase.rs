@@ -1,4 +1,4 @@
-//! A frozen base held quantized (QLoRA, issue 25): each unit's parameters as segments — the
+//! A frozen base held quantized (QLoRA): each unit's parameters as segments — the
 //! blocks' matrices in NF4 (blocks of 64, double-quantized scales) or int8 per row, everything
 //! else (embeddings, norms, biases, an untied head) in fp32. A pass's store hands out a unit's
 //! fp32 segments alone, packed ([`QuantBase::compact_unit`]; the model indexes them with

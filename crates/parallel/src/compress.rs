@@ -1,4 +1,4 @@
-//! Communication compression (issue 23): 1-bit Adam's compressed all-reduce (Tang et al.,
+//! Communication compression: 1-bit Adam's compressed all-reduce (Tang et al.,
 //! "1-bit Adam", ICML 2021, Algorithm 1; DeepSpeed's `compressed_allreduce`), which 0/1 Adam
 //! reuses on its own schedule ([`ZeroOneSchedule`]), and PowerSGD's low-rank gradient
 //! all-reduce ([`PowerSgd`]).

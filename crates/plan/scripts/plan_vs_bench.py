@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Predicted vs measured step time of kiln's own CPU runs (issue 9, last criterion).
+"""Predicted vs measured step time of kiln's own CPU runs (last criterion).
 
 Each round: `kiln plan calibrate` measures this machine, `kiln plan estimate` predicts, `kiln bench` measures.
 Two clocks, because a shared 2-core machine runs other jobs:

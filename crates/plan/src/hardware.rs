@@ -91,7 +91,7 @@ pub struct Accelerator {
     /// (0: none). Small products keep fewer tiles in flight per SM than the pipelined main loop needs to hide
     /// memory latency, and the faster an SM, the more work it needs in flight: H100's warp-group MMA runs 2.5× an
     /// A100 SM's rate (989/132 vs 312/108 TFLOP/s), so its products reach their plateau only at larger sizes.
-    /// FITTED on the fit half of the published-runs catalogue (issue 22), not measured.
+    /// FITTED on the fit half of the published-runs catalogue, not measured.
     #[serde(default)]
     pub mn_half: f64,
     #[serde(default)]

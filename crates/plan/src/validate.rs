@@ -101,12 +101,12 @@ fn is_catalogue(maps: &[BTreeMap<String, String>]) -> bool {
     maps.first().is_some_and(|m| m.contains_key("source"))
 }
 
-/// The source whose rows every constant of the planner was fitted on before issue 22 (Narayanan et al.
+/// The source whose rows every constant of the planner was fitted on before the wider catalogue (Narayanan et al.
 /// 2021 Table 1): always in the fit half, never evidence of generalisation.
 pub const FITTED_SOURCE: &str = "narayanan2021";
 
 /// The fit / hold-out split of the published-runs catalogue, a fixed rule decided before any constant of
-/// issue 22 was fitted and independent of every value in the row (throughput, shape, error):
+/// the wider catalogue was fitted and independent of every value in the row (throughput, shape, error):
 /// the rows of [`FITTED_SOURCE`] are `fit`; every other source's rows are numbered 0, 1, 2, … in
 /// catalogue order within the source, and row `k` is `fit` when `k mod 3 == 1`, else `holdout`.
 /// So at most a third (rounded up) of each other source is fitted on, a one-row source is held out, every source

@@ -16,7 +16,7 @@
 //! The instruction is used only where it is faster than fp32 FMAs ([`path`]): some CPUs have
 //! it at a quarter of the FMA's instruction rate.
 //!
-//! AMX tiles are not used (no AMX machine to test on); see README.
+//! AMX tiles are not used (no AMX machine to test on); see docs/status.md.
 //!
 //! Each output element is computed by one thread in a fixed order over `k`, so results do not
 //! depend on the thread count.

@@ -1,4 +1,4 @@
-//! Refusing before allocating (issue 26): every command that builds a model first compares what
+//! Refusing before allocating: every command that builds a model first compares what
 //! it will hold with the memory this process may use — `memory.limit` when set, else the
 //! machine's available memory or the cgroup's remaining allowance, whichever is smaller — and
 //! exits 2 with both figures. Sizes are multiplied in u128 here, from the config alone

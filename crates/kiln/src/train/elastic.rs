@@ -1,4 +1,4 @@
-//! Elastic data parallelism and straggler detection (issue 24).
+//! Elastic data parallelism and straggler detection.
 //!
 //! **Resizing.** A rank lost for good takes its whole data-parallel replica with it (a tensor-,
 //! pipeline-, expert- or context-parallel group cannot run without a member), so the run goes on

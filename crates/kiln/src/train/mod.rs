@@ -87,7 +87,7 @@ fn train_once(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
         (None, false) => run::default_run_dir(&preset_name),
     };
     let saved_cfg_path = run_dir.join("config.toml");
-    // One writer per run directory, from before anything in it is read (issue 27).
+    // One writer per run directory, from before anything in it is read.
     let _lock = run::lock(&run_dir)?;
     let mut resume_from = None;
     let mut cfg = if args.resume {
@@ -183,7 +183,7 @@ fn train_once(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
         return user(format!("train.device = {}: this kiln was built without the device backend (rebuild with the default features, or `--features vulkan`)", cfg.train.device));
     }
     // memory: refuse a run whose plan exceeds memory.limit or the memory available, before
-    // anything is written (issues 7, 26).
+    // anything is written.
     crate::memory::plan_checked(&cfg, &gcfg, ds.in_memory_bytes())?;
 
     // 3. The ranks: this process alone, threads in it, or MPI processes.

@@ -180,7 +180,7 @@ impl<'a> Rank<'a> {
                 None => {}
             }
         }
-        // memory: charge the model state to its tracking categories (issue 7).
+        // memory: charge the model state to its tracking categories.
         chunks.iter_mut().for_each(|ch| crate::memory::attribute(&ch.model, &mut ch.dp, &ch.opt));
         let step = resumed.as_ref().map_or(0, |r| r.step);
         #[cfg(feature = "vulkan")]
@@ -275,7 +275,7 @@ impl<'a> Rank<'a> {
             let cp = if p.cp > 1 { format!(" × cp {} ({}, {})", p.cp, p.cp_mode.name(), p.cp_balance.name()) } else { String::new() };
             self.say(&format!("parallel: {} ranks ({}): pp {} × dp {} × ep {}{cp} × tp {}, ZeRO stage {}, {} sequences per data-parallel rank per micro-batch", self.world, p.backend.name(), p.pp, self.applied.groups.dp_size / p.ep, p.ep, p.tp, p.zero, self.rows));
         }
-        // memory: the plan, before step 0 (issue 7).
+        // memory: the plan, before step 0.
         self.say(crate::memory::plan_run(cfg, &self.applied.whole, ds.in_memory_bytes())?.table().trim_end());
         if self.applied.stages.len() > 1 {
             let layers: Vec<usize> = self.applied.stages.iter().map(|r| r.len()).collect();

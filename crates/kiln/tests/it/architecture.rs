@@ -1,4 +1,4 @@
-//! ARCHITECTURE.md's invariants that the source itself can be checked for (issue 17).
+//! ARCHITECTURE.md's invariants that the source itself can be checked for.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};

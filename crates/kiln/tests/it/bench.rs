@@ -1,4 +1,4 @@
-//! `kiln bench`: the JSON it prints (issue 3). Timings are not asserted — they are measured by
+//! `kiln bench`: the JSON it prints. Timings are not asserted — they are measured by
 //! the bench itself — only that every field is present and consistent.
 
 use crate::common::*;
@@ -29,7 +29,7 @@ fn bench_peak_and_bad_bench_input() {
     let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
     assert!(v["peak_gflops"].as_f64().unwrap() > 1.0);
     assert!(v["products"].as_array().unwrap().len() >= 4);
-    // The bf16 products on this machine's path (issue 20).
+    // The bf16 products on this machine's path.
     assert!(v["bf16_peak_gflops"].as_f64().unwrap() > 1.0, "{v}");
     assert_eq!(v["bf16_products"].as_array().unwrap().len(), v["products"].as_array().unwrap().len());
     let path = v["bf16_path"].as_str().unwrap();

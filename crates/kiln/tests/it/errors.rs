@@ -152,7 +152,7 @@ fn eval_and_generate_on_a_missing_run() {
 
 #[test]
 fn model_family_config_errors_name_the_key() {
-    // Issue 4's bad input: n_head not divisible by n_kv_head, top_k beyond the experts.
+    // Bad input: n_head not divisible by n_kv_head, top_k beyond the experts.
     let d = scratch("family");
     let data = corpus(&d);
     let out = d.join("run");
@@ -189,7 +189,7 @@ fn published_shapes_resolve() {
     }
 }
 
-/// Issue 7: a run whose memory plan exceeds `memory.limit` is refused before anything is
+/// A run whose memory plan exceeds `memory.limit` is refused before anything is
 /// written, with the plan as the error; bad sizes name the key.
 #[test]
 fn memory_limit_refuses_the_run_with_the_plan() {
@@ -236,7 +236,7 @@ fn recompute_flags_are_checked() {
     assert!(o.status.success(), "{}", stderr(&o));
 }
 
-/// Issue 26: models and batches larger than the machine are refused from their sizes before
+/// Models and batches larger than the machine are refused from their sizes before
 /// anything large is allocated — one line naming the key and the bytes needed vs available,
 /// exit 2, nothing written, a small peak RSS (the three cases the issue reported, and every
 /// other command that builds a model).

@@ -1,6 +1,6 @@
 //! Expert parallelism through `kiln train --ep N` (in-process ranks): per-step losses against
 //! one rank, the checkpoint holding the whole model, the all-to-all bytes against their
-//! formula, and the configuration errors (issue 6).
+//! formula, and the configuration errors.
 
 use crate::common::*;
 use std::path::Path;

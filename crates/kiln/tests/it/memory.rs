@@ -1,4 +1,4 @@
-//! The memory plan (issue 7): its activation figures against the model's own buffers, the
+//! The memory plan: its activation figures against the model's own buffers, the
 //! `kiln memory` command, and the plan against what a run's tracking allocator measures.
 
 use crate::common::*;

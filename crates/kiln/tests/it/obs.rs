@@ -1,4 +1,4 @@
-//! Observability (issue 10): TensorBoard event files, plots, `kiln doctor`, `kiln runs`.
+//! Observability: TensorBoard event files, plots, `kiln doctor`, `kiln runs`.
 use crate::common::scratch;
 use kiln::obs::tfevents::{self, Event, EventBody};
 use kiln::obs::MetricsWriter;

@@ -576,7 +576,7 @@ fn sequence_parallel_matches_one_rank_and_moves_what_tensor_parallel_moves() {
     assert!(!d.join("bad1").exists() && !d.join("bad2").exists());
 }
 
-/// Communication compression (issue 23). 1-bit Adam (`parallel.compression = onebit_adam`):
+/// Communication compression. 1-bit Adam (`parallel.compression = onebit_adam`):
 /// after the warm-up, a step's data-parallel traffic is the momentum's signs (about 32× fewer
 /// bytes than the gradients' all-reduce, as the planner models it). PowerSGD (`powersgd`): the
 /// gradient matrices travel as rank-2 factors. 0/1 Adam (`zero_one_adam`): its 1-bit steps and
@@ -670,7 +670,7 @@ fn compressed_data_parallel_sends_fewer_bytes_and_resumes_exactly() {
     assert_user_error(&train(&data, &d.join("bad"), &["--set", "parallel.compression=onebit_adam"]), &["needs parallel.dp > 1"]);
 }
 
-/// ZeRO++ (issue 23; `parallel.zeropp`) on ZeRO-3 over dp 4 as two nodes of two: qwZ + qgZ
+/// ZeRO++ (`parallel.zeropp`) on ZeRO-3 over dp 4 as two nodes of two: qwZ + qgZ
 /// send at least 3.5× fewer bytes than ZeRO-3 and train close to it; hpZ changes no value (its
 /// backward gathers the forward's values from the node) and sends fewer bytes still; resume is
 /// exact (ZeRO++ keeps no state across steps); MPI equals in process; bad settings are refused.

@@ -435,7 +435,7 @@ fn a_live_run_directory_has_one_writer_and_read_only_commands_still_work() {
     assert!(dup.is_empty(), "{dup:?}");
 }
 
-/// Elastic data parallelism (issue 24): of four ranks, rank 1 is lost for good at step 11 and
+/// Elastic data parallelism: of four ranks, rank 1 is lost for good at step 11 and
 /// the run goes on with three from the in-memory snapshot of step 8, at the same global batch
 /// (two micro-batches of two sequences per rank); rank 1 is back from step 20 and rejoins at
 /// the checkpoint of step 24. Each stretch equals a run resumed at that layout from the same

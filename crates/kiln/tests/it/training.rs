@@ -411,7 +411,7 @@ fn cargo_run_at_the_root_means_the_kiln_program() {
     assert_eq!(bins, ["kiln"], "binaries `cargo run` chooses from at the root");
 }
 
-/// QLoRA (issue 25): a LoRA fine-tune over a base stored as NF4 (or int8) gives, bit for bit,
+/// QLoRA: a LoRA fine-tune over a base stored as NF4 (or int8) gives, bit for bit,
 /// the losses of plain LoRA over the dequantized base written out in fp32 — the passes see
 /// exactly the dequantized weights — on llama31-tiny from its bf16 files (read tensor by tensor);
 /// `export --merge` writes that merged model; so does bf16 QLoRA against bf16 LoRA; dp 2 matches

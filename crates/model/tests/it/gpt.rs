@@ -223,7 +223,7 @@ fn moe_decode_logits_match_full_forward_and_stats_are_reported() {
     assert!(e.contains("model.top_k (5)") && e.contains("model.n_expert (4)"), "{e}");
 }
 
-// Issue 7: the same checks with activation recomputation (backward re-runs each block).
+// The same checks with activation recomputation (backward re-runs each block).
 #[test]
 fn gradients_match_finite_differences_with_recompute() {
     model_gradcheck_with(tiny(false, 0.2, false), Recompute::Full);

@@ -1,4 +1,4 @@
-//! HF GPT-2 import/export against the `transformers` fixtures in ../shared/fixtures (issue 4).
+//! HF GPT-2 import/export against the `transformers` fixtures in ../shared/fixtures.
 
 use model::gpt::IGNORE_INDEX;
 use model::hf::{export_hf, import_hf};

@@ -1,4 +1,4 @@
-//! LoRA adapters (issue 4): gradients, the frozen base, and merging.
+//! LoRA adapters: gradients, the frozen base, and merging.
 
 use model::config::Arch;
 use model::lora::Lora;
@@ -111,7 +111,7 @@ impl model::UnitStore for Compact {
     fn release(&mut self, _u: usize, _access: model::Access) {}
 }
 
-/// QLoRA (issue 25): a model whose projections read NF4 or int8 matrices from its quantized
+/// QLoRA: a model whose projections read NF4 or int8 matrices from its quantized
 /// base (dequantized a tile at a time inside each product) and whose store hands out compact
 /// units gives, bit for bit, the loss and adapter gradients of the same LoRA model over the
 /// dequantized weights — GPT-2 (biases, tied head) and LLaMA with q/k/v biases (Qwen2's: the

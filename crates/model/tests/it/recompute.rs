@@ -1,4 +1,4 @@
-//! Activation recomputation (issue 7): `Recompute::Full` keeps only each block's input and
+//! Activation recomputation: `Recompute::Full` keeps only each block's input and
 //! re-runs the block in backward, `Selective` (Korthikanti et al.) keeps all but the attention
 //! core's outputs and recomputes those; the loss and every gradient must be bit-identical to
 //! `Recompute::None`, and what is recomputed must exist once instead of `n_layer` times.
@@ -175,7 +175,7 @@ fn recompute_keeps_block_activations_once() {
     assert_eq!(selective - full, 7 * (kept + rest));
 }
 
-/// 16-bit activation storage (issue 20): bf16 and fp16 training with the stash gives the run
+/// 16-bit activation storage: bf16 and fp16 training with the stash gives the run
 /// without it bit for bit (the stored values are already rounded to the format), under every
 /// policy it applies to, while the stored activations take about half the bytes.
 #[test]
@@ -205,7 +205,7 @@ fn sixteen_bit_activation_storage_is_lossless_and_halves_the_stored_activations(
     }
 }
 
-/// Activation compression (issue 25) on dense and mixture-of-experts layers (routed and
+/// Activation compression on dense and mixture-of-experts layers (routed and
 /// shared experts, with and without a capacity): int8 codes leave the loss of the same
 /// forward exact and every gradient within a few percent of the uncompressed step's, int4
 /// further; so every tensor backward reads is put back (one left stale — another layer's —

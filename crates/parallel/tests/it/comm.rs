@@ -1,4 +1,4 @@
-//! The communicator against sequential references (issue 5: communicator, collective diagnostics).
+//! The communicator against sequential references (communicator, collective diagnostics).
 
 use parallel::{mesh_group, run_ranks, run_ranks_with_timeout, Axis, Comm, DeviceMesh};
 use std::panic::{catch_unwind, AssertUnwindSafe};

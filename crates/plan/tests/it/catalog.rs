@@ -77,7 +77,7 @@ fn user_hardware_file_extends_the_catalogue() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
-/// Issue 22: `kiln plan validate` on the published-runs catalogue keeps the rows the planner's
+/// `kiln plan validate` on the published-runs catalogue keeps the rows the planner's
 /// constants may be fitted on (`plan::validate::split_of`) apart from the held-out rest and
 /// reports both halves; rows it cannot evaluate are listed with the reason, not dropped
 /// silently. The held-out error is what it is (the issue's target is not met yet).

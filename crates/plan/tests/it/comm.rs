@@ -29,7 +29,7 @@ fn ring_formulas_and_link_levels() {
     assert!((p2p_time(tp, s) - (tp.latency + s / tp.bw)).abs() < 1e-15);
 }
 
-/// Issue 23: 1-bit Adam on a slow fabric (64 nodes of 8 A100s, one 100 Gb/s Ethernet NIC per
+/// 1-bit Adam on a slow fabric (64 nodes of 8 A100s, one 100 Gb/s Ethernet NIC per
 /// node). The compressed momentum sends 1/32 of the gradient bytes and, at the optimizer step,
 /// is not hidden behind backward; where the gradients' all-reduce dominates, the step is
 /// several times faster. Its traffic is `parallel::compress`'s, word for word.
@@ -71,7 +71,7 @@ fn one_bit_adam_pays_on_ethernet() {
     assert!(err.0.contains("--compression zero_one_adam") && err.0.contains("--zero 0"), "{}", err.0);
 }
 
-/// Issue 23: ZeRO++ on the same Ethernet cluster. Against ZeRO-3 in bf16 it sends int8 gathers
+/// ZeRO++ on the same Ethernet cluster. Against ZeRO-3 in bf16 it sends int8 gathers
 /// (about half the bytes), the backward's inside the node (hpZ), and int4 gradients through two
 /// all-to-alls (a quarter, an eighth of it across the nodes): several times fewer bytes per
 /// GPU, and a faster step where ZeRO-3's collectives dominate.

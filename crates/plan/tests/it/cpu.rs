@@ -1,4 +1,4 @@
-//! The CPU path of the cost model (issue 9, last criterion: predict kiln's own `shakespeare-char` and GPT-2 124M
+//! The CPU path of the cost model (last criterion: predict kiln's own `shakespeare-char` and GPT-2 124M
 //! B4 T256 step times from a `kiln plan calibrate` file). A fixed synthetic calibration, so the formula cannot
 //! drift silently; no timing here (`crates/plan/scripts/plan_vs_bench.py` compares with `kiln bench` on the machine).
 

@@ -155,7 +155,7 @@ fn impossible_virtual_stages_name_the_layers() {
     assert!(estimate_cmd(&gpt(), &cluster("a100-80gb", 64), &l, false).is_ok());
 }
 
-/// Issue 22: a batch that cannot split is named as such, with the degrees that make the data-parallel size.
+/// A batch that cannot split is named as such, with the degrees that make the data-parallel size.
 #[test]
 fn batch_not_splitting_names_the_degrees() {
     let l = LayoutArgs { global_batch: 60, tp: Some(2), pp: Some(4), ..Default::default() };

@@ -1,4 +1,4 @@
-//! Issue 9, done-when (2b): activation bytes per layer equal Korthikanti et al.'s closed forms for each
+//! Activation bytes per layer equal Korthikanti et al.'s closed forms for each
 //! configuration of their Table 2, at every Table 1 shape (s, h, a, t), and the pipeline totals follow §4.2.3.
 
 use plan::cost::{activation_bytes_per_layer, inflight_microbatches, ActConfig, Attention, Recompute};

@@ -1,4 +1,4 @@
-//! Integration tests of the planner (issue 9). One binary, one module per concern.
+//! Integration tests of the planner. One binary, one module per concern.
 
 mod catalog;
 mod comm;

@@ -1,4 +1,4 @@
-//! Issue 22, criterion 2: the regimes published runs show appear in the predictions.
+//! The regimes published runs show appear in the predictions.
 
 use plan::cli::{estimate_cmd, ClusterArgs, LayoutArgs, ModelArgs};
 use plan::cost::{collective_latency, group_link, reduce_scatter_time};
@@ -163,7 +163,7 @@ fn validate_and_estimate_agree_on_a_row() {
     assert_eq!(e["setup"], row["setup"]);
 }
 
-/// Issue 22 (llm-foundry MPT, H100, 128 → 512 GPUs at a fixed batch per GPU): FSDP issues one all-gather and one
+/// MPT on llm-foundry, H100, 128 → 512 GPUs at a fixed batch per GPU: FSDP issues one all-gather and one
 /// reduce-scatter per wrapped block, each paying the ring latency across the nodes, so the hidden traffic grows with
 /// the ranks even though the bytes per GPU do not, and the compute under it slows (`OVERLAP_CONTENTION`): weak
 /// scaling loses per-GPU throughput. The charge is exactly the constant times the hidden part.

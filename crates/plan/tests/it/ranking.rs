@@ -1,4 +1,4 @@
-//! Issue 9, done-when (3): for each Table 1 row, search (same model, cluster, batch and the published software
+//! For each Table 1 row, search (same model, cluster, batch and the published software
 //! setup: fp16, full recomputation, interleaved schedule, no SP, unfused attention, no communication overlap) ranks the
 //! published (TP, PP) in its top 3, or the planner's explanation names the assumption that makes another better.
 

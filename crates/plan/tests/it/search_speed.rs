@@ -1,4 +1,4 @@
-//! Issue 9, done-when (5): `kiln plan search` for a 70B LLaMA on 64 H100s answers in under 10 s
+//! `kiln plan search` for a 70B LLaMA on 64 H100s answers in under 10 s
 //! (measured here in whatever profile the tests build in; it takes well under a second).
 
 #[test]

@@ -1,4 +1,4 @@
-//! Issue 9, done-when (1): predicted TFLOP/s per GPU on Narayanan et al. Table 1 (the table's convention, counting
+//! Predicted TFLOP/s per GPU on Narayanan et al. Table 1 (the table's convention, counting
 //! the recomputation forward) has MAPE <= 8% and no row beyond 15%. Fails if the cost model drifts.
 
 use plan::hardware::HardwareCatalog;

@@ -1,4 +1,4 @@
-//! Issue 9, done-when (2a): ZeRO model-state bytes per GPU are exactly the ZeRO paper's formulas
+//! ZeRO model-state bytes per GPU are exactly the ZeRO paper's formulas
 //! (Rajbhandari et al., SC20, §5 and Figure 1).
 
 use plan::cost::zero_model_state_bytes;

@@ -1,6 +1,6 @@
 //! LLaMA-family kernels (`tensor::llama`): finite-difference gradient checks, reference values,
 //! rotary-embedding identities, GQA against the multi-head kernel, accumulation, and the
-//! `llama-tiny` transformers fixture's logits reproduced from these kernels (issue 4).
+//! `llama-tiny` transformers fixture's logits reproduced from these kernels.
 
 use tensor::attention::AttnDims;
 use tensor::llama::*;

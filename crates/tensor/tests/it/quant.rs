@@ -1,4 +1,4 @@
-//! `tensor::quant` against its definition (issue 25): the NF4 codebook built from normal
+//! `tensor::quant` against its definition: the NF4 codebook built from normal
 //! quantiles equals the 16 values the QLoRA paper and bitsandbytes publish, and quantization,
 //! double quantization and dequantization equal a NumPy reference bit for bit
 //! (`tests/fixtures/quant/make.py`: scipy's `norm.ppf`, ml_dtypes' E4M3).
