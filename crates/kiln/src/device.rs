@@ -2,7 +2,7 @@
 //! about the GPUs it finds. The kernels live in the `device` crate (feature `vulkan`, on by
 //! default); a build without it still parses the flag and refuses a device plainly.
 
-use crate::error::{user, Result};
+use crate::error::Result;
 use std::str::FromStr;
 
 /// Where a command's kernels run.
@@ -54,24 +54,8 @@ pub fn open(d: DeviceArg) -> Result<Option<device::Gpu>> {
 pub fn open(d: DeviceArg) -> Result<Option<std::convert::Infallible>> {
     match d {
         DeviceArg::Cpu => Ok(None),
-        DeviceArg::Vulkan(_) => user(format!("--device {d}: this kiln was built without the device backend (rebuild with the default features, or `--features vulkan`), or pass --device cpu")),
+        DeviceArg::Vulkan(_) => crate::error::user(format!("--device {d}: this kiln was built without the device backend (rebuild with the default features, or `--features vulkan`), or pass --device cpu")),
     }
-}
-
-/// For the commands whose model does not run on a device yet (`train`, `eval`, `generate`):
-/// checks the device is there, then refuses it, saying so plainly.
-pub fn refuse_model_on_device(d: DeviceArg, command: &str) -> Result<()> {
-    if d == DeviceArg::Cpu {
-        return Ok(());
-    }
-    let gpu = open(d)?;
-    #[cfg(feature = "vulkan")]
-    let name = gpu.as_ref().map_or(String::new(), |g| format!(" ({})", g.info.name));
-    #[cfg(not(feature = "vulkan"))]
-    let name = gpu.map_or(String::new(), |never| match never {});
-    user(format!(
-        "kiln {command} --device {d}{name}: the model does not run on a device yet, only its kernels do (`kiln bench --kernels --device {d}` times them); pass --device cpu"
-    ))
 }
 
 /// `kiln doctor`'s lines about GPUs.

@@ -48,7 +48,7 @@ struct LayerActs {
 /// An MoE layer's activations (`tensor::moe`'s names): the router's logits and routing, the
 /// dispatched rows and each routed expert's `[gate | up]`, activation and output over its packed
 /// rows (upper bound `N·K`), the shared experts' over every token; and the routing statistics
-/// `[Σ_t probs (E) | Σ_t lse²]` the step's line reports.
+/// the step's line reports, `[Σ_t probs (E) | Σ_t lse² | counts (E, u32) | kept rows (u32)]`.
 struct MoeActs {
     logits: Buf,
     routing: device::Routing,
@@ -75,7 +75,7 @@ struct MoeScratch {
 fn moe_sizes(cfg: &GptConfig, n: usize) -> (Vec<usize>, Vec<usize>) {
     let (c, f, e, k, s) = (cfg.n_embd, cfg.ffn_hidden, cfg.n_expert, cfg.top_k, cfg.n_shared_expert);
     let nk = n * k;
-    let mut acts = vec![n * e, n * e, n, nk, nk, nk, nk, e + 1, e, nk * c, nk * 2 * f, nk * f, nk * c, e + 1];
+    let mut acts = vec![n * e, n * e, n, nk, nk, nk, nk, e + 1, e, nk * c, nk * 2 * f, nk * f, nk * c, 2 * e + 2];
     acts.extend(std::iter::repeat_n(n * 2 * f, s).chain(std::iter::repeat_n(n * f, s)));
     (acts, vec![nk * c, nk.max(n) * f, nk.max(n) * 2 * f, nk, n * e, e])
 }
@@ -92,7 +92,7 @@ impl MoeActs {
             eo: g.zeros(n * k * c),
             sgu: (0..s).map(|_| g.zeros(n * 2 * f)).collect(),
             sh: (0..s).map(|_| g.zeros(n * f)).collect(),
-            stats: g.zeros(e + 1),
+            stats: g.zeros(2 * e + 2),
         }
     }
 }
@@ -670,6 +670,8 @@ impl DeviceGpt {
         g.clear(&ma.stats);
         g.bias_backward(ma.stats.at(0), &r.probs, n, e);
         g.sum_squares((&ma.stats, e), r.lse.at(0), n, &self.parts, false);
+        g.copy_words(&ma.stats, e + 1, &r.counts, 0, e);
+        g.copy_words(&ma.stats, 2 * e + 1, &r.offsets, e, 1);
     }
 
     /// The backward of [`DeviceGpt::moe_forward`] from `dy` into `dx` (overwritten), the
@@ -714,17 +716,24 @@ impl DeviceGpt {
         g.gemm(Gemm::new(e, c, n).acc(), (&self.grads, MatSpec::rows(wr, c)), (&ms.dlogits, rows(e).t()), (x, rows(c)), None);
     }
 
-    /// Each MoE layer's routing statistics from the last forward (`tensor::moe::MoeStats`),
-    /// downloaded: per layer its counts, Σ_t probs and Σ_t lse² (`2E + 1` words).
+    /// Each MoE layer's routing statistics from the last forward (`tensor::moe::MoeStats`):
+    /// every layer's `2E + 2` words gathered on the device into one download.
     pub fn moe_stats(&self) -> Vec<tensor::moe::MoeStats> {
         let Some(a) = self.acts.as_ref() else { return Vec::new() };
         let cfg = &self.cfg;
-        a.layers.iter().filter_map(|l| l.moe.as_ref()).map(|ma| {
+        let layers: Vec<&MoeActs> = a.layers.iter().filter_map(|l| l.moe.as_ref()).collect();
+        let w = 2 * cfg.n_expert + 2;
+        let all = self.gpu.zeros(layers.len() * w);
+        for (i, ma) in layers.iter().enumerate() {
+            self.gpu.copy_words(&all, i * w, &ma.stats, 0, w);
+        }
+        let words = self.gpu.download_words(&all, 0, layers.len() * w);
+        layers.iter().zip(words.chunks(w)).map(|(ma, st)| {
             let r = &ma.routing;
             let (n, e, k) = (r.n, r.e, r.k);
-            let counts: Vec<usize> = self.gpu.download_u32(&r.counts).into_iter().map(|c| c as usize).collect();
-            let kept = self.gpu.download_u32(&r.offsets)[e] as usize;
-            let st = self.gpu.download(&ma.stats);
+            let counts: Vec<usize> = st[e + 1..2 * e + 1].iter().map(|&c| c as usize).collect();
+            let kept = st[2 * e + 1] as usize;
+            let st: Vec<f32> = st[..=e].iter().map(|&b| f32::from_bits(b)).collect();
             let aux = (0..e).map(|x| counts[x] as f64 / (n * k) as f64 * (st[x] as f64 / n as f64)).sum::<f64>() * e as f64;
             let z = st[e] as f64 / n as f64;
             let (aux, z) = (aux as f32, z as f32);
