@@ -40,11 +40,12 @@ impl Gpu {
     /// The LM head and its loss, fused, in chunks of [`Gpu::head_rows`] rows: `logits = inp ·
     /// weightᵀ`, `losses[i] = −ln softmax(logits[i, :V])[targets[i]]` (0 for the ignore index;
     /// `targets` holds the `i32` bits), and with `grads = (dinp, dweight, (scalars, at))`
-    /// `dinp = dlogits·weight` (overwritten) and `dweight += dlogitsᵀ·inp`, `dlogits =
+    /// `dinp = dlogits·weight` (overwritten) and `dweight += dlogitsᵀ·inp` (none for a frozen
+    /// head: `dweight` `None`), `dlogits =
     /// dloss·(p − onehot)` with `dloss = scalars[at]`. `scratch` holds at least one `[Vp]` fp32 row; it
     /// sets the chunk's rows `R`.
     #[allow(clippy::too_many_arguments)]
-    pub fn lm_head_crossentropy(&self, losses: &Buf, grads: Option<(&Buf, At, (&Buf, usize))>, inp: &Buf, weight: At, targets: &Buf, scratch: &Buf, d: &HeadDims) {
+    pub fn lm_head_crossentropy(&self, losses: &Buf, grads: Option<(&Buf, Option<At>, (&Buf, usize))>, inp: &Buf, weight: At, targets: &Buf, scratch: &Buf, d: &HeadDims) {
         let HeadDims { c, v, vp, offset, ignore_index, .. } = *d;
         assert_eq!(offset, 0, "a vocabulary slice does not run on the device yet");
         let n = targets.len();
@@ -60,7 +61,9 @@ impl Gpu {
             self.launch(&CROSSENTROPY, Gpu::grid(rows, 1), &args, &[Some(scratch), Some(losses), Some(targets), scal]);
             if let Some((dinp, dw, _)) = grads {
                 self.gemm(Gemm::new(rows, c, vp), (dinp, MatSpec::rows(r0 * c, c)), lg, (weight.buf, MatSpec::rows(weight.off, c)), None);
-                self.gemm(Gemm::new(vp, c, rows).acc(), (dw.buf, MatSpec::rows(dw.off, c)), (scratch, MatSpec::rows(0, vp).t()), x, None);
+                if let Some(dw) = dw {
+                    self.gemm(Gemm::new(vp, c, rows).acc(), (dw.buf, MatSpec::rows(dw.off, c)), (scratch, MatSpec::rows(0, vp).t()), x, None);
+                }
             }
         }
     }

@@ -21,6 +21,7 @@ mod head;
 mod kernels;
 mod moe;
 mod ops;
+mod quant;
 mod shader;
 
 use std::collections::HashMap;
@@ -33,6 +34,7 @@ pub use head::slot;
 pub use kernels::{Gemm, MatSpec, Ragged};
 pub use moe::Routing;
 pub use ops::RopePos;
+pub use quant::QBuf;
 
 /// Why a device could not be opened or used: one line, naming what to do.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -151,7 +151,7 @@ fn head<'a>(x: &'a Inputs, g: Option<&'a Gpu>) -> Vec<Case<'a>> {
         let tg: Vec<u32> = x.targets.iter().map(|&t| t as u32).collect();
         let st = (g.upload(inp), g.upload(&x.head_w), g.upload_u32(&tg), g.upload(&[dloss]), g.zeros(BT), g.zeros(BT * C), g.zeros(V * C), g.zeros(BT * V));
         on(g, st, move |g, (i, w, tg, s, l, di, dw, scratch)| {
-            g.lm_head_crossentropy(l, Some((di, dw.at(0), (s, 0))), i, w.at(0), tg, scratch, &dims);
+            g.lm_head_crossentropy(l, Some((di, Some(dw.at(0)), (s, 0))), i, w.at(0), tg, scratch, &dims);
             di
         })
     });

@@ -40,9 +40,7 @@ pub fn refusal(cfg: &RunConfig) -> Option<String> {
     if p.world(p.dp) > 1 || p.pp > 1 || p.tp > 1 || p.cp > 1 || p.ep > 1 || p.dp > 1 {
         return Some(format!("train.device = {d} trains on one device: parallel layouts on devices are not done yet (got dp {}, tp {}, pp {}, cp {}, ep {})", p.dp, p.tp, p.pp, p.cp, p.ep));
     }
-    let why = if cfg.lora.rank > 0 {
-        "LoRA (lora.rank)"
-    } else if cfg.train.precision == model::Precision::Fp8 {
+    let why = if cfg.train.precision == model::Precision::Fp8 {
         "FP8 storage (train.precision = fp8)"
     } else if cfg.memory.offload != crate::config::Offload::None {
         "optimizer offload (memory.offload)"
@@ -64,9 +62,14 @@ impl DeviceRun {
         };
         check_plan(&gpu, d, cfg, (&ch.model.cfg, ch.model.layout.total))?;
         let mut host = model::Gpt::zeroed(ch.model.cfg.clone(), ch.model.real_vocab);
-        host.params = host_master(ch);
         host.precision = ch.model.precision;
         host.recompute = ch.model.recompute;
+        host.lora = ch.model.lora.clone();
+        // QLoRA's base goes up as it is held, quantized; any other base or model in fp32.
+        match ch.model.quantized_base() {
+            Some(q) => host.set_quantized_base(q.clone()),
+            None => host.params = host_master(ch),
+        }
         let model = DeviceGpt::new(gpu.clone(), &host).map_err(|e| KilnError::User(format!("train.device = {d}: {e}; use train.device = cpu")))?;
         let alloc = |len| gpu.alloc(len, device::DType::F32).map_err(|e| KilnError::User(format!("train.device = {d}: {e}")));
         let (m, v) = (alloc(ch.opt.m.len())?, alloc(ch.opt.v.len())?);
@@ -120,7 +123,8 @@ impl DeviceRun {
             self.model.backward();
             counts.push(count as f64);
         }
-        g.sum_squares((&self.model.scalars, slot::SUMSQ), self.model.grads.at(0), self.model.grads.len(), &self.parts, false);
+        let grads = self.model.trainable().1;
+        g.sum_squares((&self.model.scalars, slot::SUMSQ), grads.at(0), grads.len(), &self.parts, false);
         g.clip_scale(&self.model.scalars, cfg.train.grad_clip as f32);
         g.copy_words(&self.sums, slot::NORM, &self.model.scalars, slot::NORM, 1);
         // The loss sums and the norm: the step's only download.
@@ -148,7 +152,8 @@ impl DeviceRun {
         let tc = &cfg.train;
         let h = tensor::AdamW { lr: cfg.lr_at(step) as f32, beta1: tc.beta1 as f32, beta2: tc.beta2 as f32, eps: tc.eps as f32, weight_decay: tc.weight_decay as f32, t: step + 1 };
         g.set_adamw_scalars(&self.model.scalars, &h);
-        let state = (&self.model.params, &self.model.grads, &self.m, &self.v);
+        let (params, grads) = self.model.trainable();
+        let state = (params, grads, &self.m, &self.v);
         for (r, decay) in &self.segments {
             g.adamw_update(state, r.start, r.len(), &h, *decay, &self.model.scalars);
         }
@@ -157,13 +162,17 @@ impl DeviceRun {
 }
 
 impl DeviceRun {
-    /// Brings the host's copy of the state (the chunk's parameters and AdamW moments) up to
-    /// the device's, when it is older: before a checkpoint or the sample.
+    /// Brings the host's copy of the state (the chunk's parameters, or LoRA's adapters, and the
+    /// AdamW moments) up to the device's, when it is older: before a checkpoint or the sample.
     pub fn pull(&mut self, ch: &mut Chunk) {
         if !self.stale {
             return;
         }
-        put_master(ch, &self.model.download_params());
+        let w = self.model.download_trainable();
+        match ch.model.lora.as_mut() {
+            Some(lo) => lo.params.copy_from_slice(&w),
+            None => put_master(ch, &w),
+        }
         let (m, v) = (self.gpu.download(&self.m), self.gpu.download(&self.v));
         ch.opt.m.copy_from_slice(&m);
         ch.opt.v.copy_from_slice(&v);
@@ -172,16 +181,27 @@ impl DeviceRun {
 }
 
 /// Refuses, before anything is allocated on the device, a run whose device plan (parameters,
-/// gradients, AdamW's moments, one micro-batch's activations) exceeds `memory.device_limit`, or
-/// whose largest buffer exceeds the adapter's; the message gives the plan's figures.
-/// Returns the plan and a line of its figures (`kiln memory --device` prints both).
+/// gradients, AdamW's moments, one micro-batch's activations; under LoRA the frozen base and the
+/// adapters' state) exceeds `memory.device_limit`, or whose largest buffer exceeds the adapter's;
+/// the message gives the plan's figures. Returns the plan and a line of its figures (`kiln
+/// memory --device` prints both).
 pub fn check_plan(gpu: &Gpu, d: DeviceArg, cfg: &RunConfig, (gpt, params): (&model::GptConfig, usize)) -> Result<(model::device::DevicePlan, String)> {
-    let p = model::device::plan(gpu, gpt, params, (cfg.micro_batch(), cfg.seq_len()), 2, (cfg.train.precision, cfg.model.recompute));
+    let (weights, what) = if cfg.lora.rank > 0 {
+        let l = &cfg.lora;
+        let layout = model::layout::gpt_layout(gpt).0;
+        let lora = model::lora::Lora::new(gpt, l.rank, l.alpha as f32, &l.targets, cfg.train.seed).map_err(KilnError::User)?;
+        let w = model::device::Weights::lora(&layout, &lora, cfg.train.precision, l.quantize_base);
+        let base = match l.quantize_base {
+            model::BaseQuant::None => format!("frozen, {}", plan::policy::Names::name(cfg.train.precision)),
+            q => format!("frozen, {}", plan::policy::Names::name(q)),
+        };
+        (w, format!("a base of {params} parameters ({base}) and {} adapter parameters × 4 buffers of fp32 (weights, gradients, AdamW's two moments)", lora.params.len()))
+    } else {
+        (model::device::Weights::Full { params }, format!("{params} parameters × 4 buffers of fp32 (weights, gradients, AdamW's two moments)"))
+    };
+    let p = model::device::plan(gpu, gpt, weights, (cfg.micro_batch(), cfg.seq_len()), 2, (cfg.train.precision, cfg.model.recompute));
     let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
-    let figures = format!(
-        "the run needs {:.1} MiB on the device ({} parameters × 4 buffers of fp32 (weights, gradients, AdamW's two moments) and the activations of {} × {} tokens), its largest buffer {:.1} MiB",
-        mib(p.total_bytes), p.params, cfg.micro_batch(), cfg.seq_len(), mib(p.largest_bytes)
-    );
+    let figures = format!("the run needs {:.1} MiB on the device ({what} and the activations of {} × {} tokens), its largest buffer {:.1} MiB", mib(p.total_bytes), cfg.micro_batch(), cfg.seq_len(), mib(p.largest_bytes));
     let limit = cfg.device_memory_limit();
     if limit > 0 && p.total_bytes > limit {
         return user(format!("train.device = {d}: {figures}: over memory.device_limit = {} ({:.1} MiB)", cfg.memory.device_limit, mib(limit)));

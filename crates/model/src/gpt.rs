@@ -711,6 +711,11 @@ impl Gpt {
         self.base = Some(base);
     }
 
+    /// QLoRA's quantized base, when [`Gpt::set_quantized_base`] gave one.
+    pub fn quantized_base(&self) -> Option<&std::sync::Arc<crate::qbase::QuantBase>> {
+        self.base.as_ref()
+    }
+
     /// The format a block's kept activations are stored in between forward and backward:
     /// compressed codes under [`Gpt::act_compression`], else 16 bits when training in a 16-bit
     /// precision (unless [`Gpt::stash16`] is off, or the layers are mixtures of experts, whose

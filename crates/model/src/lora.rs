@@ -41,6 +41,7 @@ pub struct Adapter {
     pub base: String,
 }
 
+#[derive(Clone)]
 pub struct Lora {
     pub rank: usize,
     pub alpha: f32,

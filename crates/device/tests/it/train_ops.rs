@@ -1,5 +1,5 @@
-//! The LM head with cross-entropy, MoE routing, and the optimizer (global norm, clipping,
-//! AdamW) against their CPU twins.
+//! The LM head with cross-entropy, MoE routing, the optimizer (global norm, clipping, AdamW), and
+//! QLoRA's dequantization against their CPU twins.
 use crate::common::{close, gpu, randn, stored, tol};
 use device::{slot, DType};
 use tensor::classifier::HeadDims;
@@ -31,7 +31,7 @@ fn lm_head_crossentropy_matches_cpu_in_chunks_and_types() {
         let tg = g.upload_u32(&targets.iter().map(|&t| t as u32).collect::<Vec<_>>());
         let (gx, gw, gdw, scal) = (g.upload_as(&x, dtype), g.upload_as(&w, dtype), g.upload(&dw0), g.upload(&[0.0, dloss]));
         let (gl, gdi, gs) = (g.zeros(n), g.zeros(n * c), g.zeros(chunk * vp));
-        g.lm_head_crossentropy(&gl, Some((&gdi, gdw.at(0), (&scal, 1))), &gx, gw.at(0), &tg, &gs, &dims);
+        g.lm_head_crossentropy(&gl, Some((&gdi, Some(gdw.at(0)), (&scal, 1))), &gx, gw.at(0), &tg, &gs, &dims);
         let t = tol(DType::F32);
         close(&format!("losses {name}"), &g.download(&gl), &losses, t);
         close(&format!("dinp {name}"), &g.download(&gdi), &dinp, t);
@@ -152,4 +152,38 @@ fn global_norm_clipping_and_adamw_match_cpu() {
     let scale: f64 = grads[3..].iter().map(|&x| x.abs() as f64).sum();
     let got = g.download(&sums)[1] as f64;
     assert!((got - want).abs() <= 1e-6 * scale, "sum {got} against {want}");
+}
+
+/// QLoRA's base on the device: NF4 (block maxima in fp32 and double-quantized) and int8 rows,
+/// uploaded as held and dequantized into a view of a larger buffer, equal to the CPU's
+/// dequantization (the double-quantized maxima within one rounding of theirs).
+#[test]
+fn dequantize_matches_cpu() {
+    use tensor::quant::{Int8Rows, Nf4, QPart};
+    let g = gpu();
+    let mut rng = Rng::new(77);
+    // 300 blocks of 64 and a short last one: more than one double-quantization run of 256.
+    let n = 300 * 64 + 37;
+    let x = randn(&mut rng, n, 0.02);
+    let out = g.zeros(n + 9);
+    for double in [false, true] {
+        let q = Nf4::quantize(&x, double);
+        let want = q.dequantize();
+        g.dequantize(out.at(9), &g.upload_quantized(QPart::Nf4(&q)).unwrap());
+        let got = g.download(&out)[9..].to_vec();
+        if double {
+            close("dequantize nf4 (double)", &got, &want, 1e-6);
+        } else {
+            assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "dequantize nf4 differs from the CPU");
+        }
+    }
+    let (rows, cols) = (37, 29);
+    let q = Int8Rows::quantize(&x[..rows * cols], rows, cols);
+    let mut want = vec![0.0; rows * cols];
+    q.dequantize_rows(&mut want, 0);
+    let qb = g.upload_quantized(QPart::Int8(&q)).unwrap();
+    assert!(qb.bytes() < 4 * (rows * cols) as u64 / 3);
+    g.dequantize(out.at(0), &qb);
+    let got = g.download(&out)[..rows * cols].to_vec();
+    assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "dequantize int8 differs from the CPU");
 }

@@ -176,3 +176,50 @@ fn generation_on_the_device_gives_the_cpu_tokens() {
     assert!(cpu.len() > "Hello there".len() + 10, "{cpu}");
     assert_eq!(dev, cpu);
 }
+
+/// LoRA and QLoRA on the device over a Hugging Face fixture: the adapters' losses follow the
+/// CPU's step for step (the frozen base resident; under QLoRA its NF4 or int8 codes dequantized
+/// on the device), for a dense LLaMA, GPT-2's fused projections and a mixture of experts; a
+/// device checkpoint of the adapters resumes on the CPU; bf16 QLoRA stays near the CPU's bf16.
+#[test]
+fn lora_and_qlora_on_the_device_follow_the_cpu() {
+    let dir = scratch("device-lora");
+    let text = dir.join("text.txt");
+    std::fs::write(&text, &std::fs::read_to_string(fixture("data/tinyshakespeare.txt")).unwrap()[..20_000]).unwrap();
+    let run = |name: &str, fx: &str, device: &str, extra: &[&str]| -> BTreeMap<u64, f64> {
+        let (out, fx) = (dir.join(name), fixture(&format!("fixtures/{fx}")));
+        let mut args = vec!["train", "--init-from", fx.to_str().unwrap(), "--data", text.to_str().unwrap(), "--out", out.to_str().unwrap(), "--tokenizer", "char", "--lora-rank", "4", "--seq-len", "32", "--device", device, "--quiet"];
+        args.extend(["--set", "train.batch_size=2", "--set", "model.dropout=0.1", "--set", "train.log_interval=1", "--set", "eval.interval=0", "--set", "eval.iters=1", "--set", "sample.tokens=0", "--set", "checkpoint.interval=5"]);
+        args.extend(extra);
+        let o = kiln(&args);
+        assert_eq!(o.status.code(), Some(0), "{name}: {}", stderr(&o));
+        losses(&out)
+    };
+    let ten = ["--max-steps", "10"];
+    for (fx, targets) in [("llama31-tiny", "q,v,down"), ("gpt2-tiny", "q,k,v,up,down"), ("mixtral-tiny", "q,v,o")] {
+        let lora = [&ten[..], &["--lora-targets", targets]].concat();
+        let (a, b) = (run(&format!("{fx}-cpu"), fx, "cpu", &lora), run(&format!("{fx}-vulkan"), fx, "vulkan", &lora));
+        assert_eq!(b.len(), 10);
+        let e = worst(&a, &b, 1..=10);
+        assert!(e <= 1e-4, "LoRA on {fx}: the device's losses differ from the CPU's by {e:e}");
+    }
+    for q in ["nf4", "int8"] {
+        let args = [&ten[..], &["--lora-targets", "q,v,down", "--quantize-base", q]].concat();
+        let (a, b) = (run(&format!("q{q}-cpu"), "llama31-tiny", "cpu", &args), run(&format!("q{q}-vulkan"), "llama31-tiny", "vulkan", &args));
+        let e = worst(&a, &b, 1..=10);
+        assert!(e <= 1e-3, "QLoRA ({q}): the device's losses differ from the CPU's by {e:e}");
+        if q != "nf4" {
+            continue;
+        }
+        // The adapters saved on the device at step 5 continue on the CPU.
+        let five = [&["--max-steps", "5"][..], &args[2..]].concat();
+        run("resumed", "llama31-tiny", "vulkan", &five);
+        let c = run("resumed", "llama31-tiny", "cpu", &[&args[..], &["--resume"]].concat());
+        let e = worst(&a, &c, 6..=10);
+        assert!(e <= 1e-4, "QLoRA from a device checkpoint at step 5 on the CPU: {e:e}");
+        let half = [&args[..], &["--precision", "bf16"]].concat();
+        let (hc, hd) = (run("qbf16-cpu", "llama31-tiny", "cpu", &half), run("qbf16-vulkan", "llama31-tiny", "vulkan", &half));
+        let e = worst(&hc, &hd, 1..=10);
+        assert!(e <= 2e-2 && hd != b, "bf16 QLoRA: the device's losses differ from the CPU's by {e:e}");
+    }
+}

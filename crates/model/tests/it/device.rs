@@ -111,7 +111,7 @@ fn the_device_plan_is_what_the_model_allocates() {
     let (b, t) = (3, 18);
     dev.forward(&vec![1; b * t], &vec![2; b * t], b, t, Pass::Eval);
     let used = g.allocated_bytes() - before;
-    let plan = model::device::plan(&g, &cfg, cpu.params.len(), (b, t), 0, (model::Precision::Fp32, model::Recompute::None));
+    let plan = model::device::plan(&g, &cfg, model::device::Weights::Full { params: cpu.params.len() }, (b, t), 0, (model::Precision::Fp32, model::Recompute::None));
     // The plan leaves out only the rotary tables.
     let small = 2 * 4 * (cfg.block_size * cfg.head_size() / 2) as u64;
     assert!(plan.total_bytes <= used && used <= plan.total_bytes + small, "plan {plan:?} against {used} bytes allocated");
@@ -123,8 +123,29 @@ fn the_device_plan_is_what_the_model_allocates() {
     let mut dev = DeviceGpt::new(g.clone(), &full).unwrap();
     dev.forward(&vec![1; b * t], &vec![2; b * t], b, t, Pass::Eval);
     let used_full = g.allocated_bytes() - before;
-    let plan_full = model::device::plan(&g, &cfg, full.params.len(), (b, t), 0, (model::Precision::Fp32, model::Recompute::Full));
+    let plan_full = model::device::plan(&g, &cfg, model::device::Weights::Full { params: full.params.len() }, (b, t), 0, (model::Precision::Fp32, model::Recompute::Full));
     assert!(plan_full.total_bytes < plan.total_bytes && plan_full.total_bytes <= used_full && used_full <= plan_full.total_bytes + small, "full recomputation: plan {plan_full:?} against {used_full} bytes");
+    // LoRA: the frozen base and the adapters' state; QLoRA: the base's codes, its fp32
+    // tensors, and the dequantization scratch (within the words its codes are padded to).
+    for quant in [model::BaseQuant::None, model::BaseQuant::Nf4] {
+        let mut lo = Gpt::new(cfg.clone(), 36, 5);
+        let targets: Vec<String> = ["q", "v", "down"].map(String::from).to_vec();
+        lo.lora = Some(model::lora::Lora::new(&cfg, 2, 4.0, &targets, 1).unwrap());
+        if quant != model::BaseQuant::None {
+            let params = lo.params.clone();
+            let base = model::qbase::QuantBase::build(&lo.layout, &lo.views, &lo.units, quant, |p, dst| dst.copy_from_slice(&params[p.range()]));
+            lo.set_quantized_base(std::sync::Arc::new(base));
+        }
+        let before = g.allocated_bytes();
+        let mut dev = DeviceGpt::new(g.clone(), &lo).unwrap();
+        dev.forward(&vec![1; b * t], &vec![2; b * t], b, t, Pass::Eval);
+        let used = g.allocated_bytes() - before;
+        let w = model::device::Weights::lora(&lo.layout, lo.lora.as_ref().unwrap(), model::Precision::Fp32, quant);
+        let p = model::device::plan(&g, &cfg, w, (b, t), 0, (model::Precision::Fp32, model::Recompute::None));
+        assert!(p.trainable < p.params && p.total_bytes < plan.total_bytes, "{quant:?}: {p:?}");
+        let slack = small + 8 + if quant == model::BaseQuant::None { 0 } else { p.total_bytes / 50 };
+        assert!(p.total_bytes.abs_diff(used) <= slack, "{quant:?}: plan {p:?} against {used} bytes allocated");
+    }
 }
 
 /// Rows of packed documents: attention within each, positions restarting (RoPE, GPT-2's

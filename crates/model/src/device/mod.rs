@@ -4,14 +4,18 @@
 //! (`x = x + drop(attn(norm_1(x))); x = x + drop(mlp(norm_2(x)))`), the same dropout sites and
 //! masks, the same fused head. Per pass only the token ids and targets go to the device.
 //!
-//! It covers a whole model on one device, GPT-2 and LLaMA families with dense MLPs, in fp32;
-//! [`DeviceGpt::new`] refuses the rest by name (mixture-of-experts layers, LoRA, quantized bases,
-//! Qwen3's q/k norms, attention sinks, a padding token's frozen row, 16-bit storage).
+//! It covers a whole model on one device: GPT-2, LLaMA and mixture-of-experts families, in fp32
+//! or with 16-bit working weights, and LoRA or QLoRA over a frozen base ([`frozen`]);
+//! [`DeviceGpt::new`] refuses the rest by name ([`unsupported`]).
+
+mod frozen;
 
 use crate::config::Arch;
 use crate::generate::Feed;
 use crate::gpt::{Pass, IGNORE_INDEX};
 use crate::layout::{BlockParams, GptParams, MoeParams};
+use crate::lora::Site;
+use frozen::Frozen;
 use crate::{Gpt, GptConfig};
 use device::{At, Buf, DType, Gemm, Gpu, MatSpec, Ragged, RopePos, Seed};
 use std::sync::Arc;
@@ -248,6 +252,9 @@ pub struct DeviceGpt {
     parts: Buf,
     /// Decoding's logits `[Vp]` (allocated by the first decoded token).
     logits: Option<Buf>,
+    /// LoRA: the adapters over a frozen base (`params` then holds the base, read-only, in the
+    /// passes' type or, under QLoRA, its fp32 tensors packed beside the quantized matrices).
+    frozen: Option<Frozen>,
 }
 
 /// Keys and values of every layer on the device, `[L, block_size, NKV·HS]` each: what
@@ -278,11 +285,10 @@ pub fn unsupported_config(cfg: &GptConfig) -> Option<String> {
     Some(format!("the device does not run {why} yet"))
 }
 
-/// [`unsupported_config`], and what the model itself holds: LoRA adapters, a quantized base,
-/// storage other than fp32.
+/// [`unsupported_config`], and what the model itself holds: FP8 storage; LoRA under fp16.
 pub fn unsupported(m: &Gpt) -> Option<String> {
-    if m.lora.is_some() {
-        return Some("the device does not run LoRA adapters yet".into());
+    if m.lora.is_some() && m.precision == crate::Precision::Fp16 {
+        return Some("the device does not run LoRA adapters in fp16 (train.precision = fp16)".into());
     }
     if m.precision == crate::Precision::Fp8 {
         return Some("the device does not run FP8 storage (train.precision = fp8) yet".into());
@@ -291,28 +297,75 @@ pub fn unsupported(m: &Gpt) -> Option<String> {
 }
 
 /// What a device model allocates: its largest buffer and the total, in bytes, for `(B, T)`
-/// with `extra` more parameter-sized buffers (an optimizer's moments).
+/// with `extra` more buffers the size of the trainable parameters (an optimizer's moments).
 #[derive(Clone, Copy, Debug)]
 pub struct DevicePlan {
     pub params: usize,
+    /// The parameters that train (the adapters' under LoRA).
+    pub trainable: usize,
     pub total_bytes: u64,
     pub largest_bytes: u64,
 }
 
-/// [`DevicePlan`] of a model shaped `cfg` with `params` parameters, on `gpu`: parameters,
-/// gradients and `extra` more parameter-sized buffers (and the 16-bit working copy under mixed
-/// precision), the activations and scratch of one `(B, T)` pass (one block's under full
-/// recomputation).
-pub fn plan(gpu: &Gpu, cfg: &GptConfig, params: usize, (b, t): (usize, usize), extra: usize, policy: (crate::Precision, crate::Recompute)) -> DevicePlan {
+/// The weights a device model holds, for [`plan`]: every parameter training, or LoRA's
+/// adapters over a frozen base.
+#[derive(Clone, Copy, Debug)]
+pub enum Weights {
+    Full { params: usize },
+    Lora {
+        params: usize,
+        /// The adapters' parameters, their count and rank.
+        adapters: (usize, usize, usize),
+        /// The base on the device: the passes' type, or quantized (NF4 or int8 codes, scales,
+        /// and the fp32 tensors beside them).
+        base_bytes: u64,
+        quantized: bool,
+    },
+}
+
+impl Weights {
+    /// LoRA's weights for `lora` over a base of `layout` stored as the passes read it, or
+    /// quantized as `quant`.
+    pub fn lora(layout: &crate::ParamLayout, lora: &crate::lora::Lora, precision: crate::Precision, quant: crate::BaseQuant) -> Weights {
+        let params = layout.total;
+        let base_bytes = match quant {
+            crate::BaseQuant::None if precision == crate::Precision::Bf16 => 4 * params.div_ceil(2) as u64,
+            crate::BaseQuant::None => 4 * params as u64,
+            q => crate::qbase::planned_bytes(layout, q) as u64,
+        };
+        Weights::Lora { params, adapters: (lora.params.len(), lora.adapters.len(), lora.rank), base_bytes, quantized: quant != crate::BaseQuant::None }
+    }
+}
+
+/// [`DevicePlan`] of a model shaped `cfg` holding `weights` on `gpu`: the parameters and
+/// gradients that train and `extra` more buffers of their size (and the 16-bit working copy
+/// under mixed precision), or LoRA's frozen base and adapters; the activations and scratch of
+/// one `(B, T)` pass (one block's under full recomputation).
+pub fn plan(gpu: &Gpu, cfg: &GptConfig, weights: Weights, (b, t): (usize, usize), extra: usize, policy: (crate::Precision, crate::Recompute)) -> DevicePlan {
     let (precision, recompute) = policy;
     let mut sizes = Acts::lens(cfg, (b, t), gpu.head_rows(b * t, cfg.vocab_size), shared_blocks(cfg, recompute));
-    sizes.extend(std::iter::repeat_n(params, 2 + extra));
-    if matches!(precision, crate::Precision::Bf16 | crate::Precision::Fp16) {
-        sizes.push(params.div_ceil(2));
-    }
-    sizes.extend([Gpu::parts_len(), SCALARS]);
     let bytes = |n: usize| (n.max(1) * 4) as u64;
-    DevicePlan { params, total_bytes: sizes.iter().map(|&n| bytes(n)).sum(), largest_bytes: sizes.iter().map(|&n| bytes(n)).max().unwrap_or(0) }
+    let (params, trainable, base) = match weights {
+        Weights::Full { params } => {
+            sizes.extend(std::iter::repeat_n(params, 2 + extra));
+            if matches!(precision, crate::Precision::Bf16 | crate::Precision::Fp16) {
+                sizes.push(params.div_ceil(2));
+            }
+            (params, params, 0)
+        }
+        Weights::Lora { params, adapters, base_bytes, quantized } => {
+            let deq = if quantized { frozen::largest_matrix(cfg) } else { 0 };
+            sizes.extend(frozen::buffer_lens(adapters, b * t, deq, cfg.n_embd));
+            sizes.extend(std::iter::repeat_n(adapters.0, extra));
+            if quantized && precision == crate::Precision::Bf16 {
+                sizes.push(deq.div_ceil(2));
+            }
+            (params, adapters.0, base_bytes)
+        }
+    };
+    sizes.extend([Gpu::parts_len(), SCALARS]);
+    let largest = sizes.iter().map(|&n| bytes(n)).max().unwrap_or(0);
+    DevicePlan { params, trainable, total_bytes: base + sizes.iter().map(|&n| bytes(n)).sum::<u64>(), largest_bytes: largest.max(base.min(4 * params as u64)) }
 }
 
 impl DeviceGpt {
@@ -322,26 +375,81 @@ impl DeviceGpt {
         if let Some(why) = unsupported(m) {
             return Err(why);
         }
+        if let Some(lo) = &m.lora {
+            return DeviceGpt::new_frozen(gpu, m, lo);
+        }
         let params = gpu.alloc(m.params.len(), DType::F32).map_err(|e| e.0)?;
         gpu.write(&params, &m.params);
         let grads = gpu.alloc(m.params.len(), DType::F32).map_err(|e| e.0)?;
-        let rope = m.rope.as_ref().map(|r| {
-            let (cos, sin) = r.for_pass(0);
-            (gpu.upload(cos), gpu.upload(sin))
-        });
-        let (scalars, parts) = (gpu.zeros(SCALARS), gpu.zeros(Gpu::parts_len()));
         let dtype = match m.precision {
             crate::Precision::Bf16 => Some(DType::Bf16),
             crate::Precision::Fp16 => Some(DType::F16),
             _ => None,
         };
         let work = dtype.map(|d| gpu.alloc(m.params.len(), d)).transpose().map_err(|e| e.0)?;
-        let dev = DeviceGpt { cfg: m.cfg.clone(), views: m.views.clone(), real_vocab: m.real_vocab, params, work, grads, scalars, rope, acts: None, drop: (0.0, 0), count: 0, loss_scale: 1.0, parts, logits: None, docs: false, recompute: m.recompute, gpu };
+        let dev = DeviceGpt::assemble(gpu, m, (m.views.clone(), params, work, grads), None);
         dev.refresh_working();
         Ok(dev)
     }
 
-    /// Overwrites the device parameters with `params` (a resumed checkpoint's).
+    /// LoRA: `m`'s base uploaded read-only in the passes' type (QLoRA: its fp32 tensors packed
+    /// unit by unit, `QuantBase::compact_unit`, and the quantized matrices as they are held),
+    /// the adapters beside it.
+    fn new_frozen(gpu: Arc<Gpu>, m: &Gpt, lora: &crate::lora::Lora) -> Result<DeviceGpt, String> {
+        let bf16 = m.precision == crate::Precision::Bf16;
+        let dtype = if bf16 { DType::Bf16 } else { DType::F32 };
+        let (host, views) = match m.quantized_base() {
+            Some(q) => {
+                let mut offs = vec![0];
+                for u in 0..m.units.len() {
+                    offs.push(offs[u] + q.compact_len(u));
+                }
+                let mut host = vec![0.0; offs[m.units.len()]];
+                for u in 0..m.units.len() {
+                    q.compact_unit(u, &mut host[offs[u]..offs[u + 1]]);
+                }
+                let views = q.compact_views(&m.views.rebased(m.layout.total)).map_units(|r, u| if r.is_empty() { r.clone() } else { r.start + offs[u]..r.end + offs[u] });
+                (std::borrow::Cow::Owned(host), views)
+            }
+            None => (std::borrow::Cow::Borrowed(&m.params[..]), m.views.clone()),
+        };
+        let params = gpu.alloc(host.len(), dtype).map_err(|e| e.0)?;
+        gpu.write(&params, &host);
+        let frozen = Frozen::new(&gpu, lora, m.quantized_base().map(|q| &**q), m.cfg.n_layer, bf16)?;
+        let grads = gpu.zeros(1);
+        Ok(DeviceGpt::assemble(gpu, m, (views, params, None, grads), Some(frozen)))
+    }
+
+    fn assemble(gpu: Arc<Gpu>, m: &Gpt, (views, params, work, grads): (GptParams, Buf, Option<Buf>, Buf), frozen: Option<Frozen>) -> DeviceGpt {
+        let rope = m.rope.as_ref().map(|r| {
+            let (cos, sin) = r.for_pass(0);
+            (gpu.upload(cos), gpu.upload(sin))
+        });
+        let (scalars, parts) = (gpu.zeros(SCALARS), gpu.zeros(Gpu::parts_len()));
+        DeviceGpt { cfg: m.cfg.clone(), views, real_vocab: m.real_vocab, params, work, grads, scalars, rope, acts: None, drop: (0.0, 0), count: 0, loss_scale: 1.0, parts, logits: None, docs: false, recompute: m.recompute, frozen, gpu }
+    }
+
+    /// The parameters that train and their gradients: every parameter, or LoRA's adapters.
+    pub fn trainable(&self) -> (&Buf, &Buf) {
+        match &self.frozen {
+            Some(f) => (&f.params, &f.grads),
+            None => (&self.params, &self.grads),
+        }
+    }
+
+    /// The parameters that train, downloaded (the whole model's, or the adapters').
+    pub fn download_trainable(&self) -> Vec<f32> {
+        self.gpu.download(self.trainable().0)
+    }
+
+    /// Overwrites the parameters that train (a resumed checkpoint's).
+    pub fn upload_trainable(&self, params: &[f32]) {
+        self.gpu.write(self.trainable().0, params);
+        self.refresh_working();
+    }
+
+    /// Overwrites the device parameters with `params` (a resumed checkpoint's; the base under
+    /// LoRA, in the passes' type).
     pub fn upload_params(&self, params: &[f32]) {
         self.gpu.write(&self.params, params);
         self.refresh_working();
@@ -365,14 +473,17 @@ impl DeviceGpt {
         self.gpu.download(&self.params)
     }
 
-    /// Zeroes the gradients.
+    /// Zeroes the gradients (of what trains).
     pub fn zero_grad(&self) {
-        self.gpu.clear(&self.grads);
+        self.gpu.clear(self.trainable().1);
     }
 
     fn acts(&mut self, b: usize, t: usize) -> &mut Acts {
         if self.acts.as_ref().is_none_or(|a| a.b != b || a.t != t) {
             self.acts = Some(Acts::new(&self.gpu, &self.cfg, (b, t), shared_blocks(&self.cfg, self.recompute)));
+        }
+        if let Some(f) = self.frozen.as_mut() {
+            f.ensure_rows(&self.gpu, b * t);
         }
         self.acts.as_mut().unwrap()
     }
@@ -433,7 +544,8 @@ impl DeviceGpt {
         let x = &a.xs[self.cfg.n_layer];
         self.norm_forward((&a.ln_f, &a.ln_f_mean, &a.ln_f_rstd), x, &v.ln_f_w, &v.ln_f_b);
         let dims = HeadDims { c: self.cfg.n_embd, v: self.real_vocab, vp, offset: 0, ignore_index: IGNORE_INDEX, arith: Arith::F32 };
-        let grads = weight.map(|_| (&a.dln_f, self.grads.at(v.lm_head.start), (&self.scalars, LOSS_WEIGHT)));
+        let dw = self.frozen.is_none().then(|| self.grads.at(v.lm_head.start));
+        let grads = weight.map(|_| (&a.dln_f, dw, (&self.scalars, LOSS_WEIGHT)));
         g.lm_head_crossentropy(&a.losses, grads, &a.ln_f, self.w().at(v.lm_head.start), &a.targets, &a.head_scratch, &dims);
         count
     }
@@ -505,8 +617,12 @@ impl DeviceGpt {
     }
 
     /// `dinp += normᵀ(dout)`, the norm's parameters' gradients accumulated.
+    /// A frozen base's norms write theirs where nobody reads them.
     fn norm_backward(&self, dinp: &Buf, dout: &Buf, x: &Buf, stats: (&Buf, &Buf), (w, b): (&std::ops::Range<usize>, &Option<std::ops::Range<usize>>)) {
-        let (dw, db) = (self.grads.at(w.start), b.as_ref().map(|r| self.grads.at(r.start)));
+        let (dw, db) = match &self.frozen {
+            Some(f) => (f.norm_grads.at(0), b.as_ref().map(|_| f.norm_grads.at(self.cfg.n_embd))),
+            None => (self.grads.at(w.start), b.as_ref().map(|r| self.grads.at(r.start))),
+        };
         let w = self.w().at(w.start);
         match self.cfg.arch {
             Arch::Gpt2 => self.gpu.layernorm_backward((dinp, dw, db), dout, x, w, stats, self.cfg.n_embd),
@@ -524,18 +640,45 @@ impl DeviceGpt {
         GqaDims { b: a.b, t: a.t, nh: cfg.n_head, nkv, hs: cfg.head_size(), window, rotary: cfg.rotary_dim, ..Default::default() }
     }
 
-    /// `y = x·Wᵀ (+ b)` for the projection with weight `w` and bias `b`.
-    fn linear(&self, y: &Buf, x: &Buf, (w, b): (&std::ops::Range<usize>, &Option<std::ops::Range<usize>>), n_in: usize, n_out: usize, a: &Acts) {
-        let bias = b.as_ref().map(|r| self.w().at(r.start));
-        self.gpu.matmul_forward(y, x, self.w().at(w.start), bias, a.b * a.t, n_in, n_out);
+    /// Layer `l`'s projection at `site`: its weight's and bias's ranges.
+    fn proj(&self, l: usize, site: Site) -> (&std::ops::Range<usize>, &Option<std::ops::Range<usize>>) {
+        let bp = &self.views.blocks[l];
+        match site {
+            Site::Qkv => (&bp.c_attn_w, &bp.c_attn_b),
+            Site::AttnProj => (&bp.attn_proj_w, &bp.attn_proj_b),
+            Site::Fc => (&bp.c_fc_w, &bp.c_fc_b),
+            Site::MlpProj => (&bp.mlp_proj_w, &bp.mlp_proj_b),
+        }
+    }
+
+    /// The weight a projection's product reads: a view of the weights, or under QLoRA its
+    /// matrix dequantized into the scratch now.
+    fn proj_weight(&self, l: usize, site: Site) -> At<'_> {
+        self.frozen.as_ref().and_then(|f| f.dequantized(&self.gpu, l, site)).unwrap_or_else(|| self.w().at(self.proj(l, site).0.start))
+    }
+
+    /// `y = x·Wᵀ (+ b)` for layer `l`'s projection at `site` (with its LoRA adapters').
+    fn linear(&self, y: &Buf, x: &Buf, (l, site): (usize, Site), (n_in, n_out): (usize, usize), a: &Acts) {
+        let bias = self.proj(l, site).1.as_ref().map(|r| self.w().at(r.start));
+        let n = a.b * a.t;
+        self.gpu.matmul_forward(y, x, self.proj_weight(l, site), bias, n, n_in, n_out);
+        if let Some(f) = &self.frozen {
+            f.forward(&self.gpu, (l, site), y, x, n, n_out);
+        }
     }
 
     /// The backward of [`DeviceGpt::linear`]: `dx` overwritten, the weight's and bias's
-    /// gradients accumulated.
-    #[allow(clippy::too_many_arguments)]
-    fn linear_backward(&self, dx: &Buf, dy: &Buf, x: &Buf, (w, b): (&std::ops::Range<usize>, &Option<std::ops::Range<usize>>), n_in: usize, n_out: usize, a: &Acts) {
-        let db = b.as_ref().map(|r| self.grads.at(r.start));
-        self.gpu.matmul_backward_into((dx, self.grads.at(w.start), db), dy, x, self.w().at(w.start), a.b * a.t, n_in, n_out);
+    /// gradients accumulated (the adapters' alone over a frozen base).
+    fn linear_backward(&self, dx: &Buf, dy: &Buf, x: &Buf, (l, site): (usize, Site), (n_in, n_out): (usize, usize), a: &Acts) {
+        let n = a.b * a.t;
+        let w = self.proj_weight(l, site);
+        let Some(f) = &self.frozen else {
+            let (wr, b) = self.proj(l, site);
+            let db = b.as_ref().map(|r| self.grads.at(r.start));
+            return self.gpu.matmul_backward_into((dx, self.grads.at(wr.start), db), dy, x, w, n, n_in, n_out);
+        };
+        self.gpu.gemm(Gemm::new(n, n_in, n_out), (dx, MatSpec::rows(0, n_in)), (dy, MatSpec::rows(0, n_out)), (w.buf, MatSpec::rows(w.off, n_in)), None);
+        f.backward(&self.gpu, (l, site), dx, dy, x, n, n_out);
     }
 
     fn block_forward(&self, l: usize, a: &Acts) {
@@ -546,34 +689,34 @@ impl DeviceGpt {
         let site = 1 + 3 * l as u64;
         // res_2 = x + drop(attn(norm_1(x)))
         self.norm_forward((&la.ln_1, &la.ln_1_mean, &la.ln_1_rstd), x, &bp.ln_1_w, &bp.ln_1_b);
-        self.linear(&la.qkv, &la.ln_1, (&bp.c_attn_w, &bp.c_attn_b), c, cfg.qkv_width(), a);
+        self.linear(&la.qkv, &la.ln_1, (l, Site::Qkv), (c, cfg.qkv_width()), a);
         let d = self.gqa(l, a);
         if let Some((cos, sin)) = &self.rope {
             g.rope(&la.qkv, (cos, sin), &d, self.positions(a), false);
         }
         g.flash_forward_seeded(&la.atty, &la.lse, &la.qkv, &d, self.docs.then_some(&a.starts), (p, self.seed(site)));
-        self.linear(&a.branch, &la.atty, (&bp.attn_proj_w, &bp.attn_proj_b), cfg.attn_width(), c, a);
+        self.linear(&a.branch, &la.atty, (l, Site::AttnProj), (cfg.attn_width(), c), a);
         self.dropout(&a.branch, site + 1, a);
         g.residual_forward(&la.res_2, x, &a.branch);
         // out = res_2 + drop(mlp(norm_2(res_2)))
         self.norm_forward((&la.ln_2, &la.ln_2_mean, &la.ln_2_rstd), &la.res_2, &bp.ln_2_w, &bp.ln_2_b);
-        self.mlp_forward(bp, la, a);
+        self.mlp_forward(l, la, a);
         self.dropout(&a.branch, site + 2, a);
         g.residual_forward(out, &la.res_2, &a.branch);
     }
 
     /// The MLP from `ln_2` into `a.branch`: dense, or the MoE layer.
-    fn mlp_forward(&self, bp: &BlockParams, la: &LayerActs, a: &Acts) {
-        let (g, cfg, c) = (&*self.gpu, &self.cfg, self.cfg.n_embd);
+    fn mlp_forward(&self, l: usize, la: &LayerActs, a: &Acts) {
+        let (g, cfg, c, bp) = (&*self.gpu, &self.cfg, self.cfg.n_embd, &self.views.blocks[l]);
         if let (Some(mp), Some(ma)) = (&bp.moe, &la.moe) {
             return self.moe_forward(mp, ma, &la.ln_2, &a.branch);
         }
-        self.linear(&la.fch, &la.ln_2, (&bp.c_fc_w, &bp.c_fc_b), c, cfg.fc_width(), a);
+        self.linear(&la.fch, &la.ln_2, (l, Site::Fc), (c, cfg.fc_width()), a);
         match cfg.arch {
             Arch::Gpt2 => g.gelu_forward(&la.fch_act, &la.fch),
             Arch::Llama => g.swiglu_forward(&la.fch_act, &la.fch, cfg.ffn_hidden),
         }
-        self.linear(&a.branch, &la.fch_act, (&bp.mlp_proj_w, &bp.mlp_proj_b), cfg.ffn_hidden, c, a);
+        self.linear(&a.branch, &la.fch_act, (l, Site::MlpProj), (cfg.ffn_hidden, c), a);
     }
 
     /// The backward of the last training forward: [`crate::Gpt::backward`] on the device.
@@ -589,6 +732,9 @@ impl DeviceGpt {
         self.norm_backward(&a.dres, &a.dln_f, &a.xs[self.cfg.n_layer], stats, (&v.ln_f_w, &v.ln_f_b));
         for l in (0..self.cfg.n_layer).rev() {
             self.block_backward(l, &v.blocks[l], a);
+        }
+        if self.frozen.is_some() {
+            return;
         }
         let demb = self.dropout_grad(&a.dbranch, &a.dres, 0, a);
         let c = self.cfg.n_embd;
@@ -611,25 +757,25 @@ impl DeviceGpt {
         match (&bp.moe, &la.moe, &a.moe) {
             (Some(mp), Some(ma), Some(ms)) => self.moe_backward(mp, (ma, ms), dmlp, &la.ln_2, &a.dln),
             _ => {
-                self.linear_backward(&a.dfch_act, dmlp, &la.fch_act, (&bp.mlp_proj_w, &bp.mlp_proj_b), cfg.ffn_hidden, c, a);
+                self.linear_backward(&a.dfch_act, dmlp, &la.fch_act, (l, Site::MlpProj), (cfg.ffn_hidden, c), a);
                 match cfg.arch {
                     Arch::Gpt2 => g.gelu_backward_into(&a.dfch, &a.dfch_act, &la.fch),
                     Arch::Llama => g.swiglu_backward(&a.dfch, &a.dfch_act, &la.fch, cfg.ffn_hidden, false),
                 }
-                self.linear_backward(&a.dln, &a.dfch, &la.ln_2, (&bp.c_fc_w, &bp.c_fc_b), c, cfg.fc_width(), a);
+                self.linear_backward(&a.dln, &a.dfch, &la.ln_2, (l, Site::Fc), (c, cfg.fc_width()), a);
             }
         }
         self.norm_backward(&a.dres, &a.dln, &la.res_2, (&la.ln_2_mean, &la.ln_2_rstd), (&bp.ln_2_w, &bp.ln_2_b));
         // d x = d res_2 + norm_1ᵀ(attnᵀ(dropᵀ(d res_2)))
         let dattn = self.dropout_grad(&a.dbranch, &a.dres, site + 1, a);
-        self.linear_backward(&a.datty, dattn, &la.atty, (&bp.attn_proj_w, &bp.attn_proj_b), cfg.attn_width(), c, a);
+        self.linear_backward(&a.datty, dattn, &la.atty, (l, Site::AttnProj), (cfg.attn_width(), c), a);
         g.clear(&a.dqkv);
         let d = self.gqa(l, a);
         g.flash_backward_seeded(&a.dqkv, &a.dd, &a.datty, (&la.qkv, &la.atty, &la.lse), &d, self.docs.then_some(&a.starts), (self.drop.0, self.seed(site)));
         if let Some((cos, sin)) = &self.rope {
             g.rope(&a.dqkv, (cos, sin), &d, self.positions(a), true);
         }
-        self.linear_backward(&a.dln, &a.dqkv, &la.ln_1, (&bp.c_attn_w, &bp.c_attn_b), c, cfg.qkv_width(), a);
+        self.linear_backward(&a.dln, &a.dqkv, &la.ln_1, (l, Site::Qkv), (c, cfg.qkv_width()), a);
         self.norm_backward(&a.dres, &a.dln, &a.xs[l], (&la.ln_1_mean, &la.ln_1_rstd), (&bp.ln_1_w, &bp.ln_1_b));
     }
 
@@ -685,16 +831,22 @@ impl DeviceGpt {
         let cap = cfg.moe_dims(n).capacity().min(n);
         let es = 3 * f * c;
         let rows = |cols: usize| MatSpec::rows(0, cols);
+        // A frozen base (LoRA) computes no weight gradients.
+        let train = self.frozen.is_none();
         g.moe_combine_backward((&ms.dgate, &ms.deo), dy, &ma.eo, r, c);
         for ex in 0..e {
             let w2 = mp.experts.start + ex * es + 2 * f * c;
             g.gemm_ragged(Gemm::new(cap, f, c), (&ms.dh, rows(f)), (&ms.deo, rows(c)), (self.w(), MatSpec::rows(w2, f)), Ragged::Rows, (&r.offsets, ex));
-            g.gemm_ragged(Gemm::new(c, f, nk).acc(), (&self.grads, MatSpec::rows(w2, f)), (&ms.deo, rows(c).t()), (&ma.h, rows(f)), Ragged::Inner, (&r.offsets, ex));
+            if train {
+                g.gemm_ragged(Gemm::new(c, f, nk).acc(), (&self.grads, MatSpec::rows(w2, f)), (&ms.deo, rows(c).t()), (&ma.h, rows(f)), Ragged::Inner, (&r.offsets, ex));
+            }
         }
         g.swiglu_backward(&ms.dgu, &ms.dh, &ma.gu, f, false);
         for ex in 0..e {
             let w = mp.experts.start + ex * es;
-            g.gemm_ragged(Gemm::new(2 * f, c, nk).acc(), (&self.grads, MatSpec::rows(w, c)), (&ms.dgu, rows(2 * f).t()), (&ma.xe, rows(c)), Ragged::Inner, (&r.offsets, ex));
+            if train {
+                g.gemm_ragged(Gemm::new(2 * f, c, nk).acc(), (&self.grads, MatSpec::rows(w, c)), (&ms.dgu, rows(2 * f).t()), (&ma.xe, rows(c)), Ragged::Inner, (&r.offsets, ex));
+            }
             g.gemm_ragged(Gemm::new(cap, c, 2 * f), (&ms.deo, rows(c)), (&ms.dgu, rows(2 * f)), (self.w(), MatSpec::rows(w, c)), Ragged::Rows, (&r.offsets, ex));
         }
         g.clear(dx);
@@ -702,9 +854,13 @@ impl DeviceGpt {
         for (si, (sgu, sh)) in ma.sgu.iter().zip(&ma.sh).enumerate() {
             let w = mp.shared.start + si * es;
             g.gemm(Gemm::new(n, f, c), (&ms.dh, rows(f)), (dy, rows(c)), (self.w(), MatSpec::rows(w + 2 * f * c, f)), None);
-            g.gemm(Gemm::new(c, f, n).acc(), (&self.grads, MatSpec::rows(w + 2 * f * c, f)), (dy, rows(c).t()), (sh, rows(f)), None);
+            if train {
+                g.gemm(Gemm::new(c, f, n).acc(), (&self.grads, MatSpec::rows(w + 2 * f * c, f)), (dy, rows(c).t()), (sh, rows(f)), None);
+            }
             g.swiglu_backward(&ms.dgu, &ms.dh, sgu, f, false);
-            g.gemm(Gemm::new(2 * f, c, n).acc(), (&self.grads, MatSpec::rows(w, c)), (&ms.dgu, rows(2 * f).t()), (x, rows(c)), None);
+            if train {
+                g.gemm(Gemm::new(2 * f, c, n).acc(), (&self.grads, MatSpec::rows(w, c)), (&ms.dgu, rows(2 * f).t()), (x, rows(c)), None);
+            }
             g.gemm(Gemm::new(n, c, 2 * f).acc(), (dx, rows(c)), (&ms.dgu, rows(2 * f)), (self.w(), MatSpec::rows(w, c)), None);
         }
         // The router: the gates' gradient, the aux and z losses (weighted as the main loss).
@@ -713,7 +869,9 @@ impl DeviceGpt {
         g.moe_router_backward(&ms.dlogits, r, &ms.dgate, &ms.aux_coef, z_coef, cfg.moe_dims(n).renormalize);
         let wr = mp.router.start;
         g.gemm(Gemm::new(n, c, e).acc(), (dx, rows(c)), (&ms.dlogits, rows(e)), (self.w(), MatSpec::rows(wr, c)), None);
-        g.gemm(Gemm::new(e, c, n).acc(), (&self.grads, MatSpec::rows(wr, c)), (&ms.dlogits, rows(e).t()), (x, rows(c)), None);
+        if train {
+            g.gemm(Gemm::new(e, c, n).acc(), (&self.grads, MatSpec::rows(wr, c)), (&ms.dlogits, rows(e).t()), (x, rows(c)), None);
+        }
     }
 
     /// Each MoE layer's routing statistics from the last forward (`tensor::moe::MoeStats`):
@@ -797,7 +955,7 @@ impl DeviceGpt {
         let (c, pos) = (cfg.n_embd, cache.len);
         let (qc, kw) = (cfg.n_head * cfg.head_size(), cfg.n_kv_head * cfg.head_size());
         self.norm_forward((&la.ln_1, &la.ln_1_mean, &la.ln_1_rstd), x, &bp.ln_1_w, &bp.ln_1_b);
-        self.linear(&la.qkv, &la.ln_1, (&bp.c_attn_w, &bp.c_attn_b), c, cfg.qkv_width(), a);
+        self.linear(&la.qkv, &la.ln_1, (l, Site::Qkv), (c, cfg.qkv_width()), a);
         let d = self.gqa(l, a);
         if let Some((cos, sin)) = &self.rope {
             g.rope(&la.qkv, (cos, sin), &d, RopePos::Offset(pos), false);
@@ -806,10 +964,10 @@ impl DeviceGpt {
         g.copy_words(&cache.k, at + pos * kw, &la.qkv, qc, kw);
         g.copy_words(&cache.v, at + pos * kw, &la.qkv, qc + kw, kw);
         g.attention_decode(&la.atty, &la.qkv, (&cache.k, &cache.v), at, &GqaDims { t: pos + 1, ..d });
-        self.linear(&a.branch, &la.atty, (&bp.attn_proj_w, &bp.attn_proj_b), cfg.attn_width(), c, a);
+        self.linear(&a.branch, &la.atty, (l, Site::AttnProj), (cfg.attn_width(), c), a);
         g.residual_forward(&la.res_2, x, &a.branch);
         self.norm_forward((&la.ln_2, &la.ln_2_mean, &la.ln_2_rstd), &la.res_2, &bp.ln_2_w, &bp.ln_2_b);
-        self.mlp_forward(bp, la, a);
+        self.mlp_forward(l, la, a);
         g.residual_forward(out, &la.res_2, &a.branch);
     }
 
