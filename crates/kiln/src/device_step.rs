@@ -64,6 +64,7 @@ impl DeviceRun {
         let mut host = model::Gpt::zeroed(ch.model.cfg.clone(), ch.model.real_vocab);
         host.precision = ch.model.precision;
         host.recompute = ch.model.recompute;
+        host.recompute_every = ch.model.recompute_every;
         host.lora = ch.model.lora.clone();
         // QLoRA's base goes up as it is held, quantized; any other base or model in fp32.
         match ch.model.quantized_base() {
@@ -199,7 +200,7 @@ pub fn check_plan(gpu: &Gpu, d: DeviceArg, cfg: &RunConfig, (gpt, params): (&mod
     } else {
         (model::device::Weights::Full { params }, format!("{params} parameters × 4 buffers of fp32 (weights, gradients, AdamW's two moments)"))
     };
-    let p = model::device::plan(gpu, gpt, weights, (cfg.micro_batch(), cfg.seq_len()), 2, (cfg.train.precision, cfg.model.recompute));
+    let p = model::device::plan(gpu, gpt, weights, (cfg.micro_batch(), cfg.seq_len()), 2, (cfg.train.precision, cfg.model.recompute, cfg.model.recompute_every));
     let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
     let figures = format!("the run needs {:.1} MiB on the device ({what} and the activations of {} × {} tokens), its largest buffer {:.1} MiB", mib(p.total_bytes), cfg.micro_batch(), cfg.seq_len(), mib(p.largest_bytes));
     let limit = cfg.device_memory_limit();

@@ -51,8 +51,8 @@ struct LayerActs {
 
 /// An MoE layer's activations (`tensor::moe`'s names): the router's logits and routing, the
 /// dispatched rows and each routed expert's `[gate | up]`, activation and output over its packed
-/// rows (upper bound `N·K`), the shared experts' over every token; and the routing statistics
-/// the step's line reports, `[Σ_t probs (E) | Σ_t lse² | counts (E, u32) | kept rows (u32)]`.
+/// rows (upper bound `N·K`), the shared experts' over every token. (Its routing statistics are
+/// the layer's own in [`Acts::moe_stats`], whichever set its activations are in.)
 struct MoeActs {
     logits: Buf,
     routing: device::Routing,
@@ -62,7 +62,6 @@ struct MoeActs {
     eo: Buf,
     sgu: Vec<Buf>,
     sh: Vec<Buf>,
-    stats: Buf,
 }
 
 /// An MoE layer's backward scratch, shared by the layers.
@@ -79,7 +78,7 @@ struct MoeScratch {
 fn moe_sizes(cfg: &GptConfig, n: usize) -> (Vec<usize>, Vec<usize>) {
     let (c, f, e, k, s) = (cfg.n_embd, cfg.ffn_hidden, cfg.n_expert, cfg.top_k, cfg.n_shared_expert);
     let nk = n * k;
-    let mut acts = vec![n * e, n * e, n, nk, nk, nk, nk, e + 1, e, nk * c, nk * 2 * f, nk * f, nk * c, 2 * e + 2];
+    let mut acts = vec![n * e, n * e, n, nk, nk, nk, nk, e + 1, e, nk * c, nk * 2 * f, nk * f, nk * c];
     acts.extend(std::iter::repeat_n(n * 2 * f, s).chain(std::iter::repeat_n(n * f, s)));
     (acts, vec![nk * c, nk.max(n) * f, nk.max(n) * 2 * f, nk, n * e, e])
 }
@@ -96,7 +95,6 @@ impl MoeActs {
             eo: g.zeros(n * k * c),
             sgu: (0..s).map(|_| g.zeros(n * 2 * f)).collect(),
             sh: (0..s).map(|_| g.zeros(n * f)).collect(),
-            stats: g.zeros(2 * e + 2),
         }
     }
 }
@@ -114,9 +112,16 @@ struct Acts {
     b: usize,
     t: usize,
     xs: Vec<Buf>,
-    /// Each block's kept activations, or under full recomputation one set that every block's
-    /// forward overwrites and backward re-runs it into ([`Acts::layer`]).
+    /// The blocks' activation sets ([`Acts::layer`]): one for each block that keeps its own, and
+    /// one shared by the blocks full recomputation re-runs in backward.
     layers: Vec<LayerActs>,
+    keep: Keep,
+    /// Selective recomputation: the attention core's outputs (`atty`, `lse`), shared by every
+    /// block (whose own are empty) and re-run in backward.
+    core: Option<(Buf, Buf)>,
+    /// Each MoE layer's routing statistics from the last forward, `[Σ_t probs (E) | Σ_t lse² |
+    /// counts (E, u32) | kept rows (u32)]`.
+    moe_stats: Vec<Buf>,
     ln_f: Buf,
     ln_f_mean: Buf,
     ln_f_rstd: Buf,
@@ -141,48 +146,85 @@ struct Acts {
     moe: Option<MoeScratch>,
 }
 
-/// Whether the blocks share one set of activations, re-run in backward (full recomputation;
-/// MoE layers keep theirs, whose routing statistics the step reports).
-fn shared_blocks(cfg: &GptConfig, recompute: crate::Recompute) -> bool {
-    recompute == crate::Recompute::Full && !cfg.is_moe()
+/// Which activations a pass keeps (`Gpt`'s recomputation, on the device): the set each block
+/// writes (`slot`; under full recomputation of every `k`-th block those blocks share set 0 and
+/// re-run their forward into it in backward, the others keep their own), and under selective
+/// recomputation one shared attention core.
+#[derive(Clone, Debug, PartialEq)]
+struct Keep {
+    slot: Vec<usize>,
+    recomputed: Vec<bool>,
+    sets: usize,
+    selective: bool,
+}
+
+impl Keep {
+    fn new(cfg: &GptConfig, recompute: crate::Recompute, every: usize) -> Keep {
+        let every = every.max(1);
+        let recomputed: Vec<bool> = (0..cfg.n_layer).map(|i| recompute == crate::Recompute::Full && (cfg.first_layer() + i).is_multiple_of(every)).collect();
+        let mut slot = vec![0; cfg.n_layer];
+        let mut next = usize::from(recomputed.iter().any(|&r| r));
+        for (s, &r) in slot.iter_mut().zip(&recomputed) {
+            if !r {
+                *s = next;
+                next += 1;
+            }
+        }
+        Keep { slot, recomputed, sets: next, selective: recompute == crate::Recompute::Selective }
+    }
 }
 
 impl Acts {
     /// Block `l`'s activations.
     fn layer(&self, l: usize) -> &LayerActs {
-        &self.layers[l.min(self.layers.len() - 1)]
+        &self.layers[self.keep.slot[l]]
+    }
+
+    /// Block `l`'s attention core outputs, `(atty, lse)`: its own, or the shared ones.
+    fn core(&self, l: usize) -> (&Buf, &Buf) {
+        match &self.core {
+            Some((atty, lse)) => (atty, lse),
+            None => (&self.layer(l).atty, &self.layer(l).lse),
+        }
     }
 
     /// The elements of each buffer [`Acts::new`] allocates, in order (`u32` ids included).
-    fn lens(cfg: &GptConfig, (b, t): (usize, usize), head_rows: usize, shared: bool) -> Vec<usize> {
+    fn lens(cfg: &GptConfig, (b, t): (usize, usize), head_rows: usize, keep: &Keep) -> Vec<usize> {
         let (n, c, nh) = (b * t, cfg.n_embd, cfg.n_head);
         let (fc, act) = if cfg.is_moe() { (0, 0) } else { (n * cfg.fc_width(), n * cfg.ffn_hidden) };
-        let layer = [n * c, n, n, n * cfg.qkv_width(), n * cfg.attn_width(), b * nh * t, n * c, n * c, n, n, fc, act];
+        let (atty, lse) = (n * cfg.attn_width(), b * nh * t);
+        let own = if keep.selective { (0, 0) } else { (atty, lse) };
+        let layer = [n * c, n, n, n * cfg.qkv_width(), own.0, own.1, n * c, n * c, n, n, fc, act];
         let mut v: Vec<usize> = (0..=cfg.n_layer).map(|_| n * c).collect();
         let (moe, scratch) = moe_sizes(cfg, n);
-        for _ in 0..if shared { 1 } else { cfg.n_layer } {
+        for _ in 0..keep.sets {
             v.extend(layer);
             if cfg.is_moe() {
                 v.extend(&moe);
             }
         }
+        if keep.selective {
+            v.extend([atty, lse]);
+        }
         if cfg.is_moe() {
+            v.extend(std::iter::repeat_n(2 * cfg.n_expert + 2, cfg.n_layer));
             v.extend(scratch);
         }
         v.extend([n * c, n, n, n * c, n, n, n, n, n, head_rows * cfg.vocab_size, n * c, n * c, n * c, n * c, n * cfg.attn_width(), n * cfg.qkv_width(), fc, act, b * nh * t]);
         v
     }
 
-    fn new(g: &Gpu, cfg: &GptConfig, (b, t): (usize, usize), shared: bool) -> Acts {
+    fn new(g: &Gpu, cfg: &GptConfig, (b, t): (usize, usize), keep: Keep) -> Acts {
         let (n, c, nh) = (b * t, cfg.n_embd, cfg.n_head);
         let z = |len: usize| g.zeros(len);
+        let own = if keep.selective { (0, 0) } else { (n * cfg.attn_width(), b * nh * t) };
         let layer = |_| LayerActs {
             ln_1: z(n * c),
             ln_1_mean: z(n),
             ln_1_rstd: z(n),
             qkv: z(n * cfg.qkv_width()),
-            atty: z(n * cfg.attn_width()),
-            lse: z(b * nh * t),
+            atty: z(own.0),
+            lse: z(own.1),
             res_2: z(n * c),
             ln_2: z(n * c),
             ln_2_mean: z(n),
@@ -196,7 +238,10 @@ impl Acts {
             b,
             t,
             xs: (0..=cfg.n_layer).map(|_| z(n * c)).collect(),
-            layers: (0..if shared { 1 } else { cfg.n_layer }).map(layer).collect(),
+            layers: (0..keep.sets).map(layer).collect(),
+            core: keep.selective.then(|| (z(n * cfg.attn_width()), z(b * nh * t))),
+            moe_stats: (0..if cfg.is_moe() { cfg.n_layer } else { 0 }).map(|_| z(2 * cfg.n_expert + 2)).collect(),
+            keep,
             ln_f: z(n * c),
             ln_f_mean: z(n),
             ln_f_rstd: z(n),
@@ -243,9 +288,8 @@ pub struct DeviceGpt {
     count: usize,
     /// Whether the last pass ran over packed documents (`Acts::starts`, `Acts::pos`).
     docs: bool,
-    /// `Recompute::Full`: the blocks share one set of activations, re-run in backward (MoE
-    /// models keep theirs); otherwise every block's are kept.
-    recompute: crate::Recompute,
+    /// The recomputation policy (`Gpt::recompute`, `Gpt::recompute_every`): [`Keep`].
+    recompute: (crate::Recompute, usize),
     /// The last training pass's loss scale (the MoE losses' weights take it too).
     loss_scale: f32,
     /// Reductions' partial sums.
@@ -341,9 +385,9 @@ impl Weights {
 /// gradients that train and `extra` more buffers of their size (and the 16-bit working copy
 /// under mixed precision), or LoRA's frozen base and adapters; the activations and scratch of
 /// one `(B, T)` pass (one block's under full recomputation).
-pub fn plan(gpu: &Gpu, cfg: &GptConfig, weights: Weights, (b, t): (usize, usize), extra: usize, policy: (crate::Precision, crate::Recompute)) -> DevicePlan {
-    let (precision, recompute) = policy;
-    let mut sizes = Acts::lens(cfg, (b, t), gpu.head_rows(b * t, cfg.vocab_size), shared_blocks(cfg, recompute));
+pub fn plan(gpu: &Gpu, cfg: &GptConfig, weights: Weights, (b, t): (usize, usize), extra: usize, policy: (crate::Precision, crate::Recompute, usize)) -> DevicePlan {
+    let (precision, recompute, every) = policy;
+    let mut sizes = Acts::lens(cfg, (b, t), gpu.head_rows(b * t, cfg.vocab_size), &Keep::new(cfg, recompute, every));
     let bytes = |n: usize| (n.max(1) * 4) as u64;
     let (params, trainable, base) = match weights {
         Weights::Full { params } => {
@@ -426,7 +470,7 @@ impl DeviceGpt {
             (gpu.upload(cos), gpu.upload(sin))
         });
         let (scalars, parts) = (gpu.zeros(SCALARS), gpu.zeros(Gpu::parts_len()));
-        DeviceGpt { cfg: m.cfg.clone(), views, real_vocab: m.real_vocab, params, work, grads, scalars, rope, acts: None, drop: (0.0, 0), count: 0, loss_scale: 1.0, parts, logits: None, docs: false, recompute: m.recompute, frozen, gpu }
+        DeviceGpt { cfg: m.cfg.clone(), views, real_vocab: m.real_vocab, params, work, grads, scalars, rope, acts: None, drop: (0.0, 0), count: 0, loss_scale: 1.0, parts, logits: None, docs: false, recompute: (m.recompute, m.recompute_every), frozen, gpu }
     }
 
     /// The parameters that train and their gradients: every parameter, or LoRA's adapters.
@@ -480,7 +524,7 @@ impl DeviceGpt {
 
     fn acts(&mut self, b: usize, t: usize) -> &mut Acts {
         if self.acts.as_ref().is_none_or(|a| a.b != b || a.t != t) {
-            self.acts = Some(Acts::new(&self.gpu, &self.cfg, (b, t), shared_blocks(&self.cfg, self.recompute)));
+            self.acts = Some(Acts::new(&self.gpu, &self.cfg, (b, t), Keep::new(&self.cfg, self.recompute.0, self.recompute.1)));
         }
         if let Some(f) = self.frozen.as_mut() {
             f.ensure_rows(&self.gpu, b * t);
@@ -694,8 +738,9 @@ impl DeviceGpt {
         if let Some((cos, sin)) = &self.rope {
             g.rope(&la.qkv, (cos, sin), &d, self.positions(a), false);
         }
-        g.flash_forward_seeded(&la.atty, &la.lse, &la.qkv, &d, self.docs.then_some(&a.starts), (p, self.seed(site)));
-        self.linear(&a.branch, &la.atty, (l, Site::AttnProj), (cfg.attn_width(), c), a);
+        let (atty, lse) = a.core(l);
+        g.flash_forward_seeded(atty, lse, &la.qkv, &d, self.docs.then_some(&a.starts), (p, self.seed(site)));
+        self.linear(&a.branch, atty, (l, Site::AttnProj), (cfg.attn_width(), c), a);
         self.dropout(&a.branch, site + 1, a);
         g.residual_forward(&la.res_2, x, &a.branch);
         // out = res_2 + drop(mlp(norm_2(res_2)))
@@ -709,7 +754,7 @@ impl DeviceGpt {
     fn mlp_forward(&self, l: usize, la: &LayerActs, a: &Acts) {
         let (g, cfg, c, bp) = (&*self.gpu, &self.cfg, self.cfg.n_embd, &self.views.blocks[l]);
         if let (Some(mp), Some(ma)) = (&bp.moe, &la.moe) {
-            return self.moe_forward(mp, ma, &la.ln_2, &a.branch);
+            return self.moe_forward(mp, (ma, &a.moe_stats[l]), &la.ln_2, &a.branch);
         }
         self.linear(&la.fch, &la.ln_2, (l, Site::Fc), (c, cfg.fc_width()), a);
         match cfg.arch {
@@ -744,10 +789,14 @@ impl DeviceGpt {
     }
 
     fn block_backward(&self, l: usize, bp: &BlockParams, a: &Acts) {
-        if a.layers.len() < self.cfg.n_layer {
+        if a.keep.recomputed[l] {
             // Full recomputation: re-run the block's forward from its kept input, the same
             // kernels and masks, into the shared set.
             self.block_forward(l, a);
+        } else if a.keep.selective {
+            // Selective: re-run the attention core from the kept q|k|v into the shared set.
+            let (atty, lse) = a.core(l);
+            self.gpu.flash_forward_seeded(atty, lse, &a.layer(l).qkv, &self.gqa(l, a), self.docs.then_some(&a.starts), (self.drop.0, self.seed(1 + 3 * l as u64)));
         }
         let (g, cfg, la) = (&*self.gpu, &self.cfg, a.layer(l));
         let c = cfg.n_embd;
@@ -768,10 +817,11 @@ impl DeviceGpt {
         self.norm_backward(&a.dres, &a.dln, &la.res_2, (&la.ln_2_mean, &la.ln_2_rstd), (&bp.ln_2_w, &bp.ln_2_b));
         // d x = d res_2 + norm_1ᵀ(attnᵀ(dropᵀ(d res_2)))
         let dattn = self.dropout_grad(&a.dbranch, &a.dres, site + 1, a);
-        self.linear_backward(&a.datty, dattn, &la.atty, (l, Site::AttnProj), (cfg.attn_width(), c), a);
+        let (atty, lse) = a.core(l);
+        self.linear_backward(&a.datty, dattn, atty, (l, Site::AttnProj), (cfg.attn_width(), c), a);
         g.clear(&a.dqkv);
         let d = self.gqa(l, a);
-        g.flash_backward_seeded(&a.dqkv, &a.dd, &a.datty, (&la.qkv, &la.atty, &la.lse), &d, self.docs.then_some(&a.starts), (self.drop.0, self.seed(site)));
+        g.flash_backward_seeded(&a.dqkv, &a.dd, &a.datty, (&la.qkv, atty, lse), &d, self.docs.then_some(&a.starts), (self.drop.0, self.seed(site)));
         if let Some((cos, sin)) = &self.rope {
             g.rope(&a.dqkv, (cos, sin), &d, self.positions(a), true);
         }
@@ -783,7 +833,7 @@ impl DeviceGpt {
     /// device: the router, top-k routing with capacity, dispatch, each routed expert over its
     /// packed rows (the counts stay on the device), the shared experts, the combine; and the
     /// routing statistics.
-    fn moe_forward(&self, mp: &MoeParams, ma: &MoeActs, x: &Buf, y: &Buf) {
+    fn moe_forward(&self, mp: &MoeParams, (ma, stats): (&MoeActs, &Buf), x: &Buf, y: &Buf) {
         let (g, cfg) = (&*self.gpu, &self.cfg);
         let (c, f, e) = (cfg.n_embd, cfg.ffn_hidden, cfg.n_expert);
         let r = &ma.routing;
@@ -813,11 +863,11 @@ impl DeviceGpt {
         }
         g.moe_combine(y, &ma.eo, r, c, !ma.sgu.is_empty());
         // Statistics: Σ_t probs per expert (a column sum) and Σ_t lse².
-        g.clear(&ma.stats);
-        g.bias_backward(ma.stats.at(0), &r.probs, n, e);
-        g.sum_squares((&ma.stats, e), r.lse.at(0), n, &self.parts, false);
-        g.copy_words(&ma.stats, e + 1, &r.counts, 0, e);
-        g.copy_words(&ma.stats, 2 * e + 1, &r.offsets, e, 1);
+        g.clear(stats);
+        g.bias_backward(stats.at(0), &r.probs, n, e);
+        g.sum_squares((stats, e), r.lse.at(0), n, &self.parts, false);
+        g.copy_words(stats, e + 1, &r.counts, 0, e);
+        g.copy_words(stats, 2 * e + 1, &r.offsets, e, 1);
     }
 
     /// The backward of [`DeviceGpt::moe_forward`] from `dy` into `dx` (overwritten), the
@@ -879,16 +929,15 @@ impl DeviceGpt {
     pub fn moe_stats(&self) -> Vec<tensor::moe::MoeStats> {
         let Some(a) = self.acts.as_ref() else { return Vec::new() };
         let cfg = &self.cfg;
-        let layers: Vec<&MoeActs> = a.layers.iter().filter_map(|l| l.moe.as_ref()).collect();
+        let layers = &a.moe_stats;
         let w = 2 * cfg.n_expert + 2;
         let all = self.gpu.zeros(layers.len() * w);
-        for (i, ma) in layers.iter().enumerate() {
-            self.gpu.copy_words(&all, i * w, &ma.stats, 0, w);
+        for (i, stats) in layers.iter().enumerate() {
+            self.gpu.copy_words(&all, i * w, stats, 0, w);
         }
         let words = self.gpu.download_words(&all, 0, layers.len() * w);
-        layers.iter().zip(words.chunks(w)).map(|(ma, st)| {
-            let r = &ma.routing;
-            let (n, e, k) = (r.n, r.e, r.k);
+        let (n, e, k) = (a.b * a.t, cfg.n_expert, cfg.top_k);
+        words.chunks(w).map(|st| {
             let counts: Vec<usize> = st[e + 1..2 * e + 1].iter().map(|&c| c as usize).collect();
             let kept = st[2 * e + 1] as usize;
             let st: Vec<f32> = st[..=e].iter().map(|&b| f32::from_bits(b)).collect();

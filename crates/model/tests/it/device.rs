@@ -19,7 +19,7 @@ fn rel(a: &[f32], b: &[f32]) -> f32 {
 }
 
 fn check(cfg: GptConfig, name: &str) {
-    check_in(cfg, name, false, model::Recompute::None);
+    check_in(cfg, name, false, (model::Recompute::None, 1));
 }
 
 /// Each row of `b × t` tokens as packed documents of lengths 5, 7, 4, … (positions restarting).
@@ -38,11 +38,12 @@ fn documents(b: usize, t: usize) -> (Vec<u32>, Vec<u32>) {
     (start, pos)
 }
 
-fn check_in(cfg: GptConfig, name: &str, packed: bool, recompute: model::Recompute) {
+/// `recompute`: the policy and `recompute_every`.
+fn check_in(cfg: GptConfig, name: &str, packed: bool, recompute: (model::Recompute, usize)) {
     let g = gpu();
     let (b, t, vocab) = (3, cfg.block_size - 1, cfg.vocab_size);
     let mut cpu = Gpt::new(cfg, vocab - 1, 5);
-    cpu.recompute = recompute;
+    (cpu.recompute, cpu.recompute_every) = recompute;
     let mut dev = DeviceGpt::new(g.clone(), &cpu).unwrap();
     let mut rng = Rng::new(9);
     let tokens: Vec<u32> = (0..b * t).map(|_| rng.below(vocab as u64 - 1) as u32).collect();
@@ -111,7 +112,7 @@ fn the_device_plan_is_what_the_model_allocates() {
     let (b, t) = (3, 18);
     dev.forward(&vec![1; b * t], &vec![2; b * t], b, t, Pass::Eval);
     let used = g.allocated_bytes() - before;
-    let plan = model::device::plan(&g, &cfg, model::device::Weights::Full { params: cpu.params.len() }, (b, t), 0, (model::Precision::Fp32, model::Recompute::None));
+    let plan = model::device::plan(&g, &cfg, model::device::Weights::Full { params: cpu.params.len() }, (b, t), 0, (model::Precision::Fp32, model::Recompute::None, 1));
     // The plan leaves out only the rotary tables.
     let small = 2 * 4 * (cfg.block_size * cfg.head_size() / 2) as u64;
     assert!(plan.total_bytes <= used && used <= plan.total_bytes + small, "plan {plan:?} against {used} bytes allocated");
@@ -123,8 +124,23 @@ fn the_device_plan_is_what_the_model_allocates() {
     let mut dev = DeviceGpt::new(g.clone(), &full).unwrap();
     dev.forward(&vec![1; b * t], &vec![2; b * t], b, t, Pass::Eval);
     let used_full = g.allocated_bytes() - before;
-    let plan_full = model::device::plan(&g, &cfg, model::device::Weights::Full { params: full.params.len() }, (b, t), 0, (model::Precision::Fp32, model::Recompute::Full));
+    let plan_full = model::device::plan(&g, &cfg, model::device::Weights::Full { params: full.params.len() }, (b, t), 0, (model::Precision::Fp32, model::Recompute::Full, 1));
     assert!(plan_full.total_bytes < plan.total_bytes && plan_full.total_bytes <= used_full && used_full <= plan_full.total_bytes + small, "full recomputation: plan {plan_full:?} against {used_full} bytes");
+    // Selective recomputation shares one attention core; every other block re-run keeps the
+    // others' sets: each between full recomputation and none, and allocated as planned.
+    for (policy, every) in [(model::Recompute::Selective, 1), (model::Recompute::Full, 2)] {
+        let mut m = Gpt::new(cfg.clone(), 36, 5);
+        (m.recompute, m.recompute_every) = (policy, every);
+        let before = g.allocated_bytes();
+        let mut dev = DeviceGpt::new(g.clone(), &m).unwrap();
+        dev.forward(&vec![1; b * t], &vec![2; b * t], b, t, Pass::Eval);
+        let used = g.allocated_bytes() - before;
+        let p = model::device::plan(&g, &cfg, model::device::Weights::Full { params: m.params.len() }, (b, t), 0, (model::Precision::Fp32, policy, every));
+        // (Two blocks, every other re-run: one shared set and one own, as many as none keeps.)
+        let fewer = if policy == model::Recompute::Selective { p.total_bytes < plan.total_bytes } else { p.total_bytes == plan.total_bytes };
+        assert!(plan_full.total_bytes < p.total_bytes && fewer, "{policy:?} every {every}: {p:?}");
+        assert!(p.total_bytes <= used && used <= p.total_bytes + small, "{policy:?} every {every}: plan {p:?} against {used} bytes");
+    }
     // LoRA: the frozen base and the adapters' state; QLoRA: the base's codes, its fp32
     // tensors, and the dequantization scratch (within the words its codes are padded to).
     for quant in [model::BaseQuant::None, model::BaseQuant::Nf4] {
@@ -141,7 +157,7 @@ fn the_device_plan_is_what_the_model_allocates() {
         dev.forward(&vec![1; b * t], &vec![2; b * t], b, t, Pass::Eval);
         let used = g.allocated_bytes() - before;
         let w = model::device::Weights::lora(&lo.layout, lo.lora.as_ref().unwrap(), model::Precision::Fp32, quant);
-        let p = model::device::plan(&g, &cfg, w, (b, t), 0, (model::Precision::Fp32, model::Recompute::None));
+        let p = model::device::plan(&g, &cfg, w, (b, t), 0, (model::Precision::Fp32, model::Recompute::None, 1));
         assert!(p.trainable < p.params && p.total_bytes < plan.total_bytes, "{quant:?}: {p:?}");
         let slack = small + 8 + if quant == model::BaseQuant::None { 0 } else { p.total_bytes / 50 };
         assert!(p.total_bytes.abs_diff(used) <= slack, "{quant:?}: plan {p:?} against {used} bytes allocated");
@@ -152,12 +168,15 @@ fn the_device_plan_is_what_the_model_allocates() {
 /// position table and its gradient).
 #[test]
 fn device_packed_documents_match_the_cpu_model() {
-    check_in(GptConfig::gpt2(2, 3, 24, 19, 37, true, 0.1, true), "gpt2 documents", true, model::Recompute::None);
+    check_in(GptConfig::gpt2(2, 3, 24, 19, 37, true, 0.1, true), "gpt2 documents", true, (model::Recompute::None, 1));
     let llama = GptConfig { arch: Arch::Llama, n_head: 4, n_kv_head: 2, ffn_hidden: 20, tied_embeddings: false, bias: false, ..GptConfig::gpt2(2, 4, 32, 19, 37, false, 0.1, false) };
-    check_in(llama.clone(), "llama documents", true, model::Recompute::None);
+    check_in(llama.clone(), "llama documents", true, (model::Recompute::None, 1));
     // Full recomputation: one set of block activations, each block re-run in backward.
-    check_in(llama, "llama documents, full recomputation", true, model::Recompute::Full);
-    check_in(GptConfig::gpt2(3, 3, 24, 19, 37, true, 0.1, true), "gpt2 full recomputation", false, model::Recompute::Full);
+    check_in(llama.clone(), "llama documents, full recomputation", true, (model::Recompute::Full, 1));
+    check_in(GptConfig::gpt2(3, 3, 24, 19, 37, true, 0.1, true), "gpt2 full recomputation", false, (model::Recompute::Full, 1));
+    // Every other block re-run (the others keep theirs); selective: the attention core re-run.
+    check_in(GptConfig::gpt2(3, 3, 24, 19, 37, true, 0.1, true), "gpt2 full recomputation of every other block", false, (model::Recompute::Full, 2));
+    check_in(llama, "llama documents, selective recomputation", true, (model::Recompute::Selective, 1));
 }
 
 #[test]
@@ -166,7 +185,10 @@ fn device_moe_matches_the_cpu_model() {
     let moe = GptConfig { n_expert: 5, top_k: 2, moe_aux_weight: 0.01, moe_z_weight: 0.001, ..llama };
     // Dropless, then with a capacity that drops assignments and a shared expert.
     check(moe.clone(), "moe dropless");
-    check(GptConfig { capacity_factor: 1.0, n_shared_expert: 1, ..moe }, "moe capacity 1.0, one shared expert");
+    check(GptConfig { capacity_factor: 1.0, n_shared_expert: 1, ..moe.clone() }, "moe capacity 1.0, one shared expert");
+    // Recomputed: each layer's routing statistics stay its own.
+    check_in(GptConfig { capacity_factor: 1.0, ..moe.clone() }, "moe capacity 1.0, full recomputation", false, (model::Recompute::Full, 1));
+    check_in(moe, "moe selective recomputation", false, (model::Recompute::Selective, 1));
 }
 
 #[test]
