@@ -15,6 +15,8 @@ const BACKWARD_DQ: Kernel = kernel!("flash_backward_dq", libs ["rng", "attn"], [
 const BACKWARD_DKV: Kernel = kernel!("flash_backward_dkv", libs ["rng", "attn"], ["DQKV", "DY", "QKV", "LSE", "DD", "STARTS", "SEED"], writes ["DQKV"]);
 
 const DECODE: Kernel = kernel!("attention_decode", ["OUT", "Q", "K", "V"], writes ["OUT"]);
+/// This module's kernels (the CUDA build compiles each).
+pub(crate) const KERNELS: &[&Kernel] = &[&FORWARD, &D, &BACKWARD_DQ, &BACKWARD_DKV, &DECODE];
 
 /// The largest head size the attention kernels hold in registers.
 pub const MAX_HEAD_SIZE: usize = 128;

@@ -14,6 +14,8 @@ const CROSSENTROPY: Kernel = kernel!("crossentropy", libs ["reduce"], ["L", "LOS
 const SUM_SQUARES: Kernel = kernel!("sum_squares", libs ["reduce"], ["OUT", "PART", "X"], writes ["OUT", "PART"]);
 const CLIP: Kernel = kernel!("clip", ["S"], writes ["S"]);
 const ADAMW: Kernel = kernel!("adamw", ["P", "G", "M", "V", "S"], writes ["P", "M", "V"]);
+/// This module's kernels (the CUDA build compiles each).
+pub(crate) const KERNELS: &[&Kernel] = &[&CROSSENTROPY, &SUM_SQUARES, &CLIP, &ADAMW];
 
 /// Workgroups the first stage of [`Gpu::sum_squares`] uses at most (its partial sums).
 const PARTS: usize = 1024;

@@ -7,6 +7,8 @@ use crate::{At, Buf, DType, DeviceError, Gpu};
 const MATMUL: Kernel = kernel!("matmul", ["A", "B", "C", "BIAS", "OFFS"], writes ["C"]);
 const BIAS_BACKWARD: Kernel = kernel!("bias_backward", ["DB", "DOUT"], writes ["DB"]);
 const CAST: Kernel = kernel!("cast", ["DST", "SRC"], writes []);
+/// This module's kernels (the CUDA build compiles each).
+pub(crate) const KERNELS: &[&Kernel] = &[&MATMUL, &BIAS_BACKWARD, &CAST];
 
 /// A strided, batched matrix view of a device buffer: element `(i, j)` of batch `z` lives at
 /// `off + (z / inner)·b0 + (z % inner)·b1 + i·rs + j·cs`.

@@ -17,16 +17,17 @@
 //! uploaded once per distinct list and cached.
 
 mod attention;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod head;
 mod kernels;
 mod moe;
 mod ops;
 mod quant;
 mod shader;
+mod vk;
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use tensor::precision::{from_bits16, round, to_bits16, Format};
 
 pub use attention::MAX_HEAD_SIZE;
@@ -35,6 +36,12 @@ pub use kernels::{Gemm, MatSpec, Ragged};
 pub use moe::Routing;
 pub use ops::RopePos;
 pub use quant::QBuf;
+
+/// Every kernel of the backend, in its module's order.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn all_kernels() -> impl Iterator<Item = &'static shader::Kernel> {
+    [kernels::KERNELS, ops::KERNELS, attention::KERNELS, head::KERNELS, moe::KERNELS, quant::KERNELS].into_iter().flatten().copied()
+}
 
 /// Why a device could not be opened or used: one line, naming what to do.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -88,10 +95,13 @@ impl DType {
     }
 }
 
-/// What the Vulkan loader reports about one adapter (`kiln doctor`).
+/// What the Vulkan loader (or the CUDA driver) reports about one adapter (`kiln doctor`).
 #[derive(Debug, Clone)]
 pub struct AdapterInfo {
-    /// Its index in [`adapters`]' order: what `--device vulkan:N` names.
+    /// `vulkan` or `cuda`.
+    pub backend: &'static str,
+    /// Its index in [`adapters`]' order (or the CUDA driver's): what `--device vulkan:N`
+    /// (`cuda:N`) names.
     pub index: usize,
     pub name: String,
     /// Discrete, integrated, virtual, CPU (lavapipe) or other.
@@ -109,7 +119,8 @@ impl AdapterInfo {
     pub fn describe(&self) -> String {
         let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
         format!(
-            "vulkan:{}  {} ({}), shader f16 {}, max buffer {:.2} GiB, max binding {:.2} GiB, driver {}",
+            "{}:{}  {} ({}), shader f16 {}, max buffer {:.2} GiB, max binding {:.2} GiB, driver {}",
+            self.backend,
             self.index,
             self.name,
             self.kind,
@@ -121,49 +132,10 @@ impl AdapterInfo {
     }
 }
 
-fn instance() -> wgpu::Instance {
-    let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
-    desc.backends = wgpu::Backends::VULKAN;
-    wgpu::Instance::new(desc)
-}
-
-fn info(index: usize, a: &wgpu::Adapter) -> AdapterInfo {
-    let i = a.get_info();
-    let kind = match i.device_type {
-        wgpu::DeviceType::DiscreteGpu => "discrete GPU",
-        wgpu::DeviceType::IntegratedGpu => "integrated GPU",
-        wgpu::DeviceType::VirtualGpu => "virtual GPU",
-        wgpu::DeviceType::Cpu => "CPU",
-        wgpu::DeviceType::Other => "other",
-    };
-    AdapterInfo {
-        index,
-        name: i.name,
-        kind: kind.into(),
-        driver: format!("{} {}", i.driver, i.driver_info).trim().to_string(),
-        max_buffer: a.limits().max_buffer_size,
-        max_binding: a.limits().max_storage_buffer_binding_size,
-        shader_f16: a.features().contains(wgpu::Features::SHADER_F16),
-    }
-}
-
 /// Every Vulkan adapter the loader finds, discrete GPUs first (the order `--device vulkan:N`
 /// indexes). Empty when there is no loader or no driver.
 pub fn adapters() -> Vec<AdapterInfo> {
-    sorted_adapters().iter().enumerate().map(|(i, a)| info(i, a)).collect()
-}
-
-fn sorted_adapters() -> Vec<wgpu::Adapter> {
-    let mut all = pollster::block_on(instance().enumerate_adapters(wgpu::Backends::VULKAN));
-    let rank = |a: &wgpu::Adapter| match a.get_info().device_type {
-        wgpu::DeviceType::DiscreteGpu => 0,
-        wgpu::DeviceType::IntegratedGpu => 1,
-        wgpu::DeviceType::VirtualGpu => 2,
-        wgpu::DeviceType::Cpu => 3,
-        wgpu::DeviceType::Other => 4,
-    };
-    all.sort_by_key(rank);
-    all
+    vk::sorted_adapters().into_iter().map(|(i, _)| i).collect()
 }
 
 /// What to install when no adapter is found: the loader and a driver.
@@ -171,7 +143,7 @@ pub const INSTALL_HINT: &str = "install a Vulkan loader and driver (Debian/Ubunt
 
 /// A device buffer of `len` elements of `dtype`.
 pub struct Buf {
-    raw: wgpu::Buffer,
+    raw: Raw,
     len: usize,
     dtype: DType,
 }
@@ -239,15 +211,46 @@ pub struct Traffic {
     pub to_host: u64,
 }
 
-/// An open device: adapter, queue, compiled kernels, and the command stream being recorded.
+/// One buffer as its backend holds it.
+enum Raw {
+    Vk(wgpu::Buffer),
+    #[cfg(feature = "cuda")]
+    Cu(cuda::Mem),
+}
+
+impl PartialEq for Raw {
+    fn eq(&self, other: &Raw) -> bool {
+        match (self, other) {
+            (Raw::Vk(a), Raw::Vk(b)) => a == b,
+            #[cfg(feature = "cuda")]
+            (Raw::Cu(a), Raw::Cu(b)) => a.ptr == b.ptr,
+            #[cfg(feature = "cuda")]
+            _ => false,
+        }
+    }
+}
+
+/// A zeroed allocation of `bytes` on `backend`.
+fn raw_alloc(backend: &Backend, bytes: u64) -> Result<Raw, DeviceError> {
+    Ok(match backend {
+        Backend::Vk(v) => Raw::Vk(v.storage(bytes)),
+        #[cfg(feature = "cuda")]
+        Backend::Cu(c) => Raw::Cu(c.alloc(bytes.div_ceil(4) as usize)?),
+    })
+}
+
+/// The kernel set a device runs: WGSL on Vulkan, or CUDA C on an NVIDIA GPU.
+enum Backend {
+    Vk(vk::Vk),
+    #[cfg(feature = "cuda")]
+    Cu(cuda::Cu),
+}
+
+/// An open device: its backend (adapter or context, compiled kernels, the stream being
+/// recorded) and kiln's counters.
 pub struct Gpu {
     pub info: AdapterInfo,
-    device: wgpu::Device,
-    queue: wgpu::Queue,
-    pipelines: Mutex<HashMap<String, (wgpu::ComputePipeline, wgpu::BindGroupLayout)>>,
-    /// Shape arguments, one small uniform buffer per distinct argument list: uploaded once.
-    args: Mutex<HashMap<Vec<u32>, Arc<wgpu::Buffer>>>,
-    encoder: Mutex<Option<wgpu::CommandEncoder>>,
+    backend: Backend,
     /// Dispatches recorded since the device was opened, and submissions made.
     dispatches: AtomicU64,
     submissions: AtomicU64,
@@ -272,40 +275,30 @@ pub fn missing(index: usize, found: &[AdapterInfo]) -> DeviceError {
 }
 
 impl Gpu {
-    /// Opens adapter `index` of [`adapters`]' order.
+    /// Opens Vulkan adapter `index` of [`adapters`]' order.
     pub fn open(index: usize) -> Result<Gpu, DeviceError> {
-        let all = sorted_adapters();
-        let Some(adapter) = all.get(index) else {
-            let found: Vec<AdapterInfo> = all.iter().enumerate().map(|(i, a)| info(i, a)).collect();
-            return Err(missing(index, &found));
+        let all = vk::sorted_adapters();
+        let Some((info, adapter)) = all.get(index) else {
+            return Err(missing(index, &all.into_iter().map(|(i, _)| i).collect::<Vec<_>>()));
         };
-        let info = info(index, adapter);
-        let limits = adapter.limits();
-        let desc = wgpu::DeviceDescriptor {
-            label: Some("kiln"),
-            required_features: wgpu::Features::empty(),
-            required_limits: wgpu::Limits {
-                max_buffer_size: limits.max_buffer_size,
-                max_storage_buffer_binding_size: limits.max_storage_buffer_binding_size,
-                max_storage_buffers_per_shader_stage: limits.max_storage_buffers_per_shader_stage.min(12),
-                max_compute_workgroup_storage_size: limits.max_compute_workgroup_storage_size,
-                ..wgpu::Limits::default()
-            },
-            experimental_features: wgpu::ExperimentalFeatures::disabled(),
-            memory_hints: wgpu::MemoryHints::Performance,
-            trace: wgpu::Trace::Off,
-        };
-        let (device, queue) = pollster::block_on(adapter.request_device(&desc))
-            .map_err(|e| DeviceError(format!("Vulkan adapter vulkan:{index} ({}) refused to open: {e}", info.name)))?;
-        let dummy = Buf { raw: storage(&device, 4), len: 1, dtype: DType::F32 };
-        let seeds = Buf { raw: storage(&device, 8), len: 2, dtype: DType::U32 };
+        let backend = Backend::Vk(vk::Vk::open(index, info, adapter)?);
+        Gpu::with(backend, info.clone())
+    }
+
+    /// Opens CUDA device `index`: one line naming what is missing when the driver, NVRTC or the
+    /// device is not there.
+    #[cfg(feature = "cuda")]
+    pub fn open_cuda(index: usize) -> Result<Gpu, DeviceError> {
+        let (cu, info) = cuda::Cu::open(index)?;
+        Gpu::with(Backend::Cu(cu), info)
+    }
+
+    fn with(backend: Backend, info: AdapterInfo) -> Result<Gpu, DeviceError> {
+        let dummy = Buf { raw: raw_alloc(&backend, 4)?, len: 1, dtype: DType::F32 };
+        let seeds = Buf { raw: raw_alloc(&backend, 8)?, len: 2, dtype: DType::U32 };
         Ok(Gpu {
             info,
-            device,
-            queue,
-            pipelines: Mutex::default(),
-            args: Mutex::default(),
-            encoder: Mutex::new(None),
+            backend,
             dispatches: AtomicU64::new(0),
             submissions: AtomicU64::new(0),
             to_device: AtomicU64::new(0),
@@ -314,6 +307,11 @@ impl Gpu {
             dummy,
             seeds,
         })
+    }
+
+    /// The backend's name: `vulkan` or `cuda`.
+    pub fn backend(&self) -> &'static str {
+        self.info.backend
     }
 
     /// A zeroed buffer of `len` elements of `dtype`, refused (not allocated) past the adapter's
@@ -328,8 +326,9 @@ impl Gpu {
                 self.info.max_buffer
             )));
         }
+        let raw = raw_alloc(&self.backend, bytes)?;
         self.allocated.fetch_add(bytes, Ordering::Relaxed);
-        Ok(Buf { raw: storage(&self.device, bytes), len, dtype })
+        Ok(Buf { raw, len, dtype })
     }
 
     /// A zeroed fp32 buffer of `len` elements (panics past the adapter's largest buffer: callers
@@ -380,17 +379,13 @@ impl Gpu {
         if data.is_empty() {
             return;
         }
-        // Staged and copied in the command stream, so the write stays in order with the kernels
-        // recorded around it and the batch stays one submission.
-        let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
-            label: None,
-            size: (data.len() * 4) as u64,
-            usage: wgpu::BufferUsages::COPY_SRC,
-            mapped_at_creation: true,
-        });
-        staging.slice(..).get_mapped_range_mut().expect("staging buffer map failed").copy_from_slice(bytes(data));
-        staging.unmap();
-        self.with_encoder(|e| e.copy_buffer_to_buffer(&staging, 0, &dst.raw, (at * 4) as u64, (data.len() * 4) as u64));
+        match (&self.backend, &dst.raw) {
+            (Backend::Vk(v), Raw::Vk(b)) => v.write_words(b, at, data),
+            #[cfg(feature = "cuda")]
+            (Backend::Cu(c), Raw::Cu(b)) => c.write_words(b, at, data),
+            #[cfg(feature = "cuda")]
+            _ => panic!("a buffer of another device"),
+        }
         self.to_device.fetch_add(data.len() as u64 * 4, Ordering::Relaxed);
     }
 
@@ -414,24 +409,17 @@ impl Gpu {
         if len == 0 {
             return Vec::new();
         }
-        let size = (len * 4) as u64;
-        let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
-            label: None,
-            size,
-            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
-            mapped_at_creation: false,
-        });
-        self.with_encoder(|e| e.copy_buffer_to_buffer(&src.raw, (start * 4) as u64, &staging, 0, size));
-        self.flush();
-        let slice = staging.slice(..);
-        slice.map_async(wgpu::MapMode::Read, |r| r.expect("device buffer map failed"));
-        self.device.poll(wgpu::PollType::wait_indefinitely()).expect("device lost");
-        let out: Vec<u32> = {
-            let view = slice.get_mapped_range().expect("device buffer map failed");
-            view.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+        let (out, submitted) = match (&self.backend, &src.raw) {
+            (Backend::Vk(v), Raw::Vk(b)) => v.download_words(b, start, len),
+            #[cfg(feature = "cuda")]
+            (Backend::Cu(c), Raw::Cu(b)) => (c.download_words(b, start, len), true),
+            #[cfg(feature = "cuda")]
+            _ => panic!("a buffer of another device"),
         };
-        staging.unmap();
-        self.to_host.fetch_add(size, Ordering::Relaxed);
+        if submitted {
+            self.submissions.fetch_add(1, Ordering::Relaxed);
+        }
+        self.to_host.fetch_add(len as u64 * 4, Ordering::Relaxed);
         out
     }
 
@@ -439,8 +427,15 @@ impl Gpu {
     /// the kernels around it.
     pub fn copy_words(&self, dst: &Buf, dst_at: usize, src: &Buf, src_at: usize, len: usize) {
         assert!(dst_at + len <= dst.dtype.words(dst.len) && src_at + len <= src.dtype.words(src.len), "copy past a buffer");
-        if len > 0 {
-            self.with_encoder(|e| e.copy_buffer_to_buffer(&src.raw, (src_at * 4) as u64, &dst.raw, (dst_at * 4) as u64, (len * 4) as u64));
+        if len == 0 {
+            return;
+        }
+        match (&self.backend, &dst.raw, &src.raw) {
+            (Backend::Vk(v), Raw::Vk(d), Raw::Vk(s)) => v.copy_words(d, dst_at, s, src_at, len),
+            #[cfg(feature = "cuda")]
+            (Backend::Cu(c), Raw::Cu(d), Raw::Cu(s)) => c.copy_words(d, dst_at, s, src_at, len),
+            #[cfg(feature = "cuda")]
+            _ => panic!("a buffer of another device"),
         }
     }
 
@@ -451,21 +446,40 @@ impl Gpu {
         Seed { buf: &self.seeds, at: 0, site: None }
     }
 
-    /// Distinct kernel argument lists uploaded so far (each one a small uniform buffer): a
-    /// training step that adds none after its first records the same launches every time.
+    /// Distinct kernel argument lists launched so far: a training step that adds none after its
+    /// first records the same launches every time.
     pub fn arg_lists(&self) -> usize {
-        self.args.lock().unwrap_or_else(|e| e.into_inner()).len()
+        match &self.backend {
+            Backend::Vk(v) => v.arg_lists(),
+            #[cfg(feature = "cuda")]
+            Backend::Cu(c) => c.arg_lists(),
+        }
     }
 
     /// Sets every element to zero, on the device.
     pub fn clear(&self, b: &Buf) {
-        self.with_encoder(|e| e.clear_buffer(&b.raw, 0, None));
+        match (&self.backend, &b.raw) {
+            (Backend::Vk(v), Raw::Vk(r)) => v.clear(r),
+            #[cfg(feature = "cuda")]
+            (Backend::Cu(c), Raw::Cu(r)) => c.clear(r, b.dtype.words(b.len)),
+            #[cfg(feature = "cuda")]
+            _ => panic!("a buffer of another device"),
+        }
     }
 
     /// Submits everything recorded and waits for it.
     pub fn sync(&self) {
-        self.flush();
-        self.device.poll(wgpu::PollType::wait_indefinitely()).expect("device lost");
+        let submitted = match &self.backend {
+            Backend::Vk(v) => v.sync(),
+            #[cfg(feature = "cuda")]
+            Backend::Cu(c) => {
+                c.sync();
+                true
+            }
+        };
+        if submitted {
+            self.submissions.fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     /// Host↔device bytes so far.
@@ -483,99 +497,40 @@ impl Gpu {
         (self.dispatches.load(Ordering::Relaxed), self.submissions.load(Ordering::Relaxed))
     }
 
-    fn flush(&self) {
-        if let Some(e) = self.encoder.lock().unwrap_or_else(|e| e.into_inner()).take() {
-            self.queue.submit(Some(e.finish()));
-            self.submissions.fetch_add(1, Ordering::Relaxed);
-        }
-    }
-
-    fn with_encoder<R>(&self, f: impl FnOnce(&mut wgpu::CommandEncoder) -> R) -> R {
-        let mut g = self.encoder.lock().unwrap_or_else(|e| e.into_inner());
-        let e = g.get_or_insert_with(|| self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None }));
-        f(e)
-    }
-
-    /// The uniform argument buffer for `args` (uploaded the first time this list is seen).
-    fn args(&self, args: &[u32]) -> Arc<wgpu::Buffer> {
-        assert!(args.len() <= shader::MAX_ARGS, "a kernel takes at most {} arguments", shader::MAX_ARGS);
-        let mut cache = self.args.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(b) = cache.get(args) {
-            return b.clone();
-        }
-        let b = self.device.create_buffer(&wgpu::BufferDescriptor {
-            label: None,
-            size: (shader::MAX_ARGS * 4) as u64,
-            usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
-            mapped_at_creation: false,
-        });
-        let mut padded = args.to_vec();
-        padded.resize(shader::MAX_ARGS, 0);
-        // A new buffer that nothing recorded reads: written ahead of the stream, no flush.
-        self.queue.write_buffer(&b, 0, bytes(&padded));
-        self.to_device.fetch_add((shader::MAX_ARGS * 4) as u64, Ordering::Relaxed);
-        let b = Arc::new(b);
-        cache.insert(args.to_vec(), b.clone());
-        b
-    }
-
     /// Records kernel `k` over `groups` workgroups with its arguments and buffers in the order
     /// of `k.bindings` (`None` binds a placeholder the kernel does not read).
     fn launch(&self, k: &shader::Kernel, groups: [u32; 3], args: &[u32], bufs: &[Option<&Buf>]) {
         assert_eq!(bufs.len(), k.bindings.len(), "kernel {} binds {} buffers", k.name, k.bindings.len());
+        assert!(args.len() <= shader::MAX_ARGS, "a kernel takes at most {} arguments", shader::MAX_ARGS);
         if groups.contains(&0) {
             return;
         }
         let bufs: Vec<&Buf> = bufs.iter().map(|b| b.unwrap_or(&self.dummy)).collect();
-        let dtypes: Vec<DType> = bufs.iter().map(|b| b.dtype).collect();
         for (b, name) in bufs.iter().zip(k.bindings) {
             assert!(!k.writes.contains(name) || b.dtype == DType::F32 || b.dtype == DType::U32, "kernel {} writes {name} in fp32 or u32 only", k.name);
         }
-        let (pipeline, layout) = self.pipeline(k, &dtypes);
-        let argbuf = self.args(args);
-        let mut entries = vec![wgpu::BindGroupEntry { binding: 0, resource: argbuf.as_entire_binding() }];
-        for (i, b) in bufs.iter().enumerate() {
-            entries.push(wgpu::BindGroupEntry { binding: i as u32 + 1, resource: b.raw.as_entire_binding() });
-        }
-        let group = self.device.create_bind_group(&wgpu::BindGroupDescriptor { label: None, layout: &layout, entries: &entries });
-        self.with_encoder(|e| {
-            let mut pass = e.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some(k.name), timestamp_writes: None });
-            pass.set_pipeline(&pipeline);
-            pass.set_bind_group(0, &group, &[]);
-            pass.dispatch_workgroups(groups[0], groups[1], groups[2]);
-        });
-        self.dispatches.fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// Kernel `k` compiled for its buffers' types (once per combination).
-    fn pipeline(&self, k: &shader::Kernel, dtypes: &[DType]) -> (wgpu::ComputePipeline, wgpu::BindGroupLayout) {
-        let key = format!("{}:{dtypes:?}", k.name);
-        let mut cache = self.pipelines.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(p) = cache.get(&key) {
-            return p.clone();
-        }
-        let src = shader::source(k, dtypes);
-        let module = self.device.create_shader_module(wgpu::ShaderModuleDescriptor { label: Some(k.name), source: wgpu::ShaderSource::Wgsl(src.into()) });
-        let buffer = |binding: u32, ty: wgpu::BufferBindingType| wgpu::BindGroupLayoutEntry {
-            binding,
-            visibility: wgpu::ShaderStages::COMPUTE,
-            ty: wgpu::BindingType::Buffer { ty, has_dynamic_offset: false, min_binding_size: None },
-            count: None,
+        let new = match &self.backend {
+            Backend::Vk(v) => {
+                let raws: Vec<(&wgpu::Buffer, DType)> = bufs.iter().map(|b| match &b.raw {
+                    Raw::Vk(r) => (r, b.dtype),
+                    #[cfg(feature = "cuda")]
+                    Raw::Cu(_) => panic!("a buffer of another device"),
+                }).collect();
+                v.launch(k, groups, args, &raws)
+            }
+            #[cfg(feature = "cuda")]
+            Backend::Cu(c) => {
+                let raws: Vec<(&cuda::Mem, DType)> = bufs.iter().map(|b| match &b.raw {
+                    Raw::Cu(r) => (r, b.dtype),
+                    Raw::Vk(_) => panic!("a buffer of another device"),
+                }).collect();
+                c.launch(k, groups, args, &raws)
+            }
         };
-        let mut entries = vec![buffer(0, wgpu::BufferBindingType::Uniform)];
-        entries.extend((0..dtypes.len()).map(|i| buffer(i as u32 + 1, wgpu::BufferBindingType::Storage { read_only: false })));
-        let layout = self.device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor { label: Some(k.name), entries: &entries });
-        let pl = self.device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor { label: Some(k.name), bind_group_layouts: &[Some(&layout)], immediate_size: 0 });
-        let pipeline = self.device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-            label: Some(k.name),
-            layout: Some(&pl),
-            module: &module,
-            entry_point: Some("main"),
-            compilation_options: Default::default(),
-            cache: None,
-        });
-        cache.insert(key, (pipeline.clone(), layout.clone()));
-        (pipeline, layout)
+        if new {
+            self.to_device.fetch_add((shader::MAX_ARGS * 4) as u64, Ordering::Relaxed);
+        }
+        self.dispatches.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Workgroups covering `n` items at `per` items each, spread over x and y (x ≤ 65535); a
@@ -590,15 +545,6 @@ impl Gpu {
     }
 }
 
-fn storage(device: &wgpu::Device, bytes: u64) -> wgpu::Buffer {
-    device.create_buffer(&wgpu::BufferDescriptor {
-        label: None,
-        size: bytes.next_multiple_of(4),
-        usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
-        mapped_at_creation: false,
-    })
-}
-
 /// `data` rounded to `fmt` and packed two to a word, element `2j` in the low half.
 fn pack(data: &[f32], fmt: Format) -> Vec<u32> {
     let h = |x: f32| to_bits16(round(x, fmt), fmt) as u32;
@@ -610,7 +556,7 @@ fn unpack(words: &[u32], len: usize, fmt: Format) -> Vec<f32> {
     (0..len).map(|i| from_bits16((words[i / 2] >> (16 * (i % 2))) as u16, fmt)).collect()
 }
 
-fn bytes(x: &[u32]) -> &[u8] {
+pub(crate) fn bytes(x: &[u32]) -> &[u8] {
     // SAFETY: u32 has no padding and u8 has alignment 1; the slice covers the same memory.
     unsafe { std::slice::from_raw_parts(x.as_ptr().cast(), std::mem::size_of_val(x)) }
 }

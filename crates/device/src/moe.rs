@@ -13,6 +13,8 @@ const COMBINE: Kernel = kernel!("moe_combine", ["Y", "EO", "G", "SLOT"], writes 
 const COMBINE_BACKWARD: Kernel = kernel!("moe_combine_backward", ["DG", "DEO", "DY", "EO", "G", "SLOT", "ROWTOK", "OFFSETS"], writes ["DG", "DEO"]);
 const AUX_COEF: Kernel = kernel!("moe_aux_coef", ["AUX", "COUNTS"], writes ["AUX"]);
 const ROUTER_BACKWARD: Kernel = kernel!("moe_router_backward", ["DL", "P", "LSE", "IDX", "G", "DG", "AUX"], writes ["DL"]);
+/// This module's kernels (the CUDA build compiles each).
+pub(crate) const KERNELS: &[&Kernel] = &[&ROUTE, &ASSIGN, &DISPATCH, &COMBINE, &COMBINE_BACKWARD, &AUX_COEF, &ROUTER_BACKWARD];
 
 /// One MoE layer's routing state on the device: `N` tokens, `E` experts, `K` per token.
 pub struct Routing {

@@ -20,6 +20,8 @@ const SWIGLU: Kernel = kernel!("swiglu", ["OUT", "GU", "D"], writes ["OUT"]);
 const ADD: Kernel = kernel!("add", ["OUT", "A", "B"], writes ["OUT"]);
 const ROPE: Kernel = kernel!("rope", ["X", "COS", "SIN", "POS"], writes ["X"]);
 const DROPOUT: Kernel = kernel!("dropout", libs ["rng"], ["OUT", "IN", "SEED"], writes ["OUT"]);
+/// This module's kernels (the CUDA build compiles each).
+pub(crate) const KERNELS: &[&Kernel] = &[&EMBEDDING_FORWARD, &EMBEDDING_BACKWARD, &NORM_FORWARD, &NORM_BACKWARD, &NORM_PARAMS, &GELU, &SILU, &SWIGLU, &ADD, &ROPE, &DROPOUT];
 
 /// Forward, backward overwriting, or backward accumulating: the elementwise kernels' modes.
 #[derive(Clone, Copy)]

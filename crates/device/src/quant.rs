@@ -9,6 +9,8 @@ use crate::{At, Buf, DType, DeviceError, Gpu};
 use tensor::quant::{Absmax, Int8Rows, Nf4, QPart};
 
 const DEQUANTIZE: Kernel = kernel!("dequantize", ["OUT", "Q", "AM", "SC"], writes ["OUT"]);
+/// This module's kernels (the CUDA build compiles each).
+pub(crate) const KERNELS: &[&Kernel] = &[&DEQUANTIZE];
 
 /// One quantized tensor on the device.
 pub struct QBuf {

@@ -427,6 +427,23 @@ fn measure(run: &mut Run, reps: usize) -> (f64, Vec<f32>) {
     (s, run(true))
 }
 
+/// `kiln doctor --check-kernels`: every kernel of the bench run once on `d` against its CPU
+/// twin, one line each (`ok`, the kernel, its type, the error against the contract); a kernel
+/// past the contract is an error (exit 2).
+pub fn check(d: DeviceArg) -> Result<()> {
+    if d == DeviceArg::Cpu {
+        return user("kiln doctor --check-kernels checks a device's kernels against the CPU's: pass --device vulkan[:N] or cuda[:N]");
+    }
+    let v = run(d, 1)?;
+    let rows = v["kernels"].as_array().map_or(&[][..], |r| &r[..]);
+    println!("{}", v["adapter"].as_str().unwrap_or(""));
+    for r in rows {
+        println!("ok  {:<28} {:<5} max error {:.2e} (contract {:.0e})", r["kernel"].as_str().unwrap_or(""), r["dtype"].as_str().unwrap_or(""), r["max_err_over_max_ref"].as_f64().unwrap_or(f64::NAN), r["tol"].as_f64().unwrap_or(f64::NAN));
+    }
+    println!("{} kernels on {d} agree with their CPU twins", rows.len());
+    Ok(())
+}
+
 /// The bench's JSON: one object per kernel.
 pub fn run(d: DeviceArg, reps: usize) -> Result<Value> {
     let gpu = crate::device::open(d)?;
@@ -449,6 +466,7 @@ pub fn run(d: DeviceArg, reps: usize) -> Result<Value> {
             v["device_rate"] = json!(k.work / s / scale);
             v["device_over_cpu"] = json!(cpu_s / s);
             v["max_err_over_max_ref"] = json!(err);
+            v["tol"] = json!(k.tol);
             if err > k.tol {
                 return user(format!("kernel {} ({}) on {d}: device and CPU differ by {err:e} (max abs error over max abs reference), over the {:e} contract", k.kernel, k.dtype, k.tol));
             }

@@ -42,7 +42,7 @@ enum Cmd {
     /// List run directories with their config differences and val losses.
     Runs(crate::obs::cmd::RunsArgs),
     /// Report this machine, the build's backends and the default corpus; non-zero if a default run cannot start.
-    Doctor,
+    Doctor(DoctorCli),
     /// Export a run's newest valid checkpoint (Hugging Face format).
     Export(ExportCli),
     /// Print a pipeline schedule as a timeline (one row per stage), with its bubble.
@@ -89,14 +89,28 @@ pub fn main() -> i32 {
     }
 }
 
+#[derive(clap::Args)]
+pub struct DoctorCli {
+    /// Check every device kernel against its CPU twin on --device, from inside this binary (for
+    /// machines without a Rust toolchain); exit 2 past the contract.
+    #[arg(long)]
+    pub check_kernels: bool,
+    /// The device --check-kernels runs on: vulkan[:N] or cuda[:N].
+    #[arg(long, default_value = "vulkan")]
+    pub device: crate::device::DeviceArg,
+}
+
 fn dispatch(cmd: Cmd) -> Result<()> {
     match cmd {
         Cmd::Train(a) => crate::cmd_train::run(a),
         Cmd::Memory(m) => crate::cmd_memory::run(m),
         Cmd::Plot(a) => crate::obs::cmd::plot(&a).map_err(KilnError::User),
         Cmd::Runs(a) => crate::obs::cmd::runs(&a).map_err(KilnError::User),
-        Cmd::Doctor => {
+        Cmd::Doctor(d) => {
             init_threads(0);
+            if d.check_kernels {
+                return crate::bench_kernels::check(d.device);
+            }
             crate::obs::cmd::doctor().map_err(KilnError::User)
         }
         Cmd::Plan(p) => crate::cmd_plan::run(p).map_err(KilnError::User),

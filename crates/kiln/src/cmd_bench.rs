@@ -35,9 +35,9 @@ pub struct BenchCli {
     /// agree: GFLOP/s or GB/s for both.
     #[arg(long)]
     pub kernels: bool,
-    /// Where the kernels run: cpu (default), vulkan or vulkan:N. Training steps run on the CPU
-    /// only for now, so a device needs --kernels.
-    #[arg(long, default_value = "cpu", value_name = "cpu|vulkan[:N]")]
+    /// Where the kernels (or the timed training steps) run: cpu (default), vulkan[:N] or
+    /// cuda[:N].
+    #[arg(long, default_value = "cpu", value_name = "cpu|vulkan[:N]|cuda[:N]")]
     pub device: crate::device::DeviceArg,
 }
 

@@ -37,8 +37,8 @@ pub struct GenerateCli {
     pub top_k: usize,
     #[arg(long, default_value_t = 1337)]
     pub seed: u64,
-    /// Where the kernels run: cpu (default), vulkan or vulkan:N.
-    #[arg(long, default_value = "cpu", value_name = "cpu|vulkan[:N]")]
+    /// Where the kernels run: cpu (default), vulkan[:N] or cuda[:N].
+    #[arg(long, default_value = "cpu", value_name = "cpu|vulkan[:N]|cuda[:N]")]
     pub device: crate::device::DeviceArg,
 }
 
@@ -68,8 +68,8 @@ pub struct EvalCli {
     /// With --packing documents: positions restart in every document.
     #[arg(long)]
     pub reset_positions: bool,
-    /// Where the kernels run: cpu (default), vulkan or vulkan:N.
-    #[arg(long, default_value = "cpu", value_name = "cpu|vulkan[:N]")]
+    /// Where the kernels run: cpu (default), vulkan[:N] or cuda[:N].
+    #[arg(long, default_value = "cpu", value_name = "cpu|vulkan[:N]|cuda[:N]")]
     pub device: crate::device::DeviceArg,
 }
 

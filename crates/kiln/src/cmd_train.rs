@@ -50,8 +50,8 @@ pub struct TrainCli {
     pub resume: bool,
     #[arg(long)]
     pub seed: Option<u64>,
-    /// Where the kernels run: cpu (default), vulkan or vulkan:N (`kiln doctor` lists the GPUs).
-    #[arg(long, value_name = "cpu|vulkan[:N]")]
+    /// Where the kernels run: cpu (default), vulkan[:N] or cuda[:N] (`kiln doctor` lists the GPUs).
+    #[arg(long, value_name = "cpu|vulkan[:N]|cuda[:N]")]
     pub device: Option<crate::device::DeviceArg>,
     /// Start from a base model: a kiln run directory or a Hugging Face directory
     /// (GPT2LMHeadModel / LlamaForCausalLM: config.json + model.safetensors).

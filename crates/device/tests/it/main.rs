@@ -7,6 +7,8 @@
 mod attention;
 mod buffers;
 mod common;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod matmul;
 mod ops;
 mod train_ops;

@@ -13,7 +13,7 @@ fn device_flags_are_checked_and_refusals_are_one_line_with_exit_2() {
     let out = dir.join("run");
     let base = ["train", "--data", data.to_str().unwrap(), "--out", out.to_str().unwrap(), "--max-steps", "1"];
     for (device, says) in [
-        ("gpu", "expected cpu, vulkan or vulkan:N, got `gpu`"),
+        ("gpu", "expected cpu, vulkan, vulkan:N, cuda or cuda:N, got `gpu`"),
         ("vulkan:99", "--device vulkan:99: no such adapter; found vulkan:0 "),
         ("vulkan", "the device does not run FP8 storage (train.precision = fp8) yet"),
     ] {
@@ -22,6 +22,23 @@ fn device_flags_are_checked_and_refusals_are_one_line_with_exit_2() {
         assert!(stderr(&o).contains(says), "--device {device}: {}", stderr(&o));
         assert!(!out.exists(), "--device {device} wrote a run directory");
     }
+    // CUDA where the NVIDIA driver is missing (or the backend is not built): one line naming
+    // what is missing, exit 2, nothing written. (Where `kiln doctor` lists a CUDA device, the
+    // run gets past the device check.)
+    let doctor = stdout(&kiln(&["doctor"]));
+    let has_cuda = doctor.lines().any(|l| l.starts_with("cuda:") && l.contains("compute capability"));
+    for cmd in [&["train", "--data", data.to_str().unwrap(), "--out", out.to_str().unwrap(), "--max-steps", "1", "--device", "cuda:0"][..], &["bench", "--kernels", "--device", "cuda", "--steps", "1"]] {
+        let o = kiln(cmd);
+        let says = if cfg!(feature = "cuda") { "--device cuda:0: no CUDA driver: libcuda.so.1 (the NVIDIA driver) could not be opened" } else { "built without the CUDA backend" };
+        if has_cuda {
+            assert!(!stderr(&o).contains(says), "{cmd:?}: {}", stderr(&o));
+        } else {
+            assert_eq!(o.status.code(), Some(2), "{cmd:?}: {}", stderr(&o));
+            assert!(stderr(&o).contains(says) && stderr(&o).lines().count() == 1, "{cmd:?}: {}", stderr(&o));
+        }
+    }
+    assert!(!out.exists(), "a refused CUDA run wrote its run directory");
+    assert!(doctor.lines().any(|l| l.starts_with("cuda:")), "{doctor}");
     // A run larger than the device may hold is refused with the plan, before it allocates.
     let o = kiln(&[&base[..], &["--device", "vulkan", "--set", "memory.device_limit=1MiB"]].concat());
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));

@@ -1,0 +1,25 @@
+// AdamW over n elements from off, tensor::optim's arithmetic: with g = G·S[scale_at] (the
+// clipping factor), m = β1·m + (1 − β1)·g, v = β2·v + (1 − β2)·g·g,
+// p = p·decay − step·m / (√v·rbc2 + ε), where S[0..3] = (step, rbc2, decay)
+// (tensor::optim::adamw_scalars) and decay is 1 for parameters without weight decay.
+// args: n off beta1 one_minus_beta1 beta2 one_minus_beta2 eps decay scale_at
+extern "C" __global__ void __launch_bounds__(256) adamw(const KilnParams KP) {
+    const uint3 wg = blockIdx;
+    const uint3 lid = threadIdx;
+    const auto e = flat_id(wg, lid, 256u);
+    if (e >= arg(0u)) {
+        return;
+    }
+    const auto i = arg(1u) + e;
+    const auto g = ld_G(i) * ld_S(arg(8u));
+    const auto m = argf(2u) * ld_M(i) + argf(3u) * g;
+    const auto v = argf(4u) * ld_V(i) + argf(5u) * g * g;
+    st_M(i, m);
+    st_V(i, v);
+    auto decay = 1.0f;
+    if (arg(7u) != 0u) {
+        decay = ld_S(2u);
+    }
+    const auto denom = sqrtf(v) * ld_S(1u) + argf(6u);
+    st_P(i, ld_P(i) * decay - ld_S(0u) * m / denom);
+}

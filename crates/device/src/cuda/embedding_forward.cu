@@ -1,0 +1,23 @@
+// OUT[i, j] = P[wte + TOK[i]·C + j] (+ P[wpe + pos·C + j], pos = POS[i] with has_pos, else
+// i mod T): the token and position tables are views of one parameter buffer.
+// args: n c t wte_off wpe_off has_wpe has_pos
+extern "C" __global__ void __launch_bounds__(256) embedding_forward(const KilnParams KP) {
+    const uint3 wg = blockIdx;
+    const uint3 lid = threadIdx;
+    const auto e = flat_id(wg, lid, 256u);
+    const auto c = arg(1u);
+    if (e >= arg(0u) * c) {
+        return;
+    }
+    const auto i = e / c;
+    const auto j = e % c;
+    auto v = ld_P(arg(3u) + TOK[i] * c + j);
+    if (arg(5u) != 0u) {
+        auto pos = i % arg(2u);
+        if (arg(6u) != 0u) {
+            pos = POS[i];
+        }
+        v += ld_P(arg(4u) + pos * c + j);
+    }
+    st_OUT(e, v);
+}
