@@ -240,3 +240,30 @@ fn lora_and_qlora_on_the_device_follow_the_cpu() {
         assert!(e <= 2e-2 && hd != b, "bf16 QLoRA: the device's losses differ from the CPU's by {e:e}");
     }
 }
+
+/// `scripts/gpu_check.sh --dry-run`: every step of the GPU machine's prepared check (the kernel
+/// check from inside the binary, CPU against device training in fp32 and bf16, the GPT-2 bench
+/// beside PyTorch's) runs on lavapipe at tiny shapes and writes its JSON summary.
+#[test]
+fn the_gpu_check_script_runs_dry_on_the_vulkan_device() {
+    let dir = scratch("gpu-check");
+    let out = dir.join("summary.json");
+    let script = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/gpu_check.sh");
+    let data = fixture("data/tinyshakespeare.txt");
+    let o = std::process::Command::new(&script)
+        .args(["--dry-run", "--kiln", env!("CARGO_BIN_EXE_kiln"), "--out", out.to_str().unwrap(), "--data", data.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}{}", stdout(&o), stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    assert_eq!(v["ok"], true, "{v:#}");
+    assert_eq!((v["dry_run"].as_bool(), v["device"].as_str()), (Some(true), Some("vulkan")));
+    assert!(v["check_kernels"]["kernels"].as_u64().unwrap() >= 20, "{v:#}");
+    let sc = &v["shakespeare_char"];
+    assert!(sc["fp32_vs_cpu_max_rel"].as_f64().unwrap() <= 1e-4 && sc["runs"]["dev-bf16"]["steps"] == 10, "{sc:#}");
+    assert!(v["gpt2_kiln"]["tokens_per_sec"].as_f64().unwrap() > 0.0, "{v:#}");
+    // PyTorch is reported, or reported absent.
+    let t = &v["gpt2_pytorch"];
+    assert!(t["absent"].is_string() || t["eager_bf16"]["tokens_per_sec"].as_f64().is_some(), "{t:#}");
+    assert!(v["doctor"].as_array().unwrap().iter().any(|l| l.as_str().unwrap().starts_with("cuda:")), "{v:#}");
+}
