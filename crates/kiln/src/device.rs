@@ -68,6 +68,21 @@ pub fn open(d: DeviceArg) -> Result<Option<std::convert::Infallible>> {
     }
 }
 
+/// Rank `rank`'s device when `d` names a job's: device `N + rank` of its kind, modulo how many
+/// there are (ranks share a device when there are fewer than ranks: each opens its own logical
+/// device on it).
+#[cfg(feature = "vulkan")]
+pub fn for_rank(d: DeviceArg, rank: usize) -> DeviceArg {
+    let count = |n: usize| n.max(1);
+    match d {
+        DeviceArg::Cpu => DeviceArg::Cpu,
+        DeviceArg::Vulkan(n) if rank > 0 => DeviceArg::Vulkan((n + rank) % count(device::adapters().len())),
+        #[cfg(feature = "cuda")]
+        DeviceArg::Cuda(n) if rank > 0 => DeviceArg::Cuda((n + rank) % count(device::cuda::devices().map_or(0, |v| v.len()))),
+        other => other,
+    }
+}
+
 /// `kiln doctor`'s lines about GPUs.
 pub fn doctor_lines() -> Vec<String> {
     #[cfg(feature = "vulkan")]

@@ -37,8 +37,11 @@ pub struct DeviceRun {
 pub fn refusal(cfg: &RunConfig) -> Option<String> {
     let p = &cfg.parallel;
     let d = &cfg.train.device;
-    if p.world(p.dp) > 1 || p.pp > 1 || p.tp > 1 || p.cp > 1 || p.ep > 1 || p.dp > 1 {
-        return Some(format!("train.device = {d} trains on one device: parallel layouts on devices are not done yet (got dp {}, tp {}, pp {}, cp {}, ep {})", p.dp, p.tp, p.pp, p.cp, p.ep));
+    if p.pp > 1 || p.tp > 1 || p.cp > 1 || p.ep > 1 {
+        return Some(format!("train.device = {d}: on devices only data parallelism runs yet; tensor, pipeline, context and expert parallel layouts are not done (got tp {}, pp {}, cp {}, ep {})", p.tp, p.pp, p.cp, p.ep));
+    }
+    if p.dp > 1 && p.zero > 0 {
+        return Some(format!("train.device = {d}: data parallelism on devices runs without ZeRO yet (parallel.zero = {}); use parallel.zero = 0", p.zero));
     }
     let why = if cfg.train.precision == model::Precision::Fp8 {
         "FP8 storage (train.precision = fp8)"
@@ -105,38 +108,56 @@ impl DeviceRun {
         self.gpu.measure_peak_flops(1024, 3)
     }
 
-    /// One optimizer step (see the module docs); `fill` draws micro-batch `k`'s rows.
-    pub fn step(&mut self, cfg: &RunConfig, step: u64, rows: usize, mut fill: impl FnMut(usize, &mut RowBuf), mut veto: impl FnMut(f32, f64) -> Option<&'static str>) -> Result<StepOut> {
+    /// One optimizer step (see the module docs); `fill` draws micro-batch `k`'s rows (this
+    /// rank's share under data parallelism, whose group `ch.dp` reduces the gradients through
+    /// the host).
+    pub fn step(&mut self, ch: &mut Chunk, cfg: &RunConfig, step: u64, rows: usize, mut fill: impl FnMut(usize, &mut RowBuf), mut veto: impl FnMut(f32, f64) -> Option<&'static str>) -> Result<StepOut> {
         let (g, t, m) = (self.gpu.clone(), cfg.seq_len(), cfg.train.grad_accum);
         if m > 64 {
             return user(format!("train.device: at most 64 micro-batches a step (train.grad_accum = {m})"));
         }
         self.model.zero_grad();
-        let mut counts = Vec::with_capacity(m);
-        for micro in 0..m {
-            let mut b = RowBuf::new(rows, t, cfg.data.packing == crate::config::Packing::Documents);
+        let packed = cfg.data.packing == crate::config::Packing::Documents;
+        let batches: Vec<RowBuf> = (0..m).map(|micro| {
+            let mut b = RowBuf::new(rows, t, packed);
             fill(micro, &mut b);
-            let count = b.y.iter().filter(|&&y| y != model::gpt::IGNORE_INDEX).count();
-            let loss_scale = if count > 0 { 1.0 / m as f32 } else { 0.0 };
+            b
+        }).collect();
+        let counts: Vec<f64> = batches.iter().map(|b| b.y.iter().filter(|&&y| y != model::gpt::IGNORE_INDEX).count() as f64).collect();
+        // Each micro-batch's loss is its mean over the whole group's targets, as on the CPU.
+        let dpn = ch.dp.n();
+        let global = if dpn > 1 { ch.dp.all_reduce_f64(&counts) } else { counts.clone() };
+        for (micro, b) in batches.iter().enumerate() {
+            let loss_scale = if global[micro] > 0.0 { (counts[micro] / global[micro] / m as f64) as f32 } else { 0.0 };
             let pass = Pass::Train { dropout_seed: dropout_seed(cfg.train.seed, step, micro), loss_scale };
             self.model.forward_docs(&b.x, &b.y, b.docs(), rows, t, pass);
             self.model.loss_sum_into((&self.sums, slot::OPTIM + micro), &self.parts, false);
-            self.model.backward();
-            counts.push(count as f64);
+            // An MoE model's load-balancing statistics are the group's (the CPU's exchange).
+            self.model.backward_with(routing_group(ch, dpn));
         }
         let grads = self.model.trainable().1;
+        if dpn > 1 {
+            // The group's gradient sum, staged through the host (summed in rank order).
+            let mut host = g.download(grads);
+            ch.dp.reduce_adapters(&mut host);
+            g.write(grads, &host);
+        }
         g.sum_squares((&self.model.scalars, slot::SUMSQ), grads.at(0), grads.len(), &self.parts, false);
         g.clip_scale(&self.model.scalars, cfg.train.grad_clip as f32);
         g.copy_words(&self.sums, slot::NORM, &self.model.scalars, slot::NORM, 1);
-        // The loss sums and the norm: the step's only download.
+        // The loss sums and the norm: the step's only download on one device.
         let back = g.download_words(&self.sums, 0, slot::OPTIM + m);
         let f = |i: usize| f32::from_bits(back[i]) as f64;
-        let loss = ((0..m).map(|k| if counts[k] > 0.0 { f(slot::OPTIM + k) / counts[k] } else { 0.0 }).sum::<f64>() / m as f64) as f32;
+        let mut sums: Vec<f64> = (0..m).flat_map(|k| [f(slot::OPTIM + k), counts[k]]).collect();
+        if dpn > 1 {
+            sums = ch.dp.all_reduce_f64(&sums);
+        }
+        let loss = ((0..m).map(|k| if sums[2 * k + 1] > 0.0 { sums[2 * k] / sums[2 * k + 1] } else { 0.0 }).sum::<f64>() / m as f64) as f32;
         let norm = f(slot::NORM);
         if self.model.cfg.is_moe() {
-            self.moe_stats = self.model.moe_stats();
+            self.moe_stats = self.model.moe_stats_with(routing_group(ch, dpn));
         }
-        let out = |skipped| StepOut { loss, grad_norm: norm, overlap: Default::default(), skipped, peak_activation_bytes: 0, peak_in_flight: 0, loss_tokens: counts.iter().sum() };
+        let out = |skipped| StepOut { loss, grad_norm: norm, overlap: Default::default(), skipped, peak_activation_bytes: 0, peak_in_flight: 0, loss_tokens: global.iter().sum() };
         if !(loss.is_finite() && norm.is_finite()) {
             return Ok(out(Some("non-finite loss or gradient norm")));
         }
@@ -160,6 +181,12 @@ impl DeviceRun {
         }
         self.model.refresh_working();
     }
+}
+
+/// The data-parallel group's routing-statistics exchange (the host model's, idle while the
+/// device trains); none on one rank.
+fn routing_group(ch: &mut Chunk, dpn: usize) -> Option<&mut dyn tensor::moe::MoeExchange> {
+    ch.model.hooks.experts.as_deref_mut().filter(|_| dpn > 1).map(|e| e as &mut dyn tensor::moe::MoeExchange)
 }
 
 impl DeviceRun {

@@ -186,7 +186,8 @@ impl<'a> Rank<'a> {
         #[cfg(feature = "vulkan")]
         let device = match cfg.train.device.parse::<crate::device::DeviceArg>().map_err(KilnError::User)? {
             crate::device::DeviceArg::Cpu => None,
-            d => Some(crate::device_step::DeviceRun::new(d, cfg, &mut chunks[0])?),
+            // Each rank its own device: rank r takes device N + r (modulo the devices found).
+            d => Some(crate::device_step::DeviceRun::new(crate::device::for_rank(d, rank), cfg, &mut chunks[0])?),
         };
         // A device's MFU is against the device's measured matmul peak.
         #[cfg(feature = "vulkan")]
@@ -396,7 +397,7 @@ impl<'a> Rank<'a> {
             };
             #[cfg(feature = "vulkan")]
             if let Some(d) = self.device.as_mut() {
-                d.step(cfg, self.step, rows, fill, |loss, _| faults.spike(loss))?
+                d.step(&mut self.chunks[0], cfg, self.step, rows, fill, |loss, _| faults.spike(loss))?
             } else {
                 train_step(&mut self.chunks, &mut pipe, cfg, self.step, fill, |loss, _| faults.spike(loss))
             }
@@ -558,6 +559,11 @@ impl<'a> Rank<'a> {
             for s in &self.ds.sources {
                 let (a, b) = super::eval::eval_sums_on_device(d.model_mut(), &s.val, batches);
                 (sum, count) = (sum + a, count + b);
+            }
+            // Data parallel: each rank evaluated its share of the batches.
+            if dpn > 1 {
+                let all = self.chunks[0].dp.all_reduce_f64(&[sum, count as f64]);
+                (sum, count) = (all[0], all[1] as usize);
             }
             return self.log_eval(train_loss, sum / count.max(1) as f64);
         }

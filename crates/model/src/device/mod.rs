@@ -317,8 +317,8 @@ pub fn unsupported_config(cfg: &GptConfig) -> Option<String> {
         "attention sinks (model.attn_sinks)"
     } else if cfg.pad_token_id.is_some() {
         "a padding token's frozen embedding row (model.pad_token_id)"
-    } else if cfg.place != crate::Placement::default() {
-        "a part of a model (parallel layouts)"
+    } else if cfg.place != (crate::Placement { batch_offset: cfg.place.batch_offset, ..Default::default() }) {
+        "a part of a model (tensor, sequence, context, pipeline or expert parallel layouts)"
     } else if cfg.head_size() > device::MAX_HEAD_SIZE {
         "heads larger than 128"
     } else if cfg.rope_scaling.as_ref().and_then(|r| r.long_after()).is_some_and(|n| cfg.block_size > n) {
@@ -605,8 +605,10 @@ impl DeviceGpt {
         self.gpu.download(&self.acts.as_ref().expect("forward first").losses)
     }
 
+    /// The pass's rows in the global batch (a data-parallel rank's share starts at its offset):
+    /// dropout masks are drawn by global sequence, as on the CPU.
     fn row_map(&self, a: &Acts) -> RowMap {
-        RowMap::whole(a.t)
+        RowMap { b0: self.cfg.place.batch_offset, ..RowMap::whole(a.t) }
     }
 
     /// Where the pass's tokens sit for RoPE: `0..T` in every row, or the documents' positions.
@@ -681,7 +683,7 @@ impl DeviceGpt {
             Arch::Gpt2 => (cfg.n_head, 0),
             Arch::Llama => (cfg.n_kv_head, cfg.window_of(l)),
         };
-        GqaDims { b: a.b, t: a.t, nh: cfg.n_head, nkv, hs: cfg.head_size(), window, rotary: cfg.rotary_dim, ..Default::default() }
+        GqaDims { b: a.b, t: a.t, nh: cfg.n_head, nkv, hs: cfg.head_size(), window, rotary: cfg.rotary_dim, b0: cfg.place.batch_offset, ..Default::default() }
     }
 
     /// Layer `l`'s projection at `site`: its weight's and bias's ranges.
@@ -767,6 +769,14 @@ impl DeviceGpt {
     /// The backward of the last training forward: [`crate::Gpt::backward`] on the device.
     /// Accumulates into [`DeviceGpt::grads`].
     pub fn backward(&mut self) {
+        self.backward_with(None);
+    }
+
+    /// [`DeviceGpt::backward`] in a data-parallel group: `group` sums each MoE layer's routing
+    /// statistics over the ranks that split the batch (`Gpt`'s `Hooks::experts`), so the
+    /// load-balancing loss is the whole batch's, as on the CPU (its counts staged through the
+    /// host, one small download a layer).
+    pub fn backward_with(&mut self, mut group: Option<&mut dyn tensor::moe::MoeExchange>) {
         let a = self.acts.as_ref().expect("backward before forward");
         if self.count == 0 {
             return;
@@ -776,7 +786,7 @@ impl DeviceGpt {
         let stats = (&a.ln_f_mean, &a.ln_f_rstd);
         self.norm_backward(&a.dres, &a.dln_f, &a.xs[self.cfg.n_layer], stats, (&v.ln_f_w, &v.ln_f_b));
         for l in (0..self.cfg.n_layer).rev() {
-            self.block_backward(l, &v.blocks[l], a);
+            self.block_backward(l, &v.blocks[l], a, &mut group);
         }
         if self.frozen.is_some() {
             return;
@@ -788,7 +798,7 @@ impl DeviceGpt {
         g.embedding_backward_pos((self.grads.at(v.wte.start), dwpe), demb, &a.tokens, pos, a.t, c);
     }
 
-    fn block_backward(&self, l: usize, bp: &BlockParams, a: &Acts) {
+    fn block_backward(&self, l: usize, bp: &BlockParams, a: &Acts, group: &mut Option<&mut dyn tensor::moe::MoeExchange>) {
         if a.keep.recomputed[l] {
             // Full recomputation: re-run the block's forward from its kept input, the same
             // kernels and masks, into the shared set.
@@ -804,7 +814,13 @@ impl DeviceGpt {
         // d res_2 = d out + norm_2ᵀ(mlpᵀ(dropᵀ(d out)))
         let dmlp = self.dropout_grad(&a.dbranch, &a.dres, site + 2, a);
         match (&bp.moe, &la.moe, &a.moe) {
-            (Some(mp), Some(ma), Some(ms)) => self.moe_backward(mp, (ma, ms), dmlp, &la.ln_2, &a.dln),
+            (Some(mp), Some(ma), Some(ms)) => {
+                let aux = match group {
+                    Some(gr) => self.aux_coef(ma, (&a.moe_stats[l], &ms.aux_coef), Some(&mut **gr)),
+                    None => false,
+                };
+                self.moe_backward(mp, (ma, ms), dmlp, &la.ln_2, &a.dln, aux);
+            }
             _ => {
                 self.linear_backward(&a.dfch_act, dmlp, &la.fch_act, (l, Site::MlpProj), (cfg.ffn_hidden, c), a);
                 match cfg.arch {
@@ -873,7 +889,26 @@ impl DeviceGpt {
     /// The backward of [`DeviceGpt::moe_forward`] from `dy` into `dx` (overwritten), the
     /// router's, experts' and shared experts' gradients accumulated: `tensor::moe::moe_backward`
     /// on the device, with the load-balancing and z losses weighted by the pass's loss scale.
-    fn moe_backward(&self, mp: &MoeParams, (ma, ms): (&MoeActs, &MoeScratch), dy: &Buf, x: &Buf, dx: &Buf) {
+    /// The load-balancing loss's gradient coefficients `aux_weight·E·f_e / N` into `coef`: on
+    /// the device from this rank's counts, or with `group` from the routing group's (this layer's
+    /// `stats` downloaded, summed over the group as `tensor::moe` sums its route statistics,
+    /// the coefficients written back). Returns whether they were written (else the kernel
+    /// computes them in backward).
+    fn aux_coef(&self, ma: &MoeActs, (stats, coef): (&Buf, &Buf), group: Option<&mut dyn tensor::moe::MoeExchange>) -> bool {
+        let Some(group) = group else { return false };
+        let (e, k, n) = (self.cfg.n_expert, ma.routing.k, ma.routing.n);
+        let st = self.gpu.download_words(stats, 0, 2 * e + 2);
+        let mut route: Vec<f64> = st[e + 1..2 * e + 1].iter().map(|&c| c as f64).collect();
+        route.extend(st[..e].iter().map(|&b| f32::from_bits(b) as f64));
+        route.push(n as f64);
+        group.sum_routing(&mut route);
+        let (w, nt) = (self.cfg.moe_aux_weight * self.loss_scale, route[2 * e]);
+        let c: Vec<u32> = route[..e].iter().map(|&cnt| ((w as f64 * e as f64 * cnt / ((nt * k as f64) * n as f64)) as f32).to_bits()).collect();
+        self.gpu.write_words(coef, 0, &c);
+        true
+    }
+
+    fn moe_backward(&self, mp: &MoeParams, (ma, ms): (&MoeActs, &MoeScratch), dy: &Buf, x: &Buf, dx: &Buf, aux_written: bool) {
         let (g, cfg) = (&*self.gpu, &self.cfg);
         let (c, f, e) = (cfg.n_embd, cfg.ffn_hidden, cfg.n_expert);
         let r = &ma.routing;
@@ -914,7 +949,9 @@ impl DeviceGpt {
             g.gemm(Gemm::new(n, c, 2 * f).acc(), (dx, rows(c)), (&ms.dgu, rows(2 * f)), (self.w(), MatSpec::rows(w, c)), None);
         }
         // The router: the gates' gradient, the aux and z losses (weighted as the main loss).
-        g.moe_aux_coef(&ms.aux_coef, r, cfg.moe_aux_weight * self.loss_scale);
+        if !aux_written {
+            g.moe_aux_coef(&ms.aux_coef, r, cfg.moe_aux_weight * self.loss_scale);
+        }
         let z_coef = 2.0 * (cfg.moe_z_weight * self.loss_scale) / n as f32;
         g.moe_router_backward(&ms.dlogits, r, &ms.dgate, &ms.aux_coef, z_coef, cfg.moe_dims(n).renormalize);
         let wr = mp.router.start;
@@ -927,6 +964,12 @@ impl DeviceGpt {
     /// Each MoE layer's routing statistics from the last forward (`tensor::moe::MoeStats`):
     /// every layer's `2E + 2` words gathered on the device into one download.
     pub fn moe_stats(&self) -> Vec<tensor::moe::MoeStats> {
+        self.moe_stats_with(None)
+    }
+
+    /// [`DeviceGpt::moe_stats`] in a data-parallel group: the load-balancing loss from the
+    /// routing group's statistics (as `tensor::moe` reports it), the rest this rank's.
+    pub fn moe_stats_with(&self, mut group: Option<&mut dyn tensor::moe::MoeExchange>) -> Vec<tensor::moe::MoeStats> {
         let Some(a) = self.acts.as_ref() else { return Vec::new() };
         let cfg = &self.cfg;
         let layers = &a.moe_stats;
@@ -941,7 +984,12 @@ impl DeviceGpt {
             let counts: Vec<usize> = st[e + 1..2 * e + 1].iter().map(|&c| c as usize).collect();
             let kept = st[2 * e + 1] as usize;
             let st: Vec<f32> = st[..=e].iter().map(|&b| f32::from_bits(b)).collect();
-            let aux = (0..e).map(|x| counts[x] as f64 / (n * k) as f64 * (st[x] as f64 / n as f64)).sum::<f64>() * e as f64;
+            let mut route: Vec<f64> = counts.iter().map(|&c| c as f64).chain(st[..e].iter().map(|&p| p as f64)).chain([n as f64]).collect();
+            if let Some(gr) = group.as_deref_mut() {
+                gr.sum_routing(&mut route);
+            }
+            let nt = route[2 * e];
+            let aux = (0..e).map(|x| route[x] / (nt * k as f64) * (route[e + x] / nt)).sum::<f64>() * e as f64;
             let z = st[e] as f64 / n as f64;
             let (aux, z) = (aux as f32, z as f32);
             tensor::moe::MoeStats {

@@ -188,7 +188,9 @@ fn device_moe_matches_the_cpu_model() {
     check(GptConfig { capacity_factor: 1.0, n_shared_expert: 1, ..moe.clone() }, "moe capacity 1.0, one shared expert");
     // Recomputed: each layer's routing statistics stay its own.
     check_in(GptConfig { capacity_factor: 1.0, ..moe.clone() }, "moe capacity 1.0, full recomputation", false, (model::Recompute::Full, 1));
-    check_in(moe, "moe selective recomputation", false, (model::Recompute::Selective, 1));
+    check_in(moe.clone(), "moe selective recomputation", false, (model::Recompute::Selective, 1));
+    // A data-parallel part: its rows start at sequence 3 of the global batch (dropout masks).
+    check(GptConfig { place: model::Placement { batch_offset: 3, ..Default::default() }, ..moe }, "moe, a data-parallel part");
 }
 
 #[test]
