@@ -116,12 +116,19 @@ impl Gpu {
     /// with `scalars` from [`Gpu::set_adamw_scalars`].
     #[allow(clippy::too_many_arguments)]
     pub fn adamw_update(&self, state: (&Buf, &Buf, &Buf, &Buf), at: usize, n: usize, h: &AdamW, decay: bool, scalars: &Buf) {
+        self.adamw_update_at(state, (at, at), n, h, decay, scalars);
+    }
+
+    /// [`Gpu::adamw_update`] with the moments of element `at + i` at `moment_at + i` (a ZeRO
+    /// shard's moments beside the whole layout's parameters and gradients).
+    #[allow(clippy::too_many_arguments)]
+    pub fn adamw_update_at(&self, state: (&Buf, &Buf, &Buf, &Buf), (at, mat): (usize, usize), n: usize, h: &AdamW, decay: bool, scalars: &Buf) {
         let (p, g, m, v) = state;
-        assert!(at + n <= p.len() && g.len() >= at + n && m.len() >= at + n && v.len() >= at + n && scalars.len() >= slot::OPTIM, "adamw_update: shapes");
+        assert!(at + n <= p.len() && g.len() >= at + n && m.len() >= mat + n && v.len() >= mat + n && scalars.len() >= slot::OPTIM, "adamw_update: shapes");
         #[rustfmt::skip]
         let args = [
             u(n), u(at), h.beta1.to_bits(), (1.0 - h.beta1).to_bits(), h.beta2.to_bits(), (1.0 - h.beta2).to_bits(),
-            h.eps.to_bits(), decay as u32, u(slot::CLIP_SCALE),
+            h.eps.to_bits(), decay as u32, u(slot::CLIP_SCALE), u(mat),
         ];
         self.launch(&ADAMW, Gpu::grid(n, 256), &args, &[Some(p), Some(g), Some(m), Some(v), Some(scalars)]);
     }

@@ -31,6 +31,9 @@ pub struct DeviceRun {
     sums: Buf,
     /// The host's copy is older than the device's.
     stale: bool,
+    /// ZeRO-1: the layout's pieces this rank updates (its moments are their shard); `None`:
+    /// every parameter.
+    pieces: Option<Vec<parallel::Piece>>,
 }
 
 /// What the config asks that the device cannot do yet, by key; checked before anything runs.
@@ -40,8 +43,8 @@ pub fn refusal(cfg: &RunConfig) -> Option<String> {
     if p.pp > 1 || p.tp > 1 || p.cp > 1 || p.ep > 1 {
         return Some(format!("train.device = {d}: on devices only data parallelism runs yet; tensor, pipeline, context and expert parallel layouts are not done (got tp {}, pp {}, cp {}, ep {})", p.tp, p.pp, p.cp, p.ep));
     }
-    if p.dp > 1 && p.zero > 0 {
-        return Some(format!("train.device = {d}: data parallelism on devices runs without ZeRO yet (parallel.zero = {}); use parallel.zero = 0", p.zero));
+    if p.dp > 1 && p.zero > 1 {
+        return Some(format!("train.device = {d}: data parallelism on devices runs with ZeRO stage 0 or 1 yet (parallel.zero = {}); use parallel.zero = 1", p.zero));
     }
     let why = if cfg.train.precision == model::Precision::Fp8 {
         "FP8 storage (train.precision = fp8)"
@@ -74,13 +77,19 @@ impl DeviceRun {
             Some(q) => host.set_quantized_base(q.clone()),
             None => host.params = host_master(ch),
         }
+        if ch.dp.n() > 1 && cfg.parallel.zero > 0 && ch.model.lora.is_none() {
+            // ZeRO-1: each rank holds its shard's master weights; the group's make the whole.
+            let mine = ch.dp.shards.take(&host.params);
+            host.params = ch.dp.gather_shards_owned(mine);
+        }
         let model = DeviceGpt::new(gpu.clone(), &host).map_err(|e| KilnError::User(format!("train.device = {d}: {e}; use train.device = cpu")))?;
         let alloc = |len| gpu.alloc(len, device::DType::F32).map_err(|e| KilnError::User(format!("train.device = {d}: {e}")));
         let (m, v) = (alloc(ch.opt.m.len())?, alloc(ch.opt.v.len())?);
         gpu.write(&m, &ch.opt.m);
         gpu.write(&v, &ch.opt.v);
         let (parts, sums) = (gpu.zeros(Gpu::parts_len()), gpu.zeros(slot::OPTIM + 2 * 64));
-        Ok(DeviceRun { gpu, model, m, v, moe_stats: Vec::new(), segments: ch.opt.decay_groups().to_vec(), parts, sums, stale: false })
+        let pieces = (cfg.parallel.zero > 0 && ch.model.lora.is_none() && ch.dp.n() > 1).then(|| ch.dp.pieces());
+        Ok(DeviceRun { gpu, model, m, v, moe_stats: Vec::new(), segments: ch.opt.decay_groups().to_vec(), parts, sums, stale: false, pieces })
     }
 
     /// The adapter's one-line description.
@@ -164,21 +173,37 @@ impl DeviceRun {
         if let Some(why) = veto(loss, norm) {
             return Ok(out(Some(why)));
         }
-        self.update(cfg, step, &g);
+        self.update(ch, cfg, step, &g);
         self.stale = true;
         Ok(out(None))
     }
 
     /// AdamW over the decay groups, the gradients scaled by the clipping factor on the device.
-    fn update(&self, cfg: &RunConfig, step: u64, g: &Gpu) {
+    /// Under ZeRO-1 each rank updates the pieces whose moments it holds (a shard of the layout)
+    /// and the group's updated parameters are gathered through the host, as `DataParallel`'s
+    /// `after_update` gathers them on the CPU.
+    fn update(&self, ch: &mut Chunk, cfg: &RunConfig, step: u64, g: &Gpu) {
         let tc = &cfg.train;
         let h = tensor::AdamW { lr: cfg.lr_at(step) as f32, beta1: tc.beta1 as f32, beta2: tc.beta2 as f32, eps: tc.eps as f32, weight_decay: tc.weight_decay as f32, t: step + 1 };
         g.set_adamw_scalars(&self.model.scalars, &h);
         let (params, grads) = self.model.trainable();
         let state = (params, grads, &self.m, &self.v);
-        for (r, decay) in &self.segments {
-            g.adamw_update(state, r.start, r.len(), &h, *decay, &self.model.scalars);
+        let Some(pieces) = &self.pieces else {
+            for (r, decay) in &self.segments {
+                g.adamw_update(state, r.start, r.len(), &h, *decay, &self.model.scalars);
+            }
+            return self.model.refresh_working();
+        };
+        for p in pieces {
+            for (r, decay) in &self.segments {
+                let (a, b) = (r.start.max(p.flat.start), r.end.min(p.flat.end));
+                if a < b {
+                    g.adamw_update_at(state, (a, p.shard.start + a - p.flat.start), b - a, &h, *decay, &self.model.scalars);
+                }
+            }
         }
+        let mine = ch.dp.shards.take(&g.download(params));
+        g.write(params, &ch.dp.gather_shards_owned(mine));
         self.model.refresh_working();
     }
 }
@@ -240,9 +265,9 @@ pub fn check_plan(gpu: &Gpu, d: DeviceArg, cfg: &RunConfig, (gpt, params): (&mod
     Ok((p, figures))
 }
 
-/// The chunk's fp32 weights in layout order (one rank: its pieces cover the layout): the
-/// parameters, or under mixed precision the master weights (bf16's joined from the working
-/// weights and their low halves).
+/// The chunk's fp32 weights in layout order where its pieces lie (one rank, or ZeRO 0: the
+/// whole layout; ZeRO-1: its shard's, zero elsewhere): the parameters, or under mixed precision
+/// the master weights (bf16's joined from the working weights and their low halves).
 fn host_master(ch: &mut Chunk) -> Vec<f32> {
     let mut out = vec![0.0; ch.model.layout.total];
     let master = &ch.opt.master;
