@@ -312,3 +312,28 @@ fn data_parallel_on_devices_reproduces_one_device() {
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(stderr(&o).contains("with ZeRO stage 0 or 1 yet (parallel.zero = 3)"), "{}", stderr(&o));
 }
+
+/// `mpirun -n 2 kiln train --backend mpi --device vulkan`: one process per rank, each on its own
+/// device, gives what two in-process ranks on devices give.
+#[cfg(feature = "mpi")]
+#[test]
+fn mpi_processes_on_devices_match_in_process_ranks() {
+    let dir = scratch("device-mpi");
+    let data = fixture("data/tinyshakespeare.txt");
+    let common = ["--preset", "llama-tiny", "--data", data.to_str().unwrap(), "--max-steps", "6", "--device", "vulkan", "--quiet", "--set", "train.batch_size=4", "--set", "model.block_size=64", "--set", "model.dropout=0.1", "--set", "train.log_interval=1", "--set", "eval.interval=0", "--set", "eval.iters=2", "--set", "sample.tokens=0"];
+    let inproc = dir.join("inproc");
+    let o = kiln(&[&["train", "--out", inproc.to_str().unwrap(), "--dp", "2"][..], &common].concat());
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let mpi = dir.join("mpi");
+    let o = std::process::Command::new("mpirun")
+        .args(["--allow-run-as-root", "--oversubscribe", "-n", "2", env!("CARGO_BIN_EXE_kiln"), "train", "--out", mpi.to_str().unwrap(), "--backend", "mpi", "--dp", "0"])
+        .args(common)
+        .env("RAYON_NUM_THREADS", "1")
+        .output()
+        .expect("mpirun (install openmpi-bin)");
+    assert!(o.status.success(), "mpirun -n 2 on devices: {}", stderr(&o));
+    let (a, b) = (losses(&inproc), losses(&mpi));
+    assert_eq!(a.len(), 6);
+    let e = worst(&a, &b, 1..=6);
+    assert!(e <= 1e-6, "two processes on devices differ from two in-process ranks by {e:e}");
+}
