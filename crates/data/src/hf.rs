@@ -29,6 +29,9 @@ pub struct HfTokenizer {
 
 /// The file beside `tokenizer.json` that names its special tokens and chat template.
 pub const HF_TOKENIZER_CONFIG_FILE: &str = "tokenizer_config.json";
+/// Where transformers (from 4.43) saves the chat template, beside `tokenizer_config.json`: when
+/// present it is the template, whatever the config's `chat_template` says.
+pub const HF_CHAT_TEMPLATE_FILE: &str = "chat_template.jinja";
 
 /// What a `tokenizer_config.json` says about documents: the BOS a document starts with (when
 /// `add_bos_token`), the EOS it ends with, and the chat template. Without the file, the EOS is
@@ -41,6 +44,8 @@ pub struct TokConfig {
     pub eos: Option<u32>,
     pub add_bos: bool,
     pub template: Option<ChatTemplate>,
+    /// The template's source when it came from [`HF_CHAT_TEMPLATE_FILE`] (written back there).
+    pub template_file: Option<Arc<str>>,
 }
 
 /// End-of-text tokens, by the names models use, when no config names one.
@@ -73,7 +78,14 @@ impl HfTokenizer {
     /// This tokenizer with the `tokenizer_config.json` text `json` (`origin` names it in errors):
     /// its `bos_token`, `eos_token`, `add_bos_token` and `chat_template` (a string, or a list of
     /// `{name, template}` of which `default` is taken).
-    pub fn with_config(mut self, json: &str, origin: &Path) -> Result<HfTokenizer, DataError> {
+    pub fn with_config(self, json: &str, origin: &Path) -> Result<HfTokenizer, DataError> {
+        self.with_config_and_template(json, origin, None)
+    }
+
+    /// [`HfTokenizer::with_config`] with the chat template of a [`HF_CHAT_TEMPLATE_FILE`]
+    /// (`(source, its path)`), which takes the place of the config's `chat_template`, as in
+    /// transformers.
+    pub fn with_config_and_template(mut self, json: &str, origin: &Path, file: Option<(&str, &Path)>) -> Result<HfTokenizer, DataError> {
         let v: serde_json::Value = serde_json::from_str(json).map_err(|e| DataError::at(origin, format!("not valid JSON: {e}")))?;
         let token = |key: &str| -> Result<Option<(String, u32)>, DataError> {
             let name = match &v[key] {
@@ -97,14 +109,16 @@ impl HfTokenizer {
         if add_bos && bos.is_none() {
             return Err(DataError::at(origin, "`add_bos_token` is true but there is no `bos_token`"));
         }
-        let source = match &v["chat_template"] {
-            serde_json::Value::String(s) => Some(s.clone()),
-            serde_json::Value::Array(list) => list.iter().find(|t| t["name"] == "default").and_then(|t| t["template"].as_str()).map(str::to_string),
+        let source = match (&v["chat_template"], file) {
+            (_, Some((src, _))) => Some(src.to_string()),
+            (serde_json::Value::String(s), None) => Some(s.clone()),
+            (serde_json::Value::Array(list), None) => list.iter().find(|t| t["name"] == "default").and_then(|t| t["template"].as_str()).map(str::to_string),
             _ => None,
         };
         let name = |t: &Option<(String, u32)>| t.as_ref().map_or(String::new(), |(n, _)| n.clone());
+        let at = file.map_or(origin, |f| f.1);
         let template = match source {
-            Some(src) => Some(ChatTemplate::new(&src, &name(&bos), &name(&eos)).map_err(|e| DataError::at(origin, e))?),
+            Some(src) => Some(ChatTemplate::new(&src, &name(&bos), &name(&eos)).map_err(|e| DataError::at(at, e))?),
             None => None,
         };
         self.config = TokConfig {
@@ -113,6 +127,7 @@ impl HfTokenizer {
             eos: eos.map(|e| e.1).or(self.config.eos),
             add_bos,
             template,
+            template_file: file.map(|f| f.0.into()),
         };
         Ok(self)
     }

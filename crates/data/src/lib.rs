@@ -19,7 +19,7 @@ mod tokenizer;
 mod tokens;
 
 pub use docs::{read_docs, Doc, DocFormat, DocOpts, FileKind};
-pub use hf::{train_bpe, HfTokenizer, TokConfig, HF_TOKENIZER_CONFIG_FILE};
+pub use hf::{train_bpe, HfTokenizer, TokConfig, HF_CHAT_TEMPLATE_FILE, HF_TOKENIZER_CONFIG_FILE};
 pub use store::{DocIndex, Split};
 pub use template::ChatTemplate;
 pub use corpus::{default_corpus, default_corpus_files, strip_html, DEFAULT_BOOKS};

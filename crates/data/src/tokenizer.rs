@@ -455,6 +455,10 @@ impl Tokenizer {
                 let p = dir.join(crate::hf::HF_TOKENIZER_CONFIG_FILE);
                 std::fs::write(&p, format!("{json}\n")).map_err(|e| DataError::io(&p, "cannot write", e))?;
             }
+            if let Some(t) = &h.config().template_file {
+                let p = dir.join(crate::hf::HF_CHAT_TEMPLATE_FILE);
+                std::fs::write(&p, &**t).map_err(|e| DataError::io(&p, "cannot write", e))?;
+            }
         }
         Ok(path)
     }
@@ -466,13 +470,16 @@ impl Tokenizer {
         Tokenizer::from_json(&s, path)?.with_config_in(path.parent().unwrap_or(Path::new(".")))
     }
 
-    /// A Hugging Face tokenizer with the `tokenizer_config.json` of `dir`, when there is one.
+    /// A Hugging Face tokenizer with the `tokenizer_config.json` of `dir` and its
+    /// `chat_template.jinja` (which takes the place of the config's template), when there are.
     pub fn with_config_in(self, dir: &Path) -> Result<Tokenizer, DataError> {
         let cfg = dir.join(crate::hf::HF_TOKENIZER_CONFIG_FILE);
+        let jinja = dir.join(crate::hf::HF_CHAT_TEMPLATE_FILE);
         match self {
-            Tokenizer::Hf(h) if cfg.is_file() => {
-                let text = std::fs::read_to_string(&cfg).map_err(|e| DataError::io(&cfg, "cannot read", e))?;
-                h.with_config(&text, &cfg).map(Tokenizer::Hf)
+            Tokenizer::Hf(h) if cfg.is_file() || jinja.is_file() => {
+                let text = if cfg.is_file() { std::fs::read_to_string(&cfg).map_err(|e| DataError::io(&cfg, "cannot read", e))? } else { "{}".to_string() };
+                let template = if jinja.is_file() { Some(std::fs::read_to_string(&jinja).map_err(|e| DataError::io(&jinja, "cannot read", e))?) } else { None };
+                h.with_config_and_template(&text, &cfg, template.as_deref().map(|t| (t, jinja.as_path()))).map(Tokenizer::Hf)
             }
             t => Ok(t),
         }
@@ -482,6 +489,14 @@ impl Tokenizer {
     pub fn config_json(&self) -> Option<&str> {
         match self {
             Tokenizer::Hf(h) => h.config().json.as_deref(),
+            _ => None,
+        }
+    }
+
+    /// The `chat_template.jinja` text a Hugging Face tokenizer came with.
+    pub fn chat_template_file(&self) -> Option<&str> {
+        match self {
+            Tokenizer::Hf(h) => h.config().template_file.as_deref(),
             _ => None,
         }
     }
@@ -600,7 +615,7 @@ impl Tokenizer {
                 let Tokenizer::Hf(h) = self else {
                     return Err(DataError::new(format!("data.format = \"chat\" needs a Hugging Face tokenizer with a chat_template, not {}", self.kind())));
                 };
-                let t = h.config().template.as_ref().ok_or_else(|| DataError::new("data.format = \"chat\": the tokenizer has no chat_template (tokenizer_config.json)"))?;
+                let t = h.config().template.as_ref().ok_or_else(|| DataError::new("data.format = \"chat\": the tokenizer has no chat template (neither chat_template.jinja nor tokenizer_config.json's chat_template)"))?;
                 let (text, spans) = t.render_spans(messages).map_err(DataError::new)?;
                 let (ids, offsets) = h.encode_full(&text, false)?;
                 let mask = offsets.iter().map(|&(s, e)| spans.iter().any(|r| s < r.end && e > r.start) as u8).collect();

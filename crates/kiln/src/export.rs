@@ -29,7 +29,9 @@ pub fn side_files(m: &model::Gpt, tok: Option<&data::Tokenizer>, side: Option<&P
         }
         return Ok(" (no tokenizer.json: the run has no tokenizer)".to_string());
     };
+    // (With its chat template: `chat_template.jinja` when it came in one.)
     data::Tokenizer::Hf(h.clone()).save_in(out)?;
+    copy(data::HF_CHAT_TEMPLATE_FILE)?;
     // Special tokens by their usual names.
     let specials: Vec<String> = h.special_tokens().into_iter().map(|(_, t)| t).collect();
     let find = |names: &[&str]| names.iter().find(|n| specials.iter().any(|s| s == *n)).map(|s| s.to_string());
@@ -54,9 +56,12 @@ pub fn side_files(m: &model::Gpt, tok: Option<&data::Tokenizer>, side: Option<&P
     let cfg_path = out.join("config.json");
     if let Ok(text) = std::fs::read_to_string(&cfg_path) {
         let mut c: serde_json::Value = serde_json::from_str(&text).map_err(|e| KilnError::User(format!("{}: {e}", cfg_path.display())))?;
-        if c.get("bos_token_id").is_some() || c.get("eos_token_id").is_some() {
-            c["bos_token_id"] = id(&bos).into();
-            c["eos_token_id"] = id(&eos).into();
+        // The tokenizer's own ids, named even where the model's config had none (transformers'
+        // generate reads them there).
+        let (b, e) = (h.config().bos.or(id(&bos)), h.config().eos.or(id(&eos)));
+        if c.get("bos_token_id").is_some() || c.get("eos_token_id").is_some() || b.is_some() || e.is_some() {
+            c["bos_token_id"] = b.into();
+            c["eos_token_id"] = e.into();
             write("config.json", &c)?;
         }
     }
@@ -128,5 +133,10 @@ pub fn peft(r: &SavedRun, out: &Path, dtype: safetensors::Dtype) -> Result<()> {
     });
     let path = out.join("adapter_config.json");
     std::fs::write(&path, serde_json::to_string_pretty(&cfg).expect("json") + "\n").map_err(|e| io_err(&path, e))?;
+    // The tokenizer beside the adapters, as a fine-tune's output directory holds it (with its
+    // chat template), so `AutoTokenizer.from_pretrained(out)` works.
+    if let data::Tokenizer::Hf(h) = &r.tokenizer {
+        data::Tokenizer::Hf(h.clone()).save_in(out)?;
+    }
     Ok(())
 }

@@ -150,6 +150,27 @@ fn chat_documents_are_apply_chat_template_ids_with_loss_on_the_assistant_turns()
     for (d, m) in masks.iter().enumerate() {
         assert_eq!(&mask_of(&back.train, d), m, "prepared chat {d}");
     }
+    // A model directory as transformers 5 saves it: the template in chat_template.jinja, none in
+    // tokenizer_config.json. The same ids; and a prepared set keeps the file.
+    let dir = temp_dir("tf5-tokenizer");
+    let src = tokenizer_dir("qwen2");
+    std::fs::copy(src.join("tokenizer.json"), dir.join("tokenizer.json")).unwrap();
+    let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(src.join("tokenizer_config.json")).unwrap()).unwrap();
+    let source = cfg.as_object_mut().unwrap().remove("chat_template").unwrap();
+    std::fs::write(dir.join("tokenizer_config.json"), cfg.to_string()).unwrap();
+    std::fs::write(dir.join("chat_template.jinja"), source.as_str().unwrap()).unwrap();
+    let tf5 = Tokenizer::from_spec(dir.to_str().unwrap(), None).unwrap();
+    let ds = load_docs(&[fixture("chat.jsonl")], TokenizerChoice::Given(tf5), 0.0, &opts(DocFormat::Chat)).unwrap();
+    assert_eq!(documents(&ds.train), ids_of(&sft["chat_ids"]), "chat_template.jinja");
+    let out = temp_dir("prep-chat-tf5");
+    prepare(&fixture("chat.jsonl"), dir.to_str().unwrap(), &out, 0.0, &opts(DocFormat::Chat)).unwrap();
+    assert_eq!(std::fs::read_to_string(out.join("chat_template.jinja")).unwrap(), source.as_str().unwrap());
+    // The file takes the place of a template the config names.
+    std::fs::copy(src.join("tokenizer_config.json"), dir.join("tokenizer_config.json")).unwrap();
+    std::fs::write(dir.join("chat_template.jinja"), "{% for m in messages %}[{{ m['content'] }}]{% endfor %}").unwrap();
+    let Tokenizer::Hf(h) = Tokenizer::from_spec(dir.to_str().unwrap(), None).unwrap() else { panic!("an HF tokenizer") };
+    let msgs = serde_json::json!([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]);
+    assert_eq!(h.config().template.as_ref().unwrap().render_spans(&msgs).unwrap().0, "[hi][yo]");
 }
 
 /// `f` fails naming `what`; the output directory holds nothing afterwards.

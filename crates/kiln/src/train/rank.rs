@@ -801,5 +801,8 @@ fn open_run_dir(ctx: &Ctx, step: u64, resumed: bool) -> Result<crate::obs::Metri
     if let Some(c) = ctx.ds.tokenizer.config_json() {
         write_atomic(&run_dir.join(data::HF_TOKENIZER_CONFIG_FILE), format!("{c}\n").as_bytes())?;
     }
+    if let Some(t) = ctx.ds.tokenizer.chat_template_file() {
+        write_atomic(&run_dir.join(data::HF_CHAT_TEMPLATE_FILE), t.as_bytes())?;
+    }
     crate::obs::MetricsWriter::open(run_dir, resumed.then_some(step)).map_err(KilnError::User)
 }

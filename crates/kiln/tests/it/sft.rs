@@ -234,3 +234,42 @@ fn bad_documents_and_data_settings_exit_2_naming_them_and_write_nothing() {
     assert_user_error(&o, &["data.sources", "data.paths"]);
     assert!(!out.exists());
 }
+
+/// A model directory as transformers 5 saves it (the chat template in `chat_template.jinja`,
+/// none in `tokenizer_config.json`, EOS as a list in `generation_config.json`): chat data
+/// prepares with its template, a LoRA fine-tune trains on it, and both exports (merged and
+/// PEFT) carry the template file, and the merged `config.json` names the BOS and EOS ids.
+#[test]
+fn a_transformers5_directory_keeps_its_chat_template_from_prepare_to_export() {
+    let src = shared("fixtures/qwen2-tiny");
+    let d = scratch("tf5-journey");
+    let fx = d.join("model");
+    fs::create_dir_all(&fx).unwrap();
+    for f in ["config.json", "model.safetensors", "tokenizer.json"] {
+        fs::copy(src.join(f), fx.join(f)).unwrap();
+    }
+    let mut tc: serde_json::Value = serde_json::from_str(&fs::read_to_string(src.join("tokenizer_config.json")).unwrap()).unwrap();
+    let template = tc.as_object_mut().unwrap().remove("chat_template").unwrap();
+    let template = template.as_str().unwrap();
+    fs::write(fx.join("tokenizer_config.json"), tc.to_string()).unwrap();
+    fs::write(fx.join("chat_template.jinja"), template).unwrap();
+    fs::write(fx.join("generation_config.json"), r#"{"bos_token_id": 151643, "eos_token_id": [151645, 151643]}"#).unwrap();
+    let data = d.join("chats.jsonl");
+    chats(&data, 60, "plus", 3);
+    let prep = d.join("prep");
+    let o = kiln(&["data", "prepare", "--input", data.to_str().unwrap(), "--tokenizer", fx.to_str().unwrap(), "--format", "chat", "--out", prep.to_str().unwrap(), "--quiet"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(fs::read_to_string(prep.join("chat_template.jinja")).unwrap(), template);
+    let out = d.join("run");
+    let o = kiln(&["train", "--init-from", fx.to_str().unwrap(), "--data", prep.to_str().unwrap(), "--out", out.to_str().unwrap(), "--lora-rank", "2",
+        "--packing", "documents", "--seq-len", "64", "--max-steps", "2", "--set", "train.batch_size=2", "--set", "eval.iters=1", "--set", "sample.tokens=0", "--quiet"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    for (name, extra) in [("merged", &["--merge"][..]), ("peft", &["--format", "peft"])] {
+        let exp = d.join(name);
+        let o = kiln(&[&["export", "--run", out.to_str().unwrap(), "--out", exp.to_str().unwrap()][..], extra].concat());
+        assert!(o.status.success(), "{name}: {}", stderr(&o));
+        assert_eq!(fs::read_to_string(exp.join("chat_template.jinja")).unwrap(), template, "{name}");
+    }
+    let cj: serde_json::Value = serde_json::from_str(&fs::read_to_string(d.join("merged/config.json")).unwrap()).unwrap();
+    assert_eq!((cj["bos_token_id"].as_u64(), cj["eos_token_id"].as_u64()), (Some(151643), Some(151645)), "{cj}");
+}
