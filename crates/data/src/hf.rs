@@ -186,6 +186,12 @@ impl HfTokenizer {
 
     /// Decodes `ids`, special tokens included; an id outside the vocabulary becomes U+FFFD.
     pub fn decode(&self, ids: &[u32]) -> String {
+        self.decode_with(ids, false)
+    }
+
+    /// [`HfTokenizer::decode`], with `skip_special` leaving the special tokens out
+    /// (transformers' `skip_special_tokens=True`).
+    pub fn decode_with(&self, ids: &[u32], skip_special: bool) -> String {
         let known = |id: u32| (id as usize) < self.vocab && self.inner.id_to_token(id).is_some();
         let mut out = String::new();
         for (i, run) in ids.split(|&id| !known(id)).enumerate() {
@@ -193,7 +199,7 @@ impl HfTokenizer {
                 out.push(char::REPLACEMENT_CHARACTER);
             }
             if !run.is_empty() {
-                out.push_str(&self.inner.decode(run, false).unwrap_or_else(|_| char::REPLACEMENT_CHARACTER.to_string()));
+                out.push_str(&self.inner.decode(run, skip_special).unwrap_or_else(|_| char::REPLACEMENT_CHARACTER.to_string()));
             }
         }
         out

@@ -274,6 +274,16 @@ impl Tokenizer {
         })
     }
 
+    /// [`Tokenizer::decode`] without the special tokens (a Hugging Face tokenizer's, GPT-2's
+    /// `<|endoftext|>`; kiln's byte and char vocabularies have none).
+    pub fn decode_skipping_special(&self, ids: &[u32]) -> String {
+        match self {
+            Tokenizer::Hf(h) => h.decode_with(ids, true),
+            Tokenizer::Gpt2(_) => self.decode(&ids.iter().copied().filter(|&i| Some(i) != self.eos_id()).collect::<Vec<_>>()),
+            _ => self.decode(ids),
+        }
+    }
+
     /// Decodes `ids`; invalid UTF-8 and unknown ids become U+FFFD. Never panics.
     pub fn decode(&self, ids: &[u32]) -> String {
         match self {

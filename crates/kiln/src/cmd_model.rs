@@ -5,7 +5,7 @@ use crate::run;
 use crate::train;
 use crate::util::init_threads;
 use clap::Args;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// Which model to load: a kiln run directory or a Hugging Face directory.
 #[derive(Args)]
@@ -37,6 +37,32 @@ pub struct GenerateCli {
     pub top_k: usize,
     #[arg(long, default_value_t = 1337)]
     pub seed: u64,
+    /// Nucleus sampling: draw from the most likely tokens whose probability reaches P (1: off).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Divide a token's logit by this once it has appeared (multiply when negative); 1: off.
+    #[arg(long, default_value_t = 1.0)]
+    pub repetition_penalty: f32,
+    /// The prompt is the user's message: the tokenizer's chat template is applied, with the
+    /// assistant's generation prompt, and only the reply is printed.
+    #[arg(long)]
+    pub chat: bool,
+    /// With --chat: a system message before the user's.
+    #[arg(long)]
+    pub system: Option<String>,
+    /// Stop once the new text contains this (repeatable); the text is cut before it.
+    #[arg(long)]
+    pub stop: Vec<String>,
+    /// Leave special tokens (EOS, chat markers) out of the printed text.
+    #[arg(long)]
+    pub skip_special_tokens: bool,
+    /// Print only the new text, not the prompt.
+    #[arg(long)]
+    pub completion_only: bool,
+    /// Keep generating past the model's EOS tokens (generation_config.json's `eos_token_id`, an
+    /// id or a list, and the tokenizer's EOS), which otherwise end the reply.
+    #[arg(long)]
+    pub ignore_eos: bool,
     /// Where the kernels run: cpu (default), vulkan[:N] or cuda[:N].
     #[arg(long, default_value = "cpu", value_name = "cpu|vulkan[:N]|cuda[:N]")]
     pub device: crate::device::DeviceArg,
@@ -100,24 +126,100 @@ pub fn generate(g: GenerateCli) -> Result<()> {
             // A device that is not there is refused before the model is read.
             let gpu = crate::device::open(g.device)?;
             init_threads(0);
-            let (m, tok, _) = load_source(&g.source, g.tokenizer.as_deref(), true)?;
+            check_sampling(&g)?;
+            let (m, tok, run) = load_source(&g.source, g.tokenizer.as_deref(), true)?;
             let tok = tok.expect("a tokenizer was asked for");
-            let text = match gpu {
-                None => train::sample_text(&m, &tok, &g.prompt, g.max_new_tokens, g.temperature, g.top_k, g.seed)?,
+            let ids = prompt_ids(&g, &tok)?;
+            let home = run.as_ref().map_or_else(|| g.source.checkpoint.clone(), |r| Some(PathBuf::from(&r.config.model.init_from)));
+            let stop_ids = if g.ignore_eos { Vec::new() } else { eos_ids(home.as_deref(), &tok)? };
+            let sampler = model::Sampler { temperature: g.temperature, top_k: g.top_k, seed: g.seed, top_p: g.top_p, repetition_penalty: g.repetition_penalty, stop_ids };
+            let decode = |ids: &[u32]| if g.skip_special_tokens { tok.decode_skipping_special(ids) } else { tok.decode(ids) };
+            let mut stop = |out: &[u32]| !g.stop.is_empty() && { let t = decode(out); g.stop.iter().any(|s| t.contains(s.as_str())) };
+            let mut out = match gpu {
+                None => m.generate_until(&ids, g.max_new_tokens, &sampler, &mut stop),
                 #[cfg(feature = "vulkan")]
                 Some(gpu) => {
                     // The KV cache on the device; only each step's logits come back.
                     let mut dev = model::device::DeviceGpt::new(std::sync::Arc::new(gpu), &m).map_err(|e| crate::error::KilnError::User(format!("kiln generate --device {}: {e}; pass --device cpu", g.device)))?;
-                    let ids = tok.encode(&g.prompt)?;
-                    let out = dev.generate(&ids, g.max_new_tokens, &model::Sampler { temperature: g.temperature, top_k: g.top_k, seed: g.seed });
-                    tok.decode(&[ids, out].concat())
+                    dev.generate_until(&ids, g.max_new_tokens, &sampler, &mut stop)
                 }
                 #[cfg(not(feature = "vulkan"))]
                 Some(never) => match never {},
             };
+            // The EOS that ended the reply is not part of it.
+            if out.last().is_some_and(|t| sampler.stop_ids.contains(t)) {
+                out.pop();
+            }
+            let mut text = decode(&out);
+            if let Some(cut) = g.stop.iter().filter_map(|s| text.find(s.as_str())).min() {
+                text.truncate(cut);
+            }
+            if !(g.chat || g.completion_only) {
+                text = decode(&ids) + &text;
+            }
             println!("{text}");
             Ok(())
         }
+
+/// `kiln generate`'s sampling flags, checked before anything is read.
+fn check_sampling(g: &GenerateCli) -> Result<()> {
+    if !(g.temperature >= 0.0 && g.temperature.is_finite()) {
+        return user(format!("--temperature {}: must be 0 (greedy) or more", g.temperature));
+    }
+    if !(g.top_p > 0.0 && g.top_p <= 1.0) {
+        return user(format!("--top-p {}: must be in (0, 1]", g.top_p));
+    }
+    if !(g.repetition_penalty > 0.0 && g.repetition_penalty.is_finite()) {
+        return user(format!("--repetition-penalty {}: must be positive", g.repetition_penalty));
+    }
+    if g.system.is_some() && !g.chat {
+        return user("--system needs --chat");
+    }
+    Ok(())
+}
+
+/// The prompt's ids: the text, or with --chat the tokenizer's chat template over the system and
+/// user messages with the assistant's generation prompt (`apply_chat_template(…,
+/// add_generation_prompt=True)`).
+fn prompt_ids(g: &GenerateCli, tok: &data::Tokenizer) -> Result<Vec<u32>> {
+    if !g.chat {
+        return Ok(tok.encode(&g.prompt)?);
+    }
+    let data::Tokenizer::Hf(h) = tok else {
+        return user(format!("--chat needs a Hugging Face tokenizer with a chat template, not {}", tok.kind()));
+    };
+    let t = h.config().template.as_ref().ok_or_else(|| crate::error::KilnError::User("--chat: the tokenizer has no chat template (neither chat_template.jinja nor tokenizer_config.json's chat_template)".into()))?;
+    let mut messages = Vec::new();
+    if let Some(s) = &g.system {
+        messages.push(serde_json::json!({"role": "system", "content": s}));
+    }
+    messages.push(serde_json::json!({"role": "user", "content": g.prompt}));
+    let text = t.render(&messages, true).map_err(|e| crate::error::KilnError::User(format!("--chat: {e}")))?;
+    Ok(tok.encode(&text)?)
+}
+
+/// The ids that end a reply: `generation_config.json`'s `eos_token_id` (an id or a list) in
+/// the model's directory, and the tokenizer's EOS.
+fn eos_ids(dir: Option<&Path>, tok: &data::Tokenizer) -> Result<Vec<u32>> {
+    let mut ids: Vec<u32> = tok.eos_id().into_iter().collect();
+    if let Some(p) = dir.map(|d| d.join("generation_config.json")).filter(|p| p.is_file()) {
+        let text = std::fs::read_to_string(&p).map_err(|e| crate::error::io_err(&p, e))?;
+        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| crate::error::KilnError::User(format!("{}: not valid JSON: {e}", p.display())))?;
+        let bad = || crate::error::KilnError::User(format!("{}: `eos_token_id` must be a token id or a list of them", p.display()));
+        match &v["eos_token_id"] {
+            serde_json::Value::Null => {}
+            serde_json::Value::Array(a) => {
+                for x in a {
+                    ids.push(x.as_u64().and_then(|x| u32::try_from(x).ok()).ok_or_else(bad)?);
+                }
+            }
+            x => ids.push(x.as_u64().and_then(|x| u32::try_from(x).ok()).ok_or_else(bad)?),
+        }
+    }
+    ids.sort_unstable();
+    ids.dedup();
+    Ok(ids)
+}
 
 /// Runs `kiln eval`.
 pub fn eval(e: EvalCli) -> Result<()> {

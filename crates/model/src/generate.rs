@@ -6,12 +6,26 @@ use crate::gpt::{Gpt, Ops};
 use tensor::llama::{qk_rmsnorm_forward, rope_forward, GqaDims};
 use tensor::*;
 
-/// Sampling settings: `temperature == 0` is greedy; `top_k == 0` means the full vocabulary.
+/// Sampling settings, as transformers' `generate` applies them: the repetition penalty (CTRL's:
+/// a seen token's logit divided by it when positive, multiplied when negative; 1 is off), then
+/// `temperature` (0 is greedy), `top_k` (0: the full vocabulary), `top_p` (nucleus: the
+/// smallest set of most likely tokens whose probability reaches it; 1 is off). Generation stops
+/// after any of `stop_ids` (the model's EOS tokens).
 #[derive(Clone, Debug)]
 pub struct Sampler {
     pub temperature: f32,
     pub top_k: usize,
     pub seed: u64,
+    pub top_p: f32,
+    pub repetition_penalty: f32,
+    pub stop_ids: Vec<u32>,
+}
+
+impl Sampler {
+    /// Temperature and top-k sampling from `seed`, nothing else (no stop token).
+    pub fn new(temperature: f32, top_k: usize, seed: u64) -> Sampler {
+        Sampler { temperature, top_k, seed, top_p: 1.0, repetition_penalty: 1.0, stop_ids: Vec::new() }
+    }
 }
 
 /// Keys and values for every layer: `[L, block_size, NKV·HS]` each.
@@ -118,10 +132,15 @@ impl Gpt {
     /// Continues `prompt` by `max_new` tokens. Returns only the new tokens. Deterministic in
     /// `sampler.seed`.
     pub fn generate(&self, prompt: &[u32], max_new: usize, sampler: &Sampler) -> Vec<u32> {
+        self.generate_until(prompt, max_new, sampler, &mut |_| false)
+    }
+
+    /// [`Gpt::generate`], stopping early once `stop(new tokens so far)` says so (a stop string).
+    pub fn generate_until(&self, prompt: &[u32], max_new: usize, sampler: &Sampler, stop: &mut dyn FnMut(&[u32]) -> bool) -> Vec<u32> {
         let mut cache = self.new_cache();
         let mut s = self.scratch_1();
         let (bs, real_vocab) = (self.cfg.block_size, self.real_vocab);
-        sampling_loop(prompt, max_new, sampler, (bs, real_vocab), |feed| {
+        sampling_loop(prompt, max_new, (sampler, stop), (bs, real_vocab), |feed| {
             match feed {
                 Feed::Reset => cache.len = 0,
                 Feed::Token { token, pass } => {
@@ -134,6 +153,9 @@ impl Gpt {
         })
     }
 }
+
+/// A reply's early end: called with the new tokens so far (a stop string's check).
+pub type StopFn<'a> = &'a mut dyn FnMut(&[u32]) -> bool;
 
 /// What [`sampling_loop`] asks of a decoder.
 pub enum Feed {
@@ -148,9 +170,9 @@ pub enum Feed {
 
 /// The sampling loop every decoder shares (the CPU model's and the device's): the prompt (its
 /// last `block_size` tokens) fed whole, then each sampled token; when the cache fills
-/// `block_size`, it is rebuilt from the last half-context (as nanoGPT crops). Returns the new
-/// tokens.
-pub fn sampling_loop(prompt: &[u32], max_new: usize, sampler: &Sampler, (bs, real_vocab): (usize, usize), mut decoder: impl FnMut(Feed) -> Vec<f32>) -> Vec<u32> {
+/// `block_size`, it is rebuilt from the last half-context (as nanoGPT crops). Stops after a
+/// stop id or once `stop` says so. Returns the new tokens.
+pub fn sampling_loop(prompt: &[u32], max_new: usize, (sampler, stop): (&Sampler, StopFn), (bs, real_vocab): (usize, usize), mut decoder: impl FnMut(Feed) -> Vec<f32>) -> Vec<u32> {
     let mut rng = Rng::new(sampler.seed);
     let mut ctx: Vec<u32> = if prompt.is_empty() { vec![0] } else { prompt.to_vec() };
     if ctx.len() > bs {
@@ -162,12 +184,18 @@ pub fn sampling_loop(prompt: &[u32], max_new: usize, sampler: &Sampler, (bs, rea
         len += 1;
     }
     let mut out = Vec::with_capacity(max_new);
+    let mut seen: Vec<u32> = prompt.to_vec();
     for i in 0..max_new {
-        let logits = decoder(Feed::Logits);
-        let next = sample(&logits[..real_vocab], sampler, &mut rng);
+        let mut logits = decoder(Feed::Logits);
+        let logits = &mut logits[..real_vocab];
+        if sampler.repetition_penalty != 1.0 {
+            penalize(logits, &mut seen, sampler.repetition_penalty);
+        }
+        let next = sample(logits, sampler, &mut rng);
         out.push(next);
         ctx.push(next);
-        if i + 1 == max_new {
+        seen.push(next);
+        if i + 1 == max_new || sampler.stop_ids.contains(&next) || stop(&out) {
             break;
         }
         if len == bs {
@@ -187,7 +215,19 @@ pub fn sampling_loop(prompt: &[u32], max_new: usize, sampler: &Sampler, (bs, rea
     out
 }
 
-/// Draws a token id from `logits` (temperature, then top-k, then softmax).
+/// The repetition penalty on every token in `seen` (each once; `seen` is sorted and deduplicated
+/// here): transformers' `RepetitionPenaltyLogitsProcessor`.
+fn penalize(logits: &mut [f32], seen: &mut Vec<u32>, penalty: f32) {
+    seen.sort_unstable();
+    seen.dedup();
+    for &t in seen.iter() {
+        if let Some(x) = logits.get_mut(t as usize) {
+            *x = if *x > 0.0 { *x / penalty } else { *x * penalty };
+        }
+    }
+}
+
+/// Draws a token id from `logits` (temperature, then top-k, then top-p, then softmax).
 pub fn sample(logits: &[f32], sampler: &Sampler, rng: &mut Rng) -> u32 {
     if sampler.temperature <= 0.0 {
         let mut best = 0;
@@ -205,7 +245,24 @@ pub fn sample(logits: &[f32], sampler: &Sampler, rng: &mut Rng) -> u32 {
         idx.truncate(sampler.top_k);
     }
     let max = idx.iter().map(|&i| logits[i]).fold(f32::NEG_INFINITY, f32::max);
-    let weights: Vec<f64> = idx.iter().map(|&i| (((logits[i] - max) / sampler.temperature) as f64).exp()).collect();
+    let mut weights: Vec<f64> = idx.iter().map(|&i| (((logits[i] - max) / sampler.temperature) as f64).exp()).collect();
+    if sampler.top_p < 1.0 {
+        // Nucleus: the most likely tokens (ties by id) until their mass reaches top_p.
+        let mut order: Vec<usize> = (0..idx.len()).collect();
+        order.sort_by(|&a, &b| weights[b].total_cmp(&weights[a]).then(idx[a].cmp(&idx[b])));
+        let total: f64 = weights.iter().sum();
+        let (mut mass, mut keep) = (0.0, Vec::new());
+        for k in order {
+            keep.push(k);
+            mass += weights[k] / total;
+            if mass >= sampler.top_p as f64 {
+                break;
+            }
+        }
+        keep.sort_unstable();
+        idx = keep.iter().map(|&k| idx[k]).collect();
+        weights = keep.iter().map(|&k| weights[k]).collect();
+    }
     let total: f64 = weights.iter().sum();
     let mut r = rng.uniform() * total;
     for (k, &wt) in weights.iter().enumerate() {

@@ -457,7 +457,7 @@ fn run_rank(ctx: &Ctx, comm: &dyn parallel::Comm, stop: &AtomicBool, replicas: O
 /// Prompt plus generated continuation, decoded.
 pub fn sample_text(model: &Gpt, tok: &Tokenizer, prompt: &str, n: usize, temperature: f32, top_k: usize, seed: u64) -> Result<String> {
     let ids = tok.encode(prompt)?;
-    let out = model.generate(&ids, n, &Sampler { temperature, top_k, seed });
+    let out = model.generate(&ids, n, &Sampler::new(temperature, top_k, seed));
     let mut all = ids;
     all.extend(out);
     Ok(tok.decode(&all))

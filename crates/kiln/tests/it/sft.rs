@@ -273,3 +273,52 @@ fn a_transformers5_directory_keeps_its_chat_template_from_prepare_to_export() {
     let cj: serde_json::Value = serde_json::from_str(&fs::read_to_string(d.join("merged/config.json")).unwrap()).unwrap();
     assert_eq!((cj["bos_token_id"].as_u64(), cj["eos_token_id"].as_u64()), (Some(151643), Some(151645)), "{cj}");
 }
+
+/// `kiln generate --chat`: the prompt through the chat template (with --system), the reply only,
+/// ending at the model's EOS (`generation_config.json`'s `eos_token_id` list) or at a `--stop`
+/// string; `--ignore-eos` runs on. The reply equals greedy decoding of the templated prompt.
+#[test]
+fn generate_chat_applies_the_template_and_stops_at_eos_or_a_stop_string() {
+    let src = shared("fixtures/qwen2-tiny");
+    let d = scratch("gen-chat");
+    let fx = d.join("model");
+    fs::create_dir_all(&fx).unwrap();
+    for f in ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"] {
+        fs::copy(src.join(f), fx.join(f)).unwrap();
+    }
+    // The greedy reply to the templated conversation, through the library.
+    let m = kiln::run::import_hf(&fx).unwrap();
+    let tok = data::Tokenizer::find_in(&fx).unwrap().unwrap();
+    let data::Tokenizer::Hf(h) = &tok else { panic!("an HF tokenizer") };
+    let msgs = [serde_json::json!({"role": "system", "content": "Be brief."}), serde_json::json!({"role": "user", "content": "Hello there"})];
+    let prompt = tok.encode(&h.config().template.as_ref().unwrap().render(&msgs, true).unwrap()).unwrap();
+    let greedy = m.generate(&prompt, 12, &model::Sampler::new(0.0, 0, 1));
+    let gen = |extra: &[&str]| {
+        let mut a = vec!["generate", "--checkpoint", fx.to_str().unwrap(), "--chat", "--system", "Be brief.", "--prompt", "Hello there", "--temperature", "0", "--max-new-tokens", "12"];
+        a.extend_from_slice(extra);
+        let o = kiln(&a);
+        assert!(o.status.success(), "{extra:?}: {}", stderr(&o));
+        stdout(&o).strip_suffix('\n').unwrap().to_string()
+    };
+    // The tiny model's own EOS never comes early here: the whole greedy reply.
+    assert_eq!(gen(&["--ignore-eos"]), tok.decode(&greedy));
+    // An EOS list naming the reply's sixth token ends the reply where that token first comes.
+    let eos = greedy[5];
+    let at = greedy.iter().position(|&t| t == eos).unwrap();
+    fs::write(fx.join("generation_config.json"), format!("{{\"eos_token_id\": [{}, {eos}]}}", tok.eos_id().unwrap())).unwrap();
+    assert_eq!(gen(&[]), tok.decode(&greedy[..at]));
+    assert_eq!(gen(&["--ignore-eos"]), tok.decode(&greedy));
+    // A stop string cuts the reply before it.
+    fs::remove_file(fx.join("generation_config.json")).unwrap();
+    let full = tok.decode(&greedy);
+    let stop: String = tok.decode(&greedy[3..4]);
+    assert_eq!(gen(&["--ignore-eos", "--stop", &stop]), full[..full.find(&stop).unwrap()]);
+    // Bad sampling flags: one line, exit 2.
+    for (flag, says) in [(&["--top-p", "1.5"][..], "--top-p 1.5"), (&["--repetition-penalty", "0"], "--repetition-penalty 0")] {
+        let o = kiln(&[&["generate", "--checkpoint", fx.to_str().unwrap()][..], flag].concat());
+        assert_eq!(o.status.code(), Some(2));
+        assert!(stderr(&o).contains(says), "{}", stderr(&o));
+    }
+    let o = kiln(&["generate", "--checkpoint", fx.to_str().unwrap(), "--system", "x"]);
+    assert!(o.status.code() == Some(2) && stderr(&o).contains("--system needs --chat"), "{}", stderr(&o));
+}

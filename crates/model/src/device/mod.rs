@@ -1071,9 +1071,14 @@ impl DeviceGpt {
     /// Continues `prompt` by `max_new` tokens with the KV cache on the device: `Gpt::generate`
     /// (the same sampling loop and cache rebuild), only each step's logits downloaded.
     pub fn generate(&mut self, prompt: &[u32], max_new: usize, sampler: &crate::Sampler) -> Vec<u32> {
+        self.generate_until(prompt, max_new, sampler, &mut |_| false)
+    }
+
+    /// [`DeviceGpt::generate`], stopping early once `stop(new tokens so far)` says so.
+    pub fn generate_until(&mut self, prompt: &[u32], max_new: usize, sampler: &crate::Sampler, stop: &mut dyn FnMut(&[u32]) -> bool) -> Vec<u32> {
         let mut cache = self.new_cache();
         let (bs, real_vocab) = (self.cfg.block_size, self.real_vocab);
-        crate::generate::sampling_loop(prompt, max_new, sampler, (bs, real_vocab), |feed| {
+        crate::generate::sampling_loop(prompt, max_new, (sampler, stop), (bs, real_vocab), |feed| {
             match feed {
                 Feed::Reset => cache.len = 0,
                 Feed::Token { token, .. } => self.decode_into(&mut cache, token),

@@ -214,7 +214,7 @@ fn device_generation_gives_the_cpu_tokens() {
     ] {
         let cpu = Gpt::new(cfg, 36, 3);
         let mut dev = DeviceGpt::new(g.clone(), &cpu).unwrap();
-        let greedy = model::Sampler { temperature: 0.0, top_k: 0, seed: 1 };
+        let greedy = model::Sampler::new(0.0, 0, 1);
         let prompt = [3, 1, 4, 1, 5];
         let (want, got) = (cpu.generate(&prompt, 20, &greedy), dev.generate(&prompt, 20, &greedy));
         assert_eq!(got, want, "{name}: device tokens against the CPU's");

@@ -165,14 +165,44 @@ fn decode_logits_match_full_forward() {
 #[test]
 fn generation_is_deterministic_and_handles_long_outputs() {
     let m = Gpt::new(tiny(true, 0.0, true), 11, 5);
-    let s = Sampler { temperature: 1.0, top_k: 5, seed: 9 };
+    let s = Sampler::new(1.0, 5, 9);
     let a = m.generate(&[1, 2], 20, &s); // past block_size 6: the cache is rebuilt
     let b = m.generate(&[1, 2], 20, &s);
     assert_eq!(a, b);
     assert_eq!(a.len(), 20);
     assert!(a.iter().all(|&t| t < 11), "only real vocabulary is sampled");
-    let c = m.generate(&[1, 2], 20, &Sampler { seed: 10, ..s });
+    let c = m.generate(&[1, 2], 20, &Sampler { seed: 10, ..s.clone() });
     assert_ne!(a, c);
+}
+
+/// The sampling loop's processors, as transformers' generate applies them: the repetition
+/// penalty on every token seen (prompt included), nucleus sampling's smallest set reaching
+/// `top_p`, and a stop id ending the reply (itself the last token).
+#[test]
+fn repetition_penalty_top_p_and_stop_ids_follow_transformers() {
+    use model::generate::{sample, sampling_loop, Feed};
+    let fixed = |logits: Vec<f32>| move |f: Feed| if matches!(f, Feed::Logits) { logits.clone() } else { Vec::new() };
+    let greedy = Sampler { repetition_penalty: 2.0, ..Sampler::new(0.0, 0, 1) };
+    // Logits 1.0, 0.9, -1: token 0 once seen scores 0.5 (< 0.9), then both seen: 0.5 > 0.45.
+    let out = sampling_loop(&[2], 3, (&greedy, &mut |_| false), (8, 3), fixed(vec![1.0, 0.9, -1.0]));
+    assert_eq!(out, [0, 1, 0]);
+    // A seen negative logit is multiplied: -0.1 → -0.2 loses to -0.15.
+    let out = sampling_loop(&[0], 1, (&greedy, &mut |_| false), (8, 2), fixed(vec![-0.1, -0.15]));
+    assert_eq!(out, [1]);
+    // Probabilities ≈ 0.64, 0.24, 0.09, 0.03: top_p 0.5 keeps the first alone, 0.8 the first two.
+    let mut rng = tensor::Rng::new(3);
+    let logits = [3.0, 2.0, 1.0, 0.0];
+    for (p, allowed) in [(0.5f32, 1u32), (0.8, 2), (1.0, 4)] {
+        let s = Sampler { top_p: p, ..Sampler::new(1.0, 0, 1) };
+        let drawn: std::collections::BTreeSet<u32> = (0..400).map(|_| sample(&logits, &s, &mut rng)).collect();
+        assert_eq!(drawn.len() as u32, allowed, "top_p {p}: {drawn:?}");
+        assert!(drawn.iter().all(|&t| t < allowed), "top_p {p}: {drawn:?}");
+    }
+    // A stop id ends the reply after it; a stop callback after the tokens it saw.
+    let stop = Sampler { stop_ids: vec![1], ..greedy.clone() };
+    assert_eq!(sampling_loop(&[2], 5, (&stop, &mut |_| false), (8, 3), fixed(vec![1.0, 0.9, -1.0])), [0, 1]);
+    let plain = Sampler::new(0.0, 0, 1);
+    assert_eq!(sampling_loop(&[2], 5, (&plain, &mut |o| o.len() == 2), (8, 3), fixed(vec![1.0, 0.9, -1.0])), [0, 0]);
 }
 
 #[test]
