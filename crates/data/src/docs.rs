@@ -231,9 +231,38 @@ fn string_field(v: &Value, key: &str) -> Result<String, String> {
         Some(x) => Err(format!("field `{key}` is {}, not a string", kind_of(x))),
         None => {
             let keys: Vec<&str> = obj.keys().map(|k| k.as_str()).take(8).collect();
-            Err(format!("no field `{key}` (fields: {}); set data.text_field or data.format", if keys.is_empty() { "none".into() } else { keys.join(", ") }))
+            let hint = if obj.contains_key("messages") || obj.contains_key("conversations") {
+                "a chat: pass --format chat (data.format = \"chat\")"
+            } else if obj.contains_key("prompt") && obj.contains_key("completion") {
+                "prompt/completion pairs: pass --format prompt_completion"
+            } else {
+                "set data.text_field or data.format"
+            };
+            Err(format!("no field `{key}` (fields: {}); {hint}", if keys.is_empty() { "none".into() } else { keys.join(", ") }))
         }
     }
+}
+
+/// ShareGPT's `conversations: [{from, value}, ...]` as `messages: [{role, content}, ...]`:
+/// `human` is the user, `gpt` the assistant (`system`, `user` and `assistant` as they are).
+fn sharegpt(c: &Value) -> Result<Value, String> {
+    let list = c.as_array().ok_or_else(|| format!("field `conversations` is {}, not an array", kind_of(c)))?;
+    let mut out = Vec::with_capacity(list.len());
+    for (i, turn) in list.iter().enumerate() {
+        let field = |key: &str| match turn.get(key) {
+            Some(Value::String(s)) => Ok(s.clone()),
+            Some(x) => Err(format!("conversations[{i}].{key} is {}, not a string", kind_of(x))),
+            None => Err(format!("conversations[{i}] has no `{key}`")),
+        };
+        let role = match field("from")?.as_str() {
+            "human" | "user" => "user",
+            "gpt" | "assistant" => "assistant",
+            "system" => "system",
+            other => return Err(format!("conversations[{i}].from is {other:?}: expected human, gpt or system")),
+        };
+        out.push(serde_json::json!({"role": role, "content": field("value")?}));
+    }
+    Ok(Value::Array(out))
 }
 
 /// The document a JSON object (a jsonl line, a parquet row) holds under `opts`; the error is
@@ -244,7 +273,18 @@ pub(crate) fn doc_of(v: &Value, opts: &DocOpts) -> Result<Doc, String> {
         DocFormat::PromptCompletion => Ok(Doc::Pair { prompt: string_field(v, "prompt")?, completion: string_field(v, "completion")? }),
         DocFormat::Chat => {
             let Some(obj) = v.as_object() else { return Err(format!("is {}, not a JSON object", kind_of(v))) };
-            let m = obj.get("messages").ok_or("no field `messages` (a chat needs messages: [{role, content}, ...])")?;
+            let shared;
+            let m = match (obj.get("messages"), obj.get("conversations")) {
+                (Some(m), _) => m,
+                (None, Some(c)) => {
+                    shared = sharegpt(c)?;
+                    &shared
+                }
+                (None, None) => {
+                    let keys: Vec<&str> = obj.keys().map(|k| k.as_str()).take(8).collect();
+                    return Err(format!("no field `messages` (a chat needs messages: [{{role, content}}, ...], or ShareGPT's conversations: [{{from, value}}, ...]; fields: {})", if keys.is_empty() { "none".into() } else { keys.join(", ") }));
+                }
+            };
             let list = m.as_array().ok_or_else(|| format!("field `messages` is {}, not an array", kind_of(m)))?;
             if list.is_empty() {
                 return Err("field `messages` is empty".into());

@@ -62,7 +62,8 @@ pub struct TrainCli {
     pub lora_rank: Option<usize>,
     #[arg(long)]
     pub lora_alpha: Option<f64>,
-    /// Comma-separated: q,k,v,o,gate,up,down
+    /// Comma-separated projections to adapt: q,k,v,o,gate,up,down, PEFT's module names
+    /// (q_proj, …, down_proj) or all-linear [default: q,v]
     #[arg(long)]
     pub lora_targets: Option<String>,
     /// QLoRA: store the frozen base's matrices as nf4 or int8 (lora.quantize_base)

@@ -110,7 +110,8 @@ pub fn peft(r: &SavedRun, out: &Path, dtype: safetensors::Dtype) -> Result<()> {
     let mut lo = model::lora::Lora::new(&gcfg, c.lora.rank, c.lora.alpha as f32, &c.lora.targets, 0).map_err(KilnError::User)?;
     let layout = lo.layout.clone();
     crate::checkpoint::read_into(&r.ckpt.model, "", &layout, &mut lo.params, &r.ckpt.dir.join("model.safetensors"))?;
-    let modules: Vec<&str> = c.lora.targets.iter().filter_map(|t| peft_module(t)).collect();
+    let targets = model::lora::expand_targets(&gcfg, &c.lora.targets).map_err(KilnError::User)?;
+    let modules: Vec<&str> = targets.iter().filter_map(|t| peft_module(t)).collect();
     std::fs::create_dir_all(out).map_err(|e| io_err(out, e))?;
     let mut data = Vec::new();
     for p in &layout.params {

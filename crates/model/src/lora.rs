@@ -27,6 +27,32 @@ pub enum Site {
 
 pub const TARGETS: &[&str] = &["q", "k", "v", "o", "gate", "up", "down"];
 
+/// `targets` in kiln's names: each as given (`q`, …, `down`), or PEFT's module name for it
+/// (`q_proj`, `k_proj`, `v_proj`, `o_proj`, `gate_proj`, `up_proj`, `down_proj`; GPT-2's
+/// `c_attn` is q, k and v, `c_fc` up), or `all-linear` (PEFT's: every projection the model's
+/// blocks have that takes an adapter); duplicates dropped, order kept.
+pub fn expand_targets(cfg: &GptConfig, targets: &[String]) -> Result<Vec<String>, String> {
+    let mut out: Vec<String> = Vec::new();
+    for t in targets {
+        let names: Vec<&str> = match t.as_str() {
+            "all-linear" => match (cfg.arch, cfg.is_moe()) {
+                (_, true) => vec!["q", "k", "v", "o"],
+                (Arch::Gpt2, false) => vec!["q", "k", "v", "o", "up", "down"],
+                (Arch::Llama, false) => TARGETS.to_vec(),
+            },
+            "c_attn" if cfg.arch == Arch::Gpt2 => vec!["q", "k", "v"],
+            "c_fc" if cfg.arch == Arch::Gpt2 => vec!["up"],
+            s => vec![s.strip_suffix("_proj").filter(|b| TARGETS.contains(b)).unwrap_or(s)],
+        };
+        for n in names {
+            if !out.iter().any(|o| o == n) {
+                out.push(n.to_string());
+            }
+        }
+    }
+    Ok(out)
+}
+
 #[derive(Clone, Debug)]
 pub struct Adapter {
     pub layer: usize,
@@ -75,7 +101,7 @@ fn locate(cfg: &GptConfig, l: usize, target: &str) -> Result<(String, Site, Rang
         (Arch::Gpt2, "up") => (format!("transformer.h.{l}.mlp.c_fc.weight"), Site::Fc, 0..f, c),
         (Arch::Gpt2, "down") => (format!("transformer.h.{l}.mlp.c_proj.weight"), Site::MlpProj, 0..c, f),
         (Arch::Gpt2, "gate") => return Err("lora target `gate` names no layer in a gpt2 model (its MLP has no gate; use up, down)".into()),
-        (_, other) => return Err(format!("unknown lora target `{other}` (known: {})", TARGETS.join(", "))),
+        (_, other) => return Err(format!("unknown lora target `{other}` (known: {}, PEFT's module names such as q_proj, or all-linear)", TARGETS.join(", "))),
     })
 }
 
@@ -88,6 +114,7 @@ impl Lora {
         if targets.is_empty() {
             return Err("lora needs at least one target".into());
         }
+        let targets = &expand_targets(cfg, targets)?;
         let mut layout = ParamLayout::default();
         let mut adapters = Vec::new();
         if cfg.is_moe() {

@@ -150,6 +150,20 @@ fn chat_documents_are_apply_chat_template_ids_with_loss_on_the_assistant_turns()
     for (d, m) in masks.iter().enumerate() {
         assert_eq!(&mask_of(&back.train, d), m, "prepared chat {d}");
     }
+    // ShareGPT rows (conversations of {from, value}) are the same chats.
+    let share = temp_dir("sharegpt").join("share.jsonl");
+    let rows: String = std::fs::read_to_string(fixture("chat.jsonl")).unwrap().lines().map(|l| {
+        let v: serde_json::Value = serde_json::from_str(l).unwrap();
+        let conv: Vec<serde_json::Value> = v["messages"].as_array().unwrap().iter().map(|m| {
+            let from = match m["role"].as_str().unwrap() { "user" => "human", "assistant" => "gpt", r => r };
+            serde_json::json!({"from": from, "value": m["content"]})
+        }).collect();
+        serde_json::json!({"conversations": conv}).to_string() + "\n"
+    }).collect();
+    std::fs::write(&share, rows).unwrap();
+    let tok = Tokenizer::from_spec(tokenizer_dir("qwen2").to_str().unwrap(), None).unwrap();
+    let ds = load_docs(&[share], TokenizerChoice::Given(tok), 0.0, &opts(DocFormat::Chat)).unwrap();
+    assert_eq!(documents(&ds.train), ids_of(&sft["chat_ids"]), "ShareGPT rows");
     // A model directory as transformers 5 saves it: the template in chat_template.jinja, none in
     // tokenizer_config.json. The same ids; and a prepared set keeps the file.
     let dir = temp_dir("tf5-tokenizer");
@@ -207,7 +221,12 @@ fn bad_documents_name_the_file_line_row_and_field_and_write_nothing() {
     let o = DocOpts { text_field: "body".into(), format: DocFormat::Text };
     fails_writing_nothing(&fixture("docs.parquet"), tok, &o, &["docs.parquet", "no column `body`", "id, text"]);
     let chat = opts(DocFormat::Chat);
-    fails_writing_nothing(&fixture("docs.jsonl"), tok, &chat, &["docs.jsonl", "line 1", "`messages`"]);
+    fails_writing_nothing(&fixture("docs.jsonl"), tok, &chat, &["docs.jsonl", "line 1", "`messages`", "conversations"]);
+    // Chats read as text: the message says which format they are.
+    fails_writing_nothing(&fixture("chat.jsonl"), tok, &text, &["chat.jsonl", "line 1", "`text`", "--format chat"]);
+    let bad_from = dir.join("bad-from.jsonl");
+    std::fs::write(&bad_from, "{\"conversations\": [{\"from\": \"bot\", \"value\": \"hi\"}]}\n").unwrap();
+    fails_writing_nothing(&bad_from, tok, &chat, &["bad-from.jsonl", "conversations[0].from", "human, gpt or system"]);
     let no_assistant = dir.join("user-only.jsonl");
     std::fs::write(&no_assistant, "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}\n").unwrap();
     fails_writing_nothing(&no_assistant, tok, &chat, &["user-only.jsonl", "line 1", "assistant"]);

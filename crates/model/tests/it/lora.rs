@@ -94,7 +94,23 @@ fn bad_targets_are_named() {
     let e = Lora::new(&g, 2, 4.0, &["gate".to_string()], 0).err().unwrap();
     assert!(e.contains("`gate`") && e.contains("gpt2"), "{e}");
     let e = Lora::new(&g, 2, 4.0, &["qq".to_string()], 0).err().unwrap();
-    assert!(e.contains("unknown lora target `qq`"), "{e}");
+    assert!(e.contains("unknown lora target `qq`") && e.contains("all-linear"), "{e}");
+}
+
+/// PEFT's module names and `all-linear` name the same adapters as kiln's names.
+#[test]
+fn peft_module_names_and_all_linear_expand_to_kiln_targets() {
+    let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+    for cfg in cfgs() {
+        let all = model::lora::expand_targets(&cfg, &s(&["all-linear"])).unwrap();
+        assert_eq!(all, targets(cfg.arch), "{:?}", cfg.arch);
+        let a = Lora::new(&cfg, 2, 4.0, &s(&["q_proj", "v_proj", "q"]), 1).unwrap();
+        let b = Lora::new(&cfg, 2, 4.0, &s(&["q", "v"]), 1).unwrap();
+        assert_eq!(a.layout.params.iter().map(|p| &p.name).collect::<Vec<_>>(), b.layout.params.iter().map(|p| &p.name).collect::<Vec<_>>());
+        assert_eq!(a.params, b.params);
+    }
+    let g = &cfgs()[0];
+    assert_eq!(model::lora::expand_targets(g, &s(&["c_attn", "c_fc"])).unwrap(), s(&["q", "k", "v", "up"]));
 }
 
 /// A store handing out QLoRA's compact units (`QuantBase::compact_unit`), as `DataParallel`
