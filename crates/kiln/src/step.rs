@@ -1252,7 +1252,9 @@ pub fn single_rank(model: &mut Gpt) -> DataParallel {
 /// Model FLOPs per trained token (forward and backward, no recomputation), by PaLM's formula
 /// (Chowdhery et al. 2022, appendix B) as the planner states it.
 /// With mixture-of-experts layers N counts the parameters a token uses: the routed experts'
-/// weights only `top_k / n_expert` of them.
+/// weights only `top_k / n_expert` of them. Under LoRA the frozen base computes no weight
+/// gradients: 4 FLOPs per base parameter (forward, input gradient) and 6 per adapter
+/// parameter, what the passes compute (attention's term is unchanged).
 pub fn model_flops_per_token(model: &Gpt, t: usize) -> f64 {
     let mut n = model.layout.count_without("transformer.wpe.weight") as f64;
     let c = &model.cfg;
@@ -1260,7 +1262,11 @@ pub fn model_flops_per_token(model: &Gpt, t: usize) -> f64 {
         let routed: usize = model.views.blocks.iter().filter_map(|b| b.moe.as_ref()).map(|m| m.experts.len()).sum();
         n -= routed as f64 * (1.0 - c.top_k as f64 / c.n_expert as f64);
     }
-    plan::palm_flops_per_token(n, c.n_layer as f64, c.n_embd as f64, t as f64)
+    let full = plan::palm_flops_per_token(n, c.n_layer as f64, c.n_embd as f64, t as f64);
+    match &model.lora {
+        Some(lo) => full - 2.0 * n + 6.0 * lo.num_params() as f64,
+        None => full,
+    }
 }
 
 /// The parameters and gradients that train: the LoRA adapters when the model has them, else

@@ -471,3 +471,18 @@ fn qlora_trains_exactly_against_its_dequantized_base() {
     assert_user_error(&kiln(&["train", "--data", data.to_str().unwrap(), "--out", d.join("x1").to_str().unwrap(), "--quantize-base", "nf4"]), &["lora.quantize_base", "lora.rank"]);
     assert_user_error(&kiln(&["train", "--init-from", fx.to_str().unwrap(), "--data", data.to_str().unwrap(), "--out", d.join("x2").to_str().unwrap(), "--lora-rank", "2", "--quantize-base", "fp4"]), &["lora.quantize_base", "fp4"]);
 }
+
+/// MFU's FLOPs under LoRA count what the passes compute: no weight gradients for the frozen
+/// base (4 FLOPs a parameter, not 6), the adapters' full 6.
+#[test]
+fn lora_model_flops_count_no_base_weight_gradients() {
+    let cfg = model::GptConfig::gpt2(2, 2, 16, 8, 32, true, 0.0, true);
+    let mut m = model::Gpt::new(cfg.clone(), 31, 1);
+    let full = kiln::step::model_flops_per_token(&m, 8);
+    let n = m.layout.count_without("transformer.wpe.weight") as f64;
+    assert_eq!(full, 6.0 * n + 12.0 * 2.0 * 16.0 * 8.0);
+    let lo = model::lora::Lora::new(&cfg, 2, 4.0, &["q".to_string(), "v".to_string()], 1).unwrap();
+    let a = lo.num_params() as f64;
+    m.lora = Some(lo);
+    assert_eq!(kiln::step::model_flops_per_token(&m, 8), 4.0 * n + 6.0 * a + 12.0 * 2.0 * 16.0 * 8.0);
+}
