@@ -12,8 +12,7 @@ pub fn cmd(args: &TrainArgs, as_json: bool) -> Result<()> {
     if args.resume {
         return user("kiln memory plans a new run: for an existing one pass --config RUN/config.toml (its resolved config) instead of --resume");
     }
-    let name = args.preset.clone().unwrap_or_else(|| "tiny".into());
-    let mut cfg = crate::config::layered(&crate::presets::preset(&name)?, args)?;
+    let mut cfg = crate::presets::resolve(args)?;
     // A base model fixes the shape (and the vocabulary), as in `kiln train --init-from`.
     let base = (!cfg.model.init_from.is_empty()).then(|| crate::run::load_base(std::path::Path::new(&cfg.model.init_from))).transpose()?;
     let ds = crate::train::load_data(&cfg, None)?;

@@ -1491,6 +1491,11 @@ pub struct Flag {
 /// Builds the config from a base and the user's overrides, in order: the file, `--set`, then
 /// the dedicated flags; each is checked against the key's type, and the error names its origin.
 pub fn layered(base: &RunConfig, args: &TrainArgs) -> Result<RunConfig> {
+    RunConfig::resolve(&layered_raw(base, args)?)
+}
+
+/// [`layered`]'s keys before they are resolved (and checked).
+pub fn layered_raw(base: &RunConfig, args: &TrainArgs) -> Result<Raw> {
     let mut raw: Raw = base.to_raw();
     if let Some(p) = &args.config {
         apply_file(&mut raw, p)?;
@@ -1501,5 +1506,5 @@ pub fn layered(base: &RunConfig, args: &TrainArgs) -> Result<RunConfig> {
     for f in &args.flags {
         set_key(&mut raw, f.key, f.value.clone(), f.flag)?;
     }
-    RunConfig::resolve(&raw)
+    Ok(raw)
 }

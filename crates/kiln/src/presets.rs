@@ -4,7 +4,7 @@ use crate::config::*;
 use crate::error::{user, Result};
 
 pub const PRESETS: &[&str] = &[
-    "tiny", "shakespeare-char", "llama-tiny", "moe-tiny", "gpt2-124m",
+    "tiny", "shakespeare-char", "llama-tiny", "moe-tiny", "gpt2-124m", "finetune",
     // config-only shapes of published models (for `kiln bench` shapes, the planner and memory
     // estimates; far too large to train on a CPU)
     "llama2-7b", "llama3-8b", "mixtral-8x7b", "deepseek-v2-lite",
@@ -21,6 +21,19 @@ fn llama_shape(c: &mut RunConfig, n_layer: usize, n_embd: usize, n_head: usize, 
     c.data.tokenizer = "byte".into();
 }
 
+/// The config `args` ask for over its preset: `--preset`'s, or by default `tiny`, or
+/// `finetune` when the run starts from a base model (`--init-from`, however it was given) and no
+/// preset was named.
+pub fn resolve(args: &TrainArgs) -> Result<RunConfig> {
+    let tiny = preset(args.preset.as_deref().unwrap_or("tiny"))?;
+    let raw = layered_raw(&tiny, args)?;
+    let base = raw.get("model.init_from").and_then(|v| v.as_str()).is_some_and(|s| !s.is_empty());
+    if args.preset.is_none() && base {
+        return layered(&preset("finetune")?, args);
+    }
+    RunConfig::resolve(&raw)
+}
+
 pub fn preset(name: &str) -> Result<RunConfig> {
     let mut c = RunConfig { preset: name.to_string(), ..Default::default() };
     match name {
@@ -35,6 +48,18 @@ pub fn preset(name: &str) -> Result<RunConfig> {
             c.eval.interval = 500;
             c.checkpoint.interval = 1000;
             c.sample.prompt = "The ".into();
+        }
+        // Fine-tuning a base model (`--init-from`, whose config gives the shape): the default
+        // when a base is given and no preset is named. A constant learning rate after no
+        // warm-up, as transformers' Trainer defaults to a linear decay to 0: here a cosine
+        // decay to 0 over the run (lr_decay_steps 0 = max_steps), at LoRA's usual rate.
+        "finetune" => {
+            c.train.lr = 1e-4;
+            c.train.min_lr = 0.0;
+            c.train.warmup_steps = 0;
+            c.train.lr_decay_steps = 0;
+            c.train.batch_size = 8;
+            c.model.dropout = 0.0;
         }
         // nanoGPT's config/train_shakespeare_char.py with its README's CPU settings
         // (block 64, batch 12, 4 layers, 4 heads, 128 channels, no dropout, 2000 iterations).

@@ -93,7 +93,7 @@ fn resolved(args: &crate::config::TrainArgs, run_dir: &Path) -> Result<crate::co
     if saved.exists() {
         crate::config::layered(&crate::config::RunConfig::load(&saved)?, &crate::config::TrainArgs { preset: None, ..args.clone() })
     } else {
-        crate::config::layered(&crate::presets::preset(args.preset.as_deref().unwrap_or("tiny"))?, args)
+        crate::presets::resolve(args)
     }
 }
 

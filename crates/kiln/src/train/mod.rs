@@ -114,7 +114,7 @@ fn train_once(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
         }
         cfg
     } else {
-        let cfg = layered(&presets::preset(&preset_name)?, args)?;
+        let cfg = presets::resolve(args)?;
         if saved_cfg_path.exists() || !checkpoint::list(&ckpt_dir(&run_dir)).is_empty() {
             return user(format!("{} already holds a run: pass --resume to continue it, or choose another --out", run_dir.display()));
         }

@@ -206,7 +206,8 @@ fn lora_and_qlora_on_the_device_follow_the_cpu() {
     let run = |name: &str, fx: &str, device: &str, extra: &[&str]| -> BTreeMap<u64, f64> {
         let (out, fx) = (dir.join(name), fixture(&format!("fixtures/{fx}")));
         let mut args = vec!["train", "--init-from", fx.to_str().unwrap(), "--data", text.to_str().unwrap(), "--out", out.to_str().unwrap(), "--tokenizer", "char", "--lora-rank", "4", "--seq-len", "32", "--device", device, "--quiet"];
-        args.extend(["--set", "train.batch_size=2", "--set", "model.dropout=0.1", "--set", "train.log_interval=1", "--set", "eval.interval=0", "--set", "eval.iters=1", "--set", "sample.tokens=0", "--set", "checkpoint.interval=5"]);
+        // (A schedule of fixed length: a run stopped at step 5 and resumed to 10 follows it.)
+        args.extend(["--set", "train.batch_size=2", "--set", "model.dropout=0.1", "--set", "train.log_interval=1", "--set", "eval.interval=0", "--set", "eval.iters=1", "--set", "sample.tokens=0", "--set", "checkpoint.interval=5", "--set", "train.lr_decay_steps=10"]);
         args.extend(extra);
         let o = kiln(&args);
         assert_eq!(o.status.code(), Some(0), "{name}: {}", stderr(&o));

@@ -246,3 +246,24 @@ fn phi3_longrope_model_trains_and_exports_as_phi3() {
     assert_user_error(&kiln(&["export", "--run", lora.to_str().unwrap(), "--out", out.to_str().unwrap(), "--format", "peft"]), &["--format peft", "qkv_proj", "--merge"]);
     assert!(!out.exists());
 }
+
+/// A fine-tune of a base model with no preset named starts from the `finetune` preset, not
+/// `tiny`'s schedule: named so, its cosine decay over the run (to 0), and LoRA's usual
+/// learning rate of 1e-4 accepted (tiny's `min_lr` of 2e-4 would refuse it).
+#[test]
+fn a_fine_tune_without_a_preset_gets_fine_tuning_defaults() {
+    let fx = fixture("fixtures/llama-tiny");
+    let d = scratch("finetune-defaults");
+    let data = corpus(&d);
+    let out = d.join("run");
+    let o = kiln(&["train", "--init-from", fx.to_str().unwrap(), "--data", data.to_str().unwrap(), "--out", out.to_str().unwrap(), "--set", "data.tokenizer=char",
+        "--lora-rank", "2", "--set", "train.lr=1e-4", "--seq-len", "16", "--max-steps", "6", "--set", "train.log_interval=1", "--set", "eval.iters=1", "--set", "sample.tokens=0", "--quiet"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let cfg: toml::Value = toml::from_str(&fs::read_to_string(out.join("config.toml")).unwrap()).unwrap();
+    assert_eq!(cfg["preset"].as_str(), Some("finetune"), "{cfg}");
+    assert_eq!((cfg["train"]["warmup_steps"].as_integer(), cfg["train"]["lr_decay_steps"].as_integer(), cfg["train"]["min_lr"].as_float()), (Some(0), Some(0), Some(0.0)));
+    let lrs: Vec<f64> = fs::read_to_string(out.join("metrics.jsonl")).unwrap().lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|v| v["kind"] == "train").map(|v| v["lr"].as_f64().unwrap()).collect();
+    assert_eq!(lrs.len(), 6);
+    assert!((lrs[0] - 1e-4).abs() < 1e-12 && lrs.windows(2).all(|w| w[1] < w[0]) && lrs[5] < 1e-5, "{lrs:?}");
+}
