@@ -170,6 +170,15 @@ fn train_once(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
     if resume_from.is_none() && tokenizer.is_some() && !explicit.contains("data.tokenizer") && Path::new(&cfg.model.init_from).join("tokenizer.json").is_file() {
         cfg.data.tokenizer = cfg.model.init_from.clone();
     }
+    // Prepared data records the format it was made from: the resolved config says it, so `kiln
+    // eval --run` and a replay read documents the same way.
+    if resume_from.is_none() && !explicit.contains("data.format") {
+        let dirs: Vec<&str> = cfg.data.paths.iter().map(String::as_str).chain(cfg.data.sources.iter().map(|s| s.path.as_str())).collect();
+        let formats: Vec<Option<::data::DocFormat>> = dirs.iter().map(|d| ::data::prepared_format(Path::new(d))).collect();
+        if let Some(Some(f)) = formats.first().filter(|_| formats.windows(2).all(|w| w[0] == w[1])) {
+            cfg.data.format = crate::config::Format(*f);
+        }
+    }
     let ds = load_data(&cfg, tokenizer)?;
     check_data_fits(&cfg, &ds)?;
     let gcfg = cfg.gpt_config(ds.tokenizer.vocab_size());

@@ -238,7 +238,8 @@ fn bad_documents_and_data_settings_exit_2_naming_them_and_write_nothing() {
 /// A model directory as transformers 5 saves it (the chat template in `chat_template.jinja`,
 /// none in `tokenizer_config.json`, EOS as a list in `generation_config.json`): chat data
 /// prepares with its template, a LoRA fine-tune trains on it, and both exports (merged and
-/// PEFT) carry the template file, and the merged `config.json` names the BOS and EOS ids.
+/// PEFT) carry the template file, and the merged `config.json` names the BOS and EOS ids. The
+/// run records that its prepared data is chats.
 #[test]
 fn a_transformers5_directory_keeps_its_chat_template_from_prepare_to_export() {
     let src = shared("fixtures/qwen2-tiny");
@@ -264,6 +265,11 @@ fn a_transformers5_directory_keeps_its_chat_template_from_prepare_to_export() {
     let o = kiln(&["train", "--init-from", fx.to_str().unwrap(), "--data", prep.to_str().unwrap(), "--out", out.to_str().unwrap(), "--lora-rank", "2",
         "--packing", "documents", "--seq-len", "64", "--max-steps", "2", "--set", "train.batch_size=2", "--set", "eval.iters=1", "--set", "sample.tokens=0", "--quiet"]);
     assert!(o.status.success(), "{}", stderr(&o));
+    // The run records the prepared data's format: evaluating it on chats needs no --format.
+    let cfg: toml::Value = toml::from_str(&fs::read_to_string(out.join("config.toml")).unwrap()).unwrap();
+    assert_eq!(cfg["data"]["format"].as_str(), Some("chat"), "{cfg}");
+    let v = eval_json(&kiln(&["eval", "--run", out.to_str().unwrap(), "--data", data.to_str().unwrap(), "--seq-len", "64"]));
+    assert!(v["val_loss"].as_f64().unwrap() > 0.0, "{v}");
     for (name, extra) in [("merged", &["--merge"][..]), ("peft", &["--format", "peft"])] {
         let exp = d.join(name);
         let o = kiln(&[&["export", "--run", out.to_str().unwrap(), "--out", exp.to_str().unwrap()][..], extra].concat());
