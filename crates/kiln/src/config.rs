@@ -165,6 +165,9 @@ pub struct EvalSection {
     pub iters: usize,
     /// Sequences per evaluation batch (0 = the training micro-batch).
     pub batch_size: usize,
+    /// Tokens per evaluation window (0 = train.seq_len). A validation split too short for a
+    /// training window gets windows of what it holds, said at start.
+    pub seq_len: usize,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -715,7 +718,7 @@ impl Default for TrainSection {
 
 impl Default for EvalSection {
     fn default() -> Self {
-        EvalSection { interval: 250, iters: 20, batch_size: 0 }
+        EvalSection { interval: 250, iters: 20, batch_size: 0, seq_len: 0 }
     }
 }
 

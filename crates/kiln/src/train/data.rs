@@ -96,13 +96,24 @@ fn data_name(cfg: &RunConfig, s: &Source) -> String {
 /// Checks the data against the model: a training length within the model's positions, enough
 /// tokens for one window (`train.seq_len + 1` tokens) in each split, a model vocabulary that
 /// covers the tokenizer's, and a loss vocabulary between the two.
-pub(super) fn check_data_fits(cfg: &RunConfig, ds: &TrainData) -> Result<()> {
+pub(super) fn check_data_fits(cfg: &mut RunConfig, ds: &TrainData, explicit: &std::collections::BTreeSet<String>) -> Result<()> {
     let (t, bs) = (cfg.seq_len(), cfg.model.block_size);
     if t > bs {
         return user(format!("train.seq_len ({t}) exceeds the model's positions, model.block_size ({bs})"));
     }
+    if cfg.eval.seq_len > bs {
+        return user(format!("eval.seq_len ({}) exceeds the model's positions, model.block_size ({bs})", cfg.eval.seq_len));
+    }
+    // A validation split shorter than a training window is evaluated in windows of what it
+    // holds (unless eval.seq_len was set), and the run says so.
+    let shortest = ds.sources.iter().map(|s| s.val.len()).min().unwrap_or(0);
+    if !explicit.contains("eval.seq_len") && cfg.eval.seq_len == 0 && shortest < t + 1 && shortest >= 2 {
+        cfg.eval.seq_len = shortest - 1;
+        eprintln!("note: the validation split holds {shortest} tokens, less than a window of train.seq_len + 1 = {}: evaluating in windows of {} (eval.seq_len)", t + 1, shortest - 1);
+    }
+    let te = if cfg.eval.seq_len == 0 { t } else { cfg.eval.seq_len };
     for s in &ds.sources {
-        for (split, sp) in [("training", &s.train), ("validation", &s.val)] {
+        for (split, sp, t) in [("training", &s.train, t), ("validation", &s.val, te)] {
             if sp.len() < t + 1 {
                 return user(format!(
                     "train.seq_len ({t}) needs windows of {} tokens, but the {split} split of {} has {}: use a shorter --seq-len or more data",

@@ -180,7 +180,7 @@ fn train_once(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
         }
     }
     let ds = load_data(&cfg, tokenizer)?;
-    check_data_fits(&cfg, &ds)?;
+    check_data_fits(&mut cfg, &ds, &explicit)?;
     let gcfg = cfg.gpt_config(ds.tokenizer.vocab_size());
     cfg.model.vocab_size = gcfg.vocab_size;
     if cfg.train.device != "cpu" {

@@ -546,7 +546,8 @@ impl<'a> Rank<'a> {
     /// The held-out loss (collective over every rank).
     fn evaluate(&mut self, train_loss: f32) -> Result<()> {
         let _p = tensor::profile::scope("eval");
-        let (cfg, t) = (self.cfg, self.t);
+        let cfg = self.cfg;
+        let t = if cfg.eval.seq_len == 0 { self.t } else { cfg.eval.seq_len };
         let eb = if cfg.eval.batch_size == 0 { cfg.micro_batch() } else { cfg.eval.batch_size };
         let groups = &self.applied.groups;
         let (dpn, ppn) = (groups.dp_size, cfg.parallel.pp);

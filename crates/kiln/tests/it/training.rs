@@ -486,3 +486,21 @@ fn lora_model_flops_count_no_base_weight_gradients() {
     m.lora = Some(lo);
     assert_eq!(kiln::step::model_flops_per_token(&m, 8), 4.0 * n + 6.0 * a + 12.0 * 2.0 * 16.0 * 8.0);
 }
+
+/// A validation split too short for a training window is evaluated in windows of what it holds,
+/// and the run says so (rather than refusing a run whose evaluation would otherwise never fit).
+#[test]
+fn a_short_validation_split_is_evaluated_in_shorter_windows() {
+    let d = scratch("short-val");
+    let data = d.join("text.txt");
+    fs::write(&data, "the quick brown fox jumps over the lazy dog. ".repeat(80)).unwrap();
+    let out = d.join("run");
+    let o = kiln(&["train", "--data", data.to_str().unwrap(), "--out", out.to_str().unwrap(), "--set", "data.tokenizer=char", "--set", "data.val_fraction=0.01",
+        "--seq-len", "64", "--set", "model.block_size=64", "--max-steps", "2", "--set", "eval.interval=100", "--set", "eval.iters=1", "--set", "sample.tokens=0", "--quiet"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("evaluating in windows of 35 (eval.seq_len)"), "{}", stderr(&o));
+    let cfg: toml::Value = toml::from_str(&fs::read_to_string(out.join("config.toml")).unwrap()).unwrap();
+    assert_eq!(cfg["eval"]["seq_len"].as_integer(), Some(35));
+    let evals = fs::read_to_string(out.join("metrics.jsonl")).unwrap().lines().filter(|l| l.contains("\"val_loss\"")).count();
+    assert_eq!(evals, 1, "the final evaluation ran");
+}
