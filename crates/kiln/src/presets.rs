@@ -60,6 +60,8 @@ pub fn preset(name: &str) -> Result<RunConfig> {
             c.train.lr_decay_steps = 0;
             c.train.batch_size = 8;
             c.model.dropout = 0.0;
+            // The end-of-run sample is greedy (after a chat fine-tune: a held-out prompt's reply).
+            c.sample.temperature = 0.0;
         }
         // nanoGPT's config/train_shakespeare_char.py with its README's CPU settings
         // (block 64, batch 12, 4 layers, 4 heads, 128 channels, no dropout, 2000 iterations).

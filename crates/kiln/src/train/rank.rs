@@ -662,13 +662,36 @@ impl<'a> Rank<'a> {
             } else {
                 &model
             };
-            let text = sample_text(sampler_model, &ds.tokenizer, &cfg.sample.prompt, cfg.sample.tokens, cfg.sample.temperature as f32, cfg.sample.top_k, cfg.train.seed)?;
+            let (temperature, top_k, seed) = (cfg.sample.temperature as f32, cfg.sample.top_k, cfg.train.seed);
+            let text = match held_out_prompt(ds.val()) {
+                // After a supervised fine-tune: a held-out conversation's prompt (through its
+                // template), the reply until the EOS.
+                Some(prompt) => {
+                    let sampler = model::Sampler { stop_ids: ds.tokenizer.eos_id().into_iter().collect(), ..model::Sampler::new(temperature, top_k, seed) };
+                    let out = sampler_model.generate(&prompt, cfg.sample.tokens, &sampler);
+                    ds.tokenizer.decode(&prompt) + &ds.tokenizer.decode(&out)
+                }
+                None => sample_text(sampler_model, &ds.tokenizer, &cfg.sample.prompt, cfg.sample.tokens, temperature, top_k, seed)?,
+            };
             write_atomic(&self.run_dir.join("sample.txt"), text.as_bytes())?;
             // The sample is the run's product, so it goes to stdout even with --quiet.
             println!("--- sample (step {step}) ---\n{text}\n---");
         }
         Ok(summary(self.run_dir))
     }
+}
+
+/// The prompt of a held-out document under a loss mask (chat or prompt/completion data): its
+/// tokens before the first that carries loss — a conversation's turns up to the assistant's
+/// reply, its generation prompt included. The split's first document may begin mid-way (where
+/// the split was cut), so the second is taken when there is one. `None` without a mask.
+fn held_out_prompt(val: &::data::Split) -> Option<Vec<u32>> {
+    let mask = val.mask.as_ref()?;
+    (1..val.docs.len()).chain([0]).find_map(|d| {
+        let r = val.docs.range(d);
+        let first = r.clone().find(|&i| mask.get(i) != 0)?;
+        (first > r.start).then(|| (r.start..first).map(|i| val.tokens.get(i)).collect())
+    })
 }
 
 /// The whole model this rank starts from: a fresh initialisation, or the base model

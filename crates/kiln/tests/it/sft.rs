@@ -263,8 +263,11 @@ fn a_transformers5_directory_keeps_its_chat_template_from_prepare_to_export() {
     assert_eq!(fs::read_to_string(prep.join("chat_template.jinja")).unwrap(), template);
     let out = d.join("run");
     let o = kiln(&["train", "--init-from", fx.to_str().unwrap(), "--data", prep.to_str().unwrap(), "--out", out.to_str().unwrap(), "--lora-rank", "2",
-        "--packing", "documents", "--seq-len", "64", "--max-steps", "2", "--set", "train.batch_size=2", "--set", "eval.iters=1", "--set", "sample.tokens=0", "--quiet"]);
+        "--packing", "documents", "--seq-len", "64", "--max-steps", "2", "--set", "train.batch_size=2", "--set", "eval.iters=1", "--set", "sample.tokens=6", "--quiet"]);
     assert!(o.status.success(), "{}", stderr(&o));
+    // The end-of-run sample: a held-out conversation's prompt through the template, then the reply.
+    let sample = fs::read_to_string(out.join("sample.txt")).unwrap();
+    assert!(sample.starts_with("<|im_start|>") && sample.contains("What is") && sample.contains("<|im_start|>assistant\n"), "{sample}");
     // The run records the prepared data's format: evaluating it on chats needs no --format.
     let cfg: toml::Value = toml::from_str(&fs::read_to_string(out.join("config.toml")).unwrap()).unwrap();
     assert_eq!(cfg["data"]["format"].as_str(), Some("chat"), "{cfg}");
