@@ -15,7 +15,8 @@ pub fn cmd(args: &TrainArgs, as_json: bool) -> Result<()> {
     let mut cfg = crate::presets::resolve(args)?;
     // A base model fixes the shape (and the vocabulary), as in `kiln train --init-from`.
     let base = (!cfg.model.init_from.is_empty()).then(|| crate::run::load_base(std::path::Path::new(&cfg.model.init_from))).transpose()?;
-    let ds = crate::train::load_data(&cfg, None)?;
+    let tokenizer = crate::train::base_tokenizer(&cfg, &crate::config::user_keys(args)?)?;
+    let ds = crate::train::load_data(&cfg, tokenizer)?;
     let gpt = match base {
         Some(m) => {
             cfg.model.block_size = m.cfg.block_size;

@@ -78,6 +78,15 @@ pub fn train(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
     Err(KilnError::Internal("rolled back 10 times: giving up".into()))
 }
 
+/// A base model's own tokenizer, the default when the run starts from one and `data.tokenizer`
+/// was not given (`kiln train` and `kiln memory` alike).
+pub fn base_tokenizer(cfg: &RunConfig, explicit: &std::collections::BTreeSet<String>) -> Result<Option<Tokenizer>> {
+    if cfg.model.init_from.is_empty() || explicit.contains("data.tokenizer") {
+        return Ok(None);
+    }
+    Ok(Tokenizer::find_in(Path::new(&cfg.model.init_from))?)
+}
+
 fn train_once(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
     // 1. Config and run directory: everything is checked before anything is written.
     let preset_name = args.preset.clone().unwrap_or_else(|| "tiny".into());
@@ -162,8 +171,7 @@ fn train_once(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
     // A base model's own tokenizer is the default; --tokenizer (data.tokenizer) overrides it.
     let tokenizer = match &resume_from {
         Some(l) => Some(Tokenizer::from_json(&l.tokenizer_json, &l.dir.join(Tokenizer::file_name_of_json(&l.tokenizer_json)))?.with_config_in(&run_dir)?),
-        None if !cfg.model.init_from.is_empty() && !explicit.contains("data.tokenizer") => Tokenizer::find_in(Path::new(&cfg.model.init_from))?,
-        None => None,
+        None => base_tokenizer(&cfg, &explicit)?,
     };
     // The resolved config names the tokenizer that ran: the base model's, when it was taken
     // (replaying `config.toml` then tokenizes the same way).
