@@ -229,8 +229,7 @@ pub fn eval(e: EvalCli) -> Result<()> {
     // Token files need no tokenizer: their ids are checked against the model's vocabulary.
     let token_files = !e.data.is_empty() && e.data.iter().all(|p| data::is_token_file(p));
     let (mut m, tok, run) = load_source(&e.source, e.tokenizer.as_deref(), !token_files)?;
-    let t = e.seq_len.unwrap_or(run.as_ref().map_or(m.cfg.block_size, |r| r.config.seq_len()));
-    if t == 0 || t > m.cfg.block_size {
+    if let Some(t) = e.seq_len.filter(|&t| t == 0 || t > m.cfg.block_size) {
         return user(format!("--seq-len {t}: must be between 1 and the model's context ({})", m.cfg.block_size));
     }
     // The run's documents, packing and loss masks, unless --format says otherwise.
@@ -255,6 +254,17 @@ pub fn eval(e: EvalCli) -> Result<()> {
         (_, false, Some(tok)) => (data::load_docs(&e.data, data::TokenizerChoice::Given(tok.clone()), 0.0, &train::doc_opts(&dcfg))?.train, names(&e.data)),
     };
     let packed = dcfg.data.packing == crate::config::Packing::Documents;
+    // The window: --seq-len, the run's, or sized to the data (its longest document packed, its
+    // whole stream in windows), never past the model's context.
+    let t = e.seq_len.or(run.as_ref().map(|r| r.config.seq_len())).unwrap_or_else(|| {
+        let need = if packed { (0..toks.docs.len()).map(|d| toks.docs.range(d).len()).max().unwrap_or(0) } else { toks.len().saturating_sub(1) };
+        need.clamp(1, m.cfg.block_size)
+    });
+    let batch = run.as_ref().map_or(4, |r| r.config.micro_batch());
+    // What the pass will hold, refused before it is allocated when the machine has less.
+    let acts = crate::memory::activation_set(&m.cfg, batch, t, model::Recompute::None, &crate::memory::ElementBytes::of(model::Precision::Fp32)).total();
+    let need = crate::memory::guard::weight_bytes(&m.cfg) + acts as u128;
+    crate::memory::guard::Budget::of(0).check("kiln eval", need, &format!("windows of {t} tokens (--seq-len), {batch} at a time"))?;
     // One window is t + 1 tokens (t inputs, each predicting the next); packed rows are padded.
     if packed && toks.len() < 2 {
         return user(format!("{what}: {} tokens, nothing to predict", toks.len()));
@@ -262,7 +272,6 @@ pub fn eval(e: EvalCli) -> Result<()> {
     if !packed && toks.len() < t + 1 {
         return user(format!("{what}: {} tokens, fewer than one window of {t} + 1", toks.len()));
     }
-    let batch = run.as_ref().map_or(4, |r| r.config.micro_batch());
     let eb = train::EvalBatches { packed, reset_positions: dcfg.data.reset_positions, ..train::EvalBatches::windows(t, batch, 0) };
     let (vl, n) = match gpu {
         None => train::evaluate(&mut m, &toks, eb),

@@ -42,6 +42,12 @@ fn chat_loss_on_qwen2_equals_transformers_with_labels_outside_assistant_turns_ig
     // through the row give the same loss (to rounding); the masks are what matter.
     let w = eval(&[]);
     assert!((w["val_loss"].as_f64().unwrap() - hf).abs() <= 1e-5 * hf.abs(), "{w}");
+    // Without --seq-len the windows are sized to the data (its longest chat, packed), not the
+    // model's whole context: the same loss.
+    let sized = eval_json(&kiln(&["eval", "--checkpoint", fx.to_str().unwrap(), "--data", chats.to_str().unwrap(), "--format", "chat", "--packing", "documents", "--reset-positions"]));
+    let t = sized["seq_len"].as_u64().unwrap();
+    assert!(t < 128 && t > 10, "{sized}");
+    assert!((sized["val_loss"].as_f64().unwrap() - hf).abs() <= 1e-5 * hf.abs(), "{sized}");
 }
 
 /// `n` chats of sums (`op` "plus") or differences, deterministic.
