@@ -55,6 +55,12 @@ pub struct Progress {
 /// The file name of a prepared directory's metadata (its presence marks the directory).
 pub const META_FILE: &str = "meta.json";
 
+/// The documents a prepared directory was made from (its `meta.json`'s count).
+fn meta_documents(dir: &Path) -> Option<usize> {
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join(META_FILE)).ok()?).ok()?;
+    v["documents"].as_u64().map(|d| d as usize)
+}
+
 /// The document format a prepared directory (`kiln data prepare`) was made from (its
 /// `meta.json`'s `data_format`); `None` for anything else.
 pub fn prepared_format(dir: &Path) -> Option<crate::DocFormat> {
@@ -162,10 +168,11 @@ pub fn load_docs(paths: &[PathBuf], choice: Choice, val_fraction: f64, opts: &Do
         if total == 0 {
             return Err(DataError::at(dir, "no tokens (both splits are empty)"));
         }
+        // A document the split cut in two is one document (prepared sets record their count).
+        let documents = meta_documents(dir).unwrap_or(train.docs.len() + val.docs.len());
         let description = format!(
-            "{} files, {} documents, {total} tokens ({}); own split {}/{}",
+            "{} files, {documents} documents, {total} tokens ({}); own split {}/{}",
             files.len(),
-            train.docs.len() + val.docs.len(),
             tokenizer.describe(),
             train.len(),
             val.len()

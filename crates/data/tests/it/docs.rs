@@ -150,6 +150,12 @@ fn chat_documents_are_apply_chat_template_ids_with_loss_on_the_assistant_turns()
     for (d, m) in masks.iter().enumerate() {
         assert_eq!(&mask_of(&back.train, d), m, "prepared chat {d}");
     }
+    // Split 50/50, the middle chat is cut in two but still one document.
+    let half = temp_dir("prep-chat-half");
+    prepare(&fixture("chat.jsonl"), tokenizer_dir("qwen2").to_str().unwrap(), &half, 0.5, &opts(DocFormat::Chat)).unwrap();
+    let back = load_docs(&[half], TokenizerChoice::Spec("auto"), 0.0, &DocOpts::default()).unwrap();
+    assert_eq!(back.train.docs.len() + back.val.docs.len(), masks.len() + 1, "the split cuts a chat");
+    assert!(back.description.contains(&format!("{} documents", masks.len())), "{}", back.description);
     // ShareGPT rows (conversations of {from, value}) are the same chats.
     let share = temp_dir("sharegpt").join("share.jsonl");
     let rows: String = std::fs::read_to_string(fixture("chat.jsonl")).unwrap().lines().map(|l| {
