@@ -55,10 +55,12 @@ fn zero_and_negative_sizes() {
 fn sequence_longer_than_the_data() {
     let d = scratch("block");
     let data = d.join("small.txt");
-    fs::write(&data, "a very short text, only a few dozen bytes long at most.").unwrap();
+    // Shorter than one training window (a short validation split alone is evaluated in shorter
+    // windows).
+    fs::write(&data, "a short text.").unwrap();
     let out = d.join("run");
     let o = train(&data, &out, &[]);
-    assert_user_error(&o, &["train.seq_len (16)", "17 tokens", "small.txt"]);
+    assert_user_error(&o, &["train.seq_len (16)", "17 tokens", "training split", "small.txt"]);
     assert!(!out.exists());
 }
 
