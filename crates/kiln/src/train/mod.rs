@@ -89,7 +89,8 @@ pub fn base_tokenizer(cfg: &RunConfig, explicit: &std::collections::BTreeSet<Str
 
 fn train_once(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
     // 1. Config and run directory: everything is checked before anything is written.
-    let preset_name = args.preset.clone().unwrap_or_else(|| "tiny".into());
+    // (A fine-tune with no preset named runs under `finetune`, and its directory says so.)
+    let preset_name = args.preset.clone().unwrap_or_else(|| presets::resolve(args).map_or_else(|_| "tiny".into(), |c| c.preset));
     let run_dir = match (&args.out, args.resume) {
         (Some(d), _) => d.clone(),
         (None, true) => run::latest_run(args.preset.as_deref())?,

@@ -266,4 +266,13 @@ fn a_fine_tune_without_a_preset_gets_fine_tuning_defaults() {
         .filter(|v| v["kind"] == "train").map(|v| v["lr"].as_f64().unwrap()).collect();
     assert_eq!(lrs.len(), 6);
     assert!((lrs[0] - 1e-4).abs() < 1e-12 && lrs.windows(2).all(|w| w[1] < w[0]) && lrs[5] < 1e-5, "{lrs:?}");
+    // Without --out its directory is named after the preset it ran.
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(["train", "--init-from", fx.to_str().unwrap(), "--data", data.to_str().unwrap(), "--set", "data.tokenizer=char", "--seq-len", "16", "--max-steps", "1", "--set", "eval.iters=1", "--set", "sample.tokens=0", "--quiet"])
+        .current_dir(&*d)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let names: Vec<String> = fs::read_dir(d.join("runs")).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    assert!(names.len() == 1 && names[0].starts_with("finetune-"), "{names:?}");
 }
