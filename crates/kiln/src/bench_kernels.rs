@@ -410,6 +410,42 @@ fn optimizer<'a>(x: &'a Inputs, g: Option<&'a Gpu>) -> Vec<Case<'a>> {
     vec![adam, case("sum_squares", "f32", false, (n * 4) as f64, cpu, dev)]
 }
 
+/// Number formats: fp32 rounded to bf16 (mixed precision's working weights), and QLoRA's NF4
+/// base dequantized (double-quantized block maxima).
+fn formats<'a>(x: &'a Inputs, g: Option<&'a Gpu>) -> Vec<Case<'a>> {
+    let n = x.x.len();
+    let mut o = vec![0.0; n];
+    let cpu: Run = Box::new(move |get| {
+        o.copy_from_slice(&x.x);
+        tensor::precision::round_slice(&mut o, tensor::precision::Format::Bf16);
+        out(get, || o.clone())
+    });
+    let dev = g.map(|g| {
+        let st = (g.upload(&x.x), g.zeros_of(n, DType::Bf16));
+        on(g, st, |g, (src, dst)| {
+            g.cast(dst, src).expect("one length");
+            dst
+        })
+    });
+    // Rounding is exact: the contract is fp32's.
+    let cast = case("cast", "f32", false, (n * 6) as f64, cpu, dev);
+    let q = tensor::quant::Nf4::quantize(&x.w, true);
+    let m = x.w.len();
+    let qc = q.clone();
+    let cpu: Run = Box::new(move |get| {
+        let d = qc.dequantize();
+        out(get, || d)
+    });
+    let dev = g.map(|g| {
+        let st = (g.upload_quantized(tensor::quant::QPart::Nf4(&q)).expect("a small tensor"), g.zeros(m));
+        on(g, st, |g, (qb, o)| {
+            g.dequantize(o.at(0), qb);
+            o
+        })
+    });
+    vec![cast, case("dequantize (nf4)", "f32", false, (m * 4 + m / 2) as f64, cpu, dev)]
+}
+
 /// max |got − want| over max |want|.
 fn rel_err(got: &[f32], want: &[f32]) -> f64 {
     let scale = want.iter().fold(0.0f32, |m, w| m.max(w.abs())) as f64;
@@ -454,6 +490,7 @@ pub fn run(d: DeviceArg, reps: usize) -> Result<Value> {
     cases.extend(elementwise(&x, g));
     cases.extend(attention(&x, g));
     cases.extend(optimizer(&x, g));
+    cases.extend(formats(&x, g));
     let mut rows = Vec::new();
     for mut k in cases {
         let (cpu_s, want) = measure(&mut k.cpu, reps);
