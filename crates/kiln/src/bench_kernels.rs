@@ -410,6 +410,55 @@ fn optimizer<'a>(x: &'a Inputs, g: Option<&'a Gpu>) -> Vec<Case<'a>> {
     vec![adam, case("sum_squares", "f32", false, (n * 4) as f64, cpu, dev)]
 }
 
+/// A mixture-of-experts layer's routing: top-2 of 8 experts with capacity (1.25 × the even
+/// share, so some assignments drop), and the combine of the experts' rows back into tokens.
+fn experts<'a>(x: &'a Inputs, g: Option<&'a Gpu>) -> Vec<Case<'a>> {
+    use tensor::moe::{moe_assign, moe_combine, moe_route, MoeRoute};
+    let (n, e, k) = (BT, 8, 2);
+    let capacity = (1.25 * (n * k) as f64 / e as f64) as usize;
+    let logits = &x.x[..n * e];
+    // The CPU's routing, for the combine's inputs.
+    let (mut probs, mut lse, mut idx, mut gates) = (vec![0.0; n * e], vec![0.0; n], vec![0u32; n * k], vec![0.0; n * k]);
+    moe_route(MoeRoute { probs: &mut probs, lse: &mut lse, idx: &mut idx, gates: &mut gates }, logits, e, true);
+    let (mut slot, mut row_token, mut offsets, mut counts) = (vec![0u32; n * k], vec![0u32; n * k], vec![0usize; e + 1], vec![0usize; e]);
+    let rows = moe_assign(&mut slot, &mut row_token, &mut offsets, &mut counts, &idx, k, capacity);
+    let route_cpu: Run = Box::new(move |get| {
+        let (mut p, mut l, mut i, mut gt) = (vec![0.0; n * e], vec![0.0; n], vec![0u32; n * k], vec![0.0; n * k]);
+        moe_route(MoeRoute { probs: &mut p, lse: &mut l, idx: &mut i, gates: &mut gt }, logits, e, true);
+        let (mut s, mut rt, mut o, mut c) = (vec![0u32; n * k], vec![0u32; n * k], vec![0usize; e + 1], vec![0usize; e]);
+        moe_assign(&mut s, &mut rt, &mut o, &mut c, &i, k, capacity);
+        out(get, || gt)
+    });
+    let route_dev = g.map(|g| {
+        let st = (g.routing(n, e, k), g.upload(logits));
+        on(g, st, move |g, (r, l)| {
+            g.moe_route(r, l, true, capacity);
+            &r.gates
+        })
+    });
+    let eo = &x.dout[..rows * C];
+    let mut y = vec![0.0; n * C];
+    let combine_cpu: Run = Box::new(move |get| {
+        moe_combine(&mut y, eo, &gates, &slot, false, C, k);
+        out(get, || y.clone())
+    });
+    let combine_dev = g.map(|g| {
+        let r = g.routing(n, e, k);
+        g.moe_route(&r, &g.upload(logits), true, capacity);
+        let mut padded = eo.to_vec();
+        padded.resize(n * k * C, 0.0);
+        let st = (r, g.upload(&padded), g.zeros(n * C));
+        on(g, st, |g, (r, eo, y)| {
+            g.moe_combine(y, eo, r, C, false);
+            y
+        })
+    });
+    vec![
+        case("moe_route (top-2 of 8, capacity)", "f32", false, (n * e * 4 + n * k * 12) as f64, route_cpu, route_dev),
+        case("moe_combine", "f32", false, ((rows + n) * C * 4) as f64, combine_cpu, combine_dev),
+    ]
+}
+
 /// Number formats: fp32 rounded to bf16 (mixed precision's working weights), and QLoRA's NF4
 /// base dequantized (double-quantized block maxima).
 fn formats<'a>(x: &'a Inputs, g: Option<&'a Gpu>) -> Vec<Case<'a>> {
@@ -491,6 +540,7 @@ pub fn run(d: DeviceArg, reps: usize) -> Result<Value> {
     cases.extend(attention(&x, g));
     cases.extend(optimizer(&x, g));
     cases.extend(formats(&x, g));
+    cases.extend(experts(&x, g));
     let mut rows = Vec::new();
     for mut k in cases {
         let (cpu_s, want) = measure(&mut k.cpu, reps);
