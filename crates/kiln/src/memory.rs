@@ -151,6 +151,9 @@ pub struct MemoryPlan {
     pub eval_peak: u64,
     /// The most one rank holds while a checkpoint is taken.
     pub checkpoint_peak: u64,
+    /// Starting from a Hugging Face directory (`--init-from`, not QLoRA, which reads tensor by
+    /// tensor): the model's fp32 weights and its largest weight file, read whole; 0 otherwise.
+    pub load_peak: u64,
     /// The run's per-rank peak: the largest of the three, with the checkpoint snapshot's
     /// buffers, which are kept for reuse from the first checkpoint on.
     pub total: u64,
@@ -764,8 +767,11 @@ fn plan_rank(cfg: &RunConfig, gpt: &GptConfig, data_bytes: u64, s: usize) -> Res
     // In-memory checkpoints keep three: the latest (this rank's in-memory copy), the one
     // before (the next snapshot's buffers) and the previous rank's copy.
     let kept = if mid_run || ck.memory_interval > 0 { snapshots as u64 * snapshot } else { 0 };
-    let total_peak = (step_peak + kept).max(eval_peak + kept).max(checkpoint_peak);
     let (whole_layout, _) = model::layout::gpt_layout(gpt);
+    let base = std::path::Path::new(&cfg.model.init_from);
+    let hf = !cfg.model.init_from.is_empty() && !base.join("config.toml").exists() && cfg.lora.quantize_base == model::BaseQuant::None;
+    let load_peak = if hf { 4 * whole_layout.total as u64 + model::hf::weight_file_sizes(base).unwrap_or_default().into_iter().max().unwrap_or(0) } else { 0 };
+    let total_peak = (step_peak + kept).max(eval_peak + kept).max(checkpoint_peak).max(load_peak);
     let layout_line = format!(
         "{} | {} layers, {} params{} | dp {dp} × tp {tp}{}{}, ZeRO {zero} | recompute {} | micro-batch {} × {} per rank | {}{}",
         cfg.preset, gpt.n_layer, fmt_count(whole_layout.total), if r.lora.is_some() { " (LoRA)" } else { "" },
@@ -774,7 +780,7 @@ fn plan_rank(cfg: &RunConfig, gpt: &GptConfig, data_bytes: u64, s: usize) -> Res
         if cfg.memory.offload == crate::config::Offload::Optimizer { " | optimizer offloaded" } else { "" },
     );
     let ranks_per_process = if par.backend == crate::config::Backend::Mpi { 1 } else { world };
-    Ok(MemoryPlan { precision: p, rows: out, step_peak, eval_peak, checkpoint_peak, total: total_peak, ranks_per_process, ranks_sum: None, data_bytes, limit: cfg.memory_limit(), layout: layout_line })
+    Ok(MemoryPlan { precision: p, rows: out, step_peak, eval_peak, checkpoint_peak, load_peak, total: total_peak, ranks_per_process, ranks_sum: None, data_bytes, limit: cfg.memory_limit(), layout: layout_line })
 }
 
 /// The plan of a training run: the model as `kiln train` builds it (its vocabulary from the
@@ -867,6 +873,9 @@ impl MemoryPlan {
         line(&mut s, "peak of a training step", self.step_peak);
         line(&mut s, "peak of an evaluation", self.eval_peak);
         line(&mut s, "peak of a checkpoint", self.checkpoint_peak);
+        if self.load_peak > 0 {
+            line(&mut s, "peak of loading the base (weights + its largest file)", self.load_peak);
+        }
         line(&mut s, "total per rank (the run's peak)", self.total);
         if self.ranks_per_process > 1 || self.data_bytes > 0 {
             line(&mut s, &format!("process: {} rank(s) + data in memory ({})", self.ranks_per_process, fmt_bytes(self.data_bytes)), self.process_total());
@@ -888,7 +897,7 @@ impl MemoryPlan {
             .collect();
         json!({
             "layout": self.layout, "precision": self.precision.name, "rows": rows,
-            "step_peak_bytes": self.step_peak, "eval_peak_bytes": self.eval_peak, "checkpoint_peak_bytes": self.checkpoint_peak,
+            "step_peak_bytes": self.step_peak, "eval_peak_bytes": self.eval_peak, "checkpoint_peak_bytes": self.checkpoint_peak, "load_peak_bytes": self.load_peak,
             "total_bytes": self.total, "ranks_per_process": self.ranks_per_process, "data_bytes": self.data_bytes,
             "process_total_bytes": self.process_total(), "process_step_peak_bytes": self.process_step_peak(), "limit_bytes": self.limit,
         })

@@ -267,9 +267,14 @@ fn a_transformers5_directory_keeps_its_chat_template_from_prepare_to_export() {
     let o = kiln(&["data", "prepare", "--input", data.to_str().unwrap(), "--tokenizer", fx.to_str().unwrap(), "--format", "chat", "--out", prep.to_str().unwrap(), "--quiet"]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert_eq!(fs::read_to_string(prep.join("chat_template.jinja")).unwrap(), template);
-    // `kiln memory` plans it with the base's tokenizer, as `kiln train` reads it.
-    let o = kiln(&["memory", "--init-from", fx.to_str().unwrap(), "--data", prep.to_str().unwrap(), "--lora-rank", "2", "--seq-len", "64"]);
+    // `kiln memory` plans it with the base's tokenizer, as `kiln train` reads it, and counts
+    // loading the base: its fp32 weights beside its weight file, read whole.
+    let o = kiln(&["memory", "--init-from", fx.to_str().unwrap(), "--data", prep.to_str().unwrap(), "--lora-rank", "2", "--seq-len", "64", "--json"]);
     assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    let file = fs::metadata(fx.join("model.safetensors")).unwrap().len();
+    let load = v["load_peak_bytes"].as_u64().unwrap();
+    assert!(load > file && v["total_bytes"].as_u64().unwrap() >= load, "{v}");
     let out = d.join("run");
     let o = kiln(&["train", "--init-from", fx.to_str().unwrap(), "--data", prep.to_str().unwrap(), "--out", out.to_str().unwrap(), "--lora-rank", "2",
         "--packing", "documents", "--seq-len", "64", "--max-steps", "2", "--set", "train.batch_size=2", "--set", "eval.iters=1", "--set", "sample.tokens=6", "--quiet"]);
