@@ -55,18 +55,20 @@ pub struct Progress {
 /// The file name of a prepared directory's metadata (its presence marks the directory).
 pub const META_FILE: &str = "meta.json";
 
+/// A prepared directory's `meta.json`, parsed; `None` for anything else.
+fn read_meta(dir: &Path) -> Option<serde_json::Value> {
+    serde_json::from_str(&std::fs::read_to_string(dir.join(META_FILE)).ok()?).ok()
+}
+
 /// The documents a prepared directory was made from (its `meta.json`'s count).
 fn meta_documents(dir: &Path) -> Option<usize> {
-    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join(META_FILE)).ok()?).ok()?;
-    v["documents"].as_u64().map(|d| d as usize)
+    read_meta(dir)?["documents"].as_u64().map(|d| d as usize)
 }
 
 /// The document format a prepared directory (`kiln data prepare`) was made from (its
 /// `meta.json`'s `data_format`); `None` for anything else.
 pub fn prepared_format(dir: &Path) -> Option<crate::DocFormat> {
-    let text = std::fs::read_to_string(dir.join(META_FILE)).ok()?;
-    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
-    crate::DocFormat::from_name(v["data_format"].as_str()?)
+    crate::DocFormat::from_name(read_meta(dir)?["data_format"].as_str()?)
 }
 const META_FORMAT: &str = "kiln-prepared";
 const META_VERSION: u64 = 2;

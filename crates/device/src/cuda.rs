@@ -101,8 +101,9 @@ unsafe impl DeviceRepr for KilnParams {}
 pub(crate) struct Cu {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
-    arch: &'static str,
-    functions: Mutex<HashMap<String, CudaFunction>>,
+    arch: String,
+    /// Each compiled kernel with its block shape (its WGSL workgroup's), per buffer types.
+    functions: Mutex<HashMap<String, (CudaFunction, (u32, u32))>>,
     arg_lists: Mutex<HashSet<Vec<u32>>>,
 }
 
@@ -110,11 +111,6 @@ fn driver_err(what: &str) -> impl Fn(cudarc::driver::DriverError) -> DeviceError
     move |e| DeviceError(format!("CUDA: {what}: {e:?}"))
 }
 
-/// The architecture NVRTC compiles for on compute capability `(major, minor)`.
-fn arch_of((major, minor): (i32, i32)) -> &'static str {
-    let name = format!("sm_{major}{minor}");
-    Box::leak(name.into_boxed_str())
-}
 
 /// Every CUDA device, as `kiln doctor` lists them; why there are none when the driver or NVRTC
 /// cannot be opened.
@@ -155,7 +151,8 @@ impl Cu {
             return Err(DeviceError(format!("--device cuda:{index}: no such device; found {}", if names.is_empty() { "none".into() } else { names.join(", ") })));
         };
         let ctx = CudaContext::new(index).map_err(driver_err("opening a context"))?;
-        let arch = arch_of(ctx.compute_capability().map_err(driver_err("reading the compute capability"))?);
+        let (major, minor) = ctx.compute_capability().map_err(driver_err("reading the compute capability"))?;
+        let arch = format!("sm_{major}{minor}");
         let stream = ctx.default_stream();
         Ok((Cu { ctx, stream, arch, functions: Mutex::default(), arg_lists: Mutex::default() }, info))
     }
@@ -203,19 +200,21 @@ impl Cu {
         self.arg_lists.lock().unwrap_or_else(|e| e.into_inner()).len()
     }
 
-    /// Kernel `k` compiled for its buffers' types and loaded (once per combination).
-    fn function(&self, k: &Kernel, dtypes: &[DType]) -> CudaFunction {
+    /// Kernel `k` compiled for its buffers' types and loaded, with its block shape (once per
+    /// combination).
+    fn function(&self, k: &Kernel, dtypes: &[DType]) -> (CudaFunction, (u32, u32)) {
         let key = format!("{}:{dtypes:?}", k.name);
         let mut cache = self.functions.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(f) = cache.get(&key) {
             return f.clone();
         }
-        let ptx = compile(&cuda_source(k, dtypes), k.name, self.arch).unwrap_or_else(|e| panic!("{e}"));
+        let ptx = compile(&cuda_source(k, dtypes), k.name, &self.arch).unwrap_or_else(|e| panic!("{e}"));
         let ptx = String::from_utf8(ptx).expect("PTX is text");
         let module = self.ctx.load_module(Ptx::from_src(ptx)).unwrap_or_else(|e| panic!("CUDA: loading kernel {}: {e:?}", k.name));
         let f = module.load_function(k.name).unwrap_or_else(|e| panic!("CUDA: kernel {}: {e:?}", k.name));
-        cache.insert(key, f.clone());
-        f
+        let entry = (f, crate::shader::workgroup_size(k));
+        cache.insert(key, entry.clone());
+        entry
     }
 
     /// Launches kernel `k` over `groups` blocks of its workgroup's shape, with `args` and the
@@ -223,13 +222,12 @@ impl Cu {
     /// argument list is new.
     pub fn launch(&self, k: &Kernel, groups: [u32; 3], args: &[u32], bufs: &[(&Mem, DType)]) -> bool {
         let dtypes: Vec<DType> = bufs.iter().map(|b| b.1).collect();
-        let f = self.function(k, &dtypes);
+        let (f, (x, y)) = self.function(k, &dtypes);
         let mut p = KilnParams { a: [0; crate::shader::MAX_ARGS], b: [0; crate::shader::MAX_BUFFERS] };
         p.a[..args.len()].copy_from_slice(args);
         for (slot, (m, _)) in p.b.iter_mut().zip(bufs) {
             *slot = m.ptr;
         }
-        let (x, y) = crate::shader::workgroup_size(k);
         let cfg = LaunchConfig { grid_dim: (groups[0], groups[1], groups[2]), block_dim: (x, y, 1), shared_mem_bytes: 0 };
         let mut b = self.stream.launch_builder(&f);
         b.arg(&p);

@@ -53,7 +53,7 @@ fn same_seed_same_losses_and_text() {
 
 #[test]
 fn resume_continues_bit_exactly() {
-    // Regression guard for issue #2's resume criterion: N straight vs N/2 + --resume to N.
+    // Resume is exact: N steps straight equal N/2 steps, then --resume to N.
     let d = scratch("resume");
     let data = corpus(&d);
     let (full, split) = (d.join("full"), d.join("split"));

@@ -53,9 +53,9 @@ pub(super) fn largest_matrix(cfg: &crate::GptConfig) -> usize {
 }
 
 impl Frozen {
-    /// `lora`'s adapters uploaded; `base` (QLoRA) its quantized projections. `bf16`: the
-    /// passes read 16-bit weights.
-    pub fn new(g: &Gpu, lora: &Lora, base: Option<&QuantBase>, n_layer: usize, bf16: bool) -> Result<Frozen, String> {
+    /// `lora`'s adapters uploaded; `base` (QLoRA) its quantized projections, for a model of
+    /// `n_layer` blocks of width `c`. `bf16`: the passes read 16-bit weights.
+    pub fn new(g: &Gpu, lora: &Lora, base: Option<&QuantBase>, (n_layer, c): (usize, usize), bf16: bool) -> Result<Frozen, String> {
         let e = |e: device::DeviceError| e.0;
         let n = lora.params.len();
         let params = g.alloc(n, DType::F32).map_err(e)?;
@@ -77,7 +77,6 @@ impl Frozen {
         }
         let deq = (largest > 0).then(|| g.alloc(largest, DType::F32)).transpose().map_err(e)?;
         let deq16 = deq.as_ref().filter(|_| bf16).map(|_| g.alloc(largest, DType::Bf16)).transpose().map_err(e)?;
-        let c = lora.adapters.first().map_or(1, |a| a.d_in);
         Ok(Frozen {
             rank: lora.rank,
             scale: lora.scale(),
@@ -90,7 +89,7 @@ impl Frozen {
             quant,
             deq,
             deq16,
-            norm_grads: g.zeros(2 * c.max(1)),
+            norm_grads: g.zeros(2 * c),
         })
     }
 

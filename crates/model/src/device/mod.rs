@@ -459,7 +459,7 @@ impl DeviceGpt {
         };
         let params = gpu.alloc(host.len(), dtype).map_err(|e| e.0)?;
         gpu.write(&params, &host);
-        let frozen = Frozen::new(&gpu, lora, m.quantized_base().map(|q| &**q), m.cfg.n_layer, bf16)?;
+        let frozen = Frozen::new(&gpu, lora, m.quantized_base().map(|q| &**q), (m.cfg.n_layer, m.cfg.n_embd), bf16)?;
         let grads = gpu.zeros(1);
         Ok(DeviceGpt::assemble(gpu, m, (views, params, None, grads), Some(frozen)))
     }
