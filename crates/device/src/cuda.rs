@@ -78,6 +78,9 @@ pub fn compile_all(arch: &str) -> Result<usize, DeviceError> {
     Ok(n)
 }
 
+/// A loaded kernel and its block shape `(x, y)`.
+type Loaded = (CudaFunction, (u32, u32));
+
 /// One device allocation: the slice that owns it and its address.
 pub(crate) struct Mem {
     _slice: CudaSlice<u32>,
@@ -103,7 +106,7 @@ pub(crate) struct Cu {
     stream: Arc<CudaStream>,
     arch: String,
     /// Each compiled kernel with its block shape (its WGSL workgroup's), per buffer types.
-    functions: Mutex<HashMap<String, (CudaFunction, (u32, u32))>>,
+    functions: Mutex<HashMap<String, Loaded>>,
     arg_lists: Mutex<HashSet<Vec<u32>>>,
 }
 
@@ -202,7 +205,7 @@ impl Cu {
 
     /// Kernel `k` compiled for its buffers' types and loaded, with its block shape (once per
     /// combination).
-    fn function(&self, k: &Kernel, dtypes: &[DType]) -> (CudaFunction, (u32, u32)) {
+    fn function(&self, k: &Kernel, dtypes: &[DType]) -> Loaded {
         let key = format!("{}:{dtypes:?}", k.name);
         let mut cache = self.functions.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(f) = cache.get(&key) {
