@@ -10,6 +10,14 @@ use crate::{At, Buf, DType, Gemm, Gpu, MatSpec};
 use tensor::classifier::HeadDims;
 use tensor::optim::AdamW;
 
+/// Where [`Gpu::adamw_update_at`] finds element 0 of its run in each buffer.
+#[derive(Clone, Copy, Debug)]
+pub struct Offsets {
+    pub params: usize,
+    pub grads: usize,
+    pub moments: usize,
+}
+
 const CROSSENTROPY: Kernel = kernel!("crossentropy", libs ["reduce"], ["L", "LOSSES", "TGT", "S"], writes ["L", "LOSSES"]);
 const SUM_SQUARES: Kernel = kernel!("sum_squares", libs ["reduce"], ["OUT", "PART", "X"], writes ["OUT", "PART"]);
 const CLIP: Kernel = kernel!("clip", ["S"], writes ["S"]);
@@ -116,19 +124,20 @@ impl Gpu {
     /// with `scalars` from [`Gpu::set_adamw_scalars`].
     #[allow(clippy::too_many_arguments)]
     pub fn adamw_update(&self, state: (&Buf, &Buf, &Buf, &Buf), at: usize, n: usize, h: &AdamW, decay: bool, scalars: &Buf) {
-        self.adamw_update_at(state, (at, at), n, h, decay, scalars);
+        self.adamw_update_at(state, Offsets { params: at, grads: at, moments: at }, n, h, decay, scalars);
     }
 
-    /// [`Gpu::adamw_update`] with the moments of element `at + i` at `moment_at + i` (a ZeRO
-    /// shard's moments beside the whole layout's parameters and gradients).
-    #[allow(clippy::too_many_arguments)]
-    pub fn adamw_update_at(&self, state: (&Buf, &Buf, &Buf, &Buf), (at, mat): (usize, usize), n: usize, h: &AdamW, decay: bool, scalars: &Buf) {
+    /// [`Gpu::adamw_update`] with element `i`'s parameter, gradient and moments at their own
+    /// offsets plus `i` (a ZeRO shard's moments and gradients beside the whole layout's
+    /// parameters, or all four in the shard's positions).
+    pub fn adamw_update_at(&self, state: (&Buf, &Buf, &Buf, &Buf), o: Offsets, n: usize, h: &AdamW, decay: bool, scalars: &Buf) {
         let (p, g, m, v) = state;
-        assert!(at + n <= p.len() && g.len() >= at + n && m.len() >= mat + n && v.len() >= mat + n && scalars.len() >= slot::OPTIM, "adamw_update: shapes");
+        let (at, gat, mat) = (o.params, o.grads, o.moments);
+        assert!(at + n <= p.len() && g.len() >= gat + n && m.len() >= mat + n && v.len() >= mat + n && scalars.len() >= slot::OPTIM, "adamw_update: shapes");
         #[rustfmt::skip]
         let args = [
             u(n), u(at), h.beta1.to_bits(), (1.0 - h.beta1).to_bits(), h.beta2.to_bits(), (1.0 - h.beta2).to_bits(),
-            h.eps.to_bits(), decay as u32, u(slot::CLIP_SCALE), u(mat),
+            h.eps.to_bits(), decay as u32, u(slot::CLIP_SCALE), u(mat), u(gat),
         ];
         self.launch(&ADAMW, Gpu::grid(n, 256), &args, &[Some(p), Some(g), Some(m), Some(v), Some(scalars)]);
     }

@@ -31,7 +31,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use tensor::precision::{from_bits16, round, to_bits16, Format};
 
 pub use attention::MAX_HEAD_SIZE;
-pub use head::slot;
+pub use head::{slot, Offsets};
 pub use kernels::{Gemm, MatSpec, Ragged};
 pub use moe::Routing;
 pub use ops::RopePos;

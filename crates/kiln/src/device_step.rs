@@ -31,9 +31,32 @@ pub struct DeviceRun {
     sums: Buf,
     /// The host's copy is older than the device's.
     stale: bool,
-    /// ZeRO-1: the layout's pieces this rank updates (its moments are their shard); `None`:
+    /// ZeRO: the layout's pieces this rank updates (its moments are their shard); `None`:
     /// every parameter.
     pieces: Option<Vec<parallel::Piece>>,
+    /// The ZeRO stage the device runs (0 on one rank and under LoRA).
+    zero: u8,
+}
+
+/// The data-parallel group, on a communicator of its own, as a device model's ZeRO-2/3 group.
+struct HostGroup(Box<dyn parallel::Comm>);
+
+impl model::device::ZeroGroup for HostGroup {
+    fn size(&self) -> usize {
+        self.0.size()
+    }
+
+    fn all_gather(&mut self, mine: &[f32]) -> Vec<f32> {
+        let mut out = vec![0.0; mine.len() * self.0.size()];
+        self.0.all_gather(mine, &mut out);
+        out
+    }
+
+    fn reduce_scatter(&mut self, full: &[f32]) -> Vec<f32> {
+        let mut out = vec![0.0; full.len() / self.0.size()];
+        self.0.reduce_scatter_sum(full, &mut out);
+        out
+    }
 }
 
 /// What the config asks that the device cannot do yet, by key; checked before anything runs.
@@ -42,9 +65,6 @@ pub fn refusal(cfg: &RunConfig) -> Option<String> {
     let d = &cfg.train.device;
     if p.pp > 1 || p.tp > 1 || p.cp > 1 || p.ep > 1 {
         return Some(format!("train.device = {d}: on devices only data parallelism runs yet; tensor, pipeline, context and expert parallel layouts are not done (got tp {}, pp {}, cp {}, ep {})", p.tp, p.pp, p.cp, p.ep));
-    }
-    if p.dp > 1 && p.zero > 1 {
-        return Some(format!("train.device = {d}: data parallelism on devices runs with ZeRO stage 0 or 1 yet (parallel.zero = {}); use parallel.zero = 1", p.zero));
     }
     let why = if cfg.train.precision == model::Precision::Fp8 {
         "FP8 storage (train.precision = fp8)"
@@ -77,19 +97,29 @@ impl DeviceRun {
             Some(q) => host.set_quantized_base(q.clone()),
             None => host.params = host_master(ch),
         }
-        if ch.dp.n() > 1 && cfg.parallel.zero > 0 && ch.model.lora.is_none() {
-            // ZeRO-1: each rank holds its shard's master weights; the group's make the whole.
+        let zero = if ch.dp.n() > 1 && ch.model.lora.is_none() { cfg.parallel.zero as u8 } else { 0 };
+        if matches!(zero, 1 | 2) {
+            // ZeRO-1/2: each rank holds its shard's master weights; the group's make the whole.
             let mine = ch.dp.shards.take(&host.params);
             host.params = ch.dp.gather_shards_owned(mine);
         }
-        let model = DeviceGpt::new(gpu.clone(), &host).map_err(|e| KilnError::User(format!("train.device = {d}: {e}; use train.device = cpu")))?;
+        let model = match zero {
+            2 | 3 => {
+                let sh = &ch.dp.shards;
+                let layout = model::device::ShardLayout { rank: sh.rank, units: sh.units.clone(), chunk: sh.chunk.clone(), offset: sh.offset.clone(), len: sh.len };
+                let group = Box::new(HostGroup(ch.dp.split_group()));
+                DeviceGpt::with_zero(gpu.clone(), &host, zero, layout, group)
+            }
+            _ => DeviceGpt::new(gpu.clone(), &host),
+        };
+        let model = model.map_err(|e| KilnError::User(format!("train.device = {d}: {e}; use train.device = cpu")))?;
         let alloc = |len| gpu.alloc(len, device::DType::F32).map_err(|e| KilnError::User(format!("train.device = {d}: {e}")));
         let (m, v) = (alloc(ch.opt.m.len())?, alloc(ch.opt.v.len())?);
         gpu.write(&m, &ch.opt.m);
         gpu.write(&v, &ch.opt.v);
         let (parts, sums) = (gpu.zeros(Gpu::parts_len()), gpu.zeros(slot::OPTIM + 2 * 64));
-        let pieces = (cfg.parallel.zero > 0 && ch.model.lora.is_none() && ch.dp.n() > 1).then(|| ch.dp.pieces());
-        Ok(DeviceRun { gpu, model, m, v, moe_stats: Vec::new(), segments: ch.opt.decay_groups().to_vec(), parts, sums, stale: false, pieces })
+        let pieces = (zero > 0).then(|| ch.dp.pieces());
+        Ok(DeviceRun { gpu, model, m, v, moe_stats: Vec::new(), segments: ch.opt.decay_groups().to_vec(), parts, sums, stale: false, pieces, zero })
     }
 
     /// The adapter's one-line description.
@@ -145,13 +175,20 @@ impl DeviceRun {
             self.model.backward_with(routing_group(ch, dpn));
         }
         let grads = self.model.trainable().1;
-        if dpn > 1 {
-            // The group's gradient sum, staged through the host (summed in rank order).
+        if dpn > 1 && self.zero < 2 {
+            // The group's gradient sum, staged through the host (summed in rank order);
+            // ZeRO-2/3 reduced each unit's into the shard as backward left it.
             let mut host = g.download(grads);
             ch.dp.reduce_adapters(&mut host);
             g.write(grads, &host);
         }
         g.sum_squares((&self.model.scalars, slot::SUMSQ), grads.at(0), grads.len(), &self.parts, false);
+        if self.zero >= 2 {
+            // Each rank holds its shard's squares: the group's sum.
+            let mine = f32::from_bits(g.download_words(&self.model.scalars, slot::SUMSQ, 1)[0]) as f64;
+            let all = ch.dp.all_reduce_f64(&[mine])[0] as f32;
+            g.write_words(&self.model.scalars, slot::SUMSQ, &[all.to_bits()]);
+        }
         g.clip_scale(&self.model.scalars, cfg.train.grad_clip as f32);
         g.copy_words(&self.sums, slot::NORM, &self.model.scalars, slot::NORM, 1);
         // The loss sums and the norm: the step's only download on one device.
@@ -179,9 +216,10 @@ impl DeviceRun {
     }
 
     /// AdamW over the decay groups, the gradients scaled by the clipping factor on the device.
-    /// Under ZeRO-1 each rank updates the pieces whose moments it holds (a shard of the layout)
-    /// and the group's updated parameters are gathered through the host, as `DataParallel`'s
-    /// `after_update` gathers them on the CPU.
+    /// Under ZeRO each rank updates the pieces whose moments it holds (a shard of the layout);
+    /// at stages 1 and 2 the group's updated parameters are gathered through the host, as
+    /// `DataParallel`'s `after_update` gathers them on the CPU, and at stage 3 the next pass
+    /// gathers them unit by unit.
     fn update(&self, ch: &mut Chunk, cfg: &RunConfig, step: u64, g: &Gpu) {
         let tc = &cfg.train;
         let h = tensor::AdamW { lr: cfg.lr_at(step) as f32, beta1: tc.beta1 as f32, beta2: tc.beta2 as f32, eps: tc.eps as f32, weight_decay: tc.weight_decay as f32, t: step + 1 };
@@ -198,9 +236,16 @@ impl DeviceRun {
             for (r, decay) in &self.segments {
                 let (a, b) = (r.start.max(p.flat.start), r.end.min(p.flat.end));
                 if a < b {
-                    g.adamw_update_at(state, (a, p.shard.start + a - p.flat.start), b - a, &h, *decay, &self.model.scalars);
+                    let s = p.shard.start + a - p.flat.start;
+                    // ZeRO-1: the whole layout's gradients; 2: the shard's; 3: the weights' too.
+                    let o = device::Offsets { params: if self.zero == 3 { s } else { a }, grads: if self.zero >= 2 { s } else { a }, moments: s };
+                    g.adamw_update_at(state, o, b - a, &h, *decay, &self.model.scalars);
                 }
             }
+        }
+        if self.zero == 3 {
+            // The next pass gathers the updated shards unit by unit.
+            return;
         }
         let mine = ch.dp.shards.take(&g.download(params));
         g.write(params, &ch.dp.gather_shards_owned(mine));
@@ -221,7 +266,10 @@ impl DeviceRun {
         if !self.stale {
             return;
         }
-        let w = self.model.download_trainable();
+        let w = match self.model.zero().filter(|z| z.stage == 3) {
+            Some(z) => z.spread_shard(&self.gpu, ch.model.layout.total),
+            None => self.model.download_trainable(),
+        };
         match ch.model.lora.as_mut() {
             Some(lo) => lo.params.copy_from_slice(&w),
             None => put_master(ch, &w),
@@ -249,12 +297,25 @@ pub fn check_plan(gpu: &Gpu, d: DeviceArg, cfg: &RunConfig, (gpt, params): (&mod
             q => format!("frozen, {}", plan::policy::Names::name(q)),
         };
         (w, format!("a base of {params} parameters ({base}) and {} adapter parameters × 4 buffers of fp32 (weights, gradients, AdamW's two moments)", lora.params.len()))
+    } else if cfg.parallel.dp > 1 && cfg.parallel.zero >= 2 {
+        let (stage, n) = (cfg.parallel.zero as u8, cfg.parallel.dp);
+        let units = model::layout::gpt_layout(gpt).1.units(params);
+        let shard: usize = units.iter().map(|u| u.len().div_ceil(n)).sum();
+        let largest = units.iter().map(|u| u.len()).max().unwrap_or(0);
+        let ends = (units[0].len(), units[units.len() - 1].len());
+        let what = match stage {
+            3 => format!("ZeRO-3: a shard of {shard} of {params} parameters × 4 buffers of fp32 (weights, gradients, AdamW's two moments), units of up to {largest} gathered"),
+            _ => format!("ZeRO-2: {params} parameters of fp32 weights and a shard of {shard} × 3 buffers (gradients, AdamW's two moments)"),
+        };
+        (model::device::Weights::Zero { stage, params, shard, units: (largest, ends.0, ends.1) }, what)
     } else {
         (model::device::Weights::Full { params }, format!("{params} parameters × 4 buffers of fp32 (weights, gradients, AdamW's two moments)"))
     };
-    let p = model::device::plan(gpu, gpt, weights, (cfg.micro_batch(), cfg.seq_len()), 2, (cfg.train.precision, cfg.model.recompute, cfg.model.recompute_every));
+    // A data-parallel rank's share of each micro-batch.
+    let rows = (cfg.micro_batch() / cfg.parallel.dp.max(1)).max(1);
+    let p = model::device::plan(gpu, gpt, weights, (rows, cfg.seq_len()), 2, (cfg.train.precision, cfg.model.recompute, cfg.model.recompute_every));
     let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
-    let figures = format!("the run needs {:.1} MiB on the device ({what} and the activations of {} × {} tokens), its largest buffer {:.1} MiB", mib(p.total_bytes), cfg.micro_batch(), cfg.seq_len(), mib(p.largest_bytes));
+    let figures = format!("the run needs {:.1} MiB on the device ({what} and the activations of {rows} × {} tokens), its largest buffer {:.1} MiB", mib(p.total_bytes), cfg.seq_len(), mib(p.largest_bytes));
     let limit = cfg.device_memory_limit();
     if limit > 0 && p.total_bytes > limit {
         return user(format!("train.device = {d}: {figures}: over memory.device_limit = {} ({:.1} MiB)", cfg.memory.device_limit, mib(limit)));

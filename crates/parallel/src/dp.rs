@@ -675,6 +675,12 @@ impl DataParallel {
         full
     }
 
+    /// A communicator of its own over this store's group, in the same rank order (collective):
+    /// for a caller that stages the group's traffic itself (a device model's ZeRO-2/3 units).
+    pub fn split_group(&mut self) -> Box<dyn Comm> {
+        self.worker.run("split group", |c| c.split(&(0..c.size()).collect::<Vec<_>>()))
+    }
+
     /// Gives `model` back full parameters and gradient buffers (collective), ending the
     /// parallel run.
     pub fn restore(mut self, model: &mut Gpt) {

@@ -2,8 +2,9 @@
 // clipping factor), m = β1·m + (1 − β1)·g, v = β2·v + (1 − β2)·g·g,
 // p = p·decay − step·m / (√v·rbc2 + ε), where S[0..3] = (step, rbc2, decay)
 // (tensor::optim::adamw_scalars) and decay is 1 for parameters without weight decay.
-// The moments of element off + e are at moff + e (a ZeRO shard's).
-// args: n off beta1 one_minus_beta1 beta2 one_minus_beta2 eps decay scale_at moff
+// The gradient of element off + e is at goff + e and its moments at moff + e (a ZeRO
+// shard's: ZeRO-1 holds the whole layout's gradients, ZeRO-2 and 3 their shard).
+// args: n off beta1 one_minus_beta1 beta2 one_minus_beta2 eps decay scale_at moff goff
 @compute @workgroup_size(256)
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
     let e = flat_id(wg, lid, 256u);
@@ -12,7 +13,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid:
     }
     let i = arg(1u) + e;
     let mi = arg(9u) + e;
-    let g = ld_G(i) * ld_S(arg(8u));
+    let g = ld_G(arg(10u) + e) * ld_S(arg(8u));
     let m = argf(2u) * ld_M(mi) + argf(3u) * g;
     let v = argf(4u) * ld_V(mi) + argf(5u) * g * g;
     st_M(mi, m);

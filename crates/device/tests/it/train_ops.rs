@@ -146,6 +146,14 @@ fn global_norm_clipping_and_adamw_match_cpu() {
     close("adamw params", &g.download(&gp), &p, 1e-5);
     close("adamw m", &g.download(&gm), &m, 1e-5);
     close("adamw v", &g.download(&gv), &v, 1e-5);
+    // The same update with each buffer's run at its own offset (a ZeRO shard's layout).
+    let k = 1000;
+    let pad = |x: &[f32], o: usize| [vec![0.5; o], x[..k].to_vec()].concat();
+    let (sp, sg, sm, sv) = (g.upload(&pad(&params, 3)), g.upload(&pad(&grads, 7)), g.upload(&pad(&m0, 11)), g.upload(&pad(&v0, 11)));
+    g.adamw_update_at((&sp, &sg, &sm, &sv), device::Offsets { params: 3, grads: 7, moments: 11 }, k, &h, true, &scal);
+    close("adamw params at offsets", &g.download(&sp)[3..], &p[..k], 1e-5);
+    close("adamw m at offsets", &g.download(&sm)[11..], &m[..k], 1e-5);
+    close("adamw v at offsets", &g.download(&sv)[11..], &v[..k], 1e-5);
     let sums = g.zeros(2);
     g.sum((&sums, 1), gg.at(3), n - 3, &parts, false);
     let want: f64 = grads[3..].iter().map(|&x| x as f64).sum();

@@ -5,15 +5,20 @@
 //! masks, the same fused head. Per pass only the token ids and targets go to the device.
 //!
 //! It covers a whole model on one device: GPT-2, LLaMA and mixture-of-experts families, in fp32
-//! or with 16-bit working weights, and LoRA or QLoRA over a frozen base ([`frozen`]);
+//! or with 16-bit working weights, and LoRA or QLoRA over a frozen base ([`frozen`]); as a
+//! data-parallel rank under ZeRO-2/3 its gradients (and weights) are a shard, each unit's
+//! reduced (and gathered) through its group as the passes reach it ([`zero`]).
 //! [`DeviceGpt::new`] refuses the rest by name ([`unsupported`]).
 
 mod frozen;
+mod zero;
+
+pub use zero::{ShardLayout, Zero, ZeroGroup};
 
 use crate::config::Arch;
 use crate::generate::Feed;
 use crate::gpt::{Pass, IGNORE_INDEX};
-use crate::layout::{BlockParams, GptParams, MoeParams};
+use crate::layout::{GptParams, MoeParams};
 use crate::lora::Site;
 use frozen::Frozen;
 use crate::{Gpt, GptConfig};
@@ -299,6 +304,9 @@ pub struct DeviceGpt {
     /// LoRA: the adapters over a frozen base (`params` then holds the base, read-only, in the
     /// passes' type or, under QLoRA, its fp32 tensors packed beside the quantized matrices).
     frozen: Option<Frozen>,
+    /// ZeRO-2/3 over a data-parallel group ([`zero`]): the gradients (and at stage 3 the
+    /// weights) held as this rank's shard.
+    zero: Option<Zero>,
 }
 
 /// Keys and values of every layer on the device, `[L, block_size, NKV·HS]` each: what
@@ -340,12 +348,22 @@ pub fn unsupported(m: &Gpt) -> Option<String> {
     unsupported_config(&m.cfg)
 }
 
+/// The type of the weights the passes read under `p` (`None`: the fp32 weights themselves).
+fn working_type(p: crate::Precision) -> Option<DType> {
+    match p {
+        crate::Precision::Bf16 => Some(DType::Bf16),
+        crate::Precision::Fp16 => Some(DType::F16),
+        _ => None,
+    }
+}
+
 /// What a device model allocates: its largest buffer and the total, in bytes, for `(B, T)`
 /// with `extra` more buffers the size of the trainable parameters (an optimizer's moments).
 #[derive(Clone, Copy, Debug)]
 pub struct DevicePlan {
     pub params: usize,
-    /// The parameters that train (the adapters' under LoRA).
+    /// The parameters that train (the adapters' under LoRA), or this rank's shard of them
+    /// (ZeRO-2/3).
     pub trainable: usize,
     pub total_bytes: u64,
     pub largest_bytes: u64,
@@ -365,6 +383,10 @@ pub enum Weights {
         base_bytes: u64,
         quantized: bool,
     },
+    /// ZeRO-2 or 3 ([`zero`]): the gradients (and at stage 3 the weights) as a shard of
+    /// `shard` elements; `units` the largest unit's elements and those of the embeddings'
+    /// and final units (held from the forward's head through the backward).
+    Zero { stage: u8, params: usize, shard: usize, units: (usize, usize, usize) },
 }
 
 impl Weights {
@@ -397,6 +419,28 @@ pub fn plan(gpu: &Gpu, cfg: &GptConfig, weights: Weights, (b, t): (usize, usize)
             }
             (params, params, 0)
         }
+        Weights::Zero { stage, params, shard, units: (largest, first, last) } => {
+            let half = matches!(precision, crate::Precision::Bf16 | crate::Precision::Fp16);
+            // The shard's gradients and moments; at stage 2 the whole weights, at stage 3 the
+            // weights' shard and at most three units gathered (fp32 and the passes' copy).
+            sizes.extend(std::iter::repeat_n(shard, 1 + extra));
+            let held = [largest, first, last];
+            if stage == 3 {
+                sizes.push(shard);
+                sizes.extend(held);
+                if half {
+                    sizes.extend(held.map(|n| n.div_ceil(2)));
+                }
+            } else {
+                sizes.push(params);
+                if half {
+                    sizes.push(params.div_ceil(2));
+                }
+            }
+            // Backward's unit gradient buffers (at most three at once).
+            sizes.extend(held);
+            (params, shard, 0)
+        }
         Weights::Lora { params, adapters, base_bytes, quantized } => {
             let deq = if quantized { frozen::largest_matrix(cfg) } else { 0 };
             sizes.extend(frozen::buffer_lens(adapters, b * t, deq, cfg.n_embd));
@@ -425,12 +469,7 @@ impl DeviceGpt {
         let params = gpu.alloc(m.params.len(), DType::F32).map_err(|e| e.0)?;
         gpu.write(&params, &m.params);
         let grads = gpu.alloc(m.params.len(), DType::F32).map_err(|e| e.0)?;
-        let dtype = match m.precision {
-            crate::Precision::Bf16 => Some(DType::Bf16),
-            crate::Precision::Fp16 => Some(DType::F16),
-            _ => None,
-        };
-        let work = dtype.map(|d| gpu.alloc(m.params.len(), d)).transpose().map_err(|e| e.0)?;
+        let work = working_type(m.precision).map(|d| gpu.alloc(m.params.len(), d)).transpose().map_err(|e| e.0)?;
         let dev = DeviceGpt::assemble(gpu, m, (m.views.clone(), params, work, grads), None);
         dev.refresh_working();
         Ok(dev)
@@ -470,14 +509,16 @@ impl DeviceGpt {
             (gpu.upload(cos), gpu.upload(sin))
         });
         let (scalars, parts) = (gpu.zeros(SCALARS), gpu.zeros(Gpu::parts_len()));
-        DeviceGpt { cfg: m.cfg.clone(), views, real_vocab: m.real_vocab, params, work, grads, scalars, rope, acts: None, drop: (0.0, 0), count: 0, loss_scale: 1.0, parts, logits: None, docs: false, recompute: (m.recompute, m.recompute_every), frozen, gpu }
+        DeviceGpt { cfg: m.cfg.clone(), views, real_vocab: m.real_vocab, params, work, grads, scalars, rope, acts: None, drop: (0.0, 0), count: 0, loss_scale: 1.0, parts, logits: None, docs: false, recompute: (m.recompute, m.recompute_every), frozen, zero: None, gpu }
     }
 
-    /// The parameters that train and their gradients: every parameter, or LoRA's adapters.
+    /// The parameters that train and their gradients: every parameter, or LoRA's adapters;
+    /// under ZeRO the gradient shard, beside the whole weights (stage 2) or their shard (3).
     pub fn trainable(&self) -> (&Buf, &Buf) {
-        match &self.frozen {
-            Some(f) => (&f.params, &f.grads),
-            None => (&self.params, &self.grads),
+        match (&self.frozen, &self.zero) {
+            (Some(f), _) => (&f.params, &f.grads),
+            (None, Some(z)) => (z.params.as_ref().unwrap_or(&self.params), &z.grads),
+            (None, None) => (&self.params, &self.grads),
         }
     }
 
@@ -510,6 +551,43 @@ impl DeviceGpt {
     /// The weights the passes read: the working copy under mixed precision, else the fp32 ones.
     fn w(&self) -> &Buf {
         self.work.as_ref().unwrap_or(&self.params)
+    }
+
+    /// Where the passes read flat weight element `off`: its gathered unit under ZeRO-3
+    /// ([`zero`]), else the model's weights.
+    fn wb(&self, off: usize) -> (&Buf, usize) {
+        self.zero.as_ref().and_then(|z| z.weight(off)).unwrap_or((self.w(), off))
+    }
+
+    fn wt(&self, off: usize) -> At<'_> {
+        let (b, o) = self.wb(off);
+        b.at(o)
+    }
+
+    /// A row-major weight matrix of `cols` columns at flat element `off` (transposed with `t`).
+    fn wm(&self, off: usize, cols: usize, t: bool) -> (&Buf, MatSpec) {
+        let (b, o) = self.wb(off);
+        let m = MatSpec::rows(o, cols);
+        (b, if t { m.t() } else { m })
+    }
+
+    /// Where backward accumulates flat gradient element `off`: its unit's buffer under ZeRO-2/3,
+    /// else the model's gradients.
+    fn gb(&self, off: usize) -> (&Buf, usize) {
+        match &self.zero {
+            Some(z) => z.grad(off),
+            None => (&self.grads, off),
+        }
+    }
+
+    fn gt(&self, off: usize) -> At<'_> {
+        let (b, o) = self.gb(off);
+        b.at(o)
+    }
+
+    fn gm(&self, off: usize, cols: usize) -> (&Buf, MatSpec) {
+        let (b, o) = self.gb(off);
+        (b, MatSpec::rows(o, cols))
     }
 
     /// The parameters, downloaded.
@@ -561,6 +639,8 @@ impl DeviceGpt {
         self.count = count;
         let weight = match loss_scale {
             Some(s) if count > 0 => Some(s / count as f32),
+            // Under ZeRO-2/3 every rank runs backward (its collectives), with zero gradients.
+            Some(_) if self.zero.is_some() => Some(0.0),
             _ => None,
         };
         let g = self.gpu.clone();
@@ -571,7 +651,7 @@ impl DeviceGpt {
             g.write_words(&self.scalars, DROPOUT_SEED, &[seed as u32, (seed >> 32) as u32]);
         }
         self.acts(b, t);
-        let a = self.acts.as_ref().unwrap();
+        let a = self.acts.take().unwrap();
         g.write_words(&a.tokens, 0, tokens);
         let tg: Vec<u32> = targets.iter().map(|&x| x as u32).collect();
         g.write_words(&a.targets, 0, &tg);
@@ -580,17 +660,32 @@ impl DeviceGpt {
             g.write_words(&a.starts, 0, d.start);
             g.write_words(&a.pos, 0, d.pos);
         }
-        self.embed(a);
+        let last = self.cfg.n_layer + 1;
+        self.gather_unit(0);
+        self.embed(&a);
         for l in 0..self.cfg.n_layer {
-            self.block_forward(l, a);
+            self.gather_unit(l + 1);
+            self.block_forward(l, &a);
+            self.release_unit(l + 1);
         }
-        let v = &self.views;
+        self.gather_unit(last);
+        let (ln_f_w, ln_f_b, head) = (self.views.ln_f_w.clone(), self.views.ln_f_b.clone(), self.views.lm_head.start);
         let x = &a.xs[self.cfg.n_layer];
-        self.norm_forward((&a.ln_f, &a.ln_f_mean, &a.ln_f_rstd), x, &v.ln_f_w, &v.ln_f_b);
+        self.norm_forward((&a.ln_f, &a.ln_f_mean, &a.ln_f_rstd), x, &ln_f_w, &ln_f_b);
         let dims = HeadDims { c: self.cfg.n_embd, v: self.real_vocab, vp, offset: 0, ignore_index: IGNORE_INDEX, arith: Arith::F32 };
-        let dw = self.frozen.is_none().then(|| self.grads.at(v.lm_head.start));
-        let grads = weight.map(|_| (&a.dln_f, dw, (&self.scalars, LOSS_WEIGHT)));
-        g.lm_head_crossentropy(&a.losses, grads, &a.ln_f, self.w().at(v.lm_head.start), &a.targets, &a.head_scratch, &dims);
+        if weight.is_some() {
+            // The head's weight gradient is backward's first.
+            self.open_grads(self.cfg.n_layer + 1);
+            self.open_grads(0);
+        }
+        let grads = weight.map(|_| (&a.dln_f, self.frozen.is_none().then(|| self.gt(head)), (&self.scalars, LOSS_WEIGHT)));
+        g.lm_head_crossentropy(&a.losses, grads, &a.ln_f, self.wt(head), &a.targets, &a.head_scratch, &dims);
+        if weight.is_none() {
+            // Evaluation: nothing stays gathered (training keeps the embeddings and the final
+            // unit, which hold the head, for backward).
+            self.zero.as_mut().map(Zero::release_all);
+        }
+        self.acts = Some(a);
         count
     }
 
@@ -648,14 +743,14 @@ impl DeviceGpt {
 
     fn embed(&self, a: &Acts) {
         let v = &self.views;
-        let wpe = v.wpe.as_ref().map(|r| self.w().at(r.start));
-        self.gpu.embedding_forward_pos(&a.xs[0], &a.tokens, (self.w().at(v.wte.start), wpe), self.docs.then_some(&a.pos), a.t, self.cfg.n_embd);
+        let wpe = v.wpe.as_ref().map(|r| self.wt(r.start));
+        self.gpu.embedding_forward_pos(&a.xs[0], &a.tokens, (self.wt(v.wte.start), wpe), self.docs.then_some(&a.pos), a.t, self.cfg.n_embd);
         self.dropout(&a.xs[0], 0, a);
     }
 
     fn norm_forward(&self, out: (&Buf, &Buf, &Buf), x: &Buf, w: &std::ops::Range<usize>, b: &Option<std::ops::Range<usize>>) {
         let (o, mean, rstd) = out;
-        let (w, b) = (self.w().at(w.start), b.as_ref().map(|r| self.w().at(r.start)));
+        let (w, b) = (self.wt(w.start), b.as_ref().map(|r| self.wt(r.start)));
         match self.cfg.arch {
             Arch::Gpt2 => self.gpu.layernorm_forward(o, mean, rstd, x, w, b, self.cfg.n_embd),
             Arch::Llama => self.gpu.rmsnorm_forward(o, rstd, x, w, self.cfg.norm_eps, self.cfg.n_embd),
@@ -667,9 +762,9 @@ impl DeviceGpt {
     fn norm_backward(&self, dinp: &Buf, dout: &Buf, x: &Buf, stats: (&Buf, &Buf), (w, b): (&std::ops::Range<usize>, &Option<std::ops::Range<usize>>)) {
         let (dw, db) = match &self.frozen {
             Some(f) => (f.norm_grads.at(0), b.as_ref().map(|_| f.norm_grads.at(self.cfg.n_embd))),
-            None => (self.grads.at(w.start), b.as_ref().map(|r| self.grads.at(r.start))),
+            None => (self.gt(w.start), b.as_ref().map(|r| self.gt(r.start))),
         };
-        let w = self.w().at(w.start);
+        let w = self.wt(w.start);
         match self.cfg.arch {
             Arch::Gpt2 => self.gpu.layernorm_backward((dinp, dw, db), dout, x, w, stats, self.cfg.n_embd),
             Arch::Llama => self.gpu.rmsnorm_backward((dinp, dw), dout, x, w, stats.1, self.cfg.n_embd),
@@ -700,12 +795,12 @@ impl DeviceGpt {
     /// The weight a projection's product reads: a view of the weights, or under QLoRA its
     /// matrix dequantized into the scratch now.
     fn proj_weight(&self, l: usize, site: Site) -> At<'_> {
-        self.frozen.as_ref().and_then(|f| f.dequantized(&self.gpu, l, site)).unwrap_or_else(|| self.w().at(self.proj(l, site).0.start))
+        self.frozen.as_ref().and_then(|f| f.dequantized(&self.gpu, l, site)).unwrap_or_else(|| self.wt(self.proj(l, site).0.start))
     }
 
     /// `y = x·Wᵀ (+ b)` for layer `l`'s projection at `site` (with its LoRA adapters').
     fn linear(&self, y: &Buf, x: &Buf, (l, site): (usize, Site), (n_in, n_out): (usize, usize), a: &Acts) {
-        let bias = self.proj(l, site).1.as_ref().map(|r| self.w().at(r.start));
+        let bias = self.proj(l, site).1.as_ref().map(|r| self.wt(r.start));
         let n = a.b * a.t;
         self.gpu.matmul_forward(y, x, self.proj_weight(l, site), bias, n, n_in, n_out);
         if let Some(f) = &self.frozen {
@@ -720,8 +815,8 @@ impl DeviceGpt {
         let w = self.proj_weight(l, site);
         let Some(f) = &self.frozen else {
             let (wr, b) = self.proj(l, site);
-            let db = b.as_ref().map(|r| self.grads.at(r.start));
-            return self.gpu.matmul_backward_into((dx, self.grads.at(wr.start), db), dy, x, w, n, n_in, n_out);
+            let db = b.as_ref().map(|r| self.gt(r.start));
+            return self.gpu.matmul_backward_into((dx, self.gt(wr.start), db), dy, x, w, n, n_in, n_out);
         };
         self.gpu.gemm(Gemm::new(n, n_in, n_out), (dx, MatSpec::rows(0, n_in)), (dy, MatSpec::rows(0, n_out)), (w.buf, MatSpec::rows(w.off, n_in)), None);
         f.backward(&self.gpu, (l, site), dx, dy, x, n, n_out);
@@ -777,28 +872,40 @@ impl DeviceGpt {
     /// load-balancing loss is the whole batch's, as on the CPU (its counts staged through the
     /// host, one small download a layer).
     pub fn backward_with(&mut self, mut group: Option<&mut dyn tensor::moe::MoeExchange>) {
-        let a = self.acts.as_ref().expect("backward before forward");
-        if self.count == 0 {
+        let a = self.acts.take().expect("backward before forward");
+        if self.count == 0 && self.zero.is_none() {
+            self.acts = Some(a);
             return;
         }
-        let (g, v) = (&*self.gpu, &self.views);
+        let (g, n_layer) = (self.gpu.clone(), self.cfg.n_layer);
         g.clear(&a.dres);
         let stats = (&a.ln_f_mean, &a.ln_f_rstd);
-        self.norm_backward(&a.dres, &a.dln_f, &a.xs[self.cfg.n_layer], stats, (&v.ln_f_w, &v.ln_f_b));
-        for l in (0..self.cfg.n_layer).rev() {
-            self.block_backward(l, &v.blocks[l], a, &mut group);
+        let (ln_f_w, ln_f_b) = (self.views.ln_f_w.clone(), self.views.ln_f_b.clone());
+        self.norm_backward(&a.dres, &a.dln_f, &a.xs[n_layer], stats, (&ln_f_w, &ln_f_b));
+        for l in (0..n_layer).rev() {
+            self.gather_unit(l + 1);
+            self.open_grads(l + 1);
+            self.block_backward(l, &a, &mut group);
+            self.release_unit(l + 1);
+            self.reduce_unit(l + 1);
         }
-        if self.frozen.is_some() {
-            return;
+        if self.frozen.is_none() {
+            let v = &self.views;
+            let demb = self.dropout_grad(&a.dbranch, &a.dres, 0, &a);
+            let c = self.cfg.n_embd;
+            let dwpe = v.wpe.as_ref().map(|r| self.gt(r.start));
+            let pos = v.wpe.as_ref().filter(|_| self.docs).map(|r| (&a.pos, r.len() / c));
+            g.embedding_backward_pos((self.gt(v.wte.start), dwpe), demb, &a.tokens, pos, a.t, c);
         }
-        let demb = self.dropout_grad(&a.dbranch, &a.dres, 0, a);
-        let c = self.cfg.n_embd;
-        let dwpe = v.wpe.as_ref().map(|r| self.grads.at(r.start));
-        let pos = v.wpe.as_ref().filter(|_| self.docs).map(|r| (&a.pos, r.len() / c));
-        g.embedding_backward_pos((self.grads.at(v.wte.start), dwpe), demb, &a.tokens, pos, a.t, c);
+        if let Some(z) = self.zero.as_mut() {
+            z.release_all();
+            z.reduce_rest(&g);
+        }
+        self.acts = Some(a);
     }
 
-    fn block_backward(&self, l: usize, bp: &BlockParams, a: &Acts, group: &mut Option<&mut dyn tensor::moe::MoeExchange>) {
+    fn block_backward(&self, l: usize, a: &Acts, group: &mut Option<&mut dyn tensor::moe::MoeExchange>) {
+        let bp = &self.views.blocks[l];
         if a.keep.recomputed[l] {
             // Full recomputation: re-run the block's forward from its kept input, the same
             // kernels and masks, into the shared set.
@@ -856,26 +963,26 @@ impl DeviceGpt {
         let n = r.n;
         let dims = cfg.moe_dims(n);
         let cap = dims.capacity().min(n);
-        g.matmul_forward(&ma.logits, x, self.w().at(mp.router.start), None, n, c, e);
+        g.matmul_forward(&ma.logits, x, self.wt(mp.router.start), None, n, c, e);
         g.moe_route(r, &ma.logits, dims.renormalize, dims.capacity());
         g.moe_dispatch(&ma.xe, x, r, c);
         let (es, off) = (3 * f * c, (&r.offsets, 0));
         for ex in 0..e {
             let w = mp.experts.start + ex * es;
             let rows = |cols: usize| MatSpec::rows(0, cols);
-            g.gemm_ragged(Gemm::new(cap, 2 * f, c), (&ma.gu, rows(2 * f)), (&ma.xe, rows(c)), (self.w(), MatSpec::rows(w, c).t()), Ragged::Rows, (off.0, ex));
+            g.gemm_ragged(Gemm::new(cap, 2 * f, c), (&ma.gu, rows(2 * f)), (&ma.xe, rows(c)), self.wm(w, c, true), Ragged::Rows, (off.0, ex));
         }
         g.swiglu_forward(&ma.h, &ma.gu, f);
         for ex in 0..e {
             let w2 = mp.experts.start + ex * es + 2 * f * c;
-            g.gemm_ragged(Gemm::new(cap, c, f), (&ma.eo, MatSpec::rows(0, c)), (&ma.h, MatSpec::rows(0, f)), (self.w(), MatSpec::rows(w2, f).t()), Ragged::Rows, (off.0, ex));
+            g.gemm_ragged(Gemm::new(cap, c, f), (&ma.eo, MatSpec::rows(0, c)), (&ma.h, MatSpec::rows(0, f)), self.wm(w2, f, true), Ragged::Rows, (off.0, ex));
         }
         for (si, (sgu, sh)) in ma.sgu.iter().zip(&ma.sh).enumerate() {
             let w = mp.shared.start + si * es;
-            g.matmul_forward(sgu, x, self.w().at(w), None, n, c, 2 * f);
+            g.matmul_forward(sgu, x, self.wt(w), None, n, c, 2 * f);
             g.swiglu_forward(sh, sgu, f);
             let acc = Gemm { accumulate: si > 0, ..Gemm::new(n, c, f) };
-            g.gemm(acc, (y, MatSpec::rows(0, c)), (sh, MatSpec::rows(0, f)), (self.w(), MatSpec::rows(w + 2 * f * c, f).t()), None);
+            g.gemm(acc, (y, MatSpec::rows(0, c)), (sh, MatSpec::rows(0, f)), self.wm(w + 2 * f * c, f, true), None);
         }
         g.moe_combine(y, &ma.eo, r, c, !ma.sgu.is_empty());
         // Statistics: Σ_t probs per expert (a column sum) and Σ_t lse².
@@ -921,32 +1028,32 @@ impl DeviceGpt {
         g.moe_combine_backward((&ms.dgate, &ms.deo), dy, &ma.eo, r, c);
         for ex in 0..e {
             let w2 = mp.experts.start + ex * es + 2 * f * c;
-            g.gemm_ragged(Gemm::new(cap, f, c), (&ms.dh, rows(f)), (&ms.deo, rows(c)), (self.w(), MatSpec::rows(w2, f)), Ragged::Rows, (&r.offsets, ex));
+            g.gemm_ragged(Gemm::new(cap, f, c), (&ms.dh, rows(f)), (&ms.deo, rows(c)), self.wm(w2, f, false), Ragged::Rows, (&r.offsets, ex));
             if train {
-                g.gemm_ragged(Gemm::new(c, f, nk).acc(), (&self.grads, MatSpec::rows(w2, f)), (&ms.deo, rows(c).t()), (&ma.h, rows(f)), Ragged::Inner, (&r.offsets, ex));
+                g.gemm_ragged(Gemm::new(c, f, nk).acc(), self.gm(w2, f), (&ms.deo, rows(c).t()), (&ma.h, rows(f)), Ragged::Inner, (&r.offsets, ex));
             }
         }
         g.swiglu_backward(&ms.dgu, &ms.dh, &ma.gu, f, false);
         for ex in 0..e {
             let w = mp.experts.start + ex * es;
             if train {
-                g.gemm_ragged(Gemm::new(2 * f, c, nk).acc(), (&self.grads, MatSpec::rows(w, c)), (&ms.dgu, rows(2 * f).t()), (&ma.xe, rows(c)), Ragged::Inner, (&r.offsets, ex));
+                g.gemm_ragged(Gemm::new(2 * f, c, nk).acc(), self.gm(w, c), (&ms.dgu, rows(2 * f).t()), (&ma.xe, rows(c)), Ragged::Inner, (&r.offsets, ex));
             }
-            g.gemm_ragged(Gemm::new(cap, c, 2 * f), (&ms.deo, rows(c)), (&ms.dgu, rows(2 * f)), (self.w(), MatSpec::rows(w, c)), Ragged::Rows, (&r.offsets, ex));
+            g.gemm_ragged(Gemm::new(cap, c, 2 * f), (&ms.deo, rows(c)), (&ms.dgu, rows(2 * f)), self.wm(w, c, false), Ragged::Rows, (&r.offsets, ex));
         }
         g.clear(dx);
         g.moe_dispatch_backward(dx, &ms.deo, r, c);
         for (si, (sgu, sh)) in ma.sgu.iter().zip(&ma.sh).enumerate() {
             let w = mp.shared.start + si * es;
-            g.gemm(Gemm::new(n, f, c), (&ms.dh, rows(f)), (dy, rows(c)), (self.w(), MatSpec::rows(w + 2 * f * c, f)), None);
+            g.gemm(Gemm::new(n, f, c), (&ms.dh, rows(f)), (dy, rows(c)), self.wm(w + 2 * f * c, f, false), None);
             if train {
-                g.gemm(Gemm::new(c, f, n).acc(), (&self.grads, MatSpec::rows(w + 2 * f * c, f)), (dy, rows(c).t()), (sh, rows(f)), None);
+                g.gemm(Gemm::new(c, f, n).acc(), self.gm(w + 2 * f * c, f), (dy, rows(c).t()), (sh, rows(f)), None);
             }
             g.swiglu_backward(&ms.dgu, &ms.dh, sgu, f, false);
             if train {
-                g.gemm(Gemm::new(2 * f, c, n).acc(), (&self.grads, MatSpec::rows(w, c)), (&ms.dgu, rows(2 * f).t()), (x, rows(c)), None);
+                g.gemm(Gemm::new(2 * f, c, n).acc(), self.gm(w, c), (&ms.dgu, rows(2 * f).t()), (x, rows(c)), None);
             }
-            g.gemm(Gemm::new(n, c, 2 * f).acc(), (dx, rows(c)), (&ms.dgu, rows(2 * f)), (self.w(), MatSpec::rows(w, c)), None);
+            g.gemm(Gemm::new(n, c, 2 * f).acc(), (dx, rows(c)), (&ms.dgu, rows(2 * f)), self.wm(w, c, false), None);
         }
         // The router: the gates' gradient, the aux and z losses (weighted as the main loss).
         if !aux_written {
@@ -955,9 +1062,9 @@ impl DeviceGpt {
         let z_coef = 2.0 * (cfg.moe_z_weight * self.loss_scale) / n as f32;
         g.moe_router_backward(&ms.dlogits, r, &ms.dgate, &ms.aux_coef, z_coef, cfg.moe_dims(n).renormalize);
         let wr = mp.router.start;
-        g.gemm(Gemm::new(n, c, e).acc(), (dx, rows(c)), (&ms.dlogits, rows(e)), (self.w(), MatSpec::rows(wr, c)), None);
+        g.gemm(Gemm::new(n, c, e).acc(), (dx, rows(c)), (&ms.dlogits, rows(e)), self.wm(wr, c, false), None);
         if train {
-            g.gemm(Gemm::new(e, c, n).acc(), (&self.grads, MatSpec::rows(wr, c)), (&ms.dlogits, rows(e).t()), (x, rows(c)), None);
+            g.gemm(Gemm::new(e, c, n).acc(), self.gm(wr, c), (&ms.dlogits, rows(e).t()), (x, rows(c)), None);
         }
     }
 
@@ -1033,14 +1140,14 @@ impl DeviceGpt {
         self.acts(1, 1);
         let (g, a, v) = (&*self.gpu, self.acts.as_ref().unwrap(), &self.views);
         g.write_words(&a.tokens, 0, &[token]);
-        let wpe = v.wpe.as_ref().map(|r| self.w().at(r.start + pos * c));
-        g.embedding_forward(&a.xs[0], &a.tokens, self.w().at(v.wte.start), wpe, 1, c);
+        let wpe = v.wpe.as_ref().map(|r| self.wt(r.start + pos * c));
+        g.embedding_forward(&a.xs[0], &a.tokens, self.wt(v.wte.start), wpe, 1, c);
         for l in 0..self.cfg.n_layer {
             self.decode_block(l, a, cache);
         }
         let x = &a.xs[self.cfg.n_layer];
         self.norm_forward((&a.ln_f, &a.ln_f_mean, &a.ln_f_rstd), x, &v.ln_f_w, &v.ln_f_b);
-        g.matmul_forward(self.logits.as_ref().unwrap(), &a.ln_f, self.w().at(v.lm_head.start), None, 1, c, vp);
+        g.matmul_forward(self.logits.as_ref().unwrap(), &a.ln_f, self.wt(v.lm_head.start), None, 1, c, vp);
         cache.len += 1;
     }
 
@@ -1090,6 +1197,7 @@ impl DeviceGpt {
 
     /// The view of parameter range `r` in the gradients.
     pub fn grad_at(&self, r: &std::ops::Range<usize>) -> At<'_> {
+        assert!(self.zero.is_none(), "grad_at: a ZeRO-2/3 model holds its gradients as a shard");
         self.grads.at(r.start)
     }
 }

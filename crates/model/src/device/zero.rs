@@ -1,0 +1,261 @@
+//! ZeRO stages 2 and 3 on a device (DeepSpeed's partitioned gradients and parameters, FSDP's
+//! per-unit gathers): the layout's units ([`crate::ParamLayout::units`]) are cut into one
+//! chunk per rank, as the CPU's data-parallel store cuts them, and this rank keeps its chunks
+//! (its *shard*) on the device.
+//!
+//! - Stage 2: the whole weights stay resident; each unit's gradients go into a buffer of their
+//!   own while backward runs through the unit, and when it leaves the unit they are summed over
+//!   the group and this rank's chunk is added to its gradient shard; the unit's buffer is freed.
+//! - Stage 3: the weights too live as the shard (fp32, the optimizer's master weights); a pass
+//!   gathers each unit before it runs it (in the passes' type) and frees it after, backward
+//!   gathering it again. The embeddings and the final unit (which hold the head) stay
+//!   gathered from the forward through the backward.
+//!
+//! The collectives are the group's ([`ZeroGroup`]), staged through host memory. Every rank
+//! runs the same passes over the same units, so every rank calls the same collectives in the
+//! same order.
+
+use super::DeviceGpt;
+use device::{Buf, DType, Gpu};
+use std::ops::Range;
+use std::sync::Arc;
+
+/// The host collectives a sharded device model stages its unit traffic through (the
+/// data-parallel group's).
+pub trait ZeroGroup: Send {
+    /// The group's ranks.
+    fn size(&self) -> usize;
+    /// Every rank's `mine` (equal lengths), concatenated in rank order.
+    fn all_gather(&mut self, mine: &[f32]) -> Vec<f32>;
+    /// `full` (`size()` equal chunks) summed over the ranks, in rank order; this rank's chunk
+    /// of the sum.
+    fn reduce_scatter(&mut self, full: &[f32]) -> Vec<f32>;
+}
+
+/// How the layout is cut: unit `u` (`units[u]`) in chunks of `chunk[u]` elements (the last
+/// rank's padded), this rank's at `offset[u]` of a shard of `len` (the CPU store's `Shards`).
+#[derive(Clone, Debug)]
+pub struct ShardLayout {
+    pub rank: usize,
+    pub units: Vec<Range<usize>>,
+    pub chunk: Vec<usize>,
+    pub offset: Vec<usize>,
+    pub len: usize,
+}
+
+impl ShardLayout {
+    /// This rank's real elements of unit `u`, relative to the unit's start.
+    pub fn own(&self, u: usize) -> Range<usize> {
+        let (c, l) = (self.chunk[u], self.units[u].len());
+        (self.rank * c).min(l)..((self.rank + 1) * c).min(l)
+    }
+
+    /// The unit holding flat element `off`.
+    pub fn unit_of(&self, off: usize) -> usize {
+        self.units.partition_point(|u| u.end <= off).min(self.units.len() - 1)
+    }
+}
+
+/// A gathered unit: its fp32 weights and, under mixed precision, the copy the passes read.
+struct Unit {
+    f32: Buf,
+    work: Option<Buf>,
+}
+
+/// A device model's ZeRO state (see the module docs).
+pub struct Zero {
+    pub stage: u8,
+    pub layout: ShardLayout,
+    group: Box<dyn ZeroGroup>,
+    /// Stage 3: this rank's fp32 weights, `layout.len` (its pieces at their shard positions).
+    pub params: Option<Buf>,
+    /// This rank's gradient shard, summed over the group and the step's micro-batches.
+    pub grads: Buf,
+    /// Stage 3: the units gathered now.
+    gathered: Vec<Option<Unit>>,
+    /// The units' gradients while backward runs through them.
+    unit_grads: Vec<Option<Buf>>,
+    /// The passes' type under mixed precision.
+    work: Option<DType>,
+}
+
+impl Zero {
+    /// Stage `stage` (2 or 3) over `layout`: the gradient shard zeroed and, at stage 3, the
+    /// weight shard `shard` uploaded.
+    pub fn new(gpu: &Gpu, stage: u8, layout: ShardLayout, group: Box<dyn ZeroGroup>, shard: Option<&[f32]>, work: Option<DType>) -> Result<Zero, String> {
+        assert!(matches!(stage, 2 | 3) && shard.is_some() == (stage == 3), "ZeRO on a device: stage 2, or 3 with its weight shard");
+        let alloc = |n| gpu.alloc(n, DType::F32).map_err(|e| e.0);
+        let params = match shard {
+            Some(s) => {
+                let b = alloc(layout.len)?;
+                gpu.write(&b, s);
+                Some(b)
+            }
+            None => None,
+        };
+        let grads = alloc(layout.len)?;
+        gpu.clear(&grads);
+        let n = layout.units.len();
+        Ok(Zero { stage, layout, group, params, grads, gathered: (0..n).map(|_| None).collect(), unit_grads: (0..n).map(|_| None).collect(), work })
+    }
+
+    /// The group's ranks.
+    pub fn size(&self) -> usize {
+        self.group.size()
+    }
+
+    /// The weights the passes read at flat element `off`: its gathered unit and the offset in
+    /// it (stage 3), else `None` (the model's own buffer).
+    pub(super) fn weight(&self, off: usize) -> Option<(&Buf, usize)> {
+        if self.stage < 3 {
+            return None;
+        }
+        let u = self.layout.unit_of(off);
+        let unit = self.gathered[u].as_ref().unwrap_or_else(|| panic!("ZeRO-3: unit {u} used before it was gathered"));
+        Some((unit.work.as_ref().unwrap_or(&unit.f32), off - self.layout.units[u].start))
+    }
+
+    /// The gradient buffer of flat element `off` while backward runs through its unit.
+    pub(super) fn grad(&self, off: usize) -> (&Buf, usize) {
+        let u = self.layout.unit_of(off);
+        let g = self.unit_grads[u].as_ref().unwrap_or_else(|| panic!("ZeRO: unit {u}'s gradients used before backward reached it"));
+        (g, off - self.layout.units[u].start)
+    }
+
+    /// Stage 3: gathers unit `u` from the group's shards (collective), if it is not.
+    pub(super) fn gather(&mut self, gpu: &Gpu, u: usize) {
+        if self.stage < 3 || self.gathered[u].is_some() {
+            return;
+        }
+        let (c, at) = (self.layout.chunk[u], self.layout.offset[u]);
+        let shard = self.params.as_ref().expect("the stage-3 weight shard");
+        let mine: Vec<f32> = gpu.download_words(shard, at, c).into_iter().map(f32::from_bits).collect();
+        let all = self.group.all_gather(&mine);
+        let len = self.layout.units[u].len();
+        let f32 = gpu.alloc(len, DType::F32).expect("a gathered unit (the plan counts it)");
+        gpu.write(&f32, &all[..len]);
+        let work = self.work.map(|d| {
+            let w = gpu.alloc(len, d).expect("a gathered unit's working copy (the plan counts it)");
+            gpu.cast(&w, &f32).expect("equal lengths");
+            w
+        });
+        self.gathered[u] = Some(Unit { f32, work });
+    }
+
+    /// Stage 3: frees unit `u`'s gathered weights.
+    pub(super) fn release(&mut self, u: usize) {
+        self.gathered[u] = None;
+    }
+
+    /// Frees every gathered unit.
+    pub(super) fn release_all(&mut self) {
+        self.gathered.iter_mut().for_each(|g| *g = None);
+    }
+
+    /// A zeroed gradient buffer for unit `u`, if it has none (backward reaches the unit).
+    pub(super) fn open_grads(&mut self, gpu: &Gpu, u: usize) {
+        if self.unit_grads[u].is_none() {
+            self.unit_grads[u] = Some(gpu.zeros(self.layout.units[u].len()));
+        }
+    }
+
+    /// Backward is done with unit `u`: its gradients summed over the group (collective), this
+    /// rank's chunk added to the gradient shard, the unit's buffer freed.
+    pub(super) fn reduce(&mut self, gpu: &Gpu, u: usize) {
+        let (c, at, n) = (self.layout.chunk[u], self.layout.offset[u], self.group.size());
+        let mut full = gpu.download(&self.unit_grads[u].take().expect("a unit backward reached"));
+        full.resize(c * n, 0.0);
+        let mine = self.group.reduce_scatter(&full);
+        let old = gpu.download_words(&self.grads, at, c);
+        let sum: Vec<u32> = old.iter().zip(&mine).map(|(&o, &m)| (f32::from_bits(o) + m).to_bits()).collect();
+        gpu.write_words(&self.grads, at, &sum);
+    }
+
+    /// The units backward has not reduced yet (the embeddings and the final unit, which it
+    /// leaves last), reduced in layout order.
+    pub(super) fn reduce_rest(&mut self, gpu: &Gpu) {
+        for u in 0..self.layout.units.len() {
+            if self.unit_grads[u].is_some() {
+                self.reduce(gpu, u);
+            }
+        }
+    }
+
+    /// This rank's fp32 weights in the whole layout's positions (zero elsewhere): stage 3's
+    /// shard spread out (what the host's copy of this rank's pieces is refreshed from).
+    pub fn spread_shard(&self, gpu: &Gpu, total: usize) -> Vec<f32> {
+        let shard = gpu.download(self.params.as_ref().expect("the stage-3 weight shard"));
+        let mut out = vec![0.0; total];
+        for u in 0..self.layout.units.len() {
+            let (o, s) = (self.layout.own(u), self.layout.units[u].start);
+            let at = self.layout.offset[u];
+            out[s + o.start..s + o.end].copy_from_slice(&shard[at..at + o.len()]);
+        }
+        out
+    }
+}
+
+impl DeviceGpt {
+    /// `m` on `gpu` under ZeRO stage `stage` (2 or 3) over `group`, cut as `layout`: at stage 2
+    /// its weights uploaded whole, at stage 3 only this rank's pieces of them (`m.params` holds
+    /// at least those); the gradients as the shard. LoRA trains at stage 0 only.
+    pub fn with_zero(gpu: Arc<Gpu>, m: &crate::Gpt, stage: u8, layout: ShardLayout, group: Box<dyn ZeroGroup>) -> Result<DeviceGpt, String> {
+        if let Some(why) = super::unsupported(m) {
+            return Err(why);
+        }
+        if m.lora.is_some() {
+            return Err("LoRA adapters train at ZeRO stage 0 (parallel.zero = 0)".into());
+        }
+        let work = super::working_type(m.precision);
+        let (params, zero) = if stage == 3 {
+            let mut shard = vec![0.0; layout.len];
+            for u in 0..layout.units.len() {
+                let (o, s, at) = (layout.own(u), layout.units[u].start, layout.offset[u]);
+                shard[at..at + o.len()].copy_from_slice(&m.params[s + o.start..s + o.end]);
+            }
+            (gpu.zeros(1), Zero::new(&gpu, 3, layout, group, Some(&shard), work)?)
+        } else {
+            let p = gpu.alloc(m.params.len(), DType::F32).map_err(|e| e.0)?;
+            gpu.write(&p, &m.params);
+            (p, Zero::new(&gpu, 2, layout, group, None, None)?)
+        };
+        let work = (stage == 2).then_some(work).flatten().map(|d| gpu.alloc(m.params.len(), d)).transpose().map_err(|e| e.0)?;
+        let mut dev = DeviceGpt::assemble(gpu.clone(), m, (m.views.clone(), params, work, gpu.zeros(1)), None);
+        dev.zero = Some(zero);
+        dev.refresh_working();
+        Ok(dev)
+    }
+
+    /// The model's ZeRO state, if it is sharded.
+    pub fn zero(&self) -> Option<&Zero> {
+        self.zero.as_ref()
+    }
+
+    /// Gathers unit `u` (ZeRO-3).
+    pub(super) fn gather_unit(&mut self, u: usize) {
+        if let Some(z) = self.zero.as_mut() {
+            z.gather(&self.gpu, u);
+        }
+    }
+
+    /// Frees unit `u`'s gathered weights (ZeRO-3).
+    pub(super) fn release_unit(&mut self, u: usize) {
+        if let Some(z) = self.zero.as_mut() {
+            z.release(u);
+        }
+    }
+
+    /// Gives unit `u` a gradient buffer (ZeRO-2/3, as backward reaches it).
+    pub(super) fn open_grads(&mut self, u: usize) {
+        if let Some(z) = self.zero.as_mut() {
+            z.open_grads(&self.gpu, u);
+        }
+    }
+
+    /// Reduces unit `u`'s gradients into the shard (ZeRO-2/3, as backward leaves it).
+    pub(super) fn reduce_unit(&mut self, u: usize) {
+        if let Some(z) = self.zero.as_mut() {
+            z.reduce(&self.gpu, u);
+        }
+    }
+}
