@@ -18,12 +18,31 @@ pub struct Offsets {
     pub moments: usize,
 }
 
-const CROSSENTROPY: Kernel = kernel!("crossentropy", libs ["reduce"], ["L", "LOSSES", "TGT", "S"], writes ["L", "LOSSES"]);
+const CROSSENTROPY: Kernel = kernel!("crossentropy", libs ["reduce", "softmax"], ["L", "LOSSES", "TGT", "S"], writes ["L", "LOSSES"]);
+const CROSSENTROPY_VP: Kernel = kernel!("crossentropy_vp", libs ["reduce", "softmax"], ["L", "LOSSES", "TGT", "S", "ST"], writes ["L", "LOSSES", "ST"]);
 const SUM_SQUARES: Kernel = kernel!("sum_squares", libs ["reduce"], ["OUT", "PART", "X"], writes ["OUT", "PART"]);
 const CLIP: Kernel = kernel!("clip", ["S"], writes ["S"]);
 const ADAMW: Kernel = kernel!("adamw", ["P", "G", "M", "V", "S"], writes ["P", "M", "V"]);
 /// This module's kernels (the CUDA build compiles each).
-pub(crate) const KERNELS: &[&Kernel] = &[&CROSSENTROPY, &SUM_SQUARES, &CLIP, &ADAMW];
+pub(crate) const KERNELS: &[&Kernel] = &[&CROSSENTROPY, &CROSSENTROPY_VP, &SUM_SQUARES, &CLIP, &ADAMW];
+
+/// The vocabulary-parallel head's exchange: every rank's `[lse | target logit]` rows gathered.
+type Gather<'a> = &'a mut dyn FnMut(&[f32]) -> Vec<f32>;
+
+/// Every rank's `[lse | target logit]` of `rows` rows (rank order, as gathered) into the rows'
+/// global `[lse | target logit]`: `m + ln Σ_r exp(lse_r − m)` in f64 and the target logits
+/// summed in rank order (only the target's owner has a nonzero one), as the CPU combines them.
+fn combine_row_stats(all: &[f32], rows: usize) -> Vec<f32> {
+    let ranks = all.len() / (2 * rows);
+    let part = |k: usize, j: usize, i: usize| all[k * 2 * rows + j * rows + i];
+    let mut out = vec![0.0; 2 * rows];
+    for i in 0..rows {
+        let m = (0..ranks).map(|k| part(k, 0, i)).fold(f32::NEG_INFINITY, f32::max);
+        out[i] = m + (0..ranks).map(|k| ((part(k, 0, i) - m) as f64).exp()).sum::<f64>().ln() as f32;
+        out[rows + i] = (0..ranks).map(|k| part(k, 1, i)).sum::<f32>();
+    }
+    out
+}
 
 /// Workgroups the first stage of [`Gpu::sum_squares`] uses at most (its partial sums).
 const PARTS: usize = 1024;
@@ -56,19 +75,47 @@ impl Gpu {
     /// sets the chunk's rows `R`.
     #[allow(clippy::too_many_arguments)]
     pub fn lm_head_crossentropy(&self, losses: &Buf, grads: Option<(&Buf, Option<At>, (&Buf, usize))>, inp: &Buf, weight: At, targets: &Buf, scratch: &Buf, d: &HeadDims) {
+        assert_eq!(d.offset, 0, "a vocabulary slice's head is lm_head_crossentropy_vocab_parallel");
+        self.head_chunks(losses, grads, inp, weight, targets, scratch, d, None);
+    }
+
+    /// [`Gpu::lm_head_crossentropy`] over a vocabulary-parallel shard's rows `d.offset ..` of the
+    /// head (`tensor::classifier::lm_head_crossentropy_vocab_parallel`): per chunk this rank's
+    /// `[log-sum-exp | target logit]` per row are downloaded, `gather` all-gathers them across the
+    /// ranks (rank order), the rows' global log-sum-exps (`m + ln Σ_r exp(lse_r − m)`, in f64 as
+    /// the CPU's) and target logits go back up, and the losses and this rank's logit gradients
+    /// follow from them. `dinp` is this rank's partial input gradient (the caller sums it over
+    /// the ranks); `targets` hold global ids.
+    #[allow(clippy::too_many_arguments)]
+    pub fn lm_head_crossentropy_vocab_parallel(&self, losses: &Buf, grads: Option<(&Buf, Option<At>, (&Buf, usize))>, inp: &Buf, weight: At, targets: &Buf, scratch: &Buf, d: &HeadDims, gather: Gather) {
+        self.head_chunks(losses, grads, inp, weight, targets, scratch, d, Some(gather));
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn head_chunks(&self, losses: &Buf, grads: Option<(&Buf, Option<At>, (&Buf, usize))>, inp: &Buf, weight: At, targets: &Buf, scratch: &Buf, d: &HeadDims, mut gather: Option<Gather>) {
         let HeadDims { c, v, vp, offset, ignore_index, .. } = *d;
-        assert_eq!(offset, 0, "a vocabulary slice does not run on the device yet");
         let n = targets.len();
         // As many rows as the scratch holds, within [`Gpu::head_rows`].
         let r = self.head_rows(n, vp).min(scratch.len() / vp.max(1));
         assert!(r >= 1 && losses.len() >= n && inp.len() >= n * c && weight.fits(vp * c), "lm_head_crossentropy: shapes");
+        let stats = gather.is_some().then(|| self.zeros(2 * r));
         for r0 in (0..n).step_by(r) {
             let rows = r.min(n - r0);
             let (lg, x) = ((scratch, MatSpec::rows(0, vp)), (inp, MatSpec::rows(r0 * c, c)));
             self.gemm(Gemm::new(rows, vp, c), lg, x, (weight.buf, MatSpec::rows(weight.off, c).t()), None);
             let (scal, at) = grads.map_or((None, 0), |g| (Some(g.2 .0), g.2 .1));
-            let args = [u(rows), u(v), u(vp), ignore_index as u32, u(r0), grads.is_some() as u32, u(at)];
-            self.launch(&CROSSENTROPY, Gpu::grid(rows, 1), &args, &[Some(scratch), Some(losses), Some(targets), scal]);
+            let args = [u(rows), u(v), u(vp), ignore_index as u32, u(r0), grads.is_some() as u32, u(at), u(offset)];
+            match (gather.as_deref_mut(), &stats) {
+                (Some(gather), Some(st)) => {
+                    let ce = |mode: u32| self.launch(&CROSSENTROPY_VP, Gpu::grid(rows, 1), &[&args[..], &[mode]].concat(), &[Some(scratch), Some(losses), Some(targets), scal, Some(st)]);
+                    ce(0);
+                    let mine: Vec<f32> = self.download_words(st, 0, 2 * rows).into_iter().map(f32::from_bits).collect();
+                    let global = combine_row_stats(&gather(&mine), rows);
+                    self.write_words(st, 0, &global.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+                    ce(1);
+                }
+                _ => self.launch(&CROSSENTROPY, Gpu::grid(rows, 1), &args[..7], &[Some(scratch), Some(losses), Some(targets), scal]),
+            }
             if let Some((dinp, dw, _)) = grads {
                 self.gemm(Gemm::new(rows, c, vp), (dinp, MatSpec::rows(r0 * c, c)), lg, (weight.buf, MatSpec::rows(weight.off, c)), None);
                 if let Some(dw) = dw {

@@ -34,7 +34,7 @@ pub use attention::MAX_HEAD_SIZE;
 pub use head::{slot, Offsets};
 pub use kernels::{Gemm, MatSpec, Ragged};
 pub use moe::Routing;
-pub use ops::RopePos;
+pub use ops::{RopePos, ALL_ROWS};
 pub use quant::QBuf;
 
 /// Every kernel of the backend, in its module's order.
@@ -77,7 +77,7 @@ impl DType {
     }
 
     /// The storage format of a 16-bit type.
-    fn format(self) -> Option<Format> {
+    pub fn format(self) -> Option<Format> {
         match self {
             DType::Bf16 => Some(Format::Bf16),
             DType::F16 => Some(Format::Fp16),

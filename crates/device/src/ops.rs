@@ -8,6 +8,7 @@ use crate::shader::{kernel, Kernel};
 use crate::{At, Buf, Gpu, Seed};
 use tensor::llama::GqaDims;
 use tensor::ops::RowMap;
+use std::ops::Range;
 
 const EMBEDDING_FORWARD: Kernel = kernel!("embedding_forward", ["OUT", "TOK", "P", "POS"], writes ["OUT"]);
 const EMBEDDING_BACKWARD: Kernel = kernel!("embedding_backward", ["DP", "D", "TOK", "POS"], writes ["DP"]);
@@ -39,41 +40,49 @@ fn mode(accumulate: bool) -> Mode {
     }
 }
 
+/// Every row of a token table (no vocabulary shard).
+pub const ALL_ROWS: Range<usize> = 0..u32::MAX as usize;
+
 impl Gpu {
     /// `out[i] = wte[tokens[i]] + wpe[i mod T]` over `tokens.len()` rows of `c`
     /// (`tensor::embedding_forward`; both tables views of one buffer).
     pub fn embedding_forward(&self, out: &Buf, tokens: &Buf, wte: At, wpe: Option<At>, t: usize, c: usize) {
-        self.embedding_forward_pos(out, tokens, (wte, wpe), None, t, c);
+        self.embedding_forward_pos(out, tokens, (wte, wpe), None, t, c, ALL_ROWS);
     }
 
     /// [`Gpu::embedding_forward`] with each token's position from `pos` (`[B, T]`, packed
-    /// documents whose positions restart): `tensor::embedding_forward_rows` over the whole
-    /// vocabulary.
-    pub fn embedding_forward_pos(&self, out: &Buf, tokens: &Buf, (wte, wpe): (At, Option<At>), pos: Option<&Buf>, t: usize, c: usize) {
+    /// documents whose positions restart), `wte` holding vocabulary rows `rows` (a
+    /// vocabulary-parallel shard's: another token's row is 0; [`ALL_ROWS`] for the whole
+    /// table): `tensor::embedding_forward_rows`.
+    #[allow(clippy::too_many_arguments)] // embedding_forward's six, the positions and the rows
+    pub fn embedding_forward_pos(&self, out: &Buf, tokens: &Buf, (wte, wpe): (At, Option<At>), pos: Option<&Buf>, t: usize, c: usize, rows: Range<usize>) {
         let n = tokens.len();
         assert!(out.len() >= n * c && wpe.is_none_or(|w| w.buf.same(wte.buf) && w.fits(t * c)), "embedding_forward: shapes");
         assert!(pos.is_none_or(|p| p.len() == n), "embedding_forward: positions must be [B, T]");
-        let args = [u(n), u(c), u(t), u(wte.off), u(wpe.map_or(0, |w| w.off)), wpe.is_some() as u32, pos.is_some() as u32];
+        let args = [u(n), u(c), u(t), u(wte.off), u(wpe.map_or(0, |w| w.off)), wpe.is_some() as u32, pos.is_some() as u32, u(rows.start), u(rows.end)];
         self.launch(&EMBEDDING_FORWARD, Gpu::grid(n * c, 256), &args, &[Some(out), Some(tokens), Some(wte.buf), pos]);
     }
 
     /// Backward of [`Gpu::embedding_forward`], accumulating into `dwte` (tokens in order) and
     /// `dwpe` (batch rows in order): the CPU kernel's summation order.
     pub fn embedding_backward(&self, dwte: At, dwpe: Option<At>, dout: &Buf, tokens: &Buf, t: usize, c: usize) {
-        self.embedding_backward_pos((dwte, dwpe), dout, tokens, None, t, c);
+        self.embedding_backward_pos((dwte, dwpe), dout, tokens, None, t, c, ALL_ROWS);
     }
 
-    /// Backward of [`Gpu::embedding_forward_pos`]; with positions, `dwpe`'s rows over `max_t`
-    /// positions (`dwpe`'s view) sum their tokens in token order (`tensor::embedding_backward_rows`).
-    pub fn embedding_backward_pos(&self, (dwte, dwpe): (At, Option<At>), dout: &Buf, tokens: &Buf, pos: Option<(&Buf, usize)>, t: usize, c: usize) {
+    /// Backward of [`Gpu::embedding_forward_pos`] (`tensor::embedding_backward_rows`): `dwte`
+    /// accumulates the tokens in `rows`; with positions, `dwpe`'s rows over `max_t` positions
+    /// (`dwpe`'s view) sum their tokens in token order.
+    #[allow(clippy::too_many_arguments)] // as embedding_forward_pos
+    pub fn embedding_backward_pos(&self, (dwte, dwpe): (At, Option<At>), dout: &Buf, tokens: &Buf, pos: Option<(&Buf, usize)>, t: usize, c: usize, rows: Range<usize>) {
         let n = tokens.len();
         assert!(dout.len() >= n * c && (pos.is_some() || n.is_multiple_of(t)), "embedding_backward: shapes");
         let bufs = [Some(dwte.buf), Some(dout), Some(tokens), pos.map(|p| p.0)];
-        self.launch(&EMBEDDING_BACKWARD, Gpu::grid(c, 64), &[u(n), u(c), u(t), u(dwte.off), 0, 0, 0], &bufs);
+        let (lo, hi) = (u(rows.start), u(rows.end));
+        self.launch(&EMBEDDING_BACKWARD, Gpu::grid(c, 64), &[u(n), u(c), u(t), u(dwte.off), 0, 0, 0, lo, hi], &bufs);
         if let Some(w) = dwpe {
             let rows = pos.map_or(t, |p| p.1);
             let bufs = [Some(w.buf), Some(dout), Some(tokens), pos.map(|p| p.0)];
-            self.launch(&EMBEDDING_BACKWARD, Gpu::grid(rows * c, 64), &[u(n), u(c), u(t), u(w.off), 1, pos.is_some() as u32, u(rows)], &bufs);
+            self.launch(&EMBEDDING_BACKWARD, Gpu::grid(rows * c, 64), &[u(n), u(c), u(t), u(w.off), 1, pos.is_some() as u32, u(rows), lo, hi], &bufs);
         }
     }
 

@@ -42,7 +42,7 @@ pub struct DeviceRun {
 struct HostGroup(Box<dyn parallel::Comm>);
 
 impl model::device::ZeroGroup for HostGroup {
-    fn size(&self) -> usize {
+    fn members(&self) -> usize {
         self.0.size()
     }
 
@@ -63,8 +63,14 @@ impl model::device::ZeroGroup for HostGroup {
 pub fn refusal(cfg: &RunConfig) -> Option<String> {
     let p = &cfg.parallel;
     let d = &cfg.train.device;
-    if p.pp > 1 || p.tp > 1 || p.cp > 1 || p.ep > 1 {
-        return Some(format!("train.device = {d}: on devices only data parallelism runs yet; tensor, pipeline, context and expert parallel layouts are not done (got tp {}, pp {}, cp {}, ep {})", p.tp, p.pp, p.cp, p.ep));
+    if p.pp > 1 || p.cp > 1 || p.ep > 1 {
+        return Some(format!("train.device = {d}: on devices data and tensor parallelism run yet; pipeline, context and expert parallel layouts are not done (got pp {}, cp {}, ep {})", p.pp, p.cp, p.ep));
+    }
+    if p.tp > 1 && p.dp > 1 && p.zero >= 2 {
+        return Some(format!("train.device = {d}: tensor parallelism on devices runs with ZeRO stage 0 or 1 yet (parallel.zero = {})", p.zero));
+    }
+    if p.tp > 1 && cfg.lora.rank > 0 {
+        return Some(format!("train.device = {d}: LoRA adapters on a tensor-parallel part do not run on devices yet (parallel.tp = {})", p.tp));
     }
     let why = if cfg.train.precision == model::Precision::Fp8 {
         "FP8 storage (train.precision = fp8)"
@@ -127,11 +133,6 @@ impl DeviceRun {
         self.gpu.info.describe()
     }
 
-    /// The resident model (evaluation runs on it).
-    pub fn model_mut(&mut self) -> &mut DeviceGpt {
-        &mut self.model
-    }
-
     /// The last step's MoE routing statistics.
     pub fn moe_stats(&self) -> &[tensor::moe::MoeStats] {
         &self.moe_stats
@@ -149,8 +150,26 @@ impl DeviceRun {
 
     /// One optimizer step (see the module docs); `fill` draws micro-batch `k`'s rows (this
     /// rank's share under data parallelism, whose group `ch.dp` reduces the gradients through
-    /// the host).
-    pub fn step(&mut self, ch: &mut Chunk, cfg: &RunConfig, step: u64, rows: usize, mut fill: impl FnMut(usize, &mut RowBuf), mut veto: impl FnMut(f32, f64) -> Option<&'static str>) -> Result<StepOut> {
+    /// the host). A tensor-parallel part's passes call the host model's hooks (lent for the
+    /// step), and `tp` sums the gradient norm's parts.
+    #[allow(clippy::too_many_arguments)] // the CPU step's, and the tensor-parallel group
+    pub fn step(&mut self, ch: &mut Chunk, cfg: &RunConfig, step: u64, rows: usize, fill: impl FnMut(usize, &mut RowBuf), veto: impl FnMut(f32, f64) -> Option<&'static str>, tp: Option<&dyn parallel::Comm>) -> Result<StepOut> {
+        self.model.swap_tensor_hooks(&mut ch.model.hooks.tensor);
+        let out = self.step_lent(ch, cfg, (step, rows), fill, veto, tp);
+        self.model.swap_tensor_hooks(&mut ch.model.hooks.tensor);
+        out
+    }
+
+    /// Runs `f` on the resident model with the host model's tensor-parallel hooks lent (a
+    /// device run's evaluation).
+    pub fn with_hooks<R>(&mut self, ch: &mut Chunk, f: impl FnOnce(&mut DeviceGpt) -> R) -> R {
+        self.model.swap_tensor_hooks(&mut ch.model.hooks.tensor);
+        let out = f(&mut self.model);
+        self.model.swap_tensor_hooks(&mut ch.model.hooks.tensor);
+        out
+    }
+
+    fn step_lent(&mut self, ch: &mut Chunk, cfg: &RunConfig, (step, rows): (u64, usize), mut fill: impl FnMut(usize, &mut RowBuf), mut veto: impl FnMut(f32, f64) -> Option<&'static str>, tp: Option<&dyn parallel::Comm>) -> Result<StepOut> {
         let (g, t, m) = (self.gpu.clone(), cfg.seq_len(), cfg.train.grad_accum);
         if m > 64 {
             return user(format!("train.device: at most 64 micro-batches a step (train.grad_accum = {m})"));
@@ -182,7 +201,10 @@ impl DeviceRun {
             ch.dp.reduce_adapters(&mut host);
             g.write(grads, &host);
         }
-        g.sum_squares((&self.model.scalars, slot::SUMSQ), grads.at(0), grads.len(), &self.parts, false);
+        match tp {
+            Some(tp) => self.norm_over_parts(ch, tp),
+            None => g.sum_squares((&self.model.scalars, slot::SUMSQ), grads.at(0), grads.len(), &self.parts, false),
+        }
         if self.zero >= 2 {
             // Each rank holds its shard's squares: the group's sum.
             let mine = f32::from_bits(g.download_words(&self.model.scalars, slot::SUMSQ, 1)[0]) as f64;
@@ -251,6 +273,57 @@ impl DeviceRun {
         g.write(params, &ch.dp.gather_shards_owned(mine));
         self.model.refresh_working();
     }
+}
+
+impl DeviceRun {
+    /// A tensor-parallel part's squared gradient norm into the step's `SUMSQ` slot: its own
+    /// parameters' squares summed over the group, the parameters every part holds whole
+    /// (`ch.replicated`, identical on every part) counted once, as the CPU's norm counts them;
+    /// the partial gradients (`ch.seq_partial`) summed over the group before.
+    fn norm_over_parts(&self, ch: &Chunk, tp: &dyn parallel::Comm) {
+        let (g, grads) = (&self.gpu, self.model.trainable().1);
+        // Sequence parallelism: each part's norms saw its positions; their gradients are
+        // summed over the group first (through the host), as the CPU sums them.
+        let partial: Vec<_> = ch.seq_partial.iter().filter(|r| !r.is_empty()).collect();
+        if !partial.is_empty() {
+            let mut buf: Vec<f32> = partial.iter().flat_map(|r| g.download_words(grads, r.start, r.len())).map(f32::from_bits).collect();
+            tp.all_reduce_sum(&mut buf);
+            let mut at = 0;
+            for r in partial {
+                g.write_words(grads, r.start, &buf[at..at + r.len()].iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+                at += r.len();
+            }
+        }
+        let (own, repl) = (complement(&ch.replicated, grads.len()), &ch.replicated);
+        let at = slot::OPTIM + 64;
+        for (k, ranges) in [own, repl.clone()].iter().enumerate() {
+            g.write_words(&self.sums, at + k, &[0]);
+            for r in ranges.iter().filter(|r| !r.is_empty()) {
+                g.sum_squares((&self.sums, at + k), grads.at(r.start), r.len(), &self.parts, true);
+            }
+        }
+        let w = g.download_words(&self.sums, at, 2);
+        let (own, repl) = (f32::from_bits(w[0]) as f64, f32::from_bits(w[1]) as f64);
+        let sq = parallel::comm::sum_f64(tp, own) + repl;
+        g.write_words(&self.model.scalars, slot::SUMSQ, &[(sq as f32).to_bits()]);
+    }
+}
+
+/// The runs of `0..len` outside `ranges`.
+fn complement(ranges: &[std::ops::Range<usize>], len: usize) -> Vec<std::ops::Range<usize>> {
+    let mut sorted = ranges.to_vec();
+    sorted.sort_by_key(|r| r.start);
+    let (mut out, mut at) = (Vec::new(), 0);
+    for r in sorted {
+        if r.start > at {
+            out.push(at..r.start);
+        }
+        at = at.max(r.end);
+    }
+    if at < len {
+        out.push(at..len);
+    }
+    out
 }
 
 /// The data-parallel group's routing-statistics exchange (the host model's, idle while the

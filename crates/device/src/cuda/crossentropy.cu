@@ -16,16 +16,9 @@ extern "C" __global__ void __launch_bounds__(256) crossentropy(const KilnParams 
     const auto base = row * vp;
     const auto tgt = TGT[arg(4u) + row];
     const auto grads = arg(5u) != 0u;
-    auto mx = -3.4e38f;
-    for (auto j = lid; j < v; j += 256u) {
-        mx = max(mx, ld_L(base + j));
-    }
-    const auto m = wg_max(KP, mx, lid);
-    auto s = 0.0f;
-    for (auto j = lid; j < v; j += 256u) {
-        s += expf(ld_L(base + j) - m);
-    }
-    const auto inv = 1.0f / wg_sum(KP, s, lid);
+    const auto ms = row_max_sum(KP, base, v, lid);
+    const auto m = ms.x;
+    const auto inv = 1.0f / ms.y;
     const auto ignored = tgt == arg(3u);
     // Every thread reads the target's logit before any thread overwrites the row.
     auto pt = 0.0f;

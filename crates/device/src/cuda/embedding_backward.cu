@@ -1,8 +1,9 @@
 // Embedding gradients, accumulated, each element's sum in token order (the CPU's order).
-// mode 0 (token table): one thread per column j, DP[wte + TOK[i]·C + j] += D[i, j] for i in order;
+// mode 0 (token table of vocabulary rows lo .. hi): one thread per column j,
+// DP[wte + (TOK[i] − lo)·C + j] += D[i, j] for the tokens i in the rows, in order;
 // mode 1 (position table): one thread per (p, j), DP[wpe + p·C + j] += Σ_b D[b·T + p, j], or
 // with has_pos the sum over the tokens i with POS[i] = p, in token order (the CPU's).
-// args: n c t off mode has_pos rows
+// args: n c t off mode has_pos rows lo hi
 extern "C" __global__ void __launch_bounds__(64) embedding_backward(const KilnParams KP) {
     const uint3 wg = blockIdx;
     const uint3 lid = threadIdx;
@@ -16,8 +17,11 @@ extern "C" __global__ void __launch_bounds__(64) embedding_backward(const KilnPa
             return;
         }
         for (auto i = 0u; i < n; i++) {
-            const auto at = off + TOK[i] * c + e;
-            st_DP(at, ld_DP(at) + ld_D(i * c + e));
+            const auto tok = TOK[i];
+            if (tok >= arg(7u) && tok < arg(8u)) {
+                const auto at = off + (tok - arg(7u)) * c + e;
+                st_DP(at, ld_DP(at) + ld_D(i * c + e));
+            }
         }
         return;
     }

@@ -1,6 +1,7 @@
-// OUT[i, j] = P[wte + TOK[i]·C + j] (+ P[wpe + pos·C + j], pos = POS[i] with has_pos, else
-// i mod T): the token and position tables are views of one parameter buffer.
-// args: n c t wte_off wpe_off has_wpe has_pos
+// OUT[i, j] = P[wte + (TOK[i] − lo)·C + j] (+ P[wpe + pos·C + j], pos = POS[i] with has_pos,
+// else i mod T): the token and position tables are views of one parameter buffer. The table
+// holds vocabulary rows lo .. hi (a vocabulary-parallel shard's); another token gets 0.
+// args: n c t wte_off wpe_off has_wpe has_pos lo hi
 extern "C" __global__ void __launch_bounds__(256) embedding_forward(const KilnParams KP) {
     const uint3 wg = blockIdx;
     const uint3 lid = threadIdx;
@@ -11,7 +12,12 @@ extern "C" __global__ void __launch_bounds__(256) embedding_forward(const KilnPa
     }
     const auto i = e / c;
     const auto j = e % c;
-    auto v = ld_P(arg(3u) + TOK[i] * c + j);
+    const auto tok = TOK[i];
+    if (tok < arg(7u) || tok >= arg(8u)) {
+        st_OUT(e, 0.0f);
+        return;
+    }
+    auto v = ld_P(arg(3u) + (tok - arg(7u)) * c + j);
     if (arg(5u) != 0u) {
         auto pos = i % arg(2u);
         if (arg(6u) != 0u) {

@@ -15,16 +15,9 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid3
     let base = row * vp;
     let tgt = TGT[arg(4u) + row];
     let grads = arg(5u) != 0u;
-    var mx = -3.4e38;
-    for (var j = lid; j < v; j += 256u) {
-        mx = max(mx, ld_L(base + j));
-    }
-    let m = wg_max(mx, lid);
-    var s = 0.0;
-    for (var j = lid; j < v; j += 256u) {
-        s += exp(ld_L(base + j) - m);
-    }
-    let inv = 1.0 / wg_sum(s, lid);
+    let ms = row_max_sum(base, v, lid);
+    let m = ms.x;
+    let inv = 1.0 / ms.y;
     let ignored = tgt == arg(3u);
     // Every thread reads the target's logit before any thread overwrites the row.
     var pt = 0.0;

@@ -37,7 +37,9 @@ fn embedding_matches_cpu() {
 }
 
 /// With explicit positions (packed documents whose positions restart): the table rows by
-/// position, and the position table's gradient summed per position in token order.
+/// position, and the position table's gradient summed per position in token order; and a
+/// vocabulary-parallel shard's table (rows 9 .. 9 + 14 of the vocabulary: other tokens look up
+/// zeros and leave no gradient).
 #[test]
 fn embedding_with_positions_matches_cpu() {
     let g = gpu();
@@ -45,24 +47,27 @@ fn embedding_with_positions_matches_cpu() {
     let (b, t, c, vp, max_t) = (2, 11, 19, 23, 16);
     let tokens: Vec<u32> = (0..b * t).map(|_| rng.below(vp as u64) as u32).collect();
     let pos: Vec<u32> = (0..b * t).map(|i| ((i % t) % 6) as u32).collect();
-    let params = randn(&mut rng, vp * c + max_t * c, 1.0);
-    let (wte, wpe) = params.split_at(vp * c);
-    let mut out = vec![0.0; b * t * c];
-    tensor::ops::embedding_forward_rows(&mut out, &tokens, wte, Some(wpe), Some(&pos), t, c, 0..vp);
-    let (p, tok, gp, o) = (g.upload(&params), g.upload_u32(&tokens), g.upload_u32(&pos), g.zeros(b * t * c));
-    g.embedding_forward_pos(&o, &tok, (p.at(0), Some(p.at(vp * c))), Some(&gp), t, c);
-    close("embedding_forward with positions", &g.download(&o), &out, F32);
-    let dout = randn(&mut rng, b * t * c, 1.0);
-    let grads0 = randn(&mut rng, params.len(), 1.0);
-    let mut grads = grads0.clone();
-    {
-        let (dwte, dwpe) = grads.split_at_mut(vp * c);
-        tensor::ops::embedding_backward_rows(dwte, Some(dwpe), &dout, &tokens, Some(&pos), t, c, 0..vp);
+    for (name, rows) in [("whole table", 0..vp), ("vocabulary shard", 9..23)] {
+        let params = randn(&mut rng, rows.len() * c + max_t * c, 1.0);
+        let (wte, wpe) = params.split_at(rows.len() * c);
+        let mut out = vec![0.0; b * t * c];
+        tensor::ops::embedding_forward_rows(&mut out, &tokens, wte, Some(wpe), Some(&pos), t, c, rows.clone());
+        let (p, tok, gp, o) = (g.upload(&params), g.upload_u32(&tokens), g.upload_u32(&pos), g.zeros(b * t * c));
+        let table = if rows.start == 0 { device::ALL_ROWS } else { rows.clone() };
+        g.embedding_forward_pos(&o, &tok, (p.at(0), Some(p.at(wte.len()))), Some(&gp), t, c, table.clone());
+        close(&format!("embedding_forward with positions, {name}"), &g.download(&o), &out, F32);
+        let dout = randn(&mut rng, b * t * c, 1.0);
+        let grads0 = randn(&mut rng, params.len(), 1.0);
+        let mut grads = grads0.clone();
+        {
+            let (dwte, dwpe) = grads.split_at_mut(wte.len());
+            tensor::ops::embedding_backward_rows(dwte, Some(dwpe), &dout, &tokens, Some(&pos), t, c, rows.clone());
+        }
+        let dg = g.upload(&grads0);
+        g.embedding_backward_pos((dg.at(0), Some(dg.at(wte.len()))), &g.upload(&dout), &tok, Some((&gp, max_t)), t, c, table);
+        let got = g.download(&dg);
+        assert!(got.iter().zip(&grads).all(|(a, b)| a.to_bits() == b.to_bits()), "embedding_backward with positions, {name}, differs from the CPU");
     }
-    let dg = g.upload(&grads0);
-    g.embedding_backward_pos((dg.at(0), Some(dg.at(vp * c))), &g.upload(&dout), &tok, Some((&gp, max_t)), t, c);
-    let got = g.download(&dg);
-    assert!(got.iter().zip(&grads).all(|(a, b)| a.to_bits() == b.to_bits()), "embedding_backward with positions differs from the CPU");
 }
 
 #[test]

@@ -43,6 +43,58 @@ fn lm_head_crossentropy_matches_cpu_in_chunks_and_types() {
     }
 }
 
+/// The vocabulary-parallel head over two shards of a 41-token vocabulary (rows 0..21 and
+/// 21..41, each padded to 24): on each shard the device's losses, partial input gradient and
+/// weight gradient equal the CPU's, the other shard's `[lse | target logit]` standing in for
+/// the gather.
+#[test]
+fn vocab_parallel_lm_head_matches_cpu() {
+    let g = gpu();
+    let mut rng = Rng::new(44);
+    let (n, c, v, vl) = (23, 19, 41, 24);
+    let mut targets: Vec<i32> = (0..n).map(|_| rng.below(v as u64) as i32).collect();
+    targets[5] = -100;
+    let dloss = 0.7 / (n - 1) as f32;
+    let x = randn(&mut rng, n * c, 1.0);
+    let w = randn(&mut rng, 2 * vl * c, 0.5);
+    let shard = |r: usize| HeadDims { c, v: (v - r * 21).min(21 + r), vp: vl, offset: r * 21, ignore_index: -100, arith: Arith::F32 };
+    // Each shard's own [lse | target logit] per row, as its head computes them.
+    let stats = |r: usize| {
+        let d = shard(r);
+        let mut st = vec![0.0f32; 2 * n];
+        for i in 0..n {
+            let z: Vec<f32> = (0..d.v).map(|j| (0..c).map(|k| x[i * c + k] * w[(r * vl + j) * c + k]).sum()).collect();
+            let m = z.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+            st[i] = m + (z.iter().map(|&q| ((q - m) as f64).exp()).sum::<f64>() as f32).ln();
+            let t = targets[i];
+            st[n + i] = if t >= 0 && (d.offset..d.offset + d.v).contains(&(t as usize)) { z[t as usize - d.offset] } else { 0.0 };
+        }
+        st
+    };
+    let tg = g.upload_u32(&targets.iter().map(|&t| t as u32).collect::<Vec<_>>());
+    for r in 0..2 {
+        let (d, other) = (shard(r), stats(1 - r));
+        let ws = &w[r * vl * c..(r + 1) * vl * c];
+        // The whole chunk is gathered at once: pair this shard's with the other's, rank order.
+        let gather = |mine: &[f32]| -> Vec<f32> {
+            let rows = mine.len() / 2;
+            let (a, b) = if r == 0 { (mine.to_vec(), other.clone()) } else { (other.clone(), mine.to_vec()) };
+            assert_eq!(rows, n, "one chunk of every row");
+            [a, b].concat()
+        };
+        let (mut losses, mut dinp, mut dw) = (vec![0.0; n], vec![0.0; n * c], vec![0.0; vl * c]);
+        let mut scratch = vec![0.0; n * vl];
+        tensor::classifier::lm_head_crossentropy_vocab_parallel(&mut losses, Some((&mut dinp, &mut dw, dloss)), &x, ws, &targets, &mut scratch, &d, &mut { gather });
+        let (gx, gw, gdw, scal) = (g.upload(&x), g.upload(ws), g.zeros(vl * c), g.upload(&[0.0, dloss]));
+        let (gl, gdi, gs) = (g.zeros(n), g.zeros(n * c), g.zeros(n * vl));
+        g.lm_head_crossentropy_vocab_parallel(&gl, Some((&gdi, Some(gdw.at(0)), (&scal, 1))), &gx, gw.at(0), &tg, &gs, &d, &mut { gather });
+        let t = tol(DType::F32);
+        close(&format!("shard {r} losses"), &g.download(&gl), &losses, t);
+        close(&format!("shard {r} dinp"), &g.download(&gdi), &dinp, t);
+        close(&format!("shard {r} dweight"), &g.download(&gdw), &dw, t);
+    }
+}
+
 #[test]
 fn moe_routing_matches_cpu() {
     let g = gpu();

@@ -397,7 +397,7 @@ impl<'a> Rank<'a> {
             };
             #[cfg(feature = "vulkan")]
             if let Some(d) = self.device.as_mut() {
-                d.step(&mut self.chunks[0], cfg, self.step, rows, fill, |loss, _| faults.spike(loss))?
+                d.step(&mut self.chunks[0], cfg, self.step, rows, fill, |loss, _| faults.spike(loss), (cfg.parallel.tp > 1).then_some(&*groups.tp))?
             } else {
                 train_step(&mut self.chunks, &mut pipe, cfg, self.step, fill, |loss, _| faults.spike(loss))
             }
@@ -558,7 +558,7 @@ impl<'a> Rank<'a> {
         if let Some(d) = self.device.as_mut() {
             let (mut sum, mut count) = (0.0, 0);
             for s in &self.ds.sources {
-                let (a, b) = super::eval::eval_sums_on_device(d.model_mut(), &s.val, batches);
+                let (a, b) = d.with_hooks(&mut self.chunks[0], |m| super::eval::eval_sums_on_device(m, &s.val, batches));
                 (sum, count) = (sum + a, count + b);
             }
             // Data parallel: each rank evaluated its share of the batches.

@@ -11,6 +11,7 @@
 //! [`DeviceGpt::new`] refuses the rest by name ([`unsupported`]).
 
 mod frozen;
+mod split;
 mod zero;
 
 pub use zero::{ShardLayout, Zero, ZeroGroup};
@@ -138,6 +139,12 @@ struct Acts {
     starts: Buf,
     pos: Buf,
     head_scratch: Buf,
+    /// Sequence parallelism: whole-sequence rows `[B, T, C]` (a row-parallel product's partial
+    /// sums before they are reduce-scattered, a gathered output gradient, a column-parallel
+    /// input's gradient before it is reduce-scattered), and this part's rows of a norm's output
+    /// before they are gathered; both empty otherwise.
+    full: Buf,
+    local: Buf,
     branch: Buf,
     dres: Buf,
     dbranch: Buf,
@@ -149,6 +156,12 @@ struct Acts {
     /// FlashAttention-2's `D` in backward.
     dd: Buf,
     moe: Option<MoeScratch>,
+}
+
+/// The residual stream's rows of a pass over `n` rows: this part's share of every sequence's
+/// positions under sequence parallelism, else all of them.
+fn local_rows(cfg: &GptConfig, n: usize) -> usize {
+    cfg.place.seq.map_or(n, |s| n / s.count)
 }
 
 /// Which activations a pass keeps (`Gpt`'s recomputation, on the device): the set each block
@@ -196,11 +209,12 @@ impl Acts {
     /// The elements of each buffer [`Acts::new`] allocates, in order (`u32` ids included).
     fn lens(cfg: &GptConfig, (b, t): (usize, usize), head_rows: usize, keep: &Keep) -> Vec<usize> {
         let (n, c, nh) = (b * t, cfg.n_embd, cfg.n_head);
+        let nl = local_rows(cfg, n);
         let (fc, act) = if cfg.is_moe() { (0, 0) } else { (n * cfg.fc_width(), n * cfg.ffn_hidden) };
         let (atty, lse) = (n * cfg.attn_width(), b * nh * t);
         let own = if keep.selective { (0, 0) } else { (atty, lse) };
-        let layer = [n * c, n, n, n * cfg.qkv_width(), own.0, own.1, n * c, n * c, n, n, fc, act];
-        let mut v: Vec<usize> = (0..=cfg.n_layer).map(|_| n * c).collect();
+        let layer = [n * c, nl, nl, n * cfg.qkv_width(), own.0, own.1, nl * c, n * c, nl, nl, fc, act];
+        let mut v: Vec<usize> = (0..=cfg.n_layer).map(|_| nl * c).collect();
         let (moe, scratch) = moe_sizes(cfg, n);
         for _ in 0..keep.sets {
             v.extend(layer);
@@ -215,25 +229,31 @@ impl Acts {
             v.extend(std::iter::repeat_n(2 * cfg.n_expert + 2, cfg.n_layer));
             v.extend(scratch);
         }
-        v.extend([n * c, n, n, n * c, n, n, n, n, n, head_rows * cfg.vocab_size, n * c, n * c, n * c, n * c, n * cfg.attn_width(), n * cfg.qkv_width(), fc, act, b * nh * t]);
+        // (A vocabulary-parallel head's per-row statistics, a chunk's at a time.)
+        if cfg.place.vocab.is_some() {
+            v.push(2 * head_rows);
+        }
+        let sp = if nl < n { (n * c, nl * c) } else { (0, 0) };
+        v.extend([n * c, nl, nl, nl * c, n, n, n, n, n, head_rows * cfg.vocab_size, sp.0, sp.1, nl * c, nl * c, nl * c, nl * c, n * cfg.attn_width(), n * cfg.qkv_width(), fc, act, b * nh * t]);
         v
     }
 
     fn new(g: &Gpu, cfg: &GptConfig, (b, t): (usize, usize), keep: Keep) -> Acts {
         let (n, c, nh) = (b * t, cfg.n_embd, cfg.n_head);
+        let nl = local_rows(cfg, n);
         let z = |len: usize| g.zeros(len);
         let own = if keep.selective { (0, 0) } else { (n * cfg.attn_width(), b * nh * t) };
         let layer = |_| LayerActs {
             ln_1: z(n * c),
-            ln_1_mean: z(n),
-            ln_1_rstd: z(n),
+            ln_1_mean: z(nl),
+            ln_1_rstd: z(nl),
             qkv: z(n * cfg.qkv_width()),
             atty: z(own.0),
             lse: z(own.1),
-            res_2: z(n * c),
+            res_2: z(nl * c),
             ln_2: z(n * c),
-            ln_2_mean: z(n),
-            ln_2_rstd: z(n),
+            ln_2_mean: z(nl),
+            ln_2_rstd: z(nl),
             fch: z(if cfg.is_moe() { 0 } else { n * cfg.fc_width() }),
             fch_act: z(if cfg.is_moe() { 0 } else { n * cfg.ffn_hidden }),
             moe: cfg.is_moe().then(|| MoeActs::new(g, cfg, n)),
@@ -242,25 +262,27 @@ impl Acts {
         Acts {
             b,
             t,
-            xs: (0..=cfg.n_layer).map(|_| z(n * c)).collect(),
+            xs: (0..=cfg.n_layer).map(|_| z(nl * c)).collect(),
             layers: (0..keep.sets).map(layer).collect(),
             core: keep.selective.then(|| (z(n * cfg.attn_width()), z(b * nh * t))),
             moe_stats: (0..if cfg.is_moe() { cfg.n_layer } else { 0 }).map(|_| z(2 * cfg.n_expert + 2)).collect(),
             keep,
             ln_f: z(n * c),
-            ln_f_mean: z(n),
-            ln_f_rstd: z(n),
-            dln_f: z(n * c),
+            ln_f_mean: z(nl),
+            ln_f_rstd: z(nl),
+            dln_f: z(nl * c),
             losses: z(n),
             tokens: g.zeros_of(n, DType::U32),
             targets: g.zeros_of(n, DType::U32),
             starts: g.zeros_of(n, DType::U32),
             pos: g.zeros_of(n, DType::U32),
             head_scratch: z(head_rows * cfg.vocab_size),
-            branch: z(n * c),
-            dres: z(n * c),
-            dbranch: z(n * c),
-            dln: z(n * c),
+            full: z(if nl < n { n * c } else { 0 }),
+            local: z(if nl < n { nl * c } else { 0 }),
+            branch: z(nl * c),
+            dres: z(nl * c),
+            dbranch: z(nl * c),
+            dln: z(nl * c),
             datty: z(n * cfg.attn_width()),
             dqkv: z(n * cfg.qkv_width()),
             dfch: z(if cfg.is_moe() { 0 } else { n * cfg.fc_width() }),
@@ -305,8 +327,10 @@ pub struct DeviceGpt {
     /// passes' type or, under QLoRA, its fp32 tensors packed beside the quantized matrices).
     frozen: Option<Frozen>,
     /// ZeRO-2/3 over a data-parallel group ([`zero`]): the gradients (and at stage 3 the
-    /// weights) held as this rank's shard.
+    /// weights) held as this member's shard.
     zero: Option<Zero>,
+    /// A tensor-parallel part's hooks ([`split`]), lent by the host model while it trains.
+    tensor: std::cell::RefCell<Option<Box<dyn crate::units::TpHooks>>>,
 }
 
 /// Keys and values of every layer on the device, `[L, block_size, NKV·HS]` each: what
@@ -325,8 +349,8 @@ pub fn unsupported_config(cfg: &GptConfig) -> Option<String> {
         "attention sinks (model.attn_sinks)"
     } else if cfg.pad_token_id.is_some() {
         "a padding token's frozen embedding row (model.pad_token_id)"
-    } else if cfg.place != (crate::Placement { batch_offset: cfg.place.batch_offset, ..Default::default() }) {
-        "a part of a model (tensor, sequence, context, pipeline or expert parallel layouts)"
+    } else if cfg.place != (crate::Placement { batch_offset: cfg.place.batch_offset, heads: cfg.place.heads, vocab: cfg.place.vocab, seq: cfg.place.seq, ..Default::default() }) {
+        "a part of a model (context, pipeline or expert parallel layouts)"
     } else if cfg.head_size() > device::MAX_HEAD_SIZE {
         "heads larger than 128"
     } else if cfg.rope_scaling.as_ref().and_then(|r| r.long_after()).is_some_and(|n| cfg.block_size > n) {
@@ -344,6 +368,9 @@ pub fn unsupported(m: &Gpt) -> Option<String> {
     }
     if m.precision == crate::Precision::Fp8 {
         return Some("the device does not run FP8 storage (train.precision = fp8) yet".into());
+    }
+    if m.lora.is_some() && m.cfg.place.heads.is_some() {
+        return Some("the device does not run LoRA adapters on a tensor-parallel part yet".into());
     }
     unsupported_config(&m.cfg)
 }
@@ -509,7 +536,7 @@ impl DeviceGpt {
             (gpu.upload(cos), gpu.upload(sin))
         });
         let (scalars, parts) = (gpu.zeros(SCALARS), gpu.zeros(Gpu::parts_len()));
-        DeviceGpt { cfg: m.cfg.clone(), views, real_vocab: m.real_vocab, params, work, grads, scalars, rope, acts: None, drop: (0.0, 0), count: 0, loss_scale: 1.0, parts, logits: None, docs: false, recompute: (m.recompute, m.recompute_every), frozen, zero: None, gpu }
+        DeviceGpt { cfg: m.cfg.clone(), views, real_vocab: m.real_vocab, params, work, grads, scalars, rope, acts: None, drop: (0.0, 0), count: 0, loss_scale: 1.0, parts, logits: None, docs: false, recompute: (m.recompute, m.recompute_every), frozen, zero: None, tensor: Default::default(), gpu }
     }
 
     /// The parameters that train and their gradients: every parameter, or LoRA's adapters;
@@ -626,9 +653,11 @@ impl DeviceGpt {
         if let Some(d) = &docs {
             d.check(b, t, self.cfg.block_size);
         }
+        assert_eq!(self.is_part(), self.tensor.borrow().is_some(), "a tensor-parallel part runs with its hooks lent (DeviceGpt::swap_tensor_hooks)");
         assert!(t <= self.cfg.block_size && tokens.len() == b * t && targets.len() == b * t, "forward: tokens and targets must be [B, T], T ≤ block_size");
         let vp = self.cfg.vocab_size;
-        assert!(tokens.iter().all(|&x| (x as usize) < vp), "token outside the vocabulary of {vp}");
+        let whole = self.cfg.place.vocab.map_or(vp, |v| v.total);
+        assert!(tokens.iter().all(|&x| (x as usize) < whole), "token outside the vocabulary of {whole}");
         let (p, seed, loss_scale) = match pass {
             Pass::Eval => (0.0, 0, None),
             Pass::Train { dropout_seed, loss_scale } => (self.cfg.dropout, dropout_seed, Some(loss_scale)),
@@ -671,15 +700,28 @@ impl DeviceGpt {
         self.gather_unit(last);
         let (ln_f_w, ln_f_b, head) = (self.views.ln_f_w.clone(), self.views.ln_f_b.clone(), self.views.lm_head.start);
         let x = &a.xs[self.cfg.n_layer];
-        self.norm_forward((&a.ln_f, &a.ln_f_mean, &a.ln_f_rstd), x, &ln_f_w, &ln_f_b);
+        self.norm_gathered((&a.ln_f, &a.ln_f_mean, &a.ln_f_rstd), x, (&ln_f_w, &ln_f_b), &a);
         let dims = HeadDims { c: self.cfg.n_embd, v: self.real_vocab, vp, offset: 0, ignore_index: IGNORE_INDEX, arith: Arith::F32 };
         if weight.is_some() {
             // The head's weight gradient is backward's first.
             self.open_grads(self.cfg.n_layer + 1);
             self.open_grads(0);
         }
-        let grads = weight.map(|_| (&a.dln_f, self.frozen.is_none().then(|| self.gt(head)), (&self.scalars, LOSS_WEIGHT)));
-        g.lm_head_crossentropy(&a.losses, grads, &a.ln_f, self.wt(head), &a.targets, &a.head_scratch, &dims);
+        // Under sequence parallelism the head's input gradient is whole-sequence first.
+        let dx = if self.sp() { &a.full } else { &a.dln_f };
+        let grads = weight.map(|_| (dx, self.frozen.is_none().then(|| self.gt(head)), (&self.scalars, LOSS_WEIGHT)));
+        match self.cfg.place.vocab {
+            // A vocabulary-parallel part: its rows of the head, the rows' log-sum-exps
+            // combined over the parts, and the head's input gradient summed over them.
+            Some(rows) => {
+                let dims = HeadDims { v: self.real_vocab.saturating_sub(rows.first).min(vp), offset: rows.first, ..dims };
+                g.lm_head_crossentropy_vocab_parallel(&a.losses, grads, &a.ln_f, self.wt(head), &a.targets, &a.head_scratch, &dims, &mut |x| self.all_gather_parts(x));
+                if weight.is_some() {
+                    self.column_input_grad(&a.dln_f, &a);
+                }
+            }
+            None => g.lm_head_crossentropy(&a.losses, grads, &a.ln_f, self.wt(head), &a.targets, &a.head_scratch, &dims),
+        }
         if weight.is_none() {
             // Evaluation: nothing stays gathered (training keeps the embeddings and the final
             // unit, which hold the head, for backward).
@@ -702,8 +744,16 @@ impl DeviceGpt {
 
     /// The pass's rows in the global batch (a data-parallel rank's share starts at its offset):
     /// dropout masks are drawn by global sequence, as on the CPU.
+    /// Under sequence parallelism the residual stream holds this part's positions of each.
     fn row_map(&self, a: &Acts) -> RowMap {
-        RowMap { b0: self.cfg.place.batch_offset, ..RowMap::whole(a.t) }
+        let whole = RowMap { b0: self.cfg.place.batch_offset, ..RowMap::whole(a.t) };
+        match self.cfg.place.seq {
+            Some(s) => {
+                let p = s.positions(a.t);
+                RowMap { t_local: p.len(), offset: p.start, ..whole }
+            }
+            None => whole,
+        }
     }
 
     /// Where the pass's tokens sit for RoPE: `0..T` in every row, or the documents' positions.
@@ -744,7 +794,11 @@ impl DeviceGpt {
     fn embed(&self, a: &Acts) {
         let v = &self.views;
         let wpe = v.wpe.as_ref().map(|r| self.wt(r.start));
-        self.gpu.embedding_forward_pos(&a.xs[0], &a.tokens, (self.wt(v.wte.start), wpe), self.docs.then_some(&a.pos), a.t, self.cfg.n_embd);
+        // A vocabulary-parallel part's lookups are partial: summed over the parts (`g`), or
+        // under sequence parallelism reduce-scattered to this part's positions.
+        let out = if self.sp() { &a.full } else { &a.xs[0] };
+        self.gpu.embedding_forward_pos(out, &a.tokens, (self.wt(v.wte.start), wpe), self.docs.then_some(&a.pos), a.t, self.cfg.n_embd, self.vocab_rows());
+        self.row_parallel_out(&a.xs[0], None, a);
         self.dropout(&a.xs[0], 0, a);
     }
 
@@ -754,6 +808,63 @@ impl DeviceGpt {
         match self.cfg.arch {
             Arch::Gpt2 => self.gpu.layernorm_forward(o, mean, rstd, x, w, b, self.cfg.n_embd),
             Arch::Llama => self.gpu.rmsnorm_forward(o, rstd, x, w, self.cfg.norm_eps, self.cfg.n_embd),
+        }
+    }
+
+    /// A norm whose output feeds column-parallel products: written into `out.0` whole, or
+    /// under sequence parallelism this part's rows gathered along the sequence into it.
+    fn norm_gathered(&self, (o, mean, rstd): (&Buf, &Buf, &Buf), x: &Buf, (w, b): (&std::ops::Range<usize>, &Option<std::ops::Range<usize>>), a: &Acts) {
+        if !self.sp() {
+            return self.norm_forward((o, mean, rstd), x, w, b);
+        }
+        self.norm_forward((&a.local, mean, rstd), x, w, b);
+        self.gather_seq(&a.local, o, a);
+    }
+
+    /// Where a row-parallel product (or a vocabulary-parallel lookup) writes: `out` itself,
+    /// or under sequence parallelism the whole-sequence rows.
+    fn row_parallel_dst<'x>(&self, out: &'x Buf, a: &'x Acts) -> &'x Buf {
+        if self.sp() {
+            &a.full
+        } else {
+            out
+        }
+    }
+
+    /// After a row-parallel product into [`DeviceGpt::row_parallel_dst`]: the parts' partial
+    /// sums into `out` (all-reduced, `g`; or reduce-scattered to this part's positions), the
+    /// bias at `bias` counted once. Nothing for a whole model.
+    fn row_parallel_out(&self, out: &Buf, bias: Option<&std::ops::Range<usize>>, a: &Acts) {
+        if self.sp() {
+            self.scatter_seq(&a.full, out, bias, a);
+        } else {
+            self.reduce_output(out, bias);
+        }
+    }
+
+    /// A row-parallel product's output gradient: `d` itself, or under sequence parallelism
+    /// gathered along the sequence (the reduce-scatter's backward).
+    fn row_parallel_grad<'x>(&self, d: &'x Buf, a: &'x Acts) -> &'x Buf {
+        if !self.sp() {
+            return d;
+        }
+        self.gather_seq(d, &a.full, a);
+        &a.full
+    }
+
+    /// Where a column-parallel product's input gradient is written: `dln`, or under sequence
+    /// parallelism the whole-sequence rows.
+    fn column_grad_dst<'x>(&self, dln: &'x Buf, a: &'x Acts) -> &'x Buf {
+        self.row_parallel_dst(dln, a)
+    }
+
+    /// After [`DeviceGpt::column_grad_dst`]: the parts' shares summed into `dln` (`f`'s
+    /// backward; reduce-scattered to this part's positions under sequence parallelism).
+    fn column_input_grad(&self, dln: &Buf, a: &Acts) {
+        if self.sp() {
+            self.scatter_seq(&a.full, dln, None, a);
+        } else {
+            self.reduce_input_grad(dln);
         }
     }
 
@@ -778,7 +889,9 @@ impl DeviceGpt {
             Arch::Gpt2 => (cfg.n_head, 0),
             Arch::Llama => (cfg.n_kv_head, cfg.window_of(l)),
         };
-        GqaDims { b: a.b, t: a.t, nh: cfg.n_head, nkv, hs: cfg.head_size(), window, rotary: cfg.rotary_dim, b0: cfg.place.batch_offset, ..Default::default() }
+        // A tensor-parallel part draws attention dropout by whole-model head.
+        let (head0, heads) = cfg.place.heads.map_or((0, 0), |h| (h.first, h.total));
+        GqaDims { b: a.b, t: a.t, nh: cfg.n_head, nkv, hs: cfg.head_size(), window, rotary: cfg.rotary_dim, b0: cfg.place.batch_offset, head0, heads, ..Default::default() }
     }
 
     /// Layer `l`'s projection at `site`: its weight's and bias's ranges.
@@ -829,7 +942,7 @@ impl DeviceGpt {
         let p = self.drop.0;
         let site = 1 + 3 * l as u64;
         // res_2 = x + drop(attn(norm_1(x)))
-        self.norm_forward((&la.ln_1, &la.ln_1_mean, &la.ln_1_rstd), x, &bp.ln_1_w, &bp.ln_1_b);
+        self.norm_gathered((&la.ln_1, &la.ln_1_mean, &la.ln_1_rstd), x, (&bp.ln_1_w, &bp.ln_1_b), a);
         self.linear(&la.qkv, &la.ln_1, (l, Site::Qkv), (c, cfg.qkv_width()), a);
         let d = self.gqa(l, a);
         if let Some((cos, sin)) = &self.rope {
@@ -837,11 +950,12 @@ impl DeviceGpt {
         }
         let (atty, lse) = a.core(l);
         g.flash_forward_seeded(atty, lse, &la.qkv, &d, self.docs.then_some(&a.starts), (p, self.seed(site)));
-        self.linear(&a.branch, atty, (l, Site::AttnProj), (cfg.attn_width(), c), a);
+        self.linear(self.row_parallel_dst(&a.branch, a), atty, (l, Site::AttnProj), (cfg.attn_width(), c), a);
+        self.row_parallel_out(&a.branch, self.proj(l, Site::AttnProj).1.as_ref(), a);
         self.dropout(&a.branch, site + 1, a);
         g.residual_forward(&la.res_2, x, &a.branch);
         // out = res_2 + drop(mlp(norm_2(res_2)))
-        self.norm_forward((&la.ln_2, &la.ln_2_mean, &la.ln_2_rstd), &la.res_2, &bp.ln_2_w, &bp.ln_2_b);
+        self.norm_gathered((&la.ln_2, &la.ln_2_mean, &la.ln_2_rstd), &la.res_2, (&bp.ln_2_w, &bp.ln_2_b), a);
         self.mlp_forward(l, la, a);
         self.dropout(&a.branch, site + 2, a);
         g.residual_forward(out, &la.res_2, &a.branch);
@@ -858,7 +972,8 @@ impl DeviceGpt {
             Arch::Gpt2 => g.gelu_forward(&la.fch_act, &la.fch),
             Arch::Llama => g.swiglu_forward(&la.fch_act, &la.fch, cfg.ffn_hidden),
         }
-        self.linear(&a.branch, &la.fch_act, (l, Site::MlpProj), (cfg.ffn_hidden, c), a);
+        self.linear(self.row_parallel_dst(&a.branch, a), &la.fch_act, (l, Site::MlpProj), (cfg.ffn_hidden, c), a);
+        self.row_parallel_out(&a.branch, self.proj(l, Site::MlpProj).1.as_ref(), a);
     }
 
     /// The backward of the last training forward: [`crate::Gpt::backward`] on the device.
@@ -892,10 +1007,12 @@ impl DeviceGpt {
         if self.frozen.is_none() {
             let v = &self.views;
             let demb = self.dropout_grad(&a.dbranch, &a.dres, 0, &a);
+            // Under sequence parallelism the lookups were reduce-scattered: gathered back.
+            let demb = self.row_parallel_grad(demb, &a);
             let c = self.cfg.n_embd;
             let dwpe = v.wpe.as_ref().map(|r| self.gt(r.start));
             let pos = v.wpe.as_ref().filter(|_| self.docs).map(|r| (&a.pos, r.len() / c));
-            g.embedding_backward_pos((self.gt(v.wte.start), dwpe), demb, &a.tokens, pos, a.t, c);
+            g.embedding_backward_pos((self.gt(v.wte.start), dwpe), demb, &a.tokens, pos, a.t, c, self.vocab_rows());
         }
         if let Some(z) = self.zero.as_mut() {
             z.release_all();
@@ -929,26 +1046,28 @@ impl DeviceGpt {
                 self.moe_backward(mp, (ma, ms), dmlp, &la.ln_2, &a.dln, aux);
             }
             _ => {
-                self.linear_backward(&a.dfch_act, dmlp, &la.fch_act, (l, Site::MlpProj), (cfg.ffn_hidden, c), a);
+                self.linear_backward(&a.dfch_act, self.row_parallel_grad(dmlp, a), &la.fch_act, (l, Site::MlpProj), (cfg.ffn_hidden, c), a);
                 match cfg.arch {
                     Arch::Gpt2 => g.gelu_backward_into(&a.dfch, &a.dfch_act, &la.fch),
                     Arch::Llama => g.swiglu_backward(&a.dfch, &a.dfch_act, &la.fch, cfg.ffn_hidden, false),
                 }
-                self.linear_backward(&a.dln, &a.dfch, &la.ln_2, (l, Site::Fc), (c, cfg.fc_width()), a);
+                self.linear_backward(self.column_grad_dst(&a.dln, a), &a.dfch, &la.ln_2, (l, Site::Fc), (c, cfg.fc_width()), a);
+                self.column_input_grad(&a.dln, a);
             }
         }
         self.norm_backward(&a.dres, &a.dln, &la.res_2, (&la.ln_2_mean, &la.ln_2_rstd), (&bp.ln_2_w, &bp.ln_2_b));
         // d x = d res_2 + norm_1ᵀ(attnᵀ(dropᵀ(d res_2)))
         let dattn = self.dropout_grad(&a.dbranch, &a.dres, site + 1, a);
         let (atty, lse) = a.core(l);
-        self.linear_backward(&a.datty, dattn, atty, (l, Site::AttnProj), (cfg.attn_width(), c), a);
+        self.linear_backward(&a.datty, self.row_parallel_grad(dattn, a), atty, (l, Site::AttnProj), (cfg.attn_width(), c), a);
         g.clear(&a.dqkv);
         let d = self.gqa(l, a);
         g.flash_backward_seeded(&a.dqkv, &a.dd, &a.datty, (&la.qkv, atty, lse), &d, self.docs.then_some(&a.starts), (self.drop.0, self.seed(site)));
         if let Some((cos, sin)) = &self.rope {
             g.rope(&a.dqkv, (cos, sin), &d, self.positions(a), true);
         }
-        self.linear_backward(&a.dln, &a.dqkv, &la.ln_1, (l, Site::Qkv), (c, cfg.qkv_width()), a);
+        self.linear_backward(self.column_grad_dst(&a.dln, a), &a.dqkv, &la.ln_1, (l, Site::Qkv), (c, cfg.qkv_width()), a);
+        self.column_input_grad(&a.dln, a);
         self.norm_backward(&a.dres, &a.dln, &a.xs[l], (&la.ln_1_mean, &la.ln_1_rstd), (&bp.ln_1_w, &bp.ln_1_b));
     }
 

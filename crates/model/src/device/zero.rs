@@ -23,8 +23,8 @@ use std::sync::Arc;
 /// The host collectives a sharded device model stages its unit traffic through (the
 /// data-parallel group's).
 pub trait ZeroGroup: Send {
-    /// The group's ranks.
-    fn size(&self) -> usize;
+    /// How many shards the group holds (its members).
+    fn members(&self) -> usize;
     /// Every rank's `mine` (equal lengths), concatenated in rank order.
     fn all_gather(&mut self, mine: &[f32]) -> Vec<f32>;
     /// `full` (`size()` equal chunks) summed over the ranks, in rank order; this rank's chunk
@@ -99,11 +99,6 @@ impl Zero {
         Ok(Zero { stage, layout, group, params, grads, gathered: (0..n).map(|_| None).collect(), unit_grads: (0..n).map(|_| None).collect(), work })
     }
 
-    /// The group's ranks.
-    pub fn size(&self) -> usize {
-        self.group.size()
-    }
-
     /// The weights the passes read at flat element `off`: its gathered unit and the offset in
     /// it (stage 3), else `None` (the model's own buffer).
     pub(super) fn weight(&self, off: usize) -> Option<(&Buf, usize)> {
@@ -113,6 +108,15 @@ impl Zero {
         let u = self.layout.unit_of(off);
         let unit = self.gathered[u].as_ref().unwrap_or_else(|| panic!("ZeRO-3: unit {u} used before it was gathered"));
         Some((unit.work.as_ref().unwrap_or(&unit.f32), off - self.layout.units[u].start))
+    }
+
+    /// Stage 3: the fp32 weights of flat element `off`, in its gathered unit.
+    pub(super) fn weight_f32(&self, off: usize) -> Option<(&Buf, usize)> {
+        if self.stage < 3 {
+            return None;
+        }
+        let u = self.layout.unit_of(off);
+        self.gathered[u].as_ref().map(|unit| (&unit.f32, off - self.layout.units[u].start))
     }
 
     /// The gradient buffer of flat element `off` while backward runs through its unit.
@@ -162,7 +166,7 @@ impl Zero {
     /// Backward is done with unit `u`: its gradients summed over the group (collective), this
     /// rank's chunk added to the gradient shard, the unit's buffer freed.
     pub(super) fn reduce(&mut self, gpu: &Gpu, u: usize) {
-        let (c, at, n) = (self.layout.chunk[u], self.layout.offset[u], self.group.size());
+        let (c, at, n) = (self.layout.chunk[u], self.layout.offset[u], self.group.members());
         let mut full = gpu.download(&self.unit_grads[u].take().expect("a unit backward reached"));
         full.resize(c * n, 0.0);
         let mine = self.group.reduce_scatter(&full);

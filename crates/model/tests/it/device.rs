@@ -162,6 +162,49 @@ fn the_device_plan_is_what_the_model_allocates() {
         let slack = small + 8 + if quant == model::BaseQuant::None { 0 } else { p.total_bytes / 50 };
         assert!(p.total_bytes.abs_diff(used) <= slack, "{quant:?}: plan {p:?} against {used} bytes allocated");
     }
+    // A tensor-parallel part with sequence parallelism: its residual stream holds half of
+    // each sequence's positions; planned as allocated, and smaller than without the split.
+    let heads = Some(model::config::Part { first: 0, total: 8 });
+    let vocab = Some(model::config::Part { first: 0, total: 38 });
+    let mut sizes = Vec::new();
+    for seq in [None, Some(model::config::SeqSlice { index: 0, count: 2 })] {
+        let place = model::Placement { heads, vocab, seq, ..Default::default() };
+        let part = GptConfig { vocab_size: 19, place, ..cfg.clone() };
+        let m = Gpt::new(part.clone(), 36, 5);
+        let before = g.allocated_bytes();
+        let mut dev = DeviceGpt::new(g.clone(), &m).unwrap();
+        dev.swap_tensor_hooks(&mut Some(Box::new(Mirror)));
+        dev.forward(&vec![1; b * t], &vec![2; b * t], b, t, Pass::Eval);
+        let used = g.allocated_bytes() - before;
+        let p = model::device::plan(&g, &part, model::device::Weights::Full { params: m.params.len() }, (b, t), 0, (model::Precision::Fp32, model::Recompute::None, 1));
+        assert!(p.total_bytes <= used && used <= p.total_bytes + small, "{seq:?}: plan {p:?} against {used} bytes allocated");
+        sizes.push(p.total_bytes);
+    }
+    assert!(sizes[1] < sizes[0], "sequence parallelism plans fewer bytes: {sizes:?}");
+}
+
+/// Tensor-parallel hooks of a group whose other part holds what this one holds: enough to run
+/// a part's passes (and allocate its buffers) on one device.
+struct Mirror;
+
+impl model::TpHooks for Mirror {
+    fn reduce_output(&mut self, _: &mut [f32], _: Option<&[f32]>) {}
+
+    fn reduce_input_grad(&mut self, _: &mut [f32]) {}
+
+    fn gather_seq(&mut self, local: &[f32], full: &mut [f32], _: usize, _: usize) {
+        for (i, x) in full.iter_mut().enumerate() {
+            *x = local[i % local.len()];
+        }
+    }
+
+    fn scatter_seq(&mut self, full: &mut [f32], local: &mut [f32], _: Option<&[f32]>, _: usize, _: usize) {
+        local.copy_from_slice(&full[..local.len()]);
+    }
+
+    fn all_gather(&mut self, x: &[f32]) -> Vec<f32> {
+        [x, x].concat()
+    }
 }
 
 /// Rows of packed documents: attention within each, positions restarting (RoPE, GPT-2's
@@ -230,7 +273,7 @@ fn device_generation_gives_the_cpu_tokens() {
 struct Alone;
 
 impl model::device::ZeroGroup for Alone {
-    fn size(&self) -> usize {
+    fn members(&self) -> usize {
         1
     }
 
