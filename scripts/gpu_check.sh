@@ -5,7 +5,9 @@
 #   1. `kiln doctor --check-kernels --device cuda`: every kernel against its CPU twin on the GPU;
 #   2. 200 steps of `shakespeare-char` on the CPU and on CUDA: fp32 within 1e-4 of the CPU,
 #      bf16 within 2e-2 of fp32;
-#   3. GPT-2 124M in bf16, batch 16 × 1024: kiln's tokens/s and MFU against the GPU's dense bf16
+#   3. the parallel layouts one GPU can host, ranks sharing it: dp 2 under ZeRO-3, tp 2 with
+#      sequence parallelism, pp 2 under 1F1B, each within 1e-4 of the one-rank run;
+#   4. GPT-2 124M in bf16, batch 16 × 1024: kiln's tokens/s and MFU against the GPU's dense bf16
 #      peak; beside it, in the same run and on the same GPU, PyTorch eager bf16 and
 #      torch.compile on the same model and batch (scripts/torch_gpt2.py).
 # When the system has no CUDA libraries, LD_LIBRARY_PATH is set from PyTorch's
@@ -47,6 +49,8 @@ if [ $dry -eq 1 ]; then
     bench=(--preset shakespeare-char --set model.vocab_size=65 --set train.batch_size=2 --set model.block_size=32 --steps 2 --warmup 1)
     torch_args=(--device cpu --batch 2 --seq 32 --steps 2 --warmup 1 --layers 2 --heads 2 --embd 32 --vocab 65 --no-compile)
     limits=(120 60 120 120)
+    layout_steps=6
+    layout_shape=(--set model.block_size=32 --set train.batch_size=4)
 else
     device=cuda
     steps=200
@@ -54,6 +58,8 @@ else
     bench=(--preset gpt2-124m --set model.vocab_size=50257 --set train.batch_size=16 --set model.block_size=1024 --steps 10 --warmup 2)
     torch_args=(--device cuda --batch 16 --seq 1024 --steps 10 --warmup 3)
     limits=(60 60 100 120)
+    layout_steps=50
+    layout_shape=()
 fi
 
 # The CUDA libraries from PyTorch's wheels when the system has none.
@@ -89,13 +95,28 @@ train cpu cpu fp32
 train dev-fp32 $device fp32
 train dev-bf16 $device bf16
 
-# Step 3: GPT-2 124M (tiny in the dry run) in bf16: kiln, then PyTorch on the same batch.
+# Step 3: the layouts on the one device (rank r takes device r modulo the devices found),
+# against one rank, two micro-batches a step.
+layout() {
+    local name=$1
+    shift
+    timeout "${limits[1]}" "$kiln" train --preset shakespeare-char --data "$data" --out "$work/$name" --device $device \
+        --max-steps $layout_steps "${layout_shape[@]}" --quiet --set train.grad_accum=2 --set train.log_interval=1 --set eval.interval=0 \
+        --set eval.iters=2 --set sample.tokens=0 "$@" > "$work/$name.log" 2>&1
+    echo "$?" > "$work/$name.rc"
+}
+layout one-rank
+layout dp2-zero3 --dp 2 --zero 3
+layout tp2-sp --tp 2 --sequence-parallel
+layout pp2-1f1b --pp 2 --schedule 1f1b
+
+# Step 4: GPT-2 124M (tiny in the dry run) in bf16: kiln, then PyTorch on the same batch.
 timeout "${limits[2]}" "$kiln" bench "${bench[@]}" --set train.precision=bf16 --device $device --json > "$work/bench.json" 2> "$work/bench.err"
 echo $? > "$work/bench.rc"
 timeout "${limits[3]}" $py "$here/torch_gpt2.py" "${torch_args[@]}" > "$work/torch.json" 2> "$work/torch.err"
 echo $? > "$work/torch.rc"
 
-DRY=$dry DEVICE=$device STEPS=$steps ELAPSED=$(( $(date +%s) - t_start )) $py - "$work" "$out" <<'PY'
+DRY=$dry DEVICE=$device STEPS=$steps LAYOUT_STEPS=$layout_steps ELAPSED=$(( $(date +%s) - t_start )) $py - "$work" "$out" <<'PY'
 import json, os, sys
 work, out = sys.argv[1], sys.argv[2]
 def text(name):
@@ -126,6 +147,13 @@ summary["shakespeare_char"] = {
     "fp32_vs_cpu_max_rel": e32, "fp32_within_1e-4": e32 is not None and n32 == steps and e32 <= 1e-4,
     "bf16_vs_fp32_max_rel": e16, "bf16_within_2e-2": e16 is not None and n16 == steps and e16 <= 2e-2,
 }
+one = losses("one-rank")
+layouts = {}
+for name in ["dp2-zero3", "tp2-sp", "pp2-1f1b"]:
+    e, n = worst(one, losses(name))
+    layouts[name] = {"ok": text(f"{name}.rc").strip() == "0", "steps": n, "max_rel_vs_one_rank": e, "log_tail": text(f"{name}.log").splitlines()[-2:]}
+    layouts[name]["within_1e-4"] = layouts[name]["ok"] and e is not None and n == int(os.environ["LAYOUT_STEPS"]) and e <= 1e-4
+summary["layouts_on_one_device"] = layouts
 # Dense bf16 peaks (NVIDIA's datasheets, without sparsity), by the name the driver reports.
 PEAKS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10": 125e12}
 bench = {}
@@ -151,7 +179,7 @@ try:
     summary["gpt2_pytorch"] = t
 except ValueError as e:
     summary["gpt2_pytorch"] = {"error": f"{e}", "stderr": text("torch.err").splitlines()[-3:]}
-summary["ok"] = summary["check_kernels"]["ok"] and summary["shakespeare_char"]["fp32_within_1e-4"] and summary["shakespeare_char"]["bf16_within_2e-2"] and bench.get("ok", False)
+summary["ok"] = summary["check_kernels"]["ok"] and summary["shakespeare_char"]["fp32_within_1e-4"] and summary["shakespeare_char"]["bf16_within_2e-2"] and all(l["within_1e-4"] for l in layouts.values()) and bench.get("ok", False)
 json.dump(summary, open(out, "w"), indent=1)
 print(json.dumps({"ok": summary["ok"], "out": out, "elapsed_s": summary["elapsed_s"]}))
 PY

@@ -63,9 +63,14 @@ struct DevicePlanned {
 fn device_plan(cfg: &crate::config::RunConfig, gpt: &GptConfig) -> Result<Option<DevicePlanned>> {
     let d: crate::device::DeviceArg = cfg.train.device.parse().map_err(crate::error::KilnError::User)?;
     let Some(gpu) = crate::device::open(d)? else { return Ok(None) };
-    // A tensor-parallel rank's device holds its part (the first part's is the largest).
+    // A rank's device holds its part: the first pipeline stage's (the most micro-batches in
+    // flight), the first tensor-parallel part's (the largest vocabulary share).
     let p = &cfg.parallel;
-    let part = if p.tp > 1 { parallel::tp::local_config(gpt, p.tp, 0, p.sequence_parallel).map_err(crate::error::KilnError::User)? } else { gpt.clone() };
+    let stage = match p.pp {
+        1 => gpt.clone(),
+        _ => parallel::pp::stage_config(gpt, cfg.stage_layers(gpt.vocab_size)?[0].clone()),
+    };
+    let part = if p.tp > 1 { parallel::tp::local_config(&stage, p.tp, 0, p.sequence_parallel).map_err(crate::error::KilnError::User)? } else { stage };
     let params = model::layout::gpt_layout(&part).0.total;
     let (p, figures) = crate::device_step::check_plan(&gpu, d, cfg, (&part, params))?;
     Ok(Some(DevicePlanned { device: format!("{d} ({})", gpu.info.name), total_bytes: p.total_bytes, largest_bytes: p.largest_bytes, figures }))

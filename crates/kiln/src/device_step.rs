@@ -10,7 +10,7 @@
 use crate::config::RunConfig;
 use crate::device::DeviceArg;
 use crate::error::{user, KilnError, Result};
-use crate::step::{dropout_seed, Chunk, Master, RowBuf, StepOut};
+use crate::step::{dropout_seed, Chunk, Master, Pipeline, RowBuf, StepOut};
 use device::{slot, Buf, Gpu};
 use model::device::DeviceGpt;
 use model::Pass;
@@ -63,8 +63,17 @@ impl model::device::ZeroGroup for HostGroup {
 pub fn refusal(cfg: &RunConfig) -> Option<String> {
     let p = &cfg.parallel;
     let d = &cfg.train.device;
-    if p.pp > 1 || p.cp > 1 || p.ep > 1 {
-        return Some(format!("train.device = {d}: on devices data and tensor parallelism run yet; pipeline, context and expert parallel layouts are not done (got pp {}, cp {}, ep {})", p.pp, p.cp, p.ep));
+    if p.cp > 1 || p.ep > 1 {
+        return Some(format!("train.device = {d}: on devices data, tensor and pipeline parallelism run yet; context and expert parallel layouts are not done (got cp {}, ep {})", p.cp, p.ep));
+    }
+    if p.pp > 1 && p.virtual_stages > 1 {
+        return Some(format!("train.device = {d}: interleaved pipeline schedules (parallel.virtual_stages = {}) do not run on devices yet; one stage per rank does", p.virtual_stages));
+    }
+    if p.pp > 1 && p.dp > 1 && p.zero >= 2 {
+        return Some(format!("train.device = {d}: pipeline parallelism on devices runs with ZeRO stage 0 or 1 yet (parallel.zero = {})", p.zero));
+    }
+    if p.pp > 1 && cfg.lora.rank > 0 {
+        return Some(format!("train.device = {d}: LoRA adapters on a pipeline stage do not run on devices yet (parallel.pp = {})", p.pp));
     }
     if p.tp > 1 && p.dp > 1 && p.zero >= 2 {
         return Some(format!("train.device = {d}: tensor parallelism on devices runs with ZeRO stage 0 or 1 yet (parallel.zero = {})", p.zero));
@@ -151,11 +160,13 @@ impl DeviceRun {
     /// One optimizer step (see the module docs); `fill` draws micro-batch `k`'s rows (this
     /// rank's share under data parallelism, whose group `ch.dp` reduces the gradients through
     /// the host). A tensor-parallel part's passes call the host model's hooks (lent for the
-    /// step), and `tp` sums the gradient norm's parts.
-    #[allow(clippy::too_many_arguments)] // the CPU step's, and the tensor-parallel group
-    pub fn step(&mut self, ch: &mut Chunk, cfg: &RunConfig, step: u64, rows: usize, fill: impl FnMut(usize, &mut RowBuf), veto: impl FnMut(f32, f64) -> Option<&'static str>, tp: Option<&dyn parallel::Comm>) -> Result<StepOut> {
+    /// step); a pipeline stage runs its tasks of `pipe`'s schedule, the activations and their
+    /// gradients sent between the stages through the host; `pipe`'s groups sum the gradient
+    /// norm's parts.
+    #[allow(clippy::too_many_arguments)] // the CPU step's, and the pipeline
+    pub fn step(&mut self, ch: &mut Chunk, cfg: &RunConfig, step: u64, rows: usize, fill: impl FnMut(usize, &mut RowBuf), veto: impl FnMut(f32, f64) -> Option<&'static str>, pipe: &Pipeline) -> Result<StepOut> {
         self.model.swap_tensor_hooks(&mut ch.model.hooks.tensor);
-        let out = self.step_lent(ch, cfg, (step, rows), fill, veto, tp);
+        let out = self.step_lent(ch, cfg, (step, rows), fill, veto, pipe);
         self.model.swap_tensor_hooks(&mut ch.model.hooks.tensor);
         out
     }
@@ -169,7 +180,7 @@ impl DeviceRun {
         out
     }
 
-    fn step_lent(&mut self, ch: &mut Chunk, cfg: &RunConfig, (step, rows): (u64, usize), mut fill: impl FnMut(usize, &mut RowBuf), mut veto: impl FnMut(f32, f64) -> Option<&'static str>, tp: Option<&dyn parallel::Comm>) -> Result<StepOut> {
+    fn step_lent(&mut self, ch: &mut Chunk, cfg: &RunConfig, (step, rows): (u64, usize), mut fill: impl FnMut(usize, &mut RowBuf), mut veto: impl FnMut(f32, f64) -> Option<&'static str>, pipe: &Pipeline) -> Result<StepOut> {
         let (g, t, m) = (self.gpu.clone(), cfg.seq_len(), cfg.train.grad_accum);
         if m > 64 {
             return user(format!("train.device: at most 64 micro-batches a step (train.grad_accum = {m})"));
@@ -185,13 +196,20 @@ impl DeviceRun {
         // Each micro-batch's loss is its mean over the whole group's targets, as on the CPU.
         let dpn = ch.dp.n();
         let global = if dpn > 1 { ch.dp.all_reduce_f64(&counts) } else { counts.clone() };
-        for (micro, b) in batches.iter().enumerate() {
+        let pass = |micro: usize| {
             let loss_scale = if global[micro] > 0.0 { (counts[micro] / global[micro] / m as f64) as f32 } else { 0.0 };
-            let pass = Pass::Train { dropout_seed: dropout_seed(cfg.train.seed, step, micro), loss_scale };
-            self.model.forward_docs(&b.x, &b.y, b.docs(), rows, t, pass);
-            self.model.loss_sum_into((&self.sums, slot::OPTIM + micro), &self.parts, false);
-            // An MoE model's load-balancing statistics are the group's (the CPU's exchange).
-            self.model.backward_with(routing_group(ch, dpn));
+            Pass::Train { dropout_seed: dropout_seed(cfg.train.seed, step, micro), loss_scale }
+        };
+        match pipe.comm {
+            Some(pp) => self.pipeline_tasks(ch, (pipe, pp), &batches, (rows, t), &pass),
+            None => {
+                for (micro, b) in batches.iter().enumerate() {
+                    self.model.forward_docs(&b.x, &b.y, b.docs(), rows, t, pass(micro));
+                    self.model.loss_sum_into((&self.sums, slot::OPTIM + micro), &self.parts, false);
+                    // An MoE model's load-balancing statistics are the group's (the CPU's exchange).
+                    self.model.backward_with(routing_group(ch, dpn));
+                }
+            }
         }
         let grads = self.model.trainable().1;
         if dpn > 1 && self.zero < 2 {
@@ -201,9 +219,10 @@ impl DeviceRun {
             ch.dp.reduce_adapters(&mut host);
             g.write(grads, &host);
         }
-        match tp {
-            Some(tp) => self.norm_over_parts(ch, tp),
-            None => g.sum_squares((&self.model.scalars, slot::SUMSQ), grads.at(0), grads.len(), &self.parts, false),
+        if pipe.tp.is_some() || pipe.comm.is_some() {
+            self.norm_over_parts(ch, pipe);
+        } else {
+            g.sum_squares((&self.model.scalars, slot::SUMSQ), grads.at(0), grads.len(), &self.parts, false);
         }
         if self.zero >= 2 {
             // Each rank holds its shard's squares: the group's sum.
@@ -219,6 +238,11 @@ impl DeviceRun {
         let mut sums: Vec<f64> = (0..m).flat_map(|k| [f(slot::OPTIM + k), counts[k]]).collect();
         if dpn > 1 {
             sums = ch.dp.all_reduce_f64(&sums);
+        }
+        if let Some(pp) = pipe.comm {
+            // The losses are the last stage's.
+            let p = pipe.sched.p;
+            sums = parallel::comm::all_gather_f64(pp, &sums)[(p - 1) * 2 * m..].to_vec();
         }
         let loss = ((0..m).map(|k| if sums[2 * k + 1] > 0.0 { sums[2 * k] / sums[2 * k + 1] } else { 0.0 }).sum::<f64>() / m as f64) as f32;
         let norm = f(slot::NORM);
@@ -276,27 +300,33 @@ impl DeviceRun {
 }
 
 impl DeviceRun {
-    /// A tensor-parallel part's squared gradient norm into the step's `SUMSQ` slot: its own
-    /// parameters' squares summed over the group, the parameters every part holds whole
-    /// (`ch.replicated`, identical on every part) counted once, as the CPU's norm counts them;
-    /// the partial gradients (`ch.seq_partial`) summed over the group before.
-    fn norm_over_parts(&self, ch: &Chunk, tp: &dyn parallel::Comm) {
+    /// The squared gradient norm of a part of the model into the step's `SUMSQ` slot: a
+    /// tensor-parallel part's own parameters' squares summed over its group, the parameters
+    /// every part holds whole (`ch.replicated`, identical on every part) counted once, the
+    /// partial gradients (`ch.seq_partial`) summed over the group before; a pipeline stage's
+    /// summed over the stages, a tied embedding's two copies (summed first) counted once.
+    fn norm_over_parts(&self, ch: &Chunk, pipe: &Pipeline) {
         let (g, grads) = (&self.gpu, self.model.trainable().1);
-        // Sequence parallelism: each part's norms saw its positions; their gradients are
-        // summed over the group first (through the host), as the CPU sums them.
-        let partial: Vec<_> = ch.seq_partial.iter().filter(|r| !r.is_empty()).collect();
-        if !partial.is_empty() {
-            let mut buf: Vec<f32> = partial.iter().flat_map(|r| g.download_words(grads, r.start, r.len())).map(f32::from_bits).collect();
-            tp.all_reduce_sum(&mut buf);
-            let mut at = 0;
-            for r in partial {
-                g.write_words(grads, r.start, &buf[at..at + r.len()].iter().map(|x| x.to_bits()).collect::<Vec<_>>());
-                at += r.len();
-            }
+        if let Some(tp) = pipe.tp {
+            // Sequence parallelism: each part's norms saw its positions.
+            let partial: Vec<_> = ch.seq_partial.iter().filter(|r| !r.is_empty()).cloned().collect();
+            self.sum_over(&partial, tp);
         }
-        let (own, repl) = (complement(&ch.replicated, grads.len()), &ch.replicated);
+        let (p, last) = (pipe.sched.p, pipe.rank + 1 == pipe.sched.p);
+        let tied = (p > 1 && self.model.cfg.tied_embeddings && (pipe.rank == 0 || last)).then(|| ch.model.units[0].clone());
+        if let (Some(tie), Some(unit)) = (pipe.tie, &tied) {
+            self.sum_over(std::slice::from_ref(unit), tie);
+        }
+        // The last stage's copy of a tied embedding is the first stage's.
+        let skip: Vec<_> = tied.filter(|_| last).into_iter().collect();
+        let repl = match pipe.tp {
+            Some(_) => ch.replicated.clone(),
+            None => Vec::new(),
+        };
+        let own = complement(&[&repl[..], &skip].concat(), grads.len());
+        let repl: Vec<_> = repl.iter().flat_map(|r| complement_within(r, &skip)).collect();
         let at = slot::OPTIM + 64;
-        for (k, ranges) in [own, repl.clone()].iter().enumerate() {
+        for (k, ranges) in [own, repl].iter().enumerate() {
             g.write_words(&self.sums, at + k, &[0]);
             for r in ranges.iter().filter(|r| !r.is_empty()) {
                 g.sum_squares((&self.sums, at + k), grads.at(r.start), r.len(), &self.parts, true);
@@ -304,9 +334,92 @@ impl DeviceRun {
         }
         let w = g.download_words(&self.sums, at, 2);
         let (own, repl) = (f32::from_bits(w[0]) as f64, f32::from_bits(w[1]) as f64);
-        let sq = parallel::comm::sum_f64(tp, own) + repl;
+        let mut sq = pipe.tp.map_or(own, |tp| parallel::comm::sum_f64(tp, own)) + repl;
+        if let Some(pp) = pipe.comm {
+            sq = parallel::comm::sum_f64(pp, sq);
+        }
         g.write_words(&self.model.scalars, slot::SUMSQ, &[(sq as f32).to_bits()]);
     }
+
+    /// The gradients in `ranges` summed over `comm` (through the host), every member's the sum.
+    fn sum_over(&self, ranges: &[std::ops::Range<usize>], comm: &dyn parallel::Comm) {
+        if ranges.is_empty() {
+            return;
+        }
+        let (g, grads) = (&self.gpu, self.model.trainable().1);
+        let mut buf: Vec<f32> = ranges.iter().flat_map(|r| g.download_words(grads, r.start, r.len())).map(f32::from_bits).collect();
+        comm.all_reduce_sum(&mut buf);
+        let mut at = 0;
+        for r in ranges {
+            g.write_words(grads, r.start, &buf[at..at + r.len()].iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+            at += r.len();
+        }
+    }
+
+    /// A pipeline stage's tasks of the schedule (one model chunk a rank): each forward's input
+    /// received from the previous stage and its output sent on, each backward's output
+    /// gradient received from the next stage and its input gradient sent back, through the
+    /// host; each micro-batch's activations kept from its forward to its backward. The last
+    /// stage sums each micro-batch's losses on the device.
+    fn pipeline_tasks(&mut self, ch: &mut Chunk, (pipe, pp): (&Pipeline, &dyn parallel::Comm), batches: &[RowBuf], (rows, t): (usize, usize), pass: &dyn Fn(usize) -> Pass) {
+        let (p, me, m) = (pipe.sched.p, pipe.rank, pipe.sched.m);
+        let (first, last) = (me == 0, me + 1 == p);
+        let dpn = ch.dp.n();
+        let (mut live, mut free): (Vec<Option<model::device::DeviceActs>>, Vec<model::device::DeviceActs>) = ((0..m).map(|_| None).collect(), Vec::new());
+        let width = rows * t * self.model.cfg.n_embd / self.model.cfg.place.seq.map_or(1, |s| s.count);
+        // Messages between stages: activations across boundary `b` (after stage `b`) and, in
+        // backward, their gradient.
+        let tag = |boundary: usize, backward: bool| (2 << 20) + 2 * boundary as u32 + backward as u32;
+        for task in pipe.sched.tasks(me) {
+            let b = &batches[task.mb];
+            if task.forward {
+                if let Some(a) = free.pop() {
+                    self.model.put_activations(a);
+                }
+                if !first {
+                    let mut x = vec![0.0; width];
+                    pp.recv(&mut x, me - 1, tag(me - 1, false));
+                    self.model.set_stage_input(&x, rows, t);
+                }
+                self.model.forward_docs(&b.x, &b.y, b.docs(), rows, t, pass(task.mb));
+                if last {
+                    self.model.loss_sum_into((&self.sums, slot::OPTIM + task.mb), &self.parts, false);
+                } else {
+                    pp.send(&self.model.stage_output(), me + 1, tag(me, false));
+                }
+                live[task.mb] = self.model.take_activations();
+            } else {
+                self.model.put_activations(live[task.mb].take().expect("forward before backward"));
+                if !last {
+                    let mut d = vec![0.0; width];
+                    pp.recv(&mut d, me + 1, tag(me, true));
+                    self.model.set_stage_output_grad(&d);
+                }
+                self.model.backward_with(routing_group(ch, dpn));
+                if !first {
+                    pp.send(&self.model.stage_input_grad(), me - 1, tag(me - 1, true));
+                }
+                free.extend(self.model.take_activations());
+            }
+        }
+        // The model keeps the last micro-batch's activations (its routing statistics).
+        if let Some(a) = free.pop() {
+            self.model.put_activations(a);
+        }
+        if !last {
+            for k in 0..m {
+                self.gpu.write_words(&self.sums, slot::OPTIM + k, &[0]);
+            }
+        }
+    }
+}
+
+/// The runs of `r` outside `skip`.
+fn complement_within(r: &std::ops::Range<usize>, skip: &[std::ops::Range<usize>]) -> Vec<std::ops::Range<usize>> {
+    complement(skip, r.end).into_iter().filter_map(|c| {
+        let (a, b) = (c.start.max(r.start), c.end.min(r.end));
+        (a < b).then_some(a..b)
+    }).collect()
 }
 
 /// The runs of `0..len` outside `ranges`.
@@ -386,9 +499,17 @@ pub fn check_plan(gpu: &Gpu, d: DeviceArg, cfg: &RunConfig, (gpt, params): (&mod
     };
     // A data-parallel rank's share of each micro-batch.
     let rows = (cfg.micro_batch() / cfg.parallel.dp.max(1)).max(1);
-    let p = model::device::plan(gpu, gpt, weights, (rows, cfg.seq_len()), 2, (cfg.train.precision, cfg.model.recompute, cfg.model.recompute_every));
+    let mut p = model::device::plan(gpu, gpt, weights, (rows, cfg.seq_len()), 2, (cfg.train.precision, cfg.model.recompute, cfg.model.recompute_every));
+    // A pipeline's first stage keeps the most micro-batches' activations in flight.
+    let pc = &cfg.parallel;
+    let sets = match pc.pp {
+        1 => 1,
+        pp => parallel::pp::Schedule::new(pc.schedule, pp, cfg.train.grad_accum, pc.virtual_stages).map_or(1, |s| s.peak_in_flight(0)),
+    };
+    p.total_bytes += (sets as u64).saturating_sub(1) * p.activation_bytes;
     let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
-    let figures = format!("the run needs {:.1} MiB on the device ({what} and the activations of {rows} × {} tokens), its largest buffer {:.1} MiB", mib(p.total_bytes), cfg.seq_len(), mib(p.largest_bytes));
+    let flight = if sets > 1 { format!(", {sets} micro-batches in flight") } else { String::new() };
+    let figures = format!("the run needs {:.1} MiB on the device ({what} and the activations of {rows} × {} tokens{flight}), its largest buffer {:.1} MiB", mib(p.total_bytes), cfg.seq_len(), mib(p.largest_bytes));
     let limit = cfg.device_memory_limit();
     if limit > 0 && p.total_bytes > limit {
         return user(format!("train.device = {d}: {figures}: over memory.device_limit = {} ({:.1} MiB)", cfg.memory.device_limit, mib(limit)));

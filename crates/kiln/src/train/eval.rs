@@ -58,6 +58,28 @@ pub fn eval_sums_on_device(m: &mut model::device::DeviceGpt, split: &Split, eb: 
     })
 }
 
+/// [`eval_sums_pipeline`] on a device, one stage per rank: each batch runs forward through
+/// the stages in turn, the activations sent on through the host; the last stage's ranks alone
+/// return a nonzero sum.
+#[cfg(feature = "vulkan")]
+pub fn eval_sums_pipeline_on_device(m: &mut model::device::DeviceGpt, pp: &dyn Comm, me: usize, split: &Split, eb: EvalBatches) -> (f64, usize) {
+    let (p, batch, t) = (pp.size(), eb.batch, eb.t);
+    let width = batch * t * m.cfg.n_embd / m.cfg.place.seq.map_or(1, |s| s.count);
+    eval_batches(split, eb, |b| {
+        if me > 0 {
+            let mut x = vec![0.0; width];
+            pp.recv(&mut x, me - 1, (1 << 20) + me as u32);
+            m.set_stage_input(&x, batch, t);
+        }
+        let count = m.forward_docs(&b.x, &b.y, b.docs(), batch, t, Pass::Eval);
+        if me + 1 < p {
+            pp.send(&m.stage_output(), me + 1, (1 << 20) + me as u32 + 1);
+            return (0.0, count);
+        }
+        (m.losses().iter().map(|&l| l as f64).sum::<f64>(), count)
+    })
+}
+
 /// This rank's share of [`evaluate`]. Returns (sum of losses, targets counted), to be summed
 /// over ranks.
 pub fn eval_sums(m: &mut Gpt, mut store: Option<&mut dyn model::UnitStore>, split: &Split, eb: EvalBatches) -> (f64, usize) {

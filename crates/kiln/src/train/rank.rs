@@ -397,7 +397,7 @@ impl<'a> Rank<'a> {
             };
             #[cfg(feature = "vulkan")]
             if let Some(d) = self.device.as_mut() {
-                d.step(&mut self.chunks[0], cfg, self.step, rows, fill, |loss, _| faults.spike(loss), (cfg.parallel.tp > 1).then_some(&*groups.tp))?
+                d.step(&mut self.chunks[0], cfg, self.step, rows, fill, |loss, _| faults.spike(loss), &pipe)?
             } else {
                 train_step(&mut self.chunks, &mut pipe, cfg, self.step, fill, |loss, _| faults.spike(loss))
             }
@@ -557,8 +557,12 @@ impl<'a> Rank<'a> {
         #[cfg(feature = "vulkan")]
         if let Some(d) = self.device.as_mut() {
             let (mut sum, mut count) = (0.0, 0);
+            let (pp, me) = (&*groups.pp, groups.pp_rank);
             for s in &self.ds.sources {
-                let (a, b) = d.with_hooks(&mut self.chunks[0], |m| super::eval::eval_sums_on_device(m, &s.val, batches));
+                let (a, b) = d.with_hooks(&mut self.chunks[0], |m| match ppn {
+                    1 => super::eval::eval_sums_on_device(m, &s.val, batches),
+                    _ => super::eval::eval_sums_pipeline_on_device(m, pp, me, &s.val, batches),
+                });
                 (sum, count) = (sum + a, count + b);
             }
             // Data parallel: each rank evaluated its share of the batches.
@@ -566,6 +570,8 @@ impl<'a> Rank<'a> {
                 let all = self.chunks[0].dp.all_reduce_f64(&[sum, count as f64]);
                 (sum, count) = (all[0], all[1] as usize);
             }
+            // The losses are the last stage's.
+            let sum = if ppn > 1 { parallel::comm::all_gather_f64(pp, &[sum])[ppn - 1] } else { sum };
             return self.log_eval(train_loss, sum / count.max(1) as f64);
         }
         self.chunks.iter_mut().for_each(|ch| crate::memory::track::scope(crate::memory::track::Category::Activations, || ch.model.reserve_activations(eb, t)));

@@ -252,8 +252,9 @@ fn lora_and_qlora_on_the_device_follow_the_cpu() {
 }
 
 /// `scripts/gpu_check.sh --dry-run`: every step of the GPU machine's prepared check (the kernel
-/// check from inside the binary, CPU against device training in fp32 and bf16, the GPT-2 bench
-/// beside PyTorch's) runs on lavapipe at tiny shapes and writes its JSON summary.
+/// check from inside the binary, CPU against device training in fp32 and bf16, the layouts one
+/// device hosts against one rank, the GPT-2 bench beside PyTorch's) runs on lavapipe at tiny
+/// shapes and writes its JSON summary.
 #[test]
 fn the_gpu_check_script_runs_dry_on_the_vulkan_device() {
     let dir = scratch("gpu-check");
@@ -272,6 +273,9 @@ fn the_gpu_check_script_runs_dry_on_the_vulkan_device() {
     let sc = &v["shakespeare_char"];
     assert!(sc["fp32_vs_cpu_max_rel"].as_f64().unwrap() <= 1e-4 && sc["runs"]["dev-bf16"]["steps"] == 10, "{sc:#}");
     assert!(v["gpt2_kiln"]["tokens_per_sec"].as_f64().unwrap() > 0.0, "{v:#}");
+    for layout in ["dp2-zero3", "tp2-sp", "pp2-1f1b"] {
+        assert_eq!(v["layouts_on_one_device"][layout]["within_1e-4"], true, "{layout}: {v:#}");
+    }
     // PyTorch is reported, or reported absent.
     let t = &v["gpt2_pytorch"];
     assert!(t["absent"].is_string() || t["eager_bf16"]["tokens_per_sec"].as_f64().is_some(), "{t:#}");
@@ -325,6 +329,38 @@ fn data_parallel_on_devices_reproduces_one_device() {
     }
 }
 
+/// `kiln train` of `preset` for `steps` on tinyshakespeare (batch 4 × 64, dropout 0.1, two
+/// layers, dropless experts, an evaluation and a checkpoint every 10 steps; `llama-tiny`'s MLP
+/// widened to 344 columns, which split in two) under `layout`'s flags; it must succeed.
+fn train_layout(out: &Path, (preset, steps): (&str, u64), device: &str, layout: &[&str], resume: bool) {
+    let data = fixture("data/tinyshakespeare.txt");
+    let steps = steps.to_string();
+    let mut args = vec!["train", "--preset", preset, "--data", data.to_str().unwrap(), "--out", out.to_str().unwrap(), "--max-steps", &steps, "--device", device, "--quiet"];
+    args.extend(layout);
+    args.extend(["--set", "train.batch_size=4", "--set", "model.block_size=64", "--set", "model.dropout=0.1", "--set", "model.n_layer=2", "--set", "train.log_interval=1"]);
+    args.extend(["--set", "eval.interval=10", "--set", "eval.iters=2", "--set", "sample.tokens=0", "--set", "checkpoint.interval=10", "--set", "model.capacity_factor=0"]);
+    if preset == "llama-tiny" {
+        args.extend(["--set", "model.ffn_hidden=344"]);
+    }
+    if resume {
+        args.push("--resume");
+    }
+    let o = kiln(&args);
+    assert_eq!(o.status.code(), Some(0), "{preset} {layout:?} on {device}: {}", stderr(&o));
+}
+
+/// A test's `kiln train` of (preset, run directory, steps, device, layout flags, resume).
+type Run = dyn Fn(&str, &Path, u64, &str, &[&str], bool);
+
+/// `llama-tiny` under `layout` on devices to step 10 (`run`), continued at dp 1 on the CPU to
+/// step 20, gives the one-device run's (`one`) losses.
+fn continues_on_the_cpu(run: &Run, one: &Path, out: &Path, layout: &[&str]) {
+    run("llama-tiny", out, 10, "vulkan", layout, false);
+    run("llama-tiny", out, 20, "cpu", &[], true);
+    let e = worst(&losses(one), &losses(out), 1..=20);
+    assert!(e <= 1e-5, "{layout:?} on devices to step 10, then dp 1 on the CPU: {e:e}");
+}
+
 /// Tensor parallelism on devices (Megatron's heads, MLP columns and vocabulary rows per part,
 /// the partial sums staged through the host): `llama-tiny` at tp 2, with and without sequence
 /// parallelism, reproduces one device over 20 steps, GPT-2's `shakespeare-char` (biases, a tied
@@ -335,19 +371,7 @@ fn data_parallel_on_devices_reproduces_one_device() {
 fn tensor_parallel_on_devices_reproduces_one_device() {
     let dir = scratch("device-tp");
     let data = fixture("data/tinyshakespeare.txt");
-    let run = |preset: &str, out: &Path, steps: u64, device: &str, layout: &[&str], resume: bool| {
-        let steps = steps.to_string();
-        let mut args = vec!["train", "--preset", preset, "--data", data.to_str().unwrap(), "--out", out.to_str().unwrap(), "--max-steps", &steps, "--device", device, "--quiet"];
-        args.extend(layout);
-        // (llama-tiny's MLP of 341 columns does not split in two.)
-        args.extend(["--set", "train.batch_size=4", "--set", "model.block_size=64", "--set", "model.dropout=0.1", "--set", "model.ffn_hidden=344", "--set", "model.n_layer=2", "--set", "train.log_interval=1"]);
-        args.extend(["--set", "eval.interval=10", "--set", "eval.iters=2", "--set", "sample.tokens=0", "--set", "checkpoint.interval=10"]);
-        if resume {
-            args.push("--resume");
-        }
-        let o = kiln(&args);
-        assert_eq!(o.status.code(), Some(0), "{preset} {layout:?} on {device}: {}", stderr(&o));
-    };
+    let run = |preset: &str, out: &Path, steps: u64, device: &str, layout: &[&str], resume: bool| train_layout(out, (preset, steps), device, layout, resume);
     let cases: [(&str, u64, &[&[&str]]); 2] = [("llama-tiny", 20, &[&["--tp", "2"], &["--tp", "2", "--sequence-parallel"]]), ("shakespeare-char", 10, &[&["--tp", "2", "--sequence-parallel"]])];
     for (preset, steps, layouts) in cases {
         let one = dir.join(format!("{preset}-one"));
@@ -361,15 +385,37 @@ fn tensor_parallel_on_devices_reproduces_one_device() {
             assert!(!v2.is_empty() && worst(&v1, &v2, steps..=steps) <= 1e-5, "{preset} {layout:?}: validation {v2:?} against {v1:?}");
         }
     }
-    let one = dir.join("llama-tiny-one");
-    let four = dir.join("dp2-tp2-then-cpu");
-    run("llama-tiny", &four, 10, "vulkan", &["--dp", "2", "--tp", "2", "--zero", "1"], false);
-    run("llama-tiny", &four, 20, "cpu", &[], true);
-    let e = worst(&losses(&one), &losses(&four), 1..=20);
-    assert!(e <= 1e-5, "dp2 × tp2 on four devices to step 10, then dp 1 on the CPU: {e:e}");
+    continues_on_the_cpu(&run, &dir.join("llama-tiny-one"), &dir.join("dp2-tp2-then-cpu"), &["--dp", "2", "--tp", "2", "--zero", "1"]);
     let o = kiln(&["train", "--preset", "llama-tiny", "--data", data.to_str().unwrap(), "--out", dir.join("zero3").to_str().unwrap(), "--device", "vulkan", "--tp", "2", "--dp", "2", "--zero", "3", "--set", "model.ffn_hidden=344", "--max-steps", "1"]);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(stderr(&o).contains("tensor parallelism on devices runs with ZeRO stage 0 or 1 yet (parallel.zero = 3)"), "{}", stderr(&o));
+}
+
+/// Pipeline parallelism on devices (one stage per rank, its activations and their gradients
+/// sent between the devices through the host, each micro-batch's activations kept on the
+/// device from its forward to its backward): at pp 2 over four micro-batches, `llama-tiny`
+/// under 1F1B reproduces one device over 20 steps, dropless `moe-tiny` under 1F1B and GPT-2's
+/// `shakespeare-char` (its head tied to the first stage's embedding) under GPipe over 10; tp2 ×
+/// pp2 on four devices too, whose step-10 checkpoint continues at dp 1 on the CPU. Interleaved
+/// schedules on devices are refused by name.
+#[test]
+fn pipeline_parallel_on_devices_reproduces_one_device() {
+    let dir = scratch("device-pp");
+    let data = fixture("data/tinyshakespeare.txt");
+    let run = |preset: &str, out: &Path, steps: u64, device: &str, layout: &[&str], resume: bool| train_layout(out, (preset, steps), device, &[layout, &["--set", "train.grad_accum=4"]].concat(), resume);
+    for (preset, steps, schedule) in [("llama-tiny", 20, "1f1b"), ("moe-tiny", 10, "1f1b"), ("shakespeare-char", 10, "gpipe")] {
+        let (one, two) = (dir.join(format!("{preset}-one")), dir.join(format!("{preset}-pp2")));
+        run(preset, &one, steps, "vulkan", &[], false);
+        run(preset, &two, steps, "vulkan", &["--pp", "2", "--schedule", schedule], false);
+        let e = worst(&losses(&one), &losses(&two), 1..=steps);
+        assert!(e <= 1e-5, "{preset}: pp2 {schedule} on two devices differs from one device by {e:e}");
+        let (v1, v2) = (lines(&one, "eval", "val_loss"), lines(&two, "eval", "val_loss"));
+        assert!(!v2.is_empty() && worst(&v1, &v2, 10..=10) <= 1e-5, "{preset} pp2: validation {v2:?} against {v1:?}");
+    }
+    continues_on_the_cpu(&run, &dir.join("llama-tiny-one"), &dir.join("tp2-pp2-then-cpu"), &["--tp", "2", "--pp", "2"]);
+    let o = kiln(&["train", "--preset", "llama-tiny", "--data", data.to_str().unwrap(), "--out", dir.join("interleaved").to_str().unwrap(), "--device", "vulkan", "--pp", "2", "--schedule", "interleaved", "--virtual", "2", "--set", "train.grad_accum=2", "--max-steps", "1"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("interleaved pipeline schedules (parallel.virtual_stages = 2) do not run on devices yet"), "{}", stderr(&o));
 }
 
 /// `mpirun -n 2 kiln train --backend mpi --device vulkan`: one process per rank, each on its own

@@ -12,8 +12,10 @@
 
 mod frozen;
 mod split;
+mod stage;
 mod zero;
 
+pub use stage::DeviceActs;
 pub use zero::{ShardLayout, Zero, ZeroGroup};
 
 use crate::config::Arch;
@@ -349,8 +351,8 @@ pub fn unsupported_config(cfg: &GptConfig) -> Option<String> {
         "attention sinks (model.attn_sinks)"
     } else if cfg.pad_token_id.is_some() {
         "a padding token's frozen embedding row (model.pad_token_id)"
-    } else if cfg.place != (crate::Placement { batch_offset: cfg.place.batch_offset, heads: cfg.place.heads, vocab: cfg.place.vocab, seq: cfg.place.seq, ..Default::default() }) {
-        "a part of a model (context, pipeline or expert parallel layouts)"
+    } else if cfg.place != (crate::Placement { batch_offset: cfg.place.batch_offset, heads: cfg.place.heads, vocab: cfg.place.vocab, seq: cfg.place.seq, stage: cfg.place.stage, ..Default::default() }) {
+        "a part of a model (context or expert parallel layouts)"
     } else if cfg.head_size() > device::MAX_HEAD_SIZE {
         "heads larger than 128"
     } else if cfg.rope_scaling.as_ref().and_then(|r| r.long_after()).is_some_and(|n| cfg.block_size > n) {
@@ -394,6 +396,9 @@ pub struct DevicePlan {
     pub trainable: usize,
     pub total_bytes: u64,
     pub largest_bytes: u64,
+    /// Of `total_bytes`, one pass's activations (what each more micro-batch a pipeline
+    /// schedule keeps in flight adds).
+    pub activation_bytes: u64,
 }
 
 /// The weights a device model holds, for [`plan`]: every parameter training, or LoRA's
@@ -438,6 +443,7 @@ pub fn plan(gpu: &Gpu, cfg: &GptConfig, weights: Weights, (b, t): (usize, usize)
     let (precision, recompute, every) = policy;
     let mut sizes = Acts::lens(cfg, (b, t), gpu.head_rows(b * t, cfg.vocab_size), &Keep::new(cfg, recompute, every));
     let bytes = |n: usize| (n.max(1) * 4) as u64;
+    let activation_bytes = sizes.iter().map(|&n| bytes(n)).sum();
     let (params, trainable, base) = match weights {
         Weights::Full { params } => {
             sizes.extend(std::iter::repeat_n(params, 2 + extra));
@@ -480,7 +486,7 @@ pub fn plan(gpu: &Gpu, cfg: &GptConfig, weights: Weights, (b, t): (usize, usize)
     };
     sizes.extend([Gpu::parts_len(), SCALARS]);
     let largest = sizes.iter().map(|&n| bytes(n)).max().unwrap_or(0);
-    DevicePlan { params, trainable, total_bytes: base + sizes.iter().map(|&n| bytes(n)).sum::<u64>(), largest_bytes: largest.max(base.min(4 * params as u64)) }
+    DevicePlan { params, trainable, total_bytes: base + sizes.iter().map(|&n| bytes(n)).sum::<u64>(), largest_bytes: largest.max(base.min(4 * params as u64)), activation_bytes }
 }
 
 impl DeviceGpt {
@@ -689,18 +695,40 @@ impl DeviceGpt {
             g.write_words(&a.starts, 0, d.start);
             g.write_words(&a.pos, 0, d.pos);
         }
-        let last = self.cfg.n_layer + 1;
         self.gather_unit(0);
-        self.embed(&a);
+        // A later pipeline stage starts from the activations put in `xs[0]`
+        // ([`DeviceGpt::set_stage_input`]).
+        if self.cfg.has_embed() {
+            self.embed(&a);
+        }
         for l in 0..self.cfg.n_layer {
             self.gather_unit(l + 1);
             self.block_forward(l, &a);
             self.release_unit(l + 1);
         }
-        self.gather_unit(last);
+        if self.cfg.has_head() {
+            self.head_forward(&a, weight);
+        } else {
+            // A stage before the last: its output is `xs[L]` ([`DeviceGpt::stage_output`]).
+            g.clear(&a.losses);
+        }
+        if weight.is_none() {
+            // Evaluation: nothing stays gathered (training keeps the embeddings and the final
+            // unit, which hold the head, for backward).
+            self.zero.as_mut().map(Zero::release_all);
+        }
+        self.acts = Some(a);
+        count
+    }
+
+    /// The final norm and the fused head with its loss (and, with `weight`, the head's
+    /// gradients and `d ln_f`).
+    fn head_forward(&mut self, a: &Acts, weight: Option<f32>) {
+        let (g, vp) = (self.gpu.clone(), self.cfg.vocab_size);
+        self.gather_unit(self.cfg.n_layer + 1);
         let (ln_f_w, ln_f_b, head) = (self.views.ln_f_w.clone(), self.views.ln_f_b.clone(), self.views.lm_head.start);
         let x = &a.xs[self.cfg.n_layer];
-        self.norm_gathered((&a.ln_f, &a.ln_f_mean, &a.ln_f_rstd), x, (&ln_f_w, &ln_f_b), &a);
+        self.norm_gathered((&a.ln_f, &a.ln_f_mean, &a.ln_f_rstd), x, (&ln_f_w, &ln_f_b), a);
         let dims = HeadDims { c: self.cfg.n_embd, v: self.real_vocab, vp, offset: 0, ignore_index: IGNORE_INDEX, arith: Arith::F32 };
         if weight.is_some() {
             // The head's weight gradient is backward's first.
@@ -717,18 +745,11 @@ impl DeviceGpt {
                 let dims = HeadDims { v: self.real_vocab.saturating_sub(rows.first).min(vp), offset: rows.first, ..dims };
                 g.lm_head_crossentropy_vocab_parallel(&a.losses, grads, &a.ln_f, self.wt(head), &a.targets, &a.head_scratch, &dims, &mut |x| self.all_gather_parts(x));
                 if weight.is_some() {
-                    self.column_input_grad(&a.dln_f, &a);
+                    self.column_input_grad(&a.dln_f, a);
                 }
             }
             None => g.lm_head_crossentropy(&a.losses, grads, &a.ln_f, self.wt(head), &a.targets, &a.head_scratch, &dims),
         }
-        if weight.is_none() {
-            // Evaluation: nothing stays gathered (training keeps the embeddings and the final
-            // unit, which hold the head, for backward).
-            self.zero.as_mut().map(Zero::release_all);
-        }
-        self.acts = Some(a);
-        count
     }
 
     /// `out[at] (=|+=) Σ` of the last forward's per-position losses, on the device.
@@ -763,6 +784,12 @@ impl DeviceGpt {
         } else {
             RopePos::Offset(0)
         }
+    }
+
+    /// Block `l`'s first dropout site in the whole model's numbering (a pipeline stage's
+    /// blocks draw what the whole model's draw there).
+    fn block_site(&self, l: usize) -> u64 {
+        1 + 3 * (self.cfg.first_layer() + l) as u64
     }
 
     /// Dropout site `site`'s mask seed, derived on the device from the pass's (the CPU model's
@@ -940,7 +967,7 @@ impl DeviceGpt {
         let (la, x, out) = (a.layer(l), &a.xs[l], &a.xs[l + 1]);
         let c = cfg.n_embd;
         let p = self.drop.0;
-        let site = 1 + 3 * l as u64;
+        let site = self.block_site(l);
         // res_2 = x + drop(attn(norm_1(x)))
         self.norm_gathered((&la.ln_1, &la.ln_1_mean, &la.ln_1_rstd), x, (&bp.ln_1_w, &bp.ln_1_b), a);
         self.linear(&la.qkv, &la.ln_1, (l, Site::Qkv), (c, cfg.qkv_width()), a);
@@ -993,10 +1020,14 @@ impl DeviceGpt {
             return;
         }
         let (g, n_layer) = (self.gpu.clone(), self.cfg.n_layer);
-        g.clear(&a.dres);
-        let stats = (&a.ln_f_mean, &a.ln_f_rstd);
-        let (ln_f_w, ln_f_b) = (self.views.ln_f_w.clone(), self.views.ln_f_b.clone());
-        self.norm_backward(&a.dres, &a.dln_f, &a.xs[n_layer], stats, (&ln_f_w, &ln_f_b));
+        // A stage before the last starts from its output's gradient, put in `dres`
+        // ([`DeviceGpt::set_stage_output_grad`]).
+        if self.cfg.has_head() {
+            g.clear(&a.dres);
+            let stats = (&a.ln_f_mean, &a.ln_f_rstd);
+            let (ln_f_w, ln_f_b) = (self.views.ln_f_w.clone(), self.views.ln_f_b.clone());
+            self.norm_backward(&a.dres, &a.dln_f, &a.xs[n_layer], stats, (&ln_f_w, &ln_f_b));
+        }
         for l in (0..n_layer).rev() {
             self.gather_unit(l + 1);
             self.open_grads(l + 1);
@@ -1004,7 +1035,8 @@ impl DeviceGpt {
             self.release_unit(l + 1);
             self.reduce_unit(l + 1);
         }
-        if self.frozen.is_none() {
+        // A later stage leaves its input's gradient in `dres` ([`DeviceGpt::stage_input_grad`]).
+        if self.frozen.is_none() && self.cfg.has_embed() {
             let v = &self.views;
             let demb = self.dropout_grad(&a.dbranch, &a.dres, 0, &a);
             // Under sequence parallelism the lookups were reduce-scattered: gathered back.
@@ -1030,11 +1062,11 @@ impl DeviceGpt {
         } else if a.keep.selective {
             // Selective: re-run the attention core from the kept q|k|v into the shared set.
             let (atty, lse) = a.core(l);
-            self.gpu.flash_forward_seeded(atty, lse, &a.layer(l).qkv, &self.gqa(l, a), self.docs.then_some(&a.starts), (self.drop.0, self.seed(1 + 3 * l as u64)));
+            self.gpu.flash_forward_seeded(atty, lse, &a.layer(l).qkv, &self.gqa(l, a), self.docs.then_some(&a.starts), (self.drop.0, self.seed(self.block_site(l))));
         }
         let (g, cfg, la) = (&*self.gpu, &self.cfg, a.layer(l));
         let c = cfg.n_embd;
-        let site = 1 + 3 * l as u64;
+        let site = self.block_site(l);
         // d res_2 = d out + norm_2ᵀ(mlpᵀ(dropᵀ(d out)))
         let dmlp = self.dropout_grad(&a.dbranch, &a.dres, site + 2, a);
         match (&bp.moe, &la.moe, &a.moe) {
