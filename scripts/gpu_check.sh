@@ -6,7 +6,8 @@
 #   2. 200 steps of `shakespeare-char` on the CPU and on CUDA: fp32 within 1e-4 of the CPU,
 #      bf16 within 2e-2 of fp32;
 #   3. the parallel layouts one GPU can host, ranks sharing it: dp 2 under ZeRO-3, tp 2 with
-#      sequence parallelism, pp 2 under 1F1B, each within 1e-4 of the one-rank run;
+#      sequence parallelism, pp 2 under 1F1B, and dp 2 with its gradients all-reduced by NCCL
+#      on the GPU (parallel.nccl), each within 1e-4 of the one-rank run;
 #   4. GPT-2 124M in bf16, batch 16 × 1024: kiln's tokens/s and MFU against the GPU's dense bf16
 #      peak; beside it, in the same run and on the same GPU, PyTorch eager bf16 and
 #      torch.compile on the same model and batch (scripts/torch_gpt2.py).
@@ -109,6 +110,19 @@ layout one-rank
 layout dp2-zero3 --dp 2 --zero 3
 layout tp2-sp --tp 2 --sequence-parallel
 layout pp2-1f1b --pp 2 --schedule 1f1b
+layouts="dp2-zero3 tp2-sp pp2-1f1b"
+if [ $dry -eq 0 ]; then
+    # NCCL from PyTorch's wheel when the system has none: the loader looks for libnccl.so.
+    if ! ldconfig -p 2>/dev/null | grep -q 'libnccl.so '; then
+        nccl=$($py -c "import nvidia, glob, os; print((glob.glob(os.path.join(list(nvidia.__path__)[0], '*', 'lib', 'libnccl.so.2')) + [''])[0])" 2>/dev/null || true)
+        if [ -n "$nccl" ]; then
+            mkdir -p "$work/nccl" && ln -sf "$nccl" "$work/nccl/libnccl.so"
+            export LD_LIBRARY_PATH="$work/nccl${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+        fi
+    fi
+    layout dp2-nccl --dp 2 --set parallel.nccl=true
+    layouts="$layouts dp2-nccl"
+fi
 
 # Step 4: GPT-2 124M (tiny in the dry run) in bf16: kiln, then PyTorch on the same batch.
 timeout "${limits[2]}" "$kiln" bench "${bench[@]}" --set train.precision=bf16 --device $device --json > "$work/bench.json" 2> "$work/bench.err"
@@ -116,7 +130,7 @@ echo $? > "$work/bench.rc"
 timeout "${limits[3]}" $py "$here/torch_gpt2.py" "${torch_args[@]}" > "$work/torch.json" 2> "$work/torch.err"
 echo $? > "$work/torch.rc"
 
-DRY=$dry DEVICE=$device STEPS=$steps LAYOUT_STEPS=$layout_steps ELAPSED=$(( $(date +%s) - t_start )) $py - "$work" "$out" <<'PY'
+DRY=$dry DEVICE=$device STEPS=$steps LAYOUT_STEPS=$layout_steps LAYOUTS="$layouts" ELAPSED=$(( $(date +%s) - t_start )) $py - "$work" "$out" <<'PY'
 import json, os, sys
 work, out = sys.argv[1], sys.argv[2]
 def text(name):
@@ -149,7 +163,7 @@ summary["shakespeare_char"] = {
 }
 one = losses("one-rank")
 layouts = {}
-for name in ["dp2-zero3", "tp2-sp", "pp2-1f1b"]:
+for name in os.environ["LAYOUTS"].split():
     e, n = worst(one, losses(name))
     layouts[name] = {"ok": text(f"{name}.rc").strip() == "0", "steps": n, "max_rel_vs_one_rank": e, "log_tail": text(f"{name}.log").splitlines()[-2:]}
     layouts[name]["within_1e-4"] = layouts[name]["ok"] and e is not None and n == int(os.environ["LAYOUT_STEPS"]) and e <= 1e-4

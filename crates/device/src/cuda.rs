@@ -167,7 +167,7 @@ impl Cu {
         Ok(Mem { _slice: slice, ptr })
     }
 
-    fn cu_stream(&self) -> cudarc::driver::sys::CUstream {
+    pub(crate) fn cu_stream(&self) -> cudarc::driver::sys::CUstream {
         self.stream.cu_stream()
     }
 

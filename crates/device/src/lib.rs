@@ -20,6 +20,8 @@ mod attention;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod head;
+#[cfg(feature = "cuda")]
+pub mod nccl;
 mod kernels;
 mod moe;
 mod ops;
@@ -168,6 +170,15 @@ impl Buf {
     }
 
     /// Whether two handles name one device buffer.
+    /// A CUDA buffer's device address (`None` on Vulkan).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn cuda_ptr(&self) -> Option<u64> {
+        match &self.raw {
+            Raw::Cu(m) => Some(m.ptr),
+            _ => None,
+        }
+    }
+
     pub fn same(&self, other: &Buf) -> bool {
         self.raw == other.raw
     }
@@ -291,6 +302,16 @@ impl Gpu {
     pub fn open_cuda(index: usize) -> Result<Gpu, DeviceError> {
         let (cu, info) = cuda::Cu::open(index)?;
         Gpu::with(Backend::Cu(cu), info)
+    }
+
+    /// A CUDA device's stream, which every kernel, copy and collective is ordered on (`None`
+    /// on Vulkan).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn cuda_stream(&self) -> Option<cudarc::driver::sys::CUstream> {
+        match &self.backend {
+            Backend::Cu(c) => Some(c.cu_stream()),
+            _ => None,
+        }
     }
 
     fn with(backend: Backend, info: AdapterInfo) -> Result<Gpu, DeviceError> {

@@ -328,6 +328,10 @@ pub struct ParallelSection {
     pub powersgd_rank: usize,
     /// Gradient all-reduce bucket size in MiB (stages 0 and 1).
     pub bucket_mb: f64,
+    /// On CUDA devices: the data-parallel gradient all-reduce through NCCL on the device
+    /// buffers (`device::nccl`) instead of staged through the host. Off by default: the path
+    /// has not yet been run on a GPU.
+    pub nccl: bool,
     /// With `tp > 1`: sequence parallelism (Korthikanti et al.): norms, dropout and the
     /// residual stream split along the sequence over the tensor-parallel ranks.
     pub sequence_parallel: bool,
@@ -764,7 +768,7 @@ impl ParallelSection {
 impl Default for ParallelSection {
     fn default() -> Self {
         ParallelSection {
-            dp: 1, zero: 0, tp: 1, ep: 1, cp: 1, cp_mode: plan::policy::CpMode::Ring, cp_balance: plan::policy::CpBalance::Zigzag, cp_clock: CpClock::Wall, backend: Backend::Inproc, compression: Compression::None, compression_warmup: 100, powersgd_rank: 4, bucket_mb: 25.0, sequence_parallel: false, pp: 1,
+            dp: 1, zero: 0, tp: 1, ep: 1, cp: 1, cp_mode: plan::policy::CpMode::Ring, cp_balance: plan::policy::CpBalance::Zigzag, cp_clock: CpClock::Wall, backend: Backend::Inproc, compression: Compression::None, compression_warmup: 100, powersgd_rank: 4, bucket_mb: 25.0, nccl: false, sequence_parallel: false, pp: 1,
             schedule: parallel::pp::Kind::OneFOneB, virtual_stages: 1, pp_layers: Vec::new(), pp_trace: PpTrace::Off, zeropp: Default::default(), zeroone: Default::default(),
         }
     }

@@ -36,6 +36,9 @@ pub struct DeviceRun {
     pieces: Option<Vec<parallel::Piece>>,
     /// The ZeRO stage the device runs (0 on one rank and under LoRA).
     zero: u8,
+    /// `parallel.nccl` on a CUDA device: the data-parallel group's communicator on the device.
+    #[cfg(feature = "cuda")]
+    nccl: Option<device::nccl::Nccl>,
 }
 
 /// The data-parallel group, on a communicator of its own, as a device model's ZeRO-2/3 group.
@@ -63,6 +66,9 @@ impl model::device::ZeroGroup for HostGroup {
 pub fn refusal(cfg: &RunConfig) -> Option<String> {
     let p = &cfg.parallel;
     let d = &cfg.train.device;
+    if p.nccl && !d.starts_with("cuda") {
+        return Some(format!("parallel.nccl = true: NCCL runs on CUDA devices (train.device = {d})"));
+    }
     if p.cp > 1 || p.ep > 1 {
         return Some(format!("train.device = {d}: on devices data, tensor and pipeline parallelism run yet; context and expert parallel layouts are not done (got cp {}, ep {})", p.cp, p.ep));
     }
@@ -134,7 +140,16 @@ impl DeviceRun {
         gpu.write(&v, &ch.opt.v);
         let (parts, sums) = (gpu.zeros(Gpu::parts_len()), gpu.zeros(slot::OPTIM + 2 * 64));
         let pieces = (zero > 0).then(|| ch.dp.pieces());
-        Ok(DeviceRun { gpu, model, m, v, moe_stats: Vec::new(), segments: ch.opt.decay_groups().to_vec(), parts, sums, stale: false, pieces, zero })
+        #[cfg(feature = "cuda")]
+        let nccl = match cfg.parallel.nccl && ch.dp.n() > 1 {
+            true => Some(nccl_group(&gpu, ch).map_err(|e| KilnError::User(format!("parallel.nccl = true: {}", e.0)))?),
+            false => None,
+        };
+        Ok(DeviceRun {
+            gpu, model, m, v, moe_stats: Vec::new(), segments: ch.opt.decay_groups().to_vec(), parts, sums, stale: false, pieces, zero,
+            #[cfg(feature = "cuda")]
+            nccl,
+        })
     }
 
     /// The adapter's one-line description.
@@ -213,11 +228,18 @@ impl DeviceRun {
         }
         let grads = self.model.trainable().1;
         if dpn > 1 && self.zero < 2 {
-            // The group's gradient sum, staged through the host (summed in rank order);
-            // ZeRO-2/3 reduced each unit's into the shard as backward left it.
-            let mut host = g.download(grads);
-            ch.dp.reduce_adapters(&mut host);
-            g.write(grads, &host);
+            // The group's gradient sum, staged through the host (summed in rank order), or
+            // through NCCL on the device; ZeRO-2/3 reduced each unit's into the shard as
+            // backward left it.
+            #[cfg(feature = "cuda")]
+            let on_device = self.nccl.as_ref().map(|n| n.all_reduce_sum(grads.at(0), grads.len())).is_some();
+            #[cfg(not(feature = "cuda"))]
+            let on_device = false;
+            if !on_device {
+                let mut host = g.download(grads);
+                ch.dp.reduce_adapters(&mut host);
+                g.write(grads, &host);
+            }
         }
         if pipe.tp.is_some() || pipe.comm.is_some() {
             self.norm_over_parts(ch, pipe);
@@ -412,6 +434,32 @@ impl DeviceRun {
             }
         }
     }
+}
+
+/// The data-parallel group's NCCL communicator on `gpu` (collective over `ch.dp`): its first
+/// member's unique id goes to the others through the host group.
+#[cfg(feature = "cuda")]
+fn nccl_group(gpu: &Gpu, ch: &mut Chunk) -> std::result::Result<device::nccl::Nccl, device::DeviceError> {
+    let (rank, n) = (ch.dp.rank(), ch.dp.n());
+    let mine = match rank {
+        0 => device::nccl::unique_id(),
+        _ => Ok([0; device::nccl::ID_BYTES]),
+    };
+    // Every member learns whether the first could make it, so all fail together.
+    let words: Vec<f64> = match &mine {
+        Ok(id) => std::iter::once(1.0).chain(id.chunks(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as f64)).collect(),
+        Err(_) => vec![0.0; 1 + device::nccl::ID_BYTES / 4],
+    };
+    let all = ch.dp.all_gather_f64(&words);
+    mine.as_ref().map_err(Clone::clone)?;
+    if all[0] != 1.0 {
+        return Err(device::DeviceError("the group's first member could not make its NCCL id".into()));
+    }
+    let mut id = [0u8; device::nccl::ID_BYTES];
+    for (k, w) in all[1..words.len()].iter().enumerate() {
+        id[4 * k..4 * k + 4].copy_from_slice(&(*w as u32).to_le_bytes());
+    }
+    device::nccl::Nccl::new(gpu, id, rank, n)
 }
 
 /// The runs of `r` outside `skip`.
