@@ -81,9 +81,6 @@ pub fn refusal(cfg: &RunConfig) -> Option<String> {
     if p.pp > 1 && cfg.lora.rank > 0 {
         return Some(format!("train.device = {d}: LoRA adapters on a pipeline stage do not run on devices yet (parallel.pp = {})", p.pp));
     }
-    if p.tp > 1 && p.dp > 1 && p.zero >= 2 {
-        return Some(format!("train.device = {d}: tensor parallelism on devices runs with ZeRO stage 0 or 1 yet (parallel.zero = {})", p.zero));
-    }
     if p.tp > 1 && cfg.lora.rank > 0 {
         return Some(format!("train.device = {d}: LoRA adapters on a tensor-parallel part do not run on devices yet (parallel.tp = {})", p.tp));
     }
@@ -331,8 +328,7 @@ impl DeviceRun {
         let (g, grads) = (&self.gpu, self.model.trainable().1);
         if let Some(tp) = pipe.tp {
             // Sequence parallelism: each part's norms saw its positions.
-            let partial: Vec<_> = ch.seq_partial.iter().filter(|r| !r.is_empty()).cloned().collect();
-            self.sum_over(&partial, tp);
+            self.sum_over(&self.positions(&ch.seq_partial), tp);
         }
         let (p, last) = (pipe.sched.p, pipe.rank + 1 == pipe.sched.p);
         let tied = (p > 1 && self.model.cfg.tied_embeddings && (pipe.rank == 0 || last)).then(|| ch.model.units[0].clone());
@@ -345,8 +341,8 @@ impl DeviceRun {
             Some(_) => ch.replicated.clone(),
             None => Vec::new(),
         };
-        let own = complement(&[&repl[..], &skip].concat(), grads.len());
-        let repl: Vec<_> = repl.iter().flat_map(|r| complement_within(r, &skip)).collect();
+        let own = self.positions(&complement(&[&repl[..], &skip].concat(), ch.model.layout.total));
+        let repl = self.positions(&repl.iter().flat_map(|r| complement_within(r, &skip)).collect::<Vec<_>>());
         let at = slot::OPTIM + 64;
         for (k, ranges) in [own, repl].iter().enumerate() {
             g.write_words(&self.sums, at + k, &[0]);
@@ -363,7 +359,27 @@ impl DeviceRun {
         g.write_words(&self.model.scalars, slot::SUMSQ, &[(sq as f32).to_bits()]);
     }
 
-    /// The gradients in `ranges` summed over `comm` (through the host), every member's the sum.
+    /// Where the gradients of the layout's `flat` ranges sit on the device: the ranges
+    /// themselves, or under ZeRO-2/3 the parts of them in this rank's pieces, at their shard
+    /// positions.
+    fn positions(&self, flat: &[std::ops::Range<usize>]) -> Vec<std::ops::Range<usize>> {
+        let pieces = match &self.pieces {
+            Some(p) if self.zero >= 2 => p,
+            _ => return flat.iter().filter(|r| !r.is_empty()).cloned().collect(),
+        };
+        let mut out = Vec::new();
+        for r in flat {
+            for p in pieces {
+                let (a, b) = (r.start.max(p.flat.start), r.end.min(p.flat.end));
+                if a < b {
+                    out.push(p.shard.start + a - p.flat.start..p.shard.start + b - p.flat.start);
+                }
+            }
+        }
+        out
+    }
+
+    /// The gradients at `ranges` summed over `comm` (through the host), every member's the sum.
     fn sum_over(&self, ranges: &[std::ops::Range<usize>], comm: &dyn parallel::Comm) {
         if ranges.is_empty() {
             return;
