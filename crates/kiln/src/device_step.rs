@@ -547,7 +547,7 @@ pub fn check_plan(gpu: &Gpu, d: DeviceArg, cfg: &RunConfig, (gpt, params): (&mod
             q => format!("frozen, {}", plan::policy::Names::name(q)),
         };
         (w, format!("a base of {params} parameters ({base}) and {} adapter parameters × 4 buffers of fp32 (weights, gradients, AdamW's two moments)", lora.params.len()))
-    } else if cfg.parallel.dp > 1 && cfg.parallel.zero >= 2 {
+    } else if cfg.parallel.dp > 1 && cfg.parallel.zero >= 1 {
         let (stage, n) = (cfg.parallel.zero as u8, cfg.parallel.dp);
         let units = model::layout::gpt_layout(gpt).1.units(params);
         let shard: usize = units.iter().map(|u| u.len().div_ceil(n)).sum();
@@ -555,6 +555,7 @@ pub fn check_plan(gpu: &Gpu, d: DeviceArg, cfg: &RunConfig, (gpt, params): (&mod
         let ends = (units[0].len(), units[units.len() - 1].len());
         let what = match stage {
             3 => format!("ZeRO-3: a shard of {shard} of {params} parameters × 4 buffers of fp32 (weights, gradients, AdamW's two moments), units of up to {largest} gathered"),
+            1 => format!("ZeRO-1: {params} parameters × 2 buffers of fp32 (weights, gradients) and a shard of {shard} × 2 (AdamW's two moments)"),
             _ => format!("ZeRO-2: {params} parameters of fp32 weights and a shard of {shard} × 3 buffers (gradients, AdamW's two moments)"),
         };
         (model::device::Weights::Zero { stage, params, shard, units: (largest, ends.0, ends.1) }, what)

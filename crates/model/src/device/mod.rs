@@ -415,8 +415,8 @@ pub enum Weights {
         base_bytes: u64,
         quantized: bool,
     },
-    /// ZeRO-2 or 3 ([`zero`]): the gradients (and at stage 3 the weights) as a shard of
-    /// `shard` elements; `units` the largest unit's elements and those of the embeddings'
+    /// ZeRO-1, 2 or 3 ([`zero`]): the moments (from stage 2 the gradients, at stage 3 the
+    /// weights) as a shard of `shard` elements; `units` the largest unit's elements and those of the embeddings'
     /// and final units (held from the forward's head through the backward).
     Zero { stage: u8, params: usize, shard: usize, units: (usize, usize, usize) },
 }
@@ -447,6 +447,15 @@ pub fn plan(gpu: &Gpu, cfg: &GptConfig, weights: Weights, (b, t): (usize, usize)
     let (params, trainable, base) = match weights {
         Weights::Full { params } => {
             sizes.extend(std::iter::repeat_n(params, 2 + extra));
+            if matches!(precision, crate::Precision::Bf16 | crate::Precision::Fp16) {
+                sizes.push(params.div_ceil(2));
+            }
+            (params, params, 0)
+        }
+        Weights::Zero { stage: 1, params, shard, .. } => {
+            // ZeRO-1: the whole weights and gradients, the moments' shard.
+            sizes.extend([params, params]);
+            sizes.extend(std::iter::repeat_n(shard, extra));
             if matches!(precision, crate::Precision::Bf16 | crate::Precision::Fp16) {
                 sizes.push(params.div_ceil(2));
             }
