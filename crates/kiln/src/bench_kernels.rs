@@ -155,7 +155,41 @@ fn head<'a>(x: &'a Inputs, g: Option<&'a Gpu>) -> Vec<Case<'a>> {
             di
         })
     });
-    vec![case("lm_head_crossentropy", "f32", true, 6.0 * (BT * C * V) as f64, cpu, dev)]
+    vec![case("lm_head_crossentropy", "f32", true, 6.0 * (BT * C * V) as f64, cpu, dev), vocab_parallel_head(x, g)]
+}
+
+/// The vocabulary-parallel head of the second of two parts (vocabulary rows `V/2 ..`), the
+/// first part's `[lse | target logit]` per row standing in for the exchange.
+fn vocab_parallel_head<'a>(x: &'a Inputs, g: Option<&'a Gpu>) -> Case<'a> {
+    let h = V / 2;
+    let dims = HeadDims { c: C, v: V - h, vp: V - h, offset: h, ignore_index: -100, arith: Arith::F32 };
+    let inp = &x.x[..BT * C];
+    let dloss = 1.0 / BT as f32;
+    // The first part's statistics, as its head hands them to the exchange.
+    let mut first = Vec::new();
+    let (mut losses, mut scratch) = (vec![0.0; BT], vec![0.0; BT * h]);
+    let d0 = HeadDims { v: h, vp: h, offset: 0, ..dims };
+    tensor::classifier::lm_head_crossentropy_vocab_parallel(&mut losses, None, inp, &x.head_w[..h * C], &x.targets, &mut scratch, &d0, &mut |m| {
+        first = m.to_vec();
+        [m, m].concat()
+    });
+    let exchange = move |mine: &[f32]| -> Vec<f32> { [&first[..], mine].concat() };
+    let w = &x.head_w[h * C..];
+    let (mut di, mut dw, mut scratch) = (vec![0.0; BT * C], vec![0.0; (V - h) * C], vec![0.0; BT * (V - h)]);
+    let ex = exchange.clone();
+    let cpu: Run = Box::new(move |get| {
+        tensor::classifier::lm_head_crossentropy_vocab_parallel(&mut losses, Some((&mut di, &mut dw, dloss)), inp, w, &x.targets, &mut scratch, &dims, &mut |m| ex(m));
+        out(get, || di.clone())
+    });
+    let dev = g.map(|g| {
+        let tg: Vec<u32> = x.targets.iter().map(|&t| t as u32).collect();
+        let st = (g.upload(inp), g.upload(w), g.upload_u32(&tg), g.upload(&[dloss]), g.zeros(BT), g.zeros(BT * C), g.zeros((V - h) * C), g.zeros(BT * (V - h)));
+        on(g, st, move |g, (i, w, tg, s, l, di, dw, scratch)| {
+            g.lm_head_crossentropy_vocab_parallel(l, Some((di, Some(dw.at(0)), (s, 0))), i, w.at(0), tg, scratch, &dims, &mut |m| exchange(m));
+            di
+        })
+    });
+    case("lm_head_crossentropy_vocab_parallel", "f32", true, 6.0 * (BT * C * (V - h)) as f64, cpu, dev)
 }
 
 fn rows<'a>(x: &'a Inputs, g: Option<&'a Gpu>) -> Vec<Case<'a>> {
