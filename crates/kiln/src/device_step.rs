@@ -75,9 +75,6 @@ pub fn refusal(cfg: &RunConfig) -> Option<String> {
     if p.pp > 1 && p.virtual_stages > 1 {
         return Some(format!("train.device = {d}: interleaved pipeline schedules (parallel.virtual_stages = {}) do not run on devices yet; one stage per rank does", p.virtual_stages));
     }
-    if p.pp > 1 && p.dp > 1 && p.zero >= 2 {
-        return Some(format!("train.device = {d}: pipeline parallelism on devices runs with ZeRO stage 0 or 1 yet (parallel.zero = {})", p.zero));
-    }
     if p.pp > 1 && cfg.lora.rank > 0 {
         return Some(format!("train.device = {d}: LoRA adapters on a pipeline stage do not run on devices yet (parallel.pp = {})", p.pp));
     }
@@ -333,7 +330,7 @@ impl DeviceRun {
         let (p, last) = (pipe.sched.p, pipe.rank + 1 == pipe.sched.p);
         let tied = (p > 1 && self.model.cfg.tied_embeddings && (pipe.rank == 0 || last)).then(|| ch.model.units[0].clone());
         if let (Some(tie), Some(unit)) = (pipe.tie, &tied) {
-            self.sum_over(std::slice::from_ref(unit), tie);
+            self.sum_over(&self.positions(std::slice::from_ref(unit)), tie);
         }
         // The last stage's copy of a tied embedding is the first stage's.
         let skip: Vec<_> = tied.filter(|_| last).into_iter().collect();

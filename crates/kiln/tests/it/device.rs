@@ -342,12 +342,13 @@ fn train_layout(out: &Path, (preset, steps): (&str, u64), device: &str, layout: 
     let data = fixture("data/tinyshakespeare.txt");
     let steps = steps.to_string();
     let mut args = vec!["train", "--preset", preset, "--data", data.to_str().unwrap(), "--out", out.to_str().unwrap(), "--max-steps", &steps, "--device", device, "--quiet"];
-    args.extend(layout);
     args.extend(["--set", "train.batch_size=4", "--set", "model.block_size=64", "--set", "model.dropout=0.1", "--set", "model.n_layer=2", "--set", "train.log_interval=1"]);
     args.extend(["--set", "eval.interval=10", "--set", "eval.iters=2", "--set", "sample.tokens=0", "--set", "checkpoint.interval=10", "--set", "model.capacity_factor=0"]);
     if preset == "llama-tiny" {
         args.extend(["--set", "model.ffn_hidden=344"]);
     }
+    // (The layout's flags last: they may set what the defaults above set.)
+    args.extend(layout);
     if resume {
         args.push("--resume");
     }
@@ -404,8 +405,8 @@ fn tensor_parallel_on_devices_reproduces_one_device() {
 /// device from its forward to its backward): at pp 2 over four micro-batches, `llama-tiny`
 /// under 1F1B reproduces one device over 20 steps, dropless `moe-tiny` under 1F1B and GPT-2's
 /// `shakespeare-char` (its head tied to the first stage's embedding) under GPipe over 10; tp2 ×
-/// pp2 on four devices too, whose step-10 checkpoint continues at dp 1 on the CPU. Interleaved
-/// schedules on devices are refused by name.
+/// pp2 on four devices too, whose step-10 checkpoint continues at dp 1 on the CPU, and pp2 ×
+/// dp2 under ZeRO-3. Interleaved schedules on devices are refused by name.
 #[test]
 fn pipeline_parallel_on_devices_reproduces_one_device() {
     let dir = scratch("device-pp");
@@ -421,6 +422,13 @@ fn pipeline_parallel_on_devices_reproduces_one_device() {
         assert!(!v2.is_empty() && worst(&v1, &v2, 10..=10) <= 1e-5, "{preset} pp2: validation {v2:?} against {v1:?}");
     }
     continues_on_the_cpu(&run, &dir.join("llama-tiny-one"), &dir.join("tp2-pp2-then-cpu"), &["--tp", "2", "--pp", "2"]);
+    // pp2 × dp2 under ZeRO-3, the tied head's copies sharded alike on the first and last stage.
+    let eight = ["--set", "train.batch_size=8"];
+    let (one, sharded) = (dir.join("char-batch8"), dir.join("char-pp2-dp2-zero3"));
+    run("shakespeare-char", &one, 10, "vulkan", &eight, false);
+    run("shakespeare-char", &sharded, 10, "vulkan", &[&eight[..], &["--pp", "2", "--dp", "2", "--zero", "3"]].concat(), false);
+    let e = worst(&losses(&one), &losses(&sharded), 1..=10);
+    assert!(e <= 1e-5, "pp2 × dp2 ZeRO-3 on four devices differs from one device by {e:e}");
     let o = kiln(&["train", "--preset", "llama-tiny", "--data", data.to_str().unwrap(), "--out", dir.join("interleaved").to_str().unwrap(), "--device", "vulkan", "--pp", "2", "--schedule", "interleaved", "--virtual", "2", "--set", "train.grad_accum=2", "--max-steps", "1"]);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(stderr(&o).contains("interleaved pipeline schedules (parallel.virtual_stages = 2) do not run on devices yet"), "{}", stderr(&o));

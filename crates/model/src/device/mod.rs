@@ -1046,6 +1046,8 @@ impl DeviceGpt {
         }
         // A later stage leaves its input's gradient in `dres` ([`DeviceGpt::stage_input_grad`]).
         if self.frozen.is_none() && self.cfg.has_embed() {
+            // (A first pipeline stage's embeddings get their gradient buffer here.)
+            self.open_grads(0);
             let v = &self.views;
             let demb = self.dropout_grad(&a.dbranch, &a.dres, 0, &a);
             // Under sequence parallelism the lookups were reduce-scattered: gathered back.
