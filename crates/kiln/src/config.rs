@@ -1257,6 +1257,9 @@ impl RunConfig {
         if p.sequence_parallel && p.tp < 2 {
             return user(format!("parallel.sequence_parallel needs tensor parallelism (parallel.tp > 1, got {})", p.tp));
         }
+        if p.nccl && !self.train.device.starts_with("cuda") {
+            return user(format!("parallel.nccl = true: NCCL runs on CUDA devices (train.device = {})", self.train.device));
+        }
         if p.cp == 0 {
             return user("parallel.cp must be positive, got 0");
         }

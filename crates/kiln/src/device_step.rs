@@ -66,9 +66,6 @@ impl model::device::ZeroGroup for HostGroup {
 pub fn refusal(cfg: &RunConfig) -> Option<String> {
     let p = &cfg.parallel;
     let d = &cfg.train.device;
-    if p.nccl && !d.starts_with("cuda") {
-        return Some(format!("parallel.nccl = true: NCCL runs on CUDA devices (train.device = {d})"));
-    }
     if p.cp > 1 || p.ep > 1 {
         return Some(format!("train.device = {d}: on devices data, tensor and pipeline parallelism run yet; context and expert parallel layouts are not done (got cp {}, ep {})", p.cp, p.ep));
     }

@@ -27,6 +27,9 @@ fn device_flags_are_checked_and_refusals_are_one_line_with_exit_2() {
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(stderr(&o).contains("parallel.nccl = true: NCCL runs on CUDA devices (train.device = vulkan"), "{}", stderr(&o));
     assert!(!out.exists(), "a refused NCCL run wrote its run directory");
+    let o = kiln(&[&base[..], &["--set", "parallel.nccl=true"]].concat());
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("parallel.nccl = true: NCCL runs on CUDA devices (train.device = cpu)"), "{}", stderr(&o));
     // CUDA where the NVIDIA driver is missing (or the backend is not built): one line naming
     // what is missing, exit 2, nothing written. (Where `kiln doctor` lists a CUDA device, the
     // run gets past the device check.)
