@@ -438,26 +438,32 @@ fn pipeline_parallel_on_devices_reproduces_one_device() {
 }
 
 /// `mpirun -n 2 kiln train --backend mpi --device vulkan`: one process per rank, each on its own
-/// device, gives what two in-process ranks on devices give.
+/// device, gives what two in-process ranks on devices give, under data parallelism and under
+/// tensor parallelism with sequence parallelism (its hooks over MPI, staged through the host).
 #[cfg(feature = "mpi")]
 #[test]
 fn mpi_processes_on_devices_match_in_process_ranks() {
     let dir = scratch("device-mpi");
     let data = fixture("data/tinyshakespeare.txt");
-    let common = ["--preset", "llama-tiny", "--data", data.to_str().unwrap(), "--max-steps", "6", "--device", "vulkan", "--quiet", "--set", "train.batch_size=4", "--set", "model.block_size=64", "--set", "model.dropout=0.1", "--set", "train.log_interval=1", "--set", "eval.interval=0", "--set", "eval.iters=2", "--set", "sample.tokens=0"];
-    let inproc = dir.join("inproc");
-    let o = kiln(&[&["train", "--out", inproc.to_str().unwrap(), "--dp", "2"][..], &common].concat());
-    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
-    let mpi = dir.join("mpi");
-    let o = std::process::Command::new("mpirun")
-        .args(["--allow-run-as-root", "--oversubscribe", "-n", "2", env!("CARGO_BIN_EXE_kiln"), "train", "--out", mpi.to_str().unwrap(), "--backend", "mpi", "--dp", "0"])
-        .args(common)
-        .env("RAYON_NUM_THREADS", "1")
-        .output()
-        .expect("mpirun (install openmpi-bin)");
-    assert!(o.status.success(), "mpirun -n 2 on devices: {}", stderr(&o));
-    let (a, b) = (losses(&inproc), losses(&mpi));
-    assert_eq!(a.len(), 6);
-    let e = worst(&a, &b, 1..=6);
-    assert!(e <= 1e-6, "two processes on devices differ from two in-process ranks by {e:e}");
+    let common = ["--preset", "llama-tiny", "--data", data.to_str().unwrap(), "--max-steps", "6", "--device", "vulkan", "--quiet", "--set", "train.batch_size=4", "--set", "model.block_size=64", "--set", "model.dropout=0.1", "--set", "model.ffn_hidden=344", "--set", "train.log_interval=1", "--set", "eval.interval=0", "--set", "eval.iters=2", "--set", "sample.tokens=0"];
+    for (name, layout) in [("dp", &["--dp", "2"][..]), ("tp", &["--tp", "2", "--sequence-parallel"][..])] {
+        let inproc = dir.join(format!("{name}-inproc"));
+        let o = kiln(&[&["train", "--out", inproc.to_str().unwrap()][..], layout, &common].concat());
+        assert_eq!(o.status.code(), Some(0), "{name}: {}", stderr(&o));
+        let mpi = dir.join(format!("{name}-mpi"));
+        // (Under MPI the data-parallel degree follows from the world: what the others leave.)
+        let layout: Vec<&str> = if name == "dp" { vec!["--dp", "0"] } else { [layout, &["--dp", "0"]].concat() };
+        let o = std::process::Command::new("mpirun")
+            .args(["--allow-run-as-root", "--oversubscribe", "-n", "2", env!("CARGO_BIN_EXE_kiln"), "train", "--out", mpi.to_str().unwrap(), "--backend", "mpi"])
+            .args(&layout)
+            .args(common)
+            .env("RAYON_NUM_THREADS", "1")
+            .output()
+            .expect("mpirun (install openmpi-bin)");
+        assert!(o.status.success(), "{name}: mpirun -n 2 on devices: {}", stderr(&o));
+        let (a, b) = (losses(&inproc), losses(&mpi));
+        assert_eq!(a.len(), 6);
+        let e = worst(&a, &b, 1..=6);
+        assert!(e <= 1e-6, "{name}: two processes on devices differ from two in-process ranks by {e:e}");
+    }
 }
