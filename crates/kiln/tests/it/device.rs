@@ -438,15 +438,16 @@ fn pipeline_parallel_on_devices_reproduces_one_device() {
 }
 
 /// `mpirun -n 2 kiln train --backend mpi --device vulkan`: one process per rank, each on its own
-/// device, gives what two in-process ranks on devices give, under data parallelism and under
-/// tensor parallelism with sequence parallelism (its hooks over MPI, staged through the host).
+/// device, gives what two in-process ranks on devices give, under data parallelism, tensor
+/// parallelism with sequence parallelism (its hooks over MPI, staged through the host) and a
+/// two-stage pipeline.
 #[cfg(feature = "mpi")]
 #[test]
 fn mpi_processes_on_devices_match_in_process_ranks() {
     let dir = scratch("device-mpi");
     let data = fixture("data/tinyshakespeare.txt");
     let common = ["--preset", "llama-tiny", "--data", data.to_str().unwrap(), "--max-steps", "6", "--device", "vulkan", "--quiet", "--set", "train.batch_size=4", "--set", "model.block_size=64", "--set", "model.dropout=0.1", "--set", "model.ffn_hidden=344", "--set", "train.log_interval=1", "--set", "eval.interval=0", "--set", "eval.iters=2", "--set", "sample.tokens=0"];
-    for (name, layout) in [("dp", &["--dp", "2"][..]), ("tp", &["--tp", "2", "--sequence-parallel"][..])] {
+    for (name, layout) in [("dp", &["--dp", "2"][..]), ("tp", &["--tp", "2", "--sequence-parallel"][..]), ("pp", &["--pp", "2", "--set", "train.grad_accum=2"][..])] {
         let inproc = dir.join(format!("{name}-inproc"));
         let o = kiln(&[&["train", "--out", inproc.to_str().unwrap()][..], layout, &common].concat());
         assert_eq!(o.status.code(), Some(0), "{name}: {}", stderr(&o));
