@@ -85,28 +85,31 @@ impl Gpu {
     /// ranks (rank order), the rows' global log-sum-exps (`m + ln Σ_r exp(lse_r − m)`, in f64 as
     /// the CPU's) and target logits go back up, and the losses and this rank's logit gradients
     /// follow from them. `dinp` is this rank's partial input gradient (the caller sums it over
-    /// the ranks); `targets` hold global ids.
+    /// the ranks); `targets` hold global ids. `scratch` is the logits' chunk, as
+    /// [`Gpu::lm_head_crossentropy`]'s, and the rows' statistics (two words a row of the chunk).
     #[allow(clippy::too_many_arguments)]
-    pub fn lm_head_crossentropy_vocab_parallel(&self, losses: &Buf, grads: Option<(&Buf, Option<At>, (&Buf, usize))>, inp: &Buf, weight: At, targets: &Buf, scratch: &Buf, d: &HeadDims, gather: Gather) {
-        self.head_chunks(losses, grads, inp, weight, targets, scratch, d, Some(gather));
+    pub fn lm_head_crossentropy_vocab_parallel(&self, losses: &Buf, grads: Option<(&Buf, Option<At>, (&Buf, usize))>, inp: &Buf, weight: At, targets: &Buf, scratch: (&Buf, &Buf), d: &HeadDims, gather: Gather) {
+        self.head_chunks(losses, grads, inp, weight, targets, scratch.0, d, Some((gather, scratch.1)));
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn head_chunks(&self, losses: &Buf, grads: Option<(&Buf, Option<At>, (&Buf, usize))>, inp: &Buf, weight: At, targets: &Buf, scratch: &Buf, d: &HeadDims, mut gather: Option<Gather>) {
+    fn head_chunks(&self, losses: &Buf, grads: Option<(&Buf, Option<At>, (&Buf, usize))>, inp: &Buf, weight: At, targets: &Buf, scratch: &Buf, d: &HeadDims, mut gather: Option<(Gather, &Buf)>) {
         let HeadDims { c, v, vp, offset, ignore_index, .. } = *d;
         let n = targets.len();
         // As many rows as the scratch holds, within [`Gpu::head_rows`].
-        let r = self.head_rows(n, vp).min(scratch.len() / vp.max(1));
+        let mut r = self.head_rows(n, vp).min(scratch.len() / vp.max(1));
+        if let Some((_, st)) = &gather {
+            r = r.min(st.len() / 2);
+        }
         assert!(r >= 1 && losses.len() >= n && inp.len() >= n * c && weight.fits(vp * c), "lm_head_crossentropy: shapes");
-        let stats = gather.is_some().then(|| self.zeros(2 * r));
         for r0 in (0..n).step_by(r) {
             let rows = r.min(n - r0);
             let (lg, x) = ((scratch, MatSpec::rows(0, vp)), (inp, MatSpec::rows(r0 * c, c)));
             self.gemm(Gemm::new(rows, vp, c), lg, x, (weight.buf, MatSpec::rows(weight.off, c).t()), None);
             let (scal, at) = grads.map_or((None, 0), |g| (Some(g.2 .0), g.2 .1));
             let args = [u(rows), u(v), u(vp), ignore_index as u32, u(r0), grads.is_some() as u32, u(at), u(offset)];
-            match (gather.as_deref_mut(), &stats) {
-                (Some(gather), Some(st)) => {
+            match gather.as_mut() {
+                Some((gather, st)) => {
                     let ce = |mode: u32| self.launch(&CROSSENTROPY_VP, Gpu::grid(rows, 1), &[&args[..], &[mode]].concat(), &[Some(scratch), Some(losses), Some(targets), scal, Some(st)]);
                     ce(0);
                     let mine: Vec<f32> = self.download_words(st, 0, 2 * rows).into_iter().map(f32::from_bits).collect();
@@ -114,7 +117,7 @@ impl Gpu {
                     self.write_words(st, 0, &global.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
                     ce(1);
                 }
-                _ => self.launch(&CROSSENTROPY, Gpu::grid(rows, 1), &args[..7], &[Some(scratch), Some(losses), Some(targets), scal]),
+                None => self.launch(&CROSSENTROPY, Gpu::grid(rows, 1), &args[..7], &[Some(scratch), Some(losses), Some(targets), scal]),
             }
             if let Some((dinp, dw, _)) = grads {
                 self.gemm(Gemm::new(rows, c, vp), (dinp, MatSpec::rows(r0 * c, c)), lg, (weight.buf, MatSpec::rows(weight.off, c)), None);

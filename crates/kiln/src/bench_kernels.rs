@@ -183,9 +183,9 @@ fn vocab_parallel_head<'a>(x: &'a Inputs, g: Option<&'a Gpu>) -> Case<'a> {
     });
     let dev = g.map(|g| {
         let tg: Vec<u32> = x.targets.iter().map(|&t| t as u32).collect();
-        let st = (g.upload(inp), g.upload(w), g.upload_u32(&tg), g.upload(&[dloss]), g.zeros(BT), g.zeros(BT * C), g.zeros((V - h) * C), g.zeros(BT * (V - h)));
-        on(g, st, move |g, (i, w, tg, s, l, di, dw, scratch)| {
-            g.lm_head_crossentropy_vocab_parallel(l, Some((di, Some(dw.at(0)), (s, 0))), i, w.at(0), tg, scratch, &dims, &mut |m| exchange(m));
+        let st = (g.upload(inp), g.upload(w), g.upload_u32(&tg), g.upload(&[dloss]), g.zeros(BT), g.zeros(BT * C), g.zeros((V - h) * C), (g.zeros(BT * (V - h)), g.zeros(2 * BT)));
+        on(g, st, move |g, (i, w, tg, s, l, di, dw, (scratch, stats))| {
+            g.lm_head_crossentropy_vocab_parallel(l, Some((di, Some(dw.at(0)), (s, 0))), i, w.at(0), tg, (scratch, stats), &dims, &mut |m| exchange(m));
             di
         })
     });

@@ -398,7 +398,7 @@ impl DeviceRun {
         let (first, last) = (me == 0, me + 1 == p);
         let dpn = ch.dp.n();
         let (mut live, mut free): (Vec<Option<model::device::DeviceActs>>, Vec<model::device::DeviceActs>) = ((0..m).map(|_| None).collect(), Vec::new());
-        let width = rows * t * self.model.cfg.n_embd / self.model.cfg.place.seq.map_or(1, |s| s.count);
+        let width = self.model.stage_width(rows, t);
         // Messages between stages: activations across boundary `b` (after stage `b`) and, in
         // backward, their gradient.
         let tag = |boundary: usize, backward: bool| (2 << 20) + 2 * boundary as u32 + backward as u32;

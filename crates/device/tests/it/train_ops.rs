@@ -87,7 +87,7 @@ fn vocab_parallel_lm_head_matches_cpu() {
         tensor::classifier::lm_head_crossentropy_vocab_parallel(&mut losses, Some((&mut dinp, &mut dw, dloss)), &x, ws, &targets, &mut scratch, &d, &mut { gather });
         let (gx, gw, gdw, scal) = (g.upload(&x), g.upload(ws), g.zeros(vl * c), g.upload(&[0.0, dloss]));
         let (gl, gdi, gs) = (g.zeros(n), g.zeros(n * c), g.zeros(n * vl));
-        g.lm_head_crossentropy_vocab_parallel(&gl, Some((&gdi, Some(gdw.at(0)), (&scal, 1))), &gx, gw.at(0), &tg, &gs, &d, &mut { gather });
+        g.lm_head_crossentropy_vocab_parallel(&gl, Some((&gdi, Some(gdw.at(0)), (&scal, 1))), &gx, gw.at(0), &tg, (&gs, &g.zeros(2 * n)), &d, &mut { gather });
         let t = tol(DType::F32);
         close(&format!("shard {r} losses"), &g.download(&gl), &losses, t);
         close(&format!("shard {r} dinp"), &g.download(&gdi), &dinp, t);

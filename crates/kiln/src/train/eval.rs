@@ -64,7 +64,7 @@ pub fn eval_sums_on_device(m: &mut model::device::DeviceGpt, split: &Split, eb: 
 #[cfg(feature = "vulkan")]
 pub fn eval_sums_pipeline_on_device(m: &mut model::device::DeviceGpt, pp: &dyn Comm, me: usize, split: &Split, eb: EvalBatches) -> (f64, usize) {
     let (p, batch, t) = (pp.size(), eb.batch, eb.t);
-    let width = batch * t * m.cfg.n_embd / m.cfg.place.seq.map_or(1, |s| s.count);
+    let width = m.stage_width(batch, t);
     eval_batches(split, eb, |b| {
         if me > 0 {
             let mut x = vec![0.0; width];

@@ -141,6 +141,8 @@ struct Acts {
     starts: Buf,
     pos: Buf,
     head_scratch: Buf,
+    /// A vocabulary-parallel head's per-row statistics of a chunk (empty otherwise).
+    head_stats: Buf,
     /// Sequence parallelism: whole-sequence rows `[B, T, C]` (a row-parallel product's partial
     /// sums before they are reduce-scattered, a gathered output gradient, a column-parallel
     /// input's gradient before it is reduce-scattered), and this part's rows of a norm's output
@@ -231,12 +233,9 @@ impl Acts {
             v.extend(std::iter::repeat_n(2 * cfg.n_expert + 2, cfg.n_layer));
             v.extend(scratch);
         }
-        // (A vocabulary-parallel head's per-row statistics, a chunk's at a time.)
-        if cfg.place.vocab.is_some() {
-            v.push(2 * head_rows);
-        }
         let sp = if nl < n { (n * c, nl * c) } else { (0, 0) };
-        v.extend([n * c, nl, nl, nl * c, n, n, n, n, n, head_rows * cfg.vocab_size, sp.0, sp.1, nl * c, nl * c, nl * c, nl * c, n * cfg.attn_width(), n * cfg.qkv_width(), fc, act, b * nh * t]);
+        let stats = if cfg.place.vocab.is_some() { 2 * head_rows } else { 0 };
+        v.extend([n * c, nl, nl, nl * c, n, n, n, n, n, head_rows * cfg.vocab_size, stats, sp.0, sp.1, nl * c, nl * c, nl * c, nl * c, n * cfg.attn_width(), n * cfg.qkv_width(), fc, act, b * nh * t]);
         v
     }
 
@@ -279,6 +278,7 @@ impl Acts {
             starts: g.zeros_of(n, DType::U32),
             pos: g.zeros_of(n, DType::U32),
             head_scratch: z(head_rows * cfg.vocab_size),
+            head_stats: z(if cfg.place.vocab.is_some() { 2 * head_rows } else { 0 }),
             full: z(if nl < n { n * c } else { 0 }),
             local: z(if nl < n { nl * c } else { 0 }),
             branch: z(nl * c),
@@ -752,7 +752,7 @@ impl DeviceGpt {
             // combined over the parts, and the head's input gradient summed over them.
             Some(rows) => {
                 let dims = HeadDims { v: self.real_vocab.saturating_sub(rows.first).min(vp), offset: rows.first, ..dims };
-                g.lm_head_crossentropy_vocab_parallel(&a.losses, grads, &a.ln_f, self.wt(head), &a.targets, &a.head_scratch, &dims, &mut |x| self.all_gather_parts(x));
+                g.lm_head_crossentropy_vocab_parallel(&a.losses, grads, &a.ln_f, self.wt(head), &a.targets, (&a.head_scratch, &a.head_stats), &dims, &mut |x| self.all_gather_parts(x));
                 if weight.is_some() {
                     self.column_input_grad(&a.dln_f, a);
                 }

@@ -20,6 +20,12 @@ pub struct DeviceActs {
 }
 
 impl DeviceGpt {
+    /// Elements of a stage's input or output at `(B, T)`: `[B, T, C]`, or under sequence
+    /// parallelism this part's rows of it.
+    pub fn stage_width(&self, b: usize, t: usize) -> usize {
+        super::local_rows(&self.cfg, b * t) * self.cfg.n_embd
+    }
+
     /// A stage without the embedding: `x` (`[B, T, C]`, this part's rows of it) as the input of
     /// the next forward at `(B, T)`.
     pub fn set_stage_input(&mut self, x: &[f32], b: usize, t: usize) {
