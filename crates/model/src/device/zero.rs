@@ -102,21 +102,22 @@ impl Zero {
     /// The weights the passes read at flat element `off`: its gathered unit and the offset in
     /// it (stage 3), else `None` (the model's own buffer).
     pub(super) fn weight(&self, off: usize) -> Option<(&Buf, usize)> {
+        self.gathered_at(off).map(|(unit, at)| (unit.work.as_ref().unwrap_or(&unit.f32), at))
+    }
+
+    /// Stage 3: the fp32 weights of flat element `off`, in its gathered unit.
+    pub(super) fn weight_f32(&self, off: usize) -> Option<(&Buf, usize)> {
+        self.gathered_at(off).map(|(unit, at)| (&unit.f32, at))
+    }
+
+    /// Stage 3: the gathered unit holding flat element `off`, and the element's offset in it.
+    fn gathered_at(&self, off: usize) -> Option<(&Unit, usize)> {
         if self.stage < 3 {
             return None;
         }
         let u = self.layout.unit_of(off);
         let unit = self.gathered[u].as_ref().unwrap_or_else(|| panic!("ZeRO-3: unit {u} used before it was gathered"));
-        Some((unit.work.as_ref().unwrap_or(&unit.f32), off - self.layout.units[u].start))
-    }
-
-    /// Stage 3: the fp32 weights of flat element `off`, in its gathered unit.
-    pub(super) fn weight_f32(&self, off: usize) -> Option<(&Buf, usize)> {
-        if self.stage < 3 {
-            return None;
-        }
-        let u = self.layout.unit_of(off);
-        self.gathered[u].as_ref().map(|unit| (&unit.f32, off - self.layout.units[u].start))
+        Some((unit, off - self.layout.units[u].start))
     }
 
     /// The gradient buffer of flat element `off` while backward runs through its unit.
