@@ -64,13 +64,15 @@ fn device_plan(cfg: &crate::config::RunConfig, gpt: &GptConfig) -> Result<Option
     let d: crate::device::DeviceArg = cfg.train.device.parse().map_err(crate::error::KilnError::User)?;
     let Some(gpu) = crate::device::open(d)? else { return Ok(None) };
     // A rank's device holds its part: the first pipeline stage's (the most micro-batches in
-    // flight), the first tensor-parallel part's (the largest vocabulary share).
+    // flight), the first tensor-parallel part's (the largest vocabulary share), an
+    // expert-parallel part's block of experts.
     let p = &cfg.parallel;
     let stage = match p.pp {
         1 => gpt.clone(),
         _ => parallel::pp::stage_config(gpt, cfg.stage_layers(gpt.vocab_size)?[0].clone()),
     };
     let part = if p.tp > 1 { parallel::tp::local_config(&stage, p.tp, 0, p.sequence_parallel).map_err(crate::error::KilnError::User)? } else { stage };
+    let part = if p.ep > 1 { parallel::ep::local_config(&part, p.ep, 0).map_err(crate::error::KilnError::User)? } else { part };
     let params = model::layout::gpt_layout(&part).0.total;
     let (p, figures) = crate::device_step::check_plan(&gpu, d, cfg, (&part, params))?;
     Ok(Some(DevicePlanned { device: format!("{d} ({})", gpu.info.name), total_bytes: p.total_bytes, largest_bytes: p.largest_bytes, figures }))

@@ -66,8 +66,14 @@ impl model::device::ZeroGroup for HostGroup {
 pub fn refusal(cfg: &RunConfig) -> Option<String> {
     let p = &cfg.parallel;
     let d = &cfg.train.device;
-    if p.cp > 1 || p.ep > 1 {
-        return Some(format!("train.device = {d}: on devices data, tensor and pipeline parallelism run yet; context and expert parallel layouts are not done (got cp {}, ep {})", p.cp, p.ep));
+    if p.cp > 1 {
+        return Some(format!("train.device = {d}: on devices data, tensor, pipeline and expert parallelism run yet; context parallel layouts are not done (got parallel.cp = {})", p.cp));
+    }
+    if p.ep > 1 && p.nccl {
+        return Some(format!("train.device = {d}: parallel.nccl reduces every gradient over the whole group, not the routed experts over their own (parallel.ep = {}); set parallel.nccl = false", p.ep));
+    }
+    if p.ep > 1 && cfg.lora.rank > 0 {
+        return Some(format!("train.device = {d}: LoRA adapters on an expert-parallel part do not run on devices yet (parallel.ep = {})", p.ep));
     }
     if p.pp > 1 && p.virtual_stages > 1 {
         return Some(format!("train.device = {d}: interleaved pipeline schedules (parallel.virtual_stages = {}) do not run on devices yet; one stage per rank does", p.virtual_stages));
@@ -171,19 +177,26 @@ impl DeviceRun {
     /// norm's parts.
     #[allow(clippy::too_many_arguments)] // the CPU step's, and the pipeline
     pub fn step(&mut self, ch: &mut Chunk, cfg: &RunConfig, step: u64, rows: usize, fill: impl FnMut(usize, &mut RowBuf), veto: impl FnMut(f32, f64) -> Option<&'static str>, pipe: &Pipeline) -> Result<StepOut> {
-        self.model.swap_tensor_hooks(&mut ch.model.hooks.tensor);
+        self.swap_hooks(ch);
         let out = self.step_lent(ch, cfg, (step, rows), fill, veto, pipe);
-        self.model.swap_tensor_hooks(&mut ch.model.hooks.tensor);
+        self.swap_hooks(ch);
         out
     }
 
-    /// Runs `f` on the resident model with the host model's tensor-parallel hooks lent (a
-    /// device run's evaluation).
+    /// Runs `f` on the resident model with the host model's hooks lent (a device run's
+    /// evaluation).
     pub fn with_hooks<R>(&mut self, ch: &mut Chunk, f: impl FnOnce(&mut DeviceGpt) -> R) -> R {
-        self.model.swap_tensor_hooks(&mut ch.model.hooks.tensor);
+        self.swap_hooks(ch);
         let out = f(&mut self.model);
-        self.model.swap_tensor_hooks(&mut ch.model.hooks.tensor);
+        self.swap_hooks(ch);
         out
+    }
+
+    /// Lends the host model's tensor-parallel hooks and MoE exchange to the device model, or
+    /// takes them back.
+    fn swap_hooks(&mut self, ch: &mut Chunk) {
+        self.model.swap_tensor_hooks(&mut ch.model.hooks.tensor);
+        self.model.swap_expert_hooks(&mut ch.model.hooks.experts);
     }
 
     fn step_lent(&mut self, ch: &mut Chunk, cfg: &RunConfig, (step, rows): (u64, usize), mut fill: impl FnMut(usize, &mut RowBuf), mut veto: impl FnMut(f32, f64) -> Option<&'static str>, pipe: &Pipeline) -> Result<StepOut> {
@@ -207,32 +220,32 @@ impl DeviceRun {
             Pass::Train { dropout_seed: dropout_seed(cfg.train.seed, step, micro), loss_scale }
         };
         match pipe.comm {
-            Some(pp) => self.pipeline_tasks(ch, (pipe, pp), &batches, (rows, t), &pass),
+            Some(pp) => self.pipeline_tasks((pipe, pp), &batches, (rows, t), &pass),
             None => {
                 for (micro, b) in batches.iter().enumerate() {
                     self.model.forward_docs(&b.x, &b.y, b.docs(), rows, t, pass(micro));
                     self.model.loss_sum_into((&self.sums, slot::OPTIM + micro), &self.parts, false);
                     // An MoE model's load-balancing statistics are the group's (the CPU's exchange).
-                    self.model.backward_with(routing_group(ch, dpn));
+                    self.model.backward();
                 }
             }
         }
         let grads = self.model.trainable().1;
         if dpn > 1 && self.zero < 2 {
-            // The group's gradient sum, staged through the host (summed in rank order), or
-            // through NCCL on the device; ZeRO-2/3 reduced each unit's into the shard as
-            // backward left it.
+            // The group's gradient sum, staged through the host (summed in rank order; the
+            // routed experts' over the ranks holding the same experts), or through NCCL on the
+            // device; ZeRO-2/3 reduced each unit's into the shard as backward left it.
             #[cfg(feature = "cuda")]
             let on_device = self.nccl.as_ref().map(|n| n.all_reduce_sum(grads.at(0), grads.len())).is_some();
             #[cfg(not(feature = "cuda"))]
             let on_device = false;
             if !on_device {
                 let mut host = g.download(grads);
-                ch.dp.reduce_adapters(&mut host);
+                ch.dp.all_reduce_flat(&mut host);
                 g.write(grads, &host);
             }
         }
-        if pipe.tp.is_some() || pipe.comm.is_some() {
+        if pipe.tp.is_some() || pipe.comm.is_some() || ch.dp.experts().is_some() {
             self.norm_over_parts(ch, pipe);
         } else {
             g.sum_squares((&self.model.scalars, slot::SUMSQ), grads.at(0), grads.len(), &self.parts, false);
@@ -260,7 +273,7 @@ impl DeviceRun {
         let loss = ((0..m).map(|k| if sums[2 * k + 1] > 0.0 { sums[2 * k] / sums[2 * k + 1] } else { 0.0 }).sum::<f64>() / m as f64) as f32;
         let norm = f(slot::NORM);
         if self.model.cfg.is_moe() {
-            self.moe_stats = self.model.moe_stats_with(routing_group(ch, dpn));
+            self.moe_stats = self.model.moe_stats();
         }
         let out = |skipped| StepOut { loss, grad_norm: norm, overlap: Default::default(), skipped, peak_activation_bytes: 0, peak_in_flight: 0, loss_tokens: global.iter().sum() };
         if !(loss.is_finite() && norm.is_finite()) {
@@ -317,8 +330,10 @@ impl DeviceRun {
     /// tensor-parallel part's own parameters' squares summed over its group, the parameters
     /// every part holds whole (`ch.replicated`, identical on every part) counted once, the
     /// partial gradients (`ch.seq_partial`) summed over the group before; a pipeline stage's
-    /// summed over the stages, a tied embedding's two copies (summed first) counted once.
-    fn norm_over_parts(&self, ch: &Chunk, pipe: &Pipeline) {
+    /// summed over the stages, a tied embedding's two copies (summed first) counted once; an
+    /// expert-parallel part's routed experts summed over the data-parallel group from the
+    /// first rank of each set holding the same experts, as the CPU's store counts them.
+    fn norm_over_parts(&self, ch: &mut Chunk, pipe: &Pipeline) {
         let (g, grads) = (&self.gpu, self.model.trainable().1);
         if let Some(tp) = pipe.tp {
             // Sequence parallelism: each part's norms saw its positions.
@@ -335,18 +350,23 @@ impl DeviceRun {
             Some(_) => ch.replicated.clone(),
             None => Vec::new(),
         };
-        let own = self.positions(&complement(&[&repl[..], &skip].concat(), ch.model.layout.total));
+        let (experts, first) = ch.dp.experts().map_or((Vec::new(), false), |(r, first)| (r.to_vec(), first));
+        let own = self.positions(&complement(&[&repl[..], &skip, &experts].concat(), ch.model.layout.total));
         let repl = self.positions(&repl.iter().flat_map(|r| complement_within(r, &skip)).collect::<Vec<_>>());
+        let mine = if first { self.positions(&experts) } else { Vec::new() };
         let at = slot::OPTIM + 64;
-        for (k, ranges) in [own, repl].iter().enumerate() {
+        for (k, ranges) in [own, repl, mine].iter().enumerate() {
             g.write_words(&self.sums, at + k, &[0]);
             for r in ranges.iter().filter(|r| !r.is_empty()) {
                 g.sum_squares((&self.sums, at + k), grads.at(r.start), r.len(), &self.parts, true);
             }
         }
-        let w = g.download_words(&self.sums, at, 2);
-        let (own, repl) = (f32::from_bits(w[0]) as f64, f32::from_bits(w[1]) as f64);
+        let w = g.download_words(&self.sums, at, 3);
+        let (own, repl, mine) = (f32::from_bits(w[0]) as f64, f32::from_bits(w[1]) as f64, f32::from_bits(w[2]) as f64);
         let mut sq = pipe.tp.map_or(own, |tp| parallel::comm::sum_f64(tp, own)) + repl;
+        if !experts.is_empty() {
+            sq += ch.dp.all_reduce_f64(&[mine])[0];
+        }
         if let Some(pp) = pipe.comm {
             sq = parallel::comm::sum_f64(pp, sq);
         }
@@ -393,10 +413,9 @@ impl DeviceRun {
     /// gradient received from the next stage and its input gradient sent back, through the
     /// host; each micro-batch's activations kept from its forward to its backward. The last
     /// stage sums each micro-batch's losses on the device.
-    fn pipeline_tasks(&mut self, ch: &mut Chunk, (pipe, pp): (&Pipeline, &dyn parallel::Comm), batches: &[RowBuf], (rows, t): (usize, usize), pass: &dyn Fn(usize) -> Pass) {
+    fn pipeline_tasks(&mut self, (pipe, pp): (&Pipeline, &dyn parallel::Comm), batches: &[RowBuf], (rows, t): (usize, usize), pass: &dyn Fn(usize) -> Pass) {
         let (p, me, m) = (pipe.sched.p, pipe.rank, pipe.sched.m);
         let (first, last) = (me == 0, me + 1 == p);
-        let dpn = ch.dp.n();
         let (mut live, mut free): (Vec<Option<model::device::DeviceActs>>, Vec<model::device::DeviceActs>) = ((0..m).map(|_| None).collect(), Vec::new());
         let width = self.model.stage_width(rows, t);
         // Messages between stages: activations across boundary `b` (after stage `b`) and, in
@@ -427,7 +446,7 @@ impl DeviceRun {
                     pp.recv(&mut d, me + 1, tag(me, true));
                     self.model.set_stage_output_grad(&d);
                 }
-                self.model.backward_with(routing_group(ch, dpn));
+                self.model.backward();
                 if !first {
                     pp.send(&self.model.stage_input_grad(), me - 1, tag(me - 1, true));
                 }
@@ -497,12 +516,6 @@ fn complement(ranges: &[std::ops::Range<usize>], len: usize) -> Vec<std::ops::Ra
     out
 }
 
-/// The data-parallel group's routing-statistics exchange (the host model's, idle while the
-/// device trains); none on one rank.
-fn routing_group(ch: &mut Chunk, dpn: usize) -> Option<&mut dyn tensor::moe::MoeExchange> {
-    ch.model.hooks.experts.as_deref_mut().filter(|_| dpn > 1).map(|e| e as &mut dyn tensor::moe::MoeExchange)
-}
-
 impl DeviceRun {
     /// Brings the host's copy of the state (the chunk's parameters, or LoRA's adapters, and the
     /// AdamW moments) up to the device's, when it is older: before a checkpoint or the sample.
@@ -556,8 +569,8 @@ pub fn check_plan(gpu: &Gpu, d: DeviceArg, cfg: &RunConfig, (gpt, params): (&mod
     } else {
         (model::device::Weights::Full { params }, format!("{params} parameters × 4 buffers of fp32 (weights, gradients, AdamW's two moments)"))
     };
-    // A data-parallel rank's share of each micro-batch.
-    let rows = (cfg.micro_batch() / cfg.parallel.dp.max(1)).max(1);
+    // A data- or expert-parallel rank's share of each micro-batch.
+    let rows = (cfg.micro_batch() / (cfg.parallel.dp * cfg.parallel.ep).max(1)).max(1);
     let mut p = model::device::plan(gpu, gpt, weights, (rows, cfg.seq_len()), 2, (cfg.train.precision, cfg.model.recompute, cfg.model.recompute_every));
     // A pipeline's first stage keeps the most micro-batches' activations in flight.
     let pc = &cfg.parallel;

@@ -690,15 +690,39 @@ impl DataParallel {
         model.grads = vec![0.0; n];
     }
 
-    /// All-reduces the LoRA adapters' gradients (the base is frozen).
-    pub fn reduce_adapters(&mut self, grads: &mut [f32]) {
+    /// All-reduces (sums) a whole gradient buffer held outside the store, as the store reduces
+    /// its own at stage 0: the routed experts' ranges over the ranks holding the same experts,
+    /// everything else over the group (a device's gradients, staged through the host).
+    /// Collective.
+    pub fn all_reduce_flat(&mut self, grads: &mut [f32]) {
+        let ex = self.experts.as_ref().map(|e| (e.ranges.clone(), e.comm.clone()));
+        self.reduce_outside("all_reduce grads", grads, ex);
+    }
+
+    /// Sums `grads` over the group on the communication thread (`experts`' ranges over their
+    /// own communicator).
+    fn reduce_outside(&mut self, name: &'static str, grads: &mut [f32], experts: Option<(Vec<Range<usize>>, SharedComm)>) {
         if self.shards.n == 1 {
             return;
         }
         let p = SyncPtr(grads.as_mut_ptr());
         let len = grads.len();
         // SAFETY: `grads` is borrowed mutably until the job is waited for, below.
-        self.worker.run("all_reduce adapters", move |c| c.all_reduce_sum(unsafe { region(p, 0, len) }));
+        self.worker.run(name, move |c| {
+            for_split(0..len, experts.as_ref(), |r, on| on.unwrap_or(c).all_reduce_sum(unsafe { region(p, r.start, r.len()) }));
+        });
+    }
+
+    /// An expert-parallel store's routed-expert ranges, and whether this rank is the first of
+    /// the ranks holding the same experts (the one that counts them in the norm); `None`
+    /// without expert parallelism.
+    pub fn experts(&self) -> Option<(&[Range<usize>], bool)> {
+        self.experts.as_ref().map(|e| (&e.ranges[..], e.rank == 0))
+    }
+
+    /// All-reduces the LoRA adapters' gradients (the base is frozen).
+    pub fn reduce_adapters(&mut self, grads: &mut [f32]) {
+        self.reduce_outside("all_reduce adapters", grads, None);
     }
 
     pub fn state_bytes(&self) -> StateBytes {

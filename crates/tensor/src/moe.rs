@@ -418,8 +418,9 @@ fn grow(v: &mut Vec<f32>, len: usize) {
 }
 
 /// The row runs `(source-major start, expert-major start, len)` of an owner's received rows,
-/// `recv[s·el + j]` rows from source `s` for local expert `j`.
-fn ep_runs(recv: &[usize], p: usize, el: usize) -> Vec<(usize, usize, usize)> {
+/// `recv[s·el + j]` rows from source `s` for local expert `j` (also what a device's expert
+/// parallelism permutes its staged rows by).
+pub fn ep_runs(recv: &[usize], p: usize, el: usize) -> Vec<(usize, usize, usize)> {
     let per_expert: Vec<usize> = (0..el).map(|j| (0..p).map(|s| recv[s * el + j]).sum()).collect();
     let mut expert_start = vec![0usize; el];
     for j in 1..el {
@@ -440,7 +441,7 @@ fn ep_runs(recv: &[usize], p: usize, el: usize) -> Vec<(usize, usize, usize)> {
 
 /// Copies rows along `runs` (see [`ep_runs`]): source-major `from` into expert-major `to` when
 /// `to_expert`, else back.
-fn ep_permute(to: &mut [f32], from: &[f32], runs: &[(usize, usize, usize)], c: usize, to_expert: bool) {
+pub fn ep_permute(to: &mut [f32], from: &[f32], runs: &[(usize, usize, usize)], c: usize, to_expert: bool) {
     for &(s, e, len) in runs {
         let (a, b) = if to_expert { (e, s) } else { (s, e) };
         to[a * c..(a + len) * c].copy_from_slice(&from[b * c..(b + len) * c]);
@@ -448,12 +449,12 @@ fn ep_permute(to: &mut [f32], from: &[f32], runs: &[(usize, usize, usize)], c: u
 }
 
 /// Rows per peer from per-(peer, local expert) counts `[P, El]`.
-fn per_peer(counts: &[usize], el: usize) -> Vec<usize> {
+pub fn per_peer(counts: &[usize], el: usize) -> Vec<usize> {
     counts.chunks(el).map(|c| c.iter().sum()).collect()
 }
 
 /// Expert-major row offsets of the local experts `[El + 1]`.
-fn local_offsets(recv: &[usize], p: usize, el: usize) -> Vec<usize> {
+pub fn local_offsets(recv: &[usize], p: usize, el: usize) -> Vec<usize> {
     let mut o = vec![0usize; el + 1];
     for j in 0..el {
         o[j + 1] = o[j] + (0..p).map(|s| recv[s * el + j]).sum::<usize>();

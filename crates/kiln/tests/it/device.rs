@@ -362,13 +362,13 @@ fn train_layout(out: &Path, (preset, steps): (&str, u64), device: &str, layout: 
 /// A test's `kiln train` of (preset, run directory, steps, device, layout flags, resume).
 type Run = dyn Fn(&str, &Path, u64, &str, &[&str], bool);
 
-/// `llama-tiny` under `layout` on devices to step 10 (`run`), continued at dp 1 on the CPU to
-/// step 20, gives the one-device run's (`one`) losses.
-fn continues_on_the_cpu(run: &Run, one: &Path, out: &Path, layout: &[&str]) {
-    run("llama-tiny", out, 10, "vulkan", layout, false);
-    run("llama-tiny", out, 20, "cpu", &[], true);
+/// `preset` under `layout` on devices to step 10 (`run`), continued at dp 1 on the CPU to step
+/// 20, gives the one-device run's (`one`) losses.
+fn continues_on_the_cpu(run: &Run, (preset, one): (&str, &Path), out: &Path, layout: &[&str]) {
+    run(preset, out, 10, "vulkan", layout, false);
+    run(preset, out, 20, "cpu", &[], true);
     let e = worst(&losses(one), &losses(out), 1..=20);
-    assert!(e <= 1e-5, "{layout:?} on devices to step 10, then dp 1 on the CPU: {e:e}");
+    assert!(e <= 1e-5, "{preset} {layout:?} on devices to step 10, then dp 1 on the CPU: {e:e}");
 }
 
 /// Tensor parallelism on devices (Megatron's heads, MLP columns and vocabulary rows per part,
@@ -395,7 +395,7 @@ fn tensor_parallel_on_devices_reproduces_one_device() {
         }
     }
     let one = dir.join("llama-tiny-one");
-    continues_on_the_cpu(&run, &one, &dir.join("dp2-tp2-then-cpu"), &["--dp", "2", "--tp", "2", "--zero", "1"]);
+    continues_on_the_cpu(&run, ("llama-tiny", &one), &dir.join("dp2-tp2-then-cpu"), &["--dp", "2", "--tp", "2", "--zero", "1"]);
     // FSDP with tensor and sequence parallelism: ZeRO-3 over dp 2 of tp-2 parts.
     let fsdp = dir.join("zero3-tp2-sp");
     run("llama-tiny", &fsdp, 10, "vulkan", &["--dp", "2", "--tp", "2", "--sequence-parallel", "--zero", "3"], false);
@@ -424,7 +424,7 @@ fn pipeline_parallel_on_devices_reproduces_one_device() {
         let (v1, v2) = (lines(&one, "eval", "val_loss"), lines(&two, "eval", "val_loss"));
         assert!(!v2.is_empty() && worst(&v1, &v2, 10..=10) <= 1e-5, "{preset} pp2: validation {v2:?} against {v1:?}");
     }
-    continues_on_the_cpu(&run, &dir.join("llama-tiny-one"), &dir.join("tp2-pp2-then-cpu"), &["--tp", "2", "--pp", "2"]);
+    continues_on_the_cpu(&run, ("llama-tiny", &dir.join("llama-tiny-one")), &dir.join("tp2-pp2-then-cpu"), &["--tp", "2", "--pp", "2"]);
     // pp2 × dp2 under ZeRO-3, the tied head's copies sharded alike on the first and last stage.
     let eight = ["--set", "train.batch_size=8"];
     let (one, sharded) = (dir.join("char-batch8"), dir.join("char-pp2-dp2-zero3"));
@@ -435,6 +435,50 @@ fn pipeline_parallel_on_devices_reproduces_one_device() {
     let o = kiln(&["train", "--preset", "llama-tiny", "--data", data.to_str().unwrap(), "--out", dir.join("interleaved").to_str().unwrap(), "--device", "vulkan", "--pp", "2", "--schedule", "interleaved", "--virtual", "2", "--set", "train.grad_accum=2", "--max-steps", "1"]);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(stderr(&o).contains("interleaved pipeline schedules (parallel.virtual_stages = 2) do not run on devices yet"), "{}", stderr(&o));
+}
+
+/// Expert parallelism on devices (each rank holds half of `moe-tiny`'s routed experts and routes
+/// its own tokens over all of them; the dispatched rows go to their experts' owners and the
+/// outputs come back through the host, and again in backward; the experts' gradients are
+/// reduced over the ranks holding the same experts, everything else over the whole group):
+/// dropless `moe-tiny` at ep 2 reproduces one device over 20 steps, with its validation losses
+/// and the CPU's expert-parallel row counts; dp2 × ep2 on four devices and pp2 × ep2 too, and
+/// the ep-2 run's step-10 checkpoint continues at dp 1 on the CPU. With capacity (each rank's
+/// own tokens compete for its slots, as on the CPU) ep 2 on devices equals ep 2 on the CPU.
+#[test]
+fn expert_parallel_on_devices_reproduces_one_device() {
+    let dir = scratch("device-ep");
+    let run = |preset: &str, out: &Path, steps: u64, device: &str, layout: &[&str], resume: bool| train_layout(out, (preset, steps), device, layout, resume);
+    let (one, two) = (dir.join("one"), dir.join("ep2"));
+    run("moe-tiny", &one, 20, "vulkan", &[], false);
+    run("moe-tiny", &two, 20, "vulkan", &["--ep", "2"], false);
+    let e = worst(&losses(&one), &losses(&two), 1..=20);
+    assert!(e <= 1e-5, "moe-tiny ep2 on two devices differs from one device by {e:e}");
+    let (v1, v2) = (lines(&one, "eval", "val_loss"), lines(&two, "eval", "val_loss"));
+    assert!(v2.len() == 2 && worst(&v1, &v2, 10..=10).max(worst(&v1, &v2, 20..=20)) <= 1e-5, "ep2: validation {v2:?} against {v1:?}");
+    let cpu = dir.join("ep2-cpu");
+    run("moe-tiny", &cpu, 3, "cpu", &["--ep", "2"], false);
+    for key in ["moe_ep_rows_sent", "moe_ep_rows_received"] {
+        let (d, c) = (lines(&two, "train", key), lines(&cpu, "train", key));
+        assert!(c.len() == 3 && c.iter().all(|(k, v)| *v > 0.0 && d.get(k) == Some(v)), "{key}: {d:?} on devices, {c:?} on the CPU");
+    }
+    for (name, layout) in [("dp2-ep2", &["--dp", "2", "--ep", "2", "--set", "train.batch_size=8"][..]), ("pp2-ep2", &["--pp", "2", "--ep", "2", "--set", "train.grad_accum=2"])] {
+        let base = dir.join(format!("{name}-one"));
+        let parted = dir.join(name);
+        let same: Vec<&str> = layout.iter().copied().filter(|a| a.starts_with("train.")).flat_map(|a| ["--set", a]).collect();
+        run("moe-tiny", &base, 6, "vulkan", &same, false);
+        run("moe-tiny", &parted, 6, "vulkan", layout, false);
+        let e = worst(&losses(&base), &losses(&parted), 1..=6);
+        assert!(e <= 1e-5, "moe-tiny {name} on four devices differs from one device by {e:e}");
+    }
+    continues_on_the_cpu(&run, ("moe-tiny", &one), &dir.join("ep2-then-cpu"), &["--ep", "2"]);
+    let capped = ["--ep", "2", "--set", "model.capacity_factor=1.0"];
+    let (dev, cpu) = (dir.join("capped-dev"), dir.join("capped-cpu"));
+    run("moe-tiny", &dev, 5, "vulkan", &capped, false);
+    run("moe-tiny", &cpu, 5, "cpu", &capped, false);
+    let e = worst(&losses(&cpu), &losses(&dev), 1..=5);
+    let dropped = lines(&dev, "train", "moe_dropped_fraction");
+    assert!(e <= 1e-5 && dropped.values().any(|&d| d > 0.0), "ep2 with capacity on devices against the CPU: {e:e}, dropped {dropped:?}");
 }
 
 /// `mpirun -n 2 kiln train --backend mpi --device vulkan`: one process per rank, each on its own

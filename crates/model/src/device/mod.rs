@@ -10,6 +10,7 @@
 //! reduced (and gathered) through its group as the passes reach it ([`zero`]).
 //! [`DeviceGpt::new`] refuses the rest by name ([`unsupported`]).
 
+mod experts;
 mod frozen;
 mod split;
 mod stage;
@@ -25,7 +26,7 @@ use crate::layout::{GptParams, MoeParams};
 use crate::lora::Site;
 use frozen::Frozen;
 use crate::{Gpt, GptConfig};
-use device::{At, Buf, DType, Gemm, Gpu, MatSpec, Ragged, RopePos, Seed};
+use device::{At, Buf, DType, Gemm, Gpu, MatSpec, RopePos, Seed};
 use std::sync::Arc;
 use tensor::classifier::HeadDims;
 use tensor::llama::GqaDims;
@@ -70,6 +71,8 @@ struct MoeActs {
     eo: Buf,
     sgu: Vec<Buf>,
     sh: Vec<Buf>,
+    /// An expert-parallel part's received rows ([`experts`]).
+    ep: Option<experts::EpActs>,
 }
 
 /// An MoE layer's backward scratch, shared by the layers.
@@ -80,6 +83,8 @@ struct MoeScratch {
     dgate: Buf,
     dlogits: Buf,
     aux_coef: Buf,
+    /// An expert-parallel part's received rows' gradients.
+    dl: Option<Buf>,
 }
 
 /// The element counts of an MoE layer's buffers ([`MoeActs`], then [`MoeScratch`]'s once).
@@ -88,7 +93,13 @@ fn moe_sizes(cfg: &GptConfig, n: usize) -> (Vec<usize>, Vec<usize>) {
     let nk = n * k;
     let mut acts = vec![n * e, n * e, n, nk, nk, nk, nk, e + 1, e, nk * c, nk * 2 * f, nk * f, nk * c];
     acts.extend(std::iter::repeat_n(n * 2 * f, s).chain(std::iter::repeat_n(n * f, s)));
-    (acts, vec![nk * c, nk.max(n) * f, nk.max(n) * 2 * f, nk, n * e, e])
+    // An expert-parallel part's received rows, which its experts' scratch must hold too.
+    let (ep, dl) = experts::ep_sizes(cfg, n);
+    acts.extend(&ep);
+    let rows = experts::ep_shape(cfg, n).map_or(0, |s| s.rows).max(nk).max(n);
+    let mut scratch = vec![nk * c, rows * f, rows * 2 * f, nk, n * e, e];
+    scratch.extend(dl);
+    (acts, scratch)
 }
 
 impl MoeActs {
@@ -103,6 +114,7 @@ impl MoeActs {
             eo: g.zeros(n * k * c),
             sgu: (0..s).map(|_| g.zeros(n * 2 * f)).collect(),
             sh: (0..s).map(|_| g.zeros(n * f)).collect(),
+            ep: experts::EpActs::new(g, cfg, n),
         }
     }
 }
@@ -110,7 +122,8 @@ impl MoeActs {
 impl MoeScratch {
     fn new(g: &Gpu, cfg: &GptConfig, n: usize) -> MoeScratch {
         let (_, z) = moe_sizes(cfg, n);
-        MoeScratch { deo: g.zeros(z[0]), dh: g.zeros(z[1]), dgu: g.zeros(z[2]), dgate: g.zeros(z[3]), dlogits: g.zeros(z[4]), aux_coef: g.zeros(z[5]) }
+        let dl = z.get(6).map(|&len| g.zeros(len));
+        MoeScratch { deo: g.zeros(z[0]), dh: g.zeros(z[1]), dgu: g.zeros(z[2]), dgate: g.zeros(z[3]), dlogits: g.zeros(z[4]), aux_coef: g.zeros(z[5]), dl }
     }
 }
 
@@ -130,6 +143,9 @@ struct Acts {
     /// Each MoE layer's routing statistics from the last forward, `[Σ_t probs (E) | Σ_t lse² |
     /// counts (E, u32) | kept rows (u32)]`.
     moe_stats: Vec<Buf>,
+    /// Each MoE layer's rows sent to and received from other expert-parallel parts in the
+    /// last forward.
+    ep_rows: Vec<std::cell::Cell<(usize, usize)>>,
     ln_f: Buf,
     ln_f_mean: Buf,
     ln_f_rstd: Buf,
@@ -267,6 +283,7 @@ impl Acts {
             layers: (0..keep.sets).map(layer).collect(),
             core: keep.selective.then(|| (z(n * cfg.attn_width()), z(b * nh * t))),
             moe_stats: (0..if cfg.is_moe() { cfg.n_layer } else { 0 }).map(|_| z(2 * cfg.n_expert + 2)).collect(),
+            ep_rows: (0..cfg.n_layer).map(|_| Default::default()).collect(),
             keep,
             ln_f: z(n * c),
             ln_f_mean: z(nl),
@@ -333,6 +350,9 @@ pub struct DeviceGpt {
     zero: Option<Zero>,
     /// A tensor-parallel part's hooks ([`split`]), lent by the host model while it trains.
     tensor: std::cell::RefCell<Option<Box<dyn crate::units::TpHooks>>>,
+    /// The MoE exchange ([`experts`]), lent by the host model while it trains: an
+    /// expert-parallel part's way to its experts' owners, and the routing group's statistics.
+    experts: std::cell::RefCell<Option<Box<dyn tensor::moe::MoeExchange + Send>>>,
 }
 
 /// Keys and values of every layer on the device, `[L, block_size, NKV·HS]` each: what
@@ -351,8 +371,8 @@ pub fn unsupported_config(cfg: &GptConfig) -> Option<String> {
         "attention sinks (model.attn_sinks)"
     } else if cfg.pad_token_id.is_some() {
         "a padding token's frozen embedding row (model.pad_token_id)"
-    } else if cfg.place != (crate::Placement { batch_offset: cfg.place.batch_offset, heads: cfg.place.heads, vocab: cfg.place.vocab, seq: cfg.place.seq, stage: cfg.place.stage, ..Default::default() }) {
-        "a part of a model (context or expert parallel layouts)"
+    } else if cfg.place.context.is_some() {
+        "a part of a model's positions (context parallel layouts)"
     } else if cfg.head_size() > device::MAX_HEAD_SIZE {
         "heads larger than 128"
     } else if cfg.rope_scaling.as_ref().and_then(|r| r.long_after()).is_some_and(|n| cfg.block_size > n) {
@@ -551,7 +571,7 @@ impl DeviceGpt {
             (gpu.upload(cos), gpu.upload(sin))
         });
         let (scalars, parts) = (gpu.zeros(SCALARS), gpu.zeros(Gpu::parts_len()));
-        DeviceGpt { cfg: m.cfg.clone(), views, real_vocab: m.real_vocab, params, work, grads, scalars, rope, acts: None, drop: (0.0, 0), count: 0, loss_scale: 1.0, parts, logits: None, docs: false, recompute: (m.recompute, m.recompute_every), frozen, zero: None, tensor: Default::default(), gpu }
+        DeviceGpt { cfg: m.cfg.clone(), views, real_vocab: m.real_vocab, params, work, grads, scalars, rope, acts: None, drop: (0.0, 0), count: 0, loss_scale: 1.0, parts, logits: None, docs: false, recompute: (m.recompute, m.recompute_every), frozen, zero: None, tensor: Default::default(), experts: Default::default(), gpu }
     }
 
     /// The parameters that train and their gradients: every parameter, or LoRA's adapters;
@@ -1001,7 +1021,8 @@ impl DeviceGpt {
     fn mlp_forward(&self, l: usize, la: &LayerActs, a: &Acts) {
         let (g, cfg, c, bp) = (&*self.gpu, &self.cfg, self.cfg.n_embd, &self.views.blocks[l]);
         if let (Some(mp), Some(ma)) = (&bp.moe, &la.moe) {
-            return self.moe_forward(mp, (ma, &a.moe_stats[l]), &la.ln_2, &a.branch);
+            let rows = self.moe_forward(mp, (ma, &a.moe_stats[l]), &la.ln_2, &a.branch);
+            return a.ep_rows[l].set(rows);
         }
         self.linear(&la.fch, &la.ln_2, (l, Site::Fc), (c, cfg.fc_width()), a);
         match cfg.arch {
@@ -1013,16 +1034,11 @@ impl DeviceGpt {
     }
 
     /// The backward of the last training forward: [`crate::Gpt::backward`] on the device.
-    /// Accumulates into [`DeviceGpt::grads`].
+    /// Accumulates into [`DeviceGpt::grads`]. With the host model's MoE exchange lent
+    /// ([`DeviceGpt::swap_expert_hooks`]) each MoE layer's routing statistics are summed over
+    /// the ranks that split the batch, so the load-balancing loss is the whole batch's, as on
+    /// the CPU (its counts staged through the host, one small download a layer).
     pub fn backward(&mut self) {
-        self.backward_with(None);
-    }
-
-    /// [`DeviceGpt::backward`] in a data-parallel group: `group` sums each MoE layer's routing
-    /// statistics over the ranks that split the batch (`Gpt`'s `Hooks::experts`), so the
-    /// load-balancing loss is the whole batch's, as on the CPU (its counts staged through the
-    /// host, one small download a layer).
-    pub fn backward_with(&mut self, mut group: Option<&mut dyn tensor::moe::MoeExchange>) {
         let a = self.acts.take().expect("backward before forward");
         if self.count == 0 && self.zero.is_none() {
             self.acts = Some(a);
@@ -1040,7 +1056,7 @@ impl DeviceGpt {
         for l in (0..n_layer).rev() {
             self.gather_unit(l + 1);
             self.open_grads(l + 1);
-            self.block_backward(l, &a, &mut group);
+            self.block_backward(l, &a);
             self.release_unit(l + 1);
             self.reduce_unit(l + 1);
         }
@@ -1064,7 +1080,7 @@ impl DeviceGpt {
         self.acts = Some(a);
     }
 
-    fn block_backward(&self, l: usize, a: &Acts, group: &mut Option<&mut dyn tensor::moe::MoeExchange>) {
+    fn block_backward(&self, l: usize, a: &Acts) {
         let bp = &self.views.blocks[l];
         if a.keep.recomputed[l] {
             // Full recomputation: re-run the block's forward from its kept input, the same
@@ -1082,10 +1098,7 @@ impl DeviceGpt {
         let dmlp = self.dropout_grad(&a.dbranch, &a.dres, site + 2, a);
         match (&bp.moe, &la.moe, &a.moe) {
             (Some(mp), Some(ma), Some(ms)) => {
-                let aux = match group {
-                    Some(gr) => self.aux_coef(ma, (&a.moe_stats[l], &ms.aux_coef), Some(&mut **gr)),
-                    None => false,
-                };
+                let aux = self.aux_coef(ma, (&a.moe_stats[l], &ms.aux_coef));
                 self.moe_backward(mp, (ma, ms), dmlp, &la.ln_2, &a.dln, aux);
             }
             _ => {
@@ -1117,28 +1130,19 @@ impl DeviceGpt {
     /// An MoE layer's forward from `x` (`ln_2`) into `y`: `tensor::moe::moe_forward` on the
     /// device: the router, top-k routing with capacity, dispatch, each routed expert over its
     /// packed rows (the counts stay on the device), the shared experts, the combine; and the
-    /// routing statistics.
-    fn moe_forward(&self, mp: &MoeParams, (ma, stats): (&MoeActs, &Buf), x: &Buf, y: &Buf) {
+    /// routing statistics. Returns the rows sent to and received from other expert-parallel
+    /// parts.
+    fn moe_forward(&self, mp: &MoeParams, (ma, stats): (&MoeActs, &Buf), x: &Buf, y: &Buf) -> (usize, usize) {
         let (g, cfg) = (&*self.gpu, &self.cfg);
         let (c, f, e) = (cfg.n_embd, cfg.ffn_hidden, cfg.n_expert);
         let r = &ma.routing;
         let n = r.n;
         let dims = cfg.moe_dims(n);
-        let cap = dims.capacity().min(n);
         g.matmul_forward(&ma.logits, x, self.wt(mp.router.start), None, n, c, e);
         g.moe_route(r, &ma.logits, dims.renormalize, dims.capacity());
         g.moe_dispatch(&ma.xe, x, r, c);
-        let (es, off) = (3 * f * c, (&r.offsets, 0));
-        for ex in 0..e {
-            let w = mp.experts.start + ex * es;
-            let rows = |cols: usize| MatSpec::rows(0, cols);
-            g.gemm_ragged(Gemm::new(cap, 2 * f, c), (&ma.gu, rows(2 * f)), (&ma.xe, rows(c)), self.wm(w, c, true), Ragged::Rows, (off.0, ex));
-        }
-        g.swiglu_forward(&ma.h, &ma.gu, f);
-        for ex in 0..e {
-            let w2 = mp.experts.start + ex * es + 2 * f * c;
-            g.gemm_ragged(Gemm::new(cap, c, f), (&ma.eo, MatSpec::rows(0, c)), (&ma.h, MatSpec::rows(0, f)), self.wm(w2, f, true), Ragged::Rows, (off.0, ex));
-        }
+        let exchanged = self.routed_forward(mp, ma);
+        let es = 3 * f * c;
         for (si, (sgu, sh)) in ma.sgu.iter().zip(&ma.sh).enumerate() {
             let w = mp.shared.start + si * es;
             g.matmul_forward(sgu, x, self.wt(w), None, n, c, 2 * f);
@@ -1153,18 +1157,20 @@ impl DeviceGpt {
         g.sum_squares((stats, e), r.lse.at(0), n, &self.parts, false);
         g.copy_words(stats, e + 1, &r.counts, 0, e);
         g.copy_words(stats, 2 * e + 1, &r.offsets, e, 1);
+        exchanged
     }
 
     /// The backward of [`DeviceGpt::moe_forward`] from `dy` into `dx` (overwritten), the
     /// router's, experts' and shared experts' gradients accumulated: `tensor::moe::moe_backward`
     /// on the device, with the load-balancing and z losses weighted by the pass's loss scale.
     /// The load-balancing loss's gradient coefficients `aux_weight·E·f_e / N` into `coef`: on
-    /// the device from this rank's counts, or with `group` from the routing group's (this layer's
-    /// `stats` downloaded, summed over the group as `tensor::moe` sums its route statistics,
-    /// the coefficients written back). Returns whether they were written (else the kernel
-    /// computes them in backward).
-    fn aux_coef(&self, ma: &MoeActs, (stats, coef): (&Buf, &Buf), group: Option<&mut dyn tensor::moe::MoeExchange>) -> bool {
-        let Some(group) = group else { return false };
+    /// the device from this rank's counts, or with the MoE exchange lent from the routing
+    /// group's (this layer's `stats` downloaded, summed over the group as `tensor::moe` sums its
+    /// route statistics, the coefficients written back). Returns whether they were written
+    /// (else the kernel computes them in backward).
+    fn aux_coef(&self, ma: &MoeActs, (stats, coef): (&Buf, &Buf)) -> bool {
+        let mut hooks = self.experts.borrow_mut();
+        let Some(group) = hooks.as_deref_mut() else { return false };
         let (e, k, n) = (self.cfg.n_expert, ma.routing.k, ma.routing.n);
         let st = self.gpu.download_words(stats, 0, 2 * e + 2);
         let mut route: Vec<f64> = st[e + 1..2 * e + 1].iter().map(|&c| c as f64).collect();
@@ -1181,28 +1187,13 @@ impl DeviceGpt {
         let (g, cfg) = (&*self.gpu, &self.cfg);
         let (c, f, e) = (cfg.n_embd, cfg.ffn_hidden, cfg.n_expert);
         let r = &ma.routing;
-        let (n, nk) = (r.n, r.n * r.k);
-        let cap = cfg.moe_dims(n).capacity().min(n);
+        let n = r.n;
         let es = 3 * f * c;
         let rows = |cols: usize| MatSpec::rows(0, cols);
         // A frozen base (LoRA) computes no weight gradients.
         let train = self.frozen.is_none();
         g.moe_combine_backward((&ms.dgate, &ms.deo), dy, &ma.eo, r, c);
-        for ex in 0..e {
-            let w2 = mp.experts.start + ex * es + 2 * f * c;
-            g.gemm_ragged(Gemm::new(cap, f, c), (&ms.dh, rows(f)), (&ms.deo, rows(c)), self.wm(w2, f, false), Ragged::Rows, (&r.offsets, ex));
-            if train {
-                g.gemm_ragged(Gemm::new(c, f, nk).acc(), self.gm(w2, f), (&ms.deo, rows(c).t()), (&ma.h, rows(f)), Ragged::Inner, (&r.offsets, ex));
-            }
-        }
-        g.swiglu_backward(&ms.dgu, &ms.dh, &ma.gu, f, false);
-        for ex in 0..e {
-            let w = mp.experts.start + ex * es;
-            if train {
-                g.gemm_ragged(Gemm::new(2 * f, c, nk).acc(), self.gm(w, c), (&ms.dgu, rows(2 * f).t()), (&ma.xe, rows(c)), Ragged::Inner, (&r.offsets, ex));
-            }
-            g.gemm_ragged(Gemm::new(cap, c, 2 * f), (&ms.deo, rows(c)), (&ms.dgu, rows(2 * f)), self.wm(w, c, false), Ragged::Rows, (&r.offsets, ex));
-        }
+        self.routed_backward(mp, (ma, ms), train);
         g.clear(dx);
         g.moe_dispatch_backward(dx, &ms.deo, r, c);
         for (si, (sgu, sh)) in ma.sgu.iter().zip(&ma.sh).enumerate() {
@@ -1231,15 +1222,12 @@ impl DeviceGpt {
     }
 
     /// Each MoE layer's routing statistics from the last forward (`tensor::moe::MoeStats`):
-    /// every layer's `2E + 2` words gathered on the device into one download.
+    /// every layer's `2E + 2` words gathered on the device into one download. With the MoE
+    /// exchange lent, the load-balancing loss is the routing group's (as `tensor::moe` reports
+    /// it), the rest this rank's (collective over the group).
     pub fn moe_stats(&self) -> Vec<tensor::moe::MoeStats> {
-        self.moe_stats_with(None)
-    }
-
-    /// [`DeviceGpt::moe_stats`] in a data-parallel group: the load-balancing loss from the
-    /// routing group's statistics (as `tensor::moe` reports it), the rest this rank's.
-    pub fn moe_stats_with(&self, mut group: Option<&mut dyn tensor::moe::MoeExchange>) -> Vec<tensor::moe::MoeStats> {
         let Some(a) = self.acts.as_ref() else { return Vec::new() };
+        let mut group = self.experts.borrow_mut();
         let cfg = &self.cfg;
         let layers = &a.moe_stats;
         let w = 2 * cfg.n_expert + 2;
@@ -1249,7 +1237,7 @@ impl DeviceGpt {
         }
         let words = self.gpu.download_words(&all, 0, layers.len() * w);
         let (n, e, k) = (a.b * a.t, cfg.n_expert, cfg.top_k);
-        words.chunks(w).map(|st| {
+        words.chunks(w).zip(&a.ep_rows).map(|(st, ep)| {
             let counts: Vec<usize> = st[e + 1..2 * e + 1].iter().map(|&c| c as usize).collect();
             let kept = st[2 * e + 1] as usize;
             let st: Vec<f32> = st[..=e].iter().map(|&b| f32::from_bits(b)).collect();
@@ -1269,8 +1257,8 @@ impl DeviceGpt {
                 mean_load: (n * k) as f32 / e as f32,
                 dropped_fraction: (n * k - kept) as f32 / (n * k) as f32,
                 counts,
-                ep_rows_sent: 0,
-                ep_rows_received: 0,
+                ep_rows_sent: ep.get().0,
+                ep_rows_received: ep.get().1,
             }
         }).collect()
     }

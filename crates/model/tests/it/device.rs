@@ -181,6 +181,45 @@ fn the_device_plan_is_what_the_model_allocates() {
         sizes.push(p.total_bytes);
     }
     assert!(sizes[1] < sizes[0], "sequence parallelism plans fewer bytes: {sizes:?}");
+    // An expert-parallel part (two of four experts): the rows its experts may receive from
+    // both parts, planned as allocated.
+    let moe = GptConfig { n_expert: 4, top_k: 2, ..cfg.clone() };
+    let part = GptConfig { place: model::Placement { experts: Some(0..2), ..Default::default() }, ..moe.clone() };
+    let m = Gpt::new(part.clone(), 36, 5);
+    let before = g.allocated_bytes();
+    let mut dev = DeviceGpt::new(g.clone(), &m).unwrap();
+    dev.swap_expert_hooks(&mut Some(Box::new(Twin)));
+    dev.forward(&vec![1; b * t], &vec![2; b * t], b, t, Pass::Eval);
+    let used = g.allocated_bytes() - before;
+    let p = model::device::plan(&g, &part, model::device::Weights::Full { params: m.params.len() }, (b, t), 0, (model::Precision::Fp32, model::Recompute::None, 1));
+    assert!(p.total_bytes <= used && used <= p.total_bytes + small, "expert parallel: plan {p:?} against {used} bytes allocated");
+}
+
+/// The first of two expert-parallel parts whose twin routes as it does (its rows' values
+/// zero): enough to run a part's passes, and allocate its buffers, on one device.
+struct Twin;
+
+impl tensor::moe::MoeExchange for Twin {
+    fn rank(&self) -> usize {
+        0
+    }
+
+    fn size(&self) -> usize {
+        2
+    }
+
+    fn exchange_counts(&mut self, send: &[usize], recv: &mut [usize]) {
+        let k = send.len() / 2;
+        for r in 0..2 {
+            recv[r * k..(r + 1) * k].copy_from_slice(&send[..k]);
+        }
+    }
+
+    fn sum_routing(&mut self, _: &mut [f64]) {}
+
+    fn exchange_rows(&mut self, _: &[f32], _: &[usize], recv: &mut [f32], _: &[usize], _: usize) {
+        recv.fill(0.0);
+    }
 }
 
 /// Tensor-parallel hooks of a group whose other part holds what this one holds: enough to run
