@@ -32,7 +32,7 @@ mod vk;
 use std::sync::atomic::{AtomicU64, Ordering};
 use tensor::precision::{from_bits16, round, to_bits16, Format};
 
-pub use attention::MAX_HEAD_SIZE;
+pub use attention::{KvBlock, MAX_HEAD_SIZE};
 pub use head::{slot, Offsets};
 pub use kernels::{Gemm, MatSpec, Ragged};
 pub use moe::Routing;

@@ -1,18 +1,20 @@
-// FlashAttention-2 backward, the key and value gradients: one thread per key (b, g, j) of kv
-// head g; the group's query heads in ascending order, queries TILE at a time through workgroup
-// memory. DQKV[v_j] += Σ_i z·p·dO_i, DQKV[k_j] += scale·Σ_i ds·q_i (as flash_backward_dq).
+// FlashAttention-2 backward over a block (lib_attn.cu), the key and value gradients: one
+// thread per key (b, g, j) of kv head g; the group's query heads in ascending order, queries
+// TILE at a time through workgroup memory. DKV[v_j] += Σ_i z·p·dO_i, DKV[k_j] += scale·Σ_i
+// ds·q_i (as flash_backward_dq; DKV laid out as KV).
 __shared__ float Ls[16];
 __shared__ float Ds[16];
 
 extern "C" __global__ void __launch_bounds__(64) flash_backward_dkv(const KilnParams KP) {
     const uint3 wg = blockIdx;
     const uint3 lid3 = threadIdx;
-    const auto t = arg(1u);
     const auto nh = arg(2u);
     const auto nkv = arg(3u);
     const auto hs = arg(4u);
-    const auto window = arg(5u);
     const auto w = attn_w(KP);
+    const auto q_len = arg(18u);
+    const auto q_pos0 = arg(19u);
+    const auto kw = arg(24u);
     const auto bg = wg.y;
     const auto b = bg / nkv;
     const auto g = bg % nkv;
@@ -20,48 +22,48 @@ extern "C" __global__ void __launch_bounds__(64) flash_backward_dkv(const KilnPa
     const auto lid = lid3.x;
     const auto j0 = wg.x * 64u;
     const auto j = j0 + lid;
-    const auto live = j < t;
+    const auto live = j < arg(22u);
+    const auto kp = arg(23u) + j;
     const auto scale = argf(14u);
+    const auto kat = k_row(KP, b, j) * kw + arg(25u) + g * hs;
+    const auto vat = k_row(KP, b, j) * kw + arg(26u) + g * hs;
     float k[128];
     float v[128];
     float dk[128];
     float dv[128];
     if (live) {
         for (auto d = 0u; d < hs; d++) {
-            k[d] = ld_QKV((b * t + j) * w + (nh + g) * hs + d);
-            v[d] = ld_QKV((b * t + j) * w + (nh + nkv + g) * hs + d);
+            k[d] = ld_KV(kat + d);
+            v[d] = ld_KV(vat + d);
             dk[d] = 0.0f;
             dv[d] = 0.0f;
         }
     }
-    // The queries that can see the workgroup's keys: from its first key to, under a window,
-    // its last key's window.
-    auto q_hi = t;
-    if (window != 0u) {
-        q_hi = min(t, j0 + 63u + window);
-    }
+    const auto qr = query_range(KP, j0);
     for (auto hh = 0u; hh < group; hh++) {
         const auto h = g * group + hh;
         const auto bh = b * nh + h;
-        for (auto i0 = j0; i0 < q_hi; i0 += TILE) {
+        for (auto i0 = qr.x; i0 < qr.y; i0 += TILE) {
             for (auto e = lid; e < TILE * hs; e += 64u) {
                 const auto ii = e / hs;
                 const auto d = e % hs;
                 const auto i = i0 + ii;
-                if (i < t) {
-                    Ta[ii * MAX_HS + d] = ld_QKV((b * t + i) * w + h * hs + d);
-                    Tb[ii * MAX_HS + d] = ld_DY((b * t + i) * nh * hs + h * hs + d);
+                if (i < q_len) {
+                    Ta[ii * MAX_HS + d] = ld_QKV(q_row(KP, b, i) * w + h * hs + d);
+                    Tb[ii * MAX_HS + d] = ld_DY(q_row(KP, b, i) * nh * hs + h * hs + d);
                 }
             }
-            if (lid < TILE && i0 + lid < t) {
-                Ls[lid] = ld_LSE(bh * t + i0 + lid);
-                Ds[lid] = ld_DD(bh * t + i0 + lid);
+            if (lid < TILE && i0 + lid < q_len) {
+                const auto at = bh * arg(16u) + arg(17u) + i0 + lid;
+                Ls[lid] = ld_LSE(at);
+                Ds[lid] = ld_DD(at);
             }
             __syncthreads();
             if (live) {
                 for (auto ii = 0u; ii < TILE; ii++) {
                     const auto i = i0 + ii;
-                    if (i < t && j <= i && first_key(KP, b, i) <= j) {
+                    const auto pos = q_pos0 + i;
+                    if (i < qr.y && kp <= pos && first_key(KP, b, i) <= kp) {
                         auto s = 0.0f;
                         auto dp = 0.0f;
                         for (auto d = 0u; d < hs; d++) {
@@ -69,7 +71,7 @@ extern "C" __global__ void __launch_bounds__(64) flash_backward_dkv(const KilnPa
                             dp = fmaf(Tb[ii * MAX_HS + d], v[d], dp);
                         }
                         const auto p = expf(s * scale - Ls[ii]);
-                        const auto z = drop_factor(KP, b, h, i, j);
+                        const auto z = drop_factor(KP, b, h, pos, kp);
                         const auto ds = p * (z * dp - Ds[ii]) * scale;
                         for (auto d = 0u; d < hs; d++) {
                             dv[d] = fmaf(p * z, Tb[ii * MAX_HS + d], dv[d]);
@@ -83,10 +85,8 @@ extern "C" __global__ void __launch_bounds__(64) flash_backward_dkv(const KilnPa
     }
     if (live) {
         for (auto d = 0u; d < hs; d++) {
-            const auto kat = (b * t + j) * w + (nh + g) * hs + d;
-            const auto vat = (b * t + j) * w + (nh + nkv + g) * hs + d;
-            st_DQKV(kat, ld_DQKV(kat) + dk[d]);
-            st_DQKV(vat, ld_DQKV(vat) + dv[d]);
+            st_DKV(kat + d, ld_DKV(kat + d) + dk[d]);
+            st_DKV(vat + d, ld_DKV(vat + d) + dv[d]);
         }
     }
 }

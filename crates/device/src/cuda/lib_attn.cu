@@ -1,5 +1,10 @@
 // What the attention kernels share. Their args: b t nh nkv hs window has_starts p drop_scale
-// seed_at site heads head0 b0 softmax_scale has_site (the mask seed: read_seed, lib_rng.wgsl).
+// seed_at site heads head0 b0 softmax_scale has_site (the mask seed: read_seed, lib_rng.cu),
+// then the block (tensor::flash::Block): q_rows q_row0 q_len q_pos0, k_rows k_row0 k_len k_pos0,
+// kw kc vc, fresh. The queries are rows q_row0 .. q_row0 + q_len of each batch row's q_rows in
+// QKV, at positions from q_pos0; the keys and values rows k_row0 .. of k_rows in KV (kw wide,
+// kv head g's key at column kc + g·HS, its value at vc + g·HS), at positions from k_pos0. T is
+// the whole sequence's length: masks, windows, documents and dropout are by global position.
 #define MAX_HS ((uint)(128u))
 #define TILE ((uint)(16u))
 // A score that is not there (masked); real scores are finite.
@@ -9,15 +14,26 @@ __device__ uint attn_w(const KilnParams& KP) {
     return (arg(2u) + 2u * arg(3u)) * arg(4u);
 }
 
-// The first key query `i` of row `b` sees: the sliding window's, and its document's start.
+// The buffer rows of the block's query `i` and key `j` in batch row `b`.
+__device__ uint q_row(const KilnParams& KP, uint b, uint i) {
+    return b * arg(16u) + arg(17u) + i;
+}
+
+__device__ uint k_row(const KilnParams& KP, uint b, uint j) {
+    return b * arg(20u) + arg(21u) + j;
+}
+
+// The first position the block's query `i` of row `b` sees: the sliding window's, and its
+// document's start (STARTS holds global positions, one per query row).
 __device__ uint first_key(const KilnParams& KP, uint b, uint i) {
     const auto window = arg(5u);
+    const auto pos = arg(19u) + i;
     auto first = 0u;
-    if (window != 0u && i + 1u > window) {
-        first = i + 1u - window;
+    if (window != 0u && pos + 1u > window) {
+        first = pos + 1u - window;
     }
     if (arg(6u) != 0u) {
-        first = max(first, STARTS[b * arg(1u) + i]);
+        first = max(first, STARTS[q_row(KP, b, i)]);
     }
     return first;
 }
@@ -64,25 +80,64 @@ __device__ Head head_of(const KilnParams& KP, uint bh) {
 __shared__ float Ta[2048];
 __shared__ float Tb[2048];
 
-// Rows k0 .. k0 + TILE of kv head g's keys into Ta and values into Tb, by the 64 threads.
+// The block's keys k0 .. k0 + TILE of kv head g into Ta and values into Tb, by the 64 threads.
 __device__ void load_kv(const KilnParams& KP, Head hd, uint k0, uint lid) {
     for (auto e = lid; e < TILE * hd.hs; e += 64u) {
         const auto kk = e / hd.hs;
         const auto d = e % hd.hs;
         const auto j = k0 + kk;
-        if (j < hd.t) {
-            const auto row = (hd.b * hd.t + j) * hd.w;
-            Ta[kk * MAX_HS + d] = ld_QKV(row + (hd.nh + hd.g) * hd.hs + d);
-            Tb[kk * MAX_HS + d] = ld_QKV(row + (hd.nh + hd.nkv + hd.g) * hd.hs + d);
+        if (j < arg(22u)) {
+            const auto row = k_row(KP, hd.b, j) * arg(24u);
+            Ta[kk * MAX_HS + d] = ld_KV(row + arg(25u) + hd.g * hd.hs + d);
+            Tb[kk * MAX_HS + d] = ld_KV(row + arg(26u) + hd.g * hd.hs + d);
         }
     }
 }
 
-// The first key any of the 64 queries from i0 sees under the sliding window.
-__device__ uint window_start(const KilnParams& KP, uint i0) {
+// The first position any query from position `pos` on sees under the sliding window.
+__device__ uint window_start(const KilnParams& KP, uint pos) {
     const auto window = arg(5u);
-    if (window != 0u && i0 + 1u > window) {
-        return i0 + 1u - window;
+    if (window != 0u && pos + 1u > window) {
+        return pos + 1u - window;
     }
     return 0u;
+}
+
+// The block's keys [x, y) that its queries i0 .. i1 (exclusive) can see: from the first
+// query's window to the last query's position.
+__device__ uint2 key_range(const KilnParams& KP, uint i0, uint i1) {
+    const auto k_pos0 = arg(23u);
+    const auto first = window_start(KP, arg(19u) + i0);
+    const auto last = arg(19u) + i1;
+    auto lo = 0u;
+    if (first > k_pos0) {
+        lo = first - k_pos0;
+    }
+    auto hi = 0u;
+    if (last > k_pos0) {
+        hi = min(last - k_pos0, arg(22u));
+    }
+    return make_uint2(lo, hi);
+}
+
+// The block's queries [x, y) that can see its keys j0 .. j0 + 64: from the first key's
+// position to, under a window, the last key's window.
+__device__ uint2 query_range(const KilnParams& KP, uint j0) {
+    const auto q_pos0 = arg(19u);
+    const auto q_len = arg(18u);
+    const auto first = arg(23u) + j0;
+    auto lo = 0u;
+    if (first > q_pos0) {
+        lo = min(first - q_pos0, q_len);
+    }
+    auto hi = q_len;
+    const auto window = arg(5u);
+    if (window != 0u) {
+        const auto end = first + 63u + window;
+        hi = 0u;
+        if (end > q_pos0) {
+            hi = min(end - q_pos0, q_len);
+        }
+    }
+    return make_uint2(lo, hi);
 }
