@@ -110,7 +110,8 @@ layout one-rank
 layout dp2-zero3 --dp 2 --zero 3
 layout tp2-sp --tp 2 --sequence-parallel
 layout pp2-1f1b --pp 2 --schedule 1f1b
-layouts="dp2-zero3 tp2-sp pp2-1f1b"
+layout cp2-ring --cp 2
+layouts="dp2-zero3 tp2-sp pp2-1f1b cp2-ring"
 if [ $dry -eq 0 ]; then
     # NCCL from PyTorch's wheel when the system has none: the loader looks for libnccl.so.
     if ! ldconfig -p 2>/dev/null | grep -q 'libnccl.so '; then

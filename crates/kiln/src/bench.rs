@@ -208,12 +208,12 @@ struct DeviceFigures {
 /// The timed steps on the device: `train.device`'s step over the chunk's model.
 #[cfg(feature = "vulkan")]
 fn device_steps(args: &BenchArgs, cfg: &RunConfig, ch: &mut Chunk, fill: &mut impl FnMut(usize, &mut crate::step::RowBuf)) -> Result<(Vec<f64>, DeviceFigures)> {
-    let mut dev = crate::device_step::DeviceRun::new(args.device, cfg, ch)?;
+    let mut dev = crate::device_step::DeviceRun::new(args.device, cfg, std::slice::from_mut(ch))?;
     let rows = cfg.micro_batch();
     let mut bytes = Vec::new();
     let times = time_steps(args, |s| {
         let before = dev.traffic();
-        dev.step(ch, cfg, s as u64, rows, &mut *fill, |_, _| None, &crate::step::Pipeline::single(cfg.train.grad_accum, None))?;
+        dev.step(std::slice::from_mut(ch), cfg, s as u64, rows, &mut *fill, |_, _| None, &crate::step::Pipeline::single(cfg.train.grad_accum, None))?;
         let after = dev.traffic();
         if s >= args.warmup {
             bytes.push(after.to_device - before.to_device + after.to_host - before.to_host);

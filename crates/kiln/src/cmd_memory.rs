@@ -63,18 +63,30 @@ struct DevicePlanned {
 fn device_plan(cfg: &crate::config::RunConfig, gpt: &GptConfig) -> Result<Option<DevicePlanned>> {
     let d: crate::device::DeviceArg = cfg.train.device.parse().map_err(crate::error::KilnError::User)?;
     let Some(gpu) = crate::device::open(d)? else { return Ok(None) };
-    // A rank's device holds its part: the first pipeline stage's (the most micro-batches in
-    // flight), the first tensor-parallel part's (the largest vocabulary share), an
-    // expert-parallel part's block of experts.
+    // A rank's device holds its part: the first pipeline rank's chunks (the most micro-batches
+    // in flight; an interleaved schedule's virtual stages 0, P, 2P, …), the first
+    // tensor-parallel part's (the largest vocabulary share), an expert-parallel part's block of
+    // experts, a context-parallel part's positions.
     let p = &cfg.parallel;
-    let stage = match p.pp {
-        1 => gpt.clone(),
-        _ => parallel::pp::stage_config(gpt, cfg.stage_layers(gpt.vocab_size)?[0].clone()),
+    let stages = match p.pp {
+        1 => vec![gpt.clone()],
+        pp => {
+            let layers = cfg.stage_layers(gpt.vocab_size)?;
+            (0..p.virtual_stages).map(|c| parallel::pp::stage_config(gpt, layers[c * pp].clone())).collect()
+        }
     };
-    let part = if p.tp > 1 { parallel::tp::local_config(&stage, p.tp, 0, p.sequence_parallel).map_err(crate::error::KilnError::User)? } else { stage };
-    let part = if p.ep > 1 { parallel::ep::local_config(&part, p.ep, 0).map_err(crate::error::KilnError::User)? } else { part };
-    let params = model::layout::gpt_layout(&part).0.total;
-    let (p, figures) = crate::device_step::check_plan(&gpu, d, cfg, (&part, params))?;
+    let mut parts = Vec::new();
+    for stage in stages {
+        let part = if p.tp > 1 { parallel::tp::local_config(&stage, p.tp, 0, p.sequence_parallel).map_err(crate::error::KilnError::User)? } else { stage };
+        let mut part = if p.ep > 1 { parallel::ep::local_config(&part, p.ep, 0).map_err(crate::error::KilnError::User)? } else { part };
+        if p.cp > 1 {
+            part.place.context = Some(model::config::ContextSlice { index: 0, count: p.cp, zigzag: p.cp_balance == plan::policy::CpBalance::Zigzag });
+        }
+        let params = model::layout::gpt_layout(&part).0.total;
+        parts.push((part, params));
+    }
+    let refs: Vec<(&GptConfig, usize)> = parts.iter().map(|(c, n)| (c, *n)).collect();
+    let (p, figures) = crate::device_step::check_plan(&gpu, d, cfg, &refs)?;
     Ok(Some(DevicePlanned { device: format!("{d} ({})", gpu.info.name), total_bytes: p.total_bytes, largest_bytes: p.largest_bytes, figures }))
 }
 

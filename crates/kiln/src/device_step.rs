@@ -4,8 +4,10 @@
 //! step is [`crate::step::train_step`]'s for one rank: the micro-batches' forward and backward
 //! with the same dropout seeds and loss weights, the global norm, the same vetoes, clipping,
 //! and AdamW over the same decay groups. Evaluation runs on the device too. The host's copy of
-//! the state (the chunk's parameters and moments) is brought up to date only when something
-//! reads it: a checkpoint, the sample at the end ([`DeviceRun::pull`]).
+//! the state (the chunks' parameters and moments) is brought up to date only when something
+//! reads it: a checkpoint, the sample at the end ([`DeviceRun::pull`]). A rank of an
+//! interleaved pipeline holds several model chunks (virtual stages), each a [`DevicePart`] on
+//! the rank's one device.
 
 use crate::config::RunConfig;
 use crate::device::DeviceArg;
@@ -14,21 +16,28 @@ use crate::step::{dropout_seed, Chunk, Master, Pipeline, RowBuf, StepOut};
 use device::{slot, Buf, Gpu};
 use model::device::DeviceGpt;
 use model::Pass;
+use std::ops::Range;
 use std::sync::Arc;
 
-/// The device side of a run.
+/// The device side of a run: this rank's model chunks on its device.
 pub struct DeviceRun {
     gpu: Arc<Gpu>,
+    /// One per model chunk the rank holds (the host's `Chunk`s, in order).
+    parts: Vec<DevicePart>,
+    /// The last step's MoE routing statistics (its last micro-batch's, as the CPU's).
+    moe_stats: Vec<tensor::moe::MoeStats>,
+    /// `sum_squares`' partial sums, and each micro-batch's loss sum (then the norm's parts).
+    partials: Buf,
+    sums: Buf,
+}
+
+/// One model chunk on the device: its model, AdamW's moments and how it updates them.
+struct DevicePart {
     model: DeviceGpt,
     m: Buf,
     v: Buf,
-    /// The last step's MoE routing statistics (its last micro-batch's, as the CPU's).
-    moe_stats: Vec<tensor::moe::MoeStats>,
     /// The layout's ranges with whether weight decay applies (the host optimizer's).
-    segments: Vec<(std::ops::Range<usize>, bool)>,
-    /// `sum_squares`' partial sums, and each micro-batch's loss sum.
-    parts: Buf,
-    sums: Buf,
+    segments: Vec<(Range<usize>, bool)>,
     /// The host's copy is older than the device's.
     stale: bool,
     /// ZeRO: the layout's pieces this rank updates (its moments are their shard); `None`:
@@ -66,17 +75,11 @@ impl model::device::ZeroGroup for HostGroup {
 pub fn refusal(cfg: &RunConfig) -> Option<String> {
     let p = &cfg.parallel;
     let d = &cfg.train.device;
-    if p.cp > 1 {
-        return Some(format!("train.device = {d}: on devices data, tensor, pipeline and expert parallelism run yet; context parallel layouts are not done (got parallel.cp = {})", p.cp));
-    }
     if p.ep > 1 && p.nccl {
         return Some(format!("train.device = {d}: parallel.nccl reduces every gradient over the whole group, not the routed experts over their own (parallel.ep = {}); set parallel.nccl = false", p.ep));
     }
     if p.ep > 1 && cfg.lora.rank > 0 {
         return Some(format!("train.device = {d}: LoRA adapters on an expert-parallel part do not run on devices yet (parallel.ep = {})", p.ep));
-    }
-    if p.pp > 1 && p.virtual_stages > 1 {
-        return Some(format!("train.device = {d}: interleaved pipeline schedules (parallel.virtual_stages = {}) do not run on devices yet; one stage per rank does", p.virtual_stages));
     }
     if p.pp > 1 && cfg.lora.rank > 0 {
         return Some(format!("train.device = {d}: LoRA adapters on a pipeline stage do not run on devices yet (parallel.pp = {})", p.pp));
@@ -96,15 +99,262 @@ pub fn refusal(cfg: &RunConfig) -> Option<String> {
     Some(format!("train.device = {d}: the device does not run {why} yet; use train.device = cpu"))
 }
 
+
 impl DeviceRun {
     /// Opens the device, checks the run's device plan against what it may allocate
-    /// ([`check_plan`]), and uploads the chunk's parameters and moments.
-    pub fn new(d: DeviceArg, cfg: &RunConfig, ch: &mut Chunk) -> Result<DeviceRun> {
+    /// ([`check_plan`]), and uploads each chunk's parameters and moments.
+    pub fn new(d: DeviceArg, cfg: &RunConfig, chunks: &mut [Chunk]) -> Result<DeviceRun> {
         let gpu = match crate::device::open(d)? {
             Some(g) => Arc::new(g),
             None => return Err(KilnError::Internal("a device run on the CPU".into())),
         };
-        check_plan(&gpu, d, cfg, (&ch.model.cfg, ch.model.layout.total))?;
+        let configs: Vec<(&model::GptConfig, usize)> = chunks.iter().map(|ch| (&ch.model.cfg, ch.model.layout.total)).collect();
+        check_plan(&gpu, d, cfg, &configs)?;
+        let parts = chunks.iter_mut().map(|ch| DevicePart::new(&gpu, d, cfg, ch)).collect::<Result<Vec<_>>>()?;
+        let (partials, sums) = (gpu.zeros(Gpu::parts_len()), gpu.zeros(slot::OPTIM + 2 * 64));
+        Ok(DeviceRun { gpu, parts, moe_stats: Vec::new(), partials, sums })
+    }
+
+    /// The adapter's one-line description.
+    pub fn describe(&self) -> String {
+        self.gpu.info.describe()
+    }
+
+    /// The last step's MoE routing statistics.
+    pub fn moe_stats(&self) -> &[tensor::moe::MoeStats] {
+        &self.moe_stats
+    }
+
+    /// Host↔device bytes so far.
+    pub fn traffic(&self) -> device::Traffic {
+        self.gpu.traffic()
+    }
+
+    /// The device's fp32 matmul rate (GFLOP/s ·1e9), measured now: the MFU denominator.
+    pub fn peak_flops(&self) -> f64 {
+        self.gpu.measure_peak_flops(1024, 3)
+    }
+
+    /// One optimizer step (see the module docs); `fill` draws micro-batch `k`'s rows (this
+    /// rank's share under data parallelism, whose groups `chunks[c].dp` reduce the gradients
+    /// through the host). A part's passes call the host model's hooks (lent for the step); a
+    /// pipeline stage runs its tasks of `pipe`'s schedule, the activations and their gradients
+    /// sent between the stages through the host; `pipe`'s groups sum the gradient norm's parts.
+    #[allow(clippy::too_many_arguments)] // the CPU step's, and the pipeline
+    pub fn step(&mut self, chunks: &mut [Chunk], cfg: &RunConfig, step: u64, rows: usize, fill: impl FnMut(usize, &mut RowBuf), veto: impl FnMut(f32, f64) -> Option<&'static str>, pipe: &Pipeline) -> Result<StepOut> {
+        self.swap_hooks(chunks);
+        let out = self.step_lent(chunks, cfg, (step, rows), fill, veto, pipe);
+        self.swap_hooks(chunks);
+        out
+    }
+
+    /// Runs `f` on the resident models (one per chunk) with the host models' hooks lent (a
+    /// device run's evaluation).
+    pub fn with_hooks<R>(&mut self, chunks: &mut [Chunk], f: impl FnOnce(&mut [&mut DeviceGpt]) -> R) -> R {
+        self.swap_hooks(chunks);
+        let mut models: Vec<&mut DeviceGpt> = self.parts.iter_mut().map(|p| &mut p.model).collect();
+        let out = f(&mut models);
+        self.swap_hooks(chunks);
+        out
+    }
+
+    /// Lends the host models' tensor-parallel, expert and context-parallel hooks to the device
+    /// models, or takes them back.
+    fn swap_hooks(&mut self, chunks: &mut [Chunk]) {
+        for (p, ch) in self.parts.iter_mut().zip(chunks) {
+            p.model.swap_tensor_hooks(&mut ch.model.hooks.tensor);
+            p.model.swap_expert_hooks(&mut ch.model.hooks.experts);
+            p.model.swap_context_hooks(&mut ch.model.hooks.context);
+        }
+    }
+
+    fn step_lent(&mut self, chunks: &mut [Chunk], cfg: &RunConfig, (step, rows): (u64, usize), mut fill: impl FnMut(usize, &mut RowBuf), mut veto: impl FnMut(f32, f64) -> Option<&'static str>, pipe: &Pipeline) -> Result<StepOut> {
+        let (g, t, m) = (self.gpu.clone(), cfg.seq_len(), cfg.train.grad_accum);
+        if m > 64 {
+            return user(format!("train.device: at most 64 micro-batches a step (train.grad_accum = {m})"));
+        }
+        self.parts.iter_mut().for_each(|p| p.model.zero_grad());
+        let packed = cfg.data.packing == crate::config::Packing::Documents;
+        let batches: Vec<RowBuf> = (0..m).map(|micro| {
+            let mut b = RowBuf::new(rows, t, packed);
+            fill(micro, &mut b);
+            b
+        }).collect();
+        // (A context-parallel part counts the targets at its positions.)
+        let counted = |y: &[i32]| y.iter().filter(|&&y| y != model::gpt::IGNORE_INDEX).count() as f64;
+        let context = chunks[0].model.cfg.place.context;
+        let counts: Vec<f64> = batches.iter().map(|b| context.map_or_else(|| counted(&b.y), |cx| counted(&cx.rows(&b.y, rows, t)))).collect();
+        // Each micro-batch's loss is its mean over the whole group's targets, as on the CPU.
+        let dpn = chunks[0].dp.n();
+        let global = if dpn > 1 { chunks[0].dp.all_reduce_f64(&counts) } else { counts.clone() };
+        let pass = |micro: usize| {
+            let loss_scale = if global[micro] > 0.0 { (counts[micro] / global[micro] / m as f64) as f32 } else { 0.0 };
+            Pass::Train { dropout_seed: dropout_seed(cfg.train.seed, step, micro), loss_scale }
+        };
+        match pipe.comm {
+            Some(pp) => self.pipeline_tasks((pipe, pp), &batches, (rows, t), &pass),
+            None => {
+                let model = &mut self.parts[0].model;
+                for (micro, b) in batches.iter().enumerate() {
+                    model.forward_docs(&b.x, &b.y, b.docs(), rows, t, pass(micro));
+                    model.loss_sum_into((&self.sums, slot::OPTIM + micro), &self.partials, false);
+                    // An MoE model's load-balancing statistics are the group's (the CPU's exchange).
+                    model.backward();
+                }
+            }
+        }
+        for (p, ch) in self.parts.iter().zip(chunks.iter_mut()) {
+            p.reduce_grads(&g, ch);
+        }
+        self.grad_norm(chunks, pipe);
+        for p in &self.parts {
+            g.clip_scale(&p.model.scalars, cfg.train.grad_clip as f32);
+        }
+        g.copy_words(&self.sums, slot::NORM, &self.parts[0].model.scalars, slot::NORM, 1);
+        // The loss sums and the norm: the step's only download on one device.
+        let back = g.download_words(&self.sums, 0, slot::OPTIM + m);
+        let f = |i: usize| f32::from_bits(back[i]) as f64;
+        let mut sums: Vec<f64> = (0..m).flat_map(|k| [f(slot::OPTIM + k), counts[k]]).collect();
+        if dpn > 1 {
+            sums = chunks[0].dp.all_reduce_f64(&sums);
+        }
+        if let Some(pp) = pipe.comm {
+            // The losses are the last stage's.
+            let p = pipe.sched.p;
+            sums = parallel::comm::all_gather_f64(pp, &sums)[(p - 1) * 2 * m..].to_vec();
+        }
+        let loss = ((0..m).map(|k| if sums[2 * k + 1] > 0.0 { sums[2 * k] / sums[2 * k + 1] } else { 0.0 }).sum::<f64>() / m as f64) as f32;
+        let norm = f(slot::NORM);
+        if self.parts[0].model.cfg.is_moe() {
+            self.moe_stats = self.parts[0].model.moe_stats();
+        }
+        let out = |skipped| StepOut { loss, grad_norm: norm, overlap: Default::default(), skipped, peak_activation_bytes: 0, peak_in_flight: 0, loss_tokens: global.iter().sum() };
+        if !(loss.is_finite() && norm.is_finite()) {
+            return Ok(out(Some("non-finite loss or gradient norm")));
+        }
+        if let Some(why) = veto(loss, norm) {
+            return Ok(out(Some(why)));
+        }
+        for (p, ch) in self.parts.iter_mut().zip(chunks.iter_mut()) {
+            p.update(ch, cfg, step, &g);
+            p.stale = true;
+        }
+        Ok(out(None))
+    }
+
+    /// The squared global gradient norm into every part's `SUMSQ` slot: on one device of one
+    /// chunk the sum of squares stays there; a part of a model ([`DevicePart::norm_parts`])
+    /// sums its parts over the tensor-parallel group, then the chunks, then the pipeline's
+    /// stages; under ZeRO-2/3 each rank's shards' squares are summed over the data-parallel
+    /// group last.
+    fn grad_norm(&self, chunks: &mut [Chunk], pipe: &Pipeline) {
+        let g = &self.gpu;
+        let whole = pipe.tp.is_none() && pipe.comm.is_none() && chunks[0].dp.experts().is_none();
+        if whole {
+            let p = &self.parts[0];
+            let grads = p.model.trainable().1;
+            g.sum_squares((&p.model.scalars, slot::SUMSQ), grads.at(0), grads.len(), &self.partials, false);
+            if p.zero >= 2 {
+                // Each rank holds its shard's squares: the group's sum.
+                let mine = f32::from_bits(g.download_words(&p.model.scalars, slot::SUMSQ, 1)[0]) as f64;
+                let all = chunks[0].dp.all_reduce_f64(&[mine])[0] as f32;
+                g.write_words(&p.model.scalars, slot::SUMSQ, &[all.to_bits()]);
+            }
+            return;
+        }
+        let (mut own, mut repl) = (0.0, 0.0);
+        for (c, (p, ch)) in self.parts.iter().zip(chunks.iter_mut()).enumerate() {
+            let (o, r) = p.norm_parts(g, ch, pipe, (c, (&self.sums, &self.partials)));
+            (own, repl) = (own + o, repl + r);
+        }
+        let mut sq = pipe.tp.map_or(own, |tp| parallel::comm::sum_f64(tp, own)) + repl;
+        if let Some(pp) = pipe.comm {
+            sq = parallel::comm::sum_f64(pp, sq);
+        }
+        if self.parts[0].zero >= 2 {
+            // Each rank holds its shards' squares: the group's sum.
+            sq = chunks[0].dp.all_reduce_f64(&[sq as f32 as f64])[0];
+        }
+        for p in &self.parts {
+            g.write_words(&p.model.scalars, slot::SUMSQ, &[(sq as f32).to_bits()]);
+        }
+    }
+
+    /// A pipeline stage's tasks of the schedule (an interleaved schedule's across the rank's
+    /// chunks, chunk `c` being virtual stage `c·P + rank`): each forward's input received from
+    /// the previous virtual stage and its output sent on, each backward's output gradient
+    /// received from the next and its input gradient sent back, through the host; each
+    /// micro-batch's activations kept from its forward to its backward. The last virtual stage
+    /// sums each micro-batch's losses on the device.
+    fn pipeline_tasks(&mut self, (pipe, pp): (&Pipeline, &dyn parallel::Comm), batches: &[RowBuf], (rows, t): (usize, usize), pass: &dyn Fn(usize) -> Pass) {
+        let (p, me, m, v) = (pipe.sched.p, pipe.rank, pipe.sched.m, self.parts.len());
+        let last_vs = p * v - 1;
+        type Held = Vec<Option<model::device::DeviceActs>>;
+        let (mut live, mut free): (Vec<Held>, Vec<Vec<model::device::DeviceActs>>) = ((0..v).map(|_| (0..m).map(|_| None).collect()).collect(), (0..v).map(|_| Vec::new()).collect());
+        // Messages between virtual stages: activations across boundary `b` (after virtual stage
+        // `b`) and, in backward, their gradient.
+        let tag = |boundary: usize, backward: bool| (2 << 20) + 2 * boundary as u32 + backward as u32;
+        for task in pipe.sched.tasks(me) {
+            let (c, b) = (task.chunk, &batches[task.mb]);
+            let vs = c * p + me;
+            let model = &mut self.parts[c].model;
+            let width = model.stage_width(rows, t);
+            if task.forward {
+                if let Some(a) = free[c].pop() {
+                    model.put_activations(a);
+                }
+                if vs > 0 {
+                    let mut x = vec![0.0; width];
+                    pp.recv(&mut x, (vs - 1) % p, tag(vs - 1, false));
+                    model.set_stage_input(&x, rows, t);
+                }
+                model.forward_docs(&b.x, &b.y, b.docs(), rows, t, pass(task.mb));
+                if vs == last_vs {
+                    model.loss_sum_into((&self.sums, slot::OPTIM + task.mb), &self.partials, false);
+                } else {
+                    pp.send(&model.stage_output(), (vs + 1) % p, tag(vs, false));
+                }
+                live[c][task.mb] = model.take_activations();
+            } else {
+                model.put_activations(live[c][task.mb].take().expect("forward before backward"));
+                if vs < last_vs {
+                    let mut d = vec![0.0; width];
+                    pp.recv(&mut d, (vs + 1) % p, tag(vs, true));
+                    model.set_stage_output_grad(&d);
+                }
+                model.backward();
+                if vs > 0 {
+                    pp.send(&model.stage_input_grad(), (vs - 1) % p, tag(vs - 1, true));
+                }
+                free[c].extend(model.take_activations());
+            }
+        }
+        // Each model keeps its last micro-batch's activations (its routing statistics).
+        for (part, f) in self.parts.iter_mut().zip(&mut free) {
+            if let Some(a) = f.pop() {
+                part.model.put_activations(a);
+            }
+        }
+        if me + 1 < p {
+            for k in 0..m {
+                self.gpu.write_words(&self.sums, slot::OPTIM + k, &[0]);
+            }
+        }
+    }
+
+    /// Brings the host's copy of the state (each chunk's parameters, or LoRA's adapters, and
+    /// the AdamW moments) up to the device's, when it is older: before a checkpoint or the
+    /// sample.
+    pub fn pull(&mut self, chunks: &mut [Chunk]) {
+        for (p, ch) in self.parts.iter_mut().zip(chunks) {
+            p.pull(&self.gpu, ch);
+        }
+    }
+}
+
+impl DevicePart {
+    /// Uploads the chunk's parameters (as the passes read them) and moments.
+    fn new(gpu: &Arc<Gpu>, d: DeviceArg, cfg: &RunConfig, ch: &mut Chunk) -> Result<DevicePart> {
         let mut host = model::Gpt::zeroed(ch.model.cfg.clone(), ch.model.real_vocab);
         host.precision = ch.model.precision;
         host.recompute = ch.model.recompute;
@@ -135,156 +385,34 @@ impl DeviceRun {
         let (m, v) = (alloc(ch.opt.m.len())?, alloc(ch.opt.v.len())?);
         gpu.write(&m, &ch.opt.m);
         gpu.write(&v, &ch.opt.v);
-        let (parts, sums) = (gpu.zeros(Gpu::parts_len()), gpu.zeros(slot::OPTIM + 2 * 64));
         let pieces = (zero > 0).then(|| ch.dp.pieces());
         #[cfg(feature = "cuda")]
         let nccl = match cfg.parallel.nccl && ch.dp.n() > 1 {
-            true => Some(nccl_group(&gpu, ch).map_err(|e| KilnError::User(format!("parallel.nccl = true: {}", e.0)))?),
+            true => Some(nccl_group(gpu, ch).map_err(|e| KilnError::User(format!("parallel.nccl = true: {}", e.0)))?),
             false => None,
         };
-        Ok(DeviceRun {
-            gpu, model, m, v, moe_stats: Vec::new(), segments: ch.opt.decay_groups().to_vec(), parts, sums, stale: false, pieces, zero,
+        Ok(DevicePart {
+            model, m, v, segments: ch.opt.decay_groups().to_vec(), stale: false, pieces, zero,
             #[cfg(feature = "cuda")]
             nccl,
         })
     }
 
-    /// The adapter's one-line description.
-    pub fn describe(&self) -> String {
-        self.gpu.info.describe()
-    }
-
-    /// The last step's MoE routing statistics.
-    pub fn moe_stats(&self) -> &[tensor::moe::MoeStats] {
-        &self.moe_stats
-    }
-
-    /// Host↔device bytes so far.
-    pub fn traffic(&self) -> device::Traffic {
-        self.gpu.traffic()
-    }
-
-    /// The device's fp32 matmul rate (GFLOP/s ·1e9), measured now: the MFU denominator.
-    pub fn peak_flops(&self) -> f64 {
-        self.gpu.measure_peak_flops(1024, 3)
-    }
-
-    /// One optimizer step (see the module docs); `fill` draws micro-batch `k`'s rows (this
-    /// rank's share under data parallelism, whose group `ch.dp` reduces the gradients through
-    /// the host). A tensor-parallel part's passes call the host model's hooks (lent for the
-    /// step); a pipeline stage runs its tasks of `pipe`'s schedule, the activations and their
-    /// gradients sent between the stages through the host; `pipe`'s groups sum the gradient
-    /// norm's parts.
-    #[allow(clippy::too_many_arguments)] // the CPU step's, and the pipeline
-    pub fn step(&mut self, ch: &mut Chunk, cfg: &RunConfig, step: u64, rows: usize, fill: impl FnMut(usize, &mut RowBuf), veto: impl FnMut(f32, f64) -> Option<&'static str>, pipe: &Pipeline) -> Result<StepOut> {
-        self.swap_hooks(ch);
-        let out = self.step_lent(ch, cfg, (step, rows), fill, veto, pipe);
-        self.swap_hooks(ch);
-        out
-    }
-
-    /// Runs `f` on the resident model with the host model's hooks lent (a device run's
-    /// evaluation).
-    pub fn with_hooks<R>(&mut self, ch: &mut Chunk, f: impl FnOnce(&mut DeviceGpt) -> R) -> R {
-        self.swap_hooks(ch);
-        let out = f(&mut self.model);
-        self.swap_hooks(ch);
-        out
-    }
-
-    /// Lends the host model's tensor-parallel hooks and MoE exchange to the device model, or
-    /// takes them back.
-    fn swap_hooks(&mut self, ch: &mut Chunk) {
-        self.model.swap_tensor_hooks(&mut ch.model.hooks.tensor);
-        self.model.swap_expert_hooks(&mut ch.model.hooks.experts);
-    }
-
-    fn step_lent(&mut self, ch: &mut Chunk, cfg: &RunConfig, (step, rows): (u64, usize), mut fill: impl FnMut(usize, &mut RowBuf), mut veto: impl FnMut(f32, f64) -> Option<&'static str>, pipe: &Pipeline) -> Result<StepOut> {
-        let (g, t, m) = (self.gpu.clone(), cfg.seq_len(), cfg.train.grad_accum);
-        if m > 64 {
-            return user(format!("train.device: at most 64 micro-batches a step (train.grad_accum = {m})"));
-        }
-        self.model.zero_grad();
-        let packed = cfg.data.packing == crate::config::Packing::Documents;
-        let batches: Vec<RowBuf> = (0..m).map(|micro| {
-            let mut b = RowBuf::new(rows, t, packed);
-            fill(micro, &mut b);
-            b
-        }).collect();
-        let counts: Vec<f64> = batches.iter().map(|b| b.y.iter().filter(|&&y| y != model::gpt::IGNORE_INDEX).count() as f64).collect();
-        // Each micro-batch's loss is its mean over the whole group's targets, as on the CPU.
-        let dpn = ch.dp.n();
-        let global = if dpn > 1 { ch.dp.all_reduce_f64(&counts) } else { counts.clone() };
-        let pass = |micro: usize| {
-            let loss_scale = if global[micro] > 0.0 { (counts[micro] / global[micro] / m as f64) as f32 } else { 0.0 };
-            Pass::Train { dropout_seed: dropout_seed(cfg.train.seed, step, micro), loss_scale }
-        };
-        match pipe.comm {
-            Some(pp) => self.pipeline_tasks((pipe, pp), &batches, (rows, t), &pass),
-            None => {
-                for (micro, b) in batches.iter().enumerate() {
-                    self.model.forward_docs(&b.x, &b.y, b.docs(), rows, t, pass(micro));
-                    self.model.loss_sum_into((&self.sums, slot::OPTIM + micro), &self.parts, false);
-                    // An MoE model's load-balancing statistics are the group's (the CPU's exchange).
-                    self.model.backward();
-                }
-            }
+    /// The data-parallel group's gradient sum, staged through the host (summed in rank order;
+    /// the routed experts' over the ranks holding the same experts), or through NCCL on the
+    /// device; ZeRO-2/3 reduced each unit's into the shard as backward left it.
+    fn reduce_grads(&self, g: &Gpu, ch: &mut Chunk) {
+        if ch.dp.n() == 1 || self.zero >= 2 {
+            return;
         }
         let grads = self.model.trainable().1;
-        if dpn > 1 && self.zero < 2 {
-            // The group's gradient sum, staged through the host (summed in rank order; the
-            // routed experts' over the ranks holding the same experts), or through NCCL on the
-            // device; ZeRO-2/3 reduced each unit's into the shard as backward left it.
-            #[cfg(feature = "cuda")]
-            let on_device = self.nccl.as_ref().map(|n| n.all_reduce_sum(grads.at(0), grads.len())).is_some();
-            #[cfg(not(feature = "cuda"))]
-            let on_device = false;
-            if !on_device {
-                let mut host = g.download(grads);
-                ch.dp.all_reduce_flat(&mut host);
-                g.write(grads, &host);
-            }
+        #[cfg(feature = "cuda")]
+        if let Some(n) = &self.nccl {
+            return n.all_reduce_sum(grads.at(0), grads.len());
         }
-        if pipe.tp.is_some() || pipe.comm.is_some() || ch.dp.experts().is_some() {
-            self.norm_over_parts(ch, pipe);
-        } else {
-            g.sum_squares((&self.model.scalars, slot::SUMSQ), grads.at(0), grads.len(), &self.parts, false);
-        }
-        if self.zero >= 2 {
-            // Each rank holds its shard's squares: the group's sum.
-            let mine = f32::from_bits(g.download_words(&self.model.scalars, slot::SUMSQ, 1)[0]) as f64;
-            let all = ch.dp.all_reduce_f64(&[mine])[0] as f32;
-            g.write_words(&self.model.scalars, slot::SUMSQ, &[all.to_bits()]);
-        }
-        g.clip_scale(&self.model.scalars, cfg.train.grad_clip as f32);
-        g.copy_words(&self.sums, slot::NORM, &self.model.scalars, slot::NORM, 1);
-        // The loss sums and the norm: the step's only download on one device.
-        let back = g.download_words(&self.sums, 0, slot::OPTIM + m);
-        let f = |i: usize| f32::from_bits(back[i]) as f64;
-        let mut sums: Vec<f64> = (0..m).flat_map(|k| [f(slot::OPTIM + k), counts[k]]).collect();
-        if dpn > 1 {
-            sums = ch.dp.all_reduce_f64(&sums);
-        }
-        if let Some(pp) = pipe.comm {
-            // The losses are the last stage's.
-            let p = pipe.sched.p;
-            sums = parallel::comm::all_gather_f64(pp, &sums)[(p - 1) * 2 * m..].to_vec();
-        }
-        let loss = ((0..m).map(|k| if sums[2 * k + 1] > 0.0 { sums[2 * k] / sums[2 * k + 1] } else { 0.0 }).sum::<f64>() / m as f64) as f32;
-        let norm = f(slot::NORM);
-        if self.model.cfg.is_moe() {
-            self.moe_stats = self.model.moe_stats();
-        }
-        let out = |skipped| StepOut { loss, grad_norm: norm, overlap: Default::default(), skipped, peak_activation_bytes: 0, peak_in_flight: 0, loss_tokens: global.iter().sum() };
-        if !(loss.is_finite() && norm.is_finite()) {
-            return Ok(out(Some("non-finite loss or gradient norm")));
-        }
-        if let Some(why) = veto(loss, norm) {
-            return Ok(out(Some(why)));
-        }
-        self.update(ch, cfg, step, &g);
-        self.stale = true;
-        Ok(out(None))
+        let mut host = g.download(grads);
+        ch.dp.all_reduce_flat(&mut host);
+        g.write(grads, &host);
     }
 
     /// AdamW over the decay groups, the gradients scaled by the clipping factor on the device.
@@ -323,29 +451,30 @@ impl DeviceRun {
         g.write(params, &ch.dp.gather_shards_owned(mine));
         self.model.refresh_working();
     }
-}
 
-impl DeviceRun {
-    /// The squared gradient norm of a part of the model into the step's `SUMSQ` slot: a
-    /// tensor-parallel part's own parameters' squares summed over its group, the parameters
-    /// every part holds whole (`ch.replicated`, identical on every part) counted once, the
-    /// partial gradients (`ch.seq_partial`) summed over the group before; a pipeline stage's
-    /// summed over the stages, a tied embedding's two copies (summed first) counted once; an
-    /// expert-parallel part's routed experts summed over the data-parallel group from the
-    /// first rank of each set holding the same experts, as the CPU's store counts them.
-    fn norm_over_parts(&self, ch: &mut Chunk, pipe: &Pipeline) {
-        let (g, grads) = (&self.gpu, self.model.trainable().1);
+    /// Chunk `c`'s squared gradient norm as `(own, replicated)`: a tensor-parallel part's own
+    /// parameters' squares (for the caller to sum over its group) and those every part holds
+    /// whole (`ch.replicated`, identical on every part: counted once), the partial gradients
+    /// (`ch.seq_partial`) summed over the group first; a tied embedding's two copies (on the
+    /// first and last virtual stages, summed first) counted once; an expert-parallel part's
+    /// routed experts summed over the data-parallel group from the first rank of each set
+    /// holding the same experts, as the CPU's store counts them. `scratch`: the step's sums
+    /// buffer and `sum_squares`' partials.
+    fn norm_parts(&self, g: &Gpu, ch: &mut Chunk, pipe: &Pipeline, (c, (sums, partials)): (usize, (&Buf, &Buf))) -> (f64, f64) {
+        let grads = self.model.trainable().1;
         if let Some(tp) = pipe.tp {
             // Sequence parallelism: each part's norms saw its positions.
-            self.sum_over(&self.positions(&ch.seq_partial), tp);
+            self.sum_over(g, &self.positions(&ch.seq_partial), tp);
         }
-        let (p, last) = (pipe.sched.p, pipe.rank + 1 == pipe.sched.p);
-        let tied = (p > 1 && self.model.cfg.tied_embeddings && (pipe.rank == 0 || last)).then(|| ch.model.units[0].clone());
+        let (p, v) = (pipe.sched.p, pipe.sched.v);
+        let vs = c * p + pipe.rank;
+        let last = vs + 1 == p * v;
+        let tied = (p * v > 1 && self.model.cfg.tied_embeddings && (vs == 0 || last)).then(|| ch.model.units[0].clone());
         if let (Some(tie), Some(unit)) = (pipe.tie, &tied) {
-            self.sum_over(&self.positions(std::slice::from_ref(unit)), tie);
+            self.sum_over(g, &self.positions(std::slice::from_ref(unit)), tie);
         }
         // The last stage's copy of a tied embedding is the first stage's.
-        let skip: Vec<_> = tied.filter(|_| last).into_iter().collect();
+        let skip: Vec<_> = tied.filter(|_| last && vs != 0).into_iter().collect();
         let repl = match pipe.tp {
             Some(_) => ch.replicated.clone(),
             None => Vec::new(),
@@ -356,27 +485,21 @@ impl DeviceRun {
         let mine = if first { self.positions(&experts) } else { Vec::new() };
         let at = slot::OPTIM + 64;
         for (k, ranges) in [own, repl, mine].iter().enumerate() {
-            g.write_words(&self.sums, at + k, &[0]);
+            g.write_words(sums, at + k, &[0]);
             for r in ranges.iter().filter(|r| !r.is_empty()) {
-                g.sum_squares((&self.sums, at + k), grads.at(r.start), r.len(), &self.parts, true);
+                g.sum_squares((sums, at + k), grads.at(r.start), r.len(), partials, true);
             }
         }
-        let w = g.download_words(&self.sums, at, 3);
+        let w = g.download_words(sums, at, 3);
         let (own, repl, mine) = (f32::from_bits(w[0]) as f64, f32::from_bits(w[1]) as f64, f32::from_bits(w[2]) as f64);
-        let mut sq = pipe.tp.map_or(own, |tp| parallel::comm::sum_f64(tp, own)) + repl;
-        if !experts.is_empty() {
-            sq += ch.dp.all_reduce_f64(&[mine])[0];
-        }
-        if let Some(pp) = pipe.comm {
-            sq = parallel::comm::sum_f64(pp, sq);
-        }
-        g.write_words(&self.model.scalars, slot::SUMSQ, &[(sq as f32).to_bits()]);
+        let experts = if experts.is_empty() { 0.0 } else { ch.dp.all_reduce_f64(&[mine])[0] };
+        (own, repl + experts)
     }
 
     /// Where the gradients of the layout's `flat` ranges sit on the device: the ranges
     /// themselves, or under ZeRO-2/3 the parts of them in this rank's pieces, at their shard
     /// positions.
-    fn positions(&self, flat: &[std::ops::Range<usize>]) -> Vec<std::ops::Range<usize>> {
+    fn positions(&self, flat: &[Range<usize>]) -> Vec<Range<usize>> {
         let pieces = match &self.pieces {
             Some(p) if self.zero >= 2 => p,
             _ => return flat.iter().filter(|r| !r.is_empty()).cloned().collect(),
@@ -394,11 +517,11 @@ impl DeviceRun {
     }
 
     /// The gradients at `ranges` summed over `comm` (through the host), every member's the sum.
-    fn sum_over(&self, ranges: &[std::ops::Range<usize>], comm: &dyn parallel::Comm) {
+    fn sum_over(&self, g: &Gpu, ranges: &[Range<usize>], comm: &dyn parallel::Comm) {
         if ranges.is_empty() {
             return;
         }
-        let (g, grads) = (&self.gpu, self.model.trainable().1);
+        let grads = self.model.trainable().1;
         let mut buf: Vec<f32> = ranges.iter().flat_map(|r| g.download_words(grads, r.start, r.len())).map(f32::from_bits).collect();
         comm.all_reduce_sum(&mut buf);
         let mut at = 0;
@@ -408,60 +531,23 @@ impl DeviceRun {
         }
     }
 
-    /// A pipeline stage's tasks of the schedule (one model chunk a rank): each forward's input
-    /// received from the previous stage and its output sent on, each backward's output
-    /// gradient received from the next stage and its input gradient sent back, through the
-    /// host; each micro-batch's activations kept from its forward to its backward. The last
-    /// stage sums each micro-batch's losses on the device.
-    fn pipeline_tasks(&mut self, (pipe, pp): (&Pipeline, &dyn parallel::Comm), batches: &[RowBuf], (rows, t): (usize, usize), pass: &dyn Fn(usize) -> Pass) {
-        let (p, me, m) = (pipe.sched.p, pipe.rank, pipe.sched.m);
-        let (first, last) = (me == 0, me + 1 == p);
-        let (mut live, mut free): (Vec<Option<model::device::DeviceActs>>, Vec<model::device::DeviceActs>) = ((0..m).map(|_| None).collect(), Vec::new());
-        let width = self.model.stage_width(rows, t);
-        // Messages between stages: activations across boundary `b` (after stage `b`) and, in
-        // backward, their gradient.
-        let tag = |boundary: usize, backward: bool| (2 << 20) + 2 * boundary as u32 + backward as u32;
-        for task in pipe.sched.tasks(me) {
-            let b = &batches[task.mb];
-            if task.forward {
-                if let Some(a) = free.pop() {
-                    self.model.put_activations(a);
-                }
-                if !first {
-                    let mut x = vec![0.0; width];
-                    pp.recv(&mut x, me - 1, tag(me - 1, false));
-                    self.model.set_stage_input(&x, rows, t);
-                }
-                self.model.forward_docs(&b.x, &b.y, b.docs(), rows, t, pass(task.mb));
-                if last {
-                    self.model.loss_sum_into((&self.sums, slot::OPTIM + task.mb), &self.parts, false);
-                } else {
-                    pp.send(&self.model.stage_output(), me + 1, tag(me, false));
-                }
-                live[task.mb] = self.model.take_activations();
-            } else {
-                self.model.put_activations(live[task.mb].take().expect("forward before backward"));
-                if !last {
-                    let mut d = vec![0.0; width];
-                    pp.recv(&mut d, me + 1, tag(me, true));
-                    self.model.set_stage_output_grad(&d);
-                }
-                self.model.backward();
-                if !first {
-                    pp.send(&self.model.stage_input_grad(), me - 1, tag(me - 1, true));
-                }
-                free.extend(self.model.take_activations());
-            }
+    /// Brings the host's copy of the chunk's state up to the device's, when it is older.
+    fn pull(&mut self, gpu: &Gpu, ch: &mut Chunk) {
+        if !self.stale {
+            return;
         }
-        // The model keeps the last micro-batch's activations (its routing statistics).
-        if let Some(a) = free.pop() {
-            self.model.put_activations(a);
+        let w = match self.model.zero().filter(|z| z.stage == 3) {
+            Some(z) => z.spread_shard(gpu, ch.model.layout.total),
+            None => self.model.download_trainable(),
+        };
+        match ch.model.lora.as_mut() {
+            Some(lo) => lo.params.copy_from_slice(&w),
+            None => put_master(ch, &w),
         }
-        if !last {
-            for k in 0..m {
-                self.gpu.write_words(&self.sums, slot::OPTIM + k, &[0]);
-            }
-        }
+        let (m, v) = (gpu.download(&self.m), gpu.download(&self.v));
+        ch.opt.m.copy_from_slice(&m);
+        ch.opt.v.copy_from_slice(&v);
+        self.stale = false;
     }
 }
 
@@ -516,34 +602,61 @@ fn complement(ranges: &[std::ops::Range<usize>], len: usize) -> Vec<std::ops::Ra
     out
 }
 
-impl DeviceRun {
-    /// Brings the host's copy of the state (the chunk's parameters, or LoRA's adapters, and the
-    /// AdamW moments) up to the device's, when it is older: before a checkpoint or the sample.
-    pub fn pull(&mut self, ch: &mut Chunk) {
-        if !self.stale {
-            return;
-        }
-        let w = match self.model.zero().filter(|z| z.stage == 3) {
-            Some(z) => z.spread_shard(&self.gpu, ch.model.layout.total),
-            None => self.model.download_trainable(),
-        };
-        match ch.model.lora.as_mut() {
-            Some(lo) => lo.params.copy_from_slice(&w),
-            None => put_master(ch, &w),
-        }
-        let (m, v) = (self.gpu.download(&self.m), self.gpu.download(&self.v));
-        ch.opt.m.copy_from_slice(&m);
-        ch.opt.v.copy_from_slice(&v);
-        self.stale = false;
-    }
-}
-
 /// Refuses, before anything is allocated on the device, a run whose device plan (parameters,
 /// gradients, AdamW's moments, one micro-batch's activations; under LoRA the frozen base and the
 /// adapters' state) exceeds `memory.device_limit`, or whose largest buffer exceeds the adapter's;
 /// the message gives the plan's figures. Returns the plan and a line of its figures (`kiln
 /// memory --device` prints both).
-pub fn check_plan(gpu: &Gpu, d: DeviceArg, cfg: &RunConfig, (gpt, params): (&model::GptConfig, usize)) -> Result<(model::device::DevicePlan, String)> {
+/// `parts` are the rank's model chunks' configs and parameter counts (an interleaved
+/// pipeline's several).
+pub fn check_plan(gpu: &Gpu, d: DeviceArg, cfg: &RunConfig, parts: &[(&model::GptConfig, usize)]) -> Result<(model::device::DevicePlan, String)> {
+    // A data- or expert-parallel rank's share of each micro-batch, a context-parallel part's
+    // positions of each sequence.
+    let rows = (cfg.micro_batch() / (cfg.parallel.dp * cfg.parallel.ep).max(1)).max(1);
+    let t = cfg.seq_len() / parts[0].0.place.context.map_or(1, |cx| cx.count);
+    let mut what = String::new();
+    let mut p: Option<model::device::DevicePlan> = None;
+    for &part in parts {
+        let (q, w) = part_plan(gpu, cfg, part, (rows, t))?;
+        p = Some(match p {
+            None => {
+                what = w;
+                q
+            }
+            Some(p) => model::device::DevicePlan {
+                params: p.params + q.params,
+                trainable: p.trainable + q.trainable,
+                total_bytes: p.total_bytes + q.total_bytes,
+                largest_bytes: p.largest_bytes.max(q.largest_bytes),
+                activation_bytes: p.activation_bytes.max(q.activation_bytes),
+            },
+        });
+    }
+    let mut p = p.expect("a model chunk");
+    // A pipeline's first stage keeps the most micro-batches' activations in flight (each
+    // chunk's model holds one set).
+    let pc = &cfg.parallel;
+    let sets = match pc.pp {
+        1 => 1,
+        pp => parallel::pp::Schedule::new(pc.schedule, pp, cfg.train.grad_accum, pc.virtual_stages).map_or(1, |s| s.peak_in_flight(0)),
+    };
+    p.total_bytes += (sets as u64).saturating_sub(parts.len() as u64) * p.activation_bytes;
+    let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+    let flight = if sets > 1 { format!(", {sets} micro-batches in flight") } else { String::new() };
+    let chunks = if parts.len() > 1 { format!(" for each of {} model chunks", parts.len()) } else { String::new() };
+    let figures = format!("the run needs {:.1} MiB on the device ({what}{chunks} and the activations of {rows} × {t} tokens{flight}), its largest buffer {:.1} MiB", mib(p.total_bytes), mib(p.largest_bytes));
+    let limit = cfg.device_memory_limit();
+    if limit > 0 && p.total_bytes > limit {
+        return user(format!("train.device = {d}: {figures}: over memory.device_limit = {} ({:.1} MiB)", cfg.memory.device_limit, mib(limit)));
+    }
+    if p.largest_bytes > gpu.info.max_buffer {
+        return user(format!("train.device = {d}: {figures}: over {}'s largest buffer, {:.1} MiB", gpu.info.name, mib(gpu.info.max_buffer)));
+    }
+    Ok((p, figures))
+}
+
+/// One model chunk's device plan at `(rows, t)`, and a line of what its weights are.
+fn part_plan(gpu: &Gpu, cfg: &RunConfig, (gpt, params): (&model::GptConfig, usize), (rows, t): (usize, usize)) -> Result<(model::device::DevicePlan, String)> {
     let (weights, what) = if cfg.lora.rank > 0 {
         let l = &cfg.lora;
         let layout = model::layout::gpt_layout(gpt).0;
@@ -569,27 +682,7 @@ pub fn check_plan(gpu: &Gpu, d: DeviceArg, cfg: &RunConfig, (gpt, params): (&mod
     } else {
         (model::device::Weights::Full { params }, format!("{params} parameters × 4 buffers of fp32 (weights, gradients, AdamW's two moments)"))
     };
-    // A data- or expert-parallel rank's share of each micro-batch.
-    let rows = (cfg.micro_batch() / (cfg.parallel.dp * cfg.parallel.ep).max(1)).max(1);
-    let mut p = model::device::plan(gpu, gpt, weights, (rows, cfg.seq_len()), 2, (cfg.train.precision, cfg.model.recompute, cfg.model.recompute_every));
-    // A pipeline's first stage keeps the most micro-batches' activations in flight.
-    let pc = &cfg.parallel;
-    let sets = match pc.pp {
-        1 => 1,
-        pp => parallel::pp::Schedule::new(pc.schedule, pp, cfg.train.grad_accum, pc.virtual_stages).map_or(1, |s| s.peak_in_flight(0)),
-    };
-    p.total_bytes += (sets as u64).saturating_sub(1) * p.activation_bytes;
-    let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
-    let flight = if sets > 1 { format!(", {sets} micro-batches in flight") } else { String::new() };
-    let figures = format!("the run needs {:.1} MiB on the device ({what} and the activations of {rows} × {} tokens{flight}), its largest buffer {:.1} MiB", mib(p.total_bytes), cfg.seq_len(), mib(p.largest_bytes));
-    let limit = cfg.device_memory_limit();
-    if limit > 0 && p.total_bytes > limit {
-        return user(format!("train.device = {d}: {figures}: over memory.device_limit = {} ({:.1} MiB)", cfg.memory.device_limit, mib(limit)));
-    }
-    if p.largest_bytes > gpu.info.max_buffer {
-        return user(format!("train.device = {d}: {figures}: over {}'s largest buffer, {:.1} MiB", gpu.info.name, mib(gpu.info.max_buffer)));
-    }
-    Ok((p, figures))
+    Ok((model::device::plan(gpu, gpt, weights, (rows, t), 2, (cfg.train.precision, cfg.model.recompute, cfg.model.recompute_every)), what))
 }
 
 /// The chunk's fp32 weights in layout order where its pieces lie (one rank, or ZeRO 0: the

@@ -1522,11 +1522,19 @@ impl<'o, 'a> Block<'o, 'a> {
     fn mlp_forward(&self, k: &BlockKept, i: &mut BlockInner, branch: &mut [f32], full: &mut [f32], proj: bool) -> Option<MoeStats> {
         let ops = self.ops;
         if let (Some(mp), Some(cache)) = (&self.bp.moe, i.moe.as_mut()) {
+            // A tensor-parallel part holds the experts whole and runs the layer on every token
+            // (under sequence parallelism: the sequence gathered, its positions kept after).
             let (cfg, w) = (ops.cfg, self.w);
+            let x = ops.column_input(&k.ln_2, &mut i.ln_2_full);
             let mut ep = ops.ep.borrow_mut();
-            let inp = MoeInputs { x: &k.ln_2, router_w: &w[mp.router.clone()], experts_w: &w[mp.experts.clone()], shared_w: &w[mp.shared.clone()] };
+            let inp = MoeInputs { x, router_w: &w[mp.router.clone()], experts_w: &w[mp.experts.clone()], shared_w: &w[mp.shared.clone()] };
             let loss = MoeLossWeights { aux: cfg.moe_aux_weight, z: cfg.moe_z_weight };
-            return Some(moe_forward(branch, cache, inp, &cfg.moe_dims(ops.b * ops.t), loss, ep.as_deref_mut().map(|h| h as &mut dyn MoeExchange)));
+            let y = if ops.sp() { &mut *full } else { &mut *branch };
+            let stats = moe_forward(y, cache, inp, &cfg.moe_dims(ops.b * ops.t), loss, ep.as_deref_mut().map(|h| h as &mut dyn MoeExchange));
+            if ops.sp() {
+                ops.take_seq(full, branch);
+            }
+            return Some(stats);
         }
         self.linear(Site::Fc).forward_column(&mut i.fch, &k.ln_2, &mut i.ln_2_full);
         ops.act_forward(&mut i.fch_gelu, &i.fch);
@@ -1545,13 +1553,19 @@ impl<'o, 'a> Block<'o, 'a> {
             // The router's losses join the objective with the same scale as the main loss.
             let (cfg, w) = (ops.cfg, self.w);
             let (aux, z) = (cfg.moe_aux_weight * ops.loss_scale, cfg.moe_z_weight * ops.loss_scale);
-            tensor::par::zero(g.dln);
             let (dr, rest_w) = dw[mp.router.start..mp.shared.end].split_at_mut(mp.router.len());
             let (de, ds) = rest_w.split_at_mut(mp.experts.len());
             let mut ep = ops.ep.borrow_mut();
-            let grads = MoeGrads { dx: g.dln, drouter_w: dr, dexperts_w: de, dshared_w: ds };
-            let inp = MoeInputs { x: &k.ln_2, router_w: &w[mp.router.clone()], experts_w: &w[mp.experts.clone()], shared_w: &w[mp.shared.clone()] };
-            moe_backward(grads, dout, cache, inp, &cfg.moe_dims(ops.b * ops.t), MoeLossWeights { aux, z }, ep.as_deref_mut().map(|h| h as &mut dyn MoeExchange));
+            // Under sequence parallelism the whole sequence's (see `mlp_forward`).
+            let (x, dy): (&[f32], &[f32]) = if ops.sp() { (&i.ln_2_full, ops.row_parallel_grad(dout, g.dfull)) } else { (&k.ln_2, dout) };
+            let dx = if ops.sp() { &mut *g.dln_full } else { &mut *g.dln };
+            tensor::par::zero(dx);
+            let grads = MoeGrads { dx, drouter_w: dr, dexperts_w: de, dshared_w: ds };
+            let inp = MoeInputs { x, router_w: &w[mp.router.clone()], experts_w: &w[mp.experts.clone()], shared_w: &w[mp.shared.clone()] };
+            moe_backward(grads, dy, cache, inp, &cfg.moe_dims(ops.b * ops.t), MoeLossWeights { aux, z }, ep.as_deref_mut().map(|h| h as &mut dyn MoeExchange));
+            if ops.sp() {
+                ops.take_seq(g.dln_full, g.dln);
+            }
             return;
         }
         self.linear(Site::MlpProj).backward_row(g.dfch_gelu, g.dfull, dw, dout, &i.fch_gelu);
@@ -1816,6 +1830,16 @@ impl<'a> Ops<'a> {
     /// Sequence parallel: the partial sums in `full` reduce-scattered into this shard's `local`.
     fn scatter_seq(&self, full: &mut [f32], local: &mut [f32], bias: Option<&[f32]>) {
         self.tp.borrow_mut().as_mut().expect("sequence parallel needs tensor-parallel hooks").scatter_seq(full, local, bias, self.b, self.t);
+    }
+
+    /// Sequence parallel: this shard's positions of `full` (`[B, T, C]`, the same on every
+    /// shard) into `local`.
+    fn take_seq(&self, full: &[f32], local: &mut [f32]) {
+        let p = self.cfg.place.seq.expect("sequence parallel").positions(self.t);
+        let c = full.len() / (self.b * self.t);
+        for bi in 0..self.b {
+            local[bi * p.len() * c..(bi + 1) * p.len() * c].copy_from_slice(&full[(bi * self.t + p.start) * c..(bi * self.t + p.end) * c]);
+        }
     }
 
     /// A column-parallel product's input: the norm's output `local` itself, or under sequence

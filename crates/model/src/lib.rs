@@ -20,4 +20,4 @@ pub use generate::{Sampler, KvCache};
 pub use gpt::{BaseQuant, Docs, Gpt, Pass, Precision, Recompute};
 pub use layout::{ParamLayout, ParamSpec, Init};
 pub use placement::Placement;
-pub use units::{Access, CpHooks, Local, TpHooks, UnitStore};
+pub use units::{Access, CpHooks, HeadsBackward, HeadsForward, Local, TpHooks, UnitStore};

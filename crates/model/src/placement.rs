@@ -93,6 +93,40 @@ impl ContextSlice {
         self.chunks(t).into_iter().flat_map(|(p0, len)| p0..p0 + len).collect()
     }
 
+    /// This part's chunks as spans of its `[B, T/count, ·]` buffers (a length-`t` sequence).
+    pub fn spans(&self, t: usize) -> Vec<tensor::flash::Span> {
+        let tl = t / self.count;
+        let mut row0 = 0;
+        self.chunks(t)
+            .into_iter()
+            .map(|(pos0, len)| {
+                let s = tensor::flash::Span { rows: tl, row0, len, pos0 };
+                row0 += len;
+                s
+            })
+            .collect()
+    }
+
+    /// The blocks of ring attention's step `s` on this part: its query chunks against the
+    /// chunks of part `index − s`, those no query can see left out (keys after the chunk, or
+    /// wholly before its sliding window, unless attention sinks may reach them); on the own step
+    /// each chunk's diagonal block first (it starts the softmax's state).
+    pub fn ring_blocks(&self, s: usize, t: usize, (window, sinks): (usize, usize)) -> Vec<(tensor::flash::Span, tensor::flash::Span)> {
+        let (r, n) = (self.index, self.count);
+        let owner = ContextSlice { index: (r + n - s) % n, ..*self };
+        let mut v = Vec::new();
+        for q in self.spans(t) {
+            for k in owner.spans(t) {
+                let before_window = window > 0 && sinks == 0 && k.pos0 + k.len + window <= q.pos0 + 1;
+                if k.pos0 < q.pos0 + q.len && !before_window {
+                    v.push((q, k));
+                }
+            }
+        }
+        v.sort_by_key(|(q, k)| q != k);
+        v
+    }
+
     /// This part's rows of `x` (`[B, T]` per-token values): `[B, T/count]`.
     pub fn rows<X: Copy>(&self, x: &[X], b: usize, t: usize) -> Vec<X> {
         assert_eq!(x.len(), b * t);

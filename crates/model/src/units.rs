@@ -103,4 +103,44 @@ pub trait CpHooks: Send {
     /// forward's `qkv`, `out` and `state`.
     #[allow(clippy::too_many_arguments)] // the flash backward's, plus the documents
     fn attention_backward(&mut self, dqkv: &mut [f32], dout: &[f32], qkv: &[f32], out: &[f32], state: &[f32], dims: &GqaDims, starts: &[u32], dropout: AttnDropout);
+    /// Whether the part's attention is a ring ([`crate::placement::ContextSlice::ring_blocks`]):
+    /// then a model that runs the blocks with kernels of its own (a device's) moves the keys and
+    /// values through [`CpHooks::send_next`] and [`CpHooks::recv_prev`] instead.
+    fn is_ring(&self) -> bool;
+    /// Ring attention's exchange: `x` to the next part of the group (its keys and values, or
+    /// with `backward` their gradients' accumulator). Buffered: it does not wait.
+    fn send_next(&mut self, x: &[f32], backward: bool);
+    /// The previous part's [`CpHooks::send_next`] into `x` (of the same length).
+    fn recv_prev(&mut self, x: &mut [f32], backward: bool);
+    /// [`CpHooks::attention_forward`] of a part that is not a ring (Ulysses) with the caller's
+    /// attention kernel (a device's): the exchanges around `attend`, which computes the
+    /// whole-sequence attention of this part's heads ([`HeadsForward`]).
+    fn heads_forward(&mut self, out: &mut [f32], state: &mut [f32], qkv: &[f32], dims: &GqaDims, starts: &[u32], attend: &mut dyn FnMut(HeadsForward));
+    /// [`CpHooks::attention_backward`] likewise, `attend` the kernel's backward
+    /// ([`HeadsBackward`]).
+    #[allow(clippy::too_many_arguments)] // attention_backward's, and the kernel
+    fn heads_backward(&mut self, dqkv: &mut [f32], dout: &[f32], qkv: &[f32], out: &[f32], state: &[f32], dims: &GqaDims, starts: &[u32], attend: &mut dyn FnMut(HeadsBackward));
+}
+
+/// The whole-sequence attention of a Ulysses part's heads: `out` (`[B, T, hq·HS]`) and `lse`
+/// (`[B·hq, T]`) from `qkv` (`[B, T, (hq + 2·hkv)·HS]`), under `dims` (the part's heads, every
+/// position; dropout by whole-model head) and `starts` (`[B, T]`, or empty).
+pub struct HeadsForward<'a> {
+    pub out: &'a mut [f32],
+    pub lse: &'a mut [f32],
+    pub qkv: &'a [f32],
+    pub dims: GqaDims,
+    pub starts: &'a [u32],
+}
+
+/// The backward of [`HeadsForward`]: accumulates into `dqkv` from `dout`, given the forward's
+/// `qkv` and `lse` and FlashAttention-2's `d` (`[B·hq, T]`).
+pub struct HeadsBackward<'a> {
+    pub dqkv: &'a mut [f32],
+    pub dout: &'a [f32],
+    pub qkv: &'a [f32],
+    pub lse: &'a [f32],
+    pub d: &'a [f32],
+    pub dims: GqaDims,
+    pub starts: &'a [u32],
 }

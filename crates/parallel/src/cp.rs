@@ -26,7 +26,7 @@
 
 use crate::comm::Comm;
 use model::config::ContextSlice;
-use model::CpHooks;
+use model::{CpHooks, HeadsBackward, HeadsForward};
 use plan::policy::CpMode;
 use std::cell::Cell;
 use std::ops::Range;
@@ -34,7 +34,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::Instant;
 use tensor::attention::AttnDropout;
-use tensor::flash::{flash_d, flash_gqa_block_backward, flash_gqa_block_forward, flash_gqa_forward_docs, Block, Span};
+use tensor::flash::{flash_d, flash_gqa_block_backward, flash_gqa_block_forward, flash_gqa_forward_docs, pack_kv, unpack_kv_add, Block, Span};
 use tensor::llama::GqaDims;
 
 /// What this thread's context-parallel attention did since the last [`take_times`]: seconds
@@ -119,40 +119,11 @@ impl CpComm {
         ContextSlice { index: r, ..self.slice }
     }
 
-    /// Rank `r`'s chunks as spans of its `[B, tl, ·]` buffers.
-    fn spans(&self, r: usize, t: usize) -> Vec<Span> {
-        let tl = t / self.slice.count;
-        let mut row0 = 0;
-        self.of(r)
-            .chunks(t)
-            .into_iter()
-            .map(|(pos0, len)| {
-                let s = Span { rows: tl, row0, len, pos0 };
-                row0 += len;
-                s
-            })
-            .collect()
-    }
-
-    /// The blocks of ring step `s` on this rank: its query chunks against the chunks of rank
-    /// `r − s`, those no query can see left out (keys after the chunk, or wholly before its
-    /// sliding window); on the own step each chunk's diagonal block first (it starts the state).
+    /// The blocks of ring step `s` on this rank ([`ContextSlice::ring_blocks`]), counted.
     fn ring_blocks(&self, s: usize, t: usize, window: usize, sinks: usize) -> Vec<(Span, Span)> {
-        let (r, n) = (self.slice.index, self.slice.count);
-        let owner = (r + n - s) % n;
-        let mut v = Vec::new();
-        for q in self.spans(r, t) {
-            for k in self.spans(owner, t) {
-                // (With attention sinks a far block may hold a document's first keys: the
-                // kernel skips its invisible tiles instead.)
-                let before_window = window > 0 && sinks == 0 && k.pos0 + k.len + window <= q.pos0 + 1;
-                if k.pos0 < q.pos0 + q.len && !before_window {
-                    v.push((q, k));
-                }
-            }
-        }
-        v.sort_by_key(|(q, k)| q != k);
-        let all = self.spans(r, t).len() * self.spans(owner, t).len();
+        let v = self.slice.ring_blocks(s, t, (window, sinks));
+        let owner = self.of((self.slice.index + self.slice.count - s) % self.slice.count);
+        let all = self.slice.spans(t).len() * owner.spans(t).len();
         add_times(|x| (x.blocks, x.skipped) = (x.blocks + v.len() as u64, x.skipped + (all - v.len()) as u64));
         v
     }
@@ -321,21 +292,23 @@ impl CpComm {
         self.place_rows(&all, b, tl, 1).into_iter().map(|s| s as u32).collect()
     }
 
-    fn ulysses_forward(&mut self, out: &mut [f32], lse: &mut [f32], qkv: &[f32], dims: &GqaDims, starts: &[u32], dropout: AttnDropout) {
+    /// Ulysses' forward, `attend` the whole-sequence kernel over this rank's heads.
+    fn ulysses_forward(&mut self, out: &mut [f32], lse: &mut [f32], qkv: &[f32], dims: &GqaDims, starts: &[u32], attend: &mut dyn FnMut(HeadsForward)) {
         let (b, tl, hs) = (dims.b, dims.t, dims.hs);
         let hd = self.head_dims(dims);
         let qkv_h = self.seq_to_heads(qkv, b, tl, &|c| self.qkv_cols(dims, c));
         let starts_h = if starts.is_empty() { Vec::new() } else { self.all_starts(starts, b, tl) };
         let mut out_h = vec![0.0; b * hd.t * hd.nh * hs];
         add_times(|x| x.pairs += visible_pairs(&hd, tensor::flash::Span::whole(hd.t), tensor::flash::Span::whole(hd.t), &starts_h));
-        compute(|| flash_gqa_forward_docs(&mut out_h, lse, &qkv_h, &hd, &starts_h, dropout));
+        compute(|| attend(HeadsForward { out: &mut out_h, lse, qkv: &qkv_h, dims: hd, starts: &starts_h }));
         drop((qkv_h, starts_h));
         out.fill(0.0);
         self.heads_to_seq_add(&out_h, out, b, tl, &|c| self.q_cols(dims, c));
     }
 
+    /// Ulysses' backward, `attend` the whole-sequence kernel's backward over this rank's heads.
     #[allow(clippy::too_many_arguments)] // CpHooks::attention_backward's
-    fn ulysses_backward(&mut self, dqkv: &mut [f32], dout: &[f32], qkv: &[f32], out: &[f32], lse: &[f32], dims: &GqaDims, starts: &[u32], dropout: AttnDropout) {
+    fn ulysses_backward(&mut self, dqkv: &mut [f32], dout: &[f32], qkv: &[f32], out: &[f32], lse: &[f32], dims: &GqaDims, starts: &[u32], attend: &mut dyn FnMut(HeadsBackward)) {
         let (b, tl, nh) = (dims.b, dims.t, dims.nh);
         let hd = self.head_dims(dims);
         let qkv_h = self.seq_to_heads(qkv, b, tl, &|c| self.qkv_cols(dims, c));
@@ -365,7 +338,7 @@ impl CpComm {
         drop((d, d_rows, d_h_rows));
         let starts_h = if starts.is_empty() { Vec::new() } else { self.all_starts(starts, b, tl) };
         let mut dqkv_h = vec![0.0; qkv_h.len()];
-        compute(|| flash_gqa_block_backward(&mut dqkv_h, None, &dout_h, lse, &d_h, &Block::whole(&qkv_h, &hd, &starts_h), &hd, dropout));
+        compute(|| attend(HeadsBackward { dqkv: &mut dqkv_h, dout: &dout_h, qkv: &qkv_h, lse, d: &d_h, dims: hd, starts: &starts_h }));
         // Only the gradient travels back: the rest is freed first (the plan counts the peak).
         drop((qkv_h, dout_h, d_h, starts_h));
         self.heads_to_seq_add(&dqkv_h, dqkv, b, tl, &|c| self.qkv_cols(dims, c));
@@ -389,27 +362,12 @@ fn visible_pairs(dims: &GqaDims, q: Span, k: Span, starts: &[u32]) -> u64 {
     n * dims.nh as u64
 }
 
-/// The k|v columns of every row of `qkv` (`[B, t, W]`): `[B, t, 2·NKV·HS]`.
-fn pack_kv(qkv: &[f32], dims: &GqaDims) -> Vec<f32> {
-    let (w, k0) = (dims.qkv_width(), dims.nh * dims.hs);
-    qkv.chunks(w).flat_map(|row| row[k0..].iter().copied()).collect()
-}
-
-/// `dqkv`'s k|v columns `+= dkv` (`[B, t, 2·NKV·HS]`).
-fn unpack_kv_add(dqkv: &mut [f32], dkv: &[f32], dims: &GqaDims) {
-    let (w, k0) = (dims.qkv_width(), dims.nh * dims.hs);
-    let kw = w - k0;
-    for (row, g) in dqkv.chunks_mut(w).zip(dkv.chunks(kw)) {
-        row[k0..].iter_mut().zip(g).for_each(|(a, b)| *a += b);
-    }
-}
-
 impl CpHooks for CpComm {
     fn attention_forward(&mut self, out: &mut [f32], state: &mut [f32], qkv: &[f32], dims: &GqaDims, starts: &[u32], dropout: AttnDropout) {
         let _p = tensor::profile::scope("cp attention forward");
         match self.mode {
             CpMode::Ring => self.ring_forward(out, state, qkv, dims, starts, dropout),
-            CpMode::Ulysses => self.ulysses_forward(out, state, qkv, dims, starts, dropout),
+            CpMode::Ulysses => self.ulysses_forward(out, state, qkv, dims, starts, &mut |h| flash_gqa_forward_docs(h.out, h.lse, h.qkv, &h.dims, h.starts, dropout)),
         }
     }
 
@@ -417,8 +375,34 @@ impl CpHooks for CpComm {
         let _p = tensor::profile::scope("cp attention backward");
         match self.mode {
             CpMode::Ring => self.ring_backward(dqkv, dout, qkv, out, state, dims, starts, dropout),
-            CpMode::Ulysses => self.ulysses_backward(dqkv, dout, qkv, out, state, dims, starts, dropout),
+            CpMode::Ulysses => self.ulysses_backward(dqkv, dout, qkv, out, state, dims, starts, &mut |h| {
+                flash_gqa_block_backward(h.dqkv, None, h.dout, h.lse, h.d, &Block::whole(h.qkv, &h.dims, h.starts), &h.dims, dropout)
+            }),
         }
+    }
+
+    fn is_ring(&self) -> bool {
+        self.mode == CpMode::Ring
+    }
+
+    fn heads_forward(&mut self, out: &mut [f32], state: &mut [f32], qkv: &[f32], dims: &GqaDims, starts: &[u32], attend: &mut dyn FnMut(HeadsForward)) {
+        assert_eq!(self.mode, CpMode::Ulysses, "a ring's blocks are the caller's");
+        self.ulysses_forward(out, state, qkv, dims, starts, attend);
+    }
+
+    fn heads_backward(&mut self, dqkv: &mut [f32], dout: &[f32], qkv: &[f32], out: &[f32], state: &[f32], dims: &GqaDims, starts: &[u32], attend: &mut dyn FnMut(HeadsBackward)) {
+        assert_eq!(self.mode, CpMode::Ulysses, "a ring's blocks are the caller's");
+        self.ulysses_backward(dqkv, dout, qkv, out, state, dims, starts, attend);
+    }
+
+    fn send_next(&mut self, x: &[f32], backward: bool) {
+        let (r, n) = (self.slice.index, self.slice.count);
+        self.comm.send(x, (r + 1) % n, if backward { TAG_DKV } else { TAG_KV });
+    }
+
+    fn recv_prev(&mut self, x: &mut [f32], backward: bool) {
+        let (r, n) = (self.slice.index, self.slice.count);
+        wait(|| self.comm.recv(x, (r + n - 1) % n, if backward { TAG_DKV } else { TAG_KV }));
     }
 }
 

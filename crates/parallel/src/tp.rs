@@ -23,7 +23,10 @@
 //! lookups are summed (`g`), the head's logits stay split, and the loss combines per-row
 //! log-sum-exps across ranks (`tensor::classifier::lm_head_crossentropy_vocab_parallel`), so
 //! no rank ever holds `[N, V]` logits. Not split: mixture-of-experts layers (expert
-//! parallelism's job).
+//! parallelism's job): every rank holds the router and experts whole and runs the layer on
+//! every token (under sequence parallelism the sequence gathered first and the rank's positions
+//! kept after), so their gradients are the same on every rank (replicated), and the routing
+//! statistics are the data-parallel group's, as without tensor parallelism.
 
 use crate::comm::Comm;
 use model::layout::ParamLayout;
@@ -81,11 +84,10 @@ pub fn split_of(name: &str) -> Split {
 pub fn local_config(cfg: &GptConfig, tp: usize, rank: usize, sequence_parallel: bool) -> Result<GptConfig, String> {
     assert!(cfg.place.heads.is_none(), "local_config of a shard");
     assert!(rank < tp);
-    if cfg.is_moe() {
-        return Err(format!("parallel.tp = {tp}: tensor parallelism does not split mixture-of-experts layers (model.n_expert = {}); that is expert parallelism", cfg.n_expert));
-    }
-    for (key, v) in [("model.n_head", cfg.n_head), ("model.n_kv_head", cfg.n_kv_head), ("model.ffn_hidden", cfg.ffn_hidden)] {
-        if v % tp != 0 {
+    // Mixture-of-experts layers are not split: their experts are whole on every rank.
+    let ffn = if cfg.is_moe() { 1 } else { tp };
+    for (key, v, by) in [("model.n_head", cfg.n_head, tp), ("model.n_kv_head", cfg.n_kv_head, tp), ("model.ffn_hidden", cfg.ffn_hidden, ffn)] {
+        if v % by != 0 {
             return Err(format!("parallel.tp = {tp} does not divide {key} = {v}"));
         }
     }
@@ -94,7 +96,7 @@ pub fn local_config(cfg: &GptConfig, tp: usize, rank: usize, sequence_parallel: 
     place.heads = Some(Part { first: rank * heads, total: cfg.n_head });
     place.vocab = Some(Part { first: rank * vocab, total: vocab * tp });
     place.seq = sequence_parallel.then_some(SeqSlice { index: rank, count: tp });
-    Ok(GptConfig { n_head: heads, n_kv_head: cfg.n_kv_head / tp, ffn_hidden: cfg.ffn_hidden / tp, vocab_size: vocab, place, ..cfg.clone() })
+    Ok(GptConfig { n_head: heads, n_kv_head: cfg.n_kv_head / tp, ffn_hidden: cfg.ffn_hidden / ffn, vocab_size: vocab, place, ..cfg.clone() })
 }
 
 /// Rows × columns of a parameter (a vector is one column).

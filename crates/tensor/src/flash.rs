@@ -263,6 +263,23 @@ impl Span {
     }
 }
 
+/// The k|v columns of every row of `qkv` (`[B, t, W]`): `[B, t, 2·NKV·HS]`, the keys and
+/// values a context-parallel ring passes around ([`Block`]'s `kv` with `kc = 0`,
+/// `vc = NKV·HS`).
+pub fn pack_kv(qkv: &[f32], dims: &GqaDims) -> Vec<f32> {
+    let (w, k0) = (dims.qkv_width(), dims.nh * dims.hs);
+    qkv.chunks(w).flat_map(|row| row[k0..].iter().copied()).collect()
+}
+
+/// `dqkv`'s k|v columns `+= dkv` (`[B, t, 2·NKV·HS]`, [`pack_kv`]'s layout).
+pub fn unpack_kv_add(dqkv: &mut [f32], dkv: &[f32], dims: &GqaDims) {
+    let (w, k0) = (dims.qkv_width(), dims.nh * dims.hs);
+    let kw = w - k0;
+    for (row, g) in dqkv.chunks_mut(w).zip(dkv.chunks(kw)) {
+        row[k0..].iter_mut().zip(g).for_each(|(a, b)| *a += b);
+    }
+}
+
 /// A block of causal attention, for context parallelism: the queries of `q` (rows of a
 /// `[B, q.rows, W]` qkv buffer, `W = (NH + 2·NKV)·HS`, query head `h` at columns `h·HS`) against
 /// the keys and values of `k` (rows of `kv`, `[B, k.rows, kw]`, kv head `g`'s key at columns

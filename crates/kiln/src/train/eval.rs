@@ -58,25 +58,29 @@ pub fn eval_sums_on_device(m: &mut model::device::DeviceGpt, split: &Split, eb: 
     })
 }
 
-/// [`eval_sums_pipeline`] on a device, one stage per rank: each batch runs forward through
-/// the stages in turn, the activations sent on through the host; the last stage's ranks alone
-/// return a nonzero sum.
+/// [`eval_sums_pipeline`] on a device, the rank's model chunks in `models` (chunk `c` virtual
+/// stage `c·P + me`): each batch runs forward through the virtual stages in turn, the
+/// activations sent on through the host; the last stage's ranks alone return a nonzero sum.
 #[cfg(feature = "vulkan")]
-pub fn eval_sums_pipeline_on_device(m: &mut model::device::DeviceGpt, pp: &dyn Comm, me: usize, split: &Split, eb: EvalBatches) -> (f64, usize) {
-    let (p, batch, t) = (pp.size(), eb.batch, eb.t);
-    let width = m.stage_width(batch, t);
+pub fn eval_sums_pipeline_on_device(models: &mut [&mut model::device::DeviceGpt], pp: &dyn Comm, me: usize, split: &Split, eb: EvalBatches) -> (f64, usize) {
+    let (p, v, batch, t) = (pp.size(), models.len(), eb.batch, eb.t);
     eval_batches(split, eb, |b| {
-        if me > 0 {
-            let mut x = vec![0.0; width];
-            pp.recv(&mut x, me - 1, (1 << 20) + me as u32);
-            m.set_stage_input(&x, batch, t);
+        let (mut sum, mut count) = (0.0, 0);
+        for vs in (0..p * v).filter(|vs| vs % p == me) {
+            let m = &mut *models[vs / p];
+            if vs > 0 {
+                let mut x = vec![0.0; m.stage_width(batch, t)];
+                pp.recv(&mut x, (vs - 1) % p, (1 << 20) + vs as u32);
+                m.set_stage_input(&x, batch, t);
+            }
+            count = m.forward_docs(&b.x, &b.y, b.docs(), batch, t, Pass::Eval);
+            if vs + 1 < p * v {
+                pp.send(&m.stage_output(), (vs + 1) % p, (1 << 20) + vs as u32 + 1);
+            } else {
+                sum = m.losses().iter().map(|&l| l as f64).sum::<f64>();
+            }
         }
-        let count = m.forward_docs(&b.x, &b.y, b.docs(), batch, t, Pass::Eval);
-        if me + 1 < p {
-            pp.send(&m.stage_output(), me + 1, (1 << 20) + me as u32 + 1);
-            return (0.0, count);
-        }
-        (m.losses().iter().map(|&l| l as f64).sum::<f64>(), count)
+        (sum, count)
     })
 }
 

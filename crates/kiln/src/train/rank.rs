@@ -187,7 +187,7 @@ impl<'a> Rank<'a> {
         let device = match cfg.train.device.parse::<crate::device::DeviceArg>().map_err(KilnError::User)? {
             crate::device::DeviceArg::Cpu => None,
             // Each rank its own device: rank r takes device N + r (modulo the devices found).
-            d => Some(crate::device_step::DeviceRun::new(crate::device::for_rank(d, rank), cfg, &mut chunks[0])?),
+            d => Some(crate::device_step::DeviceRun::new(crate::device::for_rank(d, rank), cfg, &mut chunks)?),
         };
         // A device's MFU is against the device's measured matmul peak.
         #[cfg(feature = "vulkan")]
@@ -243,7 +243,7 @@ impl<'a> Rank<'a> {
     pub fn pull_from_device(&mut self) {
         #[cfg(feature = "vulkan")]
         if let Some(d) = self.device.as_mut() {
-            d.pull(&mut self.chunks[0]);
+            d.pull(&mut self.chunks);
         }
     }
 
@@ -397,7 +397,7 @@ impl<'a> Rank<'a> {
             };
             #[cfg(feature = "vulkan")]
             if let Some(d) = self.device.as_mut() {
-                d.step(&mut self.chunks[0], cfg, self.step, rows, fill, |loss, _| faults.spike(loss), &pipe)?
+                d.step(&mut self.chunks, cfg, self.step, rows, fill, |loss, _| faults.spike(loss), &pipe)?
             } else {
                 train_step(&mut self.chunks, &mut pipe, cfg, self.step, fill, |loss, _| faults.spike(loss))
             }
@@ -559,14 +559,15 @@ impl<'a> Rank<'a> {
             let (mut sum, mut count) = (0.0, 0);
             let (pp, me) = (&*groups.pp, groups.pp_rank);
             for s in &self.ds.sources {
-                let (a, b) = d.with_hooks(&mut self.chunks[0], |m| match ppn {
-                    1 => super::eval::eval_sums_on_device(m, &s.val, batches),
-                    _ => super::eval::eval_sums_pipeline_on_device(m, pp, me, &s.val, batches),
+                let (a, b) = d.with_hooks(&mut self.chunks, |models| match ppn {
+                    1 => super::eval::eval_sums_on_device(models[0], &s.val, batches),
+                    _ => super::eval::eval_sums_pipeline_on_device(models, pp, me, &s.val, batches),
                 });
                 (sum, count) = (sum + a, count + b);
             }
-            // Data parallel: each rank evaluated its share of the batches.
-            if dpn > 1 {
+            // Data parallel: each rank evaluated its share of the batches (and a
+            // context-parallel part its positions of them): summed over the store's group.
+            if self.chunks[0].dp.n() > 1 {
                 let all = self.chunks[0].dp.all_reduce_f64(&[sum, count as f64]);
                 (sum, count) = (all[0], all[1] as usize);
             }

@@ -282,7 +282,7 @@ fn the_gpu_check_script_runs_dry_on_the_vulkan_device() {
     let sc = &v["shakespeare_char"];
     assert!(sc["fp32_vs_cpu_max_rel"].as_f64().unwrap() <= 1e-4 && sc["runs"]["dev-bf16"]["steps"] == 10, "{sc:#}");
     assert!(v["gpt2_kiln"]["tokens_per_sec"].as_f64().unwrap() > 0.0, "{v:#}");
-    for layout in ["dp2-zero3", "tp2-sp", "pp2-1f1b"] {
+    for layout in ["dp2-zero3", "tp2-sp", "pp2-1f1b", "cp2-ring"] {
         assert_eq!(v["layouts_on_one_device"][layout]["within_1e-4"], true, "{layout}: {v:#}");
     }
     // PyTorch is reported, or reported absent.
@@ -374,14 +374,20 @@ fn continues_on_the_cpu(run: &Run, (preset, one): (&str, &Path), out: &Path, lay
 /// Tensor parallelism on devices (Megatron's heads, MLP columns and vocabulary rows per part,
 /// the partial sums staged through the host): `llama-tiny` at tp 2, with and without sequence
 /// parallelism, reproduces one device over 20 steps, GPT-2's `shakespeare-char` (biases, a tied
-/// head, attention dropout by whole-model head) with sequence parallelism over 10; dp2 × tp2 on
+/// head, attention dropout by whole-model head) and dropless `moe-tiny` (its experts whole on
+/// every part, the layer over the gathered sequence) with sequence parallelism over 10; dp2 × tp2 on
 /// four devices too, and its step-10 checkpoint continues at dp 1 on the CPU with the
 /// one-device losses; so does ZeRO-3 over dp 2 of tp-2 parts with sequence parallelism.
 #[test]
 fn tensor_parallel_on_devices_reproduces_one_device() {
     let dir = scratch("device-tp");
     let run = |preset: &str, out: &Path, steps: u64, device: &str, layout: &[&str], resume: bool| train_layout(out, (preset, steps), device, layout, resume);
-    let cases: [(&str, u64, &[&[&str]]); 2] = [("llama-tiny", 20, &[&["--tp", "2"], &["--tp", "2", "--sequence-parallel"]]), ("shakespeare-char", 10, &[&["--tp", "2", "--sequence-parallel"]])];
+    #[rustfmt::skip]
+    let cases: [(&str, u64, &[&[&str]]); 3] = [
+        ("llama-tiny", 20, &[&["--tp", "2"], &["--tp", "2", "--sequence-parallel"]]),
+        ("shakespeare-char", 10, &[&["--tp", "2", "--sequence-parallel"]]),
+        ("moe-tiny", 10, &[&["--tp", "2", "--sequence-parallel"]]),
+    ];
     for (preset, steps, layouts) in cases {
         let one = dir.join(format!("{preset}-one"));
         run(preset, &one, steps, "vulkan", &[], false);
@@ -409,11 +415,10 @@ fn tensor_parallel_on_devices_reproduces_one_device() {
 /// under 1F1B reproduces one device over 20 steps, dropless `moe-tiny` under 1F1B and GPT-2's
 /// `shakespeare-char` (its head tied to the first stage's embedding) under GPipe over 10; tp2 ×
 /// pp2 on four devices too, whose step-10 checkpoint continues at dp 1 on the CPU, and pp2 ×
-/// dp2 under ZeRO-3. Interleaved schedules on devices are refused by name.
+/// dp2 under ZeRO-3; and interleaved 1F1B, two model chunks a rank.
 #[test]
 fn pipeline_parallel_on_devices_reproduces_one_device() {
     let dir = scratch("device-pp");
-    let data = fixture("data/tinyshakespeare.txt");
     let run = |preset: &str, out: &Path, steps: u64, device: &str, layout: &[&str], resume: bool| train_layout(out, (preset, steps), device, &[layout, &["--set", "train.grad_accum=4"]].concat(), resume);
     for (preset, steps, schedule) in [("llama-tiny", 20, "1f1b"), ("moe-tiny", 10, "1f1b"), ("shakespeare-char", 10, "gpipe")] {
         let (one, two) = (dir.join(format!("{preset}-one")), dir.join(format!("{preset}-pp2")));
@@ -432,9 +437,21 @@ fn pipeline_parallel_on_devices_reproduces_one_device() {
     run("shakespeare-char", &sharded, 10, "vulkan", &[&eight[..], &["--pp", "2", "--dp", "2", "--zero", "3"]].concat(), false);
     let e = worst(&losses(&one), &losses(&sharded), 1..=10);
     assert!(e <= 1e-5, "pp2 × dp2 ZeRO-3 on four devices differs from one device by {e:e}");
-    let o = kiln(&["train", "--preset", "llama-tiny", "--data", data.to_str().unwrap(), "--out", dir.join("interleaved").to_str().unwrap(), "--device", "vulkan", "--pp", "2", "--schedule", "interleaved", "--virtual", "2", "--set", "train.grad_accum=2", "--max-steps", "1"]);
-    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
-    assert!(stderr(&o).contains("interleaved pipeline schedules (parallel.virtual_stages = 2) do not run on devices yet"), "{}", stderr(&o));
+    // Interleaved 1F1B: two model chunks a rank on its one device (four virtual stages of a
+    // four-layer model), GPT-2's tied head on the last virtual stage; the interleaved run's
+    // step-10 checkpoint continues at dp 1 on the CPU.
+    let four = ["--set", "model.n_layer=4"];
+    let interleaved = [&four[..], &["--pp", "2", "--schedule", "interleaved", "--virtual", "2"]].concat();
+    for (preset, steps) in [("llama-tiny", 13), ("shakespeare-char", 10)] {
+        let (one, int) = (dir.join(format!("{preset}-4-one")), dir.join(format!("{preset}-interleaved")));
+        run(preset, &one, steps, "vulkan", &four, false);
+        run(preset, &int, 10, "vulkan", &interleaved, false);
+        if steps > 10 {
+            run(preset, &int, steps, "cpu", &four, true);
+        }
+        let e = worst(&losses(&one), &losses(&int), 1..=steps);
+        assert!(e <= 1e-5, "{preset}: pp2 interleaved (two chunks a rank) on two devices differs from one device by {e:e}");
+    }
 }
 
 /// Expert parallelism on devices (each rank holds half of `moe-tiny`'s routed experts and routes
@@ -481,23 +498,75 @@ fn expert_parallel_on_devices_reproduces_one_device() {
     assert!(e <= 1e-5 && dropped.values().any(|&d| d > 0.0), "ep2 with capacity on devices against the CPU: {e:e}, dropped {dropped:?}");
 }
 
+/// Context parallelism on devices as a ring (each rank holds its zig-zag chunks of every
+/// sequence; the keys and values pass around the ring through the host while the device's block
+/// kernels attend each query chunk to them, merging through the running log-sum-exp, and again
+/// with their gradients' accumulator in backward): `llama-tiny` at cp 2 reproduces one device
+/// over 20 steps with its validation losses, dropless `moe-tiny` over 10, GPT-2's
+/// `shakespeare-char` (its position table read at global positions) and `llama-tiny` in one
+/// contiguous chunk each, with a sliding window over packed documents, over 6; dp2 × cp2,
+/// tp2 × cp2 and pp2 × cp2 on four devices over 4 too, and the cp-2 run's step-10 checkpoint continues
+/// at dp 1 on the CPU. Ulysses (`--cp-mode ulysses`) too: `llama-tiny` over 6 steps, GPT-2
+/// over packed documents over 4.
+#[test]
+fn context_parallel_on_devices_reproduces_one_device() {
+    let dir = scratch("device-cp");
+    let run = |preset: &str, out: &Path, steps: u64, device: &str, layout: &[&str], resume: bool| train_layout(out, (preset, steps), device, layout, resume);
+    let same = |preset: &str, steps: u64, base: &[&str], layout: &[&str]| {
+        let name = format!("{preset}-{}", [base, layout].concat().join(""));
+        let (one, parted) = (dir.join(format!("{name}-one")), dir.join(&name));
+        run(preset, &one, steps, "vulkan", base, false);
+        run(preset, &parted, steps, "vulkan", &[base, layout].concat(), false);
+        let e = worst(&losses(&one), &losses(&parted), 1..=steps);
+        assert!(e <= 1e-5, "{preset} {base:?} {layout:?} on devices differs from one device by {e:e}");
+        (one, parted)
+    };
+    let mut llama = dir.join("unset");
+    for (preset, steps) in [("llama-tiny", 20), ("moe-tiny", 10)] {
+        let (one, two) = same(preset, steps, &[], &["--cp", "2"]);
+        let (v1, v2) = (lines(&one, "eval", "val_loss"), lines(&two, "eval", "val_loss"));
+        assert!(!v2.is_empty() && worst(&v1, &v2, 10..=10) <= 1e-5, "{preset} cp2: validation {v2:?} against {v1:?}");
+        if preset == "llama-tiny" {
+            llama = one;
+        }
+    }
+    same("shakespeare-char", 6, &[], &["--cp", "2"]);
+    same("llama-tiny", 6, &["--set", "model.sliding_window=20", "--set", "data.packing=documents"], &["--cp", "2", "--cp-balance", "none"]);
+    same("llama-tiny", 4, &["--set", "train.batch_size=8"], &["--cp", "2", "--dp", "2"]);
+    same("llama-tiny", 4, &[], &["--cp", "2", "--tp", "2"]);
+    same("llama-tiny", 4, &["--set", "train.grad_accum=2"], &["--cp", "2", "--pp", "2"]);
+    continues_on_the_cpu(&run, ("llama-tiny", &llama), &dir.join("cp2-then-cpu"), &["--cp", "2"]);
+    // Ulysses: the all-to-alls through the host around the device's whole-sequence kernel
+    // over each rank's heads.
+    same("llama-tiny", 6, &[], &["--cp", "2", "--cp-mode", "ulysses"]);
+    same("shakespeare-char", 4, &["--set", "data.packing=documents"], &["--cp", "2", "--cp-mode", "ulysses"]);
+}
+
 /// `mpirun -n 2 kiln train --backend mpi --device vulkan`: one process per rank, each on its own
 /// device, gives what two in-process ranks on devices give, under data parallelism, tensor
-/// parallelism with sequence parallelism (its hooks over MPI, staged through the host) and a
-/// two-stage pipeline.
+/// parallelism with sequence parallelism (its hooks over MPI, staged through the host), a
+/// two-stage pipeline, expert parallelism (`moe-tiny`) and a context-parallel ring.
 #[cfg(feature = "mpi")]
 #[test]
 fn mpi_processes_on_devices_match_in_process_ranks() {
     let dir = scratch("device-mpi");
     let data = fixture("data/tinyshakespeare.txt");
-    let common = ["--preset", "llama-tiny", "--data", data.to_str().unwrap(), "--max-steps", "6", "--device", "vulkan", "--quiet", "--set", "train.batch_size=4", "--set", "model.block_size=64", "--set", "model.dropout=0.1", "--set", "model.ffn_hidden=344", "--set", "train.log_interval=1", "--set", "eval.interval=0", "--set", "eval.iters=2", "--set", "sample.tokens=0"];
-    for (name, layout) in [("dp", &["--dp", "2"][..]), ("tp", &["--tp", "2", "--sequence-parallel"][..]), ("pp", &["--pp", "2", "--set", "train.grad_accum=2"][..])] {
+    let common = ["--data", data.to_str().unwrap(), "--max-steps", "6", "--device", "vulkan", "--quiet", "--set", "train.batch_size=4", "--set", "model.block_size=64", "--set", "model.dropout=0.1", "--set", "model.ffn_hidden=344", "--set", "train.log_interval=1", "--set", "eval.interval=0", "--set", "eval.iters=2", "--set", "sample.tokens=0"];
+    let llama = ["--preset", "llama-tiny"];
+    #[rustfmt::skip]
+    let cases = [
+        ("dp", &["--dp", "2"][..]), ("tp", &["--tp", "2", "--sequence-parallel"][..]), ("pp", &["--pp", "2", "--set", "train.grad_accum=2"][..]),
+        ("ep", &["--ep", "2", "--preset", "moe-tiny"][..]), ("cp", &["--cp", "2"][..]),
+    ];
+    for (name, layout) in cases {
+        let layout = if layout.contains(&"--preset") { layout.to_vec() } else { [layout, &llama].concat() };
+        let layout = &layout[..];
         let inproc = dir.join(format!("{name}-inproc"));
         let o = kiln(&[&["train", "--out", inproc.to_str().unwrap()][..], layout, &common].concat());
         assert_eq!(o.status.code(), Some(0), "{name}: {}", stderr(&o));
         let mpi = dir.join(format!("{name}-mpi"));
         // (Under MPI the data-parallel degree follows from the world: what the others leave.)
-        let layout: Vec<&str> = if name == "dp" { vec!["--dp", "0"] } else { [layout, &["--dp", "0"]].concat() };
+        let layout: Vec<&str> = if name == "dp" { [&llama[..], &["--dp", "0"]].concat() } else { [layout, &["--dp", "0"]].concat() };
         let o = std::process::Command::new("mpirun")
             .args(["--allow-run-as-root", "--oversubscribe", "-n", "2", env!("CARGO_BIN_EXE_kiln"), "train", "--out", mpi.to_str().unwrap(), "--backend", "mpi"])
             .args(&layout)

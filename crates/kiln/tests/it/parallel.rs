@@ -322,11 +322,9 @@ fn bad_tensor_parallel_settings_are_user_errors() {
     let data = corpus(&d);
     let o = train(&data, &d.join("a"), &["--tp", "3"]);
     assert_user_error(&o, &["parallel.tp = 3 does not divide model.n_head = 2"]);
-    let o = train(&data, &d.join("b"), &["--tp", "2", "--set", "model.arch=llama", "--set", "model.bias=false", "--set", "model.n_expert=4"]);
-    assert_user_error(&o, &["tensor parallelism does not split mixture-of-experts layers"]);
     let o = train(&data, &d.join("c"), &["--tp", "0"]);
     assert_user_error(&o, &["parallel.tp must be positive"]);
-    for x in ["a", "b", "c"] {
+    for x in ["a", "c"] {
         assert!(!d.join(x).exists());
     }
 }
@@ -367,18 +365,28 @@ fn pp_schedule_prints_the_timeline_and_its_bubble() {
     assert_user_error(&o, &["schedule must be gpipe, 1f1b or interleaved"]);
 }
 
+/// MoE runs under data parallelism (ZeRO-3) and tensor parallelism (with sequence parallelism,
+/// and dp2 × tp2), and LoRA under data parallelism, match one rank.
 #[test]
 fn moe_and_lora_runs_match_one_rank_under_data_parallel() {
     let d = scratch("dp-moe-lora");
     let data = corpus(&d);
     // Mixture of experts (the routing statistics and router losses ride along), ZeRO-3.
-    let moe = ["--set", "model.arch=llama", "--set", "model.bias=false", "--set", "model.n_expert=4", "--set", "model.top_k=2", "--set", "model.ffn_hidden=16"];
+    let moe = ["--set", "model.arch=llama", "--set", "model.bias=false", "--set", "model.n_expert=4", "--set", "model.top_k=2", "--set", "model.ffn_hidden=16", "--set", "model.n_head=4", "--set", "model.n_kv_head=2"];
     let one = d.join("moe1");
     run_dp(&data, &one, 1, 0, &moe);
     let two = d.join("moe2");
     run_dp(&data, &two, 2, 3, &moe);
     for ((s, a), (_, b)) in losses(&one).iter().zip(&losses(&two)) {
         assert!(((a - b) / b).abs() <= 1e-5, "moe step {s}: {a} vs {b}");
+    }
+    // Tensor parallelism, with and without sequence parallelism: the experts whole on every
+    // rank, the layer over every token.
+    for (name, tp) in [("moe-tp2", &["--tp", "2"][..]), ("moe-tp2-sp", &["--tp", "2", "--sequence-parallel"]), ("moe-dp2-tp2", &["--tp", "2", "--dp", "2"])] {
+        let out = d.join(name);
+        let o = train(&data, &out, &[&["--max-steps", "8"], DP, &moe[..], tp].concat());
+        assert!(o.status.success(), "{name}: {}", stderr(&o));
+        assert_close(&out, &one, 1e-5, name);
     }
     // LoRA adapters on a trained base: the adapters' gradients are all-reduced.
     let base = d.join("base");

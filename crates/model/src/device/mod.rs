@@ -10,6 +10,7 @@
 //! reduced (and gathered) through its group as the passes reach it ([`zero`]).
 //! [`DeviceGpt::new`] refuses the rest by name ([`unsupported`]).
 
+mod context;
 mod experts;
 mod frozen;
 mod split;
@@ -127,6 +128,15 @@ impl MoeScratch {
     }
 }
 
+/// The elements of a context-parallel part's packed keys and values over `n` rows.
+fn ring_len(cfg: &GptConfig, n: usize) -> usize {
+    let nkv = match cfg.arch {
+        Arch::Gpt2 => cfg.n_head,
+        Arch::Llama => cfg.n_kv_head,
+    };
+    2 * n * nkv * cfg.head_size()
+}
+
 /// A pass's buffers for `(B, T)`: the residual stream between blocks, each block's kept
 /// activations, the head's, and backward's scratch.
 struct Acts {
@@ -175,6 +185,11 @@ struct Acts {
     dfch_act: Buf,
     /// FlashAttention-2's `D` in backward.
     dd: Buf,
+    /// An MoE layer's input gradient over the whole sequence under sequence parallelism.
+    full_grad: Option<Buf>,
+    /// A context-parallel part's ring: the block of keys and values it holds, packed
+    /// `[B, T, 2·NKV·HS]`, and their gradients' accumulator ([`context`]).
+    ring: Option<(Buf, Buf)>,
     moe: Option<MoeScratch>,
 }
 
@@ -252,6 +267,12 @@ impl Acts {
         let sp = if nl < n { (n * c, nl * c) } else { (0, 0) };
         let stats = if cfg.place.vocab.is_some() { 2 * head_rows } else { 0 };
         v.extend([n * c, nl, nl, nl * c, n, n, n, n, n, head_rows * cfg.vocab_size, stats, sp.0, sp.1, nl * c, nl * c, nl * c, nl * c, n * cfg.attn_width(), n * cfg.qkv_width(), fc, act, b * nh * t]);
+        if cfg.place.context.is_some() {
+            v.extend([ring_len(cfg, n); 2]);
+        }
+        if cfg.is_moe() && nl < n {
+            v.push(n * c);
+        }
         v
     }
 
@@ -307,6 +328,8 @@ impl Acts {
             dfch: z(if cfg.is_moe() { 0 } else { n * cfg.fc_width() }),
             dfch_act: z(if cfg.is_moe() { 0 } else { n * cfg.ffn_hidden }),
             dd: z(b * nh * t),
+            full_grad: (cfg.is_moe() && nl < n).then(|| z(n * c)),
+            ring: cfg.place.context.map(|_| (z(ring_len(cfg, n)), z(ring_len(cfg, n)))),
             moe: cfg.is_moe().then(|| MoeScratch::new(g, cfg, n)),
         }
     }
@@ -353,6 +376,8 @@ pub struct DeviceGpt {
     /// The MoE exchange ([`experts`]), lent by the host model while it trains: an
     /// expert-parallel part's way to its experts' owners, and the routing group's statistics.
     experts: std::cell::RefCell<Option<Box<dyn tensor::moe::MoeExchange + Send>>>,
+    /// A context-parallel part's hooks ([`context`]), lent by the host model while it trains.
+    context: std::cell::RefCell<Option<Box<dyn crate::units::CpHooks>>>,
 }
 
 /// Keys and values of every layer on the device, `[L, block_size, NKV·HS]` each: what
@@ -371,8 +396,6 @@ pub fn unsupported_config(cfg: &GptConfig) -> Option<String> {
         "attention sinks (model.attn_sinks)"
     } else if cfg.pad_token_id.is_some() {
         "a padding token's frozen embedding row (model.pad_token_id)"
-    } else if cfg.place.context.is_some() {
-        "a part of a model's positions (context parallel layouts)"
     } else if cfg.head_size() > device::MAX_HEAD_SIZE {
         "heads larger than 128"
     } else if cfg.rope_scaling.as_ref().and_then(|r| r.long_after()).is_some_and(|n| cfg.block_size > n) {
@@ -571,7 +594,7 @@ impl DeviceGpt {
             (gpu.upload(cos), gpu.upload(sin))
         });
         let (scalars, parts) = (gpu.zeros(SCALARS), gpu.zeros(Gpu::parts_len()));
-        DeviceGpt { cfg: m.cfg.clone(), views, real_vocab: m.real_vocab, params, work, grads, scalars, rope, acts: None, drop: (0.0, 0), count: 0, loss_scale: 1.0, parts, logits: None, docs: false, recompute: (m.recompute, m.recompute_every), frozen, zero: None, tensor: Default::default(), experts: Default::default(), gpu }
+        DeviceGpt { cfg: m.cfg.clone(), views, real_vocab: m.real_vocab, params, work, grads, scalars, rope, acts: None, drop: (0.0, 0), count: 0, loss_scale: 1.0, parts, logits: None, docs: false, recompute: (m.recompute, m.recompute_every), frozen, zero: None, tensor: Default::default(), experts: Default::default(), context: Default::default(), gpu }
     }
 
     /// The parameters that train and their gradients: every parameter, or LoRA's adapters;
@@ -688,6 +711,15 @@ impl DeviceGpt {
         if let Some(d) = &docs {
             d.check(b, t, self.cfg.block_size);
         }
+        match self.cfg.place.context {
+            Some(_) => self.forward_context(tokens, targets, docs, b, t, pass),
+            None => self.forward_rows(tokens, targets, docs, b, t, pass),
+        }
+    }
+
+    /// [`DeviceGpt::forward_docs`] on rows the model holds whole (a context-parallel part's
+    /// positions, `docs` then in global positions).
+    fn forward_rows(&mut self, tokens: &[u32], targets: &[i32], docs: Option<crate::Docs>, b: usize, t: usize, pass: Pass) -> usize {
         assert_eq!(self.is_part(), self.tensor.borrow().is_some(), "a tensor-parallel part runs with its hooks lent (DeviceGpt::swap_tensor_hooks)");
         assert!(t <= self.cfg.block_size && tokens.len() == b * t && targets.len() == b * t, "forward: tokens and targets must be [B, T], T ≤ block_size");
         let vp = self.cfg.vocab_size;
@@ -795,8 +827,16 @@ impl DeviceGpt {
     /// The pass's rows in the global batch (a data-parallel rank's share starts at its offset):
     /// dropout masks are drawn by global sequence, as on the CPU.
     /// Under sequence parallelism the residual stream holds this part's positions of each.
+    /// A context-parallel part's rows are its chunks of sequences `count` times as long.
     fn row_map(&self, a: &Acts) -> RowMap {
-        let whole = RowMap { b0: self.cfg.place.batch_offset, ..RowMap::whole(a.t) };
+        let (t, chunks) = match self.cfg.place.context {
+            Some(cx) => {
+                let ch = cx.chunks(a.t * cx.count);
+                (a.t * cx.count, Some(tensor::ops::Chunks { len: ch[0].1, first: ch[0].0, second: ch.get(1).map_or(0, |c| c.0) }))
+            }
+            None => (a.t, None),
+        };
+        let whole = RowMap { b0: self.cfg.place.batch_offset, t, chunks, ..RowMap::whole(a.t) };
         match self.cfg.place.seq {
             Some(s) => {
                 let p = s.positions(a.t);
@@ -1005,7 +1045,7 @@ impl DeviceGpt {
             g.rope(&la.qkv, (cos, sin), &d, self.positions(a), false);
         }
         let (atty, lse) = a.core(l);
-        g.flash_forward_seeded(atty, lse, &la.qkv, &d, self.docs.then_some(&a.starts), (p, self.seed(site)));
+        self.attention_forward((atty, lse), &la.qkv, &d, a, (p, self.seed(site)));
         self.linear(self.row_parallel_dst(&a.branch, a), atty, (l, Site::AttnProj), (cfg.attn_width(), c), a);
         self.row_parallel_out(&a.branch, self.proj(l, Site::AttnProj).1.as_ref(), a);
         self.dropout(&a.branch, site + 1, a);
@@ -1021,7 +1061,12 @@ impl DeviceGpt {
     fn mlp_forward(&self, l: usize, la: &LayerActs, a: &Acts) {
         let (g, cfg, c, bp) = (&*self.gpu, &self.cfg, self.cfg.n_embd, &self.views.blocks[l]);
         if let (Some(mp), Some(ma)) = (&bp.moe, &la.moe) {
-            let rows = self.moe_forward(mp, (ma, &a.moe_stats[l]), &la.ln_2, &a.branch);
+            // A tensor-parallel part holds the experts whole and runs the layer on every token
+            // (under sequence parallelism on `ln_2` gathered, its positions kept after).
+            let rows = self.moe_forward(mp, (ma, &a.moe_stats[l]), &la.ln_2, self.row_parallel_dst(&a.branch, a));
+            if self.sp() {
+                self.take_seq(&a.full, &a.branch, a);
+            }
             return a.ep_rows[l].set(rows);
         }
         self.linear(&la.fch, &la.ln_2, (l, Site::Fc), (c, cfg.fc_width()), a);
@@ -1089,7 +1134,7 @@ impl DeviceGpt {
         } else if a.keep.selective {
             // Selective: re-run the attention core from the kept q|k|v into the shared set.
             let (atty, lse) = a.core(l);
-            self.gpu.flash_forward_seeded(atty, lse, &a.layer(l).qkv, &self.gqa(l, a), self.docs.then_some(&a.starts), (self.drop.0, self.seed(self.block_site(l))));
+            self.attention_forward((atty, lse), &a.layer(l).qkv, &self.gqa(l, a), a, (self.drop.0, self.seed(self.block_site(l))));
         }
         let (g, cfg, la) = (&*self.gpu, &self.cfg, a.layer(l));
         let c = cfg.n_embd;
@@ -1099,7 +1144,12 @@ impl DeviceGpt {
         match (&bp.moe, &la.moe, &a.moe) {
             (Some(mp), Some(ma), Some(ms)) => {
                 let aux = self.aux_coef(ma, (&a.moe_stats[l], &ms.aux_coef));
-                self.moe_backward(mp, (ma, ms), dmlp, &la.ln_2, &a.dln, aux);
+                // Under sequence parallelism over the whole sequence (see `mlp_forward`).
+                let dx = a.full_grad.as_ref().unwrap_or(&a.dln);
+                self.moe_backward(mp, (ma, ms), self.row_parallel_grad(dmlp, a), &la.ln_2, dx, aux);
+                if self.sp() {
+                    self.take_seq(dx, &a.dln, a);
+                }
             }
             _ => {
                 self.linear_backward(&a.dfch_act, self.row_parallel_grad(dmlp, a), &la.fch_act, (l, Site::MlpProj), (cfg.ffn_hidden, c), a);
@@ -1118,7 +1168,7 @@ impl DeviceGpt {
         self.linear_backward(&a.datty, self.row_parallel_grad(dattn, a), atty, (l, Site::AttnProj), (cfg.attn_width(), c), a);
         g.clear(&a.dqkv);
         let d = self.gqa(l, a);
-        g.flash_backward_seeded(&a.dqkv, &a.dd, &a.datty, (&la.qkv, atty, lse), &d, self.docs.then_some(&a.starts), (self.drop.0, self.seed(site)));
+        self.attention_backward((&a.dqkv, &a.dd), &a.datty, (&la.qkv, atty, lse), &d, a, (self.drop.0, self.seed(site)));
         if let Some((cos, sin)) = &self.rope {
             g.rope(&a.dqkv, (cos, sin), &d, self.positions(a), true);
         }

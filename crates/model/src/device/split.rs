@@ -10,8 +10,9 @@
 //! stream, the norms and dropout hold the part's positions of every sequence: a norm's output
 //! is gathered along the sequence before a column-parallel product, a row-parallel product's
 //! partial sums reduce-scattered back (and the reverse in backward). Attention dropout is drawn by whole-model head, so the
-//! parts drop what one model drops. Mixture-of-experts layers are not split (every part runs
-//! them whole), as on the CPU.
+//! parts drop what one model drops. Mixture-of-experts layers are not split: every part holds
+//! the experts whole and runs the layer on every token (under sequence parallelism the
+//! sequence gathered first and its positions kept after), as on the CPU.
 
 use super::DeviceGpt;
 use crate::units::TpHooks;
@@ -78,6 +79,16 @@ impl DeviceGpt {
         let b = bias.map(|r| self.bias_values(r));
         h.scatter_seq(&mut x, &mut out, b.as_deref(), a.b, a.t);
         self.gpu.write(local, &out);
+    }
+
+    /// Sequence parallelism: this part's positions of `full` (`[B, T, C]`, the same on every
+    /// part) into `local`, on the device.
+    pub(super) fn take_seq(&self, full: &Buf, local: &Buf, a: &super::Acts) {
+        let p = self.cfg.place.seq.expect("sequence parallel").positions(a.t);
+        let c = self.cfg.n_embd;
+        for bi in 0..a.b {
+            self.gpu.copy_words(local, bi * p.len() * c, full, (bi * a.t + p.start) * c, p.len() * c);
+        }
     }
 
     /// A bias as the passes read it: the fp32 weights, rounded as the working copy is.

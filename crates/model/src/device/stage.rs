@@ -20,17 +20,23 @@ pub struct DeviceActs {
 }
 
 impl DeviceGpt {
-    /// Elements of a stage's input or output at `(B, T)`: `[B, T, C]`, or under sequence
-    /// parallelism this part's rows of it.
+    /// Elements of a stage's input or output at `(B, T)`: `[B, T, C]`, or under sequence or
+    /// context parallelism this part's rows of it.
     pub fn stage_width(&self, b: usize, t: usize) -> usize {
-        super::local_rows(&self.cfg, b * t) * self.cfg.n_embd
+        super::local_rows(&self.cfg, b * self.part_t(t)) * self.cfg.n_embd
+    }
+
+    /// The positions of a length-`t` sequence this model holds (a context-parallel part's
+    /// share).
+    fn part_t(&self, t: usize) -> usize {
+        t / self.cfg.place.context.map_or(1, |cx| cx.count)
     }
 
     /// A stage without the embedding: `x` (`[B, T, C]`, this part's rows of it) as the input of
     /// the next forward at `(B, T)`.
     pub fn set_stage_input(&mut self, x: &[f32], b: usize, t: usize) {
         assert!(!self.cfg.has_embed(), "set_stage_input: the first stage embeds its tokens");
-        self.acts(b, t);
+        self.acts(b, self.part_t(t));
         let a = self.acts.as_ref().unwrap();
         assert_eq!(x.len(), a.xs[0].len(), "set_stage_input: the input is [B, T, C]");
         self.gpu.write(&a.xs[0], x);

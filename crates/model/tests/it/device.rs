@@ -193,6 +193,53 @@ fn the_device_plan_is_what_the_model_allocates() {
     let used = g.allocated_bytes() - before;
     let p = model::device::plan(&g, &part, model::device::Weights::Full { params: m.params.len() }, (b, t), 0, (model::Precision::Fp32, model::Recompute::None, 1));
     assert!(p.total_bytes <= used && used <= p.total_bytes + small, "expert parallel: plan {p:?} against {used} bytes allocated");
+    // A context-parallel part (two zig-zag chunks of each sequence): its rows, and the ring's
+    // block of keys and values with their gradients' accumulator, planned as allocated.
+    let context = Some(model::config::ContextSlice { index: 1, count: 2, zigzag: true });
+    let part = GptConfig { place: model::Placement { context, ..Default::default() }, ..cfg.clone() };
+    let m = Gpt::new(part.clone(), 36, 5);
+    let before = g.allocated_bytes();
+    let mut dev = DeviceGpt::new(g.clone(), &m).unwrap();
+    dev.swap_context_hooks(&mut Some(Box::new(Echo(Vec::new()))));
+    let tw = 28;
+    dev.forward(&vec![1; b * tw], &vec![2; b * tw], b, tw, Pass::Eval);
+    let used = g.allocated_bytes() - before;
+    let p = model::device::plan(&g, &part, model::device::Weights::Full { params: m.params.len() }, (b, tw / 2), 0, (model::Precision::Fp32, model::Recompute::None, 1));
+    assert!(p.total_bytes <= used && used <= p.total_bytes + small, "context parallel: plan {p:?} against {used} bytes allocated");
+}
+
+/// A context-parallel ring whose other part holds what this one holds: enough to run a part's
+/// passes, and allocate its buffers, on one device.
+struct Echo(Vec<f32>);
+
+impl model::CpHooks for Echo {
+    fn attention_forward(&mut self, _: &mut [f32], _: &mut [f32], _: &[f32], _: &tensor::llama::GqaDims, _: &[u32], _: tensor::attention::AttnDropout) {
+        unreachable!("a device part runs the ring's blocks itself")
+    }
+
+    fn attention_backward(&mut self, _: &mut [f32], _: &[f32], _: &[f32], _: &[f32], _: &[f32], _: &tensor::llama::GqaDims, _: &[u32], _: tensor::attention::AttnDropout) {
+        unreachable!("a device part runs the ring's blocks itself")
+    }
+
+    fn is_ring(&self) -> bool {
+        true
+    }
+
+    fn send_next(&mut self, x: &[f32], _: bool) {
+        self.0 = x.to_vec();
+    }
+
+    fn recv_prev(&mut self, x: &mut [f32], _: bool) {
+        x.copy_from_slice(&self.0);
+    }
+
+    fn heads_forward(&mut self, _: &mut [f32], _: &mut [f32], _: &[f32], _: &tensor::llama::GqaDims, _: &[u32], _: &mut dyn FnMut(model::HeadsForward)) {
+        unreachable!("a ring")
+    }
+
+    fn heads_backward(&mut self, _: &mut [f32], _: &[f32], _: &[f32], _: &[f32], _: &[f32], _: &tensor::llama::GqaDims, _: &[u32], _: &mut dyn FnMut(model::HeadsBackward)) {
+        unreachable!("a ring")
+    }
 }
 
 /// The first of two expert-parallel parts whose twin routes as it does (its rows' values
