@@ -194,17 +194,23 @@ impl DeviceRun {
         match pipe.comm {
             Some(pp) => self.pipeline_tasks((pipe, pp), &batches, (rows, t), &pass),
             None => {
-                let model = &mut self.parts[0].model;
+                let overlap = self.parts[0].overlaps(&chunks[0]);
+                let (part, ch) = (&mut self.parts[0], &mut chunks[0]);
                 for (micro, b) in batches.iter().enumerate() {
-                    model.forward_docs(&b.x, &b.y, b.docs(), rows, t, pass(micro));
-                    model.loss_sum_into((&self.sums, slot::OPTIM + micro), &self.partials, false);
+                    part.model.forward_docs(&b.x, &b.y, b.docs(), rows, t, pass(micro));
+                    part.model.loss_sum_into((&self.sums, slot::OPTIM + micro), &self.partials, false);
                     // An MoE model's load-balancing statistics are the group's (the CPU's exchange).
-                    model.backward();
+                    match overlap && micro + 1 == m {
+                        true => part.backward_reducing(&g, ch),
+                        false => part.model.backward(),
+                    }
                 }
             }
         }
         for (p, ch) in self.parts.iter().zip(chunks.iter_mut()) {
-            p.reduce_grads(&g, ch);
+            if !(pipe.comm.is_none() && p.overlaps(ch)) {
+                p.reduce_grads(&g, ch);
+            }
         }
         self.grad_norm(chunks, pipe);
         for p in &self.parts {
@@ -396,6 +402,32 @@ impl DevicePart {
             #[cfg(feature = "cuda")]
             nccl,
         })
+    }
+
+    /// Whether the step's gradient sum overlaps its last backward
+    /// ([`DevicePart::backward_reducing`]): a data-parallel rank of a whole model whose
+    /// gradients are whole (ZeRO 0 or 1), summed through the host.
+    fn overlaps(&self, ch: &Chunk) -> bool {
+        #[cfg(feature = "cuda")]
+        if self.nccl.is_some() {
+            return false;
+        }
+        ch.dp.n() > 1 && self.zero < 2 && self.model.zero().is_none() && ch.model.lora.is_none() && ch.model.cfg.place.stage.is_none()
+    }
+
+    /// The last micro-batch's backward with the group's gradient sum overlapping it: each unit's
+    /// gradients, as backward finishes them, start their all-reduce on the data-parallel group's
+    /// communication thread while the device goes on (the CPU store's bucketed overlap); the
+    /// sums are written back when backward is done. The same sums as [`DevicePart::reduce_grads`].
+    fn backward_reducing(&mut self, g: &Gpu, ch: &mut Chunk) {
+        let done = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let dp = &mut ch.dp;
+        self.model.backward_handing(&mut |r, grads| dp.start_reduce(r, grads, done.clone()));
+        dp.wait_reductions();
+        let grads = self.model.trainable().1;
+        for (r, sum) in done.lock().unwrap_or_else(|e| e.into_inner()).drain(..) {
+            g.write_words(grads, r.start, &sum.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+        }
     }
 
     /// The data-parallel group's gradient sum, staged through the host (summed in rank order;

@@ -162,6 +162,9 @@ struct Experts {
     rank: usize,
 }
 
+/// Where [`DataParallel::start_reduce`] leaves its sums: each flat range with its values.
+pub type Reduced = Arc<Mutex<Vec<(Range<usize>, Vec<f32>)>>>;
+
 pub struct DataParallel {
     pub zero: u8,
     experts: Option<Experts>,
@@ -711,6 +714,30 @@ impl DataParallel {
         self.worker.run(name, move |c| {
             for_split(0..len, experts.as_ref(), |r, on| on.unwrap_or(c).all_reduce_sum(unsafe { region(p, r.start, r.len()) }));
         });
+    }
+
+    /// Starts summing `grads`, the layout's flat range `range` of a gradient buffer held
+    /// outside the store, over the group on the communication thread, as
+    /// [`DataParallel::all_reduce_flat`] sums it (the routed experts' parts over their own
+    /// ranks), and returns at once: the caller's compute goes on meanwhile (a device's backward
+    /// of the next units). The sum lands in `done` with its range; [`DataParallel::wait_reductions`]
+    /// waits for every one started. Collective, in the same order on every rank.
+    pub fn start_reduce(&mut self, range: Range<usize>, grads: Vec<f32>, done: Reduced) {
+        let ex = self.experts.as_ref().map(|e| (e.ranges.clone(), e.comm.clone()));
+        let single = self.shards.n == 1;
+        self.worker.submit("all_reduce unit", None, move |c| {
+            let mut g = grads;
+            if !single {
+                let at = range.start;
+                for_split(range.clone(), ex.as_ref(), |r, on| on.unwrap_or(c).all_reduce_sum(&mut g[r.start - at..r.end - at]));
+            }
+            done.lock().unwrap_or_else(|e| e.into_inner()).push((range, g));
+        });
+    }
+
+    /// Waits for every reduction [`DataParallel::start_reduce`] started.
+    pub fn wait_reductions(&self) {
+        self.worker.wait_all();
     }
 
     /// An expert-parallel store's routed-expert ranges, and whether this rank is the first of

@@ -378,6 +378,8 @@ pub struct DeviceGpt {
     experts: std::cell::RefCell<Option<Box<dyn tensor::moe::MoeExchange + Send>>>,
     /// A context-parallel part's hooks ([`context`]), lent by the host model while it trains.
     context: std::cell::RefCell<Option<Box<dyn crate::units::CpHooks>>>,
+    /// The layout's units (`Gpt::units`): embeddings, each block, the final norm and head.
+    units: Vec<std::ops::Range<usize>>,
 }
 
 /// Keys and values of every layer on the device, `[L, block_size, NKV·HS]` each: what
@@ -594,7 +596,7 @@ impl DeviceGpt {
             (gpu.upload(cos), gpu.upload(sin))
         });
         let (scalars, parts) = (gpu.zeros(SCALARS), gpu.zeros(Gpu::parts_len()));
-        DeviceGpt { cfg: m.cfg.clone(), views, real_vocab: m.real_vocab, params, work, grads, scalars, rope, acts: None, drop: (0.0, 0), count: 0, loss_scale: 1.0, parts, logits: None, docs: false, recompute: (m.recompute, m.recompute_every), frozen, zero: None, tensor: Default::default(), experts: Default::default(), context: Default::default(), gpu }
+        DeviceGpt { cfg: m.cfg.clone(), views, real_vocab: m.real_vocab, params, work, grads, scalars, rope, acts: None, drop: (0.0, 0), count: 0, loss_scale: 1.0, parts, logits: None, docs: false, recompute: (m.recompute, m.recompute_every), frozen, zero: None, tensor: Default::default(), experts: Default::default(), context: Default::default(), units: m.units.clone(), gpu }
     }
 
     /// The parameters that train and their gradients: every parameter, or LoRA's adapters;
@@ -1084,8 +1086,31 @@ impl DeviceGpt {
     /// the ranks that split the batch, so the load-balancing loss is the whole batch's, as on
     /// the CPU (its counts staged through the host, one small download a layer).
     pub fn backward(&mut self) {
+        self.backward_into(None);
+    }
+
+    /// [`DeviceGpt::backward`] handing each unit's gradients (its flat range of the layout,
+    /// downloaded) to `sink` as soon as backward is done with the unit, the last unit first and
+    /// the embeddings last: a data-parallel run starts reducing them while the device goes on
+    /// with the earlier units (the CPU's bucketed overlap, staged through the host). A whole
+    /// model's gradients, not a ZeRO-2/3 shard's or LoRA's adapters'.
+    pub fn backward_handing(&mut self, sink: &mut dyn FnMut(std::ops::Range<usize>, Vec<f32>)) {
+        assert!(self.zero.is_none() && self.frozen.is_none() && self.cfg.has_head() && self.cfg.has_embed(), "backward_handing: a whole model's gradients");
+        self.backward_into(Some(sink));
+    }
+
+    /// Unit `u`'s gradients to `sink`, when there is one.
+    fn hand(&self, sink: &mut Option<&mut dyn FnMut(std::ops::Range<usize>, Vec<f32>)>, u: usize) {
+        if let Some(s) = sink.as_deref_mut() {
+            let r = self.units[u].clone();
+            s(r.clone(), self.gpu.download_words(&self.grads, r.start, r.len()).into_iter().map(f32::from_bits).collect());
+        }
+    }
+
+    fn backward_into(&mut self, mut sink: Option<&mut dyn FnMut(std::ops::Range<usize>, Vec<f32>)>) {
         let a = self.acts.take().expect("backward before forward");
         if self.count == 0 && self.zero.is_none() {
+            (0..self.units.len()).rev().for_each(|u| self.hand(&mut sink, u));
             self.acts = Some(a);
             return;
         }
@@ -1097,6 +1122,7 @@ impl DeviceGpt {
             let stats = (&a.ln_f_mean, &a.ln_f_rstd);
             let (ln_f_w, ln_f_b) = (self.views.ln_f_w.clone(), self.views.ln_f_b.clone());
             self.norm_backward(&a.dres, &a.dln_f, &a.xs[n_layer], stats, (&ln_f_w, &ln_f_b));
+            self.hand(&mut sink, n_layer + 1);
         }
         for l in (0..n_layer).rev() {
             self.gather_unit(l + 1);
@@ -1104,6 +1130,7 @@ impl DeviceGpt {
             self.block_backward(l, &a);
             self.release_unit(l + 1);
             self.reduce_unit(l + 1);
+            self.hand(&mut sink, l + 1);
         }
         // A later stage leaves its input's gradient in `dres` ([`DeviceGpt::stage_input_grad`]).
         if self.frozen.is_none() && self.cfg.has_embed() {
@@ -1117,6 +1144,7 @@ impl DeviceGpt {
             let dwpe = v.wpe.as_ref().map(|r| self.gt(r.start));
             let pos = v.wpe.as_ref().filter(|_| self.docs).map(|r| (&a.pos, r.len() / c));
             g.embedding_backward_pos((self.gt(v.wte.start), dwpe), demb, &a.tokens, pos, a.t, c, self.vocab_rows());
+            self.hand(&mut sink, 0);
         }
         if let Some(z) = self.zero.as_mut() {
             z.release_all();
