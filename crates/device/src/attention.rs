@@ -81,7 +81,7 @@ impl Gpu {
 
     /// [`Gpu::flash_forward`] with the dropout seed read on the device.
     pub fn flash_forward_seeded(&self, out: &Buf, lse: &Buf, qkv: &Buf, d: &GqaDims, starts: Option<&Buf>, dropout: (f32, Seed)) {
-        self.flash_block_forward((out, lse), (qkv, Span::whole(d.t)), KvBlock::whole(qkv, d), d, starts, dropout, true);
+        self.flash_block_forward((out, lse), (qkv, Span::whole(d.t)), KvBlock::whole(qkv, d), (d, starts), dropout, true);
     }
 
     /// A block of attention (`tensor::flash::flash_gqa_block_forward`): the queries at rows `q`
@@ -91,8 +91,7 @@ impl Gpu {
     /// `out` `[B, q.rows, C]` and `lse` `[B·NH, q.rows]` at the query rows; unless `fresh` the
     /// softmax continues from what they hold (an earlier block's: a ring of context-parallel
     /// blocks merges so).
-    #[allow(clippy::too_many_arguments)] // the outputs, the block's two sides, shape, documents, dropout
-    pub fn flash_block_forward(&self, (out, lse): (&Buf, &Buf), (qkv, q): (&Buf, Span), kv: KvBlock, d: &GqaDims, starts: Option<&Buf>, (p, seed): (f32, Seed), fresh: bool) {
+    pub fn flash_block_forward(&self, (out, lse): (&Buf, &Buf), (qkv, q): (&Buf, Span), kv: KvBlock, (d, starts): (&GqaDims, Option<&Buf>), (p, seed): (f32, Seed), fresh: bool) {
         check(d, (qkv, q), &kv, starts);
         assert!(out.len() >= d.b * q.rows * d.c() && lse.len() >= d.b * d.nh * q.rows, "flash_forward: shapes");
         let groups = [u(q.len.div_ceil(64)), u(d.b * d.nh), 1];
@@ -116,7 +115,7 @@ impl Gpu {
         assert!(dqkv.len() >= d.b * d.t * d.qkv_width(), "flash_backward: shapes");
         self.flash_d(scratch, dout, out, d, d.t);
         let kv = KvBlock::whole(qkv, d);
-        self.flash_block_backward((dqkv, dqkv), (scratch, dout), (qkv, lse, Span::whole(d.t)), kv, d, starts, dropout);
+        self.flash_block_backward((dqkv, dqkv), (scratch, dout), (qkv, lse, Span::whole(d.t)), kv, (d, starts), dropout);
     }
 
     /// FlashAttention-2's `D[b·NH + h, i] = dO_i · O_i` over `rows` rows of `dout` and `out`
@@ -133,8 +132,7 @@ impl Gpu {
     /// accumulates `dq` into the q columns of `dq` (laid out as `qkv`) and `dk`, `dv` into the
     /// kv columns of `dkv` (laid out as `kv.buf`). A kv head's `dk`, `dv` sum over its group's
     /// query heads in ascending order.
-    #[allow(clippy::too_many_arguments)] // the gradients, what forward saved, the block, shape, documents, dropout
-    pub fn flash_block_backward(&self, (dq, dkv): (&Buf, &Buf), (dd, dout): (&Buf, &Buf), (qkv, lse, q): (&Buf, &Buf, Span), kv: KvBlock, d: &GqaDims, starts: Option<&Buf>, (p, seed): (f32, Seed)) {
+    pub fn flash_block_backward(&self, (dq, dkv): (&Buf, &Buf), (dd, dout): (&Buf, &Buf), (qkv, lse, q): (&Buf, &Buf, Span), kv: KvBlock, (d, starts): (&GqaDims, Option<&Buf>), (p, seed): (f32, Seed)) {
         check(d, (qkv, q), &kv, starts);
         let n = d.b * d.nh * q.rows;
         assert!(dq.len() >= d.b * q.rows * d.qkv_width() && dkv.len() >= d.b * kv.span.rows * kv.kw, "flash_backward: gradient shapes");

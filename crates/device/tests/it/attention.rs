@@ -103,7 +103,7 @@ fn flash_attention_blocks_match_cpu() {
         for (n, &(q, k, remote)) in blocks.iter().enumerate() {
             let fresh = n % 4 == 0;
             tensor::flash::flash_gqa_block_forward(&mut out, &mut lse, &cpu_block(q, k, remote), &d, fresh, drop);
-            g.flash_block_forward((&go, &gl), (&gq, q), dev_block(k, remote), &d, gs.as_ref(), seed, fresh);
+            g.flash_block_forward((&go, &gl), (&gq, q), dev_block(k, remote), (&d, gs.as_ref()), seed, fresh);
         }
         close(&format!("block out {name}"), &g.download(&go), &out, 1e-5);
         close(&format!("block lse {name}"), &g.download(&gl), &lse, 1e-5);
@@ -118,7 +118,7 @@ fn flash_attention_blocks_match_cpu() {
         for &(q, k, remote) in &blocks {
             let dkv_cpu = if remote { Some(&mut dkv[..]) } else { None };
             tensor::flash::flash_gqa_block_backward(&mut dq, dkv_cpu, &dout, &lse, &dd, &cpu_block(q, k, remote), &d, drop);
-            g.flash_block_backward((&gdq, if remote { &gdkv } else { &gdq }), (&gdd, &gdout), (&gq, &gl, q), dev_block(k, remote), &d, gs.as_ref(), seed);
+            g.flash_block_backward((&gdq, if remote { &gdkv } else { &gdq }), (&gdd, &gdout), (&gq, &gl, q), dev_block(k, remote), (&d, gs.as_ref()), seed);
         }
         close(&format!("block dq {name}"), &g.download(&gdq), &dq, 1e-5);
         close(&format!("block dkv {name}"), &g.download(&gdkv), &dkv, 1e-5);

@@ -33,7 +33,6 @@ impl DeviceGpt {
     /// The forward of `tokens` (`[B, T]`, whole rows) on this part's positions: its rows of
     /// the tokens, targets and documents, each with its global position (plain causal rows:
     /// every document starting at 0).
-    #[allow(clippy::too_many_arguments)] // forward_docs'
     pub(super) fn forward_context(&mut self, tokens: &[u32], targets: &[i32], docs: Option<Docs>, b: usize, t: usize, pass: crate::Pass) -> usize {
         let cx = self.cfg.place.context.expect("a context-parallel part");
         let (tk, tg) = (cx.rows(tokens, b, t), cx.rows(targets, b, t));
@@ -68,7 +67,7 @@ impl DeviceGpt {
             }
             g.write(kv, &cur);
             for (q, k) in cx.ring_blocks(s, gd.t, (d.window, d.sinks)) {
-                g.flash_block_forward((out, lse), (qkv, q), packed(kv, k, d), &gd, starts, seed, s == 0 && q == k);
+                g.flash_block_forward((out, lse), (qkv, q), packed(kv, k, d), (&gd, starts), seed, s == 0 && q == k);
             }
             if s + 1 < n {
                 h.recv_prev(&mut next, false);
@@ -79,7 +78,6 @@ impl DeviceGpt {
 
     /// Attention's backward: accumulates into `dqkv` (zero on entry) from `dout`, given the
     /// forward's `qkv`, `out` and `lse`; `dd` is scratch `[B, NH, T]`.
-    #[allow(clippy::too_many_arguments)] // the flash backward's
     pub(super) fn attention_backward(&self, (dqkv, dd): (&Buf, &Buf), dout: &Buf, (qkv, out, lse): (&Buf, &Buf, &Buf), d: &GqaDims, a: &Acts, seed: (f32, Seed)) {
         let starts = self.docs.then_some(&a.starts);
         let Some((kv, dkv)) = &a.ring else {
@@ -102,7 +100,7 @@ impl DeviceGpt {
             }
             g.write(kv, &cur);
             for (q, k) in cx.ring_blocks(s, gd.t, (d.window, d.sinks)) {
-                g.flash_block_backward((dqkv, dkv), (dd, dout), (qkv, lse, q), packed(kv, k, d), &gd, starts, seed);
+                g.flash_block_backward((dqkv, dkv), (dd, dout), (qkv, lse, q), packed(kv, k, d), (&gd, starts), seed);
             }
             // The gradient of the keys just used travels on with them (after the last step:
             // home, to the next part, whose keys they are).
@@ -159,7 +157,7 @@ impl DeviceGpt {
             let (gq, gdy, gl, gd, gdq) = (g.upload(hb.qkv), g.upload(hb.dout), g.upload(hb.lse), g.upload(hb.d), g.zeros(hb.dqkv.len()));
             let gs = (!hb.starts.is_empty()).then(|| g.upload_u32(hb.starts));
             let whole = tensor::flash::Span::whole(hb.dims.t);
-            g.flash_block_backward((&gdq, &gdq), (&gd, &gdy), (&gq, &gl, whole), KvBlock::whole(&gq, &hb.dims), &hb.dims, gs.as_ref(), seed);
+            g.flash_block_backward((&gdq, &gdq), (&gd, &gdy), (&gq, &gl, whole), KvBlock::whole(&gq, &hb.dims), (&hb.dims, gs.as_ref()), seed);
             hb.dqkv.iter_mut().zip(g.download(&gdq)).for_each(|(x, v)| *x += v);
         });
         let mut host = g.download(dqkv);
