@@ -466,7 +466,7 @@ fn pipeline_parallel_on_devices_reproduces_one_device() {
 /// outputs come back through the host, and again in backward; the experts' gradients are
 /// reduced over the ranks holding the same experts, everything else over the whole group):
 /// dropless `moe-tiny` at ep 2 reproduces one device over 20 steps, with its validation losses
-/// and the CPU's expert-parallel row counts; dp2 × ep2 on four devices and pp2 × ep2 too, and
+/// and the CPU's expert-parallel row counts; dp2 × ep2 on four devices too, and
 /// the ep-2 run's step-10 checkpoint continues at dp 1 on the CPU. With capacity (each rank's
 /// own tokens compete for its slots, as on the CPU) ep 2 on devices equals ep 2 on the CPU.
 #[test]
@@ -486,7 +486,7 @@ fn expert_parallel_on_devices_reproduces_one_device() {
         let (d, c) = (lines(&two, "train", key), lines(&cpu, "train", key));
         assert!(c.len() == 3 && c.iter().all(|(k, v)| *v > 0.0 && d.get(k) == Some(v)), "{key}: {d:?} on devices, {c:?} on the CPU");
     }
-    for (name, layout) in [("dp2-ep2", &["--dp", "2", "--ep", "2", "--set", "train.batch_size=8"][..]), ("pp2-ep2", &["--pp", "2", "--ep", "2", "--set", "train.grad_accum=2"])] {
+    for (name, layout) in [("dp2-ep2", &["--dp", "2", "--ep", "2", "--set", "train.batch_size=8"][..])] {
         let base = dir.join(format!("{name}-one"));
         let parted = dir.join(name);
         let same: Vec<&str> = layout.iter().copied().filter(|a| a.starts_with("train.")).flat_map(|a| ["--set", a]).collect();
@@ -511,9 +511,8 @@ fn expert_parallel_on_devices_reproduces_one_device() {
 /// with their gradients' accumulator in backward): `llama-tiny` at cp 2 reproduces one device
 /// over 20 steps with its validation losses, dropless `moe-tiny` over 10, GPT-2's
 /// `shakespeare-char` (its position table read at global positions) and `llama-tiny` in one
-/// contiguous chunk each, with a sliding window over packed documents, over 6; dp2 × cp2 and
-/// pp2 × cp2 on four devices over 4 too, and the cp-2 run's step-10 checkpoint continues at dp 1
-/// on the CPU. Ulysses (`--cp-mode ulysses`) too: GPT-2 over packed documents over 6 steps.
+/// contiguous chunk each, with a sliding window over packed documents, over 6; dp2 × cp2 on
+/// four devices over 4 too, and the cp-2 run's step-10 checkpoint continues at dp 1 on the CPU. Ulysses (`--cp-mode ulysses`) too: GPT-2 over packed documents over 6 steps.
 #[test]
 fn context_parallel_on_devices_reproduces_one_device() {
     let dir = scratch("device-cp");
@@ -539,7 +538,6 @@ fn context_parallel_on_devices_reproduces_one_device() {
     same("shakespeare-char", 6, &[], &["--cp", "2"]);
     same("llama-tiny", 6, &["--set", "model.sliding_window=20", "--set", "data.packing=documents"], &["--cp", "2", "--cp-balance", "none"]);
     same("llama-tiny", 4, &["--set", "train.batch_size=8"], &["--cp", "2", "--dp", "2"]);
-    same("llama-tiny", 4, &["--set", "train.grad_accum=2"], &["--cp", "2", "--pp", "2"]);
     continues_on_the_cpu(&run, ("llama-tiny", &llama), &dir.join("cp2-then-cpu"), &["--cp", "2"]);
     // Ulysses: the all-to-alls through the host around the device's whole-sequence kernel
     // over each rank's heads.
