@@ -7,8 +7,11 @@
 //! It covers a whole model on one device: GPT-2, LLaMA and mixture-of-experts families, in fp32
 //! or with 16-bit working weights, and LoRA or QLoRA over a frozen base ([`frozen`]); as a
 //! data-parallel rank under ZeRO-2/3 its gradients (and weights) are a shard, each unit's
-//! reduced (and gathered) through its group as the passes reach it ([`zero`]).
-//! [`DeviceGpt::new`] refuses the rest by name ([`unsupported`]).
+//! reduced (and gathered) through its group as the passes reach it ([`zero`]). A part of a
+//! model runs with the host model's hooks lent to it: a tensor/sequence-parallel part
+//! ([`split`]), a pipeline stage ([`stage`]), an expert-parallel part ([`experts`]), a
+//! context-parallel part ([`context`]). [`DeviceGpt::new`] refuses the rest by name
+//! ([`unsupported`]).
 
 mod context;
 mod experts;
