@@ -673,6 +673,9 @@ pub fn check_plan(gpu: &Gpu, d: DeviceArg, cfg: &RunConfig, parts: &[(&model::Gp
         pp => parallel::pp::Schedule::new(pc.schedule, pp, cfg.train.grad_accum, pc.virtual_stages).map_or(1, |s| s.peak_in_flight(0)),
     };
     p.total_bytes += (sets as u64).saturating_sub(parts.len() as u64) * p.activation_bytes;
+    if pc.cp > 1 && pc.cp_mode == plan::policy::CpMode::Ulysses {
+        p.total_bytes += ulysses_staging(parts[0].0, pc.cp, rows * t * pc.cp);
+    }
     let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
     let flight = if sets > 1 { format!(", {sets} micro-batches in flight") } else { String::new() };
     let chunks = if parts.len() > 1 { format!(" for each of {} model chunks", parts.len()) } else { String::new() };
@@ -685,6 +688,22 @@ pub fn check_plan(gpu: &Gpu, d: DeviceArg, cfg: &RunConfig, parts: &[(&model::Gp
         return user(format!("train.device = {d}: {figures}: over {}'s largest buffer, {:.1} MiB", gpu.info.name, mib(gpu.info.max_buffer)));
     }
     Ok((p, figures))
+}
+
+/// The bytes Ulysses stages on a context-parallel part's device for a layer's backward (its
+/// largest moment), over `n` positions of `cp` parts: the exchanged q|k|v of the part's heads
+/// and their gradient, the output's gradient, the log-sum-exps and `D`.
+fn ulysses_staging(gpt: &model::GptConfig, cp: usize, n: usize) -> u64 {
+    let (nh, hs) = (gpt.n_head, gpt.head_size());
+    let nkv = match gpt.arch {
+        model::config::Arch::Gpt2 => nh,
+        model::config::Arch::Llama => gpt.n_kv_head,
+    };
+    let (hq, group) = (nh / cp, nh / nkv);
+    // A part's kv heads: those its query heads share (`parallel::cp`'s split).
+    let hkv = (0..cp).map(|c| ((c + 1) * hq - 1) / group - c * hq / group + 1).max().unwrap_or(1);
+    let (qkv, out, lse) = (n * (hq + 2 * hkv) * hs, n * hq * hs, n * hq);
+    4 * (2 * qkv + out + 2 * lse) as u64
 }
 
 /// One model chunk's device plan at `(rows, t)`, and a line of what its weights are.

@@ -540,6 +540,14 @@ fn context_parallel_on_devices_reproduces_one_device() {
     // Ulysses: the all-to-alls through the host around the device's whole-sequence kernel
     // over each rank's heads.
     same("shakespeare-char", 6, &["--set", "data.packing=documents"], &["--cp", "2", "--cp-mode", "ulysses"]);
+    // The device plan counts Ulysses' staging beside the ring's blocks.
+    let data = fixture("data/tinyshakespeare.txt");
+    let planned = |mode: &str| {
+        let o = kiln(&["memory", "--preset", "llama-tiny", "--data", data.to_str().unwrap(), "--device", "vulkan", "--cp", "2", "--cp-mode", mode, "--json"]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        serde_json::from_str::<serde_json::Value>(stdout(&o).trim()).unwrap()["device"]["total_bytes"].as_u64().unwrap()
+    };
+    assert!(planned("ulysses") > planned("ring"), "Ulysses' staging is planned");
 }
 
 /// `mpirun -n 2 kiln train --backend mpi --device vulkan`: one process per rank, each on its own
