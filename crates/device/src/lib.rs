@@ -410,6 +410,18 @@ impl Gpu {
         self.to_device.fetch_add(data.len() as u64 * 4, Ordering::Relaxed);
     }
 
+    /// Elements `at..at + data.len()` of an fp32 buffer overwritten with `data`.
+    pub fn write_f32(&self, dst: &Buf, at: usize, data: &[f32]) {
+        assert!(dst.dtype == DType::F32, "write_f32 into a {:?} buffer", dst.dtype);
+        self.write_words(dst, at, &data.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+    }
+
+    /// Elements `start..start + len` of an fp32 buffer (waits for every recorded kernel).
+    pub fn download_f32(&self, src: &Buf, start: usize, len: usize) -> Vec<f32> {
+        assert!(src.dtype == DType::F32, "download_f32 of a {:?} buffer", src.dtype);
+        self.download_words(src, start, len).into_iter().map(f32::from_bits).collect()
+    }
+
     /// The buffer's contents as fp32 (waits for every recorded kernel).
     pub fn download(&self, src: &Buf) -> Vec<f32> {
         let words = self.download_words(src, 0, src.dtype.words(src.len));

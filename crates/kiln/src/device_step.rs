@@ -191,6 +191,8 @@ impl DeviceRun {
             let loss_scale = if global[micro] > 0.0 { (counts[micro] / global[micro] / m as f64) as f32 } else { 0.0 };
             Pass::Train { dropout_seed: dropout_seed(cfg.train.seed, step, micro), loss_scale }
         };
+        // Whether the first chunk's gradient sum overlapped its last backward.
+        let mut reduced = false;
         match pipe.comm {
             Some(pp) => self.pipeline_tasks((pipe, pp), &batches, (rows, t), &pass),
             None => {
@@ -205,12 +207,11 @@ impl DeviceRun {
                         false => part.model.backward(),
                     }
                 }
+                reduced = overlap;
             }
         }
-        for (p, ch) in self.parts.iter().zip(chunks.iter_mut()) {
-            if !(pipe.comm.is_none() && p.overlaps(ch)) {
-                p.reduce_grads(&g, ch);
-            }
+        for (p, ch) in self.parts.iter().zip(chunks.iter_mut()).skip(reduced as usize) {
+            p.reduce_grads(&g, ch);
         }
         self.grad_norm(chunks, pipe);
         for p in &self.parts {
@@ -426,7 +427,7 @@ impl DevicePart {
         dp.wait_reductions();
         let grads = self.model.trainable().1;
         for (r, sum) in done.lock().unwrap_or_else(|e| e.into_inner()).drain(..) {
-            g.write_words(grads, r.start, &sum.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+            g.write_f32(grads, r.start, &sum);
         }
     }
 
@@ -554,11 +555,11 @@ impl DevicePart {
             return;
         }
         let grads = self.model.trainable().1;
-        let mut buf: Vec<f32> = ranges.iter().flat_map(|r| g.download_words(grads, r.start, r.len())).map(f32::from_bits).collect();
+        let mut buf: Vec<f32> = ranges.iter().flat_map(|r| g.download_f32(grads, r.start, r.len())).collect();
         comm.all_reduce_sum(&mut buf);
         let mut at = 0;
         for r in ranges {
-            g.write_words(grads, r.start, &buf[at..at + r.len()].iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+            g.write_f32(grads, r.start, &buf[at..at + r.len()]);
             at += r.len();
         }
     }

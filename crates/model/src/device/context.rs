@@ -59,7 +59,7 @@ impl DeviceGpt {
             return self.heads_forward(h, (out, lse), qkv, d, a, seed);
         }
         let (g, n) = (&*self.gpu, cx.count);
-        let mut cur = pack_kv(&g.download(qkv)[..d.b * d.t * d.qkv_width()], d);
+        let mut cur = pack_kv(&g.download_f32(qkv, 0, d.b * d.t * d.qkv_width()), d);
         let mut next = vec![0.0; cur.len()];
         for s in 0..n {
             if s + 1 < n {
@@ -91,7 +91,7 @@ impl DeviceGpt {
         let (g, n) = (&*self.gpu, cx.count);
         g.flash_d(dd, dout, out, d, d.t);
         let len = d.b * d.t * d.qkv_width();
-        let mut cur = pack_kv(&g.download(qkv)[..len], d);
+        let mut cur = pack_kv(&g.download_f32(qkv, 0, len), d);
         let (mut next, mut dnext) = (vec![0.0; cur.len()], vec![0.0; cur.len()]);
         g.clear(dkv);
         for s in 0..n {
@@ -104,7 +104,7 @@ impl DeviceGpt {
             }
             // The gradient of the keys just used travels on with them (after the last step:
             // home, to the next part, whose keys they are).
-            h.send_next(&g.download(dkv)[..cur.len()], true);
+            h.send_next(&g.download_f32(dkv, 0, cur.len()), true);
             h.recv_prev(&mut dnext, true);
             g.write(dkv, &dnext);
             if s + 1 < n {
@@ -134,7 +134,7 @@ impl DeviceGpt {
         let n = d.b * d.t;
         let starts = self.starts_of(a, n);
         let (mut o, mut l) = (vec![0.0; n * d.c()], vec![0.0; d.b * d.nh * d.t]);
-        h.heads_forward(&mut o, &mut l, &download(g, qkv, n * d.qkv_width()), d, &starts, &mut |hf| {
+        h.heads_forward(&mut o, &mut l, &g.download_f32(qkv, 0, n * d.qkv_width()), d, &starts, &mut |hf| {
             let (gq, go, gl) = (g.upload(hf.qkv), g.zeros(hf.out.len()), g.zeros(hf.lse.len()));
             let gs = (!hf.starts.is_empty()).then(|| g.upload_u32(hf.starts));
             g.flash_forward_seeded(&go, &gl, &gq, &hf.dims, gs.as_ref(), seed);
@@ -152,7 +152,7 @@ impl DeviceGpt {
         let starts = self.starts_of(a, n);
         let (w, c) = (d.qkv_width(), d.c());
         let mut dq = vec![0.0; n * w];
-        let (q, dy, y, l) = (download(g, qkv, n * w), download(g, dout, n * c), download(g, out, n * c), download(g, lse, d.b * d.nh * d.t));
+        let (q, dy, y, l) = (g.download_f32(qkv, 0, n * w), g.download_f32(dout, 0, n * c), g.download_f32(out, 0, n * c), g.download_f32(lse, 0, d.b * d.nh * d.t));
         h.heads_backward(&mut dq, &dy, &q, &y, &l, d, &starts, &mut |hb| {
             let (gq, gdy, gl, gd, gdq) = (g.upload(hb.qkv), g.upload(hb.dout), g.upload(hb.lse), g.upload(hb.d), g.zeros(hb.dqkv.len()));
             let gs = (!hb.starts.is_empty()).then(|| g.upload_u32(hb.starts));
@@ -169,11 +169,6 @@ impl DeviceGpt {
     fn starts_of(&self, a: &Acts, n: usize) -> Vec<u32> {
         if self.docs { self.gpu.download_words(&a.starts, 0, n) } else { Vec::new() }
     }
-}
-
-/// The first `len` elements of `b`.
-fn download(g: &device::Gpu, b: &Buf, len: usize) -> Vec<f32> {
-    g.download_words(b, 0, len).into_iter().map(f32::from_bits).collect()
 }
 
 /// Rows `k` of the packed keys and values in `kv` (`[B, T/cp, 2·NKV·HS]`).

@@ -118,18 +118,18 @@ impl DeviceGpt {
         // The kept rows to their experts' owners, arriving source-major, held expert-major.
         let runs = ep_runs(&recv, s.p, s.el);
         let mut staged = vec![0.0; rl * c];
-        ex.exchange_rows(&download(g, &ma.xe, rows * c), &sent, &mut staged, &received, c);
+        ex.exchange_rows(&g.download_f32(&ma.xe, 0, rows * c), &sent, &mut staged, &received, c);
         let mut xl = vec![0.0; rl * c];
         ep_permute(&mut xl, &staged, &runs, c, true);
-        upload(g, &ep.xl, &xl);
+        g.write_f32(&ep.xl, 0, &xl);
         let lo: Vec<u32> = local_offsets(&recv, s.p, s.el).iter().map(|&o| o as u32).collect();
         g.write_words(&ep.offsets, 0, &lo);
         self.experts_forward_on(mp, (&ep.xl, &ep.gul, &ep.hl, &ep.eol), (&ep.offsets, s.el), (s.per_expert, s.rows));
         // The outputs back to the rows' own parts, in their packed order.
-        ep_permute(&mut staged, &download(g, &ep.eol, rl * c), &runs, c, false);
+        ep_permute(&mut staged, &g.download_f32(&ep.eol, 0, rl * c), &runs, c, false);
         let mut eo = vec![0.0; rows * c];
         ex.exchange_rows(&staged, &received, &mut eo, &sent, c);
-        upload(g, &ma.eo, &eo);
+        g.write_f32(&ma.eo, 0, &eo);
         let me = ex.rank();
         *ep.counts.borrow_mut() = (send, recv);
         (rows - sent[me], rl - received[me])
@@ -155,16 +155,16 @@ impl DeviceGpt {
         let (rows, rl) = (sent.iter().sum::<usize>(), received.iter().sum::<usize>());
         let runs = ep_runs(&recv, s.p, s.el);
         let mut staged = vec![0.0; rl * c];
-        ex.exchange_rows(&download(g, &ms.deo, rows * c), &sent, &mut staged, &received, c);
+        ex.exchange_rows(&g.download_f32(&ms.deo, 0, rows * c), &sent, &mut staged, &received, c);
         let mut d = vec![0.0; rl * c];
         ep_permute(&mut d, &staged, &runs, c, true);
-        upload(g, dl, &d);
+        g.write_f32(dl, 0, &d);
         let grads = (dl, &ms.dh, &ms.dgu);
         self.experts_backward_on(mp, ((&ep.xl, &ep.gul, &ep.hl), grads), (&ep.offsets, s.el), ((s.per_expert, s.rows), train));
-        ep_permute(&mut staged, &download(g, dl, rl * c), &runs, c, false);
+        ep_permute(&mut staged, &g.download_f32(dl, 0, rl * c), &runs, c, false);
         let mut deo = vec![0.0; rows * c];
         ex.exchange_rows(&staged, &received, &mut deo, &sent, c);
-        upload(g, &ms.deo, &deo);
+        g.write_f32(&ms.deo, 0, &deo);
     }
 
     /// This model's first `experts` routed experts over their packed rows (`offsets`, `u32`
@@ -208,12 +208,3 @@ impl DeviceGpt {
     }
 }
 
-/// The first `len` elements of `b`.
-fn download(g: &Gpu, b: &Buf, len: usize) -> Vec<f32> {
-    g.download_words(b, 0, len).into_iter().map(f32::from_bits).collect()
-}
-
-/// `data` into the start of `b`.
-fn upload(g: &Gpu, b: &Buf, data: &[f32]) {
-    g.write_words(b, 0, &data.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
-}

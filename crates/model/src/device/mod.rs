@@ -1106,7 +1106,7 @@ impl DeviceGpt {
     fn hand(&self, sink: &mut Option<&mut dyn FnMut(std::ops::Range<usize>, Vec<f32>)>, u: usize) {
         if let Some(s) = sink.as_deref_mut() {
             let r = self.units[u].clone();
-            s(r.clone(), self.gpu.download_words(&self.grads, r.start, r.len()).into_iter().map(f32::from_bits).collect());
+            s(r.clone(), self.gpu.download_f32(&self.grads, r.start, r.len()));
         }
     }
 

@@ -94,7 +94,7 @@ impl DeviceGpt {
     /// A bias as the passes read it: the fp32 weights, rounded as the working copy is.
     fn bias_values(&self, r: &Range<usize>) -> Vec<f32> {
         let (w, at) = self.zero.as_ref().and_then(|z| z.weight_f32(r.start)).unwrap_or((&self.params, r.start));
-        let mut b: Vec<f32> = self.gpu.download_words(w, at, r.len()).into_iter().map(f32::from_bits).collect();
+        let mut b = self.gpu.download_f32(w, at, r.len());
         if let Some(fmt) = self.work.as_ref().and_then(|w| w.dtype().format()) {
             tensor::precision::round_slice(&mut b, fmt);
         }

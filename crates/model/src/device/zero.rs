@@ -134,7 +134,7 @@ impl Zero {
         }
         let (c, at) = (self.layout.chunk[u], self.layout.offset[u]);
         let shard = self.params.as_ref().expect("the stage-3 weight shard");
-        let mine: Vec<f32> = gpu.download_words(shard, at, c).into_iter().map(f32::from_bits).collect();
+        let mine = gpu.download_f32(shard, at, c);
         let all = self.group.all_gather(&mine);
         let len = self.layout.units[u].len();
         let f32 = gpu.alloc(len, DType::F32).expect("a gathered unit (the plan counts it)");
