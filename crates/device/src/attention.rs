@@ -103,14 +103,12 @@ impl Gpu {
     /// accumulates into `dqkv`; `out` and `lse` are the forward's, `scratch` holds `[B, NH, T]`
     /// (FlashAttention-2's `D = rowsum(dO ⊙ O)`). A kv head's `dk`, `dv` sum over its group's
     /// query heads in ascending order.
-    #[allow(clippy::too_many_arguments)]
-    pub fn flash_backward(&self, dqkv: &Buf, scratch: &Buf, dout: &Buf, saved: (&Buf, &Buf, &Buf), d: &GqaDims, starts: Option<&Buf>, dropout: AttnDropout) {
-        self.flash_backward_seeded(dqkv, scratch, dout, saved, d, starts, (dropout.p, self.direct_seed(dropout.seed)));
+    pub fn flash_backward(&self, dqkv: &Buf, scratch: &Buf, dout: &Buf, saved: (&Buf, &Buf, &Buf), (d, starts): (&GqaDims, Option<&Buf>), dropout: AttnDropout) {
+        self.flash_backward_seeded(dqkv, scratch, dout, saved, (d, starts), (dropout.p, self.direct_seed(dropout.seed)));
     }
 
     /// [`Gpu::flash_backward`] with the dropout seed read on the device.
-    #[allow(clippy::too_many_arguments)]
-    pub fn flash_backward_seeded(&self, dqkv: &Buf, scratch: &Buf, dout: &Buf, saved: (&Buf, &Buf, &Buf), d: &GqaDims, starts: Option<&Buf>, dropout: (f32, Seed)) {
+    pub fn flash_backward_seeded(&self, dqkv: &Buf, scratch: &Buf, dout: &Buf, saved: (&Buf, &Buf, &Buf), (d, starts): (&GqaDims, Option<&Buf>), dropout: (f32, Seed)) {
         let (qkv, out, lse) = saved;
         assert!(dqkv.len() >= d.b * d.t * d.qkv_width(), "flash_backward: shapes");
         self.flash_d(scratch, dout, out, d, d.t);

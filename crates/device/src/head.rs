@@ -172,7 +172,6 @@ impl Gpu {
     /// the gradients scaled by the clipping factor at [`slot::CLIP_SCALE`] (write 1 there to
     /// leave them), `decay` whether weight decay applies: `tensor::adamw_update`'s arithmetic
     /// with `scalars` from [`Gpu::set_adamw_scalars`].
-    #[allow(clippy::too_many_arguments)]
     pub fn adamw_update(&self, state: (&Buf, &Buf, &Buf, &Buf), at: usize, n: usize, h: &AdamW, decay: bool, scalars: &Buf) {
         self.adamw_update_at(state, Offsets { params: at, grads: at, moments: at }, n, h, decay, scalars);
     }

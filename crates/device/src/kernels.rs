@@ -95,7 +95,6 @@ impl Gpu {
     /// [`Gpu::gemm`] over expert `e`'s packed rows `offsets[e] .. offsets[e + 1]` (u32, on the
     /// device): along `ragged`, `g.m` or `g.k` is an upper bound and the views start at row 0
     /// of the packed buffers. No count comes back to the host.
-    #[allow(clippy::too_many_arguments)]
     pub fn gemm_ragged(&self, g: Gemm, c: (&Buf, MatSpec), a: (&Buf, MatSpec), b: (&Buf, MatSpec), ragged: Ragged, (offsets, e): (&Buf, usize)) {
         assert!(offsets.dtype() == DType::U32 && e + 1 < offsets.len(), "gemm_ragged: expert {e} of {} offsets", offsets.len());
         self.gemm_with(g, c, a, b, None, Some((ragged, offsets, e)));
@@ -124,15 +123,13 @@ impl Gpu {
 
     /// `out[BT, OC] = inp[BT, C] · weight[OC, C]ᵀ (+ bias[OC])`: `tensor::matmul_forward`'s
     /// twin. Overwrites `out`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn matmul_forward(&self, out: &Buf, inp: &Buf, weight: At, bias: Option<At>, bt: usize, c: usize, oc: usize) {
+    pub fn matmul_forward(&self, out: &Buf, inp: &Buf, weight: At, bias: Option<At>, (bt, c, oc): (usize, usize, usize)) {
         self.gemm(Gemm::new(bt, oc, c), (out, MatSpec::rows(0, oc)), (inp, MatSpec::rows(0, c)), (weight.buf, MatSpec::rows(weight.off, c).t()), bias);
     }
 
     /// Backward of [`Gpu::matmul_forward`]: accumulates `dinp += dout·W`, `dweight +=
     /// doutᵀ·inp`, `dbias += Σ_rows dout` (`tensor::matmul_backward`'s twin).
-    #[allow(clippy::too_many_arguments)]
-    pub fn matmul_backward(&self, grads: (&Buf, At, Option<At>), dout: &Buf, inp: &Buf, weight: At, bt: usize, c: usize, oc: usize) {
+    pub fn matmul_backward(&self, grads: (&Buf, At, Option<At>), dout: &Buf, inp: &Buf, weight: At, (bt, c, oc): (usize, usize, usize)) {
         let (dinp, dweight, dbias) = grads;
         self.gemm(Gemm::new(bt, c, oc).acc(), (dinp, MatSpec::rows(0, c)), (dout, MatSpec::rows(0, oc)), (weight.buf, MatSpec::rows(weight.off, c)), None);
         self.gemm(Gemm::new(oc, c, bt).acc(), (dweight.buf, MatSpec::rows(dweight.off, c)), (dout, MatSpec::rows(0, oc).t()), (inp, MatSpec::rows(0, c)), None);
@@ -144,8 +141,7 @@ impl Gpu {
     /// [`Gpu::matmul_backward`] overwriting `dinp` instead of accumulating into it
     /// (`tensor::matmul::matmul_backward_into_as`'s twin); the weight's and bias's gradients
     /// accumulate.
-    #[allow(clippy::too_many_arguments)]
-    pub fn matmul_backward_into(&self, grads: (&Buf, At, Option<At>), dout: &Buf, inp: &Buf, weight: At, bt: usize, c: usize, oc: usize) {
+    pub fn matmul_backward_into(&self, grads: (&Buf, At, Option<At>), dout: &Buf, inp: &Buf, weight: At, (bt, c, oc): (usize, usize, usize)) {
         let (dinp, dweight, dbias) = grads;
         self.gemm(Gemm::new(bt, c, oc), (dinp, MatSpec::rows(0, c)), (dout, MatSpec::rows(0, oc)), (weight.buf, MatSpec::rows(weight.off, c)), None);
         self.gemm(Gemm::new(oc, c, bt).acc(), (dweight.buf, MatSpec::rows(dweight.off, c)), (dout, MatSpec::rows(0, oc).t()), (inp, MatSpec::rows(0, c)), None);

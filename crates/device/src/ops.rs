@@ -47,15 +47,14 @@ impl Gpu {
     /// `out[i] = wte[tokens[i]] + wpe[i mod T]` over `tokens.len()` rows of `c`
     /// (`tensor::embedding_forward`; both tables views of one buffer).
     pub fn embedding_forward(&self, out: &Buf, tokens: &Buf, wte: At, wpe: Option<At>, t: usize, c: usize) {
-        self.embedding_forward_pos(out, tokens, (wte, wpe), None, t, c, ALL_ROWS);
+        self.embedding_forward_pos(out, tokens, (wte, wpe), None, (t, c), ALL_ROWS);
     }
 
     /// [`Gpu::embedding_forward`] with each token's position from `pos` (`[B, T]`, packed
     /// documents whose positions restart), `wte` holding vocabulary rows `rows` (a
     /// vocabulary-parallel shard's: another token's row is 0; [`ALL_ROWS`] for the whole
     /// table): `tensor::embedding_forward_rows`.
-    #[allow(clippy::too_many_arguments)] // embedding_forward's six, the positions and the rows
-    pub fn embedding_forward_pos(&self, out: &Buf, tokens: &Buf, (wte, wpe): (At, Option<At>), pos: Option<&Buf>, t: usize, c: usize, rows: Range<usize>) {
+    pub fn embedding_forward_pos(&self, out: &Buf, tokens: &Buf, (wte, wpe): (At, Option<At>), pos: Option<&Buf>, (t, c): (usize, usize), rows: Range<usize>) {
         let n = tokens.len();
         assert!(out.len() >= n * c && wpe.is_none_or(|w| w.buf.same(wte.buf) && w.fits(t * c)), "embedding_forward: shapes");
         assert!(pos.is_none_or(|p| p.len() == n), "embedding_forward: positions must be [B, T]");
@@ -66,14 +65,13 @@ impl Gpu {
     /// Backward of [`Gpu::embedding_forward`], accumulating into `dwte` (tokens in order) and
     /// `dwpe` (batch rows in order): the CPU kernel's summation order.
     pub fn embedding_backward(&self, dwte: At, dwpe: Option<At>, dout: &Buf, tokens: &Buf, t: usize, c: usize) {
-        self.embedding_backward_pos((dwte, dwpe), dout, tokens, None, t, c, ALL_ROWS);
+        self.embedding_backward_pos((dwte, dwpe), dout, tokens, None, (t, c), ALL_ROWS);
     }
 
     /// Backward of [`Gpu::embedding_forward_pos`] (`tensor::embedding_backward_rows`): `dwte`
     /// accumulates the tokens in `rows`; with positions, `dwpe`'s rows over `max_t` positions
     /// (`dwpe`'s view) sum their tokens in token order.
-    #[allow(clippy::too_many_arguments)] // as embedding_forward_pos
-    pub fn embedding_backward_pos(&self, (dwte, dwpe): (At, Option<At>), dout: &Buf, tokens: &Buf, pos: Option<(&Buf, usize)>, t: usize, c: usize, rows: Range<usize>) {
+    pub fn embedding_backward_pos(&self, (dwte, dwpe): (At, Option<At>), dout: &Buf, tokens: &Buf, pos: Option<(&Buf, usize)>, (t, c): (usize, usize), rows: Range<usize>) {
         let n = tokens.len();
         assert!(dout.len() >= n * c && (pos.is_some() || n.is_multiple_of(t)), "embedding_backward: shapes");
         let bufs = [Some(dwte.buf), Some(dout), Some(tokens), pos.map(|p| p.0)];
@@ -88,8 +86,7 @@ impl Gpu {
 
     /// `out = (inp − mean)·rstd·weight (+ bias)` per row of `c`, saving `mean` and `rstd`
     /// (`tensor::layernorm_forward`; `weight` and `bias` views of one buffer).
-    #[allow(clippy::too_many_arguments)]
-    pub fn layernorm_forward(&self, out: &Buf, mean: &Buf, rstd: &Buf, inp: &Buf, weight: At, bias: Option<At>, c: usize) {
+    pub fn layernorm_forward(&self, out: &Buf, (mean, rstd): (&Buf, &Buf), inp: &Buf, weight: At, bias: Option<At>, c: usize) {
         let rows = rstd.len();
         assert!(inp.len() >= rows * c && out.len() >= rows * c && mean.len() >= rows && weight.fits(c), "layernorm_forward: shapes");
         assert!(bias.is_none_or(|b| b.buf.same(weight.buf) && b.fits(c)), "layernorm_forward: the bias is a view of the weight's buffer");
@@ -99,7 +96,6 @@ impl Gpu {
 
     /// Backward of [`Gpu::layernorm_forward`]: accumulates into `dinp`, `dweight` and `dbias`
     /// (views of one buffer, the gradients).
-    #[allow(clippy::too_many_arguments)]
     pub fn layernorm_backward(&self, grads: (&Buf, At, Option<At>), dout: &Buf, inp: &Buf, weight: At, stats: (&Buf, &Buf), c: usize) {
         let ((dinp, dw, db), (mean, rstd)) = (grads, stats);
         let rows = rstd.len();
@@ -119,7 +115,6 @@ impl Gpu {
     }
 
     /// Backward of [`Gpu::rmsnorm_forward`]: accumulates into `dinp` and `dweight`.
-    #[allow(clippy::too_many_arguments)]
     pub fn rmsnorm_backward(&self, grads: (&Buf, At), dout: &Buf, inp: &Buf, weight: At, rstd: &Buf, c: usize) {
         let (dinp, dw) = grads;
         let rows = rstd.len();

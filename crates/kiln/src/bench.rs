@@ -213,7 +213,7 @@ fn device_steps(args: &BenchArgs, cfg: &RunConfig, ch: &mut Chunk, fill: &mut im
     let mut bytes = Vec::new();
     let times = time_steps(args, |s| {
         let before = dev.traffic();
-        dev.step(std::slice::from_mut(ch), cfg, s as u64, rows, &mut *fill, |_, _| None, &crate::step::Pipeline::single(cfg.train.grad_accum, None))?;
+        dev.step(std::slice::from_mut(ch), cfg, (s as u64, rows), &mut *fill, |_, _| None, &crate::step::Pipeline::single(cfg.train.grad_accum, None))?;
         let after = dev.traffic();
         if s >= args.warmup {
             bytes.push(after.to_device - before.to_device + after.to_host - before.to_host);

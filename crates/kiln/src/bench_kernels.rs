@@ -107,13 +107,13 @@ fn products<'a>(x: &'a Inputs, g: Option<&'a Gpu>) -> Vec<Case<'a>> {
     for (arith, dt, dtype) in [(Arith::F32, DType::F32, "f32"), (Arith::Bf16, DType::Bf16, "bf16")] {
         let mut o = vec![0.0; BT * C];
         let cpu: Run = Box::new(move |get| {
-            tensor::matmul::matmul_forward_as(arith, &mut o, inp, &x.w, Some(bias), BT, C, C);
+            tensor::matmul::matmul_forward_as(arith, &mut o, inp, &x.w, Some(bias), (BT, C, C));
             out(get, || o.clone())
         });
         let dev = g.map(|g| {
             let st = (g.upload_as(inp, dt), g.upload_as(&x.w, dt), g.upload(bias), g.zeros(BT * C));
             on(g, st, |g, (i, w, b, o)| {
-                g.matmul_forward(o, i, w.at(0), Some(b.at(0)), BT, C, C);
+                g.matmul_forward(o, i, w.at(0), Some(b.at(0)), (BT, C, C));
                 o
             })
         });
@@ -122,13 +122,13 @@ fn products<'a>(x: &'a Inputs, g: Option<&'a Gpu>) -> Vec<Case<'a>> {
     let dout = &x.dout[..BT * C];
     let (mut di, mut dw, mut db) = (vec![0.0; BT * C], vec![0.0; C * C], vec![0.0; C]);
     let cpu: Run = Box::new(move |get| {
-        tensor::matmul_backward(&mut di, &mut dw, Some(&mut db), dout, inp, &x.w, BT, C, C);
+        tensor::matmul_backward((&mut di, &mut dw, Some(&mut db)), dout, inp, &x.w, BT, C, C);
         out(get, || di.clone())
     });
     let dev = g.map(|g| {
         let st = (g.upload(inp), g.upload(&x.w), g.upload(dout), g.zeros(BT * C), g.zeros(C * C), g.zeros(C));
         on(g, st, |g, (i, w, d, di, dw, db)| {
-            g.matmul_backward((di, dw.at(0), Some(db.at(0))), d, i, w.at(0), BT, C, C);
+            g.matmul_backward((di, dw.at(0), Some(db.at(0))), d, i, w.at(0), (BT, C, C));
             di
         })
     });
@@ -205,7 +205,7 @@ fn rows<'a>(x: &'a Inputs, g: Option<&'a Gpu>) -> Vec<Case<'a>> {
     let dev = g.map(|g| {
         let st = (g.upload(inp), g.upload(&x.ln), g.zeros(BT * C), g.zeros(BT), g.zeros(BT));
         on(g, st, |g, (i, p, o, m, r)| {
-            g.layernorm_forward(o, m, r, i, p.at(0), Some(p.at(C)), C);
+            g.layernorm_forward(o, (m, r), i, p.at(0), Some(p.at(C)), C);
             o
         })
     });
@@ -216,7 +216,7 @@ fn rows<'a>(x: &'a Inputs, g: Option<&'a Gpu>) -> Vec<Case<'a>> {
     let (mut di, mut dp) = (vec![0.0; BT * C], vec![0.0; 2 * C]);
     let cpu: Run = Box::new(move |get| {
         let (dw, db) = dp.split_at_mut(C);
-        tensor::layernorm_backward(&mut di, dw, Some(db), dout, inp, w, &mean, &rstd, C);
+        tensor::layernorm_backward((&mut di, dw, Some(db)), dout, inp, w, (&mean, &rstd), C);
         out(get, || di.clone())
     });
     let dev = g.map(|g| {
@@ -377,7 +377,7 @@ fn attention<'a>(x: &'a Inputs, g: Option<&'a Gpu>) -> Vec<Case<'a>> {
     let dev = g.map(|g| {
         let st = (g.upload(&x.qkv), g.upload(&o2), g.upload(&l2), g.upload(dout), g.zeros(BT * 3 * C), g.zeros(B * NH * T));
         on(g, st, move |g, (q, o, l, dy, dq, s)| {
-            g.flash_backward(dq, s, dy, (q, o, l), &d, None, AttnDropout::NONE);
+            g.flash_backward(dq, s, dy, (q, o, l), (&d, None), AttnDropout::NONE);
             dq
         })
     });

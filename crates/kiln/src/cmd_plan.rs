@@ -235,7 +235,7 @@ mod calibrate {
         let mut r = vec![0.0f32; n * c];
         let t = best_time(reps, min_s, || {
             tensor::ops::layernorm_forward(&mut out, &mut mean, &mut rstd, &x, &w, Some(&bias), c);
-            tensor::ops::layernorm_backward(&mut dx, &mut dw, Some(&mut db), &x, &x, &w, &mean, &rstd, c);
+            tensor::ops::layernorm_backward((&mut dx, &mut dw, Some(&mut db)), &x, &x, &w, (&mean, &rstd), c);
             tensor::ops::gelu_forward(&mut g, &h);
             tensor::ops::gelu_backward(&mut dg, &g, &h);
             tensor::ops::residual_forward(&mut r, &x, &out);

@@ -50,24 +50,61 @@ struct DevicePart {
     nccl: Option<device::nccl::Nccl>,
 }
 
-/// The data-parallel group, on a communicator of its own, as a device model's ZeRO-2/3 group.
-struct HostGroup(Box<dyn parallel::Comm>);
+/// The data-parallel group, on a communicator of its own with a thread of its own, as a device
+/// model's ZeRO-2/3 group: its collectives run there while the rank's device computes.
+struct HostGroup {
+    worker: parallel::CommWorker,
+    /// Gathers on their way: their tickets and where they land.
+    gathers: std::collections::HashMap<usize, (u64, Landed)>,
+    /// Reduce-scatters' results, in the order they were started.
+    sums: Arc<std::sync::Mutex<Vec<Tagged>>>,
+}
+
+type Landed = Arc<std::sync::Mutex<Vec<f32>>>;
+/// A unit's chunk of a sum.
+type Tagged = (usize, Vec<f32>);
+
+impl HostGroup {
+    fn new(comm: Box<dyn parallel::Comm>) -> HostGroup {
+        HostGroup { worker: parallel::CommWorker::spawn(comm), gathers: Default::default(), sums: Default::default() }
+    }
+}
 
 impl model::device::ZeroGroup for HostGroup {
     fn members(&self) -> usize {
-        self.0.size()
+        self.worker.size()
     }
 
-    fn all_gather(&mut self, mine: &[f32]) -> Vec<f32> {
-        let mut out = vec![0.0; mine.len() * self.0.size()];
-        self.0.all_gather(mine, &mut out);
-        out
+    fn start_all_gather(&mut self, tag: usize, mine: Vec<f32>) {
+        let out: Landed = Default::default();
+        let land = out.clone();
+        let ticket = self.worker.submit("all_gather unit", Some(tag), move |c| {
+            let mut all = vec![0.0; mine.len() * c.size()];
+            c.all_gather(&mine, &mut all);
+            *land.lock().unwrap_or_else(|e| e.into_inner()) = all;
+        });
+        assert!(self.gathers.insert(tag, (ticket, out)).is_none(), "unit {tag} gathered twice at once");
     }
 
-    fn reduce_scatter(&mut self, full: &[f32]) -> Vec<f32> {
-        let mut out = vec![0.0; full.len() / self.0.size()];
-        self.0.reduce_scatter_sum(full, &mut out);
-        out
+    fn gathered(&mut self, tag: usize) -> Vec<f32> {
+        let (ticket, out) = self.gathers.remove(&tag).unwrap_or_else(|| panic!("unit {tag} taken before its gather started"));
+        self.worker.wait(ticket);
+        let all = std::mem::take(&mut *out.lock().unwrap_or_else(|e| e.into_inner()));
+        all
+    }
+
+    fn start_reduce_scatter(&mut self, tag: usize, full: Vec<f32>) {
+        let sums = self.sums.clone();
+        self.worker.submit("reduce_scatter unit", Some(tag), move |c| {
+            let mut mine = vec![0.0; full.len() / c.size()];
+            c.reduce_scatter_sum(&full, &mut mine);
+            sums.lock().unwrap_or_else(|e| e.into_inner()).push((tag, mine));
+        });
+    }
+
+    fn reduced(&mut self) -> Vec<(usize, Vec<f32>)> {
+        self.worker.wait_all();
+        std::mem::take(&mut *self.sums.lock().unwrap_or_else(|e| e.into_inner()))
     }
 }
 
@@ -140,8 +177,7 @@ impl DeviceRun {
     /// through the host). A part's passes call the host model's hooks (lent for the step); a
     /// pipeline stage runs its tasks of `pipe`'s schedule, the activations and their gradients
     /// sent between the stages through the host; `pipe`'s groups sum the gradient norm's parts.
-    #[allow(clippy::too_many_arguments)] // the CPU step's, and the pipeline
-    pub fn step(&mut self, chunks: &mut [Chunk], cfg: &RunConfig, step: u64, rows: usize, fill: impl FnMut(usize, &mut RowBuf), veto: impl FnMut(f32, f64) -> Option<&'static str>, pipe: &Pipeline) -> Result<StepOut> {
+    pub fn step(&mut self, chunks: &mut [Chunk], cfg: &RunConfig, (step, rows): (u64, usize), fill: impl FnMut(usize, &mut RowBuf), veto: impl FnMut(f32, f64) -> Option<&'static str>, pipe: &Pipeline) -> Result<StepOut> {
         self.swap_hooks(chunks);
         let out = self.step_lent(chunks, cfg, (step, rows), fill, veto, pipe);
         self.swap_hooks(chunks);
@@ -382,7 +418,7 @@ impl DevicePart {
             2 | 3 => {
                 let sh = &ch.dp.shards;
                 let layout = model::device::ShardLayout { rank: sh.rank, units: sh.units.clone(), chunk: sh.chunk.clone(), offset: sh.offset.clone(), len: sh.len };
-                let group = Box::new(HostGroup(ch.dp.split_group()));
+                let group = Box::new(HostGroup::new(ch.dp.split_group()));
                 DeviceGpt::with_zero(gpu.clone(), &host, zero, layout, group)
             }
             _ => DeviceGpt::new(gpu.clone(), &host),
@@ -771,4 +807,38 @@ fn put_master(ch: &mut Chunk, w: &[f32]) {
         }
     });
     ch.dp.after_update();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::HostGroup;
+    use model::device::ZeroGroup;
+    use std::sync::mpsc;
+
+    /// A device rank's ZeRO collectives do not wait for the group: rank 0 starts its gather and
+    /// reduce-scatter and goes on before rank 1 has started its own (a blocking collective
+    /// would hang here), and the results, taken later, are the group's.
+    #[test]
+    fn zero_collectives_return_before_the_group_meets() {
+        let mut comms = parallel::InProcess::world(2).into_iter();
+        let (first, second) = (comms.next().unwrap(), comms.next().unwrap());
+        let (go, wait) = mpsc::channel::<()>();
+        let peer = std::thread::spawn(move || {
+            let mut g = HostGroup::new(Box::new(second));
+            wait.recv().unwrap();
+            g.start_all_gather(5, vec![3.0, 4.0]);
+            g.start_reduce_scatter(5, vec![10.0, 20.0, 30.0, 40.0]);
+            (g.gathered(5), g.reduced())
+        });
+        let mut g = HostGroup::new(Box::new(first));
+        g.start_all_gather(5, vec![1.0, 2.0]);
+        g.start_reduce_scatter(5, vec![1.0, 2.0, 3.0, 4.0]);
+        // Rank 1 starts only now, after rank 0 has returned from both.
+        go.send(()).unwrap();
+        assert_eq!(g.gathered(5), vec![1.0, 2.0, 3.0, 4.0]);
+        assert_eq!(g.reduced(), vec![(5, vec![11.0, 22.0])]);
+        let (all, sums) = peer.join().unwrap();
+        assert_eq!(all, vec![1.0, 2.0, 3.0, 4.0]);
+        assert_eq!(sums, vec![(5, vec![33.0, 44.0])]);
+    }
 }

@@ -613,7 +613,7 @@ fn activation_rows(out: &mut Rows, cfg: &RunConfig, r: &RankShape) -> Activation
     out.add(Kind::Other, held, "token batch, rotary tables", b4(batch, 4) + b4(rope, 4), String::new());
     if par.cp > 1 {
         let docs = cfg.data.packing == crate::config::Packing::Documents;
-        let x = parallel::cp::exchange_floats(local.n_head, local.n_kv_head, local.head_size(), rows, t, par.cp, par.cp_mode, docs);
+        let x = parallel::cp::exchange_floats((local.n_head, local.n_kv_head, local.head_size()), rows, t, par.cp, par.cp_mode, docs);
         let what = match par.cp_mode {
             plan::policy::CpMode::Ring => "ring attention: the held and the arriving key/value blocks and their gradients",
             plan::policy::CpMode::Ulysses => "Ulysses: an all-to-all's send, receive and reassembled q|k|v",

@@ -10,9 +10,8 @@ pub const PRESETS: &[&str] = &[
     "llama2-7b", "llama3-8b", "mixtral-8x7b", "deepseek-v2-lite",
 ];
 
-/// A published LLaMA-family shape (config only).
-#[allow(clippy::too_many_arguments)]
-fn llama_shape(c: &mut RunConfig, n_layer: usize, n_embd: usize, n_head: usize, n_kv_head: usize, ffn: usize, block: usize, vocab: usize, theta: f64) {
+/// A published LLaMA-family shape (config only): `(n_layer, n_embd, n_head, n_kv_head, ffn)`.
+fn llama_shape(c: &mut RunConfig, (n_layer, n_embd, n_head, n_kv_head, ffn): (usize, usize, usize, usize, usize), block: usize, vocab: usize, theta: f64) {
     c.model = ModelSection {
         arch: model::config::Arch::Llama, n_layer, n_head, n_kv_head, n_embd, ffn_hidden: ffn, rope_theta: theta,
         block_size: block, vocab_size: vocab, bias: false, dropout: 0.0, tied_embeddings: false, ..c.model.clone()
@@ -120,18 +119,18 @@ pub fn preset(name: &str) -> Result<RunConfig> {
             c.sample.prompt = "The ".into();
         }
         // Touvron et al. 2023 (Llama 2), Table 1 / the HF config.
-        "llama2-7b" => llama_shape(&mut c, 32, 4096, 32, 32, 11008, 4096, 32000, 10000.0),
+        "llama2-7b" => llama_shape(&mut c, (32, 4096, 32, 32, 11008), 4096, 32000, 10000.0),
         // Meta Llama 3 8B (HF config): GQA with 8 kv heads, rope base 500000.
-        "llama3-8b" => llama_shape(&mut c, 32, 4096, 32, 8, 14336, 8192, 128256, 500000.0),
+        "llama3-8b" => llama_shape(&mut c, (32, 4096, 32, 8, 14336), 8192, 128256, 500000.0),
         // Jiang et al. 2024 (Mixtral of Experts): 8 experts, top-2.
         "mixtral-8x7b" => {
-            llama_shape(&mut c, 32, 4096, 32, 8, 14336, 32768, 32000, 1e6);
+            llama_shape(&mut c, (32, 4096, 32, 8, 14336), 32768, 32000, 1e6);
             (c.model.n_expert, c.model.top_k) = (8, 2);
         }
         // DeepSeek-V2-Lite-style MoE (DeepSeek-AI 2024): 64 fine-grained routed experts, top-6,
         // 2 shared. Its multi-head latent attention is modelled as plain multi-head attention.
         "deepseek-v2-lite" => {
-            llama_shape(&mut c, 27, 2048, 16, 16, 1408, 4096, 102400, 10000.0);
+            llama_shape(&mut c, (27, 2048, 16, 16, 1408), 4096, 102400, 10000.0);
             (c.model.n_expert, c.model.top_k, c.model.n_shared_expert) = (64, 6, 2);
         }
         _ => return user(format!("unknown preset `{name}` (known: {})", PRESETS.join(", "))),

@@ -243,5 +243,6 @@ pub fn lock(dir: &Path) -> Result<RunLock> {
     let me = serde_json::json!({"pid": std::process::id(), "since": since}).to_string() + "\n";
     use std::io::Write;
     f.set_len(0).and_then(|_| (&f).write_all(me.as_bytes())).map_err(|e| crate::error::io_err(&path, e))?;
+    crate::memory::track::note_run_dir(dir, &path, created);
     Ok(RunLock { _file: Some(f), dir: dir.to_path_buf(), created })
 }

@@ -406,9 +406,9 @@ impl Optimizer {
     }
 
     /// 0/1 Adam's update of one piece on the ranks' averaged gradient (`grads`, the piece's),
-    /// updating the variance only with `update_v` (`tensor::optim::zeroone_update`).
-    #[allow(clippy::too_many_arguments)]
-    pub fn update_piece_zeroone(&mut self, params: &mut [f32], grads: &[f32], piece: &parallel::Piece, cfg: &RunConfig, lr: f64, t: u64, var_updates: u64, update_v: bool) {
+    /// at learning rate `lr` and step `t`, updating the variance only with `update_v`
+    /// (`tensor::optim::zeroone_update`).
+    pub fn update_piece_zeroone(&mut self, params: &mut [f32], grads: &[f32], piece: &parallel::Piece, cfg: &RunConfig, (lr, t): (f64, u64), (var_updates, update_v): (u64, bool)) {
         assert!(self.master.is_none(), "0/1 Adam runs in fp32 only (config validation refuses mixed precision)");
         for (r, off, h) in self.segments(piece, cfg, lr, t) {
             let moments = off + r.start..off + r.end;
@@ -419,9 +419,8 @@ impl Optimizer {
 
     /// 1-bit Adam's update of one piece in the compression stage: the momentum `m` is given
     /// (already averaged over the ranks) and stored; the variance stays as the warm-up left it,
-    /// with its bias correction frozen at step `frozen_at`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn update_piece_frozen(&mut self, params: &mut [f32], m: &[f32], piece: &parallel::Piece, cfg: &RunConfig, lr: f64, t: u64, frozen_at: u64) {
+    /// with its bias correction frozen at step `frozen_at`; at learning rate `lr` and step `t`.
+    pub fn update_piece_frozen(&mut self, params: &mut [f32], m: &[f32], piece: &parallel::Piece, cfg: &RunConfig, (lr, t): (f64, u64), frozen_at: u64) {
         let rbc2 = (1.0 / (1.0 - cfg.train.beta2.powi(frozen_at as i32)).sqrt()) as f32;
         for (r, off, h) in self.segments(piece, cfg, lr, t) {
             let (lo, hi) = (r.start, r.end);
@@ -486,7 +485,7 @@ fn onebit_step(ch: &mut Chunk, cfg: &RunConfig, step: u64, lr: f64, check: &mut 
     });
     opt.compression = Some(CompressionState::OneBit(st));
     let frozen_at = cfg.parallel.compression_warmup;
-    ch.dp.for_each_piece(|piece, params, _| opt.update_piece_frozen(params, &mom, piece, cfg, lr, step + 1, frozen_at));
+    ch.dp.for_each_piece(|piece, params, _| opt.update_piece_frozen(params, &mom, piece, cfg, (lr, step + 1), frozen_at));
     ch.dp.after_update();
     (norm, None)
 }
@@ -528,7 +527,7 @@ fn zeroone_step(ch: &mut Chunk, cfg: &RunConfig, step: u64, lr: f64, kind: paral
             let ob = std::mem::replace(&mut st.onebit, OneBit::new(0, n, rank));
             let (ob, g) = onebit_mean(&mut ch.dp, ob, g);
             st.onebit = ob;
-            ch.dp.for_each_piece(|piece, params, _| opt.update_piece_zeroone(params, &g[piece.shard.clone()], piece, cfg, lr, t, var_updates, false));
+            ch.dp.for_each_piece(|piece, params, _| opt.update_piece_zeroone(params, &g[piece.shard.clone()], piece, cfg, (lr, t), (var_updates, false)));
         }
         ZeroOneKind::Local { var_updates, sync, .. } => {
             if !st.anchored {
@@ -546,7 +545,7 @@ fn zeroone_step(ch: &mut Chunk, cfg: &RunConfig, step: u64, lr: f64, kind: paral
                     let d = st.decay_for(&h);
                     let e = off + r.start..off + r.end;
                     let (m, v) = (&mut opt.m[e.clone()], &opt.v[e.clone()]);
-                    tensor::optim::zeroone_local(&mut params[r], &g[e.clone()], m, v, &mut st.acc[e.clone()], &st.anchor[e], &h, var_updates, d);
+                    tensor::optim::zeroone_local(&mut params[r], &g[e.clone()], (m, v), (&mut st.acc[e.clone()], &st.anchor[e]), &h, var_updates, d);
                 }
             });
             // The momentum after a sync is the moves' average per unit of step size, which
@@ -854,23 +853,10 @@ pub fn train_step(
     }
     // The update is decided from the global loss and gradient norm, so every rank agrees.
     let mut check = |norm: f64| if !(loss.is_finite() && norm.is_finite()) { Some("non-finite loss or gradient norm") } else { veto(loss, norm) };
-    let (lr, clip) = (cfg.lr_at(step), cfg.train.grad_clip);
+    let lr = cfg.lr_at(step);
     if chunks[0].model.lora.is_some() {
-        let ch = &mut chunks[0];
-        let lo = ch.model.lora.as_mut().unwrap();
-        ch.dp.reduce_adapters(&mut lo.grads);
-        let norm = sum_squares(&lo.grads).sqrt();
-        if let Some(why) = check(norm) {
-            return out(norm, Some(why));
-        }
-        if let Some(wait) = pipe.before_update {
-            wait();
-        }
-        if clip > 0.0 && norm > clip {
-            scale_in_place(&mut lo.grads, (clip / (norm + 1e-6)) as f32);
-        }
-        ch.opt.update(&mut lo.params, &lo.grads, cfg, lr, step + 1);
-        return out(norm, None);
+        let (norm, skipped) = lora_update(&mut chunks[0], pipe, cfg, step, &mut check);
+        return out(norm, skipped);
     }
     if let (Some(kind), None) = (zeroone, variance_step) {
         if let Some(wait) = pipe.before_update {
@@ -912,19 +898,47 @@ pub fn train_step(
         }
     }
     let norm = global_grad_norm(chunks, pipe, &tied);
-    // fp16: the gradients carry the loss scale; an overflow skips the update.
+    let (norm, skipped) = dense_update(chunks, pipe, cfg, (step, variance_step), (norm, loss), &mut check);
+    out(norm, skipped)
+}
+
+/// The LoRA adapters' update: their gradients summed over the data-parallel group, the
+/// vetoes on their norm, clipping, AdamW. The norm, and why the update was skipped.
+fn lora_update(ch: &mut Chunk, pipe: &Pipeline, cfg: &RunConfig, step: u64, check: &mut dyn FnMut(f64) -> Option<&'static str>) -> (f64, Option<&'static str>) {
+    let lo = ch.model.lora.as_mut().expect("LoRA adapters");
+    ch.dp.reduce_adapters(&mut lo.grads);
+    let norm = sum_squares(&lo.grads).sqrt();
+    if let Some(why) = check(norm) {
+        return (norm, Some(why));
+    }
+    if let Some(wait) = pipe.before_update {
+        wait();
+    }
+    let clip = cfg.train.grad_clip;
+    if clip > 0.0 && norm > clip {
+        scale_in_place(&mut lo.grads, (clip / (norm + 1e-6)) as f32);
+    }
+    ch.opt.update(&mut lo.params, &lo.grads, cfg, cfg.lr_at(step), step + 1);
+    (norm, None)
+}
+
+/// The update of every chunk's pieces from the global gradient `norm`: fp16's loss scale
+/// taken out (an overflow skips the step and halves it), the vetoes, clipping, and AdamW (0/1
+/// Adam's variance step when `variance_step` says so). The unscaled norm, and why the update
+/// was skipped.
+fn dense_update(chunks: &mut [Chunk], pipe: &mut Pipeline, cfg: &RunConfig, (step, variance_step): (u64, Option<u64>), (norm, loss): (f64, f32), check: &mut dyn FnMut(f64) -> Option<&'static str>) -> (f64, Option<&'static str>) {
     let unscale = match pipe.scaler.as_deref_mut() {
         Some(sc) if !norm.is_finite() && loss.is_finite() => {
             sc.scale = (sc.scale / 2.0).max(1.0);
             sc.good = 0;
-            return out(norm, Some(FP16_OVERFLOW));
+            return (norm, Some(FP16_OVERFLOW));
         }
         Some(sc) => 1.0 / sc.scale,
         None => 1.0,
     };
     let norm = norm * unscale;
     if let Some(why) = check(norm) {
-        return out(norm, Some(why));
+        return (norm, Some(why));
     }
     if let Some(sc) = pipe.scaler.as_deref_mut() {
         sc.good += 1;
@@ -935,6 +949,7 @@ pub fn train_step(
     if let Some(wait) = pipe.before_update {
         wait();
     }
+    let (lr, clip) = (cfg.lr_at(step), cfg.train.grad_clip);
     let clip_scale = if clip > 0.0 && norm > clip { clip / (norm + 1e-6) } else { 1.0 };
     for ch in chunks.iter_mut() {
         if clip_scale * unscale != 1.0 {
@@ -942,12 +957,12 @@ pub fn train_step(
         }
         let opt = &mut ch.opt;
         match variance_step {
-            Some(cv) => ch.dp.for_each_piece(|piece, params, grads| opt.update_piece_zeroone(params, grads, piece, cfg, lr, step + 1, cv, true)),
+            Some(cv) => ch.dp.for_each_piece(|piece, params, grads| opt.update_piece_zeroone(params, grads, piece, cfg, (lr, step + 1), (cv, true))),
             None => ch.dp.for_each_piece(|piece, params, grads| opt.update_piece(params, grads, piece, cfg, lr, step + 1)),
         }
         ch.dp.after_update();
     }
-    out(norm, None)
+    (norm, None)
 }
 
 /// One micro-batch's rows: inputs, targets and, for packed documents, each token's document
@@ -1094,7 +1109,7 @@ impl<'b> Executor<'b> {
                 let loss_scale = if global[task.mb] > 0.0 { (s * counts[task.mb] / global[task.mb] / m as f64) as f32 } else { 0.0 };
                 let pass = Pass::Train { dropout_seed: dropout_seed(self.cfg.train.seed, self.step, task.mb), loss_scale };
                 let _p = profile::scope("forward");
-                ch.model.forward_with(&mut ch.dp, &rb.x, &rb.y, rb.docs(), rows, t, pass);
+                ch.model.forward_with(&mut ch.dp, &rb.x, &rb.y, rb.docs(), (rows, t), pass);
             } else {
                 ch.dp.begin_micro(task.mb + 1 == m);
                 let _p = profile::scope("backward");

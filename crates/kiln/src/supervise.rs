@@ -172,59 +172,8 @@ pub fn run(argv: &[String], targs: &crate::config::TrainArgs, sv: &Supervise, st
         let mut child: Child = cmd.spawn().map_err(|e| KilnError::Internal(format!("cannot start the training process: {e}")))?;
         launched = true;
         eprintln!("supervisor: training process {} started{}", child.id(), if restarts > 0 { format!(" (restart {restarts} of {})", sv.max_restarts) } else { String::new() });
-        // Wait for it to exit, or to stop beating; an elastic MPI world's every rank reports
-        // within faults.rejoin_timeout_s, or those that do not are lost.
-        let mut roll_call = mpi && elastic;
-        // The roll call's clock starts at the first rank's report (every rank loads the data and
-        // plans its memory first); with none, after the start-up grace.
-        let mut first_report: Option<Instant> = None;
-        let mut forwarded = false;
-        let outcome = loop {
-            if let Some(status) = child.try_wait().map_err(|e| KilnError::Internal(format!("waiting for the training process: {e}")))? {
-                break Ok(status);
-            }
-            // Ctrl-C: the launcher has its own process group, so pass it on (once).
-            if mpi && !forwarded && stop.load(Ordering::SeqCst) {
-                unsafe {
-                    libc::kill(-(child.id() as i32), libc::SIGINT);
-                }
-                forwarded = true;
-            }
-            if roll_call {
-                let live = &world.pool.live;
-                let missing: Vec<usize> = live.iter().copied().filter(|s| !run_dir.join(format!("{SLOT_BEAT}{s}")).exists()).collect();
-                if missing.len() < live.len() {
-                    first_report.get_or_insert_with(Instant::now);
-                }
-                let waited = first_report.map_or(started.elapsed().as_secs_f64() - STARTUP_GRACE.as_secs_f64(), |t| t.elapsed().as_secs_f64());
-                if missing.is_empty() {
-                    roll_call = false;
-                } else if waited > cfg0.faults.rejoin_timeout_s {
-                    kill_group(&mut child);
-                    break Err(Absent::Ranks(missing));
-                }
-            }
-            let beat = heartbeat(&run_dir).filter(|h| Some(h.0) != before);
-            if let Some((_, s)) = beat {
-                step = step.max(s);
-            }
-            // Until its first heartbeat a process is starting up (loading data, measuring the
-            // matmul peak): it gets at least STARTUP_GRACE.
-            let (quiet_for, limit) = match beat {
-                Some((t, _)) => (t.elapsed().unwrap_or_default(), sv.heartbeat_timeout),
-                None => (started.elapsed(), sv.heartbeat_timeout.max(STARTUP_GRACE)),
-            };
-            if quiet_for > limit && !stop.load(Ordering::SeqCst) {
-                if mpi {
-                    kill_group(&mut child);
-                } else {
-                    let _ = child.kill();
-                    let _ = child.wait();
-                }
-                break Err(Absent::Heartbeat(quiet_for));
-            }
-            std::thread::sleep(Duration::from_millis(200));
-        };
+        let watch = Watch { run_dir: &run_dir, mpi, stop, heartbeat_timeout: sv.heartbeat_timeout, rejoin_timeout_s: cfg0.faults.rejoin_timeout_s };
+        let outcome = watch.wait(&mut child, (mpi && elastic).then_some(&world.pool.live[..]), (started, before), &mut step)?;
         if let Some((_, s)) = heartbeat(&run_dir).filter(|h| Some(h.0) != before) {
             step = step.max(s);
         }
@@ -252,6 +201,76 @@ pub fn run(argv: &[String], targs: &crate::config::TrainArgs, sv: &Supervise, st
         if give_up {
             return Err(KilnError::Internal(format!("training failed {} times ({event} at step {step}: {detail}); the newest valid checkpoint in {} is intact", restarts, run_dir.display())));
         }
+    }
+}
+
+/// What the supervisor watches a worker by.
+struct Watch<'a> {
+    run_dir: &'a Path,
+    mpi: bool,
+    stop: &'a AtomicBool,
+    heartbeat_timeout: Duration,
+    rejoin_timeout_s: f64,
+}
+
+impl Watch<'_> {
+    /// Waits for `child` (started at `started`, the heartbeat then `before`) to exit, to stop
+    /// beating, or, for an elastic MPI world whose live ranks are `live`, to leave ranks
+    /// unreported; the highest step its heartbeats reached goes into `step`.
+    fn wait(&self, child: &mut Child, live: Option<&[usize]>, (started, before): (Instant, Option<SystemTime>), step: &mut u64) -> Result<std::result::Result<std::process::ExitStatus, Absent>> {
+        // An elastic MPI world's every rank reports within faults.rejoin_timeout_s, or those
+        // that do not are lost.
+        let mut roll_call = live.is_some();
+        // The roll call's clock starts at the first rank's report (every rank loads the data and
+        // plans its memory first); with none, after the start-up grace.
+        let mut first_report: Option<Instant> = None;
+        let mut forwarded = false;
+        Ok(loop {
+            if let Some(status) = child.try_wait().map_err(|e| KilnError::Internal(format!("waiting for the training process: {e}")))? {
+                break Ok(status);
+            }
+            // Ctrl-C: the launcher has its own process group, so pass it on (once).
+            if self.mpi && !forwarded && self.stop.load(Ordering::SeqCst) {
+                unsafe {
+                    libc::kill(-(child.id() as i32), libc::SIGINT);
+                }
+                forwarded = true;
+            }
+            if roll_call {
+                let live = live.unwrap_or_default();
+                let missing: Vec<usize> = live.iter().copied().filter(|s| !self.run_dir.join(format!("{SLOT_BEAT}{s}")).exists()).collect();
+                if missing.len() < live.len() {
+                    first_report.get_or_insert_with(Instant::now);
+                }
+                let waited = first_report.map_or(started.elapsed().as_secs_f64() - STARTUP_GRACE.as_secs_f64(), |t| t.elapsed().as_secs_f64());
+                if missing.is_empty() {
+                    roll_call = false;
+                } else if waited > self.rejoin_timeout_s {
+                    kill_group(child);
+                    break Err(Absent::Ranks(missing));
+                }
+            }
+            let beat = heartbeat(self.run_dir).filter(|h| Some(h.0) != before);
+            if let Some((_, s)) = beat {
+                *step = (*step).max(s);
+            }
+            // Until its first heartbeat a process is starting up (loading data, measuring the
+            // matmul peak): it gets at least STARTUP_GRACE.
+            let (quiet_for, limit) = match beat {
+                Some((t, _)) => (t.elapsed().unwrap_or_default(), self.heartbeat_timeout),
+                None => (started.elapsed(), self.heartbeat_timeout.max(STARTUP_GRACE)),
+            };
+            if quiet_for > limit && !self.stop.load(Ordering::SeqCst) {
+                if self.mpi {
+                    kill_group(child);
+                } else {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                }
+                break Err(Absent::Heartbeat(quiet_for));
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        })
     }
 }
 

@@ -13,7 +13,7 @@ use std::time::Instant;
 const POLICIES: [Recompute; 3] = [Recompute::None, Recompute::Selective, Recompute::Full];
 
 fn main() {
-    let cfg = GptConfig::gpt2(4, 4, 128, 64, 65, false, 0.0, true);
+    let cfg = GptConfig::gpt2((4, 4, 128), 64, 65, false, 0.0, true);
     let (b, t) = (12, 64);
     let tokens: Vec<u32> = (0..b * t).map(|i| ((i * 31 + 7) % 65) as u32).collect();
     let targets: Vec<i32> = (0..b * t).map(|i| ((i * 17 + 3) % 65) as i32).collect();

@@ -302,9 +302,8 @@ pub struct GptConfig {
 }
 
 impl GptConfig {
-    /// A GPT-2-family config with the usual derived sizes.
-    #[allow(clippy::too_many_arguments)]
-    pub fn gpt2(n_layer: usize, n_head: usize, n_embd: usize, block_size: usize, vocab_size: usize, bias: bool, dropout: f32, tied: bool) -> GptConfig {
+    /// A GPT-2-family config of `(n_layer, n_head, n_embd)` with the usual derived sizes.
+    pub fn gpt2((n_layer, n_head, n_embd): (usize, usize, usize), block_size: usize, vocab_size: usize, bias: bool, dropout: f32, tied: bool) -> GptConfig {
         GptConfig {
             arch: Arch::Gpt2, n_layer, n_head, n_kv_head: n_head, n_embd, ffn_hidden: 4 * n_embd, block_size, vocab_size,
             bias, dropout, tied_embeddings: tied, rope_theta: defaults::ROPE_THETA as f32, rope_scaling: None, qkv_bias: false, pad_token_id: None, qk_norm: false, fused_proj: false, sliding_window: 0, attn_sinks: 0, window_layers: Vec::new(), head_dim: 0, rotary_dim: 0, norm_eps: defaults::NORM_EPS as f32,
@@ -315,7 +314,7 @@ impl GptConfig {
 
     /// GPT-2 small (124M), Radford et al. 2019, with the vocabulary padded to 50304.
     pub fn gpt2_124m() -> GptConfig {
-        GptConfig::gpt2(12, 12, 768, 1024, 50304, true, 0.0, true)
+        GptConfig::gpt2((12, 12, 768), 1024, 50304, true, 0.0, true)
     }
 
     /// LLaMA's SwiGLU width for `n_embd` channels: 2/3 of 4·n_embd, rounded up to a multiple

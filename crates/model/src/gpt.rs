@@ -829,7 +829,7 @@ impl Gpt {
 
     fn forward_local(&mut self, tokens: &[u32], targets: &[i32], docs: Option<Docs>, b: usize, t: usize, pass: Pass) -> f32 {
         let (params, mut grads, units) = (std::mem::take(&mut self.params), std::mem::take(&mut self.grads), std::mem::take(&mut self.units));
-        let loss = self.forward_with(&mut Local { params: &params, grads: &mut grads, units: &units }, tokens, targets, docs, b, t, pass);
+        let loss = self.forward_with(&mut Local { params: &params, grads: &mut grads, units: &units }, tokens, targets, docs, (b, t), pass);
         (self.params, self.grads, self.units) = (params, grads, units);
         loss
     }
@@ -840,12 +840,11 @@ impl Gpt {
     ///
     /// A context-parallel part (`place.context`) is given the whole rows and runs on its
     /// positions of them: its activations, losses and `stage_*` buffers are `[B, T/cp, ·]`.
-    #[allow(clippy::too_many_arguments)] // the pass's inputs, its shape and kind: all needed
-    pub fn forward_with(&mut self, store: &mut dyn UnitStore, tokens: &[u32], targets: &[i32], docs: Option<Docs>, b: usize, t: usize, pass: Pass) -> f32 {
+    pub fn forward_with(&mut self, store: &mut dyn UnitStore, tokens: &[u32], targets: &[i32], docs: Option<Docs>, (b, t): (usize, usize), pass: Pass) -> f32 {
         // transformers picks LongRoPE's tables by the whole rows' largest position + 1.
         let span = pass_len(&docs, t);
         let Some(cx) = self.cfg.place.context else {
-            return self.forward_rows(store, tokens, targets, docs, b, t, pass, span);
+            return self.forward_rows(store, tokens, targets, docs, (b, t, span), pass);
         };
         assert!(tokens.len() == b * t && targets.len() == b * t, "tokens and targets must be [B, T]");
         if let Some(d) = &docs {
@@ -861,14 +860,13 @@ impl Gpt {
                 (Vec::new(), (0..b).flat_map(|_| p.iter().copied()).collect())
             }
         };
-        self.forward_rows(store, &tk, &tg, Some(Docs { start: &start, pos: &pos }), b, t / cx.count, pass, span)
+        self.forward_rows(store, &tk, &tg, Some(Docs { start: &start, pos: &pos }), (b, t / cx.count, span), pass)
     }
 
     /// [`Gpt::forward_with`] on rows this part holds whole (under context parallelism, its
-    /// positions, `docs` then in global positions).
-    #[allow(clippy::too_many_arguments)] // forward_with's
-    /// `span`: the whole rows' pass length ([`Acts::span`]).
-    fn forward_rows(&mut self, store: &mut dyn UnitStore, tokens: &[u32], targets: &[i32], docs: Option<Docs>, b: usize, t: usize, pass: Pass, span: usize) -> f32 {
+    /// positions, `docs` then in global positions), `[B, T]`, `span` the whole rows' pass length
+    /// ([`Acts::span`]).
+    fn forward_rows(&mut self, store: &mut dyn UnitStore, tokens: &[u32], targets: &[i32], docs: Option<Docs>, (b, t, span): (usize, usize, usize), pass: Pass) -> f32 {
         assert_eq!(targets.len(), b * t);
         let (p_drop, seed, loss_scale) = match pass {
             Pass::Eval => (0.0, 0, None),
@@ -877,7 +875,7 @@ impl Gpt {
         let hu = self.unit_views.head_unit();
         let head_access = Access::Head { train: loss_scale.is_some() };
         let head = self.cfg.has_head();
-        self.trunk_forward(store, tokens, docs, b, t, span, Dropout { p: p_drop, seed }, head.then_some((hu, head_access)), loss_scale.is_some());
+        self.trunk_forward(store, tokens, docs, (b, t, span), (Dropout { p: p_drop, seed }, loss_scale.is_some()), head.then_some((hu, head_access)));
         let (c, vp, v) = (self.cfg.n_embd, self.cfg.vocab_size, self.real_vocab);
         let a = self.acts.as_mut().unwrap();
         a.loss_scale = loss_scale.unwrap_or(1.0);
@@ -938,7 +936,7 @@ impl Gpt {
     /// inference and tests, not for training.
     pub fn forward_logits(&mut self, tokens: &[u32], b: usize, t: usize) -> Vec<f32> {
         let (params, mut grads, units) = (std::mem::take(&mut self.params), std::mem::take(&mut self.grads), std::mem::take(&mut self.units));
-        self.trunk_forward(&mut Local { params: &params, grads: &mut grads, units: &units }, tokens, None, b, t, t, Dropout { p: 0.0, seed: 0 }, None, false);
+        self.trunk_forward(&mut Local { params: &params, grads: &mut grads, units: &units }, tokens, None, (b, t, t), (Dropout { p: 0.0, seed: 0 }, false), None);
         (self.params, self.grads, self.units) = (params, grads, units);
         let (c, vp) = (self.cfg.n_embd, self.cfg.vocab_size);
         let mut logits = vec![0.0; b * t * vp];
@@ -950,9 +948,9 @@ impl Gpt {
     /// Embedding, blocks and the final norm; leaves `ln_f` in the activations. `then` is the
     /// unit the caller acquires next (the head), for the store's prefetch. `docs` is kept in the
     /// activations. `train`: a training pass (an evaluation's blocks stash nothing: no backward
-    /// reads them).
-    #[allow(clippy::too_many_arguments)] // forward_with's, less the targets, plus the dropout, prefetch and pass kind
-    fn trunk_forward(&mut self, store: &mut dyn UnitStore, tokens: &[u32], docs: Option<Docs>, b: usize, t: usize, span: usize, drop: Dropout, then: Option<(usize, Access)>, train: bool) {
+    /// reads them), with its dropout `drop`; the rows' shape `(b, t, span)` as
+    /// [`Gpt::forward_rows`]'.
+    fn trunk_forward(&mut self, store: &mut dyn UnitStore, tokens: &[u32], docs: Option<Docs>, (b, t, span): (usize, usize, usize), (drop, train): (Dropout, bool), then: Option<(usize, Access)>) {
         assert!(t <= self.cfg.block_size, "sequence length {t} exceeds block_size");
         assert_eq!(tokens.len(), b * t);
         if let Some(d) = docs.as_ref().filter(|_| self.cfg.place.context.is_none()) {
@@ -990,17 +988,17 @@ impl Gpt {
                 // Under sequence parallelism, reduce-scattered to this shard's positions (the
                 // lookups cover the whole sequence, so do the positions).
                 Some(rows) if ops.sp() => {
-                    embedding_forward_rows(&mut a.full, tokens, &w[pv.wte.clone()], wpe, pos, t, c, rows);
+                    embedding_forward_rows(&mut a.full, tokens, (&w[pv.wte.clone()], wpe), pos, t, c, rows);
                     ops.scatter_seq(&mut a.full, &mut a.xs[0], None);
                 }
                 Some(rows) => {
-                    embedding_forward_rows(&mut a.xs[0], tokens, &w[pv.wte.clone()], wpe, pos, t, c, rows);
+                    embedding_forward_rows(&mut a.xs[0], tokens, (&w[pv.wte.clone()], wpe), pos, t, c, rows);
                     ops.tp_reduce_output(&mut a.xs[0], None);
                 }
                 None if pos.is_some() => {
                     let vp = self.cfg.vocab_size;
                     assert!(tokens.iter().all(|&x| (x as usize) < vp), "token outside the vocabulary of {vp}");
-                    embedding_forward_rows(&mut a.xs[0], tokens, &w[pv.wte.clone()], wpe, pos, t, c, 0..vp);
+                    embedding_forward_rows(&mut a.xs[0], tokens, (&w[pv.wte.clone()], wpe), pos, t, c, 0..vp);
                 }
                 None => embedding_forward(&mut a.xs[0], tokens, &w[pv.wte.clone()], wpe, t, c),
             }
@@ -1146,12 +1144,12 @@ impl Gpt {
                     let rows = rows.unwrap_or(0..self.cfg.vocab_size);
                     let cut = pad.clamp(rows.start, rows.end);
                     let (below, above) = dwte.split_at_mut((cut - rows.start) * c);
-                    embedding_backward_rows(below, None, demb, &a.tokens, pos, t, c, rows.start..cut);
+                    embedding_backward_rows((below, None), demb, &a.tokens, pos, t, c, rows.start..cut);
                     let skip = if rows.contains(&pad) { c } else { 0 };
-                    embedding_backward_rows(&mut above[skip..], dwpe, demb, &a.tokens, pos, t, c, cut + skip / c..rows.end);
+                    embedding_backward_rows((&mut above[skip..], dwpe), demb, &a.tokens, pos, t, c, cut + skip / c..rows.end);
                 }
-                (Some(rows), None) => embedding_backward_rows(dwte, dwpe, demb, &a.tokens, pos, t, c, rows),
-                (None, None) if pos.is_some() => embedding_backward_rows(dwte, dwpe, demb, &a.tokens, pos, t, c, 0..self.cfg.vocab_size),
+                (Some(rows), None) => embedding_backward_rows((dwte, dwpe), demb, &a.tokens, pos, t, c, rows),
+                (None, None) if pos.is_some() => embedding_backward_rows((dwte, dwpe), demb, &a.tokens, pos, t, c, 0..self.cfg.vocab_size),
                 (None, None) => embedding_backward(dwte, dwpe, demb, &a.tokens, t, c),
             }
         }
@@ -1381,7 +1379,7 @@ impl Linear<'_, '_> {
         let ops = self.ops;
         let (n, w, b) = (ops.b * ops.t, &self.unit[self.w.clone()], self.b.as_ref().map(|r| &self.unit[r.clone()]));
         match (ops.fp8, self.q.as_ref()) {
-            (_, Some(q)) => tensor::quant::qmatmul_forward(ops.arith, ops.store, out, x, q, b, n, self.n_in, self.n_out),
+            (_, Some(q)) => tensor::quant::qmatmul_forward(ops.arith, ops.store, out, x, q, b, (n, self.n_in, self.n_out)),
             (Some(st), None) => {
                 use tensor::precision::Format::E4m3;
                 let whole = |a: f32| ops.amax_over_shards(a);
@@ -1390,9 +1388,9 @@ impl Linear<'_, '_> {
                 let wq = st.cast(self.fp8_slot(Fp8Role::Weight), Fp8Role::Weight as usize, w, E4m3, &whole);
                 // SAFETY: scratch buffers 0 and 1 are distinct and not resized until the next cast.
                 let xq = unsafe { std::slice::from_raw_parts(xq, x.len()) };
-                tensor::matmul::matmul_forward_as(ops.arith, out, xq, wq, b, n, self.n_in, self.n_out);
+                tensor::matmul::matmul_forward_as(ops.arith, out, xq, wq, b, (n, self.n_in, self.n_out));
             }
-            (None, None) => tensor::matmul::matmul_forward_as(ops.arith, out, x, w, b, n, self.n_in, self.n_out),
+            (None, None) => tensor::matmul::matmul_forward_as(ops.arith, out, x, w, b, (n, self.n_in, self.n_out)),
         }
         if let Some(lo) = ops.lora.borrow_mut().as_deref_mut() {
             lo.forward(self.l, self.site, out, x, n, self.n_out);
@@ -1428,15 +1426,15 @@ impl Linear<'_, '_> {
             tensor::par::zero(dinp);
         }
         if let Some(q) = &self.q {
-            tensor::quant::qmatmul_backward_input(ops.arith, ops.store, dinp, gq, q, n, c, oc);
+            tensor::quant::qmatmul_backward_input(ops.arith, ops.store, dinp, gq, q, (n, c, oc));
         } else if frozen {
             tensor::matmul::matmul_backward_input_as(ops.arith, dinp, gq, wq, n, c, oc);
         } else {
-            tensor::matmul::matmul_backward_into_as(ops.arith, dinp, dw, db, gq, xq, wq, n, c, oc);
+            tensor::matmul::matmul_backward_into_as(ops.arith, (dinp, dw, db), gq, xq, wq, (n, c, oc));
         }
         drop(st);
         if let Some(lo) = ops.lora.borrow_mut().as_deref_mut() {
-            lo.backward(self.l, self.site, dinp, dout, x, n, oc);
+            lo.backward((self.l, self.site), dinp, dout, x, n, oc);
         }
     }
 
@@ -1917,7 +1915,7 @@ impl<'a> Ops<'a> {
     fn norm_backward(&self, dinp: &mut [f32], (dw, db): (&mut [f32], Option<&mut [f32]>), dout: &[f32], x: &[f32], w: &[f32], (mean, rstd): (&[f32], &[f32])) {
         let c = self.cfg.n_embd;
         match self.cfg.arch {
-            Arch::Gpt2 => layernorm_backward(dinp, dw, db, dout, x, w, mean, rstd, c),
+            Arch::Gpt2 => layernorm_backward((dinp, dw, db), dout, x, w, (mean, rstd), c),
             Arch::Llama => rmsnorm_backward(dinp, dw, dout, x, w, rstd, c),
         }
     }
@@ -1992,15 +1990,15 @@ impl<'a> Ops<'a> {
         let mut cp = self.cp.borrow_mut();
         match cfg.arch {
             Arch::Gpt2 => match cp.as_mut() {
-                Some(h) => h.attention_backward(dqkv, dout, qkv, out, state, &self.attn_gqa(l), self.doc_starts(), drop),
-                None => flash_attention_backward_docs(dqkv, dout, qkv, out, state, &self.mha(), self.doc_starts(), drop),
+                Some(h) => h.attention_backward(dqkv, dout, (qkv, out, state), &self.attn_gqa(l), self.doc_starts(), drop),
+                None => flash_attention_backward_docs(dqkv, dout, (qkv, out, state), &self.mha(), self.doc_starts(), drop),
             },
             Arch::Llama => {
                 // dqkv is zero on entry (the caller clears it), so the in-place inverse rotation
                 // after the accumulation is still an accumulation into zero.
                 match cp.as_mut() {
-                    Some(h) => h.attention_backward(dqkv, dout, qkv, out, state, &self.gqa_at(l), self.doc_starts(), drop),
-                    None => flash_gqa_backward_docs(dqkv, dout, qkv, out, state, &self.gqa_at(l), self.doc_starts(), drop),
+                    Some(h) => h.attention_backward(dqkv, dout, (qkv, out, state), &self.gqa_at(l), self.doc_starts(), drop),
+                    None => flash_gqa_backward_docs(dqkv, dout, (qkv, out, state), &self.gqa_at(l), self.doc_starts(), drop),
                 }
                 let (cos, sin) = self.rope.expect("llama has rotary tables");
                 match self.docs {

@@ -235,7 +235,7 @@ fn llama_config(cfg: &Value, origin: &Path, qkv_bias: bool) -> Result<GptConfig,
         head_dim,
         rotary_dim,
         norm_eps: get_f32(cfg, "rms_norm_eps", 1e-6),
-        ..GptConfig::gpt2(1, 1, 1, 1, 1, false, 0.0, false)
+        ..GptConfig::gpt2((1, 1, 1), 1, 1, false, 0.0, false)
     };
     c.validate().map_err(|e| format!("{}: {e}", origin.display()))?;
     Ok(c)
@@ -364,16 +364,7 @@ fn gpt2_config(cfg: &Value, origin: &Path) -> Result<GptConfig, String> {
             return Err(format!("{}: n_inner {inner} is not 4·n_embd; kiln's GPT-2 MLP is 4·n_embd wide", origin.display()));
         }
     }
-    let mut c = GptConfig::gpt2(
-        get_usize(cfg, "n_layer", origin)?,
-        get_usize(cfg, "n_head", origin)?,
-        n_embd,
-        get_usize(cfg, "n_positions", origin)?,
-        get_usize(cfg, "vocab_size", origin)?,
-        true,
-        0.0,
-        cfg.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(true),
-    );
+    let mut c = GptConfig::gpt2((get_usize(cfg, "n_layer", origin)?, get_usize(cfg, "n_head", origin)?, n_embd), get_usize(cfg, "n_positions", origin)?, get_usize(cfg, "vocab_size", origin)?, true, 0.0, cfg.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(true));
     c.norm_eps = get_f32(cfg, "layer_norm_epsilon", 1e-5);
     c.validate().map_err(|e| format!("{}: {e}", origin.display()))?;
     Ok(c)
@@ -745,24 +736,7 @@ fn export_config(c: &GptConfig) -> Result<Value, String> {
             (false, false, true) => ("MistralForCausalLM", "mistral"),
             (false, false, false) => ("LlamaForCausalLM", "llama"),
         };
-        let mut rope = json!({"rope_theta": c.rope_theta, "rope_type": "default"});
-        match &c.rope_scaling {
-            None => {}
-            Some(RopeScaling::LongRope { short_factor, long_factor, original_max_position_embeddings, attention_factor }) => {
-                rope = json!({"rope_theta": c.rope_theta, "rope_type": "longrope", "short_factor": short_factor, "long_factor": long_factor,
-                    "original_max_position_embeddings": original_max_position_embeddings, "attention_factor": attention_factor});
-            }
-            &Some(RopeScaling::Linear { factor }) => rope = json!({"rope_theta": c.rope_theta, "rope_type": "linear", "factor": factor}),
-            &Some(RopeScaling::Dynamic { factor, .. }) => rope = json!({"rope_theta": c.rope_theta, "rope_type": "dynamic", "factor": factor}),
-            &Some(RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings }) => {
-                rope = json!({"rope_theta": c.rope_theta, "rope_type": "llama3", "factor": factor, "low_freq_factor": low_freq_factor,
-                    "high_freq_factor": high_freq_factor, "original_max_position_embeddings": original_max_position_embeddings});
-            }
-            &Some(RopeScaling::Yarn { factor, original_max_position_embeddings, beta_fast, beta_slow, attention_factor, truncate }) => {
-                rope = json!({"rope_theta": c.rope_theta, "rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original_max_position_embeddings,
-                    "beta_fast": beta_fast, "beta_slow": beta_slow, "attention_factor": attention_factor, "truncate": truncate});
-            }
-        }
+        let rope = rope_parameters(c);
         let mut v = json!({
             "architectures": [arch], "model_type": ty, "hidden_act": "silu",
             "hidden_size": c.n_embd, "intermediate_size": c.ffn_hidden, "num_hidden_layers": c.n_layer,
@@ -825,20 +799,7 @@ fn export_config(c: &GptConfig) -> Result<Value, String> {
             v["layer_types"] = types.into();
         }
         if c.is_moe() {
-            v["num_local_experts"] = c.n_expert.into();
-            v["num_experts_per_tok"] = c.top_k.into();
-            // transformers adds the aux loss in training only with output_router_logits.
-            v["router_aux_loss_coef"] = (if c.moe_aux_weight > 0.0 { c.moe_aux_weight / c.top_k as f32 } else { 0.001 }).into();
-            v["output_router_logits"] = (c.moe_aux_weight > 0.0).into();
-            if is_qwen3_moe(c) {
-                // Every layer routed, Mixtral's renormalised top-k; `num_experts` as Qwen's own
-                // configs (and readers before transformers 5) name it.
-                v["num_experts"] = c.n_expert.into();
-                v["moe_intermediate_size"] = c.ffn_hidden.into();
-                v["norm_topk_prob"] = true.into();
-                v["decoder_sparse_step"] = 1.into();
-                v["mlp_only_layers"] = json!([]);
-            }
+            moe_keys(c, &mut v);
         }
         v
     } else {
@@ -850,6 +811,47 @@ fn export_config(c: &GptConfig) -> Result<Value, String> {
         "bos_token_id": 50256, "eos_token_id": 50256, "dtype": "float32",
         })
     })
+}
+
+/// `config.json`'s `rope_parameters` (transformers 5's form) for `c`'s RoPE and its scaling.
+fn rope_parameters(c: &GptConfig) -> Value {
+    let mut rope = json!({"rope_theta": c.rope_theta, "rope_type": "default"});
+    match &c.rope_scaling {
+        None => {}
+        Some(RopeScaling::LongRope { short_factor, long_factor, original_max_position_embeddings, attention_factor }) => {
+            rope = json!({"rope_theta": c.rope_theta, "rope_type": "longrope", "short_factor": short_factor, "long_factor": long_factor,
+                "original_max_position_embeddings": original_max_position_embeddings, "attention_factor": attention_factor});
+        }
+        &Some(RopeScaling::Linear { factor }) => rope = json!({"rope_theta": c.rope_theta, "rope_type": "linear", "factor": factor}),
+        &Some(RopeScaling::Dynamic { factor, .. }) => rope = json!({"rope_theta": c.rope_theta, "rope_type": "dynamic", "factor": factor}),
+        &Some(RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings }) => {
+            rope = json!({"rope_theta": c.rope_theta, "rope_type": "llama3", "factor": factor, "low_freq_factor": low_freq_factor,
+                "high_freq_factor": high_freq_factor, "original_max_position_embeddings": original_max_position_embeddings});
+        }
+        &Some(RopeScaling::Yarn { factor, original_max_position_embeddings, beta_fast, beta_slow, attention_factor, truncate }) => {
+            rope = json!({"rope_theta": c.rope_theta, "rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original_max_position_embeddings,
+                "beta_fast": beta_fast, "beta_slow": beta_slow, "attention_factor": attention_factor, "truncate": truncate});
+        }
+    }
+    rope
+}
+
+/// A mixture of experts' keys in `config.json`: Mixtral's, and Qwen3-MoE's besides.
+fn moe_keys(c: &GptConfig, v: &mut Value) {
+    v["num_local_experts"] = c.n_expert.into();
+    v["num_experts_per_tok"] = c.top_k.into();
+    // transformers adds the aux loss in training only with output_router_logits.
+    v["router_aux_loss_coef"] = (if c.moe_aux_weight > 0.0 { c.moe_aux_weight / c.top_k as f32 } else { 0.001 }).into();
+    v["output_router_logits"] = (c.moe_aux_weight > 0.0).into();
+    if is_qwen3_moe(c) {
+        // Every layer routed, Mixtral's renormalised top-k; `num_experts` as Qwen's own
+        // configs (and readers before transformers 5) name it.
+        v["num_experts"] = c.n_expert.into();
+        v["moe_intermediate_size"] = c.ffn_hidden.into();
+        v["norm_topk_prob"] = true.into();
+        v["decoder_sparse_step"] = 1.into();
+        v["mlp_only_layers"] = json!([]);
+    }
 }
 
 /// Every tensor of `m` under its HF name, as little-endian f32 bytes with its HF shape.

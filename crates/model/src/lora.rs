@@ -162,14 +162,13 @@ impl Lora {
             assert_eq!(out.len(), n * width);
             // Safety: the destination is rows 0..n, columns ad.rows of `out`, which we hold
             // mutably; `xa` and `b` are other buffers.
-            unsafe { gemm_raw(out.as_mut_ptr().add(ad.rows.start), width, true, View::rows(xa, n, r), b.t(), scale, Threads::All) };
+            unsafe { gemm_raw((out.as_mut_ptr().add(ad.rows.start), width), true, View::rows(xa, n, r), b.t(), scale, Threads::All) };
         }
     }
 
     /// Given `dout[N, W]` of the site's output, accumulates the adapters' gradients and adds
-    /// their contribution to `dx[N, in]`.
-    #[allow(clippy::too_many_arguments)] // llm.c-style flat buffers and their shape, as `forward`
-    pub fn backward(&mut self, layer: usize, site: Site, dx: &mut [f32], dout: &[f32], x: &[f32], n: usize, width: usize) {
+    /// their contribution to `dx[N, in]`, for the adapters at `(layer, site)`.
+    pub fn backward(&mut self, (layer, site): (usize, Site), dx: &mut [f32], dout: &[f32], x: &[f32], n: usize, width: usize) {
         let scale = self.scale();
         let r = self.rank;
         self.dxa.resize(n * r, 0.0);

@@ -100,9 +100,8 @@ pub trait CpHooks: Send {
     /// log-sum-exps backward reads) from this part's `qkv` (`[B, t, W]`, rotated).
     fn attention_forward(&mut self, out: &mut [f32], state: &mut [f32], qkv: &[f32], dims: &GqaDims, starts: &[u32], dropout: AttnDropout);
     /// Accumulates this part's `dqkv` (`[B, t, W]`, zero on entry) from `dout`, given the
-    /// forward's `qkv`, `out` and `state`.
-    #[allow(clippy::too_many_arguments)] // the flash backward's, plus the documents
-    fn attention_backward(&mut self, dqkv: &mut [f32], dout: &[f32], qkv: &[f32], out: &[f32], state: &[f32], dims: &GqaDims, starts: &[u32], dropout: AttnDropout);
+    /// forward's `saved = (qkv, out, state)`.
+    fn attention_backward(&mut self, dqkv: &mut [f32], dout: &[f32], saved: (&[f32], &[f32], &[f32]), dims: &GqaDims, starts: &[u32], dropout: AttnDropout);
     /// Whether the part's attention is a ring ([`crate::placement::ContextSlice::ring_blocks`]):
     /// then a model that runs the blocks with kernels of its own (a device's) moves the keys and
     /// values through [`CpHooks::send_next`] and [`CpHooks::recv_prev`] instead.
@@ -118,8 +117,7 @@ pub trait CpHooks: Send {
     fn heads_forward(&mut self, out: &mut [f32], state: &mut [f32], qkv: &[f32], dims: &GqaDims, starts: &[u32], attend: &mut dyn FnMut(HeadsForward));
     /// [`CpHooks::attention_backward`] likewise, `attend` the kernel's backward
     /// ([`HeadsBackward`]).
-    #[allow(clippy::too_many_arguments)] // attention_backward's, and the kernel
-    fn heads_backward(&mut self, dqkv: &mut [f32], dout: &[f32], qkv: &[f32], out: &[f32], state: &[f32], dims: &GqaDims, starts: &[u32], attend: &mut dyn FnMut(HeadsBackward));
+    fn heads_backward(&mut self, dqkv: &mut [f32], dout: &[f32], saved: (&[f32], &[f32], &[f32]), dims: &GqaDims, starts: &[u32], attend: &mut dyn FnMut(HeadsBackward));
 }
 
 /// The whole-sequence attention of a Ulysses part's heads: `out` (`[B, T, hq·HS]`) and `lse`

@@ -150,8 +150,8 @@ impl CpComm {
         }
     }
 
-    #[allow(clippy::too_many_arguments)] // CpHooks::attention_backward's
-    fn ring_backward(&mut self, dqkv: &mut [f32], dout: &[f32], qkv: &[f32], out: &[f32], lse: &[f32], dims: &GqaDims, starts: &[u32], dropout: AttnDropout) {
+    fn ring_backward(&mut self, dqkv: &mut [f32], dout: &[f32], saved: (&[f32], &[f32], &[f32]), dims: &GqaDims, starts: &[u32], dropout: AttnDropout) {
+        let (qkv, out, lse) = saved;
         let (n, r) = (self.slice.count, self.slice.index);
         let gd = GqaDims { t: dims.t * n, ..*dims };
         let kw = 2 * dims.nkv * dims.hs;
@@ -166,7 +166,7 @@ impl CpComm {
             }
             for (q, k) in self.ring_blocks(s, gd.t, dims.window, dims.sinks) {
                 let blk = Block { qkv, q, kv: &cur, kw, kc: 0, vc: kw / 2, k, starts };
-                compute(|| flash_gqa_block_backward(dqkv, Some(&mut dcur), dout, lse, &d, &blk, &gd, dropout));
+                compute(|| flash_gqa_block_backward((dqkv, Some(&mut dcur)), dout, lse, &d, &blk, &gd, dropout));
             }
             // The gradient of the keys just used travels on with them (after the last step:
             // home, to the next rank, whose keys they are).
@@ -307,8 +307,8 @@ impl CpComm {
     }
 
     /// Ulysses' backward, `attend` the whole-sequence kernel's backward over this rank's heads.
-    #[allow(clippy::too_many_arguments)] // CpHooks::attention_backward's
-    fn ulysses_backward(&mut self, dqkv: &mut [f32], dout: &[f32], qkv: &[f32], out: &[f32], lse: &[f32], dims: &GqaDims, starts: &[u32], attend: &mut dyn FnMut(HeadsBackward)) {
+    fn ulysses_backward(&mut self, dqkv: &mut [f32], dout: &[f32], saved: (&[f32], &[f32], &[f32]), dims: &GqaDims, starts: &[u32], attend: &mut dyn FnMut(HeadsBackward)) {
+        let (qkv, out, lse) = saved;
         let (b, tl, nh) = (dims.b, dims.t, dims.nh);
         let hd = self.head_dims(dims);
         let qkv_h = self.seq_to_heads(qkv, b, tl, &|c| self.qkv_cols(dims, c));
@@ -371,12 +371,12 @@ impl CpHooks for CpComm {
         }
     }
 
-    fn attention_backward(&mut self, dqkv: &mut [f32], dout: &[f32], qkv: &[f32], out: &[f32], state: &[f32], dims: &GqaDims, starts: &[u32], dropout: AttnDropout) {
+    fn attention_backward(&mut self, dqkv: &mut [f32], dout: &[f32], saved: (&[f32], &[f32], &[f32]), dims: &GqaDims, starts: &[u32], dropout: AttnDropout) {
         let _p = tensor::profile::scope("cp attention backward");
         match self.mode {
-            CpMode::Ring => self.ring_backward(dqkv, dout, qkv, out, state, dims, starts, dropout),
-            CpMode::Ulysses => self.ulysses_backward(dqkv, dout, qkv, out, state, dims, starts, &mut |h| {
-                flash_gqa_block_backward(h.dqkv, None, h.dout, h.lse, h.d, &Block::whole(h.qkv, &h.dims, h.starts), &h.dims, dropout)
+            CpMode::Ring => self.ring_backward(dqkv, dout, saved, dims, starts, dropout),
+            CpMode::Ulysses => self.ulysses_backward(dqkv, dout, saved, dims, starts, &mut |h| {
+                flash_gqa_block_backward((h.dqkv, None), h.dout, h.lse, h.d, &Block::whole(h.qkv, &h.dims, h.starts), &h.dims, dropout)
             }),
         }
     }
@@ -390,9 +390,9 @@ impl CpHooks for CpComm {
         self.ulysses_forward(out, state, qkv, dims, starts, attend);
     }
 
-    fn heads_backward(&mut self, dqkv: &mut [f32], dout: &[f32], qkv: &[f32], out: &[f32], state: &[f32], dims: &GqaDims, starts: &[u32], attend: &mut dyn FnMut(HeadsBackward)) {
+    fn heads_backward(&mut self, dqkv: &mut [f32], dout: &[f32], saved: (&[f32], &[f32], &[f32]), dims: &GqaDims, starts: &[u32], attend: &mut dyn FnMut(HeadsBackward)) {
         assert_eq!(self.mode, CpMode::Ulysses, "a ring's blocks are the caller's");
-        self.ulysses_backward(dqkv, dout, qkv, out, state, dims, starts, attend);
+        self.ulysses_backward(dqkv, dout, saved, dims, starts, attend);
     }
 
     fn send_next(&mut self, x: &[f32], backward: bool) {
@@ -434,8 +434,7 @@ pub fn check(seq_len: usize, n_head: usize, n_kv_head: usize, cp: usize, mode: C
 /// positions each, on `cp` ranks (`docs`: packed documents' starts travel too). Ring: the held
 /// and the arriving key/value block and, in backward, their gradients, and `D`. Ulysses: an
 /// all-to-all's send, receive and reassembled buffers of q|k|v (`Q`, the largest exchanged).
-#[allow(clippy::too_many_arguments)] // the part's flat sizes, as the attention kernels take them
-pub fn exchange_floats(nh: usize, nkv: usize, hs: usize, rows: usize, tl: usize, cp: usize, mode: CpMode, docs: bool) -> usize {
+pub fn exchange_floats((nh, nkv, hs): (usize, usize, usize), rows: usize, tl: usize, cp: usize, mode: CpMode, docs: bool) -> usize {
     if cp <= 1 {
         return 0;
     }

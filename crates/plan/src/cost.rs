@@ -825,13 +825,10 @@ fn layer_time(m: &ModelShape, cl: &Cluster, l: &Layout, moe: bool) -> LayerFwd {
     let e = pr.act_bytes();
     let t = l.tp as f64;
     let s_loc = (l.seq / l.cp) as f64;
-    let s_kv = l.seq as f64;
     let b = l.micro_batch as f64;
     let tok = b * s_loc; // M of every weight GEMM
     let h = m.hidden as f64;
     let (qd, kvd) = (m.q_dim() as f64, m.kv_dim() as f64);
-    let d = m.head_dim as f64;
-    let heads_local = m.heads as f64 / t;
     let mut r = LayerFwd::default();
 
     // Weight GEMMs. Forward [M,N,K]; backward: data gradient [M,K,N] and weight gradient [K,N,M]
@@ -909,12 +906,38 @@ fn layer_time(m: &ModelShape, cl: &Cluster, l: &Layout, moe: bool) -> LayerFwd {
         elem_bytes_b += b1;
     }
 
+    attention_core(m, cl, l, &mut r);
+    // Rotary embeddings on Q and K (RoPE models): read + write.
+    if !m.learned_pos_emb {
+        elem_bytes += 2.0 * e * tok * (qd + kvd) / t;
+        elem_bytes_b += 2.0 * e * tok * (qd + kvd) / t;
+    }
+    // Per layer, replicated over TP unless SP: two norms (read + write), two residual adds with bias and dropout
+    // (read branch and residual, write sum, write 1-byte mask).
+    // Backward: each norm reads input and gradient and writes a gradient (3e); each dropout-add reads the gradient
+    // and mask and writes one (2e + 1); the residual stream adds the norm's input gradient (read 2, write 1: 3e).
+    let mask = if m.dropout { 1.0 } else { 0.0 };
+    elem_bytes += (2.0 * 2.0 * e + 2.0 * (3.0 * e + mask)) * x * rep;
+    elem_bytes_b += (2.0 * 3.0 * e + 2.0 * (2.0 * e + mask) + 2.0 * 3.0 * e) * x * rep;
+    r.elem += elem_time(cl, elem_bytes, 8.0);
+    r.elem_b += elem_time(cl, elem_bytes_b, 12.0);
+
+    layer_comm(m, cl, l, moe, &mut r);
+    r
+}
+
+/// The attention core's forward and backward time, one layer, one micro-batch, one GPU
+/// (`r.attn*`).
+fn attention_core(m: &ModelShape, cl: &Cluster, l: &Layout, r: &mut LayerFwd) {
+    let e = l.precision.act_bytes();
+    let (s_loc, s_kv) = ((l.seq / l.cp) as f64, l.seq as f64);
+    let d = m.head_dim as f64;
     // Attention core. Under FP8 training only the linear layers' GEMMs run in FP8: Transformer Engine's recipe
     // (Micikevicius et al. 2022, "FP8 Formats for Deep Learning"; TE `fp8_autocast` covers Linear /
     // LayerNormLinear / LayerNormMLP, and its DotProductAttention stays bf16 unless `fp8_dpa` is set, which NeMo
     // 24.07 and torchtitan's Float8 do not), so the attention core runs at the bf16 rate.
-    let pr = if pr == Precision::Fp8 { Precision::Bf16 } else { pr };
-    let batch = b * heads_local;
+    let pr = if l.precision == Precision::Fp8 { Precision::Bf16 } else { l.precision };
+    let batch = l.micro_batch as f64 * m.heads as f64 / l.tp as f64;
     let s2 = batch * s_loc * s_kv; // elements of one score tensor
     match l.attention {
         Attention::Unfused => {
@@ -959,21 +982,19 @@ fn layer_time(m: &ModelShape, cl: &Cluster, l: &Layout, moe: bool) -> LayerFwd {
             }
         },
     }
-    // Rotary embeddings on Q and K (RoPE models): read + write.
-    if !m.learned_pos_emb {
-        elem_bytes += 2.0 * e * tok * (qd + kvd) / t;
-        elem_bytes_b += 2.0 * e * tok * (qd + kvd) / t;
-    }
-    // Per layer, replicated over TP unless SP: two norms (read + write), two residual adds with bias and dropout
-    // (read branch and residual, write sum, write 1-byte mask).
-    // Backward: each norm reads input and gradient and writes a gradient (3e); each dropout-add reads the gradient
-    // and mask and writes one (2e + 1); the residual stream adds the norm's input gradient (read 2, write 1: 3e).
-    let mask = if m.dropout { 1.0 } else { 0.0 };
-    elem_bytes += (2.0 * 2.0 * e + 2.0 * (3.0 * e + mask)) * x * rep;
-    elem_bytes_b += (2.0 * 3.0 * e + 2.0 * (2.0 * e + mask) + 2.0 * 3.0 * e) * x * rep;
-    r.elem += elem_time(cl, elem_bytes, 8.0);
-    r.elem_b += elem_time(cl, elem_bytes_b, 12.0);
+}
 
+/// Tensor and context parallelism's exchanges, one layer, one micro-batch (`r.tp*`, `r.cp*`;
+/// the attention core's times already in `r`, which the ring overlaps).
+fn layer_comm(m: &ModelShape, cl: &Cluster, l: &Layout, moe: bool, r: &mut LayerFwd) {
+    let (e, t) = (l.precision.act_bytes(), l.tp as f64);
+    // The weight-gradient GEMMs a TP collective can hide under run at the bf16 rate under FP8
+    // training as the attention core does.
+    let pr = if l.precision == Precision::Fp8 { Precision::Bf16 } else { l.precision };
+    let tok = l.micro_batch as f64 * (l.seq / l.cp) as f64;
+    let (h, qd, kvd) = (m.hidden as f64, m.q_dim() as f64, m.kv_dim() as f64);
+    let mats = m.mlp.matrices() as f64;
+    let x = tok * h;
     // Tensor parallelism (Shoeybi et al. 2019): 2 all-reduces of the sbh activation in forward, 2 in backward;
     // with SP each becomes a reduce-scatter + all-gather pair of the same volume (Korthikanti §4.2.2).
     // Megatron-LM 2021 does not overlap them with compute: exposed. With `overlap_comm` (Megatron's asynchronous
@@ -1015,7 +1036,6 @@ fn layer_time(m: &ModelShape, cl: &Cluster, l: &Layout, moe: bool) -> LayerFwd {
         r.cp = (comm - r.attn).max(0.0);
         r.cp_b = (2.0 * comm - r.attn_b).max(0.0);
     }
-    r
 }
 
 /// Output layer and loss, one micro-batch: logits GEMM [tok, V/t, h], vocab-parallel cross entropy in fp32

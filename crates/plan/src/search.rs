@@ -142,6 +142,69 @@ fn check_fixed(m: &ModelShape, cl: &Cluster, c: &Constraints) -> Result<(), Plan
     Ok(())
 }
 
+/// The pipeline schedules (with their chunks per stage) a layout with `pp` stages may run.
+fn schedules(m: &ModelShape, pp: u64, c: &Constraints) -> Vec<(Kind, u64)> {
+    let mut scheds: Vec<(Kind, u64)> = Vec::new();
+    if pp == 1 {
+        scheds.push((Kind::OneFOneB, 1));
+    } else {
+        let per = m.layers / pp;
+        let uneven = c.uneven_pipeline.unwrap_or(false);
+        let want = |s: Kind| c.schedule.is_none_or(|x| x == s);
+        if c.virtual_stages.is_none_or(|v| v == 1) {
+            if want(Kind::Gpipe) {
+                scheds.push((Kind::Gpipe, 1));
+            }
+            if want(Kind::OneFOneB) {
+                scheds.push((Kind::OneFOneB, 1));
+            }
+        }
+        if want(Kind::Interleaved) {
+            // The search proposes 2..=8 chunks per stage; a fixed --virtual-stages is taken as given.
+            let vs: Vec<u64> = if uneven { (2..=per).collect() } else { divisors(per) };
+            for v in vs.into_iter().filter(|&v| (2..=8).contains(&v) || c.virtual_stages == Some(v)) {
+                if c.virtual_stages.is_none_or(|x| x == v) {
+                    scheds.push((Kind::Interleaved, v));
+                }
+            }
+        }
+    }
+    scheds
+}
+
+/// What a layout of given degrees may take besides them.
+struct Policies {
+    recompute: Vec<Recompute>,
+    sequence_parallel: Vec<bool>,
+    zero: Vec<u8>,
+    cp_mode: Vec<crate::policy::CpMode>,
+}
+
+/// The recompute policies, sequence parallelism, ZeRO stages and context-parallel modes a
+/// layout with `tp`, `dp · cp` = `replicas` and `cp` may take.
+fn policies(c: &Constraints, tp: u64, replicas: u64, cp: u64) -> Policies {
+    let recs = match c.recompute {
+        Some(r) => vec![r],
+        None => vec![Recompute::None, Recompute::Selective, Recompute::Full],
+    };
+    let sps = match (c.sequence_parallel, tp) {
+        (Some(s), _) => vec![s],
+        (None, 1) => vec![false],
+        (None, _) => vec![false, true],
+    };
+    let zeros = match c.zero {
+        Some(z) => vec![z],
+        None if replicas == 1 => vec![0],
+        None => vec![0, 1, 2, 3],
+    };
+    let modes: Vec<crate::policy::CpMode> = match (c.cp_mode, cp) {
+        (Some(x), _) => vec![x],
+        (None, 1) => vec![crate::policy::CpMode::Ring],
+        (None, _) => vec![crate::policy::CpMode::Ring, crate::policy::CpMode::Ulysses],
+    };
+    Policies { recompute: recs, sequence_parallel: sps, zero: zeros, cp_mode: modes }
+}
+
 /// All candidate layouts consistent with the constraints (not yet checked against memory).
 pub fn candidates(m: &ModelShape, cl: &Cluster, global_batch: u64, seq: u64, c: &Constraints) -> Vec<Layout> {
     let n = cl.gpus;
@@ -210,50 +273,8 @@ pub fn candidates(m: &ModelShape, cl: &Cluster, global_batch: u64, seq: u64, c: 
                     c.micro_batch,
                     divisors(per_rank).into_iter().filter(|&b| b <= 16).collect(),
                 );
-                let mut scheds: Vec<(Kind, u64)> = Vec::new();
-                if pp == 1 {
-                    scheds.push((Kind::OneFOneB, 1));
-                } else {
-                    let per = m.layers / pp;
-                    let uneven = c.uneven_pipeline.unwrap_or(false);
-                    let want = |s: Kind| c.schedule.is_none_or(|x| x == s);
-                    if c.virtual_stages.is_none_or(|v| v == 1) {
-                        if want(Kind::Gpipe) {
-                            scheds.push((Kind::Gpipe, 1));
-                        }
-                        if want(Kind::OneFOneB) {
-                            scheds.push((Kind::OneFOneB, 1));
-                        }
-                    }
-                    if want(Kind::Interleaved) {
-                        // The search proposes 2..=8 chunks per stage; a fixed --virtual-stages is taken as given.
-                        let vs: Vec<u64> = if uneven { (2..=per).collect() } else { divisors(per) };
-                        for v in vs.into_iter().filter(|&v| (2..=8).contains(&v) || c.virtual_stages == Some(v)) {
-                            if c.virtual_stages.is_none_or(|x| x == v) {
-                                scheds.push((Kind::Interleaved, v));
-                            }
-                        }
-                    }
-                }
-                let recs = match c.recompute {
-                    Some(r) => vec![r],
-                    None => vec![Recompute::None, Recompute::Selective, Recompute::Full],
-                };
-                let sps = match (c.sequence_parallel, tp) {
-                    (Some(s), _) => vec![s],
-                    (None, 1) => vec![false],
-                    (None, _) => vec![false, true],
-                };
-                let zeros = match c.zero {
-                    Some(z) => vec![z],
-                    None if dp * cp == 1 => vec![0],
-                    None => vec![0, 1, 2, 3],
-                };
-                let modes: Vec<crate::policy::CpMode> = match (c.cp_mode, cp) {
-                    (Some(x), _) => vec![x],
-                    (None, 1) => vec![crate::policy::CpMode::Ring],
-                    (None, _) => vec![crate::policy::CpMode::Ring, crate::policy::CpMode::Ulysses],
-                };
+                let scheds = schedules(m, pp, c);
+                let Policies { recompute: recs, sequence_parallel: sps, zero: zeros, cp_mode: modes } = policies(c, tp, dp * cp, cp);
                 for (&ep, &cp_mode) in eps.iter().flat_map(|e| modes.iter().map(move |m| (e, m))) {
                     for &b in &bs {
                         for &(schedule, v) in &scheds {

@@ -314,10 +314,9 @@ fn parse_bool(s: &str, col: &str, origin: &str) -> Result<bool, PlanError> {
     }
 }
 
-/// Resolve one row into model, cluster and constraints, and predict it.
-pub fn predict_row(row: &Row, cat: &HardwareCatalog, origin: &str) -> Result<RowResult, PlanError> {
+/// A row's model, at sequence length `seq`.
+fn row_model(row: &Row, origin: &str, seq: u64) -> Result<crate::models::ModelShape, PlanError> {
     let ctx = |e: PlanError| PlanError(format!("{origin}: row '{}': {}", row.name, e.0));
-    let seq = row.int("seq", origin)?.unwrap_or(2048);
     let raw = RawModel {
         name: row.name.clone(),
         layers: row.layers,
@@ -332,7 +331,14 @@ pub fn predict_row(row: &Row, cat: &HardwareCatalog, origin: &str) -> Result<Row
         top_k: row.int("top_k", origin)?,
         ..Default::default()
     };
-    let model = raw.resolve().map_err(ctx)?;
+    raw.resolve().map_err(ctx)
+}
+
+/// Resolve one row into model, cluster and constraints, and predict it.
+pub fn predict_row(row: &Row, cat: &HardwareCatalog, origin: &str) -> Result<RowResult, PlanError> {
+    let ctx = |e: PlanError| PlanError(format!("{origin}: row '{}': {}", row.name, e.0));
+    let seq = row.int("seq", origin)?.unwrap_or(2048);
+    let model = row_model(row, origin, seq)?;
     let gpu = row.get("gpu").unwrap_or("a100-80gb");
     let cluster = Cluster::new(cat, gpu, row.gpus, row.int("gpus_per_node", origin)?).map_err(ctx)?;
     // The row's software setup: its `setup` preset (Megatron-LM 2021, Table 1's, when the table names none), each

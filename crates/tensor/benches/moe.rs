@@ -55,10 +55,10 @@ fn main() {
         });
         time(3, &mut || {
             dh.fill(0.0);
-            matmul_backward(&mut dh, &mut dw2, None, &dy, &h, &w2, n, fd, c);
+            matmul_backward((&mut dh, &mut dw2, None), &dy, &h, &w2, n, fd, c);
             dgu.fill(0.0);
             swiglu_backward(&mut dgu, &dh, &gu, fd);
-            matmul_backward(&mut dx, &mut dwgu, None, &dgu, &x, &wgu, n, c, 2 * fd);
+            matmul_backward((&mut dx, &mut dwgu, None), &dgu, &x, &wgu, n, c, 2 * fd);
         });
     }
     let st = stats.unwrap();

@@ -6,7 +6,7 @@ fn main() {
         let inp = vec![0.5f32; bt * c]; let w = vec![0.25f32; oc * c]; let dout = vec![0.1f32; bt * oc];
         let mut di = vec![0.0f32; bt * c]; let mut dw = vec![0.0f32; oc * c];
         let fl = 4.0 * (bt * c * oc) as f64;
-        let t_seq = time(|| matmul_backward(&mut di, &mut dw, None, &dout, &inp, &w, bt, c, oc));
+        let t_seq = time(|| matmul_backward((&mut di, &mut dw, None), &dout, &inp, &w, bt, c, oc));
         let t_join = time(|| {
             rayon::join(|| gemm(&mut di, true, View::rows(&dout, bt, oc), View::rows(&w, oc, c), 1.0, Threads::One),
                         || gemm(&mut dw, true, View::rows(&dout, bt, oc).t(), View::rows(&inp, bt, c), 1.0, Threads::One));

@@ -101,7 +101,7 @@ pub fn attention_forward_docs(
         let k = View { off: base + c + h * hs, ..q };
         let v = View { off: base + 2 * c + h * hs, ..q };
         // S = q·kᵀ·scale   [T, T]
-        unsafe { gemm_raw(a.as_mut_ptr(), t, false, q, k.t(), scale, Threads::One) };
+        unsafe { gemm_raw((a.as_mut_ptr(), t), false, q, k.t(), scale, Threads::One) };
         for i in 0..t {
             let lo = if starts.is_empty() { 0 } else { starts[bi * t + i] as usize };
             let row = &mut a[i * t..(i + 1) * t];
@@ -128,10 +128,10 @@ pub fn attention_forward_docs(
             let mut pd = a.to_vec();
             apply_att_dropout(&mut pd, dims.mask_bh(bh), t, dropout, seed);
             let p = View::rows(&pd, t, t);
-            unsafe { gemm_raw(dst, c, false, p, v, 1.0, Threads::One) };
+            unsafe { gemm_raw((dst, c), false, p, v, 1.0, Threads::One) };
         } else {
             let p = View::rows(a, t, t);
-            unsafe { gemm_raw(dst, c, false, p, v, 1.0, Threads::One) };
+            unsafe { gemm_raw((dst, c), false, p, v, 1.0, Threads::One) };
         }
     });
 }
@@ -185,10 +185,10 @@ pub fn attention_backward(
             (r, r.add(c), r.add(2 * c))
         };
         // dv += pdᵀ · dout
-        unsafe { gemm_raw(dv, 3 * c, true, View::rows(pd, t, t).t(), d_o, 1.0, Threads::One) };
+        unsafe { gemm_raw((dv, 3 * c), true, View::rows(pd, t, t).t(), d_o, 1.0, Threads::One) };
         // dpd = dout · vᵀ   [T, T]
         let mut ds = vec![0.0f32; t * t];
-        unsafe { gemm_raw(ds.as_mut_ptr(), t, false, d_o, v.t(), 1.0, Threads::One) };
+        unsafe { gemm_raw((ds.as_mut_ptr(), t), false, d_o, v.t(), 1.0, Threads::One) };
         if dropout > 0.0 {
             let sc = 1.0 / (1.0 - dropout);
             let base = (dims.mask_bh(bh) * t * t) as u64;
@@ -210,8 +210,8 @@ pub fn attention_backward(
         }
         let dsv = View::rows(&ds, t, t);
         // dq += ds · k · scale ; dk += dsᵀ · q · scale
-        unsafe { gemm_raw(dq, 3 * c, true, dsv, k, scale, Threads::One) };
-        unsafe { gemm_raw(dk, 3 * c, true, dsv.t(), q, scale, Threads::One) };
+        unsafe { gemm_raw((dq, 3 * c), true, dsv, k, scale, Threads::One) };
+        unsafe { gemm_raw((dk, 3 * c), true, dsv.t(), q, scale, Threads::One) };
     });
 }
 

@@ -210,21 +210,21 @@ pub fn dot_over_fma() -> f64 {
 }
 
 /// `dst = (accumulate ? dst : 0) + alpha · bf16(lhs) · bf16(rhs)`, fp32 accumulation, with the
-/// destination a strided `m × n` region at `dst_ptr` (row stride `dst_rs`, column stride 1).
+/// destination `(dst_ptr, dst_rs)` a strided `m × n` region at `dst_ptr` (row stride `dst_rs`,
+/// column stride 1).
 ///
 /// # Safety
 /// As [`crate::matmul::gemm_raw`]: `dst_ptr` covers `(m-1)·dst_rs + n` floats that no one else
 /// reads or writes during the call.
-pub unsafe fn gemm_bf16_raw<A: Elem, B: Elem>(dst_ptr: *mut f32, dst_rs: usize, accumulate: bool, lhs: Mat<A>, rhs: Mat<B>, alpha: f32, threads: Threads) {
-    gemm_bf16_raw_on(path(), dst_ptr, dst_rs, accumulate, lhs, rhs, alpha, threads)
+pub unsafe fn gemm_bf16_raw<A: Elem, B: Elem>(dst: (*mut f32, usize), accumulate: bool, lhs: Mat<A>, rhs: Mat<B>, alpha: f32, threads: Threads) {
+    gemm_bf16_raw_on(path(), dst, accumulate, lhs, rhs, alpha, threads)
 }
 
 /// [`gemm_bf16_raw`] on the given path.
 ///
 /// # Safety
 /// As [`gemm_bf16_raw`], and `on` is this machine's [`path`] or the fallback.
-#[allow(clippy::too_many_arguments)]
-unsafe fn gemm_bf16_raw_on<A: Elem, B: Elem>(on: Path, dst_ptr: *mut f32, dst_rs: usize, accumulate: bool, lhs: Mat<A>, rhs: Mat<B>, alpha: f32, threads: Threads) {
+unsafe fn gemm_bf16_raw_on<A: Elem, B: Elem>(on: Path, (dst_ptr, dst_rs): (*mut f32, usize), accumulate: bool, lhs: Mat<A>, rhs: Mat<B>, alpha: f32, threads: Threads) {
     assert_eq!(lhs.cols, rhs.rows, "inner dimensions differ");
     lhs.check();
     rhs.check();
@@ -236,7 +236,7 @@ unsafe fn gemm_bf16_raw_on<A: Elem, B: Elem>(on: Path, dst_ptr: *mut f32, dst_rs
             _ => fallback(d, dst_rs, accumulate, l, r, alpha),
         }
     };
-    split_blocks(dst_ptr, dst_rs, accumulate, lhs.rows, rhs.cols, lhs.cols, threads, &one);
+    split_blocks((dst_ptr, dst_rs), accumulate, (lhs.rows, rhs.cols, lhs.cols), threads, &one);
 }
 
 /// Safe form of [`gemm_bf16_raw`] for a dense row-major destination `dst[m × n]`.
@@ -259,7 +259,7 @@ pub fn available_paths() -> Vec<Path> {
 pub fn gemm_bf16_on<A: Elem, B: Elem>(on: Path, dst: &mut [f32], accumulate: bool, lhs: Mat<A>, rhs: Mat<B>, alpha: f32, threads: Threads) {
     assert_eq!(dst.len(), lhs.rows * rhs.cols, "destination size");
     assert!(on == path() || available_paths().contains(&on), "bf16 path {on:?} is not available here");
-    unsafe { gemm_bf16_raw_on(on, dst.as_mut_ptr(), rhs.cols, accumulate, lhs, rhs, alpha, threads) }
+    unsafe { gemm_bf16_raw_on(on, (dst.as_mut_ptr(), rhs.cols), accumulate, lhs, rhs, alpha, threads) }
 }
 
 /// The fallback: blocks of both operands rounded to bf16 into dense fp32 scratch (at most
@@ -282,7 +282,7 @@ unsafe fn fallback<A: Elem, B: Elem>(dst: *mut f32, dst_rs: usize, accumulate: b
                 round_block(&mut a[..mb * kb], &lhs, i0, mb, k0, kb);
                 round_block(&mut b[..kb * nb], &rhs, k0, kb, j0, nb);
                 let acc = accumulate || k0 > 0;
-                crate::matmul::gemm_raw(dst.add(i0 * dst_rs + j0), dst_rs, acc, View::rows(&a[..mb * kb], mb, kb), View::rows(&b[..kb * nb], kb, nb), alpha, Threads::One);
+                crate::matmul::gemm_raw((dst.add(i0 * dst_rs + j0), dst_rs), acc, View::rows(&a[..mb * kb], mb, kb), View::rows(&b[..kb * nb], kb, nb), alpha, Threads::One);
             }
         }
     }
@@ -381,8 +381,7 @@ mod avx512 {
     /// zero past the edges. The left operand packs with `w = MR`; the right one, transposed,
     /// with `w = NR`.
     #[inline(always)]
-    #[allow(clippy::too_many_arguments)]
-    fn pack<E: Elem>(out: &mut [u32], row: &mut Vec<u32>, m: &Mat<E>, i0: usize, rows: usize, k0: usize, kc: usize, w: usize) {
+    fn pack<E: Elem>(out: &mut [u32], row: &mut Vec<u32>, m: &Mat<E>, (i0, rows): (usize, usize), (k0, kc): (usize, usize), w: usize) {
         let kp = kc.div_ceil(2);
         let panels = rows.div_ceil(w);
         let even = kc / 2;
@@ -517,12 +516,12 @@ mod avx512 {
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")]
     unsafe fn pack_a<E: Elem>(out: &mut [u32], row: &mut Vec<u32>, a: &Mat<E>, i0: usize, mc: usize, k0: usize, kc: usize) {
-        pack(out, row, a, i0, mc, k0, kc, MR)
+        pack(out, row, a, (i0, mc), (k0, kc), MR)
     }
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")]
     unsafe fn pack_b<E: Elem>(out: &mut [u32], row: &mut Vec<u32>, b: &Mat<E>, k0: usize, kc: usize, j0: usize, nc: usize) {
-        pack(out, row, &b.t(), j0, nc, k0, kc, NR)
+        pack(out, row, &b.t(), (j0, nc), (k0, kc), NR)
     }
 
     /// One single-threaded product (see [`super::gemm_bf16_raw`] for the contract).
@@ -531,15 +530,14 @@ mod avx512 {
             let mut bufs = cell.borrow_mut();
             let (pa, pb, row) = &mut *bufs;
             // Safety: the caller checked the features (`super::path`).
-            unsafe { drive(pa, pb, row, dst, dst_rs, accumulate, lhs, rhs, alpha) }
+            unsafe { drive((pa, pb, row), (dst, dst_rs), accumulate, lhs, rhs, alpha) }
         });
     }
 
     /// The blocked loops of [`gemm`], compiled with the kernel's features (so the packers'
     /// intrinsics inline: inside the thread-local's closure they were calls).
-    #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")]
-    unsafe fn drive<A: Elem, B: Elem>(pa: &mut Vec<u32>, pb: &mut Vec<u32>, row: &mut Vec<u32>, dst: *mut f32, dst_rs: usize, accumulate: bool, lhs: Mat<A>, rhs: Mat<B>, alpha: f32) {
+    unsafe fn drive<A: Elem, B: Elem>((pa, pb, row): (&mut Vec<u32>, &mut Vec<u32>, &mut Vec<u32>), (dst, dst_rs): (*mut f32, usize), accumulate: bool, lhs: Mat<A>, rhs: Mat<B>, alpha: f32) {
         let (m, n, k) = (lhs.rows, rhs.cols, lhs.cols);
         let kcap = KC.min(k).div_ceil(2);
         pa.resize(kcap * MC.min(m).div_ceil(MR) * MR, 0);

@@ -145,18 +145,15 @@ pub fn flash_attention_backward(
 
 /// Backward of [`flash_attention_forward_docs`] (the same `starts`). Accumulates into `dqkv`.
 // Eight arguments: the backward's seven plus the document layout, kept flat like the others.
-#[allow(clippy::too_many_arguments)]
 pub fn flash_attention_backward_docs(
     dqkv: &mut [f32],  // [B, T, 3C]
     dout: &[f32],      // [B, T, C]
-    qkv: &[f32],       // [B, T, 3C]
-    out: &[f32],       // [B, T, C]
-    lse: &[f32],       // [B, NH, T]
+    saved: (&[f32], &[f32], &[f32]), // the forward's qkv [B, T, 3C], out [B, T, C], lse [B, NH, T]
     dims: &AttnDims,
     starts: &[u32],    // [B, T] or empty
     dropout: AttnDropout,
 ) {
-    flash_attention_backward_docs_with(dqkv, dout, qkv, out, lse, dims, starts, BwdOpts { dropout, ..BwdOpts::default() });
+    flash_attention_backward_docs_with(dqkv, dout, saved, dims, starts, BwdOpts { dropout, ..BwdOpts::default() });
 }
 
 /// Causal grouped-query attention, FlashAttention-2 forward: for query head `h` and its kv head
@@ -204,18 +201,15 @@ pub fn flash_gqa_backward(
 
 /// Backward of [`flash_gqa_forward_docs`] (the same `starts`). Accumulates into `dqkv`, in the
 /// order [`flash_gqa_backward`] does.
-#[allow(clippy::too_many_arguments)] // as flash_attention_backward_docs
 pub fn flash_gqa_backward_docs(
     dqkv: &mut [f32],  // [B, T, W]
     dout: &[f32],      // [B, T, C]
-    qkv: &[f32],       // [B, T, W]
-    out: &[f32],       // [B, T, C]
-    lse: &[f32],       // [B, NH, T]
+    saved: (&[f32], &[f32], &[f32]), // the forward's qkv [B, T, W], out [B, T, C], lse [B, NH, T]
     dims: &GqaDims,
     starts: &[u32],    // [B, T] or empty
     dropout: AttnDropout,
 ) {
-    flash_gqa_backward_docs_with(dqkv, dout, qkv, out, lse, dims, starts, BwdOpts { dropout, ..BwdOpts::default() });
+    flash_gqa_backward_docs_with(dqkv, dout, saved, dims, starts, BwdOpts { dropout, ..BwdOpts::default() });
 }
 
 fn check_dims(dims: &GqaDims, tiles: Tiles, dropout: f32) {
@@ -622,7 +616,7 @@ pub fn flash_gqa_block_forward_tiled(
             let k = View { data: blk.kv, off: ks.row(bi, j0) * kw + blk.kc + g * hs, rows: ncols, cols: hs, rs: kw, cs: 1 };
             let v = View { off: ks.row(bi, j0) * kw + blk.vc + g * hs, ..k };
             // S = q·kᵀ·scale   [rows, ncols], row stride bc
-            unsafe { gemm_raw(s.as_mut_ptr(), bc, false, q, k.t(), scale, Threads::One) };
+            unsafe { gemm_raw((s.as_mut_ptr(), bc), false, q, k.t(), scale, Threads::One) };
             online_softmax_tile(s, bc, Tile { i0: gi0, rows, j0: jg0, ncols, mask }, m, l, alpha);
             for r in 0..rows {
                 if alpha[r] != 1.0 {
@@ -640,7 +634,7 @@ pub fn flash_gqa_block_forward_tiled(
             }
             let p = View { data: s, off: 0, rows, cols: ncols, rs: bc, cs: 1 };
             // o += P·v   [rows, HS]
-            unsafe { gemm_raw(o.as_mut_ptr(), hs, true, p, v, 1.0, Threads::One) };
+            unsafe { gemm_raw((o.as_mut_ptr(), hs), true, p, v, 1.0, Threads::One) };
             j0 += bc;
         }
         for r in 0..rows {
@@ -763,22 +757,19 @@ pub fn flash_attention_backward_with(
     dims: &AttnDims,
     opts: BwdOpts,
 ) {
-    flash_gqa_backward_docs_with(dqkv, dout, qkv, out, lse, &dims.as_gqa(), &[], opts);
+    flash_gqa_backward_docs_with(dqkv, dout, (qkv, out, lse), &dims.as_gqa(), &[], opts);
 }
 
 #[doc(hidden)]
-#[allow(clippy::too_many_arguments)] // as flash_attention_backward_docs
 pub fn flash_attention_backward_docs_with(
     dqkv: &mut [f32],  // [B, T, 3C]
     dout: &[f32],      // [B, T, C]
-    qkv: &[f32],       // [B, T, 3C]
-    out: &[f32],       // [B, T, C]
-    lse: &[f32],       // [B, NH, T]
+    saved: (&[f32], &[f32], &[f32]), // the forward's qkv [B, T, 3C], out [B, T, C], lse [B, NH, T]
     dims: &AttnDims,
     starts: &[u32],    // [B, T] or empty
     opts: BwdOpts,
 ) {
-    flash_gqa_backward_docs_with(dqkv, dout, qkv, out, lse, &dims.as_gqa(), starts, opts);
+    flash_gqa_backward_docs_with(dqkv, dout, saved, &dims.as_gqa(), starts, opts);
 }
 
 #[doc(hidden)]
@@ -791,27 +782,25 @@ pub fn flash_gqa_backward_with(
     dims: &GqaDims,
     opts: BwdOpts,
 ) {
-    flash_gqa_backward_docs_with(dqkv, dout, qkv, out, lse, dims, &[], opts);
+    flash_gqa_backward_docs_with(dqkv, dout, (qkv, out, lse), dims, &[], opts);
 }
 
 #[doc(hidden)]
-#[allow(clippy::too_many_arguments)] // as flash_attention_backward_docs
 pub fn flash_gqa_backward_docs_with(
     dqkv: &mut [f32],  // [B, T, W]
     dout: &[f32],      // [B, T, C]
-    qkv: &[f32],       // [B, T, W]
-    out: &[f32],       // [B, T, C]
-    lse: &[f32],       // [B, NH, T]
+    saved: (&[f32], &[f32], &[f32]), // the forward's qkv [B, T, W], out [B, T, C], lse [B, NH, T]
     dims: &GqaDims,
     starts: &[u32],    // [B, T] or empty
     opts: BwdOpts,
 ) {
+    let (qkv, out, lse) = saved;
     check_starts(starts, dims.b, dims.t);
     let (b, t, nh) = (dims.b, dims.t, dims.nh);
     assert_eq!(out.len(), b * t * dims.c());
     let mut d = pooled(b * nh * t);
     flash_d(&mut d, dout, out, dims, t);
-    flash_gqa_block_backward_with(dqkv, None, dout, lse, &d, &Block::whole(qkv, dims, starts), dims, opts);
+    flash_gqa_block_backward_with((dqkv, None), dout, lse, &d, &Block::whole(qkv, dims, starts), dims, opts);
 }
 
 /// FlashAttention-2's `D[bh, i] = dO_i · O_i` (`[B, NH, rows]`) of `rows` rows per batch row of
@@ -842,10 +831,8 @@ pub fn flash_d(d: &mut [f32], dout: &[f32], out: &[f32], dims: &GqaDims, rows: u
 /// and `dk`, `dv` into the kv columns of `dkv` (`[B, k.rows, kw]`); `dkv = None`: into `dq`'s
 /// buffer, whose layout the kv buffer then shares (the whole-sequence kernel). Contributions
 /// are added in the order [`flash_gqa_backward`] documents.
-#[allow(clippy::too_many_arguments)] // the gradients, the forward's three, the block and shape
 pub fn flash_gqa_block_backward(
-    dq: &mut [f32],
-    dkv: Option<&mut [f32]>,
+    (dq, dkv): (&mut [f32], Option<&mut [f32]>),
     dout: &[f32],      // [B, q.rows, C]
     lse: &[f32],       // [B, NH, q.rows]
     d: &[f32],         // [B, NH, q.rows]
@@ -853,14 +840,12 @@ pub fn flash_gqa_block_backward(
     dims: &GqaDims,
     dropout: AttnDropout,
 ) {
-    flash_gqa_block_backward_with(dq, dkv, dout, lse, d, blk, dims, BwdOpts { dropout, ..BwdOpts::default() });
+    flash_gqa_block_backward_with((dq, dkv), dout, lse, d, blk, dims, BwdOpts { dropout, ..BwdOpts::default() });
 }
 
 #[doc(hidden)]
-#[allow(clippy::too_many_arguments)] // as flash_gqa_block_backward
 pub fn flash_gqa_block_backward_with(
-    dq: &mut [f32],
-    dkv: Option<&mut [f32]>,
+    (dq, dkv): (&mut [f32], Option<&mut [f32]>),
     dout: &[f32],
     lse: &[f32],
     d: &[f32],
@@ -1070,11 +1055,11 @@ fn head_key_tile(x: &Ctx, sc: &mut BwdScratch, bi: usize, h: usize, jt: usize, d
         let ds = View { data: &sc.ds, off: 0, rows, cols: ncols, rs: x.bc, cs: 1 };
         unsafe {
             // dv += Pdᵀ·dO ; dk += dSᵀ·q·scale
-            gemm_raw(dv, ld, true, pd.t(), d_o, 1.0, Threads::One);
-            gemm_raw(dk, ld, true, ds.t(), q, x.scale, Threads::One);
+            gemm_raw((dv, ld), true, pd.t(), d_o, 1.0, Threads::One);
+            gemm_raw((dk, ld), true, ds.t(), q, x.scale, Threads::One);
             if with_dq {
                 // dq += dS·k·scale
-                gemm_raw(x.dq.0.add(x.q_at(bi, i0, h)), w, true, ds, k, x.scale, Threads::One);
+                gemm_raw((x.dq.0.add(x.q_at(bi, i0, h)), w), true, ds, k, x.scale, Threads::One);
             }
         }
         it += 1;
@@ -1118,7 +1103,7 @@ fn query_tile(x: &Ctx, sc: &mut BwdScratch, bh: usize, it: usize) {
         tile_grads(x, sc, bh, i0, rows, j0, ncols);
         let k = View { data: x.blk.kv, off: x.k_at(bi, j0, g), rows: ncols, cols: hs, rs: x.blk.kw, cs: 1 };
         let ds = View { data: &sc.ds, off: 0, rows, cols: ncols, rs: x.bc, cs: 1 };
-        unsafe { gemm_raw(dq, w, true, ds, k, x.scale, Threads::One) };
+        unsafe { gemm_raw((dq, w), true, ds, k, x.scale, Threads::One) };
         j0 += x.bc;
     }
 }
@@ -1138,8 +1123,8 @@ fn tile_grads(x: &Ctx, sc: &mut BwdScratch, bh: usize, i0: usize, rows: usize, j
     let BwdScratch { p, pd, ds, mk, .. } = sc;
     unsafe {
         // S = q·kᵀ·scale ; dPd = dO·vᵀ   [rows, ncols], row stride bc
-        gemm_raw(p.as_mut_ptr(), x.bc, false, q, k.t(), x.scale, Threads::One);
-        gemm_raw(ds.as_mut_ptr(), x.bc, false, d_o, v.t(), 1.0, Threads::One);
+        gemm_raw((p.as_mut_ptr(), x.bc), false, q, k.t(), x.scale, Threads::One);
+        gemm_raw((ds.as_mut_ptr(), x.bc), false, d_o, v.t(), 1.0, Threads::One);
     }
     let l0 = bh * qs.rows + qs.row0 + i0;
     let lse = &x.lse[l0..l0 + rows];

@@ -117,8 +117,8 @@ pub fn qk_rmsnorm_forward(
     let (w, n) = ((nh + 2 * nkv) * hs, rstd.len() / (nh + nkv));
     let (pq, pk) = pre.split_at_mut(n * nh * hs);
     let (rq, rk) = rstd.split_at_mut(n * nh);
-    head_rmsnorm_forward(qkv, pq, rq, &weight[..hs], eps, w, 0, nh);
-    head_rmsnorm_forward(qkv, pk, rk, &weight[hs..], eps, w, nh * hs, nkv);
+    head_rmsnorm_forward(qkv, pq, rq, &weight[..hs], eps, (w, 0, nh));
+    head_rmsnorm_forward(qkv, pk, rk, &weight[hs..], eps, (w, nh * hs, nkv));
 }
 
 /// Backward of [`qk_rmsnorm_forward`]: the gradient with respect to the normalised q and k
@@ -138,23 +138,20 @@ pub fn qk_rmsnorm_backward(
     let (pq, pk) = pre.split_at(n * nh * hs);
     let (rq, rk) = rstd.split_at(n * nh);
     let (dwq, dwk) = dweight.split_at_mut(hs);
-    head_rmsnorm_backward(dqkv, dwq, pq, &weight[..hs], rq, w, 0, nh);
-    head_rmsnorm_backward(dqkv, dwk, pk, &weight[hs..], rk, w, nh * hs, nkv);
+    head_rmsnorm_backward(dqkv, dwq, pq, &weight[..hs], rq, (w, 0, nh));
+    head_rmsnorm_backward(dqkv, dwk, pk, &weight[hs..], rk, (w, nh * hs, nkv));
 }
 
 /// In every token's `[W]` row of `qkv`, the `heads` head vectors of width `HS = weight.len()`
 /// starting at column `off` are RMS-normalised in place; their inputs are saved in `pre`
 /// (`[N, heads·HS]`) and each head's `rstd` in `rstd` (`[N, heads]`).
-#[allow(clippy::too_many_arguments)]
 fn head_rmsnorm_forward(
     qkv: &mut [f32],  // [N, W]
     pre: &mut [f32],  // [N, heads·HS]
     rstd: &mut [f32], // [N, heads]
     weight: &[f32],   // [HS]
     eps: f32,
-    w: usize,
-    off: usize,
-    heads: usize,
+    (w, off, heads): (usize, usize, usize), // the row width, the first head's column, the heads
 ) {
     let _p = crate::profile::scope("head_rmsnorm_forward");
     let hw = heads * weight.len();
@@ -174,16 +171,13 @@ fn head_rmsnorm_forward(
 /// `dqkv`'s columns `off..off + heads·HS` becomes, in place, the gradient with respect to their
 /// inputs; the weight's gradient accumulates into `dweight`, summed in blocks of
 /// [`crate::par::REDUCE_ROWS`] tokens in order (the same sums at any thread count).
-#[allow(clippy::too_many_arguments)]
 fn head_rmsnorm_backward(
     dqkv: &mut [f32],    // [N, W]
     dweight: &mut [f32], // [HS]
     pre: &[f32],         // [N, heads·HS]
     weight: &[f32],      // [HS]
     rstd: &[f32],        // [N, heads]
-    w: usize,
-    off: usize,
-    heads: usize,
+    (w, off, heads): (usize, usize, usize), // as forward's
 ) {
     let _p = crate::profile::scope("head_rmsnorm_backward");
     let hs = weight.len();
@@ -601,7 +595,7 @@ pub fn gqa_attention_forward_docs(
         let k = View { off: base + dims.k_off(g), ..q };
         let v = View { off: base + dims.v_off(g), ..q };
         // S = q·kᵀ·scale   [T, T]
-        unsafe { gemm_raw(a.as_mut_ptr(), t, false, q, k.t(), scale, Threads::One) };
+        unsafe { gemm_raw((a.as_mut_ptr(), t), false, q, k.t(), scale, Threads::One) };
         let starts = if starts.is_empty() { &[][..] } else { &starts[bi * t..(bi + 1) * t] };
         for i in 0..t {
             let start = starts.get(i).map_or(0, |&s| s as usize);
@@ -618,7 +612,7 @@ pub fn gqa_attention_forward_docs(
         }
         // Safety: task (bi, h) writes only rows of batch bi, columns h·HS..(h+1)·HS of `out`.
         let dst = unsafe { outp.0.add(bi * t * c + h * hs) };
-        unsafe { gemm_raw(dst, c, false, View::rows(a, t, t), v, 1.0, Threads::One) };
+        unsafe { gemm_raw((dst, c), false, View::rows(a, t, t), v, 1.0, Threads::One) };
     });
 }
 
@@ -701,16 +695,16 @@ pub fn gqa_attention_backward(
             let d_o = View { data: dout, off: bi * t * c + h * hs, rows: t, cols: hs, rs: c, cs: 1 };
             let dq = unsafe { dp.0.add(base + dims.q_off(h)) };
             // dv += pᵀ · dout
-            unsafe { gemm_raw(dv, w, true, View::rows(p, t, t).t(), d_o, 1.0, Threads::One) };
+            unsafe { gemm_raw((dv, w), true, View::rows(p, t, t).t(), d_o, 1.0, Threads::One) };
             // dp = dout · vᵀ   [T, T], then the softmax backward in place
-            unsafe { gemm_raw(ds.as_mut_ptr(), t, false, d_o, v.t(), 1.0, Threads::One) };
+            unsafe { gemm_raw((ds.as_mut_ptr(), t), false, d_o, v.t(), 1.0, Threads::One) };
             for i in 0..t {
                 causal_softmax_backward_row(&mut ds[i * t..(i + 1) * t], &p[i * t..(i + 1) * t], i);
             }
             let dsv = View::rows(&ds, t, t);
             // dq += ds · k · scale ; dk += dsᵀ · q · scale
-            unsafe { gemm_raw(dq, w, true, dsv, k, scale, Threads::One) };
-            unsafe { gemm_raw(dk, w, true, dsv.t(), q, scale, Threads::One) };
+            unsafe { gemm_raw((dq, w), true, dsv, k, scale, Threads::One) };
+            unsafe { gemm_raw((dk, w), true, dsv.t(), q, scale, Threads::One) };
         }
     });
 }

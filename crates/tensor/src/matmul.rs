@@ -28,11 +28,10 @@ pub fn gemm_as(arith: Arith, dst: &mut [f32], accumulate: bool, lhs: View, rhs: 
 ///
 /// # Safety
 /// As [`gemm_raw`].
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn gemm_raw_as(arith: Arith, dst_ptr: *mut f32, dst_rs: usize, accumulate: bool, lhs: View, rhs: View, alpha: f32, threads: Threads) {
+pub unsafe fn gemm_raw_as(arith: Arith, dst: (*mut f32, usize), accumulate: bool, lhs: View, rhs: View, alpha: f32, threads: Threads) {
     match arith {
-        Arith::F32 => gemm_raw(dst_ptr, dst_rs, accumulate, lhs, rhs, alpha, threads),
-        Arith::Bf16 => crate::bf16::gemm_bf16_raw(dst_ptr, dst_rs, accumulate, lhs, rhs, alpha, threads),
+        Arith::F32 => gemm_raw(dst, accumulate, lhs, rhs, alpha, threads),
+        Arith::Bf16 => crate::bf16::gemm_bf16_raw(dst, accumulate, lhs, rhs, alpha, threads),
     }
 }
 
@@ -45,25 +44,26 @@ pub enum Threads {
     One,
 }
 
-/// `dst = (accumulate ? dst : 0) + alpha · lhs · rhs`, with `dst` a strided `m × n` region at
-/// `dst_ptr` (row stride `dst_rs`, column stride 1) that the caller guarantees is valid and not
-/// aliased by `lhs` or `rhs`.
+/// `dst = (accumulate ? dst : 0) + alpha · lhs · rhs`, with `dst = (dst_ptr, dst_rs)` a strided
+/// `m × n` region at `dst_ptr` (row stride `dst_rs`, column stride 1) that the caller
+/// guarantees is valid and not aliased by `lhs` or `rhs`.
 ///
 /// # Safety
 /// `dst_ptr` must point to a region covering `(m-1)·dst_rs + n` floats that no one else reads or
 /// writes during the call.
-pub unsafe fn gemm_raw(dst_ptr: *mut f32, dst_rs: usize, accumulate: bool, lhs: View, rhs: View, alpha: f32, threads: Threads) {
+pub unsafe fn gemm_raw((dst_ptr, dst_rs): (*mut f32, usize), accumulate: bool, lhs: View, rhs: View, alpha: f32, threads: Threads) {
     assert_eq!(lhs.cols, rhs.rows, "inner dimensions differ");
     lhs.check();
     rhs.check();
     let one = |d: *mut f32, rows: (usize, usize), cols: (usize, usize)| {
         gemm_one(d, dst_rs, accumulate, lhs.sub_rows(rows.0, rows.1), rhs.sub_cols(cols.0, cols.1), alpha);
     };
-    split_blocks(dst_ptr, dst_rs, accumulate, lhs.rows, rhs.cols, lhs.cols, threads, &one);
+    split_blocks((dst_ptr, dst_rs), accumulate, (lhs.rows, rhs.cols, lhs.cols), threads, &one);
 }
 
-/// Runs an `m × n × k` product as single-threaded blocks: `one(dst, rows, cols)` computes the
-/// destination block `rows × cols` whose first element is at `dst`. Small products, and any
+/// Runs an `m × n × k` product into `(dst_ptr, dst_rs)` as single-threaded blocks:
+/// `one(dst, rows, cols)` computes the destination block `rows × cols` whose first element is
+/// at `dst`. Small products, and any
 /// with [`Threads::One`], are one block; an empty one does nothing, and one with `k = 0` only
 /// zeroes the destination (unless it accumulates).
 ///
@@ -74,8 +74,7 @@ pub unsafe fn gemm_raw(dst_ptr: *mut f32, dst_rs: usize, accumulate: bool, lhs: 
 ///
 /// # Safety
 /// As [`gemm_raw`]; `one` must write only its own block.
-#[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn split_blocks(dst_ptr: *mut f32, dst_rs: usize, accumulate: bool, m: usize, n: usize, k: usize, threads: Threads, one: &(dyn Fn(*mut f32, (usize, usize), (usize, usize)) + Sync)) {
+pub(crate) unsafe fn split_blocks((dst_ptr, dst_rs): (*mut f32, usize), accumulate: bool, (m, n, k): (usize, usize, usize), threads: Threads, one: &(dyn Fn(*mut f32, (usize, usize), (usize, usize)) + Sync)) {
     if m == 0 || n == 0 {
         return;
     }
@@ -130,26 +129,23 @@ unsafe fn gemm_one(dst_ptr: *mut f32, dst_rs: usize, accumulate: bool, lhs: View
 /// Safe form of [`gemm_raw`] for a dense row-major destination `dst[m × n]`.
 pub fn gemm(dst: &mut [f32], accumulate: bool, lhs: View, rhs: View, alpha: f32, threads: Threads) {
     assert_eq!(dst.len(), lhs.rows * rhs.cols, "destination size");
-    unsafe { gemm_raw(dst.as_mut_ptr(), rhs.cols, accumulate, lhs, rhs, alpha, threads) }
+    unsafe { gemm_raw((dst.as_mut_ptr(), rhs.cols), accumulate, lhs, rhs, alpha, threads) }
 }
 
 /// Linear layer, PyTorch layout (weights `[OC, C]`):
 /// `out[BT, OC] = inp[BT, C] · weight[OC, C]ᵀ + bias[OC]`. Overwrites `out`.
 pub fn matmul_forward(out: &mut [f32], inp: &[f32], weight: &[f32], bias: Option<&[f32]>, bt: usize, c: usize, oc: usize) {
-    matmul_forward_as(Arith::F32, out, inp, weight, bias, bt, c, oc)
+    matmul_forward_as(Arith::F32, out, inp, weight, bias, (bt, c, oc))
 }
 
-/// [`matmul_forward`] in the given arithmetic.
-#[allow(clippy::too_many_arguments)]
+/// [`matmul_forward`] in the given arithmetic, its shape `(bt, c, oc)`.
 pub fn matmul_forward_as(
     arith: Arith,
     out: &mut [f32],         // [BT, OC]
     inp: &[f32],             // [BT, C]
     weight: &[f32],          // [OC, C]
     bias: Option<&[f32]>,    // [OC]
-    bt: usize,
-    c: usize,
-    oc: usize,
+    (bt, c, oc): (usize, usize, usize),
 ) {
     let _p = crate::profile::scope("matmul_forward");
     assert_eq!(out.len(), bt * oc);
@@ -172,38 +168,35 @@ pub(crate) fn bias_rows(out: &mut [f32], bias: Option<&[f32]>, oc: usize) -> boo
     }
 }
 
-/// Backward of [`matmul_forward`]. Accumulates into `dinp`, `dweight` and `dbias`.
-#[allow(clippy::too_many_arguments)]
-pub fn matmul_backward(dinp: &mut [f32], dweight: &mut [f32], dbias: Option<&mut [f32]>, dout: &[f32], inp: &[f32], weight: &[f32], bt: usize, c: usize, oc: usize) {
-    matmul_backward_as(Arith::F32, dinp, dweight, dbias, dout, inp, weight, bt, c, oc)
+/// The gradients a linear layer's backward writes: `(dinp [BT, C], dweight [OC, C], dbias
+/// [OC])`.
+pub type LinearGrads<'a> = (&'a mut [f32], &'a mut [f32], Option<&'a mut [f32]>);
+
+/// Backward of [`matmul_forward`]. Accumulates into the gradients `(dinp, dweight, dbias)`.
+pub fn matmul_backward(grads: LinearGrads, dout: &[f32], inp: &[f32], weight: &[f32], bt: usize, c: usize, oc: usize) {
+    matmul_backward_as(Arith::F32, grads, dout, inp, weight, (bt, c, oc))
 }
 
-/// [`matmul_backward`] in the given arithmetic (the bias gradient is an fp32 sum either way).
-#[allow(clippy::too_many_arguments)]
+/// [`matmul_backward`] in the given arithmetic (the bias gradient is an fp32 sum either way),
+/// its shape `(bt, c, oc)`.
 pub fn matmul_backward_as(
     arith: Arith,
-    dinp: &mut [f32],             // [BT, C]
-    dweight: &mut [f32],          // [OC, C]
-    dbias: Option<&mut [f32]>,    // [OC]
+    grads: LinearGrads,
     dout: &[f32],                 // [BT, OC]
     inp: &[f32],                  // [BT, C]
     weight: &[f32],               // [OC, C]
-    bt: usize,
-    c: usize,
-    oc: usize,
+    shape: (usize, usize, usize),
 ) {
-    matmul_backward_with(arith, true, dinp, dweight, dbias, dout, inp, weight, bt, c, oc)
+    matmul_backward_with(arith, true, grads, dout, inp, weight, shape)
 }
 
 /// [`matmul_backward_as`] overwriting `dinp` (`dinp = dout · weight`) for a caller that would
 /// zero it first; the weight's and bias's gradients still accumulate.
-#[allow(clippy::too_many_arguments)]
-pub fn matmul_backward_into_as(arith: Arith, dinp: &mut [f32], dweight: &mut [f32], dbias: Option<&mut [f32]>, dout: &[f32], inp: &[f32], weight: &[f32], bt: usize, c: usize, oc: usize) {
-    matmul_backward_with(arith, false, dinp, dweight, dbias, dout, inp, weight, bt, c, oc)
+pub fn matmul_backward_into_as(arith: Arith, grads: LinearGrads, dout: &[f32], inp: &[f32], weight: &[f32], shape: (usize, usize, usize)) {
+    matmul_backward_with(arith, false, grads, dout, inp, weight, shape)
 }
 
-#[allow(clippy::too_many_arguments)]
-fn matmul_backward_with(arith: Arith, accumulate: bool, dinp: &mut [f32], dweight: &mut [f32], dbias: Option<&mut [f32]>, dout: &[f32], inp: &[f32], weight: &[f32], bt: usize, c: usize, oc: usize) {
+fn matmul_backward_with(arith: Arith, accumulate: bool, (dinp, dweight, dbias): LinearGrads, dout: &[f32], inp: &[f32], weight: &[f32], (bt, c, oc): (usize, usize, usize)) {
     let _p = crate::profile::scope("matmul_backward");
     assert_eq!(dout.len(), bt * oc);
     // The two products are independent and equally large: run them side by side, each on the

@@ -751,7 +751,6 @@ pub fn moe_combine(
 /// Backward of [`moe_combine`] (without accumulation): `dgate[t, j] = ⟨dy[t], eo[slot[t, j]]⟩`
 /// (0 for a dropped assignment) and `deo[r] = gate[t, j]·dy[t]` for the assignment `(t, j)`
 /// that row `r` holds. Overwrites both.
-#[allow(clippy::too_many_arguments)]
 pub fn moe_combine_backward(
     grads: (&mut [f32], &mut [f32]),  // dgate [N, K], deo [R, C]
     dy: &[f32],                       // [N, C]
@@ -759,8 +758,7 @@ pub fn moe_combine_backward(
     gates: &[f32],                    // [N, K]
     slot: &[u32],                     // [N, K]
     row_token: &[u32],                // [≥ R]
-    c: usize,
-    k: usize,
+    (c, k): (usize, usize),           // the width, the experts per token
 ) {
     let (dgate, deo) = grads;
     dgate.par_chunks_mut(k).enumerate().with_min_len(16).for_each(|(t, dg)| {
@@ -870,7 +868,7 @@ pub fn moe_backward(
     let rows = cache.rows();
     let MoeCache { probs, lse, idx, gates, slot, row_token, offsets, route, xe, gu, h, eo, sgu, sh, ep: epc, deo, dh, dgu, dgate, dlogits, .. } = cache;
 
-    moe_combine_backward((dgate, &mut deo[..rows * c]), dy, &eo[..rows * c], gates, slot, row_token, c, k);
+    moe_combine_backward((dgate, &mut deo[..rows * c]), dy, &eo[..rows * c], gates, slot, row_token, (c, k));
 
     // Routed experts' backward in order; `deo` is replaced by d(dispatched tokens). Under
     // expert parallelism the d(eo) rows go to the experts' owners and d(xe) rows come back.

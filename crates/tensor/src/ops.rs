@@ -20,7 +20,7 @@ pub fn embedding_forward(
 ) {
     let vp = wte.len() / c;
     assert!(tokens.iter().all(|&x| (x as usize) < vp), "token outside the vocabulary of {vp}");
-    embedding_forward_rows(out, tokens, wte, wpe, None, t, c, 0..vp);
+    embedding_forward_rows(out, tokens, (wte, wpe), None, t, c, 0..vp);
 }
 
 /// Backward of [`embedding_forward`]. Accumulates into `dwte` and `dwpe`.
@@ -36,7 +36,7 @@ pub fn embedding_backward(
 ) {
     let vp = dwte.len() / c;
     assert!(tokens.iter().all(|&x| (x as usize) < vp), "token outside the vocabulary of {vp}");
-    embedding_backward_rows(dwte, dwpe, dout, tokens, None, t, c, 0..vp);
+    embedding_backward_rows((dwte, dwpe), dout, tokens, None, t, c, 0..vp);
 }
 
 /// `dwpe[p] += Σ dout[i]` over the tokens `i` at position `p` (`pos[i]`, or `i mod T`: then
@@ -86,12 +86,10 @@ fn check_positions(pos: Option<&[u32]>, n: usize, wpe_rows: usize) {
 /// Token `i` of the flat `[B, T]` takes position `pos[i]` when given (packed documents whose
 /// positions restart), else `i mod T`: `out[i] = wte[tokens[i]] + wpe[pos[i]]`.
 // Eight arguments: embedding_forward's six, the vocabulary rows and the optional positions.
-#[allow(clippy::too_many_arguments)]
 pub fn embedding_forward_rows(
     out: &mut [f32],          // [B, T, C]
     tokens: &[u32],           // [B, T]
-    wte: &[f32],              // [rows, C]
-    wpe: Option<&[f32]>,      // [maxT, C]
+    (wte, wpe): (&[f32], Option<&[f32]>), // the tables: [rows, C], [maxT, C]
     pos: Option<&[u32]>,      // [B, T]  each token's position (< maxT); None: i mod T
     t: usize,
     c: usize,
@@ -126,10 +124,8 @@ pub fn embedding_forward_rows(
 /// accumulates the gradients of the tokens in `rows`; `dwpe` every position's (the positions
 /// table is replicated, and `dout` is the whole gradient on every rank), at positions `pos`
 /// (or `i mod T`) as forward. Accumulates; deterministic (see `position_backward`).
-#[allow(clippy::too_many_arguments)] // as embedding_forward_rows
 pub fn embedding_backward_rows(
-    dwte: &mut [f32],            // [rows, C]
-    dwpe: Option<&mut [f32]>,    // [maxT, C]
+    (dwte, dwpe): (&mut [f32], Option<&mut [f32]>), // the tables' gradients: [rows, C], [maxT, C]
     dout: &[f32],                // [B, T, C]
     tokens: &[u32],              // [B, T]
     pos: Option<&[u32]>,         // [B, T]  as forward's
@@ -214,16 +210,12 @@ fn layernorm_row(o: &mut [f32], m: &mut f32, s: &mut f32, x: &[f32], weight: &[f
 /// Backward of [`layernorm_forward`]. Accumulates into `dinp`, `dweight`, `dbias`.
 // Nine arguments, kept: llm.c's `layernorm_backward` signature, the example the kernel
 // conventions are written from.
-#[allow(clippy::too_many_arguments)]
 pub fn layernorm_backward(
-    dinp: &mut [f32],            // [N, C]
-    dweight: &mut [f32],         // [C]
-    dbias: Option<&mut [f32]>,   // [C]
+    (dinp, dweight, dbias): (&mut [f32], &mut [f32], Option<&mut [f32]>), // [N, C], [C], [C]
     dout: &[f32],                // [N, C]
     inp: &[f32],                 // [N, C]
     weight: &[f32],              // [C]
-    mean: &[f32],                // [N]
-    rstd: &[f32],                // [N]
+    (mean, rstd): (&[f32], &[f32]), // [N], [N]
     c: usize,
 ) {
     let _p = crate::profile::scope("layernorm_backward");
@@ -234,7 +226,7 @@ pub fn layernorm_backward(
     row_blocks_reduce(dinp, c, &mut acc, |r0, di, part| {
         let r1 = r0 + di.len() / c;
         let (pw, pb) = part.split_at_mut(c);
-        layernorm_backward_rows(di, pw, pb, &dout[r0 * c..r1 * c], &inp[r0 * c..r1 * c], weight, &mean[r0..r1], &rstd[r0..r1]);
+        layernorm_backward_rows((di, pw, pb), &dout[r0 * c..r1 * c], &inp[r0 * c..r1 * c], weight, (&mean[r0..r1], &rstd[r0..r1]));
     });
 }
 
@@ -242,8 +234,8 @@ crate::multiversion! {
     /// Rows `mean.len()` of the layer norm's backward: `di += …`, and the rows' weight gradient
     /// `Σ_r norm·d` into `pw` and bias gradient `Σ_r d` into `pb` (when not empty), rows in
     /// order.
-    #[allow(clippy::too_many_arguments)]
-    fn layernorm_backward_rows(di: &mut [f32], pw: &mut [f32], pb: &mut [f32], d: &[f32], x: &[f32], weight: &[f32], mean: &[f32], rstd: &[f32]) {
+    fn layernorm_backward_rows(grads: (&mut [f32], &mut [f32], &mut [f32]), d: &[f32], x: &[f32], weight: &[f32], stats: (&[f32], &[f32])) {
+        let ((di, pw, pb), (mean, rstd)) = (grads, stats);
         let c = weight.len();
         for (r, (&mu, &rs)) in mean.iter().zip(rstd).enumerate() {
             let (d, x, di) = (&d[r * c..(r + 1) * c], &x[r * c..(r + 1) * c], &mut di[r * c..(r + 1) * c]);

@@ -20,7 +20,7 @@ pub struct AdamW {
 /// `p -= lr · m̂ / (√v̂ + ε)`.
 pub fn adamw_update(params: &mut [f32], grads: &[f32], m: &mut [f32], v: &mut [f32], h: &AdamW) {
     let _p = crate::profile::scope("adamw_update");
-    adam_pieces(params, None, grads, m, v, h, h.t, true);
+    adam_pieces(params, None, grads, (m, v), h, h.t, true);
 }
 
 /// [`adamw_update`] on bf16-split master weights ([`crate::precision::split_bf16`]): `work`,
@@ -29,7 +29,7 @@ pub fn adamw_update(params: &mut [f32], grads: &[f32], m: &mut [f32], v: &mut [f
 /// again, so the master weights follow the fp32 update bit for bit.
 pub fn adamw_update_split(work: &mut [f32], low: &mut [u16], grads: &[f32], m: &mut [f32], v: &mut [f32], h: &AdamW) {
     let _p = crate::profile::scope("adamw_update");
-    adam_pieces(work, Some(low), grads, m, v, h, h.t, true);
+    adam_pieces(work, Some(low), grads, (m, v), h, h.t, true);
 }
 
 /// `f` on the fp32 master weights of one chunk of split ones (at most [`ELEMS`]), joined into
@@ -64,8 +64,7 @@ struct Coefs {
 /// [`adamw_update`] and [`zeroone_update`]: the variance's bias correction counts
 /// `var_updates` updates, and with `update_v` false the variance stays as it was.
 /// With `low`, `params` are split master weights ([`adamw_update_split`]).
-#[allow(clippy::too_many_arguments)]
-fn adam_pieces(params: &mut [f32], low: Option<&mut [u16]>, grads: &[f32], m: &mut [f32], v: &mut [f32], h: &AdamW, var_updates: u64, update_v: bool) {
+fn adam_pieces(params: &mut [f32], low: Option<&mut [u16]>, grads: &[f32], (m, v): (&mut [f32], &mut [f32]), h: &AdamW, var_updates: u64, update_v: bool) {
     let [step, rbc2, decay] = adamw_scalars(h, var_updates);
     let c = Coefs { step, rbc2, decay, update_v };
     let gmv = grads.par_chunks(ELEMS).zip(m.par_chunks_mut(ELEMS).zip(v.par_chunks_mut(ELEMS)));
@@ -124,7 +123,7 @@ pub fn adam_frozen_update(params: &mut [f32], low: Option<&mut [u16]>, m: &[f32]
 /// variance's own updates. With `update_v` at every step it is [`adamw_update`].
 pub fn zeroone_update(params: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], h: &AdamW, var_updates: u64, update_v: bool) {
     let _p = crate::profile::scope("zeroone_update");
-    adam_pieces(params, None, g, m, v, h, var_updates, update_v);
+    adam_pieces(params, None, g, (m, v), h, var_updates, update_v);
 }
 
 /// 0/1 Adam's local step on this rank's own gradient `g`, the variance `v` frozen: `m = β1·m +
@@ -133,8 +132,7 @@ pub fn zeroone_update(params: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32
 /// since the anchor was taken, this step's included. That is AdamW's step `p·(1 − lr·wd) − …`
 /// exactly, with the decay kept out of the moves (so out of the momentum a sync rebuilds from
 /// them); a checkpoint of `anchor`, `acc` and `decay` restores the parameters bit for bit.
-#[allow(clippy::too_many_arguments)]
-pub fn zeroone_local(params: &mut [f32], g: &[f32], m: &mut [f32], v: &[f32], acc: &mut [f32], anchor: &[f32], h: &AdamW, var_updates: u64, decay: f32) {
+pub fn zeroone_local(params: &mut [f32], g: &[f32], (m, v): (&mut [f32], &[f32]), (acc, anchor): (&mut [f32], &[f32]), h: &AdamW, var_updates: u64, decay: f32) {
     let _p = crate::profile::scope("zeroone_local");
     let step = (h.lr as f64 / (1.0 - (h.beta1 as f64).powi(h.t as i32))) as f32;
     let rbc2 = (1.0 / (1.0 - (h.beta2 as f64).powi(var_updates as i32)).sqrt()) as f32;

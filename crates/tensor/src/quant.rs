@@ -339,13 +339,12 @@ impl QMat<'_> {
 /// Output columns per dequantized tile of a quantized product.
 pub const QTILE: usize = 128;
 
-/// `dst[m × n] (+)= lhs[m × k] · rhs` where the right operand is produced a tile of [`QTILE`]
+/// `dst[m × n] (+)= lhs[m × k] · rhs` (`(k, n)`) where the right operand is produced a tile of [`QTILE`]
 /// columns at a time: `fill(scratch, j0, nb)` dequantizes columns `j0..j0+nb` into
 /// `scratch` (`k · nb` floats), stored `[nb, k]` when `transposed`, else `[k, nb]`. Tiles run in parallel,
 /// each a single-threaded product over the whole `k`, so an output element's additions do not
 /// depend on the tiling or the thread count; at most one tile per thread exists in fp32.
-#[allow(clippy::too_many_arguments)]
-fn tiled(arith: crate::matmul::Arith, dst: &mut [f32], accumulate: bool, lhs: crate::matmul::View, k: usize, n: usize, transposed: bool, fill: &(dyn Fn(&mut [f32], usize, usize) + Sync)) {
+fn tiled(arith: crate::matmul::Arith, dst: &mut [f32], accumulate: bool, lhs: crate::matmul::View, (k, n): (usize, usize), transposed: bool, fill: &(dyn Fn(&mut [f32], usize, usize) + Sync)) {
     use crate::matmul::View;
     use rayon::prelude::*;
     let m = lhs.rows;
@@ -361,7 +360,7 @@ fn tiled(arith: crate::matmul::Arith, dst: &mut [f32], accumulate: bool, lhs: cr
         fill(&mut scratch, j0, nb);
         let rhs = if transposed { View::rows(&scratch, nb, k).t() } else { View::rows(&scratch, k, nb) };
         // SAFETY: tile t writes columns j0..j0+nb of every row, disjoint from the others'.
-        unsafe { crate::matmul::gemm_raw_as(arith, ptr.0.add(j0), n, accumulate, lhs, rhs, 1.0, crate::matmul::Threads::One) }
+        unsafe { crate::matmul::gemm_raw_as(arith, (ptr.0.add(j0), n), accumulate, lhs, rhs, 1.0, crate::matmul::Threads::One) }
     });
 }
 
@@ -369,9 +368,8 @@ fn tiled(arith: crate::matmul::Arith, dst: &mut [f32], accumulate: bool, lhs: cr
 /// deq(W)ᵀ (+ bias)`, `W` `[OC, C]`, dequantized [`QTILE`] rows at a time inside the product
 /// — the same values as [`crate::matmul::matmul_forward_as`] over the dequantized matrix,
 /// without it ever existing whole; with `round`, each tile rounded to that format first (a
-/// bf16 base). Overwrites `out`.
-#[allow(clippy::too_many_arguments)]
-pub fn qmatmul_forward(arith: crate::matmul::Arith, round: Option<Format>, out: &mut [f32], inp: &[f32], w: &QMat, bias: Option<&[f32]>, bt: usize, c: usize, oc: usize) {
+/// bf16 base), its shape `(bt, c, oc)`. Overwrites `out`.
+pub fn qmatmul_forward(arith: crate::matmul::Arith, round: Option<Format>, out: &mut [f32], inp: &[f32], w: &QMat, bias: Option<&[f32]>, (bt, c, oc): (usize, usize, usize)) {
     let _p = crate::profile::scope("qmatmul_forward");
     assert_eq!(inp.len(), bt * c);
     let accumulate = crate::matmul::bias_rows(out, bias, oc);
@@ -382,13 +380,12 @@ pub fn qmatmul_forward(arith: crate::matmul::Arith, round: Option<Format>, out: 
             crate::precision::round_slice(&mut s[..nb * c], f);
         }
     };
-    tiled(arith, out, accumulate, crate::matmul::View::rows(inp, bt, c), c, oc, true, &fill);
+    tiled(arith, out, accumulate, crate::matmul::View::rows(inp, bt, c), (c, oc), true, &fill);
 }
 
 /// The input gradient through a quantized frozen weight: `dinp[BT, C] += dout[BT, OC] ·
-/// deq(W)`, `W` `[OC, C]` dequantized [`QTILE`] columns at a time.
-#[allow(clippy::too_many_arguments)]
-pub fn qmatmul_backward_input(arith: crate::matmul::Arith, round: Option<Format>, dinp: &mut [f32], dout: &[f32], w: &QMat, bt: usize, c: usize, oc: usize) {
+/// deq(W)`, `W` `[OC, C]` dequantized [`QTILE`] columns at a time; the shape `(bt, c, oc)`.
+pub fn qmatmul_backward_input(arith: crate::matmul::Arith, round: Option<Format>, dinp: &mut [f32], dout: &[f32], w: &QMat, (bt, c, oc): (usize, usize, usize)) {
     let _p = crate::profile::scope("qmatmul_backward");
     assert_eq!(dout.len(), bt * oc);
     // Tile = columns j0..j0+nb of every row of W: [OC, nb].
@@ -400,7 +397,7 @@ pub fn qmatmul_backward_input(arith: crate::matmul::Arith, round: Option<Format>
             crate::precision::round_slice(&mut s[..oc * nb], f);
         }
     };
-    tiled(arith, dinp, true, crate::matmul::View::rows(dout, bt, oc), oc, c, false, &fill);
+    tiled(arith, dinp, true, crate::matmul::View::rows(dout, bt, oc), (oc, c), false, &fill);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ fn flash_attention_matches_cpu() {
         let (mut out, mut lse) = (vec![0.0; b * t * d.c()], vec![0.0; b * nh * t]);
         tensor::flash::flash_gqa_forward_docs(&mut out, &mut lse, &qkv, &d, &st, drop);
         let mut dqkv = dqkv0.clone();
-        tensor::flash::flash_gqa_backward_docs(&mut dqkv, &dout, &qkv, &out, &lse, &d, &st, drop);
+        tensor::flash::flash_gqa_backward_docs(&mut dqkv, &dout, (&qkv, &out, &lse), &d, &st, drop);
 
         let (gq, go, gl) = (g.upload(&qkv), g.zeros(out.len()), g.zeros(lse.len()));
         let gs = docs.then(|| g.upload_u32(&st));
@@ -53,7 +53,7 @@ fn flash_attention_matches_cpu() {
         close(&format!("flash out {name}"), &g.download(&go), &out, 1e-5);
         close(&format!("flash lse {name}"), &g.download(&gl), &lse, 1e-5);
         let (gd, scratch) = (g.upload(&dqkv0), g.zeros(b * nh * t));
-        g.flash_backward(&gd, &scratch, &g.upload(&dout), (&gq, &go, &gl), &d, gs.as_ref(), drop);
+        g.flash_backward(&gd, &scratch, &g.upload(&dout), (&gq, &go, &gl), (&d, gs.as_ref()), drop);
         close(&format!("flash dqkv {name}"), &g.download(&gd), &dqkv, 1e-5);
     }
 }
@@ -117,7 +117,7 @@ fn flash_attention_blocks_match_cpu() {
         let (gdq, gdkv) = (g.zeros(dq.len()), g.zeros(dkv.len()));
         for &(q, k, remote) in &blocks {
             let dkv_cpu = if remote { Some(&mut dkv[..]) } else { None };
-            tensor::flash::flash_gqa_block_backward(&mut dq, dkv_cpu, &dout, &lse, &dd, &cpu_block(q, k, remote), &d, drop);
+            tensor::flash::flash_gqa_block_backward((&mut dq, dkv_cpu), &dout, &lse, &dd, &cpu_block(q, k, remote), &d, drop);
             g.flash_block_backward((&gdq, if remote { &gdkv } else { &gdq }), (&gdd, &gdout), (&gq, &gl, q), dev_block(k, remote), (&d, gs.as_ref()), seed);
         }
         close(&format!("block dq {name}"), &g.download(&gdq), &dq, 1e-5);

@@ -18,23 +18,23 @@ fn matmul_matches_cpu_on_odd_shapes_in_every_type() {
             tensor::matmul_forward(&mut out, &inp_s, &w_s, Some(&b), bt, c, oc);
             let (di, dw, db) = (g.upload_as(&inp, dtype), g.upload_as(&w, dtype), g.upload(&b));
             let o = g.zeros(bt * oc);
-            g.matmul_forward(&o, &di, dw.at(0), Some(db.at(0)), bt, c, oc);
+            g.matmul_forward(&o, &di, dw.at(0), Some(db.at(0)), (bt, c, oc));
             let name = format!("matmul_forward {dtype:?} {bt}x{c}x{oc}");
             close(&name, &g.download(&o), &out, tol(DType::F32));
             // Backward accumulates: every gradient starts from a nonzero value.
             let (gi0, gw0, gb0) = (randn(&mut rng, bt * c, 1.0), randn(&mut rng, oc * c, 1.0), randn(&mut rng, oc, 1.0));
             let (mut gi, mut gw, mut gb) = (gi0.clone(), gw0.clone(), gb0.clone());
-            tensor::matmul_backward(&mut gi, &mut gw, Some(&mut gb), &dout, &inp_s, &w_s, bt, c, oc);
+            tensor::matmul_backward((&mut gi, &mut gw, Some(&mut gb)), &dout, &inp_s, &w_s, bt, c, oc);
             let (dgi, dgw, dgb) = (g.upload(&gi0), g.upload(&gw0), g.upload(&gb0));
-            g.matmul_backward((&dgi, dgw.at(0), Some(dgb.at(0))), &g.upload(&dout), &di, dw.at(0), bt, c, oc);
+            g.matmul_backward((&dgi, dgw.at(0), Some(dgb.at(0))), &g.upload(&dout), &di, dw.at(0), (bt, c, oc));
             close(&format!("{name} dinp"), &g.download(&dgi), &gi, tol(DType::F32));
             close(&format!("{name} dweight"), &g.download(&dgw), &gw, tol(DType::F32));
             close(&format!("{name} dbias"), &g.download(&dgb), &gb, tol(DType::F32));
             // The overwriting form: dinp replaced, the weight's gradient accumulated.
             let (mut gi2, mut gw2) = (gi0.clone(), gw0.clone());
-            tensor::matmul::matmul_backward_into_as(Arith::F32, &mut gi2, &mut gw2, None, &dout, &inp_s, &w_s, bt, c, oc);
+            tensor::matmul::matmul_backward_into_as(Arith::F32, (&mut gi2, &mut gw2, None), &dout, &inp_s, &w_s, (bt, c, oc));
             let (dgi2, dgw2) = (g.upload(&gi0), g.upload(&gw0));
-            g.matmul_backward_into((&dgi2, dgw2.at(0), None), &g.upload(&dout), &di, dw.at(0), bt, c, oc);
+            g.matmul_backward_into((&dgi2, dgw2.at(0), None), &g.upload(&dout), &di, dw.at(0), (bt, c, oc));
             close(&format!("{name} dinp (overwritten)"), &g.download(&dgi2), &gi2, tol(DType::F32));
             close(&format!("{name} dweight (with dinp overwritten)"), &g.download(&dgw2), &gw2, tol(DType::F32));
         }

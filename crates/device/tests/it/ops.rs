@@ -51,20 +51,20 @@ fn embedding_with_positions_matches_cpu() {
         let params = randn(&mut rng, rows.len() * c + max_t * c, 1.0);
         let (wte, wpe) = params.split_at(rows.len() * c);
         let mut out = vec![0.0; b * t * c];
-        tensor::ops::embedding_forward_rows(&mut out, &tokens, wte, Some(wpe), Some(&pos), t, c, rows.clone());
+        tensor::ops::embedding_forward_rows(&mut out, &tokens, (wte, Some(wpe)), Some(&pos), t, c, rows.clone());
         let (p, tok, gp, o) = (g.upload(&params), g.upload_u32(&tokens), g.upload_u32(&pos), g.zeros(b * t * c));
         let table = if rows.start == 0 { device::ALL_ROWS } else { rows.clone() };
-        g.embedding_forward_pos(&o, &tok, (p.at(0), Some(p.at(wte.len()))), Some(&gp), t, c, table.clone());
+        g.embedding_forward_pos(&o, &tok, (p.at(0), Some(p.at(wte.len()))), Some(&gp), (t, c), table.clone());
         close(&format!("embedding_forward with positions, {name}"), &g.download(&o), &out, F32);
         let dout = randn(&mut rng, b * t * c, 1.0);
         let grads0 = randn(&mut rng, params.len(), 1.0);
         let mut grads = grads0.clone();
         {
             let (dwte, dwpe) = grads.split_at_mut(wte.len());
-            tensor::ops::embedding_backward_rows(dwte, Some(dwpe), &dout, &tokens, Some(&pos), t, c, rows.clone());
+            tensor::ops::embedding_backward_rows((dwte, Some(dwpe)), &dout, &tokens, Some(&pos), t, c, rows.clone());
         }
         let dg = g.upload(&grads0);
-        g.embedding_backward_pos((dg.at(0), Some(dg.at(wte.len()))), &g.upload(&dout), &tok, Some((&gp, max_t)), t, c, table);
+        g.embedding_backward_pos((dg.at(0), Some(dg.at(wte.len()))), &g.upload(&dout), &tok, Some((&gp, max_t)), (t, c), table);
         let got = g.download(&dg);
         assert!(got.iter().zip(&grads).all(|(a, b)| a.to_bits() == b.to_bits()), "embedding_backward with positions, {name}, differs from the CPU");
     }
@@ -88,14 +88,14 @@ fn layernorm_and_rmsnorm_match_cpu_in_every_type() {
             let (mut out, mut mean, mut rstd) = (vec![0.0; rows * c], vec![0.0; rows], vec![0.0; rows]);
             tensor::layernorm_forward(&mut out, &mut mean, &mut rstd, &xs, w, Some(bias), c);
             let (o, m, r) = (g.zeros(rows * c), g.zeros(rows), g.zeros(rows));
-            g.layernorm_forward(&o, &m, &r, &gx, p.at(3), Some(p.at(3 + c)), c);
+            g.layernorm_forward(&o, (&m, &r), &gx, p.at(3), Some(p.at(3 + c)), c);
             close(&format!("layernorm_forward {name}"), &g.download(&o), &out, tol(dtype).max(F32 * 4.0));
             let grads0 = randn(&mut rng, params.len(), 1.0);
             let mut grads = grads0.clone();
             let mut di = vec![0.0; rows * c];
             {
                 let (gw, gb) = grads[3..].split_at_mut(c);
-                tensor::layernorm_backward(&mut di, gw, Some(gb), &dout, &xs, w, &mean, &rstd, c);
+                tensor::layernorm_backward((&mut di, gw, Some(gb)), &dout, &xs, w, (&mean, &rstd), c);
             }
             let dp = g.upload(&grads0);
             g.layernorm_backward((&dx, dp.at(3), Some(dp.at(3 + c))), &d, &gx, p.at(3), (&m, &r), c);

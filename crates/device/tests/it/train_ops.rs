@@ -140,7 +140,7 @@ fn moe_routing_matches_cpu() {
 
         let dy = randn(&mut rng, n * c, 1.0);
         let (mut dgate, mut deo) = (vec![0.0; n * k], vec![0.0; rows * c]);
-        moe_combine_backward((&mut dgate, &mut deo), &dy, &eo, &gates, &slot, &row_token, c, k);
+        moe_combine_backward((&mut dgate, &mut deo), &dy, &eo, &gates, &slot, &row_token, (c, k));
         let (gdg, gdeo, gdy) = (g.zeros(n * k), g.zeros(n * k * c), g.upload(&dy));
         g.moe_combine_backward((&gdg, &gdeo), &gdy, &geo, &r, c);
         close(&format!("dgate {name}"), &g.download(&gdg), &dgate, 1e-5);

@@ -177,9 +177,36 @@ impl Tracking {
     }
 }
 
+/// The run directory a refused allocation cleans up after: its path, its lock file's, the note
+/// it leaves there, and whether this process made the directory. Paths made ahead of time, so
+/// the handler needs no allocation.
+struct RunDir {
+    dir: std::ffi::CString,
+    lock: std::ffi::CString,
+    note: std::ffi::CString,
+    created: bool,
+}
+
+static RUN_DIR: std::sync::OnceLock<RunDir> = std::sync::OnceLock::new();
+
+/// Names the run directory this process trains in (`lock`: its lock file; `created`: this
+/// process made it): if an allocation is then refused, a directory the run made and left
+/// holding only its lock is removed, and any other is left a note ([`OOM_NOTE`]) saying what
+/// happened.
+pub fn note_run_dir(dir: &std::path::Path, lock: &std::path::Path, created: bool) {
+    use std::os::unix::ffi::OsStrExt;
+    let c = |p: &std::path::Path| std::ffi::CString::new(p.as_os_str().as_bytes()).ok();
+    if let (Some(dir), Some(lock), Some(note)) = (c(dir), c(lock), c(&dir.join(OOM_NOTE))) {
+        let _ = RUN_DIR.set(RunDir { dir, lock, note, created });
+    }
+}
+
+/// The file a run stopped by a refused allocation leaves in its directory: the error line.
+pub const OOM_NOTE: &str = "out_of_memory.txt";
+
 /// A large allocation the system refused (kiln never asks fallibly): one line on stderr and
-/// exit code 1, instead of std's abort. Writes with `write(2)` from a stack buffer: nothing here
-/// may allocate.
+/// exit code 1, instead of std's abort; the run directory cleaned up or noted
+/// ([`note_run_dir`]). Writes with `write(2)` from a stack buffer: nothing here may allocate.
 #[cold]
 fn out_of_memory(size: usize) -> ! {
     let mut buf = [0u8; 160];
@@ -202,9 +229,20 @@ fn out_of_memory(size: usize) -> ! {
     }
     put(&digits[i..]);
     put(b" bytes (set memory.limit, or lower the batch or the model)\n");
-    // SAFETY: writes initialised bytes to stderr, then ends the process without unwinding.
+    // SAFETY: writes initialised bytes to stderr (and the run directory's note: NUL-terminated
+    // paths made before), then ends the process without unwinding.
     unsafe {
         libc::write(2, buf.as_ptr().cast(), n);
+        if let Some(r) = RUN_DIR.get() {
+            let gone = r.created && libc::unlink(r.lock.as_ptr()) == 0 && libc::rmdir(r.dir.as_ptr()) == 0;
+            if !gone {
+                let fd = libc::open(r.note.as_ptr(), libc::O_WRONLY | libc::O_CREAT | libc::O_TRUNC, 0o644);
+                if fd >= 0 {
+                    libc::write(fd, buf.as_ptr().cast(), n);
+                    libc::close(fd);
+                }
+            }
+        }
         libc::_exit(1)
     }
 }

@@ -10,11 +10,11 @@
 //! Each payload is a hand-encoded `tensorflow.Event` protobuf (`tensorflow/core/util/event.proto`):
 //! field 1 `wall_time` (double), 2 `step` (int64), 3 `file_version` (string, "brain.Event:2" in
 //! the first record), 5 `summary` (`Summary { repeated Value value = 1; }`,
-//! `Value { string tag = 1; float simple_value = 2; }`), 7 `session_log`
-//! (`SessionLog { SessionStatus status = 1; }`, START = 1).
+//! `Value { string tag = 1; float simple_value = 2; }`), 7, the run-status
+//! log (a message whose field 1 is the status, START = 1).
 //!
 //! Resuming a run starts a new file whose first event after the version is a
-//! `SessionLog START` at the first new step: TensorBoard then drops the events of the old file
+//! status START at the first new step: TensorBoard then drops the events of the old file
 //! at that step and later (the steps the resumed run writes again), as TensorFlow's own
 //! summary writers do on restart.
 
@@ -97,8 +97,8 @@ pub enum EventBody {
     FileVersion(String),
     /// `(tag, simple_value)` pairs.
     Scalars(Vec<(String, f32)>),
-    /// `SessionLog { status: START }`.
-    SessionStart,
+    /// The run-status log with status START (field 7: `{ status = 1: START }`).
+    RunStart,
     /// Anything else (decoding only).
     Other,
 }
@@ -132,7 +132,7 @@ pub fn encode_event(e: &Event) -> Vec<u8> {
             }
             put_bytes(&mut out, 5, &summary);
         }
-        EventBody::SessionStart => put_bytes(&mut out, 7, &[0x08, 0x01]),
+        EventBody::RunStart => put_bytes(&mut out, 7, &[0x08, 0x01]),
         EventBody::Other => {}
     }
     out
@@ -228,7 +228,7 @@ pub fn decode_event(payload: &[u8]) -> Result<Event, String> {
                 let mut s = Pb { b, i: 0 };
                 while let Some((sf, sv)) = s.next()? {
                     if let (1, Field::Varint(1)) = (sf, sv) {
-                        e.body = EventBody::SessionStart;
+                        e.body = EventBody::RunStart;
                     }
                 }
             }
@@ -288,13 +288,13 @@ pub fn event_files(dir: &Path) -> Vec<PathBuf> {
 }
 
 /// The scalars TensorBoard shows for a run directory: every event file in order, with the
-/// events at or after a `SessionLog START` step purged from earlier files. `(tag, step, value)`.
+/// events at or after a status START step purged from earlier files. `(tag, step, value)`.
 pub fn read_scalars(dir: &Path) -> Result<Vec<(String, i64, f32)>, String> {
     let mut out: Vec<(String, i64, f32)> = Vec::new();
     for f in event_files(dir) {
         for e in read_events(&f)? {
             match e.body {
-                EventBody::SessionStart => out.retain(|(_, s, _)| *s < e.step),
+                EventBody::RunStart => out.retain(|(_, s, _)| *s < e.step),
                 EventBody::Scalars(vals) => out.extend(vals.into_iter().map(|(t, x)| (t, e.step, x))),
                 _ => {}
             }
@@ -372,7 +372,7 @@ impl MetricsWriter {
     /// Opens `run_dir/metrics.jsonl` for appending and starts a new event file beside it.
     /// With `keep_up_to_step = Some(s)` (a resumed run) the lines of steps after `s` (and lines
     /// without a step), except `"kind": "fault"` events, are first dropped, atomically, and the new event file starts with a
-    /// `SessionLog START` at step `s + 1` so TensorBoard drops the old file's later steps too.
+    /// A status START at step `s + 1` so TensorBoard drops the old file's later steps too.
     pub fn open(run_dir: &Path, keep_up_to_step: Option<u64>) -> Result<MetricsWriter, String> {
         fs::create_dir_all(run_dir).map_err(|e| format!("{}: cannot create: {e}", run_dir.display()))?;
         let jsonl_path = run_dir.join("metrics.jsonl");
@@ -397,7 +397,7 @@ impl MetricsWriter {
         }
         let mut events = EventWriter::create(run_dir)?;
         if let Some(s) = keep_up_to_step {
-            events.write(&Event { wall_time: now(), step: s as i64 + 1, body: EventBody::SessionStart })?;
+            events.write(&Event { wall_time: now(), step: s as i64 + 1, body: EventBody::RunStart })?;
         }
         events.flush()?;
         Ok(MetricsWriter { jsonl_path, jsonl, events })

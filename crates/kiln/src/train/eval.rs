@@ -89,7 +89,7 @@ pub fn eval_sums_pipeline_on_device(models: &mut [&mut model::device::DeviceGpt]
 pub fn eval_sums(m: &mut Gpt, mut store: Option<&mut dyn model::UnitStore>, split: &Split, eb: EvalBatches) -> (f64, usize) {
     eval_batches(split, eb, |b| {
         match store.as_deref_mut() {
-            Some(s) => m.forward_with(s, &b.x, &b.y, b.docs(), eb.batch, eb.t, Pass::Eval),
+            Some(s) => m.forward_with(s, &b.x, &b.y, b.docs(), (eb.batch, eb.t), Pass::Eval),
             None => match b.docs() {
                 Some(d) => m.forward_docs(&b.x, &b.y, d, eb.batch, eb.t, Pass::Eval),
                 None => m.forward(&b.x, &b.y, eb.batch, eb.t, Pass::Eval),
@@ -112,7 +112,7 @@ pub(super) fn eval_sums_pipeline(chunks: &mut [Chunk], pp: &dyn Comm, me: usize,
             if vs > 0 {
                 pp.recv(ch.model.stage_input_mut(batch, t), (vs - 1) % p, (1 << 20) + vs as u32);
             }
-            ch.model.forward_with(&mut ch.dp, &b.x, &b.y, b.docs(), batch, t, Pass::Eval);
+            ch.model.forward_with(&mut ch.dp, &b.x, &b.y, b.docs(), (batch, t), Pass::Eval);
             count = ch.model.counted();
             if vs + 1 < p * v {
                 pp.send(ch.model.stage_output(), (vs + 1) % p, (1 << 20) + vs as u32 + 1);

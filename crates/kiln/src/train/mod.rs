@@ -130,38 +130,9 @@ fn train_once(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
         }
         cfg
     };
-    // Starting from a base model (a kiln run or a Hugging Face directory): its config fixes the
-    // model's shape. A resumed full fine-tune reloads everything from its checkpoint; a LoRA
-    // run always needs its base.
+    // A base model's config fixes the model's shape.
     let explicit = crate::config::user_keys(args)?;
-    let init = if !cfg.model.init_from.is_empty() && (resume_from.is_none() || cfg.lora.rank > 0) {
-        let base_dir = Path::new(&cfg.model.init_from);
-        let hf = !base_dir.join("config.toml").exists();
-        // QLoRA from a Hugging Face directory: the shape now, the weights later, read tensor by
-        // tensor straight into the quantized store (`rank::quantize_base`), so the fp32 base
-        // never exists whole.
-        let m = if hf && cfg.lora.quantize_base != model::BaseQuant::None {
-            run::hf_shell(base_dir)?
-        } else {
-            run::load_base(base_dir)?
-        };
-        cfg = crate::config::adopt_base(&cfg, &m.cfg, hf, &explicit, &cfg.model.init_from)?;
-        // A base's context can be 131072 positions: train at most 1024 unless told.
-        if cfg.train.seq_len == 0 {
-            cfg.train.seq_len = cfg.model.block_size.min(1024);
-        }
-        Some(m)
-    } else {
-        None
-    };
-    if cfg.train.seq_len == 0 {
-        cfg.train.seq_len = cfg.model.block_size;
-    }
-    // The layout against the base's model (`validate` could not know it), for a new run and a
-    // resumed one alike.
-    if !cfg.model.init_from.is_empty() {
-        cfg.validate_against_base()?;
-    }
+    let init = adopt_init(&mut cfg, &explicit, resume_from.is_some())?;
 
     crate::util::init_threads(cfg.train.threads);
     parallel::cp::set_device_clock(cfg.parallel.cp_clock == crate::config::CpClock::Device);
@@ -182,11 +153,7 @@ fn train_once(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
     // Prepared data records the format it was made from: the resolved config says it, so `kiln
     // eval --run` and a replay read documents the same way.
     if resume_from.is_none() && !explicit.contains("data.format") {
-        let dirs: Vec<&str> = cfg.data.paths.iter().map(String::as_str).chain(cfg.data.sources.iter().map(|s| s.path.as_str())).collect();
-        let formats: Vec<Option<::data::DocFormat>> = dirs.iter().map(|d| ::data::prepared_format(Path::new(d))).collect();
-        if let Some(Some(f)) = formats.first().filter(|_| formats.windows(2).all(|w| w[0] == w[1])) {
-            cfg.data.format = crate::config::Format(*f);
-        }
+        adopt_prepared_format(&mut cfg);
     }
     let ds = load_data(&cfg, tokenizer)?;
     check_data_fits(&mut cfg, &ds, &explicit)?;
@@ -218,6 +185,53 @@ fn train_once(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
             run_rank(&ctx, &comm, stop, None, ctx.resume_from.as_ref())
         }
         _ => run_inproc(&mut ctx, world, stop),
+    }
+}
+
+/// Starting from a base model (a kiln run or a Hugging Face directory): its config fixes the
+/// model's shape (`cfg` adopts it, keys the user set in `explicit` kept). A resumed full
+/// fine-tune reloads everything from its checkpoint (`resumed`); a LoRA run always needs its
+/// base. Also settles `train.seq_len` and checks the layout against the base's model.
+fn adopt_init(cfg: &mut RunConfig, explicit: &std::collections::BTreeSet<String>, resumed: bool) -> Result<Option<Gpt>> {
+    let init = if !cfg.model.init_from.is_empty() && (!resumed || cfg.lora.rank > 0) {
+        let base_dir = Path::new(&cfg.model.init_from);
+        let hf = !base_dir.join("config.toml").exists();
+        // QLoRA from a Hugging Face directory: the shape now, the weights later, read tensor by
+        // tensor straight into the quantized store (`rank::quantize_base`), so the fp32 base
+        // never exists whole.
+        let m = if hf && cfg.lora.quantize_base != model::BaseQuant::None {
+            run::hf_shell(base_dir)?
+        } else {
+            run::load_base(base_dir)?
+        };
+        let from = cfg.model.init_from.clone();
+        *cfg = crate::config::adopt_base(cfg, &m.cfg, hf, explicit, &from)?;
+        // A base's context can be 131072 positions: train at most 1024 unless told.
+        if cfg.train.seq_len == 0 {
+            cfg.train.seq_len = cfg.model.block_size.min(1024);
+        }
+        Some(m)
+    } else {
+        None
+    };
+    if cfg.train.seq_len == 0 {
+        cfg.train.seq_len = cfg.model.block_size;
+    }
+    // The layout against the base's model (`validate` could not know it), for a new run and a
+    // resumed one alike.
+    if !cfg.model.init_from.is_empty() {
+        cfg.validate_against_base()?;
+    }
+    Ok(init)
+}
+
+/// `data.format` as the prepared data records it, when every path was prepared from the same
+/// format.
+fn adopt_prepared_format(cfg: &mut RunConfig) {
+    let dirs: Vec<&str> = cfg.data.paths.iter().map(String::as_str).chain(cfg.data.sources.iter().map(|s| s.path.as_str())).collect();
+    let formats: Vec<Option<::data::DocFormat>> = dirs.iter().map(|d| ::data::prepared_format(Path::new(d))).collect();
+    if let Some(Some(f)) = formats.first().filter(|_| formats.windows(2).all(|w| w[0] == w[1])) {
+        cfg.data.format = crate::config::Format(*f);
     }
 }
 
@@ -322,26 +336,7 @@ fn run_inproc(ctx: &mut Ctx, world: usize, stop: &AtomicBool) -> Result<Summary>
         }
         restarts += 1;
         let give_up = restarts > ctx.cfg.faults.max_rank_restarts;
-        let step = match &err {
-            KilnError::RankFailed { step, .. } => *step,
-            _ => fs::read_to_string(ctx.run_dir.join("heartbeat")).ok().and_then(|s| s.trim().parse().ok()).unwrap_or(0),
-        };
-        let rank = if let KilnError::RankFailed { rank, .. } = &err { serde_json::json!(rank) } else { serde_json::Value::Null };
-        eprintln!("{err}{}", if give_up { ": no restarts left" } else if permanent { ": lost for good, going on without it" } else { ": restarting the ranks" });
-        // Every rank injected to fail at this step has failed (and lost its memory), whether or
-        // not it reached the step before the first failure stopped the world.
-        let together = match &err {
-            KilnError::RankFailed { step, .. } => faults::Faults::failed_together(&ctx.cfg.faults, &ctx.run_dir, *step),
-            _ => Vec::new(),
-        };
-        let mut ranks: Vec<usize> = together.clone();
-        if let KilnError::RankFailed { rank, .. } = &err {
-            ranks.push(*rank);
-        }
-        ranks.sort_unstable();
-        ranks.dedup();
-        let event = if permanent { "rank_lost" } else { "rank_failed" };
-        log(&ctx.run_dir, serde_json::json!({"kind": "fault", "step": step, "event": event, "rank": rank, "ranks": ranks, "detail": err.to_string(), "restart": restarts, "gave_up": give_up}))?;
+        let (step, together) = record_failure(ctx, &err, permanent, (restarts, give_up))?;
         if give_up {
             return Err(KilnError::Internal(format!("ranks failed {restarts} times, the last: {err}")));
         }
@@ -353,17 +348,8 @@ fn run_inproc(ctx: &mut Ctx, world: usize, stop: &AtomicBool) -> Result<Summary>
             }
         }
         let t0 = Instant::now();
-        let (from, why) = match store.as_ref().map(|st| st.restore()) {
-            Some(Ok(l)) => {
-                restored = Some(l);
-                ("memory", None)
-            }
-            other => {
-                let dir = ckpt_dir(&ctx.run_dir);
-                restored = if checkpoint::list(&dir).is_empty() { None } else { Some(checkpoint::latest_valid(&dir)?) };
-                ("disk", other.and_then(|r| r.err()))
-            }
-        };
+        let (from, why);
+        (restored, from, why) = restore_point(store.as_deref(), &ctx.run_dir)?;
         let at = restored.as_ref().map_or(0, |l| l.state.step);
         if permanent {
             let KilnError::RankFailed { rank, .. } = err else { unreachable!() };
@@ -387,6 +373,46 @@ fn run_inproc(ctx: &mut Ctx, world: usize, stop: &AtomicBool) -> Result<Summary>
         }
         reload_base(ctx)?;
         ctx.restarted = true;
+    }
+}
+
+/// A rank failure's `fault` line in the metrics: the step it failed at, and every rank
+/// injected to fail there with it, which are returned (`restarts` so far, and whether the run
+/// gives up).
+fn record_failure(ctx: &Ctx, err: &KilnError, permanent: bool, (restarts, give_up): (u32, bool)) -> Result<(u64, Vec<usize>)> {
+    let step = match err {
+        KilnError::RankFailed { step, .. } => *step,
+        _ => fs::read_to_string(ctx.run_dir.join("heartbeat")).ok().and_then(|s| s.trim().parse().ok()).unwrap_or(0),
+    };
+    let rank = if let KilnError::RankFailed { rank, .. } = err { serde_json::json!(rank) } else { serde_json::Value::Null };
+    eprintln!("{err}{}", if give_up { ": no restarts left" } else if permanent { ": lost for good, going on without it" } else { ": restarting the ranks" });
+    // Every rank injected to fail at this step has failed (and lost its memory), whether or
+    // not it reached the step before the first failure stopped the world.
+    let together = match err {
+        KilnError::RankFailed { step, .. } => faults::Faults::failed_together(&ctx.cfg.faults, &ctx.run_dir, *step),
+        _ => Vec::new(),
+    };
+    let mut ranks: Vec<usize> = together.clone();
+    if let KilnError::RankFailed { rank, .. } = err {
+        ranks.push(*rank);
+    }
+    ranks.sort_unstable();
+    ranks.dedup();
+    let event = if permanent { "rank_lost" } else { "rank_failed" };
+    crate::obs::append_line(&ctx.run_dir, &serde_json::json!({"kind": "fault", "step": step, "event": event, "rank": rank, "ranks": ranks, "detail": err.to_string(), "restart": restarts, "gave_up": give_up})).map_err(KilnError::User)?;
+    Ok((step, together))
+}
+
+/// Where the ranks restart from: the in-memory snapshots (`store`), else the newest valid
+/// checkpoint on disk (none: step 0), with where, and why not from memory.
+fn restore_point(store: Option<&checkpoint::ReplicaStore>, run_dir: &Path) -> Result<(Option<checkpoint::Loaded>, &'static str, Option<String>)> {
+    match store.map(|st| st.restore()) {
+        Some(Ok(l)) => Ok((Some(l), "memory", None)),
+        other => {
+            let dir = ckpt_dir(run_dir);
+            let restored = if checkpoint::list(&dir).is_empty() { None } else { Some(checkpoint::latest_valid(&dir)?) };
+            Ok((restored, "disk", other.and_then(|r| r.err())))
+        }
     }
 }
 

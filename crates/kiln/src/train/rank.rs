@@ -397,7 +397,7 @@ impl<'a> Rank<'a> {
             };
             #[cfg(feature = "vulkan")]
             if let Some(d) = self.device.as_mut() {
-                d.step(&mut self.chunks, cfg, self.step, rows, fill, |loss, _| faults.spike(loss), &pipe)?
+                d.step(&mut self.chunks, cfg, (self.step, rows), fill, |loss, _| faults.spike(loss), &pipe)?
             } else {
                 train_step(&mut self.chunks, &mut pipe, cfg, self.step, fill, |loss, _| faults.spike(loss))
             }

@@ -280,10 +280,18 @@ fn oversized_configs_are_refused_before_allocating() {
     assert!(err.contains("overflow") && err.contains("model.n_embd = 1000000000000"), "{err}");
     // An allocation the system still refuses (a memory.limit far above the machine; weights of
     // 190 TB exceed even the 128 TiB address space, whatever the overcommit policy) ends with
-    // one line and exit 1, no abort and no backtrace.
-    let (code, _, err, _, _) = kiln_measured(&["train", "--data", data, "--out", o, "--memory-limit", "1000000TB", "--set", "model.n_layer=1", "--set", "model.n_embd=2000000", "--set", "model.n_head=1"], &dir);
+    // one line and exit 1, no abort and no backtrace; the run directory it made, holding only
+    // its lock, is gone, and one that was there before keeps a note of what happened.
+    let oom = ["train", "--data", data, "--out", o, "--memory-limit", "1000000TB", "--set", "model.n_layer=1", "--set", "model.n_embd=2000000", "--set", "model.n_head=1"];
+    let (code, _, err, _, _) = kiln_measured(&oom, &dir);
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("kiln: out of memory: the system refused") && !err.contains("backtrace"), "{err}");
+    assert!(!out.exists(), "an out-of-memory run left {}", out.display());
+    std::fs::create_dir_all(&out).unwrap();
+    let (code, _, err, _, _) = kiln_measured(&oom, &dir);
+    assert_eq!(code, 1, "{err}");
+    let note = std::fs::read_to_string(out.join("out_of_memory.txt")).unwrap_or_default();
+    assert!(note.starts_with("kiln: out of memory: the system refused") && note.trim_end() == err.trim_end(), "{note:?} against {err:?}");
 }
 
 /// A closed stdout (`kiln … | head`) ends kiln quietly (SIGPIPE), not with a panic.

@@ -46,10 +46,10 @@ fn check(name: &str, cfg: &GptConfig, shapes: &[(usize, usize)]) {
 #[test]
 fn planned_activations_equal_the_models_buffers_for_every_policy() {
     // GPT-2: biases, tied head, a vocabulary large enough that the head runs in several chunks.
-    let gpt2 = GptConfig::gpt2(3, 4, 64, 64, 70000, true, 0.0, true);
+    let gpt2 = GptConfig::gpt2((3, 4, 64), 64, 70000, true, 0.0, true);
     check("gpt2", &gpt2, &[(2, 64), (3, 17)]);
     // LLaMA: grouped-query attention, SwiGLU, untied head.
-    let mut llama = GptConfig::gpt2(2, 4, 64, 32, 300, false, 0.0, false);
+    let mut llama = GptConfig::gpt2((2, 4, 64), 32, 300, false, 0.0, false);
     (llama.arch, llama.n_kv_head, llama.ffn_hidden) = (model::config::Arch::Llama, 2, GptConfig::llama_ffn(64));
     check("llama", &llama, &[(2, 32), (1, 5)]);
     // Qwen3's per-head q and k norms keep their inputs and statistics.
@@ -65,7 +65,7 @@ fn planned_activations_equal_the_models_buffers_for_every_policy() {
     // Sequence parallel: the residual stream holds T/tp positions, the norms' outputs gathered.
     let sp = parallel::tp::local_config(&gpt2, 2, 0, true).unwrap();
     check("sp shard", &sp, &[(2, 16)]);
-    let whole = GptConfig::gpt2(4, 4, 32, 16, 256, true, 0.0, false);
+    let whole = GptConfig::gpt2((4, 4, 32), 16, 256, true, 0.0, false);
     check("first stage", &parallel::pp::stage_config(&whole, 0..2), &[(2, 16)]);
     check("last stage", &parallel::pp::stage_config(&whole, 2..4), &[(2, 16)]);
 }

@@ -79,7 +79,7 @@ fn event_protobuf_round_trips() {
     let events = [
         Event { wall_time: 1.7e9 + 0.25, step: 0, body: EventBody::FileVersion("brain.Event:2".into()) },
         Event { wall_time: 1.7e9 + 1.5, step: 123_456_789_012, body: EventBody::Scalars(vec![("train/loss".into(), 2.5), ("train/lr".into(), 3e-4)]) },
-        Event { wall_time: 1.7e9 + 2.0, step: 7, body: EventBody::SessionStart },
+        Event { wall_time: 1.7e9 + 2.0, step: 7, body: EventBody::RunStart },
     ];
     for e in &events {
         assert_eq!(&tfevents::decode_event(&tfevents::encode_event(e)).unwrap(), e);
@@ -88,8 +88,8 @@ fn event_protobuf_round_trips() {
     let e = Event { wall_time: 0.0, step: 3, body: EventBody::Scalars(vec![("a".into(), 1.0)]) };
     let b = tfevents::encode_event(&e);
     assert_eq!(b, [&[0x09][..], &[0; 8], &[0x10, 3, 0x2a, 10, 0x0a, 8, 0x0a, 1, b'a', 0x15], &1.0f32.to_le_bytes()].concat());
-    // session_log is field 7 (6 is the deprecated log_message), SessionLog.status START = 1.
-    let b = tfevents::encode_event(&Event { wall_time: 0.0, step: 9, body: EventBody::SessionStart });
+    // The run-status log is field 7 (6 is the deprecated log_message), its status START = 1.
+    let b = tfevents::encode_event(&Event { wall_time: 0.0, step: 9, body: EventBody::RunStart });
     assert_eq!(b, [&[0x09][..], &[0; 8], &[0x10, 9, 0x3a, 2, 0x08, 1]].concat());
 }
 
@@ -162,7 +162,7 @@ fn resumed_writer_keeps_steps_up_to_the_checkpoint_and_purges_the_rest() {
     assert_eq!(tfevents::event_files(&dir).len(), 2, "a resume starts a new event file");
     same_scalars(&sorted(tfevents::read_scalars(&dir).unwrap()), &expected_scalars(&lines));
     let first = tfevents::read_events(&tfevents::event_files(&dir)[1]).unwrap();
-    assert_eq!(first[1].body, EventBody::SessionStart);
+    assert_eq!(first[1].body, EventBody::RunStart);
     assert_eq!(first[1].step, 9);
 }
 

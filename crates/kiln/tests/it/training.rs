@@ -476,7 +476,7 @@ fn qlora_trains_exactly_against_its_dequantized_base() {
 /// base (4 FLOPs a parameter, not 6), the adapters' full 6.
 #[test]
 fn lora_model_flops_count_no_base_weight_gradients() {
-    let cfg = model::GptConfig::gpt2(2, 2, 16, 8, 32, true, 0.0, true);
+    let cfg = model::GptConfig::gpt2((2, 2, 16), 8, 32, true, 0.0, true);
     let mut m = model::Gpt::new(cfg.clone(), 31, 1);
     let full = kiln::step::model_flops_per_token(&m, 8);
     let n = m.layout.count_without("transformer.wpe.weight") as f64;

@@ -81,7 +81,7 @@ impl DeviceGpt {
     pub(super) fn attention_backward(&self, (dqkv, dd): (&Buf, &Buf), dout: &Buf, (qkv, out, lse): (&Buf, &Buf, &Buf), d: &GqaDims, a: &Acts, seed: (f32, Seed)) {
         let starts = self.docs.then_some(&a.starts);
         let Some((kv, dkv)) = &a.ring else {
-            return self.gpu.flash_backward_seeded(dqkv, dd, dout, (qkv, out, lse), d, starts, seed);
+            return self.gpu.flash_backward_seeded(dqkv, dd, dout, (qkv, out, lse), (d, starts), seed);
         };
         let mut hooks = self.context.borrow_mut();
         let (h, cx, gd) = ring(&mut hooks, self.cfg.place.context, d);
@@ -153,7 +153,7 @@ impl DeviceGpt {
         let (w, c) = (d.qkv_width(), d.c());
         let mut dq = vec![0.0; n * w];
         let (q, dy, y, l) = (g.download_f32(qkv, 0, n * w), g.download_f32(dout, 0, n * c), g.download_f32(out, 0, n * c), g.download_f32(lse, 0, d.b * d.nh * d.t));
-        h.heads_backward(&mut dq, &dy, &q, &y, &l, d, &starts, &mut |hb| {
+        h.heads_backward(&mut dq, &dy, (&q, &y, &l), d, &starts, &mut |hb| {
             let (gq, gdy, gl, gd, gdq) = (g.upload(hb.qkv), g.upload(hb.dout), g.upload(hb.lse), g.upload(hb.d), g.zeros(hb.dqkv.len()));
             let gs = (!hb.starts.is_empty()).then(|| g.upload_u32(hb.starts));
             let whole = tensor::flash::Span::whole(hb.dims.t);

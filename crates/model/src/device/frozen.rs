@@ -138,9 +138,8 @@ impl Frozen {
     }
 
     /// Given `dy[N, W]`, the adapters' gradients at `(l, site)` accumulated and their part of
-    /// the input gradient added to `dx[N, in]`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn backward(&self, g: &Gpu, (l, site): (usize, Site), dx: &Buf, dy: &Buf, x: &Buf, n: usize, width: usize) {
+    /// the input gradient added to `dx[N, in]` (`(n, width)`: `N` and `W`).
+    pub fn backward(&self, g: &Gpu, (l, site): (usize, Site), dx: &Buf, dy: &Buf, x: &Buf, (n, width): (usize, usize)) {
         let r = self.rank;
         for (i, ad) in self.at(l, site) {
             let (o, d_in) = (ad.rows.len(), ad.d_in);

@@ -769,6 +769,8 @@ impl DeviceGpt {
         }
         for l in 0..self.cfg.n_layer {
             self.gather_unit(l + 1);
+            // ZeRO-3: the next unit's gather runs while this one computes.
+            self.prefetch_unit(l + 2);
             self.block_forward(l, &a);
             self.release_unit(l + 1);
         }
@@ -898,7 +900,7 @@ impl DeviceGpt {
         // A vocabulary-parallel part's lookups are partial: summed over the parts (`g`), or
         // under sequence parallelism reduce-scattered to this part's positions.
         let out = if self.sp() { &a.full } else { &a.xs[0] };
-        self.gpu.embedding_forward_pos(out, &a.tokens, (self.wt(v.wte.start), wpe), self.docs.then_some(&a.pos), a.t, self.cfg.n_embd, self.vocab_rows());
+        self.gpu.embedding_forward_pos(out, &a.tokens, (self.wt(v.wte.start), wpe), self.docs.then_some(&a.pos), (a.t, self.cfg.n_embd), self.vocab_rows());
         self.row_parallel_out(&a.xs[0], None, a);
         self.dropout(&a.xs[0], 0, a);
     }
@@ -907,7 +909,7 @@ impl DeviceGpt {
         let (o, mean, rstd) = out;
         let (w, b) = (self.wt(w.start), b.as_ref().map(|r| self.wt(r.start)));
         match self.cfg.arch {
-            Arch::Gpt2 => self.gpu.layernorm_forward(o, mean, rstd, x, w, b, self.cfg.n_embd),
+            Arch::Gpt2 => self.gpu.layernorm_forward(o, (mean, rstd), x, w, b, self.cfg.n_embd),
             Arch::Llama => self.gpu.rmsnorm_forward(o, rstd, x, w, self.cfg.norm_eps, self.cfg.n_embd),
         }
     }
@@ -1016,7 +1018,7 @@ impl DeviceGpt {
     fn linear(&self, y: &Buf, x: &Buf, (l, site): (usize, Site), (n_in, n_out): (usize, usize), a: &Acts) {
         let bias = self.proj(l, site).1.as_ref().map(|r| self.wt(r.start));
         let n = a.b * a.t;
-        self.gpu.matmul_forward(y, x, self.proj_weight(l, site), bias, n, n_in, n_out);
+        self.gpu.matmul_forward(y, x, self.proj_weight(l, site), bias, (n, n_in, n_out));
         if let Some(f) = &self.frozen {
             f.forward(&self.gpu, (l, site), y, x, n, n_out);
         }
@@ -1030,10 +1032,10 @@ impl DeviceGpt {
         let Some(f) = &self.frozen else {
             let (wr, b) = self.proj(l, site);
             let db = b.as_ref().map(|r| self.gt(r.start));
-            return self.gpu.matmul_backward_into((dx, self.gt(wr.start), db), dy, x, w, n, n_in, n_out);
+            return self.gpu.matmul_backward_into((dx, self.gt(wr.start), db), dy, x, w, (n, n_in, n_out));
         };
         self.gpu.gemm(Gemm::new(n, n_in, n_out), (dx, MatSpec::rows(0, n_in)), (dy, MatSpec::rows(0, n_out)), (w.buf, MatSpec::rows(w.off, n_in)), None);
-        f.backward(&self.gpu, (l, site), dx, dy, x, n, n_out);
+        f.backward(&self.gpu, (l, site), dx, dy, x, (n, n_out));
     }
 
     fn block_forward(&self, l: usize, a: &Acts) {
@@ -1129,6 +1131,7 @@ impl DeviceGpt {
         }
         for l in (0..n_layer).rev() {
             self.gather_unit(l + 1);
+            self.prefetch_unit(l);
             self.open_grads(l + 1);
             self.block_backward(l, &a);
             self.release_unit(l + 1);
@@ -1146,7 +1149,7 @@ impl DeviceGpt {
             let c = self.cfg.n_embd;
             let dwpe = v.wpe.as_ref().map(|r| self.gt(r.start));
             let pos = v.wpe.as_ref().filter(|_| self.docs).map(|r| (&a.pos, r.len() / c));
-            g.embedding_backward_pos((self.gt(v.wte.start), dwpe), demb, &a.tokens, pos, a.t, c, self.vocab_rows());
+            g.embedding_backward_pos((self.gt(v.wte.start), dwpe), demb, &a.tokens, pos, (a.t, c), self.vocab_rows());
             self.hand(&mut sink, 0);
         }
         if let Some(z) = self.zero.as_mut() {
@@ -1219,14 +1222,14 @@ impl DeviceGpt {
         let r = &ma.routing;
         let n = r.n;
         let dims = cfg.moe_dims(n);
-        g.matmul_forward(&ma.logits, x, self.wt(mp.router.start), None, n, c, e);
+        g.matmul_forward(&ma.logits, x, self.wt(mp.router.start), None, (n, c, e));
         g.moe_route(r, &ma.logits, dims.renormalize, dims.capacity());
         g.moe_dispatch(&ma.xe, x, r, c);
         let exchanged = self.routed_forward(mp, ma);
         let es = 3 * f * c;
         for (si, (sgu, sh)) in ma.sgu.iter().zip(&ma.sh).enumerate() {
             let w = mp.shared.start + si * es;
-            g.matmul_forward(sgu, x, self.wt(w), None, n, c, 2 * f);
+            g.matmul_forward(sgu, x, self.wt(w), None, (n, c, 2 * f));
             g.swiglu_forward(sh, sgu, f);
             let acc = Gemm { accumulate: si > 0, ..Gemm::new(n, c, f) };
             g.gemm(acc, (y, MatSpec::rows(0, c)), (sh, MatSpec::rows(0, f)), self.wm(w + 2 * f * c, f, true), None);
@@ -1378,7 +1381,7 @@ impl DeviceGpt {
         }
         let x = &a.xs[self.cfg.n_layer];
         self.norm_forward((&a.ln_f, &a.ln_f_mean, &a.ln_f_rstd), x, &v.ln_f_w, &v.ln_f_b);
-        g.matmul_forward(self.logits.as_ref().unwrap(), &a.ln_f, self.wt(v.lm_head.start), None, 1, c, vp);
+        g.matmul_forward(self.logits.as_ref().unwrap(), &a.ln_f, self.wt(v.lm_head.start), None, (1, c, vp));
         cache.len += 1;
     }
 

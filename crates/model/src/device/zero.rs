@@ -11,7 +11,8 @@
 //!   gathering it again. The embeddings and the final unit (which hold the head) stay
 //!   gathered from the forward through the backward.
 //!
-//! The collectives are the group's ([`ZeroGroup`]), staged through host memory. Every rank
+//! The collectives are the group's ([`ZeroGroup`]), staged through host memory on its own
+//! time: gathers run a unit ahead of the passes, reductions behind backward. Every rank
 //! runs the same passes over the same units, so every rank calls the same collectives in the
 //! same order.
 
@@ -21,15 +22,24 @@ use std::ops::Range;
 use std::sync::Arc;
 
 /// The host collectives a sharded device model stages its unit traffic through (the
-/// data-parallel group's).
+/// data-parallel group's). Each returns at once and runs on the group's own time (a
+/// communication thread), so the device goes on with the next unit meanwhile: a unit's gather
+/// is started a unit ahead of its passes (FSDP's prefetch), its gradients' reduce-scatter as
+/// backward leaves it (DDP's overlap). Every rank starts the same collectives in the same order.
 pub trait ZeroGroup: Send {
     /// How many shards the group holds (its members).
     fn members(&self) -> usize;
-    /// Every rank's `mine` (equal lengths), concatenated in rank order.
-    fn all_gather(&mut self, mine: &[f32]) -> Vec<f32>;
-    /// `full` (`size()` equal chunks) summed over the ranks, in rank order; this rank's chunk
-    /// of the sum.
-    fn reduce_scatter(&mut self, full: &[f32]) -> Vec<f32>;
+    /// Starts gathering every rank's `mine` (equal lengths), concatenated in rank order, as
+    /// `tag`.
+    fn start_all_gather(&mut self, tag: usize, mine: Vec<f32>);
+    /// The gather started as `tag`, waited for.
+    fn gathered(&mut self, tag: usize) -> Vec<f32>;
+    /// Starts summing `full` (`members()` equal chunks) over the group, in rank order, this
+    /// rank's chunk of the sum kept as `tag`.
+    fn start_reduce_scatter(&mut self, tag: usize, full: Vec<f32>);
+    /// Waits for every reduce-scatter started: their tags and this rank's chunks, in the order
+    /// they were started.
+    fn reduced(&mut self) -> Vec<(usize, Vec<f32>)>;
 }
 
 /// How the layout is cut: unit `u` (`units[u]`) in chunks of `chunk[u]` elements (the last
@@ -73,6 +83,8 @@ pub struct Zero {
     pub grads: Buf,
     /// Stage 3: the units gathered now.
     gathered: Vec<Option<Unit>>,
+    /// Stage 3: the units whose gather is on its way.
+    fetching: Vec<bool>,
     /// The units' gradients while backward runs through them.
     unit_grads: Vec<Option<Buf>>,
     /// The passes' type under mixed precision.
@@ -96,7 +108,7 @@ impl Zero {
         let grads = alloc(layout.len)?;
         gpu.clear(&grads);
         let n = layout.units.len();
-        Ok(Zero { stage, layout, group, params, grads, gathered: (0..n).map(|_| None).collect(), unit_grads: (0..n).map(|_| None).collect(), work })
+        Ok(Zero { stage, layout, group, params, grads, gathered: (0..n).map(|_| None).collect(), fetching: vec![false; n], unit_grads: (0..n).map(|_| None).collect(), work })
     }
 
     /// The weights the passes read at flat element `off`: its gathered unit and the offset in
@@ -127,15 +139,27 @@ impl Zero {
         (g, off - self.layout.units[u].start)
     }
 
-    /// Stage 3: gathers unit `u` from the group's shards (collective), if it is not.
-    pub(super) fn gather(&mut self, gpu: &Gpu, u: usize) {
-        if self.stage < 3 || self.gathered[u].is_some() {
+    /// Stage 3: starts gathering unit `u` from the group's shards (collective), unless it is
+    /// gathered or on its way; [`Zero::gather`] takes it.
+    pub(super) fn prefetch(&mut self, gpu: &Gpu, u: usize) {
+        if self.stage < 3 || u >= self.gathered.len() || self.gathered[u].is_some() || self.fetching[u] {
             return;
         }
         let (c, at) = (self.layout.chunk[u], self.layout.offset[u]);
         let shard = self.params.as_ref().expect("the stage-3 weight shard");
-        let mine = gpu.download_f32(shard, at, c);
-        let all = self.group.all_gather(&mine);
+        self.group.start_all_gather(u, gpu.download_f32(shard, at, c));
+        self.fetching[u] = true;
+    }
+
+    /// Stage 3: gathers unit `u` (collective), if it is not: its prefetched weights, or
+    /// fetched now.
+    pub(super) fn gather(&mut self, gpu: &Gpu, u: usize) {
+        if self.stage < 3 || self.gathered[u].is_some() {
+            return;
+        }
+        self.prefetch(gpu, u);
+        self.fetching[u] = false;
+        let all = self.group.gathered(u);
         let len = self.layout.units[u].len();
         let f32 = gpu.alloc(len, DType::F32).expect("a gathered unit (the plan counts it)");
         gpu.write(&f32, &all[..len]);
@@ -152,8 +176,13 @@ impl Zero {
         self.gathered[u] = None;
     }
 
-    /// Frees every gathered unit.
+    /// Frees every gathered unit (and any prefetched one, taken first).
     pub(super) fn release_all(&mut self) {
+        for u in 0..self.fetching.len() {
+            if std::mem::take(&mut self.fetching[u]) {
+                self.group.gathered(u);
+            }
+        }
         self.gathered.iter_mut().for_each(|g| *g = None);
     }
 
@@ -164,25 +193,29 @@ impl Zero {
         }
     }
 
-    /// Backward is done with unit `u`: its gradients summed over the group (collective), this
-    /// rank's chunk added to the gradient shard, the unit's buffer freed.
+    /// Backward is done with unit `u`: its gradients' sum over the group started (collective),
+    /// the unit's buffer freed; [`Zero::reduce_rest`] adds this rank's chunk to the shard.
     pub(super) fn reduce(&mut self, gpu: &Gpu, u: usize) {
-        let (c, at, n) = (self.layout.chunk[u], self.layout.offset[u], self.group.members());
+        let (c, n) = (self.layout.chunk[u], self.group.members());
         let mut full = gpu.download(&self.unit_grads[u].take().expect("a unit backward reached"));
         full.resize(c * n, 0.0);
-        let mine = self.group.reduce_scatter(&full);
-        let old = gpu.download_words(&self.grads, at, c);
-        let sum: Vec<u32> = old.iter().zip(&mine).map(|(&o, &m)| (f32::from_bits(o) + m).to_bits()).collect();
-        gpu.write_words(&self.grads, at, &sum);
+        self.group.start_reduce_scatter(u, full);
     }
 
     /// The units backward has not reduced yet (the embeddings and the final unit, which it
-    /// leaves last), reduced in layout order.
+    /// leaves last) reduced in layout order; then every unit's chunk of the sums added to the
+    /// gradient shard, in the order they were started.
     pub(super) fn reduce_rest(&mut self, gpu: &Gpu) {
         for u in 0..self.layout.units.len() {
             if self.unit_grads[u].is_some() {
                 self.reduce(gpu, u);
             }
+        }
+        for (u, mine) in self.group.reduced() {
+            let (c, at) = (self.layout.chunk[u], self.layout.offset[u]);
+            let old = gpu.download_f32(&self.grads, at, c);
+            let sum: Vec<f32> = old.iter().zip(&mine).map(|(&o, &m)| o + m).collect();
+            gpu.write_f32(&self.grads, at, &sum);
         }
     }
 
@@ -240,6 +273,13 @@ impl DeviceGpt {
     pub(super) fn gather_unit(&mut self, u: usize) {
         if let Some(z) = self.zero.as_mut() {
             z.gather(&self.gpu, u);
+        }
+    }
+
+    /// Starts gathering unit `u`, the one after the unit the passes run next (ZeRO-3).
+    pub(super) fn prefetch_unit(&mut self, u: usize) {
+        if let Some(z) = self.zero.as_mut() {
+            z.prefetch(&self.gpu, u);
         }
     }
 

@@ -90,13 +90,13 @@ fn check_in(cfg: GptConfig, name: &str, packed: bool, recompute: (model::Recompu
 
 #[test]
 fn device_gpt2_matches_the_cpu_model() {
-    check(GptConfig::gpt2(2, 3, 24, 19, 37, true, 0.1, true), "gpt2 tied, biases");
-    check(GptConfig::gpt2(2, 2, 16, 14, 29, false, 0.2, false), "gpt2 untied, no biases");
+    check(GptConfig::gpt2((2, 3, 24), 19, 37, true, 0.1, true), "gpt2 tied, biases");
+    check(GptConfig::gpt2((2, 2, 16), 14, 29, false, 0.2, false), "gpt2 untied, no biases");
 }
 
 #[test]
 fn device_llama_matches_the_cpu_model() {
-    let llama = GptConfig { arch: Arch::Llama, n_head: 4, n_kv_head: 2, ffn_hidden: 20, tied_embeddings: false, bias: false, ..GptConfig::gpt2(2, 4, 32, 19, 37, false, 0.1, false) };
+    let llama = GptConfig { arch: Arch::Llama, n_head: 4, n_kv_head: 2, ffn_hidden: 20, tied_embeddings: false, bias: false, ..GptConfig::gpt2((2, 4, 32), 19, 37, false, 0.1, false) };
     check(llama.clone(), "llama gqa");
     check(GptConfig { sliding_window: 5, ..llama }, "llama sliding window");
 }
@@ -105,7 +105,7 @@ fn device_llama_matches_the_cpu_model() {
 #[test]
 fn the_device_plan_is_what_the_model_allocates() {
     let g = gpu();
-    let cfg = GptConfig { arch: Arch::Llama, n_head: 4, n_kv_head: 2, ffn_hidden: 20, tied_embeddings: false, bias: false, ..GptConfig::gpt2(2, 4, 32, 19, 37, false, 0.1, false) };
+    let cfg = GptConfig { arch: Arch::Llama, n_head: 4, n_kv_head: 2, ffn_hidden: 20, tied_embeddings: false, bias: false, ..GptConfig::gpt2((2, 4, 32), 19, 37, false, 0.1, false) };
     let cpu = Gpt::new(cfg.clone(), 36, 5);
     let before = g.allocated_bytes();
     let mut dev = DeviceGpt::new(g.clone(), &cpu).unwrap();
@@ -217,7 +217,7 @@ impl model::CpHooks for Echo {
         unreachable!("a device part runs the ring's blocks itself")
     }
 
-    fn attention_backward(&mut self, _: &mut [f32], _: &[f32], _: &[f32], _: &[f32], _: &[f32], _: &tensor::llama::GqaDims, _: &[u32], _: tensor::attention::AttnDropout) {
+    fn attention_backward(&mut self, _: &mut [f32], _: &[f32], _: (&[f32], &[f32], &[f32]), _: &tensor::llama::GqaDims, _: &[u32], _: tensor::attention::AttnDropout) {
         unreachable!("a device part runs the ring's blocks itself")
     }
 
@@ -237,7 +237,7 @@ impl model::CpHooks for Echo {
         unreachable!("a ring")
     }
 
-    fn heads_backward(&mut self, _: &mut [f32], _: &[f32], _: &[f32], _: &[f32], _: &[f32], _: &tensor::llama::GqaDims, _: &[u32], _: &mut dyn FnMut(model::HeadsBackward)) {
+    fn heads_backward(&mut self, _: &mut [f32], _: &[f32], _: (&[f32], &[f32], &[f32]), _: &tensor::llama::GqaDims, _: &[u32], _: &mut dyn FnMut(model::HeadsBackward)) {
         unreachable!("a ring")
     }
 }
@@ -297,20 +297,20 @@ impl model::TpHooks for Mirror {
 /// position table and its gradient).
 #[test]
 fn device_packed_documents_match_the_cpu_model() {
-    check_in(GptConfig::gpt2(2, 3, 24, 19, 37, true, 0.1, true), "gpt2 documents", true, (model::Recompute::None, 1));
-    let llama = GptConfig { arch: Arch::Llama, n_head: 4, n_kv_head: 2, ffn_hidden: 20, tied_embeddings: false, bias: false, ..GptConfig::gpt2(2, 4, 32, 19, 37, false, 0.1, false) };
+    check_in(GptConfig::gpt2((2, 3, 24), 19, 37, true, 0.1, true), "gpt2 documents", true, (model::Recompute::None, 1));
+    let llama = GptConfig { arch: Arch::Llama, n_head: 4, n_kv_head: 2, ffn_hidden: 20, tied_embeddings: false, bias: false, ..GptConfig::gpt2((2, 4, 32), 19, 37, false, 0.1, false) };
     check_in(llama.clone(), "llama documents", true, (model::Recompute::None, 1));
     // Full recomputation: one set of block activations, each block re-run in backward.
     check_in(llama.clone(), "llama documents, full recomputation", true, (model::Recompute::Full, 1));
-    check_in(GptConfig::gpt2(3, 3, 24, 19, 37, true, 0.1, true), "gpt2 full recomputation", false, (model::Recompute::Full, 1));
+    check_in(GptConfig::gpt2((3, 3, 24), 19, 37, true, 0.1, true), "gpt2 full recomputation", false, (model::Recompute::Full, 1));
     // Every other block re-run (the others keep theirs); selective: the attention core re-run.
-    check_in(GptConfig::gpt2(3, 3, 24, 19, 37, true, 0.1, true), "gpt2 full recomputation of every other block", false, (model::Recompute::Full, 2));
+    check_in(GptConfig::gpt2((3, 3, 24), 19, 37, true, 0.1, true), "gpt2 full recomputation of every other block", false, (model::Recompute::Full, 2));
     check_in(llama, "llama documents, selective recomputation", true, (model::Recompute::Selective, 1));
 }
 
 #[test]
 fn device_moe_matches_the_cpu_model() {
-    let llama = GptConfig { arch: Arch::Llama, n_head: 4, n_kv_head: 2, ffn_hidden: 20, tied_embeddings: false, bias: false, ..GptConfig::gpt2(2, 4, 32, 19, 37, false, 0.1, false) };
+    let llama = GptConfig { arch: Arch::Llama, n_head: 4, n_kv_head: 2, ffn_hidden: 20, tied_embeddings: false, bias: false, ..GptConfig::gpt2((2, 4, 32), 19, 37, false, 0.1, false) };
     let moe = GptConfig { n_expert: 5, top_k: 2, moe_aux_weight: 0.01, moe_z_weight: 0.001, ..llama };
     // Dropless, then with a capacity that drops assignments and a shared expert.
     check(moe.clone(), "moe dropless");
@@ -325,7 +325,7 @@ fn device_moe_matches_the_cpu_model() {
 #[test]
 fn unsupported_models_are_refused_by_name() {
     let g = gpu();
-    let qwen3 = GptConfig { arch: Arch::Llama, qk_norm: true, n_head: 2, n_kv_head: 2, ffn_hidden: 12, ..GptConfig::gpt2(1, 2, 8, 6, 12, false, 0.0, false) };
+    let qwen3 = GptConfig { arch: Arch::Llama, qk_norm: true, n_head: 2, n_kv_head: 2, ffn_hidden: 12, ..GptConfig::gpt2((1, 2, 8), 6, 12, false, 0.0, false) };
     let e = DeviceGpt::new(g, &Gpt::new(qwen3, 12, 0)).err().expect("a q/k-norm model on the device");
     assert!(e.contains("q/k norms"), "{e}");
 }
@@ -335,9 +335,9 @@ fn unsupported_models_are_refused_by_name() {
 #[test]
 fn device_generation_gives_the_cpu_tokens() {
     let g = gpu();
-    let llama = GptConfig { arch: Arch::Llama, n_head: 4, n_kv_head: 2, ffn_hidden: 20, tied_embeddings: false, bias: false, ..GptConfig::gpt2(2, 4, 32, 13, 37, false, 0.0, false) };
+    let llama = GptConfig { arch: Arch::Llama, n_head: 4, n_kv_head: 2, ffn_hidden: 20, tied_embeddings: false, bias: false, ..GptConfig::gpt2((2, 4, 32), 13, 37, false, 0.0, false) };
     for (name, cfg) in [
-        ("gpt2", GptConfig::gpt2(2, 3, 24, 13, 37, true, 0.0, true)),
+        ("gpt2", GptConfig::gpt2((2, 3, 24), 13, 37, true, 0.0, true)),
         ("llama window", GptConfig { sliding_window: 5, ..llama.clone() }),
         ("moe", GptConfig { n_expert: 4, top_k: 2, n_shared_expert: 1, ..llama }),
     ] {
@@ -355,20 +355,34 @@ fn device_generation_gives_the_cpu_tokens() {
     }
 }
 
-/// A one-rank group: its gathers and reductions are the identity.
-struct Alone;
+/// A one-rank group: its gathers and reductions are the identity, kept until they are taken.
+#[derive(Default)]
+struct Alone {
+    gathers: Vec<(usize, Vec<f32>)>,
+    sums: Vec<(usize, Vec<f32>)>,
+}
 
 impl model::device::ZeroGroup for Alone {
     fn members(&self) -> usize {
         1
     }
 
-    fn all_gather(&mut self, mine: &[f32]) -> Vec<f32> {
-        mine.to_vec()
+    fn start_all_gather(&mut self, tag: usize, mine: Vec<f32>) {
+        assert!(self.gathers.iter().all(|g| g.0 != tag), "unit {tag} gathered twice at once");
+        self.gathers.push((tag, mine));
     }
 
-    fn reduce_scatter(&mut self, full: &[f32]) -> Vec<f32> {
-        full.to_vec()
+    fn gathered(&mut self, tag: usize) -> Vec<f32> {
+        let i = self.gathers.iter().position(|g| g.0 == tag).unwrap_or_else(|| panic!("unit {tag} taken before its gather started"));
+        self.gathers.remove(i).1
+    }
+
+    fn start_reduce_scatter(&mut self, tag: usize, full: Vec<f32>) {
+        self.sums.push((tag, full));
+    }
+
+    fn reduced(&mut self) -> Vec<(usize, Vec<f32>)> {
+        std::mem::take(&mut self.sums)
     }
 }
 
@@ -380,9 +394,9 @@ impl model::device::ZeroGroup for Alone {
 #[test]
 fn zero_sharded_device_models_match_the_whole_model() {
     let g = gpu();
-    let llama = GptConfig { arch: Arch::Llama, n_head: 4, n_kv_head: 2, ffn_hidden: 20, tied_embeddings: false, bias: false, ..GptConfig::gpt2(3, 4, 32, 19, 37, false, 0.1, false) };
+    let llama = GptConfig { arch: Arch::Llama, n_head: 4, n_kv_head: 2, ffn_hidden: 20, tied_embeddings: false, bias: false, ..GptConfig::gpt2((3, 4, 32), 19, 37, false, 0.1, false) };
     let moe = GptConfig { n_expert: 5, top_k: 2, moe_aux_weight: 0.01, moe_z_weight: 0.001, ..llama.clone() };
-    let cases = [("gpt2 tied", GptConfig::gpt2(3, 3, 24, 19, 37, true, 0.1, true), model::Recompute::None), ("llama untied", llama, model::Recompute::None), ("moe, full recomputation", moe, model::Recompute::Full)];
+    let cases = [("gpt2 tied", GptConfig::gpt2((3, 3, 24), 19, 37, true, 0.1, true), model::Recompute::None), ("llama untied", llama, model::Recompute::None), ("moe, full recomputation", moe, model::Recompute::Full)];
     for (name, cfg, recompute) in cases {
         let (b, t, vocab) = (3, cfg.block_size - 1, cfg.vocab_size);
         let mut cpu = Gpt::new(cfg, vocab - 1, 5);
@@ -407,7 +421,7 @@ fn zero_sharded_device_models_match_the_whole_model() {
         for stage in [2, 3] {
             let units = cpu.units.clone();
             let layout = model::device::ShardLayout { rank: 0, chunk: units.iter().map(|u| u.len()).collect(), offset: units.iter().map(|u| u.start).collect(), len: cpu.params.len(), units };
-            let mut dev = DeviceGpt::with_zero(g.clone(), &cpu, stage, layout, Box::new(Alone)).unwrap();
+            let mut dev = DeviceGpt::with_zero(g.clone(), &cpu, stage, layout, Box::new(Alone::default())).unwrap();
             let (losses, grads) = passes(&mut dev);
             assert!(rel(&losses, &want) < 1e-6, "{name} ZeRO-{stage}: losses differ by {:e}", rel(&losses, &want));
             assert!(rel(&grads, &want_grads) < 1e-6, "{name} ZeRO-{stage}: gradients differ by {:e}", rel(&grads, &want_grads));

@@ -11,11 +11,11 @@ const LENS: [usize; 3] = [5, 7, 4];
 const T: usize = 16;
 
 fn gpt2() -> GptConfig {
-    GptConfig::gpt2(2, 2, 8, T, 12, true, 0.0, true)
+    GptConfig::gpt2((2, 2, 8), T, 12, true, 0.0, true)
 }
 
 fn llama() -> GptConfig {
-    GptConfig { arch: Arch::Llama, n_head: 4, n_kv_head: 2, ffn_hidden: 12, tied_embeddings: false, bias: false, ..GptConfig::gpt2(2, 4, 8, T, 12, false, 0.0, false) }
+    GptConfig { arch: Arch::Llama, n_head: 4, n_kv_head: 2, ffn_hidden: 12, tied_embeddings: false, bias: false, ..GptConfig::gpt2((2, 4, 8), T, 12, false, 0.0, false) }
 }
 
 /// A model with weights larger than the 0.02 init, so every path carries signal.

@@ -7,11 +7,11 @@ fn train(seed: u64) -> Pass {
 }
 
 fn tiny(bias: bool, dropout: f32, tied: bool) -> GptConfig {
-    GptConfig::gpt2(2, 2, 8, 6, 12, bias, dropout, tied)
+    GptConfig::gpt2((2, 2, 8), 6, 12, bias, dropout, tied)
 }
 
 fn tiny_llama(n_kv_head: usize, dropout: f32) -> GptConfig {
-    GptConfig { arch: Arch::Llama, n_head: 4, n_kv_head, ffn_hidden: 12, tied_embeddings: false, bias: false, ..GptConfig::gpt2(2, 4, 8, 6, 12, false, dropout, false) }
+    GptConfig { arch: Arch::Llama, n_head: 4, n_kv_head, ffn_hidden: 12, tied_embeddings: false, bias: false, ..GptConfig::gpt2((2, 4, 8), 6, 12, false, dropout, false) }
 }
 
 fn batch() -> (Vec<u32>, Vec<i32>) {
@@ -112,7 +112,7 @@ fn llama_decode_logits_match_full_forward() {
 
 #[test]
 fn initial_loss_is_near_uniform() {
-    let cfg = GptConfig::gpt2(2, 2, 32, 6, 64, true, 0.0, true);
+    let cfg = GptConfig::gpt2((2, 2, 32), 6, 64, true, 0.0, true);
     let mut m = Gpt::new(cfg, 50, 1);
     let (tokens, targets) = batch();
     let loss = m.forward(&tokens, &targets, 2, 6, Pass::Eval);

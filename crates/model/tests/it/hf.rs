@@ -418,7 +418,7 @@ fn import_errors_name_the_problem() {
 
 #[test]
 fn bias_free_gpt2_exports_with_zero_biases_and_same_logits() {
-    let cfg = model::GptConfig::gpt2(2, 2, 8, 6, 12, false, 0.0, true);
+    let cfg = model::GptConfig::gpt2((2, 2, 8), 6, 12, false, 0.0, true);
     let mut m = model::Gpt::new(cfg, 12, 1);
     let out = std::env::temp_dir().join(format!("kiln-hf-nobias-{}", std::process::id()));
     export_hf(&m, &out).unwrap();

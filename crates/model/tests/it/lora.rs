@@ -5,8 +5,8 @@ use model::lora::Lora;
 use model::{Gpt, GptConfig, Pass};
 
 fn cfgs() -> Vec<GptConfig> {
-    let g = GptConfig::gpt2(2, 2, 8, 6, 12, true, 0.0, true);
-    let l = GptConfig { arch: Arch::Llama, n_head: 4, n_kv_head: 2, ffn_hidden: 12, bias: false, tied_embeddings: false, ..GptConfig::gpt2(2, 4, 8, 6, 12, false, 0.0, false) };
+    let g = GptConfig::gpt2((2, 2, 8), 6, 12, true, 0.0, true);
+    let l = GptConfig { arch: Arch::Llama, n_head: 4, n_kv_head: 2, ffn_hidden: 12, bias: false, tied_embeddings: false, ..GptConfig::gpt2((2, 4, 8), 6, 12, false, 0.0, false) };
     vec![g, l]
 }
 
@@ -90,7 +90,7 @@ fn merged_weights_equal_base_plus_scaled_ba() {
 
 #[test]
 fn bad_targets_are_named() {
-    let g = GptConfig::gpt2(2, 2, 8, 6, 12, true, 0.0, true);
+    let g = GptConfig::gpt2((2, 2, 8), 6, 12, true, 0.0, true);
     let e = Lora::new(&g, 2, 4.0, &["gate".to_string()], 0).err().unwrap();
     assert!(e.contains("`gate`") && e.contains("gpt2"), "{e}");
     let e = Lora::new(&g, 2, 4.0, &["qq".to_string()], 0).err().unwrap();
@@ -135,8 +135,8 @@ impl model::UnitStore for Compact {
 #[test]
 fn a_quantized_base_gives_the_dequantized_bases_losses_and_gradients() {
     use model::qbase::{round_trip, QuantBase};
-    let g = GptConfig::gpt2(2, 2, 64, 6, 12, true, 0.0, true);
-    let l = GptConfig { arch: Arch::Llama, n_head: 4, n_kv_head: 2, ffn_hidden: 96, bias: false, qkv_bias: true, tied_embeddings: false, ..GptConfig::gpt2(2, 4, 64, 6, 12, false, 0.0, false) };
+    let g = GptConfig::gpt2((2, 2, 64), 6, 12, true, 0.0, true);
+    let l = GptConfig { arch: Arch::Llama, n_head: 4, n_kv_head: 2, ffn_hidden: 96, bias: false, qkv_bias: true, tied_embeddings: false, ..GptConfig::gpt2((2, 4, 64), 6, 12, false, 0.0, false) };
     let (tokens, targets_) = batch();
     for cfg in [g, l] {
         for kind in [model::BaseQuant::Nf4, model::BaseQuant::Int8] {
@@ -162,7 +162,7 @@ fn a_quantized_base_gives_the_dequantized_bases_losses_and_gradients() {
                 grads: (0..n).map(|u| vec![0.0; base.grad_len(u)]).collect(),
             };
             q.lora.as_mut().unwrap().grads.fill(0.0);
-            let got = q.forward_with(&mut store, &tokens, &targets_, None, 2, 6, Pass::Train { dropout_seed: 1, loss_scale: 1.0 });
+            let got = q.forward_with(&mut store, &tokens, &targets_, None, (2, 6), Pass::Train { dropout_seed: 1, loss_scale: 1.0 });
             q.backward_with(&mut store);
             assert_eq!(got.to_bits(), want.to_bits(), "{:?} {kind:?}: loss", cfg.arch);
             assert_eq!(q.lora.as_ref().unwrap().grads, plain.lora.as_ref().unwrap().grads, "{:?} {kind:?}: adapter gradients", cfg.arch);

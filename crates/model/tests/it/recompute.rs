@@ -9,11 +9,11 @@ use model::lora::Lora;
 use model::{Gpt, GptConfig, Pass};
 
 fn gpt2(n_layer: usize, dropout: f32, bias: bool, tied: bool) -> GptConfig {
-    GptConfig::gpt2(n_layer, 4, 16, 8, 13, bias, dropout, tied)
+    GptConfig::gpt2((n_layer, 4, 16), 8, 13, bias, dropout, tied)
 }
 
 fn llama(n_layer: usize, n_kv_head: usize, dropout: f32) -> GptConfig {
-    GptConfig { arch: Arch::Llama, n_head: 4, n_kv_head, ffn_hidden: 24, tied_embeddings: false, bias: false, ..GptConfig::gpt2(n_layer, 4, 16, 8, 13, false, dropout, false) }
+    GptConfig { arch: Arch::Llama, n_head: 4, n_kv_head, ffn_hidden: 24, tied_embeddings: false, bias: false, ..GptConfig::gpt2((n_layer, 4, 16), 8, 13, false, dropout, false) }
 }
 
 fn moe(n_shared: usize, capacity: f32, dropout: f32) -> GptConfig {
@@ -145,7 +145,7 @@ fn recompute_eval_and_logits_match() {
 
 #[test]
 fn recompute_keeps_block_activations_once() {
-    let cfg = GptConfig::gpt2(8, 4, 64, 32, 65, true, 0.0, true);
+    let cfg = GptConfig::gpt2((8, 4, 64), 32, 65, true, 0.0, true);
     let mut m = Gpt::new(cfg, 65, 1);
     assert_eq!(m.activation_bytes(), 0);
     let mut bytes = Vec::new();
@@ -193,7 +193,7 @@ fn sixteen_bit_activation_storage_is_lossless_and_halves_the_stored_activations(
                 let b = run_step(&mut on);
                 assert_eq!(a, b, "{:?} {precision:?} {policy:?}: the stash changed the run", cfg.arch);
                 // A larger shape, where the per-layer activations dominate the fixed buffers.
-                let (mut big_off, mut big_on) = (Gpt::zeroed(GptConfig::gpt2(6, 4, 64, 64, 50, true, 0.0, true), 50), Gpt::zeroed(GptConfig::gpt2(6, 4, 64, 64, 50, true, 0.0, true), 50));
+                let (mut big_off, mut big_on) = (Gpt::zeroed(GptConfig::gpt2((6, 4, 64), 64, 50, true, 0.0, true), 50), Gpt::zeroed(GptConfig::gpt2((6, 4, 64), 64, 50, true, 0.0, true), 50));
                 (big_off.precision, big_off.stash16, big_off.recompute) = (precision, false, policy);
                 (big_on.precision, big_on.recompute) = (precision, policy);
                 big_off.reserve_activations(4, 64);

@@ -11,7 +11,7 @@ const T: usize = 8;
 const V: usize = 32;
 
 fn cfg() -> GptConfig {
-    GptConfig::gpt2(2, 4, 16, T, V, true, 0.0, true)
+    GptConfig::gpt2((2, 4, 16), T, V, true, 0.0, true)
 }
 
 fn batch() -> (Vec<u32>, Vec<i32>) {
@@ -30,7 +30,7 @@ fn strategy(dp: usize, tp: usize, sequence_parallel: bool) -> Strategy {
 
 /// A Qwen3-style llama: per-head q and k norms (weights away from one), GQA 4:2.
 fn qk_norm_cfg() -> GptConfig {
-    GptConfig { arch: model::config::Arch::Llama, qk_norm: true, n_kv_head: 2, ffn_hidden: 24, ..GptConfig::gpt2(2, 4, 16, T, V, false, 0.0, false) }
+    GptConfig { arch: model::config::Arch::Llama, qk_norm: true, n_kv_head: 2, ffn_hidden: 24, ..GptConfig::gpt2((2, 4, 16), T, V, false, 0.0, false) }
 }
 
 /// The model every rank starts from: `cfg`'s, seed 7, per-head norm weights drawn away from one.
@@ -73,7 +73,7 @@ fn parts_of(cfg: GptConfig, s: Strategy) -> Vec<(f32, Vec<f32>)> {
         // Each data-parallel (and context-parallel) rank's share of the mean loss's gradient
         // (equal target counts).
         let pass = Pass::Train { dropout_seed: 1, loss_scale: 1.0 / (dp * s.cp) as f32 };
-        let loss = part.model.forward_with(&mut part.dp, &x[r.clone()], &y[r], None, rows, T, pass);
+        let loss = part.model.forward_with(&mut part.dp, &x[r.clone()], &y[r], None, (rows, T), pass);
         part.dp.begin_micro(true);
         part.model.backward_with(&mut part.dp);
         part.dp.finish_backward();

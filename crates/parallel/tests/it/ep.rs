@@ -220,7 +220,7 @@ fn all_to_all_v_moves_variable_blocks_and_counts_their_bytes() {
 
 #[test]
 fn ep_shards_hold_their_experts_by_name_and_unshard_to_the_whole() {
-    let mut cfg = GptConfig::gpt2(2, 2, 16, 8, 32, false, 0.0, false);
+    let mut cfg = GptConfig::gpt2((2, 2, 16), 8, 32, false, 0.0, false);
     cfg.arch = model::config::Arch::Llama;
     (cfg.n_expert, cfg.top_k, cfg.n_shared_expert, cfg.ffn_hidden) = (4, 2, 1, 8);
     let (full, _) = gpt_layout(&cfg);

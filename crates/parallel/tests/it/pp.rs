@@ -130,14 +130,14 @@ mod stages {
 
     #[test]
     fn gpt2_stages_with_tied_head_and_dropout_match_the_whole_model() {
-        let cfg = GptConfig::gpt2(4, 2, 8, 8, 11, true, 0.1, true);
+        let cfg = GptConfig::gpt2((4, 2, 8), 8, 11, true, 0.1, true);
         stages_match_whole(cfg.clone(), &[1, 2, 1]);
         stages_match_whole(cfg, &[2, 2]);
     }
 
     #[test]
     fn llama_and_moe_stages_match_the_whole_model() {
-        let llama = GptConfig { arch: Arch::Llama, n_head: 4, n_kv_head: 2, ffn_hidden: 12, bias: false, tied_embeddings: false, ..GptConfig::gpt2(3, 4, 8, 8, 13, false, 0.1, false) };
+        let llama = GptConfig { arch: Arch::Llama, n_head: 4, n_kv_head: 2, ffn_hidden: 12, bias: false, tied_embeddings: false, ..GptConfig::gpt2((3, 4, 8), 8, 13, false, 0.1, false) };
         stages_match_whole(llama.clone(), &[1, 1, 1]);
         let moe = GptConfig { n_expert: 4, top_k: 2, n_shared_expert: 1, ffn_hidden: 6, ..llama };
         stages_match_whole(moe, &[2, 1]);

@@ -100,10 +100,9 @@ pub fn hf_attention_residual(x: &mut [f32], st: &SafeTensors, l: usize, d: &tens
     add_into(x, &h);
 }
 
-/// Final RMSNorm and untied head over `x[B·T, C]`, compared with the fixture's logits
-/// (max |error| ≤ 1e-4).
-#[allow(clippy::too_many_arguments)] // the fixture, the input and its flat shape (B, T, C, V)
-pub fn assert_fixture_logits(name: &str, dir: &std::path::Path, st: &SafeTensors, x: &[f32], b: usize, t: usize, c: usize, v: usize) {
+/// Final RMSNorm and untied head over `x[B·T, C]` (its shape `(B, T, C, V)`), compared with the
+/// fixture's logits (max |error| ≤ 1e-4).
+pub fn assert_fixture_logits(name: &str, dir: &std::path::Path, st: &SafeTensors, x: &[f32], (b, t, c, v): (usize, usize, usize, usize)) {
     use tensor::llama::rmsnorm_forward;
     use tensor::matmul_forward;
     let n = b * t;

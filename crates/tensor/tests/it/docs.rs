@@ -39,7 +39,7 @@ fn gqa_fwd(qkv: &[f32], d: &GqaDims, starts: &[u32], p: f32, tiles: Tiles) -> (V
 fn gqa_bwd(dout: &[f32], qkv: &[f32], d: &GqaDims, starts: &[u32], p: f32, tiles: Tiles, schedule: Schedule) -> Vec<f32> {
     let (o, l) = gqa_fwd(qkv, d, starts, p, tiles);
     let mut g = vec![0.0; qkv.len()];
-    flash_gqa_backward_docs_with(&mut g, dout, qkv, &o, &l, d, starts, BwdOpts { dropout: AttnDropout { p, seed: 7 }, tiles, schedule });
+    flash_gqa_backward_docs_with(&mut g, dout, (qkv, &o, &l), d, starts, BwdOpts { dropout: AttnDropout { p, seed: 7 }, tiles, schedule });
     g
 }
 
@@ -109,7 +109,7 @@ fn mha_docs_equal_documents_run_separately() {
     let bwd = |dy: &[f32], x: &[f32], d: &AttnDims, s: &[u32], tl: Tiles, schedule: Schedule| {
         let (o, l) = fwd(x, d, s, tl);
         let mut g = vec![0.0; x.len()];
-        flash_attention_backward_docs_with(&mut g, dy, x, &o, &l, d, s, BwdOpts { dropout: AttnDropout::NONE, tiles: tl, schedule });
+        flash_attention_backward_docs_with(&mut g, dy, (x, &o, &l), d, s, BwdOpts { dropout: AttnDropout::NONE, tiles: tl, schedule });
         g
     };
     for (br, bc) in TILES {
@@ -152,7 +152,7 @@ fn zero_starts_are_bit_identical_to_no_documents() {
             flash_gqa_forward(&mut o2, &mut l2, &qkv, &d, AttnDropout { p, seed: 3 });
             assert!(o1 == o2 && l1 == l2);
             let (mut g1, mut g2) = (vec![0.0; qkv.len()], vec![0.0; qkv.len()]);
-            flash_gqa_backward_docs(&mut g1, &dout, &qkv, &o1, &l1, &d, &zeros, AttnDropout { p, seed: 3 });
+            flash_gqa_backward_docs(&mut g1, &dout, (&qkv, &o1, &l1), &d, &zeros, AttnDropout { p, seed: 3 });
             flash_gqa_backward(&mut g2, &dout, &qkv, &o2, &l2, &d, AttnDropout { p, seed: 3 });
             assert!(g1 == g2);
         }
@@ -167,7 +167,7 @@ fn zero_starts_are_bit_identical_to_no_documents() {
     flash_attention_forward(&mut o2, &mut l2, &qkv, &d, drop);
     assert!(o1 == o2 && l1 == l2, "MHA forward");
     let (mut g1, mut g2) = (vec![0.0; qkv.len()], vec![0.0; qkv.len()]);
-    flash_attention_backward_docs(&mut g1, &dout, &qkv, &o1, &l1, &d, &zeros, drop);
+    flash_attention_backward_docs(&mut g1, &dout, (&qkv, &o1, &l1), &d, &zeros, drop);
     flash_attention_backward(&mut g2, &dout, &qkv, &o2, &l2, &d, drop);
     assert!(g1 == g2, "MHA backward");
 }
@@ -204,7 +204,7 @@ fn docs_match_the_materialised_references() {
         let (mut o, mut l) = (vec![0.0; d.b * T * d.c], vec![0.0; d.b * d.nh * T]);
         flash_attention_forward_docs_tiled(&mut o, &mut l, &qkv, &d, &starts, drop, tl);
         let mut g = vec![0.0; qkv.len()];
-        flash_attention_backward_docs_with(&mut g, &dout, &qkv, &o, &l, &d, &starts, BwdOpts { dropout: drop, tiles: tl, schedule: Schedule::Auto });
+        flash_attention_backward_docs_with(&mut g, &dout, (&qkv, &o, &l), &d, &starts, BwdOpts { dropout: drop, tiles: tl, schedule: Schedule::Auto });
         assert!(max_err(&o, &ro) < 1e-5, "MHA out p={p}");
         assert!(max_err(&g, &rg) < 1e-5, "MHA dqkv p={p}");
     }
@@ -284,31 +284,31 @@ fn embedding_with_positions() {
     let cyclic: Vec<u32> = (0..b * t).map(|i| (i % t) as u32).collect();
     let (mut o1, mut o2) = (vec![0.0; b * t * c], vec![0.0; b * t * c]);
     embedding_forward(&mut o1, &tokens, &wte, Some(&wpe), t, c);
-    embedding_forward_rows(&mut o2, &tokens, &wte, Some(&wpe), Some(&cyclic), t, c, 0..v);
+    embedding_forward_rows(&mut o2, &tokens, (&wte, Some(&wpe)), Some(&cyclic), t, c, 0..v);
     assert!(o1 == o2);
     let (mut dte1, mut dpe1, mut dte2, mut dpe2) = (vec![0.0; v * c], vec![0.0; max_t * c], vec![0.0; v * c], vec![0.0; max_t * c]);
     embedding_backward(&mut dte1, Some(&mut dpe1), &dout, &tokens, t, c);
-    embedding_backward_rows(&mut dte2, Some(&mut dpe2), &dout, &tokens, Some(&cyclic), t, c, 0..v);
+    embedding_backward_rows((&mut dte2, Some(&mut dpe2)), &dout, &tokens, Some(&cyclic), t, c, 0..v);
     assert!(dte1 == dte2 && dpe1 == dpe2);
     // Arbitrary positions (repeated, out of order, up to maxT − 1).
     let pos = [3u32, 0, 1, 7, 3, 0, 1, 2, 0, 3];
     let mut o = vec![0.0; b * t * c];
-    embedding_forward_rows(&mut o, &tokens, &wte, Some(&wpe), Some(&pos), t, c, 0..v);
+    embedding_forward_rows(&mut o, &tokens, (&wte, Some(&wpe)), Some(&pos), t, c, 0..v);
     for i in 0..b * t {
         for k in 0..c {
             assert_eq!(o[i * c + k], wte[tokens[i] as usize * c + k] + wpe[pos[i] as usize * c + k]);
         }
     }
     let (mut dte, mut dpe) = (vec![0.0; v * c], vec![0.0; max_t * c]);
-    embedding_backward_rows(&mut dte, Some(&mut dpe), &dout, &tokens, Some(&pos), t, c, 0..v);
+    embedding_backward_rows((&mut dte, Some(&mut dpe)), &dout, &tokens, Some(&pos), t, c, 0..v);
     assert!(dte == dte1, "dwte does not depend on positions");
     check("embedding_pos.dwpe", &wpe, &dpe, |x| {
         let mut o = vec![0.0; b * t * c];
-        embedding_forward_rows(&mut o, &tokens, &wte, Some(x), Some(&pos), t, c, 0..v);
+        embedding_forward_rows(&mut o, &tokens, (&wte, Some(x)), Some(&pos), t, c, 0..v);
         dot(&o, &dout)
     });
     // A vocabulary slice (rows 2..5): the positions' gradient is still every token's.
     let (mut dte_s, mut dpe_s) = (vec![0.0; 3 * c], vec![0.0; max_t * c]);
-    embedding_backward_rows(&mut dte_s, Some(&mut dpe_s), &dout, &tokens, Some(&pos), t, c, 2..5);
+    embedding_backward_rows((&mut dte_s, Some(&mut dpe_s)), &dout, &tokens, Some(&pos), t, c, 2..5);
     assert!(dpe_s == dpe && dte_s == dte[2 * c..5 * c]);
 }

@@ -585,7 +585,7 @@ fn attention_sinks_match_materialised_reference() {
                 assert!(max_err(&o, &ro) < 1e-5, "out {what}: err {}", max_err(&o, &ro));
                 for sched in SCHEDULES {
                     let mut g = vec![0.0; qkv.len()];
-                    flash_gqa_backward_docs_with(&mut g, &dout, &qkv, &o, &l, &d, &starts, BwdOpts { tiles: tl, schedule: sched, ..Default::default() });
+                    flash_gqa_backward_docs_with(&mut g, &dout, (&qkv, &o, &l), &d, &starts, BwdOpts { tiles: tl, schedule: sched, ..Default::default() });
                     assert!(max_err(&g, &rg) < 1e-5, "dqkv {what} {sched:?}: err {}", max_err(&g, &rg));
                 }
             }

@@ -20,7 +20,7 @@ fn matmul_gradients() {
         dot(&out, &dout)
     };
     let (mut di, mut dw, mut db) = (vec![0.0; bt * c], vec![0.0; oc * c], vec![0.0; oc]);
-    matmul_backward(&mut di, &mut dw, Some(&mut db), &dout, &inp, &w, bt, c, oc);
+    matmul_backward((&mut di, &mut dw, Some(&mut db)), &dout, &inp, &w, bt, c, oc);
     check("matmul.dinp", &inp, &di, |x| fwd(x, &w, &b));
     check("matmul.dweight", &w, &dw, |x| fwd(&inp, x, &b));
     check("matmul.dbias", &b, &db, |x| fwd(&inp, &w, x));
@@ -59,7 +59,7 @@ fn layernorm_gradients() {
     let (mut out, mut m, mut r) = (vec![0.0; n * c], vec![0.0; n], vec![0.0; n]);
     layernorm_forward(&mut out, &mut m, &mut r, &inp, &w, Some(&b), c);
     let (mut di, mut dw, mut db) = (vec![0.0; n * c], vec![0.0; c], vec![0.0; c]);
-    layernorm_backward(&mut di, &mut dw, Some(&mut db), &dout, &inp, &w, &m, &r, c);
+    layernorm_backward((&mut di, &mut dw, Some(&mut db)), &dout, &inp, &w, (&m, &r), c);
     check("layernorm.dinp", &inp, &di, |x| fwd(x, &w, &b));
     check("layernorm.dweight", &w, &dw, |x| fwd(&inp, x, &b));
     check("layernorm.dbias", &b, &db, |x| fwd(&inp, &w, x));
@@ -245,7 +245,7 @@ fn fused_lm_head_matches_unfused_and_finite_differences() {
     let mut dlogits = vec![0.0; n * vp];
     crossentropy_backward(&mut dlogits, &probs, &targets, 0.5, v, vp, -100);
     let (mut di2, mut dw2) = (vec![0.0; n * c], vec![0.0; vp * c]);
-    matmul_backward(&mut di2, &mut dw2, None, &dlogits, &inp, &w, n, c, vp);
+    matmul_backward((&mut di2, &mut dw2, None), &dlogits, &inp, &w, n, c, vp);
     let close = |a: &[f32], b: &[f32], what: &str| {
         for (i, (x, y)) in a.iter().zip(b).enumerate() {
             assert!((x - y).abs() <= 1e-4 * (1.0 + y.abs()), "{what}[{i}]: {x} vs {y}");

@@ -57,7 +57,7 @@ fn zeroone_local_steps_are_frozen_variance_adamw_steps() {
         m_ref.iter_mut().zip(&g).for_each(|(m, &g)| *m = h.beta1 * *m + (1.0 - h.beta1) * g);
         tensor::optim::adam_frozen_update(&mut p_ref, None, &m_ref, &v, &h, rbc2);
         decay *= 1.0 - (h.lr * h.weight_decay) as f64;
-        tensor::optim::zeroone_local(&mut p, &g, &mut m, &v, &mut acc, &anchor, &h, var_updates, decay as f32);
+        tensor::optim::zeroone_local(&mut p, &g, (&mut m, &v), (&mut acc, &anchor), &h, var_updates, decay as f32);
         assert_eq!(m, m_ref, "step {k}: the momentum");
         for i in 0..n {
             assert!((p[i] - p_ref[i]).abs() <= 2e-6 * (1.0 + p_ref[i].abs()), "step {k}, element {i}: {} vs {}", p[i], p_ref[i]);
@@ -66,7 +66,7 @@ fn zeroone_local_steps_are_frozen_variance_adamw_steps() {
     // The moves carry no decay term: with zero gradients and momentum the parameters only decay.
     let (mut m, mut acc, mut q) = (vec![0.0f32; n], vec![0.0f32; n], anchor.clone());
     let h = AdamW { lr: 0.1, beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.1, t: 30 };
-    tensor::optim::zeroone_local(&mut q, &vec![0.0; n], &mut m, &v, &mut acc, &anchor, &h, var_updates, 0.99);
+    tensor::optim::zeroone_local(&mut q, &vec![0.0; n], (&mut m, &v), (&mut acc, &anchor), &h, var_updates, 0.99);
     assert!(acc.iter().all(|&a| a == 0.0));
     assert!(q.iter().zip(&anchor).all(|(q, a)| *q == a * 0.99));
 }
@@ -111,7 +111,7 @@ fn reductions_are_thread_count_independent() {
         pool.install(|| tensor::matmul::bias_backward(&mut db, &dout, n, c));
         let mut dw = vec![0.0; c];
         let (mut di, m, r) = (vec![0.0; n * c], vec![0.1; n], vec![1.0; n]);
-        pool.install(|| layernorm_backward(&mut di, &mut dw, None, &dout, &dout, &vec![1.0; c], &m, &r, c));
+        pool.install(|| layernorm_backward((&mut di, &mut dw, None), &dout, &dout, &vec![1.0; c], (&m, &r), c));
         (db, dw)
     };
     assert_eq!(run(&one), run(&three));
@@ -160,8 +160,8 @@ fn overwriting_backwards_equal_accumulating_into_zeros() {
     for arith in [tensor::matmul::Arith::F32, tensor::matmul::Arith::Bf16] {
         let (mut di_a, mut dw_a, mut db_a) = (vec![0.0; bt * c], vec![0.25; oc * c], vec![0.5; oc]);
         let (mut di_o, mut dw_o, mut db_o) = (garbage(bt * c), vec![0.25; oc * c], vec![0.5; oc]);
-        tensor::matmul::matmul_backward_as(arith, &mut di_a, &mut dw_a, Some(&mut db_a), &dout, &inp, &w, bt, c, oc);
-        tensor::matmul::matmul_backward_into_as(arith, &mut di_o, &mut dw_o, Some(&mut db_o), &dout, &inp, &w, bt, c, oc);
+        tensor::matmul::matmul_backward_as(arith, (&mut di_a, &mut dw_a, Some(&mut db_a)), &dout, &inp, &w, (bt, c, oc));
+        tensor::matmul::matmul_backward_into_as(arith, (&mut di_o, &mut dw_o, Some(&mut db_o)), &dout, &inp, &w, (bt, c, oc));
         assert_eq!((bits(&di_a), bits(&dw_a), bits(&db_a)), (bits(&di_o), bits(&dw_o), bits(&db_o)), "{arith:?}");
         assert!(dw_o.iter().any(|&v| v != 0.25) && db_o[0] != 0.5);
     }

@@ -533,5 +533,5 @@ fn llama_tiny_fixture_logits_match_transformers() {
         matmul_forward(&mut h, &m, &p("mlp.down_proj.weight", &[c, f]), None, n, f, c);
         add_into(&mut x, &h);
     }
-    assert_fixture_logits("llama-tiny", &dir, &st, &x, b, t, c, v);
+    assert_fixture_logits("llama-tiny", &dir, &st, &x, (b, t, c, v));
 }

@@ -235,9 +235,9 @@ fn single_expert_is_a_swiglu_mlp() {
         let g = backward(&d, &w, &dy, &mut cache, 0.0, 0.0);
         let (mut dx, mut dwgu, mut dw2) = (vec![0.0; n * c], vec![0.0; 2 * f * c], vec![0.0; c * f]);
         let (mut dh, mut dgu) = (vec![0.0; n * f], vec![0.0; n * 2 * f]);
-        matmul_backward(&mut dh, &mut dw2, None, &dy, &h, w2, n, f, c);
+        matmul_backward((&mut dh, &mut dw2, None), &dy, &h, w2, n, f, c);
         swiglu_backward(&mut dgu, &dh, &gu, f);
-        matmul_backward(&mut dx, &mut dwgu, None, &dgu, &w.x, wgu, n, c, 2 * f);
+        matmul_backward((&mut dx, &mut dwgu, None), &dgu, &w.x, wgu, n, c, 2 * f);
         assert!(max_err(&g.x, &dx) < 1e-5, "dx");
         assert!(max_err(&g.experts, &[dwgu, dw2].concat()) < 1e-5, "dexperts");
         assert!(g.router.iter().all(|v| v.abs() < 1e-6), "router gradient with one expert");
@@ -434,5 +434,5 @@ fn mixtral_tiny_fixture_logits_match_transformers() {
         eprintln!("mixtral-tiny layer {l}: counts {:?}, aux {}", stats.counts, stats.aux_loss);
         add_into(&mut x, &y);
     }
-    assert_fixture_logits("mixtral-tiny", &dir, &st, &x, b, t, c, v);
+    assert_fixture_logits("mixtral-tiny", &dir, &st, &x, (b, t, c, v));
 }

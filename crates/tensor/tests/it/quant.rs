@@ -162,23 +162,23 @@ fn quantized_products_dequantize_tile_by_tile_and_equal_the_dequantized_product(
     for (q, deq) in &cases {
         for arith in [Arith::F32, Arith::Bf16] {
             let (mut want, mut got) = (vec![0.0; bt * oc], vec![1.0; bt * oc]);
-            matmul_forward_as(arith, &mut want, &x, deq, Some(&bias), bt, c, oc);
-            qmatmul_forward(arith, None, &mut got, &x, q, Some(&bias), bt, c, oc);
+            matmul_forward_as(arith, &mut want, &x, deq, Some(&bias), (bt, c, oc));
+            qmatmul_forward(arith, None, &mut got, &x, q, Some(&bias), (bt, c, oc));
             assert!(want == got, "{arith:?} forward differs");
             let (mut want, mut got) = (vec![0.5; bt * c], vec![0.5; bt * c]);
             matmul_backward_input_as(arith, &mut want, &g, deq, bt, c, oc);
-            qmatmul_backward_input(arith, None, &mut got, &g, q, bt, c, oc);
+            qmatmul_backward_input(arith, None, &mut got, &g, q, (bt, c, oc));
             assert!(want == got, "{arith:?} input gradient differs");
             // A bf16 base: each tile rounded, as the whole matrix rounded.
             let mut rounded = deq.clone();
             tensor::precision::round_slice(&mut rounded, tensor::precision::Format::Bf16);
             let (mut want, mut got) = (vec![0.0; bt * oc], vec![1.0; bt * oc]);
-            matmul_forward_as(arith, &mut want, &x, &rounded, None, bt, c, oc);
-            qmatmul_forward(arith, Some(tensor::precision::Format::Bf16), &mut got, &x, q, None, bt, c, oc);
+            matmul_forward_as(arith, &mut want, &x, &rounded, None, (bt, c, oc));
+            qmatmul_forward(arith, Some(tensor::precision::Format::Bf16), &mut got, &x, q, None, (bt, c, oc));
             assert!(want == got, "{arith:?} rounded forward differs");
             let (mut want, mut got) = (vec![0.5; bt * c], vec![0.5; bt * c]);
             matmul_backward_input_as(arith, &mut want, &g, &rounded, bt, c, oc);
-            qmatmul_backward_input(arith, Some(tensor::precision::Format::Bf16), &mut got, &g, q, bt, c, oc);
+            qmatmul_backward_input(arith, Some(tensor::precision::Format::Bf16), &mut got, &g, q, (bt, c, oc));
             assert!(want == got, "{arith:?} rounded input gradient differs");
         }
     }

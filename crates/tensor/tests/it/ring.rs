@@ -129,7 +129,7 @@ fn ring(qkv: &[f32], dout: &[f32], starts: &[u32], cs: &Case) -> (Vec<f32>, Vec<
             let owner = (r + n - s) % n;
             for (qs, ks) in blocks(r, owner) {
                 let blk = Block { qkv: &local[r], q: qs, kv: &kv[owner], kw, kc: 0, vc: nkv * hs, k: ks, starts: &st[r] };
-                flash_gqa_block_backward_with(&mut dq_local[r], Some(&mut dkv[owner]), &dl, &l, &dd, &blk, &d, BwdOpts { dropout: drop, tiles: cs.tiles, ..Default::default() });
+                flash_gqa_block_backward_with((&mut dq_local[r], Some(&mut dkv[owner])), &dl, &l, &dd, &blk, &d, BwdOpts { dropout: drop, tiles: cs.tiles, ..Default::default() });
             }
         }
         put_rows(&mut out, &o, b, t, c, &chs[r]);
@@ -171,7 +171,7 @@ fn ring_blocks_match_the_whole_sequence_kernel() {
                     let drop = AttnDropout { p, seed: 5 };
                     flash_gqa_forward_docs_tiled(&mut wo, &mut wl, &qkv, &d, st, drop, cs.tiles);
                     let mut wg = vec![0.0; qkv.len()];
-                    flash_gqa_backward_docs_with(&mut wg, &dout, &qkv, &wo, &wl, &d, st, BwdOpts { dropout: drop, tiles: cs.tiles, ..Default::default() });
+                    flash_gqa_backward_docs_with(&mut wg, &dout, (&qkv, &wo, &wl), &d, st, BwdOpts { dropout: drop, tiles: cs.tiles, ..Default::default() });
                     let (o, l, g) = ring(&qkv, &dout, &starts, &cs);
                     let what = format!("nh {nh} nkv {nkv} cp {n} zigzag {zigzag} p {p} window {window} sinks {sinks} docs {docs}");
                     let scale = |x: &[f32]| x.iter().fold(1.0f32, |m, v| m.max(v.abs()));
