@@ -14,17 +14,17 @@ pub fn cmd(args: &TrainArgs, as_json: bool) -> Result<()> {
     }
     let mut cfg = crate::presets::resolve(args)?;
     // A base model fixes the shape (and the vocabulary), as in `kiln train --init-from`.
-    let base = (!cfg.model.init_from.is_empty()).then(|| crate::run::load_base(std::path::Path::new(&cfg.model.init_from))).transpose()?;
+    let base = (!cfg.model.init_from.is_empty()).then(|| crate::run::base_config(std::path::Path::new(&cfg.model.init_from))).transpose()?;
     let tokenizer = crate::train::base_tokenizer(&cfg, &crate::config::user_keys(args)?)?;
     let ds = crate::train::load_data(&cfg, tokenizer)?;
     let gpt = match base {
-        Some(m) => {
-            cfg.model.block_size = m.cfg.block_size;
+        Some(b) => {
+            cfg.model.block_size = b.block_size;
             // The layout against the base's model, as `kiln train` checks it.
             let mut based = cfg.clone();
-            crate::config::set_model_shape(&mut based.model, &m.cfg);
+            crate::config::set_model_shape(&mut based.model, &b);
             based.validate_against_base()?;
-            GptConfig { dropout: cfg.model.dropout as f32, ..m.cfg }
+            GptConfig { dropout: cfg.model.dropout as f32, ..b }
         }
         None => cfg.gpt_config(ds.tokenizer.vocab_size()),
     };

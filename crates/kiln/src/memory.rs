@@ -770,7 +770,15 @@ fn plan_rank(cfg: &RunConfig, gpt: &GptConfig, data_bytes: u64, s: usize) -> Res
     let (whole_layout, _) = model::layout::gpt_layout(gpt);
     let base = std::path::Path::new(&cfg.model.init_from);
     let hf = !cfg.model.init_from.is_empty() && !base.join("config.toml").exists() && cfg.lora.quantize_base == model::BaseQuant::None;
-    let load_peak = if hf { 4 * whole_layout.total as u64 + model::hf::weight_file_sizes(base).unwrap_or_default().into_iter().max().unwrap_or(0) } else { 0 };
+    // Loading the base: its fp32 weights, and one tensor's bytes and fp32 values beside them;
+    // then, unless LoRA freezes it, its gradient buffers.
+    let weights = 4 * whole_layout.total as u64;
+    let read = weights + model::hf::TensorReader::open(base).map_or(0, |r| r.scratch_bytes());
+    let load_peak = match (hf, cfg.lora.rank > 0) {
+        (false, _) => 0,
+        (true, true) => read,
+        (true, false) => read.max(2 * weights),
+    };
     let total_peak = (step_peak + kept).max(eval_peak + kept).max(checkpoint_peak).max(load_peak);
     let layout_line = format!(
         "{} | {} layers, {} params{} | dp {dp} × tp {tp}{}{}, ZeRO {zero} | recompute {} | micro-batch {} × {} per rank | {}{}",
@@ -874,7 +882,7 @@ impl MemoryPlan {
         line(&mut s, "peak of an evaluation", self.eval_peak);
         line(&mut s, "peak of a checkpoint", self.checkpoint_peak);
         if self.load_peak > 0 {
-            line(&mut s, "peak of loading the base (weights + its largest file)", self.load_peak);
+            line(&mut s, "peak of loading the base (weights + its largest tensor read and widened, or + gradients)", self.load_peak);
         }
         line(&mut s, "total per rank (the run's peak)", self.total);
         if self.ranks_per_process > 1 || self.data_bytes > 0 {

@@ -126,6 +126,30 @@ pub fn load_base(path: &Path) -> Result<model::Gpt> {
     import_hf(path)
 }
 
+/// [`load_base`] without gradient buffers, for a base LoRA adapts (frozen: its store never
+/// reads them), so loading it holds only its weights and one tensor's scratch.
+pub fn load_frozen_base(path: &Path) -> Result<model::Gpt> {
+    if path.join("config.toml").exists() {
+        let mut m = load_base(path)?;
+        m.grads = Vec::new();
+        return Ok(m);
+    }
+    let (g, v) = model::hf::read_config(path).map_err(KilnError::User)?;
+    let scratch = model::hf::TensorReader::open(path).map_err(KilnError::User)?.scratch_bytes();
+    let cause = guard::hf_shape_keys(&g, &v, &path.join("config.json"));
+    guard::Budget::of(0).check(&format!("loading {}", path.display()), guard::weight_bytes(&g) + scratch as u128, &cause)?;
+    model::hf::import_hf_frozen(path).map_err(KilnError::User)
+}
+
+/// A base model's config: a Hugging Face directory's from its `config.json` alone (nothing
+/// else is read: planning a 70B base reads no weights), a kiln run's from its model.
+pub fn base_config(path: &Path) -> Result<model::GptConfig> {
+    if path.join("config.toml").exists() {
+        return Ok(load_base(path)?.cfg);
+    }
+    Ok(model::hf::read_config(path).map_err(KilnError::User)?.0)
+}
+
 /// A Hugging Face directory's model with untouched zero parameters (its shape, checked against
 /// the memory available for the quantized base's working set): for a QLoRA run, which reads the
 /// weights itself, tensor by tensor.
@@ -134,27 +158,26 @@ pub fn hf_shell(dir: &Path) -> Result<model::Gpt> {
     let cause = guard::hf_shape_keys(&g, &v, &dir.join("config.json"));
     guard::Budget::of(0).check(&format!("loading {}", dir.display()), guard::weight_bytes(&g) / 4, &cause)?;
     let vocab = g.vocab_size;
-    Ok(model::Gpt::zeroed(g, vocab))
+    Ok(model::Gpt::zeroed_frozen(g, vocab))
 }
 
-/// Loads a Hugging Face directory, once its config shows the model fits: its fp32 weights, and
-/// the largest weight file read whole and widened (bf16 → f32 doubles it).
+/// Loads a Hugging Face directory, once its config shows the model fits: its fp32 weights, with
+/// one tensor at a time read and widened beside them, then its gradient buffers.
 pub fn import_hf(dir: &Path) -> Result<model::Gpt> {
     let (g, v) = model::hf::read_config(dir).map_err(KilnError::User)?;
-    let largest = model::hf::weight_file_sizes(dir).map_err(KilnError::User)?.into_iter().max().unwrap_or(0);
+    let scratch = model::hf::TensorReader::open(dir).map_err(KilnError::User)?.scratch_bytes();
     let cause = guard::hf_shape_keys(&g, &v, &dir.join("config.json"));
-    guard::Budget::of(0).check(&format!("loading {}", dir.display()), guard::weight_bytes(&g) + 3 * largest as u128, &cause)?;
+    let w = guard::weight_bytes(&g);
+    guard::Budget::of(0).check(&format!("loading {}", dir.display()), (2 * w).max(w + scratch as u128), &cause)?;
     model::hf::import_hf(dir).map_err(KilnError::User)
 }
 
-/// A plain copy of `m` with its LoRA adapters (if any) folded into the weights.
-pub fn merged(m: &model::Gpt) -> model::Gpt {
-    let mut out = model::Gpt::zeroed(m.cfg.clone(), m.real_vocab);
-    out.params.copy_from_slice(&m.params);
-    if let Some(lo) = &m.lora {
-        lo.merge_into(&mut out.params, &out.views);
+/// `m` with its LoRA adapters (if any) folded into its weights, in place.
+pub fn merged(mut m: model::Gpt) -> model::Gpt {
+    if let Some(lo) = m.lora.take() {
+        lo.merge_into(&mut m.params, &m.views);
     }
-    out
+    m
 }
 
 /// The lock file whose `flock` marks a run directory's one writer.

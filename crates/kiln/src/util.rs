@@ -69,3 +69,14 @@ pub fn peak_rss() -> Option<u64> {
 pub fn reset_peak_rss() {
     let _ = std::fs::write("/proc/self/clear_refs", "5");
 }
+
+/// Hands the memory the start-up freed back to the system. glibc's allocator keeps what is
+/// freed inside its heap (the base's per-tensor scratch, the matmul peak probe's products)
+/// resident until asked: about 100 MiB that no plan row would own once training runs.
+pub fn release_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only returns free pages of the allocator's own heap to the kernel.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}

@@ -680,13 +680,21 @@ impl Gpt {
 
     /// A model with all-zero parameters, to be filled from a checkpoint.
     pub fn zeroed(cfg: GptConfig, real_vocab: usize) -> Gpt {
+        let mut m = Gpt::zeroed_frozen(cfg, real_vocab);
+        m.grads = zeros(m.layout.total);
+        m
+    }
+
+    /// [`Gpt::zeroed`] without gradient buffers: a base whose weights stay frozen (LoRA's,
+    /// QLoRA's), whose store never reads gradients of them.
+    pub fn zeroed_frozen(cfg: GptConfig, real_vocab: usize) -> Gpt {
         assert!(real_vocab <= cfg.place.vocab.map_or(cfg.vocab_size, |v| v.total), "real vocabulary {real_vocab} exceeds the (padded) vocabulary");
         let (layout, views) = gpt_layout(&cfg);
         let n = layout.total;
         let rope = (cfg.arch == Arch::Llama).then(|| RopeTables::new(&cfg));
         let units = views.units(n);
         let unit_views = views.rebased(n);
-        Gpt { cfg, layout, views, units, unit_views, real_vocab, params: zeros(n), grads: zeros(n), rope, lora: None, hooks: Hooks::default(), recompute: Recompute::None, recompute_every: 1, stash16: true, act_compression: Default::default(), precision: Precision::Fp32, fp8: None, base: None, acts: None, scratch: None }
+        Gpt { cfg, layout, views, units, unit_views, real_vocab, params: zeros(n), grads: Vec::new(), rope, lora: None, hooks: Hooks::default(), recompute: Recompute::None, recompute_every: 1, stash16: true, act_compression: Default::default(), precision: Precision::Fp32, fp8: None, base: None, acts: None, scratch: None }
     }
 
     pub fn num_params(&self) -> usize {

@@ -406,11 +406,6 @@ pub fn read_config(dir: &Path) -> Result<(GptConfig, Value), String> {
     Ok((hf_config(&v, &cfg_path)?, v))
 }
 
-/// The bytes of an HF directory's weight files (`import_hf` reads one at a time).
-pub fn weight_file_sizes(dir: &Path) -> Result<Vec<u64>, String> {
-    weight_files(dir)?.iter().map(|f| std::fs::metadata(f).map(|m| m.len()).map_err(|e| format!("{}: {e}", f.display()))).collect()
-}
-
 /// Qwen3-MoE's name of a kiln MoE parameter (Mixtral's names in kiln's layout): the router
 /// `mlp.gate`, expert `e`'s `w1` / `w3` / `w2` as `mlp.experts.e.gate_proj` / `up_proj` /
 /// `down_proj`.
@@ -486,28 +481,26 @@ fn fill(dst: &mut [f32], t: &TensorView, name: &str, p: (&str, &[usize]), fused:
 
 /// Loads an HF directory into a kiln model. Every kiln parameter must be present with the
 /// right shape; tensors kiln does not use (e.g. `attn.bias` masks, rotary caches) are ignored.
+/// The weights are read tensor by tensor ([`TensorReader`]): beside the model's fp32
+/// parameters, at most one tensor's bytes and its fp32 values exist at a time
+/// ([`TensorReader::scratch_bytes`]), never a weight file whole.
 pub fn import_hf(dir: &Path) -> Result<Gpt, String> {
+    let mut m = import_hf_frozen(dir)?;
+    m.grads = vec![0.0; m.layout.total];
+    Ok(m)
+}
+
+/// [`import_hf`] without gradient buffers ([`Gpt::zeroed_frozen`]): a base LoRA adapts.
+pub fn import_hf_frozen(dir: &Path) -> Result<Gpt, String> {
     let (cfg, _) = read_config(dir)?;
     let vocab = cfg.vocab_size;
-    let mut m = Gpt::zeroed(cfg, vocab);
-    let mut found = vec![false; m.layout.params.len()];
-    for file in weight_files(dir)? {
-        let bytes = std::fs::read(&file).map_err(|e| format!("{}: {e}", file.display()))?;
-        let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| format!("{}: {e}", file.display()))?;
-        for (i, p) in m.layout.params.iter().enumerate() {
-            let (name, fused) = match stored_of(&m.cfg, &p.name, p.shape[0]) {
-                Some((f, first, rows)) => (f, Some((first, rows))),
-                None => (p.name.clone(), None),
-            };
-            let Ok(t) = st.tensor(&name) else { continue };
-            fill(&mut m.params[p.range()], &t, &name, (&p.name, &p.shape), fused, &file)?;
-            found[i] = true;
-        }
-    }
-    if let Some(i) = found.iter().position(|f| !f) {
-        let name = &m.layout.params[i].name;
-        let stored = stored_of(&m.cfg, name, 0).map_or(name.clone(), |(f, _, _)| f);
-        return Err(format!("{}: checkpoint has no tensor `{stored}`", dir.display()));
+    let mut m = Gpt::zeroed_frozen(cfg, vocab);
+    let reader = TensorReader::open(dir)?;
+    for p in &m.layout.params {
+        reader.read_into(&p.name, &p.shape, &mut m.params[p.range()]).map_err(|e| match e.starts_with("checkpoint has no tensor") {
+            true => format!("{}: {e}", dir.display()),
+            false => e,
+        })?;
     }
     Ok(m)
 }
@@ -567,6 +560,12 @@ impl TensorReader {
         Ok(TensorReader { tensors, cfg: read_config(dir).ok().map(|(c, _)| c) })
     }
 
+    /// The most bytes [`TensorReader::read_into`] holds besides its destination: the largest
+    /// tensor's stored bytes and their fp32 values.
+    pub fn scratch_bytes(&self) -> u64 {
+        self.tensors.values().map(|(_, _, shape, range)| (range.end - range.start) + 4 * shape.iter().product::<usize>() as u64).max().unwrap_or(0)
+    }
+
     /// Parameter `name` of kiln's layout (shape `shape`, kiln's `[out, in]`) in fp32 into `dst`:
     /// converted from the file's dtype and, for GPT-2's Conv1D matrices, transposed.
     /// (Phi-3's rows of its fused `qkv_proj` / `gate_up_proj`.)
@@ -577,9 +576,6 @@ impl TensorReader {
             None => (name.to_string(), None),
         };
         let (file, dtype, have, range) = self.tensors.get(&stored).ok_or_else(|| format!("checkpoint has no tensor `{stored}`"))?;
-        if have.iter().try_fold(1usize, |a, &d| a.checked_mul(d)) != Some(fused.map_or(dst.len(), |(_, rows)| rows * shape[1])) {
-            return Err(format!("{}: tensor `{stored}` has shape {have:?}, which does not hold parameter `{name}` {shape:?}", file.display()));
-        }
         let mut bytes = vec![0u8; (range.end - range.start) as usize];
         let f = std::fs::File::open(file).map_err(|e| format!("{}: {e}", file.display()))?;
         f.read_exact_at(&mut bytes, range.start).map_err(|e| format!("{}: {e}", file.display()))?;

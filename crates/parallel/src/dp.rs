@@ -687,7 +687,14 @@ impl DataParallel {
     /// Gives `model` back full parameters and gradient buffers (collective), ending the
     /// parallel run.
     pub fn restore(mut self, model: &mut Gpt) {
-        let p = self.full_params();
+        // The store's own buffer is handed over, not copied, where it is whole.
+        let p = match (&self.base, self.zero < 3) {
+            (None, true) => {
+                self.worker.wait_all();
+                std::mem::take(&mut self.params)
+            }
+            _ => self.full_params(),
+        };
         let n = p.len();
         model.params = p;
         model.grads = vec![0.0; n];

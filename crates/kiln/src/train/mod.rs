@@ -132,7 +132,12 @@ fn train_once(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
     };
     // A base model's config fixes the model's shape.
     let explicit = crate::config::user_keys(args)?;
+    // What loading the base holds at most, counted by the allocator (its own bytes: the peak
+    // over what was live before it).
+    let before = crate::memory::track::current().0;
+    crate::memory::track::reset_peaks();
     let init = adopt_init(&mut cfg, &explicit, resume_from.is_some())?;
+    let base_load = init.as_ref().map(|_| crate::memory::track::peaks().0.saturating_sub(before) as u64);
 
     crate::util::init_threads(cfg.train.threads);
     parallel::cp::set_device_clock(cfg.parallel.cp_clock == crate::config::CpClock::Device);
@@ -177,7 +182,7 @@ fn train_once(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
         // The per-rank share a resize may not exceed is fixed now, and saved with the run.
         cfg.faults.elastic_rows = elastic::rows_cap(&cfg);
     }
-    let mut ctx = Ctx { args, cfg, ds: &ds, run_dir, saved_cfg_path, resume_from, init: std::sync::Mutex::new(init), slots: Vec::new(), grow_at: None, restarted: false };
+    let mut ctx = Ctx { args, cfg, ds: &ds, run_dir, saved_cfg_path, resume_from, init: std::sync::Mutex::new(init), base_load, slots: Vec::new(), grow_at: None, restarted: false };
     match ctx.cfg.parallel.backend {
         Backend::Mpi => run_mpi(&mut ctx, stop),
         _ if world == 1 && ctx.cfg.faults.elastic_max <= 1 => {
@@ -201,6 +206,8 @@ fn adopt_init(cfg: &mut RunConfig, explicit: &std::collections::BTreeSet<String>
         // never exists whole.
         let m = if hf && cfg.lora.quantize_base != model::BaseQuant::None {
             run::hf_shell(base_dir)?
+        } else if cfg.lora.rank > 0 {
+            run::load_frozen_base(base_dir)?
         } else {
             run::load_base(base_dir)?
         };
@@ -253,6 +260,8 @@ pub(crate) struct Ctx<'a> {
     /// A restart in process (after a failure or a resize): the metrics past the restored step
     /// are dropped, even when it starts over from step 0.
     restarted: bool,
+    /// The bytes loading the base held at most (the counting allocator's, when it is installed).
+    pub(crate) base_load: Option<u64>,
 }
 
 /// `world` ranks as threads of this process. A rank that fails makes the others' collectives
@@ -433,7 +442,7 @@ fn resize(ctx: &mut Ctx, layout: elastic::Layout, from: usize, step: u64, at: u6
 /// A LoRA run needs its base model again after a restart.
 fn reload_base(ctx: &Ctx) -> Result<()> {
     if ctx.cfg.lora.rank > 0 {
-        *ctx.init.lock().unwrap() = Some(run::load_base(Path::new(&ctx.cfg.model.init_from))?);
+        *ctx.init.lock().unwrap() = Some(run::load_frozen_base(Path::new(&ctx.cfg.model.init_from))?);
     }
     Ok(())
 }

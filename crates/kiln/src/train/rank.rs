@@ -222,11 +222,26 @@ impl<'a> Rank<'a> {
             last_val: None, interrupted: false, trace_until: None, profile: args.profile, faults: Faults::new(&cfg.faults, run_dir), ckpt,
         };
         r.announce(n, n_train, resume_from)?;
+        r.log_startup(ctx.base_load)?;
         r.started = Instant::now();
+        crate::util::release_freed_memory();
         reset_peak_rss();
         crate::memory::track::reset_peaks();
         r.start_trace();
         Ok(r)
+    }
+
+    /// What the start-up held at most, counted by the allocator: everything since the base's
+    /// load, and the load itself (`base_load`, which the memory plan's load phase bounds).
+    fn log_startup(&mut self, base_load: Option<u64>) -> Result<()> {
+        if !crate::memory::track::active() || !self.lead {
+            return Ok(());
+        }
+        let mut line = serde_json::json!({"kind": "memory", "step": self.step, "startup_tracked_peak_bytes": crate::memory::track::peaks().0});
+        if let Some(b) = base_load {
+            line["base_load_tracked_peak_bytes"] = b.into();
+        }
+        self.log(line)
     }
 
     /// The last step's MoE routing statistics (the device's, on a device run).
@@ -630,9 +645,11 @@ impl<'a> Rank<'a> {
         let (step, interrupted, last_val) = (self.step, self.interrupted, self.last_val);
         let summary = |run_dir: &Path| Summary { run_dir: run_dir.to_path_buf(), step, val_loss: last_val, interrupted, regrow: false };
         let (cfg, ds) = (self.cfg, self.ds);
-        // The whole model, for the sample; a quantized base is not dequantized whole without one.
+        // The whole model, for the sample (none without one: a quantized base is not dequantized
+        // whole, a store's weights not copied).
         let wanted = cfg.sample.tokens > 0 && !interrupted;
-        let model = if cfg.lora.quantize_base != model::BaseQuant::None && !wanted {
+        // (Decided by the config alone: every rank takes part in the gathers, or none.)
+        let model = if cfg.sample.tokens == 0 || (interrupted && cfg.lora.quantize_base != model::BaseQuant::None) {
             None
         } else {
             let mut bufs = Vec::new();
@@ -662,13 +679,7 @@ impl<'a> Rank<'a> {
             eprintln!("trained to step {step} in {}", fmt_duration(total));
         }
         if let Some(model) = model.filter(|_| wanted) {
-            let plain;
-            let sampler_model = if model.lora.is_some() {
-                plain = run::merged(&model);
-                &plain
-            } else {
-                &model
-            };
+            let sampler_model = &run::merged(model);
             let (temperature, top_k, seed) = (cfg.sample.temperature as f32, cfg.sample.top_k, cfg.train.seed);
             let text = match held_out_prompt(ds.val()) {
                 // After a supervised fine-tune: a held-out conversation's prompt (through its

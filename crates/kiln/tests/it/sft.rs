@@ -268,7 +268,7 @@ fn a_transformers5_directory_keeps_its_chat_template_from_prepare_to_export() {
     assert!(o.status.success(), "{}", stderr(&o));
     assert_eq!(fs::read_to_string(prep.join("chat_template.jinja")).unwrap(), template);
     // `kiln memory` plans it with the base's tokenizer, as `kiln train` reads it, and counts
-    // loading the base: its fp32 weights beside its weight file, read whole.
+    // loading the base: its fp32 weights, and one tensor at a time read and widened beside them.
     let o = kiln(&["memory", "--init-from", fx.to_str().unwrap(), "--data", prep.to_str().unwrap(), "--lora-rank", "2", "--seq-len", "64", "--json"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
@@ -279,6 +279,12 @@ fn a_transformers5_directory_keeps_its_chat_template_from_prepare_to_export() {
     let o = kiln(&["train", "--init-from", fx.to_str().unwrap(), "--data", prep.to_str().unwrap(), "--out", out.to_str().unwrap(), "--lora-rank", "2",
         "--packing", "documents", "--seq-len", "64", "--max-steps", "2", "--set", "train.batch_size=2", "--set", "eval.iters=1", "--set", "sample.tokens=6", "--quiet"]);
     assert!(o.status.success(), "{}", stderr(&o));
+    // The allocator's count of what loading the base held (its weights, one tensor read and
+    // widened at a time, no gradients for a frozen base) stays within the plan's load phase.
+    let metrics = fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let startup = metrics.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()).find(|l| l["kind"] == "memory").expect("a memory line");
+    let held = startup["base_load_tracked_peak_bytes"].as_u64().unwrap();
+    assert!(held > 4 * 4_000_000 && held <= load, "loading the base held {held} bytes against the plan's {load}: {startup}");
     // The end-of-run sample: a held-out conversation's prompt through the template, then the reply.
     let sample = fs::read_to_string(out.join("sample.txt")).unwrap();
     assert!(sample.starts_with("<|im_start|>") && sample.contains("What is") && sample.contains("<|im_start|>assistant\n"), "{sample}");
