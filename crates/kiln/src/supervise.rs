@@ -97,11 +97,13 @@ fn resolved(args: &crate::config::TrainArgs, run_dir: &Path) -> Result<crate::co
     }
 }
 
-/// The run's config at the world's current layout: the saved run's, or (a world that never got
-/// as far as saving it) the command line's at `layout`.
-fn current(args: &crate::config::TrainArgs, run_dir: &Path, cfg0: &crate::config::RunConfig, layout: Layout) -> Result<crate::config::RunConfig> {
-    if run_dir.join("config.toml").exists() {
-        resolved(args, run_dir)
+/// The run's config at the world's current layout: the one its worker saved (resolved once, at
+/// its start, with the layout this supervisor gave it), or (a world that never got as far as
+/// saving it) the command's at `layout`. The command line is not read again.
+fn current(run_dir: &Path, cfg0: &crate::config::RunConfig, layout: Layout) -> Result<crate::config::RunConfig> {
+    let saved = run_dir.join("config.toml");
+    if saved.exists() {
+        crate::config::RunConfig::load(&saved)
     } else {
         Ok(crate::train::elastic::resized(cfg0, layout))
     }
@@ -127,8 +129,6 @@ pub fn run(argv: &[String], targs: &crate::config::TrainArgs, sv: &Supervise, st
     let elastic = cfg0.faults.elastic_min > 0;
     // An elastic MPI world's layout is the supervisor's to give.
     let args = if mpi && elastic { without(&args, &["--dp", "--micro-batches"]) } else { args };
-    // After a resize the saved run's layout is the current one, not the command line's.
-    let targs = &crate::config::TrainArgs { flags: targs.flags.iter().filter(|f| f.key != "parallel.dp" && f.key != "train.grad_accum").cloned().collect(), ..targs.clone() };
     if mpi && cfg0.parallel.dp == 0 {
         return crate::error::user("kiln train --supervise with parallel.backend = mpi launches the world itself: give its size with --dp N");
     }
@@ -180,11 +180,11 @@ pub fn run(argv: &[String], targs: &crate::config::TrainArgs, sv: &Supervise, st
         let (event, detail) = match outcome {
             Ok(s) if s.success() => return Ok(()),
             Ok(s) if mpi && elastic && s.code() == Some(EXIT_REGROW) => {
-                world.regrow(&current(targs, &run_dir, &cfg0, world.layout)?, &run_dir, step)?;
+                world.regrow(&current(&run_dir, &cfg0, world.layout)?, &run_dir, step)?;
                 continue;
             }
             Err(Absent::Ranks(missing)) => {
-                world.shrink(&current(targs, &run_dir, &cfg0, world.layout)?, &run_dir, step, &missing)?;
+                world.shrink(&current(&run_dir, &cfg0, world.layout)?, &run_dir, step, &missing)?;
                 continue;
             }
             // A user error (bad config, data, checkpoint) will not go away by restarting.
