@@ -242,7 +242,8 @@ pub fn run(a: TrainCli) -> Result<()> {
             if let Some(d) = a.device {
                 crate::device::open(d)?;
             }
-            let args = a.args()?;
+            // The command resolved once, here: the trainer and the supervisor take it.
+            let resolved = crate::train::resolve(&a.args()?)?;
             let stop = Arc::new(AtomicBool::new(false));
             let s2 = stop.clone();
             let _ = ctrlc::set_handler(move || {
@@ -259,9 +260,9 @@ pub fn run(a: TrainCli) -> Result<()> {
                     return user(format!("--heartbeat-timeout must be positive, got {}", a.heartbeat_timeout));
                 }
                 let sv = crate::supervise::Supervise { max_restarts: a.max_restarts, heartbeat_timeout: std::time::Duration::from_secs_f64(a.heartbeat_timeout), launcher: a.launcher.split_whitespace().map(str::to_string).collect() };
-                return crate::supervise::run(&argv, &args, &sv, &stop);
+                return crate::supervise::run(&argv, &resolved, &sv, &stop);
             }
-            let s = crate::train::train(&args, &stop)?;
+            let s = crate::train::train(resolved, &stop)?;
             if s.regrow {
                 // An elastic MPI worker stopped at a checkpoint for lost ranks to rejoin: its
                 // supervisor relaunches the larger world.

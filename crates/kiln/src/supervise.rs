@@ -14,7 +14,7 @@
 //! lost ranks to rejoin: the full world is relaunched.
 
 use crate::error::{KilnError, Result};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant, SystemTime};
@@ -35,28 +35,22 @@ pub const EXIT_REGROW: i32 = 75;
 
 use crate::train::elastic::{Layout, Ranks, SLOT_BEAT};
 
-/// The arguments of `kiln train` without the supervisor's own flags, and the run directory
-/// (`--out`, chosen here when absent so every restart uses the same one).
-fn child_args(argv: &[String], preset: Option<&str>) -> (Vec<String>, PathBuf) {
+/// The arguments of `kiln train` without the supervisor's own flags and `--out` (the workers
+/// get the resolved run directory).
+fn child_args(argv: &[String]) -> Vec<String> {
     let mut out = Vec::new();
-    let mut dir = None;
     let mut it = argv.iter().peekable();
     while let Some(a) = it.next() {
         match a.as_str() {
             "--supervise" => {}
-            "--max-restarts" | "--heartbeat-timeout" | "--launcher" => {
+            "--max-restarts" | "--heartbeat-timeout" | "--launcher" | "--out" => {
                 it.next();
             }
-            s if s.starts_with("--max-restarts=") || s.starts_with("--heartbeat-timeout=") || s.starts_with("--launcher=") => {}
-            "--out" => {
-                dir = it.next().map(PathBuf::from);
-            }
-            s if s.starts_with("--out=") => dir = Some(PathBuf::from(&s[6..])),
+            s if ["--max-restarts=", "--heartbeat-timeout=", "--launcher=", "--out="].iter().any(|p| s.starts_with(p)) => {}
             _ => out.push(a.clone()),
         }
     }
-    let dir = dir.unwrap_or_else(|| crate::run::default_run_dir(preset.unwrap_or("tiny")));
-    (out, dir)
+    out
 }
 
 /// `args` less the flags `drop` (with their values, as `--flag V` or `--flag=V`).
@@ -86,17 +80,6 @@ fn log_fault(run_dir: &Path, line: serde_json::Value) {
     }
 }
 
-/// The run's config as its worker will resolve it: the saved run's (resumed) or the preset's,
-/// with the command line's keys on top.
-fn resolved(args: &crate::config::TrainArgs, run_dir: &Path) -> Result<crate::config::RunConfig> {
-    let saved = run_dir.join("config.toml");
-    if saved.exists() {
-        crate::config::layered(&crate::config::RunConfig::load(&saved)?, &crate::config::TrainArgs { preset: None, ..args.clone() })
-    } else {
-        crate::presets::resolve(args)
-    }
-}
-
 /// The run's config at the world's current layout: the one its worker saved (resolved once, at
 /// its start, with the layout this supervisor gave it), or (a world that never got as far as
 /// saving it) the command's at `layout`. The command line is not read again.
@@ -118,13 +101,13 @@ fn kill_group(child: &mut Child) {
     let _ = child.wait();
 }
 
-/// `argv` is the `train` subcommand's arguments as given (after `train`); `targs` the same,
-/// parsed.
-pub fn run(argv: &[String], targs: &crate::config::TrainArgs, sv: &Supervise, stop: &AtomicBool) -> Result<()> {
+/// `argv` is the `train` subcommand's arguments as given (after `train`), handed on to the
+/// workers; `resolved` the same resolved once (its config, its run directory, whose lock it
+/// holds for the workers).
+pub fn run(argv: &[String], resolved: &crate::train::Resolved, sv: &Supervise, stop: &AtomicBool) -> Result<()> {
     let exe = std::env::current_exe().map_err(|e| KilnError::Internal(format!("cannot find the kiln executable: {e}")))?;
-    let (args, run_dir) = child_args(argv, targs.preset.as_deref());
-    let resumed = argv.iter().any(|a| a == "--resume");
-    let cfg0 = resolved(targs, &run_dir)?;
+    let args = child_args(argv);
+    let (run_dir, resumed, cfg0) = (resolved.run_dir.clone(), resolved.resume, resolved.cfg.clone());
     let mpi = cfg0.parallel.backend == crate::config::Backend::Mpi;
     let elastic = cfg0.faults.elastic_min > 0;
     // An elastic MPI world's layout is the supervisor's to give.
@@ -135,8 +118,8 @@ pub fn run(argv: &[String], targs: &crate::config::TrainArgs, sv: &Supervise, st
     if mpi && sv.launcher.is_empty() {
         return crate::error::user("--launcher is empty: give the MPI launcher, e.g. --launcher mpirun");
     }
-    // The supervisor owns the run directory; its workers train under its lock.
-    let _lock = crate::run::lock(&run_dir)?;
+    // The supervisor owns the run directory (`resolved` holds its lock); its workers train
+    // under it.
     let mut restarts = 0u32;
     let mut launched = false;
     let mut world = World {

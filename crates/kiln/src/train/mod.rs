@@ -59,37 +59,23 @@ fn incompatible(a: &RunConfig, b: &RunConfig) -> Vec<String> {
 }
 
 
-/// Runs `kiln train`. A numerical-fault rollback restarts it from the newest valid checkpoint
-/// (at most 10 times), skipping the batches the rollback marked.
-pub fn train(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
-    let mut a = args.clone();
-    for _ in 0..10 {
-        match train_once(&a, stop) {
-            Err(KilnError::Rollback(msg, run_dir)) => {
-                if checkpoint::list(&ckpt_dir(&run_dir)).is_empty() {
-                    return Err(KilnError::Internal(format!("{msg}, but {} has no checkpoint to roll back to", run_dir.display())));
-                }
-                eprintln!("{msg}: rolling back to the newest valid checkpoint");
-                (a.resume, a.out, a.preset) = (true, Some(run_dir), None);
-            }
-            r => return r,
-        }
-    }
-    Err(KilnError::Internal("rolled back 10 times: giving up".into()))
+/// A `kiln train` command resolved once, at its edge ([`resolve`]): the run's config (the
+/// preset's or the saved run's, the config file, `--set`, the dedicated flags), its run
+/// directory and its lock, whether it resumes, and the keys the user set. The trainer, the
+/// supervisor and an elastic resize take this, never the raw arguments again.
+pub struct Resolved {
+    pub args: TrainArgs,
+    pub cfg: RunConfig,
+    pub run_dir: PathBuf,
+    pub resume: bool,
+    pub explicit: std::collections::BTreeSet<String>,
+    /// One writer per run directory, held from before anything in it was read.
+    _lock: run::RunLock,
 }
 
-/// A base model's own tokenizer, the default when the run starts from one and `data.tokenizer`
-/// was not given (`kiln train` and `kiln memory` alike).
-pub fn base_tokenizer(cfg: &RunConfig, explicit: &std::collections::BTreeSet<String>) -> Result<Option<Tokenizer>> {
-    if cfg.model.init_from.is_empty() || explicit.contains("data.tokenizer") {
-        return Ok(None);
-    }
-    Ok(Tokenizer::find_in(Path::new(&cfg.model.init_from))?)
-}
-
-fn train_once(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
-    // 1. Config and run directory: everything is checked before anything is written.
-    // (A fine-tune with no preset named runs under `finetune`, and its directory says so.)
+/// Resolves `kiln train`'s arguments: everything is checked before anything is written. (A
+/// fine-tune with no preset named runs under `finetune`, and its directory says so.)
+pub fn resolve(args: &TrainArgs) -> Result<Resolved> {
     let preset_name = args.preset.clone().unwrap_or_else(|| presets::resolve(args).map_or_else(|_| "tiny".into(), |c| c.preset));
     let run_dir = match (&args.out, args.resume) {
         (Some(d), _) => d.clone(),
@@ -97,10 +83,8 @@ fn train_once(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
         (None, false) => run::default_run_dir(&preset_name),
     };
     let saved_cfg_path = run_dir.join("config.toml");
-    // One writer per run directory, from before anything in it is read.
-    let _lock = run::lock(&run_dir)?;
-    let mut resume_from = None;
-    let mut cfg = if args.resume {
+    let lock = run::lock(&run_dir)?;
+    let cfg = if args.resume {
         if !saved_cfg_path.exists() {
             return user(format!("--resume: {} is not a kiln run directory (no config.toml)", run_dir.display()));
         }
@@ -115,13 +99,6 @@ fn train_once(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
         if !diff.is_empty() {
             return user(format!("--resume: {} has an incompatible config: {}", run_dir.display(), diff.join("; ")));
         }
-        // A run killed before its first checkpoint starts again from step 0 (a supervisor's
-        // restart); one whose checkpoints all fail verification is an error.
-        if checkpoint::list(&ckpt_dir(&run_dir)).is_empty() {
-            eprintln!("{}: no checkpoint yet: starting from step 0", run_dir.display());
-        } else {
-            resume_from = Some(checkpoint::latest_valid(&ckpt_dir(&run_dir))?);
-        }
         cfg
     } else {
         let cfg = presets::resolve(args)?;
@@ -130,13 +107,61 @@ fn train_once(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
         }
         cfg
     };
-    // A base model's config fixes the model's shape.
     let explicit = crate::config::user_keys(args)?;
+    Ok(Resolved { args: args.clone(), cfg, run_dir, resume: args.resume, explicit, _lock: lock })
+}
+
+/// Runs a resolved `kiln train`. A numerical-fault rollback restarts it from the newest valid
+/// checkpoint (at most 10 times), skipping the batches the rollback marked, with the config the
+/// run saved.
+pub fn train(mut r: Resolved, stop: &AtomicBool) -> Result<Summary> {
+    for _ in 0..10 {
+        match train_once(&r, stop) {
+            Err(KilnError::Rollback(msg, run_dir)) => {
+                if checkpoint::list(&ckpt_dir(&run_dir)).is_empty() {
+                    return Err(KilnError::Internal(format!("{msg}, but {} has no checkpoint to roll back to", run_dir.display())));
+                }
+                eprintln!("{msg}: rolling back to the newest valid checkpoint");
+                r.cfg = RunConfig::load(&run_dir.join("config.toml"))?;
+                r.resume = true;
+                (r.args.resume, r.args.out, r.args.preset) = (true, Some(run_dir), None);
+            }
+            res => return res,
+        }
+    }
+    Err(KilnError::Internal("rolled back 10 times: giving up".into()))
+}
+
+/// A base model's own tokenizer, the default when the run starts from one and `data.tokenizer`
+/// was not given (`kiln train` and `kiln memory` alike).
+pub fn base_tokenizer(cfg: &RunConfig, explicit: &std::collections::BTreeSet<String>) -> Result<Option<Tokenizer>> {
+    if cfg.model.init_from.is_empty() || explicit.contains("data.tokenizer") {
+        return Ok(None);
+    }
+    Ok(Tokenizer::find_in(Path::new(&cfg.model.init_from))?)
+}
+
+fn train_once(r: &Resolved, stop: &AtomicBool) -> Result<Summary> {
+    let (args, run_dir, explicit) = (&r.args, r.run_dir.clone(), &r.explicit);
+    let saved_cfg_path = run_dir.join("config.toml");
+    let mut cfg = r.cfg.clone();
+    // A run killed before its first checkpoint starts again from step 0 (a supervisor's
+    // restart); one whose checkpoints all fail verification is an error.
+    let resume_from = match r.resume && !checkpoint::list(&ckpt_dir(&run_dir)).is_empty() {
+        true => Some(checkpoint::latest_valid(&ckpt_dir(&run_dir))?),
+        false => {
+            if r.resume {
+                eprintln!("{}: no checkpoint yet: starting from step 0", run_dir.display());
+            }
+            None
+        }
+    };
+    // A base model's config fixes the model's shape.
     // What loading the base holds at most, counted by the allocator (its own bytes: the peak
     // over what was live before it).
     let before = crate::memory::track::current().0;
     crate::memory::track::reset_peaks();
-    let init = adopt_init(&mut cfg, &explicit, resume_from.is_some())?;
+    let init = adopt_init(&mut cfg, explicit, resume_from.is_some())?;
     let base_load = init.as_ref().map(|_| crate::memory::track::peaks().0.saturating_sub(before) as u64);
 
     crate::util::init_threads(cfg.train.threads);
@@ -148,7 +173,7 @@ fn train_once(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
     // A base model's own tokenizer is the default; --tokenizer (data.tokenizer) overrides it.
     let tokenizer = match &resume_from {
         Some(l) => Some(Tokenizer::from_json(&l.tokenizer_json, &l.dir.join(Tokenizer::file_name_of_json(&l.tokenizer_json)))?.with_config_in(&run_dir)?),
-        None => base_tokenizer(&cfg, &explicit)?,
+        None => base_tokenizer(&cfg, explicit)?,
     };
     // The resolved config names the tokenizer that ran: the base model's, when it was taken
     // (replaying `config.toml` then tokenizes the same way).
@@ -161,7 +186,7 @@ fn train_once(args: &TrainArgs, stop: &AtomicBool) -> Result<Summary> {
         adopt_prepared_format(&mut cfg);
     }
     let ds = load_data(&cfg, tokenizer)?;
-    check_data_fits(&mut cfg, &ds, &explicit)?;
+    check_data_fits(&mut cfg, &ds, explicit)?;
     let gcfg = cfg.gpt_config(ds.tokenizer.vocab_size());
     cfg.model.vocab_size = gcfg.vocab_size;
     if cfg.train.device != "cpu" {
