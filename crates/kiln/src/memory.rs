@@ -770,14 +770,9 @@ fn plan_rank(cfg: &RunConfig, gpt: &GptConfig, data_bytes: u64, s: usize) -> Res
     let (whole_layout, _) = model::layout::gpt_layout(gpt);
     let base = std::path::Path::new(&cfg.model.init_from);
     let hf = !cfg.model.init_from.is_empty() && !base.join("config.toml").exists() && cfg.lora.quantize_base == model::BaseQuant::None;
-    // Loading the base: its fp32 weights, and one tensor's bytes and fp32 values beside them;
-    // then, unless LoRA freezes it, its gradient buffers.
-    let weights = 4 * whole_layout.total as u64;
-    let read = weights + model::hf::TensorReader::open(base).map_or(0, |r| r.scratch_bytes());
-    let load_peak = match (hf, cfg.lora.rank > 0) {
-        (false, _) => 0,
-        (true, true) => read,
-        (true, false) => read.max(2 * weights),
+    let load_peak = match hf {
+        true => guard::load_bytes(4 * whole_layout.total as u128, model::hf::TensorReader::open(base).map_or(0, |r| r.scratch_bytes()) as u128, cfg.lora.rank > 0) as u64,
+        false => 0,
     };
     let total_peak = (step_peak + kept).max(eval_peak + kept).max(checkpoint_peak).max(load_peak);
     let layout_line = format!(

@@ -134,11 +134,7 @@ pub fn load_frozen_base(path: &Path) -> Result<model::Gpt> {
         m.grads = Vec::new();
         return Ok(m);
     }
-    let (g, v) = model::hf::read_config(path).map_err(KilnError::User)?;
-    let scratch = model::hf::TensorReader::open(path).map_err(KilnError::User)?.scratch_bytes();
-    let cause = guard::hf_shape_keys(&g, &v, &path.join("config.json"));
-    guard::Budget::of(0).check(&format!("loading {}", path.display()), guard::weight_bytes(&g) + scratch as u128, &cause)?;
-    model::hf::import_hf_frozen(path).map_err(KilnError::User)
+    import_hf_as(path, true)
 }
 
 /// A base model's config: a Hugging Face directory's from its `config.json` alone (nothing
@@ -164,12 +160,22 @@ pub fn hf_shell(dir: &Path) -> Result<model::Gpt> {
 /// Loads a Hugging Face directory, once its config shows the model fits: its fp32 weights, with
 /// one tensor at a time read and widened beside them, then its gradient buffers.
 pub fn import_hf(dir: &Path) -> Result<model::Gpt> {
+    import_hf_as(dir, false)
+}
+
+/// [`import_hf`], or (`frozen`) without gradient buffers, each checked against the memory
+/// available first.
+fn import_hf_as(dir: &Path, frozen: bool) -> Result<model::Gpt> {
     let (g, v) = model::hf::read_config(dir).map_err(KilnError::User)?;
-    let scratch = model::hf::TensorReader::open(dir).map_err(KilnError::User)?.scratch_bytes();
+    let scratch = model::hf::TensorReader::open(dir).map_err(KilnError::User)?.scratch_bytes() as u128;
     let cause = guard::hf_shape_keys(&g, &v, &dir.join("config.json"));
-    let w = guard::weight_bytes(&g);
-    guard::Budget::of(0).check(&format!("loading {}", dir.display()), (2 * w).max(w + scratch as u128), &cause)?;
-    model::hf::import_hf(dir).map_err(KilnError::User)
+    let peak = guard::load_bytes(guard::weight_bytes(&g), scratch, frozen);
+    guard::Budget::of(0).check(&format!("loading {}", dir.display()), peak, &cause)?;
+    match frozen {
+        true => model::hf::import_hf_frozen(dir),
+        false => model::hf::import_hf(dir),
+    }
+    .map_err(KilnError::User)
 }
 
 /// `m` with its LoRA adapters (if any) folded into its weights, in place.

@@ -497,10 +497,7 @@ pub fn import_hf_frozen(dir: &Path) -> Result<Gpt, String> {
     let mut m = Gpt::zeroed_frozen(cfg, vocab);
     let reader = TensorReader::open(dir)?;
     for p in &m.layout.params {
-        reader.read_into(&p.name, &p.shape, &mut m.params[p.range()]).map_err(|e| match e.starts_with("checkpoint has no tensor") {
-            true => format!("{}: {e}", dir.display()),
-            false => e,
-        })?;
+        reader.read_into(&p.name, &p.shape, &mut m.params[p.range()])?;
     }
     Ok(m)
 }
@@ -513,6 +510,8 @@ pub struct TensorReader {
     tensors: BTreeMap<String, (PathBuf, Dtype, Vec<usize>, std::ops::Range<u64>)>,
     /// The directory's config, where it has one kiln reads (it says whether tensors are fused).
     cfg: Option<GptConfig>,
+    /// The directory, named in errors.
+    dir: PathBuf,
 }
 
 impl TensorReader {
@@ -557,7 +556,7 @@ impl TensorReader {
                 tensors.insert(name.to_string(), (file.clone(), dtype, shape.iter().map(|&d| d as usize).collect(), a..b));
             }
         }
-        Ok(TensorReader { tensors, cfg: read_config(dir).ok().map(|(c, _)| c) })
+        Ok(TensorReader { tensors, cfg: read_config(dir).ok().map(|(c, _)| c), dir: dir.to_path_buf() })
     }
 
     /// The most bytes [`TensorReader::read_into`] holds besides its destination: the largest
@@ -575,7 +574,7 @@ impl TensorReader {
             Some((f, first, rows)) => (f, Some((first, rows))),
             None => (name.to_string(), None),
         };
-        let (file, dtype, have, range) = self.tensors.get(&stored).ok_or_else(|| format!("checkpoint has no tensor `{stored}`"))?;
+        let (file, dtype, have, range) = self.tensors.get(&stored).ok_or_else(|| format!("{}: checkpoint has no tensor `{stored}`", self.dir.display()))?;
         let mut bytes = vec![0u8; (range.end - range.start) as usize];
         let f = std::fs::File::open(file).map_err(|e| format!("{}: {e}", file.display()))?;
         f.read_exact_at(&mut bytes, range.start).map_err(|e| format!("{}: {e}", file.display()))?;

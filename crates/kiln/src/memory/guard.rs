@@ -133,6 +133,15 @@ pub fn hf_shape_keys(g: &GptConfig, v: &serde_json::Value, file: &Path) -> Strin
     format!("{:.3e} parameters: {}: {}", g.param_count() as f64, file.display(), keys.join(", "))
 }
 
+/// What loading a Hugging Face base holds at most: its `weights` with one tensor's `scratch`
+/// (read and widened) beside them, then, unless LoRA freezes it, its gradient buffers too.
+pub fn load_bytes(weights: u128, scratch: u128, frozen: bool) -> u128 {
+    match frozen {
+        true => weights + scratch,
+        false => (weights + scratch).max(2 * weights),
+    }
+}
+
 /// The fp32 weights of the whole model and its rotary tables (`block_size × head width`, cos
 /// and sin: a model's whole context, allocated with it): what any command that loads or builds
 /// it holds at least.
