@@ -2,6 +2,7 @@
 
 usage: python bench/compare_hf.py FIXTURE_DIR [FIXTURE_DIR ...] [--steps 30] [--kiln target/release/kiln]
                                   [--data ../shared/data/tinyshakespeare.txt] [--tol 1e-5]
+                                  [--optimizer adamw|lion|muon] [--set KEY=VALUE ...]
 
 For each model directory: `kiln train --init-from DIR` runs N steps with `train.record_batches` (each step's
 token windows and learning rate go to RUN/batches.jsonl) and a loss/grad-norm line every step. The same
@@ -9,6 +10,14 @@ model is then loaded with transformers in fp32 (eager attention) and trained on 
 learning rates with torch.optim.AdamW and the same decay groups (matrices decay; embeddings, the MoE router,
 norms and biases do not), betas, eps, weight decay and global-norm clipping. Prints one JSON line per model and exits
 1 if any step's loss or gradient norm differs by more than --tol relative.
+
+`--optimizer lion` replays the run with lion-pytorch's `Lion` (`pip install lion-pytorch`; kiln's train.beta1/beta2
+are its betas). `--optimizer muon` with `torch.optim.Muon` (PyTorch >= 2.9) on the matrices kiln gives Muon (2-D,
+decaying, not the head) at optim.muon_lr on train.lr's schedule, and AdamW on the rest; Muon's hyper-parameters are
+read from the run's config.toml, so `--set optim.muon_adjust_lr=match_rms_adamw` and the like are compared as set;
+with `--set optim.muon_ns_precision=fp32` torch's Newton-Schulz runs in fp32 too (the same code, another dtype).
+Muon's parity needs `[out, in]` weights (LLaMA-family fixtures): transformers' GPT-2 stores its `Conv1D` weights
+transposed, which changes the shape adjustment, and Mixtral's experts are 3-D.
 
 The tokenizer is the directory's own tokenizer.json, else `char` (tinyshakespeare's 65 characters fit every
 fixture's vocabulary). Needs torch and transformers (`pip install torch transformers`).
@@ -19,12 +28,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 
-def kiln_run(kiln, model_dir, data, steps, out):
+def kiln_run(kiln, model_dir, data, steps, out, extra):
     args = [kiln, "train", "--init-from", model_dir, "--data", data, "--out", out, "--max-steps", str(steps),
             "--seq-len", "24", "--set", "train.batch_size=4", "--set", "train.grad_accum=1", "--set", "train.log_interval=1",
             "--set", "train.record_batches=true", "--set", "train.lr=1e-3", "--set", "train.min_lr=1e-4",
             "--set", "train.warmup_steps=5", "--set", "model.dropout=0.0", "--set", "eval.interval=0",
-            "--set", "eval.iters=1", "--set", "sample.tokens=0", "--set", "checkpoint.interval=0", "--quiet"]
+            "--set", "eval.iters=1", "--set", "sample.tokens=0", "--set", "checkpoint.interval=0", "--quiet"] + extra
     if not os.path.exists(os.path.join(model_dir, "tokenizer.json")):
         args += ["--tokenizer", "char"]
     subprocess.run(args, check=True, stdout=subprocess.DEVNULL)
@@ -35,30 +44,75 @@ def kiln_run(kiln, model_dir, data, steps, out):
     return train, batches, cfg
 
 
-def toml_value(cfg, section, key):
+def toml_value(cfg, section, key, kind=float):
     sec = None
     for line in cfg.splitlines():
         line = line.strip()
         if line.startswith("["):
             sec = line.strip("[]")
         elif sec == section and line.startswith(key + " ="):
-            return float(line.split("=", 1)[1])
+            v = line.split("=", 1)[1].strip()
+            return v.strip('"') if kind is str else (v == "true" if kind is bool else kind(v))
     raise KeyError(f"{section}.{key}")
+
+
+def optimizers(named, cfg):
+    """The run's optimizer over `named` (name, parameter) pairs, as kiln's config.toml sets it: a list of
+    (optimizer, learning-rate multiplier of the recorded schedule) pairs."""
+    get = lambda k: toml_value(cfg, "train", k)
+    name = toml_value(cfg, "optim", "name", str)
+    decay, no_decay, matrices = [], [], []
+    for n, p in named:
+        # Matrices decay (transformers 5 stores Mixtral's experts as one 3-D tensor each) but
+        # embeddings and, as in kiln's layout, the MoE router.
+        router = n.endswith("block_sparse_moe.gate.weight") or n.endswith("mlp.gate.weight")
+        decays = p.ndim >= 2 and not router and "embed" not in n and "wte" not in n and "wpe" not in n
+        if name == "muon" and decays and p.ndim == 2 and not n.endswith("lm_head.weight"):
+            matrices.append(p)
+        else:
+            (decay if decays else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": get("weight_decay")}, {"params": no_decay, "weight_decay": 0.0}]
+    if name == "lion":
+        from lion_pytorch import Lion
+        return [(Lion(groups, lr=get("lr"), betas=(get("beta1"), get("beta2"))), 1.0)]
+    out = [(torch.optim.AdamW(groups, lr=get("lr"), betas=(get("beta1"), get("beta2")), eps=get("eps"), foreach=False), 1.0)]
+    if name == "muon":
+        o = lambda k, kind=float: toml_value(cfg, "optim", k, kind)
+        if o("muon_ns_precision", str) == "fp32":
+            fp32_newton_schulz()
+        muon = torch.optim.Muon(matrices, lr=o("muon_lr"), weight_decay=get("weight_decay"), momentum=o("muon_momentum"),
+                                nesterov=o("muon_nesterov", bool), ns_steps=o("muon_ns_steps", int), adjust_lr_fn=o("muon_adjust_lr", str))
+        out.append((muon, o("muon_lr") / get("lr")))
+    return out
+
+
+def fp32_newton_schulz():
+    """torch.optim.Muon's Newton-Schulz iteration, unchanged but in fp32 instead of bf16 (for
+    optim.muon_ns_precision = fp32: two bf16 iterations agree only to bf16's precision, as their
+    products' fp32 sums round differently, and the iteration spreads each difference)."""
+    import torch.optim._muon as muon
+
+    def ns(grad, coefs, steps, eps):
+        a, b, c = coefs
+        x = grad.to(dtype=torch.float32, copy=True)
+        tall = grad.size(0) > grad.size(1)
+        if tall:
+            x = x.T
+        x.div_(x.norm().clamp(min=eps))
+        for _ in range(steps):
+            gram = x @ x.T
+            x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+        return x.T if tall else x
+
+    muon._zeropower_via_newtonschulz = ns
 
 
 def torch_run(model_dir, batches, cfg):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
     model.train()
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        # Matrices decay (transformers 5 stores Mixtral's experts as one 3-D tensor each) but
-        # embeddings and, as in kiln's layout, the MoE router.
-        router = name.endswith("block_sparse_moe.gate.weight") or name.endswith("mlp.gate.weight")
-        (decay if p.ndim >= 2 and not router and "embed" not in name and "wte" not in name and "wpe" not in name else no_decay).append(p)
+    opts = optimizers(list(model.named_parameters()), cfg)
     get = lambda k: toml_value(cfg, "train", k)
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": get("weight_decay")}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=get("lr"), betas=(get("beta1"), get("beta2")), eps=get("eps"), foreach=False)
     clip = get("grad_clip")
     params = [p for p in model.parameters()]
     out = []
@@ -68,16 +122,17 @@ def torch_run(model_dir, batches, cfg):
         y = torch.tensor(b["targets"], dtype=torch.long)
         logits = model(input_ids=x).logits
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100)
-        opt.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
         loss.backward()
         # The global norm in float64 (torch's clip_grad_norm_ sums squares in fp32, which over a
         # 150k-row embedding is off by ~1e-5 relative; kiln accumulates in f64), then the same clip.
         norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in params if p.grad is not None))
         if clip > 0:
             torch.nn.utils.clip_grad_norm_(params, clip)
-        for g in opt.param_groups:
-            g["lr"] = b["lr"]
-        opt.step()
+        for opt, mult in opts:
+            for g in opt.param_groups:
+                g["lr"] = b["lr"] * mult
+            opt.step()
         out.append((b["step"], loss.item(), norm.item()))
     return out
 
@@ -89,12 +144,15 @@ def main():
     ap.add_argument("--kiln", default="target/release/kiln")
     ap.add_argument("--data", default=os.path.join(os.path.dirname(__file__), "../../shared/data/tinyshakespeare.txt"))
     ap.add_argument("--tol", type=float, default=1e-5)
+    ap.add_argument("--optimizer", default="adamw", choices=["adamw", "lion", "muon"])
+    ap.add_argument("--set", action="append", default=[], help="a further kiln config key, KEY=VALUE")
     a = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     ok = True
     for d in a.dirs:
         with tempfile.TemporaryDirectory() as tmp:
-            train, batches, cfg = kiln_run(a.kiln, d, a.data, a.steps, os.path.join(tmp, "run"))
+            extra = ["--set", f"optim.name={a.optimizer}"] + [x for kv in a.set for x in ("--set", kv)]
+            train, batches, cfg = kiln_run(a.kiln, d, a.data, a.steps, os.path.join(tmp, "run"), extra)
         ref = torch_run(d, batches, cfg)
         worst_loss = worst_norm = 0.0
         for step, loss, norm in ref:
@@ -103,7 +161,7 @@ def main():
             worst_norm = max(worst_norm, abs(k["grad_norm"] - norm) / abs(norm))
         passed = worst_loss <= a.tol and worst_norm <= a.tol
         ok &= passed
-        print(json.dumps({"model": os.path.basename(os.path.normpath(d)), "steps": len(ref), "max_rel_loss": worst_loss,
+        print(json.dumps({"model": os.path.basename(os.path.normpath(d)), "optimizer": a.optimizer, "steps": len(ref), "max_rel_loss": worst_loss,
                           "max_rel_grad_norm": worst_norm, "first_loss": ref[0][1], "last_loss": ref[-1][1], "pass": passed}))
     sys.exit(0 if ok else 1)
 

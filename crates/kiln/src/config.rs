@@ -432,6 +432,78 @@ impl ZeroPpSection {
 
 
 
+/// The optimizer: AdamW (its hyper-parameters are `train.beta1`, `beta2`, `eps`,
+/// `weight_decay`), Lion, or Muon on the hidden matrices with AdamW on the rest.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct OptimSection {
+    /// `adamw`; `lion` (Chen et al. 2023: `train.lr`, with `train.beta1` / `beta2` as its two
+    /// interpolations and `train.weight_decay`; it wants a learning rate 3–10× below AdamW's);
+    /// or `muon` (Jordan et al. 2024): every 2-D weight matrix but the embeddings and the output
+    /// head takes Muon's orthogonalised momentum, the rest AdamW with the `train` keys.
+    #[serde(with = "named")]
+    pub name: OptimName,
+    /// Muon's peak learning rate; its schedule has `train.lr`'s shape (warm-up, cosine decay to
+    /// `train.min_lr`'s fraction of it).
+    pub muon_lr: f64,
+    /// Muon's momentum (an average: `buf = μ·buf + (1−μ)·g`), and whether the update looks
+    /// ahead with Nesterov's `(1−μ)·g + μ·buf`.
+    pub muon_momentum: f64,
+    pub muon_nesterov: bool,
+    /// Newton–Schulz steps (Jordan et al.'s quintic, coefficients 3.4445, −4.775, 2.0315).
+    pub muon_ns_steps: usize,
+    /// `bf16` (as `torch.optim.Muon` runs it: each product rounded to bf16) or `fp32`.
+    #[serde(with = "named")]
+    pub muon_ns_precision: NsPrecision,
+    /// How the learning rate scales with an `[out, in]` matrix's shape: `original`
+    /// (`√max(1, out/in)`), `match_rms_adamw` (Moonlight: `0.2·√max(out, in)`, so AdamW's
+    /// learning rate and weight decay carry over) or `spectral_unclamped` (`√(out/in)`).
+    #[serde(with = "named")]
+    pub muon_adjust_lr: MuonAdjust,
+}
+
+/// `optim.name`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum OptimName {
+    #[default]
+    AdamW,
+    Lion,
+    Muon,
+}
+
+impl Names for OptimName {
+    const NAMES: &'static [(&'static str, OptimName)] = &[("adamw", OptimName::AdamW), ("lion", OptimName::Lion), ("muon", OptimName::Muon)];
+}
+
+/// `optim.muon_ns_precision`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum NsPrecision {
+    #[default]
+    Bf16,
+    Fp32,
+}
+
+impl Names for NsPrecision {
+    const NAMES: &'static [(&'static str, NsPrecision)] = &[("bf16", NsPrecision::Bf16), ("fp32", NsPrecision::Fp32)];
+}
+
+/// `optim.muon_adjust_lr`: the kernel's choice, under its config names.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MuonAdjust(pub tensor::optim::MuonAdjust);
+
+impl Names for MuonAdjust {
+    const NAMES: &'static [(&'static str, MuonAdjust)] = {
+        use tensor::optim::MuonAdjust as K;
+        &[("original", MuonAdjust(K::Original)), ("match_rms_adamw", MuonAdjust(K::MatchRmsAdamw)), ("spectral_unclamped", MuonAdjust(K::SpectralUnclamped))]
+    };
+}
+
+impl Default for OptimSection {
+    fn default() -> Self {
+        OptimSection { name: OptimName::AdamW, muon_lr: 0.02, muon_momentum: 0.95, muon_nesterov: true, muon_ns_steps: 5, muon_ns_precision: NsPrecision::Bf16, muon_adjust_lr: MuonAdjust::default() }
+    }
+}
+
 /// Memory tiers.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -798,6 +870,7 @@ pub struct RunConfig {
     pub preset: String,
     pub model: ModelSection,
     pub train: TrainSection,
+    pub optim: OptimSection,
     pub eval: EvalSection,
     pub checkpoint: CheckpointSection,
     pub data: DataSection,
@@ -949,6 +1022,7 @@ impl RunConfig {
     pub(crate) fn validate(&self) -> Result<()> {
         self.validate_model()?;
         self.validate_train()?;
+        self.validate_optim()?;
         self.validate_data_and_checkpoints()?;
         self.validate_precision_and_memory()?;
         self.validate_parallel()?;
@@ -1106,6 +1180,38 @@ impl RunConfig {
         }
         if t.min_lr > t.lr {
             return user(format!("train.min_lr ({}) must not exceed train.lr ({})", t.min_lr, t.lr));
+        }
+        Ok(())
+    }
+
+    /// The optimizer's keys, and what it does not combine with.
+    fn validate_optim(&self) -> Result<()> {
+        let o = &self.optim;
+        if o.name != OptimName::Muon {
+            return self.optim_without_adam_state();
+        }
+        #[allow(clippy::neg_cmp_op_on_partial_ord)] // a NaN must be refused too
+        if !(o.muon_lr > 0.0) || !o.muon_lr.is_finite() {
+            return user(format!("optim.muon_lr must be positive, got {}", o.muon_lr));
+        }
+        if !(0.0..1.0).contains(&o.muon_momentum) {
+            return user(format!("optim.muon_momentum must be in [0, 1), got {}", o.muon_momentum));
+        }
+        if !(1..100).contains(&o.muon_ns_steps) {
+            return user(format!("optim.muon_ns_steps must be in 1..=99, got {}", o.muon_ns_steps));
+        }
+        let p = &self.parallel;
+        if p.tp > 1 || (p.zero > 0 && (p.dp > 1 || self.faults.elastic_max > 1)) {
+            return user(format!("optim.name = muon orthogonalises whole matrices, which ZeRO (parallel.zero = {}) over several ranks and tensor parallelism (parallel.tp = {}) split: distributed Muon does not run yet; use parallel.zero = 0 and tp = 1, or optim.name = adamw", p.zero, p.tp));
+        }
+        self.optim_without_adam_state()
+    }
+
+    /// Lion and Muon keep no Adam variance, which 1-bit and 0/1 Adam's compression needs.
+    fn optim_without_adam_state(&self) -> Result<()> {
+        let (o, c) = (self.optim.name, self.parallel.compression);
+        if o != OptimName::AdamW && matches!(c, Compression::OnebitAdam | Compression::ZerooneAdam) {
+            return user(format!("parallel.compression = {} compresses Adam's momentum against its variance: it needs optim.name = adamw, got {}", c.name(), o.name()));
         }
         Ok(())
     }

@@ -124,6 +124,9 @@ pub fn refusal(cfg: &RunConfig) -> Option<String> {
     if p.tp > 1 && cfg.lora.rank > 0 {
         return Some(format!("train.device = {d}: LoRA adapters on a tensor-parallel part do not run on devices yet (parallel.tp = {})", p.tp));
     }
+    if cfg.optim.name != crate::config::OptimName::AdamW {
+        return Some(format!("train.device = {d}: the device runs AdamW only, not optim.name = {}, yet; use train.device = cpu", plan::policy::Names::name(cfg.optim.name)));
+    }
     let why = if cfg.train.precision == model::Precision::Fp8 {
         "FP8 storage (train.precision = fp8)"
     } else if cfg.memory.offload != crate::config::Offload::None {

@@ -481,6 +481,16 @@ fn b4(elems: usize, bytes: usize) -> u64 {
     (elems * bytes) as u64
 }
 
+/// The optimizer state row's name, and what its detail adds, for `optim.name`.
+fn optimizer_state_names(o: crate::config::OptimName) -> (&'static str, &'static str) {
+    use crate::config::OptimName;
+    match o {
+        OptimName::AdamW => ("AdamW m, v", ""),
+        OptimName::Lion => ("Lion m (and v)", ": Lion's momentum, and a second buffer it leaves at zero"),
+        OptimName::Muon => ("Muon momentum, AdamW m, v", ": the matrices' momenta and the other parameters' moments, and a second buffer the matrices leave at zero"),
+    }
+}
+
 /// Model state, as `DataParallel` keeps it: parameters, gradients, adapters, moments, master
 /// weights.
 fn model_state_rows(out: &mut Rows, cfg: &RunConfig, r: &RankShape, s: usize) {
@@ -541,10 +551,18 @@ fn model_state_rows(out: &mut Rows, cfg: &RunConfig, r: &RankShape, s: usize) {
     }
     let optim = b4(2 * moments * chunks, p.optim);
     let offload = cfg.memory.offload == crate::config::Offload::Optimizer;
+    let (name, what) = optimizer_state_names(cfg.optim.name);
     if offload {
-        out.add(Kind::Optimizer, held, "AdamW m, v (offloaded)", 0, format!("{} in memory-mapped files under the run directory (memory.offload), streamed through the update in 4 MiB chunks", fmt_bytes(optim)));
+        out.add(Kind::Optimizer, held, name, 0, format!("{} in memory-mapped files under the run directory (memory.offload), streamed through the update in 4 MiB chunks", fmt_bytes(optim)));
     } else {
-        out.add(Kind::Optimizer, held, "AdamW m, v", optim, format!("2 × {moments} elements"));
+        out.add(Kind::Optimizer, held, name, optim, format!("2 × {moments} elements{what}"));
+    }
+    if cfg.optim.name == crate::config::OptimName::Muon {
+        // tensor::optim::newton_schulz on the largest matrix: its momentum update, the working
+        // copy and the next iterate (and the transposed result), and two Gram-sized matrices.
+        let (layout, _) = model::layout::gpt_layout(&r.local);
+        let (rc, rr) = layout.params.iter().filter(|q| q.shape.len() == 2 && q.decay).map(|q| (q.len(), q.shape[0].min(q.shape[1]).pow(2))).max().unwrap_or((0, 0));
+        out.add(Kind::Temporary, Phase::Step, "Newton–Schulz buffers", b4(4 * rc + 2 * rr, 4), format!("the largest Muon matrix's update, iterates and result ({rc} elements each) and two {rr}-element Gram matrices"));
     }
     // LoRA rounds its frozen base once and keeps no master weights.
     if p.master > 0 && r.lora.is_none() {

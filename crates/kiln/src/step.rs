@@ -2,7 +2,7 @@
 //! with gradient accumulation through the data-parallel store (one rank or many, any ZeRO
 //! stage), global-norm clipping, and AdamW over the pieces this rank owns.
 
-use crate::config::RunConfig;
+use crate::config::{OptimName, RunConfig};
 use model::gpt::Activations;
 use model::{Gpt, Pass};
 use parallel::pp;
@@ -80,6 +80,10 @@ pub struct Optimizer {
     pub master: Option<Master>,
     pub round: Option<tensor::precision::Format>,
     segs: Vec<(Range<usize>, bool)>,
+    /// Muon's split of the layout: its matrices (each a layout range and its `[out, in]`
+    /// shape), and what AdamW takes instead (the rest, grouped as `segs`).
+    muon: Vec<(Range<usize>, (usize, usize))>,
+    muon_rest: Vec<(Range<usize>, bool)>,
     /// Communication compression's state (`parallel.compression`), from the first compressed
     /// step on (restored with a checkpoint).
     pub compression: Option<CompressionState>,
@@ -243,14 +247,19 @@ impl Optimizer {
 
     /// Moments of `len` elements (a ZeRO shard: see [`parallel::Piece`]).
     pub fn with_len(layout: &model::ParamLayout, len: usize) -> Optimizer {
-        let mut segs: Vec<(Range<usize>, bool)> = Vec::new();
-        for p in &layout.params {
-            match segs.last_mut() {
-                Some((r, d)) if *d == p.decay && r.end == p.offset => r.end = p.offset + p.len(),
-                _ => segs.push((p.range(), p.decay)),
+        let groups = |skip: &dyn Fn(&model::ParamSpec) -> bool| {
+            let mut segs: Vec<(Range<usize>, bool)> = Vec::new();
+            for p in layout.params.iter().filter(|p| !skip(p) && !p.is_empty()) {
+                match segs.last_mut() {
+                    Some((r, d)) if *d == p.decay && r.end == p.offset => r.end = p.offset + p.len(),
+                    _ => segs.push((p.range(), p.decay)),
+                }
             }
-        }
-        Optimizer { m: Moments::Mem(vec![0.0; len]), v: Moments::Mem(vec![0.0; len]), master: None, round: None, segs, compression: None }
+            segs
+        };
+        let muon = layout.params.iter().filter(|p| muon_matrix(p)).map(|p| (p.range(), (p.shape[0], p.shape[1]))).collect();
+        let (segs, muon_rest) = (groups(&|_| false), groups(&muon_matrix));
+        Optimizer { m: Moments::Mem(vec![0.0; len]), v: Moments::Mem(vec![0.0; len]), master: None, round: None, segs, muon, muon_rest, compression: None }
     }
 
     /// The layout's contiguous ranges, each with whether weight decay applies to it.
@@ -302,47 +311,111 @@ impl Optimizer {
     }
 
     /// The update of one piece: `params` and `grads` hold layout elements `piece.flat`, whose
-    /// moments are at `piece.shard`. AdamW is elementwise, so an element's new value does not
-    /// depend on how the layout is cut into pieces.
+    /// state is at `piece.shard`. AdamW and Lion are elementwise, so an element's new value
+    /// does not depend on how the layout is cut into pieces; Muon's matrices are updated whole
+    /// (each inside one piece: the config refuses layouts that split them).
     pub fn update_piece(&mut self, params: &mut [f32], grads: &[f32], piece: &parallel::Piece, cfg: &RunConfig, lr: f64, t: u64) {
-        let tc = &cfg.train;
+        let muon = cfg.optim.name == OptimName::Muon;
+        if muon {
+            self.muon_piece(params, grads, piece, cfg, lr);
+        }
         let f = &piece.flat;
-        for (r, decay) in &self.segs {
+        let segs = std::mem::take(if muon { &mut self.muon_rest } else { &mut self.segs });
+        for (r, decay) in &segs {
             let (a, b) = (r.start.max(f.start), r.end.min(f.end));
-            if a >= b {
-                continue;
-            }
-            let h = AdamW {
-                lr: lr as f32,
-                beta1: tc.beta1 as f32,
-                beta2: tc.beta2 as f32,
-                eps: tc.eps as f32,
-                weight_decay: if *decay { tc.weight_decay as f32 } else { 0.0 },
-                t,
-            };
-            let (lo, hi) = (a - f.start, b - f.start);
-            let off = piece.shard.start;
-            // Offloaded moments stream through in chunks, each released once updated.
-            let step = if matches!(self.m, Moments::File { .. }) { OFFLOAD_CHUNK } else { hi - lo };
-            let mut i = lo;
-            while i < hi {
-                let j = (i + step.max(1)).min(hi);
-                match (&mut self.master, self.round) {
-                    // Mixed precision: AdamW on the fp32 master weights, then the working copy.
-                    (Some(Master::F32(mw)), Some(fmt)) => {
-                        let w = &mut mw[off + i..off + j];
-                        adamw_update(w, &grads[i..j], &mut self.m[off + i..off + j], &mut self.v[off + i..off + j], &h);
-                        tensor::precision::master_round_into(&mut params[i..j], w, fmt);
-                        mw.release(off + i..off + j);
-                    }
-                    (Some(Master::Low(low)), _) => tensor::optim::adamw_update_split(&mut params[i..j], &mut low[off + i..off + j], &grads[i..j], &mut self.m[off + i..off + j], &mut self.v[off + i..off + j], &h),
-                    _ => adamw_update(&mut params[i..j], &grads[i..j], &mut self.m[off + i..off + j], &mut self.v[off + i..off + j], &h),
-                }
-                self.m.release(off + i..off + j);
-                self.v.release(off + i..off + j);
-                i = j;
+            if a < b {
+                self.elementwise((&mut params[a - f.start..b - f.start], &grads[a - f.start..b - f.start]), piece.shard.start + a - f.start, cfg, (lr, t, *decay));
             }
         }
+        *(if muon { &mut self.muon_rest } else { &mut self.segs }) = segs;
+    }
+
+    /// AdamW's or Lion's update of one run of elements whose state starts at `at`, at learning
+    /// rate `lr`, step `t`, with or without weight decay. Offloaded state streams through in
+    /// chunks, each released once updated.
+    fn elementwise(&mut self, (params, grads): (&mut [f32], &[f32]), at: usize, cfg: &RunConfig, (lr, t, decay): (f64, u64, bool)) {
+        let tc = &cfg.train;
+        let wd = if decay { tc.weight_decay as f32 } else { 0.0 };
+        let h = AdamW { lr: lr as f32, beta1: tc.beta1 as f32, beta2: tc.beta2 as f32, eps: tc.eps as f32, weight_decay: wd, t };
+        let lion = (cfg.optim.name == OptimName::Lion).then_some(tensor::optim::Lion { lr: lr as f32, beta1: tc.beta1 as f32, beta2: tc.beta2 as f32, weight_decay: wd });
+        let n = params.len();
+        let step = if matches!(self.m, Moments::File { .. }) { OFFLOAD_CHUNK } else { n.max(1) };
+        let mut i = 0;
+        while i < n {
+            let j = (i + step).min(n);
+            let (p, g, e) = (&mut params[i..j], &grads[i..j], at + i..at + j);
+            match (&lion, &mut self.master, self.round) {
+                (Some(l), master, round) => {
+                    let m = &mut self.m[e.clone()];
+                    on_master(master, round, p, e.start, |w| tensor::optim::lion_update(w, g, m, l));
+                }
+                // Mixed precision: AdamW on the fp32 master weights, then the working copy.
+                (None, Some(Master::F32(mw)), Some(fmt)) => {
+                    let w = &mut mw[e.clone()];
+                    adamw_update(w, g, &mut self.m[e.clone()], &mut self.v[e.clone()], &h);
+                    tensor::precision::master_round_into(p, w, fmt);
+                    mw.release(e.clone());
+                }
+                (None, Some(Master::Low(low)), _) => tensor::optim::adamw_update_split(p, &mut low[e.clone()], g, &mut self.m[e.clone()], &mut self.v[e.clone()], &h),
+                _ => adamw_update(p, g, &mut self.m[e.clone()], &mut self.v[e.clone()], &h),
+            }
+            self.m.release(e.clone());
+            self.v.release(e);
+            i = j;
+        }
+    }
+
+    /// Muon's update of the matrices inside `piece` (Jordan et al. 2024, as `torch.optim.Muon`):
+    /// the momentum, its Newton–Schulz orthogonalisation, and `p = p·(1 − lr·wd) − lr'·O` with
+    /// `lr'` the shape-adjusted rate. Muon's rate is `optim.muon_lr` on `train.lr`'s schedule.
+    fn muon_piece(&mut self, params: &mut [f32], grads: &[f32], piece: &parallel::Piece, cfg: &RunConfig, lr: f64) {
+        let o = &cfg.optim;
+        let lr = lr * (o.muon_lr / cfg.train.lr);
+        let ns = tensor::optim::NewtonSchulz { steps: o.muon_ns_steps, bf16: o.muon_ns_precision == crate::config::NsPrecision::Bf16, ..Default::default() };
+        let f = &piece.flat;
+        for (r, shape) in &self.muon {
+            if r.end <= f.start || r.start >= f.end {
+                continue;
+            }
+            assert!(r.start >= f.start && r.end <= f.end, "a Muon matrix split between pieces (the config refuses such layouts)");
+            let (i, j) = (r.start - f.start, r.end - f.start);
+            let e = piece.shard.start + i..piece.shard.start + j;
+            let mut u = vec![0.0f32; j - i];
+            tensor::optim::muon_momentum(&grads[i..j], &mut self.m[e.clone()], &mut u, o.muon_momentum as f32, o.muon_nesterov);
+            self.m.release(e.clone());
+            tensor::optim::newton_schulz(&mut u, *shape, &ns);
+            let adjusted = tensor::optim::muon_adjusted_lr(lr, o.muon_adjust_lr.0, *shape) as f32;
+            let decay = (1.0 - lr * cfg.train.weight_decay) as f32;
+            on_master(&mut self.master, self.round, &mut params[i..j], e.start, |w| tensor::optim::muon_apply(w, &u, adjusted, decay));
+        }
+    }
+}
+
+/// Whether Muon takes parameter `p`: a 2-D matrix that decays, but not the output head (the
+/// embeddings, norms, biases and MoE router do not decay).
+fn muon_matrix(p: &model::ParamSpec) -> bool {
+    p.shape.len() == 2 && p.decay && !p.name.ends_with("lm_head.weight")
+}
+
+/// Runs the elementwise update `f` on the fp32 weights of `params` (whose master weights, under
+/// mixed precision, start at `at`), then refreshes the working copy.
+fn on_master(master: &mut Option<Master>, round: Option<tensor::precision::Format>, params: &mut [f32], at: usize, f: impl FnOnce(&mut [f32])) {
+    let e = at..at + params.len();
+    match (master, round) {
+        (Some(Master::F32(mw)), Some(fmt)) => {
+            f(&mut mw[e.clone()]);
+            tensor::precision::master_round_into(params, &mw[e.clone()], fmt);
+            mw.release(e);
+        }
+        (Some(Master::Low(low)), _) => {
+            let lo = &mut low[e];
+            let mut x = vec![0.0f32; params.len()];
+            tensor::precision::join_bf16_into(&mut x, params, lo);
+            f(&mut x);
+            params.copy_from_slice(&x);
+            tensor::precision::split_bf16_in_place(params, lo);
+        }
+        _ => f(params),
     }
 }
 

@@ -181,3 +181,151 @@ crate::multiversion! {
 pub fn scale_in_place(x: &mut [f32], s: f32) {
     x.par_chunks_mut(ELEMS).for_each(|c| c.iter_mut().for_each(|a| *a *= s));
 }
+
+/// Lion hyper-parameters (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms";
+/// `lion-pytorch`'s `Lion`).
+#[derive(Clone, Copy, Debug)]
+pub struct Lion {
+    pub lr: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub weight_decay: f32,
+}
+
+/// One Lion step: `p = p·(1 − lr·wd)`, `p −= lr · sign(β1·m + (1−β1)·g)` (the sign of 0 is 0),
+/// `m = β2·m + (1−β2)·g`. One moment, and every element moves by exactly `lr` (or not at all).
+pub fn lion_update(params: &mut [f32], grads: &[f32], m: &mut [f32], h: &Lion) {
+    let _p = crate::profile::scope("lion_update");
+    let decay = 1.0 - h.lr * h.weight_decay;
+    params.par_chunks_mut(ELEMS).zip(grads.par_chunks(ELEMS).zip(m.par_chunks_mut(ELEMS))).for_each(|(p, (g, m))| {
+        for ((p, &g), m) in p.iter_mut().zip(g).zip(m.iter_mut()) {
+            let u = *m * h.beta1 + g * (1.0 - h.beta1);
+            let s = if u > 0.0 { 1.0 } else if u < 0.0 { -1.0 } else { 0.0 };
+            *p = *p * decay - h.lr * s;
+            *m = *m * h.beta2 + g * (1.0 - h.beta2);
+        }
+    });
+}
+
+/// `start + w·(end − start)` as PyTorch's `lerp` computes it (from the nearer end, so `w = 1`
+/// gives `end` exactly).
+#[inline(always)]
+fn lerp(start: f32, end: f32, w: f32) -> f32 {
+    if w.abs() < 0.5 {
+        start + w * (end - start)
+    } else {
+        end - (end - start) * (1.0 - w)
+    }
+}
+
+/// Muon's momentum on a run of elements (elementwise, so any shard of a matrix does its own):
+/// `buf = lerp(buf, g, 1 − μ)` (an average, as `torch.optim.Muon` keeps it) and the update the
+/// iteration orthogonalises, `out = lerp(g, buf, μ)` with Nesterov, else `buf`.
+pub fn muon_momentum(grads: &[f32], buf: &mut [f32], out: &mut [f32], momentum: f32, nesterov: bool) {
+    let w = (1.0 - momentum as f64) as f32;
+    buf.par_chunks_mut(ELEMS).zip(grads.par_chunks(ELEMS).zip(out.par_chunks_mut(ELEMS))).for_each(|(b, (g, o))| {
+        for ((b, &g), o) in b.iter_mut().zip(g).zip(o.iter_mut()) {
+            *b = lerp(*b, g, w);
+            *o = if nesterov { lerp(g, *b, momentum) } else { *b };
+        }
+    });
+}
+
+/// The Newton–Schulz iteration's settings: `steps` quintic steps with coefficients `(a, b, c)`
+/// (Jordan et al.'s 3.4445, −4.7750, 2.0315), the norm's floor `eps`, and whether it runs in
+/// bf16 as `torch.optim.Muon` does (every product's inputs bf16, accumulated in fp32 and rounded
+/// to bf16; the normalisation too) or in fp32.
+#[derive(Clone, Copy, Debug)]
+pub struct NewtonSchulz {
+    pub steps: usize,
+    pub coefs: [f32; 3],
+    pub eps: f32,
+    pub bf16: bool,
+}
+
+impl Default for NewtonSchulz {
+    fn default() -> Self {
+        NewtonSchulz { steps: 5, coefs: [3.4445, -4.7750, 2.0315], eps: 1e-7, bf16: true }
+    }
+}
+
+/// Orthogonalises the `rows × cols` matrix `x` in place: `x / ‖x‖_F`, then `steps` times
+/// `X = a·X + (b·A + c·A²)·X` with `A = X·Xᵀ`, on the wide orientation (a tall matrix is
+/// transposed first and back after, so `A` is the smaller Gram matrix). The result is close to
+/// `U·Vᵀ` of `x = U·S·Vᵀ` (singular values within about 0.7..1.2, not exactly 1).
+pub fn newton_schulz(x: &mut [f32], (rows, cols): (usize, usize), ns: &NewtonSchulz) {
+    use crate::matmul::{gemm, Threads, View};
+    let _p = crate::profile::scope("newton_schulz");
+    assert_eq!(x.len(), rows * cols, "newton_schulz: shape");
+    let tall = rows > cols;
+    let (r, c) = if tall { (cols, rows) } else { (rows, cols) };
+    let mut w = if tall { transposed(x, rows, cols) } else { x.to_vec() };
+    let round = |v: &mut [f32]| {
+        if ns.bf16 {
+            crate::precision::round_slice(v, crate::precision::Format::Bf16)
+        }
+    };
+    round(&mut w);
+    let mut norm = sum_squares(&w).sqrt() as f32;
+    if ns.bf16 {
+        norm = crate::bf16::from_bf16(crate::bf16::to_bf16(norm));
+    }
+    let norm = norm.max(ns.eps);
+    w.par_chunks_mut(ELEMS).for_each(|c| c.iter_mut().for_each(|a| *a /= norm));
+    round(&mut w);
+    let [ca, cb, cc] = ns.coefs;
+    let (mut a, mut b, mut next) = (vec![0.0f32; r * r], vec![0.0f32; r * r], vec![0.0f32; r * c]);
+    for _ in 0..ns.steps {
+        let wv = View::rows(&w, r, c);
+        gemm(&mut a, false, wv, wv.t(), 1.0, Threads::All);
+        round(&mut a);
+        b.iter_mut().zip(&a).for_each(|(b, &a)| *b = cb * a);
+        let av = View::rows(&a, r, r);
+        gemm(&mut b, true, av, av, cc, Threads::All);
+        round(&mut b);
+        next.iter_mut().zip(&w).for_each(|(n, &w)| *n = ca * w);
+        gemm(&mut next, true, View::rows(&b, r, r), wv, 1.0, Threads::All);
+        round(&mut next);
+        std::mem::swap(&mut w, &mut next);
+    }
+    if tall {
+        x.copy_from_slice(&transposed(&w, r, c));
+    } else {
+        x.copy_from_slice(&w);
+    }
+}
+
+/// The `cols × rows` transpose of a row-major `rows × cols` matrix.
+fn transposed(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let mut t = vec![0.0f32; x.len()];
+    t.par_chunks_mut(rows.max(1)).enumerate().for_each(|(j, col)| col.iter_mut().enumerate().for_each(|(i, o)| *o = x[i * cols + j]));
+    t
+}
+
+/// Muon's parameter update from the orthogonalised `o`: `p = p·decay − lr·o`, `decay` being
+/// `1 − lr·wd` at the group's unadjusted learning rate and `lr` the adjusted one.
+pub fn muon_apply(params: &mut [f32], o: &[f32], lr: f32, decay: f32) {
+    params.par_chunks_mut(ELEMS).zip(o.par_chunks(ELEMS)).for_each(|(p, o)| p.iter_mut().zip(o).for_each(|(p, &o)| *p = *p * decay - lr * o));
+}
+
+/// How Muon scales its learning rate for an `[out, in]` matrix `(a, b)`: `original` (Jordan:
+/// `√max(1, a/b)`), `match_rms_adamw` (Moonlight: `0.2·√max(a, b)`, so AdamW's learning rate
+/// and weight decay carry over) or `spectral_unclamped` (Bernstein: `√(a/b)`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum MuonAdjust {
+    #[default]
+    Original,
+    MatchRmsAdamw,
+    SpectralUnclamped,
+}
+
+/// Muon's learning rate for an `[a, b]` matrix at the group's rate `lr`, computed in f64 as
+/// `torch.optim.Muon` computes it.
+pub fn muon_adjusted_lr(lr: f64, adjust: MuonAdjust, (a, b): (usize, usize)) -> f64 {
+    let (a, b) = (a as f64, b as f64);
+    lr * match adjust {
+        MuonAdjust::Original => (a / b).max(1.0).sqrt(),
+        MuonAdjust::MatchRmsAdamw => 0.2 * a.max(b).sqrt(),
+        MuonAdjust::SpectralUnclamped => (a / b).sqrt(),
+    }
+}

@@ -95,6 +95,10 @@ pub fn resolve(args: &TrainArgs) -> Result<Resolved> {
                 return user(format!("--resume: {} was made with preset `{}`, not `{p}`", run_dir.display(), saved.preset));
             }
         }
+        if saved.optim.name != cfg.optim.name {
+            use plan::policy::Names;
+            return user(format!("--resume: {} holds {} state, which optim.name = {} cannot continue from (one optimizer's state does not load into another)", run_dir.display(), saved.optim.name.name(), cfg.optim.name.name()));
+        }
         let diff = incompatible(&saved, &cfg);
         if !diff.is_empty() {
             return user(format!("--resume: {} has an incompatible config: {}", run_dir.display(), diff.join("; ")));

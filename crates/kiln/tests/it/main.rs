@@ -16,6 +16,7 @@ mod fuzz;
 mod hf_models;
 mod memory;
 mod obs;
+mod optim;
 mod parallel;
 mod reliability;
 mod sft;

@@ -6,6 +6,7 @@ mod gradcheck;
 mod kernels;
 mod llama;
 mod moe;
+mod optim;
 mod flash;
 mod precision;
 mod quant;

@@ -1,0 +1,75 @@
+//! The optimizers beyond AdamW through `kiln train`: Lion and Muon resume bit for bit (Muon under
+//! bf16 master weights too), Muon's layouts reproduce one rank, and what they do not combine
+//! with is refused in one line. Their kernels are checked against their definitions in the
+//! tensor crate, and against lion-pytorch and torch.optim.Muon by `bench/compare_hf.py`.
+
+use crate::common::*;
+use std::path::Path;
+
+fn loss_bits(run: &Path) -> Vec<(u64, u64)> {
+    losses(run).iter().map(|&(s, l)| (s, l.to_bits())).collect()
+}
+
+#[test]
+fn lion_and_muon_resume_bit_exactly_and_refuse_another_optimizers_state() {
+    let d = scratch("optim-resume");
+    let data = corpus(&d);
+    for (name, extra) in [("lion", &["--set", "train.lr=1e-3"][..]), ("muon", &["--set", "train.precision=bf16", "--set", "optim.muon_adjust_lr=match_rms_adamw"][..])] {
+        let (full, split) = (d.join(format!("{name}-full")), d.join(format!("{name}-split")));
+        let set = format!("optim.name={name}");
+        let base = [&["--set", &set, "--set", "model.dropout=0.1", "--set", "model.n_layer=2"][..], extra].concat();
+        let o = train(&data, &full, &[&base[..], &["--max-steps", "10"]].concat());
+        assert!(o.status.success(), "{name}: {}", stderr(&o));
+        assert!(train(&data, &split, &[&base[..], &["--max-steps", "5"]].concat()).status.success());
+        let o = train(&data, &split, &[&base[..], &["--resume", "--max-steps", "10"]].concat());
+        assert!(o.status.success(), "{name}: {}", stderr(&o));
+        assert_eq!(loss_bits(&full), loss_bits(&split), "{name}: resumed at step 5");
+        let (first, last) = (losses(&full)[0].1, losses(&full)[9].1);
+        assert!(last < first - 0.1, "{name} trains: {first} → {last}");
+        let o = train(&data, &split, &[&base[..], &["--resume", "--max-steps", "12", "--set", "optim.name=adamw"]].concat());
+        assert_user_error(&o, &[&format!("holds {name} state"), "optim.name = adamw"]);
+        assert_eq!(losses(&split).len(), 10, "the refused resume wrote nothing");
+    }
+}
+
+/// In fp32: a bf16 Newton–Schulz iteration turns the last-bit differences of gradients summed
+/// in another order into bf16-sized ones (about 1e-5 of the loss here).
+#[test]
+fn muon_on_data_and_pipeline_parallel_ranks_reproduces_one_rank() {
+    let d = scratch("optim-muon-layouts");
+    let data = corpus(&d);
+    let base = ["--set", "optim.name=muon", "--set", "optim.muon_ns_precision=fp32", "--set", "model.n_layer=2", "--set", "train.batch_size=8", "--micro-batches", "2", "--max-steps", "6", "--set", "model.dropout=0.1", "--set", "checkpoint.interval=0", "--set", "sample.tokens=0"];
+    let one = d.join("one");
+    assert!(train(&data, &one, &base).status.success());
+    for layout in [&["--dp", "2"][..], &["--pp", "2"], &["--dp", "2", "--pp", "2"]] {
+        let out = d.join(layout.concat().replace('-', ""));
+        let o = train(&data, &out, &[&base[..], layout].concat());
+        assert!(o.status.success(), "{layout:?}: {}", stderr(&o));
+        assert_eq!(losses(&out).len(), 6);
+        for ((s, a), (_, b)) in losses(&out).iter().zip(&losses(&one)) {
+            assert!(((a - b) / b).abs() <= 1e-6, "{layout:?} step {s}: {a} vs one rank {b}");
+        }
+    }
+}
+
+#[test]
+fn optimizer_keys_and_combinations_are_refused_in_one_line() {
+    let d = scratch("optim-refusals");
+    let data = corpus(&d);
+    let cases: [(&[&str], &[&str]); 5] = [
+        (&["--set", "optim.name=sgd"], &["optim.name", "adamw, lion or muon", "sgd"]),
+        (&["--set", "optim.name=muon", "--set", "optim.muon_ns_steps=0"], &["optim.muon_ns_steps"]),
+        (&["--set", "optim.name=muon", "--set", "optim.muon_momentum=1"], &["optim.muon_momentum"]),
+        (&["--set", "optim.name=muon", "--dp", "2", "--zero", "1"], &["optim.name = muon", "parallel.zero = 1"]),
+        (&["--set", "optim.name=lion", "--dp", "2", "--set", "parallel.compression=onebit_adam"], &["onebit_adam", "optim.name = adamw", "lion"]),
+    ];
+    for (i, (args, needles)) in cases.iter().enumerate() {
+        let out = d.join(format!("r{i}"));
+        assert_user_error(&train(&data, &out, args), needles);
+        assert!(!out.exists(), "{args:?}: nothing is written");
+    }
+    let o = kiln(&["memory", "--data", data.to_str().unwrap(), "--set", "optim.name=muon"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let table = stdout(&o);
+    assert!(table.contains("Muon momentum, AdamW m, v") && table.contains("Newton–Schulz buffers"), "{table}");
+}
