@@ -1200,9 +1200,8 @@ impl RunConfig {
         if !(1..100).contains(&o.muon_ns_steps) {
             return user(format!("optim.muon_ns_steps must be in 1..=99, got {}", o.muon_ns_steps));
         }
-        let p = &self.parallel;
-        if p.tp > 1 || (p.zero > 0 && (p.dp > 1 || self.faults.elastic_max > 1)) {
-            return user(format!("optim.name = muon orthogonalises whole matrices, which ZeRO (parallel.zero = {}) over several ranks and tensor parallelism (parallel.tp = {}) split: distributed Muon does not run yet; use parallel.zero = 0 and tp = 1, or optim.name = adamw", p.zero, p.tp));
+        if self.lora.rank > 0 && self.parallel.tp > 1 {
+            return user(format!("optim.name = muon with LoRA adapters under tensor parallelism (parallel.tp = {}) is not supported: the adapters' parts are not gathered whole; use optim.name = adamw", self.parallel.tp));
         }
         self.optim_without_adam_state()
     }

@@ -562,7 +562,15 @@ fn model_state_rows(out: &mut Rows, cfg: &RunConfig, r: &RankShape, s: usize) {
         // copy and the next iterate (and the transposed result), and two Gram-sized matrices.
         let (layout, _) = model::layout::gpt_layout(&r.local);
         let (rc, rr) = layout.params.iter().filter(|q| q.shape.len() == 2 && q.decay).map(|q| (q.len(), q.shape[0].min(q.shape[1]).pow(2))).max().unwrap_or((0, 0));
-        out.add(Kind::Temporary, Phase::Step, "Newton–Schulz buffers", b4(4 * rc + 2 * rr, 4), format!("the largest Muon matrix's update, iterates and result ({rc} elements each) and two {rr}-element Gram matrices"));
+        let tp = cfg.parallel.tp.max(1);
+        out.add(Kind::Temporary, Phase::Step, "Newton–Schulz buffers", b4(4 * rc * tp + 2 * rr * tp * tp, 4), format!("the largest Muon matrix's update, iterates and result ({} elements each, whole over tensor parallelism) and two Gram matrices", rc * tp));
+        if (zero > 0 && cfg.parallel.dp > 1) || tp > 1 {
+            // step::muon: the momentum and the results laid out like the moments; a unit's
+            // gathered updates and results, and over tensor parallelism its parts from every
+            // rank and the whole matrices' results.
+            let unit = r.padded.iter().copied().max().unwrap_or(0);
+            out.add(Kind::Temporary, Phase::Step, "distributed Muon buffers", b4(2 * moments + 2 * unit + 2 * tp * unit, 4), format!("2 × {moments} elements beside the moments, and a unit's gathers ({unit} elements, ×{tp} over tensor parallelism)"));
+        }
     }
     // LoRA rounds its frozen base once and keeps no master weights.
     if p.master > 0 && r.lora.is_none() {

@@ -12,6 +12,8 @@ use std::time::Instant;
 use tensor::rng::mix64;
 use tensor::{adamw_update, profile, scale_in_place, sum_squares, AdamW};
 
+pub mod muon;
+
 /// Where AdamW's moments live: in memory, or (ZeRO-Infinity's NVMe tier, on a CPU) in a
 /// memory-mapped file that the update streams through in chunks, handing each chunk's pages
 /// back to the kernel once updated, so they stay out of the process's resident memory.
@@ -80,13 +82,22 @@ pub struct Optimizer {
     pub master: Option<Master>,
     pub round: Option<tensor::precision::Format>,
     segs: Vec<(Range<usize>, bool)>,
-    /// Muon's split of the layout: its matrices (each a layout range and its `[out, in]`
-    /// shape), and what AdamW takes instead (the rest, grouped as `segs`).
-    muon: Vec<(Range<usize>, (usize, usize))>,
+    /// Muon's split of the layout: its matrices, and what AdamW takes instead (the rest,
+    /// grouped as `segs`).
+    pub(crate) muon: Vec<MuonMatrix>,
     muon_rest: Vec<(Range<usize>, bool)>,
     /// Communication compression's state (`parallel.compression`), from the first compressed
     /// step on (restored with a checkpoint).
     pub compression: Option<CompressionState>,
+}
+
+/// One matrix Muon updates: its range in the layout, its `[out, in]` shape there, and how
+/// tensor parallelism cuts the whole matrix (`parallel::tp::split_of` its name).
+#[derive(Clone, Debug)]
+pub(crate) struct MuonMatrix {
+    pub range: Range<usize>,
+    pub shape: (usize, usize),
+    pub split: parallel::tp::Split,
 }
 
 /// Mixed precision's fp32 master weights, laid out like the moments.
@@ -257,7 +268,7 @@ impl Optimizer {
             }
             segs
         };
-        let muon = layout.params.iter().filter(|p| muon_matrix(p)).map(|p| (p.range(), (p.shape[0], p.shape[1]))).collect();
+        let muon = layout.params.iter().filter(|p| muon_matrix(p)).map(|p| MuonMatrix { range: p.range(), shape: (p.shape[0], p.shape[1]), split: parallel::tp::split_of(&p.name) }).collect();
         let (segs, muon_rest) = (groups(&|_| false), groups(&muon_matrix));
         Optimizer { m: Moments::Mem(vec![0.0; len]), v: Moments::Mem(vec![0.0; len]), master: None, round: None, segs, muon, muon_rest, compression: None }
     }
@@ -315,10 +326,16 @@ impl Optimizer {
     /// does not depend on how the layout is cut into pieces; Muon's matrices are updated whole
     /// (each inside one piece: the config refuses layouts that split them).
     pub fn update_piece(&mut self, params: &mut [f32], grads: &[f32], piece: &parallel::Piece, cfg: &RunConfig, lr: f64, t: u64) {
-        let muon = cfg.optim.name == OptimName::Muon;
-        if muon {
+        if cfg.optim.name == OptimName::Muon {
             self.muon_piece(params, grads, piece, cfg, lr);
         }
+        self.update_rest(params, grads, piece, cfg, lr, t);
+    }
+
+    /// [`Optimizer::update_piece`] but for Muon's matrices (which distributed Muon updates:
+    /// `muon`): AdamW or Lion on every other element of the piece.
+    pub fn update_rest(&mut self, params: &mut [f32], grads: &[f32], piece: &parallel::Piece, cfg: &RunConfig, lr: f64, t: u64) {
+        let muon = cfg.optim.name == OptimName::Muon;
         let f = &piece.flat;
         let segs = std::mem::take(if muon { &mut self.muon_rest } else { &mut self.segs });
         for (r, decay) in &segs {
@@ -369,25 +386,59 @@ impl Optimizer {
     /// the momentum, its Newton–Schulz orthogonalisation, and `p = p·(1 − lr·wd) − lr'·O` with
     /// `lr'` the shape-adjusted rate. Muon's rate is `optim.muon_lr` on `train.lr`'s schedule.
     fn muon_piece(&mut self, params: &mut [f32], grads: &[f32], piece: &parallel::Piece, cfg: &RunConfig, lr: f64) {
-        let o = &cfg.optim;
-        let lr = lr * (o.muon_lr / cfg.train.lr);
-        let ns = tensor::optim::NewtonSchulz { steps: o.muon_ns_steps, bf16: o.muon_ns_precision == crate::config::NsPrecision::Bf16, ..Default::default() };
+        let h = MuonStep::new(cfg, lr);
         let f = &piece.flat;
-        for (r, shape) in &self.muon {
+        for k in 0..self.muon.len() {
+            let (r, shape) = (self.muon[k].range.clone(), self.muon[k].shape);
             if r.end <= f.start || r.start >= f.end {
                 continue;
             }
-            assert!(r.start >= f.start && r.end <= f.end, "a Muon matrix split between pieces (the config refuses such layouts)");
+            assert!(r.start >= f.start && r.end <= f.end, "a Muon matrix split between pieces (distributed Muon updates those)");
             let (i, j) = (r.start - f.start, r.end - f.start);
             let e = piece.shard.start + i..piece.shard.start + j;
             let mut u = vec![0.0f32; j - i];
-            tensor::optim::muon_momentum(&grads[i..j], &mut self.m[e.clone()], &mut u, o.muon_momentum as f32, o.muon_nesterov);
+            h.momentum(&grads[i..j], &mut self.m[e.clone()], &mut u);
             self.m.release(e.clone());
-            tensor::optim::newton_schulz(&mut u, *shape, &ns);
-            let adjusted = tensor::optim::muon_adjusted_lr(lr, o.muon_adjust_lr.0, *shape) as f32;
-            let decay = (1.0 - lr * cfg.train.weight_decay) as f32;
-            on_master(&mut self.master, self.round, &mut params[i..j], e.start, |w| tensor::optim::muon_apply(w, &u, adjusted, decay));
+            tensor::optim::newton_schulz(&mut u, shape, &h.ns);
+            self.muon_apply(&mut params[i..j], &u, e.start, h.adjusted(shape), h.decay);
         }
+    }
+
+    /// `p = p·decay − lr·o` on weights whose state starts at `at` (the master weights under
+    /// mixed precision, then the working copy).
+    pub(crate) fn muon_apply(&mut self, params: &mut [f32], o: &[f32], at: usize, lr: f32, decay: f32) {
+        on_master(&mut self.master, self.round, params, at, |w| tensor::optim::muon_apply(w, o, lr, decay));
+    }
+}
+
+/// One Muon step's settings: its learning rate (`optim.muon_lr` on `train.lr`'s schedule), the
+/// decay factor `1 − lr·wd`, the momentum and the Newton–Schulz iteration.
+pub(crate) struct MuonStep {
+    pub lr: f64,
+    pub decay: f32,
+    pub momentum: f32,
+    pub nesterov: bool,
+    pub ns: tensor::optim::NewtonSchulz,
+    adjust: tensor::optim::MuonAdjust,
+}
+
+impl MuonStep {
+    /// At the schedule's learning rate `lr` (`train.lr`'s) for this step.
+    pub fn new(cfg: &RunConfig, lr: f64) -> MuonStep {
+        let o = &cfg.optim;
+        let lr = lr * (o.muon_lr / cfg.train.lr);
+        let ns = tensor::optim::NewtonSchulz { steps: o.muon_ns_steps, bf16: o.muon_ns_precision == crate::config::NsPrecision::Bf16, ..Default::default() };
+        MuonStep { lr, decay: (1.0 - lr * cfg.train.weight_decay) as f32, momentum: o.muon_momentum as f32, nesterov: o.muon_nesterov, ns, adjust: o.muon_adjust_lr.0 }
+    }
+
+    /// The momentum of a run of a matrix's elements: `buf` updated, `out` the update to orthogonalise.
+    pub fn momentum(&self, grads: &[f32], buf: &mut [f32], out: &mut [f32]) {
+        tensor::optim::muon_momentum(grads, buf, out, self.momentum, self.nesterov);
+    }
+
+    /// The learning rate for a whole `[out, in]` matrix of this shape.
+    pub fn adjusted(&self, shape: (usize, usize)) -> f32 {
+        tensor::optim::muon_adjusted_lr(self.lr, self.adjust, shape) as f32
     }
 }
 
@@ -1028,9 +1079,14 @@ fn dense_update(chunks: &mut [Chunk], pipe: &mut Pipeline, cfg: &RunConfig, (ste
         if clip_scale * unscale != 1.0 {
             ch.dp.scale_grads((clip_scale * unscale) as f32);
         }
+        let distributed_muon = cfg.optim.name == OptimName::Muon && muon::distributed(ch, pipe.tp);
+        if distributed_muon {
+            muon::step(ch, pipe.tp, cfg, lr);
+        }
         let opt = &mut ch.opt;
         match variance_step {
             Some(cv) => ch.dp.for_each_piece(|piece, params, grads| opt.update_piece_zeroone(params, grads, piece, cfg, (lr, step + 1), (cv, true))),
+            None if distributed_muon => ch.dp.for_each_piece(|piece, params, grads| opt.update_rest(params, grads, piece, cfg, lr, step + 1)),
             None => ch.dp.for_each_piece(|piece, params, grads| opt.update_piece(params, grads, piece, cfg, lr, step + 1)),
         }
         ch.dp.after_update();

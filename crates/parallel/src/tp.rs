@@ -134,6 +134,28 @@ fn runs(split: Split, shape: &[usize], rank: usize, tp: usize, mut f: impl FnMut
     }
 }
 
+/// The whole `[rows, cols]` matrix of a parameter cut as `split`, from every rank's part
+/// (`parts[r]`, each `local` rows × columns), in the whole model's element order; and its shape.
+pub fn assemble(split: Split, local: (usize, usize), parts: &[&[f32]]) -> (Vec<f32>, (usize, usize)) {
+    let tp = parts.len();
+    let whole = match split {
+        Split::Rows { .. } => (local.0 * tp, local.1),
+        Split::Cols => (local.0, local.1 * tp),
+        Split::Replicated | Split::Vocab => panic!("assemble: {split:?} is not a matrix split"),
+    };
+    let mut out = vec![0.0; whole.0 * whole.1];
+    for (rank, part) in parts.iter().enumerate() {
+        runs(split, &[whole.0, whole.1], rank, tp, |lo, wo, n| out[wo..wo + n].copy_from_slice(&part[lo..lo + n]));
+    }
+    (out, whole)
+}
+
+/// Rank `rank`'s part of a whole `[rows, cols]` matrix cut as `split` over `tp` ranks, into
+/// `out` (what [`assemble`] took from it).
+pub fn part_of(split: Split, whole: (usize, usize), m: &[f32], (rank, tp): (usize, usize), out: &mut [f32]) {
+    runs(split, &[whole.0, whole.1], rank, tp, |lo, wo, n| out[lo..lo + n].copy_from_slice(&m[wo..wo + n]));
+}
+
 /// Rank `rank`'s shard (laid out as `local`) of the whole-model buffer `whole` (laid out as
 /// `full`).
 pub fn shard(full: &ParamLayout, whole: &[f32], local: &ParamLayout, rank: usize, tp: usize) -> Vec<f32> {

@@ -32,22 +32,58 @@ fn lion_and_muon_resume_bit_exactly_and_refuse_another_optimizers_state() {
     }
 }
 
-/// In fp32: a bf16 Newton–Schulz iteration turns the last-bit differences of gradients summed
-/// in another order into bf16-sized ones (about 1e-5 of the loss here).
+/// Distributed Muon (ZeRO and tensor parallelism gather each matrix for its owner) and Muon on
+/// whole matrices (data-parallel replicas, pipeline stages) against one rank. In fp32: a bf16
+/// Newton–Schulz iteration turns the last-bit differences of gradients summed in another order
+/// into bf16-sized ones (about 1e-5 of the loss here).
 #[test]
-fn muon_on_data_and_pipeline_parallel_ranks_reproduces_one_rank() {
+fn muon_on_every_layout_reproduces_one_rank() {
     let d = scratch("optim-muon-layouts");
     let data = corpus(&d);
     let base = ["--set", "optim.name=muon", "--set", "optim.muon_ns_precision=fp32", "--set", "model.n_layer=2", "--set", "train.batch_size=8", "--micro-batches", "2", "--max-steps", "6", "--set", "model.dropout=0.1", "--set", "checkpoint.interval=0", "--set", "sample.tokens=0"];
     let one = d.join("one");
     assert!(train(&data, &one, &base).status.success());
-    for layout in [&["--dp", "2"][..], &["--pp", "2"], &["--dp", "2", "--pp", "2"]] {
+    let layouts: [&[&str]; 8] = [
+        &["--dp", "2"],
+        &["--pp", "2"],
+        &["--dp", "2", "--pp", "2"],
+        &["--dp", "2", "--zero", "1"],
+        &["--dp", "2", "--zero", "2"],
+        &["--dp", "2", "--zero", "3"],
+        &["--tp", "2", "--sequence-parallel"],
+        &["--dp", "2", "--zero", "3", "--tp", "2"],
+    ];
+    for layout in layouts {
         let out = d.join(layout.concat().replace('-', ""));
         let o = train(&data, &out, &[&base[..], layout].concat());
         assert!(o.status.success(), "{layout:?}: {}", stderr(&o));
         assert_eq!(losses(&out).len(), 6);
         for ((s, a), (_, b)) in losses(&out).iter().zip(&losses(&one)) {
             assert!(((a - b) / b).abs() <= 1e-6, "{layout:?} step {s}: {a} vs one rank {b}");
+        }
+    }
+    // A ZeRO-3 checkpoint of distributed Muon's momenta continues on one rank.
+    let split = d.join("zero3-then-one");
+    let three: Vec<&str> = base.iter().map(|&a| if a == "6" { "3" } else { a }).collect();
+    let o = train(&data, &split, &[&three[..], &["--dp", "2", "--zero", "3", "--tp", "2", "--set", "checkpoint.interval=3"]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = train(&data, &split, &[&base[..], &["--resume"]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    for ((s, a), (_, b)) in losses(&split).iter().zip(&losses(&one)) {
+        assert!(((a - b) / b).abs() <= 1e-6, "resumed on one rank, step {s}: {a} vs {b}");
+    }
+    assert_eq!(losses(&split).len(), 6);
+    // A mixture of experts: the experts whole on every tensor-parallel rank (one owner's result
+    // summed over the group), or a block of them per expert-parallel rank.
+    let moe = ["--set", "model.arch=llama", "--set", "model.n_expert=4", "--set", "model.top_k=2", "--set", "model.ffn_hidden=16", "--set", "model.n_head=4", "--set", "model.n_kv_head=2"];
+    let one = d.join("moe-one");
+    assert!(train(&data, &one, &[&base[..], &moe].concat()).status.success());
+    for layout in [&["--ep", "2"][..], &["--dp", "2", "--zero", "3", "--tp", "2"]] {
+        let out = d.join(format!("moe{}", layout.concat().replace('-', "")));
+        let o = train(&data, &out, &[&base[..], &moe, layout].concat());
+        assert!(o.status.success(), "moe {layout:?}: {}", stderr(&o));
+        for ((s, a), (_, b)) in losses(&out).iter().zip(&losses(&one)) {
+            assert!(((a - b) / b).abs() <= 1e-6, "moe {layout:?} step {s}: {a} vs one rank {b}");
         }
     }
 }
@@ -60,7 +96,7 @@ fn optimizer_keys_and_combinations_are_refused_in_one_line() {
         (&["--set", "optim.name=sgd"], &["optim.name", "adamw, lion or muon", "sgd"]),
         (&["--set", "optim.name=muon", "--set", "optim.muon_ns_steps=0"], &["optim.muon_ns_steps"]),
         (&["--set", "optim.name=muon", "--set", "optim.muon_momentum=1"], &["optim.muon_momentum"]),
-        (&["--set", "optim.name=muon", "--dp", "2", "--zero", "1"], &["optim.name = muon", "parallel.zero = 1"]),
+        (&["--set", "optim.name=muon", "--tp", "2", "--lora-rank", "4"], &["optim.name = muon", "parallel.tp = 2"]),
         (&["--set", "optim.name=lion", "--dp", "2", "--set", "parallel.compression=onebit_adam"], &["onebit_adam", "optim.name = adamw", "lion"]),
     ];
     for (i, (args, needles)) in cases.iter().enumerate() {
