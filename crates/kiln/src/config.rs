@@ -460,6 +460,26 @@ pub struct OptimSection {
     /// learning rate and weight decay carry over) or `spectral_unclamped` (`√(out/in)`).
     #[serde(with = "named")]
     pub muon_adjust_lr: MuonAdjust,
+    /// AdamW's state: `fp32`; `bf16` (the moments in bf16, rounded stochastically, and under
+    /// `train.precision = bf16` the weights their own master copy, updated with stochastic
+    /// rounding: 6 bytes a parameter where there were 12); or `int8` (the moments in 8 bits
+    /// each, block-wise with an fp32 scale per 256, Dettmers et al. 2022: 2 bytes where there
+    /// were 8).
+    #[serde(with = "named")]
+    pub state: StateForm,
+}
+
+/// `optim.state`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum StateForm {
+    #[default]
+    Fp32,
+    Bf16,
+    Int8,
+}
+
+impl Names for StateForm {
+    const NAMES: &'static [(&'static str, StateForm)] = &[("fp32", StateForm::Fp32), ("bf16", StateForm::Bf16), ("int8", StateForm::Int8), ("8bit", StateForm::Int8)];
 }
 
 /// `optim.name`.
@@ -500,7 +520,7 @@ impl Names for MuonAdjust {
 
 impl Default for OptimSection {
     fn default() -> Self {
-        OptimSection { name: OptimName::AdamW, muon_lr: 0.02, muon_momentum: 0.95, muon_nesterov: true, muon_ns_steps: 5, muon_ns_precision: NsPrecision::Bf16, muon_adjust_lr: MuonAdjust::default() }
+        OptimSection { name: OptimName::AdamW, muon_lr: 0.02, muon_momentum: 0.95, muon_nesterov: true, muon_ns_steps: 5, muon_ns_precision: NsPrecision::Bf16, muon_adjust_lr: MuonAdjust::default(), state: StateForm::Fp32 }
     }
 }
 
@@ -1187,6 +1207,22 @@ impl RunConfig {
     /// The optimizer's keys, and what it does not combine with.
     fn validate_optim(&self) -> Result<()> {
         let o = &self.optim;
+        if o.state != StateForm::Fp32 {
+            let why = if o.name != OptimName::AdamW {
+                format!("optim.name = {}: compact state is AdamW's", o.name.name())
+            } else if self.memory.offload != Offload::None {
+                "memory.offload = optimizer streams fp32 moments".to_string()
+            } else if self.parallel.compression != Compression::None {
+                format!("parallel.compression = {} keeps fp32 state", self.parallel.compression.name())
+            } else if self.train.device != "cpu" {
+                format!("train.device = {}: the device keeps fp32 moments", self.train.device)
+            } else {
+                String::new()
+            };
+            if !why.is_empty() {
+                return user(format!("optim.state = {} does not combine with {why}; use optim.state = fp32", o.state.name()));
+            }
+        }
         if o.name != OptimName::Muon {
             return self.optim_without_adam_state();
         }

@@ -20,7 +20,7 @@
 pub mod guard;
 pub mod track;
 
-use crate::config::RunConfig;
+use crate::config::{RunConfig, StateForm};
 use crate::error::{user, KilnError, Result};
 use model::gpt::Recompute;
 use model::{Access, GptConfig};
@@ -552,28 +552,19 @@ fn model_state_rows(out: &mut Rows, cfg: &RunConfig, r: &RankShape, s: usize) {
     let optim = b4(2 * moments * chunks, p.optim);
     let offload = cfg.memory.offload == crate::config::Offload::Optimizer;
     let (name, what) = optimizer_state_names(cfg.optim.name);
-    if offload {
-        out.add(Kind::Optimizer, held, name, 0, format!("{} in memory-mapped files under the run directory (memory.offload), streamed through the update in 4 MiB chunks", fmt_bytes(optim)));
-    } else {
-        out.add(Kind::Optimizer, held, name, optim, format!("2 × {moments} elements{what}"));
+    let form = cfg.optim.state;
+    match form {
+        _ if offload => out.add(Kind::Optimizer, held, name, 0, format!("{} in memory-mapped files under the run directory (memory.offload), streamed through the update in 4 MiB chunks", fmt_bytes(optim))),
+        StateForm::Fp32 => out.add(Kind::Optimizer, held, name, optim, format!("2 × {moments} elements{what}")),
+        StateForm::Bf16 => out.add(Kind::Optimizer, held, "AdamW m, v (bf16)", b4(2 * moments * chunks, 2), format!("2 × {moments} bf16 elements, rounded stochastically")),
+        // One 8-bit code an element, one fp32 scale per block of 256 (and per update run).
+        StateForm::Int8 => out.add(Kind::Optimizer, held, "AdamW m, v (8-bit)", (2 * moments * chunks + 8 * (moments / tensor::lean::BLOCK + 64) * chunks) as u64, format!("2 × {moments} codes and an fp32 scale per 256")),
     }
-    if cfg.optim.name == crate::config::OptimName::Muon {
-        // tensor::optim::newton_schulz on the largest matrix: its momentum update, the working
-        // copy and the next iterate (and the transposed result), and two Gram-sized matrices.
-        let (layout, _) = model::layout::gpt_layout(&r.local);
-        let (rc, rr) = layout.params.iter().filter(|q| q.shape.len() == 2 && q.decay).map(|q| (q.len(), q.shape[0].min(q.shape[1]).pow(2))).max().unwrap_or((0, 0));
-        let tp = cfg.parallel.tp.max(1);
-        out.add(Kind::Temporary, Phase::Step, "Newton–Schulz buffers", b4(4 * rc * tp + 2 * rr * tp * tp, 4), format!("the largest Muon matrix's update, iterates and result ({} elements each, whole over tensor parallelism) and two Gram matrices", rc * tp));
-        if (zero > 0 && cfg.parallel.dp > 1) || tp > 1 {
-            // step::muon: the momentum and the results laid out like the moments; a unit's
-            // gathered updates and results, and over tensor parallelism its parts from every
-            // rank and the whole matrices' results.
-            let unit = r.padded.iter().copied().max().unwrap_or(0);
-            out.add(Kind::Temporary, Phase::Step, "distributed Muon buffers", b4(2 * moments + 2 * unit + 2 * tp * unit, 4), format!("2 × {moments} elements beside the moments, and a unit's gathers ({unit} elements, ×{tp} over tensor parallelism)"));
-        }
-    }
-    // LoRA rounds its frozen base once and keeps no master weights.
-    if p.master > 0 && r.lora.is_none() {
+    muon_rows(out, cfg, r, moments);
+    // LoRA rounds its frozen base once and keeps no master weights; bf16 state under bf16
+    // weights keeps none either (the weights are their own master copy).
+    let own_master = form == StateForm::Bf16 && cfg.train.precision == model::Precision::Bf16;
+    if p.master > 0 && r.lora.is_none() && !own_master {
         if offload {
             out.add(Kind::Optimizer, held, "master weights (offloaded)", 0, format!("{} of fp32 in a memory-mapped file beside the moments", fmt_bytes(b4(moments * chunks, 4))));
         } else {
@@ -607,6 +598,27 @@ fn model_state_rows(out: &mut Rows, cfg: &RunConfig, r: &RankShape, s: usize) {
         let state = crate::step::ZeroOneState::state_len(moments, n);
         out.add(Kind::Optimizer, held, "0/1 Adam state", b4(state, 4), format!("error feedback {} + anchor {moments} + accumulated moves {moments} elements (parallel.compression)", parallel::compress::OneBit::state_len(moments, n)));
         out.add(Kind::Temporary, Phase::Step, "0/1 Adam buffers", b4(2 * moments, 4), "this rank's scaled gradient, and at a sync its moves in momentum units".into());
+    }
+}
+
+/// Muon's step buffers: the Newton–Schulz iteration on the largest matrix, and distributed
+/// Muon's gathers (`step::muon`).
+fn muon_rows(out: &mut Rows, cfg: &RunConfig, r: &RankShape, moments: usize) {
+    let zero = cfg.parallel.zero;
+    if cfg.optim.name == crate::config::OptimName::Muon {
+        // tensor::optim::newton_schulz on the largest matrix: its momentum update, the working
+        // copy and the next iterate (and the transposed result), and two Gram-sized matrices.
+        let (layout, _) = model::layout::gpt_layout(&r.local);
+        let (rc, rr) = layout.params.iter().filter(|q| q.shape.len() == 2 && q.decay).map(|q| (q.len(), q.shape[0].min(q.shape[1]).pow(2))).max().unwrap_or((0, 0));
+        let tp = cfg.parallel.tp.max(1);
+        out.add(Kind::Temporary, Phase::Step, "Newton–Schulz buffers", b4(4 * rc * tp + 2 * rr * tp * tp, 4), format!("the largest Muon matrix's update, iterates and result ({} elements each, whole over tensor parallelism) and two Gram matrices", rc * tp));
+        if (zero > 0 && cfg.parallel.dp > 1) || tp > 1 {
+            // step::muon: the momentum and the results laid out like the moments; a unit's
+            // gathered updates and results, and over tensor parallelism its parts from every
+            // rank and the whole matrices' results.
+            let unit = r.padded.iter().copied().max().unwrap_or(0);
+            out.add(Kind::Temporary, Phase::Step, "distributed Muon buffers", b4(2 * moments + 2 * unit + 2 * tp * unit, 4), format!("2 × {moments} elements beside the moments, and a unit's gathers ({unit} elements, ×{tp} over tensor parallelism)"));
+        }
     }
 }
 
@@ -992,6 +1004,10 @@ pub fn attribute(model: &model::Gpt, dp: &mut parallel::DataParallel, opt: &crat
     if let Some(lo) = &model.lora {
         retag_vec(&lo.params, Category::Params);
         retag_vec(&lo.grads, Category::Grads);
+    }
+    for (ptr, bytes) in opt.lean_buffers() {
+        // SAFETY: each is a live Vec's allocation.
+        unsafe { retag_raw(ptr, bytes, Category::Optimizer) };
     }
     for m in [&opt.m, &opt.v] {
         if let crate::step::Moments::Mem(v) = m {

@@ -12,6 +12,7 @@ use std::time::Instant;
 use tensor::rng::mix64;
 use tensor::{adamw_update, profile, scale_in_place, sum_squares, AdamW};
 
+pub mod lean;
 pub mod muon;
 
 /// Where AdamW's moments live: in memory, or (ZeRO-Infinity's NVMe tier, on a CPU) in a
@@ -89,6 +90,8 @@ pub struct Optimizer {
     /// Communication compression's state (`parallel.compression`), from the first compressed
     /// step on (restored with a checkpoint).
     pub compression: Option<CompressionState>,
+    /// AdamW's compact state (`optim.state`); `m` and `v` are then empty.
+    pub lean: Option<lean::Lean>,
 }
 
 /// One matrix Muon updates: its range in the layout, its `[out, in]` shape there, and how
@@ -270,7 +273,7 @@ impl Optimizer {
         };
         let muon = layout.params.iter().filter(|p| muon_matrix(p)).map(|p| MuonMatrix { range: p.range(), shape: (p.shape[0], p.shape[1]), split: parallel::tp::split_of(&p.name) }).collect();
         let (segs, muon_rest) = (groups(&|_| false), groups(&muon_matrix));
-        Optimizer { m: Moments::Mem(vec![0.0; len]), v: Moments::Mem(vec![0.0; len]), master: None, round: None, segs, muon, muon_rest, compression: None }
+        Optimizer { m: Moments::Mem(vec![0.0; len]), v: Moments::Mem(vec![0.0; len]), master: None, round: None, segs, muon, muon_rest, compression: None, lean: None }
     }
 
     /// The layout's contiguous ranges, each with whether weight decay applies to it.
@@ -341,19 +344,22 @@ impl Optimizer {
         for (r, decay) in &segs {
             let (a, b) = (r.start.max(f.start), r.end.min(f.end));
             if a < b {
-                self.elementwise((&mut params[a - f.start..b - f.start], &grads[a - f.start..b - f.start]), piece.shard.start + a - f.start, cfg, (lr, t, *decay));
+                self.elementwise((&mut params[a - f.start..b - f.start], &grads[a - f.start..b - f.start]), (piece.shard.start + a - f.start, a), cfg, (lr, t, *decay));
             }
         }
         *(if muon { &mut self.muon_rest } else { &mut self.segs }) = segs;
     }
 
-    /// AdamW's or Lion's update of one run of elements whose state starts at `at`, at learning
-    /// rate `lr`, step `t`, with or without weight decay. Offloaded state streams through in
-    /// chunks, each released once updated.
-    fn elementwise(&mut self, (params, grads): (&mut [f32], &[f32]), at: usize, cfg: &RunConfig, (lr, t, decay): (f64, u64, bool)) {
+    /// AdamW's or Lion's update of one run of elements whose state starts at `at` (and which
+    /// starts at `flat` in the layout), at learning rate `lr`, step `t`, with or without weight
+    /// decay. Offloaded state streams through in chunks, each released once updated.
+    fn elementwise(&mut self, (params, grads): (&mut [f32], &[f32]), (at, flat): (usize, usize), cfg: &RunConfig, (lr, t, decay): (f64, u64, bool)) {
         let tc = &cfg.train;
         let wd = if decay { tc.weight_decay as f32 } else { 0.0 };
         let h = AdamW { lr: lr as f32, beta1: tc.beta1 as f32, beta2: tc.beta2 as f32, eps: tc.eps as f32, weight_decay: wd, t };
+        if self.lean.is_some() {
+            return self.lean_update((params, grads), (at, flat), &h);
+        }
         let lion = (cfg.optim.name == OptimName::Lion).then_some(tensor::optim::Lion { lr: lr as f32, beta1: tc.beta1 as f32, beta2: tc.beta2 as f32, weight_decay: wd });
         let n = params.len();
         let step = if matches!(self.m, Moments::File { .. }) { OFFLOAD_CHUNK } else { n.max(1) };

@@ -183,7 +183,10 @@ fn whole_state(chunks: &mut [Chunk], applied: &Applied, zero: bool) -> [checkpoi
             (None, Some(Master::Low(low))) => Source::live_split(ch.dp.local_params(), low),
             (None, None) => Source::live(ch.dp.local_params()),
         };
-        return [p, Source::live(&ch.opt.m), Source::live(&ch.opt.v)];
+        return match ch.opt.lean_moments_f32() {
+            Some((m, v)) => [p, Source::Owned(m), Source::Owned(v)],
+            None => [p, Source::live(&ch.opt.m), Source::live(&ch.opt.v)],
+        };
     }
     let (mut ps, mut ms, mut vs) = (Vec::new(), Vec::new(), Vec::new());
     for ch in chunks.iter_mut() {
@@ -195,7 +198,12 @@ fn whole_state(chunks: &mut [Chunk], applied: &Applied, zero: bool) -> [checkpoi
             Some(mw) => mw.whole(&mut ch.dp),
             None => ch.dp.full_params(),
         });
-        let (m, v) = if zero { (ch.dp.gather_shards(&ch.opt.m), ch.dp.gather_shards(&ch.opt.v)) } else { (ch.opt.m.to_vec(), ch.opt.v.to_vec()) };
+        let (m, v) = match (ch.opt.lean_moments_f32(), zero) {
+            (Some((m, v)), true) => (ch.dp.gather_shards_owned(m), ch.dp.gather_shards_owned(v)),
+            (Some(mv), false) => mv,
+            (None, true) => (ch.dp.gather_shards(&ch.opt.m), ch.dp.gather_shards(&ch.opt.v)),
+            (None, false) => (ch.opt.m.to_vec(), ch.opt.v.to_vec()),
+        };
         ms.push(m);
         vs.push(v);
     }

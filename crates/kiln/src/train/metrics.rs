@@ -80,7 +80,7 @@ pub(super) fn add_memory(line: &mut serde_json::Value, chunks: &[Chunk], out: &S
         let sb = ch.dp.state_bytes();
         let lora = ch.model.lora.as_ref().map_or(0, |lo| lo.params.len() * 4);
         (params_b, grads_b, transient_b) = (params_b + sb.params + lora, grads_b + sb.grads + lora, transient_b + sb.peak_transient);
-        optim += (ch.opt.m.len() + ch.opt.v.len()) * 4;
+        optim += ch.opt.state_bytes();
     }
     line["mem_params_bytes"] = params_b.into();
     line["mem_grads_bytes"] = grads_b.into();

@@ -150,7 +150,7 @@ impl<'a> Rank<'a> {
         let mut chunks = Vec::new();
         for (c, (part, mv)) in parts.into_iter().zip(moments).enumerate() {
             let offload = (cfg.memory.offload == crate::config::Offload::Optimizer).then(|| run_dir.join("offload").join(if vn > 1 { format!("rank{rank}-chunk{c}") } else { format!("rank{rank}") }));
-            chunks.push(chunk(part, mv, resume_from, cfg.parallel.zero > 0, offload.as_deref())?);
+            chunks.push(chunk(part, mv, resume_from, cfg, offload.as_deref())?);
         }
         if cfg.lora.quantize_base != model::BaseQuant::None {
             for ch in chunks.iter_mut() {
@@ -799,10 +799,12 @@ fn fresh_scaler(cfg: &RunConfig) -> Option<LossScaler> {
 }
 
 /// A chunk from its part: the optimizer (its moments from the checkpoint, sharded for ZeRO),
-/// mixed precision's master copy, FP8's resumed histories, offload.
-fn chunk(part: parallel::apply::Part, moments: Option<(Vec<f32>, Vec<f32>)>, resume_from: Option<&Loaded>, zero: bool, offload: Option<&Path>) -> Result<Chunk> {
+/// mixed precision's master copy, compact optimizer state, FP8's resumed histories, offload.
+fn chunk(part: parallel::apply::Part, moments: Option<(Vec<f32>, Vec<f32>)>, resume_from: Option<&Loaded>, cfg: &RunConfig, offload: Option<&Path>) -> Result<Chunk> {
     let parallel::apply::Part { model: m, mut dp, replicated, seq_partial } = part;
+    let zero = cfg.parallel.zero > 0;
     let mut opt = if m.lora.is_some() { Optimizer::new(trainable_layout(&m)) } else { Optimizer::with_len(&m.layout, dp.moments_len()) };
+    let loaded = moments.is_some();
     if let Some((mm, vv)) = moments {
         let sharded = m.lora.is_none() && zero;
         let (mm, vv) = if sharded { (dp.shards.take(&mm), dp.shards.take(&vv)) } else { (mm, vv) };
@@ -818,6 +820,11 @@ fn chunk(part: parallel::apply::Part, moments: Option<(Vec<f32>, Vec<f32>)>, res
             dp.after_update();
         }
         (None, _) => {}
+    }
+    if cfg.optim.state != crate::config::StateForm::Fp32 {
+        let pieces = if m.lora.is_some() { vec![parallel::Piece { flat: 0..opt.m.len(), shard: 0..opt.m.len() }] } else { dp.pieces() };
+        opt.make_lean(cfg.optim.state, &pieces, (cfg.train.seed, loaded));
+        crate::util::release_freed_memory();
     }
     if let (Some(st), Some(h)) = (m.fp8.as_ref(), resume_from.and_then(|l| l.state.fp8_amax.as_ref())) {
         // The checkpoint holds the whole model's histories; a stage takes its layers'.

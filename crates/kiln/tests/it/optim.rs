@@ -32,6 +32,39 @@ fn lion_and_muon_resume_bit_exactly_and_refuse_another_optimizers_state() {
     }
 }
 
+/// AdamW on compact state: bf16 moments with bf16 weights as their own master copy, and 8-bit
+/// moments under ZeRO-1, resume bit for bit, follow fp32 state closely, and hold less.
+#[test]
+fn compact_adamw_state_resumes_bit_exactly_and_holds_less() {
+    let d = scratch("optim-lean");
+    let data = corpus(&d);
+    let base = ["--set", "model.dropout=0.1", "--set", "model.n_layer=2", "--set", "train.precision=bf16"];
+    let fp32 = d.join("fp32");
+    assert!(train(&data, &fp32, &[&base[..], &["--max-steps", "10"]].concat()).status.success());
+    let optim_bytes = |run: &Path| -> f64 {
+        let text = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+        let last = text.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()).rfind(|v| v["kind"] == "train").unwrap();
+        last["mem_optim_bytes"].as_f64().unwrap()
+    };
+    for (form, layout, ratio) in [("bf16", &[][..], 0.5), ("int8", &["--dp", "2", "--zero", "1"][..], 0.26)] {
+        let set = format!("optim.state={form}");
+        let args = [&base[..], &["--set", &set], layout].concat();
+        let (full, split) = (d.join(format!("{form}-full")), d.join(format!("{form}-split")));
+        let o = train(&data, &full, &[&args[..], &["--max-steps", "10"]].concat());
+        assert!(o.status.success(), "{form}: {}", stderr(&o));
+        assert!(train(&data, &split, &[&args[..], &["--max-steps", "5"]].concat()).status.success());
+        let o = train(&data, &split, &[&args[..], &["--resume", "--max-steps", "10"]].concat());
+        assert!(o.status.success(), "{form}: {}", stderr(&o));
+        assert_eq!(loss_bits(&full), loss_bits(&split), "{form}: resumed at step 5");
+        for ((s, a), (_, b)) in losses(&full).iter().zip(&losses(&fp32)) {
+            assert!(((a - b) / b).abs() < 2e-3, "{form} step {s}: {a} vs fp32 state {b}");
+        }
+        // (ZeRO-1's rank holds half the moments.)
+        let held = optim_bytes(&full) * if layout.is_empty() { 1.0 } else { 2.0 };
+        assert!(held <= ratio * optim_bytes(&fp32) + 16384.0, "{form}: {held} bytes of optimizer state against fp32's {}", optim_bytes(&fp32));
+    }
+}
+
 /// Distributed Muon (ZeRO and tensor parallelism gather each matrix for its owner) and Muon on
 /// whole matrices (data-parallel replicas, pipeline stages) against one rank. In fp32: a bf16
 /// Newton–Schulz iteration turns the last-bit differences of gradients summed in another order
@@ -92,7 +125,10 @@ fn muon_on_every_layout_reproduces_one_rank() {
 fn optimizer_keys_and_combinations_are_refused_in_one_line() {
     let d = scratch("optim-refusals");
     let data = corpus(&d);
-    let cases: [(&[&str], &[&str]); 5] = [
+    let cases: [(&[&str], &[&str]); 8] = [
+        (&["--set", "optim.name=lion", "--set", "optim.state=int8"], &["optim.state = int8", "optim.name = lion"]),
+        (&["--set", "optim.state=bf16", "--offload", "optimizer"], &["optim.state = bf16", "memory.offload"]),
+        (&["--set", "optim.state=fp8"], &["optim.state", "fp32, bf16 or int8", "fp8"]),
         (&["--set", "optim.name=sgd"], &["optim.name", "adamw, lion or muon", "sgd"]),
         (&["--set", "optim.name=muon", "--set", "optim.muon_ns_steps=0"], &["optim.muon_ns_steps"]),
         (&["--set", "optim.name=muon", "--set", "optim.muon_momentum=1"], &["optim.muon_momentum"]),
