@@ -2,7 +2,7 @@
 
 usage: python bench/compare_hf.py FIXTURE_DIR [FIXTURE_DIR ...] [--steps 30] [--kiln target/release/kiln]
                                   [--data ../shared/data/tinyshakespeare.txt] [--tol 1e-5]
-                                  [--optimizer adamw|lion|muon] [--set KEY=VALUE ...]
+                                  [--optimizer adamw|lion|muon|adafactor] [--set KEY=VALUE ...]
 
 For each model directory: `kiln train --init-from DIR` runs N steps with `train.record_batches` (each step's
 token windows and learning rate go to RUN/batches.jsonl) and a loss/grad-norm line every step. The same
@@ -11,7 +11,8 @@ learning rates with torch.optim.AdamW and the same decay groups (matrices decay;
 norms and biases do not), betas, eps, weight decay and global-norm clipping. Prints one JSON line per model and exits
 1 if any step's loss or gradient norm differs by more than --tol relative.
 
-`--optimizer lion` replays the run with lion-pytorch's `Lion` (`pip install lion-pytorch`; kiln's train.beta1/beta2
+`--optimizer adafactor` replays it with `torch.optim.Adafactor` (PyTorch >= 2.5; its decay groups as AdamW's), and
+`--optimizer lion` with lion-pytorch's `Lion` (`pip install lion-pytorch`; kiln's train.beta1/beta2
 are its betas). `--optimizer muon` with `torch.optim.Muon` (PyTorch >= 2.9) on the matrices kiln gives Muon (2-D,
 decaying, not the head) at optim.muon_lr on train.lr's schedule, and AdamW on the rest; Muon's hyper-parameters are
 read from the run's config.toml, so `--set optim.muon_adjust_lr=match_rms_adamw` and the like are compared as set;
@@ -72,6 +73,10 @@ def optimizers(named, cfg):
         else:
             (decay if decays else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": get("weight_decay")}, {"params": no_decay, "weight_decay": 0.0}]
+    if name == "adafactor":
+        o = lambda k: toml_value(cfg, "optim", k)
+        return [(torch.optim.Adafactor(groups, lr=get("lr"), beta2_decay=o("adafactor_beta2_decay"), eps=(None, o("adafactor_eps2")),
+                                       d=o("adafactor_d"), foreach=False), 1.0)]
     if name == "lion":
         from lion_pytorch import Lion
         return [(Lion(groups, lr=get("lr"), betas=(get("beta1"), get("beta2"))), 1.0)]
@@ -144,7 +149,7 @@ def main():
     ap.add_argument("--kiln", default="target/release/kiln")
     ap.add_argument("--data", default=os.path.join(os.path.dirname(__file__), "../../shared/data/tinyshakespeare.txt"))
     ap.add_argument("--tol", type=float, default=1e-5)
-    ap.add_argument("--optimizer", default="adamw", choices=["adamw", "lion", "muon"])
+    ap.add_argument("--optimizer", default="adamw", choices=["adamw", "lion", "muon", "adafactor"])
     ap.add_argument("--set", action="append", default=[], help="a further kiln config key, KEY=VALUE")
     a = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)

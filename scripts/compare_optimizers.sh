@@ -20,13 +20,13 @@ run() { # NAME ARGS...
 }
 final() { python3 -c 'import json,sys; e=[json.loads(l) for l in open(sys.argv[1]+"/metrics.jsonl")]; print([x["val_loss"] for x in e if x.get("kind")=="eval"][-1])' "$1"; }
 best=""; best_loss=99
-for lr in 1e-3 2e-3 4e-3; do
+for lr in 2e-3 4e-3 8e-3; do
     run "adamw-lr$lr" --set train.lr=$lr --set train.min_lr=$(python3 -c "print($lr/10)")
     l=$(final "$out/adamw-lr$lr"); echo "adamw train.lr=$lr: final val loss $l"
     if python3 -c "import sys; sys.exit(0 if $l < $best_loss else 1)"; then best=$lr; best_loss=$l; fi
 done
 mbest=""; mbest_loss=99
-for mlr in 0.01 0.02 0.04; do
+for mlr in 0.005 0.01 0.02 0.04; do
     run "muon-lr$mlr" --set optim.name=muon --set optim.muon_lr=$mlr --set train.lr=$best --set train.min_lr=$(python3 -c "print($best/10)")
     l=$(final "$out/muon-lr$mlr"); echo "muon optim.muon_lr=$mlr (AdamW part train.lr=$best): final val loss $l"
     if python3 -c "import sys; sys.exit(0 if $l < $mbest_loss else 1)"; then mbest=$mlr; mbest_loss=$l; fi

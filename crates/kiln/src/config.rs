@@ -439,8 +439,11 @@ impl ZeroPpSection {
 pub struct OptimSection {
     /// `adamw`; `lion` (Chen et al. 2023: `train.lr`, with `train.beta1` / `beta2` as its two
     /// interpolations and `train.weight_decay`; it wants a learning rate 3–10× below AdamW's);
-    /// or `muon` (Jordan et al. 2024): every 2-D weight matrix but the embeddings and the output
-    /// head takes Muon's orthogonalised momentum, the rest AdamW with the `train` keys.
+    /// `muon` (Jordan et al. 2024): every 2-D weight matrix but the embeddings and the output
+    /// head takes Muon's orthogonalised momentum, the rest AdamW with the `train` keys; or
+    /// `adafactor` (Shazeer & Stern 2018, as `torch.optim.Adafactor`): no first moment, each
+    /// matrix's second moment factored into row and column averages, a relative step size
+    /// (`train.lr` caps it) and clipped updates.
     #[serde(with = "named")]
     pub name: OptimName,
     /// Muon's peak learning rate; its schedule has `train.lr`'s shape (warm-up, cosine decay to
@@ -467,6 +470,11 @@ pub struct OptimSection {
     /// were 8).
     #[serde(with = "named")]
     pub state: StateForm,
+    /// Adafactor's second-moment rate `1 − β2_t = t^adafactor_beta2_decay` (≤ 0), the floor of
+    /// its relative step's parameter scale, and the RMS its updates are clipped to.
+    pub adafactor_beta2_decay: f64,
+    pub adafactor_eps2: f64,
+    pub adafactor_d: f64,
 }
 
 /// `optim.state`.
@@ -489,10 +497,11 @@ pub enum OptimName {
     AdamW,
     Lion,
     Muon,
+    Adafactor,
 }
 
 impl Names for OptimName {
-    const NAMES: &'static [(&'static str, OptimName)] = &[("adamw", OptimName::AdamW), ("lion", OptimName::Lion), ("muon", OptimName::Muon)];
+    const NAMES: &'static [(&'static str, OptimName)] = &[("adamw", OptimName::AdamW), ("lion", OptimName::Lion), ("muon", OptimName::Muon), ("adafactor", OptimName::Adafactor)];
 }
 
 /// `optim.muon_ns_precision`.
@@ -520,7 +529,7 @@ impl Names for MuonAdjust {
 
 impl Default for OptimSection {
     fn default() -> Self {
-        OptimSection { name: OptimName::AdamW, muon_lr: 0.02, muon_momentum: 0.95, muon_nesterov: true, muon_ns_steps: 5, muon_ns_precision: NsPrecision::Bf16, muon_adjust_lr: MuonAdjust::default(), state: StateForm::Fp32 }
+        OptimSection { name: OptimName::AdamW, muon_lr: 0.02, muon_momentum: 0.95, muon_nesterov: true, muon_ns_steps: 5, muon_ns_precision: NsPrecision::Bf16, muon_adjust_lr: MuonAdjust::default(), state: StateForm::Fp32, adafactor_beta2_decay: -0.8, adafactor_eps2: 1e-3, adafactor_d: 1.0 }
     }
 }
 
@@ -1223,6 +1232,9 @@ impl RunConfig {
                 return user(format!("optim.state = {} does not combine with {why}; use optim.state = fp32", o.state.name()));
             }
         }
+        if o.name == OptimName::Adafactor {
+            return self.validate_adafactor();
+        }
         if o.name != OptimName::Muon {
             return self.optim_without_adam_state();
         }
@@ -1238,6 +1250,29 @@ impl RunConfig {
         }
         if self.lora.rank > 0 && self.parallel.tp > 1 {
             return user(format!("optim.name = muon with LoRA adapters under tensor parallelism (parallel.tp = {}) is not supported: the adapters' parts are not gathered whole; use optim.name = adamw", self.parallel.tp));
+        }
+        self.optim_without_adam_state()
+    }
+
+    /// Adafactor's keys; its statistics need each tensor whole on its rank.
+    fn validate_adafactor(&self) -> Result<()> {
+        let o = &self.optim;
+        #[allow(clippy::neg_cmp_op_on_partial_ord)] // a NaN must be refused too
+        let bad = if !(o.adafactor_beta2_decay <= 0.0) {
+            Some(("optim.adafactor_beta2_decay", "at most 0", o.adafactor_beta2_decay))
+        } else if !(o.adafactor_eps2 >= 0.0) || !o.adafactor_eps2.is_finite() {
+            Some(("optim.adafactor_eps2", "a non-negative number", o.adafactor_eps2))
+        } else if !(o.adafactor_d > 0.0) || !o.adafactor_d.is_finite() {
+            Some(("optim.adafactor_d", "positive", o.adafactor_d))
+        } else {
+            None
+        };
+        if let Some((k, what, v)) = bad {
+            return user(format!("{k} must be {what}, got {v}"));
+        }
+        let p = &self.parallel;
+        if p.tp > 1 || (p.zero > 0 && (p.dp > 1 || self.faults.elastic_max > 1)) {
+            return user(format!("optim.name = adafactor factors each tensor's statistics whole, which ZeRO (parallel.zero = {}) over several ranks and tensor parallelism (parallel.tp = {}) split; use parallel.zero = 0 and tp = 1, or another optimizer", p.zero, p.tp));
         }
         self.optim_without_adam_state()
     }

@@ -488,6 +488,7 @@ fn optimizer_state_names(o: crate::config::OptimName) -> (&'static str, &'static
         OptimName::AdamW => ("AdamW m, v", ""),
         OptimName::Lion => ("Lion m (and v)", ": Lion's momentum, and a second buffer it leaves at zero"),
         OptimName::Muon => ("Muon momentum, AdamW m, v", ": the matrices' momenta and the other parameters' moments, and a second buffer the matrices leave at zero"),
+        OptimName::Adafactor => ("Adafactor statistics (in m, v)", ": the second buffer holds each matrix's row and column averages in its first elements and each vector's second moment; the first is left at zero"),
     }
 }
 

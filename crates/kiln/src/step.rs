@@ -87,6 +87,9 @@ pub struct Optimizer {
     /// grouped as `segs`).
     pub(crate) muon: Vec<MuonMatrix>,
     muon_rest: Vec<(Range<usize>, bool)>,
+    /// Every parameter tensor: its range, `(rows, cols)` (a vector `(n, 1)`) and whether it
+    /// decays (Adafactor's statistics are per tensor).
+    tensors: Vec<(Range<usize>, (usize, usize), bool)>,
     /// Communication compression's state (`parallel.compression`), from the first compressed
     /// step on (restored with a checkpoint).
     pub compression: Option<CompressionState>,
@@ -273,7 +276,15 @@ impl Optimizer {
         };
         let muon = layout.params.iter().filter(|p| muon_matrix(p)).map(|p| MuonMatrix { range: p.range(), shape: (p.shape[0], p.shape[1]), split: parallel::tp::split_of(&p.name) }).collect();
         let (segs, muon_rest) = (groups(&|_| false), groups(&muon_matrix));
-        Optimizer { m: Moments::Mem(vec![0.0; len]), v: Moments::Mem(vec![0.0; len]), master: None, round: None, segs, muon, muon_rest, compression: None, lean: None }
+        let tensors = layout.params.iter().filter(|p| !p.is_empty()).map(|p| {
+            // A row or column (rows + cols > rows·cols) keeps its statistics unfactored.
+            let shape = match p.shape[..] {
+                [r, c] if r > 1 && c > 1 => (r, c),
+                _ => (p.len(), 1),
+            };
+            (p.range(), shape, p.decay)
+        }).collect();
+        Optimizer { m: Moments::Mem(vec![0.0; len]), v: Moments::Mem(vec![0.0; len]), master: None, round: None, segs, muon, muon_rest, tensors, compression: None, lean: None }
     }
 
     /// The layout's contiguous ranges, each with whether weight decay applies to it.
@@ -329,6 +340,9 @@ impl Optimizer {
     /// does not depend on how the layout is cut into pieces; Muon's matrices are updated whole
     /// (each inside one piece: the config refuses layouts that split them).
     pub fn update_piece(&mut self, params: &mut [f32], grads: &[f32], piece: &parallel::Piece, cfg: &RunConfig, lr: f64, t: u64) {
+        if cfg.optim.name == OptimName::Adafactor {
+            return self.adafactor_piece(params, grads, piece, cfg, (lr, t));
+        }
         if cfg.optim.name == OptimName::Muon {
             self.muon_piece(params, grads, piece, cfg, lr);
         }
@@ -407,6 +421,26 @@ impl Optimizer {
             self.m.release(e.clone());
             tensor::optim::newton_schulz(&mut u, shape, &h.ns);
             self.muon_apply(&mut params[i..j], &u, e.start, h.adjusted(shape), h.decay);
+        }
+    }
+
+    /// Adafactor's update of every tensor inside `piece` (each whole in it: the config refuses
+    /// layouts that split them), its second moment in the second buffer's first elements of the
+    /// tensor (row then column averages, or a vector's own), at learning rate `lr`, step `t`.
+    fn adafactor_piece(&mut self, params: &mut [f32], grads: &[f32], piece: &parallel::Piece, cfg: &RunConfig, (lr, t): (f64, u64)) {
+        let (o, f) = (&cfg.optim, &piece.flat);
+        for k in 0..self.tensors.len() {
+            let (r, shape, decay) = self.tensors[k].clone();
+            if r.end <= f.start || r.start >= f.end {
+                continue;
+            }
+            assert!(r.start >= f.start && r.end <= f.end, "an Adafactor tensor split between pieces (the config refuses such layouts)");
+            let h = tensor::optim::Adafactor { lr, beta2_decay: o.adafactor_beta2_decay, eps1: f32::EPSILON, eps2: o.adafactor_eps2, d: o.adafactor_d, weight_decay: if decay { cfg.train.weight_decay } else { 0.0 }, t };
+            let (i, j) = (r.start - f.start, r.end - f.start);
+            let e = piece.shard.start + i;
+            let state_len = if shape.1 > 1 { shape.0 + shape.1 } else { shape.0 };
+            let state = &mut self.v[e..e + state_len];
+            on_master(&mut self.master, self.round, &mut params[i..j], e, |w| tensor::optim::adafactor_update(w, &grads[i..j], state, shape, &h));
         }
     }
 

@@ -329,3 +329,68 @@ pub fn muon_adjusted_lr(lr: f64, adjust: MuonAdjust, (a, b): (usize, usize)) -> 
         MuonAdjust::SpectralUnclamped => (a / b).sqrt(),
     }
 }
+
+/// Adafactor's hyper-parameters for one step (Shazeer & Stern 2018, as `torch.optim.Adafactor`:
+/// no first moment, a relative step size `min(lr, 1/√t)` times the parameter's RMS (at least
+/// `eps2`), the second moment's rate `1 − β2_t = t^beta2_decay`, and updates clipped to RMS `d`).
+#[derive(Clone, Copy, Debug)]
+pub struct Adafactor {
+    pub lr: f64,
+    pub beta2_decay: f64,
+    pub eps1: f32,
+    pub eps2: f64,
+    pub d: f64,
+    pub weight_decay: f64,
+    /// 1-based step count.
+    pub t: u64,
+}
+
+/// One Adafactor step of one parameter tensor `p` of `shape` (`(rows, cols)`; a vector is
+/// `(n, 1)` and is not factored). `state` holds the second moment: a matrix's row and column
+/// averages of `g²` (`rows + cols` elements, rows first), a vector's `g²` (`n`). A matrix's
+/// estimate is `row_i · col_j / mean(row)`; the update `g / √max(estimate, eps1²)`, scaled down
+/// to RMS `d` if above, steps by `max(eps2, RMS(p)) · min(lr, 1/√t)`.
+pub fn adafactor_update(p: &mut [f32], g: &[f32], state: &mut [f32], (rows, cols): (usize, usize), h: &Adafactor) {
+    let _p = crate::profile::scope("adafactor_update");
+    let n = p.len();
+    assert!(g.len() == n && rows * cols == n, "adafactor_update: shapes");
+    let t = h.t as f64;
+    let w = t.powf(h.beta2_decay) as f32;
+    let rho = h.lr.min(1.0 / t.sqrt());
+    let alpha = h.eps2.max((sum_squares(p) / n as f64).sqrt()) * rho;
+    if h.weight_decay != 0.0 {
+        scale_in_place(p, (1.0 - h.lr * h.weight_decay) as f32);
+    }
+    let floor = h.eps1 * h.eps1;
+    let mut u = vec![0.0f32; n];
+    if cols > 1 {
+        assert_eq!(state.len(), rows + cols, "adafactor_update: factored state");
+        let (row, col) = state.split_at_mut(rows);
+        for (i, r) in row.iter_mut().enumerate() {
+            let mean = sum_squares(&g[i * cols..(i + 1) * cols]).sqrt() as f32;
+            *r = lerp(*r, mean * mean / cols as f32, w);
+        }
+        let mut sums = vec![0.0f64; cols];
+        g.chunks(cols).for_each(|gr| sums.iter_mut().zip(gr).for_each(|(s, &x)| *s += (x as f64) * (x as f64)));
+        for (c, s) in col.iter_mut().zip(&sums) {
+            let norm = s.sqrt() as f32;
+            *c = lerp(*c, norm * norm / rows as f32, w);
+        }
+        let mean_row = (row.iter().map(|&x| x as f64).sum::<f64>() / rows as f64) as f32;
+        let mean_row = mean_row.max(h.eps1);
+        u.par_chunks_mut(cols).zip(g.par_chunks(cols)).zip(row.par_iter()).for_each(|((u, g), &r)| {
+            for ((u, &g), &c) in u.iter_mut().zip(g).zip(col.iter()) {
+                *u = g / ((r * c / mean_row).max(floor)).sqrt();
+            }
+        });
+    } else {
+        assert_eq!(state.len(), n, "adafactor_update: vector state");
+        for ((s, &gi), u) in state.iter_mut().zip(g).zip(u.iter_mut()) {
+            *s = lerp(*s, gi * gi, w);
+            *u = gi / s.max(floor).sqrt();
+        }
+    }
+    let denom = 1.0f64.max((sum_squares(&u) / n as f64).sqrt() / h.d);
+    let step = (alpha / denom) as f32;
+    p.par_chunks_mut(ELEMS).zip(u.par_chunks(ELEMS)).for_each(|(p, u)| p.iter_mut().zip(u).for_each(|(p, &u)| *p -= step * u));
+}

@@ -1,5 +1,6 @@
-//! The optimizers beyond AdamW through `kiln train`: Lion and Muon resume bit for bit (Muon under
-//! bf16 master weights too), Muon's layouts reproduce one rank, and what they do not combine
+//! The optimizers beyond AdamW through `kiln train`: Lion, Muon and Adafactor resume bit for bit
+//! (Muon under bf16 master weights, Adafactor at dp 2 × pp 2), Muon's layouts and Adafactor's
+//! reproduce one rank, AdamW's compact state resumes bit for bit, and what they do not combine
 //! with is refused in one line. Their kernels are checked against their definitions in the
 //! tensor crate, and against lion-pytorch and torch.optim.Muon by `bench/compare_hf.py`.
 
@@ -11,10 +12,15 @@ fn loss_bits(run: &Path) -> Vec<(u64, u64)> {
 }
 
 #[test]
-fn lion_and_muon_resume_bit_exactly_and_refuse_another_optimizers_state() {
+fn lion_muon_and_adafactor_resume_bit_exactly_and_refuse_another_optimizers_state() {
     let d = scratch("optim-resume");
     let data = corpus(&d);
-    for (name, extra) in [("lion", &["--set", "train.lr=1e-3"][..]), ("muon", &["--set", "train.precision=bf16", "--set", "optim.muon_adjust_lr=match_rms_adamw"][..])] {
+    let cases: [(&str, &[&str]); 3] = [
+        ("lion", &["--set", "train.lr=1e-3"]),
+        ("muon", &["--set", "train.precision=bf16", "--set", "optim.muon_adjust_lr=match_rms_adamw"]),
+        ("adafactor", &["--set", "train.lr=0.1", "--dp", "2", "--pp", "2", "--micro-batches", "2"]),
+    ];
+    for (name, extra) in cases {
         let (full, split) = (d.join(format!("{name}-full")), d.join(format!("{name}-split")));
         let set = format!("optim.name={name}");
         let base = [&["--set", &set, "--set", "model.dropout=0.1", "--set", "model.n_layer=2"][..], extra].concat();
@@ -95,6 +101,18 @@ fn muon_on_every_layout_reproduces_one_rank() {
             assert!(((a - b) / b).abs() <= 1e-6, "{layout:?} step {s}: {a} vs one rank {b}");
         }
     }
+    // Adafactor: its per-tensor statistics on data-parallel replicas and pipeline stages.
+    let ada: Vec<&str> = base.iter().map(|&a| if a == "optim.name=muon" { "optim.name=adafactor" } else { a }).collect();
+    let ada_one = d.join("adafactor-one");
+    assert!(train(&data, &ada_one, &ada).status.success());
+    for layout in [&["--dp", "2"][..], &["--pp", "2"]] {
+        let out = d.join(format!("adafactor{}", layout.concat().replace('-', "")));
+        let o = train(&data, &out, &[&ada[..], layout].concat());
+        assert!(o.status.success(), "adafactor {layout:?}: {}", stderr(&o));
+        for ((s, a), (_, b)) in losses(&out).iter().zip(&losses(&ada_one)) {
+            assert!(((a - b) / b).abs() <= 1e-6, "adafactor {layout:?} step {s}: {a} vs one rank {b}");
+        }
+    }
     // A ZeRO-3 checkpoint of distributed Muon's momenta continues on one rank.
     let split = d.join("zero3-then-one");
     let three: Vec<&str> = base.iter().map(|&a| if a == "6" { "3" } else { a }).collect();
@@ -125,11 +143,13 @@ fn muon_on_every_layout_reproduces_one_rank() {
 fn optimizer_keys_and_combinations_are_refused_in_one_line() {
     let d = scratch("optim-refusals");
     let data = corpus(&d);
-    let cases: [(&[&str], &[&str]); 8] = [
+    let cases: [(&[&str], &[&str]); 10] = [
+        (&["--set", "optim.name=adafactor", "--tp", "2"], &["optim.name = adafactor", "parallel.tp = 2"]),
+        (&["--set", "optim.name=adafactor", "--set", "optim.adafactor_d=0"], &["optim.adafactor_d must be positive"]),
         (&["--set", "optim.name=lion", "--set", "optim.state=int8"], &["optim.state = int8", "optim.name = lion"]),
         (&["--set", "optim.state=bf16", "--offload", "optimizer"], &["optim.state = bf16", "memory.offload"]),
         (&["--set", "optim.state=fp8"], &["optim.state", "fp32, bf16 or int8", "fp8"]),
-        (&["--set", "optim.name=sgd"], &["optim.name", "adamw, lion or muon", "sgd"]),
+        (&["--set", "optim.name=sgd"], &["optim.name", "adamw, lion, muon or adafactor", "sgd"]),
         (&["--set", "optim.name=muon", "--set", "optim.muon_ns_steps=0"], &["optim.muon_ns_steps"]),
         (&["--set", "optim.name=muon", "--set", "optim.muon_momentum=1"], &["optim.muon_momentum"]),
         (&["--set", "optim.name=muon", "--tp", "2", "--lora-rank", "4"], &["optim.name = muon", "parallel.tp = 2"]),
