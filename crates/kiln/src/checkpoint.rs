@@ -634,6 +634,9 @@ pub enum Source {
     /// Live bf16-split master weights (`tensor::precision::split_bf16`): the working weights
     /// and the low halves, joined into fp32 as they are copied.
     LiveSplit { work: *const f32, low: *const u16, len: usize },
+    /// A live compact moment (`optim.state`: the first, or with `second` the second),
+    /// converted to fp32 as it is copied.
+    LiveLean { lean: *const crate::step::lean::Lean, second: bool },
 }
 
 // SAFETY: a `Live` source is only read, on the writer thread, while the gate is held; the
@@ -667,6 +670,8 @@ impl Source {
                 out.resize(at + r.len(), 0.0);
                 tensor::precision::join_bf16_chunk(&mut out[at..], &w[r.clone()], &l[r]);
             }
+            // SAFETY: see `Source::live`.
+            Source::LiveLean { lean, second } => unsafe { &**lean }.extend_f32(*second, out, r),
         }
     }
 }

@@ -34,10 +34,15 @@ pub fn round_stochastic(x: f32, r: u32) -> u16 {
     (b.wrapping_add(r & 0xFFFF) >> 16) as u16
 }
 
-/// 48 random bits for element `pos` at step `t` (three 16-bit draws).
+/// The key of step `t`'s draws (one hash a step).
+fn step_key(seed: u64, t: u64) -> u64 {
+    seed ^ mix64(t.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+}
+
+/// 48 random bits for element `pos` under a step's `key` (three 16-bit draws): one hash.
 #[inline(always)]
-fn draws(seed: u64, t: u64, pos: u64) -> u64 {
-    mix64(seed ^ mix64(t.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ pos))
+fn draws(key: u64, pos: u64) -> u64 {
+    mix64(key ^ pos)
 }
 
 /// One of the two 8-bit grids: `binades` binades below 1 at `bits` fraction bits each, and 1.
@@ -182,6 +187,7 @@ pub struct Draws {
 pub fn adamw_update_lean(params: &mut [f32], grads: &[f32], st: LeanMoments, h: &AdamW, d: Draws) {
     let _p = crate::profile::scope("adamw_update_lean");
     let [step, rbc2, decay] = adamw_scalars(h, h.t);
+    let key = step_key(d.seed, h.t);
     let one = move |p: &mut f32, g: f32, m: &mut f32, v: &mut f32| {
         *m = h.beta1 * *m + (1.0 - h.beta1) * g;
         *v = h.beta2 * *v + (1.0 - h.beta2) * g * g;
@@ -200,7 +206,7 @@ pub fn adamw_update_lean(params: &mut [f32], grads: &[f32], st: LeanMoments, h: 
                 for i in 0..p.len() {
                     let (mut mi, mut vi) = (crate::bf16::from_bf16(m[i]), crate::bf16::from_bf16(v[i]));
                     one(&mut p[i], g[i], &mut mi, &mut vi);
-                    let r = draws(d.seed, h.t, d.at + (c * ELEMS + i) as u64);
+                    let r = draws(key, d.at + (c * ELEMS + i) as u64);
                     m[i] = round_stochastic(mi, r as u32);
                     v[i] = round_stochastic(vi, (r >> 16) as u32);
                     round_p(&mut p[i], r);
@@ -219,7 +225,7 @@ pub fn adamw_update_lean(params: &mut [f32], grads: &[f32], st: LeanMoments, h: 
                 dequantize_block(V_GRID, vc, *vs, &mut vf[..k]);
                 for i in 0..k {
                     one(&mut p[i], g[i], &mut mf[i], &mut vf[i]);
-                    let r = draws(d.seed, h.t, d.at + (b * BLOCK + i) as u64);
+                    let r = draws(key, d.at + (b * BLOCK + i) as u64);
                     rv[i] = (r >> 16) as u32;
                     round_p(&mut p[i], r);
                 }

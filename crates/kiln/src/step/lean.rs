@@ -26,6 +26,37 @@ pub struct Lean {
     runs: Vec<(usize, usize, usize)>,
 }
 
+impl Lean {
+    /// Appends state positions `r` of the first moment (the second with `second`) to `out` in
+    /// fp32 (a checkpoint's copy); positions outside every update run are 0.
+    pub fn extend_f32(&self, second: bool, out: &mut Vec<f32>, r: std::ops::Range<usize>) {
+        let at = out.len();
+        out.resize(at + r.len(), 0.0);
+        let dst = &mut out[at..];
+        match &self.form {
+            LeanForm::Bf16 { m, v } => {
+                let src = if second { &v[r.clone()] } else { &m[r.clone()] };
+                dst.iter_mut().zip(src).for_each(|(o, &x)| *o = tensor::bf16::from_bf16(x));
+            }
+            LeanForm::Int8 { m, v, ms, vs } => {
+                let (codes, scales, which) = if second { (v, vs, Moment::Second) } else { (m, ms, Moment::First) };
+                for &(start, n, s) in &self.runs {
+                    let (a, b) = (r.start.max(start), r.end.min(start + n));
+                    if a >= b {
+                        continue;
+                    }
+                    // Whole blocks around [a, b), dequantized, then the part asked for.
+                    let (b0, b1) = ((a - start) / BLOCK, (b - start).div_ceil(BLOCK));
+                    let (lo, hi) = (start + b0 * BLOCK, (start + b1 * BLOCK).min(start + n));
+                    let mut tmp = vec![0.0f32; hi - lo];
+                    dequantize(which, &codes[lo..hi], &scales[s + b0..s + b1], &mut tmp);
+                    dst[a - r.start..b - r.start].copy_from_slice(&tmp[a - lo..b - lo]);
+                }
+            }
+        }
+    }
+}
+
 impl Optimizer {
     /// Makes the state compact, from the fp32 moments of the `pieces` this optimizer updates
     /// (a checkpoint's with `loaded`, else zeros, which are not read: their untouched pages

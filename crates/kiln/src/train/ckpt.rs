@@ -183,8 +183,9 @@ fn whole_state(chunks: &mut [Chunk], applied: &Applied, zero: bool) -> [checkpoi
             (None, Some(Master::Low(low))) => Source::live_split(ch.dp.local_params(), low),
             (None, None) => Source::live(ch.dp.local_params()),
         };
-        return match ch.opt.lean_moments_f32() {
-            Some((m, v)) => [p, Source::Owned(m), Source::Owned(v)],
+        return match &ch.opt.lean {
+            // Converted as the snapshot copies it (no fp32 copy of the state beside it).
+            Some(l) => [p, Source::LiveLean { lean: l, second: false }, Source::LiveLean { lean: l, second: true }],
             None => [p, Source::live(&ch.opt.m), Source::live(&ch.opt.v)],
         };
     }
