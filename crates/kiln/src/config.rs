@@ -477,32 +477,9 @@ pub struct OptimSection {
     pub adafactor_d: f64,
 }
 
-/// `optim.state`.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum StateForm {
-    #[default]
-    Fp32,
-    Bf16,
-    Int8,
-}
 
-impl Names for StateForm {
-    const NAMES: &'static [(&'static str, StateForm)] = &[("fp32", StateForm::Fp32), ("bf16", StateForm::Bf16), ("int8", StateForm::Int8), ("8bit", StateForm::Int8)];
-}
-
-/// `optim.name`.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum OptimName {
-    #[default]
-    AdamW,
-    Lion,
-    Muon,
-    Adafactor,
-}
-
-impl Names for OptimName {
-    const NAMES: &'static [(&'static str, OptimName)] = &[("adamw", OptimName::AdamW), ("lion", OptimName::Lion), ("muon", OptimName::Muon), ("adafactor", OptimName::Adafactor)];
-}
+/// `optim.name` and `optim.state` (the planner's names: `kiln plan --optimizer`).
+pub use plan::policy::{OptimName, StateForm};
 
 /// `optim.muon_ns_precision`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -126,6 +126,12 @@ pub struct LayoutArgs {
     /// Keep and reduce gradients in fp32 (default true).
     #[cfg_attr(feature = "clap", arg(long))]
     pub fp32_grads: Option<bool>,
+    /// The optimizer: adamw|lion|muon|adafactor (default adamw): its state bytes, and Muon's iteration.
+    #[cfg_attr(feature = "clap", arg(long))]
+    pub optimizer: Option<String>,
+    /// AdamW's state: fp32|bf16|int8 (default fp32).
+    #[cfg_attr(feature = "clap", arg(long))]
+    pub optim_state: Option<String>,
     /// Data-parallel compression: none|onebit_adam|powersgd|zero_one_adam (after its warm-up; default none).
     #[cfg_attr(feature = "clap", arg(long))]
     pub compression: Option<String>,
@@ -272,6 +278,8 @@ pub fn resolve_layout(a: &LayoutArgs, model: &ModelShape) -> Result<(Constraints
         overlap_dp: a.overlap_dp,
         overlap_comm: a.overlap_comm,
         fp32_grads: a.fp32_grads,
+        optimizer: a.optimizer.as_deref().map(|v| <crate::policy::OptimName as crate::policy::Names>::parse(v).map_err(|e| PlanError(format!("--optimizer {e}")))).transpose()?,
+        optim_state: a.optim_state.as_deref().map(|v| <crate::policy::StateForm as crate::policy::Names>::parse(v).map_err(|e| PlanError(format!("--optim-state {e}")))).transpose()?,
         compression: a.compression.as_deref().map(|v| crate::policy::Compression::parse(v).map_err(|e| PlanError(format!("--compression {e}")))).transpose()?,
         powersgd_rank: a.powersgd_rank,
         zeropp: a.zeropp,

@@ -67,6 +67,11 @@ pub struct Layout {
     /// Keep (and reduce) gradients in fp32, as Megatron's `main_grad` buffer and FSDP's fp32 `reduce_dtype` do:
     /// 4 bytes per gradient instead of the ZeRO paper's 2 (18 bytes of model state per parameter, not 16).
     pub fp32_grads: bool,
+    /// The optimizer and AdamW's state form (their state bytes, and Muon's iteration).
+    #[serde(default)]
+    pub optimizer: crate::policy::OptimName,
+    #[serde(default)]
+    pub optim_state: crate::policy::StateForm,
     /// Data-parallel communication compression (1-bit Adam after its warm-up).
     pub compression: crate::policy::Compression,
     /// PowerSGD's rank.
@@ -283,12 +288,64 @@ pub fn state_bytes_per_param(p: Precision, fp32_grads: bool) -> (f64, f64, f64) 
     }
 }
 
+/// Bytes of optimizer state per parameter (the `k` of [`state_bytes_per_param`]) for the layout's optimizer, with
+/// `matrix_share` of the parameters in hidden 2-D matrices (Muon's). The fp32 master copy under 16-bit precision
+/// (4 B; none for bf16 AdamW state under bf16 weights, which update with stochastic rounding) plus the moments:
+/// AdamW's two (fp32 8 B, bf16 4 B, 8-bit 2 B and a 4-byte scale per 256), Lion's one (4 B), Muon's one for the
+/// matrices and AdamW's two for the rest, Adafactor's factored statistics (row and column averages: about none).
+/// kiln's implementations: `tensor::optim`, `tensor::lean`.
+pub fn optimizer_bytes_per_param(l: &Layout, matrix_share: f64) -> f64 {
+    use crate::policy::{OptimName, StateForm};
+    let sixteen = l.precision != Precision::Fp32;
+    let own_master = l.optimizer == OptimName::AdamW && l.optim_state == StateForm::Bf16 && l.precision == Precision::Bf16;
+    let master = if sixteen && !own_master { 4.0 } else { 0.0 };
+    let adam = match l.optim_state {
+        StateForm::Fp32 => 8.0,
+        StateForm::Bf16 => 4.0,
+        StateForm::Int8 => 2.0 + 8.0 / 256.0,
+    };
+    master
+        + match l.optimizer {
+            OptimName::AdamW => adam,
+            OptimName::Lion => 4.0,
+            OptimName::Muon => 4.0 * matrix_share + 8.0 * (1.0 - matrix_share),
+            OptimName::Adafactor => 0.0,
+        }
+}
+
+/// The share of a model's parameters in its hidden 2-D matrices (not the embeddings, head, norms and biases):
+/// what Muon updates.
+pub fn matrix_share(m: &ModelShape) -> f64 {
+    let total = m.params(m.seq) as f64;
+    // Norm weights: two per layer and the final one.
+    let norms = ((2 * m.layers + 1) * m.hidden) as f64;
+    ((total - m.embedding_params(m.seq) as f64 - norms) / total).clamp(0.0, 1.0)
+}
+
+/// The Newton–Schulz iteration's FLOPs in one Muon step over `m`'s hidden matrices (Jordan et al.'s 5 quintic
+/// steps, each `4r²c + 2r³` for an `r × c` matrix with `r ≤ c`), before any split over ranks.
+pub fn muon_flops(m: &ModelShape) -> f64 {
+    let (h, q, kv, f) = (m.hidden as f64, m.q_dim() as f64, (m.kv_heads * m.head_dim) as f64, m.ffn_hidden as f64);
+    let ns = |a: f64, b: f64| {
+        let (r, c) = (a.min(b), a.max(b));
+        5.0 * (4.0 * r * r * c + 2.0 * r * r * r)
+    };
+    let gated = m.mlp == crate::models::Mlp::Swiglu;
+    let mlp = if gated { 2.0 * ns(f, h) + ns(h, f) } else { ns(f, h) + ns(h, f) };
+    let attn = ns(q, h) + 2.0 * ns(kv, h) + ns(h, q);
+    m.layers as f64 * (attn + mlp)
+}
+
 /// Model-state bytes per GPU, Rajbhandari et al. (ZeRO, SC20) §5: with Ψ parameters on the GPU (after TP/PP
 /// sharding), data-parallel degree N and (w, g, k) bytes per parameter:
 /// stage 0: (w+g+k)Ψ = 16Ψ; stage 1: (w+g)Ψ + kΨ/N = 4Ψ + 12Ψ/N; stage 2: wΨ + (g+k)Ψ/N = 2Ψ + 14Ψ/N;
 /// stage 3: (w+g+k)Ψ/N = 16Ψ/N. Returns (weights, gradients, optimizer) bytes.
 pub fn zero_model_state_bytes(psi: f64, n: f64, stage: u8, p: Precision, fp32_grads: bool) -> (f64, f64, f64) {
-    let (w, g, k) = state_bytes_per_param(p, fp32_grads);
+    zero_state_bytes(psi, n, stage, state_bytes_per_param(p, fp32_grads))
+}
+
+/// [`zero_model_state_bytes`] with the bytes per parameter `(w, g, k)` given.
+pub fn zero_state_bytes(psi: f64, n: f64, stage: u8, (w, g, k): (f64, f64, f64)) -> (f64, f64, f64) {
     match stage {
         0 => (w * psi, g * psi, k * psi),
         1 => (w * psi, g * psi, k * psi / n),
@@ -483,8 +540,10 @@ pub fn memory(m: &ModelShape, cl: &Cluster, l: &Layout) -> MemoryBreakdown {
         let per = layers.len().max(1);
         let n_dense = (l.dp * l.cp) as f64; // Megatron shards optimizer state over DP×CP
         let n_expert = (l.dp * l.cp / l.ep) as f64;
-        let (w1, g1, o1) = zero_model_state_bytes(dense, n_dense, l.zero, l.precision, l.fp32_grads);
-        let (w2, g2, o2) = zero_model_state_bytes(expert, n_expert, l.zero, l.precision, l.fp32_grads);
+        let (w, g, _) = state_bytes_per_param(l.precision, l.fp32_grads);
+        let k = optimizer_bytes_per_param(l, matrix_share(m));
+        let (w1, g1, o1) = zero_state_bytes(dense, n_dense, l.zero, (w, g, k));
+        let (w2, g2, o2) = zero_state_bytes(expert, n_expert, l.zero, (w, g, k));
         let c = ActConfig {
             s_local: (l.seq / l.cp) as f64,
             s_kv: l.seq as f64,
@@ -1175,6 +1234,8 @@ pub fn single_device_layout(batch: u64, seq: u64, attention: Attention) -> Layou
         overlap_dp: false,
         overlap_comm: false,
         fp32_grads: true,
+        optimizer: Default::default(),
+        optim_state: Default::default(),
         compression: Default::default(),
         powersgd_rank: 4,
         zeropp: false,
@@ -1513,7 +1574,24 @@ pub fn estimate(m: &ModelShape, cl: &Cluster, l: &Layout) -> Estimate {
         Precision::Fp32 => 28.0 + 8.0,
         _ => 26.0 + state_bytes_per_param(l.precision, l.fp32_grads).1,
     };
-    let optimizer = stream_time(cl, opt_bytes * opt_params, 4.0);
+    // The optimizer's own traffic beyond AdamW's: Lion reads and writes one moment (8 B less than AdamW's two),
+    // 8-bit and bf16 AdamW state move a quarter and a half of the moments' bytes; Muon orthogonalises each matrix
+    // (its FLOPs spread over the ranks that share the stage's matrices, at the precision's matmul rate, as one
+    // mid-sized product: an assumption of this planner).
+    let state_saving = match (l.optimizer, l.optim_state) {
+        (crate::policy::OptimName::Lion, _) => 8.0,
+        (crate::policy::OptimName::AdamW, crate::policy::StateForm::Bf16) => 8.0,
+        (crate::policy::OptimName::AdamW, crate::policy::StateForm::Int8) => 12.0,
+        (crate::policy::OptimName::Adafactor, _) => 12.0,
+        _ => 0.0,
+    };
+    let mut optimizer = stream_time(cl, (opt_bytes - state_saving).max(8.0) * opt_params, 4.0);
+    if l.optimizer == crate::policy::OptimName::Muon {
+        let ranks = (l.tp * if l.zero >= 1 { l.dp * l.cp } else { 1 }) as f64;
+        let flops = muon_flops(m) / l.pp as f64 / ranks;
+        let h = m.hidden as f64;
+        optimizer += flops / (2.0 * h * h * h) * gemm_time(cl, l.precision, h, h, h, 1.0);
+    }
     let step = pipe + dp_exposed + contention + optimizer;
 
     let n = cl.gpus as f64;

@@ -125,6 +125,40 @@ impl Names for CpMode {
     const NAMES: &'static [(&'static str, CpMode)] = &[("ring", CpMode::Ring), ("p2p", CpMode::Ring), ("ulysses", CpMode::Ulysses), ("a2a", CpMode::Ulysses)];
 }
 
+/// The optimizer (`optim.name` of a run, `--optimizer` of `kiln plan`): AdamW; Lion (one
+/// moment); Muon (one momentum buffer for the hidden matrices, AdamW's two for the rest, and a
+/// Newton–Schulz iteration per matrix each step); Adafactor (factored second moments: about no
+/// state).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, Hash)]
+#[serde(rename_all = "lowercase")]
+pub enum OptimName {
+    #[default]
+    AdamW,
+    Lion,
+    Muon,
+    Adafactor,
+}
+
+impl Names for OptimName {
+    const NAMES: &'static [(&'static str, OptimName)] = &[("adamw", OptimName::AdamW), ("lion", OptimName::Lion), ("muon", OptimName::Muon), ("adafactor", OptimName::Adafactor)];
+}
+
+/// AdamW's state (`optim.state`, `--optim-state`): fp32 moments; bf16 moments (and under bf16
+/// weights no fp32 master copy: the weights update with stochastic rounding); or 8-bit moments,
+/// block-wise with a scale per 256.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, Hash)]
+#[serde(rename_all = "lowercase")]
+pub enum StateForm {
+    #[default]
+    Fp32,
+    Bf16,
+    Int8,
+}
+
+impl Names for StateForm {
+    const NAMES: &'static [(&'static str, StateForm)] = &[("fp32", StateForm::Fp32), ("bf16", StateForm::Bf16), ("int8", StateForm::Int8), ("8bit", StateForm::Int8)];
+}
+
 /// Data-parallel communication compression (`parallel.compression`; `kiln plan --compression`):
 /// `OnebitAdam` (Tang et al. 2021) averages the momentum as one sign bit per element with a
 /// scale per chunk, at the optimizer step, instead of all-reducing the gradients; `PowerSgd`

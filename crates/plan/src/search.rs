@@ -35,6 +35,9 @@ pub struct Constraints {
     pub overlap_comm: Option<bool>,
     /// fp32 gradients (default true).
     pub fp32_grads: Option<bool>,
+    /// The optimizer and AdamW's state form (default AdamW, fp32).
+    pub optimizer: Option<crate::policy::OptimName>,
+    pub optim_state: Option<crate::policy::StateForm>,
     /// Data-parallel compression (default none) and PowerSGD's rank (default 4).
     pub compression: Option<crate::policy::Compression>,
     pub powersgd_rank: Option<u64>,
@@ -301,6 +304,8 @@ pub fn candidates(m: &ModelShape, cl: &Cluster, global_batch: u64, seq: u64, c: 
                                             overlap_dp: c.overlap_dp.unwrap_or(true),
                                             overlap_comm: c.overlap_comm.unwrap_or(true),
                                             fp32_grads: c.fp32_grads.unwrap_or(true),
+                                            optimizer: c.optimizer.unwrap_or_default(),
+                                            optim_state: c.optim_state.unwrap_or_default(),
                                             compression: c.compression.unwrap_or_default(),
                                             powersgd_rank: c.powersgd_rank.unwrap_or(4),
                                             zeropp: c.zeropp.unwrap_or(false),

@@ -402,6 +402,8 @@ pub fn predict_row(row: &Row, cat: &HardwareCatalog, origin: &str) -> Result<Row
         overlap_dp: Some(flag("overlap_dp", setup.overlap_dp)?),
         overlap_comm: Some(flag("overlap_comm", setup.overlap_comm)?),
         fp32_grads: Some(flag("fp32_grads", setup.fp32_grads)?),
+        optimizer: None,
+        optim_state: None,
         uneven_pipeline: Some(setup.uneven_pipeline),
         pp_blocking_p2p: Some(setup.pp_blocking_p2p),
     };

@@ -60,3 +60,34 @@ fn zero_2_and_3_with_a_pipeline_are_estimated() {
     let (e1, e3) = (estimate(&m, &slow, &z(1)), estimate(&m, &slow, &z(3)));
     assert!(e3.step_time_s > e1.step_time_s, "zero 3 {} vs zero 1 {} with one GPU per node", e3.step_time_s, e1.step_time_s);
 }
+
+/// Each optimizer's state bytes per parameter, and what they do to a layout: the same layout's
+/// optimizer memory orders as the bytes do, and only Muon's iteration adds to the step.
+#[test]
+fn each_optimizer_has_its_state_bytes_and_muon_its_iteration() {
+    use plan::cost::{estimate, memory, optimizer_bytes_per_param, Layout};
+    use plan::policy::{OptimName, StateForm};
+    use plan::search::{search, Constraints};
+    let m = plan::models::find_model("llama2-7b", &[]).unwrap();
+    let cl = plan::hardware::Cluster::new(&plan::hardware::HardwareCatalog::builtin(), "h100-sxm", 8, None).unwrap();
+    let c = Constraints { tp: Some(1), pp: Some(1), zero: Some(1), micro_batch: Some(1), precision: Some(Precision::Bf16), ..Default::default() };
+    let base = search(&m, &cl, 32, 4096, &c).unwrap().plans[0].chosen.clone();
+    let with = |optimizer, optim_state| Layout { optimizer, optim_state, ..base.clone() };
+    let share = plan::cost::matrix_share(&m);
+    assert!((0.9..1.0).contains(&share), "{share}");
+    let k = |o, s| optimizer_bytes_per_param(&with(o, s), share);
+    // fp32 master + moments: AdamW 4 + 8, 8-bit 4 + 2 + scales, bf16 state under bf16 weights 4 (no master).
+    assert_eq!(k(OptimName::AdamW, StateForm::Fp32), 12.0);
+    assert!((k(OptimName::AdamW, StateForm::Int8) - (6.0 + 8.0 / 256.0)).abs() < 1e-12);
+    assert_eq!(k(OptimName::AdamW, StateForm::Bf16), 4.0);
+    assert_eq!(k(OptimName::Lion, StateForm::Fp32), 8.0);
+    assert_eq!(k(OptimName::Adafactor, StateForm::Fp32), 4.0);
+    let muon = k(OptimName::Muon, StateForm::Fp32);
+    assert!(muon > 8.0 && muon < 8.5, "{muon}");
+    let opt = |o, s| memory(&m, &cl, &with(o, s)).optimizer;
+    assert!(opt(OptimName::AdamW, StateForm::Bf16) < opt(OptimName::AdamW, StateForm::Int8) && opt(OptimName::AdamW, StateForm::Int8) < opt(OptimName::Lion, StateForm::Fp32));
+    assert!(opt(OptimName::Lion, StateForm::Fp32) < opt(OptimName::AdamW, StateForm::Fp32));
+    let step = |o| estimate(&m, &cl, &with(o, StateForm::Fp32)).step_time_s;
+    assert!(step(OptimName::Muon) > 1.05 * step(OptimName::AdamW), "Muon's Newton–Schulz iteration costs: {} vs {}", step(OptimName::Muon), step(OptimName::AdamW));
+    assert!(step(OptimName::Lion) <= step(OptimName::AdamW));
+}
