@@ -270,6 +270,9 @@ pub fn bench(args: &BenchArgs) -> Result<serde_json::Value> {
     model.recompute = cfg.model.recompute;
     model.recompute_every = cfg.model.recompute_every;
     let mut opt = Optimizer::new(&model.layout);
+    if cfg.optim.name == crate::config::OptimName::Lion {
+        opt.keep_only_first_moment();
+    }
     model.precision = cfg.train.precision;
     if model.precision == model::gpt::Precision::Fp8 {
         model.fp8 = Some(std::cell::RefCell::new(model::gpt::Fp8State::new(model.cfg.n_layer, cfg.train.fp8_amax_history)));

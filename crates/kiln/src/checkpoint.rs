@@ -637,6 +637,9 @@ pub enum Source {
     /// A live compact moment (`optim.state`: the first, or with `second` the second),
     /// converted to fp32 as it is copied.
     LiveLean { lean: *const crate::step::lean::Lean, second: bool },
+    /// A state the optimizer does not keep (Lion's second moment): zeros, so every checkpoint
+    /// holds the same tensors.
+    Zeros,
 }
 
 // SAFETY: a `Live` source is only read, on the writer thread, while the gate is held; the
@@ -672,6 +675,7 @@ impl Source {
             }
             // SAFETY: see `Source::live`.
             Source::LiveLean { lean, second } => unsafe { &**lean }.extend_f32(*second, out, r),
+            Source::Zeros => out.resize(out.len() + r.len(), 0.0),
         }
     }
 }

@@ -486,7 +486,7 @@ fn optimizer_state_names(o: crate::config::OptimName) -> (&'static str, &'static
     use crate::config::OptimName;
     match o {
         OptimName::AdamW => ("AdamW m, v", ""),
-        OptimName::Lion => ("Lion m (and v)", ": Lion's momentum, and a second buffer it leaves at zero"),
+        OptimName::Lion => ("Lion m", ": Lion's momentum (its one state)"),
         OptimName::Muon => ("Muon momentum, AdamW m, v", ": the matrices' momenta and the other parameters' moments, and a second buffer the matrices leave at zero"),
         OptimName::Adafactor => ("Adafactor statistics (in m, v)", ": the second buffer holds each matrix's row and column averages in its first elements and each vector's second moment; the first is left at zero"),
     }
@@ -556,6 +556,7 @@ fn model_state_rows(out: &mut Rows, cfg: &RunConfig, r: &RankShape, s: usize) {
     let form = cfg.optim.state;
     match form {
         _ if offload => out.add(Kind::Optimizer, held, name, 0, format!("{} in memory-mapped files under the run directory (memory.offload), streamed through the update in 4 MiB chunks", fmt_bytes(optim))),
+        StateForm::Fp32 if cfg.optim.name == crate::config::OptimName::Lion => out.add(Kind::Optimizer, held, name, optim / 2, format!("{moments} elements{what}")),
         StateForm::Fp32 => out.add(Kind::Optimizer, held, name, optim, format!("2 × {moments} elements{what}")),
         StateForm::Bf16 => out.add(Kind::Optimizer, held, "AdamW m, v (bf16)", b4(2 * moments * chunks, 2), format!("2 × {moments} bf16 elements, rounded stochastically")),
         // One 8-bit code an element, one fp32 scale per block of 256 (and per update run).

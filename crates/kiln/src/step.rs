@@ -287,6 +287,12 @@ impl Optimizer {
         Optimizer { m: Moments::Mem(vec![0.0; len]), v: Moments::Mem(vec![0.0; len]), master: None, round: None, segs, muon, muon_rest, tensors, compression: None, lean: None }
     }
 
+    /// Frees the second buffer for an optimizer that keeps one state (Lion): its checkpoints
+    /// hold zeros in its place.
+    pub fn keep_only_first_moment(&mut self) {
+        self.v = Moments::Mem(Vec::new());
+    }
+
     /// The layout's contiguous ranges, each with whether weight decay applies to it.
     pub fn decay_groups(&self) -> &[(Range<usize>, bool)] {
         &self.segs
@@ -314,10 +320,14 @@ impl Optimizer {
     pub fn offload(&mut self, dir: &std::path::Path, dp: &mut DataParallel) -> std::io::Result<()> {
         std::fs::create_dir_all(dir)?;
         let len = self.m.len();
-        let (mut m, mut v) = (Moments::file(&dir.join("exp_avg.bin"), len)?, Moments::file(&dir.join("exp_avg_sq.bin"), len)?);
+        let mut m = Moments::file(&dir.join("exp_avg.bin"), len)?;
         m.load(&self.m);
-        v.load(&self.v);
-        (self.m, self.v) = (m, v);
+        self.m = m;
+        if !self.v.is_empty() {
+            let mut v = Moments::file(&dir.join("exp_avg_sq.bin"), len)?;
+            v.load(&self.v);
+            self.v = v;
+        }
         if let Some(mw) = self.master.as_mut() {
             // Joined (or copied) straight into the file.
             let mut f = Moments::file(&dir.join("master.bin"), len)?;

@@ -186,6 +186,7 @@ fn whole_state(chunks: &mut [Chunk], applied: &Applied, zero: bool) -> [checkpoi
         return match &ch.opt.lean {
             // Converted as the snapshot copies it (no fp32 copy of the state beside it).
             Some(l) => [p, Source::LiveLean { lean: l, second: false }, Source::LiveLean { lean: l, second: true }],
+            None if ch.opt.v.is_empty() => [p, Source::live(&ch.opt.m), Source::Zeros],
             None => [p, Source::live(&ch.opt.m), Source::live(&ch.opt.v)],
         };
     }
@@ -202,8 +203,12 @@ fn whole_state(chunks: &mut [Chunk], applied: &Applied, zero: bool) -> [checkpoi
         let (m, v) = match (ch.opt.lean_moments_f32(), zero) {
             (Some((m, v)), true) => (ch.dp.gather_shards_owned(m), ch.dp.gather_shards_owned(v)),
             (Some(mv), false) => mv,
-            (None, true) => (ch.dp.gather_shards(&ch.opt.m), ch.dp.gather_shards(&ch.opt.v)),
-            (None, false) => (ch.opt.m.to_vec(), ch.opt.v.to_vec()),
+            (None, true) => {
+                let m = ch.dp.gather_shards(&ch.opt.m);
+                let v = if ch.opt.v.is_empty() { vec![0.0; m.len()] } else { ch.dp.gather_shards(&ch.opt.v) };
+                (m, v)
+            }
+            (None, false) => (ch.opt.m.to_vec(), if ch.opt.v.is_empty() { vec![0.0; ch.opt.m.len()] } else { ch.opt.v.to_vec() }),
         };
         ms.push(m);
         vs.push(v);

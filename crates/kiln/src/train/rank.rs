@@ -810,6 +810,9 @@ fn chunk(part: parallel::apply::Part, moments: Option<(Vec<f32>, Vec<f32>)>, res
         let (mm, vv) = if sharded { (dp.shards.take(&mm), dp.shards.take(&vv)) } else { (mm, vv) };
         (opt.m, opt.v) = (Moments::Mem(mm), Moments::Mem(vv));
     }
+    if cfg.optim.name == crate::config::OptimName::Lion {
+        opt.keep_only_first_moment();
+    }
     // Mixed precision: the fp32 weights (fresh or from the checkpoint) become the master copy
     // and the working parameters are rounded.
     // With LoRA (bf16 only) the frozen base is what is rounded, once; the adapters stay fp32.

@@ -7,6 +7,12 @@
 use crate::common::*;
 use std::path::Path;
 
+/// The last train line of a run's metrics.
+fn train_line(run: &Path) -> serde_json::Value {
+    let text = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    text.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()).rfind(|v| v["kind"] == "train").unwrap()
+}
+
 fn loss_bits(run: &Path) -> Vec<(u64, u64)> {
     losses(run).iter().map(|&(s, l)| (s, l.to_bits())).collect()
 }
@@ -16,7 +22,7 @@ fn lion_muon_and_adafactor_resume_bit_exactly_and_refuse_another_optimizers_stat
     let d = scratch("optim-resume");
     let data = corpus(&d);
     let cases: [(&str, &[&str]); 3] = [
-        ("lion", &["--set", "train.lr=1e-3"]),
+        ("lion", &["--set", "train.lr=1e-3", "--dp", "2", "--zero", "1"]),
         ("muon", &["--set", "train.precision=bf16", "--set", "optim.muon_adjust_lr=match_rms_adamw"]),
         ("adafactor", &["--set", "train.lr=0.1", "--dp", "2", "--pp", "2", "--micro-batches", "2"]),
     ];
@@ -32,6 +38,14 @@ fn lion_muon_and_adafactor_resume_bit_exactly_and_refuse_another_optimizers_stat
         assert_eq!(loss_bits(&full), loss_bits(&split), "{name}: resumed at step 5");
         let (first, last) = (losses(&full)[0].1, losses(&full)[9].1);
         assert!(last < first - 0.1, "{name} trains: {first} → {last}");
+        if name == "lion" {
+            // One state: half AdamW's bytes.
+            let adamw = d.join("lion-as-adamw");
+            let args: Vec<&str> = base.iter().map(|&a| if a == set.as_str() { "optim.name=adamw" } else { a }).collect();
+            assert!(train(&data, &adamw, &[&args[..], &["--max-steps", "1"]].concat()).status.success());
+            let bytes = |r: &Path| train_line(r)["mem_optim_bytes"].as_f64().unwrap();
+            assert_eq!(2.0 * bytes(&full), bytes(&adamw), "Lion holds one moment");
+        }
         let o = train(&data, &split, &[&base[..], &["--resume", "--max-steps", "12", "--set", "optim.name=adamw"]].concat());
         assert_user_error(&o, &[&format!("holds {name} state"), "optim.name = adamw"]);
         assert_eq!(losses(&split).len(), 10, "the refused resume wrote nothing");
@@ -47,11 +61,7 @@ fn compact_adamw_state_resumes_bit_exactly_and_holds_less() {
     let base = ["--set", "model.dropout=0.1", "--set", "model.n_layer=2", "--set", "train.precision=bf16"];
     let fp32 = d.join("fp32");
     assert!(train(&data, &fp32, &[&base[..], &["--max-steps", "10"]].concat()).status.success());
-    let optim_bytes = |run: &Path| -> f64 {
-        let text = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
-        let last = text.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()).rfind(|v| v["kind"] == "train").unwrap();
-        last["mem_optim_bytes"].as_f64().unwrap()
-    };
+    let optim_bytes = |run: &Path| train_line(run)["mem_optim_bytes"].as_f64().unwrap();
     for (form, layout, ratio) in [("bf16", &[][..], 0.5), ("int8", &["--dp", "2", "--zero", "1"][..], 0.26)] {
         let set = format!("optim.state={form}");
         let args = [&base[..], &["--set", &set], layout].concat();
