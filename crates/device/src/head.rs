@@ -22,9 +22,10 @@ const CROSSENTROPY: Kernel = kernel!("crossentropy", libs ["reduce", "softmax"],
 const CROSSENTROPY_VP: Kernel = kernel!("crossentropy_vp", libs ["reduce", "softmax"], ["L", "LOSSES", "TGT", "S", "ST"], writes ["L", "LOSSES", "ST"]);
 const SUM_SQUARES: Kernel = kernel!("sum_squares", libs ["reduce"], ["OUT", "PART", "X"], writes ["OUT", "PART"]);
 const CLIP: Kernel = kernel!("clip", ["S"], writes ["S"]);
-const ADAMW: Kernel = kernel!("adamw", ["P", "G", "M", "V", "S"], writes ["P", "M", "V"]);
+const ADAMW: Kernel = kernel!("adamw", libs ["optim"], ["P", "G", "M", "V", "S"], writes ["P", "M", "V"]);
+const LION: Kernel = kernel!("lion", libs ["optim"], ["P", "G", "M", "S"], writes ["P", "M"]);
 /// This module's kernels (the CUDA build compiles each).
-pub(crate) const KERNELS: &[&Kernel] = &[&CROSSENTROPY, &CROSSENTROPY_VP, &SUM_SQUARES, &CLIP, &ADAMW];
+pub(crate) const KERNELS: &[&Kernel] = &[&CROSSENTROPY, &CROSSENTROPY_VP, &SUM_SQUARES, &CLIP, &ADAMW, &LION];
 
 /// The vocabulary-parallel head's exchange: every rank's `[lse | target logit]` rows gathered.
 type Gather<'a> = &'a mut dyn FnMut(&[f32]) -> Vec<f32>;
@@ -189,5 +190,26 @@ impl Gpu {
             h.eps.to_bits(), decay as u32, u(slot::CLIP_SCALE), u(mat), u(gat),
         ];
         self.launch(&ADAMW, Gpu::grid(n, 256), &args, &[Some(p), Some(g), Some(m), Some(v), Some(scalars)]);
+    }
+
+    /// Writes Lion's step scalars for `h` into `scalars[0..3]`: `lr`, (unused), `1 − lr·wd`, as
+    /// `tensor::optim::lion_update` computes them.
+    pub fn set_lion_scalars(&self, scalars: &Buf, h: &tensor::optim::Lion) {
+        self.write_words(scalars, 0, &[h.lr.to_bits(), 0, (1.0 - h.lr * h.weight_decay).to_bits()]);
+    }
+
+    /// Lion (`tensor::optim::lion_update`) over `n` elements, element `i`'s parameter, gradient
+    /// and moment at their offsets plus `i`, the gradients scaled by the clipping factor at
+    /// [`slot::CLIP_SCALE`], `decay` whether weight decay applies, with `scalars` from
+    /// [`Gpu::set_lion_scalars`].
+    pub fn lion_update_at(&self, (p, g, m): (&Buf, &Buf, &Buf), o: Offsets, n: usize, h: &tensor::optim::Lion, decay: bool, scalars: &Buf) {
+        let (at, gat, mat) = (o.params, o.grads, o.moments);
+        assert!(at + n <= p.len() && g.len() >= gat + n && m.len() >= mat + n && scalars.len() >= slot::OPTIM, "lion_update: shapes");
+        #[rustfmt::skip]
+        let args = [
+            u(n), u(at), h.beta1.to_bits(), (1.0 - h.beta1).to_bits(), h.beta2.to_bits(), (1.0 - h.beta2).to_bits(),
+            decay as u32, u(slot::CLIP_SCALE), u(mat), u(gat),
+        ];
+        self.launch(&LION, Gpu::grid(n, 256), &args, &[Some(p), Some(g), Some(m), Some(scalars)]);
     }
 }

@@ -441,7 +441,31 @@ fn optimizer<'a>(x: &'a Inputs, g: Option<&'a Gpu>) -> Vec<Case<'a>> {
             out(get, || vec![all[device::slot::SUMSQ]])
         })
     });
-    vec![adam, case("sum_squares", "f32", false, (n * 4) as f64, cpu, dev)]
+    let sumsq = case("sum_squares", "f32", false, (n * 4) as f64, cpu, dev);
+    vec![adam, lion(x, g), sumsq]
+}
+
+/// Lion's update (`tensor::optim::lion_update`): reads p, g, m and writes p, m.
+fn lion<'a>(x: &'a Inputs, g: Option<&'a Gpu>) -> Case<'a> {
+    let n = x.x.len();
+    let h = tensor::optim::Lion { lr: 1e-3, beta1: 0.9, beta2: 0.99, weight_decay: 0.1 };
+    let (mut p, mut m) = (x.dout.clone(), vec![0.0; n]);
+    let cpu: Run = Box::new(move |get| {
+        tensor::optim::lion_update(&mut p, &x.x, &mut m, &h);
+        out(get, || p.clone())
+    });
+    let dev = g.map(|g| {
+        let s = g.upload(&[0.0; device::slot::OPTIM]);
+        g.write_words(&s, device::slot::CLIP_SCALE, &[1.0f32.to_bits()]);
+        g.set_lion_scalars(&s, &h);
+        let st = (g.upload(&x.dout), g.upload(&x.x), g.zeros(n), s);
+        on(g, st, move |g, (p, gr, m, s)| {
+            let at = device::Offsets { params: 0, grads: 0, moments: 0 };
+            g.lion_update_at((p, gr, m), at, n, &h, true, s);
+            p
+        })
+    });
+    case("lion_update", "f32", false, (n * 20) as f64, cpu, dev)
 }
 
 /// A mixture-of-experts layer's routing: top-2 of 8 experts with capacity (1.25 × the even

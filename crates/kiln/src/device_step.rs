@@ -124,8 +124,8 @@ pub fn refusal(cfg: &RunConfig) -> Option<String> {
     if p.tp > 1 && cfg.lora.rank > 0 {
         return Some(format!("train.device = {d}: LoRA adapters on a tensor-parallel part do not run on devices yet (parallel.tp = {})", p.tp));
     }
-    if cfg.optim.name != crate::config::OptimName::AdamW {
-        return Some(format!("train.device = {d}: the device runs AdamW only, not optim.name = {}, yet; use train.device = cpu", plan::policy::Names::name(cfg.optim.name)));
+    if !matches!(cfg.optim.name, crate::config::OptimName::AdamW | crate::config::OptimName::Lion) {
+        return Some(format!("train.device = {d}: the device runs AdamW and Lion, not optim.name = {}, yet; use train.device = cpu", plan::policy::Names::name(cfg.optim.name)));
     }
     let why = if cfg.train.precision == model::Precision::Fp8 {
         "FP8 storage (train.precision = fp8)"
@@ -428,9 +428,12 @@ impl DevicePart {
         };
         let model = model.map_err(|e| KilnError::User(format!("train.device = {d}: {e}; use train.device = cpu")))?;
         let alloc = |len| gpu.alloc(len, device::DType::F32).map_err(|e| KilnError::User(format!("train.device = {d}: {e}")));
-        let (m, v) = (alloc(ch.opt.m.len())?, alloc(ch.opt.v.len())?);
+        // (Lion keeps no second moment: one element stands in for it.)
+        let (m, v) = (alloc(ch.opt.m.len())?, alloc(ch.opt.v.len().max(1))?);
         gpu.write(&m, &ch.opt.m);
-        gpu.write(&v, &ch.opt.v);
+        if !ch.opt.v.is_empty() {
+            gpu.write(&v, &ch.opt.v);
+        }
         let pieces = (zero > 0).then(|| ch.dp.pieces());
         #[cfg(feature = "cuda")]
         let nccl = match cfg.parallel.nccl && ch.dp.n() > 1 {
@@ -494,13 +497,22 @@ impl DevicePart {
     /// gathers them unit by unit.
     fn update(&self, ch: &mut Chunk, cfg: &RunConfig, step: u64, g: &Gpu) {
         let tc = &cfg.train;
-        let h = tensor::AdamW { lr: cfg.lr_at(step) as f32, beta1: tc.beta1 as f32, beta2: tc.beta2 as f32, eps: tc.eps as f32, weight_decay: tc.weight_decay as f32, t: step + 1 };
-        g.set_adamw_scalars(&self.model.scalars, &h);
+        let lr = cfg.lr_at(step) as f32;
+        let h = tensor::AdamW { lr, beta1: tc.beta1 as f32, beta2: tc.beta2 as f32, eps: tc.eps as f32, weight_decay: tc.weight_decay as f32, t: step + 1 };
+        let lion = (cfg.optim.name == crate::config::OptimName::Lion).then_some(tensor::optim::Lion { lr, beta1: h.beta1, beta2: h.beta2, weight_decay: h.weight_decay });
+        match &lion {
+            Some(l) => g.set_lion_scalars(&self.model.scalars, l),
+            None => g.set_adamw_scalars(&self.model.scalars, &h),
+        }
         let (params, grads) = self.model.trainable();
         let state = (params, grads, &self.m, &self.v);
+        let run = |o: device::Offsets, n: usize, decay: bool| match &lion {
+            Some(l) => g.lion_update_at((params, grads, &self.m), o, n, l, decay, &self.model.scalars),
+            None => g.adamw_update_at(state, o, n, &h, decay, &self.model.scalars),
+        };
         let Some(pieces) = &self.pieces else {
             for (r, decay) in &self.segments {
-                g.adamw_update(state, r.start, r.len(), &h, *decay, &self.model.scalars);
+                run(device::Offsets { params: r.start, grads: r.start, moments: r.start }, r.len(), *decay);
             }
             return self.model.refresh_working();
         };
@@ -510,8 +522,7 @@ impl DevicePart {
                 if a < b {
                     let s = p.shard.start + a - p.flat.start;
                     // ZeRO-1: the whole layout's gradients; 2: the shard's; 3: the weights' too.
-                    let o = device::Offsets { params: if self.zero == 3 { s } else { a }, grads: if self.zero >= 2 { s } else { a }, moments: s };
-                    g.adamw_update_at(state, o, b - a, &h, *decay, &self.model.scalars);
+                    run(device::Offsets { params: if self.zero == 3 { s } else { a }, grads: if self.zero >= 2 { s } else { a }, moments: s }, b - a, *decay);
                 }
             }
         }
@@ -616,9 +627,10 @@ impl DevicePart {
             Some(lo) => lo.params.copy_from_slice(&w),
             None => put_master(ch, &w),
         }
-        let (m, v) = (gpu.download(&self.m), gpu.download(&self.v));
-        ch.opt.m.copy_from_slice(&m);
-        ch.opt.v.copy_from_slice(&v);
+        ch.opt.m.copy_from_slice(&gpu.download(&self.m));
+        if !ch.opt.v.is_empty() {
+            ch.opt.v.copy_from_slice(&gpu.download(&self.v));
+        }
         self.stale = false;
     }
 }
@@ -748,6 +760,8 @@ fn ulysses_staging(gpt: &model::GptConfig, cp: usize, n: usize) -> u64 {
 
 /// One model chunk's device plan at `(rows, t)`, and a line of what its weights are.
 fn part_plan(gpu: &Gpu, cfg: &RunConfig, (gpt, params): (&model::GptConfig, usize), (rows, t): (usize, usize)) -> Result<(model::device::DevicePlan, String)> {
+    // The optimizer's state buffers: AdamW's two moments, or Lion's one.
+    let (extra, state) = if cfg.optim.name == crate::config::OptimName::Lion { (1, "Lion's moment") } else { (2, "AdamW's two moments") };
     let (weights, what) = if cfg.lora.rank > 0 {
         let l = &cfg.lora;
         let layout = model::layout::gpt_layout(gpt).0;
@@ -757,7 +771,7 @@ fn part_plan(gpu: &Gpu, cfg: &RunConfig, (gpt, params): (&model::GptConfig, usiz
             model::BaseQuant::None => format!("frozen, {}", plan::policy::Names::name(cfg.train.precision)),
             q => format!("frozen, {}", plan::policy::Names::name(q)),
         };
-        (w, format!("a base of {params} parameters ({base}) and {} adapter parameters × 4 buffers of fp32 (weights, gradients, AdamW's two moments)", lora.params.len()))
+        (w, format!("a base of {params} parameters ({base}) and {} adapter parameters × {} buffers of fp32 (weights, gradients, {state})", lora.params.len(), 2 + extra))
     } else if cfg.parallel.dp > 1 && cfg.parallel.zero >= 1 {
         let (stage, n) = (cfg.parallel.zero as u8, cfg.parallel.dp);
         let units = model::layout::gpt_layout(gpt).1.units(params);
@@ -765,15 +779,15 @@ fn part_plan(gpu: &Gpu, cfg: &RunConfig, (gpt, params): (&model::GptConfig, usiz
         let largest = units.iter().map(|u| u.len()).max().unwrap_or(0);
         let ends = (units[0].len(), units[units.len() - 1].len());
         let what = match stage {
-            3 => format!("ZeRO-3: a shard of {shard} of {params} parameters × 4 buffers of fp32 (weights, gradients, AdamW's two moments), units of up to {largest} gathered"),
-            1 => format!("ZeRO-1: {params} parameters × 2 buffers of fp32 (weights, gradients) and a shard of {shard} × 2 (AdamW's two moments)"),
-            _ => format!("ZeRO-2: {params} parameters of fp32 weights and a shard of {shard} × 3 buffers (gradients, AdamW's two moments)"),
+            3 => format!("ZeRO-3: a shard of {shard} of {params} parameters × {} buffers of fp32 (weights, gradients, {state}), units of up to {largest} gathered", 2 + extra),
+            1 => format!("ZeRO-1: {params} parameters × 2 buffers of fp32 (weights, gradients) and a shard of {shard} × {extra} ({state})"),
+            _ => format!("ZeRO-2: {params} parameters of fp32 weights and a shard of {shard} × {} buffers (gradients, {state})", 1 + extra),
         };
         (model::device::Weights::Zero { stage, params, shard, units: (largest, ends.0, ends.1) }, what)
     } else {
-        (model::device::Weights::Full { params }, format!("{params} parameters × 4 buffers of fp32 (weights, gradients, AdamW's two moments)"))
+        (model::device::Weights::Full { params }, format!("{params} parameters × {} buffers of fp32 (weights, gradients, {state})", 2 + extra))
     };
-    Ok((model::device::plan(gpu, gpt, weights, (rows, t), 2, (cfg.train.precision, cfg.model.recompute, cfg.model.recompute_every)), what))
+    Ok((model::device::plan(gpu, gpt, weights, (rows, t), extra, (cfg.train.precision, cfg.model.recompute, cfg.model.recompute_every)), what))
 }
 
 /// The chunk's fp32 weights in layout order where its pieces lie (one rank, or ZeRO 0: the

@@ -12,17 +12,13 @@ extern "C" __global__ void __launch_bounds__(256) adamw(const KilnParams KP) {
     if (e >= arg(0u)) {
         return;
     }
+    const auto g = clipped_grad(KP, e, 10u, 8u);
     const auto i = arg(1u) + e;
     const auto mi = arg(9u) + e;
-    const auto g = ld_G(arg(10u) + e) * ld_S(arg(8u));
     const auto m = argf(2u) * ld_M(mi) + argf(3u) * g;
     const auto v = argf(4u) * ld_V(mi) + argf(5u) * g * g;
     st_M(mi, m);
     st_V(mi, v);
-    auto decay = 1.0f;
-    if (arg(7u) != 0u) {
-        decay = ld_S(2u);
-    }
     const auto denom = sqrtf(v) * ld_S(1u) + argf(6u);
-    st_P(i, ld_P(i) * decay - ld_S(0u) * m / denom);
+    st_P(i, ld_P(i) * decay_factor(KP, 7u) - ld_S(0u) * m / denom);
 }

@@ -11,17 +11,13 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid:
     if (e >= arg(0u)) {
         return;
     }
+    let g = clipped_grad(e, 10u, 8u);
     let i = arg(1u) + e;
     let mi = arg(9u) + e;
-    let g = ld_G(arg(10u) + e) * ld_S(arg(8u));
     let m = argf(2u) * ld_M(mi) + argf(3u) * g;
     let v = argf(4u) * ld_V(mi) + argf(5u) * g * g;
     st_M(mi, m);
     st_V(mi, v);
-    var decay = 1.0;
-    if (arg(7u) != 0u) {
-        decay = ld_S(2u);
-    }
     let denom = sqrt(v) * ld_S(1u) + argf(6u);
-    st_P(i, ld_P(i) * decay - ld_S(0u) * m / denom);
+    st_P(i, ld_P(i) * decay_factor(7u) - ld_S(0u) * m / denom);
 }

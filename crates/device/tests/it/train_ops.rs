@@ -247,3 +247,44 @@ fn dequantize_matches_cpu() {
     let got = g.download(&out)[..rows * cols].to_vec();
     assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "dequantize int8 differs from the CPU");
 }
+
+/// Lion against `tensor::optim::lion_update`: every weight moves by exactly ±lr or not at all,
+/// so the parameters and the moment agree with the CPU to rounding, at offsets too.
+#[test]
+fn lion_matches_cpu() {
+    let g = gpu();
+    let mut rng = Rng::new(47);
+    let n = 70_001;
+    let params = randn(&mut rng, n, 1.0);
+    let grads = randn(&mut rng, n, 0.1);
+    let m0 = randn(&mut rng, n, 0.05);
+    let h = tensor::optim::Lion { lr: 3e-3, beta1: 0.9, beta2: 0.99, weight_decay: 0.1 };
+    let half = n / 2;
+    let (mut p, mut m) = (params.clone(), m0.clone());
+    tensor::optim::lion_update(&mut p[..half], &grads[..half], &mut m[..half], &h);
+    let h0 = tensor::optim::Lion { weight_decay: 0.0, ..h };
+    tensor::optim::lion_update(&mut p[half..], &grads[half..], &mut m[half..], &h0);
+    let (gp, gg, gm) = (g.upload(&params), g.upload(&grads), g.upload(&m0));
+    let scal = g.zeros(slot::OPTIM);
+    // No clipping: a factor of 1.
+    g.write(&scal, &{
+        let mut s = vec![0.0f32; slot::OPTIM];
+        s[slot::CLIP_SCALE] = 1.0;
+        s
+    });
+    g.set_lion_scalars(&scal, &h);
+    let at = |a: usize| device::Offsets { params: a, grads: a, moments: a };
+    g.lion_update_at((&gp, &gg, &gm), at(0), half, &h, true, &scal);
+    g.lion_update_at((&gp, &gg, &gm), at(half), n - half, &h, false, &scal);
+    close("lion params", &g.download(&gp), &p, 1e-5);
+    close("lion m", &g.download(&gm), &m, 1e-5);
+    let moved = p.iter().zip(&params).filter(|(a, b)| a != b).count();
+    assert!(moved > n / 2, "most weights move: {moved} of {n}");
+    // At offsets (a ZeRO shard's layout).
+    let k = 1000;
+    let pad = |x: &[f32], o: usize| [vec![0.5; o], x[..k].to_vec()].concat();
+    let (sp, sg, sm) = (g.upload(&pad(&params, 3)), g.upload(&pad(&grads, 7)), g.upload(&pad(&m0, 11)));
+    g.lion_update_at((&sp, &sg, &sm), device::Offsets { params: 3, grads: 7, moments: 11 }, k, &h, true, &scal);
+    close("lion params at offsets", &g.download(&sp)[3..], &p[..k], 1e-5);
+    close("lion m at offsets", &g.download(&sm)[11..], &m[..k], 1e-5);
+}

@@ -2,7 +2,7 @@
 //! yet), `kiln doctor`'s GPU lines, `kiln bench --kernels`, and training on the device against
 //! the CPU (losses step for step, checkpoints moving between the two) on the first adapter
 //! (lavapipe in CI).
-use crate::common::{corpus, fixture, kiln, scratch, stderr, stdout};
+use crate::common::{assert_user_error, corpus, fixture, kiln, scratch, stderr, stdout};
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -588,4 +588,29 @@ fn mpi_processes_on_devices_match_in_process_ranks() {
         let e = worst(&a, &b, 1..=6);
         assert!(e <= 1e-6, "{name}: two processes on devices differ from two in-process ranks by {e:e}");
     }
+}
+
+/// Lion on the device (`Gpu::lion_update_at`, one moment): on one device and at dp 2 under
+/// ZeRO-1 (the moment a shard per rank) it follows the CPU's Lion; Muon is refused there by name.
+#[test]
+fn lion_on_the_device_follows_the_cpu() {
+    let dir = scratch("device-lion");
+    let data = fixture("data/tinyshakespeare.txt");
+    let run = |name: &str, extra: &[&str]| {
+        let out = dir.join(name);
+        let mut args = vec!["train", "--preset", "llama-tiny", "--data", data.to_str().unwrap(), "--out", out.to_str().unwrap(), "--max-steps", "10", "--quiet"];
+        args.extend(["--set", "optim.name=lion", "--set", "train.lr=3e-4", "--set", "train.batch_size=4", "--set", "model.block_size=64", "--set", "model.dropout=0.1", "--set", "train.log_interval=1", "--set", "eval.interval=0", "--set", "eval.iters=2", "--set", "sample.tokens=0"]);
+        args.extend_from_slice(extra);
+        let o = kiln(&args);
+        assert_eq!(o.status.code(), Some(0), "{name}: {}", stderr(&o));
+        losses(&out)
+    };
+    let cpu = run("cpu", &["--device", "cpu"]);
+    for (name, extra) in [("vulkan", &["--device", "vulkan"][..]), ("vulkan-dp2-zero1", &["--device", "vulkan", "--dp", "2", "--zero", "1"])] {
+        let e = worst(&cpu, &run(name, extra), 1..=10);
+        assert!(e <= 1e-4, "{name}: Lion's losses differ from the CPU's by {e:e}");
+    }
+    let out = dir.join("muon");
+    let o = kiln(&["train", "--preset", "llama-tiny", "--data", data.to_str().unwrap(), "--out", out.to_str().unwrap(), "--device", "vulkan", "--set", "optim.name=muon", "--quiet"]);
+    assert_user_error(&o, &["train.device = vulkan", "optim.name = muon"]);
 }

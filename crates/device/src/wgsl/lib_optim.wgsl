@@ -1,0 +1,14 @@
+// An optimizer kernel's gradient of element e, scaled by the clipping factor: G[arg(goff) + e] ·
+// S[arg(scale_at)], with goff and scale_at the indices of the kernel's arguments holding them.
+fn clipped_grad(e: u32, goff: u32, scale_at: u32) -> f32 {
+    return ld_G(arg(goff) + e) * ld_S(arg(scale_at));
+}
+
+// The weight-decay factor: S[2] (the step's 1 − lr·wd) where the argument at `flag` is nonzero,
+// else 1.
+fn decay_factor(flag: u32) -> f32 {
+    if (arg(flag) != 0u) {
+        return ld_S(2u);
+    }
+    return 1.0;
+}
