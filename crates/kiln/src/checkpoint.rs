@@ -636,7 +636,7 @@ pub enum Source {
     LiveSplit { work: *const f32, low: *const u16, len: usize },
     /// A live compact moment (`optim.state`: the first, or with `second` the second),
     /// converted to fp32 as it is copied.
-    LiveLean { lean: *const crate::step::lean::Lean, second: bool },
+    LiveLean(crate::step::lean::LeanView),
     /// A state the optimizer does not keep (Lion's second moment): zeros, so every checkpoint
     /// holds the same tensors.
     Zeros,
@@ -674,7 +674,7 @@ impl Source {
                 tensor::precision::join_bf16_chunk(&mut out[at..], &w[r.clone()], &l[r]);
             }
             // SAFETY: see `Source::live`.
-            Source::LiveLean { lean, second } => unsafe { &**lean }.extend_f32(*second, out, r),
+            Source::LiveLean(view) => unsafe { view.extend_f32(out, r) },
             Source::Zeros => out.resize(out.len() + r.len(), 0.0),
         }
     }

@@ -26,20 +26,54 @@ pub struct Lean {
     runs: Vec<(usize, usize, usize)>,
 }
 
+/// One compact moment's live buffers, for a checkpoint's copy while training waits at the
+/// snapshot's gate: raw views of heap buffers (which stay put however the optimizer moves) and a
+/// copy of the update runs.
+pub struct LeanView {
+    codes: Codes,
+    len: usize,
+    runs: Vec<(usize, usize, usize)>,
+}
+
+enum Codes {
+    Bf16(*const u16),
+    Int8 { codes: *const u8, scales: (*const f32, usize), which: Moment },
+}
+
+// SAFETY: read only, on the checkpoint writer's thread, while the gate holds the update back
+// (as `checkpoint::Source::Live`).
+unsafe impl Send for LeanView {}
+
 impl Lean {
-    /// Appends state positions `r` of the first moment (the second with `second`) to `out` in
-    /// fp32 (a checkpoint's copy); positions outside every update run are 0.
-    pub fn extend_f32(&self, second: bool, out: &mut Vec<f32>, r: std::ops::Range<usize>) {
+    /// The view of the first moment, or with `second` the second.
+    pub fn view(&self, second: bool) -> LeanView {
+        let codes = match &self.form {
+            LeanForm::Bf16 { m, v } => Codes::Bf16(if second { v.as_ptr() } else { m.as_ptr() }),
+            LeanForm::Int8 { m, v, ms, vs } => {
+                let (c, s, which) = if second { (v, vs, Moment::Second) } else { (m, ms, Moment::First) };
+                Codes::Int8 { codes: c.as_ptr(), scales: (s.as_ptr(), s.len()), which }
+            }
+        };
+        LeanView { codes, len: self.len, runs: self.runs.clone() }
+    }
+}
+
+impl LeanView {
+    /// Appends state positions `r` to `out` in fp32; positions outside every update run are 0.
+    ///
+    /// # Safety
+    /// The viewed buffers must be alive and unwritten for the call (the snapshot's gate).
+    pub unsafe fn extend_f32(&self, out: &mut Vec<f32>, r: std::ops::Range<usize>) {
         let at = out.len();
         out.resize(at + r.len(), 0.0);
         let dst = &mut out[at..];
-        match &self.form {
-            LeanForm::Bf16 { m, v } => {
-                let src = if second { &v[r.clone()] } else { &m[r.clone()] };
+        match self.codes {
+            Codes::Bf16(p) => {
+                let src = &std::slice::from_raw_parts(p, self.len)[r];
                 dst.iter_mut().zip(src).for_each(|(o, &x)| *o = tensor::bf16::from_bf16(x));
             }
-            LeanForm::Int8 { m, v, ms, vs } => {
-                let (codes, scales, which) = if second { (v, vs, Moment::Second) } else { (m, ms, Moment::First) };
+            Codes::Int8 { codes, scales, which } => {
+                let (codes, scales) = (std::slice::from_raw_parts(codes, self.len), std::slice::from_raw_parts(scales.0, scales.1));
                 for &(start, n, s) in &self.runs {
                     let (a, b) = (r.start.max(start), r.end.min(start + n));
                     if a >= b {

@@ -185,7 +185,7 @@ fn whole_state(chunks: &mut [Chunk], applied: &Applied, zero: bool) -> [checkpoi
         };
         return match &ch.opt.lean {
             // Converted as the snapshot copies it (no fp32 copy of the state beside it).
-            Some(l) => [p, Source::LiveLean { lean: l, second: false }, Source::LiveLean { lean: l, second: true }],
+            Some(l) => [p, Source::LiveLean(l.view(false)), Source::LiveLean(l.view(true))],
             None if ch.opt.v.is_empty() => [p, Source::live(&ch.opt.m), Source::Zeros],
             None => [p, Source::live(&ch.opt.m), Source::live(&ch.opt.v)],
         };
