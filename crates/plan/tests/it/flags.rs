@@ -29,4 +29,12 @@ fn every_field_is_its_flag() {
     // A bare --sequence-parallel is true; the overlap flags keep their --dp-/--comm- spelling.
     assert_eq!((l.sequence_parallel, l.overlap_dp, l.overlap_comm, l.fp32_grads), (Some(true), Some(false), Some(true), Some(false)));
     assert!(Flags::try_parse_from(["plan", "--gpu", "a100-80gb", "--gpus", "8"]).is_err(), "--global-batch is required");
+    // The optimizer flags, by the run's names; a wrong one is refused naming the flag and the names.
+    let f = Flags::try_parse_from(["plan", "--gpu", "h100-sxm", "--gpus", "8", "--global-batch", "32", "--optimizer", "muon", "--optim-state", "int8"]).unwrap();
+    let m = plan::models::find_model("llama2-7b", &[]).unwrap();
+    let (c, _, _) = plan::cli::resolve_layout(&f.layout, &m).unwrap();
+    assert_eq!((c.optimizer, c.optim_state), (Some(plan::policy::OptimName::Muon), Some(plan::policy::StateForm::Int8)));
+    let f = Flags::try_parse_from(["plan", "--gpu", "h100-sxm", "--gpus", "8", "--global-batch", "32", "--optimizer", "sgd"]).unwrap();
+    let e = plan::cli::resolve_layout(&f.layout, &m).unwrap_err().0;
+    assert!(e.contains("--optimizer") && e.contains("adamw, lion, muon or adafactor") && e.contains("sgd"), "{e}");
 }
