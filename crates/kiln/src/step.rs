@@ -394,7 +394,7 @@ impl Optimizer {
             match (&lion, &mut self.master, self.round) {
                 (Some(l), master, round) => {
                     let m = &mut self.m[e.clone()];
-                    on_master(master, round, p, e.start, |w| tensor::optim::lion_update(w, g, m, l));
+                    on_master(master, round, (p, e.start), Span::Pieces, |w, r| tensor::optim::lion_update(w, &g[r.clone()], &mut m[r], l));
                 }
                 // Mixed precision: AdamW on the fp32 master weights, then the working copy.
                 (None, Some(Master::F32(mw)), Some(fmt)) => {
@@ -450,14 +450,14 @@ impl Optimizer {
             let e = piece.shard.start + i;
             let state_len = if shape.1 > 1 { shape.0 + shape.1 } else { shape.0 };
             let state = &mut self.v[e..e + state_len];
-            on_master(&mut self.master, self.round, &mut params[i..j], e, |w| tensor::optim::adafactor_update(w, &grads[i..j], state, shape, &h));
+            on_master(&mut self.master, self.round, (&mut params[i..j], e), Span::Whole, |w, _| tensor::optim::adafactor_update(w, &grads[i..j], state, shape, &h));
         }
     }
 
     /// `p = p·decay − lr·o` on weights whose state starts at `at` (the master weights under
     /// mixed precision, then the working copy).
     pub(crate) fn muon_apply(&mut self, params: &mut [f32], o: &[f32], at: usize, lr: f32, decay: f32) {
-        on_master(&mut self.master, self.round, params, at, |w| tensor::optim::muon_apply(w, o, lr, decay));
+        on_master(&mut self.master, self.round, (params, at), Span::Pieces, |w, r| tensor::optim::muon_apply(w, &o[r], lr, decay));
     }
 }
 
@@ -498,25 +498,40 @@ fn muon_matrix(p: &model::ParamSpec) -> bool {
     p.shape.len() == 2 && p.decay && !p.name.ends_with("lm_head.weight")
 }
 
-/// Runs the elementwise update `f` on the fp32 weights of `params` (whose master weights, under
-/// mixed precision, start at `at`), then refreshes the working copy.
-fn on_master(master: &mut Option<Master>, round: Option<tensor::precision::Format>, params: &mut [f32], at: usize, f: impl FnOnce(&mut [f32])) {
-    let e = at..at + params.len();
+/// How much of a run [`on_master`] hands its update at once: all of it (an update that needs
+/// the whole tensor), or pieces of `tensor::par::ELEMS` (an elementwise one: bf16 master
+/// weights are then joined and split a cache-sized piece at a time, with no run-sized copy).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Span {
+    Whole,
+    Pieces,
+}
+
+/// Runs the update `f` on the fp32 weights of `params` (whose master weights, under mixed
+/// precision, start at `at`), then refreshes the working copy. `f` gets the weights and their
+/// range within `params`: once over all of them, or under bf16's split master weights with
+/// [`Span::Pieces`], piece by piece.
+fn on_master(master: &mut Option<Master>, round: Option<tensor::precision::Format>, (params, at): (&mut [f32], usize), span: Span, mut f: impl FnMut(&mut [f32], Range<usize>)) {
+    let (n, e) = (params.len(), at..at + params.len());
     match (master, round) {
         (Some(Master::F32(mw)), Some(fmt)) => {
-            f(&mut mw[e.clone()]);
+            f(&mut mw[e.clone()], 0..n);
             tensor::precision::master_round_into(params, &mw[e.clone()], fmt);
             mw.release(e);
         }
         (Some(Master::Low(low)), _) => {
-            let lo = &mut low[e];
-            let mut x = vec![0.0f32; params.len()];
-            tensor::precision::join_bf16_into(&mut x, params, lo);
-            f(&mut x);
-            params.copy_from_slice(&x);
-            tensor::precision::split_bf16_in_place(params, lo);
+            let piece = if span == Span::Whole { n.max(1) } else { tensor::par::ELEMS };
+            let mut x = vec![0.0f32; piece.min(n)];
+            for a in (0..n).step_by(piece) {
+                let b = (a + piece).min(n);
+                let (w, lo, x) = (&mut params[a..b], &mut low[at + a..at + b], &mut x[..b - a]);
+                tensor::precision::join_bf16_into(x, w, lo);
+                f(x, a..b);
+                w.copy_from_slice(x);
+                tensor::precision::split_bf16_in_place(w, lo);
+            }
         }
-        _ => f(params),
+        _ => f(params, 0..n),
     }
 }
 

@@ -137,17 +137,24 @@ fn runs(split: Split, shape: &[usize], rank: usize, tp: usize, mut f: impl FnMut
 /// The whole `[rows, cols]` matrix of a parameter cut as `split`, from every rank's part
 /// (`parts[r]`, each `local` rows × columns), in the whole model's element order; and its shape.
 pub fn assemble(split: Split, local: (usize, usize), parts: &[&[f32]]) -> (Vec<f32>, (usize, usize)) {
+    assert!(matches!(split, Split::Rows { .. } | Split::Cols), "assemble: {split:?} is not a matrix split");
     let tp = parts.len();
-    let whole = match split {
-        Split::Rows { .. } => (local.0 * tp, local.1),
-        Split::Cols => (local.0, local.1 * tp),
-        Split::Replicated | Split::Vocab => panic!("assemble: {split:?} is not a matrix split"),
-    };
+    let whole = whole_shape(split, local, tp);
     let mut out = vec![0.0; whole.0 * whole.1];
     for (rank, part) in parts.iter().enumerate() {
         runs(split, &[whole.0, whole.1], rank, tp, |lo, wo, n| out[wo..wo + n].copy_from_slice(&part[lo..lo + n]));
     }
     (out, whole)
+}
+
+/// The whole `[rows, cols]` shape of a matrix whose parts over `tp` ranks are `local`: rows or
+/// columns times `tp` as `split` cuts them (a replicated or vocabulary-split one as it is).
+pub fn whole_shape(split: Split, local: (usize, usize), tp: usize) -> (usize, usize) {
+    match split {
+        Split::Rows { .. } => (local.0 * tp, local.1),
+        Split::Cols => (local.0, local.1 * tp),
+        Split::Replicated | Split::Vocab => local,
+    }
 }
 
 /// Rank `rank`'s part of a whole `[rows, cols]` matrix cut as `split` over `tp` ranks, into

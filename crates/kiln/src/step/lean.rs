@@ -143,21 +143,13 @@ impl Optimizer {
     /// The compact moments in fp32, laid out as the fp32 ones would be (`None` in fp32).
     pub fn lean_moments_f32(&self) -> Option<(Vec<f32>, Vec<f32>)> {
         let l = self.lean.as_ref()?;
-        let (mut m, mut v) = (vec![0.0f32; l.len], vec![0.0f32; l.len]);
-        match &l.form {
-            LeanForm::Bf16 { m: mb, v: vb } => {
-                m.iter_mut().zip(mb).for_each(|(o, &x)| *o = tensor::bf16::from_bf16(x));
-                v.iter_mut().zip(vb).for_each(|(o, &x)| *o = tensor::bf16::from_bf16(x));
-            }
-            LeanForm::Int8 { m: mc, v: vc, ms, vs } => {
-                for &(a, n, s) in &l.runs {
-                    let k = n.div_ceil(BLOCK);
-                    dequantize(Moment::First, &mc[a..a + n], &ms[s..s + k], &mut m[a..a + n]);
-                    dequantize(Moment::Second, &vc[a..a + n], &vs[s..s + k], &mut v[a..a + n]);
-                }
-            }
-        }
-        Some((m, v))
+        let whole = |second: bool| {
+            let mut x = Vec::with_capacity(l.len);
+            // SAFETY: `l` is borrowed for the call, so its buffers live and stay unwritten.
+            unsafe { l.view(second).extend_f32(&mut x, 0..l.len) };
+            x
+        };
+        Some((whole(false), whole(true)))
     }
 
     /// Bytes of optimizer state held in memory (moments, compact or not).
@@ -170,23 +162,32 @@ impl Optimizer {
     }
 
     /// The compact update of one run: `at` its state position (a run [`Optimizer::make_lean`]
-    /// listed), `flat` its layout position (the stochastic rounding's stream).
+    /// listed), `flat` its layout position (the stochastic rounding's stream). Pieces of it
+    /// start at multiples of `tensor::par::ELEMS`, so 8-bit blocks stay whole.
     pub(super) fn lean_update(&mut self, (params, grads): (&mut [f32], &[f32]), (at, flat): (usize, usize), h: &tensor::AdamW) {
         let Some(l) = self.lean.as_mut() else { unreachable!("lean_update without compact state") };
         let n = params.len();
-        let d = Draws { seed: l.seed, at: flat as u64, round_params: l.round_weights };
-        let st = match &mut l.form {
-            LeanForm::Bf16 { m, v } => LeanMoments::Bf16 { m: &mut m[at..at + n], v: &mut v[at..at + n] },
-            LeanForm::Int8 { m, v, ms, vs } => {
+        let scales_at = match &l.form {
+            LeanForm::Int8 { .. } => {
                 let i = l.runs.binary_search_by_key(&at, |r| r.0).expect("an update run of make_lean");
-                let (_, len, s) = l.runs[i];
-                assert_eq!(len, n, "an update run of make_lean");
-                let k = n.div_ceil(BLOCK);
-                LeanMoments::Int8 { m: (&mut m[at..at + n], &mut ms[s..s + k]), v: (&mut v[at..at + n], &mut vs[s..s + k]) }
+                assert_eq!(l.runs[i].1, n, "an update run of make_lean");
+                l.runs[i].2
             }
+            LeanForm::Bf16 { .. } => 0,
         };
-        let (master, round) = (&mut self.master, self.round);
-        super::on_master(master, round, params, at, |w| adamw_update_lean(w, grads, st, h, d));
+        let (seed, round_params, form) = (l.seed, l.round_weights, &mut l.form);
+        super::on_master(&mut self.master, self.round, (params, at), super::Span::Pieces, |w, r| {
+            let d = Draws { seed, at: (flat + r.start) as u64, round_params };
+            let e = at + r.start..at + r.end;
+            let st = match form {
+                LeanForm::Bf16 { m, v } => LeanMoments::Bf16 { m: &mut m[e.clone()], v: &mut v[e] },
+                LeanForm::Int8 { m, v, ms, vs } => {
+                    let k = scales_at + r.start / BLOCK..scales_at + r.end.div_ceil(BLOCK);
+                    LeanMoments::Int8 { m: (&mut m[e.clone()], &mut ms[k.clone()]), v: (&mut v[e], &mut vs[k]) }
+                }
+            };
+            adamw_update_lean(w, &grads[r], st, h, d);
+        });
     }
 
     /// The compact state's buffers, for the tracking allocator.

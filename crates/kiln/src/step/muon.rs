@@ -43,11 +43,7 @@ fn owners(mats: &[MuonMatrix], tp: usize, n: usize) -> Vec<usize> {
 
 /// A matrix's whole shape, over `tp` tensor-parallel ranks.
 fn whole_shape(m: &MuonMatrix, tp: usize) -> (usize, usize) {
-    match (m.split, tp > 1) {
-        (Split::Rows { .. }, true) => (m.shape.0 * tp, m.shape.1),
-        (Split::Cols, true) => (m.shape.0, m.shape.1 * tp),
-        _ => m.shape,
-    }
+    parallel::tp::whole_shape(m.split, m.shape, tp)
 }
 
 /// Whether tensor parallelism cuts the matrix.
