@@ -3,6 +3,7 @@
 usage: python bench/compare_hf.py FIXTURE_DIR [FIXTURE_DIR ...] [--steps 30] [--kiln target/release/kiln]
                                   [--data ../shared/data/tinyshakespeare.txt] [--tol 1e-5]
                                   [--optimizer adamw|lion|muon|adafactor] [--set KEY=VALUE ...]
+                                  [--objective lm|dpo|ipo|simpo --data PREFERENCES.jsonl]
 
 For each model directory: `kiln train --init-from DIR` runs N steps with `train.record_batches` (each step's
 token windows and learning rate go to RUN/batches.jsonl) and a loss/grad-norm line every step. The same
@@ -19,6 +20,13 @@ read from the run's config.toml, so `--set optim.muon_adjust_lr=match_rms_adamw`
 with `--set optim.muon_ns_precision=fp32` torch's Newton-Schulz runs in fp32 too (the same code, another dtype).
 Muon's parity needs `[out, in]` weights (LLaMA-family fixtures): transformers' GPT-2 stores its `Conv1D` weights
 transposed, which changes the shape adjustment, and Mixtral's experts are 3-D.
+
+`--objective dpo|ipo|simpo` trains on preference rows (`--data`: jsonl of prompt/chosen/rejected) with that loss:
+each recorded step's rows are pairs (chosen, then rejected), and the reference is a frozen copy of the model as
+loaded, in eval mode. Each row's log-probability is the sum of its completion tokens' log-softmax at their targets
+(the mean for ipo and simpo), and the pair losses are TRL's (`DPOTrainer.dpo_loss`, `CPOTrainer`'s simpo), written
+out here in torch with kiln's `[preference]` keys read from the run's config.toml; the step's loss is their mean.
+Step 1 is the fixed-batch check (the loss and gradient norm of one batch); every later step checks the training.
 
 The tokenizer is the directory's own tokenizer.json, else `char` (tinyshakespeare's 65 characters fit every
 fixture's vocabulary). Needs torch and transformers (`pip install torch transformers`).
@@ -112,9 +120,45 @@ def fp32_newton_schulz():
     muon._zeropower_via_newtonschulz = ns
 
 
-def torch_run(model_dir, batches, cfg):
+def row_logps(model, x, y, average):
+    """Each row's log-probability of its counted targets: summed, or averaged over them."""
+    logits = model(input_ids=x).logits
+    mask = y != -100
+    lp = torch.log_softmax(logits.float(), dim=-1).gather(-1, y.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    lp = (lp * mask).sum(-1)
+    return lp / mask.sum(-1) if average else lp
+
+
+def pair_loss(kind, cfg, model, ref, x, y):
+    """TRL's preference losses over rows (chosen, rejected, chosen, ...), their mean over the pairs."""
+    p = lambda k: toml_value(cfg, "preference", k)
+    beta, eps, gamma = p("beta"), p("label_smoothing"), p("simpo_gamma")
+    average = kind != "dpo"
+    pol = row_logps(model, x, y, average)
+    pc, pr = pol[0::2], pol[1::2]
+    F = torch.nn.functional
+    if kind == "simpo":
+        z = beta * (pc - pr) - gamma
+        losses = -F.logsigmoid(z) * (1 - eps) - F.logsigmoid(-z) * eps
+    else:
+        with torch.no_grad():
+            r = row_logps(ref, x, y, average)
+        h = (pc - r[0::2]) - (pr - r[1::2])
+        if kind == "dpo":
+            losses = -F.logsigmoid(beta * h) * (1 - eps) - F.logsigmoid(-beta * h) * eps
+        else:
+            losses = (h - 1 / (2 * beta)) ** 2
+    return losses.mean()
+
+
+def torch_run(model_dir, batches, cfg, objective="lm"):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    ref = None
+    if objective != "lm":
+        ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+        for q in ref.parameters():
+            q.requires_grad_(False)
     model.train()
     opts = optimizers(list(model.named_parameters()), cfg)
     get = lambda k: toml_value(cfg, "train", k)
@@ -125,8 +169,11 @@ def torch_run(model_dir, batches, cfg):
         # RUN/batches.jsonl: each row's input window and its targets (-100 where none counts).
         x = torch.tensor(b["inputs"], dtype=torch.long)
         y = torch.tensor(b["targets"], dtype=torch.long)
-        logits = model(input_ids=x).logits
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100)
+        if objective == "lm":
+            logits = model(input_ids=x).logits
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100)
+        else:
+            loss = pair_loss(objective, cfg, model, ref, x, y)
         model.zero_grad(set_to_none=True)
         loss.backward()
         # The global norm in float64 (torch's clip_grad_norm_ sums squares in fp32, which over a
@@ -151,14 +198,15 @@ def main():
     ap.add_argument("--tol", type=float, default=1e-5)
     ap.add_argument("--optimizer", default="adamw", choices=["adamw", "lion", "muon", "adafactor"])
     ap.add_argument("--set", action="append", default=[], help="a further kiln config key, KEY=VALUE")
+    ap.add_argument("--objective", default="lm", choices=["lm", "dpo", "ipo", "simpo"])
     a = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     ok = True
     for d in a.dirs:
         with tempfile.TemporaryDirectory() as tmp:
-            extra = ["--set", f"optim.name={a.optimizer}"] + [x for kv in a.set for x in ("--set", kv)]
+            extra = ["--set", f"optim.name={a.optimizer}", "--objective", a.objective] + [x for kv in a.set for x in ("--set", kv)]
             train, batches, cfg = kiln_run(a.kiln, d, a.data, a.steps, os.path.join(tmp, "run"), extra)
-        ref = torch_run(d, batches, cfg)
+        ref = torch_run(d, batches, cfg, a.objective)
         worst_loss = worst_norm = 0.0
         for step, loss, norm in ref:
             k = train[step]
@@ -166,7 +214,7 @@ def main():
             worst_norm = max(worst_norm, abs(k["grad_norm"] - norm) / abs(norm))
         passed = worst_loss <= a.tol and worst_norm <= a.tol
         ok &= passed
-        print(json.dumps({"model": os.path.basename(os.path.normpath(d)), "optimizer": a.optimizer, "steps": len(ref), "max_rel_loss": worst_loss,
+        print(json.dumps({"model": os.path.basename(os.path.normpath(d)), "optimizer": a.optimizer, "objective": a.objective, "steps": len(ref), "max_rel_loss": worst_loss,
                           "max_rel_grad_norm": worst_norm, "first_loss": ref[0][1], "last_loss": ref[-1][1], "pass": passed}))
     sys.exit(0 if ok else 1)
 

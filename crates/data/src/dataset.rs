@@ -255,6 +255,13 @@ fn describe(files: &[PathBuf], docs: usize, n: usize, tokenizer: &Tokenizer, ski
 
 /// `all` cut at token `cut` into two splits sharing its storage; a document the cut falls
 /// inside becomes one document on each side.
+/// `all` cut before its document `d` (`d` = its document count: all of it, then nothing):
+/// views, no copy. A preference set splits this way, at a pair's start.
+pub fn split_at_document(all: &Split, d: usize) -> (Split, Split) {
+    let cut = if d >= all.docs.len() { all.len() } else { all.docs.range(d).start };
+    split_views(all, cut)
+}
+
 fn split_views(all: &Split, cut: usize) -> (Split, Split) {
     let n = all.len();
     let (a, b) = all.tokens.split_at(cut);
@@ -314,13 +321,15 @@ fn stream(
                                 }
                             }
                             let first = docs;
-                            let enc: Vec<Result<Encoded, DataError>> =
-                                batch.par_iter().enumerate().map(|(k, d)| tok.encode_doc(d, first + k as u64 == 0)).collect();
+                            let enc: Vec<Result<Vec<Encoded>, DataError>> =
+                                batch.par_iter().enumerate().map(|(k, d)| tok.encode_docs(d, first + k as u64 == 0)).collect();
+                            let what = if opts.format == crate::DocFormat::Preference { "row" } else { "document" };
                             for e in enc {
                                 in_file += 1;
-                                let e = e.map_err(|e| DataError::at(path, format!("document {in_file}: {e}")))?;
-                                sink.push(&e)?;
-                                docs += 1;
+                                for e in e.map_err(|e| DataError::at(path, format!("{what} {in_file}: {e}")))? {
+                                    sink.push(&e)?;
+                                    docs += 1;
+                                }
                             }
                             progress(Progress { docs, bytes: read.load(Ordering::Relaxed), total_bytes });
                         }

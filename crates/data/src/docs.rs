@@ -25,11 +25,16 @@ pub enum DocFormat {
     Chat,
     /// `prompt` and `completion` strings; the loss is on the completion (and the EOS) only.
     PromptCompletion,
+    /// Preference pairs in TRL's form: `chosen` and `rejected` completions of one `prompt`, as
+    /// strings (with a `prompt` string) or as chat messages (with a `prompt` of messages, or
+    /// without one: the messages the two conversations share are the prompt). Each becomes
+    /// two documents, chosen then rejected, with loss on the completion only.
+    Preference,
 }
 
 impl DocFormat {
-    pub const NAMES: [(&'static str, DocFormat); 3] =
-        [("text", DocFormat::Text), ("chat", DocFormat::Chat), ("prompt_completion", DocFormat::PromptCompletion)];
+    pub const NAMES: [(&'static str, DocFormat); 4] =
+        [("text", DocFormat::Text), ("chat", DocFormat::Chat), ("prompt_completion", DocFormat::PromptCompletion), ("preference", DocFormat::Preference)];
 
     pub fn name(self) -> &'static str {
         DocFormat::NAMES.iter().find(|(_, f)| *f == self).map(|(n, _)| *n).expect("every format is named")
@@ -67,6 +72,11 @@ pub enum Doc {
     /// for the template).
     Chat(Value),
     Pair { prompt: String, completion: String },
+    /// A chat whose loss is on the assistant turns from message `from` on (a preference
+    /// completion after its prompt's messages).
+    ChatFrom { messages: Value, from: usize },
+    /// A preference pair: two documents of one prompt, the chosen and the rejected completion.
+    Preference { chosen: Box<Doc>, rejected: Box<Doc> },
 }
 
 impl Doc {
@@ -75,15 +85,17 @@ impl Doc {
         match self {
             Doc::Text(t) => t.clone(),
             Doc::Pair { prompt, completion } => format!("{prompt}{completion}"),
-            Doc::Chat(m) => m.as_array().map(|a| a.iter().filter_map(|x| x["content"].as_str()).collect::<Vec<_>>().join("\n")).unwrap_or_default(),
+            Doc::Chat(m) | Doc::ChatFrom { messages: m, .. } => m.as_array().map(|a| a.iter().filter_map(|x| x["content"].as_str()).collect::<Vec<_>>().join("\n")).unwrap_or_default(),
+            Doc::Preference { chosen, rejected } => format!("{}\n{}", chosen.text(), rejected.text()),
         }
     }
 
-    fn bytes(&self) -> usize {
+    pub(crate) fn bytes(&self) -> usize {
         match self {
             Doc::Text(t) => t.len(),
             Doc::Pair { prompt, completion } => prompt.len() + completion.len(),
-            Doc::Chat(m) => m.to_string().len(),
+            Doc::Chat(m) | Doc::ChatFrom { messages: m, .. } => m.to_string().len(),
+            Doc::Preference { chosen, rejected } => chosen.bytes() + rejected.bytes(),
         }
     }
 }
@@ -285,23 +297,76 @@ pub(crate) fn doc_of(v: &Value, opts: &DocOpts) -> Result<Doc, String> {
                     return Err(format!("no field `messages` (a chat needs messages: [{{role, content}}, ...], or ShareGPT's conversations: [{{from, value}}, ...]; fields: {})", if keys.is_empty() { "none".into() } else { keys.join(", ") }));
                 }
             };
-            let list = m.as_array().ok_or_else(|| format!("field `messages` is {}, not an array", kind_of(m)))?;
-            if list.is_empty() {
-                return Err("field `messages` is empty".into());
-            }
-            for (i, msg) in list.iter().enumerate() {
-                for key in ["role", "content"] {
-                    match msg.get(key) {
-                        Some(Value::String(_)) => {}
-                        Some(x) => return Err(format!("messages[{i}].{key} is {}, not a string", kind_of(x))),
-                        None => return Err(format!("messages[{i}] has no `{key}`")),
-                    }
-                }
-            }
+            let list = messages(m, "messages")?;
             if !list.iter().any(|m| m["role"] == "assistant") {
                 return Err("no message has role \"assistant\", so nothing would carry loss".into());
             }
             Ok(Doc::Chat(m.clone()))
         }
+        DocFormat::Preference => preference_of(v),
+    }
+}
+
+/// The messages of field `key`: a non-empty array of objects with string `role` and `content`.
+fn messages<'v>(m: &'v Value, key: &str) -> Result<&'v [Value], String> {
+    let list = m.as_array().ok_or_else(|| format!("field `{key}` is {}, not an array", kind_of(m)))?;
+    if list.is_empty() {
+        return Err(format!("field `{key}` is empty"));
+    }
+    for (i, msg) in list.iter().enumerate() {
+        for k in ["role", "content"] {
+            match msg.get(k) {
+                Some(Value::String(_)) => {}
+                Some(x) => return Err(format!("{key}[{i}].{k} is {}, not a string", kind_of(x))),
+                None => return Err(format!("{key}[{i}] has no `{k}`")),
+            }
+        }
+    }
+    Ok(list)
+}
+
+/// A preference row (TRL's format): `chosen` and `rejected` as strings with a `prompt` string,
+/// or as messages, after a `prompt` of messages or (an implicit prompt) sharing their first
+/// messages, the prompt.
+fn preference_of(v: &Value) -> Result<Doc, String> {
+    let Some(obj) = v.as_object() else { return Err(format!("is {}, not a JSON object", kind_of(v))) };
+    let field = |key: &str| {
+        obj.get(key).ok_or_else(|| {
+            let keys: Vec<&str> = obj.keys().map(|k| k.as_str()).take(8).collect();
+            format!("no field `{key}` (a preference row needs chosen and rejected, and a prompt; fields: {})", if keys.is_empty() { "none".into() } else { keys.join(", ") })
+        })
+    };
+    let (chosen, rejected) = (field("chosen")?, field("rejected")?);
+    match (chosen, rejected) {
+        (Value::String(c), Value::String(r)) => {
+            let prompt = string_field(v, "prompt")?;
+            for (key, text) in [("chosen", c), ("rejected", r)] {
+                if text.is_empty() {
+                    return Err(format!("field `{key}` is empty"));
+                }
+            }
+            let pair = |completion: &String| Box::new(Doc::Pair { prompt: prompt.clone(), completion: completion.clone() });
+            Ok(Doc::Preference { chosen: pair(c), rejected: pair(r) })
+        }
+        (Value::Array(_), Value::Array(_)) => {
+            let (c, r) = (messages(chosen, "chosen")?, messages(rejected, "rejected")?);
+            let (prompt, c, r) = match obj.get("prompt") {
+                Some(p) => (messages(p, "prompt")?.to_vec(), c, r),
+                // The implicit prompt: the messages both conversations begin with.
+                None => {
+                    let n = c.iter().zip(r).take_while(|(a, b)| a == b).count();
+                    (c[..n].to_vec(), &c[n..], &r[n..])
+                }
+            };
+            let side = |key: &str, tail: &[Value]| -> Result<Box<Doc>, String> {
+                if !tail.iter().any(|m| m["role"] == "assistant") {
+                    return Err(format!("field `{key}` has no assistant message after the prompt, so nothing would carry loss"));
+                }
+                let all: Vec<Value> = prompt.iter().chain(tail).cloned().collect();
+                Ok(Box::new(Doc::ChatFrom { messages: Value::Array(all), from: prompt.len() }))
+            };
+            Ok(Doc::Preference { chosen: side("chosen", c)?, rejected: side("rejected", r)? })
+        }
+        (c, r) => Err(format!("fields `chosen` and `rejected` are {} and {}: both strings, or both arrays of messages", kind_of(c), kind_of(r))),
     }
 }

@@ -23,7 +23,7 @@ pub use hf::{train_bpe, HfTokenizer, TokConfig, HF_CHAT_TEMPLATE_FILE, HF_TOKENI
 pub use store::{DocIndex, Split};
 pub use template::ChatTemplate;
 pub use corpus::{default_corpus, default_corpus_files, strip_html, DEFAULT_BOOKS};
-pub use dataset::{is_token_file, prepared_format, load, load_default_corpus, load_docs, load_token_files, load_with, prepare, prepare_with, Dataset, PrepareReport, Progress, TokenizerChoice};
+pub use dataset::{is_token_file, prepared_format, load, load_default_corpus, load_docs, load_token_files, load_with, prepare, prepare_with, split_at_document, Dataset, PrepareReport, Progress, TokenizerChoice};
 pub use error::DataError;
 pub use npy::read_npy;
 pub use shard::{read_bin, read_shard, write_bin, write_shard, write_shard_tokens};

@@ -11,12 +11,13 @@ use parquet::schema::types::Type;
 use crate::docs::{doc_of, Doc, DocFormat, DocOpts, BATCH_BYTES, BATCH_DOCS};
 use crate::error::DataError;
 
-/// The top-level columns `opts` reads.
-fn columns(opts: &DocOpts) -> Vec<&str> {
+/// The top-level columns `opts` reads: those it needs, and those it reads where they exist.
+fn columns(opts: &DocOpts) -> (Vec<&str>, Vec<&str>) {
     match opts.format {
-        DocFormat::Text => vec![opts.text_field.as_str()],
-        DocFormat::Chat => vec!["messages"],
-        DocFormat::PromptCompletion => vec!["prompt", "completion"],
+        DocFormat::Text => (vec![opts.text_field.as_str()], vec![]),
+        DocFormat::Chat => (vec!["messages"], vec![]),
+        DocFormat::PromptCompletion => (vec!["prompt", "completion"], vec![]),
+        DocFormat::Preference => (vec!["chosen", "rejected"], vec!["prompt"]),
     }
 }
 
@@ -50,7 +51,9 @@ fn read_unguarded(
     let schema = reader.metadata().file_metadata().schema_descr();
     let fields = schema.root_schema().get_fields();
     let mut picked = Vec::new();
-    for name in columns(opts) {
+    let (needed, optional) = columns(opts);
+    picked.extend(optional.iter().filter_map(|name| fields.iter().find(|t| t.name() == *name).cloned()));
+    for name in needed {
         match fields.iter().find(|t| t.name() == name) {
             Some(t) => picked.push(t.clone()),
             None => {

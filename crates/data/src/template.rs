@@ -95,11 +95,16 @@ impl ChatTemplate {
 
     /// The whole conversation rendered, and the byte ranges of its assistant turns in it.
     pub fn render_spans(&self, messages: &Value) -> Result<(String, Vec<Range<usize>>), String> {
+        self.render_spans_from(messages, 0)
+    }
+
+    /// [`ChatTemplate::render_spans`] with only the assistant turns from message `from` on.
+    pub fn render_spans_from(&self, messages: &Value, from: usize) -> Result<(String, Vec<Range<usize>>), String> {
         let list = messages.as_array().ok_or("messages is not an array")?;
         let full = self.render(list, false)?;
         let mut spans = Vec::new();
         for (i, m) in list.iter().enumerate() {
-            if m["role"] != "assistant" {
+            if i < from || m["role"] != "assistant" {
                 continue;
             }
             let before = self.render(&list[..i], true)?;

@@ -621,16 +621,34 @@ impl Tokenizer {
                 }
                 Ok(Encoded { ids, mask: Some(mask) })
             }
-            Doc::Chat(messages) => {
+            Doc::Preference { .. } => Err(DataError::new("a preference pair is two documents: encode it with encode_docs")),
+            Doc::Chat(messages) | Doc::ChatFrom { messages, .. } => {
+                let from = if let Doc::ChatFrom { from, .. } = doc { *from } else { 0 };
                 let Tokenizer::Hf(h) = self else {
                     return Err(DataError::new(format!("data.format = \"chat\" needs a Hugging Face tokenizer with a chat_template, not {}", self.kind())));
                 };
                 let t = h.config().template.as_ref().ok_or_else(|| DataError::new("data.format = \"chat\": the tokenizer has no chat template (neither chat_template.jinja nor tokenizer_config.json's chat_template)"))?;
-                let (text, spans) = t.render_spans(messages).map_err(DataError::new)?;
+                let (text, spans) = t.render_spans_from(messages, from).map_err(DataError::new)?;
                 let (ids, offsets) = h.encode_full(&text, false)?;
                 let mask = offsets.iter().map(|&(s, e)| spans.iter().any(|r| s < r.end && e > r.start) as u8).collect();
                 Ok(Encoded { ids, mask: Some(mask) })
             }
         }
+    }
+
+    /// The documents `doc` stands for, encoded ([`Tokenizer::encode_doc`]): one, or a preference
+    /// pair's two, chosen then rejected, each a sequence of its own (no separator before it),
+    /// each with at least one token that carries loss.
+    pub fn encode_docs(&self, doc: &crate::docs::Doc, first: bool) -> Result<Vec<Encoded>, DataError> {
+        let crate::docs::Doc::Preference { chosen, rejected } = doc else { return Ok(vec![self.encode_doc(doc, first)?]) };
+        let mut out = Vec::with_capacity(2);
+        for (side, d) in [("chosen", chosen), ("rejected", rejected)] {
+            let e = self.encode_doc(d, true)?;
+            if !e.mask.as_ref().is_some_and(|m| m.contains(&1)) {
+                return Err(DataError::new(format!("the {side} completion encodes to no token that carries loss")));
+            }
+            out.push(e);
+        }
+        Ok(out)
     }
 }

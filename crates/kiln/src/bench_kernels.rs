@@ -144,7 +144,7 @@ fn head<'a>(x: &'a Inputs, g: Option<&'a Gpu>) -> Vec<Case<'a>> {
     let dloss = 1.0 / BT as f32;
     let (mut losses, mut di, mut dw, mut scratch) = (vec![0.0; BT], vec![0.0; BT * C], vec![0.0; V * C], vec![0.0; BT * V]);
     let cpu: Run = Box::new(move |get| {
-        tensor::classifier::lm_head_crossentropy(&mut losses, Some((&mut di, &mut dw, dloss)), inp, &x.head_w, &x.targets, &mut scratch, &dims);
+        tensor::classifier::lm_head_crossentropy(&mut losses, Some((&mut di, &mut dw, tensor::classifier::Dloss::All(dloss))), inp, &x.head_w, &x.targets, &mut scratch, &dims);
         out(get, || di.clone())
     });
     let dev = g.map(|g| {
@@ -178,7 +178,7 @@ fn vocab_parallel_head<'a>(x: &'a Inputs, g: Option<&'a Gpu>) -> Case<'a> {
     let (mut di, mut dw, mut scratch) = (vec![0.0; BT * C], vec![0.0; (V - h) * C], vec![0.0; BT * (V - h)]);
     let ex = exchange.clone();
     let cpu: Run = Box::new(move |get| {
-        tensor::classifier::lm_head_crossentropy_vocab_parallel(&mut losses, Some((&mut di, &mut dw, dloss)), inp, w, &x.targets, &mut scratch, &dims, &mut |m| ex(m));
+        tensor::classifier::lm_head_crossentropy_vocab_parallel(&mut losses, Some((&mut di, &mut dw, tensor::classifier::Dloss::All(dloss))), inp, w, &x.targets, &mut scratch, &dims, &mut |m| ex(m));
         out(get, || di.clone())
     });
     let dev = g.map(|g| {

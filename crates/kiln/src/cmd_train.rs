@@ -19,9 +19,13 @@ pub struct TrainCli {
     /// data prepare` directory.
     #[arg(long)]
     pub data: Vec<PathBuf>,
-    /// What the documents are: text, chat or prompt_completion (data.format).
+    /// What the documents are: text, chat, prompt_completion or preference (data.format).
     #[arg(long)]
     pub format: Option<String>,
+    /// What the step minimises: lm, or a preference loss over chosen/rejected pairs: dpo, ipo
+    /// or simpo (train.objective; the [preference] keys set beta and the rest).
+    #[arg(long)]
+    pub objective: Option<String>,
     /// windows or documents (data.packing): whole documents packed into rows, attention kept
     /// inside each.
     #[arg(long)]
@@ -194,10 +198,11 @@ impl TrainCli {
             },
             None => (None, None),
         };
-        let table: [(&'static str, &'static str, Option<V>); 36] = [
+        let table: [(&'static str, &'static str, Option<V>); 37] = [
             ("--data", "data.paths", (!self.data.is_empty()).then(|| V::Array(self.data.iter().map(|p| V::String(p.display().to_string())).collect()))),
             ("--tokenizer", "data.tokenizer", text(&self.tokenizer)),
             ("--format", "data.format", text(&self.format)),
+            ("--objective", "train.objective", text(&self.objective)),
             ("--packing", "data.packing", text(&self.packing)),
             ("--reset-positions", "data.reset_positions", self.reset_positions.then_some(V::Boolean(true))),
             ("--max-steps", "train.max_steps", long(self.max_steps)),

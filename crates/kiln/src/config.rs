@@ -150,6 +150,63 @@ pub struct TrainSection {
     /// Where the step runs: `cpu`, or `vulkan` / `vulkan:N` (a GPU through Vulkan: `kiln doctor`
     /// lists them). A device run is one rank; what it does not run yet is refused by name.
     pub device: String,
+    /// What the step minimises: `lm` (the mean next-token loss over the targets the data
+    /// counts), or a preference loss over pairs of completions (`dpo`, `ipo`, `simpo`: the
+    /// `[preference]` keys), which reads `data.format = "preference"` rows.
+    #[serde(with = "named")]
+    pub objective: Objective,
+}
+
+/// `train.objective`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Objective {
+    #[default]
+    Lm,
+    Pairs(tensor::preference::PairLoss),
+}
+
+impl Names for Objective {
+    const NAMES: &'static [(&'static str, Objective)] = {
+        use tensor::preference::PairLoss as P;
+        &[("lm", Objective::Lm), ("dpo", Objective::Pairs(P::Dpo)), ("ipo", Objective::Pairs(P::Ipo)), ("simpo", Objective::Pairs(P::Simpo))]
+    };
+}
+
+impl Objective {
+    /// The preference loss, if the objective is one.
+    pub fn pairs(self) -> Option<tensor::preference::PairLoss> {
+        match self {
+            Objective::Pairs(p) => Some(p),
+            Objective::Lm => None,
+        }
+    }
+}
+
+/// A preference objective's hyper-parameters (TRL's names).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PreferenceSection {
+    /// `β`: DPO's and IPO's KL strength (TRL's default 0.1), SimPO's reward scale (its paper
+    /// uses 2 to 2.5).
+    pub beta: f64,
+    /// cDPO's label smoothing `ε` (DPO and SimPO): the chance a pair's labels are flipped.
+    pub label_smoothing: f64,
+    /// SimPO's target reward margin `γ`.
+    pub simpo_gamma: f64,
+}
+
+impl Default for PreferenceSection {
+    fn default() -> Self {
+        PreferenceSection { beta: 0.1, label_smoothing: 0.0, simpo_gamma: 0.5 }
+    }
+}
+
+impl RunConfig {
+    /// The preference loss and its hyper-parameters, when `train.objective` is one.
+    pub fn pair_cfg(&self) -> Option<tensor::preference::PairCfg> {
+        let p = &self.preference;
+        self.train.objective.pairs().map(|loss| tensor::preference::PairCfg { loss, beta: p.beta, label_smoothing: p.label_smoothing, gamma: p.simpo_gamma })
+    }
 }
 
 
@@ -240,6 +297,7 @@ impl Names for Format {
         ("text", Format(data::DocFormat::Text)),
         ("chat", Format(data::DocFormat::Chat)),
         ("prompt_completion", Format(data::DocFormat::PromptCompletion)),
+        ("preference", Format(data::DocFormat::Preference)),
     ];
 }
 
@@ -794,6 +852,7 @@ impl Default for TrainSection {
             batch_size: 16, seq_len: 0, grad_accum: 1, lr: 1e-3, min_lr: 1e-4, warmup_steps: 100, lr_decay_steps: 0, max_steps: 1000,
             weight_decay: 0.1, beta1: 0.9, beta2: 0.99, eps: 1e-8, grad_clip: 1.0, seed: 1337, threads: 0, log_interval: 10,
             precision: model::Precision::Fp32, loss_scale: 65536.0, loss_scale_window: 1000, fp8_amax_history: 16, record_batches: false, device: "cpu".into(),
+            objective: Objective::Lm,
         }
     }
 }
@@ -877,6 +936,7 @@ pub struct RunConfig {
     pub model: ModelSection,
     pub train: TrainSection,
     pub optim: OptimSection,
+    pub preference: PreferenceSection,
     pub eval: EvalSection,
     pub checkpoint: CheckpointSection,
     pub data: DataSection,
@@ -1001,7 +1061,11 @@ fn one_line(s: &str) -> String {
 impl RunConfig {
     /// Builds and validates the config from the raw table.
     pub fn resolve(raw: &Raw) -> Result<RunConfig> {
-        let cfg: RunConfig = toml::Value::Table(unflatten(raw)).try_into().or_else(|e: toml::de::Error| user(serde_message(&e.to_string())))?;
+        let mut cfg: RunConfig = toml::Value::Table(unflatten(raw)).try_into().or_else(|e: toml::de::Error| user(serde_message(&e.to_string())))?;
+        // A preference objective reads preference rows (plain text is never pairs).
+        if cfg.train.objective.pairs().is_some() && cfg.data.format.0 == data::DocFormat::Text {
+            cfg.data.format = Format(data::DocFormat::Preference);
+        }
         cfg.validate()?;
         Ok(cfg)
     }
@@ -1034,7 +1098,49 @@ impl RunConfig {
         self.validate_parallel()?;
         self.validate_faults()?;
         self.validate_compression()?;
+        self.validate_preference()?;
         self.validate_pipeline()
+    }
+
+    /// A preference objective: its data, its keys, and the layouts it runs on.
+    fn validate_preference(&self) -> Result<()> {
+        let (obj, fmt) = (self.train.objective, self.data.format.0);
+        let Some(loss) = obj.pairs() else {
+            if fmt == data::DocFormat::Preference {
+                return user("data.format = \"preference\" needs a preference objective: train.objective = \"dpo\", \"ipo\" or \"simpo\"");
+            }
+            return Ok(());
+        };
+        let name = obj.name();
+        if fmt != data::DocFormat::Preference {
+            return user(format!("train.objective = \"{name}\" reads preference rows (prompt, chosen, rejected): data.format must be \"preference\", not \"{}\"", fmt.name()));
+        }
+        let p = &self.preference;
+        #[allow(clippy::neg_cmp_op_on_partial_ord)] // a NaN must be refused too
+        if !(p.beta > 0.0) || !p.beta.is_finite() {
+            return user(format!("preference.beta must be positive, got {}", p.beta));
+        }
+        if !(0.0..0.5).contains(&p.label_smoothing) {
+            return user(format!("preference.label_smoothing must be in [0, 0.5), got {}", p.label_smoothing));
+        }
+        if loss == tensor::preference::PairLoss::Ipo && p.label_smoothing != 0.0 {
+            return user("preference.label_smoothing applies to dpo and simpo, not ipo");
+        }
+        if !p.simpo_gamma.is_finite() {
+            return user(format!("preference.simpo_gamma must be a number, got {}", p.simpo_gamma));
+        }
+        let per_rank = self.micro_batch() / self.parallel.dp.max(1);
+        if !per_rank.is_multiple_of(2) {
+            return user(format!("train.objective = \"{name}\": each rank's micro-batch holds whole pairs (a chosen and a rejected row), but it has {per_rank} rows: make train.batch_size / (train.grad_accum · parallel.dp) even"));
+        }
+        let bad = [("parallel.pp", self.parallel.pp), ("parallel.cp", self.parallel.cp)];
+        if let Some((k, v)) = bad.iter().find(|(_, v)| *v > 1) {
+            return user(format!("train.objective = \"{name}\" does not run with {k} = {v} yet (pairs are measured on whole rows in one stage)"));
+        }
+        if self.train.device != "cpu" {
+            return user(format!("train.objective = \"{name}\" does not run on a device yet (train.device = \"{}\")", self.train.device));
+        }
+        Ok(())
     }
 
     /// Communication compression (`parallel.compression`, `parallel.zeropp`).

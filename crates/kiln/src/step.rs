@@ -835,6 +835,8 @@ pub struct StepOut {
     /// Targets that carried loss in the global batch (fewer than its tokens under SFT masks,
     /// packed documents' boundaries and padding).
     pub loss_tokens: f64,
+    /// A preference objective: the global batch's pair sums (rewards, accuracy, log-probs).
+    pub pairs: Option<model::pairs::PairStats>,
 }
 
 /// fp16's dynamic loss scaling (Micikevicius et al. 2018): the loss gradient is multiplied by
@@ -1019,7 +1021,7 @@ pub fn train_step(
     for task in pipe.sched.tasks(pipe.rank) {
         ex.run(chunks, pipe, task);
     }
-    let (sums, peak_bytes, peak_in_flight) = ex.finish(chunks, pipe);
+    let (sums, pair_stats, peak_bytes, peak_in_flight) = ex.finish(chunks, pipe);
     // The gradients' reductions, FP8's amaxes, the loss.
     let mut overlap = parallel::Overlap::default();
     {
@@ -1032,8 +1034,9 @@ pub fn train_step(
     fp8_amaxes(chunks, pipe.tp);
     let _p = profile::scope("optimizer");
     let loss = global_loss(chunks, pipe, sums) as f32;
-    let loss_tokens = batch.global.iter().sum::<f64>();
-    let out = |grad_norm: f64, skipped: Option<&'static str>| StepOut { loss, grad_norm, overlap, skipped, peak_activation_bytes: peak_bytes, peak_in_flight, loss_tokens };
+    let loss_tokens = batch.tokens;
+    let pairs = pair_stats.map(|st| global_pair_stats(chunks, st));
+    let out = |grad_norm: f64, skipped: Option<&'static str>| StepOut { loss, grad_norm, overlap, skipped, peak_activation_bytes: peak_bytes, peak_in_flight, loss_tokens, pairs };
     if cfg.faults.inject_nan_steps.contains(&(step + 1)) {
         match chunks[0].model.lora.as_mut() {
             Some(lo) => lo.grads[0] = f32::NAN,
@@ -1167,13 +1170,15 @@ pub struct RowBuf {
     pub y: Vec<i32>,
     pub start: Vec<u32>,
     pub pos: Vec<u32>,
+    /// A preference objective: each row's reference log-probability (empty otherwise).
+    pub reference: Vec<f64>,
 }
 
 impl RowBuf {
     pub fn new(rows: usize, t: usize, packed: bool) -> RowBuf {
         let n = rows * t;
         let docs = if packed { n } else { 0 };
-        RowBuf { x: vec![0; n], y: vec![model::gpt::IGNORE_INDEX; n], start: vec![0; docs], pos: vec![0; docs] }
+        RowBuf { x: vec![0; n], y: vec![model::gpt::IGNORE_INDEX; n], start: vec![0; docs], pos: vec![0; docs], reference: Vec::new() }
     }
 
     /// The document layout for the model (`None`: plain causal rows).
@@ -1188,6 +1193,8 @@ struct MicroBatches {
     data: Vec<RowBuf>,
     counts: Vec<f64>,
     global: Vec<f64>,
+    /// Targets that carried loss, over the data-parallel group.
+    tokens: f64,
     rows: usize,
 }
 
@@ -1209,9 +1216,14 @@ impl MicroBatches {
         };
         // A context-parallel rank counts the targets at its positions.
         let counted = |y: &[i32]| y.iter().filter(|&&v| v != model::gpt::IGNORE_INDEX).count() as f64;
-        let counts: Vec<f64> = data.iter().map(|b| context.map_or_else(|| counted(&b.y), |cx| counted(&cx.rows(&b.y, rows, t)))).collect();
-        let global = if dpn > 1 { chunks[0].dp.all_reduce_f64(&counts) } else { counts.clone() };
-        MicroBatches { data, counts, global, rows }
+        let tokens: Vec<f64> = data.iter().map(|b| context.map_or_else(|| counted(&b.y), |cx| counted(&cx.rows(&b.y, rows, t)))).collect();
+        // A preference objective counts pairs: each pair's loss weighs the same.
+        let counts = if cfg.train.objective.pairs().is_some() { vec![(rows / 2) as f64; m] } else { tokens.clone() };
+        let mut both = counts.clone();
+        both.extend(&tokens);
+        let both = if dpn > 1 { chunks[0].dp.all_reduce_f64(&both) } else { both };
+        let (global, tokens) = (both[..m].to_vec(), both[m..].iter().sum());
+        MicroBatches { data, counts, global, tokens, rows }
     }
 }
 
@@ -1229,8 +1241,11 @@ struct Executor<'b> {
     /// This rank's device clock: when its last task ended.
     clock: f64,
     traced: Vec<TracedTask>,
-    /// Per micro-batch: the last stage's sum of losses and count of targets.
+    /// Per micro-batch: the last stage's sum of losses and count of targets (of pair losses and
+    /// pairs under a preference objective).
     sums: Vec<f64>,
+    /// A preference objective: this rank's pair sums over its micro-batches.
+    pair_stats: Option<model::pairs::PairStats>,
     /// Activations of micro-batches between their forward and backward, per chunk; sets free
     /// for reuse.
     live: Vec<Vec<Option<Activations>>>,
@@ -1246,7 +1261,7 @@ impl<'b> Executor<'b> {
         let (m, v) = (pipe.sched.m, pipe.sched.v);
         Executor {
             batch, cfg, step, t: cfg.seq_len(), t0: Instant::now(),
-            exclusive: pipe.trace.as_ref().is_some_and(|tr| tr.exclusive), clock: 0.0, traced: Vec::new(), sums: vec![0.0; 2 * m],
+            exclusive: pipe.trace.as_ref().is_some_and(|tr| tr.exclusive), clock: 0.0, traced: Vec::new(), sums: vec![0.0; 2 * m], pair_stats: None,
             live: (0..v).map(|_| (0..m).map(|_| None).collect()).collect(),
             free: chunks.iter_mut().map(|ch| std::mem::take(&mut ch.pool)).collect(),
             held: 0, peak_bytes: 0, in_flight: 0, peak_in_flight: 0,
@@ -1302,6 +1317,9 @@ impl<'b> Executor<'b> {
                 let s = pipe.scaler.as_ref().map_or(1.0, |x| x.scale);
                 let loss_scale = if global[task.mb] > 0.0 { (s * counts[task.mb] / global[task.mb] / m as f64) as f32 } else { 0.0 };
                 let pass = Pass::Train { dropout_seed: dropout_seed(self.cfg.train.seed, self.step, task.mb), loss_scale };
+                if let Some(p) = ch.model.pairs.as_mut() {
+                    p.reference.clone_from(&rb.reference);
+                }
                 let _p = profile::scope("forward");
                 ch.model.forward_with(&mut ch.dp, &rb.x, &rb.y, rb.docs(), (rows, t), pass);
             } else {
@@ -1314,7 +1332,11 @@ impl<'b> Executor<'b> {
         let dev_start = ready;
         self.clock = ready + (c1 - c0).as_secs_f64();
         if task.forward {
-            if last {
+            if let (true, Some(p)) = (last, ch.model.pairs.as_ref()) {
+                let st = p.stats();
+                (self.sums[2 * task.mb], self.sums[2 * task.mb + 1]) = (st.loss, st.pairs);
+                self.pair_stats.get_or_insert_with(Default::default).add(&st);
+            } else if last {
                 self.sums[2 * task.mb] = ch.model.losses().iter().map(|&l| l as f64).sum::<f64>();
                 self.sums[2 * task.mb + 1] = self.batch.counts[task.mb];
             } else {
@@ -1347,7 +1369,7 @@ impl<'b> Executor<'b> {
 
     /// After the last task: each model keeps its last activations (for its statistics), the
     /// pool the others; the trace gets the tasks. Returns the loss sums and the peaks.
-    fn finish(self, chunks: &mut [Chunk], pipe: &mut Pipeline) -> (Vec<f64>, usize, usize) {
+    fn finish(self, chunks: &mut [Chunk], pipe: &mut Pipeline) -> (Vec<f64>, Option<model::pairs::PairStats>, usize, usize) {
         for (ch, mut f) in chunks.iter_mut().zip(self.free) {
             if let Some(a) = f.pop() {
                 ch.model.put_activations(a);
@@ -1357,7 +1379,7 @@ impl<'b> Executor<'b> {
         if let Some(tr) = pipe.trace.as_deref_mut() {
             tr.tasks = self.traced;
         }
-        (self.sums, self.peak_bytes, self.peak_in_flight)
+        (self.sums, self.pair_stats, self.peak_bytes, self.peak_in_flight)
     }
 }
 
@@ -1389,6 +1411,16 @@ fn fp8_amaxes(chunks: &mut [Chunk], tp: Option<&dyn parallel::Comm>) {
 
 /// The step's mean loss: the last stage's sums over its data-parallel group, taken from it by
 /// every stage; the mean over micro-batches of each one's mean.
+/// A preference objective's pair sums over the data-parallel ranks (a preference run has one
+/// pipeline stage).
+fn global_pair_stats(chunks: &mut [Chunk], st: model::pairs::PairStats) -> model::pairs::PairStats {
+    if chunks[0].dp.n() < 2 {
+        return st;
+    }
+    let all = chunks[0].dp.all_reduce_f64(&st.to_array());
+    model::pairs::PairStats::from_array(all.try_into().expect("one sum per field"))
+}
+
 fn global_loss(chunks: &mut [Chunk], pipe: &Pipeline, sums: Vec<f64>) -> f64 {
     let (p, m, v) = (pipe.sched.p, pipe.sched.m, pipe.sched.v);
     let sums = if chunks[0].dp.n() > 1 { chunks[v - 1].dp.all_reduce_f64(&sums) } else { sums };

@@ -24,7 +24,7 @@ use crate::units::{Access, CpHooks, Local, TpHooks, UnitStore};
 use std::cell::RefCell;
 use std::ops::Range;
 use tensor::attention::AttnDims;
-use tensor::classifier::{chunk_rows, lm_head_crossentropy, lm_head_crossentropy_vocab_parallel, HeadDims};
+use tensor::classifier::{chunk_rows, lm_head_crossentropy, lm_head_crossentropy_vocab_parallel, Dloss, HeadDims};
 use tensor::ops::{dropout_backward_rows, dropout_inplace_rows, Chunks, RowMap};
 use tensor::flash::{flash_attention_backward_docs, flash_attention_forward_docs, flash_gqa_backward_docs, flash_gqa_forward_docs};
 use tensor::llama::{qk_rmsnorm_backward, qk_rmsnorm_forward, rmsnorm_backward, rmsnorm_forward, rope_backward, rope_backward_pos, rope_forward, rope_forward_pos, swiglu_backward_into, swiglu_forward, GqaDims};
@@ -611,6 +611,10 @@ pub struct Gpt {
     base: Option<std::sync::Arc<crate::qbase::QuantBase>>,
     acts: Option<Acts>,
     scratch: Option<GradScratch>,
+    /// A preference objective ([`crate::pairs`]): the head weighs each row's tokens by its
+    /// pair's gradient instead of taking the mean token loss. The caller sets each
+    /// micro-batch's reference log-probabilities before its forward.
+    pub pairs: Option<crate::pairs::PairRows>,
 }
 
 /// The collectives a part of the whole model calls (implemented by `parallel`): where it sits
@@ -661,6 +665,53 @@ pub fn init_tensor(rng: &mut Rng, p: &crate::layout::ParamSpec, dst: &mut [f32])
     }
 }
 
+/// The LM head's weights and targets for one pass over `[B, T]` rows.
+struct Head<'h> {
+    w: &'h [f32],
+    /// the head's gradient (empty: none to compute)
+    dw: &'h mut [f32],
+    targets: &'h [i32],
+    b: usize,
+    t: usize,
+}
+
+impl Head<'_> {
+    /// The fused head over the final norm's output: every row's loss into `a.losses`, and with
+    /// `dloss` the input gradient (`a.dln_f`) and the head's (`dw`). A vocabulary-parallel part
+    /// holds rows `first ..` of the head, for every position: under sequence parallelism the
+    /// final norm's output is gathered first and the head's input gradient reduce-scattered back
+    /// to this part's positions.
+    fn run(&mut self, a: &mut Acts, tp: Option<&mut (dyn TpHooks + 'static)>, cfg: &GptConfig, (v, precision): (usize, Precision), dloss: Option<Dloss>) {
+        let (c, vp, (b, t)) = (cfg.n_embd, cfg.vocab_size, (self.b, self.t));
+        let arith = arith(precision);
+        match (tp, cfg.place.vocab) {
+            (Some(h), Some(rows)) => {
+                let off = rows.first;
+                let v_local = v.saturating_sub(off).min(vp);
+                let sp = cfg.place.seq.is_some();
+                if sp {
+                    h.gather_seq(&a.ln_f, &mut a.full, b, t);
+                }
+                let (x, dx) = if sp { (&a.full[..], &mut a.dln_f_full[..]) } else { (&a.ln_f[..], &mut a.dln_f[..]) };
+                let grads = dloss.map(|d| (dx, &mut *self.dw, d));
+                let dims = HeadDims { c, v: v_local, vp, offset: off, ignore_index: IGNORE_INDEX, arith };
+                lm_head_crossentropy_vocab_parallel(&mut a.losses, grads, x, self.w, self.targets, &mut a.head_scratch, &dims, &mut |x| h.all_gather(x));
+                // `f` backward at the head's input: the vocabulary slices' partial sums.
+                match (dloss.is_some(), sp) {
+                    (true, true) => h.scatter_seq(&mut a.dln_f_full, &mut a.dln_f, None, b, t),
+                    (true, false) => h.reduce_input_grad(&mut a.dln_f),
+                    _ => {}
+                }
+            }
+            _ => {
+                let grads = dloss.map(|d| (&mut a.dln_f[..], &mut *self.dw, d));
+                let dims = HeadDims { c, v, vp, offset: 0, ignore_index: IGNORE_INDEX, arith };
+                lm_head_crossentropy(&mut a.losses, grads, &a.ln_f, self.w, self.targets, &mut a.head_scratch, &dims);
+            }
+        }
+    }
+}
+
 impl Gpt {
     /// A freshly initialised model (GPT-2 initialisation, see `layout`), deterministic in `seed`.
     pub fn new(cfg: GptConfig, real_vocab: usize, seed: u64) -> Gpt {
@@ -694,7 +745,7 @@ impl Gpt {
         let rope = (cfg.arch == Arch::Llama).then(|| RopeTables::new(&cfg));
         let units = views.units(n);
         let unit_views = views.rebased(n);
-        Gpt { cfg, layout, views, units, unit_views, real_vocab, params: zeros(n), grads: Vec::new(), rope, lora: None, hooks: Hooks::default(), recompute: Recompute::None, recompute_every: 1, stash16: true, act_compression: Default::default(), precision: Precision::Fp32, fp8: None, base: None, acts: None, scratch: None }
+        Gpt { cfg, layout, views, units, unit_views, real_vocab, params: zeros(n), grads: Vec::new(), rope, lora: None, hooks: Hooks::default(), recompute: Recompute::None, recompute_every: 1, stash16: true, act_compression: Default::default(), precision: Precision::Fp32, fp8: None, base: None, acts: None, scratch: None, pairs: None }
     }
 
     pub fn num_params(&self) -> usize {
@@ -884,7 +935,6 @@ impl Gpt {
         let head_access = Access::Head { train: loss_scale.is_some() };
         let head = self.cfg.has_head();
         self.trunk_forward(store, tokens, docs, (b, t, span), (Dropout { p: p_drop, seed }, loss_scale.is_some()), head.then_some((hu, head_access)));
-        let (c, vp, v) = (self.cfg.n_embd, self.cfg.vocab_size, self.real_vocab);
         let a = self.acts.as_mut().unwrap();
         a.loss_scale = loss_scale.unwrap_or(1.0);
         a.targets.copy_from_slice(targets);
@@ -900,44 +950,30 @@ impl Gpt {
         // A frozen base (LoRA) has no head gradient to compute: the store may hand out none.
         let frozen = self.lora.is_some();
         let (w, dw) = store.acquire(hu, head_access, None);
-        let scale = match loss_scale {
-            Some(s) if count > 0 => Some(s / count as f32),
-            _ => None,
+        let dw: &mut [f32] = if frozen || loss_scale.is_none() { &mut [] } else { &mut dw[r.clone()] };
+        let mut head = Head { w: &w[r], dw, targets, b, t };
+        let mean = match self.pairs.as_mut() {
+            // A preference objective: every row's loss first, then the gradient each pair's
+            // loss gives its rows' tokens.
+            Some(pairs) => {
+                let a = self.acts.as_mut().unwrap();
+                head.run(a, self.hooks.tensor.as_deref_mut(), &self.cfg, (self.real_vocab, self.precision), None);
+                let mean = pairs.measure(&a.losses, targets, IGNORE_INDEX, (b, t));
+                if let Some(s) = loss_scale {
+                    let weights = pairs.token_weights(targets, IGNORE_INDEX, (b, t), s as f64 / (b / 2).max(1) as f64);
+                    head.run(a, self.hooks.tensor.as_deref_mut(), &self.cfg, (self.real_vocab, self.precision), Some(Dloss::Rows(&weights)));
+                }
+                mean as f32
+            }
+            None => {
+                let a = self.acts.as_mut().unwrap();
+                let scale = loss_scale.filter(|_| count > 0).map(|s| Dloss::All(s / count as f32));
+                head.run(a, self.hooks.tensor.as_deref_mut(), &self.cfg, (self.real_vocab, self.precision), scale);
+                if count == 0 { 0.0 } else { (a.losses.iter().map(|&x| x as f64).sum::<f64>() / count as f64) as f32 }
+            }
         };
-        let dw: &mut [f32] = if frozen || scale.is_none() { &mut [] } else { &mut dw[r.clone()] };
-        match (self.hooks.tensor.as_deref_mut(), self.cfg.place.vocab) {
-            // A vocabulary-parallel part holds rows `first ..` of the head, for every
-            // position: under sequence parallelism the final norm's output is gathered first
-            // and the head's input gradient reduce-scattered back to this part's positions.
-            (Some(h), Some(rows)) => {
-                let off = rows.first;
-                let v_local = v.saturating_sub(off).min(vp);
-                let sp = self.cfg.place.seq.is_some();
-                if sp {
-                    h.gather_seq(&a.ln_f, &mut a.full, b, t);
-                }
-                let (x, dx) = if sp { (&a.full[..], &mut a.dln_f_full[..]) } else { (&a.ln_f[..], &mut a.dln_f[..]) };
-                let grads = scale.map(|s| (dx, dw, s));
-                let dims = HeadDims { c, v: v_local, vp, offset: off, ignore_index: IGNORE_INDEX, arith: arith(self.precision) };
-                lm_head_crossentropy_vocab_parallel(&mut a.losses, grads, x, &w[r], targets, &mut a.head_scratch, &dims, &mut |x| h.all_gather(x));
-                // `f` backward at the head's input: the vocabulary slices' partial sums.
-                match (scale.is_some(), sp) {
-                    (true, true) => h.scatter_seq(&mut a.dln_f_full, &mut a.dln_f, None, b, t),
-                    (true, false) => h.reduce_input_grad(&mut a.dln_f),
-                    _ => {}
-                }
-            }
-            _ => {
-                let grads = scale.map(|s| (&mut a.dln_f[..], dw, s));
-                let dims = HeadDims { c, v, vp, offset: 0, ignore_index: IGNORE_INDEX, arith: arith(self.precision) };
-                lm_head_crossentropy(&mut a.losses, grads, &a.ln_f, &w[r], targets, &mut a.head_scratch, &dims);
-            }
-        }
         store.release(hu, head_access);
-        if count == 0 {
-            return 0.0;
-        }
-        (a.losses.iter().map(|&x| x as f64).sum::<f64>() / count as f64) as f32
+        mean
     }
 
     /// Full logits `[B, T, Vp]` for `tokens` (evaluation mode). Materialises every logit: for

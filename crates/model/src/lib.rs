@@ -10,6 +10,7 @@ pub mod generate;
 pub mod hf;
 pub mod gpt;
 pub mod layout;
+pub mod pairs;
 pub mod lora;
 pub mod placement;
 pub mod qbase;

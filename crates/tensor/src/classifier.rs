@@ -31,6 +31,24 @@ pub struct HeadDims {
     pub arith: Arith,
 }
 
+/// The weight of each counted row's loss in the gradient: one for every row (a mean's
+/// `loss_scale / count`), or one per row (`[N]`: a sequence objective's per-token weights, such
+/// as a preference loss's).
+#[derive(Clone, Copy, Debug)]
+pub enum Dloss<'a> {
+    All(f32),
+    Rows(&'a [f32]),
+}
+
+impl Dloss<'_> {
+    fn at(self, row: usize) -> f32 {
+        match self {
+            Dloss::All(d) => d,
+            Dloss::Rows(w) => w[row],
+        }
+    }
+}
+
 /// Rows per chunk: as many as fit in about 8M floats (32 MB) of logits, at least one; 32M
 /// (128 MB) with bf16 products, where every chunk packs the head's whole weight into bf16 panels
 /// again (with 166-row chunks of GPT-2's 50304 × 768 head that packing cost a quarter of the
@@ -46,11 +64,11 @@ pub fn chunk_rows(n: usize, vp: usize, arith: Arith) -> usize {
 /// Writes `losses[N]` (0 at ignored rows) and returns the number of counted rows. With
 /// `grads = Some((dinp, dweight, dloss))`, also overwrites `dinp[N, C]` with the input gradient
 /// and accumulates `dweight[Vp, C]`, where `dloss` is the weight of each counted row's loss
-/// (`loss_scale / count` for a mean). `scratch` holds one chunk of logits: at least
+/// (`loss_scale / count` for a mean, or one per row). `scratch` holds one chunk of logits: at least
 /// `chunk_rows(N, Vp, dims.arith) · Vp` floats. The whole head: `dims.offset` is 0.
 pub fn lm_head_crossentropy(
     losses: &mut [f32],                                  // [N]
-    grads: Option<(&mut [f32], &mut [f32], f32)>,        // dinp [N, C], dweight [Vp, C], dloss
+    grads: Option<(&mut [f32], &mut [f32], Dloss)>,      // dinp [N, C], dweight [Vp, C], dloss
     inp: &[f32],                                         // [N, C]
     weight: &[f32],                                      // [Vp, C]
     targets: &[i32],                                     // [N]
@@ -65,6 +83,9 @@ pub fn lm_head_crossentropy(
     assert_eq!(weight.len(), vp * c);
     let r = chunk_rows(n, vp, dims.arith);
     assert!(scratch.len() >= r * vp, "scratch too small");
+    if let Some((_, _, Dloss::Rows(w))) = &grads {
+        assert_eq!(w.len(), n, "one loss weight per row");
+    }
     let mut grads = grads;
     for r0 in (0..n).step_by(r) {
         let rows = r.min(n - r0);
@@ -73,7 +94,7 @@ pub fn lm_head_crossentropy(
         gemm_as(dims.arith, lg, false, View::rows(x, rows, c), View::rows(weight, vp, c).t(), 1.0, Threads::All);
         let dloss = grads.as_ref().map(|g| g.2);
         let tg = &targets[r0..r0 + rows];
-        lg.par_chunks_mut(vp).zip(losses[r0..r0 + rows].par_iter_mut()).zip(tg.par_iter()).for_each(|((row, loss), &tgt)| {
+        lg.par_chunks_mut(vp).zip(losses[r0..r0 + rows].par_iter_mut()).zip(tg.par_iter()).enumerate().for_each(|(i, ((row, loss), &tgt))| {
             softmax_row(row, v);
             if tgt == ignore_index {
                 *loss = 0.0;
@@ -82,7 +103,7 @@ pub fn lm_head_crossentropy(
             }
             assert!((tgt as usize) < v, "target {tgt} out of vocabulary {v}");
             *loss = -(row[tgt as usize].max(f32::MIN_POSITIVE)).ln();
-            if let Some(d) = dloss {
+            if let Some(d) = dloss.map(|d| d.at(r0 + i)) {
                 for p in row[..v].iter_mut() {
                     *p *= d;
                 }
@@ -162,7 +183,7 @@ fn exp_sub_sum(x: &mut [f32], max: f32) -> f32 {
 #[allow(clippy::too_many_arguments)]
 pub fn lm_head_crossentropy_vocab_parallel(
     losses: &mut [f32],                                  // [N]
-    grads: Option<(&mut [f32], &mut [f32], f32)>,        // dinp [N, C] (partial), dweight [vl, C], dloss
+    grads: Option<(&mut [f32], &mut [f32], Dloss)>,      // dinp [N, C] (partial), dweight [vl, C], dloss
     inp: &[f32],                                         // [N, C]
     weight: &[f32],                                      // [vl, C]
     targets: &[i32],                                     // [N], global ids
@@ -179,6 +200,9 @@ pub fn lm_head_crossentropy_vocab_parallel(
     let r = chunk_rows(n, vl, dims.arith);
     assert!(scratch.len() >= r * vl, "scratch too small");
     let mut grads = grads;
+    if let Some((_, _, Dloss::Rows(w))) = &grads {
+        assert_eq!(w.len(), n, "one loss weight per row");
+    }
     let owned = |tgt: i32| tgt != ignore_index && (offset..offset + v_local).contains(&(tgt as usize));
     for r0 in (0..n).step_by(r) {
         let rows = r.min(n - r0);
@@ -209,7 +233,7 @@ pub fn lm_head_crossentropy_vocab_parallel(
             }
             let zt = (0..ranks).map(|k| part(k, 1)).sum::<f32>();
             *loss = lse - zt;
-            match dloss {
+            match dloss.map(|d| d.at(r0 + i)) {
                 Some(d) => {
                     for z in row[..v_local].iter_mut() {
                         *z = d * simd::exp(*z - lse);

@@ -22,6 +22,7 @@ pub mod ops;
 pub mod optim;
 pub mod par;
 pub mod precision;
+pub mod preference;
 pub mod profile;
 pub mod quant;
 pub mod rng;

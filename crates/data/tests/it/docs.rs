@@ -245,3 +245,73 @@ fn bad_documents_name_the_file_line_row_and_field_and_write_nothing() {
     fails_writing_nothing(&fixture("chat.jsonl"), tok, &pc, &["chat.jsonl", "line 1", "`prompt`"]);
     fails_writing_nothing(&fixture("make.py"), tok, &chat, &["make.py", "jsonl or .parquet"]);
 }
+
+/// Preference rows (TRL's format) become two documents each, chosen then rejected: text rows as
+/// the prompt/completion documents of their prompt, chat rows with loss on the completion's
+/// assistant turns only, an implicit prompt (the messages both sides share) equal to an explicit
+/// one; and every bad row is refused naming its line and field.
+#[test]
+fn preference_rows_are_pairs_of_documents() {
+    let dir = temp_dir("preference");
+    let tok = Tokenizer::from_spec(tokenizer_dir("qwen2").to_str().unwrap(), None).unwrap();
+    let text = dir.join("text.jsonl");
+    std::fs::write(&text, concat!(
+        "{\"prompt\": \"2 + 2 =\", \"chosen\": \" 4\", \"rejected\": \" 5\"}\n",
+        "{\"prompt\": \"The capital of France is\", \"chosen\": \" Paris.\", \"rejected\": \" Rome, or maybe Lyon.\"}\n",
+    )).unwrap();
+    let flat = dir.join("flat.jsonl");
+    std::fs::write(&flat, concat!(
+        "{\"prompt\": \"2 + 2 =\", \"completion\": \" 4\"}\n{\"prompt\": \"2 + 2 =\", \"completion\": \" 5\"}\n",
+        "{\"prompt\": \"The capital of France is\", \"completion\": \" Paris.\"}\n",
+        "{\"prompt\": \"The capital of France is\", \"completion\": \" Rome, or maybe Lyon.\"}\n",
+    )).unwrap();
+    let pref = opts(DocFormat::Preference);
+    let ds = load_docs(&[text.clone()], TokenizerChoice::Given(tok.clone()), 0.0, &pref).unwrap();
+    let want = load_docs(&[flat], TokenizerChoice::Given(tok.clone()), 0.0, &opts(DocFormat::PromptCompletion)).unwrap();
+    // (The flat file's later documents are not firsts; the tokenizer has an EOS, so no separator.)
+    assert_eq!(documents(&ds.train), documents(&want.train));
+    assert_eq!(ds.train.docs.len(), 4);
+    for d in 0..4 {
+        assert_eq!(mask_of(&ds.train, d), mask_of(&want.train, d), "document {d}");
+    }
+    // Chats: an explicit prompt of messages, and the same rows with the prompt inside both sides.
+    let user = |q: &str| serde_json::json!({"role": "user", "content": q});
+    let bot = |a: &str| serde_json::json!({"role": "assistant", "content": a});
+    let explicit = dir.join("explicit.jsonl");
+    let implicit = dir.join("implicit.jsonl");
+    let prompt = vec![user("hi"), bot("hello!"), user("2 + 2?")];
+    let row_e = serde_json::json!({"prompt": prompt, "chosen": [bot("4")], "rejected": [bot("22")]});
+    let both = |a: &str| prompt.iter().cloned().chain([bot(a)]).collect::<Vec<_>>();
+    let row_i = serde_json::json!({"chosen": both("4"), "rejected": both("22")});
+    std::fs::write(&explicit, format!("{row_e}\n")).unwrap();
+    std::fs::write(&implicit, format!("{row_i}\n")).unwrap();
+    let e = load_docs(&[explicit], TokenizerChoice::Given(tok.clone()), 0.0, &pref).unwrap();
+    let i = load_docs(&[implicit], TokenizerChoice::Given(tok.clone()), 0.0, &pref).unwrap();
+    assert_eq!(documents(&e.train), documents(&i.train));
+    for d in 0..2 {
+        let (m, ids) = (mask_of(&e.train, d), &documents(&e.train)[d]);
+        assert_eq!(m, mask_of(&i.train, d));
+        // Loss on the final assistant turn only: not on the prompt's "hello!".
+        let counted: Vec<u32> = ids.iter().zip(&m).filter(|(_, &k)| k == 1).map(|(&t, _)| t).collect();
+        let said = tok.decode(&counted);
+        assert!(said.starts_with(if d == 0 { "4" } else { "22" }) && !said.contains("hello"), "{said:?}");
+    }
+    // Bad rows: each names the file, the line and the field.
+    let cases: [(&str, &[&str]); 6] = [
+        ("{\"prompt\": \"p\", \"chosen\": \"a\"}", &["line 1", "no field `rejected`"]),
+        ("{\"prompt\": \"p\", \"chosen\": \"\", \"rejected\": \"b\"}", &["line 1", "`chosen` is empty"]),
+        ("{\"chosen\": \"a\", \"rejected\": \"b\"}", &["line 1", "`prompt`"]),
+        ("{\"prompt\": \"p\", \"chosen\": \"a\", \"rejected\": [1]}", &["line 1", "both strings, or both arrays"]),
+        ("{\"chosen\": [{\"role\": \"user\", \"content\": \"q\"}], \"rejected\": [{\"role\": \"user\", \"content\": \"q\"}]}", &["line 1", "`chosen` has no assistant message"]),
+        ("{\"prompt\": [{\"role\": \"user\"}], \"chosen\": [{\"role\": \"assistant\", \"content\": \"a\"}], \"rejected\": [{\"role\": \"assistant\", \"content\": \"b\"}]}", &["line 1", "prompt[0] has no `content`"]),
+    ];
+    for (k, (row, want)) in cases.iter().enumerate() {
+        let bad = dir.join(format!("bad{k}.jsonl"));
+        std::fs::write(&bad, format!("{}\n{row}\n", std::fs::read_to_string(&text).unwrap().lines().next().unwrap())).unwrap();
+        let err = load_docs(&[bad.clone()], TokenizerChoice::Given(tok.clone()), 0.0, &pref).unwrap_err().to_string();
+        let want: Vec<String> = want.iter().map(|w| w.replace("line 1", "line 2")).collect();
+        for w in std::iter::once(format!("bad{k}.jsonl")).chain(want) {
+            assert!(err.contains(&w), "case {k}: {err:?} lacks {w:?}");
+        }
+    }
+}

@@ -26,7 +26,7 @@ fn lm_head_crossentropy_matches_cpu_in_chunks_and_types() {
         let dw0 = randn(&mut rng, vp * c, 1.0);
         let (mut losses, mut dinp, mut dw) = (vec![0.0; n], vec![0.0; n * c], dw0.clone());
         let mut scratch = vec![0.0; n * vp];
-        tensor::classifier::lm_head_crossentropy(&mut losses, Some((&mut dinp, &mut dw, dloss)), &xs, &ws, &targets, &mut scratch, &dims);
+        tensor::classifier::lm_head_crossentropy(&mut losses, Some((&mut dinp, &mut dw, tensor::classifier::Dloss::All(dloss))), &xs, &ws, &targets, &mut scratch, &dims);
 
         let tg = g.upload_u32(&targets.iter().map(|&t| t as u32).collect::<Vec<_>>());
         let (gx, gw, gdw, scal) = (g.upload_as(&x, dtype), g.upload_as(&w, dtype), g.upload(&dw0), g.upload(&[0.0, dloss]));
@@ -84,7 +84,7 @@ fn vocab_parallel_lm_head_matches_cpu() {
         };
         let (mut losses, mut dinp, mut dw) = (vec![0.0; n], vec![0.0; n * c], vec![0.0; vl * c]);
         let mut scratch = vec![0.0; n * vl];
-        tensor::classifier::lm_head_crossentropy_vocab_parallel(&mut losses, Some((&mut dinp, &mut dw, dloss)), &x, ws, &targets, &mut scratch, &d, &mut { gather });
+        tensor::classifier::lm_head_crossentropy_vocab_parallel(&mut losses, Some((&mut dinp, &mut dw, tensor::classifier::Dloss::All(dloss))), &x, ws, &targets, &mut scratch, &d, &mut { gather });
         let (gx, gw, gdw, scal) = (g.upload(&x), g.upload(ws), g.zeros(vl * c), g.upload(&[0.0, dloss]));
         let (gl, gdi, gs) = (g.zeros(n), g.zeros(n * c), g.zeros(n * vl));
         g.lm_head_crossentropy_vocab_parallel(&gl, Some((&gdi, Some(gdw.at(0)), (&scal, 1))), &gx, gw.at(0), &tg, (&gs, &g.zeros(2 * n)), &d, &mut { gather });

@@ -117,7 +117,7 @@ fn save(r: &mut Rank, to_disk: bool, last: bool) -> Result<()> {
     } else {
         None
     };
-    let state = TrainState { step, sampler_rng: r.sampler_state(), tokens_seen: r.tokens_seen, elapsed_s: r.elapsed_s, config: cfg.to_toml(), loss_scale: r.scaler, fp8_amax: fp8_hist, loader: r.loader.packed().then(|| r.loader.state().clone()) };
+    let state = TrainState { step, sampler_rng: r.sampler_state(), tokens_seen: r.tokens_seen, elapsed_s: r.elapsed_s, config: cfg.to_toml(), loss_scale: r.scaler, fp8_amax: fp8_hist, loader: r.loader.has_cursors().then(|| r.loader.state().clone()) };
     // The writer copies all of each tensor, or this rank's part of it, into the previous
     // snapshot's buffers — from the live training buffers when this rank holds them (the next
     // update waits for the copy at the writer's gate), else from the gathers.

@@ -79,7 +79,11 @@ pub fn load_data(cfg: &RunConfig, tokenizer: Option<Tokenizer>) -> Result<TrainD
             data::load_default_corpus(choice(tok.take()), frac)?
         } else {
             let paths: Vec<PathBuf> = if cfg.data.sources.is_empty() { cfg.data.paths.iter().map(PathBuf::from).collect() } else { vec![PathBuf::from(&name)] };
-            data::load_docs(&paths, choice(tok.take()), frac, &opts)?
+            if opts.format == data::DocFormat::Preference {
+                pair_split(data::load_docs(&paths, choice(tok.take()), 0.0, &opts)?, frac, &name)?
+            } else {
+                data::load_docs(&paths, choice(tok.take()), frac, &opts)?
+            }
         };
         tok = Some(ds.tokenizer.clone());
         files.extend(ds.files.iter().cloned());
@@ -87,6 +91,27 @@ pub fn load_data(cfg: &RunConfig, tokenizer: Option<Tokenizer>) -> Result<TrainD
         sources.push(Source { name, weight, train: ds.train, val: ds.val });
     }
     Ok(TrainData { sources, tokenizer: tok.expect("at least one source"), description: descs.join("; "), files })
+}
+
+/// A preference set's splits: its pairs (documents `2i`, `2i + 1`) cut whole, the last
+/// `val_fraction` of them held out (at least one where the fraction is not 0). A prepared set
+/// that brings its own split must split between pairs.
+fn pair_split(mut ds: data::Dataset, frac: f64, name: &str) -> Result<data::Dataset> {
+    if ds.val.is_empty() {
+        let pairs = ds.train.docs.len() / 2;
+        let held = if frac > 0.0 { ((pairs as f64 * frac).ceil() as usize).max(1) } else { 0 };
+        if pairs < held + 1 {
+            return user(format!("{name}: {pairs} preference pairs leave none to train on after data.val_fraction = {frac} holds {held} out"));
+        }
+        (ds.train, ds.val) = data::split_at_document(&ds.train, 2 * (pairs - held));
+    }
+    for (which, s) in [("training", &ds.train), ("validation", &ds.val)] {
+        if s.docs.len() % 2 != 0 || s.mask.is_none() {
+            return user(format!("{name}: the {which} split holds {} documents, not whole preference pairs (prepare preference rows with --val-fraction 0; kiln holds pairs out itself)", s.docs.len()));
+        }
+    }
+    ds.description = format!("{} ({} training and {} held-out preference pairs)", ds.description, ds.train.docs.len() / 2, ds.val.docs.len() / 2);
+    Ok(ds)
 }
 
 fn data_name(cfg: &RunConfig, s: &Source) -> String {
@@ -112,7 +137,9 @@ pub(super) fn check_data_fits(cfg: &mut RunConfig, ds: &TrainData, explicit: &st
         eprintln!("note: the validation split holds {shortest} tokens, less than a window of train.seq_len + 1 = {}: evaluating in windows of {} (eval.seq_len)", t + 1, shortest - 1);
     }
     let te = if cfg.eval.seq_len == 0 { t } else { cfg.eval.seq_len };
-    for s in &ds.sources {
+    // Preference pairs are rows of their own (cut at the row's length), not windows.
+    let pairs = cfg.train.objective.pairs().is_some();
+    for s in ds.sources.iter().filter(|_| !pairs) {
         for (split, sp, t) in [("training", &s.train, t), ("validation", &s.val, te)] {
             if sp.len() < t + 1 {
                 return user(format!(
@@ -154,6 +181,8 @@ pub enum Row {
 pub struct Loader<'a> {
     sources: &'a [Source],
     packing: Packing,
+    /// A preference objective: rows are pairs of documents, chosen then rejected.
+    pairs: bool,
     reset_positions: bool,
     t: usize,
     seed: u64,
@@ -167,7 +196,7 @@ impl<'a> Loader<'a> {
         let n = data.sources.len();
         let state = state.filter(|s| s.cursors.len() == n).unwrap_or(LoaderState { cursors: vec![Cursor::default(); n] });
         Loader {
-            sources: &data.sources, packing: cfg.data.packing, reset_positions: cfg.data.reset_positions, t: cfg.seq_len(),
+            sources: &data.sources, packing: cfg.data.packing, pairs: cfg.train.objective.pairs().is_some(), reset_positions: cfg.data.reset_positions, t: cfg.seq_len(),
             seed: cfg.train.seed, state, orders: vec![(u64::MAX, Vec::new()); n],
         }
     }
@@ -176,8 +205,15 @@ impl<'a> Loader<'a> {
         &self.state
     }
 
+    /// Whether the loader keeps cursors a checkpoint must hold (packed documents, pairs).
+    pub fn has_cursors(&self) -> bool {
+        self.packing == Packing::Documents || self.pairs
+    }
+
+    /// Whether rows carry document starts and positions (packed documents; a preference pair's
+    /// rows are one document each, from position 0, and need none).
     pub fn packed(&self) -> bool {
-        self.packing == Packing::Documents
+        self.packing == Packing::Documents && !self.pairs
     }
 
     /// The source of the next row: by weight (no draw with one source, so a single-corpus run
@@ -197,8 +233,15 @@ impl<'a> Loader<'a> {
         self.sources.len() - 1
     }
 
-    /// The global batch's `count` rows.
+    /// The global batch's `count` rows (a preference objective: `count / 2` pairs, each its
+    /// chosen row then its rejected one).
     pub fn draw(&mut self, rng: &mut Rng, count: usize) -> Vec<Row> {
+        if self.pairs {
+            return (0..count / 2).flat_map(|_| {
+                let src = self.pick(rng);
+                self.pair(src)
+            }).collect();
+        }
         (0..count).map(|_| {
             let src = self.pick(rng);
             match self.packing {
@@ -208,10 +251,26 @@ impl<'a> Loader<'a> {
         }).collect()
     }
 
-    /// Document `k` of source `src`'s order for `epoch` (a seeded shuffle per epoch).
+    /// The next pair of source `src` (in a seeded order per epoch): its two rows.
+    fn pair(&mut self, src: usize) -> [Row; 2] {
+        let c = self.state.cursors[src];
+        let split = &self.sources[src].train;
+        let n = split.docs.len() as u64 / 2;
+        let p = self.doc(src, c.epoch, c.next);
+        let cur = &mut self.state.cursors[src];
+        cur.next += 1;
+        if cur.next == n {
+            (cur.epoch, cur.next) = (cur.epoch + 1, 0);
+        }
+        let split = &self.sources[src].train;
+        [0, 1].map(|side| pair_row(split, src, 2 * p + side, self.t))
+    }
+
+    /// Document `k` of source `src`'s order for `epoch` (a seeded shuffle per epoch; of its
+    /// pairs under a preference objective).
     fn doc(&mut self, src: usize, epoch: u64, k: u64) -> usize {
         if self.orders[src].0 != epoch {
-            let n = self.sources[src].train.docs.len();
+            let n = self.sources[src].train.docs.len() / if self.pairs { 2 } else { 1 };
             let mut order: Vec<u32> = (0..n as u32).collect();
             let mut r = Rng::new(tensor::rng::mix64(self.seed ^ tensor::rng::mix64(((src as u64) << 32) ^ epoch ^ 0x5eed_d0c5)));
             for i in (1..n).rev() {
@@ -265,6 +324,12 @@ impl<'a> Loader<'a> {
         let splits: Vec<&Split> = self.sources.iter().map(|s| &s.train).collect();
         fill_rows(&splits, rows, self.t, self.reset_positions, buf);
     }
+}
+
+/// Document `d` of `split` as a row of its own: its first `t` tokens, then padding.
+pub(super) fn pair_row(split: &Split, src: usize, d: usize, t: usize) -> Row {
+    let r = split.docs.range(d);
+    Row::Packed(vec![Piece { src, start: r.start, len: r.len().min(t) }])
 }
 
 /// Writes `rows` (their sources indexing `splits`) into `buf`, row `i` at `i·T`: inputs,

@@ -99,3 +99,22 @@ pub(super) fn add_memory(line: &mut serde_json::Value, chunks: &[Chunk], out: &S
     line["mem_transient_peak_bytes"] = transient_b.into();
     crate::memory::track::log_peaks(line);
 }
+
+/// A preference objective's figures, each a mean over the pairs (TRL's `rewards/*` and
+/// `logps/*`), under `prefix` (`""` for a training step, `"val_"` for the held-out pairs).
+pub(super) fn add_pairs(line: &mut serde_json::Value, st: &model::pairs::PairStats, prefix: &str) {
+    let n = st.pairs.max(1.0);
+    let figures = [
+        ("rewards_chosen", st.reward_chosen),
+        ("rewards_rejected", st.reward_rejected),
+        ("rewards_margin", st.reward_chosen - st.reward_rejected),
+        ("rewards_accuracy", st.correct),
+        ("preference_accuracy", st.prefers),
+        ("logps_chosen", st.logps_chosen),
+        ("logps_rejected", st.logps_rejected),
+    ];
+    for (k, v) in figures {
+        line[format!("{prefix}{k}")] = (v / n).into();
+    }
+    line[format!("{prefix}pairs")] = st.pairs.into();
+}

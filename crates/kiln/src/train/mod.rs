@@ -14,6 +14,7 @@ pub(crate) mod elastic;
 mod eval;
 mod faults;
 mod metrics;
+mod prefs;
 mod rank;
 
 pub use self::data::{doc_opts, fill_rows, load_data, Loader, Piece, Row, Source, TrainData};
@@ -191,6 +192,9 @@ fn train_once(r: &Resolved, stop: &AtomicBool) -> Result<Summary> {
     }
     let ds = load_data(&cfg, tokenizer)?;
     check_data_fits(&mut cfg, &ds, explicit)?;
+    if cfg.train.objective.pairs().is_some() {
+        prefs::check_pairs_fit(&cfg, &ds)?;
+    }
     let gcfg = cfg.gpt_config(ds.tokenizer.vocab_size());
     cfg.model.vocab_size = gcfg.vocab_size;
     if cfg.train.device != "cpu" {

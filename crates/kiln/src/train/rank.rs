@@ -75,6 +75,8 @@ pub(super) struct Rank<'a> {
     sampler: Rng,
     /// Draws each step's rows (its cursors are checkpointed with the sampler).
     pub loader: Loader<'a>,
+    /// A preference objective: the reference model's log-probabilities of every pair.
+    refs: Option<super::prefs::References>,
     pub step: u64,
     pub tokens_seen: u64,
     elapsed_prev: f64,
@@ -219,8 +221,9 @@ impl<'a> Rank<'a> {
             tokens_seen: resumed.as_ref().map_or(0, |r| r.tokens_seen), elapsed_prev: resumed.as_ref().map_or(0.0, |r| r.elapsed_s), started: Instant::now(), elapsed_s: 0.0,
             scaler, flops_per_token, hw_flops_per_token, peak, recompute, metrics,
             progress: Progress::new(step, cfg.train.max_steps, args.quiet || !lead),
-            last_val: None, interrupted: false, trace_until: None, profile: args.profile, faults: Faults::new(&cfg.faults, run_dir), ckpt,
+            last_val: None, interrupted: false, trace_until: None, profile: args.profile, faults: Faults::new(&cfg.faults, run_dir), ckpt, refs: None,
         };
+        r.start_pairs(resumed.is_some() || resume_from.is_some())?;
         r.announce(n, n_train, resume_from)?;
         r.log_startup(ctx.base_load)?;
         r.started = Instant::now();
@@ -388,7 +391,7 @@ impl<'a> Rank<'a> {
         // memory: the activation buffers, allocated under their tracking category (a no-op once they fit).
         self.chunks.iter_mut().for_each(|ch| crate::memory::track::scope(crate::memory::track::Category::Activations, || ch.model.reserve_activations(rows, t)));
         let out = if self.faults.marked.contains(&(self.step + 1)) {
-            StepOut { loss: f32::NAN, grad_norm: f64::NAN, overlap: Default::default(), skipped: Some("batch marked by a rollback"), peak_activation_bytes: 0, peak_in_flight: 0, loss_tokens: 0.0 }
+            StepOut { loss: f32::NAN, grad_norm: f64::NAN, overlap: Default::default(), skipped: Some("batch marked by a rollback"), peak_activation_bytes: 0, peak_in_flight: 0, loss_tokens: 0.0, pairs: None }
         } else {
             let groups = &self.applied.groups;
             let (mb, dp_rank) = (cfg.micro_batch(), groups.dp_rank);
@@ -405,10 +408,13 @@ impl<'a> Rank<'a> {
                 scaler: self.scaler.as_mut(),
             };
             let faults = &self.faults;
-            let loader = &self.loader;
+            let (loader, refs, sources) = (&self.loader, &self.refs, &self.ds.sources);
             let fill = |micro: usize, b: &mut RowBuf| {
                 let first = micro * mb + dp_rank * rows;
                 loader.fill(&rows_all[first..first + rows], b);
+                if let Some(r) = refs {
+                    super::prefs::fill_reference(sources, &r.train, &rows_all[first..first + rows], false, b);
+                }
             };
             #[cfg(feature = "vulkan")]
             if let Some(d) = self.device.as_mut() {
@@ -536,6 +542,9 @@ impl<'a> Rank<'a> {
             line["hfu"] = (self.hw_flops_per_token * tps / self.peak).into();
         }
         add_moe_stats(&mut line, self.moe_stats());
+        if let Some(st) = &out.pairs {
+            super::metrics::add_pairs(&mut line, st, "");
+        }
         if let Some(b) = m.bubble {
             line["pp_bubble"] = b.into();
         }
@@ -558,10 +567,58 @@ impl<'a> Rank<'a> {
         self.sampler.state()
     }
 
+    /// A preference objective: every chunk's model measures pairs, and the reference's
+    /// log-probabilities are read back or measured before the first step.
+    fn start_pairs(&mut self, resumed: bool) -> Result<()> {
+        let Some(pc) = self.cfg.pair_cfg() else { return Ok(()) };
+        if !self.rows.is_multiple_of(2) {
+            return crate::error::user(format!("train.objective = \"{}\": each rank's micro-batch holds whole pairs, but it has {} rows: make train.batch_size / (train.grad_accum · data-parallel ranks) even", self.cfg.train.objective.name(), self.rows));
+        }
+        for ch in self.chunks.iter_mut() {
+            ch.model.pairs = Some(model::pairs::PairRows::new(pc));
+        }
+        let (rows, t) = (self.rows, self.t);
+        let ch = &mut self.chunks[0];
+        crate::memory::track::scope(crate::memory::track::Category::Activations, || ch.model.reserve_activations(rows, t));
+        let refs = super::prefs::references(self.cfg, &self.ds.sources, ch, (self.run_dir, self.lead, resumed), rows)?;
+        if let (Some(acc), false) = (refs.val_accuracy, resumed) {
+            self.log(serde_json::json!({"kind": "reference", "step": self.step, "val_preference_accuracy": acc}))?;
+            self.say(&format!("reference: held-out preference accuracy {:.1}% before training", 100.0 * acc));
+        }
+        self.refs = Some(refs);
+        Ok(())
+    }
+
+    /// The held-out pairs' loss, rewards and accuracy (collective over every rank).
+    fn evaluate_pairs(&mut self, train_loss: f32) -> Result<()> {
+        let (cfg, groups) = (self.cfg, &self.applied.groups);
+        let eb = if cfg.eval.batch_size == 0 { self.rows } else { cfg.eval.batch_size + cfg.eval.batch_size % 2 };
+        let refs = self.refs.as_ref().expect("measured at the start");
+        let ch = &mut self.chunks[0];
+        crate::memory::track::scope(crate::memory::track::Category::Activations, || ch.model.reserve_activations(eb, self.t));
+        let mut st = super::prefs::eval_pairs(ch, &self.ds.sources, refs, self.t, (eb, cfg.eval.iters), (groups.dp_rank, groups.dp_size));
+        if ch.dp.n() > 1 {
+            st = model::pairs::PairStats::from_array(ch.dp.all_reduce_f64(&st.to_array()).try_into().expect("one sum per field"));
+        }
+        if st.pairs == 0.0 {
+            return Ok(());
+        }
+        let vl = st.loss / st.pairs;
+        self.last_val = Some(vl);
+        let mut line = serde_json::json!({"kind": "eval", "step": self.step, "val_loss": vl});
+        super::metrics::add_pairs(&mut line, &st, "val_");
+        self.log(line)?;
+        self.say(&format!("step {}: train loss {train_loss:.4}, val loss {vl:.4}, val preference accuracy {:.1}%", self.step, 100.0 * st.correct / st.pairs));
+        Ok(())
+    }
+
     /// The held-out loss (collective over every rank).
     fn evaluate(&mut self, train_loss: f32) -> Result<()> {
         let _p = tensor::profile::scope("eval");
         let cfg = self.cfg;
+        if cfg.train.objective.pairs().is_some() {
+            return self.evaluate_pairs(train_loss);
+        }
         let t = if cfg.eval.seq_len == 0 { self.t } else { cfg.eval.seq_len };
         let eb = if cfg.eval.batch_size == 0 { cfg.micro_batch() } else { cfg.eval.batch_size };
         let groups = &self.applied.groups;

@@ -18,6 +18,7 @@ mod memory;
 mod obs;
 mod optim;
 mod parallel;
+mod preference;
 mod reliability;
 mod sft;
 mod tokenizers;

@@ -223,7 +223,7 @@ fn bad_documents_and_data_settings_exit_2_naming_them_and_write_nothing() {
     let good = d.join("good.jsonl");
     fs::write(&good, (0..50).map(|i| format!("{{\"text\": \"document {i} has some words in it\"}}\n")).collect::<String>()).unwrap();
     for (args, needles) in [
-        (&["--format", "dialogue"][..], &["data.format", "text, chat or prompt_completion", "dialogue"][..]),
+        (&["--format", "dialogue"][..], &["data.format", "text, chat, prompt_completion or preference", "dialogue"][..]),
         (&["--packing", "rows"], &["data.packing", "windows or documents", "rows"]),
         (&["--reset-positions"], &["data.reset_positions", "documents"]),
         (&["--format", "chat"], &["good.jsonl", "line 1", "`messages`"]),

@@ -235,7 +235,7 @@ fn fused_lm_head_matches_unfused_and_finite_differences() {
     assert!(rows < n, "the test must cross chunk boundaries");
     let mut scratch = vec![0.0; rows * vp];
     let (mut losses, mut dinp, mut dw) = (vec![0.0; n], vec![0.0; n * c], vec![0.0; vp * c]);
-    let cnt = lm_head_crossentropy(&mut losses, Some((&mut dinp, &mut dw, 0.5)), &inp, &w, &targets, &mut scratch, &HeadDims { c, v, vp, offset: 0, ignore_index: -100, arith: Default::default() });
+    let cnt = lm_head_crossentropy(&mut losses, Some((&mut dinp, &mut dw, tensor::classifier::Dloss::All(0.5))), &inp, &w, &targets, &mut scratch, &HeadDims { c, v, vp, offset: 0, ignore_index: -100, arith: Default::default() });
     // Unfused reference: matmul, cross-entropy forward and backward, matmul backward.
     let mut logits = vec![0.0; n * vp];
     matmul_forward(&mut logits, &inp, &w, None, n, c, vp);
@@ -276,10 +276,72 @@ fn fused_lm_head_gradients() {
         l.iter().map(|&a| a as f64).sum::<f64>()
     };
     let (mut losses, mut dinp, mut dw) = (vec![0.0; n], vec![0.0; n * c], vec![0.0; vp * c]);
-    lm_head_crossentropy(&mut losses, Some((&mut dinp, &mut dw, 1.0)), &inp, &w, &targets, &mut scratch, &HeadDims { c, v, vp, offset: 0, ignore_index: -100, arith: Default::default() });
+    lm_head_crossentropy(&mut losses, Some((&mut dinp, &mut dw, tensor::classifier::Dloss::All(1.0))), &inp, &w, &targets, &mut scratch, &HeadDims { c, v, vp, offset: 0, ignore_index: -100, arith: Default::default() });
     check("lm_head.dinp", &inp, &dinp, |x| loss(x, &w));
     check("lm_head.dweight", &w, &dw, |x| loss(&inp, x));
     assert!(dw[v * c..].iter().all(|&g| g == 0.0), "padded rows get no gradient");
+}
+
+/// A weight per row (a sequence objective's): the gradient of `Σ wᵢ·lossᵢ`, by finite
+/// differences; and the vocabulary-parallel head over two slices gives the same losses and
+/// (summed) input gradients, and each slice its rows of the weight gradient.
+#[test]
+fn fused_lm_head_weighs_each_row() {
+    use tensor::classifier::{lm_head_crossentropy, lm_head_crossentropy_vocab_parallel, Dloss, HeadDims};
+    let (n, c, v, vp) = (5, 4, 6, 8);
+    let mut rng = Rng::new(15);
+    let inp = randn(&mut rng, n * c, 1.0);
+    let w = randn(&mut rng, vp * c, 1.0);
+    let targets = [1i32, 5, -100, 0, 3];
+    let rw = [0.5f32, -1.25, 9.0, 0.0, 2.0];
+    let dims = HeadDims { c, v, vp, offset: 0, ignore_index: -100, arith: Default::default() };
+    let loss = |x: &[f32], w: &[f32]| {
+        let (mut l, mut s) = (vec![0.0; n], vec![0.0; n * vp]);
+        lm_head_crossentropy(&mut l, None, x, w, &targets, &mut s, &dims);
+        l.iter().zip(rw).map(|(&a, b)| a as f64 * b as f64).sum::<f64>()
+    };
+    let (mut losses, mut dinp, mut dw, mut scratch) = (vec![0.0; n], vec![0.0; n * c], vec![0.0; vp * c], vec![0.0; n * vp]);
+    lm_head_crossentropy(&mut losses, Some((&mut dinp, &mut dw, Dloss::Rows(&rw))), &inp, &w, &targets, &mut scratch, &dims);
+    check("lm_head.dinp (row weights)", &inp, &dinp, |x| loss(x, &w));
+    check("lm_head.dweight (row weights)", &w, &dw, |x| loss(&inp, x));
+    // Two vocabulary slices of 4 rows (the second holding the 2 real rows 4, 5 and 2 padding).
+    let slices = [(0usize, 4usize), (4, 2)];
+    let mut parts = Vec::new();
+    let mut mine_all: Vec<Vec<f32>> = vec![Vec::new(); 2];
+    for pass in 0..2 {
+        parts.clear();
+        for (k, &(off, real)) in slices.iter().enumerate() {
+            let d = HeadDims { c, v: real, vp: 4, offset: off, ignore_index: -100, arith: Default::default() };
+            let (mut l, mut di, mut dwk, mut s) = (vec![0.0; n], vec![0.0; n * c], vec![0.0; 4 * c], vec![0.0; n * 4]);
+            let others = mine_all.clone();
+            lm_head_crossentropy_vocab_parallel(&mut l, Some((&mut di, &mut dwk, Dloss::Rows(&rw))), &inp, &w[off * c..(off + 4) * c], &targets, &mut s, &d, &mut |m| {
+                // Rank order: each slice's [lse | target logit]; the first pass learns them.
+                let mut all = Vec::new();
+                for (j, o) in others.iter().enumerate() {
+                    all.extend(if j == k || o.is_empty() { m.to_vec() } else { o.clone() });
+                }
+                mine_all[k] = m.to_vec();
+                all
+            });
+            parts.push((l, di, dwk));
+        }
+        if pass == 0 {
+            continue;
+        }
+        for (k, (l, _, dwk)) in parts.iter().enumerate() {
+            for (i, (a, b)) in l.iter().zip(&losses).enumerate() {
+                assert!((a - b).abs() < 1e-5, "slice {k} loss {i}: {a} vs {b}");
+            }
+            let off = slices[k].0;
+            for (i, (a, b)) in dwk.iter().zip(&dw[off * c..(off + 4) * c]).enumerate() {
+                assert!((a - b).abs() < 1e-5, "slice {k} dweight {i}: {a} vs {b}");
+            }
+        }
+        for (i, d) in dinp.iter().enumerate() {
+            let s = parts[0].1[i] + parts[1].1[i];
+            assert!((s - d).abs() < 1e-5, "dinp {i}: {s} vs {d}");
+        }
+    }
 }
 
 /// `simd::exp` and `simd::exp_lanes` (the blocked form with fused multiply-adds that GELU and

@@ -9,5 +9,6 @@ mod moe;
 mod optim;
 mod flash;
 mod precision;
+mod preference;
 mod quant;
 mod ring;

@@ -1,0 +1,150 @@
+//! A preference objective's parts outside the step: the reference model's log-probabilities,
+//! the pairs' rows' checks, and the held-out pairs' evaluation.
+//!
+//! The reference is the model the run starts from (with LoRA: the frozen base, its adapters
+//! still zero), so its log-probabilities are measured once, before the first step, over every
+//! pair of every split, without dropout, and kept in `RUN/reference_logps.json`: no second copy
+//! of the weights is held, and a resumed run reads them back rather than measuring its trained
+//! weights. Every rank measures every document (each rank's forwards are the same, which
+//! ZeRO-3's collective forward needs); a document's rows are those the step trains on.
+
+use super::data::{fill_rows, pair_row, Row, Source, TrainData};
+use crate::config::RunConfig;
+use crate::error::{user, KilnError, Result};
+use crate::step::{Chunk, RowBuf};
+use data::Split;
+use model::pairs::{PairRows, PairStats};
+use model::Pass;
+use std::path::Path;
+
+/// The file in the run directory.
+pub const REFERENCE_FILE: &str = "reference_logps.json";
+
+/// Each source's reference log-probabilities, per document of its training and held-out splits
+/// (pair `i`'s chosen at `2i`, rejected at `2i + 1`).
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct References {
+    pub train: Vec<Vec<f64>>,
+    pub val: Vec<Vec<f64>>,
+    /// The held-out pairs' preference accuracy under the reference (the model the run starts
+    /// from): the fraction whose chosen completion it finds likelier, by the loss's measure.
+    pub val_accuracy: Option<f64>,
+}
+
+/// Refuses a preference set whose rows, cut at `train.seq_len` tokens, leave a completion no
+/// target: its log-probability would be empty.
+pub(crate) fn check_pairs_fit(cfg: &RunConfig, ds: &TrainData) -> Result<()> {
+    let t = cfg.seq_len();
+    for s in &ds.sources {
+        for (which, split) in [("training", &s.train), ("held-out", &s.val)] {
+            let Some(mask) = &split.mask else { continue };
+            let mut m = vec![0u32; t + 1];
+            for d in 0..split.docs.len() {
+                let r = split.docs.range(d);
+                let n = r.len().min(t);
+                mask.copy_to(r.start, &mut m[..n]);
+                if !m[1..n].contains(&1) {
+                    let side = if d % 2 == 0 { "chosen" } else { "rejected" };
+                    return user(format!(
+                        "{}: {which} preference pair {} has no {side} completion token within train.seq_len = {t} tokens (its sequence holds {}): raise --seq-len or shorten the prompt",
+                        s.name, d / 2 + 1, r.len()
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Each document's log-probability under the chunk's model as it is (one stage, eval mode),
+/// `batch` documents at a time, each a row of its own cut at `t` tokens; and over the pairs,
+/// how many the model prefers the chosen side of.
+fn measure(ch: &mut Chunk, split: &Split, t: usize, batch: usize) -> (Vec<f64>, f64) {
+    let n = split.docs.len();
+    let (mut out, mut prefers) = (Vec::with_capacity(n), 0.0);
+    for first in (0..n).step_by(batch) {
+        let rows: Vec<Row> = (first..(first + batch).min(n)).map(|d| pair_row(split, 0, d, t)).collect();
+        let mut b = RowBuf::new(batch, t, false);
+        fill_rows(&[split], &rows, t, false, &mut b);
+        ch.model.pairs.as_mut().expect("a preference objective's model").reference = vec![0.0; batch];
+        ch.model.forward_with(&mut ch.dp, &b.x, &b.y, None, (batch, t), Pass::Eval);
+        let p = ch.model.pairs.as_ref().expect("measured");
+        out.extend_from_slice(&p.logps[..rows.len()]);
+        prefers += p.stats().prefers;
+    }
+    (out, prefers)
+}
+
+/// The run's reference log-probabilities: read from the run directory when it has them (a
+/// resumed run), else measured on `ch` now and (by the lead rank) written there. SimPO has no
+/// reference: zeros.
+pub(super) fn references(cfg: &RunConfig, sources: &[Source], ch: &mut Chunk, (run_dir, lead, resumed): (&Path, bool, bool), batch: usize) -> Result<References> {
+    let path = run_dir.join(REFERENCE_FILE);
+    let zeros = |f: &dyn Fn(&Source) -> usize| sources.iter().map(|s| vec![0.0; f(s)]).collect::<Vec<_>>();
+    let pc = cfg.pair_cfg().expect("a preference objective");
+    if !pc.loss.uses_reference() {
+        return Ok(References { train: zeros(&|s| s.train.docs.len()), val: zeros(&|s| s.val.docs.len()), val_accuracy: None });
+    }
+    if path.exists() {
+        let text = std::fs::read_to_string(&path).map_err(|e| KilnError::User(format!("{}: cannot read: {e}", path.display())))?;
+        let r: References = serde_json::from_str(&text).map_err(|e| KilnError::User(format!("{}: not the reference log-probabilities kiln writes: {e}", path.display())))?;
+        let fits = r.train.len() == sources.len() && sources.iter().enumerate().all(|(i, s)| r.train[i].len() == s.train.docs.len() && r.val[i].len() == s.val.docs.len());
+        if !fits {
+            return user(format!("{}: its pairs are not this run's data's (was the data changed?)", path.display()));
+        }
+        return Ok(r);
+    }
+    if resumed {
+        return user(format!("{}: missing; a resumed preference run needs the reference log-probabilities its first start measured", path.display()));
+    }
+    let t = cfg.seq_len();
+    let val: Vec<(Vec<f64>, f64)> = sources.iter().map(|s| measure(ch, &s.val, t, batch)).collect();
+    let pairs = sources.iter().map(|s| s.val.docs.len() / 2).sum::<usize>();
+    let r = References {
+        train: sources.iter().map(|s| measure(ch, &s.train, t, batch).0).collect(),
+        val_accuracy: (pairs > 0).then(|| val.iter().map(|v| v.1).sum::<f64>() / pairs as f64),
+        val: val.into_iter().map(|v| v.0).collect(),
+    };
+    if lead {
+        crate::util::write_atomic(&path, serde_json::to_string(&r).expect("numbers serialize").as_bytes())?;
+    }
+    Ok(r)
+}
+
+/// Writes `rows`' reference log-probabilities (their documents' in `refs`) into `buf`.
+pub(super) fn fill_reference(sources: &[Source], refs: &[Vec<f64>], rows: &[Row], val: bool, buf: &mut RowBuf) {
+    buf.reference = rows.iter().map(|row| match row {
+        Row::Packed(p) if p.len() == 1 => {
+            let split = if val { &sources[p[0].src].val } else { &sources[p[0].src].train };
+            refs[p[0].src][split.docs.doc_of(p[0].start)]
+        }
+        _ => unreachable!("a preference row is one document"),
+    }).collect();
+}
+
+/// This rank's share of the held-out pairs' sums: `batch` rows (pairs of them) at a time, batch
+/// `k` on rank `k mod ranks`, every rank running the same number of forwards, at most
+/// `max_batches` batches (0 = all).
+pub(super) fn eval_pairs(ch: &mut Chunk, sources: &[Source], refs: &References, t: usize, (batch, max_batches): (usize, usize), (rank, ranks): (usize, usize)) -> PairStats {
+    let mut sum = PairStats::default();
+    for (src, s) in sources.iter().enumerate() {
+        let n = s.val.docs.len();
+        let mut batches: Vec<Vec<Row>> = (0..n).step_by(batch).map(|first| (first..(first + batch).min(n)).map(|d| pair_row(&s.val, src, d, t)).collect()).collect();
+        if max_batches > 0 {
+            batches.truncate(max_batches);
+        }
+        for k in 0..batches.len().div_ceil(ranks) {
+            let rows = batches.get(k * ranks + rank).map_or(&[][..], |b| &b[..]);
+            let mut b = RowBuf::new(batch, t, false);
+            let splits: Vec<&Split> = sources.iter().map(|s| &s.val).collect();
+            fill_rows(&splits, rows, t, false, &mut b);
+            fill_reference(sources, &refs.val, rows, true, &mut b);
+            b.reference.resize(batch, 0.0);
+            let p: &mut PairRows = ch.model.pairs.as_mut().expect("a preference objective's model");
+            p.reference = b.reference.clone();
+            ch.model.forward_with(&mut ch.dp, &b.x, &b.y, None, (batch, t), Pass::Eval);
+            sum.add(&ch.model.pairs.as_ref().expect("measured").stats());
+        }
+    }
+    sum
+}
