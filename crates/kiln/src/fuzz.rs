@@ -224,7 +224,7 @@ fn parquet(data: &[u8]) {
 }
 
 fn read_all(p: &Path) {
-    for format in [data::DocFormat::Text, data::DocFormat::Chat, data::DocFormat::PromptCompletion] {
+    for format in [data::DocFormat::Text, data::DocFormat::Chat, data::DocFormat::PromptCompletion, data::DocFormat::Preference] {
         let opts = data::DocOpts { text_field: "text".into(), format };
         let read = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
         let _ = data::read_docs(p, &opts, &read, &mut |docs| {
