@@ -24,6 +24,7 @@ pub mod memory;
 pub mod obs;
 pub mod presets;
 pub mod progress;
+pub mod reward;
 pub mod run;
 pub mod step;
 pub mod supervise;

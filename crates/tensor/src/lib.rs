@@ -14,6 +14,7 @@ pub mod attention;
 pub mod bf16;
 pub mod classifier;
 pub mod flash;
+pub mod grpo;
 pub mod lean;
 pub mod llama;
 pub mod matmul;

@@ -20,6 +20,7 @@ mod optim;
 mod parallel;
 mod preference;
 mod reliability;
+mod rewards;
 mod sft;
 mod tokenizers;
 mod training;

@@ -3,6 +3,7 @@ mod bf16;
 mod common;
 mod docs;
 mod gradcheck;
+mod grpo;
 mod kernels;
 mod llama;
 mod moe;
