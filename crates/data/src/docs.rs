@@ -30,11 +30,14 @@ pub enum DocFormat {
     /// without one: the messages the two conversations share are the prompt). Each becomes
     /// two documents, chosen then rejected, with loss on the completion only.
     Preference,
+    /// Prompts to complete (reinforcement learning): a `prompt` string or messages, and the
+    /// row's other fields (a reference answer) for the rewards. Not tokenized into a stream.
+    Prompt,
 }
 
 impl DocFormat {
-    pub const NAMES: [(&'static str, DocFormat); 4] =
-        [("text", DocFormat::Text), ("chat", DocFormat::Chat), ("prompt_completion", DocFormat::PromptCompletion), ("preference", DocFormat::Preference)];
+    pub const NAMES: [(&'static str, DocFormat); 5] =
+        [("text", DocFormat::Text), ("chat", DocFormat::Chat), ("prompt_completion", DocFormat::PromptCompletion), ("preference", DocFormat::Preference), ("prompt", DocFormat::Prompt)];
 
     pub fn name(self) -> &'static str {
         DocFormat::NAMES.iter().find(|(_, f)| *f == self).map(|(n, _)| *n).expect("every format is named")
@@ -77,6 +80,8 @@ pub enum Doc {
     ChatFrom { messages: Value, from: usize },
     /// A preference pair: two documents of one prompt, the chosen and the rejected completion.
     Preference { chosen: Box<Doc>, rejected: Box<Doc> },
+    /// A prompt to complete: its row, whose `prompt` is a string or a list of messages.
+    Prompt(Value),
 }
 
 impl Doc {
@@ -87,6 +92,7 @@ impl Doc {
             Doc::Pair { prompt, completion } => format!("{prompt}{completion}"),
             Doc::Chat(m) | Doc::ChatFrom { messages: m, .. } => m.as_array().map(|a| a.iter().filter_map(|x| x["content"].as_str()).collect::<Vec<_>>().join("\n")).unwrap_or_default(),
             Doc::Preference { chosen, rejected } => format!("{}\n{}", chosen.text(), rejected.text()),
+            Doc::Prompt(row) => row["prompt"].as_str().map(str::to_string).unwrap_or_else(|| row["prompt"].to_string()),
         }
     }
 
@@ -96,6 +102,7 @@ impl Doc {
             Doc::Pair { prompt, completion } => prompt.len() + completion.len(),
             Doc::Chat(m) | Doc::ChatFrom { messages: m, .. } => m.to_string().len(),
             Doc::Preference { chosen, rejected } => chosen.bytes() + rejected.bytes(),
+            Doc::Prompt(row) => row.to_string().len(),
         }
     }
 }
@@ -304,6 +311,18 @@ pub(crate) fn doc_of(v: &Value, opts: &DocOpts) -> Result<Doc, String> {
             Ok(Doc::Chat(m.clone()))
         }
         DocFormat::Preference => preference_of(v),
+        DocFormat::Prompt => {
+            match v.get("prompt") {
+                Some(Value::String(p)) if p.is_empty() => return Err("field `prompt` is empty".into()),
+                Some(Value::String(_)) => {}
+                Some(m @ Value::Array(_)) => {
+                    messages(m, "prompt")?;
+                }
+                Some(x) => return Err(format!("field `prompt` is {}, not a string or a list of messages", kind_of(x))),
+                None => return Err(string_field(v, "prompt").unwrap_err()),
+            }
+            Ok(Doc::Prompt(v.clone()))
+        }
     }
 }
 

@@ -18,6 +18,7 @@ fn columns(opts: &DocOpts) -> (Vec<&str>, Vec<&str>) {
         DocFormat::Chat => (vec!["messages"], vec![]),
         DocFormat::PromptCompletion => (vec!["prompt", "completion"], vec![]),
         DocFormat::Preference => (vec!["chosen", "rejected"], vec!["prompt"]),
+        DocFormat::Prompt => (vec!["prompt"], vec![]),
     }
 }
 
@@ -61,6 +62,10 @@ fn read_unguarded(
                 return Err(DataError::at(path, format!("no column `{name}` (columns: {}); set data.text_field or data.format", have.join(", "))));
             }
         }
+    }
+    if opts.format == DocFormat::Prompt {
+        // (Every column: the rewards may read any of them.)
+        picked = fields.to_vec();
     }
     let proj = Type::group_type_builder("schema").with_fields(picked).build().map_err(|e| perr(path, e))?;
     let (mut batch, mut bytes, mut row) = (Vec::new(), 0usize, 0u64);

@@ -622,6 +622,7 @@ impl Tokenizer {
                 Ok(Encoded { ids, mask: Some(mask) })
             }
             Doc::Preference { .. } => Err(DataError::new("a preference pair is two documents: encode it with encode_docs")),
+            Doc::Prompt(row) => Err(DataError::new(format!("a prompt row is not a document to train on (data.format = \"prompt\" is for train.objective = \"grpo\"): {}", crate::docs::Doc::Prompt(row.clone()).text()))),
             Doc::Chat(messages) | Doc::ChatFrom { messages, .. } => {
                 let from = if let Doc::ChatFrom { from, .. } = doc { *from } else { 0 };
                 let Tokenizer::Hf(h) = self else {
@@ -634,6 +635,30 @@ impl Tokenizer {
                 Ok(Encoded { ids, mask: Some(mask) })
             }
         }
+    }
+
+    /// A prompt to continue: a string as a prompt/completion document's prompt is encoded (BOS,
+    /// then its tokens), or chat messages rendered with the generation prompt.
+    pub fn encode_prompt(&self, prompt: &serde_json::Value) -> Result<Vec<u32>, DataError> {
+        if let Some(text) = prompt.as_str() {
+            let mut ids = match self {
+                Tokenizer::Hf(h) => h.encode_ids(text, true)?,
+                _ => self.encode(text)?,
+            };
+            if let Some(b) = self.bos_id() {
+                if ids.first() != Some(&b) {
+                    ids.insert(0, b);
+                }
+            }
+            return Ok(ids);
+        }
+        let Tokenizer::Hf(h) = self else {
+            return Err(DataError::new(format!("a prompt of chat messages needs a Hugging Face tokenizer with a chat_template, not {}", self.kind())));
+        };
+        let t = h.config().template.as_ref().ok_or_else(|| DataError::new("a prompt of chat messages: the tokenizer has no chat template"))?;
+        let list = prompt.as_array().ok_or_else(|| DataError::new("a prompt is a string or a list of messages"))?;
+        let text = t.render(list, true).map_err(DataError::new)?;
+        Ok(h.encode_full(&text, false)?.0)
     }
 
     /// The documents `doc` stands for, encoded ([`Tokenizer::encode_doc`]): one, or a preference

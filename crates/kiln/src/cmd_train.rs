@@ -19,11 +19,12 @@ pub struct TrainCli {
     /// data prepare` directory.
     #[arg(long)]
     pub data: Vec<PathBuf>,
-    /// What the documents are: text, chat, prompt_completion or preference (data.format).
+    /// What the documents are: text, chat, prompt_completion, preference or prompt (data.format).
     #[arg(long)]
     pub format: Option<String>,
     /// What the step minimises: lm, or a preference loss over chosen/rejected pairs: dpo, ipo
-    /// or simpo (train.objective; the [preference] keys set beta and the rest).
+    /// or simpo (the [preference] keys set beta and the rest), or grpo: reinforcement learning
+    /// with verifiable rewards over sampled completions (the [grpo] keys) (train.objective).
     #[arg(long)]
     pub objective: Option<String>,
     /// windows or documents (data.packing): whole documents packed into rows, attention kept

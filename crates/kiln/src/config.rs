@@ -151,8 +151,10 @@ pub struct TrainSection {
     /// lists them). A device run is one rank; what it does not run yet is refused by name.
     pub device: String,
     /// What the step minimises: `lm` (the mean next-token loss over the targets the data
-    /// counts), or a preference loss over pairs of completions (`dpo`, `ipo`, `simpo`: the
-    /// `[preference]` keys), which reads `data.format = "preference"` rows.
+    /// counts), a preference loss over pairs of completions (`dpo`, `ipo`, `simpo`: the
+    /// `[preference]` keys), which reads `data.format = "preference"` rows, or `grpo`
+    /// (reinforcement learning with verifiable rewards over sampled completions: the `[grpo]`
+    /// keys), which reads `data.format = "prompt"` rows.
     #[serde(with = "named")]
     pub objective: Objective,
 }
@@ -163,12 +165,13 @@ pub enum Objective {
     #[default]
     Lm,
     Pairs(tensor::preference::PairLoss),
+    Grpo,
 }
 
 impl Names for Objective {
     const NAMES: &'static [(&'static str, Objective)] = {
         use tensor::preference::PairLoss as P;
-        &[("lm", Objective::Lm), ("dpo", Objective::Pairs(P::Dpo)), ("ipo", Objective::Pairs(P::Ipo)), ("simpo", Objective::Pairs(P::Simpo))]
+        &[("lm", Objective::Lm), ("dpo", Objective::Pairs(P::Dpo)), ("ipo", Objective::Pairs(P::Ipo)), ("simpo", Objective::Pairs(P::Simpo)), ("grpo", Objective::Grpo)]
     };
 }
 
@@ -177,7 +180,7 @@ impl Objective {
     pub fn pairs(self) -> Option<tensor::preference::PairLoss> {
         match self {
             Objective::Pairs(p) => Some(p),
-            Objective::Lm => None,
+            Objective::Lm | Objective::Grpo => None,
         }
     }
 }
@@ -193,6 +196,52 @@ pub struct PreferenceSection {
     pub label_smoothing: f64,
     /// SimPO's target reward margin `γ`.
     pub simpo_gamma: f64,
+}
+
+/// GRPO's keys (TRL's `GRPOConfig` names where it has them).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct GrpoSection {
+    /// Completions sampled per prompt (`G`); `train.batch_size` counts completions, so a step
+    /// samples `batch_size / group` prompts.
+    pub group: usize,
+    /// The length cap of a completion, and how it is sampled.
+    pub max_new_tokens: usize,
+    pub temperature: f64,
+    pub top_p: f64,
+    pub top_k: usize,
+    /// A completion ends at the model's EOS or once it contains one of these strings.
+    pub stop: Vec<String>,
+    /// Optimiser steps per batch of completions (`μ`: TRL's `num_iterations`).
+    pub iterations: usize,
+    /// The clip range of the policy ratio, below and above 1.
+    pub epsilon: f64,
+    pub epsilon_high: f64,
+    /// The KL penalty's weight (0: no reference model is kept).
+    pub beta: f64,
+    /// `grpo` (advantages over the group's standard deviation, each completion's mean token
+    /// loss) or `dr_grpo` (Liu et al. 2025: advantages unscaled, token losses summed over
+    /// `max_new_tokens`).
+    pub loss: String,
+    /// The rewards (`kiln::reward`: `exact`, `numeric:TOL`, `regex:P`, `format:P`, `command:C`)
+    /// and their weights (empty: 1 each).
+    pub rewards: Vec<String>,
+    pub reward_weights: Vec<f64>,
+    /// Where a completion's final answer is: the last match, its first group if it has one.
+    pub answer_pattern: String,
+    /// The prompt row's field holding its reference answer.
+    pub answer_field: String,
+    /// Held-out prompts each evaluation completes greedily (0: all).
+    pub eval_prompts: usize,
+}
+
+impl Default for GrpoSection {
+    fn default() -> Self {
+        GrpoSection {
+            group: 8, max_new_tokens: 64, temperature: 1.0, top_p: 1.0, top_k: 0, stop: vec![], iterations: 1, epsilon: 0.2, epsilon_high: 0.2, beta: 0.0,
+            loss: "grpo".into(), rewards: vec!["exact".into()], reward_weights: vec![], answer_pattern: r"(-?\d+(?:\.\d+)?)".into(), answer_field: "answer".into(), eval_prompts: 200,
+        }
+    }
 }
 
 impl Default for PreferenceSection {
@@ -298,6 +347,7 @@ impl Names for Format {
         ("chat", Format(data::DocFormat::Chat)),
         ("prompt_completion", Format(data::DocFormat::PromptCompletion)),
         ("preference", Format(data::DocFormat::Preference)),
+        ("prompt", Format(data::DocFormat::Prompt)),
     ];
 }
 
@@ -937,6 +987,7 @@ pub struct RunConfig {
     pub train: TrainSection,
     pub optim: OptimSection,
     pub preference: PreferenceSection,
+    pub grpo: GrpoSection,
     pub eval: EvalSection,
     pub checkpoint: CheckpointSection,
     pub data: DataSection,
@@ -1062,9 +1113,13 @@ impl RunConfig {
     /// Builds and validates the config from the raw table.
     pub fn resolve(raw: &Raw) -> Result<RunConfig> {
         let mut cfg: RunConfig = toml::Value::Table(unflatten(raw)).try_into().or_else(|e: toml::de::Error| user(serde_message(&e.to_string())))?;
-        // A preference objective reads preference rows (plain text is never pairs).
-        if cfg.train.objective.pairs().is_some() && cfg.data.format.0 == data::DocFormat::Text {
-            cfg.data.format = Format(data::DocFormat::Preference);
+        // A preference objective reads preference rows, GRPO prompts (plain text is neither).
+        if cfg.data.format.0 == data::DocFormat::Text {
+            match cfg.train.objective {
+                Objective::Pairs(_) => cfg.data.format = Format(data::DocFormat::Preference),
+                Objective::Grpo => cfg.data.format = Format(data::DocFormat::Prompt),
+                Objective::Lm => {}
+            }
         }
         cfg.validate()?;
         Ok(cfg)
@@ -1105,6 +1160,12 @@ impl RunConfig {
     /// A preference objective: its data, its keys, and the layouts it runs on.
     fn validate_preference(&self) -> Result<()> {
         let (obj, fmt) = (self.train.objective, self.data.format.0);
+        if obj == Objective::Grpo {
+            return self.validate_grpo();
+        }
+        if fmt == data::DocFormat::Prompt {
+            return user("data.format = \"prompt\" needs train.objective = \"grpo\"");
+        }
         let Some(loss) = obj.pairs() else {
             if fmt == data::DocFormat::Preference {
                 return user("data.format = \"preference\" needs a preference objective: train.objective = \"dpo\", \"ipo\" or \"simpo\"");
@@ -1139,6 +1200,53 @@ impl RunConfig {
         }
         if self.train.device != "cpu" {
             return user(format!("train.objective = \"{name}\" does not run on a device yet (train.device = \"{}\")", self.train.device));
+        }
+        Ok(())
+    }
+
+    /// GRPO: its data, its keys, and what it runs on.
+    fn validate_grpo(&self) -> Result<()> {
+        let g = &self.grpo;
+        if self.data.format.0 != data::DocFormat::Prompt {
+            return user(format!("train.objective = \"grpo\" reads prompt rows ({{\"prompt\", \"{}\"}}): data.format must be \"prompt\", not \"{}\"", g.answer_field, self.data.format.0.name()));
+        }
+        if g.group < 2 || !self.train.batch_size.is_multiple_of(g.group) {
+            return user(format!("grpo.group ({}) must be at least 2 and divide train.batch_size ({}), which counts completions", g.group, self.train.batch_size));
+        }
+        let positive = [("grpo.max_new_tokens", g.max_new_tokens as f64), ("grpo.iterations", g.iterations as f64), ("grpo.temperature", g.temperature)];
+        if let Some((k, v)) = positive.iter().find(|(_, v)| v.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater)) {
+            return user(format!("{k} must be positive, got {v}"));
+        }
+        #[allow(clippy::neg_cmp_op_on_partial_ord)] // a NaN must be refused too
+        if !(g.top_p > 0.0 && g.top_p <= 1.0) {
+            return user(format!("grpo.top_p must be in (0, 1], got {}", g.top_p));
+        }
+        for (k, v) in [("grpo.epsilon", g.epsilon), ("grpo.epsilon_high", g.epsilon_high), ("grpo.beta", g.beta)] {
+            #[allow(clippy::neg_cmp_op_on_partial_ord)]
+            if !(v >= 0.0) || !v.is_finite() {
+                return user(format!("{k} must be a non-negative number, got {v}"));
+            }
+        }
+        if g.beta > 0.0 {
+            return user(format!("grpo.beta = {}: a KL penalty needs a reference model, which GRPO does not keep yet (grpo.beta = 0, TRL's default, trains without one)", g.beta));
+        }
+        if g.epsilon >= 1.0 {
+            return user(format!("grpo.epsilon must be below 1, got {}", g.epsilon));
+        }
+        if !["grpo", "dr_grpo"].contains(&g.loss.as_str()) {
+            return user(format!("grpo.loss: `{}` is not one of grpo, dr_grpo", g.loss));
+        }
+        crate::reward::Rewards::new(&g.rewards, &g.reward_weights, &g.answer_pattern)?;
+        let p = &self.parallel;
+        let bad = [("parallel.dp", p.dp), ("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.cp", p.cp), ("parallel.ep", p.ep)];
+        if let Some((k, v)) = bad.iter().find(|(_, v)| *v > 1) {
+            return user(format!("train.objective = \"grpo\" runs on one rank for now ({k} = {v})"));
+        }
+        if self.lora.rank > 0 {
+            return user("train.objective = \"grpo\" does not train LoRA adapters yet (lora.rank > 0)");
+        }
+        if self.train.device != "cpu" {
+            return user(format!("train.objective = \"grpo\" does not run on a device yet (train.device = \"{}\")", self.train.device));
         }
         Ok(())
     }

@@ -274,7 +274,7 @@ impl DeviceRun {
         if self.parts[0].model.cfg.is_moe() {
             self.moe_stats = self.parts[0].model.moe_stats();
         }
-        let out = |skipped| StepOut { loss, grad_norm: norm, overlap: Default::default(), skipped, peak_activation_bytes: 0, peak_in_flight: 0, loss_tokens: global.iter().sum(), pairs: None };
+        let out = |skipped| StepOut { loss, grad_norm: norm, overlap: Default::default(), skipped, peak_activation_bytes: 0, peak_in_flight: 0, loss_tokens: global.iter().sum(), pairs: None, policy: None };
         if !(loss.is_finite() && norm.is_finite()) {
             return Ok(out(Some("non-finite loss or gradient norm")));
         }

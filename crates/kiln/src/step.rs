@@ -837,6 +837,8 @@ pub struct StepOut {
     pub loss_tokens: f64,
     /// A preference objective: the global batch's pair sums (rewards, accuracy, log-probs).
     pub pairs: Option<model::pairs::PairStats>,
+    /// A policy-gradient objective: the global batch's completion sums (KL, clipping).
+    pub policy: Option<model::policy::PolicyStats>,
 }
 
 /// fp16's dynamic loss scaling (Micikevicius et al. 2018): the loss gradient is multiplied by
@@ -1021,7 +1023,7 @@ pub fn train_step(
     for task in pipe.sched.tasks(pipe.rank) {
         ex.run(chunks, pipe, task);
     }
-    let (sums, pair_stats, peak_bytes, peak_in_flight) = ex.finish(chunks, pipe);
+    let (sums, (pair_stats, policy_stats), peak_bytes, peak_in_flight) = ex.finish(chunks, pipe);
     // The gradients' reductions, FP8's amaxes, the loss.
     let mut overlap = parallel::Overlap::default();
     {
@@ -1035,8 +1037,9 @@ pub fn train_step(
     let _p = profile::scope("optimizer");
     let loss = global_loss(chunks, pipe, sums) as f32;
     let loss_tokens = batch.tokens;
-    let pairs = pair_stats.map(|st| global_pair_stats(chunks, st));
-    let out = |grad_norm: f64, skipped: Option<&'static str>| StepOut { loss, grad_norm, overlap, skipped, peak_activation_bytes: peak_bytes, peak_in_flight, loss_tokens, pairs };
+    let pairs = pair_stats.map(|st| model::pairs::PairStats::from_array(global_sums(chunks, &st.to_array())));
+    let policy = policy_stats.map(|st| model::policy::PolicyStats::from_array(global_sums(chunks, &st.to_array())));
+    let out = |grad_norm: f64, skipped: Option<&'static str>| StepOut { loss, grad_norm, overlap, skipped, peak_activation_bytes: peak_bytes, peak_in_flight, loss_tokens, pairs, policy };
     if cfg.faults.inject_nan_steps.contains(&(step + 1)) {
         match chunks[0].model.lora.as_mut() {
             Some(lo) => lo.grads[0] = f32::NAN,
@@ -1172,13 +1175,18 @@ pub struct RowBuf {
     pub pos: Vec<u32>,
     /// A preference objective: each row's reference log-probability (empty otherwise).
     pub reference: Vec<f64>,
+    /// A policy-gradient objective: each row's advantage, and each position's log-probability
+    /// when its completion was sampled and under the reference (empty where not needed).
+    pub advantages: Vec<f64>,
+    pub old_logps: Vec<f32>,
+    pub ref_logps: Vec<f32>,
 }
 
 impl RowBuf {
     pub fn new(rows: usize, t: usize, packed: bool) -> RowBuf {
         let n = rows * t;
         let docs = if packed { n } else { 0 };
-        RowBuf { x: vec![0; n], y: vec![model::gpt::IGNORE_INDEX; n], start: vec![0; docs], pos: vec![0; docs], reference: Vec::new() }
+        RowBuf { x: vec![0; n], y: vec![model::gpt::IGNORE_INDEX; n], start: vec![0; docs], pos: vec![0; docs], reference: Vec::new(), advantages: Vec::new(), old_logps: Vec::new(), ref_logps: Vec::new() }
     }
 
     /// The document layout for the model (`None`: plain causal rows).
@@ -1217,8 +1225,13 @@ impl MicroBatches {
         // A context-parallel rank counts the targets at its positions.
         let counted = |y: &[i32]| y.iter().filter(|&&v| v != model::gpt::IGNORE_INDEX).count() as f64;
         let tokens: Vec<f64> = data.iter().map(|b| context.map_or_else(|| counted(&b.y), |cx| counted(&cx.rows(&b.y, rows, t)))).collect();
-        // A preference objective counts pairs: each pair's loss weighs the same.
-        let counts = if cfg.train.objective.pairs().is_some() { vec![(rows / 2) as f64; m] } else { tokens.clone() };
+        let counts = match cfg.train.objective {
+            // A preference objective counts pairs, a policy objective completions: each one's
+            // loss weighs the same.
+            crate::config::Objective::Pairs(_) => vec![(rows / 2) as f64; m],
+            crate::config::Objective::Grpo => vec![rows as f64; m],
+            crate::config::Objective::Lm => tokens.clone(),
+        };
         let mut both = counts.clone();
         both.extend(&tokens);
         let both = if dpn > 1 { chunks[0].dp.all_reduce_f64(&both) } else { both };
@@ -1244,8 +1257,10 @@ struct Executor<'b> {
     /// Per micro-batch: the last stage's sum of losses and count of targets (of pair losses and
     /// pairs under a preference objective).
     sums: Vec<f64>,
-    /// A preference objective: this rank's pair sums over its micro-batches.
+    /// A preference objective: this rank's pair sums over its micro-batches (a policy
+    /// objective: its completion sums).
     pair_stats: Option<model::pairs::PairStats>,
+    policy_stats: Option<model::policy::PolicyStats>,
     /// Activations of micro-batches between their forward and backward, per chunk; sets free
     /// for reuse.
     live: Vec<Vec<Option<Activations>>>,
@@ -1261,7 +1276,7 @@ impl<'b> Executor<'b> {
         let (m, v) = (pipe.sched.m, pipe.sched.v);
         Executor {
             batch, cfg, step, t: cfg.seq_len(), t0: Instant::now(),
-            exclusive: pipe.trace.as_ref().is_some_and(|tr| tr.exclusive), clock: 0.0, traced: Vec::new(), sums: vec![0.0; 2 * m], pair_stats: None,
+            exclusive: pipe.trace.as_ref().is_some_and(|tr| tr.exclusive), clock: 0.0, traced: Vec::new(), sums: vec![0.0; 2 * m], pair_stats: None, policy_stats: None,
             live: (0..v).map(|_| (0..m).map(|_| None).collect()).collect(),
             free: chunks.iter_mut().map(|ch| std::mem::take(&mut ch.pool)).collect(),
             held: 0, peak_bytes: 0, in_flight: 0, peak_in_flight: 0,
@@ -1320,6 +1335,9 @@ impl<'b> Executor<'b> {
                 if let Some(p) = ch.model.pairs.as_mut() {
                     p.reference.clone_from(&rb.reference);
                 }
+                if let Some(p) = ch.model.policy.as_mut() {
+                    (p.advantages, p.old, p.reference) = (rb.advantages.clone(), rb.old_logps.clone(), rb.ref_logps.clone());
+                }
                 let _p = profile::scope("forward");
                 ch.model.forward_with(&mut ch.dp, &rb.x, &rb.y, rb.docs(), (rows, t), pass);
             } else {
@@ -1336,6 +1354,10 @@ impl<'b> Executor<'b> {
                 let st = p.stats();
                 (self.sums[2 * task.mb], self.sums[2 * task.mb + 1]) = (st.loss, st.pairs);
                 self.pair_stats.get_or_insert_with(Default::default).add(&st);
+            } else if let (true, Some(p)) = (last, ch.model.policy.as_ref()) {
+                let st = p.stats(t);
+                (self.sums[2 * task.mb], self.sums[2 * task.mb + 1]) = (st.loss, st.completions);
+                self.policy_stats.get_or_insert_with(Default::default).add(&st);
             } else if last {
                 self.sums[2 * task.mb] = ch.model.losses().iter().map(|&l| l as f64).sum::<f64>();
                 self.sums[2 * task.mb + 1] = self.batch.counts[task.mb];
@@ -1369,7 +1391,8 @@ impl<'b> Executor<'b> {
 
     /// After the last task: each model keeps its last activations (for its statistics), the
     /// pool the others; the trace gets the tasks. Returns the loss sums and the peaks.
-    fn finish(self, chunks: &mut [Chunk], pipe: &mut Pipeline) -> (Vec<f64>, Option<model::pairs::PairStats>, usize, usize) {
+    #[allow(clippy::type_complexity)] // (the step's sums, the objective's sums, two peaks)
+    fn finish(self, chunks: &mut [Chunk], pipe: &mut Pipeline) -> (Vec<f64>, (Option<model::pairs::PairStats>, Option<model::policy::PolicyStats>), usize, usize) {
         for (ch, mut f) in chunks.iter_mut().zip(self.free) {
             if let Some(a) = f.pop() {
                 ch.model.put_activations(a);
@@ -1379,7 +1402,7 @@ impl<'b> Executor<'b> {
         if let Some(tr) = pipe.trace.as_deref_mut() {
             tr.tasks = self.traced;
         }
-        (self.sums, self.pair_stats, self.peak_bytes, self.peak_in_flight)
+        (self.sums, (self.pair_stats, self.policy_stats), self.peak_bytes, self.peak_in_flight)
     }
 }
 
@@ -1411,14 +1434,13 @@ fn fp8_amaxes(chunks: &mut [Chunk], tp: Option<&dyn parallel::Comm>) {
 
 /// The step's mean loss: the last stage's sums over its data-parallel group, taken from it by
 /// every stage; the mean over micro-batches of each one's mean.
-/// A preference objective's pair sums over the data-parallel ranks (a preference run has one
-/// pipeline stage).
-fn global_pair_stats(chunks: &mut [Chunk], st: model::pairs::PairStats) -> model::pairs::PairStats {
+/// A sequence objective's sums over the data-parallel ranks (such a run has one pipeline
+/// stage).
+fn global_sums<const N: usize>(chunks: &mut [Chunk], st: &[f64; N]) -> [f64; N] {
     if chunks[0].dp.n() < 2 {
-        return st;
+        return *st;
     }
-    let all = chunks[0].dp.all_reduce_f64(&st.to_array());
-    model::pairs::PairStats::from_array(all.try_into().expect("one sum per field"))
+    chunks[0].dp.all_reduce_f64(st).try_into().expect("one sum per field")
 }
 
 fn global_loss(chunks: &mut [Chunk], pipe: &Pipeline, sums: Vec<f64>) -> f64 {

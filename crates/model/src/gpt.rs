@@ -615,6 +615,9 @@ pub struct Gpt {
     /// pair's gradient instead of taking the mean token loss. The caller sets each
     /// micro-batch's reference log-probabilities before its forward.
     pub pairs: Option<crate::pairs::PairRows>,
+    /// A policy-gradient objective ([`crate::policy`], GRPO): each completion's tokens weighed
+    /// by its advantage and the clipped ratio. The caller sets each micro-batch's advantages.
+    pub policy: Option<crate::policy::PolicyRows>,
 }
 
 /// The collectives a part of the whole model calls (implemented by `parallel`): where it sits
@@ -745,7 +748,7 @@ impl Gpt {
         let rope = (cfg.arch == Arch::Llama).then(|| RopeTables::new(&cfg));
         let units = views.units(n);
         let unit_views = views.rebased(n);
-        Gpt { cfg, layout, views, units, unit_views, real_vocab, params: zeros(n), grads: Vec::new(), rope, lora: None, hooks: Hooks::default(), recompute: Recompute::None, recompute_every: 1, stash16: true, act_compression: Default::default(), precision: Precision::Fp32, fp8: None, base: None, acts: None, scratch: None, pairs: None }
+        Gpt { cfg, layout, views, units, unit_views, real_vocab, params: zeros(n), grads: Vec::new(), rope, lora: None, hooks: Hooks::default(), recompute: Recompute::None, recompute_every: 1, stash16: true, act_compression: Default::default(), precision: Precision::Fp32, fp8: None, base: None, acts: None, scratch: None, pairs: None, policy: None }
     }
 
     pub fn num_params(&self) -> usize {
@@ -952,15 +955,20 @@ impl Gpt {
         let (w, dw) = store.acquire(hu, head_access, None);
         let dw: &mut [f32] = if frozen || loss_scale.is_none() { &mut [] } else { &mut dw[r.clone()] };
         let mut head = Head { w: &w[r], dw, targets, b, t };
-        let mean = match self.pairs.as_mut() {
-            // A preference objective: every row's loss first, then the gradient each pair's
-            // loss gives its rows' tokens.
-            Some(pairs) => {
+        let seq: Option<&mut dyn crate::pairs::RowObjective> = match (self.pairs.as_mut(), self.policy.as_mut()) {
+            (Some(p), _) => Some(p),
+            (None, Some(p)) => Some(p),
+            (None, None) => None,
+        };
+        let mean = match seq {
+            // A sequence objective: every row's token losses first, then the gradient the
+            // objective gives each token.
+            Some(obj) => {
                 let a = self.acts.as_mut().unwrap();
                 head.run(a, self.hooks.tensor.as_deref_mut(), &self.cfg, (self.real_vocab, self.precision), None);
-                let mean = pairs.measure(&a.losses, targets, IGNORE_INDEX, (b, t));
+                let mean = obj.measure(&a.losses, targets, IGNORE_INDEX, (b, t));
                 if let Some(s) = loss_scale {
-                    let weights = pairs.token_weights(targets, IGNORE_INDEX, (b, t), s as f64 / (b / 2).max(1) as f64);
+                    let weights = obj.token_weights(targets, IGNORE_INDEX, (b, t), s as f64);
                     head.run(a, self.hooks.tensor.as_deref_mut(), &self.cfg, (self.real_vocab, self.precision), Some(Dloss::Rows(&weights)));
                 }
                 mean as f32

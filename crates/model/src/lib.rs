@@ -13,6 +13,7 @@ pub mod layout;
 pub mod pairs;
 pub mod lora;
 pub mod placement;
+pub mod policy;
 pub mod qbase;
 pub mod units;
 

@@ -9,6 +9,28 @@
 
 use tensor::preference::{pair_loss_backward, pair_loss_forward, PairCfg, PairLogps};
 
+/// A sequence objective over a micro-batch's rows, which needs every row's token losses before
+/// any gradient: the head measures them first ([`RowObjective::measure`]), then runs with each
+/// token's loss weighed as the objective says ([`RowObjective::token_weights`]).
+pub trait RowObjective {
+    /// Takes the token losses `[B, T]` (0 at ignored targets); returns the micro-batch's mean
+    /// loss per unit (a pair, a completion).
+    fn measure(&mut self, token_losses: &[f32], targets: &[i32], ignore: i32, bt: (usize, usize)) -> f64;
+    /// Each token's weight in the head's gradient when the micro-batch's loss weighs
+    /// `loss_scale` (spread evenly over its units).
+    fn token_weights(&self, targets: &[i32], ignore: i32, bt: (usize, usize), loss_scale: f64) -> Vec<f32>;
+}
+
+impl RowObjective for PairRows {
+    fn measure(&mut self, token_losses: &[f32], targets: &[i32], ignore: i32, bt: (usize, usize)) -> f64 {
+        PairRows::measure(self, token_losses, targets, ignore, bt)
+    }
+
+    fn token_weights(&self, targets: &[i32], ignore: i32, (b, t): (usize, usize), loss_scale: f64) -> Vec<f32> {
+        PairRows::token_weights(self, targets, ignore, (b, t), loss_scale / (b / 2).max(1) as f64)
+    }
+}
+
 /// The sums a step reports over its pairs (summed over micro-batches and ranks, then divided by
 /// `pairs`): the numbers TRL's users read.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]

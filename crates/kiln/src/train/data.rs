@@ -36,6 +36,8 @@ pub struct TrainData {
     pub tokenizer: Tokenizer,
     pub description: String,
     pub files: Vec<PathBuf>,
+    /// GRPO's prompts (its sources' splits are then empty).
+    pub prompts: Option<super::grpo::Prompts>,
 }
 
 impl TrainData {
@@ -60,6 +62,13 @@ pub fn doc_opts(cfg: &RunConfig) -> DocOpts {
 /// after the first uses the first one's tokenizer.
 pub fn load_data(cfg: &RunConfig, tokenizer: Option<Tokenizer>) -> Result<TrainData> {
     let (frac, opts) = (cfg.data.val_fraction, doc_opts(cfg));
+    if opts.format == data::DocFormat::Prompt {
+        let (prompts, tokenizer, files) = super::grpo::load_prompts(cfg, tokenizer)?;
+        let empty = Split::plain(data::Tokens::from_vec(Vec::new()));
+        let description = format!("{} ({} training and {} held-out prompts; {})", cfg.data.paths.join(", "), prompts.train.len(), prompts.val.len(), tokenizer.describe());
+        let source = Source { name: cfg.data.paths.join(", "), weight: 1.0, train: empty.clone(), val: empty };
+        return Ok(TrainData { sources: vec![source], tokenizer, description, files, prompts: Some(prompts) });
+    }
     let choice = |t: Option<Tokenizer>| match t {
         Some(t) => TokenizerChoice::Given(t),
         None => TokenizerChoice::Spec(&cfg.data.tokenizer),
@@ -90,7 +99,7 @@ pub fn load_data(cfg: &RunConfig, tokenizer: Option<Tokenizer>) -> Result<TrainD
         descs.push(if cfg.data.sources.is_empty() { ds.description.clone() } else { format!("source {i} ({name}, weight {weight}): {}", ds.description) });
         sources.push(Source { name, weight, train: ds.train, val: ds.val });
     }
-    Ok(TrainData { sources, tokenizer: tok.expect("at least one source"), description: descs.join("; "), files })
+    Ok(TrainData { sources, tokenizer: tok.expect("at least one source"), description: descs.join("; "), files, prompts: None })
 }
 
 /// A preference set's splits: its pairs (documents `2i`, `2i + 1`) cut whole, the last
@@ -138,7 +147,7 @@ pub(super) fn check_data_fits(cfg: &mut RunConfig, ds: &TrainData, explicit: &st
     }
     let te = if cfg.eval.seq_len == 0 { t } else { cfg.eval.seq_len };
     // Preference pairs are rows of their own (cut at the row's length), not windows.
-    let pairs = cfg.train.objective.pairs().is_some();
+    let pairs = cfg.train.objective != crate::config::Objective::Lm;
     for s in ds.sources.iter().filter(|_| !pairs) {
         for (split, sp, t) in [("training", &s.train, t), ("validation", &s.val, te)] {
             if sp.len() < t + 1 {

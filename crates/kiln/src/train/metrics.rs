@@ -118,3 +118,16 @@ pub(super) fn add_pairs(line: &mut serde_json::Value, st: &model::pairs::PairSta
     }
     line[format!("{prefix}pairs")] = st.pairs.into();
 }
+
+/// GRPO's figures: the batch's rewards, completion lengths and sampling speed (`rollout`), and
+/// over its completion tokens the mean KL to the reference and the fractions clipped.
+pub(super) fn add_policy(line: &mut serde_json::Value, st: &model::policy::PolicyStats, rollout: &serde_json::Map<String, serde_json::Value>) {
+    for (k, v) in rollout {
+        line[k.as_str()] = v.clone();
+    }
+    let n = st.tokens.max(1.0);
+    line["kl"] = (st.kl / n).into();
+    line["clip_fraction_low"] = (st.clipped_low / n).into();
+    line["clip_fraction_high"] = (st.clipped_high / n).into();
+    line["clip_fraction"] = ((st.clipped_low + st.clipped_high) / n).into();
+}

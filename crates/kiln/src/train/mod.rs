@@ -13,6 +13,7 @@ mod data;
 pub(crate) mod elastic;
 mod eval;
 mod faults;
+pub(crate) mod grpo;
 mod metrics;
 mod prefs;
 mod rank;

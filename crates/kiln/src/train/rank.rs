@@ -77,6 +77,8 @@ pub(super) struct Rank<'a> {
     pub loader: Loader<'a>,
     /// A preference objective: the reference model's log-probabilities of every pair.
     refs: Option<super::prefs::References>,
+    /// GRPO: its rewards, the model that samples (the current weights), the batch of completions.
+    grpo: Option<GrpoState>,
     pub step: u64,
     pub tokens_seen: u64,
     elapsed_prev: f64,
@@ -97,6 +99,14 @@ pub(super) struct Rank<'a> {
     trace_until: Option<u64>,
     profile: Option<u64>,
     faults: Faults,
+}
+
+/// GRPO's state between steps.
+struct GrpoState {
+    rewards: crate::reward::Rewards,
+    /// A whole copy of the weights the completions are sampled with, refreshed before sampling.
+    policy: Gpt,
+    rollout: Option<super::grpo::Rollout>,
 }
 
 /// What one step measured, for its metrics line and progress.
@@ -221,11 +231,12 @@ impl<'a> Rank<'a> {
             tokens_seen: resumed.as_ref().map_or(0, |r| r.tokens_seen), elapsed_prev: resumed.as_ref().map_or(0.0, |r| r.elapsed_s), started: Instant::now(), elapsed_s: 0.0,
             scaler, flops_per_token, hw_flops_per_token, peak, recompute, metrics,
             progress: Progress::new(step, cfg.train.max_steps, args.quiet || !lead),
-            last_val: None, interrupted: false, trace_until: None, profile: args.profile, faults: Faults::new(&cfg.faults, run_dir), ckpt, refs: None,
+            last_val: None, interrupted: false, trace_until: None, profile: args.profile, faults: Faults::new(&cfg.faults, run_dir), ckpt, refs: None, grpo: None,
         };
-        r.start_pairs(resumed.is_some() || resume_from.is_some())?;
         r.announce(n, n_train, resume_from)?;
         r.log_startup(ctx.base_load)?;
+        r.start_pairs(resumed.is_some() || resume_from.is_some())?;
+        r.start_grpo()?;
         r.started = Instant::now();
         crate::util::release_freed_memory();
         reset_peak_rss();
@@ -375,8 +386,13 @@ impl<'a> Rank<'a> {
     fn train_one(&mut self) -> Result<Measured> {
         let (cfg, t, rows) = (self.cfg, self.t, self.rows);
         let lr = cfg.lr_at(self.step);
-        let rows_all = self.loader.draw(&mut self.sampler, cfg.train.batch_size);
-        if cfg.train.record_batches && self.lead {
+        let rows_all = if self.grpo.is_some() {
+            self.roll_out()?;
+            Vec::new()
+        } else {
+            self.loader.draw(&mut self.sampler, cfg.train.batch_size)
+        };
+        if cfg.train.record_batches && self.lead && self.grpo.is_none() {
             self.record_batch(&rows_all)?;
         }
         let counters = self.comm.counters();
@@ -391,7 +407,7 @@ impl<'a> Rank<'a> {
         // memory: the activation buffers, allocated under their tracking category (a no-op once they fit).
         self.chunks.iter_mut().for_each(|ch| crate::memory::track::scope(crate::memory::track::Category::Activations, || ch.model.reserve_activations(rows, t)));
         let out = if self.faults.marked.contains(&(self.step + 1)) {
-            StepOut { loss: f32::NAN, grad_norm: f64::NAN, overlap: Default::default(), skipped: Some("batch marked by a rollback"), peak_activation_bytes: 0, peak_in_flight: 0, loss_tokens: 0.0, pairs: None }
+            StepOut { loss: f32::NAN, grad_norm: f64::NAN, overlap: Default::default(), skipped: Some("batch marked by a rollback"), peak_activation_bytes: 0, peak_in_flight: 0, loss_tokens: 0.0, pairs: None, policy: None }
         } else {
             let groups = &self.applied.groups;
             let (mb, dp_rank) = (cfg.micro_batch(), groups.dp_rank);
@@ -409,8 +425,12 @@ impl<'a> Rank<'a> {
             };
             let faults = &self.faults;
             let (loader, refs, sources) = (&self.loader, &self.refs, &self.ds.sources);
+            let rollout = self.grpo.as_ref().and_then(|g| g.rollout.as_ref());
             let fill = |micro: usize, b: &mut RowBuf| {
                 let first = micro * mb + dp_rank * rows;
+                if let Some(r) = rollout {
+                    return super::grpo::fill(r, first..first + rows, t, b);
+                }
                 loader.fill(&rows_all[first..first + rows], b);
                 if let Some(r) = refs {
                     super::prefs::fill_reference(sources, &r.train, &rows_all[first..first + rows], false, b);
@@ -545,6 +565,9 @@ impl<'a> Rank<'a> {
         if let Some(st) = &out.pairs {
             super::metrics::add_pairs(&mut line, st, "");
         }
+        if let (Some(st), Some(r)) = (&out.policy, self.grpo.as_ref().and_then(|g| g.rollout.as_ref())) {
+            super::metrics::add_policy(&mut line, st, &r.figures);
+        }
         if let Some(b) = m.bubble {
             line["pp_bubble"] = b.into();
         }
@@ -589,6 +612,63 @@ impl<'a> Rank<'a> {
         Ok(())
     }
 
+    /// GRPO: every chunk's model measures completions, and a fresh run's held-out reward
+    /// before the first step.
+    fn start_grpo(&mut self) -> Result<()> {
+        if self.cfg.train.objective != crate::config::Objective::Grpo {
+            return Ok(());
+        }
+        let c = &self.cfg.grpo;
+        let gc = tensor::grpo::GrpoCfg { eps_low: c.epsilon, eps_high: c.epsilon_high, beta: c.beta };
+        let agg = if c.loss == "dr_grpo" { tensor::grpo::Aggregation::Constant } else { tensor::grpo::Aggregation::Sequence };
+        for ch in self.chunks.iter_mut() {
+            ch.model.policy = Some(model::policy::PolicyRows::new(gc, agg, c.max_new_tokens));
+        }
+        let rewards = crate::reward::Rewards::new(&c.rewards, &c.reward_weights, &c.answer_pattern)?;
+        let m = &self.chunks[0].model;
+        let policy = crate::memory::track::scope(crate::memory::track::Category::Params, || Gpt::zeroed_frozen(m.cfg.clone(), m.real_vocab));
+        self.grpo = Some(GrpoState { rewards, policy, rollout: None });
+        if self.step == 0 {
+            self.evaluate_grpo()?;
+        }
+        Ok(())
+    }
+
+    /// GRPO: the sampling model's weights made the current ones.
+    fn refresh_policy(&mut self) -> &mut GrpoState {
+        let st = self.grpo.as_mut().expect("a GRPO run");
+        st.policy.params = self.chunks[0].dp.copy_params_into(std::mem::take(&mut st.policy.params));
+        st
+    }
+
+    /// GRPO: the batch of completions this step trains on, sampled anew at the first step of
+    /// each `grpo.iterations` (with `μ > 1`, their sampling-time log-probabilities measured).
+    fn roll_out(&mut self) -> Result<()> {
+        let (step, mu) = (self.step, self.cfg.grpo.iterations as u64);
+        if self.grpo.as_ref().and_then(|g| g.rollout.as_ref()).is_some_and(|r| step < r.step + mu && step >= r.step) {
+            return Ok(());
+        }
+        let (cfg, ds, t, rows) = (self.cfg, self.ds, self.t, self.rows);
+        let st = self.refresh_policy();
+        let mut r = super::grpo::rollout(&st.policy, cfg, ds, &st.rewards, step)?;
+        if mu > 1 {
+            r.old_logps = super::grpo::logps(&mut st.policy, &r, t, rows);
+        }
+        st.rollout = Some(r);
+        Ok(())
+    }
+
+    /// GRPO: the held-out prompts completed greedily by the current weights, scored.
+    fn evaluate_grpo(&mut self) -> Result<()> {
+        let (cfg, ds, step) = (self.cfg, self.ds, self.step);
+        let st = self.refresh_policy();
+        let (reward, first) = super::grpo::held_out_reward(&st.policy, cfg, ds, &st.rewards)?;
+        let name = cfg.grpo.rewards[0].split(':').next().unwrap_or("reward").to_string();
+        self.log(serde_json::json!({"kind": "eval", "step": step, "val_reward": reward, format!("val_reward_{name}"): first}))?;
+        self.say(&format!("step {step}: held-out reward {reward:.4} ({name} {:.1}%)", 100.0 * first));
+        Ok(())
+    }
+
     /// The held-out pairs' loss, rewards and accuracy (collective over every rank).
     fn evaluate_pairs(&mut self, train_loss: f32) -> Result<()> {
         let (cfg, groups) = (self.cfg, &self.applied.groups);
@@ -618,6 +698,9 @@ impl<'a> Rank<'a> {
         let cfg = self.cfg;
         if cfg.train.objective.pairs().is_some() {
             return self.evaluate_pairs(train_loss);
+        }
+        if self.grpo.is_some() {
+            return self.evaluate_grpo();
         }
         let t = if cfg.eval.seq_len == 0 { self.t } else { cfg.eval.seq_len };
         let eb = if cfg.eval.batch_size == 0 { cfg.micro_batch() } else { cfg.eval.batch_size };

@@ -13,6 +13,7 @@ mod device;
 mod errors;
 mod expert;
 mod fuzz;
+mod grpo;
 mod hf_models;
 mod memory;
 mod obs;

@@ -142,7 +142,7 @@ fn two_sources(weights: [f64; 2]) -> kiln::train::TrainData {
         let split = data::Split { tokens: data::Tokens::from_vec(ids), docs: data::DocIndex::from_starts(starts), mask: None };
         kiln::train::Source { name: format!("s{k}"), weight: w, train: split.clone(), val: split }
     };
-    kiln::train::TrainData { sources: vec![source(1, 300, weights[0]), source(2, 200, weights[1])], tokenizer: data::Tokenizer::Byte, description: String::new(), files: vec![] }
+    kiln::train::TrainData { sources: vec![source(1, 300, weights[0]), source(2, 200, weights[1])], tokenizer: data::Tokenizer::Byte, description: String::new(), files: vec![], prompts: None }
 }
 
 #[test]
@@ -223,7 +223,7 @@ fn bad_documents_and_data_settings_exit_2_naming_them_and_write_nothing() {
     let good = d.join("good.jsonl");
     fs::write(&good, (0..50).map(|i| format!("{{\"text\": \"document {i} has some words in it\"}}\n")).collect::<String>()).unwrap();
     for (args, needles) in [
-        (&["--format", "dialogue"][..], &["data.format", "text, chat, prompt_completion or preference", "dialogue"][..]),
+        (&["--format", "dialogue"][..], &["data.format", "text, chat, prompt_completion, preference or prompt", "dialogue"][..]),
         (&["--packing", "rows"], &["data.packing", "windows or documents", "rows"]),
         (&["--reset-positions"], &["data.reset_positions", "documents"]),
         (&["--format", "chat"], &["good.jsonl", "line 1", "`messages`"]),

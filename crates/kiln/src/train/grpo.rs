@@ -1,0 +1,232 @@
+//! GRPO's parts outside the step: the prompts, the rollouts (each step's prompts, `G` sampled
+//! completions each through the KV-cached sampler, their rewards and group-relative
+//! advantages), the rows the step trains on, and the held-out reward.
+//!
+//! Everything a step draws is a function of the seed and the step: prompt `k` of the step is
+//! prompt `order[(step / μ · P + k) mod n]` of a seeded order per epoch, and completion `g`
+//! samples from seed `(seed, step / μ, k, g)`. A batch of completions serves `μ` optimiser
+//! steps (`grpo.iterations`); its sampling-time log-probabilities are measured before the first.
+
+use super::data::TrainData;
+use crate::config::RunConfig;
+use crate::error::{user, KilnError, Result};
+use crate::reward::{Rewards, Scored};
+use crate::step::RowBuf;
+use data::{Doc, DocFormat, DocOpts, Tokenizer};
+use model::gpt::IGNORE_INDEX;
+use model::{Gpt, Pass};
+use serde_json::Value;
+use std::path::PathBuf;
+use tensor::rng::mix64;
+
+/// One prompt: its tokens, its row (the rewards read its fields) and its reference answer.
+#[derive(Clone, Debug)]
+pub struct Task {
+    pub ids: Vec<u32>,
+    pub prompt: String,
+    pub answer: String,
+}
+
+/// The run's prompts: the training ones and the held-out ones (the last `data.val_fraction`).
+#[derive(Clone, Debug, Default)]
+pub struct Prompts {
+    pub train: Vec<Task>,
+    pub val: Vec<Task>,
+}
+
+/// Reads the prompt rows of `paths` and tokenizes their prompts with `tokenizer` (given, or made
+/// from `spec` over the prompts and answers: a `char` vocabulary).
+pub fn load_prompts(cfg: &RunConfig, tokenizer: Option<Tokenizer>) -> Result<(Prompts, Tokenizer, Vec<PathBuf>)> {
+    let paths: Vec<PathBuf> = cfg.data.paths.iter().map(PathBuf::from).collect();
+    if paths.is_empty() {
+        return user("train.objective = \"grpo\" needs --data: jsonl or parquet rows of prompts with their answers");
+    }
+    let opts = DocOpts { text_field: "prompt".into(), format: DocFormat::Prompt };
+    let field = &cfg.grpo.answer_field;
+    let mut rows: Vec<(Value, String)> = Vec::new();
+    for p in &paths {
+        let read = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let mut line = 0;
+        data::read_docs(p, &opts, &read, &mut |docs| {
+            for d in docs {
+                line += 1;
+                let Doc::Prompt(row) = d else { unreachable!("prompt rows") };
+                let answer = match row.get(field) {
+                    Some(Value::String(s)) => s.clone(),
+                    Some(v @ Value::Number(_)) => v.to_string(),
+                    Some(v) => return Err(data::DataError::at(p, format!("row {line}: field `{field}` is {v}, not a string or a number"))),
+                    None => return Err(data::DataError::at(p, format!("row {line}: no field `{field}` (grpo.answer_field): the rewards compare completions with it"))),
+                };
+                rows.push((row, answer));
+            }
+            Ok(())
+        })?;
+    }
+    if rows.len() < 2 {
+        return user(format!("{}: {} prompt rows; GRPO needs some to train on and some held out", cfg.data.paths.join(", "), rows.len()));
+    }
+    let tok = match tokenizer {
+        Some(t) => t,
+        None => {
+            let corpus: String = rows.iter().map(|(r, a)| format!("{}{a}\n", Doc::Prompt(r.clone()).text())).collect::<String>() + &cfg.grpo.stop.concat();
+            Tokenizer::from_spec(&cfg.data.tokenizer, Some(&corpus))?
+        }
+    };
+    let mut tasks = Vec::with_capacity(rows.len());
+    for (i, (row, answer)) in rows.into_iter().enumerate() {
+        let ids = tok.encode_prompt(&row["prompt"]).map_err(|e| KilnError::User(format!("prompt row {}: {e}", i + 1)))?;
+        if ids.len() >= cfg.model.block_size {
+            return user(format!("prompt row {}: {} tokens leave no room to complete within model.block_size = {}", i + 1, ids.len(), cfg.model.block_size));
+        }
+        tasks.push(Task { ids, prompt: Doc::Prompt(row).text(), answer });
+    }
+    let held = ((tasks.len() as f64 * cfg.data.val_fraction).ceil() as usize).clamp(1, tasks.len() - 1);
+    let val = tasks.split_off(tasks.len() - held);
+    Ok((Prompts { train: tasks, val }, tok, paths))
+}
+
+/// A batch of completions and what the step reads of them.
+#[derive(Clone, Debug, Default)]
+pub struct Rollout {
+    /// The step that sampled it (the first of its `μ`).
+    pub step: u64,
+    /// Per completion: its prompt's tokens then its own, and the prompt's length; its advantage.
+    pub rows: Vec<(Vec<u32>, usize)>,
+    pub advantages: Vec<f64>,
+    /// Each position's log-probability when sampled (`[rows, T]`; empty with `μ` = 1).
+    pub old_logps: Vec<f32>,
+    /// The figures of the batch: mean reward, the mean standard deviation within groups, each
+    /// reward's mean, completion lengths (mean, max), sampling tokens/s.
+    pub figures: serde_json::Map<String, Value>,
+}
+
+/// The sampler of completion `g` of prompt `k` of the batch of `step`.
+fn sampler(cfg: &RunConfig, tok: &Tokenizer, (step, k, g): (u64, usize, usize)) -> model::Sampler {
+    let seed = mix64(cfg.train.seed ^ mix64(step.wrapping_mul(0x9E37_79B9) ^ ((k as u64) << 20) ^ g as u64 ^ 0x6a09_e667));
+    let c = &cfg.grpo;
+    model::Sampler { top_p: c.top_p as f32, stop_ids: tok.eos_id().into_iter().collect(), ..model::Sampler::new(c.temperature as f32, c.top_k, seed) }
+}
+
+/// `prompt`'s completion by `model` under `sampler`: at most `grpo.max_new_tokens` tokens (and
+/// what the model's positions leave), stopping at the EOS or a stop string.
+fn complete(model: &Gpt, cfg: &RunConfig, tok: &Tokenizer, prompt: &[u32], sampler: &model::Sampler) -> Vec<u32> {
+    let room = cfg.seq_len().saturating_sub(prompt.len()).min(cfg.grpo.max_new_tokens);
+    let stops = &cfg.grpo.stop;
+    model.generate_until(prompt, room, sampler, &mut |out| !stops.is_empty() && stops.iter().any(|s| tok.decode(out).contains(s.as_str())))
+}
+
+/// The prompts of the batch of `step`: `count` of the training prompts in a seeded order per
+/// epoch.
+fn batch_prompts(cfg: &RunConfig, n: usize, step: u64, count: usize) -> Vec<usize> {
+    let first = step * count as u64;
+    (0..count as u64)
+        .map(|k| {
+            let at = first + k;
+            let (epoch, i) = (at / n as u64, (at % n as u64) as usize);
+            let mut order: Vec<usize> = (0..n).collect();
+            let mut r = tensor::Rng::new(mix64(cfg.train.seed ^ mix64(epoch ^ 0x9f4a_7c15)));
+            for j in (1..n).rev() {
+                order.swap(j, r.below(j as u64 + 1) as usize);
+            }
+            order[i]
+        })
+        .collect()
+}
+
+/// Samples the batch of completions the steps from `step` train on, and scores them.
+pub fn rollout(model: &Gpt, cfg: &RunConfig, ds: &TrainData, rewards: &Rewards, step: u64) -> Result<Rollout> {
+    let prompts = ds.prompts.as_ref().expect("a GRPO run's prompts");
+    let (g, p) = (cfg.grpo.group, cfg.train.batch_size / cfg.grpo.group);
+    let block = step / cfg.grpo.iterations as u64;
+    let picked = batch_prompts(cfg, prompts.train.len(), block, p);
+    let t0 = std::time::Instant::now();
+    let mut rows = Vec::with_capacity(p * g);
+    let mut texts = Vec::with_capacity(p * g);
+    for (k, &i) in picked.iter().enumerate() {
+        let task = &prompts.train[i];
+        for j in 0..g {
+            let out = complete(model, cfg, &ds.tokenizer, &task.ids, &sampler(cfg, &ds.tokenizer, (block, k, j)));
+            texts.push(ds.tokenizer.decode(&out));
+            rows.push(([&task.ids[..], &out[..]].concat(), task.ids.len()));
+        }
+    }
+    let sampled: usize = rows.iter().map(|(r, n)| r.len() - n).sum();
+    let secs = t0.elapsed().as_secs_f64();
+    let items: Vec<Scored> = texts.iter().enumerate().map(|(i, c)| {
+        let task = &prompts.train[picked[i / g]];
+        Scored { prompt: &task.prompt, completion: c, answer: &task.answer }
+    }).collect();
+    let each = rewards.each(&items)?;
+    let total = rewards.total(&each);
+    let advantages = tensor::grpo::group_advantages(&total, g, cfg.grpo.loss == "grpo");
+    let mut figures = serde_json::Map::new();
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+    figures.insert("reward".into(), mean(&total).into());
+    let stds: Vec<f64> = total.chunks(g).map(|c| {
+        let m = mean(c);
+        (c.iter().map(|r| (r - m).powi(2)).sum::<f64>() / (c.len() - 1).max(1) as f64).sqrt()
+    }).collect();
+    figures.insert("reward_std".into(), mean(&stds).into());
+    for ((name, _, _), e) in rewards.list.iter().zip(&each) {
+        figures.insert(format!("reward_{}", name.split(':').next().unwrap_or(name)), mean(e).into());
+    }
+    let lens: Vec<f64> = rows.iter().map(|(r, n)| (r.len() - n) as f64).collect();
+    figures.insert("completion_length".into(), mean(&lens).into());
+    figures.insert("completion_length_max".into(), lens.iter().copied().fold(0.0, f64::max).into());
+    figures.insert("rollout_tokens_per_sec".into(), (sampled as f64 / secs.max(1e-9)).into());
+    Ok(Rollout { step: block * cfg.grpo.iterations as u64, rows, advantages, old_logps: Vec::new(), figures })
+}
+
+/// Writes completions `rows` of `r` into `buf` (rows of `t`): inputs, targets on the completion
+/// only, and their advantages and sampling-time log-probabilities.
+pub fn fill(r: &Rollout, rows: std::ops::Range<usize>, t: usize, buf: &mut RowBuf) {
+    buf.advantages = r.advantages[rows.clone()].to_vec();
+    if !r.old_logps.is_empty() {
+        buf.old_logps = r.old_logps[rows.start * t..rows.end * t].to_vec();
+    }
+    for (i, k) in rows.enumerate() {
+        let (seq, plen) = &r.rows[k];
+        let (x, y) = (&mut buf.x[i * t..(i + 1) * t], &mut buf.y[i * t..(i + 1) * t]);
+        x.fill(0);
+        y.fill(IGNORE_INDEX);
+        let n = seq.len().min(t);
+        x[..n].copy_from_slice(&seq[..n]);
+        for j in 0..n.saturating_sub(1) {
+            if j + 1 >= *plen {
+                y[j] = seq[j + 1] as i32;
+            }
+        }
+    }
+}
+
+/// Every position's log-probability under `model` (eval mode) for the rows of `r`, `batch` rows
+/// at a time: `[rows, T]`, 0 where no target counts.
+pub fn logps(model: &mut Gpt, r: &Rollout, t: usize, batch: usize) -> Vec<f32> {
+    let n = r.rows.len();
+    let mut out = vec![0.0; n * t];
+    for first in (0..n).step_by(batch) {
+        let rows = first..(first + batch).min(n);
+        let mut b = RowBuf::new(batch, t, false);
+        fill(&Rollout { old_logps: Vec::new(), ..r.clone() }, rows.clone(), t, &mut b);
+        model.forward(&b.x, &b.y, batch, t, Pass::Eval);
+        for (i, &l) in model.losses()[..rows.len() * t].iter().enumerate() {
+            out[first * t + i] = -l;
+        }
+    }
+    out
+}
+
+/// The held-out reward: each of (up to `grpo.eval_prompts`) held-out prompts completed greedily
+/// and scored; returns the mean reward and the fraction of completions the `exact`-style
+/// rewards (the first reward) count right.
+pub fn held_out_reward(model: &Gpt, cfg: &RunConfig, ds: &TrainData, rewards: &Rewards) -> Result<(f64, f64)> {
+    let prompts = ds.prompts.as_ref().expect("a GRPO run's prompts");
+    let n = if cfg.grpo.eval_prompts == 0 { prompts.val.len() } else { cfg.grpo.eval_prompts.min(prompts.val.len()) };
+    let greedy = model::Sampler { stop_ids: ds.tokenizer.eos_id().into_iter().collect(), ..model::Sampler::new(0.0, 0, cfg.train.seed) };
+    let texts: Vec<String> = prompts.val[..n].iter().map(|task| ds.tokenizer.decode(&complete(model, cfg, &ds.tokenizer, &task.ids, &greedy))).collect();
+    let items: Vec<Scored> = texts.iter().zip(&prompts.val[..n]).map(|(c, task)| Scored { prompt: &task.prompt, completion: c, answer: &task.answer }).collect();
+    let each = rewards.each(&items)?;
+    let total = rewards.total(&each);
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+    Ok((mean(&total), mean(&each[0])))
+}
