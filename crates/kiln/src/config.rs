@@ -1227,9 +1227,6 @@ impl RunConfig {
                 return user(format!("{k} must be a non-negative number, got {v}"));
             }
         }
-        if g.beta > 0.0 {
-            return user(format!("grpo.beta = {}: a KL penalty needs a reference model, which GRPO does not keep yet (grpo.beta = 0, TRL's default, trains without one)", g.beta));
-        }
         if g.epsilon >= 1.0 {
             return user(format!("grpo.epsilon must be below 1, got {}", g.epsilon));
         }

@@ -93,8 +93,10 @@ pub struct Rollout {
     /// Per completion: its prompt's tokens then its own, and the prompt's length; its advantage.
     pub rows: Vec<(Vec<u32>, usize)>,
     pub advantages: Vec<f64>,
-    /// Each position's log-probability when sampled (`[rows, T]`; empty with `μ` = 1).
+    /// Each position's log-probability when sampled (`[rows, T]`; empty with `μ` = 1), and
+    /// under the reference model (empty without a KL term).
     pub old_logps: Vec<f32>,
+    pub ref_logps: Vec<f32>,
     /// The figures of the batch: mean reward, the mean standard deviation within groups, each
     /// reward's mean, completion lengths (mean, max), sampling tokens/s.
     pub figures: serde_json::Map<String, Value>,
@@ -174,7 +176,7 @@ pub fn rollout(model: &Gpt, cfg: &RunConfig, ds: &TrainData, rewards: &Rewards, 
     figures.insert("completion_length".into(), mean(&lens).into());
     figures.insert("completion_length_max".into(), lens.iter().copied().fold(0.0, f64::max).into());
     figures.insert("rollout_tokens_per_sec".into(), (sampled as f64 / secs.max(1e-9)).into());
-    Ok(Rollout { step: block * cfg.grpo.iterations as u64, rows, advantages, old_logps: Vec::new(), figures })
+    Ok(Rollout { step: block * cfg.grpo.iterations as u64, rows, advantages, old_logps: Vec::new(), ref_logps: Vec::new(), figures })
 }
 
 /// Writes completions `rows` of `r` into `buf` (rows of `t`): inputs, targets on the completion
@@ -183,6 +185,9 @@ pub fn fill(r: &Rollout, rows: std::ops::Range<usize>, t: usize, buf: &mut RowBu
     buf.advantages = r.advantages[rows.clone()].to_vec();
     if !r.old_logps.is_empty() {
         buf.old_logps = r.old_logps[rows.start * t..rows.end * t].to_vec();
+    }
+    if !r.ref_logps.is_empty() {
+        buf.ref_logps = r.ref_logps[rows.start * t..rows.end * t].to_vec();
     }
     for (i, k) in rows.enumerate() {
         let (seq, plen) = &r.rows[k];
@@ -207,7 +212,7 @@ pub fn logps(model: &mut Gpt, r: &Rollout, t: usize, batch: usize) -> Vec<f32> {
     for first in (0..n).step_by(batch) {
         let rows = first..(first + batch).min(n);
         let mut b = RowBuf::new(batch, t, false);
-        fill(&Rollout { old_logps: Vec::new(), ..r.clone() }, rows.clone(), t, &mut b);
+        fill(&Rollout { old_logps: Vec::new(), ref_logps: Vec::new(), ..r.clone() }, rows.clone(), t, &mut b);
         model.forward(&b.x, &b.y, batch, t, Pass::Eval);
         for (i, &l) in model.losses()[..rows.len() * t].iter().enumerate() {
             out[first * t + i] = -l;
@@ -229,4 +234,21 @@ pub fn held_out_reward(model: &Gpt, cfg: &RunConfig, ds: &TrainData, rewards: &R
     let total = rewards.total(&each);
     let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
     Ok((mean(&total), mean(&each[0])))
+}
+
+/// The model a run started from, whole, as its first step saw it (rounded to the storage
+/// precision): GRPO's reference when a resumed run needs it again.
+pub fn initial_model(cfg: &RunConfig, ds: &TrainData, real_vocab: usize) -> Result<Gpt> {
+    let mut m = if cfg.model.init_from.is_empty() {
+        Gpt::new(cfg.gpt_config(ds.tokenizer.vocab_size()), real_vocab, cfg.train.seed)
+    } else {
+        let mut m = crate::run::load_base(std::path::Path::new(&cfg.model.init_from))?;
+        m.real_vocab = real_vocab;
+        m
+    };
+    if let Some(fmt) = model::gpt::storage(cfg.train.precision) {
+        tensor::precision::round_slice(&mut m.params, fmt);
+    }
+    m.cfg.dropout = 0.0;
+    Ok(m)
 }

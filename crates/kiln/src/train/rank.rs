@@ -106,6 +106,8 @@ struct GrpoState {
     rewards: crate::reward::Rewards,
     /// A whole copy of the weights the completions are sampled with, refreshed before sampling.
     policy: Gpt,
+    /// With a KL term (`grpo.beta` > 0): the model the run started from.
+    reference: Option<Gpt>,
     rollout: Option<super::grpo::Rollout>,
 }
 
@@ -366,11 +368,20 @@ impl<'a> Rank<'a> {
     /// Appends step `self.step + 1`'s windows to `RUN/batches.jsonl` (`train.record_batches`).
     fn record_batch(&self, rows: &[Row]) -> Result<()> {
         use std::io::Write;
-        let mut b = RowBuf::new(rows.len(), self.t, self.loader.packed());
-        self.loader.fill(rows, &mut b);
+        let rollout = self.grpo.as_ref().and_then(|g| g.rollout.as_ref());
+        let n = rollout.map_or(rows.len(), |r| r.rows.len());
+        let mut b = RowBuf::new(n, self.t, self.loader.packed());
+        match rollout {
+            // GRPO: the completions, with their advantages.
+            Some(r) => super::grpo::fill(r, 0..n, self.t, &mut b),
+            None => self.loader.fill(rows, &mut b),
+        }
         let t = self.t;
         let list = |v: &[u32]| -> Vec<Vec<u32>> { v.chunks(t).map(|c| c.to_vec()).collect() };
         let mut line = serde_json::json!({"step": self.step + 1, "lr": self.cfg.lr_at(self.step), "inputs": list(&b.x), "targets": b.y.chunks(t).collect::<Vec<_>>()});
+        if rollout.is_some() {
+            line["advantages"] = serde_json::json!(b.advantages);
+        }
         if self.loader.packed() {
             line["doc_start"] = serde_json::json!(list(&b.start));
             line["positions"] = serde_json::json!(list(&b.pos));
@@ -392,7 +403,7 @@ impl<'a> Rank<'a> {
         } else {
             self.loader.draw(&mut self.sampler, cfg.train.batch_size)
         };
-        if cfg.train.record_batches && self.lead && self.grpo.is_none() {
+        if cfg.train.record_batches && self.lead {
             self.record_batch(&rows_all)?;
         }
         let counters = self.comm.counters();
@@ -626,8 +637,20 @@ impl<'a> Rank<'a> {
         }
         let rewards = crate::reward::Rewards::new(&c.rewards, &c.reward_weights, &c.answer_pattern)?;
         let m = &self.chunks[0].model;
-        let policy = crate::memory::track::scope(crate::memory::track::Category::Params, || Gpt::zeroed_frozen(m.cfg.clone(), m.real_vocab));
-        self.grpo = Some(GrpoState { rewards, policy, rollout: None });
+        let (whole, real_vocab) = (m.cfg.clone(), m.real_vocab);
+        let policy = crate::memory::track::scope(crate::memory::track::Category::Params, || Gpt::zeroed_frozen(whole.clone(), real_vocab));
+        self.grpo = Some(GrpoState { rewards, policy, reference: None, rollout: None });
+        if c.beta > 0.0 {
+            // The reference: the weights the first step starts from (a resumed run makes them again).
+            let reference = if self.step == 0 {
+                let mut r = crate::memory::track::scope(crate::memory::track::Category::Params, || Gpt::zeroed_frozen(whole, real_vocab));
+                r.params = self.chunks[0].dp.copy_params_into(std::mem::take(&mut r.params));
+                r
+            } else {
+                super::grpo::initial_model(self.cfg, self.ds, real_vocab)?
+            };
+            self.grpo.as_mut().expect("set").reference = Some(reference);
+        }
         if self.step == 0 {
             self.evaluate_grpo()?;
         }
@@ -653,6 +676,9 @@ impl<'a> Rank<'a> {
         let mut r = super::grpo::rollout(&st.policy, cfg, ds, &st.rewards, step)?;
         if mu > 1 {
             r.old_logps = super::grpo::logps(&mut st.policy, &r, t, rows);
+        }
+        if let Some(reference) = st.reference.as_mut() {
+            r.ref_logps = super::grpo::logps(reference, &r, t, rows);
         }
         st.rollout = Some(r);
         Ok(())

@@ -45,7 +45,9 @@ fn grpo_raises_a_reward_and_resumes_bit_exactly() {
     assert_eq!(evals.iter().map(|e| e["step"].as_u64().unwrap()).collect::<Vec<_>>(), vec![0, 30], "{evals:?}");
     assert!(evals[1]["val_reward"].as_f64().unwrap() >= evals[0]["val_reward"].as_f64().unwrap());
     let bits = |r: &Path| losses(r).iter().map(|&(s, l)| (s, l.to_bits())).collect::<Vec<_>>();
-    for (name, extra) in [("mu1", &[][..]), ("mu2", &["--set", "grpo.iterations=2"][..])] {
+    // With a KL term the reference is the starting model: a resumed run makes it again.
+    let cases: [(&str, &[&str]); 3] = [("mu1", &[]), ("mu2", &["--set", "grpo.iterations=2"]), ("kl", &["--set", "grpo.beta=0.04", "--set", "grpo.loss=dr_grpo"])];
+    for (name, extra) in cases {
         let (full, split) = (d.join(format!("{name}-full")), d.join(format!("{name}-split")));
         let args = [BASE, extra, &["--set", "eval.interval=0", "--set", "checkpoint.interval=4"]].concat();
         assert!(train(&data, &full, &[&args[..], &["--max-steps", "8"]].concat()).status.success());
@@ -53,6 +55,10 @@ fn grpo_raises_a_reward_and_resumes_bit_exactly() {
         let o = train(&data, &split, &[&args[..], &["--resume", "--max-steps", "8"]].concat());
         assert!(o.status.success(), "{name}: {}", stderr(&o));
         assert_eq!(bits(&full), bits(&split), "{name}: resumed at step 4");
+        if name == "kl" {
+            let kl = lines(&full, "train")[7]["kl"].as_f64().unwrap();
+            assert!(kl > 0.0, "the policy moved away from the reference: kl {kl}");
+        }
     }
 }
 
@@ -68,7 +74,7 @@ fn bad_prompt_rows_and_settings_are_refused() {
     let cases: [(&[&str], &[&str]); 5] = [
         (&["--set", "grpo.group=3"], &["grpo.group (3)", "divide train.batch_size (16)"]),
         (&["--dp", "2"], &["one rank", "parallel.dp = 2"]),
-        (&["--set", "grpo.beta=0.04"], &["grpo.beta = 0.04", "reference model"]),
+        (&["--set", "grpo.top_p=0"], &["grpo.top_p", "(0, 1]"]),
         (&["--set", "grpo.rewards=[\"exactly\"]"], &["grpo.rewards", "`exactly` is not a reward"]),
         (&["--set", "grpo.loss=ppo"], &["grpo.loss", "ppo"]),
     ];
