@@ -1239,9 +1239,6 @@ impl RunConfig {
         if let Some((k, v)) = bad.iter().find(|(_, v)| *v > 1) {
             return user(format!("train.objective = \"grpo\" runs on one rank for now ({k} = {v})"));
         }
-        if self.lora.rank > 0 {
-            return user("train.objective = \"grpo\" does not train LoRA adapters yet (lora.rank > 0)");
-        }
         if self.train.device != "cpu" {
             return user(format!("train.objective = \"grpo\" does not run on a device yet (train.device = \"{}\")", self.train.device));
         }

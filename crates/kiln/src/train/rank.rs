@@ -640,9 +640,12 @@ impl<'a> Rank<'a> {
         let (whole, real_vocab) = (m.cfg.clone(), m.real_vocab);
         let policy = crate::memory::track::scope(crate::memory::track::Category::Params, || Gpt::zeroed_frozen(whole.clone(), real_vocab));
         self.grpo = Some(GrpoState { rewards, policy, reference: None, rollout: None });
-        if c.beta > 0.0 {
-            // The reference: the weights the first step starts from (a resumed run makes them again).
-            let reference = if self.step == 0 {
+        // With LoRA the base is frozen: it is the reference, its adapters switched off.
+        let lora = self.chunks[0].model.lora.is_some();
+        if c.beta > 0.0 || lora {
+            // The reference: the weights the first step starts from (a resumed run makes them
+            // again; with LoRA, the frozen base as it is).
+            let reference = if self.step == 0 || lora {
                 let mut r = crate::memory::track::scope(crate::memory::track::Category::Params, || Gpt::zeroed_frozen(whole, real_vocab));
                 r.params = self.chunks[0].dp.copy_params_into(std::mem::take(&mut r.params));
                 r
@@ -657,10 +660,18 @@ impl<'a> Rank<'a> {
         Ok(())
     }
 
-    /// GRPO: the sampling model's weights made the current ones.
+    /// GRPO: the sampling model's weights made the current ones (with LoRA: the base with the
+    /// adapters merged into it).
     fn refresh_policy(&mut self) -> &mut GrpoState {
         let st = self.grpo.as_mut().expect("a GRPO run");
-        st.policy.params = self.chunks[0].dp.copy_params_into(std::mem::take(&mut st.policy.params));
+        let ch = &mut self.chunks[0];
+        match (ch.model.lora.as_ref(), st.reference.as_ref()) {
+            (Some(lo), Some(base)) => {
+                st.policy.params.clone_from(&base.params);
+                lo.merge_into(&mut st.policy.params, &st.policy.views);
+            }
+            _ => st.policy.params = ch.dp.copy_params_into(std::mem::take(&mut st.policy.params)),
+        }
         st
     }
 
@@ -677,7 +688,7 @@ impl<'a> Rank<'a> {
         if mu > 1 {
             r.old_logps = super::grpo::logps(&mut st.policy, &r, t, rows);
         }
-        if let Some(reference) = st.reference.as_mut() {
+        if let Some(reference) = st.reference.as_mut().filter(|_| cfg.grpo.beta > 0.0) {
             r.ref_logps = super::grpo::logps(reference, &r, t, rows);
         }
         st.rollout = Some(r);
