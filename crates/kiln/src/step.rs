@@ -1037,8 +1037,9 @@ pub fn train_step(
     let _p = profile::scope("optimizer");
     let loss = global_loss(chunks, pipe, sums) as f32;
     let loss_tokens = batch.tokens;
-    let pairs = pair_stats.map(|st| model::pairs::PairStats::from_array(global_sums(chunks, &st.to_array())));
-    let policy = policy_stats.map(|st| model::policy::PolicyStats::from_array(global_sums(chunks, &st.to_array())));
+    // (Every stage takes part: only the last one measured its pairs.)
+    let pairs = cfg.train.objective.pairs().map(|_| model::pairs::PairStats::from_array(global_sums(chunks, pipe, &pair_stats.unwrap_or_default().to_array())));
+    let policy = policy_stats.map(|st| model::policy::PolicyStats::from_array(global_sums(chunks, pipe, &st.to_array())));
     let out = |grad_norm: f64, skipped: Option<&'static str>| StepOut { loss, grad_norm, overlap, skipped, peak_activation_bytes: peak_bytes, peak_in_flight, loss_tokens, pairs, policy };
     if cfg.faults.inject_nan_steps.contains(&(step + 1)) {
         match chunks[0].model.lora.as_mut() {
@@ -1434,13 +1435,16 @@ fn fp8_amaxes(chunks: &mut [Chunk], tp: Option<&dyn parallel::Comm>) {
 
 /// The step's mean loss: the last stage's sums over its data-parallel group, taken from it by
 /// every stage; the mean over micro-batches of each one's mean.
-/// A sequence objective's sums over the data-parallel ranks (such a run has one pipeline
-/// stage).
-fn global_sums<const N: usize>(chunks: &mut [Chunk], st: &[f64; N]) -> [f64; N] {
-    if chunks[0].dp.n() < 2 {
-        return *st;
-    }
-    chunks[0].dp.all_reduce_f64(st).try_into().expect("one sum per field")
+/// A sequence objective's sums over the data-parallel ranks, as the pipeline's last stage has
+/// them.
+fn global_sums<const N: usize>(chunks: &mut [Chunk], pipe: &Pipeline, st: &[f64; N]) -> [f64; N] {
+    let v = chunks.len();
+    let sums = if chunks[0].dp.n() > 1 { chunks[v - 1].dp.all_reduce_f64(st) } else { st.to_vec() };
+    let sums = match pipe.comm {
+        Some(comm) => parallel::comm::all_gather_f64(comm, &sums)[(pipe.sched.p - 1) * N..].to_vec(),
+        None => sums,
+    };
+    sums.try_into().expect("one sum per field")
 }
 
 fn global_loss(chunks: &mut [Chunk], pipe: &Pipeline, sums: Vec<f64>) -> f64 {

@@ -56,29 +56,80 @@ pub(crate) fn check_pairs_fit(cfg: &RunConfig, ds: &TrainData) -> Result<()> {
     Ok(())
 }
 
-/// Each document's log-probability under the chunk's model as it is (one stage, eval mode),
-/// `batch` documents at a time, each a row of its own cut at `t` tokens; and over the pairs,
-/// how many the model prefers the chosen side of.
-fn measure(ch: &mut Chunk, split: &Split, t: usize, batch: usize) -> (Vec<f64>, f64) {
+/// This rank's part of the model: its chunks, and with a pipeline its group and stage (chunk `c`
+/// is virtual stage `c·P + me`).
+pub(super) struct Stages<'c> {
+    pub chunks: &'c mut [Chunk],
+    pub pp: Option<(&'c dyn parallel::Comm, usize)>,
+}
+
+impl Stages<'_> {
+    /// One batch's forward in eval mode through every stage, activations passed on; the last
+    /// stage's measured pairs where this rank holds it.
+    fn forward(&mut self, b: &RowBuf, (batch, t): (usize, usize)) -> Option<PairRows> {
+        let Some((pp, me)) = self.pp else {
+            let ch = &mut self.chunks[0];
+            ch.model.pairs.as_mut().expect("a preference objective's model").reference = b.reference.clone();
+            ch.model.forward_with(&mut ch.dp, &b.x, &b.y, None, (batch, t), Pass::Eval);
+            return ch.model.pairs.clone();
+        };
+        let (p, v) = (pp.size(), self.chunks.len());
+        let mut out = None;
+        for vs in (0..p * v).filter(|vs| vs % p == me) {
+            let ch = &mut self.chunks[vs / p];
+            if vs > 0 {
+                pp.recv(ch.model.stage_input_mut(batch, t), (vs - 1) % p, (2 << 20) + vs as u32);
+            }
+            ch.model.pairs.as_mut().expect("a preference objective's model").reference = b.reference.clone();
+            ch.model.forward_with(&mut ch.dp, &b.x, &b.y, None, (batch, t), Pass::Eval);
+            if vs + 1 < p * v {
+                pp.send(ch.model.stage_output(), (vs + 1) % p, (2 << 20) + vs as u32 + 1);
+            } else {
+                out = ch.model.pairs.clone();
+            }
+        }
+        out
+    }
+
+    /// `x` as the pipeline's last stage has it (the identity without a pipeline).
+    fn from_last(&self, x: Vec<f64>) -> Vec<f64> {
+        match self.pp {
+            Some((pp, _)) => {
+                let n = x.len();
+                let all = parallel::comm::all_gather_f64(pp, &x);
+                all[(pp.size() - 1) * n..].to_vec()
+            }
+            None => x,
+        }
+    }
+}
+
+/// Each document's log-probability under the model as it is (eval mode), `batch` documents at a
+/// time, each a row of its own cut at `t` tokens; and over the pairs, how many the model prefers
+/// the chosen side of.
+fn measure(st: &mut Stages, split: &Split, t: usize, batch: usize) -> (Vec<f64>, f64) {
     let n = split.docs.len();
-    let (mut out, mut prefers) = (Vec::with_capacity(n), 0.0);
+    let (mut out, mut prefers) = (vec![0.0; n], 0.0);
     for first in (0..n).step_by(batch) {
         let rows: Vec<Row> = (first..(first + batch).min(n)).map(|d| pair_row(split, 0, d, t)).collect();
         let mut b = RowBuf::new(batch, t, false);
         fill_rows(&[split], &rows, t, false, &mut b);
-        ch.model.pairs.as_mut().expect("a preference objective's model").reference = vec![0.0; batch];
-        ch.model.forward_with(&mut ch.dp, &b.x, &b.y, None, (batch, t), Pass::Eval);
-        let p = ch.model.pairs.as_ref().expect("measured");
-        out.extend_from_slice(&p.logps[..rows.len()]);
-        prefers += p.stats().prefers;
+        b.reference = vec![0.0; batch];
+        if let Some(p) = st.forward(&b, (batch, t)) {
+            out[first..first + rows.len()].copy_from_slice(&p.logps[..rows.len()]);
+            prefers += p.stats().prefers;
+        }
     }
-    (out, prefers)
+    out.push(prefers);
+    let mut all = st.from_last(out);
+    let prefers = all.pop().expect("pushed");
+    (all, prefers)
 }
 
 /// The run's reference log-probabilities: read from the run directory when it has them (a
 /// resumed run), else measured on `ch` now and (by the lead rank) written there. SimPO has no
 /// reference: zeros.
-pub(super) fn references(cfg: &RunConfig, sources: &[Source], ch: &mut Chunk, (run_dir, lead, resumed): (&Path, bool, bool), batch: usize) -> Result<References> {
+pub(super) fn references(cfg: &RunConfig, sources: &[Source], st: &mut Stages, (run_dir, lead, resumed): (&Path, bool, bool), batch: usize) -> Result<References> {
     let path = run_dir.join(REFERENCE_FILE);
     let zeros = |f: &dyn Fn(&Source) -> usize| sources.iter().map(|s| vec![0.0; f(s)]).collect::<Vec<_>>();
     let pc = cfg.pair_cfg().expect("a preference objective");
@@ -98,10 +149,10 @@ pub(super) fn references(cfg: &RunConfig, sources: &[Source], ch: &mut Chunk, (r
         return user(format!("{}: missing; a resumed preference run needs the reference log-probabilities its first start measured", path.display()));
     }
     let t = cfg.seq_len();
-    let val: Vec<(Vec<f64>, f64)> = sources.iter().map(|s| measure(ch, &s.val, t, batch)).collect();
+    let val: Vec<(Vec<f64>, f64)> = sources.iter().map(|s| measure(st, &s.val, t, batch)).collect();
     let pairs = sources.iter().map(|s| s.val.docs.len() / 2).sum::<usize>();
     let r = References {
-        train: sources.iter().map(|s| measure(ch, &s.train, t, batch).0).collect(),
+        train: sources.iter().map(|s| measure(st, &s.train, t, batch).0).collect(),
         val_accuracy: (pairs > 0).then(|| val.iter().map(|v| v.1).sum::<f64>() / pairs as f64),
         val: val.into_iter().map(|v| v.0).collect(),
     };
@@ -125,7 +176,9 @@ pub(super) fn fill_reference(sources: &[Source], refs: &[Vec<f64>], rows: &[Row]
 /// This rank's share of the held-out pairs' sums: `batch` rows (pairs of them) at a time, batch
 /// `k` on rank `k mod ranks`, every rank running the same number of forwards, at most
 /// `max_batches` batches (0 = all).
-pub(super) fn eval_pairs(ch: &mut Chunk, sources: &[Source], refs: &References, t: usize, (batch, max_batches): (usize, usize), (rank, ranks): (usize, usize)) -> PairStats {
+/// Summed over the data-parallel ranks by the caller; with a pipeline, every stage returns the
+/// last stage's sums.
+pub(super) fn eval_pairs(st: &mut Stages, sources: &[Source], refs: &References, t: usize, (batch, max_batches): (usize, usize), (rank, ranks): (usize, usize)) -> PairStats {
     let mut sum = PairStats::default();
     for (src, s) in sources.iter().enumerate() {
         let n = s.val.docs.len();
@@ -140,11 +193,10 @@ pub(super) fn eval_pairs(ch: &mut Chunk, sources: &[Source], refs: &References, 
             fill_rows(&splits, rows, t, false, &mut b);
             fill_reference(sources, &refs.val, rows, true, &mut b);
             b.reference.resize(batch, 0.0);
-            let p: &mut PairRows = ch.model.pairs.as_mut().expect("a preference objective's model");
-            p.reference = b.reference.clone();
-            ch.model.forward_with(&mut ch.dp, &b.x, &b.y, None, (batch, t), Pass::Eval);
-            sum.add(&ch.model.pairs.as_ref().expect("measured").stats());
+            if let Some(p) = st.forward(&b, (batch, t)) {
+                sum.add(&p.stats());
+            }
         }
     }
-    sum
+    PairStats::from_array(st.from_last(sum.to_array().to_vec()).try_into().expect("one sum per field"))
 }

@@ -612,9 +612,11 @@ impl<'a> Rank<'a> {
             ch.model.pairs = Some(model::pairs::PairRows::new(pc));
         }
         let (rows, t) = (self.rows, self.t);
-        let ch = &mut self.chunks[0];
-        crate::memory::track::scope(crate::memory::track::Category::Activations, || ch.model.reserve_activations(rows, t));
-        let refs = super::prefs::references(self.cfg, &self.ds.sources, ch, (self.run_dir, self.lead, resumed), rows)?;
+        self.chunks.iter_mut().for_each(|ch| crate::memory::track::scope(crate::memory::track::Category::Activations, || ch.model.reserve_activations(rows, t)));
+        let groups = &self.applied.groups;
+        let pp = (self.cfg.parallel.pp > 1).then(|| (&*groups.pp, groups.pp_rank));
+        let mut st = super::prefs::Stages { chunks: &mut self.chunks, pp };
+        let refs = super::prefs::references(self.cfg, &self.ds.sources, &mut st, (self.run_dir, self.lead, resumed), rows)?;
         if let (Some(acc), false) = (refs.val_accuracy, resumed) {
             self.log(serde_json::json!({"kind": "reference", "step": self.step, "val_preference_accuracy": acc}))?;
             self.say(&format!("reference: held-out preference accuracy {:.1}% before training", 100.0 * acc));
@@ -711,11 +713,13 @@ impl<'a> Rank<'a> {
         let (cfg, groups) = (self.cfg, &self.applied.groups);
         let eb = if cfg.eval.batch_size == 0 { self.rows } else { cfg.eval.batch_size + cfg.eval.batch_size % 2 };
         let refs = self.refs.as_ref().expect("measured at the start");
-        let ch = &mut self.chunks[0];
-        crate::memory::track::scope(crate::memory::track::Category::Activations, || ch.model.reserve_activations(eb, self.t));
-        let mut st = super::prefs::eval_pairs(ch, &self.ds.sources, refs, self.t, (eb, cfg.eval.iters), (groups.dp_rank, groups.dp_size));
-        if ch.dp.n() > 1 {
-            st = model::pairs::PairStats::from_array(ch.dp.all_reduce_f64(&st.to_array()).try_into().expect("one sum per field"));
+        let t = self.t;
+        self.chunks.iter_mut().for_each(|ch| crate::memory::track::scope(crate::memory::track::Category::Activations, || ch.model.reserve_activations(eb, t)));
+        let pp = (cfg.parallel.pp > 1).then(|| (&*groups.pp, groups.pp_rank));
+        let mut stages = super::prefs::Stages { chunks: &mut self.chunks, pp };
+        let mut st = super::prefs::eval_pairs(&mut stages, &self.ds.sources, refs, t, (eb, cfg.eval.iters), (groups.dp_rank, groups.dp_size));
+        if self.chunks[0].dp.n() > 1 {
+            st = model::pairs::PairStats::from_array(self.chunks[0].dp.all_reduce_f64(&st.to_array()).try_into().expect("one sum per field"));
         }
         if st.pairs == 0.0 {
             return Ok(());

@@ -1,4 +1,4 @@
-//! Preference optimisation through `kiln train --objective`: DPO at dp 2 (ZeRO-1) and tp 2
+//! Preference optimisation through `kiln train --objective`: DPO at dp 2 (ZeRO-1), tp 2 and pp 2
 //! reproduces one rank with dropout on, a resumed run continues bit for bit from the reference
 //! log-probabilities it measured at its start, the step and evaluation lines carry TRL's
 //! figures, and bad rows and layouts it does not run are refused in one line. The losses are
@@ -60,6 +60,22 @@ fn dpo_layouts_reproduce_one_rank_and_resume_bit_exactly() {
             assert!(((a - b) / b).abs() <= 1e-5, "{name} step {s}: {a} vs one rank {b}");
         }
     }
+    // A pipeline of two stages (each of one layer), interleaved too: the last stage measures the
+    // pairs, every stage takes part in measuring the reference.
+    let deep = [BASE, &["--set", "model.n_layer=2", "--micro-batches", "2", "--max-steps", "6"]].concat();
+    let one2 = d.join("one-2-layers");
+    assert!(train(&data, &one2, &deep).status.success());
+    let base2 = losses(&one2);
+    for (name, layout) in [("pp2", &["--pp", "2"][..]), ("pp2-dp2", &["--pp", "2", "--dp", "2"][..])] {
+        let run = d.join(name);
+        let o = train(&data, &run, &[&deep[..], layout].concat());
+        assert!(o.status.success(), "{name}: {}", stderr(&o));
+        for ((s, a), (_, b)) in losses(&run).iter().zip(&base2) {
+            assert!(((a - b) / b).abs() <= 1e-5, "{name} step {s}: {a} vs one rank {b}");
+        }
+        let ev = lines(&run, "eval");
+        assert_eq!(ev.last().unwrap()["val_rewards_accuracy"], lines(&one2, "eval").last().unwrap()["val_rewards_accuracy"], "{name}");
+    }
     // Resumed at step 5: the reference comes back from the run directory, not the trained weights.
     let split = d.join("split");
     assert!(train(&data, &split, &[BASE, &["--max-steps", "5"]].concat()).status.success());
@@ -87,7 +103,7 @@ fn bad_preference_rows_and_unsupported_layouts_are_refused() {
     assert_user_error(&train(&bad, &d.join("bad"), &[BASE, &["--max-steps", "2"]].concat()), &["bad.jsonl", "line 2", "no field `rejected`"]);
     let cases: [(&[&str], &[&str]); 5] = [
         (&["--set", "train.batch_size=6", "--dp", "2"], &["whole pairs", "3 rows"]),
-        (&["--pp", "2"], &["parallel.pp = 2"]),
+        (&["--cp", "2"], &["parallel.cp = 2"]),
         (&["--format", "chat"], &["data.format must be \"preference\"", "chat"]),
         (&["--set", "preference.beta=0"], &["preference.beta"]),
         (&["--seq-len", "4", "--set", "data.tokenizer=byte"], &["no chosen completion token", "train.seq_len = 4"]),
