@@ -92,7 +92,7 @@ impl Stages<'_> {
     }
 
     /// `x` as the pipeline's last stage has it (the identity without a pipeline).
-    fn from_last(&self, x: Vec<f64>) -> Vec<f64> {
+    fn as_last_stage_has(&self, x: Vec<f64>) -> Vec<f64> {
         match self.pp {
             Some((pp, _)) => {
                 let n = x.len();
@@ -121,7 +121,7 @@ fn measure(st: &mut Stages, split: &Split, t: usize, batch: usize) -> (Vec<f64>,
         }
     }
     out.push(prefers);
-    let mut all = st.from_last(out);
+    let mut all = st.as_last_stage_has(out);
     let prefers = all.pop().expect("pushed");
     (all, prefers)
 }
@@ -198,5 +198,5 @@ pub(super) fn eval_pairs(st: &mut Stages, sources: &[Source], refs: &References,
             }
         }
     }
-    PairStats::from_array(st.from_last(sum.to_array().to_vec()).try_into().expect("one sum per field"))
+    PairStats::from_array(st.as_last_stage_has(sum.to_array().to_vec()).try_into().expect("one sum per field"))
 }
