@@ -1194,9 +1194,6 @@ impl RunConfig {
         if !per_rank.is_multiple_of(2) {
             return user(format!("train.objective = \"{name}\": each rank's micro-batch holds whole pairs (a chosen and a rejected row), but it has {per_rank} rows: make train.batch_size / (train.grad_accum · parallel.dp) even"));
         }
-        if self.parallel.cp > 1 {
-            return user(format!("train.objective = \"{name}\" does not run with parallel.cp = {} yet (a pair's log-probabilities are summed over whole rows)", self.parallel.cp));
-        }
         if self.train.device != "cpu" {
             return user(format!("train.objective = \"{name}\" does not run on a device yet (train.device = \"{}\")", self.train.device));
         }

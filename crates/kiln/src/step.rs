@@ -1038,7 +1038,8 @@ pub fn train_step(
     let loss = global_loss(chunks, pipe, sums) as f32;
     let loss_tokens = batch.tokens;
     // (Every stage takes part: only the last one measured its pairs.)
-    let pairs = cfg.train.objective.pairs().map(|_| model::pairs::PairStats::from_array(global_sums(chunks, pipe, &pair_stats.unwrap_or_default().to_array())));
+    // (The context-parallel ranks of the group each measured the same pairs.)
+    let pairs = cfg.train.objective.pairs().map(|_| model::pairs::PairStats::from_array(global_sums(chunks, pipe, &pair_stats.unwrap_or_default().to_array()).map(|x| x / cfg.parallel.cp as f64)));
     let policy = policy_stats.map(|st| model::policy::PolicyStats::from_array(global_sums(chunks, pipe, &st.to_array())));
     let out = |grad_norm: f64, skipped: Option<&'static str>| StepOut { loss, grad_norm, overlap, skipped, peak_activation_bytes: peak_bytes, peak_in_flight, loss_tokens, pairs, policy };
     if cfg.faults.inject_nan_steps.contains(&(step + 1)) {
@@ -1236,7 +1237,11 @@ impl MicroBatches {
         let mut both = counts.clone();
         both.extend(&tokens);
         let both = if dpn > 1 { chunks[0].dp.all_reduce_f64(&both) } else { both };
-        let (global, tokens) = (both[..m].to_vec(), both[m..].iter().sum());
+        let (mut global, tokens): (Vec<f64>, f64) = (both[..m].to_vec(), both[m..].iter().sum());
+        if cfg.train.objective.pairs().is_some() {
+            // The group's context-parallel ranks hold the same pairs (each its positions).
+            global.iter_mut().for_each(|g| *g /= cfg.parallel.cp as f64);
+        }
         MicroBatches { data, counts, global, tokens, rows }
     }
 }

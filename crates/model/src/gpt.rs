@@ -966,7 +966,8 @@ impl Gpt {
             Some(obj) => {
                 let a = self.acts.as_mut().unwrap();
                 head.run(a, self.hooks.tensor.as_deref_mut(), &self.cfg, (self.real_vocab, self.precision), None);
-                let mean = obj.measure(&a.losses, targets, IGNORE_INDEX, (b, t));
+                let cp = &mut self.hooks.context;
+                let mean = obj.measure(&a.losses, targets, IGNORE_INDEX, (b, t), &mut |x| if let Some(h) = cp.as_deref_mut() { h.sum_over_parts(x) });
                 if let Some(s) = loss_scale {
                     let weights = obj.token_weights(targets, IGNORE_INDEX, (b, t), s as f64);
                     head.run(a, self.hooks.tensor.as_deref_mut(), &self.cfg, (self.real_vocab, self.precision), Some(Dloss::Rows(&weights)));

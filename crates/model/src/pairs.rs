@@ -14,16 +14,17 @@ use tensor::preference::{pair_loss_backward, pair_loss_forward, PairCfg, PairLog
 /// token's loss weighed as the objective says ([`RowObjective::token_weights`]).
 pub trait RowObjective {
     /// Takes the token losses `[B, T]` (0 at ignored targets); returns the micro-batch's mean
-    /// loss per unit (a pair, a completion).
-    fn measure(&mut self, token_losses: &[f32], targets: &[i32], ignore: i32, bt: (usize, usize)) -> f64;
+    /// loss per unit (a pair, a completion). `sum_rows` sums per-row partial sums over the parts
+    /// that hold a row's positions between them (context parallelism; the identity otherwise).
+    fn measure(&mut self, token_losses: &[f32], targets: &[i32], ignore: i32, bt: (usize, usize), sum_rows: &mut dyn FnMut(&mut [f64])) -> f64;
     /// Each token's weight in the head's gradient when the micro-batch's loss weighs
     /// `loss_scale` (spread evenly over its units).
     fn token_weights(&self, targets: &[i32], ignore: i32, bt: (usize, usize), loss_scale: f64) -> Vec<f32>;
 }
 
 impl RowObjective for PairRows {
-    fn measure(&mut self, token_losses: &[f32], targets: &[i32], ignore: i32, bt: (usize, usize)) -> f64 {
-        PairRows::measure(self, token_losses, targets, ignore, bt)
+    fn measure(&mut self, token_losses: &[f32], targets: &[i32], ignore: i32, bt: (usize, usize), sum_rows: &mut dyn FnMut(&mut [f64])) -> f64 {
+        PairRows::measure_parts(self, token_losses, targets, ignore, bt, sum_rows)
     }
 
     fn token_weights(&self, targets: &[i32], ignore: i32, (b, t): (usize, usize), loss_scale: f64) -> Vec<f32> {
@@ -103,10 +104,21 @@ impl PairRows {
 
     /// Reads each row's log-probability from the token losses `[B, T]` (0 at ignored targets)
     /// and computes each pair's loss; returns their mean.
-    pub fn measure(&mut self, token_losses: &[f32], targets: &[i32], ignore: i32, (b, t): (usize, usize)) -> f64 {
+    pub fn measure(&mut self, token_losses: &[f32], targets: &[i32], ignore: i32, bt: (usize, usize)) -> f64 {
+        self.measure_parts(token_losses, targets, ignore, bt, &mut |_| {})
+    }
+
+    /// [`PairRows::measure`] on a part of each row's positions, `sum_rows` summing the parts'
+    /// row sums (context parallelism).
+    pub fn measure_parts(&mut self, token_losses: &[f32], targets: &[i32], ignore: i32, (b, t): (usize, usize), sum_rows: &mut dyn FnMut(&mut [f64])) -> f64 {
         assert!(b.is_multiple_of(2), "a preference micro-batch holds whole pairs: {b} rows");
         assert_eq!(self.reference.len(), b, "one reference log-probability per row");
-        (self.logps, self.lens) = row_logps(token_losses, targets, ignore, (b, t));
+        let (logps, lens) = row_logps(token_losses, targets, ignore, (b, t));
+        let mut both: Vec<f64> = logps.into_iter().chain(lens.iter().map(|&n| n as f64)).collect();
+        sum_rows(&mut both);
+        self.lens = both[b..].iter().map(|&n| n as usize).collect();
+        both.truncate(b);
+        self.logps = both;
         let pairs = self.pairs();
         self.losses = vec![0.0; pairs.len()];
         pair_loss_forward(&mut self.losses, &pairs, &self.cfg);

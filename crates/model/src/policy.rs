@@ -93,7 +93,7 @@ impl PolicyRows {
 }
 
 impl RowObjective for PolicyRows {
-    fn measure(&mut self, token_losses: &[f32], targets: &[i32], ignore: i32, (b, t): (usize, usize)) -> f64 {
+    fn measure(&mut self, token_losses: &[f32], targets: &[i32], ignore: i32, (b, t): (usize, usize), _: &mut dyn FnMut(&mut [f64])) -> f64 {
         assert_eq!(self.advantages.len(), b, "one advantage per row");
         let n = b * t;
         assert!(self.old.is_empty() || self.old.len() == n, "old log-probabilities are [B, T]");

@@ -118,6 +118,9 @@ pub trait CpHooks: Send {
     /// [`CpHooks::attention_backward`] likewise, `attend` the kernel's backward
     /// ([`HeadsBackward`]).
     fn heads_backward(&mut self, dqkv: &mut [f32], dout: &[f32], saved: (&[f32], &[f32], &[f32]), dims: &GqaDims, starts: &[u32], attend: &mut dyn FnMut(HeadsBackward));
+    /// `x` summed over the parts (in part order), each holding its positions' partial sums of
+    /// the same rows (a sequence objective's row log-probabilities).
+    fn sum_over_parts(&mut self, x: &mut [f64]);
 }
 
 /// The whole-sequence attention of a Ulysses part's heads: `out` (`[B, T, hq·HS]`) and `lse`

@@ -363,6 +363,13 @@ fn visible_pairs(dims: &GqaDims, q: Span, k: Span, starts: &[u32]) -> u64 {
 }
 
 impl CpHooks for CpComm {
+    fn sum_over_parts(&mut self, x: &mut [f64]) {
+        let (all, n) = (crate::comm::all_gather_f64(&*self.comm, x), x.len());
+        for (i, v) in x.iter_mut().enumerate() {
+            *v = (0..self.comm.size()).map(|r| all[r * n + i]).sum();
+        }
+    }
+
     fn attention_forward(&mut self, out: &mut [f32], state: &mut [f32], qkv: &[f32], dims: &GqaDims, starts: &[u32], dropout: AttnDropout) {
         let _p = tensor::profile::scope("cp attention forward");
         match self.mode {

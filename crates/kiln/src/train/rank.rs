@@ -719,7 +719,9 @@ impl<'a> Rank<'a> {
         let mut stages = super::prefs::Stages { chunks: &mut self.chunks, pp };
         let mut st = super::prefs::eval_pairs(&mut stages, &self.ds.sources, refs, t, (eb, cfg.eval.iters), (groups.dp_rank, groups.dp_size));
         if self.chunks[0].dp.n() > 1 {
-            st = model::pairs::PairStats::from_array(self.chunks[0].dp.all_reduce_f64(&st.to_array()).try_into().expect("one sum per field"));
+            // (Over the store's group, whose context-parallel ranks measured the same pairs.)
+            let sums: [f64; model::pairs::PairStats::LEN] = self.chunks[0].dp.all_reduce_f64(&st.to_array()).try_into().expect("one sum per field");
+            st = model::pairs::PairStats::from_array(sums.map(|x| x / cfg.parallel.cp as f64));
         }
         if st.pairs == 0.0 {
             return Ok(());

@@ -1,5 +1,5 @@
-//! Preference optimisation through `kiln train --objective`: DPO at dp 2 (ZeRO-1), tp 2 and pp 2
-//! reproduces one rank with dropout on, a resumed run continues bit for bit from the reference
+//! Preference optimisation through `kiln train --objective`: DPO at dp 2 (ZeRO-1), tp 2, pp 2 and
+//! cp 2 (ring and Ulysses) reproduces one rank with dropout on, a resumed run continues bit for bit from the reference
 //! log-probabilities it measured at its start, the step and evaluation lines carry TRL's
 //! figures, and bad rows and layouts it does not run are refused in one line. The losses are
 //! checked against hand-computed pairs and finite differences in the tensor crate, and against
@@ -52,7 +52,15 @@ fn dpo_layouts_reproduce_one_rank_and_resume_bit_exactly() {
     let reference = lines(&one, "reference");
     assert!(reference.len() == 1 && reference[0]["val_preference_accuracy"].as_f64().is_some_and(|a| (0.0..=1.0).contains(&a)), "{reference:?}");
     assert!(step["preference_accuracy"].as_f64().is_some(), "{step}");
-    for (name, layout) in [("dp2-zero1", &["--dp", "2", "--zero", "1"][..]), ("tp2", &["--tp", "2", "--set", "model.n_head=2"][..])] {
+    // Context parallelism: each rank holds some positions of every row; a row's log-probability
+    // is the sum of the parts'.
+    let layouts: [(&str, &[&str]); 4] = [
+        ("dp2-zero1", &["--dp", "2", "--zero", "1"]),
+        ("tp2", &["--tp", "2", "--set", "model.n_head=2"]),
+        ("cp2", &["--cp", "2"]),
+        ("cp2-ulysses", &["--cp", "2", "--cp-mode", "ulysses"]),
+    ];
+    for (name, layout) in layouts {
         let run = d.join(name);
         let o = train(&data, &run, &[BASE, layout, &["--max-steps", "10"]].concat());
         assert!(o.status.success(), "{name}: {}", stderr(&o));
@@ -103,7 +111,7 @@ fn bad_preference_rows_and_unsupported_layouts_are_refused() {
     assert_user_error(&train(&bad, &d.join("bad"), &[BASE, &["--max-steps", "2"]].concat()), &["bad.jsonl", "line 2", "no field `rejected`"]);
     let cases: [(&[&str], &[&str]); 5] = [
         (&["--set", "train.batch_size=6", "--dp", "2"], &["whole pairs", "3 rows"]),
-        (&["--cp", "2"], &["parallel.cp = 2"]),
+        (&["--device", "vulkan"], &["does not run on a device"]),
         (&["--format", "chat"], &["data.format must be \"preference\"", "chat"]),
         (&["--set", "preference.beta=0"], &["preference.beta"]),
         (&["--seq-len", "4", "--set", "data.tokenizer=byte"], &["no chosen completion token", "train.seq_len = 4"]),
