@@ -1231,9 +1231,16 @@ impl RunConfig {
         }
         crate::reward::Rewards::new(&g.rewards, &g.reward_weights, &g.answer_pattern)?;
         let p = &self.parallel;
-        let bad = [("parallel.dp", p.dp), ("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.cp", p.cp), ("parallel.ep", p.ep)];
+        let bad = [("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.cp", p.cp), ("parallel.ep", p.ep)];
         if let Some((k, v)) = bad.iter().find(|(_, v)| *v > 1) {
-            return user(format!("train.objective = \"grpo\" runs on one rank for now ({k} = {v})"));
+            return user(format!("train.objective = \"grpo\" runs on data-parallel ranks only for now ({k} = {v})"));
+        }
+        if p.zero > 2 {
+            return user("train.objective = \"grpo\" samples with whole weights on each rank: parallel.zero must be 0, 1 or 2, not 3");
+        }
+        let rows = self.micro_batch() / p.dp.max(1);
+        if p.dp > 1 && !rows.is_multiple_of(g.group) {
+            return user(format!("train.objective = \"grpo\": each data-parallel rank's micro-batch holds whole groups, but it has {rows} rows for groups of {} (grpo.group)", g.group));
         }
         if self.train.device != "cpu" {
             return user(format!("train.objective = \"grpo\" does not run on a device yet (train.device = \"{}\")", self.train.device));

@@ -135,16 +135,32 @@ fn batch_prompts(cfg: &RunConfig, n: usize, step: u64, count: usize) -> Vec<usiz
         .collect()
 }
 
-/// Samples the batch of completions the steps from `step` train on, and scores them.
-pub fn rollout(model: &Gpt, cfg: &RunConfig, ds: &TrainData, rewards: &Rewards, step: u64) -> Result<Rollout> {
+/// A data-parallel rank's share of a step's completions: rank `rank` of `ranks` holds `rows` of
+/// each micro-batch (whole groups), so group `k` (rows `k·G ..`) is the rank's whose rows those
+/// are; `gather` all-gathers a figure vector over the ranks (rank order).
+pub struct Share<'g> {
+    pub rank: usize,
+    pub ranks: usize,
+    pub rows: usize,
+    pub gather: Gather<'g>,
+}
+
+/// An all-gather of figures over the data-parallel ranks.
+pub type Gather<'g> = &'g mut dyn FnMut(&[f64]) -> Vec<f64>;
+
+/// Samples this rank's share of the batch of completions the steps from `step` train on, and
+/// scores them.
+pub fn rollout(model: &Gpt, cfg: &RunConfig, ds: &TrainData, rewards: &Rewards, (step, share): (u64, Share)) -> Result<Rollout> {
     let prompts = ds.prompts.as_ref().expect("a GRPO run's prompts");
     let (g, p) = (cfg.grpo.group, cfg.train.batch_size / cfg.grpo.group);
     let block = step / cfg.grpo.iterations as u64;
-    let picked = batch_prompts(cfg, prompts.train.len(), block, p);
+    let mb = share.rows * share.ranks;
+    // This rank's groups: the prompts' indices in the step, and which prompt each is.
+    let mine: Vec<(usize, usize)> = batch_prompts(cfg, prompts.train.len(), block, p).into_iter().enumerate().filter(|(k, _)| (k * g % mb) / share.rows == share.rank).collect();
     let t0 = std::time::Instant::now();
-    let mut rows = Vec::with_capacity(p * g);
-    let mut texts = Vec::with_capacity(p * g);
-    for (k, &i) in picked.iter().enumerate() {
+    let mut rows = Vec::with_capacity(mine.len() * g);
+    let mut texts = Vec::with_capacity(mine.len() * g);
+    for &(k, i) in &mine {
         let task = &prompts.train[i];
         for j in 0..g {
             let out = complete(model, cfg, &ds.tokenizer, &task.ids, &sampler(cfg, &ds.tokenizer, (block, k, j)));
@@ -152,31 +168,47 @@ pub fn rollout(model: &Gpt, cfg: &RunConfig, ds: &TrainData, rewards: &Rewards, 
             rows.push(([&task.ids[..], &out[..]].concat(), task.ids.len()));
         }
     }
-    let sampled: usize = rows.iter().map(|(r, n)| r.len() - n).sum();
     let secs = t0.elapsed().as_secs_f64();
-    let items: Vec<Scored> = texts.iter().enumerate().map(|(i, c)| {
-        let task = &prompts.train[picked[i / g]];
+    let items: Vec<Scored> = texts.iter().enumerate().map(|(n, c)| {
+        let task = &prompts.train[mine[n / g].1];
         Scored { prompt: &task.prompt, completion: c, answer: &task.answer }
     }).collect();
     let each = rewards.each(&items)?;
     let total = rewards.total(&each);
     let advantages = tensor::grpo::group_advantages(&total, g, cfg.grpo.loss == "grpo");
-    let mut figures = serde_json::Map::new();
+    let figures = figures(rewards, (&total, &each), &rows, g, (secs, share.gather));
+    Ok(Rollout { step: block * cfg.grpo.iterations as u64, rows, advantages, old_logps: Vec::new(), ref_logps: Vec::new(), figures })
+}
+
+/// The batch's figures over every rank's completions: the mean reward, the mean standard
+/// deviation within groups, each reward's mean, completion lengths (mean, max) and the sampling
+/// speed (tokens over the slowest rank's seconds).
+fn figures(rewards: &Rewards, (total, each): (&[f64], &[Vec<f64>]), rows: &[(Vec<u32>, usize)], g: usize, (secs, gather): (f64, Gather)) -> serde_json::Map<String, Value> {
     let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
-    figures.insert("reward".into(), mean(&total).into());
-    let stds: Vec<f64> = total.chunks(g).map(|c| {
+    let std_sum: f64 = total.chunks(g).map(|c| {
         let m = mean(c);
         (c.iter().map(|r| (r - m).powi(2)).sum::<f64>() / (c.len() - 1).max(1) as f64).sqrt()
-    }).collect();
-    figures.insert("reward_std".into(), mean(&stds).into());
-    for ((name, _, _), e) in rewards.list.iter().zip(&each) {
-        figures.insert(format!("reward_{}", name.split(':').next().unwrap_or(name)), mean(e).into());
-    }
+    }).sum();
     let lens: Vec<f64> = rows.iter().map(|(r, n)| (r.len() - n) as f64).collect();
-    figures.insert("completion_length".into(), mean(&lens).into());
-    figures.insert("completion_length_max".into(), lens.iter().copied().fold(0.0, f64::max).into());
-    figures.insert("rollout_tokens_per_sec".into(), (sampled as f64 / secs.max(1e-9)).into());
-    Ok(Rollout { step: block * cfg.grpo.iterations as u64, rows, advantages, old_logps: Vec::new(), ref_logps: Vec::new(), figures })
+    // Per rank: completions, groups, reward sum, std sum, length sum, length max, seconds, then
+    // each reward's sum.
+    let mut mine = vec![total.len() as f64, (total.len() / g) as f64, total.iter().sum(), std_sum, lens.iter().sum(), lens.iter().copied().fold(0.0, f64::max), secs];
+    mine.extend(each.iter().map(|e| e.iter().sum::<f64>()));
+    let all = gather(&mine);
+    let w = mine.len();
+    let sum = |i: usize| all.chunks(w).map(|r| r[i]).sum::<f64>();
+    let max = |i: usize| all.chunks(w).map(|r| r[i]).fold(0.0, f64::max);
+    let (n, groups) = (sum(0).max(1.0), sum(1).max(1.0));
+    let mut f = serde_json::Map::new();
+    f.insert("reward".into(), (sum(2) / n).into());
+    f.insert("reward_std".into(), (sum(3) / groups).into());
+    for (k, (name, _, _)) in rewards.list.iter().enumerate() {
+        f.insert(format!("reward_{}", name.split(':').next().unwrap_or(name)), (sum(7 + k) / n).into());
+    }
+    f.insert("completion_length".into(), (sum(4) / n).into());
+    f.insert("completion_length_max".into(), max(5).into());
+    f.insert("rollout_tokens_per_sec".into(), (sum(4) / max(6).max(1e-9)).into());
+    f
 }
 
 /// Writes completions `rows` of `r` into `buf` (rows of `t`): inputs, targets on the completion

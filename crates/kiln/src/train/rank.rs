@@ -111,6 +111,18 @@ struct GrpoState {
     rollout: Option<super::grpo::Rollout>,
 }
 
+/// GRPO: the sampling model's weights made the chunk's current ones (with LoRA: the base with
+/// the adapters merged into it).
+fn refresh(st: &mut GrpoState, ch: &mut Chunk) {
+    match (ch.model.lora.as_ref(), st.reference.as_ref()) {
+        (Some(lo), Some(base)) => {
+            st.policy.params.clone_from(&base.params);
+            lo.merge_into(&mut st.policy.params, &st.policy.views);
+        }
+        _ => st.policy.params = ch.dp.copy_params_into(std::mem::take(&mut st.policy.params)),
+    }
+}
+
 /// What one step measured, for its metrics line and progress.
 struct Measured {
     out: StepOut,
@@ -440,7 +452,8 @@ impl<'a> Rank<'a> {
             let fill = |micro: usize, b: &mut RowBuf| {
                 let first = micro * mb + dp_rank * rows;
                 if let Some(r) = rollout {
-                    return super::grpo::fill(r, first..first + rows, t, b);
+                    // (This rank's completions only.)
+                    return super::grpo::fill(r, micro * rows..(micro + 1) * rows, t, b);
                 }
                 loader.fill(&rows_all[first..first + rows], b);
                 if let Some(r) = refs {
@@ -662,18 +675,10 @@ impl<'a> Rank<'a> {
         Ok(())
     }
 
-    /// GRPO: the sampling model's weights made the current ones (with LoRA: the base with the
-    /// adapters merged into it).
+    /// GRPO: the sampling model's weights made the current ones ([`refresh`]).
     fn refresh_policy(&mut self) -> &mut GrpoState {
         let st = self.grpo.as_mut().expect("a GRPO run");
-        let ch = &mut self.chunks[0];
-        match (ch.model.lora.as_ref(), st.reference.as_ref()) {
-            (Some(lo), Some(base)) => {
-                st.policy.params.clone_from(&base.params);
-                lo.merge_into(&mut st.policy.params, &st.policy.views);
-            }
-            _ => st.policy.params = ch.dp.copy_params_into(std::mem::take(&mut st.policy.params)),
-        }
+        refresh(st, &mut self.chunks[0]);
         st
     }
 
@@ -685,8 +690,12 @@ impl<'a> Rank<'a> {
             return Ok(());
         }
         let (cfg, ds, t, rows) = (self.cfg, self.ds, self.t, self.rows);
-        let st = self.refresh_policy();
-        let mut r = super::grpo::rollout(&st.policy, cfg, ds, &st.rewards, step)?;
+        let (rank, ranks) = (self.applied.groups.dp_rank, self.applied.groups.dp_size);
+        let st = self.grpo.as_mut().expect("a GRPO run");
+        refresh(st, &mut self.chunks[0]);
+        let dp = &mut self.chunks[0].dp;
+        let share = super::grpo::Share { rank, ranks, rows, gather: &mut |x| if ranks > 1 { dp.all_gather_f64(x) } else { x.to_vec() } };
+        let mut r = super::grpo::rollout(&st.policy, cfg, ds, &st.rewards, (step, share))?;
         if mu > 1 {
             r.old_logps = super::grpo::logps(&mut st.policy, &r, t, rows);
         }

@@ -1,5 +1,5 @@
 //! GRPO through `kiln train --objective grpo`: a reward the model can earn rises, the step and
-//! evaluation lines carry its figures, a resumed run continues bit for bit (one batch of
+//! evaluation lines carry its figures, two data-parallel ranks reproduce one, a resumed run continues bit for bit (one batch of
 //! completions per step, and with `grpo.iterations = 2` from a batch boundary), and bad prompt
 //! rows and settings are refused in one line. Advantages and clipping are checked on
 //! hand-computed groups in the tensor crate, the rewards in `rewards.rs`.
@@ -47,6 +47,23 @@ fn grpo_raises_a_reward_and_resumes_bit_exactly() {
     let bits = |r: &Path| losses(r).iter().map(|&(s, l)| (s, l.to_bits())).collect::<Vec<_>>();
     // With a KL term the reference is the starting model: a resumed run makes it again.
     let cases: [(&str, &[&str]); 3] = [("mu1", &[]), ("mu2", &["--set", "grpo.iterations=2"]), ("kl", &["--set", "grpo.beta=0.04", "--set", "grpo.loss=dr_grpo"])];
+    // Two data-parallel ranks (ZeRO-1), each sampling and training on whole groups of its own,
+    // reproduce one rank.
+    let one = d.join("one");
+    let args = [BASE, &["--set", "eval.interval=0", "--set", "grpo.iterations=2", "--micro-batches", "2", "--max-steps", "6"]].concat();
+    assert!(train(&data, &one, &args).status.success());
+    let dp2 = d.join("dp2");
+    let o = train(&data, &dp2, &[&args[..], &["--dp", "2", "--zero", "1"]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    for ((s, a), (_, b)) in losses(&dp2).iter().zip(&losses(&one)) {
+        assert!((a - b).abs() <= 1e-5 * b.abs().max(1e-2), "dp2 step {s}: {a} vs one rank {b}");
+    }
+    let (ra, rb) = (lines(&dp2, "train"), lines(&one, "train"));
+    for (a, b) in ra.iter().zip(&rb) {
+        assert_eq!(a["reward"], b["reward"], "the same completions");
+        let (ga, gb) = (a["grad_norm"].as_f64().unwrap(), b["grad_norm"].as_f64().unwrap());
+        assert!((ga - gb).abs() <= 1e-5 * gb.max(1e-6), "grad norm {ga} vs {gb}");
+    }
     for (name, extra) in cases {
         let (full, split) = (d.join(format!("{name}-full")), d.join(format!("{name}-split")));
         let args = [BASE, extra, &["--set", "eval.interval=0", "--set", "checkpoint.interval=4"]].concat();
@@ -99,7 +116,7 @@ fn bad_prompt_rows_and_settings_are_refused() {
     assert_user_error(&train(&bad, &d.join("b"), &[BASE, &["--max-steps", "2"]].concat()), &["bad.jsonl", "line 1", "`prompt` is a number"]);
     let cases: [(&[&str], &[&str]); 5] = [
         (&["--set", "grpo.group=3"], &["grpo.group (3)", "divide train.batch_size (16)"]),
-        (&["--dp", "2"], &["one rank", "parallel.dp = 2"]),
+        (&["--tp", "2"], &["data-parallel ranks only", "parallel.tp = 2"]),
         (&["--set", "grpo.top_p=0"], &["grpo.top_p", "(0, 1]"]),
         (&["--set", "grpo.rewards=[\"exactly\"]"], &["grpo.rewards", "`exactly` is not a reward"]),
         (&["--set", "grpo.loss=ppo"], &["grpo.loss", "ppo"]),
