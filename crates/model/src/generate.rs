@@ -37,7 +37,7 @@ pub struct KvCache {
 
 struct Scratch {
     x: Vec<f32>, ln: Vec<f32>, qkv: Vec<f32>, atty: Vec<f32>, proj: Vec<f32>, res: Vec<f32>,
-    fch: Vec<f32>, fch_gelu: Vec<f32>, logits: Vec<f32>, mean: [f32; 1], rstd: [f32; 1],
+    fch: Vec<f32>, fch_gelu: Vec<f32>, logits: Vec<f32>, mean: Vec<f32>, rstd: Vec<f32>,
     /// Qwen3's per-head norms: their inputs and `rstd` (unused after the step).
     qk_pre: Vec<f32>, qk_rstd: Vec<f32>,
     moe: Option<tensor::moe::MoeCache>,
@@ -61,13 +61,19 @@ impl Gpt {
     }
 
     fn scratch_1(&self) -> Scratch {
+        self.scratch_n(1)
+    }
+
+    /// Scratch for `n` rows decoded together.
+    fn scratch_n(&self, n: usize) -> Scratch {
         let c = self.cfg.n_embd;
         let f = self.cfg.ffn_hidden;
+        let heads = self.cfg.n_head + self.cfg.n_kv_head;
         Scratch {
-            x: vec![0.0; c], ln: vec![0.0; c], qkv: vec![0.0; self.cfg.qkv_width()], atty: vec![0.0; self.cfg.attn_width()], proj: vec![0.0; c], res: vec![0.0; c],
-            fch: vec![0.0; self.cfg.fc_width()], fch_gelu: vec![0.0; f], logits: vec![0.0; self.cfg.vocab_size], mean: [0.0], rstd: [0.0],
-            qk_pre: vec![0.0; (self.cfg.n_head + self.cfg.n_kv_head) * self.cfg.head_size()], qk_rstd: vec![0.0; self.cfg.n_head + self.cfg.n_kv_head],
-            moe: self.cfg.is_moe().then(|| tensor::moe::MoeCache::new(self.cfg.moe_dims(1))),
+            x: vec![0.0; n * c], ln: vec![0.0; n * c], qkv: vec![0.0; n * self.cfg.qkv_width()], atty: vec![0.0; n * self.cfg.attn_width()], proj: vec![0.0; n * c], res: vec![0.0; n * c],
+            fch: vec![0.0; n * self.cfg.fc_width()], fch_gelu: vec![0.0; n * f], logits: vec![0.0; n * self.cfg.vocab_size], mean: vec![0.0; n], rstd: vec![0.0; n],
+            qk_pre: vec![0.0; n * heads * self.cfg.head_size()], qk_rstd: vec![0.0; n * heads],
+            moe: self.cfg.is_moe().then(|| tensor::moe::MoeCache::new(self.cfg.moe_dims(n))),
         }
     }
 
@@ -75,58 +81,127 @@ impl Gpt {
     /// prompt's tokens: the prompt's length; a generated token: its position + 1), which picks
     /// LongRoPE's tables.
     fn decode_into(&self, cache: &mut KvCache, token: u32, pass: usize, s: &mut Scratch) {
+        self.decode_rows(std::slice::from_mut(cache), (&[0], &[token]), pass, s);
+    }
+
+    /// Feeds `tokens[i]` to sequence `rows[i]` of `caches` (every one at the same position), the
+    /// rows' products done together; leaves each row's next-token logits in `s.logits`
+    /// (`[rows, Vp]`). `s` holds at least `rows.len()` rows.
+    fn decode_rows(&self, caches: &mut [KvCache], (rows, tokens): (&[usize], &[u32]), pass: usize, s: &mut Scratch) {
         let cfg = &self.cfg;
         assert!(cfg.place.heads.is_none(), "decoding needs the whole model, not a tensor-parallel shard");
         let (c, nh, nkv, hs, bs, vp) = (cfg.n_embd, cfg.n_head, cfg.n_kv_head, cfg.head_size(), cfg.block_size, cfg.vocab_size);
         let (qw, fw, f, kw) = (cfg.qkv_width(), cfg.fc_width(), cfg.ffn_hidden, cfg.n_kv_head * cfg.head_size());
-        assert!(cache.len < bs, "KV cache full");
-        let pos = cache.len;
-        // One sequence: the new token (for RoPE); attention reads `t: pos + 1` cached positions.
+        let n = rows.len();
+        let pos = caches[rows[0]].len;
+        assert!(rows.iter().all(|&r| caches[r].len == pos), "rows decoded together share their position");
+        assert!(pos < bs, "KV cache full");
+        // Each row one new token (for RoPE); attention reads `t: pos + 1` cached positions.
         let one = GqaDims { b: 1, t: 1, nh, nkv, hs, window: self.cfg.sliding_window, sinks: self.cfg.attn_sinks, rotary: self.cfg.rotary_dim, ..GqaDims::default() };
         let w = &self.params;
         let pv = &self.views;
         let rope = self.rope.as_ref().map(|r| r.for_pass(pass));
         let ops = Ops::decode(cfg, rope);
         let opt = |r: &Option<std::ops::Range<usize>>| r.as_ref().map(|r| &w[r.clone()]);
-        s.x.copy_from_slice(&w[pv.wte.clone()][token as usize * c..(token as usize + 1) * c]);
-        if let Some(wpe) = &pv.wpe {
-            for (x, p) in s.x.iter_mut().zip(&w[wpe.clone()][pos * c..(pos + 1) * c]) {
-                *x += p;
+        let (x, ln, qkv, atty, proj, res) = (&mut s.x[..n * c], &mut s.ln[..n * c], &mut s.qkv[..n * qw], &mut s.atty[..n * cfg.attn_width()], &mut s.proj[..n * c], &mut s.res[..n * c]);
+        let (mean, rstd) = (&mut s.mean[..n], &mut s.rstd[..n]);
+        for (i, &token) in tokens.iter().enumerate() {
+            x[i * c..(i + 1) * c].copy_from_slice(&w[pv.wte.clone()][token as usize * c..(token as usize + 1) * c]);
+            if let Some(wpe) = &pv.wpe {
+                for (x, p) in x[i * c..(i + 1) * c].iter_mut().zip(&w[wpe.clone()][pos * c..(pos + 1) * c]) {
+                    *x += p;
+                }
             }
         }
         for (l, bp) in pv.blocks.iter().enumerate() {
-            ops.norm_forward(&mut s.ln, &mut s.mean, &mut s.rstd, &s.x, &w[bp.ln_1_w.clone()], opt(&bp.ln_1_b));
-            matmul_forward(&mut s.qkv, &s.ln, &w[bp.c_attn_w.clone()], opt(&bp.c_attn_b), 1, c, qw);
+            ops.norm_forward(ln, mean, rstd, x, &w[bp.ln_1_w.clone()], opt(&bp.ln_1_b));
+            matmul_forward(qkv, ln, &w[bp.c_attn_w.clone()], opt(&bp.c_attn_b), n, c, qw);
             if let Some(r) = &bp.qk_norm_w {
-                qk_rmsnorm_forward(&mut s.qkv, &mut s.qk_pre, &mut s.qk_rstd, &w[r.clone()], cfg.norm_eps, nh, nkv);
+                let heads = nh + nkv;
+                qk_rmsnorm_forward(qkv, &mut s.qk_pre[..n * heads * hs], &mut s.qk_rstd[..n * heads], &w[r.clone()], cfg.norm_eps, nh, nkv);
             }
             if let Some((cos, sin)) = rope {
-                rope_forward(&mut s.qkv, cos, sin, &one, pos);
+                rope_forward(qkv, cos, sin, &GqaDims { b: n, ..one }, pos);
             }
             let base = l * bs * kw;
             let qc = nh * hs;
-            cache.k[base + pos * kw..base + (pos + 1) * kw].copy_from_slice(&s.qkv[qc..qc + kw]);
-            cache.v[base + pos * kw..base + (pos + 1) * kw].copy_from_slice(&s.qkv[qc + kw..]);
-            let kc = &cache.k[base..base + (pos + 1) * kw];
-            let vc = &cache.v[base..base + (pos + 1) * kw];
-            attention_decode(&mut s.atty, &s.qkv[..qc], kc, vc, &GqaDims { t: pos + 1, window: cfg.window_of(l), ..one });
-            matmul_forward(&mut s.proj, &s.atty, &w[bp.attn_proj_w.clone()], opt(&bp.attn_proj_b), 1, cfg.attn_width(), c);
-            residual_forward(&mut s.res, &s.x, &s.proj);
-            ops.norm_forward(&mut s.ln, &mut s.mean, &mut s.rstd, &s.res, &w[bp.ln_2_w.clone()], opt(&bp.ln_2_b));
-            if let (Some(mp), Some(cache)) = (&bp.moe, s.moe.as_mut()) {
-                let dims = cfg.moe_dims(1);
-                let inp = tensor::moe::MoeInputs { x: &s.ln, router_w: &w[mp.router.clone()], experts_w: &w[mp.experts.clone()], shared_w: &w[mp.shared.clone()] };
-                tensor::moe::moe_forward(&mut s.proj, cache, inp, &dims, tensor::moe::MoeLossWeights::default(), None);
-            } else {
-                matmul_forward(&mut s.fch, &s.ln, &w[bp.c_fc_w.clone()], opt(&bp.c_fc_b), 1, c, fw);
-                ops.act_forward(&mut s.fch_gelu, &s.fch);
-                matmul_forward(&mut s.proj, &s.fch_gelu, &w[bp.mlp_proj_w.clone()], opt(&bp.mlp_proj_b), 1, f, c);
+            for (i, &r) in rows.iter().enumerate() {
+                let (q, cache) = (&qkv[i * qw..(i + 1) * qw], &mut caches[r]);
+                cache.k[base + pos * kw..base + (pos + 1) * kw].copy_from_slice(&q[qc..qc + kw]);
+                cache.v[base + pos * kw..base + (pos + 1) * kw].copy_from_slice(&q[qc + kw..]);
+                let (kc, vc) = (&cache.k[base..base + (pos + 1) * kw], &cache.v[base..base + (pos + 1) * kw]);
+                attention_decode(&mut atty[i * qc..(i + 1) * qc], &q[..qc], kc, vc, &GqaDims { t: pos + 1, window: cfg.window_of(l), ..one });
             }
-            residual_forward(&mut s.x, &s.res, &s.proj);
+            matmul_forward(proj, atty, &w[bp.attn_proj_w.clone()], opt(&bp.attn_proj_b), n, cfg.attn_width(), c);
+            residual_forward(res, x, proj);
+            ops.norm_forward(ln, mean, rstd, res, &w[bp.ln_2_w.clone()], opt(&bp.ln_2_b));
+            if let (Some(mp), Some(cache)) = (&bp.moe, s.moe.as_mut()) {
+                let dims = cfg.moe_dims(n);
+                let inp = tensor::moe::MoeInputs { x: ln, router_w: &w[mp.router.clone()], experts_w: &w[mp.experts.clone()], shared_w: &w[mp.shared.clone()] };
+                tensor::moe::moe_forward(proj, cache, inp, &dims, tensor::moe::MoeLossWeights::default(), None);
+            } else {
+                let (fch, fch_gelu) = (&mut s.fch[..n * fw], &mut s.fch_gelu[..n * f]);
+                matmul_forward(fch, ln, &w[bp.c_fc_w.clone()], opt(&bp.c_fc_b), n, c, fw);
+                ops.act_forward(fch_gelu, fch);
+                matmul_forward(proj, fch_gelu, &w[bp.mlp_proj_w.clone()], opt(&bp.mlp_proj_b), n, f, c);
+            }
+            residual_forward(x, res, proj);
         }
-        ops.norm_forward(&mut s.ln, &mut s.mean, &mut s.rstd, &s.x, &w[pv.ln_f_w.clone()], opt(&pv.ln_f_b));
-        matmul_forward(&mut s.logits, &s.ln, &w[pv.lm_head.clone()], None, 1, c, vp);
-        cache.len += 1;
+        ops.norm_forward(ln, mean, rstd, x, &w[pv.ln_f_w.clone()], opt(&pv.ln_f_b));
+        matmul_forward(&mut s.logits[..n * vp], ln, &w[pv.lm_head.clone()], None, n, c, vp);
+        for &r in rows {
+            caches[r].len += 1;
+        }
+    }
+
+    /// Completions of one prompt by samplers `samplers` (one each), decoded together: the prompt
+    /// fed once, its keys and values copied to every completion, then each step's tokens of the
+    /// completions still running fed as rows of one batch. Each stops after `max_new` tokens, a
+    /// stop id, or once `stop(i, its tokens)` says so. The prompt and completions fit the
+    /// model's positions (no cache crop). Returns each completion's new tokens.
+    pub fn generate_group(&self, prompt: &[u32], max_new: usize, samplers: &[Sampler], stop: &mut dyn FnMut(usize, &[u32]) -> bool) -> Vec<Vec<u32>> {
+        let (g, vp, real) = (samplers.len(), self.cfg.vocab_size, self.real_vocab);
+        assert!(!prompt.is_empty() && prompt.len() + max_new <= self.cfg.block_size, "a group's prompt and completions fit the model's positions");
+        let mut first = self.new_cache();
+        let mut s = self.scratch_1();
+        for &token in prompt {
+            self.decode_into(&mut first, token, prompt.len(), &mut s);
+        }
+        let prompt_logits = s.logits[..vp].to_vec();
+        let mut caches: Vec<KvCache> = (0..g).map(|_| KvCache { k: first.k.clone(), v: first.v.clone(), len: first.len }).collect();
+        let mut rngs: Vec<Rng> = samplers.iter().map(|x| Rng::new(x.seed)).collect();
+        let mut seen: Vec<Vec<u32>> = vec![prompt.to_vec(); g];
+        let mut out: Vec<Vec<u32>> = vec![Vec::new(); g];
+        let mut active: Vec<usize> = (0..g).collect();
+        let mut s = self.scratch_n(g);
+        let mut logits_of: Vec<Vec<f32>> = vec![prompt_logits; g];
+        while !active.is_empty() {
+            let mut fed = Vec::with_capacity(active.len());
+            for &i in &active {
+                let logits = &mut logits_of[i][..real];
+                if samplers[i].repetition_penalty != 1.0 {
+                    penalize(logits, &mut seen[i], samplers[i].repetition_penalty);
+                }
+                let next = sample(logits, &samplers[i], &mut rngs[i]);
+                out[i].push(next);
+                seen[i].push(next);
+                let done = out[i].len() == max_new || samplers[i].stop_ids.contains(&next) || stop(i, &out[i]);
+                if !done {
+                    fed.push((i, next));
+                }
+            }
+            active = fed.iter().map(|&(i, _)| i).collect();
+            if active.is_empty() {
+                break;
+            }
+            let tokens: Vec<u32> = fed.iter().map(|&(_, t)| t).collect();
+            let pass = caches[active[0]].len + 1;
+            self.decode_rows(&mut caches, (&active, &tokens), pass, &mut s);
+            for (k, &i) in active.iter().enumerate() {
+                logits_of[i].copy_from_slice(&s.logits[k * vp..(k + 1) * vp]);
+            }
+        }
+        out
     }
 
     /// Continues `prompt` by `max_new` tokens. Returns only the new tokens. Deterministic in

@@ -148,8 +148,8 @@ pub struct Share<'g> {
 /// An all-gather of figures over the data-parallel ranks.
 pub type Gather<'g> = &'g mut dyn FnMut(&[f64]) -> Vec<f64>;
 
-/// Samples this rank's share of the batch of completions the steps from `step` train on, and
-/// scores them.
+/// Samples this rank's share of the batch of completions the steps from `step` train on (each
+/// prompt's group decoded together), and scores them.
 pub fn rollout(model: &Gpt, cfg: &RunConfig, ds: &TrainData, rewards: &Rewards, (step, share): (u64, Share)) -> Result<Rollout> {
     let prompts = ds.prompts.as_ref().expect("a GRPO run's prompts");
     let (g, p) = (cfg.grpo.group, cfg.train.batch_size / cfg.grpo.group);
@@ -160,10 +160,14 @@ pub fn rollout(model: &Gpt, cfg: &RunConfig, ds: &TrainData, rewards: &Rewards, 
     let t0 = std::time::Instant::now();
     let mut rows = Vec::with_capacity(mine.len() * g);
     let mut texts = Vec::with_capacity(mine.len() * g);
+    let stops = &cfg.grpo.stop;
     for &(k, i) in &mine {
+        // A prompt's completions decoded together: its keys and values computed once.
         let task = &prompts.train[i];
-        for j in 0..g {
-            let out = complete(model, cfg, &ds.tokenizer, &task.ids, &sampler(cfg, &ds.tokenizer, (block, k, j)));
+        let samplers: Vec<model::Sampler> = (0..g).map(|j| sampler(cfg, &ds.tokenizer, (block, k, j))).collect();
+        let room = cfg.seq_len().saturating_sub(task.ids.len()).min(cfg.grpo.max_new_tokens);
+        let outs = model.generate_group(&task.ids, room, &samplers, &mut |_, out| !stops.is_empty() && stops.iter().any(|s| ds.tokenizer.decode(out).contains(s.as_str())));
+        for out in outs {
             texts.push(ds.tokenizer.decode(&out));
             rows.push(([&task.ids[..], &out[..]].concat(), task.ids.len()));
         }

@@ -314,3 +314,24 @@ fn pad_token_row_gets_no_lookup_gradient() {
         }
     }
 }
+
+/// A group of completions decoded together (one prompt, its keys and values shared, each step's
+/// tokens as rows of one batch) samples what each would alone: greedy completions equal, and
+/// sampled ones each deterministic in its seed and stopped where its stop says, for GPT-2 and
+/// LLaMA (RoPE, GQA).
+#[test]
+fn a_group_decoded_together_samples_as_each_alone() {
+    for llama in [false, true] {
+        let cfg = if llama { tiny_llama(2, 0.0) } else { tiny(true, 0.0, false) };
+        let m = Gpt::new(cfg, 11, 7);
+        let prompt = [3u32, 1];
+        let samplers: Vec<Sampler> = (0..4).map(|k| Sampler::new(if k == 0 { 0.0 } else { 1.0 }, 0, 100 + k)).collect();
+        let alone: Vec<Vec<u32>> = samplers.iter().map(|s| m.generate(&prompt, 4, s)).collect();
+        let together = m.generate_group(&prompt, 4, &samplers, &mut |_, _| false);
+        assert_eq!(together, alone, "llama {llama}");
+        // A stop after its second token ends row 2 there, and only row 2.
+        let stopped = m.generate_group(&prompt, 4, &samplers, &mut |i, out| i == 2 && out.len() == 2);
+        assert_eq!(stopped[2], alone[2][..2].to_vec());
+        assert_eq!((stopped[1].clone(), stopped[3].clone()), (alone[1].clone(), alone[3].clone()));
+    }
+}
