@@ -67,6 +67,8 @@ pub struct ModelSection {
     /// The layers the sliding window applies to (Hugging Face configs name them per layer:
     /// Qwen2's `max_window_layers`, `layer_types`); empty = every layer.
     pub window_layers: Vec<usize>,
+    /// The layers without a rotary embedding (SmolLM3's NoPE layers); empty = none.
+    pub nope_layers: Vec<usize>,
     /// Width of each attention head when it is not `n_embd / n_head` (llama arch, transformers'
     /// `head_dim`); 0 = `n_embd / n_head`.
     pub head_dim: usize,
@@ -757,6 +759,7 @@ pub fn set_model_shape(mc: &mut ModelSection, hc: &model::GptConfig) {
     (mc.head_dim, mc.window_layers, mc.fused_proj, mc.qk_norm) = (hc.head_dim, hc.window_layers.clone(), hc.fused_proj, hc.qk_norm);
     mc.pad_token_id = hc.pad_token_id.map_or(-1, |p| p as i64);
     mc.rotary_dim = hc.rotary_dim;
+    mc.nope_layers = hc.nope_layers.clone();
     set_rope_scaling(mc, hc.rope_scaling.clone());
     (mc.n_expert, mc.top_k, mc.n_shared_expert) = (hc.n_expert, hc.top_k, hc.n_shared_expert);
     (mc.capacity_factor, mc.moe_aux_weight, mc.moe_z_weight) = (hc.capacity_factor as f64, hc.moe_aux_weight as f64, hc.moe_z_weight as f64);
@@ -888,7 +891,7 @@ impl Default for ModelSection {
             arch: model::config::Arch::Gpt2, n_layer: 4, n_head: 4, n_kv_head: 0, n_embd: 128, ffn_hidden: 0,
             rope_theta: defaults::ROPE_THETA, rope_scaling: RopeKind::None, rope_factor: 1.0, rope_low_freq_factor: 1.0,
             rope_high_freq_factor: 4.0, rope_original_max_positions: 8192, rope_beta_fast: 32.0, rope_beta_slow: 1.0, rope_attention_factor: 0.0, rope_truncate: true,
-            rope_short_factor: Vec::new(), rope_long_factor: Vec::new(), qkv_bias: false, fused_proj: false, qk_norm: false, pad_token_id: -1, rotary_dim: 0, sliding_window: 0, attn_sinks: 0, window_layers: Vec::new(), head_dim: 0, norm_eps: defaults::NORM_EPS, block_size: 128, vocab_size: 0, loss_vocab: 0, bias: false,
+            rope_short_factor: Vec::new(), rope_long_factor: Vec::new(), qkv_bias: false, fused_proj: false, qk_norm: false, pad_token_id: -1, rotary_dim: 0, sliding_window: 0, attn_sinks: 0, window_layers: Vec::new(), nope_layers: Vec::new(), head_dim: 0, norm_eps: defaults::NORM_EPS, block_size: 128, vocab_size: 0, loss_vocab: 0, bias: false,
             dropout: 0.0, tied_embeddings: true, init_from: String::new(), n_expert: 0, top_k: defaults::TOP_K,
             n_shared_expert: 0, capacity_factor: 0.0, moe_aux_weight: defaults::MOE_AUX_WEIGHT, moe_z_weight: defaults::MOE_Z_WEIGHT,
             recompute: model::Recompute::None, recompute_every: 1,
@@ -1718,6 +1721,7 @@ impl RunConfig {
             sliding_window: m.sliding_window,
             attn_sinks: m.attn_sinks,
             window_layers: m.window_layers.clone(),
+            nope_layers: m.nope_layers.clone(),
             head_dim: m.head_dim,
             norm_eps: m.norm_eps as f32,
             n_expert: m.n_expert,
@@ -1779,7 +1783,7 @@ pub const STRUCTURAL_KEYS: &[&str] = &[
     "model.vocab_size", "model.bias", "model.tied_embeddings", "model.rope_theta", "model.norm_eps", "model.init_from",
     "model.rope_scaling", "model.rope_factor", "model.rope_low_freq_factor", "model.rope_high_freq_factor",
     "model.rope_original_max_positions", "model.rope_beta_fast", "model.rope_beta_slow", "model.rope_attention_factor", "model.rope_truncate",
-    "model.rope_short_factor", "model.rope_long_factor", "model.fused_proj", "model.qk_norm", "model.pad_token_id", "model.rotary_dim", "model.qkv_bias", "model.sliding_window", "model.attn_sinks", "model.window_layers", "model.loss_vocab", "model.head_dim",
+    "model.rope_short_factor", "model.rope_long_factor", "model.fused_proj", "model.qk_norm", "model.pad_token_id", "model.rotary_dim", "model.qkv_bias", "model.sliding_window", "model.attn_sinks", "model.window_layers", "model.nope_layers", "model.loss_vocab", "model.head_dim",
     "model.n_expert", "model.top_k", "model.n_shared_expert",
     "lora.rank", "lora.targets", "data.tokenizer", "data.paths", "data.val_fraction", "data.text_field", "data.format",
     "data.packing", "data.reset_positions", "data.sources",

@@ -272,6 +272,10 @@ pub struct GptConfig {
     /// others attend to every earlier position.
     #[serde(default)]
     pub window_layers: Vec<usize>,
+    /// The (whole-model) layers whose attention has no rotary embedding (SmolLM3's NoPE layers:
+    /// transformers' `no_rope_layers` zeros); empty = RoPE in every layer (llama arch).
+    #[serde(default)]
+    pub nope_layers: Vec<usize>,
     /// Width of each attention head when it is not `n_embd / n_head` (llama arch, as
     /// transformers' `head_dim`); 0 = `n_embd / n_head`.
     #[serde(default)]
@@ -306,7 +310,7 @@ impl GptConfig {
     pub fn gpt2((n_layer, n_head, n_embd): (usize, usize, usize), block_size: usize, vocab_size: usize, bias: bool, dropout: f32, tied: bool) -> GptConfig {
         GptConfig {
             arch: Arch::Gpt2, n_layer, n_head, n_kv_head: n_head, n_embd, ffn_hidden: 4 * n_embd, block_size, vocab_size,
-            bias, dropout, tied_embeddings: tied, rope_theta: defaults::ROPE_THETA as f32, rope_scaling: None, qkv_bias: false, pad_token_id: None, qk_norm: false, fused_proj: false, sliding_window: 0, attn_sinks: 0, window_layers: Vec::new(), head_dim: 0, rotary_dim: 0, norm_eps: defaults::NORM_EPS as f32,
+            bias, dropout, tied_embeddings: tied, rope_theta: defaults::ROPE_THETA as f32, rope_scaling: None, qkv_bias: false, pad_token_id: None, qk_norm: false, fused_proj: false, sliding_window: 0, attn_sinks: 0, window_layers: Vec::new(), nope_layers: Vec::new(), head_dim: 0, rotary_dim: 0, norm_eps: defaults::NORM_EPS as f32,
             n_expert: 0, top_k: defaults::TOP_K, n_shared_expert: 0, capacity_factor: 0.0, moe_aux_weight: defaults::MOE_AUX_WEIGHT as f32,
             moe_z_weight: defaults::MOE_Z_WEIGHT as f32, place: Placement::default(),
         }
@@ -386,6 +390,12 @@ impl GptConfig {
         }
         if let Some(&l) = self.window_layers.iter().find(|&&l| l >= self.total_layers()) {
             return Err(format!("model.window_layers names layer {l}, but the model has {} (model.n_layer)", self.total_layers()));
+        }
+        if !self.nope_layers.is_empty() && self.arch != Arch::Llama {
+            return Err("model.nope_layers needs model.arch = llama (GPT-2 has no rotary embedding)".into());
+        }
+        if let Some(&l) = self.nope_layers.iter().find(|&&l| l >= self.total_layers()) {
+            return Err(format!("model.nope_layers names layer {l}, but the model has {} (model.n_layer)", self.total_layers()));
         }
         if self.attn_sinks > 0 && self.sliding_window == 0 {
             return Err(format!("model.attn_sinks = {} needs a sliding window (model.sliding_window): without one every earlier position is visible already", self.attn_sinks));
@@ -498,6 +508,12 @@ impl GptConfig {
     }
 
     /// Global index of this config's first block (0 unless a pipeline stage).
+    /// Whether whole-model layer `l` turns q and k by the rotary embedding (LLaMA, not a NoPE
+    /// layer).
+    pub fn rope_at(&self, l: usize) -> bool {
+        self.arch == Arch::Llama && !self.nope_layers.contains(&l)
+    }
+
     /// The sliding window of whole-model layer `l` (0: every earlier position).
     pub fn window_of(&self, l: usize) -> usize {
         if self.window_layers.is_empty() || self.window_layers.contains(&l) { self.sliding_window } else { 0 }

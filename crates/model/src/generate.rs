@@ -120,7 +120,7 @@ impl Gpt {
                 let heads = nh + nkv;
                 qk_rmsnorm_forward(qkv, &mut s.qk_pre[..n * heads * hs], &mut s.qk_rstd[..n * heads], &w[r.clone()], cfg.norm_eps, nh, nkv);
             }
-            if let Some((cos, sin)) = rope {
+            if let Some((cos, sin)) = rope.filter(|_| cfg.rope_at(l)) {
                 rope_forward(qkv, cos, sin, &GqaDims { b: n, ..one }, pos);
             }
             let base = l * bs * kw;

@@ -1552,7 +1552,7 @@ impl<'o, 'a> Block<'o, 'a> {
             let cfg = self.ops.cfg;
             qk_rmsnorm_forward(&mut i.qkv, &mut i.qk_pre, &mut i.qk_rstd, &self.w[r.clone()], cfg.norm_eps, cfg.n_head, cfg.n_kv_head);
         }
-        if self.ops.rope_forward(&mut i.qkv) {
+        if self.ops.rope_forward(&mut i.qkv, self.l) {
             // The rotated q and k are what is kept: stored in the format too.
             self.ops.store(&mut i.qkv);
         }
@@ -1993,11 +1993,11 @@ impl<'a> Ops<'a> {
         self.cfg.place.heads.map_or((0, 0), |h| (h.first, h.total))
     }
 
-    /// LLaMA: the rotary embedding of q and k, in place (nothing for GPT-2), at positions
-    /// `0..T` or the documents' `pos`.
-    /// Rotates q and k in place (LLaMA); whether anything was rotated.
-    fn rope_forward(&self, qkv: &mut [f32]) -> bool {
-        if self.cfg.arch == Arch::Llama {
+    /// LLaMA: the rotary embedding of q and k in place (nothing for GPT-2 or a NoPE layer), at
+    /// positions `0..T` or the documents' `pos`, in this part's layer `l`; whether anything was
+    /// rotated.
+    fn rope_forward(&self, qkv: &mut [f32], l: usize) -> bool {
+        if self.cfg.rope_at(self.cfg.first_layer() + l) {
             let (cos, sin) = self.rope.expect("llama has rotary tables");
             match self.docs {
                 Some(d) => rope_forward_pos(qkv, cos, sin, &self.gqa(), d.pos),
@@ -2053,10 +2053,12 @@ impl<'a> Ops<'a> {
                     Some(h) => h.attention_backward(dqkv, dout, (qkv, out, state), &self.gqa_at(l), self.doc_starts(), drop),
                     None => flash_gqa_backward_docs(dqkv, dout, (qkv, out, state), &self.gqa_at(l), self.doc_starts(), drop),
                 }
-                let (cos, sin) = self.rope.expect("llama has rotary tables");
-                match self.docs {
-                    Some(d) => rope_backward_pos(dqkv, cos, sin, &self.gqa(), d.pos),
-                    None => rope_backward(dqkv, cos, sin, &self.gqa(), 0),
+                if cfg.rope_at(cfg.first_layer() + l) {
+                    let (cos, sin) = self.rope.expect("llama has rotary tables");
+                    match self.docs {
+                        Some(d) => rope_backward_pos(dqkv, cos, sin, &self.gqa(), d.pos),
+                        None => rope_backward(dqkv, cos, sin, &self.gqa(), 0),
+                    }
                 }
             }
         }

@@ -3,7 +3,7 @@
 //! `LlamaForCausalLM` (with `linear` / `llama3` / `yarn` / `longrope` / `dynamic` rope scaling), `Qwen2ForCausalLM`,
 //! `Qwen3ForCausalLM` (per-head q and k norms), `Qwen3MoeForCausalLM` (and routed experts),
 //! `MistralForCausalLM` (sliding-window attention),
-//! `MixtralForCausalLM` and `Phi3ForCausalLM`, in and out.
+//! `MixtralForCausalLM`, `Phi3ForCausalLM` and `SmolLM3ForCausalLM` (NoPE layers), in and out.
 //! kiln's layout uses HF's parameter names, so import and export are by name; Phi-3's fused
 //! `qkv_proj` and `gate_up_proj` are the concatenations of parameters kiln's layout holds
 //! adjacent in the same order (`fused_of`).
@@ -69,6 +69,32 @@ pub fn hf_config(cfg: &Value, origin: &Path) -> Result<GptConfig, String> {
             windows(&mut c, cfg, origin, 0)?;
             Ok(c)
         }
+        // SmolLM3: LLaMA whose layers with `no_rope_layers[l] = 0` have no rotary embedding
+        // (by default every `no_rope_layer_interval`-th, 4), the window on `layer_types`' sliding
+        // layers when `use_sliding_window`.
+        "SmolLM3ForCausalLM" => {
+            let mut c = llama_config(cfg, origin, false)?;
+            let uses: Vec<bool> = match cfg.get("no_rope_layers").and_then(Value::as_array) {
+                Some(a) => a.iter().map(|x| x.as_u64() != Some(0)).collect(),
+                None => {
+                    let every = cfg.get("no_rope_layer_interval").and_then(Value::as_u64).unwrap_or(4).max(1) as usize;
+                    (0..c.n_layer).map(|l| (l + 1) % every != 0).collect()
+                }
+            };
+            if uses.len() != c.n_layer {
+                return Err(format!("{}: `no_rope_layers` has {} entries for {} layers", origin.display(), uses.len(), c.n_layer));
+            }
+            c.nope_layers = (0..c.n_layer).filter(|&l| !uses[l]).collect();
+            // SmolLM3Config's pad_token_id defaults to 128004 when the file has none.
+            if cfg.get("pad_token_id").is_none() && c.vocab_size > 128004 {
+                c.pad_token_id = Some(128004);
+            }
+            if cfg.get("use_sliding_window").and_then(Value::as_bool).unwrap_or(false) {
+                windows(&mut c, cfg, origin, 0)?;
+            }
+            c.validate().map_err(|e| format!("{}: {e}", origin.display()))?;
+            Ok(c)
+        }
         // Qwen3-MoE: Qwen3's attention, every layer's MLP routed experts with Mixtral's routing
         // (softmax, top-k, the top-k weights renormalised: `norm_topk_prob`).
         "Qwen3MoeForCausalLM" => {
@@ -100,7 +126,7 @@ pub fn hf_config(cfg: &Value, origin: &Path) -> Result<GptConfig, String> {
             c.validate().map_err(|e| format!("{}: {e}", origin.display()))?;
             Ok(c)
         }
-        _ => Err(format!("{}: architecture `{arch}` is not supported for import (supported: GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, MistralForCausalLM, MixtralForCausalLM, Phi3ForCausalLM)", origin.display())),
+        _ => Err(format!("{}: architecture `{arch}` is not supported for import (supported: GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, MistralForCausalLM, MixtralForCausalLM, Phi3ForCausalLM, SmolLM3ForCausalLM)", origin.display())),
     }
 }
 
@@ -709,6 +735,9 @@ fn export_config(c: &GptConfig) -> Result<Value, String> {
             return Err(format!("export: a sliding window on some layers (model.window_layers = {:?}) has a Hugging Face form only as Qwen2's (q/k/v biases, the window from one layer to the last)", c.window_layers));
         }
     }
+    if !c.nope_layers.is_empty() && (c.is_moe() || c.qkv_bias || c.qk_norm || c.fused_proj || c.sliding_window > 0) {
+        return Err(format!("export: layers without a rotary embedding (model.nope_layers = {:?}) have a Hugging Face form only as SmolLM3's: dense, without q/k/v biases, q/k norms, fused projections or a window", c.nope_layers));
+    }
     if c.attn_sinks > 0 {
         return Err(format!("export: attention sinks (model.attn_sinks = {}) have no Hugging Face equivalent: transformers' sliding window would drop them", c.attn_sinks));
     }
@@ -724,6 +753,7 @@ fn export_config(c: &GptConfig) -> Result<Value, String> {
         }
         let (arch, ty) = match (c.is_moe(), c.qkv_bias, c.sliding_window > 0) {
             _ if c.fused_proj => ("Phi3ForCausalLM", "phi3"),
+            _ if !c.nope_layers.is_empty() => ("SmolLM3ForCausalLM", "smollm3"),
             _ if is_qwen3_moe(c) => ("Qwen3MoeForCausalLM", "qwen3_moe"),
             _ if c.qk_norm => ("Qwen3ForCausalLM", "qwen3"),
             (true, _, _) => ("MixtralForCausalLM", "mixtral"),
@@ -778,6 +808,13 @@ fn export_config(c: &GptConfig) -> Result<Value, String> {
         }
         if let Some(pad) = c.pad_token_id {
             v["pad_token_id"] = pad.into();
+        }
+        if !c.nope_layers.is_empty() {
+            let uses: Vec<u8> = (0..c.n_layer).map(|l| c.rope_at(l) as u8).collect();
+            v["no_rope_layers"] = uses.into();
+            v["use_sliding_window"] = false.into();
+            // An absent pad_token_id would read as SmolLM3Config's default, 128004.
+            v["pad_token_id"] = c.pad_token_id.map_or(Value::Null, Value::from);
         }
         if c.rotary_dim > 0 {
             // transformers turns int(head_dim · factor) dimensions, in Phi-3's class only.

@@ -216,6 +216,19 @@ fn qwen3_models_train_and_export_as_qwen3() {
     }
 }
 
+/// A SmolLM3 (the model crate's smollm3-tiny fixture): `--init-from` sets `model.nope_layers`,
+/// the run trains, and its export is SmolLM3 again with its `no_rope_layers` and an explicit
+/// `pad_token_id` (absent, SmolLM3Config would read 128004).
+#[test]
+fn smollm3_model_trains_and_exports_as_smollm3() {
+    let (m, exp, _d) = trains_exports_and_evaluates_alike("smollm3-tiny");
+    assert_eq!(m["nope_layers"].as_array().map(|a| a.iter().map(|v| v.as_integer().unwrap()).collect::<Vec<_>>()), Some(vec![3]));
+    let cj = exported_config(&exp);
+    assert_eq!(cj["architectures"][0].as_str(), Some("SmolLM3ForCausalLM"), "{cj}");
+    assert_eq!(cj["no_rope_layers"], serde_json::json!([1, 1, 1, 0]));
+    assert!(cj["pad_token_id"].is_null(), "{cj}");
+}
+
 /// A Phi-3 with LongRoPE (the model crate's phi3-longrope fixture): `--init-from` sets
 /// `model.fused_proj` and the `longrope` keys with both factor lists, the run trains at 24
 /// positions (the long factors), and its export is Phi-3 again (fused tensors, `rope_parameters`

@@ -1048,7 +1048,7 @@ impl DeviceGpt {
         self.norm_gathered((&la.ln_1, &la.ln_1_mean, &la.ln_1_rstd), x, (&bp.ln_1_w, &bp.ln_1_b), a);
         self.linear(&la.qkv, &la.ln_1, (l, Site::Qkv), (c, cfg.qkv_width()), a);
         let d = self.gqa(l, a);
-        if let Some((cos, sin)) = &self.rope {
+        if let Some((cos, sin)) = self.rope.as_ref().filter(|_| self.cfg.rope_at(self.cfg.first_layer() + l)) {
             g.rope(&la.qkv, (cos, sin), &d, self.positions(a), false);
         }
         let (atty, lse) = a.core(l);
@@ -1203,7 +1203,7 @@ impl DeviceGpt {
         g.clear(&a.dqkv);
         let d = self.gqa(l, a);
         self.attention_backward((&a.dqkv, &a.dd), &a.datty, (&la.qkv, atty, lse), &d, a, (self.drop.0, self.seed(site)));
-        if let Some((cos, sin)) = &self.rope {
+        if let Some((cos, sin)) = self.rope.as_ref().filter(|_| self.cfg.rope_at(self.cfg.first_layer() + l)) {
             g.rope(&a.dqkv, (cos, sin), &d, self.positions(a), true);
         }
         self.linear_backward(self.column_grad_dst(&a.dln, a), &a.dqkv, &la.ln_1, (l, Site::Qkv), (c, cfg.qkv_width()), a);
@@ -1395,7 +1395,7 @@ impl DeviceGpt {
         self.norm_forward((&la.ln_1, &la.ln_1_mean, &la.ln_1_rstd), x, &bp.ln_1_w, &bp.ln_1_b);
         self.linear(&la.qkv, &la.ln_1, (l, Site::Qkv), (c, cfg.qkv_width()), a);
         let d = self.gqa(l, a);
-        if let Some((cos, sin)) = &self.rope {
+        if let Some((cos, sin)) = self.rope.as_ref().filter(|_| self.cfg.rope_at(self.cfg.first_layer() + l)) {
             g.rope(&la.qkv, (cos, sin), &d, RopePos::Offset(pos), false);
         }
         let at = l * cfg.block_size * kw;

@@ -104,6 +104,15 @@ fn gradients_match_finite_differences_partial_rotary() {
     model_gradcheck(GptConfig { n_head: 2, rotary_dim: 2, ..tiny_llama(1, 0.0) });
 }
 
+/// A layer without a rotary embedding (SmolLM3's NoPE) beside one with it, through the whole
+/// model, with full recomputation too.
+#[test]
+fn gradients_match_finite_differences_nope_layer() {
+    let cfg = GptConfig { nope_layers: vec![1], ..tiny_llama(2, 0.0) };
+    model_gradcheck(cfg.clone());
+    model_gradcheck_with(cfg, Recompute::Full);
+}
+
 #[test]
 fn llama_decode_logits_match_full_forward() {
     let mut m = Gpt::new(tiny_llama(2, 0.0), 12, 5);

@@ -186,6 +186,28 @@ fn qwen3_fixture_logits_and_loss_match_transformers() {
     decode_matches_forward(&mut m, &tokens(&dir)[0]);
 }
 
+/// SmolLM3 (tests/fixtures/smollm3-tiny, made by its make.py with transformers): LLaMA whose
+/// fourth layer has no rotary embedding (`no_rope_layers` [1, 1, 1, 0]); logits and loss match
+/// transformers, the export writes SmolLM3 back bit for bit with its `no_rope_layers`, KV-cached
+/// decoding agrees with the forward, and the default interval reads as the list; the gradient of
+/// a NoPE layer is checked by finite differences in `gpt.rs`.
+#[test]
+fn smollm3_fixture_logits_and_loss_match_transformers() {
+    fixture_matches("smollm3-tiny");
+    export_reimport("smollm3-tiny");
+    let dir = fixture("smollm3-tiny");
+    let mut m = import_hf(&dir).unwrap();
+    assert_eq!(m.cfg.nope_layers, vec![3], "{:?}", m.cfg);
+    decode_matches_forward(&mut m, &tokens(&dir)[0]);
+    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    v.as_object_mut().unwrap().remove("no_rope_layers");
+    v["no_rope_layer_interval"] = 2.into();
+    assert_eq!(model::hf::hf_config(&v, &dir.join("config.json")).unwrap().nope_layers, vec![1, 3]);
+    v["no_rope_layers"] = serde_json::json!([1, 0]);
+    let e = model::hf::hf_config(&v, &dir.join("config.json")).unwrap_err();
+    assert!(e.contains("no_rope_layers") && e.contains("2 entries for 4 layers"), "{e}");
+}
+
 /// Qwen3-MoE (tests/fixtures/qwen3-moe-tiny, made by its make.py with transformers): Qwen3's
 /// per-head norms with every layer's MLP 4 routed experts (top 2, renormalised), read from and
 /// written back to Qwen3-MoE's tensor names; logits and loss match transformers, the export is
