@@ -563,6 +563,7 @@ fn model_state_rows(out: &mut Rows, cfg: &RunConfig, r: &RankShape, s: usize) {
         StateForm::Int8 => out.add(Kind::Optimizer, held, "AdamW m, v (8-bit)", (2 * moments * chunks + 8 * (moments / tensor::lean::BLOCK + 64) * chunks) as u64, format!("2 × {moments} codes and an fp32 scale per 256")),
     }
     muon_rows(out, cfg, r, moments);
+    grpo_rows(out, cfg, r);
     // LoRA rounds its frozen base once and keeps no master weights; bf16 state under bf16
     // weights keeps none either (the weights are their own master copy).
     let own_master = form == StateForm::Bf16 && cfg.train.precision == model::Precision::Bf16;
@@ -622,6 +623,24 @@ fn muon_rows(out: &mut Rows, cfg: &RunConfig, r: &RankShape, moments: usize) {
             out.add(Kind::Temporary, Phase::Step, "distributed Muon buffers", b4(2 * moments + 2 * unit + 2 * tp * unit, 4), format!("2 × {moments} elements beside the moments, and a unit's gathers ({unit} elements, ×{tp} over tensor parallelism)"));
         }
     }
+}
+
+/// GRPO's sampling: the whole weights the completions are sampled with (and a reference copy
+/// with a KL term or LoRA), and one prompt's group decoded together: a KV cache per completion
+/// and the prompt's, and each row's scratch and logits.
+fn grpo_rows(out: &mut Rows, cfg: &RunConfig, r: &RankShape) {
+    if cfg.train.objective != crate::config::Objective::Grpo {
+        return;
+    }
+    let (c, g) = (&r.local, cfg.grpo.group);
+    let total = r.total;
+    out.add(Kind::Parameters, Phase::Held, "GRPO sampling weights", b4(total, 4), format!("{total} elements: a whole fp32 copy of the current weights (with LoRA, the adapters merged), refreshed before each batch of completions"));
+    if cfg.grpo.beta > 0.0 || cfg.lora.rank > 0 {
+        out.add(Kind::Parameters, Phase::Held, "GRPO reference weights", b4(total, 4), format!("{total} elements: the starting weights (with LoRA, the base), for the KL term and the merge"));
+    }
+    let cache = 2 * c.n_layer * c.block_size * c.n_kv_head * c.head_size();
+    let row = 4 * c.n_embd + c.qkv_width() + c.attn_width() + c.fc_width() + c.ffn_hidden + 2 * c.vocab_size + (c.n_head + c.n_kv_head) * (c.head_size() + 1);
+    out.add(Kind::Temporary, Phase::Step, "GRPO rollout caches", b4((g + 1) * cache + g * row, 4), format!("a group's {g} completions decoded together: {} KV caches of {cache} elements, {g} rows of scratch and logits", g + 1));
 }
 
 /// Activations (one set per micro-batch in flight) and the backward scratch; returns the sets'

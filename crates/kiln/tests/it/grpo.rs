@@ -124,4 +124,18 @@ fn bad_prompt_rows_and_settings_are_refused() {
     for (k, (extra, needles)) in cases.iter().enumerate() {
         assert_user_error(&train(&data, &d.join(format!("case{k}")), &[BASE, extra, &["--max-steps", "2"]].concat()), needles);
     }
+    // The memory plan counts the sampling weights (and the reference's with a KL term) and the
+    // group's caches, so an oversized run is refused before it allocates them.
+    let plan = |extra: &[&str]| {
+        let mut args = vec!["memory", "--data", data.to_str().unwrap()];
+        args.extend_from_slice(SMALL);
+        args.extend_from_slice(BASE);
+        args.extend_from_slice(extra);
+        let o = kiln(&args);
+        assert!(o.status.success(), "{}", stderr(&o));
+        stdout(&o) + &stderr(&o)
+    };
+    let (plain, kl) = (plan(&[]), plan(&["--set", "grpo.beta=0.04"]));
+    assert!(plain.contains("GRPO sampling weights") && plain.contains("GRPO rollout caches") && !plain.contains("GRPO reference weights"), "{plain}");
+    assert!(kl.contains("GRPO reference weights"), "{kl}");
 }
