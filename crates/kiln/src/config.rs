@@ -1234,12 +1234,9 @@ impl RunConfig {
         }
         crate::reward::Rewards::new(&g.rewards, &g.reward_weights, &g.answer_pattern)?;
         let p = &self.parallel;
-        let bad = [("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.cp", p.cp), ("parallel.ep", p.ep)];
-        if let Some((k, v)) = bad.iter().find(|(_, v)| *v > 1) {
-            return user(format!("train.objective = \"grpo\" runs on data-parallel ranks only for now ({k} = {v})"));
-        }
-        if p.zero > 2 {
-            return user("train.objective = \"grpo\" samples with whole weights on each rank: parallel.zero must be 0, 1 or 2, not 3");
+        let split = [("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.ep", p.ep)];
+        if let (Some((k, v)), true) = (split.iter().find(|(_, v)| *v > 1), self.lora.rank > 0) {
+            return user(format!("train.objective = \"grpo\" with LoRA merges the adapters into the whole base: not with {k} = {v} yet"));
         }
         let rows = self.micro_batch() / p.dp.max(1);
         if p.dp > 1 && !rows.is_multiple_of(g.group) {

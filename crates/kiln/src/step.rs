@@ -1040,7 +1040,9 @@ pub fn train_step(
     // (Every stage takes part: only the last one measured its pairs.)
     // (The context-parallel ranks of the group each measured the same pairs.)
     let pairs = cfg.train.objective.pairs().map(|_| model::pairs::PairStats::from_array(global_sums(chunks, pipe, &pair_stats.unwrap_or_default().to_array()).map(|x| x / cfg.parallel.cp as f64)));
-    let policy = policy_stats.map(|st| model::policy::PolicyStats::from_array(global_sums(chunks, pipe, &st.to_array())));
+    // (Every stage takes part: only the last one measured its completions.)
+    let grpo = cfg.train.objective == crate::config::Objective::Grpo;
+    let policy = grpo.then(|| model::policy::PolicyStats::from_array(global_sums(chunks, pipe, &policy_stats.unwrap_or_default().to_array())));
     let out = |grad_norm: f64, skipped: Option<&'static str>| StepOut { loss, grad_norm, overlap, skipped, peak_activation_bytes: peak_bytes, peak_in_flight, loss_tokens, pairs, policy };
     if cfg.faults.inject_nan_steps.contains(&(step + 1)) {
         match chunks[0].model.lora.as_mut() {
@@ -1238,8 +1240,9 @@ impl MicroBatches {
         both.extend(&tokens);
         let both = if dpn > 1 { chunks[0].dp.all_reduce_f64(&both) } else { both };
         let (mut global, tokens): (Vec<f64>, f64) = (both[..m].to_vec(), both[m..].iter().sum());
-        if cfg.train.objective.pairs().is_some() {
-            // The group's context-parallel ranks hold the same pairs (each its positions).
+        if cfg.train.objective != crate::config::Objective::Lm {
+            // The group's context-parallel ranks hold the same pairs or completions (each its
+            // positions).
             global.iter_mut().for_each(|g| *g /= cfg.parallel.cp as f64);
         }
         MicroBatches { data, counts, global, tokens, rows }
@@ -1361,7 +1364,7 @@ impl<'b> Executor<'b> {
                 (self.sums[2 * task.mb], self.sums[2 * task.mb + 1]) = (st.loss, st.pairs);
                 self.pair_stats.get_or_insert_with(Default::default).add(&st);
             } else if let (true, Some(p)) = (last, ch.model.policy.as_ref()) {
-                let st = p.stats(t);
+                let st = p.stats();
                 (self.sums[2 * task.mb], self.sums[2 * task.mb + 1]) = (st.loss, st.completions);
                 self.policy_stats.get_or_insert_with(Default::default).add(&st);
             } else if last {

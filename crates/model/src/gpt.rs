@@ -915,6 +915,12 @@ impl Gpt {
         // This part's rows, each with its global position and (global) document start; plain
         // causal rows have positions and no starts (the attention's masks are by position).
         let (tk, tg) = (cx.rows(tokens, b, t), cx.rows(targets, b, t));
+        // A policy objective's per-position log-probabilities: this part's positions of them.
+        if let Some(p) = self.policy.as_mut() {
+            for v in [&mut p.old, &mut p.reference].into_iter().filter(|v| !v.is_empty()) {
+                *v = cx.rows(v, b, t);
+            }
+        }
         let (start, pos) = match docs {
             Some(d) => (cx.rows(d.start, b, t), cx.rows(d.pos, b, t)),
             None => {

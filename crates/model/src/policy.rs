@@ -46,6 +46,9 @@ pub struct PolicyRows {
     pub aggregation: Aggregation,
     /// The longest completion allowed (Dr. GRPO's constant).
     pub max_new: usize,
+    /// The parts that hold a row's positions between them (context parallelism; 1): each part
+    /// counts its share of a completion.
+    pub parts: usize,
     /// Each row's advantage.
     pub advantages: Vec<f64>,
     /// Each position's log-probability when its completion was sampled (`[B, T]`; empty: the
@@ -61,7 +64,7 @@ pub struct PolicyRows {
 
 impl PolicyRows {
     pub fn new(cfg: GrpoCfg, aggregation: Aggregation, max_new: usize) -> PolicyRows {
-        PolicyRows { cfg, aggregation, max_new, advantages: Vec::new(), old: Vec::new(), reference: Vec::new(), terms: Vec::new(), lens: Vec::new(), tokens: Vec::new() }
+        PolicyRows { cfg, aggregation, max_new, parts: 1, advantages: Vec::new(), old: Vec::new(), reference: Vec::new(), terms: Vec::new(), lens: Vec::new(), tokens: Vec::new() }
     }
 
     /// What a row's token losses are divided by.
@@ -74,15 +77,17 @@ impl PolicyRows {
 
     /// The last forward's sums over this micro-batch's completions (rows with no target are
     /// padding).
-    pub fn stats(&self, t: usize) -> PolicyStats {
+    pub fn stats(&self) -> PolicyStats {
         let mut s = PolicyStats::default();
+        // (The rows this part holds: under context parallelism, its positions of each.)
+        let t = self.terms.len() / self.lens.len().max(1);
         for (row, &len) in self.lens.iter().enumerate().filter(|(_, &l)| l > 0) {
             let terms = &self.terms[row * t..(row + 1) * t];
             let counted = |f: &dyn Fn(&TokenTerms) -> f64| terms.iter().map(f).sum::<f64>();
             s.add(&PolicyStats {
-                completions: 1.0,
+                completions: 1.0 / self.parts.max(1) as f64,
                 loss: counted(&|x| x.loss) / self.divisor(row),
-                tokens: len as f64,
+                tokens: len as f64 / self.parts.max(1) as f64,
                 kl: counted(&|x| x.kl),
                 clipped_low: counted(&|x| x.clipped_low as u8 as f64),
                 clipped_high: counted(&|x| x.clipped_high as u8 as f64),
@@ -93,7 +98,7 @@ impl PolicyRows {
 }
 
 impl RowObjective for PolicyRows {
-    fn measure(&mut self, token_losses: &[f32], targets: &[i32], ignore: i32, (b, t): (usize, usize), _: &mut dyn FnMut(&mut [f64])) -> f64 {
+    fn measure(&mut self, token_losses: &[f32], targets: &[i32], ignore: i32, (b, t): (usize, usize), sum_rows: &mut dyn FnMut(&mut [f64])) -> f64 {
         assert_eq!(self.advantages.len(), b, "one advantage per row");
         let n = b * t;
         assert!(self.old.is_empty() || self.old.len() == n, "old log-probabilities are [B, T]");
@@ -113,8 +118,11 @@ impl RowObjective for PolicyRows {
             }
         }
         self.terms = terms;
-        self.lens = (0..b).map(|r| targets[r * t..(r + 1) * t].iter().filter(|&&y| y != ignore).count()).collect();
-        let s = self.stats(t);
+        // Each row's counted tokens, over every part that holds some of its positions.
+        let mut lens: Vec<f64> = (0..b).map(|r| targets[r * t..(r + 1) * t].iter().filter(|&&y| y != ignore).count() as f64).collect();
+        sum_rows(&mut lens);
+        self.lens = lens.into_iter().map(|n| n as usize).collect();
+        let s = self.stats();
         s.loss / s.completions.max(1.0)
     }
 

@@ -111,16 +111,23 @@ struct GrpoState {
     rollout: Option<super::grpo::Rollout>,
 }
 
-/// GRPO: the sampling model's weights made the chunk's current ones (with LoRA: the base with
-/// the adapters merged into it).
-fn refresh(st: &mut GrpoState, ch: &mut Chunk) {
-    match (ch.model.lora.as_ref(), st.reference.as_ref()) {
+/// GRPO: the sampling model's weights made the current ones, whole (with LoRA: the base with the
+/// adapters merged into it). Collective where the weights are split (ZeRO-3, tensor, pipeline
+/// and expert parallelism).
+fn refresh(st: &mut GrpoState, chunks: &mut [Chunk], applied: &Applied) {
+    match (chunks[0].model.lora.as_ref(), st.reference.as_ref()) {
         (Some(lo), Some(base)) => {
             st.policy.params.clone_from(&base.params);
             lo.merge_into(&mut st.policy.params, &st.policy.views);
         }
-        _ => st.policy.params = ch.dp.copy_params_into(std::mem::take(&mut st.policy.params)),
+        _ => st.policy.params = whole_params(chunks, applied),
     }
+}
+
+/// The whole model's current weights, from every rank's chunks (collective).
+fn whole_params(chunks: &mut [Chunk], applied: &Applied) -> Vec<f32> {
+    let bufs: Vec<Vec<f32>> = chunks.iter_mut().map(|ch| ch.dp.full_params()).collect();
+    if applied.is_part() { applied.gather_whole(bufs) } else { bufs.into_iter().next().expect("a chunk") }
 }
 
 /// What one step measured, for its metrics line and progress.
@@ -648,11 +655,12 @@ impl<'a> Rank<'a> {
         let gc = tensor::grpo::GrpoCfg { eps_low: c.epsilon, eps_high: c.epsilon_high, beta: c.beta };
         let agg = if c.loss == "dr_grpo" { tensor::grpo::Aggregation::Constant } else { tensor::grpo::Aggregation::Sequence };
         for ch in self.chunks.iter_mut() {
-            ch.model.policy = Some(model::policy::PolicyRows::new(gc, agg, c.max_new_tokens));
+            let mut rows = model::policy::PolicyRows::new(gc, agg, c.max_new_tokens);
+            rows.parts = self.cfg.parallel.cp;
+            ch.model.policy = Some(rows);
         }
         let rewards = crate::reward::Rewards::new(&c.rewards, &c.reward_weights, &c.answer_pattern)?;
-        let m = &self.chunks[0].model;
-        let (whole, real_vocab) = (m.cfg.clone(), m.real_vocab);
+        let (whole, real_vocab) = (self.cfg.gpt_config(self.ds.tokenizer.vocab_size()), self.chunks[0].model.real_vocab);
         let policy = crate::memory::track::scope(crate::memory::track::Category::Params, || Gpt::zeroed_frozen(whole.clone(), real_vocab));
         self.grpo = Some(GrpoState { rewards, policy, reference: None, rollout: None });
         // With LoRA the base is frozen: it is the reference, its adapters switched off.
@@ -662,7 +670,7 @@ impl<'a> Rank<'a> {
             // again; with LoRA, the frozen base as it is).
             let reference = if self.step == 0 || lora {
                 let mut r = crate::memory::track::scope(crate::memory::track::Category::Params, || Gpt::zeroed_frozen(whole, real_vocab));
-                r.params = self.chunks[0].dp.copy_params_into(std::mem::take(&mut r.params));
+                r.params = whole_params(&mut self.chunks, &self.applied);
                 r
             } else {
                 super::grpo::initial_model(self.cfg, self.ds, real_vocab)?
@@ -678,7 +686,7 @@ impl<'a> Rank<'a> {
     /// GRPO: the sampling model's weights made the current ones ([`refresh`]).
     fn refresh_policy(&mut self) -> &mut GrpoState {
         let st = self.grpo.as_mut().expect("a GRPO run");
-        refresh(st, &mut self.chunks[0]);
+        refresh(st, &mut self.chunks, &self.applied);
         st
     }
 
@@ -692,7 +700,7 @@ impl<'a> Rank<'a> {
         let (cfg, ds, t, rows) = (self.cfg, self.ds, self.t, self.rows);
         let (rank, ranks) = (self.applied.groups.dp_rank, self.applied.groups.dp_size);
         let st = self.grpo.as_mut().expect("a GRPO run");
-        refresh(st, &mut self.chunks[0]);
+        refresh(st, &mut self.chunks, &self.applied);
         let dp = &mut self.chunks[0].dp;
         let share = super::grpo::Share { rank, ranks, rows, gather: &mut |x| if ranks > 1 { dp.all_gather_f64(x) } else { x.to_vec() } };
         let mut r = super::grpo::rollout(&st.policy, cfg, ds, &st.rewards, (step, share))?;

@@ -1,5 +1,5 @@
 //! GRPO through `kiln train --objective grpo`: a reward the model can earn rises, the step and
-//! evaluation lines carry its figures, two data-parallel ranks reproduce one, a resumed run continues bit for bit (one batch of
+//! evaluation lines carry its figures, every layout reproduces one rank, a resumed run continues bit for bit (one batch of
 //! completions per step, and with `grpo.iterations = 2` from a batch boundary), and bad prompt
 //! rows and settings are refused in one line. Advantages and clipping are checked on
 //! hand-computed groups in the tensor crate, the rewards in `rewards.rs`.
@@ -47,22 +47,34 @@ fn grpo_raises_a_reward_and_resumes_bit_exactly() {
     let bits = |r: &Path| losses(r).iter().map(|&(s, l)| (s, l.to_bits())).collect::<Vec<_>>();
     // With a KL term the reference is the starting model: a resumed run makes it again.
     let cases: [(&str, &[&str]); 3] = [("mu1", &[]), ("mu2", &["--set", "grpo.iterations=2"]), ("kl", &["--set", "grpo.beta=0.04", "--set", "grpo.loss=dr_grpo"])];
-    // Two data-parallel ranks (ZeRO-1), each sampling and training on whole groups of its own,
-    // reproduce one rank.
+    // Every layout reproduces one rank: data-parallel ranks (ZeRO-1 and ZeRO-3) each sampling
+    // and training on whole groups of their own, tensor, pipeline and context parallelism
+    // sampling from the whole weights gathered.
     let one = d.join("one");
-    let args = [BASE, &["--set", "eval.interval=0", "--set", "grpo.iterations=2", "--micro-batches", "2", "--max-steps", "6"]].concat();
+    let args = [BASE, &["--set", "eval.interval=0", "--set", "grpo.iterations=2", "--set", "model.n_layer=2", "--micro-batches", "2", "--max-steps", "6"]].concat();
     assert!(train(&data, &one, &args).status.success());
-    let dp2 = d.join("dp2");
-    let o = train(&data, &dp2, &[&args[..], &["--dp", "2", "--zero", "1"]].concat());
-    assert!(o.status.success(), "{}", stderr(&o));
-    for ((s, a), (_, b)) in losses(&dp2).iter().zip(&losses(&one)) {
-        assert!((a - b).abs() <= 1e-5 * b.abs().max(1e-2), "dp2 step {s}: {a} vs one rank {b}");
-    }
-    let (ra, rb) = (lines(&dp2, "train"), lines(&one, "train"));
-    for (a, b) in ra.iter().zip(&rb) {
-        assert_eq!(a["reward"], b["reward"], "the same completions");
-        let (ga, gb) = (a["grad_norm"].as_f64().unwrap(), b["grad_norm"].as_f64().unwrap());
-        assert!((ga - gb).abs() <= 1e-5 * gb.max(1e-6), "grad norm {ga} vs {gb}");
+    let layouts: [(&str, &[&str]); 5] = [
+        ("dp2-zero1", &["--dp", "2", "--zero", "1"]),
+        ("dp2-zero3", &["--dp", "2", "--zero", "3"]),
+        ("tp2", &["--tp", "2"]),
+        ("pp2", &["--pp", "2"]),
+        ("cp2", &["--cp", "2"]),
+    ];
+    for (name, layout) in layouts {
+        let run = d.join(name);
+        let o = train(&data, &run, &[&args[..], layout].concat());
+        assert!(o.status.success(), "{name}: {}", stderr(&o));
+        for ((s, a), (_, b)) in losses(&run).iter().zip(&losses(&one)) {
+            assert!((a - b).abs() <= 1e-5 * b.abs().max(1e-2), "{name} step {s}: {a} vs one rank {b}");
+        }
+        let (ra, rb) = (lines(&run, "train"), lines(&one, "train"));
+        for (a, b) in ra.iter().zip(&rb) {
+            assert_eq!(a["reward"], b["reward"], "{name}: the same completions");
+            let (ga, gb) = (a["grad_norm"].as_f64().unwrap(), b["grad_norm"].as_f64().unwrap());
+            assert!((ga - gb).abs() <= 1e-5 * gb.max(1e-6), "{name}: grad norm {ga} vs {gb}");
+            let (ka, kb) = (a["clip_fraction"].as_f64().unwrap(), b["clip_fraction"].as_f64().unwrap());
+            assert!((ka - kb).abs() <= 1e-9, "{name}: clip fraction {ka} vs {kb}");
+        }
     }
     for (name, extra) in cases {
         let (full, split) = (d.join(format!("{name}-full")), d.join(format!("{name}-split")));
@@ -116,7 +128,7 @@ fn bad_prompt_rows_and_settings_are_refused() {
     assert_user_error(&train(&bad, &d.join("b"), &[BASE, &["--max-steps", "2"]].concat()), &["bad.jsonl", "line 1", "`prompt` is a number"]);
     let cases: [(&[&str], &[&str]); 5] = [
         (&["--set", "grpo.group=3"], &["grpo.group (3)", "divide train.batch_size (16)"]),
-        (&["--tp", "2"], &["data-parallel ranks only", "parallel.tp = 2"]),
+        (&["--tp", "2", "--lora-rank", "4", "--init-from", "gpt2"], &["LoRA", "parallel.tp = 2"]),
         (&["--set", "grpo.top_p=0"], &["grpo.top_p", "(0, 1]"]),
         (&["--set", "grpo.rewards=[\"exactly\"]"], &["grpo.rewards", "`exactly` is not a reward"]),
         (&["--set", "grpo.loss=ppo"], &["grpo.loss", "ppo"]),
