@@ -425,6 +425,8 @@ struct RankShape {
     /// Model chunks on this rank (interleaved: v copies of the first one's state).
     chunks: usize,
     total: usize,
+    /// The whole model (every stage and shard).
+    whole: GptConfig,
     units: Vec<std::ops::Range<usize>>,
     shards: parallel::Shards,
     padded: Vec<usize>,
@@ -464,7 +466,8 @@ impl RankShape {
         let rows = cfg.micro_batch() / dp;
         let t = cfg.seq_len() / par.cp.max(1);
         let n = rows * t;
-        Ok(RankShape { p, local, stages, in_flight, chunks, total, units, shards, padded, head_unit: views.head_unit(), lora, rows, t, n })
+        let whole = gpt.clone();
+        Ok(RankShape { p, local, stages, in_flight, chunks, total, whole, units, shards, padded, head_unit: views.head_unit(), lora, rows, t, n })
     }
 }
 
@@ -632,8 +635,9 @@ fn grpo_rows(out: &mut Rows, cfg: &RunConfig, r: &RankShape) {
     if cfg.train.objective != crate::config::Objective::Grpo {
         return;
     }
-    let (c, g) = (&r.local, cfg.grpo.group);
-    let total = r.total;
+    // (Sampling holds the whole model on every rank, whatever the layout.)
+    let (c, g) = (&r.whole, cfg.grpo.group);
+    let total = model::layout::gpt_layout(c).0.total;
     out.add(Kind::Parameters, Phase::Held, "GRPO sampling weights", b4(total, 4), format!("{total} elements: a whole fp32 copy of the current weights (with LoRA, the adapters merged), refreshed before each batch of completions"));
     if cfg.grpo.beta > 0.0 || cfg.lora.rank > 0 {
         out.add(Kind::Parameters, Phase::Held, "GRPO reference weights", b4(total, 4), format!("{total} elements: the starting weights (with LoRA, the base), for the KL term and the merge"));
