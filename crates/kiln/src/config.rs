@@ -1462,6 +1462,9 @@ impl RunConfig {
         if p.tp > 1 || (p.zero > 0 && (p.dp > 1 || self.faults.elastic_max > 1)) {
             return user(format!("optim.name = adafactor factors each tensor's statistics whole, which ZeRO (parallel.zero = {}) over several ranks and tensor parallelism (parallel.tp = {}) split; use parallel.zero = 0 and tp = 1, or another optimizer", p.zero, p.tp));
         }
+        if self.memory.offload != Offload::None {
+            return user("optim.name = adafactor keeps statistics a row and a column long per matrix: there are no moments for memory.offload = optimizer to stream; use memory.offload = none");
+        }
         self.optim_without_adam_state()
     }
 

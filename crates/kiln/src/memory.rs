@@ -491,7 +491,7 @@ fn optimizer_state_names(o: crate::config::OptimName) -> (&'static str, &'static
         OptimName::AdamW => ("AdamW m, v", ""),
         OptimName::Lion => ("Lion m", ": Lion's momentum (its one state)"),
         OptimName::Muon => ("Muon momentum, AdamW m, v", ": the matrices' momenta and the other parameters' moments, and a second buffer the matrices leave at zero"),
-        OptimName::Adafactor => ("Adafactor statistics (in m, v)", ": the second buffer holds each matrix's row and column averages in its first elements and each vector's second moment; the first is left at zero"),
+        OptimName::Adafactor => ("Adafactor statistics", ": each matrix's row and column averages and each vector's second moment, back to back"),
     }
 }
 
@@ -560,6 +560,13 @@ fn model_state_rows(out: &mut Rows, cfg: &RunConfig, r: &RankShape, s: usize) {
     match form {
         _ if offload => out.add(Kind::Optimizer, held, name, 0, format!("{} in memory-mapped files under the run directory (memory.offload), streamed through the update in 4 MiB chunks", fmt_bytes(optim))),
         StateForm::Fp32 if cfg.optim.name == crate::config::OptimName::Lion => out.add(Kind::Optimizer, held, name, optim / 2, format!("{moments} elements{what}")),
+        StateForm::Fp32 if cfg.optim.name == crate::config::OptimName::Adafactor => {
+            let n = match &r.lora {
+                Some(lo) => adafactor_statistics(&lo.layout),
+                None => adafactor_statistics(&model::layout::gpt_layout(&r.local).0) * chunks,
+            };
+            out.add(Kind::Optimizer, held, name, b4(n, 4), format!("{n} elements{what}"))
+        }
         StateForm::Fp32 => out.add(Kind::Optimizer, held, name, optim, format!("2 × {moments} elements{what}")),
         StateForm::Bf16 => out.add(Kind::Optimizer, held, "AdamW m, v (bf16)", b4(2 * moments * chunks, 2), format!("2 × {moments} bf16 elements, rounded stochastically")),
         // One 8-bit code an element, one fp32 scale per block of 256 (and per update run).
@@ -626,6 +633,15 @@ fn muon_rows(out: &mut Rows, cfg: &RunConfig, r: &RankShape, moments: usize) {
             out.add(Kind::Temporary, Phase::Step, "distributed Muon buffers", b4(2 * moments + 2 * unit + 2 * tp * unit, 4), format!("2 × {moments} elements beside the moments, and a unit's gathers ({unit} elements, ×{tp} over tensor parallelism)"));
         }
     }
+}
+
+/// Adafactor's statistics for `layout`'s tensors: rows + columns per matrix, a vector's length
+/// (`step::Optimizer::factor`).
+fn adafactor_statistics(layout: &model::ParamLayout) -> usize {
+    layout.params.iter().filter(|p| !p.is_empty()).map(|p| match p.shape[..] {
+        [r, c] if r > 1 && c > 1 => r + c,
+        _ => p.len(),
+    }).sum()
 }
 
 /// GRPO's sampling: the whole weights the completions are sampled with (and a reference copy
@@ -1038,6 +1054,9 @@ pub fn attribute(model: &model::Gpt, dp: &mut parallel::DataParallel, opt: &crat
         if let crate::step::Moments::Mem(v) = m {
             retag_vec(v, Category::Optimizer);
         }
+    }
+    if let Some(f) = &opt.factored {
+        retag_vec(&f.state, Category::Optimizer);
     }
 }
 

@@ -95,6 +95,32 @@ pub struct Optimizer {
     pub compression: Option<CompressionState>,
     /// AdamW's compact state (`optim.state`); `m` and `v` are then empty.
     pub lean: Option<lean::Lean>,
+    /// Adafactor's statistics, held compact ([`Optimizer::factor`]); `m` and `v` are then empty.
+    pub factored: Option<Factored>,
+    /// Elements of each moment (this rank's share of the layout).
+    len: usize,
+}
+
+/// Adafactor's statistics alone: each tensor's row and column averages (a vector's second
+/// moment), back to back, where the moments' layout would hold them at the tensor's first
+/// position and nothing else.
+pub struct Factored {
+    pub state: Vec<f32>,
+    /// Per tensor of the layout: its first position in the moments, its statistics' offset in
+    /// `state`, their length.
+    runs: Vec<(usize, usize, usize)>,
+}
+
+impl Factored {
+    /// The second moment as the moments' layout holds it (`len` elements): each tensor's
+    /// statistics at its first position, zeros elsewhere (what a checkpoint stores).
+    pub fn expanded(&self, len: usize) -> Vec<f32> {
+        let mut v = vec![0.0; len];
+        for &(at, off, n) in &self.runs {
+            v[at..at + n].copy_from_slice(&self.state[off..off + n]);
+        }
+        v
+    }
 }
 
 /// One matrix Muon updates: its range in the layout, its `[out, in]` shape there, and how
@@ -284,7 +310,36 @@ impl Optimizer {
             };
             (p.range(), shape, p.decay)
         }).collect();
-        Optimizer { m: Moments::Mem(vec![0.0; len]), v: Moments::Mem(vec![0.0; len]), master: None, round: None, segs, muon, muon_rest, tensors, compression: None, lean: None }
+        Optimizer { m: Moments::Mem(vec![0.0; len]), v: Moments::Mem(vec![0.0; len]), master: None, round: None, segs, muon, muon_rest, tensors, compression: None, lean: None, factored: None, len }
+    }
+
+    /// Adafactor: keeps only its statistics, compact (from the second moment as laid out:
+    /// fresh zeros, or a checkpoint's), and frees both moments: its state is then sublinear in
+    /// the matrices' size, as the algorithm means it to be. `pieces` are this rank's.
+    pub fn factor(&mut self, pieces: &[parallel::Piece]) {
+        let (mut runs, mut state) = (Vec::with_capacity(self.tensors.len()), Vec::new());
+        for (r, shape, _) in &self.tensors {
+            let Some(p) = pieces.iter().find(|p| p.flat.start <= r.start && r.end <= p.flat.end) else {
+                runs.push((0, 0, 0));
+                continue;
+            };
+            let at = p.shard.start + (r.start - p.flat.start);
+            let n = if shape.1 > 1 { shape.0 + shape.1 } else { shape.0 };
+            runs.push((at, state.len(), n));
+            state.extend_from_slice(&self.v[at..at + n]);
+        }
+        self.factored = Some(Factored { state, runs });
+        (self.m, self.v) = (Moments::Mem(Vec::new()), Moments::Mem(Vec::new()));
+    }
+
+    /// The first and second moments as the layout holds them (`len` elements each): Lion's
+    /// absent second and Adafactor's absent first as zeros, Adafactor's statistics expanded.
+    pub fn moments_f32(&self) -> (Vec<f32>, Vec<f32>) {
+        let zeros = || vec![0.0; self.len];
+        match &self.factored {
+            Some(f) => (zeros(), f.expanded(self.len)),
+            None => (self.m.to_vec(), if self.v.is_empty() { zeros() } else { self.v.to_vec() }),
+        }
     }
 
     /// Frees the second buffer for an optimizer that keeps one state (Lion): its checkpoints
@@ -302,7 +357,7 @@ impl Optimizer {
     /// pieces (fresh, or a checkpoint's), and rounds the working parameters to `fmt`. bf16's
     /// master weights are split ([`Master::Low`]), fp16's whole.
     pub fn mixed(&mut self, dp: &mut DataParallel, fmt: tensor::precision::Format) {
-        let len = self.m.len();
+        let len = self.len;
         let mut master = if fmt == tensor::precision::Format::Bf16 { Master::Low(vec![0; len]) } else { Master::F32(Moments::Mem(vec![0.0; len])) };
         dp.for_each_piece(|piece, params, _| match &mut master {
             Master::Low(low) => tensor::precision::split_bf16_in_place(params, &mut low[piece.shard.clone()]),
@@ -448,8 +503,10 @@ impl Optimizer {
             let h = tensor::optim::Adafactor { lr, beta2_decay: o.adafactor_beta2_decay, eps1: f32::EPSILON, eps2: o.adafactor_eps2, d: o.adafactor_d, weight_decay: if decay { cfg.train.weight_decay } else { 0.0 }, t };
             let (i, j) = (r.start - f.start, r.end - f.start);
             let e = piece.shard.start + i;
-            let state_len = if shape.1 > 1 { shape.0 + shape.1 } else { shape.0 };
-            let state = &mut self.v[e..e + state_len];
+            let fac = self.factored.as_mut().expect("Adafactor's statistics (Optimizer::factor)");
+            let (at, off, n) = fac.runs[k];
+            assert_eq!(at, e, "an Adafactor tensor where its statistics were laid out");
+            let state = &mut fac.state[off..off + n];
             on_master(&mut self.master, self.round, (&mut params[i..j], e), Span::Whole, |w, _| tensor::optim::adafactor_update(w, &grads[i..j], state, shape, &h));
         }
     }

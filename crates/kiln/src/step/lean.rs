@@ -154,7 +154,7 @@ impl Optimizer {
 
     /// Bytes of optimizer state held in memory (moments, compact or not).
     pub fn state_bytes(&self) -> usize {
-        let plain = (self.m.len() + self.v.len()) * 4;
+        let plain = (self.m.len() + self.v.len() + self.factored.as_ref().map_or(0, |f| f.state.len())) * 4;
         plain + self.lean.as_ref().map_or(0, |l| match &l.form {
             LeanForm::Bf16 { m, v } => (m.len() + v.len()) * 2,
             LeanForm::Int8 { m, v, ms, vs } => m.len() + v.len() + (ms.len() + vs.len()) * 4,

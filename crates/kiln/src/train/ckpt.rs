@@ -186,6 +186,9 @@ fn whole_state(chunks: &mut [Chunk], applied: &Applied, zero: bool) -> [checkpoi
         return match &ch.opt.lean {
             // Converted as the snapshot copies it (no fp32 copy of the state beside it).
             Some(l) => [p, Source::LiveLean(l.view(false)), Source::LiveLean(l.view(true))],
+            // Adafactor's statistics, expanded to the layout's second moment as the snapshot
+            // is taken.
+            None if ch.opt.factored.is_some() => [p, Source::Zeros, Source::Owned(ch.opt.moments_f32().1)],
             None if ch.opt.v.is_empty() => [p, Source::live(&ch.opt.m), Source::Zeros],
             None => [p, Source::live(&ch.opt.m), Source::live(&ch.opt.v)],
         };
@@ -204,11 +207,10 @@ fn whole_state(chunks: &mut [Chunk], applied: &Applied, zero: bool) -> [checkpoi
             (Some((m, v)), true) => (ch.dp.gather_shards_owned(m), ch.dp.gather_shards_owned(v)),
             (Some(mv), false) => mv,
             (None, true) => {
-                let m = ch.dp.gather_shards(&ch.opt.m);
-                let v = if ch.opt.v.is_empty() { vec![0.0; m.len()] } else { ch.dp.gather_shards(&ch.opt.v) };
-                (m, v)
+                let (m, v) = ch.opt.moments_f32();
+                (ch.dp.gather_shards_owned(m), ch.dp.gather_shards_owned(v))
             }
-            (None, false) => (ch.opt.m.to_vec(), if ch.opt.v.is_empty() { vec![0.0; ch.opt.m.len()] } else { ch.opt.v.to_vec() }),
+            (None, false) => ch.opt.moments_f32(),
         };
         ms.push(m);
         vs.push(v);

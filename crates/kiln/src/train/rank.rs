@@ -1013,6 +1013,10 @@ fn chunk(part: parallel::apply::Part, moments: Option<(Vec<f32>, Vec<f32>)>, res
     if cfg.optim.name == crate::config::OptimName::Lion {
         opt.keep_only_first_moment();
     }
+    if cfg.optim.name == crate::config::OptimName::Adafactor {
+        let pieces = if m.lora.is_some() { vec![parallel::Piece { flat: 0..opt.m.len(), shard: 0..opt.m.len() }] } else { dp.pieces() };
+        opt.factor(&pieces);
+    }
     // Mixed precision: the fp32 weights (fresh or from the checkpoint) become the master copy
     // and the working parameters are rounded.
     // With LoRA (bf16 only) the frozen base is what is rounded, once; the adapters stay fp32.
