@@ -490,7 +490,7 @@ fn optimizer_state_names(o: crate::config::OptimName) -> (&'static str, &'static
     match o {
         OptimName::AdamW => ("AdamW m, v", ""),
         OptimName::Lion => ("Lion m", ": Lion's momentum (its one state)"),
-        OptimName::Muon => ("Muon momentum, AdamW m, v", ": the matrices' momenta and the other parameters' moments, and a second buffer the matrices leave at zero"),
+        OptimName::Muon => ("Muon momentum, AdamW m, v", ": every element's momentum, and the second moment of the parameters AdamW updates"),
         OptimName::Adafactor => ("Adafactor statistics", ": each matrix's row and column averages and each vector's second moment, back to back"),
     }
 }
@@ -560,6 +560,13 @@ fn model_state_rows(out: &mut Rows, cfg: &RunConfig, r: &RankShape, s: usize) {
     match form {
         _ if offload => out.add(Kind::Optimizer, held, name, 0, format!("{} in memory-mapped files under the run directory (memory.offload), streamed through the update in 4 MiB chunks", fmt_bytes(optim))),
         StateForm::Fp32 if cfg.optim.name == crate::config::OptimName::Lion => out.add(Kind::Optimizer, held, name, optim / 2, format!("{moments} elements{what}")),
+        StateForm::Fp32 if cfg.optim.name == crate::config::OptimName::Muon => {
+            // The momentum of every element; the second moment of AdamW's alone.
+            let layout = r.lora.as_ref().map_or_else(|| model::layout::gpt_layout(&r.local).0, |lo| lo.layout.clone());
+            let rest: usize = layout.params.iter().filter(|q| !crate::step::muon_matrix(q)).map(|q| q.len()).sum();
+            let v = (moments as f64 * rest as f64 / layout.total.max(1) as f64).ceil() as usize;
+            out.add(Kind::Optimizer, held, name, b4((moments + v) * chunks, 4), format!("{moments} + {v} elements{what}"))
+        }
         StateForm::Fp32 if cfg.optim.name == crate::config::OptimName::Adafactor => {
             let n = match &r.lora {
                 Some(lo) => adafactor_statistics(&lo.layout),

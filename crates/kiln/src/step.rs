@@ -97,6 +97,9 @@ pub struct Optimizer {
     pub lean: Option<lean::Lean>,
     /// Adafactor's statistics, held compact ([`Optimizer::factor`]); `m` and `v` are then empty.
     pub factored: Option<Factored>,
+    /// Muon: `v` holds the second moment of AdamW's elements alone ([`Optimizer::compact_v`]):
+    /// per run of them, its first position in the moments, its offset in `v`, its length.
+    v_runs: Option<Vec<(usize, usize, usize)>>,
     /// Elements of each moment (this rank's share of the layout).
     len: usize,
 }
@@ -310,7 +313,38 @@ impl Optimizer {
             };
             (p.range(), shape, p.decay)
         }).collect();
-        Optimizer { m: Moments::Mem(vec![0.0; len]), v: Moments::Mem(vec![0.0; len]), master: None, round: None, segs, muon, muon_rest, tensors, compression: None, lean: None, factored: None, len }
+        Optimizer { m: Moments::Mem(vec![0.0; len]), v: Moments::Mem(vec![0.0; len]), master: None, round: None, segs, muon, muon_rest, tensors, compression: None, lean: None, factored: None, v_runs: None, len }
+    }
+
+    /// Muon: keeps the second moment for the elements AdamW updates alone (the embeddings, the
+    /// head, norms, biases), back to back, instead of for every element: Muon's matrices have
+    /// none. From `v` as laid out (fresh zeros, or a checkpoint's); `pieces` are this rank's.
+    pub fn compact_v(&mut self, pieces: &[parallel::Piece]) {
+        let (mut runs, mut v) = (Vec::new(), Vec::new());
+        for p in pieces {
+            let f = &p.flat;
+            for (r, _) in &self.muon_rest {
+                let (a, b) = (r.start.max(f.start), r.end.min(f.end));
+                if a < b {
+                    let at = p.shard.start + a - f.start;
+                    runs.push((at, v.len(), b - a));
+                    v.extend_from_slice(&self.v[at..at + b - a]);
+                }
+            }
+        }
+        runs.sort_unstable();
+        self.v = Moments::Mem(v);
+        self.v_runs = Some(runs);
+    }
+
+    /// Where the second moment of the run of elements at moment position `at` is held: `at`, or
+    /// with a compact `v` its offset there.
+    fn v_at(&self, at: usize) -> usize {
+        let Some(runs) = &self.v_runs else { return at };
+        let k = runs.partition_point(|r| r.0 <= at) - 1;
+        let (start, off, n) = runs[k];
+        assert!(at < start + n, "an element AdamW does not update has no second moment");
+        off + at - start
     }
 
     /// Adafactor: keeps only its statistics, compact (from the second moment as laid out:
@@ -338,7 +372,28 @@ impl Optimizer {
         let zeros = || vec![0.0; self.len];
         match &self.factored {
             Some(f) => (zeros(), f.expanded(self.len)),
-            None => (self.m.to_vec(), if self.v.is_empty() { zeros() } else { self.v.to_vec() }),
+            None => (self.m.to_vec(), self.v_f32()),
+        }
+    }
+
+    /// Whether `v` is Muon's compact second moment ([`Optimizer::compact_v`]).
+    pub fn v_is_compact(&self) -> bool {
+        self.v_runs.is_some()
+    }
+
+    /// The second moment as the layout holds it: Lion's absent one as zeros, Muon's compact one
+    /// expanded (zeros at Muon's matrices).
+    pub fn v_f32(&self) -> Vec<f32> {
+        match &self.v_runs {
+            _ if self.v.is_empty() => vec![0.0; self.len],
+            Some(runs) => {
+                let mut v = vec![0.0; self.len];
+                for &(at, off, n) in runs {
+                    v[at..at + n].copy_from_slice(&self.v[off..off + n]);
+                }
+                v
+            }
+            None => self.v.to_vec(),
         }
     }
 
@@ -379,7 +434,8 @@ impl Optimizer {
         m.load(&self.m);
         self.m = m;
         if !self.v.is_empty() {
-            let mut v = Moments::file(&dir.join("exp_avg_sq.bin"), len)?;
+            // (Muon's compact second moment is shorter than the moments.)
+            let mut v = Moments::file(&dir.join("exp_avg_sq.bin"), self.v.len())?;
             v.load(&self.v);
             self.v = v;
         }
@@ -442,10 +498,11 @@ impl Optimizer {
         let lion = (cfg.optim.name == OptimName::Lion).then_some(tensor::optim::Lion { lr: lr as f32, beta1: tc.beta1 as f32, beta2: tc.beta2 as f32, weight_decay: wd });
         let n = params.len();
         let step = if matches!(self.m, Moments::File { .. }) { OFFLOAD_CHUNK } else { n.max(1) };
+        let vat = if lion.is_some() { at } else { self.v_at(at) };
         let mut i = 0;
         while i < n {
             let j = (i + step).min(n);
-            let (p, g, e) = (&mut params[i..j], &grads[i..j], at + i..at + j);
+            let (p, g, e, ve) = (&mut params[i..j], &grads[i..j], at + i..at + j, vat + i..vat + j);
             match (&lion, &mut self.master, self.round) {
                 (Some(l), master, round) => {
                     let m = &mut self.m[e.clone()];
@@ -454,15 +511,15 @@ impl Optimizer {
                 // Mixed precision: AdamW on the fp32 master weights, then the working copy.
                 (None, Some(Master::F32(mw)), Some(fmt)) => {
                     let w = &mut mw[e.clone()];
-                    adamw_update(w, g, &mut self.m[e.clone()], &mut self.v[e.clone()], &h);
+                    adamw_update(w, g, &mut self.m[e.clone()], &mut self.v[ve.clone()], &h);
                     tensor::precision::master_round_into(p, w, fmt);
                     mw.release(e.clone());
                 }
-                (None, Some(Master::Low(low)), _) => tensor::optim::adamw_update_split(p, &mut low[e.clone()], g, &mut self.m[e.clone()], &mut self.v[e.clone()], &h),
-                _ => adamw_update(p, g, &mut self.m[e.clone()], &mut self.v[e.clone()], &h),
+                (None, Some(Master::Low(low)), _) => tensor::optim::adamw_update_split(p, &mut low[e.clone()], g, &mut self.m[e.clone()], &mut self.v[ve.clone()], &h),
+                _ => adamw_update(p, g, &mut self.m[e.clone()], &mut self.v[ve.clone()], &h),
             }
             self.m.release(e.clone());
-            self.v.release(e);
+            self.v.release(ve);
             i = j;
         }
     }
@@ -551,7 +608,7 @@ impl MuonStep {
 
 /// Whether Muon takes parameter `p`: a 2-D matrix that decays, but not the output head (the
 /// embeddings, norms, biases and MoE router do not decay).
-fn muon_matrix(p: &model::ParamSpec) -> bool {
+pub(crate) fn muon_matrix(p: &model::ParamSpec) -> bool {
     p.shape.len() == 2 && p.decay && !p.name.ends_with("lm_head.weight")
 }
 

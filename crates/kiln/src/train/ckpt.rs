@@ -189,6 +189,8 @@ fn whole_state(chunks: &mut [Chunk], applied: &Applied, zero: bool) -> [checkpoi
             // Adafactor's statistics, expanded to the layout's second moment as the snapshot
             // is taken.
             None if ch.opt.factored.is_some() => [p, Source::Zeros, Source::Owned(ch.opt.moments_f32().1)],
+            // Muon's compact second moment, expanded likewise.
+            None if ch.opt.v_is_compact() => [p, Source::live(&ch.opt.m), Source::Owned(ch.opt.v_f32())],
             None if ch.opt.v.is_empty() => [p, Source::live(&ch.opt.m), Source::Zeros],
             None => [p, Source::live(&ch.opt.m), Source::live(&ch.opt.v)],
         };

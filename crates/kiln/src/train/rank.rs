@@ -1013,9 +1013,12 @@ fn chunk(part: parallel::apply::Part, moments: Option<(Vec<f32>, Vec<f32>)>, res
     if cfg.optim.name == crate::config::OptimName::Lion {
         opt.keep_only_first_moment();
     }
-    if cfg.optim.name == crate::config::OptimName::Adafactor {
-        let pieces = if m.lora.is_some() { vec![parallel::Piece { flat: 0..opt.m.len(), shard: 0..opt.m.len() }] } else { dp.pieces() };
-        opt.factor(&pieces);
+    let whole = || vec![parallel::Piece { flat: 0..opt.m.len(), shard: 0..opt.m.len() }];
+    let pieces = if m.lora.is_some() { whole() } else { dp.pieces() };
+    match cfg.optim.name {
+        crate::config::OptimName::Adafactor => opt.factor(&pieces),
+        crate::config::OptimName::Muon => opt.compact_v(&pieces),
+        _ => {}
     }
     // Mixed precision: the fp32 weights (fresh or from the checkpoint) become the master copy
     // and the working parameters are rounded.

@@ -38,13 +38,15 @@ fn lion_muon_and_adafactor_resume_bit_exactly_and_refuse_another_optimizers_stat
         assert_eq!(loss_bits(&full), loss_bits(&split), "{name}: resumed at step 5");
         let (first, last) = (losses(&full)[0].1, losses(&full)[9].1);
         assert!(last < first - 0.1, "{name} trains: {first} → {last}");
-        if name == "adafactor" {
-            // Statistics a row and a column long per matrix, not two moments: far below AdamW's.
-            let adamw = d.join("adafactor-as-adamw");
+        if name != "lion" {
+            // Adafactor: statistics a row and a column long per matrix, not two moments. Muon:
+            // no second moment for its matrices.
+            let adamw = d.join(format!("{name}-as-adamw"));
             let args: Vec<&str> = base.iter().map(|&a| if a == set.as_str() { "optim.name=adamw" } else { a }).collect();
             assert!(train(&data, &adamw, &[&args[..], &["--max-steps", "1"]].concat()).status.success());
             let bytes = |r: &Path| train_line(r)["mem_optim_bytes"].as_f64().unwrap();
-            assert!(bytes(&full) < 0.25 * bytes(&adamw), "Adafactor {} bytes against AdamW's {}", bytes(&full), bytes(&adamw));
+            let most = if name == "adafactor" { 0.25 } else { 0.9 };
+            assert!(bytes(&full) < most * bytes(&adamw), "{name}: {} bytes against AdamW's {}", bytes(&full), bytes(&adamw));
         }
         if name == "lion" {
             // One state: half AdamW's bytes.
