@@ -495,6 +495,36 @@ fn optimizer_state_names(o: crate::config::OptimName) -> (&'static str, &'static
     }
 }
 
+/// The optimizer's state: its moments (or Lion's one, Muon's momentum and AdamW's second
+/// moment, Adafactor's statistics), compact or offloaded, for `moments` elements per chunk.
+fn optimizer_rows(out: &mut Rows, cfg: &RunConfig, r: &RankShape, (moments, chunks): (usize, usize)) {
+    let (held, optim) = (Phase::Held, b4(2 * moments * chunks, r.p.optim));
+    let offload = cfg.memory.offload == crate::config::Offload::Optimizer;
+    let (name, what) = optimizer_state_names(cfg.optim.name);
+    match cfg.optim.state {
+        _ if offload => out.add(Kind::Optimizer, held, name, 0, format!("{} in memory-mapped files under the run directory (memory.offload), streamed through the update in 4 MiB chunks", fmt_bytes(optim))),
+        StateForm::Fp32 if cfg.optim.name == crate::config::OptimName::Lion => out.add(Kind::Optimizer, held, name, optim / 2, format!("{moments} elements{what}")),
+        StateForm::Fp32 if cfg.optim.name == crate::config::OptimName::Muon => {
+            // The momentum of every element; the second moment of AdamW's alone.
+            let layout = r.lora.as_ref().map_or_else(|| model::layout::gpt_layout(&r.local).0, |lo| lo.layout.clone());
+            let rest: usize = layout.params.iter().filter(|q| !crate::step::muon_matrix(q)).map(|q| q.len()).sum();
+            let v = (moments as f64 * rest as f64 / layout.total.max(1) as f64).ceil() as usize;
+            out.add(Kind::Optimizer, held, name, b4((moments + v) * chunks, 4), format!("{moments} + {v} elements{what}"))
+        }
+        StateForm::Fp32 if cfg.optim.name == crate::config::OptimName::Adafactor => {
+            let n = match &r.lora {
+                Some(lo) => adafactor_statistics(&lo.layout),
+                None => adafactor_statistics(&model::layout::gpt_layout(&r.local).0) * chunks,
+            };
+            out.add(Kind::Optimizer, held, name, b4(n, 4), format!("{n} elements{what}"))
+        }
+        StateForm::Fp32 => out.add(Kind::Optimizer, held, name, optim, format!("2 × {moments} elements{what}")),
+        StateForm::Bf16 => out.add(Kind::Optimizer, held, "AdamW m, v (bf16)", b4(2 * moments * chunks, 2), format!("2 × {moments} bf16 elements, rounded stochastically")),
+        // One 8-bit code an element, one fp32 scale per block of 256 (and per update run).
+        StateForm::Int8 => out.add(Kind::Optimizer, held, "AdamW m, v (8-bit)", (2 * moments * chunks + 8 * (moments / tensor::lean::BLOCK + 64) * chunks) as u64, format!("2 × {moments} codes and an fp32 scale per 256")),
+    }
+}
+
 /// Model state, as `DataParallel` keeps it: parameters, gradients, adapters, moments, master
 /// weights.
 fn model_state_rows(out: &mut Rows, cfg: &RunConfig, r: &RankShape, s: usize) {
@@ -553,32 +583,9 @@ fn model_state_rows(out: &mut Rows, cfg: &RunConfig, r: &RankShape, s: usize) {
         out.add(Kind::Parameters, held, "LoRA adapters", b4(lo.layout.total, p.param), format!("{} adapters of rank {}", lo.adapters.len(), lo.rank));
         out.add(Kind::Gradients, held, "LoRA adapter gradients", b4(lo.layout.total, p.grad), String::new());
     }
-    let optim = b4(2 * moments * chunks, p.optim);
     let offload = cfg.memory.offload == crate::config::Offload::Optimizer;
-    let (name, what) = optimizer_state_names(cfg.optim.name);
     let form = cfg.optim.state;
-    match form {
-        _ if offload => out.add(Kind::Optimizer, held, name, 0, format!("{} in memory-mapped files under the run directory (memory.offload), streamed through the update in 4 MiB chunks", fmt_bytes(optim))),
-        StateForm::Fp32 if cfg.optim.name == crate::config::OptimName::Lion => out.add(Kind::Optimizer, held, name, optim / 2, format!("{moments} elements{what}")),
-        StateForm::Fp32 if cfg.optim.name == crate::config::OptimName::Muon => {
-            // The momentum of every element; the second moment of AdamW's alone.
-            let layout = r.lora.as_ref().map_or_else(|| model::layout::gpt_layout(&r.local).0, |lo| lo.layout.clone());
-            let rest: usize = layout.params.iter().filter(|q| !crate::step::muon_matrix(q)).map(|q| q.len()).sum();
-            let v = (moments as f64 * rest as f64 / layout.total.max(1) as f64).ceil() as usize;
-            out.add(Kind::Optimizer, held, name, b4((moments + v) * chunks, 4), format!("{moments} + {v} elements{what}"))
-        }
-        StateForm::Fp32 if cfg.optim.name == crate::config::OptimName::Adafactor => {
-            let n = match &r.lora {
-                Some(lo) => adafactor_statistics(&lo.layout),
-                None => adafactor_statistics(&model::layout::gpt_layout(&r.local).0) * chunks,
-            };
-            out.add(Kind::Optimizer, held, name, b4(n, 4), format!("{n} elements{what}"))
-        }
-        StateForm::Fp32 => out.add(Kind::Optimizer, held, name, optim, format!("2 × {moments} elements{what}")),
-        StateForm::Bf16 => out.add(Kind::Optimizer, held, "AdamW m, v (bf16)", b4(2 * moments * chunks, 2), format!("2 × {moments} bf16 elements, rounded stochastically")),
-        // One 8-bit code an element, one fp32 scale per block of 256 (and per update run).
-        StateForm::Int8 => out.add(Kind::Optimizer, held, "AdamW m, v (8-bit)", (2 * moments * chunks + 8 * (moments / tensor::lean::BLOCK + 64) * chunks) as u64, format!("2 × {moments} codes and an fp32 scale per 256")),
-    }
+    optimizer_rows(out, cfg, r, (moments, chunks));
     muon_rows(out, cfg, r, moments);
     grpo_rows(out, cfg, r);
     // LoRA rounds its frozen base once and keeps no master weights; bf16 state under bf16

@@ -721,8 +721,8 @@ fn write_weights(dir: &Path, data: BTreeMap<String, (Vec<usize>, Vec<u8>)>, opts
     Ok(())
 }
 
-/// The `config.json` of a model of config `c` (the class its features need).
-fn export_config(c: &GptConfig) -> Result<Value, String> {
+/// What of `c` has no Hugging Face form kiln writes: the export's refusal, naming it.
+fn export_refusal(c: &GptConfig) -> Result<(), String> {
     if c.n_shared_expert > 0 {
         return Err("export: shared experts have no Hugging Face Mixtral equivalent".into());
     }
@@ -741,7 +741,7 @@ fn export_config(c: &GptConfig) -> Result<Value, String> {
     if c.attn_sinks > 0 {
         return Err(format!("export: attention sinks (model.attn_sinks = {}) have no Hugging Face equivalent: transformers' sliding window would drop them", c.attn_sinks));
     }
-    Ok(if c.arch == Arch::Llama {
+    if c.arch == Arch::Llama {
         if c.qkv_bias && c.is_moe() {
             return Err("export: q/k/v biases with experts have no Hugging Face equivalent".into());
         }
@@ -751,6 +751,14 @@ fn export_config(c: &GptConfig) -> Result<Value, String> {
         if c.qk_norm && (c.qkv_bias || c.fused_proj) {
             return Err("export: per-head q/k norms (model.qk_norm) have a Hugging Face form only as Qwen3's and Qwen3-MoE's: no q/k/v biases or fused projections".into());
         }
+    }
+    Ok(())
+}
+
+/// The `config.json` of a model of config `c` (the class its features need).
+fn export_config(c: &GptConfig) -> Result<Value, String> {
+    export_refusal(c)?;
+    Ok(if c.arch == Arch::Llama {
         let (arch, ty) = match (c.is_moe(), c.qkv_bias, c.sliding_window > 0) {
             _ if c.fused_proj => ("Phi3ForCausalLM", "phi3"),
             _ if !c.nope_layers.is_empty() => ("SmolLM3ForCausalLM", "smollm3"),
