@@ -232,6 +232,12 @@ pub fn eval(e: EvalCli) -> Result<()> {
     if let Some(t) = e.seq_len.filter(|&t| t == 0 || t > m.cfg.block_size) {
         return user(format!("--seq-len {t}: must be between 1 and the model's context ({})", m.cfg.block_size));
     }
+    // A post-training run's own held-out figures: its pairs' or its prompts' (without --data).
+    if let (Some(r), true, Some(tok), None) = (&run, e.data.is_empty(), &tok, &gpu) {
+        if r.config.train.objective != crate::config::Objective::Lm {
+            return eval_post_training(m, r, tok);
+        }
+    }
     // The run's documents, packing and loss masks, unless --format says otherwise.
     let mut dcfg = run.as_ref().map_or_else(crate::config::RunConfig::default, |r| r.config.clone());
     if let Some(f) = &e.format {
@@ -288,6 +294,34 @@ pub fn eval(e: EvalCli) -> Result<()> {
         out["step"] = r.ckpt.state.step.into();
         out["checkpoint"] = r.ckpt.dir.display().to_string().into();
     }
+    println!("{out}");
+    Ok(())
+}
+
+/// `kiln eval --run` of a preference run: its held-out pairs' loss, rewards and accuracies
+/// against the reference it measured; of a GRPO run: its held-out prompts completed greedily and
+/// scored.
+fn eval_post_training(m: model::Gpt, r: &run::SavedRun, tok: &data::Tokenizer) -> Result<()> {
+    let cfg = &r.config;
+    let ds = train::load_data(cfg, Some(tok.clone()))?;
+    let mut out = match cfg.train.objective {
+        crate::config::Objective::Grpo => {
+            let rewards = crate::reward::Rewards::new(&cfg.grpo.rewards, &cfg.grpo.reward_weights, &cfg.grpo.answer_pattern)?;
+            // (Sampling reads the weights alone: LoRA's adapters merged into them.)
+            let (reward, first) = train::grpo::held_out_reward(&run::merged(m), cfg, &ds, &rewards)?;
+            let name = cfg.grpo.rewards[0].split(':').next().unwrap_or("reward").to_string();
+            serde_json::json!({"val_reward": reward, format!("val_reward_{name}"): first, "prompts": ds.prompts.as_ref().map_or(0, |p| p.val.len().min(if cfg.grpo.eval_prompts == 0 { usize::MAX } else { cfg.grpo.eval_prompts }))})
+        }
+        _ => {
+            let mut m = m;
+            let st = train::prefs::eval_run_pairs(&mut m, cfg, &ds, &r.dir)?;
+            let n = st.pairs.max(1.0);
+            serde_json::json!({"val_loss": st.loss / n, "pairs": st.pairs, "val_rewards_accuracy": st.correct / n, "val_preference_accuracy": st.prefers / n, "val_rewards_margin": (st.reward_chosen - st.reward_rejected) / n})
+        }
+    };
+    out["objective"] = plan::policy::Names::name(cfg.train.objective).into();
+    out["step"] = r.ckpt.state.step.into();
+    out["checkpoint"] = r.ckpt.dir.display().to_string().into();
     println!("{out}");
     Ok(())
 }

@@ -15,7 +15,7 @@ mod eval;
 mod faults;
 pub(crate) mod grpo;
 mod metrics;
-mod prefs;
+pub(crate) mod prefs;
 mod rank;
 
 pub use self::data::{doc_opts, fill_rows, load_data, Loader, Piece, Row, Source, TrainData};

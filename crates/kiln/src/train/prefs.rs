@@ -56,27 +56,36 @@ pub(crate) fn check_pairs_fit(cfg: &RunConfig, ds: &TrainData) -> Result<()> {
     Ok(())
 }
 
-/// This rank's part of the model: its chunks, and with a pipeline its group and stage (chunk `c`
-/// is virtual stage `c·P + me`).
-pub(super) struct Stages<'c> {
-    pub chunks: &'c mut [Chunk],
-    pub pp: Option<(&'c dyn parallel::Comm, usize)>,
+/// The model pairs are measured with: this rank's part of a training run (its chunks, and with a
+/// pipeline its group and stage: chunk `c` is virtual stage `c·P + me`), or a whole model of its
+/// own (`kiln eval`).
+pub(crate) enum Stages<'c> {
+    Ranks { chunks: &'c mut [Chunk], pp: Option<(&'c dyn parallel::Comm, usize)> },
+    Whole(&'c mut model::Gpt),
 }
 
 impl Stages<'_> {
     /// One batch's forward in eval mode through every stage, activations passed on; the last
     /// stage's measured pairs where this rank holds it.
     fn forward(&mut self, b: &RowBuf, (batch, t): (usize, usize)) -> Option<PairRows> {
-        let Some((pp, me)) = self.pp else {
-            let ch = &mut self.chunks[0];
+        let (chunks, pp) = match self {
+            Stages::Whole(m) => {
+                m.pairs.as_mut().expect("a preference objective's model").reference = b.reference.clone();
+                m.forward(&b.x, &b.y, batch, t, Pass::Eval);
+                return m.pairs.clone();
+            }
+            Stages::Ranks { chunks, pp } => (chunks, *pp),
+        };
+        let Some((pp, me)) = pp else {
+            let ch = &mut chunks[0];
             ch.model.pairs.as_mut().expect("a preference objective's model").reference = b.reference.clone();
             ch.model.forward_with(&mut ch.dp, &b.x, &b.y, None, (batch, t), Pass::Eval);
             return ch.model.pairs.clone();
         };
-        let (p, v) = (pp.size(), self.chunks.len());
+        let (p, v) = (pp.size(), chunks.len());
         let mut out = None;
         for vs in (0..p * v).filter(|vs| vs % p == me) {
-            let ch = &mut self.chunks[vs / p];
+            let ch = &mut chunks[vs / p];
             if vs > 0 {
                 pp.recv(ch.model.stage_input_mut(batch, t), (vs - 1) % p, (2 << 20) + vs as u32);
             }
@@ -93,15 +102,25 @@ impl Stages<'_> {
 
     /// `x` as the pipeline's last stage has it (the identity without a pipeline).
     fn as_last_stage_has(&self, x: Vec<f64>) -> Vec<f64> {
-        match self.pp {
-            Some((pp, _)) => {
+        match self {
+            Stages::Ranks { pp: Some((pp, _)), .. } => {
                 let n = x.len();
-                let all = parallel::comm::all_gather_f64(pp, &x);
+                let all = parallel::comm::all_gather_f64(*pp, &x);
                 all[(pp.size() - 1) * n..].to_vec()
             }
-            None => x,
+            _ => x,
         }
     }
+}
+
+/// `kiln eval` of a preference run: its held-out pairs' sums under `m` (a whole model), against
+/// the reference log-probabilities the run measured at its start.
+pub(crate) fn eval_run_pairs(m: &mut model::Gpt, cfg: &RunConfig, ds: &TrainData, run_dir: &Path) -> Result<PairStats> {
+    let pc = cfg.pair_cfg().expect("a preference run");
+    let refs = references(cfg, &ds.sources, &mut Stages::Whole(m), (run_dir, false, true), 2)?;
+    m.pairs = Some(PairRows::new(pc));
+    let (t, batch) = (cfg.seq_len(), cfg.micro_batch() / cfg.parallel.dp.max(1));
+    Ok(eval_pairs(&mut Stages::Whole(m), &ds.sources, &refs, t, (batch.max(2), 0), (0, 1)))
 }
 
 /// Each document's log-probability under the model as it is (eval mode), `batch` documents at a

@@ -635,7 +635,7 @@ impl<'a> Rank<'a> {
         self.chunks.iter_mut().for_each(|ch| crate::memory::track::scope(crate::memory::track::Category::Activations, || ch.model.reserve_activations(rows, t)));
         let groups = &self.applied.groups;
         let pp = (self.cfg.parallel.pp > 1).then_some((&*groups.pp, groups.pp_rank));
-        let mut st = super::prefs::Stages { chunks: &mut self.chunks, pp };
+        let mut st = super::prefs::Stages::Ranks { chunks: &mut self.chunks, pp };
         let refs = super::prefs::references(self.cfg, &self.ds.sources, &mut st, (self.run_dir, self.lead, resumed), rows)?;
         if let (Some(acc), false) = (refs.val_accuracy, resumed) {
             self.log(serde_json::json!({"kind": "reference", "step": self.step, "val_preference_accuracy": acc}))?;
@@ -733,7 +733,7 @@ impl<'a> Rank<'a> {
         let t = self.t;
         self.chunks.iter_mut().for_each(|ch| crate::memory::track::scope(crate::memory::track::Category::Activations, || ch.model.reserve_activations(eb, t)));
         let pp = (cfg.parallel.pp > 1).then_some((&*groups.pp, groups.pp_rank));
-        let mut stages = super::prefs::Stages { chunks: &mut self.chunks, pp };
+        let mut stages = super::prefs::Stages::Ranks { chunks: &mut self.chunks, pp };
         let mut st = super::prefs::eval_pairs(&mut stages, &self.ds.sources, refs, t, (eb, cfg.eval.iters), (groups.dp_rank, groups.dp_size));
         if self.chunks[0].dp.n() > 1 {
             // (Over the store's group, whose context-parallel ranks measured the same pairs.)

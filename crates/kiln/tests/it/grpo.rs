@@ -44,6 +44,11 @@ fn grpo_raises_a_reward_and_resumes_bit_exactly() {
     let evals = lines(&run, "eval");
     assert_eq!(evals.iter().map(|e| e["step"].as_u64().unwrap()).collect::<Vec<_>>(), vec![0, 30], "{evals:?}");
     assert!(evals[1]["val_reward"].as_f64().unwrap() >= evals[0]["val_reward"].as_f64().unwrap());
+    // `kiln eval --run` completes the held-out prompts as the run's last evaluation did.
+    let o = kiln(&["eval", "--run", run.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let ev: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert_eq!((ev["val_reward"].as_f64(), ev["objective"].as_str()), (evals[1]["val_reward"].as_f64(), Some("grpo")), "{ev}");
     let bits = |r: &Path| losses(r).iter().map(|&(s, l)| (s, l.to_bits())).collect::<Vec<_>>();
     // With a KL term the reference is the starting model: a resumed run makes it again.
     let cases: [(&str, &[&str]); 3] = [("mu1", &[]), ("mu2", &["--set", "grpo.iterations=2"]), ("kl", &["--set", "grpo.beta=0.04", "--set", "grpo.loss=dr_grpo"])];

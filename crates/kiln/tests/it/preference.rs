@@ -49,6 +49,15 @@ fn dpo_layouts_reproduce_one_rank_and_resume_bit_exactly() {
     let eval = lines(&one, "eval");
     assert!(!eval.is_empty() && eval[0]["val_rewards_accuracy"].as_f64().is_some(), "{eval:?}");
     assert!(one.join("reference_logps.json").exists());
+    // `kiln eval --run` reports the held-out pairs as the run's last evaluation did.
+    let o = kiln(&["eval", "--run", one.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let ev: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    let last = eval.last().unwrap();
+    for k in ["val_loss", "val_rewards_accuracy", "val_preference_accuracy", "val_rewards_margin"] {
+        let (a, b) = (ev[k].as_f64().unwrap(), last[k].as_f64().unwrap());
+        assert!((a - b).abs() <= 1e-5 * b.abs().max(1.0), "{k}: kiln eval {a}, the run's {b}");
+    }
     let reference = lines(&one, "reference");
     assert!(reference.len() == 1 && reference[0]["val_preference_accuracy"].as_f64().is_some_and(|a| (0.0..=1.0).contains(&a)), "{reference:?}");
     assert!(step["preference_accuracy"].as_f64().is_some(), "{step}");
