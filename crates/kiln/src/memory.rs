@@ -674,7 +674,9 @@ fn grpo_rows(out: &mut Rows, cfg: &RunConfig, r: &RankShape) {
     }
     let cache = 2 * c.n_layer * c.block_size * c.n_kv_head * c.head_size();
     let row = 4 * c.n_embd + c.qkv_width() + c.attn_width() + c.fc_width() + c.ffn_hidden + 2 * c.vocab_size + (c.n_head + c.n_kv_head) * (c.head_size() + 1);
-    out.add(Kind::Temporary, Phase::Step, "GRPO rollout caches", b4((g + 1) * cache + g * row, 4), format!("a group's {g} completions decoded together: {} KV caches of {cache} elements, {g} rows of scratch and logits", g + 1));
+    // At most this rank's whole share of the step's completions (its prompts of one length).
+    let n = (cfg.train.batch_size / cfg.parallel.dp.max(1)).max(g);
+    out.add(Kind::Temporary, Phase::Step, "GRPO rollout caches", b4((n + 1) * cache + n * row, 4), format!("up to {n} completions decoded together (groups of {g}): {} KV caches of {cache} elements, {n} rows of scratch and logits", n + 1));
 }
 
 /// Activations (one set per micro-batch in flight) and the backward scratch; returns the sets'

@@ -154,27 +154,42 @@ impl Gpt {
         }
     }
 
-    /// Completions of one prompt by samplers `samplers` (one each), decoded together: the prompt
-    /// fed once, its keys and values copied to every completion, then each step's tokens of the
-    /// completions still running fed as rows of one batch. Each stops after `max_new` tokens, a
-    /// stop id, or once `stop(i, its tokens)` says so. The prompt and completions fit the
-    /// model's positions (no cache crop). Returns each completion's new tokens.
+    /// Completions of one prompt by samplers `samplers` (one each), decoded together
+    /// ([`Gpt::generate_groups`] of one group).
     pub fn generate_group(&self, prompt: &[u32], max_new: usize, samplers: &[Sampler], stop: &mut dyn FnMut(usize, &[u32]) -> bool) -> Vec<Vec<u32>> {
-        let (g, vp, real) = (samplers.len(), self.cfg.vocab_size, self.real_vocab);
-        assert!(!prompt.is_empty() && prompt.len() + max_new <= self.cfg.block_size, "a group's prompt and completions fit the model's positions");
-        let mut first = self.new_cache();
+        self.generate_groups(&[prompt], max_new, samplers, stop)
+    }
+
+    /// Completions of prompts of one length, `samplers.len() / prompts.len()` of each (row `i`
+    /// continues prompt `i / G`), decoded together: each prompt fed once, its keys and values
+    /// copied to its completions, then each step's tokens of the completions still running fed
+    /// as rows of one batch. Each stops after `max_new` tokens, a stop id, or once `stop(i, its
+    /// tokens)` says so. The prompts and completions fit the model's positions (no cache crop).
+    /// Returns each completion's new tokens.
+    pub fn generate_groups(&self, prompts: &[&[u32]], max_new: usize, samplers: &[Sampler], stop: &mut dyn FnMut(usize, &[u32]) -> bool) -> Vec<Vec<u32>> {
+        let (n, vp, real) = (samplers.len(), self.cfg.vocab_size, self.real_vocab);
+        let len = prompts[0].len();
+        assert!(n.is_multiple_of(prompts.len()) && prompts.iter().all(|p| p.len() == len), "whole groups of prompts of one length");
+        assert!(len > 0 && len + max_new <= self.cfg.block_size, "the prompts and completions fit the model's positions");
+        let g = n / prompts.len();
         let mut s = self.scratch_1();
-        for &token in prompt {
-            self.decode_into(&mut first, token, prompt.len(), &mut s);
+        let mut caches = Vec::with_capacity(n);
+        let mut logits_of = Vec::with_capacity(n);
+        for prompt in prompts {
+            let mut first = self.new_cache();
+            for &token in *prompt {
+                self.decode_into(&mut first, token, len, &mut s);
+            }
+            for _ in 0..g {
+                caches.push(KvCache { k: first.k.clone(), v: first.v.clone(), len: first.len });
+                logits_of.push(s.logits[..vp].to_vec());
+            }
         }
-        let prompt_logits = s.logits[..vp].to_vec();
-        let mut caches: Vec<KvCache> = (0..g).map(|_| KvCache { k: first.k.clone(), v: first.v.clone(), len: first.len }).collect();
         let mut rngs: Vec<Rng> = samplers.iter().map(|x| Rng::new(x.seed)).collect();
-        let mut seen: Vec<Vec<u32>> = vec![prompt.to_vec(); g];
-        let mut out: Vec<Vec<u32>> = vec![Vec::new(); g];
-        let mut active: Vec<usize> = (0..g).collect();
-        let mut s = self.scratch_n(g);
-        let mut logits_of: Vec<Vec<f32>> = vec![prompt_logits; g];
+        let mut seen: Vec<Vec<u32>> = (0..n).map(|i| prompts[i / g].to_vec()).collect();
+        let mut out: Vec<Vec<u32>> = vec![Vec::new(); n];
+        let mut active: Vec<usize> = (0..n).collect();
+        let mut s = self.scratch_n(n);
         while !active.is_empty() {
             let mut fed = Vec::with_capacity(active.len());
             for &i in &active {

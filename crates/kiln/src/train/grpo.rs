@@ -148,8 +148,8 @@ pub struct Share<'g> {
 /// An all-gather of figures over the data-parallel ranks.
 pub type Gather<'g> = &'g mut dyn FnMut(&[f64]) -> Vec<f64>;
 
-/// Samples this rank's share of the batch of completions the steps from `step` train on (each
-/// prompt's group decoded together), and scores them.
+/// Samples this rank's share of the batch of completions the steps from `step` train on (the
+/// groups of prompts of one length decoded together), and scores them.
 pub fn rollout(model: &Gpt, cfg: &RunConfig, ds: &TrainData, rewards: &Rewards, (step, share): (u64, Share)) -> Result<Rollout> {
     let prompts = ds.prompts.as_ref().expect("a GRPO run's prompts");
     let (g, p) = (cfg.grpo.group, cfg.train.batch_size / cfg.grpo.group);
@@ -161,13 +161,28 @@ pub fn rollout(model: &Gpt, cfg: &RunConfig, ds: &TrainData, rewards: &Rewards, 
     let mut rows = Vec::with_capacity(mine.len() * g);
     let mut texts = Vec::with_capacity(mine.len() * g);
     let stops = &cfg.grpo.stop;
-    for &(k, i) in &mine {
-        // A prompt's completions decoded together: its keys and values computed once.
+    // The prompts of one length decoded together, each prompt's keys and values computed once
+    // (`Gpt::generate_groups`); every completion lands in its prompt's place.
+    let mut outs: Vec<Vec<Vec<u32>>> = vec![Vec::new(); mine.len()];
+    let mut lengths: Vec<usize> = mine.iter().map(|&(_, i)| prompts.train[i].ids.len()).collect();
+    lengths.sort_unstable();
+    lengths.dedup();
+    for len in lengths {
+        let bucket: Vec<usize> = (0..mine.len()).filter(|&b| prompts.train[mine[b].1].ids.len() == len).collect();
+        let ids: Vec<&[u32]> = bucket.iter().map(|&b| &prompts.train[mine[b].1].ids[..]).collect();
+        let samplers: Vec<model::Sampler> = bucket.iter().flat_map(|&b| {
+            let k = mine[b].0;
+            (0..g).map(move |j| (k, j))
+        }).map(|(k, j)| sampler(cfg, &ds.tokenizer, (block, k, j))).collect();
+        let room = cfg.seq_len().saturating_sub(len).min(cfg.grpo.max_new_tokens);
+        let done = model.generate_groups(&ids, room, &samplers, &mut |_, out| !stops.is_empty() && stops.iter().any(|s| ds.tokenizer.decode(out).contains(s.as_str())));
+        for (b, chunk) in bucket.iter().zip(done.chunks(g)) {
+            outs[*b] = chunk.to_vec();
+        }
+    }
+    for (&(_, i), group) in mine.iter().zip(outs) {
         let task = &prompts.train[i];
-        let samplers: Vec<model::Sampler> = (0..g).map(|j| sampler(cfg, &ds.tokenizer, (block, k, j))).collect();
-        let room = cfg.seq_len().saturating_sub(task.ids.len()).min(cfg.grpo.max_new_tokens);
-        let outs = model.generate_group(&task.ids, room, &samplers, &mut |_, out| !stops.is_empty() && stops.iter().any(|s| ds.tokenizer.decode(out).contains(s.as_str())));
-        for out in outs {
+        for out in group {
             texts.push(ds.tokenizer.decode(&out));
             rows.push(([&task.ids[..], &out[..]].concat(), task.ids.len()));
         }

@@ -342,5 +342,10 @@ fn a_group_decoded_together_samples_as_each_alone() {
         let stopped = m.generate_group(&prompt, 4, &samplers, &mut |i, out| i == 2 && out.len() == 2);
         assert_eq!(stopped[2], alone[2][..2].to_vec());
         assert_eq!((stopped[1].clone(), stopped[3].clone()), (alone[1].clone(), alone[3].clone()));
+        // Two prompts of one length, two completions each, all decoded together.
+        let other = [5u32, 9];
+        let two = m.generate_groups(&[&prompt, &other], 4, &samplers, &mut |_, _| false);
+        let each: Vec<Vec<u32>> = samplers.iter().enumerate().map(|(i, s)| m.generate(if i < 2 { &prompt } else { &other }, 4, s)).collect();
+        assert_eq!(two, each, "llama {llama}");
     }
 }
