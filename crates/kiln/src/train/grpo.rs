@@ -109,14 +109,6 @@ fn sampler(cfg: &RunConfig, tok: &Tokenizer, (step, k, g): (u64, usize, usize)) 
     model::Sampler { top_p: c.top_p as f32, stop_ids: tok.eos_id().into_iter().collect(), ..model::Sampler::new(c.temperature as f32, c.top_k, seed) }
 }
 
-/// `prompt`'s completion by `model` under `sampler`: at most `grpo.max_new_tokens` tokens (and
-/// what the model's positions leave), stopping at the EOS or a stop string.
-fn complete(model: &Gpt, cfg: &RunConfig, tok: &Tokenizer, prompt: &[u32], sampler: &model::Sampler) -> Vec<u32> {
-    let room = cfg.seq_len().saturating_sub(prompt.len()).min(cfg.grpo.max_new_tokens);
-    let stops = &cfg.grpo.stop;
-    model.generate_until(prompt, room, sampler, &mut |out| !stops.is_empty() && stops.iter().any(|s| tok.decode(out).contains(s.as_str())))
-}
-
 /// The prompts of the batch of `step`: `count` of the training prompts in a seeded order per
 /// epoch.
 fn batch_prompts(cfg: &RunConfig, n: usize, step: u64, count: usize) -> Vec<usize> {
@@ -160,26 +152,9 @@ pub fn rollout(model: &Gpt, cfg: &RunConfig, ds: &TrainData, rewards: &Rewards, 
     let t0 = std::time::Instant::now();
     let mut rows = Vec::with_capacity(mine.len() * g);
     let mut texts = Vec::with_capacity(mine.len() * g);
-    let stops = &cfg.grpo.stop;
-    // The prompts of one length decoded together, each prompt's keys and values computed once
-    // (`Gpt::generate_groups`); every completion lands in its prompt's place.
-    let mut outs: Vec<Vec<Vec<u32>>> = vec![Vec::new(); mine.len()];
-    let mut lengths: Vec<usize> = mine.iter().map(|&(_, i)| prompts.train[i].ids.len()).collect();
-    lengths.sort_unstable();
-    lengths.dedup();
-    for len in lengths {
-        let bucket: Vec<usize> = (0..mine.len()).filter(|&b| prompts.train[mine[b].1].ids.len() == len).collect();
-        let ids: Vec<&[u32]> = bucket.iter().map(|&b| &prompts.train[mine[b].1].ids[..]).collect();
-        let samplers: Vec<model::Sampler> = bucket.iter().flat_map(|&b| {
-            let k = mine[b].0;
-            (0..g).map(move |j| (k, j))
-        }).map(|(k, j)| sampler(cfg, &ds.tokenizer, (block, k, j))).collect();
-        let room = cfg.seq_len().saturating_sub(len).min(cfg.grpo.max_new_tokens);
-        let done = model.generate_groups(&ids, room, &samplers, &mut |_, out| !stops.is_empty() && stops.iter().any(|s| ds.tokenizer.decode(out).contains(s.as_str())));
-        for (b, chunk) in bucket.iter().zip(done.chunks(g)) {
-            outs[*b] = chunk.to_vec();
-        }
-    }
+    let ids: Vec<&[u32]> = mine.iter().map(|&(_, i)| &prompts.train[i].ids[..]).collect();
+    let samplers: Vec<model::Sampler> = mine.iter().flat_map(|&(k, _)| (0..g).map(move |j| (k, j))).map(|(k, j)| sampler(cfg, &ds.tokenizer, (block, k, j))).collect();
+    let outs: Vec<Vec<Vec<u32>>> = decode_together(model, cfg, &ds.tokenizer, &ids, &samplers).chunks(g).map(|c| c.to_vec()).collect();
     for (&(_, i), group) in mine.iter().zip(outs) {
         let task = &prompts.train[i];
         for out in group {
@@ -228,6 +203,30 @@ fn figures(rewards: &Rewards, (total, each): (&[f64], &[Vec<f64>]), rows: &[(Vec
     f.insert("completion_length_max".into(), max(5).into());
     f.insert("rollout_tokens_per_sec".into(), (sum(4) / max(6).max(1e-9)).into());
     f
+}
+
+/// Completions of `prompts` by `samplers` (`samplers.len() / prompts.len()` a prompt, row `i`
+/// of prompt `i / G`), the prompts of one length decoded together (`Gpt::generate_groups`), at
+/// most `grpo.max_new_tokens` tokens each and what the positions leave, stopping at the EOS or a
+/// stop string. Prompt-major, as the samplers.
+fn decode_together(model: &Gpt, cfg: &RunConfig, tok: &Tokenizer, prompts: &[&[u32]], samplers: &[model::Sampler]) -> Vec<Vec<u32>> {
+    let g = samplers.len() / prompts.len().max(1);
+    let stops = &cfg.grpo.stop;
+    let mut outs: Vec<Vec<u32>> = vec![Vec::new(); samplers.len()];
+    let mut lengths: Vec<usize> = prompts.iter().map(|p| p.len()).collect();
+    lengths.sort_unstable();
+    lengths.dedup();
+    for len in lengths {
+        let bucket: Vec<usize> = (0..prompts.len()).filter(|&b| prompts[b].len() == len).collect();
+        let ids: Vec<&[u32]> = bucket.iter().map(|&b| prompts[b]).collect();
+        let rows: Vec<model::Sampler> = bucket.iter().flat_map(|&b| samplers[b * g..(b + 1) * g].iter().cloned()).collect();
+        let room = cfg.seq_len().saturating_sub(len).min(cfg.grpo.max_new_tokens);
+        let done = model.generate_groups(&ids, room, &rows, &mut |_, out| !stops.is_empty() && stops.iter().any(|s| tok.decode(out).contains(s.as_str())));
+        for (b, chunk) in bucket.iter().zip(done.chunks(g)) {
+            outs[b * g..(b + 1) * g].clone_from_slice(chunk);
+        }
+    }
+    outs
 }
 
 /// Writes completions `rows` of `r` into `buf` (rows of `t`): inputs, targets on the completion
@@ -279,7 +278,14 @@ pub fn held_out_reward(model: &Gpt, cfg: &RunConfig, ds: &TrainData, rewards: &R
     let prompts = ds.prompts.as_ref().expect("a GRPO run's prompts");
     let n = if cfg.grpo.eval_prompts == 0 { prompts.val.len() } else { cfg.grpo.eval_prompts.min(prompts.val.len()) };
     let greedy = model::Sampler { stop_ids: ds.tokenizer.eos_id().into_iter().collect(), ..model::Sampler::new(0.0, 0, cfg.train.seed) };
-    let texts: Vec<String> = prompts.val[..n].iter().map(|task| ds.tokenizer.decode(&complete(model, cfg, &ds.tokenizer, &task.ids, &greedy))).collect();
+    // As many prompts at once as a step's rollout on a rank decodes (what the memory plan counts).
+    let at_once = (cfg.train.batch_size / cfg.parallel.dp.max(1)).max(1);
+    let mut texts = Vec::with_capacity(n);
+    for part in prompts.val[..n].chunks(at_once) {
+        let ids: Vec<&[u32]> = part.iter().map(|t| &t.ids[..]).collect();
+        let samplers = vec![greedy.clone(); part.len()];
+        texts.extend(decode_together(model, cfg, &ds.tokenizer, &ids, &samplers).iter().map(|out| ds.tokenizer.decode(out)));
+    }
     let items: Vec<Scored> = texts.iter().zip(&prompts.val[..n]).map(|(c, task)| Scored { prompt: &task.prompt, completion: c, answer: &task.answer }).collect();
     let each = rewards.each(&items)?;
     let total = rewards.total(&each);
