@@ -224,7 +224,8 @@ pub struct GrpoSection {
     /// `grpo` (advantages over the group's standard deviation, each completion's mean token
     /// loss) or `dr_grpo` (Liu et al. 2025: advantages unscaled, token losses summed over
     /// `max_new_tokens`).
-    pub loss: String,
+    #[serde(with = "named")]
+    pub loss: GrpoLoss,
     /// The rewards (`kiln::reward`: `exact`, `numeric:TOL`, `regex:P`, `format:P`, `command:C`)
     /// and their weights (empty: 1 each).
     pub rewards: Vec<String>,
@@ -237,11 +238,38 @@ pub struct GrpoSection {
     pub eval_prompts: usize,
 }
 
+/// `grpo.loss`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum GrpoLoss {
+    #[default]
+    Grpo,
+    DrGrpo,
+}
+
+impl Names for GrpoLoss {
+    const NAMES: &'static [(&'static str, GrpoLoss)] = &[("grpo", GrpoLoss::Grpo), ("dr_grpo", GrpoLoss::DrGrpo)];
+}
+
+impl GrpoLoss {
+    /// Whether advantages are divided by their group's standard deviation.
+    pub fn scales_rewards(self) -> bool {
+        self == GrpoLoss::Grpo
+    }
+
+    /// How a completion's token losses make its loss.
+    pub fn aggregation(self) -> tensor::grpo::Aggregation {
+        match self {
+            GrpoLoss::Grpo => tensor::grpo::Aggregation::Sequence,
+            GrpoLoss::DrGrpo => tensor::grpo::Aggregation::Constant,
+        }
+    }
+}
+
 impl Default for GrpoSection {
     fn default() -> Self {
         GrpoSection {
             group: 8, max_new_tokens: 64, temperature: 1.0, top_p: 1.0, top_k: 0, stop: vec![], iterations: 1, epsilon: 0.2, epsilon_high: 0.2, beta: 0.0,
-            loss: "grpo".into(), rewards: vec!["exact".into()], reward_weights: vec![], answer_pattern: r"(-?\d+(?:\.\d+)?)".into(), answer_field: "answer".into(), eval_prompts: 200,
+            loss: GrpoLoss::Grpo, rewards: vec!["exact".into()], reward_weights: vec![], answer_pattern: r"(-?\d+(?:\.\d+)?)".into(), answer_field: "answer".into(), eval_prompts: 200,
         }
     }
 }
@@ -1228,9 +1256,6 @@ impl RunConfig {
         }
         if g.epsilon >= 1.0 {
             return user(format!("grpo.epsilon must be below 1, got {}", g.epsilon));
-        }
-        if !["grpo", "dr_grpo"].contains(&g.loss.as_str()) {
-            return user(format!("grpo.loss: `{}` is not one of grpo, dr_grpo", g.loss));
         }
         crate::reward::Rewards::new(&g.rewards, &g.reward_weights, &g.answer_pattern)?;
         let p = &self.parallel;

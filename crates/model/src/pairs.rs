@@ -104,12 +104,8 @@ impl PairRows {
 
     /// Reads each row's log-probability from the token losses `[B, T]` (0 at ignored targets)
     /// and computes each pair's loss; returns their mean.
-    pub fn measure(&mut self, token_losses: &[f32], targets: &[i32], ignore: i32, bt: (usize, usize)) -> f64 {
-        self.measure_parts(token_losses, targets, ignore, bt, &mut |_| {})
-    }
-
-    /// [`PairRows::measure`] on a part of each row's positions, `sum_rows` summing the parts'
-    /// row sums (context parallelism).
+    /// `sum_rows` sums the row sums of the parts that hold each row's positions between them
+    /// (context parallelism; the identity otherwise).
     pub fn measure_parts(&mut self, token_losses: &[f32], targets: &[i32], ignore: i32, (b, t): (usize, usize), sum_rows: &mut dyn FnMut(&mut [f64])) -> f64 {
         assert!(b.is_multiple_of(2), "a preference micro-batch holds whole pairs: {b} rows");
         assert_eq!(self.reference.len(), b, "one reference log-probability per row");

@@ -147,8 +147,8 @@ pub(super) fn check_data_fits(cfg: &mut RunConfig, ds: &TrainData, explicit: &st
     }
     let te = if cfg.eval.seq_len == 0 { t } else { cfg.eval.seq_len };
     // Preference pairs are rows of their own (cut at the row's length), not windows.
-    let pairs = cfg.train.objective != crate::config::Objective::Lm;
-    for s in ds.sources.iter().filter(|_| !pairs) {
+    let post_training = cfg.train.objective != crate::config::Objective::Lm;
+    for s in ds.sources.iter().filter(|_| !post_training) {
         for (split, sp, t) in [("training", &s.train, t), ("validation", &s.val, te)] {
             if sp.len() < t + 1 {
                 return user(format!(

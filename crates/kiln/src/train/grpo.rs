@@ -110,19 +110,23 @@ fn sampler(cfg: &RunConfig, tok: &Tokenizer, (step, k, g): (u64, usize, usize)) 
 }
 
 /// The prompts of the batch of `step`: `count` of the training prompts in a seeded order per
-/// epoch.
+/// epoch (each epoch's order shuffled once).
 fn batch_prompts(cfg: &RunConfig, n: usize, step: u64, count: usize) -> Vec<usize> {
     let first = step * count as u64;
+    let mut order: (u64, Vec<usize>) = (u64::MAX, Vec::new());
     (0..count as u64)
         .map(|k| {
             let at = first + k;
             let (epoch, i) = (at / n as u64, (at % n as u64) as usize);
-            let mut order: Vec<usize> = (0..n).collect();
-            let mut r = tensor::Rng::new(mix64(cfg.train.seed ^ mix64(epoch ^ 0x9f4a_7c15)));
-            for j in (1..n).rev() {
-                order.swap(j, r.below(j as u64 + 1) as usize);
+            if order.0 != epoch {
+                let mut o: Vec<usize> = (0..n).collect();
+                let mut r = tensor::Rng::new(mix64(cfg.train.seed ^ mix64(epoch ^ 0x9f4a_7c15)));
+                for j in (1..n).rev() {
+                    o.swap(j, r.below(j as u64 + 1) as usize);
+                }
+                order = (epoch, o);
             }
-            order[i]
+            order.1[i]
         })
         .collect()
 }
@@ -169,7 +173,7 @@ pub fn rollout(model: &Gpt, cfg: &RunConfig, ds: &TrainData, rewards: &Rewards, 
     }).collect();
     let each = rewards.each(&items)?;
     let total = rewards.total(&each);
-    let advantages = tensor::grpo::group_advantages(&total, g, cfg.grpo.loss == "grpo");
+    let advantages = tensor::grpo::group_advantages(&total, g, cfg.grpo.loss.scales_rewards());
     let figures = figures(rewards, (&total, &each), &rows, g, (secs, share.gather));
     Ok(Rollout { step: block * cfg.grpo.iterations as u64, rows, advantages, old_logps: Vec::new(), ref_logps: Vec::new(), figures })
 }

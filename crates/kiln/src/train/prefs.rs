@@ -199,6 +199,7 @@ pub(super) fn fill_reference(sources: &[Source], refs: &[Vec<f64>], rows: &[Row]
 /// last stage's sums.
 pub(super) fn eval_pairs(st: &mut Stages, sources: &[Source], refs: &References, t: usize, (batch, max_batches): (usize, usize), (rank, ranks): (usize, usize)) -> PairStats {
     let mut sum = PairStats::default();
+    let splits: Vec<&Split> = sources.iter().map(|s| &s.val).collect();
     for (src, s) in sources.iter().enumerate() {
         let n = s.val.docs.len();
         let mut batches: Vec<Vec<Row>> = (0..n).step_by(batch).map(|first| (first..(first + batch).min(n)).map(|d| pair_row(&s.val, src, d, t)).collect()).collect();
@@ -208,7 +209,6 @@ pub(super) fn eval_pairs(st: &mut Stages, sources: &[Source], refs: &References,
         for k in 0..batches.len().div_ceil(ranks) {
             let rows = batches.get(k * ranks + rank).map_or(&[][..], |b| &b[..]);
             let mut b = RowBuf::new(batch, t, false);
-            let splits: Vec<&Split> = sources.iter().map(|s| &s.val).collect();
             fill_rows(&splits, rows, t, false, &mut b);
             fill_reference(sources, &refs.val, rows, true, &mut b);
             b.reference.resize(batch, 0.0);

@@ -653,7 +653,7 @@ impl<'a> Rank<'a> {
         }
         let c = &self.cfg.grpo;
         let gc = tensor::grpo::GrpoCfg { eps_low: c.epsilon, eps_high: c.epsilon_high, beta: c.beta };
-        let agg = if c.loss == "dr_grpo" { tensor::grpo::Aggregation::Constant } else { tensor::grpo::Aggregation::Sequence };
+        let agg = c.loss.aggregation();
         for ch in self.chunks.iter_mut() {
             let mut rows = model::policy::PolicyRows::new(gc, agg, c.max_new_tokens);
             rows.parts = self.cfg.parallel.cp;
