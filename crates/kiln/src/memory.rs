@@ -248,7 +248,9 @@ pub fn activation_set_every(cfg: &GptConfig, b: usize, t: usize, recompute: Reco
         (true, false) => n_inner as u64 * moe_cache_bytes(cfg, n),
         _ => bulk(n_inner, n * cfg.fc_width()) + bulk(n_inner, n * cfg.ffn_hidden),
     };
-    let qk_heads = n * (cfg.n_head + cfg.n_kv_head);
+    let qk_in = n * (cfg.n_head + cfg.n_kv_head) * cfg.head_size();
+    // Norms after the branches keep both branches' outputs and their rstd.
+    let post = if cfg.block_norms.post() { bulk(n_inner, 2 * nl * c) + stat(n_inner, 2 * nl) } else { 0 };
     let core = match recompute {
         // One shared fp32 set, recomputed per layer.
         Recompute::Selective => f(n * aw + b * nh * t),
@@ -261,10 +263,11 @@ pub fn activation_set_every(cfg: &GptConfig, b: usize, t: usize, recompute: Reco
             (true, Some(bits)) => f(3 * nl * c) + l as u64 * tensor::quant::compressed_bytes(nl * c, bits) as u64,
             _ => f((l + 1) * nl * c),
         } + bulk(n_kept, nl * c) + f(nl * c) + f(nf * c),
-        // Qwen3's per-head norms keep their inputs (rounded like q|k|v) and an fp32 rstd per head.
-        attention: bulk(n_inner, n * qw) + core + if cfg.qk_norm { bulk(n_inner, qk_heads * cfg.head_size()) + stat(n_inner, qk_heads) } else { 0 },
+        // Qwen3's per-head norms keep their inputs (rounded like q|k|v) and an fp32 rstd per head
+        // (OLMo 2's whole-width ones two per token).
+        attention: bulk(n_inner, n * qw) + core + if cfg.qk_norm { bulk(n_inner, qk_in) + stat(n_inner, n * cfg.qk_norm_groups()) } else { 0 },
         mlp: mlp_inner,
-        norms: 2 * bulk(n_kept, nl * c) + stat(n_kept, 4 * nl) + f(hl * c + 2 * hl) + 2 * bulk(n_inner, nf * c),
+        norms: 2 * bulk(n_kept, nl * c) + stat(n_kept, 4 * nl) + f(hl * c + 2 * hl) + 2 * bulk(n_inner, nf * c) + post,
         head: f(hl * c) + f(if head { nf * c } else { 0 }) + f(tensor::classifier::chunk_rows(hn, vp, p.arith) * vp),
         // losses are fp32; tokens (u32) and targets (i32) are 4 bytes
         losses: f(n) + 8 * n as u64,
@@ -300,7 +303,8 @@ fn moe_stash_bytes(cfg: &GptConfig, n: usize, stored: &dyn Fn(usize) -> u64) -> 
 /// Backward's gradient scratch (`GradScratch`): one set for all blocks, sized by the dense
 /// widths even for an MoE model (whose layer keeps its own scratch in its cache).
 pub fn grad_scratch(cfg: &GptConfig, n: usize) -> u64 {
-    let elems = 3 * n * cfg.n_embd + n * cfg.attn_width() + n * cfg.qkv_width() + n * cfg.fc_width() + n * cfg.ffn_hidden;
+    let post = if cfg.block_norms.post() { n * cfg.n_embd } else { 0 };
+    let elems = 3 * n * cfg.n_embd + n * cfg.attn_width() + n * cfg.qkv_width() + n * cfg.fc_width() + n * cfg.ffn_hidden + post;
     elems as u64 * 4
 }
 

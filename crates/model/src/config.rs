@@ -17,6 +17,36 @@ impl plan::policy::Names for Arch {
     const NAMES: &'static [(&'static str, Arch)] = &[("gpt2", Arch::Gpt2), ("llama", Arch::Llama)];
 }
 
+/// Where a block's norms sit around its two branches (attention, MLP), each branch `y = f(x)`
+/// added to the residual stream `x`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BlockNorms {
+    /// `x + f(norm(x))`: GPT-2, LLaMA and most decoders.
+    #[default]
+    Pre,
+    /// `x + norm(f(x))`: OLMo 2's reordered norms.
+    Post,
+    /// `x + norm(f(norm(x)))`: Gemma 2 and 3's sandwich norms.
+    Sandwich,
+}
+
+impl BlockNorms {
+    /// Whether a norm precedes each branch.
+    pub fn pre(self) -> bool {
+        self != BlockNorms::Post
+    }
+
+    /// Whether a norm follows each branch (before the residual add).
+    pub fn post(self) -> bool {
+        self != BlockNorms::Pre
+    }
+}
+
+impl plan::policy::Names for BlockNorms {
+    const NAMES: &'static [(&'static str, BlockNorms)] = &[("pre", BlockNorms::Pre), ("post", BlockNorms::Post), ("sandwich", BlockNorms::Sandwich)];
+}
+
 /// The defaults of the optional shape and MoE values, for [`GptConfig::gpt2`] and kiln's
 /// `model.*` keys alike.
 pub mod defaults {
@@ -255,6 +285,13 @@ pub struct GptConfig {
     /// `k_norm`; llama arch).
     #[serde(default)]
     pub qk_norm: bool,
+    /// The q and k norms span all of a token's heads at once (OLMo 2's `q_norm` over
+    /// `NH·HS`, `k_norm` over `NKV·HS`) rather than each head (with `qk_norm`).
+    #[serde(default)]
+    pub qk_norm_whole: bool,
+    /// Where the block's norms sit (llama arch): before each branch, after it, or both.
+    #[serde(default)]
+    pub block_norms: BlockNorms,
     /// Hugging Face files hold q, k and v as one `qkv_proj` and gate and up as one
     /// `gate_up_proj` (Phi-3's `Phi3ForCausalLM`); the model itself is LLaMA's.
     #[serde(default)]
@@ -310,7 +347,7 @@ impl GptConfig {
     pub fn gpt2((n_layer, n_head, n_embd): (usize, usize, usize), block_size: usize, vocab_size: usize, bias: bool, dropout: f32, tied: bool) -> GptConfig {
         GptConfig {
             arch: Arch::Gpt2, n_layer, n_head, n_kv_head: n_head, n_embd, ffn_hidden: 4 * n_embd, block_size, vocab_size,
-            bias, dropout, tied_embeddings: tied, rope_theta: defaults::ROPE_THETA as f32, rope_scaling: None, qkv_bias: false, pad_token_id: None, qk_norm: false, fused_proj: false, sliding_window: 0, attn_sinks: 0, window_layers: Vec::new(), nope_layers: Vec::new(), head_dim: 0, rotary_dim: 0, norm_eps: defaults::NORM_EPS as f32,
+            bias, dropout, tied_embeddings: tied, rope_theta: defaults::ROPE_THETA as f32, rope_scaling: None, qkv_bias: false, pad_token_id: None, qk_norm: false, qk_norm_whole: false, block_norms: BlockNorms::Pre, fused_proj: false, sliding_window: 0, attn_sinks: 0, window_layers: Vec::new(), nope_layers: Vec::new(), head_dim: 0, rotary_dim: 0, norm_eps: defaults::NORM_EPS as f32,
             n_expert: 0, top_k: defaults::TOP_K, n_shared_expert: 0, capacity_factor: 0.0, moe_aux_weight: defaults::MOE_AUX_WEIGHT as f32,
             moe_z_weight: defaults::MOE_Z_WEIGHT as f32, place: Placement::default(),
         }
@@ -411,6 +448,12 @@ impl GptConfig {
         if self.qk_norm && self.arch != Arch::Llama {
             return Err("model.qk_norm is a llama-arch setting (Qwen3's per-head q and k norms)".into());
         }
+        if self.qk_norm_whole && !self.qk_norm {
+            return Err("model.qk_norm_whole needs model.qk_norm (it says the q and k norms span every head at once)".into());
+        }
+        if self.block_norms != BlockNorms::Pre && self.arch != Arch::Llama {
+            return Err("model.block_norms = post or sandwich needs model.arch = llama (RMSNorm blocks)".into());
+        }
         if self.qkv_bias && self.arch != Arch::Llama {
             return Err("model.qkv_bias is a llama-arch setting (Qwen2); GPT-2's biases are model.bias".into());
         }
@@ -444,15 +487,25 @@ impl GptConfig {
                 (norms + attn + mlp, v * c + u(self.block_size) * c)
             }
             Arch::Llama => {
-                let attn = (q + two * kv) * c + if self.qkv_bias { q + two * kv } else { zero } + c * q + if self.qk_norm { two * hs } else { zero };
+                let attn = (q + two * kv) * c + if self.qkv_bias { q + two * kv } else { zero } + c * q + self.qk_norm_len(&u, hs, q + kv);
                 let expert = three * f * c;
                 let mlp = if self.n_expert > 0 { u(self.n_expert) * c + (u(self.n_expert) + u(self.n_shared_expert)) * expert } else { expert };
-                (two * c + attn + mlp, v * c)
+                let norms = if self.block_norms == BlockNorms::Sandwich { u(4) * c } else { two * c };
+                (norms + attn + mlp, v * c)
             }
         };
         let head = if self.tied_embeddings { zero } else { v * c };
         let final_norm = c + if self.arch == Arch::Gpt2 { bias(c) } else { zero };
         embed + u(self.n_layer) * block + final_norm + head
+    }
+
+    /// The q and k norms' weights: none, one head's each, or every head's (`qk_norm_whole`).
+    fn qk_norm_len<T: Copy + std::ops::Add<Output = T>>(&self, u: &impl Fn(usize) -> T, hs: T, whole: T) -> T {
+        match (self.qk_norm, self.qk_norm_whole) {
+            (false, _) => u(0),
+            (true, false) => hs + hs,
+            (true, true) => whole,
+        }
     }
 
     /// The rotary inverse frequencies, rope scaling applied.
@@ -505,6 +558,16 @@ impl GptConfig {
     /// Width of the fused q|k|v projection output: `(NH + 2·NKV)·HS`.
     pub fn qkv_width(&self) -> usize {
         (self.n_head + 2 * self.n_kv_head) * self.head_size()
+    }
+
+    /// The vectors the q and k norms normalise per token (`qk_norm`): each head, or q and k
+    /// each as one (`qk_norm_whole`); 0 without them.
+    pub fn qk_norm_groups(&self) -> usize {
+        match (self.qk_norm, self.qk_norm_whole) {
+            (false, _) => 0,
+            (true, false) => self.n_head + self.n_kv_head,
+            (true, true) => 2,
+        }
     }
 
     /// Global index of this config's first block (0 unless a pipeline stage).

@@ -114,11 +114,11 @@ impl Gpt {
             }
         }
         for (l, bp) in pv.blocks.iter().enumerate() {
-            ops.norm_forward(ln, mean, rstd, x, &w[bp.ln_1_w.clone()], opt(&bp.ln_1_b));
-            matmul_forward(qkv, ln, &w[bp.c_attn_w.clone()], opt(&bp.c_attn_b), n, c, qw);
+            let a_in = pre_norm(&ops, (ln, mean, rstd), x, (&bp.ln_1_w, &bp.ln_1_b), w);
+            matmul_forward(qkv, a_in, &w[bp.c_attn_w.clone()], opt(&bp.c_attn_b), n, c, qw);
             if let Some(r) = &bp.qk_norm_w {
-                let heads = nh + nkv;
-                qk_rmsnorm_forward(qkv, &mut s.qk_pre[..n * heads * hs], &mut s.qk_rstd[..n * heads], &w[r.clone()], cfg.norm_eps, nh, nkv);
+                let (pre, groups) = (&mut s.qk_pre[..n * (nh + nkv) * hs], &mut s.qk_rstd[..n * cfg.qk_norm_groups()]);
+                qk_rmsnorm_forward(qkv, pre, groups, &w[r.clone()], cfg.norm_eps, (nh, nkv, hs));
             }
             if let Some((cos, sin)) = rope.filter(|_| cfg.rope_at(l)) {
                 rope_forward(qkv, cos, sin, &GqaDims { b: n, ..one }, pos);
@@ -133,19 +133,19 @@ impl Gpt {
                 attention_decode(&mut atty[i * qc..(i + 1) * qc], &q[..qc], kc, vc, &GqaDims { t: pos + 1, window: cfg.window_of(l), ..one });
             }
             matmul_forward(proj, atty, &w[bp.attn_proj_w.clone()], opt(&bp.attn_proj_b), n, cfg.attn_width(), c);
-            residual_forward(res, x, proj);
-            ops.norm_forward(ln, mean, rstd, res, &w[bp.ln_2_w.clone()], opt(&bp.ln_2_b));
+            residual_forward(res, x, post_norm(&ops, (ln, mean, rstd), proj, &bp.post_1_w, w));
+            let m_in = pre_norm(&ops, (ln, mean, rstd), res, (&bp.ln_2_w, &bp.ln_2_b), w);
             if let (Some(mp), Some(cache)) = (&bp.moe, s.moe.as_mut()) {
                 let dims = cfg.moe_dims(n);
-                let inp = tensor::moe::MoeInputs { x: ln, router_w: &w[mp.router.clone()], experts_w: &w[mp.experts.clone()], shared_w: &w[mp.shared.clone()] };
+                let inp = tensor::moe::MoeInputs { x: m_in, router_w: &w[mp.router.clone()], experts_w: &w[mp.experts.clone()], shared_w: &w[mp.shared.clone()] };
                 tensor::moe::moe_forward(proj, cache, inp, &dims, tensor::moe::MoeLossWeights::default(), None);
             } else {
                 let (fch, fch_gelu) = (&mut s.fch[..n * fw], &mut s.fch_gelu[..n * f]);
-                matmul_forward(fch, ln, &w[bp.c_fc_w.clone()], opt(&bp.c_fc_b), n, c, fw);
+                matmul_forward(fch, m_in, &w[bp.c_fc_w.clone()], opt(&bp.c_fc_b), n, c, fw);
                 ops.act_forward(fch_gelu, fch);
                 matmul_forward(proj, fch_gelu, &w[bp.mlp_proj_w.clone()], opt(&bp.mlp_proj_b), n, f, c);
             }
-            residual_forward(x, res, proj);
+            residual_forward(x, res, post_norm(&ops, (ln, mean, rstd), proj, &bp.post_2_w, w));
         }
         ops.norm_forward(ln, mean, rstd, x, &w[pv.ln_f_w.clone()], opt(&pv.ln_f_b));
         matmul_forward(&mut s.logits[..n * vp], ln, &w[pv.lm_head.clone()], None, n, c, vp);
@@ -362,4 +362,22 @@ pub fn sample(logits: &[f32], sampler: &Sampler, rng: &mut Rng) -> u32 {
         }
     }
     *idx.last().unwrap() as u32
+}
+
+/// A decoding step's norm before a branch: `x` normed into `ln` (statistics beside it), or `x`
+/// itself when the block has none there (an empty weight range).
+fn pre_norm<'x>(ops: &Ops, (ln, mean, rstd): (&'x mut [f32], &mut [f32], &mut [f32]), x: &'x [f32], (wr, br): (&std::ops::Range<usize>, &Option<std::ops::Range<usize>>), w: &[f32]) -> &'x [f32] {
+    if wr.is_empty() {
+        return x;
+    }
+    ops.norm_forward(ln, mean, rstd, x, &w[wr.clone()], br.as_ref().map(|r| &w[r.clone()]));
+    ln
+}
+
+/// A decoding step's norm after a branch: its output `y` normed into `ln`, or `y` itself
+/// without one.
+fn post_norm<'x>(ops: &Ops, (ln, mean, rstd): (&'x mut [f32], &mut [f32], &mut [f32]), y: &'x [f32], wr: &Option<std::ops::Range<usize>>, w: &[f32]) -> &'x [f32] {
+    let Some(wr) = wr else { return y };
+    ops.norm_forward(ln, mean, rstd, y, &w[wr.clone()], None);
+    ln
 }

@@ -240,6 +240,11 @@ struct BlockInner {
     /// `rstd` `[q: N·NH | k: N·NKV]`; empty otherwise.
     qk_pre: Vec<f32>,
     qk_rstd: Vec<f32>,
+    /// Norms after the branches (`model.block_norms = post | sandwich`): their inputs, the
+    /// attention branch's then the MLP's (`[2, B, T, C]`, rows of the residual stream), and
+    /// their `rstd` (`[2, B, T]`); empty otherwise.
+    post_in: Vec<f32>,
+    post_rstd: Vec<f32>,
 }
 
 impl BlockKept {
@@ -251,10 +256,10 @@ impl BlockKept {
 
 impl BlockInner {
     /// As [`BlockKept::parts`] (an MoE layer's cache is stashed on its own, see [`Stash::put`]).
-    fn parts(&mut self) -> ([&mut Vec<f32>; 7], [&mut Vec<f32>; 2]) {
+    fn parts(&mut self) -> ([&mut Vec<f32>; 8], [&mut Vec<f32>; 3]) {
         (
-            [&mut self.qkv, &mut self.core.atty, &mut self.fch, &mut self.fch_gelu, &mut self.ln_1_full, &mut self.ln_2_full, &mut self.qk_pre],
-            [&mut self.core.state, &mut self.qk_rstd],
+            [&mut self.qkv, &mut self.core.atty, &mut self.fch, &mut self.fch_gelu, &mut self.ln_1_full, &mut self.ln_2_full, &mut self.qk_pre, &mut self.post_in],
+            [&mut self.core.state, &mut self.qk_rstd, &mut self.post_rstd],
         )
     }
 }
@@ -565,6 +570,8 @@ struct GradScratch {
     /// reduce-scatter.
     dfull: Vec<f32>,
     dln_full: Vec<f32>,
+    /// Norms after the branches: the gradient of a norm's input (`[B, T, C]`, else empty).
+    dpost: Vec<f32>,
 }
 
 pub struct Gpt {
@@ -818,7 +825,8 @@ impl Gpt {
         let cfg = &self.cfg;
         // Selective recomputation keeps everything but the attention core's outputs.
         let own_core = self.recompute != Recompute::Selective;
-        let qk_heads = if cfg.qk_norm { n * (cfg.n_head + cfg.n_kv_head) } else { 0 };
+        let (qk_in, qk_groups) = if cfg.qk_norm { (n * (cfg.n_head + cfg.n_kv_head) * cfg.head_size(), n * cfg.qk_norm_groups()) } else { (0, 0) };
+        let post = if cfg.block_norms.post() { 2 * nl } else { 0 };
         let kept = || BlockKept {
             ln_1: zeros(nl * c), ln_1_mean: zeros(nl), ln_1_rstd: zeros(nl), res_2: zeros(nl * c),
             ln_2: zeros(nl * c), ln_2_mean: zeros(nl), ln_2_rstd: zeros(nl),
@@ -828,7 +836,8 @@ impl Gpt {
             fch: zeros(n * fw), fch_gelu: zeros(n * f),
             moe: moe.then(|| MoeCache::new(cfg.moe_dims(n))),
             ln_1_full: zeros(nf * c), ln_2_full: zeros(nf * c),
-            qk_pre: zeros(qk_heads * cfg.head_size()), qk_rstd: zeros(qk_heads),
+            qk_pre: zeros(qk_in), qk_rstd: zeros(qk_groups),
+            post_in: zeros(post * c), post_rstd: zeros(post),
         };
         let l = self.cfg.n_layer;
         // Full recomputation of every k-th layer (k = 1: all): those layers share one set,
@@ -1291,6 +1300,7 @@ impl Gpt {
         self.scratch = Some(GradScratch {
             dres: zeros(nl * c), dln: zeros(nl * c), dbranch: zeros(nl * c), datty: zeros(n * self.cfg.attn_width()),
             dqkv: zeros(n * qw), dfch: zeros(n * fw), dfch_gelu: zeros(n * f), dfull: zeros(nf * c), dln_full: zeros(nf * c),
+            dpost: zeros(if self.cfg.block_norms.post() { nl * c } else { 0 }),
         });
     }
 
@@ -1336,7 +1346,7 @@ fn acts_bytes(a: &Acts) -> usize {
     };
     let kept = |k: &BlockKept| [&k.ln_1, &k.ln_1_mean, &k.ln_1_rstd, &k.res_2, &k.ln_2, &k.ln_2_mean, &k.ln_2_rstd].iter().map(|x| v(x)).sum::<usize>();
     let inner = |i: &BlockInner| {
-        [&i.qkv, &i.core.atty, &i.core.state, &i.fch, &i.fch_gelu, &i.ln_1_full, &i.ln_2_full, &i.qk_pre, &i.qk_rstd].iter().map(|x| v(x)).sum::<usize>()
+        [&i.qkv, &i.core.atty, &i.core.state, &i.fch, &i.fch_gelu, &i.ln_1_full, &i.ln_2_full, &i.qk_pre, &i.qk_rstd, &i.post_in, &i.post_rstd].iter().map(|x| v(x)).sum::<usize>()
             + i.moe.as_ref().map_or(0, moe_bytes)
     };
     a.xs.iter().map(v).sum::<usize>() + v(&a.x_work)
@@ -1550,13 +1560,62 @@ impl<'o, 'a> Block<'o, 'a> {
         (&self.w[w.clone()], b.as_ref().map(|r| &self.w[r.clone()]))
     }
 
+    /// The norm before a branch into `out` (its statistics beside it), rounded to the storage
+    /// format; a copy of `x` when the block has none there (an empty weight range).
+    fn pre_norm_forward(&self, w: &Range<usize>, b: &Option<Range<usize>>, x: &[f32], (out, mean, rstd): (&mut [f32], &mut [f32], &mut [f32])) {
+        if w.is_empty() {
+            out.copy_from_slice(x);
+        } else {
+            let (w, b) = self.norm(w, b);
+            self.ops.norm_forward(out, mean, rstd, x, w, b);
+        }
+        self.ops.store(out);
+    }
+
+    /// The backward of [`Block::pre_norm_forward`]: the gradient `dout` of its output adds its
+    /// input's into `dinp` (the residual stream's), the weight's into the unit's `dw`.
+    fn pre_norm_backward(&self, (w, b): (&Range<usize>, &Option<Range<usize>>), dinp: &mut [f32], dw: &mut [f32], dout: &[f32], (x, mean, rstd): (&[f32], &[f32], &[f32])) {
+        if w.is_empty() {
+            for (d, g) in dinp.iter_mut().zip(dout) {
+                *d += g;
+            }
+            return;
+        }
+        let dwb = split_two(dw, w, b);
+        self.ops.norm_backward(dinp, dwb, dout, x, &self.w[w.clone()], (mean, rstd));
+    }
+
+    /// The norm after branch `which` (0 attention, 1 MLP), in place on its output `branch`:
+    /// the input kept (rounded to the storage format) with its `rstd` in `i.post_in`.
+    fn post_norm_forward(&self, w: &Option<Range<usize>>, which: usize, branch: &mut [f32], i: &mut BlockInner) {
+        let Some(w) = w else { return };
+        let n = branch.len();
+        let (inp, rstd) = (&mut i.post_in[which * n..(which + 1) * n], &mut i.post_rstd[which * n / self.ops.cfg.n_embd..(which + 1) * n / self.ops.cfg.n_embd]);
+        inp.copy_from_slice(branch);
+        self.ops.store(inp);
+        self.ops.norm_forward(branch, &mut [], rstd, inp, &self.w[w.clone()], None);
+    }
+
+    /// The backward of [`Block::post_norm_forward`]: from the gradient `d` of its output, its
+    /// input's into `dpost` (returned), the weight's into the unit's `dw`; `d` itself without
+    /// the norm.
+    fn post_norm_backward<'g>(&self, w: &Option<Range<usize>>, which: usize, (d, dpost): (&'g [f32], &'g mut [f32]), dw: &mut [f32], i: &BlockInner) -> &'g [f32] {
+        let Some(w) = w else { return d };
+        let n = d.len();
+        let c = self.ops.cfg.n_embd;
+        tensor::par::zero(dpost);
+        self.ops.norm_backward(dpost, (&mut dw[w.clone()], None), d, &i.post_in[which * n..(which + 1) * n], &self.w[w.clone()], (&[], &i.post_rstd[which * n / c..(which + 1) * n / c]));
+        self.ops.store(dpost);
+        dpost
+    }
+
     /// The attention's input from the kept `ln_1`: `qkv = ln_1·Wᵀ (+ LoRA)` (LLaMA: q and k then
     /// rotated).
     fn qkv_forward(&self, k: &BlockKept, i: &mut BlockInner) {
         self.linear(Site::Qkv).forward_column(&mut i.qkv, &k.ln_1, &mut i.ln_1_full);
         if let Some(r) = &self.bp.qk_norm_w {
             let cfg = self.ops.cfg;
-            qk_rmsnorm_forward(&mut i.qkv, &mut i.qk_pre, &mut i.qk_rstd, &self.w[r.clone()], cfg.norm_eps, cfg.n_head, cfg.n_kv_head);
+            qk_rmsnorm_forward(&mut i.qkv, &mut i.qk_pre, &mut i.qk_rstd, &self.w[r.clone()], cfg.norm_eps, (cfg.n_head, cfg.n_kv_head, cfg.head_size()));
         }
         if self.ops.rope_forward(&mut i.qkv, self.l) {
             // The rotated q and k are what is kept: stored in the format too.
@@ -1644,29 +1703,29 @@ struct MlpGrads<'a> {
 
 /// One block's forward from its input `x[B, T, C]` into its activations, returning the MoE
 /// layer's routing statistics:
-/// `res_2 = x + drop(attn(norm_1(x)));  out = res_2 + drop(mlp(norm_2(res_2)))`.
-/// `branch` and `full` are forward scratch. With `out` `None` (the recomputation in backward)
-/// the tail that backward never reads — the dense MLP's output projection, its dropout and
-/// the residual add — is skipped.
+/// `res_2 = x + drop(post_1(attn(norm_1(x))));  out = res_2 + drop(post_2(mlp(norm_2(res_2))))`,
+/// where the norms before the branches (`norm_1`, `norm_2`) or after them (`post_1`, `post_2`)
+/// are the identity when the block has none (`model.block_norms`). `branch` and `full` are
+/// forward scratch. With `out` `None` (the recomputation in backward) the tail that backward
+/// never reads — the dense MLP's output projection, its dropout and the residual add — is
+/// skipped (not the projection when a norm follows it: backward reads its input).
 fn block_forward(blk: &Block, x: &[f32], acts: BlockActs, branch: &mut [f32], full: &mut [f32], out: Option<&mut [f32]>) -> Option<MoeStats> {
     let (ops, bp, l) = (blk.ops, blk.bp, blk.l);
     let BlockActs { k, i, shared } = acts;
-    // res_2 = x + drop(attn(norm_1(x)))
-    let (w1, b1) = blk.norm(&bp.ln_1_w, &bp.ln_1_b);
-    ops.norm_forward(&mut k.ln_1, &mut k.ln_1_mean, &mut k.ln_1_rstd, x, w1, b1);
-    ops.store(&mut k.ln_1);
+    // res_2 = x + drop(post_1(attn(norm_1(x))))
+    blk.pre_norm_forward(&bp.ln_1_w, &bp.ln_1_b, x, (&mut k.ln_1, &mut k.ln_1_mean, &mut k.ln_1_rstd));
     blk.qkv_forward(k, i);
     let core = if i.core.atty.is_empty() { shared } else { &mut i.core };
     blk.attn_core(&i.qkv, core);
     blk.linear(Site::AttnProj).forward_row(branch, full, &core.atty);
+    blk.post_norm_forward(&bp.post_1_w, 0, branch, i);
     ops.dropout(branch, DropSite::AttnResidual(l));
     residual_forward(&mut k.res_2, x, branch);
     ops.store(&mut k.res_2);
-    // out = res_2 + drop(mlp(norm_2(res_2)))
-    let (w2, b2) = blk.norm(&bp.ln_2_w, &bp.ln_2_b);
-    ops.norm_forward(&mut k.ln_2, &mut k.ln_2_mean, &mut k.ln_2_rstd, &k.res_2, w2, b2);
-    ops.store(&mut k.ln_2);
-    let stats = blk.mlp_forward(k, i, branch, full, out.is_some());
+    // out = res_2 + drop(post_2(mlp(norm_2(res_2))))
+    blk.pre_norm_forward(&bp.ln_2_w, &bp.ln_2_b, &k.res_2, (&mut k.ln_2, &mut k.ln_2_mean, &mut k.ln_2_rstd));
+    let stats = blk.mlp_forward(k, i, branch, full, out.is_some() || bp.post_2_w.is_some());
+    blk.post_norm_forward(&bp.post_2_w, 1, branch, i);
     if let Some(out) = out {
         ops.dropout(branch, DropSite::MlpResidual(l));
         residual_forward(out, &k.res_2, branch);
@@ -1682,30 +1741,31 @@ fn block_forward(blk: &Block, x: &[f32], acts: BlockActs, branch: &mut [f32], fu
 fn block_backward(blk: &Block, dw: &mut [f32], x: &[f32], acts: BlockActs, g: &mut GradScratch) {
     let (ops, bp, l) = (blk.ops, blk.bp, blk.l);
     let BlockActs { k, i, shared } = acts;
-    // MLP branch: out = res_2 + drop(mlp(ln_2)); d res_2 = d out (straight through) + ln_2ᵀ(…)
+    // MLP branch: out = res_2 + drop(post_2(mlp(ln_2))); d res_2 = d out (straight through) + ln_2ᵀ(…)
     let dmlp = ops.dropout_grad(&mut g.dbranch, &g.dres, DropSite::MlpResidual(l));
+    let dmlp = blk.post_norm_backward(&bp.post_2_w, 1, (dmlp, &mut g.dpost), dw, i);
     let mut mg = MlpGrads { dln: &mut g.dln, dln_full: &mut g.dln_full, dfull: &mut g.dfull, dfch: &mut g.dfch, dfch_gelu: &mut g.dfch_gelu };
     blk.mlp_backward(dw, dmlp, k, i, &mut mg);
-    let (dw2, db2) = split_two(dw, &bp.ln_2_w, &bp.ln_2_b);
     ops.store(&mut g.dln);
-    ops.norm_backward(&mut g.dres, (dw2, db2), &g.dln, &k.res_2, &blk.w[bp.ln_2_w.clone()], (&k.ln_2_mean, &k.ln_2_rstd));
+    blk.pre_norm_backward((&bp.ln_2_w, &bp.ln_2_b), &mut g.dres, dw, &g.dln, (&k.res_2, &k.ln_2_mean, &k.ln_2_rstd));
     ops.store(&mut g.dres);
-    // Attention branch: res_2 = x + drop(attn(ln_1)); d x = d res_2 + ln_1ᵀ(…)
+    // Attention branch: res_2 = x + drop(post_1(attn(ln_1))); d x = d res_2 + ln_1ᵀ(…)
     let dattn = ops.dropout_grad(&mut g.dbranch, &g.dres, DropSite::AttnResidual(l));
+    let dattn = blk.post_norm_backward(&bp.post_1_w, 0, (dattn, &mut g.dpost), dw, i);
     let core: &AttnCore = if i.core.atty.is_empty() { shared } else { &i.core };
     blk.linear(Site::AttnProj).backward_row(&mut g.datty, &mut g.dfull, dw, dattn, &core.atty);
     tensor::par::zero(&mut g.dqkv);
     ops.attn_backward(&mut g.dqkv, &g.datty, &i.qkv, &core.atty, &core.state, DropSite::AttnProbs(l));
     if let Some(r) = &bp.qk_norm_w {
         // Qwen3's per-head norms: d(normed q, k) → d(projected q, k), in place.
-        qk_rmsnorm_backward(&mut g.dqkv, &mut dw[r.clone()], &i.qk_pre, &blk.w[r.clone()], &i.qk_rstd, ops.cfg.n_head, ops.cfg.n_kv_head);
+        let cfg = ops.cfg;
+        qk_rmsnorm_backward(&mut g.dqkv, &mut dw[r.clone()], &i.qk_pre, &blk.w[r.clone()], &i.qk_rstd, (cfg.n_head, cfg.n_kv_head, cfg.head_size()));
     }
     ops.store(&mut g.dqkv);
     let xin: &[f32] = if ops.sp() { &i.ln_1_full } else { &k.ln_1 };
     blk.linear(Site::Qkv).backward_column(&mut g.dln, &mut g.dln_full, dw, &g.dqkv, xin);
-    let (dw1, db1) = split_two(dw, &bp.ln_1_w, &bp.ln_1_b);
     ops.store(&mut g.dln);
-    ops.norm_backward(&mut g.dres, (dw1, db1), &g.dln, x, &blk.w[bp.ln_1_w.clone()], (&k.ln_1_mean, &k.ln_1_rstd));
+    blk.pre_norm_backward((&bp.ln_1_w, &bp.ln_1_b), &mut g.dres, dw, &g.dln, (x, &k.ln_1_mean, &k.ln_1_rstd));
     ops.store(&mut g.dres);
 }
 

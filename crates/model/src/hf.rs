@@ -3,7 +3,8 @@
 //! `LlamaForCausalLM` (with `linear` / `llama3` / `yarn` / `longrope` / `dynamic` rope scaling), `Qwen2ForCausalLM`,
 //! `Qwen3ForCausalLM` (per-head q and k norms), `Qwen3MoeForCausalLM` (and routed experts),
 //! `MistralForCausalLM` (sliding-window attention),
-//! `MixtralForCausalLM`, `Phi3ForCausalLM` and `SmolLM3ForCausalLM` (NoPE layers), in and out.
+//! `MixtralForCausalLM`, `Phi3ForCausalLM`, `SmolLM3ForCausalLM` (NoPE layers) and
+//! `Olmo2ForCausalLM` (norms after the branches, whole-width q/k norms), in and out.
 //! kiln's layout uses HF's parameter names, so import and export are by name; Phi-3's fused
 //! `qkv_proj` and `gate_up_proj` are the concatenations of parameters kiln's layout holds
 //! adjacent in the same order (`fused_of`).
@@ -13,7 +14,7 @@
 //! are `[out, in]` already. A tied head has no tensor of its own; an untied one is
 //! `lm_head.weight`.
 
-use crate::config::{longrope_attention_factor, yarn_mscale, Arch, GptConfig, RopeScaling};
+use crate::config::{longrope_attention_factor, yarn_mscale, Arch, BlockNorms, GptConfig, RopeScaling};
 use crate::gpt::Gpt;
 use safetensors::tensor::{Dtype, TensorView};
 use serde_json::{json, Value};
@@ -119,6 +120,19 @@ pub fn hf_config(cfg: &Value, origin: &Path) -> Result<GptConfig, String> {
             c.validate().map_err(|e| format!("{}: {e}", origin.display()))?;
             Ok(c)
         }
+        // OLMo 2: LLaMA with each branch's norm after it (before the residual add) and q and k
+        // each normed over all heads at once; Olmo2Config's defaults where the file has none
+        // (`pad_token_id` 1, `rms_norm_eps` 1e-5).
+        "Olmo2ForCausalLM" => {
+            let mut c = llama_config(cfg, origin, false)?;
+            (c.qk_norm, c.qk_norm_whole, c.block_norms) = (true, true, BlockNorms::Post);
+            if cfg.get("pad_token_id").is_none() && c.vocab_size > 1 {
+                c.pad_token_id = Some(1);
+            }
+            c.norm_eps = get_f32(cfg, "rms_norm_eps", 1e-5);
+            c.validate().map_err(|e| format!("{}: {e}", origin.display()))?;
+            Ok(c)
+        }
         "MixtralForCausalLM" => {
             let mut c = llama_config(cfg, origin, false)?;
             c.n_expert = get_usize(cfg, "num_local_experts", origin)?;
@@ -126,7 +140,7 @@ pub fn hf_config(cfg: &Value, origin: &Path) -> Result<GptConfig, String> {
             c.validate().map_err(|e| format!("{}: {e}", origin.display()))?;
             Ok(c)
         }
-        _ => Err(format!("{}: architecture `{arch}` is not supported for import (supported: GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, MistralForCausalLM, MixtralForCausalLM, Phi3ForCausalLM, SmolLM3ForCausalLM)", origin.display())),
+        _ => Err(format!("{}: architecture `{arch}` is not supported for import (supported: GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, MistralForCausalLM, MixtralForCausalLM, Phi3ForCausalLM, SmolLM3ForCausalLM, Olmo2ForCausalLM)", origin.display())),
     }
 }
 
@@ -738,6 +752,10 @@ fn export_refusal(c: &GptConfig) -> Result<(), String> {
     if !c.nope_layers.is_empty() && (c.is_moe() || c.qkv_bias || c.qk_norm || c.fused_proj || c.sliding_window > 0) {
         return Err(format!("export: layers without a rotary embedding (model.nope_layers = {:?}) have a Hugging Face form only as SmolLM3's: dense, without q/k/v biases, q/k norms, fused projections or a window", c.nope_layers));
     }
+    let olmo2 = c.block_norms == BlockNorms::Post && c.qk_norm_whole;
+    if (c.block_norms != BlockNorms::Pre || c.qk_norm_whole) && (!olmo2 || c.is_moe() || c.qkv_bias || c.fused_proj || c.sliding_window > 0 || !c.nope_layers.is_empty()) {
+        return Err(format!("export: model.block_norms = {} with model.qk_norm_whole = {} has a Hugging Face form only as OLMo 2's: norms after the branches, whole-width q/k norms, dense, without q/k/v biases, fused projections, a window or NoPE layers", plan::policy::Names::name(c.block_norms), c.qk_norm_whole));
+    }
     if c.attn_sinks > 0 {
         return Err(format!("export: attention sinks (model.attn_sinks = {}) have no Hugging Face equivalent: transformers' sliding window would drop them", c.attn_sinks));
     }
@@ -760,6 +778,7 @@ fn export_config(c: &GptConfig) -> Result<Value, String> {
     export_refusal(c)?;
     Ok(if c.arch == Arch::Llama {
         let (arch, ty) = match (c.is_moe(), c.qkv_bias, c.sliding_window > 0) {
+            _ if c.block_norms == BlockNorms::Post => ("Olmo2ForCausalLM", "olmo2"),
             _ if c.fused_proj => ("Phi3ForCausalLM", "phi3"),
             _ if !c.nope_layers.is_empty() => ("SmolLM3ForCausalLM", "smollm3"),
             _ if is_qwen3_moe(c) => ("Qwen3MoeForCausalLM", "qwen3_moe"),
@@ -801,7 +820,12 @@ fn export_config(c: &GptConfig) -> Result<Value, String> {
                 o.insert("original_max_position_embeddings".into(), orig.clone());
             }
         }
-        if c.qkv_bias || c.qk_norm {
+        if c.block_norms == BlockNorms::Post {
+            // An absent pad_token_id would read as Olmo2Config's default, 1.
+            let o = v.as_object_mut().unwrap();
+            o.remove("mlp_bias");
+            o.insert("pad_token_id".into(), c.pad_token_id.map_or(Value::Null, Value::from));
+        } else if c.qkv_bias || c.qk_norm {
             // Qwen2's biases and Qwen3's norms are implied by the class (Qwen2 has no
             // attention_bias key; Qwen3's false is its default). The window applies from
             // `max_window_layers` on.

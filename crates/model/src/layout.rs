@@ -9,7 +9,7 @@
 //! Linear weights are stored `[out, in]` (PyTorch `nn.Linear`); HF GPT-2's `Conv1D` stores
 //! `[in, out]`, which import/export transposes.
 
-use crate::config::{Arch, GptConfig};
+use crate::config::{Arch, BlockNorms, GptConfig};
 use std::ops::Range;
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -76,24 +76,40 @@ impl ParamLayout {
 /// `k_proj`, `v_proj` matrices (one `[(NH+2·NKV)·HS, C]` product) and `c_fc_w` the adjacent
 /// `gate_proj`, `up_proj` (one `[2F, C]` product): stacking `[out, in]` matrices row-wise is
 /// exactly their concatenation.
+///
+/// The norms before the branches, `ln_1_w` and `ln_2_w`, are empty ranges (at the block's
+/// start) when the block has none (`model.block_norms = post`); the norms after them,
+/// `post_1_w` and `post_2_w`, are present with `post` and `sandwich`.
 #[derive(Clone, Debug)]
 pub struct BlockParams {
     pub ln_1_w: Range<usize>,
     pub ln_1_b: Option<Range<usize>>,
     pub c_attn_w: Range<usize>,
     pub c_attn_b: Option<Range<usize>>,
-    /// Qwen3's per-head norms, `[q_norm: HS | k_norm: HS]` (`model.qk_norm`).
+    /// Qwen3's per-head norms, `[q_norm: HS | k_norm: HS]` (`model.qk_norm`), or OLMo 2's
+    /// whole-width ones, `[q_norm: NH·HS | k_norm: NKV·HS]` (`model.qk_norm_whole`).
     pub qk_norm_w: Option<Range<usize>>,
     pub attn_proj_w: Range<usize>,
     pub attn_proj_b: Option<Range<usize>>,
+    /// The norm after the attention branch (OLMo 2, Gemma).
+    pub post_1_w: Option<Range<usize>>,
     pub ln_2_w: Range<usize>,
     pub ln_2_b: Option<Range<usize>>,
     pub c_fc_w: Range<usize>,
     pub c_fc_b: Option<Range<usize>>,
     pub mlp_proj_w: Range<usize>,
     pub mlp_proj_b: Option<Range<usize>>,
+    /// The norm after the MLP branch (OLMo 2, Gemma).
+    pub post_2_w: Option<Range<usize>>,
     /// A mixture-of-experts MLP in place of the dense one (then `c_fc_w`, `mlp_proj_w` are empty).
     pub moe: Option<MoeParams>,
+}
+
+impl BlockParams {
+    /// Where the block's parameters start in the layout (its unit's start).
+    pub fn start(&self) -> usize {
+        if self.ln_1_w.is_empty() { self.c_attn_w.start } else { self.ln_1_w.start }
+    }
 }
 
 /// The views of an MoE layer: the router `[E, C]`, the routed experts `[E, 3FC]` (each
@@ -161,7 +177,7 @@ fn gpt2_layout(cfg: &GptConfig) -> (ParamLayout, GptParams) {
         let c_fc_b = bias(&mut l, "mlp.c_fc", f);
         let mlp_proj_w = l.push(format!("{p}mlp.c_proj.weight"), vec![c, f], Init::Normal(proj_std), true);
         let mlp_proj_b = bias(&mut l, "mlp.c_proj", c);
-        blocks.push(BlockParams { ln_1_w, ln_1_b, c_attn_w, c_attn_b, qk_norm_w: None, attn_proj_w, attn_proj_b, ln_2_w, ln_2_b, c_fc_w, c_fc_b, mlp_proj_w, mlp_proj_b, moe: None });
+        blocks.push(BlockParams { ln_1_w, ln_1_b, c_attn_w, c_attn_b, qk_norm_w: None, attn_proj_w, attn_proj_b, post_1_w: None, ln_2_w, ln_2_b, c_fc_w, c_fc_b, mlp_proj_w, mlp_proj_b, post_2_w: None, moe: None });
     }
     if !cfg.has_head() {
         let end = l.total;
@@ -188,7 +204,8 @@ fn llama_layout(cfg: &GptConfig) -> (ParamLayout, GptParams) {
     let mut blocks = Vec::new();
     for i in cfg.first_layer()..cfg.first_layer() + cfg.n_layer {
         let p = format!("model.layers.{i}.");
-        let ln_1_w = l.push(format!("{p}input_layernorm.weight"), vec![c], Init::Ones, false);
+        let norms = cfg.block_norms;
+        let ln_1_w = if norms.pre() { l.push(format!("{p}input_layernorm.weight"), vec![c], Init::Ones, false) } else { l.total..l.total };
         let q = l.push(format!("{p}self_attn.q_proj.weight"), vec![cfg.n_head * hs, c], Init::Normal(std), true);
         l.push(format!("{p}self_attn.k_proj.weight"), vec![cfg.n_kv_head * hs, c], Init::Normal(std), true);
         let v = l.push(format!("{p}self_attn.v_proj.weight"), vec![cfg.n_kv_head * hs, c], Init::Normal(std), true);
@@ -199,14 +216,23 @@ fn llama_layout(cfg: &GptConfig) -> (ParamLayout, GptParams) {
             let vb = l.push(format!("{p}self_attn.v_proj.bias"), vec![cfg.n_kv_head * hs], Init::Zeros, false);
             qb.start..vb.end
         });
-        // Qwen3's per-head norms of q and k, adjacent: one `[2·HS]` range.
+        // Qwen3's per-head norms of q and k (OLMo 2's over every head), adjacent: one range.
         let qk_norm_w = cfg.qk_norm.then(|| {
-            let qn = l.push(format!("{p}self_attn.q_norm.weight"), vec![hs], Init::Ones, false);
-            let kn = l.push(format!("{p}self_attn.k_norm.weight"), vec![hs], Init::Ones, false);
+            let (qw, kw) = if cfg.qk_norm_whole { (cfg.n_head * hs, cfg.n_kv_head * hs) } else { (hs, hs) };
+            let qn = l.push(format!("{p}self_attn.q_norm.weight"), vec![qw], Init::Ones, false);
+            let kn = l.push(format!("{p}self_attn.k_norm.weight"), vec![kw], Init::Ones, false);
             qn.start..kn.end
         });
         let attn_proj_w = l.push(format!("{p}self_attn.o_proj.weight"), vec![c, cfg.n_head * hs], Init::Normal(proj_std), true);
-        let ln_2_w = l.push(format!("{p}post_attention_layernorm.weight"), vec![c], Init::Ones, false);
+        // LLaMA's `post_attention_layernorm` is the norm before the MLP; with norms after the
+        // branches (OLMo 2, Gemma) it is the attention branch's, and Gemma's before the MLP is
+        // `pre_feedforward_layernorm`.
+        let post_1_w = norms.post().then(|| l.push(format!("{p}post_attention_layernorm.weight"), vec![c], Init::Ones, false));
+        let ln_2_w = match norms {
+            BlockNorms::Pre => l.push(format!("{p}post_attention_layernorm.weight"), vec![c], Init::Ones, false),
+            BlockNorms::Sandwich => l.push(format!("{p}pre_feedforward_layernorm.weight"), vec![c], Init::Ones, false),
+            BlockNorms::Post => l.total..l.total,
+        };
         let (c_fc_w, mlp_proj_w, moe) = if cfg.is_moe() {
             // Mixtral's names; DeepSeekMoE-style shared experts beside them.
             let m = format!("{p}block_sparse_moe.");
@@ -233,9 +259,10 @@ fn llama_layout(cfg: &GptConfig) -> (ParamLayout, GptParams) {
             let down = l.push(format!("{p}mlp.down_proj.weight"), vec![c, f], Init::Normal(proj_std), true);
             (gate.start..up.end, down, None)
         };
+        let post_2_w = norms.post().then(|| l.push(format!("{p}post_feedforward_layernorm.weight"), vec![c], Init::Ones, false));
         blocks.push(BlockParams {
-            ln_1_w, ln_1_b: None, c_attn_w: q.start..v.end, c_attn_b, qk_norm_w, attn_proj_w, attn_proj_b: None,
-            ln_2_w, ln_2_b: None, c_fc_w, c_fc_b: None, mlp_proj_w, mlp_proj_b: None, moe,
+            ln_1_w, ln_1_b: None, c_attn_w: q.start..v.end, c_attn_b, qk_norm_w, attn_proj_w, attn_proj_b: None, post_1_w,
+            ln_2_w, ln_2_b: None, c_fc_w, c_fc_b: None, mlp_proj_w, mlp_proj_b: None, post_2_w, moe,
         });
     }
     if !cfg.has_head() {
@@ -258,7 +285,7 @@ impl GptParams {
     /// shards and ZeRO-3's gathers are made of units.
     pub fn units(&self, total: usize) -> Vec<Range<usize>> {
         let mut starts = vec![0];
-        starts.extend(self.blocks.iter().map(|b| b.ln_1_w.start));
+        starts.extend(self.blocks.iter().map(BlockParams::start));
         starts.push(self.ln_f_w.start);
         starts.push(total);
         starts.windows(2).map(|w| w[0]..w[1]).collect()
@@ -300,12 +327,14 @@ impl GptParams {
                     qk_norm_w: fo(&b.qk_norm_w, u),
                     attn_proj_w: f(&b.attn_proj_w, u),
                     attn_proj_b: fo(&b.attn_proj_b, u),
+                    post_1_w: fo(&b.post_1_w, u),
                     ln_2_w: f(&b.ln_2_w, u),
                     ln_2_b: fo(&b.ln_2_b, u),
                     c_fc_w: f(&b.c_fc_w, u),
                     c_fc_b: fo(&b.c_fc_b, u),
                     mlp_proj_w: f(&b.mlp_proj_w, u),
                     mlp_proj_b: fo(&b.mlp_proj_b, u),
+                    post_2_w: fo(&b.post_2_w, u),
                     moe: b.moe.as_ref().map(|m| MoeParams { router: f(&m.router, u), experts: f(&m.experts, u), shared: f(&m.shared, u) }),
                 }
             })

@@ -84,6 +84,9 @@ pub fn split_of(name: &str) -> Split {
 pub fn local_config(cfg: &GptConfig, tp: usize, rank: usize, sequence_parallel: bool) -> Result<GptConfig, String> {
     assert!(cfg.place.heads.is_none(), "local_config of a shard");
     assert!(rank < tp);
+    if cfg.qk_norm_whole && tp > 1 {
+        return Err(format!("parallel.tp = {tp} with whole-width q/k norms (model.qk_norm_whole, OLMo 2) is not supported: each norm spans every head, which the parts split; use data, pipeline or context parallelism"));
+    }
     // Mixture-of-experts layers are not split: their experts are whole on every rank.
     let ffn = if cfg.is_moe() { 1 } else { tp };
     for (key, v, by) in [("model.n_head", cfg.n_head, tp), ("model.n_kv_head", cfg.n_kv_head, tp), ("model.ffn_hidden", cfg.ffn_hidden, ffn)] {
@@ -203,7 +206,7 @@ pub fn replicated_ranges(local: &ParamLayout) -> Vec<Range<usize>> {
 /// positions, so their gradients are partial sums over the tensor-parallel group.
 pub const SEQUENCE_PARALLEL_PARAMS: &[&str] = &[
     "ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias", "ln_f.weight", "ln_f.bias",
-    "input_layernorm.weight", "post_attention_layernorm.weight", "model.norm.weight",
+    "input_layernorm.weight", "post_attention_layernorm.weight", "pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight", "model.norm.weight",
 ];
 
 /// Per-head norm parameters (Qwen3's `q_norm`, `k_norm`), by name suffix: replicated, but each

@@ -102,44 +102,60 @@ crate::multiversion! {
 /// In every token's fused `[W]` row of `qkv`, each of the `NH` q heads is RMS-normalised with
 /// `weight[..HS]` and each of the `NKV` k heads with `weight[HS..]`, in place,
 /// `x ↦ w · (x · rstd)` (HF `Qwen3RMSNorm` on `q_proj(x).view(…, HS)`, likewise k); v is
-/// untouched. Saves the inputs in `pre` (`[q: N·NH·HS | k: N·NKV·HS]`) and each head's `rstd` in
-/// `rstd` (`[q: N·NH | k: N·NKV]`).
+/// untouched. With a whole-width `weight` (`[NH·HS | NKV·HS]`, OLMo 2's `q_norm` / `k_norm`)
+/// all of a token's q heads are normalised as one vector, and its k heads as another. Saves the
+/// inputs in `pre` (`[q: N·NH·HS | k: N·NKV·HS]`) and the `rstd`s in `rstd` (per head
+/// `[q: N·NH | k: N·NKV]`, whole-width `[q: N | k: N]`).
 pub fn qk_rmsnorm_forward(
     qkv: &mut [f32],  // [N, W]
     pre: &mut [f32],  // [N·(NH + NKV)·HS]
-    rstd: &mut [f32], // [N·(NH + NKV)]
-    weight: &[f32],   // [2·HS]: q_norm | k_norm
+    rstd: &mut [f32], // [N·(NH + NKV)] or [2·N]
+    weight: &[f32],   // [2·HS] or [(NH + NKV)·HS]: q_norm | k_norm
     eps: f32,
-    nh: usize,
-    nkv: usize,
+    (nh, nkv, hs): (usize, usize, usize),
 ) {
-    let hs = weight.len() / 2;
-    let (w, n) = ((nh + 2 * nkv) * hs, rstd.len() / (nh + nkv));
+    let QkSplit { w, n, q_rows: (wq, hq), k_rows: (wk, hk) } = QkSplit::of(weight.len(), pre.len(), (nh, nkv, hs));
     let (pq, pk) = pre.split_at_mut(n * nh * hs);
-    let (rq, rk) = rstd.split_at_mut(n * nh);
-    head_rmsnorm_forward(qkv, pq, rq, &weight[..hs], eps, (w, 0, nh));
-    head_rmsnorm_forward(qkv, pk, rk, &weight[hs..], eps, (w, nh * hs, nkv));
+    let (rq, rk) = rstd.split_at_mut(n * hq);
+    head_rmsnorm_forward(qkv, pq, rq, &weight[..wq], eps, (w, 0, hq));
+    head_rmsnorm_forward(qkv, pk, rk, &weight[wq..wq + wk], eps, (w, nh * hs, hk));
 }
 
 /// Backward of [`qk_rmsnorm_forward`]: the gradient with respect to the normalised q and k
 /// heads in `dqkv` becomes, in place, the gradient with respect to their inputs; the weights'
-/// gradient accumulates into `dweight` (`[2·HS]`).
+/// gradient accumulates into `dweight` (shaped as `weight`).
 pub fn qk_rmsnorm_backward(
     dqkv: &mut [f32],    // [N, W]
-    dweight: &mut [f32], // [2·HS]
+    dweight: &mut [f32], // as weight
     pre: &[f32],
     weight: &[f32],
     rstd: &[f32],
-    nh: usize,
-    nkv: usize,
+    (nh, nkv, hs): (usize, usize, usize),
 ) {
-    let hs = weight.len() / 2;
-    let (w, n) = ((nh + 2 * nkv) * hs, rstd.len() / (nh + nkv));
+    let QkSplit { w, n, q_rows: (wq, hq), k_rows: (_, hk) } = QkSplit::of(weight.len(), pre.len(), (nh, nkv, hs));
     let (pq, pk) = pre.split_at(n * nh * hs);
-    let (rq, rk) = rstd.split_at(n * nh);
-    let (dwq, dwk) = dweight.split_at_mut(hs);
-    head_rmsnorm_backward(dqkv, dwq, pq, &weight[..hs], rq, (w, 0, nh));
-    head_rmsnorm_backward(dqkv, dwk, pk, &weight[hs..], rk, (w, nh * hs, nkv));
+    let (rq, rk) = rstd.split_at(n * hq);
+    let (dwq, dwk) = dweight.split_at_mut(wq);
+    head_rmsnorm_backward(dqkv, dwq, pq, &weight[..wq], rq, (w, 0, hq));
+    head_rmsnorm_backward(dqkv, dwk, pk, &weight[wq..], rk, (w, nh * hs, hk));
+}
+
+/// How [`qk_rmsnorm_forward`] cuts its buffers: the fused row's width, the tokens, and for q
+/// and for k the norm's width and the vectors normalised per token.
+struct QkSplit {
+    w: usize,
+    n: usize,
+    q_rows: (usize, usize),
+    k_rows: (usize, usize),
+}
+
+impl QkSplit {
+    fn of(weight: usize, pre: usize, (nh, nkv, hs): (usize, usize, usize)) -> QkSplit {
+        let whole = weight == (nh + nkv) * hs && weight != 2 * hs;
+        assert!(whole || weight == 2 * hs, "q/k norm weights of {weight} for {nh} + {nkv} heads of {hs}");
+        let (q_rows, k_rows) = if whole { ((nh * hs, 1), (nkv * hs, 1)) } else { ((hs, nh), (hs, nkv)) };
+        QkSplit { w: (nh + 2 * nkv) * hs, n: pre / ((nh + nkv) * hs), q_rows, k_rows }
+    }
 }
 
 /// In every token's `[W]` row of `qkv`, the `heads` head vectors of width `HS = weight.len()`

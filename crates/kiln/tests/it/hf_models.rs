@@ -229,6 +229,22 @@ fn smollm3_model_trains_and_exports_as_smollm3() {
     assert!(cj["pad_token_id"].is_null(), "{cj}");
 }
 
+/// An OLMo 2 (the model crate's olmo2-tiny fixture): `--init-from` sets `model.block_norms =
+/// post` and the whole-width q/k norms, the run trains, and its export is OLMo 2 again with its
+/// `pad_token_id`; tensor parallelism is refused by name (each q/k norm spans every head).
+#[test]
+fn olmo2_model_trains_and_exports_as_olmo2() {
+    let (m, exp, _d) = trains_exports_and_evaluates_alike("olmo2-tiny");
+    assert_eq!((m["block_norms"].as_str(), m["qk_norm"].as_bool(), m["qk_norm_whole"].as_bool()), (Some("post"), Some(true), Some(true)));
+    let cj = exported_config(&exp);
+    assert_eq!(cj["architectures"][0].as_str(), Some("Olmo2ForCausalLM"), "{cj}");
+    assert_eq!(cj["pad_token_id"].as_u64(), Some(1), "{cj}");
+    let fx = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../model/tests/fixtures/olmo2-tiny");
+    let cfg = model::hf::read_config(&fx).unwrap().0;
+    let e = parallel::tp::local_config(&cfg, 2, 0, false).unwrap_err();
+    assert!(e.contains("model.qk_norm_whole") && e.contains("parallel.tp = 2"), "{e}");
+}
+
 /// A Phi-3 with LongRoPE (the model crate's phi3-longrope fixture): `--init-from` sets
 /// `model.fused_proj` and the `longrope` keys with both factor lists, the run trains at 24
 /// positions (the long factors), and its export is Phi-3 again (fused tensors, `rope_parameters`

@@ -54,6 +54,12 @@ fn planned_activations_equal_the_models_buffers_for_every_policy() {
     check("llama", &llama, &[(2, 32), (1, 5)]);
     // Qwen3's per-head q and k norms keep their inputs and statistics.
     check("qwen3", &GptConfig { qk_norm: true, head_dim: 24, ..llama.clone() }, &[(2, 32)]);
+    // OLMo 2's norms after the branches keep their inputs; its whole-width q/k norms two rstd
+    // a token; Gemma's sandwich norms both.
+    let olmo2 = GptConfig { qk_norm: true, qk_norm_whole: true, block_norms: model::config::BlockNorms::Post, ..llama.clone() };
+    check("olmo2", &olmo2, &[(2, 32), (1, 5)]);
+    check("sandwich", &GptConfig { block_norms: model::config::BlockNorms::Sandwich, ..llama.clone() }, &[(2, 32)]);
+    check("olmo2 sp shard", &parallel::tp::local_config(&GptConfig { qk_norm: false, qk_norm_whole: false, ..olmo2.clone() }, 2, 0, true).unwrap(), &[(2, 16)]);
     // MoE: routed and shared experts, with and without a capacity limit.
     let mut moe = llama.clone();
     (moe.n_expert, moe.top_k, moe.n_shared_expert, moe.ffn_hidden, moe.capacity_factor) = (4, 2, 1, 48, 1.25);

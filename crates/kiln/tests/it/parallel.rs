@@ -453,6 +453,31 @@ fn every_pipeline_schedule_matches_one_rank() {
     }
 }
 
+/// OLMo 2's blocks (norms after the branches, whole-width q/k norms) under ZeRO-3 data
+/// parallelism, a 1F1B pipeline and ring context parallelism, and Gemma's sandwich norms under
+/// tensor parallelism with sequence parallelism (the norms' gradients partial per shard), each
+/// against one rank with dropout on.
+#[test]
+fn norms_after_the_branches_match_one_rank_on_every_layout() {
+    let d = scratch("post-norm-layouts");
+    let data = corpus(&d);
+    let llama: &[&str] = &["--set", "model.arch=llama", "--set", "model.n_kv_head=2", "--set", "model.tied_embeddings=false"];
+    let olmo2: &[&str] = &["--set", "model.block_norms=post", "--set", "model.qk_norm=true", "--set", "model.qk_norm_whole=true"];
+    let sandwich: &[&str] = &["--set", "model.block_norms=sandwich"];
+    for (name, norms, layouts) in [
+        ("olmo2", olmo2, &[&["--dp", "2", "--zero", "3"][..], &["--pp", "2", "--schedule", "1f1b"], &["--cp", "2"]][..]),
+        ("sandwich", sandwich, &[&["--tp", "2", "--sequence-parallel"][..]]),
+    ] {
+        let one = d.join(format!("{name}-one"));
+        run_pp(&data, &one, &[llama, norms].concat());
+        for l in layouts {
+            let out = d.join(format!("{name}-{}", l.join("").replace("--", "-")));
+            run_pp(&data, &out, &[llama, norms, l].concat());
+            assert_close(&out, &one, 1e-5, &format!("{name} {l:?}"));
+        }
+    }
+}
+
 #[test]
 fn dp2_tp2_pp2_on_eight_ranks_matches_one_rank() {
     let d = scratch("pp-composed");

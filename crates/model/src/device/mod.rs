@@ -396,7 +396,9 @@ pub struct DeviceKvCache {
 /// What the device model cannot run yet of a model shaped `cfg`, by name; `None` when it can.
 pub fn unsupported_config(cfg: &GptConfig) -> Option<String> {
     let why = if cfg.qk_norm {
-        "Qwen3's q/k norms (model.qk_norm)"
+        "q/k norms (model.qk_norm)"
+    } else if cfg.block_norms != crate::config::BlockNorms::Pre {
+        "norms after the branches (model.block_norms)"
     } else if cfg.attn_sinks > 0 {
         "attention sinks (model.attn_sinks)"
     } else if cfg.pad_token_id.is_some() {

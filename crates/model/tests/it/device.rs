@@ -330,8 +330,11 @@ fn device_moe_matches_the_cpu_model() {
 fn unsupported_models_are_refused_by_name() {
     let g = gpu();
     let qwen3 = GptConfig { arch: Arch::Llama, qk_norm: true, n_head: 2, n_kv_head: 2, ffn_hidden: 12, ..GptConfig::gpt2((1, 2, 8), 6, 12, false, 0.0, false) };
-    let e = DeviceGpt::new(g, &Gpt::new(qwen3, 12, 0)).err().expect("a q/k-norm model on the device");
+    let e = DeviceGpt::new(g.clone(), &Gpt::new(qwen3.clone(), 12, 0)).err().expect("a q/k-norm model on the device");
     assert!(e.contains("q/k norms"), "{e}");
+    let post = GptConfig { qk_norm: false, block_norms: model::config::BlockNorms::Post, ..qwen3 };
+    let e = DeviceGpt::new(g, &Gpt::new(post, 12, 0)).err().expect("norms after the branches on the device");
+    assert!(e.contains("model.block_norms"), "{e}");
 }
 
 /// Greedy generation with the KV cache on the device gives the CPU's tokens, through a cache

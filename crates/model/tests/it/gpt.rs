@@ -98,6 +98,19 @@ fn gradients_match_finite_differences_qk_norm() {
     model_gradcheck_with(cfg, Recompute::Full);
 }
 
+/// OLMo 2's blocks (norms after the branches, q and k normed over all heads at once) and
+/// Gemma's sandwich norms, through the whole model, with full and selective recomputation.
+#[test]
+fn gradients_match_finite_differences_norms_after_the_branches() {
+    use model::config::BlockNorms;
+    let olmo2 = GptConfig { block_norms: BlockNorms::Post, qk_norm: true, qk_norm_whole: true, ..tiny_llama(2, 0.0) };
+    model_gradcheck(olmo2.clone());
+    model_gradcheck_with(olmo2, Recompute::Full);
+    let sandwich = GptConfig { block_norms: BlockNorms::Sandwich, ..tiny_llama(1, 0.0) };
+    model_gradcheck(sandwich.clone());
+    model_gradcheck_with(sandwich, Recompute::Selective);
+}
+
 /// A partial rotary embedding (2 of each head's 4 dimensions), through the whole model.
 #[test]
 fn gradients_match_finite_differences_partial_rotary() {

@@ -208,6 +208,33 @@ fn smollm3_fixture_logits_and_loss_match_transformers() {
     assert!(e.contains("no_rope_layers") && e.contains("2 entries for 4 layers"), "{e}");
 }
 
+/// OLMo 2 (tests/fixtures/olmo2-tiny, made by its make.py with transformers): each branch's
+/// RMSNorm after the branch and q and k normed over all heads at once, every norm weight off 1;
+/// logits and loss match transformers, the export writes OLMo 2 back bit for bit (with its
+/// `pad_token_id`), KV-cached decoding agrees with the forward, and a file without
+/// `pad_token_id` or `rms_norm_eps` reads Olmo2Config's defaults; the gradients are checked by
+/// finite differences in `gpt.rs`.
+#[test]
+fn olmo2_fixture_logits_and_loss_match_transformers() {
+    use model::config::BlockNorms;
+    fixture_matches("olmo2-tiny");
+    export_reimport("olmo2-tiny");
+    let dir = fixture("olmo2-tiny");
+    let mut m = import_hf(&dir).unwrap();
+    let c = &m.cfg;
+    assert!(c.block_norms == BlockNorms::Post && c.qk_norm && c.qk_norm_whole && c.pad_token_id == Some(1), "{c:?}");
+    assert_eq!(m.layout.get("model.layers.0.self_attn.q_norm.weight").unwrap().shape, vec![32]);
+    assert_eq!(m.layout.get("model.layers.0.self_attn.k_norm.weight").unwrap().shape, vec![16]);
+    assert!(m.layout.get("model.layers.0.input_layernorm.weight").is_none());
+    decode_matches_forward(&mut m, &tokens(&dir)[0]);
+    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let o = v.as_object_mut().unwrap();
+    o.remove("pad_token_id");
+    o.remove("rms_norm_eps");
+    let c = model::hf::hf_config(&v, &dir.join("config.json")).unwrap();
+    assert_eq!((c.pad_token_id, c.norm_eps), (Some(1), 1e-5));
+}
+
 /// Qwen3-MoE (tests/fixtures/qwen3-moe-tiny, made by its make.py with transformers): Qwen3's
 /// per-head norms with every layer's MLP 4 routed experts (top 2, renormalised), read from and
 /// written back to Qwen3-MoE's tensor names; logits and loss match transformers, the export is

@@ -115,6 +115,19 @@ fn recompute_is_bit_identical_llama_gqa() {
     assert_bit_identical(llama(3, 1, 0.2), false);
 }
 
+/// OLMo 2's norms after the branches (with its whole-width q/k norms) and Gemma's sandwich
+/// norms: what backward reads of them (each branch's output before its norm) is kept or
+/// recomputed like the rest, dense and MoE.
+#[test]
+fn recompute_is_bit_identical_with_norms_after_the_branches() {
+    use model::config::BlockNorms;
+    let olmo2 = GptConfig { block_norms: BlockNorms::Post, qk_norm: true, qk_norm_whole: true, ..llama(3, 2, 0.2) };
+    assert_bit_identical(olmo2.clone(), false);
+    assert_bit_identical(GptConfig { block_norms: BlockNorms::Sandwich, ..llama(3, 1, 0.1) }, false);
+    assert_bit_identical(GptConfig { block_norms: BlockNorms::Post, ..moe(1, 1.0, 0.1) }, false);
+    assert_bit_identical(olmo2, true);
+}
+
 #[test]
 fn recompute_is_bit_identical_moe() {
     assert_bit_identical(moe(0, 0.0, 0.0), false); // dropless
@@ -181,7 +194,8 @@ fn recompute_keeps_block_activations_once() {
 #[test]
 fn sixteen_bit_activation_storage_is_lossless_and_halves_the_stored_activations() {
     use model::gpt::Precision;
-    for cfg in [gpt2(3, 0.2, true, true), llama(3, 2, 0.1)] {
+    let olmo2 = GptConfig { block_norms: model::config::BlockNorms::Post, qk_norm: true, qk_norm_whole: true, ..llama(3, 2, 0.1) };
+    for cfg in [gpt2(3, 0.2, true, true), llama(3, 2, 0.1), olmo2] {
         for precision in [Precision::Bf16, Precision::Fp16] {
             for policy in [Recompute::None, Recompute::Selective] {
                 let mut off = build(&cfg, false, policy);

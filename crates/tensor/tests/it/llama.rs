@@ -44,7 +44,7 @@ fn head_rmsnorm_gradients() {
     let fwd = |qkv: &[f32], wqk: &[f32]| {
         let mut x = qkv.to_vec();
         let (mut pre, mut r) = (vec![0.0; n * (nh + nkv) * hs], vec![0.0; n * (nh + nkv)]);
-        qk_rmsnorm_forward(&mut x, &mut pre, &mut r, wqk, 1e-6, nh, nkv);
+        qk_rmsnorm_forward(&mut x, &mut pre, &mut r, wqk, 1e-6, (nh, nkv, hs));
         (x, pre, r)
     };
     let (x, pre, r) = fwd(&qkv, &wqk);
@@ -58,10 +58,43 @@ fn head_rmsnorm_gradients() {
         assert_eq!(&x[t * w + (nh + nkv) * hs..(t + 1) * w], &qkv[t * w + (nh + nkv) * hs..(t + 1) * w], "v of token {t}");
     }
     let (mut d, mut dw) = (dout.clone(), vec![0.0; 2 * hs]);
-    qk_rmsnorm_backward(&mut d, &mut dw, &pre, &wqk, &r, nh, nkv);
+    qk_rmsnorm_backward(&mut d, &mut dw, &pre, &wqk, &r, (nh, nkv, hs));
     check("head_rmsnorm.dqkv", &qkv, &d, |q| dot(&fwd(q, &wqk).0, &dout));
     check("head_rmsnorm.dq_weight", &wqk[..hs], &dw[..hs], |x| dot(&fwd(&qkv, &[x, &wqk[hs..]].concat()).0, &dout));
     check("head_rmsnorm.dk_weight", &wqk[hs..], &dw[hs..], |x| dot(&fwd(&qkv, &[&wqk[..hs], x].concat()).0, &dout));
+}
+
+/// OLMo 2's whole-width q and k norms: every q head of a token normalised as one vector (and
+/// the k heads as another), equal to [`rmsnorm_forward`] over those columns; finite
+/// differences through both and their weights.
+#[test]
+fn whole_width_qk_rmsnorm_gradients() {
+    let (n, nh, nkv, hs) = (70, 3, 1, 4);
+    let w = (nh + 2 * nkv) * hs;
+    let mut rng = Rng::new(29);
+    let qkv = randn(&mut rng, n * w, 1.0);
+    let wqk = randn(&mut rng, (nh + nkv) * hs, 1.0); // q_norm [NH·HS] | k_norm [NKV·HS]
+    let dout = randn(&mut rng, n * w, 1.0);
+    let fwd = |qkv: &[f32], wqk: &[f32]| {
+        let mut x = qkv.to_vec();
+        let (mut pre, mut r) = (vec![0.0; n * (nh + nkv) * hs], vec![0.0; 2 * n]);
+        qk_rmsnorm_forward(&mut x, &mut pre, &mut r, wqk, 1e-6, (nh, nkv, hs));
+        (x, pre, r)
+    };
+    let (x, pre, r) = fwd(&qkv, &wqk);
+    let qw = nh * hs;
+    for t in 0..n {
+        for (o, wt) in [(0, &wqk[..qw]), (qw, &wqk[qw..])] {
+            let (mut one, mut rs) = (vec![0.0; wt.len()], [0.0f32]);
+            rmsnorm_forward(&mut one, &mut rs, &qkv[t * w + o..t * w + o + wt.len()], wt, 1e-6, wt.len());
+            assert_eq!(&x[t * w + o..t * w + o + wt.len()], &one[..], "token {t} at column {o}");
+        }
+        assert_eq!(&x[t * w + (nh + nkv) * hs..(t + 1) * w], &qkv[t * w + (nh + nkv) * hs..(t + 1) * w], "v of token {t}");
+    }
+    let (mut d, mut dw) = (dout.clone(), vec![0.0; wqk.len()]);
+    qk_rmsnorm_backward(&mut d, &mut dw, &pre, &wqk, &r, (nh, nkv, hs));
+    check("whole_qk_rmsnorm.dqkv", &qkv, &d, |q| dot(&fwd(q, &wqk).0, &dout));
+    check("whole_qk_rmsnorm.dweight", &wqk, &dw, |x| dot(&fwd(&qkv, x).0, &dout));
 }
 
 #[test]
