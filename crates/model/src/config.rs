@@ -43,6 +43,21 @@ impl BlockNorms {
     }
 }
 
+/// The activation of a gated MLP's gate (llama arch): `down(act(gate(x)) · up(x))`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GateAct {
+    /// SiLU: SwiGLU (LLaMA and most decoders).
+    #[default]
+    Silu,
+    /// GELU's tanh approximation: GeGLU (Gemma's `gelu_pytorch_tanh`).
+    GeluTanh,
+}
+
+impl plan::policy::Names for GateAct {
+    const NAMES: &'static [(&'static str, GateAct)] = &[("silu", GateAct::Silu), ("gelu_tanh", GateAct::GeluTanh)];
+}
+
 impl plan::policy::Names for BlockNorms {
     const NAMES: &'static [(&'static str, BlockNorms)] = &[("pre", BlockNorms::Pre), ("post", BlockNorms::Post), ("sandwich", BlockNorms::Sandwich)];
 }
@@ -292,6 +307,24 @@ pub struct GptConfig {
     /// Where the block's norms sit (llama arch): before each branch, after it, or both.
     #[serde(default)]
     pub block_norms: BlockNorms,
+    /// The gated MLP's gate activation (llama arch): SwiGLU's SiLU or GeGLU's GELU.
+    #[serde(default)]
+    pub gate_act: GateAct,
+    /// Every RMSNorm scales by `1 + w` rather than `w` (Gemma; the stored weight is Gemma's).
+    #[serde(default)]
+    pub norm_offset: bool,
+    /// The token embeddings are multiplied by `√n_embd` (Gemma; the tied head reads them
+    /// unscaled).
+    #[serde(default)]
+    pub embed_scale: bool,
+    /// Attention logits scaled by `query_pre_attn_scalar^-½` rather than `head_size^-½`
+    /// (Gemma); 0 = the head size.
+    #[serde(default)]
+    pub query_pre_attn_scalar: usize,
+    /// The rotary base of the sliding-window layers when it differs from `rope_theta` (Gemma 3's
+    /// local layers, `rope_local_base_freq`), without rope scaling; 0 = `rope_theta` everywhere.
+    #[serde(default)]
+    pub rope_local_theta: f32,
     /// Hugging Face files hold q, k and v as one `qkv_proj` and gate and up as one
     /// `gate_up_proj` (Phi-3's `Phi3ForCausalLM`); the model itself is LLaMA's.
     #[serde(default)]
@@ -347,7 +380,7 @@ impl GptConfig {
     pub fn gpt2((n_layer, n_head, n_embd): (usize, usize, usize), block_size: usize, vocab_size: usize, bias: bool, dropout: f32, tied: bool) -> GptConfig {
         GptConfig {
             arch: Arch::Gpt2, n_layer, n_head, n_kv_head: n_head, n_embd, ffn_hidden: 4 * n_embd, block_size, vocab_size,
-            bias, dropout, tied_embeddings: tied, rope_theta: defaults::ROPE_THETA as f32, rope_scaling: None, qkv_bias: false, pad_token_id: None, qk_norm: false, qk_norm_whole: false, block_norms: BlockNorms::Pre, fused_proj: false, sliding_window: 0, attn_sinks: 0, window_layers: Vec::new(), nope_layers: Vec::new(), head_dim: 0, rotary_dim: 0, norm_eps: defaults::NORM_EPS as f32,
+            bias, dropout, tied_embeddings: tied, rope_theta: defaults::ROPE_THETA as f32, rope_scaling: None, qkv_bias: false, pad_token_id: None, qk_norm: false, qk_norm_whole: false, block_norms: BlockNorms::Pre, gate_act: GateAct::Silu, norm_offset: false, embed_scale: false, query_pre_attn_scalar: 0, rope_local_theta: 0.0, fused_proj: false, sliding_window: 0, attn_sinks: 0, window_layers: Vec::new(), nope_layers: Vec::new(), head_dim: 0, rotary_dim: 0, norm_eps: defaults::NORM_EPS as f32,
             n_expert: 0, top_k: defaults::TOP_K, n_shared_expert: 0, capacity_factor: 0.0, moe_aux_weight: defaults::MOE_AUX_WEIGHT as f32,
             moe_z_weight: defaults::MOE_Z_WEIGHT as f32, place: Placement::default(),
         }
@@ -454,6 +487,16 @@ impl GptConfig {
         if self.block_norms != BlockNorms::Pre && self.arch != Arch::Llama {
             return Err("model.block_norms = post or sandwich needs model.arch = llama (RMSNorm blocks)".into());
         }
+        if self.arch != Arch::Llama && (self.gate_act != GateAct::Silu || self.norm_offset || self.embed_scale || self.query_pre_attn_scalar > 0 || self.rope_local_theta != 0.0) {
+            return Err("model.gate_act, model.norm_offset, model.embed_scale, model.query_pre_attn_scalar and model.rope_local_theta are llama-arch settings (Gemma's)".into());
+        }
+        if self.n_expert > 0 && self.gate_act != GateAct::Silu {
+            return Err("model.gate_act = gelu_tanh with experts is not supported (the experts are SwiGLU MLPs)".into());
+        }
+        #[allow(clippy::neg_cmp_op_on_partial_ord)] // a NaN must be refused too
+        if self.rope_local_theta != 0.0 && !(self.rope_local_theta > 0.0) {
+            return Err(format!("model.rope_local_theta must be positive (or 0: rope_theta everywhere), got {}", self.rope_local_theta));
+        }
         if self.qkv_bias && self.arch != Arch::Llama {
             return Err("model.qkv_bias is a llama-arch setting (Qwen2); GPT-2's biases are model.bias".into());
         }
@@ -558,6 +601,26 @@ impl GptConfig {
     /// Width of the fused q|k|v projection output: `(NH + 2·NKV)·HS`.
     pub fn qkv_width(&self) -> usize {
         (self.n_head + 2 * self.n_kv_head) * self.head_size()
+    }
+
+    /// The attention logits' scale for [`tensor::llama::GqaDims::scale`]: Gemma's
+    /// `query_pre_attn_scalar^-½`, or 0 (the kernels' `1/√HS`).
+    pub fn attn_scale(&self) -> f32 {
+        if self.query_pre_attn_scalar == 0 { 0.0 } else { (self.query_pre_attn_scalar as f64).powf(-0.5) as f32 }
+    }
+
+    /// The factor the token embeddings are multiplied by (Gemma's `√n_embd`, rounded to f32 as
+    /// transformers does), if any.
+    pub fn embed_multiplier(&self) -> Option<f32> {
+        self.embed_scale.then(|| (self.n_embd as f64).sqrt() as f32)
+    }
+
+    /// The rotary tables of the sliding-window layers when their base differs (Gemma 3's local
+    /// layers: `rope_local_theta`, plain RoPE), `[block_size, rotary/2]` each.
+    pub fn rope_local_tables(&self) -> Option<(Vec<f32>, Vec<f32>)> {
+        (self.rope_local_theta > 0.0).then(|| {
+            tensor::llama::rope_table_from(&tensor::llama::rope_inv_freq(self.rope_local_theta, self.rotary_size()), self.block_size)
+        })
     }
 
     /// The vectors the q and k norms normalise per token (`qk_norm`): each head, or q and k

@@ -97,11 +97,11 @@ impl Gpt {
         assert!(rows.iter().all(|&r| caches[r].len == pos), "rows decoded together share their position");
         assert!(pos < bs, "KV cache full");
         // Each row one new token (for RoPE); attention reads `t: pos + 1` cached positions.
-        let one = GqaDims { b: 1, t: 1, nh, nkv, hs, window: self.cfg.sliding_window, sinks: self.cfg.attn_sinks, rotary: self.cfg.rotary_dim, ..GqaDims::default() };
+        let one = GqaDims { b: 1, t: 1, nh, nkv, hs, window: self.cfg.sliding_window, sinks: self.cfg.attn_sinks, rotary: self.cfg.rotary_dim, scale: self.cfg.attn_scale(), ..GqaDims::default() };
         let w = &self.params;
         let pv = &self.views;
         let rope = self.rope.as_ref().map(|r| r.for_pass(pass));
-        let ops = Ops::decode(cfg, rope);
+        let ops = Ops::decode(cfg, rope, self.rope.as_ref().and_then(crate::gpt::RopeTables::local));
         let opt = |r: &Option<std::ops::Range<usize>>| r.as_ref().map(|r| &w[r.clone()]);
         let (x, ln, qkv, atty, proj, res) = (&mut s.x[..n * c], &mut s.ln[..n * c], &mut s.qkv[..n * qw], &mut s.atty[..n * cfg.attn_width()], &mut s.proj[..n * c], &mut s.res[..n * c]);
         let (mean, rstd) = (&mut s.mean[..n], &mut s.rstd[..n]);
@@ -113,14 +113,18 @@ impl Gpt {
                 }
             }
         }
+        if let Some(sc) = cfg.embed_multiplier() {
+            x.iter_mut().for_each(|v| *v *= sc);
+        }
         for (l, bp) in pv.blocks.iter().enumerate() {
             let a_in = pre_norm(&ops, (ln, mean, rstd), x, (&bp.ln_1_w, &bp.ln_1_b), w);
             matmul_forward(qkv, a_in, &w[bp.c_attn_w.clone()], opt(&bp.c_attn_b), n, c, qw);
             if let Some(r) = &bp.qk_norm_w {
                 let (pre, groups) = (&mut s.qk_pre[..n * (nh + nkv) * hs], &mut s.qk_rstd[..n * cfg.qk_norm_groups()]);
-                qk_rmsnorm_forward(qkv, pre, groups, &w[r.clone()], cfg.norm_eps, (nh, nkv, hs));
+                qk_rmsnorm_forward(qkv, pre, groups, &ops.norm_weight(&w[r.clone()]), cfg.norm_eps, (nh, nkv, hs));
             }
-            if let Some((cos, sin)) = rope.filter(|_| cfg.rope_at(l)) {
+            if rope.is_some() && cfg.rope_at(l) {
+                let (cos, sin) = ops.rope_of(l);
                 rope_forward(qkv, cos, sin, &GqaDims { b: n, ..one }, pos);
             }
             let base = l * bs * kw;

@@ -16,7 +16,7 @@
 //! (one flat buffer with the parameter layout), so gradient accumulation over micro-batches
 //! is a matter of not zeroing `grads` between them.
 
-use crate::config::{Arch, GptConfig};
+use crate::config::{Arch, GateAct, GptConfig};
 use crate::lora::{Lora, Site};
 use tensor::moe::{moe_backward, moe_forward, MoeCache, MoeExchange, MoeGrads, MoeInputs, MoeLossWeights, MoeStats};
 use crate::layout::{gpt_layout, BlockParams, GptParams, Init, ParamLayout};
@@ -1041,7 +1041,7 @@ impl Gpt {
         a.span = span;
         a.moe_stats.clear();
         let ops = Ops {
-            cfg: &self.cfg, rope: self.rope.as_ref().map(|r| r.for_pass(span)), b, t, docs, drop, loss_scale: a.loss_scale,
+            cfg: &self.cfg, rope: self.rope.as_ref().map(|r| r.for_pass(span)), rope_local: self.rope.as_ref().and_then(RopeTables::local), b, t, docs, drop, loss_scale: a.loss_scale,
             tp: RefCell::new(self.hooks.tensor.as_deref_mut()), ep: RefCell::new(self.hooks.experts.as_deref_mut()), cp: RefCell::new(self.hooks.context.as_deref_mut()), lora: RefCell::new(self.lora.as_mut()),
             store: storage(self.precision), arith: arith(self.precision), fp8: self.fp8.as_ref(), b0: self.cfg.place.batch_offset, base: self.base.as_deref(),
         };
@@ -1071,6 +1071,9 @@ impl Gpt {
                 None => embedding_forward(&mut a.xs[0], tokens, &w[pv.wte.clone()], wpe, t, c),
             }
             store.release(0, Access::Forward);
+            if let Some(s) = self.cfg.embed_multiplier() {
+                tensor::par::scale(&mut a.xs[0], s);
+            }
             ops.dropout(&mut a.xs[0], DropSite::Embedding);
         }
         ops.store(&mut a.xs[0]);
@@ -1133,7 +1136,7 @@ impl Gpt {
         // The forward's document layout, for the attention (and rope) backward and recomputation.
         let docs = (!a.doc_pos.is_empty()).then_some(Docs { start: &a.doc_start, pos: &a.doc_pos });
         let ops = Ops {
-            cfg: &self.cfg, rope: self.rope.as_ref().map(|r| r.for_pass(a.span)), b, t, docs, drop: Dropout { p: a.p_drop, seed: a.dropout_seed }, loss_scale: a.loss_scale,
+            cfg: &self.cfg, rope: self.rope.as_ref().map(|r| r.for_pass(a.span)), rope_local: self.rope.as_ref().and_then(RopeTables::local), b, t, docs, drop: Dropout { p: a.p_drop, seed: a.dropout_seed }, loss_scale: a.loss_scale,
             tp: RefCell::new(self.hooks.tensor.as_deref_mut()), ep: RefCell::new(self.hooks.experts.as_deref_mut()), cp: RefCell::new(self.hooks.context.as_deref_mut()), lora: RefCell::new(self.lora.as_mut()),
             store: storage(self.precision), arith: arith(self.precision), fp8: self.fp8.as_ref(), b0: self.cfg.place.batch_offset, base: self.base.as_deref(),
         };
@@ -1194,6 +1197,10 @@ impl Gpt {
         // A later pipeline stage leaves its input's gradient in `dres` (`stage_input_grad`). A
         // frozen base (LoRA) has no embedding gradient to compute.
         if !skip && self.cfg.has_embed() && ops.lora.borrow().is_none() {
+            if let Some(s) = self.cfg.embed_multiplier() {
+                // The stream's gradient is not read again: the lookup's is `√C` times it.
+                tensor::par::scale(&mut g.dres, s);
+            }
             let demb = ops.dropout_grad(&mut g.dbranch, &g.dres, DropSite::Embedding);
             // Under sequence parallelism the embedding's output was reduce-scattered: gather.
             let demb = ops.row_parallel_grad(demb, &mut g.dfull);
@@ -1615,7 +1622,7 @@ impl<'o, 'a> Block<'o, 'a> {
         self.linear(Site::Qkv).forward_column(&mut i.qkv, &k.ln_1, &mut i.ln_1_full);
         if let Some(r) = &self.bp.qk_norm_w {
             let cfg = self.ops.cfg;
-            qk_rmsnorm_forward(&mut i.qkv, &mut i.qk_pre, &mut i.qk_rstd, &self.w[r.clone()], cfg.norm_eps, (cfg.n_head, cfg.n_kv_head, cfg.head_size()));
+            qk_rmsnorm_forward(&mut i.qkv, &mut i.qk_pre, &mut i.qk_rstd, &self.ops.norm_weight(&self.w[r.clone()]), cfg.norm_eps, (cfg.n_head, cfg.n_kv_head, cfg.head_size()));
         }
         if self.ops.rope_forward(&mut i.qkv, self.l) {
             // The rotated q and k are what is kept: stored in the format too.
@@ -1759,7 +1766,7 @@ fn block_backward(blk: &Block, dw: &mut [f32], x: &[f32], acts: BlockActs, g: &m
     if let Some(r) = &bp.qk_norm_w {
         // Qwen3's per-head norms: d(normed q, k) → d(projected q, k), in place.
         let cfg = ops.cfg;
-        qk_rmsnorm_backward(&mut g.dqkv, &mut dw[r.clone()], &i.qk_pre, &blk.w[r.clone()], &i.qk_rstd, (cfg.n_head, cfg.n_kv_head, cfg.head_size()));
+        qk_rmsnorm_backward(&mut g.dqkv, &mut dw[r.clone()], &i.qk_pre, &ops.norm_weight(&blk.w[r.clone()]), &i.qk_rstd, (cfg.n_head, cfg.n_kv_head, cfg.head_size()));
     }
     ops.store(&mut g.dqkv);
     let xin: &[f32] = if ops.sp() { &i.ln_1_full } else { &k.ln_1 };
@@ -1798,6 +1805,8 @@ pub(crate) struct RopeTables {
     short: CosSin,
     /// `(original context, tables)`, built only when `block_size` exceeds that context.
     long: Option<(usize, CosSin)>,
+    /// The sliding-window layers' own tables (`GptConfig::rope_local_theta`, Gemma 3).
+    local: Option<CosSin>,
 }
 
 /// Rotary tables `(cos, sin)`, `[block_size, HS/2]` each.
@@ -1806,7 +1815,12 @@ type CosSin = (Vec<f32>, Vec<f32>);
 impl RopeTables {
     fn new(cfg: &GptConfig) -> RopeTables {
         let after = cfg.rope_scaling.as_ref().and_then(|r| r.long_after()).filter(|&n| cfg.block_size > n);
-        RopeTables { short: cfg.rope_tables(false), long: after.map(|n| (n, cfg.rope_tables(true))) }
+        RopeTables { short: cfg.rope_tables(false), long: after.map(|n| (n, cfg.rope_tables(true))), local: cfg.rope_local_tables() }
+    }
+
+    /// The sliding-window layers' tables when their base differs (any pass length).
+    pub(crate) fn local(&self) -> Option<&CosSin> {
+        self.local.as_ref()
     }
 
     /// The tables of a pass over `len` positions (transformers picks LongRoPE's set per pass,
@@ -1831,6 +1845,8 @@ fn pass_len(docs: &Option<Docs>, t: usize) -> usize {
 pub(crate) struct Ops<'a> {
     pub cfg: &'a GptConfig,
     pub rope: Option<&'a (Vec<f32>, Vec<f32>)>,
+    /// The sliding-window layers' rotary tables when their base differs (Gemma 3).
+    pub rope_local: Option<&'a (Vec<f32>, Vec<f32>)>,
     pub b: usize,
     pub t: usize,
     /// The pass's packed documents (`None`: one document per row, positions `0..T`).
@@ -1861,9 +1877,9 @@ pub(crate) struct Ops<'a> {
 
 impl<'a> Ops<'a> {
     /// The operators of single-token decoding on a whole model (no dropout, no precision).
-    pub(crate) fn decode(cfg: &'a GptConfig, rope: Option<&'a (Vec<f32>, Vec<f32>)>) -> Ops<'a> {
+    pub(crate) fn decode(cfg: &'a GptConfig, rope: Option<&'a (Vec<f32>, Vec<f32>)>, rope_local: Option<&'a (Vec<f32>, Vec<f32>)>) -> Ops<'a> {
         Ops {
-            cfg, rope, b: 1, t: 1, docs: None, drop: Dropout { p: 0.0, seed: 0 }, loss_scale: 1.0,
+            cfg, rope, rope_local, b: 1, t: 1, docs: None, drop: Dropout { p: 0.0, seed: 0 }, loss_scale: 1.0,
             tp: RefCell::new(None), ep: RefCell::new(None), cp: RefCell::new(None), lora: RefCell::new(None), store: None, arith: Default::default(), fp8: None, b0: 0, base: None,
         }
     }
@@ -2024,6 +2040,7 @@ impl<'a> Ops<'a> {
 
     pub(crate) fn norm_forward(&self, out: &mut [f32], mean: &mut [f32], rstd: &mut [f32], x: &[f32], w: &[f32], bias: Option<&[f32]>) {
         let c = self.cfg.n_embd;
+        let w = &self.norm_weight(w)[..];
         match self.cfg.arch {
             Arch::Gpt2 => layernorm_forward(out, mean, rstd, x, w, bias, c),
             Arch::Llama => rmsnorm_forward(out, rstd, x, w, self.cfg.norm_eps, c),
@@ -2033,6 +2050,7 @@ impl<'a> Ops<'a> {
     /// `(dw, db)`: the weight's and bias's gradients; `(mean, rstd)`: the forward's statistics.
     fn norm_backward(&self, dinp: &mut [f32], (dw, db): (&mut [f32], Option<&mut [f32]>), dout: &[f32], x: &[f32], w: &[f32], (mean, rstd): (&[f32], &[f32])) {
         let c = self.cfg.n_embd;
+        let w = &self.norm_weight(w)[..];
         match self.cfg.arch {
             Arch::Gpt2 => layernorm_backward((dinp, dw, db), dout, x, w, (mean, rstd), c),
             Arch::Llama => rmsnorm_backward(dinp, dw, dout, x, w, rstd, c),
@@ -2049,7 +2067,7 @@ impl<'a> Ops<'a> {
     fn gqa_at(&self, l: usize) -> GqaDims {
         let (head0, heads) = self.mask_heads();
         let window = self.cfg.window_of(self.cfg.first_layer() + l);
-        GqaDims { b: self.b, t: self.t, nh: self.cfg.n_head, nkv: self.cfg.n_kv_head, hs: self.cfg.head_size(), head0, heads, b0: self.b0, window, sinks: self.cfg.attn_sinks, rotary: self.cfg.rotary_dim }
+        GqaDims { b: self.b, t: self.t, nh: self.cfg.n_head, nkv: self.cfg.n_kv_head, hs: self.cfg.head_size(), head0, heads, b0: self.b0, window, sinks: self.cfg.attn_sinks, rotary: self.cfg.rotary_dim, scale: self.cfg.attn_scale() }
     }
 
     /// A tensor-parallel shard's first head and the whole model's head count ((0, 0) without
@@ -2064,7 +2082,7 @@ impl<'a> Ops<'a> {
     /// rotated.
     fn rope_forward(&self, qkv: &mut [f32], l: usize) -> bool {
         if self.cfg.rope_at(self.cfg.first_layer() + l) {
-            let (cos, sin) = self.rope.expect("llama has rotary tables");
+            let (cos, sin) = self.rope_of(l);
             match self.docs {
                 Some(d) => rope_forward_pos(qkv, cos, sin, &self.gqa(), d.pos),
                 None => rope_forward(qkv, cos, sin, &self.gqa(), 0),
@@ -2072,6 +2090,21 @@ impl<'a> Ops<'a> {
             return true;
         }
         false
+    }
+
+    /// The rotary tables of this part's layer `l`: the sliding-window layers' own (Gemma 3's
+    /// local base) where they differ, else the pass's.
+    pub(crate) fn rope_of(&self, l: usize) -> &'a (Vec<f32>, Vec<f32>) {
+        match self.rope_local {
+            Some(t) if self.cfg.window_of(self.cfg.first_layer() + l) > 0 => t,
+            _ => self.rope.expect("llama has rotary tables"),
+        }
+    }
+
+    /// A norm's weight as the kernels take it: `1 + w` under `norm_offset` (Gemma, in fp32 as
+    /// transformers adds it), else `w`.
+    pub(crate) fn norm_weight<'w>(&self, w: &'w [f32]) -> std::borrow::Cow<'w, [f32]> {
+        if self.cfg.norm_offset { w.iter().map(|x| 1.0 + x).collect::<Vec<f32>>().into() } else { w.into() }
     }
 
     /// The documents' per-token starts for the attention kernels (empty: none).
@@ -2120,7 +2153,7 @@ impl<'a> Ops<'a> {
                     None => flash_gqa_backward_docs(dqkv, dout, (qkv, out, state), &self.gqa_at(l), self.doc_starts(), drop),
                 }
                 if cfg.rope_at(cfg.first_layer() + l) {
-                    let (cos, sin) = self.rope.expect("llama has rotary tables");
+                    let (cos, sin) = self.rope_of(l);
                     match self.docs {
                         Some(d) => rope_backward_pos(dqkv, cos, sin, &self.gqa(), d.pos),
                         None => rope_backward(dqkv, cos, sin, &self.gqa(), 0),
@@ -2131,17 +2164,19 @@ impl<'a> Ops<'a> {
     }
 
     pub(crate) fn act_forward(&self, out: &mut [f32], fch: &[f32]) {
-        match self.cfg.arch {
-            Arch::Gpt2 => gelu_forward(out, fch),
-            Arch::Llama => swiglu_forward(out, fch, self.cfg.ffn_hidden),
+        match (self.cfg.arch, self.cfg.gate_act) {
+            (Arch::Gpt2, _) => gelu_forward(out, fch),
+            (Arch::Llama, GateAct::Silu) => swiglu_forward(out, fch, self.cfg.ffn_hidden),
+            (Arch::Llama, GateAct::GeluTanh) => tensor::ops::geglu_forward(out, fch, self.cfg.ffn_hidden),
         }
     }
 
     /// The activation's backward, overwriting `dfch`.
     fn act_backward(&self, dfch: &mut [f32], dout: &[f32], fch: &[f32]) {
-        match self.cfg.arch {
-            Arch::Gpt2 => gelu_backward_into(dfch, dout, fch),
-            Arch::Llama => swiglu_backward_into(dfch, dout, fch, self.cfg.ffn_hidden),
+        match (self.cfg.arch, self.cfg.gate_act) {
+            (Arch::Gpt2, _) => gelu_backward_into(dfch, dout, fch),
+            (Arch::Llama, GateAct::Silu) => swiglu_backward_into(dfch, dout, fch, self.cfg.ffn_hidden),
+            (Arch::Llama, GateAct::GeluTanh) => tensor::ops::geglu_backward_into(dfch, dout, fch, self.cfg.ffn_hidden),
         }
     }
 }

@@ -200,12 +200,14 @@ fn llama_layout(cfg: &GptConfig) -> (ParamLayout, GptParams) {
     let std = 0.02f32;
     let proj_std = std / ((2 * cfg.total_layers()) as f32).sqrt();
     let mut l = ParamLayout::default();
+    // A norm's neutral weight: 1, or 0 where the norm scales by `1 + w` (Gemma).
+    let one = if cfg.norm_offset { Init::Zeros } else { Init::Ones };
     let wte = if cfg.has_embedding_unit() { l.push("model.embed_tokens.weight".into(), vec![cfg.vocab_size, c], Init::Normal(std), false) } else { 0..0 };
     let mut blocks = Vec::new();
     for i in cfg.first_layer()..cfg.first_layer() + cfg.n_layer {
         let p = format!("model.layers.{i}.");
         let norms = cfg.block_norms;
-        let ln_1_w = if norms.pre() { l.push(format!("{p}input_layernorm.weight"), vec![c], Init::Ones, false) } else { l.total..l.total };
+        let ln_1_w = if norms.pre() { l.push(format!("{p}input_layernorm.weight"), vec![c], one, false) } else { l.total..l.total };
         let q = l.push(format!("{p}self_attn.q_proj.weight"), vec![cfg.n_head * hs, c], Init::Normal(std), true);
         l.push(format!("{p}self_attn.k_proj.weight"), vec![cfg.n_kv_head * hs, c], Init::Normal(std), true);
         let v = l.push(format!("{p}self_attn.v_proj.weight"), vec![cfg.n_kv_head * hs, c], Init::Normal(std), true);
@@ -219,18 +221,18 @@ fn llama_layout(cfg: &GptConfig) -> (ParamLayout, GptParams) {
         // Qwen3's per-head norms of q and k (OLMo 2's over every head), adjacent: one range.
         let qk_norm_w = cfg.qk_norm.then(|| {
             let (qw, kw) = if cfg.qk_norm_whole { (cfg.n_head * hs, cfg.n_kv_head * hs) } else { (hs, hs) };
-            let qn = l.push(format!("{p}self_attn.q_norm.weight"), vec![qw], Init::Ones, false);
-            let kn = l.push(format!("{p}self_attn.k_norm.weight"), vec![kw], Init::Ones, false);
+            let qn = l.push(format!("{p}self_attn.q_norm.weight"), vec![qw], one, false);
+            let kn = l.push(format!("{p}self_attn.k_norm.weight"), vec![kw], one, false);
             qn.start..kn.end
         });
         let attn_proj_w = l.push(format!("{p}self_attn.o_proj.weight"), vec![c, cfg.n_head * hs], Init::Normal(proj_std), true);
         // LLaMA's `post_attention_layernorm` is the norm before the MLP; with norms after the
         // branches (OLMo 2, Gemma) it is the attention branch's, and Gemma's before the MLP is
         // `pre_feedforward_layernorm`.
-        let post_1_w = norms.post().then(|| l.push(format!("{p}post_attention_layernorm.weight"), vec![c], Init::Ones, false));
+        let post_1_w = norms.post().then(|| l.push(format!("{p}post_attention_layernorm.weight"), vec![c], one, false));
         let ln_2_w = match norms {
-            BlockNorms::Pre => l.push(format!("{p}post_attention_layernorm.weight"), vec![c], Init::Ones, false),
-            BlockNorms::Sandwich => l.push(format!("{p}pre_feedforward_layernorm.weight"), vec![c], Init::Ones, false),
+            BlockNorms::Pre => l.push(format!("{p}post_attention_layernorm.weight"), vec![c], one, false),
+            BlockNorms::Sandwich => l.push(format!("{p}pre_feedforward_layernorm.weight"), vec![c], one, false),
             BlockNorms::Post => l.total..l.total,
         };
         let (c_fc_w, mlp_proj_w, moe) = if cfg.is_moe() {
@@ -259,7 +261,7 @@ fn llama_layout(cfg: &GptConfig) -> (ParamLayout, GptParams) {
             let down = l.push(format!("{p}mlp.down_proj.weight"), vec![c, f], Init::Normal(proj_std), true);
             (gate.start..up.end, down, None)
         };
-        let post_2_w = norms.post().then(|| l.push(format!("{p}post_feedforward_layernorm.weight"), vec![c], Init::Ones, false));
+        let post_2_w = norms.post().then(|| l.push(format!("{p}post_feedforward_layernorm.weight"), vec![c], one, false));
         blocks.push(BlockParams {
             ln_1_w, ln_1_b: None, c_attn_w: q.start..v.end, c_attn_b, qk_norm_w, attn_proj_w, attn_proj_b: None, post_1_w,
             ln_2_w, ln_2_b: None, c_fc_w, c_fc_b: None, mlp_proj_w, mlp_proj_b: None, post_2_w, moe,
@@ -269,7 +271,7 @@ fn llama_layout(cfg: &GptConfig) -> (ParamLayout, GptParams) {
         let end = l.total;
         return (l, GptParams { wte, wpe: None, blocks, ln_f_w: end..end, ln_f_b: None, lm_head: 0..0 });
     }
-    let ln_f_w = l.push("model.norm.weight".into(), vec![c], Init::Ones, false);
+    let ln_f_w = l.push("model.norm.weight".into(), vec![c], one, false);
     let lm_head = if cfg.tied_embeddings {
         wte.clone()
     } else {

@@ -44,7 +44,7 @@ impl AttnDims {
     /// The MHA shape as the GQA shape with one query head per kv head: the layouts coincide.
     pub fn as_gqa(&self) -> GqaDims {
         assert!(self.nh > 0 && self.c.is_multiple_of(self.nh), "C must be a multiple of NH");
-        GqaDims { b: self.b, t: self.t, nh: self.nh, nkv: self.nh, hs: self.c / self.nh, head0: self.head0, heads: self.heads, b0: self.b0, window: 0, sinks: 0, rotary: 0 }
+        GqaDims { b: self.b, t: self.t, nh: self.nh, nkv: self.nh, hs: self.c / self.nh, head0: self.head0, heads: self.heads, b0: self.b0, window: 0, sinks: 0, rotary: 0, scale: 0.0 }
     }
 
     /// The whole-model `(batch, head)` index of `bh = b·NH + h` (`GqaDims::mask_bh`).
@@ -230,7 +230,7 @@ pub fn attention_decode(
     let GqaDims { t: t_cur, nh, nkv, hs, .. } = *dims;
     let kw = nkv * hs;
     let group = nh / nkv;
-    let scale = 1.0 / (hs as f32).sqrt();
+    let scale = dims.logit_scale();
     // Under a sliding window only the last `window` positions are seen, and the sinks.
     let lo = dims.first_key(t_cur - 1);
     let keys: Vec<usize> = (0..dims.sink_end(t_cur - 1, 0)).chain(lo..t_cur).collect();

@@ -562,7 +562,7 @@ pub fn flash_gqa_block_forward_tiled(
     assert_eq!(lse.len(), b * nh * qs.rows);
     let Tiles { br, bc } = tiles;
     let ntq = qs.len.div_ceil(br);
-    let scale = 1.0 / (hs as f32).sqrt();
+    let scale = dims.logit_scale();
     let outp = SyncPtr(out.as_mut_ptr());
     let lsep = SyncPtr(lse.as_mut_ptr());
     let init = || FwdScratch {
@@ -882,7 +882,7 @@ pub fn flash_gqa_block_backward_with(
     let ctx = Ctx {
         dims: *dims, blk: *blk, dout, lse, d, dq: dqp, dkv: dkvp,
         t, c, w, nh, nkv, group, hs,
-        br, bc, scale: 1.0 / (hs as f32).sqrt(), dropout, seed,
+        br, bc, scale: dims.logit_scale(), dropout, seed,
     };
     let (ntq, ntk) = (qs.len.div_ceil(br), ks.len.div_ceil(bc));
     let schedule = match schedule {

@@ -495,7 +495,7 @@ crate::multiversion! {
 // ---------------------------------------------------------------------------------------------
 // Grouped-query attention (materialised reference): query head h reads kv head h / (NH/NKV).
 
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct GqaDims {
     pub b: usize,
     pub t: usize,
@@ -519,9 +519,17 @@ pub struct GqaDims {
     /// Dimensions of each head the rotary embedding turns (the first `rotary`; a partial rotary
     /// factor below 1, as Phi-4-mini's 0.75); 0 = all `hs`.
     pub rotary: usize,
+    /// The logits' scale when not `1/√HS` (Gemma's `query_pre_attn_scalar^-½`); 0 = `1/√HS`.
+    pub scale: f32,
 }
 
 impl GqaDims {
+    /// The factor `q·k` is scaled by: `scale`, or `1/√HS`.
+    #[inline]
+    pub fn logit_scale(&self) -> f32 {
+        if self.scale > 0.0 { self.scale } else { 1.0 / (self.hs as f32).sqrt() }
+    }
+
     /// The first key query `i` attends to: `i + 1 - window` under a sliding window, else 0.
     #[inline]
     pub fn first_key(&self, i: usize) -> usize {
@@ -599,7 +607,7 @@ pub fn gqa_attention_forward_docs(
     assert_eq!(out.len(), b * t * c);
     assert_eq!(att.len(), b * nh * t * t);
     assert_eq!(qkv.len(), b * t * w);
-    let scale = 1.0 / (hs as f32).sqrt();
+    let scale = dims.logit_scale();
     let outp = SyncPtr(out.as_mut_ptr());
     att.par_chunks_mut(t * t).enumerate().for_each(|(bh, a)| {
         #[allow(clippy::redundant_locals)] // capture the whole (Send) SyncPtr, not its field
@@ -692,7 +700,7 @@ pub fn gqa_attention_backward(
     assert_eq!(qkv.len(), b * t * w);
     assert_eq!(dout.len(), b * t * c);
     assert_eq!(att.len(), b * nh * t * t);
-    let scale = 1.0 / (hs as f32).sqrt();
+    let scale = dims.logit_scale();
     let dp = SyncPtr(dqkv.as_mut_ptr());
     (0..b * nkv).into_par_iter().for_each(|bg| {
         #[allow(clippy::redundant_locals)] // capture the whole (Send) SyncPtr, not its field

@@ -323,6 +323,63 @@ crate::multiversion! {
 }
 
 // ---------------------------------------------------------------------------------------------
+// GeGLU (Gemma's gated MLP): out = GELU(gate) ⊙ up, GELU the tanh approximation above.
+
+/// `out[N, F] = GELU(gate) ⊙ up` from `gu[N, 2F]` (gate in columns `0..F`, up in `F..2F`), as
+/// transformers' `act_fn(gate_proj(x)) * up_proj(x)` with `gelu_pytorch_tanh`.
+pub fn geglu_forward(out: &mut [f32], gu: &[f32], f: usize) {
+    let _p = crate::profile::scope("geglu_forward");
+    assert!(f > 0 && gu.len() == 2 * out.len());
+    let rows = (ELEMS / f).max(1);
+    out.par_chunks_mut(f * rows).zip(gu.par_chunks(2 * f * rows)).for_each(|(o, g)| {
+        for (o, g) in o.chunks_mut(f).zip(g.chunks(2 * f)) {
+            geglu_row(o, &g[..f], &g[f..]);
+        }
+    });
+}
+
+crate::multiversion! {
+    fn geglu_row(o: &mut [f32], g: &[f32], u: &[f32]) {
+        simd::exp_blocks(g, gelu_exp_arg, |i0, len, g, e| {
+            let (o, u) = (&mut o[i0..i0 + len], &u[i0..i0 + len]);
+            for l in 0..len {
+                o[l] = g[l] / (1.0 + e[l]) * u[l];
+            }
+        });
+    }
+}
+
+/// Backward of [`geglu_forward`], overwriting `dgu[N, 2F]`: `dgate = dout·up·GELU'(gate)`,
+/// `dup = dout·GELU(gate)`.
+pub fn geglu_backward_into(dgu: &mut [f32], dout: &[f32], gu: &[f32], f: usize) {
+    let _p = crate::profile::scope("geglu_backward");
+    assert!(f > 0 && gu.len() == 2 * dout.len() && dgu.len() == gu.len());
+    let rows = (ELEMS / f).max(1);
+    dgu.par_chunks_mut(2 * f * rows).zip(dout.par_chunks(f * rows).zip(gu.par_chunks(2 * f * rows))).for_each(|(dg, (d, g))| {
+        for (dg, (d, g)) in dg.chunks_mut(2 * f).zip(d.chunks(f).zip(g.chunks(2 * f))) {
+            let (dgate, dup) = dg.split_at_mut(f);
+            geglu_backward_row(dgate, dup, d, &g[..f], &g[f..]);
+        }
+    });
+}
+
+crate::multiversion! {
+    fn geglu_backward_row(dgate: &mut [f32], dup: &mut [f32], d: &[f32], g: &[f32], u: &[f32]) {
+        simd::exp_blocks(g, gelu_exp_arg, |i0, len, g, e| {
+            let (dgate, dup) = (&mut dgate[i0..i0 + len], &mut dup[i0..i0 + len]);
+            let (d, u) = (&d[i0..i0 + len], &u[i0..i0 + len]);
+            for l in 0..len {
+                // As gelu_backward_chunk: GELU' = s + 2x·s(1−s)·du/dx with s = σ(2u).
+                let (x, s) = (g[l], 1.0 / (1.0 + e[l]));
+                let du2 = (x * x).mul_add(2.0 * GELU_K * 3.0 * 0.044715, 2.0 * GELU_K);
+                dgate[l] = (x * (s - s * s)).mul_add(du2, s) * d[l] * u[l];
+                dup[l] = x * s * d[l];
+            }
+        });
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Residual
 
 /// `out = a + b`.

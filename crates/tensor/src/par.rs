@@ -100,3 +100,8 @@ impl Drop for PoolBuf {
 pub fn zero(x: &mut [f32]) {
     x.par_chunks_mut(ELEMS * 4).for_each(|c| c.fill(0.0));
 }
+
+/// `x *= s` elementwise over the pool.
+pub fn scale(x: &mut [f32], s: f32) {
+    x.par_chunks_mut(ELEMS).for_each(|c| c.iter_mut().for_each(|v| *v *= s));
+}

@@ -229,6 +229,22 @@ fn smollm3_model_trains_and_exports_as_smollm3() {
     assert!(cj["pad_token_id"].is_null(), "{cj}");
 }
 
+/// A Gemma 3 text model (the model crate's gemma3-tiny fixture): `--init-from` sets the
+/// sandwich norms, GeGLU, the `1 + w` norms, the embedding scale, `query_pre_attn_scalar` and
+/// the local rotary base, the run trains, its export is Gemma 3 again (per-layer-type rotary
+/// parameters, its layer types).
+#[test]
+fn gemma3_model_trains_and_exports_as_gemma3() {
+    let (m, exp, _d) = trains_exports_and_evaluates_alike("gemma3-tiny");
+    assert_eq!((m["block_norms"].as_str(), m["gate_act"].as_str(), m["norm_offset"].as_bool(), m["embed_scale"].as_bool()), (Some("sandwich"), Some("gelu_tanh"), Some(true), Some(true)));
+    assert_eq!((m["query_pre_attn_scalar"].as_integer(), m["rope_local_theta"].as_float()), (Some(12), Some(1e4)));
+    let cj = exported_config(&exp);
+    assert_eq!(cj["architectures"][0].as_str(), Some("Gemma3ForCausalLM"), "{cj}");
+    assert_eq!(cj["layer_types"], serde_json::json!(["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]));
+    assert_eq!(cj["rope_parameters"]["sliding_attention"]["rope_theta"].as_f64(), Some(1e4), "{cj}");
+    assert_eq!(cj["rope_parameters"]["full_attention"]["rope_type"].as_str(), Some("linear"), "{cj}");
+}
+
 /// An OLMo 2 (the model crate's olmo2-tiny fixture): `--init-from` sets `model.block_norms =
 /// post` and the whole-width q/k norms, the run trains, and its export is OLMo 2 again with its
 /// `pad_token_id`; tensor parallelism is refused by name (each q/k norm spans every head).

@@ -454,19 +454,25 @@ fn every_pipeline_schedule_matches_one_rank() {
 }
 
 /// OLMo 2's blocks (norms after the branches, whole-width q/k norms) under ZeRO-3 data
-/// parallelism, a 1F1B pipeline and ring context parallelism, and Gemma's sandwich norms under
-/// tensor parallelism with sequence parallelism (the norms' gradients partial per shard), each
-/// against one rank with dropout on.
+/// parallelism, a 1F1B pipeline and ring context parallelism, and Gemma 3's (sandwich norms
+/// scaling by `1 + w`, GeGLU, scaled embeddings under a tied head, local and global layers with
+/// their own rotary bases) under those and tensor parallelism with sequence parallelism (the
+/// norms' gradients partial per shard, the embedding vocabulary-parallel), each against one rank
+/// with dropout on.
 #[test]
 fn norms_after_the_branches_match_one_rank_on_every_layout() {
     let d = scratch("post-norm-layouts");
     let data = corpus(&d);
     let llama: &[&str] = &["--set", "model.arch=llama", "--set", "model.n_kv_head=2", "--set", "model.tied_embeddings=false"];
     let olmo2: &[&str] = &["--set", "model.block_norms=post", "--set", "model.qk_norm=true", "--set", "model.qk_norm_whole=true"];
-    let sandwich: &[&str] = &["--set", "model.block_norms=sandwich"];
+    let gemma3: &[&str] = &[
+        "--set", "model.block_norms=sandwich", "--set", "model.gate_act=gelu_tanh", "--set", "model.norm_offset=true", "--set", "model.embed_scale=true",
+        "--set", "model.qk_norm=true", "--set", "model.query_pre_attn_scalar=12", "--set", "model.sliding_window=5", "--set", "model.window_layers=[0, 1, 3]",
+        "--set", "model.rope_local_theta=100", "--set", "model.tied_embeddings=true",
+    ];
     for (name, norms, layouts) in [
         ("olmo2", olmo2, &[&["--dp", "2", "--zero", "3"][..], &["--pp", "2", "--schedule", "1f1b"], &["--cp", "2"]][..]),
-        ("sandwich", sandwich, &[&["--tp", "2", "--sequence-parallel"][..]]),
+        ("gemma3", gemma3, &[&["--tp", "2", "--sequence-parallel"][..], &["--pp", "2", "--schedule", "1f1b"], &["--cp", "2"], &["--dp", "2", "--zero", "3"]]),
     ] {
         let one = d.join(format!("{name}-one"));
         run_pp(&data, &one, &[llama, norms].concat());

@@ -399,6 +399,10 @@ pub fn unsupported_config(cfg: &GptConfig) -> Option<String> {
         "q/k norms (model.qk_norm)"
     } else if cfg.block_norms != crate::config::BlockNorms::Pre {
         "norms after the branches (model.block_norms)"
+    } else if cfg.gate_act != crate::config::GateAct::Silu {
+        "GeGLU MLPs (model.gate_act)"
+    } else if cfg.norm_offset || cfg.embed_scale || cfg.query_pre_attn_scalar > 0 || cfg.rope_local_theta != 0.0 {
+        "Gemma's norms, embedding scale, attention scale or local rotary base (model.norm_offset, model.embed_scale, model.query_pre_attn_scalar, model.rope_local_theta)"
     } else if cfg.attn_sinks > 0 {
         "attention sinks (model.attn_sinks)"
     } else if cfg.pad_token_id.is_some() {

@@ -333,8 +333,13 @@ fn unsupported_models_are_refused_by_name() {
     let e = DeviceGpt::new(g.clone(), &Gpt::new(qwen3.clone(), 12, 0)).err().expect("a q/k-norm model on the device");
     assert!(e.contains("q/k norms"), "{e}");
     let post = GptConfig { qk_norm: false, block_norms: model::config::BlockNorms::Post, ..qwen3 };
-    let e = DeviceGpt::new(g, &Gpt::new(post, 12, 0)).err().expect("norms after the branches on the device");
+    let e = DeviceGpt::new(g.clone(), &Gpt::new(post.clone(), 12, 0)).err().expect("norms after the branches on the device");
     assert!(e.contains("model.block_norms"), "{e}");
+    let pre = GptConfig { block_norms: model::config::BlockNorms::Pre, ..post };
+    let e = DeviceGpt::new(g.clone(), &Gpt::new(GptConfig { gate_act: model::config::GateAct::GeluTanh, ..pre.clone() }, 12, 0)).err().expect("GeGLU on the device");
+    assert!(e.contains("model.gate_act"), "{e}");
+    let e = DeviceGpt::new(g, &Gpt::new(GptConfig { query_pre_attn_scalar: 3, ..pre }, 12, 0)).err().expect("an attention scale on the device");
+    assert!(e.contains("model.query_pre_attn_scalar"), "{e}");
 }
 
 /// Greedy generation with the KV cache on the device gives the CPU's tokens, through a cache

@@ -111,6 +111,65 @@ fn gradients_match_finite_differences_norms_after_the_branches() {
     model_gradcheck_with(sandwich, Recompute::Selective);
 }
 
+/// Gemma 3's block through the whole model: sandwich norms scaling by `1 + w`, GeGLU, per-head
+/// q/k norms, embeddings times `√C` under a tied head, logits scaled by a
+/// `query_pre_attn_scalar`, a sliding-window layer with its own rotary base beside a global
+/// one (heads of 4, so the bases differ); with dropout, and with full recomputation.
+#[test]
+fn gradients_match_finite_differences_gemma3_block() {
+    let cfg = gemma3_like(0.1);
+    model_gradcheck(cfg.clone());
+    model_gradcheck_with(cfg, Recompute::Full);
+}
+
+fn gemma3_like(dropout: f32) -> GptConfig {
+    use model::config::{BlockNorms, GateAct};
+    GptConfig {
+        block_norms: BlockNorms::Sandwich, gate_act: GateAct::GeluTanh, norm_offset: true, embed_scale: true, query_pre_attn_scalar: 7, qk_norm: true,
+        sliding_window: 3, window_layers: vec![0], rope_local_theta: 100.0, tied_embeddings: true, n_head: 2, ..tiny_llama(1, dropout)
+    }
+}
+
+/// Gemma's features each change the model (none is silently ignored), and KV-cached decoding
+/// equals the forward with all of them.
+#[test]
+fn gemma3_features_each_change_the_logits_and_decoding_follows_the_forward() {
+    let base = gemma3_like(0.0);
+    let (tokens, _) = batch();
+    let logits = |cfg: GptConfig| {
+        // The same weights whatever the variant's init (norms near 0.5: `1 + w` is far from `w`).
+        let mut m = Gpt::new(cfg, 11, 3);
+        let mut rng = tensor::Rng::new(4);
+        for spec in m.layout.params.clone() {
+            let x = &mut m.params[spec.range()];
+            match spec.init {
+                model::Init::Normal(_) => rng.fill_normal(x, 0.3),
+                _ => x.iter_mut().for_each(|v| *v = 0.5 + 0.1 * rng.normal() as f32),
+            }
+        }
+        let l = m.forward_logits(&tokens[..6], 1, 6);
+        let mut cache = m.new_cache();
+        for (i, &tok) in tokens[..6].iter().enumerate() {
+            let step = m.decode_step(&mut cache, tok);
+            let err = step.iter().zip(&l[i * 12..(i + 1) * 12]).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+            assert!(err < 1e-5, "position {i}: {err}");
+        }
+        l
+    };
+    let want = logits(base.clone());
+    for (name, cfg) in [
+        ("gate_act", GptConfig { gate_act: model::config::GateAct::Silu, ..base.clone() }),
+        ("norm_offset", GptConfig { norm_offset: false, ..base.clone() }),
+        ("embed_scale", GptConfig { embed_scale: false, ..base.clone() }),
+        ("query_pre_attn_scalar", GptConfig { query_pre_attn_scalar: 0, ..base.clone() }),
+        ("rope_local_theta", GptConfig { rope_local_theta: 0.0, ..base.clone() }),
+    ] {
+        let got = logits(cfg);
+        let diff = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        assert!(diff > 1e-4, "{name} changed nothing ({diff})");
+    }
+}
+
 /// A partial rotary embedding (2 of each head's 4 dimensions), through the whole model.
 #[test]
 fn gradients_match_finite_differences_partial_rotary() {

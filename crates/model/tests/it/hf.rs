@@ -208,6 +208,39 @@ fn smollm3_fixture_logits_and_loss_match_transformers() {
     assert!(e.contains("no_rope_layers") && e.contains("2 entries for 4 layers"), "{e}");
 }
 
+/// Gemma 3's text model (tests/fixtures/gemma3-tiny, made by its make.py with transformers):
+/// sandwich norms scaling by `1 + w` (every norm weight off 0), GeGLU, embeddings times `√C`
+/// under a tied head, `query_pre_attn_scalar` 12 with heads of 8, three sliding layers (window
+/// 5) with the local base beside a global layer with linear rope scaling; logits and loss match
+/// transformers, the export writes Gemma 3 back bit for bit, KV-cached decoding agrees with the
+/// forward, and the older config form (`rope_theta`, `rope_local_base_freq`, `rope_scaling`,
+/// `sliding_window_pattern`) reads the same model. Soft-capping is refused by name.
+#[test]
+fn gemma3_fixture_logits_and_loss_match_transformers() {
+    use model::config::{BlockNorms, GateAct};
+    fixture_matches("gemma3-tiny");
+    export_reimport("gemma3-tiny");
+    let dir = fixture("gemma3-tiny");
+    let mut m = import_hf(&dir).unwrap();
+    let c = m.cfg.clone();
+    assert!(c.block_norms == BlockNorms::Sandwich && c.gate_act == GateAct::GeluTanh && c.norm_offset && c.embed_scale && c.qk_norm && c.tied_embeddings, "{c:?}");
+    assert_eq!((c.query_pre_attn_scalar, c.sliding_window, c.window_layers.clone(), c.rope_local_theta, c.rope_theta, c.pad_token_id), (12, 5, vec![0, 1, 3], 1e4, 1e6, Some(0)));
+    decode_matches_forward(&mut m, &tokens(&dir)[0]);
+    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let o = v.as_object_mut().unwrap();
+    o.remove("rope_parameters");
+    o.remove("layer_types");
+    o.insert("rope_theta".into(), 1e6.into());
+    o.insert("rope_local_base_freq".into(), 1e4.into());
+    o.insert("rope_scaling".into(), serde_json::json!({"rope_type": "linear", "factor": 4.0}));
+    o.insert("sliding_window_pattern".into(), 3.into());
+    let old = model::hf::hf_config(&v, &dir.join("config.json")).unwrap();
+    assert_eq!(old, model::GptConfig { window_layers: vec![0, 1, 3], ..c.clone() });
+    v["final_logit_softcapping"] = 30.0.into();
+    let e = model::hf::hf_config(&v, &dir.join("config.json")).unwrap_err();
+    assert!(e.contains("final_logit_softcapping") && e.contains("soft-capping"), "{e}");
+}
+
 /// OLMo 2 (tests/fixtures/olmo2-tiny, made by its make.py with transformers): each branch's
 /// RMSNorm after the branch and q and k normed over all heads at once, every norm weight off 1;
 /// logits and loss match transformers, the export writes OLMo 2 back bit for bit (with its

@@ -126,6 +126,12 @@ fn recompute_is_bit_identical_with_norms_after_the_branches() {
     assert_bit_identical(GptConfig { block_norms: BlockNorms::Sandwich, ..llama(3, 1, 0.1) }, false);
     assert_bit_identical(GptConfig { block_norms: BlockNorms::Post, ..moe(1, 1.0, 0.1) }, false);
     assert_bit_identical(olmo2, true);
+    use model::config::GateAct;
+    let gemma3 = GptConfig {
+        block_norms: BlockNorms::Sandwich, gate_act: GateAct::GeluTanh, norm_offset: true, embed_scale: true, query_pre_attn_scalar: 5, qk_norm: true,
+        sliding_window: 4, window_layers: vec![0, 1], rope_local_theta: 100.0, ..llama(3, 2, 0.1)
+    };
+    assert_bit_identical(gemma3, false);
 }
 
 #[test]

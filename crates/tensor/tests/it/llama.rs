@@ -361,6 +361,29 @@ fn swiglu_gradients() {
     });
 }
 
+/// Gemma's GeGLU: finite differences through gate and up, and torch's
+/// `F.gelu(g, approximate="tanh") * u` values.
+#[test]
+fn geglu_gradients_and_reference_values() {
+    let (n, f) = (3, 37);
+    let mut rng = Rng::new(31);
+    let gu = randn(&mut rng, n * 2 * f, 2.0);
+    let dout = randn(&mut rng, n * f, 1.0);
+    let mut dgu = vec![f32::NAN; gu.len()];
+    tensor::ops::geglu_backward_into(&mut dgu, &dout, &gu, f);
+    check("geglu.dgu", &gu, &dgu, |x| {
+        let mut o = vec![0.0; n * f];
+        tensor::ops::geglu_forward(&mut o, x, f);
+        dot(&o, &dout)
+    });
+    let gu = [-2.0f32, 0.0, 1.0, 3.0, 1.5, 2.0, -1.0, 0.5];
+    let mut o = [0.0; 4];
+    tensor::ops::geglu_forward(&mut o, &gu, 4);
+    for (a, b) in o.iter().zip([-0.068_103_43, 0.0, -0.841_192, 1.498_181_3]) {
+        assert!((a - b).abs() < 1e-6, "{a} vs {b}");
+    }
+}
+
 #[test]
 fn swiglu_matches_reference_values() {
     // torch: F.silu(g) * u for g = [-2, 0, 1, 3], u = [1.5, 2, -1, 0.5]; one row, F = 4.
