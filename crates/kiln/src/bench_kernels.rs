@@ -139,7 +139,7 @@ fn products<'a>(x: &'a Inputs, g: Option<&'a Gpu>) -> Vec<Case<'a>> {
 
 /// The LM head with cross-entropy, forward and backward, over a 4096-token vocabulary.
 fn head<'a>(x: &'a Inputs, g: Option<&'a Gpu>) -> Vec<Case<'a>> {
-    let dims = HeadDims { c: C, v: V, vp: V, offset: 0, ignore_index: -100, arith: Arith::F32 };
+    let dims = HeadDims { c: C, v: V, vp: V, offset: 0, ignore_index: -100, arith: Arith::F32, softcap: 0.0 };
     let inp = &x.x[..BT * C];
     let dloss = 1.0 / BT as f32;
     let (mut losses, mut di, mut dw, mut scratch) = (vec![0.0; BT], vec![0.0; BT * C], vec![0.0; V * C], vec![0.0; BT * V]);
@@ -162,7 +162,7 @@ fn head<'a>(x: &'a Inputs, g: Option<&'a Gpu>) -> Vec<Case<'a>> {
 /// first part's `[lse | target logit]` per row standing in for the exchange.
 fn vocab_parallel_head<'a>(x: &'a Inputs, g: Option<&'a Gpu>) -> Case<'a> {
     let h = V / 2;
-    let dims = HeadDims { c: C, v: V - h, vp: V - h, offset: h, ignore_index: -100, arith: Arith::F32 };
+    let dims = HeadDims { c: C, v: V - h, vp: V - h, offset: h, ignore_index: -100, arith: Arith::F32, softcap: 0.0 };
     let inp = &x.x[..BT * C];
     let dloss = 1.0 / BT as f32;
     // The first part's statistics, as its head hands them to the exchange.

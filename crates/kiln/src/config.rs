@@ -69,6 +69,10 @@ pub struct ModelSection {
     pub query_pre_attn_scalar: usize,
     /// The rotary base of the sliding-window layers (Gemma 3's local layers); 0 = `rope_theta`.
     pub rope_local_theta: f64,
+    /// Soft-capping of the attention logits and of the output logits, `z ↦ cap·tanh(z / cap)`
+    /// (Gemma 2); 0 = none.
+    pub attn_softcap: f64,
+    pub final_softcap: f64,
     /// Dimensions of each head the rotary embedding turns (a Hugging Face config's `head_dim ·
     /// partial_rotary_factor`, Phi-4-mini's 0.75); 0 = the whole head.
     pub rotary_dim: usize,
@@ -804,6 +808,7 @@ pub fn set_model_shape(mc: &mut ModelSection, hc: &model::GptConfig) {
     (mc.head_dim, mc.window_layers, mc.fused_proj, mc.qk_norm) = (hc.head_dim, hc.window_layers.clone(), hc.fused_proj, hc.qk_norm);
     (mc.qk_norm_whole, mc.block_norms, mc.gate_act) = (hc.qk_norm_whole, hc.block_norms, hc.gate_act);
     (mc.norm_offset, mc.embed_scale, mc.query_pre_attn_scalar, mc.rope_local_theta) = (hc.norm_offset, hc.embed_scale, hc.query_pre_attn_scalar, hc.rope_local_theta as f64);
+    (mc.attn_softcap, mc.final_softcap) = (hc.attn_softcap as f64, hc.final_softcap as f64);
     mc.pad_token_id = hc.pad_token_id.map_or(-1, |p| p as i64);
     mc.rotary_dim = hc.rotary_dim;
     mc.nope_layers = hc.nope_layers.clone();
@@ -938,7 +943,7 @@ impl Default for ModelSection {
             arch: model::config::Arch::Gpt2, n_layer: 4, n_head: 4, n_kv_head: 0, n_embd: 128, ffn_hidden: 0,
             rope_theta: defaults::ROPE_THETA, rope_scaling: RopeKind::None, rope_factor: 1.0, rope_low_freq_factor: 1.0,
             rope_high_freq_factor: 4.0, rope_original_max_positions: 8192, rope_beta_fast: 32.0, rope_beta_slow: 1.0, rope_attention_factor: 0.0, rope_truncate: true,
-            rope_short_factor: Vec::new(), rope_long_factor: Vec::new(), qkv_bias: false, fused_proj: false, qk_norm: false, qk_norm_whole: false, block_norms: model::config::BlockNorms::Pre, gate_act: model::config::GateAct::Silu, norm_offset: false, embed_scale: false, query_pre_attn_scalar: 0, rope_local_theta: 0.0, pad_token_id: -1, rotary_dim: 0, sliding_window: 0, attn_sinks: 0, window_layers: Vec::new(), nope_layers: Vec::new(), head_dim: 0, norm_eps: defaults::NORM_EPS, block_size: 128, vocab_size: 0, loss_vocab: 0, bias: false,
+            rope_short_factor: Vec::new(), rope_long_factor: Vec::new(), qkv_bias: false, fused_proj: false, qk_norm: false, qk_norm_whole: false, block_norms: model::config::BlockNorms::Pre, gate_act: model::config::GateAct::Silu, norm_offset: false, embed_scale: false, query_pre_attn_scalar: 0, rope_local_theta: 0.0, attn_softcap: 0.0, final_softcap: 0.0, pad_token_id: -1, rotary_dim: 0, sliding_window: 0, attn_sinks: 0, window_layers: Vec::new(), nope_layers: Vec::new(), head_dim: 0, norm_eps: defaults::NORM_EPS, block_size: 128, vocab_size: 0, loss_vocab: 0, bias: false,
             dropout: 0.0, tied_embeddings: true, init_from: String::new(), n_expert: 0, top_k: defaults::TOP_K,
             n_shared_expert: 0, capacity_factor: 0.0, moe_aux_weight: defaults::MOE_AUX_WEIGHT, moe_z_weight: defaults::MOE_Z_WEIGHT,
             recompute: model::Recompute::None, recompute_every: 1,
@@ -1767,6 +1772,8 @@ impl RunConfig {
             embed_scale: m.embed_scale,
             query_pre_attn_scalar: m.query_pre_attn_scalar,
             rope_local_theta: m.rope_local_theta as f32,
+            attn_softcap: m.attn_softcap as f32,
+            final_softcap: m.final_softcap as f32,
             pad_token_id: usize::try_from(m.pad_token_id).ok(),
             rotary_dim: m.rotary_dim,
             sliding_window: m.sliding_window,
@@ -1834,7 +1841,7 @@ pub const STRUCTURAL_KEYS: &[&str] = &[
     "model.vocab_size", "model.bias", "model.tied_embeddings", "model.rope_theta", "model.norm_eps", "model.init_from",
     "model.rope_scaling", "model.rope_factor", "model.rope_low_freq_factor", "model.rope_high_freq_factor",
     "model.rope_original_max_positions", "model.rope_beta_fast", "model.rope_beta_slow", "model.rope_attention_factor", "model.rope_truncate",
-    "model.rope_short_factor", "model.rope_long_factor", "model.fused_proj", "model.qk_norm", "model.qk_norm_whole", "model.block_norms", "model.gate_act", "model.norm_offset", "model.embed_scale", "model.query_pre_attn_scalar", "model.rope_local_theta", "model.pad_token_id", "model.rotary_dim", "model.qkv_bias", "model.sliding_window", "model.attn_sinks", "model.window_layers", "model.nope_layers", "model.loss_vocab", "model.head_dim",
+    "model.rope_short_factor", "model.rope_long_factor", "model.fused_proj", "model.qk_norm", "model.qk_norm_whole", "model.block_norms", "model.gate_act", "model.norm_offset", "model.embed_scale", "model.query_pre_attn_scalar", "model.rope_local_theta", "model.attn_softcap", "model.final_softcap", "model.pad_token_id", "model.rotary_dim", "model.qkv_bias", "model.sliding_window", "model.attn_sinks", "model.window_layers", "model.nope_layers", "model.loss_vocab", "model.head_dim",
     "model.n_expert", "model.top_k", "model.n_shared_expert",
     "lora.rank", "lora.targets", "data.tokenizer", "data.paths", "data.val_fraction", "data.text_field", "data.format",
     "data.packing", "data.reset_positions", "data.sources",

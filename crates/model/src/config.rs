@@ -325,6 +325,13 @@ pub struct GptConfig {
     /// local layers, `rope_local_base_freq`), without rope scaling; 0 = `rope_theta` everywhere.
     #[serde(default)]
     pub rope_local_theta: f32,
+    /// Soft-capping of the attention logits, `s ↦ cap·tanh(s / cap)` (Gemma 2's
+    /// `attn_logit_softcapping`); 0 = none.
+    #[serde(default)]
+    pub attn_softcap: f32,
+    /// Soft-capping of the output logits (Gemma 2's `final_logit_softcapping`); 0 = none.
+    #[serde(default)]
+    pub final_softcap: f32,
     /// Hugging Face files hold q, k and v as one `qkv_proj` and gate and up as one
     /// `gate_up_proj` (Phi-3's `Phi3ForCausalLM`); the model itself is LLaMA's.
     #[serde(default)]
@@ -380,7 +387,7 @@ impl GptConfig {
     pub fn gpt2((n_layer, n_head, n_embd): (usize, usize, usize), block_size: usize, vocab_size: usize, bias: bool, dropout: f32, tied: bool) -> GptConfig {
         GptConfig {
             arch: Arch::Gpt2, n_layer, n_head, n_kv_head: n_head, n_embd, ffn_hidden: 4 * n_embd, block_size, vocab_size,
-            bias, dropout, tied_embeddings: tied, rope_theta: defaults::ROPE_THETA as f32, rope_scaling: None, qkv_bias: false, pad_token_id: None, qk_norm: false, qk_norm_whole: false, block_norms: BlockNorms::Pre, gate_act: GateAct::Silu, norm_offset: false, embed_scale: false, query_pre_attn_scalar: 0, rope_local_theta: 0.0, fused_proj: false, sliding_window: 0, attn_sinks: 0, window_layers: Vec::new(), nope_layers: Vec::new(), head_dim: 0, rotary_dim: 0, norm_eps: defaults::NORM_EPS as f32,
+            bias, dropout, tied_embeddings: tied, rope_theta: defaults::ROPE_THETA as f32, rope_scaling: None, qkv_bias: false, pad_token_id: None, qk_norm: false, qk_norm_whole: false, block_norms: BlockNorms::Pre, gate_act: GateAct::Silu, norm_offset: false, embed_scale: false, query_pre_attn_scalar: 0, rope_local_theta: 0.0, attn_softcap: 0.0, final_softcap: 0.0, fused_proj: false, sliding_window: 0, attn_sinks: 0, window_layers: Vec::new(), nope_layers: Vec::new(), head_dim: 0, rotary_dim: 0, norm_eps: defaults::NORM_EPS as f32,
             n_expert: 0, top_k: defaults::TOP_K, n_shared_expert: 0, capacity_factor: 0.0, moe_aux_weight: defaults::MOE_AUX_WEIGHT as f32,
             moe_z_weight: defaults::MOE_Z_WEIGHT as f32, place: Placement::default(),
         }
@@ -487,8 +494,14 @@ impl GptConfig {
         if self.block_norms != BlockNorms::Pre && self.arch != Arch::Llama {
             return Err("model.block_norms = post or sandwich needs model.arch = llama (RMSNorm blocks)".into());
         }
-        if self.arch != Arch::Llama && (self.gate_act != GateAct::Silu || self.norm_offset || self.embed_scale || self.query_pre_attn_scalar > 0 || self.rope_local_theta != 0.0) {
-            return Err("model.gate_act, model.norm_offset, model.embed_scale, model.query_pre_attn_scalar and model.rope_local_theta are llama-arch settings (Gemma's)".into());
+        if self.arch != Arch::Llama && (self.gate_act != GateAct::Silu || self.norm_offset || self.embed_scale || self.query_pre_attn_scalar > 0 || self.rope_local_theta != 0.0 || self.attn_softcap != 0.0 || self.final_softcap != 0.0) {
+            return Err("model.gate_act, model.norm_offset, model.embed_scale, model.query_pre_attn_scalar, model.rope_local_theta and the soft-caps are llama-arch settings (Gemma's)".into());
+        }
+        for (key, cap) in [("attn_softcap", self.attn_softcap), ("final_softcap", self.final_softcap)] {
+            #[allow(clippy::neg_cmp_op_on_partial_ord)] // a NaN must be refused too
+            if !(cap >= 0.0) || cap.is_infinite() {
+                return Err(format!("model.{key} must be a finite cap above 0 (or 0: none), got {cap}"));
+            }
         }
         if self.n_expert > 0 && self.gate_act != GateAct::Silu {
             return Err("model.gate_act = gelu_tanh with experts is not supported (the experts are SwiGLU MLPs)".into());

@@ -97,7 +97,7 @@ impl Gpt {
         assert!(rows.iter().all(|&r| caches[r].len == pos), "rows decoded together share their position");
         assert!(pos < bs, "KV cache full");
         // Each row one new token (for RoPE); attention reads `t: pos + 1` cached positions.
-        let one = GqaDims { b: 1, t: 1, nh, nkv, hs, window: self.cfg.sliding_window, sinks: self.cfg.attn_sinks, rotary: self.cfg.rotary_dim, scale: self.cfg.attn_scale(), ..GqaDims::default() };
+        let one = GqaDims { b: 1, t: 1, nh, nkv, hs, window: self.cfg.sliding_window, sinks: self.cfg.attn_sinks, rotary: self.cfg.rotary_dim, scale: self.cfg.attn_scale(), softcap: self.cfg.attn_softcap, ..GqaDims::default() };
         let w = &self.params;
         let pv = &self.views;
         let rope = self.rope.as_ref().map(|r| r.for_pass(pass));
@@ -153,6 +153,7 @@ impl Gpt {
         }
         ops.norm_forward(ln, mean, rstd, x, &w[pv.ln_f_w.clone()], opt(&pv.ln_f_b));
         matmul_forward(&mut s.logits[..n * vp], ln, &w[pv.lm_head.clone()], None, n, c, vp);
+        tensor::classifier::softcap_logits(&mut s.logits[..n * vp], cfg.final_softcap);
         for &r in rows {
             caches[r].len += 1;
         }

@@ -704,7 +704,7 @@ impl Head<'_> {
                 }
                 let (x, dx) = if sp { (&a.full[..], &mut a.dln_f_full[..]) } else { (&a.ln_f[..], &mut a.dln_f[..]) };
                 let grads = dloss.map(|d| (dx, &mut *self.dw, d));
-                let dims = HeadDims { c, v: v_local, vp, offset: off, ignore_index: IGNORE_INDEX, arith };
+                let dims = HeadDims { c, v: v_local, vp, offset: off, ignore_index: IGNORE_INDEX, arith, softcap: cfg.final_softcap };
                 lm_head_crossentropy_vocab_parallel(&mut a.losses, grads, x, self.w, self.targets, &mut a.head_scratch, &dims, &mut |x| h.all_gather(x));
                 // `f` backward at the head's input: the vocabulary slices' partial sums.
                 match (dloss.is_some(), sp) {
@@ -715,7 +715,7 @@ impl Head<'_> {
             }
             _ => {
                 let grads = dloss.map(|d| (&mut a.dln_f[..], &mut *self.dw, d));
-                let dims = HeadDims { c, v, vp, offset: 0, ignore_index: IGNORE_INDEX, arith };
+                let dims = HeadDims { c, v, vp, offset: 0, ignore_index: IGNORE_INDEX, arith, softcap: cfg.final_softcap };
                 lm_head_crossentropy(&mut a.losses, grads, &a.ln_f, self.w, self.targets, &mut a.head_scratch, &dims);
             }
         }
@@ -1010,6 +1010,7 @@ impl Gpt {
         let mut logits = vec![0.0; b * t * vp];
         let a = self.acts.as_ref().unwrap();
         matmul_forward(&mut logits, &a.ln_f, &self.params[self.views.lm_head.clone()], None, b * t, c, vp);
+        tensor::classifier::softcap_logits(&mut logits, self.cfg.final_softcap);
         logits
     }
 
@@ -2067,7 +2068,7 @@ impl<'a> Ops<'a> {
     fn gqa_at(&self, l: usize) -> GqaDims {
         let (head0, heads) = self.mask_heads();
         let window = self.cfg.window_of(self.cfg.first_layer() + l);
-        GqaDims { b: self.b, t: self.t, nh: self.cfg.n_head, nkv: self.cfg.n_kv_head, hs: self.cfg.head_size(), head0, heads, b0: self.b0, window, sinks: self.cfg.attn_sinks, rotary: self.cfg.rotary_dim, scale: self.cfg.attn_scale() }
+        GqaDims { b: self.b, t: self.t, nh: self.cfg.n_head, nkv: self.cfg.n_kv_head, hs: self.cfg.head_size(), head0, heads, b0: self.b0, window, sinks: self.cfg.attn_sinks, rotary: self.cfg.rotary_dim, scale: self.cfg.attn_scale(), softcap: self.cfg.attn_softcap }
     }
 
     /// A tensor-parallel shard's first head and the whole model's head count ((0, 0) without

@@ -4,9 +4,10 @@
 //! `Qwen3ForCausalLM` (per-head q and k norms), `Qwen3MoeForCausalLM` (and routed experts),
 //! `MistralForCausalLM` (sliding-window attention),
 //! `MixtralForCausalLM`, `Phi3ForCausalLM`, `SmolLM3ForCausalLM` (NoPE layers),
-//! `Olmo2ForCausalLM` (norms after the branches, whole-width q/k norms) and `Gemma3ForCausalLM`
-//! (text: sandwich norms scaling by `1 + w`, GeGLU, scaled embeddings, local and global layers
-//! with their own rotary bases), in and out.
+//! `Olmo2ForCausalLM` (norms after the branches, whole-width q/k norms), `Gemma2ForCausalLM`
+//! and `Gemma3ForCausalLM` (text: sandwich norms scaling by `1 + w`, GeGLU, scaled embeddings,
+//! soft-capped logits, local and global layers, Gemma 3's with their own rotary bases), in and
+//! out.
 //! kiln's layout uses HF's parameter names, so import and export are by name; Phi-3's fused
 //! `qkv_proj` and `gate_up_proj` are the concatenations of parameters kiln's layout holds
 //! adjacent in the same order (`fused_of`).
@@ -125,7 +126,8 @@ pub fn hf_config(cfg: &Value, origin: &Path) -> Result<GptConfig, String> {
         // OLMo 2: LLaMA with each branch's norm after it (before the residual add) and q and k
         // each normed over all heads at once; Olmo2Config's defaults where the file has none
         // (`pad_token_id` 1, `rms_norm_eps` 1e-5).
-        "Gemma3ForCausalLM" => gemma3_config(cfg, origin),
+        "Gemma2ForCausalLM" => gemma_config(cfg, origin, 2),
+        "Gemma3ForCausalLM" => gemma_config(cfg, origin, 3),
         "Olmo2ForCausalLM" => {
             let mut c = llama_config(cfg, origin, false)?;
             (c.qk_norm, c.qk_norm_whole, c.block_norms) = (true, true, BlockNorms::Post);
@@ -143,26 +145,22 @@ pub fn hf_config(cfg: &Value, origin: &Path) -> Result<GptConfig, String> {
             c.validate().map_err(|e| format!("{}: {e}", origin.display()))?;
             Ok(c)
         }
-        _ => Err(format!("{}: architecture `{arch}` is not supported for import (supported: GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, MistralForCausalLM, MixtralForCausalLM, Phi3ForCausalLM, SmolLM3ForCausalLM, Olmo2ForCausalLM, Gemma3ForCausalLM)", origin.display())),
+        _ => Err(format!("{}: architecture `{arch}` is not supported for import (supported: GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, MistralForCausalLM, MixtralForCausalLM, Phi3ForCausalLM, SmolLM3ForCausalLM, Olmo2ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM)", origin.display())),
     }
 }
 
-/// Gemma 3's text model (`Gemma3ForCausalLM`): LLaMA's layout with sandwich norms that scale by
-/// `1 + w`, per-head q/k norms, GeGLU, embeddings times `√C` (a tied head by default), logits
-/// scaled by `query_pre_attn_scalar^-½`, and sliding-window layers (`layer_types`, or every layer
-/// but each `sliding_window_pattern`-th) with their own rotary base. The rotary parameters are
-/// transformers 5's per-layer-type `rope_parameters` or the older `rope_theta`,
-/// `rope_local_base_freq` and `rope_scaling`; Gemma3TextConfig's defaults where the file has none.
-/// Soft-capping (Gemma 2's) and bidirectional attention are refused by name.
-fn gemma3_config(cfg: &Value, origin: &Path) -> Result<GptConfig, String> {
+/// Gemma 2 and Gemma 3's text model (`Gemma2ForCausalLM`, `Gemma3ForCausalLM`): LLaMA's layout
+/// with sandwich norms that scale by `1 + w`, GeGLU, embeddings times `√C` (a tied head by
+/// default), logits scaled by `query_pre_attn_scalar^-½` and soft-capped (Gemma 2's defaults 50
+/// and 30, Gemma 3's none), and sliding-window layers (`layer_types`, or every layer but each
+/// `sliding_window_pattern`-th: 2 for Gemma 2, 6 for Gemma 3). Gemma 3 adds per-head q/k norms
+/// and its local layers' own rotary base: transformers 5's per-layer-type `rope_parameters` or
+/// the older `rope_theta`, `rope_local_base_freq` and `rope_scaling`. The configs' defaults
+/// where the file has none; bidirectional attention is refused by name.
+fn gemma_config(cfg: &Value, origin: &Path, version: u8) -> Result<GptConfig, String> {
     let act = cfg.get("hidden_activation").or_else(|| cfg.get("hidden_act")).and_then(Value::as_str).unwrap_or("gelu_pytorch_tanh");
     if act != "gelu_pytorch_tanh" {
         return Err(format!("{}: hidden_activation `{act}` is not supported (Gemma's GeGLU uses gelu_pytorch_tanh)", origin.display()));
-    }
-    for key in ["attn_logit_softcapping", "final_logit_softcapping"] {
-        if cfg.get(key).is_some_and(|v| !v.is_null()) {
-            return Err(format!("{}: `{key}` (soft-capping) is not supported", origin.display()));
-        }
     }
     if cfg.get("use_bidirectional_attention").and_then(Value::as_bool) == Some(true) {
         return Err(format!("{}: `use_bidirectional_attention` = true is not supported (kiln trains causal decoders)", origin.display()));
@@ -172,8 +170,52 @@ fn gemma3_config(cfg: &Value, origin: &Path) -> Result<GptConfig, String> {
     let mut flat = cfg.clone();
     let o = flat.as_object_mut().ok_or_else(|| format!("{}: not a JSON object", origin.display()))?;
     o.remove("hidden_act");
+    let local = if version == 3 { Some(gemma3_rope(cfg, o, origin)?) } else { None };
+    o.entry("tie_word_embeddings").or_insert(true.into());
+    o.entry("sliding_window").or_insert(4096.into());
+    if !o.contains_key("layer_types") {
+        let n = get_usize(cfg, "num_hidden_layers", origin)?.min(MAX_LISTED_LAYERS);
+        let every = cfg.get("sliding_window_pattern").and_then(Value::as_u64).unwrap_or(if version == 2 { 2 } else { 6 }).max(1) as usize;
+        o.insert("layer_types".into(), (0..n).map(|l| if (l + 1) % every == 0 { "full_attention" } else { "sliding_attention" }).collect::<Vec<_>>().into());
+    }
+    let mut c = llama_config(&flat, origin, false)?;
+    (c.block_norms, c.gate_act, c.norm_offset, c.embed_scale, c.qk_norm) = (BlockNorms::Sandwich, GateAct::GeluTanh, true, true, version == 3);
+    let qpas = cfg.get("query_pre_attn_scalar").and_then(Value::as_u64).map_or(256, |q| q as usize);
+    c.query_pre_attn_scalar = if qpas == c.head_size() { 0 } else { qpas };
+    // Soft-caps: a number, or null for none; absent, the class's default.
+    let cap = |key: &str, default: f32| match cfg.get(key) {
+        None => Ok(default),
+        Some(Value::Null) => Ok(0.0),
+        Some(v) => v.as_f64().map(|x| x as f32).filter(|x| *x > 0.0 && x.is_finite()).ok_or_else(|| format!("{}: `{key}` = {v} is not a positive cap (or null)", origin.display())),
+    };
+    let (attn, last) = if version == 2 { (50.0, 30.0) } else { (0.0, 0.0) };
+    (c.attn_softcap, c.final_softcap) = (cap("attn_logit_softcapping", attn)?, cap("final_logit_softcapping", last)?);
+    if cfg.get("pad_token_id").is_none() && c.vocab_size > 0 {
+        c.pad_token_id = Some(0);
+    }
+    c.norm_eps = get_f32(cfg, "rms_norm_eps", 1e-6);
+    windows(&mut c, &flat, origin, 0)?;
+    let sliding = flat["layer_types"].as_array().is_some_and(|t| t.iter().any(|t| t == "sliding_attention"));
+    if sliding && c.sliding_window == 0 {
+        // A window as wide as the context: every position visible, the layers still local.
+        c.sliding_window = c.block_size;
+        c.window_layers = (0..c.n_layer).filter(|&l| flat["layer_types"][l] == "sliding_attention").collect();
+        if c.window_layers.len() == c.n_layer {
+            c.window_layers.clear();
+        }
+    }
+    if let Some(local) = local.filter(|&l| sliding && (l as f32 != c.rope_theta || c.rope_scaling.is_some())) {
+        c.rope_local_theta = local as f32;
+    }
+    c.validate().map_err(|e| format!("{}: {e}", origin.display()))?;
+    Ok(c)
+}
+
+/// Gemma 3's rotary parameters: puts the global layers' where [`llama_config`] reads them (in
+/// `o`, a copy of `cfg`) and returns the local layers' base (plain RoPE).
+fn gemma3_rope(cfg: &Value, o: &mut serde_json::Map<String, Value>, origin: &Path) -> Result<f64, String> {
     let per_type = cfg.get("rope_parameters").filter(|r| r.get("full_attention").is_some() || r.get("sliding_attention").is_some());
-    let local = match per_type {
+    Ok(match per_type {
         Some(r) => {
             o.insert("rope_parameters".into(), r.get("full_attention").cloned().unwrap_or_else(|| json!({"rope_type": "default", "rope_theta": 1e6})));
             let l = r.get("sliding_attention");
@@ -186,37 +228,7 @@ fn gemma3_config(cfg: &Value, origin: &Path) -> Result<GptConfig, String> {
             o.entry("rope_theta").or_insert(1e6.into());
             cfg.get("rope_local_base_freq").and_then(Value::as_f64).unwrap_or(1e4)
         }
-    };
-    o.entry("tie_word_embeddings").or_insert(true.into());
-    o.entry("sliding_window").or_insert(4096.into());
-    if !o.contains_key("layer_types") {
-        let n = get_usize(cfg, "num_hidden_layers", origin)?.min(MAX_LISTED_LAYERS);
-        let every = cfg.get("sliding_window_pattern").and_then(Value::as_u64).unwrap_or(6).max(1) as usize;
-        o.insert("layer_types".into(), (0..n).map(|l| if (l + 1) % every == 0 { "full_attention" } else { "sliding_attention" }).collect::<Vec<_>>().into());
-    }
-    let mut c = llama_config(&flat, origin, false)?;
-    (c.block_norms, c.gate_act, c.norm_offset, c.embed_scale, c.qk_norm) = (BlockNorms::Sandwich, GateAct::GeluTanh, true, true, true);
-    let qpas = cfg.get("query_pre_attn_scalar").and_then(Value::as_u64).map_or(256, |q| q as usize);
-    c.query_pre_attn_scalar = if qpas == c.head_size() { 0 } else { qpas };
-    if cfg.get("pad_token_id").is_none() && c.vocab_size > 0 {
-        c.pad_token_id = Some(0);
-    }
-    c.norm_eps = get_f32(cfg, "rms_norm_eps", 1e-6);
-    windows(&mut c, &flat, origin, 0)?;
-    let sliding = flat["layer_types"].as_array().is_some_and(|t| t.iter().any(|t| t == "sliding_attention"));
-    if sliding && c.sliding_window == 0 {
-        // A window as wide as the context: every position visible, the local base still theirs.
-        c.sliding_window = c.block_size;
-        c.window_layers = (0..c.n_layer).filter(|&l| flat["layer_types"][l] == "sliding_attention").collect();
-        if c.window_layers.len() == c.n_layer {
-            c.window_layers.clear();
-        }
-    }
-    if sliding && (local as f32 != c.rope_theta || c.rope_scaling.is_some()) {
-        c.rope_local_theta = local as f32;
-    }
-    c.validate().map_err(|e| format!("{}: {e}", origin.display()))?;
-    Ok(c)
+    })
 }
 
 /// Mixtral's and Qwen3-MoE's routing: top `num_experts_per_tok`, without capacity (dropless);
@@ -812,10 +824,11 @@ fn write_weights(dir: &Path, data: BTreeMap<String, (Vec<usize>, Vec<u8>)>, opts
 
 /// What of `c` has no Hugging Face form kiln writes: the export's refusal, naming it.
 fn export_refusal(c: &GptConfig) -> Result<(), String> {
-    if is_gemma3(c) || c.norm_offset || c.embed_scale || c.gate_act != GateAct::Silu || c.query_pre_attn_scalar > 0 || c.rope_local_theta != 0.0 || c.block_norms == BlockNorms::Sandwich {
+    let gemma_feature = c.norm_offset || c.embed_scale || c.gate_act != GateAct::Silu || c.query_pre_attn_scalar > 0 || c.rope_local_theta != 0.0 || c.block_norms == BlockNorms::Sandwich;
+    if gemma_feature || c.attn_softcap != 0.0 || c.final_softcap != 0.0 {
         let plain = !c.is_moe() && !c.qkv_bias && !c.fused_proj && c.nope_layers.is_empty() && c.attn_sinks == 0;
-        if !is_gemma3(c) || !plain {
-            return Err("export: Gemma's features (sandwich norms, 1 + w norms, GeGLU, scaled embeddings, query_pre_attn_scalar, a local rotary base) have a Hugging Face form only together, as Gemma 3's: dense, per-head q/k norms, without q/k/v biases, fused projections, NoPE layers or attention sinks".into());
+        if gemma_version(c).is_none() || !plain {
+            return Err("export: Gemma's features (sandwich norms, 1 + w norms, GeGLU, scaled embeddings, query_pre_attn_scalar, soft-caps, a local rotary base) have a Hugging Face form only together, as Gemma 2's or Gemma 3's: dense, without q/k/v biases, fused projections, NoPE layers or attention sinks; Gemma 3's with per-head q/k norms, Gemma 2's without them or a local rotary base".into());
         }
         return Ok(());
     }
@@ -855,26 +868,38 @@ fn export_refusal(c: &GptConfig) -> Result<(), String> {
     Ok(())
 }
 
-/// Whether `c` is Gemma 3's block (every one of its features on).
-fn is_gemma3(c: &GptConfig) -> bool {
-    c.block_norms == BlockNorms::Sandwich && c.gate_act == GateAct::GeluTanh && c.norm_offset && c.embed_scale && c.qk_norm && !c.qk_norm_whole
+/// Which Gemma block `c` is, if any: 3 with per-head q/k norms, 2 without them or a local
+/// rotary base; `None` unless every feature the two share is on.
+fn gemma_version(c: &GptConfig) -> Option<u8> {
+    let shared = c.block_norms == BlockNorms::Sandwich && c.gate_act == GateAct::GeluTanh && c.norm_offset && c.embed_scale && !c.qk_norm_whole;
+    match (shared, c.qk_norm) {
+        (true, true) => Some(3),
+        (true, false) if c.rope_local_theta == 0.0 => Some(2),
+        _ => None,
+    }
 }
 
-/// Gemma 3's `config.json` for `c` (see [`gemma3_config`]): the rotary parameters per layer
-/// type, the layer types, an explicit `pad_token_id`.
-fn gemma3_export(c: &GptConfig) -> Value {
+/// Gemma 2's or 3's `config.json` for `c` (see [`gemma_config`]): the layer types, the
+/// soft-caps (null for none), an explicit `pad_token_id`; Gemma 3's rotary parameters per layer
+/// type.
+fn gemma_export(c: &GptConfig, version: u8) -> Value {
     let global = rope_parameters(c);
     let local = if c.rope_local_theta > 0.0 { json!({"rope_type": "default", "rope_theta": c.rope_local_theta}) } else { global.clone() };
     let types: Vec<&str> = (0..c.n_layer).map(|l| if c.window_of(l) > 0 { "sliding_attention" } else { "full_attention" }).collect();
+    let (arch, ty, rope) = match version {
+        2 => ("Gemma2ForCausalLM", "gemma2", global),
+        _ => ("Gemma3ForCausalLM", "gemma3_text", json!({"full_attention": global, "sliding_attention": local})),
+    };
+    let cap = |x: f32| if x > 0.0 { Value::from(x) } else { Value::Null };
     json!({
-        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_activation": "gelu_pytorch_tanh",
+        "architectures": [arch], "model_type": ty, "hidden_activation": "gelu_pytorch_tanh",
         "hidden_size": c.n_embd, "intermediate_size": c.ffn_hidden, "num_hidden_layers": c.n_layer,
         "num_attention_heads": c.n_head, "num_key_value_heads": c.n_kv_head, "head_dim": c.head_size(),
         "max_position_embeddings": c.block_size, "vocab_size": c.vocab_size, "rms_norm_eps": c.norm_eps,
-        "rope_parameters": {"full_attention": global, "sliding_attention": local}, "layer_types": types,
+        "rope_parameters": rope, "layer_types": types,
         "sliding_window": if c.sliding_window > 0 { c.sliding_window } else { c.block_size },
         "query_pre_attn_scalar": if c.query_pre_attn_scalar > 0 { c.query_pre_attn_scalar } else { c.head_size() },
-        "attn_logit_softcapping": null, "final_logit_softcapping": null, "use_bidirectional_attention": false,
+        "attn_logit_softcapping": cap(c.attn_softcap), "final_logit_softcapping": cap(c.final_softcap), "use_bidirectional_attention": false,
         "tie_word_embeddings": c.tied_embeddings, "attention_bias": false, "attention_dropout": 0.0,
         "pad_token_id": c.pad_token_id, "dtype": "float32",
     })
@@ -883,8 +908,8 @@ fn gemma3_export(c: &GptConfig) -> Value {
 /// The `config.json` of a model of config `c` (the class its features need).
 fn export_config(c: &GptConfig) -> Result<Value, String> {
     export_refusal(c)?;
-    if is_gemma3(c) {
-        return Ok(gemma3_export(c));
+    if let Some(version) = gemma_version(c) {
+        return Ok(gemma_export(c, version));
     }
     Ok(if c.arch == Arch::Llama {
         let (arch, ty) = match (c.is_moe(), c.qkv_bias, c.sliding_window > 0) {

@@ -44,7 +44,7 @@ impl AttnDims {
     /// The MHA shape as the GQA shape with one query head per kv head: the layouts coincide.
     pub fn as_gqa(&self) -> GqaDims {
         assert!(self.nh > 0 && self.c.is_multiple_of(self.nh), "C must be a multiple of NH");
-        GqaDims { b: self.b, t: self.t, nh: self.nh, nkv: self.nh, hs: self.c / self.nh, head0: self.head0, heads: self.heads, b0: self.b0, window: 0, sinks: 0, rotary: 0, scale: 0.0 }
+        GqaDims { b: self.b, t: self.t, nh: self.nh, nkv: self.nh, hs: self.c / self.nh, head0: self.head0, heads: self.heads, b0: self.b0, window: 0, sinks: 0, rotary: 0, scale: 0.0, softcap: 0.0 }
     }
 
     /// The whole-model `(batch, head)` index of `bh = b·NH + h` (`GqaDims::mask_bh`).
@@ -242,6 +242,9 @@ pub fn attention_decode(
         for (&j, wj) in keys.iter().zip(w.iter_mut()) {
             let kj = &k_cache[j * kw + kh * hs..j * kw + (kh + 1) * hs];
             *wj = qh.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>() * scale;
+            if dims.softcap > 0.0 {
+                *wj = dims.softcap * (*wj / dims.softcap).tanh();
+            }
             max = max.max(*wj);
         }
         let mut sum = 0.0;

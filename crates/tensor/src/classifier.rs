@@ -15,7 +15,7 @@ use rayon::prelude::*;
 /// The head's shape: `weight` holds rows `offset .. offset + vp` of the whole head (`offset` is
 /// 0 unless the vocabulary is split over ranks), of which the first `v` are real tokens and the
 /// rest padding; targets equal to `ignore_index` count for nothing.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct HeadDims {
     /// channels `C`
     pub c: usize,
@@ -29,6 +29,40 @@ pub struct HeadDims {
     pub ignore_index: i32,
     /// the products' arithmetic (bf16 training: bf16 inputs, fp32 logits and gradients)
     pub arith: Arith,
+    /// soft-capping of the logits, `z ↦ cap·tanh(z / cap)` before the softmax (Gemma 2's
+    /// `final_logit_softcapping`); 0 = none
+    pub softcap: f32,
+}
+
+/// `z ← cap·tanh(z / cap)` over `logits` (a head's logits outside the fused kernel: evaluation
+/// and decoding); nothing with `cap` 0.
+pub fn softcap_logits(logits: &mut [f32], cap: f32) {
+    if cap > 0.0 {
+        logits.par_iter_mut().for_each(|z| *z = cap * (*z / cap).tanh());
+    }
+}
+
+/// Soft-caps a row's logits in place (`z ← cap·tanh(z / cap)`) and returns them as they are
+/// then, for [`softcap_grad`]; `None` without a cap.
+fn softcap_row(row: &mut [f32], cap: f32) -> Option<crate::par::PoolBuf> {
+    if cap <= 0.0 {
+        return None;
+    }
+    row.iter_mut().for_each(|z| *z = cap * (*z / cap).tanh());
+    let mut kept = crate::par::pooled(row.len());
+    kept.copy_from_slice(row);
+    Some(kept)
+}
+
+/// The gradient with respect to the capped logits `capped` → with respect to the raw ones:
+/// `g ← g·(1 − (z_capped / cap)²)`.
+fn softcap_grad(g: &mut [f32], capped: Option<&crate::par::PoolBuf>, cap: f32) {
+    if let Some(zc) = capped {
+        for (g, z) in g.iter_mut().zip(zc.iter()) {
+            let t = z / cap;
+            *g *= 1.0 - t * t;
+        }
+    }
 }
 
 /// The weight of each counted row's loss in the gradient: one for every row (a mean's
@@ -95,6 +129,7 @@ pub fn lm_head_crossentropy(
         let dloss = grads.as_ref().map(|g| g.2);
         let tg = &targets[r0..r0 + rows];
         lg.par_chunks_mut(vp).zip(losses[r0..r0 + rows].par_iter_mut()).zip(tg.par_iter()).enumerate().for_each(|(i, ((row, loss), &tgt))| {
+            let capped = softcap_row(&mut row[..v], dims.softcap);
             softmax_row(row, v);
             if tgt == ignore_index {
                 *loss = 0.0;
@@ -108,6 +143,7 @@ pub fn lm_head_crossentropy(
                     *p *= d;
                 }
                 row[tgt as usize] -= d;
+                softcap_grad(&mut row[..v], capped.as_ref(), dims.softcap);
             }
         });
         if let Some((dinp, dweight, _)) = grads.as_mut() {
@@ -210,7 +246,8 @@ pub fn lm_head_crossentropy_vocab_parallel(
         let x = &inp[r0 * c..(r0 + rows) * c];
         gemm_as(dims.arith, lg, false, View::rows(x, rows, c), View::rows(weight, vl, c).t(), 1.0, Threads::All);
         let tg = &targets[r0..r0 + rows];
-        // This rank's [lse | target logit] per row.
+        // This rank's [lse | target logit] per row (of the capped logits, each row's kept).
+        let capped: Vec<Option<crate::par::PoolBuf>> = lg.chunks_mut(vl).map(|row| softcap_row(&mut row[..v_local], dims.softcap)).collect();
         let mut mine = vec![0.0f32; 2 * rows];
         for (i, row) in lg.chunks(vl).enumerate() {
             let max = row[..v_local].iter().fold(f32::NEG_INFINITY, |m, &a| m.max(a));
@@ -242,6 +279,7 @@ pub fn lm_head_crossentropy_vocab_parallel(
                     if owned(tgt) {
                         row[tgt as usize - offset] -= d;
                     }
+                    softcap_grad(&mut row[..v_local], capped[i].as_ref(), dims.softcap);
                 }
                 None => row.fill(0.0),
             }

@@ -615,8 +615,11 @@ pub fn flash_gqa_block_forward_tiled(
             }
             let k = View { data: blk.kv, off: ks.row(bi, j0) * kw + blk.kc + g * hs, rows: ncols, cols: hs, rs: kw, cs: 1 };
             let v = View { off: ks.row(bi, j0) * kw + blk.vc + g * hs, ..k };
-            // S = q·kᵀ·scale   [rows, ncols], row stride bc
+            // S = q·kᵀ·scale   [rows, ncols], row stride bc (soft-capped)
             unsafe { gemm_raw((s.as_mut_ptr(), bc), false, q, k.t(), scale, Threads::One) };
+            if dims.softcap > 0.0 {
+                softcap_tile(s, (rows, ncols, bc), dims.softcap, None);
+            }
             online_softmax_tile(s, bc, Tile { i0: gi0, rows, j0: jg0, ncols, mask }, m, l, alpha);
             for r in 0..rows {
                 if alpha[r] != 1.0 {
@@ -697,6 +700,7 @@ struct BwdScratch {
     mk: PoolBuf, // [bc]      dropout keep-scale of one row
     kp: PoolBuf, // [bc, HS]  one head's partial dk of a key tile (GQA only)
     vp: PoolBuf, // [bc, HS]  one head's partial dv of a key tile (GQA only)
+    cap: PoolBuf, // [br, bc] the soft-cap's derivative 1 − tanh²(S / cap) (with soft-capping)
 }
 
 struct Ctx<'a> {
@@ -897,6 +901,7 @@ pub fn flash_gqa_block_backward_with(
         mk: pooled(bc),
         kp: pooled(if group > 1 { bc * hs } else { 0 }),
         vp: pooled(if group > 1 { bc * hs } else { 0 }),
+        cap: pooled(if dims.softcap > 0.0 { br * bc } else { 0 }),
     };
     if schedule == Schedule::PerHead {
         (0..b * nkv).into_par_iter().for_each_init(init, |sc, bg| {
@@ -1120,11 +1125,15 @@ fn tile_grads(x: &Ctx, sc: &mut BwdScratch, bh: usize, i0: usize, rows: usize, j
     let k = View { data: x.blk.kv, off: x.k_at(bi, j0, g), rows: ncols, cols: hs, rs: x.blk.kw, cs: 1 };
     let v = View { off: x.v_at(bi, j0, g), ..k };
     let d_o = View { data: x.dout, off: x.o_at(bi, i0, h), rows, cols: hs, rs: c, cs: 1 };
-    let BwdScratch { p, pd, ds, mk, .. } = sc;
+    let BwdScratch { p, pd, ds, mk, cap, .. } = sc;
     unsafe {
         // S = q·kᵀ·scale ; dPd = dO·vᵀ   [rows, ncols], row stride bc
         gemm_raw((p.as_mut_ptr(), x.bc), false, q, k.t(), x.scale, Threads::One);
         gemm_raw((ds.as_mut_ptr(), x.bc), false, d_o, v.t(), 1.0, Threads::One);
+    }
+    let softcap = x.dims.softcap;
+    if softcap > 0.0 {
+        softcap_tile(p, (rows, ncols, x.bc), softcap, Some(cap));
     }
     let l0 = bh * qs.rows + qs.row0 + i0;
     let lse = &x.lse[l0..l0 + rows];
@@ -1158,6 +1167,26 @@ fn tile_grads(x: &Ctx, sc: &mut BwdScratch, bh: usize, i0: usize, rows: usize, j
                 bwd_row(&mut pr[s0..s1], &mut dr[s0..s1], s1 - s0, lse[r], d[r]);
             }
             bwd_row(&mut pr[lo..], &mut dr[lo..], vr - lo, lse[r], d[r]);
+        }
+    }
+    if softcap > 0.0 {
+        // dS with respect to the uncapped scores.
+        for r in 0..rows {
+            mul_into(&mut ds[r * x.bc..r * x.bc + ncols], &cap[r * x.bc..r * x.bc + ncols]);
+        }
+    }
+}
+
+/// Soft-capping of a score tile's `rows × ncols` (row stride `bc`) in place,
+/// `s ← cap·tanh(s / cap)`; with `deriv`, also `deriv ← 1 − tanh²(s / cap)` (backward's factor).
+fn softcap_tile(s: &mut [f32], (rows, ncols, bc): (usize, usize, usize), cap: f32, mut deriv: Option<&mut [f32]>) {
+    for r in 0..rows {
+        for j in r * bc..r * bc + ncols {
+            let t = (s[j] / cap).tanh();
+            s[j] = cap * t;
+            if let Some(d) = deriv.as_deref_mut() {
+                d[j] = 1.0 - t * t;
+            }
         }
     }
 }

@@ -521,6 +521,9 @@ pub struct GqaDims {
     pub rotary: usize,
     /// The logits' scale when not `1/√HS` (Gemma's `query_pre_attn_scalar^-½`); 0 = `1/√HS`.
     pub scale: f32,
+    /// Soft-capping of the scaled logits, `s ↦ cap·tanh(s / cap)` before the softmax (Gemma
+    /// 2's `attn_logit_softcapping`); 0 = none. Only the flash kernels and decoding apply it.
+    pub softcap: f32,
 }
 
 impl GqaDims {

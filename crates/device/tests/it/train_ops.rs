@@ -18,7 +18,7 @@ fn lm_head_crossentropy_matches_cpu_in_chunks_and_types() {
     targets[17] = -100;
     let count = targets.iter().filter(|&&t| t != -100).count();
     let dloss = 0.7 / count as f32;
-    let dims = HeadDims { c, v, vp, offset: 0, ignore_index: -100, arith: Arith::F32 };
+    let dims = HeadDims { c, v, vp, offset: 0, ignore_index: -100, arith: Arith::F32, softcap: 0.0 };
     for (dtype, chunk) in [(DType::F32, 5), (DType::F32, n), (DType::Bf16, 7)] {
         let name = format!("{dtype:?} chunks of {chunk}");
         let (x, w) = (randn(&mut rng, n * c, 1.0), randn(&mut rng, vp * c, 0.5));
@@ -57,7 +57,7 @@ fn vocab_parallel_lm_head_matches_cpu() {
     let dloss = 0.7 / (n - 1) as f32;
     let x = randn(&mut rng, n * c, 1.0);
     let w = randn(&mut rng, 2 * vl * c, 0.5);
-    let shard = |r: usize| HeadDims { c, v: (v - r * 21).min(21 + r), vp: vl, offset: r * 21, ignore_index: -100, arith: Arith::F32 };
+    let shard = |r: usize| HeadDims { c, v: (v - r * 21).min(21 + r), vp: vl, offset: r * 21, ignore_index: -100, arith: Arith::F32, softcap: 0.0 };
     // Each shard's own [lse | target logit] per row, as its head computes them.
     let stats = |r: usize| {
         let d = shard(r);

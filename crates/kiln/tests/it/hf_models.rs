@@ -245,6 +245,19 @@ fn gemma3_model_trains_and_exports_as_gemma3() {
     assert_eq!(cj["rope_parameters"]["full_attention"]["rope_type"].as_str(), Some("linear"), "{cj}");
 }
 
+/// A Gemma 2 (the model crate's gemma2-tiny fixture): `--init-from` sets Gemma's block
+/// without q/k norms and both soft-caps, the run trains, and its export is Gemma 2 again with
+/// its caps and layer types.
+#[test]
+fn gemma2_model_trains_and_exports_as_gemma2() {
+    let (m, exp, _d) = trains_exports_and_evaluates_alike("gemma2-tiny");
+    assert_eq!((m["qk_norm"].as_bool(), m["attn_softcap"].as_float(), m["final_softcap"].as_float()), (Some(false), Some(2.0), Some(3.0)));
+    let cj = exported_config(&exp);
+    assert_eq!(cj["architectures"][0].as_str(), Some("Gemma2ForCausalLM"), "{cj}");
+    assert_eq!((cj["attn_logit_softcapping"].as_f64(), cj["final_logit_softcapping"].as_f64()), (Some(2.0), Some(3.0)), "{cj}");
+    assert_eq!(cj["layer_types"], serde_json::json!(["sliding_attention", "full_attention", "sliding_attention"]));
+}
+
 /// An OLMo 2 (the model crate's olmo2-tiny fixture): `--init-from` sets `model.block_norms =
 /// post` and the whole-width q/k norms, the run trains, and its export is OLMo 2 again with its
 /// `pad_token_id`; tensor parallelism is refused by name (each q/k norm spans every head).

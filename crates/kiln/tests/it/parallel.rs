@@ -457,8 +457,9 @@ fn every_pipeline_schedule_matches_one_rank() {
 /// parallelism, a 1F1B pipeline and ring context parallelism, and Gemma 3's (sandwich norms
 /// scaling by `1 + w`, GeGLU, scaled embeddings under a tied head, local and global layers with
 /// their own rotary bases) under those and tensor parallelism with sequence parallelism (the
-/// norms' gradients partial per shard, the embedding vocabulary-parallel), each against one rank
-/// with dropout on.
+/// norms' gradients partial per shard, the embedding vocabulary-parallel), and Gemma 2's
+/// soft-capped logits under tensor parallelism (the vocabulary-parallel head) and ring and
+/// Ulysses context parallelism, each against one rank with dropout on.
 #[test]
 fn norms_after_the_branches_match_one_rank_on_every_layout() {
     let d = scratch("post-norm-layouts");
@@ -470,9 +471,12 @@ fn norms_after_the_branches_match_one_rank_on_every_layout() {
         "--set", "model.qk_norm=true", "--set", "model.query_pre_attn_scalar=12", "--set", "model.sliding_window=5", "--set", "model.window_layers=[0, 1, 3]",
         "--set", "model.rope_local_theta=100", "--set", "model.tied_embeddings=true",
     ];
+    // Gemma 2's soft-capped attention and output logits (on Gemma 3's block: the caps bind).
+    let gemma2: &[&str] = &["--set", "model.attn_softcap=0.9", "--set", "model.final_softcap=1.5"];
     for (name, norms, layouts) in [
         ("olmo2", olmo2, &[&["--dp", "2", "--zero", "3"][..], &["--pp", "2", "--schedule", "1f1b"], &["--cp", "2"]][..]),
         ("gemma3", gemma3, &[&["--tp", "2", "--sequence-parallel"][..], &["--pp", "2", "--schedule", "1f1b"], &["--cp", "2"], &["--dp", "2", "--zero", "3"]]),
+        ("gemma2", &[gemma3, gemma2].concat(), &[&["--tp", "2"][..], &["--cp", "2"], &["--cp", "2", "--cp-mode", "ulysses"]]),
     ] {
         let one = d.join(format!("{name}-one"));
         run_pp(&data, &one, &[llama, norms].concat());

@@ -403,6 +403,8 @@ pub fn unsupported_config(cfg: &GptConfig) -> Option<String> {
         "GeGLU MLPs (model.gate_act)"
     } else if cfg.norm_offset || cfg.embed_scale || cfg.query_pre_attn_scalar > 0 || cfg.rope_local_theta != 0.0 {
         "Gemma's norms, embedding scale, attention scale or local rotary base (model.norm_offset, model.embed_scale, model.query_pre_attn_scalar, model.rope_local_theta)"
+    } else if cfg.attn_softcap != 0.0 || cfg.final_softcap != 0.0 {
+        "soft-capped logits (model.attn_softcap, model.final_softcap)"
     } else if cfg.attn_sinks > 0 {
         "attention sinks (model.attn_sinks)"
     } else if cfg.pad_token_id.is_some() {
@@ -803,7 +805,7 @@ impl DeviceGpt {
         let (ln_f_w, ln_f_b, head) = (self.views.ln_f_w.clone(), self.views.ln_f_b.clone(), self.views.lm_head.start);
         let x = &a.xs[self.cfg.n_layer];
         self.norm_gathered((&a.ln_f, &a.ln_f_mean, &a.ln_f_rstd), x, (&ln_f_w, &ln_f_b), a);
-        let dims = HeadDims { c: self.cfg.n_embd, v: self.real_vocab, vp, offset: 0, ignore_index: IGNORE_INDEX, arith: Arith::F32 };
+        let dims = HeadDims { c: self.cfg.n_embd, v: self.real_vocab, vp, offset: 0, ignore_index: IGNORE_INDEX, arith: Arith::F32, softcap: 0.0 };
         if weight.is_some() {
             // The head's weight gradient is backward's first.
             self.open_grads(self.cfg.n_layer + 1);

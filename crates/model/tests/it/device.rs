@@ -338,8 +338,10 @@ fn unsupported_models_are_refused_by_name() {
     let pre = GptConfig { block_norms: model::config::BlockNorms::Pre, ..post };
     let e = DeviceGpt::new(g.clone(), &Gpt::new(GptConfig { gate_act: model::config::GateAct::GeluTanh, ..pre.clone() }, 12, 0)).err().expect("GeGLU on the device");
     assert!(e.contains("model.gate_act"), "{e}");
-    let e = DeviceGpt::new(g, &Gpt::new(GptConfig { query_pre_attn_scalar: 3, ..pre }, 12, 0)).err().expect("an attention scale on the device");
+    let e = DeviceGpt::new(g.clone(), &Gpt::new(GptConfig { query_pre_attn_scalar: 3, ..pre.clone() }, 12, 0)).err().expect("an attention scale on the device");
     assert!(e.contains("model.query_pre_attn_scalar"), "{e}");
+    let e = DeviceGpt::new(g, &Gpt::new(GptConfig { final_softcap: 3.0, ..pre }, 12, 0)).err().expect("soft-capping on the device");
+    assert!(e.contains("model.final_softcap"), "{e}");
 }
 
 /// Greedy generation with the KV cache on the device gives the CPU's tokens, through a cache

@@ -113,7 +113,8 @@ fn gradients_match_finite_differences_norms_after_the_branches() {
 
 /// Gemma 3's block through the whole model: sandwich norms scaling by `1 + w`, GeGLU, per-head
 /// q/k norms, embeddings times `√C` under a tied head, logits scaled by a
-/// `query_pre_attn_scalar`, a sliding-window layer with its own rotary base beside a global
+/// `query_pre_attn_scalar` and soft-capped (Gemma 2's attention and output caps), a
+/// sliding-window layer with its own rotary base beside a global
 /// one (heads of 4, so the bases differ); with dropout, and with full recomputation.
 #[test]
 fn gradients_match_finite_differences_gemma3_block() {
@@ -126,7 +127,7 @@ fn gemma3_like(dropout: f32) -> GptConfig {
     use model::config::{BlockNorms, GateAct};
     GptConfig {
         block_norms: BlockNorms::Sandwich, gate_act: GateAct::GeluTanh, norm_offset: true, embed_scale: true, query_pre_attn_scalar: 7, qk_norm: true,
-        sliding_window: 3, window_layers: vec![0], rope_local_theta: 100.0, tied_embeddings: true, n_head: 2, ..tiny_llama(1, dropout)
+        sliding_window: 3, window_layers: vec![0], rope_local_theta: 100.0, tied_embeddings: true, n_head: 2, attn_softcap: 0.8, final_softcap: 1.5, ..tiny_llama(1, dropout)
     }
 }
 
@@ -163,6 +164,8 @@ fn gemma3_features_each_change_the_logits_and_decoding_follows_the_forward() {
         ("embed_scale", GptConfig { embed_scale: false, ..base.clone() }),
         ("query_pre_attn_scalar", GptConfig { query_pre_attn_scalar: 0, ..base.clone() }),
         ("rope_local_theta", GptConfig { rope_local_theta: 0.0, ..base.clone() }),
+        ("attn_softcap", GptConfig { attn_softcap: 0.0, ..base.clone() }),
+        ("final_softcap", GptConfig { final_softcap: 0.0, ..base.clone() }),
     ] {
         let got = logits(cfg);
         let diff = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);

@@ -214,7 +214,7 @@ fn smollm3_fixture_logits_and_loss_match_transformers() {
 /// 5) with the local base beside a global layer with linear rope scaling; logits and loss match
 /// transformers, the export writes Gemma 3 back bit for bit, KV-cached decoding agrees with the
 /// forward, and the older config form (`rope_theta`, `rope_local_base_freq`, `rope_scaling`,
-/// `sliding_window_pattern`) reads the same model. Soft-capping is refused by name.
+/// `sliding_window_pattern`) reads the same model. Bidirectional attention is refused by name.
 #[test]
 fn gemma3_fixture_logits_and_loss_match_transformers() {
     use model::config::{BlockNorms, GateAct};
@@ -236,9 +236,35 @@ fn gemma3_fixture_logits_and_loss_match_transformers() {
     o.insert("sliding_window_pattern".into(), 3.into());
     let old = model::hf::hf_config(&v, &dir.join("config.json")).unwrap();
     assert_eq!(old, model::GptConfig { window_layers: vec![0, 1, 3], ..c.clone() });
-    v["final_logit_softcapping"] = 30.0.into();
+    v["use_bidirectional_attention"] = true.into();
     let e = model::hf::hf_config(&v, &dir.join("config.json")).unwrap_err();
-    assert!(e.contains("final_logit_softcapping") && e.contains("soft-capping"), "{e}");
+    assert!(e.contains("use_bidirectional_attention"), "{e}");
+}
+
+/// Gemma 2 (tests/fixtures/gemma2-tiny, made by its make.py with transformers): Gemma's block
+/// without q/k norms, its attention logits (cap 2) and output logits (cap 3) soft-capped, the
+/// default alternation of sliding and global layers; logits and loss match transformers, the
+/// export writes Gemma 2 back bit for bit, KV-cached decoding agrees with the forward, a file
+/// without the caps reads Gemma2Config's defaults (50, 30) and a null cap as none.
+#[test]
+fn gemma2_fixture_logits_and_loss_match_transformers() {
+    fixture_matches("gemma2-tiny");
+    export_reimport("gemma2-tiny");
+    let dir = fixture("gemma2-tiny");
+    let mut m = import_hf(&dir).unwrap();
+    let c = m.cfg.clone();
+    assert!(!c.qk_norm && c.norm_offset && c.embed_scale && c.rope_local_theta == 0.0, "{c:?}");
+    assert_eq!((c.attn_softcap, c.final_softcap, c.sliding_window, c.window_layers.clone(), c.query_pre_attn_scalar), (2.0, 3.0, 5, vec![0, 2], 12));
+    decode_matches_forward(&mut m, &tokens(&dir)[0]);
+    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let o = v.as_object_mut().unwrap();
+    o.remove("attn_logit_softcapping");
+    o.insert("final_logit_softcapping".into(), serde_json::Value::Null);
+    let c = model::hf::hf_config(&v, &dir.join("config.json")).unwrap();
+    assert_eq!((c.attn_softcap, c.final_softcap), (50.0, 0.0));
+    v["attn_logit_softcapping"] = (-1.0).into();
+    let e = model::hf::hf_config(&v, &dir.join("config.json")).unwrap_err();
+    assert!(e.contains("attn_logit_softcapping"), "{e}");
 }
 
 /// OLMo 2 (tests/fixtures/olmo2-tiny, made by its make.py with transformers): each branch's

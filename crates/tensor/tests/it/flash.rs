@@ -613,3 +613,43 @@ fn attention_sink_gradients() {
         check(&format!("flash window 3 sinks 2 (dropout={p}, {tiles:?}).dqkv"), &qkv, &g, fwd);
     }
 }
+
+/// Gemma 2's soft-capped attention logits with Gemma's scale: the flash forward equals a direct
+/// f64 `softmax(cap·tanh(q·k·scale / cap))·v` under a sliding window, and its gradients match
+/// finite differences over default and small tiles, with dropout too, every schedule alike.
+#[test]
+fn softcapped_logits_match_direct_rows_and_finite_differences() {
+    let d = GqaDims { softcap: 0.7, scale: 0.9, window: 4, ..gqa(2, 9, 4, 2, 4) };
+    let (w, hs, c, group) = (d.qkv_width(), d.hs, d.c(), d.nh / d.nkv);
+    let mut rng = Rng::new(41);
+    let qkv = randn(&mut rng, d.b * d.t * w, 1.5);
+    let (o, _) = gqa_flash_fwd(&qkv, &d, 0.0, 0, Tiles { br: 2, bc: 3 });
+    let (cap, scale) = (d.softcap as f64, d.scale as f64);
+    let at = |b: usize, i: usize, col: usize| &qkv[(b * d.t + i) * w + col..(b * d.t + i) * w + col + hs];
+    let dot64 = |x: &[f32], y: &[f32]| x.iter().zip(y).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>();
+    for b in 0..d.b {
+        for h in 0..d.nh {
+            let (kc, vc) = ((d.nh + h / group) * hs, (d.nh + d.nkv + h / group) * hs);
+            for i in 0..d.t {
+                let keys: Vec<usize> = (d.first_key(i)..=i).collect();
+                let s: Vec<f64> = keys.iter().map(|&j| cap * (dot64(at(b, i, h * hs), at(b, j, kc)) * scale / cap).tanh()).collect();
+                let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let z: f64 = s.iter().map(|x| (x - m).exp()).sum();
+                for e in 0..hs {
+                    let want: f64 = keys.iter().zip(&s).map(|(&j, x)| (x - m).exp() / z * at(b, j, vc)[e] as f64).sum();
+                    let got = o[(b * d.t + i) * c + h * hs + e] as f64;
+                    assert!((got - want).abs() < 1e-5, "b {b} h {h} i {i} e {e}: {got} vs {want}");
+                }
+            }
+        }
+    }
+    let dout = randn(&mut rng, d.b * d.t * c, 1.0);
+    for (p, tiles) in [(0.0, Tiles::default()), (0.0, Tiles { br: 2, bc: 3 }), (0.25, Tiles { br: 2, bc: 3 })] {
+        let fwd = |x: &[f32]| dot(&gqa_flash_fwd(x, &d, p, 5, tiles).0, &dout);
+        let g = gqa_flash_bwd(&dout, &qkv, &d, p, 5, tiles, Schedule::Auto);
+        check(&format!("softcapped flash (dropout {p}, {tiles:?}).dqkv"), &qkv, &g, fwd);
+        for sched in SCHEDULES {
+            assert_eq!(gqa_flash_bwd(&dout, &qkv, &d, p, 5, tiles, sched), g, "{sched:?}");
+        }
+    }
+}

@@ -235,7 +235,7 @@ fn fused_lm_head_matches_unfused_and_finite_differences() {
     assert!(rows < n, "the test must cross chunk boundaries");
     let mut scratch = vec![0.0; rows * vp];
     let (mut losses, mut dinp, mut dw) = (vec![0.0; n], vec![0.0; n * c], vec![0.0; vp * c]);
-    let cnt = lm_head_crossentropy(&mut losses, Some((&mut dinp, &mut dw, tensor::classifier::Dloss::All(0.5))), &inp, &w, &targets, &mut scratch, &HeadDims { c, v, vp, offset: 0, ignore_index: -100, arith: Default::default() });
+    let cnt = lm_head_crossentropy(&mut losses, Some((&mut dinp, &mut dw, tensor::classifier::Dloss::All(0.5))), &inp, &w, &targets, &mut scratch, &HeadDims { c, v, vp, offset: 0, ignore_index: -100, arith: Default::default(), softcap: 0.0 });
     // Unfused reference: matmul, cross-entropy forward and backward, matmul backward.
     let mut logits = vec![0.0; n * vp];
     matmul_forward(&mut logits, &inp, &w, None, n, c, vp);
@@ -256,7 +256,7 @@ fn fused_lm_head_matches_unfused_and_finite_differences() {
     close(&dw, &dw2, "dweight");
     // Without gradients: same losses, nothing else touched.
     let mut l3 = vec![0.0; n];
-    lm_head_crossentropy(&mut l3, None, &inp, &w, &targets, &mut scratch, &HeadDims { c, v, vp, offset: 0, ignore_index: -100, arith: Default::default() });
+    lm_head_crossentropy(&mut l3, None, &inp, &w, &targets, &mut scratch, &HeadDims { c, v, vp, offset: 0, ignore_index: -100, arith: Default::default(), softcap: 0.0 });
     assert_eq!(l3, losses);
 }
 
@@ -272,11 +272,11 @@ fn fused_lm_head_gradients() {
     let loss = |x: &[f32], w: &[f32]| {
         let mut l = vec![0.0; n];
         let mut s = vec![0.0; n * vp];
-        lm_head_crossentropy(&mut l, None, x, w, &targets, &mut s, &HeadDims { c, v, vp, offset: 0, ignore_index: -100, arith: Default::default() });
+        lm_head_crossentropy(&mut l, None, x, w, &targets, &mut s, &HeadDims { c, v, vp, offset: 0, ignore_index: -100, arith: Default::default(), softcap: 0.0 });
         l.iter().map(|&a| a as f64).sum::<f64>()
     };
     let (mut losses, mut dinp, mut dw) = (vec![0.0; n], vec![0.0; n * c], vec![0.0; vp * c]);
-    lm_head_crossentropy(&mut losses, Some((&mut dinp, &mut dw, tensor::classifier::Dloss::All(1.0))), &inp, &w, &targets, &mut scratch, &HeadDims { c, v, vp, offset: 0, ignore_index: -100, arith: Default::default() });
+    lm_head_crossentropy(&mut losses, Some((&mut dinp, &mut dw, tensor::classifier::Dloss::All(1.0))), &inp, &w, &targets, &mut scratch, &HeadDims { c, v, vp, offset: 0, ignore_index: -100, arith: Default::default(), softcap: 0.0 });
     check("lm_head.dinp", &inp, &dinp, |x| loss(x, &w));
     check("lm_head.dweight", &w, &dw, |x| loss(&inp, x));
     assert!(dw[v * c..].iter().all(|&g| g == 0.0), "padded rows get no gradient");
@@ -287,6 +287,18 @@ fn fused_lm_head_gradients() {
 /// (summed) input gradients, and each slice its rows of the weight gradient.
 #[test]
 fn fused_lm_head_weighs_each_row() {
+    head_weighs_each_row(0.0);
+}
+
+/// [`fused_lm_head_weighs_each_row`] with soft-capped logits (Gemma 2's final cap): the loss
+/// is the cross-entropy of `cap·tanh(z / cap)`, computed directly for one row, the gradients
+/// match finite differences, and the vocabulary-parallel head agrees.
+#[test]
+fn soft_capped_lm_head_weighs_each_row() {
+    head_weighs_each_row(1.5);
+}
+
+fn head_weighs_each_row(softcap: f32) {
     use tensor::classifier::{lm_head_crossentropy, lm_head_crossentropy_vocab_parallel, Dloss, HeadDims};
     let (n, c, v, vp) = (5, 4, 6, 8);
     let mut rng = Rng::new(15);
@@ -294,7 +306,7 @@ fn fused_lm_head_weighs_each_row() {
     let w = randn(&mut rng, vp * c, 1.0);
     let targets = [1i32, 5, -100, 0, 3];
     let rw = [0.5f32, -1.25, 9.0, 0.0, 2.0];
-    let dims = HeadDims { c, v, vp, offset: 0, ignore_index: -100, arith: Default::default() };
+    let dims = HeadDims { c, v, vp, offset: 0, ignore_index: -100, arith: Default::default(), softcap };
     let loss = |x: &[f32], w: &[f32]| {
         let (mut l, mut s) = (vec![0.0; n], vec![0.0; n * vp]);
         lm_head_crossentropy(&mut l, None, x, w, &targets, &mut s, &dims);
@@ -302,6 +314,13 @@ fn fused_lm_head_weighs_each_row() {
     };
     let (mut losses, mut dinp, mut dw, mut scratch) = (vec![0.0; n], vec![0.0; n * c], vec![0.0; vp * c], vec![0.0; n * vp]);
     lm_head_crossentropy(&mut losses, Some((&mut dinp, &mut dw, Dloss::Rows(&rw))), &inp, &w, &targets, &mut scratch, &dims);
+    if softcap > 0.0 {
+        // Row 0 directly: log-softmax of the capped logits at its target.
+        let z: Vec<f64> = (0..v).map(|j| (0..c).map(|k| inp[k] as f64 * w[j * c + k] as f64).sum::<f64>()).map(|z| softcap as f64 * (z / softcap as f64).tanh()).collect();
+        let m = z.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let lse = m + z.iter().map(|x| (x - m).exp()).sum::<f64>().ln();
+        assert!((losses[0] as f64 - (lse - z[targets[0] as usize])).abs() < 1e-5, "capped loss {} vs {}", losses[0], lse - z[targets[0] as usize]);
+    }
     check("lm_head.dinp (row weights)", &inp, &dinp, |x| loss(x, &w));
     check("lm_head.dweight (row weights)", &w, &dw, |x| loss(&inp, x));
     // Two vocabulary slices of 4 rows (the second holding the 2 real rows 4, 5 and 2 padding).
@@ -311,7 +330,7 @@ fn fused_lm_head_weighs_each_row() {
     for pass in 0..2 {
         parts.clear();
         for (k, &(off, real)) in slices.iter().enumerate() {
-            let d = HeadDims { c, v: real, vp: 4, offset: off, ignore_index: -100, arith: Default::default() };
+            let d = HeadDims { c, v: real, vp: 4, offset: off, ignore_index: -100, arith: Default::default(), softcap };
             let (mut l, mut di, mut dwk, mut s) = (vec![0.0; n], vec![0.0; n * c], vec![0.0; 4 * c], vec![0.0; n * 4]);
             let others = mine_all.clone();
             lm_head_crossentropy_vocab_parallel(&mut l, Some((&mut di, &mut dwk, Dloss::Rows(&rw))), &inp, &w[off * c..(off + 4) * c], &targets, &mut s, &d, &mut |m| {

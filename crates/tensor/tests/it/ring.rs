@@ -156,7 +156,7 @@ fn ring_blocks_match_the_whole_sequence_kernel() {
                 for &(p, window, sinks, docs) in &[(0.0f32, 0usize, 0usize, false), (0.2, 0, 0, false), (0.0, 7, 0, false), (0.1, 0, 0, true), (0.0, 5, 0, true), (0.1, 5, 3, false), (0.0, 4, 2, true)] {
                     k += 1;
                     let t = 48;
-                    let d = GqaDims { b: 2, t, nh, nkv, hs: 8, window, b0: 1, head0: 0, heads: 0, sinks, rotary: 0, scale: 0.0 };
+                    let d = GqaDims { b: 2, t, nh, nkv, hs: 8, window, b0: 1, head0: 0, heads: 0, sinks, rotary: 0, scale: 0.0, softcap: 0.0 };
                     let cs = Case { d, n, zigzag, p, tiles: tiles[k % tiles.len()], docs };
                     let mut rng = Rng::new(k as u64);
                     let qkv = randn(&mut rng, d.b * t * d.qkv_width(), 1.0);
