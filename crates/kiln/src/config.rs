@@ -73,6 +73,14 @@ pub struct ModelSection {
     /// (Gemma 2); 0 = none.
     pub attn_softcap: f64,
     pub final_softcap: f64,
+    /// Multi-head latent attention (DeepSeek-V2/V3) when above 0: the key/value latent's width;
+    /// `rotary_dim` is then the shared rotary key's width and `head_dim` q·k's head width.
+    pub kv_lora_rank: usize,
+    /// MLA's query latent width (0: one q projection), value head width, and whether the
+    /// rotary dimensions are stored interleaved (transformers' `rope_interleave`).
+    pub q_lora_rank: usize,
+    pub v_head_dim: usize,
+    pub rope_interleave: bool,
     /// Dimensions of each head the rotary embedding turns (a Hugging Face config's `head_dim ·
     /// partial_rotary_factor`, Phi-4-mini's 0.75); 0 = the whole head.
     pub rotary_dim: usize,
@@ -809,6 +817,7 @@ pub fn set_model_shape(mc: &mut ModelSection, hc: &model::GptConfig) {
     (mc.qk_norm_whole, mc.block_norms, mc.gate_act) = (hc.qk_norm_whole, hc.block_norms, hc.gate_act);
     (mc.norm_offset, mc.embed_scale, mc.query_pre_attn_scalar, mc.rope_local_theta) = (hc.norm_offset, hc.embed_scale, hc.query_pre_attn_scalar, hc.rope_local_theta as f64);
     (mc.attn_softcap, mc.final_softcap) = (hc.attn_softcap as f64, hc.final_softcap as f64);
+    (mc.kv_lora_rank, mc.q_lora_rank, mc.v_head_dim, mc.rope_interleave) = (hc.kv_lora_rank, hc.q_lora_rank, hc.v_head_dim, hc.rope_interleave);
     mc.pad_token_id = hc.pad_token_id.map_or(-1, |p| p as i64);
     mc.rotary_dim = hc.rotary_dim;
     mc.nope_layers = hc.nope_layers.clone();
@@ -943,7 +952,7 @@ impl Default for ModelSection {
             arch: model::config::Arch::Gpt2, n_layer: 4, n_head: 4, n_kv_head: 0, n_embd: 128, ffn_hidden: 0,
             rope_theta: defaults::ROPE_THETA, rope_scaling: RopeKind::None, rope_factor: 1.0, rope_low_freq_factor: 1.0,
             rope_high_freq_factor: 4.0, rope_original_max_positions: 8192, rope_beta_fast: 32.0, rope_beta_slow: 1.0, rope_attention_factor: 0.0, rope_truncate: true,
-            rope_short_factor: Vec::new(), rope_long_factor: Vec::new(), qkv_bias: false, fused_proj: false, qk_norm: false, qk_norm_whole: false, block_norms: model::config::BlockNorms::Pre, gate_act: model::config::GateAct::Silu, norm_offset: false, embed_scale: false, query_pre_attn_scalar: 0, rope_local_theta: 0.0, attn_softcap: 0.0, final_softcap: 0.0, pad_token_id: -1, rotary_dim: 0, sliding_window: 0, attn_sinks: 0, window_layers: Vec::new(), nope_layers: Vec::new(), head_dim: 0, norm_eps: defaults::NORM_EPS, block_size: 128, vocab_size: 0, loss_vocab: 0, bias: false,
+            rope_short_factor: Vec::new(), rope_long_factor: Vec::new(), qkv_bias: false, fused_proj: false, qk_norm: false, qk_norm_whole: false, block_norms: model::config::BlockNorms::Pre, gate_act: model::config::GateAct::Silu, norm_offset: false, embed_scale: false, query_pre_attn_scalar: 0, rope_local_theta: 0.0, attn_softcap: 0.0, final_softcap: 0.0, kv_lora_rank: 0, q_lora_rank: 0, v_head_dim: 0, rope_interleave: false, pad_token_id: -1, rotary_dim: 0, sliding_window: 0, attn_sinks: 0, window_layers: Vec::new(), nope_layers: Vec::new(), head_dim: 0, norm_eps: defaults::NORM_EPS, block_size: 128, vocab_size: 0, loss_vocab: 0, bias: false,
             dropout: 0.0, tied_embeddings: true, init_from: String::new(), n_expert: 0, top_k: defaults::TOP_K,
             n_shared_expert: 0, capacity_factor: 0.0, moe_aux_weight: defaults::MOE_AUX_WEIGHT, moe_z_weight: defaults::MOE_Z_WEIGHT,
             recompute: model::Recompute::None, recompute_every: 1,
@@ -1573,6 +1582,9 @@ impl RunConfig {
         if !(t.loss_scale >= 1.0 && t.loss_scale.is_finite()) || t.loss_scale_window == 0 {
             return user(format!("train.loss_scale must be a finite number ≥ 1 and train.loss_scale_window positive, got {} and {}", t.loss_scale, t.loss_scale_window));
         }
+        if t.precision == model::Precision::Fp8 && self.model.kv_lora_rank > 0 {
+            return user("train.precision = fp8 with multi-head latent attention (model.kv_lora_rank) is not supported yet: its latent projections have no FP8 scaling; use bf16");
+        }
         if !matches!(t.precision, model::Precision::Fp32 | model::Precision::Bf16) && self.lora.rank > 0 {
             return user(format!("train.precision = {} with LoRA is not supported: LoRA runs in fp32 or bf16 (a bf16 base and bf16 products, the adapters fp32)", t.precision.name()));
         }
@@ -1774,6 +1786,10 @@ impl RunConfig {
             rope_local_theta: m.rope_local_theta as f32,
             attn_softcap: m.attn_softcap as f32,
             final_softcap: m.final_softcap as f32,
+            kv_lora_rank: m.kv_lora_rank,
+            q_lora_rank: m.q_lora_rank,
+            v_head_dim: m.v_head_dim,
+            rope_interleave: m.rope_interleave,
             pad_token_id: usize::try_from(m.pad_token_id).ok(),
             rotary_dim: m.rotary_dim,
             sliding_window: m.sliding_window,
@@ -1841,7 +1857,7 @@ pub const STRUCTURAL_KEYS: &[&str] = &[
     "model.vocab_size", "model.bias", "model.tied_embeddings", "model.rope_theta", "model.norm_eps", "model.init_from",
     "model.rope_scaling", "model.rope_factor", "model.rope_low_freq_factor", "model.rope_high_freq_factor",
     "model.rope_original_max_positions", "model.rope_beta_fast", "model.rope_beta_slow", "model.rope_attention_factor", "model.rope_truncate",
-    "model.rope_short_factor", "model.rope_long_factor", "model.fused_proj", "model.qk_norm", "model.qk_norm_whole", "model.block_norms", "model.gate_act", "model.norm_offset", "model.embed_scale", "model.query_pre_attn_scalar", "model.rope_local_theta", "model.attn_softcap", "model.final_softcap", "model.pad_token_id", "model.rotary_dim", "model.qkv_bias", "model.sliding_window", "model.attn_sinks", "model.window_layers", "model.nope_layers", "model.loss_vocab", "model.head_dim",
+    "model.rope_short_factor", "model.rope_long_factor", "model.fused_proj", "model.qk_norm", "model.qk_norm_whole", "model.block_norms", "model.gate_act", "model.norm_offset", "model.embed_scale", "model.query_pre_attn_scalar", "model.rope_local_theta", "model.attn_softcap", "model.final_softcap", "model.kv_lora_rank", "model.q_lora_rank", "model.v_head_dim", "model.rope_interleave", "model.pad_token_id", "model.rotary_dim", "model.qkv_bias", "model.sliding_window", "model.attn_sinks", "model.window_layers", "model.nope_layers", "model.loss_vocab", "model.head_dim",
     "model.n_expert", "model.top_k", "model.n_shared_expert",
     "lora.rank", "lora.targets", "data.tokenizer", "data.paths", "data.val_fraction", "data.text_field", "data.format",
     "data.packing", "data.reset_positions", "data.sources",

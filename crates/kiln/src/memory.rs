@@ -249,6 +249,9 @@ pub fn activation_set_every(cfg: &GptConfig, b: usize, t: usize, recompute: Reco
         _ => bulk(n_inner, n * cfg.fc_width()) + bulk(n_inner, n * cfg.ffn_hidden),
     };
     let qk_in = n * (cfg.n_head + cfg.n_kv_head) * cfg.head_size();
+    // DeepSeek's latent attention keeps its latents (normed and not) and the heads' values.
+    let (mla_bulk, mla_stats, _) = model::mla::mla_elements(cfg, n);
+    let mla = if cfg.is_mla() { bulk(n_inner, mla_bulk) + stat(n_inner, mla_stats) } else { 0 };
     // Norms after the branches keep both branches' outputs and their rstd.
     let post = if cfg.block_norms.post() { bulk(n_inner, 2 * nl * c) + stat(n_inner, 2 * nl) } else { 0 };
     let core = match recompute {
@@ -265,7 +268,7 @@ pub fn activation_set_every(cfg: &GptConfig, b: usize, t: usize, recompute: Reco
         } + bulk(n_kept, nl * c) + f(nl * c) + f(nf * c),
         // Qwen3's per-head norms keep their inputs (rounded like q|k|v) and an fp32 rstd per head
         // (OLMo 2's whole-width ones two per token).
-        attention: bulk(n_inner, n * qw) + core + if cfg.qk_norm { bulk(n_inner, qk_in) + stat(n_inner, n * cfg.qk_norm_groups()) } else { 0 },
+        attention: bulk(n_inner, n * qw) + core + if cfg.qk_norm { bulk(n_inner, qk_in) + stat(n_inner, n * cfg.qk_norm_groups()) } else { 0 } + mla,
         mlp: mlp_inner,
         norms: 2 * bulk(n_kept, nl * c) + stat(n_kept, 4 * nl) + f(hl * c + 2 * hl) + 2 * bulk(n_inner, nf * c) + post,
         head: f(hl * c) + f(if head { nf * c } else { 0 }) + f(tensor::classifier::chunk_rows(hn, vp, p.arith) * vp),
@@ -304,7 +307,7 @@ fn moe_stash_bytes(cfg: &GptConfig, n: usize, stored: &dyn Fn(usize) -> u64) -> 
 /// widths even for an MoE model (whose layer keeps its own scratch in its cache).
 pub fn grad_scratch(cfg: &GptConfig, n: usize) -> u64 {
     let post = if cfg.block_norms.post() { n * cfg.n_embd } else { 0 };
-    let elems = 3 * n * cfg.n_embd + n * cfg.attn_width() + n * cfg.qkv_width() + n * cfg.fc_width() + n * cfg.ffn_hidden + post;
+    let elems = 3 * n * cfg.n_embd + n * cfg.attn_width() + n * cfg.qkv_width() + n * cfg.fc_width() + n * cfg.ffn_hidden + post + model::mla::mla_elements(cfg, n).2;
     elems as u64 * 4
 }
 

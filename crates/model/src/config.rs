@@ -332,6 +332,24 @@ pub struct GptConfig {
     /// Soft-capping of the output logits (Gemma 2's `final_logit_softcapping`); 0 = none.
     #[serde(default)]
     pub final_softcap: f32,
+    /// Multi-head latent attention (DeepSeek-V2/V3's MLA) when above 0: keys and values are
+    /// up-projected per head from a normed latent of this width (`kv_lora_rank`), beside one
+    /// rotary key shared by every head (`rotary_dim` wide: `qk_rope_head_dim`); each head's q·k
+    /// spans `head_dim` = `qk_nope_head_dim + qk_rope_head_dim` (llama arch, `n_kv_head =
+    /// n_head`).
+    #[serde(default)]
+    pub kv_lora_rank: usize,
+    /// MLA's query latent width (`q_lora_rank`): q down-projected, normed and up-projected;
+    /// 0 = one q projection.
+    #[serde(default)]
+    pub q_lora_rank: usize,
+    /// MLA's value head width (`v_head_dim`).
+    #[serde(default)]
+    pub v_head_dim: usize,
+    /// MLA's rotary dimensions stored interleaved (transformers' `rope_interleave`: pairs
+    /// `(2i, 2i+1)` rather than `(i, i + R/2)`).
+    #[serde(default)]
+    pub rope_interleave: bool,
     /// Hugging Face files hold q, k and v as one `qkv_proj` and gate and up as one
     /// `gate_up_proj` (Phi-3's `Phi3ForCausalLM`); the model itself is LLaMA's.
     #[serde(default)]
@@ -387,7 +405,7 @@ impl GptConfig {
     pub fn gpt2((n_layer, n_head, n_embd): (usize, usize, usize), block_size: usize, vocab_size: usize, bias: bool, dropout: f32, tied: bool) -> GptConfig {
         GptConfig {
             arch: Arch::Gpt2, n_layer, n_head, n_kv_head: n_head, n_embd, ffn_hidden: 4 * n_embd, block_size, vocab_size,
-            bias, dropout, tied_embeddings: tied, rope_theta: defaults::ROPE_THETA as f32, rope_scaling: None, qkv_bias: false, pad_token_id: None, qk_norm: false, qk_norm_whole: false, block_norms: BlockNorms::Pre, gate_act: GateAct::Silu, norm_offset: false, embed_scale: false, query_pre_attn_scalar: 0, rope_local_theta: 0.0, attn_softcap: 0.0, final_softcap: 0.0, fused_proj: false, sliding_window: 0, attn_sinks: 0, window_layers: Vec::new(), nope_layers: Vec::new(), head_dim: 0, rotary_dim: 0, norm_eps: defaults::NORM_EPS as f32,
+            bias, dropout, tied_embeddings: tied, rope_theta: defaults::ROPE_THETA as f32, rope_scaling: None, qkv_bias: false, pad_token_id: None, qk_norm: false, qk_norm_whole: false, block_norms: BlockNorms::Pre, gate_act: GateAct::Silu, norm_offset: false, embed_scale: false, query_pre_attn_scalar: 0, rope_local_theta: 0.0, attn_softcap: 0.0, final_softcap: 0.0, kv_lora_rank: 0, q_lora_rank: 0, v_head_dim: 0, rope_interleave: false, fused_proj: false, sliding_window: 0, attn_sinks: 0, window_layers: Vec::new(), nope_layers: Vec::new(), head_dim: 0, rotary_dim: 0, norm_eps: defaults::NORM_EPS as f32,
             n_expert: 0, top_k: defaults::TOP_K, n_shared_expert: 0, capacity_factor: 0.0, moe_aux_weight: defaults::MOE_AUX_WEIGHT as f32,
             moe_z_weight: defaults::MOE_Z_WEIGHT as f32, place: Placement::default(),
         }
@@ -497,6 +515,7 @@ impl GptConfig {
         if self.arch != Arch::Llama && (self.gate_act != GateAct::Silu || self.norm_offset || self.embed_scale || self.query_pre_attn_scalar > 0 || self.rope_local_theta != 0.0 || self.attn_softcap != 0.0 || self.final_softcap != 0.0) {
             return Err("model.gate_act, model.norm_offset, model.embed_scale, model.query_pre_attn_scalar, model.rope_local_theta and the soft-caps are llama-arch settings (Gemma's)".into());
         }
+        self.validate_mla()?;
         for (key, cap) in [("attn_softcap", self.attn_softcap), ("final_softcap", self.final_softcap)] {
             #[allow(clippy::neg_cmp_op_on_partial_ord)] // a NaN must be refused too
             if !(cap >= 0.0) || cap.is_infinite() {
@@ -543,7 +562,11 @@ impl GptConfig {
                 (norms + attn + mlp, v * c + u(self.block_size) * c)
             }
             Arch::Llama => {
-                let attn = (q + two * kv) * c + if self.qkv_bias { q + two * kv } else { zero } + c * q + self.qk_norm_len(&u, hs, q + kv);
+                let attn = if self.is_mla() {
+                    self.mla_count(&u, c)
+                } else {
+                    (q + two * kv) * c + if self.qkv_bias { q + two * kv } else { zero } + c * q + self.qk_norm_len(&u, hs, q + kv)
+                };
                 let expert = three * f * c;
                 let mlp = if self.n_expert > 0 { u(self.n_expert) * c + (u(self.n_expert) + u(self.n_shared_expert)) * expert } else { expert };
                 let norms = if self.block_norms == BlockNorms::Sandwich { u(4) * c } else { two * c };
@@ -553,6 +576,47 @@ impl GptConfig {
         let head = if self.tied_embeddings { zero } else { v * c };
         let final_norm = c + if self.arch == Arch::Gpt2 { bias(c) } else { zero };
         embed + u(self.n_layer) * block + final_norm + head
+    }
+
+    /// MLA's constraints (see [`GptConfig::kv_lora_rank`]); the error names the key.
+    fn validate_mla(&self) -> Result<(), String> {
+        if self.kv_lora_rank == 0 {
+            if self.q_lora_rank > 0 || self.v_head_dim > 0 || self.rope_interleave {
+                return Err("model.q_lora_rank, model.v_head_dim and model.rope_interleave are multi-head latent attention's: they need model.kv_lora_rank > 0".into());
+            }
+            return Ok(());
+        }
+        if self.arch != Arch::Llama || self.n_kv_head != self.n_head {
+            return Err(format!("model.kv_lora_rank (multi-head latent attention) needs model.arch = llama and model.n_kv_head = model.n_head (got {} and {})", self.n_kv_head, self.n_head));
+        }
+        let hs = self.head_size();
+        if self.rotary_dim == 0 || self.rotary_dim >= hs || self.v_head_dim == 0 || self.v_head_dim > hs {
+            return Err(format!("multi-head latent attention needs 0 < model.rotary_dim (qk_rope_head_dim, {}) < model.head_dim ({hs}) and 0 < model.v_head_dim ({}) <= model.head_dim", self.rotary_dim, self.v_head_dim));
+        }
+        if self.qkv_bias || self.qk_norm || self.fused_proj || self.norm_offset {
+            return Err("multi-head latent attention has no q/k/v biases, q/k norms, fused projections or 1 + w norms (model.qkv_bias, model.qk_norm, model.fused_proj, model.norm_offset)".into());
+        }
+        Ok(())
+    }
+
+    /// Whether attention is multi-head latent attention (DeepSeek's MLA).
+    pub fn is_mla(&self) -> bool {
+        self.kv_lora_rank > 0
+    }
+
+    /// The output projection's input width: `n_head · v_head_dim` under MLA (its heads' values
+    /// are narrower than q·k's), else [`GptConfig::attn_width`].
+    pub fn o_width(&self) -> usize {
+        if self.is_mla() { self.n_head * self.v_head_dim } else { self.attn_width() }
+    }
+
+    /// MLA's attention parameters: q (down, norm, up; or one projection), the key/value latent
+    /// and shared rotary key, its norm and up-projection, the output projection.
+    fn mla_count<T: Copy + std::ops::Add<Output = T> + std::ops::Mul<Output = T>>(&self, u: &impl Fn(usize) -> T, c: T) -> T {
+        let (nh, hs, kvr, qr, rot, v) = (u(self.n_head), u(self.head_size()), u(self.kv_lora_rank), u(self.q_lora_rank), u(self.rotary_dim), u(self.v_head_dim));
+        let nope = u(self.head_size() - self.rotary_dim);
+        let q = if self.q_lora_rank > 0 { qr * c + qr + nh * hs * qr } else { nh * hs * c };
+        q + (kvr + rot) * c + kvr + nh * (nope + v) * kvr + c * nh * v
     }
 
     /// The q and k norms' weights: none, one head's each, or every head's (`qk_norm_whole`).

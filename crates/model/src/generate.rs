@@ -118,7 +118,14 @@ impl Gpt {
         }
         for (l, bp) in pv.blocks.iter().enumerate() {
             let a_in = pre_norm(&ops, (ln, mean, rstd), x, (&bp.ln_1_w, &bp.ln_1_b), w);
-            matmul_forward(qkv, a_in, &w[bp.c_attn_w.clone()], opt(&bp.c_attn_b), n, c, qw);
+            match &bp.mla {
+                Some(m) => {
+                    let d = crate::mla::MlaDims::of(cfg, n);
+                    let mw = crate::mla::MlaWeights { unit: w, p: m, arith: Default::default() };
+                    crate::mla::mla_forward(qkv, &mut crate::mla::MlaActs::new(Some(d)), a_in, &mw, &d);
+                }
+                None => matmul_forward(qkv, a_in, &w[bp.c_attn_w.clone()], opt(&bp.c_attn_b), n, c, qw),
+            }
             if let Some(r) = &bp.qk_norm_w {
                 let (pre, groups) = (&mut s.qk_pre[..n * (nh + nkv) * hs], &mut s.qk_rstd[..n * cfg.qk_norm_groups()]);
                 qk_rmsnorm_forward(qkv, pre, groups, &ops.norm_weight(&w[r.clone()]), cfg.norm_eps, (nh, nkv, hs));
@@ -136,7 +143,14 @@ impl Gpt {
                 let (kc, vc) = (&cache.k[base..base + (pos + 1) * kw], &cache.v[base..base + (pos + 1) * kw]);
                 attention_decode(&mut atty[i * qc..(i + 1) * qc], &q[..qc], kc, vc, &GqaDims { t: pos + 1, window: cfg.window_of(l), ..one });
             }
-            matmul_forward(proj, atty, &w[bp.attn_proj_w.clone()], opt(&bp.attn_proj_b), n, cfg.attn_width(), c);
+            if bp.mla.is_some() {
+                // The heads' values, narrower than q·k's (DeepSeek's latent attention).
+                let mut o_in = vec![0.0; n * cfg.o_width()];
+                crate::mla::compact_heads(&mut o_in, atty, &crate::mla::MlaDims::of(cfg, n));
+                matmul_forward(proj, &o_in, &w[bp.attn_proj_w.clone()], opt(&bp.attn_proj_b), n, cfg.o_width(), c);
+            } else {
+                matmul_forward(proj, atty, &w[bp.attn_proj_w.clone()], opt(&bp.attn_proj_b), n, cfg.attn_width(), c);
+            }
             residual_forward(res, x, post_norm(&ops, (ln, mean, rstd), proj, &bp.post_1_w, w));
             let m_in = pre_norm(&ops, (ln, mean, rstd), res, (&bp.ln_2_w, &bp.ln_2_b), w);
             if let (Some(mp), Some(cache)) = (&bp.moe, s.moe.as_mut()) {

@@ -245,6 +245,8 @@ struct BlockInner {
     /// their `rstd` (`[2, B, T]`); empty otherwise.
     post_in: Vec<f32>,
     post_rstd: Vec<f32>,
+    /// Multi-head latent attention's front end (empty without it).
+    mla: crate::mla::MlaActs,
 }
 
 impl BlockKept {
@@ -256,10 +258,11 @@ impl BlockKept {
 
 impl BlockInner {
     /// As [`BlockKept::parts`] (an MoE layer's cache is stashed on its own, see [`Stash::put`]).
-    fn parts(&mut self) -> ([&mut Vec<f32>; 8], [&mut Vec<f32>; 3]) {
+    fn parts(&mut self) -> ([&mut Vec<f32>; 13], [&mut Vec<f32>; 5]) {
+        let ([m0, m1, m2, m3, m4], [s0, s1]) = self.mla.parts();
         (
-            [&mut self.qkv, &mut self.core.atty, &mut self.fch, &mut self.fch_gelu, &mut self.ln_1_full, &mut self.ln_2_full, &mut self.qk_pre, &mut self.post_in],
-            [&mut self.core.state, &mut self.qk_rstd, &mut self.post_rstd],
+            [&mut self.qkv, &mut self.core.atty, &mut self.fch, &mut self.fch_gelu, &mut self.ln_1_full, &mut self.ln_2_full, &mut self.qk_pre, &mut self.post_in, m0, m1, m2, m3, m4],
+            [&mut self.core.state, &mut self.qk_rstd, &mut self.post_rstd, s0, s1],
         )
     }
 }
@@ -572,6 +575,8 @@ struct GradScratch {
     dln_full: Vec<f32>,
     /// Norms after the branches: the gradient of a norm's input (`[B, T, C]`, else empty).
     dpost: Vec<f32>,
+    /// Multi-head latent attention's scratch (empty without it).
+    mla: crate::mla::MlaGrads,
 }
 
 pub struct Gpt {
@@ -838,6 +843,7 @@ impl Gpt {
             ln_1_full: zeros(nf * c), ln_2_full: zeros(nf * c),
             qk_pre: zeros(qk_in), qk_rstd: zeros(qk_groups),
             post_in: zeros(post * c), post_rstd: zeros(post),
+            mla: crate::mla::MlaActs::new(cfg.is_mla().then(|| crate::mla::MlaDims::of(cfg, n))),
         };
         let l = self.cfg.n_layer;
         // Full recomputation of every k-th layer (k = 1: all): those layers share one set,
@@ -1309,6 +1315,7 @@ impl Gpt {
             dres: zeros(nl * c), dln: zeros(nl * c), dbranch: zeros(nl * c), datty: zeros(n * self.cfg.attn_width()),
             dqkv: zeros(n * qw), dfch: zeros(n * fw), dfch_gelu: zeros(n * f), dfull: zeros(nf * c), dln_full: zeros(nf * c),
             dpost: zeros(if self.cfg.block_norms.post() { nl * c } else { 0 }),
+            mla: crate::mla::MlaGrads::new(self.cfg.is_mla().then(|| crate::mla::MlaDims::of(&self.cfg, n))),
         });
     }
 
@@ -1355,6 +1362,7 @@ fn acts_bytes(a: &Acts) -> usize {
     let kept = |k: &BlockKept| [&k.ln_1, &k.ln_1_mean, &k.ln_1_rstd, &k.res_2, &k.ln_2, &k.ln_2_mean, &k.ln_2_rstd].iter().map(|x| v(x)).sum::<usize>();
     let inner = |i: &BlockInner| {
         [&i.qkv, &i.core.atty, &i.core.state, &i.fch, &i.fch_gelu, &i.ln_1_full, &i.ln_2_full, &i.qk_pre, &i.qk_rstd, &i.post_in, &i.post_rstd].iter().map(|x| v(x)).sum::<usize>()
+            + i.mla.bytes()
             + i.moe.as_ref().map_or(0, moe_bytes)
     };
     a.xs.iter().map(v).sum::<usize>() + v(&a.x_work)
@@ -1555,7 +1563,7 @@ impl<'o, 'a> Block<'o, 'a> {
         let c = cfg.n_embd;
         let (w, b, n_in, n_out) = match site {
             Site::Qkv => (&bp.c_attn_w, &bp.c_attn_b, c, cfg.qkv_width()),
-            Site::AttnProj => (&bp.attn_proj_w, &bp.attn_proj_b, cfg.attn_width(), c),
+            Site::AttnProj => (&bp.attn_proj_w, &bp.attn_proj_b, cfg.o_width(), c),
             Site::Fc => (&bp.c_fc_w, &bp.c_fc_b, c, cfg.fc_width()),
             Site::MlpProj => (&bp.mlp_proj_w, &bp.mlp_proj_b, cfg.ffn_hidden, c),
         };
@@ -1620,7 +1628,16 @@ impl<'o, 'a> Block<'o, 'a> {
     /// The attention's input from the kept `ln_1`: `qkv = ln_1·Wᵀ (+ LoRA)` (LLaMA: q and k then
     /// rotated).
     fn qkv_forward(&self, k: &BlockKept, i: &mut BlockInner) {
-        self.linear(Site::Qkv).forward_column(&mut i.qkv, &k.ln_1, &mut i.ln_1_full);
+        if let Some(m) = &self.bp.mla {
+            // DeepSeek's latent attention (no tensor or sequence parallelism: refused).
+            let ops = self.ops;
+            let w = crate::mla::MlaWeights { unit: self.w, p: m, arith: ops.arith };
+            crate::mla::mla_forward(&mut i.qkv, &mut i.mla, &k.ln_1, &w, &crate::mla::MlaDims::of(ops.cfg, ops.b * ops.t));
+            i.mla.parts().0.into_iter().for_each(|v| ops.store(v));
+            ops.store(&mut i.qkv);
+        } else {
+            self.linear(Site::Qkv).forward_column(&mut i.qkv, &k.ln_1, &mut i.ln_1_full);
+        }
         if let Some(r) = &self.bp.qk_norm_w {
             let cfg = self.ops.cfg;
             qk_rmsnorm_forward(&mut i.qkv, &mut i.qk_pre, &mut i.qk_rstd, &self.ops.norm_weight(&self.w[r.clone()]), cfg.norm_eps, (cfg.n_head, cfg.n_kv_head, cfg.head_size()));
@@ -1725,7 +1742,14 @@ fn block_forward(blk: &Block, x: &[f32], acts: BlockActs, branch: &mut [f32], fu
     blk.qkv_forward(k, i);
     let core = if i.core.atty.is_empty() { shared } else { &mut i.core };
     blk.attn_core(&i.qkv, core);
-    blk.linear(Site::AttnProj).forward_row(branch, full, &core.atty);
+    let o_in: &[f32] = if bp.mla.is_some() {
+        crate::mla::compact_heads(&mut i.mla.o_in, &core.atty, &crate::mla::MlaDims::of(ops.cfg, ops.b * ops.t));
+        ops.store(&mut i.mla.o_in);
+        &i.mla.o_in
+    } else {
+        &core.atty
+    };
+    blk.linear(Site::AttnProj).forward_row(branch, full, o_in);
     blk.post_norm_forward(&bp.post_1_w, 0, branch, i);
     ops.dropout(branch, DropSite::AttnResidual(l));
     residual_forward(&mut k.res_2, x, branch);
@@ -1761,7 +1785,12 @@ fn block_backward(blk: &Block, dw: &mut [f32], x: &[f32], acts: BlockActs, g: &m
     let dattn = ops.dropout_grad(&mut g.dbranch, &g.dres, DropSite::AttnResidual(l));
     let dattn = blk.post_norm_backward(&bp.post_1_w, 0, (dattn, &mut g.dpost), dw, i);
     let core: &AttnCore = if i.core.atty.is_empty() { shared } else { &i.core };
-    blk.linear(Site::AttnProj).backward_row(&mut g.datty, &mut g.dfull, dw, dattn, &core.atty);
+    if bp.mla.is_some() {
+        blk.linear(Site::AttnProj).backward_row(&mut g.mla.do_in, &mut g.dfull, dw, dattn, &i.mla.o_in);
+        crate::mla::expand_heads(&mut g.datty, &g.mla.do_in, &crate::mla::MlaDims::of(ops.cfg, ops.b * ops.t));
+    } else {
+        blk.linear(Site::AttnProj).backward_row(&mut g.datty, &mut g.dfull, dw, dattn, &core.atty);
+    }
     tensor::par::zero(&mut g.dqkv);
     ops.attn_backward(&mut g.dqkv, &g.datty, &i.qkv, &core.atty, &core.state, DropSite::AttnProbs(l));
     if let Some(r) = &bp.qk_norm_w {
@@ -1771,7 +1800,13 @@ fn block_backward(blk: &Block, dw: &mut [f32], x: &[f32], acts: BlockActs, g: &m
     }
     ops.store(&mut g.dqkv);
     let xin: &[f32] = if ops.sp() { &i.ln_1_full } else { &k.ln_1 };
-    blk.linear(Site::Qkv).backward_column(&mut g.dln, &mut g.dln_full, dw, &g.dqkv, xin);
+    match &bp.mla {
+        Some(m) => {
+            let w = crate::mla::MlaWeights { unit: blk.w, p: m, arith: ops.arith };
+            crate::mla::mla_backward(&mut g.dln, dw, &g.dqkv, (&i.mla, &k.ln_1), &w, &crate::mla::MlaDims::of(ops.cfg, ops.b * ops.t), &mut g.mla);
+        }
+        None => blk.linear(Site::Qkv).backward_column(&mut g.dln, &mut g.dln_full, dw, &g.dqkv, xin),
+    }
     ops.store(&mut g.dln);
     blk.pre_norm_backward((&bp.ln_1_w, &bp.ln_1_b), &mut g.dres, dw, &g.dln, (x, &k.ln_1_mean, &k.ln_1_rstd));
     ops.store(&mut g.dres);

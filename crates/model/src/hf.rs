@@ -6,8 +6,8 @@
 //! `MixtralForCausalLM`, `Phi3ForCausalLM`, `SmolLM3ForCausalLM` (NoPE layers),
 //! `Olmo2ForCausalLM` (norms after the branches, whole-width q/k norms), `Gemma2ForCausalLM`
 //! and `Gemma3ForCausalLM` (text: sandwich norms scaling by `1 + w`, GeGLU, scaled embeddings,
-//! soft-capped logits, local and global layers, Gemma 3's with their own rotary bases), in and
-//! out.
+//! soft-capped logits, local and global layers, Gemma 3's with their own rotary bases) and
+//! `DeepseekV3ForCausalLM` (multi-head latent attention; every layer dense so far), in and out.
 //! kiln's layout uses HF's parameter names, so import and export are by name; Phi-3's fused
 //! `qkv_proj` and `gate_up_proj` are the concatenations of parameters kiln's layout holds
 //! adjacent in the same order (`fused_of`).
@@ -126,6 +126,7 @@ pub fn hf_config(cfg: &Value, origin: &Path) -> Result<GptConfig, String> {
         // OLMo 2: LLaMA with each branch's norm after it (before the residual add) and q and k
         // each normed over all heads at once; Olmo2Config's defaults where the file has none
         // (`pad_token_id` 1, `rms_norm_eps` 1e-5).
+        "DeepseekV3ForCausalLM" => deepseek_v3_config(cfg, origin),
         "Gemma2ForCausalLM" => gemma_config(cfg, origin, 2),
         "Gemma3ForCausalLM" => gemma_config(cfg, origin, 3),
         "Olmo2ForCausalLM" => {
@@ -145,8 +146,57 @@ pub fn hf_config(cfg: &Value, origin: &Path) -> Result<GptConfig, String> {
             c.validate().map_err(|e| format!("{}: {e}", origin.display()))?;
             Ok(c)
         }
-        _ => Err(format!("{}: architecture `{arch}` is not supported for import (supported: GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, MistralForCausalLM, MixtralForCausalLM, Phi3ForCausalLM, SmolLM3ForCausalLM, Olmo2ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM)", origin.display())),
+        _ => Err(format!("{}: architecture `{arch}` is not supported for import (supported: GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, MistralForCausalLM, MixtralForCausalLM, Phi3ForCausalLM, SmolLM3ForCausalLM, Olmo2ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, DeepseekV3ForCausalLM)", origin.display())),
     }
+}
+
+/// DeepSeek-V3 (`DeepseekV3ForCausalLM`): LLaMA's blocks with multi-head latent attention
+/// (`kv_lora_rank`, `q_lora_rank` (null: one q projection), `qk_nope_head_dim`,
+/// `qk_rope_head_dim`, `v_head_dim`, `rope_interleave`). transformers' `head_dim` in such a file
+/// is the rotary width and is not read. Routed experts (layers from `first_k_dense_replace` on)
+/// and rope scaling under latent attention are refused by name.
+fn deepseek_v3_config(cfg: &Value, origin: &Path) -> Result<GptConfig, String> {
+    let n_layer = get_usize(cfg, "num_hidden_layers", origin)?;
+    let first_moe = cfg.get("first_k_dense_replace").and_then(Value::as_u64).map_or(3, |v| v as usize);
+    let routed = cfg.get("n_routed_experts").and_then(Value::as_u64).unwrap_or(256);
+    if routed > 0 && first_moe < n_layer {
+        return Err(format!("{}: DeepSeek-V3's routed experts (layers {first_moe}.. of {n_layer}: `first_k_dense_replace`) are not supported yet; a model whose every layer is dense imports", origin.display()));
+    }
+    let mut flat = cfg.clone();
+    let o = flat.as_object_mut().ok_or_else(|| format!("{}: not a JSON object", origin.display()))?;
+    o.remove("head_dim");
+    o.remove("partial_rotary_factor");
+    let mut c = llama_config(&flat, origin, false)?;
+    if c.rope_scaling.is_some() {
+        return Err(format!("{}: rope scaling with multi-head latent attention (DeepSeek's YaRN softmax scale) is not supported yet", origin.display()));
+    }
+    let (nope, rope) = (get_usize(cfg, "qk_nope_head_dim", origin)?, get_usize(cfg, "qk_rope_head_dim", origin)?);
+    (c.head_dim, c.rotary_dim, c.n_kv_head) = (nope + rope, rope, c.n_head);
+    c.v_head_dim = get_usize(cfg, "v_head_dim", origin)?;
+    c.kv_lora_rank = get_usize(cfg, "kv_lora_rank", origin)?;
+    c.q_lora_rank = cfg.get("q_lora_rank").and_then(Value::as_u64).map_or(0, |q| q as usize);
+    c.rope_interleave = cfg.get("rope_interleave").and_then(Value::as_bool).unwrap_or(true);
+    c.validate().map_err(|e| format!("{}: {e}", origin.display()))?;
+    Ok(c)
+}
+
+/// DeepSeek-V3's `config.json` for a model with latent attention, every layer dense.
+fn deepseek_v3_export(c: &GptConfig) -> Result<Value, String> {
+    if c.is_moe() || c.sliding_window > 0 || !c.nope_layers.is_empty() || c.rope_scaling.is_some() || c.block_norms != BlockNorms::Pre || c.attn_sinks > 0 {
+        return Err("export: multi-head latent attention has a Hugging Face form only as DeepSeek-V3's, every layer dense, without a window, NoPE layers, rope scaling or norms after the branches".into());
+    }
+    Ok(json!({
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_act": "silu",
+        "hidden_size": c.n_embd, "intermediate_size": c.ffn_hidden, "num_hidden_layers": c.n_layer,
+        "num_attention_heads": c.n_head, "num_key_value_heads": c.n_head,
+        "kv_lora_rank": c.kv_lora_rank, "q_lora_rank": if c.q_lora_rank > 0 { Value::from(c.q_lora_rank) } else { Value::Null },
+        "qk_nope_head_dim": c.head_size() - c.rotary_dim, "qk_rope_head_dim": c.rotary_dim, "v_head_dim": c.v_head_dim,
+        "rope_interleave": c.rope_interleave, "first_k_dense_replace": c.n_layer, "n_routed_experts": 0, "n_shared_experts": 0,
+        "max_position_embeddings": c.block_size, "vocab_size": c.vocab_size, "rms_norm_eps": c.norm_eps,
+        "rope_theta": c.rope_theta, "rope_parameters": rope_parameters(c),
+        "tie_word_embeddings": c.tied_embeddings, "attention_bias": false, "attention_dropout": 0.0,
+        "pad_token_id": c.pad_token_id, "dtype": "float32",
+    }))
 }
 
 /// Gemma 2 and Gemma 3's text model (`Gemma2ForCausalLM`, `Gemma3ForCausalLM`): LLaMA's layout
@@ -910,6 +960,9 @@ fn export_config(c: &GptConfig) -> Result<Value, String> {
     export_refusal(c)?;
     if let Some(version) = gemma_version(c) {
         return Ok(gemma_export(c, version));
+    }
+    if c.is_mla() {
+        return deepseek_v3_export(c);
     }
     Ok(if c.arch == Arch::Llama {
         let (arch, ty) = match (c.is_moe(), c.qkv_bias, c.sliding_window > 0) {

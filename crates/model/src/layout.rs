@@ -101,6 +101,8 @@ pub struct BlockParams {
     pub mlp_proj_b: Option<Range<usize>>,
     /// The norm after the MLP branch (OLMo 2, Gemma).
     pub post_2_w: Option<Range<usize>>,
+    /// Multi-head latent attention's projections in place of q|k|v (then `c_attn_w` is empty).
+    pub mla: Option<MlaParams>,
     /// A mixture-of-experts MLP in place of the dense one (then `c_fc_w`, `mlp_proj_w` are empty).
     pub moe: Option<MoeParams>,
 }
@@ -108,8 +110,27 @@ pub struct BlockParams {
 impl BlockParams {
     /// Where the block's parameters start in the layout (its unit's start).
     pub fn start(&self) -> usize {
-        if self.ln_1_w.is_empty() { self.c_attn_w.start } else { self.ln_1_w.start }
+        if !self.ln_1_w.is_empty() {
+            return self.ln_1_w.start;
+        }
+        self.mla.as_ref().map_or(self.c_attn_w.start, |m| m.q_a.start.min(m.q_b.start))
     }
+}
+
+/// The views of multi-head latent attention (DeepSeek's MLA, transformers' names): q's
+/// down-projection `q_a_proj` `[QR, C]` and its norm `[QR]` (empty without `q_lora_rank`), q's
+/// projection `q_b_proj` `[NH·HS, QR]` (or `q_proj` `[NH·HS, C]`), the key/value latent with the
+/// shared rotary key `kv_a_proj_with_mqa` `[KVR + R, C]`, its norm `[KVR]`, and its per-head
+/// up-projection `kv_b_proj` `[NH·(HS − R + V), KVR]`. Each head's rows are transformers' order:
+/// its q (and k) without rotation, then its rotary dimensions.
+#[derive(Clone, Debug)]
+pub struct MlaParams {
+    pub q_a: Range<usize>,
+    pub q_a_norm: Range<usize>,
+    pub q_b: Range<usize>,
+    pub kv_a: Range<usize>,
+    pub kv_norm: Range<usize>,
+    pub kv_b: Range<usize>,
 }
 
 /// The views of an MoE layer: the router `[E, C]`, the routed experts `[E, 3FC]` (each
@@ -177,7 +198,7 @@ fn gpt2_layout(cfg: &GptConfig) -> (ParamLayout, GptParams) {
         let c_fc_b = bias(&mut l, "mlp.c_fc", f);
         let mlp_proj_w = l.push(format!("{p}mlp.c_proj.weight"), vec![c, f], Init::Normal(proj_std), true);
         let mlp_proj_b = bias(&mut l, "mlp.c_proj", c);
-        blocks.push(BlockParams { ln_1_w, ln_1_b, c_attn_w, c_attn_b, qk_norm_w: None, attn_proj_w, attn_proj_b, post_1_w: None, ln_2_w, ln_2_b, c_fc_w, c_fc_b, mlp_proj_w, mlp_proj_b, post_2_w: None, moe: None });
+        blocks.push(BlockParams { ln_1_w, ln_1_b, c_attn_w, c_attn_b, qk_norm_w: None, attn_proj_w, attn_proj_b, post_1_w: None, ln_2_w, ln_2_b, c_fc_w, c_fc_b, mlp_proj_w, mlp_proj_b, post_2_w: None, mla: None, moe: None });
     }
     if !cfg.has_head() {
         let end = l.total;
@@ -208,9 +229,14 @@ fn llama_layout(cfg: &GptConfig) -> (ParamLayout, GptParams) {
         let p = format!("model.layers.{i}.");
         let norms = cfg.block_norms;
         let ln_1_w = if norms.pre() { l.push(format!("{p}input_layernorm.weight"), vec![c], one, false) } else { l.total..l.total };
-        let q = l.push(format!("{p}self_attn.q_proj.weight"), vec![cfg.n_head * hs, c], Init::Normal(std), true);
-        l.push(format!("{p}self_attn.k_proj.weight"), vec![cfg.n_kv_head * hs, c], Init::Normal(std), true);
-        let v = l.push(format!("{p}self_attn.v_proj.weight"), vec![cfg.n_kv_head * hs, c], Init::Normal(std), true);
+        let mla = cfg.is_mla().then(|| mla_layout(&mut l, cfg, &p, one));
+        let (q, v) = if mla.is_some() {
+            (l.total..l.total, l.total..l.total)
+        } else {
+            let q = l.push(format!("{p}self_attn.q_proj.weight"), vec![cfg.n_head * hs, c], Init::Normal(std), true);
+            l.push(format!("{p}self_attn.k_proj.weight"), vec![cfg.n_kv_head * hs, c], Init::Normal(std), true);
+            (q, l.push(format!("{p}self_attn.v_proj.weight"), vec![cfg.n_kv_head * hs, c], Init::Normal(std), true))
+        };
         // Qwen2's q/k/v biases, adjacent like the weights: one `[(NH+2·NKV)·HS]` bias.
         let c_attn_b = cfg.qkv_bias.then(|| {
             let qb = l.push(format!("{p}self_attn.q_proj.bias"), vec![cfg.n_head * hs], Init::Zeros, false);
@@ -225,7 +251,7 @@ fn llama_layout(cfg: &GptConfig) -> (ParamLayout, GptParams) {
             let kn = l.push(format!("{p}self_attn.k_norm.weight"), vec![kw], one, false);
             qn.start..kn.end
         });
-        let attn_proj_w = l.push(format!("{p}self_attn.o_proj.weight"), vec![c, cfg.n_head * hs], Init::Normal(proj_std), true);
+        let attn_proj_w = l.push(format!("{p}self_attn.o_proj.weight"), vec![c, cfg.o_width()], Init::Normal(proj_std), true);
         // LLaMA's `post_attention_layernorm` is the norm before the MLP; with norms after the
         // branches (OLMo 2, Gemma) it is the attention branch's, and Gemma's before the MLP is
         // `pre_feedforward_layernorm`.
@@ -264,7 +290,7 @@ fn llama_layout(cfg: &GptConfig) -> (ParamLayout, GptParams) {
         let post_2_w = norms.post().then(|| l.push(format!("{p}post_feedforward_layernorm.weight"), vec![c], one, false));
         blocks.push(BlockParams {
             ln_1_w, ln_1_b: None, c_attn_w: q.start..v.end, c_attn_b, qk_norm_w, attn_proj_w, attn_proj_b: None, post_1_w,
-            ln_2_w, ln_2_b: None, c_fc_w, c_fc_b: None, mlp_proj_w, mlp_proj_b: None, post_2_w, moe,
+            ln_2_w, ln_2_b: None, c_fc_w, c_fc_b: None, mlp_proj_w, mlp_proj_b: None, post_2_w, mla, moe,
         });
     }
     if !cfg.has_head() {
@@ -278,6 +304,25 @@ fn llama_layout(cfg: &GptConfig) -> (ParamLayout, GptParams) {
         l.push("lm_head.weight".into(), vec![cfg.vocab_size, c], Init::Normal(std), true)
     };
     (l, GptParams { wte, wpe: None, blocks, ln_f_w, ln_f_b: None, lm_head })
+}
+
+/// Multi-head latent attention's parameters of block prefix `p` (see [`MlaParams`]); `one` is a
+/// norm's neutral init.
+fn mla_layout(l: &mut ParamLayout, cfg: &GptConfig, p: &str, one: Init) -> MlaParams {
+    let (c, hs, nh, rot) = (cfg.n_embd, cfg.head_size(), cfg.n_head, cfg.rotary_dim);
+    let (qr, kvr) = (cfg.q_lora_rank, cfg.kv_lora_rank);
+    let std = Init::Normal(0.02);
+    let (q_a, q_a_norm, q_b) = if qr > 0 {
+        let a = l.push(format!("{p}self_attn.q_a_proj.weight"), vec![qr, c], std, true);
+        let n = l.push(format!("{p}self_attn.q_a_layernorm.weight"), vec![qr], one, false);
+        (a, n, l.push(format!("{p}self_attn.q_b_proj.weight"), vec![nh * hs, qr], std, true))
+    } else {
+        (l.total..l.total, l.total..l.total, l.push(format!("{p}self_attn.q_proj.weight"), vec![nh * hs, c], std, true))
+    };
+    let kv_a = l.push(format!("{p}self_attn.kv_a_proj_with_mqa.weight"), vec![kvr + rot, c], std, true);
+    let kv_norm = l.push(format!("{p}self_attn.kv_a_layernorm.weight"), vec![kvr], one, false);
+    let kv_b = l.push(format!("{p}self_attn.kv_b_proj.weight"), vec![nh * (hs - rot + cfg.v_head_dim), kvr], std, true);
+    MlaParams { q_a, q_a_norm, q_b, kv_a, kv_norm, kv_b }
 }
 
 impl GptParams {
@@ -337,6 +382,7 @@ impl GptParams {
                     mlp_proj_w: f(&b.mlp_proj_w, u),
                     mlp_proj_b: fo(&b.mlp_proj_b, u),
                     post_2_w: fo(&b.post_2_w, u),
+                    mla: b.mla.as_ref().map(|m| MlaParams { q_a: f(&m.q_a, u), q_a_norm: f(&m.q_a_norm, u), q_b: f(&m.q_b, u), kv_a: f(&m.kv_a, u), kv_norm: f(&m.kv_norm, u), kv_b: f(&m.kv_b, u) }),
                     moe: b.moe.as_ref().map(|m| MoeParams { router: f(&m.router, u), experts: f(&m.experts, u), shared: f(&m.shared, u) }),
                 }
             })

@@ -12,6 +12,7 @@ pub mod gpt;
 pub mod layout;
 pub mod pairs;
 pub mod lora;
+pub mod mla;
 pub mod placement;
 pub mod policy;
 pub mod qbase;

@@ -114,6 +114,9 @@ impl Lora {
         if targets.is_empty() {
             return Err("lora needs at least one target".into());
         }
+        if cfg.is_mla() {
+            return Err("LoRA adapters on multi-head latent attention (model.kv_lora_rank) are not supported yet".into());
+        }
         let targets = &expand_targets(cfg, targets)?;
         let mut layout = ParamLayout::default();
         let mut adapters = Vec::new();

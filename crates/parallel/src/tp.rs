@@ -84,6 +84,9 @@ pub fn split_of(name: &str) -> Split {
 pub fn local_config(cfg: &GptConfig, tp: usize, rank: usize, sequence_parallel: bool) -> Result<GptConfig, String> {
     assert!(cfg.place.heads.is_none(), "local_config of a shard");
     assert!(rank < tp);
+    if cfg.is_mla() && tp > 1 {
+        return Err(format!("parallel.tp = {tp} with multi-head latent attention (model.kv_lora_rank) is not supported yet; use data, pipeline or context parallelism"));
+    }
     if cfg.qk_norm_whole && tp > 1 {
         return Err(format!("parallel.tp = {tp} with whole-width q/k norms (model.qk_norm_whole, OLMo 2) is not supported: each norm spans every head, which the parts split; use data, pipeline or context parallelism"));
     }

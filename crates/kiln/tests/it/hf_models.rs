@@ -258,6 +258,31 @@ fn gemma2_model_trains_and_exports_as_gemma2() {
     assert_eq!(cj["layer_types"], serde_json::json!(["sliding_attention", "full_attention", "sliding_attention"]));
 }
 
+/// A DeepSeek-V3 whose every layer is dense (the model crate's deepseek-v3-dense-tiny fixture):
+/// `--init-from` sets multi-head latent attention's keys, the run trains, and its export is
+/// DeepSeek-V3 again; tensor parallelism, LoRA and fp8 are refused by name, each in one line
+/// with exit code 2 and nothing written.
+#[test]
+fn deepseek_v3_dense_model_trains_and_exports_as_deepseek_v3() {
+    let (m, exp, d) = trains_exports_and_evaluates_alike("deepseek-v3-dense-tiny");
+    assert_eq!((m["kv_lora_rank"].as_integer(), m["q_lora_rank"].as_integer(), m["v_head_dim"].as_integer(), m["rope_interleave"].as_bool()), (Some(12), Some(16), Some(6), Some(true)));
+    let cj = exported_config(&exp);
+    assert_eq!((cj["architectures"][0].as_str(), cj["kv_lora_rank"].as_u64(), cj["first_k_dense_replace"].as_u64()), (Some("DeepseekV3ForCausalLM"), Some(12), Some(3)), "{cj}");
+    let fx = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../model/tests/fixtures/deepseek-v3-dense-tiny");
+    let data = corpus(&d);
+    for (args, want) in [
+        (&["--tp", "2"][..], "model.kv_lora_rank"),
+        (&["--set", "lora.rank=4"], "multi-head latent attention"),
+        (&["--set", "train.precision=fp8"], "model.kv_lora_rank"),
+    ] {
+        let out = d.join("refused");
+        let o = kiln(&[&["train", "--init-from", fx.to_str().unwrap(), "--data", data.to_str().unwrap(), "--out", out.to_str().unwrap(), "--set", "data.tokenizer=char", "--seq-len", "24", "--max-steps", "1"][..], args].concat());
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {}", stderr(&o));
+        assert!(stderr(&o).contains(want) && stderr(&o).trim().lines().count() == 1, "{args:?}: {}", stderr(&o));
+        assert!(!out.exists(), "{args:?} wrote {}", out.display());
+    }
+}
+
 /// An OLMo 2 (the model crate's olmo2-tiny fixture): `--init-from` sets `model.block_norms =
 /// post` and the whole-width q/k norms, the run trains, and its export is OLMo 2 again with its
 /// `pad_token_id`; tensor parallelism is refused by name (each q/k norm spans every head).

@@ -59,6 +59,10 @@ fn planned_activations_equal_the_models_buffers_for_every_policy() {
     let olmo2 = GptConfig { qk_norm: true, qk_norm_whole: true, block_norms: model::config::BlockNorms::Post, ..llama.clone() };
     check("olmo2", &olmo2, &[(2, 32), (1, 5)]);
     check("sandwich", &GptConfig { block_norms: model::config::BlockNorms::Sandwich, ..llama.clone() }, &[(2, 32)]);
+    // DeepSeek's latent attention: the latents and the heads' values, with and without q's latent.
+    let mla = GptConfig { n_kv_head: 4, head_dim: 24, rotary_dim: 8, v_head_dim: 16, kv_lora_rank: 12, q_lora_rank: 10, ..llama.clone() };
+    check("mla", &mla, &[(2, 32), (1, 5)]);
+    check("mla without q latent", &GptConfig { q_lora_rank: 0, ..mla }, &[(2, 32)]);
     check("olmo2 sp shard", &parallel::tp::local_config(&GptConfig { qk_norm: false, qk_norm_whole: false, ..olmo2.clone() }, 2, 0, true).unwrap(), &[(2, 16)]);
     // MoE: routed and shared experts, with and without a capacity limit.
     let mut moe = llama.clone();

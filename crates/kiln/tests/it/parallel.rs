@@ -459,17 +459,23 @@ fn every_pipeline_schedule_matches_one_rank() {
 /// their own rotary bases) under those and tensor parallelism with sequence parallelism (the
 /// norms' gradients partial per shard, the embedding vocabulary-parallel), and Gemma 2's
 /// soft-capped logits under tensor parallelism (the vocabulary-parallel head) and ring and
-/// Ulysses context parallelism, each against one rank with dropout on.
+/// Ulysses context parallelism, and DeepSeek's multi-head latent attention under ZeRO-3, a
+/// pipeline and both context parallelisms, each against one rank with dropout on.
 #[test]
 fn norms_after_the_branches_match_one_rank_on_every_layout() {
     let d = scratch("post-norm-layouts");
     let data = corpus(&d);
-    let llama: &[&str] = &["--set", "model.arch=llama", "--set", "model.n_kv_head=2", "--set", "model.tied_embeddings=false"];
+    let llama: &[&str] = &["--set", "model.arch=llama", "--set", "model.n_head=2", "--set", "model.n_kv_head=2", "--set", "model.tied_embeddings=false"];
     let olmo2: &[&str] = &["--set", "model.block_norms=post", "--set", "model.qk_norm=true", "--set", "model.qk_norm_whole=true"];
     let gemma3: &[&str] = &[
         "--set", "model.block_norms=sandwich", "--set", "model.gate_act=gelu_tanh", "--set", "model.norm_offset=true", "--set", "model.embed_scale=true",
         "--set", "model.qk_norm=true", "--set", "model.query_pre_attn_scalar=12", "--set", "model.sliding_window=5", "--set", "model.window_layers=[0, 1, 3]",
         "--set", "model.rope_local_theta=100", "--set", "model.tied_embeddings=true",
+    ];
+    // DeepSeek's multi-head latent attention (q's latent, interleaved rotary pairs).
+    let mla: &[&str] = &[
+        "--set", "model.head_dim=12", "--set", "model.rotary_dim=4", "--set", "model.v_head_dim=6",
+        "--set", "model.kv_lora_rank=12", "--set", "model.q_lora_rank=16", "--set", "model.rope_interleave=true",
     ];
     // Gemma 2's soft-capped attention and output logits (on Gemma 3's block: the caps bind).
     let gemma2: &[&str] = &["--set", "model.attn_softcap=0.9", "--set", "model.final_softcap=1.5"];
@@ -477,6 +483,7 @@ fn norms_after_the_branches_match_one_rank_on_every_layout() {
         ("olmo2", olmo2, &[&["--dp", "2", "--zero", "3"][..], &["--pp", "2", "--schedule", "1f1b"], &["--cp", "2"]][..]),
         ("gemma3", gemma3, &[&["--tp", "2", "--sequence-parallel"][..], &["--pp", "2", "--schedule", "1f1b"], &["--cp", "2"], &["--dp", "2", "--zero", "3"]]),
         ("gemma2", &[gemma3, gemma2].concat(), &[&["--tp", "2"][..], &["--cp", "2"], &["--cp", "2", "--cp-mode", "ulysses"]]),
+        ("mla", mla, &[&["--dp", "2", "--zero", "3"][..], &["--pp", "2", "--schedule", "1f1b"], &["--cp", "2"], &["--cp", "2", "--cp-mode", "ulysses"]]),
     ] {
         let one = d.join(format!("{name}-one"));
         run_pp(&data, &one, &[llama, norms].concat());

@@ -405,6 +405,8 @@ pub fn unsupported_config(cfg: &GptConfig) -> Option<String> {
         "Gemma's norms, embedding scale, attention scale or local rotary base (model.norm_offset, model.embed_scale, model.query_pre_attn_scalar, model.rope_local_theta)"
     } else if cfg.attn_softcap != 0.0 || cfg.final_softcap != 0.0 {
         "soft-capped logits (model.attn_softcap, model.final_softcap)"
+    } else if cfg.is_mla() {
+        "multi-head latent attention (model.kv_lora_rank)"
     } else if cfg.attn_sinks > 0 {
         "attention sinks (model.attn_sinks)"
     } else if cfg.pad_token_id.is_some() {

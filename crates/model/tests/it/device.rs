@@ -340,8 +340,11 @@ fn unsupported_models_are_refused_by_name() {
     assert!(e.contains("model.gate_act"), "{e}");
     let e = DeviceGpt::new(g.clone(), &Gpt::new(GptConfig { query_pre_attn_scalar: 3, ..pre.clone() }, 12, 0)).err().expect("an attention scale on the device");
     assert!(e.contains("model.query_pre_attn_scalar"), "{e}");
-    let e = DeviceGpt::new(g, &Gpt::new(GptConfig { final_softcap: 3.0, ..pre }, 12, 0)).err().expect("soft-capping on the device");
+    let e = DeviceGpt::new(g.clone(), &Gpt::new(GptConfig { final_softcap: 3.0, ..pre.clone() }, 12, 0)).err().expect("soft-capping on the device");
     assert!(e.contains("model.final_softcap"), "{e}");
+    let mla = GptConfig { head_dim: 6, rotary_dim: 2, v_head_dim: 4, kv_lora_rank: 3, ..pre };
+    let e = DeviceGpt::new(g, &Gpt::new(mla, 12, 0)).err().expect("latent attention on the device");
+    assert!(e.contains("model.kv_lora_rank"), "{e}");
 }
 
 /// Greedy generation with the KV cache on the device gives the CPU's tokens, through a cache

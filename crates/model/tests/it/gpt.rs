@@ -173,6 +173,39 @@ fn gemma3_features_each_change_the_logits_and_decoding_follows_the_forward() {
     }
 }
 
+/// DeepSeek's multi-head latent attention: q from a normed latent (or one projection), keys
+/// and values up-projected per head from a normed latent, a rotary key shared by the heads
+/// (interleaved pairs too), values narrower than q·k; through the whole model, with full and
+/// selective recomputation, and KV-cached decoding equal to the forward.
+#[test]
+fn gradients_match_finite_differences_latent_attention() {
+    for (q_lora_rank, rope_interleave) in [(3, true), (0, false)] {
+        let cfg = mla_like(q_lora_rank, rope_interleave);
+        model_gradcheck(cfg.clone());
+        model_gradcheck_with(cfg.clone(), Recompute::Full);
+        model_gradcheck_with(cfg.clone(), Recompute::Selective);
+        let mut m = Gpt::new(cfg, 11, 3);
+        let mut rng = tensor::Rng::new(4);
+        for spec in m.layout.params.clone() {
+            if let model::Init::Normal(_) = spec.init {
+                rng.fill_normal(&mut m.params[spec.range()], 0.3);
+            }
+        }
+        let (tokens, _) = batch();
+        let l = m.forward_logits(&tokens[..6], 1, 6);
+        let mut cache = m.new_cache();
+        for (i, &tok) in tokens[..6].iter().enumerate() {
+            let step = m.decode_step(&mut cache, tok);
+            let err = step.iter().zip(&l[i * 12..(i + 1) * 12]).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+            assert!(err < 1e-5, "q_lora_rank {q_lora_rank}: position {i}: {err}");
+        }
+    }
+}
+
+fn mla_like(q_lora_rank: usize, rope_interleave: bool) -> GptConfig {
+    GptConfig { n_head: 2, n_kv_head: 2, head_dim: 8, rotary_dim: 4, v_head_dim: 6, kv_lora_rank: 5, q_lora_rank, rope_interleave, ..tiny_llama(2, 0.1) }
+}
+
 /// A partial rotary embedding (2 of each head's 4 dimensions), through the whole model.
 #[test]
 fn gradients_match_finite_differences_partial_rotary() {

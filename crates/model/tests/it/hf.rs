@@ -267,6 +267,26 @@ fn gemma2_fixture_logits_and_loss_match_transformers() {
     assert!(e.contains("attn_logit_softcapping"), "{e}");
 }
 
+/// DeepSeek-V3 with every layer dense (tests/fixtures/deepseek-v3-dense-tiny, made by its
+/// make.py with transformers): multi-head latent attention with q's latent, interleaved rotary
+/// dimensions, values narrower than q·k; logits and loss match transformers, the export writes
+/// DeepSeek-V3 back bit for bit, KV-cached decoding agrees with the forward, transformers'
+/// `head_dim` (the rotary width) is not read, and routed experts are refused by name.
+#[test]
+fn deepseek_v3_dense_fixture_logits_and_loss_match_transformers() {
+    fixture_matches("deepseek-v3-dense-tiny");
+    export_reimport("deepseek-v3-dense-tiny");
+    let dir = fixture("deepseek-v3-dense-tiny");
+    let mut m = import_hf(&dir).unwrap();
+    let c = m.cfg.clone();
+    assert_eq!((c.kv_lora_rank, c.q_lora_rank, c.head_size(), c.rotary_dim, c.v_head_dim, c.rope_interleave, c.o_width()), (12, 16, 12, 4, 6, true, 24));
+    decode_matches_forward(&mut m, &tokens(&dir)[0]);
+    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    v["first_k_dense_replace"] = 1.into();
+    let e = model::hf::hf_config(&v, &dir.join("config.json")).unwrap_err();
+    assert!(e.contains("routed experts") && e.contains("first_k_dense_replace"), "{e}");
+}
+
 /// OLMo 2 (tests/fixtures/olmo2-tiny, made by its make.py with transformers): each branch's
 /// RMSNorm after the branch and q and k normed over all heads at once, every norm weight off 1;
 /// logits and loss match transformers, the export writes OLMo 2 back bit for bit (with its

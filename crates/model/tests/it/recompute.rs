@@ -134,6 +134,15 @@ fn recompute_is_bit_identical_with_norms_after_the_branches() {
     assert_bit_identical(gemma3, false);
 }
 
+/// DeepSeek's multi-head latent attention: its latents and values are kept or recomputed like
+/// the rest, dense and MoE.
+#[test]
+fn recompute_is_bit_identical_with_latent_attention() {
+    let mla = GptConfig { n_kv_head: 4, head_dim: 6, rotary_dim: 2, v_head_dim: 4, kv_lora_rank: 5, q_lora_rank: 3, rope_interleave: true, ..llama(3, 4, 0.1) };
+    assert_bit_identical(mla.clone(), false);
+    assert_bit_identical(GptConfig { n_expert: 4, top_k: 2, n_shared_expert: 1, ffn_hidden: 12, ..mla }, false);
+}
+
 #[test]
 fn recompute_is_bit_identical_moe() {
     assert_bit_identical(moe(0, 0.0, 0.0), false); // dropless
@@ -201,7 +210,8 @@ fn recompute_keeps_block_activations_once() {
 fn sixteen_bit_activation_storage_is_lossless_and_halves_the_stored_activations() {
     use model::gpt::Precision;
     let olmo2 = GptConfig { block_norms: model::config::BlockNorms::Post, qk_norm: true, qk_norm_whole: true, ..llama(3, 2, 0.1) };
-    for cfg in [gpt2(3, 0.2, true, true), llama(3, 2, 0.1), olmo2] {
+    let mla = GptConfig { n_kv_head: 4, head_dim: 6, rotary_dim: 2, v_head_dim: 4, kv_lora_rank: 5, q_lora_rank: 3, ..llama(3, 4, 0.1) };
+    for cfg in [gpt2(3, 0.2, true, true), llama(3, 2, 0.1), olmo2, mla] {
         for precision in [Precision::Bf16, Precision::Fp16] {
             for policy in [Recompute::None, Recompute::Selective] {
                 let mut off = build(&cfg, false, policy);
