@@ -679,7 +679,7 @@ fn grpo_rows(out: &mut Rows, cfg: &RunConfig, r: &RankShape) {
     if cfg.grpo.beta > 0.0 || cfg.lora.rank > 0 {
         out.add(Kind::Parameters, Phase::Held, "GRPO reference weights", b4(total, 4), format!("{total} elements: the starting weights (with LoRA, the base), for the KL term and the merge"));
     }
-    let cache = 2 * c.n_layer * c.block_size * c.n_kv_head * c.head_size();
+    let cache = c.kv_cache_floats();
     let row = 4 * c.n_embd + c.qkv_width() + c.attn_width() + c.fc_width() + c.ffn_hidden + 2 * c.vocab_size + (c.n_head + c.n_kv_head) * (c.head_size() + 1);
     // At most this rank's whole share of the step's completions (its prompts of one length).
     let n = (cfg.train.batch_size / cfg.parallel.dp.max(1)).max(g);

@@ -599,6 +599,13 @@ impl GptConfig {
         Ok(())
     }
 
+    /// Floats a KV cache of every layer and position holds ([`crate::KvCache`]): keys and values
+    /// per kv head, or latent attention's compressed latent and shared rotary key.
+    pub fn kv_cache_floats(&self) -> usize {
+        let per = if self.is_mla() { self.kv_lora_rank + self.rotary_dim } else { 2 * self.n_kv_head * self.head_size() };
+        self.n_layer * self.block_size * per
+    }
+
     /// Whether attention is multi-head latent attention (DeepSeek's MLA).
     pub fn is_mla(&self) -> bool {
         self.kv_lora_rank > 0

@@ -28,11 +28,21 @@ impl Sampler {
     }
 }
 
-/// Keys and values for every layer: `[L, block_size, NKV·HS]` each.
+/// Keys and values for every layer: `[L, block_size, NKV·HS]` each. Under multi-head latent
+/// attention (DeepSeek's MLA) the compressed form instead: per layer and position the normed
+/// key/value latent and the rotated shared key, `[L, block_size, KVR + R]` in `k` (`v` empty),
+/// expanded to every head's keys and values as each step attends.
 pub struct KvCache {
     k: Vec<f32>,
     v: Vec<f32>,
     pub len: usize,
+}
+
+impl KvCache {
+    /// The bytes the cache holds (both tensors, all layers and positions).
+    pub fn bytes(&self) -> usize {
+        4 * (self.k.len() + self.v.len())
+    }
 }
 
 struct Scratch {
@@ -45,7 +55,12 @@ struct Scratch {
 
 impl Gpt {
     pub fn new_cache(&self) -> KvCache {
-        let n = self.cfg.n_layer * self.cfg.block_size * self.cfg.n_kv_head * self.cfg.head_size();
+        let cfg = &self.cfg;
+        if cfg.is_mla() {
+            let n = cfg.n_layer * cfg.block_size * (cfg.kv_lora_rank + cfg.rotary_dim);
+            return KvCache { k: vec![0.0; n], v: Vec::new(), len: 0 };
+        }
+        let n = cfg.n_layer * cfg.block_size * cfg.n_kv_head * cfg.head_size();
         KvCache { k: vec![0.0; n], v: vec![0.0; n], len: 0 }
     }
 
@@ -118,13 +133,14 @@ impl Gpt {
         }
         for (l, bp) in pv.blocks.iter().enumerate() {
             let a_in = pre_norm(&ops, (ln, mean, rstd), x, (&bp.ln_1_w, &bp.ln_1_b), w);
-            match &bp.mla {
-                Some(m) => {
-                    let d = crate::mla::MlaDims::of(cfg, n);
+            // Latent attention: the new rows' normed latents, for the compressed cache.
+            let mut mla = bp.mla.as_ref().map(|_| crate::mla::MlaActs::new(Some(crate::mla::MlaDims::of(cfg, n))));
+            match (&bp.mla, mla.as_mut()) {
+                (Some(m), Some(acts)) => {
                     let mw = crate::mla::MlaWeights { unit: w, p: m, arith: Default::default() };
-                    crate::mla::mla_forward(qkv, &mut crate::mla::MlaActs::new(Some(d)), a_in, &mw, &d);
+                    crate::mla::mla_forward(qkv, acts, a_in, &mw, &crate::mla::MlaDims::of(cfg, n));
                 }
-                None => matmul_forward(qkv, a_in, &w[bp.c_attn_w.clone()], opt(&bp.c_attn_b), n, c, qw),
+                _ => matmul_forward(qkv, a_in, &w[bp.c_attn_w.clone()], opt(&bp.c_attn_b), n, c, qw),
             }
             if let Some(r) = &bp.qk_norm_w {
                 let (pre, groups) = (&mut s.qk_pre[..n * (nh + nkv) * hs], &mut s.qk_rstd[..n * cfg.qk_norm_groups()]);
@@ -134,14 +150,20 @@ impl Gpt {
                 let (cos, sin) = ops.rope_of(l);
                 rope_forward(qkv, cos, sin, &GqaDims { b: n, ..one }, pos);
             }
-            let base = l * bs * kw;
-            let qc = nh * hs;
-            for (i, &r) in rows.iter().enumerate() {
-                let (q, cache) = (&qkv[i * qw..(i + 1) * qw], &mut caches[r]);
-                cache.k[base + pos * kw..base + (pos + 1) * kw].copy_from_slice(&q[qc..qc + kw]);
-                cache.v[base + pos * kw..base + (pos + 1) * kw].copy_from_slice(&q[qc + kw..]);
-                let (kc, vc) = (&cache.k[base..base + (pos + 1) * kw], &cache.v[base..base + (pos + 1) * kw]);
-                attention_decode(&mut atty[i * qc..(i + 1) * qc], &q[..qc], kc, vc, &GqaDims { t: pos + 1, window: cfg.window_of(l), ..one });
+            let dims = GqaDims { t: pos + 1, window: cfg.window_of(l), ..one };
+            match (&bp.mla, &mla) {
+                (Some(m), Some(acts)) => self.attend_latent(l, (caches, rows), (qkv, atty), (&w[m.kv_b.clone()], acts.kvn()), &dims),
+                _ => {
+                    let base = l * bs * kw;
+                    let qc = nh * hs;
+                    for (i, &r) in rows.iter().enumerate() {
+                        let (q, cache) = (&qkv[i * qw..(i + 1) * qw], &mut caches[r]);
+                        cache.k[base + pos * kw..base + (pos + 1) * kw].copy_from_slice(&q[qc..qc + kw]);
+                        cache.v[base + pos * kw..base + (pos + 1) * kw].copy_from_slice(&q[qc + kw..]);
+                        let (kc, vc) = (&cache.k[base..base + (pos + 1) * kw], &cache.v[base..base + (pos + 1) * kw]);
+                        attention_decode(&mut atty[i * qc..(i + 1) * qc], &q[..qc], kc, vc, &dims);
+                    }
+                }
             }
             if bp.mla.is_some() {
                 // The heads' values, narrower than q·k's (DeepSeek's latent attention).
@@ -170,6 +192,25 @@ impl Gpt {
         tensor::classifier::softcap_logits(&mut s.logits[..n * vp], cfg.final_softcap);
         for &r in rows {
             caches[r].len += 1;
+        }
+    }
+
+    /// Latent attention's step at layer `l` over the compressed cache: each row's normed latent
+    /// (`kvn`, `[rows, KVR]`) and rotated shared key (its k's first head, after RoPE) appended at
+    /// position `dims.t − 1`, then every cached position's keys and values up-projected by
+    /// `kv_b_proj` (`kv_b`) and attended to, into the row's `atty`.
+    fn attend_latent(&self, l: usize, (caches, rows): (&mut [KvCache], &[usize]), (qkv, atty): (&[f32], &mut [f32]), (kv_b, kvn): (&[f32], &[f32]), dims: &GqaDims) {
+        let cfg = &self.cfg;
+        let (kvr, rot, t) = (cfg.kv_lora_rank, cfg.rotary_dim, dims.t);
+        let (lw, qw, qc) = (kvr + rot, cfg.qkv_width(), cfg.attn_width());
+        let base = l * cfg.block_size * lw;
+        for (i, &r) in rows.iter().enumerate() {
+            let (q, cache) = (&qkv[i * qw..(i + 1) * qw], &mut caches[r]);
+            let at = base + (t - 1) * lw;
+            cache.k[at..at + kvr].copy_from_slice(&kvn[i * kvr..(i + 1) * kvr]);
+            cache.k[at + kvr..at + lw].copy_from_slice(&q[qc..qc + rot]);
+            let (kc, vc) = crate::mla::expand_cache(&cache.k[base..base + t * lw], kv_b, &crate::mla::MlaDims::of(cfg, t));
+            attention_decode(&mut atty[i * qc..(i + 1) * qc], &q[..qc], &kc, &vc, dims);
         }
     }
 

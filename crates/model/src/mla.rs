@@ -99,6 +99,11 @@ impl MlaActs {
         ([&mut self.cq, &mut self.cqn, &mut self.kvl, &mut self.kvn, &mut self.o_in], [&mut self.cq_rstd, &mut self.kv_rstd])
     }
 
+    /// The normed key/value latent `[N, KVR]` (what the compressed KV cache keeps).
+    pub fn kvn(&self) -> &[f32] {
+        &self.kvn
+    }
+
     pub fn bytes(&self) -> usize {
         4 * [&self.cq, &self.cqn, &self.cq_rstd, &self.kvl, &self.kvn, &self.kv_rstd, &self.o_in].iter().map(|v| v.len()).sum::<usize>()
     }
@@ -199,6 +204,29 @@ fn assemble(qkv: &mut [f32], (q, lat, kvb): (&[f32], &[f32], &[f32]), d: &MlaDim
             row[vo + v..vo + hs].fill(0.0);
         }
     }
+}
+
+/// Every head's keys and values `[T, NH·HS]` each (values zero-padded) from the compressed cache
+/// `lat` `[T, KVR + R]`: the normed latents up-projected by `kv_b` (`kv_b_proj`), the rotated
+/// shared key copied into every head (`d.n` = T).
+pub(crate) fn expand_cache(lat: &[f32], kv_b: &[f32], d: &MlaDims) -> (Vec<f32>, Vec<f32>) {
+    let MlaDims { n: t, nh, hs, rot, v, kvr, .. } = *d;
+    let (nope, kh) = (d.nope(), d.kvb_head());
+    let kvn: Vec<f32> = lat.chunks(kvr + rot).flat_map(|row| row[..kvr].iter().copied()).collect();
+    let mut kvb = vec![0.0f32; t * nh * kh];
+    tensor::matmul::matmul_forward(&mut kvb, &kvn, kv_b, None, t, kvr, nh * kh);
+    let (mut k, mut vv) = (vec![0.0f32; t * nh * hs], vec![0.0f32; t * nh * hs]);
+    for j in 0..t {
+        let krot = &lat[j * (kvr + rot) + kvr..(j + 1) * (kvr + rot)];
+        for h in 0..nh {
+            let src = &kvb[(j * nh + h) * kh..(j * nh + h + 1) * kh];
+            let o = (j * nh + h) * hs;
+            k[o..o + rot].copy_from_slice(krot);
+            k[o + rot..o + hs].copy_from_slice(&src[..nope]);
+            vv[o..o + v].copy_from_slice(&src[nope..]);
+        }
+    }
+    (k, vv)
 }
 
 /// The heads' values from the core's output `atty` `[N, NH·HS]` into `o_in` `[N, NH·V]`.

@@ -270,8 +270,10 @@ fn gemma2_fixture_logits_and_loss_match_transformers() {
 /// DeepSeek-V3 with every layer dense (tests/fixtures/deepseek-v3-dense-tiny, made by its
 /// make.py with transformers): multi-head latent attention with q's latent, interleaved rotary
 /// dimensions, values narrower than q·k; logits and loss match transformers, the export writes
-/// DeepSeek-V3 back bit for bit, KV-cached decoding agrees with the forward, transformers'
-/// `head_dim` (the rotary width) is not read, and routed experts are refused by name.
+/// DeepSeek-V3 back bit for bit, decoding over the compressed (latent) KV cache agrees with the
+/// forward and greedy generation through it with generation without a cache, the cache holds
+/// the bytes MLA promises, transformers' `head_dim` (the rotary width) is not read, and routed
+/// experts are refused by name.
 #[test]
 fn deepseek_v3_dense_fixture_logits_and_loss_match_transformers() {
     fixture_matches("deepseek-v3-dense-tiny");
@@ -281,6 +283,23 @@ fn deepseek_v3_dense_fixture_logits_and_loss_match_transformers() {
     let c = m.cfg.clone();
     assert_eq!((c.kv_lora_rank, c.q_lora_rank, c.head_size(), c.rotary_dim, c.v_head_dim, c.rope_interleave, c.o_width()), (12, 16, 12, 4, 6, true, 24));
     decode_matches_forward(&mut m, &tokens(&dir)[0]);
+    // The compressed cache: KVR + R floats per layer and position, against the 2·NH·HS each
+    // head's keys and values would take (measured on the cache itself).
+    let cache = m.new_cache();
+    assert_eq!(cache.bytes(), 4 * c.n_layer * c.block_size * (12 + 4));
+    assert_eq!(cache.bytes(), 4 * c.kv_cache_floats(), "the memory plan's count");
+    assert_eq!(cache.bytes() * 6, 4 * c.n_layer * c.block_size * 2 * c.n_head * c.head_size(), "a sixth of the per-head cache");
+    // Greedy generation through it equals generation without a cache (a full forward per token).
+    let prompt = &tokens(&dir)[0][..5];
+    let got = m.generate(prompt, 12, &model::Sampler::new(0.0, 0, 1));
+    let mut seq = prompt.to_vec();
+    for _ in 0..12 {
+        let logits = m.forward_logits(&seq, 1, seq.len());
+        let last = &logits[(seq.len() - 1) * c.vocab_size..seq.len() * c.vocab_size];
+        let best = (0..c.vocab_size).fold(0, |b, j| if last[j] > last[b] { j } else { b });
+        seq.push(best as u32);
+    }
+    assert_eq!(got, seq[5..].to_vec());
     let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
     v["first_k_dense_replace"] = 1.into();
     let e = model::hf::hf_config(&v, &dir.join("config.json")).unwrap_err();
