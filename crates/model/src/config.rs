@@ -58,6 +58,27 @@ impl plan::policy::Names for GateAct {
     const NAMES: &'static [(&'static str, GateAct)] = &[("silu", GateAct::Silu), ("gelu_tanh", GateAct::GeluTanh)];
 }
 
+/// How an MoE router scores its experts (see [`GptConfig::moe_router`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MoeRouter {
+    #[default]
+    Softmax,
+    Sigmoid,
+}
+
+impl plan::policy::Names for MoeRouter {
+    const NAMES: &'static [(&'static str, MoeRouter)] = &[("softmax", MoeRouter::Softmax), ("sigmoid", MoeRouter::Sigmoid)];
+}
+
+fn one() -> usize {
+    1
+}
+
+fn unit() -> f32 {
+    1.0
+}
+
 impl plan::policy::Names for BlockNorms {
     const NAMES: &'static [(&'static str, BlockNorms)] = &[("pre", BlockNorms::Pre), ("post", BlockNorms::Post), ("sandwich", BlockNorms::Sandwich)];
 }
@@ -394,6 +415,19 @@ pub struct GptConfig {
     pub moe_aux_weight: f32,
     /// Weight of the ST-MoE router z-loss.
     pub moe_z_weight: f32,
+    /// How the router scores experts: Mixtral's softmax, or DeepSeek-V3's sigmoid with
+    /// group-limited selection steered by a per-expert correction bias
+    /// (`mlp.gate.e_score_correction_bias`, held with the weights, never given a gradient).
+    #[serde(default)]
+    pub moe_router: MoeRouter,
+    /// The sigmoid router's expert groups and the groups a token's experts come from.
+    #[serde(default = "one")]
+    pub moe_groups: usize,
+    #[serde(default = "one")]
+    pub moe_topk_groups: usize,
+    /// The routed gates' factor after renormalising (DeepSeek-V3's `routed_scaling_factor`).
+    #[serde(default = "unit")]
+    pub moe_gate_scale: f32,
     /// Where this model sits in the whole model it is a part of (the default: it is the
     /// whole model). Set by `parallel` when it cuts a part; never serialised.
     #[serde(skip)]
@@ -407,7 +441,7 @@ impl GptConfig {
             arch: Arch::Gpt2, n_layer, n_head, n_kv_head: n_head, n_embd, ffn_hidden: 4 * n_embd, block_size, vocab_size,
             bias, dropout, tied_embeddings: tied, rope_theta: defaults::ROPE_THETA as f32, rope_scaling: None, qkv_bias: false, pad_token_id: None, qk_norm: false, qk_norm_whole: false, block_norms: BlockNorms::Pre, gate_act: GateAct::Silu, norm_offset: false, embed_scale: false, query_pre_attn_scalar: 0, rope_local_theta: 0.0, attn_softcap: 0.0, final_softcap: 0.0, kv_lora_rank: 0, q_lora_rank: 0, v_head_dim: 0, rope_interleave: false, fused_proj: false, sliding_window: 0, attn_sinks: 0, window_layers: Vec::new(), nope_layers: Vec::new(), head_dim: 0, rotary_dim: 0, norm_eps: defaults::NORM_EPS as f32,
             n_expert: 0, top_k: defaults::TOP_K, n_shared_expert: 0, capacity_factor: 0.0, moe_aux_weight: defaults::MOE_AUX_WEIGHT as f32,
-            moe_z_weight: defaults::MOE_Z_WEIGHT as f32, place: Placement::default(),
+            moe_z_weight: defaults::MOE_Z_WEIGHT as f32, moe_router: MoeRouter::Softmax, moe_groups: 1, moe_topk_groups: 1, moe_gate_scale: 1.0, place: Placement::default(),
         }
     }
 
@@ -464,6 +498,7 @@ impl GptConfig {
                 return Err(format!("model.top_k ({}) must be between 1 and model.n_expert ({})", self.top_k, self.n_expert));
             }
         }
+        self.validate_router()?;
         #[allow(clippy::neg_cmp_op_on_partial_ord)] // a NaN rope_theta must be refused too
         if !(self.rope_theta > 0.0) {
             return Err(format!("model.rope_theta must be positive, got {}", self.rope_theta));
@@ -568,7 +603,8 @@ impl GptConfig {
                     (q + two * kv) * c + if self.qkv_bias { q + two * kv } else { zero } + c * q + self.qk_norm_len(&u, hs, q + kv)
                 };
                 let expert = three * f * c;
-                let mlp = if self.n_expert > 0 { u(self.n_expert) * c + (u(self.n_expert) + u(self.n_shared_expert)) * expert } else { expert };
+                let bias = if self.moe_router == MoeRouter::Sigmoid { u(self.n_expert) } else { zero };
+                let mlp = if self.n_expert > 0 { u(self.n_expert) * c + bias + (u(self.n_expert) + u(self.n_shared_expert)) * expert } else { expert };
                 let norms = if self.block_norms == BlockNorms::Sandwich { u(4) * c } else { two * c };
                 (norms + attn + mlp, v * c)
             }
@@ -576,6 +612,31 @@ impl GptConfig {
         let head = if self.tied_embeddings { zero } else { v * c };
         let final_norm = c + if self.arch == Arch::Gpt2 { bias(c) } else { zero };
         embed + u(self.n_layer) * block + final_norm + head
+    }
+
+    /// The router's constraints (see [`GptConfig::moe_router`]); the error names the key.
+    fn validate_router(&self) -> Result<(), String> {
+        #[allow(clippy::neg_cmp_op_on_partial_ord)] // a NaN must be refused too
+        if !(self.moe_gate_scale > 0.0) || self.moe_gate_scale.is_infinite() {
+            return Err(format!("model.moe_gate_scale must be a positive factor, got {}", self.moe_gate_scale));
+        }
+        if self.moe_router == MoeRouter::Softmax {
+            if self.moe_groups != 1 || self.moe_topk_groups != 1 {
+                return Err("model.moe_groups and model.moe_topk_groups are the sigmoid router's (model.moe_router = sigmoid)".into());
+            }
+            return Ok(());
+        }
+        let (e, g, tg) = (self.n_expert, self.moe_groups, self.moe_topk_groups);
+        if e == 0 {
+            return Err("model.moe_router = sigmoid needs experts (model.n_expert > 0)".into());
+        }
+        if g == 0 || !e.is_multiple_of(g) || !(1..=g).contains(&tg) || self.top_k > tg * (e / g) {
+            return Err(format!("model.moe_groups ({g}) must divide model.n_expert ({e}), and model.moe_topk_groups ({tg}) be within 1..=groups with model.top_k ({}) at most the experts of that many groups", self.top_k));
+        }
+        if self.moe_aux_weight != 0.0 || self.moe_z_weight != 0.0 {
+            return Err(format!("the sigmoid router balances by its correction bias, without the Switch or z losses: model.moe_aux_weight ({}) and model.moe_z_weight ({}) must be 0", self.moe_aux_weight, self.moe_z_weight));
+        }
+        Ok(())
     }
 
     /// MLA's constraints (see [`GptConfig::kv_lora_rank`]); the error names the key.
@@ -771,6 +832,11 @@ impl GptConfig {
         tensor::moe::MoeDims {
             n, c: self.n_embd, f: self.ffn_hidden, e: self.n_expert, k: self.top_k, n_shared: self.n_shared_expert,
             capacity_factor: self.capacity_factor, renormalize: true,
+            scoring: match self.moe_router {
+                MoeRouter::Softmax => tensor::moe::Scoring::Softmax,
+                MoeRouter::Sigmoid => tensor::moe::Scoring::Sigmoid { groups: self.moe_groups, topk_groups: self.moe_topk_groups },
+            },
+            gate_scale: self.moe_gate_scale,
         }
     }
 

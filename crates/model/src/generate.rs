@@ -177,7 +177,7 @@ impl Gpt {
             let m_in = pre_norm(&ops, (ln, mean, rstd), res, (&bp.ln_2_w, &bp.ln_2_b), w);
             if let (Some(mp), Some(cache)) = (&bp.moe, s.moe.as_mut()) {
                 let dims = cfg.moe_dims(n);
-                let inp = tensor::moe::MoeInputs { x: m_in, router_w: &w[mp.router.clone()], experts_w: &w[mp.experts.clone()], shared_w: &w[mp.shared.clone()] };
+                let inp = tensor::moe::MoeInputs { x: m_in, router_w: &w[mp.router.clone()], experts_w: &w[mp.experts.clone()], shared_w: &w[mp.shared.clone()], router_bias: &w[mp.router_bias.clone()] };
                 tensor::moe::moe_forward(proj, cache, inp, &dims, tensor::moe::MoeLossWeights::default(), None);
             } else {
                 let (fch, fch_gelu) = (&mut s.fch[..n * fw], &mut s.fch_gelu[..n * f]);

@@ -1668,7 +1668,7 @@ impl<'o, 'a> Block<'o, 'a> {
             let (cfg, w) = (ops.cfg, self.w);
             let x = ops.column_input(&k.ln_2, &mut i.ln_2_full);
             let mut ep = ops.ep.borrow_mut();
-            let inp = MoeInputs { x, router_w: &w[mp.router.clone()], experts_w: &w[mp.experts.clone()], shared_w: &w[mp.shared.clone()] };
+            let inp = MoeInputs { x, router_w: &w[mp.router.clone()], experts_w: &w[mp.experts.clone()], shared_w: &w[mp.shared.clone()], router_bias: &w[mp.router_bias.clone()] };
             let loss = MoeLossWeights { aux: cfg.moe_aux_weight, z: cfg.moe_z_weight };
             let y = if ops.sp() { &mut *full } else { &mut *branch };
             let stats = moe_forward(y, cache, inp, &cfg.moe_dims(ops.b * ops.t), loss, ep.as_deref_mut().map(|h| h as &mut dyn MoeExchange));
@@ -1694,15 +1694,17 @@ impl<'o, 'a> Block<'o, 'a> {
             // The router's losses join the objective with the same scale as the main loss.
             let (cfg, w) = (ops.cfg, self.w);
             let (aux, z) = (cfg.moe_aux_weight * ops.loss_scale, cfg.moe_z_weight * ops.loss_scale);
+            // The sigmoid router's correction bias (between the router and the experts) gets no
+            // gradient.
             let (dr, rest_w) = dw[mp.router.start..mp.shared.end].split_at_mut(mp.router.len());
-            let (de, ds) = rest_w.split_at_mut(mp.experts.len());
+            let (de, ds) = rest_w[mp.router_bias.len()..].split_at_mut(mp.experts.len());
             let mut ep = ops.ep.borrow_mut();
             // Under sequence parallelism the whole sequence's (see `mlp_forward`).
             let (x, dy): (&[f32], &[f32]) = if ops.sp() { (&i.ln_2_full, ops.row_parallel_grad(dout, g.dfull)) } else { (&k.ln_2, dout) };
             let dx = if ops.sp() { &mut *g.dln_full } else { &mut *g.dln };
             tensor::par::zero(dx);
             let grads = MoeGrads { dx, drouter_w: dr, dexperts_w: de, dshared_w: ds };
-            let inp = MoeInputs { x, router_w: &w[mp.router.clone()], experts_w: &w[mp.experts.clone()], shared_w: &w[mp.shared.clone()] };
+            let inp = MoeInputs { x, router_w: &w[mp.router.clone()], experts_w: &w[mp.experts.clone()], shared_w: &w[mp.shared.clone()], router_bias: &w[mp.router_bias.clone()] };
             moe_backward(grads, dy, cache, inp, &cfg.moe_dims(ops.b * ops.t), MoeLossWeights { aux, z }, ep.as_deref_mut().map(|h| h as &mut dyn MoeExchange));
             if ops.sp() {
                 ops.take_seq(g.dln_full, g.dln);

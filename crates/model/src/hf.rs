@@ -158,9 +158,9 @@ pub fn hf_config(cfg: &Value, origin: &Path) -> Result<GptConfig, String> {
 fn deepseek_v3_config(cfg: &Value, origin: &Path) -> Result<GptConfig, String> {
     let n_layer = get_usize(cfg, "num_hidden_layers", origin)?;
     let first_moe = cfg.get("first_k_dense_replace").and_then(Value::as_u64).map_or(3, |v| v as usize);
-    let routed = cfg.get("n_routed_experts").and_then(Value::as_u64).unwrap_or(256);
-    if routed > 0 && first_moe < n_layer {
-        return Err(format!("{}: DeepSeek-V3's routed experts (layers {first_moe}.. of {n_layer}: `first_k_dense_replace`) are not supported yet; a model whose every layer is dense imports", origin.display()));
+    let routed = cfg.get("n_routed_experts").and_then(Value::as_u64).unwrap_or(256) as usize;
+    if routed > 0 && first_moe > 0 && first_moe < n_layer {
+        return Err(format!("{}: dense layers before DeepSeek-V3's routed experts (`first_k_dense_replace` = {first_moe} of {n_layer} layers) are not supported yet; every layer dense or every layer routed imports", origin.display()));
     }
     let mut flat = cfg.clone();
     let o = flat.as_object_mut().ok_or_else(|| format!("{}: not a JSON object", origin.display()))?;
@@ -176,16 +176,44 @@ fn deepseek_v3_config(cfg: &Value, origin: &Path) -> Result<GptConfig, String> {
     c.kv_lora_rank = get_usize(cfg, "kv_lora_rank", origin)?;
     c.q_lora_rank = cfg.get("q_lora_rank").and_then(Value::as_u64).map_or(0, |q| q as usize);
     c.rope_interleave = cfg.get("rope_interleave").and_then(Value::as_bool).unwrap_or(true);
+    if routed > 0 && first_moe == 0 {
+        deepseek_v3_experts(&mut c, cfg, routed, origin)?;
+    }
     c.validate().map_err(|e| format!("{}: {e}", origin.display()))?;
     Ok(c)
 }
 
+/// DeepSeek-V3's routed experts on every layer: the sigmoid router over `n_group` groups (a
+/// token's experts from its `topk_group` best), `num_experts_per_tok` of `n_routed_experts`
+/// experts of `moe_intermediate_size`, the gates renormalised (`norm_topk_prob`) and scaled by
+/// `routed_scaling_factor`, dropless, beside `n_shared_experts` (at most one) shared expert.
+fn deepseek_v3_experts(c: &mut GptConfig, cfg: &Value, routed: usize, origin: &Path) -> Result<(), String> {
+    let num = |k: &str, default: f64| cfg.get(k).and_then(Value::as_f64).unwrap_or(default);
+    if cfg.get("norm_topk_prob").and_then(Value::as_bool) == Some(false) {
+        return Err(format!("{}: `norm_topk_prob` = false is not supported (kiln renormalises the top-k gates)", origin.display()));
+    }
+    let shared = num("n_shared_experts", 1.0) as usize;
+    if shared > 1 {
+        return Err(format!("{}: `n_shared_experts` = {shared}: one shared expert of `moe_intermediate_size` is supported (kiln's shared experts are as wide as the routed ones)", origin.display()));
+    }
+    c.n_expert = routed;
+    c.top_k = num("num_experts_per_tok", 8.0) as usize;
+    c.ffn_hidden = get_usize(cfg, "moe_intermediate_size", origin)?;
+    c.n_shared_expert = shared;
+    (c.capacity_factor, c.moe_aux_weight, c.moe_z_weight) = (0.0, 0.0, 0.0);
+    c.moe_router = crate::config::MoeRouter::Sigmoid;
+    (c.moe_groups, c.moe_topk_groups) = (num("n_group", 1.0) as usize, num("topk_group", 1.0) as usize);
+    c.moe_gate_scale = num("routed_scaling_factor", 2.5) as f32;
+    Ok(())
+}
+
 /// DeepSeek-V3's `config.json` for a model with latent attention, every layer dense.
 fn deepseek_v3_export(c: &GptConfig) -> Result<Value, String> {
-    if c.is_moe() || c.sliding_window > 0 || !c.nope_layers.is_empty() || c.rope_scaling.is_some() || c.block_norms != BlockNorms::Pre || c.attn_sinks > 0 {
-        return Err("export: multi-head latent attention has a Hugging Face form only as DeepSeek-V3's, every layer dense, without a window, NoPE layers, rope scaling or norms after the branches".into());
+    let routed = c.is_moe() && is_deepseek_moe(c) && c.n_shared_expert <= 1 && c.capacity_factor <= 0.0 && c.moe_aux_weight == 0.0;
+    if (c.is_moe() && !routed) || c.sliding_window > 0 || !c.nope_layers.is_empty() || c.rope_scaling.is_some() || c.block_norms != BlockNorms::Pre || c.attn_sinks > 0 {
+        return Err("export: multi-head latent attention has a Hugging Face form only as DeepSeek-V3's, every layer dense or routed by its sigmoid router (dropless, at most one shared expert), without a window, NoPE layers, rope scaling or norms after the branches".into());
     }
-    Ok(json!({
+    let mut v = json!({
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_act": "silu",
         "hidden_size": c.n_embd, "intermediate_size": c.ffn_hidden, "num_hidden_layers": c.n_layer,
         "num_attention_heads": c.n_head, "num_key_value_heads": c.n_head,
@@ -196,7 +224,18 @@ fn deepseek_v3_export(c: &GptConfig) -> Result<Value, String> {
         "rope_theta": c.rope_theta, "rope_parameters": rope_parameters(c),
         "tie_word_embeddings": c.tied_embeddings, "attention_bias": false, "attention_dropout": 0.0,
         "pad_token_id": c.pad_token_id, "dtype": "float32",
-    }))
+    });
+    if c.is_moe() {
+        let o = v.as_object_mut().unwrap();
+        for (k, x) in [
+            ("first_k_dense_replace", Value::from(0)), ("n_routed_experts", c.n_expert.into()), ("n_shared_experts", c.n_shared_expert.into()),
+            ("moe_intermediate_size", c.ffn_hidden.into()), ("num_experts_per_tok", c.top_k.into()), ("n_group", c.moe_groups.into()),
+            ("topk_group", c.moe_topk_groups.into()), ("routed_scaling_factor", c.moe_gate_scale.into()), ("norm_topk_prob", true.into()),
+        ] {
+            o.insert(k.into(), x);
+        }
+    }
+    Ok(v)
 }
 
 /// Gemma 2 and Gemma 3's text model (`Gemma2ForCausalLM`, `Gemma3ForCausalLM`): LLaMA's layout
@@ -602,6 +641,32 @@ fn qwen3_moe_name(name: &str) -> Option<String> {
 }
 
 /// Whether `cfg`'s Hugging Face form is Qwen3-MoE's (per-head norms and experts).
+/// Whether `cfg`'s experts are stored under DeepSeek-V3's names (its sigmoid router).
+fn is_deepseek_moe(cfg: &GptConfig) -> bool {
+    cfg.moe_router == crate::config::MoeRouter::Sigmoid
+}
+
+/// DeepSeek-V3's name for a kiln MoE parameter (Mixtral's names in kiln's layout): the router
+/// and its correction bias under `mlp.gate`, the routed experts' projections, and the one shared
+/// expert as `mlp.shared_experts`.
+fn deepseek_moe_name(name: &str) -> Option<String> {
+    let (stem, rest) = name.split_once("block_sparse_moe.")?;
+    if rest.starts_with("gate.") {
+        return Some(format!("{stem}mlp.{rest}"));
+    }
+    let proj = |w: &str| match w {
+        "w1.weight" => Some("gate_proj"),
+        "w3.weight" => Some("up_proj"),
+        "w2.weight" => Some("down_proj"),
+        _ => None,
+    };
+    if let Some(w) = rest.strip_prefix("shared_experts.0.") {
+        return Some(format!("{stem}mlp.shared_experts.{}.weight", proj(w)?));
+    }
+    let (e, w) = rest.strip_prefix("experts.")?.split_once('.')?;
+    Some(format!("{stem}mlp.experts.{e}.{}.weight", proj(w)?))
+}
+
 fn is_qwen3_moe(cfg: &GptConfig) -> bool {
     cfg.qk_norm && cfg.is_moe()
 }
@@ -613,6 +678,9 @@ fn is_qwen3_moe(cfg: &GptConfig) -> bool {
 fn stored_of(cfg: &GptConfig, name: &str, rows: usize) -> Option<(String, usize, usize)> {
     if is_qwen3_moe(cfg) {
         return qwen3_moe_name(name).map(|n| (n, 0, rows));
+    }
+    if is_deepseek_moe(cfg) {
+        return deepseek_moe_name(name).map(|n| (n, 0, rows));
     }
     fused_of(cfg, name)
 }
@@ -748,6 +816,8 @@ impl TensorReader {
     pub fn read_into(&self, name: &str, shape: &[usize], dst: &mut [f32]) -> Result<(), String> {
         use std::os::unix::fs::FileExt;
         let (stored, fused) = match self.cfg.as_ref().and_then(|c| stored_of(c, name, shape[0])) {
+            // A whole tensor under another name (Qwen3-MoE's, DeepSeek-V3's) reads as itself.
+            Some((f, 0, rows)) if rows == shape[0] => (f, None),
             Some((f, first, rows)) => (f, Some((first, rows))),
             None => (name.to_string(), None),
         };
@@ -882,8 +952,8 @@ fn export_refusal(c: &GptConfig) -> Result<(), String> {
         }
         return Ok(());
     }
-    if c.n_shared_expert > 0 {
-        return Err("export: shared experts have no Hugging Face Mixtral equivalent".into());
+    if c.n_shared_expert > 0 && !is_deepseek_moe(c) {
+        return Err("export: shared experts have no Hugging Face Mixtral equivalent (DeepSeek-V3's, under its sigmoid router)".into());
     }
     if !c.window_layers.is_empty() {
         // Qwen2 windows a suffix of the layers; layer_types says any set, but only for the
@@ -1142,6 +1212,9 @@ fn export_tensors(m: &Gpt) -> BTreeMap<String, (Vec<usize>, Vec<u8>)> {
     }
     if is_qwen3_moe(c) {
         data = data.into_iter().map(|(n, t)| (qwen3_moe_name(&n).unwrap_or(n), t)).collect();
+    }
+    if is_deepseek_moe(c) {
+        data = data.into_iter().map(|(n, t)| (deepseek_moe_name(&n).unwrap_or(n), t)).collect();
     }
     // HF's GPT-2 always has biases: a bias-free model is exactly one whose biases are zero.
     if c.arch == Arch::Gpt2 && !c.bias {

@@ -9,7 +9,7 @@
 //! Linear weights are stored `[out, in]` (PyTorch `nn.Linear`); HF GPT-2's `Conv1D` stores
 //! `[in, out]`, which import/export transposes.
 
-use crate::config::{Arch, BlockNorms, GptConfig};
+use crate::config::{Arch, BlockNorms, GptConfig, MoeRouter};
 use std::ops::Range;
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -138,6 +138,9 @@ pub struct MlaParams {
 #[derive(Clone, Debug)]
 pub struct MoeParams {
     pub router: Range<usize>,
+    /// The sigmoid router's correction bias `[E]` (DeepSeek-V3's `e_score_correction_bias`):
+    /// never given a gradient; empty for the softmax router.
+    pub router_bias: Range<usize>,
     pub experts: Range<usize>,
     pub shared: Range<usize>,
 }
@@ -265,6 +268,7 @@ fn llama_layout(cfg: &GptConfig) -> (ParamLayout, GptParams) {
             // Mixtral's names; DeepSeekMoE-style shared experts beside them.
             let m = format!("{p}block_sparse_moe.");
             let router = l.push(format!("{m}gate.weight"), vec![cfg.n_expert, c], Init::Normal(std), false);
+            let router_bias = if cfg.moe_router == MoeRouter::Sigmoid { l.push(format!("{m}gate.e_score_correction_bias"), vec![cfg.n_expert], Init::Zeros, false) } else { l.total..l.total };
             let expert = |l: &mut ParamLayout, stem: String| {
                 let w1 = l.push(format!("{stem}.w1.weight"), vec![f, c], Init::Normal(std), true);
                 l.push(format!("{stem}.w3.weight"), vec![f, c], Init::Normal(std), true);
@@ -280,7 +284,7 @@ fn llama_layout(cfg: &GptConfig) -> (ParamLayout, GptParams) {
             for e in 0..cfg.n_shared_expert {
                 expert(&mut l, format!("{m}shared_experts.{e}"));
             }
-            (0..0, 0..0, Some(MoeParams { router, experts, shared: start..l.total }))
+            (0..0, 0..0, Some(MoeParams { router, router_bias, experts, shared: start..l.total }))
         } else {
             let gate = l.push(format!("{p}mlp.gate_proj.weight"), vec![f, c], Init::Normal(std), true);
             let up = l.push(format!("{p}mlp.up_proj.weight"), vec![f, c], Init::Normal(std), true);
@@ -383,7 +387,7 @@ impl GptParams {
                     mlp_proj_b: fo(&b.mlp_proj_b, u),
                     post_2_w: fo(&b.post_2_w, u),
                     mla: b.mla.as_ref().map(|m| MlaParams { q_a: f(&m.q_a, u), q_a_norm: f(&m.q_a_norm, u), q_b: f(&m.q_b, u), kv_a: f(&m.kv_a, u), kv_norm: f(&m.kv_norm, u), kv_b: f(&m.kv_b, u) }),
-                    moe: b.moe.as_ref().map(|m| MoeParams { router: f(&m.router, u), experts: f(&m.experts, u), shared: f(&m.shared, u) }),
+                    moe: b.moe.as_ref().map(|m| MoeParams { router: f(&m.router, u), router_bias: f(&m.router_bias, u), experts: f(&m.experts, u), shared: f(&m.shared, u) }),
                 }
             })
             .collect();

@@ -21,7 +21,7 @@ fn main() {
     rayon::ThreadPoolBuilder::new().num_threads(threads).build_global().unwrap();
     let reps: usize = std::env::var("MOE_REPS").ok().and_then(|s| s.parse().ok()).unwrap_or(10);
     let (n, c, f, e, k) = (1024, 768, 1024, 8, 2);
-    let d = MoeDims { n, c, f, e, k, n_shared: 0, capacity_factor: 1.25, renormalize: true };
+    let d = MoeDims { n, c, f, e, k, n_shared: 0, capacity_factor: 1.25, renormalize: true, scoring: Default::default(), gate_scale: 1.0 };
     let mut rng = Rng::new(60);
     let (x, router, experts) = (randn(&mut rng, n * c, 1.0), randn(&mut rng, d.router_size(), 0.7), randn(&mut rng, d.experts_size(), 0.4));
     let dy = randn(&mut Rng::new(61), n * c, 1.0);
@@ -46,8 +46,8 @@ fn main() {
                 best[i] = best[i].min(t0.elapsed().as_secs_f64());
             }
         };
-        time(0, &mut || stats = Some(moe_forward(&mut y, &mut cache, MoeInputs { x: &x, router_w: &router, experts_w: &experts, shared_w: &[] }, &d, MoeLossWeights { aux: 0.01, z: 0.001 }, None)));
-        time(1, &mut || moe_backward(MoeGrads { dx: &mut gx, drouter_w: &mut grouter, dexperts_w: &mut gexperts, dshared_w: &mut [] }, &dy, &mut cache, MoeInputs { x: &x, router_w: &router, experts_w: &experts, shared_w: &[] }, &d, MoeLossWeights { aux: 0.01, z: 0.001 }, None));
+        time(0, &mut || stats = Some(moe_forward(&mut y, &mut cache, MoeInputs { x: &x, router_w: &router, experts_w: &experts, shared_w: &[], router_bias: &[] }, &d, MoeLossWeights { aux: 0.01, z: 0.001 }, None)));
+        time(1, &mut || moe_backward(MoeGrads { dx: &mut gx, drouter_w: &mut grouter, dexperts_w: &mut gexperts, dshared_w: &mut [] }, &dy, &mut cache, MoeInputs { x: &x, router_w: &router, experts_w: &experts, shared_w: &[], router_bias: &[] }, &d, MoeLossWeights { aux: 0.01, z: 0.001 }, None));
         time(2, &mut || {
             matmul_forward(&mut gu, &x, &wgu, None, n, c, 2 * fd);
             swiglu_forward(&mut h, &gu, fd);

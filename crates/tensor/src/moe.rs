@@ -114,6 +114,24 @@ pub struct MoeDims {
     pub capacity_factor: f32,
     /// divide the K selected probabilities by their sum (Mixtral); Switch (K = 1) uses the raw one
     pub renormalize: bool,
+    /// how the router scores the experts
+    pub scoring: Scoring,
+    /// the gates' factor after renormalising (DeepSeek-V3's `routed_scaling_factor`; 1 else)
+    pub gate_scale: f32,
+}
+
+/// How the router scores and picks experts: Mixtral's softmax over every expert and top-k, or
+/// DeepSeek-V3's sigmoid per expert with group-limited selection: the `E` experts in `groups`
+/// groups, each group scored by the sum of its two best biased scores, the token's experts the
+/// top-k among its `topk_groups` best groups by `sigmoid(logit) + bias` (the router's
+/// correction bias, [`MoeInputs::router_bias`], steering the choice only); the gates are the
+/// unbiased sigmoids. The sigmoid router has no z-loss (its `lse` is still the logits'
+/// logsumexp, for statistics).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub enum Scoring {
+    #[default]
+    Softmax,
+    Sigmoid { groups: usize, topk_groups: usize },
 }
 
 impl MoeDims {
@@ -147,6 +165,10 @@ impl MoeDims {
     fn check(&self) {
         assert!(self.n > 0 && self.c > 0 && self.f > 0 && self.e > 0, "empty MoE dims {self:?}");
         assert!(self.k >= 1 && self.k <= self.e, "need 1 <= K <= E, got {self:?}");
+        if let Scoring::Sigmoid { groups, topk_groups } = self.scoring {
+            let ok = groups > 0 && self.e.is_multiple_of(groups) && (1..=groups).contains(&topk_groups) && self.k <= topk_groups * (self.e / groups);
+            assert!(ok, "sigmoid routing needs groups dividing E and K within its top groups' experts, got {self:?}");
+        }
         assert!((self.n * self.k) < DROPPED as usize, "too many token-assignments");
     }
 }
@@ -163,6 +185,9 @@ pub struct MoeInputs<'a> {
     pub experts_w: &'a [f32],
     /// shared experts                                  [S, 3FC]
     pub shared_w: &'a [f32],
+    /// the sigmoid router's correction bias, added to the scores for the choice only
+    /// (DeepSeek-V3's `e_score_correction_bias`)      [E] or empty
+    pub router_bias: &'a [f32],
 }
 
 /// The gradients of [`MoeInputs`], field for field; [`moe_backward`] accumulates into them.
@@ -483,10 +508,11 @@ pub fn moe_forward(
     ep: Option<&mut dyn MoeExchange>,
 ) -> MoeStats {
     let _p = crate::profile::scope("moe_forward");
-    let MoeInputs { x, router_w, experts_w, shared_w } = inp;
+    let MoeInputs { x, router_w, experts_w, shared_w, router_bias } = inp;
     let MoeLossWeights { aux: aux_weight, z: z_weight } = loss;
     assert_eq!(*dims, cache.dims, "MoeCache built for other dims");
-    let MoeDims { n, c, f, e, k, n_shared: s, renormalize, .. } = *dims;
+    let MoeDims { n, c, f, e, k, n_shared: s, .. } = *dims;
+    assert!(router_bias.is_empty() || router_bias.len() == e, "one router bias per expert");
     assert_eq!(y.len(), n * c);
     assert_eq!(x.len(), n * c);
     assert_eq!(router_w.len(), dims.router_size());
@@ -496,7 +522,7 @@ pub fn moe_forward(
 
     // Router: logits = x · Wrᵀ, then per token softmax, logsumexp, top-k and gates.
     gemm(&mut cache.logits, false, View::rows(x, n, c), View::rows(router_w, e, c).t(), 1.0, Threads::All);
-    moe_route(MoeRoute { probs: &mut cache.probs, lse: &mut cache.lse, idx: &mut cache.idx, gates: &mut cache.gates }, &cache.logits, e, renormalize);
+    moe_route_with(MoeRoute { probs: &mut cache.probs, lse: &mut cache.lse, idx: &mut cache.idx, gates: &mut cache.gates }, &cache.logits, router_bias, dims);
 
     // Assign slots (sequential, O(N·K): the index maps never depend on threads).
     moe_assign(&mut cache.slot, &mut cache.row_token, &mut cache.offsets, &mut cache.counts, &cache.idx, k, dims.capacity());
@@ -628,14 +654,74 @@ pub struct MoeRoute<'a> {
 /// experts (ties → lower id, by logit) and their gates (renormalised over the k when
 /// `renormalize`). Overwrites every output.
 pub fn moe_route(out: MoeRoute, logits: &[f32], e: usize, renormalize: bool) {
-    let k = out.idx.len() / out.lse.len().max(1);
+    let dims = MoeDims { n: 1, c: 1, f: 1, e, k: 1, n_shared: 0, capacity_factor: 0.0, renormalize, scoring: Scoring::Softmax, gate_scale: 1.0 };
+    moe_route_with(out, logits, &[], &dims);
+}
+
+/// [`moe_route`] by `dims`' scoring, renormalisation and gate scale (`router_bias`: the
+/// sigmoid router's correction bias, or empty).
+pub fn moe_route_with(out: MoeRoute, logits: &[f32], router_bias: &[f32], dims: &MoeDims) {
+    let (e, k) = (dims.e, out.idx.len() / out.lse.len().max(1));
     out.probs
         .par_chunks_mut(e)
         .zip(out.lse.par_iter_mut())
         .zip(out.idx.par_chunks_mut(k).zip(out.gates.par_chunks_mut(k)))
         .zip(logits.par_chunks(e))
         .with_min_len(64)
-        .for_each(|(((p, lse), (idx, g)), l)| route_row(p, lse, idx, g, l, renormalize));
+        .for_each(|(((p, lse), (idx, g)), l)| {
+            match dims.scoring {
+                Scoring::Softmax => route_row(p, lse, idx, g, l, dims.renormalize),
+                Scoring::Sigmoid { groups, topk_groups } => sigmoid_route_row((p, lse, idx, g), l, router_bias, (groups, topk_groups), dims.renormalize),
+            }
+            if dims.gate_scale != 1.0 {
+                g.iter_mut().for_each(|g| *g *= dims.gate_scale);
+            }
+        });
+}
+
+/// DeepSeek-V3's routing of one token (see [`Scoring::Sigmoid`]): sigmoid scores, the logits'
+/// logsumexp, the group-limited top-k of the biased scores (ties → lower group, lower id) and
+/// the unbiased gates, renormalised as transformers does (`÷ (Σ + 1e-20)`).
+fn sigmoid_route_row((p, lse, idx, g): (&mut [f32], &mut f32, &mut [u32], &mut [f32]), l: &[f32], bias: &[f32], (groups, topk_groups): (usize, usize), renormalize: bool) {
+    let e = l.len();
+    for (p, &v) in p.iter_mut().zip(l) {
+        *p = 1.0 / (1.0 + (-v).exp());
+    }
+    let max = l.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    *lse = max + l.iter().map(|&v| (v - max).exp()).sum::<f32>().ln();
+    let choice: Vec<f32> = (0..e).map(|x| p[x] + bias.get(x).copied().unwrap_or(0.0)).collect();
+    let gs = e / groups;
+    // Each group's score: the sum of its two best choices (its one, in groups of one).
+    let score: Vec<f32> = choice
+        .chunks(gs)
+        .map(|c| {
+            let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+            for &v in c {
+                if v > a {
+                    (a, b) = (v, a);
+                } else if v > b {
+                    b = v;
+                }
+            }
+            if gs == 1 { a } else { a + b }
+        })
+        .collect();
+    let mut allowed = vec![false; groups];
+    for _ in 0..topk_groups {
+        let best = (0..groups).filter(|&gi| !allowed[gi]).fold(usize::MAX, |b, gi| if b == usize::MAX || score[gi] > score[b] { gi } else { b });
+        allowed[best] = true;
+    }
+    for j in 0..idx.len() {
+        let best = (0..e).filter(|&x| allowed[x / gs] && !idx[..j].contains(&(x as u32))).fold(usize::MAX, |b, x| if b == usize::MAX || choice[x] > choice[b] { x } else { b });
+        idx[j] = best as u32;
+        g[j] = p[best];
+    }
+    if renormalize {
+        let s = g.iter().sum::<f32>() + 1e-20;
+        for g in g.iter_mut() {
+            *g /= s;
+        }
+    }
 }
 
 /// Softmax, logsumexp, top-k (ties → lower id, by logit) and gates of one token.
@@ -850,10 +936,10 @@ pub fn moe_backward(
 ) {
     let _p = crate::profile::scope("moe_backward");
     let MoeGrads { dx, drouter_w, dexperts_w, dshared_w } = grads;
-    let MoeInputs { x, router_w, experts_w, shared_w } = inp;
+    let MoeInputs { x, router_w, experts_w, shared_w, .. } = inp;
     let MoeLossWeights { aux: aux_weight, z: z_weight } = loss;
     assert_eq!(*dims, cache.dims, "MoeCache built for other dims");
-    let MoeDims { n, c, f, e, k, n_shared: s, renormalize, .. } = *dims;
+    let MoeDims { n, c, f, e, k, n_shared: s, .. } = *dims;
     assert_eq!(dx.len(), n * c);
     assert_eq!(dy.len(), n * c);
     assert_eq!(x.len(), n * c);
@@ -919,7 +1005,7 @@ pub fn moe_backward(
     let aux_coef: Vec<f32> =
         route[..e].iter().map(|&cnt| (aux_weight as f64 * e as f64 * cnt / ((nt * k as f64) * n as f64)) as f32).collect();
     let z_coef = 2.0 * z_weight / n as f32;
-    moe_router_backward(dlogits, (probs, lse, idx, gates), dgate, (&aux_coef, z_coef), e, renormalize);
+    moe_router_backward_with(dlogits, (probs, lse, idx, gates), dgate, (&aux_coef, z_coef), dims);
     gemm(dx, true, View::rows(dlogits, n, e), View::rows(router_w, e, c), 1.0, Threads::All);
     gemm(drouter_w, true, View::rows(dlogits, n, e).t(), View::rows(x, n, c), 1.0, Threads::All);
 }
@@ -932,28 +1018,48 @@ pub fn moe_router_backward(
     dlogits: &mut [f32],                          // [N, E]
     route: (&[f32], &[f32], &[u32], &[f32]),      // probs [N, E], lse [N], idx [N, K], gates [N, K]
     dgate: &[f32],                                // [N, K]
-    (aux_coef, z_coef): (&[f32], f32),            // [E], z
+    coefs: (&[f32], f32),                         // [E], z
     e: usize,
     renormalize: bool,
 ) {
-    let (probs, lse, idx, gates) = route;
+    let dims = MoeDims { n: 1, c: 1, f: 1, e, k: 1, n_shared: 0, capacity_factor: 0.0, renormalize, scoring: Scoring::Softmax, gate_scale: 1.0 };
+    moe_router_backward_with(dlogits, route, dgate, coefs, &dims);
+}
+
+/// [`moe_router_backward`] by `dims`' scoring, renormalisation and gate scale `s`: with
+/// `g_j = s·p_j / S`, `dp_i = (s·dg_i − Σ_j dg_j·g_j) / S`; the sigmoid router's
+/// `d(logit) = dp·p·(1 − p)` (its `S` has transformers' 1e-20; it has no z-loss).
+pub fn moe_router_backward_with(
+    dlogits: &mut [f32],
+    (probs, lse, idx, gates): (&[f32], &[f32], &[u32], &[f32]),
+    dgate: &[f32],
+    (aux_coef, z_coef): (&[f32], f32),
+    dims: &MoeDims,
+) {
+    let (e, s) = (dims.e, dims.gate_scale);
+    let sigmoid = matches!(dims.scoring, Scoring::Sigmoid { .. });
     let k = idx.len() / lse.len().max(1);
     dlogits.par_chunks_mut(e).enumerate().with_min_len(64).for_each(|(t, dl)| {
         let p = &probs[t * e..(t + 1) * e];
         let (ix, g, dg) = (&idx[t * k..(t + 1) * k], &gates[t * k..(t + 1) * k], &dgate[t * k..(t + 1) * k]);
         // dl holds d(probs) first.
         dl.copy_from_slice(aux_coef);
-        if renormalize {
-            // g_j = p_j / S  ⇒  dp_i = (dg_i − Σ_j dg_j·g_j) / S for the selected i
-            let ssum: f32 = ix.iter().map(|&i| p[i as usize]).sum();
+        if dims.renormalize {
+            let ssum: f32 = ix.iter().map(|&i| p[i as usize]).sum::<f32>() + if sigmoid { 1e-20 } else { 0.0 };
             let gd: f32 = dg.iter().zip(g).map(|(a, b)| a * b).sum();
             for j in 0..k {
-                dl[ix[j] as usize] += (dg[j] - gd) / ssum;
+                dl[ix[j] as usize] += (s * dg[j] - gd) / ssum;
             }
         } else {
             for j in 0..k {
-                dl[ix[j] as usize] += dg[j];
+                dl[ix[j] as usize] += s * dg[j];
             }
+        }
+        if sigmoid {
+            for (d, &p) in dl.iter_mut().zip(p) {
+                *d *= p * (1.0 - p);
+            }
+            return;
         }
         // softmax backward, plus z: d(lse²)/d(logit) = 2·lse·p
         let pd: f32 = p.iter().zip(dl.iter()).map(|(a, b)| a * b).sum();

@@ -283,6 +283,30 @@ fn deepseek_v3_dense_model_trains_and_exports_as_deepseek_v3() {
     }
 }
 
+/// A DeepSeek-V3 whose every layer is routed (the model crate's deepseek-v3-moe-tiny fixture):
+/// `--init-from` sets the sigmoid router's keys, the run trains, and its export is DeepSeek-V3
+/// again (its expert names, the correction bias as read: no gradient moved it).
+#[test]
+fn deepseek_v3_moe_model_trains_and_exports_as_deepseek_v3() {
+    let (m, exp, _d) = trains_exports_and_evaluates_alike("deepseek-v3-moe-tiny");
+    assert_eq!((m["moe_router"].as_str(), m["moe_groups"].as_integer(), m["moe_topk_groups"].as_integer(), m["moe_gate_scale"].as_float()), (Some("sigmoid"), Some(4), Some(2), Some(2.5)));
+    let cj = exported_config(&exp);
+    assert_eq!((cj["first_k_dense_replace"].as_u64(), cj["n_routed_experts"].as_u64(), cj["n_group"].as_u64()), (Some(0), Some(8), Some(4)), "{cj}");
+    let fx = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../model/tests/fixtures/deepseek-v3-moe-tiny");
+    let read = |dir: &Path, name: &str| {
+        let bytes = fs::read(dir.join("model.safetensors")).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let t = st.tensor(name).unwrap();
+        let f: Vec<f32> = match t.dtype() {
+            safetensors::Dtype::BF16 => t.data().chunks(2).map(|b| f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16)).collect(),
+            _ => t.data().chunks(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+        };
+        f
+    };
+    let name = "model.layers.1.mlp.gate.e_score_correction_bias";
+    assert_eq!(read(&exp, name), read(&fx, name));
+}
+
 /// An OLMo 2 (the model crate's olmo2-tiny fixture): `--init-from` sets `model.block_norms =
 /// post` and the whole-width q/k norms, the run trains, and its export is OLMo 2 again with its
 /// `pad_token_id`; tensor parallelism is refused by name (each q/k norm spans every head).

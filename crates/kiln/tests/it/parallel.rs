@@ -459,8 +459,10 @@ fn every_pipeline_schedule_matches_one_rank() {
 /// their own rotary bases) under those and tensor parallelism with sequence parallelism (the
 /// norms' gradients partial per shard, the embedding vocabulary-parallel), and Gemma 2's
 /// soft-capped logits under tensor parallelism (the vocabulary-parallel head) and ring and
-/// Ulysses context parallelism, and DeepSeek's multi-head latent attention under ZeRO-3, a
-/// pipeline and both context parallelisms, each against one rank with dropout on.
+/// Ulysses context parallelism, DeepSeek's multi-head latent attention under ZeRO-3, a
+/// pipeline and both context parallelisms, and DeepSeek-V3's sigmoid-routed experts (with latent
+/// attention, and on their own under tensor parallelism) under expert, data and pipeline
+/// parallelism, each against one rank with dropout on.
 #[test]
 fn norms_after_the_branches_match_one_rank_on_every_layout() {
     let d = scratch("post-norm-layouts");
@@ -477,6 +479,12 @@ fn norms_after_the_branches_match_one_rank_on_every_layout() {
         "--set", "model.head_dim=12", "--set", "model.rotary_dim=4", "--set", "model.v_head_dim=6",
         "--set", "model.kv_lora_rank=12", "--set", "model.q_lora_rank=16", "--set", "model.rope_interleave=true",
     ];
+    // DeepSeek-V3's routed experts: the sigmoid router over groups, scaled gates, a shared expert.
+    let sigmoid: &[&str] = &[
+        "--set", "model.n_expert=8", "--set", "model.top_k=2", "--set", "model.n_shared_expert=1", "--set", "model.ffn_hidden=16",
+        "--set", "model.moe_router=sigmoid", "--set", "model.moe_groups=4", "--set", "model.moe_topk_groups=2", "--set", "model.moe_gate_scale=2.5",
+        "--set", "model.moe_aux_weight=0", "--set", "model.moe_z_weight=0",
+    ];
     // Gemma 2's soft-capped attention and output logits (on Gemma 3's block: the caps bind).
     let gemma2: &[&str] = &["--set", "model.attn_softcap=0.9", "--set", "model.final_softcap=1.5"];
     for (name, norms, layouts) in [
@@ -484,6 +492,8 @@ fn norms_after_the_branches_match_one_rank_on_every_layout() {
         ("gemma3", gemma3, &[&["--tp", "2", "--sequence-parallel"][..], &["--pp", "2", "--schedule", "1f1b"], &["--cp", "2"], &["--dp", "2", "--zero", "3"]]),
         ("gemma2", &[gemma3, gemma2].concat(), &[&["--tp", "2"][..], &["--cp", "2"], &["--cp", "2", "--cp-mode", "ulysses"]]),
         ("mla", mla, &[&["--dp", "2", "--zero", "3"][..], &["--pp", "2", "--schedule", "1f1b"], &["--cp", "2"], &["--cp", "2", "--cp-mode", "ulysses"]]),
+        ("deepseek-v3", &[mla, sigmoid].concat(), &[&["--ep", "2"][..], &["--dp", "2", "--zero", "1"], &["--pp", "2", "--schedule", "1f1b"]]),
+        ("sigmoid-router", sigmoid, &[&["--tp", "2", "--sequence-parallel"][..], &["--ep", "2"], &["--dp", "2", "--zero", "2"]]),
     ] {
         let one = d.join(format!("{name}-one"));
         run_pp(&data, &one, &[llama, norms].concat());

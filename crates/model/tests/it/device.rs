@@ -342,9 +342,12 @@ fn unsupported_models_are_refused_by_name() {
     assert!(e.contains("model.query_pre_attn_scalar"), "{e}");
     let e = DeviceGpt::new(g.clone(), &Gpt::new(GptConfig { final_softcap: 3.0, ..pre.clone() }, 12, 0)).err().expect("soft-capping on the device");
     assert!(e.contains("model.final_softcap"), "{e}");
-    let mla = GptConfig { head_dim: 6, rotary_dim: 2, v_head_dim: 4, kv_lora_rank: 3, ..pre };
-    let e = DeviceGpt::new(g, &Gpt::new(mla, 12, 0)).err().expect("latent attention on the device");
+    let mla = GptConfig { head_dim: 6, rotary_dim: 2, v_head_dim: 4, kv_lora_rank: 3, ..pre.clone() };
+    let e = DeviceGpt::new(g.clone(), &Gpt::new(mla, 12, 0)).err().expect("latent attention on the device");
     assert!(e.contains("model.kv_lora_rank"), "{e}");
+    let sigmoid = GptConfig { n_expert: 4, top_k: 2, moe_router: model::config::MoeRouter::Sigmoid, moe_aux_weight: 0.0, moe_z_weight: 0.0, ..pre };
+    let e = DeviceGpt::new(g, &Gpt::new(sigmoid, 12, 0)).err().expect("the sigmoid router on the device");
+    assert!(e.contains("model.moe_router"), "{e}");
 }
 
 /// Greedy generation with the KV cache on the device gives the CPU's tokens, through a cache

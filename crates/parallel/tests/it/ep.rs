@@ -55,9 +55,9 @@ struct Out {
 fn pass(d: &MoeDims, x: &[f32], dy: &[f32], l: &Layer, experts: &[f32], z: f32, mut ep: Option<&mut EpComm>) -> Out {
     let mut cache = MoeCache::new(*d);
     let mut y = vec![0.0; d.n * d.c];
-    let stats = moe_forward(&mut y, &mut cache, MoeInputs { x, router_w: &l.router, experts_w: experts, shared_w: &l.shared }, d, MoeLossWeights { aux: 0.0, z }, ep.as_deref_mut().map(|e| e as &mut dyn MoeExchange));
+    let stats = moe_forward(&mut y, &mut cache, MoeInputs { x, router_w: &l.router, experts_w: experts, shared_w: &l.shared, router_bias: &[] }, d, MoeLossWeights { aux: 0.0, z }, ep.as_deref_mut().map(|e| e as &mut dyn MoeExchange));
     let (mut dx, mut drouter, mut dexperts, mut dshared) = (vec![0.0; x.len()], vec![0.0; l.router.len()], vec![0.0; experts.len()], vec![0.0; l.shared.len()]);
-    moe_backward(MoeGrads { dx: &mut dx, drouter_w: &mut drouter, dexperts_w: &mut dexperts, dshared_w: &mut dshared }, dy, &mut cache, MoeInputs { x, router_w: &l.router, experts_w: experts, shared_w: &l.shared }, d, MoeLossWeights { aux: 0.0, z }, ep.map(|e| e as &mut dyn MoeExchange));
+    moe_backward(MoeGrads { dx: &mut dx, drouter_w: &mut drouter, dexperts_w: &mut dexperts, dshared_w: &mut dshared }, dy, &mut cache, MoeInputs { x, router_w: &l.router, experts_w: experts, shared_w: &l.shared, router_bias: &[] }, d, MoeLossWeights { aux: 0.0, z }, ep.map(|e| e as &mut dyn MoeExchange));
     Out { y, dx, drouter, dexperts, dshared, stats, a2a: (0, 0) }
 }
 
@@ -102,7 +102,7 @@ fn ep_sharded_moe_layer_matches_the_whole_layer() {
     // (P ranks, E experts, K, shared experts)
     for (p, e, k, s) in [(4, 8, 2, 0), (2, 4, 2, 0), (2, 4, 2, 1), (4, 4, 1, 1)] {
         let n = 12;
-        let local = MoeDims { n, c: 8, f: 6, e, k, n_shared: s, capacity_factor: 0.0, renormalize: true };
+        let local = MoeDims { n, c: 8, f: 6, e, k, n_shared: s, capacity_factor: 0.0, renormalize: true, scoring: Default::default(), gate_scale: 1.0 };
         let whole_d = MoeDims { n: p * n, ..local };
         let l = Layer::random(&whole_d, 17 + p as u64);
         // The z-loss is a mean over tokens: each rank weighs its own by 1/P (exact: P is a power
@@ -165,7 +165,7 @@ fn ep_capacity_drops_per_rank_as_independent_routing_groups() {
     // exactly as a data-parallel rank's: the ep-sharded layer equals P independent whole
     // layers over each rank's tokens, and differs from one layer over all P·N tokens.
     let (p, n) = (2, 16);
-    let local = MoeDims { n, c: 8, f: 6, e: 4, k: 2, n_shared: 0, capacity_factor: 0.75, renormalize: true };
+    let local = MoeDims { n, c: 8, f: 6, e: 4, k: 2, n_shared: 0, capacity_factor: 0.75, renormalize: true, scoring: Default::default(), gate_scale: 1.0 };
     let whole_d = MoeDims { n: p * n, ..local };
     let l = Layer::random(&whole_d, 5);
     let outs = sharded(&local, &l, p, 0.0);
@@ -256,7 +256,7 @@ fn routing_statistics_over_the_batch_give_the_whole_layers_load_balancing_loss()
     // tokens' gradients are the whole layer's (aux weight scaled by the rank's share 1/P, as
     // the trainer scales its losses).
     let (p, n, aux) = (2usize, 12usize, 0.5f32);
-    let local = MoeDims { n, c: 8, f: 6, e: 4, k: 2, n_shared: 0, capacity_factor: 0.0, renormalize: true };
+    let local = MoeDims { n, c: 8, f: 6, e: 4, k: 2, n_shared: 0, capacity_factor: 0.0, renormalize: true, scoring: Default::default(), gate_scale: 1.0 };
     let whole_d = MoeDims { n: p * n, ..local };
     let l = Layer::random(&whole_d, 41);
     let run = |batch: bool| {
@@ -270,17 +270,17 @@ fn routing_statistics_over_the_batch_give_the_whole_layers_load_balancing_loss()
             let mut cache = MoeCache::new(local);
             let mut y = vec![0.0; n * local.c];
             let experts = &l.experts[r * el * es..(r + 1) * el * es];
-            let st = moe_forward(&mut y, &mut cache, MoeInputs { x: &l.x[tok.clone()], router_w: &l.router, experts_w: experts, shared_w: &l.shared }, &local, MoeLossWeights { aux: aux / p as f32, z: 0.0 }, Some(&mut ex));
+            let st = moe_forward(&mut y, &mut cache, MoeInputs { x: &l.x[tok.clone()], router_w: &l.router, experts_w: experts, shared_w: &l.shared, router_bias: &[] }, &local, MoeLossWeights { aux: aux / p as f32, z: 0.0 }, Some(&mut ex));
             let (mut dx, mut dr, mut de, mut ds) = (vec![0.0; n * local.c], vec![0.0; l.router.len()], vec![0.0; experts.len()], vec![0.0; 0]);
-            moe_backward(MoeGrads { dx: &mut dx, drouter_w: &mut dr, dexperts_w: &mut de, dshared_w: &mut ds }, &l.dy[tok.clone()], &mut cache, MoeInputs { x: &l.x[tok], router_w: &l.router, experts_w: experts, shared_w: &l.shared }, &local, MoeLossWeights { aux: aux / p as f32, z: 0.0 }, Some(&mut ex));
+            moe_backward(MoeGrads { dx: &mut dx, drouter_w: &mut dr, dexperts_w: &mut de, dshared_w: &mut ds }, &l.dy[tok.clone()], &mut cache, MoeInputs { x: &l.x[tok], router_w: &l.router, experts_w: experts, shared_w: &l.shared, router_bias: &[] }, &local, MoeLossWeights { aux: aux / p as f32, z: 0.0 }, Some(&mut ex));
             (st.aux_loss, dx, dr)
         })
     };
     let mut cache = MoeCache::new(whole_d);
     let mut y = vec![0.0; p * n * local.c];
-    let st = moe_forward(&mut y, &mut cache, MoeInputs { x: &l.x, router_w: &l.router, experts_w: &l.experts, shared_w: &l.shared }, &whole_d, MoeLossWeights { aux, z: 0.0 }, None);
+    let st = moe_forward(&mut y, &mut cache, MoeInputs { x: &l.x, router_w: &l.router, experts_w: &l.experts, shared_w: &l.shared, router_bias: &[] }, &whole_d, MoeLossWeights { aux, z: 0.0 }, None);
     let (mut dx, mut dr, mut de, mut ds) = (vec![0.0; l.x.len()], vec![0.0; l.router.len()], vec![0.0; l.experts.len()], vec![0.0; 0]);
-    moe_backward(MoeGrads { dx: &mut dx, drouter_w: &mut dr, dexperts_w: &mut de, dshared_w: &mut ds }, &l.dy, &mut cache, MoeInputs { x: &l.x, router_w: &l.router, experts_w: &l.experts, shared_w: &l.shared }, &whole_d, MoeLossWeights { aux, z: 0.0 }, None);
+    moe_backward(MoeGrads { dx: &mut dx, drouter_w: &mut dr, dexperts_w: &mut de, dshared_w: &mut ds }, &l.dy, &mut cache, MoeInputs { x: &l.x, router_w: &l.router, experts_w: &l.experts, shared_w: &l.shared, router_bias: &[] }, &whole_d, MoeLossWeights { aux, z: 0.0 }, None);
     let grouped = run(true);
     let mut drouter = vec![0.0f32; dr.len()];
     for (r, (a, g, d)) in grouped.iter().enumerate() {

@@ -11,7 +11,7 @@ use crate::common::*;
 
 /// `MoeDims` from its sizes `[N, C, F, E, K, S]` and routing policy.
 fn dims([n, c, f, e, k, n_shared]: [usize; 6], capacity_factor: f32, renormalize: bool) -> MoeDims {
-    MoeDims { n, c, f, e, k, n_shared, capacity_factor, renormalize }
+    MoeDims { n, c, f, e, k, n_shared, capacity_factor, renormalize, scoring: Default::default(), gate_scale: 1.0 }
 }
 
 struct Weights {
@@ -31,7 +31,7 @@ impl Weights {
         }
     }
     fn inputs(&self) -> MoeInputs<'_> {
-        MoeInputs { x: &self.x, router_w: &self.router, experts_w: &self.experts, shared_w: &self.shared }
+        MoeInputs { x: &self.x, router_w: &self.router, experts_w: &self.experts, shared_w: &self.shared, router_bias: &[] }
     }
 }
 
@@ -412,7 +412,7 @@ fn mixtral_tiny_fixture_logits_match_transformers() {
     let n = b * t;
     let gd = GqaDims { b, t, nh, nkv, hs, ..Default::default() };
     let (cos, sin) = rope_table(10_000.0, hs, t);
-    let md = MoeDims { n, c, f, e, k, n_shared: 0, capacity_factor: 0.0, renormalize: true };
+    let md = MoeDims { n, c, f, e, k, n_shared: 0, capacity_factor: 0.0, renormalize: true, scoring: Default::default(), gate_scale: 1.0 };
     let mut cache = MoeCache::new(md);
 
     let mut x = vec![0.0; n * c];
@@ -430,9 +430,76 @@ fn mixtral_tiny_fixture_logits_match_transformers() {
             })
             .collect();
         let router = p("block_sparse_moe.gate.weight", &[e, c]);
-        let stats = moe_forward(&mut y, &mut cache, MoeInputs { x: &h, router_w: &router, experts_w: &experts, shared_w: &[] }, &md, MoeLossWeights::default(), None);
+        let stats = moe_forward(&mut y, &mut cache, MoeInputs { x: &h, router_w: &router, experts_w: &experts, shared_w: &[], router_bias: &[] }, &md, MoeLossWeights::default(), None);
         eprintln!("mixtral-tiny layer {l}: counts {:?}, aux {}", stats.counts, stats.aux_loss);
         add_into(&mut x, &y);
     }
     assert_fixture_logits("mixtral-tiny", &dir, &st, &x, (b, t, c, v));
+}
+
+/// DeepSeek-V3's router (`Scoring::Sigmoid`): 8 experts in 4 groups, the token's 2 experts from
+/// its 2 best groups (each scored by its two best biased sigmoids), a correction bias steering
+/// the choice only, gates renormalised and scaled by 2.5, one shared expert. The layer equals a
+/// per-token f64 reference of transformers' `DeepseekV3TopkRouter` + `DeepseekV3MoE`, and its
+/// gradients match finite differences (the bias has none: it never reaches the output but
+/// through the choice).
+#[test]
+fn sigmoid_group_limited_routing_matches_reference_and_finite_differences() {
+    let d = MoeDims { scoring: Scoring::Sigmoid { groups: 4, topk_groups: 2 }, gate_scale: 2.5, ..dims([9, 6, 4, 8, 2, 1], 0.0, true) };
+    let bias: Vec<f32> = (0..8).map(|i| 0.05 * i as f32 - 0.2).collect();
+    let route = |w: &Weights, t: usize| -> (Vec<usize>, Vec<f64>, f64) {
+        let xt = &w.x[t * d.c..(t + 1) * d.c];
+        let p: Vec<f64> = (0..8).map(|ex| 1.0 / (1.0 + (-dot(xt, &w.router[ex * d.c..(ex + 1) * d.c])).exp())).collect();
+        let ch: Vec<f64> = (0..8).map(|ex| p[ex] + bias[ex] as f64).collect();
+        let gs: Vec<f64> = (0..4).map(|g| ch[2 * g] + ch[2 * g + 1]).collect();
+        let mut go: Vec<usize> = (0..4).collect();
+        go.sort_by(|&a, &b| gs[b].total_cmp(&gs[a]));
+        let mut cand: Vec<usize> = (0..8).filter(|x| go[..2].contains(&(x / 2))).collect();
+        cand.sort_by(|&a, &b| ch[b].total_cmp(&ch[a]));
+        // The margins finite differences must not cross: group and expert choice.
+        let margin = (gs[go[1]] - gs[go[2]]).min(ch[cand[1]] - ch[cand[2]]);
+        (cand[..2].to_vec(), p, margin)
+    };
+    let w = (0..2000)
+        .map(|s| Weights::random(&d, &mut Rng::new(91 + 7919 * s)))
+        .find(|w| (0..d.n).all(|t| route(w, t).2 > 0.02))
+        .expect("no untied routing");
+    fn inputs<'a>(w: &'a Weights, bias: &'a [f32]) -> MoeInputs<'a> {
+        MoeInputs { router_bias: bias, ..w.inputs() }
+    }
+    let run = |w: &Weights| {
+        let mut cache = MoeCache::new(d);
+        let mut y = vec![f32::NAN; d.n * d.c];
+        moe_forward(&mut y, &mut cache, inputs(w, &bias), &d, MoeLossWeights::default(), None);
+        (y, cache)
+    };
+    let (y, mut cache) = run(&w);
+    let es = d.expert_size();
+    for t in 0..d.n {
+        let xt = &w.x[t * d.c..(t + 1) * d.c];
+        let (sel, p, _) = route(&w, t);
+        let norm: f64 = sel.iter().map(|&i| p[i]).sum::<f64>() + 1e-20;
+        let mut want = expert_ref(&w.shared[..es], xt, d.c, d.f);
+        for &ex in &sel {
+            let o = expert_ref(&w.experts[ex * es..(ex + 1) * es], xt, d.c, d.f);
+            for j in 0..d.c {
+                want[j] += 2.5 * p[ex] / norm * o[j];
+            }
+        }
+        let err = (0..d.c).map(|j| (y[t * d.c + j] as f64 - want[j]).abs()).fold(0.0, f64::max);
+        assert!(err < 1e-5, "token {t}: {err}");
+        let mut got: Vec<usize> = cache.idx[t * 2..t * 2 + 2].iter().map(|&i| i as usize).collect();
+        got.sort();
+        let mut sel = sel;
+        sel.sort();
+        assert_eq!(got, sel, "token {t}'s experts");
+    }
+    let dy = randn(&mut Rng::new(5), d.n * d.c, 1.0);
+    let mut g = Grads { x: vec![0.0; w.x.len()], router: vec![0.0; w.router.len()], experts: vec![0.0; w.experts.len()], shared: vec![0.0; w.shared.len()] };
+    moe_backward(g.views(), &dy, &mut cache, inputs(&w, &bias), &d, MoeLossWeights::default(), None);
+    let loss = |w: &Weights| dot(&run(w).0, &dy);
+    check("sigmoid moe.dx", &w.x, &g.x, |v| loss(&Weights { x: v.to_vec(), ..clone(&w) }));
+    check("sigmoid moe.drouter", &w.router, &g.router, |v| loss(&Weights { router: v.to_vec(), ..clone(&w) }));
+    check("sigmoid moe.dexperts", &w.experts, &g.experts, |v| loss(&Weights { experts: v.to_vec(), ..clone(&w) }));
+    check("sigmoid moe.dshared", &w.shared, &g.shared, |v| loss(&Weights { shared: v.to_vec(), ..clone(&w) }));
 }
