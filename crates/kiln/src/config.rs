@@ -136,6 +136,10 @@ pub struct ModelSection {
     pub moe_groups: usize,
     pub moe_topk_groups: usize,
     pub moe_gate_scale: f64,
+    /// With experts: the layers before this one are dense MLPs of `dense_ffn_hidden`
+    /// (DeepSeek-V3's `first_k_dense_replace` and `intermediate_size`); 0 = every layer routed.
+    pub moe_first_layer: usize,
+    pub dense_ffn_hidden: usize,
     /// Activation recomputation: `none`, `selective` (Korthikanti et al.: re-run the attention
     /// core) or `full` (keep block inputs only). Results are bit-identical to `none`.
     #[serde(with = "named")]
@@ -834,6 +838,7 @@ pub fn set_model_shape(mc: &mut ModelSection, hc: &model::GptConfig) {
     (mc.n_expert, mc.top_k, mc.n_shared_expert) = (hc.n_expert, hc.top_k, hc.n_shared_expert);
     (mc.capacity_factor, mc.moe_aux_weight, mc.moe_z_weight) = (hc.capacity_factor as f64, hc.moe_aux_weight as f64, hc.moe_z_weight as f64);
     (mc.moe_router, mc.moe_groups, mc.moe_topk_groups, mc.moe_gate_scale) = (hc.moe_router, hc.moe_groups, hc.moe_topk_groups, hc.moe_gate_scale as f64);
+    (mc.moe_first_layer, mc.dense_ffn_hidden) = (hc.moe_first_layer, hc.dense_ffn_hidden);
 }
 
 /// Sets the `model.rope_*` keys to a model's rope scaling.
@@ -965,7 +970,7 @@ impl Default for ModelSection {
             rope_short_factor: Vec::new(), rope_long_factor: Vec::new(), qkv_bias: false, fused_proj: false, qk_norm: false, qk_norm_whole: false, block_norms: model::config::BlockNorms::Pre, gate_act: model::config::GateAct::Silu, norm_offset: false, embed_scale: false, query_pre_attn_scalar: 0, rope_local_theta: 0.0, attn_softcap: 0.0, final_softcap: 0.0, kv_lora_rank: 0, q_lora_rank: 0, v_head_dim: 0, rope_interleave: false, pad_token_id: -1, rotary_dim: 0, sliding_window: 0, attn_sinks: 0, window_layers: Vec::new(), nope_layers: Vec::new(), head_dim: 0, norm_eps: defaults::NORM_EPS, block_size: 128, vocab_size: 0, loss_vocab: 0, bias: false,
             dropout: 0.0, tied_embeddings: true, init_from: String::new(), n_expert: 0, top_k: defaults::TOP_K,
             n_shared_expert: 0, capacity_factor: 0.0, moe_aux_weight: defaults::MOE_AUX_WEIGHT, moe_z_weight: defaults::MOE_Z_WEIGHT,
-            moe_router: model::config::MoeRouter::Softmax, moe_groups: 1, moe_topk_groups: 1, moe_gate_scale: 1.0,
+            moe_router: model::config::MoeRouter::Softmax, moe_groups: 1, moe_topk_groups: 1, moe_gate_scale: 1.0, moe_first_layer: 0, dense_ffn_hidden: 0,
             recompute: model::Recompute::None, recompute_every: 1,
         }
     }
@@ -1819,6 +1824,8 @@ impl RunConfig {
             moe_groups: m.moe_groups,
             moe_topk_groups: m.moe_topk_groups,
             moe_gate_scale: m.moe_gate_scale as f32,
+            moe_first_layer: m.moe_first_layer,
+            dense_ffn_hidden: m.dense_ffn_hidden,
             place: model::Placement::default(),
         }
     }
@@ -1873,7 +1880,7 @@ pub const STRUCTURAL_KEYS: &[&str] = &[
     "model.rope_scaling", "model.rope_factor", "model.rope_low_freq_factor", "model.rope_high_freq_factor",
     "model.rope_original_max_positions", "model.rope_beta_fast", "model.rope_beta_slow", "model.rope_attention_factor", "model.rope_truncate",
     "model.rope_short_factor", "model.rope_long_factor", "model.fused_proj", "model.qk_norm", "model.qk_norm_whole", "model.block_norms", "model.gate_act", "model.norm_offset", "model.embed_scale", "model.query_pre_attn_scalar", "model.rope_local_theta", "model.attn_softcap", "model.final_softcap", "model.kv_lora_rank", "model.q_lora_rank", "model.v_head_dim", "model.rope_interleave", "model.pad_token_id", "model.rotary_dim", "model.qkv_bias", "model.sliding_window", "model.attn_sinks", "model.window_layers", "model.nope_layers", "model.loss_vocab", "model.head_dim",
-    "model.n_expert", "model.top_k", "model.n_shared_expert", "model.moe_router", "model.moe_groups", "model.moe_topk_groups",
+    "model.n_expert", "model.top_k", "model.n_shared_expert", "model.moe_router", "model.moe_groups", "model.moe_topk_groups", "model.moe_first_layer", "model.dense_ffn_hidden",
     "lora.rank", "lora.targets", "data.tokenizer", "data.paths", "data.val_fraction", "data.text_field", "data.format",
     "data.packing", "data.reset_positions", "data.sources",
 ];

@@ -243,11 +243,13 @@ pub fn activation_set_every(cfg: &GptConfig, b: usize, t: usize, recompute: Reco
     };
     let bulk = |sets: usize, e: usize| if stash { sets as u64 * stored(e) + f(e) } else { sets as u64 * f(e) };
     let stat = |sets: usize, e: usize| if stash { (sets as u64 + 1) * f(e) } else { sets as u64 * f(e) };
+    // Dense layers before the routed ones: every set holds the dense buffers too.
+    let dense = bulk(n_inner, n * cfg.dense_fc_width()) + bulk(n_inner, n * cfg.dense_hidden());
     let mlp_inner = match (cfg.is_moe(), stash) {
         (true, true) => moe_cache_bytes(cfg, n) + l as u64 * moe_stash_bytes(cfg, n, &stored),
         (true, false) => n_inner as u64 * moe_cache_bytes(cfg, n),
-        _ => bulk(n_inner, n * cfg.fc_width()) + bulk(n_inner, n * cfg.ffn_hidden),
-    };
+        _ => dense,
+    } + if cfg.is_moe() && cfg.dense_layers() > 0 { dense } else { 0 };
     let qk_in = n * (cfg.n_head + cfg.n_kv_head) * cfg.head_size();
     // DeepSeek's latent attention keeps its latents (normed and not) and the heads' values.
     let (mla_bulk, mla_stats, _) = model::mla::mla_elements(cfg, n);
@@ -307,7 +309,7 @@ fn moe_stash_bytes(cfg: &GptConfig, n: usize, stored: &dyn Fn(usize) -> u64) -> 
 /// widths even for an MoE model (whose layer keeps its own scratch in its cache).
 pub fn grad_scratch(cfg: &GptConfig, n: usize) -> u64 {
     let post = if cfg.block_norms.post() { n * cfg.n_embd } else { 0 };
-    let elems = 3 * n * cfg.n_embd + n * cfg.attn_width() + n * cfg.qkv_width() + n * cfg.fc_width() + n * cfg.ffn_hidden + post + model::mla::mla_elements(cfg, n).2;
+    let elems = 3 * n * cfg.n_embd + n * cfg.attn_width() + n * cfg.qkv_width() + n * cfg.dense_fc_width() + n * cfg.dense_hidden() + post + model::mla::mla_elements(cfg, n).2;
     elems as u64 * 4
 }
 

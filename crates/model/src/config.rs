@@ -428,6 +428,13 @@ pub struct GptConfig {
     /// The routed gates' factor after renormalising (DeepSeek-V3's `routed_scaling_factor`).
     #[serde(default = "unit")]
     pub moe_gate_scale: f32,
+    /// With experts: the (whole-model) layers before this one are dense MLPs of
+    /// `dense_ffn_hidden` (DeepSeek-V3's `first_k_dense_replace`); 0 = every layer routed.
+    #[serde(default)]
+    pub moe_first_layer: usize,
+    /// The dense layers' SwiGLU width in a model with experts (`intermediate_size`).
+    #[serde(default)]
+    pub dense_ffn_hidden: usize,
     /// Where this model sits in the whole model it is a part of (the default: it is the
     /// whole model). Set by `parallel` when it cuts a part; never serialised.
     #[serde(skip)]
@@ -441,7 +448,7 @@ impl GptConfig {
             arch: Arch::Gpt2, n_layer, n_head, n_kv_head: n_head, n_embd, ffn_hidden: 4 * n_embd, block_size, vocab_size,
             bias, dropout, tied_embeddings: tied, rope_theta: defaults::ROPE_THETA as f32, rope_scaling: None, qkv_bias: false, pad_token_id: None, qk_norm: false, qk_norm_whole: false, block_norms: BlockNorms::Pre, gate_act: GateAct::Silu, norm_offset: false, embed_scale: false, query_pre_attn_scalar: 0, rope_local_theta: 0.0, attn_softcap: 0.0, final_softcap: 0.0, kv_lora_rank: 0, q_lora_rank: 0, v_head_dim: 0, rope_interleave: false, fused_proj: false, sliding_window: 0, attn_sinks: 0, window_layers: Vec::new(), nope_layers: Vec::new(), head_dim: 0, rotary_dim: 0, norm_eps: defaults::NORM_EPS as f32,
             n_expert: 0, top_k: defaults::TOP_K, n_shared_expert: 0, capacity_factor: 0.0, moe_aux_weight: defaults::MOE_AUX_WEIGHT as f32,
-            moe_z_weight: defaults::MOE_Z_WEIGHT as f32, moe_router: MoeRouter::Softmax, moe_groups: 1, moe_topk_groups: 1, moe_gate_scale: 1.0, place: Placement::default(),
+            moe_z_weight: defaults::MOE_Z_WEIGHT as f32, moe_router: MoeRouter::Softmax, moe_groups: 1, moe_topk_groups: 1, moe_gate_scale: 1.0, moe_first_layer: 0, dense_ffn_hidden: 0, place: Placement::default(),
         }
     }
 
@@ -589,6 +596,7 @@ impl GptConfig {
         let hs = u(if self.head_dim > 0 { self.head_dim } else { self.n_embd / self.n_head.max(1) });
         let (q, kv) = (u(self.n_head) * hs, u(self.n_kv_head) * hs);
         let bias = |n: T| if self.bias { n } else { zero };
+        let mut dense_block = zero;
         let (block, embed) = match self.arch {
             Arch::Gpt2 => {
                 let norms = two * (c + bias(c));
@@ -606,16 +614,25 @@ impl GptConfig {
                 let bias = if self.moe_router == MoeRouter::Sigmoid { u(self.n_expert) } else { zero };
                 let mlp = if self.n_expert > 0 { u(self.n_expert) * c + bias + (u(self.n_expert) + u(self.n_shared_expert)) * expert } else { expert };
                 let norms = if self.block_norms == BlockNorms::Sandwich { u(4) * c } else { two * c };
+                // Dense layers before the first routed one: their own width.
+                dense_block = norms + attn + three * u(self.dense_hidden()) * c;
                 (norms + attn + mlp, v * c)
             }
         };
         let head = if self.tied_embeddings { zero } else { v * c };
         let final_norm = c + if self.arch == Arch::Gpt2 { bias(c) } else { zero };
-        embed + u(self.n_layer) * block + final_norm + head
+        let dense = self.dense_layers();
+        embed + u(self.n_layer - dense) * block + u(dense) * dense_block + final_norm + head
     }
 
     /// The router's constraints (see [`GptConfig::moe_router`]); the error names the key.
     fn validate_router(&self) -> Result<(), String> {
+        if self.moe_first_layer > 0 && (self.n_expert == 0 || self.moe_first_layer >= self.total_layers() || self.dense_ffn_hidden == 0) {
+            return Err(format!("model.moe_first_layer = {} needs experts (model.n_expert > 0), a routed layer after it (of model.n_layer = {}) and the dense layers' width (model.dense_ffn_hidden > 0)", self.moe_first_layer, self.total_layers()));
+        }
+        if self.dense_ffn_hidden > 0 && self.moe_first_layer == 0 {
+            return Err("model.dense_ffn_hidden is the width of the dense layers before the first routed one: it needs model.moe_first_layer > 0".into());
+        }
         #[allow(clippy::neg_cmp_op_on_partial_ord)] // a NaN must be refused too
         if !(self.moe_gate_scale > 0.0) || self.moe_gate_scale.is_infinite() {
             return Err(format!("model.moe_gate_scale must be a positive factor, got {}", self.moe_gate_scale));
@@ -664,7 +681,30 @@ impl GptConfig {
     /// per kv head, or latent attention's compressed latent and shared rotary key.
     pub fn kv_cache_floats(&self) -> usize {
         let per = if self.is_mla() { self.kv_lora_rank + self.rotary_dim } else { 2 * self.n_kv_head * self.head_size() };
-        self.n_layer * self.block_size * per
+        self.n_layer.saturating_mul(self.block_size).saturating_mul(per)
+    }
+
+    /// Whether whole-model layer `l` routes its tokens to experts (every layer of an MoE model
+    /// from `moe_first_layer` on).
+    pub fn is_moe_layer(&self, l: usize) -> bool {
+        self.n_expert > 0 && l >= self.moe_first_layer
+    }
+
+    /// The dense MLP width of this model's dense layers (`dense_ffn_hidden` in a model with
+    /// experts, else `ffn_hidden`).
+    pub fn dense_hidden(&self) -> usize {
+        if self.n_expert > 0 && self.dense_ffn_hidden > 0 { self.dense_ffn_hidden } else { self.ffn_hidden }
+    }
+
+    /// This part's dense layers in a model with experts (those before `moe_first_layer`).
+    pub fn dense_layers(&self) -> usize {
+        if self.n_expert == 0 {
+            return 0;
+        }
+        // Those of `first..first + n_layer` below `moe_first_layer`, counted without a walk (a
+        // hostile config's layer count must not cost time).
+        let first = self.first_layer();
+        self.moe_first_layer.clamp(first, first.saturating_add(self.n_layer)) - first
     }
 
     /// Whether attention is multi-head latent attention (DeepSeek's MLA).
@@ -837,6 +877,14 @@ impl GptConfig {
                 MoeRouter::Sigmoid => tensor::moe::Scoring::Sigmoid { groups: self.moe_groups, topk_groups: self.moe_topk_groups },
             },
             gate_scale: self.moe_gate_scale,
+        }
+    }
+
+    /// [`GptConfig::fc_width`] of the dense layers ([`GptConfig::dense_hidden`] wide).
+    pub fn dense_fc_width(&self) -> usize {
+        match self.arch {
+            Arch::Gpt2 => self.dense_hidden(),
+            Arch::Llama => 2 * self.dense_hidden(),
         }
     }
 

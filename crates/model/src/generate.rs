@@ -82,11 +82,11 @@ impl Gpt {
     /// Scratch for `n` rows decoded together.
     fn scratch_n(&self, n: usize) -> Scratch {
         let c = self.cfg.n_embd;
-        let f = self.cfg.ffn_hidden;
+        let f = self.cfg.dense_hidden();
         let heads = self.cfg.n_head + self.cfg.n_kv_head;
         Scratch {
             x: vec![0.0; n * c], ln: vec![0.0; n * c], qkv: vec![0.0; n * self.cfg.qkv_width()], atty: vec![0.0; n * self.cfg.attn_width()], proj: vec![0.0; n * c], res: vec![0.0; n * c],
-            fch: vec![0.0; n * self.cfg.fc_width()], fch_gelu: vec![0.0; n * f], logits: vec![0.0; n * self.cfg.vocab_size], mean: vec![0.0; n], rstd: vec![0.0; n],
+            fch: vec![0.0; n * self.cfg.dense_fc_width()], fch_gelu: vec![0.0; n * f], logits: vec![0.0; n * self.cfg.vocab_size], mean: vec![0.0; n], rstd: vec![0.0; n],
             qk_pre: vec![0.0; n * heads * self.cfg.head_size()], qk_rstd: vec![0.0; n * heads],
             moe: self.cfg.is_moe().then(|| tensor::moe::MoeCache::new(self.cfg.moe_dims(n))),
         }
@@ -106,7 +106,7 @@ impl Gpt {
         let cfg = &self.cfg;
         assert!(cfg.place.heads.is_none(), "decoding needs the whole model, not a tensor-parallel shard");
         let (c, nh, nkv, hs, bs, vp) = (cfg.n_embd, cfg.n_head, cfg.n_kv_head, cfg.head_size(), cfg.block_size, cfg.vocab_size);
-        let (qw, fw, f, kw) = (cfg.qkv_width(), cfg.fc_width(), cfg.ffn_hidden, cfg.n_kv_head * cfg.head_size());
+        let (qw, fw, f, kw) = (cfg.qkv_width(), cfg.dense_fc_width(), cfg.dense_hidden(), cfg.n_kv_head * cfg.head_size());
         let n = rows.len();
         let pos = caches[rows[0]].len;
         assert!(rows.iter().all(|&r| caches[r].len == pos), "rows decoded together share their position");

@@ -812,7 +812,7 @@ impl Gpt {
             return;
         }
         let (c, nh, vp) = (self.cfg.n_embd, self.cfg.n_head, self.cfg.vocab_size);
-        let (qw, fw, f) = (self.cfg.qkv_width(), self.cfg.fc_width(), self.cfg.ffn_hidden);
+        let (qw, fw, f) = (self.cfg.qkv_width(), self.cfg.dense_fc_width(), self.cfg.dense_hidden());
         let aw = self.cfg.attn_width();
         let state = b * nh * t; // flash lse, both architectures
         let n = b * t;
@@ -825,8 +825,10 @@ impl Gpt {
         let hn = if self.cfg.has_head() { n } else { 0 };
         let hl = if self.cfg.has_head() { nl } else { 0 };
         let moe = self.cfg.is_moe();
-        // An MoE layer keeps its activations in its MoeCache; the dense MLP buffers stay empty.
-        let (fw, f) = if moe { (0, 0) } else { (fw, f) };
+        // An MoE layer keeps its activations in its MoeCache; the dense MLP buffers stay empty
+        // unless dense layers precede the routed ones (then every set has both: sets are shared
+        // between layers under recomputation and stashing).
+        let (fw, f) = if moe && self.cfg.dense_layers() == 0 { (0, 0) } else { (fw, f) };
         let cfg = &self.cfg;
         // Selective recomputation keeps everything but the attention core's outputs.
         let own_core = self.recompute != Recompute::Selective;
@@ -1309,7 +1311,7 @@ impl Gpt {
         if self.scratch.as_ref().is_some_and(|g| g.dres.len() == nl * c && g.dqkv.len() == n * self.cfg.qkv_width()) {
             return;
         }
-        let (qw, fw, f) = (self.cfg.qkv_width(), self.cfg.fc_width(), self.cfg.ffn_hidden);
+        let (qw, fw, f) = (self.cfg.qkv_width(), self.cfg.dense_fc_width(), self.cfg.dense_hidden());
         self.scratch = None;
         self.scratch = Some(GradScratch {
             dres: zeros(nl * c), dln: zeros(nl * c), dbranch: zeros(nl * c), datty: zeros(n * self.cfg.attn_width()),
@@ -1564,8 +1566,8 @@ impl<'o, 'a> Block<'o, 'a> {
         let (w, b, n_in, n_out) = match site {
             Site::Qkv => (&bp.c_attn_w, &bp.c_attn_b, c, cfg.qkv_width()),
             Site::AttnProj => (&bp.attn_proj_w, &bp.attn_proj_b, cfg.o_width(), c),
-            Site::Fc => (&bp.c_fc_w, &bp.c_fc_b, c, cfg.fc_width()),
-            Site::MlpProj => (&bp.mlp_proj_w, &bp.mlp_proj_b, cfg.ffn_hidden, c),
+            Site::Fc => (&bp.c_fc_w, &bp.c_fc_b, c, cfg.dense_fc_width()),
+            Site::MlpProj => (&bp.mlp_proj_w, &bp.mlp_proj_b, cfg.dense_hidden(), c),
         };
         let q = self.ops.base.and_then(|qb| qb.matrix(self.l, site));
         Linear { ops: self.ops, l: self.l, site, unit: self.w, w: w.clone(), q, b: b.clone(), n_in, n_out }
@@ -2204,8 +2206,8 @@ impl<'a> Ops<'a> {
     pub(crate) fn act_forward(&self, out: &mut [f32], fch: &[f32]) {
         match (self.cfg.arch, self.cfg.gate_act) {
             (Arch::Gpt2, _) => gelu_forward(out, fch),
-            (Arch::Llama, GateAct::Silu) => swiglu_forward(out, fch, self.cfg.ffn_hidden),
-            (Arch::Llama, GateAct::GeluTanh) => tensor::ops::geglu_forward(out, fch, self.cfg.ffn_hidden),
+            (Arch::Llama, GateAct::Silu) => swiglu_forward(out, fch, self.cfg.dense_hidden()),
+            (Arch::Llama, GateAct::GeluTanh) => tensor::ops::geglu_forward(out, fch, self.cfg.dense_hidden()),
         }
     }
 
@@ -2213,8 +2215,8 @@ impl<'a> Ops<'a> {
     fn act_backward(&self, dfch: &mut [f32], dout: &[f32], fch: &[f32]) {
         match (self.cfg.arch, self.cfg.gate_act) {
             (Arch::Gpt2, _) => gelu_backward_into(dfch, dout, fch),
-            (Arch::Llama, GateAct::Silu) => swiglu_backward_into(dfch, dout, fch, self.cfg.ffn_hidden),
-            (Arch::Llama, GateAct::GeluTanh) => tensor::ops::geglu_backward_into(dfch, dout, fch, self.cfg.ffn_hidden),
+            (Arch::Llama, GateAct::Silu) => swiglu_backward_into(dfch, dout, fch, self.cfg.dense_hidden()),
+            (Arch::Llama, GateAct::GeluTanh) => tensor::ops::geglu_backward_into(dfch, dout, fch, self.cfg.dense_hidden()),
         }
     }
 }

@@ -153,15 +153,12 @@ pub fn hf_config(cfg: &Value, origin: &Path) -> Result<GptConfig, String> {
 /// DeepSeek-V3 (`DeepseekV3ForCausalLM`): LLaMA's blocks with multi-head latent attention
 /// (`kv_lora_rank`, `q_lora_rank` (null: one q projection), `qk_nope_head_dim`,
 /// `qk_rope_head_dim`, `v_head_dim`, `rope_interleave`). transformers' `head_dim` in such a file
-/// is the rotary width and is not read. Routed experts (layers from `first_k_dense_replace` on)
-/// and rope scaling under latent attention are refused by name.
+/// is the rotary width and is not read. Routed experts from layer `first_k_dense_replace` on
+/// ([`deepseek_v3_experts`]); rope scaling under latent attention is refused by name.
 fn deepseek_v3_config(cfg: &Value, origin: &Path) -> Result<GptConfig, String> {
     let n_layer = get_usize(cfg, "num_hidden_layers", origin)?;
     let first_moe = cfg.get("first_k_dense_replace").and_then(Value::as_u64).map_or(3, |v| v as usize);
     let routed = cfg.get("n_routed_experts").and_then(Value::as_u64).unwrap_or(256) as usize;
-    if routed > 0 && first_moe > 0 && first_moe < n_layer {
-        return Err(format!("{}: dense layers before DeepSeek-V3's routed experts (`first_k_dense_replace` = {first_moe} of {n_layer} layers) are not supported yet; every layer dense or every layer routed imports", origin.display()));
-    }
     let mut flat = cfg.clone();
     let o = flat.as_object_mut().ok_or_else(|| format!("{}: not a JSON object", origin.display()))?;
     o.remove("head_dim");
@@ -176,14 +173,17 @@ fn deepseek_v3_config(cfg: &Value, origin: &Path) -> Result<GptConfig, String> {
     c.kv_lora_rank = get_usize(cfg, "kv_lora_rank", origin)?;
     c.q_lora_rank = cfg.get("q_lora_rank").and_then(Value::as_u64).map_or(0, |q| q as usize);
     c.rope_interleave = cfg.get("rope_interleave").and_then(Value::as_bool).unwrap_or(true);
-    if routed > 0 && first_moe == 0 {
+    if routed > 0 && first_moe < n_layer {
+        // The dense layers before the routed ones keep `intermediate_size`.
+        c.dense_ffn_hidden = if first_moe > 0 { c.ffn_hidden } else { 0 };
+        c.moe_first_layer = first_moe;
         deepseek_v3_experts(&mut c, cfg, routed, origin)?;
     }
     c.validate().map_err(|e| format!("{}: {e}", origin.display()))?;
     Ok(c)
 }
 
-/// DeepSeek-V3's routed experts on every layer: the sigmoid router over `n_group` groups (a
+/// DeepSeek-V3's routed experts (from layer `first_k_dense_replace` on): the sigmoid router over `n_group` groups (a
 /// token's experts from its `topk_group` best), `num_experts_per_tok` of `n_routed_experts`
 /// experts of `moe_intermediate_size`, the gates renormalised (`norm_topk_prob`) and scaled by
 /// `routed_scaling_factor`, dropless, beside `n_shared_experts` (at most one) shared expert.
@@ -215,7 +215,7 @@ fn deepseek_v3_export(c: &GptConfig) -> Result<Value, String> {
     }
     let mut v = json!({
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_act": "silu",
-        "hidden_size": c.n_embd, "intermediate_size": c.ffn_hidden, "num_hidden_layers": c.n_layer,
+        "hidden_size": c.n_embd, "intermediate_size": c.dense_hidden(), "num_hidden_layers": c.n_layer,
         "num_attention_heads": c.n_head, "num_key_value_heads": c.n_head,
         "kv_lora_rank": c.kv_lora_rank, "q_lora_rank": if c.q_lora_rank > 0 { Value::from(c.q_lora_rank) } else { Value::Null },
         "qk_nope_head_dim": c.head_size() - c.rotary_dim, "qk_rope_head_dim": c.rotary_dim, "v_head_dim": c.v_head_dim,
@@ -228,7 +228,7 @@ fn deepseek_v3_export(c: &GptConfig) -> Result<Value, String> {
     if c.is_moe() {
         let o = v.as_object_mut().unwrap();
         for (k, x) in [
-            ("first_k_dense_replace", Value::from(0)), ("n_routed_experts", c.n_expert.into()), ("n_shared_experts", c.n_shared_expert.into()),
+            ("first_k_dense_replace", Value::from(c.moe_first_layer)), ("n_routed_experts", c.n_expert.into()), ("n_shared_experts", c.n_shared_expert.into()),
             ("moe_intermediate_size", c.ffn_hidden.into()), ("num_experts_per_tok", c.top_k.into()), ("n_group", c.moe_groups.into()),
             ("topk_group", c.moe_topk_groups.into()), ("routed_scaling_factor", c.moe_gate_scale.into()), ("norm_topk_prob", true.into()),
         ] {
@@ -284,11 +284,15 @@ fn gemma_config(cfg: &Value, origin: &Path, version: u8) -> Result<GptConfig, St
     }
     c.norm_eps = get_f32(cfg, "rms_norm_eps", 1e-6);
     windows(&mut c, &flat, origin, 0)?;
-    let sliding = flat["layer_types"].as_array().is_some_and(|t| t.iter().any(|t| t == "sliding_attention"));
+    let types = flat["layer_types"].as_array().cloned().unwrap_or_default();
+    let sliding = types.iter().any(|t| t == "sliding_attention");
     if sliding && c.sliding_window == 0 {
         // A window as wide as the context: every position visible, the layers still local.
+        if types.len() != c.n_layer {
+            return Err(format!("{}: `layer_types` lists {} layers, but `num_hidden_layers` is {}", origin.display(), types.len(), c.n_layer));
+        }
         c.sliding_window = c.block_size;
-        c.window_layers = (0..c.n_layer).filter(|&l| flat["layer_types"][l] == "sliding_attention").collect();
+        c.window_layers = (0..c.n_layer).filter(|&l| types[l] == "sliding_attention").collect();
         if c.window_layers.len() == c.n_layer {
             c.window_layers.clear();
         }

@@ -264,7 +264,7 @@ fn llama_layout(cfg: &GptConfig) -> (ParamLayout, GptParams) {
             BlockNorms::Sandwich => l.push(format!("{p}pre_feedforward_layernorm.weight"), vec![c], one, false),
             BlockNorms::Post => l.total..l.total,
         };
-        let (c_fc_w, mlp_proj_w, moe) = if cfg.is_moe() {
+        let (c_fc_w, mlp_proj_w, moe) = if cfg.is_moe_layer(i) {
             // Mixtral's names; DeepSeekMoE-style shared experts beside them.
             let m = format!("{p}block_sparse_moe.");
             let router = l.push(format!("{m}gate.weight"), vec![cfg.n_expert, c], Init::Normal(std), false);
@@ -286,6 +286,8 @@ fn llama_layout(cfg: &GptConfig) -> (ParamLayout, GptParams) {
             }
             (0..0, 0..0, Some(MoeParams { router, router_bias, experts, shared: start..l.total }))
         } else {
+            // A dense layer (of a model with experts: before its first routed layer).
+            let f = cfg.dense_hidden();
             let gate = l.push(format!("{p}mlp.gate_proj.weight"), vec![f, c], Init::Normal(std), true);
             let up = l.push(format!("{p}mlp.up_proj.weight"), vec![f, c], Init::Normal(std), true);
             let down = l.push(format!("{p}mlp.down_proj.weight"), vec![c, f], Init::Normal(proj_std), true);

@@ -92,7 +92,7 @@ pub fn local_config(cfg: &GptConfig, tp: usize, rank: usize, sequence_parallel: 
     }
     // Mixture-of-experts layers are not split: their experts are whole on every rank.
     let ffn = if cfg.is_moe() { 1 } else { tp };
-    for (key, v, by) in [("model.n_head", cfg.n_head, tp), ("model.n_kv_head", cfg.n_kv_head, tp), ("model.ffn_hidden", cfg.ffn_hidden, ffn)] {
+    for (key, v, by) in [("model.n_head", cfg.n_head, tp), ("model.n_kv_head", cfg.n_kv_head, tp), ("model.ffn_hidden", cfg.ffn_hidden, ffn), ("model.dense_ffn_hidden", cfg.dense_ffn_hidden, tp)] {
         if v % by != 0 {
             return Err(format!("parallel.tp = {tp} does not divide {key} = {v}"));
         }
@@ -102,7 +102,8 @@ pub fn local_config(cfg: &GptConfig, tp: usize, rank: usize, sequence_parallel: 
     place.heads = Some(Part { first: rank * heads, total: cfg.n_head });
     place.vocab = Some(Part { first: rank * vocab, total: vocab * tp });
     place.seq = sequence_parallel.then_some(SeqSlice { index: rank, count: tp });
-    Ok(GptConfig { n_head: heads, n_kv_head: cfg.n_kv_head / tp, ffn_hidden: cfg.ffn_hidden / ffn, vocab_size: vocab, place, ..cfg.clone() })
+    // Dense layers before the routed ones split their MLP columns like a dense model's.
+    Ok(GptConfig { n_head: heads, n_kv_head: cfg.n_kv_head / tp, ffn_hidden: cfg.ffn_hidden / ffn, dense_ffn_hidden: cfg.dense_ffn_hidden / tp, vocab_size: vocab, place, ..cfg.clone() })
 }
 
 /// Rows × columns of a parameter (a vector is one column).

@@ -283,15 +283,16 @@ fn deepseek_v3_dense_model_trains_and_exports_as_deepseek_v3() {
     }
 }
 
-/// A DeepSeek-V3 whose every layer is routed (the model crate's deepseek-v3-moe-tiny fixture):
-/// `--init-from` sets the sigmoid router's keys, the run trains, and its export is DeepSeek-V3
-/// again (its expert names, the correction bias as read: no gradient moved it).
+/// A DeepSeek-V3 with a dense layer before routed ones (the model crate's deepseek-v3-moe-tiny
+/// fixture): `--init-from` sets the sigmoid router's keys, the run trains, and its export is
+/// DeepSeek-V3 again (its expert names, the dense layer's width, the correction bias as read: no
+/// gradient moved it).
 #[test]
 fn deepseek_v3_moe_model_trains_and_exports_as_deepseek_v3() {
     let (m, exp, _d) = trains_exports_and_evaluates_alike("deepseek-v3-moe-tiny");
     assert_eq!((m["moe_router"].as_str(), m["moe_groups"].as_integer(), m["moe_topk_groups"].as_integer(), m["moe_gate_scale"].as_float()), (Some("sigmoid"), Some(4), Some(2), Some(2.5)));
     let cj = exported_config(&exp);
-    assert_eq!((cj["first_k_dense_replace"].as_u64(), cj["n_routed_experts"].as_u64(), cj["n_group"].as_u64()), (Some(0), Some(8), Some(4)), "{cj}");
+    assert_eq!((cj["first_k_dense_replace"].as_u64(), cj["n_routed_experts"].as_u64(), cj["n_group"].as_u64(), cj["intermediate_size"].as_u64()), (Some(1), Some(8), Some(4), Some(64)), "{cj}");
     let fx = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../model/tests/fixtures/deepseek-v3-moe-tiny");
     let read = |dir: &Path, name: &str| {
         let bytes = fs::read(dir.join("model.safetensors")).unwrap();

@@ -479,11 +479,12 @@ fn norms_after_the_branches_match_one_rank_on_every_layout() {
         "--set", "model.head_dim=12", "--set", "model.rotary_dim=4", "--set", "model.v_head_dim=6",
         "--set", "model.kv_lora_rank=12", "--set", "model.q_lora_rank=16", "--set", "model.rope_interleave=true",
     ];
-    // DeepSeek-V3's routed experts: the sigmoid router over groups, scaled gates, a shared expert.
+    // DeepSeek-V3's routed experts after a dense layer: the sigmoid router over groups, scaled
+    // gates, a shared expert.
     let sigmoid: &[&str] = &[
         "--set", "model.n_expert=8", "--set", "model.top_k=2", "--set", "model.n_shared_expert=1", "--set", "model.ffn_hidden=16",
         "--set", "model.moe_router=sigmoid", "--set", "model.moe_groups=4", "--set", "model.moe_topk_groups=2", "--set", "model.moe_gate_scale=2.5",
-        "--set", "model.moe_aux_weight=0", "--set", "model.moe_z_weight=0",
+        "--set", "model.moe_aux_weight=0", "--set", "model.moe_z_weight=0", "--set", "model.moe_first_layer=1", "--set", "model.dense_ffn_hidden=32",
     ];
     // Gemma 2's soft-capped attention and output logits (on Gemma 3's block: the caps bind).
     let gemma2: &[&str] = &["--set", "model.attn_softcap=0.9", "--set", "model.final_softcap=1.5"];

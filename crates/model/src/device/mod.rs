@@ -407,6 +407,8 @@ pub fn unsupported_config(cfg: &GptConfig) -> Option<String> {
         "soft-capped logits (model.attn_softcap, model.final_softcap)"
     } else if cfg.is_mla() {
         "multi-head latent attention (model.kv_lora_rank)"
+    } else if cfg.moe_first_layer > 0 {
+        "dense layers before the routed ones (model.moe_first_layer)"
     } else if cfg.moe_router != crate::config::MoeRouter::Softmax || cfg.moe_gate_scale != 1.0 {
         "the sigmoid router or a gate scale (model.moe_router, model.moe_gate_scale)"
     } else if cfg.attn_sinks > 0 {

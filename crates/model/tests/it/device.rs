@@ -345,9 +345,12 @@ fn unsupported_models_are_refused_by_name() {
     let mla = GptConfig { head_dim: 6, rotary_dim: 2, v_head_dim: 4, kv_lora_rank: 3, ..pre.clone() };
     let e = DeviceGpt::new(g.clone(), &Gpt::new(mla, 12, 0)).err().expect("latent attention on the device");
     assert!(e.contains("model.kv_lora_rank"), "{e}");
-    let sigmoid = GptConfig { n_expert: 4, top_k: 2, moe_router: model::config::MoeRouter::Sigmoid, moe_aux_weight: 0.0, moe_z_weight: 0.0, ..pre };
-    let e = DeviceGpt::new(g, &Gpt::new(sigmoid, 12, 0)).err().expect("the sigmoid router on the device");
+    let sigmoid = GptConfig { n_expert: 4, top_k: 2, moe_router: model::config::MoeRouter::Sigmoid, moe_aux_weight: 0.0, moe_z_weight: 0.0, ..pre.clone() };
+    let e = DeviceGpt::new(g.clone(), &Gpt::new(sigmoid, 12, 0)).err().expect("the sigmoid router on the device");
     assert!(e.contains("model.moe_router"), "{e}");
+    let mixed = GptConfig { n_expert: 4, top_k: 2, moe_first_layer: 1, dense_ffn_hidden: 8, ..pre };
+    let e = DeviceGpt::new(g, &Gpt::new(mixed, 12, 0)).err().expect("dense layers before routed ones on the device");
+    assert!(e.contains("model.moe_first_layer"), "{e}");
 }
 
 /// Greedy generation with the KV cache on the device gives the CPU's tokens, through a cache

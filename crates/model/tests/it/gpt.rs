@@ -202,6 +202,23 @@ fn gradients_match_finite_differences_latent_attention() {
     }
 }
 
+/// DeepSeek-V3's block through the whole model: a dense layer before a routed one (sigmoid
+/// router over groups, scaled gates, a shared expert), under latent attention; with full
+/// recomputation sharing one set between the two kinds of layers.
+#[test]
+fn gradients_match_finite_differences_dense_then_routed_layers() {
+    let cfg = GptConfig {
+        n_expert: 4, top_k: 2, n_shared_expert: 1, ffn_hidden: 6, moe_first_layer: 1, dense_ffn_hidden: 10, moe_router: model::config::MoeRouter::Sigmoid,
+        moe_groups: 2, moe_topk_groups: 1, moe_gate_scale: 2.5, moe_aux_weight: 0.0, moe_z_weight: 0.0, dropout: 0.0, ..mla_like(3, true)
+    };
+    let m = Gpt::new(cfg.clone(), 11, 3);
+    assert!(m.layout.get("model.layers.0.mlp.gate_proj.weight").is_some_and(|p| p.shape == vec![10, 8]));
+    assert!(m.layout.get("model.layers.1.block_sparse_moe.gate.e_score_correction_bias").is_some());
+    assert_eq!(m.num_params() as u128, cfg.param_count());
+    model_gradcheck(cfg.clone());
+    model_gradcheck_with(cfg, Recompute::Full);
+}
+
 fn mla_like(q_lora_rank: usize, rope_interleave: bool) -> GptConfig {
     GptConfig { n_head: 2, n_kv_head: 2, head_dim: 8, rotary_dim: 4, v_head_dim: 6, kv_lora_rank: 5, q_lora_rank, rope_interleave, ..tiny_llama(2, 0.1) }
 }

@@ -140,7 +140,14 @@ fn recompute_is_bit_identical_with_norms_after_the_branches() {
 fn recompute_is_bit_identical_with_latent_attention() {
     let mla = GptConfig { n_kv_head: 4, head_dim: 6, rotary_dim: 2, v_head_dim: 4, kv_lora_rank: 5, q_lora_rank: 3, rope_interleave: true, ..llama(3, 4, 0.1) };
     assert_bit_identical(mla.clone(), false);
-    assert_bit_identical(GptConfig { n_expert: 4, top_k: 2, n_shared_expert: 1, ffn_hidden: 12, ..mla }, false);
+    assert_bit_identical(GptConfig { n_expert: 4, top_k: 2, n_shared_expert: 1, ffn_hidden: 12, ..mla.clone() }, false);
+    // DeepSeek-V3's shape: a dense layer before routed ones (the sets shared between them hold
+    // both kinds of buffers), the sigmoid router with scaled gates.
+    let dsv3 = GptConfig {
+        n_expert: 4, top_k: 2, n_shared_expert: 1, ffn_hidden: 12, moe_first_layer: 1, dense_ffn_hidden: 20, moe_router: model::config::MoeRouter::Sigmoid,
+        moe_groups: 2, moe_topk_groups: 1, moe_gate_scale: 2.5, moe_aux_weight: 0.0, moe_z_weight: 0.0, ..mla
+    };
+    assert_bit_identical(dsv3, false);
 }
 
 #[test]
