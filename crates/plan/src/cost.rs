@@ -332,7 +332,15 @@ pub fn muon_flops(m: &ModelShape) -> f64 {
     };
     let gated = m.mlp == crate::models::Mlp::Swiglu;
     let mlp = if gated { 2.0 * ns(f, h) + ns(h, f) } else { ns(f, h) + ns(h, f) };
-    let attn = ns(q, h) + 2.0 * ns(kv, h) + ns(h, q);
+    let attn = match m.mla {
+        // MLA's matrices: q's down and up (or one), the latent with the rotary key, its up, W_o.
+        Some(a) => {
+            let (r, kr, rope, v, nh, d) = (a.q_rank as f64, a.kv_rank as f64, a.rope as f64, a.v as f64, m.heads as f64, m.head_dim as f64);
+            let qm = if a.q_rank > 0 { ns(r, h) + ns(nh * d, r) } else { ns(nh * d, h) };
+            qm + ns(kr + rope, h) + ns(nh * (d - rope + v), kr) + ns(h, nh * v)
+        }
+        None => ns(q, h) + 2.0 * ns(kv, h) + ns(h, q),
+    };
     m.layers as f64 * (attn + mlp)
 }
 
@@ -990,7 +998,8 @@ fn layer_time(m: &ModelShape, cl: &Cluster, l: &Layout, moe: bool) -> LayerFwd {
 fn attention_core(m: &ModelShape, cl: &Cluster, l: &Layout, r: &mut LayerFwd) {
     let e = l.precision.act_bytes();
     let (s_loc, s_kv) = ((l.seq / l.cp) as f64, l.seq as f64);
-    let d = m.head_dim as f64;
+    // q·k's head width, and the values' (narrower under MLA).
+    let (d, dv) = (m.head_dim as f64, m.v_head_dim() as f64);
     // Attention core. Under FP8 training only the linear layers' GEMMs run in FP8: Transformer Engine's recipe
     // (Micikevicius et al. 2022, "FP8 Formats for Deep Learning"; TE `fp8_autocast` covers Linear /
     // LayerNormLinear / LayerNormMLP, and its DotProductAttention stays bf16 unless `fp8_dpa` is set, which NeMo
@@ -1002,7 +1011,7 @@ fn attention_core(m: &ModelShape, cl: &Cluster, l: &Layout, r: &mut LayerFwd) {
         Attention::Unfused => {
             // Megatron: baddbmm QKᵀ [s, s, d] and bmm AV [s, d, s]; backward: 2 of each shape.
             let qk = attn_gemm_time(cl, pr, s_loc, s_kv, d, batch);
-            let av = attn_gemm_time(cl, pr, s_loc, d, s_kv, batch);
+            let av = attn_gemm_time(cl, pr, s_loc, dv, s_kv, batch);
             r.attn = qk + av;
             r.attn_b = attn_gemm_time(cl, pr, s_loc, d, s_kv, batch) * 2.0 + attn_gemm_time(cl, pr, s_kv, d, s_loc, batch) + qk;
             // Fused scale-mask-softmax (read + write the scores) and attention dropout (read, write, 1-byte mask).
@@ -1025,7 +1034,7 @@ fn attention_core(m: &ModelShape, cl: &Cluster, l: &Layout, r: &mut LayerFwd) {
                 let computed = batch * s_loc * s_kv * (n + 1.0) / (2.0 * n); // score elements actually formed
                 let peak = cl.acc.peak(pr).unwrap_or(f64::MIN_POSITIVE);
                 let st = 2.0 * computed * d / (peak * curve.efficiency(tile, tile, d)); // one S-shaped product
-                let pv = 2.0 * computed * d / (peak * curve.efficiency(tile, d, tile)); // one PV-shaped product
+                let pv = 2.0 * computed * dv / (peak * curve.efficiency(tile, dv, tile)); // one PV-shaped product
                 let ovh = cl.acc.kernel_overhead;
                 r.attn = st + pv + ovh;
                 r.attn_b = 2.0 * st + 3.0 * pv + ovh;
@@ -1035,7 +1044,7 @@ fn attention_core(m: &ModelShape, cl: &Cluster, l: &Layout, r: &mut LayerFwd) {
             _ => {
                 // FlashAttention-2 (Dao 2023): forward 2 matmuls, backward 5 (recomputes S); causal masking skips half.
                 let causal = 0.5;
-                let mm = attn_gemm_time(cl, pr, s_loc, s_kv, d, batch) - cl.acc.kernel_overhead;
+                let mm = attn_gemm_time(cl, pr, s_loc, s_kv, (d + dv) / 2.0, batch) - cl.acc.kernel_overhead;
                 r.attn = 2.0 * mm * causal + cl.acc.kernel_overhead;
                 r.attn_b = 5.0 * mm * causal + cl.acc.kernel_overhead;
             }

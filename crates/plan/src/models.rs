@@ -78,8 +78,28 @@ pub struct RawModel {
     pub biases: Option<bool>,
     #[serde(default)]
     pub dropout: Option<bool>,
+    /// Multi-head latent attention (DeepSeek-V2/V3): the key/value latent width (`head_dim` is
+    /// then q·k's head width, `qk_nope + qk_rope`), q's latent width (0: one projection), the
+    /// shared rotary key's width and the value head width.
+    #[serde(default)]
+    pub kv_lora_rank: Option<u64>,
+    #[serde(default)]
+    pub q_lora_rank: Option<u64>,
+    #[serde(default)]
+    pub qk_rope_dim: Option<u64>,
+    #[serde(default)]
+    pub v_head_dim: Option<u64>,
     #[serde(default)]
     pub note: Option<String>,
+}
+
+/// Multi-head latent attention's widths (see [`RawModel::kv_lora_rank`]).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct Mla {
+    pub q_rank: u64,
+    pub kv_rank: u64,
+    pub rope: u64,
+    pub v: u64,
 }
 
 /// Resolved and validated model description.
@@ -124,6 +144,8 @@ pub struct ModelShape {
     pub biases: bool,
     /// Dropout after attention probs and residual branches (stores 1-byte masks; Korthikanti's accounting).
     pub dropout: bool,
+    /// Multi-head latent attention in place of GQA's projections (keys and values per head).
+    pub mla: Option<Mla>,
 }
 
 impl RawModel {
@@ -158,6 +180,16 @@ impl RawModel {
             return Err(bad(&format!("top_k {top_k} must be in 1..=experts ({experts})")));
         }
         let gpt_like = mlp == Mlp::Gelu;
+        let mla = match self.kv_lora_rank.filter(|&r| r > 0) {
+            None => None,
+            Some(kv_rank) => {
+                let (rope, v) = (self.qk_rope_dim.unwrap_or(0), self.v_head_dim.unwrap_or(head_dim));
+                if rope == 0 || rope >= head_dim || v == 0 || kv_heads != self.heads {
+                    return Err(bad(&format!("multi-head latent attention needs 0 < qk_rope_dim ({rope}) < head_dim ({head_dim}), v_head_dim > 0 and kv_heads = heads")));
+                }
+                Some(Mla { q_rank: self.q_lora_rank.unwrap_or(0), kv_rank, rope, v })
+            }
+        };
         Ok(ModelShape {
             name: self.name.clone(),
             layers: self.layers,
@@ -180,6 +212,7 @@ impl RawModel {
             learned_pos_emb: self.learned_pos_emb.unwrap_or(gpt_like),
             biases: self.biases.unwrap_or(gpt_like),
             dropout: self.dropout.unwrap_or(gpt_like),
+            mla,
         })
     }
 }
@@ -232,9 +265,21 @@ impl ModelShape {
         self.kv_heads * self.head_dim
     }
 
-    /// Attention parameters of one layer: W_q h×a·d, W_k,W_v h×kv·d, W_o a·d×h (+ biases).
+    /// Value head width: MLA's `v_head_dim`, else the head width.
+    pub fn v_head_dim(&self) -> u64 {
+        self.mla.map_or(self.head_dim, |m| m.v)
+    }
+
+    /// Attention parameters of one layer: W_q h×a·d, W_k,W_v h×kv·d, W_o a·d×h (+ biases); under
+    /// MLA q's down- and up-projections and norm (or one projection), the key/value latent with the
+    /// shared rotary key, its norm and per-head up-projection, and W_o a·v×h.
     pub fn attn_params(&self) -> u64 {
         let h = self.hidden;
+        if let Some(m) = self.mla {
+            let (a, d) = (self.heads, self.head_dim);
+            let q = if m.q_rank > 0 { h * m.q_rank + m.q_rank + m.q_rank * a * d } else { h * a * d };
+            return q + h * (m.kv_rank + m.rope) + m.kv_rank + m.kv_rank * a * (d - m.rope + m.v) + a * m.v * h;
+        }
         let w = h * (self.q_dim() + 2 * self.kv_dim()) + self.q_dim() * h;
         let b = if self.biases {
             self.q_dim() + 2 * self.kv_dim() + h
@@ -359,22 +404,32 @@ pub fn hf_config_model(v: &serde_json::Value, name: &str) -> Option<Result<RawMo
         if act != "silu" {
             return Err(PlanError(format!("{name}: `hidden_act` = {act}: the planner reads GPT-2 and SwiGLU (silu) models")));
         }
-        for key in ["shared_expert_intermediate_size", "kv_lora_rank"] {
-            if v.get(key).is_some_and(|x| !x.is_null()) {
-                return Err(PlanError(format!("{name}: `{key}` (Qwen2-MoE's shared expert / DeepSeek's MLA) is not read; use the catalogue's entries or --layers/--hidden/... flags")));
-            }
+        if v.get("shared_expert_intermediate_size").is_some_and(|x| !x.is_null()) {
+            return Err(PlanError(format!("{name}: `shared_expert_intermediate_size` (Qwen2-MoE's shared expert) is not read; use the catalogue's entries or --layers/--hidden/... flags")));
         }
+        // DeepSeek's MLA: q·k's head width is nope + rope (its file's `head_dim` is the rotary width).
+        let mla = u("kv_lora_rank").filter(|&r| r > 0);
+        let head_dim = match mla {
+            Some(_) => Some(need("qk_nope_head_dim")? + need("qk_rope_head_dim")?),
+            None => u("head_dim"),
+        };
         if v.get("mlp_only_layers").and_then(|x| x.as_array()).is_some_and(|a| !a.is_empty()) || u("decoder_sparse_step").is_some_and(|s| s > 1) {
             return Err(PlanError(format!("{name}: dense layers among the experts (`mlp_only_layers`, `decoder_sparse_step`) are not read")));
         }
-        let experts = u("num_local_experts").or_else(|| u("num_experts")).or_else(|| u("n_routed_experts")).filter(|&e| e > 1);
+        // A DeepSeek file whose dense layers are all of them (`first_k_dense_replace`) is dense.
+        let all_dense = u("first_k_dense_replace").zip(u("num_hidden_layers")).is_some_and(|(d, l)| d >= l);
+        let experts = u("num_local_experts").or_else(|| u("num_experts")).or_else(|| u("n_routed_experts")).filter(|&e| e > 1 && !all_dense);
         Ok(RawModel {
             name: name.into(),
             layers: need("num_hidden_layers")?,
             hidden: need("hidden_size")?,
             heads: need("num_attention_heads")?,
-            kv_heads: u("num_key_value_heads"),
-            head_dim: u("head_dim"),
+            kv_heads: if mla.is_some() { None } else { u("num_key_value_heads") },
+            head_dim,
+            kv_lora_rank: mla,
+            q_lora_rank: mla.and(u("q_lora_rank")),
+            qk_rope_dim: mla.and(u("qk_rope_head_dim")),
+            v_head_dim: mla.and(u("v_head_dim")),
             ffn_hidden: u("intermediate_size"),
             vocab: need("vocab_size")?,
             seq: u("max_position_embeddings").map(|s| s.min(4096)),

@@ -150,6 +150,27 @@ fn hugging_face_configs_resolve_to_their_checkpoints_parameter_counts() {
         let args = ModelArgs { model: Some(dir.to_str().unwrap().into()), ..Default::default() };
         assert_eq!(&plan::cli::resolve_model(&args).unwrap(), m);
     }
+    // DeepSeek-V3's multi-head latent attention, dense and with a dense layer before routed
+    // ones (the model crate's fixtures, made with transformers): every stored element but the
+    // routers' correction biases (not parameters of the step's cost).
+    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../model/tests/fixtures");
+    for name in ["deepseek-v3-dense-tiny", "deepseek-v3-moe-tiny"] {
+        let dir = fixtures.join(name);
+        let cfg = dir.join("config.json");
+        let m = &plan::models::parse_models(&std::fs::read_to_string(&cfg).unwrap(), cfg.to_str().unwrap()).unwrap()[0];
+        assert!(m.mla.is_some_and(|a| (a.q_rank, a.kv_rank, a.rope, a.v) == (16, 12, 4, 6)) && m.head_dim == 12, "{m:?}");
+        let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+        let stored: u64 = header
+            .as_object()
+            .unwrap()
+            .iter()
+            .filter(|(k, _)| *k != "__metadata__" && !k.ends_with("e_score_correction_bias"))
+            .map(|(_, t)| t["shape"].as_array().unwrap().iter().map(|d| d.as_u64().unwrap()).product::<u64>())
+            .sum();
+        assert_eq!(m.params(m.seq) + m.hidden, stored, "{name}: {m:?}");
+    }
     // What the planner cannot express is refused by key: another activation, Qwen2-MoE's shared
     // expert, dense layers among experts.
     let base = serde_json::json!({"architectures": ["X"], "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 100});
@@ -159,4 +180,13 @@ fn hugging_face_configs_resolve_to_their_checkpoints_parameter_counts() {
         let e = plan::models::parse_models(&v.to_string(), "x/config.json").unwrap_err();
         assert!(e.0.contains(key), "{key}: {}", e.0);
     }
+}
+
+/// The built-in DeepSeek-V3 with multi-head latent attention has the technical report's size:
+/// 671B parameters without the MTP module, 37B of them active per token.
+#[test]
+fn deepseek_v3_has_the_reports_parameters() {
+    let m = plan::models::find_model("deepseek-v3", &[]).unwrap();
+    let (total, active) = (m.params(m.seq) as f64 / 1e9, m.active_params(m.seq) as f64 / 1e9);
+    assert!((total - 671.0).abs() < 2.0 && (active - 37.0).abs() < 1.0, "{total:.1}B total, {active:.1}B active");
 }
