@@ -117,6 +117,20 @@ fn the_split_rule_is_by_position_within_each_source() {
     assert_eq!(halves, ["holdout", "fit", "holdout", "holdout", "fit", "holdout", "holdout"]);
 }
 
+/// Elements of the tensors in `dir/model.safetensors` but those `skip` names.
+fn stored_elements(dir: &std::path::Path, skip: &dyn Fn(&str) -> bool) -> u64 {
+    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    header
+        .as_object()
+        .unwrap()
+        .iter()
+        .filter(|(k, _)| *k != "__metadata__" && !skip(k))
+        .map(|(_, t)| t["shape"].as_array().unwrap().iter().map(|d| d.as_u64().unwrap()).product::<u64>())
+        .sum()
+}
+
 /// A Hugging Face `config.json` (or its directory, through `--model`) is a model entry: the
 /// shared fixtures' parameter counts equal their safetensors' element counts (the planner leaves
 /// out the final norm, as Narayanan's eq. (1) does), GPT-2's learned positions and tied head
@@ -130,16 +144,7 @@ fn hugging_face_configs_resolve_to_their_checkpoints_parameter_counts() {
         let models = plan::models::parse_models(&std::fs::read_to_string(&cfg).unwrap(), cfg.to_str().unwrap()).unwrap();
         let m = &models[0];
         assert_eq!(m.name, name);
-        let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
-        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-        let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
-        let stored: u64 = header
-            .as_object()
-            .unwrap()
-            .iter()
-            .filter(|(k, _)| *k != "__metadata__" && !k.ends_with(".attn.bias") && !k.ends_with(".attn.masked_bias"))
-            .map(|(_, t)| t["shape"].as_array().unwrap().iter().map(|d| d.as_u64().unwrap()).product::<u64>())
-            .sum();
+        let stored = stored_elements(&dir, &|k| k.ends_with(".attn.bias") || k.ends_with(".attn.masked_bias"));
         let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
         let (seq, final_norm) = match v["n_positions"].as_u64() {
             Some(s) => (s, 2 * m.hidden),
@@ -159,16 +164,7 @@ fn hugging_face_configs_resolve_to_their_checkpoints_parameter_counts() {
         let cfg = dir.join("config.json");
         let m = &plan::models::parse_models(&std::fs::read_to_string(&cfg).unwrap(), cfg.to_str().unwrap()).unwrap()[0];
         assert!(m.mla.is_some_and(|a| (a.q_rank, a.kv_rank, a.rope, a.v) == (16, 12, 4, 6)) && m.head_dim == 12, "{m:?}");
-        let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
-        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-        let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
-        let stored: u64 = header
-            .as_object()
-            .unwrap()
-            .iter()
-            .filter(|(k, _)| *k != "__metadata__" && !k.ends_with("e_score_correction_bias"))
-            .map(|(_, t)| t["shape"].as_array().unwrap().iter().map(|d| d.as_u64().unwrap()).product::<u64>())
-            .sum();
+        let stored = stored_elements(&dir, &|k| k.ends_with("e_score_correction_bias"));
         assert_eq!(m.params(m.seq) + m.hidden, stored, "{name}: {m:?}");
     }
     // What the planner cannot express is refused by key: another activation, Qwen2-MoE's shared
