@@ -1631,10 +1631,13 @@ impl<'o, 'a> Block<'o, 'a> {
     /// rotated).
     fn qkv_forward(&self, k: &BlockKept, i: &mut BlockInner) {
         if let Some(m) = &self.bp.mla {
-            // DeepSeek's latent attention (no tensor or sequence parallelism: refused).
+            // DeepSeek's latent attention, column-parallel over the heads like q|k|v: a
+            // tensor-parallel part computes the (replicated) latents and its heads' q, k, v, from
+            // the norm's output gathered along the sequence under sequence parallelism.
             let ops = self.ops;
             let w = crate::mla::MlaWeights { unit: self.w, p: m, arith: ops.arith };
-            crate::mla::mla_forward(&mut i.qkv, &mut i.mla, &k.ln_1, &w, &crate::mla::MlaDims::of(ops.cfg, ops.b * ops.t));
+            let x = ops.column_input(&k.ln_1, &mut i.ln_1_full);
+            crate::mla::mla_forward(&mut i.qkv, &mut i.mla, x, &w, &crate::mla::MlaDims::of(ops.cfg, ops.b * ops.t));
             i.mla.parts().0.into_iter().for_each(|v| ops.store(v));
             ops.store(&mut i.qkv);
         } else {
@@ -1806,8 +1809,12 @@ fn block_backward(blk: &Block, dw: &mut [f32], x: &[f32], acts: BlockActs, g: &m
     let xin: &[f32] = if ops.sp() { &i.ln_1_full } else { &k.ln_1 };
     match &bp.mla {
         Some(m) => {
+            // The input's gradient summed over the parts (reduce-scattered under sequence
+            // parallelism), as a column-parallel product's.
             let w = crate::mla::MlaWeights { unit: blk.w, p: m, arith: ops.arith };
-            crate::mla::mla_backward(&mut g.dln, dw, &g.dqkv, (&i.mla, &k.ln_1), &w, &crate::mla::MlaDims::of(ops.cfg, ops.b * ops.t), &mut g.mla);
+            let d = crate::mla::MlaDims::of(ops.cfg, ops.b * ops.t);
+            let mg = &mut g.mla;
+            ops.column_input_grad(&mut g.dln, &mut g.dln_full, |dx| crate::mla::mla_backward(dx, dw, &g.dqkv, (&i.mla, xin), &w, &d, mg));
         }
         None => blk.linear(Site::Qkv).backward_column(&mut g.dln, &mut g.dln_full, dw, &g.dqkv, xin),
     }

@@ -65,6 +65,9 @@ pub const PLAN: &[(&str, Split)] = &[
     ("self_attn.k_proj.bias", Split::Rows { groups: 1 }),
     ("self_attn.v_proj.bias", Split::Rows { groups: 1 }),
     ("self_attn.o_proj.weight", Split::Cols),
+    // Latent attention's per-head up-projections (its latents are replicated).
+    ("self_attn.q_b_proj.weight", Split::Rows { groups: 1 }),
+    ("self_attn.kv_b_proj.weight", Split::Rows { groups: 1 }),
     ("mlp.gate_proj.weight", Split::Rows { groups: 1 }),
     ("mlp.up_proj.weight", Split::Rows { groups: 1 }),
     ("mlp.down_proj.weight", Split::Cols),
@@ -84,9 +87,6 @@ pub fn split_of(name: &str) -> Split {
 pub fn local_config(cfg: &GptConfig, tp: usize, rank: usize, sequence_parallel: bool) -> Result<GptConfig, String> {
     assert!(cfg.place.heads.is_none(), "local_config of a shard");
     assert!(rank < tp);
-    if cfg.is_mla() && tp > 1 {
-        return Err(format!("parallel.tp = {tp} with multi-head latent attention (model.kv_lora_rank) is not supported yet; use data, pipeline or context parallelism"));
-    }
     if cfg.qk_norm_whole && tp > 1 {
         return Err(format!("parallel.tp = {tp} with whole-width q/k norms (model.qk_norm_whole, OLMo 2) is not supported: each norm spans every head, which the parts split; use data, pipeline or context parallelism"));
     }
@@ -213,10 +213,15 @@ pub const SEQUENCE_PARALLEL_PARAMS: &[&str] = &[
     "input_layernorm.weight", "post_attention_layernorm.weight", "pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight", "model.norm.weight",
 ];
 
-/// Per-head norm parameters (Qwen3's `q_norm`, `k_norm`), by name suffix: replicated, but each
-/// shard normalises only its own heads, so their gradients are partial sums over the
-/// tensor-parallel group with or without sequence parallelism.
-pub const PER_HEAD_PARAMS: &[&str] = &["self_attn.q_norm.weight", "self_attn.k_norm.weight"];
+/// Per-head norm parameters (Qwen3's `q_norm`, `k_norm`) and latent attention's latents, by name
+/// suffix: replicated, but each shard normalises (or up-projects) only its own heads, so their
+/// gradients are partial sums over the tensor-parallel group with or without sequence
+/// parallelism.
+pub const PER_HEAD_PARAMS: &[&str] = &[
+    "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+    // Latent attention's replicated latents: each shard's heads' share of their gradients.
+    "self_attn.q_a_proj.weight", "self_attn.q_a_layernorm.weight", "self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_a_layernorm.weight",
+];
 
 /// The ranges of a shard's layout whose gradients are partial over the tensor-parallel group,
 /// to be summed before the update: the per-head norms', and with sequence parallelism (`sp`)

@@ -63,6 +63,7 @@ fn planned_activations_equal_the_models_buffers_for_every_policy() {
     let mla = GptConfig { n_kv_head: 4, head_dim: 24, rotary_dim: 8, v_head_dim: 16, kv_lora_rank: 12, q_lora_rank: 10, ..llama.clone() };
     check("mla", &mla, &[(2, 32), (1, 5)]);
     check("mla without q latent", &GptConfig { q_lora_rank: 0, ..mla.clone() }, &[(2, 32)]);
+    check("mla sp shard", &parallel::tp::local_config(&mla, 2, 0, true).unwrap(), &[(2, 16)]);
     // DeepSeek-V3's shape: a dense layer before routed ones (every set holds both).
     let dsv3 = GptConfig { n_expert: 4, top_k: 2, n_shared_expert: 1, ffn_hidden: 24, moe_first_layer: 1, dense_ffn_hidden: 40, moe_aux_weight: 0.0, moe_z_weight: 0.0, moe_router: model::config::MoeRouter::Sigmoid, ..mla };
     check("deepseek-v3", &dsv3, &[(2, 32)]);

@@ -460,7 +460,8 @@ fn every_pipeline_schedule_matches_one_rank() {
 /// norms' gradients partial per shard, the embedding vocabulary-parallel), and Gemma 2's
 /// soft-capped logits under tensor parallelism (the vocabulary-parallel head) and ring and
 /// Ulysses context parallelism, DeepSeek's multi-head latent attention under ZeRO-3, a
-/// pipeline and both context parallelisms, and DeepSeek-V3's sigmoid-routed experts (with latent
+/// pipeline, both context parallelisms and tensor parallelism over its heads (with and without
+/// sequence parallelism), and DeepSeek-V3's sigmoid-routed experts (with latent
 /// attention, and on their own under tensor parallelism) under expert, data and pipeline
 /// parallelism, each against one rank with dropout on.
 #[test]
@@ -492,8 +493,8 @@ fn norms_after_the_branches_match_one_rank_on_every_layout() {
         ("olmo2", olmo2, &[&["--dp", "2", "--zero", "3"][..], &["--pp", "2", "--schedule", "1f1b"], &["--cp", "2"]][..]),
         ("gemma3", gemma3, &[&["--tp", "2", "--sequence-parallel"][..], &["--pp", "2", "--schedule", "1f1b"], &["--cp", "2"], &["--dp", "2", "--zero", "3"]]),
         ("gemma2", &[gemma3, gemma2].concat(), &[&["--tp", "2"][..], &["--cp", "2"], &["--cp", "2", "--cp-mode", "ulysses"]]),
-        ("mla", mla, &[&["--dp", "2", "--zero", "3"][..], &["--pp", "2", "--schedule", "1f1b"], &["--cp", "2"], &["--cp", "2", "--cp-mode", "ulysses"]]),
-        ("deepseek-v3", &[mla, sigmoid].concat(), &[&["--ep", "2"][..], &["--dp", "2", "--zero", "1"], &["--pp", "2", "--schedule", "1f1b"]]),
+        ("mla", mla, &[&["--dp", "2", "--zero", "3"][..], &["--pp", "2", "--schedule", "1f1b"], &["--cp", "2"], &["--cp", "2", "--cp-mode", "ulysses"], &["--tp", "2"], &["--tp", "2", "--sequence-parallel"]]),
+        ("deepseek-v3", &[mla, sigmoid].concat(), &[&["--ep", "2"][..], &["--dp", "2", "--zero", "1"], &["--pp", "2", "--schedule", "1f1b"], &["--tp", "2", "--sequence-parallel"]]),
         ("sigmoid-router", sigmoid, &[&["--tp", "2", "--sequence-parallel"][..], &["--ep", "2"], &["--dp", "2", "--zero", "2"]]),
     ] {
         let one = d.join(format!("{name}-one"));
