@@ -192,10 +192,9 @@ fn deepseek_v3_experts(c: &mut GptConfig, cfg: &Value, routed: usize, origin: &P
     if cfg.get("norm_topk_prob").and_then(Value::as_bool) == Some(false) {
         return Err(format!("{}: `norm_topk_prob` = false is not supported (kiln renormalises the top-k gates)", origin.display()));
     }
+    // Its one shared MLP `n_shared_experts · moe_intermediate_size` wide is kiln's that many
+    // shared experts (hidden units split in order: the same function).
     let shared = num("n_shared_experts", 1.0) as usize;
-    if shared > 1 {
-        return Err(format!("{}: `n_shared_experts` = {shared}: one shared expert of `moe_intermediate_size` is supported (kiln's shared experts are as wide as the routed ones)", origin.display()));
-    }
     c.n_expert = routed;
     c.top_k = num("num_experts_per_tok", 8.0) as usize;
     c.ffn_hidden = get_usize(cfg, "moe_intermediate_size", origin)?;
@@ -209,7 +208,7 @@ fn deepseek_v3_experts(c: &mut GptConfig, cfg: &Value, routed: usize, origin: &P
 
 /// DeepSeek-V3's `config.json` for a model with latent attention, every layer dense.
 fn deepseek_v3_export(c: &GptConfig) -> Result<Value, String> {
-    let routed = c.is_moe() && is_deepseek_moe(c) && c.n_shared_expert <= 1 && c.capacity_factor <= 0.0 && c.moe_aux_weight == 0.0;
+    let routed = c.is_moe() && is_deepseek_moe(c) && c.capacity_factor <= 0.0 && c.moe_aux_weight == 0.0;
     if (c.is_moe() && !routed) || c.sliding_window > 0 || !c.nope_layers.is_empty() || c.rope_scaling.is_some() || c.block_norms != BlockNorms::Pre || c.attn_sinks > 0 {
         return Err("export: multi-head latent attention has a Hugging Face form only as DeepSeek-V3's, every layer dense or routed by its sigmoid router (dropless, at most one shared expert), without a window, NoPE layers, rope scaling or norms after the branches".into());
     }
@@ -650,6 +649,24 @@ fn is_deepseek_moe(cfg: &GptConfig) -> bool {
     cfg.moe_router == crate::config::MoeRouter::Sigmoid
 }
 
+/// Under several shared experts, where DeepSeek-V3 keeps kiln's shared expert `s`'s projection
+/// `name`: the one shared MLP (`S·F` wide) tensor's name, `s`, and kiln's projection (`w1`,
+/// `w3`: rows of gate_proj, up_proj; `w2`: columns of down_proj).
+fn deepseek_shared_of(cfg: &GptConfig, name: &str) -> Option<(String, usize, &'static str)> {
+    if cfg.n_shared_expert < 2 {
+        return None;
+    }
+    let (stem, rest) = name.split_once("block_sparse_moe.shared_experts.")?;
+    let (s, w) = rest.split_once('.')?;
+    let (hf, w) = match w {
+        "w1.weight" => ("gate_proj", "w1.weight"),
+        "w3.weight" => ("up_proj", "w3.weight"),
+        "w2.weight" => ("down_proj", "w2.weight"),
+        _ => return None,
+    };
+    Some((format!("{stem}mlp.shared_experts.{hf}.weight"), s.parse().ok()?, w))
+}
+
 /// DeepSeek-V3's name for a kiln MoE parameter (Mixtral's names in kiln's layout): the router
 /// and its correction bias under `mlp.gate`, the routed experts' projections, and the one shared
 /// expert as `mlp.shared_experts`.
@@ -684,6 +701,10 @@ fn stored_of(cfg: &GptConfig, name: &str, rows: usize) -> Option<(String, usize,
         return qwen3_moe_name(name).map(|n| (n, 0, rows));
     }
     if is_deepseek_moe(cfg) {
+        if let Some((hf, s, w)) = deepseek_shared_of(cfg, name) {
+            // gate and up: rows `s·F..` of the one shared MLP (down's columns: `read_into`).
+            return (w != "w2.weight").then_some((hf, s * cfg.ffn_hidden, cfg.n_shared_expert * cfg.ffn_hidden));
+        }
         return deepseek_moe_name(name).map(|n| (n, 0, rows));
     }
     fused_of(cfg, name)
@@ -818,6 +839,16 @@ impl TensorReader {
     /// converted from the file's dtype and, for GPT-2's Conv1D matrices, transposed.
     /// (Phi-3's rows of its fused `qkv_proj` / `gate_up_proj`.)
     pub fn read_into(&self, name: &str, shape: &[usize], dst: &mut [f32]) -> Result<(), String> {
+        if let Some((c, (hf, s, _))) = self.cfg.as_ref().and_then(|c| deepseek_shared_of(c, name).filter(|x| x.2 == "w2.weight").map(|x| (c, x))) {
+            // DeepSeek-V3's shared MLP down-projection `[C, S·F]`: shared expert `s`'s columns.
+            let (rows, f) = (shape[0], shape[1]);
+            let mut whole = vec![0.0f32; rows * f * c.n_shared_expert];
+            self.read_into(&hf, &[rows, f * c.n_shared_expert], &mut whole)?;
+            for (d, w) in dst.chunks_mut(f).zip(whole.chunks(f * c.n_shared_expert)) {
+                d.copy_from_slice(&w[s * f..(s + 1) * f]);
+            }
+            return Ok(());
+        }
         use std::os::unix::fs::FileExt;
         let (stored, fused) = match self.cfg.as_ref().and_then(|c| stored_of(c, name, shape[0])) {
             // A whole tensor under another name (Qwen3-MoE's, DeepSeek-V3's) reads as itself.
@@ -1180,6 +1211,31 @@ fn moe_keys(c: &GptConfig, v: &mut Value) {
     }
 }
 
+/// DeepSeek-V3's one shared MLP from kiln's several shared experts (`S > 1`): gate and up their
+/// rows in order, down its columns (see [`deepseek_shared_of`]).
+fn merge_shared_experts(c: &GptConfig, data: &mut BTreeMap<String, (Vec<usize>, Vec<u8>)>) {
+    let (s_n, f) = (c.n_shared_expert, c.ffn_hidden);
+    if s_n < 2 {
+        return;
+    }
+    let stems: Vec<String> = data.keys().filter_map(|n| n.strip_suffix("block_sparse_moe.shared_experts.0.w1.weight").map(String::from)).collect();
+    for stem in stems {
+        let take = |data: &mut BTreeMap<String, (Vec<usize>, Vec<u8>)>, s: usize, w: &str| data.remove(&format!("{stem}block_sparse_moe.shared_experts.{s}.{w}")).expect("every shared expert").1;
+        for (w, hf) in [("w1.weight", "gate_proj"), ("w3.weight", "up_proj")] {
+            let bytes: Vec<u8> = (0..s_n).flat_map(|s| take(data, s, w)).collect();
+            data.insert(format!("{stem}mlp.shared_experts.{hf}.weight"), (vec![s_n * f, c.n_embd], bytes));
+        }
+        let downs: Vec<Vec<u8>> = (0..s_n).map(|s| take(data, s, "w2.weight")).collect();
+        let mut bytes = Vec::with_capacity(4 * c.n_embd * s_n * f);
+        for r in 0..c.n_embd {
+            for d in &downs {
+                bytes.extend_from_slice(&d[4 * r * f..4 * (r + 1) * f]);
+            }
+        }
+        data.insert(format!("{stem}mlp.shared_experts.down_proj.weight"), (vec![c.n_embd, s_n * f], bytes));
+    }
+}
+
 /// Every tensor of `m` under its HF name, as little-endian f32 bytes with its HF shape.
 fn export_tensors(m: &Gpt) -> BTreeMap<String, (Vec<usize>, Vec<u8>)> {
     let c = &m.cfg;
@@ -1218,6 +1274,7 @@ fn export_tensors(m: &Gpt) -> BTreeMap<String, (Vec<usize>, Vec<u8>)> {
         data = data.into_iter().map(|(n, t)| (qwen3_moe_name(&n).unwrap_or(n), t)).collect();
     }
     if is_deepseek_moe(c) {
+        merge_shared_experts(c, &mut data);
         data = data.into_iter().map(|(n, t)| (deepseek_moe_name(&n).unwrap_or(n), t)).collect();
     }
     // HF's GPT-2 always has biases: a bias-free model is exactly one whose biases are zero.

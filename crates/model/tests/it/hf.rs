@@ -311,8 +311,8 @@ fn deepseek_v3_dense_fixture_logits_and_loss_match_transformers() {
 /// dense layer before two routed ones, latent attention, 8 experts in 4 groups under the
 /// sigmoid router (2 groups, 2 experts, a random correction bias, gates scaled by 2.5) beside a
 /// shared expert; logits and loss match transformers, the export writes DeepSeek-V3's names back
-/// bit for bit, KV-cached decoding agrees with the forward; more than one shared expert is
-/// refused by name.
+/// bit for bit, KV-cached decoding agrees with the forward; gates left unnormalised are refused
+/// by name.
 #[test]
 fn deepseek_v3_moe_fixture_logits_and_loss_match_transformers() {
     use model::config::MoeRouter;
@@ -327,9 +327,25 @@ fn deepseek_v3_moe_fixture_logits_and_loss_match_transformers() {
     assert!(m.params[bias].iter().any(|&b| b != 0.0), "the correction bias is read");
     decode_matches_forward(&mut m, &tokens(&dir)[0]);
     let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
-    v["n_shared_experts"] = 2.into();
+    v["norm_topk_prob"] = false.into();
     let e = model::hf::hf_config(&v, &dir.join("config.json")).unwrap_err();
-    assert!(e.contains("n_shared_experts"), "{e}");
+    assert!(e.contains("norm_topk_prob"), "{e}");
+}
+
+/// A Moonlight-shaped DeepSeek-V3 (tests/fixtures/moonlight-tiny, made by its make.py with
+/// transformers): one q projection (no q latent), one expert group, and two shared experts stored
+/// as one shared MLP twice as wide (its gate and up rows, its down columns, split into kiln's two
+/// shared experts and joined back on export); logits and loss match transformers, the export is
+/// bit for bit, KV-cached decoding agrees with the forward.
+#[test]
+fn moonlight_shaped_fixture_logits_and_loss_match_transformers() {
+    fixture_matches("moonlight-tiny");
+    export_reimport("moonlight-tiny");
+    let dir = fixture("moonlight-tiny");
+    let mut m = import_hf(&dir).unwrap();
+    let c = m.cfg.clone();
+    assert_eq!((c.q_lora_rank, c.n_shared_expert, c.moe_groups, c.moe_first_layer), (0, 2, 1, 1));
+    decode_matches_forward(&mut m, &tokens(&dir)[0]);
 }
 
 /// OLMo 2 (tests/fixtures/olmo2-tiny, made by its make.py with transformers): each branch's
