@@ -136,6 +136,9 @@ pub struct ModelSection {
     pub moe_groups: usize,
     pub moe_topk_groups: usize,
     pub moe_gate_scale: f64,
+    /// The sigmoid router's auxiliary-loss-free balancing: each step every expert's correction
+    /// bias moves by this much towards balance (DeepSeek-V3: 0.001); 0 = the bias stays as loaded.
+    pub moe_bias_rate: f64,
     /// With experts: the layers before this one are dense MLPs of `dense_ffn_hidden`
     /// (DeepSeek-V3's `first_k_dense_replace` and `intermediate_size`); 0 = every layer routed.
     pub moe_first_layer: usize,
@@ -970,7 +973,7 @@ impl Default for ModelSection {
             rope_short_factor: Vec::new(), rope_long_factor: Vec::new(), qkv_bias: false, fused_proj: false, qk_norm: false, qk_norm_whole: false, block_norms: model::config::BlockNorms::Pre, gate_act: model::config::GateAct::Silu, norm_offset: false, embed_scale: false, query_pre_attn_scalar: 0, rope_local_theta: 0.0, attn_softcap: 0.0, final_softcap: 0.0, kv_lora_rank: 0, q_lora_rank: 0, v_head_dim: 0, rope_interleave: false, pad_token_id: -1, rotary_dim: 0, sliding_window: 0, attn_sinks: 0, window_layers: Vec::new(), nope_layers: Vec::new(), head_dim: 0, norm_eps: defaults::NORM_EPS, block_size: 128, vocab_size: 0, loss_vocab: 0, bias: false,
             dropout: 0.0, tied_embeddings: true, init_from: String::new(), n_expert: 0, top_k: defaults::TOP_K,
             n_shared_expert: 0, capacity_factor: 0.0, moe_aux_weight: defaults::MOE_AUX_WEIGHT, moe_z_weight: defaults::MOE_Z_WEIGHT,
-            moe_router: model::config::MoeRouter::Softmax, moe_groups: 1, moe_topk_groups: 1, moe_gate_scale: 1.0, moe_first_layer: 0, dense_ffn_hidden: 0,
+            moe_router: model::config::MoeRouter::Softmax, moe_groups: 1, moe_topk_groups: 1, moe_gate_scale: 1.0, moe_bias_rate: 0.0, moe_first_layer: 0, dense_ffn_hidden: 0,
             recompute: model::Recompute::None, recompute_every: 1,
         }
     }
@@ -1598,6 +1601,9 @@ impl RunConfig {
         if !(t.loss_scale >= 1.0 && t.loss_scale.is_finite()) || t.loss_scale_window == 0 {
             return user(format!("train.loss_scale must be a finite number ≥ 1 and train.loss_scale_window positive, got {} and {}", t.loss_scale, t.loss_scale_window));
         }
+        if self.model.moe_bias_rate > 0.0 && self.parallel.compression != Compression::None {
+            return user(format!("model.moe_bias_rate with parallel.compression = {} is not supported: the compressed update has no place for the router's balancing signal", self.parallel.compression.name()));
+        }
         if t.precision == model::Precision::Fp8 && self.model.kv_lora_rank > 0 {
             return user("train.precision = fp8 with multi-head latent attention (model.kv_lora_rank) is not supported yet: its latent projections have no FP8 scaling; use bf16");
         }
@@ -1824,6 +1830,7 @@ impl RunConfig {
             moe_groups: m.moe_groups,
             moe_topk_groups: m.moe_topk_groups,
             moe_gate_scale: m.moe_gate_scale as f32,
+            moe_bias_rate: m.moe_bias_rate as f32,
             moe_first_layer: m.moe_first_layer,
             dense_ffn_hidden: m.dense_ffn_hidden,
             place: model::Placement::default(),

@@ -102,6 +102,10 @@ pub struct Optimizer {
     v_runs: Option<Vec<(usize, usize, usize)>>,
     /// Elements of each moment (this rank's share of the layout).
     len: usize,
+    /// The sigmoid router's correction biases (`model.moe_bias_rate`): moved by the rate against
+    /// the sign of their gradient slot (the balancing signal the model writes there), never by
+    /// the optimizer.
+    sign: Vec<Range<usize>>,
 }
 
 /// Adafactor's statistics alone: each tensor's row and column averages (a vector's second
@@ -293,9 +297,10 @@ impl Optimizer {
 
     /// Moments of `len` elements (a ZeRO shard: see [`parallel::Piece`]).
     pub fn with_len(layout: &model::ParamLayout, len: usize) -> Optimizer {
+        let is_bias = |p: &model::ParamSpec| p.name.ends_with("e_score_correction_bias");
         let groups = |skip: &dyn Fn(&model::ParamSpec) -> bool| {
             let mut segs: Vec<(Range<usize>, bool)> = Vec::new();
-            for p in layout.params.iter().filter(|p| !skip(p) && !p.is_empty()) {
+            for p in layout.params.iter().filter(|p| !skip(p) && !is_bias(p) && !p.is_empty()) {
                 match segs.last_mut() {
                     Some((r, d)) if *d == p.decay && r.end == p.offset => r.end = p.offset + p.len(),
                     _ => segs.push((p.range(), p.decay)),
@@ -305,7 +310,7 @@ impl Optimizer {
         };
         let muon = layout.params.iter().filter(|p| muon_matrix(p)).map(|p| MuonMatrix { range: p.range(), shape: (p.shape[0], p.shape[1]), split: parallel::tp::split_of(&p.name) }).collect();
         let (segs, muon_rest) = (groups(&|_| false), groups(&muon_matrix));
-        let tensors = layout.params.iter().filter(|p| !p.is_empty()).map(|p| {
+        let tensors = layout.params.iter().filter(|p| !p.is_empty() && !is_bias(p)).map(|p| {
             // A row or column (rows + cols > rows·cols) keeps its statistics unfactored.
             let shape = match p.shape[..] {
                 [r, c] if r > 1 && c > 1 => (r, c),
@@ -313,7 +318,8 @@ impl Optimizer {
             };
             (p.range(), shape, p.decay)
         }).collect();
-        Optimizer { m: Moments::Mem(vec![0.0; len]), v: Moments::Mem(vec![0.0; len]), master: None, round: None, segs, muon, muon_rest, tensors, compression: None, lean: None, factored: None, v_runs: None, len }
+        let sign = layout.params.iter().filter(|p| is_bias(p) && !p.is_empty()).map(|p| p.range()).collect();
+        Optimizer { m: Moments::Mem(vec![0.0; len]), v: Moments::Mem(vec![0.0; len]), master: None, round: None, segs, muon, muon_rest, tensors, compression: None, lean: None, factored: None, v_runs: None, len, sign }
     }
 
     /// Muon: keeps the second moment for the elements AdamW updates alone (the embeddings, the
@@ -462,6 +468,7 @@ impl Optimizer {
     /// (each inside one piece: the config refuses layouts that split them).
     pub fn update_piece(&mut self, params: &mut [f32], grads: &[f32], piece: &parallel::Piece, cfg: &RunConfig, lr: f64, t: u64) {
         if cfg.optim.name == OptimName::Adafactor {
+            self.sign_update(params, grads, piece, cfg);
             return self.adafactor_piece(params, grads, piece, cfg, (lr, t));
         }
         if cfg.optim.name == OptimName::Muon {
@@ -473,6 +480,7 @@ impl Optimizer {
     /// [`Optimizer::update_piece`] but for Muon's matrices (which distributed Muon updates:
     /// `muon`): AdamW or Lion on every other element of the piece.
     pub fn update_rest(&mut self, params: &mut [f32], grads: &[f32], piece: &parallel::Piece, cfg: &RunConfig, lr: f64, t: u64) {
+        self.sign_update(params, grads, piece, cfg);
         let muon = cfg.optim.name == OptimName::Muon;
         let f = &piece.flat;
         let segs = std::mem::take(if muon { &mut self.muon_rest } else { &mut self.segs });
@@ -483,6 +491,30 @@ impl Optimizer {
             }
         }
         *(if muon { &mut self.muon_rest } else { &mut self.segs }) = segs;
+    }
+
+    /// The sigmoid router's loss-free balancing (DeepSeek-V3) on the correction biases inside
+    /// `piece`: `b ← b − rate·sign(g)`, `g` the step's signal (assignments over their mean, summed
+    /// over the micro-batches and ranks), on the master weights under mixed precision.
+    fn sign_update(&mut self, params: &mut [f32], grads: &[f32], piece: &parallel::Piece, cfg: &RunConfig) {
+        let rate = cfg.model.moe_bias_rate as f32;
+        let f = &piece.flat;
+        for k in 0..self.sign.len() {
+            let r = &self.sign[k];
+            let (a, b) = (r.start.max(f.start), r.end.min(f.end));
+            if a >= b || rate == 0.0 {
+                continue;
+            }
+            let g = &grads[a - f.start..b - f.start];
+            let at = piece.shard.start + a - f.start;
+            on_master(&mut self.master, self.round, (&mut params[a - f.start..b - f.start], at), Span::Pieces, |w, rr| {
+                for (w, &g) in w.iter_mut().zip(&g[rr]) {
+                    if g != 0.0 {
+                        *w -= rate * g.signum();
+                    }
+                }
+            });
+        }
     }
 
     /// AdamW's or Lion's update of one run of elements whose state starts at `at` (and which

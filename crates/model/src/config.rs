@@ -428,6 +428,11 @@ pub struct GptConfig {
     /// The routed gates' factor after renormalising (DeepSeek-V3's `routed_scaling_factor`).
     #[serde(default = "unit")]
     pub moe_gate_scale: f32,
+    /// The sigmoid router's auxiliary-loss-free balancing (DeepSeek-V3): after every step each
+    /// expert's correction bias moves by this much, up when the step routed it fewer
+    /// token-assignments than the mean, down when more; 0 = the bias stays as loaded.
+    #[serde(default)]
+    pub moe_bias_rate: f32,
     /// With experts: the (whole-model) layers before this one are dense MLPs of
     /// `dense_ffn_hidden` (DeepSeek-V3's `first_k_dense_replace`); 0 = every layer routed.
     #[serde(default)]
@@ -448,7 +453,7 @@ impl GptConfig {
             arch: Arch::Gpt2, n_layer, n_head, n_kv_head: n_head, n_embd, ffn_hidden: 4 * n_embd, block_size, vocab_size,
             bias, dropout, tied_embeddings: tied, rope_theta: defaults::ROPE_THETA as f32, rope_scaling: None, qkv_bias: false, pad_token_id: None, qk_norm: false, qk_norm_whole: false, block_norms: BlockNorms::Pre, gate_act: GateAct::Silu, norm_offset: false, embed_scale: false, query_pre_attn_scalar: 0, rope_local_theta: 0.0, attn_softcap: 0.0, final_softcap: 0.0, kv_lora_rank: 0, q_lora_rank: 0, v_head_dim: 0, rope_interleave: false, fused_proj: false, sliding_window: 0, attn_sinks: 0, window_layers: Vec::new(), nope_layers: Vec::new(), head_dim: 0, rotary_dim: 0, norm_eps: defaults::NORM_EPS as f32,
             n_expert: 0, top_k: defaults::TOP_K, n_shared_expert: 0, capacity_factor: 0.0, moe_aux_weight: defaults::MOE_AUX_WEIGHT as f32,
-            moe_z_weight: defaults::MOE_Z_WEIGHT as f32, moe_router: MoeRouter::Softmax, moe_groups: 1, moe_topk_groups: 1, moe_gate_scale: 1.0, moe_first_layer: 0, dense_ffn_hidden: 0, place: Placement::default(),
+            moe_z_weight: defaults::MOE_Z_WEIGHT as f32, moe_router: MoeRouter::Softmax, moe_groups: 1, moe_topk_groups: 1, moe_gate_scale: 1.0, moe_bias_rate: 0.0, moe_first_layer: 0, dense_ffn_hidden: 0, place: Placement::default(),
         }
     }
 
@@ -637,7 +642,16 @@ impl GptConfig {
         if !(self.moe_gate_scale > 0.0) || self.moe_gate_scale.is_infinite() {
             return Err(format!("model.moe_gate_scale must be a positive factor, got {}", self.moe_gate_scale));
         }
+        #[allow(clippy::neg_cmp_op_on_partial_ord)] // a NaN must be refused too
+        if !(self.moe_bias_rate >= 0.0) || self.moe_bias_rate.is_infinite() {
+            return Err(format!("model.moe_bias_rate must be a finite rate ≥ 0, got {}", self.moe_bias_rate));
+        }
         if self.moe_router == MoeRouter::Softmax {
+            // (Without experts the rate has nothing to move: a config that `--init-from` gives
+            // its experts later is checked again then.)
+            if self.moe_bias_rate > 0.0 && self.n_expert > 0 {
+                return Err("model.moe_bias_rate moves the sigmoid router's correction bias: it needs model.moe_router = sigmoid".into());
+            }
             if self.moe_groups != 1 || self.moe_topk_groups != 1 {
                 return Err("model.moe_groups and model.moe_topk_groups are the sigmoid router's (model.moe_router = sigmoid)".into());
             }

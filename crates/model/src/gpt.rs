@@ -648,6 +648,10 @@ pub struct Hooks {
     pub context: Option<Box<dyn CpHooks>>,
 }
 
+/// The factor of the sigmoid router's balancing signal in its bias's gradient slot (2⁻⁴⁰): far
+/// below any gradient's square in the step's norm, far above underflow after fp16's unscaling.
+pub const BIAS_SIGNAL_SCALE: f32 = 1.0 / (1u64 << 40) as f32;
+
 fn zeros(n: usize) -> Vec<f32> {
     vec![0.0; n]
 }
@@ -1711,6 +1715,17 @@ impl<'o, 'a> Block<'o, 'a> {
             let grads = MoeGrads { dx, drouter_w: dr, dexperts_w: de, dshared_w: ds };
             let inp = MoeInputs { x, router_w: &w[mp.router.clone()], experts_w: &w[mp.experts.clone()], shared_w: &w[mp.shared.clone()], router_bias: &w[mp.router_bias.clone()] };
             moe_backward(grads, dy, cache, inp, &cfg.moe_dims(ops.b * ops.t), MoeLossWeights { aux, z }, ep.as_deref_mut().map(|h| h as &mut dyn MoeExchange));
+            if cfg.moe_bias_rate > 0.0 {
+                // Loss-free balancing's signal in the bias's gradient slot: each expert's
+                // token-assignments over their mean, summed over the micro-batches and ranks like
+                // a gradient (the optimizer moves the bias by the rate against its sign), scaled
+                // far below every gradient so the step's norm never sees it.
+                let d = cfg.moe_dims(ops.b * ops.t);
+                let mean = (d.n * d.k) as f32 / d.e as f32;
+                for (g, &cnt) in dw[mp.router_bias.clone()].iter_mut().zip(&cache.counts) {
+                    *g += (cnt as f32 - mean) * BIAS_SIGNAL_SCALE;
+                }
+            }
             if ops.sp() {
                 ops.take_seq(g.dln_full, g.dln);
             }

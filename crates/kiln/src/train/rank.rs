@@ -921,7 +921,8 @@ fn whole_model(ctx: &Ctx, lead: bool, pipelined: bool) -> Result<Gpt> {
     let init = if lead { ctx.init.lock().unwrap().take() } else { None };
     let real_vocab = cfg.loss_vocab(ds.tokenizer.vocab_size());
     let from_base = |mut m: Gpt| {
-        m.cfg.dropout = gcfg.dropout;
+        // The run's training settings over the base's file (which has none of them).
+        (m.cfg.dropout, m.cfg.moe_bias_rate) = (gcfg.dropout, gcfg.moe_bias_rate);
         m.real_vocab = real_vocab;
         m
     };

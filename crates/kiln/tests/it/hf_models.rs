@@ -285,7 +285,7 @@ fn deepseek_v3_dense_model_trains_and_exports_as_deepseek_v3() {
 /// A DeepSeek-V3 with a dense layer before routed ones (the model crate's deepseek-v3-moe-tiny
 /// fixture): `--init-from` sets the sigmoid router's keys, the run trains, and its export is
 /// DeepSeek-V3 again (its expert names, the dense layer's width, the correction bias as read: no
-/// gradient moved it).
+/// gradient moved it); with `model.moe_bias_rate` the bias moves by the rate every step.
 #[test]
 fn deepseek_v3_moe_model_trains_and_exports_as_deepseek_v3() {
     let (m, exp, _d) = trains_exports_and_evaluates_alike("deepseek-v3-moe-tiny");
@@ -305,6 +305,23 @@ fn deepseek_v3_moe_model_trains_and_exports_as_deepseek_v3() {
     };
     let name = "model.layers.1.mlp.gate.e_score_correction_bias";
     assert_eq!(read(&exp, name), read(&fx, name));
+    // Loss-free balancing (`model.moe_bias_rate`): 3 steps move every bias by ±rate a step
+    // (an odd multiple of the rate, at most 3), against its expert's load.
+    let d = scratch("dsv3-bias");
+    let (data, out, exp) = (corpus(&d), d.join("run"), d.join("export"));
+    let o = kiln(&["train", "--init-from", fx.to_str().unwrap(), "--data", data.to_str().unwrap(), "--out", out.to_str().unwrap(),
+        "--set", "data.tokenizer=char", "--set", "train.batch_size=4", "--seq-len", "24", "--max-steps", "3", "--set", "model.moe_bias_rate=0.001",
+        "--set", "sample.tokens=0", "--quiet"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(kiln(&["export", "--run", out.to_str().unwrap(), "--out", exp.to_str().unwrap()]).status.success());
+    for l in [1, 2] {
+        let name = format!("model.layers.{l}.mlp.gate.e_score_correction_bias");
+        let (before, after) = (read(&fx, &name), read(&exp, &name));
+        for (b, a) in before.iter().zip(&after) {
+            let k = (a - b) / 0.001;
+            assert!((k - k.round()).abs() < 1e-2 && (k.round() as i64).abs() % 2 == 1 && k.abs() < 3.5, "layer {l}: moved by {k} steps");
+        }
+    }
 }
 
 /// An OLMo 2 (the model crate's olmo2-tiny fixture): `--init-from` sets `model.block_norms =

@@ -481,11 +481,13 @@ fn norms_after_the_branches_match_one_rank_on_every_layout() {
         "--set", "model.kv_lora_rank=12", "--set", "model.q_lora_rank=16", "--set", "model.rope_interleave=true",
     ];
     // DeepSeek-V3's routed experts after a dense layer: the sigmoid router over groups, scaled
-    // gates, a shared expert.
+    // gates, a shared expert, the correction bias moved every step by the step's loads (summed
+    // over the micro-batches and ranks, so every layout moves it alike).
     let sigmoid: &[&str] = &[
         "--set", "model.n_expert=8", "--set", "model.top_k=2", "--set", "model.n_shared_expert=1", "--set", "model.ffn_hidden=16",
         "--set", "model.moe_router=sigmoid", "--set", "model.moe_groups=4", "--set", "model.moe_topk_groups=2", "--set", "model.moe_gate_scale=2.5",
         "--set", "model.moe_aux_weight=0", "--set", "model.moe_z_weight=0", "--set", "model.moe_first_layer=1", "--set", "model.dense_ffn_hidden=32",
+        "--set", "model.moe_bias_rate=0.01",
     ];
     // Gemma 2's soft-capped attention and output logits (on Gemma 3's block: the caps bind).
     let gemma2: &[&str] = &["--set", "model.attn_softcap=0.9", "--set", "model.final_softcap=1.5"];
