@@ -671,21 +671,17 @@ fn deepseek_shared_of(cfg: &GptConfig, name: &str) -> Option<(String, usize, &'s
 /// and its correction bias under `mlp.gate`, the routed experts' projections, and the one shared
 /// expert as `mlp.shared_experts`.
 fn deepseek_moe_name(name: &str) -> Option<String> {
+    // The router and routed experts as Qwen3-MoE names them; then the bias and the shared one.
+    if let Some(n) = qwen3_moe_name(name) {
+        return Some(n);
+    }
     let (stem, rest) = name.split_once("block_sparse_moe.")?;
     if rest.starts_with("gate.") {
         return Some(format!("{stem}mlp.{rest}"));
     }
-    let proj = |w: &str| match w {
-        "w1.weight" => Some("gate_proj"),
-        "w3.weight" => Some("up_proj"),
-        "w2.weight" => Some("down_proj"),
-        _ => None,
-    };
-    if let Some(w) = rest.strip_prefix("shared_experts.0.") {
-        return Some(format!("{stem}mlp.shared_experts.{}.weight", proj(w)?));
-    }
-    let (e, w) = rest.strip_prefix("experts.")?.split_once('.')?;
-    Some(format!("{stem}mlp.experts.{e}.{}.weight", proj(w)?))
+    // The one shared expert's projections, named as routed expert 0's without the index.
+    let n = qwen3_moe_name(&format!("{stem}block_sparse_moe.experts.0.{}", rest.strip_prefix("shared_experts.0.")?))?;
+    Some(n.replace("mlp.experts.0.", "mlp.shared_experts."))
 }
 
 fn is_qwen3_moe(cfg: &GptConfig) -> bool {
