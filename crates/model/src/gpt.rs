@@ -1642,7 +1642,9 @@ impl<'o, 'a> Block<'o, 'a> {
             let w = crate::mla::MlaWeights { unit: self.w, p: m, arith: ops.arith };
             let x = ops.column_input(&k.ln_1, &mut i.ln_1_full);
             crate::mla::mla_forward(&mut i.qkv, &mut i.mla, x, &w, &crate::mla::MlaDims::of(ops.cfg, ops.b * ops.t));
-            i.mla.parts().0.into_iter().for_each(|v| ops.store(v));
+            // The latents rounded as they are kept (the heads' values when the core has run).
+            let ([cq, cqn, kvl, kvn, _], _) = i.mla.parts();
+            [cq, cqn, kvl, kvn].into_iter().for_each(|v| ops.store(v));
             ops.store(&mut i.qkv);
         } else {
             self.linear(Site::Qkv).forward_column(&mut i.qkv, &k.ln_1, &mut i.ln_1_full);
